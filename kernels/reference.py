@@ -1,0 +1,50 @@
+"""Plain-torch reference implementations: the oracle for kernel tests and the fallback off-GPU.
+
+Layouts shared with the Triton kernels and the model:
+- q `[batch, n_heads, seq, head_dim]`, k and v `[batch, n_kv_heads, seq_k, head_dim]`;
+- RoPE tables `cos`, `sin` of shape `[max_positions, head_dim // 2]` (rotate-half layout),
+  rows `position_offset ... position_offset + seq - 1` applied.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim, computed in fp32 and cast back to x's dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               position_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k (rotate-half layout) by the table rows starting at `position_offset`."""
+    seq = q.shape[-2]
+    c = cos[position_offset:position_offset + seq].float()
+    s = sin[position_offset:position_offset + seq].float()
+    return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              scale: float | None = None) -> torch.Tensor:
+    """Softmax attention with grouped-query heads; a causal mask is aligned bottom-right when q is shorter than k."""
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    gqa = q.shape[1] != k.shape[1]
+    if causal and seq_q != seq_k:
+        mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril(diagonal=seq_k - seq_q)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b."""
+    return F.silu(a) * b

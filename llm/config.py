@@ -1,0 +1,251 @@
+"""Run configuration: dataclasses documented field by field, YAML recipes, dotted overrides.
+
+A run config has four sections, `model`, `data`, `train` and `wandb`. Recipes in `llm/recipes/`
+(or any YAML file) set some fields; `--set section.field=value` overrides them; `validate()` checks
+the whole and raises `UserError` naming the key at fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llm.errors import UserError
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 6400
+    """Embedding rows; must be at least the tokenizer's vocabulary size."""
+    dim: int = 512
+    """Model (residual stream) width."""
+    n_layers: int = 8
+    n_heads: int = 8
+    """Query heads; head_dim = dim / n_heads."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means n_heads (plain multi-head)."""
+    hidden_dim: int | None = None
+    """SwiGLU hidden size; None derives it as int(8 * dim / 3) rounded up to multiple_of."""
+    multiple_of: int = 64
+    norm_eps: float = 1e-5
+    max_seq_len: int = 512
+    """Length of the RoPE tables: the longest sequence the model accepts."""
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    """'none' or 'yarn' (context extension by `rope_factor` over `rope_original_max_seq_len`)."""
+    rope_factor: float = 1.0
+    rope_original_max_seq_len: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    moe: bool = False
+    """Replace every FFN with a mixture of experts."""
+    n_experts: int = 4
+    n_experts_per_token: int = 2
+    n_shared_experts: int = 0
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss added to the language-model loss."""
+    norm_topk_prob: bool = True
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        if self.hidden_dim is not None:
+            return self.hidden_dim
+        hidden = int(8 * self.dim / 3)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None
+    """Directory written by `zerollm data prepare` (holds tokens.h5)."""
+    seq_len: int = 512
+    """Tokens per training window (each sample reads seq_len + 1 tokens)."""
+    loader_workers: int = 0
+    """DataLoader worker processes per rank."""
+
+
+@dataclass
+class TrainConfig:
+    stage: str = "pretrain"
+    max_steps: int = 1000
+    """Optimizer steps to train for (the run ends at this global step)."""
+    micro_batch_size: int = 8
+    """Samples per rank per forward pass."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; global batch = micro_batch_size * grad_accum * world size."""
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    """Cosine decay floor as a fraction of lr."""
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    """Applied to matrices only (not to norms)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    precision: str = "bf16"
+    """'bf16' or 'fp32' (fp16 is not supported)."""
+    seed: int = 1337
+    log_every: int = 1
+    eval_every: int = 100
+    """Evaluate on the val split every N steps (0 = never) and at the end."""
+    eval_batches: int = 8
+    """Micro-batches per rank in one evaluation."""
+    save_every: int = 500
+    """Checkpoint every N steps (0 = only at the end and on SIGTERM)."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept on disk (0 = keep all)."""
+    peak_tflops: float | None = None
+    """Device peak for MFU; None: known GPU table, or a measured matmul peak on CPU."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "off"
+    """'off', 'offline' or 'online'."""
+    project: str = "zerollm"
+    name: str | None = None
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: Path) -> None:
+        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True))
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("llm.recipes").iterdir() if p.name.endswith(".yaml"))
+
+
+def load_recipe(name_or_path: str) -> dict[str, Any]:
+    """The raw mapping of a packaged recipe name or a YAML file path."""
+    packaged = resources.files("llm.recipes") / f"{name_or_path}.yaml"
+    if packaged.is_file():
+        text = packaged.read_text()
+        source = f"recipe '{name_or_path}'"
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise UserError(f"recipe '{name_or_path}' is neither a packaged recipe ({', '.join(recipe_names())}) nor a YAML file")
+        text = path.read_text()
+        source = str(path)
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"{source}: invalid YAML ({exc})".replace("\n", " ")) from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{source}: expected a mapping of sections (model, data, train, wandb)")
+    return raw
+
+
+def _coerce(key: str, value: Any, annotation: str) -> Any:
+    """Check `value` against the field's annotation, allowing int for float and null for optionals."""
+    if value is None:
+        if "None" in annotation:
+            return None
+        raise UserError(f"config key '{key}' cannot be null")
+    if "float" in annotation and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    expected = [t for t in ("bool", "int", "float", "str") if t in annotation]
+    ok = {"bool": bool, "int": int, "float": float, "str": str}
+    if any(isinstance(value, ok[t]) and not (t == "int" and isinstance(value, bool)) for t in expected):
+        return value
+    raise UserError(f"config key '{key}' expects {annotation}, got {value!r}")
+
+
+def _apply(cfg: RunConfig, dotted: str, value: Any) -> None:
+    section_name, _, field_name = dotted.partition(".")
+    sections = {f.name: f for f in dataclasses.fields(RunConfig)}
+    if section_name not in sections or not field_name:
+        raise UserError(f"unknown config key '{dotted}': keys look like section.field with section one of {', '.join(sections)}")
+    section = getattr(cfg, section_name)
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if field_name not in fields:
+        raise UserError(f"unknown config key '{dotted}'; '{section_name}' has: {', '.join(fields)}")
+    annotation = str(fields[field_name].type)
+    setattr(section, field_name, _coerce(dotted, value, annotation))
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'train.lr=1e-3' -> ('train.lr', 0.001); values are parsed as YAML scalars."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise UserError(f"--set expects key=value, got '{text}'")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def build_config(recipe: str | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+    """Recipe (name, path or mapping) + `--set` overrides -> a validated RunConfig."""
+    raw = load_recipe(recipe) if isinstance(recipe, str) else recipe
+    cfg = RunConfig()
+    for section_name, values in raw.items():
+        if not isinstance(values, dict):
+            raise UserError(f"recipe section '{section_name}' must be a mapping")
+        for name, value in values.items():
+            _apply(cfg, f"{section_name}.{name}", value)
+    for text in overrides or []:
+        _apply(cfg, *parse_override(text))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    m, d, t = cfg.model, cfg.data, cfg.train
+
+    def require(ok: bool, message: str) -> None:
+        if not ok:
+            raise UserError(message)
+
+    for key, value in (("model.dim", m.dim), ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads),
+                       ("model.vocab_size", m.vocab_size), ("data.seq_len", d.seq_len),
+                       ("train.micro_batch_size", t.micro_batch_size), ("train.grad_accum", t.grad_accum),
+                       ("train.max_steps", t.max_steps)):
+        require(value > 0, f"{key} must be positive, got {value}")
+    require(m.dim % m.n_heads == 0, f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
+    require(m.head_dim % 2 == 0, f"head dim model.dim/model.n_heads = {m.head_dim} must be even for RoPE")
+    require(m.n_heads % m.kv_heads == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
+    require(d.seq_len <= m.max_seq_len, f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+    require(m.rope_scaling in ("none", "yarn"), f"model.rope_scaling must be 'none' or 'yarn', got '{m.rope_scaling}'")
+    if m.rope_scaling == "yarn":
+        require(m.rope_factor > 1 and m.rope_original_max_seq_len > 0,
+                "model.rope_scaling=yarn needs model.rope_factor > 1 and model.rope_original_max_seq_len > 0")
+    if m.moe:
+        require(0 < m.n_experts_per_token <= m.n_experts,
+                f"model.n_experts_per_token ({m.n_experts_per_token}) must be in 1..model.n_experts ({m.n_experts})")
+    require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
+    require(t.precision in ("bf16", "fp32"), f"train.precision must be 'bf16' or 'fp32', got '{t.precision}'")
+    require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
+    require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    for key, value in (("train.eval_every", t.eval_every), ("train.save_every", t.save_every),
+                       ("train.warmup_steps", t.warmup_steps), ("train.keep_checkpoints", t.keep_checkpoints)):
+        require(value >= 0, f"{key} must be >= 0, got {value}")
+    require(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
+    require(cfg.wandb.mode in ("off", "offline", "online"), f"wandb.mode must be off, offline or online, got '{cfg.wandb.mode}'")

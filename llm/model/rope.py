@@ -1,0 +1,40 @@
+"""Rotary position embedding tables (rotate-half layout), with optional YaRN context extension.
+
+The tables are `cos`, `sin` of shape `[max_seq_len, head_dim // 2]`; `kernels.apply_rope` applies them.
+YaRN follows "YaRN: Efficient Context Window Extension of Large Language Models" (Peng et al., 2023)
+as Hugging Face implements it: low frequencies are interpolated by `factor`, high ones kept, a linear
+ramp between, and the tables scaled by 0.1 * ln(factor) + 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llm.config import ModelConfig
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    def correction_dim(num_rotations: float) -> float:
+        return head_dim * math.log(cfg.rope_original_max_seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+    low = max(math.floor(correction_dim(cfg.yarn_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.yarn_beta_slow)), head_dim // 2 - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    scaled = inv_freq / cfg.rope_factor * ramp + inv_freq * extrapolation_weight
+    return scaled, 0.1 * math.log(cfg.rope_factor) + 1.0
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each float32 `[max_seq_len, head_dim // 2]`."""
+    head_dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    scale = 1.0
+    if cfg.rope_scaling == "yarn":
+        inv_freq, scale = _yarn_inv_freq(inv_freq, head_dim, cfg)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
+    return (angles.cos() * scale).float(), (angles.sin() * scale).float()

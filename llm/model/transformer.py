@@ -1,0 +1,152 @@
+"""LLaMA-style decoder: RMSNorm, RoPE (rotate-half), grouped-query attention, SwiGLU or MoE FFN.
+
+Reads top to bottom: norm, attention, feed-forward, block, transformer. The hot ops (RMSNorm,
+RoPE, attention, SwiGLU) go through the `kernels` package, so fused kernels slot in without
+touching this file. Parameter names follow happy-llm / Meta LLaMA (tok_embeddings, wq, w1, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+from llm.config import ModelConfig
+from llm.model.moe import MoEFeedForward
+from llm.model.rope import rope_tables
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.attn_dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = kernels.apply_rope(q, k, cos, sin)
+        if self.training and self.attn_dropout > 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.attn_dropout,
+                                               enable_gqa=self.n_heads != self.n_kv_heads)
+        else:
+            y = kernels.attention(q, k, v, causal=True)
+        y = y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim)
+        return self.resid_dropout(self.wo(y))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.w2(kernels.swiglu(self.w1(x), self.w3(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+        def make_ffn() -> FeedForward:
+            return FeedForward(cfg.dim, cfg.ffn_hidden_dim, cfg.dropout)
+
+        self.feed_forward = MoEFeedForward(cfg, make_ffn) if cfg.moe else make_ffn()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    """Mean cross-entropy over target positions whose loss mask is 1, plus the MoE balance loss."""
+    aux_loss: torch.Tensor | None = None
+    """MoE load-balancing loss (already weighted), or None for a dense model."""
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        # residual projections scaled down with depth (GPT-2 / nanoGPT)
+        for name, param in self.named_parameters():
+            if name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(param, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (a tied embedding counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None) -> ModelOutput:
+        seq = tokens.shape[1]
+        if seq > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.dropout(self.tok_embeddings(tokens))
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        logits = self.output(self.norm(h))
+        aux_loss = sum(layer.feed_forward.aux_loss for layer in self.layers) if self.cfg.moe else None
+        if targets is None:
+            return ModelOutput(logits=logits, aux_loss=aux_loss)
+        loss = masked_cross_entropy(logits, targets, loss_mask)
+        if aux_loss is not None:
+            loss = loss + aux_loss
+        return ModelOutput(logits=logits, loss=loss, aux_loss=aux_loss)
+
+
+def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean token cross-entropy in fp32 over positions where loss_mask is 1 (all positions without a mask)."""
+    per_token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    if loss_mask is None:
+        return per_token.mean()
+    mask = loss_mask.reshape(-1).to(per_token.dtype)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)

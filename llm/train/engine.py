@@ -1,0 +1,154 @@
+"""The DeepSpeed side: distributed set-up, the resolved DeepSpeed config, `deepspeed.initialize`.
+
+One source of truth: hyperparameters live in the run config; the DeepSpeed JSON carries engine
+settings (ZeRO stage, precision switch, buckets, offload). Every "auto" in the JSON is filled from
+the run config; an explicit value that disagrees with the run config is an error naming both.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llm.config import RunConfig
+from llm.errors import UserError
+
+DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+
+
+def ensure_accelerator_env() -> None:
+    """Select DeepSpeed's CPU accelerator where there is no GPU; must run before deepspeed is imported."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed() -> DistInfo:
+    """Join the process group a launcher prepared, or form a group of one when started directly."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    ensure_accelerator_env()
+    import deepspeed
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        device = torch.device("cpu")
+        backend = "gloo"
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    return DistInfo(rank, local_rank, world, local_world, device)
+
+
+def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any], str]:
+    """The raw DeepSpeed JSON (default: ds_configs/<stage>.json) and its name for messages."""
+    path = Path(path) if path else DS_CONFIG_DIR / f"{stage}.json"
+    if not path.is_file():
+        raise UserError(f"{path}: DeepSpeed config not found")
+    try:
+        return json.loads(path.read_text()), str(path)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+
+
+def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, source: str = "DeepSpeed config",
+                      zero_stage: int | None = None) -> dict[str, Any]:
+    """Fill "auto" values from the run config; refuse values that contradict it."""
+    ds = copy.deepcopy(raw)
+    t = cfg.train
+
+    def fill(container: dict, key: str, value: Any, run_key: str) -> None:
+        current = container.get(key, "auto")
+        if current == "auto":
+            container[key] = value
+        elif current != value:
+            raise UserError(f"{source}: '{key}' is {current!r} but {run_key} is {value!r}; "
+                            f"set it to \"auto\" or make them equal")
+
+    fill(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size")
+    fill(ds, "gradient_accumulation_steps", t.grad_accum, "train.grad_accum")
+    fill(ds, "train_batch_size", t.micro_batch_size * t.grad_accum * world_size,
+         "train.micro_batch_size * train.grad_accum * world size")
+    fill(ds, "gradient_clipping", t.grad_clip, "train.grad_clip")
+    fill(ds.setdefault("bf16", {}), "enabled", t.precision == "bf16", "train.precision == 'bf16'")
+    if ds.get("fp16", {}).get("enabled") not in (None, False):
+        raise UserError(f"{source}: fp16 is not supported; use train.precision=bf16")
+    optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
+    params = optimizer.setdefault("params", {})
+    fill(params, "lr", t.lr, "train.lr")
+    fill(params, "betas", [t.beta1, t.beta2], "[train.beta1, train.beta2]")
+    fill(params, "eps", t.adam_eps, "train.adam_eps")
+    fill(params, "weight_decay", t.weight_decay, "train.weight_decay")
+    if "scheduler" in ds:
+        raise UserError(f"{source}: remove 'scheduler'; the learning-rate schedule comes from the run config "
+                        "(train.lr, train.warmup_steps, train.min_lr_ratio, train.max_steps)")
+    if zero_stage is not None:
+        ds.setdefault("zero_optimization", {})["stage"] = zero_stage
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise UserError(f"{source}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    leftover = _find_auto(ds)
+    if leftover:
+        raise UserError(f"{source}: no run-config value fills \"auto\" at {leftover}; give it a value")
+    return ds
+
+
+def _find_auto(node: Any, path: str = "") -> str | None:
+    if node == "auto":
+        return path or "<root>"
+    if isinstance(node, dict):
+        for key, value in node.items():
+            found = _find_auto(value, f"{path}.{key}" if path else key)
+            if found:
+                return found
+    return None
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices, none on norms and other vectors."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_engine(model: torch.nn.Module, cfg: RunConfig, ds_config: dict[str, Any], lr_lambda):
+    """`deepspeed.initialize` with our parameter groups and a LambdaLR schedule on its optimizer."""
+    import deepspeed
+
+    def make_scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
+                                           config=ds_config, lr_scheduler=make_scheduler)
+    return engine

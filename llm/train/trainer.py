@@ -1,0 +1,214 @@
+"""The training loop, one for every stage: the story of a step.
+
+draw micro-batches -> objective -> engine.backward / engine.step (DeepSpeed accumulates, clips,
+steps the optimizer and the schedule) -> advance the sampler -> log -> evaluate -> checkpoint.
+SIGTERM or SIGINT on any rank makes every rank save a checkpoint and exit with `EXIT_PREEMPTED`.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from llm.config import RunConfig
+from llm.data.datasets import PretrainWindows, read_data_attrs
+from llm.data.sampler import ResumableDistributedSampler
+from llm.errors import UserError
+from llm.model import Transformer
+from llm.train import checkpoint
+from llm.train.engine import DistInfo, build_engine, load_ds_config, resolve_ds_config, setup_distributed
+from llm.train.metrics import MetricsSink, flops_per_token, peak_flops_per_rank, peak_memory_mb
+from llm.train.objectives import OBJECTIVES, MicroStep
+from llm.train.schedule import lr_multiplier
+
+EXIT_PREEMPTED = 75
+"""Exit code after a SIGTERM/SIGINT: a checkpoint was saved; rerun with --resume auto."""
+
+CONFIG_FILE, DS_CONFIG_FILE = "config.yaml", "ds_config.json"
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: Path, dist_info: DistInfo, ds_config: dict) -> None:
+        self.cfg, self.run_dir, self.dist = cfg, run_dir, dist_info
+        t = cfg.train
+        self.objective = OBJECTIVES[t.stage]
+        self.train_set = PretrainWindows(cfg.data.path, "train", cfg.data.seq_len)
+        self.val_set = PretrainWindows(cfg.data.path, "val", cfg.data.seq_len)
+        self.global_batch = t.micro_batch_size * t.grad_accum * dist_info.world_size
+        if len(self.train_set) < self.global_batch:
+            raise UserError(f"{cfg.data.path}: the train split has {len(self.train_set)} windows of data.seq_len+1 "
+                            f"tokens, fewer than one global batch ({self.global_batch}); add data or lower "
+                            "train.micro_batch_size / data.seq_len")
+        self.sampler = ResumableDistributedSampler(len(self.train_set), dist_info.world_size, dist_info.rank, seed=t.seed)
+        torch.manual_seed(t.seed)  # identical initial weights on every rank
+        model = Transformer(cfg.model)
+        self.n_params = model.num_parameters()
+        self.engine = build_engine(model, cfg, ds_config, lambda step: lr_multiplier(step, t))
+        self.step = 0
+        self.run_id = uuid.uuid4().hex[:12]
+        self._batches = None
+        self._stop_requested = False
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def resume(self) -> bool:
+        tag = checkpoint.latest_tag(self.run_dir)
+        if tag is None:
+            return False
+        state = checkpoint.load(self.engine, self.run_dir, tag)
+        self.step, self.run_id = state["step"], state["run_id"]
+        self.sampler.load_state_dict(state["sampler"])
+        return True
+
+    def save(self) -> None:
+        state = {"step": self.step, "run_id": self.run_id, "world_size": self.dist.world_size,
+                 "sampler": self.sampler.state_dict()}
+        checkpoint.save(self.engine, self.run_dir, self.step, state, keep=self.cfg.train.keep_checkpoints)
+
+    # ---- data ----------------------------------------------------------------------------------
+
+    def _next_micro_batch(self) -> dict[str, torch.Tensor]:
+        if self._batches is None:
+            loader = DataLoader(self.train_set, batch_size=self.cfg.train.micro_batch_size, sampler=self.sampler,
+                                num_workers=self.cfg.data.loader_workers)
+            self._batches = iter(loader)
+        return {k: v.to(self.dist.device) for k, v in next(self._batches).items()}
+
+    def _start_epoch_if_needed(self) -> None:
+        """An epoch ends when less than one global batch remains (that tail is not trained on)."""
+        if self.sampler.num_samples - self.sampler.consumed < self.global_batch:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+            self._batches = None
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def train_step(self) -> tuple[float, int]:
+        """One optimizer step over grad_accum micro-batches; returns (mean loss over ranks, loss tokens)."""
+        self._start_epoch_if_needed()
+        self.engine.train()
+        totals = torch.zeros(2, dtype=torch.float64)
+        for _ in range(self.cfg.train.grad_accum):
+            micro: MicroStep = self.objective(self.engine, self._next_micro_batch())
+            self.engine.backward(micro.loss)
+            self.engine.step()
+            totals += torch.tensor([micro.loss.detach().float().item(), micro.loss_tokens], dtype=torch.float64)
+        self.sampler.advance(self.global_batch)
+        self.step += 1
+        dist.all_reduce(totals)
+        return totals[0].item() / (self.cfg.train.grad_accum * self.dist.world_size), int(totals[1].item())
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss over the first eval_batches * micro_batch_size * world val windows (same on every call)."""
+        micro, world = self.cfg.train.micro_batch_size, self.dist.world_size
+        per_rank = min(self.cfg.train.eval_batches * micro, len(self.val_set) // world)
+        if per_rank == 0:
+            return None
+        self.engine.eval()
+        totals = torch.zeros(2, dtype=torch.float64)
+        indices = list(range(self.dist.rank, per_rank * world, world))
+        for start in range(0, per_rank, micro):
+            samples = [self.val_set[i] for i in indices[start:start + micro]]
+            batch = {k: torch.stack([s[k] for s in samples]).to(self.dist.device) for k in samples[0]}
+            result = self.objective(self.engine, batch)
+            totals += torch.tensor([result.loss.float().item() * result.loss_tokens, result.loss_tokens],
+                                   dtype=torch.float64)
+        dist.all_reduce(totals)
+        return totals[0].item() / totals[1].item()
+
+    def _stop_agreed(self) -> bool:
+        """True on every rank as soon as any rank got SIGTERM/SIGINT."""
+        flag = torch.tensor([1 if self._stop_requested else 0])
+        if self.dist.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _request_stop(self, signum, frame) -> None:
+        self._stop_requested = True
+
+    # ---- the run -------------------------------------------------------------------------------
+
+    def fit(self, sink: MetricsSink | None) -> int:
+        t, seq_len = self.cfg.train, self.cfg.data.seq_len
+        signal.signal(signal.SIGTERM, self._request_stop)
+        signal.signal(signal.SIGINT, self._request_stop)
+        flops = flops_per_token(self.cfg.model, self.n_params, seq_len)
+        peak = peak_flops_per_rank(self.dist.device, t.peak_tflops) * self.dist.world_size
+        tokens_per_step = self.global_batch * seq_len
+        bar = tqdm(total=t.max_steps, initial=self.step, desc=t.stage, unit="step", dynamic_ncols=True,
+                   disable=not self.dist.is_main, file=sys.stdout)
+        while self.step < t.max_steps:
+            lr = self.engine.get_lr()[0]
+            start = time.perf_counter()
+            loss, loss_tokens = self.train_step()
+            elapsed = time.perf_counter() - start
+            grad_norm = self.engine.get_global_grad_norm()
+            row = {"step": self.step, "loss": loss, "lr": lr,
+                   "grad_norm": None if grad_norm is None else float(grad_norm),
+                   "tokens_per_sec": tokens_per_step / elapsed, "loss_tokens_per_sec": loss_tokens / elapsed,
+                   "mfu": flops * tokens_per_step / elapsed / peak, "peak_mem_mb": peak_memory_mb(self.dist.device),
+                   "epoch": self.sampler.epoch}
+            last = self.step == t.max_steps
+            eval_now = (t.eval_every and self.step % t.eval_every == 0) or last
+            if eval_now:
+                row["val_loss"] = self.evaluate()
+            if sink is not None and (self.step % t.log_every == 0 or eval_now):
+                sink.log(row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_sec']:.0f}",
+                            **({"val": f"{row['val_loss']:.4f}"} if row.get("val_loss") is not None else {}))
+            stop = self._stop_agreed()
+            if stop or last or (t.save_every and self.step % t.save_every == 0):
+                self.save()
+            if stop:
+                bar.close()
+                if self.dist.is_main:
+                    print(f"stopped by signal at step {self.step}; checkpoint saved in {self.run_dir}; "
+                          f"rerun with --resume auto to continue", flush=True)
+                return EXIT_PREEMPTED
+        bar.close()
+        return 0
+
+
+def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool, zero_stage: int | None = None) -> int:
+    """Train `cfg` into `run_dir` under DeepSpeed; returns the process exit code."""
+    if not cfg.data.path:
+        raise UserError("no training data: pass --data DIR (a directory made by `zerollm data prepare`)")
+    attrs = read_data_attrs(cfg.data.path, "pretrain")
+    if attrs["vocab_size"] > cfg.model.vocab_size:
+        raise UserError(f"{cfg.data.path}: tokenizer has {attrs['vocab_size']} tokens but model.vocab_size is "
+                        f"{cfg.model.vocab_size}; set model.vocab_size >= {attrs['vocab_size']}")
+    raw_ds, ds_source = load_ds_config(ds_config_path, cfg.train.stage)
+    if not resume and checkpoint.latest_tag(run_dir) is not None:
+        raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out")
+    info = setup_distributed()
+    ds_config = resolve_ds_config(raw_ds, cfg, info.world_size, ds_source, zero_stage)
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.save(run_dir / CONFIG_FILE)
+        (run_dir / DS_CONFIG_FILE).write_text(json.dumps(ds_config, indent=2))
+    trainer = Trainer(cfg, run_dir, info, ds_config)
+    resumed = resume and trainer.resume()
+    if info.is_main:
+        print(f"{cfg.train.stage}: {trainer.n_params / 1e6:.3f} M parameters, {info.world_size} rank(s), "
+              f"ZeRO stage {ds_config.get('zero_optimization', {}).get('stage', 0)}, {cfg.train.precision}, "
+              f"{len(trainer.train_set):,} train windows" + (f", resumed at step {trainer.step}" if resumed else ""),
+              flush=True)
+    sink = MetricsSink(run_dir, cfg, trainer.run_id, trainer.step) if info.is_main else None
+    try:
+        code = trainer.fit(sink)
+    finally:
+        if sink is not None:
+            sink.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return code
