@@ -80,7 +80,7 @@ def _encode_documents(texts: list[str]) -> list[np.ndarray]:
 
 # ---- main side ---------------------------------------------------------------------------------
 
-class _SplitWriter:
+class SplitWriter:
     """Appends documents to one split group: resizable chunked `tokens`, `doc_offsets` at close."""
 
     def __init__(self, group: h5py.Group, dtype: type) -> None:
@@ -105,6 +105,13 @@ class _SplitWriter:
 
     def close(self) -> None:
         self.group.create_dataset("doc_offsets", data=np.array(self.offsets, dtype=np.int64))
+
+
+def write_attrs(h5: h5py.File, kind: str, tokenizer_hash: str, vocab_size: int, special: Tokenizer | None) -> None:
+    """Root attributes that let training refuse mismatched data (special ids from `special`, or the fixed defaults)."""
+    ids = (special.eos_id, special.pad_id, special.im_start_id, special.im_end_id) if special else (0, 3, 1, 2)
+    h5.attrs.update({"schema_version": SCHEMA_VERSION, "kind": kind, "tokenizer_hash": tokenizer_hash,
+                     "vocab_size": vocab_size, **dict(zip(("eos_id", "pad_id", "im_start_id", "im_end_id"), ids))})
 
 
 def _batches(docs: Iterator[Document | Skipped], report: Report, strict: bool,
@@ -146,7 +153,7 @@ def prepare_pretrain(inputs: list[str], tokenizer_dir: str | Path, out_dir: str 
     pool = mp.get_context("fork").Pool(workers, _init_worker, (str(tokenizer_dir),)) if workers > 1 else None
     try:
         with h5py.File(tmp, "w") as h5:
-            writers = {split: _SplitWriter(h5.create_group(split), dtype) for split in SPLITS}
+            writers = {split: SplitWriter(h5.create_group(split), dtype) for split in SPLITS}
             batches = _batches(read_pretrain_documents(files), report, strict, progress)
             if pool is None:
                 _init_worker(str(tokenizer_dir))
@@ -170,11 +177,7 @@ def prepare_pretrain(inputs: list[str], tokenizer_dir: str | Path, out_dir: str 
                     report.tokens[split] += sign * len(ids)
             for writer in writers.values():
                 writer.close()
-            h5.attrs.update({
-                "schema_version": SCHEMA_VERSION, "kind": "pretrain", "tokenizer_hash": tokenizer.hash,
-                "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id,
-                "im_start_id": tokenizer.im_start_id, "im_end_id": tokenizer.im_end_id,
-            })
+            write_attrs(h5, "pretrain", tokenizer.hash, tokenizer.vocab_size, tokenizer)
         os.replace(tmp, out / TOKENS_FILE)
     finally:
         progress.close()

@@ -12,6 +12,8 @@ writing, so a job killed mid-save resumes from the previous complete checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -101,3 +103,41 @@ def load(engine, run_dir: Path, tag: str) -> dict[str, Any]:
         set_rng_state(torch.load(rng_file, weights_only=False))
     return client_state
 
+
+
+def consolidated_weights(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """Full fp32 model weights of a checkpoint of any ZeRO stage and world size, on the CPU."""
+    tag = tag or latest_tag(run_dir)
+    if tag is None:
+        raise UserError(f"{run_dir}: no checkpoint found (expected {checkpoint_dir(run_dir) / LATEST})")
+    tag_dir = checkpoint_dir(run_dir) / tag
+    if any(tag_dir.glob("*zero_pp_rank_*optim_states.pt")):
+        from llm.train.engine import ensure_accelerator_env
+
+        ensure_accelerator_env()
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)
+    state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    return {k: v.float() for k, v in state["module"].items()}
+
+
+def load_trained_model(run_dir: Path, tag: str | None = None):
+    """(model in eval mode, run config) rebuilt from RUN_DIR/config.yaml and its newest checkpoint."""
+    import yaml
+
+    from llm.config import build_config
+    from llm.model import Transformer
+
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        raise UserError(f"{run_dir}: no config.yaml; is this a run directory made by `zerollm train`?")
+    cfg = build_config(yaml.safe_load(config_file.read_text()))
+    model = Transformer(cfg.model)
+    missing, unexpected = model.load_state_dict(consolidated_weights(run_dir, tag), strict=False)
+    tied = {"output.weight"} if cfg.model.tie_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise UserError(f"{run_dir}: checkpoint does not match config.yaml (missing {sorted(set(missing) - tied)}, "
+                        f"unexpected {sorted(unexpected)})")
+    return model.eval(), cfg

@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,8 @@ def setup_distributed() -> DistInfo:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     ensure_accelerator_env()
+    # DeepSpeed calls torch.distributed APIs that torch marks deprecated; the warnings are not the user's concern
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     import deepspeed
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

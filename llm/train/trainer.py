@@ -142,10 +142,12 @@ class Trainer:
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
         flops = flops_per_token(self.cfg.model, self.n_params, seq_len)
-        peak = peak_flops_per_rank(self.dist.device, t.peak_tflops) * self.dist.world_size
+        dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+        peak = peak_flops_per_rank(self.dist.device, t.peak_tflops, dtype) * self.dist.world_size
         tokens_per_step = self.global_batch * seq_len
+        interactive = sys.stdout.isatty()  # a bar on a terminal, plain lines in a log file
         bar = tqdm(total=t.max_steps, initial=self.step, desc=t.stage, unit="step", dynamic_ncols=True,
-                   disable=not self.dist.is_main, file=sys.stdout)
+                   disable=not (self.dist.is_main and interactive), file=sys.stdout)
         while self.step < t.max_steps:
             lr = self.engine.get_lr()[0]
             start = time.perf_counter()
@@ -161,11 +163,15 @@ class Trainer:
             eval_now = (t.eval_every and self.step % t.eval_every == 0) or last
             if eval_now:
                 row["val_loss"] = self.evaluate()
+            status = {"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{row['tokens_per_sec']:.0f}"}
+            if row.get("val_loss") is not None:
+                status["val_loss"] = f"{row['val_loss']:.4f}"
             if sink is not None and (self.step % t.log_every == 0 or eval_now):
                 sink.log(row)
+                if not interactive:
+                    print(f"step {self.step}/{t.max_steps} " + " ".join(f"{k} {v}" for k, v in status.items()), flush=True)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_sec']:.0f}",
-                            **({"val": f"{row['val_loss']:.4f}"} if row.get("val_loss") is not None else {}))
+            bar.set_postfix(status)
             stop = self._stop_agreed()
             if stop or last or (t.save_every and self.step % t.save_every == 0):
                 self.save()
