@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 from pathlib import Path
 
+from launch.local import relaunch_local, under_launcher
 from llm.errors import EXIT_USER_ERROR, UserError
 
 EPILOG = "Documentation: README.md. Errors in your input exit with code 2."
@@ -107,33 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def relaunch_under_deepspeed(nproc: int, argv: list[str]) -> int:
-    """Start `zerollm <argv>` on `nproc` local ranks with the deepspeed launcher and wait for it."""
-    from llm.train.engine import ensure_accelerator_env, free_port
-
-    ensure_accelerator_env()
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
-               "--master_port", str(free_port()), "--no_local_rank", "--module", "llm", *argv]
-    return subprocess.run(command).returncode
-
-
-def strip_option(argv: list[str], option: str) -> list[str]:
-    """argv without `option VALUE` / `option=VALUE`."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == option:
-            skip = True
-        elif not arg.startswith(option + "="):
-            out.append(arg)
-    return out
-
-
-def under_launcher() -> bool:
-    return "LOCAL_RANK" in os.environ
-
-
 def cmd_tokenizer(args: argparse.Namespace) -> int:
     from llm.data.formats import Skipped, expand_inputs, read_pretrain_documents
     from llm.tokenizer import train_tokenizer
@@ -177,7 +149,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         extra.append(f"wandb.mode={args.wandb}")
     cfg = _config_for(args, extra)
     if args.nproc > 1 and not under_launcher():
-        return relaunch_under_deepspeed(args.nproc, strip_option(args.argv, "--nproc"))
+        return relaunch_local(args.nproc, args.argv)
     from llm.train.trainer import run
 
     return run(cfg, Path(args.out), args.deepspeed, resume=args.resume == "auto", zero_stage=args.zero_stage)

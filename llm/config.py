@@ -168,6 +168,11 @@ def _coerce(key: str, value: Any, annotation: str) -> Any:
         if "None" in annotation:
             return None
         raise UserError(f"config key '{key}' cannot be null")
+    if "float" in annotation and isinstance(value, str) and "str" not in annotation:
+        try:
+            value = float(value)  # YAML 1.1 reads "1e-3" as a string
+        except ValueError:
+            pass
     if "float" in annotation and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     expected = [t for t in ("bool", "int", "float", "str") if t in annotation]

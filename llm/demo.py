@@ -85,7 +85,10 @@ def run_demo(out: Path, steps: int | None = None, nproc: int = 1) -> int:
     _zerollm("data", "prepare", "--input", str(corpus), "--tokenizer", str(tokenizer), "--out", str(data),
              "--val-fraction", "0.05")
     print(f"[4/4] pretraining the 'demo' recipe under DeepSpeed on {nproc} rank(s)", flush=True)
-    overrides = ["--set", f"train.max_steps={steps}"] if steps else []
+    overrides = []
+    if steps:  # keep about six evaluations and one final checkpoint whatever the length
+        for key, value in (("max_steps", steps), ("eval_every", max(1, steps // 6)), ("save_every", steps)):
+            overrides += ["--set", f"train.{key}={value}"]
     _zerollm("train", "pretrain", "--recipe", "demo", "--data", str(data), "--out", str(run),
              "--nproc", str(nproc), *overrides)
 

@@ -61,6 +61,8 @@ def expand_inputs(paths: Iterable[str | Path]) -> list[Path]:
             raise UserError(f"{path}: no such file or directory")
     if not files:
         raise UserError("no input files given")
+    for path in files:
+        _check_text_file(path)
     return files
 
 
@@ -131,8 +133,7 @@ def _json_items(path: Path) -> Iterator[Item]:
 
 
 def read_items(path: Path) -> Iterator[Item | Skipped]:
-    """Raw values of one file, streamed (a `.json` array is parsed whole)."""
-    _check_text_file(path)
+    """Raw values of one file (checked by `expand_inputs`), streamed; a `.json` array is parsed whole."""
     suffix = path.suffix.lower()
     if suffix == ".txt":
         return _txt_items(path)

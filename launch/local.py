@@ -1,0 +1,36 @@
+"""`--nproc N` on one machine: re-run the same `zerollm` command on N local ranks under the deepspeed launcher."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def under_launcher() -> bool:
+    """True inside a process started by a launcher (deepspeed, torchrun), which sets LOCAL_RANK."""
+    return "LOCAL_RANK" in os.environ
+
+
+def strip_option(argv: list[str], option: str) -> list[str]:
+    """argv without `option VALUE` / `option=VALUE`."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
+
+
+def relaunch_local(nproc: int, argv: list[str]) -> int:
+    """Start `zerollm <argv>` (without --nproc) on `nproc` local ranks and wait; returns the job's exit code."""
+    from llm.train.engine import ensure_accelerator_env, free_port
+
+    ensure_accelerator_env()
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
+               "--master_port", str(free_port()), "--no_local_rank", "--module", "llm",
+               *strip_option(argv, "--nproc")]
+    return subprocess.run(command).returncode

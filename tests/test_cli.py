@@ -1,0 +1,35 @@
+import pytest
+
+from conftest import run_cli
+
+
+@pytest.mark.parametrize("command", [[], ["tokenizer", "train"], ["data", "prepare"], ["train", "pretrain"],
+                                     ["demo"], ["bench", "train"]])
+def test_help_explains_every_command(command):
+    result = run_cli(*command, "--help")
+    assert result.returncode == 0 and "usage: zerollm" in result.stdout
+
+
+def test_module_entry_point_matches_console_script():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "zerollm"
+    assert script.is_file(), "console script not installed beside the interpreter"
+    assert subprocess.run([str(script), "--help"], capture_output=True, text=True).stdout == run_cli("--help").stdout
+
+
+def test_demo_runs_end_to_end_with_falling_validation_loss(tmp_path):
+    result = run_cli("demo", "--out", tmp_path, "--steps", 100)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "validation loss fell" in result.stdout
+    assert "samples (greedy):" in result.stdout and "'The capital of France is' ->" in result.stdout
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "global_step100"
+
+
+def test_bench_train_prints_throughput_mfu_and_memory():
+    result = run_cli("bench", "train", "--recipe", "demo", "--steps", 2, "--warmup", 1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for label in ("tokens/s", "loss-bearing tokens/s", "MFU", "peak memory (MiB)"):
+        assert label in result.stdout

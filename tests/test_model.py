@@ -1,0 +1,131 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llm.config import ModelConfig, build_config
+from llm.model import Transformer, masked_cross_entropy
+from llm.model.rope import rope_tables
+import kernels
+
+
+def _count(recipe: str) -> int:
+    with torch.device("meta"):
+        return Transformer(build_config(recipe).model).num_parameters()
+
+
+def test_parameter_counts_match_the_seeds():
+    assert _count("tiny-k-82m") == 82_594_560  # happy-llm defaults
+    assert round(_count("tiny-k-215m") / 1e6, 3) == 215.127  # happy-llm dim 1024, 18 layers
+    assert _count("tiny-k-215m") == 215_127_040
+    assert _count("minimind-26m") == 25_829_888  # MiniMind2-small, 25.83 M
+
+
+def _tiny(**overrides) -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, **overrides)
+    return Transformer(cfg).eval()
+
+
+def test_forward_returns_logits_and_loss():
+    model = _tiny()
+    tokens, targets = torch.randint(0, 97, (3, 17)), torch.randint(0, 97, (3, 17))
+    out = model(tokens, targets)
+    assert out.logits.shape == (3, 17, 97) and out.aux_loss is None
+    assert out.loss.item() == pytest.approx(F.cross_entropy(out.logits.reshape(-1, 97), targets.reshape(-1)).item(), rel=1e-6)
+    assert out.loss.item() == pytest.approx(math.log(97), rel=0.05)  # small init: near uniform
+
+
+def test_loss_mask_selects_positions():
+    model = _tiny()
+    tokens, targets = torch.randint(0, 97, (2, 9)), torch.randint(0, 97, (2, 9))
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    mask[0, 3:6] = 1
+    mask[1, 8] = 1
+    out = model(tokens, targets, mask)
+    picked = out.logits[mask.bool()]
+    assert out.loss.item() == pytest.approx(F.cross_entropy(picked, targets[mask.bool()]).item(), rel=1e-6)
+    assert masked_cross_entropy(out.logits, targets, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_causal_future_tokens_do_not_change_past_logits():
+    model = _tiny()
+    a = torch.randint(0, 97, (1, 12))
+    b = a.clone()
+    b[0, 7:] = torch.randint(0, 97, (5,))
+    assert torch.allclose(model(a).logits[0, :7], model(b).logits[0, :7], atol=1e-6)
+
+
+def test_grouped_query_attention_equals_repeated_kv_heads():
+    q, k, v = torch.randn(2, 8, 11, 16), torch.randn(2, 2, 11, 16), torch.randn(2, 2, 11, 16)
+    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
+    assert torch.allclose(kernels.attention(q, k, v), expected, atol=1e-6)
+
+
+def test_attention_with_short_query_is_aligned_bottom_right():
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    q_full = torch.randn(1, 2, 10, 8)
+    q_full[:, :, -3:] = q
+    full = kernels.attention(q_full, k, v)
+    assert torch.allclose(kernels.attention(q, k, v), full[:, :, -3:], atol=1e-6)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    cfg = ModelConfig(dim=64, n_heads=2, max_seq_len=40)
+    cos, sin = rope_tables(cfg)
+    q, k = torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32)
+
+    def score(i, j):
+        qi, _ = kernels.apply_rope(q, q, cos, sin, position_offset=i)
+        kj, _ = kernels.apply_rope(k, k, cos, sin, position_offset=j)
+        return (qi * kj).sum().item()
+
+    assert score(5, 2) == pytest.approx(score(25, 22), rel=1e-4, abs=1e-5)
+    assert score(5, 2) != pytest.approx(score(5, 4), rel=1e-3)
+
+
+def test_rope_is_rotate_half_layout():
+    cfg = ModelConfig(dim=8, n_heads=1, max_seq_len=4)
+    cos, sin = rope_tables(cfg)
+    x = torch.arange(8.0).view(1, 1, 1, 8).expand(1, 1, 4, 8).contiguous()
+    rotated, _ = kernels.apply_rope(x, x, cos, sin)
+    x1, x2 = x[..., :4], x[..., 4:]
+    assert torch.allclose(rotated, torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1))
+
+
+def test_yarn_keeps_high_frequencies_and_stretches_low_ones():
+    plain = ModelConfig(dim=64, n_heads=1, max_seq_len=64)
+    yarn = ModelConfig(dim=64, n_heads=1, max_seq_len=64, rope_scaling="yarn", rope_factor=4.0,
+                       rope_original_max_seq_len=16)
+    (cos_p, sin_p), (cos_y, sin_y) = rope_tables(plain), rope_tables(yarn)
+    mscale = 0.1 * math.log(4.0) + 1
+    angle_p, angle_y = torch.atan2(sin_p, cos_p), torch.atan2(sin_y / mscale, cos_y / mscale)
+    assert torch.allclose(angle_y[1, 0], angle_p[1, 0], atol=1e-6)  # highest frequency unchanged
+    assert angle_y[1, -1].item() == pytest.approx(angle_p[1, -1].item() / 4, rel=1e-4)  # lowest interpolated by 4
+    assert torch.allclose(cos_y[0], torch.full_like(cos_y[0], mscale))
+
+
+def test_moe_routes_balances_and_trains_every_expert():
+    model = _tiny(moe=True, n_experts=4, n_experts_per_token=2, n_shared_experts=1).train()
+    tokens = torch.randint(0, 97, (4, 16))
+    out = model(tokens, tokens)
+    assert out.aux_loss is not None and out.aux_loss.item() > 0
+    dense = masked_cross_entropy(out.logits, tokens, None)
+    assert out.loss.item() == pytest.approx(dense.item() + out.aux_loss.item(), rel=1e-6)
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert model.layers[0].feed_forward.router.weight.grad.abs().sum() > 0
+
+
+def test_untied_and_explicit_hidden_dim():
+    model = _tiny(tie_embeddings=False, hidden_dim=100)
+    assert model.output.weight is not model.tok_embeddings.weight
+    assert model.layers[0].feed_forward.w1.weight.shape == (100, 48)
+    tied = _tiny()
+    assert tied.output.weight is tied.tok_embeddings.weight
+
+
+def test_sequence_longer_than_tables_is_refused():
+    with pytest.raises(ValueError, match="max_seq_len"):
+        _tiny()(torch.zeros(1, 65, dtype=torch.long))

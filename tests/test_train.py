@@ -1,0 +1,210 @@
+"""Training under DeepSpeed on the CPU: ZeRO stages on 2 ranks, exact resume, preemption, metrics, wandb."""
+
+import json
+import math
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import run_cli
+from llm.train.checkpoint import consolidated_weights
+
+TINY = ["model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+        "data.seq_len=32", "train.micro_batch_size=4", "train.warmup_steps=2", "train.eval_batches=2",
+        "train.log_every=1", "train.lr=3e-3"]
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu"}
+
+
+def _args(data, out, *overrides, nproc=1, extra=()):
+    sets = [a for o in [*TINY, *overrides] for a in ("--set", o)]
+    return ["train", "pretrain", "--recipe", "demo", "--data", data, "--out", out, "--nproc", nproc, *sets, *extra]
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def zero_runs(pretrain_data, tmp_path_factory):
+    """The same 4-step job on 2 ranks under ZeRO 0, 1, 2 and 3 (fp32)."""
+    runs = {}
+    for stage in (0, 1, 2, 3):
+        out = tmp_path_factory.mktemp(f"zero{stage}")
+        result = run_cli(*_args(pretrain_data, out, "train.max_steps=4", "train.eval_every=2", "train.precision=fp32",
+                                nproc=2, extra=["--zero-stage", stage]))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[stage] = out
+    return runs
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_two_rank_training_under_each_zero_stage(zero_runs, stage):
+    run = zero_runs[stage]
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(METRIC_KEYS <= set(r) for r in rows)
+    assert all(math.isfinite(r["loss"]) and r["tokens_per_sec"] > 0 for r in rows)
+    assert [r["step"] for r in rows if "val_loss" in r] == [2, 4]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    ds = json.loads((run / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == stage and ds["train_batch_size"] == 8
+    assert (run / "config.yaml").is_file()
+    assert (run / "checkpoints" / "latest").read_text() == "global_step4"
+    assert sorted(p.name for p in (run / "checkpoints" / "global_step4").glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]
+
+
+def test_zero_stages_agree_numerically(zero_runs):
+    """Same seed, data and global batch: ZeRO partitioning must not change the math (fp32)."""
+    losses = {stage: [r["loss"] for r in _metrics(run)] for stage, run in zero_runs.items()}
+    for stage in (1, 2, 3):
+        assert losses[stage] == pytest.approx(losses[0], rel=1e-4), stage
+    weights = {stage: consolidated_weights(run) for stage, run in zero_runs.items()}
+    for stage in (1, 2, 3):
+        for name, tensor in weights[0].items():
+            assert torch.allclose(weights[stage][name], tensor, atol=1e-5), (stage, name)
+
+
+def test_bf16_on_two_ranks(pretrain_data, tmp_path):
+    result = run_cli(*_args(pretrain_data, tmp_path, "train.max_steps=3", "train.eval_every=0",
+                            "train.precision=bf16", nproc=2, extra=["--zero-stage", 2]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _metrics(tmp_path)
+    assert len(rows) == 3 and all(math.isfinite(r["loss"]) for r in rows)
+    assert json.loads((tmp_path / "ds_config.json").read_text())["bf16"]["enabled"] is True
+
+
+def _start(args, log):
+    return subprocess.Popen([sys.executable, "-m", "llm", *map(str, args)], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _wait_for(predicate, proc, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended with {proc.returncode} before the condition held")
+        time.sleep(0.005)
+    raise AssertionError("timed out")
+
+
+SLOW_STEPS = ["data.seq_len=128", "train.micro_batch_size=16", "train.precision=fp32", "train.eval_every=0",
+              "train.save_every=3", "train.max_steps=8"]
+
+
+def test_sigkill_then_resume_is_bit_exact(pretrain_data, tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    result = run_cli(*_args(pretrain_data, straight, *SLOW_STEPS, nproc=2))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    latest = killed / "checkpoints" / "latest"
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = _start(_args(pretrain_data, killed, *SLOW_STEPS, nproc=2), log)
+        try:
+            _wait_for(lambda: latest.is_file() and latest.read_text() == "global_step3", proc)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert latest.read_text() == "global_step3"
+    result = run_cli(*_args(pretrain_data, killed, *SLOW_STEPS, nproc=2, extra=["--resume", "auto"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed at step 6" in result.stdout or "resumed at step 3" in result.stdout
+
+    a, b = _metrics(straight), _metrics(killed)
+    assert [r["step"] for r in b] == list(range(1, 9))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit for bit
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+    wa, wb = consolidated_weights(straight), consolidated_weights(killed)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_sigterm_saves_exits_75_and_resume_continues(pretrain_data, tmp_path):
+    args = _args(pretrain_data, tmp_path, *SLOW_STEPS[:-2], "train.save_every=0", "train.max_steps=400")
+    with open(tmp_path / "run.log", "w") as log:
+        proc = _start(args, log)
+        _wait_for(lambda: (tmp_path / "metrics.jsonl").is_file() and len(_metrics(tmp_path)) >= 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 75
+    step = int((tmp_path / "checkpoints" / "latest").read_text().removeprefix("global_step"))
+    assert step >= 2 and (tmp_path / "run.log").read_text().count("rerun with --resume auto") == 1
+    result = run_cli(*_args(pretrain_data, tmp_path, *SLOW_STEPS[:-2], "train.save_every=0",
+                            f"train.max_steps={step + 2}", extra=["--resume", "auto"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed at step {step}" in result.stdout
+    assert [r["step"] for r in _metrics(tmp_path)] == list(range(1, step + 3))
+
+
+def test_rerun_into_a_used_run_dir_without_resume_is_refused(zero_runs, pretrain_data):
+    result = run_cli(*_args(pretrain_data, zero_runs[2], "train.max_steps=4"))
+    assert result.returncode == 2 and "--resume auto" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_resume_on_another_world_size_under_zero_is_refused_clearly(zero_runs, pretrain_data):
+    result = run_cli(*_args(pretrain_data, zero_runs[2], "train.max_steps=6", "train.eval_every=2",
+                            extra=["--resume", "auto"]))
+    assert result.returncode == 2 and "saved by 2 ranks, this job has 1" in result.stderr
+
+
+def test_metrics_jsonl_and_offline_wandb_hold_the_same_numbers(pretrain_data, tmp_path):
+    result = run_cli(*_args(pretrain_data, tmp_path, "train.max_steps=3", "train.eval_every=3",
+                            "train.precision=fp32", extra=["--wandb", "offline"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3] and "val_loss" in rows[-1]
+    history = _wandb_history(tmp_path)
+    assert [h["_step"] for h in history] == [1, 2, 3]
+    for row, logged in zip(rows, history):
+        for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "val_loss"):
+            if key in row:
+                assert logged[key] == pytest.approx(row[key], rel=1e-12), key
+
+
+def _wandb_records(path):
+    """Payloads of a .wandb file: LevelDB-log framing (32 KiB blocks, 7-byte record headers) after a 7-byte file header."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer too small for a header: zero padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 1:
+            yield chunk
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            yield pending + chunk
+
+
+def _wandb_history(run_dir):
+    from wandb.proto import wandb_internal_pb2
+
+    files = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    history = []
+    for payload in _wandb_records(files[0]):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        if record.WhichOneof("record_type") == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
+    return history
+
+
+def test_missing_data_and_wrong_kind_are_clear_errors(tmp_path, pretrain_data):
+    result = run_cli(*_args(tmp_path / "nowhere", tmp_path / "run", "train.max_steps=1"))
+    assert result.returncode == 2 and "no tokens.h5" in result.stderr
+    result = run_cli(*_args(pretrain_data, tmp_path / "run", "model.vocab_size=100", "train.max_steps=1"))
+    assert result.returncode == 2 and "model.vocab_size" in result.stderr
