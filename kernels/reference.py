@@ -12,16 +12,22 @@ import torch
 import torch.nn.functional as F
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for half types, the input's own dtype when wider (float64 makes the test oracle)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight over the last dim, computed in fp32 and cast back to x's dtype."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * weight.float()).to(x.dtype)
+    """x / rms(x) * weight over the last dim, computed in fp32 (or wider) and cast back to x's dtype."""
+    xc = x.to(_compute_dtype(x))
+    normed = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.to(xc.dtype)).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    dtype = _compute_dtype(x)
+    x1, x2, cos, sin = x[..., :half].to(dtype), x[..., half:].to(dtype), cos.to(dtype), sin.to(dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
@@ -29,8 +35,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
                position_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k (rotate-half layout) by the table rows starting at `position_offset`."""
     seq = q.shape[-2]
-    c = cos[position_offset:position_offset + seq].float()
-    s = sin[position_offset:position_offset + seq].float()
+    c, s = cos[position_offset:position_offset + seq], sin[position_offset:position_offset + seq]
     return _rotate(q, c, s), _rotate(k, c, s)
 
 

@@ -53,6 +53,8 @@ class ModelConfig:
     """Weight of the load-balancing loss added to the language-model loss."""
     norm_topk_prob: bool = True
     init_std: float = 0.02
+    kernels: str = "auto"
+    """Hot ops: 'triton' (fused kernels), 'torch' (reference ops) or 'auto' (Triton on CUDA, torch elsewhere)."""
 
     @property
     def kv_heads(self) -> int:
@@ -245,6 +247,7 @@ def validate(cfg: RunConfig) -> None:
     if m.moe:
         require(0 < m.n_experts_per_token <= m.n_experts,
                 f"model.n_experts_per_token ({m.n_experts_per_token}) must be in 1..model.n_experts ({m.n_experts})")
+    require(m.kernels in ("auto", "triton", "torch"), f"model.kernels must be auto, triton or torch, got '{m.kernels}'")
     require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
     require(t.precision in ("bf16", "fp32"), f"train.precision must be 'bf16' or 'fp32', got '{t.precision}'")
     require(t.lr > 0, f"train.lr must be positive, got {t.lr}")

@@ -68,7 +68,6 @@ def _zerollm(*args: str) -> None:
 
 
 def run_demo(out: Path, steps: int | None = None, nproc: int = 1) -> int:
-    from llm.data.datasets import tokenizer_dir_of
     from llm.infer.generate import complete
     from llm.tokenizer import Tokenizer
     from llm.train.checkpoint import load_trained_model
@@ -98,7 +97,7 @@ def run_demo(out: Path, steps: int | None = None, nproc: int = 1) -> int:
     for step, loss in evals:
         print(f"  step {step:5d}  {loss:.4f}")
     model, _ = load_trained_model(run)
-    tok = Tokenizer.load(tokenizer_dir_of(data))
+    tok = Tokenizer.load(run / "tokenizer")
     print("\nsamples (greedy):")
     for prompt in PROMPTS:
         text = complete(model, tok, prompt, max_new_tokens=12, stop_ids=(tok.eos_id,))

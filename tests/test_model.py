@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from llm.config import ModelConfig, build_config
 from llm.model import Transformer, masked_cross_entropy
 from llm.model.rope import rope_tables
-import kernels
+from kernels import reference as kernels
 
 
 def _count(recipe: str) -> int:

@@ -70,6 +70,17 @@ def test_zero_stages_agree_numerically(zero_runs):
             assert torch.allclose(weights[stage][name], tensor, atol=1e-5), (stage, name)
 
 
+def test_gradient_accumulation_matches_a_larger_micro_batch(zero_runs, pretrain_data, tmp_path):
+    """2 ranks x micro 2 x accum 2 sees the same 8 windows per step as 2 ranks x micro 4."""
+    result = run_cli(*_args(pretrain_data, tmp_path, "train.max_steps=4", "train.eval_every=2", "train.precision=fp32",
+                            "train.micro_batch_size=2", "train.grad_accum=2", nproc=2, extra=["--zero-stage", 2]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    accumulated, reference = _metrics(tmp_path), _metrics(zero_runs[2])
+    assert [r["loss"] for r in accumulated] == pytest.approx([r["loss"] for r in reference], rel=1e-4)
+    assert [r["val_loss"] for r in accumulated if "val_loss" in r] == pytest.approx(
+        [r["val_loss"] for r in reference if "val_loss" in r], rel=1e-4)
+
+
 def test_bf16_on_two_ranks(pretrain_data, tmp_path):
     result = run_cli(*_args(pretrain_data, tmp_path, "train.max_steps=3", "train.eval_every=0",
                             "train.precision=bf16", nproc=2, extra=["--zero-stage", 2]))
@@ -201,6 +212,16 @@ def _wandb_history(run_dir):
             history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                             for item in record.history.item})
     return history
+
+
+def test_data_from_another_tokenizer_is_refused(zero_runs, tmp_path):
+    tok, data = tmp_path / "tok", tmp_path / "data"
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"another corpus, document {i}" for i in range(400)))
+    assert run_cli("tokenizer", "train", "--input", corpus, "--vocab-size", 300, "--out", tok).returncode == 0
+    assert run_cli("data", "prepare", "--input", corpus, "--tokenizer", tok, "--out", data).returncode == 0
+    result = run_cli(*_args(data, zero_runs[2], "train.max_steps=6", extra=["--resume", "auto"]))
+    assert result.returncode == 2 and "another tokenizer" in result.stderr
 
 
 def test_missing_data_and_wrong_kind_are_clear_errors(tmp_path, pretrain_data):

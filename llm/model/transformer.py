@@ -1,8 +1,8 @@
 """LLaMA-style decoder: RMSNorm, RoPE (rotate-half), grouped-query attention, SwiGLU or MoE FFN.
 
 Reads top to bottom: norm, attention, feed-forward, block, transformer. The hot ops (RMSNorm,
-RoPE, attention, SwiGLU) go through the `kernels` package, so fused kernels slot in without
-touching this file. Parameter names follow happy-llm / Meta LLaMA (tok_embeddings, wq, w1, ...).
+RoPE, attention, SwiGLU) go through the `kernels` package; `model.kernels` picks Triton or torch.
+Parameter names follow happy-llm / Meta LLaMA (tok_embeddings, wq, w1, ...).
 """
 
 from __future__ import annotations
@@ -20,14 +20,21 @@ from llm.model.moe import MoEFeedForward
 from llm.model.rope import rope_tables
 
 
+def kernel_backend(choice: str, x: torch.Tensor) -> str:
+    """model.kernels -> a `kernels` backend: 'auto' runs Triton on CUDA and the torch reference elsewhere."""
+    if choice == "auto":
+        return "triton" if x.is_cuda else "torch"
+    return choice
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels_choice: str = "auto") -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.kernels_choice = eps, kernels_choice
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.rms_norm(x, self.weight, self.eps, backend=kernel_backend(self.kernels_choice, x))
 
 
 class Attention(nn.Module):
@@ -40,18 +47,20 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.attn_dropout = cfg.dropout
+        self.kernels_choice = cfg.kernels
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = kernels.apply_rope(q, k, cos, sin)
+        backend = kernel_backend(self.kernels_choice, x)
+        q, k = kernels.apply_rope(q, k, cos, sin, backend=backend)
         if self.training and self.attn_dropout > 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.attn_dropout,
                                                enable_gqa=self.n_heads != self.n_kv_heads)
         else:
-            y = kernels.attention(q, k, v, causal=True)
+            y = kernels.attention(q, k, v, causal=True, backend=backend)
         y = y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim)
         return self.resid_dropout(self.wo(y))
 
@@ -59,26 +68,28 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, dim: int, hidden_dim: int, dropout: float) -> None:
+    def __init__(self, dim: int, hidden_dim: int, dropout: float, kernels_choice: str = "auto") -> None:
         super().__init__()
+        self.kernels_choice = kernels_choice
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.w2(kernels.swiglu(self.w1(x), self.w3(x))))
+        gate = kernels.swiglu(self.w1(x), self.w3(x), backend=kernel_backend(self.kernels_choice, x))
+        return self.dropout(self.w2(gate))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.kernels)
         self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.kernels)
 
         def make_ffn() -> FeedForward:
-            return FeedForward(cfg.dim, cfg.ffn_hidden_dim, cfg.dropout)
+            return FeedForward(cfg.dim, cfg.ffn_hidden_dim, cfg.dropout, cfg.kernels)
 
         self.feed_forward = MoEFeedForward(cfg, make_ffn) if cfg.moe else make_ffn()
 
@@ -103,7 +114,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.kernels)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight

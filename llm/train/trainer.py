@@ -8,19 +8,22 @@ SIGTERM or SIGINT on any rank makes every rank save a checkpoint and exit with `
 from __future__ import annotations
 
 import json
+import random
+import shutil
 import signal
 import sys
 import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from llm.config import RunConfig
-from llm.data.datasets import PretrainWindows, read_data_attrs
+from llm.data.datasets import PretrainWindows, read_data_attrs, tokenizer_dir_of
 from llm.data.sampler import ResumableDistributedSampler
 from llm.errors import UserError
 from llm.model import Transformer
@@ -33,7 +36,15 @@ from llm.train.schedule import lr_multiplier
 EXIT_PREEMPTED = 75
 """Exit code after a SIGTERM/SIGINT: a checkpoint was saved; rerun with --resume auto."""
 
-CONFIG_FILE, DS_CONFIG_FILE = "config.yaml", "ds_config.json"
+CONFIG_FILE, DS_CONFIG_FILE, TOKENIZER_DIR = "config.yaml", "ds_config.json", "tokenizer"
+
+
+def seed_rank_rngs(seed: int, rank: int) -> None:
+    """Seed python, numpy and torch from (run seed, rank)."""
+    derived = int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+    random.seed(derived)
+    np.random.seed(derived)
+    torch.manual_seed(derived)
 
 
 class Trainer:
@@ -52,6 +63,7 @@ class Trainer:
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         model = Transformer(cfg.model)
         self.n_params = model.num_parameters()
+        seed_rank_rngs(t.seed, dist_info.rank)  # then per-rank streams (dropout, sampling)
         self.engine = build_engine(model, cfg, ds_config, lambda step: lr_multiplier(step, t))
         self.step = 0
         self.run_id = uuid.uuid4().hex[:12]
@@ -185,6 +197,23 @@ class Trainer:
         return 0
 
 
+def check_tokenizer(run_dir: Path, data_dir: Path, data_hash: str) -> None:
+    """Refuse data tokenized with another tokenizer than the one this run directory already keeps."""
+    from llm.tokenizer import Tokenizer
+
+    kept = run_dir / TOKENIZER_DIR
+    if kept.is_dir() and (kept_hash := Tokenizer.load(kept).hash) != data_hash:
+        raise UserError(f"{data_dir} was tokenized with another tokenizer (hash {data_hash}) than this run's "
+                        f"{kept} (hash {kept_hash}); prepare the data with {kept}")
+
+
+def keep_tokenizer(run_dir: Path, data_dir: Path) -> None:
+    """Copy the data's tokenizer into the run directory, so the run is self-contained."""
+    source, kept = tokenizer_dir_of(data_dir), run_dir / TOKENIZER_DIR
+    if source.is_dir() and not kept.is_dir():
+        shutil.copytree(source, kept)
+
+
 def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool, zero_stage: int | None = None) -> int:
     """Train `cfg` into `run_dir` under DeepSpeed; returns the process exit code."""
     if not cfg.data.path:
@@ -193,6 +222,7 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     if attrs["vocab_size"] > cfg.model.vocab_size:
         raise UserError(f"{cfg.data.path}: tokenizer has {attrs['vocab_size']} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}; set model.vocab_size >= {attrs['vocab_size']}")
+    check_tokenizer(run_dir, Path(cfg.data.path), attrs["tokenizer_hash"])
     raw_ds, ds_source = load_ds_config(ds_config_path, cfg.train.stage)
     if not resume and checkpoint.latest_tag(run_dir) is not None:
         raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out")
@@ -200,6 +230,7 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     ds_config = resolve_ds_config(raw_ds, cfg, info.world_size, ds_source, zero_stage)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        keep_tokenizer(run_dir, Path(cfg.data.path))
         cfg.save(run_dir / CONFIG_FILE)
         (run_dir / DS_CONFIG_FILE).write_text(json.dumps(ds_config, indent=2))
     trainer = Trainer(cfg, run_dir, info, ds_config)
