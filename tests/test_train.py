@@ -71,9 +71,11 @@ def test_zero_stages_agree_numerically(zero_runs):
 
 
 def test_gradient_accumulation_matches_a_larger_micro_batch(zero_runs, pretrain_data, tmp_path):
-    """2 ranks x micro 2 x accum 2 sees the same 8 windows per step as 2 ranks x micro 4."""
+    """2 ranks x micro 2 x accum 2 sees the same 8 windows per step as 2 ranks x micro 4
+    (and, with twice the eval batches, the same validation windows)."""
     result = run_cli(*_args(pretrain_data, tmp_path, "train.max_steps=4", "train.eval_every=2", "train.precision=fp32",
-                            "train.micro_batch_size=2", "train.grad_accum=2", nproc=2, extra=["--zero-stage", 2]))
+                            "train.micro_batch_size=2", "train.grad_accum=2", "train.eval_batches=4", nproc=2,
+                            extra=["--zero-stage", 2]))
     assert result.returncode == 0, result.stderr[-3000:]
     accumulated, reference = _metrics(tmp_path), _metrics(zero_runs[2])
     assert [r["loss"] for r in accumulated] == pytest.approx([r["loss"] for r in reference], rel=1e-4)
