@@ -67,3 +67,74 @@ def bench_train(args: argparse.Namespace) -> int:
     print(f"  MFU                    {median('mfu'):12.3f}")
     print(f"  peak memory (MiB)      {max(r['peak_mem_mb'] for r in measured):12,.0f}")
     return 0
+
+
+def _median_seconds(fn, repeats: int) -> list[float]:
+    """Median over `repeats` of each element of the tuple of seconds `fn` returns."""
+    runs = [fn() for _ in range(repeats)]
+    return [statistics.median(column) for column in zip(*runs)]
+
+
+def bench_generate(args: argparse.Namespace) -> int:
+    """Prefill and decode tokens/s: our cached decoding, uncached decoding, transformers' generate."""
+    import time
+
+    import torch
+
+    from llm.export import export_model, load_for_inference
+    from llm.infer.generate import TextGenerator
+    from llm.infer.sampling import SamplingParams
+
+    if min(args.prompt_tokens, args.new_tokens, args.batch, args.repeats) < 1 or args.new_tokens < 2:
+        raise UserError("--prompt-tokens, --batch and --repeats must be >= 1 and --new-tokens >= 2")
+    model, tokenizer = load_for_inference(args.model)
+    if args.prompt_tokens + args.new_tokens > model.cfg.max_seq_len:
+        raise UserError(f"--prompt-tokens + --new-tokens exceeds the model's max_seq_len {model.cfg.max_seq_len}")
+    generator = TextGenerator(model, tokenizer, stop_token_ids=[])  # always decode --new-tokens tokens
+    rng = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, tokenizer.vocab_size, (args.batch, args.prompt_tokens), generator=rng)
+    params = SamplingParams(max_new_tokens=args.new_tokens)
+
+    def ours(use_cache: bool):
+        def run() -> tuple[float, float]:
+            start = time.perf_counter()
+            steps = generator.token_steps(prompts.tolist(), params, use_cache)
+            next(steps)
+            first = time.perf_counter()
+            for _ in steps:
+                pass
+            return first - start, time.perf_counter() - first
+        return run
+
+    results = {"zerollm, KV cache": _median_seconds(ours(True), args.repeats),
+               "zerollm, no cache": _median_seconds(ours(False), args.repeats)}
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        AutoModelForCausalLM = None
+    if AutoModelForCausalLM is not None and not model.cfg.moe:
+        with tempfile.TemporaryDirectory(prefix="zerollm-bench-") as tmp:
+            export_model(model, None, Path(tmp))
+            hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+
+        def transformers_run() -> tuple[float, float]:
+            kwargs = dict(do_sample=False, pad_token_id=tokenizer.pad_id, eos_token_id=None)
+            with torch.no_grad():
+                start = time.perf_counter()
+                hf.generate(prompts, max_new_tokens=1, min_new_tokens=1, **kwargs)
+                prefill = time.perf_counter() - start
+                start = time.perf_counter()
+                hf.generate(prompts, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **kwargs)
+            return prefill, time.perf_counter() - start - prefill
+
+        results["transformers generate"] = _median_seconds(transformers_run, args.repeats)
+    prefill_tokens, decode_tokens = args.batch * args.prompt_tokens, args.batch * (args.new_tokens - 1)
+    cached_decode = decode_tokens / results["zerollm, KV cache"][1]
+    print(f"bench generate: {model.num_parameters() / 1e6:.2f} M parameters, batch {args.batch}, prompt "
+          f"{args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy, fp32, {torch.get_num_threads()} "
+          f"threads; median of {args.repeats}")
+    print(f"  {'variant':<24}{'prefill tok/s':>15}{'decode tok/s':>15}{'cached decode is':>20}")
+    for name, (prefill, decode) in results.items():
+        rate = decode_tokens / decode
+        print(f"  {name:<24}{prefill_tokens / prefill:15,.0f}{rate:15,.1f}{cached_decode / rate:18.2f}x")
+    return 0

@@ -83,6 +83,42 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=int, default=1, help="ranks (default 1)")
 
 
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="run directory (newest checkpoint) or export directory")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+
+
+def _add_inference(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("generate", help="continue a prompt", epilog=EPILOG,
+                       description="Generate a continuation of --prompt (or a ChatML reply with --chat), streamed "
+                                   "to stdout, using a KV cache.")
+    _add_sampling_options(g)
+    g.add_argument("--prompt", required=True, help="text to continue")
+    g.add_argument("--chat", action="store_true", help="treat the prompt as a user message and answer it (ChatML)")
+    c = sub.add_parser("chat", help="multi-turn chat in the terminal", epilog=EPILOG,
+                       description="A ChatML REPL with streamed replies. Commands: /reset, /system TEXT, /quit.")
+    _add_sampling_options(c)
+    c.add_argument("--system", default=None, help="system prompt")
+    e = sub.add_parser("export", help="export a run to Hugging Face Llama format", epilog=EPILOG,
+                       description="Write model.safetensors, config.json (LlamaForCausalLM) and the tokenizer files "
+                                   "of a run's newest checkpoint (any ZeRO stage) to --out.")
+    e.add_argument("--run", required=True, help="run directory")
+    e.add_argument("--out", required=True, help="export directory")
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server", epilog=EPILOG,
+                       description="Serve POST /v1/chat/completions (JSON or SSE stream), GET /v1/models and "
+                                   "GET /health. Binds 127.0.0.1 unless --host says otherwise.")
+    v.add_argument("--model", required=True, help="run directory or export directory")
+    v.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    v.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    v.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request (default 256)")
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="what", required=True)
@@ -92,6 +128,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_run_options(b)
     b.add_argument("--steps", type=int, default=10, help="measured steps (default 10)")
     b.add_argument("--warmup", type=int, default=2, help="steps excluded from the figures (default 2)")
+    g = bsub.add_parser("generate", help="prefill and decode speed: cached, uncached, transformers", epilog=EPILOG,
+                        description="Time prefill and decode tokens/s of greedy generation with our KV cache, "
+                                    "without it (whole sequence recomputed per token), and with transformers' "
+                                    "generate on the exported weights, side by side.")
+    g.add_argument("--model", required=True, help="run directory or export directory")
+    g.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
+    g.add_argument("--new-tokens", type=int, default=64, help="tokens to decode (default 64)")
+    g.add_argument("--batch", type=int, default=1, help="prompts per batch (default 1)")
+    g.add_argument("--repeats", type=int, default=3, help="runs per variant; the median is reported (default 3)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tokenizer(sub)
     _add_data(sub)
     _add_train(sub)
+    _add_inference(sub)
     _add_demo(sub)
     _add_bench(sub)
     return parser
@@ -137,22 +183,82 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config_for(args: argparse.Namespace, extra: list[str]):
+def cmd_train(args: argparse.Namespace) -> int:
     from llm.config import build_config
 
-    return build_config(args.recipe, [*args.overrides, *extra])
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    extra = [f"data.path={args.data}", f"train.stage={args.stage}"]
-    if args.wandb:
-        extra.append(f"wandb.mode={args.wandb}")
-    cfg = _config_for(args, extra)
+    extra = [f"train.stage={args.stage}"] + ([f"wandb.mode={args.wandb}"] if args.wandb else [])
+    cfg = build_config(args.recipe, [*args.overrides, *extra])
+    cfg.data.path = args.data  # a path, never parsed as YAML
     if args.nproc > 1 and not under_launcher():
         return relaunch_local(args.nproc, args.argv)
     from llm.train.trainer import run
 
     return run(cfg, Path(args.out), args.deepspeed, resume=args.resume == "auto", zero_stage=args.zero_stage)
+
+
+def _sampling(args: argparse.Namespace):
+    from llm.infer.sampling import SamplingParams
+
+    try:
+        return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, repetition_penalty=args.repetition_penalty, stop=args.stop,
+                              seed=args.seed)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _generator(model_dir: str):
+    from llm.export import load_for_inference
+    from llm.infer.generate import TextGenerator
+
+    return TextGenerator(*load_for_inference(model_dir))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from llm.tokenizer import Tokenizer
+
+    params, generator = _sampling(args), _generator(args.model)
+    prompt = Tokenizer.render_chat([{"role": "user", "content": args.prompt}], True) if args.chat else args.prompt
+    try:
+        for piece in generator.stream(prompt, params):
+            print(piece, end="", flush=True)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    print()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from llm.infer.chat import chat_repl
+
+    chat_repl(_generator(args.model), _sampling(args), system=args.system)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from llm.export import export_model
+    from llm.train.checkpoint import load_trained_model
+
+    model, _ = load_trained_model(Path(args.run))
+    export_model(model, Path(args.run) / "tokenizer", Path(args.out))
+    print(f"exported {model.num_parameters():,} parameters to {args.out} (LlamaForCausalLM, safetensors)")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from llm.infer.server import ChatService, make_server
+
+    service = ChatService(_generator(args.model), Path(args.model).resolve().name, args.max_tokens)
+    server = make_server(service, args.host, args.port)
+    host, port = server.server_address[:2]
+    print(f"serving {service.model_name} on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -162,12 +268,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from llm.bench import bench_train
+    from llm.bench import bench_generate, bench_train
 
-    return bench_train(args)
+    return bench_train(args) if args.what == "train" else bench_generate(args)
 
 
-COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "demo": cmd_demo, "bench": cmd_bench}
+COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "generate": cmd_generate,
+            "chat": cmd_chat, "export": cmd_export, "serve": cmd_serve, "demo": cmd_demo, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -224,36 +224,41 @@ def build_config(recipe: str | dict[str, Any], overrides: list[str] | None = Non
     return cfg
 
 
-def validate(cfg: RunConfig) -> None:
-    m, d, t = cfg.model, cfg.data, cfg.train
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise UserError(message)
 
-    def require(ok: bool, message: str) -> None:
-        if not ok:
-            raise UserError(message)
 
+def validate_model(m: ModelConfig) -> None:
     for key, value in (("model.dim", m.dim), ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads),
-                       ("model.vocab_size", m.vocab_size), ("data.seq_len", d.seq_len),
-                       ("train.micro_batch_size", t.micro_batch_size), ("train.grad_accum", t.grad_accum),
-                       ("train.max_steps", t.max_steps)):
-        require(value > 0, f"{key} must be positive, got {value}")
-    require(m.dim % m.n_heads == 0, f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
-    require(m.head_dim % 2 == 0, f"head dim model.dim/model.n_heads = {m.head_dim} must be even for RoPE")
-    require(m.n_heads % m.kv_heads == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
-    require(d.seq_len <= m.max_seq_len, f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
-    require(m.rope_scaling in ("none", "yarn"), f"model.rope_scaling must be 'none' or 'yarn', got '{m.rope_scaling}'")
+                       ("model.vocab_size", m.vocab_size), ("model.max_seq_len", m.max_seq_len)):
+        _require(value > 0, f"{key} must be positive, got {value}")
+    _require(m.dim % m.n_heads == 0, f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
+    _require(m.head_dim % 2 == 0, f"head dim model.dim/model.n_heads = {m.head_dim} must be even for RoPE")
+    _require(m.n_heads % m.kv_heads == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
+    _require(m.rope_scaling in ("none", "yarn"), f"model.rope_scaling must be 'none' or 'yarn', got '{m.rope_scaling}'")
     if m.rope_scaling == "yarn":
-        require(m.rope_factor > 1 and m.rope_original_max_seq_len > 0,
-                "model.rope_scaling=yarn needs model.rope_factor > 1 and model.rope_original_max_seq_len > 0")
+        _require(m.rope_factor > 1 and m.rope_original_max_seq_len > 0,
+                 "model.rope_scaling=yarn needs model.rope_factor > 1 and model.rope_original_max_seq_len > 0")
     if m.moe:
-        require(0 < m.n_experts_per_token <= m.n_experts,
-                f"model.n_experts_per_token ({m.n_experts_per_token}) must be in 1..model.n_experts ({m.n_experts})")
-    require(m.kernels in ("auto", "triton", "torch"), f"model.kernels must be auto, triton or torch, got '{m.kernels}'")
-    require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
-    require(t.precision in ("bf16", "fp32"), f"train.precision must be 'bf16' or 'fp32', got '{t.precision}'")
-    require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
-    require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+        _require(0 < m.n_experts_per_token <= m.n_experts,
+                 f"model.n_experts_per_token ({m.n_experts_per_token}) must be in 1..model.n_experts ({m.n_experts})")
+    _require(m.kernels in ("auto", "triton", "torch"), f"model.kernels must be auto, triton or torch, got '{m.kernels}'")
+    _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
+
+
+def validate(cfg: RunConfig) -> None:
+    d, t = cfg.data, cfg.train
+    validate_model(cfg.model)
+    for key, value in (("data.seq_len", d.seq_len), ("train.micro_batch_size", t.micro_batch_size),
+                       ("train.grad_accum", t.grad_accum), ("train.max_steps", t.max_steps)):
+        _require(value > 0, f"{key} must be positive, got {value}")
+    _require(d.seq_len <= cfg.model.max_seq_len, f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
+    _require(t.precision in ("bf16", "fp32"), f"train.precision must be 'bf16' or 'fp32', got '{t.precision}'")
+    _require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
+    _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     for key, value in (("train.eval_every", t.eval_every), ("train.save_every", t.save_every),
                        ("train.warmup_steps", t.warmup_steps), ("train.keep_checkpoints", t.keep_checkpoints)):
-        require(value >= 0, f"{key} must be >= 0, got {value}")
-    require(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
-    require(cfg.wandb.mode in ("off", "offline", "online"), f"wandb.mode must be off, offline or online, got '{cfg.wandb.mode}'")
+        _require(value >= 0, f"{key} must be >= 0, got {value}")
+    _require(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
+    _require(cfg.wandb.mode in ("off", "offline", "online"), f"wandb.mode must be off, offline or online, got '{cfg.wandb.mode}'")

@@ -100,7 +100,7 @@ def run_demo(out: Path, steps: int | None = None, nproc: int = 1) -> int:
     tok = Tokenizer.load(run / "tokenizer")
     print("\nsamples (greedy):")
     for prompt in PROMPTS:
-        text = complete(model, tok, prompt, max_new_tokens=12, stop_ids=(tok.eos_id,))
+        text = complete(model, tok, prompt, max_new_tokens=12)
         print(f"  {prompt!r} -> {text!r}")
     falling = len(evals) >= 2 and evals[-1][1] < evals[0][1]
     print(f"\nvalidation loss {'fell' if falling else 'did NOT fall'}: {evals[0][1]:.4f} -> {evals[-1][1]:.4f}. "

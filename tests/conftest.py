@@ -48,3 +48,28 @@ def pretrain_data(tokenizer_dir, tmp_path_factory) -> Path:
                      "--tokenizer", tokenizer_dir, "--out", out, "--val-fraction", 0.05, "--workers", 2)
     assert result.returncode == 0, result.stderr
     return out
+
+
+TINY = ["model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+        "data.seq_len=32", "train.micro_batch_size=4", "train.warmup_steps=2", "train.eval_batches=2",
+        "train.log_every=1", "train.lr=3e-3"]
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu"}
+
+
+def train_args(data, out, *overrides, nproc=1, extra=()):
+    """`zerollm train pretrain` arguments for a tiny model."""
+    sets = [a for o in [*TINY, *overrides] for a in ("--set", o)]
+    return ["train", "pretrain", "--recipe", "demo", "--data", data, "--out", out, "--nproc", nproc, *sets, *extra]
+
+
+@pytest.fixture(scope="session")
+def zero_runs(pretrain_data, tmp_path_factory):
+    """The same 4-step job on 2 ranks under ZeRO 0, 1, 2 and 3 (fp32)."""
+    runs = {}
+    for stage in (0, 1, 2, 3):
+        out = tmp_path_factory.mktemp(f"zero{stage}")
+        result = run_cli(*train_args(pretrain_data, out, "train.max_steps=4", "train.eval_every=2",
+                                     "train.precision=fp32", nproc=2, extra=["--zero-stage", stage]))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[stage] = out
+    return runs

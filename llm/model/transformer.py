@@ -8,7 +8,7 @@ Parameter names follow happy-llm / Meta LLaMA (tok_embeddings, wq, w1, ...).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import kernels
 from llm.config import ModelConfig
+from llm.infer.kv_cache import KVCache
 from llm.model.moe import MoEFeedForward
 from llm.model.rope import rope_tables
 
@@ -49,14 +50,21 @@ class Attention(nn.Module):
         self.attn_dropout = cfg.dropout
         self.kernels_choice = cfg.kernels
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         backend = kernel_backend(self.kernels_choice, x)
-        q, k = kernels.apply_rope(q, k, cos, sin, backend=backend)
-        if self.training and self.attn_dropout > 0:
+        q, k = kernels.apply_rope(q, k, cos, sin, position_offset=cache.length if cache else 0, backend=backend)
+        mask = None
+        if cache is not None:  # attend to every cached position; the causal mask aligns bottom-right
+            k, v = cache.append(layer, k, v)
+            mask = cache.attention_mask(seq)
+        if mask is not None:  # left-padded batch
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
+        elif self.training and self.attn_dropout > 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.attn_dropout,
                                                enable_gqa=self.n_heads != self.n_kv_heads)
         else:
@@ -93,18 +101,18 @@ class Block(nn.Module):
 
         self.feed_forward = MoEFeedForward(cfg, make_ffn) if cfg.moe else make_ffn()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-@dataclass
-class ModelOutput:
+class ModelOutput(NamedTuple):
+    """A named tuple, so DeepSpeed ZeRO-3 sees the tensors inside it."""
+
     logits: torch.Tensor
-    loss: torch.Tensor | None = None
-    """Mean cross-entropy over target positions whose loss mask is 1, plus the MoE balance loss."""
-    aux_loss: torch.Tensor | None = None
-    """MoE load-balancing loss (already weighted), or None for a dense model."""
+    loss: torch.Tensor | None = None  # mean cross-entropy over targets whose loss mask is 1, plus aux_loss
+    aux_loss: torch.Tensor | None = None  # MoE load-balancing loss (already weighted); None for a dense model
 
 
 class Transformer(nn.Module):
@@ -136,14 +144,16 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                loss_mask: torch.Tensor | None = None) -> ModelOutput:
-        seq = tokens.shape[1]
-        if seq > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+                loss_mask: torch.Tensor | None = None, cache: KVCache | None = None) -> ModelOutput:
+        """Logits (and loss when targets are given). With a `cache`, `tokens` continue the cached sequence."""
+        end = tokens.shape[1] + (cache.length if cache else 0)
+        if end > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {end} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
         h = self.dropout(self.tok_embeddings(tokens))
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, self.rope_cos, self.rope_sin, cache, i)
+        if cache is not None:
+            cache.advance(tokens.shape[1])
         logits = self.output(self.norm(h))
         aux_loss = sum(layer.feed_forward.aux_loss for layer in self.layers) if self.cfg.moe else None
         if targets is None:

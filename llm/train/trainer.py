@@ -228,14 +228,13 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out")
     info = setup_distributed()
     ds_config = resolve_ds_config(raw_ds, cfg, info.world_size, ds_source, zero_stage)
-    if info.is_main:
+    trainer = Trainer(cfg, run_dir, info, ds_config)
+    resumed = resume and trainer.resume()
+    if info.is_main:  # written once the run is known to start (a refused resume leaves the directory as it was)
         run_dir.mkdir(parents=True, exist_ok=True)
         keep_tokenizer(run_dir, Path(cfg.data.path))
         cfg.save(run_dir / CONFIG_FILE)
         (run_dir / DS_CONFIG_FILE).write_text(json.dumps(ds_config, indent=2))
-    trainer = Trainer(cfg, run_dir, info, ds_config)
-    resumed = resume and trainer.resume()
-    if info.is_main:
         print(f"{cfg.train.stage}: {trainer.n_params / 1e6:.3f} M parameters, {info.world_size} rank(s), "
               f"ZeRO stage {ds_config.get('zero_optimization', {}).get('stage', 0)}, {cfg.train.precision}, "
               f"{len(trainer.train_set):,} train windows" + (f", resumed at step {trainer.step}" if resumed else ""),

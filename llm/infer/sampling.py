@@ -1,0 +1,64 @@
+"""Next-token choice: greedy, or sampling with temperature, top-k, top-p and a repetition penalty."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    """0 means greedy (argmax)."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = off)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches p (1 = off)."""
+    repetition_penalty: float = 1.0
+    """> 1 discourages tokens already in the prompt or output (CTRL-style: logit / p if > 0 else * p)."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end generation (not included in the output)."""
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0:
+            raise ValueError("max_new_tokens, temperature and top_k must be >= 0")
+        if not 0 < self.top_p <= 1 or self.repetition_penalty <= 0:
+            raise ValueError("top_p must be in (0, 1] and repetition_penalty > 0")
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """logits `[batch, vocab]`; seen: bool `[batch, vocab]` of tokens already present."""
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    threshold = logits.topk(k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    drop_sorted = cumulative - sorted_logits.softmax(-1) >= p  # tokens after the set already reaching p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def choose_next(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """Next token ids `[batch]` from last-position logits `[batch, vocab]`."""
+    logits = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty)
+    if params.temperature == 0:
+        return logits.argmax(-1)
+    logits = filter_top_p(filter_top_k(logits / params.temperature, params.top_k), params.top_p)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
