@@ -44,6 +44,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     """Softmax attention with grouped-query heads; a causal mask is aligned bottom-right when q is shorter than k."""
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
+    if causal and seq_q == 1:  # one query after its keys (a decode step) sees every key
+        causal = False
     if causal and seq_q != seq_k:
         mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril(diagonal=seq_k - seq_q)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

@@ -46,9 +46,9 @@ class TextGenerator:
 
     def _logits(self, ids: torch.Tensor, valid: torch.Tensor, cache: KVCache) -> torch.Tensor:
         cache.start_step(valid)
-        return self.model(ids, cache=cache).logits[:, -1]
+        return self.model(ids, cache=cache, last_only=True).logits[:, -1]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def token_steps(self, prompts: list[list[int]], params: SamplingParams,
                     use_cache: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Per decode step: (next token `[batch]`, finished `[batch]`); a row is finished once it emitted a stop id."""

@@ -21,6 +21,8 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.padded = False
+        """Whether any position so far is padding (then attention needs an explicit mask)."""
         self.length = 0
         self.max_len = max_len
 
@@ -30,6 +32,7 @@ class KVCache:
         if end > self.max_len:
             raise ValueError(f"the cache holds {self.max_len} positions; this step needs {end}")
         self.key_valid[:, self.length:end] = valid
+        self.padded = self.padded or not bool(valid.all())
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v for `layer`; return every cached k, v of that layer so far."""
@@ -41,10 +44,10 @@ class KVCache:
     def attention_mask(self, seq_q: int) -> torch.Tensor | None:
         """Boolean `[batch, 1, seq_q, kv_len]`: causal (bottom-right), real keys only, and always the query's own
         position (so a padding query stays finite); None when nothing is padded (plain causal attention)."""
+        if not self.padded:
+            return None
         kv_len = self.length + seq_q
         valid = self.key_valid[:, :kv_len]
-        if bool(valid.all()):
-            return None
         positions = torch.arange(kv_len, device=valid.device)
         query_pos = positions[self.length:].unsqueeze(1)
         causal = positions.unsqueeze(0) <= query_pos

@@ -144,8 +144,10 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                loss_mask: torch.Tensor | None = None, cache: KVCache | None = None) -> ModelOutput:
-        """Logits (and loss when targets are given). With a `cache`, `tokens` continue the cached sequence."""
+                loss_mask: torch.Tensor | None = None, cache: KVCache | None = None,
+                last_only: bool = False) -> ModelOutput:
+        """Logits (and loss when targets are given). With a `cache`, `tokens` continue the cached sequence;
+        `last_only` computes the logits of the last position only (generation)."""
         end = tokens.shape[1] + (cache.length if cache else 0)
         if end > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
@@ -154,6 +156,8 @@ class Transformer(nn.Module):
             h = layer(h, self.rope_cos, self.rope_sin, cache, i)
         if cache is not None:
             cache.advance(tokens.shape[1])
+        if last_only:
+            h = h[:, -1:]
         logits = self.output(self.norm(h))
         aux_loss = sum(layer.feed_forward.aux_loss for layer in self.layers) if self.cfg.moe else None
         if targets is None:
