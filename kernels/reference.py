@@ -24,7 +24,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (normed * weight.to(xc.dtype)).to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x `[..., seq, head_dim]` by angles whose cos/sin broadcast to `[..., seq, head_dim // 2]`."""
     half = x.shape[-1] // 2
     dtype = _compute_dtype(x)
     x1, x2, cos, sin = x[..., :half].to(dtype), x[..., half:].to(dtype), cos.to(dtype), sin.to(dtype)
@@ -36,7 +37,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     """Rotate q and k (rotate-half layout) by the table rows starting at `position_offset`."""
     seq = q.shape[-2]
     c, s = cos[position_offset:position_offset + seq], sin[position_offset:position_offset + seq]
-    return _rotate(q, c, s), _rotate(k, c, s)
+    return rotate(q, c, s), rotate(k, c, s)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,

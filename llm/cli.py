@@ -34,7 +34,8 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
                                     "append end-of-text after each document and write OUT/tokens.h5 with a "
                                     "train/val split and OUT/report.json. Malformed records are skipped and "
                                     "reported with file:line (or fatal with --strict).")
-    d.add_argument("--kind", choices=["pretrain"], default="pretrain", help="what the data is for (default pretrain)")
+    d.add_argument("--kind", choices=["pretrain", "sft", "dpo"], default="pretrain",
+                   help="pretrain: documents; sft: conversations with a loss mask on replies; dpo: preference pairs")
     d.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or directories to read")
     d.add_argument("--tokenizer", required=True, help="tokenizer directory (from `zerollm tokenizer train`)")
     d.add_argument("--out", required=True, help="output directory")
@@ -42,6 +43,9 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: CPU count, at most 8)")
     d.add_argument("--strict", action="store_true", help="stop at the first malformed record instead of skipping it")
     d.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default 0)")
+    d.add_argument("--seq-len", type=int, default=512,
+                   help="sft/dpo: longest sample in predicted positions; longer conversations are cut at a turn "
+                        "boundary, longer pairs truncated (default 512)")
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -55,22 +59,39 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="ranks on this machine; >1 relaunches under the deepspeed launcher")
 
 
+STAGE_HELP = {
+    "pretrain": ("pretrain on prepared data", "Pretrain a decoder under DeepSpeed ZeRO."),
+    "sft": ("supervised fine-tuning on conversations",
+            "Fine-tune on `data prepare --kind sft` conversations: loss on assistant replies only, several "
+            "conversations packed per window without attending to each other. Start from --init-from."),
+    "dpo": ("direct preference optimization on pairs",
+            "Train on `data prepare --kind dpo` pairs against a frozen reference (a second DeepSpeed engine "
+            "holding the --init-from weights); logs rewards/chosen, rewards/rejected, rewards/accuracy, "
+            "rewards/margin."),
+}
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     from llm.config import recipe_names
 
     p = sub.add_parser("train", help="train a model under DeepSpeed")
     tsub = p.add_subparsers(dest="stage", required=True)
-    t = tsub.add_parser("pretrain", help="pretrain on prepared data", epilog=f"Recipes: {', '.join(recipe_names())}. {EPILOG}",
-                        description="Pretrain a decoder under DeepSpeed ZeRO. Writes RUN_DIR/config.yaml, "
-                                    "RUN_DIR/ds_config.json, RUN_DIR/metrics.jsonl and RUN_DIR/checkpoints/. "
-                                    "SIGTERM saves a checkpoint and exits 75; --resume auto continues exactly.")
-    _add_run_options(t)
-    t.add_argument("--data", required=True, help="directory from `zerollm data prepare`")
-    t.add_argument("--out", required=True, help="run directory")
-    t.add_argument("--resume", choices=["auto", "never"], default="never",
-                   help="auto: continue from the newest complete checkpoint in --out, if any")
-    t.add_argument("--wandb", choices=["off", "offline", "online"], default=None,
-                   help="log to wandb as well (default: the recipe's wandb.mode, off)")
+    for stage, (short, long) in STAGE_HELP.items():
+        t = tsub.add_parser(stage, help=short, epilog=f"Recipes: {', '.join(recipe_names())}. {EPILOG}",
+                            description=long + " Writes RUN_DIR/config.yaml, RUN_DIR/ds_config.json, "
+                            "RUN_DIR/metrics.jsonl and RUN_DIR/checkpoints/. SIGTERM saves a checkpoint and exits "
+                            "75; --resume auto continues exactly.")
+        _add_run_options(t)
+        t.add_argument("--data", required=True, help=f"directory from `zerollm data prepare --kind {stage}`")
+        t.add_argument("--out", required=True, help="run directory")
+        t.add_argument("--init-from", default=None, metavar="DIR", required=stage == "dpo",
+                       help="start from the weights of a run directory or an export directory")
+        if stage == "dpo":
+            t.add_argument("--beta", type=float, default=None, help="DPO beta (default: train.dpo_beta, 0.1)")
+        t.add_argument("--resume", choices=["auto", "never"], default="never",
+                       help="auto: continue from the newest complete checkpoint in --out, if any")
+        t.add_argument("--wandb", choices=["off", "offline", "online"], default=None,
+                       help="log to wandb as well (default: the recipe's wandb.mode, off)")
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -153,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> int:
-    from llm.data.formats import Skipped, expand_inputs, read_pretrain_documents
+    from llm.data.formats import Skipped, expand_inputs, read_records
     from llm.tokenizer import train_tokenizer
 
     files = expand_inputs(args.input)
@@ -161,11 +182,11 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
     def texts():
         nonlocal skipped
-        for doc in read_pretrain_documents(files):
-            if isinstance(doc, Skipped):
+        for record in read_records(files, "pretrain"):
+            if isinstance(record, Skipped):
                 skipped += 1
             else:
-                yield doc.text
+                yield record.value
 
     tok = train_tokenizer(texts(), args.vocab_size, Path(args.out), args.min_frequency)
     print(f"tokenizer: {tok.vocab_size} tokens, hash {tok.hash}, written to {args.out}"
@@ -174,10 +195,10 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from llm.data.prepare import prepare_pretrain
+    from llm.data.prepare import prepare
 
-    report = prepare_pretrain(args.input, args.tokenizer, args.out, val_fraction=args.val_fraction,
-                              workers=args.workers, strict=args.strict, seed=args.seed)
+    report = prepare(args.kind, args.input, args.tokenizer, args.out, val_fraction=args.val_fraction,
+                     workers=args.workers, strict=args.strict, seed=args.seed, seq_len=args.seq_len)
     print(report.summary())
     print(f"written to {args.out}")
     return 0
@@ -187,8 +208,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from llm.config import build_config
 
     extra = [f"train.stage={args.stage}"] + ([f"wandb.mode={args.wandb}"] if args.wandb else [])
-    cfg = build_config(args.recipe, [*args.overrides, *extra])
-    cfg.data.path = args.data  # a path, never parsed as YAML
+    if getattr(args, "beta", None) is not None:
+        extra.append(f"train.dpo_beta={args.beta}")
+    cfg = build_config(args.recipe, [*args.overrides, *extra], paths={"data.path": args.data,
+                                                                       "train.init_from": args.init_from})
     if args.nproc > 1 and not under_launcher():
         return relaunch_local(args.nproc, args.argv)
     from llm.train.trainer import run

@@ -85,6 +85,13 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     stage: str = "pretrain"
+    """'pretrain', 'sft' or 'dpo' (set by `zerollm train STAGE`)."""
+    init_from: str | None = None
+    """Run directory or export directory whose weights start this run (SFT from pretraining, DPO from SFT)."""
+    dpo_beta: float = 0.1
+    """DPO temperature: rewards are beta * (log pi - log pi_ref) summed over reply tokens."""
+    dpo_loss: str = "sigmoid"
+    """'sigmoid' (DPO) or 'ipo'."""
     max_steps: int = 1000
     """Optimizer steps to train for (the run ends at this global step)."""
     micro_batch_size: int = 8
@@ -209,8 +216,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def build_config(recipe: str | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
-    """Recipe (name, path or mapping) + `--set` overrides -> a validated RunConfig."""
+def build_config(recipe: str | dict[str, Any], overrides: list[str] | None = None,
+                 paths: dict[str, str | None] | None = None) -> RunConfig:
+    """Recipe (name, path or mapping) + `--set` overrides + command-line paths (taken verbatim, never parsed
+    as YAML; None leaves the key as it is) -> a validated RunConfig."""
     raw = load_recipe(recipe) if isinstance(recipe, str) else recipe
     cfg = RunConfig()
     for section_name, values in raw.items():
@@ -220,6 +229,9 @@ def build_config(recipe: str | dict[str, Any], overrides: list[str] | None = Non
             _apply(cfg, f"{section_name}.{name}", value)
     for text in overrides or []:
         _apply(cfg, *parse_override(text))
+    for key, value in (paths or {}).items():
+        if value is not None:
+            _apply(cfg, key, str(value))
     validate(cfg)
     return cfg
 
@@ -254,6 +266,10 @@ def validate(cfg: RunConfig) -> None:
                        ("train.grad_accum", t.grad_accum), ("train.max_steps", t.max_steps)):
         _require(value > 0, f"{key} must be positive, got {value}")
     _require(d.seq_len <= cfg.model.max_seq_len, f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
+    _require(t.stage in ("pretrain", "sft", "dpo"), f"train.stage must be pretrain, sft or dpo, got '{t.stage}'")
+    _require(t.dpo_beta > 0, f"train.dpo_beta must be positive, got {t.dpo_beta}")
+    _require(t.dpo_loss in ("sigmoid", "ipo"), f"train.dpo_loss must be sigmoid or ipo, got '{t.dpo_loss}'")
+    _require(t.stage != "dpo" or bool(t.init_from), "DPO needs --init-from (the policy and the frozen reference start there)")
     _require(t.precision in ("bf16", "fp32"), f"train.precision must be 'bf16' or 'fp32', got '{t.precision}'")
     _require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")

@@ -125,18 +125,21 @@ def import_model(directory: Path) -> Transformer:
     return model.eval()
 
 
-def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer]:
-    """A run directory (newest checkpoint) or an export directory -> (model, tokenizer)."""
+def load_model_dir(path: str | Path) -> tuple[Transformer, Path]:
+    """A run directory (newest checkpoint) or an export directory -> (model, directory of its tokenizer)."""
     from llm.train.checkpoint import load_trained_model
 
     directory = Path(path)
     if (directory / "config.yaml").is_file():
-        model, _ = load_trained_model(directory)
-        tokenizer_dir = directory / "tokenizer"
-    elif (directory / HF_CONFIG_FILE).is_file():
-        model, tokenizer_dir = import_model(directory), directory
-    else:
-        raise UserError(f"{directory}: neither a run directory (config.yaml) nor an export directory (config.json)")
+        return load_trained_model(directory)[0], directory / "tokenizer"
+    if (directory / HF_CONFIG_FILE).is_file():
+        return import_model(directory), directory
+    raise UserError(f"{directory}: neither a run directory (config.yaml) nor an export directory (config.json)")
+
+
+def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer]:
+    """A run or export directory -> (model, tokenizer); the tokenizer files must be there."""
+    model, tokenizer_dir = load_model_dir(path)
     if not (tokenizer_dir / TOKENIZER_FILE).is_file():
-        raise UserError(f"{directory}: no tokenizer files ({TOKENIZER_FILE}) beside the model")
+        raise UserError(f"{path}: no tokenizer files ({TOKENIZER_FILE}) beside the model")
     return model, Tokenizer.load(tokenizer_dir)

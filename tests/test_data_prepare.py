@@ -6,7 +6,7 @@ import pytest
 
 from conftest import run_cli, shared
 from llm.data.formats import read_items
-from llm.data.prepare import prepare_pretrain
+from llm.data.prepare import prepare
 from llm.tokenizer import Tokenizer
 
 
@@ -17,7 +17,7 @@ def _tokens(out, split="train"):
 
 def test_every_shared_pretrain_file_prepares(tokenizer_dir, tmp_path):
     source = shared("pretrain")
-    report = prepare_pretrain([str(source)], tokenizer_dir, tmp_path, val_fraction=0.01, workers=2, show_progress=False)
+    report = prepare("pretrain", [str(source)], tokenizer_dir, tmp_path, val_fraction=0.01, workers=2, show_progress=False)
     files = sorted(p for p in source.rglob("*") if p.suffix in (".txt", ".jsonl", ".json"))
     assert len(files) >= 8 and set(report.files) == {str(p) for p in files}
     assert all(count > 0 for count in report.files.values()), report.files
@@ -35,7 +35,7 @@ def test_every_shared_pretrain_file_prepares(tokenizer_dir, tmp_path):
 
 def test_documents_decode_back_to_their_text_in_order(tokenizer_dir, tmp_path):
     path = shared("pretrain", "fortunes_zh_chinese.jsonl")
-    prepare_pretrain([str(path)], tokenizer_dir, tmp_path, val_fraction=0.0, workers=2, show_progress=False)
+    prepare("pretrain", [str(path)], tokenizer_dir, tmp_path, val_fraction=0.0, workers=2, show_progress=False)
     tokens, offsets, _ = _tokens(tmp_path)
     tok = Tokenizer.load(tokenizer_dir)
     texts = [item.value["text"] for item, _ in zip(read_items(path), range(50))]
@@ -46,7 +46,7 @@ def test_documents_decode_back_to_their_text_in_order(tokenizer_dir, tmp_path):
 def test_txt_blocks_and_json_arrays_with_line_numbers(tokenizer_dir, tmp_path):
     (tmp_path / "a.txt").write_text("first doc\nline two\n\n\nsecond doc\n")
     (tmp_path / "b.json").write_text('[\n {"text": "one"},\n {"wrong": 1},\n\n {"text": "three"}\n]\n')
-    report = prepare_pretrain([str(tmp_path / "a.txt"), str(tmp_path / "b.json")], tokenizer_dir, tmp_path / "out",
+    report = prepare("pretrain", [str(tmp_path / "a.txt"), str(tmp_path / "b.json")], tokenizer_dir, tmp_path / "out",
                               val_fraction=0.0, workers=1, show_progress=False)
     assert report.documents["train"] == 4
     assert report.skipped == [f"{tmp_path / 'b.json'}:3: no text field (keys: wrong); expected 'text', 'conversations' or 'instruction'/'output'"]
@@ -98,7 +98,7 @@ def test_wrong_field_is_skipped_with_reason(tokenizer_dir, bad_inputs, tmp_path)
 
 @pytest.mark.parametrize("case, message", [
     ("binary", "looks like a binary file"),
-    ("empty", "no documents found"),
+    ("empty", "no usable records found"),
     ("missing", "no such file or directory"),
     ("unknown", "unknown format"),
 ])
@@ -108,7 +108,8 @@ def test_unusable_input_is_one_line_error_exit_2_nothing_written(tokenizer_dir, 
     out = tmp_path / "out"
     result = _prepare(tokenizer_dir, out, bad_inputs[case])
     assert result.returncode == 2
-    assert message in result.stderr and str(bad_inputs[case]) in result.stderr or case == "empty"
+    assert message in result.stderr
+    assert case == "empty" or str(bad_inputs[case]) in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error")]
     assert len(errors) == 1 and result.stderr.strip().endswith(errors[0]) and "Traceback" not in result.stderr
     assert not any(out.glob("*tokens.h5*"))
@@ -117,10 +118,10 @@ def test_unusable_input_is_one_line_error_exit_2_nothing_written(tokenizer_dir, 
 def test_empty_file_beside_good_ones_is_reported(tokenizer_dir, bad_inputs, tmp_path):
     result = _prepare(tokenizer_dir, tmp_path / "out", bad_inputs["good"], bad_inputs["empty"])
     assert result.returncode == 0, result.stderr
-    assert f"files with no documents: {bad_inputs['empty']}" in result.stdout
+    assert f"files with no records: {bad_inputs['empty']}" in result.stdout
 
 
 def test_tiny_corpus_still_gets_a_validation_document(tokenizer_dir, bad_inputs, tmp_path):
-    report = prepare_pretrain([str(bad_inputs["good"])], tokenizer_dir, tmp_path / "out", val_fraction=0.01,
+    report = prepare("pretrain", [str(bad_inputs["good"])], tokenizer_dir, tmp_path / "out", val_fraction=0.01,
                               workers=1, show_progress=False)
     assert report.documents == {"train": 19, "val": 1}

@@ -1,12 +1,17 @@
 """Training samples read lazily from the HDF5 written by `data prepare`.
 
-Nothing is tokenized here and no corpus is loaded whole: each sample is one slice read from the
-chunked token array. The file is opened on first access in each process (DataLoader workers
-included), never shared across a fork.
+Nothing is tokenized here and no corpus is loaded whole: each sample is a few slices read from the
+chunked arrays. The file is opened on first access in each process (DataLoader workers included),
+never shared across a fork.
+
+    pretrain  PretrainWindows       windows over the packed token stream
+    sft       PackedConversations   conversations packed into windows, loss mask, segment ids
+    dpo       PreferencePairs       prompt + chosen / prompt + rejected with reply masks
 """
 
 from __future__ import annotations
 
+import bisect
 from pathlib import Path
 
 import h5py
@@ -36,6 +41,22 @@ def tokenizer_dir_of(data_dir: str | Path) -> Path:
     return Path(data_dir) / TOKENIZER_DIR
 
 
+class _LazyH5:
+    """Opens `tokens.h5` on first access in each process (DataLoader workers included)."""
+
+    def __init__(self, data_dir: str | Path, split: str) -> None:
+        self.path, self.split = Path(data_dir) / TOKENS_FILE, split
+        self._group = None
+
+    def group(self) -> h5py.Group:
+        if self._group is None:
+            self._group = h5py.File(self.path, "r")[self.split]
+        return self._group
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_group": None}
+
+
 class PretrainWindows(Dataset):
     """Non-overlapping windows of `seq_len + 1` tokens over a split's packed token stream.
 
@@ -43,23 +64,107 @@ class PretrainWindows(Dataset):
     targets the last seq_len, so every token of the stream is predicted exactly once.
     """
 
-    def __init__(self, data_dir: str | Path, split: str, seq_len: int) -> None:
-        self.path = Path(data_dir) / TOKENS_FILE
-        self.split, self.seq_len = split, seq_len
-        with h5py.File(self.path, "r") as h5:
+    def __init__(self, data_dir: str | Path, split: str, seq_len: int, pad_id: int = 0) -> None:
+        self.h5, self.seq_len = _LazyH5(data_dir, split), seq_len
+        with h5py.File(self.h5.path, "r") as h5:
             n_tokens = h5[split]["tokens"].shape[0]
         self.num_windows = max(0, (n_tokens - 1) // seq_len)
-        self._tokens = None
 
     def __len__(self) -> int:
         return self.num_windows
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if self._tokens is None:
-            self._tokens = h5py.File(self.path, "r")[self.split]["tokens"]
         start = index * self.seq_len
-        window = torch.from_numpy(self._tokens[start:start + self.seq_len + 1].astype(np.int64))
+        window = torch.from_numpy(self.h5.group()["tokens"][start:start + self.seq_len + 1].astype(np.int64))
         return {"tokens": window[:-1], "targets": window[1:]}
 
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tokens": None}
+
+def pack_best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices grouped into bins of total length <= capacity: best-fit decreasing, deterministic."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    free: list[tuple[int, int]] = []  # (remaining capacity, bin), sorted
+    bins: list[list[int]] = []
+    for i in order:
+        slot = bisect.bisect_left(free, (lengths[i], -1))
+        if slot == len(free):
+            bins.append([i])
+            bisect.insort(free, (capacity - lengths[i], len(bins) - 1))
+        else:
+            remaining, b = free.pop(slot)
+            bins[b].append(i)
+            bisect.insort(free, (remaining - lengths[i], b))
+    return bins
+
+
+class PackedConversations(Dataset):
+    """SFT conversations packed several to a window of `seq_len` predicted positions.
+
+    A conversation of n tokens takes n - 1 positions (inputs t[:-1], targets t[1:], loss mask m[1:]);
+    windows are filled best-fit decreasing, so little is padding. `segment_ids` (1, 2, ... per sample,
+    0 for padding) make the model restart positions and keep attention inside each sample.
+    """
+
+    def __init__(self, data_dir: str | Path, split: str, seq_len: int, pad_id: int) -> None:
+        self.h5, self.seq_len, self.pad_id = _LazyH5(data_dir, split), seq_len, pad_id
+        with h5py.File(self.h5.path, "r") as h5:
+            self.offsets = h5[split]["doc_offsets"][:]
+        lengths = (np.diff(self.offsets) - 1).tolist()
+        if lengths and max(lengths) > seq_len:
+            raise UserError(f"{data_dir}: a conversation takes {max(lengths)} positions, more than data.seq_len "
+                            f"{seq_len}; prepare the data with --seq-len {seq_len} or raise data.seq_len")
+        self.windows = pack_best_fit(lengths, seq_len)
+        used = sum(lengths)
+        self.padding_fraction = 1 - used / (len(self.windows) * seq_len) if self.windows else 0.0
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        group = self.h5.group()
+        out = {"tokens": torch.full((self.seq_len,), self.pad_id, dtype=torch.long),
+               "targets": torch.full((self.seq_len,), self.pad_id, dtype=torch.long),
+               "loss_mask": torch.zeros(self.seq_len, dtype=torch.long),
+               "segment_ids": torch.zeros(self.seq_len, dtype=torch.long)}
+        pos = 0
+        for segment, sample in enumerate(self.windows[index], start=1):
+            start, end = self.offsets[sample], self.offsets[sample + 1]
+            tokens = torch.from_numpy(group["tokens"][start:end].astype(np.int64))
+            mask = torch.from_numpy(group["loss_mask"][start:end].astype(np.int64))
+            n = len(tokens) - 1
+            out["tokens"][pos:pos + n], out["targets"][pos:pos + n] = tokens[:-1], tokens[1:]
+            out["loss_mask"][pos:pos + n], out["segment_ids"][pos:pos + n] = mask[1:], segment
+            pos += n
+        return out
+
+
+class PreferencePairs(Dataset):
+    """DPO pairs: prompt + chosen and prompt + rejected, each right-padded to `seq_len` positions with a loss
+    mask on the reply's targets."""
+
+    def __init__(self, data_dir: str | Path, split: str, seq_len: int, pad_id: int) -> None:
+        self.h5, self.seq_len, self.pad_id = _LazyH5(data_dir, split), seq_len, pad_id
+        with h5py.File(self.h5.path, "r") as h5:
+            self.offsets = {name: h5[split][f"{name}_offsets"][:] for name in ("prompt", "chosen", "rejected")}
+
+    def __len__(self) -> int:
+        return len(self.offsets["prompt"]) - 1
+
+    def _read(self, name: str, index: int) -> np.ndarray:
+        offsets = self.offsets[name]
+        return self.h5.group()[name][offsets[index]:offsets[index + 1]].astype(np.int64)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        prompt = self._read("prompt", index)
+        out = {}
+        for reply in ("chosen", "rejected"):
+            seq = torch.from_numpy(np.concatenate([prompt, self._read(reply, index)]))[:self.seq_len + 1]
+            n = len(seq) - 1
+            tokens = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
+            targets, mask = tokens.clone(), torch.zeros(self.seq_len, dtype=torch.long)
+            tokens[:n], targets[:n] = seq[:-1], seq[1:]
+            mask[len(prompt) - 1:n] = 1
+            out |= {f"{reply}_tokens": tokens, f"{reply}_targets": targets, f"{reply}_mask": mask}
+        return out
+
+
+DATASETS = {"pretrain": PretrainWindows, "sft": PackedConversations, "dpo": PreferencePairs}

@@ -189,21 +189,104 @@ def pretrain_text(value: Any) -> str:
     return text
 
 
-@dataclass(frozen=True)
-class Document:
-    source: str
-    line: int
-    text: str
+# ---- conversations (SFT) and preference pairs (DPO) ------------------------------------------------
+
+ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+                "bot": "assistant"}
 
 
-def read_pretrain_documents(files: Iterable[Path]) -> Iterator[Document | Skipped]:
-    """Pretraining documents of every file in order, with unusable records as `Skipped`."""
+def _message(turn: Any) -> dict[str, str]:
+    """A {role, content} message from an OpenAI/MiniMind {role, content} or ShareGPT {from, value} turn."""
+    if not isinstance(turn, dict):
+        raise RecordError("conversation turn is not an object")
+    raw_role = turn.get("role", turn.get("from"))
+    if raw_role not in ROLE_ALIASES:
+        raise RecordError(f"unknown role {raw_role!r}; expected one of {', '.join(ROLE_ALIASES)}")
+    return {"role": ROLE_ALIASES[raw_role], "content": _turn_text(turn)}
+
+
+def _messages(turns: Any, what: str) -> list[dict[str, str]]:
+    if not isinstance(turns, list):
+        raise RecordError(f"{what} is not a list of turns")
+    return [_message(t) for t in turns]
+
+
+def conversation(value: Any) -> list[dict[str, str]]:
+    """Canonical messages of an SFT record: `conversations`/`messages` turns, or Alpaca
+    instruction (+ input) -> user, output -> assistant. Turns after the last assistant reply are dropped.
+
+    Refused (RecordError, so the record is skipped and reported): a record with no assistant reply,
+    an empty assistant reply, an unknown role, a non-string content.
+    """
+    if not isinstance(value, dict):
+        raise RecordError(f"record is {type(value).__name__}, expected an object")
+    if "conversations" in value or "messages" in value:
+        messages = _messages(value.get("conversations", value.get("messages")), "'conversations'")
+    elif "instruction" in value and "output" in value:
+        instruction = _require_text(value["instruction"], "'instruction'")
+        extra = _require_text(value.get("input") or "", "'input'")
+        messages = [{"role": "user", "content": f"{instruction}\n{extra}" if extra else instruction},
+                    {"role": "assistant", "content": _require_text(value["output"], "'output'")}]
+        if value.get("system"):
+            messages.insert(0, {"role": "system", "content": _require_text(value["system"], "'system'")})
+    else:
+        keys = ", ".join(sorted(value)) or "none"
+        raise RecordError(f"not a conversation (keys: {keys}); expected 'conversations', 'messages' or "
+                          "'instruction'/'output'")
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not replies:
+        raise RecordError("no assistant reply")
+    if any(not messages[i]["content"].strip() for i in replies):
+        raise RecordError("empty assistant reply")
+    return messages[:replies[-1] + 1]
+
+
+def _response(value: Any, what: str) -> str:
+    """The reply text of a DPO `chosen`/`rejected`: a string, one turn object, or a list ending in a reply."""
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, dict):
+        text = _message(value)["content"]
+    elif isinstance(value, list) and value:
+        text = _messages(value, what)[-1]["content"]
+    else:
+        raise RecordError(f"{what} is missing or not a string, turn or list of turns")
+    if not text.strip():
+        raise RecordError(f"empty {what}")
+    return text
+
+
+def preference(value: Any) -> tuple[list[dict[str, str]], str, str]:
+    """(prompt messages, chosen reply, rejected reply) of a DPO record. The prompt is `conversations` /
+    `messages` turns or a `prompt` string (a user message)."""
+    if not isinstance(value, dict) or "chosen" not in value or "rejected" not in value:
+        raise RecordError("a preference record needs 'chosen' and 'rejected'")
+    if "conversations" in value or "messages" in value:
+        prompt = _messages(value.get("conversations", value.get("messages")), "'conversations'")
+    elif isinstance(value.get("prompt"), str):
+        prompt = [{"role": "user", "content": value["prompt"]}]
+    elif isinstance(value.get("prompt"), list):
+        prompt = _messages(value["prompt"], "'prompt'")
+    else:
+        raise RecordError("no prompt: expected 'conversations', 'messages' or 'prompt'")
+    if not prompt or prompt[-1]["role"] != "user":
+        raise RecordError("the prompt must end with a user turn")
+    return prompt, _response(value["chosen"], "'chosen'"), _response(value["rejected"], "'rejected'")
+
+
+READERS = {"pretrain": pretrain_text, "sft": conversation, "dpo": preference}
+
+
+def read_records(files: Iterable[Path], kind: str) -> Iterator[Item | Skipped]:
+    """Every file's records converted for `kind` (text, messages or a preference triple) as `Item`s,
+    unusable ones as `Skipped`."""
+    convert = READERS[kind]
     for path in files:
         for item in read_items(path):
             if isinstance(item, Skipped):
                 yield item
                 continue
             try:
-                yield Document(item.source, item.line, pretrain_text(item.value))
+                yield Item(item.source, item.line, convert(item.value))
             except RecordError as exc:
                 yield Skipped(item.source, item.line, str(exc))

@@ -1,9 +1,14 @@
 """Canonical records -> tokenized HDF5, tokenized in parallel worker processes.
 
 Output directory layout:
-    tokens.h5     one group per split ('train', 'val'), each with a flat `tokens` array (uint16 when
-                  the vocabulary fits, else uint32) and `doc_offsets` (int64, n_docs + 1); root
-                  attributes record the schema version, kind, tokenizer hash, vocabulary size, special ids
+    tokens.h5     one group per split ('train', 'val'); root attributes record the schema version,
+                  kind, tokenizer hash, vocabulary size, special ids (and seq_len for sft/dpo).
+                  Token arrays are flat (uint16 when the vocabulary fits, else uint32) with int64
+                  offsets (n_samples + 1) per stream:
+                    pretrain  tokens + doc_offsets (end-of-text closes each document)
+                    sft       tokens, loss_mask (uint8, 1 on assistant replies and their <|im_end|>) + doc_offsets
+                    dpo       prompt + prompt_offsets (ChatML prompt ending in the assistant header),
+                              chosen + chosen_offsets, rejected + rejected_offsets (replies + <|im_end|>)
     report.json   documents, tokens, skipped records (file:line: reason)
     tokenizer/    a copy of the tokenizer used, so training and inference find it
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 from collections import Counter
 from collections.abc import Iterator
@@ -26,7 +32,7 @@ import h5py
 import numpy as np
 from tqdm import tqdm
 
-from llm.data.formats import Document, Skipped, expand_inputs, read_pretrain_documents
+from llm.data.formats import Item, Skipped, expand_inputs, read_records
 from llm.errors import UserError
 from llm.tokenizer import Tokenizer
 
@@ -40,20 +46,25 @@ CHUNK_TOKENS = 1 << 16
 @dataclass
 class Report:
     files: dict[str, int] = field(default_factory=dict)
-    """Documents read from each input file."""
+    """Records read from each input file."""
     documents: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
+    """Samples written per split (documents, conversations or preference pairs)."""
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
+    truncated: int = 0
+    """Samples cut to fit the sequence length (conversations at a turn boundary; pairs: prompt start, reply end)."""
     skipped: list[str] = field(default_factory=list)
     """Every unusable record as 'file:line: reason'."""
 
     def summary(self, shown: int = 20) -> str:
-        lines = [f"documents  train {self.documents['train']:,}  val {self.documents['val']:,}",
+        lines = [f"samples    train {self.documents['train']:,}  val {self.documents['val']:,}",
                  f"tokens     train {self.tokens['train']:,}  val {self.tokens['val']:,}"]
+        if self.truncated:
+            lines.append(f"truncated to fit --seq-len: {self.truncated:,}")
         empty = [name for name, count in self.files.items() if count == 0]
         if empty:
-            lines.append(f"files with no documents: {', '.join(empty)}")
+            lines.append(f"files with no records: {', '.join(empty)}")
         if self.skipped:
-            reasons = Counter(s.split(": ", 1)[1] for s in self.skipped)
+            reasons = Counter(re.sub(r"\d+", "N", s.split(": ", 1)[1]) for s in self.skipped)
             lines.append(f"skipped {len(self.skipped):,} records: " + "; ".join(f"{r} x{n}" for r, n in reasons.most_common(5)))
             lines += [f"  {s}" for s in self.skipped[:shown]]
             if len(self.skipped) > shown:
@@ -61,7 +72,64 @@ class Report:
         return "\n".join(lines)
 
 
-# ---- worker side -------------------------------------------------------------------------------
+# ---- worker side: records -> token arrays --------------------------------------------------------
+
+STREAMS = {  # per kind: streams of fields that share one offsets array
+    "pretrain": {"doc": ("tokens",)},
+    "sft": {"doc": ("tokens", "loss_mask")},
+    "dpo": {"prompt": ("prompt",), "chosen": ("chosen",), "rejected": ("rejected",)},
+}
+MASK_FIELDS = ("loss_mask",)
+
+Sample = dict[str, list[int]]
+"""Token (and mask) lists by field name."""
+
+
+class TooLong(ValueError):
+    """A conversation whose first reply cannot fit the sequence length; becomes a skipped record."""
+
+
+def encode_pretrain(tok: Tokenizer, text: str, max_tokens: int) -> tuple[Sample, bool]:
+    return {"tokens": tok.encode(text) + [tok.eos_id]}, False
+
+
+def encode_sft(tok: Tokenizer, messages: list[dict[str, str]], max_tokens: int) -> tuple[Sample, bool]:
+    """ChatML tokens with loss mask 1 exactly on assistant replies and their <|im_end|>; cut after the last
+    assistant turn that fits `max_tokens` (then the flag is True)."""
+    tokens: list[int] = []
+    mask: list[int] = []
+    reply_ends = []
+    newline = tok.encode("\n")
+    for message in messages:
+        header = tok.encode(f"<|im_start|>{message['role']}\n")
+        body = tok.encode(message["content"]) + [tok.im_end_id]
+        learn = int(message["role"] == "assistant")
+        tokens += header + body + newline
+        mask += [0] * len(header) + [learn] * len(body) + [0] * len(newline)
+        if learn:
+            reply_ends.append(len(tokens))
+    truncated = len(tokens) > max_tokens
+    if truncated:
+        fitting = [end for end in reply_ends if end <= max_tokens]
+        if not fitting:
+            raise TooLong(f"too long: the first reply ends after {reply_ends[0]} tokens, the limit is {max_tokens}")
+        tokens, mask = tokens[:fitting[-1]], mask[:fitting[-1]]
+    return {"tokens": tokens, "loss_mask": mask}, truncated
+
+
+def encode_dpo(tok: Tokenizer, pair: tuple, max_tokens: int) -> tuple[Sample, bool]:
+    prompt, chosen, rejected = pair
+    sample = {"prompt": tok.encode(Tokenizer.render_chat(prompt, add_generation_prompt=True)),
+              "chosen": tok.encode(chosen) + [tok.im_end_id], "rejected": tok.encode(rejected) + [tok.im_end_id]}
+    truncated = len(sample["prompt"]) + max(len(sample["chosen"]), len(sample["rejected"])) > max_tokens
+    if truncated:  # keep the prompt's end (at most half the budget), then cut the replies
+        sample["prompt"] = sample["prompt"][-(max_tokens // 2):]
+        for reply in ("chosen", "rejected"):
+            sample[reply] = sample[reply][:max_tokens - len(sample["prompt"])]
+    return sample, truncated
+
+
+ENCODERS = {"pretrain": encode_pretrain, "sft": encode_sft, "dpo": encode_dpo}
 
 _worker_tokenizer: Tokenizer | None = None
 
@@ -72,73 +140,104 @@ def _init_worker(tokenizer_dir: str) -> None:
     _worker_tokenizer = Tokenizer.load(tokenizer_dir)
 
 
-def _encode_documents(texts: list[str]) -> list[np.ndarray]:
-    """Token ids of each text followed by end-of-text."""
-    tok = _worker_tokenizer
-    return [np.array(ids + [tok.eos_id], dtype=np.int64) for ids in tok.encode_batch(texts)]
+def _encode_batch(job: tuple[str, int, list[Item]]) -> list[tuple[Sample, bool] | Skipped]:
+    kind, max_tokens, items = job
+    out: list[tuple[Sample, bool] | Skipped] = []
+    for item in items:
+        try:
+            out.append(ENCODERS[kind](_worker_tokenizer, item.value, max_tokens))
+        except TooLong as exc:
+            out.append(Skipped(item.source, item.line, str(exc)))
+    return out
 
 
 # ---- main side ---------------------------------------------------------------------------------
 
 class SplitWriter:
-    """Appends documents to one split group: resizable chunked `tokens`, `doc_offsets` at close."""
+    """Appends samples to one split group: a resizable chunked array per field, offsets per stream at close."""
 
-    def __init__(self, group: h5py.Group, dtype: type) -> None:
-        self.tokens = group.create_dataset("tokens", shape=(0,), maxshape=(None,), dtype=dtype,
-                                           chunks=(CHUNK_TOKENS,))
-        self.group = group
-        self.offsets = [0]
+    def __init__(self, group: h5py.Group, streams: dict[str, tuple[str, ...]], token_dtype: type) -> None:
+        self.group, self.streams = group, streams
+        self.arrays = {name: group.create_dataset(name, shape=(0,), maxshape=(None,), chunks=(CHUNK_TOKENS,),
+                                                  dtype=np.uint8 if name in MASK_FIELDS else token_dtype)
+                       for fields in streams.values() for name in fields}
+        self.offsets = {stream: [0] for stream in streams}
 
-    def append(self, ids: np.ndarray) -> None:
-        start = self.offsets[-1]
-        self.tokens.resize((start + len(ids),))
-        self.tokens[start:] = ids
-        self.offsets.append(start + len(ids))
+    def append(self, sample: Sample) -> None:
+        for stream, fields in self.streams.items():
+            start = self.offsets[stream][-1]
+            end = start + len(sample[fields[0]])
+            for name in fields:
+                self.arrays[name].resize((end,))
+                self.arrays[name][start:] = sample[name]
+            self.offsets[stream].append(end)
 
-    def pop(self) -> np.ndarray:
-        """Remove and return the last document."""
-        start, end = self.offsets[-2], self.offsets[-1]
-        ids = self.tokens[start:end]
-        self.tokens.resize((start,))
-        self.offsets.pop()
-        return ids
+    def pop(self) -> Sample:
+        """Remove and return the last sample."""
+        sample = {}
+        for stream, fields in self.streams.items():
+            start, end = self.offsets[stream][-2], self.offsets[stream].pop()
+            for name in fields:
+                sample[name] = self.arrays[name][start:end].tolist()
+                self.arrays[name].resize((start,))
+        return sample
 
     def close(self) -> None:
-        self.group.create_dataset("doc_offsets", data=np.array(self.offsets, dtype=np.int64))
+        for stream, offsets in self.offsets.items():
+            self.group.create_dataset(f"{stream}_offsets", data=np.array(offsets, dtype=np.int64))
 
 
-def write_attrs(h5: h5py.File, kind: str, tokenizer_hash: str, vocab_size: int, special: Tokenizer | None) -> None:
+def write_attrs(h5: h5py.File, kind: str, tokenizer_hash: str, vocab_size: int, special: Tokenizer | None,
+                **extra) -> None:
     """Root attributes that let training refuse mismatched data (special ids from `special`, or the fixed defaults)."""
     ids = (special.eos_id, special.pad_id, special.im_start_id, special.im_end_id) if special else (0, 3, 1, 2)
     h5.attrs.update({"schema_version": SCHEMA_VERSION, "kind": kind, "tokenizer_hash": tokenizer_hash,
-                     "vocab_size": vocab_size, **dict(zip(("eos_id", "pad_id", "im_start_id", "im_end_id"), ids))})
+                     "vocab_size": vocab_size, **dict(zip(("eos_id", "pad_id", "im_start_id", "im_end_id"), ids)),
+                     **extra})
 
 
-def _batches(docs: Iterator[Document | Skipped], report: Report, strict: bool,
-             progress: tqdm) -> Iterator[list[Document]]:
-    batch: list[Document] = []
-    for doc in docs:
-        if isinstance(doc, Skipped):
-            if strict:
-                raise UserError(f"{doc} (--strict stops at the first bad record)")
-            report.skipped.append(str(doc))
+def _jobs(records: Iterator[Item | Skipped], kind: str, max_tokens: int, report: Report, strict: bool,
+          progress: tqdm) -> Iterator[tuple[str, int, list[Item]]]:
+    batch: list[Item] = []
+    for record in records:
+        if isinstance(record, Skipped):
+            _skip(record, report, strict)
             continue
-        report.files[doc.source] = report.files.get(doc.source, 0) + 1
-        progress.update(len(doc.text.encode("utf-8")))
-        batch.append(doc)
+        report.files[record.source] = report.files.get(record.source, 0) + 1
+        progress.update(1)
+        batch.append(record)
         if len(batch) == BATCH_DOCS:
-            yield batch
+            yield kind, max_tokens, batch
             batch = []
     if batch:
-        yield batch
+        yield kind, max_tokens, batch
 
 
-def prepare_pretrain(inputs: list[str], tokenizer_dir: str | Path, out_dir: str | Path, val_fraction: float = 0.01,
-                     workers: int | None = None, strict: bool = False, seed: int = 0,
-                     show_progress: bool = True) -> Report:
-    """Tokenize pretraining documents into `out_dir/tokens.h5` with a train/val split."""
+def _skip(record: Skipped, report: Report, strict: bool) -> None:
+    if strict:
+        raise UserError(f"{record} (--strict stops at the first bad record)")
+    report.skipped.append(str(record))
+
+
+def _token_count(sample: Sample) -> int:
+    return sum(len(v) for k, v in sample.items() if k not in MASK_FIELDS)
+
+
+def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: str | Path, val_fraction: float = 0.01,
+            workers: int | None = None, strict: bool = False, seed: int = 0, seq_len: int = 512,
+            show_progress: bool = True) -> Report:
+    """Tokenize `kind` records ('pretrain', 'sft', 'dpo') into `out_dir/tokens.h5` with a train/val split.
+
+    sft and dpo samples hold at most seq_len + 1 tokens (seq_len predicted positions): longer
+    conversations are cut after the last assistant turn that fits (skipped when even the first reply
+    does not fit); longer pairs keep the end of their prompt and the start of their replies.
+    """
+    if kind not in STREAMS:
+        raise UserError(f"--kind must be one of {', '.join(STREAMS)}, got '{kind}'")
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if seq_len < 8:
+        raise UserError(f"--seq-len must be at least 8, got {seq_len}")
     files = expand_inputs(inputs)
     tokenizer = Tokenizer.load(tokenizer_dir)
     out = Path(out_dir)
@@ -148,36 +247,41 @@ def prepare_pretrain(inputs: list[str], tokenizer_dir: str | Path, out_dir: str 
     dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
     tmp = out / f".{TOKENS_FILE}.partial"
     rng = np.random.default_rng(seed)
-    progress = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
-                    desc="tokenizing", disable=not show_progress)
+    progress = tqdm(desc=f"tokenizing {kind} records", unit=" records", disable=not show_progress)
     pool = mp.get_context("fork").Pool(workers, _init_worker, (str(tokenizer_dir),)) if workers > 1 else None
     try:
         with h5py.File(tmp, "w") as h5:
-            writers = {split: SplitWriter(h5.create_group(split), dtype) for split in SPLITS}
-            batches = _batches(read_pretrain_documents(files), report, strict, progress)
+            writers = {split: SplitWriter(h5.create_group(split), STREAMS[kind], dtype) for split in SPLITS}
+            jobs = _jobs(read_records(files, kind), kind, seq_len + 1, report, strict, progress)
             if pool is None:
                 _init_worker(str(tokenizer_dir))
-                encoded = map(_encode_documents, ([d.text for d in b] for b in batches))
+                encoded = map(_encode_batch, jobs)
             else:
-                encoded = pool.imap(_encode_documents, ([d.text for d in b] for b in batches))
-            for docs in encoded:
-                for ids in docs:
+                encoded = pool.imap(_encode_batch, jobs)
+            for results in encoded:
+                for result in results:
+                    if isinstance(result, Skipped):
+                        _skip(result, report, strict)
+                        continue
+                    sample, truncated = result
+                    report.truncated += truncated
                     split = "val" if rng.random() < val_fraction else "train"
-                    writers[split].append(ids.astype(dtype))
+                    writers[split].append(sample)
                     report.documents[split] += 1
-                    report.tokens[split] += len(ids)
+                    report.tokens[split] += _token_count(sample)
             if report.documents["train"] + report.documents["val"] == 0:
-                raise UserError("no documents found in the inputs; nothing was written"
+                raise UserError("no usable records found in the inputs; nothing was written"
                                 + (f" ({len(report.skipped)} records skipped, first: {report.skipped[0]})" if report.skipped else ""))
             if val_fraction > 0 and report.documents["val"] == 0 and report.documents["train"] > 1:
-                ids = writers["train"].pop()  # a tiny corpus still gets a validation document
-                writers["val"].append(ids)
+                sample = writers["train"].pop()  # a tiny corpus still gets a validation sample
+                writers["val"].append(sample)
                 for split, sign in (("train", -1), ("val", 1)):
                     report.documents[split] += sign
-                    report.tokens[split] += sign * len(ids)
+                    report.tokens[split] += sign * _token_count(sample)
             for writer in writers.values():
                 writer.close()
-            write_attrs(h5, "pretrain", tokenizer.hash, tokenizer.vocab_size, tokenizer)
+            extra = {} if kind == "pretrain" else {"seq_len": seq_len}
+            write_attrs(h5, kind, tokenizer.hash, tokenizer.vocab_size, tokenizer, **extra)
         os.replace(tmp, out / TOKENS_FILE)
     finally:
         progress.close()

@@ -38,3 +38,20 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq, scale = _yarn_inv_freq(inv_freq, head_dim, cfg)
     angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
     return (angles.cos() * scale).float(), (angles.sin() * scale).float()
+
+
+def apply_rope_at(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE with a position per token (`positions` `[batch, seq]`), e.g. restarting at 0 for each packed sample."""
+    from kernels.reference import rotate
+
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [batch, 1, seq, head_dim // 2]
+    return rotate(q, c, s), rotate(k, c, s)
+
+
+def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Position of every token within its segment (`segment_ids` `[batch, seq]`, equal ids contiguous)."""
+    index = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values

@@ -18,7 +18,7 @@ import kernels
 from llm.config import ModelConfig
 from llm.infer.kv_cache import KVCache
 from llm.model.moe import MoEFeedForward
-from llm.model.rope import rope_tables
+from llm.model.rope import apply_rope_at, rope_tables, segment_positions
 
 
 def kernel_backend(choice: str, x: torch.Tensor) -> str:
@@ -51,18 +51,22 @@ class Attention(nn.Module):
         self.kernels_choice = cfg.kernels
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0) -> torch.Tensor:
+                layer: int = 0, segments: Segments | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         backend = kernel_backend(self.kernels_choice, x)
-        q, k = kernels.apply_rope(q, k, cos, sin, position_offset=cache.length if cache else 0, backend=backend)
         mask = None
+        if segments is not None:  # packed samples: positions restart and attention stays inside each sample
+            q, k = apply_rope_at(q, k, cos, sin, segments.positions)
+            mask = segments.mask
+        else:
+            q, k = kernels.apply_rope(q, k, cos, sin, position_offset=cache.length if cache else 0, backend=backend)
         if cache is not None:  # attend to every cached position; the causal mask aligns bottom-right
             k, v = cache.append(layer, k, v)
             mask = cache.attention_mask(seq)
-        if mask is not None:  # left-padded batch
+        if mask is not None:  # left-padded batch or packed samples
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
         elif self.training and self.attn_dropout > 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.attn_dropout,
@@ -102,9 +106,23 @@ class Block(nn.Module):
         self.feed_forward = MoEFeedForward(cfg, make_ffn) if cfg.moe else make_ffn()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer)
+                layer: int = 0, segments: Segments | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, segments)
         return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Segments(NamedTuple):
+    """Per-token positions and the block-diagonal causal mask of packed samples."""
+
+    positions: torch.Tensor  # [batch, seq]
+    mask: torch.Tensor  # bool [batch, 1, seq, seq]
+
+    @classmethod
+    def of(cls, segment_ids: torch.Tensor) -> "Segments":
+        seq = segment_ids.shape[1]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=segment_ids.device).tril()
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        return cls(segment_positions(segment_ids), (same & causal).unsqueeze(1))
 
 
 class ModelOutput(NamedTuple):
@@ -145,15 +163,17 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None, cache: KVCache | None = None,
-                last_only: bool = False) -> ModelOutput:
+                last_only: bool = False, segment_ids: torch.Tensor | None = None) -> ModelOutput:
         """Logits (and loss when targets are given). With a `cache`, `tokens` continue the cached sequence;
-        `last_only` computes the logits of the last position only (generation)."""
+        `last_only` computes the logits of the last position only (generation); `segment_ids` `[batch, seq]`
+        marks samples packed into one row (each sees only itself, with positions from 0)."""
         end = tokens.shape[1] + (cache.length if cache else 0)
         if end > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
+        segments = Segments.of(segment_ids) if segment_ids is not None else None
         h = self.dropout(self.tok_embeddings(tokens))
         for i, layer in enumerate(self.layers):
-            h = layer(h, self.rope_cos, self.rope_sin, cache, i)
+            h = layer(h, self.rope_cos, self.rope_sin, cache, i, segments)
         if cache is not None:
             cache.advance(tokens.shape[1])
         if last_only:

@@ -1,11 +1,18 @@
 """Training objectives: what one micro-batch contributes to the loss. One trainer serves every stage;
-a stage differs only in its dataset and its objective."""
+a stage differs only in its dataset and its objective.
+
+    pretrain, sft   causal_lm: next-token cross-entropy over targets whose loss mask is 1 (all in pretraining);
+                    packed SFT samples carry segment ids so they neither see each other nor share positions
+    dpo             DPOObjective: preference loss against a frozen reference model, log-probabilities
+                    summed over reply tokens only
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -14,14 +21,47 @@ class MicroStep:
     """Scalar to backpropagate."""
     loss_tokens: int
     """Target positions that bear loss in this micro-batch."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Stage-specific numbers averaged into the logged row (e.g. DPO rewards)."""
 
 
 def causal_lm(engine, batch: dict[str, torch.Tensor]) -> MicroStep:
-    """Next-token cross-entropy over every target (pretraining) or over loss_mask == 1 (when present)."""
+    """Next-token cross-entropy over every target (pretraining) or over loss_mask == 1 (SFT)."""
     mask = batch.get("loss_mask")
-    out = engine(batch["tokens"], batch["targets"], mask)
+    out = engine(batch["tokens"], batch["targets"], mask, segment_ids=batch.get("segment_ids"))
     loss_tokens = int(mask.sum()) if mask is not None else batch["targets"].numel()
     return MicroStep(out.loss, loss_tokens)
 
 
-OBJECTIVES = {"pretrain": causal_lm}
+def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over masked positions of log p(target), per row, in fp32."""
+    logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return (logps * mask).sum(-1)
+
+
+class DPOObjective:
+    """Direct Preference Optimization (Rafailov et al., 2023), or IPO (Azar et al., 2023) with loss='ipo'."""
+
+    def __init__(self, reference, beta: float, loss: str = "sigmoid") -> None:
+        self.reference, self.beta, self.loss = reference, beta, loss
+
+    def _pair_logps(self, model, tokens, targets, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        return sequence_logps(model(tokens).logits, targets, mask).chunk(2)
+
+    def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
+        tokens, targets, mask = (torch.cat([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])
+                                 for k in ("tokens", "targets", "mask"))
+        policy_chosen, policy_rejected = self._pair_logps(engine, tokens, targets, mask)
+        with torch.no_grad():
+            ref_chosen, ref_rejected = self._pair_logps(self.reference, tokens, targets, mask)
+        chosen_ratio, rejected_ratio = policy_chosen - ref_chosen, policy_rejected - ref_rejected
+        margin = chosen_ratio - rejected_ratio
+        if self.loss == "ipo":
+            loss = ((margin - 1 / (2 * self.beta)) ** 2).mean()
+        else:
+            loss = -F.logsigmoid(self.beta * margin).mean()
+        chosen_reward, rejected_reward = self.beta * chosen_ratio.detach(), self.beta * rejected_ratio.detach()
+        metrics = {"rewards/chosen": chosen_reward.mean().item(), "rewards/rejected": rejected_reward.mean().item(),
+                   "rewards/accuracy": (chosen_reward > rejected_reward).float().mean().item(),
+                   "rewards/margin": (chosen_reward - rejected_reward).mean().item()}
+        return MicroStep(loss, int(mask.sum()), metrics)

@@ -23,14 +23,15 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from llm.config import RunConfig
-from llm.data.datasets import PretrainWindows, read_data_attrs, tokenizer_dir_of
+from llm.config import ModelConfig
+from llm.data.datasets import DATASETS, read_data_attrs, tokenizer_dir_of
 from llm.data.sampler import ResumableDistributedSampler
 from llm.errors import UserError
 from llm.model import Transformer
 from llm.train import checkpoint
 from llm.train.engine import DistInfo, build_engine, load_ds_config, resolve_ds_config, setup_distributed
 from llm.train.metrics import MetricsSink, flops_per_token, peak_flops_per_rank, peak_memory_mb
-from llm.train.objectives import OBJECTIVES, MicroStep
+from llm.train.objectives import DPOObjective, MicroStep, causal_lm
 from llm.train.schedule import lr_multiplier
 
 EXIT_PREEMPTED = 75
@@ -47,24 +48,67 @@ def seed_rank_rngs(seed: int, rank: int) -> None:
     torch.manual_seed(derived)
 
 
+SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "ffn_hidden_dim", "tie_embeddings", "moe",
+                "n_experts", "n_shared_experts")
+
+
+def initial_weights(cfg: ModelConfig, init_from: str, data_tokenizer_hash: str) -> dict[str, torch.Tensor]:
+    """Weights of a run or export directory, refused when its shape or tokenizer differs from this run's."""
+    from llm.export import load_model_dir
+    from llm.tokenizer import TOKENIZER_FILE, Tokenizer
+
+    source, tokenizer_dir = load_model_dir(init_from)
+    differing = [f"model.{f} {getattr(source.cfg, f)} there, {getattr(cfg, f)} here" for f in SHAPE_FIELDS
+                 if getattr(source.cfg, f) != getattr(cfg, f)]
+    if differing:
+        raise UserError(f"--init-from {init_from}: the model differs from this run's config ({'; '.join(differing)})")
+    if (tokenizer_dir / TOKENIZER_FILE).is_file() and Tokenizer.load(tokenizer_dir).hash != data_tokenizer_hash:
+        raise UserError(f"--init-from {init_from}: its tokenizer differs from the one the data was prepared with; "
+                        f"prepare the data with {tokenizer_dir}")
+    return source.state_dict()
+
+
+def reference_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], ds_config: dict):
+    """The frozen DPO reference as an inference-only DeepSpeed engine: partitioned like the policy under
+    ZeRO-3, replicated (stage 0) otherwise."""
+    import deepspeed
+
+    model = Transformer(cfg)
+    model.load_state_dict(weights)
+    model.requires_grad_(False)
+    config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+    if ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
+        config["zero_optimization"] = {"stage": 0}
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine
+
+
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: Path, dist_info: DistInfo, ds_config: dict) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, dist_info: DistInfo, ds_config: dict, data_attrs: dict) -> None:
         self.cfg, self.run_dir, self.dist = cfg, run_dir, dist_info
         t = cfg.train
-        self.objective = OBJECTIVES[t.stage]
-        self.train_set = PretrainWindows(cfg.data.path, "train", cfg.data.seq_len)
-        self.val_set = PretrainWindows(cfg.data.path, "val", cfg.data.seq_len)
+        dataset = DATASETS[t.stage]
+        self.train_set = dataset(cfg.data.path, "train", cfg.data.seq_len, data_attrs["pad_id"])
+        self.val_set = dataset(cfg.data.path, "val", cfg.data.seq_len, data_attrs["pad_id"])
         self.global_batch = t.micro_batch_size * t.grad_accum * dist_info.world_size
         if len(self.train_set) < self.global_batch:
-            raise UserError(f"{cfg.data.path}: the train split has {len(self.train_set)} windows of data.seq_len+1 "
-                            f"tokens, fewer than one global batch ({self.global_batch}); add data or lower "
+            raise UserError(f"{cfg.data.path}: the train split has {len(self.train_set)} samples of data.seq_len "
+                            f"positions, fewer than one global batch ({self.global_batch}); add data or lower "
                             "train.micro_batch_size / data.seq_len")
         self.sampler = ResumableDistributedSampler(len(self.train_set), dist_info.world_size, dist_info.rank, seed=t.seed)
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         model = Transformer(cfg.model)
+        weights = initial_weights(cfg.model, t.init_from, data_attrs["tokenizer_hash"]) if t.init_from else None
+        if weights is not None:
+            model.load_state_dict(weights)
         self.n_params = model.num_parameters()
         seed_rank_rngs(t.seed, dist_info.rank)  # then per-rank streams (dropout, sampling)
         self.engine = build_engine(model, cfg, ds_config, lambda step: lr_multiplier(step, t))
+        if t.stage == "dpo":
+            self.objective = DPOObjective(reference_engine(cfg.model, weights, ds_config), t.dpo_beta, t.dpo_loss)
+        else:
+            self.objective = causal_lm
         self.step = 0
         self.run_id = uuid.uuid4().hex[:12]
         self._batches = None
@@ -103,20 +147,27 @@ class Trainer:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def train_step(self) -> tuple[float, int]:
-        """One optimizer step over grad_accum micro-batches; returns (mean loss over ranks, loss tokens)."""
+    def train_step(self) -> tuple[float, int, dict[str, float]]:
+        """One optimizer step over grad_accum micro-batches; returns the loss and the objective's metrics
+        (means over micro-batches and ranks) and the loss-bearing tokens (sum)."""
         self._start_epoch_if_needed()
         self.engine.train()
-        totals = torch.zeros(2, dtype=torch.float64)
+        micros: list[MicroStep] = []
         for _ in range(self.cfg.train.grad_accum):
-            micro: MicroStep = self.objective(self.engine, self._next_micro_batch())
+            micro = self.objective(self.engine, self._next_micro_batch())
             self.engine.backward(micro.loss)
             self.engine.step()
-            totals += torch.tensor([micro.loss.detach().float().item(), micro.loss_tokens], dtype=torch.float64)
+            micros.append(micro)
         self.sampler.advance(self.global_batch)
         self.step += 1
+        names = sorted(micros[0].metrics)
+        totals = torch.tensor([[m.loss.detach().float().item(), *(m.metrics[k] for k in names)] for m in micros],
+                              dtype=torch.float64).sum(0)
+        tokens = torch.tensor([sum(m.loss_tokens for m in micros)], dtype=torch.float64)
         dist.all_reduce(totals)
-        return totals[0].item() / (self.cfg.train.grad_accum * self.dist.world_size), int(totals[1].item())
+        dist.all_reduce(tokens)
+        means = (totals / (len(micros) * self.dist.world_size)).tolist()
+        return means[0], int(tokens.item()), dict(zip(names, means[1:]))
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -163,14 +214,14 @@ class Trainer:
         while self.step < t.max_steps:
             lr = self.engine.get_lr()[0]
             start = time.perf_counter()
-            loss, loss_tokens = self.train_step()
+            loss, loss_tokens, stage_metrics = self.train_step()
             elapsed = time.perf_counter() - start
             grad_norm = self.engine.get_global_grad_norm()
             row = {"step": self.step, "loss": loss, "lr": lr,
                    "grad_norm": None if grad_norm is None else float(grad_norm),
                    "tokens_per_sec": tokens_per_step / elapsed, "loss_tokens_per_sec": loss_tokens / elapsed,
                    "mfu": flops * tokens_per_step / elapsed / peak, "peak_mem_mb": peak_memory_mb(self.dist.device),
-                   "epoch": self.sampler.epoch}
+                   "epoch": self.sampler.epoch, **stage_metrics}
             last = self.step == t.max_steps
             eval_now = (t.eval_every and self.step % t.eval_every == 0) or last
             if eval_now:
@@ -218,7 +269,7 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     """Train `cfg` into `run_dir` under DeepSpeed; returns the process exit code."""
     if not cfg.data.path:
         raise UserError("no training data: pass --data DIR (a directory made by `zerollm data prepare`)")
-    attrs = read_data_attrs(cfg.data.path, "pretrain")
+    attrs = read_data_attrs(cfg.data.path, cfg.train.stage)
     if attrs["vocab_size"] > cfg.model.vocab_size:
         raise UserError(f"{cfg.data.path}: tokenizer has {attrs['vocab_size']} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}; set model.vocab_size >= {attrs['vocab_size']}")
@@ -228,7 +279,7 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out")
     info = setup_distributed()
     ds_config = resolve_ds_config(raw_ds, cfg, info.world_size, ds_source, zero_stage)
-    trainer = Trainer(cfg, run_dir, info, ds_config)
+    trainer = Trainer(cfg, run_dir, info, ds_config, attrs)
     resumed = resume and trainer.resume()
     if info.is_main:  # written once the run is known to start (a refused resume leaves the directory as it was)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -237,8 +288,9 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         (run_dir / DS_CONFIG_FILE).write_text(json.dumps(ds_config, indent=2))
         print(f"{cfg.train.stage}: {trainer.n_params / 1e6:.3f} M parameters, {info.world_size} rank(s), "
               f"ZeRO stage {ds_config.get('zero_optimization', {}).get('stage', 0)}, {cfg.train.precision}, "
-              f"{len(trainer.train_set):,} train windows" + (f", resumed at step {trainer.step}" if resumed else ""),
-              flush=True)
+              f"{len(trainer.train_set):,} train samples"
+              + (f" ({100 * trainer.train_set.padding_fraction:.1f} % padding)" if cfg.train.stage == "sft" else "")
+              + (f", resumed at step {trainer.step}" if resumed else ""), flush=True)
     sink = MetricsSink(run_dir, cfg, trainer.run_id, trainer.step) if info.is_main else None
     try:
         code = trainer.fit(sink)
