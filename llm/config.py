@@ -92,6 +92,8 @@ class TrainConfig:
     """DPO temperature: rewards are beta * (log pi - log pi_ref) summed over reply tokens."""
     dpo_loss: str = "sigmoid"
     """'sigmoid' (DPO) or 'ipo'."""
+    dpo_sft_weight: float = 0.0
+    """Weight of an NLL term on the chosen replies added to the DPO loss (RPO); 0 = plain DPO."""
     max_steps: int = 1000
     """Optimizer steps to train for (the run ends at this global step)."""
     micro_batch_size: int = 8
@@ -268,6 +270,7 @@ def validate(cfg: RunConfig) -> None:
     _require(d.seq_len <= cfg.model.max_seq_len, f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
     _require(t.stage in ("pretrain", "sft", "dpo"), f"train.stage must be pretrain, sft or dpo, got '{t.stage}'")
     _require(t.dpo_beta > 0, f"train.dpo_beta must be positive, got {t.dpo_beta}")
+    _require(t.dpo_sft_weight >= 0, f"train.dpo_sft_weight must be >= 0, got {t.dpo_sft_weight}")
     _require(t.dpo_loss in ("sigmoid", "ipo"), f"train.dpo_loss must be sigmoid or ipo, got '{t.dpo_loss}'")
     _require(t.stage != "dpo" or bool(t.init_from), "DPO needs --init-from (the policy and the frozen reference start there)")
     _require(t.precision in ("bf16", "fp32"), f"train.precision must be 'bf16' or 'fp32', got '{t.precision}'")

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from conftest import run_cli
@@ -20,12 +22,16 @@ def test_module_entry_point_matches_console_script():
     assert subprocess.run([str(script), "--help"], capture_output=True, text=True).stdout == run_cli("--help").stdout
 
 
-def test_demo_runs_end_to_end_with_falling_validation_loss(tmp_path):
+def test_demo_runs_every_stage_and_reports_accuracy(tmp_path):
     result = run_cli("demo", "--out", tmp_path, "--steps", 100)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "validation loss fell" in result.stdout
     assert "samples (greedy):" in result.stdout and "'The capital of France is' ->" in result.stdout
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "global_step100"
+    report = result.stdout[result.stdout.index("accuracy on 120 held-out arithmetic questions"):]
+    for stage in ("pretrain", "sft", "dpo"):
+        assert re.search(rf"after {stage} +\d+\.\d %", report), stage
+    assert (tmp_path / "dpo_run" / "checkpoints" / "latest").read_text() == "global_step60"
 
 
 def test_bench_train_prints_throughput_mfu_and_memory():

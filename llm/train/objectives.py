@@ -40,10 +40,14 @@ def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tens
 
 
 class DPOObjective:
-    """Direct Preference Optimization (Rafailov et al., 2023), or IPO (Azar et al., 2023) with loss='ipo'."""
+    """Direct Preference Optimization (Rafailov et al., 2023), or IPO (Azar et al., 2023) with loss='ipo'.
 
-    def __init__(self, reference, beta: float, loss: str = "sigmoid") -> None:
-        self.reference, self.beta, self.loss = reference, beta, loss
+    `sft_weight` > 0 adds that much of the chosen replies' mean token negative log-likelihood (as in
+    RPO, Pang et al., 2024), which keeps DPO from lowering the likelihood of the answers it prefers.
+    """
+
+    def __init__(self, reference, beta: float, loss: str = "sigmoid", sft_weight: float = 0.0) -> None:
+        self.reference, self.beta, self.loss, self.sft_weight = reference, beta, loss, sft_weight
 
     def _pair_logps(self, model, tokens, targets, mask) -> tuple[torch.Tensor, torch.Tensor]:
         return sequence_logps(model(tokens).logits, targets, mask).chunk(2)
@@ -60,6 +64,9 @@ class DPOObjective:
             loss = ((margin - 1 / (2 * self.beta)) ** 2).mean()
         else:
             loss = -F.logsigmoid(self.beta * margin).mean()
+        if self.sft_weight > 0:
+            chosen_tokens = mask.chunk(2)[0].sum(-1).clamp(min=1)
+            loss = loss - self.sft_weight * (policy_chosen / chosen_tokens).mean()
         chosen_reward, rejected_reward = self.beta * chosen_ratio.detach(), self.beta * rejected_ratio.detach()
         metrics = {"rewards/chosen": chosen_reward.mean().item(), "rewards/rejected": rejected_reward.mean().item(),
                    "rewards/accuracy": (chosen_reward > rejected_reward).float().mean().item(),

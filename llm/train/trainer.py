@@ -106,7 +106,8 @@ class Trainer:
         seed_rank_rngs(t.seed, dist_info.rank)  # then per-rank streams (dropout, sampling)
         self.engine = build_engine(model, cfg, ds_config, lambda step: lr_multiplier(step, t))
         if t.stage == "dpo":
-            self.objective = DPOObjective(reference_engine(cfg.model, weights, ds_config), t.dpo_beta, t.dpo_loss)
+            self.objective = DPOObjective(reference_engine(cfg.model, weights, ds_config), t.dpo_beta, t.dpo_loss,
+                                          t.dpo_sft_weight)
         else:
             self.objective = causal_lm
         self.step = 0
