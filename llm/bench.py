@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 
 from llm.config import build_config
-from llm.data.prepare import SPLITS, TOKENS_FILE, SplitWriter, write_attrs
+from llm.data.prepare import SPLITS, STREAMS, TOKENS_FILE, SplitWriter, write_attrs
 from llm.errors import UserError
 from llm.train.metrics import METRICS_FILE
 
@@ -26,8 +26,8 @@ def write_random_tokens(out: Path, vocab_size: int, n_tokens: int, seed: int = 0
     out.mkdir(parents=True, exist_ok=True)
     with h5py.File(out / TOKENS_FILE, "w") as h5:
         for split in SPLITS:
-            writer = SplitWriter(h5.create_group(split), dtype)
-            writer.append(rng.integers(4, vocab_size, n_tokens).astype(dtype))
+            writer = SplitWriter(h5.create_group(split), STREAMS["pretrain"], dtype)
+            writer.append({"tokens": rng.integers(4, vocab_size, n_tokens).astype(dtype)})
             writer.close()
         write_attrs(h5, "pretrain", "random", vocab_size, None)
 
