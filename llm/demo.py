@@ -2,7 +2,8 @@
 
 The corpus is generated here (nothing downloaded, nothing copied): simple facts and arithmetic
 in English and Chinese, regular enough that a tiny model visibly learns it. After pretraining,
-SFT teaches arithmetic questions in ChatML and DPO prefers right answers over near misses; the
+SFT teaches arithmetic questions in ChatML and DPO prefers right answers over the SFT model's own
+wrong ones (near misses where it was right); the
 accuracy on held-out questions is printed after each stage. The exit code is 0 when every stage
 ran and the pretraining validation loss fell.
 """
@@ -85,28 +86,39 @@ def wrong_answer(right: str, rng: random.Random) -> str:
     return chinese_number(value + rng.randint(1, 3))
 
 
-def write_post_training_files(sft_path: Path, dpo_path: Path, seed: int = 0) -> None:
-    rng = random.Random(seed)
-    train = questions(held=False)
-    sft_path.write_text("\n".join(json.dumps({"conversations": [{"role": "user", "content": q},
-                                                                {"role": "assistant", "content": a}]},
-                                             ensure_ascii=False) for q, a in train) + "\n", encoding="utf-8")
-    dpo_path.write_text("\n".join(json.dumps({"prompt": q, "chosen": a, "rejected": wrong_answer(a, rng)},
-                                             ensure_ascii=False) for q, a in train) + "\n", encoding="utf-8")
-
-
-def accuracy(run: Path) -> float:
-    """Share of held-out questions answered exactly right (greedy, ChatML)."""
+def answers(run: Path, qa: list[tuple[str, str]]) -> list[str]:
+    """A run's greedy ChatML answers to the questions."""
     from llm.export import load_for_inference
     from llm.infer.generate import TextGenerator
     from llm.infer.sampling import SamplingParams
     from llm.tokenizer import Tokenizer
 
     generator = TextGenerator(*load_for_inference(run))
+    prompts = [Tokenizer.render_chat([{"role": "user", "content": q}], add_generation_prompt=True) for q, _ in qa]
+    return [text.strip() for text in generator.generate(prompts, SamplingParams(max_new_tokens=6))]
+
+
+def accuracy(run: Path) -> float:
+    """Share of held-out questions answered exactly right (greedy, ChatML)."""
     held = questions(held=True)
-    prompts = [Tokenizer.render_chat([{"role": "user", "content": q}], add_generation_prompt=True) for q, _ in held]
-    answers = generator.generate(prompts, SamplingParams(max_new_tokens=6))
-    return sum(got.strip() == right for got, (_, right) in zip(answers, held)) / len(held)
+    return sum(got == right for got, (_, right) in zip(answers(run, held), held)) / len(held)
+
+
+def write_sft_file(path: Path) -> None:
+    path.write_text("\n".join(json.dumps({"conversations": [{"role": "user", "content": q},
+                                                            {"role": "assistant", "content": a}]},
+                                         ensure_ascii=False) for q, a in questions(held=False)) + "\n",
+                    encoding="utf-8")
+
+
+def write_dpo_file(path: Path, sft_run: Path, seed: int = 0) -> None:
+    """Pairs on the training questions: chosen = the right answer; rejected = the SFT model's own wrong answer
+    where it has one (on-policy), else a near miss."""
+    rng = random.Random(seed)
+    train = questions(held=False)
+    rows = [{"prompt": q, "chosen": right, "rejected": got if got and got != right else wrong_answer(right, rng)}
+            for got, (q, right) in zip(answers(sft_run, train), train)]
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n", encoding="utf-8")
 
 
 def _zerollm(*args: str) -> None:
@@ -124,8 +136,8 @@ def _val_losses(run: Path) -> list[tuple[int, float]]:
 
 POST_TRAINING = {  # stage: (steps, overrides) on top of the demo recipe
     "sft": (300, ["train.lr=1e-3", "train.warmup_steps=10", "train.eval_every=100", "train.save_every=300"]),
-    "dpo": (60, ["train.lr=5e-5", "train.warmup_steps=5", "train.eval_every=30", "train.save_every=60",
-                 "train.micro_batch_size=8", "train.dpo_beta=0.1", "train.dpo_sft_weight=1.0"]),
+    "dpo": (100, ["train.lr=1e-4", "train.warmup_steps=5", "train.eval_every=50", "train.save_every=100",
+                  "train.micro_batch_size=8", "train.dpo_beta=0.1", "train.dpo_sft_weight=1.0"]),
 }
 
 
@@ -165,9 +177,11 @@ def run_demo(out: Path, steps: int | None = None, nproc: int = 1) -> int:
     print(f"\nvalidation loss {'fell' if falling else 'did NOT fall'}: {evals[0][1]:.4f} -> {evals[-1][1]:.4f}")
 
     results = {"pretrain": accuracy(run)}
-    write_post_training_files(out / "sft.jsonl", out / "dpo.jsonl")
+    write_sft_file(out / "sft.jsonl")
     previous = run
     for number, stage in ((5, "sft"), (6, "dpo")):
+        if stage == "dpo":
+            write_dpo_file(out / "dpo.jsonl", previous)
         stage_steps, stage_overrides = POST_TRAINING[stage]
         print(f"[{number}/6] {stage.upper()} on generated arithmetic questions, from {previous.name}", flush=True)
         stage_data, stage_run = out / f"{stage}_data", out / f"{stage}_run"

@@ -31,7 +31,7 @@ def test_demo_runs_every_stage_and_reports_accuracy(tmp_path):
     report = result.stdout[result.stdout.index("accuracy on 120 held-out arithmetic questions"):]
     for stage in ("pretrain", "sft", "dpo"):
         assert re.search(rf"after {stage} +\d+\.\d %", report), stage
-    assert (tmp_path / "dpo_run" / "checkpoints" / "latest").read_text() == "global_step60"
+    assert (tmp_path / "dpo_run" / "checkpoints" / "latest").read_text() == "global_step100"
 
 
 def test_bench_train_prints_throughput_mfu_and_memory():
