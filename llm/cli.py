@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -216,7 +217,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         return relaunch_local(args.nproc, args.argv)
     from llm.train.trainer import run
 
-    return run(cfg, Path(args.out), args.deepspeed, resume=args.resume == "auto", zero_stage=args.zero_stage)
+    code = run(cfg, Path(args.out), args.deepspeed, resume=args.resume == "auto", zero_stage=args.zero_stage)
+    # Every file is written and every rank has passed the final barrier. End the process without interpreter
+    # teardown: destroying two ZeRO-3 engines and their gloo groups there can abort ("terminate called without
+    # an active exception") after a successful run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _sampling(args: argparse.Namespace):

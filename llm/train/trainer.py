@@ -298,6 +298,5 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     finally:
         if sink is not None:
             sink.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    dist.barrier()  # every rank is done writing; the caller ends the process (see `llm.cli.cmd_train`)
     return code
