@@ -59,6 +59,10 @@ def setup_distributed() -> DistInfo:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     import deepspeed
 
+    if not torch.cuda.is_available():
+        # DeepSpeed's CPU shared-memory all-reduce op is JIT-compiled at init (minutes on a busy machine) and its
+        # /dev/shm buffers outlive killed or os._exit-ed jobs; marking it incompatible keeps plain gloo.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
