@@ -95,6 +95,47 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                        help="log to wandb as well (default: the recipe's wandb.mode, off)")
 
 
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    from launch.launcher import DEFAULT_MASTER_PORT, SSH_LAUNCHERS
+
+    p = sub.add_parser(
+        "launch", help="start a training job on several nodes (hostfile, per node, SLURM)",
+        usage="zerollm launch [options] -- train STAGE ...",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit codes: 0 done; 2 bad input or ranks that disagree; 75 stopped by SIGTERM/SIGINT with a "
+               "checkpoint saved (rerun with --resume auto, on any number of ranks); 76 a rank died or hung "
+               "(named in the message). " + EPILOG,
+        description="Check a multi-node job, then start the real launcher.\n\n"
+                    "  hostfile:  zerollm launch --hostfile hosts -- train pretrain ...\n"
+                    "             (DeepSpeed's launcher reaches every host over pdsh/ssh or --launcher)\n"
+                    "  per node:  zerollm launch --nnodes 2 --node-rank R --master-addr A -- train pretrain ...\n"
+                    "             (run on every node; --backend torchrun uses c10d rendezvous)\n"
+                    "  SLURM:     srun zerollm launch --backend slurm -- train pretrain ...\n"
+                    "             (see launch/slurm/zerollm.sbatch)\n\n"
+                    "Before starting: the hostfile, the training command and a free master port are checked. "
+                    "Ranks compare code, config, data and tokenizer fingerprints at rendezvous, and a rank that "
+                    "dies or hangs ends the job within train.collective_timeout_s.")
+    p.add_argument("--hostfile", default=None, help="DeepSpeed hostfile: one 'HOST slots=N' per line")
+    p.add_argument("--include", default="", metavar="HOSTS", help="hostfile hosts/slots to use, e.g. node1@node2:0,1")
+    p.add_argument("--exclude", default="", metavar="HOSTS", help="hostfile hosts/slots to leave out")
+    p.add_argument("--launcher", choices=SSH_LAUNCHERS, default="pdsh",
+                   help="how DeepSpeed reaches the hosts of a hostfile (default pdsh)")
+    p.add_argument("--nnodes", type=int, default=None, help="per-node mode: number of nodes")
+    p.add_argument("--node-rank", type=int, default=None, help="per-node mode: this node's rank, 0..nnodes-1")
+    p.add_argument("--master-addr", default=None, help="address of node 0, reachable from every node")
+    p.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT,
+                   help=f"rendezvous port on node 0 (default {DEFAULT_MASTER_PORT})")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="ranks per node (default: the GPUs of the node, or 1 without GPUs; hostfile: its slots)")
+    p.add_argument("--backend", choices=["deepspeed", "torchrun", "slurm"], default="deepspeed",
+                   help="per-node launcher (default deepspeed); slurm = torchrun with the nodes taken from SLURM")
+    p.add_argument("--rdzv-id", default=None, help="torchrun rendezvous id, the same on every node "
+                                                   "(default: the SLURM job id, or 'zerollm')")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set in every rank's environment (repeatable; hostfile mode exports it to every host)")
+    p.add_argument("job", nargs=argparse.REMAINDER, metavar="-- train STAGE ...", help="the training command")
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the whole pipeline on a built-in corpus, in minutes on a CPU", epilog=EPILOG,
                        description="Generate a small learnable corpus (facts and arithmetic in English and Chinese), "
@@ -168,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tokenizer(sub)
     _add_data(sub)
     _add_train(sub)
+    _add_launch(sub)
     _add_inference(sub)
     _add_demo(sub)
     _add_bench(sub)
@@ -224,6 +266,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from launch.launcher import launch
+
+    return launch(args)
 
 
 def _sampling(args: argparse.Namespace):
@@ -303,7 +351,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_train(args) if args.what == "train" else bench_generate(args)
 
 
-COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "generate": cmd_generate,
+COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "launch": cmd_launch,
+            "generate": cmd_generate,
             "chat": cmd_chat, "export": cmd_export, "serve": cmd_serve, "demo": cmd_demo, "bench": cmd_bench}
 
 
@@ -314,7 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = COMMANDS[args.command](args)
     except UserError as exc:
-        print(f"zerollm: error: {exc}", file=sys.stderr)
+        if getattr(exc, "announce", True):  # an error every rank raises is printed once per node
+            print(f"zerollm: error: {exc}", file=sys.stderr)
         code = EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("zerollm: interrupted", file=sys.stderr)

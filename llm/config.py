@@ -124,6 +124,9 @@ class TrainConfig:
     """Newest checkpoints kept on disk (0 = keep all)."""
     peak_tflops: float | None = None
     """Device peak for MFU; None: known GPU table, or a measured matmul peak on CPU."""
+    collective_timeout_s: float = 600.0
+    """A rank that dies or hangs ends the whole job, naming that rank, within about this many seconds
+    (the collective timeout; also bounds how long ranks wait for each other, e.g. while rank 0 saves)."""
 
 
 @dataclass
@@ -279,5 +282,6 @@ def validate(cfg: RunConfig) -> None:
     for key, value in (("train.eval_every", t.eval_every), ("train.save_every", t.save_every),
                        ("train.warmup_steps", t.warmup_steps), ("train.keep_checkpoints", t.keep_checkpoints)):
         _require(value >= 0, f"{key} must be >= 0, got {value}")
+    _require(t.collective_timeout_s > 0, f"train.collective_timeout_s must be positive, got {t.collective_timeout_s}")
     _require(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
     _require(cfg.wandb.mode in ("off", "offline", "online"), f"wandb.mode must be off, offline or online, got '{cfg.wandb.mode}'")

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -135,10 +136,36 @@ def test_rerun_into_a_used_run_dir_without_resume_is_refused(zero_runs, pretrain
     assert result.returncode == 2 and "--resume auto" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_resume_on_another_world_size_under_zero_is_refused_clearly(zero_runs, pretrain_data):
-    result = run_cli(*_args(pretrain_data, zero_runs[2], "train.max_steps=6", "train.eval_every=2",
-                            extra=["--resume", "auto"]))
-    assert result.returncode == 2 and "saved by 2 ranks, this job has 1" in result.stderr
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_to_one_resume_converts_to_universal_and_continues(zero_runs, pretrain_data, tmp_path, stage):
+    """A 2-rank ZeRO run stopped after step 2 resumes on 1 rank (grad_accum 2 keeps the global batch): DeepSpeed's
+    universal checkpoint is made automatically, and steps 3-4 see the same samples with the same optimizer state
+    as the uninterrupted 2-rank run, in the same wandb run."""
+    common = ["train.max_steps=4", "train.eval_every=2", "train.precision=fp32"]
+    result = run_cli(*_args(pretrain_data, tmp_path, *common, "train.save_every=2", "train.keep_checkpoints=0",
+                            nproc=2, extra=["--zero-stage", stage, "--wandb", "offline"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    straight_state = json.loads((tmp_path / "checkpoints" / "global_step4" / "client_state.json").read_text())
+    # the job "died" after step 2: only that checkpoint and those metrics remain
+    (tmp_path / "checkpoints" / "latest").write_text("global_step2")
+    shutil.rmtree(tmp_path / "checkpoints" / "global_step4")
+    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in
+                                                    (tmp_path / "metrics.jsonl").read_text().splitlines()[:2]))
+
+    result = run_cli(*_args(pretrain_data, tmp_path, *common, "train.grad_accum=2", nproc=1,
+                            extra=["--zero-stage", stage, "--wandb", "offline", "--resume", "auto"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "saved by 2 rank(s), this job has 1: converting it to a universal checkpoint" in result.stdout
+    assert "resumed at step 2" in result.stdout
+    rows, reference = _metrics(tmp_path), _metrics(zero_runs[stage])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
+    assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
+    resumed_state = json.loads((tmp_path / "checkpoints" / "global_step4" / "client_state.json").read_text())
+    assert resumed_state["sampler"] == straight_state["sampler"] and resumed_state["world_size"] == 1
+    assert not (tmp_path / "checkpoints" / "universal").exists()
+    run_ids = {p.name.rsplit("-", 1)[1] for p in (tmp_path / "wandb").glob("offline-run-*")}
+    assert len(run_ids) == 1 and resumed_state["run_id"] in run_ids
 
 
 def test_metrics_jsonl_and_offline_wandb_hold_the_same_numbers(pretrain_data, tmp_path):

@@ -5,6 +5,8 @@
                                  + client_state.json (step, sampler, run id, world size)
                                  + rng_rank<R>.pt (every RNG of rank R)
         latest                   the tag of the newest *complete* checkpoint
+        universal/global_step<N> while resuming on another world size: DeepSpeed's universal checkpoint
+                                 of global_step<N> (removed once loaded)
 
 `latest` is replaced (write to a temporary file, then rename) only after every rank has finished
 writing, so a job killed mid-save resumes from the previous complete checkpoint.
@@ -18,6 +20,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +31,7 @@ import torch.distributed as dist
 
 from llm.errors import UserError
 
-LATEST, CLIENT_STATE = "latest", "client_state.json"
+LATEST, CLIENT_STATE, UNIVERSAL = "latest", "client_state.json", "universal"
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -83,26 +87,54 @@ def save(engine, run_dir: Path, step: int, client_state: dict[str, Any], keep: i
     dist.barrier()
 
 
-def load(engine, run_dir: Path, tag: str) -> dict[str, Any]:
-    """Restore engine, optimizer, scheduler and this rank's RNGs; return the client state."""
-    root = checkpoint_dir(run_dir)
-    client_file = root / tag / CLIENT_STATE
+def client_state_of(run_dir: Path, tag: str) -> dict[str, Any]:
+    client_file = checkpoint_dir(run_dir) / tag / CLIENT_STATE
     if not client_file.is_file():
-        raise UserError(f"{root / tag}: no {CLIENT_STATE}; the checkpoint is incomplete")
-    client_state = json.loads(client_file.read_text())
-    saved_world = client_state["world_size"]
-    if saved_world != dist.get_world_size() and engine.zero_optimization_stage() > 0:
-        raise UserError(f"{root / tag} was saved by {saved_world} ranks, this job has {dist.get_world_size()}; "
-                        "resuming ZeRO partitions on a different world size is not supported yet: "
-                        "resume with the original number of ranks")
+        raise UserError(f"{client_file.parent}: no {CLIENT_STATE}; the checkpoint is incomplete")
+    return json.loads(client_file.read_text())
+
+
+def is_partitioned(run_dir: Path, tag: str) -> bool:
+    """Whether the optimizer state is split across the ranks that saved it (ZeRO, or bf16's optimizer)."""
+    return any((checkpoint_dir(run_dir) / tag).glob("*zero_pp_rank_*optim_states.pt"))
+
+
+def universal_dir(run_dir: Path) -> Path:
+    return checkpoint_dir(run_dir) / UNIVERSAL
+
+
+def convert_to_universal(run_dir: Path, tag: str) -> None:
+    """DeepSpeed's universal checkpoint of `tag` (one file per parameter and optimizer state, loadable on any
+    world size), written to checkpoints/universal/<tag> by `deepspeed.checkpoint.ds_to_universal`."""
+    target = universal_dir(run_dir) / tag
+    if target.is_dir():
+        return
+    partial = universal_dir(run_dir) / f".{tag}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+               str(checkpoint_dir(run_dir) / tag), "--output_folder", str(partial), "--inject_missing_state"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise UserError(f"{checkpoint_dir(run_dir) / tag}: conversion to a universal checkpoint failed:\n"
+                        f"{(result.stdout + result.stderr)[-2000:]}")
+    (universal_dir(run_dir) / "latest_universal").unlink(missing_ok=True)  # written by the tool; we keep `latest`
+    os.replace(partial, target)
+
+
+def load(engine, run_dir: Path, tag: str, universal: bool = False) -> dict[str, Any]:
+    """Restore engine, optimizer, scheduler and this rank's RNGs; return the client state. `universal`: load
+    the conversion made by `convert_to_universal` (the job has another world size than the one that saved)."""
+    client_state = client_state_of(run_dir, tag)
+    root = universal_dir(run_dir) if universal else checkpoint_dir(run_dir)
     path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise UserError(f"{root / tag}: DeepSpeed could not load this checkpoint")
-    rng_file = root / tag / f"rng_rank{dist.get_rank()}.pt"
+    rng_file = checkpoint_dir(run_dir) / tag / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))
     return client_state
-
 
 
 def consolidated_weights(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ import os
 import socket
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,9 @@ class DistInfo:
         return self.rank == 0
 
 
-def setup_distributed() -> DistInfo:
-    """Join the process group a launcher prepared, or form a group of one when started directly."""
+def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
+    """Join the process group a launcher prepared, or form a group of one when started directly. Collectives
+    (and the wait for every rank to join) fail after `timeout_s` instead of hanging."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -74,7 +76,7 @@ def setup_distributed() -> DistInfo:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         device = torch.device("cpu")
         backend = "gloo"
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timedelta(seconds=timeout_s))
     return DistInfo(rank, local_rank, world, local_world, device)
 
 

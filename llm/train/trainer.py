@@ -13,6 +13,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -22,9 +23,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from llm.config import RunConfig
-from llm.config import ModelConfig
+from launch.fingerprint import check_ranks_agree, fingerprint
+from launch.watchdog import Watchdog
+from llm.config import ModelConfig, RunConfig
 from llm.data.datasets import DATASETS, read_data_attrs, tokenizer_dir_of
+from llm.data.prepare import TOKENS_FILE
 from llm.data.sampler import ResumableDistributedSampler
 from llm.errors import UserError
 from llm.model import Transformer
@@ -117,18 +120,14 @@ class Trainer:
 
     # ---- state ---------------------------------------------------------------------------------
 
-    def resume(self) -> bool:
-        tag = checkpoint.latest_tag(self.run_dir)
-        if tag is None:
-            return False
-        state = checkpoint.load(self.engine, self.run_dir, tag)
+    def resume(self, tag: str, universal: bool) -> None:
+        state = checkpoint.load(self.engine, self.run_dir, tag, universal)
         self.step, self.run_id = state["step"], state["run_id"]
         self.sampler.load_state_dict(state["sampler"])
-        return True
 
-    def save(self) -> None:
+    def save(self, stopped_by_signal: bool = False) -> None:
         state = {"step": self.step, "run_id": self.run_id, "world_size": self.dist.world_size,
-                 "sampler": self.sampler.state_dict()}
+                 "sampler": self.sampler.state_dict(), "stopped_by_signal": stopped_by_signal}
         checkpoint.save(self.engine, self.run_dir, self.step, state, keep=self.cfg.train.keep_checkpoints)
 
     # ---- data ----------------------------------------------------------------------------------
@@ -201,7 +200,7 @@ class Trainer:
 
     # ---- the run -------------------------------------------------------------------------------
 
-    def fit(self, sink: MetricsSink | None) -> int:
+    def fit(self, sink: MetricsSink | None, watchdog: Watchdog | None = None) -> int:
         t, seq_len = self.cfg.train, self.cfg.data.seq_len
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
@@ -214,6 +213,8 @@ class Trainer:
                    disable=not (self.dist.is_main and interactive), file=sys.stdout)
         while self.step < t.max_steps:
             lr = self.engine.get_lr()[0]
+            if watchdog is not None:
+                watchdog.busy(f"step {self.step + 1}")
             start = time.perf_counter()
             loss, loss_tokens, stage_metrics = self.train_step()
             elapsed = time.perf_counter() - start
@@ -237,8 +238,10 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(status)
             stop = self._stop_agreed()
+            if watchdog is not None:
+                watchdog.idle()  # a checkpoint may take longer than a step; the collective timeout still bounds it
             if stop or last or (t.save_every and self.step % t.save_every == 0):
-                self.save()
+                self.save(stopped_by_signal=stop)
             if stop:
                 bar.close()
                 if self.dist.is_main:
@@ -266,8 +269,26 @@ def keep_tokenizer(run_dir: Path, data_dir: Path) -> None:
         shutil.copytree(source, kept)
 
 
+def needs_universal(run_dir: Path, tag: str, world_size: int) -> bool:
+    """Whether resuming `tag` on `world_size` ranks needs a universal checkpoint: its optimizer state is
+    partitioned over another number of ranks."""
+    saved_world = checkpoint.client_state_of(run_dir, tag)["world_size"]
+    return saved_world != world_size and checkpoint.is_partitioned(run_dir, tag)
+
+
+def prepare_universal(run_dir: Path, tag: str, info: DistInfo) -> None:
+    """Rank 0 converts `tag` while the others wait at a barrier (bounded by train.collective_timeout_s)."""
+    if info.is_main:
+        saved_world = checkpoint.client_state_of(run_dir, tag)["world_size"]
+        print(f"{tag} was saved by {saved_world} rank(s), this job has {info.world_size}: converting it to a "
+              "universal checkpoint", flush=True)
+        checkpoint.convert_to_universal(run_dir, tag)
+    dist.barrier()
+
+
 def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool, zero_stage: int | None = None) -> int:
-    """Train `cfg` into `run_dir` under DeepSpeed; returns the process exit code."""
+    """Train `cfg` into `run_dir` under DeepSpeed; returns the process exit code. In a multi-rank job, a rank
+    that fails, dies or hangs ends the job on every rank (see `launch.watchdog`)."""
     if not cfg.data.path:
         raise UserError("no training data: pass --data DIR (a directory made by `zerollm data prepare`)")
     attrs = read_data_attrs(cfg.data.path, cfg.train.stage)
@@ -278,10 +299,44 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     raw_ds, ds_source = load_ds_config(ds_config_path, cfg.train.stage)
     if not resume and checkpoint.latest_tag(run_dir) is not None:
         raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out")
-    info = setup_distributed()
+    info = setup_distributed(cfg.train.collective_timeout_s)
     ds_config = resolve_ds_config(raw_ds, cfg, info.world_size, ds_source, zero_stage)
-    trainer = Trainer(cfg, run_dir, info, ds_config, attrs)
-    resumed = resume and trainer.resume()
+    watchdog = None
+    if info.world_size > 1:
+        watchdog = Watchdog(info.rank, info.world_size, cfg.train.collective_timeout_s, announce=info.local_rank == 0)
+    try:
+        code = _run_job(cfg, run_dir, info, ds_config, attrs, resume, watchdog)
+    except UserError:
+        raise
+    except Exception as exc:
+        if watchdog is None:
+            raise
+        traceback.print_exc()
+        watchdog.end_job(watchdog.diagnose() or f"failed with {type(exc).__name__}: {exc}")
+    if watchdog is not None:
+        watchdog.stop()
+    dist.barrier()  # every rank is done writing; the caller ends the process (see `llm.cli.cmd_train`)
+    return code
+
+
+def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, attrs: dict, resume: bool,
+             watchdog: Watchdog | None) -> int:
+    if info.world_size > 1:
+        check_ranks_agree(fingerprint(cfg.to_dict(), ds_config, Path(cfg.data.path) / TOKENS_FILE,
+                                      attrs["tokenizer_hash"]), announce=info.local_rank == 0)
+    tag = checkpoint.latest_tag(run_dir) if resume else None
+    universal = tag is not None and needs_universal(run_dir, tag, info.world_size)
+    if universal:
+        prepare_universal(run_dir, tag, info)
+    engine_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}} \
+        if universal else ds_config
+    trainer = Trainer(cfg, run_dir, info, engine_config, attrs)
+    if tag is not None:
+        trainer.resume(tag, universal)
+        if universal:
+            dist.barrier()
+            if info.is_main:
+                shutil.rmtree(checkpoint.universal_dir(run_dir))
     if info.is_main:  # written once the run is known to start (a refused resume leaves the directory as it was)
         run_dir.mkdir(parents=True, exist_ok=True)
         keep_tokenizer(run_dir, Path(cfg.data.path))
@@ -291,12 +346,10 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
               f"ZeRO stage {ds_config.get('zero_optimization', {}).get('stage', 0)}, {cfg.train.precision}, "
               f"{len(trainer.train_set):,} train samples"
               + (f" ({100 * trainer.train_set.padding_fraction:.1f} % padding)" if cfg.train.stage == "sft" else "")
-              + (f", resumed at step {trainer.step}" if resumed else ""), flush=True)
+              + (f", resumed at step {trainer.step}" if tag is not None else ""), flush=True)
     sink = MetricsSink(run_dir, cfg, trainer.run_id, trainer.step) if info.is_main else None
     try:
-        code = trainer.fit(sink)
+        return trainer.fit(sink, watchdog)
     finally:
         if sink is not None:
             sink.close()
-    dist.barrier()  # every rank is done writing; the caller ends the process (see `llm.cli.cmd_train`)
-    return code

@@ -1,0 +1,107 @@
+"""Rank agreement, checked at rendezvous before any training step.
+
+Every rank all-gathers a fingerprint: the code version, the software versions, every key of the
+resolved run config and DeepSpeed config, a digest of the data file and the tokenizer hash. Nodes
+started with a different checkout, config or data would otherwise train silently on different
+things (or deadlock in mismatched collectives); here the job stops on every rank with one message
+naming the differing fields and ranks. Node-local paths (data.path, train.init_from) are not compared;
+the data and weights they hold are, through their digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from llm.errors import UserError
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+CODE_DIRS = ("llm", "kernels", "launch", "ds_configs")
+NODE_LOCAL_KEYS = {"config.data.path", "config.train.init_from"}
+_CHUNK = 1 << 20
+
+
+def code_version() -> str:
+    """Digest of the package's source files (works without git, and catches uncommitted edits)."""
+    digest = hashlib.sha256()
+    for top in CODE_DIRS:
+        for path in sorted((PACKAGE_ROOT / top).rglob("*")):
+            if path.suffix in (".py", ".json", ".yaml") and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(PACKAGE_ROOT)).encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def file_digest(path: Path) -> str:
+    """Size plus the first and last MiB: cheap on multi-GB token files, different for different data."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(_CHUNK))
+        f.seek(max(0, size - _CHUNK))
+        digest.update(f.read(_CHUNK))
+    return digest.hexdigest()[:16]
+
+
+def _flatten(prefix: str, node: Any, out: dict[str, str]) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _flatten(f"{prefix}.{key}", value, out)
+    else:
+        out[prefix] = repr(node)
+
+
+def fingerprint(config: dict, ds_config: dict, data_file: Path, tokenizer_hash: str) -> dict[str, str]:
+    import deepspeed
+
+    fields = {"code": code_version(),
+              "software": f"python {platform.python_version()}, torch {torch.__version__}, "
+                          f"deepspeed {deepspeed.__version__}",
+              "data": file_digest(data_file), "tokenizer": tokenizer_hash}
+    _flatten("config", config, fields)
+    _flatten("ds_config", ds_config, fields)
+    for key in NODE_LOCAL_KEYS:
+        fields.pop(key, None)
+    return fields
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
+
+
+def mismatch_message(prints: list[dict[str, str]]) -> str | None:
+    """One message naming every field on which the ranks disagree, with the ranks holding each value."""
+    differing = []
+    for field in sorted(set().union(*prints)):
+        holders: dict[str, list[int]] = {}
+        for rank, fields in enumerate(prints):
+            holders.setdefault(fields.get(field, "<missing>"), []).append(rank)
+        if len(holders) > 1:
+            values = "; ".join(f"{value[:60]} on {_ranks(ranks)}" for value, ranks in holders.items())
+            differing.append(f"{field}: {values}")
+    if not differing:
+        return None
+    return ("ranks disagree, nothing was trained: " + " | ".join(differing)
+            + ". Start every node with the same code, config, data and tokenizer")
+
+
+class RanksDisagree(UserError):
+    """Raised on every rank; `announce` is true on one rank per node, which prints it."""
+
+    def __init__(self, message: str, announce: bool) -> None:
+        super().__init__(message)
+        self.announce = announce
+
+
+def check_ranks_agree(mine: dict[str, str], announce: bool) -> None:
+    """All-gather every rank's fingerprint; raise `RanksDisagree` on every rank if any field differs."""
+    prints: list[dict[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(prints, mine)
+    message = mismatch_message(prints)
+    if message:
+        raise RanksDisagree(message, announce)

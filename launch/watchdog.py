@@ -1,0 +1,137 @@
+"""Rank liveness: a rank that dies or hangs ends the whole job, and the message names it.
+
+Every rank runs a heartbeat thread that increments its counter in the job's rendezvous store (the
+TCPStore the launcher set up at MASTER_ADDR:MASTER_PORT) every `interval` seconds. The counters are
+a clock that needs no synchronised clocks between nodes:
+
+- when a collective fails (a peer's connection closed) or times out (`train.collective_timeout_s`),
+  `diagnose()` reads every counter twice, `stale_after` seconds apart; ranks whose counter did not move
+  are dead or frozen, and are named with the host and pid they registered;
+- the rank that diagnosed a failure publishes it under an abort key; every other rank's heartbeat
+  thread sees the key within one interval and ends its process, so no rank is left waiting;
+- a step that runs longer than the timeout plus the diagnosis time ends the process from the thread
+  (a backstop for waits that no collective timeout covers).
+
+If the store itself is unreachable, the process that hosts it is gone: rank 0 under the deepspeed
+launcher, the node-0 agent under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+EXIT_RANK_LOST = 76
+"""Exit code of a job ended because a rank died, hung or could not be reached."""
+
+_PREFIX = "zerollm/watchdog"
+
+
+def _counter_key(rank: int) -> str:
+    return f"{_PREFIX}/beats/{rank}"
+
+
+def _identity_key(rank: int) -> str:
+    return f"{_PREFIX}/who/{rank}"
+
+
+_ABORT_KEY = f"{_PREFIX}/abort"
+
+
+class Watchdog:
+    def __init__(self, rank: int, world_size: int, timeout_s: float, announce: bool) -> None:
+        """`announce`: whether this rank prints the message when another rank ended the job (one rank per node)."""
+        self.rank, self.world_size, self.announce = rank, world_size, announce
+        self.timeout_s = timeout_s
+        self.interval = min(max(timeout_s / 30, 0.5), 10.0)
+        self.stale_after = 3 * self.interval
+        self.address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        self._store = self._connect(timeout_s)
+        self._store.set(_identity_key(rank), f"host {socket.gethostname()}, pid {os.getpid()}")
+        self._store.add(_counter_key(rank), 1)
+        self._busy_since: float | None = None
+        self._busy_what = ""
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="zerollm-watchdog", daemon=True)
+        self._thread.start()
+
+    def _connect(self, timeout_s: float) -> dist.TCPStore:
+        host, port = self.address
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+
+    # ---- the main thread's side ----------------------------------------------------------------
+
+    def busy(self, what: str) -> None:
+        """The main thread starts work that should end within the timeout (e.g. "step 12")."""
+        self._busy_what, self._busy_since = what, time.monotonic()
+
+    def idle(self) -> None:
+        self._busy_since = None
+
+    def stop(self) -> None:
+        """Stop beating (before the final barrier: after it, the store's host may exit at any time)."""
+        self._stopped.set()
+        self._thread.join()
+
+    def diagnose(self) -> str | None:
+        """A sentence naming the ranks whose heartbeat stopped, or None when every rank is alive."""
+        host, port = self.address
+        try:
+            store = self._connect(max(5.0, 2 * self.interval))
+            keys = [_counter_key(r) for r in range(self.world_size)]
+            before = store.multi_get(keys)
+            time.sleep(self.stale_after)
+            after = store.multi_get(keys)
+            silent = [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]]
+            who = dict(zip(silent, store.multi_get([_identity_key(r) for r in silent]))) if silent else {}
+        except Exception:  # noqa: BLE001 - any store failure means the same thing here
+            return (f"the job's rendezvous store at {host}:{port} is unreachable: the process hosting it "
+                    "(rank 0 under the deepspeed launcher, the node-0 agent under torchrun) or its node stopped")
+        if not silent:
+            return None
+        named = "; ".join(f"rank {r} ({who[r].decode()})" for r in silent)
+        return f"{named} stopped responding (no heartbeat for {self.stale_after:.0f} s)"
+
+    def end_job(self, message: str) -> None:
+        """Tell every rank to end, print `message` and end this process with EXIT_RANK_LOST."""
+        text = f"rank {self.rank}: {message}; the job is ended on every rank. Fix or replace the failed node, " \
+               "then start the job again with --resume auto"
+        try:
+            self._connect(5.0).set(_ABORT_KEY, text)
+            time.sleep(1.5 * self.interval)  # the store may live in this process: let the others read the key
+        except Exception:  # noqa: BLE001 - the store may be what failed; the other ranks' own checks cover it
+            pass
+        _exit(text)
+
+    # ---- the thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        deadline_extra = self.stale_after + 2 * self.interval
+        while not self._stopped.wait(self.interval):
+            try:
+                self._store.add(_counter_key(self.rank), 1)
+                if self._store.check([_ABORT_KEY]):
+                    text = self._store.get(_ABORT_KEY).decode()
+                    _exit(text if self.announce else None)
+            except Exception:  # noqa: BLE001 - the store's host is gone; the main thread's collective fails next
+                pass
+            since = self._busy_since
+            if since is not None and time.monotonic() - since > self.timeout_s + deadline_extra:
+                reason = self.diagnose() or ("every rank's heartbeat is alive, so a rank is stuck outside "
+                                             "communication (a data loader, a file system, its own code)")
+                self.end_job(f"{self._busy_what} did not finish within train.collective_timeout_s="
+                             f"{self.timeout_s:g} s: {reason}")
+
+
+def _exit(message: str | None) -> None:
+    if message:
+        print(f"zerollm: error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_RANK_LOST)

@@ -1,0 +1,289 @@
+"""`zerollm launch`: preflight checks, and real multi-"node" jobs on one machine (two launcher processes meeting
+on 127.0.0.1) through DeepSpeed's launcher in per-node and hostfile mode, torchrun c10d and the SLURM template."""
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import REPO, TINY, run_cli
+from launch.fingerprint import mismatch_message
+from launch.hostfile import check_filter, read_hostfile
+from launch.launcher import first_host, plan_launch, slurm_rendezvous
+from llm.errors import UserError
+from llm.train.engine import free_port
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _job(data, out, *overrides):
+    sets = [a for o in [*TINY, "train.precision=fp32", *overrides] for a in ("--set", o)]
+    return ["train", "pretrain", "--recipe", "demo", "--data", str(data), "--out", str(out), *sets]
+
+
+# ---- preflight, no processes -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, message", [
+    ("node1 slots=2\nnode1 slots=4\n", "bad:2: host 'node1' is listed twice (first at line 1)"),
+    ("node1 slots=2\nnode2 slots=0\n", "bad:2: host 'node2' has slots=0; it needs at least 1"),
+    ("# cluster\nnode1 slots=2\nnode2 gpus=4\n", "bad:3: expected 'HOST slots=N', got 'node2 gpus=4'"),
+    ("# only a comment\n\n", "bad: no hosts listed"),
+])
+def test_bad_hostfiles_name_file_and_line(tmp_path, text, message):
+    (tmp_path / "bad").write_text(text)
+    with pytest.raises(UserError) as err:
+        read_hostfile(tmp_path / "bad")
+    assert str(err.value) == f"{tmp_path}/{message}"
+
+
+def test_hostfile_with_comments_and_filters(tmp_path):
+    (tmp_path / "hosts").write_text("# two nodes\nworker-1 slots=8  # first\n\nworker-2 slots=4\n")
+    hosts = read_hostfile(tmp_path / "hosts")
+    assert hosts == {"worker-1": 8, "worker-2": 4}
+    check_filter(hosts, "worker-1@worker-2:0,3", "--include", "hosts")
+    with pytest.raises(UserError, match="host 'worker-3' is not in hosts"):
+        check_filter(hosts, "worker-3", "--include", "hosts")
+    with pytest.raises(UserError, match="host 'worker-2' has slots 0-3, not '4'"):
+        check_filter(hosts, "worker-2:4", "--exclude", "hosts")
+
+
+def test_bad_hostfile_through_the_cli_is_one_line_exit_2(tmp_path):
+    (tmp_path / "hosts").write_text("node1 slots=2\nnode1 slots=2\n")
+    result = run_cli("launch", "--hostfile", tmp_path / "hosts", "--", *_job(tmp_path, tmp_path / "run"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"zerollm: error: {tmp_path / 'hosts'}:2: host 'node1' is listed twice (first at line 1)"
+
+
+def test_busy_master_port_is_refused_before_anything_starts(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_cli("launch", "--nnodes", 2, "--node-rank", 0, "--master-addr", "127.0.0.1", "--master-port", port,
+                         "--", *_job(tmp_path, tmp_path / "run"))
+    assert result.returncode == 2
+    assert f"master port {port} is already in use on this node" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_training_command_is_checked_before_launching(tmp_path):
+    result = run_cli("launch", "--", "train", "pretrain", "--recipe", "demo", "--data", tmp_path, "--out", tmp_path,
+                     "--set", "train.no_such_key=1")
+    assert result.returncode == 2 and "train.no_such_key" in result.stderr
+    result = run_cli("launch", "--", "generate", "--model", tmp_path)
+    assert result.returncode == 2 and "after '--'" in result.stderr
+    result = run_cli("launch", "--", *_job(tmp_path, tmp_path), "--nproc", 2)
+    assert result.returncode == 2 and "--nproc-per-node" in result.stderr
+
+
+def _launch_args(*argv):
+    from llm.cli import build_parser
+
+    return build_parser().parse_args(["launch", *argv, "--", "train"])
+
+
+def test_plans_for_each_mode(tmp_path):
+    job = ["train", "pretrain"]
+    per_node = plan_launch(_launch_args("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                                        "--master-port", "29555", "--nproc-per-node", "4"), job, {})
+    cmd = " ".join(per_node.command)
+    assert "deepspeed.launcher.runner --hostfile {dir}/hostfile --no_ssh --node_rank 1" in cmd
+    assert "--master_addr 10.0.0.1 --master_port 29555 --no_local_rank --module llm train pretrain" in cmd
+    assert per_node.files == {"hostfile": "node0 slots=4\nnode1 slots=4\n"}
+
+    torchrun = plan_launch(_launch_args("--backend", "torchrun", "--nnodes", "3", "--node-rank", "2",
+                                        "--master-addr", "10.0.0.1", "--nproc-per-node", "8"), job, {})
+    assert " ".join(torchrun.command).endswith(
+        "torch.distributed.run --nnodes 3 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 "
+        "--rdzv-id zerollm --rdzv-conf is_host=0 --max-restarts 0 -m llm train pretrain")
+
+    (tmp_path / "hosts").write_text("a slots=8\nb slots=8\n")
+    hostfile = plan_launch(_launch_args("--hostfile", str(tmp_path / "hosts"), "--master-addr", "10.0.0.1",
+                                        "--include", "a@b:0,1", "--launcher", "openmpi", "--env", "NCCL_DEBUG=INFO",
+                                        "--env", "HF_HOME=/data/hf"), job, {})
+    cmd = " ".join(hostfile.command)
+    assert f"--hostfile {tmp_path / 'hosts'} --launcher openmpi" in cmd and "--include a@b:0,1" in cmd
+    assert hostfile.env == {"NCCL_DEBUG": "INFO", "HF_HOME": "/data/hf", "DS_ENV_FILE": "{dir}/deepspeed_env"}
+    assert hostfile.files == {"deepspeed_env": "NCCL_DEBUG=INFO\nHF_HOME=/data/hf\n"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "10.0.0.1"], "--node-rank 2 is outside 0..1"),
+    (["--nnodes", "2", "--master-addr", "10.0.0.1"], "needs --nnodes, --node-rank and --master-addr"),
+    (["--nnodes", "2", "--node-rank", "0", "--master-addr", "192.0.2.1"], "is not an address of this node"),
+    (["--include", "a"], "select hosts of a --hostfile"),
+    (["--env", "1BAD=x"], "expected NAME=VALUE"),
+    (["--backend", "slurm"], "SLURM_JOB_NUM_NODES, SLURM_NODEID, SLURM_JOB_NODELIST not set"),
+])
+def test_bad_launch_options(argv, message):
+    with pytest.raises(UserError, match=message):
+        plan_launch(_launch_args(*argv), ["train"], {})
+
+
+def test_slurm_environment():
+    env = {"SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "3", "SLURM_JOB_NODELIST": "gpu[07-09,12]"}
+    assert slurm_rendezvous(env) == (4, 3, "gpu07")
+    assert first_host("login1,gpu[1-2]") == "login1" and first_host("n001") == "n001"
+    plan = plan_launch(_launch_args("--backend", "slurm"), ["train"], {**env, "SLURM_JOB_ID": "777",
+                                                                       "SLURM_GPUS_ON_NODE": "8"})
+    assert "--nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint gpu07:29500 --rdzv-id 777" in \
+        " ".join(plan.command)
+
+
+def test_fingerprint_mismatch_message_names_fields_and_ranks():
+    same = {"code": "abc", "data": "d1", "config.train.lr": "0.001"}
+    prints = [same, same, {**same, "config.train.lr": "0.002"}, {**same, "data": "d2"}]
+    assert mismatch_message([same, same]) is None
+    assert mismatch_message(prints) == (
+        "ranks disagree, nothing was trained: config.train.lr: 0.001 on ranks 0,1,3; 0.002 on rank 2 | "
+        "data: d1 on ranks 0,1,2; d2 on rank 3. Start every node with the same code, config, data and tokenizer")
+
+
+# ---- real jobs on one machine ------------------------------------------------------------------
+
+
+def _start(argv, log: Path, env=None):
+    return subprocess.Popen([sys.executable, "-m", "llm", *map(str, argv)], stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
+def _two_nodes(tmp_path, job_for_node, backend="deepspeed", name="node"):
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        argv = ["launch", "--backend", backend, "--nnodes", 2, "--node-rank", rank, "--master-addr", "127.0.0.1",
+                "--master-port", port, "--", *job_for_node(rank)]
+        procs.append(_start(argv, tmp_path / f"{name}{rank}.log"))
+    return procs
+
+
+def _wait_all(procs, timeout=240):
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def _wait_for_steps(run, count, procs, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run / "metrics.jsonl").is_file() and len(_metrics(run)) >= count:
+            return
+        assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting for training steps")
+
+
+SLOW = ["data.seq_len=128", "train.micro_batch_size=16", "train.eval_every=0", "train.max_steps=400"]
+
+
+def test_two_nodes_per_node_mode_sigterm_saves_on_every_rank_and_resume_continues(pretrain_data, tmp_path):
+    run = tmp_path / "run"
+    procs = _two_nodes(tmp_path, lambda rank: _job(pretrain_data, run, *SLOW, "train.save_every=0"))
+    _wait_for_steps(run, 2, procs)
+    procs[0].send_signal(signal.SIGTERM)  # preemption reaches one node; the ranks agree to stop together
+    assert _wait_all(procs) == [75, 75]
+    tag = (run / "checkpoints" / "latest").read_text()
+    step = int(tag.removeprefix("global_step"))
+    saved = run / "checkpoints" / tag
+    assert sorted(p.name for p in saved.glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]
+    assert len(list(saved.glob("zero_pp_rank_*_optim_states.pt"))) == 2
+    assert json.loads((saved / "client_state.json").read_text())["stopped_by_signal"] is True
+    assert "stopped by signal" in (tmp_path / "node0.log").read_text()
+
+    procs = _two_nodes(tmp_path, lambda rank: [*_job(pretrain_data, run, *SLOW, f"train.max_steps={step + 2}"),
+                                               "--resume", "auto"], name="again")
+    assert _wait_all(procs) == [0, 0]
+    assert f"resumed at step {step}" in (tmp_path / "again0.log").read_text()
+    assert [r["step"] for r in _metrics(run)] == list(range(1, step + 3))
+
+
+def test_torchrun_c10d_two_nodes_train_like_the_deepspeed_launcher(zero_runs, pretrain_data, tmp_path):
+    run = tmp_path / "run"
+    procs = _two_nodes(tmp_path, lambda rank: _job(pretrain_data, run, "train.max_steps=4", "train.eval_every=2"),
+                       backend="torchrun")
+    assert _wait_all(procs) == [0, 0], (tmp_path / "node0.log").read_text()[-3000:]
+    assert "--rdzv-backend c10d" in (tmp_path / "node0.log").read_text()
+    rows, reference = _metrics(run), _metrics(zero_runs[2])
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-6)
+
+
+def test_hostfile_mode_on_this_machine(pretrain_data, tmp_path):
+    (tmp_path / "hosts").write_text("# this machine\nlocalhost slots=2\n")
+    result = run_cli("launch", "--hostfile", tmp_path / "hosts", "--master-port", free_port(), "--env",
+                     "ZEROLLM_EXAMPLE=1", "--", *_job(pretrain_data, tmp_path / "run", "train.max_steps=2"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "deepspeed.launcher.runner --hostfile" in result.stdout and "2 rank(s)" in result.stdout
+    assert [r["step"] for r in _metrics(tmp_path / "run")] == [1, 2]
+
+
+def test_fingerprint_mismatch_stops_every_node_with_one_message(pretrain_data, tmp_path):
+    run = tmp_path / "run"
+    procs = _two_nodes(tmp_path, lambda rank: _job(pretrain_data, run, "train.max_steps=2",
+                                                   f"train.lr={0.003 if rank == 0 else 0.001}"))
+    assert _wait_all(procs) == [2, 2]
+    for rank in (0, 1):
+        log = (tmp_path / f"node{rank}.log").read_text()
+        assert log.count("zerollm: error: ranks disagree") == 1, log[-3000:]
+        assert "config.train.lr: 0.003 on rank 0; 0.001 on rank 1" in log and "Traceback" not in log
+    assert not run.exists()
+
+
+def test_a_killed_rank_ends_the_job_naming_it_and_one_node_resumes(pretrain_data, tmp_path):
+    run, timeout = tmp_path / "run", 20
+    procs = _two_nodes(tmp_path, lambda rank: _job(pretrain_data, run, *SLOW, "train.save_every=2",
+                                                   f"train.collective_timeout_s={timeout}"))
+    _wait_for_steps(run, 3, procs)
+    victim = [p for p in psutil.Process(procs[1].pid).children(recursive=True)
+              if "-m llm" in " ".join(p.cmdline())]  # the rank, not the launchers
+    assert len(victim) == 1
+    victim[0].kill()
+    killed_at = time.monotonic()
+    code = procs[0].wait(timeout=timeout + 30)
+    assert time.monotonic() - killed_at < timeout + 10
+    log = (tmp_path / "node0.log").read_text()
+    assert code == 76, log[-3000:]
+    assert f"rank 1 (host {socket.gethostname()}, pid {victim[0].pid}) stopped responding" in log
+
+    step = int((run / "checkpoints" / "latest").read_text().removeprefix("global_step"))
+    job = _job(pretrain_data, run, *SLOW, f"train.max_steps={step + 2}", "train.micro_batch_size=32")
+    _wait_all(procs)
+    result = run_cli(*job, "--resume", "auto")  # one node, one rank: a universal checkpoint is made
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed at step {step}" in result.stdout and "converting it to a universal checkpoint" in result.stdout
+    assert [r["step"] for r in _metrics(run)][-2:] == [step + 1, step + 2]
+
+
+def test_slurm_template_starts_one_launcher_per_node(pretrain_data, tmp_path):
+    """The sbatch script run as SLURM would, with a stand-in `srun` that starts its command once per node."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = bin_dir / "srun"
+    srun.write_text("#!/bin/bash\n"
+                    "while [[ $1 == --* ]]; do shift; done\n"
+                    "for node in 0 1; do SLURM_NODEID=$node \"$@\" > \"$SRUN_LOGS/node$node.log\" 2>&1 & done\n"
+                    "code=0; for job in $(jobs -p); do wait $job || code=$?; done; exit $code\n")
+    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_LOGS": str(tmp_path),
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "4242",
+           "MASTER_PORT": str(free_port()), "ZEROLLM": f"{sys.executable} -m llm"}
+    run = tmp_path / "run"
+    result = subprocess.run(["bash", REPO / "launch" / "slurm" / "zerollm.sbatch",
+                             *_job(pretrain_data, run, "train.max_steps=2")],
+                            env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, (tmp_path / "node0.log").read_text()[-3000:]
+    assert "--rdzv-id 4242" in (tmp_path / "node1.log").read_text()
+    assert [r["step"] for r in _metrics(run)] == [1, 2]
