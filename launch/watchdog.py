@@ -9,8 +9,11 @@ a clock that needs no synchronised clocks between nodes:
   are dead or frozen, and are named with the host and pid they registered;
 - the rank that diagnosed a failure publishes it under an abort key; every other rank's heartbeat
   thread sees the key within one interval and ends its process, so no rank is left waiting;
-- a step that runs longer than the timeout plus the diagnosis time ends the process from the thread
-  (a backstop for waits that no collective timeout covers).
+- a step that runs longer than the timeout ends the job from the thread (a backstop for waits that no
+  collective timeout covers, such as a peer frozen between collectives).
+
+A failure is therefore reported within the timeout plus the diagnosis (a tenth of the timeout); a
+killed process, whose connections close at once, within seconds.
 
 If the store itself is unreachable, the process that hosts it is gone: rank 0 under the deepspeed
 launcher, the node-0 agent under torchrun.
@@ -58,6 +61,7 @@ class Watchdog:
         self._busy_since: float | None = None
         self._busy_what = ""
         self._stopped = threading.Event()
+        self._ending = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="zerollm-watchdog", daemon=True)
         self._thread.start()
 
@@ -100,7 +104,9 @@ class Watchdog:
         return f"{named} stopped responding (no heartbeat for {self.stale_after:.0f} s)"
 
     def end_job(self, message: str) -> None:
-        """Tell every rank to end, print `message` and end this process with EXIT_RANK_LOST."""
+        """Tell every rank to end, print `message` and end this process with EXIT_RANK_LOST. Called from the main
+        thread and the watchdog thread alike; the first caller ends the process, a second one waits for that."""
+        self._ending.acquire()
         text = f"rank {self.rank}: {message}; the job is ended on every rank. Fix or replace the failed node, " \
                "then start the job again with --resume auto"
         try:
@@ -113,7 +119,6 @@ class Watchdog:
     # ---- the thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
-        deadline_extra = self.stale_after + 2 * self.interval
         while not self._stopped.wait(self.interval):
             try:
                 self._store.add(_counter_key(self.rank), 1)
@@ -123,7 +128,7 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - the store's host is gone; the main thread's collective fails next
                 pass
             since = self._busy_since
-            if since is not None and time.monotonic() - since > self.timeout_s + deadline_extra:
+            if since is not None and time.monotonic() - since > self.timeout_s:
                 reason = self.diagnose() or ("every rank's heartbeat is alive, so a rank is stuck outside "
                                              "communication (a data loader, a file system, its own code)")
                 self.end_job(f"{self._busy_what} did not finish within train.collective_timeout_s="

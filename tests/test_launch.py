@@ -187,6 +187,13 @@ def _wait_for_steps(run, count, procs, timeout=240):
     raise AssertionError("timed out waiting for training steps")
 
 
+def _rank_process(node):
+    """The one training process under a node's `zerollm launch` (not the launchers between them)."""
+    ranks = [p for p in psutil.Process(node.pid).children(recursive=True) if "-m llm" in " ".join(p.cmdline())]
+    assert len(ranks) == 1, ranks
+    return ranks[0]
+
+
 SLOW = ["data.seq_len=128", "train.micro_batch_size=16", "train.eval_every=0", "train.max_steps=400"]
 
 
@@ -247,16 +254,14 @@ def test_a_killed_rank_ends_the_job_naming_it_and_one_node_resumes(pretrain_data
     procs = _two_nodes(tmp_path, lambda rank: _job(pretrain_data, run, *SLOW, "train.save_every=2",
                                                    f"train.collective_timeout_s={timeout}"))
     _wait_for_steps(run, 3, procs)
-    victim = [p for p in psutil.Process(procs[1].pid).children(recursive=True)
-              if "-m llm" in " ".join(p.cmdline())]  # the rank, not the launchers
-    assert len(victim) == 1
-    victim[0].kill()
+    victim = _rank_process(procs[1])
+    victim.kill()
     killed_at = time.monotonic()
     code = procs[0].wait(timeout=timeout + 30)
     assert time.monotonic() - killed_at < timeout + 10
     log = (tmp_path / "node0.log").read_text()
     assert code == 76, log[-3000:]
-    assert f"rank 1 (host {socket.gethostname()}, pid {victim[0].pid}) stopped responding" in log
+    assert f"rank 1 (host {socket.gethostname()}, pid {victim.pid}) stopped responding" in log
 
     step = int((run / "checkpoints" / "latest").read_text().removeprefix("global_step"))
     job = _job(pretrain_data, run, *SLOW, f"train.max_steps={step + 2}", "train.micro_batch_size=32")
@@ -265,6 +270,24 @@ def test_a_killed_rank_ends_the_job_naming_it_and_one_node_resumes(pretrain_data
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed at step {step}" in result.stdout and "converting it to a universal checkpoint" in result.stdout
     assert [r["step"] for r in _metrics(run)][-2:] == [step + 1, step + 2]
+
+
+def test_a_frozen_rank_ends_the_job_at_the_timeout_naming_it(pretrain_data, tmp_path):
+    run, timeout = tmp_path / "run", 10
+    procs = _two_nodes(tmp_path, lambda rank: _job(pretrain_data, run, *SLOW, f"train.collective_timeout_s={timeout}"))
+    try:
+        _wait_for_steps(run, 3, procs)
+        frozen = _rank_process(procs[1])
+        frozen.suspend()  # SIGSTOP: alive, connections open, no progress and no heartbeat
+        stopped_at = time.monotonic()
+        code = procs[0].wait(timeout=timeout + 30)
+        assert time.monotonic() - stopped_at < timeout * 1.1 + 5
+    finally:
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        _wait_all(procs)
+    log = (tmp_path / "node0.log").read_text()
+    assert code == 76, log[-3000:]
+    assert f"rank 1 (host {socket.gethostname()}, pid {frozen.pid}) stopped responding" in log
 
 
 def test_slurm_template_starts_one_launcher_per_node(pretrain_data, tmp_path):
@@ -287,3 +310,40 @@ def test_slurm_template_starts_one_launcher_per_node(pretrain_data, tmp_path):
     assert result.returncode == 0, (tmp_path / "node0.log").read_text()[-3000:]
     assert "--rdzv-id 4242" in (tmp_path / "node1.log").read_text()
     assert [r["step"] for r in _metrics(run)] == [1, 2]
+
+
+@pytest.fixture
+def second_address():
+    """A network namespace joined to this one by a veth pair: (our address, its address, run-in-it prefix)."""
+    ns, host_if, ns_if = f"zl{os.getpid()}", f"zlh{os.getpid()}", f"zln{os.getpid()}"
+    setup = [["ip", "netns", "add", ns], ["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if],
+             ["ip", "link", "set", ns_if, "netns", ns], ["ip", "addr", "add", "10.77.0.1/24", "dev", host_if],
+             ["ip", "link", "set", host_if, "up"],
+             ["ip", "netns", "exec", ns, "ip", "addr", "add", "10.77.0.2/24", "dev", ns_if],
+             ["ip", "netns", "exec", ns, "ip", "link", "set", ns_if, "up"],
+             ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"]]
+    try:
+        for command in setup:
+            if subprocess.run(command, capture_output=True).returncode != 0:
+                pytest.skip(f"network namespaces are not available here ({' '.join(command)} failed)")
+        yield host_if, ns_if, ["ip", "netns", "exec", ns]
+    except FileNotFoundError:
+        pytest.skip("the ip command is not installed")
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_two_nodes_meet_across_a_real_interface(second_address, pretrain_data, tmp_path):
+    """Node 1 lives in its own network namespace: the rendezvous, gloo and the watchdog's store cross a veth pair
+    (each node's gloo interface is passed with --env, so this also shows --env reaching the ranks)."""
+    host_if, ns_if, in_namespace = second_address
+    port, run = free_port(), tmp_path / "run"
+    procs = []
+    for rank, (prefix, interface) in enumerate([([], host_if), (in_namespace, ns_if)]):
+        argv = [*prefix, sys.executable, "-m", "llm", "launch", "--nnodes", "2", "--node-rank", str(rank),
+                "--master-addr", "10.77.0.1", "--master-port", str(port), "--env", f"GLOO_SOCKET_IFNAME={interface}",
+                "--", *_job(pretrain_data, run, "train.max_steps=2")]
+        procs.append(subprocess.Popen(argv, stdout=open(tmp_path / f"node{rank}.log", "w"), stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    assert _wait_all(procs) == [0, 0], (tmp_path / "node1.log").read_text()[-3000:]
+    assert [r["step"] for r in _metrics(run)] == [1, 2] and "2 rank(s)" in (tmp_path / "node0.log").read_text()

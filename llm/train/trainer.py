@@ -217,6 +217,8 @@ class Trainer:
                 watchdog.busy(f"step {self.step + 1}")
             start = time.perf_counter()
             loss, loss_tokens, stage_metrics = self.train_step()
+            if watchdog is not None:
+                watchdog.idle()  # evaluation and checkpoints may take longer; collective timeouts still bound them
             elapsed = time.perf_counter() - start
             grad_norm = self.engine.get_global_grad_norm()
             row = {"step": self.step, "loss": loss, "lr": lr,
@@ -238,8 +240,6 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(status)
             stop = self._stop_agreed()
-            if watchdog is not None:
-                watchdog.idle()  # a checkpoint may take longer than a step; the collective timeout still bounds it
             if stop or last or (t.save_every and self.step % t.save_every == 0):
                 self.save(stopped_by_signal=stop)
             if stop:
