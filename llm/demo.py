@@ -3,8 +3,8 @@
 The corpus is generated here (nothing downloaded, nothing copied): simple facts and arithmetic
 in English and Chinese, regular enough that a tiny model visibly learns it. After pretraining,
 SFT teaches arithmetic questions in ChatML and DPO prefers right answers over the SFT model's own
-wrong ones (near misses where it was right); the
-accuracy on held-out questions is printed after each stage. The exit code is 0 when every stage
+wrong ones, greedy and sampled (a near miss where it is always right); the accuracy on held-out
+questions is printed after each stage. The exit code is 0 when every stage
 ran and the pretraining validation loss fell.
 """
 
@@ -67,14 +67,18 @@ PROMPTS = ["The capital of France is", "中国的首都是", "3 + 4 =", "The col
 
 # ---- post-training tasks: arithmetic questions with one right answer ----------------------------------
 
+ADDENDS = range(20)
+HELD_OUT = frozenset(random.Random(7).sample([(a, b) for a in ADDENDS for b in ADDENDS], len(ADDENDS) ** 2 // 7))
+"""One pair (a, b) in seven, drawn at random, is kept for evaluation and never trained on after pretraining."""
+
+
 def held_out(a: int, b: int) -> bool:
-    """About one pair in seven is kept for evaluation, never trained on after pretraining."""
-    return (a * 7 + b * 3) % 7 == 0
+    return (a, b) in HELD_OUT
 
 
 def questions(held: bool) -> list[tuple[str, str]]:
     """(question, right answer) in English and Chinese for the held-out or the training pairs."""
-    pairs = [(a, b) for a in range(20) for b in range(20) if held_out(a, b) == held]
+    pairs = [(a, b) for a in ADDENDS for b in ADDENDS if held_out(a, b) == held]
     return ([(f"What is {a} + {b}?", str(a + b)) for a, b in pairs]
             + [(f"{chinese_number(a)}加{chinese_number(b)}等于多少？", chinese_number(a + b)) for a, b in pairs])
 
@@ -86,8 +90,8 @@ def wrong_answer(right: str, rng: random.Random) -> str:
     return chinese_number(value + rng.randint(1, 3))
 
 
-def answers(run: Path, qa: list[tuple[str, str]]) -> list[str]:
-    """A run's greedy ChatML answers to the questions."""
+def answers(run: Path, qa: list[tuple[str, str]], temperature: float = 0.0, seed: int | None = None) -> list[str]:
+    """A run's ChatML answers to the questions: greedy, or sampled at `temperature`."""
     from llm.export import load_for_inference
     from llm.infer.generate import TextGenerator
     from llm.infer.sampling import SamplingParams
@@ -95,7 +99,8 @@ def answers(run: Path, qa: list[tuple[str, str]]) -> list[str]:
 
     generator = TextGenerator(*load_for_inference(run))
     prompts = [Tokenizer.render_chat([{"role": "user", "content": q}], add_generation_prompt=True) for q, _ in qa]
-    return [text.strip() for text in generator.generate(prompts, SamplingParams(max_new_tokens=6))]
+    params = SamplingParams(max_new_tokens=6, temperature=temperature, seed=seed)
+    return [text.strip() for text in generator.generate(prompts, params)]
 
 
 def accuracy(run: Path) -> float:
@@ -111,13 +116,17 @@ def write_sft_file(path: Path) -> None:
                     encoding="utf-8")
 
 
-def write_dpo_file(path: Path, sft_run: Path, seed: int = 0) -> None:
-    """Pairs on the training questions: chosen = the right answer; rejected = the SFT model's own wrong answer
-    where it has one (on-policy), else a near miss."""
+def write_dpo_file(path: Path, sft_run: Path, samples: int = 4, seed: int = 0) -> None:
+    """Pairs on the training questions: chosen = the right answer; rejected = every distinct wrong answer the SFT
+    model gives, greedily or in `samples` attempts at temperature 1 (on-policy), or a near miss where it is
+    always right."""
     rng = random.Random(seed)
     train = questions(held=False)
-    rows = [{"prompt": q, "chosen": right, "rejected": got if got and got != right else wrong_answer(right, rng)}
-            for got, (q, right) in zip(answers(sft_run, train), train)]
+    attempts = [answers(sft_run, train)] + [answers(sft_run, train, 1.0, seed + i) for i in range(samples)]
+    rows = []
+    for i, (q, right) in enumerate(train):
+        wrong = dict.fromkeys(a[i] for a in attempts if a[i] and a[i] != right) or [wrong_answer(right, rng)]
+        rows += [{"prompt": q, "chosen": right, "rejected": w} for w in wrong]
     path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n", encoding="utf-8")
 
 
@@ -134,10 +143,10 @@ def _val_losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
 
 
-POST_TRAINING = {  # stage: (steps, overrides) on top of the demo recipe
-    "sft": (300, ["train.lr=1e-3", "train.warmup_steps=10", "train.eval_every=100", "train.save_every=300"]),
-    "dpo": (100, ["train.lr=1e-4", "train.warmup_steps=5", "train.eval_every=50", "train.save_every=100",
-                  "train.micro_batch_size=8", "train.dpo_beta=0.1", "train.dpo_sft_weight=1.0"]),
+POST_TRAINING = {  # stage: (steps, window in tokens, overrides) on top of the demo recipe
+    "sft": (300, 128, ["train.lr=1e-3", "train.warmup_steps=10", "train.eval_every=100", "train.save_every=300"]),
+    "dpo": (100, 32, ["train.lr=1e-4", "train.warmup_steps=10", "train.eval_every=50", "train.save_every=100",
+                  "train.micro_batch_size=32", "train.dpo_beta=0.1", "train.dpo_sft_weight=1.0"]),
 }
 
 
@@ -182,12 +191,13 @@ def run_demo(out: Path, steps: int | None = None, nproc: int = 1) -> int:
     for number, stage in ((5, "sft"), (6, "dpo")):
         if stage == "dpo":
             write_dpo_file(out / "dpo.jsonl", previous)
-        stage_steps, stage_overrides = POST_TRAINING[stage]
+        stage_steps, seq_len, stage_overrides = POST_TRAINING[stage]
         print(f"[{number}/6] {stage.upper()} on generated arithmetic questions, from {previous.name}", flush=True)
         stage_data, stage_run = out / f"{stage}_data", out / f"{stage}_run"
         _zerollm("data", "prepare", "--kind", stage, "--input", str(out / f"{stage}.jsonl"), "--tokenizer",
-                 str(tokenizer), "--out", str(stage_data), "--val-fraction", "0.05", "--seq-len", "128")
-        sets = [a for o in [f"train.max_steps={stage_steps}", *stage_overrides] for a in ("--set", o)]
+                 str(tokenizer), "--out", str(stage_data), "--val-fraction", "0.05", "--seq-len", str(seq_len))
+        sets = [a for o in [f"train.max_steps={stage_steps}", f"data.seq_len={seq_len}", *stage_overrides]
+                for a in ("--set", o)]
         _zerollm("train", stage, "--recipe", "demo", "--data", str(stage_data), "--out", str(stage_run),
                  "--init-from", str(previous), "--nproc", str(nproc), *sets)
         results[stage] = accuracy(stage_run)

@@ -6,7 +6,7 @@ from conftest import run_cli
 
 
 @pytest.mark.parametrize("command", [[], ["tokenizer", "train"], ["data", "prepare"], ["train", "pretrain"],
-                                     ["demo"], ["bench", "train"]])
+                                     ["launch"], ["demo"], ["bench", "train"]])
 def test_help_explains_every_command(command):
     result = run_cli(*command, "--help")
     assert result.returncode == 0 and "usage: zerollm" in result.stdout
@@ -28,7 +28,7 @@ def test_demo_runs_every_stage_and_reports_accuracy(tmp_path):
     assert "validation loss fell" in result.stdout
     assert "samples (greedy):" in result.stdout and "'The capital of France is' ->" in result.stdout
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "global_step100"
-    report = result.stdout[result.stdout.index("accuracy on 120 held-out arithmetic questions"):]
+    report = result.stdout[result.stdout.index("accuracy on 114 held-out arithmetic questions"):]
     for stage in ("pretrain", "sft", "dpo"):
         assert re.search(rf"after {stage} +\d+\.\d %", report), stage
     assert (tmp_path / "dpo_run" / "checkpoints" / "latest").read_text() == "global_step100"
@@ -39,3 +39,13 @@ def test_bench_train_prints_throughput_mfu_and_memory():
     assert result.returncode == 0, result.stderr[-3000:]
     for label in ("tokens/s", "loss-bearing tokens/s", "MFU", "peak memory (MiB)"):
         assert label in result.stdout
+
+
+def test_demo_held_out_questions_are_a_random_slice_never_trained_on():
+    from llm.demo import HELD_OUT, questions
+
+    held, train = questions(held=True), questions(held=False)
+    assert len(held) == 114 and len(held) + len(train) == 800 and not {q for q, _ in held} & {q for q, _ in train}
+    # spread over the addends, not one structured slice (such as b % 7 == 0, which left "+ 0" untrained)
+    for position in (0, 1):
+        assert len({pair[position] for pair in HELD_OUT}) >= 15
