@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.hostfile import check_filter, read_hostfile
+from launch.supervisor import supervisor_env
 from llm.errors import UserError
 
 DEFAULT_MASTER_PORT = 29500
@@ -271,9 +272,20 @@ def _preempted_since(run_dir: Path, since: float) -> bool:
         return False
 
 
+def _end_with_parent() -> None:
+    """Run in the launcher child before exec: SIGTERM it when `zerollm launch` dies, even by SIGKILL (Linux only).
+    torchrun then stops its ranks; under DeepSpeed's runner the ranks notice themselves (launch/supervisor.py)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def run_plan(plan: Plan, run_dir: Path) -> int:
-    """Start the launcher in its own session, forward SIGTERM/SIGINT to the training ranks, return the exit code
-    (EXIT_PREEMPTED when the ranks saved a checkpoint on the signal, whatever code the launcher reports)."""
+    """Start the launcher in its own session, forward SIGTERM/SIGINT to the training ranks, return the exit code:
+    EXIT_PREEMPTED when the ranks published a checkpoint saved on a stop signal during this launch (here or on
+    another node), whatever code the launcher reports (torchrun reports any non-zero rank as 1)."""
     from llm.train.engine import ensure_accelerator_env
     from llm.train.trainer import EXIT_PREEMPTED
 
@@ -282,14 +294,12 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
         for name, content in plan.files.items():
             Path(tmp, name).write_text(content)
         command = [part.replace("{dir}", tmp) for part in plan.command]
-        env = {**os.environ, **{k: v.replace("{dir}", tmp) for k, v in plan.env.items()}}
+        env = {**os.environ, **{k: v.replace("{dir}", tmp) for k, v in plan.env.items()}, **supervisor_env()}
         print("zerollm launch: " + " ".join(command), flush=True)
-        launcher = subprocess.Popen(command, env=env, start_new_session=True)
-        signalled_at: float | None = None
+        started_at = time.time()
+        launcher = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_end_with_parent)
 
         def forward(signum, frame):
-            nonlocal signalled_at
-            signalled_at = signalled_at or time.time()
             ranks = _rank_processes(launcher.pid)
             for process in ranks or [launcher]:
                 try:
@@ -303,7 +313,7 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-    if signalled_at is not None and code != 0 and _preempted_since(run_dir, signalled_at - 1):
+    if code != 0 and _preempted_since(run_dir, started_at):
         return EXIT_PREEMPTED
     return code if code >= 0 else 128 - code
 

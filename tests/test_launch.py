@@ -168,13 +168,29 @@ def _two_nodes(tmp_path, job_for_node, backend="deepspeed", name="node"):
     return procs
 
 
+def _kill_tree(proc):
+    """SIGKILL a node's `zerollm launch` and everything under it (the launcher runs in its own session)."""
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    for process in family:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
 def _wait_all(procs, timeout=240):
     try:
         return [p.wait(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                _kill_tree(p)
 
 
 def _wait_for_steps(run, count, procs, timeout=240):
@@ -283,11 +299,42 @@ def test_a_frozen_rank_ends_the_job_at_the_timeout_naming_it(pretrain_data, tmp_
         code = procs[0].wait(timeout=timeout + 30)
         assert time.monotonic() - stopped_at < timeout * 1.1 + 5
     finally:
-        os.killpg(procs[1].pid, signal.SIGKILL)
+        _kill_tree(procs[1])
         _wait_all(procs)
     log = (tmp_path / "node0.log").read_text()
     assert code == 76, log[-3000:]
     assert f"rank 1 (host {socket.gethostname()}, pid {frozen.pid}) stopped responding" in log
+
+
+def test_a_node_that_never_comes_is_reported_at_the_timeout(pretrain_data, tmp_path):
+    result = run_cli("launch", "--nnodes", 2, "--node-rank", 0, "--master-addr", "127.0.0.1", "--master-port",
+                     free_port(), "--", *_job(pretrain_data, tmp_path / "run", "train.collective_timeout_s=5"))
+    assert result.returncode == 2
+    assert "rank 0: the 2 ranks did not all meet at 127.0.0.1:" in result.stderr and "1/2 clients joined" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_killing_the_launch_process_stops_the_ranks_cleanly(pretrain_data, tmp_path):
+    """SIGKILL to `zerollm launch` forwards nothing; its ranks notice, save a checkpoint and stop, and nothing is
+    left running."""
+    run = tmp_path / "run"
+    node = _start(["launch", "--master-port", free_port(), "--",
+                   *_job(pretrain_data, run, *SLOW, "train.save_every=0", "train.max_steps=100000")],
+                  tmp_path / "node.log")
+    try:
+        _wait_for_steps(run, 2, [node])
+        family = psutil.Process(node.pid).children(recursive=True)
+        assert len(family) == 3  # deepspeed runner -> launch -> rank
+        node.kill()
+        node.wait()
+        _, alive = psutil.wait_procs(family, timeout=60)
+        assert alive == []
+    finally:
+        _kill_tree(node)
+    log = (tmp_path / "node.log").read_text()
+    assert f"rank 0: zerollm launch (pid {node.pid}) ended; saving a checkpoint and stopping" in log
+    tag = (run / "checkpoints" / "latest").read_text()
+    assert json.loads((run / "checkpoints" / tag / "client_state.json").read_text())["stopped_by_signal"] is True
 
 
 def test_slurm_template_starts_one_launcher_per_node(pretrain_data, tmp_path):

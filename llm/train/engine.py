@@ -76,7 +76,14 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         device = torch.device("cpu")
         backend = "gloo"
-    deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timedelta(seconds=timeout_s))
+    try:
+        deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timedelta(seconds=timeout_s))
+    except (torch.distributed.DistError, RuntimeError, TimeoutError) as exc:
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        raise UserError(f"rank {rank}: the {world} ranks did not all meet at {address} within "
+                        f"train.collective_timeout_s={timeout_s:g} s ({str(exc).strip().splitlines()[-1]}); start every "
+                        "node with the same node count, master address and port, and check that node 0 is reachable "
+                        "from the others") from None
     return DistInfo(rank, local_rank, world, local_world, device)
 
 

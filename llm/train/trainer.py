@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from launch.fingerprint import check_ranks_agree, fingerprint
+from launch.supervisor import watch_supervisor
 from launch.watchdog import Watchdog
 from llm.config import ModelConfig, RunConfig
 from llm.data.datasets import DATASETS, read_data_attrs, tokenizer_dir_of
@@ -198,12 +199,17 @@ class Trainer:
     def _request_stop(self, signum, frame) -> None:
         self._stop_requested = True
 
+    def _supervisor_lost(self, reason: str) -> None:
+        print(f"rank {self.dist.rank}: {reason}; saving a checkpoint and stopping", flush=True)
+        self._stop_requested = True
+
     # ---- the run -------------------------------------------------------------------------------
 
     def fit(self, sink: MetricsSink | None, watchdog: Watchdog | None = None) -> int:
         t, seq_len = self.cfg.train, self.cfg.data.seq_len
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
+        watch_supervisor(self._supervisor_lost)
         flops = flops_per_token(self.cfg.model, self.n_params, seq_len)
         dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
         peak = peak_flops_per_rank(self.dist.device, t.peak_tflops, dtype) * self.dist.world_size

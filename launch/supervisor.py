@@ -1,0 +1,48 @@
+"""The training ranks' side of `zerollm launch`: stop cleanly when the launch process is gone.
+
+`zerollm launch` forwards SIGTERM/SIGINT to the ranks, but if it is killed outright (SIGKILL, an OOM
+kill, a lost session) nothing is forwarded, and DeepSpeed's per-node launcher does not notice either.
+So every rank started under `zerollm launch` on the same host watches that process; when it is gone,
+the rank requests a stop exactly as a SIGTERM would: every rank saves a checkpoint and exits 75.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Callable
+
+import psutil
+
+PID_ENV, HOST_ENV, STARTED_ENV = "ZEROLLM_LAUNCH_PID", "ZEROLLM_LAUNCH_HOST", "ZEROLLM_LAUNCH_STARTED"
+
+
+def supervisor_env() -> dict[str, str]:
+    """Environment that identifies this process (the `zerollm launch` of this node) to the ranks it starts."""
+    return {PID_ENV: str(os.getpid()), HOST_ENV: socket.gethostname(),
+            STARTED_ENV: repr(psutil.Process().create_time())}
+
+
+def _alive(pid: int, started: float) -> bool:
+    try:
+        return psutil.Process(pid).create_time() == started  # the same process, not a reused pid
+    except psutil.NoSuchProcess:
+        return False
+
+
+def watch_supervisor(on_lost: Callable[[str], None], interval_s: float = 1.0) -> None:
+    """When started by `zerollm launch` on this host, call `on_lost(reason)` once, from a daemon thread, when that
+    process ends. Does nothing otherwise (or for ranks on other hosts, which have their own launch process)."""
+    if PID_ENV not in os.environ or os.environ.get(HOST_ENV) != socket.gethostname():
+        return
+    pid, started = int(os.environ[PID_ENV]), float(os.environ[STARTED_ENV])
+    stopped = threading.Event()
+
+    def watch() -> None:
+        while not stopped.wait(interval_s):
+            if not _alive(pid, started):
+                on_lost(f"zerollm launch (pid {pid}) ended")
+                return
+
+    threading.Thread(target=watch, name="zerollm-supervisor", daemon=True).start()
