@@ -275,21 +275,19 @@ def keep_tokenizer(run_dir: Path, data_dir: Path) -> None:
         shutil.copytree(source, kept)
 
 
-def needs_universal(run_dir: Path, tag: str, world_size: int) -> bool:
-    """Whether resuming `tag` on `world_size` ranks needs a universal checkpoint: its optimizer state is
-    partitioned over another number of ranks."""
+def convert_if_resharded(run_dir: Path, tag: str, info: DistInfo) -> bool:
+    """Whether resuming `tag` needs a universal checkpoint (its optimizer state is partitioned over another number
+    of ranks than this job's); if so, rank 0 makes it while the others wait at a barrier (bounded by
+    train.collective_timeout_s)."""
     saved_world = checkpoint.client_state_of(run_dir, tag)["world_size"]
-    return saved_world != world_size and checkpoint.is_partitioned(run_dir, tag)
-
-
-def prepare_universal(run_dir: Path, tag: str, info: DistInfo) -> None:
-    """Rank 0 converts `tag` while the others wait at a barrier (bounded by train.collective_timeout_s)."""
+    if saved_world == info.world_size or not checkpoint.is_partitioned(run_dir, tag):
+        return False
     if info.is_main:
-        saved_world = checkpoint.client_state_of(run_dir, tag)["world_size"]
         print(f"{tag} was saved by {saved_world} rank(s), this job has {info.world_size}: converting it to a "
               "universal checkpoint", flush=True)
         checkpoint.convert_to_universal(run_dir, tag)
     dist.barrier()
+    return True
 
 
 def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool, zero_stage: int | None = None) -> int:
@@ -331,9 +329,7 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
         check_ranks_agree(fingerprint(cfg.to_dict(), ds_config, Path(cfg.data.path) / TOKENS_FILE,
                                       attrs["tokenizer_hash"]), announce=info.local_rank == 0)
     tag = checkpoint.latest_tag(run_dir) if resume else None
-    universal = tag is not None and needs_universal(run_dir, tag, info.world_size)
-    if universal:
-        prepare_universal(run_dir, tag, info)
+    universal = tag is not None and convert_if_resharded(run_dir, tag, info)
     engine_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}} \
         if universal else ds_config
     trainer = Trainer(cfg, run_dir, info, engine_config, attrs)
