@@ -126,7 +126,8 @@ def first_host(nodelist: str) -> str:
 # ---- plans -------------------------------------------------------------------------------------
 
 
-def _deepspeed_runner(*options: str) -> list[str]:
+def deepspeed_runner(*options: str) -> list[str]:
+    """DeepSpeed's runner with `options`, starting `python -m llm` on every rank; the training arguments follow."""
     return [sys.executable, "-m", "deepspeed.launcher.runner", *options, "--no_local_rank", "--module", "llm"]
 
 
@@ -171,7 +172,7 @@ def plan_launch(args: argparse.Namespace, train_argv: list[str], environ: dict[s
         files = {}
     else:
         hostfile, files = "{dir}/hostfile", {"hostfile": _hostfile_text(nnodes, nproc)}
-    command = _deepspeed_runner("--hostfile", hostfile, "--no_ssh", "--node_rank", str(node_rank),
+    command = deepspeed_runner("--hostfile", hostfile, "--no_ssh", "--node_rank", str(node_rank),
                                 "--master_addr", master, "--master_port", str(args.master_port))
     return Plan(command + train_argv, env, files)
 
@@ -234,7 +235,7 @@ def _plan_hostfile(args: argparse.Namespace, env: dict[str, str], nproc: int | N
     if env:  # DeepSpeed exports these on every host it reaches (its .deepspeed_env mechanism)
         files["deepspeed_env"] = "".join(f"{k}={v}\n" for k, v in env.items())
         env = {**env, "DS_ENV_FILE": "{dir}/deepspeed_env"}
-    return Plan(_deepspeed_runner(*options) + train_argv, env, files)
+    return Plan(deepspeed_runner(*options) + train_argv, env, files)
 
 
 # ---- running -----------------------------------------------------------------------------------

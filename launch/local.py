@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 
 def under_launcher() -> bool:
@@ -27,10 +26,9 @@ def strip_option(argv: list[str], option: str) -> list[str]:
 
 def relaunch_local(nproc: int, argv: list[str]) -> int:
     """Start `zerollm <argv>` (without --nproc) on `nproc` local ranks and wait; returns the job's exit code."""
+    from launch.launcher import deepspeed_runner
     from llm.train.engine import ensure_accelerator_env, free_port
 
     ensure_accelerator_env()
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
-               "--master_port", str(free_port()), "--no_local_rank", "--module", "llm",
-               *strip_option(argv, "--nproc")]
-    return subprocess.run(command).returncode
+    command = deepspeed_runner("--num_gpus", str(nproc), "--master_port", str(free_port()))
+    return subprocess.run(command + strip_option(argv, "--nproc")).returncode
