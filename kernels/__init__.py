@@ -3,9 +3,11 @@ backward (`kernels.rmsnorm`, `.rope`, `.flash_attention`, `.swiglu_gate`) and a 
 (`kernels.reference`, the oracle for tests and the fallback where Triton cannot run).
 
 The functions here dispatch on `backend`:
-- "auto": Triton on CUDA tensors or under TRITON_INTERPRET=1 (Triton's CPU interpreter), else the reference;
-- "triton": always Triton (an error where it cannot run);
-- "torch": always the reference.
+- "auto": a Triton kernel only on a CUDA device whose compute capability is in `VERIFIED` for that op (its
+  compiled kernel was checked there), else the torch path (PyTorch's fused SDPA for attention);
+- "triton": always Triton (CUDA, or the interpreter under TRITON_INTERPRET=1; an error elsewhere);
+- "torch": always the torch path.
+Packed samples (`segment_ids`), an explicit mask and attention dropout take the torch path.
 Triton modules are imported on first use, so TRITON_INTERPRET takes effect whenever it is set before that.
 """
 
@@ -20,8 +22,13 @@ from kernels.runtime import triton_can_run
 
 BACKENDS = ("auto", "triton", "torch")
 
+VERIFIED: dict[str, frozenset[tuple[int, int]]] = {"rms_norm": frozenset(), "apply_rope": frozenset(),
+                                                   "attention": frozenset(), "swiglu": frozenset()}
+"""CUDA compute capabilities on which each op's compiled Triton kernel was checked against the reference;
+`auto` uses Triton only there."""
 
-def _use_triton(t: torch.Tensor, backend: str) -> bool:
+
+def _use_triton(t: torch.Tensor, backend: str, op: str) -> bool:
     if backend == "torch":
         return False
     if backend == "triton":
@@ -29,7 +36,7 @@ def _use_triton(t: torch.Tensor, backend: str) -> bool:
             raise RuntimeError("kernels: backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 on the CPU")
         return True
     if backend == "auto":
-        return triton_can_run(t)
+        return t.is_cuda and torch.cuda.get_device_capability(t.device) in VERIFIED[op]
     raise ValueError(f"kernels: backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -38,27 +45,29 @@ def _triton_op(module: str, name: str):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "auto") -> torch.Tensor:
-    if _use_triton(x, backend):
+    if _use_triton(x, backend, "rms_norm"):
         return _triton_op("rmsnorm", "rms_norm")(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offset: int = 0,
-               backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    if _use_triton(q, backend):
+               positions: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    if positions is None and _use_triton(q, backend, "apply_rope"):
         return _triton_op("rope", "apply_rope")(q, k, cos, sin, position_offset)
-    return reference.apply_rope(q, k, cos, sin, position_offset)
+    return reference.apply_rope(q, k, cos, sin, position_offset, positions)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: float | None = None,
+              segment_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
               backend: str = "auto") -> torch.Tensor:
-    if _use_triton(q, backend):
+    plain = segment_ids is None and attn_mask is None and dropout_p == 0.0
+    if plain and _use_triton(q, backend, "attention"):
         return _triton_op("flash_attention", "attention")(q, k, v, causal, scale)
-    return reference.attention(q, k, v, causal, scale)
+    return reference.attention(q, k, v, causal, scale, segment_ids, attn_mask, dropout_p)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    if _use_triton(a, backend):
+    if _use_triton(a, backend, "swiglu"):
         return _triton_op("swiglu_gate", "swiglu")(a, b)
     return reference.swiglu(a, b)
 

@@ -1,1 +1,3 @@
-"""Starting training processes: today the single-node relaunch behind `--nproc`; multi-node jobs build on it."""
+"""Starting training processes: `zerollm launch` on many nodes (`launcher`, checked `hostfile`s, typed
+`options`, the SLURM template in `slurm/`) and `--nproc N` on one machine (`local`). It starts processes only:
+what runs inside each rank is `llm.runtime`, and nothing here imports the model or the trainer."""

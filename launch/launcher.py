@@ -10,10 +10,10 @@ Three ways to start a job, one command for each:
 - SLURM (`--backend slurm`): per-node torchrun with N, R and A taken from the SLURM environment (see
   launch/slurm/zerollm.sbatch, which starts one launcher per node with srun).
 
-Before starting anything: the hostfile is checked, the training command is parsed and its config
-built (a bad key fails here, not on 100 ranks), and the node hosting the rendezvous checks that the
-master port is free. Once the ranks meet they compare fingerprints (launch/fingerprint.py) and watch
-each other (launch/watchdog.py).
+Before starting anything: the hostfile is checked, the training command has been parsed and its config
+built by the CLI (a bad key fails there, not on 100 ranks), and the node hosting the rendezvous checks
+that the master port is free. Once the ranks meet they compare fingerprints (llm/runtime/fingerprint.py)
+and watch each other (llm/runtime/watchdog.py).
 
 SIGTERM/SIGINT to `zerollm launch` is forwarded to the training ranks: they agree to stop, save a
 checkpoint and the launch exits 75 (`EXIT_PREEMPTED`); `--resume auto` continues, on any number of ranks.
@@ -21,7 +21,7 @@ checkpoint and the launch exits 75 (`EXIT_PREEMPTED`); `--resume auto` continues
 
 from __future__ import annotations
 
-import argparse
+import ctypes
 import errno
 import os
 import re
@@ -34,12 +34,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch.hostfile import check_filter, read_hostfile
-from launch.supervisor import supervisor_env
-from llm.errors import UserError
+import psutil
+import torch
 
-DEFAULT_MASTER_PORT = 29500
-SSH_LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "slurm")
+from launch.hostfile import check_filter, read_hostfile
+from launch.options import LaunchOptions
+from llm import rundir
+from llm.errors import EXIT_PREEMPTED, UserError
+from llm.runtime.distributed import ensure_accelerator_env
+from llm.runtime.supervisor import supervisor_env
+
 _ENV_ITEM = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 
@@ -87,26 +91,6 @@ def check_port_free(port: int) -> None:
             raise
 
 
-def training_command(command: list[str]) -> argparse.Namespace:
-    """Parse and check the command after `--` (it must be `train ...`); returns its parsed arguments."""
-    from llm.cli import build_parser
-    from llm.config import build_config
-
-    command = command[1:] if command[:1] == ["--"] else command
-    if command[:1] != ["train"]:
-        raise UserError("give the training command after '--', e.g. "
-                        "zerollm launch ... -- train pretrain --recipe demo --data DATA --out RUN")
-    if any(arg == "--nproc" or arg.startswith("--nproc=") for arg in command):
-        raise UserError("--nproc belongs to single-machine runs; under `zerollm launch` use --nproc-per-node")
-    try:
-        parsed = build_parser().parse_args(command)
-    except SystemExit as exc:
-        raise UserError(f"the training command is invalid: {' '.join(command)}") from exc
-    build_config(parsed.recipe, parsed.overrides, paths={"data.path": parsed.data, "train.init_from": parsed.init_from})
-    parsed.argv = command
-    return parsed
-
-
 def slurm_rendezvous(environ: dict[str, str]) -> tuple[int, int, str]:
     """(nodes, this node's rank, first host) of the SLURM allocation this process runs in."""
     missing = [k for k in ("SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_JOB_NODELIST") if k not in environ]
@@ -135,7 +119,7 @@ def _hostfile_text(nnodes: int, nproc: int) -> str:
     return "".join(f"node{i} slots={nproc}\n" for i in range(nnodes))
 
 
-def plan_launch(args: argparse.Namespace, train_argv: list[str], environ: dict[str, str]) -> Plan:
+def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, str]) -> Plan:
     """Check the launch options and build the launcher command for this node."""
     env = parse_env(args.env)
     nproc = args.nproc_per_node
@@ -178,8 +162,6 @@ def plan_launch(args: argparse.Namespace, train_argv: list[str], environ: dict[s
 
 
 def _local_devices() -> int:
-    import torch
-
     return max(1, torch.cuda.device_count())
 
 
@@ -209,7 +191,7 @@ def _selected_hosts(hosts: dict[str, int], include: str, exclude: str) -> list[s
     return [host for host in hosts if host not in dropped]
 
 
-def _plan_hostfile(args: argparse.Namespace, env: dict[str, str], nproc: int | None, train_argv: list[str]) -> Plan:
+def _plan_hostfile(args: LaunchOptions, env: dict[str, str], nproc: int | None, train_argv: list[str]) -> Plan:
     hosts = read_hostfile(args.hostfile)
     if nproc and (args.include or args.exclude):
         raise UserError("--nproc-per-node cannot be combined with --include/--exclude (DeepSpeed refuses both); "
@@ -243,8 +225,6 @@ def _plan_hostfile(args: argparse.Namespace, env: dict[str, str], nproc: int | N
 
 def _rank_processes(launcher_pid: int) -> list:
     """The training processes under the launcher on this node (`python -u -m llm ...`)."""
-    import psutil
-
     try:
         children = psutil.Process(launcher_pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -262,23 +242,19 @@ def _rank_processes(launcher_pid: int) -> list:
 
 def _preempted_since(run_dir: Path, since: float) -> bool:
     """Whether the ranks published a checkpoint saved on a stop signal after `since`."""
-    from llm.train import checkpoint
-
     try:
-        tag = checkpoint.latest_tag(run_dir)
-        state_file = checkpoint.checkpoint_dir(run_dir) / str(tag) / checkpoint.CLIENT_STATE
+        tag = rundir.latest_tag(run_dir)
+        state_file = rundir.checkpoint_dir(run_dir) / str(tag) / rundir.CLIENT_STATE
         return tag is not None and state_file.stat().st_mtime >= since and \
-            checkpoint.client_state_of(run_dir, tag).get("stopped_by_signal", False)
+            rundir.client_state_of(run_dir, tag).get("stopped_by_signal", False)
     except (OSError, UserError, ValueError):
         return False
 
 
 def _end_with_parent() -> None:
     """Run in the launcher child before exec: SIGTERM it when `zerollm launch` dies, even by SIGKILL (Linux only).
-    torchrun then stops its ranks; under DeepSpeed's runner the ranks notice themselves (launch/supervisor.py)."""
+    torchrun then stops its ranks; under DeepSpeed's runner the ranks notice themselves (llm/runtime/supervisor.py)."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         pr_set_pdeathsig = 1
         ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
@@ -287,9 +263,6 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
     """Start the launcher in its own session, forward SIGTERM/SIGINT to the training ranks, return the exit code:
     EXIT_PREEMPTED when the ranks published a checkpoint saved on a stop signal during this launch (here or on
     another node), whatever code the launcher reports (torchrun reports any non-zero rank as 1)."""
-    from llm.train.engine import ensure_accelerator_env
-    from llm.train.trainer import EXIT_PREEMPTED
-
     ensure_accelerator_env()
     with tempfile.TemporaryDirectory(prefix="zerollm-launch-") as tmp:
         for name, content in plan.files.items():
@@ -319,7 +292,6 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
     return code if code >= 0 else 128 - code
 
 
-def launch(args: argparse.Namespace) -> int:
-    parsed = training_command(args.job)
-    plan = plan_launch(args, parsed.argv, dict(os.environ))
-    return run_plan(plan, Path(parsed.out))
+def launch(options: LaunchOptions, train_argv: list[str], run_dir: Path) -> int:
+    """Start the checked training command `train_argv` (`train STAGE ...`, writing to `run_dir`) on this node."""
+    return run_plan(plan_launch(options, train_argv, dict(os.environ)), run_dir)

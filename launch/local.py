@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 
+from launch.launcher import deepspeed_runner
+from llm.runtime.distributed import ensure_accelerator_env, free_port
+
 
 def under_launcher() -> bool:
     """True inside a process started by a launcher (deepspeed, torchrun), which sets LOCAL_RANK."""
@@ -26,9 +29,6 @@ def strip_option(argv: list[str], option: str) -> list[str]:
 
 def relaunch_local(nproc: int, argv: list[str]) -> int:
     """Start `zerollm <argv>` (without --nproc) on `nproc` local ranks and wait; returns the job's exit code."""
-    from launch.launcher import deepspeed_runner
-    from llm.train.engine import ensure_accelerator_env, free_port
-
     ensure_accelerator_env()
     command = deepspeed_runner("--num_gpus", str(nproc), "--master_port", str(free_port()))
-    return subprocess.run(command + strip_option(argv, "--nproc")).returncode
+    return subprocess.run(command + strip_option(argv, "--nproc"), check=False).returncode

@@ -1,22 +1,29 @@
-"""`zerollm bench train`: training throughput of a recipe on random tokens (a benchmark, not a test)."""
+"""Benchmarks (commands, never tests): `zerollm bench train`, the training throughput of a recipe on random
+tokens, and `zerollm bench generate`, prefill and decode speed of our generator with and without its KV cache
+beside transformers' `generate`."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import h5py
 import numpy as np
+import torch
 
+from llm import rundir
 from llm.config import build_config
 from llm.data.prepare import SPLITS, STREAMS, TOKENS_FILE, SplitWriter, write_attrs
 from llm.errors import UserError
-from llm.train.metrics import METRICS_FILE
+from llm.export import export_model
+from llm.infer.generate import TextGenerator
+from llm.infer.sampling import SamplingParams
+from llm.loading import load_for_inference
 
 
 def write_random_tokens(out: Path, vocab_size: int, n_tokens: int, seed: int = 0) -> None:
@@ -32,36 +39,39 @@ def write_random_tokens(out: Path, vocab_size: int, n_tokens: int, seed: int = 0
         write_attrs(h5, "pretrain", "random", vocab_size, None)
 
 
-def bench_train(args: argparse.Namespace) -> int:
-    cfg = build_config(args.recipe, args.overrides)
-    if args.steps < 1 or args.warmup < 0:
+def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int = 2, nproc: int = 1,
+                deepspeed_config: str | None = None, zero_stage: int | None = None) -> int:
+    """Train `steps + warmup` steps of `recipe` on random tokens in a temporary directory; print the medians of the
+    measured steps. Returns the exit code."""
+    cfg = build_config(recipe, overrides)
+    if steps < 1 or warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
-    total_steps = args.steps + args.warmup
+    total_steps = steps + warmup
     t = cfg.train
-    tokens_needed = total_steps * t.micro_batch_size * t.grad_accum * args.nproc * cfg.data.seq_len + 1
+    tokens_needed = total_steps * t.micro_batch_size * t.grad_accum * nproc * cfg.data.seq_len + 1
     with tempfile.TemporaryDirectory(prefix="zerollm-bench-") as tmp:
         data, run = Path(tmp) / "data", Path(tmp) / "run"
         write_random_tokens(data, cfg.model.vocab_size, tokens_needed)
-        command = [sys.executable, "-m", "llm", "train", "pretrain", "--recipe", args.recipe, "--data", str(data),
-                   "--out", str(run), "--nproc", str(args.nproc), *sum((["--set", o] for o in args.overrides), []),
+        command = [sys.executable, "-m", "llm", "train", "pretrain", "--recipe", recipe, "--data", str(data),
+                   "--out", str(run), "--nproc", str(nproc), *[a for o in overrides for a in ("--set", o)],
                    "--set", f"train.max_steps={total_steps}", "--set", "train.eval_every=0",
                    "--set", "train.save_every=0", "--set", "train.log_every=1", "--set", "train.eval_batches=1"]
-        if args.deepspeed:
-            command += ["--deepspeed", args.deepspeed]
-        if args.zero_stage is not None:
-            command += ["--zero-stage", str(args.zero_stage)]
-        code = subprocess.run(command).returncode
+        if deepspeed_config:
+            command += ["--deepspeed", deepspeed_config]
+        if zero_stage is not None:
+            command += ["--zero-stage", str(zero_stage)]
+        code = subprocess.run(command, check=False).returncode
         if code != 0:
             return code
-        rows = [json.loads(line) for line in (run / METRICS_FILE).read_text().splitlines()]
-    measured = [r for r in rows if r["step"] > args.warmup]
+        rows = [json.loads(line) for line in (run / rundir.METRICS_FILE).read_text().splitlines()]
+    measured = [r for r in rows if r["step"] > warmup]
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in measured)
 
-    print(f"\nbench train: recipe {args.recipe}, {args.nproc} rank(s), {t.precision}, micro batch "
+    print(f"\nbench train: recipe {recipe}, {nproc} rank(s), {t.precision}, micro batch "
           f"{t.micro_batch_size} x accum {t.grad_accum}, seq {cfg.data.seq_len}; median of {len(measured)} steps "
-          f"after {args.warmup} warm-up")
+          f"after {warmup} warm-up")
     print(f"  tokens/s               {median('tokens_per_sec'):12,.0f}")
     print(f"  loss-bearing tokens/s  {median('loss_tokens_per_sec'):12,.0f}")
     print(f"  MFU                    {median('mfu'):12.3f}")
@@ -75,25 +85,18 @@ def _median_seconds(fn, repeats: int) -> list[float]:
     return [statistics.median(column) for column in zip(*runs)]
 
 
-def bench_generate(args: argparse.Namespace) -> int:
+def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 64, batch: int = 1,
+                   repeats: int = 3) -> int:
     """Prefill and decode tokens/s: our cached decoding, uncached decoding, transformers' generate."""
-    import time
-
-    import torch
-
-    from llm.export import export_model, load_for_inference
-    from llm.infer.generate import TextGenerator
-    from llm.infer.sampling import SamplingParams
-
-    if min(args.prompt_tokens, args.new_tokens, args.batch, args.repeats) < 1 or args.new_tokens < 2:
+    if min(prompt_tokens, new_tokens, batch, repeats) < 1 or new_tokens < 2:
         raise UserError("--prompt-tokens, --batch and --repeats must be >= 1 and --new-tokens >= 2")
-    model, tokenizer = load_for_inference(args.model)
-    if args.prompt_tokens + args.new_tokens > model.cfg.max_seq_len:
+    model, tokenizer = load_for_inference(model_dir)
+    if prompt_tokens + new_tokens > model.cfg.max_seq_len:
         raise UserError(f"--prompt-tokens + --new-tokens exceeds the model's max_seq_len {model.cfg.max_seq_len}")
     generator = TextGenerator(model, tokenizer, stop_token_ids=[])  # always decode --new-tokens tokens
     rng = torch.Generator().manual_seed(0)
-    prompts = torch.randint(4, tokenizer.vocab_size, (args.batch, args.prompt_tokens), generator=rng)
-    params = SamplingParams(max_new_tokens=args.new_tokens)
+    prompts = torch.randint(4, tokenizer.vocab_size, (batch, prompt_tokens), generator=rng)
+    params = SamplingParams(max_new_tokens=new_tokens)
 
     def ours(use_cache: bool):
         def run() -> tuple[float, float]:
@@ -106,10 +109,12 @@ def bench_generate(args: argparse.Namespace) -> int:
             return first - start, time.perf_counter() - first
         return run
 
-    results = {"zerollm, KV cache": _median_seconds(ours(True), args.repeats),
-               "zerollm, no cache": _median_seconds(ours(False), args.repeats)}
+    results = {"zerollm, KV cache": _median_seconds(ours(True), repeats),
+               "zerollm, no cache": _median_seconds(ours(False), repeats)}
     try:
-        from transformers import AutoModelForCausalLM
+        from transformers import (
+            AutoModelForCausalLM,  # optional: the comparison runs where it is installed
+        )
     except ImportError:
         AutoModelForCausalLM = None
     if AutoModelForCausalLM is not None and not model.cfg.moe:
@@ -124,15 +129,15 @@ def bench_generate(args: argparse.Namespace) -> int:
                 hf.generate(prompts, max_new_tokens=1, min_new_tokens=1, **kwargs)
                 prefill = time.perf_counter() - start
                 start = time.perf_counter()
-                hf.generate(prompts, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **kwargs)
+                hf.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
             return prefill, time.perf_counter() - start - prefill
 
-        results["transformers generate"] = _median_seconds(transformers_run, args.repeats)
-    prefill_tokens, decode_tokens = args.batch * args.prompt_tokens, args.batch * (args.new_tokens - 1)
+        results["transformers generate"] = _median_seconds(transformers_run, repeats)
+    prefill_tokens, decode_tokens = batch * prompt_tokens, batch * (new_tokens - 1)
     cached_decode = decode_tokens / results["zerollm, KV cache"][1]
-    print(f"bench generate: {model.num_parameters() / 1e6:.2f} M parameters, batch {args.batch}, prompt "
-          f"{args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy, fp32, {torch.get_num_threads()} "
-          f"threads; median of {args.repeats}")
+    print(f"bench generate: {model.num_parameters() / 1e6:.2f} M parameters, batch {batch}, prompt "
+          f"{prompt_tokens} tokens, {new_tokens} new tokens, greedy, fp32, {torch.get_num_threads()} "
+          f"threads; median of {repeats}")
     print(f"  {'variant':<24}{'prefill tok/s':>15}{'decode tok/s':>15}{'cached decode is':>20}")
     for name, (prefill, decode) in results.items():
         rate = decode_tokens / decode

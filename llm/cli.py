@@ -1,4 +1,9 @@
-"""`zerollm <command>`: the command line. A user mistake prints one line and exits 2, no traceback."""
+"""`zerollm <command>`: the command line. It parses, then hands typed values to the library; a user mistake
+prints one line and exits 2, no traceback.
+
+Each command imports the modules it runs when it runs (torch and DeepSpeed take seconds to load), so
+`zerollm --help` and light commands start at once; that is the only reason for imports inside functions here.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-from launch.local import relaunch_local, under_launcher
+from launch.options import BACKENDS, DEFAULT_MASTER_PORT, SSH_LAUNCHERS, LaunchOptions
+from llm import rundir
+from llm.config import build_config, recipe_names
 from llm.errors import EXIT_USER_ERROR, UserError
 
 EPILOG = "Documentation: README.md. Errors in your input exit with code 2."
@@ -73,8 +80,6 @@ STAGE_HELP = {
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from llm.config import recipe_names
-
     p = sub.add_parser("train", help="train a model under DeepSpeed")
     tsub = p.add_subparsers(dest="stage", required=True)
     for stage, (short, long) in STAGE_HELP.items():
@@ -97,8 +102,6 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:
-    from launch.launcher import DEFAULT_MASTER_PORT, SSH_LAUNCHERS
-
     p = sub.add_parser(
         "launch", help="start a training job on several nodes (hostfile, per node, SLURM)",
         usage="zerollm launch [options] -- train STAGE ...",
@@ -128,7 +131,7 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
                    help=f"rendezvous port on node 0 (default {DEFAULT_MASTER_PORT})")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="ranks per node (default: the GPUs of the node, or 1 without GPUs; hostfile: its slots)")
-    p.add_argument("--backend", choices=["deepspeed", "torchrun", "slurm"], default="deepspeed",
+    p.add_argument("--backend", choices=BACKENDS, default="deepspeed",
                    help="per-node launcher (default deepspeed); slurm = torchrun with the nodes taken from SLURM")
     p.add_argument("--rdzv-id", default=None, help="torchrun rendezvous id, the same on every node "
                                                    "(default: the SLURM job id, or 'zerollm')")
@@ -249,7 +252,8 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from llm.config import build_config
+    from launch.local import relaunch_local, under_launcher
+    from llm.train.job import run
 
     extra = [f"train.stage={args.stage}"] + ([f"wandb.mode={args.wandb}"] if args.wandb else [])
     if getattr(args, "beta", None) is not None:
@@ -258,8 +262,6 @@ def cmd_train(args: argparse.Namespace) -> int:
                                                                        "train.init_from": args.init_from})
     if args.nproc > 1 and not under_launcher():
         return relaunch_local(args.nproc, args.argv)
-    from llm.train.trainer import run
-
     code = run(cfg, Path(args.out), args.deepspeed, resume=args.resume == "auto", zero_stage=args.zero_stage)
     # Every file is written and every rank has passed the final barrier. End the process without interpreter
     # teardown: destroying two ZeRO-3 engines and their gloo groups there can abort ("terminate called without
@@ -269,10 +271,35 @@ def cmd_train(args: argparse.Namespace) -> int:
     os._exit(code)
 
 
+def checked_training_command(job: list[str]) -> tuple[list[str], Path]:
+    """The command after `zerollm launch ... --` (it must be `train ...`), parsed and its config built here, so a
+    mistake fails before any rank starts; returns (the command, its run directory)."""
+    job = job[1:] if job[:1] == ["--"] else job
+    if job[:1] != ["train"]:
+        raise UserError("give the training command after '--', e.g. "
+                        "zerollm launch ... -- train pretrain --recipe demo --data DATA --out RUN")
+    if any(arg == "--nproc" or arg.startswith("--nproc=") for arg in job):
+        raise UserError("--nproc belongs to single-machine runs; under `zerollm launch` use --nproc-per-node")
+    try:
+        parsed = build_parser().parse_args(job)
+    except SystemExit as exc:
+        raise UserError(f"the training command is invalid: {' '.join(job)}") from exc
+    build_config(parsed.recipe, parsed.overrides, paths={"data.path": parsed.data, "train.init_from": parsed.init_from})
+    return job, Path(parsed.out)
+
+
+def launch_options(args: argparse.Namespace) -> LaunchOptions:
+    return LaunchOptions(hostfile=args.hostfile, include=args.include, exclude=args.exclude, launcher=args.launcher,
+                         nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                         master_port=args.master_port, nproc_per_node=args.nproc_per_node, backend=args.backend,
+                         rdzv_id=args.rdzv_id, env=args.env)
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from launch.launcher import launch
 
-    return launch(args)
+    job, run_dir = checked_training_command(args.job)
+    return launch(launch_options(args), job, run_dir)
 
 
 def _sampling(args: argparse.Namespace):
@@ -287,8 +314,8 @@ def _sampling(args: argparse.Namespace):
 
 
 def _generator(model_dir: str):
-    from llm.export import load_for_inference
     from llm.infer.generate import TextGenerator
+    from llm.loading import load_for_inference
 
     return TextGenerator(*load_for_inference(model_dir))
 
@@ -316,10 +343,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from llm.export import export_model
-    from llm.train.checkpoint import load_trained_model
+    from llm.loading import load_trained_model
 
     model, _ = load_trained_model(Path(args.run))
-    export_model(model, Path(args.run) / "tokenizer", Path(args.out))
+    export_model(model, rundir.tokenizer_dir(Path(args.run)), Path(args.out))
     print(f"exported {model.num_parameters():,} parameters to {args.out} (LlamaForCausalLM, safetensors)")
     return 0
 
@@ -349,7 +376,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from llm.bench import bench_generate, bench_train
 
-    return bench_train(args) if args.what == "train" else bench_generate(args)
+    if args.what == "train":
+        return bench_train(args.recipe, args.overrides, steps=args.steps, warmup=args.warmup, nproc=args.nproc,
+                           deepspeed_config=args.deepspeed, zero_stage=args.zero_stage)
+    return bench_generate(args.model, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                          batch=args.batch, repeats=args.repeats)
 
 
 COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "launch": cmd_launch,

@@ -54,7 +54,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     init_std: float = 0.02
     kernels: str = "auto"
-    """Hot ops: 'triton' (fused kernels), 'torch' (reference ops) or 'auto' (Triton on CUDA, torch elsewhere)."""
+    """Hot ops: 'triton' (our fused kernels), 'torch' (PyTorch's ops, SDPA for attention) or 'auto' (Triton only on
+    a GPU where our compiled kernels were verified, PyTorch's fused paths otherwise; see `kernels.VERIFIED`)."""
 
     @property
     def kv_heads(self) -> int:
@@ -78,8 +79,9 @@ class DataConfig:
     """Directory written by `zerollm data prepare` (holds tokens.h5)."""
     seq_len: int = 512
     """Tokens per training window (each sample reads seq_len + 1 tokens)."""
-    loader_workers: int = 0
-    """DataLoader worker processes per rank."""
+    loader_workers: int | None = None
+    """DataLoader worker processes per rank; None: 2 on a GPU (batches load while the device computes), 0 on the
+    CPU (the cores are busy training)."""
 
 
 @dataclass

@@ -17,7 +17,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from llm import rundir
 from llm.errors import UserError
+from llm.infer.generate import TextGenerator, complete
+from llm.infer.sampling import SamplingParams
+from llm.loading import load_for_inference, load_trained_model
+from llm.tokenizer import Tokenizer
 
 CAPITALS = [("France", "Paris", "法国", "巴黎"), ("Japan", "Tokyo", "日本", "东京"), ("Italy", "Rome", "意大利", "罗马"),
             ("Egypt", "Cairo", "埃及", "开罗"), ("Spain", "Madrid", "西班牙", "马德里"), ("Russia", "Moscow", "俄罗斯", "莫斯科"),
@@ -92,11 +97,6 @@ def wrong_answer(right: str, rng: random.Random) -> str:
 
 def answers(run: Path, qa: list[tuple[str, str]], temperature: float = 0.0, seed: int | None = None) -> list[str]:
     """A run's ChatML answers to the questions: greedy, or sampled at `temperature`."""
-    from llm.export import load_for_inference
-    from llm.infer.generate import TextGenerator
-    from llm.infer.sampling import SamplingParams
-    from llm.tokenizer import Tokenizer
-
     generator = TextGenerator(*load_for_inference(run))
     prompts = [Tokenizer.render_chat([{"role": "user", "content": q}], add_generation_prompt=True) for q, _ in qa]
     params = SamplingParams(max_new_tokens=6, temperature=temperature, seed=seed)
@@ -131,15 +131,13 @@ def write_dpo_file(path: Path, sft_run: Path, samples: int = 4, seed: int = 0) -
 
 
 def _zerollm(*args: str) -> None:
-    code = subprocess.run([sys.executable, "-m", "llm", *args]).returncode
+    code = subprocess.run([sys.executable, "-m", "llm", *args], check=False).returncode
     if code != 0:
         raise UserError(f"demo step `zerollm {' '.join(args[:2])}` failed with exit code {code}")
 
 
 def _val_losses(run: Path) -> list[tuple[int, float]]:
-    from llm.train.metrics import METRICS_FILE
-
-    rows = [json.loads(line) for line in (run / METRICS_FILE).read_text().splitlines()]
+    rows = [json.loads(line) for line in (run / rundir.METRICS_FILE).read_text().splitlines()]
     return [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
 
 
@@ -151,10 +149,6 @@ POST_TRAINING = {  # stage: (steps, window in tokens, overrides) on top of the d
 
 
 def run_demo(out: Path, steps: int | None = None, nproc: int = 1) -> int:
-    from llm.infer.generate import complete
-    from llm.tokenizer import Tokenizer
-    from llm.train.checkpoint import load_trained_model
-
     corpus, tokenizer, data, run = out / "corpus.txt", out / "tokenizer", out / "data", out / "run"
     out.mkdir(parents=True, exist_ok=True)
     for old in ("run", "sft_run", "dpo_run"):
@@ -178,7 +172,7 @@ def run_demo(out: Path, steps: int | None = None, nproc: int = 1) -> int:
     for step, loss in evals:
         print(f"  step {step:5d}  {loss:.4f}")
     model, _ = load_trained_model(run)
-    tok = Tokenizer.load(run / "tokenizer")
+    tok = Tokenizer.load(rundir.tokenizer_dir(run))
     print("\nsamples (greedy):")
     for prompt in PROMPTS:
         print(f"  {prompt!r} -> {complete(model, tok, prompt, max_new_tokens=12)!r}")

@@ -123,23 +123,3 @@ def import_model(directory: Path) -> Transformer:
                         f"unexpected {unexpected[:3]})")
     model.load_state_dict({ours[name]: tensor.float() for name, tensor in state.items()}, strict=not cfg.tie_embeddings)
     return model.eval()
-
-
-def load_model_dir(path: str | Path) -> tuple[Transformer, Path]:
-    """A run directory (newest checkpoint) or an export directory -> (model, directory of its tokenizer)."""
-    from llm.train.checkpoint import load_trained_model
-
-    directory = Path(path)
-    if (directory / "config.yaml").is_file():
-        return load_trained_model(directory)[0], directory / "tokenizer"
-    if (directory / HF_CONFIG_FILE).is_file():
-        return import_model(directory), directory
-    raise UserError(f"{directory}: neither a run directory (config.yaml) nor an export directory (config.json)")
-
-
-def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer]:
-    """A run or export directory -> (model, tokenizer); the tokenizer files must be there."""
-    model, tokenizer_dir = load_model_dir(path)
-    if not (tokenizer_dir / TOKENIZER_FILE).is_file():
-        raise UserError(f"{path}: no tokenizer files ({TOKENIZER_FILE}) beside the model")
-    return model, Tokenizer.load(tokenizer_dir)

@@ -1,7 +1,6 @@
 import re
 
 import pytest
-
 from conftest import run_cli
 
 

@@ -10,14 +10,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-
 from conftest import run_cli
+
 from llm.config import ModelConfig
-from llm.export import export_model, import_model, load_for_inference
+from llm.export import export_model, import_model
 from llm.infer.generate import TextGenerator, cut_at_stop
-from llm.infer.kv_cache import KVCache
-from llm.infer.sampling import SamplingParams, apply_repetition_penalty, choose_next, filter_top_k, filter_top_p
+from llm.infer.sampling import (
+    SamplingParams,
+    apply_repetition_penalty,
+    choose_next,
+    filter_top_k,
+    filter_top_p,
+)
+from llm.loading import load_for_inference
 from llm.model import Transformer
+from llm.model.kv_cache import KVCache
 from llm.tokenizer import Tokenizer
 
 

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import REPO, TINY, run_cli
-from launch.fingerprint import mismatch_message
+
 from launch.hostfile import check_filter, read_hostfile
 from launch.launcher import first_host, plan_launch, slurm_rendezvous
+from llm.cli import build_parser, launch_options
 from llm.errors import UserError
-from llm.train.engine import free_port
+from llm.runtime.distributed import free_port
+from llm.runtime.fingerprint import mismatch_message
 
 
 def _metrics(run):
@@ -88,9 +89,7 @@ def test_the_training_command_is_checked_before_launching(tmp_path):
 
 
 def _launch_args(*argv):
-    from llm.cli import build_parser
-
-    return build_parser().parse_args(["launch", *argv, "--", "train"])
+    return launch_options(build_parser().parse_args(["launch", *argv, "--", "train"]))
 
 
 def test_plans_for_each_mode(tmp_path):

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import reference as kernels
 from llm.config import ModelConfig, build_config
 from llm.model import Transformer, masked_cross_entropy
 from llm.model.rope import rope_tables
-from kernels import reference as kernels
 
 
 def _count(recipe: str) -> int:

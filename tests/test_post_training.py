@@ -10,15 +10,15 @@ import time
 
 import pytest
 import torch
-
 from conftest import run_cli, shared, train_args
+
 from llm.config import ModelConfig
 from llm.data.datasets import PackedConversations, PreferencePairs
 from llm.data.formats import RecordError, conversation, preference
 from llm.data.prepare import encode_sft, prepare
+from llm.loading import consolidated_weights
 from llm.model import Transformer, masked_cross_entropy
 from llm.tokenizer import Tokenizer
-from llm.train.checkpoint import consolidated_weights
 
 
 def _metrics(run):

@@ -12,9 +12,11 @@ import time
 
 import pytest
 import torch
+from conftest import METRIC_KEYS, run_cli
+from conftest import train_args as _args
 
-from conftest import METRIC_KEYS, run_cli, train_args as _args
-from llm.train.checkpoint import consolidated_weights
+from llm.loading import consolidated_weights
+
 
 def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import torch
 
-from llm.infer.kv_cache import KVCache
 from llm.infer.sampling import SamplingParams, choose_next
 from llm.model import Transformer
+from llm.model.kv_cache import KVCache
 from llm.tokenizer import Tokenizer
 
 

@@ -40,15 +40,6 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return (angles.cos() * scale).float(), (angles.sin() * scale).float()
 
 
-def apply_rope_at(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE with a position per token (`positions` `[batch, seq]`), e.g. restarting at 0 for each packed sample."""
-    from kernels.reference import rotate
-
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [batch, 1, seq, head_dim // 2]
-    return rotate(q, c, s), rotate(k, c, s)
-
-
 def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     """Position of every token within its segment (`segment_ids` `[batch, seq]`, equal ids contiguous)."""
     index = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)

@@ -1,7 +1,8 @@
 """LLaMA-style decoder: RMSNorm, RoPE (rotate-half), grouped-query attention, SwiGLU or MoE FFN.
 
 Reads top to bottom: norm, attention, feed-forward, block, transformer. The hot ops (RMSNorm,
-RoPE, attention, SwiGLU) go through the `kernels` package; `model.kernels` picks Triton or torch.
+RoPE, attention, SwiGLU) go through the `kernels` package, which `model.kernels` (auto, triton, torch)
+steers; packed samples (`segment_ids`) and cached decoding are routes inside those ops, not here.
 Parameter names follow happy-llm / Meta LLaMA (tok_embeddings, wq, w1, ...).
 """
 
@@ -16,16 +17,9 @@ import torch.nn.functional as F
 
 import kernels
 from llm.config import ModelConfig
-from llm.infer.kv_cache import KVCache
+from llm.model.kv_cache import KVCache
 from llm.model.moe import MoEFeedForward
-from llm.model.rope import apply_rope_at, rope_tables, segment_positions
-
-
-def kernel_backend(choice: str, x: torch.Tensor) -> str:
-    """model.kernels -> a `kernels` backend: 'auto' runs Triton on CUDA and the torch reference elsewhere."""
-    if choice == "auto":
-        return "triton" if x.is_cuda else "torch"
-    return choice
+from llm.model.rope import rope_tables, segment_positions
 
 
 class RMSNorm(nn.Module):
@@ -35,7 +29,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps, backend=kernel_backend(self.kernels_choice, x))
+        return kernels.rms_norm(x, self.weight, self.eps, backend=self.kernels_choice)
 
 
 class Attention(nn.Module):
@@ -51,28 +45,20 @@ class Attention(nn.Module):
         self.kernels_choice = cfg.kernels
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0, segments: Segments | None = None) -> torch.Tensor:
+                layer: int = 0, packed: Packed | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        backend = kernel_backend(self.kernels_choice, x)
+        q, k = kernels.apply_rope(q, k, cos, sin, position_offset=cache.length if cache else 0,
+                                  positions=packed.positions if packed else None, backend=self.kernels_choice)
         mask = None
-        if segments is not None:  # packed samples: positions restart and attention stays inside each sample
-            q, k = apply_rope_at(q, k, cos, sin, segments.positions)
-            mask = segments.mask
-        else:
-            q, k = kernels.apply_rope(q, k, cos, sin, position_offset=cache.length if cache else 0, backend=backend)
         if cache is not None:  # attend to every cached position; the causal mask aligns bottom-right
             k, v = cache.append(layer, k, v)
             mask = cache.attention_mask(seq)
-        if mask is not None:  # left-padded batch or packed samples
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
-        elif self.training and self.attn_dropout > 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.attn_dropout,
-                                               enable_gqa=self.n_heads != self.n_kv_heads)
-        else:
-            y = kernels.attention(q, k, v, causal=True, backend=backend)
+        y = kernels.attention(q, k, v, causal=True, segment_ids=packed.segment_ids if packed else None,
+                              attn_mask=mask, dropout_p=self.attn_dropout if self.training else 0.0,
+                              backend=self.kernels_choice)
         y = y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim)
         return self.resid_dropout(self.wo(y))
 
@@ -89,7 +75,7 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = kernels.swiglu(self.w1(x), self.w3(x), backend=kernel_backend(self.kernels_choice, x))
+        gate = kernels.swiglu(self.w1(x), self.w3(x), backend=self.kernels_choice)
         return self.dropout(self.w2(gate))
 
 
@@ -106,23 +92,20 @@ class Block(nn.Module):
         self.feed_forward = MoEFeedForward(cfg, make_ffn) if cfg.moe else make_ffn()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0, segments: Segments | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, segments)
+                layer: int = 0, packed: Packed | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, packed)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class Segments(NamedTuple):
-    """Per-token positions and the block-diagonal causal mask of packed samples."""
+class Packed(NamedTuple):
+    """Samples packed into one row: which sample each token belongs to, and its position inside that sample."""
 
-    positions: torch.Tensor  # [batch, seq]
-    mask: torch.Tensor  # bool [batch, 1, seq, seq]
+    segment_ids: torch.Tensor  # [batch, seq]; equal ids are contiguous
+    positions: torch.Tensor  # [batch, seq]; restart at 0 with each sample
 
     @classmethod
-    def of(cls, segment_ids: torch.Tensor) -> "Segments":
-        seq = segment_ids.shape[1]
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=segment_ids.device).tril()
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]
-        return cls(segment_positions(segment_ids), (same & causal).unsqueeze(1))
+    def of(cls, segment_ids: torch.Tensor) -> Packed:
+        return cls(segment_ids, segment_positions(segment_ids))
 
 
 class ModelOutput(NamedTuple):
@@ -170,10 +153,10 @@ class Transformer(nn.Module):
         end = tokens.shape[1] + (cache.length if cache else 0)
         if end > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
-        segments = Segments.of(segment_ids) if segment_ids is not None else None
+        packed = Packed.of(segment_ids) if segment_ids is not None else None
         h = self.dropout(self.tok_embeddings(tokens))
         for i, layer in enumerate(self.layers):
-            h = layer(h, self.rope_cos, self.rope_sin, cache, i, segments)
+            h = layer(h, self.rope_cos, self.rope_sin, cache, i, packed)
         if cache is not None:
             cache.advance(tokens.shape[1])
         if last_only:

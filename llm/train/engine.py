@@ -1,4 +1,4 @@
-"""The DeepSpeed side: distributed set-up, the resolved DeepSpeed config, `deepspeed.initialize`.
+"""The DeepSpeed side: the resolved DeepSpeed config and the engines (`deepspeed.initialize`).
 
 One source of truth: hyperparameters live in the run config; the DeepSpeed JSON carries engine
 settings (ZeRO stage, precision switch, buckets, offload). Every "auto" in the JSON is filled from
@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import socket
-import warnings
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,70 +16,12 @@ import torch
 
 from llm.config import RunConfig
 from llm.errors import UserError
+from llm.runtime.distributed import ensure_accelerator_env
+
+ensure_accelerator_env()
+import deepspeed  # noqa: E402 - after the accelerator is chosen
 
 DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
-
-
-def ensure_accelerator_env() -> None:
-    """Select DeepSpeed's CPU accelerator where there is no GPU; must run before deepspeed is imported."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
-    """Join the process group a launcher prepared, or form a group of one when started directly. Collectives
-    (and the wait for every rank to join) fail after `timeout_s` instead of hanging."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    ensure_accelerator_env()
-    # DeepSpeed calls torch.distributed APIs that torch marks deprecated; the warnings are not the user's concern
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    import deepspeed
-
-    if not torch.cuda.is_available():
-        # DeepSpeed's CPU shared-memory all-reduce op is JIT-compiled at init (minutes on a busy machine) and its
-        # /dev/shm buffers outlive killed or os._exit-ed jobs; marking it incompatible keeps plain gloo.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        backend = "nccl"
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-        device = torch.device("cpu")
-        backend = "gloo"
-    try:
-        deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timedelta(seconds=timeout_s))
-    except (torch.distributed.DistError, RuntimeError, TimeoutError) as exc:
-        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        raise UserError(f"rank {rank}: the {world} ranks did not all meet at {address} within "
-                        f"train.collective_timeout_s={timeout_s:g} s ({str(exc).strip().splitlines()[-1]}); start every "
-                        "node with the same node count, master address and port, and check that node 0 is reachable "
-                        "from the others") from None
-    return DistInfo(rank, local_rank, world, local_world, device)
 
 
 def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any], str]:
@@ -160,11 +97,22 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 def build_engine(model: torch.nn.Module, cfg: RunConfig, ds_config: dict[str, Any], lr_lambda):
     """`deepspeed.initialize` with our parameter groups and a LambdaLR schedule on its optimizer."""
-    import deepspeed
 
     def make_scheduler(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
                                            config=ds_config, lr_scheduler=make_scheduler)
+    return engine
+
+
+def frozen_engine(model: torch.nn.Module, ds_config: dict[str, Any]):
+    """An inference-only DeepSpeed engine of a frozen model (e.g. DPO's reference): partitioned like the policy
+    under ZeRO-3, replicated (stage 0) otherwise."""
+    model.requires_grad_(False)
+    config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+    if ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
+        config["zero_optimization"] = {"stage": 0}
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
     return engine

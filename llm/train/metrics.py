@@ -1,4 +1,4 @@
-"""Training metrics: throughput, MFU, memory, and the sinks (`metrics.jsonl`, wandb).
+"""Training metrics: throughput, MFU, memory, and where logged steps go (`metrics.jsonl`, wandb, the console).
 
 MFU = achieved model FLOP/s / peak FLOP/s, with model FLOPs per token = 6 * (matmul parameters
 active per token) + 12 * n_layers * dim * seq_len (attention scores), as in the PaLM paper.
@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
+from llm import rundir
 from llm.config import ModelConfig, RunConfig
 from llm.errors import UserError
-
-METRICS_FILE = "metrics.jsonl"
+from llm.runtime.distributed import DistInfo
 
 # dense bf16 tensor-core peaks, TFLOP/s
 GPU_PEAK_TFLOPS = {"H200": 989.5, "H100": 989.5, "H800": 989.5, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
@@ -73,16 +78,28 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+@dataclass
+class StepStats:
+    """A logged step, reduced across ranks."""
+
+    loss: float
+    """Mean over the step's micro-batches and ranks."""
+    metrics: dict[str, float]
+    """The objective's own numbers, means like `loss`."""
+    loss_tokens: int
+    """Loss-bearing target positions on every rank since the previous logged step."""
+
+
 class MetricsSink:
     """Writes logged steps to RUN_DIR/metrics.jsonl and, when enabled, to a wandb run. Rank 0 only."""
 
     def __init__(self, run_dir: Path, cfg: RunConfig, run_id: str, start_step: int) -> None:
-        self.path = run_dir / METRICS_FILE
+        self.path = run_dir / rundir.METRICS_FILE
         self._truncate_after(start_step)
         self.wandb_run = None
         if cfg.wandb.mode != "off":
             try:
-                import wandb
+                import wandb  # optional dependency, imported only when asked for
             except ImportError:
                 raise UserError("wandb is not installed; `pip install wandb` or use --wandb off") from None
             self.wandb_run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or run_dir.name, id=run_id,
@@ -105,3 +122,68 @@ class MetricsSink:
     def close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+class MetricsLogger:
+    """Decides which steps are logged and turns them into rows: rank 0 writes them to the sink and the console
+    (a progress bar on a terminal, plain lines in a log file). Every rank holds one, so that every rank agrees
+    on the logged steps, whose totals are reduced across ranks.
+
+    Throughput is measured over the steps since the previous logged step, from the time spent in them
+    (`timed`) up to the reduction at the logged step, which waits for the device: no other step waits.
+    """
+
+    def __init__(self, cfg: RunConfig, info: DistInfo, n_params: int, global_batch: int, start_step: int,
+                 sink: MetricsSink | None) -> None:
+        t = cfg.train
+        self.cfg, self.sink = cfg, sink
+        self.tokens_per_step = global_batch * cfg.data.seq_len
+        dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+        self.flops_per_token = flops_per_token(cfg.model, n_params, cfg.data.seq_len)
+        self.peak_flops = peak_flops_per_rank(info.device, t.peak_tflops, dtype) * info.world_size
+        self.device = info.device
+        self.interactive = sys.stdout.isatty()  # a bar on a terminal, plain lines in a log file
+        self.bar = tqdm(total=t.max_steps, initial=start_step, desc=t.stage, unit="step", dynamic_ncols=True,
+                        disable=sink is None or not self.interactive, file=sys.stdout)
+        self._seconds = 0.0
+        self._steps = 0
+
+    def due(self, step: int, eval_due: bool) -> bool:
+        return step % self.cfg.train.log_every == 0 or eval_due
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Count the time of a step (and of the reduction of a logged one) toward throughput."""
+        start = time.perf_counter()
+        yield
+        self._seconds += time.perf_counter() - start
+        self._steps += 1
+
+    def log(self, step: int, lr: float, stats: StepStats | None, grad_norm, epoch: int,
+            val_loss: float | None = None) -> None:
+        self.bar.update(1)
+        if stats is None:
+            return
+        seconds, steps = self._seconds, self._steps
+        self._seconds, self._steps = 0.0, 0
+        if self.sink is None:
+            return
+        tokens_per_sec = self.tokens_per_step * steps / seconds
+        row = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
+               "tokens_per_sec": tokens_per_sec, "loss_tokens_per_sec": stats.loss_tokens / seconds,
+               "mfu": self.flops_per_token * tokens_per_sec / self.peak_flops,
+               "peak_mem_mb": peak_memory_mb(self.device), "epoch": epoch, **stats.metrics}
+        status = {"loss": f"{stats.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_sec:.0f}"}
+        if val_loss is not None:
+            row["val_loss"] = val_loss
+            status["val_loss"] = f"{val_loss:.4f}"
+        self.sink.log(row)
+        self.bar.set_postfix(status)
+        if not self.interactive:
+            print(f"step {step}/{self.cfg.train.max_steps} " + " ".join(f"{k} {v}" for k, v in status.items()),
+                  flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.sink is not None:
+            self.sink.close()

@@ -5,6 +5,8 @@ a stage differs only in its dataset and its objective.
                     packed SFT samples carry segment ids so they neither see each other nor share positions
     dpo             DPOObjective: preference loss against a frozen reference model, log-probabilities
                     summed over reply tokens only
+
+Everything an objective returns stays on the training device (no host sync per micro-batch).
 """
 
 from __future__ import annotations
@@ -19,17 +21,18 @@ import torch.nn.functional as F
 class MicroStep:
     loss: torch.Tensor
     """Scalar to backpropagate."""
-    loss_tokens: int
-    """Target positions that bear loss in this micro-batch."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    """Stage-specific numbers averaged into the logged row (e.g. DPO rewards)."""
+    loss_tokens: torch.Tensor
+    """Scalar: target positions that bear loss in this micro-batch."""
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Stage-specific scalars averaged into the logged row (e.g. DPO rewards)."""
 
 
 def causal_lm(engine, batch: dict[str, torch.Tensor]) -> MicroStep:
     """Next-token cross-entropy over every target (pretraining) or over loss_mask == 1 (SFT)."""
     mask = batch.get("loss_mask")
     out = engine(batch["tokens"], batch["targets"], mask, segment_ids=batch.get("segment_ids"))
-    loss_tokens = int(mask.sum()) if mask is not None else batch["targets"].numel()
+    targets = batch["targets"]
+    loss_tokens = mask.sum() if mask is not None else torch.full((), targets.numel(), device=targets.device)
     return MicroStep(out.loss, loss_tokens)
 
 
@@ -68,7 +71,7 @@ class DPOObjective:
             chosen_tokens = mask.chunk(2)[0].sum(-1).clamp(min=1)
             loss = loss - self.sft_weight * (policy_chosen / chosen_tokens).mean()
         chosen_reward, rejected_reward = self.beta * chosen_ratio.detach(), self.beta * rejected_ratio.detach()
-        metrics = {"rewards/chosen": chosen_reward.mean().item(), "rewards/rejected": rejected_reward.mean().item(),
-                   "rewards/accuracy": (chosen_reward > rejected_reward).float().mean().item(),
-                   "rewards/margin": (chosen_reward - rejected_reward).mean().item()}
-        return MicroStep(loss, int(mask.sum()), metrics)
+        metrics = {"rewards/chosen": chosen_reward.mean(), "rewards/rejected": rejected_reward.mean(),
+                   "rewards/accuracy": (chosen_reward > rejected_reward).float().mean(),
+                   "rewards/margin": (chosen_reward - rejected_reward).mean()}
+        return MicroStep(loss, mask.sum(), metrics)

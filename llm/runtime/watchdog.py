@@ -26,12 +26,13 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch.distributed as dist
 
-EXIT_RANK_LOST = 76
-"""Exit code of a job ended because a rank died, hung or could not be reached."""
+from llm.errors import EXIT_RANK_LOST
 
 _PREFIX = "zerollm/watchdog"
 
@@ -72,12 +73,15 @@ class Watchdog:
 
     # ---- the main thread's side ----------------------------------------------------------------
 
-    def busy(self, what: str) -> None:
-        """The main thread starts work that should end within the timeout (e.g. "step 12")."""
+    @contextmanager
+    def watching(self, what: str) -> Iterator[None]:
+        """The main thread does work that should end within the timeout (e.g. "step 12"); past it, the thread
+        ends the job. Evaluation and checkpoints run outside, bounded by the collective timeout only."""
         self._busy_what, self._busy_since = what, time.monotonic()
-
-    def idle(self) -> None:
-        self._busy_since = None
+        try:
+            yield
+        finally:
+            self._busy_since = None
 
     def stop(self) -> None:
         """Stop beating (before the final barrier: after it, the store's host may exit at any time)."""

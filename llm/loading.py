@@ -1,0 +1,89 @@
+"""Models from disk: a run directory (its newest checkpoint, any ZeRO stage and world size) or an export
+directory (ours, or a Llama model saved by `transformers`), for inference, export and `--init-from`."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import torch
+import yaml
+
+from llm import rundir
+from llm.config import ModelConfig, RunConfig, build_config
+from llm.errors import UserError
+from llm.export import HF_CONFIG_FILE, import_model
+from llm.model import Transformer
+from llm.runtime.distributed import ensure_accelerator_env
+from llm.tokenizer import TOKENIZER_FILE, Tokenizer
+from llm.train.checkpoint import is_partitioned
+
+
+def consolidated_weights(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """Full fp32 model weights of a checkpoint of any ZeRO stage and world size, on the CPU."""
+    tag = tag or rundir.latest_tag(run_dir)
+    if tag is None:
+        raise UserError(f"{run_dir}: no checkpoint found (expected {rundir.checkpoint_dir(run_dir) / rundir.LATEST})")
+    if is_partitioned(run_dir, tag):
+        ensure_accelerator_env()
+        from deepspeed.utils.zero_to_fp32 import (  # noqa: PLC0415 - deepspeed only after the accelerator is chosen
+            get_fp32_state_dict_from_zero_checkpoint,
+        )
+
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return get_fp32_state_dict_from_zero_checkpoint(str(rundir.checkpoint_dir(run_dir)), tag=tag)
+    state = torch.load(rundir.checkpoint_dir(run_dir) / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                       weights_only=False)
+    return {k: v.float() for k, v in state["module"].items()}
+
+
+def load_trained_model(run_dir: Path, tag: str | None = None) -> tuple[Transformer, RunConfig]:
+    """(model in eval mode, run config) rebuilt from RUN_DIR/config.yaml and its newest checkpoint."""
+    config_file = rundir.config_file(run_dir)
+    if not config_file.is_file():
+        raise UserError(f"{run_dir}: no {rundir.CONFIG_FILE}; is this a run directory made by `zerollm train`?")
+    cfg = build_config(yaml.safe_load(config_file.read_text()))
+    model = Transformer(cfg.model)
+    missing, unexpected = model.load_state_dict(consolidated_weights(run_dir, tag), strict=False)
+    tied = {"output.weight"} if cfg.model.tie_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise UserError(f"{run_dir}: checkpoint does not match {rundir.CONFIG_FILE} (missing "
+                        f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})")
+    return model.eval(), cfg
+
+
+def load_model_dir(path: str | Path) -> tuple[Transformer, Path]:
+    """A run directory (newest checkpoint) or an export directory -> (model, directory of its tokenizer)."""
+    directory = Path(path)
+    if rundir.is_run_dir(directory):
+        return load_trained_model(directory)[0], rundir.tokenizer_dir(directory)
+    if (directory / HF_CONFIG_FILE).is_file():
+        return import_model(directory), directory
+    raise UserError(f"{directory}: neither a run directory ({rundir.CONFIG_FILE}) nor an export directory "
+                    f"({HF_CONFIG_FILE})")
+
+
+def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer]:
+    """A run or export directory -> (model, tokenizer); the tokenizer files must be there."""
+    model, tokenizer_dir = load_model_dir(path)
+    if not (tokenizer_dir / TOKENIZER_FILE).is_file():
+        raise UserError(f"{path}: no tokenizer files ({TOKENIZER_FILE}) beside the model")
+    return model, Tokenizer.load(tokenizer_dir)
+
+
+SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "ffn_hidden_dim", "tie_embeddings", "moe",
+                "n_experts", "n_shared_experts")
+
+
+def initial_weights(cfg: ModelConfig, init_from: str, data_tokenizer_hash: str) -> dict[str, torch.Tensor]:
+    """Weights of a run or export directory, refused when its shape or tokenizer differs from this run's."""
+    source, tokenizer_dir = load_model_dir(init_from)
+    differing = [f"model.{f} {getattr(source.cfg, f)} there, {getattr(cfg, f)} here" for f in SHAPE_FIELDS
+                 if getattr(source.cfg, f) != getattr(cfg, f)]
+    if differing:
+        raise UserError(f"--init-from {init_from}: the model differs from this run's config ({'; '.join(differing)})")
+    if (tokenizer_dir / TOKENIZER_FILE).is_file() and Tokenizer.load(tokenizer_dir).hash != data_tokenizer_hash:
+        raise UserError(f"--init-from {init_from}: its tokenizer differs from the one the data was prepared with; "
+                        f"prepare the data with {tokenizer_dir}")
+    return source.state_dict()

@@ -1,0 +1,80 @@
+"""Joining the job's process group: which device a rank uses, which backend, and a group of one when a rank
+is started directly (no launcher).
+
+DeepSpeed's CPU accelerator must be selected before `deepspeed` is first imported, which
+`ensure_accelerator_env` does; every module that imports deepspeed calls it first.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from llm.errors import UserError
+
+
+def ensure_accelerator_env() -> None:
+    """Select DeepSpeed's CPU accelerator where there is no GPU; must run before deepspeed is imported."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
+    """Join the process group a launcher prepared, or form a group of one when started directly. Collectives
+    (and the wait for every rank to join) fail after `timeout_s` instead of hanging."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    ensure_accelerator_env()
+    # DeepSpeed calls torch.distributed APIs that torch marks deprecated; the warnings are not the user's concern
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    import deepspeed  # noqa: PLC0415 - only after ensure_accelerator_env has chosen the accelerator
+
+    if not torch.cuda.is_available():
+        # DeepSpeed's CPU shared-memory all-reduce op is JIT-compiled at init (minutes on a busy machine) and its
+        # /dev/shm buffers outlive killed or os._exit-ed jobs; marking it incompatible keeps plain gloo.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        device = torch.device("cpu")
+        backend = "gloo"
+    try:
+        deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timedelta(seconds=timeout_s))
+    except (torch.distributed.DistError, RuntimeError, TimeoutError) as exc:
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        raise UserError(f"rank {rank}: the {world} ranks did not all meet at {address} within "
+                        f"train.collective_timeout_s={timeout_s:g} s ({str(exc).strip().splitlines()[-1]}); start every "
+                        "node with the same node count, master address and port, and check that node 0 is reachable "
+                        "from the others") from None
+    return DistInfo(rank, local_rank, world, local_world, device)

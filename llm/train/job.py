@@ -1,0 +1,178 @@
+"""Starting a training job on every rank: check the inputs, join the process group, resolve the DeepSpeed
+config, agree across ranks, build the model, engines, objective and data, resume, then run the loop
+(`llm.train.trainer`). A rank that fails, dies or hangs ends the job on every rank (`llm.runtime.watchdog`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from llm import rundir
+from llm.config import RunConfig
+from llm.data.datasets import DATASETS, read_data_attrs
+from llm.data.prepare import TOKENS_FILE
+from llm.errors import UserError
+from llm.loading import initial_weights
+from llm.model import Transformer
+from llm.runtime.distributed import DistInfo, setup_distributed
+from llm.runtime.fingerprint import check_ranks_agree, fingerprint
+from llm.runtime.watchdog import Watchdog
+from llm.tokenizer import Tokenizer
+from llm.train import checkpoint
+from llm.train.engine import (
+    build_engine,
+    frozen_engine,
+    load_ds_config,
+    resolve_ds_config,
+)
+from llm.train.metrics import MetricsLogger, MetricsSink
+from llm.train.objectives import DPOObjective, causal_lm
+from llm.train.schedule import lr_multiplier
+from llm.train.trainer import Trainer
+
+
+def seed_rank_rngs(seed: int, rank: int) -> None:
+    """Seed python, numpy and torch from (run seed, rank)."""
+    derived = int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+    random.seed(derived)
+    np.random.seed(derived)
+    torch.manual_seed(derived)
+
+
+def check_tokenizer(run_dir: Path, data_dir: Path, data_hash: str) -> None:
+    """Refuse data tokenized with another tokenizer than the one this run directory already keeps."""
+    kept = rundir.tokenizer_dir(run_dir)
+    if kept.is_dir() and (kept_hash := Tokenizer.load(kept).hash) != data_hash:
+        raise UserError(f"{data_dir} was tokenized with another tokenizer (hash {data_hash}) than this run's "
+                        f"{kept} (hash {kept_hash}); prepare the data with {kept}")
+
+
+def keep_tokenizer(run_dir: Path, data_dir: Path) -> None:
+    """Copy the data's tokenizer into the run directory, so the run is self-contained."""
+    source, kept = rundir.tokenizer_dir(data_dir), rundir.tokenizer_dir(run_dir)
+    if source.is_dir() and not kept.is_dir():
+        shutil.copytree(source, kept)
+
+
+def convert_if_resharded(run_dir: Path, tag: str, info: DistInfo) -> bool:
+    """Whether resuming `tag` needs a universal checkpoint (its optimizer state is partitioned over another number
+    of ranks than this job's); if so, rank 0 makes it while the others wait at a barrier (bounded by
+    train.collective_timeout_s)."""
+    saved_world = rundir.client_state_of(run_dir, tag)["world_size"]
+    if saved_world == info.world_size or not checkpoint.is_partitioned(run_dir, tag):
+        return False
+    if info.is_main:
+        print(f"{tag} was saved by {saved_world} rank(s), this job has {info.world_size}: converting it to a "
+              "universal checkpoint", flush=True)
+        checkpoint.convert_to_universal(run_dir, tag)
+    dist.barrier()
+    return True
+
+
+def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, data_attrs: dict) -> Trainer:
+    """The model (seeded alike on every rank, or `--init-from` weights), its engine, the stage's objective and
+    data, and the per-rank RNG streams (dropout, sampling)."""
+    t = cfg.train
+    dataset = DATASETS[t.stage]
+    train_set = dataset(cfg.data.path, "train", cfg.data.seq_len, data_attrs["pad_id"])
+    val_set = dataset(cfg.data.path, "val", cfg.data.seq_len, data_attrs["pad_id"])
+    torch.manual_seed(t.seed)  # identical initial weights on every rank
+    model = Transformer(cfg.model)
+    weights = initial_weights(cfg.model, t.init_from, data_attrs["tokenizer_hash"]) if t.init_from else None
+    if weights is not None:
+        model.load_state_dict(weights)
+    n_params = model.num_parameters()  # before ZeRO-3 partitions the parameters
+    seed_rank_rngs(t.seed, info.rank)  # then per-rank streams (dropout, sampling)
+    engine = build_engine(model, cfg, ds_config, lambda step: lr_multiplier(step, t))
+    if t.stage == "dpo":
+        reference = Transformer(cfg.model)
+        reference.load_state_dict(weights)
+        objective = DPOObjective(frozen_engine(reference, ds_config), t.dpo_beta, t.dpo_loss, t.dpo_sft_weight)
+    else:
+        objective = causal_lm
+    return Trainer(cfg, run_dir, info, engine, objective, train_set, val_set, n_params)
+
+
+def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool, zero_stage: int | None = None) -> int:
+    """Train `cfg` into `run_dir` under DeepSpeed; returns the process exit code."""
+    if not cfg.data.path:
+        raise UserError("no training data: pass --data DIR (a directory made by `zerollm data prepare`)")
+    attrs = read_data_attrs(cfg.data.path, cfg.train.stage)
+    if attrs["vocab_size"] > cfg.model.vocab_size:
+        raise UserError(f"{cfg.data.path}: tokenizer has {attrs['vocab_size']} tokens but model.vocab_size is "
+                        f"{cfg.model.vocab_size}; set model.vocab_size >= {attrs['vocab_size']}")
+    check_tokenizer(run_dir, Path(cfg.data.path), attrs["tokenizer_hash"])
+    raw_ds, ds_source = load_ds_config(ds_config_path, cfg.train.stage)
+    if not resume and rundir.latest_tag(run_dir) is not None:
+        raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out")
+    info = setup_distributed(cfg.train.collective_timeout_s)
+    ds_config = resolve_ds_config(raw_ds, cfg, info.world_size, ds_source, zero_stage)
+    watchdog = None
+    if info.world_size > 1:
+        watchdog = Watchdog(info.rank, info.world_size, cfg.train.collective_timeout_s, announce=info.local_rank == 0)
+    try:
+        code = _run_job(cfg, run_dir, info, ds_config, attrs, resume, watchdog)
+    except UserError:
+        raise
+    except Exception as exc:
+        if watchdog is None:
+            raise
+        traceback.print_exc()
+        watchdog.end_job(watchdog.diagnose() or f"failed with {type(exc).__name__}: {exc}")
+    if watchdog is not None:
+        watchdog.stop()
+    dist.barrier()  # every rank is done writing; the caller ends the process (see `llm.cli.cmd_train`)
+    return code
+
+
+def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, attrs: dict, resume: bool,
+             watchdog: Watchdog | None) -> int:
+    if info.world_size > 1:
+        check_ranks_agree(fingerprint(cfg.to_dict(), ds_config, Path(cfg.data.path) / TOKENS_FILE,
+                                      attrs["tokenizer_hash"]), announce=info.local_rank == 0)
+    tag = rundir.latest_tag(run_dir) if resume else None
+    universal = tag is not None and convert_if_resharded(run_dir, tag, info)
+    engine_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}} \
+        if universal else ds_config
+    trainer = build_trainer(cfg, run_dir, info, engine_config, attrs)
+    if tag is not None:
+        trainer.resume(tag, universal)
+        if universal:
+            dist.barrier()
+            if info.is_main:
+                shutil.rmtree(rundir.universal_dir(run_dir))
+    if info.is_main:  # written once the run is known to start (a refused resume leaves the directory as it was)
+        _write_run_files(cfg, run_dir, ds_config)
+        _announce(cfg, info, ds_config, trainer, resumed=tag is not None)
+    sink = MetricsSink(run_dir, cfg, trainer.run_id, trainer.step) if info.is_main else None
+    logger = MetricsLogger(cfg, info, trainer.n_params, trainer.global_batch, trainer.step, sink)
+    checkpointer = checkpoint.Checkpointer(trainer.engine, run_dir, cfg.train.save_every, cfg.train.keep_checkpoints,
+                                           trainer.client_state)
+    try:
+        return trainer.fit(logger, checkpointer, watchdog)
+    finally:
+        logger.close()
+
+
+def _write_run_files(cfg: RunConfig, run_dir: Path, ds_config: dict) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    keep_tokenizer(run_dir, Path(cfg.data.path))
+    cfg.save(rundir.config_file(run_dir))
+    (run_dir / rundir.DS_CONFIG_FILE).write_text(json.dumps(ds_config, indent=2))
+
+
+def _announce(cfg: RunConfig, info: DistInfo, ds_config: dict, trainer: Trainer, resumed: bool) -> None:
+    train_set = trainer.train_set
+    print(f"{cfg.train.stage}: {trainer.n_params / 1e6:.3f} M parameters, {info.world_size} rank(s), "
+          f"ZeRO stage {ds_config.get('zero_optimization', {}).get('stage', 0)}, {cfg.train.precision}, "
+          f"{len(train_set):,} train samples"
+          + (f" ({100 * train_set.padding_fraction:.1f} % padding)" if cfg.train.stage == "sft" else "")
+          + (f", resumed at step {trainer.step}" if resumed else ""), flush=True)
