@@ -112,8 +112,9 @@ class TrainConfig:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
-    precision: str = "bf16"
-    """'bf16' or 'fp32' (fp16 is not supported)."""
+    precision: str = "auto"
+    """'auto' (bf16 where the device has it, fp16 on GPUs without bf16), 'bf16', 'fp16' (CUDA only; dynamic loss
+    scaling) or 'fp32'. The run directory's config.yaml records what 'auto' became."""
     seed: int = 1337
     log_every: int = 1
     eval_every: int = 100
@@ -278,7 +279,8 @@ def validate(cfg: RunConfig) -> None:
     _require(t.dpo_sft_weight >= 0, f"train.dpo_sft_weight must be >= 0, got {t.dpo_sft_weight}")
     _require(t.dpo_loss in ("sigmoid", "ipo"), f"train.dpo_loss must be sigmoid or ipo, got '{t.dpo_loss}'")
     _require(t.stage != "dpo" or bool(t.init_from), "DPO needs --init-from (the policy and the frozen reference start there)")
-    _require(t.precision in ("bf16", "fp32"), f"train.precision must be 'bf16' or 'fp32', got '{t.precision}'")
+    _require(t.precision in ("auto", "bf16", "fp16", "fp32"),
+             f"train.precision must be auto, bf16, fp16 or fp32, got '{t.precision}'")
     _require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     for key, value in (("train.eval_every", t.eval_every), ("train.save_every", t.save_every),

@@ -31,7 +31,7 @@ def test_dotted_overrides_parse_yaml_scalars():
     ("train.max_steps", "expects key=value"),
     ("model.n_heads=5", "divisible by model.n_heads"),
     ("data.seq_len=100000", "exceeds model.max_seq_len"),
-    ("train.precision=fp16", "'bf16' or 'fp32'"),
+    ("train.precision=fp8", "auto, bf16, fp16 or fp32"),
     ("model.rope_scaling=yarn", "rope_factor"),
 ])
 def test_bad_config_is_one_clear_error(override, message):

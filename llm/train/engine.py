@@ -23,6 +23,38 @@ import deepspeed  # noqa: E402 - after the accelerator is chosen
 
 DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 
+CONCRETE_PRECISIONS = ("bf16", "fp16", "fp32")
+DYNAMIC_LOSS_SCALING = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                        "min_loss_scale": 1}
+"""DeepSpeed's fp16 section when the JSON leaves it to us: a dynamic loss scale starting at 2^16, halved on an
+overflow (after `hysteresis` of them), doubled after 1000 steps without one."""
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """train.precision for this device: 'auto' is bf16 where the device has it (the CPU, Ampere and newer GPUs)
+    and fp16 with dynamic loss scaling on older GPUs (T4, V100, RTX 20); a precision the device cannot run is
+    refused."""
+    if device.type != "cuda":
+        if requested == "fp16":
+            raise UserError("train.precision=fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator has no fp16); "
+                            "use bf16 or fp32 here")
+        return "bf16" if requested == "auto" else requested
+    has_bf16 = torch.cuda.is_bf16_supported()
+    if requested == "auto":
+        return "bf16" if has_bf16 else "fp16"
+    if requested == "bf16" and not has_bf16:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise UserError(f"train.precision=bf16: {torch.cuda.get_device_name(device)} (sm_{major}{minor}) has no "
+                        "bf16; use fp16 (dynamic loss scaling), auto or fp32")
+    return requested
+
+
+def loss_scale_of(engine) -> float | None:
+    """The current fp16 loss scale of an engine, None when it does not scale the loss."""
+    if not engine.fp16_enabled():
+        return None
+    return float(engine.optimizer.cur_scale)
+
 
 def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any], str]:
     """The raw DeepSpeed JSON (default: ds_configs/<stage>.json) and its name for messages."""
@@ -54,9 +86,14 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     fill(ds, "train_batch_size", t.micro_batch_size * t.grad_accum * world_size,
          "train.micro_batch_size * train.grad_accum * world size")
     fill(ds, "gradient_clipping", t.grad_clip, "train.grad_clip")
+    if t.precision not in CONCRETE_PRECISIONS:
+        raise ValueError(f"resolve train.precision={t.precision!r} with resolve_precision first")
     fill(ds.setdefault("bf16", {}), "enabled", t.precision == "bf16", "train.precision == 'bf16'")
-    if ds.get("fp16", {}).get("enabled") not in (None, False):
-        raise UserError(f"{source}: fp16 is not supported; use train.precision=bf16")
+    fp16 = ds.setdefault("fp16", {})
+    fill(fp16, "enabled", t.precision == "fp16", "train.precision == 'fp16'")
+    if t.precision == "fp16":
+        for key, value in DYNAMIC_LOSS_SCALING.items():
+            fp16.setdefault(key, value)
     optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
     params = optimizer.setdefault("params", {})
     fill(params, "lr", t.lr, "train.lr")

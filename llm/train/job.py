@@ -32,6 +32,7 @@ from llm.train.engine import (
     frozen_engine,
     load_ds_config,
     resolve_ds_config,
+    resolve_precision,
 )
 from llm.train.metrics import MetricsLogger, MetricsSink
 from llm.train.objectives import DPOObjective, causal_lm
@@ -114,6 +115,7 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     if not resume and rundir.latest_tag(run_dir) is not None:
         raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out")
     info = setup_distributed(cfg.train.collective_timeout_s)
+    cfg.train.precision = resolve_precision(cfg.train.precision, info.device)
     ds_config = resolve_ds_config(raw_ds, cfg, info.world_size, ds_source, zero_stage)
     watchdog = None
     if info.world_size > 1:

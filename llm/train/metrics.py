@@ -138,7 +138,7 @@ class MetricsLogger:
         t = cfg.train
         self.cfg, self.sink = cfg, sink
         self.tokens_per_step = global_batch * cfg.data.seq_len
-        dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
         self.flops_per_token = flops_per_token(cfg.model, n_params, cfg.data.seq_len)
         self.peak_flops = peak_flops_per_rank(info.device, t.peak_tflops, dtype) * info.world_size
         self.device = info.device

@@ -27,6 +27,7 @@ from llm.runtime.distributed import DistInfo
 from llm.runtime.preemption import Preemption
 from llm.runtime.watchdog import Watchdog
 from llm.train import checkpoint
+from llm.train.engine import loss_scale_of
 from llm.train.metrics import MetricsLogger, StepStats
 from llm.train.objectives import MicroStep
 
@@ -59,10 +60,13 @@ class Trainer:
         state = checkpoint.load(self.engine, self.run_dir, tag, universal)
         self.step, self.run_id = state["step"], state["run_id"]
         self.sampler.load_state_dict(state["sampler"])
+        if state.get("loss_scale") is not None:  # fp16: continue with the scale the run had reached, exactly
+            self.engine.optimizer.cur_scale = state["loss_scale"]
 
     def client_state(self, stopped_by_signal: bool) -> dict[str, Any]:
         return {"step": self.step, "run_id": self.run_id, "world_size": self.dist.world_size,
-                "sampler": self.sampler.state_dict(), "stopped_by_signal": stopped_by_signal}
+                "sampler": self.sampler.state_dict(), "stopped_by_signal": stopped_by_signal,
+                "loss_scale": loss_scale_of(self.engine)}
 
     # ---- data ----------------------------------------------------------------------------------
 
@@ -112,8 +116,9 @@ class Trainer:
         packed = torch.cat([sums, self._tokens_since_log])
         dist.all_reduce(packed)
         self._tokens_since_log.zero_()
-        values = (packed[:-1] / (self.cfg.train.grad_accum * self.dist.world_size)).tolist()
-        return StepStats(values[0], dict(zip(self._metric_names, values[1:])), int(packed[-1].item()))
+        *values, tokens = packed.tolist()
+        n = self.cfg.train.grad_accum * self.dist.world_size
+        return StepStats(values[0] / n, {k: v / n for k, v in zip(self._metric_names, values[1:])}, int(tokens))
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

@@ -1,0 +1,106 @@
+"""Precision: 'auto' per device, fp16 with dynamic loss scaling on GPUs without bf16, refused where it cannot run,
+and the loss scale carried through checkpoints."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import run_cli, train_args
+from llm.config import build_config
+from llm.errors import UserError
+from llm.runtime.distributed import DistInfo, free_port
+from llm.train import engine as engine_module
+from llm.train.engine import load_ds_config, loss_scale_of, resolve_ds_config, resolve_precision
+from llm.train.trainer import Trainer
+
+CPU = torch.device("cpu")
+GPU = torch.device("cuda", 0)
+
+
+def test_auto_is_bf16_on_the_cpu_and_fp16_is_refused_there():
+    assert resolve_precision("auto", CPU) == "bf16"
+    assert resolve_precision("fp32", CPU) == "fp32"
+    with pytest.raises(UserError, match="fp16 needs a CUDA GPU"):
+        resolve_precision("fp16", CPU)
+
+
+@pytest.mark.parametrize("has_bf16, expected", [(True, "bf16"), (False, "fp16")])
+def test_auto_on_a_gpu_follows_its_bf16_support(monkeypatch, has_bf16, expected):
+    monkeypatch.setattr(engine_module.torch.cuda, "is_bf16_supported", lambda: has_bf16)
+    assert resolve_precision("auto", GPU) == expected
+
+
+def test_bf16_on_a_gpu_without_it_is_refused_naming_the_gpu(monkeypatch):
+    cuda = engine_module.torch.cuda
+    monkeypatch.setattr(cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with pytest.raises(UserError, match=r"Tesla T4 \(sm_75\) has no bf16; use fp16"):
+        resolve_precision("bf16", GPU)
+
+
+def test_fp16_resolves_to_dynamic_loss_scaling():
+    cfg = build_config("demo", ["train.precision=fp16"])
+    raw, source = load_ds_config(None, "pretrain")
+    ds = resolve_ds_config(raw, cfg, world_size=1, source=source)
+    assert ds["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                          "hysteresis": 2, "min_loss_scale": 1}
+    assert ds["bf16"]["enabled"] is False
+
+
+def test_fp16_in_the_json_against_a_bf16_run_names_both(tmp_path):
+    path = tmp_path / "ds.json"
+    raw, _ = load_ds_config(None, "pretrain")
+    path.write_text(json.dumps({**raw, "fp16": {"enabled": True}}))
+    with pytest.raises(UserError, match="'enabled' is True but train.precision == 'fp16' is False"):
+        resolve_ds_config(*load_ds_config(path, "pretrain")[:1], build_config("demo", ["train.precision=bf16"]),
+                          world_size=1, source=str(path))
+
+
+def test_fp16_training_on_the_cpu_is_one_clear_error_and_writes_nothing(pretrain_data, tmp_path):
+    run = tmp_path / "run"
+    result = run_cli(*train_args(pretrain_data, run, "train.max_steps=1", "train.precision=fp16"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "fp16 needs a CUDA GPU" in result.stderr and "Traceback" not in result.stderr
+    assert not (run / "config.yaml").exists()
+
+
+class _FakeFP16Engine:
+    """Stands in for a DeepSpeed fp16 engine: what the trainer reads and restores of its loss scaler."""
+
+    def __init__(self, scale: float) -> None:
+        self.optimizer = SimpleNamespace(cur_scale=scale)
+
+    def fp16_enabled(self) -> bool:
+        return True
+
+    def load_checkpoint(self, *args, **kwargs):
+        return "loaded", {}
+
+
+@pytest.fixture
+def process_group_of_one():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_loss_scale_is_checkpointed_and_restored_on_resume(tmp_path, process_group_of_one):
+    cfg = build_config("demo", ["train.micro_batch_size=1"])
+    info = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)
+    engine = _FakeFP16Engine(scale=2.0 ** 11)
+    trainer = Trainer(cfg, tmp_path, info, engine, objective=None, train_set=list(range(4)), val_set=[], n_params=1)
+    state = trainer.client_state(stopped_by_signal=False)
+    assert state["loss_scale"] == 2048.0 and loss_scale_of(engine) == 2048.0
+
+    tag_dir = tmp_path / "checkpoints" / "global_step7"
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "client_state.json").write_text(json.dumps({**state, "step": 7}))
+    engine.optimizer.cur_scale = 65536.0  # a fresh engine starts from its initial scale
+    trainer.resume("global_step7", universal=False)
+    assert engine.optimizer.cur_scale == 2048.0 and trainer.step == 7
