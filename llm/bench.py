@@ -19,6 +19,7 @@ import torch
 from llm import rundir
 from llm.config import build_config
 from llm.data.prepare import SPLITS, STREAMS, TOKENS_FILE, SplitWriter, write_attrs
+from llm.devices import place, resolve
 from llm.errors import UserError
 from llm.export import export_model
 from llm.infer.generate import TextGenerator
@@ -85,15 +86,29 @@ def _median_seconds(fn, repeats: int) -> list[float]:
     return [statistics.median(column) for column in zip(*runs)]
 
 
+def _synchronized(device: torch.device, fn):
+    """`fn` whose return waits for the device, so that wall-clock times measure the work, not its queueing."""
+    def run():
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out
+    return run
+
+
 def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 64, batch: int = 1,
-                   repeats: int = 3) -> int:
+                   repeats: int = 3, device: str = "auto", dtype: str = "auto") -> int:
     """Prefill and decode tokens/s: our cached decoding, uncached decoding, transformers' generate."""
     if min(prompt_tokens, new_tokens, batch, repeats) < 1 or new_tokens < 2:
         raise UserError("--prompt-tokens, --batch and --repeats must be >= 1 and --new-tokens >= 2")
+    where, precision = resolve(device, dtype)
     model, tokenizer = load_for_inference(model_dir)
     if prompt_tokens + new_tokens > model.cfg.max_seq_len:
         raise UserError(f"--prompt-tokens + --new-tokens exceeds the model's max_seq_len {model.cfg.max_seq_len}")
-    generator = TextGenerator(model, tokenizer, stop_token_ids=[])  # always decode --new-tokens tokens
+    hf_dir = tempfile.TemporaryDirectory(prefix="zerollm-bench-")
+    if not model.cfg.moe:
+        export_model(model, None, Path(hf_dir.name))  # the same weights for transformers, written before casting
+    generator = TextGenerator(place(model, where, precision), tokenizer, stop_token_ids=[])  # always --new-tokens
     rng = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, tokenizer.vocab_size, (batch, prompt_tokens), generator=rng)
     params = SamplingParams(max_new_tokens=new_tokens)
@@ -102,10 +117,9 @@ def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 6
         def run() -> tuple[float, float]:
             start = time.perf_counter()
             steps = generator.token_steps(prompts.tolist(), params, use_cache)
-            next(steps)
+            _synchronized(where, lambda: next(steps))()
             first = time.perf_counter()
-            for _ in steps:
-                pass
+            _synchronized(where, lambda: [None for _ in steps])()
             return first - start, time.perf_counter() - first
         return run
 
@@ -118,26 +132,27 @@ def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 6
     except ImportError:
         AutoModelForCausalLM = None
     if AutoModelForCausalLM is not None and not model.cfg.moe:
-        with tempfile.TemporaryDirectory(prefix="zerollm-bench-") as tmp:
-            export_model(model, None, Path(tmp))
-            hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir.name, dtype=precision).to(where).eval()
+        hf_prompts = prompts.to(where)
 
         def transformers_run() -> tuple[float, float]:
             kwargs = dict(do_sample=False, pad_token_id=tokenizer.pad_id, eos_token_id=None)
             with torch.no_grad():
                 start = time.perf_counter()
-                hf.generate(prompts, max_new_tokens=1, min_new_tokens=1, **kwargs)
+                _synchronized(where, lambda: hf.generate(hf_prompts, max_new_tokens=1, min_new_tokens=1, **kwargs))()
                 prefill = time.perf_counter() - start
                 start = time.perf_counter()
-                hf.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+                _synchronized(where, lambda: hf.generate(hf_prompts, max_new_tokens=new_tokens,
+                                                         min_new_tokens=new_tokens, **kwargs))()
             return prefill, time.perf_counter() - start - prefill
 
         results["transformers generate"] = _median_seconds(transformers_run, repeats)
+    hf_dir.cleanup()
     prefill_tokens, decode_tokens = batch * prompt_tokens, batch * (new_tokens - 1)
     cached_decode = decode_tokens / results["zerollm, KV cache"][1]
     print(f"bench generate: {model.num_parameters() / 1e6:.2f} M parameters, batch {batch}, prompt "
-          f"{prompt_tokens} tokens, {new_tokens} new tokens, greedy, fp32, {torch.get_num_threads()} "
-          f"threads; median of {repeats}")
+          f"{prompt_tokens} tokens, {new_tokens} new tokens, greedy, {where.type} {str(precision).removeprefix('torch.')}"
+          f"{f', {torch.get_num_threads()} threads' if where.type == 'cpu' else ''}; median of {repeats}")
     print(f"  {'variant':<24}{'prefill tok/s':>15}{'decode tok/s':>15}{'cached decode is':>20}")
     for name, (prefill, decode) in results.items():
         rate = decode_tokens / decode

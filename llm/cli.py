@@ -150,8 +150,20 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=int, default=1, help="ranks (default 1)")
 
 
+DEVICE_CHOICES, DTYPE_CHOICES = ("auto", "cuda", "mps", "cpu"), ("auto", "fp32", "bf16", "fp16")
+"""`llm.devices` holds their meaning; spelled here so that building the parser does not load torch."""
+
+
+def _add_placement_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="where the model runs (default auto: CUDA, else Apple MPS, else the CPU)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="precision (default auto: bf16 on GPUs that have it, fp16 on older GPUs and MPS, fp32 on CPU)")
+
+
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="run directory (newest checkpoint) or export directory")
+    _add_placement_options(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
@@ -181,6 +193,7 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
                        description="Serve POST /v1/chat/completions (JSON or SSE stream), GET /v1/models and "
                                    "GET /health. Binds 127.0.0.1 unless --host says otherwise.")
     v.add_argument("--model", required=True, help="run directory or export directory")
+    _add_placement_options(v)
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     v.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     v.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request (default 256)")
@@ -200,6 +213,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                                     "without it (whole sequence recomputed per token), and with transformers' "
                                     "generate on the exported weights, side by side.")
     g.add_argument("--model", required=True, help="run directory or export directory")
+    _add_placement_options(g)
     g.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
     g.add_argument("--new-tokens", type=int, default=64, help="tokens to decode (default 64)")
     g.add_argument("--batch", type=int, default=1, help="prompts per batch (default 1)")
@@ -313,17 +327,20 @@ def _sampling(args: argparse.Namespace):
         raise UserError(str(exc)) from None
 
 
-def _generator(model_dir: str):
+def _generator(args: argparse.Namespace):
+    from llm.devices import place, resolve
     from llm.infer.generate import TextGenerator
     from llm.loading import load_for_inference
 
-    return TextGenerator(*load_for_inference(model_dir))
+    device, dtype = resolve(args.device, args.dtype)
+    model, tokenizer = load_for_inference(args.model)
+    return TextGenerator(place(model, device, dtype), tokenizer)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from llm.tokenizer import Tokenizer
 
-    params, generator = _sampling(args), _generator(args.model)
+    params, generator = _sampling(args), _generator(args)
     prompt = Tokenizer.render_chat([{"role": "user", "content": args.prompt}], True) if args.chat else args.prompt
     try:
         for piece in generator.stream(prompt, params):
@@ -337,7 +354,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from llm.infer.chat import chat_repl
 
-    chat_repl(_generator(args.model), _sampling(args), system=args.system)
+    chat_repl(_generator(args), _sampling(args), system=args.system)
     return 0
 
 
@@ -354,7 +371,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from llm.infer.server import ChatService, make_server
 
-    service = ChatService(_generator(args.model), Path(args.model).resolve().name, args.max_tokens)
+    service = ChatService(_generator(args), Path(args.model).resolve().name, args.max_tokens)
     server = make_server(service, args.host, args.port)
     host, port = server.server_address[:2]
     print(f"serving {service.model_name} on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
@@ -380,7 +397,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return bench_train(args.recipe, args.overrides, steps=args.steps, warmup=args.warmup, nproc=args.nproc,
                            deepspeed_config=args.deepspeed, zero_stage=args.zero_stage)
     return bench_generate(args.model, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                          batch=args.batch, repeats=args.repeats)
+                          batch=args.batch, repeats=args.repeats, device=args.device, dtype=args.dtype)
 
 
 COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "launch": cmd_launch,

@@ -1,0 +1,52 @@
+"""Where and in which precision a model runs for inference: the best device present (CUDA, then Apple's MPS, then
+the CPU) and a dtype it computes well in, unless the user says otherwise (`--device`, `--dtype`)."""
+
+from __future__ import annotations
+
+import torch
+
+from llm.errors import UserError
+
+DEVICES = ("auto", "cuda", "mps", "cpu")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mps_available() -> bool:
+    return torch.backends.mps.is_available()
+
+
+def best_device(cuda: bool, mps: bool) -> str:
+    return "cuda" if cuda else "mps" if mps else "cpu"
+
+
+def default_dtype(device: str, bf16_supported: bool) -> str:
+    """bf16 on GPUs that have it, fp16 on older GPUs and on MPS, fp32 on the CPU (its half-precision matmuls are
+    slower than fp32 on most CPUs)."""
+    if device == "cuda":
+        return "bf16" if bf16_supported else "fp16"
+    return "fp16" if device == "mps" else "fp32"
+
+
+def resolve(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    """(device, dtype) for `--device` and `--dtype`, each 'auto' or a name; a device that is not present is refused."""
+    cuda, mps = torch.cuda.is_available(), mps_available()
+    if device == "auto":
+        device = best_device(cuda, mps)
+    elif device not in DEVICES:
+        raise UserError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    elif (device == "cuda" and not cuda) or (device == "mps" and not mps):
+        raise UserError(f"--device {device}: no {device.upper()} device is available here; use --device cpu or auto")
+    if dtype == "auto":
+        dtype = default_dtype(device, cuda and torch.cuda.is_bf16_supported())
+    elif dtype not in DTYPES:
+        raise UserError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
+    return torch.device(device), DTYPES[dtype]
+
+
+def place(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Move `model` to `device` and cast its parameters to `dtype`; buffers keep their precision (the RoPE tables
+    stay fp32, as rotations in bf16 would lose the position information of far tokens)."""
+    model.to(device)
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model

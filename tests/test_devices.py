@@ -1,0 +1,73 @@
+"""Inference placement: the best device present (CUDA, then MPS, then the CPU), a dtype it computes well in,
+`--device`/`--dtype` on every inference command, and a clear error for a device that is not there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_cli
+from llm import cli, devices
+from llm.config import ModelConfig
+from llm.errors import UserError
+from llm.model import Transformer
+
+
+@pytest.mark.parametrize("cuda, mps, expected", [(True, True, "cuda"), (False, True, "mps"), (False, False, "cpu")])
+def test_the_best_device_present_is_chosen(cuda, mps, expected):
+    assert devices.best_device(cuda, mps) == expected
+
+
+def test_mps_is_chosen_when_available(monkeypatch):
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(devices, "mps_available", lambda: True)
+    assert devices.resolve("auto", "auto") == (torch.device("mps"), torch.float16)
+
+
+@pytest.mark.parametrize("device, bf16, expected", [("cuda", True, "bf16"), ("cuda", False, "fp16"),
+                                                     ("mps", False, "fp16"), ("cpu", False, "fp32")])
+def test_default_dtype_per_device(device, bf16, expected):
+    assert devices.default_dtype(device, bf16) == expected
+
+
+def test_a_missing_device_is_refused():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(UserError, match="no CUDA device is available here"):
+        devices.resolve("cuda", "auto")
+
+
+def test_the_cli_offers_exactly_the_devices_and_dtypes_llm_devices_knows():
+    assert set(cli.DEVICE_CHOICES) == set(devices.DEVICES)
+    assert set(cli.DTYPE_CHOICES) == {"auto", *devices.DTYPES}
+
+
+def test_place_casts_parameters_and_keeps_rope_tables_in_fp32():
+    model = devices.place(Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16)),
+                          torch.device("cpu"), torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rope_cos.dtype == torch.float32 and model.rope_sin.dtype == torch.float32
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["chat"], ["serve"], ["bench", "generate"]])
+def test_every_inference_command_takes_device_and_dtype(command):
+    result = run_cli(*command, "--help")
+    assert result.returncode == 0 and "--device" in result.stdout and "--dtype" in result.stdout
+
+
+def test_generate_in_bf16_on_the_cpu_and_a_missing_gpu_is_one_line(zero_runs):
+    result = run_cli("generate", "--model", zero_runs[2], "--prompt", "To be", "--max-new-tokens", 4,
+                     "--device", "cpu", "--dtype", "bf16")
+    assert result.returncode == 0, result.stderr[-2000:]
+    if not torch.cuda.is_available():
+        result = run_cli("generate", "--model", zero_runs[2], "--prompt", "x", "--device", "cuda")
+        assert result.returncode == 2 and "no CUDA device" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_generate_runs_on_the_chosen_device_and_dtype(zero_runs):
+    result = run_cli("bench", "generate", "--model", zero_runs[2], "--prompt-tokens", 8, "--new-tokens", 4,
+                     "--repeats", 1, "--device", "cpu", "--dtype", "bf16")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "cpu bfloat16" in result.stdout
+    assert {"zerollm, KV cache", "zerollm, no cache", "transformers generate"} <= {
+        line[2:26].strip() for line in result.stdout.splitlines() if line.startswith("  ")}
