@@ -25,6 +25,7 @@ from llm.export import export_model
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 from llm.loading import load_for_inference
+from llm.train.engine import resolve_precision
 
 
 def write_random_tokens(out: Path, vocab_size: int, n_tokens: int, seed: int = 0) -> None:
@@ -70,7 +71,8 @@ def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in measured)
 
-    print(f"\nbench train: recipe {recipe}, {nproc} rank(s), {t.precision}, micro batch "
+    precision = resolve_precision(t.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    print(f"\nbench train: recipe {recipe}, {nproc} rank(s), {precision}, micro batch "
           f"{t.micro_batch_size} x accum {t.grad_accum}, seq {cfg.data.seq_len}; median of {len(measured)} steps "
           f"after {warmup} warm-up")
     print(f"  tokens/s               {median('tokens_per_sec'):12,.0f}")
@@ -126,9 +128,7 @@ def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 6
     results = {"zerollm, KV cache": _median_seconds(ours(True), repeats),
                "zerollm, no cache": _median_seconds(ours(False), repeats)}
     try:
-        from transformers import (
-            AutoModelForCausalLM,  # optional: the comparison runs where it is installed
-        )
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415 - optional: compared where installed
     except ImportError:
         AutoModelForCausalLM = None
     if AutoModelForCausalLM is not None and not model.cfg.moe:
@@ -151,7 +151,8 @@ def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 6
     prefill_tokens, decode_tokens = batch * prompt_tokens, batch * (new_tokens - 1)
     cached_decode = decode_tokens / results["zerollm, KV cache"][1]
     print(f"bench generate: {model.num_parameters() / 1e6:.2f} M parameters, batch {batch}, prompt "
-          f"{prompt_tokens} tokens, {new_tokens} new tokens, greedy, {where.type} {str(precision).removeprefix('torch.')}"
+          f"{prompt_tokens} tokens, {new_tokens} new tokens, greedy, {where.type} "
+          f"{str(precision).removeprefix('torch.')}"
           f"{f', {torch.get_num_threads()} threads' if where.type == 'cpu' else ''}; median of {repeats}")
     print(f"  {'variant':<24}{'prefill tok/s':>15}{'decode tok/s':>15}{'cached decode is':>20}")
     for name, (prefill, decode) in results.items():

@@ -11,6 +11,7 @@ the data and weights they hold are, through their digests.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import platform
 from pathlib import Path
 from typing import Any
@@ -57,11 +58,9 @@ def _flatten(prefix: str, node: Any, out: dict[str, str]) -> None:
 
 
 def fingerprint(config: dict, ds_config: dict, data_file: Path, tokenizer_hash: str) -> dict[str, str]:
-    import deepspeed
-
     fields = {"code": code_version(),
               "software": f"python {platform.python_version()}, torch {torch.__version__}, "
-                          f"deepspeed {deepspeed.__version__}",
+                          f"deepspeed {importlib.metadata.version('deepspeed')}",
               "data": file_digest(data_file), "tokenizer": tokenizer_hash}
     _flatten("config", config, fields)
     _flatten("ds_config", ds_config, fields)

@@ -99,7 +99,7 @@ class MetricsSink:
         self.wandb_run = None
         if cfg.wandb.mode != "off":
             try:
-                import wandb  # optional dependency, imported only when asked for
+                import wandb  # noqa: PLC0415 - optional dependency, imported only when asked for
             except ImportError:
                 raise UserError("wandb is not installed; `pip install wandb` or use --wandb off") from None
             self.wandb_run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or run_dir.name, id=run_id,

@@ -1,0 +1,194 @@
+"""The GPU check: one command that, on one GPU, checks and times everything the GPU path needs, streaming each
+result to a file as soon as it is known (a run cut short keeps what it finished).
+
+    python -m llm.gpu_check --out DIR [--budget-s 480]      on a CUDA machine
+    python -m llm.gpu_check --out DIR --smoke                on the CPU: the same steps, tiny, to test the tool
+
+Steps, each bounded by its share of the budget and recorded in DIR/summary.md as it ends:
+  1. versions and clocks (python, torch, triton, deepspeed; GPU, capability, memory, clocks, power)
+  2. compiled-kernel correctness: the GPU-marked kernel tests, compiled (TRITON_INTERPRET unset)
+  3. the kernel table: `python -m kernels.bench` (GB/s against a measured copy, TFLOP/s against SDPA's flash and
+     cuDNN backends and torch eager), bf16, then attention in fp16
+  4. training throughput: `zerollm bench train` for minimind-26m, minimind3-64m and tiny-k-215m at bf16 ZeRO-2,
+     with model.kernels=triton and =torch (tokens/s, MFU, peak memory)
+  5. where a step's time goes: torch.profiler's top 20 ops of one tiny-k-215m training step
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from llm.bench import write_random_tokens
+from llm.config import build_config
+from llm.data.datasets import read_data_attrs
+from llm.runtime.distributed import setup_distributed
+from llm.train.engine import load_ds_config, resolve_ds_config, resolve_precision
+from llm.train.job import build_trainer
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_RECIPES = ("minimind-26m", "minimind3-64m", "tiny-k-215m")
+SHARES = {"versions": 0.02, "kernel tests": 0.2, "kernel table": 0.3, "training": 0.38, "profile": 0.1}
+"""Each step's share of the time budget."""
+
+
+class Report:
+    """DIR/<step>.txt with each step's output, DIR/summary.md with one line per finished step; written as it goes."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.summary = out / "summary.md"
+        self.summary.write_text(f"# GPU check, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n\n")
+
+    def step_file(self, name: str) -> Path:
+        return self.out / f"{name.replace(' ', '_')}.txt"
+
+    def line(self, text: str) -> None:
+        with self.summary.open("a") as f:
+            f.write(text + "\n")
+        print(text, flush=True)
+
+
+def run_command(command: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> str:
+    """Run `command`, appending its output to `log` as it comes; returns 'ok', 'exit N' or 'timed out'."""
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(command)}\n")
+        f.flush()
+        process = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                                   env={**os.environ, **(env or {})}, start_new_session=True)
+        try:
+            code = process.wait(timeout=max(1.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait()
+            f.write(f"\n[timed out after {timeout_s:.0f} s]\n")
+            return "timed out"
+    return "ok" if code == 0 else f"exit {code}"
+
+
+def versions(smoke: bool) -> str:
+    version = importlib.metadata.version
+    lines = [f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+             f"triton {version('triton')}, deepspeed {version('deepspeed')}"]
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        lines.append(f"GPU {props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB, "
+                     f"{props.multi_processor_count} SMs")
+        if shutil.which("nvidia-smi"):
+            query = "name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem,power.draw,power.limit," \
+                    "temperature.gpu"
+            smi = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv"], capture_output=True,
+                                 text=True, check=False)
+            lines.append(smi.stdout.strip())
+    elif smoke:
+        lines.append("no GPU (smoke mode on the CPU)")
+    return "\n".join(lines)
+
+
+def profile_step(recipe: str, smoke: bool) -> str:
+    """torch.profiler's top 20 ops (by device time on a GPU) of one training step, after two warm-up steps."""
+    overrides = ["train.max_steps=3", "train.eval_every=0"]
+    if smoke:
+        overrides += ["train.micro_batch_size=2", "data.seq_len=32"]
+    cfg = build_config(recipe, overrides)
+    info = setup_distributed()
+    cfg.train.precision = resolve_precision("auto", info.device)
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"zerollm-gpu-check-{os.getpid()}"
+    write_random_tokens(work / "data", cfg.model.vocab_size, 4 * cfg.train.micro_batch_size * cfg.data.seq_len + 1)
+    cfg.data.path = str(work / "data")
+    raw, source = load_ds_config(None, "pretrain")
+    trainer = build_trainer(cfg, work / "run", info, resolve_ds_config(raw, cfg, 1, source),
+                            read_data_attrs(cfg.data.path, "pretrain"))
+    for _ in range(2):
+        trainer.reduce_step(trainer.train_step())
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if info.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        trainer.reduce_step(trainer.train_step())
+    shutil.rmtree(work, ignore_errors=True)
+    sort = "cuda_time_total" if info.device.type == "cuda" else "cpu_time_total"
+    return f"{recipe}, {cfg.train.precision}, one step:\n" + prof.key_averages().table(sort_by=sort, row_limit=20)
+
+
+def _timed(report: Report, name: str, budget_s: float, fn: Callable[[Path, float], str]) -> None:
+    start = time.monotonic()
+    log = report.step_file(name)
+    try:
+        status = fn(log, budget_s)
+    except Exception as exc:  # noqa: BLE001 - a failed step is recorded and the next one runs
+        status = f"failed: {type(exc).__name__}: {exc}"
+        with log.open("a") as f:
+            f.write(f"\n{status}\n")
+    report.line(f"- {name}: {status} ({time.monotonic() - start:.0f} s, budget {budget_s:.0f} s) -> {log.name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llm.gpu_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="directory for the results (created)")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="total time for every step (default 480)")
+    parser.add_argument("--smoke", action="store_true", help="tiny versions of every step on the CPU")
+    args = parser.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("llm.gpu_check: no CUDA device; use --smoke to check the tool on the CPU", file=sys.stderr)
+        return 2
+    report = Report(Path(args.out))
+    budget = {name: share * args.budget_s for name, share in SHARES.items()}
+    python = sys.executable
+
+    def write(log: Path, text: str) -> str:
+        with log.open("a") as f:
+            f.write(text + "\n")
+        return "ok"
+
+    _timed(report, "versions", budget["versions"], lambda log, _: write(log, versions(args.smoke)))
+    if args.smoke:
+        tests = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py", "-k", "rms"]
+        tests_env = {"TRITON_INTERPRET": "1"}
+    else:
+        tests = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                 *sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_kernels*.py"))]
+        tests_env = {"TRITON_INTERPRET": "0"}
+    _timed(report, "kernel tests", budget["kernel tests"], lambda log, t: run_command(tests, log, t, tests_env))
+
+    def kernel_table(log: Path, t: float) -> str:
+        if args.smoke:
+            return run_command([python, "-m", "kernels.bench", "--smoke"], log, t)
+        first = run_command([python, "-m", "kernels.bench", "--dtype", "bf16"], log, 0.75 * t)
+        second = run_command([python, "-m", "kernels.bench", "--op", "attention", "--dtype", "fp16"], log, 0.25 * t)
+        return f"bf16 {first}, fp16 attention {second}"
+
+    _timed(report, "kernel table", budget["kernel table"], kernel_table)
+
+    def training(log: Path, t: float) -> str:
+        runs = [("demo", "torch")] if args.smoke else [(r, k) for r in GPU_RECIPES for k in ("triton", "torch")]
+        results = []
+        for recipe, kernels in runs:
+            steps = ["--steps", "1", "--warmup", "1"] if args.smoke else ["--steps", "8", "--warmup", "3"]
+            precision = "auto" if args.smoke else "bf16"
+            command = [python, "-m", "llm", "bench", "train", "--recipe", recipe, *steps, "--zero-stage", "2",
+                       "--set", f"model.kernels={kernels}", "--set", f"train.precision={precision}"]
+            results.append(f"{recipe}/{kernels} {run_command(command, log, t / len(runs))}")
+        return ", ".join(results)
+
+    _timed(report, "training", budget["training"], training)
+    recipe = "demo" if args.smoke else "tiny-k-215m"
+    _timed(report, "profile", budget["profile"], lambda log, _: write(log, profile_step(recipe, args.smoke)))
+    (report.out / "done.json").write_text(json.dumps({"finished": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
