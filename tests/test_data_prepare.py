@@ -3,8 +3,8 @@ import json
 import h5py
 import numpy as np
 import pytest
-from conftest import run_cli, shared
 
+from conftest import run_cli, shared
 from llm.data.formats import read_items
 from llm.data.prepare import prepare
 from llm.tokenizer import Tokenizer

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import run_cli
 
+from conftest import run_cli
 from llm.config import ModelConfig
 from llm.export import export_model, import_model
 from llm.infer.generate import TextGenerator, cut_at_stop

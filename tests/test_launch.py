@@ -13,8 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO, TINY, run_cli
 
+from conftest import REPO, TINY, run_cli
 from launch.hostfile import check_filter, read_hostfile
 from launch.launcher import first_host, plan_launch, slurm_rendezvous
 from llm.cli import build_parser, launch_options

@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-from conftest import run_cli, shared, train_args
 
+from conftest import run_cli, shared, train_args
 from llm.config import ModelConfig
 from llm.data.datasets import PackedConversations, PreferencePairs
 from llm.data.formats import RecordError, conversation, preference

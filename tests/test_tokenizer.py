@@ -1,9 +1,9 @@
 import json
 
-from conftest import SHARED_DATA, run_cli, shared
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import SHARED_DATA, run_cli, shared
 from llm.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, Tokenizer
 
 

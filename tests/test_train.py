@@ -12,9 +12,9 @@ import time
 
 import pytest
 import torch
+
 from conftest import METRIC_KEYS, run_cli
 from conftest import train_args as _args
-
 from llm.loading import consolidated_weights
 
 
