@@ -28,6 +28,10 @@ from llm.loading import load_for_inference
 from llm.train.engine import resolve_precision
 
 
+BENCH_VOCAB = 6400
+"""Vocabulary of the random tokens when the recipe leaves it to the tokenizer."""
+
+
 def write_random_tokens(out: Path, vocab_size: int, n_tokens: int, seed: int = 0) -> None:
     """A pretraining data directory of uniform random tokens (ids above the special tokens)."""
     rng = np.random.default_rng(seed)
@@ -46,6 +50,9 @@ def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int 
     """Train `steps + warmup` steps of `recipe` on random tokens in a temporary directory; print the medians of the
     measured steps. Returns the exit code."""
     cfg = build_config(recipe, overrides)
+    if cfg.model.vocab_size is None:  # the recipe takes the tokenizer's: bench with MiniMind's 6400
+        overrides = [*overrides, f"model.vocab_size={BENCH_VOCAB}"]
+        cfg.model.vocab_size = BENCH_VOCAB
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
     total_steps = steps + warmup

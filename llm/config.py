@@ -8,6 +8,7 @@ the whole and raises `UserError` naming the key at fault.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -20,8 +21,9 @@ from llm.errors import UserError
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 6400
-    """Embedding rows; must be at least the tokenizer's vocabulary size."""
+    vocab_size: int | None = None
+    """Embedding rows, at least the tokenizer's vocabulary size; None (a recipe that does not pin it) takes the
+    vocabulary size of the tokenizer the training data was prepared with."""
     dim: int = 512
     """Model (residual stream) width."""
     n_layers: int = 8
@@ -154,6 +156,23 @@ class RunConfig:
         path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True))
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """YAML with the 1.2 core schema's booleans: only true/false. YAML 1.1 (PyYAML's default) also reads on, off,
+    yes, no, y and n as booleans, so `wandb.mode: off` or `--set wandb.mode=off` would arrive as False."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
+
+
+def load_yaml(text: str):
+    """Parse YAML text the way recipes, overrides and run configs are read (YAML 1.2 booleans)."""
+    return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def recipe_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("llm.recipes").iterdir() if p.name.endswith(".yaml"))
 
@@ -171,7 +190,7 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
         text = path.read_text()
         source = str(path)
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = load_yaml(text) or {}
     except yaml.YAMLError as exc:
         raise UserError(f"{source}: invalid YAML ({exc})".replace("\n", " ")) from None
     if not isinstance(raw, dict):
@@ -218,7 +237,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key:
         raise UserError(f"--set expects key=value, got '{text}'")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = load_yaml(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
@@ -251,7 +270,8 @@ def _require(ok: bool, message: str) -> None:
 
 def validate_model(m: ModelConfig) -> None:
     for key, value in (("model.dim", m.dim), ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads),
-                       ("model.vocab_size", m.vocab_size), ("model.max_seq_len", m.max_seq_len)):
+                       ("model.vocab_size", 1 if m.vocab_size is None else m.vocab_size),
+                       ("model.max_seq_len", m.max_seq_len)):
         _require(value > 0, f"{key} must be positive, got {value}")
     _require(m.dim % m.n_heads == 0, f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
     _require(m.head_dim % 2 == 0, f"head dim model.dim/model.n_heads = {m.head_dim} must be even for RoPE")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from llm.bench import write_random_tokens
+from llm.bench import BENCH_VOCAB, write_random_tokens
 from llm.config import build_config
 from llm.data.datasets import read_data_attrs
 from llm.runtime.distributed import setup_distributed
@@ -103,6 +103,7 @@ def profile_step(recipe: str, smoke: bool) -> str:
     if smoke:
         overrides += ["train.micro_batch_size=2", "data.seq_len=32"]
     cfg = build_config(recipe, overrides)
+    cfg.model.vocab_size = cfg.model.vocab_size or BENCH_VOCAB
     info = setup_distributed()
     cfg.train.precision = resolve_precision("auto", info.device)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"zerollm-gpu-check-{os.getpid()}"

@@ -69,7 +69,7 @@ def test_ds_config_conflict_names_both_sides(tmp_path):
         resolve_ds_config(raw, cfg, 1, "x.json")
     raw, _ = load_ds_config(None, "pretrain")
     raw["fp16"] = {"enabled": True}
-    with pytest.raises(UserError, match="fp16 is not supported"):
+    with pytest.raises(UserError, match="train.precision == .fp16. is False"):
         resolve_ds_config(raw, cfg, 1, "x.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{\n  oops\n}")

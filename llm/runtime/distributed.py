@@ -1,5 +1,5 @@
-"""Joining the job's process group: which device a rank uses, which backend, and a group of one when a rank
-is started directly (no launcher).
+"""Joining the job's process group: which device a rank uses (CUDA, else Apple's MPS for one rank, else the CPU),
+which backend, and a group of one when a rank is started directly (no launcher).
 
 DeepSpeed's CPU accelerator must be selected before `deepspeed` is first imported, which
 `ensure_accelerator_env` does; every module that imports deepspeed calls it first.
@@ -18,10 +18,25 @@ import torch
 from llm.errors import UserError
 
 
+def training_device_type(cuda: bool, mps: bool, world_size: int) -> str:
+    """Where a rank trains: a CUDA GPU when there is one; Apple's MPS for a single rank (a Mac has one GPU);
+    else the CPU."""
+    if cuda:
+        return "cuda"
+    return "mps" if mps and world_size == 1 else "cpu"
+
+
+def local_device_type() -> str:
+    return training_device_type(torch.cuda.is_available(), torch.backends.mps.is_available(),
+                                int(os.environ.get("WORLD_SIZE", "1")))
+
+
 def ensure_accelerator_env() -> None:
-    """Select DeepSpeed's CPU accelerator where there is no GPU; must run before deepspeed is imported."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    """Select DeepSpeed's accelerator (cpu or mps) where there is no CUDA GPU; must run before deepspeed is
+    imported."""
+    kind = local_device_type()
+    if kind != "cuda":
+        os.environ.setdefault("DS_ACCELERATOR", kind)
 
 
 def free_port() -> int:
@@ -61,13 +76,14 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
-    if torch.cuda.is_available():
+    kind = local_device_type()
+    if kind == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         backend = "nccl"
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-        device = torch.device("cpu")
+        device = torch.device(kind)
         backend = "gloo"
     try:
         deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timedelta(seconds=timeout_s))

@@ -31,9 +31,13 @@ overflow (after `hysteresis` of them), doubled after 1000 steps without one."""
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
-    """train.precision for this device: 'auto' is bf16 where the device has it (the CPU, Ampere and newer GPUs)
-    and fp16 with dynamic loss scaling on older GPUs (T4, V100, RTX 20); a precision the device cannot run is
-    refused."""
+    """train.precision for this device: 'auto' is bf16 where the device has it (the CPU, Ampere and newer GPUs,
+    Apple GPUs on macOS 14+) and fp16 with dynamic loss scaling on older GPUs (T4, V100, RTX 20), fp32 on older
+    Macs; a precision the device cannot run is refused."""
+    if device.type == "mps":
+        if requested == "auto":
+            return "bf16" if torch.backends.mps.is_macos_or_newer(14, 0) else "fp32"
+        return requested
     if device.type != "cuda":
         if requested == "fp16":
             raise UserError("train.precision=fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator has no fp16); "

@@ -107,6 +107,8 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     if not cfg.data.path:
         raise UserError("no training data: pass --data DIR (a directory made by `zerollm data prepare`)")
     attrs = read_data_attrs(cfg.data.path, cfg.train.stage)
+    if cfg.model.vocab_size is None:  # the recipe does not pin one: the tokenizer's
+        cfg.model.vocab_size = attrs["vocab_size"]
     if attrs["vocab_size"] > cfg.model.vocab_size:
         raise UserError(f"{cfg.data.path}: tokenizer has {attrs['vocab_size']} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}; set model.vocab_size >= {attrs['vocab_size']}")

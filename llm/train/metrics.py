@@ -47,14 +47,17 @@ def flops_per_token(cfg: ModelConfig, total_params: int, seq_len: int) -> float:
     return 6.0 * matmul_params_per_token(cfg, total_params) + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 
-def measure_cpu_peak_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
-    """Best rate of a square matmul in `dtype` on this process's threads."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
+    """Best rate of a square matmul in `dtype` on `device` (on the CPU: this process's threads)."""
+    a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
+    synchronize = torch.mps.synchronize if device.type == "mps" else (lambda: None)
     torch.mm(a, b)
+    synchronize()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         torch.mm(a, b)
+        synchronize()
         best = min(best, time.perf_counter() - start)
     return 2.0 * size ** 3 / best
 
@@ -68,13 +71,15 @@ def peak_flops_per_rank(device: torch.device, configured_tflops: float | None, d
             if key in name:
                 return tflops * 1e12
         return float("nan")
-    return measure_cpu_peak_flops(dtype)
+    return measure_peak_flops(device, dtype)
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak device memory allocated (GPU), or this process's peak resident set (CPU)."""
+    """Peak device memory allocated (CUDA), memory allocated now (MPS), or this process's peak resident set (CPU)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    if device.type == "mps":
+        return torch.mps.current_allocated_memory() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

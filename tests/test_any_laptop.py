@@ -1,0 +1,74 @@
+"""Meeting users where they are: YAML's on/off stay words, a recipe that does not pin a vocabulary takes the
+tokenizer's, training picks CUDA, then MPS for one rank, then the CPU, and installing needs triton only where it has
+wheels (Linux); without triton the model runs on PyTorch's ops."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+import yaml
+from packaging.markers import Marker
+from packaging.requirements import Requirement
+
+from conftest import REPO, TINY, run_cli, train_args
+from llm.config import build_config
+from llm.runtime.distributed import training_device_type
+
+
+@pytest.mark.parametrize("text", ["wandb.mode=off", "wandb.mode=offline"])
+def test_wandb_modes_are_words_in_overrides(text):
+    assert build_config("demo", [text]).wandb.mode == text.split("=")[1]
+
+
+def test_yaml_off_in_a_recipe_file_is_a_word(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  dim: 64\n  n_heads: 4\nwandb:\n  mode: off\ntrain:\n  max_steps: 3\n")
+    cfg = build_config(str(recipe))
+    assert cfg.wandb.mode == "off" and cfg.model.dim == 64
+
+
+def test_wandb_off_on_the_command_line_trains(pretrain_data, tmp_path):
+    result = run_cli(*train_args(pretrain_data, tmp_path, "train.max_steps=1", "train.eval_every=0",
+                                 extra=["--wandb", "off"]))
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_recipe_without_a_vocabulary_takes_the_tokenizers(pretrain_data, tmp_path):
+    overrides = [o for o in TINY if not o.startswith("model.vocab_size")]
+    sets = [a for o in [*overrides, "train.max_steps=1", "train.eval_every=0"] for a in ("--set", o)]
+    result = run_cli("train", "pretrain", "--recipe", "demo", "--data", pretrain_data, "--out", tmp_path, *sets)
+    assert result.returncode == 0, result.stderr[-2000:]
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["model"]["vocab_size"] == 512  # the session tokenizer's size
+
+
+@pytest.mark.parametrize("cuda, mps, world, expected", [(True, True, 1, "cuda"), (False, True, 1, "mps"),
+                                                        (False, True, 2, "cpu"), (False, False, 1, "cpu")])
+def test_training_picks_cuda_then_mps_for_one_rank_then_the_cpu(cuda, mps, world, expected):
+    assert training_device_type(cuda, mps, world) == expected
+
+
+def _triton_requirement() -> Requirement:
+    requires = [Requirement(r) for r in importlib.metadata.requires("zerollm")]
+    return next(r for r in requires if r.name == "triton")
+
+
+@pytest.mark.parametrize("platform, needed", [("linux", True), ("darwin", False), ("win32", False)])
+def test_triton_is_required_only_on_linux(platform, needed):
+    marker = _triton_requirement().marker
+    assert marker is not None and marker.evaluate({"sys_platform": platform}) is needed
+    assert Marker("sys_platform == 'linux'").evaluate({"sys_platform": platform}) is needed
+
+
+def test_the_model_trains_a_step_without_triton_installed():
+    script = ("import sys; sys.modules['triton'] = None\n"  # any `import triton` now fails as if not installed
+              "import torch\nfrom llm.config import ModelConfig\nfrom llm.model import Transformer\n"
+              "m = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16))\n"
+              "x = torch.randint(0, 64, (2, 8))\nm(x, x).loss.backward()\n"
+              "seg = torch.tensor([[1, 1, 2, 2, 2, 3, 3, 0]] * 2)\nm(x, x, segment_ids=seg).loss.backward()\n"
+              "print('ok')")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
