@@ -44,6 +44,8 @@ class ModelConfig:
     rope_original_max_seq_len: int = 0
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    qk_norm: bool = False
+    """RMSNorm over each head's queries and keys before RoPE (Qwen3, MiniMind-3); exported as Qwen3ForCausalLM."""
     dropout: float = 0.0
     tie_embeddings: bool = True
     moe: bool = False

@@ -20,6 +20,19 @@ def test_parameter_counts_match_the_seeds():
     assert round(_count("tiny-k-215m") / 1e6, 3) == 215.127  # happy-llm dim 1024, 18 layers
     assert _count("tiny-k-215m") == 215_127_040
     assert _count("minimind-26m") == 25_829_888  # MiniMind2-small, 25.83 M
+    assert _count("minimind3-64m") == 63_912_192  # MiniMind-3: head dim 96, FFN 2432, QK-norm
+
+
+def test_qk_norm_normalises_each_heads_queries_and_keys():
+    model = _tiny(qk_norm=True)
+    attention = model.layers[0].attention
+    assert attention.q_norm.weight.shape == attention.k_norm.weight.shape == (12,)
+    tokens = torch.randint(0, 97, (2, 10))
+    before = model(tokens).logits
+    with torch.no_grad():
+        attention.wq.weight.mul_(7.0)  # a query scale that the per-head RMSNorm removes
+    assert torch.allclose(model(tokens).logits, before, atol=1e-4)
+    assert not hasattr(_tiny().layers[0].attention, "q_norm")
 
 
 def _tiny(**overrides) -> Transformer:

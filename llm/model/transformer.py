@@ -43,12 +43,18 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.attn_dropout = cfg.dropout
         self.kernels_choice = cfg.kernels
+        if cfg.qk_norm:  # one weight of head_dim each, shared by the heads (Qwen3)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.kernels)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
                 layer: int = 0, packed: Packed | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = kernels.apply_rope(q, k, cos, sin, position_offset=cache.length if cache else 0,
                                   positions=packed.positions if packed else None, backend=self.kernels_choice)
