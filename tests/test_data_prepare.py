@@ -65,7 +65,7 @@ def bad_inputs(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     return {"good": good, "malformed": malformed, "wrong_field": wrong_field, "binary": binary, "empty": empty,
-            "unknown": tmp_path / "x.parquet", "missing": tmp_path / "missing.jsonl"}
+            "unknown": tmp_path / "x.csv", "missing": tmp_path / "missing.jsonl"}
 
 
 def _prepare(tokenizer_dir, out, *inputs, strict=False):
