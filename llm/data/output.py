@@ -36,13 +36,14 @@ def _cannot_write(out: Path, exc: OSError) -> UserError:
 class OutputDir:
     """Context manager: `with OutputDir(out, names) as output: ...write into output.staging...; output.commit()`.
 
-    `names` are the entries a data prepare output holds (besides the lock file). Leaving the block without
+    `names` are the entries a data prepare output holds (besides the lock file); an earlier output is recognised
+    by the first of them (tokens.h5). Leaving the block without
     `commit()` (an error, Ctrl-C) removes the staging directory and leaves OUT as it was.
     """
 
     def __init__(self, out: str | Path, names: tuple[str, ...]) -> None:
         self.out = Path(out).absolute()
-        self.names = set(names) | {LOCK_FILE}
+        self.names, self.marker = set(names) | {LOCK_FILE}, names[0]
         self.prefix = f".{self.out.name}."
         self.staging = self.out.with_name(f"{self.prefix}partial-{os.getpid()}-{secrets.token_hex(4)}")
         self._lock_fd: int | None = None
@@ -55,9 +56,10 @@ class OutputDir:
                             "whole output directory, so give it a directory of its own, e.g. --out data/")
         try:
             self._created = not self.out.exists()
+            if not self._created:
+                self._check_contents()  # before writing anything there
             self.out.mkdir(parents=True, exist_ok=True)
             self._lock()
-            self._check_contents()
             self._remove_leftovers()
             self.staging.mkdir()
         except OSError as exc:
@@ -103,7 +105,10 @@ class OutputDir:
             self._lock_fd = None
 
     def _check_contents(self) -> None:
-        foreign = sorted(name for name in os.listdir(self.out) if name not in self.names)
+        entries = sorted(set(os.listdir(self.out)) - {LOCK_FILE})
+        foreign = [name for name in entries if name not in self.names]
+        if entries and self.marker not in entries:  # e.g. a tokenizer/ of your own
+            foreign = entries
         if foreign:
             shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
             raise UserError(f"--out {self.out} holds {shown}, which data prepare did not write; it replaces its whole "

@@ -295,8 +295,8 @@ def _txt_items(path: Path) -> Iterator[Item]:
 
 
 def _too_long(size: int, max_record_chars: int) -> str:
-    return (f"record of {size / 1e6:.1f} M characters is longer than --max-record-mb "
-            f"{max_record_chars / 1e6:g}; raise it, or put long documents in .txt files, which are streamed")
+    return (f"record of {size:,} characters is over --max-record-mb {max_record_chars / 1e6:g}; raise it, or put "
+            "long documents in .txt files, which are streamed")
 
 
 def _jsonl_items(path: Path, max_record_chars: int) -> Iterator[Item | Skipped]:
@@ -358,6 +358,11 @@ class _JsonStream:
         line = self.line + self.buffer.count("\n", self.pos, pos if pos is not None else self.pos)
         return UserError(f"{self.path}:{line}: {message}; a .json file must hold one array or object")
 
+    def _check_size(self, end: int) -> None:
+        if end - self.pos > self.max_record_chars:
+            raise self._error(f"a value longer than --max-record-mb {self.max_record_chars / 1e6:g}; raise it or "
+                              "convert the file to .jsonl")
+
     def _value(self) -> tuple[int, Any]:
         decoder = json.JSONDecoder()
         self._peek()
@@ -369,10 +374,9 @@ class _JsonStream:
             except json.JSONDecodeError as exc:
                 if self.eof:
                     raise self._error(f"invalid JSON ({exc.msg})", exc.pos) from None
-            if len(self.buffer) - self.pos > self.max_record_chars:
-                raise self._error(f"a value longer than --max-record-mb {self.max_record_chars / 1e6:g}; raise it "
-                                  "or convert the file to .jsonl")
+            self._check_size(len(self.buffer))
             self._more()
+        self._check_size(end)
         line = self.line
         self.line += self.buffer.count("\n", self.pos, end)
         self.pos = end
