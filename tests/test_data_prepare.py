@@ -316,6 +316,10 @@ def test_preparing_again_replaces_the_whole_earlier_output(tokenizer_dir, other_
     assert read_data_attrs(out, "pretrain")["tokenizer_hash"] == Tokenizer.load(other_tokenizer).hash
     assert not (out / "tokenizer" / "stale.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "out"]  # no staging or set-aside copy left
+    (tmp_path / "link").symlink_to(out)  # through a symlink: the directory is replaced, the link kept
+    _quiet("pretrain", [corpus], tokenizer_dir, tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and read_data_attrs(out, "pretrain")["tokenizer_hash"] == \
+        Tokenizer.load(tokenizer_dir).hash
 
 
 def test_a_second_prepare_into_a_locked_out_is_refused(tokenizer_dir, corpus, tmp_path):
@@ -378,7 +382,8 @@ def test_unwritable_out_is_a_one_line_error(tokenizer_dir, corpus, tmp_path, mon
             main(["data", "prepare", "--input", str(corpus), "--tokenizer", str(tokenizer_dir), "--out", str(out)])
         assert exit_code.value.code == 2
         assert capsys.readouterr().err.strip().splitlines()[-1] == (
-            f"zerollm: error: --out {out}: cannot write there ({reason}); choose a writable directory")
+            f"zerollm: error: --out {out}: cannot write there ({reason}); data prepare needs to write in it and "
+            "beside it (in its parent directory)")
 
 
 # ---- bounded memory ----------------------------------------------------------------------------------------

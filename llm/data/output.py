@@ -30,19 +30,21 @@ LOCK_FILE = ".prepare.lock"
 
 
 def _cannot_write(out: Path, exc: OSError) -> UserError:
-    return UserError(f"--out {out}: cannot write there ({exc.strerror or exc}); choose a writable directory")
+    return UserError(f"--out {out}: cannot write there ({exc.strerror or exc}); data prepare needs to write in it and "
+                     "beside it (in its parent directory)")
 
 
 class OutputDir:
     """Context manager: `with OutputDir(out, names) as output: ...write into output.staging...; output.commit()`.
 
     `names` are the entries a data prepare output holds (besides the lock file); an earlier output is recognised
-    by the first of them (tokens.h5). Leaving the block without
-    `commit()` (an error, Ctrl-C) removes the staging directory and leaves OUT as it was.
+    by the first of them (tokens.h5). Leaving the block without `commit()` (an error, Ctrl-C) removes the
+    staging directory and leaves OUT as it was (and removes OUT if this run created it).
     """
 
     def __init__(self, out: str | Path, names: tuple[str, ...]) -> None:
-        self.out = Path(out).absolute()
+        self.given = Path(out)
+        self.out = self.given.resolve()  # a symlink to a directory: replace the directory, keep the link
         self.names, self.marker = set(names) | {LOCK_FILE}, names[0]
         self.prefix = f".{self.out.name}."
         self.staging = self.out.with_name(f"{self.prefix}partial-{os.getpid()}-{secrets.token_hex(4)}")
@@ -50,9 +52,9 @@ class OutputDir:
         self._created = self._committed = False
 
     def __enter__(self) -> OutputDir:
-        cwd, resolved = Path.cwd().resolve(), self.out.resolve()
-        if cwd == resolved or resolved in cwd.parents:
-            raise UserError(f"--out {self.out} is the current directory or holds it; data prepare replaces the "
+        cwd = Path.cwd().resolve()
+        if cwd == self.out or self.out in cwd.parents:
+            raise UserError(f"--out {self.given} is the current directory or holds it; data prepare replaces the "
                             "whole output directory, so give it a directory of its own, e.g. --out data/")
         try:
             self._created = not self.out.exists()
@@ -64,7 +66,7 @@ class OutputDir:
             self.staging.mkdir()
         except OSError as exc:
             self.__exit__()
-            raise _cannot_write(self.out, exc) from None
+            raise _cannot_write(self.given, exc) from None
         except BaseException:
             self.__exit__()
             raise
@@ -86,7 +88,7 @@ class OutputDir:
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
-                raise UserError(f"--out {self.out}: another `zerollm data prepare` (pid {holder}) is writing "
+                raise UserError(f"--out {self.given}: another `zerollm data prepare` (pid {holder}) is writing "
                                 "there; wait for it to finish or choose another --out") from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.out / LOCK_FILE).st_ino
@@ -111,8 +113,8 @@ class OutputDir:
             foreign = entries
         if foreign:
             shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-            raise UserError(f"--out {self.out} holds {shown}, which data prepare did not write; it replaces its whole "
-                            "output directory, so give it a new or empty directory (or one it wrote before)")
+            raise UserError(f"--out {self.given} holds {shown}, which data prepare did not write; it replaces its "
+                            "whole output directory, so give it a new or empty directory (or one it wrote before)")
 
     def _remove_leftovers(self) -> None:
         for entry in self.out.parent.glob(f"{self.prefix}*"):
@@ -126,15 +128,15 @@ class OutputDir:
             os.link(self.out / LOCK_FILE, self.staging / LOCK_FILE)
             os.rename(self.out, old)
         except OSError as exc:
-            raise _cannot_write(self.out, exc) from None
+            raise _cannot_write(self.given, exc) from None
         try:
             os.rename(self.staging, self.out)
         except OSError as exc:
             with contextlib.suppress(OSError):  # fails only if another run created OUT meanwhile; it replaces it
                 os.rename(old, self.out)
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                raise UserError(f"--out {self.out}: another `zerollm data prepare` started writing there while this "
+                raise UserError(f"--out {self.given}: another `zerollm data prepare` started writing there while this "
                                 "one finished; nothing of this run was kept") from None
-            raise _cannot_write(self.out, exc) from None
+            raise _cannot_write(self.given, exc) from None
         self._committed = True
         shutil.rmtree(old, ignore_errors=True)
