@@ -32,7 +32,7 @@ def data_sources(*parts: str) -> list[Path]:
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """`zerollm ARGS` in a fresh interpreter, output captured as text."""
     return subprocess.run([sys.executable, "-m", "llm", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
+                          cwd=cwd, timeout=timeout, check=False)
 
 
 @pytest.fixture(scope="session")

@@ -62,10 +62,10 @@ def test_documented_handling_of_bad_conversations(tokenizer_dir, tmp_path):
                      show_progress=False)
     assert report.documents["train"] == 3
     assert report.skipped == [f"{path}:2: no assistant reply", f"{path}:3: empty assistant reply",
-                              f"{path}:4: unknown role 'wizard'; expected one of system, user, human, assistant, gpt, "
-                              "bot, tool, observation, function, function_call",
-                              f"{path}:7: not a conversation (keys: text); expected 'conversations', 'messages' or "
-                              "'instruction'/'output'",
+                              (f"{path}:4: unknown role 'wizard'; expected one of system, user, human, assistant, "
+                               "gpt, bot, tool, observation, function, function_call"),
+                              (f"{path}:7: not a conversation (keys: text); expected 'conversations', 'messages' or "
+                               "'instruction'/'output'"),
                               f"{path}:8: user turn carries reasoning_content; only assistant turns may",
                               f"{path}:9: tool call has no 'name' string"]
     strict = run_cli("data", "prepare", "--kind", "sft", "--input", path, "--tokenizer", tokenizer_dir, "--out",

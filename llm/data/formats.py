@@ -111,18 +111,16 @@ def message(turn: Any) -> Message:
     role = ROLE_ALIASES[raw_role]
     calls = _tool_calls(turn, raw_role)
     out: Message = {"role": role, "content": "" if raw_role == "function_call" else _content(turn, role)}
-    reasoning = turn.get("reasoning_content")
-    if reasoning is not None:
-        out["reasoning_content"] = _require_text(reasoning, "'reasoning_content'")
-    if calls:
-        out["tool_calls"] = calls
+    reasoning = _require_text(turn.get("reasoning_content") or "", "'reasoning_content'")
     if role != "assistant" and (calls or reasoning):
         raise RecordError(f"{role} turn carries {'tool_calls' if calls else 'reasoning_content'}; only assistant "
                           "turns may")
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    if calls:
+        out["tool_calls"] = calls
     if role == "tool" and isinstance(turn.get("name"), str):
         out["name"] = turn["name"]
-    if not out.get("reasoning_content"):
-        out.pop("reasoning_content", None)
     return out
 
 

@@ -51,7 +51,7 @@ class OutputDir:
         self._lock_fd: int | None = None
         self._created = self._committed = False
 
-    def __enter__(self) -> OutputDir:
+    def __enter__(self):
         cwd = Path.cwd().resolve()
         if cwd == self.out or self.out in cwd.parents:
             raise UserError(f"--out {self.given} is the current directory or holds it; data prepare replaces the "

@@ -42,6 +42,8 @@ PIECE_CHARS = 1 << 15
 holds about 170 bytes per character of one `encode` call), so a long document is cut into pieces of this size."""
 DEFAULT_MAX_RECORD_MB = 64.0
 ROWS_PER_BATCH = 256
+TABLE_ERRORS = (OSError, ValueError, KeyError, TypeError, NotImplementedError)
+"""What pyarrow and datasets raise for a damaged or foreign file (their Arrow* errors derive from these)."""
 INSTALL_DATASETS = "pip install 'zerollm[datasets]'"
 
 
@@ -189,7 +191,7 @@ def _check_table_file(path: Path) -> None:
             pa.parquet.read_schema(path)
         else:
             next(_arrow_batches(pa, path), None)
-    except Exception as exc:  # pyarrow raises several types for a damaged or foreign file
+    except TABLE_ERRORS as exc:
         raise UserError(f"{path}: cannot read it as {_format(path)[1:].capitalize()} "
                         f"({type(exc).__name__}: {exc})") from None
 
@@ -466,7 +468,7 @@ def _table_items(path: Path, kind: str) -> Iterator[Item]:
             yield Item(str(path), number, _without_nulls(row), unit="row")
     except UserError:
         raise
-    except Exception as exc:  # pyarrow and datasets raise many types for a damaged or foreign file
+    except TABLE_ERRORS as exc:
         what = {".parquet": "Parquet", ".arrow": "Arrow", "hf": "a datasets directory"}[kind]
         raise UserError(f"{path}: cannot read it as {what} after row {number} ({type(exc).__name__}: {exc})") from None
 
