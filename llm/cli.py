@@ -54,6 +54,9 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--seq-len", type=int, default=512,
                    help="sft/dpo: longest sample in predicted positions; longer conversations are cut at a turn "
                         "boundary, longer pairs truncated (default 512)")
+    d.add_argument("--max-record-mb", type=float, default=64.0,
+                   help="largest JSON record read whole, in millions of characters; larger ones are skipped and "
+                        "reported (.txt documents of any length are streamed in pieces; default 64)")
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -259,7 +262,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     from llm.data.prepare import prepare
 
     report = prepare(args.kind, args.input, args.tokenizer, args.out, val_fraction=args.val_fraction,
-                     workers=args.workers, strict=args.strict, seed=args.seed, seq_len=args.seq_len)
+                     workers=args.workers, strict=args.strict, seed=args.seed, seq_len=args.seq_len,
+                     max_record_mb=args.max_record_mb)
     print(report.summary())
     print(f"written to {args.out}")
     return 0

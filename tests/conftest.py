@@ -1,4 +1,9 @@
-"""Shared fixtures: a small tokenizer and prepared data built once per session, and a CLI runner."""
+"""Shared fixtures: a small tokenizer and prepared data built once per session, and a CLI runner.
+
+Test corpora are the committed files under tests/fixtures/ (written for this project, see its README), so the
+suite needs nothing beside the repository. When the project's shared data directory sits beside the
+repository (../shared/data), `data_sources` adds it for extra coverage.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -18,25 +24,23 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def shared(*parts: str) -> Path:
-    path = SHARED_DATA.joinpath(*parts)
-    if not path.exists():
-        pytest.skip(f"shared test data not found at {path}")
-    return path
+def data_sources(*parts: str) -> list[Path]:
+    """tests/fixtures/PARTS, then ../shared/data/PARTS when that exists."""
+    return [root.joinpath(*parts) for root in (FIXTURES, SHARED_DATA) if root.joinpath(*parts).exists()]
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """`zerollm ARGS` in a fresh interpreter, output captured as text."""
     return subprocess.run([sys.executable, "-m", "llm", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
+                          cwd=cwd, timeout=timeout, check=False)
 
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """A 512-token tokenizer trained on English and Chinese shared text."""
+    """A 512-token tokenizer trained on the English and Chinese fixture stories."""
     out = tmp_path_factory.mktemp("tokenizer")
-    result = run_cli("tokenizer", "train", "--input", shared("pretrain", "en_tinyshakespeare.txt"),
-                     shared("pretrain", "fortunes_zh_song100.jsonl"), "--vocab-size", 512, "--out", out)
+    result = run_cli("tokenizer", "train", "--input", FIXTURES / "pretrain" / "en_stories.txt",
+                     FIXTURES / "pretrain" / "zh_stories.txt", "--vocab-size", 512, "--out", out)
     assert result.returncode == 0, result.stderr
     return out
 
@@ -44,7 +48,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def pretrain_data(tokenizer_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data")
-    result = run_cli("data", "prepare", "--input", shared("pretrain", "en_tinyshakespeare.txt"),
+    result = run_cli("data", "prepare", "--input", FIXTURES / "pretrain" / "en_stories.txt",
                      "--tokenizer", tokenizer_dir, "--out", out, "--val-fraction", 0.05, "--workers", 2)
     assert result.returncode == 0, result.stderr
     return out

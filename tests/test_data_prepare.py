@@ -1,13 +1,30 @@
-import json
+"""data prepare: input files and formats, skipped records, the output directory, bounded memory."""
 
+import errno
+import gzip
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import datasets
 import h5py
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from conftest import FIXTURES, SHARED_DATA, data_sources, run_cli
 
-from conftest import run_cli, shared
+from llm.cli import main
+from llm.data.datasets import read_data_attrs
 from llm.data.formats import read_items
-from llm.data.prepare import prepare
-from llm.tokenizer import Tokenizer
+from llm.data.output import OutputDir
+from llm.data.prepare import OUTPUT_NAMES, prepare
+from llm.data.readers import PIECE_CHARS, Item, expand_inputs, split_text
+from llm.errors import UserError
+from llm.tokenizer import Tokenizer, train_tokenizer
 
 
 def _tokens(out, split="train"):
@@ -15,41 +32,101 @@ def _tokens(out, split="train"):
         return h5[split]["tokens"][:], h5[split]["doc_offsets"][:], dict(h5.attrs)
 
 
-def test_every_shared_pretrain_file_prepares(tokenizer_dir, tmp_path):
-    source = shared("pretrain")
-    report = prepare("pretrain", [str(source)], tokenizer_dir, tmp_path, val_fraction=0.01, workers=2, show_progress=False)
+def _documents(out, tokenizer_dir):
+    tokens, offsets, _ = _tokens(out)
+    tok = Tokenizer.load(tokenizer_dir)
+    return [tok.decode(tokens[a:b - 1]) for a, b in itertools.pairwise(offsets)]
+
+
+def _quiet(kind, inputs, tokenizer_dir, out, **options):
+    options = {"val_fraction": 0.0, "workers": 1, **options}
+    return prepare(kind, [str(p) for p in inputs], tokenizer_dir, out, show_progress=False, **options)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n".join(f"document number {i}, with a few words" for i in range(30)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory):
+    out = tmp_path_factory.mktemp("other_tokenizer")
+    texts = [f"another corpus, document {i}" for i in range(300)]
+    train_tokenizer(texts, 300, out, show_progress=False)
+    return out
+
+
+# ---- files and records ---------------------------------------------------------------------------------
+
+def _origin(path) -> str:
+    return "fixtures" if FIXTURES in path.parents else "shared"
+
+
+@pytest.mark.parametrize("source", data_sources("pretrain"), ids=_origin)
+def test_every_pretrain_file_prepares(tokenizer_dir, tmp_path, source):
+    report = prepare("pretrain", [str(source)], tokenizer_dir, tmp_path / "out", val_fraction=0.01, workers=2,
+                     show_progress=False)
     files = sorted(p for p in source.rglob("*") if p.suffix in (".txt", ".jsonl", ".json"))
-    assert len(files) >= 8 and set(report.files) == {str(p) for p in files}
+    assert len(files) >= 5 and set(report.files) == {str(p) for p in files}
     assert all(count > 0 for count in report.files.values()), report.files
     assert report.skipped == []
     tok = Tokenizer.load(tokenizer_dir)
-    tokens, offsets, attrs = _tokens(tmp_path)
+    tokens, offsets, attrs = _tokens(tmp_path / "out")
     assert tokens.dtype == np.uint16 and offsets[-1] == len(tokens) == report.tokens["train"]
     assert len(offsets) - 1 == report.documents["train"]
     assert (tokens[offsets[1:] - 1] == tok.eos_id).all()  # end-of-text closes every document
     assert attrs["tokenizer_hash"] == tok.hash and attrs["vocab_size"] == 512 and attrs["kind"] == "pretrain"
     assert report.documents["val"] > 0
-    assert (tmp_path / "tokenizer" / "tokenizer.json").is_file()
-    assert json.loads((tmp_path / "report.json").read_text())["tokens"] == report.tokens
+    assert (tmp_path / "out" / "tokenizer" / "tokenizer.json").is_file()
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["tokens"] == report.tokens
 
 
-def test_documents_decode_back_to_their_text_in_order(tokenizer_dir, tmp_path):
-    path = shared("pretrain", "fortunes_zh_chinese.jsonl")
-    prepare("pretrain", [str(path)], tokenizer_dir, tmp_path, val_fraction=0.0, workers=2, show_progress=False)
-    tokens, offsets, _ = _tokens(tmp_path)
-    tok = Tokenizer.load(tokenizer_dir)
+ZH_JSONL = [path for path in (FIXTURES / "pretrain" / "zh_sayings.jsonl",
+                              SHARED_DATA / "pretrain" / "fortunes_zh_chinese.jsonl") if path.exists()]
+
+
+@pytest.mark.parametrize("path", ZH_JSONL, ids=lambda p: p.name)
+def test_documents_decode_back_to_their_text_in_order(tokenizer_dir, tmp_path, path):
+    _quiet("pretrain", [path], tokenizer_dir, tmp_path / "out", workers=2)
     texts = [item.value["text"] for item, _ in zip(read_items(path), range(50))]
-    decoded = [tok.decode(tokens[offsets[i]:offsets[i + 1] - 1]) for i in range(50)]
-    assert decoded == texts
+    assert _documents(tmp_path / "out", tokenizer_dir)[:50] == texts
 
 
 def test_txt_blocks_and_json_arrays_with_line_numbers(tokenizer_dir, tmp_path):
     (tmp_path / "a.txt").write_text("first doc\nline two\n\n\nsecond doc\n")
     (tmp_path / "b.json").write_text('[\n {"text": "one"},\n {"wrong": 1},\n\n {"text": "three"}\n]\n')
-    report = prepare("pretrain", [str(tmp_path / "a.txt"), str(tmp_path / "b.json")], tokenizer_dir, tmp_path / "out",
-                              val_fraction=0.0, workers=1, show_progress=False)
+    report = _quiet("pretrain", [tmp_path / "a.txt", tmp_path / "b.json"], tokenizer_dir, tmp_path / "out")
     assert report.documents["train"] == 4
-    assert report.skipped == [f"{tmp_path / 'b.json'}:3: no text field (keys: wrong); expected 'text', 'conversations' or 'instruction'/'output'"]
+    assert report.skipped == [(f"{tmp_path / 'b.json'}:3: no text field (keys: wrong); expected 'text', "
+                               "'conversations' or 'instruction'/'output'")]
+    assert _documents(tmp_path / "out", tokenizer_dir) == ["first doc\nline two", "second doc", "one", "three"]
+
+
+def test_bom_and_crlf_never_reach_the_documents(tokenizer_dir, tmp_path):
+    bom = "\ufeff".encode()
+    (tmp_path / "a.txt").write_bytes(bom + b"first line\r\nsame doc\r\n\r\nsecond doc\r\n")
+    (tmp_path / "b.jsonl").write_bytes(bom + b'{"text": "one"}\r\n{"text": "two"}\r\n')
+    (tmp_path / "c.json").write_bytes(bom + b'[{"text": "three"},\r\n "four"]\r\n')
+    report = _quiet("pretrain", sorted(tmp_path.glob("*.*")), tokenizer_dir, tmp_path / "out")
+    assert report.skipped == []
+    assert _documents(tmp_path / "out", tokenizer_dir) == ["first line\nsame doc", "second doc", "one", "two",
+                                                           "three", "four"]
+
+
+def test_json_is_read_element_by_element_with_errors_at_their_line(tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text('[\n  {"text": "one"},\n  2.5,\n  "three"\n]\n')
+    assert [(i.line, i.value) for i in read_items(path)] == [(2, {"text": "one"}), (3, 2.5), (4, "three")]
+    path.write_text('{"text": "one object"}')
+    assert [(i.line, i.value) for i in read_items(path)] == [(1, {"text": "one object"})]
+    for text, line, message in (('[\n {"text": "one"},\n {"text": }\n]', 3, "invalid JSON"),
+                                ('[\n {"text": "one"}\n {"text": "two"}\n]', 3, "expected ',' or ']'"),
+                                ('[\n 1\n]\n]', 4, "extra data")):
+        path.write_text(text)
+        with pytest.raises(UserError, match=f"a.json:{line}: {message}"):
+            list(read_items(path))
 
 
 @pytest.fixture
@@ -64,8 +141,10 @@ def bad_inputs(tmp_path):
     binary.write_bytes(bytes(range(256)) * 4)
     empty = tmp_path / "empty.txt"
     empty.write_text("")
+    damaged = tmp_path / "damaged.parquet"
+    damaged.write_bytes(b"PAR1 not really")
     return {"good": good, "malformed": malformed, "wrong_field": wrong_field, "binary": binary, "empty": empty,
-            "unknown": tmp_path / "x.parquet", "missing": tmp_path / "missing.jsonl"}
+            "damaged": damaged, "unknown": tmp_path / "x.csv", "missing": tmp_path / "missing.jsonl"}
 
 
 def _prepare(tokenizer_dir, out, *inputs, strict=False):
@@ -86,7 +165,8 @@ def test_strict_makes_a_malformed_record_fatal_and_writes_nothing(tokenizer_dir,
     result = _prepare(tokenizer_dir, tmp_path / "out", bad_inputs["good"], bad_inputs["malformed"], strict=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"{bad_inputs['malformed']}:2: malformed JSON" in result.stderr
-    assert not any((tmp_path / "out").glob("*tokens.h5*"))
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in bad_inputs.values() if p.exists())
 
 
 def test_wrong_field_is_skipped_with_reason(tokenizer_dir, bad_inputs, tmp_path):
@@ -101,6 +181,7 @@ def test_wrong_field_is_skipped_with_reason(tokenizer_dir, bad_inputs, tmp_path)
     ("empty", "no usable records found"),
     ("missing", "no such file or directory"),
     ("unknown", "unknown format"),
+    ("damaged", "cannot read it as Parquet"),
 ])
 def test_unusable_input_is_one_line_error_exit_2_nothing_written(tokenizer_dir, bad_inputs, tmp_path, case, message):
     if case == "unknown":
@@ -112,7 +193,7 @@ def test_unusable_input_is_one_line_error_exit_2_nothing_written(tokenizer_dir, 
     assert case == "empty" or str(bad_inputs[case]) in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error")]
     assert len(errors) == 1 and result.stderr.strip().endswith(errors[0]) and "Traceback" not in result.stderr
-    assert not any(out.glob("*tokens.h5*"))
+    assert not out.exists()
 
 
 def test_empty_file_beside_good_ones_is_reported(tokenizer_dir, bad_inputs, tmp_path):
@@ -122,6 +203,250 @@ def test_empty_file_beside_good_ones_is_reported(tokenizer_dir, bad_inputs, tmp_
 
 
 def test_tiny_corpus_still_gets_a_validation_document(tokenizer_dir, bad_inputs, tmp_path):
-    report = prepare("pretrain", [str(bad_inputs["good"])], tokenizer_dir, tmp_path / "out", val_fraction=0.01,
-                              workers=1, show_progress=False)
+    report = _quiet("pretrain", [bad_inputs["good"]], tokenizer_dir, tmp_path / "out", val_fraction=0.01)
     assert report.documents == {"train": 19, "val": 1}
+    _, offsets, _ = _tokens(tmp_path / "out", "val")
+    assert offsets[-1] == report.tokens["val"] and len(offsets) == 2
+
+
+# ---- other input formats -----------------------------------------------------------------------------------
+
+def _write_every_format(records: list, folder) -> dict:
+    """The same records as .jsonl, .jsonl.gz, Parquet, Arrow (IPC file and stream) and a save_to_disk directory."""
+    folder.mkdir()
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    paths = {"jsonl": folder / "r.jsonl", "gz": folder / "r.jsonl.gz", "parquet": folder / "r.parquet",
+             "arrow_file": folder / "file.arrow", "arrow_stream": folder / "stream.arrow", "hf": folder / "hf"}
+    paths["jsonl"].write_text(text)
+    with gzip.open(paths["gz"], "wt", encoding="utf-8") as f:
+        f.write(text)
+    table = pa.Table.from_pylist(records)
+    pq.write_table(table, paths["parquet"], row_group_size=50)
+    for key, new in (("arrow_file", pa.ipc.new_file), ("arrow_stream", pa.ipc.new_stream)):
+        with pa.OSFile(str(paths[key]), "wb") as sink, new(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=70)
+    datasets.Dataset.from_list(records).save_to_disk(str(paths["hf"]))
+    return paths
+
+
+@pytest.mark.parametrize("kind, fixture", [("pretrain", "pretrain/en_notes.jsonl"), ("sft", "sft/messages_zh.jsonl"),
+                                           ("dpo", "dpo/trl_pairs.jsonl")])
+def test_parquet_arrow_gz_and_save_to_disk_give_the_same_tokens_as_jsonl(tokenizer_dir, tmp_path, kind, fixture):
+    records = [json.loads(line) for line in (FIXTURES / fixture).read_text().splitlines()]
+    paths = _write_every_format(records, tmp_path / "inputs")
+    reference = None
+    for name, path in paths.items():
+        report = _quiet(kind, [path], tokenizer_dir, tmp_path / name)
+        assert report.skipped == [] and report.documents["train"] == len(records), name
+        with h5py.File(tmp_path / name / "tokens.h5") as h5:
+            arrays = {key: h5["train"][key][:].tolist() for key in h5["train"]}
+        reference = reference or (report.tokens, arrays)
+        assert (report.tokens, arrays) == reference, name
+
+
+def test_tokenizer_train_reads_the_same_texts_from_any_format(tmp_path):
+    records = [json.loads(line) for line in (FIXTURES / "pretrain" / "en_notes.jsonl").read_text().splitlines()]
+    paths = _write_every_format(records, tmp_path / "inputs")
+    hashes = set()
+    for name in ("jsonl", "parquet", "hf"):
+        result = run_cli("tokenizer", "train", "--input", paths[name], "--vocab-size", 300, "--out", tmp_path / name)
+        assert result.returncode == 0, result.stderr
+        hashes.add(Tokenizer.load(tmp_path / name).hash)
+    assert len(hashes) == 1
+
+
+def test_dataset_dict_directories_read_every_split_and_report_rows(tokenizer_dir, tmp_path):
+    splits = {"train": [{"text": "one"}, {"text": ""}, {"text": "two"}], "test": [{"text": "three"}]}
+    dataset_dict = datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()})
+    dataset_dict.save_to_disk(str(tmp_path / "hf"))
+    pq.write_table(pa.Table.from_pylist([{"text": "four"}, {"other": "x"}]), tmp_path / "more.parquet")
+    report = _quiet("pretrain", [tmp_path / "hf", tmp_path / "more.parquet"], tokenizer_dir, tmp_path / "out")
+    assert report.skipped == [f"{tmp_path / 'hf' / 'train'}:row 2: empty text",
+                              (f"{tmp_path / 'more.parquet'}:row 2: no text field (keys: none); expected 'text', "
+                               "'conversations' or 'instruction'/'output'")]
+    assert _documents(tmp_path / "out", tokenizer_dir) == ["one", "two", "three", "four"]
+    walked = expand_inputs([tmp_path], exclude=tmp_path / "out")  # a folder walk finds the splits and the file
+    assert walked == [tmp_path / "hf" / "test", tmp_path / "hf" / "train", tmp_path / "more.parquet"]
+
+
+def test_a_missing_datasets_package_is_a_one_line_error(tmp_path, monkeypatch):
+    pq.write_table(pa.Table.from_pylist([{"text": "one"}]), tmp_path / "a.parquet")
+    datasets.Dataset.from_list([{"text": "one"}]).save_to_disk(str(tmp_path / "hf"))
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(UserError, match=r"a.parquet: reading Parquet/Arrow files needs pyarrow; install it with "
+                                        r"pip install 'zerollm\[datasets\]'"):
+        expand_inputs([tmp_path / "a.parquet"])
+    with pytest.raises(UserError, match=r"hf: reading a save_to_disk directory needs the datasets package"):
+        list(read_items(tmp_path / "hf"))
+
+
+# ---- the output directory --------------------------------------------------------------------------------
+
+def test_out_inside_the_input_directory_is_never_read_back(tokenizer_dir, tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("one document\n\nanother one\n")
+    for _ in range(2):
+        report = _quiet("pretrain", [folder], tokenizer_dir, folder / "data")
+        assert set(report.files) == {str(folder / "a.txt")} and report.documents["train"] == 2
+    with pytest.raises(UserError, match="is inside the output directory"):
+        _quiet("pretrain", [folder / "data" / "report.json"], tokenizer_dir, folder / "data")
+
+
+def test_out_holding_files_of_its_own_is_refused_and_left_intact(tokenizer_dir, corpus, tmp_path):
+    mine = tmp_path / "mine"
+    (mine / "tokenizer").mkdir(parents=True)
+    (mine / "tokenizer" / "notes.txt").write_text("keep me")
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("x: 1\n")
+    for out, named in ((mine, "tokenizer"), (run_dir, "checkpoints, config.yaml")):
+        result = _prepare(tokenizer_dir, out, corpus)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert f"holds {named}, which data prepare did not write" in result.stderr
+    assert (mine / "tokenizer" / "notes.txt").read_text() == "keep me"
+    assert sorted(os.listdir(run_dir)) == ["checkpoints", "config.yaml"]
+
+
+def test_preparing_again_replaces_the_whole_earlier_output(tokenizer_dir, other_tokenizer, corpus, tmp_path):
+    out = tmp_path / "out"
+    _quiet("pretrain", [corpus], tokenizer_dir, out)
+    (out / "tokenizer" / "stale.json").write_text("{}")  # anything of the old output goes with it
+    _quiet("pretrain", [corpus], other_tokenizer, out)
+    assert read_data_attrs(out, "pretrain")["tokenizer_hash"] == Tokenizer.load(other_tokenizer).hash
+    assert not (out / "tokenizer" / "stale.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "out"]  # no staging or set-aside copy left
+    (tmp_path / "link").symlink_to(out)  # through a symlink: the directory is replaced, the link kept
+    _quiet("pretrain", [corpus], tokenizer_dir, tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and read_data_attrs(out, "pretrain")["tokenizer_hash"] == \
+        Tokenizer.load(tokenizer_dir).hash
+
+
+def test_a_second_prepare_into_a_locked_out_is_refused(tokenizer_dir, corpus, tmp_path):
+    out = tmp_path / "out"
+    with OutputDir(out, OUTPUT_NAMES) as first:
+        (first.staging / "tokens.h5").write_text("being written")
+        result = _prepare(tokenizer_dir, out, corpus)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert (f"--out {out}: another `zerollm data prepare` (pid {os.getpid()}) is writing there; wait for it to "
+                "finish or choose another --out") in result.stderr
+        assert (first.staging / "tokens.h5").read_text() == "being written"
+        assert OutputDir(out, OUTPUT_NAMES).staging != first.staging  # temporary names are unique
+    assert _prepare(tokenizer_dir, out, corpus).returncode == 0  # the lock goes with its holder
+
+
+def test_an_interrupted_prepare_leaves_the_previous_output_whole(tokenizer_dir, other_tokenizer, corpus, tmp_path,
+                                                                 monkeypatch):
+    out = tmp_path / "out"
+    _quiet("pretrain", [corpus], tokenizer_dir, out)
+    before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def interrupted(self, directory):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Tokenizer, "save", interrupted)  # killed after the tokens, before the tokenizer copy
+    with pytest.raises(KeyboardInterrupt):
+        _quiet("pretrain", [corpus], other_tokenizer, out)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert read_data_attrs(out, "pretrain")["tokenizer_hash"] == Tokenizer.load(tokenizer_dir).hash
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "out"]
+
+
+def test_training_refuses_a_tokenizer_copy_that_does_not_match_the_tokens(tokenizer_dir, other_tokenizer, corpus,
+                                                                           tmp_path):
+    out = tmp_path / "out"
+    _quiet("pretrain", [corpus], tokenizer_dir, out)
+    shutil.rmtree(out / "tokenizer")
+    shutil.copytree(other_tokenizer, out / "tokenizer")
+    with pytest.raises(UserError) as error:
+        read_data_attrs(out, "pretrain")
+    ours, theirs = Tokenizer.load(tokenizer_dir).hash, Tokenizer.load(other_tokenizer).hash
+    assert f"(hash {theirs}) is not the tokenizer" in str(error.value) and f"(hash {ours})" in str(error.value)
+
+
+def test_unwritable_out_is_a_one_line_error(tokenizer_dir, corpus, tmp_path, monkeypatch, capsys):
+    blocked = tmp_path / "corpus.txt" / "out"  # a file where a directory should be
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *args, **kwargs):  # a read-only file system (as root, permissions would not stop writes)
+        if str(path).startswith(str(read_only)):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    for out, reason in ((blocked, "Not a directory"), (read_only / "out", "Read-only file system")):
+        with pytest.raises(SystemExit) as exit_code:
+            main(["data", "prepare", "--input", str(corpus), "--tokenizer", str(tokenizer_dir), "--out", str(out)])
+        assert exit_code.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"zerollm: error: --out {out}: cannot write there ({reason}); data prepare needs to write in it and "
+            "beside it (in its parent directory)")
+
+
+# ---- bounded memory ----------------------------------------------------------------------------------------
+
+def _long_text() -> str:
+    english = (FIXTURES / "pretrain" / "en_stories.txt").read_text()[:60_000].replace("\n", " ")
+    chinese = (FIXTURES / "pretrain" / "zh_stories.txt").read_text()[:40_000].replace("\n", "")
+    return english + chinese  # Chinese has no spaces: cut after punctuation
+
+
+def test_a_long_document_is_tokenized_in_pieces_that_add_up_exactly(tokenizer_dir, tmp_path):
+    text = _long_text()
+    (tmp_path / "long.txt").write_text(text + "\n")
+    items = list(read_items(tmp_path / "long.txt"))
+    assert len(items) >= 3 and [i.piece for i in items] == list(range(len(items)))
+    assert [i.last for i in items] == [False] * (len(items) - 1) + [True]
+    assert max(len(i.value) for i in items) <= PIECE_CHARS and "".join(i.value for i in items) == text
+    _quiet("pretrain", [tmp_path / "long.txt"], tokenizer_dir, tmp_path / "out")
+    tokens, offsets, _ = _tokens(tmp_path / "out")
+    tok = Tokenizer.load(tokenizer_dir)
+    assert tokens.tolist() == tok.encode(text) + [tok.eos_id] and offsets.tolist() == [0, len(tokens)]
+
+
+@pytest.mark.parametrize("limit", [40, 300, 5000])
+def test_pieces_tokenize_as_the_whole_text(tokenizer_dir, limit):
+    tok = Tokenizer.load(tokenizer_dir)
+    text = _long_text()[:9000] + " don't stop_here... 'quoted'  3.14 x\t\ty\n\nz " + _long_text()[-3000:]
+    pieces = [item.value for item in split_text(Item("t", 1, None), text, limit)]
+    assert "".join(pieces) == text and max(map(len, pieces)) <= limit
+    assert [t for p in pieces for t in tok.encode(p)] == tok.encode(text)
+    pieces = [item.value for item in split_text(Item("t", 1, None), "x" * 1000, limit)]  # no place to cut well
+    assert "".join(pieces) == "x" * 1000 and max(map(len, pieces)) <= limit
+
+
+def _peak_rss_mb(tokenizer_dir, folder, n_chars: int) -> float:
+    """Peak resident memory of `data prepare --workers 1` on a one-line file of `n_chars` characters."""
+    unit = (FIXTURES / "pretrain" / "en_stories.txt").read_text().replace("\n", " ")
+    path = folder / f"line{n_chars}.txt"
+    path.write_text((unit * (n_chars // len(unit) + 1))[:n_chars])
+    code = ("import resource, sys\nfrom llm.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    assert e.code == 0, e.code\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    result = subprocess.run([sys.executable, "-c", code, "data", "prepare", "--input", str(path), "--tokenizer",
+                             str(tokenizer_dir), "--out", str(folder / f"out{n_chars}"), "--workers", "1"],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return int(result.stdout.split()[-1]) / 1024
+
+
+def test_memory_does_not_grow_with_the_length_of_one_line(tokenizer_dir, tmp_path):
+    small, large = _peak_rss_mb(tokenizer_dir, tmp_path, 1_000_000), _peak_rss_mb(tokenizer_dir, tmp_path, 6_000_000)
+    assert large - small < 60, (small, large)  # reading the line whole took ~135 bytes a character: +650 MB
+
+
+def test_json_records_over_the_limit_are_skipped_or_refused_without_reading_them_whole(tokenizer_dir, tmp_path):
+    big = {"text": "many words " * 3000}
+    path = tmp_path / "big.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in ({"text": "short"}, big, {"text": "after"})) + "\n")
+    report = _quiet("pretrain", [path], tokenizer_dir, tmp_path / "out", max_record_mb=0.01)
+    size = len(json.dumps(big)) + 1
+    assert report.documents["train"] == 2 and report.skipped == [
+        (f"{path}:2: record of {size:,} characters is over --max-record-mb 0.01; raise it, or put long documents "
+         "in .txt files, which are streamed")]
+    (tmp_path / "big.json").write_text(json.dumps([{"text": "short"}, big]))
+    with pytest.raises(UserError, match="big.json:1: a value longer than --max-record-mb 0.01"):
+        _quiet("pretrain", [tmp_path / "big.json"], tokenizer_dir, tmp_path / "out2", max_record_mb=0.01)

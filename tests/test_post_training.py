@@ -1,4 +1,5 @@
-"""SFT and DPO: data shapes, loss masks, packing, training on 2 ranks, exact resume, the pretrain -> SFT -> DPO chain."""
+"""SFT and DPO: data shapes, loss masks, packing, training on 2 ranks, exact resume, the pretrain -> SFT -> DPO
+chain."""
 
 import json
 import math
@@ -10,12 +11,13 @@ import time
 
 import pytest
 import torch
+from conftest import FIXTURES, data_sources, run_cli, train_args
 
-from conftest import run_cli, shared, train_args
 from llm.config import ModelConfig
 from llm.data.datasets import PackedConversations, PreferencePairs
-from llm.data.formats import RecordError, conversation, preference
+from llm.data.formats import RecordError, conversation, preference, pretrain_text
 from llm.data.prepare import encode_sft, prepare
+from llm.errors import UserError
 from llm.loading import consolidated_weights
 from llm.model import Transformer, masked_cross_entropy
 from llm.tokenizer import Tokenizer
@@ -27,15 +29,17 @@ def _metrics(run):
 
 # ---- data -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind, folder", [("sft", "sft"), ("dpo", "dpo")])
-def test_every_shared_file_prepares(tokenizer_dir, tmp_path, kind, folder):
-    files = sorted(p for p in shared(folder).iterdir() if p.suffix in (".json", ".jsonl"))
-    assert len(files) >= 2
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_every_file_of_every_shape_prepares(tokenizer_dir, tmp_path, kind):
+    files = sorted(p for source in data_sources(kind) for p in source.iterdir() if p.suffix in (".json", ".jsonl"))
+    assert len(files) >= (4 if kind == "sft" else 6)
     for path in files:
         report = prepare(kind, [str(path)], tokenizer_dir, tmp_path / path.stem, seq_len=1024, workers=2,
                          show_progress=False)
         assert report.documents["train"] + report.documents["val"] > 0, path
         assert all(s.startswith(f"{path}:") for s in report.skipped)
+        if FIXTURES in path.parents:
+            assert report.skipped == [], report.skipped
 
 
 def test_documented_handling_of_bad_conversations(tokenizer_dir, tmp_path):
@@ -47,6 +51,10 @@ def test_documented_handling_of_bad_conversations(tokenizer_dir, tmp_path):
         {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
         {"instruction": "add", "input": "1 and 2", "output": "3"},
         {"text": "not a conversation"},
+        {"conversations": [{"role": "user", "content": "q", "reasoning_content": "hm"},
+                           {"role": "assistant", "content": "a"}]},
+        {"conversations": [{"role": "user", "content": "q"},
+                           {"role": "assistant", "content": "", "tool_calls": [{"arguments": {}}]}]},
     ]
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
@@ -54,25 +62,113 @@ def test_documented_handling_of_bad_conversations(tokenizer_dir, tmp_path):
                      show_progress=False)
     assert report.documents["train"] == 3
     assert report.skipped == [f"{path}:2: no assistant reply", f"{path}:3: empty assistant reply",
-                              f"{path}:4: unknown role 'wizard'; expected one of system, user, human, assistant, gpt, bot",
-                              f"{path}:7: not a conversation (keys: text); expected 'conversations', 'messages' or "
-                              "'instruction'/'output'"]
+                              (f"{path}:4: unknown role 'wizard'; expected one of system, user, human, assistant, "
+                               "gpt, bot, tool, observation, function, function_call"),
+                              (f"{path}:7: not a conversation (keys: text); expected 'conversations', 'messages' or "
+                               "'instruction'/'output'"),
+                              f"{path}:8: user turn carries reasoning_content; only assistant turns may",
+                              f"{path}:9: tool call has no 'name' string"]
     strict = run_cli("data", "prepare", "--kind", "sft", "--input", path, "--tokenizer", tokenizer_dir, "--out",
                      tmp_path / "strict", "--strict")
     assert strict.returncode == 2 and f"{path}:2: no assistant reply" in strict.stderr
 
 
-def test_shapes_normalise_to_messages_and_pairs():
-    assert conversation({"instruction": "add", "input": "1 and 2", "output": "3", "system": "math"}) == [
-        {"role": "system", "content": "math"}, {"role": "user", "content": "add\n1 and 2"},
+def test_shapes_normalise_to_messages():
+    assert conversation({"instruction": "add", "input": "1 and 2", "output": "3", "system": "math",
+                         "history": [["2+2?", "4"]]}) == [
+        {"role": "system", "content": "math"}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"}, {"role": "user", "content": "add\n1 and 2"},
         {"role": "assistant", "content": "3"}]
-    prompt, chosen, rejected = preference({"conversations": [{"from": "human", "value": "q"}],
-                                           "chosen": {"from": "gpt", "value": "good"},
-                                           "rejected": {"from": "gpt", "value": "bad"}})
-    assert (prompt, chosen, rejected) == ([{"role": "user", "content": "q"}], "good", "bad")
-    assert preference({"prompt": "q", "chosen": "a", "rejected": "b"})[1:] == ("a", "b")
-    with pytest.raises(RecordError, match="end with a user turn"):
-        preference({"conversations": [{"role": "assistant", "content": "x"}], "chosen": "a", "rejected": "b"})
+    assert conversation({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi "},
+                                                                   {"type": "text", "text": "there"}]},
+                                      {"role": "assistant", "content": "hello"},
+                                      {"role": "user", "content": "a turn after the last reply"}]}) == [
+        {"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
+
+
+def test_tool_calls_tool_turns_and_reasoning_are_kept():
+    openai = {"messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "reasoning_content": "I should look it up.",
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "name": "weather", "content": "rain, 9 C"},
+        {"role": "assistant", "content": "It rains in Oslo.", "reasoning_content": ""}]}
+    canonical = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "reasoning_content": "I should look it up.",
+         "tool_calls": [{"name": "weather", "arguments": '{"city": "Oslo"}'}]},
+        {"role": "tool", "content": "rain, 9 C", "name": "weather"},
+        {"role": "assistant", "content": "It rains in Oslo."}]
+    assert conversation(openai) == canonical
+    sharegpt = {"conversations": [
+        {"from": "human", "value": "Weather in Oslo?"},
+        {"from": "function_call", "value": '{"name": "weather", "arguments": {"city": "Oslo"}}'},
+        {"from": "observation", "value": "rain, 9 C"},
+        {"from": "gpt", "value": "It rains in Oslo."}]}
+    assert conversation(sharegpt) == [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "weather", "arguments": {"city": "Oslo"}}]},
+        {"role": "tool", "content": "rain, 9 C"}, {"role": "assistant", "content": "It rains in Oslo."}]
+    minimind = {"conversations": [  # tool calls stored as JSON text, plain {name, arguments}
+        {"role": "user", "content": "2*3?"},
+        {"role": "assistant", "content": "", "tool_calls": '[{"name": "multiply", "arguments": {"a": 2, "b": 3}}]'},
+        {"role": "tool", "content": "6"}, {"role": "assistant", "content": "6"}]}
+    assert conversation(minimind)[1]["tool_calls"] == [{"name": "multiply", "arguments": {"a": 2, "b": 3}}]
+
+
+def test_sft_records_with_tools_and_reasoning_are_prepared_not_skipped(tokenizer_dir, tmp_path):
+    path = FIXTURES / "sft" / "openai_tools.jsonl"
+    report = prepare("sft", [str(path)], tokenizer_dir, tmp_path / "out", val_fraction=0.0, workers=1,
+                     show_progress=False)
+    assert report.skipped == [] and report.documents["train"] == len(path.read_text().splitlines())
+
+
+def test_every_dpo_shape_gives_the_same_pair():
+    question, good, bad = "What is 2 plus 2?", "4.", "5."
+    user, reply = {"role": "user", "content": question}, lambda text: {"role": "assistant", "content": text}
+    shapes = [
+        {"prompt": question, "chosen": good, "rejected": bad},
+        {"conversations": [{"from": "human", "value": question}], "chosen": {"from": "gpt", "value": good},
+         "rejected": {"from": "gpt", "value": bad}},
+        {"messages": [user], "chosen": good, "rejected": bad},
+        {"chosen": [user, reply(good)], "rejected": [user, reply(bad)]},  # MiniMind: no prompt key
+        {"prompt": [user], "chosen": [reply(good)], "rejected": [reply(bad)]},  # TRL conversational
+        {"prompt": [user], "chosen": [user, reply(good)], "rejected": [user, reply(bad)]},
+        {"instruction": question, "chosen": good, "rejected": bad},  # Alpaca-style
+        {"prompt": question, "chosen": {"content": good}, "rejected": {"content": bad}},
+    ]
+    for shape in shapes:
+        assert preference(shape) == ([user], reply(good), reply(bad)), shape
+
+
+def test_minimind_pairs_share_every_turn_before_the_last_reply():
+    system = {"role": "system", "content": "Be kind."}
+    turns = [system, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": "and now?"}]
+    good = {"role": "assistant", "content": "Now we talk.", "reasoning_content": "They want to chat."}
+    bad = {"role": "assistant", "content": "Go away."}
+    assert preference({"chosen": turns + [good], "rejected": turns + [bad]}) == (turns, good, bad)
+    for record, message in [
+        ({"chosen": turns + [good], "rejected": turns[:1] + [{"role": "user", "content": "other"}, bad]},
+         "must each end in one assistant reply"),
+        ({"chosen": turns + [good], "rejected": turns + [good]}, "are the same reply"),
+        ({"chosen": [good], "rejected": [bad]}, "no prompt"),
+        ({"chosen": [system, good], "rejected": [system, bad]}, "end with a user or tool turn"),
+        ({"prompt": "q", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"}, "ends with a user turn"),
+        ({"prompt": "q", "chosen": "  ", "rejected": "b"}, "empty 'chosen'"),
+    ]:
+        with pytest.raises(RecordError, match=message):
+            preference(record)
+
+
+def test_pretraining_on_conversation_and_pair_files_takes_their_text():
+    question = {"role": "user", "content": "q"}
+    assert pretrain_text({"chosen": [question, {"role": "assistant", "content": "a"}],
+                          "rejected": [question, {"role": "assistant", "content": "b"}]}) == "q\na"
+    assert pretrain_text({"messages": [{"role": "user", "content": "q"},
+                                       {"role": "assistant", "content": None, "tool_calls": []},
+                                       {"role": "assistant", "content": "a", "reasoning_content": "r"}]}) == "q\nr\na"
 
 
 def test_loss_mask_is_exactly_the_assistant_replies(tokenizer_dir):
@@ -107,15 +203,59 @@ def test_long_conversations_are_cut_at_a_turn_boundary(tokenizer_dir):
     assert tok.decode(sample["tokens"]).endswith("a1<|im_end|>\n")
 
 
+def test_over_long_records_are_reported_at_prepare_time(tokenizer_dir, tmp_path):
+    long = "many many words " * 40
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(json.dumps({"conversations": c}) for c in (
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+        [{"role": "user", "content": long}, {"role": "assistant", "content": "no room left for me"}],
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+         {"role": "user", "content": long}, {"role": "assistant", "content": "cut"}])) + "\n")
+    result = run_cli("data", "prepare", "--kind", "sft", "--input", chats, "--tokenizer", tokenizer_dir, "--out",
+                     tmp_path / "sft", "--seq-len", 48, "--val-fraction", 0)
+    assert result.returncode == 0, result.stderr
+    assert f"{chats}:2: too long: the first reply ends after" in result.stdout
+    assert f"{chats}:3: cut to fit --seq-len 48" in result.stdout
+    report = json.loads((tmp_path / "sft" / "report.json").read_text())
+    assert report["documents"]["train"] == 2 and len(report["skipped"]) == 1 and report["seq_len"] == 48
+    assert report["truncated"] == [f"{chats}:3: cut to fit --seq-len 48"]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "short", "chosen": "yes", "rejected": "no"}) + "\n"
+                     + json.dumps({"prompt": long, "chosen": "yes", "rejected": "no"}) + "\n")
+    result = run_cli("data", "prepare", "--kind", "dpo", "--input", pairs, "--tokenizer", tokenizer_dir, "--out",
+                     tmp_path / "dpo", "--seq-len", 48, "--val-fraction", 0)
+    assert result.returncode == 0, result.stderr
+    assert f"truncated to fit --seq-len 48: 1 records\n  {pairs}:2: cut to fit --seq-len 48" in result.stdout
+
+
+def test_samples_longer_than_data_seq_len_are_refused_naming_both_lengths(tokenizer_dir, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "a prompt of a few words " * 4, "chosen": "yes", "rejected": "no"}) + "\n")
+    prepare("dpo", [str(pairs)], tokenizer_dir, tmp_path / "dpo", val_fraction=0.0, workers=1, seq_len=512,
+            show_progress=False)
+    assert len(PreferencePairs(tmp_path / "dpo", "train", 512, pad_id=3)) == 1
+    with pytest.raises(UserError, match=r"pairs take up to \d+ positions \(prepared with --seq-len 512\), more than "
+                                        r"data.seq_len 16; set data.seq_len=512 or prepare the data again with "
+                                        r"--seq-len 16"):
+        PreferencePairs(tmp_path / "dpo", "train", 16, pad_id=3)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"conversations": [{"role": "user", "content": "a question of a few words " * 4},
+                                                   {"role": "assistant", "content": "yes"}]}) + "\n")
+    prepare("sft", [str(chats)], tokenizer_dir, tmp_path / "sft", val_fraction=0.0, workers=1, seq_len=512,
+            show_progress=False)
+    with pytest.raises(UserError, match=r"conversations take up to \d+ positions \(prepared with --seq-len 512\)"):
+        PackedConversations(tmp_path / "sft", "train", 16, pad_id=3)
+
+
 @pytest.fixture(scope="module")
 def sft_data(tokenizer_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sft")
-    prepare("sft", [str(shared("sft"))], tokenizer_dir, out, val_fraction=0.02, seq_len=512, workers=2,
-            show_progress=False)
+    prepare("sft", [str(p) for p in data_sources("sft")], tokenizer_dir, out, val_fraction=0.02, seq_len=512,
+            workers=2, show_progress=False)
     return out
 
 
-def test_packing_pads_under_ten_percent_on_the_shared_sft_files(sft_data):
+def test_packing_pads_under_ten_percent(sft_data):
     windows = PackedConversations(sft_data, "train", 512, pad_id=3)
     assert windows.padding_fraction < 0.10
     shared_window = next(i for i, w in enumerate(windows.windows) if len(w) >= 3)
@@ -163,15 +303,15 @@ def test_preference_pairs_mask_the_replies(tokenizer_dir, tmp_path):
 @pytest.fixture(scope="module")
 def sft_train_data(tokenizer_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sft64")
-    prepare("sft", [str(shared("sft", "chatterbot_zh.jsonl")), str(shared("sft", "identity.json"))], tokenizer_dir,
-            out, val_fraction=0.05, seq_len=64, workers=2, show_progress=False)
+    prepare("sft", [str(FIXTURES / "sft" / "messages_zh.jsonl"), str(FIXTURES / "sft" / "alpaca_mixed.json")],
+            tokenizer_dir, out, val_fraction=0.05, seq_len=64, workers=2, show_progress=False)
     return out
 
 
 @pytest.fixture(scope="module")
 def dpo_data(tokenizer_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("dpo")
-    prepare("dpo", [str(shared("dpo"))], tokenizer_dir, out, val_fraction=0.02, seq_len=64, workers=2,
+    prepare("dpo", [str(FIXTURES / "dpo")], tokenizer_dir, out, val_fraction=0.02, seq_len=64, workers=2,
             show_progress=False)
     return out
 

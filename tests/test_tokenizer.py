@@ -3,7 +3,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import SHARED_DATA, run_cli, shared
+from conftest import FIXTURES, data_sources, run_cli
 from llm.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, Tokenizer
 
 
@@ -18,7 +18,7 @@ def test_special_tokens_at_fixed_low_ids(tokenizer_dir):
 
 def test_round_trip_exact_on_every_shared_file(tokenizer_dir):
     tok = Tokenizer.load(tokenizer_dir)
-    files = sorted(p for p in shared().rglob("*") if p.is_file())
+    files = sorted(p for root in data_sources() for p in root.rglob("*") if p.is_file())
     assert len(files) >= 15
     for path in files:
         text = path.read_text(encoding="utf-8")
@@ -53,7 +53,7 @@ def test_loads_in_transformers_with_same_ids_and_chat_template(tokenizer_dir):
 
 
 def test_cli_rejects_too_small_vocab_and_missing_input(tmp_path):
-    result = run_cli("tokenizer", "train", "--input", SHARED_DATA / "pretrain" / "en_c4_demo.jsonl",
+    result = run_cli("tokenizer", "train", "--input", FIXTURES / "pretrain" / "en_notes.jsonl",
                      "--vocab-size", 100, "--out", tmp_path / "t")
     assert result.returncode == 2 and "too small" in result.stderr and "Traceback" not in result.stderr
     result = run_cli("tokenizer", "train", "--input", tmp_path / "nope.txt", "--vocab-size", 300, "--out", tmp_path / "t")

@@ -21,20 +21,40 @@ from torch.utils.data import Dataset
 
 from llm.data.prepare import SCHEMA_VERSION, TOKENIZER_DIR, TOKENS_FILE
 from llm.errors import UserError
+from llm.tokenizer import Tokenizer
+
+
+def _attrs(h5: h5py.File) -> dict:
+    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in h5.attrs.items()}
 
 
 def read_data_attrs(data_dir: str | Path, kind: str) -> dict:
-    """Root attributes of `data_dir/tokens.h5`, checked for schema version and kind."""
+    """Root attributes of `data_dir/tokens.h5`, checked for schema version and kind, and the tokenizer copy
+    beside it (`data_dir/tokenizer/`, when there is one) checked against the hash the tokens were made with."""
     path = Path(data_dir) / TOKENS_FILE
     if not path.is_file():
         raise UserError(f"{data_dir}: no {TOKENS_FILE}; create it with `zerollm data prepare --kind {kind}`")
     with h5py.File(path, "r") as h5:
-        attrs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in h5.attrs.items()}
+        attrs = _attrs(h5)
     if attrs.get("schema_version") != SCHEMA_VERSION:
-        raise UserError(f"{path}: schema version {attrs.get('schema_version')} is not {SCHEMA_VERSION}; prepare the data again")
+        raise UserError(f"{path}: schema version {attrs.get('schema_version')} is not {SCHEMA_VERSION}; "
+                        "prepare the data again")
     if attrs.get("kind") != kind:
         raise UserError(f"{path}: holds '{attrs.get('kind')}' data, this stage needs '{kind}'")
+    tokenizer_dir = tokenizer_dir_of(data_dir)
+    if tokenizer_dir.is_dir() and (copy_hash := Tokenizer.load(tokenizer_dir).hash) != attrs["tokenizer_hash"]:
+        raise UserError(f"{tokenizer_dir} (hash {copy_hash}) is not the tokenizer {path} was made with (hash "
+                        f"{attrs['tokenizer_hash']}); prepare the data again with `zerollm data prepare`")
     return attrs
+
+
+def _check_fits(data_dir: str | Path, h5: h5py.File, longest: int, seq_len: int, what: str) -> None:
+    """Refuse samples longer than data.seq_len (never cut them silently), naming both lengths."""
+    if longest > seq_len:
+        prepared = _attrs(h5).get("seq_len")
+        raise UserError(f"{data_dir}: {what} take up to {longest} positions (prepared with --seq-len {prepared}), "
+                        f"more than data.seq_len {seq_len}; set data.seq_len={prepared} or prepare the data again "
+                        f"with --seq-len {seq_len}")
 
 
 def tokenizer_dir_of(data_dir: str | Path) -> Path:
@@ -108,10 +128,8 @@ class PackedConversations(Dataset):
         self.h5, self.seq_len, self.pad_id = _LazyH5(data_dir, split), seq_len, pad_id
         with h5py.File(self.h5.path, "r") as h5:
             self.offsets = h5[split]["doc_offsets"][:]
-        lengths = (np.diff(self.offsets) - 1).tolist()
-        if lengths and max(lengths) > seq_len:
-            raise UserError(f"{data_dir}: a conversation takes {max(lengths)} positions, more than data.seq_len "
-                            f"{seq_len}; prepare the data with --seq-len {seq_len} or raise data.seq_len")
+            lengths = (np.diff(self.offsets) - 1).tolist()
+            _check_fits(data_dir, h5, max(lengths, default=0), seq_len, "conversations")
         self.windows = pack_best_fit(lengths, seq_len)
         used = sum(lengths)
         self.padding_fraction = 1 - used / (len(self.windows) * seq_len) if self.windows else 0.0
@@ -139,12 +157,16 @@ class PackedConversations(Dataset):
 
 class PreferencePairs(Dataset):
     """DPO pairs: prompt + chosen and prompt + rejected, each right-padded to `seq_len` positions with a loss
-    mask on the reply's targets."""
+    mask on the reply's targets. A pair longer than `seq_len` positions is refused, not cut (a cut prompt
+    would leave no reply token to learn from)."""
 
     def __init__(self, data_dir: str | Path, split: str, seq_len: int, pad_id: int) -> None:
         self.h5, self.seq_len, self.pad_id = _LazyH5(data_dir, split), seq_len, pad_id
         with h5py.File(self.h5.path, "r") as h5:
             self.offsets = {name: h5[split][f"{name}_offsets"][:] for name in ("prompt", "chosen", "rejected")}
+            lengths = {name: np.diff(offsets) for name, offsets in self.offsets.items()}
+            pairs = lengths["prompt"] + np.maximum(lengths["chosen"], lengths["rejected"]) - 1
+            _check_fits(data_dir, h5, int(pairs.max(initial=0)), seq_len, "preference pairs")
 
     def __len__(self) -> int:
         return len(self.offsets["prompt"]) - 1
@@ -157,7 +179,7 @@ class PreferencePairs(Dataset):
         prompt = self._read("prompt", index)
         out = {}
         for reply in ("chosen", "rejected"):
-            seq = torch.from_numpy(np.concatenate([prompt, self._read(reply, index)]))[:self.seq_len + 1]
+            seq = torch.from_numpy(np.concatenate([prompt, self._read(reply, index)]))
             n = len(seq) - 1
             tokens = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
             targets, mask = tokens.clone(), torch.zeros(self.seq_len, dtype=torch.long)

@@ -1,145 +1,37 @@
-"""Readers of users' files -> canonical records.
+"""Users' records -> canonical records: pretraining text, conversations (SFT) and preference pairs (DPO).
 
-Supported files: `.txt` (documents separated by blank lines), `.jsonl` (one JSON value per line) and
-`.json` (an array of records, or one record). A record that cannot be used is not dropped silently:
-it comes out as `Skipped(source, line, reason)` so the caller can count and report it. A file that
-cannot be read at all (missing, binary, not UTF-8, invalid `.json`, unknown extension) raises
-`UserError` naming it.
+Records come from `llm.data.readers` (text files, JSON, tables). Conversations become canonical messages (see
+`message`), the shape the tokenizer renders:
+
+    {"role": "system" | "user" | "assistant" | "tool", "content": str,
+     "reasoning_content": str,                           # assistant only, when the record has it
+     "tool_calls": [{"name": str, "arguments": dict | str}, ...],   # assistant only, when the record has them
+     "name": str}                                        # tool only, when the record has it
+
+Accepted turn shapes: OpenAI/MiniMind `{"role", "content"}` (content may be a list of text parts; an assistant
+turn may carry `reasoning_content`, `tool_calls` in OpenAI's `{"function": {...}}` form or plain `{"name",
+"arguments"}`, or a legacy `function_call`), ShareGPT `{"from", "value"}` (human, gpt, system, function_call,
+observation). A record that cannot be used raises `RecordError`; `read_records` turns it into a `Skipped`
+naming its place, so the caller counts and reports it.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llm.errors import UserError
+from llm.data.readers import DEFAULT_MAX_RECORD_MB, PIECE_CHARS, Item, Skipped, expand_inputs, read_items, split_text
 
-SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".json")
+__all__ = ["Item", "RecordError", "Skipped", "conversation", "expand_inputs", "preference", "pretrain_text",
+           "read_items", "read_records"]
 
-
-@dataclass(frozen=True)
-class Item:
-    """One raw value read from a file: a text block (str) or a parsed JSON value."""
-
-    source: str
-    line: int
-    value: Any
-
-
-@dataclass(frozen=True)
-class Skipped:
-    source: str
-    line: int
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.source}:{self.line}: {self.reason}"
+Message = dict[str, Any]
 
 
 class RecordError(ValueError):
     """A record whose shape or content cannot be used; becomes a `Skipped`."""
-
-
-def expand_inputs(paths: Iterable[str | Path]) -> list[Path]:
-    """Files named directly, plus the supported files under any directory (sorted)."""
-    files: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES)
-            if not found:
-                raise UserError(f"{path}: directory holds no {'/'.join(SUPPORTED_SUFFIXES)} files")
-            files.extend(found)
-        elif path.is_file():
-            if path.suffix.lower() not in SUPPORTED_SUFFIXES:
-                raise UserError(f"{path}: unknown format '{path.suffix}'; expected one of {', '.join(SUPPORTED_SUFFIXES)}")
-            files.append(path)
-        else:
-            raise UserError(f"{path}: no such file or directory")
-    if not files:
-        raise UserError("no input files given")
-    for path in files:
-        _check_text_file(path)
-    return files
-
-
-def _check_text_file(path: Path) -> None:
-    with path.open("rb") as f:
-        head = f.read(8192)
-    if b"\x00" in head:
-        raise UserError(f"{path}: looks like a binary file (NUL bytes); expected UTF-8 text")
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                yield number, raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise UserError(f"{path}:{number}: not valid UTF-8 text") from None
-
-
-def _txt_items(path: Path) -> Iterator[Item]:
-    block: list[str] = []
-    start = 0
-    for number, line in _lines(path):
-        if line.strip():
-            if not block:
-                start = number
-            block.append(line)
-        elif block:
-            yield Item(str(path), start, "".join(block).rstrip("\n"))
-            block = []
-    if block:
-        yield Item(str(path), start, "".join(block).rstrip("\n"))
-
-
-def _jsonl_items(path: Path) -> Iterator[Item | Skipped]:
-    for number, line in _lines(path):
-        if not line.strip():
-            continue
-        try:
-            yield Item(str(path), number, json.loads(line))
-        except json.JSONDecodeError as exc:
-            yield Skipped(str(path), number, f"malformed JSON ({exc.msg})")
-
-
-def _json_items(path: Path) -> Iterator[Item]:
-    text = "".join(line for _, line in _lines(path))
-    if not text.strip():
-        return
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg}); a .json file must hold one array or object") from None
-    if not isinstance(value, list):
-        yield Item(str(path), 1, value)
-        return
-    # line numbers of array elements: re-scan element starts with the raw decoder
-    decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
-    line = text.count("\n", 0, pos) + 1
-    for element in value:
-        while text[pos] in " \t\r\n,":
-            line += text[pos] == "\n"
-            pos += 1
-        _, end = decoder.raw_decode(text, pos)
-        yield Item(str(path), line, element)
-        line += text.count("\n", pos, end)
-        pos = end
-
-
-def read_items(path: Path) -> Iterator[Item | Skipped]:
-    """Raw values of one file (checked by `expand_inputs`), streamed; a `.json` array is parsed whole."""
-    suffix = path.suffix.lower()
-    if suffix == ".txt":
-        return _txt_items(path)
-    if suffix == ".jsonl":
-        return _jsonl_items(path)
-    return _json_items(path)
 
 
 def _require_text(value: Any, what: str) -> str:
@@ -148,20 +40,228 @@ def _require_text(value: Any, what: str) -> str:
     return value
 
 
-def _turn_text(turn: Any) -> str:
+# ---- messages ---------------------------------------------------------------------------------------
+
+ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+                "bot": "assistant", "tool": "tool", "observation": "tool", "function": "tool",
+                "function_call": "assistant"}
+
+
+def _content(turn: dict, role: str) -> str:
+    """A turn's text: `content` or `value`, a string or a list of text parts; may be absent on an assistant turn
+    that calls tools."""
+    key = "content" if "content" in turn else "value"
+    value = turn.get(key)
+    if isinstance(value, list):  # OpenAI content parts
+        kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in value}
+        if kinds - {"text"}:
+            raise RecordError(f"turn '{key}' has parts of type {', '.join(sorted(map(str, kinds - {'text'})))}; "
+                              "only text parts can be trained on")
+        value = "".join(_require_text(part.get("text"), "text part") for part in value)
+    if value is None and role == "assistant":
+        return ""
+    if value is None:
+        raise RecordError(f"{role} turn has neither 'content' nor 'value'")
+    return _require_text(value, f"turn '{key}'")
+
+
+def _tool_call(call: Any) -> dict[str, Any]:
+    """{"name", "arguments"} from OpenAI's {"type": "function", "function": {...}} or a plain call object."""
+    if isinstance(call, str):
+        call = _json_text(call, "tool call")
+    if not isinstance(call, dict):
+        raise RecordError(f"tool call is {type(call).__name__}, expected an object")
+    function = call.get("function", call)
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RecordError("tool call has no 'name' string")
+    arguments = function.get("arguments", {})
+    if not isinstance(arguments, (dict, str)):
+        raise RecordError(f"tool call '{function['name']}' arguments are {type(arguments).__name__}, expected an "
+                          "object or a string")
+    return {"name": function["name"], "arguments": arguments}
+
+
+def _json_text(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RecordError(f"{what} is not valid JSON ({exc.msg})") from None
+
+
+def _tool_calls(turn: dict, raw_role: str) -> list[dict[str, Any]]:
+    if raw_role == "function_call":  # ShareGPT: the value is the call
+        return [_tool_call(turn.get("value", turn.get("content")))]
+    calls = turn.get("tool_calls")
+    if isinstance(calls, str):  # some datasets store the list as JSON text
+        calls = _json_text(calls, "'tool_calls'")
+    calls = [calls] if isinstance(calls, dict) else list(calls or [])
+    if turn.get("function_call") is not None:  # OpenAI's legacy single call
+        calls.append(turn["function_call"])
+    return [_tool_call(call) for call in calls]
+
+
+def message(turn: Any) -> Message:
+    """The canonical message of one turn; nothing the turn carries among content, reasoning_content, tool_calls
+    and a tool's name is dropped. Reasoning or tool calls on a turn other than the assistant's are refused."""
     if not isinstance(turn, dict):
         raise RecordError("conversation turn is not an object")
-    for key in ("content", "value"):
-        if key in turn:
-            return _require_text(turn[key], f"turn '{key}'")
-    raise RecordError("conversation turn has neither 'content' nor 'value'")
+    raw_role = turn.get("role", turn.get("from"))
+    if raw_role not in ROLE_ALIASES:
+        raise RecordError(f"unknown role {raw_role!r}; expected one of {', '.join(ROLE_ALIASES)}")
+    role = ROLE_ALIASES[raw_role]
+    calls = _tool_calls(turn, raw_role)
+    out: Message = {"role": role, "content": "" if raw_role == "function_call" else _content(turn, role)}
+    reasoning = _require_text(turn.get("reasoning_content") or "", "'reasoning_content'")
+    if role != "assistant" and (calls or reasoning):
+        raise RecordError(f"{role} turn carries {'tool_calls' if calls else 'reasoning_content'}; only assistant "
+                          "turns may")
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    if calls:
+        out["tool_calls"] = calls
+    if role == "tool" and isinstance(turn.get("name"), str):
+        out["name"] = turn["name"]
+    return out
+
+
+def _messages(turns: Any, what: str) -> list[Message]:
+    if not isinstance(turns, list):
+        raise RecordError(f"{what} is not a list of turns")
+    return [message(t) for t in turns]
+
+
+def _is_empty_reply(m: Message) -> bool:
+    return m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls")
+
+
+def _alpaca(value: dict, answer_key: str | None) -> list[Message]:
+    """Alpaca `system`, `history` ([[question, answer], ...]), `instruction` + `input` (one user turn) and, when
+    `answer_key` is given, its value as the assistant reply."""
+    instruction = _require_text(value["instruction"], "'instruction'")
+    extra = _require_text(value.get("input") or "", "'input'")
+    messages = []
+    if value.get("system"):
+        messages.append({"role": "system", "content": _require_text(value["system"], "'system'")})
+    history = value.get("history") or []
+    if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 for h in history):
+        raise RecordError("'history' is not a list of [question, answer] pairs")
+    for question, answer in history:
+        messages += [{"role": "user", "content": _require_text(question, "'history' question")},
+                     {"role": "assistant", "content": _require_text(answer, "'history' answer")}]
+    messages.append({"role": "user", "content": f"{instruction}\n{extra}" if extra else instruction})
+    if answer_key is not None:
+        messages.append({"role": "assistant", "content": _require_text(value[answer_key], f"'{answer_key}'")})
+    return messages
+
+
+def _turns_key(value: dict) -> str | None:
+    return next((key for key in ("conversations", "messages") if key in value), None)
+
+
+def conversation(value: Any) -> list[Message]:
+    """Canonical messages of an SFT record: `conversations`/`messages` turns, or Alpaca (`instruction`, `input`,
+    `output`, optional `system` and `history`). Turns after the last assistant reply teach nothing and are left out.
+
+    Refused (RecordError): no assistant reply, an empty assistant reply (neither content nor tool calls), an
+    unknown role, a non-string content, reasoning or tool calls outside an assistant turn, a malformed tool call.
+    """
+    if not isinstance(value, dict):
+        raise RecordError(f"record is {type(value).__name__}, expected an object")
+    if (key := _turns_key(value)) is not None:
+        messages = _messages(value[key], f"'{key}'")
+    elif "instruction" in value and "output" in value:
+        messages = _alpaca(value, "output")
+    else:
+        keys = ", ".join(sorted(value)) or "none"
+        raise RecordError(f"not a conversation (keys: {keys}); expected 'conversations', 'messages' or "
+                          "'instruction'/'output'")
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not replies:
+        raise RecordError("no assistant reply")
+    if any(_is_empty_reply(messages[i]) for i in replies):
+        raise RecordError("empty assistant reply")
+    return messages[:replies[-1] + 1]
+
+
+# ---- preference pairs ---------------------------------------------------------------------------------
+
+def _reply_turns(value: Any, what: str) -> list[Message]:
+    """A DPO `chosen`/`rejected`: a string (the reply), one turn object, or a list of turns (the reply, or the
+    whole conversation ending in it)."""
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    if isinstance(value, dict):
+        has_role = "role" in value or "from" in value
+        return [message(value if has_role else {**value, "role": "assistant"})]
+    if isinstance(value, list) and value:
+        return _messages(value, what)
+    raise RecordError(f"{what} is missing or not a string, turn or list of turns")
+
+
+def _explicit_prompt(value: dict) -> list[Message]:
+    if (key := _turns_key(value)) is not None:
+        return _messages(value[key], f"'{key}'")
+    prompt = value.get("prompt")
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list):
+        return _messages(prompt, "'prompt'")
+    if "instruction" in value:
+        return _alpaca(value, None)
+    return []
+
+
+def preference(value: Any) -> tuple[list[Message], Message, Message]:
+    """(prompt messages, chosen reply, rejected reply) of a DPO record; the replies are canonical assistant messages.
+
+    The prompt is `conversations`/`messages` turns, a `prompt` string or list of turns, an Alpaca `instruction`
+    (+ `input`), or, with none of these (MiniMind's shape), the turns that `chosen` and `rejected` conversations
+    share before their last reply. Either way `chosen` and `rejected` must each end in exactly one assistant turn
+    after the shared turns, and the prompt must end with a user or tool turn.
+    """
+    if not isinstance(value, dict) or "chosen" not in value or "rejected" not in value:
+        raise RecordError("a preference record needs 'chosen' and 'rejected'")
+    prompt = _explicit_prompt(value)
+    full = []
+    for key in ("chosen", "rejected"):
+        turns = _reply_turns(value[key], f"'{key}'")
+        full.append(turns if prompt and turns[:len(prompt)] == prompt else prompt + turns)
+    chosen, rejected = full
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+        shared += 1
+    if len(chosen) - shared != 1 or len(rejected) - shared != 1:
+        raise RecordError("'chosen' and 'rejected' must each end in one assistant reply after the turns they share")
+    if chosen[-1] == rejected[-1]:
+        raise RecordError("'chosen' and 'rejected' are the same reply")
+    for key, reply in (("chosen", chosen[-1]), ("rejected", rejected[-1])):
+        if reply["role"] != "assistant":
+            raise RecordError(f"'{key}' ends with a {reply['role']} turn, not an assistant reply")
+        if _is_empty_reply(reply):
+            raise RecordError(f"empty '{key}'")
+    if shared == 0:
+        raise RecordError("no prompt: expected 'prompt', 'conversations', 'messages', 'instruction', or 'chosen' "
+                          "and 'rejected' conversations that share their first turns")
+    if chosen[shared - 1]["role"] not in ("user", "tool"):
+        raise RecordError("the prompt must end with a user or tool turn")
+    return chosen[:shared], chosen[-1], rejected[-1]
+
+
+# ---- pretraining text ---------------------------------------------------------------------------------
+
+def _turn_text(turn: Any) -> str:
+    """Lenient text of a turn for pretraining: its reasoning and content, whatever its role."""
+    if not isinstance(turn, dict):
+        raise RecordError("conversation turn is not an object")
+    parts = [turn.get("reasoning_content"), turn.get("content", turn.get("value"))]
+    return "\n".join(_require_text(p, "turn text") for p in parts if p)
 
 
 def pretrain_text(value: Any) -> str:
     """The text a record contributes to pretraining.
 
-    Plain strings and `{"text"}` records (MiniMind) as they are; conversations, Alpaca and DPO
-    records are flattened to their turns' text joined by newlines.
+    Plain strings and `{"text"}` records (MiniMind) as they are; conversations, Alpaca and DPO records (prompt
+    and chosen reply) are flattened to their turns' text joined by newlines.
     """
     if isinstance(value, str):
         text = value
@@ -169,15 +269,13 @@ def pretrain_text(value: Any) -> str:
         raise RecordError(f"record is {type(value).__name__}, expected an object or a string")
     elif "text" in value:
         text = _require_text(value["text"], "'text'")
-    elif "conversations" in value or "messages" in value:
-        turns = value.get("conversations", value.get("messages"))
-        if not isinstance(turns, list):
-            raise RecordError("'conversations' is not a list")
-        parts = [_turn_text(t) for t in turns]
-        if "chosen" in value:
-            chosen = value["chosen"]
-            parts.append(_turn_text(chosen) if isinstance(chosen, dict) else _require_text(chosen, "'chosen'"))
-        text = "\n".join(parts)
+    elif "chosen" in value and "rejected" in value:
+        prompt, chosen, _ = preference(value)
+        text = "\n".join(filter(None, map(_turn_text, [*prompt, chosen])))
+    elif (key := _turns_key(value)) is not None:
+        if not isinstance(value[key], list):
+            raise RecordError(f"'{key}' is not a list")
+        text = "\n".join(filter(None, map(_turn_text, value[key])))
     elif "instruction" in value and "output" in value:
         parts = [value["instruction"], value.get("input", ""), value["output"]]
         text = "\n".join(_require_text(p, "alpaca field") for p in parts if p != "")
@@ -189,104 +287,30 @@ def pretrain_text(value: Any) -> str:
     return text
 
 
-# ---- conversations (SFT) and preference pairs (DPO) ------------------------------------------------
-
-ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-                "bot": "assistant"}
-
-
-def _message(turn: Any) -> dict[str, str]:
-    """A {role, content} message from an OpenAI/MiniMind {role, content} or ShareGPT {from, value} turn."""
-    if not isinstance(turn, dict):
-        raise RecordError("conversation turn is not an object")
-    raw_role = turn.get("role", turn.get("from"))
-    if raw_role not in ROLE_ALIASES:
-        raise RecordError(f"unknown role {raw_role!r}; expected one of {', '.join(ROLE_ALIASES)}")
-    return {"role": ROLE_ALIASES[raw_role], "content": _turn_text(turn)}
-
-
-def _messages(turns: Any, what: str) -> list[dict[str, str]]:
-    if not isinstance(turns, list):
-        raise RecordError(f"{what} is not a list of turns")
-    return [_message(t) for t in turns]
-
-
-def conversation(value: Any) -> list[dict[str, str]]:
-    """Canonical messages of an SFT record: `conversations`/`messages` turns, or Alpaca
-    instruction (+ input) -> user, output -> assistant. Turns after the last assistant reply are dropped.
-
-    Refused (RecordError, so the record is skipped and reported): a record with no assistant reply,
-    an empty assistant reply, an unknown role, a non-string content.
-    """
-    if not isinstance(value, dict):
-        raise RecordError(f"record is {type(value).__name__}, expected an object")
-    if "conversations" in value or "messages" in value:
-        messages = _messages(value.get("conversations", value.get("messages")), "'conversations'")
-    elif "instruction" in value and "output" in value:
-        instruction = _require_text(value["instruction"], "'instruction'")
-        extra = _require_text(value.get("input") or "", "'input'")
-        messages = [{"role": "user", "content": f"{instruction}\n{extra}" if extra else instruction},
-                    {"role": "assistant", "content": _require_text(value["output"], "'output'")}]
-        if value.get("system"):
-            messages.insert(0, {"role": "system", "content": _require_text(value["system"], "'system'")})
-    else:
-        keys = ", ".join(sorted(value)) or "none"
-        raise RecordError(f"not a conversation (keys: {keys}); expected 'conversations', 'messages' or "
-                          "'instruction'/'output'")
-    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if not replies:
-        raise RecordError("no assistant reply")
-    if any(not messages[i]["content"].strip() for i in replies):
-        raise RecordError("empty assistant reply")
-    return messages[:replies[-1] + 1]
-
-
-def _response(value: Any, what: str) -> str:
-    """The reply text of a DPO `chosen`/`rejected`: a string, one turn object, or a list ending in a reply."""
-    if isinstance(value, str):
-        text = value
-    elif isinstance(value, dict):
-        text = _message(value)["content"]
-    elif isinstance(value, list) and value:
-        text = _messages(value, what)[-1]["content"]
-    else:
-        raise RecordError(f"{what} is missing or not a string, turn or list of turns")
-    if not text.strip():
-        raise RecordError(f"empty {what}")
-    return text
-
-
-def preference(value: Any) -> tuple[list[dict[str, str]], str, str]:
-    """(prompt messages, chosen reply, rejected reply) of a DPO record. The prompt is `conversations` /
-    `messages` turns or a `prompt` string (a user message)."""
-    if not isinstance(value, dict) or "chosen" not in value or "rejected" not in value:
-        raise RecordError("a preference record needs 'chosen' and 'rejected'")
-    if "conversations" in value or "messages" in value:
-        prompt = _messages(value.get("conversations", value.get("messages")), "'conversations'")
-    elif isinstance(value.get("prompt"), str):
-        prompt = [{"role": "user", "content": value["prompt"]}]
-    elif isinstance(value.get("prompt"), list):
-        prompt = _messages(value["prompt"], "'prompt'")
-    else:
-        raise RecordError("no prompt: expected 'conversations', 'messages' or 'prompt'")
-    if not prompt or prompt[-1]["role"] != "user":
-        raise RecordError("the prompt must end with a user turn")
-    return prompt, _response(value["chosen"], "'chosen'"), _response(value["rejected"], "'rejected'")
-
-
 READERS = {"pretrain": pretrain_text, "sft": conversation, "dpo": preference}
 
 
-def read_records(files: Iterable[Path], kind: str) -> Iterator[Item | Skipped]:
-    """Every file's records converted for `kind` (text, messages or a preference triple) as `Item`s,
-    unusable ones as `Skipped`."""
+def read_records(files: Iterable[Path], kind: str, max_record_mb: float = DEFAULT_MAX_RECORD_MB,
+                 piece_chars: int = PIECE_CHARS) -> Iterator[Item | Skipped]:
+    """Every file's records converted for `kind` as `Item`s, unusable ones as `Skipped`.
+
+    pretrain: the text, a long document as pieces of at most `piece_chars` characters (`Item.last` marks its
+    end); sft: canonical messages; dpo: (prompt messages, chosen message, rejected message).
+    """
     convert = READERS[kind]
     for path in files:
-        for item in read_items(path):
+        for item in read_items(path, max_record_mb):
             if isinstance(item, Skipped):
                 yield item
-                continue
-            try:
-                yield Item(item.source, item.line, convert(item.value))
-            except RecordError as exc:
-                yield Skipped(item.source, item.line, str(exc))
+            elif kind == "pretrain" and not (item.piece == 0 and item.last):
+                yield item  # a piece of a long .txt document: text already
+            elif item.piece == 0:  # later pieces of a text document belong to the record reported at piece 0
+                try:
+                    value = convert(item.value)
+                except RecordError as exc:
+                    yield Skipped(item.source, item.line, str(exc), item.unit)
+                    continue
+                if kind == "pretrain":
+                    yield from split_text(item, value, piece_chars)
+                else:
+                    yield Item(item.source, item.line, value, item.unit)

@@ -1,4 +1,4 @@
-"""Canonical records -> tokenized HDF5, tokenized in parallel worker processes.
+"""Canonical records -> tokenized HDF5, tokenized in parallel worker processes, in bounded memory.
 
 Output directory layout:
     tokens.h5     one group per split ('train', 'val'); root attributes record the schema version,
@@ -9,11 +9,16 @@ Output directory layout:
                     sft       tokens, loss_mask (uint8, 1 on assistant replies and their <|im_end|>) + doc_offsets
                     dpo       prompt + prompt_offsets (ChatML prompt ending in the assistant header),
                               chosen + chosen_offsets, rejected + rejected_offsets (replies + <|im_end|>)
-    report.json   documents, tokens, skipped records (file:line: reason)
+    report.json   samples and tokens per split, every skipped and every truncated record (file:line: reason)
     tokenizer/    a copy of the tokenizer used, so training and inference find it
 
-`tokens.h5` is written under a temporary name and renamed only when complete, so a failed or
-interrupted run never leaves a file that looks valid.
+The whole directory is written beside OUT and swapped in at the end (`llm.data.output`): an interrupted run
+leaves the previous output untouched, and two runs into one OUT cannot interleave.
+
+Memory stays bounded whatever the input: records are read streaming (a long document in pieces, a JSON record
+over `max_record_mb` skipped), each worker job holds at most `JOB_RECORDS` records or about `JOB_CHARS`
+characters, at most two jobs per worker are in flight, and samples reach the HDF5 file through a buffer of
+about `CHUNK_TOKENS` tokens.
 """
 
 from __future__ import annotations
@@ -22,25 +27,30 @@ import json
 import multiprocessing as mp
 import os
 import re
-import shutil
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
 from tqdm import tqdm
 
 from llm.data.formats import Item, Skipped, expand_inputs, read_records
+from llm.data.output import OutputDir
+from llm.data.readers import DEFAULT_MAX_RECORD_MB
 from llm.errors import UserError
 from llm.tokenizer import Tokenizer
 
 SCHEMA_VERSION = 1
 TOKENS_FILE, REPORT_FILE, TOKENIZER_DIR = "tokens.h5", "report.json", "tokenizer"
 SPLITS = ("train", "val")
-BATCH_DOCS = 256
+JOB_RECORDS = 256
+JOB_CHARS = 1 << 20
 CHUNK_TOKENS = 1 << 16
+CHUNK_OFFSETS = 1 << 14
 
 
 @dataclass
@@ -50,25 +60,30 @@ class Report:
     documents: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
     """Samples written per split (documents, conversations or preference pairs)."""
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
-    truncated: int = 0
-    """Samples cut to fit the sequence length (conversations at a turn boundary; pairs: prompt start, reply end)."""
+    seq_len: int | None = None
+    """sft/dpo: the --seq-len the samples were cut for (training checks data.seq_len against it)."""
+    truncated: list[str] = field(default_factory=list)
+    """Every sample cut to fit --seq-len as 'file:line: what' (conversations at a turn boundary; pairs: prompt
+    start, reply end)."""
     skipped: list[str] = field(default_factory=list)
     """Every unusable record as 'file:line: reason'."""
 
     def summary(self, shown: int = 20) -> str:
         lines = [f"samples    train {self.documents['train']:,}  val {self.documents['val']:,}",
                  f"tokens     train {self.tokens['train']:,}  val {self.tokens['val']:,}"]
-        if self.truncated:
-            lines.append(f"truncated to fit --seq-len: {self.truncated:,}")
         empty = [name for name, count in self.files.items() if count == 0]
         if empty:
             lines.append(f"files with no records: {', '.join(empty)}")
-        if self.skipped:
-            reasons = Counter(re.sub(r"\d+", "N", s.split(": ", 1)[1]) for s in self.skipped)
-            lines.append(f"skipped {len(self.skipped):,} records: " + "; ".join(f"{r} x{n}" for r, n in reasons.most_common(5)))
-            lines += [f"  {s}" for s in self.skipped[:shown]]
-            if len(self.skipped) > shown:
-                lines.append(f"  ... {len(self.skipped) - shown} more in {REPORT_FILE}")
+        for title, entries in ((f"truncated to fit --seq-len {self.seq_len}", self.truncated),
+                               ("skipped", self.skipped)):
+            if not entries:
+                continue
+            reasons = Counter(re.sub(r"\d+", "N", s.split(": ", 1)[1]) for s in entries)
+            by_reason = "; ".join(f"{r} x{n}" for r, n in reasons.most_common(5)) if len(reasons) > 1 else ""
+            lines.append(f"{title}: {len(entries):,} records" + (f": {by_reason}" if by_reason else ""))
+            lines += [f"  {s}" for s in entries[:shown]]
+            if len(entries) > shown:
+                lines.append(f"  ... {len(entries) - shown} more in {REPORT_FILE}")
         return "\n".join(lines)
 
 
@@ -81,16 +96,23 @@ STREAMS = {  # per kind: streams of fields that share one offsets array
 }
 MASK_FIELDS = ("loss_mask",)
 
-Sample = dict[str, list[int]]
-"""Token (and mask) lists by field name."""
+Sample = dict[str, Any]
+"""Token (and mask) lists or arrays by field name."""
+Result = tuple[Sample, bool] | Skipped
+"""An encoded sample and whether it was cut to fit, or the reason it was skipped."""
 
 
 class TooLong(ValueError):
     """A conversation whose first reply cannot fit the sequence length; becomes a skipped record."""
 
 
-def encode_pretrain(tok: Tokenizer, text: str, max_tokens: int) -> tuple[Sample, bool]:
-    return {"tokens": tok.encode(text) + [tok.eos_id]}, False
+def token_dtype(vocab_size: int) -> type:
+    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+
+
+def encode_pretrain(tok: Tokenizer, text: str, end_of_document: bool) -> Sample:
+    """A document's tokens (or a piece's), closed by end-of-text at the document's end."""
+    return {"tokens": tok.encode(text) + ([tok.eos_id] if end_of_document else [])}
 
 
 def encode_sft(tok: Tokenizer, messages: list[dict[str, str]], max_tokens: int) -> tuple[Sample, bool]:
@@ -120,7 +142,8 @@ def encode_sft(tok: Tokenizer, messages: list[dict[str, str]], max_tokens: int) 
 def encode_dpo(tok: Tokenizer, pair: tuple, max_tokens: int) -> tuple[Sample, bool]:
     prompt, chosen, rejected = pair
     sample = {"prompt": tok.encode(Tokenizer.render_chat(prompt, add_generation_prompt=True)),
-              "chosen": tok.encode(chosen) + [tok.im_end_id], "rejected": tok.encode(rejected) + [tok.im_end_id]}
+              "chosen": tok.encode(chosen["content"]) + [tok.im_end_id],
+              "rejected": tok.encode(rejected["content"]) + [tok.im_end_id]}
     truncated = len(sample["prompt"]) + max(len(sample["chosen"]), len(sample["rejected"])) > max_tokens
     if truncated:  # keep the prompt's end (at most half the budget), then cut the replies
         sample["prompt"] = sample["prompt"][-(max_tokens // 2):]
@@ -129,7 +152,7 @@ def encode_dpo(tok: Tokenizer, pair: tuple, max_tokens: int) -> tuple[Sample, bo
     return sample, truncated
 
 
-ENCODERS = {"pretrain": encode_pretrain, "sft": encode_sft, "dpo": encode_dpo}
+ENCODERS = {"sft": encode_sft, "dpo": encode_dpo}
 
 _worker_tokenizer: Tokenizer | None = None
 
@@ -140,51 +163,110 @@ def _init_worker(tokenizer_dir: str) -> None:
     _worker_tokenizer = Tokenizer.load(tokenizer_dir)
 
 
-def _encode_batch(job: tuple[str, int, list[Item]]) -> list[tuple[Sample, bool] | Skipped]:
+def _encode(kind: str, item: Item, max_tokens: int) -> Result:
+    if kind == "pretrain":
+        return encode_pretrain(_worker_tokenizer, item.value, item.last), False
+    try:
+        sample, truncated = ENCODERS[kind](_worker_tokenizer, item.value, max_tokens)
+    except TooLong as exc:
+        return Skipped(item.source, item.line, str(exc), item.unit)
+    has_reply = any(sample["loss_mask"]) if kind == "sft" else len(sample["chosen"]) and len(sample["rejected"])
+    if not has_reply:
+        return Skipped(item.source, item.line, f"too long: no reply token fits in --seq-len {max_tokens - 1}",
+                       item.unit)
+    return sample, truncated
+
+
+def _encode_batch(job: tuple[str, int, list[Item]]) -> list[Result]:
+    """Encode a job's records in a worker; samples come back as numpy arrays (compact to send)."""
     kind, max_tokens, items = job
-    out: list[tuple[Sample, bool] | Skipped] = []
+    dtype = token_dtype(_worker_tokenizer.vocab_size)
+    out: list[Result] = []
     for item in items:
-        try:
-            out.append(ENCODERS[kind](_worker_tokenizer, item.value, max_tokens))
-        except TooLong as exc:
-            out.append(Skipped(item.source, item.line, str(exc)))
+        result = _encode(kind, item, max_tokens)
+        if not isinstance(result, Skipped):
+            sample, truncated = result
+            result = {name: np.asarray(v, dtype=np.uint8 if name in MASK_FIELDS else dtype)
+                      for name, v in sample.items()}, truncated
+        out.append(result)
     return out
 
 
 # ---- main side ---------------------------------------------------------------------------------
 
+def _extend(array: h5py.Dataset, values: np.ndarray) -> None:
+    start = array.shape[0]
+    array.resize((start + len(values),))
+    array[start:] = values
+
+
 class SplitWriter:
-    """Appends samples to one split group: a resizable chunked array per field, offsets per stream at close."""
+    """Appends samples to one split group: a chunked resizable array per field and an offsets array per stream
+    (n_samples + 1 entries, int64), through a buffer of about CHUNK_TOKENS tokens."""
 
     def __init__(self, group: h5py.Group, streams: dict[str, tuple[str, ...]], token_dtype: type) -> None:
-        self.group, self.streams = group, streams
-        self.arrays = {name: group.create_dataset(name, shape=(0,), maxshape=(None,), chunks=(CHUNK_TOKENS,),
-                                                  dtype=np.uint8 if name in MASK_FIELDS else token_dtype)
+        self.streams = streams
+        self.dtypes = {name: np.uint8 if name in MASK_FIELDS else token_dtype
                        for fields in streams.values() for name in fields}
-        self.offsets = {stream: [0] for stream in streams}
+        self.arrays = {name: group.create_dataset(name, shape=(0,), maxshape=(None,), chunks=(CHUNK_TOKENS,),
+                                                  dtype=dtype) for name, dtype in self.dtypes.items()}
+        self.offsets = {stream: group.create_dataset(f"{stream}_offsets", data=np.zeros(1, np.int64),
+                                                     maxshape=(None,), chunks=(CHUNK_OFFSETS,))
+                        for stream in streams}
+        self.pending: dict[str, list[np.ndarray]] = {name: [] for name in self.arrays}
+        self.pending_ends: dict[str, list[int]] = {stream: [] for stream in streams}
+        self.ends = dict.fromkeys(streams, 0)
+        self.buffered = 0
 
-    def append(self, sample: Sample) -> None:
+    def append(self, sample: Sample, end: bool = True) -> None:
+        """Add a sample; `end=False` leaves it open, so the next append continues it (a document in pieces)."""
         for stream, fields in self.streams.items():
-            start = self.offsets[stream][-1]
-            end = start + len(sample[fields[0]])
             for name in fields:
-                self.arrays[name].resize((end,))
-                self.arrays[name][start:] = sample[name]
-            self.offsets[stream].append(end)
+                self.pending[name].append(np.asarray(sample[name], dtype=self.dtypes[name]))
+            self._grow(stream, len(sample[fields[0]]), end)
 
-    def pop(self) -> Sample:
-        """Remove and return the last sample."""
-        sample = {}
+    def _grow(self, stream: str, n_tokens: int, end: bool) -> None:
+        self.ends[stream] += n_tokens
+        if end:
+            self.pending_ends[stream].append(self.ends[stream])
+        self.buffered += n_tokens
+        if self.buffered >= CHUNK_TOKENS:
+            self.flush()
+
+    def flush(self) -> None:
+        for name, parts in self.pending.items():
+            if parts:
+                _extend(self.arrays[name], np.concatenate(parts))
+                parts.clear()
+        for stream, ends in self.pending_ends.items():
+            if ends:
+                _extend(self.offsets[stream], np.array(ends, dtype=np.int64))
+                ends.clear()
+        self.buffered = 0
+
+    def move_last_to(self, other: SplitWriter) -> int:
+        """Move the last sample to `other`, a chunk at a time; returns its number of tokens."""
+        self.flush()
+        moved = 0
         for stream, fields in self.streams.items():
-            start, end = self.offsets[stream][-2], self.offsets[stream].pop()
+            offsets = self.offsets[stream]
+            start, end = (int(x) for x in offsets[-2:])
+            for low in range(start, end, CHUNK_TOKENS):
+                high = min(low + CHUNK_TOKENS, end)
+                for name in fields:
+                    other.pending[name].append(self.arrays[name][low:high])
+                other._grow(stream, high - low, end=high == end)
+            if start == end:
+                other._grow(stream, 0, end=True)
             for name in fields:
-                sample[name] = self.arrays[name][start:end].tolist()
                 self.arrays[name].resize((start,))
-        return sample
+            offsets.resize((offsets.shape[0] - 1,))
+            self.ends[stream] = start
+            moved += end - start
+        return moved
 
     def close(self) -> None:
-        for stream, offsets in self.offsets.items():
-            self.group.create_dataset(f"{stream}_offsets", data=np.array(offsets, dtype=np.int64))
+        self.flush()
 
 
 def write_attrs(h5: h5py.File, kind: str, tokenizer_hash: str, vocab_size: int, special: Tokenizer | None,
@@ -196,21 +278,57 @@ def write_attrs(h5: h5py.File, kind: str, tokenizer_hash: str, vocab_size: int, 
                      **extra})
 
 
+def _chars(value: Any) -> int:
+    """Characters of text in a record (to size worker jobs)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(map(_chars, value.values()))
+    if isinstance(value, (list, tuple)):
+        return sum(map(_chars, value))
+    return 0
+
+
+Job = tuple[str, int, list[Item]]
+
+
 def _jobs(records: Iterator[Item | Skipped], kind: str, max_tokens: int, report: Report, strict: bool,
-          progress: tqdm) -> Iterator[tuple[str, int, list[Item]]]:
+          progress: tqdm) -> Iterator[tuple[list[Item], Job]]:
+    """Worker jobs of at most JOB_RECORDS records or about JOB_CHARS characters, each with its records' places
+    (the records without their values, kept by the main process)."""
     batch: list[Item] = []
+    chars = 0
     for record in records:
         if isinstance(record, Skipped):
             _skip(record, report, strict)
             continue
-        report.files[record.source] = report.files.get(record.source, 0) + 1
-        progress.update(1)
+        if record.piece == 0:
+            report.files[record.source] = report.files.get(record.source, 0) + 1
+            progress.update(1)
         batch.append(record)
-        if len(batch) == BATCH_DOCS:
-            yield kind, max_tokens, batch
-            batch = []
+        chars += _chars(record.value)
+        if len(batch) == JOB_RECORDS or chars >= JOB_CHARS:
+            yield [replace(r, value=None) for r in batch], (kind, max_tokens, batch)
+            batch, chars = [], 0
     if batch:
-        yield kind, max_tokens, batch
+        yield [replace(r, value=None) for r in batch], (kind, max_tokens, batch)
+
+
+def _encoded(jobs: Iterator[tuple[list[Item], Job]], pool: mp.pool.Pool | None,
+             workers: int) -> Iterator[tuple[list[Item], list[Result]]]:
+    """Each job's places and results, in order; at most two jobs per worker in flight."""
+    if pool is None:
+        yield from ((places, _encode_batch(job)) for places, job in jobs)
+        return
+    in_flight: deque = deque()
+    for places, job in jobs:
+        in_flight.append((places, pool.apply_async(_encode_batch, (job,))))
+        if len(in_flight) >= 2 * workers:
+            places, result = in_flight.popleft()
+            yield places, result.get()
+    while in_flight:
+        places, result = in_flight.popleft()
+        yield places, result.get()
 
 
 def _skip(record: Skipped, report: Report, strict: bool) -> None:
@@ -223,14 +341,66 @@ def _token_count(sample: Sample) -> int:
     return sum(len(v) for k, v in sample.items() if k not in MASK_FIELDS)
 
 
+def _worker_pool(workers: int, tokenizer_dir: str):
+    """A pool of tokenizer processes, started before any file is open; None (a context doing nothing) for one
+    worker, which tokenizes in this process."""
+    if workers == 1:
+        _init_worker(tokenizer_dir)
+        return nullcontext()
+    return mp.get_context("fork").Pool(workers, _init_worker, (tokenizer_dir,))
+
+
+def _write_tokens(path: Path, kind: str, records: Iterator[Item | Skipped], tokenizer: Tokenizer,
+                  tokenizer_dir: str, report: Report, workers: int, val_fraction: float, strict: bool, seed: int,
+                  seq_len: int, show_progress: bool) -> None:
+    rng = np.random.default_rng(seed)
+    progress = tqdm(desc=f"tokenizing {kind} records", unit=" records", disable=not show_progress)
+    with progress, _worker_pool(workers, tokenizer_dir) as pool, h5py.File(path, "w") as h5:
+        writers = {split: SplitWriter(h5.create_group(split), STREAMS[kind], token_dtype(tokenizer.vocab_size))
+                   for split in SPLITS}
+        split = "train"
+        jobs = _jobs(records, kind, seq_len + 1, report, strict, progress)
+        for places, results in _encoded(jobs, pool, workers):
+            for item, result in zip(places, results):
+                if isinstance(result, Skipped):
+                    _skip(result, report, strict)
+                    continue
+                sample, truncated = result
+                if item.piece == 0:  # a document's pieces all go to the split drawn for its first
+                    split = "val" if rng.random() < val_fraction else "train"
+                    report.documents[split] += 1
+                if truncated:
+                    report.truncated.append(f"{item.place}: cut to fit --seq-len {seq_len}")
+                writers[split].append(sample, end=item.last)
+                report.tokens[split] += _token_count(sample)
+        if report.documents["train"] + report.documents["val"] == 0:
+            raise UserError("no usable records found in the inputs; nothing was written"
+                            + (f" ({len(report.skipped)} records skipped, first: {report.skipped[0]})"
+                               if report.skipped else ""))
+        if val_fraction > 0 and report.documents["val"] == 0 and report.documents["train"] > 1:
+            moved = writers["train"].move_last_to(writers["val"])  # a tiny corpus still gets a validation sample
+            for name, sign in (("train", -1), ("val", 1)):
+                report.documents[name] += sign
+                report.tokens[name] += sign * moved
+        for writer in writers.values():
+            writer.close()
+        extra = {} if kind == "pretrain" else {"seq_len": seq_len}
+        write_attrs(h5, kind, tokenizer.hash, tokenizer.vocab_size, tokenizer, **extra)
+
+
+OUTPUT_NAMES = (TOKENS_FILE, REPORT_FILE, TOKENIZER_DIR)
+
+
 def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: str | Path, val_fraction: float = 0.01,
             workers: int | None = None, strict: bool = False, seed: int = 0, seq_len: int = 512,
-            show_progress: bool = True) -> Report:
-    """Tokenize `kind` records ('pretrain', 'sft', 'dpo') into `out_dir/tokens.h5` with a train/val split.
+            max_record_mb: float = DEFAULT_MAX_RECORD_MB, show_progress: bool = True) -> Report:
+    """Tokenize `kind` records ('pretrain', 'sft', 'dpo') into `out_dir` (tokens.h5 with a train/val split,
+    report.json, tokenizer/), replacing an earlier output there as a whole.
 
     sft and dpo samples hold at most seq_len + 1 tokens (seq_len predicted positions): longer
     conversations are cut after the last assistant turn that fits (skipped when even the first reply
-    does not fit); longer pairs keep the end of their prompt and the start of their replies.
+    does not fit); longer pairs keep the end of their prompt and the start of their replies. Both are
+    reported with file:line; a sample left with no reply token is skipped.
     """
     if kind not in STREAMS:
         raise UserError(f"--kind must be one of {', '.join(STREAMS)}, got '{kind}'")
@@ -238,57 +408,16 @@ def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: st
         raise UserError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if seq_len < 8:
         raise UserError(f"--seq-len must be at least 8, got {seq_len}")
-    files = expand_inputs(inputs)
+    if max_record_mb <= 0:
+        raise UserError(f"--max-record-mb must be positive, got {max_record_mb}")
+    files = expand_inputs(inputs, exclude=out_dir)
     tokenizer = Tokenizer.load(tokenizer_dir)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     workers = workers or max(1, min(os.cpu_count() or 1, 8))
-    report = Report(files={str(f): 0 for f in files})
-    dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
-    tmp = out / f".{TOKENS_FILE}.partial"
-    rng = np.random.default_rng(seed)
-    progress = tqdm(desc=f"tokenizing {kind} records", unit=" records", disable=not show_progress)
-    pool = mp.get_context("fork").Pool(workers, _init_worker, (str(tokenizer_dir),)) if workers > 1 else None
-    try:
-        with h5py.File(tmp, "w") as h5:
-            writers = {split: SplitWriter(h5.create_group(split), STREAMS[kind], dtype) for split in SPLITS}
-            jobs = _jobs(read_records(files, kind), kind, seq_len + 1, report, strict, progress)
-            if pool is None:
-                _init_worker(str(tokenizer_dir))
-                encoded = map(_encode_batch, jobs)
-            else:
-                encoded = pool.imap(_encode_batch, jobs)
-            for results in encoded:
-                for result in results:
-                    if isinstance(result, Skipped):
-                        _skip(result, report, strict)
-                        continue
-                    sample, truncated = result
-                    report.truncated += truncated
-                    split = "val" if rng.random() < val_fraction else "train"
-                    writers[split].append(sample)
-                    report.documents[split] += 1
-                    report.tokens[split] += _token_count(sample)
-            if report.documents["train"] + report.documents["val"] == 0:
-                raise UserError("no usable records found in the inputs; nothing was written"
-                                + (f" ({len(report.skipped)} records skipped, first: {report.skipped[0]})" if report.skipped else ""))
-            if val_fraction > 0 and report.documents["val"] == 0 and report.documents["train"] > 1:
-                sample = writers["train"].pop()  # a tiny corpus still gets a validation sample
-                writers["val"].append(sample)
-                for split, sign in (("train", -1), ("val", 1)):
-                    report.documents[split] += sign
-                    report.tokens[split] += sign * _token_count(sample)
-            for writer in writers.values():
-                writer.close()
-            extra = {} if kind == "pretrain" else {"seq_len": seq_len}
-            write_attrs(h5, kind, tokenizer.hash, tokenizer.vocab_size, tokenizer, **extra)
-        os.replace(tmp, out / TOKENS_FILE)
-    finally:
-        progress.close()
-        if pool is not None:
-            pool.terminate()
-        tmp.unlink(missing_ok=True)
-    (out / REPORT_FILE).write_text(json.dumps(asdict(report), indent=1, ensure_ascii=False))
-    shutil.rmtree(out / TOKENIZER_DIR, ignore_errors=True)
-    tokenizer.save(out / TOKENIZER_DIR)
+    report = Report(files={str(f): 0 for f in files}, seq_len=None if kind == "pretrain" else seq_len)
+    with OutputDir(out_dir, OUTPUT_NAMES) as output:
+        _write_tokens(output.staging / TOKENS_FILE, kind, read_records(files, kind, max_record_mb), tokenizer,
+                      str(tokenizer_dir), report, workers, val_fraction, strict, seed, seq_len, show_progress)
+        (output.staging / REPORT_FILE).write_text(json.dumps(asdict(report), indent=1, ensure_ascii=False))
+        tokenizer.save(output.staging / TOKENIZER_DIR)
+        output.commit()
     return report

@@ -1,0 +1,142 @@
+"""The output directory of `data prepare`: one writer at a time, replaced as a whole.
+
+OUT holds `tokens.h5`, `report.json`, `tokenizer/` and the lock file `.prepare.lock`, nothing else. A run
+
+1. refuses an OUT that holds anything else (a run directory, a tokenizer of your own, any file of yours), so
+   nothing of yours is ever deleted; OUT may be new, empty, or an earlier output of `data prepare`;
+2. takes an exclusive lock on `OUT/.prepare.lock` (released by the kernel when the process ends, however it
+   ends), so a second run into the same OUT is refused with a message naming the first one's pid;
+3. writes everything into a staging directory beside OUT with a unique name (`.OUT.partial-<pid>-<random>`);
+4. commits by renaming: the old OUT moves aside and the staging directory becomes OUT, so OUT holds either the
+   whole old output or the whole new one, never new tokens beside an old tokenizer. The lock file is
+   hard-linked into the new output first, so the lock stays held across the swap.
+
+Leftovers of killed runs (staging and set-aside directories) are removed by the next run that holds the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from llm.errors import UserError
+
+LOCK_FILE = ".prepare.lock"
+
+
+def _cannot_write(out: Path, exc: OSError) -> UserError:
+    return UserError(f"--out {out}: cannot write there ({exc.strerror or exc}); data prepare needs to write in it and "
+                     "beside it (in its parent directory)")
+
+
+class OutputDir:
+    """Context manager: `with OutputDir(out, names) as output: ...write into output.staging...; output.commit()`.
+
+    `names` are the entries a data prepare output holds (besides the lock file); an earlier output is recognised
+    by the first of them (tokens.h5). Leaving the block without `commit()` (an error, Ctrl-C) removes the
+    staging directory and leaves OUT as it was (and removes OUT if this run created it).
+    """
+
+    def __init__(self, out: str | Path, names: tuple[str, ...]) -> None:
+        self.given = Path(out)
+        self.out = self.given.resolve()  # a symlink to a directory: replace the directory, keep the link
+        self.names, self.marker = set(names) | {LOCK_FILE}, names[0]
+        self.prefix = f".{self.out.name}."
+        self.staging = self.out.with_name(f"{self.prefix}partial-{os.getpid()}-{secrets.token_hex(4)}")
+        self._lock_fd: int | None = None
+        self._created = self._committed = False
+
+    def __enter__(self):
+        cwd = Path.cwd().resolve()
+        if cwd == self.out or self.out in cwd.parents:
+            raise UserError(f"--out {self.given} is the current directory or holds it; data prepare replaces the "
+                            "whole output directory, so give it a directory of its own, e.g. --out data/")
+        try:
+            self._created = not self.out.exists()
+            if not self._created:
+                self._check_contents()  # before writing anything there
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._lock()
+            self._remove_leftovers()
+            self.staging.mkdir()
+        except OSError as exc:
+            self.__exit__()
+            raise _cannot_write(self.given, exc) from None
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+        if self._created and not self._committed and self._lock_fd is not None:  # leave no empty OUT behind
+            with contextlib.suppress(OSError):
+                (self.out / LOCK_FILE).unlink()
+                self.out.rmdir()
+        self._unlock()
+
+    def _lock(self) -> None:
+        while True:
+            fd = os.open(self.out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise UserError(f"--out {self.given}: another `zerollm data prepare` (pid {holder}) is writing "
+                                "there; wait for it to finish or choose another --out") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.out / LOCK_FILE).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:  # else the holder committed between our open and flock: lock the new file
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _check_contents(self) -> None:
+        entries = sorted(set(os.listdir(self.out)) - {LOCK_FILE})
+        foreign = [name for name in entries if name not in self.names]
+        if entries and self.marker not in entries:  # e.g. a tokenizer/ of your own
+            foreign = entries
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise UserError(f"--out {self.given} holds {shown}, which data prepare did not write; it replaces its "
+                            "whole output directory, so give it a new or empty directory (or one it wrote before)")
+
+    def _remove_leftovers(self) -> None:
+        for entry in self.out.parent.glob(f"{self.prefix}*"):
+            if entry.name.startswith((f"{self.prefix}partial-", f"{self.prefix}old-")):
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def commit(self) -> None:
+        """Make the staging directory OUT: the old output moves aside and is removed."""
+        old = self.out.with_name(f"{self.prefix}old-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.link(self.out / LOCK_FILE, self.staging / LOCK_FILE)
+            os.rename(self.out, old)
+        except OSError as exc:
+            raise _cannot_write(self.given, exc) from None
+        try:
+            os.rename(self.staging, self.out)
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # fails only if another run created OUT meanwhile; it replaces it
+                os.rename(old, self.out)
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise UserError(f"--out {self.given}: another `zerollm data prepare` started writing there while this "
+                                "one finished; nothing of this run was kept") from None
+            raise _cannot_write(self.given, exc) from None
+        self._committed = True
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,486 @@
+"""Users' files -> raw values, read in bounded memory.
+
+Text formats: `.txt` (documents separated by blank lines), `.jsonl` (one JSON value per line) and `.json` (an array
+of values, or one value), each optionally gzip-compressed (`.txt.gz`, `.jsonl.gz`, `.json.gz`). A leading UTF-8 BOM
+is dropped and CRLF line ends become LF. Table formats: Parquet (`.parquet`), Arrow (`.arrow`, IPC file or stream)
+and directories written by Hugging Face `datasets`' `save_to_disk` (a Dataset, or a DatasetDict whose splits are
+read in order); a row is a record of column -> value. They need the optional `datasets` package (which brings
+`pyarrow`); without it such an input is a one-line error saying what to install.
+
+Every value carries its place, `file:line` for text formats and `file:row N` for tables. A value that cannot be
+used comes out as `Skipped`, never dropped silently. A file that cannot be read at all (missing, binary, not
+UTF-8, invalid `.json`, unknown format) raises `UserError` naming it.
+
+Memory: no file is read whole. A `.txt` document of any length comes out in pieces of at most `PIECE_CHARS`
+characters (`Item.last` is False until its final piece), cut before whitespace where possible, where the
+tokenizer's pre-tokenizer cuts anyway, so the pieces tokenize exactly as the whole would. A JSON record longer
+than `max_record_chars` is skipped (`.jsonl`) or refused (`.json`) without being held in memory.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from llm.errors import UserError
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
+TABLE_SUFFIXES = (".parquet", ".arrow")
+SUPPORTED = (*TEXT_SUFFIXES, *(s + ".gz" for s in TEXT_SUFFIXES), *TABLE_SUFFIXES)
+HF_DATASET_FILES = ("state.json", "dataset_info.json")
+HF_DATASET_DICT_FILE = "dataset_dict.json"
+
+PIECE_CHARS = 1 << 15
+"""Longest piece of text handed to the tokenizer at once. Small pieces tokenize fastest (the `tokenizers` library
+holds about 170 bytes per character of one `encode` call), so a long document is cut into pieces of this size."""
+DEFAULT_MAX_RECORD_MB = 64.0
+ROWS_PER_BATCH = 256
+TABLE_ERRORS = (OSError, ValueError, KeyError, TypeError, NotImplementedError)
+"""What pyarrow and datasets raise for a damaged or foreign file (their Arrow* errors derive from these)."""
+INSTALL_DATASETS = "pip install 'zerollm[datasets]'"
+
+
+@dataclass(frozen=True)
+class Item:
+    """One raw value read from a file: a text (str) or a parsed JSON value or table row.
+
+    A long text document comes as several items with the same place: pieces 0, 1, ... of which only the
+    last has `last` True.
+    """
+
+    source: str
+    line: int
+    value: Any
+    unit: str = "line"
+    """'line' (text formats) or 'row' (tables): how `line` counts."""
+    piece: int = 0
+    last: bool = True
+
+    @property
+    def place(self) -> str:
+        return place(self.source, self.line, self.unit)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A record that cannot be used, with its place and the reason."""
+
+    source: str
+    line: int
+    reason: str
+    unit: str = "line"
+
+    def __str__(self) -> str:
+        return f"{place(self.source, self.line, self.unit)}: {self.reason}"
+
+
+def place(source: str, line: int, unit: str) -> str:
+    """`file:line` for text formats, `file:row N` for tables."""
+    return f"{source}:{line}" if unit == "line" else f"{source}:{unit} {line}"
+
+
+# ---- which files ------------------------------------------------------------------------------------
+
+def _format(path: Path) -> str | None:
+    """'.txt', '.jsonl', '.json', '.parquet', '.arrow' or 'hf' (a save_to_disk directory), gzip aside; None if
+    unknown."""
+    if path.is_dir():
+        return "hf" if all((path / name).is_file() for name in HF_DATASET_FILES) else None
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        name, candidates = name.removesuffix(".gz"), TEXT_SUFFIXES
+    else:
+        candidates = (*TEXT_SUFFIXES, *TABLE_SUFFIXES)
+    return next((suffix for suffix in candidates if name.endswith(suffix)), None)
+
+
+def _is_within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _dataset_dict_splits(path: Path) -> list[Path]:
+    try:
+        splits = json.loads((path / HF_DATASET_DICT_FILE).read_text(encoding="utf-8"))["splits"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{path / HF_DATASET_DICT_FILE}: not a datasets DatasetDict description ({exc})") from None
+    return [path / split for split in splits]
+
+
+def _walk(folder: Path, exclude: Path | None) -> list[Path]:
+    """Supported files and save_to_disk datasets under `folder`, sorted; hidden entries and `exclude` left out."""
+    found: list[Path] = []
+    for root, dirs, files in os.walk(folder):
+        here = Path(root)
+        kept = []
+        for name in sorted(dirs):
+            sub = here / name
+            if name.startswith(".") or (exclude is not None and _is_within(sub.resolve(), exclude)):
+                continue
+            if _format(sub) == "hf":
+                found.append(sub)
+            elif (sub / HF_DATASET_DICT_FILE).is_file():
+                found.extend(_dataset_dict_splits(sub))
+            else:
+                kept.append(name)
+        dirs[:] = kept
+        found.extend(here / name for name in files if not name.startswith(".") and _format(here / name))
+    return sorted(found)
+
+
+def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None) -> list[Path]:
+    """Files (and save_to_disk datasets) named directly, plus the supported ones under any directory (sorted;
+    hidden files and folders are left out). `exclude` (the output directory) is never read: a directory
+    walk leaves it out, and naming a path inside it is refused."""
+    excluded = Path(exclude).resolve() if exclude is not None else None
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if excluded is not None and path.exists() and _is_within(path.resolve(), excluded):
+            raise UserError(f"{path}: is inside the output directory {exclude}, which is replaced by this run; "
+                            "move the input or choose another --out")
+        if (path / HF_DATASET_DICT_FILE).is_file():
+            files.extend(_dataset_dict_splits(path))
+        elif path.is_dir() and _format(path) != "hf":
+            found = _walk(path, excluded)
+            if not found:
+                raise UserError(f"{path}: directory holds no {'/'.join(SUPPORTED)} files or datasets directories")
+            files.extend(found)
+        elif path.exists():
+            if _format(path) is None:
+                raise UserError(f"{path}: unknown format '{''.join(path.suffixes) or path.name}'; expected one of "
+                                f"{', '.join(SUPPORTED)} or a directory saved by datasets' save_to_disk")
+            files.append(path)
+        else:
+            raise UserError(f"{path}: no such file or directory")
+    if not files:
+        raise UserError("no input files given")
+    for path in files:
+        if _format(path) in TEXT_SUFFIXES:
+            _check_text_file(path)
+        elif _format(path) in TABLE_SUFFIXES:
+            _check_table_file(path)
+    return files
+
+
+def _open(path: Path) -> BinaryIO:
+    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else path.open("rb")
+
+
+def _check_text_file(path: Path) -> None:
+    try:
+        with _open(path) as f:
+            head = f.read(8192)
+    except (OSError, EOFError) as exc:
+        raise UserError(f"{path}: cannot read ({exc})") from None
+    if b"\x00" in head:
+        raise UserError(f"{path}: looks like a binary file (NUL bytes); expected UTF-8 text")
+
+
+def _check_table_file(path: Path) -> None:
+    """Read a Parquet or Arrow file's schema, so a damaged one is refused before anything is written."""
+    pa = _pyarrow(path)
+    try:
+        if _format(path) == ".parquet":
+            pa.parquet.read_schema(path)
+        else:
+            next(_arrow_batches(pa, path), None)
+    except TABLE_ERRORS as exc:
+        raise UserError(f"{path}: cannot read it as {_format(path)[1:].capitalize()} "
+                        f"({type(exc).__name__}: {exc})") from None
+
+
+# ---- text formats -----------------------------------------------------------------------------------
+
+def _line_parts(path: Path, max_bytes: int) -> Iterator[tuple[int, str, bool]]:
+    """(line number, text, complete) for each line of a text file, decoded, with CRLF made LF and a leading BOM
+    dropped. A line longer than `max_bytes` comes in several parts, `complete` only on its last."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    number, carry, first, open_line = 1, "", True, False
+    with _open(path) as f:
+        while True:
+            try:
+                raw = f.readline(max_bytes)
+                text = carry + decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError:
+                raise UserError(f"{path}:{number}: not valid UTF-8 text") from None
+            except (OSError, EOFError) as exc:  # a damaged .gz
+                raise UserError(f"{path}:{number}: cannot read ({exc})") from None
+            if not raw:
+                if text or open_line:
+                    yield number, text, True
+                return
+            if first:
+                text, first = text.removeprefix("\ufeff"), False
+            complete = raw.endswith(b"\n") or len(raw) < max_bytes
+            carry = ""
+            if text.endswith("\r\n"):
+                text = text[:-2] + "\n"
+            elif text.endswith("\r") and not complete:  # maybe the first half of a CRLF
+                text, carry = text[:-1], "\r"
+            if text or complete:
+                yield number, text, complete
+            number, open_line = number + complete, not complete
+
+
+_BEFORE_SPACE = re.compile(r".*\S(?=[ \t\n])", re.DOTALL)
+_BEFORE_WORD = re.compile(r".*(?:[^\s\w']|_)(?=[^\W_])", re.DOTALL)
+
+
+def cut_point(text: str, limit: int) -> int:
+    """Where to cut `text` (longer than `limit`) so that both halves tokenize as the whole does: the last place in
+    the second half of the limit between a non-space and a space, else between punctuation and a letter or digit
+    (both boundaries of the byte-level BPE pre-tokenizer); else at the limit."""
+    for pattern in (_BEFORE_SPACE, _BEFORE_WORD):
+        match = pattern.match(text, limit // 2, limit + 1)
+        if match:
+            return match.end()
+    return limit
+
+
+class _Pieces:
+    """Collects one document's text and hands it out in pieces of at most `limit` characters."""
+
+    def __init__(self, source: str, line: int, limit: int, unit: str = "line") -> None:
+        self.source, self.line, self.limit, self.unit = source, line, limit, unit
+        self.parts: list[str] = []
+        self.size = self.count = 0
+
+    def add(self, text: str) -> Iterator[Item]:
+        self.parts.append(text)
+        self.size += len(text)
+        if self.size > self.limit:
+            buffer = "".join(self.parts)
+            while len(buffer) > self.limit:
+                cut = cut_point(buffer, self.limit)
+                yield self._item(buffer[:cut], last=False)
+                buffer = buffer[cut:]
+            self.parts, self.size = [buffer], len(buffer)
+
+    def finish(self) -> Iterator[Item]:
+        yield self._item("".join(self.parts).rstrip("\n"), last=True)
+
+    def _item(self, text: str, last: bool) -> Item:
+        self.count += 1
+        return Item(self.source, self.line, text, self.unit, piece=self.count - 1, last=last)
+
+
+def split_text(item: Item, text: str, limit: int = PIECE_CHARS) -> Iterator[Item]:
+    """`text` (the whole document of `item`) as one item, or as pieces of at most `limit` characters."""
+    pieces = _Pieces(item.source, item.line, limit, item.unit)
+    yield from pieces.add(text)
+    yield from pieces.finish()
+
+
+def _txt_items(path: Path) -> Iterator[Item]:
+    document: _Pieces | None = None
+    at_line_start = True
+    for number, text, complete in _line_parts(path, PIECE_CHARS):
+        blank = at_line_start and complete and not text.strip()
+        at_line_start = complete
+        if blank:
+            if document is not None:
+                yield from document.finish()
+                document = None
+            continue
+        if document is None:
+            document = _Pieces(str(path), number, PIECE_CHARS)
+        yield from document.add(text)
+    if document is not None:
+        yield from document.finish()
+
+
+def _too_long(size: int, max_record_chars: int) -> str:
+    return (f"record of {size:,} characters is over --max-record-mb {max_record_chars / 1e6:g}; raise it, or put "
+            "long documents in .txt files, which are streamed")
+
+
+def _jsonl_items(path: Path, max_record_chars: int) -> Iterator[Item | Skipped]:
+    parts: list[str] = []
+    size = 0
+    for number, text, complete in _line_parts(path, min(PIECE_CHARS, max_record_chars + 1)):
+        size += len(text)
+        if size <= max_record_chars:
+            parts.append(text)
+        if not complete:
+            continue
+        line, too_long = "".join(parts), size > max_record_chars
+        parts, size_read, size = [], size, 0
+        if too_long:
+            yield Skipped(str(path), number, _too_long(size_read, max_record_chars))
+        elif line.strip():
+            try:
+                yield Item(str(path), number, json.loads(line))
+            except json.JSONDecodeError as exc:
+                yield Skipped(str(path), number, f"malformed JSON ({exc.msg})")
+
+
+_JSON_SPACE = re.compile(r"[ \t\r\n]*")
+
+
+class _JsonStream:
+    """The values of a `.json` file (the elements of a top-level array, or the one value), parsed one at a time
+    from a sliding window of the text, so the file is never held whole."""
+
+    def __init__(self, path: Path, max_record_chars: int) -> None:
+        self.path, self.max_record_chars = path, max_record_chars
+        self.parts = (text for _, text, _ in _line_parts(path, PIECE_CHARS))
+        self.buffer, self.pos, self.line, self.eof = "", 0, 1, False
+
+    def _more(self) -> bool:
+        """Append at least as much text as is unread (amortized linear parsing); False at the end of the file."""
+        self.buffer, self.pos = self.buffer[self.pos:], 0
+        wanted, added = max(len(self.buffer), 1 << 16), []
+        while wanted > 0:
+            text = next(self.parts, None)
+            if text is None:
+                self.eof = True
+                break
+            added.append(text)
+            wanted -= len(text)
+        self.buffer += "".join(added)
+        return bool(added)
+
+    def _peek(self) -> str:
+        """The next non-whitespace character ('' at the end), counting lines."""
+        while True:
+            end = _JSON_SPACE.match(self.buffer, self.pos).end()
+            self.line += self.buffer.count("\n", self.pos, end)
+            self.pos = end
+            if end < len(self.buffer) or not self._more():
+                return self.buffer[self.pos:self.pos + 1]
+
+    def _error(self, message: str, pos: int | None = None) -> UserError:
+        line = self.line + self.buffer.count("\n", self.pos, pos if pos is not None else self.pos)
+        return UserError(f"{self.path}:{line}: {message}; a .json file must hold one array or object")
+
+    def _check_size(self, end: int) -> None:
+        if end - self.pos > self.max_record_chars:
+            raise self._error(f"a value longer than --max-record-mb {self.max_record_chars / 1e6:g}; raise it or "
+                              "convert the file to .jsonl")
+
+    def _value(self) -> tuple[int, Any]:
+        decoder = json.JSONDecoder()
+        self._peek()
+        while True:
+            try:
+                value, end = decoder.raw_decode(self.buffer, self.pos)
+                if end < len(self.buffer) or self.eof:
+                    break
+            except json.JSONDecodeError as exc:
+                if self.eof:
+                    raise self._error(f"invalid JSON ({exc.msg})", exc.pos) from None
+            self._check_size(len(self.buffer))
+            self._more()
+        self._check_size(end)
+        line = self.line
+        self.line += self.buffer.count("\n", self.pos, end)
+        self.pos = end
+        return line, value
+
+    def items(self) -> Iterator[Item]:
+        first = self._peek()
+        if not first:
+            return
+        if first != "[":
+            yield Item(str(self.path), *self._value())
+        else:
+            self.pos += 1
+            if self._peek() == "]":
+                self.pos += 1
+            else:
+                while True:
+                    yield Item(str(self.path), *self._value())
+                    separator = self._peek()
+                    self.pos += 1
+                    if separator == "]":
+                        break
+                    if separator != ",":
+                        found = repr(separator) if separator else "the end"
+                        raise self._error(f"expected ',' or ']' between array elements, found {found}")
+        if self._peek():
+            raise self._error("extra data after the top-level value")
+
+
+# ---- table formats ----------------------------------------------------------------------------------
+
+def _pyarrow(path: Path):
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise UserError(f"{path}: reading Parquet/Arrow files needs pyarrow; install it with "
+                        f"{INSTALL_DATASETS}") from None
+    return pyarrow
+
+
+def _without_nulls(value: Any) -> Any:
+    """Table rows hold None for a struct field or column a record did not have; drop them, as JSON would."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def _batch_rows(batches: Iterable) -> Iterator[dict]:
+    for batch in batches:
+        for start in range(0, batch.num_rows, ROWS_PER_BATCH):
+            yield from batch.slice(start, ROWS_PER_BATCH).to_pylist()
+
+
+def _arrow_batches(pa, path: Path) -> Iterator:
+    """Record batches of an Arrow IPC file (random access format) or stream (what `datasets` writes)."""
+    with pa.memory_map(str(path)) as source:
+        try:
+            reader = pa.ipc.open_file(source)
+        except pa.ArrowInvalid:
+            source.seek(0)
+            yield from pa.ipc.open_stream(source)
+            return
+        yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
+
+
+def _hf_rows(path: Path) -> Iterator[dict]:
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(f"{path}: reading a save_to_disk directory needs the datasets package; install it with "
+                        f"{INSTALL_DATASETS}") from None
+    dataset = datasets.load_from_disk(str(path))
+    for batch in dataset.iter(batch_size=ROWS_PER_BATCH):
+        yield from (dict(zip(batch, values)) for values in zip(*batch.values()))
+
+
+def _table_items(path: Path, kind: str) -> Iterator[Item]:
+    rows = {".parquet": lambda: _batch_rows(_pyarrow(path).parquet.ParquetFile(path).iter_batches(ROWS_PER_BATCH)),
+            ".arrow": lambda: _batch_rows(_arrow_batches(_pyarrow(path), path)), "hf": lambda: _hf_rows(path)}[kind]
+    number = 0
+    try:
+        for number, row in enumerate(rows(), start=1):
+            yield Item(str(path), number, _without_nulls(row), unit="row")
+    except UserError:
+        raise
+    except TABLE_ERRORS as exc:
+        what = {".parquet": "Parquet", ".arrow": "Arrow", "hf": "a datasets directory"}[kind]
+        raise UserError(f"{path}: cannot read it as {what} after row {number} ({type(exc).__name__}: {exc})") from None
+
+
+def read_items(path: Path, max_record_mb: float = DEFAULT_MAX_RECORD_MB) -> Iterator[Item | Skipped]:
+    """Raw values of one input (checked by `expand_inputs`), streamed."""
+    kind = _format(path)
+    max_record_chars = int(max_record_mb * 1e6)
+    if kind == ".txt":
+        return _txt_items(path)
+    if kind == ".jsonl":
+        return _jsonl_items(path, max_record_chars)
+    if kind == ".json":
+        return _JsonStream(path, max_record_chars).items()
+    return _table_items(path, kind)
