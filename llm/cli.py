@@ -181,6 +181,8 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     v.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     v.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request (default 256)")
+    v.add_argument("--api-key", default=os.environ.get("ZEROLLM_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (default: $ZEROLLM_API_KEY); needed off loopback")
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -294,10 +296,10 @@ def _generator(model_dir: str):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from llm.tokenizer import Tokenizer
-
     params, generator = _sampling(args), _generator(args.model)
-    prompt = Tokenizer.render_chat([{"role": "user", "content": args.prompt}], True) if args.chat else args.prompt
+    prompt = args.prompt
+    if args.chat:
+        prompt = generator.tokenizer.encode_chat([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     try:
         for piece in generator.stream(prompt, params):
             print(piece, end="", flush=True)
@@ -308,9 +310,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from llm.infer.chat import chat_repl
+    from llm.infer.chat import ChatSession, chat_repl
 
-    chat_repl(_generator(args.model), _sampling(args), system=args.system)
+    chat_repl(ChatSession(_generator(args.model), _sampling(args), system=args.system))
     return 0
 
 
@@ -325,10 +327,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from llm.infer.server import ChatService, make_server
+    from llm.infer.server import ChatService, check_exposure, make_server
 
+    check_exposure(args.host, args.api_key)  # before the model loads
     service = ChatService(_generator(args.model), Path(args.model).resolve().name, args.max_tokens)
-    server = make_server(service, args.host, args.port)
+    server = make_server(service, args.host, args.port, api_key=args.api_key)
     host, port = server.server_address[:2]
     print(f"serving {service.model_name} on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
     try:
@@ -337,6 +340,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pass
     finally:
         server.server_close()
+        service.close()
     return 0
 
 
