@@ -95,10 +95,10 @@ def answers(run: Path, qa: list[tuple[str, str]], temperature: float = 0.0, seed
     from llm.export import load_for_inference
     from llm.infer.generate import TextGenerator
     from llm.infer.sampling import SamplingParams
-    from llm.tokenizer import Tokenizer
 
     generator = TextGenerator(*load_for_inference(run))
-    prompts = [Tokenizer.render_chat([{"role": "user", "content": q}], add_generation_prompt=True) for q, _ in qa]
+    prompts = [generator.tokenizer.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q, _ in qa]
     params = SamplingParams(max_new_tokens=6, temperature=temperature, seed=seed)
     return [text.strip() for text in generator.generate(prompts, params)]
 
