@@ -7,10 +7,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from conftest import SHARED_DATA, TINY, run_cli, shared
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import SHARED_DATA, TINY, run_cli, shared
 from llm.chat_template import CHAT_TEMPLATE, ChatTemplateError
 from llm.data.prepare import encode_dpo, encode_sft, prepare
 from llm.errors import UserError
@@ -71,7 +71,8 @@ def test_round_trip_exact_on_any_unicode(tokenizer_dir, text):
 
 def test_round_trip_keeps_what_normalizers_would_change(tokenizer_dir):
     tok = Tokenizer.load(tokenizer_dir)
-    for text in [" leading space", "ｆｕｌｌｗｉｄｔｈ ①", "e\u0301 vs é", "tabs\t\tand\r\nCRLF", "  ", "🤖👩‍👩‍👧", "<|im_end|> literal"]:
+    for text in [" leading space", "ｆｕｌｌｗｉｄｔｈ ①", "e\u0301 vs é", "tabs\t\tand\r\nCRLF", "  ", "🤖👩‍👩‍👧",
+                 "<|im_end|> literal"]:
         assert tok.decode(tok.encode(text)) == text
 
 
@@ -96,7 +97,8 @@ def test_cli_rejects_too_small_vocab_and_missing_input(tmp_path):
     result = run_cli("tokenizer", "train", "--input", SHARED_DATA / "pretrain" / "en_c4_demo.jsonl",
                      "--vocab-size", 100, "--out", tmp_path / "t")
     assert result.returncode == 2 and "too small" in result.stderr and "Traceback" not in result.stderr
-    result = run_cli("tokenizer", "train", "--input", tmp_path / "nope.txt", "--vocab-size", 300, "--out", tmp_path / "t")
+    result = run_cli("tokenizer", "train", "--input", tmp_path / "nope.txt", "--vocab-size", 300,
+                     "--out", tmp_path / "t")
     assert result.returncode == 2 and "no such file" in result.stderr
 
 
@@ -151,7 +153,8 @@ def test_lone_surrogate_is_a_clear_value_error(tokenizer_dir):
 
 def test_minimind_and_llama_layouts_are_read_by_role():
     minimind = Tokenizer.load(MINIMIND)
-    assert (minimind.eos_id, minimind.im_start_id, minimind.im_end_id, minimind.pad_id, minimind.bos_id) == (0, 1, 2, 0, 1)
+    roles = (minimind.eos_id, minimind.im_start_id, minimind.im_end_id, minimind.pad_id, minimind.bos_id)
+    assert roles == (0, 1, 2, 0, 1)
     assert minimind.token(3) == "<|object_ref_start|>" and "<|object_ref_start|>" in minimind.protected
     assert "<think>" not in minimind.protected  # an ordinary added token there, as in transformers
     assert minimind.stop_ids == [0, 2] and minimind.notes == []
@@ -178,10 +181,10 @@ def test_foreign_chat_templates_give_transformers_text_and_ids(directory):
 def test_minimind_template_masks_the_think_block_reply_and_end_of_turn():
     tok = Tokenizer.load(MINIMIND)
     chat = tok.encode_chat_masked(CONVERSATION)
-    assert _mask_runs(tok, chat.ids, chat.loss_mask) == [
-        '2+3=5; weather needs a tool.\n</think>\n\nLet me look.\n<tool_call>\n{"name": "weather", "arguments": '
-        '{"city": "巴黎"}}\n</tool_call>\n<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call><|im_end|>',
-        "5. Rain in Paris.<|im_end|>"]
+    first_reply = ('2+3=5; weather needs a tool.\n</think>\n\nLet me look.\n<tool_call>\n{"name": "weather", '
+                   '"arguments": {"city": "巴黎"}}\n</tool_call>\n<tool_call>\n{"name": "clock", "arguments": {}}'
+                   '\n</tool_call><|im_end|>')
+    assert _mask_runs(tok, chat.ids, chat.loss_mask) == [first_reply, "5. Rain in Paris.<|im_end|>"]
     assert tok.decode(chat.ids) == tok.render_chat(CONVERSATION)
     assert tok.decode(chat.ids[:chat.turn_ends[0]]).endswith("</tool_call><|im_end|>\n")
     assert "<tool_response>\nrain, 12°C\n</tool_response>" in tok.decode(chat.ids)
@@ -213,7 +216,8 @@ def test_a_saved_foreign_tokenizer_keeps_its_files_meaning(tmp_path):
     copy = Tokenizer.load(tmp_path)
     assert copy.hash == original.hash and copy.chat_template == original.chat_template
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    assert config["eos_token"] == "<|im_end|>" and config["added_tokens_decoder"]["3"]["content"] == "<|object_ref_start|>"
+    assert config["eos_token"] == "<|im_end|>"
+    assert config["added_tokens_decoder"]["3"]["content"] == "<|object_ref_start|>"
 
 
 # ---- SFT and DPO samples through the template ------------------------------------------------------------
@@ -222,10 +226,10 @@ def test_sft_mask_covers_reasoning_content_tool_calls_and_end_of_turn(tokenizer_
     tok = Tokenizer.load(tokenizer_dir)
     sample, truncated = encode_sft(tok, CONVERSATION, max_tokens=10_000)
     assert not truncated and tok.decode(sample["tokens"]) == tok.render_chat(CONVERSATION)
-    assert _mask_runs(tok, sample["tokens"], sample["loss_mask"]) == [
-        "<think>\n2+3=5; weather needs a tool.\n</think>\n\nLet me look.\n<tool_call>\n{\"name\": \"weather\", "
-        "\"arguments\": {\"city\": \"巴黎\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"clock\", \"arguments\": \"{}\"}"
-        "\n</tool_call><|im_end|>", "5. Rain in Paris.<|im_end|>"]
+    first_reply = ('<think>\n2+3=5; weather needs a tool.\n</think>\n\nLet me look.\n<tool_call>\n{"name": "weather", '
+                   '"arguments": {"city": "巴黎"}}\n</tool_call>\n<tool_call>\n{"name": "clock", "arguments": "{}"}'
+                   '\n</tool_call><|im_end|>')
+    assert _mask_runs(tok, sample["tokens"], sample["loss_mask"]) == [first_reply, "5. Rain in Paris.<|im_end|>"]
     prompt_ids = tok.encode_chat(CONVERSATION[:2], add_generation_prompt=True)
     assert sample["tokens"][:len(prompt_ids)] == prompt_ids  # training sees what generation is prompted with
 
@@ -262,15 +266,15 @@ def test_minimind_tokenizer_through_prepare_train_generate_chat_export_and_serve
                          "--out", tmp_path / kind, "--workers", 1, "--val-fraction", 0.05)
         assert result.returncode == 0, result.stderr[-2000:]
     sets = [a for o in [*TINY, "train.max_steps=2", "train.eval_every=2"] for a in ("--set", o)]
-    result = run_cli("train", "pretrain", "--recipe", "demo", "--data", tmp_path / "pretrain", "--out", tmp_path / "run",
-                     *sets)
+    result = run_cli("train", "pretrain", "--recipe", "demo", "--data", tmp_path / "pretrain",
+                     "--out", tmp_path / "run", *sets)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert Tokenizer.load(tmp_path / "run" / "tokenizer").hash == Tokenizer.load(MINIMIND).hash
     result = run_cli("generate", "--model", tmp_path / "run", "--prompt", INJECTION, "--chat", "--max-new-tokens", 4)
     assert result.returncode == 0, result.stderr[-2000:]
     result = subprocess.run([sys.executable, "-m", "llm", "chat", "--model", str(tmp_path / "run"),
                              "--max-new-tokens", "4"], input="hello\n/quit\n", capture_output=True, text=True,
-                            timeout=300)
+                            timeout=300, check=False)
     assert result.returncode == 0 and result.stdout.count("assistant> ") == 1, result.stderr[-2000:]
     assert run_cli("export", "--run", tmp_path / "run", "--out", tmp_path / "export").returncode == 0
     config = json.loads((tmp_path / "export" / "config.json").read_text())
