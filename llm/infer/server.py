@@ -270,6 +270,8 @@ def _make_handler(service: ChatService, api_key: str | None, loopback: bool, tim
 
         def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
             """The standard library's errors (bad request line, unknown method, ...) as JSON, not HTML."""
+            if self.request_version == "HTTP/0.9":  # what it assumes of an unparsable request line: no status line
+                self.request_version = "HTTP/1.1"
             self._error(code, message or HTTPStatus(code).phrase)
 
         def _sse(self, payload: dict | str) -> None:
