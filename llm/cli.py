@@ -242,7 +242,10 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 def cmd_data(args: argparse.Namespace) -> int:
     from llm.data.prepare import prepare
+    from llm.tokenizer import Tokenizer
 
+    for note in Tokenizer.load(args.tokenizer).notes:  # e.g. no pad token: padding with end of text
+        print(f"note: {note}")
     report = prepare(args.kind, args.input, args.tokenizer, args.out, val_fraction=args.val_fraction,
                      workers=args.workers, strict=args.strict, seed=args.seed, seq_len=args.seq_len)
     print(report.summary())
