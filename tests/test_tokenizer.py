@@ -210,6 +210,15 @@ def test_a_tokenizer_without_chat_template_encodes_text_and_refuses_chat(tmp_pat
         tok.encode_chat([{"role": "user", "content": "hi"}])
 
 
+def test_a_chat_template_file_beside_the_tokenizer_is_used(tmp_path):
+    config = json.loads((MINIMIND / "tokenizer_config.json").read_text())
+    (tmp_path / "chat_template.jinja").write_text(config.pop("chat_template"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    shutil.copy(MINIMIND / "tokenizer.json", tmp_path / "tokenizer.json")
+    messages = [{"role": "user", "content": "hi"}]
+    assert Tokenizer.load(tmp_path).encode_chat(messages, True) == Tokenizer.load(MINIMIND).encode_chat(messages, True)
+
+
 def test_a_saved_foreign_tokenizer_keeps_its_files_meaning(tmp_path):
     original = Tokenizer.load(MINIMIND)
     original.save(tmp_path)
