@@ -322,6 +322,48 @@ def test_connections_over_the_cap_get_503_at_once(generator):
         assert status == 200
 
 
+def test_a_full_queue_answers_503_and_the_queued_are_served(generator):
+    started, release = threading.Event(), threading.Event()
+
+    class Held:  # a generation that waits for the test's word
+        finish_reason, completion_tokens = "stop", 1
+
+        def __iter__(self):
+            started.set()
+            release.wait(CLIENT_TIMEOUT_S)
+            yield "done"
+
+    class Holding:
+        model, tokenizer = generator.model, generator.tokenizer
+
+        def stream(self, prompt, params):
+            return Held()
+
+    service = ChatService(Holding(), "tiny", max_queued=1)
+    server = make_server(service, "127.0.0.1", 0, timeout_s=CLIENT_TIMEOUT_S)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            running_one = pool.submit(_post, url, json.dumps(HELLO).encode())
+            assert started.wait(CLIENT_TIMEOUT_S)
+            queued_one = pool.submit(_post, url, json.dumps(HELLO).encode())
+            deadline = time.monotonic() + CLIENT_TIMEOUT_S
+            while service._queue.qsize() < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            status, payload = _post(url, json.dumps(HELLO).encode())
+            assert status == 503 and payload["error"]["type"] == "server_error"
+            release.set()
+            for future in (running_one, queued_one):
+                status, payload = future.result()
+                assert status == 200 and payload["choices"][0]["message"]["content"] == "done"
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+        service.close()
+
+
 def _small_send_buffers(server) -> None:
     """Make the server's sockets block after a few KB that a client leaves unread."""
     accept = server.get_request
