@@ -27,7 +27,6 @@ from llm.infer.sampling import SamplingParams
 from llm.loading import load_for_inference
 from llm.train.engine import resolve_precision
 
-
 BENCH_VOCAB = 6400
 """Vocabulary of the random tokens when the recipe leaves it to the tokenizer."""
 

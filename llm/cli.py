@@ -200,6 +200,8 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     v.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     v.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request (default 256)")
+    v.add_argument("--api-key", default=os.environ.get("ZEROLLM_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (default: $ZEROLLM_API_KEY); needed off loopback")
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -260,7 +262,10 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 def cmd_data(args: argparse.Namespace) -> int:
     from llm.data.prepare import prepare
+    from llm.tokenizer import Tokenizer
 
+    for note in Tokenizer.load(args.tokenizer).notes:  # e.g. no pad token: padding with end of text
+        print(f"note: {note}")
     report = prepare(args.kind, args.input, args.tokenizer, args.out, val_fraction=args.val_fraction,
                      workers=args.workers, strict=args.strict, seed=args.seed, seq_len=args.seq_len,
                      max_record_mb=args.max_record_mb)
@@ -342,10 +347,10 @@ def _generator(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from llm.tokenizer import Tokenizer
-
     params, generator = _sampling(args), _generator(args)
-    prompt = Tokenizer.render_chat([{"role": "user", "content": args.prompt}], True) if args.chat else args.prompt
+    prompt = args.prompt
+    if args.chat:
+        prompt = generator.tokenizer.encode_chat([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     try:
         for piece in generator.stream(prompt, params):
             print(piece, end="", flush=True)
@@ -356,9 +361,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from llm.infer.chat import chat_repl
+    from llm.infer.chat import ChatSession, chat_repl
 
-    chat_repl(_generator(args), _sampling(args), system=args.system)
+    chat_repl(ChatSession(_generator(args), _sampling(args), system=args.system))
     return 0
 
 
@@ -373,10 +378,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from llm.infer.server import ChatService, make_server
+    from llm.infer.server import ChatService, check_exposure, make_server
 
+    check_exposure(args.host, args.api_key)  # before the model loads
     service = ChatService(_generator(args), Path(args.model).resolve().name, args.max_tokens)
-    server = make_server(service, args.host, args.port)
+    server = make_server(service, args.host, args.port, api_key=args.api_key)
     host, port = server.server_address[:2]
     print(f"serving {service.model_name} on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
     try:
@@ -385,6 +391,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pass
     finally:
         server.server_close()
+        service.close()
     return 0
 
 

@@ -98,7 +98,8 @@ def wrong_answer(right: str, rng: random.Random) -> str:
 def answers(run: Path, qa: list[tuple[str, str]], temperature: float = 0.0, seed: int | None = None) -> list[str]:
     """A run's ChatML answers to the questions: greedy, or sampled at `temperature`."""
     generator = TextGenerator(*load_for_inference(run))
-    prompts = [Tokenizer.render_chat([{"role": "user", "content": q}], add_generation_prompt=True) for q, _ in qa]
+    prompts = [generator.tokenizer.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q, _ in qa]
     params = SamplingParams(max_new_tokens=6, temperature=temperature, seed=seed)
     return [text.strip() for text in generator.generate(prompts, params)]
 

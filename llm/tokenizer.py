@@ -1,8 +1,20 @@
-"""Byte-level BPE tokenizer: training, special tokens, ChatML, HF-compatible files.
+"""Tokenizers: byte-level BPE training, special tokens found by role, safe encoding, chat templates.
 
-No normalizer and no prefix space, so `decode(encode(s)) == s` for every UTF-8 string. Special
-tokens sit at fixed low ids (0..3). The saved directory holds `tokenizer.json` and
-`tokenizer_config.json` (with a ChatML `chat_template`), loadable by `transformers.AutoTokenizer`.
+Any Hugging Face tokenizer directory works (`tokenizer.json`, optionally `tokenizer_config.json` and
+`chat_template.jinja`): ours, MiniMind's, Qwen's, Llama's. Special tokens are found by role, not by
+id — the end of text (document separator), padding, the start and end of a chat turn — from the
+token names and the config's `eos_token` / `bos_token` / `pad_token` fields; a tokenizer without a
+pad token pads with its end-of-text token and says so in `notes`.
+
+Text from users and files is encoded with special tokens disabled (`encode`): `<|im_end|>` in a
+message or a corpus is seven ordinary tokens, never the real one. Only a chat template inserts
+special tokens, and templates produce ids directly (`encode_chat`, `encode_chat_masked`), so nothing
+re-encodes a rendered string. The template is the tokenizer's own `chat_template` where it has one,
+else our ChatML when the vocabulary has `<|im_start|>`/`<|im_end|>`.
+
+Tokenizers we train: no normalizer and no prefix space, so `decode(encode(s)) == s` for every UTF-8
+string; `<|endoftext|>` 0, `<|im_start|>` 1, `<|im_end|>` 2, `<|pad|>` 3; the saved directory
+loads with `transformers.AutoTokenizer` and renders the same chat text.
 """
 
 from __future__ import annotations
@@ -10,31 +22,48 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate, ChatTemplateError
 from llm.errors import UserError
 
 EOS, IM_START, IM_END, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
-SPECIAL_TOKENS = [EOS, IM_START, IM_END, PAD]  # ids 0, 1, 2, 3
+SPECIAL_TOKENS = [EOS, IM_START, IM_END, PAD]  # ids 0, 1, 2, 3 in tokenizers we train
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+TOKENIZER_FILE, CONFIG_FILE, TEMPLATE_FILE = "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"
 
-TOKENIZER_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
+END_OF_TEXT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+TURN_START_NAMES = ("<|im_start|>", "<start_of_turn>", "<|start_header_id|>")
+TURN_END_NAMES = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
+
+OUR_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "eos_token": EOS,
+    "pad_token": PAD,
+    "bos_token": None,
+    "unk_token": None,
+    "additional_special_tokens": [IM_START, IM_END],
+    "add_bos_token": False,
+    "add_eos_token": False,
+    "clean_up_tokenization_spaces": False,
+    "model_max_length": 1 << 20,
+    "chat_template": CHAT_TEMPLATE,
+}
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, min_frequency: int = 2,
-                    show_progress: bool = True) -> "Tokenizer":
+                    show_progress: bool = True) -> Tokenizer:
     """Train byte-level BPE on a stream of texts and save it to `out_dir`."""
-    if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise UserError(f"--vocab-size {vocab_size} is too small: byte-level BPE needs at least {256 + len(SPECIAL_TOKENS)}")
+    smallest = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < smallest:
+        raise UserError(f"--vocab-size {vocab_size} is too small: byte-level BPE needs at least {smallest}")
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -46,68 +75,196 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, min_fr
         show_progress=show_progress,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return Tokenizer(tok).save(out_dir)
+    return Tokenizer(tok, OUR_CONFIG, str(out_dir)).save(out_dir)
+
+
+@dataclass
+class MaskedChat:
+    """A conversation as token ids with its SFT loss mask."""
+
+    ids: list[int]
+    loss_mask: list[int]
+    """1 on every assistant turn's body (reasoning, content, tool calls) and its end-of-turn token."""
+    replies: list[tuple[int, int]]
+    """Per assistant message: the [start, end) ids the mask covers."""
+    turn_ends: list[int]
+    """Per assistant message: the index just past its turn (incl. text the template puts after the end-of-turn
+    token); `ids[:turn_ends[k]]` is the conversation up to that reply, the place to cut a long one."""
+
+
+def _token_text(value: Any) -> str | None:
+    """A config's token field: a string, or transformers' serialized AddedToken {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
 
 
 class Tokenizer:
-    """Our view of a trained tokenizer: encode/decode, special ids, ChatML rendering, a content hash."""
+    """A tokenizer with its special tokens by role, safe text encoding and chat rendering to ids."""
 
-    def __init__(self, tok: HFTokenizer) -> None:
-        self._tok = tok
-        ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
-        if ids != list(range(len(SPECIAL_TOKENS))):
-            raise UserError(f"tokenizer lacks the special tokens {SPECIAL_TOKENS} at ids 0..{len(SPECIAL_TOKENS) - 1}")
-        self.eos_id, self.im_start_id, self.im_end_id, self.pad_id = ids
+    eos_id: int
+    """End of text: closes each pretraining document."""
+    pad_id: int
+    """Padding (the end-of-text token when the tokenizer has no pad token; see `notes`)."""
+    bos_id: int | None
+    """The config's bos_token, if any (never added by `encode`; a chat template may insert it)."""
+    im_start_id: int | None
+    """Start of a chat turn (<|im_start|> or the tokenizer's equivalent), if the vocabulary has one."""
+    im_end_id: int
+    """End of a chat turn (<|im_end|> or equivalent; else the config's eos_token; else end of text)."""
+    stop_ids: list[int]
+    """Tokens that end generation: end of text, end of turn and the config's eos_token."""
+
+    def __init__(self, tok: HFTokenizer, config: dict | None = None, source: str = "tokenizer",
+                 chat_template: str | None = None) -> None:
+        """`config`: the contents of tokenizer_config.json; `chat_template` overrides its template."""
+        self._tok, self.config, self.source = tok, dict(config or {}), source
+        self.hash = hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+        """Identity of the tokenizer file's vocabulary and merges: data and models record it to refuse a mismatch."""
+        spec = json.loads(tok.to_str())
+        added = {entry["content"]: entry for entry in spec.get("added_tokens", [])}
+        named = {field: _token_text(self.config.get(field)) for field in ("bos_token", "eos_token", "pad_token")}
+        configured = {field: tok.token_to_id(text) if text else None for field, text in named.items()}
+
+        def first_added(names: tuple[str, ...]) -> int | None:
+            return next((added[n]["id"] for n in names if n in added), None)
+
+        eos = first_added(END_OF_TEXT_NAMES)
+        self.eos_id = eos if eos is not None else configured["eos_token"]
+        if self.eos_id is None:
+            raise UserError(f"{source}: no end-of-text token (none of {', '.join(END_OF_TEXT_NAMES)}, and no "
+                            f"eos_token in {CONFIG_FILE}); set eos_token there")
+        self.bos_id = configured["bos_token"]
+        self.im_start_id = first_added(TURN_START_NAMES)
+        turn_end = first_added(TURN_END_NAMES)
+        self.im_end_id = next(i for i in (turn_end, configured["eos_token"], self.eos_id) if i is not None)
+        self.stop_ids = sorted({self.eos_id, self.im_end_id} | {configured["eos_token"]} - {None})
+        pad = configured["pad_token"] if configured["pad_token"] is not None else first_added(PAD_NAMES)
+        self.notes: list[str] = []
+        """What a user should know about this tokenizer (e.g. the pad fallback)."""
+        if pad is None:
+            pad = self.eos_id
+            self.notes.append(f"{source}: the tokenizer has no pad token; padding with {self.token(pad)} "
+                              f"(id {pad}), the end-of-text token")
+        self.pad_id = pad
+
+        role_ids = {self.eos_id, self.pad_id, self.im_end_id, *self.stop_ids} | {self.bos_id, self.im_start_id}
+        self.protected = sorted({t for t, entry in added.items() if entry.get("special")}
+                                | {self.token(i) for i in role_ids - {None}})
+        """Token strings that text from users or files never turns into special tokens."""
+        for entry in spec.get("added_tokens", []):
+            entry["special"] = entry["special"] or entry["content"] in self.protected
+        self._text = HFTokenizer.from_str(json.dumps(spec))
+        self._text.encode_special_tokens = True
+
+        template = chat_template if chat_template is not None else self.config.get("chat_template")
+        if isinstance(template, list):  # transformers' named templates
+            by_name = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = by_name.get("default", next(iter(by_name.values()), None))
+        if template in LEGACY_CHAT_TEMPLATES or (template is None and IM_START in added and IM_END in added):
+            template = CHAT_TEMPLATE
+        self.chat_template: str | None = template if isinstance(template, str) and template else None
+        self._template_variables = {f: t for f in ("bos_token", "eos_token", "pad_token", "unk_token")
+                                    if (t := _token_text(self.config.get(f)))}
 
     @classmethod
-    def load(cls, directory: str | Path) -> "Tokenizer":
-        path = Path(directory) / TOKENIZER_FILE
+    def load(cls, directory: str | Path) -> Tokenizer:
+        """A tokenizer directory: tokenizer.json, with tokenizer_config.json and chat_template.jinja where present."""
+        directory = Path(directory)
+        path = directory / TOKENIZER_FILE
         if not path.is_file():
-            raise UserError(f"{directory}: no {TOKENIZER_FILE}; train one with `zerollm tokenizer train`")
+            raise UserError(f"{directory}: no {TOKENIZER_FILE}; train one with `zerollm tokenizer train` or give a "
+                            "Hugging Face tokenizer directory")
         try:
-            return cls(HFTokenizer.from_file(str(path)))
-        except Exception as exc:  # the tokenizers library raises plain Exception on bad files
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception on bad files
             raise UserError(f"{path}: cannot load tokenizer ({exc})") from None
+        config = {}
+        if (directory / CONFIG_FILE).is_file():
+            try:
+                config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise UserError(f"{directory / CONFIG_FILE}: not valid JSON ({exc})") from None
+            if not isinstance(config, dict):
+                raise UserError(f"{directory / CONFIG_FILE}: expected a JSON object")
+        template_file = directory / TEMPLATE_FILE
+        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
+        return cls(tok, config, str(directory), template)
 
-    def save(self, out_dir: Path) -> "Tokenizer":
+    def save(self, out_dir: Path) -> Tokenizer:
+        """tokenizer.json and tokenizer_config.json (with the chat template in use) into `out_dir`."""
         out_dir.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(out_dir / TOKENIZER_FILE))
-        config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "eos_token": EOS,
-            "pad_token": PAD,
-            "bos_token": None,
-            "unk_token": None,
-            "additional_special_tokens": [IM_START, IM_END],
-            "add_bos_token": False,
-            "add_eos_token": False,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": 1 << 20,
-            "chat_template": CHAT_TEMPLATE,
-        }
-        (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False))
+        config = {**self.config, **({"chat_template": self.chat_template} if self.chat_template else {})}
+        (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
         return self
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    @property
-    def hash(self) -> str:
-        """Content hash of the vocabulary and merges: data and models record it to refuse a mismatch."""
-        return hashlib.sha256(self._tok.to_str().encode()).hexdigest()[:16]
+    def token(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        """Ids of text from a user or a file: special-token strings in it stay text."""
+        return _ids(self._text, text)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    @staticmethod
-    def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        """ChatML text, identical to what `chat_template` renders in transformers."""
-        text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
-        return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+    @cached_property
+    def _chat(self) -> ChatTemplate:
+        if self.chat_template is None:
+            raise ChatTemplateError(f"{self.source}: the tokenizer has no chat template ({CONFIG_FILE} has no "
+                                    f"'chat_template' and the vocabulary no {IM_START}/{IM_END}); add one there")
+        return ChatTemplate(self.chat_template, self.source, self._template_variables, self.protected,
+                            [self.token(i) for i in self.stop_ids])
+
+    def _encode_rendered(self, rendered: str) -> list[int]:
+        """Template text with its special tokens; escaped message text as plain text."""
+        ids: list[int] = []
+        for piece, literal in self._chat.split(rendered):
+            ids += _ids(self._text if literal else self._tok, piece)
+        return ids
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        """Canonical messages through the chat template to ids; with `add_generation_prompt`, ready for a reply."""
+        return self._encode_rendered(self._chat.render(messages, add_generation_prompt))
+
+    def encode_chat_masked(self, messages: list[dict]) -> MaskedChat:
+        """Ids and SFT loss mask of a conversation: the mask covers each assistant reply up to and including its
+        end-of-turn token. The ids equal `encode_chat(messages)` except that they break at each reply's start
+        (so a prompt's ids are a prefix of its answered conversation's) and turn end."""
+        rendered, bounds = self._chat.replies(messages)
+        stops = set(self.stop_ids)
+        chat = MaskedChat([], [], [], [])
+        position = 0
+        for start, end in bounds:
+            before = self._encode_rendered(rendered[position:start])
+            body = self._encode_rendered(rendered[start:end])
+            learned = next((k + 1 for k, token in enumerate(body) if token in stops), len(body))
+            chat.ids += before
+            chat.replies.append((len(chat.ids), len(chat.ids) + learned))
+            chat.ids += body
+            chat.loss_mask += [0] * len(before) + [1] * learned + [0] * (len(body) - learned)
+            chat.turn_ends.append(len(chat.ids))
+            position = end
+        tail = self._encode_rendered(rendered[position:])
+        chat.ids += tail
+        chat.loss_mask += [0] * len(tail)
+        return chat
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The chat template's text, for display; never encode it (use `encode_chat`)."""
+        return self._chat.unescape(self._chat.render(messages, add_generation_prompt))
+
+
+def _ids(encoder: HFTokenizer, text: str) -> list[int]:
+    try:
+        return encoder.encode(text, add_special_tokens=False).ids
+    except TypeError:
+        if not isinstance(text, str):
+            raise
+    # the only str the library refuses: one with a lone surrogate
+    raise ValueError("the text is not valid Unicode (it holds a lone surrogate such as \\ud800)")

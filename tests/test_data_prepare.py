@@ -15,8 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import FIXTURES, SHARED_DATA, data_sources, run_cli
 
+from conftest import FIXTURES, SHARED_DATA, data_sources, run_cli
 from llm.cli import main
 from llm.data.datasets import read_data_attrs
 from llm.data.formats import read_items

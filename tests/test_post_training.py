@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
-from conftest import FIXTURES, data_sources, run_cli, train_args
 
+from conftest import FIXTURES, data_sources, run_cli, train_args
 from llm.config import ModelConfig
 from llm.data.datasets import PackedConversations, PreferencePairs
 from llm.data.formats import RecordError, conversation, preference, pretrain_text
@@ -178,7 +178,7 @@ def test_loss_mask_is_exactly_the_assistant_replies(tokenizer_dir):
                 {"role": "assistant", "content": "六。\nSix."}]
     sample, truncated = encode_sft(tok, messages, max_tokens=10_000)
     tokens, mask = sample["tokens"], sample["loss_mask"]
-    assert not truncated and tok.decode(tokens) == Tokenizer.render_chat(messages)
+    assert not truncated and tok.decode(tokens) == tok.render_chat(messages)
     runs, current = [], []
     for token, bit in zip(tokens + [None], mask + [0]):
         if bit:

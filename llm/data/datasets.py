@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from llm.data.prepare import SCHEMA_VERSION, TOKENIZER_DIR, TOKENS_FILE
+from llm import rundir
+from llm.data.prepare import SCHEMA_VERSION, TOKENS_FILE
 from llm.errors import UserError
 from llm.tokenizer import Tokenizer
 
@@ -41,7 +42,7 @@ def read_data_attrs(data_dir: str | Path, kind: str) -> dict:
                         "prepare the data again")
     if attrs.get("kind") != kind:
         raise UserError(f"{path}: holds '{attrs.get('kind')}' data, this stage needs '{kind}'")
-    tokenizer_dir = tokenizer_dir_of(data_dir)
+    tokenizer_dir = rundir.tokenizer_dir(Path(data_dir))
     if tokenizer_dir.is_dir() and (copy_hash := Tokenizer.load(tokenizer_dir).hash) != attrs["tokenizer_hash"]:
         raise UserError(f"{tokenizer_dir} (hash {copy_hash}) is not the tokenizer {path} was made with (hash "
                         f"{attrs['tokenizer_hash']}); prepare the data again with `zerollm data prepare`")
@@ -55,10 +56,6 @@ def _check_fits(data_dir: str | Path, h5: h5py.File, longest: int, seq_len: int,
         raise UserError(f"{data_dir}: {what} take up to {longest} positions (prepared with --seq-len {prepared}), "
                         f"more than data.seq_len {seq_len}; set data.seq_len={prepared} or prepare the data again "
                         f"with --seq-len {seq_len}")
-
-
-def tokenizer_dir_of(data_dir: str | Path) -> Path:
-    return Path(data_dir) / TOKENIZER_DIR
 
 
 class _LazyH5:

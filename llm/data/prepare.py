@@ -42,10 +42,11 @@ from llm.data.formats import Item, Skipped, expand_inputs, read_records
 from llm.data.output import OutputDir
 from llm.data.readers import DEFAULT_MAX_RECORD_MB
 from llm.errors import UserError
+from llm.rundir import TOKENIZER_DIR
 from llm.tokenizer import Tokenizer
 
 SCHEMA_VERSION = 1
-TOKENS_FILE, REPORT_FILE, TOKENIZER_DIR = "tokens.h5", "report.json", "tokenizer"
+TOKENS_FILE, REPORT_FILE = "tokens.h5", "report.json"
 SPLITS = ("train", "val")
 JOB_RECORDS = 256
 JOB_CHARS = 1 << 20
@@ -116,34 +117,30 @@ def encode_pretrain(tok: Tokenizer, text: str, end_of_document: bool) -> Sample:
 
 
 def encode_sft(tok: Tokenizer, messages: list[dict[str, str]], max_tokens: int) -> tuple[Sample, bool]:
-    """ChatML tokens with loss mask 1 exactly on assistant replies and their <|im_end|>; cut after the last
-    assistant turn that fits `max_tokens` (then the flag is True)."""
-    tokens: list[int] = []
-    mask: list[int] = []
-    reply_ends = []
-    newline = tok.encode("\n")
-    for message in messages:
-        header = tok.encode(f"<|im_start|>{message['role']}\n")
-        body = tok.encode(message["content"]) + [tok.im_end_id]
-        learn = int(message["role"] == "assistant")
-        tokens += header + body + newline
-        mask += [0] * len(header) + [learn] * len(body) + [0] * len(newline)
-        if learn:
-            reply_ends.append(len(tokens))
+    """Chat-template tokens with loss mask 1 exactly on assistant turns and their end-of-turn token; cut after the
+    last assistant turn that fits `max_tokens` (then the flag is True)."""
+    chat = tok.encode_chat_masked(messages)
+    tokens, mask = chat.ids, chat.loss_mask
     truncated = len(tokens) > max_tokens
     if truncated:
-        fitting = [end for end in reply_ends if end <= max_tokens]
+        fitting = [end for end in chat.turn_ends if end <= max_tokens]
         if not fitting:
-            raise TooLong(f"too long: the first reply ends after {reply_ends[0]} tokens, the limit is {max_tokens}")
+            raise TooLong(f"too long: the first reply ends after {chat.turn_ends[0]} tokens, the limit is {max_tokens}")
         tokens, mask = tokens[:fitting[-1]], mask[:fitting[-1]]
     return {"tokens": tokens, "loss_mask": mask}, truncated
 
 
 def encode_dpo(tok: Tokenizer, pair: tuple, max_tokens: int) -> tuple[Sample, bool]:
+    """Prompt ids (ending in the generation prompt) and each reply's masked turn, so that prompt + reply are the
+    ids of the answered conversation. A reply is a string or an assistant message."""
     prompt, chosen, rejected = pair
-    sample = {"prompt": tok.encode(Tokenizer.render_chat(prompt, add_generation_prompt=True)),
-              "chosen": tok.encode(chosen["content"]) + [tok.im_end_id],
-              "rejected": tok.encode(rejected["content"]) + [tok.im_end_id]}
+    chosen_chat, rejected_chat = (tok.encode_chat_masked(prompt + [reply if isinstance(reply, dict) else
+                                                                   {"role": "assistant", "content": reply}])
+                                  for reply in (chosen, rejected))
+    shared = min(chosen_chat.replies[-1][0], rejected_chat.replies[-1][0])
+    shared = next((k for k in range(shared) if chosen_chat.ids[k] != rejected_chat.ids[k]), shared)
+    sample = {"prompt": chosen_chat.ids[:shared], "chosen": chosen_chat.ids[shared:chosen_chat.replies[-1][1]],
+              "rejected": rejected_chat.ids[shared:rejected_chat.replies[-1][1]]}
     truncated = len(sample["prompt"]) + max(len(sample["chosen"]), len(sample["rejected"])) > max_tokens
     if truncated:  # keep the prompt's end (at most half the budget), then cut the replies
         sample["prompt"] = sample["prompt"][-(max_tokens // 2):]

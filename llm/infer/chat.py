@@ -1,38 +1,80 @@
-"""`zerollm chat`: a multi-turn REPL over ChatML with streamed replies.
+"""`zerollm chat`: a multi-turn conversation in the terminal, with streamed replies.
 
 Commands: /reset (forget the conversation), /system TEXT (set the system prompt and reset), /quit.
+The history goes through the tokenizer's chat template to ids (what the user types stays text, even
+`<|im_start|>`); the oldest exchanges are dropped when the context is full, and a message that cannot
+fit at all is refused with a message while the conversation carries on. Ctrl-C during a reply stops it.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TextIO
 
+from llm.errors import UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
-from llm.tokenizer import Tokenizer
 
 HELP = "commands: /reset  /system TEXT  /quit"
 
 
-def fit_history(messages: list[dict[str, str]], tokenizer: Tokenizer, budget: int) -> list[dict[str, str]]:
-    """Drop the oldest turns (never the system prompt or the newest message) until the prompt fits `budget` tokens."""
-    system = [m for m in messages if m["role"] == "system"]
-    turns = [m for m in messages if m["role"] != "system"]
-    while len(turns) > 1 and len(tokenizer.encode(Tokenizer.render_chat(system + turns, True))) > budget:
-        turns = turns[1:]
-    return system + turns
+class ChatSession:
+    """A conversation with a model: its messages, fitted into the context before each reply."""
+
+    def __init__(self, generator: TextGenerator, params: SamplingParams, system: str | None = None) -> None:
+        self.generator, self.params = generator, params
+        self.reset(system)
+
+    def reset(self, system: str | None = None) -> None:
+        """Forget the conversation; start again with `system` as the system prompt (none if None)."""
+        self.system = system
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+
+    @property
+    def budget(self) -> int:
+        """Prompt tokens that fit beside max_new_tokens in the model's context."""
+        return self.generator.model.cfg.max_seq_len - self.params.max_new_tokens
+
+    def fit(self, messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[int]]:
+        """(messages, prompt ids) with the oldest exchanges dropped until the prompt fits; never drops the system
+        prompt or the newest message. ValueError when even those do not fit."""
+        system = [m for m in messages[:1] if m["role"] == "system"]
+        turns = messages[len(system):]
+        while True:
+            ids = self.generator.tokenizer.encode_chat(system + turns, add_generation_prompt=True)
+            if len(ids) <= self.budget:
+                return system + turns, ids
+            if len(turns) <= 1:
+                raise ValueError(f"this message makes a prompt of {len(ids)} tokens, but the model's context "
+                                 f"({self.generator.model.cfg.max_seq_len}) holds {max(self.budget, 0)} beside "
+                                 f"--max-new-tokens {self.params.max_new_tokens}; shorten it")
+            turns = turns[1:]
+            while len(turns) > 1 and turns[0]["role"] != "user":  # keep exchanges whole
+                turns = turns[1:]
+
+    def reply(self, text: str) -> Iterator[str]:
+        """The assistant's reply to `text` as streamed pieces; the exchange joins the history (as far as it got,
+        if interrupted). Raises ValueError or UserError before any piece when the message cannot be sent; the
+        conversation is then unchanged."""
+        messages, ids = self.fit(self.messages + [{"role": "user", "content": text}])
+        return self._stream(messages, ids)
+
+    def _stream(self, messages: list[dict[str, str]], ids: list[int]) -> Iterator[str]:
+        pieces: list[str] = []
+        try:
+            for piece in self.generator.stream(ids, self.params):
+                pieces.append(piece)
+                yield piece
+        finally:
+            self.messages = messages + [{"role": "assistant", "content": "".join(pieces)}]
 
 
-def chat_repl(generator: TextGenerator, params: SamplingParams, system: str | None = None,
-              read: Callable[[str], str] = input, out: TextIO = sys.stdout) -> None:
-    def fresh() -> list[dict[str, str]]:
-        return [{"role": "system", "content": system}] if system else []
+def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: TextIO = sys.stdout) -> None:
+    def say(text: str, end: str = "\n") -> None:
+        print(text, end=end, file=out, flush=True)
 
-    messages = fresh()
-    budget = generator.model.cfg.max_seq_len - params.max_new_tokens
-    print(HELP, file=out, flush=True)
+    say(HELP)
     while True:
         try:
             line = read("you> ").strip()
@@ -43,22 +85,23 @@ def chat_repl(generator: TextGenerator, params: SamplingParams, system: str | No
         if line in ("/quit", "/exit"):
             break
         if line == "/reset":
-            messages = fresh()
-            print("(conversation reset)", file=out, flush=True)
-            continue
-        if line.startswith("/system"):
-            system = line.removeprefix("/system").strip() or None
-            messages = fresh()
-            print(f"(system prompt {'set' if system else 'cleared'}; conversation reset)", file=out, flush=True)
-            continue
-        if line.startswith("/"):
-            print(HELP, file=out, flush=True)
-            continue
-        messages = fit_history(messages + [{"role": "user", "content": line}], generator.tokenizer, budget)
-        print("assistant> ", end="", file=out, flush=True)
-        reply = []
-        for piece in generator.stream(Tokenizer.render_chat(messages, add_generation_prompt=True), params):
-            reply.append(piece)
-            print(piece, end="", file=out, flush=True)
-        print(file=out, flush=True)
-        messages.append({"role": "assistant", "content": "".join(reply)})
+            session.reset(session.system)
+            say("(conversation reset)")
+        elif line.startswith("/system"):
+            session.reset(line.removeprefix("/system").strip() or None)
+            say(f"(system prompt {'set' if session.system else 'cleared'}; conversation reset)")
+        elif line.startswith("/"):
+            say(HELP)
+        else:
+            try:
+                pieces = session.reply(line)
+            except (ValueError, UserError) as exc:
+                say(f"(not sent: {exc})")
+                continue
+            say("assistant> ", end="")
+            try:
+                for piece in pieces:
+                    say(piece, end="")
+            except KeyboardInterrupt:
+                say(" (stopped)", end="")
+            say("")

@@ -2,8 +2,9 @@
 
 `TextGenerator.token_steps` is the core (token ids in, token ids out); `generate` (a batch of
 prompts of any lengths) and `stream` (text pieces as they are produced, never splitting a UTF-8
-character or leaking part of a stop string) are built on it. `use_cache=False` recomputes the whole
-sequence for every token, for comparison and benchmarks.
+character or leaking part of a stop string) are built on it. Prompts are token ids (a chat prompt
+comes from `Tokenizer.encode_chat`, never from re-encoding rendered text) or plain text to continue.
+`use_cache=False` recomputes the whole sequence for every token, for comparison and benchmarks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from llm.model import Transformer
 from llm.model.kv_cache import KVCache
 from llm.tokenizer import Tokenizer
 
+Prompt = str | list[int]
+"""Text to continue (encoded with special-token strings kept as text), or token ids (e.g. from
+`Tokenizer.encode_chat(messages, add_generation_prompt=True)`)."""
+
 
 def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     """(text before the first stop string, whether one was found)."""
@@ -26,11 +31,12 @@ def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
 
 class TextGenerator:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, stop_token_ids: list[int] | None = None) -> None:
-        """`stop_token_ids` end a row (default: end-of-text and <|im_end|>; [] never stops early)."""
+        """`stop_token_ids` end a row (default: the tokenizer's stop ids, end of text and end of turn; [] never stops
+        early)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         if stop_token_ids is None:
-            stop_token_ids = [tokenizer.eos_id, tokenizer.im_end_id]
+            stop_token_ids = tokenizer.stop_ids
         self.stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -88,12 +94,16 @@ class TextGenerator:
                 cache = new_cache()
                 logits = self._logits(ids, valid, cache)
 
-    def generate(self, prompts: list[str], params: SamplingParams, use_cache: bool = True) -> list[str]:
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """Ids of a prompt: token ids as they are, or text to continue (special-token strings in it stay text)."""
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams, use_cache: bool = True) -> list[str]:
         """Completions of several prompts at once."""
         outputs: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
         stop_ids = set(self.stop_ids.tolist())
-        for next_ids, _ in self.token_steps([self.tokenizer.encode(p) for p in prompts], params, use_cache):
+        for next_ids, _ in self.token_steps([self.prompt_ids(p) for p in prompts], params, use_cache):
             for row, token in enumerate(next_ids.tolist()):
                 if done[row]:
                     continue
@@ -107,19 +117,38 @@ class TextGenerator:
                 break
         return [cut_at_stop(self.tokenizer.decode(out), params.stop)[0] for out in outputs]
 
-    def stream(self, prompt: str, params: SamplingParams) -> Iterator[str]:
+    def stream(self, prompt: Prompt, params: SamplingParams) -> TextStream:
         """Text pieces of one completion as they are produced; their concatenation equals `generate`'s text."""
+        return TextStream(self, self.prompt_ids(prompt), params)
+
+
+class TextStream:
+    """Iterate it for the text pieces of one completion, never splitting a UTF-8 character or leaking part of a stop
+    string. Once it has ended: `finish_reason` ('stop': a stop token or string; 'length': max_new_tokens reached)
+    and `completion_tokens` (tokens sampled). Leaving the loop early ends the generation."""
+
+    def __init__(self, generator: TextGenerator, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.generator, self.prompt_ids, self.params = generator, prompt_ids, params
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        tokenizer, params = self.generator.tokenizer, self.params
         ids: list[int] = []
         emitted = 0
         hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may still be forming
-        stop_ids = set(self.stop_ids.tolist())
-        for next_ids, _ in self.token_steps([self.tokenizer.encode(prompt)], params):
+        stop_ids = set(self.generator.stop_ids.tolist())
+        self.finish_reason = "length"
+        for next_ids, _ in self.generator.token_steps([self.prompt_ids], params):
             token = int(next_ids[0])
+            self.completion_tokens += 1
             if token in stop_ids:
+                self.finish_reason = "stop"
                 break
             ids.append(token)
-            text, stopped = cut_at_stop(self.tokenizer.decode(ids), params.stop)
+            text, stopped = cut_at_stop(tokenizer.decode(ids), params.stop)
             if stopped:
+                self.finish_reason = "stop"
                 yield text[emitted:]
                 return
             safe = len(text) - hold
@@ -128,11 +157,11 @@ class TextGenerator:
             if safe > emitted:
                 yield text[emitted:safe]
                 emitted = safe
-        text, _ = cut_at_stop(self.tokenizer.decode(ids), params.stop)
+        text, _ = cut_at_stop(tokenizer.decode(ids), params.stop)
         if len(text) > emitted:
             yield text[emitted:]
 
 
-def complete(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 32) -> str:
+def complete(model: Transformer, tokenizer: Tokenizer, prompt: Prompt, max_new_tokens: int = 32) -> str:
     """Greedy completion of one prompt."""
     return TextGenerator(model, tokenizer).generate([prompt], SamplingParams(max_new_tokens=max_new_tokens))[0]

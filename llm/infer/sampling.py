@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -23,10 +24,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        if not all(math.isfinite(v) for v in (self.temperature, self.top_p, self.repetition_penalty)):
+            raise ValueError("temperature, top_p and repetition_penalty must be finite numbers")
         if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0:
             raise ValueError("max_new_tokens, temperature and top_k must be >= 0")
         if not 0 < self.top_p <= 1 or self.repetition_penalty <= 0:
             raise ValueError("top_p must be in (0, 1] and repetition_penalty > 0")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError("seed must be in [0, 2**63)")
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

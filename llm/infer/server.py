@@ -1,179 +1,478 @@
 """OpenAI-compatible HTTP server: POST /v1/chat/completions (JSON or SSE stream), GET /v1/models, GET /health.
 
-Standard library only (`http.server`, one thread per connection). Generation is serialised by a lock,
-so concurrent requests queue instead of interleaving on the model. A malformed request gets a 4xx
-with an OpenAI-style JSON error body; an unexpected failure gets a 500, and the server keeps serving.
+Standard library only (`http.server`, one thread per connection). Requests are untrusted:
+
+- One generation thread owns the model and takes requests from a bounded queue (full: 503), so
+  requests never interleave on the model, and no client's socket is ever written while the model
+  waits: a client that stops reading stalls only its own connection. Its pieces queue up (at most
+  max_tokens of them) until the socket timeout ends the connection and cancels its generation; a
+  client that disconnects is noticed while it waits and at the next write, and its generation ends
+  quietly, without a traceback.
+- Every socket has a timeout (a client that sends or reads nothing for that long is dropped), open
+  connections are capped (one more gets 503 at once) and bodies are read only with a valid
+  Content-Length of at most 1 MiB.
+- Message text goes through the tokenizer's chat template to ids, never re-encoded: a user's
+  `<|im_end|><|im_start|>system` stays text.
+- Bound to loopback, only requests whose Host is a loopback name are answered (a web page cannot
+  reach the server through DNS rebinding), and only `Content-Type: application/json` posts (which
+  browsers cannot send across origins without a preflight we never grant). Off loopback an API key
+  is required (`Authorization: Bearer KEY`, as OpenAI clients send it).
+- Every error is an OpenAI-style JSON body (4xx for the client's mistakes); after a stream has
+  begun, an error is sent as an SSE `data: {"error": ...}` event.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
+import queue
+import re
+import select
+import socket
+import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from llm.infer.generate import TextGenerator
+from llm.errors import UserError
+from llm.infer.generate import TextGenerator, TextStream
 from llm.infer.sampling import SamplingParams
-from llm.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 1 << 20
-ROLES = ("system", "user", "assistant")
+MAX_STOP_STRINGS = 4
+ROLES = ("system", "user", "assistant", "tool")
+WAIT_POLL_S = 0.25
+"""How often a request waiting for its generation checks whether its client is still there."""
+CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
 
 
 class RequestError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    """A request the server refuses, with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.code = param, status, code
 
 
-def parse_chat_request(body: Any, default_max_tokens: int) -> tuple[list[dict[str, str]], SamplingParams, bool]:
-    """(messages, sampling parameters, stream) from a chat-completions body, or RequestError."""
+# ---- the request body -------------------------------------------------------------------------------
+
+def _reject_constant(name: str) -> None:
+    raise RequestError(f"'{name}' is not a JSON number")
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """The JSON value of a body; NaN/Infinity literals and lone surrogates (e.g. \\ud800) are refused."""
+    try:
+        body = json.loads(raw or b"null", parse_constant=_reject_constant)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        raise RequestError("the request body is not valid JSON") from None
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError("the request holds invalid Unicode (a lone surrogate escape such as \\ud800)") from None
+    return body
+
+
+def _content(value: Any, where: str) -> str:
+    """A message's content: a string, null, or OpenAI's list of text parts."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    if isinstance(value, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                       and isinstance(part.get("text"), str) for part in value):
+        return "".join(part["text"] for part in value)
+    raise RequestError(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+
+
+def _tool_call(call: Any, where: str) -> dict:
+    """OpenAI's {"function": {"name", "arguments"}} (or the flat form) as a canonical tool call."""
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), (str, dict))):
+        raise RequestError(f"{where} needs a function name and arguments", where)
+    return {"name": fn["name"], "arguments": fn["arguments"]}
+
+
+def canonical_message(message: Any, index: int) -> dict:
+    """An OpenAI chat message as a canonical message (role, content, reasoning_content, tool_calls, name)."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        raise RequestError(f"{where} needs a role in {ROLES} and a string content", where)
+    out = {"role": message["role"], "content": _content(message.get("content"), where)}
+    if out["role"] == "assistant":
+        if message.get("reasoning_content") is not None:
+            if not isinstance(message["reasoning_content"], str):
+                raise RequestError(f"{where}.reasoning_content must be a string", f"{where}.reasoning_content")
+            out["reasoning_content"] = message["reasoning_content"]
+        if message.get("tool_calls"):
+            if not isinstance(message["tool_calls"], list):
+                raise RequestError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+            out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(message["tool_calls"])]
+    if out["role"] == "tool" and isinstance(message.get("name"), str):
+        out["name"] = message["name"]
+    return out
+
+
+def _number(body: dict, key: str, kind: type | tuple, default: Any) -> Any:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise RequestError(f"'{key}' must be {'an integer' if kind is int else 'a number'}", key)
+    return value
+
+
+def parse_chat_request(body: Any, default_max_tokens: int) -> tuple[list[dict], SamplingParams, bool]:
+    """(canonical messages, sampling parameters, stream) from a chat-completions body, or RequestError."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise RequestError(f"messages[{i}] needs a role in {ROLES} and a string content", f"messages[{i}]")
+    messages = [canonical_message(m, i) for i, m in enumerate(messages)]
     if body.get("n", 1) != 1:
         raise RequestError("only n=1 is supported", "n")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise RequestError("'stop' must be a string or a list of strings", "stop")
-    numbers = {}
-    for key, kind, default in (("max_tokens", int, default_max_tokens), ("temperature", (int, float), 1.0),
-                               ("top_p", (int, float), 1.0), ("seed", int, None)):
-        value = body.get("max_completion_tokens", body.get(key)) if key == "max_tokens" else body.get(key)
-        value = default if value is None else value
-        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-            raise RequestError(f"'{key}' must be a number", key)
-        numbers[key] = value
-    try:
-        params = SamplingParams(max_new_tokens=numbers["max_tokens"], temperature=float(numbers["temperature"]),
-                                top_p=float(numbers["top_p"]), stop=stop, seed=numbers["seed"])
-    except ValueError as exc:
-        raise RequestError(str(exc)) from None
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+    max_tokens = _number(body, "max_completion_tokens", int, None)
+    max_tokens = _number(body, "max_tokens", int, default_max_tokens) if max_tokens is None else max_tokens
+    if max_tokens < 1:
+        raise RequestError("'max_tokens' must be at least 1", "max_tokens")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("'stream' must be true or false", "stream")
+    try:
+        params = SamplingParams(max_new_tokens=max_tokens, stop=stop, seed=_number(body, "seed", int, None),
+                                temperature=float(_number(body, "temperature", (int, float), 1.0)),
+                                top_p=float(_number(body, "top_p", (int, float), 1.0)))
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
     return messages, params, stream
 
 
+# ---- the model behind the server --------------------------------------------------------------------
+
+_DONE = object()
+
+
+class Generation:
+    """One request's generation: its text pieces arrive in `pieces` (then _DONE, or the exception that ended it)."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.prompt_ids, self.params = prompt_ids, params
+        self.pieces: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled = threading.Event()
+        self.stream: TextStream | None = None
+
+
 class ChatService:
-    """The model behind the server: one generation at a time."""
+    """The model behind the server: one generation thread serving a bounded queue of requests."""
 
-    def __init__(self, generator: TextGenerator, model_name: str, default_max_tokens: int = 256) -> None:
+    def __init__(self, generator: TextGenerator, model_name: str, default_max_tokens: int = 256,
+                 max_queued: int = 32) -> None:
         self.generator, self.model_name, self.default_max_tokens = generator, model_name, default_max_tokens
-        self.lock = threading.Lock()
         self.created = int(time.time())
+        self.cancelled = 0
+        """Generations ended early because their client left."""
+        self._queue: queue.Queue[Generation | None] = queue.Queue(maxsize=max_queued)
+        self._closing = threading.Event()
+        self._worker = threading.Thread(target=self._serve, name="zerollm-generation", daemon=True)
+        self._worker.start()
 
-    def prompt(self, messages: list[dict[str, str]]) -> str:
-        return Tokenizer.render_chat(messages, add_generation_prompt=True)
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.generator.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
-    def finish_reason(self, text: str, params: SamplingParams) -> str:
-        return "length" if len(self.generator.tokenizer.encode(text)) >= params.max_new_tokens else "stop"
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        context = self.generator.model.cfg.max_seq_len
+        if len(prompt_ids) + params.max_new_tokens > context:
+            raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_new_tokens}) "
+                               f"exceeds the model's context of {context} tokens", "messages",
+                               code="context_length_exceeded")
+        job = Generation(prompt_ids, params)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise RequestError("the server is busy: too many requests are waiting; retry later", status=503) from None
+        return job
+
+    def close(self) -> None:
+        """Stop the generation thread after the current request."""
+        self._closing.set()
+        try:
+            self._queue.put_nowait(None)  # wakes an idle thread; a busy one sees _closing next
+        except queue.Full:
+            pass
+
+    def _serve(self) -> None:
+        while not self._closing.is_set() and (job := self._queue.get()) is not None:
+            if job.cancelled.is_set():
+                self.cancelled += 1
+                continue
+            try:
+                job.stream = self.generator.stream(job.prompt_ids, job.params)
+                for piece in job.stream:
+                    if job.cancelled.is_set():
+                        self.cancelled += 1
+                        break
+                    job.pieces.put(piece)
+                job.pieces.put(_DONE)
+            except Exception as exc:  # noqa: BLE001 - the request reports it; the server keeps serving
+                job.pieces.put(exc)
 
 
-def _make_handler(service: ChatService):
+# ---- HTTP ---------------------------------------------------------------------------------------------
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a bind address or Host header name (port and [] allowed) names this machine only."""
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1:name.find("]")]
+    elif name.count(":") == 1:
+        name = name.rsplit(":", 1)[0]
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _make_handler(service: ChatService, api_key: str | None, loopback: bool, timeout_s: float):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        server_version = "zerollm"
+        timeout = timeout_s  # every read and write on the socket
 
         def log_message(self, format: str, *args) -> None:  # keep the console for the operator's own output
             pass
 
-        def _json(self, status: int, payload: dict) -> None:
+        def _json(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
             data = json.dumps(payload, ensure_ascii=False).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.end_headers()
-            self.wfile.write(data)
+            if self.command != "HEAD":
+                self.wfile.write(data)
 
-        def _error(self, status: int, message: str, param: str | None = None) -> None:
+        def _error(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+            """An OpenAI-style error; the connection closes after it (a refused body may still be unread)."""
             kind = "invalid_request_error" if status < 500 else "server_error"
-            self._json(status, {"error": {"message": message, "type": kind, "param": param, "code": None}})
+            headers = {"Connection": "close", **({"Retry-After": "1"} if status == 503 else {})}
+            self._json(status, {"error": {"message": message, "type": kind, "param": param, "code": code}}, headers)
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """The standard library's errors (bad request line, unknown method, ...) as JSON, not HTML."""
+            if self.request_version == "HTTP/0.9":  # what it assumes of an unparsable request line: no status line
+                self.request_version = "HTTP/1.1"
+            self._error(code, message or HTTPStatus(code).phrase)
+
+        def _sse(self, payload: dict | str) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+            self.wfile.write(f"data: {data}\n\n".encode())
+
+        def _check_access(self) -> None:
+            host = self.headers.get("Host")
+            if loopback and host is not None and not is_loopback_host(host):
+                raise RequestError(f"Host '{host}' is not this machine's loopback name; the server answers local "
+                                   "clients only (start it with --host and --api-key to serve others)", status=403)
+            if api_key is not None and self.path != "/health":
+                given = self.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+                if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
+                    raise RequestError("missing or wrong API key: send 'Authorization: Bearer KEY' with the server's "
+                                       "--api-key", status=401, code="invalid_api_key")
+
+        def _handle(self, route: Callable[[], None]) -> None:
+            self.streaming = False
+            try:
+                self._check_access()
+                route()
+            except RequestError as exc:
+                self._error(exc.status, str(exc), exc.param, exc.code)
+            except UserError as exc:  # e.g. the chat template refused the messages
+                self._error(400, str(exc), "messages")
+            except (ConnectionError, TimeoutError):  # the client left or stalled: nothing to answer
+                self.close_connection = True
+            except Exception as exc:  # noqa: BLE001 - answer, keep serving
+                self._fail(f"internal error: {type(exc).__name__}: {exc}")
+
+        def _fail(self, message: str) -> None:
+            self.close_connection = True
+            try:
+                if self.streaming:
+                    self._sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+                else:
+                    self._error(500, message)
+            except OSError:
+                pass
 
         def do_GET(self) -> None:
+            self._handle(self._get)
+
+        def do_POST(self) -> None:
+            self._handle(self._post)
+
+        def _not_allowed(self) -> None:
+            self._error(405, f"method {self.command} is not allowed on {self.path}")
+
+        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _not_allowed
+
+        def _get(self) -> None:
             if self.path == "/health":
                 self._json(200, {"status": "ok"})
             elif self.path == "/v1/models":
                 self._json(200, {"object": "list", "data": [{"id": service.model_name, "object": "model",
                                                              "created": service.created, "owned_by": "zerollm"}]})
             else:
-                self._error(404, f"no route GET {self.path}")
+                raise RequestError(f"no route GET {self.path}", status=404)
 
-        def do_POST(self) -> None:
+        def _read_body(self) -> bytes:
+            if self.headers.get("Transfer-Encoding"):
+                raise RequestError("send the body with a Content-Length (no Transfer-Encoding)", status=411)
+            if self.headers.get_content_type() != "application/json":
+                raise RequestError("Content-Type must be application/json", status=415)
+            lengths = self.headers.get_all("Content-Length") or []
+            if not lengths:
+                raise RequestError("a Content-Length header is required", status=411)
+            if len(lengths) > 1 or not CONTENT_LENGTH.fullmatch(lengths[0].strip()):
+                raise RequestError("Content-Length must be one non-negative integer")
+            length = int(lengths[0])
+            if length > MAX_BODY_BYTES:
+                raise RequestError(f"request body too large ({length} bytes; at most {MAX_BODY_BYTES})", status=413)
+            raw = self.rfile.read(length)
+            if len(raw) < length:
+                raise ConnectionAbortedError("the client closed the connection inside the body")
+            return raw
+
+        def _post(self) -> None:
             if self.path != "/v1/chat/completions":
-                self._error(404, f"no route POST {self.path}")
-                return
+                raise RequestError(f"no route POST {self.path}", status=404)
+            messages, params, stream = parse_chat_request(parse_json_body(self._read_body()),
+                                                          service.default_max_tokens)
+            job = service.submit(service.prompt_ids(messages), params)
             try:
-                length = int(self.headers.get("Content-Length", 0))
-                if length > MAX_BODY_BYTES:
-                    raise RequestError("request body too large", status=413)
+                (self._stream if stream else self._complete)(job)
+            finally:
+                job.cancelled.set()  # the client left (or is done): its generation must not go on
+
+        def _client_gone(self) -> bool:
+            try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                return bool(readable) and not self.connection.recv(1, socket.MSG_PEEK)
+            except (OSError, ValueError):
+                return True
+
+        def _pieces(self, job: Generation) -> Iterator[str]:
+            while True:
                 try:
-                    body = json.loads(self.rfile.read(length) or b"null")
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    raise RequestError("the request body is not valid JSON") from None
-                messages, params, stream = parse_chat_request(body, service.default_max_tokens)
-                prompt = service.prompt(messages)
-                with service.lock:
-                    if stream:
-                        self._stream(prompt, params)
-                    else:
-                        text = "".join(service.generator.stream(prompt, params))
-                        self._json(200, self._completion(prompt, text, params))
-            except RequestError as exc:
-                self._error(exc.status, str(exc), exc.param)
-            except ValueError as exc:  # e.g. prompt + max_tokens longer than the model's context
-                self._error(400, str(exc))
-            except Exception as exc:  # noqa: BLE001 - answer, log and keep serving
-                self._error(500, f"internal error: {type(exc).__name__}: {exc}")
+                    item = job.pieces.get(timeout=WAIT_POLL_S)
+                except queue.Empty:
+                    if self._client_gone():
+                        raise ConnectionAbortedError("the client left while waiting") from None
+                    continue
+                if item is _DONE:
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                yield item
 
-        def _completion(self, prompt: str, text: str, params: SamplingParams) -> dict:
-            tok = service.generator.tokenizer
-            prompt_tokens, completion_tokens = len(tok.encode(prompt)), len(tok.encode(text))
-            return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                    "model": service.model_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "finish_reason": service.finish_reason(text, params)}],
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                              "total_tokens": prompt_tokens + completion_tokens}}
+        def _complete(self, job: Generation) -> None:
+            text = "".join(self._pieces(job))
+            prompt_tokens, completion_tokens = len(job.prompt_ids), job.stream.completion_tokens
+            self._json(200, {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                             "created": int(time.time()), "model": service.model_name,
+                             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                          "finish_reason": job.stream.finish_reason}],
+                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                       "total_tokens": prompt_tokens + completion_tokens}})
 
-        def _stream(self, prompt: str, params: SamplingParams) -> None:
+        def _stream(self, job: Generation) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.send_header("Connection", "close")
             self.end_headers()
-            self.close_connection = True
+            self.streaming = True
             base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                     "created": int(time.time()), "model": service.model_name}
 
-            def send(delta: dict, finish: str | None = None) -> None:
-                chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-                self.wfile.write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
-                self.wfile.flush()
+            def chunk(delta: dict, finish: str | None = None) -> dict:
+                return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
-            send({"role": "assistant", "content": ""})
-            pieces = []
-            for piece in service.generator.stream(prompt, params):
-                pieces.append(piece)
-                send({"content": piece})
-            send({}, service.finish_reason("".join(pieces), params))
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
+            self._sse(chunk({"role": "assistant", "content": ""}))
+            for piece in self._pieces(job):
+                self._sse(chunk({"content": piece}))
+            self._sse(chunk({}, job.stream.finish_reason))
+            self._sse("[DONE]")
 
     return Handler
 
 
-class _Server(ThreadingHTTPServer):
+class ChatServer(ThreadingHTTPServer):
+    """A threading HTTP server that caps open connections and reports no tracebacks for clients that leave."""
+
     daemon_threads = True
     request_queue_size = 128  # the default backlog (5) refuses bursts of concurrent clients
 
+    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
 
-def make_server(service: ChatService, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
-    return _Server((host, port), _make_handler(service))
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            _refuse(request)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):  # a client that left or stalled is not worth a line
+            print(f"zerollm serve: request from {client_address[0]} failed: {type(error).__name__}: {error}",
+                  file=sys.stderr, flush=True)
+
+
+def _refuse(request: socket.socket) -> None:
+    """503 to a connection over the cap, without a thread; never blocks for long."""
+    body = json.dumps({"error": {"message": "the server has too many open connections; retry later",
+                                 "type": "server_error", "param": None, "code": None}}).encode()
+    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Retry-After: 1\r\nConnection: close\r\n\r\n").encode()
+    try:
+        request.settimeout(1.0)
+        request.sendall(head + body)
+    except OSError:
+        pass
+
+
+def check_exposure(host: str, api_key: str | None) -> None:
+    """Refuse to serve other machines without an API key."""
+    if not is_loopback_host(host) and not api_key:
+        raise UserError(f"--host {host} lets other machines reach the server: give --api-key KEY (clients send "
+                        "'Authorization: Bearer KEY'), or bind 127.0.0.1")
+
+
+def make_server(service: ChatService, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                timeout_s: float = 30.0, max_connections: int = 64) -> ChatServer:
+    """The server, bound; off loopback an `api_key` is required. `timeout_s`: a client that sends or reads nothing for
+    this long is dropped; `max_connections`: open connections at once (more get 503)."""
+    check_exposure(host, api_key)
+    handler = _make_handler(service, api_key or None, is_loopback_host(host), timeout_s)
+    return ChatServer((host, port), handler, max_connections)

@@ -1,0 +1,198 @@
+"""Chat templates rendered so that message text can never become a special token.
+
+A chat template (ours, or a tokenizer's own Jinja `chat_template`) turns canonical messages into
+text. Encoding that whole text with special tokens parsed would let a user's message open a fake
+system turn by containing `<|im_end|>\\n<|im_start|>system`. So before rendering, every special
+token string inside the messages (and the escape character itself) is replaced by a placeholder
+`\\ue000<k>\\ue001`; the template's own text keeps its real special tokens. `split` then cuts the
+rendered text into template text (encode with special tokens parsed) and escaped literals (encode
+as plain text). The template's string operations (strip, split on `</think>`, ...) still see the
+real text, so the result equals what `transformers.apply_chat_template` renders.
+
+Loss masks need each assistant reply's place in the rendered text, whatever the template: a reply
+starts where the conversation up to it, rendered with a generation prompt, stops matching the whole
+conversation; its turn ends where the conversation rendered up to and including it ends.
+
+Our own template is ChatML extended per the canonical-message contract: an assistant turn renders
+`<think>\\n{reasoning}\\n</think>\\n\\n{content}`, then each tool call `<tool_call>\\n{json}\\n</tool_call>`
+on its own line; a tool turn is role `tool`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from llm.errors import UserError
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- set content = message['content'] if message['content'] is string else '' -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- if message['reasoning_content'] -%}"
+    "{{- '<think>\n' + message['reasoning_content'] + '\n</think>\n\n' -}}"
+    "{%- endif -%}"
+    "{{- content -}}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{%- if content or not loop.first -%}{{- '\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\n' + ({'name': fn['name'], 'arguments': fn['arguments']} | tojson) + '\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{%- else -%}"
+    "{{- content -}}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+"""ChatML with reasoning, tool calls and tool turns; the same text in transformers' `apply_chat_template`."""
+
+LEGACY_CHAT_TEMPLATES = (
+    ("{% for message in messages %}"
+     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+     "{% endfor %}"
+     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+)
+"""Templates earlier versions of zerollm wrote; they render plain messages as CHAT_TEMPLATE does, which replaces
+them so that reasoning and tool calls are not dropped."""
+
+ESCAPE, ESCAPE_END = "\ue000", "\ue001"
+PLACEHOLDER = re.compile(f"{ESCAPE}(\\d+){ESCAPE_END}")
+
+
+class ChatTemplateError(UserError):
+    """The chat template refused the messages (e.g. roles that do not alternate) or is missing or broken."""
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    """transformers' `tojson` filter (Jinja's own escapes HTML characters, which chat templates must not)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """A sandbox like transformers' (templates come with downloaded files: untrusted code)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _template_message(message: dict) -> dict:
+    """A canonical message as chat templates expect it: tool calls also in OpenAI's nested `function` form."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    nested = [{**call, "type": "function", "function": {"name": call.get("name"), "arguments": call.get("arguments")}}
+              for call in calls]
+    return {**message, "tool_calls": nested}
+
+
+def common_prefix_length(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low] and a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+class ChatTemplate:
+    """One tokenizer's chat template, rendered with message text escaped (see the module docstring)."""
+
+    def __init__(self, template: str, source: str, variables: dict[str, str | None], protected: list[str],
+                 end_of_turn: list[str]) -> None:
+        """`variables`: bos_token, eos_token, ... as the template sees them; `protected`: special token strings that
+        message text must never produce; `end_of_turn`: strings that close a turn (found after a reply)."""
+        self.source, self.variables, self.end_of_turn = source, variables, end_of_turn
+        try:
+            self._template = _environment().from_string(template)
+        except TemplateError as exc:
+            raise ChatTemplateError(f"{source}: the chat template does not compile ({exc})") from None
+        self.literals = [ESCAPE, *sorted(set(protected) - {ESCAPE}, key=len, reverse=True)]
+        self._placeholders = {s: f"{ESCAPE}{i}{ESCAPE_END}" for i, s in enumerate(self.literals)}
+        self._protected = re.compile("|".join(re.escape(s) for s in self.literals))
+
+    def _escape(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self._protected.sub(lambda m: self._placeholders[m.group()], value)
+        if isinstance(value, dict):
+            return {self._escape(k): self._escape(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._escape(v) for v in value]
+        return value
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """Rendered text with message text escaped; cut it with `split`."""
+        return self._render(self._escape([_template_message(m) for m in messages]), add_generation_prompt)
+
+    def _render(self, escaped: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            return self._template.render(messages=escaped, add_generation_prompt=add_generation_prompt, tools=None,
+                                         **self.variables)
+        except TemplateError as exc:
+            raise ChatTemplateError(f"{self.source}: the chat template refused the messages: {exc}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            raise ChatTemplateError(f"{self.source}: the chat template failed on the messages "
+                                    f"({type(exc).__name__}: {exc})") from None
+
+    def split(self, rendered: str) -> Iterator[tuple[str, bool]]:
+        """(piece, is_literal) in order: template text, or an escaped string to encode as plain text."""
+        position = 0
+        for match in PLACEHOLDER.finditer(rendered):
+            if match.start() > position:
+                yield rendered[position:match.start()], False
+            index = int(match.group(1))
+            if index < len(self.literals):
+                yield self.literals[index], True
+            else:  # not one of ours (a template cut through it): its characters are plain text
+                yield match.group(), True
+            position = match.end()
+        if position < len(rendered):
+            yield rendered[position:], False
+
+    def unescape(self, rendered: str) -> str:
+        return "".join(piece for piece, _ in self.split(rendered))
+
+    def replies(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """(rendered text, per assistant message (reply start, turn end) as character offsets in it)."""
+        escaped = self._escape([_template_message(m) for m in messages])
+        full = self._render(escaped, False)
+        bounds, previous_end = [], 0
+        for index, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            try:
+                asking = self._render(escaped[:index], True)
+            except ChatTemplateError:  # e.g. a template that needs a first message, asked about none
+                asking = ""
+            start = max(common_prefix_length(full, asking), previous_end)
+            answered = self._render(escaped[:index + 1], False)
+            end = len(answered) if full.startswith(answered) and len(answered) > start else self._turn_end(full, start)
+            bounds.append((start, end))
+            previous_end = end
+        return full, bounds
+
+    def _turn_end(self, rendered: str, start: int) -> int:
+        """Just after the first end-of-turn string from `start` (message text holds none: it is escaped)."""
+        found = [i + len(s) for s in self.end_of_turn if (i := rendered.find(s, start)) >= 0]
+        return min(found) if found else len(rendered)
+
