@@ -115,7 +115,11 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
                     "  per node:  zerollm launch --nnodes 2 --node-rank R --master-addr A -- train pretrain ...\n"
                     "             (run on every node; --backend torchrun uses c10d rendezvous)\n"
                     "  SLURM:     srun zerollm launch --backend slurm -- train pretrain ...\n"
-                    "             (see launch/slurm/zerollm.sbatch)\n\n"
+                    "             (see launch/slurm/zerollm.sbatch)\n"
+                    "  or, without zerollm launch: deepspeed [--hostfile H] --module llm train ...\n"
+                    "                              torchrun --nproc-per-node N -m llm train ...\n\n"
+                    "What crosses to other hosts (training arguments, --env values, .deepspeed_env lines) arrives "
+                    "exactly as typed; what DeepSpeed's launcher cannot carry is refused. See docs/cluster.md.\n\n"
                     "Before starting: the hostfile, the training command and a free master port are checked. "
                     "Ranks compare code, config, data and tokenizer fingerprints at rendezvous, and a rank that "
                     "dies or hangs ends the job within train.collective_timeout_s.")

@@ -135,6 +135,7 @@ def test_plans_for_each_mode(tmp_path):
     (["--nnodes", "2", "--node-rank", "0", "--master-addr", "192.0.2.1"], "is not an address of this node"),
     (["--include", "a"], "select hosts of a --hostfile"),
     (["--env", "1BAD=x"], "expected NAME=VALUE"),
+    (["--env", "A=1\nB=2"], "--env A contains the control character"),  # would add B in DeepSpeed's env file
     (["--backend", "slurm"], "SLURM_JOB_NUM_NODES, SLURM_NODEID, SLURM_JOB_NODELIST not set"),
 ])
 def test_bad_launch_options(argv, message):
@@ -146,6 +147,7 @@ def test_slurm_environment(tmp_path):
     env = {"SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "3", "SLURM_JOB_NODELIST": "gpu[07-09,12]",
            "PATH": str(tmp_path)}
     assert slurm_rendezvous(env) == (4, 3, "gpu07")
+    assert slurm_rendezvous({**env, "SLURM_JOB_NODELIST": "node-[1-4]-ib"})[2] == "node-1-ib"
     plan = plan_launch(_launch_args("--backend", "slurm"), ["train"], {**env, "SLURM_JOB_ID": "777",
                                                                        "SLURM_GPUS_ON_NODE": "8"})
     assert "--nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint gpu07:29500 --rdzv-id 777" in \
