@@ -81,10 +81,10 @@ def check_filter(hosts: dict[str, int], spec: str, option: str, hostfile: str | 
     """`--include/--exclude` in DeepSpeed's syntax (`host1@host2:0,2`) may only name hosts of the hostfile and,
     after the colon, slot indices that host has."""
     for part in spec.split("@"):
-        host, _, slots = part.partition(":")
+        host, colon, slots = part.partition(":")
         if host not in hosts:
             raise UserError(f"{option} {spec}: host '{host}' is not in {hostfile} ({', '.join(hosts)})")
-        for slot in slots.split(",") if slots else []:
+        for slot in slots.split(",") if colon else []:
             if not slot.isdigit() or int(slot) >= hosts[host]:
                 raise UserError(f"{option} {spec}: host '{host}' has slots 0-{hosts[host] - 1}, not '{slot}'")
 

@@ -23,7 +23,6 @@ checkpoint and the launch exits 75 (`EXIT_PREEMPTED`); `--resume auto` continues
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import errno
@@ -45,7 +44,7 @@ import torch
 from launch.environment import env_file_text, parse_env, remote_exports
 from launch.hostfile import active_slots, check_address, check_filter, hostfile_text, read_hostfile
 from launch.nodelist import slurm_hosts
-from launch.options import LaunchOptions, launcher_name
+from launch.options import LaunchOptions, launcher_problem
 from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
 from llm.errors import EXIT_PREEMPTED, UserError
@@ -212,15 +211,13 @@ def _check_mpi_selection(args: LaunchOptions, active: dict[str, list[int]]) -> N
                         + ", ".join(f"{host} slots={count}" for host, count in counts.items()))
 
 
-def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[str], environ: dict[str, str]) -> Plan:
-    """DeepSpeed's runner reaching the hosts of a hostfile; on one local host it starts the ranks itself."""
-    try:
-        launcher_name(args.launcher)
-    except argparse.ArgumentTypeError as exc:
-        raise UserError(f"--launcher {args.launcher}: {exc}") from None
+def _selected_slots(args: LaunchOptions) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """(hosts of the hostfile, slots the job runs on), after checking the selection options."""
+    problem = launcher_problem(args.launcher)
+    if problem:
+        raise UserError(f"--launcher {args.launcher}: {problem}")
     hosts = read_hostfile(args.hostfile)
-    nproc = args.nproc_per_node
-    if nproc and (args.include or args.exclude):
+    if args.nproc_per_node and (args.include or args.exclude):
         raise UserError("--nproc-per-node cannot be combined with --include/--exclude (DeepSpeed refuses both); "
                         "select slots with --include host:0,1 instead")
     if args.include and args.exclude:
@@ -228,21 +225,26 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     for spec, option in ((args.include, "--include"), (args.exclude, "--exclude")):
         if spec:
             check_filter(hosts, spec, option, args.hostfile)
-    active = active_slots(hosts, args.include, args.exclude, nproc)
+    active = active_slots(hosts, args.include, args.exclude, args.nproc_per_node)
     if not active:
         raise UserError(f"--exclude {args.exclude} leaves no slot of {args.hostfile} to run on")
+    return hosts, active
+
+
+def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[str], environ: dict[str, str]) -> Plan:
+    """DeepSpeed's runner reaching the hosts of a hostfile; on one local host it starts the ranks itself."""
+    hosts, active = _selected_slots(args)
     first = next(iter(active))
     options = ["--hostfile", f"{TEMP_DIR}/hostfile", "--launcher", args.launcher,
                "--master_port", str(args.master_port)]
     options += ["--include", args.include] if args.include else []
     options += ["--exclude", args.exclude] if args.exclude else []
-    options += ["--num_gpus", str(nproc)] if nproc else []
+    options += ["--num_gpus", str(args.nproc_per_node)] if args.nproc_per_node else []
     files = {"hostfile": hostfile_text(hosts)}
     if len(active) == 1 and is_local_address(first):  # DeepSpeed starts the ranks here itself, without ssh
         master = args.master_addr or "127.0.0.1"
-        options += ["--no_ssh_check", "--master_addr", master]
         _check_port_if_local(master, args.master_port)
-        return Plan(deepspeed_runner(*options), train_argv, env, files)
+        return Plan(deepspeed_runner(*options, "--no_ssh_check", "--master_addr", master), train_argv, env, files)
     options += ["--force_multi"] if len(active) == 1 else []  # one remote host: reach it, do not run here
     program, job, master = RANK_MODULE, train_argv, args.master_addr
     if args.launcher == "pdsh":
@@ -258,8 +260,7 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     options += ["--master_addr", master] if master else []  # pdsh without one: DeepSpeed asks the first host
     _check_port_if_local(master or first, args.master_port)
     home = Path(environ["HOME"]) if environ.get("HOME") else Path.home()  # where DeepSpeed's runner looks
-    exports = remote_exports(env, environ, Path.cwd(), home)
-    files["deepspeed_env"] = env_file_text(exports, args.launcher)
+    files["deepspeed_env"] = env_file_text(remote_exports(env, environ, Path.cwd(), home), args.launcher)
     return Plan(deepspeed_runner(*options, program=program), job, files=files,
                 file_env={"DS_ENV_FILE": "deepspeed_env"})
 

@@ -35,11 +35,19 @@ class LaunchOptions:
     """NAME=VALUE items set in every rank's environment."""
 
 
-def launcher_name(value: str) -> str:
-    """argparse type of `--launcher`: one of HOSTFILE_LAUNCHERS, with the way to go for DeepSpeed's slurm runner."""
+def launcher_problem(value: str) -> str | None:
+    """Why `value` cannot be a `--launcher`, or None when it can."""
     if value == "slurm":
-        raise argparse.ArgumentTypeError("DeepSpeed's slurm runner cannot start zerollm's ranks; on SLURM use "
-                                         "`srun zerollm launch --backend slurm` (see launch/slurm/zerollm.sbatch)")
+        return ("DeepSpeed's slurm runner cannot start zerollm's ranks; on SLURM use "
+                "`srun zerollm launch --backend slurm` (see launch/slurm/zerollm.sbatch)")
     if value not in HOSTFILE_LAUNCHERS:
-        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(HOSTFILE_LAUNCHERS)})")
+        return f"invalid choice: {value!r} (choose from {', '.join(HOSTFILE_LAUNCHERS)})"
+    return None
+
+
+def launcher_name(value: str) -> str:
+    """argparse type of `--launcher`."""
+    problem = launcher_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return value

@@ -59,6 +59,8 @@ def test_hostfile_with_comments_and_filters(tmp_path):
         check_filter(hosts, "worker-3", "--include", "hosts")
     with pytest.raises(UserError, match="host 'worker-2' has slots 0-3, not '4'"):
         check_filter(hosts, "worker-2:4", "--exclude", "hosts")
+    with pytest.raises(UserError, match="host 'worker-2' has slots 0-3, not ''"):  # DeepSpeed: int('') traceback
+        check_filter(hosts, "worker-2:", "--include", "hosts")
 
 
 def test_bad_hostfile_through_the_cli_is_one_line_exit_2(tmp_path):

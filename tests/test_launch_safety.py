@@ -16,7 +16,8 @@ from standins import PDSH, SSH, install, pdsh_substitute
 
 from launch.environment import deepspeed_env_files, parse_env
 from launch.hostfile import active_slots, read_hostfile
-from launch.launcher import plan_launch
+from launch.launcher import is_rank_command, plan_launch
+from launch.options import LaunchOptions
 from launch.remote_shell import pdsh_argument, pdsh_export
 from llm.cli import build_parser, launch_options
 from llm.errors import UserError
@@ -65,6 +66,15 @@ def test_a_hostfile_that_is_not_utf8_is_one_line_naming_file_and_line(tmp_path):
     result = run_cli("launch", "--hostfile", tmp_path / "hosts", "--", "train", "pretrain", "--recipe", "demo",
                      "--data", tmp_path, "--out", tmp_path / "run")
     assert result.returncode == 2 and result.stderr.strip() == f"zerollm: error: {err.value}"
+
+
+def test_signals_go_to_the_ranks_not_the_launchers_between():
+    python = sys.executable
+    assert is_rank_command([python, "-u", "-m", "llm", "train"])
+    assert is_rank_command([python, "-u", "/venv/bin/zerollm", "train"])  # under DeepSpeed's MPICH helper
+    assert not is_rank_command([python, "-m", "deepspeed.launcher.runner", "--launcher", "mpich", "/venv/bin/zerollm"])
+    assert not is_rank_command([python, "-u", "/ds/launcher_helper.py", "--launcher", "mpich", "/venv/bin/zerollm"])
+    assert not is_rank_command([python, "-u", "-m", "deepspeed.launcher.launch", "--module", "llm"])
 
 
 def test_selected_slots_are_resolved_as_deepspeed_does():
@@ -130,6 +140,9 @@ def test_deepspeeds_slurm_runner_is_refused_for_backend_slurm_which_keeps_commas
     assert result.returncode == 2
     assert "DeepSpeed's slurm runner cannot start zerollm's ranks; on SLURM use `srun zerollm launch --backend " \
            "slurm`" in result.stderr
+    (tmp_path / "hosts").write_text("node-a slots=1\n")
+    with pytest.raises(UserError, match="^--launcher slurm: DeepSpeed's slurm runner cannot start"):
+        plan_launch(LaunchOptions(hostfile=str(tmp_path / "hosts"), launcher="slurm"), ["train"], {})
     slurm = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "PATH": str(tmp_path)}
     plan = plan_launch(_launch_args("--backend", "slurm", "--env", "NCCL_SOCKET_IFNAME=^docker0,lo,ib0"),
                        ["train"], slurm)
