@@ -1,7 +1,9 @@
-"""DeepSpeed hostfiles (`HOST slots=N` per line, `#` comments), checked before anything starts.
+"""DeepSpeed hostfiles (`HOST slots=N` per line, `#` comments), checked before anything starts, and the hosts and
+slots a job uses after `--include/--exclude/--nproc-per-node`, resolved as DeepSpeed's runner resolves them.
 
-DeepSpeed's own parser accepts a zero-slot host and reports other mistakes as tracebacks; here every
-problem is one message with the file and line.
+DeepSpeed's own parser accepts a zero-slot host and reports other mistakes as tracebacks; here every problem is one
+message with the file and line. Host names end up in pdsh's `-w` list, on ssh's command line and in MPI host lists,
+so only plain names and addresses pass: a host called `-Fevil` would be read by ssh as an option.
 """
 
 from __future__ import annotations
@@ -11,7 +13,36 @@ from pathlib import Path
 
 from llm.errors import UserError
 
-_LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.:\-\[\]]+)\s+slots\s*=\s*(?P<slots>-?\d+)$")
+_LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>-?\d+)$")
+_HOST_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$")
+"""A DNS name, an /etc/hosts alias or an IPv4 address: no leading '-' (an option to ssh), no '@' or ',' (user and
+list separators of pdsh), no brackets (pdsh would expand a range), no ':' (DeepSpeed's slot separator)."""
+_IP_ADDRESS = re.compile(r"^[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*$")
+"""An IPv6 address: only usable where DeepSpeed's `host:slots` syntax is not involved (--master-addr)."""
+HOST_NAME_RULE = "letters, digits, '.', '-' and '_', starting and ending with a letter or digit"
+
+
+def is_host_name(name: str) -> bool:
+    """Whether `name` is a plain host name or IPv4 address that is safe on any command line."""
+    return bool(_HOST_NAME.match(name))
+
+
+def check_address(address: str, option: str) -> None:
+    """A `--master-addr`: a host name, an IPv4 or an IPv6 address, nothing a shell or ssh could read otherwise."""
+    if not (is_host_name(address) or _IP_ADDRESS.match(address)):
+        raise UserError(f"{option} {address!r} is not a host name or IP address ({HOST_NAME_RULE})")
+
+
+def _lines(path: Path) -> list[str]:
+    """The file's lines as text; a byte that is not UTF-8 is reported with its line and column."""
+    lines = []
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise UserError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                            "a hostfile is plain text, one 'HOST slots=N' per line") from None
+    return lines
 
 
 def read_hostfile(path: str | Path) -> dict[str, int]:
@@ -21,7 +52,7 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
         raise UserError(f"{path}: hostfile not found")
     hosts: dict[str, int] = {}
     first_seen: dict[str, int] = {}
-    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+    for number, raw in enumerate(_lines(path), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
@@ -29,6 +60,8 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
         if not match:
             raise UserError(f"{path}:{number}: expected 'HOST slots=N', got {raw.strip()!r}")
         host, slots = match["host"], int(match["slots"])
+        if not is_host_name(host):
+            raise UserError(f"{path}:{number}: {host!r} is not a usable host name ({HOST_NAME_RULE})")
         if host in hosts:
             raise UserError(f"{path}:{number}: host '{host}' is listed twice (first at line {first_seen[host]})")
         if slots < 1:
@@ -39,13 +72,44 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
     return hosts
 
 
+def hostfile_text(hosts: dict[str, int]) -> str:
+    """`hosts` in the plain form every consumer parses alike (DeepSpeed's runner, Open MPI's mpirun)."""
+    return "".join(f"{host} slots={slots}\n" for host, slots in hosts.items())
+
+
 def check_filter(hosts: dict[str, int], spec: str, option: str, hostfile: str | Path) -> None:
     """`--include/--exclude` in DeepSpeed's syntax (`host1@host2:0,2`) may only name hosts of the hostfile and,
     after the colon, slot indices that host has."""
     for part in spec.split("@"):
-        host, _, slots = part.partition(":")
+        host, colon, slots = part.partition(":")
         if host not in hosts:
             raise UserError(f"{option} {spec}: host '{host}' is not in {hostfile} ({', '.join(hosts)})")
-        for slot in filter(None, slots.split(",")):
+        for slot in slots.split(",") if colon else []:
             if not slot.isdigit() or int(slot) >= hosts[host]:
                 raise UserError(f"{option} {spec}: host '{host}' has slots 0-{hosts[host] - 1}, not '{slot}'")
+
+
+def _spec(spec: str) -> dict[str, list[int] | None]:
+    """`host1@host2:0,2` -> {host1: None (every slot), host2: [0, 2]}, for a spec `check_filter` accepted."""
+    chosen: dict[str, list[int] | None] = {}
+    for part in spec.split("@"):
+        host, _, slots = part.partition(":")
+        chosen[host] = [int(slot) for slot in slots.split(",")] if slots else None
+    return chosen
+
+
+def active_slots(hosts: dict[str, int], include: str = "", exclude: str = "",
+                 nproc_per_node: int | None = None) -> dict[str, list[int]]:
+    """{host: slot indices} the job runs on, in hostfile order, hosts left without a slot dropped: what DeepSpeed's
+    runner makes of the same hostfile and options (its `parse_inclusion_exclusion` and `--num_gpus`)."""
+    slots = {host: list(range(count)) for host, count in hosts.items()}
+    if include:
+        chosen = _spec(include)
+        slots = {host: sorted(set(chosen[host] or slots[host])) for host in slots if host in chosen}
+    if exclude:
+        dropped = _spec(exclude)
+        slots = {host: [] if host in dropped and dropped[host] is None else
+                 [slot for slot in indices if slot not in (dropped.get(host) or [])] for host, indices in slots.items()}
+    if nproc_per_node:
+        slots = {host: list(range(nproc_per_node)) for host in slots}
+    return {host: indices for host, indices in slots.items() if indices}

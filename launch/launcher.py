@@ -3,7 +3,9 @@
 Three ways to start a job, one command for each:
 
 - hostfile mode (`--hostfile FILE`): DeepSpeed's launcher reaches every host itself (pdsh by default,
-  or openmpi/mvapich/mpich/impi/slurm with `--launcher`), with `--include/--exclude`;
+  or mpirun with `--launcher openmpi|mvapich|mpich|impi`), with `--include/--exclude` under pdsh; what crosses
+  to other hosts (training arguments, exported variables) is written so that it arrives unchanged
+  (remote_shell.py, environment.py);
 - per-node mode (`--nnodes N --node-rank R --master-addr A --master-port P`): you, or a scheduler, start
   one `zerollm launch` on every node; `--backend deepspeed` runs `deepspeed --no_ssh --node_rank R`,
   `--backend torchrun` runs torchrun with c10d rendezvous at A:P;
@@ -21,10 +23,12 @@ checkpoint and the launch exits 75 (`EXIT_PREEMPTED`); `--resume auto` continues
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
-import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,36 +41,47 @@ from pathlib import Path
 import psutil
 import torch
 
-from launch.hostfile import check_filter, read_hostfile
-from launch.options import LaunchOptions
+from launch.environment import env_file_text, parse_env, remote_exports
+from launch.hostfile import active_slots, check_address, check_filter, hostfile_text, read_hostfile
+from launch.nodelist import slurm_hosts
+from launch.options import LaunchOptions, launcher_problem
+from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
 from llm.errors import EXIT_PREEMPTED, UserError
 from llm.runtime.distributed import ensure_accelerator_env
 from llm.runtime.supervisor import supervisor_env
 
-_ENV_ITEM = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_EQUAL_SLOTS = ("mvapich", "mpich", "impi")
+"""DeepSpeed's runners for these place the same number of ranks on every host."""
+
+
+TEMP_DIR = "{dir}"
 
 
 @dataclass
 class Plan:
-    """The launcher command this node runs, its environment additions and files it needs while running."""
+    """The launcher command this node runs, the training command it starts, its environment additions and the files
+    it needs while running."""
     command: list[str]
+    """The launcher and its options; a part starting with `{dir}/` names one of `files` in a temporary directory."""
+    job: list[str]
+    """The training command as the launcher must receive it (quoted for the remote shell where one reads it)."""
     env: dict[str, str] = field(default_factory=dict)
+    """Added to the launcher's environment as they are."""
     files: dict[str, str] = field(default_factory=dict)
-    """name -> content, written to a temporary directory; `{dir}` in the command and env is replaced by it."""
+    """name -> content, written to the temporary directory."""
+    file_env: dict[str, str] = field(default_factory=dict)
+    """Variables added to the launcher's environment that name one of `files`: variable -> file name."""
+
+    def argv(self, directory: str) -> list[str]:
+        return [directory + part[len(TEMP_DIR):] if part.startswith(TEMP_DIR + "/") else part
+                for part in self.command] + self.job
+
+    def environment(self, directory: str) -> dict[str, str]:
+        return {**self.env, **{variable: str(Path(directory, name)) for variable, name in self.file_env.items()}}
 
 
 # ---- checks ------------------------------------------------------------------------------------
-
-
-def parse_env(items: list[str]) -> dict[str, str]:
-    env = {}
-    for item in items:
-        if not _ENV_ITEM.match(item):
-            raise UserError(f"--env {item!r}: expected NAME=VALUE")
-        name, value = item.split("=", 1)
-        env[name] = value
-    return env
 
 
 def is_local_address(address: str) -> bool:
@@ -96,32 +111,36 @@ def slurm_rendezvous(environ: dict[str, str]) -> tuple[int, int, str]:
     missing = [k for k in ("SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_JOB_NODELIST") if k not in environ]
     if missing:
         raise UserError(f"--backend slurm runs inside a SLURM job step (srun); {', '.join(missing)} not set")
-    return int(environ["SLURM_JOB_NUM_NODES"]), int(environ["SLURM_NODEID"]), first_host(environ["SLURM_JOB_NODELIST"])
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list such as 'gpu[07-09,12],cpu1' -> 'gpu07'."""
-    match = re.match(r"^([^,\[]+)(?:\[([^\]\-,]+))?", nodelist.strip())
-    if not match:
-        raise UserError(f"cannot read the SLURM node list {nodelist!r}")
-    return match[1] + (match[2] or "")
+    hosts = slurm_hosts(environ["SLURM_JOB_NODELIST"], environ.get("PATH"))
+    return int(environ["SLURM_JOB_NUM_NODES"]), int(environ["SLURM_NODEID"]), hosts[0]
 
 
 # ---- plans -------------------------------------------------------------------------------------
 
-
-def deepspeed_runner(*options: str) -> list[str]:
-    """DeepSpeed's runner with `options`, starting `python -m llm` on every rank; the training arguments follow."""
-    return [sys.executable, "-m", "deepspeed.launcher.runner", *options, "--no_local_rank", "--module", "llm"]
+RANK_MODULE = ("--module", "llm")
 
 
-def _hostfile_text(nnodes: int, nproc: int) -> str:
-    return "".join(f"node{i} slots={nproc}\n" for i in range(nnodes))
+def deepspeed_runner(*options: str, program: tuple[str, ...] = RANK_MODULE) -> list[str]:
+    """DeepSpeed's runner with `options`, starting `program` (`python -m llm` by default) on every rank; the training
+    arguments follow."""
+    return [sys.executable, "-m", "deepspeed.launcher.runner", *options, "--no_local_rank", *program]
+
+
+def console_script() -> str:
+    """The `zerollm` script of this installation (the same path on every host, like the Python interpreter)."""
+    beside_python = Path(sys.executable).with_name("zerollm")
+    script = str(beside_python) if beside_python.is_file() else shutil.which("zerollm")
+    if script is None:
+        raise UserError("--launcher mpich starts every rank as `python PATH/zerollm ...`, but no zerollm script is "
+                        f"installed beside {sys.executable} or on PATH; install the package (pip install -e .)")
+    return script
 
 
 def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, str]) -> Plan:
     """Check the launch options and build the launcher command for this node."""
     env = parse_env(args.env)
+    if args.master_addr is not None:
+        check_address(args.master_addr, "--master-addr")
     nproc = args.nproc_per_node
     if args.backend == "slurm":
         if args.hostfile or args.nnodes or args.node_rank is not None:
@@ -133,7 +152,7 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
     if (args.include or args.exclude) and not args.hostfile:
         raise UserError("--include/--exclude select hosts of a --hostfile")
     if args.hostfile and args.node_rank is None:
-        return _plan_hostfile(args, env, nproc, train_argv)
+        return _plan_hostfile(args, env, train_argv, environ)
     per_node = args.node_rank is not None or args.nnodes
     if per_node and (args.nnodes is None or args.node_rank is None or args.master_addr is None):
         raise UserError("per-node mode needs --nnodes, --node-rank and --master-addr on every node")
@@ -152,13 +171,11 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
         hosts = read_hostfile(args.hostfile)
         if len(hosts) != nnodes:
             raise UserError(f"{args.hostfile} lists {len(hosts)} hosts but --nnodes is {nnodes}")
-        hostfile = str(Path(args.hostfile).resolve())
-        files = {}
     else:
-        hostfile, files = "{dir}/hostfile", {"hostfile": _hostfile_text(nnodes, nproc)}
-    command = deepspeed_runner("--hostfile", hostfile, "--no_ssh", "--node_rank", str(node_rank),
-                                "--master_addr", master, "--master_port", str(args.master_port))
-    return Plan(command + train_argv, env, files)
+        hosts = {f"node{i}": nproc for i in range(nnodes)}
+    command = deepspeed_runner("--hostfile", f"{TEMP_DIR}/hostfile", "--no_ssh", "--node_rank", str(node_rank),
+                               "--master_addr", master, "--master_port", str(args.master_port))
+    return Plan(command, train_argv, env, {"hostfile": hostfile_text(hosts)})
 
 
 def _local_devices() -> int:
@@ -180,51 +197,93 @@ def _plan_torchrun(nnodes: int, node_rank: int, master: str, port: int, nproc: i
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{port}", "--rdzv-id", rdzv_id,
                "--rdzv-conf", f"is_host={int(node_rank == 0)}", "--max-restarts", "0", "-m", "llm"]
-    return Plan(command + train_argv, env)
+    return Plan(command, train_argv, env)
 
 
-def _selected_hosts(hosts: dict[str, int], include: str, exclude: str) -> list[str]:
-    """Hosts that keep at least one slot after --include/--exclude (syntax checked by `check_filter`)."""
-    if include:
-        return [part.partition(":")[0] for part in include.split("@")]
-    dropped = {part for part in exclude.split("@") if part and ":" not in part}
-    return [host for host in hosts if host not in dropped]
+def _check_mpi_selection(args: LaunchOptions, active: dict[str, list[int]]) -> None:
+    """What DeepSpeed's MPI runners cannot express, refused here instead of by a traceback on the way."""
+    if args.include or args.exclude or args.nproc_per_node:
+        raise UserError(f"--launcher {args.launcher} runs every slot of the hostfile (DeepSpeed's MPI runners take no "
+                        "--include/--exclude/--nproc-per-node); write a hostfile with the hosts and slots to use")
+    counts = {host: len(slots) for host, slots in active.items()}
+    if args.launcher in _EQUAL_SLOTS and len(set(counts.values())) > 1:
+        raise UserError(f"--launcher {args.launcher} needs the same slots on every host of {args.hostfile}, got "
+                        + ", ".join(f"{host} slots={count}" for host, count in counts.items()))
 
 
-def _plan_hostfile(args: LaunchOptions, env: dict[str, str], nproc: int | None, train_argv: list[str]) -> Plan:
+def _selected_slots(args: LaunchOptions) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """(hosts of the hostfile, slots the job runs on), after checking the selection options."""
+    problem = launcher_problem(args.launcher)
+    if problem:
+        raise UserError(f"--launcher {args.launcher}: {problem}")
     hosts = read_hostfile(args.hostfile)
-    if nproc and (args.include or args.exclude):
+    if args.nproc_per_node and (args.include or args.exclude):
         raise UserError("--nproc-per-node cannot be combined with --include/--exclude (DeepSpeed refuses both); "
                         "select slots with --include host:0,1 instead")
-    if args.include:
-        check_filter(hosts, args.include, "--include", args.hostfile)
-    if args.exclude:
-        check_filter(hosts, args.exclude, "--exclude", args.hostfile)
-    options = ["--hostfile", str(Path(args.hostfile).resolve()), "--launcher", args.launcher,
+    if args.include and args.exclude:
+        raise UserError("--include and --exclude cannot be combined (DeepSpeed refuses both); use one of them")
+    for spec, option in ((args.include, "--include"), (args.exclude, "--exclude")):
+        if spec:
+            check_filter(hosts, spec, option, args.hostfile)
+    active = active_slots(hosts, args.include, args.exclude, args.nproc_per_node)
+    if not active:
+        raise UserError(f"--exclude {args.exclude} leaves no slot of {args.hostfile} to run on")
+    return hosts, active
+
+
+def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[str], environ: dict[str, str]) -> Plan:
+    """DeepSpeed's runner reaching the hosts of a hostfile; on one local host it starts the ranks itself."""
+    hosts, active = _selected_slots(args)
+    first = next(iter(active))
+    options = ["--hostfile", f"{TEMP_DIR}/hostfile", "--launcher", args.launcher,
                "--master_port", str(args.master_port)]
-    if args.master_addr:
-        options += ["--master_addr", args.master_addr]
-    used = _selected_hosts(hosts, args.include, args.exclude)
-    if is_local_address(args.master_addr or used[0]):
-        check_port_free(args.master_port)
-    if used == ["localhost"] or (len(used) == 1 and is_local_address(used[0])):
-        options.append("--no_ssh_check")  # one local host: DeepSpeed starts the ranks here, without ssh
-        options += [] if args.master_addr else ["--master_addr", "127.0.0.1"]
     options += ["--include", args.include] if args.include else []
     options += ["--exclude", args.exclude] if args.exclude else []
-    options += ["--num_gpus", str(nproc)] if nproc else []
-    files = {}
-    if env:  # DeepSpeed exports these on every host it reaches (its .deepspeed_env mechanism)
-        files["deepspeed_env"] = "".join(f"{k}={v}\n" for k, v in env.items())
-        env = {**env, "DS_ENV_FILE": "{dir}/deepspeed_env"}
-    return Plan(deepspeed_runner(*options) + train_argv, env, files)
+    options += ["--num_gpus", str(args.nproc_per_node)] if args.nproc_per_node else []
+    files = {"hostfile": hostfile_text(hosts)}
+    if len(active) == 1 and is_local_address(first):  # DeepSpeed starts the ranks here itself, without ssh
+        master = args.master_addr or "127.0.0.1"
+        _check_port_if_local(master, args.master_port)
+        return Plan(deepspeed_runner(*options, "--no_ssh_check", "--master_addr", master), train_argv, env, files)
+    options += ["--force_multi"] if len(active) == 1 else []  # one remote host: reach it, do not run here
+    program, job, master = RANK_MODULE, train_argv, args.master_addr
+    if args.launcher == "pdsh":
+        check_shell_word(str(Path.cwd()), "the working directory")
+        check_shell_word(sys.executable, "the Python interpreter")
+        job = [pdsh_argument(arg) for arg in train_argv]
+    else:
+        _check_mpi_selection(args, active)
+        master = master or first  # MPI places rank 0 on the first host
+        env = {**env, "MASTER_ADDR": master, "MASTER_PORT": str(args.master_port)}
+        options.append("--no_ssh_check")  # mpirun reaches the hosts its own way
+        program = (console_script(),) if args.launcher == "mpich" else RANK_MODULE
+    options += ["--master_addr", master] if master else []  # pdsh without one: DeepSpeed asks the first host
+    _check_port_if_local(master or first, args.master_port)
+    home = Path(environ["HOME"]) if environ.get("HOME") else Path.home()  # where DeepSpeed's runner looks
+    files["deepspeed_env"] = env_file_text(remote_exports(env, environ, Path.cwd(), home), args.launcher)
+    return Plan(deepspeed_runner(*options, program=program), job, files=files,
+                file_env={"DS_ENV_FILE": "deepspeed_env"})
+
+
+def _check_port_if_local(master: str, port: int) -> None:
+    if is_local_address(master):
+        check_port_free(port)
 
 
 # ---- running -----------------------------------------------------------------------------------
 
 
+def is_rank_command(cmdline: list[str]) -> bool:
+    """Whether a command line is a training rank (`python [-u] -m llm ...` or `python [-u] .../zerollm ...`), not one
+    of the launchers between it and us (DeepSpeed's runner and per-node launcher, mpirun, DeepSpeed's MPI helper)."""
+    rest = cmdline[1:]
+    while rest and rest[0].startswith("-") and rest[0] != "-m":
+        rest = rest[1:]
+    return rest[:2] == ["-m", "llm"] or (bool(rest) and Path(rest[0]).name == "zerollm")
+
+
 def _rank_processes(launcher_pid: int) -> list:
-    """The training processes under the launcher on this node (`python -u -m llm ...`)."""
+    """The training processes under the launcher on this node."""
     try:
         children = psutil.Process(launcher_pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -232,11 +291,10 @@ def _rank_processes(launcher_pid: int) -> list:
     ranks = []
     for child in children:
         try:
-            cmdline = child.cmdline()
+            if is_rank_command(child.cmdline()):
+                ranks.append(child)
         except psutil.Error:
             continue
-        if any(cmdline[i:i + 2] == ["-m", "llm"] for i in range(len(cmdline))):
-            ranks.append(child)
     return ranks
 
 
@@ -267,19 +325,17 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
     with tempfile.TemporaryDirectory(prefix="zerollm-launch-") as tmp:
         for name, content in plan.files.items():
             Path(tmp, name).write_text(content)
-        command = [part.replace("{dir}", tmp) for part in plan.command]
-        env = {**os.environ, **{k: v.replace("{dir}", tmp) for k, v in plan.env.items()}, **supervisor_env()}
-        print("zerollm launch: " + " ".join(command), flush=True)
+        command = plan.argv(tmp)
+        env = {**os.environ, **plan.environment(tmp), **supervisor_env()}
+        print("zerollm launch: " + shlex.join(command), flush=True)
         started_at = time.time()
         launcher = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_end_with_parent)
 
         def forward(signum, frame):
             ranks = _rank_processes(launcher.pid)
             for process in ranks or [launcher]:
-                try:
+                with contextlib.suppress(OSError, psutil.Error):  # already gone
                     process.send_signal(signal.SIGTERM)
-                except (ProcessLookupError, OSError):
-                    pass
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
         try:

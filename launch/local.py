@@ -6,12 +6,13 @@ import os
 import subprocess
 
 from launch.launcher import deepspeed_runner
-from llm.runtime.distributed import ensure_accelerator_env, free_port
+from llm.runtime.distributed import RANK_VARIABLES, ensure_accelerator_env, free_port
 
 
 def under_launcher() -> bool:
-    """True inside a process started by a launcher (deepspeed, torchrun), which sets LOCAL_RANK."""
-    return "LOCAL_RANK" in os.environ
+    """True inside a process started by a launcher: deepspeed and torchrun set LOCAL_RANK, mpirun its rank
+    variables."""
+    return "LOCAL_RANK" in os.environ or any(name in os.environ for name in RANK_VARIABLES)
 
 
 def strip_option(argv: list[str], option: str) -> list[str]:

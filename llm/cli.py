@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from launch.options import BACKENDS, DEFAULT_MASTER_PORT, SSH_LAUNCHERS, LaunchOptions
+from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, LaunchOptions, launcher_name
 from llm import rundir
 from llm.config import build_config, recipe_names
 from llm.errors import EXIT_USER_ERROR, UserError
@@ -118,15 +118,20 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
                     "  per node:  zerollm launch --nnodes 2 --node-rank R --master-addr A -- train pretrain ...\n"
                     "             (run on every node; --backend torchrun uses c10d rendezvous)\n"
                     "  SLURM:     srun zerollm launch --backend slurm -- train pretrain ...\n"
-                    "             (see launch/slurm/zerollm.sbatch)\n\n"
+                    "             (see launch/slurm/zerollm.sbatch)\n"
+                    "  or, without zerollm launch: deepspeed [--hostfile H] --module llm train ...\n"
+                    "                              torchrun --nproc-per-node N -m llm train ...\n\n"
+                    "What crosses to other hosts (training arguments, --env values, .deepspeed_env lines) arrives "
+                    "exactly as typed; what DeepSpeed's launcher cannot carry is refused. See docs/cluster.md.\n\n"
                     "Before starting: the hostfile, the training command and a free master port are checked. "
                     "Ranks compare code, config, data and tokenizer fingerprints at rendezvous, and a rank that "
                     "dies or hangs ends the job within train.collective_timeout_s.")
     p.add_argument("--hostfile", default=None, help="DeepSpeed hostfile: one 'HOST slots=N' per line")
     p.add_argument("--include", default="", metavar="HOSTS", help="hostfile hosts/slots to use, e.g. node1@node2:0,1")
     p.add_argument("--exclude", default="", metavar="HOSTS", help="hostfile hosts/slots to leave out")
-    p.add_argument("--launcher", choices=SSH_LAUNCHERS, default="pdsh",
-                   help="how DeepSpeed reaches the hosts of a hostfile (default pdsh)")
+    p.add_argument("--launcher", type=launcher_name, default="pdsh", metavar="{" + ",".join(HOSTFILE_LAUNCHERS) + "}",
+                   help="how DeepSpeed reaches the hosts of a hostfile (default pdsh; the MPI launchers take the "
+                        "ranks from the MPI environment; on SLURM use --backend slurm)")
     p.add_argument("--nnodes", type=int, default=None, help="per-node mode: number of nodes")
     p.add_argument("--node-rank", type=int, default=None, help="per-node mode: this node's rank, 0..nnodes-1")
     p.add_argument("--master-addr", default=None, help="address of node 0, reachable from every node")
@@ -228,6 +233,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerollm", epilog=EPILOG,
                                      description="Train decoder-only language models end to end under DeepSpeed ZeRO.")
+    # DeepSpeed's per-node launcher (unless --no_local_rank) and torch.distributed.launch put this before the
+    # command: `python -m llm --local_rank=0 train ...`; the same number is in LOCAL_RANK.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_tokenizer(sub)
     _add_data(sub)
@@ -420,6 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     try:
         code = COMMANDS[args.command](args)
     except UserError as exc:
@@ -430,3 +440,7 @@ def main(argv: list[str] | None = None) -> None:
         print("zerollm: interrupted", file=sys.stderr)
         code = 130
     sys.exit(code)
+
+
+if __name__ == "__main__":  # python -m llm.cli
+    main()

@@ -1,6 +1,7 @@
 """`zerollm launch`: preflight checks, and real multi-"node" jobs on one machine (two launcher processes meeting
 on 127.0.0.1) through DeepSpeed's launcher in per-node and hostfile mode, torchrun c10d and the SLURM template."""
 
+import contextlib
 import json
 import os
 import signal
@@ -16,7 +17,8 @@ import pytest
 
 from conftest import REPO, TINY, run_cli
 from launch.hostfile import check_filter, read_hostfile
-from launch.launcher import first_host, plan_launch, slurm_rendezvous
+from launch.launcher import plan_launch, slurm_rendezvous
+from launch.nodelist import expand_nodelist, slurm_hosts
 from llm.cli import build_parser, launch_options
 from llm.errors import UserError
 from llm.runtime.distributed import free_port
@@ -57,13 +59,16 @@ def test_hostfile_with_comments_and_filters(tmp_path):
         check_filter(hosts, "worker-3", "--include", "hosts")
     with pytest.raises(UserError, match="host 'worker-2' has slots 0-3, not '4'"):
         check_filter(hosts, "worker-2:4", "--exclude", "hosts")
+    with pytest.raises(UserError, match="host 'worker-2' has slots 0-3, not ''"):  # DeepSpeed: int('') traceback
+        check_filter(hosts, "worker-2:", "--include", "hosts")
 
 
 def test_bad_hostfile_through_the_cli_is_one_line_exit_2(tmp_path):
     (tmp_path / "hosts").write_text("node1 slots=2\nnode1 slots=2\n")
     result = run_cli("launch", "--hostfile", tmp_path / "hosts", "--", *_job(tmp_path, tmp_path / "run"))
     assert result.returncode == 2
-    assert result.stderr.strip() == f"zerollm: error: {tmp_path / 'hosts'}:2: host 'node1' is listed twice (first at line 1)"
+    assert result.stderr.strip() == \
+        f"zerollm: error: {tmp_path / 'hosts'}:2: host 'node1' is listed twice (first at line 1)"
 
 
 def test_busy_master_port_is_refused_before_anything_starts(tmp_path):
@@ -96,25 +101,34 @@ def test_plans_for_each_mode(tmp_path):
     job = ["train", "pretrain"]
     per_node = plan_launch(_launch_args("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
                                         "--master-port", "29555", "--nproc-per-node", "4"), job, {})
-    cmd = " ".join(per_node.command)
+    cmd = " ".join(per_node.argv("{dir}"))
     assert "deepspeed.launcher.runner --hostfile {dir}/hostfile --no_ssh --node_rank 1" in cmd
     assert "--master_addr 10.0.0.1 --master_port 29555 --no_local_rank --module llm train pretrain" in cmd
     assert per_node.files == {"hostfile": "node0 slots=4\nnode1 slots=4\n"}
 
     torchrun = plan_launch(_launch_args("--backend", "torchrun", "--nnodes", "3", "--node-rank", "2",
                                         "--master-addr", "10.0.0.1", "--nproc-per-node", "8"), job, {})
-    assert " ".join(torchrun.command).endswith(
+    assert " ".join(torchrun.argv("{dir}")).endswith(
         "torch.distributed.run --nnodes 3 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 "
         "--rdzv-id zerollm --rdzv-conf is_host=0 --max-restarts 0 -m llm train pretrain")
 
-    (tmp_path / "hosts").write_text("a slots=8\nb slots=8\n")
+    (tmp_path / "hosts").write_text("a slots=8  # comment\nb   slots = 8\n")
     hostfile = plan_launch(_launch_args("--hostfile", str(tmp_path / "hosts"), "--master-addr", "10.0.0.1",
-                                        "--include", "a@b:0,1", "--launcher", "openmpi", "--env", "NCCL_DEBUG=INFO",
-                                        "--env", "HF_HOME=/data/hf"), job, {})
-    cmd = " ".join(hostfile.command)
-    assert f"--hostfile {tmp_path / 'hosts'} --launcher openmpi" in cmd and "--include a@b:0,1" in cmd
-    assert hostfile.env == {"NCCL_DEBUG": "INFO", "HF_HOME": "/data/hf", "DS_ENV_FILE": "{dir}/deepspeed_env"}
-    assert hostfile.files == {"deepspeed_env": "NCCL_DEBUG=INFO\nHF_HOME=/data/hf\n"}
+                                        "--include", "a@b:0,1", "--env", "NCCL_DEBUG=INFO",
+                                        "--env", "HF_HOME=/data/hf"), job, {"HOME": str(tmp_path)})
+    cmd = " ".join(hostfile.argv("/tmp/x"))
+    assert "--hostfile /tmp/x/hostfile --launcher pdsh --master_port 29500 --include a@b:0,1" in cmd
+    assert "--master_addr 10.0.0.1 --no_local_rank --module llm train pretrain" in cmd
+    assert hostfile.env == {} and hostfile.environment("/tmp/x") == {"DS_ENV_FILE": "/tmp/x/deepspeed_env"}
+    assert hostfile.files == {"hostfile": "a slots=8\nb slots=8\n",  # the form DeepSpeed and mpirun both parse
+                              "deepspeed_env": f"PYTHONPATH={Path.cwd()}\nNCCL_DEBUG=INFO\nHF_HOME=/data/hf\n"}
+
+    mpi = plan_launch(_launch_args("--hostfile", str(tmp_path / "hosts"), "--launcher", "openmpi", "--master-port",
+                                   "29555", "--env", "NCCL_DEBUG=INFO"), job,
+                      {"NCCL_SOCKET_IFNAME": "eth0", "HOME": str(tmp_path)})
+    assert " --launcher openmpi " in " ".join(mpi.command) and "--no_ssh_check" in mpi.command
+    assert mpi.files["deepspeed_env"] == (f"NCCL_SOCKET_IFNAME=eth0\nPYTHONPATH={Path.cwd()}\nNCCL_DEBUG=INFO\n"
+                                          "MASTER_ADDR=a\nMASTER_PORT=29555\n")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -123,6 +137,7 @@ def test_plans_for_each_mode(tmp_path):
     (["--nnodes", "2", "--node-rank", "0", "--master-addr", "192.0.2.1"], "is not an address of this node"),
     (["--include", "a"], "select hosts of a --hostfile"),
     (["--env", "1BAD=x"], "expected NAME=VALUE"),
+    (["--env", "A=1\nB=2"], "--env A contains the control character"),  # would add B in DeepSpeed's env file
     (["--backend", "slurm"], "SLURM_JOB_NUM_NODES, SLURM_NODEID, SLURM_JOB_NODELIST not set"),
 ])
 def test_bad_launch_options(argv, message):
@@ -130,14 +145,47 @@ def test_bad_launch_options(argv, message):
         plan_launch(_launch_args(*argv), ["train"], {})
 
 
-def test_slurm_environment():
-    env = {"SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "3", "SLURM_JOB_NODELIST": "gpu[07-09,12]"}
+def test_slurm_environment(tmp_path):
+    env = {"SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "3", "SLURM_JOB_NODELIST": "gpu[07-09,12]",
+           "PATH": str(tmp_path)}
     assert slurm_rendezvous(env) == (4, 3, "gpu07")
-    assert first_host("login1,gpu[1-2]") == "login1" and first_host("n001") == "n001"
+    assert slurm_rendezvous({**env, "SLURM_JOB_NODELIST": "node-[1-4]-ib"})[2] == "node-1-ib"
     plan = plan_launch(_launch_args("--backend", "slurm"), ["train"], {**env, "SLURM_JOB_ID": "777",
                                                                        "SLURM_GPUS_ON_NODE": "8"})
     assert "--nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint gpu07:29500 --rdzv-id 777" in \
         " ".join(plan.command)
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node-[1-4]-ib", ["node-1-ib", "node-2-ib", "node-3-ib", "node-4-ib"]),  # a suffix after the brackets
+    ("gpu[07-09,12]", ["gpu07", "gpu08", "gpu09", "gpu12"]),
+    ("n[098-101]", ["n098", "n099", "n100", "n101"]),  # zero padding keeps the first number's width
+    ("n[8-10]", ["n8", "n9", "n10"]),
+    ("rack[1-2]-n[08-09]", ["rack1-n08", "rack1-n09", "rack2-n08", "rack2-n09"]),  # several groups
+    ("login1,gpu[1-2]-ib,n001", ["login1", "gpu1-ib", "gpu2-ib", "n001"]),  # a comma list
+    ("a.example.org", ["a.example.org"]),
+])
+def test_slurm_node_lists_expand_fully(nodelist, hosts, tmp_path):
+    assert expand_nodelist(nodelist) == hosts
+    assert slurm_hosts(nodelist, path=str(tmp_path)) == hosts  # no scontrol on that PATH: expanded here
+
+
+@pytest.mark.parametrize("nodelist", ["gpu[1-", "gpu[3-1]", "gpu[a-b]", "gpu1,", "gpu]1", ""])
+def test_bad_slurm_node_lists_are_one_line_errors(nodelist):
+    with pytest.raises(UserError, match="SLURM node list"):
+        expand_nodelist(nodelist)
+
+
+def test_scontrol_is_the_authority_on_node_lists(tmp_path):
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] && echo \"$3\" > \"$0.args\" && "
+                        "printf 'nodeA-ib\\nnodeB-ib\\n'\n")
+    scontrol.chmod(0o755)
+    assert slurm_hosts("node[A-B]-ib", path=str(tmp_path)) == ["nodeA-ib", "nodeB-ib"]
+    assert (tmp_path / "scontrol.args").read_text() == "node[A-B]-ib\n"
+    env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "node[A-B]-ib",
+           "PATH": str(tmp_path)}
+    assert slurm_rendezvous(env) == (2, 0, "nodeA-ib")
 
 
 def test_fingerprint_mismatch_message_names_fields_and_ranks():
@@ -174,10 +222,8 @@ def _kill_tree(proc):
     except psutil.NoSuchProcess:
         family = []
     for process in family:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
-        except psutil.NoSuchProcess:
-            pass
     if proc.poll() is None:
         proc.kill()
     proc.wait()
@@ -309,7 +355,8 @@ def test_a_node_that_never_comes_is_reported_at_the_timeout(pretrain_data, tmp_p
     result = run_cli("launch", "--nnodes", 2, "--node-rank", 0, "--master-addr", "127.0.0.1", "--master-port",
                      free_port(), "--", *_job(pretrain_data, tmp_path / "run", "train.collective_timeout_s=5"))
     assert result.returncode == 2
-    assert "rank 0: the 2 ranks did not all meet at 127.0.0.1:" in result.stderr and "1/2 clients joined" in result.stderr
+    assert "rank 0: the 2 ranks did not all meet at 127.0.0.1:" in result.stderr
+    assert "1/2 clients joined" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
@@ -389,7 +436,7 @@ def test_two_nodes_meet_across_a_real_interface(second_address, pretrain_data, t
         argv = [*prefix, sys.executable, "-m", "llm", "launch", "--nnodes", "2", "--node-rank", str(rank),
                 "--master-addr", "10.77.0.1", "--master-port", str(port), "--env", f"GLOO_SOCKET_IFNAME={interface}",
                 "--", *_job(pretrain_data, run, "train.max_steps=2")]
-        procs.append(subprocess.Popen(argv, stdout=open(tmp_path / f"node{rank}.log", "w"), stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+        with open(tmp_path / f"node{rank}.log", "w") as log:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     assert _wait_all(procs) == [0, 0], (tmp_path / "node1.log").read_text()[-3000:]
     assert [r["step"] for r in _metrics(run)] == [1, 2] and "2 rank(s)" in (tmp_path / "node0.log").read_text()

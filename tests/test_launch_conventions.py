@@ -1,0 +1,120 @@
+"""zerollm meets users where they are: the DeepSpeed and torchrun command lines they already know start a training
+job (`deepspeed --hostfile H --module llm train ...`, `deepspeed --hostfile H $(which zerollm) train ...`,
+`torchrun --nproc-per-node N -m llm train ...`), so does `python -m llm.cli`, and ranks started by mpirun
+(through `zerollm launch --launcher openmpi|mpich`, here with a stand-in mpirun) take their ranks from the MPI
+environment and form one job."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY
+from standins import MPIRUN, OMPI_INFO, SSH, install
+
+from llm.errors import UserError
+from llm.runtime.distributed import free_port, rank_environment
+
+BIN = Path(sys.executable).parent
+
+
+def _job(data, out):
+    sets = [a for o in [*TINY, "train.precision=fp32", "train.max_steps=2"] for a in ("--set", o)]
+    return ["train", "pretrain", "--recipe", "demo", "--data", str(data), "--out", str(out), *sets]
+
+
+def _steps(run):
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run(command, env=None):
+    result = subprocess.run([str(part) for part in command], capture_output=True, text=True, timeout=600, cwd=REPO,
+                            env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_python_m_llm_cli_is_the_cli():
+    result = subprocess.run([sys.executable, "-m", "llm.cli", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0 and result.stdout.startswith("usage: zerollm ")
+    result = subprocess.run([sys.executable, "-m", "llm.cli", "launch", "--", "generate"], capture_output=True,
+                            text=True, cwd=REPO)
+    assert result.returncode == 2 and result.stderr.startswith("zerollm: error: give the training command after")
+
+
+@pytest.mark.parametrize("program", [["--module", "llm"], [BIN / "zerollm"]], ids=["module", "console-script"])
+def test_deepspeed_command_line_trains_on_two_ranks(pretrain_data, tmp_path, program):
+    """DeepSpeed's per-node launcher passes --local_rank=N before the command; the ranks accept it."""
+    (tmp_path / "hosts").write_text("localhost slots=2\n")
+    run = tmp_path / "run"
+    result = _run([BIN / "deepspeed", "--hostfile", tmp_path / "hosts", "--no_ssh_check", "--master_addr",
+                   "127.0.0.1", "--master_port", free_port(), *program, *_job(pretrain_data, run)])
+    assert "--local_rank=0" in result.stdout + result.stderr and "2 rank(s)" in result.stdout
+    assert _steps(run) == [1, 2]
+
+
+def test_torchrun_command_line_trains_on_two_ranks(pretrain_data, tmp_path):
+    run = tmp_path / "run"
+    result = _run([BIN / "torchrun", "--nproc-per-node", 2, "--master-port", free_port(), "-m", "llm",
+                   *_job(pretrain_data, run)])
+    assert "2 rank(s)" in result.stdout and _steps(run) == [1, 2]
+
+
+@pytest.mark.parametrize("flavor", ["openmpi", "mpich"])
+def test_zerollm_launch_with_an_mpi_launcher_trains_one_job(pretrain_data, tmp_path, flavor):
+    """DeepSpeed's Open MPI runner starts `python -u -m llm` with only OMPI_COMM_WORLD_* to tell ranks apart; its
+    MPICH runner starts its helper, which maps PMI_RANK to RANK, and our console script. Two "hosts" of one slot each,
+    on this machine."""
+    bin_dir = install(tmp_path / "bin", mpirun=MPIRUN, ompi_info=OMPI_INFO, ssh=SSH)  # ssh: every host is here
+    (tmp_path / "hosts").write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    run = tmp_path / "run"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STANDIN_MPI": flavor, "HOME": str(tmp_path)}
+    result = _run([sys.executable, "-m", "llm", "launch", "--hostfile", tmp_path / "hosts", "--launcher", flavor,
+                   "--master-port", free_port(), "--", *_job(pretrain_data, run)], env=env)
+    assert "2 rank(s)" in result.stdout and _steps(run) == [1, 2]
+    config = json.loads((run / "ds_config.json").read_text())
+    assert config["train_batch_size"] == 2 * config["train_micro_batch_size_per_gpu"]  # one job of two ranks
+
+
+# ---- which rank am I ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h",
+      "MASTER_PORT": "1"}, ("3", "8", "1", "2")),
+    ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_SIZE": "4", "MASTER_ADDR": "h",  # DeepSpeed
+      "MASTER_PORT": "1"}, ("3", "8", "1", "4")),
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "3", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, ("5", "6", "2", "3")),
+    ({"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "2", "MV2_COMM_WORLD_LOCAL_RANK": "0",
+      "MV2_COMM_WORLD_LOCAL_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, ("1", "2", "0", "1")),
+    ({"PMI_RANK": "7", "PMI_SIZE": "8", "MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "4", "MASTER_ADDR": "h",
+      "MASTER_PORT": "1"}, ("7", "8", "3", "4")),
+    ({"PMIX_RANK": "2", "WORLD_SIZE": "4", "PALS_LOCAL_RANKID": "0", "LOCAL_SIZE": "1", "MASTER_ADDR": "h",
+      "MASTER_PORT": "1"}, ("2", "4", "0", "1")),
+])
+def test_ranks_come_from_whichever_launcher_started_the_process(environ, expected):
+    found = rank_environment(environ)
+    assert (found["RANK"], found["WORLD_SIZE"], found["LOCAL_RANK"], found["LOCAL_WORLD_SIZE"]) == expected
+    assert (found["MASTER_ADDR"], found["MASTER_PORT"]) == ("h", "1")
+
+
+def test_a_process_started_directly_is_a_group_of_one():
+    found = rank_environment({})
+    assert (found["RANK"], found["WORLD_SIZE"], found["MASTER_ADDR"]) == ("0", "1", "127.0.0.1")
+    assert rank_environment({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"})["WORLD_SIZE"] == "1"
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0"},
+     "rank 1 of 2 was started by a launcher that sets OMPI_COMM_WORLD_RANK but not MASTER_ADDR and MASTER_PORT"),
+    ({"PMIX_RANK": "1"}, "this process has rank 1 \\(PMIX_RANK\\) but no world size"),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "rank 1 \\(PMI_RANK\\) of 2 has no "
+                                                                                 "local rank"),
+    ({"PMI_RANK": "one", "PMI_SIZE": "2"}, "PMI_RANK='one' is not a number"),
+])
+def test_an_incomplete_launcher_environment_is_one_clear_error(environ, message):
+    with pytest.raises(UserError, match=message):
+        rank_environment(environ)

@@ -1,0 +1,277 @@
+"""What `zerollm launch` hands to other hosts arrives exactly as typed and runs nothing else: host names, `--env`
+values, DeepSpeed's env files, inherited variables DeepSpeed forwards and training arguments, through DeepSpeed's
+pdsh runner (checked with a stand-in pdsh that runs the remote command under sh and bash) and its MPI runners."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import REPO, TINY, run_cli
+from deepspeed.launcher.multinode_runner import PDSHRunner
+from standins import PDSH, SSH, install, pdsh_substitute
+
+from launch.environment import deepspeed_env_files, parse_env
+from launch.hostfile import active_slots, read_hostfile
+from launch.launcher import is_rank_command, plan_launch
+from launch.options import LaunchOptions
+from launch.remote_shell import pdsh_argument, pdsh_export
+from llm.cli import build_parser, launch_options
+from llm.errors import UserError
+from llm.runtime.distributed import free_port
+
+
+def _launch_args(*argv):
+    return launch_options(build_parser().parse_args(["launch", *argv, "--", "train"]))
+
+
+def _plan(tmp_path, *argv, hosts="node-a slots=2\nnode-b slots=2\n", environ=None):
+    (tmp_path / "hosts").write_text(hosts)
+    return plan_launch(_launch_args("--hostfile", str(tmp_path / "hosts"), "--master-addr", "10.0.0.1", *argv),
+                       ["train", "pretrain"], {"HOME": str(tmp_path), **(environ or {})})
+
+
+# ---- host names and hostfiles ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["-Fevil", "-oProxyCommand=sh", "node[1-4]", "root@node1", "a,b", "fe80::1",
+                                  "node;reboot", "node$(id)", ".hidden", "node-"])
+def test_host_names_a_shell_ssh_or_pdsh_would_misread_are_refused(tmp_path, host):
+    (tmp_path / "hosts").write_text(f"good slots=1\n{host} slots=2\n")
+    with pytest.raises(UserError, match=r"hosts:2: .* is not a usable host name \(letters, digits"):
+        read_hostfile(tmp_path / "hosts")
+
+
+def test_ordinary_host_names_and_addresses_pass(tmp_path):
+    (tmp_path / "hosts").write_text("gpu-01.cluster.example.org slots=8\n10.0.0.7 slots=8\nnode_3 slots=1\n")
+    assert read_hostfile(tmp_path / "hosts") == {"gpu-01.cluster.example.org": 8, "10.0.0.7": 8, "node_3": 1}
+
+
+@pytest.mark.parametrize("address", ["-Fevil", "1.2.3.4;reboot", "$(id)", "a b"])
+def test_master_addresses_that_are_not_addresses_are_refused(tmp_path, address):
+    with pytest.raises(UserError, match="is not a host name or IP address"):
+        plan_launch(_launch_args("--nnodes", "2", "--node-rank", "1", f"--master-addr={address}"), ["train"], {})
+    plan_launch(_launch_args("--nnodes", "2", "--node-rank", "1", "--master-addr", "fd00::1"), ["train"], {})
+
+
+def test_a_hostfile_that_is_not_utf8_is_one_line_naming_file_and_line(tmp_path):
+    (tmp_path / "hosts").write_bytes(b"node1 slots=2\nn\xe9ud2 slots=2\n")
+    with pytest.raises(UserError) as err:
+        read_hostfile(tmp_path / "hosts")
+    assert str(err.value) == (f"{tmp_path}/hosts:2: not UTF-8 text (byte 0xe9 at column 2); a hostfile is plain "
+                              "text, one 'HOST slots=N' per line")
+    result = run_cli("launch", "--hostfile", tmp_path / "hosts", "--", "train", "pretrain", "--recipe", "demo",
+                     "--data", tmp_path, "--out", tmp_path / "run")
+    assert result.returncode == 2 and result.stderr.strip() == f"zerollm: error: {err.value}"
+
+
+def test_signals_go_to_the_ranks_not_the_launchers_between():
+    python = sys.executable
+    assert is_rank_command([python, "-u", "-m", "llm", "train"])
+    assert is_rank_command([python, "-u", "/venv/bin/zerollm", "train"])  # under DeepSpeed's MPICH helper
+    assert not is_rank_command([python, "-m", "deepspeed.launcher.runner", "--launcher", "mpich", "/venv/bin/zerollm"])
+    assert not is_rank_command([python, "-u", "/ds/launcher_helper.py", "--launcher", "mpich", "/venv/bin/zerollm"])
+    assert not is_rank_command([python, "-u", "-m", "deepspeed.launcher.launch", "--module", "llm"])
+
+
+def test_selected_slots_are_resolved_as_deepspeed_does():
+    hosts = {"a": 4, "b": 2, "c": 1}
+    assert active_slots(hosts) == {"a": [0, 1, 2, 3], "b": [0, 1], "c": [0]}
+    assert active_slots(hosts, include="c@a:2,0") == {"a": [0, 2], "c": [0]}
+    assert active_slots(hosts, exclude="a@b:1") == {"b": [0], "c": [0]}
+    assert active_slots(hosts, exclude="b:0,1") == {"a": [0, 1, 2, 3], "c": [0]}
+    assert active_slots(hosts, nproc_per_node=1) == {"a": [0], "b": [0], "c": [0]}
+
+
+# ---- variables ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("item, message", [
+    ("A=1\nB=2", r"--env A contains the control character '\\n'"),
+    ("A=1\r", r"--env A contains the control character '\\r'"),
+    ("A B=1", "expected NAME=VALUE, NAME made of letters"),
+    ("A;id=1", "expected NAME=VALUE"),
+    ("=1", "expected NAME=VALUE"),
+])
+def test_env_items_must_be_a_variable_name_and_one_line(item, message):
+    with pytest.raises(UserError, match=message):
+        parse_env([item])
+
+
+def test_deepspeed_env_files_are_read_like_deepspeed_and_checked_line_by_line(tmp_path):
+    home, cwd = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    cwd.mkdir()
+    (home / ".deepspeed_env").write_text("# cluster settings\n\nNCCL_IB_HCA = mlx5_0 \nA=home\n")
+    (cwd / ".deepspeed_env").write_text("A=work=1\n")
+    found = deepspeed_env_files({}, cwd, home)
+    assert {name: export.value for name, export in found.items()} == {"NCCL_IB_HCA": "mlx5_0", "A": "work=1"}
+    assert found["A"].origin == f"{cwd}/.deepspeed_env:1"
+    (cwd / "other").write_text("B=1\nnot a variable\n")
+    with pytest.raises(UserError, match=rf"^{cwd}/other:2: expected NAME=VALUE, got 'not a variable'$"):
+        deepspeed_env_files({"DS_ENV_FILE": "other"}, cwd, home)
+    (cwd / "other").write_bytes(b"B=\xff\n")
+    with pytest.raises(UserError, match=rf"^{cwd}/other:1: not UTF-8 text$"):
+        deepspeed_env_files({"DS_ENV_FILE": str(cwd / "other")}, cwd, home)
+
+
+def test_values_mpirun_would_receive_with_literal_quotes_are_refused_naming_their_origin(tmp_path):
+    with pytest.raises(UserError, match=r"^NCCL_SOCKET_IFNAME \(from --env\): --launcher openmpi passes exported "
+                                        "values through DeepSpeed, which wraps"):
+        _plan(tmp_path, "--launcher", "openmpi", "--env", "NCCL_SOCKET_IFNAME=^docker0,lo")
+    with pytest.raises(UserError, match=r"^PYTHONWARNINGS \(from your environment\): --launcher mpich"):
+        _plan(tmp_path, "--launcher", "mpich", environ={"PYTHONWARNINGS": "ignore::UserWarning:a b"})
+    plan = _plan(tmp_path, "--env", "NCCL_SOCKET_IFNAME=^docker0,lo")  # pdsh: quoted for the remote shell
+    assert 'NCCL_SOCKET_IFNAME=^docker0,lo\n' in plan.files["deepspeed_env"]
+
+
+def test_exported_values_with_blanks_around_them_are_refused(tmp_path):
+    with pytest.raises(UserError, match=r"^A \(from --env\): DeepSpeed's runner strips the blanks"):
+        _plan(tmp_path, "--env", "A= x")
+
+
+def test_deepspeeds_slurm_runner_is_refused_for_backend_slurm_which_keeps_commas(tmp_path):
+    """DeepSpeed's slurm runner passes exports as `srun --export=ALL,K=V,...` (a comma in a value splits it) and
+    cannot start a module; `--backend slurm` hands the environment to torchrun as it is."""
+    result = run_cli("launch", "--hostfile", tmp_path / "hosts", "--launcher", "slurm", "--", "train")
+    assert result.returncode == 2
+    assert "DeepSpeed's slurm runner cannot start zerollm's ranks; on SLURM use `srun zerollm launch --backend " \
+           "slurm`" in result.stderr
+    (tmp_path / "hosts").write_text("node-a slots=1\n")
+    with pytest.raises(UserError, match="^--launcher slurm: DeepSpeed's slurm runner cannot start"):
+        plan_launch(LaunchOptions(hostfile=str(tmp_path / "hosts"), launcher="slurm"), ["train"], {})
+    slurm = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "PATH": str(tmp_path)}
+    plan = plan_launch(_launch_args("--backend", "slurm", "--env", "NCCL_SOCKET_IFNAME=^docker0,lo,ib0"),
+                       ["train"], slurm)
+    assert plan.env == {"NCCL_SOCKET_IFNAME": "^docker0,lo,ib0"} and plan.files == {}
+
+
+# ---- MPI launchers: what DeepSpeed's MPI runners cannot express ----------------------------------
+
+
+@pytest.mark.parametrize("launcher, argv, hosts, message", [
+    ("openmpi", ["--include", "node-a"], None, "DeepSpeed's MPI runners take no --include/--exclude"),
+    ("impi", ["--nproc-per-node", "1"], None, "DeepSpeed's MPI runners take no --include/--exclude"),
+    ("mpich", [], "node-a slots=2\nnode-b slots=1\n", "needs the same slots on every host .* node-a slots=2, "
+                                                      "node-b slots=1"),
+])
+def test_mpi_launchers_refuse_what_their_runners_cannot_do(tmp_path, launcher, argv, hosts, message):
+    with pytest.raises(UserError, match=message):
+        _plan(tmp_path, "--launcher", launcher, *argv, **({"hosts": hosts} if hosts else {}))
+
+
+def test_mpi_plans_export_the_rendezvous_and_mpich_starts_the_console_script(tmp_path):
+    plan = _plan(tmp_path, "--launcher", "mvapich", "--master-port", "29123")
+    assert plan.files["deepspeed_env"].endswith("MASTER_ADDR=10.0.0.1\nMASTER_PORT=29123\n")
+    assert plan.command[-2:] == ["--module", "llm"]
+    mpich = _plan(tmp_path, "--launcher", "mpich")
+    assert mpich.command[-1] == str(Path(sys.executable).with_name("zerollm")) and "--module" not in mpich.command
+
+
+# ---- pdsh: the remote shell rebuilds exactly what was typed ---------------------------------------
+
+
+def test_the_working_directory_must_be_a_plain_word_for_pdsh(tmp_path, monkeypatch):
+    odd = tmp_path / "my runs;x"
+    odd.mkdir()
+    monkeypatch.chdir(odd)
+    with pytest.raises(UserError, match="the working directory .* goes unquoted into the remote shell command"):
+        _plan(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["plain", "a b", "$(id)", "`id`", "a;b", "it's", 'say "hi"', "back\\slash",
+                                  "50%n", "%h %u %%", "=x", "~/x", "*", "ü 中文", "", "a\\ $(x) `y` \"z\" 'w' %n"])
+@pytest.mark.parametrize("shell", ["sh", "bash"])
+def test_pdsh_words_survive_deepspeed_pdsh_and_the_shell(text, shell):
+    """DeepSpeed's own treatment of an argument and of an exported value (its PDSHRunner), then pdsh's substitution,
+    then the remote shell: the program sees `text` in both places."""
+    runner = PDSHRunner.__new__(PDSHRunner)
+    runner.args, runner.exports = SimpleNamespace(user_args=[pdsh_argument(text)]), {}
+    runner.add_export("V", pdsh_export(text))
+    command = f"export V={runner.exports['V']}; printf '%s|' {runner.parse_user_args()[0]} \"$V\""
+    out = subprocess.run([shell, "-c", pdsh_substitute(command, "host-a", 0)], capture_output=True, check=True)
+    assert out.stdout.decode() == f"{text}|{text}|"
+
+
+@pytest.fixture(scope="module")
+def pdsh_dry_run(tmp_path_factory):
+    """`zerollm launch --hostfile` on two hosts through DeepSpeed's pdsh runner and a stand-in pdsh that runs the
+    remote command under sh (host 0) and bash (host 1) with the training launcher replaced by printf: what each
+    host's shell built, and the variables it exported."""
+    tmp = tmp_path_factory.mktemp("pdsh-dry")
+    bin_dir = install(tmp / "bin", pdsh=PDSH, ssh=SSH)
+    (tmp / "home").mkdir()
+    (tmp / "home" / ".deepspeed_env").write_text(f"# from the home directory\nZL_FILE = $(touch {tmp}/pwned-file) x\n")
+    (tmp / "hosts").write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    job = ["train", "pretrain", "--recipe", "demo", "--data", str(tmp),
+           "--out", f"{tmp}/run $(touch {tmp}/pwned-subshell); touch {tmp}/pwned-semicolon `touch {tmp}/pwned-tick` "
+                    "\"dq\" 'sq' \\ 50%n %h",
+           "--set", f"wandb.name=x;touch {tmp}/pwned-nospace", "--set", f"wandb.project=$(touch {tmp}/pwned-x)%n"]
+    env = {"ZL_SUBSHELL": f"$(touch {tmp}/pwned-env) `touch {tmp}/pwned-env2` \"q\" 'q' \\ %h %n $HOME",
+           "ZL_BARE": "50%n", "ZL_NOSPACE": f"a;touch${{IFS}}{tmp}/pwned-env3"}
+    environ = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp / "home"),
+               "STANDIN_RECORD": str(tmp), "STANDIN_DRY": "1", "STANDIN_SHELLS": "sh bash",
+               "NCCL_ZL_PROBE": f"$(touch {tmp}/pwned-forwarded)"}
+    result = subprocess.run([sys.executable, "-m", "llm", "launch", "--hostfile", tmp / "hosts", "--master-addr",
+                             "127.0.0.1", "--master-port", str(free_port()),
+                             *[a for name, value in env.items() for a in ("--env", f"{name}={value}")], "--", *job],
+                            env=environ, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    hosts = []
+    for rank in (0, 1):
+        words = (tmp / f"argv.{rank}").read_bytes().decode().split("\0")[:-1]
+        variables = dict(item.split("=", 1) for item in (tmp / f"env.{rank}").read_bytes().decode().split("\0")
+                         if "=" in item)
+        hosts.append((words, variables))
+    return tmp, job, env, hosts
+
+
+def test_pdsh_training_arguments_arrive_exactly_under_sh_and_bash(pdsh_dry_run):
+    tmp, job, _, hosts = pdsh_dry_run
+    for words, _ in hosts:
+        assert words[words.index("llm") + 1:] == job  # python -u -m deepspeed.launcher.launch ... llm, then the job
+    assert sorted(p.name for p in tmp.glob("pwned*")) == []
+
+
+def test_pdsh_env_values_arrive_exactly_and_run_nothing(pdsh_dry_run):
+    tmp, _, env, hosts = pdsh_dry_run
+    for _, variables in hosts:
+        assert {name: variables.get(name) for name in env} == env
+    assert sorted(p.name for p in tmp.glob("pwned-env*")) == []
+
+
+def test_pdsh_forwarded_variables_and_env_files_arrive_exactly(pdsh_dry_run):
+    """DeepSpeed forwards NCCL_* (and PYTHON*, UCX*, ...) of the launching shell in double quotes, where $(...) runs;
+    zerollm re-exports them through its env file, which DeepSpeed reads last."""
+    tmp, _, _, hosts = pdsh_dry_run
+    for _, variables in hosts:
+        assert variables["NCCL_ZL_PROBE"] == f"$(touch {tmp}/pwned-forwarded)"
+        assert variables["ZL_FILE"] == f"$(touch {tmp}/pwned-file) x"
+    assert not (tmp / "pwned-forwarded").exists() and not (tmp / "pwned-file").exists()
+
+
+def test_pdsh_job_trains_with_a_hostile_run_directory(pretrain_data, tmp_path):
+    """The real thing: two hosts through DeepSpeed's pdsh runner, each running DeepSpeed's per-node launcher with one
+    rank, into a run directory whose name is full of shell syntax."""
+    bin_dir = install(tmp_path / "bin", pdsh=PDSH, ssh=SSH)
+    (tmp_path / "hosts").write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    run = tmp_path / f"run $(touch {tmp_path}/pwned-a);touch {tmp_path}/pwned-b `touch {tmp_path}/pwned-c` 50%n"
+    probe = f"$(touch {tmp_path}/pwned-env) 'q' \"q\" %h"
+    sets = [a for o in [*TINY, "train.precision=fp32", "train.max_steps=2"] for a in ("--set", o)]
+    environ = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path),
+               "STANDIN_RECORD": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "llm", "launch", "--hostfile", tmp_path / "hosts",
+                             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--env",
+                             f"ZL_PROBE={probe}", "--", "train", "pretrain", "--recipe", "demo", "--data",
+                             pretrain_data, "--out", run, *sets],
+                            env=environ, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 rank(s)" in result.stdout
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    for rank in (0, 1):
+        exported = (tmp_path / f"env.{rank}").read_bytes().decode().split("\0")
+        assert f"ZL_PROBE={probe}" in exported
+    assert sorted(p.name for p in tmp_path.glob("pwned*")) == []
