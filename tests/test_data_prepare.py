@@ -450,3 +450,14 @@ def test_json_records_over_the_limit_are_skipped_or_refused_without_reading_them
     (tmp_path / "big.json").write_text(json.dumps([{"text": "short"}, big]))
     with pytest.raises(UserError, match="big.json:1: a value longer than --max-record-mb 0.01"):
         _quiet("pretrain", [tmp_path / "big.json"], tokenizer_dir, tmp_path / "out2", max_record_mb=0.01)
+
+
+@pytest.mark.parametrize("kind, source", [("pretrain", "pretrain/en_notes.jsonl"), ("sft", "sft/messages_zh.jsonl")])
+def test_a_tokenizer_without_chat_tokens_prepares_and_records_missing_roles(tmp_path, kind, source):
+    """A Llama-style tokenizer has no <|im_start|>: its role is recorded as -1 (h5py cannot store None)."""
+    llama = FIXTURES / "tokenizers" / "llama"
+    prepare(kind, [str(FIXTURES / source)], llama, tmp_path, val_fraction=0.2, workers=1, show_progress=False)
+    attrs = read_data_attrs(tmp_path, kind)
+    tok = Tokenizer.load(llama)
+    assert attrs["im_start_id"] == -1 and attrs["eos_id"] == tok.eos_id and attrs["pad_id"] == tok.pad_id
+    assert list(attrs["stop_ids"]) == tok.stop_ids

@@ -266,13 +266,21 @@ class SplitWriter:
         self.flush()
 
 
+ROLE_IDS = ("eos_id", "pad_id", "bos_id", "im_start_id", "im_end_id")
+"""Special-token roles recorded in tokens.h5; a role the tokenizer does not have is recorded as -1."""
+
+
 def write_attrs(h5: h5py.File, kind: str, tokenizer_hash: str, vocab_size: int, special: Tokenizer | None,
                 **extra) -> None:
-    """Root attributes that let training refuse mismatched data (special ids from `special`, or the fixed defaults)."""
-    ids = (special.eos_id, special.pad_id, special.im_start_id, special.im_end_id) if special else (0, 3, 1, 2)
+    """Root attributes that let training refuse mismatched data: schema, kind, the tokenizer's hash and size, and
+    its special ids by role (from `special`; random benchmark data, which has none, pads with 3)."""
+    if special is None:
+        ids, stop_ids = {"pad_id": 3}, []
+    else:
+        ids, stop_ids = {role: getattr(special, role) for role in ROLE_IDS}, special.stop_ids
     h5.attrs.update({"schema_version": SCHEMA_VERSION, "kind": kind, "tokenizer_hash": tokenizer_hash,
-                     "vocab_size": vocab_size, **dict(zip(("eos_id", "pad_id", "im_start_id", "im_end_id"), ids)),
-                     **extra})
+                     "vocab_size": vocab_size, **{role: -1 if ids.get(role) is None else ids[role] for role in ROLE_IDS},
+                     "stop_ids": np.asarray(stop_ids, dtype=np.int64), **extra})
 
 
 def _chars(value: Any) -> int:
