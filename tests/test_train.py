@@ -161,7 +161,7 @@ def test_two_ranks_to_one_resume_converts_to_universal_and_continues(zero_runs, 
     assert "resumed at step 2" in result.stdout
     rows, reference = _metrics(tmp_path), _metrics(zero_runs[stage])
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-4)
     assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
     resumed_state = json.loads((tmp_path / "checkpoints" / "global_step4" / "client_state.json").read_text())
     assert resumed_state["sampler"] == straight_state["sampler"] and resumed_state["world_size"] == 1
