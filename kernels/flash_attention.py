@@ -203,8 +203,8 @@ def _fwd_blocks(acc, l_i, m_i, q, rows, q_seg, k_base, v_base, seg_k, stride_kn,
     """Online softmax over key blocks [start, end)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base, cols, seq_k, stride_kn, stride_kd, head_dim, MASKED, False, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        k_t = _load_tile(k_base, cols, seq_k, stride_kn, stride_kd, head_dim, MASKED, True, BLOCK_D)
+        s = tl.dot(q, k_t, input_precision=PRECISION)
         if MASKED:
             k_seg = _load_segments(seg_k, cols, seq_k, SEGMENTS)
             visible = _visible(rows[:, None], cols[None, :], q_seg[:, None], k_seg[None, :], seq_k, diag, CAUSAL,
@@ -288,7 +288,7 @@ def _attn_bwd_delta(OUT, DO, DELTA,
 
 
 @triton.jit
-def _kv_blocks(dk, dv, k, v, cols, k_seg, q_base, do_base, lse_base, delta_base, dq_base, seg_q,
+def _kv_blocks(dk, dv, k, v, k_t, cols, k_seg, q_base, do_base, lse_base, delta_base, dq_base, seg_q,
                stride_qm, stride_qd, stride_dom, stride_dod, start, end, seq_q, seq_k, head_dim, diag, qk_scale, scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
@@ -297,7 +297,9 @@ def _kv_blocks(dk, dv, k, v, cols, k_seg, q_base, do_base, lse_base, delta_base,
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
         q_t = _load_tile(q_base, rows, seq_q, stride_qm, stride_qd, head_dim, MASKED, True, BLOCK_D)
+        q = _load_tile(q_base, rows, seq_q, stride_qm, stride_qd, head_dim, MASKED, False, BLOCK_D)
         do = _load_tile(do_base, rows, seq_q, stride_dom, stride_dod, head_dim, MASKED, False, BLOCK_D)
+        do_t = _load_tile(do_base, rows, seq_q, stride_dom, stride_dod, head_dim, MASKED, True, BLOCK_D)
         if MASKED:
             lse = tl.load(lse_base + rows, mask=rows < seq_q, other=0.0)
             delta = tl.load(delta_base + rows, mask=rows < seq_q, other=0.0)
@@ -312,11 +314,11 @@ def _kv_blocks(dk, dv, k, v, cols, k_seg, q_base, do_base, lse_base, delta_base,
                                SEGMENTS)
             p_t = tl.where(visible, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dp_t = tl.dot(v, do_t, input_precision=PRECISION)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q_t.dtype)
-        dk = tl.dot(ds_t, tl.trans(q_t), dk, input_precision=PRECISION)
+        dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
         if ATOMIC_DQ:
-            dq_t = tl.dot(tl.trans(k), ds_t, input_precision=PRECISION) * scale
+            dq_t = tl.dot(k_t, ds_t, input_precision=PRECISION) * scale
             tl.atomic_add(dq_base + rows[None, :] * head_dim + offs_d[:, None], dq_t,
                           mask=(rows[None, :] < seq_q) & (offs_d[:, None] < head_dim))
     return dk, dv
@@ -343,6 +345,10 @@ def _attn_bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SEG_START, SEG_END,
                    BLOCK_D)
     v = _load_tile(V + b * stride_vb + hk * stride_vh, cols, seq_k, stride_vn, stride_vd, head_dim, True, False,
                    BLOCK_D)
+    k_t = k  # K^T, the first operand of the atomic dQ matmul: loaded only when used
+    if ATOMIC_DQ:
+        k_t = _load_tile(K + b * stride_kb + hk * stride_kh, cols, seq_k, stride_kn, stride_kd, head_dim, True, True,
+                         BLOCK_D)
     seg_start = SEG_START + b * seq_k
     lo, full_lo, full_hi, hi = _query_range(seg_start, SEG_END + b * seq_k, start_n, seq_q, seq_k, CAUSAL, SEGMENTS,
                                             BLOCK_M, BLOCK_N)
@@ -357,16 +363,18 @@ def _attn_bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SEG_START, SEG_END,
         stats = (b * n_heads + h) * seq_q
         dq_base = DQ + stats * head_dim
         if SEGMENTS or CAUSAL:  # the blocks before full_lo (lo == full_lo when neither)
-            dk, dv = _kv_blocks(dk, dv, k, v, cols, k_seg, q_base, do_base, LSE + stats, DELTA + stats, dq_base,
+            dk, dv = _kv_blocks(dk, dv, k, v, k_t, cols, k_seg, q_base, do_base, LSE + stats, DELTA + stats, dq_base,
                                 seg_start, stride_qm, stride_qd, stride_dom, stride_dod, lo, full_lo, seq_q, seq_k,
                                 head_dim, diag, qk_scale, scale, True, CAUSAL, SEGMENTS, ATOMIC_DQ, BLOCK_D, BLOCK_M,
                                 PRECISION)
-        dk, dv = _kv_blocks(dk, dv, k, v, cols, k_seg, q_base, do_base, LSE + stats, DELTA + stats, dq_base, seg_start,
-                            stride_qm, stride_qd, stride_dom, stride_dod, full_lo, full_hi, seq_q, seq_k, head_dim,
-                            diag, qk_scale, scale, False, CAUSAL, SEGMENTS, ATOMIC_DQ, BLOCK_D, BLOCK_M, PRECISION)
-        dk, dv = _kv_blocks(dk, dv, k, v, cols, k_seg, q_base, do_base, LSE + stats, DELTA + stats, dq_base, seg_start,
-                            stride_qm, stride_qd, stride_dom, stride_dod, full_hi, hi, seq_q, seq_k, head_dim, diag,
-                            qk_scale, scale, True, CAUSAL, SEGMENTS, ATOMIC_DQ, BLOCK_D, BLOCK_M, PRECISION)
+        dk, dv = _kv_blocks(dk, dv, k, v, k_t, cols, k_seg, q_base, do_base, LSE + stats, DELTA + stats, dq_base,
+                            seg_start, stride_qm, stride_qd, stride_dom, stride_dod, full_lo, full_hi, seq_q, seq_k,
+                            head_dim, diag, qk_scale, scale, False, CAUSAL, SEGMENTS, ATOMIC_DQ, BLOCK_D, BLOCK_M,
+                            PRECISION)
+        dk, dv = _kv_blocks(dk, dv, k, v, k_t, cols, k_seg, q_base, do_base, LSE + stats, DELTA + stats, dq_base,
+                            seg_start, stride_qm, stride_qd, stride_dom, stride_dod, full_hi, hi, seq_q, seq_k,
+                            head_dim, diag, qk_scale, scale, True, CAUSAL, SEGMENTS, ATOMIC_DQ, BLOCK_D, BLOCK_M,
+                            PRECISION)
     _store_tile(DK + b * stride_dkb + hk * stride_dkh, cols, seq_k, stride_dkn, stride_dkd, head_dim,
                 (dk * scale).to(DK.dtype.element_ty), BLOCK_D)
     _store_tile(DV + b * stride_dvb + hk * stride_dvh, cols, seq_k, stride_dvn, stride_dvd, head_dim,
@@ -380,16 +388,17 @@ def _q_blocks(dq, q, do, lse, delta, rows, q_seg, k_base, v_base, seg_k, stride_
     """dQ contributions of key blocks [start, end)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base, cols, seq_k, stride_kn, stride_kd, head_dim, MASKED, False, BLOCK_D)
-        v = _load_tile(v_base, cols, seq_k, stride_vn, stride_vd, head_dim, MASKED, False, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        k_t = _load_tile(k_base, cols, seq_k, stride_kn, stride_kd, head_dim, MASKED, True, BLOCK_D)
+        s = tl.dot(q, k_t, input_precision=PRECISION)
         p = tl.exp2(s * qk_scale - lse[:, None])
         if MASKED:
             k_seg = _load_segments(seg_k, cols, seq_k, SEGMENTS)
             visible = _visible(rows[:, None], cols[None, :], q_seg[:, None], k_seg[None, :], seq_k, diag, CAUSAL,
                                SEGMENTS)
             p = tl.where(visible, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        v_t = _load_tile(v_base, cols, seq_k, stride_vn, stride_vd, head_dim, MASKED, True, BLOCK_D)
+        dp = tl.dot(do, v_t, input_precision=PRECISION)
+        k = _load_tile(k_base, cols, seq_k, stride_kn, stride_kd, head_dim, MASKED, False, BLOCK_D)
         ds = (p * (dp - delta[:, None])).to(k.dtype)
         dq = tl.dot(ds, k, dq, input_precision=PRECISION)
     return dq

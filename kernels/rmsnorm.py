@@ -60,7 +60,7 @@ def _rmsnorm_bwd(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx,
 def _layout(n_cols: int) -> tuple[int, int, int]:
     """(ROWS, BLOCK, warps) for rows of n_cols elements."""
     block = triton.next_power_of_2(n_cols)
-    rows = max(1, ROW_ELEMENTS // block) if not INTERPRETED else 2
+    rows = max(1, ROW_ELEMENTS // block) if not INTERPRETED else 4
     return rows, block, warps_for(rows * block)
 
 

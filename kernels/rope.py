@@ -64,7 +64,7 @@ def _rope(Q, K, QO, KO, COS, SIN, POS,
 def _layout(head_dim: int) -> tuple[int, int]:
     """(BLOCK_D, BLOCK_S) for a head dim."""
     block_d = triton.next_power_of_2(head_dim // 2)
-    return block_d, (4 if INTERPRETED else max(1, TILE_ELEMENTS // block_d))
+    return block_d, (8 if INTERPRETED else max(1, TILE_ELEMENTS // block_d))
 
 
 def rope_args(q, k, qo, ko, cos, sin, positions, position_offset: int, sign: int):

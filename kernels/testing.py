@@ -8,9 +8,37 @@ reference on a tiny tensor is no failure. Backward runs twice and must be bitwis
 
 from __future__ import annotations
 
+import contextlib
+import random
+from collections.abc import Iterator
+
 import torch
 
 FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def random_seed() -> int:
+    """A fresh seed, set for torch and returned (tests put it in every message)."""
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    return seed
+
+
+@contextlib.contextmanager
+def nan_filled_allocations() -> Iterator[None]:
+    """Every float tensor torch.empty / empty_like allocates inside starts as NaN, so an element a kernel fails
+    to write shows up."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = lambda *args, **kwargs: fill(empty(*args, **kwargs))
+    torch.empty_like = lambda *args, **kwargs: fill(empty_like(*args, **kwargs))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
 
 
 def check_close(name: str, got: torch.Tensor, ref: torch.Tensor, oracle: torch.Tensor, factor: float, floor: float,
