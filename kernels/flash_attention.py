@@ -16,13 +16,19 @@ Design (after Triton's fused-attention tutorial and FlashAttention-2's Triton po
   the log-sum-exp is kept in the log2 domain (fp32) for the backward.
 - Backward: a preprocessing kernel computes delta = rowsum(dO * O). The dK/dV kernel works in the
   transposed space (S^T = K Q^T), so P^T and dS^T come out of the matmuls in the layout the next matmul
-  takes: no computed tile is ever transposed (the transposed operands are loaded tiles, which the MMA
-  reads through shared memory anyway). It sums dK, dV over every query head of a GQA group in registers.
+  takes. Nothing is transposed in registers: computed tiles are used as they come, and every loaded
+  operand is loaded in the orientation its matmul takes (Q and Q^T, dO and dO^T are two loads of the same
+  cached tile; `tl.trans` of a loaded tile compiled to a register transpose that replicates the whole
+  operand in each warp). The compile check counts `tt.trans` in each kernel's TTGIR: zero. The dK/dV
+  kernel sums dK, dV over every query head of a GQA group in registers.
   Deterministic (the default): a second kernel computes dQ (3 matmuls), 7 matmuls per block pair in all,
   no atomics, bitwise reproducible. deterministic=False: dQ is accumulated with fp32 atomics inside the
   dK/dV kernel (5 matmuls per block pair, the order of the additions varies from run to run).
 - Tiles are autotuned per architecture family (Ampere sm_8x, Hopper sm_9x; `TILES`); under the
   interpreter one small tile is used. Dot products accumulate in fp32; fp32 inputs use IEEE dots.
+- Head dims: multiples of 16 from 32 to 128, passed at run time; the tile width is the next power of two,
+  so 48 runs the 64-wide kernels and 96 the 128-wide ones (Triton specialises head_dim on divisibility
+  by 16, so they share cubins).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from kernels.runtime import Launch, device_arch, interpreting
 from kernels.segments import run_bounds
 
 LOG2E = 1.4426950408889634
-INTERPRETED = interpreting()  # decided when runtime.kernel_module loads this copy
+INTERPRETED = interpreting()  # the process's mode, fixed as Triton was imported above
 BLOCK_DS = {32: "32", 64: "48,64", 128: "96,128"}  # tile width -> the head dims it serves (compile-check labels)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DELTA_ROWS = 16 if INTERPRETED else 64
@@ -48,42 +54,54 @@ def _tile(m: int, n: int, warps: int, stages: int) -> triton.Config:
 
 
 # (BLOCK_M, BLOCK_N, warps, stages) per kernel, architecture family and class of input: 16-bit inputs with
-# head_dim <= 64 ("small") or > 64 ("large"), fp32 inputs ("fp32"). The autotuner times the candidates of
-# the device's family on first use (per head dim, dtype, causal/segments and power-of-two sequence length).
+# head dims up to 64 ("small") or above ("large"), fp32 inputs likewise ("fp32-small", "fp32-large"). The
+# autotuner times the candidates of the device's family on first use (per power-of-two sequence length, tile
+# width, dtype, causal, segments). Every candidate compiles without register spills on its architecture
+# (python -m kernels.compile_check) except those BENCHMARKS.md lists with the reason. Ampere keeps the B
+# operand of every matmul whole in each warp's registers, so its dK/dV tiles are narrow in the query
+# dimension (the K dimension of the dK/dV matmuls); Hopper's wgmma reads operands from shared memory.
 TILES: dict[str, dict[int, dict[str, list[triton.Config]]]] = {
     "fwd": {
-        80: {"small": [_tile(128, 64, 4, 3), _tile(64, 64, 4, 3)],
-             "large": [_tile(128, 64, 8, 3), _tile(64, 64, 4, 3)],
-             "fp32": [_tile(32, 32, 4, 2)]},
-        90: {"small": [_tile(128, 128, 8, 3), _tile(128, 64, 4, 3)],
-             "large": [_tile(128, 128, 8, 2), _tile(128, 64, 8, 3)],
-             "fp32": [_tile(32, 32, 4, 2)]},
+        80: {"small": [_tile(128, 64, 8, 3), _tile(64, 64, 4, 3)],
+             "large": [_tile(128, 32, 8, 3), _tile(64, 64, 8, 3)],
+             "fp32-small": [_tile(32, 32, 8, 2)], "fp32-large": [_tile(16, 32, 4, 2)]},
+        90: {"small": [_tile(128, 128, 8, 3), _tile(128, 64, 8, 3)],
+             "large": [_tile(128, 64, 8, 3), _tile(128, 32, 8, 3)],
+             "fp32-small": [_tile(32, 32, 8, 2)], "fp32-large": [_tile(16, 32, 4, 2)]},
     },
     "kv": {
-        80: {"small": [_tile(32, 128, 4, 3), _tile(64, 64, 4, 3)],
-             "large": [_tile(32, 128, 8, 3), _tile(64, 64, 8, 2)],
-             "fp32": [_tile(32, 32, 4, 2)]},
-        90: {"small": [_tile(64, 128, 8, 3), _tile(32, 128, 4, 3)],
-             "large": [_tile(64, 128, 8, 2), _tile(32, 128, 8, 3)],
-             "fp32": [_tile(32, 32, 4, 2)]},
+        80: {"small": [_tile(32, 64, 8, 2), _tile(32, 64, 4, 1)],
+             "large": [_tile(16, 64, 8, 2), _tile(32, 64, 8, 1)],
+             "fp32-small": [_tile(32, 32, 8, 1)], "fp32-large": [_tile(16, 32, 8, 2)]},
+        90: {"small": [_tile(64, 128, 8, 2), _tile(32, 64, 8, 2)],
+             "large": [_tile(64, 128, 8, 1), _tile(16, 64, 8, 2)],
+             "fp32-small": [_tile(32, 32, 8, 1)], "fp32-large": [_tile(16, 32, 8, 2)]},
+    },
+    "kv_atomic": {
+        80: {"small": [_tile(16, 64, 4, 2)], "large": [_tile(16, 128, 8, 1)],
+             "fp32-small": [_tile(32, 32, 8, 1)], "fp32-large": [_tile(16, 32, 8, 2)]},
+        90: {"small": [_tile(16, 64, 4, 2)], "large": [_tile(16, 128, 8, 1)],
+             "fp32-small": [_tile(32, 32, 8, 1)], "fp32-large": [_tile(16, 32, 8, 2)]},
     },
     "q": {
-        80: {"small": [_tile(128, 32, 4, 3), _tile(64, 64, 4, 3)],
-             "large": [_tile(128, 32, 8, 3), _tile(64, 64, 8, 2)],
-             "fp32": [_tile(32, 32, 4, 2)]},
-        90: {"small": [_tile(128, 64, 8, 3), _tile(128, 32, 4, 3)],
-             "large": [_tile(128, 64, 8, 2), _tile(128, 32, 8, 3)],
-             "fp32": [_tile(32, 32, 4, 2)]},
+        80: {"small": [_tile(128, 32, 8, 3), _tile(64, 32, 4, 3)],
+             "large": [_tile(64, 32, 8, 3), _tile(64, 64, 8, 2)],
+             "fp32-small": [_tile(16, 32, 4, 2)], "fp32-large": [_tile(16, 32, 4, 2)]},
+        90: {"small": [_tile(128, 64, 8, 2), _tile(128, 32, 8, 3)],
+             "large": [_tile(128, 32, 8, 3), _tile(64, 32, 8, 3)],
+             "fp32-small": [_tile(16, 32, 4, 2)], "fp32-large": [_tile(16, 32, 4, 2)]},
     },
 }
 # under the interpreter: small, unequal tiles, so that multi-block paths and M != N masks are exercised
-INTERPRETER_TILES = {"fwd": _tile(32, 16, 4, 1), "kv": _tile(16, 32, 4, 1), "q": _tile(32, 16, 4, 1)}
+INTERPRETER_TILES = {"fwd": _tile(32, 16, 4, 1), "kv": _tile(16, 32, 4, 1), "kv_atomic": _tile(16, 32, 4, 1),
+                     "q": _tile(32, 16, 4, 1)}
 
 
 def tiles(kernel: str, arch: int, dtype: torch.dtype, block_d: int) -> list[triton.Config]:
-    """The tile candidates of `kernel` ('fwd', 'kv', 'q') for an architecture family, input dtype and tile width."""
-    size = "fp32" if dtype == torch.float32 else ("small" if block_d <= 64 else "large")
-    return TILES[kernel][arch][size]
+    """The tile candidates of `kernel` ('fwd', 'kv', 'kv_atomic', 'q') for an architecture family, input dtype and
+    tile width."""
+    size = "small" if block_d <= 64 else "large"
+    return TILES[kernel][arch]["fp32-" + size if dtype == torch.float32 else size]
 
 
 # ---- device helpers ------------------------------------------------------------------------------------------
@@ -467,7 +485,7 @@ def _autotuned(kernel, name: str, key: list[str], reset_to_zero: list[str] | Non
 _KEY = ["seq_bucket", "BLOCK_D", "CAUSAL", "SEGMENTS"]
 attn_fwd = _autotuned(_attn_fwd, "fwd", _KEY)
 attn_bwd_kv = _autotuned(_attn_bwd_kv, "kv", [*_KEY, "ATOMIC_DQ"])
-attn_bwd_kv_atomic = _autotuned(_attn_bwd_kv, "kv", [*_KEY, "ATOMIC_DQ"], reset_to_zero=["DQ"])
+attn_bwd_kv_atomic = _autotuned(_attn_bwd_kv, "kv_atomic", [*_KEY, "ATOMIC_DQ"], reset_to_zero=["DQ"])
 attn_bwd_q = _autotuned(_attn_bwd_q, "q", _KEY)
 
 
@@ -631,7 +649,8 @@ def launches(arch: int) -> list[Launch]:
                         args, constexprs = kv_args(q, k, v, do, lse, delta, k, v, dq_acc, seg, seg, atomic_dq=atomic,
                                                    **common)
                         out.append(Launch("attn_bwd_kv_atomic_dq" if atomic else "attn_bwd_kv", _attn_bwd_kv, args,
-                                          constexprs, tiles("kv", arch, dtype, width), mode))
+                                          constexprs, tiles("kv_atomic" if atomic else "kv", arch, dtype, width),
+                                          mode))
                     args, constexprs = q_args(q, k, v, do, lse, delta, q, seg, seg, **common)
                     out.append(Launch("attn_bwd_q", _attn_bwd_q, args, constexprs, tiles("q", arch, dtype, width),
                                       mode))

@@ -10,6 +10,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported in this process
 
+import math
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ import torch
 
 import kernels
 from kernels import reference, runtime, torch_attention
+from kernels.hardware import peak_tflops
 from kernels.testing import compare, nan_filled_allocations, oracle_attention, packed_segment_ids, random_seed
 from llm.config import ModelConfig
 from llm.model import Transformer
@@ -325,6 +327,15 @@ def test_triton_backend_on_cpu_without_the_interpreter_is_a_clear_error():
                             check=False)
     assert result.returncode == 1
     assert "KernelUnavailableError: kernels: backend 'triton' needs CUDA tensors" in result.stderr
+
+
+def test_peak_tflops_table_matches_device_names_and_dtypes():
+    assert peak_tflops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.5
+    assert peak_tflops("NVIDIA H100 PCIe", torch.float16) == 756.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", torch.float32) == 19.5
+    assert peak_tflops("NVIDIA A10", torch.bfloat16) == 125.0
+    assert peak_tflops("NVIDIA H200", torch.bfloat16) == 989.5
+    assert math.isnan(peak_tflops("Some Future GPU", torch.bfloat16))
 
 
 # ---- the model ---------------------------------------------------------------------------------

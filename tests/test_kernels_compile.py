@@ -26,7 +26,9 @@ def test_quick_compile_check_passes_for_sm80_and_sm90_with_every_kernel():
     rows = [line.split() for line in result.stdout.splitlines()[1:-1]]
     for arch in ("sm_80", "sm_90"):
         assert {row[1] for row in rows if row[0] == arch} == KERNELS
-    assert all(int(row[-4]) > 0 and "ERROR" not in row for row in rows)  # registers read from ptxas
+    assert all("ERROR" not in row for row in rows)
+    assert all(int(row[-5]) > 0 for row in rows)  # registers, as ptxas reported them
+    assert all(row[-2] == "0" for row in rows if row[1].startswith("attn_")), "a register transpose in attention"
     assert "0 failed" in result.stdout.splitlines()[-1]
 
 
