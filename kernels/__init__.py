@@ -1,75 +1,86 @@
-"""Kernel library: RMSNorm, RoPE, attention and SwiGLU, each as Triton kernels with forward and
-backward (`kernels.rmsnorm`, `.rope`, `.flash_attention`, `.swiglu_gate`) and a plain-torch reference
-(`kernels.reference`, the oracle for tests and the fallback where Triton cannot run).
+"""Kernel library: RMSNorm, RoPE, attention and SwiGLU as Triton kernels with forward and backward
+(`kernels.rmsnorm`, `.rope`, `.flash_attention`, `.swiglu_gate`), plain-torch references (`kernels.reference`,
+the test oracle) and PyTorch's fused attention paths (`kernels.torch_attention`).
 
-The functions here dispatch on `backend`:
-- "auto": a Triton kernel only on a CUDA device whose compute capability is in `VERIFIED` for that op (its
-  compiled kernel was checked there), else the torch path (PyTorch's fused SDPA for attention);
-- "triton": always Triton (CUDA, or the interpreter under TRITON_INTERPRET=1; an error elsewhere);
-- "torch": always the torch path.
-Packed samples (`segment_ids`), an explicit mask and attention dropout take the torch path.
-Triton modules are imported on first use, so TRITON_INTERPRET takes effect whenever it is set before that.
+Every function here takes `backend`:
+- "torch": the PyTorch path (the reference ops; for attention SDPA / FlexAttention / per-segment SDPA);
+- "triton": the Triton kernel, compiled for the tensors' CUDA device; on CPU tensors it runs in Triton's
+  interpreter only in a process started with TRITON_INTERPRET=1 (what the tests ask for; see
+  `kernels.runtime`), and raises KernelUnavailableError otherwise;
+- "auto" (the one definition): on a CUDA device, the Triton kernel when (op, compute capability) is in
+  `VERIFIED` (and, for attention, the head dim is one the kernel takes), else the torch path; on the CPU the
+  torch path. `auto` never selects the interpreter.
+
+`VERIFIED` lists the (op, capability) pairs whose compiled kernels passed tests/test_kernels_gpu.py on a
+device of that capability. It is empty: no GPU run has happened yet. After the GPU tests pass on, e.g.,
+an H100 (capability (9, 0)), add ("rms_norm", (9, 0)), ... for the ops that passed.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
-from kernels import reference
-from kernels.runtime import triton_can_run
+from kernels import reference, torch_attention
+from kernels.runtime import KernelUnavailableError, interpreting, triton_module_for
+from kernels.segments import check_segment_ids
 
 BACKENDS = ("auto", "triton", "torch")
+OPS = ("rms_norm", "apply_rope", "attention", "swiglu")
 
-VERIFIED: dict[str, frozenset[tuple[int, int]]] = {"rms_norm": frozenset(), "apply_rope": frozenset(),
-                                                   "attention": frozenset(), "swiglu": frozenset()}
-"""CUDA compute capabilities on which each op's compiled Triton kernel was checked against the reference;
-`auto` uses Triton only there."""
+VERIFIED: frozenset[tuple[str, tuple[int, int]]] = frozenset()
 
 
-def _use_triton(t: torch.Tensor, backend: str, op: str) -> bool:
-    if backend == "torch":
-        return False
-    if backend == "triton":
-        if not triton_can_run(t):
-            raise RuntimeError("kernels: backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 on the CPU")
-        return True
-    if backend == "auto":
-        return t.is_cuda and torch.cuda.get_device_capability(t.device) in VERIFIED[op]
-    raise ValueError(f"kernels: backend must be one of {BACKENDS}, got {backend!r}")
-
-
-def _triton_op(module: str, name: str):
-    return getattr(importlib.import_module(f"kernels.{module}"), name)
+def choose_backend(op: str, t: torch.Tensor, backend: str) -> str:
+    """'triton' or 'torch' for `op` on tensors like `t` (see the module docstring for what 'auto' means)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"kernels: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if t.is_cuda and not interpreting() and (op, torch.cuda.get_device_capability(t.device)) in VERIFIED:
+        return "triton"
+    return "torch"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "auto") -> torch.Tensor:
-    if _use_triton(x, backend, "rms_norm"):
-        return _triton_op("rmsnorm", "rms_norm")(x, weight, eps)
+    if choose_backend("rms_norm", x, backend) == "triton":
+        return triton_module_for("rmsnorm", x).rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offset: int = 0,
                positions: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    if positions is None and _use_triton(q, backend, "apply_rope"):
-        return _triton_op("rope", "apply_rope")(q, k, cos, sin, position_offset)
+    """Rotate q `[b, h, s, d]` and k `[b, hk, s, d]` by table rows position_offset + s, or by `positions[b, s]`."""
+    if positions is not None and position_offset:
+        raise ValueError("apply_rope: give positions or position_offset, not both")
+    if choose_backend("apply_rope", q, backend) == "triton":
+        return triton_module_for("rope", q).apply_rope(q, k, cos, sin, position_offset, positions)
     return reference.apply_rope(q, k, cos, sin, position_offset, positions)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: float | None = None,
               segment_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
               backend: str = "auto") -> torch.Tensor:
-    plain = segment_ids is None and attn_mask is None and dropout_p == 0.0
-    if plain and _use_triton(q, backend, "attention"):
-        return _triton_op("flash_attention", "attention")(q, k, v, causal, scale)
-    return reference.attention(q, k, v, causal, scale, segment_ids, attn_mask, dropout_p)
+    """Attention `[b, h, s_q, d]`. `segment_ids` `[b, s]` (s_q == s_k) keeps each token inside its segment;
+    `attn_mask` (bool `[b, 1, s_q, s_k]`, True = may attend) and `dropout_p` > 0 always go to SDPA."""
+    if segment_ids is not None:
+        check_segment_ids(segment_ids, q, k)
+    if attn_mask is not None or dropout_p > 0:
+        if segment_ids is not None:
+            raise ValueError("attention: segment_ids cannot be combined with attn_mask or dropout")
+        choose_backend("attention", q, backend)  # validates the name
+        return torch_attention.masked_attention(q, k, v, causal, scale, attn_mask, dropout_p)
+    if choose_backend("attention", q, backend) == "triton":
+        flash = triton_module_for("flash_attention", q)
+        if backend == "triton" or flash.supports(q.shape[-1]):  # auto leaves other head dims to torch
+            return flash.attention(q, k, v, causal, scale, segment_ids)
+    return torch_attention.attention(q, k, v, causal, scale, segment_ids)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    if _use_triton(a, backend, "swiglu"):
-        return _triton_op("swiglu_gate", "swiglu")(a, b)
+    if choose_backend("swiglu", a, backend) == "triton":
+        return triton_module_for("swiglu_gate", a).swiglu(a, b)
     return reference.swiglu(a, b)
 
 
-__all__ = ["BACKENDS", "apply_rope", "attention", "reference", "rms_norm", "swiglu"]
+__all__ = ["BACKENDS", "OPS", "VERIFIED", "KernelUnavailableError", "apply_rope", "attention", "choose_backend",
+           "reference", "rms_norm", "swiglu"]

@@ -1,15 +1,34 @@
-"""Flash-style attention (FlashAttention-2 schedule), forward and backward, with grouped-query heads.
+"""Flash attention (FlashAttention-2 schedule) in Triton: forward and backward, grouped-query heads, causal
+masks aligned bottom-right, and packed sequences (segment ids) without a dense mask.
 
-- q `[batch, n_heads, seq_q, head_dim]`, k and v `[batch, n_kv_heads, seq_k, head_dim]`, any strides;
-  query head h reads key/value head h // (n_heads // n_kv_heads): repeated K/V are never materialised.
-- Forward: per (query block, batch x head) an online softmax over key blocks; no seq_q x seq_k matrix
-  is ever stored. The log-sum-exp of each query row is kept (fp32) for backward.
-- Causal masking is aligned bottom-right: query i sees keys j <= i + (seq_k - seq_q), as when a
-  short query (decoding, chunked prefill) follows a longer cached key sequence. A query row that
-  sees no key gives 0, not NaN.
-- Backward: delta = rowsum(dO * O); one kernel walks key blocks and sums dK, dV over every query
-  head of the group in registers; another walks query blocks for dQ. No atomics: deterministic.
-Exponentials use exp2 with log2(e) folded into the scale. Dot products accumulate in fp32.
+Layouts: q `[batch, n_heads, seq_q, head_dim]`, k and v `[batch, n_kv_heads, seq_k, head_dim]`, any strides;
+query head h reads key/value head h // (n_heads // n_kv_heads), so repeated K/V are never materialised.
+A query row i sees key j when j <= i + (seq_k - seq_q) (if causal) and j lies in i's segment (if
+segment ids are given: a segment is a run of equal consecutive ids, seq_q == seq_k). A row that sees no
+key gives 0, not NaN.
+
+Design (after Triton's fused-attention tutorial and FlashAttention-2's Triton port):
+- Each program walks a range of key blocks (forward, dQ) or query blocks (dK/dV) computed from the
+  causal diagonal and the segment bounds; blocks entirely out of sight are never visited. The range is
+  split into blocks that need no mask (every row sees every key: plain loads, one multiply-add for the
+  scale, no -inf handling) and the few masked blocks at the diagonal, the segment edges and the ragged end.
+- The softmax scale and log2(e) are folded into one factor applied by a multiply-add inside exp2;
+  the log-sum-exp is kept in the log2 domain (fp32) for the backward.
+- Backward: a preprocessing kernel computes delta = rowsum(dO * O). The dK/dV kernel works in the
+  transposed space (S^T = K Q^T), so P^T and dS^T come out of the matmuls in the layout the next matmul
+  takes. Nothing is transposed in registers: computed tiles are used as they come, and every loaded
+  operand is loaded in the orientation its matmul takes (Q and Q^T, dO and dO^T are two loads of the same
+  cached tile; `tl.trans` of a loaded tile compiled to a register transpose that replicates the whole
+  operand in each warp). The compile check counts `tt.trans` in each kernel's TTGIR: zero. The dK/dV
+  kernel sums dK, dV over every query head of a GQA group in registers.
+  Deterministic (the default): a second kernel computes dQ (3 matmuls), 7 matmuls per block pair in all,
+  no atomics, bitwise reproducible. deterministic=False: dQ is accumulated with fp32 atomics inside the
+  dK/dV kernel (5 matmuls per block pair, the order of the additions varies from run to run).
+- Tiles are autotuned per architecture family (Ampere sm_8x, Hopper sm_9x; `TILES`); under the
+  interpreter one small tile is used. Dot products accumulate in fp32; fp32 inputs use IEEE dots.
+- Head dims: multiples of 16 from 32 to 128, passed at run time; the tile width is the next power of two,
+  so 48 runs the 64-wide kernels and 96 the 128-wide ones (Triton specialises head_dim on divisibility
+  by 16, so they share cubins).
 """
 
 from __future__ import annotations
@@ -20,235 +39,619 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import interpreting
+from kernels.runtime import Launch, device_arch, interpreting
+from kernels.segments import run_bounds
 
 LOG2E = 1.4426950408889634
+INTERPRETED = interpreting()  # the process's mode, fixed as Triton was imported above
+BLOCK_DS = {32: "32", 64: "48,64", 128: "96,128"}  # tile width -> the head dims it serves (compile-check labels)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DELTA_ROWS = 16 if INTERPRETED else 64
+
+
+def _tile(m: int, n: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+
+
+# (BLOCK_M, BLOCK_N, warps, stages) per kernel, architecture family and class of input: 16-bit inputs with
+# head dims up to 64 ("small") or above ("large"), fp32 inputs likewise ("fp32-small", "fp32-large"). The
+# autotuner times the candidates of the device's family on first use (per power-of-two sequence length, tile
+# width, dtype, causal, segments). Every candidate compiles without register spills on its architecture
+# (python -m kernels.compile_check) except those BENCHMARKS.md lists with the reason. Ampere keeps the B
+# operand of every matmul whole in each warp's registers, so its dK/dV tiles are narrow in the query
+# dimension (the K dimension of the dK/dV matmuls); Hopper's wgmma reads operands from shared memory.
+TILES: dict[str, dict[int, dict[str, list[triton.Config]]]] = {
+    "fwd": {
+        80: {"small": [_tile(128, 64, 8, 3), _tile(64, 64, 4, 3)],
+             "large": [_tile(128, 32, 8, 3), _tile(64, 64, 8, 3)],
+             "fp32-small": [_tile(32, 32, 8, 2)], "fp32-large": [_tile(16, 32, 4, 2)]},
+        90: {"small": [_tile(128, 128, 8, 3), _tile(128, 64, 8, 3)],
+             "large": [_tile(128, 64, 8, 3), _tile(128, 32, 8, 3)],
+             "fp32-small": [_tile(32, 32, 8, 2)], "fp32-large": [_tile(16, 32, 4, 2)]},
+    },
+    "kv": {
+        80: {"small": [_tile(32, 64, 8, 2), _tile(32, 64, 4, 1)],
+             "large": [_tile(16, 64, 8, 2), _tile(32, 64, 8, 1)],
+             "fp32-small": [_tile(32, 32, 8, 1)], "fp32-large": [_tile(16, 32, 8, 2)]},
+        90: {"small": [_tile(64, 128, 8, 2), _tile(32, 64, 8, 2)],
+             "large": [_tile(64, 128, 8, 1), _tile(16, 64, 8, 2)],
+             "fp32-small": [_tile(32, 32, 8, 1)], "fp32-large": [_tile(16, 32, 8, 2)]},
+    },
+    "kv_atomic": {
+        80: {"small": [_tile(16, 64, 4, 2)], "large": [_tile(16, 128, 8, 1)],
+             "fp32-small": [_tile(32, 32, 8, 1)], "fp32-large": [_tile(16, 32, 8, 2)]},
+        90: {"small": [_tile(16, 64, 4, 2)], "large": [_tile(16, 128, 8, 1)],
+             "fp32-small": [_tile(32, 32, 8, 1)], "fp32-large": [_tile(16, 32, 8, 2)]},
+    },
+    "q": {
+        80: {"small": [_tile(128, 32, 8, 3), _tile(64, 32, 4, 3)],
+             "large": [_tile(64, 32, 8, 3), _tile(64, 64, 8, 2)],
+             "fp32-small": [_tile(16, 32, 4, 2)], "fp32-large": [_tile(16, 32, 4, 2)]},
+        90: {"small": [_tile(128, 64, 8, 2), _tile(128, 32, 8, 3)],
+             "large": [_tile(128, 32, 8, 3), _tile(64, 32, 8, 3)],
+             "fp32-small": [_tile(16, 32, 4, 2)], "fp32-large": [_tile(16, 32, 4, 2)]},
+    },
+}
+# under the interpreter: small, unequal tiles, so that multi-block paths and M != N masks are exercised
+INTERPRETER_TILES = {"fwd": _tile(32, 16, 4, 1), "kv": _tile(16, 32, 4, 1), "kv_atomic": _tile(16, 32, 4, 1),
+                     "q": _tile(32, 16, 4, 1)}
+
+
+def tiles(kernel: str, arch: int, dtype: torch.dtype, block_d: int) -> list[triton.Config]:
+    """The tile candidates of `kernel` ('fwd', 'kv', 'kv_atomic', 'q') for an architecture family, input dtype and
+    tile width."""
+    size = "small" if block_d <= 64 else "large"
+    return TILES[kernel][arch]["fp32-" + size if dtype == torch.float32 else size]
+
+
+# ---- device helpers ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _load_tile(base, idx, n, stride_idx, stride_d, head_dim, CHECK: tl.constexpr, TRANS: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """Rows `idx` of an [n, head_dim] matrix as a [len(idx), BLOCK_D] tile ([BLOCK_D, len(idx)] when TRANS),
+    zero outside it; CHECK=False promises every idx < n. (head_dim is a multiple of 16, which Triton knows from
+    its argument specialisation, so the column mask does not break vector loads.)"""
+    offs_d = tl.arange(0, BLOCK_D)
+    if TRANS:
+        ptrs = base + idx[None, :] * stride_idx + offs_d[:, None] * stride_d
+        in_rows = idx[None, :] < n
+        in_dims = offs_d[:, None] < head_dim
+    else:
+        ptrs = base + idx[:, None] * stride_idx + offs_d[None, :] * stride_d
+        in_rows = idx[:, None] < n
+        in_dims = offs_d[None, :] < head_dim
+    if CHECK:
+        in_dims = in_dims & in_rows
+    return tl.load(ptrs, mask=in_dims, other=0.0)
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE,
+def _store_tile(base, idx, n, stride_idx, stride_d, head_dim, value, BLOCK_D: tl.constexpr):
+    """Store a [len(idx), BLOCK_D] tile into rows `idx` < n of an [n, head_dim] matrix."""
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(base + idx[:, None] * stride_idx + offs_d[None, :] * stride_d, value,
+             mask=(idx[:, None] < n) & (offs_d[None, :] < head_dim))
+
+
+@triton.jit
+def _load_segments(seg_base, idx, n, SEGMENTS: tl.constexpr):
+    """Segment of each index (its run's start), or the indices themselves when there are no segments."""
+    if SEGMENTS:
+        seg = tl.load(seg_base + idx, mask=idx < n, other=0)
+    else:
+        seg = idx
+    return seg
+
+
+@triton.jit
+def _visible(q_idx, k_idx, q_seg, k_seg, seq_k, diag, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr):
+    """Whether query q_idx sees key k_idx (broadcasting operands)."""
+    ok = k_idx < seq_k
+    if CAUSAL:
+        ok = ok & (k_idx <= q_idx + diag)
+    if SEGMENTS:
+        ok = ok & (q_seg == k_seg)
+    return ok
+
+
+@triton.jit
+def _ranges(lo, full_lo, full_hi, hi):
+    """Clamp to lo <= full_lo <= full_hi <= hi."""
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _key_range(seg_start, seg_end, start_m, seq_q, seq_k, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys that query rows [start_m, start_m + BLOCK_M) see lie in [lo, hi); blocks of [full_lo, full_hi)
+    are seen whole by every row (no mask). lo, full_lo, full_hi are multiples of BLOCK_N."""
+    last = tl.minimum(start_m + BLOCK_M, seq_q) - 1
+    diag = seq_k - seq_q
+    lo = 0
+    hi = seq_k
+    full_lo = 0
+    full_hi = seq_k // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        hi = tl.minimum(hi, last + diag + 1)
+        full_hi = tl.minimum(full_hi, tl.maximum(start_m + diag + 1, 0) // BLOCK_N * BLOCK_N)
+    if SEGMENTS:
+        first_start = tl.load(seg_start + start_m)
+        one_segment = first_start == tl.load(seg_start + last)
+        lo = first_start // BLOCK_N * BLOCK_N
+        hi = tl.minimum(hi, tl.load(seg_end + last))
+        full_lo = tl.cdiv(first_start, BLOCK_N) * BLOCK_N
+        full_hi = tl.where(one_segment, tl.minimum(full_hi, tl.load(seg_end + start_m) // BLOCK_N * BLOCK_N), 0)
+    return _ranges(lo, full_lo, full_hi, hi)
+
+
+@triton.jit
+def _query_range(seg_start, seg_end, start_n, seq_q, seq_k, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query rows that see some key of [start_n, start_n + BLOCK_N) lie in [lo, hi); rows of [full_lo, full_hi)
+    see all of them (no mask). lo, full_lo, full_hi are multiples of BLOCK_M."""
+    last = tl.minimum(start_n + BLOCK_N, seq_k) - 1
+    diag = seq_k - seq_q
+    lo = 0
+    hi = seq_q
+    full_lo = 0
+    full_hi = seq_q // BLOCK_M * BLOCK_M
+    if CAUSAL:
+        lo = tl.maximum(start_n - diag, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(last - diag, 0), BLOCK_M) * BLOCK_M
+    if SEGMENTS:
+        first_start = tl.load(seg_start + start_n)
+        one_segment = first_start == tl.load(seg_start + last)
+        lo = tl.maximum(lo, first_start // BLOCK_M * BLOCK_M)
+        hi = tl.load(seg_end + last)
+        full_lo = tl.maximum(full_lo, tl.cdiv(first_start, BLOCK_M) * BLOCK_M)
+        full_hi = tl.where(one_segment, tl.minimum(full_hi, tl.load(seg_end + start_n) // BLOCK_M * BLOCK_M), 0)
+    return _ranges(lo, full_lo, full_hi, hi)
+
+
+# ---- forward -------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_blocks(acc, l_i, m_i, q, rows, q_seg, k_base, v_base, seg_k, stride_kn, stride_kd, stride_vn, stride_vd,
+                start, end, seq_k, head_dim, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                SEGMENTS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over key blocks [start, end)."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k_t = _load_tile(k_base, cols, seq_k, stride_kn, stride_kd, head_dim, MASKED, True, BLOCK_D)
+        s = tl.dot(q, k_t, input_precision=PRECISION)
+        if MASKED:
+            k_seg = _load_segments(seg_k, cols, seq_k, SEGMENTS)
+            visible = _visible(rows[:, None], cols[None, :], q_seg[:, None], k_seg[None, :], seq_k, diag, CAUSAL,
+                               SEGMENTS)
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+            p = tl.exp2(s - m_use[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_use = m_new
+            p = tl.exp2(s * qk_scale - m_use[:, None])  # scale and shift in one multiply-add
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_base, cols, seq_k, stride_vn, stride_vd, head_dim, MASKED, False, BLOCK_D)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["n_heads", "group", "seq_q", "seq_k"])
+def _attn_fwd(Q, K, V, OUT, LSE, SEG_START, SEG_END,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
-              stride_ob, stride_oh, stride_om,
-              n_heads, group, seq_q, seq_k, head_dim, qk_scale,
-              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              PRECISION: tl.constexpr):
-    start_m = tl.program_id(0)
+              stride_ob, stride_oh, stride_om, stride_od,
+              n_heads, group, seq_q, seq_k, seq_bucket, head_dim, qk_scale,
+              BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     b = bh // n_heads
     h = bh % n_heads
-    hk = h // group
-    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=(rows[:, None] < seq_q) & d_ok[None, :], other=0.0)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _load_tile(Q + b * stride_qb + h * stride_qh, rows, seq_q, stride_qm, stride_qd, head_dim, True, False,
+                   BLOCK_D)
+    seg_start = SEG_START + b * seq_q
+    lo, full_lo, full_hi, hi = _key_range(seg_start, SEG_END + b * seq_q, start_m, seq_q, seq_k, CAUSAL, SEGMENTS,
+                                          BLOCK_M, BLOCK_N)
+    q_seg = _load_segments(seg_start, rows, seq_q, SEGMENTS)
+    k_base = K + b * stride_kb + (h // group) * stride_kh
+    v_base = V + b * stride_vb + (h // group) * stride_vh
     diag = seq_k - seq_q
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    hi = seq_k
-    if CAUSAL:
-        hi = tl.minimum(seq_k, (start_m + 1) * BLOCK_M + diag)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        kt = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                     mask=(cols[None, :] < seq_k) & d_ok[:, None], other=0.0)
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-        valid = cols[None, :] < seq_k
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= rows[:, None] + diag)
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=(cols[:, None] < seq_k) & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    if SEGMENTS:  # the block where the first row's segment starts (lo == full_lo without segments)
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, rows, q_seg, k_base, v_base, seg_start, stride_kn, stride_kd,
+                                    stride_vn, stride_vd, lo, full_lo, seq_k, head_dim, diag, qk_scale, True, CAUSAL,
+                                    SEGMENTS, BLOCK_D, BLOCK_N, PRECISION)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, rows, q_seg, k_base, v_base, seg_start, stride_kn, stride_kd,
+                                stride_vn, stride_vd, full_lo, full_hi, seq_k, head_dim, diag, qk_scale, False, CAUSAL,
+                                SEGMENTS, BLOCK_D, BLOCK_N, PRECISION)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, rows, q_seg, k_base, v_base, seg_start, stride_kn, stride_kd,
+                                stride_vn, stride_vd, full_hi, hi, seq_k, head_dim, diag, qk_scale, True, CAUSAL,
+                                SEGMENTS, BLOCK_D, BLOCK_N, PRECISION)
     seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=(rows[:, None] < seq_q) & d_ok[None, :])
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
-    tl.store(LSE + bh * seq_q + rows, lse, mask=rows < seq_q)
+    l_safe = tl.where(seen, l_i, 1.0)
+    _store_tile(OUT + b * stride_ob + h * stride_oh, rows, seq_q, stride_om, stride_od, head_dim,
+                (acc / l_safe[:, None]).to(OUT.dtype.element_ty), BLOCK_D)
+    tl.store(LSE + bh * seq_q + rows, tl.where(seen, m_i + tl.log2(l_safe), float("-inf")), mask=rows < seq_q)
 
 
-@triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
-                   stride_qb, stride_qh, stride_qm, stride_qd,
-                   stride_kb, stride_kh, stride_kn, stride_kd,
-                   stride_vb, stride_vh, stride_vn, stride_vd,
-                   stride_dob, stride_doh, stride_dom,
-                   stride_dkb, stride_dkh, stride_dkn,
-                   n_heads, n_kv_heads, group, seq_q, seq_k, head_dim, qk_scale, scale,
-                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    start_n = tl.program_id(0)
-    bhk = tl.program_id(1).to(tl.int64)
-    b = bhk // n_kv_heads
-    hk = bhk % n_kv_heads
-    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
-    kv_mask = (cols[:, None] < seq_k) & d_ok[None, :]
-    k = tl.load(K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)
-    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    diag = seq_k - seq_q
-    lo = 0
-    if CAUSAL:  # the first query row that sees this key block
-        lo = tl.maximum(start_n * BLOCK_N - diag, 0) // BLOCK_M * BLOCK_M
-    for g in range(0, group):
-        h = hk * group + g
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = DO + b * stride_dob + h * stride_doh
-        stat_base = (b * n_heads + h) * seq_q
-        for start_m in range(lo, seq_q, BLOCK_M):
-            rows = start_m + offs_m
-            row_mask = rows < seq_q
-            q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                        mask=row_mask[:, None] & d_ok[None, :], other=0.0)
-            do = tl.load(do_base + rows[:, None] * stride_dom + offs_d[None, :],
-                         mask=row_mask[:, None] & d_ok[None, :], other=0.0)
-            lse2 = tl.load(LSE + stat_base + rows, mask=row_mask, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + stat_base + rows, mask=row_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            valid = row_mask[:, None] & (cols[None, :] < seq_k)
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= rows[:, None] + diag)
-            p = tl.where(valid, tl.exp2(s - lse2[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-    out = b * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :]
-    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
+# ---- backward ------------------------------------------------------------------------------------------------
 
-
-@triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
-                 stride_qb, stride_qh, stride_qm, stride_qd,
-                 stride_kb, stride_kh, stride_kn, stride_kd,
-                 stride_vb, stride_vh, stride_vn, stride_vd,
-                 stride_dob, stride_doh, stride_dom,
-                 stride_dqb, stride_dqh, stride_dqm,
-                 n_heads, group, seq_q, seq_k, head_dim, qk_scale, scale,
-                 CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    start_m = tl.program_id(0)
+@triton.jit(do_not_specialize=["n_heads", "seq_q"])
+def _attn_bwd_delta(OUT, DO, DELTA,
+                    stride_ob, stride_oh, stride_om, stride_od,
+                    stride_dob, stride_doh, stride_dom, stride_dod,
+                    n_heads, seq_q, head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(dO * O) in fp32, the softmax-gradient term every backward block needs."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // n_heads
     h = bh % n_heads
-    hk = h // group
-    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
+    o = _load_tile(OUT + b * stride_ob + h * stride_oh, rows, seq_q, stride_om, stride_od, head_dim, True, False,
+                   BLOCK_D)
+    do = _load_tile(DO + b * stride_dob + h * stride_doh, rows, seq_q, stride_dom, stride_dod, head_dim, True, False,
+                    BLOCK_D)
+    tl.store(DELTA + bh * seq_q + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < seq_q)
+
+
+@triton.jit
+def _kv_blocks(dk, dv, k, v, k_t, cols, k_seg, q_base, do_base, lse_base, delta_base, dq_base, seg_q,
+               stride_qm, stride_qd, stride_dom, stride_dod, start, end, seq_q, seq_k, head_dim, diag, qk_scale, scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    """dK, dV (and with ATOMIC_DQ dQ) contributions of query blocks [start, end), in the transposed space."""
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
-    row_mask = rows < seq_q
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_mask[:, None] & d_ok[None, :], other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
-                 mask=row_mask[:, None] & d_ok[None, :], other=0.0)
-    lse2 = tl.load(LSE + bh * seq_q + rows, mask=row_mask, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + bh * seq_q + rows, mask=row_mask, other=0.0)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
-    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for start_m in range(start, end, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q_t = _load_tile(q_base, rows, seq_q, stride_qm, stride_qd, head_dim, MASKED, True, BLOCK_D)
+        q = _load_tile(q_base, rows, seq_q, stride_qm, stride_qd, head_dim, MASKED, False, BLOCK_D)
+        do = _load_tile(do_base, rows, seq_q, stride_dom, stride_dod, head_dim, MASKED, False, BLOCK_D)
+        do_t = _load_tile(do_base, rows, seq_q, stride_dom, stride_dod, head_dim, MASKED, True, BLOCK_D)
+        if MASKED:
+            lse = tl.load(lse_base + rows, mask=rows < seq_q, other=0.0)
+            delta = tl.load(delta_base + rows, mask=rows < seq_q, other=0.0)
+        else:
+            lse = tl.load(lse_base + rows)
+            delta = tl.load(delta_base + rows)
+        s_t = tl.dot(k, q_t, input_precision=PRECISION)
+        p_t = tl.exp2(s_t * qk_scale - lse[None, :])
+        if MASKED:
+            q_seg = _load_segments(seg_q, rows, seq_q, SEGMENTS)
+            visible = _visible(rows[None, :], cols[:, None], q_seg[None, :], k_seg[:, None], seq_k, diag, CAUSAL,
+                               SEGMENTS)
+            p_t = tl.where(visible, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+        dp_t = tl.dot(v, do_t, input_precision=PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q_t.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
+        if ATOMIC_DQ:
+            dq_t = tl.dot(k_t, ds_t, input_precision=PRECISION) * scale
+            tl.atomic_add(dq_base + rows[None, :] * head_dim + offs_d[:, None], dq_t,
+                          mask=(rows[None, :] < seq_q) & (offs_d[:, None] < head_dim))
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["n_heads", "n_kv_heads", "group", "seq_q", "seq_k"])
+def _attn_bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SEG_START, SEG_END,
+                 stride_qb, stride_qh, stride_qm, stride_qd,
+                 stride_kb, stride_kh, stride_kn, stride_kd,
+                 stride_vb, stride_vh, stride_vn, stride_vd,
+                 stride_dob, stride_doh, stride_dom, stride_dod,
+                 stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                 stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                 n_heads, n_kv_heads, group, seq_q, seq_k, seq_bucket, head_dim, qk_scale, scale,
+                 BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK and dV of one key block, summed over the query heads of its group (dQ too with ATOMIC_DQ)."""
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1).to(tl.int64)
+    b = bhk // n_kv_heads
+    hk = bhk % n_kv_heads
+    cols = start_n + tl.arange(0, BLOCK_N)
+    k = _load_tile(K + b * stride_kb + hk * stride_kh, cols, seq_k, stride_kn, stride_kd, head_dim, True, False,
+                   BLOCK_D)
+    v = _load_tile(V + b * stride_vb + hk * stride_vh, cols, seq_k, stride_vn, stride_vd, head_dim, True, False,
+                   BLOCK_D)
+    k_t = k  # K^T, the first operand of the atomic dQ matmul: loaded only when used
+    if ATOMIC_DQ:
+        k_t = _load_tile(K + b * stride_kb + hk * stride_kh, cols, seq_k, stride_kn, stride_kd, head_dim, True, True,
+                         BLOCK_D)
+    seg_start = SEG_START + b * seq_k
+    lo, full_lo, full_hi, hi = _query_range(seg_start, SEG_END + b * seq_k, start_n, seq_q, seq_k, CAUSAL, SEGMENTS,
+                                            BLOCK_M, BLOCK_N)
+    k_seg = _load_segments(seg_start, cols, seq_k, SEGMENTS)
     diag = seq_k - seq_q
-    hi = seq_k
-    if CAUSAL:
-        hi = tl.minimum(seq_k, (start_m + 1) * BLOCK_M + diag)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        kv_mask = (cols[:, None] < seq_k) & d_ok[None, :]
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        valid = row_mask[:, None] & (cols[None, :] < seq_k)
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= rows[:, None] + diag)
-        p = tl.where(valid, tl.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=row_mask[:, None] & d_ok[None, :])
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for g in range(group):
+        h = hk * group + g
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+        stats = (b * n_heads + h) * seq_q
+        dq_base = DQ + stats * head_dim
+        if SEGMENTS or CAUSAL:  # the blocks before full_lo (lo == full_lo when neither)
+            dk, dv = _kv_blocks(dk, dv, k, v, k_t, cols, k_seg, q_base, do_base, LSE + stats, DELTA + stats, dq_base,
+                                seg_start, stride_qm, stride_qd, stride_dom, stride_dod, lo, full_lo, seq_q, seq_k,
+                                head_dim, diag, qk_scale, scale, True, CAUSAL, SEGMENTS, ATOMIC_DQ, BLOCK_D, BLOCK_M,
+                                PRECISION)
+        dk, dv = _kv_blocks(dk, dv, k, v, k_t, cols, k_seg, q_base, do_base, LSE + stats, DELTA + stats, dq_base,
+                            seg_start, stride_qm, stride_qd, stride_dom, stride_dod, full_lo, full_hi, seq_q, seq_k,
+                            head_dim, diag, qk_scale, scale, False, CAUSAL, SEGMENTS, ATOMIC_DQ, BLOCK_D, BLOCK_M,
+                            PRECISION)
+        dk, dv = _kv_blocks(dk, dv, k, v, k_t, cols, k_seg, q_base, do_base, LSE + stats, DELTA + stats, dq_base,
+                            seg_start, stride_qm, stride_qd, stride_dom, stride_dod, full_hi, hi, seq_q, seq_k,
+                            head_dim, diag, qk_scale, scale, True, CAUSAL, SEGMENTS, ATOMIC_DQ, BLOCK_D, BLOCK_M,
+                            PRECISION)
+    _store_tile(DK + b * stride_dkb + hk * stride_dkh, cols, seq_k, stride_dkn, stride_dkd, head_dim,
+                (dk * scale).to(DK.dtype.element_ty), BLOCK_D)
+    _store_tile(DV + b * stride_dvb + hk * stride_dvh, cols, seq_k, stride_dvn, stride_dvd, head_dim,
+                dv.to(DV.dtype.element_ty), BLOCK_D)
 
 
-def _blocks(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps): small tiles under the interpreter, GPU tiles otherwise."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    if interpreting():
-        return 32, 32, block_d, 4
-    return 64, 64, block_d, 4 if block_d <= 64 else 8
+@triton.jit
+def _q_blocks(dq, q, do, lse, delta, rows, q_seg, k_base, v_base, seg_k, stride_kn, stride_kd, stride_vn, stride_vd,
+              start, end, seq_k, head_dim, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              SEGMENTS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """dQ contributions of key blocks [start, end)."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k_t = _load_tile(k_base, cols, seq_k, stride_kn, stride_kd, head_dim, MASKED, True, BLOCK_D)
+        s = tl.dot(q, k_t, input_precision=PRECISION)
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        if MASKED:
+            k_seg = _load_segments(seg_k, cols, seq_k, SEGMENTS)
+            visible = _visible(rows[:, None], cols[None, :], q_seg[:, None], k_seg[None, :], seq_k, diag, CAUSAL,
+                               SEGMENTS)
+            p = tl.where(visible, p, 0.0)
+        v_t = _load_tile(v_base, cols, seq_k, stride_vn, stride_vd, head_dim, MASKED, True, BLOCK_D)
+        dp = tl.dot(do, v_t, input_precision=PRECISION)
+        k = _load_tile(k_base, cols, seq_k, stride_kn, stride_kd, head_dim, MASKED, False, BLOCK_D)
+        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        dq = tl.dot(ds, k, dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=["n_heads", "group", "seq_q", "seq_k"])
+def _attn_bwd_q(Q, K, V, DO, LSE, DELTA, DQ, SEG_START, SEG_END,
+                stride_qb, stride_qh, stride_qm, stride_qd,
+                stride_kb, stride_kh, stride_kn, stride_kd,
+                stride_vb, stride_vh, stride_vn, stride_vd,
+                stride_dob, stride_doh, stride_dom, stride_dod,
+                stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+                n_heads, group, seq_q, seq_k, seq_bucket, head_dim, qk_scale, scale,
+                BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ of one query block (the deterministic backward)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // n_heads
+    h = bh % n_heads
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _load_tile(Q + b * stride_qb + h * stride_qh, rows, seq_q, stride_qm, stride_qd, head_dim, True, False,
+                   BLOCK_D)
+    do = _load_tile(DO + b * stride_dob + h * stride_doh, rows, seq_q, stride_dom, stride_dod, head_dim, True, False,
+                    BLOCK_D)
+    lse = tl.load(LSE + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
+    delta = tl.load(DELTA + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
+    seg_start = SEG_START + b * seq_q
+    lo, full_lo, full_hi, hi = _key_range(seg_start, SEG_END + b * seq_q, start_m, seq_q, seq_k, CAUSAL, SEGMENTS,
+                                          BLOCK_M, BLOCK_N)
+    q_seg = _load_segments(seg_start, rows, seq_q, SEGMENTS)
+    k_base = K + b * stride_kb + (h // group) * stride_kh
+    v_base = V + b * stride_vb + (h // group) * stride_vh
+    diag = seq_k - seq_q
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    if SEGMENTS:  # the block where the first row's segment starts (lo == full_lo without segments)
+        dq = _q_blocks(dq, q, do, lse, delta, rows, q_seg, k_base, v_base, seg_start, stride_kn, stride_kd, stride_vn,
+                       stride_vd, lo, full_lo, seq_k, head_dim, diag, qk_scale, True, CAUSAL, SEGMENTS, BLOCK_D,
+                       BLOCK_N, PRECISION)
+    dq = _q_blocks(dq, q, do, lse, delta, rows, q_seg, k_base, v_base, seg_start, stride_kn, stride_kd, stride_vn,
+                   stride_vd, full_lo, full_hi, seq_k, head_dim, diag, qk_scale, False, CAUSAL, SEGMENTS, BLOCK_D,
+                   BLOCK_N, PRECISION)
+    dq = _q_blocks(dq, q, do, lse, delta, rows, q_seg, k_base, v_base, seg_start, stride_kn, stride_kd, stride_vn,
+                   stride_vd, full_hi, hi, seq_k, head_dim, diag, qk_scale, True, CAUSAL, SEGMENTS, BLOCK_D, BLOCK_N,
+                   PRECISION)
+    _store_tile(DQ + b * stride_dqb + h * stride_dqh, rows, seq_q, stride_dqm, stride_dqd, head_dim,
+                (dq * scale).to(DQ.dtype.element_ty), BLOCK_D)
+
+
+# ---- autotuning ----------------------------------------------------------------------------------------------
+
+def _autotuned(kernel, name: str, key: list[str], reset_to_zero: list[str] | None = None):
+    """`kernel` autotuned over the tiles of the running device's family (one fixed tile under the interpreter)."""
+    if INTERPRETED:
+        return triton.autotune([INTERPRETER_TILES[name]], key=key)(kernel)
+    candidates = list({str(c): c for family in TILES[name].values() for size in family.values() for c in size}.values())
+
+    def prune(configs, named_args, **kwargs):
+        q = named_args["Q"]
+        return tiles(name, device_arch(q), q.dtype, kwargs["BLOCK_D"])
+
+    return triton.autotune(candidates, key=key, prune_configs_by={"early_config_prune": prune},
+                           reset_to_zero=reset_to_zero)(kernel)
+
+
+_KEY = ["seq_bucket", "BLOCK_D", "CAUSAL", "SEGMENTS"]
+attn_fwd = _autotuned(_attn_fwd, "fwd", _KEY)
+attn_bwd_kv = _autotuned(_attn_bwd_kv, "kv", [*_KEY, "ATOMIC_DQ"])
+attn_bwd_kv_atomic = _autotuned(_attn_bwd_kv, "kv_atomic", [*_KEY, "ATOMIC_DQ"], reset_to_zero=["DQ"])
+attn_bwd_q = _autotuned(_attn_bwd_q, "q", _KEY)
+
+
+# ---- launches ------------------------------------------------------------------------------------------------
+
+def block_d(head_dim: int) -> int:
+    """Tile width for a head dim: 48 and 64 share the 64-wide kernels, 96 and 128 the 128-wide ones."""
+    return triton.next_power_of_2(head_dim)
+
+
+def supports(head_dim: int) -> bool:
+    """Head dims the kernels take: multiples of 16 from 32 to 128 (what the compile check covers)."""
+    return head_dim % 16 == 0 and 32 <= head_dim <= 128
 
 
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _shapes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """batch, n_heads, n_kv_heads, seq_q, seq_k."""
+    return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+
+
+def _heads(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+    """n_heads and the GQA group size."""
+    return q.shape[1], q.shape[1] // k.shape[1]
+
+
+def _common(q, k, causal: bool, segments: bool) -> tuple[tuple, dict]:
+    """The scalar tail shared by the attention kernels' arguments (seq_q, seq_k, seq_bucket, head_dim), and their
+    constexprs."""
+    seq_q, seq_k, head_dim = q.shape[2], k.shape[2], q.shape[3]
+    constexprs = {"BLOCK_D": block_d(head_dim), "CAUSAL": causal, "SEGMENTS": segments,
+                  "PRECISION": _precision(q.dtype)}
+    return (seq_q, seq_k, triton.next_power_of_2(max(seq_q, seq_k, 16)), head_dim), constexprs
+
+
+def fwd_args(q, k, v, o, lse, seg_start, seg_end, scale: float, causal: bool, segments: bool):
+    seqs, constexprs = _common(q, k, causal, segments)
+    args = (q, k, v, o, lse, seg_start, seg_end, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *_heads(q, k),
+            *seqs, scale * LOG2E)
+    return args, constexprs
+
+
+def delta_args(o, do, delta):
+    args = (o, do, delta, *o.stride(), *do.stride(), o.shape[1], o.shape[2], o.shape[3])
+    return args, {"BLOCK_D": block_d(o.shape[3]), "BLOCK_M": DELTA_ROWS}
+
+
+def kv_args(q, k, v, do, lse, delta, dk, dv, dq, seg_start, seg_end, scale: float, causal: bool, segments: bool,
+            atomic_dq: bool):
+    seqs, constexprs = _common(q, k, causal, segments)
+    n_heads, group = _heads(q, k)
+    args = (q, k, v, do, lse, delta, dk, dv, dq, seg_start, seg_end, *q.stride(), *k.stride(), *v.stride(),
+            *do.stride(), *dk.stride(), *dv.stride(), n_heads, k.shape[1], group, *seqs, scale * LOG2E, scale)
+    return args, dict(constexprs, ATOMIC_DQ=atomic_dq)
+
+
+def q_args(q, k, v, do, lse, delta, dq, seg_start, seg_end, scale: float, causal: bool, segments: bool):
+    seqs, constexprs = _common(q, k, causal, segments)
+    args = (q, k, v, do, lse, delta, dq, seg_start, seg_end, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            *dq.stride(), *_heads(q, k), *seqs, scale * LOG2E, scale)
+    return args, constexprs
+
+
+def _empty_like_layout(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor with x's shape, in [batch, seq, heads, dim] memory order (a free transpose back)."""
+    batch, heads, seq, dim = x.shape
+    return torch.empty((batch, seq, heads, dim), dtype=x.dtype, device=x.device).transpose(1, 2)
+
+
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
-        batch, n_heads, seq_q, head_dim = q.shape
-        n_kv_heads, seq_k = k.shape[1], k.shape[2]
-        o = torch.empty((batch, n_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
+    def forward(ctx, q, k, v, causal: bool, scale: float, segment_ids: torch.Tensor | None, deterministic: bool):
+        batch, n_heads, _, seq_q, _ = _shapes(q, k)
+        segments = segment_ids is not None
+        if segments:
+            seg_start, seg_end = run_bounds(segment_ids)
+        else:
+            seg_start = seg_end = torch.empty(0, dtype=torch.int32, device=q.device)
+        o = _empty_like_layout(q)
         lse = torch.empty((batch, n_heads, seq_q), dtype=torch.float32, device=q.device)
-        block_m, block_n, block_d, warps = _blocks(head_dim)
         if o.numel():
-            _attn_fwd[(triton.cdiv(seq_q, block_m), batch * n_heads)](
-                q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3],
-                n_heads, n_heads // n_kv_heads, seq_q, seq_k, head_dim, scale * LOG2E,
-                CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                PRECISION=_precision(q.dtype), num_warps=warps, num_stages=2)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
+            args, constexprs = fwd_args(q, k, v, o, lse, seg_start, seg_end, scale, causal, segments)
+            attn_fwd[lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * n_heads)](*args, **constexprs)
+        ctx.save_for_backward(q, k, v, o, lse, seg_start, seg_end)
+        ctx.causal, ctx.scale, ctx.segments, ctx.deterministic = causal, scale, segments, deterministic
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        do = do.contiguous()
-        batch, n_heads, seq_q, head_dim = q.shape
-        n_kv_heads, seq_k = k.shape[1], k.shape[2]
-        group = n_heads // n_kv_heads
-        delta = (do.float() * o.float()).sum(-1)
-        dq = torch.empty((batch, n_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
-        dk = torch.empty((batch, n_kv_heads, seq_k, head_dim), dtype=k.dtype, device=k.device)
-        dv = torch.empty((batch, n_kv_heads, seq_k, head_dim), dtype=v.dtype, device=v.device)
-        block_m, block_n, block_d, warps = _blocks(head_dim)
-        common = dict(CAUSAL=ctx.causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                      PRECISION=_precision(q.dtype), num_warps=warps, num_stages=2)
-        if dk.numel():
-            _attn_bwd_dkdv[(triton.cdiv(seq_k, block_n), batch * n_kv_heads)](
-                q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride()[:3],
-                *dk.stride()[:3], n_heads, n_kv_heads, group, seq_q, seq_k, head_dim, ctx.scale * LOG2E, ctx.scale,
-                **common)
-        if dq.numel():
-            _attn_bwd_dq[(triton.cdiv(seq_q, block_m), batch * n_heads)](
-                q, k, v, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride()[:3],
-                *dq.stride()[:3], n_heads, group, seq_q, seq_k, head_dim, ctx.scale * LOG2E, ctx.scale, **common)
-        return dq, dk, dv, None, None
+        q, k, v, o, lse, seg_start, seg_end = ctx.saved_tensors
+        batch, n_heads, n_kv_heads, seq_q, seq_k = _shapes(q, k)
+        common = {"scale": ctx.scale, "causal": ctx.causal, "segments": ctx.segments}
+        delta = torch.empty_like(lse)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        if ctx.deterministic:
+            dq = torch.empty_like(q)
+            dq_acc = torch.empty(0, dtype=torch.float32, device=q.device)
+        else:
+            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        if q.numel():
+            args, constexprs = delta_args(o, do, delta)
+            _attn_bwd_delta[(triton.cdiv(seq_q, DELTA_ROWS), batch * n_heads)](*args, **constexprs)
+        if k.numel():
+            kernel = attn_bwd_kv if ctx.deterministic else attn_bwd_kv_atomic
+            args, constexprs = kv_args(q, k, v, do, lse, delta, dk, dv, dq_acc, seg_start, seg_end,
+                                       atomic_dq=not ctx.deterministic, **common)
+            kernel[lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]), batch * n_kv_heads)](*args, **constexprs)
+        if not ctx.deterministic:
+            dq = dq_acc.to(q.dtype)
+        elif q.numel():
+            args, constexprs = q_args(q, k, v, do, lse, delta, dq, seg_start, seg_end, **common)
+            attn_bwd_q[lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * n_heads)](*args, **constexprs)
+        return dq, dk, dv, None, None, None, None
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              scale: float | None = None) -> torch.Tensor:
-    """Softmax(q k^T * scale) v with grouped-query heads and bottom-right causal alignment."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: float | None = None,
+              segment_ids: torch.Tensor | None = None, deterministic: bool = True) -> torch.Tensor:
+    """softmax(q k^T * scale) v with grouped-query heads, bottom-right causal alignment and optional segment ids."""
     if q.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
                          "[batch, heads, seq, head_dim]")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
-    return AttentionFunction.apply(q, k, v, causal, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    if not supports(q.shape[-1]):
+        raise ValueError(f"attention: the Triton kernel takes head dims 32 to 128 in steps of 16, got {q.shape[-1]}")
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if scale <= 0:
+        raise ValueError(f"attention: scale must be positive, got {scale}")
+    return AttentionFunction.apply(q, k, v, causal, scale, segment_ids, deterministic)
+
+
+# ---- the compile check's view --------------------------------------------------------------------------------
+
+def launches(arch: int) -> list[Launch]:
+    """Every launch configuration the dispatcher can choose on an architecture family, on meta tensors."""
+    out = []
+    batch, heads, kv_heads, seq = 2, 8, 2, 256
+    for dtype in DTYPES:
+        for width, head_dims in BLOCK_DS.items():
+            def t(*shape, dt=dtype):
+                return torch.empty(shape, dtype=dt, device="meta")
+            q, o, do = (t(batch, seq, heads, width).transpose(1, 2) for _ in range(3))
+            k, v = (t(batch, seq, kv_heads, width).transpose(1, 2) for _ in range(2))
+            lse, delta = t(batch, heads, seq, dt=torch.float32), t(batch, heads, seq, dt=torch.float32)
+            dq_acc = t(batch, heads, seq, width, dt=torch.float32)
+            seg = t(batch, seq, dt=torch.int32)
+            labels = {"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dims}
+            args, constexprs = delta_args(o, do, delta)
+            out.append(Launch("attn_bwd_delta", _attn_bwd_delta, args, constexprs,
+                              [triton.Config({}, num_warps=4, num_stages=1)], labels))
+            for causal in (True, False):
+                for segments in (False, True):
+                    mode = dict(labels, causal=causal, segments=segments)
+                    common = {"scale": 0.125, "causal": causal, "segments": segments}
+                    args, constexprs = fwd_args(q, k, v, o, lse, seg, seg, **common)
+                    out.append(Launch("attn_fwd", _attn_fwd, args, constexprs, tiles("fwd", arch, dtype, width), mode))
+                    for atomic in (False, True):
+                        args, constexprs = kv_args(q, k, v, do, lse, delta, k, v, dq_acc, seg, seg, atomic_dq=atomic,
+                                                   **common)
+                        out.append(Launch("attn_bwd_kv_atomic_dq" if atomic else "attn_bwd_kv", _attn_bwd_kv, args,
+                                          constexprs, tiles("kv_atomic" if atomic else "kv", arch, dtype, width),
+                                          mode))
+                    args, constexprs = q_args(q, k, v, do, lse, delta, q, seg, seg, **common)
+                    out.append(Launch("attn_bwd_q", _attn_bwd_q, args, constexprs, tiles("q", arch, dtype, width),
+                                      mode))
+    return out

@@ -1,9 +1,12 @@
-"""Plain-torch reference implementations: the oracle for kernel tests and the fallback off-GPU.
+"""Plain-torch reference implementations: the oracle for kernel tests and the torch path for RMSNorm, RoPE, SwiGLU.
 
 Layouts shared with the Triton kernels and the model:
 - q `[batch, n_heads, seq, head_dim]`, k and v `[batch, n_kv_heads, seq_k, head_dim]`;
-- RoPE tables `cos`, `sin` of shape `[max_positions, head_dim // 2]` (rotate-half layout),
-  rows `position_offset ... position_offset + seq - 1` applied.
+- RoPE tables `cos`, `sin` of shape `[max_positions, head_dim // 2]` (rotate-half layout), applied at
+  rows `position_offset ... position_offset + seq - 1`, or at `positions[b, s]` per token;
+- segment ids `[batch, seq]`: a token attends only to keys with its own id (packed samples, each a
+  contiguous run of one id). Here as a dense mask: this is the oracle; `kernels.torch_attention` is
+  the torch path that avoids the `[seq, seq]` mask.
 """
 
 from __future__ import annotations
@@ -34,8 +37,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offset: int = 0,
                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k (rotate-half layout) by the table rows starting at `position_offset`, or by the row of each
-    token given in `positions` `[batch, seq]`."""
+    """Rotate q and k by the table rows `position_offset + s`, or by rows `positions[b, s]` (int64 `[batch, seq]`)."""
     if positions is not None:
         c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [batch, 1, seq, head_dim // 2]
     else:
@@ -45,28 +47,21 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: float | None = None,
-              segment_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-              dropout_p: float = 0.0) -> torch.Tensor:
-    """Softmax attention with grouped-query heads; a causal mask is aligned bottom-right when q is shorter than k.
-    `segment_ids` `[batch, seq]` keeps each token inside its own packed sample; `attn_mask` (bool, True = attend)
-    is applied as given."""
+              segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention with grouped-query heads; a causal mask is aligned bottom-right when q is shorter than k;
+    with `segment_ids` (seq_q == seq_k) a token sees only keys of its own segment."""
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
-    if segment_ids is not None:
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]
-        attn_mask = (same & torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril()).unsqueeze(1)
-    if attn_mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
-                                              enable_gqa=gqa)
-    if dropout_p > 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p, scale=scale,
-                                              enable_gqa=gqa)
     if causal and seq_q == 1:  # one query after its keys (a decode step) sees every key
         causal = False
-    if causal and seq_q != seq_k:
-        mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril(diagonal=seq_k - seq_q)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    if segment_ids is None and (not causal or seq_q == seq_k):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device)
+    if causal:
+        mask = mask.tril(diagonal=seq_k - seq_q)
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :]).unsqueeze(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.runtime import Launch
+
 BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _swiglu_fwd(A, B, Y, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -19,7 +21,7 @@ def _swiglu_fwd(A, B, Y, n, BLOCK: tl.constexpr):
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _swiglu_bwd(DY, A, B, DA, DB, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -59,3 +61,15 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape != b.shape:
         raise ValueError(f"swiglu needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
     return SwiGLUFunction.apply(a, b)
+
+
+def launches(arch: int) -> list[Launch]:
+    """Forward and backward for every dtype, on meta tensors."""
+    out = []
+    config = [triton.Config({}, num_warps=4, num_stages=1)]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.empty(4096, dtype=dtype, device="meta")
+        labels = {"dtype": str(dtype).removeprefix("torch.")}
+        out.append(Launch("swiglu_fwd", _swiglu_fwd, (x, x, x, x.numel()), {"BLOCK": BLOCK}, config, labels))
+        out.append(Launch("swiglu_bwd", _swiglu_bwd, (x, x, x, x, x, x.numel()), {"BLOCK": BLOCK}, config, labels))
+    return out

@@ -22,14 +22,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from kernels.hardware import peak_tflops
 from llm import rundir
 from llm.config import ModelConfig, RunConfig
 from llm.errors import UserError
 from llm.runtime.distributed import DistInfo
-
-# dense bf16 tensor-core peaks, TFLOP/s
-GPU_PEAK_TFLOPS = {"H200": 989.5, "H100": 989.5, "H800": 989.5, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
-                   "A10": 125.0, "4090": 165.2, "3090": 71.0}
 
 
 def matmul_params_per_token(cfg: ModelConfig, total_params: int) -> int:
@@ -66,11 +63,7 @@ def peak_flops_per_rank(device: torch.device, configured_tflops: float | None, d
     if configured_tflops:
         return configured_tflops * 1e12
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, tflops in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12
-        return float("nan")
+        return peak_tflops(torch.cuda.get_device_name(device), dtype) * 1e12
     return measure_peak_flops(device, dtype)
 
 
