@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from llm import rundir
+from llm import durable, rundir
 from llm.config import ModelConfig, RunConfig
 from llm.errors import UserError
 from llm.runtime.distributed import DistInfo
@@ -99,19 +99,28 @@ class MetricsSink:
         self.wandb_run = None
         if cfg.wandb.mode != "off":
             try:
-                import wandb  # optional dependency, imported only when asked for
+                import wandb  # noqa: PLC0415 - optional dependency, imported only when asked for
             except ImportError:
                 raise UserError("wandb is not installed; `pip install wandb` or use --wandb off") from None
             self.wandb_run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or run_dir.name, id=run_id,
                                         resume="allow", dir=str(run_dir), mode=cfg.wandb.mode, config=cfg.to_dict())
 
     def _truncate_after(self, step: int) -> None:
-        """Drop rows past the step this run starts from (logged by a killed run, or by an earlier run)."""
+        """Drop rows past the step this run starts from (logged by a killed run, or by an earlier run), and lines
+        that are not a JSON row (the last one torn by a kill mid-write), each named as file:line on stderr. The file
+        is replaced atomically, so a kill here loses nothing."""
         if not self.path.is_file():
             return
-        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
-        kept = [line for line in rows if json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = []
+        for number, line in enumerate(self.path.read_text().splitlines(), start=1):
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                if line.strip():
+                    print(f"zerollm: note: {self.path}:{number}: dropped a line that is not a metrics row (torn by "
+                          "a killed run)", file=sys.stderr, flush=True)
+        durable.write_text(self.path, "".join(kept))
 
     def log(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as f:

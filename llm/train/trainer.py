@@ -58,7 +58,12 @@ class Trainer:
     def resume(self, tag: str, universal: bool) -> None:
         state = checkpoint.load(self.engine, self.run_dir, tag, universal)
         self.step, self.run_id = state["step"], state["run_id"]
-        self.sampler.load_state_dict(state["sampler"])
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except ValueError as exc:
+            raise UserError(f"{self.run_dir}: {tag} does not fit the data in {self.cfg.data.path} ({exc}); resume "
+                            "with the data and train.seed it was trained on, or start a new run with --init-from "
+                            f"{self.run_dir}") from None
 
     def client_state(self, stopped_by_signal: bool) -> dict[str, Any]:
         return {"step": self.step, "run_id": self.run_id, "world_size": self.dist.world_size,
