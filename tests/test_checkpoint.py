@@ -210,6 +210,17 @@ def test_loading_weights_never_runs_a_pickle_found_in_a_checkpoint(group, tmp_pa
     assert not (tmp_path / "pwned").exists()
 
 
+def test_the_universal_conversion_never_runs_a_pickle_found_in_a_checkpoint(tmp_path):
+    """Resuming on another number of ranks converts with DeepSpeed's ds_to_universal, in a subprocess."""
+    folder = rundir.checkpoint_dir(tmp_path) / "global_step1"
+    folder.mkdir(parents=True)
+    for name in (MODEL_FILE, "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        torch.save({**_payload(tmp_path / "pwned"), "param_shapes": Payload(tmp_path / "pwned")}, folder / name)
+    with pytest.raises(UserError, match="Weights only load failed"):
+        checkpoint.convert_to_universal(tmp_path, "global_step1")
+    assert not (tmp_path / "pwned").exists()
+
+
 # ---- item 3: metrics.jsonl ---------------------------------------------------------------------------------------
 
 def test_a_torn_last_metrics_line_is_dropped_and_named(tmp_path, capsys):
