@@ -114,6 +114,8 @@ def incompleteness(run_dir: Path, tag: str) -> str | None:
         return f"no {MANIFEST} (its save did not finish)"
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"unreadable {MANIFEST} ({type(exc).__name__})"
+    if not isinstance(listed, dict):
+        return f"unreadable {MANIFEST} (its files are not a mapping)"
     present = {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file() and p.name != MANIFEST}
     for name, size in sorted(listed.items()):
         if name not in present:
@@ -124,10 +126,10 @@ def incompleteness(run_dir: Path, tag: str) -> str | None:
     return f"{', '.join(extra)} not in its {MANIFEST}" if extra else None
 
 
-def usable_tag(run_dir: Path, report: bool = True) -> str | None:
+def usable_tag(run_dir: Path) -> str | None:
     """The checkpoint to continue from or load: the one `latest` names when complete, else the newest complete one
-    before it (with `report`, each one passed over is named on stderr). None when no checkpoint was ever published;
-    a UserError when none of them is complete."""
+    before it (each one passed over is named on stderr). None when no checkpoint was ever published; a UserError
+    when none of them is complete."""
     latest = latest_tag(run_dir)
     if latest is None:
         return None
@@ -140,7 +142,7 @@ def usable_tag(run_dir: Path, report: bool = True) -> str | None:
     for tag in reversed(candidates):
         problem = incompleteness(run_dir, tag)
         if problem is None:
-            if report and passed_over:
+            if passed_over:
                 print(f"zerollm: note: passed over incomplete checkpoint(s) {'; '.join(passed_over)}; using {tag}",
                       file=sys.stderr, flush=True)
             return tag

@@ -5,7 +5,7 @@ those of an uninterrupted run bit for bit.
 
 The ranks are forked from a forkserver that imported torch and DeepSpeed once, so a kill and its resume take
 seconds. In a rank, the file operations of `llm.train.checkpoint.save` (every `torch.save`, fsync, atomic write,
-rename, deletion and barrier) and each `MetricsSink.log` are numbered; the fault rank SIGKILLs itself at the
+rename, deletion and collective) and each `MetricsSink.log` are numbered; the fault rank SIGKILLs itself at the
 chosen one, and the test kills the other rank as soon as it sees that death, as a crashed job would end.
 """
 
@@ -117,6 +117,7 @@ def install_fault_points(kill_at: int | None, record: Path, logs_metrics: bool, 
     durable.write_text = points.before(durable.write_text, _torn_text)
     durable.fsync = points.before(durable.fsync)
     dist.barrier = points.before(dist.barrier)
+    dist.all_gather_object = points.before(dist.all_gather_object)
     os.replace = points.before(os.replace)
     shutil.rmtree = points.before(shutil.rmtree)
 

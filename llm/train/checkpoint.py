@@ -2,10 +2,10 @@
 
 A save runs in this order, so that a job killed at any instant resumes from a complete checkpoint:
 
-    every rank writes its files (DeepSpeed's, and rng_rank<R>.pt)  -> barrier
-    the files are fsynced (the ranks share the work)               -> barrier
+    every rank writes its files (DeepSpeed's, and rng_rank<R>.pt) and fsyncs them      -> barrier
+    the ranks gather what files they see, with sizes
     rank 0: client_state.json, then manifest.json (every file with its size), then `latest`, each durably
-    rank 0: prune complete checkpoints older than the `keep` newest  -> barrier
+    rank 0: prune complete checkpoints older than the `keep` newest                     -> barrier
 
 Loading (resume, and the consolidated weights of `llm.loading`) runs every `torch.load` with weights_only=True
 (`restricted_unpickling`): our RNG files hold tensors and plain values only, and DeepSpeed's files need just three
@@ -91,8 +91,17 @@ def restricted_unpickling() -> Iterator[None]:
             os.environ[FORCE_WEIGHTS_ONLY] = saved
 
 
+def _files(directory: Path) -> dict[str, int]:
+    """The files this rank sees in `directory`, with their sizes."""
+    return {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()}
+
+
 def save(engine, run_dir: Path, step: int, client_state: dict[str, Any], keep: int) -> None:
-    """Save on every rank; rank 0 then writes the manifest, publishes the checkpoint as `latest` and prunes."""
+    """Save on every rank; rank 0 then writes the manifest, publishes the checkpoint as `latest` and prunes.
+
+    Each rank flushes every file it sees once its own are written (its own among them; flushing a file twice
+    costs nothing more). The manifest lists the union of what the ranks see, each file at its largest size, so a
+    rank whose view of a shared file system lags cannot leave another rank's file out."""
     root, tag = rundir.checkpoint_dir(run_dir), rundir.tag_for(step)
     directory = root / tag
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -103,13 +112,15 @@ def save(engine, run_dir: Path, step: int, client_state: dict[str, Any], keep: i
     dist.barrier()
     engine.save_checkpoint(str(root), tag=tag, save_latest=False)
     torch.save(rng_state(), rundir.rng_file(run_dir, tag, rank))
+    for name in _files(directory):
+        durable.fsync(directory / name)
     dist.barrier()
-    for path in sorted(p for p in directory.iterdir() if p.is_file())[rank::world]:
-        durable.fsync(path)
-    dist.barrier()
+    views: list[dict[str, int] | None] = [None] * world
+    dist.all_gather_object(views, _files(directory))
     if rank == 0:
         durable.write_text(directory / rundir.CLIENT_STATE, json.dumps(client_state, indent=1))
-        files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()}
+        files = {name: max(view.get(name, 0) for view in views) for name in sorted(set().union(*views))}
+        files[rundir.CLIENT_STATE] = (directory / rundir.CLIENT_STATE).stat().st_size
         manifest = {"step": step, "world_size": world, "files": files}
         durable.write_text(rundir.manifest_file(run_dir, tag), json.dumps(manifest, indent=1))
         durable.write_text(root / rundir.LATEST, tag)
@@ -167,6 +178,25 @@ def convert_to_universal(run_dir: Path, tag: str) -> None:
                         f"{(result.stdout + result.stderr)[-2000:]}")
     (universal / "latest_universal").unlink(missing_ok=True)  # written by the tool; we keep `latest`
     os.replace(partial, target)
+
+
+def resume_tag(run_dir: Path) -> str | None:
+    """The checkpoint every rank resumes from: rank 0 picks it (`rundir.usable_tag`, which names on stderr what it
+    passes over) and tells the others, so that all agree even where their views of a shared file system lag.
+    None: start from step 0. A UserError (no complete checkpoint) is raised on every rank and printed by rank 0."""
+    answer: list[tuple[str, str | None] | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            answer = [("tag", rundir.usable_tag(run_dir))]
+        except UserError as exc:
+            answer = [("error", str(exc))]
+    dist.broadcast_object_list(answer, src=0)
+    kind, value = answer[0]
+    if kind == "error":
+        error = UserError(value)
+        error.announce = dist.get_rank() == 0
+        raise error
+    return value
 
 
 def load(engine, run_dir: Path, tag: str, universal: bool = False) -> dict[str, Any]:

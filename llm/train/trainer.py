@@ -61,9 +61,11 @@ class Trainer:
         try:
             self.sampler.load_state_dict(state["sampler"])
         except ValueError as exc:
-            raise UserError(f"{self.run_dir}: {tag} does not fit the data in {self.cfg.data.path} ({exc}); resume "
-                            "with the data and train.seed it was trained on, or start a new run with --init-from "
-                            f"{self.run_dir}") from None
+            error = UserError(f"{self.run_dir}: {tag} does not fit the data in {self.cfg.data.path} ({exc}); resume "
+                              "with the data and train.seed it was trained on, or start a new run with --init-from "
+                              f"{self.run_dir}")
+            error.announce = self.dist.is_main  # every rank raises it
+            raise error from None
 
     def client_state(self, stopped_by_signal: bool) -> dict[str, Any]:
         return {"step": self.step, "run_id": self.run_id, "world_size": self.dist.world_size,
