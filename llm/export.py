@@ -162,7 +162,7 @@ def _move_into_place(staging: Path, out: Path) -> None:
 
 def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> None:
     """Write `out` (see the module docstring), replacing an earlier export there as a whole."""
-    cfg = model.cfg
+    cfg, out = model.cfg, out.resolve()
     if cfg.moe:
         raise UserError("mixture-of-experts models have no LlamaForCausalLM form; export supports dense models")
     _replaceable(out)
