@@ -30,7 +30,7 @@ def consolidated_weights(run_dir: Path, tag: str | None = None) -> dict[str, tor
         raise UserError(f"{run_dir}: no checkpoint found (expected {rundir.checkpoint_dir(run_dir) / rundir.LATEST})")
     if (problem := rundir.incompleteness(run_dir, tag)) is not None:
         raise UserError(f"{rundir.checkpoint_dir(run_dir) / tag}: incomplete checkpoint ({problem})")
-    with restricted_unpickling():
+    with restricted_unpickling(rundir.checkpoint_dir(run_dir) / tag):
         if is_partitioned(run_dir, tag):
             from deepspeed.utils.zero_to_fp32 import (  # noqa: PLC0415 - deepspeed only after the accelerator is chosen
                 get_fp32_state_dict_from_zero_checkpoint,

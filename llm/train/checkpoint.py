@@ -72,9 +72,10 @@ def deepspeed_state_classes() -> list[type]:
 
 
 @contextmanager
-def restricted_unpickling() -> Iterator[None]:
+def restricted_unpickling(source: Path) -> Iterator[None]:
     """Inside, every `torch.load` (DeepSpeed's own, which asks for weights_only=False, included) unpickles only
-    tensors, plain containers and `deepspeed_state_classes`; anything else fails instead of running."""
+    tensors, plain containers and `deepspeed_state_classes`; anything else is a UserError naming `source` (the
+    checkpoint being read) instead of running."""
     classes = deepspeed_state_classes()
     saved = os.environ.get(FORCE_WEIGHTS_ONLY)
     os.environ[FORCE_WEIGHTS_ONLY] = "1"
@@ -82,8 +83,10 @@ def restricted_unpickling() -> Iterator[None]:
         with torch.serialization.safe_globals(classes):
             yield
     except pickle.UnpicklingError as exc:
-        raise UserError(f"a checkpoint file holds more than tensors and plain values, so it was not loaded "
-                        f"({str(exc).strip().splitlines()[0]})") from None
+        lines = str(exc).strip().splitlines()
+        detail = next((line.strip() for line in lines if "GLOBAL" in line), lines[0] if lines else "")
+        raise UserError(f"{source}: a file holds more than tensors and plain values, so it was not loaded ({detail})"
+                        ) from None
     finally:
         if saved is None:
             os.environ.pop(FORCE_WEIGHTS_ONLY)
@@ -205,7 +208,7 @@ def load(engine, run_dir: Path, tag: str, universal: bool = False) -> dict[str, 
     another world size than the one that saved; a rank that did not exist then keeps its freshly seeded RNGs)."""
     client_state = rundir.client_state_of(run_dir, tag)
     root = rundir.universal_dir(run_dir) if universal else rundir.checkpoint_dir(run_dir)
-    with restricted_unpickling():
+    with restricted_unpickling(root / tag):
         path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
         if path is None:
