@@ -3,23 +3,33 @@
 An export directory holds `model.safetensors`, a `config.json` for `LlamaForCausalLM` and the
 tokenizer files, so `transformers.AutoModelForCausalLM.from_pretrained(DIR)` reproduces our logits.
 Our RoPE already uses the rotate-half layout Hugging Face uses, so weights are renamed, never permuted.
+
+An export is written to a hidden folder beside its destination and renamed into place when complete, so a
+killed export leaves the previous one (or none), never a truncated file. Importing reads exactly the weight files
+the directory names (`model.safetensors`, or the shards of `model.safetensors.index.json`'s weight_map): exports
+are untrusted input, read as safetensors and JSON only, and a malformed one is a one-line UserError.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
+from typing import Any
 
-from safetensors.torch import load_file, save_file
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
+from llm import durable
 from llm.config import ModelConfig, validate_model
 from llm.errors import UserError
 from llm.model import Transformer
 from llm.tokenizer import CONFIG_FILE as TOKENIZER_CONFIG
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 
-WEIGHTS_FILE, HF_CONFIG_FILE = "model.safetensors", "config.json"
+WEIGHTS_FILE, HF_CONFIG_FILE, WEIGHTS_INDEX_FILE = "model.safetensors", "config.json", "model.safetensors.index.json"
 
 _LAYER_NAMES = {  # ours (inside layers.N.) -> Hugging Face (inside model.layers.N.)
     "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
@@ -58,67 +68,178 @@ def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None) -> dict:
     return config
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding an object, or a one-line UserError naming the file (and line) at fault."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON ({exc.msg})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot be read ({exc})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _number(config: dict[str, Any], key: str, source: str, kind: type, default: Any = None) -> Any:
+    """config[key] (or `default` when absent) checked to be a positive int (`kind` int) or number (`kind` float)."""
+    value = config.get(key, default)
+    if value is None:
+        raise UserError(f"{source}: '{key}' is missing")
+    allowed = (int,) if kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, allowed) or not value > 0:
+        expected = "a positive integer" if kind is int else "a positive number"
+        raise UserError(f"{source}: '{key}' must be {expected}, got {value!r}")
+    return value
+
+
 def model_config_from_hf(config: dict, source: str) -> ModelConfig:
-    if config.get("model_type") != "llama" and "LlamaForCausalLM" not in config.get("architectures", []):
+    architectures = config.get("architectures") or []
+    if config.get("model_type") != "llama" and (not isinstance(architectures, list) or
+                                                "LlamaForCausalLM" not in architectures):
         raise UserError(f"{source}: not a Llama-architecture config (model_type {config.get('model_type')!r})")
     if config.get("attention_bias") or config.get("mlp_bias") or config.get("hidden_act", "silu") != "silu":
         raise UserError(f"{source}: biases or a non-SiLU activation are not part of our architecture")
-    heads = config["num_attention_heads"]
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"{source}: 'rope_scaling' must be an object or null, got {rope!r}")
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "yarn"):
         raise UserError(f"{source}: RoPE scaling '{kind}' is not supported (only YaRN)")
+    heads = _number(config, "num_attention_heads", source, int)
+    tie = config.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise UserError(f"{source}: 'tie_word_embeddings' must be true or false, got {tie!r}")
     cfg = ModelConfig(
-        vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
-        n_heads=heads, n_kv_heads=config.get("num_key_value_heads", heads), hidden_dim=config["intermediate_size"],
-        norm_eps=config.get("rms_norm_eps", 1e-6), max_seq_len=config.get("max_position_embeddings", 2048),
-        rope_theta=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
-        tie_embeddings=config.get("tie_word_embeddings", False), init_std=config.get("initializer_range", 0.02),
+        vocab_size=_number(config, "vocab_size", source, int), dim=_number(config, "hidden_size", source, int),
+        n_layers=_number(config, "num_hidden_layers", source, int), n_heads=heads,
+        n_kv_heads=_number(config, "num_key_value_heads", source, int, heads),
+        hidden_dim=_number(config, "intermediate_size", source, int),
+        norm_eps=_number(config, "rms_norm_eps", source, float, 1e-6),
+        max_seq_len=_number(config, "max_position_embeddings", source, int, 2048),
+        rope_theta=_number(config, "rope_theta", source, float, rope.get("rope_theta", 10000.0)),
+        tie_embeddings=tie, init_std=_number(config, "initializer_range", source, float, 0.02),
     )
     if kind == "yarn":
-        cfg.rope_scaling, cfg.rope_factor = "yarn", rope["factor"]
-        cfg.rope_original_max_seq_len = rope.get("original_max_position_embeddings", cfg.max_seq_len)
-        cfg.yarn_beta_fast, cfg.yarn_beta_slow = rope.get("beta_fast", 32.0), rope.get("beta_slow", 1.0)
+        cfg.rope_scaling, cfg.rope_factor = "yarn", _number(rope, "factor", f"{source} rope_scaling", float)
+        cfg.rope_original_max_seq_len = _number(rope, "original_max_position_embeddings", f"{source} rope_scaling",
+                                                int, cfg.max_seq_len)
+        cfg.yarn_beta_fast = _number(rope, "beta_fast", f"{source} rope_scaling", float, 32.0)
+        cfg.yarn_beta_slow = _number(rope, "beta_slow", f"{source} rope_scaling", float, 1.0)
     if config.get("head_dim", cfg.head_dim) != cfg.head_dim:
         raise UserError(f"{source}: head_dim {config['head_dim']} differs from hidden_size / num_attention_heads")
-    validate_model(cfg)
+    try:
+        validate_model(cfg)
+    except UserError as exc:
+        raise UserError(f"{source}: {exc}") from None
     return cfg
 
 
+def _replaceable(out: Path) -> None:
+    """Refuse to replace a directory that is not an earlier export (or empty): export replaces it whole."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a directory")
+    entries = list(out.iterdir())
+    if entries and (not (out / HF_CONFIG_FILE).is_file() or any(p.is_dir() for p in entries)):
+        raise UserError(f"--out {out} holds files that are not an export (an export is replaced whole); choose a new "
+                        "or empty directory")
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """Rename the finished `staging` folder to `out`; an earlier `out` is renamed aside first and then deleted (a
+    crash between the two renames leaves both complete folders, the old one as .<name>.old)."""
+    old = out.with_name(f".{out.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(staging, out)
+    durable.fsync(out.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> None:
-    cfg = model.cfg
+    """Write `out` (see the module docstring), replacing an earlier export there as a whole."""
+    cfg, out = model.cfg, out.resolve()
     if cfg.moe:
         raise UserError("mixture-of-experts models have no LlamaForCausalLM form; export supports dense models")
+    _replaceable(out)
     state = {hf_name(k): v.detach().float().contiguous() for k, v in model.state_dict().items()}
     if cfg.tie_embeddings:
         state.pop("lm_head.weight")  # tied: transformers re-ties it from the embeddings
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    staging = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
     tokenizer = None
     if tokenizer_dir is not None and (tokenizer_dir / TOKENIZER_FILE).is_file():
         tokenizer = Tokenizer.load(tokenizer_dir)
         for name in (TOKENIZER_FILE, TOKENIZER_CONFIG):
-            shutil.copy(tokenizer_dir / name, out / name)
-    (out / HF_CONFIG_FILE).write_text(json.dumps(hf_config(cfg, tokenizer), indent=2))
+            shutil.copy(tokenizer_dir / name, staging / name)
+    (staging / HF_CONFIG_FILE).write_text(json.dumps(hf_config(cfg, tokenizer), indent=2))
+    for path in staging.iterdir():
+        durable.fsync(path)
+    _move_into_place(staging, out)
+
+
+def _read_tensors(path: Path, names: list[str] | None) -> dict[str, torch.Tensor]:
+    """The tensors `names` (all when None) of one safetensors file."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            present = set(f.keys())
+            missing = sorted(set(names or ()) - present)
+            if missing:
+                raise UserError(f"{path}: lacks {missing[:3]}, which {WEIGHTS_INDEX_FILE} places there")
+            return {name: f.get_tensor(name) for name in (sorted(present) if names is None else names)}
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Exactly the weights an export names: model.safetensors when present (as transformers does), else the shards
+    of model.safetensors.index.json's weight_map. Other *.safetensors files in the directory are not read."""
+    if (directory / WEIGHTS_FILE).is_file():
+        return _read_tensors(directory / WEIGHTS_FILE, None)
+    index = directory / WEIGHTS_INDEX_FILE
+    if not index.is_file():
+        raise UserError(f"{directory}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} beside {HF_CONFIG_FILE}")
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or \
+            not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise UserError(f"{index}: 'weight_map' must map tensor names to shard file names")
+    shards: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        if Path(shard).name != shard or shard in (".", ".."):
+            raise UserError(f"{index}: shard '{shard}' is not a file name in {directory}")
+        shards.setdefault(shard, []).append(name)
+    state = {}
+    for shard, names in shards.items():
+        if not (directory / shard).is_file():
+            raise UserError(f"{index}: names shard {shard}, which is missing")
+        state.update(_read_tensors(directory / shard, names))
+    return state
 
 
 def import_model(directory: Path) -> Transformer:
     """Our model from an export directory (ours, or `save_pretrained` of a Llama model)."""
     config_path = directory / HF_CONFIG_FILE
-    weights = sorted(directory.glob("*.safetensors"))
-    if not config_path.is_file() or not weights:
-        raise UserError(f"{directory}: expected {HF_CONFIG_FILE} and *.safetensors (a Hugging Face Llama export)")
-    cfg = model_config_from_hf(json.loads(config_path.read_text()), str(config_path))
-    state = {}
-    for path in weights:
-        state.update(load_file(str(path)))
+    if not config_path.is_file():
+        raise UserError(f"{directory}: expected {HF_CONFIG_FILE} and {WEIGHTS_FILE} (a Hugging Face Llama export)")
+    cfg = model_config_from_hf(read_json_object(config_path), str(config_path))
+    state = read_weights(directory)
     model = Transformer(cfg)
-    ours = {hf_name(k): k for k in model.state_dict()}
+    expected = model.state_dict()
+    ours = {hf_name(k): k for k in expected}
     if cfg.tie_embeddings:
         ours.pop("lm_head.weight")
     missing, unexpected = sorted(set(ours) - set(state)), sorted(set(state) - set(ours))
     if missing or unexpected:
         raise UserError(f"{directory}: weights do not match {HF_CONFIG_FILE} (missing {missing[:3]}, "
                         f"unexpected {unexpected[:3]})")
+    misshapen = [f"{name} {tuple(state[name].shape)}, expected {tuple(expected[ours[name]].shape)}"
+                 for name in sorted(state) if state[name].shape != expected[ours[name]].shape]
+    if misshapen:
+        raise UserError(f"{directory}: weights do not match {HF_CONFIG_FILE} ({misshapen[0]})")
     model.load_state_dict({ours[name]: tensor.float() for name, tensor in state.items()}, strict=not cfg.tie_embeddings)
     return model.eval()

@@ -1,5 +1,8 @@
-"""Models from disk: a run directory (its newest checkpoint, any ZeRO stage and world size) or an export
-directory (ours, or a Llama model saved by `transformers`), for inference, export and `--init-from`."""
+"""Models from disk: a run directory (its newest complete checkpoint, any ZeRO stage and world size) or an export
+directory (ours, or a Llama model saved by `transformers`), for inference, export and `--init-from`.
+
+Nothing read here is unpickled beyond tensors and plain values (`llm.train.checkpoint.restricted_unpickling`);
+exports are safetensors and JSON."""
 
 from __future__ import annotations
 
@@ -15,26 +18,28 @@ from llm.config import ModelConfig, RunConfig, build_config
 from llm.errors import UserError
 from llm.export import HF_CONFIG_FILE, import_model
 from llm.model import Transformer
-from llm.runtime.distributed import ensure_accelerator_env
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
-from llm.train.checkpoint import is_partitioned
+from llm.train.checkpoint import is_partitioned, restricted_unpickling
 
 
 def consolidated_weights(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
-    """Full fp32 model weights of a checkpoint of any ZeRO stage and world size, on the CPU."""
-    tag = tag or rundir.latest_tag(run_dir)
+    """Full fp32 model weights of a checkpoint of any ZeRO stage and world size, on the CPU: `tag`, or the newest
+    complete checkpoint (`rundir.usable_tag`). No file is unpickled beyond tensors and plain values."""
+    tag = tag or rundir.usable_tag(run_dir)
     if tag is None:
         raise UserError(f"{run_dir}: no checkpoint found (expected {rundir.checkpoint_dir(run_dir) / rundir.LATEST})")
-    if is_partitioned(run_dir, tag):
-        ensure_accelerator_env()
-        from deepspeed.utils.zero_to_fp32 import (  # noqa: PLC0415 - deepspeed only after the accelerator is chosen
-            get_fp32_state_dict_from_zero_checkpoint,
-        )
+    if (problem := rundir.incompleteness(run_dir, tag)) is not None:
+        raise UserError(f"{rundir.checkpoint_dir(run_dir) / tag}: incomplete checkpoint ({problem})")
+    with restricted_unpickling(rundir.checkpoint_dir(run_dir) / tag):
+        if is_partitioned(run_dir, tag):
+            from deepspeed.utils.zero_to_fp32 import (  # noqa: PLC0415 - deepspeed only after the accelerator is chosen
+                get_fp32_state_dict_from_zero_checkpoint,
+            )
 
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            return get_fp32_state_dict_from_zero_checkpoint(str(rundir.checkpoint_dir(run_dir)), tag=tag)
-    state = torch.load(rundir.checkpoint_dir(run_dir) / tag / "mp_rank_00_model_states.pt", map_location="cpu",
-                       weights_only=False)
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                return get_fp32_state_dict_from_zero_checkpoint(str(rundir.checkpoint_dir(run_dir)), tag=tag)
+        state = torch.load(rundir.checkpoint_dir(run_dir) / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                           weights_only=True)
     return {k: v.float() for k, v in state["module"].items()}
 
 

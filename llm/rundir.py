@@ -8,12 +8,17 @@
         checkpoints/
             global_step<N>/          DeepSpeed's files (model, optimizer / ZeRO partitions, scheduler)
                                      + client_state.json (step, sampler, run id, world size)
-                                     + rng_rank<R>.pt (every RNG of rank R)
-            latest                   the tag of the newest *complete* checkpoint
+                                     + rng_rank<R>.pt (every RNG of rank R, tensors and plain values)
+                                     + manifest.json (every file above with its size; written last)
+            latest                   the tag of the newest published checkpoint (written after its manifest)
             universal/global_step<N> while resuming on another world size: DeepSpeed's universal
                                      checkpoint of global_step<N> (removed once loaded)
 
 A prepared data directory keeps its tokenizer under the same folder name (`TOKENIZER_DIR`).
+
+A checkpoint is *complete* when its manifest exists and the folder holds exactly the files it lists, each with
+the listed size. Whoever reads a run directory (resume, generate, export, `--init-from`) takes the checkpoint
+`latest` names when it is complete, else the newest complete one before it (`usable_tag`).
 
 This module names and reads the layout only (no torch, no model code), so the launcher can use it
 cheaply; `llm.train.checkpoint` writes checkpoints and `llm.loading` rebuilds models from them.
@@ -22,6 +27,8 @@ cheaply; `llm.train.checkpoint` writes checkpoints and `llm.loading` rebuilds mo
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +41,7 @@ TOKENIZER_DIR = "tokenizer"
 CHECKPOINTS_DIR = "checkpoints"
 LATEST = "latest"
 CLIENT_STATE = "client_state.json"
+MANIFEST = "manifest.json"
 UNIVERSAL_DIR = "universal"
 TAG_PREFIX = "global_step"
 
@@ -63,6 +71,10 @@ def tag_for(step: int) -> str:
     return f"{TAG_PREFIX}{step}"
 
 
+def is_tag(name: str) -> bool:
+    return re.fullmatch(rf"{TAG_PREFIX}\d+", name) is not None
+
+
 def step_of(tag: str) -> int:
     return int(tag.removeprefix(TAG_PREFIX))
 
@@ -71,15 +83,71 @@ def rng_file(run_dir: Path, tag: str, rank: int) -> Path:
     return checkpoint_dir(run_dir) / tag / f"rng_rank{rank}.pt"
 
 
+def manifest_file(run_dir: Path, tag: str) -> Path:
+    return checkpoint_dir(run_dir) / tag / MANIFEST
+
+
+def checkpoint_tags(run_dir: Path) -> list[str]:
+    """Every `global_step<N>` folder, complete or not, oldest first."""
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    tags = [p.name for p in root.iterdir() if p.is_dir() and is_tag(p.name)]
+    return sorted(tags, key=step_of)
+
+
 def latest_tag(run_dir: Path) -> str | None:
-    """The tag `latest` names (None before the first checkpoint)."""
+    """The tag `latest` names (None before the first checkpoint was published); it may be incomplete or gone."""
     path = checkpoint_dir(run_dir) / LATEST
-    if not path.is_file():
+    return path.read_text().strip() if path.is_file() else None
+
+
+def incompleteness(run_dir: Path, tag: str) -> str | None:
+    """Why checkpoint `tag` is not complete, or None when it is: the folder must hold exactly the files its
+    manifest lists, each with the listed size."""
+    directory = checkpoint_dir(run_dir) / tag
+    if not directory.is_dir():
+        return "the folder does not exist"
+    try:
+        listed = json.loads(manifest_file(run_dir, tag).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST} (its save did not finish)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"unreadable {MANIFEST} ({type(exc).__name__})"
+    if not isinstance(listed, dict):
+        return f"unreadable {MANIFEST} (its files are not a mapping)"
+    present = {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file() and p.name != MANIFEST}
+    for name, size in sorted(listed.items()):
+        if name not in present:
+            return f"{name} is missing"
+        if present[name] != size:
+            return f"{name} has {present[name]} bytes, {size} were written"
+    extra = sorted(set(present) - set(listed))
+    return f"{', '.join(extra)} not in its {MANIFEST}" if extra else None
+
+
+def usable_tag(run_dir: Path) -> str | None:
+    """The checkpoint to continue from or load: the one `latest` names when complete, else the newest complete one
+    before it (each one passed over is named on stderr). None when no checkpoint was ever published; a UserError
+    when none of them is complete."""
+    latest = latest_tag(run_dir)
+    if latest is None:
         return None
-    tag = path.read_text().strip()
-    if not (checkpoint_dir(run_dir) / tag).is_dir():
-        raise UserError(f"{path} names '{tag}', which does not exist; delete the file to start over")
-    return tag
+    root = checkpoint_dir(run_dir)
+    if not is_tag(latest):
+        raise UserError(f"{root / LATEST} names '{latest}', which is not a checkpoint tag; write the tag of a "
+                        f"checkpoint folder there (e.g. {tag_for(0)}) or delete the file to start over")
+    candidates = [tag for tag in checkpoint_tags(run_dir) if step_of(tag) < step_of(latest)] + [latest]
+    passed_over = []
+    for tag in reversed(candidates):
+        problem = incompleteness(run_dir, tag)
+        if problem is None:
+            if passed_over:
+                print(f"zerollm: note: passed over incomplete checkpoint(s) {'; '.join(passed_over)}; using {tag}",
+                      file=sys.stderr, flush=True)
+            return tag
+        passed_over.append(f"{root / tag}: {problem}")
+    raise UserError(f"{root} holds no complete checkpoint ({'; '.join(passed_over)}); delete the folder to start over")
 
 
 def client_state_of(run_dir: Path, tag: str) -> dict[str, Any]:

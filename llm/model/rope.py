@@ -1,6 +1,6 @@
 """Rotary position embedding tables (rotate-half layout), with optional YaRN context extension.
 
-The tables are `cos`, `sin` of shape `[max_seq_len, head_dim // 2]`; `kernels.apply_rope` applies them.
+The tables are `cos`, `sin` of shape `[positions, head_dim // 2]`; `kernels.apply_rope` applies them.
 YaRN follows "YaRN: Efficient Context Window Extension of Large Language Models" (Peng et al., 2023)
 as Hugging Face implements it: low frequencies are interpolated by `factor`, high ones kept, a linear
 ramp between, and the tables scaled by 0.1 * ln(factor) + 1.
@@ -29,14 +29,15 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, cfg: ModelConfig) -> t
     return scaled, 0.1 * math.log(cfg.rope_factor) + 1.0
 
 
-def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each float32 `[max_seq_len, head_dim // 2]`."""
+def rope_tables(cfg: ModelConfig, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of the first `length` positions (default max_seq_len), each float32 `[length, head_dim // 2]`;
+    a position's row does not depend on `length`."""
     head_dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     scale = 1.0
     if cfg.rope_scaling == "yarn":
         inv_freq, scale = _yarn_inv_freq(inv_freq, head_dim, cfg)
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.outer(torch.arange(length or cfg.max_seq_len, dtype=torch.float64), inv_freq)
     return (angles.cos() * scale).float(), (angles.sin() * scale).float()
 
 

@@ -122,6 +122,11 @@ class ModelOutput(NamedTuple):
     aux_loss: torch.Tensor | None = None  # MoE load-balancing loss (already weighted); None for a dense model
 
 
+ROPE_EAGER_POSITIONS = 32768
+"""RoPE table rows built with the model; longer tables grow on demand, so a config claiming a huge context (an
+export's max_position_embeddings) costs memory only for the positions actually used."""
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -133,7 +138,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg)
+        cos, sin = rope_tables(cfg, min(cfg.max_seq_len, ROPE_EAGER_POSITIONS))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
@@ -150,6 +155,12 @@ class Transformer(nn.Module):
         """Distinct parameters (a tied embedding counts once)."""
         return sum(p.numel() for p in self.parameters())
 
+    def _extend_rope(self, positions: int) -> None:
+        """Grow the RoPE tables to cover `positions` (at least doubling, at most max_seq_len)."""
+        length = min(self.cfg.max_seq_len, max(positions, 2 * self.rope_cos.shape[0]))
+        cos, sin = rope_tables(self.cfg, length)
+        self.rope_cos, self.rope_sin = cos.to(self.rope_cos), sin.to(self.rope_sin)
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None, cache: KVCache | None = None,
                 last_only: bool = False, segment_ids: torch.Tensor | None = None) -> ModelOutput:
@@ -159,6 +170,8 @@ class Transformer(nn.Module):
         end = tokens.shape[1] + (cache.length if cache else 0)
         if end > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
+        if end > self.rope_cos.shape[0]:
+            self._extend_rope(end)
         packed = Packed.of(segment_ids) if segment_ids is not None else None
         h = self.dropout(self.tok_embeddings(tokens))
         for i, layer in enumerate(self.layers):

@@ -1,18 +1,28 @@
-"""Checkpoints: DeepSpeed's layout plus our client state, with an atomic `latest` (layout: `llm.rundir`).
+"""Checkpoints: DeepSpeed's layout plus our client state, a manifest and an atomic `latest` (layout: `llm.rundir`).
 
-`latest` is replaced (write to a temporary file, then rename) only after every rank has finished
-writing, so a job killed mid-save resumes from the previous complete checkpoint.
+A save runs in this order, so that a job killed at any instant resumes from a complete checkpoint:
+
+    every rank writes its files (DeepSpeed's, and rng_rank<R>.pt) and fsyncs them      -> barrier
+    the ranks gather what files they see, with sizes
+    rank 0: client_state.json, then manifest.json (every file with its size), then `latest`, each durably
+    rank 0: prune complete checkpoints older than the `keep` newest                     -> barrier
+
+Loading (resume, and the consolidated weights of `llm.loading`) runs every `torch.load` with weights_only=True
+(`restricted_unpickling`): our RNG files hold tensors and plain values only, and DeepSpeed's files need just three
+plain-data DeepSpeed classes on top.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,43 +30,123 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from llm import rundir
+from llm import durable, rundir
 from llm.errors import UserError
+from llm.runtime.distributed import ensure_accelerator_env
+
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # read by torch on every torch.load
+DELETING_PREFIX = ".deleting-"
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG of this process, as tensors and plain values (so it loads with weights_only=True)."""
+    version, mersenne, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"python": [version, list(mersenne), gauss],
+             "numpy": [kind, keys.tolist(), pos, has_gauss, cached_gaussian],
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, mersenne, gauss = state["python"]
+    random.setstate((version, tuple(mersenne), gauss))
+    kind, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def deepspeed_state_classes() -> list[type]:
+    """The plain-data DeepSpeed classes its checkpoints pickle (ZeRO optimizer files): enum, loss-scale settings,
+    fragment offsets. Allowing them runs no code of the file's choosing."""
+    ensure_accelerator_env()
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler  # noqa: PLC0415 - deepspeed after the accelerator
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: PLC0415
+    from deepspeed.utils.tensor_fragment import fragment_address  # noqa: PLC0415
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextmanager
+def restricted_unpickling(source: Path) -> Iterator[None]:
+    """Inside, every `torch.load` (DeepSpeed's own, which asks for weights_only=False, included) unpickles only
+    tensors, plain containers and `deepspeed_state_classes`; anything else is a UserError naming `source` (the
+    checkpoint being read) instead of running."""
+    classes = deepspeed_state_classes()
+    saved = os.environ.get(FORCE_WEIGHTS_ONLY)
+    os.environ[FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(classes):
+            yield
+    except pickle.UnpicklingError as exc:
+        lines = str(exc).strip().splitlines()
+        detail = next((line.strip() for line in lines if "GLOBAL" in line), lines[0] if lines else "")
+        raise UserError(f"{source}: a file holds more than tensors and plain values, so it was not loaded ({detail})"
+                        ) from None
+    finally:
+        if saved is None:
+            os.environ.pop(FORCE_WEIGHTS_ONLY)
+        else:
+            os.environ[FORCE_WEIGHTS_ONLY] = saved
+
+
+def _files(directory: Path) -> dict[str, int]:
+    """The files this rank sees in `directory`, with their sizes."""
+    return {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()}
+
+
 def save(engine, run_dir: Path, step: int, client_state: dict[str, Any], keep: int) -> None:
-    """Save on every rank, then (rank 0) publish it as `latest` and prune old checkpoints."""
-    root = rundir.checkpoint_dir(run_dir)
-    tag = rundir.tag_for(step)
+    """Save on every rank; rank 0 then writes the manifest, publishes the checkpoint as `latest` and prunes.
+
+    Each rank flushes every file it sees once its own are written (its own among them; flushing a file twice
+    costs nothing more). The manifest lists the union of what the ranks see, each file at its largest size, so a
+    rank whose view of a shared file system lags cannot leave another rank's file out."""
+    root, tag = rundir.checkpoint_dir(run_dir), rundir.tag_for(step)
+    directory = root / tag
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0 and directory.exists():
+        if tag == rundir.latest_tag(run_dir) and rundir.incompleteness(run_dir, tag) is None:
+            raise RuntimeError(f"{directory} is the published checkpoint; it is never written over")
+        shutil.rmtree(directory)  # an unfinished save of this step by an earlier attempt: none of it may count
+    dist.barrier()
     engine.save_checkpoint(str(root), tag=tag, save_latest=False)
-    torch.save(rng_state(), rundir.rng_file(run_dir, tag, dist.get_rank()))
+    torch.save(rng_state(), rundir.rng_file(run_dir, tag, rank))
+    for name in _files(directory):
+        durable.fsync(directory / name)
     dist.barrier()
-    if dist.get_rank() == 0:
-        (root / tag / rundir.CLIENT_STATE).write_text(json.dumps(client_state, indent=1))
-        tmp = root / f".{rundir.LATEST}.tmp"
-        tmp.write_text(tag)
-        os.replace(tmp, root / rundir.LATEST)
-        if keep > 0:
-            done = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith(rundir.TAG_PREFIX)),
-                          key=lambda p: rundir.step_of(p.name))
-            for old in done[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+    views: list[dict[str, int] | None] = [None] * world
+    dist.all_gather_object(views, _files(directory))
+    if rank == 0:
+        durable.write_text(directory / rundir.CLIENT_STATE, json.dumps(client_state, indent=1))
+        files = {name: max(view.get(name, 0) for view in views) for name in sorted(set().union(*views))}
+        files[rundir.CLIENT_STATE] = (directory / rundir.CLIENT_STATE).stat().st_size
+        manifest = {"step": step, "world_size": world, "files": files}
+        durable.write_text(rundir.manifest_file(run_dir, tag), json.dumps(manifest, indent=1))
+        durable.write_text(root / rundir.LATEST, tag)
+        prune(run_dir, keep)
     dist.barrier()
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Keep the `keep` newest complete checkpoints up to the one `latest` names (0 keeps all). Only complete
+    checkpoints older than `latest` are deleted: never `latest`, never an incomplete folder, never a newer one.
+    A checkpoint is renamed to a hidden name before its files go, so an interrupted deletion leaves no folder
+    that looks like a checkpoint (the leftover is removed by the next prune)."""
+    root, latest = rundir.checkpoint_dir(run_dir), rundir.latest_tag(run_dir)
+    for leftover in root.glob(f"{DELETING_PREFIX}*"):
+        shutil.rmtree(leftover)
+    if keep <= 0 or latest is None:
+        return
+    older = [tag for tag in rundir.checkpoint_tags(run_dir)
+             if rundir.step_of(tag) < rundir.step_of(latest) and rundir.incompleteness(run_dir, tag) is None]
+    for tag in older[:max(0, len(older) - (keep - 1))]:
+        doomed = root / f"{DELETING_PREFIX}{tag}"
+        os.replace(root / tag, doomed)
+        shutil.rmtree(doomed)
 
 
 def is_partitioned(run_dir: Path, tag: str) -> bool:
@@ -64,9 +154,15 @@ def is_partitioned(run_dir: Path, tag: str) -> bool:
     return any((rundir.checkpoint_dir(run_dir) / tag).glob("*zero_pp_rank_*optim_states.pt"))
 
 
+_UNIVERSAL_CONVERTER = ("import runpy, torch; from llm.train.checkpoint import deepspeed_state_classes; "
+                        "torch.serialization.add_safe_globals(deepspeed_state_classes()); "
+                        "runpy.run_module('deepspeed.checkpoint.ds_to_universal', run_name='__main__', alter_sys=True)")
+
+
 def convert_to_universal(run_dir: Path, tag: str) -> None:
     """DeepSpeed's universal checkpoint of `tag` (one file per parameter and optimizer state, loadable on any
-    world size), written to checkpoints/universal/<tag> by `deepspeed.checkpoint.ds_to_universal`."""
+    world size), written to checkpoints/universal/<tag> by `deepspeed.checkpoint.ds_to_universal`, whose loads
+    are restricted as in `restricted_unpickling`."""
     universal = rundir.universal_dir(run_dir)
     target = universal / tag
     if target.is_dir():
@@ -75,9 +171,10 @@ def convert_to_universal(run_dir: Path, tag: str) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     partial.parent.mkdir(parents=True, exist_ok=True)
     source = rundir.checkpoint_dir(run_dir) / tag
-    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
+    command = [sys.executable, "-c", _UNIVERSAL_CONVERTER, "--input_folder", str(source),
                "--output_folder", str(partial), "--inject_missing_state"]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    result = subprocess.run(command, capture_output=True, text=True, check=False,
+                            env={**os.environ, FORCE_WEIGHTS_ONLY: "1"})
     if result.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
         raise UserError(f"{source}: conversion to a universal checkpoint failed:\n"
@@ -86,17 +183,38 @@ def convert_to_universal(run_dir: Path, tag: str) -> None:
     os.replace(partial, target)
 
 
+def resume_tag(run_dir: Path) -> str | None:
+    """The checkpoint every rank resumes from: rank 0 picks it (`rundir.usable_tag`, which names on stderr what it
+    passes over) and tells the others, so that all agree even where their views of a shared file system lag.
+    None: start from step 0. A UserError (no complete checkpoint) is raised on every rank and printed by rank 0."""
+    answer: list[tuple[str, str | None] | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            answer = [("tag", rundir.usable_tag(run_dir))]
+        except UserError as exc:
+            answer = [("error", str(exc))]
+    dist.broadcast_object_list(answer, src=0)
+    kind, value = answer[0]
+    if kind == "error":
+        error = UserError(value)
+        error.announce = dist.get_rank() == 0
+        raise error
+    return value
+
+
 def load(engine, run_dir: Path, tag: str, universal: bool = False) -> dict[str, Any]:
-    """Restore engine, optimizer, scheduler and this rank's RNGs; return the client state. `universal`: load
-    the conversion made by `convert_to_universal` (the job has another world size than the one that saved)."""
+    """Restore engine, optimizer, scheduler and this rank's RNGs; return the client state. `tag` is a complete
+    checkpoint (`rundir.usable_tag`). `universal`: load the conversion made by `convert_to_universal` (the job has
+    another world size than the one that saved; a rank that did not exist then keeps its freshly seeded RNGs)."""
     client_state = rundir.client_state_of(run_dir, tag)
     root = rundir.universal_dir(run_dir) if universal else rundir.checkpoint_dir(run_dir)
-    path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
-    if path is None:
-        raise UserError(f"{root / tag}: DeepSpeed could not load this checkpoint")
-    rng_file = rundir.rng_file(run_dir, tag, dist.get_rank())
-    if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+    with restricted_unpickling(root / tag):
+        path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+        if path is None:
+            raise UserError(f"{root / tag}: DeepSpeed could not load this checkpoint")
+        if dist.get_rank() < client_state["world_size"]:
+            set_rng_state(torch.load(rundir.rng_file(run_dir, tag, dist.get_rank()), weights_only=True))
     return client_state
 
 

@@ -142,7 +142,7 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
     if info.world_size > 1:
         check_ranks_agree(fingerprint(cfg.to_dict(), ds_config, Path(cfg.data.path) / TOKENS_FILE,
                                       attrs["tokenizer_hash"]), announce=info.local_rank == 0)
-    tag = rundir.latest_tag(run_dir) if resume else None
+    tag = checkpoint.resume_tag(run_dir) if resume else None
     universal = tag is not None and convert_if_resharded(run_dir, tag, info)
     engine_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}} \
         if universal else ds_config

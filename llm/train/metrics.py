@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from kernels.hardware import peak_tflops
-from llm import rundir
+from llm import durable, rundir
 from llm.config import ModelConfig, RunConfig
 from llm.errors import UserError
 from llm.runtime.distributed import DistInfo
@@ -104,12 +104,21 @@ class MetricsSink:
                                         resume="allow", dir=str(run_dir), mode=cfg.wandb.mode, config=cfg.to_dict())
 
     def _truncate_after(self, step: int) -> None:
-        """Drop rows past the step this run starts from (logged by a killed run, or by an earlier run)."""
+        """Drop rows past the step this run starts from (logged by a killed run, or by an earlier run), and lines
+        that are not a JSON row (the last one torn by a kill mid-write), each named as file:line on stderr. The file
+        is replaced atomically, so a kill here loses nothing."""
         if not self.path.is_file():
             return
-        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
-        kept = [line for line in rows if json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = []
+        for number, line in enumerate(self.path.read_text().splitlines(), start=1):
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                if line.strip():
+                    print(f"zerollm: note: {self.path}:{number}: dropped a line that is not a metrics row (torn by "
+                          "a killed run)", file=sys.stderr, flush=True)
+        durable.write_text(self.path, "".join(kept))
 
     def log(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as f:

@@ -59,7 +59,14 @@ class Trainer:
     def resume(self, tag: str, universal: bool) -> None:
         state = checkpoint.load(self.engine, self.run_dir, tag, universal)
         self.step, self.run_id = state["step"], state["run_id"]
-        self.sampler.load_state_dict(state["sampler"])
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except ValueError as exc:
+            error = UserError(f"{self.run_dir}: {tag} does not fit the data in {self.cfg.data.path} ({exc}); resume "
+                              "with the data and train.seed it was trained on, or start a new run with --init-from "
+                              f"{self.run_dir}")
+            error.announce = self.dist.is_main  # every rank raises it
+            raise error from None
         if state.get("loss_scale") is not None:  # fp16: continue with the scale the run had reached, exactly
             self.engine.optimizer.cur_scale = state["loss_scale"]
 

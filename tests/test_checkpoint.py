@@ -1,0 +1,280 @@
+"""Checkpoints: the manifest and `latest`, pruning, falling back to the newest complete checkpoint, RNG files and
+restricted unpickling, metrics.jsonl after a kill, and resuming on data that no longer fits.
+
+Most tests drive `llm.train.checkpoint` in this process (a process group of one, an engine that writes and reads
+one file as DeepSpeed does); the last ones run `zerollm train` on one rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import run_cli, shared, train_args
+
+from llm import rundir
+from llm.config import build_config
+from llm.errors import UserError
+from llm.loading import consolidated_weights
+from llm.train import checkpoint
+from llm.train.metrics import MetricsSink
+
+MODEL_FILE = "mp_rank_00_model_states.pt"
+
+
+class FakeEngine:
+    """Saves and loads one model-state file per checkpoint with torch.save / torch.load(weights_only=False), as
+    DeepSpeed's engine does."""
+
+    def __init__(self, value: float = 0.0) -> None:
+        self.state = {"module": {"w": torch.full((4,), value)}}
+
+    def save_checkpoint(self, root: str, tag: str, save_latest: bool) -> None:
+        Path(root, tag).mkdir(parents=True, exist_ok=True)
+        torch.save(self.state, Path(root, tag, MODEL_FILE))
+
+    def load_checkpoint(self, root: str, tag: str, **_) -> tuple[str, dict]:
+        self.state = torch.load(Path(root, tag, MODEL_FILE), weights_only=False)
+        return str(Path(root, tag)), {}
+
+
+@pytest.fixture
+def group():
+    """A process group of one (gloo), as a one-rank job has."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _save(run: Path, *steps: int, keep: int = 0) -> None:
+    for step in steps:
+        checkpoint.save(FakeEngine(step), run, step, {"step": step, "world_size": 1}, keep)
+
+
+def _tags(run: Path) -> list[str]:
+    return sorted(p.name for p in rundir.checkpoint_dir(run).iterdir() if p.is_dir())
+
+
+def _partial(run: Path, step: int) -> Path:
+    """A folder left by a save that was killed: a torn file, no manifest."""
+    folder = rundir.checkpoint_dir(run) / rundir.tag_for(step)
+    folder.mkdir(parents=True)
+    (folder / MODEL_FILE).write_bytes(b"torn")
+    return folder
+
+
+# ---- item 1: pruning ------------------------------------------------------------------------------------------
+
+def test_pruning_never_deletes_latest_nor_a_partial_folder(group, tmp_path):
+    """A newer partial folder (left by a crash or a full disk) must not count: the save at step 25 with
+    keep_checkpoints=1 used to delete steps 10, 20 and 25 and keep only the partial step 30."""
+    _save(tmp_path, 10, 20)
+    _partial(tmp_path, 15)
+    _partial(tmp_path, 30)
+    _save(tmp_path, 25, keep=1)
+    assert _tags(tmp_path) == ["global_step15", "global_step25", "global_step30"]
+    assert rundir.latest_tag(tmp_path) == "global_step25" and rundir.incompleteness(tmp_path, "global_step25") is None
+
+
+def test_pruning_keeps_the_newest_complete_checkpoints(group, tmp_path):
+    _save(tmp_path, 1, 2, 3, keep=2)
+    assert _tags(tmp_path) == ["global_step2", "global_step3"]
+    _save(tmp_path, 4, keep=0)
+    assert _tags(tmp_path) == ["global_step2", "global_step3", "global_step4"]
+
+
+def test_a_save_replaces_an_unfinished_save_of_the_same_step(group, tmp_path):
+    _save(tmp_path, 10)
+    stale = _partial(tmp_path, 20)
+    (stale / "rng_rank7.pt").write_bytes(b"from a job with more ranks")
+    _save(tmp_path, 20)
+    assert rundir.incompleteness(tmp_path, "global_step20") is None
+    assert not (stale / "rng_rank7.pt").exists()
+
+
+# ---- item 2: completeness and fallback -------------------------------------------------------------------------
+
+def test_the_manifest_lists_every_file_with_its_size(group, tmp_path):
+    _save(tmp_path, 5)
+    folder = rundir.checkpoint_dir(tmp_path) / "global_step5"
+    manifest = json.loads((folder / rundir.MANIFEST).read_text())
+    assert manifest["step"] == 5 and manifest["world_size"] == 1
+    assert manifest["files"] == {p.name: p.stat().st_size for p in folder.iterdir() if p.name != rundir.MANIFEST}
+    assert set(manifest["files"]) == {MODEL_FILE, "rng_rank0.pt", rundir.CLIENT_STATE}
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda f: (f / MODEL_FILE).write_bytes((f / MODEL_FILE).read_bytes()[:100]), f"{MODEL_FILE} has 100 bytes"),
+    (lambda f: (f / "rng_rank0.pt").unlink(), "rng_rank0.pt is missing"),
+    (lambda f: (f / rundir.MANIFEST).unlink(), "no manifest.json"),
+    (lambda f: (f / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"x"), "not in its manifest.json"),
+    (lambda f: shutil.rmtree(f), "does not exist"),
+])
+def test_an_incomplete_newest_checkpoint_is_passed_over_with_a_note(group, tmp_path, capsys, damage, reason):
+    _save(tmp_path, 10, 20)
+    damage(rundir.checkpoint_dir(tmp_path) / "global_step20")
+    assert rundir.usable_tag(tmp_path) == "global_step10"
+    note = capsys.readouterr().err
+    assert "global_step20" in note and reason in note and "using global_step10" in note
+    engine = FakeEngine()
+    assert checkpoint.load(engine, tmp_path, "global_step10")["step"] == 10
+    assert torch.equal(engine.state["module"]["w"], torch.full((4,), 10.0))
+    assert torch.equal(consolidated_weights(tmp_path)["w"], torch.full((4,), 10.0))
+
+
+def test_no_complete_checkpoint_is_one_clear_error(group, tmp_path):
+    _save(tmp_path, 10)
+    (rundir.checkpoint_dir(tmp_path) / "global_step10" / "rng_rank0.pt").unlink()
+    with pytest.raises(UserError, match="holds no complete checkpoint .*rng_rank0.pt is missing"):
+        rundir.usable_tag(tmp_path)
+    assert rundir.usable_tag(tmp_path / "elsewhere") is None
+
+
+def test_a_newer_complete_checkpoint_latest_does_not_name_is_not_used(group, tmp_path):
+    """Killed after the manifest but before `latest` moved: `latest` still decides (and the folder is redone)."""
+    _save(tmp_path, 10, 20)
+    (rundir.checkpoint_dir(tmp_path) / rundir.LATEST).write_text("global_step10")
+    assert rundir.usable_tag(tmp_path) == "global_step10"
+
+
+# ---- item 13: RNG files and restricted unpickling ---------------------------------------------------------------
+
+def _draws() -> tuple:
+    return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+
+def test_rng_files_load_with_weights_only_and_restore_every_stream(group, tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    _draws()
+    _save(tmp_path, 1)
+    expected = _draws()
+    _draws()
+    state = torch.load(rundir.rng_file(tmp_path, "global_step1", 0), weights_only=True)
+    checkpoint.set_rng_state(state)
+    assert _draws() == expected
+
+
+class Payload:
+    """A pickle that creates a folder when it is unpickled (what any code in a pickle could do)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def _plant(run: Path, tag: str, name: str, content) -> None:
+    """Write a checkpoint file and keep the manifest consistent (as anyone who can write the folder can)."""
+    folder = rundir.checkpoint_dir(run) / tag
+    torch.save(content, folder / name)
+    manifest = json.loads((folder / rundir.MANIFEST).read_text())
+    manifest["files"][name] = (folder / name).stat().st_size
+    (folder / rundir.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _payload(marker: Path) -> dict:
+    return {"module": {"w": Payload(marker)}, "python": Payload(marker), "optimizer_state_dict": Payload(marker)}
+
+
+@pytest.mark.parametrize("name", [MODEL_FILE, "rng_rank0.pt"])
+def test_resuming_never_runs_a_pickle_found_in_a_checkpoint(group, tmp_path, name):
+    _save(tmp_path, 1)
+    _plant(tmp_path, "global_step1", name, _payload(tmp_path / "pwned"))
+    with pytest.raises(UserError, match=r"global_step1: a file holds more than tensors .*GLOBAL posix.mkdir"):
+        checkpoint.load(FakeEngine(), tmp_path, "global_step1")
+    assert not (tmp_path / "pwned").exists()
+    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
+
+
+@pytest.mark.parametrize("name", [MODEL_FILE, "zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+def test_loading_weights_never_runs_a_pickle_found_in_a_checkpoint(group, tmp_path, name):
+    """generate, chat, serve, export and --init-from read weights through `consolidated_weights`, plain or
+    ZeRO-partitioned (DeepSpeed's zero_to_fp32, which asks torch.load for weights_only=False)."""
+    _save(tmp_path, 1)
+    if name != MODEL_FILE:  # DeepSpeed's model-state file, which zero_to_fp32 reads before the optimizer's
+        _plant(tmp_path, "global_step1", MODEL_FILE, {"module": {}, "buffer_names": [], "shared_params": {},
+                                                      "param_shapes": [{"w": torch.Size([4])}]})
+    _plant(tmp_path, "global_step1", name, _payload(tmp_path / "pwned"))
+    with pytest.raises(UserError, match=r"global_step1: a file holds more than tensors .*GLOBAL posix.mkdir"):
+        consolidated_weights(tmp_path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_the_universal_conversion_never_runs_a_pickle_found_in_a_checkpoint(tmp_path):
+    """Resuming on another number of ranks converts with DeepSpeed's ds_to_universal, in a subprocess."""
+    folder = rundir.checkpoint_dir(tmp_path) / "global_step1"
+    folder.mkdir(parents=True)
+    for name in (MODEL_FILE, "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        torch.save({**_payload(tmp_path / "pwned"), "param_shapes": Payload(tmp_path / "pwned")}, folder / name)
+    with pytest.raises(UserError, match="Weights only load failed"):
+        checkpoint.convert_to_universal(tmp_path, "global_step1")
+    assert not (tmp_path / "pwned").exists()
+
+
+# ---- item 3: metrics.jsonl ---------------------------------------------------------------------------------------
+
+def test_a_torn_last_metrics_line_is_dropped_and_named(tmp_path, capsys):
+    rows = [json.dumps({"step": step, "loss": 1.0 / step}) for step in (1, 2, 3)]
+    (tmp_path / rundir.METRICS_FILE).write_text("\n".join(rows) + '\n{"step": 4, "lo')
+    cfg = build_config("demo")
+    cfg.wandb.mode = "off"
+    MetricsSink(tmp_path, cfg, "run", start_step=2).log({"step": 3, "loss": 0.5})
+    assert (tmp_path / rundir.METRICS_FILE).read_text().splitlines() == [*rows[:2], '{"step": 3, "loss": 0.5}']
+    assert f"{tmp_path / rundir.METRICS_FILE}:4: dropped a line that is not a metrics row" in capsys.readouterr().err
+
+
+# ---- through `zerollm train` (one rank) -------------------------------------------------------------------------
+
+ONE_RANK = ["train.max_steps=4", "train.save_every=2", "train.keep_checkpoints=0", "train.precision=fp32",
+            "train.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(pretrain_data, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("one_rank") / "run"
+    result = run_cli(*train_args(pretrain_data, run, *ONE_RANK))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / rundir.METRICS_FILE).read_text().splitlines()]
+
+
+def test_resume_passes_over_a_torn_checkpoint_and_continues_exactly(one_rank_run, pretrain_data, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(one_rank_run, run)
+    torn = rundir.checkpoint_dir(run) / "global_step4" / MODEL_FILE
+    torn.write_bytes(torn.read_bytes()[:1000])
+    lines = (run / rundir.METRICS_FILE).read_text().splitlines()
+    (run / rundir.METRICS_FILE).write_text("\n".join(lines[:3]) + "\n" + lines[3][:20])  # killed mid-row
+    result = run_cli(*train_args(pretrain_data, run, *ONE_RANK, extra=["--resume", "auto"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "global_step4: mp_rank_00_model_states.pt has 1000 bytes" in result.stderr
+    assert "resumed at step 2" in result.stdout
+    assert _losses(run) == _losses(one_rank_run)
+    assert rundir.incompleteness(run, "global_step4") is None
+
+
+def test_resuming_on_other_data_is_one_clear_error(one_rank_run, tokenizer_dir, tmp_path):
+    data = tmp_path / "other_data"
+    result = run_cli("data", "prepare", "--input", shared("pretrain", "en_wiki_demo.txt"), "--tokenizer",
+                     tokenizer_dir, "--out", data, "--val-fraction", 0.05, "--workers", 1)
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "run"
+    shutil.copytree(one_rank_run, run)
+    result = run_cli(*train_args(data, run, *ONE_RANK, "train.max_steps=6", extra=["--resume", "auto"]))
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
+    assert len(errors) == 1 and "global_step4 does not fit the data" in errors[0] and "--init-from" in errors[0]
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,176 @@
+"""Exports as untrusted input and as a file written safely: a killed export leaves the previous one whole, imports
+read exactly the weight files named (one file, or an index's shards), a malformed config.json is one line, and a
+config claiming an enormous context costs only the positions used."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli
+from safetensors.torch import load_file, save_file
+
+import llm.export
+import llm.model.transformer
+from llm.config import ModelConfig
+from llm.errors import UserError
+from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, export_model, import_model
+from llm.model import Transformer
+
+CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, tie_embeddings=False)
+TOKENS = torch.arange(40).reshape(1, 40) % 64
+
+
+def _model(seed: int) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(CFG).eval()
+
+
+def _logits(model: Transformer) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+# ---- item 7: writing and reading exactly -------------------------------------------------------------------------
+
+def test_a_killed_export_leaves_the_previous_export_whole(tmp_path, monkeypatch):
+    out = tmp_path / "export"
+    export_model(_model(0), None, out)
+
+    def killed_mid_write(state, path, metadata=None):
+        Path(path).write_bytes(b"\0" * 100)
+        raise KeyboardInterrupt  # the process dies here
+
+    monkeypatch.setattr(llm.export, "save_file", killed_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        export_model(_model(1), None, out)
+    assert torch.equal(_logits(import_model(out)), _logits(_model(0)))
+    monkeypatch.undo()
+    export_model(_model(1), None, out)  # the next export cleans up and replaces the old one
+    assert torch.equal(_logits(import_model(out)), _logits(_model(1)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_export_replaces_an_old_export_whole_and_refuses_other_folders(tmp_path):
+    out = tmp_path / "export"
+    export_model(_model(0), None, out)
+    save_file({"x": torch.zeros(1)}, str(out / "model-00002-of-00002.safetensors"))  # from an older export
+    export_model(_model(0), None, out)
+    assert sorted(p.name for p in out.iterdir()) == [HF_CONFIG_FILE, WEIGHTS_FILE]
+    precious = tmp_path / "notes"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("years of work")
+    with pytest.raises(UserError, match="holds files that are not an export"):
+        export_model(_model(0), None, precious)
+    assert (precious / "thesis.txt").read_text() == "years of work"
+
+
+def test_stale_safetensors_beside_an_export_are_not_merged(tmp_path):
+    export_model(_model(0), None, tmp_path)
+    other = {name: torch.randn_like(t) for name, t in load_file(str(tmp_path / WEIGHTS_FILE)).items()}
+    save_file(other, str(tmp_path / "zz-stale.safetensors"))
+    assert torch.equal(_logits(import_model(tmp_path)), _logits(_model(0)))
+
+
+def _sharded_llama(tmp_path: Path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(str(tmp_path), max_shard_size="20KB")
+    return hf
+
+
+def test_a_sharded_transformers_checkpoint_loads_by_its_index(tmp_path):
+    hf = _sharded_llama(tmp_path)
+    index = json.loads((tmp_path / WEIGHTS_INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) > 1 and not (tmp_path / WEIGHTS_FILE).exists()
+    save_file({"model.norm.weight": torch.zeros(32)}, str(tmp_path / "model-99999-of-99999.safetensors"))
+    with torch.no_grad():
+        assert torch.allclose(import_model(tmp_path)(TOKENS).logits, hf(TOKENS).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.update({"model.norm.weight": "../elsewhere.safetensors"}), "is not a file name"),
+    (lambda m: m.update({"model.norm.weight": "missing.safetensors"}), "names shard missing.safetensors"),
+    (lambda m: m.update({"model.extra.weight": next(iter(m.values()))}), "lacks ['model.extra.weight']"),
+])
+def test_a_bad_index_is_one_clear_error(tmp_path, edit, message):
+    _sharded_llama(tmp_path)
+    index = json.loads((tmp_path / WEIGHTS_INDEX_FILE).read_text())
+    edit(index["weight_map"])
+    (tmp_path / WEIGHTS_INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(UserError) as error:
+        import_model(tmp_path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+# ---- item 15: malformed and hostile configs --------------------------------------------------------------------
+
+def _edit_config(directory: Path, changes: dict) -> None:
+    """Set keys of an export's config.json (None deletes the key)."""
+    config = json.loads((directory / HF_CONFIG_FILE).read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    (directory / HF_CONFIG_FILE).write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("change, message", [
+    ('{"model_type": "llama",', "config.json:1:"),
+    ("[1, 2]", "expected a JSON object"),
+    ({"hidden_size": None}, "'hidden_size' is missing"),
+    ({"hidden_size": "32"}, "'hidden_size' must be a positive integer, got '32'"),
+    ({"num_key_value_heads": 0}, "'num_key_value_heads' must be a positive integer"),
+    ({"max_position_embeddings": 1e30}, "'max_position_embeddings' must be a positive integer"),
+    ({"rms_norm_eps": "small"}, "'rms_norm_eps' must be a positive number"),
+    ({"rope_scaling": "yarn"}, "'rope_scaling' must be an object or null"),
+    ({"rope_scaling": {"rope_type": "yarn"}}, "'factor' is missing"),
+    ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' must be true or false"),
+    ({"num_attention_heads": 3, "head_dim": None}, "model.dim (32) must be divisible by model.n_heads (3)"),
+])
+def test_a_malformed_config_json_is_one_line(tmp_path, change, message):
+    export_model(_model(0), None, tmp_path)
+    if isinstance(change, str):
+        (tmp_path / HF_CONFIG_FILE).write_text(change)
+    else:
+        _edit_config(tmp_path, change)
+    with pytest.raises(UserError) as error:
+        import_model(tmp_path)
+    assert message in str(error.value) and str(tmp_path / HF_CONFIG_FILE) in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_generate_on_a_malformed_export_exits_2_without_a_traceback(tmp_path):
+    export_model(_model(0), None, tmp_path)
+    _edit_config(tmp_path, {"vocab_size": None})
+    result = run_cli("generate", "--model", tmp_path, "--prompt", "hi")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"zerollm: error: {tmp_path / HF_CONFIG_FILE}: 'vocab_size' is missing"
+
+
+def test_an_enormous_max_position_embeddings_costs_only_the_positions_used(tmp_path):
+    """2**40 positions of RoPE tables would need terabytes; they are built as far as the input reaches."""
+    export_model(_model(0), None, tmp_path)
+    _edit_config(tmp_path, {"max_position_embeddings": 2**40})
+    model = import_model(tmp_path)
+    assert model.cfg.max_seq_len == 2**40 and model.rope_cos.shape[0] <= llm.model.transformer.ROPE_EAGER_POSITIONS
+    assert torch.equal(_logits(model), _logits(_model(0)))
+
+
+def test_rope_tables_grow_on_demand_with_the_same_values(monkeypatch):
+    full = _model(0)
+    monkeypatch.setattr(llm.model.transformer, "ROPE_EAGER_POSITIONS", 8)
+    lazy = _model(0)
+    assert lazy.rope_cos.shape[0] == 8
+    assert torch.equal(_logits(lazy), _logits(full))
+    assert lazy.rope_cos.shape[0] == 40 and torch.equal(lazy.rope_sin, full.rope_sin[:40])
+    with pytest.raises(ValueError, match="exceeds model.max_seq_len 64"):
+        lazy(torch.zeros(1, 65, dtype=torch.long))
