@@ -199,6 +199,44 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request (default 256)")
 
 
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval", help="loss, perplexity and bits per byte on text; benchmark suites through lm-eval", epilog=EPILOG,
+        description="Score a model on text: --input FILE... (any format `data prepare` reads) or --data DIR "
+                    "--split val (a prepared split). Prints loss per token, perplexity and bits per byte (total "
+                    "nats / ln 2 / UTF-8 bytes of the scored text: tokenizer-independent). Or run benchmark suites "
+                    "through lm-evaluation-harness: --tasks hellaswag,ceval-valid,cmmlu (needs `pip install "
+                    "lm-eval`); the results table is printed and saved in MODEL/eval/.")
+    p.add_argument("--model", required=True, help="run directory (newest checkpoint) or export directory")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--input", nargs="+", metavar="PATH", help="text files or directories to score")
+    what.add_argument("--data", metavar="DIR", help="prepared data directory (`zerollm data prepare --kind pretrain`)")
+    what.add_argument("--tasks", metavar="LIST", help="comma-separated lm-eval tasks, e.g. hellaswag,ceval-valid,cmmlu")
+    p.add_argument("--split", default="val", help="split of --data to score (default val)")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens per window (default: the run's data.seq_len, or an export's max length)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="tokens scored per window (default: the context; smaller gives each token more context)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows (or harness requests) per forward (default 8)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks on this machine for --input/--data (default 1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    _add_placement_options(p)
+    p.add_argument("--limit", type=float, default=None,
+                   help="--tasks: examples per task (a fraction if < 1), for a quick look")
+    p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples (default: the task's)")
+    p.add_argument("--include-path", default=None, metavar="DIR", help="--tasks: folder of your own task YAML files")
+    p.add_argument("--out", default=None, metavar="DIR", help="--tasks: where results go (default MODEL/eval)")
+
+
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plot", help="draw loss, validation loss, learning rate and throughput of runs", epilog=EPILOG,
+                       description="Draw training loss, validation loss, learning rate and throughput against the "
+                                   "step and against the tokens seen, several runs overlaid, from their "
+                                   "metrics.jsonl (needs `pip install matplotlib`).")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    p.add_argument("--out", required=True, metavar="FILE", help="picture to write (.png; .pdf and .svg work too)")
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="what", required=True)
@@ -231,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inference(sub)
     _add_demo(sub)
     _add_bench(sub)
+    _add_eval(sub)
+    _add_plot(sub)
     return parser
 
 
@@ -390,6 +430,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.out), steps=args.steps, nproc=args.nproc)
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    if args.tasks:
+        from llm.eval.harness import parse_tasks, run_tasks
+
+        if args.nproc > 1:
+            raise UserError("--nproc applies to --input/--data; --tasks runs in one process")
+        run_tasks(args.model, parse_tasks(args.tasks), limit=args.limit, num_fewshot=args.num_fewshot,
+                  include_path=args.include_path, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                  out_dir=args.out, context=args.context)
+        return 0
+    from launch.local import relaunch_local, under_launcher
+    from llm.eval.perplexity import run_perplexity
+
+    if args.nproc > 1 and not under_launcher():
+        return relaunch_local(args.nproc, args.argv)
+    return run_perplexity(args.model, args.input, args.data, args.split, context=args.context, stride=args.stride,
+                          batch_size=args.batch_size, device=args.device, dtype=args.dtype, as_json=args.json)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from llm.plot import plot_runs
+
+    print(f"wrote {plot_runs(args.runs, args.out)}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from llm.bench import bench_generate, bench_train
 
@@ -402,7 +468,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "launch": cmd_launch,
             "generate": cmd_generate,
-            "chat": cmd_chat, "export": cmd_export, "serve": cmd_serve, "demo": cmd_demo, "bench": cmd_bench}
+            "chat": cmd_chat, "export": cmd_export, "serve": cmd_serve, "demo": cmd_demo, "bench": cmd_bench,
+            "eval": cmd_eval, "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> None:
