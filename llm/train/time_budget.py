@@ -13,11 +13,12 @@ behind an event, like the stop vote), so no step waits for the device. All decis
 only.
 
     step_seconds   moving average of a step's wall time, evaluations and checkpoints excluded
-    reserve        an evaluation (with its samples) + a checkpoint: the longest seen so far; before the first
-                   evaluation, eval_batches / grad_accum / 3 steps' worth (a forward pass is about a third of a
-                   training step)
-    stop           after step s when the end of step s + 1, projected from the last published elapsed time,
-                   would fall later than max_time - reserve
+    calibration    the first step after warmup (step 1 without warmup) evaluates and saves a checkpoint, whatever
+                   train.eval_every and train.save_every say, so that the time both take is measured early
+    reserve        an evaluation (with its samples) + a checkpoint: the longest of each seen so far
+    projection     the end of a later step: the last published elapsed time + step_seconds for each step to come
+                   + the evaluations and checkpoints train.eval_every and train.save_every place between them
+    stop           after step s when the projected end of step s + 1 falls later than max_time - reserve
     schedule       after warmup, the cosine's progress is the larger of the step progress (train.max_steps) and
                    (projected end of the step - end of warmup) / (max_time - reserve - end of warmup)
 """
@@ -42,8 +43,7 @@ SMOOTHING = 0.2
 class TimeBudget:
     def __init__(self, t: TrainConfig, info: DistInfo, clock: Callable[[], float] = time.perf_counter) -> None:
         self.max_time = t.max_time_seconds()
-        self.warmup_steps = t.warmup_steps
-        self.eval_step_equivalents = t.eval_batches / t.grad_accum / 3  # a forward is about a third of a step
+        self.warmup_steps, self.eval_every, self.save_every = t.warmup_steps, t.eval_every, t.save_every
         self.info, self.clock = info, clock
         # published (identical on every rank)
         self.elapsed = 0.0
@@ -71,13 +71,20 @@ class TimeBudget:
     @property
     def reserve(self) -> float:
         """Seconds kept for the final evaluation and checkpoint."""
-        evaluation = self.eval_seconds if self.eval_seconds is not None \
-            else self.eval_step_equivalents * self.step_seconds
-        return evaluation + self.save_seconds
+        return (self.eval_seconds or 0.0) + self.save_seconds
+
+    def calibration_due(self, steps_done: int) -> bool:
+        """Whether this step evaluates and saves to measure the reserve (see the module docstring)."""
+        return self.enabled and self.eval_seconds is None and steps_done == max(1, self.warmup_steps)
 
     def projected_end(self, steps_done: int) -> float:
-        """Training time when `steps_done` steps will have been completed."""
-        return self.elapsed + (steps_done - self.known_step) * self.step_seconds
+        """Training time when `steps_done` steps will have been completed, with the evaluations and checkpoints due
+        after the steps before it."""
+        planned = 0.0
+        for step in range(self.known_step + 1, steps_done):
+            planned += (self.eval_seconds or 0.0) if self.eval_every and step % self.eval_every == 0 else 0.0
+            planned += self.save_seconds if self.save_every and step % self.save_every == 0 else 0.0
+        return self.elapsed + (steps_done - self.known_step) * self.step_seconds + planned
 
     def out_of_time(self, steps_done: int) -> bool:
         """Whether one more step after `steps_done` would end past the budget (less the reserve)."""

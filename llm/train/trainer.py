@@ -170,7 +170,8 @@ class Trainer:
             with watchdog.watching(f"step {self.step + 1}") if watchdog else nullcontext(), logger.timed():
                 sums = self.train_step()
                 last = self._finished()
-                eval_due = self._eval_due(last)
+                calibrate = self.budget.calibration_due(self.step)  # measure what the final step will cost
+                eval_due = self._eval_due(last) or calibrate
                 stats = self.reduce_step(sums) if logger.due(self.step, eval_due) else None
             with self.budget.overhead("eval" if eval_due else None):
                 val_loss = self.evaluate() if eval_due else None
@@ -178,8 +179,9 @@ class Trainer:
             logger.log(self.step, lr, stats, self.engine.get_global_grad_norm(), self.sampler.epoch, val_loss)
             logger.log_samples(self.step, samples)
             stop = self.preemption.agreed()
-            with self.budget.overhead("save" if checkpointer.due(self.step, last, stop) else None):
-                checkpointer.after_step(self.step, last=last, stopped_by_signal=stop)
+            save_due = checkpointer.due(self.step, last or calibrate, stop)
+            with self.budget.overhead("save" if save_due else None):
+                checkpointer.after_step(self.step, last=last or calibrate, stopped_by_signal=stop)
             self.budget.end_iteration(self.step)
             if stop:
                 if self.dist.is_main:
