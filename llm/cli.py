@@ -246,6 +246,24 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_run_options(b)
     b.add_argument("--steps", type=int, default=10, help="measured steps (default 10)")
     b.add_argument("--warmup", type=int, default=2, help="steps excluded from the figures (default 2)")
+    learn = bsub.add_parser(
+        "learn", help="how much a recipe learns in a fixed wall time, on your text", epilog=EPILOG,
+        description="Inside --budget, timed from the start: split the file (first 90 %% for training, the rest "
+                    "held out), train a tokenizer, prepare the data, train the recipe with train.max_time set to the "
+                    "time left (less --reserve), and print bits per byte on the held-out part. Exits 1 if the whole "
+                    "took longer than the budget.")
+    learn.add_argument("--input", required=True, metavar="FILE", help="a .txt or .jsonl file (e.g. a novel)")
+    learn.add_argument("--budget", default="10m", help="wall time for everything, e.g. 10m, 600, 1h (default 10m)")
+    learn.add_argument("--recipe", default="cpu-10m", help="packaged recipe name or YAML file (default cpu-10m)")
+    learn.add_argument("--vocab-size", type=int, default=None, help="tokenizer size (default: the recipe's)")
+    learn.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a run-config key (repeatable)")
+    learn.add_argument("--reserve", type=float, default=15.0,
+                       help="seconds kept for starting the training job and the final evaluation (default 15)")
+    learn.add_argument("--deepspeed", default=None, metavar="JSON", help="DeepSpeed config (default pretrain.json)")
+    learn.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                       help="override zero_optimization.stage of the DeepSpeed config")
+    learn.add_argument("--out", default="runs/learn", help="working directory (default runs/learn)")
     g = bsub.add_parser("generate", help="prefill and decode speed: cached, uncached, transformers", epilog=EPILOG,
                         description="Time prefill and decode tokens/s of greedy generation with our KV cache, "
                                     "without it (whole sequence recomputed per token), and with transformers' "
@@ -459,6 +477,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from llm.bench import bench_generate, bench_train
 
+    if args.what == "learn":
+        from llm.eval.learning_speed import bench_learn
+
+        code = bench_learn(args.input, args.out, recipe=args.recipe, budget=args.budget, reserve=args.reserve,
+                           vocab_size=args.vocab_size, overrides=args.overrides, deepspeed_config=args.deepspeed,
+                           zero_stage=args.zero_stage)
+        sys.stdout.flush()
+        os._exit(code)  # the training job ran in this process: end it as `zerollm train` does (see cmd_train)
     if args.what == "train":
         return bench_train(args.recipe, args.overrides, steps=args.steps, warmup=args.warmup, nproc=args.nproc,
                            deepspeed_config=args.deepspeed, zero_stage=args.zero_stage)

@@ -42,7 +42,7 @@ def score_sequences(model: Transformer, sequences: Sequence[np.ndarray], scored:
             mask[row, n - count:n] = True
         tokens, targets, mask = tokens.to(device), targets.to(device), mask.to(device)
         logits = model(tokens).logits.float()
-        nats = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").double()
+        nats = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape).double()
         nats = (nats * mask).sum(1)
         greedy = ((logits.argmax(-1) == targets) | ~mask).all(1)
         for value, is_greedy in zip(nats.tolist(), greedy.tolist(), strict=True):

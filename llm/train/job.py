@@ -114,7 +114,7 @@ def _sample_generator(cfg: RunConfig, engine, info: DistInfo) -> SampleGenerator
     if not cfg.train.sample_prompts or not tokenizer_dir.is_dir():
         return None
     return SampleGenerator(cfg.train.sample_prompts, cfg.train.sample_tokens, Tokenizer.load(tokenizer_dir), engine,
-                           info)
+                           info, chat=cfg.train.stage != "pretrain")
 
 
 def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool, zero_stage: int | None = None) -> int:

@@ -1,5 +1,6 @@
 """Samples at each evaluation: greedy continuations of fixed prompts (`train.sample_prompts`, `train.sample_tokens`),
-which rank 0 writes to RUN_DIR/samples.jsonl and to a wandb table (`llm.train.metrics`).
+which rank 0 writes to RUN_DIR/samples.jsonl and to a wandb table (`llm.train.metrics`). After pretraining (SFT,
+DPO) a prompt is a user message and the sample is the assistant's reply (ChatML).
 
 Under ZeRO 0-2 rank 0 generates alone with the engine's module, which holds every parameter. Under ZeRO-3 the
 parameters are partitioned and each forward gathers them from every rank, so every rank runs the same generation
@@ -20,9 +21,12 @@ from llm.tokenizer import Tokenizer
 
 
 class SampleGenerator:
-    def __init__(self, prompts: list[str], max_new_tokens: int, tokenizer: Tokenizer, engine, info: DistInfo) -> None:
+    def __init__(self, prompts: list[str], max_new_tokens: int, tokenizer: Tokenizer, engine, info: DistInfo,
+                 chat: bool = False) -> None:
+        """`chat`: prompts are user messages, rendered in ChatML with the assistant's turn opened."""
         self.prompts, self.tokenizer, self.engine, self.info = prompts, tokenizer, engine, info
-        self.prompt_ids = [tokenizer.encode(p) or [tokenizer.eos_id] for p in prompts]
+        texts = [Tokenizer.render_chat([{"role": "user", "content": p}], True) if chat else p for p in prompts]
+        self.prompt_ids = [tokenizer.encode(text) or [tokenizer.eos_id] for text in texts]
         max_len = engine.module.cfg.max_seq_len
         longest = max((len(ids) for ids in self.prompt_ids), default=0)
         if prompts and longest + max_new_tokens > max_len:
