@@ -249,3 +249,9 @@ def test_context_defaults_to_the_trained_window_of_a_run(tmp_path):
     model = Transformer(ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=2, max_seq_len=64))
     assert trained_context(tmp_path, model) == 24
     assert trained_context(tmp_path / "export", model) == 64
+
+
+@pytest.mark.parametrize("command", [["eval"], ["plot"], ["bench", "learn"]])
+def test_help_explains_the_new_commands(command):
+    result = run_cli(*command, "--help")
+    assert result.returncode == 0 and "usage: zerollm" in result.stdout

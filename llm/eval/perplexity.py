@@ -160,7 +160,7 @@ def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | Non
         stream = stream_of_split(data_dir, split, tokenizer)
         source = {"data": str(data_dir), "split": split}
     result = evaluate_stream(place(model, where, precision), tokenizer, stream, context, stride or context,
-                             batch_size, rank, world_size, progress=not as_json)
+                             batch_size, rank, world_size)
     if rank == 0:
         if as_json:
             print(json.dumps({"model": str(model_dir), **source, "ranks": world_size, **result.to_dict()}))
