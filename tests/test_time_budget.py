@@ -123,6 +123,16 @@ BUDGET = ["train.max_steps=100000", "train.max_time=20", "train.save_every=3", "
           "train.precision=fp32", "train.sample_tokens=4", "train.min_lr_ratio=0.1"]
 
 
+def _assert_the_last_step_ran_at_the_floor(rows, budget):
+    """Up to the share of the budget that two steps, an evaluation and a checkpoint take (as the run measured them):
+    the stop comes before a step that would not fit, and the projections count the step times and the evaluations
+    and checkpoints planned, each an estimate."""
+    t = build_config("demo", ["train.lr=3e-3", *BUDGET]).train
+    reserve = budget["eval_seconds"] + budget["save_seconds"]
+    horizon = budget["max_time"] - reserve - budget["warmup_end"]
+    assert rows[-1]["lr"] / 3e-3 <= cosine(t, 1 - (2 * budget["step_seconds"] + reserve) / horizon) + 1e-9
+
+
 def _client_state(run, step):
     return json.loads((run / "checkpoints" / f"global_step{step}" / "client_state.json").read_text())
 
@@ -151,9 +161,17 @@ def test_a_killed_time_budget_run_resumes_its_clock_and_completes_its_schedule(p
     assert [r["step"] for r in rows] == list(range(1, last + 1)) and last > 3
     final = _client_state(tmp_path, last)["time_budget"]
     assert final["elapsed"] > saved["elapsed"]
-    # the last step ran at the schedule's floor, up to the share of the budget one or two steps take
-    t = build_config("demo", ["train.lr=3e-3", *BUDGET]).train
-    horizon = 20 - final["eval_seconds"] - final["save_seconds"] - final["warmup_end"]
-    assert rows[-1]["lr"] / 3e-3 <= cosine(t, 1 - 2 * final["step_seconds"] / horizon) + 1e-9
+    _assert_the_last_step_ran_at_the_floor(rows, final)
     records = [json.loads(line) for line in (tmp_path / "run_record.jsonl").read_text().splitlines()]
     assert [r["resumed_from"] for r in records] == [None, "global_step3"]
+
+
+def test_two_ranks_agree_on_the_clock_and_stop_after_the_same_step(pretrain_data, tmp_path):
+    """Rank 0's clock decides for both (a rank stopping alone would hang the other in its next collective)."""
+    result = run_cli(*train_args(pretrain_data, tmp_path, *BUDGET[:1], "train.max_time=8", *BUDGET[2:], nproc=2),
+                     timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    state = _client_state(tmp_path, rows[-1]["step"])
+    assert state["world_size"] == 2 and state["time_budget"]["elapsed"] > 0
+    _assert_the_last_step_ran_at_the_floor(rows, state["time_budget"])
