@@ -209,6 +209,44 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' (default: $ZEROLLM_API_KEY); needed off loopback")
 
 
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval", help="loss, perplexity and bits per byte on text; benchmark suites through lm-eval", epilog=EPILOG,
+        description="Score a model on text: --input FILE... (any format `data prepare` reads) or --data DIR "
+                    "--split val (a prepared split). Prints loss per token, perplexity and bits per byte (total "
+                    "nats / ln 2 / UTF-8 bytes of the scored text: tokenizer-independent). Or run benchmark suites "
+                    "through lm-evaluation-harness: --tasks hellaswag,ceval-valid,cmmlu (needs `pip install "
+                    "lm-eval`); the results table is printed and saved in MODEL/eval/.")
+    p.add_argument("--model", required=True, help="run directory (newest checkpoint) or export directory")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--input", nargs="+", metavar="PATH", help="text files or directories to score")
+    what.add_argument("--data", metavar="DIR", help="prepared data directory (`zerollm data prepare --kind pretrain`)")
+    what.add_argument("--tasks", metavar="LIST", help="comma-separated lm-eval tasks, e.g. hellaswag,ceval-valid,cmmlu")
+    p.add_argument("--split", default="val", help="split of --data to score (default val)")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens per window (default: the run's data.seq_len, or an export's max length)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="tokens scored per window (default: the context; smaller gives each token more context)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows (or harness requests) per forward (default 8)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks on this machine for --input/--data (default 1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    _add_placement_options(p)
+    p.add_argument("--limit", type=float, default=None,
+                   help="--tasks: examples per task (a fraction if < 1), for a quick look")
+    p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples (default: the task's)")
+    p.add_argument("--include-path", default=None, metavar="DIR", help="--tasks: folder of your own task YAML files")
+    p.add_argument("--out", default=None, metavar="DIR", help="--tasks: where results go (default MODEL/eval)")
+
+
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plot", help="draw loss, validation loss, learning rate and throughput of runs", epilog=EPILOG,
+                       description="Draw training loss, validation loss, learning rate and throughput against the "
+                                   "step and against the tokens seen, several runs overlaid, from their "
+                                   "metrics.jsonl (needs `pip install matplotlib`).")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    p.add_argument("--out", required=True, metavar="FILE", help="picture to write (.png; .pdf and .svg work too)")
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="what", required=True)
@@ -218,6 +256,24 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_run_options(b)
     b.add_argument("--steps", type=int, default=10, help="measured steps (default 10)")
     b.add_argument("--warmup", type=int, default=2, help="steps excluded from the figures (default 2)")
+    learn = bsub.add_parser(
+        "learn", help="how much a recipe learns in a fixed wall time, on your text", epilog=EPILOG,
+        description="Inside --budget, timed from the start: split the file (first 90 %% for training, the rest "
+                    "held out), train a tokenizer, prepare the data, train the recipe with train.max_time set to the "
+                    "time left (less --reserve), and print bits per byte on the held-out part. Exits 1 if the whole "
+                    "took longer than the budget.")
+    learn.add_argument("--input", required=True, metavar="FILE", help="a .txt or .jsonl file (e.g. a novel)")
+    learn.add_argument("--budget", default="10m", help="wall time for everything, e.g. 10m, 600, 1h (default 10m)")
+    learn.add_argument("--recipe", default="cpu-10m", help="packaged recipe name or YAML file (default cpu-10m)")
+    learn.add_argument("--vocab-size", type=int, default=None, help="tokenizer size (default: the recipe's)")
+    learn.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a run-config key (repeatable)")
+    learn.add_argument("--reserve", type=float, default=15.0,
+                       help="seconds kept for starting the training job and the final evaluation (default 15)")
+    learn.add_argument("--deepspeed", default=None, metavar="JSON", help="DeepSpeed config (default pretrain.json)")
+    learn.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                       help="override zero_optimization.stage of the DeepSpeed config")
+    learn.add_argument("--out", default="runs/learn", help="working directory (default runs/learn)")
     g = bsub.add_parser("generate", help="prefill and decode speed: cached, uncached, transformers", epilog=EPILOG,
                         description="Time prefill and decode tokens/s of greedy generation with our KV cache, "
                                     "without it (whole sequence recomputed per token), and with transformers' "
@@ -244,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inference(sub)
     _add_demo(sub)
     _add_bench(sub)
+    _add_eval(sub)
+    _add_plot(sub)
     return parser
 
 
@@ -409,9 +467,43 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.out), steps=args.steps, nproc=args.nproc)
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    if args.tasks:
+        from llm.eval.harness import parse_tasks, run_tasks
+
+        if args.nproc > 1:
+            raise UserError("--nproc applies to --input/--data; --tasks runs in one process")
+        run_tasks(args.model, parse_tasks(args.tasks), limit=args.limit, num_fewshot=args.num_fewshot,
+                  include_path=args.include_path, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                  out_dir=args.out, context=args.context)
+        return 0
+    from launch.local import relaunch_local, under_launcher
+    from llm.eval.perplexity import run_perplexity
+
+    if args.nproc > 1 and not under_launcher():
+        return relaunch_local(args.nproc, args.argv)
+    return run_perplexity(args.model, args.input, args.data, args.split, context=args.context, stride=args.stride,
+                          batch_size=args.batch_size, device=args.device, dtype=args.dtype, as_json=args.json)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from llm.plot import plot_runs
+
+    print(f"wrote {plot_runs(args.runs, args.out)}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from llm.bench import bench_generate, bench_train
 
+    if args.what == "learn":
+        from llm.eval.learning_speed import bench_learn
+
+        code = bench_learn(args.input, args.out, recipe=args.recipe, budget=args.budget, reserve=args.reserve,
+                           vocab_size=args.vocab_size, overrides=args.overrides, deepspeed_config=args.deepspeed,
+                           zero_stage=args.zero_stage)
+        sys.stdout.flush()
+        os._exit(code)  # the training job ran in this process: end it as `zerollm train` does (see cmd_train)
     if args.what == "train":
         return bench_train(args.recipe, args.overrides, steps=args.steps, warmup=args.warmup, nproc=args.nproc,
                            deepspeed_config=args.deepspeed, zero_stage=args.zero_stage)
@@ -421,7 +513,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "launch": cmd_launch,
             "generate": cmd_generate,
-            "chat": cmd_chat, "export": cmd_export, "serve": cmd_serve, "demo": cmd_demo, "bench": cmd_bench}
+            "chat": cmd_chat, "export": cmd_export, "serve": cmd_serve, "demo": cmd_demo, "bench": cmd_bench,
+            "eval": cmd_eval, "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> None:

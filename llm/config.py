@@ -88,6 +88,24 @@ class DataConfig:
     CPU (the cores are busy training)."""
 
 
+DEFAULT_SAMPLE_PROMPTS = ("Once upon a time", "The capital of France is", "从前有座山，", "人工智能是")
+DURATION_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+def parse_duration(value: float | str, key: str) -> float:
+    """Seconds of a duration given as a number of seconds or as text such as '10m', '1h30m', '90s', '2.5h'."""
+    text = str(value).strip().lower()
+    if re.fullmatch(r"\d+(\.\d*)?", text):
+        seconds = float(text)
+    elif re.fullmatch(r"(\d+(\.\d*)?\s*[hms]\s*)+", text):
+        seconds = sum(float(n) * DURATION_UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d*)?)\s*([hms])", text))
+    else:
+        raise UserError(f"config key '{key}' expects seconds or a duration such as 10m, 1h30m, 90s; got {value!r}")
+    if seconds <= 0:
+        raise UserError(f"config key '{key}' must be a positive duration, got {value!r}")
+    return seconds
+
+
 @dataclass
 class TrainConfig:
     stage: str = "pretrain"
@@ -134,6 +152,18 @@ class TrainConfig:
     collective_timeout_s: float = 600.0
     """A rank that dies or hangs ends the whole job, naming that rank, within about this many seconds
     (the collective timeout; also bounds how long ranks wait for each other, e.g. while rank 0 saves)."""
+    max_time: float | str | None = None
+    """Time budget of the training loop: seconds, or a duration such as '10m', '1h30m', '90s'; None: steps only.
+    The run stops before a step that would end past it, keeping time for the final evaluation and checkpoint;
+    the learning-rate schedule follows time and completes inside it (`llm.train.time_budget`); max_steps still
+    caps the run. Resumable: the elapsed time is part of every checkpoint."""
+    sample_prompts: list[str] = field(default_factory=lambda: list(DEFAULT_SAMPLE_PROMPTS))
+    """Prompts continued greedily at each evaluation, into RUN_DIR/samples.jsonl and a wandb table; [] = none."""
+    sample_tokens: int = 32
+    """Tokens generated for each sample prompt."""
+
+    def max_time_seconds(self) -> float | None:
+        return None if self.max_time is None else parse_duration(self.max_time, "train.max_time")
 
 
 @dataclass
@@ -206,6 +236,11 @@ def _coerce(key: str, value: Any, annotation: str) -> Any:
         if "None" in annotation:
             return None
         raise UserError(f"config key '{key}' cannot be null")
+    if annotation == "list[str]":  # a list of paths; one string is a list of one
+        value = [value] if isinstance(value, str) else value
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        raise UserError(f"config key '{key}' expects a list of strings, got {value!r}")
     if "float" in annotation and isinstance(value, str) and "str" not in annotation:
         try:
             value = float(value)  # YAML 1.1 reads "1e-3" as a string
@@ -310,4 +345,6 @@ def validate(cfg: RunConfig) -> None:
         _require(value >= 0, f"{key} must be >= 0, got {value}")
     _require(t.collective_timeout_s > 0, f"train.collective_timeout_s must be positive, got {t.collective_timeout_s}")
     _require(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
+    t.max_time_seconds()  # a malformed or non-positive duration is refused here
+    _require(t.sample_tokens > 0, f"train.sample_tokens must be positive, got {t.sample_tokens}")
     _require(cfg.wandb.mode in ("off", "offline", "online"), f"wandb.mode must be off, offline or online, got '{cfg.wandb.mode}'")

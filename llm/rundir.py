@@ -4,6 +4,9 @@
         config.yaml                  the resolved run config
         ds_config.json               the resolved DeepSpeed config
         metrics.jsonl                one JSON object per logged step
+        samples.jsonl                greedy generations from fixed prompts at each evaluation
+        run_record.jsonl             one record per start or resume: command, code, versions, hosts, data
+        eval/                        `zerollm eval --tasks` results (lm-evaluation-harness tables and JSON)
         tokenizer/                   a copy of the tokenizer the data was prepared with
         checkpoints/
             global_step<N>/          DeepSpeed's files (model, optimizer / ZeRO partitions, scheduler)
@@ -37,6 +40,9 @@ from llm.errors import UserError
 CONFIG_FILE = "config.yaml"
 DS_CONFIG_FILE = "ds_config.json"
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+RUN_RECORD_FILE = "run_record.jsonl"
+EVAL_DIR = "eval"
 TOKENIZER_DIR = "tokenizer"
 CHECKPOINTS_DIR = "checkpoints"
 LATEST = "latest"

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from llm.errors import UserError
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout (llm/runtime/ is two levels down)
 CODE_DIRS = ("llm", "kernels", "launch", "ds_configs")
 NODE_LOCAL_KEYS = {"config.data.path", "config.train.init_from"}
 _CHUNK = 1 << 20

@@ -228,6 +228,9 @@ class Checkpointer:
         self.engine, self.run_dir, self.save_every, self.keep = engine, run_dir, save_every, keep
         self.client_state = client_state
 
+    def due(self, step: int, last: bool, stopped_by_signal: bool) -> bool:
+        return last or stopped_by_signal or bool(self.save_every and step % self.save_every == 0)
+
     def after_step(self, step: int, last: bool, stopped_by_signal: bool) -> None:
-        if last or stopped_by_signal or (self.save_every and step % self.save_every == 0):
+        if self.due(step, last, stopped_by_signal):
             save(self.engine, self.run_dir, step, self.client_state(stopped_by_signal), self.keep)

@@ -36,7 +36,10 @@ from llm.train.engine import (
 )
 from llm.train.metrics import MetricsLogger, MetricsSink
 from llm.train.objectives import DPOObjective, causal_lm
+from llm.train.run_record import check_same_data, data_summary, run_record, write_run_record
+from llm.train.samples import SampleGenerator
 from llm.train.schedule import lr_multiplier
+from llm.train.time_budget import TimeBudget
 from llm.train.trainer import Trainer
 
 
@@ -92,14 +95,26 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
         model.load_state_dict(weights)
     n_params = model.num_parameters()  # before ZeRO-3 partitions the parameters
     seed_rank_rngs(t.seed, info.rank)  # then per-rank streams (dropout, sampling)
-    engine = build_engine(model, cfg, ds_config, lambda step: lr_multiplier(step, t))
+    budget = TimeBudget(t, info)
+    engine = build_engine(model, cfg, ds_config, lambda step: lr_multiplier(step, t, budget))
     if t.stage == "dpo":
         reference = Transformer(cfg.model)
         reference.load_state_dict(weights)
         objective = DPOObjective(frozen_engine(reference, ds_config), t.dpo_beta, t.dpo_loss, t.dpo_sft_weight)
     else:
         objective = causal_lm
-    return Trainer(cfg, run_dir, info, engine, objective, train_set, val_set, n_params)
+    return Trainer(cfg, run_dir, info, engine, objective, train_set, val_set, n_params, budget,
+                   _sample_generator(cfg, engine, info))
+
+
+def _sample_generator(cfg: RunConfig, engine, info: DistInfo) -> SampleGenerator | None:
+    """Samples at each evaluation, with the data's tokenizer (data made without one, e.g. by `bench train`, gets
+    none)."""
+    tokenizer_dir = rundir.tokenizer_dir(Path(cfg.data.path))
+    if not cfg.train.sample_prompts or not tokenizer_dir.is_dir():
+        return None
+    return SampleGenerator(cfg.train.sample_prompts, cfg.train.sample_tokens, Tokenizer.load(tokenizer_dir), engine,
+                           info, chat=cfg.train.stage != "pretrain")
 
 
 def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool, zero_stage: int | None = None) -> int:
@@ -116,6 +131,9 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     raw_ds, ds_source = load_ds_config(ds_config_path, cfg.train.stage)
     if not resume and rundir.latest_tag(run_dir) is not None:
         raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out")
+    data = data_summary(Path(cfg.data.path), attrs)
+    if resume and rundir.latest_tag(run_dir) is not None:
+        check_same_data(run_dir, data)
     info = setup_distributed(cfg.train.collective_timeout_s)
     cfg.train.precision = resolve_precision(cfg.train.precision, info.device)
     ds_config = resolve_ds_config(raw_ds, cfg, info.world_size, ds_source, zero_stage)
@@ -123,7 +141,7 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     if info.world_size > 1:
         watchdog = Watchdog(info.rank, info.world_size, cfg.train.collective_timeout_s, announce=info.local_rank == 0)
     try:
-        code = _run_job(cfg, run_dir, info, ds_config, attrs, resume, watchdog)
+        code = _run_job(cfg, run_dir, info, ds_config, attrs, resume, watchdog, data)
     except UserError:
         raise
     except Exception as exc:
@@ -138,7 +156,7 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
 
 
 def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, attrs: dict, resume: bool,
-             watchdog: Watchdog | None) -> int:
+             watchdog: Watchdog | None, data: dict) -> int:
     if info.world_size > 1:
         check_ranks_agree(fingerprint(cfg.to_dict(), ds_config, Path(cfg.data.path) / TOKENS_FILE,
                                       attrs["tokenizer_hash"]), announce=info.local_rank == 0)
@@ -153,10 +171,12 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
             dist.barrier()
             if info.is_main:
                 shutil.rmtree(rundir.universal_dir(run_dir))
+    record = run_record(info, data, resumed_from=tag)  # every rank takes part (hosts and ranks are gathered)
     if info.is_main:  # written once the run is known to start (a refused resume leaves the directory as it was)
         _write_run_files(cfg, run_dir, ds_config)
+        write_run_record(run_dir, record)
         _announce(cfg, info, ds_config, trainer, resumed=tag is not None)
-    sink = MetricsSink(run_dir, cfg, trainer.run_id, trainer.step) if info.is_main else None
+    sink = MetricsSink(run_dir, cfg, trainer.run_id, trainer.step, record) if info.is_main else None
     logger = MetricsLogger(cfg, info, trainer.n_params, trainer.global_batch, trainer.step, sink)
     checkpointer = checkpoint.Checkpointer(trainer.engine, run_dir, cfg.train.save_every, cfg.train.keep_checkpoints,
                                            trainer.client_state)
@@ -179,4 +199,6 @@ def _announce(cfg: RunConfig, info: DistInfo, ds_config: dict, trainer: Trainer,
           f"ZeRO stage {ds_config.get('zero_optimization', {}).get('stage', 0)}, {cfg.train.precision}, "
           f"{len(train_set):,} train samples"
           + (f" ({100 * train_set.padding_fraction:.1f} % padding)" if cfg.train.stage == "sft" else "")
-          + (f", resumed at step {trainer.step}" if resumed else ""), flush=True)
+          + (f", resumed at step {trainer.step}" if resumed else "")
+          + (f", time budget {trainer.budget.max_time:g} s ({trainer.budget.elapsed:.1f} s used)"
+             if trainer.budget.enabled else ""), flush=True)

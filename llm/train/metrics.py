@@ -88,12 +88,34 @@ class StepStats:
     """Loss-bearing target positions on every rank since the previous logged step."""
 
 
-class MetricsSink:
-    """Writes logged steps to RUN_DIR/metrics.jsonl and, when enabled, to a wandb run. Rank 0 only."""
+def _truncate_after(path: Path, step: int) -> None:
+    """Drop rows of a jsonl file past the step this run starts from (logged by a killed run, or by an earlier run),
+    and lines that are not a JSON row (the last one torn by a kill mid-write), each named as file:line on stderr.
+    The file is replaced atomically, so a kill here loses nothing."""
+    if not path.is_file():
+        return
+    kept = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            if line.strip():
+                print(f"zerollm: note: {path}:{number}: dropped a line that is not a metrics row (torn by a killed "
+                      "run)", file=sys.stderr, flush=True)
+    durable.write_text(path, "".join(kept))
 
-    def __init__(self, run_dir: Path, cfg: RunConfig, run_id: str, start_step: int) -> None:
+
+class MetricsSink:
+    """Writes logged steps to RUN_DIR/metrics.jsonl, samples to RUN_DIR/samples.jsonl and, when enabled, both to a
+    wandb run (samples as a table; the run record in its config). Rank 0 only."""
+
+    def __init__(self, run_dir: Path, cfg: RunConfig, run_id: str, start_step: int,
+                 record: dict[str, Any] | None = None) -> None:
         self.path = run_dir / rundir.METRICS_FILE
-        self._truncate_after(start_step)
+        self.samples_path = run_dir / rundir.SAMPLES_FILE
+        for path in (self.path, self.samples_path):
+            _truncate_after(path, start_step)
         self.wandb_run = None
         if cfg.wandb.mode != "off":
             try:
@@ -102,29 +124,26 @@ class MetricsSink:
                 raise UserError("wandb is not installed; `pip install wandb` or use --wandb off") from None
             self.wandb_run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or run_dir.name, id=run_id,
                                         resume="allow", dir=str(run_dir), mode=cfg.wandb.mode, config=cfg.to_dict())
-
-    def _truncate_after(self, step: int) -> None:
-        """Drop rows past the step this run starts from (logged by a killed run, or by an earlier run), and lines
-        that are not a JSON row (the last one torn by a kill mid-write), each named as file:line on stderr. The file
-        is replaced atomically, so a kill here loses nothing."""
-        if not self.path.is_file():
-            return
-        kept = []
-        for number, line in enumerate(self.path.read_text().splitlines(), start=1):
-            try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line + "\n")
-            except (ValueError, KeyError, TypeError):
-                if line.strip():
-                    print(f"zerollm: note: {self.path}:{number}: dropped a line that is not a metrics row (torn by "
-                          "a killed run)", file=sys.stderr, flush=True)
-        durable.write_text(self.path, "".join(kept))
+            if record is not None:
+                self.wandb_run.config.update({"run_record": record}, allow_val_change=True)
 
     def log(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Append `rows` ({step, prompt, completion}) to samples.jsonl; wandb gets the whole table so far."""
+        with self.samples_path.open("a") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        if self.wandb_run is not None:
+            import wandb  # noqa: PLC0415 - optional dependency, present since the run was created with it
+
+            every = [json.loads(line) for line in self.samples_path.read_text().splitlines() if line.strip()]
+            table = wandb.Table(columns=["step", "prompt", "completion"],
+                                data=[[r["step"], r["prompt"], r["completion"]] for r in every])
+            self.wandb_run.log({"samples": table}, step=step)
 
     def close(self) -> None:
         if self.wandb_run is not None:
@@ -150,7 +169,8 @@ class MetricsLogger:
         self.peak_flops = peak_flops_per_rank(info.device, t.peak_tflops, dtype) * info.world_size
         self.device = info.device
         self.interactive = sys.stdout.isatty()  # a bar on a terminal, plain lines in a log file
-        self.bar = tqdm(total=t.max_steps, initial=start_step, desc=t.stage, unit="step", dynamic_ncols=True,
+        self.bar = tqdm(total=t.max_steps if t.max_time is None else None,  # a time budget: no step count known
+                        initial=start_step, desc=t.stage, unit="step", dynamic_ncols=True,
                         disable=sink is None or not self.interactive, file=sys.stdout)
         self._seconds = 0.0
         self._steps = 0
@@ -187,8 +207,16 @@ class MetricsLogger:
         self.sink.log(row)
         self.bar.set_postfix(status)
         if not self.interactive:
-            print(f"step {step}/{self.cfg.train.max_steps} " + " ".join(f"{k} {v}" for k, v in status.items()),
-                  flush=True)
+            of = f"/{self.cfg.train.max_steps}" if self.cfg.train.max_time is None else ""
+            print(f"step {step}{of} " + " ".join(f"{k} {v}" for k, v in status.items()), flush=True)
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]] | None) -> None:
+        """Samples of an evaluation (rank 0 passes them; other ranks pass None): to the sink and the console."""
+        if self.sink is None or not rows:
+            return
+        self.sink.log_samples(step, rows)
+        for row in rows:
+            self.bar.write(f"  sample {row['prompt']!r} -> {row['completion']!r}", file=sys.stdout)
 
     def close(self) -> None:
         self.bar.close()

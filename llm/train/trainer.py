@@ -1,8 +1,11 @@
 """The training loop, one for every stage: the story of a step.
 
     draw grad_accum micro-batches -> objective -> engine.backward / engine.step (DeepSpeed accumulates, clips,
-    steps the optimizer and the schedule) -> advance the sampler -> evaluate when due -> log when due ->
-    agree on stopping -> checkpoint when due
+    steps the optimizer and the schedule) -> advance the sampler -> evaluate (and write samples) when due ->
+    log when due -> agree on stopping -> checkpoint when due -> publish the time budget's clock
+
+The run ends after train.max_steps steps or, with a time budget, before a step that would end past it
+(`llm.train.time_budget`), whichever comes first; the last step is evaluated and saved.
 
 Nothing in a step waits for the device: losses and the objective's metrics stay on it and are reduced
 across ranks once per logged step. Evaluation, logging, checkpoints and the stop vote are the only points
@@ -30,13 +33,17 @@ from llm.train import checkpoint
 from llm.train.engine import loss_scale_of
 from llm.train.metrics import MetricsLogger, StepStats
 from llm.train.objectives import MicroStep
+from llm.train.samples import SampleGenerator
+from llm.train.time_budget import TimeBudget
 
 
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path, info: DistInfo, engine, objective, train_set: Dataset,
-                 val_set: Dataset, n_params: int) -> None:
+                 val_set: Dataset, n_params: int, budget: TimeBudget | None = None,
+                 samples: SampleGenerator | None = None) -> None:
         """`engine`: the DeepSpeed engine of the model being trained; `objective(engine, batch) -> MicroStep`;
-        `n_params`: the model's parameter count (for throughput in FLOPs)."""
+        `n_params`: the model's parameter count (for throughput in FLOPs); `budget`: the time budget the schedule
+        reads (None: train.max_steps only); `samples`: what generates samples at each evaluation (None: none)."""
         self.cfg, self.run_dir, self.dist = cfg, run_dir, info
         self.engine, self.objective, self.n_params = engine, objective, n_params
         self.train_set, self.val_set = train_set, val_set
@@ -48,6 +55,8 @@ class Trainer:
                             "train.micro_batch_size / data.seq_len")
         self.sampler = ResumableDistributedSampler(len(train_set), info.world_size, info.rank, seed=t.seed)
         self.preemption = Preemption(info)
+        self.budget = budget or TimeBudget(t, info)
+        self.samples = samples
         self.step = 0
         self.run_id = uuid.uuid4().hex[:12]
         self._batches = None
@@ -69,11 +78,12 @@ class Trainer:
             raise error from None
         if state.get("loss_scale") is not None:  # fp16: continue with the scale the run had reached, exactly
             self.engine.optimizer.cur_scale = state["loss_scale"]
+        self.budget.load_state_dict(state.get("time_budget"))
 
     def client_state(self, stopped_by_signal: bool) -> dict[str, Any]:
         return {"step": self.step, "run_id": self.run_id, "world_size": self.dist.world_size,
                 "sampler": self.sampler.state_dict(), "stopped_by_signal": stopped_by_signal,
-                "loss_scale": loss_scale_of(self.engine)}
+                "loss_scale": loss_scale_of(self.engine), "time_budget": self.budget.state_dict()}
 
     # ---- data ----------------------------------------------------------------------------------
 
@@ -150,23 +160,36 @@ class Trainer:
 
     # ---- the run -------------------------------------------------------------------------------
 
-    def _eval_due(self) -> bool:
+    def _finished(self) -> bool:
+        """No step is left: the step budget is spent, or the next step would end past the time budget."""
+        return self.step >= self.cfg.train.max_steps or self.budget.out_of_time(self.step)
+
+    def _eval_due(self, last: bool) -> bool:
         t = self.cfg.train
-        return self.step == t.max_steps or bool(t.eval_every and self.step % t.eval_every == 0)
+        return last or bool(t.eval_every and self.step % t.eval_every == 0)
 
     def fit(self, logger: MetricsLogger, checkpointer: checkpoint.Checkpointer, watchdog: Watchdog | None) -> int:
-        t = self.cfg.train
         self.preemption.install()
-        while self.step < t.max_steps:
+        self.budget.start(self.step)
+        last = self._finished()
+        while not last:
             lr = self.engine.get_lr()[0]
             with watchdog.watching(f"step {self.step + 1}") if watchdog else nullcontext(), logger.timed():
                 sums = self.train_step()
-                eval_due = self._eval_due()
+                last = self._finished()
+                calibrate = self.budget.calibration_due(self.step)  # measure what the final step will cost
+                eval_due = self._eval_due(last) or calibrate
                 stats = self.reduce_step(sums) if logger.due(self.step, eval_due) else None
-            val_loss = self.evaluate() if eval_due else None
+            with self.budget.overhead("eval" if eval_due else None):
+                val_loss = self.evaluate() if eval_due else None
+                samples = self.samples.generate(self.step) if eval_due and self.samples else None
             logger.log(self.step, lr, stats, self.engine.get_global_grad_norm(), self.sampler.epoch, val_loss)
+            logger.log_samples(self.step, samples)
             stop = self.preemption.agreed()
-            checkpointer.after_step(self.step, last=self.step == t.max_steps, stopped_by_signal=stop)
+            save_due = checkpointer.due(self.step, last or calibrate, stop)
+            with self.budget.overhead("save" if save_due else None):
+                checkpointer.after_step(self.step, last=last or calibrate, stopped_by_signal=stop)
+            self.budget.end_iteration(self.step)
             if stop:
                 if self.dist.is_main:
                     logger.bar.close()

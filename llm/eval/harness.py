@@ -1,0 +1,78 @@
+"""Benchmark suites through lm-evaluation-harness (`pip install lm-eval`, or the `eval` extra): `zerollm eval
+--tasks hellaswag,ceval-valid,cmmlu` runs the harness's tasks on our model (`llm.eval.harness_lm`), prints its
+results table and saves the table and the full results in MODEL_DIR/eval/ (or --out).
+
+Task data comes from the Hugging Face Hub the first time a public task runs (then from the datasets cache);
+tasks of your own are YAML files in a folder given with --include-path (lm-eval's task format; a local jsonl file
+works through `dataset_path: json` and `dataset_kwargs.data_files`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from llm import rundir
+from llm.devices import place, resolve
+from llm.errors import UserError
+from llm.eval.perplexity import trained_context
+from llm.loading import load_for_inference
+
+INSTALL_HINT = "lm-eval is not installed; pip install lm-eval (or pip install 'zerollm[eval]') to run --tasks"
+
+
+def require_lm_eval():
+    """The lm_eval module, or a one-line UserError saying how to install it."""
+    try:
+        import lm_eval  # noqa: PLC0415 - optional dependency, needed only for --tasks
+    except ImportError:
+        raise UserError(INSTALL_HINT) from None
+    return lm_eval
+
+
+def parse_tasks(text: str) -> list[str]:
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    if not tasks:
+        raise UserError("--tasks expects comma-separated task names, e.g. --tasks hellaswag,ceval-valid,cmmlu")
+    return tasks
+
+
+def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_fewshot: int | None = None,
+              include_path: str | None = None, batch_size: int = 8, device: str = "auto", dtype: str = "auto",
+              out_dir: str | None = None, context: int | None = None) -> dict:
+    """Run lm-eval `tasks` on the model of a run or export directory; print the table, save
+    `lm_eval_<time>.json` (the harness's results) and `lm_eval_<time>.md` (its table) in `out_dir` (default
+    MODEL_DIR/eval). Returns the harness's results."""
+    lm_eval = require_lm_eval()
+    from lm_eval.tasks import TaskManager  # noqa: PLC0415 - optional dependency
+    from lm_eval.utils import make_table  # noqa: PLC0415 - optional dependency
+
+    from llm.eval.harness_lm import ZeroLLMHarnessModel  # noqa: PLC0415 - subclasses lm-eval's LM: needs lm_eval
+
+    if include_path is not None and not Path(include_path).is_dir():
+        raise UserError(f"--include-path {include_path}: no such directory of task YAML files")
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if not manager.match_tasks([t])]
+    if unknown:
+        raise UserError(f"unknown lm-eval task(s): {', '.join(unknown)}; `lm-eval ls tasks` lists them, "
+                        "and --include-path DIR adds your own YAML tasks")
+    where, precision = resolve(device, dtype)
+    model, tokenizer = load_for_inference(model_dir)
+    context = context or trained_context(Path(model_dir), model)
+    harness_model = ZeroLLMHarnessModel(place(model, where, precision), tokenizer, batch_size, context)
+    try:
+        results = lm_eval.simple_evaluate(model=harness_model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                                          task_manager=manager, log_samples=False)
+    except ConnectionError as exc:
+        raise UserError(f"lm-eval could not download the task data ({exc}); run once where the Hugging Face Hub "
+                        "is reachable (the data is cached), or use a local task with --include-path") from None
+    table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
+    print(table)
+    out = Path(out_dir) if out_dir else Path(model_dir) / rundir.EVAL_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"lm_eval_{time.strftime('%Y%m%d-%H%M%S')}"
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str, ensure_ascii=False))
+    stem.with_suffix(".md").write_text(table)
+    print(f"results written to {stem}.json and {stem}.md")
+    return results

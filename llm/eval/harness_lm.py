@@ -1,0 +1,120 @@
+"""Our model behind lm-evaluation-harness's `LM` interface (imported only once `lm-eval` is known installed;
+`llm.eval.harness` runs the suites).
+
+    loglikelihood          log p(continuation | context), and whether greedy decoding would produce it
+    loglikelihood_rolling  log p(text) over windows of the model's context (`llm.eval.perplexity.windows`)
+    generate_until         greedy continuation, cut at the first stop string
+
+Every score goes through `llm.eval.scoring.score_sequences`, the same code `zerollm eval --input` uses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from lm_eval.api.model import TemplateLM
+from tqdm import tqdm
+
+from llm.eval.perplexity import windows
+from llm.eval.scoring import score_sequences
+from llm.infer.generate import TextGenerator, cut_at_stop
+from llm.infer.sampling import SamplingParams
+from llm.model import Transformer
+from llm.tokenizer import Tokenizer
+
+DEFAULT_MAX_GEN_TOKENS = 256
+
+
+class ZeroLLMHarnessModel(TemplateLM):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int, max_length: int) -> None:
+        """`model` placed on its device; `max_length`: the longest token sequence it reads."""
+        super().__init__()
+        self.model, self.tokenizer_ours = model.eval(), tokenizer
+        self.batch_size, self.max_length = batch_size, max_length
+        self.generator = TextGenerator(model, tokenizer)
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer_ours.eos_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        return f"zerollm-{self.tokenizer_ours.hash}"
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tokenizer_ours.encode(string)
+
+    def tok_decode(self, tokens: list[int], **kwargs) -> str:
+        return self.tokenizer_ours.decode(tokens)
+
+    def _scores(self, sequences: list[np.ndarray], scored: list[int], desc: str, disable_tqdm: bool) -> list:
+        """Scores of `sequences` in their order, computed longest first (batches of similar lengths)."""
+        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+        results = [None] * len(sequences)
+        bar = tqdm(total=len(order), desc=desc, disable=disable_tqdm)
+        for first in range(0, len(order), self.batch_size):
+            chunk = order[first:first + self.batch_size]
+            for i, score in zip(chunk, score_sequences(self.model, [sequences[i] for i in chunk],
+                                                       [scored[i] for i in chunk], self.batch_size,
+                                                       self.tokenizer_ours.pad_id), strict=True):
+                results[i] = score
+            bar.update(len(chunk))
+        bar.close()
+        return results
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """`requests`: ((context, continuation), context ids, continuation ids); the context is cut from the left
+        to fit max_length."""
+        sequences, scored = [], []
+        for _, context_ids, continuation_ids in requests:
+            whole = np.asarray([*context_ids, *continuation_ids][-(self.max_length + 1):], dtype=np.int64)
+            sequences.append(whole)
+            scored.append(min(len(continuation_ids), len(whole) - 1))
+        scores = self._scores(sequences, scored, "loglikelihood", disable_tqdm)
+        out = []
+        for (key, _, _), score in zip(requests, scores, strict=True):
+            answer = (-score.nats, score.greedy)
+            self.cache_hook.add_partial("loglikelihood", key, answer)
+            out.append(answer)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        sequences, scored, owner = [], [], []
+        for index, (text,) in enumerate(request.args for request in requests):
+            stream = np.asarray([self.eot_token_id, *self.tok_encode(text)], dtype=np.int64)
+            for window in windows(len(stream), self.max_length, self.max_length):
+                sequences.append(stream[window.start:window.end])
+                scored.append(window.scored)
+                owner.append(index)
+        totals = [0.0] * len(requests)
+        for index, score in zip(owner, self._scores(sequences, scored, "loglikelihood_rolling", disable_tqdm),
+                                strict=True):
+            totals[index] -= score.nats
+        for request, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuations (the harness's sampling options other than `until` and `max_gen_toks` are not
+        used), cut at the first `until` string, at most `max_gen_toks` tokens."""
+        out = []
+        for context, gen_kwargs in tqdm([r.args for r in requests], desc="generate_until", disable=disable_tqdm):
+            until = gen_kwargs.get("until", [])
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = min(int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKENS)), self.max_length - 1)
+            prompt = self.tok_encode(context)[-(self.max_length - max_new):] or [self.eot_token_id]
+            text = self._greedy(prompt, SamplingParams(max_new_tokens=max_new, stop=until))
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            out.append(text)
+        return out
+
+    def _greedy(self, prompt: list[int], params: SamplingParams) -> str:
+        generated: list[int] = []
+        stop_ids = set(self.generator.stop_ids.tolist())
+        for next_ids, _ in self.generator.token_steps([prompt], params):
+            token = int(next_ids[0])
+            if token in stop_ids:
+                break
+            generated.append(token)
+            if params.stop and cut_at_stop(self.tok_decode(generated), params.stop)[1]:
+                break
+        return cut_at_stop(self.tok_decode(generated), params.stop)[0]

@@ -1,0 +1,158 @@
+"""How much a recipe learns in a fixed wall time: `zerollm bench learn --input NOVEL.txt --budget 10m`.
+
+The whole pipeline runs inside the budget, timed from the start of the command:
+
+    split      the file's first 90 % (cut at a line end) for training, the rest for validation
+    tokenizer  byte-level BPE trained on the training part (--vocab-size, default the recipe's model.vocab_size)
+    data       the training part prepared for pretraining (no validation split: the held-out part is scored at the end)
+    train      the recipe with train.max_time = what is left of the budget after the reserve; the time budget ends
+               the run with its schedule complete (`llm.train.time_budget`)
+    eval       bits per byte of the trained model on the held-out part (`llm.eval.perplexity`: windows of the trained
+               context, stride = context, <|endoftext|> between paragraphs scored, zero bytes)
+
+`--reserve` seconds are kept for starting the training job and for the final evaluation; the command reports the
+wall time of each phase and exits 1 if the whole took longer than the budget. OUT keeps every file (train.txt,
+val.txt, tok/, data/, run/), result.json, and an lm-evaluation-harness task over the validation paragraphs
+(tasks/) to score any Hugging Face model by the same windows: docs/benchmarks.md has the comparison commands.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from llm import rundir
+from llm.config import build_config, parse_duration
+from llm.data.formats import Skipped, expand_inputs, read_records
+from llm.data.prepare import prepare
+from llm.errors import EXIT_OK, UserError
+from llm.eval.perplexity import evaluate_stream
+from llm.eval.token_stream import stream_of_files
+from llm.loading import load_trained_model
+from llm.tokenizer import Tokenizer, train_tokenizer
+from llm.train.job import run as run_training
+
+TRAIN_SHARE = 0.9
+SPLIT_SUFFIXES = (".txt", ".jsonl")
+TASK_NAME = "heldout_bpb"
+TASK_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ''
+doc_to_target: '{{{{text}}}}'
+metric_list:
+  - metric: bits_per_byte
+  - metric: word_perplexity
+"""
+
+
+def split_file(path: Path, out: Path, train_share: float = TRAIN_SHARE) -> tuple[Path, Path]:
+    """The first `train_share` of the file's bytes, cut at the first line end from there, and the rest, as two files
+    of the same format in `out`."""
+    if path.suffix.lower() not in SPLIT_SUFFIXES:
+        raise UserError(f"{path}: give a .txt or .jsonl file (it is cut at a line end into training and held-out "
+                        "parts)")
+    expand_inputs([path])  # the readers' checks: exists, not binary
+    data = path.read_bytes()
+    cut = data.find(b"\n", int(len(data) * train_share))
+    if cut < 0 or not data[cut + 1:].strip() or not data[:cut].strip():
+        raise UserError(f"{path}: too short to split into a training part and a held-out part at a line end")
+    train, val = out / f"train{path.suffix.lower()}", out / f"val{path.suffix.lower()}"
+    train.write_bytes(data[:cut + 1])
+    val.write_bytes(data[cut + 1:])
+    return train, val
+
+
+def write_heldout_task(val: Path, out: Path) -> Path:
+    """An lm-eval task over the held-out documents (one jsonl record per document, as the readers see them)."""
+    out.mkdir(parents=True, exist_ok=True)
+    documents = out / "heldout.jsonl"
+    with documents.open("w") as f:
+        for record in read_records([val], "pretrain"):
+            if not isinstance(record, Skipped):
+                f.write(json.dumps({"text": record.value}, ensure_ascii=False) + "\n")
+    (out / f"{TASK_NAME}.yaml").write_text(TASK_YAML.format(name=TASK_NAME, data=documents.resolve()))
+    return out
+
+
+class Phases:
+    """Wall time of each phase since the start of the command."""
+
+    def __init__(self) -> None:
+        self.start = self.mark = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def done(self, name: str, detail: str = "") -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self.mark
+        self.mark = now
+        print(f"[{self.elapsed():6.1f} s] {name}{detail} done in {self.seconds[name]:.1f} s", flush=True)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str = "10m", reserve: float = 15.0,
+                vocab_size: int | None = None, overrides: list[str] | None = None,
+                deepspeed_config: str | None = None, zero_stage: int | None = None) -> int:
+    """Run the pipeline (module docstring) in `out`; print and save the result. Returns the exit code: 0 inside
+    the budget, 1 over it."""
+    phases = Phases()
+    budget_s = parse_duration(budget, "--budget")
+    out_dir = Path(out)
+    if rundir.latest_tag(out_dir / "run") is not None:
+        raise UserError(f"{out_dir / 'run'} already holds a run; choose another --out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = build_config(recipe, overrides)  # a mistake in the recipe or --set fails before the clock matters
+    train_file, val_file = split_file(Path(input_file), out_dir)
+    phases.done("split")
+
+    vocab = vocab_size or base.model.vocab_size
+    texts = (r.value for r in read_records([train_file], "pretrain") if not isinstance(r, Skipped))
+    tokenizer = train_tokenizer(texts, vocab, out_dir / "tok", show_progress=False)
+    phases.done("tokenizer", f" ({tokenizer.vocab_size} tokens)")
+
+    report = prepare("pretrain", [str(train_file)], out_dir / "tok", out_dir / "data", val_fraction=0.0, workers=2,
+                     show_progress=False)
+    phases.done("data", f" ({report.tokens['train']:,} training tokens)")
+
+    max_time = budget_s - phases.elapsed() - reserve
+    if max_time <= 0:
+        raise UserError(f"--budget {budget} leaves no time to train after {phases.elapsed():.0f} s of preparation "
+                        f"and a {reserve:g} s reserve")
+    cfg = build_config(recipe, [*(overrides or []), f"model.vocab_size={tokenizer.vocab_size}",
+                                f"train.max_time={max_time:.3f}"], paths={"data.path": str(out_dir / "data")})
+    code = run_training(cfg, out_dir / "run", deepspeed_config, resume=False, zero_stage=zero_stage)
+    if code != EXIT_OK:
+        return code
+    phases.done("training", f" (train.max_time {max_time:.1f} s)")
+    in_loop = rundir.client_state_of(out_dir / "run", rundir.latest_tag(out_dir / "run"))["time_budget"]["elapsed"]
+
+    model, trained = load_trained_model(out_dir / "run")
+    heldout = Tokenizer.load(rundir.tokenizer_dir(out_dir / "run"))
+    stream, _ = stream_of_files([str(val_file)], heldout)
+    context = trained.data.seq_len
+    result = evaluate_stream(model, heldout, stream, context, context, progress=False)
+    phases.done("evaluation")
+
+    total = phases.elapsed()
+    task_dir = write_heldout_task(val_file, out_dir / "tasks")
+    summary = {"input": str(input_file), "recipe": recipe, "overrides": overrides or [], "budget_s": budget_s,
+               "wall_s": total, "within_budget": total <= budget_s, "phases_s": phases.seconds,
+               "train_max_time_s": max_time, "train_loop_s": in_loop, "vocab_size": tokenizer.vocab_size,
+               "train_tokens": report.tokens["train"], "heldout": result.to_dict()}
+    (out_dir / "result.json").write_text(json.dumps(summary, indent=1))
+    print(f"\nbench learn: {input_file}, recipe {recipe}, budget {budget_s:g} s, wall {total:.1f} s"
+          f"{'' if total <= budget_s else f' -- OVER BUDGET by {total - budget_s:.1f} s: raise --reserve'}\n"
+          f"  held-out bits per byte  {result.bits_per_byte:.4f}  (loss per token {result.loss:.4f}, "
+          f"{result.tokens:,} tokens, {result.bytes:,} bytes, windows of {context})\n"
+          f"  training loop {in_loop:.1f} s of train.max_time {max_time:.1f} s; starting and ending the job "
+          f"{phases.seconds['training'] - in_loop:.1f} s and the held-out evaluation "
+          f"{phases.seconds['evaluation']:.1f} s came out of the {reserve:g} s reserve\n"
+          f"  written to {out_dir / 'result.json'}; lm-eval task for other models in {task_dir}")
+    return 0 if total <= budget_s else 1

@@ -1,0 +1,172 @@
+"""Loss per token, perplexity and bits per byte of a model on a token stream (`llm.eval.token_stream`).
+
+Windows: the stream is cut into windows of at most `context` input tokens. Each window scores the `stride` tokens
+after the previous window's (`stride <= context`); its inputs reach back as far as `context` allows, so with a
+stride below the context every scored token after the first window sees at least `context - stride` tokens of
+context. Every token after the stream's leading <|endoftext|> is scored exactly once.
+
+    loss per token = total nats / scored tokens       perplexity = exp(loss per token)
+    bits per byte  = total nats / ln 2 / UTF-8 bytes of the scored text (the rule: `llm.eval.token_stream`)
+
+Bits per byte does not depend on the tokenizer, so models with different vocabularies compare on it. With
+several ranks (`--nproc`, or under a launcher) window i goes to rank i mod world size and the sums are reduced
+once at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+from tqdm import tqdm
+
+from llm import rundir
+from llm.config import build_config
+from llm.devices import place, resolve
+from llm.errors import UserError
+from llm.eval.scoring import score_sequences
+from llm.eval.token_stream import TokenStream, scored_text_bytes, stream_of_files, stream_of_split
+from llm.loading import load_for_inference
+from llm.model import Transformer
+from llm.runtime.distributed import setup_distributed
+from llm.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Window:
+    start: int
+    """Position of the first input token."""
+    end: int
+    """One past the position of the last target: inputs are [start, end - 1), targets [start + 1, end)."""
+    scored: int
+    """The last `scored` targets count."""
+
+
+def windows(n_tokens: int, context: int, stride: int) -> list[Window]:
+    """Windows that score positions 1 .. n_tokens - 1 once each (see the module docstring)."""
+    if not 1 <= stride <= context:
+        raise UserError(f"--stride must be between 1 and the context ({context}), got {stride}")
+    out = []
+    for first in range(1, n_tokens, stride):
+        end = min(first + stride, n_tokens)
+        out.append(Window(max(0, end - 1 - context), end, end - first))
+    return out
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    tokens: int
+    """Scored tokens."""
+    bytes: int
+    """UTF-8 bytes of the scored text."""
+    nats: float
+    """Total negative log-likelihood of the scored tokens."""
+    windows: int
+    context: int
+    stride: int
+
+    @property
+    def loss(self) -> float:
+        return self.nats / self.tokens
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.nats / math.log(2) / self.bytes if self.bytes else float("nan")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "loss": self.loss, "perplexity": self.perplexity, "bits_per_byte": self.bits_per_byte}
+
+    def summary(self) -> str:
+        return (f"{self.tokens:,} tokens ({self.bytes:,} bytes) in {self.windows:,} windows of up to {self.context} "
+                f"tokens, stride {self.stride}\n"
+                f"  loss per token  {self.loss:10.4f}\n"
+                f"  perplexity      {self.perplexity:10.3f}\n"
+                f"  bits per byte   {self.bits_per_byte:10.4f}")
+
+
+def evaluate_stream(model: Transformer, tokenizer: Tokenizer, stream: TokenStream, context: int, stride: int,
+                    batch_size: int = 8, rank: int = 0, world_size: int = 1, progress: bool = True) -> PerplexityResult:
+    """Score `stream` with `model` (already placed on its device). With world_size > 1 (a process group is up),
+    this rank scores every world_size-th window and the totals are all-reduced; the bytes are counted on rank 0
+    only (other ranks report 0)."""
+    every = windows(len(stream), context, stride)
+    mine = every[rank::world_size]
+    nats, tokens = 0.0, 0
+    bar = tqdm(total=len(mine), desc="eval", unit="window", disable=not progress or rank != 0, file=sys.stderr)
+    for first in range(0, len(mine), batch_size):
+        group = mine[first:first + batch_size]
+        sequences = [stream.read(w.start, w.end) for w in group]
+        for window, score in zip(group, score_sequences(model, sequences, [w.scored for w in group], batch_size,
+                                                         tokenizer.pad_id), strict=True):
+            nats += score.nats
+            tokens += window.scored
+        bar.update(len(group))
+    bar.close()
+    if world_size > 1:
+        device = next(model.parameters()).device
+        totals = torch.tensor([nats, tokens], dtype=torch.float64, device=device)
+        dist.all_reduce(totals)
+        nats, tokens = totals[0].item(), int(totals[1].item())
+    n_bytes = scored_text_bytes(stream, tokenizer) if rank == 0 else 0
+    return PerplexityResult(tokens, n_bytes, nats, len(every), context, stride)
+
+
+def trained_context(model_dir: Path, model: Transformer) -> int:
+    """The context a model is evaluated at by default: the window it was trained on (data.seq_len of a run
+    directory), else its longest sequence (model.max_seq_len; an export)."""
+    if rundir.is_run_dir(model_dir):
+        return build_config(yaml.safe_load(rundir.config_file(model_dir).read_text())).data.seq_len
+    return model.cfg.max_seq_len
+
+
+def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | None, split: str,
+                   context: int | None = None, stride: int | None = None, batch_size: int = 8, device: str = "auto",
+                   dtype: str = "auto", as_json: bool = False) -> int:
+    """`zerollm eval --input/--data`: print the result (rank 0), on every rank of the job when started by a
+    launcher. Returns the exit code."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = 0
+    if world_size > 1:
+        info = setup_distributed()
+        rank, where, precision = info.rank, info.device, resolve(info.device.type, dtype)[1]
+    else:
+        where, precision = resolve(device, dtype)
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+    model, tokenizer = load_for_inference(model_dir)
+    context = context or trained_context(Path(model_dir), model)
+    if not 1 <= context <= model.cfg.max_seq_len:
+        raise UserError(f"--context must be between 1 and the model's max_seq_len {model.cfg.max_seq_len}, "
+                        f"got {context}")
+    if inputs:
+        stream, report = stream_of_files(inputs, tokenizer)
+        if report.skipped and rank == 0:
+            print(f"skipped {len(report.skipped)} unusable records:", file=sys.stderr)
+            for line in report.skipped:
+                print(f"  {line}", file=sys.stderr)
+        source = {"input": [str(p) for p in inputs], "documents": report.documents, "skipped": len(report.skipped)}
+    else:
+        stream = stream_of_split(data_dir, split, tokenizer)
+        source = {"data": str(data_dir), "split": split}
+    result = evaluate_stream(place(model, where, precision), tokenizer, stream, context, stride or context,
+                             batch_size, rank, world_size)
+    if rank == 0:
+        if as_json:
+            print(json.dumps({"model": str(model_dir), **source, "ranks": world_size, **result.to_dict()}))
+        else:
+            print(f"eval {model_dir} on {', '.join(source.get('input', [])) or f'{data_dir} ({split})'}: "
+                  + result.summary())
+    if world_size > 1:
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,49 @@
+"""Scoring token sequences with a model: the log-likelihood of the last tokens of each sequence given the ones
+before it, in batches. Perplexity (`llm.eval.perplexity`) and the lm-evaluation-harness wrapper
+(`llm.eval.harness`) both score through `score_sequences`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from llm.model import Transformer
+
+
+@dataclass(frozen=True)
+class Score:
+    nats: float
+    """Negative log-likelihood of the scored tokens, summed (float64)."""
+    greedy: bool
+    """Whether every scored token is the model's most likely next token."""
+
+
+@torch.no_grad()
+def score_sequences(model: Transformer, sequences: Sequence[np.ndarray], scored: Sequence[int], batch_size: int,
+                    pad_id: int = 0) -> Iterator[Score]:
+    """For each sequence of n tokens, the model reads its first n - 1 tokens and the last `scored` of its n - 1
+    targets count. Sequences are right-padded into batches of `batch_size` (padding is never attended to: the
+    mask is causal); yields one `Score` per sequence, in order."""
+    device = next(model.parameters()).device
+    for first in range(0, len(sequences), batch_size):
+        group, counts = sequences[first:first + batch_size], scored[first:first + batch_size]
+        width = max(len(s) for s in group) - 1
+        tokens = torch.full((len(group), width), pad_id, dtype=torch.long)
+        targets = torch.full((len(group), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(group), width), dtype=torch.bool)
+        for row, (sequence, count) in enumerate(zip(group, counts, strict=True)):
+            n = len(sequence) - 1
+            tokens[row, :n] = torch.from_numpy(np.asarray(sequence[:-1], dtype=np.int64))
+            targets[row, :n] = torch.from_numpy(np.asarray(sequence[1:], dtype=np.int64))
+            mask[row, n - count:n] = True
+        tokens, targets, mask = tokens.to(device), targets.to(device), mask.to(device)
+        logits = model(tokens).logits.float()
+        nats = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape).double()
+        nats = (nats * mask).sum(1)
+        greedy = ((logits.argmax(-1) == targets) | ~mask).all(1)
+        for value, is_greedy in zip(nats.tolist(), greedy.tolist(), strict=True):
+            yield Score(value, is_greedy)

@@ -1,0 +1,143 @@
+"""The token streams evaluation scores: the documents of users' files, or a split prepared by `data prepare`.
+
+A stream is one flat sequence of token ids laid out as `data prepare` writes a split (every document closed by
+<|endoftext|>), with one more <|endoftext|> in front as the context of the first document's first token. Every
+token after that leading one is scored, so the scored text is exactly the documents' text.
+
+Bytes, for bits per byte: the UTF-8 bytes of the text of the scored tokens. Documents are decoded one at a time
+(split at <|endoftext|>), so no multi-byte character is cut, and <|endoftext|> itself counts zero bytes (its
+prediction, the end of a document, still counts in the loss). For files this equals the UTF-8 length of the
+documents' text as the readers return it; for a prepared split it is what its tokens decode to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from llm.data.datasets import read_data_attrs
+from llm.data.formats import Skipped, expand_inputs, read_records
+from llm.data.prepare import SPLITS, TOKENS_FILE
+from llm.errors import UserError
+from llm.tokenizer import Tokenizer
+
+ENCODE_BATCH = 256
+DECODE_CHUNK = 1 << 20
+
+
+class TokenStream:
+    """A flat sequence of token ids, read by slices (`read(start, end)` -> int64 array)."""
+
+    eos_id: int
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def read(self, start: int, end: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def chunks(self, size: int = DECODE_CHUNK) -> Iterator[np.ndarray]:
+        for start in range(0, len(self), size):
+            yield self.read(start, min(start + size, len(self)))
+
+
+class ArrayStream(TokenStream):
+    """A stream held in memory (users' files, tokenized here)."""
+
+    def __init__(self, tokens: np.ndarray, eos_id: int) -> None:
+        self.tokens, self.eos_id = tokens.astype(np.int64), eos_id
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def read(self, start: int, end: int) -> np.ndarray:
+        return self.tokens[start:end]
+
+
+class SplitStream(TokenStream):
+    """A prepared split read lazily from tokens.h5, behind a virtual leading <|endoftext|>."""
+
+    def __init__(self, path: Path, split: str, eos_id: int) -> None:
+        self.path, self.split, self.eos_id = path, split, eos_id
+        self._tokens = h5py.File(path, "r")[split]["tokens"]
+
+    def __len__(self) -> int:
+        return 1 + self._tokens.shape[0]
+
+    def read(self, start: int, end: int) -> np.ndarray:
+        head = [self.eos_id] if start == 0 else []
+        body = self._tokens[max(0, start - 1):max(0, end - 1)].astype(np.int64)
+        return np.concatenate([np.array(head, dtype=np.int64), body])
+
+
+@dataclass
+class FilesReport:
+    """What was read from users' files."""
+
+    documents: int = 0
+    skipped: list[str] = field(default_factory=list)
+    """Every unusable record as 'file:line: reason'."""
+
+
+def stream_of_files(paths: list[str], tokenizer: Tokenizer) -> tuple[ArrayStream, FilesReport]:
+    """The documents of `paths` (any format `data prepare` reads, as pretraining text) tokenized into one stream."""
+    report = FilesReport()
+    pieces: list[np.ndarray] = [np.array([tokenizer.eos_id], dtype=np.int64)]
+    batch: list[str] = []
+
+    def flush() -> None:
+        for ids in tokenizer.encode_batch(batch):
+            pieces.append(np.array([*ids, tokenizer.eos_id], dtype=np.int64))
+        batch.clear()
+
+    for record in read_records(expand_inputs(paths), "pretrain"):
+        if isinstance(record, Skipped):
+            report.skipped.append(str(record))
+            continue
+        batch.append(record.value)
+        report.documents += 1
+        if len(batch) == ENCODE_BATCH:
+            flush()
+    flush()
+    if report.documents == 0:
+        first = f" ({len(report.skipped)} records skipped, first: {report.skipped[0]})" if report.skipped else ""
+        raise UserError(f"{', '.join(map(str, paths))}: no usable text records to evaluate on{first}")
+    return ArrayStream(np.concatenate(pieces), tokenizer.eos_id), report
+
+
+def stream_of_split(data_dir: str | Path, split: str, tokenizer: Tokenizer) -> SplitStream:
+    """A pretraining split of a prepared data directory, refused when another tokenizer made it."""
+    if split not in SPLITS:
+        raise UserError(f"--split must be one of {', '.join(SPLITS)}, got '{split}'")
+    attrs = read_data_attrs(data_dir, "pretrain")
+    if attrs["tokenizer_hash"] != tokenizer.hash:
+        raise UserError(f"{data_dir} was tokenized with another tokenizer (hash {attrs['tokenizer_hash']}) than the "
+                        f"model's (hash {tokenizer.hash}); prepare the data with the model's tokenizer")
+    stream = SplitStream(Path(data_dir) / TOKENS_FILE, split, tokenizer.eos_id)
+    if len(stream) < 2:
+        raise UserError(f"{data_dir}: the '{split}' split holds no tokens")
+    return stream
+
+
+def scored_text_bytes(stream: TokenStream, tokenizer: Tokenizer) -> int:
+    """UTF-8 bytes of the text of every token after the first (see the module docstring for the rule)."""
+    total, carry = 0, np.zeros(0, dtype=np.int64)
+    for chunk in stream.chunks():
+        tokens = np.concatenate([carry, chunk])
+        ends = np.flatnonzero(tokens == stream.eos_id)
+        cut = int(ends[-1]) + 1 if len(ends) else 0
+        total += _document_bytes(tokens[:cut], stream.eos_id, tokenizer)
+        carry = tokens[cut:]
+    return total + _document_bytes(carry, stream.eos_id, tokenizer)
+
+
+def _document_bytes(tokens: np.ndarray, eos_id: int, tokenizer: Tokenizer) -> int:
+    """Bytes of whole documents (each closed by eos_id, the last one possibly not)."""
+    bounds = [0, *(np.flatnonzero(tokens == eos_id) + 1).tolist(), len(tokens)]
+    documents = [tokens[a:b] for a, b in pairwise(bounds) if b > a]
+    return sum(len(tokenizer.decode(doc[doc != eos_id].tolist()).encode("utf-8")) for doc in documents)

@@ -1,0 +1,87 @@
+"""Pictures of training runs: `zerollm plot RUN [RUN...] --out FILE.png` draws training loss, validation loss,
+learning rate and throughput against the step (left column) and against the tokens seen (right column), one line
+per run, from each run's metrics.jsonl. matplotlib is an optional dependency (`pip install matplotlib`, or the
+`plot` extra).
+
+Tokens seen at step s = s x global batch (ds_config.json's train_batch_size) x data.seq_len (config.yaml): the
+positions the run trained on, with the batch shape the run directory records now.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from llm import rundir
+from llm.errors import UserError
+
+PANELS = (("loss", "training loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),
+          ("tokens_per_sec", "throughput (tokens/s)"))
+X_AXES = (("step", "step"), ("tokens", "tokens seen"))
+PANEL_SIZE = (6.0, 3.2)
+"""Inches per panel (width, height); at 100 dpi a 2 x 4 grid is 1200 x 1280 pixels."""
+
+
+@dataclass
+class RunSeries:
+    name: str
+    rows: list[dict]
+    tokens_per_step: int
+
+    def points(self, key: str, x: str) -> tuple[list[float], list[float]]:
+        """(x values, `key` values) of the rows holding `key`."""
+        rows = [r for r in self.rows if r.get(key) is not None]
+        xs = [r["step"] * (self.tokens_per_step if x == "tokens" else 1) for r in rows]
+        return xs, [r[key] for r in rows]
+
+
+def read_run(run_dir: Path) -> RunSeries:
+    metrics = run_dir / rundir.METRICS_FILE
+    if not metrics.is_file():
+        raise UserError(f"{run_dir}: no {rundir.METRICS_FILE}; is this a run directory made by `zerollm train`?")
+    rows = []
+    for number, line in enumerate(metrics.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise UserError(f"{metrics}:{number}: not a JSON object") from None
+    if not rows:
+        raise UserError(f"{metrics}: no logged steps yet")
+    seq_len = yaml.safe_load(rundir.config_file(run_dir).read_text())["data"]["seq_len"]
+    batch = json.loads((run_dir / rundir.DS_CONFIG_FILE).read_text())["train_batch_size"]
+    return RunSeries(run_dir.resolve().name, rows, int(batch) * int(seq_len))
+
+
+def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
+    """Draw every run's curves into one picture at `out` (its suffix picks the format: .png, .pdf, .svg)."""
+    try:
+        import matplotlib  # noqa: PLC0415 - optional dependency, needed only for pictures
+
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - after the backend is chosen
+    except ImportError:
+        raise UserError("matplotlib is not installed; pip install matplotlib (or pip install 'zerollm[plot]') "
+                        "to draw runs") from None
+    runs = [read_run(Path(d)) for d in run_dirs]
+    fig, axes = plt.subplots(len(PANELS), len(X_AXES), squeeze=False,
+                             figsize=(PANEL_SIZE[0] * len(X_AXES), PANEL_SIZE[1] * len(PANELS)))
+    for row, (key, title) in enumerate(PANELS):
+        for column, (x, x_label) in enumerate(X_AXES):
+            ax = axes[row][column]
+            for run in runs:
+                xs, ys = run.points(key, x)
+                ax.plot(xs, ys, marker="o" if key == "val_loss" or len(xs) == 1 else None, markersize=3, label=run.name)
+            ax.set_title(f"{title} by {x_label}")
+            ax.set_xlabel(x_label)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,134 @@
+"""A record of every run: what ran, on what, with what, written when a run starts or resumes.
+
+RUN_DIR/run_record.jsonl gets one JSON object per session (start or resume), and the wandb run's config gets the
+newest as `run_record`:
+
+    time, command      UTC start time; the command line (`zerollm ...`) and working directory
+    code               git commit and whether the checkout had uncommitted changes (when the package runs from a
+                       git checkout), and the digest of the package source (`llm.runtime.fingerprint.code_version`)
+    versions           python, torch (with its CUDA), deepspeed and the other libraries that shape the numbers
+    ranks              rank, local rank, host, pid and device of every rank (gathered at the start)
+    data               the data directory, the digest of tokens.h5 (`llm.runtime.fingerprint.file_digest`), the
+                       tokenizer hash and the tokens of each split
+    resumed_from       the checkpoint tag a resumed session started from
+
+Resuming on other data than the run was trained on is refused (`check_same_data`), naming what differs.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import h5py
+import torch
+import torch.distributed as dist
+
+from llm import rundir
+from llm.data.prepare import SPLITS, TOKENS_FILE
+from llm.errors import UserError
+from llm.runtime.distributed import DistInfo
+from llm.runtime.fingerprint import PACKAGE_ROOT, code_version, file_digest
+
+LIBRARIES = ("zerollm", "deepspeed", "numpy", "h5py", "tokenizers", "safetensors", "triton", "transformers", "wandb")
+
+
+def data_summary(data_dir: Path, attrs: dict[str, Any]) -> dict[str, Any]:
+    """What identifies a prepared data directory: digest, tokenizer hash, tokens per split."""
+    path = data_dir / TOKENS_FILE
+    with h5py.File(path, "r") as h5:
+        tokens = {split: int(sum(h5[split][name].shape[0] for name in h5[split] if not name.endswith("offsets")
+                                 and name != "loss_mask"))
+                  for split in SPLITS if split in h5}
+    return {"path": str(data_dir.resolve()), "digest": file_digest(path), "tokenizer_hash": attrs["tokenizer_hash"],
+            "tokens": tokens}
+
+
+def git_state(root: Path = PACKAGE_ROOT) -> dict[str, Any] | None:
+    """The commit and dirtiness of the checkout the package runs from; None outside a git checkout (an installed
+    package, even one inside another repository's tree)."""
+    def git(*args: str) -> str | None:
+        try:
+            result = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30,
+                                    check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return result.stdout.strip() if result.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != root.resolve():
+        return None
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda or "none"}
+    for name in LIBRARIES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def _this_rank(info: DistInfo) -> dict[str, Any]:
+    device = torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else platform.processor() or "cpu"
+    return {"rank": info.rank, "local_rank": info.local_rank, "host": socket.gethostname(), "pid": os.getpid(),
+            "device": f"{info.device} ({device})"}
+
+
+def run_record(info: DistInfo, data: dict[str, Any], resumed_from: str | None) -> dict[str, Any]:
+    """This session's record; call on every rank (the ranks' hosts are all-gathered)."""
+    ranks: list[dict[str, Any] | None] = [None] * info.world_size
+    if info.world_size > 1:
+        dist.all_gather_object(ranks, _this_rank(info))
+    else:
+        ranks = [_this_rank(info)]
+    return {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": shlex.join(["zerollm", *sys.argv[1:]]), "cwd": os.getcwd(),
+            "code": {"git": git_state(), "digest": code_version()}, "versions": versions(),
+            "world_size": info.world_size, "ranks": ranks, "data": data, "resumed_from": resumed_from}
+
+
+def write_run_record(run_dir: Path, record: dict[str, Any]) -> None:
+    with (run_dir / rundir.RUN_RECORD_FILE).open("a") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def last_record(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / rundir.RUN_RECORD_FILE
+    if not path.is_file():
+        return None
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    return json.loads(lines[-1]) if lines else None
+
+
+def check_same_data(run_dir: Path, data: dict[str, Any]) -> None:
+    """Refuse to resume `run_dir` on data other than what its newest session trained on, naming the differences."""
+    record = last_record(run_dir)
+    if record is None:
+        return
+    before = record["data"]
+    differences = []
+    if before["digest"] != data["digest"]:
+        differences.append(f"tokens.h5 digest {before['digest']} then, {data['digest']} now")
+    for split in SPLITS:
+        then, now = before["tokens"].get(split), data["tokens"].get(split)
+        if then != now:
+            differences.append(f"{split} split {then} tokens then, {now} now")
+    if before["tokenizer_hash"] != data["tokenizer_hash"]:
+        differences.append(f"tokenizer {before['tokenizer_hash']} then, {data['tokenizer_hash']} now")
+    if differences:
+        where = "" if before["path"] == data["path"] else f" (trained on {before['path']})"
+        raise UserError(f"{data['path']}: not the data {run_dir} was trained on{where}: {'; '.join(differences)}. "
+                        f"Resume with the original data, or start a new run from this one's weights with "
+                        f"--init-from {run_dir}")

@@ -1,0 +1,197 @@
+"""A time budget for training (`train.max_time`): the run stops before a step that would end past the budget,
+and the learning-rate schedule follows time, so that it completes inside the budget.
+
+Time counted: the wall time of the training loop (steps, evaluations, samples, checkpoints), summed over every
+session of the run. The elapsed seconds are part of each checkpoint's client state, so a resumed run continues
+the same budget; the time between a run's last checkpoint and its death, and the time to start again, are not
+counted.
+
+Every rank must use the same learning rate and stop after the same step, so rank 0's clock decides: after every
+step it publishes what it measured (elapsed time, seconds per step, seconds of an evaluation and of a
+checkpoint) in a broadcast; on the CPU the ranks read it at once, on a GPU one step later (copied to pinned memory
+behind an event, like the stop vote), so no step waits for the device. All decisions below use published values
+only.
+
+    step_seconds   moving average of a step's wall time, evaluations and checkpoints excluded
+    calibration    the first step after warmup (step 1 without warmup) evaluates and saves a checkpoint, whatever
+                   train.eval_every and train.save_every say, so that the time both take is measured early
+    reserve        an evaluation (with its samples) + a checkpoint: the longest of each seen so far
+    projection     the end of a later step: the last published elapsed time + step_seconds for each step to come
+                   + the evaluations and checkpoints train.eval_every and train.save_every place between them
+    stop           after step s when the projected end of step s + 1 falls later than max_time - reserve
+    schedule       after warmup, the cosine's progress is the larger of the step progress (train.max_steps) and
+                   (projected end of the step - end of warmup) / (max_time - reserve - end of warmup)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from llm.config import TrainConfig
+from llm.runtime.distributed import DistInfo
+
+SMOOTHING = 0.2
+"""Weight of the newest step in the moving average of step times."""
+
+
+class TimeBudget:
+    def __init__(self, t: TrainConfig, info: DistInfo, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.max_time = t.max_time_seconds()
+        self.warmup_steps, self.eval_every, self.save_every = t.warmup_steps, t.eval_every, t.save_every
+        self.info, self.clock = info, clock
+        # published (identical on every rank)
+        self.elapsed = 0.0
+        """Training time at the end of step `known_step`."""
+        self.known_step = 0
+        self.step_seconds = 0.0
+        self.eval_seconds: float | None = None
+        self.save_seconds = 0.0
+        self.warmup_end: float | None = 0.0 if self.warmup_steps == 0 else None
+        # rank 0's own measurements
+        self._base = 0.0
+        self._session_start = self._iteration_start = 0.0
+        self._overhead = 0.0
+        self._measured_steps = 0
+        self._eval_measured: float | None = None
+        self._save_measured = 0.0
+        self._channel = _Broadcast(info, 6) if self.enabled and info.world_size > 1 else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_time is not None
+
+    # ---- decisions (published values only) -------------------------------------------------------
+
+    @property
+    def reserve(self) -> float:
+        """Seconds kept for the final evaluation and checkpoint."""
+        return (self.eval_seconds or 0.0) + self.save_seconds
+
+    def calibration_due(self, steps_done: int) -> bool:
+        """Whether this step evaluates and saves to measure the reserve (see the module docstring)."""
+        return self.enabled and self.eval_seconds is None and steps_done == max(1, self.warmup_steps)
+
+    def projected_end(self, steps_done: int) -> float:
+        """Training time when `steps_done` steps will have been completed, with the evaluations and checkpoints due
+        after the steps before it."""
+        planned = 0.0
+        for step in range(self.known_step + 1, steps_done):
+            planned += (self.eval_seconds or 0.0) if self.eval_every and step % self.eval_every == 0 else 0.0
+            planned += self.save_seconds if self.save_every and step % self.save_every == 0 else 0.0
+        return self.elapsed + (steps_done - self.known_step) * self.step_seconds + planned
+
+    def out_of_time(self, steps_done: int) -> bool:
+        """Whether one more step after `steps_done` would end past the budget (less the reserve)."""
+        return self.enabled and self.projected_end(steps_done + 1) > self.max_time - self.reserve
+
+    def progress(self, step_index: int) -> float:
+        """Share of the post-warmup time spent at the end of optimizer step `step_index` (0-based), in [0, 1]."""
+        if not self.enabled or self.warmup_end is None:
+            return 0.0
+        horizon = self.max_time - self.reserve - self.warmup_end
+        if horizon <= 0:
+            return 1.0
+        return min(1.0, max(0.0, (self.projected_end(step_index + 1) - self.warmup_end) / horizon))
+
+    # ---- measuring (rank 0 decides) -------------------------------------------------------------
+
+    def start(self, step: int) -> None:
+        """The loop starts (or resumes) after `step` steps."""
+        self.known_step = step
+        self._session_start = self._iteration_start = self.clock()
+
+    def _now(self) -> float:
+        return self._base + self.clock() - self._session_start
+
+    @contextmanager
+    def overhead(self, kind: str | None) -> Iterator[None]:
+        """Time what a step does besides training: kept out of the step time, and, for an evaluation ('eval') or a
+        checkpoint ('save'), the longest so far kept as reserve (None: neither happens this time)."""
+        start = self.clock()
+        yield
+        seconds = self.clock() - start
+        self._overhead += seconds
+        if kind == "eval":
+            self._eval_measured = max(seconds, self._eval_measured or 0.0)
+        elif kind == "save":
+            self._save_measured = max(seconds, self._save_measured)
+
+    def end_iteration(self, step: int) -> None:
+        """After step `step` with its evaluation, logging and checkpoint: measure (rank 0) and publish."""
+        if not self.enabled:
+            return
+        now = self.clock()
+        step_time = now - self._iteration_start - self._overhead
+        self._iteration_start, self._overhead = now, 0.0
+        self._measured_steps += 1
+        first = self._measured_steps == 1 and self.step_seconds == 0
+        average = step_time if first else (1 - SMOOTHING) * self.step_seconds + SMOOTHING * step_time
+        elapsed = self._now()
+        warmup_end = self.warmup_end
+        if warmup_end is None and step >= self.warmup_steps:
+            warmup_end = elapsed
+        evaluation = max(self.eval_seconds or 0.0, self._eval_measured) if self._eval_measured is not None \
+            else self.eval_seconds
+        values = [elapsed, float(step), average, -1.0 if evaluation is None else evaluation,
+                  max(self.save_seconds, self._save_measured), -1.0 if warmup_end is None else warmup_end]
+        published = self._channel.exchange(values) if self._channel else values
+        if published is not None:
+            self._publish(published)
+
+    def _publish(self, values: list[float]) -> None:
+        self.elapsed, known_step, self.step_seconds, eval_seconds, self.save_seconds, warmup_end = values
+        self.known_step = int(known_step)
+        self.eval_seconds = None if eval_seconds < 0 else eval_seconds
+        self.warmup_end = None if warmup_end < 0 else warmup_end
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps (rank 0 writes it): the elapsed time now and the estimates."""
+        if not self.enabled:
+            return None
+        return {"elapsed": self._now(), "max_time": self.max_time, "step_seconds": self.step_seconds,
+                "eval_seconds": self.eval_seconds, "save_seconds": self.save_seconds, "warmup_end": self.warmup_end}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if not state or not self.enabled:
+            return
+        self._base = self.elapsed = state["elapsed"]
+        self.step_seconds, self.eval_seconds = state["step_seconds"], state["eval_seconds"]
+        self.save_seconds, self.warmup_end = state["save_seconds"], state["warmup_end"]
+
+
+class _Broadcast:
+    """Rank 0's values to every rank, on the training device: read at once with gloo; on a GPU returned at the next
+    exchange (None the first time), so the host never waits for the step queued before it."""
+
+    def __init__(self, info: DistInfo, size: int) -> None:
+        on_gpu = info.device.type == "cuda"
+        self._device = torch.zeros(size, dtype=torch.float64, device=info.device)
+        self._sent = torch.zeros(size, dtype=torch.float64, pin_memory=on_gpu)
+        self._received = torch.zeros(size, dtype=torch.float64, pin_memory=on_gpu)
+        self._ready = torch.cuda.Event() if on_gpu else None
+        self._pending = False
+
+    def exchange(self, values: list[float]) -> list[float] | None:
+        if self._ready is None:
+            self._device.copy_(torch.tensor(values, dtype=torch.float64))
+            dist.broadcast(self._device, src=0)
+            return self._device.tolist()
+        previous = None
+        if self._pending:
+            self._ready.synchronize()
+            previous = self._received.tolist()
+        self._sent.copy_(torch.tensor(values, dtype=torch.float64))
+        self._device.copy_(self._sent, non_blocking=True)
+        dist.broadcast(self._device, src=0)
+        self._received.copy_(self._device, non_blocking=True)
+        self._ready.record()
+        self._pending = True
+        return previous

@@ -1,0 +1,257 @@
+"""`zerollm eval`: loss, perplexity and bits per byte on files and prepared splits against a direct computation,
+on one and two ranks; lm-evaluation-harness suites through our wrapper, on local tasks."""
+
+import json
+import math
+import os
+import sys
+
+import h5py
+import pytest
+import torch
+
+from conftest import run_cli
+from llm.config import ModelConfig
+from llm.errors import UserError
+from llm.eval.harness import require_lm_eval
+from llm.eval.perplexity import evaluate_stream, windows
+from llm.eval.token_stream import stream_of_files, stream_of_split
+from llm.export import export_model
+from llm.model import Transformer
+
+CONTEXT, STRIDE = 16, 8
+DOCUMENTS = ["Hello there, world.\nA second line.", "混合的中文文本，还有表情 🙂 和 ümlauts.",
+             "Short.", "Another document: 2 + 2 = 4, and 天下大势，分久必合。"]
+
+
+@pytest.fixture(scope="module")
+def export_dir(tokenizer_dir, tmp_path_factory):
+    """A tiny random model with the shared tokenizer, as an export directory (no training needed to score)."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                                    init_std=0.3))
+    out = tmp_path_factory.mktemp("export")
+    export_model(model, tokenizer_dir, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(export_dir):
+    from llm.loading import load_for_inference
+
+    return load_for_inference(export_dir)
+
+
+@pytest.fixture()
+def text_files(tmp_path):
+    """DOCUMENTS as a .txt (blank-line separated) and a .jsonl (with one malformed line, skipped and reported)."""
+    txt, jsonl = tmp_path / "a.txt", tmp_path / "b.jsonl"
+    txt.write_text("\n\n".join(DOCUMENTS[:2]) + "\n")
+    jsonl.write_text(json.dumps({"text": DOCUMENTS[2]}) + "\n{not json\n"
+                     + json.dumps({"text": DOCUMENTS[3]}, ensure_ascii=False) + "\n")
+    return txt, jsonl
+
+
+def direct_nats(model, tokens: list[int], context: int, stride: int) -> float:
+    """Negative log-likelihood of tokens[1:], each scored once, one window at a time without batching or padding:
+    a window scoring positions [first, end) reads the up-to-`context` tokens before `end - 1`."""
+    total = 0.0
+    with torch.no_grad():
+        for first in range(1, len(tokens), stride):
+            end = min(first + stride, len(tokens))
+            start = max(0, end - 1 - context)
+            inputs = torch.tensor(tokens[start:end - 1])[None]
+            logp = torch.log_softmax(model(inputs).logits[0].double(), -1)
+            total -= sum(logp[p - 1 - start, tokens[p]].item() for p in range(first, end))
+    return total
+
+
+@pytest.mark.parametrize("n_tokens", [2, 3, 17, 64, 101])
+@pytest.mark.parametrize("context,stride", [(1, 1), (8, 8), (8, 3), (16, 1), (32, 32)])
+def test_windows_score_every_position_once_within_the_context(n_tokens, context, stride):
+    scored = []
+    for w in windows(n_tokens, context, stride):
+        assert w.start >= 0 and w.end - 1 - w.start <= context and 1 <= w.scored <= w.end - 1 - w.start
+        scored += range(w.end - w.scored, w.end)
+    assert scored == list(range(1, n_tokens))
+
+
+def test_a_stride_above_the_context_is_refused():
+    with pytest.raises(UserError, match="--stride"):
+        windows(100, 8, 9)
+
+
+def test_files_give_loss_perplexity_and_bits_per_byte_of_a_direct_computation(export_dir, model_and_tokenizer,
+                                                                              text_files):
+    result = run_cli("eval", "--model", export_dir, "--input", *text_files, "--context", CONTEXT, "--stride", STRIDE,
+                     "--batch-size", 3, "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout)
+    assert f"{text_files[1]}:2: malformed JSON" in result.stderr and got["skipped"] == 1 and got["documents"] == 4
+
+    model, tokenizer = model_and_tokenizer
+    tokens = [tokenizer.eos_id] + [t for doc in DOCUMENTS for t in [*tokenizer.encode(doc), tokenizer.eos_id]]
+    nats = direct_nats(model, tokens, CONTEXT, STRIDE)
+    n_bytes = sum(len(doc.encode("utf-8")) for doc in DOCUMENTS)
+    assert got["tokens"] == len(tokens) - 1 and got["bytes"] == n_bytes
+    assert got["nats"] == pytest.approx(nats, rel=1e-5)
+    assert got["loss"] == pytest.approx(nats / (len(tokens) - 1), rel=1e-5)
+    assert got["perplexity"] == pytest.approx(math.exp(nats / (len(tokens) - 1)), rel=1e-5)
+    assert got["bits_per_byte"] == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
+
+
+def _val_documents(data_dir, tokenizer) -> list[str]:
+    with h5py.File(data_dir / "tokens.h5") as h5:
+        tokens, offsets = h5["val"]["tokens"][:], h5["val"]["doc_offsets"][:]
+    return [tokenizer.decode(tokens[a:b - 1].tolist()) for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+
+
+def test_a_prepared_split_scores_like_its_documents_given_as_a_file(model_and_tokenizer, pretrain_data, tmp_path):
+    """The split's scored text is what its tokens decode to: written out as a file, the same documents give the
+    same tokens, bytes and loss."""
+    model, tokenizer = model_and_tokenizer
+    documents = _val_documents(pretrain_data, tokenizer)
+    as_file = tmp_path / "val.jsonl"
+    as_file.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    split = evaluate_stream(model, tokenizer, stream_of_split(pretrain_data, "val", tokenizer), 64, 64, progress=False)
+    files = evaluate_stream(model, tokenizer, stream_of_files([str(as_file)], tokenizer)[0], 64, 64, progress=False)
+    assert split.bytes == sum(len(d.encode("utf-8")) for d in documents) == files.bytes
+    with h5py.File(pretrain_data / "tokens.h5") as h5:
+        assert split.tokens == h5["val"]["tokens"].shape[0] == files.tokens
+    assert split.nats == pytest.approx(files.nats, rel=1e-9)
+
+
+def test_two_ranks_give_what_one_rank_gives(export_dir, pretrain_data):
+    one = run_cli("eval", "--model", export_dir, "--data", pretrain_data, "--split", "val", "--context", 48,
+                  "--stride", 40, "--json")
+    two = run_cli("eval", "--model", export_dir, "--data", pretrain_data, "--split", "val", "--context", 48,
+                  "--stride", 40, "--json", "--nproc", 2)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    a = json.loads(one.stdout.strip().splitlines()[-1])
+    b = json.loads([line for line in two.stdout.splitlines() if line.startswith("{")][-1])
+    assert b["ranks"] == 2 and (a["tokens"], a["bytes"], a["windows"]) == (b["tokens"], b["bytes"], b["windows"])
+    assert b["nats"] == pytest.approx(a["nats"], rel=1e-9)
+    assert b["bits_per_byte"] == pytest.approx(a["bits_per_byte"], rel=1e-9)
+
+
+def test_human_output_names_the_three_numbers(export_dir, text_files):
+    result = run_cli("eval", "--model", export_dir, "--input", text_files[0])
+    assert result.returncode == 0, result.stderr[-2000:]
+    for label in ("loss per token", "perplexity", "bits per byte"):
+        assert label in result.stdout
+
+
+def test_mistakes_are_one_line_errors(export_dir, text_files, tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"another corpus, document {i}" for i in range(300)))
+    tok = tmp_path / "tok"
+    assert run_cli("tokenizer", "train", "--input", corpus, "--vocab-size", 300, "--out", tok).returncode == 0
+    assert run_cli("data", "prepare", "--input", corpus, "--tokenizer", tmp_path / "tok", "--out",
+                   tmp_path / "data").returncode == 0
+    cases = [(["--data", tmp_path / "data"], "another tokenizer"),
+             (["--input", text_files[0], "--context", 8, "--stride", 9], "--stride"),
+             (["--input", text_files[0], "--context", 65], "--context"),
+             (["--input", tmp_path / "missing.txt"], "no such file")]
+    for args, message in cases:
+        result = run_cli("eval", "--model", export_dir, *args)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    result = run_cli("eval", "--model", tmp_path, "--input", text_files[0])
+    assert result.returncode == 2 and "neither a run directory" in result.stderr
+
+
+# ---- lm-evaluation-harness ---------------------------------------------------------------------------
+
+TASK_ROWS = [{"question": "First Citizen:", "choices": [" Before we proceed", " zq xv"], "label": 0},
+             {"question": "What is", "choices": [" the matter", " 打 zzk"], "label": 0},
+             {"question": "My lord,", "choices": [" I will", " vvv www"], "label": 1}]
+TASK_YAML = {
+    "tiny_choice": "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+                   "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n",
+    "tiny_generate": "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{choices[label]}}'\n"
+                     "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\nmetric_list:\n  - metric: exact_match\n",
+    "tiny_rolling": "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{question}}{{choices[0]}}'\n"
+                    "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n",
+}
+
+
+@pytest.fixture()
+def local_tasks(tmp_path):
+    """Three lm-eval tasks (one per request type) in YAML over a local jsonl file."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    data = tasks / "rows.jsonl"
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in TASK_ROWS))
+    for name, body in TASK_YAML.items():
+        (tasks / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                            f"    test: {data}\ntest_split: test\n{body}")
+    return tasks
+
+
+def test_lm_eval_runs_local_tasks_end_to_end_and_saves_its_table(export_dir, local_tasks, tmp_path):
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "llm", "eval", "--model", str(export_dir), "--tasks",
+                             "tiny_choice,tiny_generate,tiny_rolling", "--include-path", str(local_tasks),
+                             "--out", str(tmp_path / "results")], capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for name in TASK_YAML:
+        assert f"|{name}" in result.stdout
+    tables, jsons = (list((tmp_path / "results").glob(f"lm_eval_*.{suffix}")) for suffix in ("md", "json"))
+    assert len(tables) == 1 and len(jsons) == 1 and "tiny_choice" in tables[0].read_text()
+    results = json.loads(jsons[0].read_text())["results"]
+    assert results["tiny_choice"]["acc,none"] in (0.0, 1 / 3, 2 / 3, 1.0)
+    assert math.isfinite(results["tiny_rolling"]["bits_per_byte,none"])
+
+
+def test_harness_scores_equal_a_direct_computation(model_and_tokenizer):
+    from lm_eval.api.instance import Instance
+
+    from llm.eval.harness_lm import ZeroLLMHarnessModel
+
+    model, tokenizer = model_and_tokenizer
+    lm = ZeroLLMHarnessModel(model, tokenizer, batch_size=2, max_length=CONTEXT)
+    pairs = [("The king said", " to the queen"), ("天下大势，", "分久必合"), ("A" * 60 + " long context", " ends")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    for (context, continuation), (logp, greedy) in zip(pairs, lm.loglikelihood(requests, disable_tqdm=True),
+                                                       strict=True):
+        whole, head = tokenizer.encode(context + continuation), tokenizer.encode(context)
+        kept = whole[-(CONTEXT + 1):]
+        n = len(whole) - len(head)
+        with torch.no_grad():
+            logits = model(torch.tensor(kept[:-1])[None]).logits[0].double()
+        rows = torch.log_softmax(logits, -1)[-n:]
+        targets = torch.tensor(kept[-n:])
+        assert logp == pytest.approx(rows.gather(1, targets[:, None]).sum().item(), rel=1e-5)
+        assert greedy == bool((rows.argmax(-1) == targets).all())
+    text = " ".join(DOCUMENTS)
+    rolling = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+    direct = direct_nats(model, [tokenizer.eos_id, *tokenizer.encode(text)], CONTEXT, CONTEXT)
+    assert rolling[0] == pytest.approx(-direct, rel=1e-5)
+
+
+def test_without_lm_eval_tasks_are_a_one_line_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    with pytest.raises(UserError, match="pip install lm-eval"):
+        require_lm_eval()
+
+
+def test_unknown_task_is_named(export_dir, local_tasks):
+    result = run_cli("eval", "--model", export_dir, "--tasks", "tiny_choice,no_such_task", "--include-path",
+                     local_tasks)
+    assert result.returncode == 2 and "no_such_task" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_context_defaults_to_the_trained_window_of_a_run(tmp_path):
+    from llm.eval.perplexity import trained_context
+
+    (tmp_path / "config.yaml").write_text("data:\n  seq_len: 24\nmodel:\n  max_seq_len: 64\n")
+    model = Transformer(ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=2, max_seq_len=64))
+    assert trained_context(tmp_path, model) == 24
+    assert trained_context(tmp_path / "export", model) == 64
+
+
+@pytest.mark.parametrize("command", [["eval"], ["plot"], ["bench", "learn"]])
+def test_help_explains_the_new_commands(command):
+    result = run_cli(*command, "--help")
+    assert result.returncode == 0 and "usage: zerollm" in result.stdout

@@ -1,0 +1,48 @@
+"""`zerollm bench learn`: the whole pipeline inside one wall-time budget on a user's text file."""
+
+import json
+import math
+
+import pytest
+
+from conftest import TINY, run_cli, shared
+from llm.errors import UserError
+from llm.eval.learning_speed import split_file
+
+
+def test_the_split_keeps_every_byte_and_cuts_at_the_first_line_end_after_90_percent(tmp_path):
+    source = tmp_path / "novel.txt"
+    source.write_text("".join(f"第{i}回 天下大势，分久必合，合久必分。\n\n" for i in range(200)))
+    train, val = split_file(source, tmp_path)
+    data = source.read_bytes()
+    assert train.read_bytes() + val.read_bytes() == data
+    cut = len(train.read_bytes())
+    assert data[cut - 1:cut] == b"\n" and b"\n" not in data[int(0.9 * len(data)):cut - 1]
+
+
+@pytest.mark.parametrize("name,text", [("a.json", "[]"), ("short.txt", "one line only")])
+def test_files_that_cannot_be_split_are_refused(tmp_path, name, text):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(UserError):
+        split_file(tmp_path / name, tmp_path)
+
+
+def test_bench_learn_runs_tokenizer_data_training_and_heldout_bits_per_byte_in_one_budget(tmp_path):
+    novel = tmp_path / "novel.txt"
+    novel.write_bytes(shared("pretrain", "zh_classics", "sanguo_yanyi.txt").read_bytes()[:60_000].rsplit(b"\n", 1)[0])
+    tiny = [o for o in TINY if not o.startswith(("model.vocab_size", "train.lr"))]
+    result = run_cli("bench", "learn", "--input", novel, "--budget", 100, "--reserve", 80, "--vocab-size", 400,
+                     "--out", tmp_path / "out", *[a for o in tiny for a in ("--set", o)])
+    assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert summary["within_budget"] == (result.returncode == 0) == ("OVER BUDGET" not in result.stdout)
+    assert list(summary["phases_s"]) == ["split", "tokenizer", "data", "training", "evaluation"]
+    assert summary["vocab_size"] == 400 and 0 < summary["train_max_time_s"] < 100 - 80
+    heldout = summary["heldout"]
+    paragraphs = [p.strip("\n") for p in (tmp_path / "out" / "val.txt").read_text().split("\n\n") if p.strip()]
+    assert heldout["bytes"] == sum(len(p.encode()) for p in paragraphs)
+    assert math.isfinite(heldout["bits_per_byte"]) and heldout["context"] == 32
+    assert f"held-out bits per byte  {heldout['bits_per_byte']:.4f}" in result.stdout
+    config = (tmp_path / "out" / "run" / "config.yaml").read_text()
+    assert "max_time: " in config and "vocab_size: 400" in config
+    assert (tmp_path / "out" / "tasks" / "heldout_bpb.yaml").is_file()

@@ -1,0 +1,67 @@
+"""`zerollm plot`: a picture of several runs' curves from their metrics.jsonl."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from llm.errors import UserError
+from llm.plot import plot_runs
+
+BLUE, ORANGE = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)  # matplotlib's first two line colours
+
+
+def fake_run(directory, steps, scale, batch=8, seq_len=32):
+    """A run directory as `zerollm train` leaves it, as far as plotting reads it."""
+    directory.mkdir()
+    (directory / "config.yaml").write_text(f"data:\n  seq_len: {seq_len}\n")
+    (directory / "ds_config.json").write_text(json.dumps({"train_batch_size": batch}))
+    rows = []
+    for step in range(1, steps + 1):
+        row = {"step": step, "loss": scale * (6 - step / steps), "lr": 1e-3 * (1 - step / (steps + 1)),
+               "tokens_per_sec": 1000 * scale + step}
+        if step % 5 == 0:
+            row["val_loss"] = row["loss"] + 0.1
+        rows.append(row)
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return directory
+
+
+def _colour_pixels(image, rgb, tolerance=0.02):
+    target = np.array(rgb) / 255
+    return int((np.abs(image[..., :3] - target) < tolerance).all(-1).sum())
+
+
+def test_plot_writes_a_png_with_every_run_drawn(tmp_path):
+    import matplotlib.image
+
+    first, second = fake_run(tmp_path / "a", 20, 1.0), fake_run(tmp_path / "b", 30, 1.5, batch=16)
+    out = tmp_path / "pictures" / "runs.png"
+    result = run_cli("plot", first, second, "--out", out)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(out)
+    assert image.shape[:2] == (1280, 1200)
+    assert image[..., :3].std() > 0.05  # not blank
+    assert _colour_pixels(image, BLUE) > 500 and _colour_pixels(image, ORANGE) > 500  # both runs' lines
+
+
+def test_tokens_seen_follow_the_global_batch_and_window(tmp_path):
+    from llm.plot import read_run
+
+    run = read_run(fake_run(tmp_path / "a", 10, 1.0, batch=16, seq_len=64))
+    xs, ys = run.points("val_loss", "tokens")
+    assert xs == [5 * 16 * 64, 10 * 16 * 64] and len(ys) == 2
+
+
+def test_a_directory_without_metrics_is_a_one_line_error(tmp_path):
+    result = run_cli("plot", tmp_path, "--out", tmp_path / "x.png")
+    assert result.returncode == 2 and "no metrics.jsonl" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_without_matplotlib_plotting_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(UserError, match="pip install matplotlib"):
+        plot_runs([fake_run(tmp_path / "a", 3, 1.0)], tmp_path / "x.png")

@@ -1,0 +1,177 @@
+"""`train.max_time`: the run ends inside the budget with the learning-rate schedule complete (a simulated clock
+drives the budget exactly as the trainer does), and a killed time-budget run resumes with its clock (a real run)."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import run_cli, train_args
+from llm.config import TrainConfig, build_config
+from llm.errors import UserError
+from llm.runtime.distributed import DistInfo
+from llm.train.schedule import lr_multiplier
+from llm.train.time_budget import TimeBudget
+
+ONE_RANK = DistInfo(0, 0, 1, 1, torch.device("cpu"))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def simulate(t: TrainConfig, step_time, eval_time, save_time, state=None, start=0, kill_after=None):
+    """Drive a TimeBudget through the trainer's sequence of calls on a fake clock, with evaluations and checkpoints
+    every t.eval_every and t.save_every steps. Returns (multiplier used by each step, seconds on the clock when the
+    run ended, the state saved at the last checkpoint with the scheduler's next multiplier, its step)."""
+    clock = FakeClock()
+    budget = TimeBudget(t, ONE_RANK, clock)
+    budget.load_state_dict(state and state["budget"])
+    budget.start(start)
+    step, used, saved = start, [], (None, None)
+    # the scheduler's value for the first step: computed at its start, or restored from the checkpoint
+    next_lr = state["next_lr"] if state else lr_multiplier(step, t, budget)
+    last = step >= t.max_steps or budget.out_of_time(step)
+    while not last:
+        used.append(next_lr)
+        clock.now += step_time(step) if callable(step_time) else step_time
+        step += 1
+        next_lr = lr_multiplier(step, t, budget)  # DeepSpeed steps the schedule at the end of the optimizer step
+        last = step >= t.max_steps or budget.out_of_time(step)
+        calibrate = budget.calibration_due(step)
+        eval_due = last or calibrate or bool(t.eval_every and step % t.eval_every == 0)
+        with budget.overhead("eval" if eval_due else None):
+            clock.now += eval_time if eval_due else 0.0
+        save_due = last or calibrate or bool(t.save_every and step % t.save_every == 0)
+        with budget.overhead("save" if save_due else None):
+            if save_due:
+                clock.now += save_time
+                saved = ({"budget": budget.state_dict(), "next_lr": next_lr}, step)
+        budget.end_iteration(step)
+        if step == kill_after:
+            break
+    return used, clock.now - 1000.0 + (state["budget"]["elapsed"] if state else 0.0), *saved
+
+
+def cosine(t: TrainConfig, progress: float) -> float:
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
+
+
+@pytest.mark.parametrize("step_time", [0.7, 1.3, lambda step: 3.0 if step == 0 else 0.9])
+@pytest.mark.parametrize("eval_every", [0, 25])
+def test_the_run_ends_inside_the_budget_with_the_schedule_complete(step_time, eval_every):
+    t = TrainConfig(max_time="5m", max_steps=10**6, warmup_steps=10, min_lr_ratio=0.1, eval_every=eval_every,
+                    save_every=40)
+    used, total, _, _ = simulate(t, step_time, eval_time=4.0, save_time=2.0)
+    assert total <= 300.0  # the last step, its evaluation and its checkpoint included
+    assert total > 300.0 - 3 * 1.3 - 4.0 - 2.0  # and the budget is used
+    assert used[:10] == pytest.approx([(k + 1) / 10 for k in range(10)])  # warmup by steps
+    decay = used[10:]
+    assert all(a >= b for a, b in zip(decay, decay[1:], strict=False))  # a cosine that only falls
+    assert used[-1] == pytest.approx(t.min_lr_ratio, abs=2e-3)  # ... to its floor at the last step
+
+
+def test_the_step_budget_still_caps_a_time_budget_and_completes_the_schedule():
+    t = TrainConfig(max_time="1h", max_steps=50, warmup_steps=5, min_lr_ratio=0.1, eval_every=0, save_every=0)
+    used, total, _, last_step = simulate(t, 1.0, eval_time=0.5, save_time=0.5)
+    assert len(used) == 50 and last_step == 50 and total < 60
+    assert used[-1] == pytest.approx(cosine(t, 44 / 45))
+
+
+def test_a_resumed_budget_decides_exactly_as_an_uninterrupted_one():
+    t = TrainConfig(max_time=200, max_steps=10**6, warmup_steps=5, eval_every=20, save_every=30)
+    straight, straight_total, _, _ = simulate(t, 1.1, eval_time=3.0, save_time=1.0)
+    first, _, state, tag = simulate(t, 1.1, eval_time=3.0, save_time=1.0, kill_after=75)
+    assert tag == 60 and state["budget"]["elapsed"] > 0  # killed at 75: steps 61-75 are lost with their time
+    rest, total, _, _ = simulate(t, 1.1, eval_time=3.0, save_time=1.0, state=state, start=60)
+    assert first[:60] + rest == pytest.approx(straight)
+    assert total == pytest.approx(straight_total) and total <= 200
+
+
+def test_without_a_budget_nothing_changes():
+    t = TrainConfig(max_steps=100, warmup_steps=10)
+    budget = TimeBudget(t, ONE_RANK, FakeClock())
+    assert not budget.enabled and not budget.out_of_time(99) and budget.state_dict() is None
+    assert [lr_multiplier(s, t, budget) for s in range(100)] == [lr_multiplier(s, t) for s in range(100)]
+
+
+@pytest.mark.parametrize("value,seconds", [("10m", 600), ("1h30m", 5400), ("90s", 90), ("2.5h", 9000), (600, 600),
+                                           ("45", 45)])
+def test_max_time_takes_seconds_or_durations(value, seconds):
+    assert build_config("demo", [f"train.max_time={value}"]).train.max_time_seconds() == seconds
+
+
+@pytest.mark.parametrize("value", ["10x", "m", "10m5", "0", "-5s"])
+def test_a_malformed_max_time_names_the_key(value):
+    with pytest.raises(UserError, match="train.max_time"):
+        build_config("demo", [f"train.max_time={value}"])
+
+
+# ---- a real run ------------------------------------------------------------------------------------
+
+BUDGET = ["train.max_steps=100000", "train.max_time=20", "train.save_every=3", "train.eval_every=0",
+          "train.precision=fp32", "train.sample_tokens=4", "train.min_lr_ratio=0.1"]
+
+
+def _assert_the_last_step_ran_at_the_floor(rows, budget):
+    """Up to the share of the budget that two steps, an evaluation and a checkpoint take (as the run measured them):
+    the stop comes before a step that would not fit, and the projections count the step times and the evaluations
+    and checkpoints planned, each an estimate."""
+    t = build_config("demo", ["train.lr=3e-3", *BUDGET]).train
+    reserve = budget["eval_seconds"] + budget["save_seconds"]
+    horizon = budget["max_time"] - reserve - budget["warmup_end"]
+    assert rows[-1]["lr"] / 3e-3 <= cosine(t, 1 - (2 * budget["step_seconds"] + reserve) / horizon) + 1e-9
+
+
+def _client_state(run, step):
+    return json.loads((run / "checkpoints" / f"global_step{step}" / "client_state.json").read_text())
+
+
+def test_a_killed_time_budget_run_resumes_its_clock_and_completes_its_schedule(pretrain_data, tmp_path):
+    latest = tmp_path / "checkpoints" / "latest"
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "llm", *map(str, train_args(pretrain_data, tmp_path, *BUDGET))],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.time() + 300
+            while not (latest.is_file() and latest.read_text() == "global_step3"):
+                assert proc.poll() is None and time.time() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+                time.sleep(0.01)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    saved = _client_state(tmp_path, 3)["time_budget"]
+    assert 0 < saved["elapsed"] < 20 and saved["max_time"] == 20
+
+    result = run_cli(*train_args(pretrain_data, tmp_path, *BUDGET, extra=["--resume", "auto"]))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"resumed at step 3, time budget 20 s ({saved['elapsed']:.1f} s used)" in result.stdout
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]["step"]
+    assert [r["step"] for r in rows] == list(range(1, last + 1)) and last > 3
+    final = _client_state(tmp_path, last)["time_budget"]
+    assert final["elapsed"] > saved["elapsed"]
+    _assert_the_last_step_ran_at_the_floor(rows, final)
+    records = [json.loads(line) for line in (tmp_path / "run_record.jsonl").read_text().splitlines()]
+    assert [r["resumed_from"] for r in records] == [None, "global_step3"]
+
+
+def test_two_ranks_agree_on_the_clock_and_stop_after_the_same_step(pretrain_data, tmp_path):
+    """Rank 0's clock decides for both (a rank stopping alone would hang the other in its next collective)."""
+    result = run_cli(*train_args(pretrain_data, tmp_path, *BUDGET[:1], "train.max_time=8", *BUDGET[2:], nproc=2),
+                     timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    state = _client_state(tmp_path, rows[-1]["step"])
+    assert state["world_size"] == 2 and state["time_budget"]["elapsed"] > 0
+    _assert_the_last_step_ran_at_the_floor(rows, state["time_budget"])
