@@ -305,6 +305,7 @@ def test_grpo_sigkill_then_resume_is_bit_exact(grpo_runs, policy, prompt_dir, tm
     ("missing prompts", "no-such-prompts.jsonl: no such file or directory"),
     ("bad reward", "--reward nosuchmodule:fn: cannot import nosuchmodule"),
     ("no usable prompt", "no usable prompt"),
+    ("too few prompts", "1 usable prompts, fewer than one step takes (2: train.micro_batch_size"),
 ])
 def test_bad_prompts_and_rewards_are_one_line_errors_before_training(policy, prompt_dir, tmp_path, case, message):
     prompts, reward = prompt_dir / "prompts.jsonl", "exact_match"
@@ -312,10 +313,13 @@ def test_bad_prompts_and_rewards_are_one_line_errors_before_training(policy, pro
         prompts = tmp_path / "no-such-prompts.jsonl"
     elif case == "bad reward":
         reward = "nosuchmodule:fn"
-    else:
+    elif case == "no usable prompt":
         prompts = tmp_path / "answerless.jsonl"
         prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")  # exact_match needs an answer
-    args = _grpo_args(policy, prompt_dir, tmp_path / "run", rewards=[reward])
+    else:
+        prompts = tmp_path / "one.jsonl"
+        prompts.write_text(json.dumps({"prompt": "hi", "answer": "1"}) + "\n")
+    args = _grpo_args(policy, prompt_dir, tmp_path / "run", rewards=[reward], nproc=1 if "few" in case else 2)
     args[args.index("--prompts") + 1] = prompts
     result = run_cli(*args)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
