@@ -79,7 +79,18 @@ STAGE_HELP = {
             "Train on `data prepare --kind dpo` pairs against a frozen reference (a second DeepSpeed engine "
             "holding the --init-from weights); logs rewards/chosen, rewards/rejected, rewards/accuracy, "
             "rewards/margin."),
+    "grpo": ("online group relative policy optimization on prompts and rewards",
+             "Each step samples grpo.group_size completions per prompt from the current policy (our KV-cache "
+             "generator), scores them with --reward, normalises rewards within each group and trains "
+             "grpo.updates_per_batch clipped policy-ratio updates with a KL term to the frozen --init-from "
+             "reference, over completion tokens only. Reads --prompts files directly (MiniMind RL conversations "
+             "or {\"prompt\", \"answer\"} records; bad records are reported as file:line). Logs reward/mean, "
+             "reward/std, reward/<term>, kl, clip_fraction, completion_length, rollout_tokens_per_sec. See "
+             "docs/grpo.md."),
 }
+REWARD_HELP = ("a reward term [WEIGHT*]NAME, repeatable: exact_match (final answer against the record's 'answer'), "
+               "format[:REGEX], length (penalty), model:DIR (a local sequence-classification model) or "
+               "module:function (yours); default: grpo.reward (exact_match)")
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -92,9 +103,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                             "75; --resume auto continues exactly, also on another number of ranks. In a multi-rank "
                             "job a rank that dies or hangs ends the job on every rank, named, with exit 76.")
         _add_run_options(t)
-        t.add_argument("--data", required=True, help=f"directory from `zerollm data prepare --kind {stage}`")
+        if stage == "grpo":
+            t.add_argument("--prompts", nargs="+", required=True, metavar="FILE",
+                           help="prompt files or directories (.jsonl/.json/.txt)")
+            t.add_argument("--reward", action="append", default=None, metavar="TERM", help=REWARD_HELP)
+        else:
+            t.add_argument("--data", required=True, help=f"directory from `zerollm data prepare --kind {stage}`")
         t.add_argument("--out", required=True, help="run directory")
-        t.add_argument("--init-from", default=None, metavar="DIR", required=stage == "dpo",
+        t.add_argument("--init-from", default=None, metavar="DIR", required=stage in ("dpo", "grpo"),
                        help="start from the weights of a run directory or an export directory")
         if stage == "dpo":
             t.add_argument("--beta", type=float, default=None, help="DPO beta (default: train.dpo_beta, 0.1)")
@@ -340,16 +356,27 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_config(args: argparse.Namespace):
+    """The run config of a `train STAGE` command: recipe, --set overrides, then the command's own options."""
+    extra = [f"train.stage={args.stage}"] + ([f"wandb.mode={args.wandb}"] if args.wandb else [])
+    if getattr(args, "beta", None) is not None:
+        extra.append(f"train.dpo_beta={args.beta}")
+    return build_config(args.recipe, [*args.overrides, *extra],
+                        paths={"data.path": getattr(args, "data", None), "train.init_from": args.init_from,
+                               "grpo.prompts": getattr(args, "prompts", None),
+                               "grpo.reward": getattr(args, "reward", None)})
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from launch.local import relaunch_local, under_launcher
     from llm.train.job import run
 
-    extra = [f"train.stage={args.stage}"] + ([f"wandb.mode={args.wandb}"] if args.wandb else [])
-    if getattr(args, "beta", None) is not None:
-        extra.append(f"train.dpo_beta={args.beta}")
-    cfg = build_config(args.recipe, [*args.overrides, *extra], paths={"data.path": args.data,
-                                                                       "train.init_from": args.init_from})
+    cfg = _train_config(args)
     if args.nproc > 1 and not under_launcher():
+        if cfg.train.stage == "grpo":
+            from llm.train.rollout import grpo_inputs
+
+            grpo_inputs(cfg)  # a mistake in the prompts or rewards is one line here, not one per rank
         return relaunch_local(args.nproc, args.argv)
     code = run(cfg, Path(args.out), args.deepspeed, resume=args.resume == "auto", zero_stage=args.zero_stage)
     # Every file is written and every rank has passed the final barrier. End the process without interpreter
@@ -373,7 +400,7 @@ def checked_training_command(job: list[str]) -> tuple[list[str], Path]:
         parsed = build_parser().parse_args(job)
     except SystemExit as exc:
         raise UserError(f"the training command is invalid: {' '.join(job)}") from exc
-    build_config(parsed.recipe, parsed.overrides, paths={"data.path": parsed.data, "train.init_from": parsed.init_from})
+    _train_config(parsed)
     return job, Path(parsed.out)
 
 

@@ -1,6 +1,6 @@
 """Run configuration: dataclasses documented field by field, YAML recipes, dotted overrides.
 
-A run config has four sections, `model`, `data`, `train` and `wandb`. Recipes in `llm/recipes/`
+A run config has five sections, `model`, `data`, `train`, `grpo` and `wandb`. Recipes in `llm/recipes/`
 (or any YAML file) set some fields; `--set section.field=value` overrides them; `validate()` checks
 the whole and raises `UserError` naming the key at fault.
 """
@@ -109,9 +109,10 @@ def parse_duration(value: float | str, key: str) -> float:
 @dataclass
 class TrainConfig:
     stage: str = "pretrain"
-    """'pretrain', 'sft' or 'dpo' (set by `zerollm train STAGE`)."""
+    """'pretrain', 'sft', 'dpo' or 'grpo' (set by `zerollm train STAGE`)."""
     init_from: str | None = None
-    """Run directory or export directory whose weights start this run (SFT from pretraining, DPO from SFT)."""
+    """Run directory or export directory whose weights start this run (SFT from pretraining, DPO from SFT, GRPO
+    from either)."""
     dpo_beta: float = 0.1
     """DPO temperature: rewards are beta * (log pi - log pi_ref) summed over reply tokens."""
     dpo_loss: str = "sigmoid"
@@ -167,6 +168,53 @@ class TrainConfig:
 
 
 @dataclass
+class GRPOConfig:
+    """Online Group Relative Policy Optimization (`zerollm train grpo`; see docs/grpo.md). A step samples
+    `group_size` completions for each of its prompts from the current policy, scores them, and trains
+    `updates_per_batch` optimizer steps on them. Completions are the step's samples: train.micro_batch_size *
+    train.grad_accum completions per rank, so that many / group_size prompts per rank. data.seq_len bounds
+    prompt + completion; longer prompts are skipped and reported."""
+
+    prompts: list[str] = field(default_factory=list)
+    """Prompt files or directories (set by --prompts): MiniMind RL conversations (the prompt is every turn up to
+    the final user turn) or {"prompt", "answer"} records; the record's other fields reach the rewards."""
+    reward: list[str] = field(default_factory=lambda: ["exact_match"])
+    """Reward terms (set by --reward, one term each), summed: [WEIGHT*]NAME with NAME one of exact_match,
+    format[:REGEX], length, model:DIR (a local sequence-classification model) or module:function (see
+    `llm.train.rewards`)."""
+    group_size: int = 8
+    """Completions per prompt (G); advantages are normalised within each group."""
+    max_new_tokens: int = 64
+    """Longest completion; a completion that reaches it without a stop token is cut there."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts; log-probabilities in the loss use the same temperature."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (0 = off)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1 = off)."""
+    updates_per_batch: int = 1
+    """Optimizer steps on each batch of rollouts (mu); above 1 the clipped ratio to the rollout policy matters."""
+    clip_low: float = 0.2
+    """The policy ratio is clipped to [1 - clip_low, 1 + clip_high]."""
+    clip_high: float = 0.2
+    """Above clip_low gives DAPO's asymmetric clipping ('clip-higher', e.g. 0.28)."""
+    kl_coef: float = 0.04
+    """Weight of the KL term to the frozen reference (the --init-from weights); 0 builds no reference model."""
+    loss: str = "grpo"
+    """'grpo' (clipped surrogate, PPO-style) or 'cispo' (the clipped ratio as a stopped weight on every token's
+    log-probability, so no token loses its gradient; MiniMax-M1)."""
+    scale_rewards: bool = True
+    """Divide advantages by the group's reward standard deviation; false keeps only the mean subtracted (Dr. GRPO)."""
+    token_mean: bool = False
+    """Average the loss over every completion token of a micro-batch (DAPO) instead of per completion first."""
+    rollout_model: str = "gathered"
+    """What generates the rollouts under ZeRO-3 (under ZeRO 0-2 the engine's own module does, holding the full
+    parameters): 'gathered' (the parameters are gathered once per rollout into a hook-free view of the model and
+    released after it) or 'copy' (a full copy on each rank, kept and refreshed from the engine before every
+    rollout). docs/grpo.md has the measurement."""
+
+
+@dataclass
 class WandbConfig:
     mode: str = "off"
     """'off', 'offline' or 'online'."""
@@ -179,6 +227,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -226,7 +275,7 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         raise UserError(f"{source}: invalid YAML ({exc})".replace("\n", " ")) from None
     if not isinstance(raw, dict):
-        raise UserError(f"{source}: expected a mapping of sections (model, data, train, wandb)")
+        raise UserError(f"{source}: expected a mapping of sections (model, data, train, grpo, wandb)")
     return raw
 
 
@@ -282,8 +331,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def build_config(recipe: str | dict[str, Any], overrides: list[str] | None = None,
                  paths: dict[str, str | None] | None = None) -> RunConfig:
-    """Recipe (name, path or mapping) + `--set` overrides + command-line paths (taken verbatim, never parsed
-    as YAML; None leaves the key as it is) -> a validated RunConfig."""
+    """Recipe (name, path or mapping) + `--set` overrides + command-line paths (a path or a list of paths, taken
+    verbatim, never parsed as YAML; None leaves the key as it is) -> a validated RunConfig."""
     raw = load_recipe(recipe) if isinstance(recipe, str) else recipe
     cfg = RunConfig()
     for section_name, values in raw.items():
@@ -295,7 +344,7 @@ def build_config(recipe: str | dict[str, Any], overrides: list[str] | None = Non
         _apply(cfg, *parse_override(text))
     for key, value in (paths or {}).items():
         if value is not None:
-            _apply(cfg, key, str(value))
+            _apply(cfg, key, [str(v) for v in value] if isinstance(value, list) else str(value))
     validate(cfg)
     return cfg
 
@@ -324,6 +373,31 @@ def validate_model(m: ModelConfig) -> None:
     _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
 
 
+STAGES = ("pretrain", "sft", "dpo", "grpo")
+
+
+def validate_grpo(cfg: RunConfig) -> None:
+    g, t = cfg.grpo, cfg.train
+    _require(bool(g.prompts), "GRPO needs prompt files: pass --prompts FILE...")
+    _require(g.group_size >= 2, f"grpo.group_size must be at least 2 (advantages compare a group), got {g.group_size}")
+    completions = t.micro_batch_size * t.grad_accum
+    _require(completions % g.group_size == 0,
+             f"train.micro_batch_size * train.grad_accum ({completions}) completions per rank must be a multiple of "
+             f"grpo.group_size ({g.group_size})")
+    _require(0 < g.max_new_tokens < cfg.data.seq_len,
+             f"grpo.max_new_tokens ({g.max_new_tokens}) must be positive and below data.seq_len ({cfg.data.seq_len}), "
+             "which bounds prompt + completion")
+    _require(g.temperature > 0, f"grpo.temperature must be positive (rollouts are sampled), got {g.temperature}")
+    _require(g.top_k >= 0 and 0 < g.top_p <= 1, "grpo.top_k must be >= 0 and grpo.top_p in (0, 1]")
+    _require(g.updates_per_batch >= 1, f"grpo.updates_per_batch must be >= 1, got {g.updates_per_batch}")
+    _require(0 <= g.clip_low < 1 and g.clip_high >= 0,
+             f"grpo.clip_low must be in [0, 1) and grpo.clip_high >= 0, got {g.clip_low} and {g.clip_high}")
+    _require(g.kl_coef >= 0, f"grpo.kl_coef must be >= 0, got {g.kl_coef}")
+    _require(g.loss in ("grpo", "cispo"), f"grpo.loss must be grpo or cispo, got '{g.loss}'")
+    _require(g.rollout_model in ("gathered", "copy"),
+             f"grpo.rollout_model must be gathered or copy, got '{g.rollout_model}'")
+
+
 def validate(cfg: RunConfig) -> None:
     d, t = cfg.data, cfg.train
     validate_model(cfg.model)
@@ -331,11 +405,12 @@ def validate(cfg: RunConfig) -> None:
                        ("train.grad_accum", t.grad_accum), ("train.max_steps", t.max_steps)):
         _require(value > 0, f"{key} must be positive, got {value}")
     _require(d.seq_len <= cfg.model.max_seq_len, f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
-    _require(t.stage in ("pretrain", "sft", "dpo"), f"train.stage must be pretrain, sft or dpo, got '{t.stage}'")
+    _require(t.stage in STAGES, f"train.stage must be one of {', '.join(STAGES)}, got '{t.stage}'")
     _require(t.dpo_beta > 0, f"train.dpo_beta must be positive, got {t.dpo_beta}")
     _require(t.dpo_sft_weight >= 0, f"train.dpo_sft_weight must be >= 0, got {t.dpo_sft_weight}")
     _require(t.dpo_loss in ("sigmoid", "ipo"), f"train.dpo_loss must be sigmoid or ipo, got '{t.dpo_loss}'")
-    _require(t.stage != "dpo" or bool(t.init_from), "DPO needs --init-from (the policy and the frozen reference start there)")
+    _require(t.stage not in ("dpo", "grpo") or bool(t.init_from),
+             f"{t.stage.upper()} needs --init-from (the policy and the frozen reference start there)")
     _require(t.precision in ("auto", "bf16", "fp16", "fp32"),
              f"train.precision must be auto, bf16, fp16 or fp32, got '{t.precision}'")
     _require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
@@ -347,4 +422,6 @@ def validate(cfg: RunConfig) -> None:
     _require(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
     t.max_time_seconds()  # a malformed or non-positive duration is refused here
     _require(t.sample_tokens > 0, f"train.sample_tokens must be positive, got {t.sample_tokens}")
+    if t.stage == "grpo":
+        validate_grpo(cfg)
     _require(cfg.wandb.mode in ("off", "offline", "online"), f"wandb.mode must be off, offline or online, got '{cfg.wandb.mode}'")

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import run_cli, shared, train_args
 
+from conftest import run_cli, shared, train_args
 from llm import rundir
 from llm.config import build_config
 from llm.errors import UserError

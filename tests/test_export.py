@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
 from safetensors.torch import load_file, save_file
 
 import llm.export
 import llm.model.transformer
+from conftest import run_cli
 from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, export_model, import_model

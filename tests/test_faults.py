@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TINY
 
+from conftest import TINY
 from llm import durable, rundir
 from llm.cli import main
 from llm.loading import consolidated_weights

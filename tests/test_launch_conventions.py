@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY
-from standins import MPIRUN, OMPI_INFO, SSH, install
 
+from conftest import REPO, TINY
 from llm.errors import UserError
 from llm.runtime.distributed import free_port, rank_environment
+from standins import MPIRUN, OMPI_INFO, SSH, install
 
 BIN = Path(sys.executable).parent
 

@@ -10,10 +10,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO, TINY, run_cli
 from deepspeed.launcher.multinode_runner import PDSHRunner
-from standins import PDSH, SSH, install, pdsh_substitute
 
+from conftest import REPO, TINY, run_cli
 from launch.environment import deepspeed_env_files, parse_env
 from launch.hostfile import active_slots, read_hostfile
 from launch.launcher import is_rank_command, plan_launch
@@ -22,6 +21,7 @@ from launch.remote_shell import pdsh_argument, pdsh_export
 from llm.cli import build_parser, launch_options
 from llm.errors import UserError
 from llm.runtime.distributed import free_port
+from standins import PDSH, SSH, install, pdsh_substitute
 
 
 def _launch_args(*argv):

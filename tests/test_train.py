@@ -27,7 +27,7 @@ def test_two_rank_training_under_each_zero_stage(zero_runs, stage):
     run = zero_runs[stage]
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all(METRIC_KEYS <= set(r) for r in rows)
+    assert all(set(r) >= METRIC_KEYS for r in rows)
     assert all(math.isfinite(r["loss"]) and r["tokens_per_sec"] > 0 for r in rows)
     assert [r["step"] for r in rows if "val_loss" in r] == [2, 4]
     assert rows[-1]["loss"] < rows[0]["loss"]

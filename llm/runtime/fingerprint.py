@@ -1,11 +1,11 @@
 """Rank agreement, checked at rendezvous before any training step.
 
 Every rank all-gathers a fingerprint: the code version, the software versions, every key of the
-resolved run config and DeepSpeed config, a digest of the data file and the tokenizer hash. Nodes
+resolved run config and DeepSpeed config, digests of the data files and the tokenizer hash. Nodes
 started with a different checkout, config or data would otherwise train silently on different
 things (or deadlock in mismatched collectives); here the job stops on every rank with one message
-naming the differing fields and ranks. Node-local paths (data.path, train.init_from) are not compared;
-the data and weights they hold are, through their digests.
+naming the differing fields and ranks. Node-local paths (data.path, train.init_from, grpo.prompts) are not
+compared; the data and weights they hold are, through their digests.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from llm.errors import UserError
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout (llm/runtime/ is two levels down)
 CODE_DIRS = ("llm", "kernels", "launch", "ds_configs")
-NODE_LOCAL_KEYS = {"config.data.path", "config.train.init_from"}
+NODE_LOCAL_KEYS = {"config.data.path", "config.train.init_from", "config.grpo.prompts"}
 _CHUNK = 1 << 20
 
 
@@ -57,11 +57,11 @@ def _flatten(prefix: str, node: Any, out: dict[str, str]) -> None:
         out[prefix] = repr(node)
 
 
-def fingerprint(config: dict, ds_config: dict, data_file: Path, tokenizer_hash: str) -> dict[str, str]:
+def fingerprint(config: dict, ds_config: dict, data_files: list[Path], tokenizer_hash: str) -> dict[str, str]:
     fields = {"code": code_version(),
               "software": f"python {platform.python_version()}, torch {torch.__version__}, "
                           f"deepspeed {importlib.metadata.version('deepspeed')}",
-              "data": file_digest(data_file), "tokenizer": tokenizer_hash}
+              "data": ",".join(file_digest(path) for path in data_files), "tokenizer": tokenizer_hash}
     _flatten("config", config, fields)
     _flatten("ds_config", ds_config, fields)
     for key in NODE_LOCAL_KEYS:

@@ -147,8 +147,15 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, ds_config: dict[str, An
     return engine
 
 
+def full_parameters(engine):
+    """A context in which the engine's module holds its full parameters on every rank: gathered (read-only) under
+    ZeRO-3, as they are under the other stages."""
+    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
+                                             enabled=engine.zero_optimization_stage() == 3)
+
+
 def frozen_engine(model: torch.nn.Module, ds_config: dict[str, Any]):
-    """An inference-only DeepSpeed engine of a frozen model (e.g. DPO's reference): partitioned like the policy
+    """An inference-only DeepSpeed engine of a frozen model (DPO's and GRPO's reference): partitioned like the policy
     under ZeRO-3, replicated (stage 0) otherwise."""
     model.requires_grad_(False)
     config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}

@@ -1,6 +1,9 @@
 """Starting a training job on every rank: check the inputs, join the process group, resolve the DeepSpeed
-config, agree across ranks, build the model, engines, objective and data, resume, then run the loop
+config, agree across ranks, build the model, engines, objective, data and step source, resume, then run the loop
 (`llm.train.trainer`). A rank that fails, dies or hangs ends the job on every rank (`llm.runtime.watchdog`).
+
+Pretraining, SFT and DPO read data prepared by `zerollm data prepare`; GRPO reads prompt files and takes its
+tokenizer from its --init-from model (`llm.train.rollout.grpo_inputs`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.distributed as dist
 from llm import rundir
 from llm.config import RunConfig
 from llm.data.datasets import DATASETS, read_data_attrs
+from llm.data.formats import expand_inputs
 from llm.data.prepare import TOKENS_FILE
 from llm.errors import UserError
 from llm.loading import initial_weights
@@ -35,10 +39,12 @@ from llm.train.engine import (
     resolve_precision,
 )
 from llm.train.metrics import MetricsLogger, MetricsSink
-from llm.train.objectives import DPOObjective, causal_lm
-from llm.train.run_record import check_same_data, data_summary, run_record, write_run_record
+from llm.train.objectives import DPOObjective, GRPOObjective, causal_lm
+from llm.train.rollout import Rollouts, grpo_inputs, tokenizer_dir
+from llm.train.run_record import check_same_data, data_summary, prompts_summary, run_record, write_run_record
 from llm.train.samples import SampleGenerator
 from llm.train.schedule import lr_multiplier
+from llm.train.steps import DataSteps
 from llm.train.time_budget import TimeBudget
 from llm.train.trainer import Trainer
 
@@ -51,17 +57,40 @@ def seed_rank_rngs(seed: int, rank: int) -> None:
     torch.manual_seed(derived)
 
 
-def check_tokenizer(run_dir: Path, data_dir: Path, data_hash: str) -> None:
-    """Refuse data tokenized with another tokenizer than the one this run directory already keeps."""
+def input_tokenizer(cfg: RunConfig) -> Path:
+    """The tokenizer the run's input is tokenized with: the prepared data's, or GRPO's --init-from model's."""
+    return tokenizer_dir(cfg) if cfg.train.stage == "grpo" else rundir.tokenizer_dir(Path(cfg.data.path))
+
+
+def input_attrs(cfg: RunConfig) -> dict:
+    """vocab_size, tokenizer_hash and pad_id of the run's input: the prepared data's attributes, or (GRPO, which
+    reads raw prompt files) its tokenizer's."""
+    if cfg.train.stage == "grpo":
+        tokenizer = Tokenizer.load(tokenizer_dir(cfg))
+        return {"vocab_size": tokenizer.vocab_size, "tokenizer_hash": tokenizer.hash, "pad_id": tokenizer.pad_id}
+    if not cfg.data.path:
+        raise UserError("no training data: pass --data DIR (a directory made by `zerollm data prepare`)")
+    return read_data_attrs(cfg.data.path, cfg.train.stage)
+
+
+def input_files(cfg: RunConfig) -> list[Path]:
+    """The files whose digests the ranks compare at rendezvous."""
+    return expand_inputs(cfg.grpo.prompts) if cfg.train.stage == "grpo" else [Path(cfg.data.path) / TOKENS_FILE]
+
+
+def check_tokenizer(run_dir: Path, cfg: RunConfig, input_hash: str) -> None:
+    """Refuse input tokenized with another tokenizer than the one this run directory already keeps."""
     kept = rundir.tokenizer_dir(run_dir)
-    if kept.is_dir() and (kept_hash := Tokenizer.load(kept).hash) != data_hash:
-        raise UserError(f"{data_dir} was tokenized with another tokenizer (hash {data_hash}) than this run's "
-                        f"{kept} (hash {kept_hash}); prepare the data with {kept}")
+    if kept.is_dir() and (kept_hash := Tokenizer.load(kept).hash) != input_hash:
+        source = f"--init-from {cfg.train.init_from} has" if cfg.train.stage == "grpo" else \
+            f"{cfg.data.path} was tokenized with"
+        raise UserError(f"{source} another tokenizer (hash {input_hash}) than this run's {kept} (hash {kept_hash}); "
+                        f"use {kept}")
 
 
-def keep_tokenizer(run_dir: Path, data_dir: Path) -> None:
-    """Copy the data's tokenizer into the run directory, so the run is self-contained."""
-    source, kept = rundir.tokenizer_dir(data_dir), rundir.tokenizer_dir(run_dir)
+def keep_tokenizer(run_dir: Path, source: Path) -> None:
+    """Copy the input's tokenizer directory into the run directory, so the run is self-contained."""
+    kept = rundir.tokenizer_dir(run_dir)
     if source.is_dir() and not kept.is_dir():
         shutil.copytree(source, kept)
 
@@ -82,12 +111,16 @@ def convert_if_resharded(run_dir: Path, tag: str, info: DistInfo) -> bool:
 
 
 def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, data_attrs: dict) -> Trainer:
-    """The model (seeded alike on every rank, or `--init-from` weights), its engine, the stage's objective and
-    data, and the per-rank RNG streams (dropout, sampling)."""
-    t = cfg.train
-    dataset = DATASETS[t.stage]
-    train_set = dataset(cfg.data.path, "train", cfg.data.seq_len, data_attrs["pad_id"])
-    val_set = dataset(cfg.data.path, "val", cfg.data.seq_len, data_attrs["pad_id"])
+    """The model (seeded alike on every rank, or `--init-from` weights), its engine, the stage's data, objective
+    and step source, and the per-rank RNG streams (dropout)."""
+    t, grpo = cfg.train, cfg.train.stage == "grpo"
+    if grpo:
+        tokenizer, reward, train_set = grpo_inputs(cfg, info.device)
+        val_set = None
+    else:
+        dataset = DATASETS[t.stage]
+        train_set = dataset(cfg.data.path, "train", cfg.data.seq_len, data_attrs["pad_id"])
+        val_set = dataset(cfg.data.path, "val", cfg.data.seq_len, data_attrs["pad_id"])
     torch.manual_seed(t.seed)  # identical initial weights on every rank
     model = Transformer(cfg.model)
     weights = initial_weights(cfg.model, t.init_from, data_attrs["tokenizer_hash"]) if t.init_from else None
@@ -96,42 +129,50 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
     n_params = model.num_parameters()  # before ZeRO-3 partitions the parameters
     seed_rank_rngs(t.seed, info.rank)  # then per-rank streams (dropout, sampling)
     budget = TimeBudget(t, info)
-    engine = build_engine(model, cfg, ds_config, lambda step: lr_multiplier(step, t, budget))
-    if t.stage == "dpo":
+    updates = cfg.grpo.updates_per_batch if grpo else 1  # optimizer steps per training step: one schedule step
+    engine = build_engine(model, cfg, ds_config, lambda step: lr_multiplier(step // updates, t, budget))
+    reference = None
+    if t.stage == "dpo" or (grpo and cfg.grpo.kl_coef > 0):
         reference = Transformer(cfg.model)
         reference.load_state_dict(weights)
-        objective = DPOObjective(frozen_engine(reference, ds_config), t.dpo_beta, t.dpo_loss, t.dpo_sft_weight)
+        reference = frozen_engine(reference, ds_config)
+    steps = DataSteps(cfg, info.device)
+    if t.stage == "dpo":
+        objective = DPOObjective(reference, t.dpo_beta, t.dpo_loss, t.dpo_sft_weight)
+    elif grpo:
+        objective = GRPOObjective(cfg.grpo)
+        steps = Rollouts(cfg, info, engine, tokenizer, reward, reference)
     else:
         objective = causal_lm
-    return Trainer(cfg, run_dir, info, engine, objective, train_set, val_set, n_params, budget,
+    return Trainer(cfg, run_dir, info, engine, objective, steps, train_set, val_set, n_params, budget,
                    _sample_generator(cfg, engine, info))
 
 
 def _sample_generator(cfg: RunConfig, engine, info: DistInfo) -> SampleGenerator | None:
     """Samples at each evaluation, with the data's tokenizer (data made without one, e.g. by `bench train`, gets
     none)."""
-    tokenizer_dir = rundir.tokenizer_dir(Path(cfg.data.path))
-    if not cfg.train.sample_prompts or not tokenizer_dir.is_dir():
+    source = tokenizer_dir(cfg) if cfg.train.stage == "grpo" else rundir.tokenizer_dir(Path(cfg.data.path))
+    if not cfg.train.sample_prompts or not source.is_dir():
         return None
-    return SampleGenerator(cfg.train.sample_prompts, cfg.train.sample_tokens, Tokenizer.load(tokenizer_dir), engine,
+    return SampleGenerator(cfg.train.sample_prompts, cfg.train.sample_tokens, Tokenizer.load(source), engine,
                            info, chat=cfg.train.stage != "pretrain")
 
 
 def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool, zero_stage: int | None = None) -> int:
     """Train `cfg` into `run_dir` under DeepSpeed; returns the process exit code."""
-    if not cfg.data.path:
-        raise UserError("no training data: pass --data DIR (a directory made by `zerollm data prepare`)")
-    attrs = read_data_attrs(cfg.data.path, cfg.train.stage)
+    attrs = input_attrs(cfg)
     if cfg.model.vocab_size is None:  # the recipe does not pin one: the tokenizer's
         cfg.model.vocab_size = attrs["vocab_size"]
     if attrs["vocab_size"] > cfg.model.vocab_size:
-        raise UserError(f"{cfg.data.path}: tokenizer has {attrs['vocab_size']} tokens but model.vocab_size is "
+        source = cfg.train.init_from if cfg.train.stage == "grpo" else cfg.data.path
+        raise UserError(f"{source}: tokenizer has {attrs['vocab_size']} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}; set model.vocab_size >= {attrs['vocab_size']}")
-    check_tokenizer(run_dir, Path(cfg.data.path), attrs["tokenizer_hash"])
+    check_tokenizer(run_dir, cfg, attrs["tokenizer_hash"])
     raw_ds, ds_source = load_ds_config(ds_config_path, cfg.train.stage)
     if not resume and rundir.latest_tag(run_dir) is not None:
         raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out")
-    data = data_summary(Path(cfg.data.path), attrs)
+    data = prompts_summary(input_files(cfg), attrs) if cfg.train.stage == "grpo" else \
+        data_summary(Path(cfg.data.path), attrs)
     if resume and rundir.latest_tag(run_dir) is not None:
         check_same_data(run_dir, data)
     info = setup_distributed(cfg.train.collective_timeout_s)
@@ -158,8 +199,8 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
 def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, attrs: dict, resume: bool,
              watchdog: Watchdog | None, data: dict) -> int:
     if info.world_size > 1:
-        check_ranks_agree(fingerprint(cfg.to_dict(), ds_config, Path(cfg.data.path) / TOKENS_FILE,
-                                      attrs["tokenizer_hash"]), announce=info.local_rank == 0)
+        check_ranks_agree(fingerprint(cfg.to_dict(), ds_config, input_files(cfg), attrs["tokenizer_hash"]),
+                          announce=info.local_rank == 0)
     tag = checkpoint.resume_tag(run_dir) if resume else None
     universal = tag is not None and convert_if_resharded(run_dir, tag, info)
     engine_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}} \
@@ -177,7 +218,7 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
         write_run_record(run_dir, record)
         _announce(cfg, info, ds_config, trainer, resumed=tag is not None)
     sink = MetricsSink(run_dir, cfg, trainer.run_id, trainer.step, record) if info.is_main else None
-    logger = MetricsLogger(cfg, info, trainer.n_params, trainer.global_batch, trainer.step, sink)
+    logger = MetricsLogger(cfg, info, trainer.n_params, trainer.step, sink)
     checkpointer = checkpoint.Checkpointer(trainer.engine, run_dir, cfg.train.save_every, cfg.train.keep_checkpoints,
                                            trainer.client_state)
     try:
@@ -188,17 +229,23 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
 
 def _write_run_files(cfg: RunConfig, run_dir: Path, ds_config: dict) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    keep_tokenizer(run_dir, Path(cfg.data.path))
+    keep_tokenizer(run_dir, input_tokenizer(cfg))
     cfg.save(rundir.config_file(run_dir))
     (run_dir / rundir.DS_CONFIG_FILE).write_text(json.dumps(ds_config, indent=2))
 
 
 def _announce(cfg: RunConfig, info: DistInfo, ds_config: dict, trainer: Trainer, resumed: bool) -> None:
-    train_set = trainer.train_set
-    print(f"{cfg.train.stage}: {trainer.n_params / 1e6:.3f} M parameters, {info.world_size} rank(s), "
-          f"ZeRO stage {ds_config.get('zero_optimization', {}).get('stage', 0)}, {cfg.train.precision}, "
-          f"{len(train_set):,} train samples"
-          + (f" ({100 * train_set.padding_fraction:.1f} % padding)" if cfg.train.stage == "sft" else "")
+    train_set, stage = trainer.train_set, cfg.train.stage
+    if stage == "grpo":
+        samples = (f"{len(train_set):,} prompts, {trainer.steps.draw_size} per rank per step with "
+                   f"{cfg.grpo.group_size} completions each, rollouts by the {trainer.steps.policy.mode} model")
+    else:
+        samples = f"{len(train_set):,} train samples" + (
+            f" ({100 * train_set.padding_fraction:.1f} % padding)" if stage == "sft" else "")
+    print(f"{stage}: {trainer.n_params / 1e6:.3f} M parameters, {info.world_size} rank(s), "
+          f"ZeRO stage {ds_config.get('zero_optimization', {}).get('stage', 0)}, {cfg.train.precision}, {samples}"
           + (f", resumed at step {trainer.step}" if resumed else "")
           + (f", time budget {trainer.budget.max_time:g} s ({trainer.budget.elapsed:.1f} s used)"
              if trainer.budget.enabled else ""), flush=True)
+    if stage == "grpo" and train_set.skipped:
+        print(train_set.summary(), flush=True)

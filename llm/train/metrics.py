@@ -86,6 +86,12 @@ class StepStats:
     """The objective's own numbers, means like `loss`."""
     loss_tokens: int
     """Loss-bearing target positions on every rank since the previous logged step."""
+    positions: int
+    """Token positions fed to training on every rank since the previous logged step (GRPO: each update counts)."""
+    generated_tokens: int = 0
+    """Tokens generated on every rank since the previous logged step (GRPO's rollouts)."""
+    generation_seconds: float = 0.0
+    """Time this rank spent generating since the previous logged step (excluded from training throughput)."""
 
 
 def _truncate_after(path: Path, step: int) -> None:
@@ -157,13 +163,14 @@ class MetricsLogger:
 
     Throughput is measured over the steps since the previous logged step, from the time spent in them
     (`timed`) up to the reduction at the logged step, which waits for the device: no other step waits.
+    Where a step generates (GRPO), `tokens_per_sec` counts training time only and `rollout_tokens_per_sec`
+    the generated tokens over the time spent generating and scoring them.
     """
 
-    def __init__(self, cfg: RunConfig, info: DistInfo, n_params: int, global_batch: int, start_step: int,
+    def __init__(self, cfg: RunConfig, info: DistInfo, n_params: int, start_step: int,
                  sink: MetricsSink | None) -> None:
         t = cfg.train
         self.cfg, self.sink = cfg, sink
-        self.tokens_per_step = global_batch * cfg.data.seq_len
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
         self.flops_per_token = flops_per_token(cfg.model, n_params, cfg.data.seq_len)
         self.peak_flops = peak_flops_per_rank(info.device, t.peak_tflops, dtype) * info.world_size
@@ -173,7 +180,6 @@ class MetricsLogger:
                         initial=start_step, desc=t.stage, unit="step", dynamic_ncols=True,
                         disable=sink is None or not self.interactive, file=sys.stdout)
         self._seconds = 0.0
-        self._steps = 0
 
     def due(self, step: int, eval_due: bool) -> bool:
         return step % self.cfg.train.log_every == 0 or eval_due
@@ -184,23 +190,25 @@ class MetricsLogger:
         start = time.perf_counter()
         yield
         self._seconds += time.perf_counter() - start
-        self._steps += 1
 
     def log(self, step: int, lr: float, stats: StepStats | None, grad_norm, epoch: int,
             val_loss: float | None = None) -> None:
         self.bar.update(1)
         if stats is None:
             return
-        seconds, steps = self._seconds, self._steps
-        self._seconds, self._steps = 0.0, 0
+        seconds, self._seconds = self._seconds, 0.0
         if self.sink is None:
             return
-        tokens_per_sec = self.tokens_per_step * steps / seconds
+        tokens_per_sec = stats.positions / max(seconds - stats.generation_seconds, 1e-9)
         row = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
                "tokens_per_sec": tokens_per_sec, "loss_tokens_per_sec": stats.loss_tokens / seconds,
                "mfu": self.flops_per_token * tokens_per_sec / self.peak_flops,
                "peak_mem_mb": peak_memory_mb(self.device), "epoch": epoch, **stats.metrics}
         status = {"loss": f"{stats.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_sec:.0f}"}
+        if stats.generated_tokens:
+            row["rollout_tokens_per_sec"] = stats.generated_tokens / max(stats.generation_seconds, 1e-9)
+        if "reward/mean" in stats.metrics:
+            status["reward"] = f"{stats.metrics['reward/mean']:.3f}"
         if val_loss is not None:
             row["val_loss"] = val_loss
             status["val_loss"] = f"{val_loss:.4f}"

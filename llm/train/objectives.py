@@ -5,6 +5,8 @@ a stage differs only in its dataset and its objective.
                     packed SFT samples carry segment ids so they neither see each other nor share positions
     dpo             DPOObjective: preference loss against a frozen reference model, log-probabilities
                     summed over reply tokens only
+    grpo            GRPOObjective: clipped policy-ratio loss on group-normalised advantages, with a KL term to
+                    a frozen reference, over completion tokens only (the rollouts are `llm.train.rollout`)
 
 Everything an objective returns stays on the training device (no host sync per micro-batch).
 """
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from llm.config import GRPOConfig
 
 
 @dataclass
@@ -36,10 +40,15 @@ def causal_lm(engine, batch: dict[str, torch.Tensor]) -> MicroStep:
     return MicroStep(out.loss, loss_tokens)
 
 
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(target) at every position `[batch, seq]`, in fp32, of the distribution softmax(logits / temperature)."""
+    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
 def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum over masked positions of log p(target), per row, in fp32."""
-    logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return (logps * mask).sum(-1)
+    return (token_logps(logits, targets) * mask).sum(-1)
 
 
 class DPOObjective:
@@ -75,3 +84,51 @@ class DPOObjective:
                    "rewards/accuracy": (chosen_reward > rejected_reward).float().mean(),
                    "rewards/margin": (chosen_reward - rejected_reward).mean()}
         return MicroStep(loss, mask.sum(), metrics)
+
+
+class GRPOObjective:
+    """Group Relative Policy Optimization (Shao et al., 2024) on one micro-batch of scored rollouts.
+
+    The batch holds `tokens`, `targets`, `mask` (1 on completion tokens), `advantages` (one per completion) and,
+    with the KL term on, `ref_logps`. Per completion token, with ratio r = pi / pi_rollout and advantage A:
+
+        grpo    -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)        (clip_high > clip_low: DAPO's clip-higher)
+        cispo   -stopgrad(clip(r, 1 - clip_low, 1 + clip_high)) A log pi  (MiniMax-M1: every token keeps a gradient)
+
+    plus kl_coef * KL(pi || pi_ref) by the unbiased estimator exp(ref - logp) - (ref - logp) - 1 (Schulman, 2020),
+    averaged per completion and then over completions (DeepSeekMath), or over all completion tokens
+    (`token_mean`, DAPO). pi_rollout is the policy that sampled the batch: the first update of a batch computes
+    it (the optimizer has not stepped yet) and keeps it in the batch as `old_logps` for the later updates.
+    Metrics: `kl` (mean per completion token) and `clip_fraction` (share of completion tokens whose ratio is
+    clipped, where clipping removes the gradient for grpo).
+    """
+
+    def __init__(self, g: GRPOConfig) -> None:
+        self.g = g
+
+    def _mean(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.g.token_mean:
+            return (per_token * mask).sum() / mask.sum().clamp(min=1)
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+
+    def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
+        g, mask = self.g, batch["mask"].float()
+        logps = token_logps(engine(batch["tokens"]).logits, batch["targets"], g.temperature)
+        old_logps = batch.setdefault("old_logps", logps.detach())
+        ratio = torch.exp(logps - old_logps)
+        advantages = batch["advantages"].unsqueeze(-1)
+        low, high = 1 - g.clip_low, 1 + g.clip_high
+        if g.loss == "cispo":
+            per_token = -ratio.clamp(low, high).detach() * advantages * logps
+            clipped = (ratio < low) | (ratio > high)
+        else:
+            per_token = -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages)
+            clipped = ((ratio < low) & (advantages < 0)) | ((ratio > high) & (advantages > 0))
+        n_tokens = mask.sum().clamp(min=1)
+        metrics = {"clip_fraction": (clipped.float() * mask).sum() / n_tokens}
+        if "ref_logps" in batch:
+            delta = batch["ref_logps"] - logps
+            kl = torch.exp(delta) - delta - 1
+            per_token = per_token + g.kl_coef * kl
+            metrics["kl"] = (kl.detach() * mask).sum() / n_tokens
+        return MicroStep(self._mean(per_token, mask), mask.sum(), metrics)

@@ -53,6 +53,13 @@ def data_summary(data_dir: Path, attrs: dict[str, Any]) -> dict[str, Any]:
             "tokens": tokens}
 
 
+def prompts_summary(files: list[Path], attrs: dict[str, Any]) -> dict[str, Any]:
+    """What identifies GRPO's prompt files (read raw, so no token counts): their paths and digests, the tokenizer."""
+    return {"path": ",".join(str(path.resolve()) for path in files),
+            "digest": ",".join(file_digest(path) for path in files), "tokenizer_hash": attrs["tokenizer_hash"],
+            "tokens": {}}
+
+
 def git_state(root: Path = PACKAGE_ROOT) -> dict[str, Any] | None:
     """The commit and dirtiness of the checkout the package runs from; None outside a git checkout (an installed
     package, even one inside another repository's tree)."""
@@ -120,7 +127,8 @@ def check_same_data(run_dir: Path, data: dict[str, Any]) -> None:
     before = record["data"]
     differences = []
     if before["digest"] != data["digest"]:
-        differences.append(f"tokens.h5 digest {before['digest']} then, {data['digest']} now")
+        what = "tokens.h5" if data["tokens"] else "prompt files'"
+        differences.append(f"{what} digest {before['digest']} then, {data['digest']} now")
     for split in SPLITS:
         then, now = before["tokens"].get(split), data["tokens"].get(split)
         if then != now:

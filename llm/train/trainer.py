@@ -1,15 +1,17 @@
 """The training loop, one for every stage: the story of a step.
 
-    draw grad_accum micro-batches -> objective -> engine.backward / engine.step (DeepSpeed accumulates, clips,
-    steps the optimizer and the schedule) -> advance the sampler -> evaluate (and write samples) when due ->
-    log when due -> agree on stopping -> checkpoint when due -> publish the time budget's clock
+    the step source makes the step's micro-batches (drawn data; GRPO: sampled and scored rollouts) ->
+    for each of its updates: objective -> engine.backward / engine.step over the micro-batches (DeepSpeed
+    accumulates, clips, steps the optimizer and the schedule) -> advance the sampler -> evaluate (and write
+    samples) when due -> log when due -> agree on stopping -> checkpoint when due -> publish the time budget's clock
 
 The run ends after train.max_steps steps or, with a time budget, before a step that would end past it
 (`llm.train.time_budget`), whichever comes first; the last step is evaluated and saved.
 
 Nothing in a step waits for the device: losses and the objective's metrics stay on it and are reduced
 across ranks once per logged step. Evaluation, logging, checkpoints and the stop vote are the only points
-where the host waits. Starting a job (config, engines, resume) is `llm.train.job`.
+where the host waits (and GRPO's rollouts, which need the sampled text on the host to score it). Starting a job
+(config, engines, resume) is `llm.train.job`; what a step trains on is `llm.train.steps`.
 """
 
 from __future__ import annotations
@@ -34,25 +36,28 @@ from llm.train.engine import loss_scale_of
 from llm.train.metrics import MetricsLogger, StepStats
 from llm.train.objectives import MicroStep
 from llm.train.samples import SampleGenerator
+from llm.train.steps import StepBatches
 from llm.train.time_budget import TimeBudget
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: Path, info: DistInfo, engine, objective, train_set: Dataset,
-                 val_set: Dataset, n_params: int, budget: TimeBudget | None = None,
+    def __init__(self, cfg: RunConfig, run_dir: Path, info: DistInfo, engine, objective, steps, train_set: Dataset,
+                 val_set: Dataset | None, n_params: int, budget: TimeBudget | None = None,
                  samples: SampleGenerator | None = None) -> None:
         """`engine`: the DeepSpeed engine of the model being trained; `objective(engine, batch) -> MicroStep`;
-        `n_params`: the model's parameter count (for throughput in FLOPs); `budget`: the time budget the schedule
-        reads (None: train.max_steps only); `samples`: what generates samples at each evaluation (None: none)."""
+        `steps`: the step source (`llm.train.steps`) that turns draws from `train_set` into micro-batches;
+        `val_set`: None for no evaluation; `n_params`: the model's parameter count (for throughput in FLOPs);
+        `budget`: the time budget the schedule reads (None: train.max_steps only); `samples`: what generates
+        samples at each evaluation (None: none)."""
         self.cfg, self.run_dir, self.dist = cfg, run_dir, info
-        self.engine, self.objective, self.n_params = engine, objective, n_params
+        self.engine, self.objective, self.steps, self.n_params = engine, objective, steps, n_params
         self.train_set, self.val_set = train_set, val_set
         t = cfg.train
         self.global_batch = t.micro_batch_size * t.grad_accum * info.world_size
-        if len(train_set) < self.global_batch:
-            raise UserError(f"{cfg.data.path}: the train split has {len(train_set)} samples of data.seq_len "
-                            f"positions, fewer than one global batch ({self.global_batch}); add data or lower "
-                            "train.micro_batch_size / data.seq_len")
+        self.samples_per_step = steps.draw_size * steps.draws_per_step * info.world_size
+        """Samples drawn by all ranks together per step (GRPO: prompts; a global batch of completions)."""
+        if len(train_set) < self.samples_per_step:
+            raise UserError(steps.too_few(len(train_set), self.samples_per_step))
         self.sampler = ResumableDistributedSampler(len(train_set), info.world_size, info.rank, seed=t.seed)
         self.preemption = Preemption(info)
         self.budget = budget or TimeBudget(t, info)
@@ -61,7 +66,11 @@ class Trainer:
         self.run_id = uuid.uuid4().hex[:12]
         self._batches = None
         self._metric_names: list[str] = []
+        self._step_metric_names: list[str] = []
         self._tokens_since_log = torch.zeros(1, dtype=torch.float64, device=info.device)
+        self._positions_since_log = 0
+        self._generated_since_log = 0
+        self._generation_seconds_since_log = 0.0
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -87,18 +96,20 @@ class Trainer:
 
     # ---- data ----------------------------------------------------------------------------------
 
-    def _next_micro_batch(self) -> dict[str, torch.Tensor]:
+    def _draw(self):
+        """The next `steps.draw_size` samples of this rank, collated by the step source."""
         if self._batches is None:
             on_gpu = self.dist.device.type == "cuda"
             workers = self.cfg.data.loader_workers
-            loader = DataLoader(self.train_set, batch_size=self.cfg.train.micro_batch_size, sampler=self.sampler,
+            loader = DataLoader(self.train_set, batch_size=self.steps.draw_size, sampler=self.sampler,
+                                collate_fn=self.steps.collate,
                                 num_workers=(2 if on_gpu else 0) if workers is None else workers, pin_memory=on_gpu)
             self._batches = iter(loader)
-        return {k: v.to(self.dist.device, non_blocking=True) for k, v in next(self._batches).items()}
+        return next(self._batches)
 
     def _start_epoch_if_needed(self) -> None:
-        """An epoch ends when less than one global batch remains (that tail is not trained on)."""
-        if self.sampler.num_samples - self.sampler.consumed < self.global_batch:
+        """An epoch ends when less than one step's samples remain (that tail is not trained on)."""
+        if self.sampler.num_samples - self.sampler.consumed < self.samples_per_step:
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self._batches = None
 
@@ -110,36 +121,57 @@ class Trainer:
         return torch.stack([micro.loss.detach().float(),
                             *(micro.metrics[k].float() for k in self._metric_names)]).double()
 
-    def train_step(self) -> torch.Tensor:
-        """One optimizer step over grad_accum micro-batches. Returns this rank's sums over its micro-batches of
-        the loss and the objective's metrics, on the device (reduce them with `reduce_step`)."""
+    def train_step(self) -> tuple[torch.Tensor, StepBatches]:
+        """One step: the step source's micro-batches, trained `updates_per_step` times (one optimizer step per
+        pass over them). Returns this rank's sums over its micro-steps of the loss and the objective's metrics,
+        on the device, and the step's batches (reduce both with `reduce_step`)."""
         self._start_epoch_if_needed()
+        batches = self.steps.step_batches(self._draw, self.step)
         self.engine.train()
         sums = None
-        for _ in range(self.cfg.train.grad_accum):
-            micro = self.objective(self.engine, self._next_micro_batch())
-            self.engine.backward(micro.loss)
-            self.engine.step()
-            values = self._micro_values(micro)
-            sums = values if sums is None else sums + values
-            self._tokens_since_log += micro.loss_tokens
-        self.sampler.advance(self.global_batch)
+        for _ in range(self.steps.updates_per_step):
+            for batch in batches.micro_batches:
+                micro = self.objective(self.engine, batch)
+                self.engine.backward(micro.loss)
+                self.engine.step()
+                values = self._micro_values(micro)
+                sums = values if sums is None else sums + values
+                self._tokens_since_log += micro.loss_tokens
+        self._positions_since_log += batches.positions * self.steps.updates_per_step
+        self._generated_since_log += batches.generated_tokens
+        self._generation_seconds_since_log += batches.generation_seconds
+        self.sampler.advance(self.samples_per_step)
         self.step += 1
-        return sums
+        return sums, batches
 
-    def reduce_step(self, sums: torch.Tensor) -> StepStats:
-        """The step's means over micro-batches and ranks, with the loss-bearing tokens since the last reduction:
-        one collective, and the host waits for the device here."""
-        packed = torch.cat([sums, self._tokens_since_log])
+    def reduce_step(self, sums: torch.Tensor, batches: StepBatches) -> StepStats:
+        """The step's means over micro-steps and ranks (its step-level metrics: over ranks), with the loss-bearing
+        tokens, positions and generated tokens since the last reduction: one collective, and the host waits for
+        the device here."""
+        self._step_metric_names = sorted(batches.metrics)
+        step_metrics = [batches.metrics[k].detach().double().reshape(1) for k in self._step_metric_names]
+        counters = torch.tensor([self._positions_since_log, self._generated_since_log], dtype=torch.float64,
+                                device=self.dist.device)
+        packed = torch.cat([sums, *step_metrics, self._tokens_since_log, counters])
         dist.all_reduce(packed)
         self._tokens_since_log.zero_()
-        *values, tokens = packed.tolist()
-        n = self.cfg.train.grad_accum * self.dist.world_size
-        return StepStats(values[0] / n, {k: v / n for k, v in zip(self._metric_names, values[1:])}, int(tokens))
+        world, micro_steps = self.dist.world_size, len(batches.micro_batches) * self.steps.updates_per_step
+        n_micro, n_step = len(sums), len(step_metrics)
+        micro_means = (packed[:n_micro] / (micro_steps * world)).tolist()
+        step_means = (packed[n_micro:n_micro + n_step] / world).tolist()
+        loss_tokens, positions, generated = packed[n_micro + n_step:].tolist()
+        stats = StepStats(micro_means[0], {**dict(zip(self._metric_names, micro_means[1:], strict=True)),
+                                           **dict(zip(self._step_metric_names, step_means, strict=True))},
+                          int(loss_tokens), int(positions), int(generated), self._generation_seconds_since_log)
+        self._positions_since_log = self._generated_since_log = 0
+        self._generation_seconds_since_log = 0.0
+        return stats
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean loss over the first eval_batches * micro_batch_size * world val windows (same on every call)."""
+        if self.val_set is None:
+            return None
         micro, world = self.cfg.train.micro_batch_size, self.dist.world_size
         per_rank = min(self.cfg.train.eval_batches * micro, len(self.val_set) // world)
         if per_rank == 0:
@@ -175,11 +207,11 @@ class Trainer:
         while not last:
             lr = self.engine.get_lr()[0]
             with watchdog.watching(f"step {self.step + 1}") if watchdog else nullcontext(), logger.timed():
-                sums = self.train_step()
+                sums, batches = self.train_step()
                 last = self._finished()
                 calibrate = self.budget.calibration_due(self.step)  # measure what the final step will cost
                 eval_due = self._eval_due(last) or calibrate
-                stats = self.reduce_step(sums) if logger.due(self.step, eval_due) else None
+                stats = self.reduce_step(sums, batches) if logger.due(self.step, eval_due) else None
             with self.budget.overhead("eval" if eval_due else None):
                 val_loss = self.evaluate() if eval_due else None
                 samples = self.samples.generate(self.step) if eval_due and self.samples else None

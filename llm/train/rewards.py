@@ -1,0 +1,279 @@
+"""GRPO rewards: the `--reward` terms, each scoring every completion of a rollout with one float.
+
+A term is `[WEIGHT*]NAME`; the reward of a completion is the weighted sum of its terms (weight 1 by default), and
+every term's unweighted mean is logged as `reward/<name>`.
+
+    exact_match        1 when the completion's final answer equals the record's `answer`, else 0 (`final_answer`
+                       says how the answer is found; numbers compare by value, so "12.0" matches 12)
+    format[:REGEX]     1 when the whole stripped completion matches REGEX (default: DeepSeek-R1's
+                       <think>...</think> <answer>...</answer>), else 0
+    length             -(completion tokens / grpo.max_new_tokens): a penalty from 0 to -1 for long completions
+    model:DIR          a local Hugging Face sequence-classification model (needs `transformers`): its logit when it
+                       has one label, else the probability of its last label, on the prompt and completion rendered
+                       with the model's chat template
+    module:function    a function of yours, `module` importable from the working directory or a path to a .py
+                       file; called as function(prompts=..., completions=..., **fields) with one entry per
+                       completion: the prompt's messages, the completion's text, and each other field of its record
+                       (`answer`, ...; None where a record lacks it); it returns one float per completion
+
+A mistake in a term (unknown name, module that does not import, missing model directory) is a `UserError`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llm.errors import UserError
+
+R1_FORMAT = r"<think>.*?</think>\s*<answer>.*?</answer>"
+
+
+@dataclass
+class Completions:
+    """A rollout's completions as the rewards see them, one entry per completion."""
+
+    prompts: list[list[dict[str, str]]]
+    """The messages of the completion's prompt, the last one the user's."""
+    texts: list[str]
+    """The completion's text, without its stop token."""
+    lengths: list[int]
+    """The completion's tokens, its stop token included."""
+    fields: list[dict[str, Any]]
+    """The other fields of the completion's prompt record (`answer`, ...)."""
+
+
+# ---- exact match ------------------------------------------------------------------------------------
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...}, braces balanced."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth < 0:
+            return text[begin:i]
+    return None
+
+
+def final_answer(completion: str) -> str:
+    """The final answer of a completion: the content of its last <answer>...</answer>; else of its last
+    \\boxed{...}; else the text after its last '####' (GSM8K); else the whole completion. Stripped of surrounding
+    whitespace and of one trailing full stop ('.' or '。')."""
+    tagged = re.findall(r"<answer>(.*?)</answer>", completion, re.DOTALL)
+    if tagged:
+        answer = tagged[-1]
+    elif (boxed := _last_boxed(completion)) is not None:
+        answer = boxed
+    elif "####" in completion:
+        answer = completion.rsplit("####", 1)[1]
+    else:
+        answer = completion
+    answer = answer.strip()
+    return answer[:-1].rstrip() if answer.endswith((".", "。")) else answer
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def answers_match(completion: str, answer: Any) -> bool:
+    """Whether the completion's `final_answer` equals `answer` (a string or a number): by value when both are
+    numbers, else as text, both stripped like `final_answer`."""
+    got, want = final_answer(completion), final_answer(str(answer))
+    got_number, want_number = _number(got), _number(want)
+    if got_number is not None and want_number is not None:
+        return math.isclose(got_number, want_number, rel_tol=1e-9, abs_tol=1e-9)
+    return got == want
+
+
+def exact_match(batch: Completions) -> list[float]:
+    return [float(answers_match(text, fields["answer"]))
+            for text, fields in zip(batch.texts, batch.fields, strict=True)]
+
+
+# ---- format, length -----------------------------------------------------------------------------------
+
+class FormatReward:
+    def __init__(self, pattern: str) -> None:
+        try:
+            self.regex = re.compile(pattern, re.DOTALL)
+        except re.error as exc:
+            raise UserError(f"--reward format:{pattern}: not a regular expression ({exc})") from None
+
+    def __call__(self, batch: Completions) -> list[float]:
+        return [float(self.regex.fullmatch(text.strip()) is not None) for text in batch.texts]
+
+
+class LengthPenalty:
+    def __init__(self, max_new_tokens: int) -> None:
+        self.max_new_tokens = max_new_tokens
+
+    def __call__(self, batch: Completions) -> list[float]:
+        return [-n / self.max_new_tokens for n in batch.lengths]
+
+
+# ---- a reward model ------------------------------------------------------------------------------------
+
+class RewardModel:
+    """A local sequence-classification model directory (safetensors weights only; no remote code). Loaded on first
+    use on each rank, on `device`."""
+
+    def __init__(self, directory: str, device: torch.device) -> None:
+        try:
+            import transformers  # noqa: PLC0415 - optional dependency, imported only for this reward
+        except ImportError:
+            raise UserError(f"--reward model:{directory} needs transformers; `pip install transformers`") from None
+        path = Path(directory)
+        if not (path / "config.json").is_file():
+            raise UserError(f"--reward model:{directory}: no config.json there; give a directory written by "
+                            "save_pretrained of a sequence-classification model")
+        try:
+            transformers.AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"--reward model:{directory}: cannot read its config ({exc})".replace("\n", " ")) from None
+        self.transformers, self.path, self.device = transformers, path, device
+        self.model = self.tokenizer = None
+
+    def _load(self) -> None:
+        try:
+            self.tokenizer = self.transformers.AutoTokenizer.from_pretrained(self.path)
+            model = self.transformers.AutoModelForSequenceClassification.from_pretrained(
+                self.path, use_safetensors=True, trust_remote_code=False)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"--reward model:{self.path}: cannot load it ({exc})".replace("\n", " ")) from None
+        self.model = model.to(self.device).eval()
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+
+    def _text(self, prompt: list[dict[str, str]], completion: str) -> str:
+        messages = [*prompt, {"role": "assistant", "content": completion}]
+        if self.tokenizer.chat_template:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+        return "\n".join(m["content"] for m in messages)
+
+    @torch.no_grad()
+    def __call__(self, batch: Completions) -> list[float]:
+        if self.model is None:
+            self._load()
+        texts = [self._text(p, c) for p, c in zip(batch.prompts, batch.texts, strict=True)]
+        encoded = self.tokenizer(texts, padding=True, truncation=True, return_tensors="pt").to(self.device)
+        logits = self.model(**encoded).logits.float()
+        scores = logits[:, 0] if logits.shape[-1] == 1 else logits.softmax(-1)[:, -1]
+        return scores.tolist()
+
+
+# ---- a user's function -------------------------------------------------------------------------------
+
+def _import_function(term: str, module_name: str, function_name: str) -> Callable:
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise UserError(f"--reward {term}: no such file {path}")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path:
+                sys.path.insert(0, "")  # the working directory, as `python -m` has it
+            module = importlib.import_module(module_name)
+    except UserError:
+        raise
+    except Exception as exc:  # the user's module may fail in any way while it runs
+        raise UserError(f"--reward {term}: cannot import {module_name} ({type(exc).__name__}: {exc}); run from the "
+                        "directory that holds it, or give the path of its .py file".replace("\n", " ")) from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise UserError(f"--reward {term}: {module_name} has no function {function_name!r}")
+    return function
+
+
+class UserFunction:
+    def __init__(self, term: str, function: Callable) -> None:
+        self.term, self.function = term, function
+
+    def __call__(self, batch: Completions) -> list[float]:
+        keys = sorted({k for f in batch.fields for k in f} - {"prompts", "completions"})
+        fields = {k: [f.get(k) for f in batch.fields] for k in keys}
+        scores = self.function(prompts=batch.prompts, completions=batch.texts, **fields)
+        try:
+            values = [float(s) for s in scores]
+        except (TypeError, ValueError):
+            values = None
+        if values is None or len(values) != len(batch.texts) or not all(map(math.isfinite, values)):
+            raise UserError(f"--reward {self.term}: returned {type(scores).__name__} {str(scores)[:80]}; it must "
+                            f"return one finite float per completion ({len(batch.texts)})")
+        return values
+
+
+# ---- the spec ----------------------------------------------------------------------------------------
+
+BUILT_IN = ("exact_match", "format", "length", "model")
+REQUIRED_FIELDS = {"exact_match": "answer"}
+"""Record fields a term needs; a prompt record without them is skipped and reported."""
+
+
+@dataclass
+class RewardTerm:
+    name: str
+    """Logged as reward/<name>."""
+    weight: float
+    score: Callable[[Completions], list[float]]
+    required_field: str | None = None
+
+
+def parse_term(term: str, max_new_tokens: int, device: torch.device) -> RewardTerm:
+    """One `--reward` term -> its scorer (user modules are imported here; a reward model only checked)."""
+    weight, body = 1.0, term.strip()
+    head, star, rest = body.partition("*")
+    if star and re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*", head):  # else a '*' of a regex or path
+        weight, body = float(head), rest.strip()
+    name, colon, argument = body.partition(":")
+    if name == "exact_match" and not colon:
+        return RewardTerm(name, weight, exact_match, REQUIRED_FIELDS[name])
+    if name == "format":
+        return RewardTerm(name, weight, FormatReward(argument or R1_FORMAT))
+    if name == "length" and not colon:
+        return RewardTerm(name, weight, LengthPenalty(max_new_tokens))
+    if name == "model" and argument:
+        return RewardTerm(name, weight, RewardModel(argument, device))
+    if colon and name and argument and name not in BUILT_IN:
+        return RewardTerm(argument, weight, UserFunction(term, _import_function(term, name, argument)))
+    hint = "; give each term its own --reward" if "," in term else ""
+    raise UserError(f"--reward {term!r}: expected [WEIGHT*]NAME with NAME exact_match, format[:REGEX], length, "
+                    f"model:DIR or module:function{hint}")
+
+
+class Reward:
+    """The weighted sum of the `--reward` terms."""
+
+    def __init__(self, terms: Sequence[str], max_new_tokens: int, device: torch.device) -> None:
+        if not terms:
+            raise UserError("no reward: pass --reward TERM (e.g. exact_match)")
+        self.terms = [parse_term(t, max_new_tokens, device) for t in terms]
+        names = [t.name for t in self.terms]
+        for i, term in enumerate(self.terms):
+            if names.count(term.name) > 1:
+                term.name = f"{term.name}_{i}"
+        self.required_fields = sorted({t.required_field for t in self.terms if t.required_field})
+
+    def __call__(self, batch: Completions) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(total reward per completion, {term name: its unweighted scores}), float32 on the CPU."""
+        components = {t.name: torch.tensor(t.score(batch), dtype=torch.float32) for t in self.terms}
+        total = sum(t.weight * components[t.name] for t in self.terms)
+        return total, components

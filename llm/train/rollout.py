@@ -1,0 +1,200 @@
+"""GRPO's rollouts, the step source of `zerollm train grpo` (see `llm.train.steps`).
+
+Each step, every rank draws its prompts, samples `grpo.group_size` completions of each from the *current* policy
+with our KV-cache generator (batched, left-padded), scores them with the rewards, normalises the rewards within
+each group into advantages, and cuts prompt + completion sequences into the step's micro-batches, with the frozen
+reference's log-probabilities when the KL term is on. A group never spans ranks, so advantages need no collective.
+
+What generates (`RolloutPolicy`): under ZeRO 0-2 the engine's own module, which holds the full parameters. Under
+ZeRO-3 the parameters are gathered once per rollout, and generation runs on a model without DeepSpeed's hooks
+(which would gather every layer again at every decoded token): a view of the gathered parameters, released after
+the rollout ('gathered'), or a full copy kept on each rank and refreshed from them ('copy'); docs/grpo.md has the
+measurement.
+
+Sampling is seeded from (train.seed, rank, step), so a resumed run samples exactly what the uninterrupted run
+did. This module is the one place that renders prompts and calls the generator (`encode_prompt`, `_sample`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llm import rundir
+from llm.config import RunConfig
+from llm.errors import UserError
+from llm.infer.generate import TextGenerator
+from llm.infer.sampling import SamplingParams
+from llm.model import Transformer
+from llm.runtime.distributed import DistInfo
+from llm.tokenizer import TOKENIZER_FILE, Tokenizer
+from llm.train.engine import full_parameters
+from llm.train.objectives import token_logps
+from llm.train.prompts import Prompt, PromptSet, read_prompts
+from llm.train.rewards import Completions, Reward
+from llm.train.steps import Batch, StepBatches
+
+
+def encode_prompt(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a prompt in ChatML with the assistant's turn opened."""
+    return tokenizer.encode(Tokenizer.render_chat(messages, add_generation_prompt=True))
+
+
+def tokenizer_dir(cfg: RunConfig) -> Path:
+    """GRPO tokenizes raw prompts with the tokenizer of its --init-from model (a run or an export directory)."""
+    init = Path(cfg.train.init_from)
+    directory = rundir.tokenizer_dir(init) if rundir.is_run_dir(init) else init
+    if not (directory / TOKENIZER_FILE).is_file():
+        raise UserError(f"--init-from {init}: no tokenizer files ({TOKENIZER_FILE}) beside the model; GRPO "
+                        "tokenizes its prompts with the model's tokenizer")
+    return directory
+
+
+def grpo_inputs(cfg: RunConfig, device: torch.device | None = None) -> tuple[Tokenizer, Reward, PromptSet]:
+    """The tokenizer, the reward (a reward model runs on `device`, default the CPU) and the prompt set of a GRPO
+    run, every mistake in them a `UserError`."""
+    g = cfg.grpo
+    tokenizer = Tokenizer.load(tokenizer_dir(cfg))
+    reward = Reward(g.reward, g.max_new_tokens, device or torch.device("cpu"))
+    prompts = read_prompts(g.prompts, partial(encode_prompt, tokenizer), cfg.data.seq_len - g.max_new_tokens,
+                           reward.required_fields)
+    return tokenizer, reward, prompts
+
+
+def sampling_seed(seed: int, rank: int, step: int) -> int:
+    return int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool, eps: float = 1e-4) -> torch.Tensor:
+    """Each reward minus its group's mean, divided by the group's standard deviation (+ eps) when `scale`."""
+    grouped = rewards.view(-1, group_size)
+    centred = grouped - grouped.mean(1, keepdim=True)
+    return (centred / (grouped.std(1, keepdim=True) + eps) if scale else centred).flatten()
+
+
+class RolloutPolicy:
+    """The current policy as a plain `Transformer` to generate with (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, engine, device: torch.device) -> None:
+        self.engine = engine
+        self.mode = "engine" if engine.zero_optimization_stage() != 3 else cfg.grpo.rollout_model
+        self.model = None
+        if self.mode != "engine":
+            dtype = next(engine.module.parameters()).dtype
+            self.model = Transformer(cfg.model).to(dtype=dtype).requires_grad_(False).eval()
+            if self.mode == "gathered":
+                self._release()
+            self.model.to(device)
+
+    def _release(self) -> None:
+        for param in self.model.parameters():
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    @contextmanager
+    def generating(self) -> Iterator[Transformer]:
+        """The policy, with the engine's current weights, for the duration of the block."""
+        if self.model is None:
+            yield self.engine.module
+            return
+        views = dict(self.model.named_parameters())
+        with full_parameters(self.engine), torch.no_grad():
+            for name, param in self.engine.module.named_parameters():
+                if self.mode == "copy":
+                    views[name].copy_(param)
+                else:
+                    views[name].data = param.data
+            try:
+                yield self.model
+            finally:
+                if self.mode == "gathered":
+                    self._release()
+
+
+class Rollouts:
+    """Completions sampled, scored and batched for one GRPO step (see the module docstring)."""
+
+    draws_per_step = 1
+    collate = staticmethod(list)
+
+    def __init__(self, cfg: RunConfig, info: DistInfo, engine, tokenizer: Tokenizer, reward: Reward,
+                 reference=None) -> None:
+        """`engine`: the policy's DeepSpeed engine; `reference`: the frozen reference engine (None: no KL term)."""
+        t, g = cfg.train, cfg.grpo
+        self.cfg, self.info, self.engine, self.tokenizer = cfg, info, engine, tokenizer
+        self.reward, self.reference = reward, reference
+        self.group_size, self.micro_batch_size = g.group_size, t.micro_batch_size
+        self.draw_size = t.micro_batch_size * t.grad_accum // g.group_size
+        self.updates_per_step = g.updates_per_batch
+        self.policy = RolloutPolicy(cfg, engine, info.device)
+
+    def too_few(self, n_prompts: int, needed: int) -> str:
+        return (f"{', '.join(self.cfg.grpo.prompts)}: {n_prompts} usable prompts, fewer than one step takes "
+                f"({needed}: train.micro_batch_size * train.grad_accum / grpo.group_size per rank); add prompts "
+                "or lower train.micro_batch_size")
+
+    # ---- sampling ------------------------------------------------------------------------------
+
+    def _sample(self, prompts: list[list[int]], step: int) -> tuple[list[list[int]], list[str]]:
+        """Each prompt's completion (token ids up to and including the stop token, if one came) and its text."""
+        g = self.cfg.grpo
+        params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
+                                top_p=g.top_p, seed=sampling_seed(self.cfg.train.seed, self.info.rank, step))
+        with self.policy.generating() as model:
+            generator = TextGenerator(model, self.tokenizer)
+            rows = torch.stack([next_ids for next_ids, _ in generator.token_steps(prompts, params)], 1).tolist()
+        stop_ids = set(generator.stop_ids.tolist())
+        completions, texts = [], []
+        for row in rows:
+            end = next((i for i, token in enumerate(row) if token in stop_ids), None)
+            completions.append(row if end is None else row[:end + 1])
+            texts.append(self.tokenizer.decode(row if end is None else row[:end]))
+        return completions, texts
+
+    # ---- batching ------------------------------------------------------------------------------
+
+    def _micro_batch(self, prompts: list[list[int]], completions: list[list[int]],
+                     advantages: torch.Tensor) -> Batch:
+        """Right-padded prompt + completion rows; `mask` is 1 on the targets that are completion tokens."""
+        width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True)) - 1
+        pad = self.tokenizer.pad_id
+        tokens = torch.full((len(prompts), width), pad, dtype=torch.long)
+        targets, mask = tokens.clone(), torch.zeros_like(tokens)
+        for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+            sequence = torch.tensor(prompt + completion, dtype=torch.long)
+            n = len(sequence) - 1
+            tokens[row, :n], targets[row, :n] = sequence[:-1], sequence[1:]
+            mask[row, len(prompt) - 1:n] = 1
+        device = self.info.device
+        batch = {"tokens": tokens.to(device), "targets": targets.to(device), "mask": mask.to(device),
+                 "advantages": advantages.to(device)}
+        if self.reference is not None:
+            with torch.no_grad():
+                logits = self.reference(batch["tokens"]).logits
+                batch["ref_logps"] = token_logps(logits, batch["targets"], self.cfg.grpo.temperature)
+        return batch
+
+    def step_batches(self, draw: Callable[[], list[Prompt]], step: int) -> StepBatches:
+        start = time.perf_counter()
+        drawn = draw()
+        group = self.group_size
+        prompts = [p for p in drawn for _ in range(group)]
+        completions, texts = self._sample([p.ids for p in prompts], step)
+        lengths = [len(c) for c in completions]
+        rewards, components = self.reward(Completions([p.messages for p in prompts], texts, lengths,
+                                                      [p.fields for p in prompts]))
+        seconds = time.perf_counter() - start
+        advantages = group_advantages(rewards, group, self.cfg.grpo.scale_rewards)
+        size = self.micro_batch_size
+        micro_batches = [self._micro_batch([p.ids for p in prompts[i:i + size]], completions[i:i + size],
+                                           advantages[i:i + size]) for i in range(0, len(prompts), size)]
+        metrics = {"reward/mean": rewards.mean(), "reward/std": rewards.view(-1, group).std(1).mean(),
+                   "completion_length": torch.tensor(lengths, dtype=torch.float32).mean(),
+                   **{f"reward/{name}": scores.mean() for name, scores in components.items()}}
+        return StepBatches(micro_batches, sum(b["tokens"].numel() for b in micro_batches),
+                           {k: v.to(self.info.device) for k, v in metrics.items()}, sum(lengths), seconds)

@@ -1,0 +1,327 @@
+"""GRPO: rewards and their spec, prompt files, advantages, the objective, and training on 2 ranks under ZeRO-2 and
+ZeRO-3 (reward rising, first-step KL 0), bit-exact resume after SIGKILL, one-line errors for bad inputs."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import TINY, run_cli
+from llm.config import GRPOConfig, ModelConfig, build_config
+from llm.errors import UserError
+from llm.export import export_model
+from llm.loading import consolidated_weights
+from llm.model import Transformer
+from llm.train.objectives import GRPOObjective, token_logps
+from llm.train.prompts import prompt_record, read_prompts
+from llm.train.rewards import Completions, Reward, answers_match, final_answer
+from llm.train.rollout import group_advantages
+
+USER_REWARD = '''
+def letters(prompts, completions, answer, **fields):
+    """Share of ASCII letters in each completion."""
+    assert len(prompts) == len(completions) == len(answer) and prompts[0][-1]["role"] == "user"
+    return [sum(c.isascii() and c.isalpha() for c in text) / max(1, len(text)) for text in completions]
+
+
+def capitals(prompts, completions, **fields):
+    """Share of capital letters in each completion."""
+    return [sum("A" <= c <= "Z" for c in text) / max(1, len(text)) for text in completions]
+'''
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _completions(texts, answers=None, lengths=None):
+    n = len(texts)
+    return Completions([[{"role": "user", "content": "q"}]] * n, texts, lengths or [1] * n,
+                       [{"answer": a} for a in (answers or [""] * n)])
+
+
+# ---- rewards ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("15", "15", True), ("  15. ", 15, True), ("15.0", "15", True), ("1,000", 1000, True), ("十五。", "十五", True),
+    ("I think <answer>7</answer>", "7", True), ("<answer>6</answer> then <answer>7</answer>", "7", True),
+    ("so \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", True), ("work... #### 42", "42", True),
+    ("16", "15", False), ("15 apples", "15", False), ("", "15", False), ("十六", "十五", False),
+])
+def test_exact_match_follows_the_documented_extraction_rule(completion, answer, expected):
+    assert answers_match(completion, answer) is expected
+
+
+def test_final_answer_prefers_tags_then_boxed_then_hashes():
+    assert final_answer("\\boxed{1} <answer>2</answer> #### 3") == "2"
+    assert final_answer("\\boxed{1} #### 3") == "1"
+    assert final_answer("x #### 3.") == "3"
+
+
+def test_reward_terms_weights_and_components(tmp_path, monkeypatch):
+    (tmp_path / "myrewards.py").write_text(USER_REWARD)
+    monkeypatch.chdir(tmp_path)
+    reward = Reward(["exact_match", "0.5*format:[0-9]+", "2*length", "myrewards:letters"], max_new_tokens=4,
+                    device=torch.device("cpu"))
+    assert reward.required_fields == ["answer"]
+    total, parts = reward(_completions(["12", "ab"], answers=["12", "12"], lengths=[2, 4]))
+    assert parts["exact_match"].tolist() == [1.0, 0.0] and parts["format"].tolist() == [1.0, 0.0]
+    assert parts["length"].tolist() == [-0.5, -1.0] and parts["letters"].tolist() == [0.0, 1.0]
+    assert total.tolist() == [1.0 + 0.5 - 1.0 + 0.0, 0.0 + 0.0 - 2.0 + 1.0]
+    by_path = Reward([f"{tmp_path / 'myrewards.py'}:letters"], 4, torch.device("cpu"))
+    assert by_path(_completions(["a1"]))[1]["letters"].tolist() == [0.5]
+
+
+@pytest.mark.parametrize("term, message", [
+    ("exact_match,format", "give each term its own --reward"),
+    ("accuracy", "expected \\[WEIGHT\\*\\]NAME with NAME exact_match"),
+    ("no_such_module_xyz:fn", "cannot import no_such_module_xyz"),
+    ("json:no_such_function", "json has no function 'no_such_function'"),
+    ("format:[", "not a regular expression"),
+    ("model:/nonexistent/reward-model", "no config.json there"),
+    ("missing_file.py:fn", "no such file missing_file.py"),
+])
+def test_bad_reward_terms_are_one_line_errors(term, message):
+    with pytest.raises(UserError, match=message) as error:
+        Reward([term], 4, torch.device("cpu"))
+    assert "\n" not in str(error.value)
+
+
+def test_a_user_function_returning_the_wrong_shape_is_named(tmp_path, monkeypatch):
+    (tmp_path / "short.py").write_text("def one(prompts, completions, **fields):\n    return [1.0]\n")
+    monkeypatch.chdir(tmp_path)
+    reward = Reward(["short:one"], 4, torch.device("cpu"))
+    with pytest.raises(UserError, match="short:one: returned list .* one finite float per completion \\(2\\)"):
+        reward(_completions(["a", "b"]))
+
+
+def test_a_local_reward_model_scores_completions(tokenizer_dir, tmp_path):
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=3)
+    torch.manual_seed(0)
+    transformers.LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "rm" / name).write_bytes((tokenizer_dir / name).read_bytes())
+    reward = Reward([f"model:{tmp_path / 'rm'}"], 4, torch.device("cpu"))
+    batch = _completions(["a fine answer", "another, longer answer", "a fine answer"])
+    scores = reward(batch)[1]["model"].tolist()
+    assert len(scores) == 3 and all(math.isfinite(s) for s in scores)
+    assert scores[0] == pytest.approx(scores[2]) and scores[0] != pytest.approx(scores[1])
+
+
+# ---- prompts ----------------------------------------------------------------------------------------
+
+def test_prompt_records_of_both_shapes():
+    minimind = {"conversations": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+                                  {"role": "assistant", "content": "无"}], "answer": "4"}
+    assert prompt_record(minimind) == ([{"role": "system", "content": "be brief"},
+                                        {"role": "user", "content": "2+2?"}], {"answer": "4"})
+    assert prompt_record({"prompt": "2+2?", "answer": 4, "id": 7}) == ([{"role": "user", "content": "2+2?"}],
+                                                                     {"answer": 4, "id": 7})
+    assert prompt_record("just a prompt") == ([{"role": "user", "content": "just a prompt"}], {})
+
+
+def test_bad_prompt_records_are_skipped_and_reported_by_line(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}), "{not json",
+            json.dumps({"conversations": [{"role": "assistant", "content": "hi"}], "answer": "1"}),
+            json.dumps({"prompt": "no answer here"}), json.dumps({"text": "pretraining text"}),
+            json.dumps({"prompt": "long " * 40, "answer": "1"}), json.dumps({"prompt": "ok", "answer": 3})]
+    path.write_text("\n".join(rows) + "\n")
+    prompts = read_prompts([str(path)], lambda messages: [0] * len(messages[-1]["content"]), max_tokens=50,
+                           required_fields=["answer"])
+    assert [p.fields["answer"] for p in prompts] == ["2", 3]
+    assert [s.split(": ", 1)[0] for s in prompts.skipped] == [f"{path}:{n}" for n in (2, 3, 4, 5, 6)]
+    assert "no user turn" in prompts.skipped[1] and "no 'answer'" in prompts.skipped[2]
+    assert "longer than data.seq_len - grpo.max_new_tokens = 50" in prompts.skipped[4]
+    assert "skipped 5 records" in prompts.summary()
+    with pytest.raises(UserError, match="no usable prompt"):
+        read_prompts([str(path)], lambda messages: [0] * 100, max_tokens=50)
+
+
+# ---- advantages and the objective ---------------------------------------------------------------------
+
+def test_advantages_are_normalised_within_each_group():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 5.0, 5.0, 5.0, 5.0])
+    scaled = group_advantages(rewards, 4, scale=True)
+    assert scaled[:4].sum().abs() < 1e-6 and scaled[0] == pytest.approx(0.75 / (0.5 + 1e-4), rel=1e-4)
+    assert scaled[4:].abs().max() == 0  # a group whose completions all score alike teaches nothing
+    assert group_advantages(rewards, 4, scale=False)[:4].tolist() == [0.75, -0.25, -0.25, -0.25]
+
+
+def _objective_batch():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=61, dim=32, n_layers=1, n_heads=2, max_seq_len=32))
+    tokens = torch.randint(4, 61, (4, 10))
+    mask = torch.zeros(4, 10, dtype=torch.long)
+    mask[:, 5:] = 1
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask[:, 1:],
+             "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])}
+    with torch.no_grad():
+        batch["ref_logps"] = token_logps(model(batch["tokens"]).logits, batch["targets"])
+    return model, batch
+
+
+def test_first_update_has_ratio_one_zero_kl_and_no_clipping():
+    model, batch = _objective_batch()
+    step = GRPOObjective(GRPOConfig(kl_coef=0.1))(model, batch)
+    assert step.metrics["kl"].item() == 0.0 and step.metrics["clip_fraction"].item() == 0.0
+    assert step.loss_tokens.item() == 4 * 5 and "old_logps" in batch
+    step.loss.backward()
+    assert any(p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("loss", ["grpo", "cispo"])
+def test_clipped_tokens_are_counted_and_only_cispo_keeps_their_gradient(loss):
+    model, batch = _objective_batch()
+    with torch.no_grad():
+        logps = token_logps(model(batch["tokens"]).logits, batch["targets"])
+    batch["old_logps"] = logps - 1.0  # every ratio is e > 1 + clip_high
+    batch["advantages"] = torch.ones(4)  # positive: the clip binds for grpo
+    del batch["ref_logps"]  # no reference: no KL term
+    step = GRPOObjective(GRPOConfig(loss=loss, kl_coef=0.0))(model, batch)
+    assert step.metrics["clip_fraction"].item() == 1.0 and "kl" not in step.metrics
+    step.loss.backward()
+    gradient = sum(p.grad.abs().sum().item() for p in model.parameters() if p.grad is not None)
+    assert (gradient > 0) is (loss == "cispo")
+
+
+def test_token_mean_weighs_every_completion_token_alike():
+    model, batch = _objective_batch()
+    batch["mask"][0, :] = 1  # the first completion is longer
+    per_sequence = GRPOObjective(GRPOConfig(kl_coef=0.0))(model, dict(batch)).loss
+    per_token = GRPOObjective(GRPOConfig(kl_coef=0.0, token_mean=True))(model, dict(batch)).loss
+    assert per_sequence.item() != pytest.approx(per_token.item())
+
+
+def test_grpo_config_is_checked():
+    base = ["train.stage=grpo", "train.init_from=x", "grpo.prompts=p.jsonl"]
+    with pytest.raises(UserError, match="multiple of grpo.group_size"):
+        build_config("demo", [*base, "train.micro_batch_size=6", "grpo.group_size=4"])
+    with pytest.raises(UserError, match="below data.seq_len"):
+        build_config("demo", [*base, "grpo.max_new_tokens=128"])
+    with pytest.raises(UserError, match="--prompts"):
+        build_config("demo", ["train.stage=grpo", "train.init_from=x"])
+    assert build_config("demo", [*base, "grpo.reward=length"]).grpo.reward == ["length"]
+
+
+# ---- training -----------------------------------------------------------------------------------------
+
+GRPO_SETTINGS = ["train.micro_batch_size=16", "train.lr=1e-2", "train.warmup_steps=1", "train.precision=fp32",
+                 "grpo.group_size=8", "grpo.max_new_tokens=6", "train.max_steps=8", "train.save_every=4"]
+
+
+@pytest.fixture(scope="module")
+def policy(tokenizer_dir, tmp_path_factory):
+    """A tiny random export to start from, initialised with a wide spread (init_std 0.2), so that its first
+    samples differ a lot and a reward has something to choose between after a few steps."""
+    out = tmp_path_factory.mktemp("policy")
+    cfg = build_config("demo", [*TINY, "model.init_std=0.2"])
+    torch.manual_seed(0)
+    export_model(Transformer(cfg.model), tokenizer_dir, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompt_dir(tmp_path_factory):
+    """Prompts in both shapes, and a user's reward module."""
+    out = tmp_path_factory.mktemp("prompts")
+    topics = ["kings", "love", "war", "night", "gold", "rome", "the sea", "a rose"]
+    rows = [{"prompt": f"Tell me about {t}.", "answer": t} for t in topics]
+    rows += [{"conversations": [{"role": "user", "content": f"Say something of {t}."},
+                                {"role": "assistant", "content": ""}], "answer": t} for t in topics]
+    (out / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows * 2) + "\n")
+    (out / "myrewards.py").write_text(USER_REWARD)
+    return out
+
+
+def _grpo_args(policy, prompt_dir, out, *overrides, rewards=(), nproc=2, extra=()):
+    sets = [a for o in [*TINY, *GRPO_SETTINGS, *overrides] for a in ("--set", o)]
+    return ["train", "grpo", "--recipe", "demo", "--init-from", policy, "--prompts", prompt_dir / "prompts.jsonl",
+            *[a for r in rewards for a in ("--reward", r)], "--out", out, "--nproc", nproc, *sets, *extra]
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(policy, prompt_dir, tmp_path_factory):
+    """8 steps on 2 ranks: ZeRO-2 with a built-in reward (the completion starts with a capital letter), ZeRO-3 with
+    the user's function (share of capital letters)."""
+    runs = {}
+    for stage, reward in ((2, "format:[A-Z].*"), (3, "myrewards:capitals")):
+        out = tmp_path_factory.mktemp(f"grpo{stage}")
+        result = run_cli(*_grpo_args(policy, prompt_dir, out, rewards=[reward], extra=["--zero-stage", stage]),
+                         cwd=prompt_dir)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[stage] = out
+    return runs
+
+
+@pytest.mark.parametrize("stage, component", [(2, "reward/format"), (3, "reward/capitals")])
+def test_grpo_raises_the_reward_on_two_ranks(grpo_runs, stage, component):
+    rows = _metrics(grpo_runs[stage])
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    rewards = [r["reward/mean"] for r in rows]
+    assert [r[component] for r in rows] == rewards
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.25, rewards
+    assert rows[0]["kl"] == 0.0 and rows[-1]["kl"] > 0  # the policy starts as the reference, then moves away
+    for key in ("reward/std", "clip_fraction", "completion_length", "rollout_tokens_per_sec", "tokens_per_sec"):
+        assert all(math.isfinite(r[key]) for r in rows), key
+    assert all(1 <= r["completion_length"] <= 6 for r in rows)
+    assert json.loads((grpo_runs[stage] / "ds_config.json").read_text())["zero_optimization"]["stage"] == stage
+
+
+def test_grpo_sigkill_then_resume_is_bit_exact(grpo_runs, policy, prompt_dir, tmp_path):
+    killed = tmp_path / "killed"
+    args = _grpo_args(policy, prompt_dir, killed, rewards=["format:[A-Z].*"], extra=["--zero-stage", 2])
+    latest = killed / "checkpoints" / "latest"
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "llm", *map(str, args)], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.time() + 300
+            while not (latest.is_file() and latest.read_text() == "global_step4"):
+                assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
+                time.sleep(0.005)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    result = run_cli(*args, "--resume", "auto")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    straight, resumed = _metrics(grpo_runs[2]), _metrics(killed)
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    for key in ("loss", "reward/mean", "kl", "completion_length"):
+        assert [r[key] for r in straight] == [r[key] for r in resumed], key
+    a, b = consolidated_weights(grpo_runs[2]), consolidated_weights(killed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing prompts", "no-such-prompts.jsonl: no such file or directory"),
+    ("bad reward", "--reward nosuchmodule:fn: cannot import nosuchmodule"),
+    ("no usable prompt", "no usable prompt"),
+    ("too few prompts", "1 usable prompts, fewer than one step takes (2: train.micro_batch_size"),
+])
+def test_bad_prompts_and_rewards_are_one_line_errors_before_training(policy, prompt_dir, tmp_path, case, message):
+    prompts, reward = prompt_dir / "prompts.jsonl", "exact_match"
+    if case == "missing prompts":
+        prompts = tmp_path / "no-such-prompts.jsonl"
+    elif case == "bad reward":
+        reward = "nosuchmodule:fn"
+    elif case == "no usable prompt":
+        prompts = tmp_path / "answerless.jsonl"
+        prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")  # exact_match needs an answer
+    else:
+        prompts = tmp_path / "one.jsonl"
+        prompts.write_text(json.dumps({"prompt": "hi", "answer": "1"}) + "\n")
+    args = _grpo_args(policy, prompt_dir, tmp_path / "run", rewards=[reward], nproc=1 if "few" in case else 2)
+    args[args.index("--prompts") + 1] = prompts
+    result = run_cli(*args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    assert result.stderr.count("zerollm: error:") == 1 and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
