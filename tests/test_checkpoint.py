@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import run_cli, shared, train_args
+from conftest import FIXTURES, run_cli, train_args
 from llm import rundir
 from llm.config import build_config
 from llm.errors import UserError
@@ -268,7 +268,7 @@ def test_resume_passes_over_a_torn_checkpoint_and_continues_exactly(one_rank_run
 
 def test_resuming_on_other_data_is_one_clear_error(one_rank_run, tokenizer_dir, tmp_path):
     data = tmp_path / "other_data"
-    result = run_cli("data", "prepare", "--input", shared("pretrain", "en_wiki_demo.txt"), "--tokenizer",
+    result = run_cli("data", "prepare", "--input", FIXTURES / "pretrain" / "en_notes.jsonl", "--tokenizer",
                      tokenizer_dir, "--out", data, "--val-fraction", 0.05, "--workers", 1)
     assert result.returncode == 0, result.stderr
     run = tmp_path / "run"

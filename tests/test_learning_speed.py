@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from conftest import TINY, run_cli, shared
+from conftest import FIXTURES, TINY, run_cli
 from llm.errors import UserError
 from llm.eval.learning_speed import split_file
 
@@ -28,8 +28,7 @@ def test_files_that_cannot_be_split_are_refused(tmp_path, name, text):
 
 
 def test_bench_learn_runs_tokenizer_data_training_and_heldout_bits_per_byte_in_one_budget(tmp_path):
-    novel = tmp_path / "novel.txt"
-    novel.write_bytes(shared("pretrain", "zh_classics", "sanguo_yanyi.txt").read_bytes()[:60_000].rsplit(b"\n", 1)[0])
+    novel = FIXTURES / "pretrain" / "zh_stories.txt"
     tiny = [o for o in TINY if not o.startswith(("model.vocab_size", "train.lr"))]
     result = run_cli("bench", "learn", "--input", novel, "--budget", 100, "--reserve", 80, "--vocab-size", 400,
                      "--out", tmp_path / "out", *[a for o in tiny for a in ("--set", o)])

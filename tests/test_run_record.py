@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_train import _wandb_records
 
-from conftest import REPO, run_cli, train_args
+from conftest import FIXTURES, REPO, run_cli, train_args
 from llm.runtime.fingerprint import code_version, file_digest
 
 PROMPTS = 'train.sample_prompts=["Hello", "你好"]'
@@ -76,10 +76,8 @@ def test_samples_at_each_evaluation_under_zero3_reach_the_file_and_wandb(zero3_r
 
 
 def test_resuming_on_changed_data_is_refused_naming_the_difference(zero3_run, pretrain_data, tokenizer_dir, tmp_path):
-    from conftest import shared
-
     other = tmp_path / "other"
-    result = run_cli("data", "prepare", "--input", shared("pretrain", "en_tinyshakespeare.txt"), "--tokenizer",
+    result = run_cli("data", "prepare", "--input", FIXTURES / "pretrain" / "en_notes.jsonl", "--tokenizer",
                      tokenizer_dir, "--out", other, "--val-fraction", 0.2, "--workers", 1)
     assert result.returncode == 0, result.stderr[-2000:]
     result = run_cli(*train_args(other, zero3_run, "train.max_steps=3", PROMPTS,
