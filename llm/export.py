@@ -1,7 +1,8 @@
 """Hugging Face Llama format: export a run, import an export (ours or one written by transformers).
 
-An export directory holds `model.safetensors`, a `config.json` for `LlamaForCausalLM` and the
-tokenizer files, so `transformers.AutoModelForCausalLM.from_pretrained(DIR)` reproduces our logits.
+An export directory holds `model.safetensors`, a `config.json` for `LlamaForCausalLM` (`Qwen3ForCausalLM` for a
+model with QK-norm, which is Llama plus a per-head RMSNorm of q and k) and the tokenizer files, so
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` reproduces our logits.
 Our RoPE already uses the rotate-half layout Hugging Face uses, so weights are renamed, never permuted.
 
 An export is written to a hidden folder beside its destination and renamed into place when complete, so a
@@ -37,7 +38,9 @@ _LAYER_NAMES = {  # ours (inside layers.N.) -> Hugging Face (inside model.layers
     "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # model_type -> class; qwen3 = QK-norm
 _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 
@@ -50,8 +53,9 @@ def hf_name(name: str) -> str:
 
 
 def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None) -> dict:
+    model_type = "qwen3" if cfg.qk_norm else "llama"
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "hidden_act": "silu",
         "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden_dim, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_seq_len,
@@ -59,6 +63,8 @@ def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None) -> dict:
         "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": cfg.init_std, "torch_dtype": "float32",
         "rope_scaling": None,
     }
+    if cfg.qk_norm:
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
     if cfg.rope_scaling == "yarn":
         config["rope_scaling"] = {"rope_type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.yarn_beta_fast,
                                   "beta_slow": cfg.yarn_beta_slow,
@@ -95,9 +101,14 @@ def _number(config: dict[str, Any], key: str, source: str, kind: type, default: 
 
 def model_config_from_hf(config: dict, source: str) -> ModelConfig:
     architectures = config.get("architectures") or []
-    if config.get("model_type") != "llama" and (not isinstance(architectures, list) or
-                                                "LlamaForCausalLM" not in architectures):
-        raise UserError(f"{source}: not a Llama-architecture config (model_type {config.get('model_type')!r})")
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        named = [t for t, name in ARCHITECTURES.items() if isinstance(architectures, list) and name in architectures]
+        if not named:
+            raise UserError(f"{source}: not a Llama- or Qwen3-architecture config (model_type {model_type!r})")
+        model_type = named[0]
+    if config.get("use_sliding_window"):
+        raise UserError(f"{source}: sliding-window attention is not part of our architecture")
     if config.get("attention_bias") or config.get("mlp_bias") or config.get("hidden_act", "silu") != "silu":
         raise UserError(f"{source}: biases or a non-SiLU activation are not part of our architecture")
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
@@ -119,6 +130,7 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
         max_seq_len=_number(config, "max_position_embeddings", source, int, 2048),
         rope_theta=_number(config, "rope_theta", source, float, rope.get("rope_theta", 10000.0)),
         tie_embeddings=tie, init_std=_number(config, "initializer_range", source, float, 0.02),
+        qk_norm=model_type == "qwen3",
     )
     if kind == "yarn":
         cfg.rope_scaling, cfg.rope_factor = "yarn", _number(rope, "factor", f"{source} rope_scaling", float)

@@ -78,16 +78,20 @@ def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer]:
 
 
 SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "ffn_hidden_dim", "tie_embeddings", "moe",
-                "n_experts", "n_shared_experts")
+                "n_experts", "n_shared_experts", "qk_norm")
+"""What the weights' shapes and names depend on."""
+FUNCTION_FIELDS = ("rope_theta", "norm_eps", "rope_scaling", "rope_factor", "rope_original_max_seq_len")
+"""What the trained function depends on beyond the shapes: training on other values would silently change it."""
 
 
 def initial_weights(cfg: ModelConfig, init_from: str, data_tokenizer_hash: str) -> dict[str, torch.Tensor]:
     """Weights of a run or export directory, refused when its shape or tokenizer differs from this run's."""
     source, tokenizer_dir = load_model_dir(init_from)
-    differing = [f"model.{f} {getattr(source.cfg, f)} there, {getattr(cfg, f)} here" for f in SHAPE_FIELDS
-                 if getattr(source.cfg, f) != getattr(cfg, f)]
+    differing = [f"model.{f} {getattr(source.cfg, f)} there, {getattr(cfg, f)} here"
+                 for f in (*SHAPE_FIELDS, *FUNCTION_FIELDS) if getattr(source.cfg, f) != getattr(cfg, f)]
     if differing:
-        raise UserError(f"--init-from {init_from}: the model differs from this run's config ({'; '.join(differing)})")
+        raise UserError(f"--init-from {init_from}: the model differs from this run's config ({'; '.join(differing)}); "
+                        "set those model.* keys to the values there")
     if (tokenizer_dir / TOKENIZER_FILE).is_file() and Tokenizer.load(tokenizer_dir).hash != data_tokenizer_hash:
         raise UserError(f"--init-from {init_from}: its tokenizer differs from the one the data was prepared with; "
                         f"prepare the data with {tokenizer_dir}")

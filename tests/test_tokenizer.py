@@ -256,7 +256,7 @@ def test_dpo_prompt_then_reply_is_the_answered_conversation(tokenizer_dir, direc
 # ---- a MiniMind tokenizer directory through every command ---------------------------------------------------
 
 @pytest.mark.slow
-def test_minimind_tokenizer_through_prepare_train_generate_chat_export_and_serve(tmp_path):
+def test_minimind_tokenizer_and_dpo_records_through_prepare_train_dpo_generate_chat_export_and_serve(tmp_path):
     import subprocess
     import sys
     import urllib.request
@@ -278,6 +278,17 @@ def test_minimind_tokenizer_through_prepare_train_generate_chat_export_and_serve
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert Tokenizer.load(tmp_path / "run" / "tokenizer").hash == Tokenizer.load(MINIMIND).hash
     result = run_cli("generate", "--model", tmp_path / "run", "--prompt", INJECTION, "--chat", "--max-new-tokens", 4)
+    assert result.returncode == 0, result.stderr[-2000:]
+    # MiniMind's DPO shape (chosen/rejected as whole conversations sharing their prompt turns) on its tokenizer
+    result = run_cli("data", "prepare", "--kind", "dpo", "--input", FIXTURES / "dpo" / "minimind_pairs.jsonl",
+                     "--tokenizer", MINIMIND, "--out", tmp_path / "dpo", "--workers", 1, "--val-fraction", 0.1,
+                     "--seq-len", 128)
+    assert result.returncode == 0 and "skipped" not in result.stdout + result.stderr, result.stderr[-2000:]
+    dpo_sets = [a for o in [*TINY, "data.seq_len=128", "train.max_steps=1", "train.eval_every=1"] for a in ("--set", o)]
+    result = run_cli("train", "dpo", "--recipe", "demo", "--data", tmp_path / "dpo", "--init-from", tmp_path / "run",
+                     "--out", tmp_path / "dpo_run", *dpo_sets)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    result = run_cli("generate", "--model", tmp_path / "dpo_run", "--prompt", "你好", "--chat", "--max-new-tokens", 4)
     assert result.returncode == 0, result.stderr[-2000:]
     result = subprocess.run([sys.executable, "-m", "llm", "chat", "--model", str(tmp_path / "run"),
                              "--max-new-tokens", "4"], input="hello\n/quit\n", capture_output=True, text=True,

@@ -42,8 +42,9 @@ from llm.train.steps import Batch, StepBatches
 
 
 def encode_prompt(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a prompt in ChatML with the assistant's turn opened."""
-    return tokenizer.encode(Tokenizer.render_chat(messages, add_generation_prompt=True))
+    """Token ids of a prompt in the tokenizer's chat template with the assistant's turn opened (the messages' text
+    is encoded with special tokens disabled: a prompt cannot open a turn of its own)."""
+    return tokenizer.encode_chat(messages, add_generation_prompt=True)
 
 
 def tokenizer_dir(cfg: RunConfig) -> Path:

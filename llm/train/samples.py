@@ -25,8 +25,8 @@ class SampleGenerator:
                  chat: bool = False) -> None:
         """`chat`: prompts are user messages, rendered in ChatML with the assistant's turn opened."""
         self.prompts, self.tokenizer, self.engine, self.info = prompts, tokenizer, engine, info
-        texts = [Tokenizer.render_chat([{"role": "user", "content": p}], True) if chat else p for p in prompts]
-        self.prompt_ids = [tokenizer.encode(text) or [tokenizer.eos_id] for text in texts]
+        self.prompt_ids = [(tokenizer.encode_chat([{"role": "user", "content": p}], True) if chat
+                            else tokenizer.encode(p)) or [tokenizer.eos_id] for p in prompts]
         max_len = engine.module.cfg.max_seq_len
         longest = max((len(ids) for ids in self.prompt_ids), default=0)
         if prompts and longest + max_new_tokens > max_len:
@@ -34,7 +34,7 @@ class SampleGenerator:
                             f"({max_new_tokens}) exceeds model.max_seq_len {max_len}; shorten them")
         self.params = SamplingParams(max_new_tokens=max_new_tokens)
         self.lockstep = engine.zero_optimization_stage() == 3
-        self.stop_ids = {tokenizer.eos_id, tokenizer.im_end_id}
+        self.stop_ids = set(tokenizer.stop_ids)
 
     def generate(self, step: int) -> list[dict[str, Any]] | None:
         """Rows {step, prompt, completion} on rank 0; None on the other ranks (and without prompts)."""
