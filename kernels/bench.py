@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels
 from kernels import reference
@@ -55,7 +56,7 @@ def _timer(smoke: bool):
                 samples.append(time.perf_counter() - start)
             return statistics.median(samples) * 1e3
         return wall
-    from triton.testing import do_bench
+    from triton.testing import do_bench  # noqa: PLC0415 - triton is optional (not installed off Linux)
 
     return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
 
@@ -80,8 +81,6 @@ def _qkv(dev, dtype, b: int, h: int, hk: int, s: int, d: int) -> Callable[[], li
 
 
 def _sdpa_with(backend) -> Callable:
-    from torch.nn.attention import sdpa_kernel
-
     def run(q, k, v):
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
@@ -96,8 +95,6 @@ def _attention_cases(dev, dtype, smoke) -> list[Case]:
     for b, h, hk, s, d in shapes:
         others = {"eager": reference.attention}
         if not smoke:
-            from torch.nn.attention import SDPBackend
-
             others.update({"compile": torch.compile(reference.attention),
                            "sdpa-flash": _sdpa_with(SDPBackend.FLASH_ATTENTION),
                            "cudnn": _sdpa_with(SDPBackend.CUDNN_ATTENTION)})
@@ -145,7 +142,7 @@ def _memory_cases(dev, dtype, smoke) -> list[Case]:
         if not smoke:
             others["compile"] = torch.compile(others["eager"])
             if importlib.util.find_spec("liger_kernel"):
-                from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+                from liger_kernel.ops.rms_norm import LigerRMSNormFunction  # noqa: PLC0415 - optional
 
                 others["liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6)
         cases.append(Case("rmsnorm", f"{rows}x{hidden}", make, lambda x, w: rms_norm(x, w, 1e-6), others,

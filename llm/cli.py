@@ -67,7 +67,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="DeepSpeed config (default ds_configs/<stage>.json); 'auto' values come from the run config")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="override zero_optimization.stage of the DeepSpeed config")
-    p.add_argument("--nproc", type=int, default=1, help="ranks on this machine; >1 relaunches under the deepspeed launcher")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="ranks on this machine; >1 relaunches under the deepspeed launcher")
 
 
 STAGE_HELP = {

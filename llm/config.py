@@ -7,6 +7,7 @@ the whole and raises `UserError` naming the key at fault.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from dataclasses import dataclass, field
@@ -267,7 +268,8 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
     else:
         path = Path(name_or_path)
         if not path.is_file():
-            raise UserError(f"recipe '{name_or_path}' is neither a packaged recipe ({', '.join(recipe_names())}) nor a YAML file")
+            raise UserError(f"recipe '{name_or_path}' is neither a packaged recipe ({', '.join(recipe_names())}) "
+                            "nor a YAML file")
         text = path.read_text()
         source = str(path)
     try:
@@ -291,10 +293,8 @@ def _coerce(key: str, value: Any, annotation: str) -> Any:
             return value
         raise UserError(f"config key '{key}' expects a list of strings, got {value!r}")
     if "float" in annotation and isinstance(value, str) and "str" not in annotation:
-        try:
+        with contextlib.suppress(ValueError):
             value = float(value)  # YAML 1.1 reads "1e-3" as a string
-        except ValueError:
-            pass
     if "float" in annotation and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     expected = [t for t in ("bool", "int", "float", "str") if t in annotation]
@@ -308,7 +308,8 @@ def _apply(cfg: RunConfig, dotted: str, value: Any) -> None:
     section_name, _, field_name = dotted.partition(".")
     sections = {f.name: f for f in dataclasses.fields(RunConfig)}
     if section_name not in sections or not field_name:
-        raise UserError(f"unknown config key '{dotted}': keys look like section.field with section one of {', '.join(sections)}")
+        raise UserError(f"unknown config key '{dotted}': keys look like section.field with section one of "
+                        f"{', '.join(sections)}")
     section = getattr(cfg, section_name)
     fields = {f.name: f for f in dataclasses.fields(section)}
     if field_name not in fields:
@@ -361,7 +362,8 @@ def validate_model(m: ModelConfig) -> None:
         _require(value > 0, f"{key} must be positive, got {value}")
     _require(m.dim % m.n_heads == 0, f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
     _require(m.head_dim % 2 == 0, f"head dim model.dim/model.n_heads = {m.head_dim} must be even for RoPE")
-    _require(m.n_heads % m.kv_heads == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
+    _require(m.n_heads % m.kv_heads == 0,
+             f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
     _require(m.rope_scaling in ("none", "yarn"), f"model.rope_scaling must be 'none' or 'yarn', got '{m.rope_scaling}'")
     if m.rope_scaling == "yarn":
         _require(m.rope_factor > 1 and m.rope_original_max_seq_len > 0,
@@ -369,7 +371,8 @@ def validate_model(m: ModelConfig) -> None:
     if m.moe:
         _require(0 < m.n_experts_per_token <= m.n_experts,
                  f"model.n_experts_per_token ({m.n_experts_per_token}) must be in 1..model.n_experts ({m.n_experts})")
-    _require(m.kernels in ("auto", "triton", "torch"), f"model.kernels must be auto, triton or torch, got '{m.kernels}'")
+    _require(m.kernels in ("auto", "triton", "torch"),
+             f"model.kernels must be auto, triton or torch, got '{m.kernels}'")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
 
 
@@ -404,7 +407,8 @@ def validate(cfg: RunConfig) -> None:
     for key, value in (("data.seq_len", d.seq_len), ("train.micro_batch_size", t.micro_batch_size),
                        ("train.grad_accum", t.grad_accum), ("train.max_steps", t.max_steps)):
         _require(value > 0, f"{key} must be positive, got {value}")
-    _require(d.seq_len <= cfg.model.max_seq_len, f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
+    _require(d.seq_len <= cfg.model.max_seq_len,
+             f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
     _require(t.stage in STAGES, f"train.stage must be one of {', '.join(STAGES)}, got '{t.stage}'")
     _require(t.dpo_beta > 0, f"train.dpo_beta must be positive, got {t.dpo_beta}")
     _require(t.dpo_sft_weight >= 0, f"train.dpo_sft_weight must be >= 0, got {t.dpo_sft_weight}")
@@ -424,4 +428,5 @@ def validate(cfg: RunConfig) -> None:
     _require(t.sample_tokens > 0, f"train.sample_tokens must be positive, got {t.sample_tokens}")
     if t.stage == "grpo":
         validate_grpo(cfg)
-    _require(cfg.wandb.mode in ("off", "offline", "online"), f"wandb.mode must be off, offline or online, got '{cfg.wandb.mode}'")
+    _require(cfg.wandb.mode in ("off", "offline", "online"),
+             f"wandb.mode must be off, offline or online, got '{cfg.wandb.mode}'")

@@ -24,10 +24,12 @@ from llm.infer.sampling import SamplingParams
 from llm.loading import load_for_inference, load_trained_model
 from llm.tokenizer import Tokenizer
 
-CAPITALS = [("France", "Paris", "法国", "巴黎"), ("Japan", "Tokyo", "日本", "东京"), ("Italy", "Rome", "意大利", "罗马"),
-            ("Egypt", "Cairo", "埃及", "开罗"), ("Spain", "Madrid", "西班牙", "马德里"), ("Russia", "Moscow", "俄罗斯", "莫斯科"),
-            ("Germany", "Berlin", "德国", "柏林"), ("China", "Beijing", "中国", "北京"), ("Kenya", "Nairobi", "肯尼亚", "内罗毕"),
-            ("Peru", "Lima", "秘鲁", "利马"), ("Canada", "Ottawa", "加拿大", "渥太华"), ("Greece", "Athens", "希腊", "雅典")]
+CAPITALS = [("France", "Paris", "法国", "巴黎"), ("Japan", "Tokyo", "日本", "东京"),
+            ("Italy", "Rome", "意大利", "罗马"), ("Egypt", "Cairo", "埃及", "开罗"),
+            ("Spain", "Madrid", "西班牙", "马德里"), ("Russia", "Moscow", "俄罗斯", "莫斯科"),
+            ("Germany", "Berlin", "德国", "柏林"), ("China", "Beijing", "中国", "北京"),
+            ("Kenya", "Nairobi", "肯尼亚", "内罗毕"), ("Peru", "Lima", "秘鲁", "利马"),
+            ("Canada", "Ottawa", "加拿大", "渥太华"), ("Greece", "Athens", "希腊", "雅典")]
 COLORS = [("the sky", "blue", "天空", "蓝色"), ("grass", "green", "草", "绿色"), ("snow", "white", "雪", "白色"),
           ("coal", "black", "煤", "黑色"), ("a banana", "yellow", "香蕉", "黄色"), ("blood", "red", "血", "红色")]
 ANIMALS = [("dog", "woof", "狗", "汪汪"), ("cat", "meow", "猫", "喵喵"), ("cow", "moo", "牛", "哞哞"),

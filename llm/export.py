@@ -70,7 +70,8 @@ def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None) -> dict:
                                   "beta_slow": cfg.yarn_beta_slow,
                                   "original_max_position_embeddings": cfg.rope_original_max_seq_len}
     if tokenizer is not None:
-        config.update(bos_token_id=tokenizer.im_start_id, eos_token_id=tokenizer.stop_ids, pad_token_id=tokenizer.pad_id)
+        config.update(bos_token_id=tokenizer.im_start_id, eos_token_id=tokenizer.stop_ids,
+                      pad_token_id=tokenizer.pad_id)
     return config
 
 

@@ -69,7 +69,8 @@ def test_typed_special_tokens_stay_inside_the_message(generator):
 
 def test_chat_repl_commands(zero_runs):
     script = "hello\n/system You are terse.\nhi there\n/reset\n/bogus\nagain\n/quit\n"
-    result = subprocess.run([sys.executable, "-m", "llm", "chat", "--model", str(zero_runs[2]), "--max-new-tokens", "6"],
+    result = subprocess.run([sys.executable, "-m", "llm", "chat", "--model", str(zero_runs[2]),
+                             "--max-new-tokens", "6"],
                             input=script, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
@@ -80,7 +81,8 @@ def test_chat_repl_commands(zero_runs):
 
 def test_chat_command_survives_a_line_longer_than_the_context(zero_runs):
     script = "hello\n" + "word " * 2000 + "\nagain\n/quit\n"
-    result = subprocess.run([sys.executable, "-m", "llm", "chat", "--model", str(zero_runs[2]), "--max-new-tokens", "6"],
+    result = subprocess.run([sys.executable, "-m", "llm", "chat", "--model", str(zero_runs[2]),
+                             "--max-new-tokens", "6"],
                             input=script, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "(not sent: " in result.stdout and result.stdout.count("assistant> ") == 2

@@ -89,7 +89,8 @@ def test_sampling_respects_the_filters_and_the_seed():
     for _ in range(50):
         token = choose_next(logits, params, seen, None)
         assert all(token[i] in allowed[i] for i in range(4))
-    draws = [choose_next(logits, SamplingParams(temperature=1.0), seen, torch.Generator().manual_seed(5)) for _ in range(2)]
+    draws = [choose_next(logits, SamplingParams(temperature=1.0), seen, torch.Generator().manual_seed(5))
+             for _ in range(2)]
     assert torch.equal(draws[0], draws[1])
     assert torch.equal(choose_next(logits, SamplingParams(temperature=0.0), seen, None), logits.argmax(-1))
 
@@ -116,7 +117,8 @@ def test_batched_generation_equals_one_prompt_at_a_time(generator):
 
 def test_uncached_decoding_gives_the_same_text(generator):
     params = SamplingParams(max_new_tokens=10)
-    assert generator.generate(["Hello", "Once upon"], params, use_cache=False) == generator.generate(["Hello", "Once upon"], params)
+    prompts = ["Hello", "Once upon"]
+    assert generator.generate(prompts, params, use_cache=False) == generator.generate(prompts, params)
 
 
 def test_prompts_as_ids_or_text_give_the_same_completion(generator):
@@ -175,7 +177,8 @@ def test_export_from_zero_checkpoints_matches_transformers_logits(zero_runs, sta
 
     result = run_cli("export", "--run", zero_runs[stage], "--out", tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in tmp_path.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= \
+        {p.name for p in tmp_path.iterdir()}
     ours, _ = load_for_inference(zero_runs[stage])
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     tokens = torch.randint(4, 512, (2, 19))

@@ -46,7 +46,8 @@ def test_forward_returns_logits_and_loss():
     tokens, targets = torch.randint(0, 97, (3, 17)), torch.randint(0, 97, (3, 17))
     out = model(tokens, targets)
     assert out.logits.shape == (3, 17, 97) and out.aux_loss is None
-    assert out.loss.item() == pytest.approx(F.cross_entropy(out.logits.reshape(-1, 97), targets.reshape(-1)).item(), rel=1e-6)
+    expected = F.cross_entropy(out.logits.reshape(-1, 97), targets.reshape(-1)).item()
+    assert out.loss.item() == pytest.approx(expected, rel=1e-6)
     assert out.loss.item() == pytest.approx(math.log(97), rel=0.05)  # small init: near uniform
 
 

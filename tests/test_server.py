@@ -143,7 +143,8 @@ def test_injected_special_tokens_stay_in_the_user_message(server, generator):
 def test_tool_turns_and_calls_are_accepted(server):
     messages = [{"role": "user", "content": "weather?"},
                 {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"x\"}"}}]},
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "weather", "arguments": "{\"city\": \"x\"}"}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
     status, payload = _post(server, json.dumps({"messages": messages, "max_tokens": 2}).encode())
     assert status == 200 and payload["choices"][0]["message"]["role"] == "assistant"
@@ -205,7 +206,8 @@ def test_bad_requests_get_4xx_json_errors_and_the_server_survives(server, body, 
     ("5", {"Content-Length": None, "Transfer-Encoding": "chunked"}, 411),
 ])
 def test_content_length_must_be_one_small_non_negative_integer(server, length, headers, status):
-    got, response = raw_exchange(server, request_bytes(HELLO, headers=headers, length=length))  # the client keeps its side open: the server must not wait for it
+    # the client keeps its side open: the server must not wait for it
+    got, response = raw_exchange(server, request_bytes(HELLO, headers=headers, length=length))
     assert got == status and json_body(response)["error"]["type"] == "invalid_request_error"
 
 

@@ -35,7 +35,8 @@ def test_two_rank_training_under_each_zero_stage(zero_runs, stage):
     assert ds["zero_optimization"]["stage"] == stage and ds["train_batch_size"] == 8
     assert (run / "config.yaml").is_file()
     assert (run / "checkpoints" / "latest").read_text() == "global_step4"
-    assert sorted(p.name for p in (run / "checkpoints" / "global_step4").glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]
+    rng_files = sorted(p.name for p in (run / "checkpoints" / "global_step4").glob("rng_rank*.pt"))
+    assert rng_files == ["rng_rank0.pt", "rng_rank1.pt"]
 
 
 def test_zero_stages_agree_numerically(zero_runs):
@@ -185,7 +186,8 @@ def test_metrics_jsonl_and_offline_wandb_hold_the_same_numbers(pretrain_data, tm
 
 
 def _wandb_records(path):
-    """Payloads of a .wandb file: LevelDB-log framing (32 KiB blocks, 7-byte record headers) after a 7-byte file header."""
+    """Payloads of a .wandb file: LevelDB-log framing (32 KiB blocks, 7-byte record headers) after a 7-byte file
+    header."""
     data = path.read_bytes()
     assert data[:4] == b":W&B"
     pos, block, pending = 7, 32768, b""

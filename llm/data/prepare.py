@@ -279,7 +279,8 @@ def write_attrs(h5: h5py.File, kind: str, tokenizer_hash: str, vocab_size: int, 
     else:
         ids, stop_ids = {role: getattr(special, role) for role in ROLE_IDS}, special.stop_ids
     h5.attrs.update({"schema_version": SCHEMA_VERSION, "kind": kind, "tokenizer_hash": tokenizer_hash,
-                     "vocab_size": vocab_size, **{role: -1 if ids.get(role) is None else ids[role] for role in ROLE_IDS},
+                     "vocab_size": vocab_size,
+                     **{role: -1 if ids.get(role) is None else ids[role] for role in ROLE_IDS},
                      "stop_ids": np.asarray(stop_ids, dtype=np.int64), **extra})
 
 

@@ -412,9 +412,9 @@ class _JsonStream:
 
 def _pyarrow(path: Path):
     try:
-        import pyarrow
-        import pyarrow.ipc
-        import pyarrow.parquet
+        import pyarrow  # noqa: PLC0415 - optional dependency, imported only for these formats
+        import pyarrow.ipc  # noqa: PLC0415
+        import pyarrow.parquet  # noqa: PLC0415
     except ImportError:
         raise UserError(f"{path}: reading Parquet/Arrow files needs pyarrow; install it with "
                         f"{INSTALL_DATASETS}") from None
@@ -450,7 +450,7 @@ def _arrow_batches(pa, path: Path) -> Iterator:
 
 def _hf_rows(path: Path) -> Iterator[dict]:
     try:
-        import datasets
+        import datasets  # noqa: PLC0415 - optional dependency, imported only for save_to_disk directories
     except ImportError:
         raise UserError(f"{path}: reading a save_to_disk directory needs the datasets package; install it with "
                         f"{INSTALL_DATASETS}") from None

@@ -23,6 +23,7 @@ Standard library only (`http.server`, one thread per connection). Requests are u
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -203,10 +204,8 @@ class ChatService:
     def close(self) -> None:
         """Stop the generation thread after the current request."""
         self._closing.set()
-        try:
+        with contextlib.suppress(queue.Full):
             self._queue.put_nowait(None)  # wakes an idle thread; a busy one sees _closing next
-        except queue.Full:
-            pass
 
     def _serve(self) -> None:
         while not self._closing.is_set() and (job := self._queue.get()) is not None:

@@ -17,7 +17,8 @@ from llm.config import ModelConfig
 
 def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     def correction_dim(num_rotations: float) -> float:
-        return head_dim * math.log(cfg.rope_original_max_seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+        wavelengths = cfg.rope_original_max_seq_len / (num_rotations * 2 * math.pi)
+        return head_dim * math.log(wavelengths) / (2 * math.log(cfg.rope_theta))
 
     low = max(math.floor(correction_dim(cfg.yarn_beta_fast)), 0)
     high = min(math.ceil(correction_dim(cfg.yarn_beta_slow)), head_dim // 2 - 1)

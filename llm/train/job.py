@@ -170,7 +170,8 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     check_tokenizer(run_dir, cfg, attrs["tokenizer_hash"])
     raw_ds, ds_source = load_ds_config(ds_config_path, cfg.train.stage)
     if not resume and rundir.latest_tag(run_dir) is not None:
-        raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out")
+        raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another "
+                        "--out")
     data = prompts_summary(input_files(cfg), attrs) if cfg.train.stage == "grpo" else \
         data_summary(Path(cfg.data.path), attrs)
     if resume and rundir.latest_tag(run_dir) is not None:
