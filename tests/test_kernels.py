@@ -363,6 +363,34 @@ def test_tiny_model_trains_the_same_with_triton_and_torch_kernels(seed):
         assert torch.allclose(triton_grads[name], grad, rtol=1e-4, atol=1e-6), f"{name} seed={seed}"
 
 
+def test_packed_sft_trains_the_same_through_varlen_triton_per_segment_torch_and_the_dense_mask(monkeypatch, seed):
+    """Packed SFT windows: the Triton varlen kernel and the torch backend's per-segment SDPA (no [seq, seq] mask)
+    give the losses and gradients of the dense block-diagonal mask the model used before."""
+    gen = torch.Generator().manual_seed(seed)
+    segment_ids = packed_segment_ids(2, 24, [[7, 9, 5], [11, 12]])
+    tokens, targets = (torch.randint(0, 61, (2, 24), generator=gen) for _ in range(2))
+    loss_mask = (torch.rand(2, 24, generator=gen) < 0.7).float() * (segment_ids > 0)
+
+    def train(choice: str):
+        torch.manual_seed(seed)
+        cfg = ModelConfig(vocab_size=61, dim=64, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=32,
+                          kernels="torch" if choice == "dense" else choice)
+        model = Transformer(cfg)
+        loss = model(tokens, targets, loss_mask, segment_ids=segment_ids).loss
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    routes = {choice: train(choice) for choice in ("triton", "torch")}
+    with monkeypatch.context() as m:  # the dense mask: reference attention over the block-diagonal causal mask
+        m.setattr(kernels, "attention", lambda q, k, v, causal=True, scale=None, segment_ids=None, **_:
+                  reference.attention(q, k, v, causal, scale, segment_ids))
+        dense_loss, dense_grads = train("dense")
+    for choice, (loss, grads) in routes.items():
+        assert loss == pytest.approx(dense_loss, rel=1e-5), f"{choice} seed={seed}"
+        for name, grad in dense_grads.items():
+            assert torch.allclose(grads[name], grad, rtol=1e-4, atol=1e-6), f"{choice} {name} seed={seed}"
+
+
 # ---- the benchmark tool ------------------------------------------------------------------------
 
 def test_bench_smoke_prints_every_op_forward_and_backward():
