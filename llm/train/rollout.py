@@ -42,8 +42,8 @@ from llm.train.steps import Batch, StepBatches
 
 
 def encode_prompt(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a prompt in ChatML with the assistant's turn opened."""
-    return tokenizer.encode(Tokenizer.render_chat(messages, add_generation_prompt=True))
+    """Token ids of a prompt through the tokenizer's chat template, the assistant's turn opened."""
+    return tokenizer.encode_chat(messages, add_generation_prompt=True)
 
 
 def tokenizer_dir(cfg: RunConfig) -> Path:

@@ -25,8 +25,8 @@ class SampleGenerator:
                  chat: bool = False) -> None:
         """`chat`: prompts are user messages, rendered in ChatML with the assistant's turn opened."""
         self.prompts, self.tokenizer, self.engine, self.info = prompts, tokenizer, engine, info
-        texts = [Tokenizer.render_chat([{"role": "user", "content": p}], True) if chat else p for p in prompts]
-        self.prompt_ids = [tokenizer.encode(text) or [tokenizer.eos_id] for text in texts]
+        self.prompt_ids = [tokenizer.encode_chat([{"role": "user", "content": p}], add_generation_prompt=True)
+                           if chat else tokenizer.encode(p) or [tokenizer.eos_id] for p in prompts]
         max_len = engine.module.cfg.max_seq_len
         longest = max((len(ids) for ids in self.prompt_ids), default=0)
         if prompts and longest + max_new_tokens > max_len:
