@@ -101,7 +101,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         t = tsub.add_parser(stage, help=short, epilog=f"Recipes: {', '.join(recipe_names())}. {EPILOG}",
                             description=long + " Writes RUN_DIR/config.yaml, RUN_DIR/ds_config.json, "
                             "RUN_DIR/metrics.jsonl and RUN_DIR/checkpoints/. SIGTERM saves a checkpoint and exits "
-                            "75; --resume auto continues exactly, also on another number of ranks. In a multi-rank "
+                            "75; --resume auto continues exactly, also on another number of ranks (GRPO: exactly on "
+                            "the same number; its rollouts are sampled per rank). In a multi-rank "
                             "job a rank that dies or hangs ends the job on every rank, named, with exit 76.")
         _add_run_options(t)
         if stage == "grpo":

@@ -7,7 +7,8 @@ every term's unweighted mean is logged as `reward/<name>`.
                        says how the answer is found; numbers compare by value, so "12.0" matches 12)
     format[:REGEX]     1 when the whole stripped completion matches REGEX (default: DeepSeek-R1's
                        <think>...</think> <answer>...</answer>), else 0
-    length             -(completion tokens / grpo.max_new_tokens): a penalty from 0 to -1 for long completions
+    length             -(completion tokens / grpo.max_new_tokens), the stop token counted: a penalty from
+                       -1/max_new_tokens to -1 for long completions
     model:DIR          a local Hugging Face sequence-classification model (needs `transformers`): its logit when it
                        has one label, else the probability of its last label, on the prompt and completion rendered
                        with the model's chat template

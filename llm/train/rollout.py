@@ -11,8 +11,9 @@ ZeRO-3 the parameters are gathered once per rollout, and generation runs on a mo
 the rollout ('gathered'), or a full copy kept on each rank and refreshed from them ('copy'); docs/grpo.md has the
 measurement.
 
-Sampling is seeded from (train.seed, rank, step), so a resumed run samples exactly what the uninterrupted run
-did. This module is the one place that renders prompts and calls the generator (`encode_prompt`, `_sample`).
+Sampling is seeded from (train.seed, rank, step), so a run resumed on the same number of ranks samples exactly
+what the uninterrupted run did (on another number of ranks it continues correctly, with other samples). This
+module is the one place that renders prompts and calls the generator (`encode_prompt`, `_sample`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from llm.tokenizer import Tokenizer
 class SampleGenerator:
     def __init__(self, prompts: list[str], max_new_tokens: int, tokenizer: Tokenizer, engine, info: DistInfo,
                  chat: bool = False) -> None:
-        """`chat`: prompts are user messages, rendered by the tokenizer's chat template with the assistant's turn opened."""
+        """`chat`: prompts are user messages, rendered by the tokenizer's chat template with the assistant's turn
+        opened."""
         self.prompts, self.tokenizer, self.engine, self.info = prompts, tokenizer, engine, info
         self.prompt_ids = [(tokenizer.encode_chat([{"role": "user", "content": p}], True) if chat
                             else tokenizer.encode(p)) or [tokenizer.eos_id] for p in prompts]
