@@ -30,9 +30,9 @@ def letters(prompts, completions, answer, **fields):
     return [sum(c.isascii() and c.isalpha() for c in text) / max(1, len(text)) for text in completions]
 
 
-def capitals(prompts, completions, **fields):
-    """Share of capital letters in each completion."""
-    return [sum("A" <= c <= "Z" for c in text) / max(1, len(text)) for text in completions]
+def capital(prompts, completions, **fields):
+    """1 for a completion that starts with a capital letter."""
+    return [float("A" <= text.strip()[:1] <= "Z") for text in completions]
 '''
 
 
@@ -251,9 +251,9 @@ def _grpo_args(policy, prompt_dir, out, *overrides, rewards=(), nproc=2, extra=(
 @pytest.fixture(scope="module")
 def grpo_runs(policy, prompt_dir, tmp_path_factory):
     """8 steps on 2 ranks: ZeRO-2 with a built-in reward (the completion starts with a capital letter), ZeRO-3 with
-    the user's function (share of capital letters)."""
+    the user's function (the same rule, written by the user)."""
     runs = {}
-    for stage, reward in ((2, "format:[A-Z].*"), (3, "myrewards:capitals")):
+    for stage, reward in ((2, "format:[A-Z].*"), (3, "myrewards:capital")):
         out = tmp_path_factory.mktemp(f"grpo{stage}")
         result = run_cli(*_grpo_args(policy, prompt_dir, out, rewards=[reward], extra=["--zero-stage", stage]),
                          cwd=prompt_dir)
@@ -262,7 +262,7 @@ def grpo_runs(policy, prompt_dir, tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("stage, component", [(2, "reward/format"), (3, "reward/capitals")])
+@pytest.mark.parametrize("stage, component", [(2, "reward/format"), (3, "reward/capital")])
 def test_grpo_raises_the_reward_on_two_ranks(grpo_runs, stage, component):
     rows = _metrics(grpo_runs[stage])
     assert [r["step"] for r in rows] == list(range(1, 9))

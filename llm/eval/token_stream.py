@@ -22,11 +22,10 @@ import numpy as np
 
 from llm.data.datasets import read_data_attrs
 from llm.data.formats import Skipped, expand_inputs, read_records
-from llm.data.prepare import SPLITS, TOKENS_FILE
+from llm.data.prepare import SPLITS, TOKENS_FILE, encode_pretrain
 from llm.errors import UserError
 from llm.tokenizer import Tokenizer
 
-ENCODE_BATCH = 256
 DECODE_CHUNK = 1 << 20
 
 
@@ -88,22 +87,13 @@ def stream_of_files(paths: list[str], tokenizer: Tokenizer) -> tuple[ArrayStream
     """The documents of `paths` (any format `data prepare` reads, as pretraining text) tokenized into one stream."""
     report = FilesReport()
     pieces: list[np.ndarray] = [np.array([tokenizer.eos_id], dtype=np.int64)]
-    batch: list[str] = []
-
-    def flush() -> None:
-        for ids in tokenizer.encode_batch(batch):
-            pieces.append(np.array([*ids, tokenizer.eos_id], dtype=np.int64))
-        batch.clear()
-
     for record in read_records(expand_inputs(paths), "pretrain"):
         if isinstance(record, Skipped):
             report.skipped.append(str(record))
             continue
-        batch.append(record.value)
-        report.documents += 1
-        if len(batch) == ENCODE_BATCH:
-            flush()
-    flush()
+        # a long document arrives in pieces (bounded memory); the end-of-text token follows its last piece
+        pieces.append(np.array(encode_pretrain(tokenizer, record.value, record.last)["tokens"], dtype=np.int64))
+        report.documents += record.last
     if report.documents == 0:
         first = f" ({len(report.skipped)} records skipped, first: {report.skipped[0]})" if report.skipped else ""
         raise UserError(f"{', '.join(map(str, paths))}: no usable text records to evaluate on{first}")
