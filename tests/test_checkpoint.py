@@ -273,7 +273,12 @@ def test_resuming_on_other_data_is_one_clear_error(one_rank_run, tokenizer_dir, 
     assert result.returncode == 0, result.stderr
     run = tmp_path / "run"
     shutil.copytree(one_rank_run, run)
-    result = run_cli(*train_args(data, run, *ONE_RANK, "train.max_steps=6", extra=["--resume", "auto"]))
+    args = train_args(data, run, *ONE_RANK, "train.max_steps=6", extra=["--resume", "auto"])
+    result = run_cli(*args)  # the run record names the data it trained on: refused before anything starts
+    errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
+    assert result.returncode == 2 and len(errors) == 1 and "not the data" in errors[0], result.stderr[-3000:]
+    (run / rundir.RUN_RECORD_FILE).unlink()  # a run without a record: the sampler's state does not fit the data
+    result = run_cli(*args)
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
     assert len(errors) == 1 and "global_step4 does not fit the data" in errors[0] and "--init-from" in errors[0]
