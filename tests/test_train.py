@@ -162,8 +162,10 @@ def test_two_ranks_to_one_resume_converts_to_universal_and_continues(zero_runs, 
     assert "resumed at step 2" in result.stdout
     rows, reference = _metrics(tmp_path), _metrics(zero_runs[stage])
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # one rank sums what two ranks reduced, in another order: losses agree to ~1e-5, gradient norms (a square root
+    # of sums of squares, after ZeRO-3's repartitioned flattening) to ~2e-4 on the committed corpus
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-4)
-    assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
+    assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-3)
     resumed_state = json.loads((tmp_path / "checkpoints" / "global_step4" / "client_state.json").read_text())
     assert resumed_state["sampler"] == straight_state["sampler"] and resumed_state["world_size"] == 1
     assert not (tmp_path / "checkpoints" / "universal").exists()
