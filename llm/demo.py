@@ -189,6 +189,7 @@ def run_demo(out: Path, steps: int | None = None, nproc: int = 1) -> int:
         if stage == "dpo":
             write_dpo_file(out / "dpo.jsonl", previous)
         stage_steps, seq_len, stage_overrides = POST_TRAINING[stage]
+        stage_steps = min(stage_steps, steps) if steps else stage_steps  # a shortened demo shortens every stage
         print(f"[{number}/6] {stage.upper()} on generated arithmetic questions, from {previous.name}", flush=True)
         stage_data, stage_run = out / f"{stage}_data", out / f"{stage}_run"
         _zerollm("data", "prepare", "--kind", stage, "--input", str(out / f"{stage}.jsonl"), "--tokenizer",
