@@ -56,7 +56,8 @@ def pretrain_data(tokenizer_dir, tmp_path_factory) -> Path:
 
 TINY = ["model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
         "data.seq_len=32", "train.micro_batch_size=4", "train.warmup_steps=2", "train.eval_batches=2",
-        "train.log_every=1", "train.lr=3e-3"]
+        "train.log_every=1", "train.lr=3e-3", "train.sample_prompts=[]"]
+"""A tiny model that trains in seconds; no samples at evaluations (tests/test_run_record.py turns them on)."""
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu"}
 
 
