@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import FIXTURES, SHARED_DATA, data_sources, run_cli
+from conftest import FIXTURES, run_cli
 from llm.cli import main
 from llm.data.datasets import read_data_attrs
 from llm.data.formats import read_items
@@ -60,12 +60,8 @@ def other_tokenizer(tmp_path_factory):
 
 # ---- files and records ---------------------------------------------------------------------------------
 
-def _origin(path) -> str:
-    return "fixtures" if FIXTURES in path.parents else "shared"
-
-
-@pytest.mark.parametrize("source", data_sources("pretrain"), ids=_origin)
-def test_every_pretrain_file_prepares(tokenizer_dir, tmp_path, source):
+def test_every_pretrain_file_prepares(tokenizer_dir, tmp_path):
+    source = FIXTURES / "pretrain"
     report = prepare("pretrain", [str(source)], tokenizer_dir, tmp_path / "out", val_fraction=0.01, workers=2,
                      show_progress=False)
     files = sorted(p for p in source.rglob("*") if p.suffix in (".txt", ".jsonl", ".json"))
@@ -83,12 +79,8 @@ def test_every_pretrain_file_prepares(tokenizer_dir, tmp_path, source):
     assert json.loads((tmp_path / "out" / "report.json").read_text())["tokens"] == report.tokens
 
 
-ZH_JSONL = [path for path in (FIXTURES / "pretrain" / "zh_sayings.jsonl",
-                              SHARED_DATA / "pretrain" / "fortunes_zh_chinese.jsonl") if path.exists()]
-
-
-@pytest.mark.parametrize("path", ZH_JSONL, ids=lambda p: p.name)
-def test_documents_decode_back_to_their_text_in_order(tokenizer_dir, tmp_path, path):
+def test_documents_decode_back_to_their_text_in_order(tokenizer_dir, tmp_path):
+    path = FIXTURES / "pretrain" / "zh_sayings.jsonl"
     _quiet("pretrain", [path], tokenizer_dir, tmp_path / "out", workers=2)
     texts = [item.value["text"] for item, _ in zip(read_items(path), range(50))]
     assert _documents(tmp_path / "out", tokenizer_dir)[:50] == texts

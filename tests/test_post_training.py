@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import FIXTURES, data_sources, run_cli, train_args
+from conftest import FIXTURES, run_cli, train_args
 from llm.config import ModelConfig
 from llm.data.datasets import PackedConversations, PreferencePairs
 from llm.data.formats import RecordError, conversation, preference, pretrain_text
@@ -31,7 +31,7 @@ def _metrics(run):
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
 def test_every_file_of_every_shape_prepares(tokenizer_dir, tmp_path, kind):
-    files = sorted(p for source in data_sources(kind) for p in source.iterdir() if p.suffix in (".json", ".jsonl"))
+    files = sorted(p for p in (FIXTURES / kind).iterdir() if p.suffix in (".json", ".jsonl"))
     assert len(files) >= (4 if kind == "sft" else 6)
     for path in files:
         report = prepare(kind, [str(path)], tokenizer_dir, tmp_path / path.stem, seq_len=1024, workers=2,
@@ -250,7 +250,7 @@ def test_samples_longer_than_data_seq_len_are_refused_naming_both_lengths(tokeni
 @pytest.fixture(scope="module")
 def sft_data(tokenizer_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sft")
-    prepare("sft", [str(p) for p in data_sources("sft")], tokenizer_dir, out, val_fraction=0.02, seq_len=512,
+    prepare("sft", [str(FIXTURES / "sft")], tokenizer_dir, out, val_fraction=0.02, seq_len=512,
             workers=2, show_progress=False)
     return out
 

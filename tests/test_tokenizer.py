@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import FIXTURES, TINY, data_sources, run_cli
+from conftest import FIXTURES, TINY, run_cli
 from llm.chat_template import CHAT_TEMPLATE, ChatTemplateError
 from llm.data.prepare import encode_dpo, encode_sft, prepare
 from llm.errors import UserError
@@ -51,9 +51,9 @@ def test_our_special_tokens_and_chat_template(tokenizer_dir):
     assert config["chat_template"] == CHAT_TEMPLATE
 
 
-def test_round_trip_exact_on_every_shared_file(tokenizer_dir):
+def test_round_trip_exact_on_every_fixture_file(tokenizer_dir):
     tok = Tokenizer.load(tokenizer_dir)
-    files = sorted(p for root in data_sources() for p in root.rglob("*") if p.is_file())
+    files = sorted(p for p in FIXTURES.rglob("*") if p.is_file())
     assert len(files) >= 15
     for path in files:
         text = path.read_text(encoding="utf-8")
