@@ -113,12 +113,12 @@ def profile_step(recipe: str, smoke: bool) -> str:
     trainer = build_trainer(cfg, work / "run", info, resolve_ds_config(raw, cfg, 1, source),
                             read_data_attrs(cfg.data.path, "pretrain"))
     for _ in range(2):
-        trainer.reduce_step(trainer.train_step())
+        trainer.reduce_step(*trainer.train_step())
     activities = [torch.profiler.ProfilerActivity.CPU]
     if info.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        trainer.reduce_step(trainer.train_step())
+        trainer.reduce_step(*trainer.train_step())
     shutil.rmtree(work, ignore_errors=True)
     sort = "cuda_time_total" if info.device.type == "cuda" else "cpu_time_total"
     return f"{recipe}, {cfg.train.precision}, one step:\n" + prof.key_averages().table(sort_by=sort, row_limit=20)

@@ -157,9 +157,10 @@ class Trainer:
         self._tokens_since_log.zero_()
         world, micro_steps = self.dist.world_size, len(batches.micro_batches) * self.steps.updates_per_step
         n_micro, n_step = len(sums), len(step_metrics)
-        micro_means = (packed[:n_micro] / (micro_steps * world)).tolist()
-        step_means = (packed[n_micro:n_micro + n_step] / world).tolist()
-        loss_tokens, positions, generated = packed[n_micro + n_step:].tolist()
+        totals = packed.tolist()  # the one wait for the device
+        micro_means = [v / (micro_steps * world) for v in totals[:n_micro]]
+        step_means = [v / world for v in totals[n_micro:n_micro + n_step]]
+        loss_tokens, positions, generated = totals[n_micro + n_step:]
         stats = StepStats(micro_means[0], {**dict(zip(self._metric_names, micro_means[1:], strict=True)),
                                            **dict(zip(self._step_metric_names, step_means, strict=True))},
                           int(loss_tokens), int(positions), int(generated), self._generation_seconds_since_log)

@@ -67,9 +67,9 @@ def main(data: str, run: str, overrides: list[str]) -> None:
     _watch_collectives(info.device)
     for step in range(2):
         phase = f"train_step {step + 1}"
-        sums = trainer.train_step()
+        sums, batches = trainer.train_step()
     phase = "reduce_step"
-    trainer.reduce_step(sums)
+    trainer.reduce_step(sums, batches)
     phase = "evaluate"
     trainer.evaluate()
     phase = "stop vote"
