@@ -11,11 +11,14 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_cli, train_args
+from llm import rundir
 from llm.config import build_config
 from llm.errors import UserError
 from llm.runtime.distributed import DistInfo, free_port
+from llm.train import checkpoint
 from llm.train import engine as engine_module
 from llm.train.engine import load_ds_config, loss_scale_of, resolve_ds_config, resolve_precision
+from llm.train.steps import DataSteps
 from llm.train.trainer import Trainer
 
 CPU = torch.device("cpu")
@@ -94,13 +97,15 @@ def test_the_loss_scale_is_checkpointed_and_restored_on_resume(tmp_path, process
     cfg = build_config("demo", ["train.micro_batch_size=1"])
     info = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)
     engine = _FakeFP16Engine(scale=2.0 ** 11)
-    trainer = Trainer(cfg, tmp_path, info, engine, objective=None, train_set=list(range(4)), val_set=[], n_params=1)
+    trainer = Trainer(cfg, tmp_path, info, engine, objective=None, steps=DataSteps(cfg, CPU), train_set=list(range(4)),
+                      val_set=[], n_params=1)
     state = trainer.client_state(stopped_by_signal=False)
     assert state["loss_scale"] == 2048.0 and loss_scale_of(engine) == 2048.0
 
     tag_dir = tmp_path / "checkpoints" / "global_step7"
     tag_dir.mkdir(parents=True)
     (tag_dir / "client_state.json").write_text(json.dumps({**state, "step": 7}))
+    torch.save(checkpoint.rng_state(), rundir.rng_file(tmp_path, "global_step7", 0))
     engine.optimizer.cur_scale = 65536.0  # a fresh engine starts from its initial scale
     trainer.resume("global_step7", universal=False)
     assert engine.optimizer.cur_scale == 2048.0 and trainer.step == 7
