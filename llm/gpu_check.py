@@ -155,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         return "ok"
 
     _timed(report, "versions", budget["versions"], lambda log, _: write(log, versions(args.smoke)))
+    pytest = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]  # in one process
     if args.smoke:
-        tests = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py", "-k", "rms"]
+        tests = [*pytest, "tests/test_kernels.py", "-k", "rms"]
         tests_env = {"TRITON_INTERPRET": "1"}
     else:
-        tests = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+        tests = [*pytest, "-m", "gpu",
                  *sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_kernels*.py"))]
         tests_env = {"TRITON_INTERPRET": "0"}
     _timed(report, "kernel tests", budget["kernel tests"], lambda log, t: run_command(tests, log, t, tests_env))

@@ -31,7 +31,8 @@ compiled = pytest.mark.skipif(INTERPRETING, reason="this process interprets Trit
 @pytest.mark.skipif(not INTERPRETING, reason="the GPU tests run in this process")
 def test_gpu_suite_in_a_compiling_process():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", __file__]
+    result = subprocess.run(command, env=env,
                             capture_output=True, text=True, timeout=3600, check=False)
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
 
