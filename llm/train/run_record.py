@@ -127,7 +127,7 @@ def check_same_data(run_dir: Path, data: dict[str, Any]) -> None:
     before = record["data"]
     differences = []
     if before["digest"] != data["digest"]:
-        what = "tokens.h5" if data["tokens"] else "prompt files'"
+        what = "tokens.h5" if data["tokens"] else "prompt files"
         differences.append(f"{what} digest {before['digest']} then, {data['digest']} now")
     for split in SPLITS:
         then, now = before["tokens"].get(split), data["tokens"].get(split)
