@@ -43,6 +43,7 @@ import torch
 
 from launch.environment import env_file_text, parse_env, remote_exports
 from launch.hostfile import active_slots, check_address, check_filter, hostfile_text, read_hostfile
+from launch.local import exit_code
 from launch.nodelist import slurm_hosts
 from launch.options import LaunchOptions, launcher_problem
 from launch.remote_shell import check_shell_word, pdsh_argument
@@ -345,7 +346,7 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
                 signal.signal(s, handler)
     if code != 0 and _preempted_since(run_dir, started_at):
         return EXIT_PREEMPTED
-    return code if code >= 0 else 128 - code
+    return exit_code(code)
 
 
 def launch(options: LaunchOptions, train_argv: list[str], run_dir: Path) -> int:

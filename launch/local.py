@@ -1,12 +1,31 @@
-"""`--nproc N` on one machine: re-run the same `zerollm` command on N local ranks under the deepspeed launcher."""
+"""`--nproc N` on one machine: start the same `zerollm` command on N local ranks and wait for them.
+
+The ranks are started here, directly, with the variables DeepSpeed's per-node launcher gives them (RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): going through DeepSpeed's runner and per-node
+launcher would start two more interpreters, each importing DeepSpeed, before the first rank starts. The behaviour
+is the per-node launcher's, with stop signals handled the way `zerollm launch` handles them:
+
+- SIGTERM/SIGINT to this process is forwarded to every rank: they agree to stop, save a checkpoint and exit 75;
+- when a rank fails, the others are sent SIGTERM and killed after GRACE_S; the job's exit code is the first
+  failing rank's (a rank ended by signal N counts as 128 + N);
+- if this process is killed outright, the ranks notice (`llm.runtime.supervisor`) and stop as on SIGTERM.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
+import sys
+import time
 
-from launch.launcher import deepspeed_runner
 from llm.runtime.distributed import RANK_VARIABLES, ensure_accelerator_env, free_port
+from llm.runtime.supervisor import supervisor_env
+
+GRACE_S = 30.0
+"""How long the other ranks get to end by themselves after one failed, before they are killed."""
+POLL_S = 0.05
 
 
 def under_launcher() -> bool:
@@ -28,8 +47,52 @@ def strip_option(argv: list[str], option: str) -> list[str]:
     return out
 
 
+def rank_environments(nproc: int, port: int) -> list[dict[str, str]]:
+    """The environment of each local rank of an `nproc`-rank job meeting at 127.0.0.1:`port`."""
+    shared = {**os.environ, **supervisor_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+              "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
+    return [{**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(nproc)]
+
+
+def exit_code(returncode: int) -> int:
+    """A process's return code as a shell reports it: a death by signal N is 128 + N."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _signal_all(ranks: list[subprocess.Popen], signum: int) -> None:
+    for rank in ranks:
+        if rank.poll() is None:
+            with contextlib.suppress(OSError):  # ended meanwhile
+                rank.send_signal(signum)
+
+
+def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S) -> int:
+    """Wait for every rank; the job's exit code (module docstring). Forwards SIGTERM/SIGINT while waiting."""
+    def forward(signum, frame):
+        _signal_all(ranks, signal.SIGTERM)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        failure, kill_at = None, None
+        while any(rank.poll() is None for rank in ranks):
+            failed = [rank.returncode for rank in ranks if rank.returncode not in (None, 0)]
+            if failed and failure is None:
+                failure, kill_at = failed[0], time.monotonic() + grace_s
+                _signal_all(ranks, signal.SIGTERM)
+            if kill_at is not None and time.monotonic() > kill_at:
+                _signal_all(ranks, signal.SIGKILL)
+            time.sleep(POLL_S)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if failure is None:
+        failure = next((rank.returncode for rank in ranks if rank.returncode != 0), 0)
+    return exit_code(failure)
+
+
 def relaunch_local(nproc: int, argv: list[str]) -> int:
     """Start `zerollm <argv>` (without --nproc) on `nproc` local ranks and wait; returns the job's exit code."""
     ensure_accelerator_env()
-    command = deepspeed_runner("--num_gpus", str(nproc), "--master_port", str(free_port()))
-    return subprocess.run(command + strip_option(argv, "--nproc"), check=False).returncode
+    command = [sys.executable, "-u", "-m", "llm", *strip_option(argv, "--nproc")]
+    ranks = [subprocess.Popen(command, env=env) for env in rank_environments(nproc, free_port())]
+    return wait_for_ranks(ranks)

@@ -1,5 +1,6 @@
 """Training under DeepSpeed on the CPU: ZeRO stages on 2 ranks, exact resume, preemption, metrics, wandb."""
 
+import contextlib
 import json
 import math
 import os
@@ -10,11 +11,13 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 
 from conftest import METRIC_KEYS, run_cli
 from conftest import train_args as _args
+from launch.launcher import is_rank_command
 from llm.loading import consolidated_weights
 
 
@@ -132,6 +135,28 @@ def test_sigterm_saves_exits_75_and_resume_continues(pretrain_data, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed at step {step}" in result.stdout
     assert [r["step"] for r in _metrics(tmp_path)] == list(range(1, step + 3))
+
+
+def test_sigterm_to_a_two_rank_job_reaches_every_rank_and_leaves_nothing_running(pretrain_data, tmp_path):
+    """`--nproc 2` starts its two ranks itself (no launcher processes between), forwards SIGTERM to them (they save
+    and the job exits 75) and leaves no process behind."""
+    args = _args(pretrain_data, tmp_path, *SLOW_STEPS[:-2], "train.save_every=0", "train.max_steps=400", nproc=2)
+    with open(tmp_path / "run.log", "w") as log:
+        proc = _start(args, log)
+        try:
+            _wait_for(lambda: (tmp_path / "metrics.jsonl").is_file() and len(_metrics(tmp_path)) >= 2, proc)
+            children = psutil.Process(proc.pid).children(recursive=True)
+            assert len(children) == 2 and all(is_rank_command(child.cmdline()) for child in children), \
+                [child.cmdline() for child in children]
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=120) == 75, (tmp_path / "run.log").read_text()[-3000:]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert psutil.wait_procs(children, timeout=10)[1] == []
+    step = int((tmp_path / "checkpoints" / "latest").read_text().removeprefix("global_step"))
+    saved = tmp_path / "checkpoints" / f"global_step{step}"
+    assert step >= 2 and all(list(saved.glob(f"*zero_pp_rank_{rank}_*")) for rank in (0, 1))  # both ranks saved
 
 
 def test_rerun_into_a_used_run_dir_without_resume_is_refused(zero_runs, pretrain_data):
