@@ -90,9 +90,9 @@ def test_bad_alpha_temperature_or_no_teacher_is_refused(override, message):
 
 @pytest.fixture(scope="module")
 def teacher(pretrain_data, tmp_path_factory):
-    """The TINY model pretrained for 30 steps."""
+    """The TINY model pretrained for 20 steps."""
     out = tmp_path_factory.mktemp("teacher")
-    result = run_cli(*train_args(pretrain_data, out, "train.max_steps=30", "train.eval_every=0",
+    result = run_cli(*train_args(pretrain_data, out, "train.max_steps=20", "train.eval_every=0",
                                  "train.precision=fp32"))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
@@ -120,18 +120,24 @@ def test_teacher_with_another_tokenizer_is_refused_naming_both(teacher, other_to
     assert not (tmp_path / "run").exists()
 
 
-def test_teacher_of_another_vocabulary_size_or_without_tokenizer_is_refused(teacher, pretrain_data, tmp_path):
+def test_teacher_of_another_vocabulary_or_without_tokenizer_or_checkpoint_is_refused(teacher, pretrain_data, tmp_path):
     attrs = read_data_attrs(pretrain_data, "pretrain")
     cfg = build_config("demo", [*TINY, "train.stage=distill", "model.vocab_size=640"],
                        paths={"data.path": str(pretrain_data), "train.teacher": str(teacher)})
     with pytest.raises(UserError, match=r"model.vocab_size 512 there, 640 here \(the student's\)"):
         check_teacher(cfg, attrs)
     cfg.model.vocab_size = 512
-    check_teacher(cfg, attrs)  # the same teacher fits a student of its vocabulary
+    summary = check_teacher(cfg, attrs)  # the same teacher fits a student of its vocabulary
+    assert summary["path"] == str(teacher.resolve()) and summary["weights"].endswith(" global_step20")
     bare = tmp_path / "bare"
     shutil.copytree(teacher, bare, ignore=shutil.ignore_patterns("tokenizer"))
     cfg.train.teacher = str(bare)
     with pytest.raises(UserError, match=r"no tokenizer \(.*tokenizer.json is missing\)"):
+        check_teacher(cfg, attrs)
+    untrained = tmp_path / "untrained"
+    shutil.copytree(teacher, untrained, ignore=shutil.ignore_patterns("checkpoints"))
+    cfg.train.teacher = str(untrained)
+    with pytest.raises(UserError, match="no checkpoint found .*; train the teacher first"):
         check_teacher(cfg, attrs)
 
 
@@ -187,3 +193,14 @@ def test_two_ranks_zero3_on_sft_data(teacher, tokenizer_dir, tmp_path):
     assert all(math.isfinite(r["distill_kl"]) and r["distill_kl"] > 0 for r in rows)
     assert json.loads((run / "ds_config.json").read_text())["zero_optimization"]["stage"] == 3
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["teacher"] == str(teacher)
+
+
+def test_resume_against_another_teacher_is_refused(student, teacher, pretrain_data, tmp_path):
+    other = tmp_path / "other_teacher"
+    shutil.copytree(teacher, other)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(student, resumed)
+    result = run_cli(*_distill_args(pretrain_data, resumed, other, *RESUMABLE, extra=["--resume", "auto"]))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"not the teacher {resumed} was trained with ({teacher.resolve()}, run " in result.stderr
+    assert result.stderr.count("zerollm: error:") == 1 and "Traceback" not in result.stderr

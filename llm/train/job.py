@@ -46,7 +46,7 @@ from llm.train.run_record import check_same_data, data_summary, prompts_summary,
 from llm.train.samples import SampleGenerator
 from llm.train.schedule import lr_multiplier
 from llm.train.steps import DataSteps
-from llm.train.teacher import DISTILL_DATA_KINDS, check_teacher, load_teacher
+from llm.train.teacher import DISTILL_DATA_KINDS, check_same_teacher, check_teacher, load_teacher
 from llm.train.time_budget import TimeBudget
 from llm.train.trainer import Trainer
 
@@ -171,8 +171,7 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         source = cfg.train.init_from if cfg.train.stage == "grpo" else cfg.data.path
         raise UserError(f"{source}: tokenizer has {attrs['vocab_size']} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}; set model.vocab_size >= {attrs['vocab_size']}")
-    if cfg.train.stage == "distill":
-        check_teacher(cfg, attrs)
+    teacher = check_teacher(cfg, attrs) if cfg.train.stage == "distill" else None
     check_tokenizer(run_dir, cfg, attrs["tokenizer_hash"])
     raw_ds, ds_source = load_ds_config(ds_config_path, cfg.train.stage)
     if not resume and rundir.latest_tag(run_dir) is not None:
@@ -180,8 +179,12 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
                         "--out")
     data = prompts_summary(input_files(cfg), attrs) if cfg.train.stage == "grpo" else \
         data_summary(Path(cfg.data.path), attrs)
+    if teacher is not None:
+        data["teacher"] = teacher  # recorded with the data: a resume against another teacher is refused
     if resume and rundir.latest_tag(run_dir) is not None:
         check_same_data(run_dir, data)
+        if teacher is not None:
+            check_same_teacher(run_dir, teacher)
     info = setup_distributed(cfg.train.collective_timeout_s)
     cfg.train.precision = resolve_precision(cfg.train.precision, info.device)
     ds_config = resolve_ds_config(raw_ds, cfg, info.world_size, ds_source, zero_stage)
