@@ -88,6 +88,13 @@ STAGE_HELP = {
              "or {\"prompt\", \"answer\"} records; bad records are reported as file:line). Logs reward/mean, "
              "reward/std, reward/<term>, kl, clip_fraction, completion_length, rollout_tokens_per_sec. See "
              "docs/grpo.md."),
+    "distill": ("distill a frozen teacher into a student on pretraining or SFT data",
+                "Train the student the recipe (or --init-from) describes on `data prepare --kind pretrain` or "
+                "`--kind sft` data against a frozen --teacher (a run or export directory with the data's tokenizer "
+                "and the student's vocabulary size, any other shape): loss (1 - train.distill_alpha) * cross-entropy "
+                "+ train.distill_alpha * T^2 * KL(teacher || student) at T = train.distill_temperature, per target "
+                "that bears loss. Logs ce and distill_kl; val_loss is the student's cross-entropy. See "
+                "docs/distill.md."),
 }
 REWARD_HELP = ("a reward term [WEIGHT*]NAME, repeatable: exact_match (final answer against the record's 'answer'), "
                "format[:REGEX], length (penalty), model:DIR (a local sequence-classification model) or "
@@ -110,10 +117,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                            help="prompt files or directories (.jsonl/.json/.txt)")
             t.add_argument("--reward", action="append", default=None, metavar="TERM", help=REWARD_HELP)
         else:
-            t.add_argument("--data", required=True, help=f"directory from `zerollm data prepare --kind {stage}`")
+            kinds = "pretrain` or `--kind sft" if stage == "distill" else stage
+            t.add_argument("--data", required=True, help=f"directory from `zerollm data prepare --kind {kinds}`")
         t.add_argument("--out", required=True, help="run directory")
         t.add_argument("--init-from", default=None, metavar="DIR", required=stage in ("dpo", "grpo"),
                        help="start from the weights of a run directory or an export directory")
+        if stage == "distill":
+            t.add_argument("--teacher", required=True, metavar="DIR",
+                           help="the frozen teacher: a run directory (newest checkpoint) or an export directory")
         if stage == "dpo":
             t.add_argument("--beta", type=float, default=None, help="DPO beta (default: train.dpo_beta, 0.1)")
         t.add_argument("--resume", choices=["auto", "never"], default="never",
@@ -367,13 +378,14 @@ def _train_config(args: argparse.Namespace):
         extra.append(f"train.dpo_beta={args.beta}")
     return build_config(args.recipe, [*args.overrides, *extra],
                         paths={"data.path": getattr(args, "data", None), "train.init_from": args.init_from,
+                               "train.teacher": getattr(args, "teacher", None),
                                "grpo.prompts": getattr(args, "prompts", None),
                                "grpo.reward": getattr(args, "reward", None)})
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from launch.local import relaunch_local, under_launcher
-    from llm.train.job import run
+    from llm.train.job import input_attrs, run
 
     cfg = _train_config(args)
     if args.nproc > 1 and not under_launcher():
@@ -381,6 +393,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             from llm.train.rollout import grpo_inputs
 
             grpo_inputs(cfg)  # a mistake in the prompts or rewards is one line here, not one per rank
+        if cfg.train.stage == "distill":
+            from llm.train.teacher import check_teacher
+
+            check_teacher(cfg, input_attrs(cfg))  # likewise a teacher that does not fit
         return relaunch_local(args.nproc, args.argv)
     code = run(cfg, Path(args.out), args.deepspeed, resume=args.resume == "auto", zero_stage=args.zero_stage)
     # Every file is written and every rank has passed the final barrier. End the process without interpreter

@@ -110,7 +110,7 @@ def parse_duration(value: float | str, key: str) -> float:
 @dataclass
 class TrainConfig:
     stage: str = "pretrain"
-    """'pretrain', 'sft', 'dpo' or 'grpo' (set by `zerollm train STAGE`)."""
+    """'pretrain', 'sft', 'dpo', 'grpo' or 'distill' (set by `zerollm train STAGE`)."""
     init_from: str | None = None
     """Run directory or export directory whose weights start this run (SFT from pretraining, DPO from SFT, GRPO
     from either)."""
@@ -120,6 +120,13 @@ class TrainConfig:
     """'sigmoid' (DPO) or 'ipo'."""
     dpo_sft_weight: float = 0.0
     """Weight of an NLL term on the chosen replies added to the DPO loss (RPO); 0 = plain DPO."""
+    teacher: str | None = None
+    """Distillation: run directory or export directory of the frozen teacher (set by --teacher); its tokenizer must
+    be the data's and its vocabulary size the student's."""
+    distill_alpha: float = 0.5
+    """Distillation: the loss is (1 - alpha) * cross-entropy + alpha * T^2 * KL(teacher_T || student_T), in [0, 1]."""
+    distill_temperature: float = 2.0
+    """Distillation: T, the temperature both distributions are softened by in the KL term (positive)."""
     max_steps: int = 1000
     """Optimizer steps to train for (the run ends at this global step)."""
     micro_batch_size: int = 8
@@ -376,7 +383,7 @@ def validate_model(m: ModelConfig) -> None:
     _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
 
 
-STAGES = ("pretrain", "sft", "dpo", "grpo")
+STAGES = ("pretrain", "sft", "dpo", "grpo", "distill")
 
 
 def validate_grpo(cfg: RunConfig) -> None:
@@ -399,6 +406,12 @@ def validate_grpo(cfg: RunConfig) -> None:
     _require(g.loss in ("grpo", "cispo"), f"grpo.loss must be grpo or cispo, got '{g.loss}'")
     _require(g.rollout_model in ("gathered", "copy"),
              f"grpo.rollout_model must be gathered or copy, got '{g.rollout_model}'")
+
+
+def validate_distill(t: TrainConfig) -> None:
+    _require(bool(t.teacher), "distillation needs a teacher: pass --teacher RUN_DIR|EXPORT_DIR")
+    _require(0.0 <= t.distill_alpha <= 1.0, f"train.distill_alpha must be in [0, 1], got {t.distill_alpha}")
+    _require(t.distill_temperature > 0, f"train.distill_temperature must be positive, got {t.distill_temperature}")
 
 
 def validate(cfg: RunConfig) -> None:
@@ -428,5 +441,7 @@ def validate(cfg: RunConfig) -> None:
     _require(t.sample_tokens > 0, f"train.sample_tokens must be positive, got {t.sample_tokens}")
     if t.stage == "grpo":
         validate_grpo(cfg)
+    if t.stage == "distill":
+        validate_distill(t)
     _require(cfg.wandb.mode in ("off", "offline", "online"),
              f"wandb.mode must be off, offline or online, got '{cfg.wandb.mode}'")

@@ -29,19 +29,23 @@ def _attrs(h5: h5py.File) -> dict:
     return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in h5.attrs.items()}
 
 
-def read_data_attrs(data_dir: str | Path, kind: str) -> dict:
-    """Root attributes of `data_dir/tokens.h5`, checked for schema version and kind, and the tokenizer copy
-    beside it (`data_dir/tokenizer/`, when there is one) checked against the hash the tokens were made with."""
+def read_data_attrs(data_dir: str | Path, kind: str | tuple[str, ...]) -> dict:
+    """Root attributes of `data_dir/tokens.h5`, checked for schema version and kind (one kind, or any of several),
+    and the tokenizer copy beside it (`data_dir/tokenizer/`, when there is one) checked against the hash the tokens
+    were made with."""
+    kinds = (kind,) if isinstance(kind, str) else kind
     path = Path(data_dir) / TOKENS_FILE
     if not path.is_file():
-        raise UserError(f"{data_dir}: no {TOKENS_FILE}; create it with `zerollm data prepare --kind {kind}`")
+        raise UserError(f"{data_dir}: no {TOKENS_FILE}; create it with `zerollm data prepare --kind "
+                        f"{' or --kind '.join(kinds)}`")
     with h5py.File(path, "r") as h5:
         attrs = _attrs(h5)
     if attrs.get("schema_version") != SCHEMA_VERSION:
         raise UserError(f"{path}: schema version {attrs.get('schema_version')} is not {SCHEMA_VERSION}; "
                         "prepare the data again")
-    if attrs.get("kind") != kind:
-        raise UserError(f"{path}: holds '{attrs.get('kind')}' data, this stage needs '{kind}'")
+    if attrs.get("kind") not in kinds:
+        raise UserError(f"{path}: holds '{attrs.get('kind')}' data, this stage needs "
+                        f"{' or '.join(repr(k) for k in kinds)}")
     tokenizer_dir = rundir.tokenizer_dir(Path(data_dir))
     if tokenizer_dir.is_dir() and (copy_hash := Tokenizer.load(tokenizer_dir).hash) != attrs["tokenizer_hash"]:
         raise UserError(f"{tokenizer_dir} (hash {copy_hash}) is not the tokenizer {path} was made with (hash "

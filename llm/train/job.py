@@ -3,7 +3,8 @@ config, agree across ranks, build the model, engines, objective, data and step s
 (`llm.train.trainer`). A rank that fails, dies or hangs ends the job on every rank (`llm.runtime.watchdog`).
 
 Pretraining, SFT and DPO read data prepared by `zerollm data prepare`; GRPO reads prompt files and takes its
-tokenizer from its --init-from model (`llm.train.rollout.grpo_inputs`).
+tokenizer from its --init-from model (`llm.train.rollout.grpo_inputs`); distillation reads pretraining or SFT data
+and a --teacher with the data's tokenizer (`llm.train.teacher`).
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ from llm.train.engine import (
     resolve_precision,
 )
 from llm.train.metrics import MetricsLogger, MetricsSink
-from llm.train.objectives import DPOObjective, GRPOObjective, causal_lm
+from llm.train.objectives import DistillObjective, DPOObjective, GRPOObjective, causal_lm
 from llm.train.rollout import Rollouts, grpo_inputs, tokenizer_dir
 from llm.train.run_record import check_same_data, data_summary, prompts_summary, run_record, write_run_record
 from llm.train.samples import SampleGenerator
 from llm.train.schedule import lr_multiplier
 from llm.train.steps import DataSteps
+from llm.train.teacher import DISTILL_DATA_KINDS, check_same_teacher, check_teacher, load_teacher
 from llm.train.time_budget import TimeBudget
 from llm.train.trainer import Trainer
 
@@ -70,7 +72,7 @@ def input_attrs(cfg: RunConfig) -> dict:
         return {"vocab_size": tokenizer.vocab_size, "tokenizer_hash": tokenizer.hash, "pad_id": tokenizer.pad_id}
     if not cfg.data.path:
         raise UserError("no training data: pass --data DIR (a directory made by `zerollm data prepare`)")
-    return read_data_attrs(cfg.data.path, cfg.train.stage)
+    return read_data_attrs(cfg.data.path, DISTILL_DATA_KINDS if cfg.train.stage == "distill" else cfg.train.stage)
 
 
 def input_files(cfg: RunConfig) -> list[Path]:
@@ -118,7 +120,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
         tokenizer, reward, train_set = grpo_inputs(cfg, info.device)
         val_set = None
     else:
-        dataset = DATASETS[t.stage]
+        dataset = DATASETS[data_attrs["kind"]]
         train_set = dataset(cfg.data.path, "train", cfg.data.seq_len, data_attrs["pad_id"])
         val_set = dataset(cfg.data.path, "val", cfg.data.seq_len, data_attrs["pad_id"])
     torch.manual_seed(t.seed)  # identical initial weights on every rank
@@ -142,20 +144,22 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
     elif grpo:
         objective = GRPOObjective(cfg.grpo)
         steps = Rollouts(cfg, info, engine, tokenizer, reward, reference)
+    elif t.stage == "distill":
+        objective = DistillObjective(load_teacher(cfg, ds_config), t.distill_alpha, t.distill_temperature)
     else:
         objective = causal_lm
     return Trainer(cfg, run_dir, info, engine, objective, steps, train_set, val_set, n_params, budget,
-                   _sample_generator(cfg, engine, info))
+                   _sample_generator(cfg, engine, info, chat=data_attrs.get("kind", t.stage) != "pretrain"))
 
 
-def _sample_generator(cfg: RunConfig, engine, info: DistInfo) -> SampleGenerator | None:
+def _sample_generator(cfg: RunConfig, engine, info: DistInfo, chat: bool) -> SampleGenerator | None:
     """Samples at each evaluation, with the data's tokenizer (data made without one, e.g. by `bench train`, gets
-    none)."""
+    none); `chat`: the prompts as user turns (post-training on conversations)."""
     source = tokenizer_dir(cfg) if cfg.train.stage == "grpo" else rundir.tokenizer_dir(Path(cfg.data.path))
     if not cfg.train.sample_prompts or not source.is_dir():
         return None
     return SampleGenerator(cfg.train.sample_prompts, cfg.train.sample_tokens, Tokenizer.load(source), engine,
-                           info, chat=cfg.train.stage != "pretrain")
+                           info, chat=chat)
 
 
 def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool, zero_stage: int | None = None) -> int:
@@ -167,6 +171,7 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         source = cfg.train.init_from if cfg.train.stage == "grpo" else cfg.data.path
         raise UserError(f"{source}: tokenizer has {attrs['vocab_size']} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}; set model.vocab_size >= {attrs['vocab_size']}")
+    teacher = check_teacher(cfg, attrs) if cfg.train.stage == "distill" else None
     check_tokenizer(run_dir, cfg, attrs["tokenizer_hash"])
     raw_ds, ds_source = load_ds_config(ds_config_path, cfg.train.stage)
     if not resume and rundir.latest_tag(run_dir) is not None:
@@ -174,8 +179,12 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
                         "--out")
     data = prompts_summary(input_files(cfg), attrs) if cfg.train.stage == "grpo" else \
         data_summary(Path(cfg.data.path), attrs)
+    if teacher is not None:
+        data["teacher"] = teacher  # recorded with the data: a resume against another teacher is refused
     if resume and rundir.latest_tag(run_dir) is not None:
         check_same_data(run_dir, data)
+        if teacher is not None:
+            check_same_teacher(run_dir, teacher)
     info = setup_distributed(cfg.train.collective_timeout_s)
     cfg.train.precision = resolve_precision(cfg.train.precision, info.device)
     ds_config = resolve_ds_config(raw_ds, cfg, info.world_size, ds_source, zero_stage)
@@ -242,7 +251,10 @@ def _announce(cfg: RunConfig, info: DistInfo, ds_config: dict, trainer: Trainer,
                    f"{cfg.grpo.group_size} completions each, rollouts by the {trainer.steps.policy.mode} model")
     else:
         samples = f"{len(train_set):,} train samples" + (
-            f" ({100 * train_set.padding_fraction:.1f} % padding)" if stage == "sft" else "")
+            f" ({100 * train_set.padding_fraction:.1f} % padding)" if hasattr(train_set, "padding_fraction") else "")
+    if stage == "distill":
+        samples += (f", teacher {cfg.train.teacher} (alpha {cfg.train.distill_alpha:g}, temperature "
+                    f"{cfg.train.distill_temperature:g})")
     print(f"{stage}: {trainer.n_params / 1e6:.3f} M parameters, {info.world_size} rank(s), "
           f"ZeRO stage {ds_config.get('zero_optimization', {}).get('stage', 0)}, {cfg.train.precision}, {samples}"
           + (f", resumed at step {trainer.step}" if resumed else "")

@@ -7,6 +7,8 @@ a stage differs only in its dataset and its objective.
                     summed over reply tokens only
     grpo            GRPOObjective: clipped policy-ratio loss on group-normalised advantages, with a KL term to
                     a frozen reference, over completion tokens only (the rollouts are `llm.train.rollout`)
+    distill         DistillObjective: cross-entropy mixed with the KL from a frozen teacher's softened token
+                    distribution to the student's, over the targets whose loss mask is 1 (pretraining or SFT data)
 
 Everything an objective returns stays on the training device (no host sync per micro-batch).
 """
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from llm.config import GRPOConfig
+from llm.model.transformer import masked_cross_entropy
 
 
 @dataclass
@@ -132,3 +135,51 @@ class GRPOObjective:
             per_token = per_token + g.kl_coef * kl
             metrics["kl"] = (kl.detach() * mask).sum() / n_tokens
         return MicroStep(self._mean(per_token, mask), mask.sum(), metrics)
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
+                      loss_mask: torch.Tensor | None, alpha: float,
+                      temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, ce, kl) of knowledge distillation (Hinton et al., 2015), in fp32, each a mean over the positions whose
+    loss mask is 1 (all without a mask):
+
+        loss = (1 - alpha) * CE(student, targets) + alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T))
+
+    The forward KL sums over the whole vocabulary; T^2 keeps its gradients the size of the cross-entropy's as T
+    grows (the softened distributions' gradients shrink by 1/T^2)."""
+    ce = masked_cross_entropy(student_logits, targets, loss_mask)
+    teacher_logps = torch.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    student_logps = torch.log_softmax(student_logits.float() / temperature, dim=-1)
+    per_token = F.kl_div(student_logps, teacher_logps, log_target=True, reduction="none").sum(-1)
+    if loss_mask is None:
+        kl = per_token.mean()
+    else:
+        mask = loss_mask.to(per_token.dtype)
+        kl = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    return (1 - alpha) * ce + alpha * temperature ** 2 * kl, ce, kl
+
+
+class DistillObjective:
+    """Distillation from a frozen teacher engine (same tokenizer and vocabulary, any shape) on pretraining or SFT
+    micro-batches (`distillation_loss`; packed SFT samples reach the teacher with their segment ids too).
+
+    Metrics: `ce` (the student's cross-entropy) and `distill_kl` (the KL at temperature T, before the T^2 factor).
+    In evaluation (the engine in eval mode) the loss is the student's cross-entropy alone and the teacher is not
+    run, so a distilled run's val_loss compares with any other run's on the same data."""
+
+    def __init__(self, teacher, alpha: float, temperature: float) -> None:
+        self.teacher, self.alpha, self.temperature = teacher, alpha, temperature
+
+    def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
+        tokens, targets, segment_ids = batch["tokens"], batch["targets"], batch.get("segment_ids")
+        mask = batch.get("loss_mask")
+        loss_tokens = mask.sum() if mask is not None else torch.full((), targets.numel(), device=targets.device)
+        if not getattr(engine, "module", engine).training:  # DeepSpeed's engine passes train()/eval() to its module
+            return MicroStep(engine(tokens, targets, mask, segment_ids=segment_ids).loss, loss_tokens)
+        out = engine(tokens, segment_ids=segment_ids)
+        with torch.no_grad():
+            teacher_logits = self.teacher(tokens, segment_ids=segment_ids).logits
+        loss, ce, kl = distillation_loss(out.logits, teacher_logits, targets, mask, self.alpha, self.temperature)
+        if out.aux_loss is not None:  # an MoE student keeps its load-balancing term
+            loss = loss + out.aux_loss
+        return MicroStep(loss, loss_tokens, {"ce": ce.detach(), "distill_kl": kl.detach()})

@@ -1,0 +1,206 @@
+"""Distillation (`zerollm train distill`): the loss, the teacher's checks, and tiny students trained against a tiny
+pretrained teacher on one rank and on two under ZeRO-3, resumed exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from conftest import FIXTURES, TINY, run_cli, train_args
+from llm.config import build_config
+from llm.data.datasets import read_data_attrs
+from llm.data.prepare import prepare
+from llm.errors import UserError
+from llm.loading import consolidated_weights
+from llm.model.transformer import masked_cross_entropy
+from llm.tokenizer import train_tokenizer
+from llm.train.objectives import distillation_loss
+from llm.train.teacher import check_teacher
+
+STUDENT = ["model.dim=32", "model.n_layers=1", "train.precision=fp32"]
+"""Half the teacher's width, half its depth (TINY is the teacher)."""
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _distill_args(data, out, teacher, *overrides, nproc=1, extra=()):
+    args = train_args(data, out, *STUDENT, *overrides, nproc=nproc, extra=["--teacher", teacher, *extra])
+    args[1] = "distill"
+    return args
+
+
+# ---- the loss ---------------------------------------------------------------------------------------------------
+
+def _logits(seed, shape=(2, 5, 11)):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_alpha_zero_is_plain_cross_entropy():
+    student, teacher, targets = _logits(0), _logits(1), torch.randint(0, 11, (2, 5))
+    mask = torch.tensor([[0, 1, 1, 0, 1], [1, 1, 0, 0, 0]])
+    loss, ce, _ = distillation_loss(student, teacher, targets, mask, alpha=0.0, temperature=2.0)
+    assert loss.item() == pytest.approx(masked_cross_entropy(student, targets, mask).item(), abs=1e-6)
+    assert ce.item() == pytest.approx(loss.item(), abs=1e-6)
+
+
+def test_kl_of_identical_logits_is_zero():
+    logits, targets = _logits(0), torch.randint(0, 11, (2, 5))
+    _, ce, kl = distillation_loss(logits, logits.clone(), targets, None, alpha=1.0, temperature=3.0)
+    assert kl.item() == pytest.approx(0.0, abs=1e-6)
+    loss, _, _ = distillation_loss(logits, logits.clone(), targets, None, alpha=0.5, temperature=3.0)
+    assert loss.item() == pytest.approx(0.5 * ce.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0, 4.0])
+def test_kl_term_is_the_masked_mean_forward_kl_times_t_squared(temperature):
+    student, teacher, targets = _logits(2), _logits(3), torch.randint(0, 11, (2, 5))
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1]])
+    p = F.softmax(teacher.double() / temperature, -1)
+    q = F.softmax(student.double() / temperature, -1)
+    per_token = (p * (p.log() - q.log())).sum(-1)  # KL(teacher || student), written out
+    expected_kl = (per_token * mask).sum() / mask.sum()
+    loss, ce, kl = distillation_loss(student, teacher, targets, mask, alpha=1.0, temperature=temperature)
+    assert kl.item() == pytest.approx(expected_kl.item(), rel=1e-5)
+    assert loss.item() == pytest.approx(temperature ** 2 * expected_kl.item(), rel=1e-5)
+    mixed, _, _ = distillation_loss(student, teacher, targets, mask, alpha=0.25, temperature=temperature)
+    assert mixed.item() == pytest.approx(0.75 * ce.item() + 0.25 * temperature ** 2 * expected_kl.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.distill_alpha=1.5", "train.distill_alpha must be in [0, 1], got 1.5"),
+    ("train.distill_alpha=-0.1", "train.distill_alpha must be in [0, 1], got -0.1"),
+    ("train.distill_temperature=0", "train.distill_temperature must be positive, got 0"),
+    ("train.teacher=null", "distillation needs a teacher: pass --teacher"),
+])
+def test_bad_alpha_temperature_or_no_teacher_is_refused(override, message):
+    with pytest.raises(UserError) as error:
+        build_config("demo", ["train.stage=distill", "train.teacher=runs/teacher", override])
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+# ---- the teacher ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def teacher(pretrain_data, tmp_path_factory):
+    """The TINY model pretrained for 20 steps."""
+    out = tmp_path_factory.mktemp("teacher")
+    result = run_cli(*train_args(pretrain_data, out, "train.max_steps=20", "train.eval_every=0",
+                                 "train.precision=fp32"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_data(tmp_path_factory):
+    """The same stories prepared with another tokenizer (400 tokens)."""
+    root = tmp_path_factory.mktemp("other")
+    text = (FIXTURES / "pretrain" / "en_stories.txt").read_text()
+    train_tokenizer([text], 400, root / "tokenizer", show_progress=False)
+    prepare("pretrain", [str(FIXTURES / "pretrain" / "en_stories.txt")], root / "tokenizer", root / "data",
+            val_fraction=0.05, workers=1, show_progress=False)
+    return root / "data"
+
+
+def test_teacher_with_another_tokenizer_is_refused_naming_both(teacher, other_tokenizer_data, tmp_path):
+    result = run_cli(*_distill_args(other_tokenizer_data, tmp_path / "run", teacher, "train.max_steps=1", nproc=2))
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
+    assert len(error) == 1 and "Traceback" not in result.stderr
+    assert f"its tokenizer {teacher / 'tokenizer'} (hash " in error[0]
+    assert f"the data's {other_tokenizer_data / 'tokenizer'} (hash " in error[0]
+    assert "512 tokens there, 400 in the data" in error[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_teacher_of_another_vocabulary_or_without_tokenizer_or_checkpoint_is_refused(teacher, pretrain_data, tmp_path):
+    attrs = read_data_attrs(pretrain_data, "pretrain")
+    cfg = build_config("demo", [*TINY, "train.stage=distill", "model.vocab_size=640"],
+                       paths={"data.path": str(pretrain_data), "train.teacher": str(teacher)})
+    with pytest.raises(UserError, match=r"model.vocab_size 512 there, 640 here \(the student's\)"):
+        check_teacher(cfg, attrs)
+    cfg.model.vocab_size = 512
+    summary = check_teacher(cfg, attrs)  # the same teacher fits a student of its vocabulary
+    assert summary["path"] == str(teacher.resolve()) and summary["weights"].endswith(" global_step20")
+    bare = tmp_path / "bare"
+    shutil.copytree(teacher, bare, ignore=shutil.ignore_patterns("tokenizer"))
+    cfg.train.teacher = str(bare)
+    with pytest.raises(UserError, match=r"no tokenizer \(.*tokenizer.json is missing\)"):
+        check_teacher(cfg, attrs)
+    untrained = tmp_path / "untrained"
+    shutil.copytree(teacher, untrained, ignore=shutil.ignore_patterns("checkpoints"))
+    cfg.train.teacher = str(untrained)
+    with pytest.raises(UserError, match="no checkpoint found .*; train the teacher first"):
+        check_teacher(cfg, attrs)
+
+
+# ---- training ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def student(teacher, pretrain_data, tmp_path_factory):
+    """A student distilled for 20 steps on one rank, checkpointed at steps 10 and 20."""
+    out = tmp_path_factory.mktemp("student")
+    result = run_cli(*_distill_args(pretrain_data, out, teacher, *RESUMABLE))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+RESUMABLE = ["train.max_steps=20", "train.save_every=10", "train.keep_checkpoints=0", "train.eval_every=10",
+             "train.distill_alpha=0.5", "train.distill_temperature=2.0"]
+
+
+def test_student_lowers_its_kl_to_the_teacher(student):
+    rows = _metrics(student)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert all(math.isfinite(r["ce"]) and math.isfinite(r["distill_kl"]) for r in rows)
+    first, last = rows[0], rows[-1]
+    assert last["distill_kl"] < 0.6 * first["distill_kl"]
+    assert last["loss"] == pytest.approx(0.5 * last["ce"] + 0.5 * 4 * last["distill_kl"], rel=1e-4)
+    assert 0 < last["val_loss"] < math.log(512)  # the student's own cross-entropy, below a uniform guess
+
+
+def test_resume_is_exact(student, teacher, pretrain_data, tmp_path):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(student, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "global_step20")
+    (resumed / "checkpoints" / "latest").write_text("global_step10")  # as if killed after step 10's checkpoint
+    result = run_cli(*_distill_args(pretrain_data, resumed, teacher, *RESUMABLE, extra=["--resume", "auto"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    keys = ("step", "loss", "ce", "distill_kl", "val_loss")
+    assert [[r.get(k) for k in keys] for r in _metrics(resumed)] == [[r.get(k) for k in keys] for r in
+                                                                      _metrics(student)]
+    a, b = consolidated_weights(student), consolidated_weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_ranks_zero3_on_sft_data(teacher, tokenizer_dir, tmp_path):
+    data = tmp_path / "sft"
+    prepare("sft", [str(FIXTURES / "sft" / "messages_zh.jsonl")], tokenizer_dir, data, val_fraction=0.05,
+            seq_len=64, workers=1, show_progress=False)
+    run = tmp_path / "run"
+    result = run_cli(*_distill_args(data, run, teacher, "data.seq_len=64", "train.max_steps=3", "train.eval_every=3",
+                                    nproc=2, extra=["--zero-stage", 3]))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(r["distill_kl"]) and r["distill_kl"] > 0 for r in rows)
+    assert json.loads((run / "ds_config.json").read_text())["zero_optimization"]["stage"] == 3
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["teacher"] == str(teacher)
+
+
+def test_resume_against_another_teacher_is_refused(student, teacher, pretrain_data, tmp_path):
+    other = tmp_path / "other_teacher"
+    shutil.copytree(teacher, other)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(student, resumed)
+    result = run_cli(*_distill_args(pretrain_data, resumed, other, *RESUMABLE, extra=["--resume", "auto"]))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"not the teacher {resumed} was trained with ({teacher.resolve()}, run " in result.stderr
+    assert result.stderr.count("zerollm: error:") == 1 and "Traceback" not in result.stderr
