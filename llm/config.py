@@ -125,7 +125,7 @@ class TrainConfig:
     be the data's and its vocabulary size the student's."""
     distill_alpha: float = 0.5
     """Distillation: the loss is (1 - alpha) * cross-entropy + alpha * T^2 * KL(teacher_T || student_T), in [0, 1]."""
-    distill_temperature: float = 2.0
+    distill_temperature: float = 1.0
     """Distillation: T, the temperature both distributions are softened by in the KL term (positive)."""
     max_steps: int = 1000
     """Optimizer steps to train for (the run ends at this global step)."""
