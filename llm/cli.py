@@ -14,10 +14,13 @@ from pathlib import Path
 
 from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, LaunchOptions, launcher_name
 from llm import rundir
-from llm.config import build_config, recipe_names
+from llm.config import build_config, parse_lora_spec, recipe_names
 from llm.errors import EXIT_USER_ERROR, UserError
 
 EPILOG = "Documentation: README.md. Errors in your input exit with code 2."
+LORA_HELP = ("train low-rank adapters on the frozen --init-from model instead of every weight, e.g. "
+             "r=16,alpha=32,targets=wq,wk,wv,wo,w1,w2,w3,dropout=0.05 (the lora.* config keys; sft, dpo, grpo; "
+             "see docs/lora.md)")
 
 
 def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
@@ -116,6 +119,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                        help="start from the weights of a run directory or an export directory")
         if stage == "dpo":
             t.add_argument("--beta", type=float, default=None, help="DPO beta (default: train.dpo_beta, 0.1)")
+        t.add_argument("--lora", default=None, metavar="SPEC", help=LORA_HELP)
         t.add_argument("--resume", choices=["auto", "never"], default="never",
                        help="auto: continue from the newest complete checkpoint in --out, if any")
         t.add_argument("--wandb", choices=["off", "offline", "online"], default=None,
@@ -365,6 +369,8 @@ def _train_config(args: argparse.Namespace):
     extra = [f"train.stage={args.stage}"] + ([f"wandb.mode={args.wandb}"] if args.wandb else [])
     if getattr(args, "beta", None) is not None:
         extra.append(f"train.dpo_beta={args.beta}")
+    if args.lora is not None:
+        extra += parse_lora_spec(args.lora)
     return build_config(args.recipe, [*args.overrides, *extra],
                         paths={"data.path": getattr(args, "data", None), "train.init_from": args.init_from,
                                "grpo.prompts": getattr(args, "prompts", None),
