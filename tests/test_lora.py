@@ -225,11 +225,14 @@ def test_lora_grpo_under_zero3_rolls_out_with_the_adapters(base, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about {t}.", "answer": t})
                                  for t in ("kings", "love", "war", "night")) + "\n")
+    (tmp_path / "myrewards.py").write_text(
+        "def ascii_share(prompts, completions, **fields):\n"
+        "    return [sum(c.isascii() for c in t) / max(1, len(t)) for t in completions]\n")
     run = tmp_path / "grpo"
     sets = [a for o in [*TINY, "train.precision=fp32", "train.micro_batch_size=8", "train.lr=1e-2",
                         "train.max_steps=3", "grpo.group_size=4", "grpo.max_new_tokens=6"] for a in ("--set", o)]
     result = run_cli("train", "grpo", "--recipe", "demo", "--init-from", base, "--prompts", prompts, "--reward",
-                     "format:[A-Z].*", "--out", run, "--lora", LORA, "--zero-stage", 3, *sets)
+                     "myrewards:ascii_share", "--out", run, "--lora", LORA, "--zero-stage", 3, *sets, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "rollouts by the gathered model" in result.stdout and "grpo: LoRA r=4" in result.stdout
     rows = _metrics(run)
