@@ -275,11 +275,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="what", required=True)
     b = bsub.add_parser("train", help="training throughput of a recipe on random tokens", epilog=EPILOG,
-                        description="Run a short training job on random tokens and print tokens/s, "
-                                    "loss-bearing tokens/s, MFU and peak memory (warm-up steps excluded).")
+                        description="Run a short training job on random tokens and print trainable parameters, "
+                                    "tokens/s, s/step, loss-bearing tokens/s, MFU and peak memory (warm-up steps "
+                                    "excluded); with --lora, full fine-tuning and LoRA side by side.")
     _add_run_options(b)
     b.add_argument("--steps", type=int, default=10, help="measured steps (default 10)")
     b.add_argument("--warmup", type=int, default=2, help="steps excluded from the figures (default 2)")
+    b.add_argument("--lora", default=None, metavar="SPEC",
+                   help="fine-tune a random model of the recipe on random conversations (SFT) with every parameter "
+                        "and with LoRA SPEC (e.g. r=16,alpha=32), and print both side by side: trainable "
+                        "parameters, tokens/s, s/step, MFU, peak memory")
     learn = bsub.add_parser(
         "learn", help="how much a recipe learns in a fixed wall time, on your text", epilog=EPILOG,
         description="Inside --budget, timed from the start: split the file (first 90 %% for training, the rest "
@@ -543,7 +548,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         os._exit(code)  # the training job ran in this process: end it as `zerollm train` does (see cmd_train)
     if args.what == "train":
         return bench_train(args.recipe, args.overrides, steps=args.steps, warmup=args.warmup, nproc=args.nproc,
-                           deepspeed_config=args.deepspeed, zero_stage=args.zero_stage)
+                           deepspeed_config=args.deepspeed, zero_stage=args.zero_stage, lora=args.lora)
     return bench_generate(args.model, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                           batch=args.batch, repeats=args.repeats, device=args.device, dtype=args.dtype)
 
