@@ -11,7 +11,9 @@ import torch
 import torch.nn as nn
 
 from conftest import FIXTURES, TINY, run_cli
+from llm.bench import trainable_parameters, write_random_conversations
 from llm.config import LORA_TARGETS, ModelConfig, build_config, parse_lora_spec
+from llm.data.datasets import PackedConversations
 from llm.data.prepare import prepare
 from llm.errors import UserError
 from llm.export import export_model, import_model
@@ -240,3 +242,16 @@ def test_lora_grpo_under_zero3_rolls_out_with_the_adapters(base, tmp_path):
     weights = consolidated_weights(run)
     assert all(map(is_adapter_key, weights)) and any(w.abs().max() > 0 for k, w in weights.items()
                                                      if k.endswith("lora_b"))
+
+
+def test_bench_counts_trainable_parameters_and_writes_one_conversation_per_window(tmp_path):
+    """What `bench train --lora` builds on (the command itself was measured in docs/lora.md: two jobs are too slow
+    for this file)."""
+    full = build_config("demo", TINY)
+    lora = build_config("demo", [*TINY, "train.stage=sft", *parse_lora_spec("r=4")], paths={"train.init_from": "b"})
+    total = sum(p.numel() for p in Transformer(full.model).parameters())
+    assert trainable_parameters(full) == (total, total)
+    assert trainable_parameters(lora) == (TRAINABLE, total + TRAINABLE)
+    write_random_conversations(tmp_path, 512, n_conversations=5, seq_len=32)
+    windows = PackedConversations(tmp_path, "train", 32, pad_id=3)
+    assert len(windows) == 5 and windows.padding_fraction == 0 and bool(windows[0]["loss_mask"].all())
