@@ -1,6 +1,6 @@
 """Benchmarks (commands, never tests): `zerollm bench train`, the training throughput of a recipe on random
-tokens, and `zerollm bench generate`, prefill and decode speed of our generator with and without its KV cache
-beside transformers' `generate`."""
+tokens (with --lora: full fine-tuning beside LoRA), and `zerollm bench generate`, prefill and decode speed of our
+generator with and without its KV cache beside transformers' `generate`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from llm import rundir
-from llm.config import build_config
+from llm.config import RunConfig, build_config, parse_lora_spec
 from llm.data.prepare import SPLITS, STREAMS, TOKENS_FILE, SplitWriter, write_attrs
 from llm.devices import place, resolve
 from llm.errors import UserError
@@ -25,6 +26,8 @@ from llm.export import export_model
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 from llm.loading import load_for_inference
+from llm.model import Transformer
+from llm.model.lora import apply_lora, parameter_counts
 from llm.train.engine import resolve_precision
 
 BENCH_VOCAB = 6400
@@ -44,47 +47,114 @@ def write_random_tokens(out: Path, vocab_size: int, n_tokens: int, seed: int = 0
         write_attrs(h5, "pretrain", "random", vocab_size, None)
 
 
+def write_random_conversations(out: Path, vocab_size: int, n_conversations: int, seq_len: int, seed: int = 0) -> None:
+    """An SFT data directory of random conversations, each filling one window of `seq_len` positions with loss on
+    every token (so SFT trains on as many tokens per step as pretraining on the same shape)."""
+    rng = np.random.default_rng(seed)
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+    out.mkdir(parents=True, exist_ok=True)
+    with h5py.File(out / TOKENS_FILE, "w") as h5:
+        for split in SPLITS:
+            writer = SplitWriter(h5.create_group(split), STREAMS["sft"], dtype)
+            for _ in range(n_conversations):
+                writer.append({"tokens": rng.integers(4, vocab_size, seq_len + 1).astype(dtype),
+                               "loss_mask": np.ones(seq_len + 1, dtype=np.uint8)})
+            writer.close()
+        write_attrs(h5, "sft", "random", vocab_size, None, seq_len=seq_len)
+
+
+def trainable_parameters(cfg: RunConfig) -> tuple[int, int]:
+    """(trainable, total) parameters of the run config's model, LoRA included; counted on the meta device."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+        if cfg.lora.r:
+            apply_lora(model, cfg.lora, cfg.train.seed)
+    return parameter_counts(model)
+
+
+@dataclass
+class TrainFigures:
+    """Medians of the measured steps of one benchmarked job."""
+
+    tokens_per_sec: float
+    loss_tokens_per_sec: float
+    mfu: float
+    peak_mem_mb: float
+    trainable: int
+    total: int
+
+
+def _train_job(command: list[str], run: Path, warmup: int, cfg: RunConfig) -> TrainFigures | int:
+    """Run a training command; its figures, or its exit code when it failed."""
+    code = subprocess.run(command, check=False).returncode
+    if code != 0:
+        return code
+    rows = [json.loads(line) for line in (run / rundir.METRICS_FILE).read_text().splitlines()]
+    measured = [r for r in rows if r["step"] > warmup]
+    return TrainFigures(*(statistics.median(r[key] for r in measured)
+                          for key in ("tokens_per_sec", "loss_tokens_per_sec", "mfu")),
+                        max(r["peak_mem_mb"] for r in measured), *trainable_parameters(cfg))
+
+
 def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int = 2, nproc: int = 1,
-                deepspeed_config: str | None = None, zero_stage: int | None = None) -> int:
+                deepspeed_config: str | None = None, zero_stage: int | None = None, lora: str | None = None) -> int:
     """Train `steps + warmup` steps of `recipe` on random tokens in a temporary directory; print the medians of the
-    measured steps. Returns the exit code."""
+    measured steps. With `lora` (a --lora spec), fine-tune a random model of the recipe on random conversations
+    (SFT) twice, every parameter and LoRA, and print both side by side. Returns the exit code."""
     cfg = build_config(recipe, overrides)
     if cfg.model.vocab_size is None:  # the recipe takes the tokenizer's: bench with MiniMind's 6400
         overrides = [*overrides, f"model.vocab_size={BENCH_VOCAB}"]
         cfg.model.vocab_size = BENCH_VOCAB
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
+    lora_overrides = parse_lora_spec(lora) if lora is not None else []
     total_steps = steps + warmup
     t = cfg.train
-    tokens_needed = total_steps * t.micro_batch_size * t.grad_accum * nproc * cfg.data.seq_len + 1
+    samples_needed = total_steps * t.micro_batch_size * t.grad_accum * nproc
+    options = [a for o in overrides for a in ("--set", o)] + [
+        "--set", f"train.max_steps={total_steps}", "--set", "train.eval_every=0", "--set", "train.save_every=0",
+        "--set", "train.log_every=1", "--set", "train.eval_batches=1", "--nproc", str(nproc)]
+    if deepspeed_config:
+        options += ["--deepspeed", deepspeed_config]
+    if zero_stage is not None:
+        options += ["--zero-stage", str(zero_stage)]
+    figures: dict[str, TrainFigures] = {}
     with tempfile.TemporaryDirectory(prefix="zerollm-bench-") as tmp:
-        data, run = Path(tmp) / "data", Path(tmp) / "run"
-        write_random_tokens(data, cfg.model.vocab_size, tokens_needed)
-        command = [sys.executable, "-m", "llm", "train", "pretrain", "--recipe", recipe, "--data", str(data),
-                   "--out", str(run), "--nproc", str(nproc), *[a for o in overrides for a in ("--set", o)],
-                   "--set", f"train.max_steps={total_steps}", "--set", "train.eval_every=0",
-                   "--set", "train.save_every=0", "--set", "train.log_every=1", "--set", "train.eval_batches=1"]
-        if deepspeed_config:
-            command += ["--deepspeed", deepspeed_config]
-        if zero_stage is not None:
-            command += ["--zero-stage", str(zero_stage)]
-        code = subprocess.run(command, check=False).returncode
-        if code != 0:
-            return code
-        rows = [json.loads(line) for line in (run / rundir.METRICS_FILE).read_text().splitlines()]
-    measured = [r for r in rows if r["step"] > warmup]
-
-    def median(key: str) -> float:
-        return statistics.median(r[key] for r in measured)
-
+        data, base = Path(tmp) / "data", Path(tmp) / "base"
+        if lora is None:
+            write_random_tokens(data, cfg.model.vocab_size, samples_needed * cfg.data.seq_len + 1)
+            jobs = {"": (["pretrain"], cfg)}
+        else:
+            write_random_conversations(data, cfg.model.vocab_size, samples_needed, cfg.data.seq_len)
+            torch.manual_seed(t.seed)
+            export_model(Transformer(cfg.model), None, base)
+            tuned = build_config(recipe, [*overrides, *lora_overrides, "train.stage=sft"],
+                                 paths={"train.init_from": str(base)})
+            jobs = {"full fine-tuning": (["sft", "--init-from", str(base)], cfg),
+                    f"LoRA r={tuned.lora.r}": (["sft", "--init-from", str(base), "--lora", lora], tuned)}
+        for name, (stage_args, job_cfg) in jobs.items():
+            run = Path(tmp) / f"run{len(figures)}"
+            command = [sys.executable, "-m", "llm", "train", *stage_args, "--recipe", recipe, "--data", str(data),
+                       "--out", str(run), *options]
+            result = _train_job(command, run, warmup, job_cfg)
+            if isinstance(result, int):
+                return result
+            figures[name] = result
     precision = resolve_precision(t.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    print(f"\nbench train: recipe {recipe}, {nproc} rank(s), {precision}, micro batch "
-          f"{t.micro_batch_size} x accum {t.grad_accum}, seq {cfg.data.seq_len}; median of {len(measured)} steps "
-          f"after {warmup} warm-up")
-    print(f"  tokens/s               {median('tokens_per_sec'):12,.0f}")
-    print(f"  loss-bearing tokens/s  {median('loss_tokens_per_sec'):12,.0f}")
-    print(f"  MFU                    {median('mfu'):12.3f}")
-    print(f"  peak memory (MiB)      {max(r['peak_mem_mb'] for r in measured):12,.0f}")
+    print(f"\nbench train: recipe {recipe}, {'SFT on random conversations' if lora else 'random tokens'}, "
+          f"{nproc} rank(s), {precision}, micro batch {t.micro_batch_size} x accum {t.grad_accum}, seq "
+          f"{cfg.data.seq_len}; median of {steps} steps after {warmup} warm-up")
+    tokens_per_step = t.micro_batch_size * t.grad_accum * nproc * cfg.data.seq_len
+    lines = [("trainable parameters", lambda f: f"{f.trainable:,}"),
+             ("  of all parameters", lambda f: f"{100 * f.trainable / f.total:.2f} %"),
+             ("tokens/s", lambda f: f"{f.tokens_per_sec:,.0f}"),
+             ("s/step", lambda f: f"{tokens_per_step / f.tokens_per_sec:.3f}"),
+             ("loss-bearing tokens/s", lambda f: f"{f.loss_tokens_per_sec:,.0f}"),
+             ("MFU", lambda f: f"{f.mfu:.3f}"),
+             ("peak memory (MiB)", lambda f: f"{f.peak_mem_mb:,.0f}")]
+    print(f"  {'':24}" + "".join(f"{name:>20}" for name in figures))
+    for label, show in lines:
+        print(f"  {label:<24}" + "".join(f"{show(f):>20}" for f in figures.values()))
     return 0
 
 

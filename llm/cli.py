@@ -14,10 +14,13 @@ from pathlib import Path
 
 from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, LaunchOptions, launcher_name
 from llm import rundir
-from llm.config import build_config, recipe_names
+from llm.config import build_config, parse_lora_spec, recipe_names
 from llm.errors import EXIT_USER_ERROR, UserError
 
 EPILOG = "Documentation: README.md. Errors in your input exit with code 2."
+LORA_HELP = ("train low-rank adapters on the frozen --init-from model instead of every weight, e.g. "
+             "r=16,alpha=32,targets=wq,wk,wv,wo,w1,w2,w3,dropout=0.05 (the lora.* config keys; sft, dpo, grpo; "
+             "see docs/lora.md)")
 
 
 def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
@@ -127,6 +130,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                            help="the frozen teacher: a run directory (newest checkpoint) or an export directory")
         if stage == "dpo":
             t.add_argument("--beta", type=float, default=None, help="DPO beta (default: train.dpo_beta, 0.1)")
+        t.add_argument("--lora", default=None, metavar="SPEC", help=LORA_HELP)
         t.add_argument("--resume", choices=["auto", "never"], default="never",
                        help="auto: continue from the newest complete checkpoint in --out, if any")
         t.add_argument("--wandb", choices=["off", "offline", "online"], default=None,
@@ -282,11 +286,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="what", required=True)
     b = bsub.add_parser("train", help="training throughput of a recipe on random tokens", epilog=EPILOG,
-                        description="Run a short training job on random tokens and print tokens/s, "
-                                    "loss-bearing tokens/s, MFU and peak memory (warm-up steps excluded).")
+                        description="Run a short training job on random tokens and print trainable parameters, "
+                                    "tokens/s, s/step, loss-bearing tokens/s, MFU and peak memory (warm-up steps "
+                                    "excluded); with --lora, full fine-tuning and LoRA side by side.")
     _add_run_options(b)
     b.add_argument("--steps", type=int, default=10, help="measured steps (default 10)")
     b.add_argument("--warmup", type=int, default=2, help="steps excluded from the figures (default 2)")
+    b.add_argument("--lora", default=None, metavar="SPEC",
+                   help="fine-tune a random model of the recipe on random conversations (SFT) with every parameter "
+                        "and with LoRA SPEC (e.g. r=16,alpha=32), and print both side by side: trainable "
+                        "parameters, tokens/s, s/step, MFU, peak memory")
     learn = bsub.add_parser(
         "learn", help="how much a recipe learns in a fixed wall time, on your text", epilog=EPILOG,
         description="Inside --budget, timed from the start: split the file (first 90 %% for training, the rest "
@@ -376,6 +385,8 @@ def _train_config(args: argparse.Namespace):
     extra = [f"train.stage={args.stage}"] + ([f"wandb.mode={args.wandb}"] if args.wandb else [])
     if getattr(args, "beta", None) is not None:
         extra.append(f"train.dpo_beta={args.beta}")
+    if args.lora is not None:
+        extra += parse_lora_spec(args.lora)
     return build_config(args.recipe, [*args.overrides, *extra],
                         paths={"data.path": getattr(args, "data", None), "train.init_from": args.init_from,
                                "train.teacher": getattr(args, "teacher", None),
@@ -553,7 +564,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         os._exit(code)  # the training job ran in this process: end it as `zerollm train` does (see cmd_train)
     if args.what == "train":
         return bench_train(args.recipe, args.overrides, steps=args.steps, warmup=args.warmup, nproc=args.nproc,
-                           deepspeed_config=args.deepspeed, zero_stage=args.zero_stage)
+                           deepspeed_config=args.deepspeed, zero_stage=args.zero_stage, lora=args.lora)
     return bench_generate(args.model, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                           batch=args.batch, repeats=args.repeats, device=args.device, dtype=args.dtype)
 

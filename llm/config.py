@@ -1,6 +1,6 @@
 """Run configuration: dataclasses documented field by field, YAML recipes, dotted overrides.
 
-A run config has five sections, `model`, `data`, `train`, `grpo` and `wandb`. Recipes in `llm/recipes/`
+A run config has six sections, `model`, `data`, `train`, `grpo`, `lora` and `wandb`. Recipes in `llm/recipes/`
 (or any YAML file) set some fields; `--set section.field=value` overrides them; `validate()` checks
 the whole and raises `UserError` naming the key at fault.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from importlib import resources
@@ -222,6 +223,32 @@ class GRPOConfig:
     rollout). docs/grpo.md has the measurement."""
 
 
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+"""The linear layers of `llm.model.transformer` LoRA can adapt: attention projections and SwiGLU (in an MoE model,
+every expert's)."""
+LORA_STAGES = ("sft", "dpo", "grpo")
+"""The stages LoRA adapts a model in (pretraining has no model to adapt; distillation trains a student whole)."""
+LORA_SPEC_KEYS = ("r", "alpha", "targets", "dropout")
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on a frozen --init-from model (SFT, DPO, GRPO; `llm.model.lora`, docs/lora.md)."""
+
+    r: int = 0
+    """Rank of the adapters; 0 = no LoRA (every parameter is trained)."""
+    alpha: float | None = None
+    """The update B A is scaled by alpha / r; None: alpha = 2 * r (a scale of 2)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Linear layers that get adapters, by name: any of wq, wk, wv, wo (attention), w1, w2, w3 (SwiGLU)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (training only)."""
+
+    @property
+    def scale(self) -> float:
+        return (2.0 * self.r if self.alpha is None else self.alpha) / self.r
+
+
 @dataclass
 class WandbConfig:
     mode: str = "off"
@@ -236,6 +263,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -284,7 +312,7 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         raise UserError(f"{source}: invalid YAML ({exc})".replace("\n", " ")) from None
     if not isinstance(raw, dict):
-        raise UserError(f"{source}: expected a mapping of sections (model, data, train, grpo, wandb)")
+        raise UserError(f"{source}: expected a mapping of sections (model, data, train, grpo, lora, wandb)")
     return raw
 
 
@@ -335,6 +363,40 @@ def parse_override(text: str) -> tuple[str, Any]:
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
+
+
+def parse_lora_spec(spec: str) -> list[str]:
+    """`--lora r=16,alpha=32,targets=wq,wk,wv,dropout=0.05` -> the equivalent `--set` overrides of the lora
+    section. A piece without '=' continues the targets list before it; r must be a positive integer (r=0, no LoRA,
+    is the default: leave --lora out)."""
+    values: dict[str, list[str]] = {}
+    key = None
+    for piece in (p.strip() for p in spec.split(",")):
+        name, sep, value = piece.partition("=")
+        if sep:
+            if name not in LORA_SPEC_KEYS:
+                raise UserError(f"--lora: unknown key '{name}' in '{piece}'; keys are {', '.join(LORA_SPEC_KEYS)} "
+                                "(e.g. --lora r=16,alpha=32,targets=wq,wv,dropout=0.05)")
+            if name in values:
+                raise UserError(f"--lora: '{name}' is given twice")
+            key, values[name] = name, [value]
+        elif key == "targets" and piece:
+            values[key].append(piece)
+        else:
+            raise UserError(f"--lora: '{piece}' is not key=value (e.g. --lora r=16,alpha=32,targets=wq,wv)")
+    if "r" not in values:
+        raise UserError(f"--lora {spec}: give the rank, e.g. r=16")
+    for name, check, what in (("r", lambda v: int(v) > 0, "a positive integer"),
+                              ("alpha", lambda v: float(v) > 0, "a positive number"),
+                              ("dropout", lambda v: 0 <= float(v) < 1, "a number in [0, 1)")):
+        if name in values:
+            try:
+                ok = check(values[name][0])
+            except ValueError:
+                ok = False
+            if not ok:
+                raise UserError(f"--lora: {name} must be {what}, got '{values[name][0]}'")
+    return [f"lora.{name}={json.dumps(items) if name == 'targets' else items[0]}" for name, items in values.items()]
 
 
 def build_config(recipe: str | dict[str, Any], overrides: list[str] | None = None,
@@ -414,6 +476,23 @@ def validate_distill(t: TrainConfig) -> None:
     _require(t.distill_temperature > 0, f"train.distill_temperature must be positive, got {t.distill_temperature}")
 
 
+def validate_lora(cfg: RunConfig) -> None:
+    lora = cfg.lora
+    _require(lora.r >= 0, f"lora.r must be >= 0 (0 = no LoRA), got {lora.r}")
+    if lora.r == 0:
+        return
+    stage = cfg.train.stage
+    _require(stage in LORA_STAGES, f"LoRA adapts a trained model: use it with train sft, dpo or grpo (--init-from the "
+                                   f"model to adapt), not with {stage}")
+    _require(lora.alpha is None or lora.alpha > 0, f"lora.alpha must be positive, got {lora.alpha}")
+    _require(0.0 <= lora.dropout < 1.0, f"lora.dropout must be in [0, 1), got {lora.dropout}")
+    _require(bool(lora.targets), f"lora.targets is empty; name some of {', '.join(LORA_TARGETS)}")
+    for name in lora.targets:
+        _require(name in LORA_TARGETS, f"lora.targets: unknown module '{name}'; the model's linear layers LoRA can "
+                                       f"adapt are {', '.join(LORA_TARGETS)}")
+    _require(bool(cfg.train.init_from), f"LoRA on {stage} needs --init-from: the frozen base model comes from there")
+
+
 def validate(cfg: RunConfig) -> None:
     d, t = cfg.data, cfg.train
     validate_model(cfg.model)
@@ -443,5 +522,6 @@ def validate(cfg: RunConfig) -> None:
         validate_grpo(cfg)
     if t.stage == "distill":
         validate_distill(t)
+    validate_lora(cfg)
     _require(cfg.wandb.mode in ("off", "offline", "online"),
              f"wandb.mode must be off, offline or online, got '{cfg.wandb.mode}'")

@@ -18,6 +18,7 @@ from llm.config import ModelConfig, RunConfig, build_config
 from llm.errors import UserError
 from llm.export import HF_CONFIG_FILE, import_model
 from llm.model import Transformer
+from llm.model.lora import apply_lora, load_adapters, merge
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.checkpoint import is_partitioned, restricted_unpickling
 
@@ -44,11 +45,14 @@ def consolidated_weights(run_dir: Path, tag: str | None = None) -> dict[str, tor
 
 
 def load_trained_model(run_dir: Path, tag: str | None = None) -> tuple[Transformer, RunConfig]:
-    """(model in eval mode, run config) rebuilt from RUN_DIR/config.yaml and its newest checkpoint."""
+    """(model in eval mode, run config) rebuilt from RUN_DIR/config.yaml and its newest checkpoint. A LoRA run's
+    checkpoint holds its adapters only: they are loaded onto its --init-from model and merged into it."""
     config_file = rundir.config_file(run_dir)
     if not config_file.is_file():
         raise UserError(f"{run_dir}: no {rundir.CONFIG_FILE}; is this a run directory made by `zerollm train`?")
     cfg = build_config(yaml.safe_load(config_file.read_text()))
+    if cfg.lora.r:
+        return merge(load_lora_model(run_dir, cfg, tag)).eval(), cfg
     model = Transformer(cfg.model)
     missing, unexpected = model.load_state_dict(consolidated_weights(run_dir, tag), strict=False)
     tied = {"output.weight"} if cfg.model.tie_embeddings else set()
@@ -56,6 +60,22 @@ def load_trained_model(run_dir: Path, tag: str | None = None) -> tuple[Transform
         raise UserError(f"{run_dir}: checkpoint does not match {rundir.CONFIG_FILE} (missing "
                         f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})")
     return model.eval(), cfg
+
+
+def load_lora_model(run_dir: Path, cfg: RunConfig, tag: str | None = None) -> Transformer:
+    """The unmerged LoRA model of a LoRA run: its --init-from model (which must still be where the run found it)
+    with the run's adapters loaded."""
+    base = cfg.train.init_from
+    if not base or not Path(base).is_dir():
+        raise UserError(f"{run_dir}: a LoRA run whose checkpoints hold adapters only; its base model "
+                        f"(train.init_from {base}) is not there; put it back or set train.init_from in "
+                        f"{rundir.config_file(run_dir)}")
+    model = apply_lora(load_model_dir(base)[0], cfg.lora, cfg.train.seed)
+    missing, unexpected = load_adapters(model, consolidated_weights(run_dir, tag))
+    if missing or unexpected:
+        raise UserError(f"{run_dir}: checkpoint does not match the LoRA settings in {rundir.CONFIG_FILE} (missing "
+                        f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
+    return model.eval()
 
 
 def load_model_dir(path: str | Path) -> tuple[Transformer, Path]:

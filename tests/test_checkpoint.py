@@ -35,8 +35,9 @@ class FakeEngine:
 
     def __init__(self, value: float = 0.0) -> None:
         self.state = {"module": {"w": torch.full((4,), value)}}
+        self.module = torch.nn.Module()  # no frozen parameters: everything is saved
 
-    def save_checkpoint(self, root: str, tag: str, save_latest: bool) -> None:
+    def save_checkpoint(self, root: str, tag: str, save_latest: bool, exclude_frozen_parameters: bool) -> None:
         Path(root, tag).mkdir(parents=True, exist_ok=True)
         torch.save(self.state, Path(root, tag, MODEL_FILE))
 

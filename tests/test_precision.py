@@ -78,6 +78,7 @@ class _FakeFP16Engine:
 
     def __init__(self, scale: float) -> None:
         self.optimizer = SimpleNamespace(cur_scale=scale)
+        self.module = torch.nn.Module()  # no frozen parameters
 
     def fp16_enabled(self) -> bool:
         return True

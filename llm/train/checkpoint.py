@@ -7,6 +7,9 @@ A save runs in this order, so that a job killed at any instant resumes from a co
     rank 0: client_state.json, then manifest.json (every file with its size), then `latest`, each durably
     rank 0: prune complete checkpoints older than the `keep` newest                     -> barrier
 
+A model with frozen parameters (LoRA: `llm.model.lora`) saves only its trainable ones (its adapters): model states,
+optimizer partitions and all; the frozen base comes back from --init-from when the run is loaded or resumed.
+
 Loading (resume, and the consolidated weights of `llm.loading`) runs every `torch.load` with weights_only=True
 (`restricted_unpickling`): our RNG files hold tensors and plain values only, and DeepSpeed's files need just three
 plain-data DeepSpeed classes on top.
@@ -113,7 +116,8 @@ def save(engine, run_dir: Path, step: int, client_state: dict[str, Any], keep: i
             raise RuntimeError(f"{directory} is the published checkpoint; it is never written over")
         shutil.rmtree(directory)  # an unfinished save of this step by an earlier attempt: none of it may count
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+    with frozen_parameters_left_out(engine) as leaving_out:
+        engine.save_checkpoint(str(root), tag=tag, save_latest=False, exclude_frozen_parameters=leaving_out)
     torch.save(rng_state(), rundir.rng_file(run_dir, tag, rank))
     for name in _files(directory):
         durable.fsync(directory / name)
@@ -147,6 +151,35 @@ def prune(run_dir: Path, keep: int) -> None:
         doomed = root / f"{DELETING_PREFIX}{tag}"
         os.replace(root / tag, doomed)
         shutil.rmtree(doomed)
+
+
+def has_frozen_parameters(engine) -> bool:
+    """Whether some of the engine's parameters are frozen (LoRA's base): its checkpoints leave them out."""
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
+@contextmanager
+def frozen_parameters_left_out(engine) -> Iterator[bool]:
+    """Inside, the engine's module state (what DeepSpeed saves as 'module') lacks every frozen parameter, under each
+    of its names; yields whether the engine has any. DeepSpeed's own `exclude_frozen_parameters` drops a frozen
+    parameter under one name only, so a tied weight (the frozen embedding, also `output.weight`) would be saved."""
+    frozen = {name for name, p in engine.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    if not frozen:
+        yield False
+        return
+    whole = engine.module_state_dict
+
+    def without_frozen(*args, **kwargs):
+        state = whole(*args, **kwargs)
+        for name in frozen & state.keys():
+            del state[name]
+        return state
+
+    engine.module_state_dict = without_frozen
+    try:
+        yield True
+    finally:
+        del engine.module_state_dict  # the class's method again
 
 
 def is_partitioned(run_dir: Path, tag: str) -> bool:
@@ -210,7 +243,8 @@ def load(engine, run_dir: Path, tag: str, universal: bool = False) -> dict[str, 
     root = rundir.universal_dir(run_dir) if universal else rundir.checkpoint_dir(run_dir)
     with restricted_unpickling(root / tag):
         path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
-                                         load_lr_scheduler_states=True)
+                                         load_lr_scheduler_states=True,
+                                         load_module_strict=not has_frozen_parameters(engine))
         if path is None:
             raise UserError(f"{root / tag}: DeepSpeed could not load this checkpoint")
         if dist.get_rank() < client_state["world_size"]:

@@ -27,6 +27,7 @@ from llm.data.prepare import TOKENS_FILE
 from llm.errors import UserError
 from llm.loading import initial_weights
 from llm.model import Transformer
+from llm.model.lora import apply_lora, trainable_summary
 from llm.runtime.distributed import DistInfo, setup_distributed
 from llm.runtime.fingerprint import check_ranks_agree, fingerprint
 from llm.runtime.watchdog import Watchdog
@@ -39,7 +40,7 @@ from llm.train.engine import (
     resolve_ds_config,
     resolve_precision,
 )
-from llm.train.metrics import MetricsLogger, MetricsSink
+from llm.train.metrics import MetricsLogger, MetricsSink, peak_memory_mb
 from llm.train.objectives import DistillObjective, DPOObjective, GRPOObjective, causal_lm
 from llm.train.rollout import Rollouts, grpo_inputs, tokenizer_dir
 from llm.train.run_record import check_same_data, data_summary, prompts_summary, run_record, write_run_record
@@ -128,6 +129,8 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
     weights = initial_weights(cfg.model, t.init_from, data_attrs["tokenizer_hash"]) if t.init_from else None
     if weights is not None:
         model.load_state_dict(weights)
+    if cfg.lora.r:  # frozen base, trainable adapters (the same on every rank)
+        apply_lora(model, cfg.lora, t.seed)
     n_params = model.num_parameters()  # before ZeRO-3 partitions the parameters
     seed_rank_rngs(t.seed, info.rank)  # then per-rank streams (dropout, sampling)
     budget = TimeBudget(t, info)
@@ -232,9 +235,14 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
     checkpointer = checkpoint.Checkpointer(trainer.engine, run_dir, cfg.train.save_every, cfg.train.keep_checkpoints,
                                            trainer.client_state)
     try:
-        return trainer.fit(logger, checkpointer, watchdog)
+        code = trainer.fit(logger, checkpointer, watchdog)
     finally:
         logger.close()
+    if info.is_main:
+        measure = {"cuda": "peak allocated", "mps": "allocated now"}.get(info.device.type, "peak resident set")
+        print(f"{cfg.train.stage}: peak memory {peak_memory_mb(info.device):,.0f} MiB on rank 0 ({measure}); "
+              f"{trainable_summary(trainer.engine.module, cfg.lora)}", flush=True)
+    return code
 
 
 def _write_run_files(cfg: RunConfig, run_dir: Path, ds_config: dict) -> None:
@@ -260,5 +268,6 @@ def _announce(cfg: RunConfig, info: DistInfo, ds_config: dict, trainer: Trainer,
           + (f", resumed at step {trainer.step}" if resumed else "")
           + (f", time budget {trainer.budget.max_time:g} s ({trainer.budget.elapsed:.1f} s used)"
              if trainer.budget.enabled else ""), flush=True)
+    print(f"{stage}: {trainable_summary(trainer.engine.module, cfg.lora)}", flush=True)
     if stage == "grpo" and train_set.skipped:
         print(train_set.summary(), flush=True)

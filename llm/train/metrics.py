@@ -45,8 +45,11 @@ def flops_per_token(cfg: ModelConfig, total_params: int, seq_len: int) -> float:
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
-    """Best rate of a square matmul in `dtype` on `device` (on the CPU: this process's threads)."""
-    a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
+    """Best rate of a square matmul in `dtype` on `device` (on the CPU: this process's threads). The operands come
+    from a generator of their own: drawn from the global RNG after a resume restored it, they would shift every
+    dropout mask of the resumed run."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=generator).to(device, dtype) for _ in range(2))
     synchronize = torch.mps.synchronize if device.type == "mps" else (lambda: None)
     torch.mm(a, b)
     synchronize()

@@ -33,6 +33,7 @@ from llm.errors import UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 from llm.model import Transformer
+from llm.model.lora import apply_lora
 from llm.runtime.distributed import DistInfo
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.engine import full_parameters
@@ -89,7 +90,10 @@ class RolloutPolicy:
         self.model = None
         if self.mode != "engine":
             dtype = next(engine.module.parameters()).dtype
-            self.model = Transformer(cfg.model).to(dtype=dtype).requires_grad_(False).eval()
+            model = Transformer(cfg.model)
+            if cfg.lora.r:  # the policy's structure, so that its parameters match the engine's by name
+                apply_lora(model, cfg.lora, cfg.train.seed)
+            self.model = model.to(dtype=dtype).requires_grad_(False).eval()
             if self.mode == "gathered":
                 self._release()
             self.model.to(device)

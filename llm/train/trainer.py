@@ -97,13 +97,16 @@ class Trainer:
     # ---- data ----------------------------------------------------------------------------------
 
     def _draw(self):
-        """The next `steps.draw_size` samples of this rank, collated by the step source."""
+        """The next `steps.draw_size` samples of this rank, collated by the step source. The loader draws its
+        workers' base seed from a generator of its own: from the global RNG, a resumed run (which starts a loader
+        where the uninterrupted one continued its own) would shift every dropout mask after it."""
         if self._batches is None:
             on_gpu = self.dist.device.type == "cuda"
             workers = self.cfg.data.loader_workers
             loader = DataLoader(self.train_set, batch_size=self.steps.draw_size, sampler=self.sampler,
                                 collate_fn=self.steps.collate,
-                                num_workers=(2 if on_gpu else 0) if workers is None else workers, pin_memory=on_gpu)
+                                num_workers=(2 if on_gpu else 0) if workers is None else workers, pin_memory=on_gpu,
+                                generator=torch.Generator())
             self._batches = iter(loader)
         return next(self._batches)
 

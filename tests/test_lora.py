@@ -1,0 +1,259 @@
+"""LoRA: the --lora spec and its errors, adapters that start at the base model exactly, only adapters trained and
+saved, SFT (ZeRO-2) and DPO (ZeRO-3) on 2 ranks, GRPO on ZeRO-3, exact resume, and a merged export equal to the
+unmerged model."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import FIXTURES, TINY, run_cli
+from llm.bench import trainable_parameters, write_random_conversations
+from llm.config import LORA_TARGETS, ModelConfig, build_config, parse_lora_spec
+from llm.data.datasets import PackedConversations
+from llm.data.prepare import prepare
+from llm.errors import UserError
+from llm.export import export_model, import_model
+from llm.loading import consolidated_weights, load_lora_model
+from llm.model import Transformer
+from llm.model.lora import apply_lora, is_adapter_key, merge, parameter_counts
+from llm.train.checkpoint import restricted_unpickling
+from llm.train.engine import param_groups
+
+LORA = "r=4,alpha=8,targets=wq,wk,wv,wo,w1,w2,w3,dropout=0.05"
+TRAINABLE = 2 * 4 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 192))
+"""Adapter parameters of the TINY model at r=4: per layer wq, wo (64 -> 64), wk, wv (64 -> 32), w1, w2, w3 (64 <->
+192)."""
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _tiny(**changes) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32,
+                                   **changes))
+
+
+# ---- the spec ---------------------------------------------------------------------------------------
+
+def test_the_lora_spec_sets_the_lora_keys():
+    overrides = parse_lora_spec("r=16, alpha=32,targets=wq,wk,wv,dropout=0.05")
+    cfg = build_config("demo", ["train.stage=sft", *overrides], paths={"train.init_from": "base"})
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.targets, cfg.lora.dropout) == (16, 32.0, ["wq", "wk", "wv"], 0.05)
+    assert cfg.lora.scale == 2.0
+    default = build_config("demo", ["train.stage=sft", "lora.r=8"], paths={"train.init_from": "base"}).lora
+    assert default.targets == list(LORA_TARGETS) and default.scale == 2.0 and default.dropout == 0.0
+    assert build_config("demo").lora.r == 0  # off unless asked for
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("r=4,rank=8", "--lora: unknown key 'rank' in 'rank=8'; keys are r, alpha, targets, dropout"),
+    ("r=0", "--lora: r must be a positive integer, got '0'"),
+    ("r=four", "--lora: r must be a positive integer, got 'four'"),
+    ("r=4,dropout=1", r"--lora: dropout must be a number in \[0, 1\), got '1'"),
+    ("r=4,alpha=-2", "--lora: alpha must be a positive number, got '-2'"),
+    ("alpha=8", "give the rank, e.g. r=16"),
+    ("r=4,wq", "--lora: 'wq' is not key=value"),
+    ("r=4,r=8", "--lora: 'r' is given twice"),
+])
+def test_bad_lora_specs_name_the_bad_piece(spec, message):
+    with pytest.raises(UserError, match=message):
+        parse_lora_spec(spec)
+
+
+def test_lora_keys_are_checked_against_the_model(tmp_path):
+    with pytest.raises(UserError, match="lora.targets: unknown module 'q_proj'; the model's linear layers LoRA can "
+                                        "adapt are wq, wk, wv, wo, w1, w2, w3"):
+        build_config("demo", ["train.stage=sft", *parse_lora_spec("r=4,targets=wq,q_proj")],
+                     paths={"train.init_from": "base"})
+    with pytest.raises(UserError, match="LoRA on sft needs --init-from"):
+        build_config("demo", ["train.stage=sft", "lora.r=4"])
+    with pytest.raises(UserError, match="use it with train sft, dpo or grpo .* not with distill"):
+        build_config("demo", ["train.stage=distill", "lora.r=4", "train.teacher=t"], paths={"train.init_from": "base"})
+    result = run_cli("train", "pretrain", "--recipe", "demo", "--data", tmp_path, "--out", tmp_path / "run",
+                     "--lora", "r=4")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["zerollm: error: LoRA adapts a trained model: use it with train sft, "
+                                                  "dpo or grpo (--init-from the model to adapt), not with pretrain"]
+
+
+def test_lora_targets_are_the_models_own_linear_layers():
+    for model in (_tiny(), _tiny(moe=True, n_shared_experts=1)):
+        linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        assert linear - {"output", "router"} == set(LORA_TARGETS)
+
+
+# ---- the module -------------------------------------------------------------------------------------
+
+def test_adapters_start_at_the_base_model_exactly_and_are_all_that_trains():
+    base = _tiny()
+    tokens = torch.randint(0, 97, (2, 16))
+    expected = base(tokens).logits
+    cfg = build_config("demo", ["train.stage=sft", *parse_lora_spec("r=4,dropout=0.1")],
+                       paths={"train.init_from": "base"}).lora
+    model = apply_lora(base, cfg, seed=1)
+    assert torch.equal(model.train()(tokens).logits, expected)  # B = 0: the same logits, dropout or not
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(is_adapter_key(name) for name in trainable)
+    assert len(trainable) == 2 * 2 * len(LORA_TARGETS)
+    optimized = {id(p) for group in param_groups(model, 0.1) for p in group["params"]}
+    assert optimized == {id(p) for p in model.parameters() if p.requires_grad}
+    assert parameter_counts(model)[0] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    again = apply_lora(_tiny(), cfg, seed=1)  # every rank draws the same A
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+def test_merge_gives_a_plain_model_with_the_same_logits():
+    model = apply_lora(_tiny(moe=True), build_config("demo", ["train.stage=sft", "lora.r=4"],
+                                                      paths={"train.init_from": "b"}).lora, seed=0).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_b"):
+                param.normal_(std=0.05)
+    merged = merge(model)
+    assert type(merged) is Transformer and set(merged.state_dict()) == set(_tiny(moe=True).state_dict())
+    tokens = torch.randint(0, 97, (2, 16))
+    unmerged = model(tokens).logits
+    assert not torch.allclose(unmerged, _tiny(moe=True)(tokens).logits, atol=1e-3)  # the adapters matter
+    torch.testing.assert_close(merged(tokens).logits, unmerged, atol=1e-5, rtol=0)
+
+
+# ---- training ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def base(tokenizer_dir, tmp_path_factory):
+    """A tiny random model exported with the test tokenizer: the frozen base of every run here."""
+    out = tmp_path_factory.mktemp("base")
+    torch.manual_seed(0)
+    export_model(Transformer(build_config("demo", TINY).model), tokenizer_dir, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def data(tokenizer_dir, tmp_path_factory):
+    out = {}
+    for kind, inputs in (("sft", [FIXTURES / "sft" / "messages_zh.jsonl", FIXTURES / "sft" / "alpaca_mixed.json"]),
+                         ("dpo", [FIXTURES / "dpo"])):
+        out[kind] = tmp_path_factory.mktemp(kind)
+        prepare(kind, [str(p) for p in inputs], tokenizer_dir, out[kind], val_fraction=0.05, seq_len=64, workers=2,
+                show_progress=False)
+    return out
+
+
+def _lora_args(stage, data_dir, out, base, *overrides, nproc=2, zero=2):
+    sets = [a for o in [*TINY, "data.seq_len=64", "train.precision=fp32", "train.max_steps=4", "train.save_every=2",
+                        "train.keep_checkpoints=0", "train.eval_every=2", *overrides] for a in ("--set", o)]
+    return ["train", stage, "--recipe", "demo", "--data", data_dir, "--out", out, "--init-from", base, "--lora", LORA,
+            "--nproc", nproc, "--zero-stage", zero, *sets]
+
+
+@pytest.fixture(scope="module")
+def runs(base, data, tmp_path_factory):
+    """LoRA SFT under ZeRO-2 and LoRA DPO under ZeRO-3, 4 steps on 2 ranks each, saved at steps 2 and 4."""
+    out = {}
+    for stage, zero, extra in (("sft", 2, []), ("dpo", 3, ["train.micro_batch_size=2", "train.lr=1e-2"])):
+        run = tmp_path_factory.mktemp(f"{stage}{zero}")
+        result = run_cli(*_lora_args(stage, data[stage], run, base, *extra, zero=zero))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        out[stage] = run, result.stdout
+    return out
+
+
+def _saved_files(checkpoint):
+    """Every file DeepSpeed wrote into a checkpoint folder, loaded."""
+    with restricted_unpickling(checkpoint):
+        return {p.name: torch.load(p, map_location="cpu", weights_only=True) for p in checkpoint.glob("*_states.pt")}
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_lora_on_two_ranks_trains_and_saves_the_adapters_only(runs, stage):
+    run, stdout = runs[stage]
+    assert f"{stage}: LoRA r=4 on wq,wk,wv,wo,w1,w2,w3: {TRAINABLE / 1e6:.3f} M of " in stdout
+    assert f"{stage}: peak memory " in stdout
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in rows)
+    if stage == "dpo":
+        assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)  # the policy starts as the reference
+        assert rows[-1]["loss"] < rows[0]["loss"]
+    else:
+        assert rows[-1]["val_loss"] < rows[1]["val_loss"]
+    for tag in ("global_step2", "global_step4"):
+        saved = _saved_files(run / "checkpoints" / tag)
+        modules = [s["module"] for name, s in saved.items() if "model_states" in name]
+        assert modules and all(keys and all(map(is_adapter_key, keys)) for keys in map(list, modules))
+        partitions = [t.numel() for name, s in saved.items() if "optim_states" in name
+                      for key in ("fp32_flat_groups", "single_partition_of_fp32_groups")
+                      for t in s["optimizer_state_dict"].get(key, [])]
+        assert TRAINABLE <= sum(partitions) < TRAINABLE + 64  # the optimizer holds the adapters (and padding)
+    weights = consolidated_weights(run)
+    assert len(weights) == 2 * 2 * len(LORA_TARGETS) and all(map(is_adapter_key, weights))
+    assert all(weights[k].abs().max() > 0 for k in weights if k.endswith("lora_b"))  # trained away from B = 0
+
+
+def test_lora_resume_is_bit_exact(runs, base, data, tmp_path):
+    """The ZeRO-3 DPO run, stopped after its step-2 checkpoint (the later one removed) and resumed, repeats the
+    uninterrupted run's losses and adapters bit for bit."""
+    straight = runs["dpo"][0]
+    stopped = tmp_path / "stopped"
+    shutil.copytree(straight, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "global_step4")
+    (stopped / "checkpoints" / "latest").write_text("global_step2")
+    result = run_cli(*_lora_args("dpo", data["dpo"], stopped, base, "train.micro_batch_size=2", "train.lr=1e-2",
+                                 zero=3), "--resume", "auto")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "resumed at step 2" in result.stdout
+    assert [r["loss"] for r in _metrics(stopped)] == [r["loss"] for r in _metrics(straight)]
+    a, b = consolidated_weights(straight), consolidated_weights(stopped)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_export_of_a_lora_run_is_the_merged_model(runs, tmp_path):
+    run = runs["sft"][0]
+    result = run_cli("export", "--run", run, "--out", tmp_path / "export")
+    assert result.returncode == 0, result.stderr[-3000:]
+    exported = import_model(tmp_path / "export").eval()
+    assert not any(map(is_adapter_key, exported.state_dict()))
+    unmerged = load_lora_model(run, build_config((run / "config.yaml").as_posix()))
+    tokens = torch.randint(4, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens).logits, unmerged(tokens).logits, atol=1e-5, rtol=0)
+
+
+def test_lora_grpo_under_zero3_rolls_out_with_the_adapters(base, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about {t}.", "answer": t})
+                                 for t in ("kings", "love", "war", "night")) + "\n")
+    (tmp_path / "myrewards.py").write_text(
+        "def ascii_share(prompts, completions, **fields):\n"
+        "    return [sum(c.isascii() for c in t) / max(1, len(t)) for t in completions]\n")
+    run = tmp_path / "grpo"
+    sets = [a for o in [*TINY, "train.precision=fp32", "train.micro_batch_size=8", "train.lr=1e-2",
+                        "train.max_steps=3", "grpo.group_size=4", "grpo.max_new_tokens=6"] for a in ("--set", o)]
+    result = run_cli("train", "grpo", "--recipe", "demo", "--init-from", base, "--prompts", prompts, "--reward",
+                     "myrewards:ascii_share", "--out", run, "--lora", LORA, "--zero-stage", 3, *sets, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "rollouts by the gathered model" in result.stdout and "grpo: LoRA r=4" in result.stdout
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["kl"] == 0.0 and rows[-1]["kl"] > 0
+    weights = consolidated_weights(run)
+    assert all(map(is_adapter_key, weights)) and any(w.abs().max() > 0 for k, w in weights.items()
+                                                     if k.endswith("lora_b"))
+
+
+def test_bench_counts_trainable_parameters_and_writes_one_conversation_per_window(tmp_path):
+    """What `bench train --lora` builds on (the command itself was measured in docs/lora.md: two jobs are too slow
+    for this file)."""
+    full = build_config("demo", TINY)
+    lora = build_config("demo", [*TINY, "train.stage=sft", *parse_lora_spec("r=4")], paths={"train.init_from": "b"})
+    total = sum(p.numel() for p in Transformer(full.model).parameters())
+    assert trainable_parameters(full) == (total, total)
+    assert trainable_parameters(lora) == (TRAINABLE, total + TRAINABLE)
+    write_random_conversations(tmp_path, 512, n_conversations=5, seq_len=32)
+    windows = PackedConversations(tmp_path, "train", 32, pad_id=3)
+    assert len(windows) == 5 and windows.padding_fraction == 0 and bool(windows[0]["loss_mask"].all())
