@@ -29,10 +29,11 @@ def test_demo_runs_every_stage_and_reports_accuracy(tmp_path):
     assert "samples (greedy):" in result.stdout and "'The capital of France is' ->" in result.stdout
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "global_step40"
     report = result.stdout[result.stdout.index("accuracy on 114 held-out arithmetic questions"):]
-    for stage in ("pretrain", "sft", "dpo"):
+    for stage in ("pretrain", "sft", "dpo", "grpo"):
         assert re.search(rf"after {stage} +\d+\.\d %", report), stage
-    assert (tmp_path / "sft_run" / "checkpoints" / "latest").read_text() == "global_step40"
-    assert (tmp_path / "dpo_run" / "checkpoints" / "latest").read_text() == "global_step40"
+    for stage in ("sft", "dpo", "grpo"):
+        assert (tmp_path / f"{stage}_run" / "checkpoints" / "latest").read_text() == "global_step40", stage
+    assert (tmp_path / "grpo.jsonl").read_text().count("\n") == 800 - 114  # the training questions, with answers
 
 
 def test_bench_train_prints_throughput_mfu_and_memory():
