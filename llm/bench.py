@@ -34,33 +34,34 @@ BENCH_VOCAB = 6400
 """Vocabulary of the random tokens when the recipe leaves it to the tokenizer."""
 
 
-def write_random_tokens(out: Path, vocab_size: int, n_tokens: int, seed: int = 0) -> None:
-    """A pretraining data directory of uniform random tokens (ids above the special tokens)."""
+def _write_random_data(out: Path, kind: str, vocab_size: int, records, seed: int, **attrs) -> None:
+    """A data directory of `kind` whose every split holds the records `records(rng, dtype)` yields."""
     rng = np.random.default_rng(seed)
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
     out.mkdir(parents=True, exist_ok=True)
     with h5py.File(out / TOKENS_FILE, "w") as h5:
         for split in SPLITS:
-            writer = SplitWriter(h5.create_group(split), STREAMS["pretrain"], dtype)
-            writer.append({"tokens": rng.integers(4, vocab_size, n_tokens).astype(dtype)})
+            writer = SplitWriter(h5.create_group(split), STREAMS[kind], dtype)
+            for record in records(rng, dtype):
+                writer.append(record)
             writer.close()
-        write_attrs(h5, "pretrain", "random", vocab_size, None)
+        write_attrs(h5, kind, "random", vocab_size, None, **attrs)
+
+
+def write_random_tokens(out: Path, vocab_size: int, n_tokens: int, seed: int = 0) -> None:
+    """A pretraining data directory of uniform random tokens (ids above the special tokens)."""
+    _write_random_data(out, "pretrain", vocab_size,
+                       lambda rng, dtype: [{"tokens": rng.integers(4, vocab_size, n_tokens).astype(dtype)}], seed)
 
 
 def write_random_conversations(out: Path, vocab_size: int, n_conversations: int, seq_len: int, seed: int = 0) -> None:
     """An SFT data directory of random conversations, each filling one window of `seq_len` positions with loss on
     every token (so SFT trains on as many tokens per step as pretraining on the same shape)."""
-    rng = np.random.default_rng(seed)
-    dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
-    out.mkdir(parents=True, exist_ok=True)
-    with h5py.File(out / TOKENS_FILE, "w") as h5:
-        for split in SPLITS:
-            writer = SplitWriter(h5.create_group(split), STREAMS["sft"], dtype)
-            for _ in range(n_conversations):
-                writer.append({"tokens": rng.integers(4, vocab_size, seq_len + 1).astype(dtype),
-                               "loss_mask": np.ones(seq_len + 1, dtype=np.uint8)})
-            writer.close()
-        write_attrs(h5, "sft", "random", vocab_size, None, seq_len=seq_len)
+    def conversations(rng, dtype):
+        return ({"tokens": rng.integers(4, vocab_size, seq_len + 1).astype(dtype),
+                 "loss_mask": np.ones(seq_len + 1, dtype=np.uint8)} for _ in range(n_conversations))
+
+    _write_random_data(out, "sft", vocab_size, conversations, seed, seq_len=seq_len)
 
 
 def trainable_parameters(cfg: RunConfig) -> tuple[int, int]:
