@@ -409,10 +409,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             check_teacher(cfg, input_attrs(cfg))  # likewise a teacher that does not fit
         return relaunch_local(args.nproc, args.argv)
-    code = run(cfg, Path(args.out), args.deepspeed, resume=args.resume == "auto", zero_stage=args.zero_stage)
-    # Every file is written and every rank has passed the final barrier. End the process without interpreter
-    # teardown: destroying two ZeRO-3 engines and their gloo groups there can abort ("terminate called without
-    # an active exception") after a successful run.
+    try:
+        code = run(cfg, Path(args.out), args.deepspeed, resume=args.resume == "auto", zero_stage=args.zero_stage)
+    except UserError as exc:  # e.g. ranks that disagree: every rank raises it, with its gloo groups still open
+        _report(exc)
+        code = EXIT_USER_ERROR
+    # Every file is written and every rank has passed the final barrier, or every rank refused the job. End the
+    # process without interpreter teardown: destroying two ZeRO-3 engines and their gloo groups there, or the
+    # watchdog's heartbeat caught mid-call, can abort ("terminate called without an active exception").
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -575,6 +579,11 @@ COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "l
             "eval": cmd_eval, "plot": cmd_plot}
 
 
+def _report(exc: UserError) -> None:
+    if getattr(exc, "announce", True):  # an error every rank raises is printed once per node
+        print(f"zerollm: error: {exc}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -584,8 +593,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = COMMANDS[args.command](args)
     except UserError as exc:
-        if getattr(exc, "announce", True):  # an error every rank raises is printed once per node
-            print(f"zerollm: error: {exc}", file=sys.stderr)
+        _report(exc)
         code = EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("zerollm: interrupted", file=sys.stderr)

@@ -310,6 +310,23 @@ def test_fingerprint_mismatch_stops_every_node_with_one_message(pretrain_data, t
     assert not run.exists()
 
 
+def test_ranks_that_disagree_exit_2_even_with_a_heartbeat_in_flight(pretrain_data, tmp_path):
+    """Every rank raises the refusal with its gloo groups open and its watchdog beating: each ends with exit 2,
+    never an abort (before the fix, a beat caught by interpreter teardown aborted a rank in 2 of 3 runs)."""
+    port, run = free_port(), tmp_path / "run"
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}
+        job = _job(pretrain_data, run, "train.max_steps=2", f"train.lr={0.003 if rank == 0 else 0.001}")
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "probes" / "fast_heartbeat.py"), *job],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    assert all(out.count("zerollm: error: ranks disagree") == 1 for out in outputs), outputs
+    assert not run.exists()
+
+
 def test_a_killed_rank_ends_the_job_naming_it_and_one_node_resumes(pretrain_data, tmp_path):
     run, timeout = tmp_path / "run", 20
     procs = _two_nodes(tmp_path, lambda rank: _job(pretrain_data, run, *SLOW, "train.save_every=2",

@@ -197,6 +197,8 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     try:
         code = _run_job(cfg, run_dir, info, ds_config, attrs, resume, watchdog, data)
     except UserError:
+        if watchdog is not None:
+            watchdog.stop()
         raise
     except Exception as exc:
         if watchdog is None:
