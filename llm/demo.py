@@ -24,6 +24,7 @@ from llm.infer.generate import TextGenerator, complete
 from llm.infer.sampling import SamplingParams
 from llm.loading import load_for_inference, load_trained_model
 from llm.tokenizer import Tokenizer
+from llm.train.rewards import answers_match
 
 CAPITALS = [("France", "Paris", "法国", "巴黎"), ("Japan", "Tokyo", "日本", "东京"),
             ("Italy", "Rome", "意大利", "罗马"), ("Egypt", "Cairo", "埃及", "开罗"),
@@ -107,10 +108,16 @@ def answers(run: Path, qa: list[tuple[str, str]], temperature: float = 0.0, seed
     return [text.strip() for text in generator.generate(prompts, params)]
 
 
+def share_right(got: list[str], qa: list[tuple[str, str]]) -> float:
+    """Share of answers right by the rule GRPO's exact-match reward applies (`llm.train.rewards.final_answer`: a
+    trailing full stop or surrounding spaces do not matter), so that the reward and the reported accuracy agree."""
+    return sum(answers_match(text, right) for text, (_, right) in zip(got, qa, strict=True)) / len(qa)
+
+
 def accuracy(run: Path) -> float:
-    """Share of held-out questions answered exactly right (greedy, ChatML)."""
+    """Share of held-out questions answered right (greedy, ChatML)."""
     held = questions(held=True)
-    return sum(got == right for got, (_, right) in zip(answers(run, held), held)) / len(held)
+    return share_right(answers(run, held), held)
 
 
 def write_sft_file(path: Path) -> None:
@@ -129,7 +136,8 @@ def write_dpo_file(path: Path, sft_run: Path, samples: int = 4, seed: int = 0) -
     attempts = [answers(sft_run, train)] + [answers(sft_run, train, 1.0, seed + i) for i in range(samples)]
     rows = []
     for i, (q, right) in enumerate(train):
-        wrong = dict.fromkeys(a[i] for a in attempts if a[i] and a[i] != right) or [wrong_answer(right, rng)]
+        wrong = dict.fromkeys(a[i] for a in attempts if a[i] and not answers_match(a[i], right)) \
+            or [wrong_answer(right, rng)]
         rows += [{"prompt": q, "chosen": right, "rejected": w} for w in wrong]
     path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n", encoding="utf-8")
 

@@ -43,6 +43,15 @@ def test_bench_train_prints_throughput_mfu_and_memory():
         assert label in result.stdout
 
 
+def test_demo_accuracy_counts_what_the_grpo_reward_counts():
+    from llm.demo import share_right
+
+    qa = [("What is 5 + 7?", "12"), ("五加七等于多少？", "十二"), ("What is 6 + 6?", "12"),
+          ("六加六等于多少？", "十二")]
+    # a trailing full stop earns the exact-match reward, so it is right here too; a wrong number or extra words not
+    assert share_right(["12.", "十二。", "13", "十二 个"], qa) == 0.5
+
+
 def test_demo_held_out_questions_are_a_random_slice_never_trained_on():
     from llm.demo import HELD_OUT, questions
 
