@@ -23,16 +23,16 @@ def test_module_entry_point_matches_console_script():
 
 
 def test_demo_runs_every_stage_and_reports_accuracy(tmp_path):
-    result = run_cli("demo", "--out", tmp_path, "--steps", 40)  # every stage at most 40 steps
+    result = run_cli("demo", "--out", tmp_path, "--steps", 12)  # every stage at most 12 steps
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "validation loss fell" in result.stdout
     assert "samples (greedy):" in result.stdout and "'The capital of France is' ->" in result.stdout
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "global_step40"
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "global_step12"
     report = result.stdout[result.stdout.index("accuracy on 114 held-out arithmetic questions"):]
     for stage in ("pretrain", "sft", "dpo", "grpo"):
         assert re.search(rf"after {stage} +\d+\.\d %", report), stage
     for stage in ("sft", "dpo", "grpo"):
-        assert (tmp_path / f"{stage}_run" / "checkpoints" / "latest").read_text() == "global_step40", stage
+        assert (tmp_path / f"{stage}_run" / "checkpoints" / "latest").read_text() == "global_step12", stage
     assert (tmp_path / "grpo.jsonl").read_text().count("\n") == 800 - 114  # the training questions, with answers
 
 

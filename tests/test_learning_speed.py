@@ -30,13 +30,13 @@ def test_files_that_cannot_be_split_are_refused(tmp_path, name, text):
 def test_bench_learn_runs_tokenizer_data_training_and_heldout_bits_per_byte_in_one_budget(tmp_path):
     novel = FIXTURES / "pretrain" / "zh_stories.txt"
     tiny = [o for o in TINY if not o.startswith(("model.vocab_size", "train.lr"))]
-    result = run_cli("bench", "learn", "--input", novel, "--budget", 100, "--reserve", 80, "--vocab-size", 400,
+    result = run_cli("bench", "learn", "--input", novel, "--budget", 60, "--reserve", 48, "--vocab-size", 400,
                      "--out", tmp_path / "out", *[a for o in tiny for a in ("--set", o)])
     assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "result.json").read_text())
     assert summary["within_budget"] == (result.returncode == 0) == ("OVER BUDGET" not in result.stdout)
     assert list(summary["phases_s"]) == ["split", "tokenizer", "data", "training", "evaluation"]
-    assert summary["vocab_size"] == 400 and 0 < summary["train_max_time_s"] < 100 - 80
+    assert summary["vocab_size"] == 400 and 0 < summary["train_max_time_s"] < 60 - 48
     heldout = summary["heldout"]
     paragraphs = [p.strip("\n") for p in (tmp_path / "out" / "val.txt").read_text().split("\n\n") if p.strip()]
     assert heldout["bytes"] == sum(len(p.encode()) for p in paragraphs)
