@@ -155,11 +155,14 @@ def _lora_args(stage, data_dir, out, base, *overrides, nproc=2, zero=2):
 
 @pytest.fixture(scope="module")
 def runs(base, data, tmp_path_factory):
-    """LoRA SFT under ZeRO-2 and LoRA DPO under ZeRO-3, 4 steps on 2 ranks each, saved at steps 2 and 4."""
+    """LoRA SFT under ZeRO-2 and LoRA DPO under ZeRO-3, 4 steps on 2 ranks each, saved at steps 2 and 4. The SFT run
+    is started beside its base and names it by a relative path; every later test loads it from another directory."""
     out = {}
     for stage, zero, extra in (("sft", 2, []), ("dpo", 3, ["train.micro_batch_size=2", "train.lr=1e-2"])):
         run = tmp_path_factory.mktemp(f"{stage}{zero}")
-        result = run_cli(*_lora_args(stage, data[stage], run, base, *extra, zero=zero))
+        relative = stage == "sft"
+        result = run_cli(*_lora_args(stage, data[stage], run, base.name if relative else base, *extra, zero=zero),
+                         cwd=base.parent if relative else None)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         out[stage] = run, result.stdout
     return out

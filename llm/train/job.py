@@ -9,6 +9,7 @@ and a --teacher with the data's tokenizer (`llm.train.teacher`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -250,7 +251,10 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
 def _write_run_files(cfg: RunConfig, run_dir: Path, ds_config: dict) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     keep_tokenizer(run_dir, input_tokenizer(cfg))
-    cfg.save(rundir.config_file(run_dir))
+    # the base of a LoRA run is loaded whenever the run is (its checkpoints hold adapters only), from any directory
+    init_from = cfg.train.init_from and str(Path(cfg.train.init_from).resolve())
+    saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=init_from))
+    saved.save(rundir.config_file(run_dir))
     (run_dir / rundir.DS_CONFIG_FILE).write_text(json.dumps(ds_config, indent=2))
 
 
