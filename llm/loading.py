@@ -78,15 +78,23 @@ def load_lora_model(run_dir: Path, cfg: RunConfig, tag: str | None = None) -> Tr
     return model.eval()
 
 
+def is_run_or_export(directory: Path, option: str = "") -> bool:
+    """True for a run directory, False for an export directory; anything else is refused, naming `option`
+    (e.g. "--teacher") before the path when given."""
+    if rundir.is_run_dir(directory):
+        return True
+    if (directory / HF_CONFIG_FILE).is_file():
+        return False
+    raise UserError(f"{option + ' ' if option else ''}{directory}: neither a run directory ({rundir.CONFIG_FILE}) "
+                    f"nor an export directory ({HF_CONFIG_FILE})")
+
+
 def load_model_dir(path: str | Path) -> tuple[Transformer, Path]:
     """A run directory (newest checkpoint) or an export directory -> (model, directory of its tokenizer)."""
     directory = Path(path)
-    if rundir.is_run_dir(directory):
+    if is_run_or_export(directory):
         return load_trained_model(directory)[0], rundir.tokenizer_dir(directory)
-    if (directory / HF_CONFIG_FILE).is_file():
-        return import_model(directory), directory
-    raise UserError(f"{directory}: neither a run directory ({rundir.CONFIG_FILE}) nor an export directory "
-                    f"({HF_CONFIG_FILE})")
+    return import_model(directory), directory
 
 
 def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -138,6 +139,10 @@ def test_teacher_of_another_vocabulary_or_without_tokenizer_or_checkpoint_is_ref
     shutil.copytree(teacher, untrained, ignore=shutil.ignore_patterns("checkpoints"))
     cfg.train.teacher = str(untrained)
     with pytest.raises(UserError, match="no checkpoint found .*; train the teacher first"):
+        check_teacher(cfg, attrs)
+    cfg.train.teacher = str(tmp_path)
+    neither = rf"^--teacher {re.escape(str(tmp_path))}: neither a run directory .* nor an export directory"
+    with pytest.raises(UserError, match=neither):
         check_teacher(cfg, attrs)
 
 

@@ -21,7 +21,7 @@ from llm.config import ModelConfig, RunConfig, build_config
 from llm.data.prepare import TOKENS_FILE
 from llm.errors import UserError
 from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, model_config_from_hf, read_json_object
-from llm.loading import load_model_dir
+from llm.loading import is_run_or_export, load_model_dir
 from llm.runtime.fingerprint import file_digest
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.engine import frozen_engine
@@ -34,14 +34,11 @@ DISTILL_DATA_KINDS = ("pretrain", "sft")
 def teacher_source(path: str | Path) -> tuple[ModelConfig, Path]:
     """(model config, tokenizer directory) of a run or export directory, read without loading its weights."""
     directory = Path(path)
-    if rundir.is_run_dir(directory):
+    if is_run_or_export(directory, "--teacher"):
         saved = yaml.safe_load(rundir.config_file(directory).read_text())
         return build_config(saved).model, rundir.tokenizer_dir(directory)
-    if (directory / HF_CONFIG_FILE).is_file():
-        config_path = directory / HF_CONFIG_FILE
-        return model_config_from_hf(read_json_object(config_path), str(config_path)), directory
-    raise UserError(f"--teacher {directory}: neither a run directory ({rundir.CONFIG_FILE}) nor an export directory "
-                    f"({HF_CONFIG_FILE})")
+    config_path = directory / HF_CONFIG_FILE
+    return model_config_from_hf(read_json_object(config_path), str(config_path)), directory
 
 
 def check_teacher(cfg: RunConfig, data_attrs: dict) -> dict[str, str]:
