@@ -85,18 +85,25 @@ def held_out(a: int, b: int) -> bool:
     return (a, b) in HELD_OUT
 
 
+ZH_EQUALS = "等于"
+"""A Chinese answer repeats 'equals' before the sum (三加四等于多少？ -> 等于七): the demo's tokenizer fuses them
+(三 | 加四 | 等于七 | 。), so pretraining learned each sum as a token such as 等于七, and a bare 七 (another token) left
+that knowledge unused: 6 of 57 held-out Chinese questions were right after DPO with bare answers, 26 with these."""
+
+
 def questions(held: bool) -> list[tuple[str, str]]:
     """(question, right answer) in English and Chinese for the held-out or the training pairs."""
     pairs = [(a, b) for a in ADDENDS for b in ADDENDS if held_out(a, b) == held]
     return ([(f"What is {a} + {b}?", str(a + b)) for a, b in pairs]
-            + [(f"{chinese_number(a)}加{chinese_number(b)}等于多少？", chinese_number(a + b)) for a, b in pairs])
+            + [(f"{chinese_number(a)}加{chinese_number(b)}等于多少？", ZH_EQUALS + chinese_number(a + b))
+               for a, b in pairs])
 
 
 def wrong_answer(right: str, rng: random.Random) -> str:
     if right.isdigit():
         return str(int(right) + rng.choice([-3, -2, -1, 1, 2, 3]) if int(right) > 3 else int(right) + rng.randint(1, 3))
-    value = next(n for n in range(100) if chinese_number(n) == right)
-    return chinese_number(value + rng.randint(1, 3))
+    value = next(n for n in range(100) if ZH_EQUALS + chinese_number(n) == right)
+    return ZH_EQUALS + chinese_number(value + rng.randint(1, 3))
 
 
 def answers(run: Path, qa: list[tuple[str, str]], temperature: float = 0.0, seed: int | None = None) -> list[str]:

@@ -1,3 +1,4 @@
+import random
 import re
 
 import pytest
@@ -44,12 +45,14 @@ def test_bench_train_prints_throughput_mfu_and_memory():
 
 
 def test_demo_accuracy_counts_what_the_grpo_reward_counts():
-    from llm.demo import share_right
+    from llm.demo import share_right, wrong_answer
 
-    qa = [("What is 5 + 7?", "12"), ("五加七等于多少？", "十二"), ("What is 6 + 6?", "12"),
-          ("六加六等于多少？", "十二")]
+    qa = [("What is 5 + 7?", "12"), ("五加七等于多少？", "等于十二"), ("What is 6 + 6?", "12"),
+          ("六加六等于多少？", "等于十二")]
     # a trailing full stop earns the exact-match reward, so it is right here too; a wrong number or extra words not
-    assert share_right(["12.", "十二。", "13", "十二 个"], qa) == 0.5
+    assert share_right(["12.", "等于十二。", "13", "等于十二 个"], qa) == 0.5
+    near_misses = {wrong_answer(right, random.Random(seed)) for seed in range(20) for _, right in qa}
+    assert near_misses <= {"13", "14", "15", "9", "10", "11", "等于十三", "等于十四", "等于十五"}
 
 
 def test_demo_held_out_questions_are_a_random_slice_never_trained_on():
