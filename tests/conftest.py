@@ -1,4 +1,5 @@
-"""Shared fixtures: a small tokenizer and prepared data built once per session, and a CLI runner.
+"""Shared fixtures: a small tokenizer, prepared data and ZeRO runs built once per session (shared by the
+xdist workers), and a CLI runner.
 
 Test corpora are the committed files under tests/fixtures/ (written for this project, see its README): the
 suite reads nothing beside the repository, so it runs, and takes the same time, on a fresh clone.
@@ -7,11 +8,14 @@ suite reads nothing beside the repository, so it runs, and takes the same time, 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -28,23 +32,40 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subpro
                           cwd=cwd, timeout=timeout, check=False)
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """The directory `name`, filled by `build` once per test session: under pytest-xdist the first worker to ask
+    builds it in the directory all workers share, the others wait for it and read it (tests only read these)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        out = tmp_path_factory.mktemp(name)
+        build(out)
+        return out
+    out = tmp_path_factory.getbasetemp().parent / name
+    with FileLock(f"{out}.lock"):
+        if not (out / ".built").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(out)
+            (out / ".built").touch()
+    return out
+
+
+def _check(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """A 512-token tokenizer trained on the English and Chinese fixture stories."""
-    out = tmp_path_factory.mktemp("tokenizer")
-    result = run_cli("tokenizer", "train", "--input", FIXTURES / "pretrain" / "en_stories.txt",
-                     FIXTURES / "pretrain" / "zh_stories.txt", "--vocab-size", 512, "--out", out)
-    assert result.returncode == 0, result.stderr
-    return out
+    return built_once(tmp_path_factory, "tokenizer", lambda out: _check(run_cli(
+        "tokenizer", "train", "--input", FIXTURES / "pretrain" / "en_stories.txt",
+        FIXTURES / "pretrain" / "zh_stories.txt", "--vocab-size", 512, "--out", out)))
 
 
 @pytest.fixture(scope="session")
 def pretrain_data(tokenizer_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data")
-    result = run_cli("data", "prepare", "--input", FIXTURES / "pretrain" / "en_stories.txt",
-                     "--tokenizer", tokenizer_dir, "--out", out, "--val-fraction", 0.05, "--workers", 2)
-    assert result.returncode == 0, result.stderr
-    return out
+    return built_once(tmp_path_factory, "data", lambda out: _check(run_cli(
+        "data", "prepare", "--input", FIXTURES / "pretrain" / "en_stories.txt", "--tokenizer", tokenizer_dir,
+        "--out", out, "--val-fraction", 0.05, "--workers", 2)))
 
 
 TINY = ["model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
@@ -60,14 +81,24 @@ def train_args(data, out, *overrides, nproc=1, extra=()):
     return ["train", "pretrain", "--recipe", "demo", "--data", data, "--out", out, "--nproc", nproc, *sets, *extra]
 
 
+class ZeroRuns(Mapping):
+    """The same 4-step job on 2 ranks under ZeRO 0, 1, 2 and 3 (fp32), each trained when a test first asks for it."""
+
+    def __init__(self, data: Path, tmp_path_factory) -> None:
+        self.data, self.tmp_path_factory = data, tmp_path_factory
+
+    def __getitem__(self, stage: int) -> Path:
+        return built_once(self.tmp_path_factory, f"zero{stage}", lambda out: _check(run_cli(*train_args(
+            self.data, out, "train.max_steps=4", "train.eval_every=2", "train.precision=fp32", nproc=2,
+            extra=["--zero-stage", stage]))))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter((0, 1, 2, 3))
+
+    def __len__(self) -> int:
+        return 4
+
+
 @pytest.fixture(scope="session")
-def zero_runs(pretrain_data, tmp_path_factory):
-    """The same 4-step job on 2 ranks under ZeRO 0, 1, 2 and 3 (fp32)."""
-    runs = {}
-    for stage in (0, 1, 2, 3):
-        out = tmp_path_factory.mktemp(f"zero{stage}")
-        result = run_cli(*train_args(pretrain_data, out, "train.max_steps=4", "train.eval_every=2",
-                                     "train.precision=fp32", nproc=2, extra=["--zero-stage", stage]))
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        runs[stage] = out
-    return runs
+def zero_runs(pretrain_data, tmp_path_factory) -> ZeroRuns:
+    return ZeroRuns(pretrain_data, tmp_path_factory)
