@@ -40,12 +40,13 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Pa
         build(out)
         return out
     out = tmp_path_factory.getbasetemp().parent / name
+    built = out.with_name(f"{name}.built")  # beside it: the directory holds exactly what `build` wrote
     with FileLock(f"{out}.lock"):
-        if not (out / ".built").is_file():
+        if not built.is_file():
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
             build(out)
-            (out / ".built").touch()
+            built.touch()
     return out
 
 
@@ -86,11 +87,14 @@ class ZeroRuns(Mapping):
 
     def __init__(self, data: Path, tmp_path_factory) -> None:
         self.data, self.tmp_path_factory = data, tmp_path_factory
+        self.runs: dict[int, Path] = {}
 
     def __getitem__(self, stage: int) -> Path:
-        return built_once(self.tmp_path_factory, f"zero{stage}", lambda out: _check(run_cli(*train_args(
-            self.data, out, "train.max_steps=4", "train.eval_every=2", "train.precision=fp32", nproc=2,
-            extra=["--zero-stage", stage]))))
+        if stage not in self.runs:
+            self.runs[stage] = built_once(self.tmp_path_factory, f"zero{stage}", lambda out: _check(run_cli(
+                *train_args(self.data, out, "train.max_steps=4", "train.eval_every=2", "train.precision=fp32",
+                            nproc=2, extra=["--zero-stage", stage]))))
+        return self.runs[stage]
 
     def __iter__(self) -> Iterator[int]:
         return iter((0, 1, 2, 3))
