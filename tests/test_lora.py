@@ -24,13 +24,19 @@ from llm.train.checkpoint import restricted_unpickling
 from llm.train.engine import param_groups
 
 LORA = "r=4,alpha=8,targets=wq,wk,wv,wo,w1,w2,w3,dropout=0.05"
+LORA_NO_DROPOUT = LORA.replace("dropout=0.05", "dropout=0")
+"""Dropout masks are drawn per rank, so only a run without dropout repeats itself on another number of ranks."""
 TRAINABLE = 2 * 4 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 192))
 """Adapter parameters of the TINY model at r=4: per layer wq, wo (64 -> 64), wk, wv (64 -> 32), w1, w2, w3 (64 <->
 192)."""
 
 
+def _metrics_lines(run):
+    return (run / "metrics.jsonl").read_text().splitlines()
+
+
 def _metrics(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in _metrics_lines(run)]
 
 
 def _tiny(**changes) -> Transformer:
@@ -146,22 +152,24 @@ def data(tokenizer_dir, tmp_path_factory):
     return out
 
 
-def _lora_args(stage, data_dir, out, base, *overrides, nproc=2, zero=2):
+def _lora_args(stage, data_dir, out, base, *overrides, nproc=2, zero=2, lora=LORA):
     sets = [a for o in [*TINY, "data.seq_len=64", "train.precision=fp32", "train.max_steps=4", "train.save_every=2",
                         "train.keep_checkpoints=0", "train.eval_every=2", *overrides] for a in ("--set", o)]
-    return ["train", stage, "--recipe", "demo", "--data", data_dir, "--out", out, "--init-from", base, "--lora", LORA,
+    return ["train", stage, "--recipe", "demo", "--data", data_dir, "--out", out, "--init-from", base, "--lora", lora,
             "--nproc", nproc, "--zero-stage", zero, *sets]
 
 
 @pytest.fixture(scope="module")
 def runs(base, data, tmp_path_factory):
-    """LoRA SFT under ZeRO-2 and LoRA DPO under ZeRO-3, 4 steps on 2 ranks each, saved at steps 2 and 4. The SFT run
-    is started beside its base and names it by a relative path; every later test loads it from another directory."""
+    """LoRA SFT under ZeRO-2 (no dropout) and LoRA DPO under ZeRO-3, 4 steps on 2 ranks each, saved at steps 2 and
+    4. The SFT run is started beside its base and names it by a relative path; every later test loads it from
+    another directory."""
     out = {}
     for stage, zero, extra in (("sft", 2, []), ("dpo", 3, ["train.micro_batch_size=2", "train.lr=1e-2"])):
         run = tmp_path_factory.mktemp(f"{stage}{zero}")
         relative = stage == "sft"
-        result = run_cli(*_lora_args(stage, data[stage], run, base.name if relative else base, *extra, zero=zero),
+        result = run_cli(*_lora_args(stage, data[stage], run, base.name if relative else base, *extra, zero=zero,
+                                     lora=LORA_NO_DROPOUT if stage == "sft" else LORA),
                          cwd=base.parent if relative else None)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         out[stage] = run, result.stdout
@@ -214,6 +222,30 @@ def test_lora_resume_is_bit_exact(runs, base, data, tmp_path):
     assert [r["loss"] for r in _metrics(stopped)] == [r["loss"] for r in _metrics(straight)]
     a, b = consolidated_weights(straight), consolidated_weights(stopped)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lora_run_on_two_ranks_resumes_on_one(runs, base, data, tmp_path):
+    """The ZeRO-2 SFT run, stopped after its step-2 checkpoint, resumes on 1 rank (grad_accum 2 keeps the global
+    batch) through DeepSpeed's universal checkpoint of the adapters alone, and repeats steps 3-4 of the 2-rank run."""
+    straight = runs["sft"][0]
+    stopped = tmp_path / "stopped"
+    shutil.copytree(straight, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "global_step4")
+    (stopped / "checkpoints" / "latest").write_text("global_step2")
+    (stopped / "metrics.jsonl").write_text("".join(line + "\n" for line in _metrics_lines(stopped)[:2]))
+    result = run_cli(*_lora_args("sft", data["sft"], stopped, base, "train.grad_accum=2", nproc=1,
+                                 lora=LORA_NO_DROPOUT),
+                     "--resume", "auto")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "saved by 2 rank(s), this job has 1: converting it to a universal checkpoint" in result.stdout
+    assert "resumed at step 2" in result.stdout
+    rows, reference = _metrics(stopped), _metrics(straight)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-4)
+    saved = _saved_files(stopped / "checkpoints" / "global_step4")
+    assert all(map(is_adapter_key, next(s["module"] for n, s in saved.items() if "model_states" in n)))
+    a, b = consolidated_weights(straight), consolidated_weights(stopped)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a)
 
 
 def test_export_of_a_lora_run_is_the_merged_model(runs, tmp_path):

@@ -358,6 +358,17 @@ def test_sft_starts_from_the_pretrained_weights(zero_runs, chain):
     assert 0 < drift < 0.1  # moved by 4 small steps from the pretrained weights, not from a fresh init
 
 
+def test_an_sft_step_is_the_same_on_one_rank_with_accumulation(zero_runs, chain, sft_train_data, tmp_path):
+    """One rank with grad_accum 2 trains on the same samples as two ranks, split into micro-batches with other
+    numbers of reply tokens: the loss is the mean over every reply token of the step, so both give one step."""
+    result = run_cli(*_stage_args("sft", sft_train_data, tmp_path, zero_runs[2], "train.max_steps=2",
+                                  "train.grad_accum=2", nproc=1, extra=["--zero-stage", 2]))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows, reference = _metrics(tmp_path), _metrics(chain[2]["sft"])[:2]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-6)
+    assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-5)
+
+
 def test_init_from_a_different_shape_is_refused(zero_runs, sft_train_data, tmp_path):
     result = run_cli(*_stage_args("sft", sft_train_data, tmp_path, zero_runs[2], "model.dim=96", "train.max_steps=1",
                                   nproc=1))

@@ -34,13 +34,16 @@ class MicroStep:
     """Stage-specific scalars averaged into the logged row (e.g. DPO rewards)."""
 
 
+def loss_bearing_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Scalar: the targets whose loss mask is 1 (SFT), or every target of a batch without one (pretraining)."""
+    mask, targets = batch.get("loss_mask"), batch["targets"]
+    return mask.sum() if mask is not None else torch.full((), targets.numel(), device=targets.device)
+
+
 def causal_lm(engine, batch: dict[str, torch.Tensor]) -> MicroStep:
     """Next-token cross-entropy over every target (pretraining) or over loss_mask == 1 (SFT)."""
-    mask = batch.get("loss_mask")
-    out = engine(batch["tokens"], batch["targets"], mask, segment_ids=batch.get("segment_ids"))
-    targets = batch["targets"]
-    loss_tokens = mask.sum() if mask is not None else torch.full((), targets.numel(), device=targets.device)
-    return MicroStep(out.loss, loss_tokens)
+    out = engine(batch["tokens"], batch["targets"], batch.get("loss_mask"), segment_ids=batch.get("segment_ids"))
+    return MicroStep(out.loss, loss_bearing_tokens(batch))
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -172,8 +175,7 @@ class DistillObjective:
 
     def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
         tokens, targets, segment_ids = batch["tokens"], batch["targets"], batch.get("segment_ids")
-        mask = batch.get("loss_mask")
-        loss_tokens = mask.sum() if mask is not None else torch.full((), targets.numel(), device=targets.device)
+        mask, loss_tokens = batch.get("loss_mask"), loss_bearing_tokens(batch)
         if not getattr(engine, "module", engine).training:  # DeepSpeed's engine passes train()/eval() to its module
             return MicroStep(engine(tokens, targets, mask, segment_ids=segment_ids).loss, loss_tokens)
         out = engine(tokens, segment_ids=segment_ids)

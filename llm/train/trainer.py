@@ -1,7 +1,8 @@
 """The training loop, one for every stage: the story of a step.
 
     the step source makes the step's micro-batches (drawn data; GRPO: sampled and scored rollouts) ->
-    for each of its updates: objective -> engine.backward / engine.step over the micro-batches (DeepSpeed
+    for each of its updates: objective (SFT: weighted by the micro-batch's share of the step's loss-bearing
+    tokens) -> engine.backward / engine.step over the micro-batches (DeepSpeed
     accumulates, clips, steps the optimizer and the schedule) -> advance the sampler -> evaluate (and write
     samples) when due -> log when due -> agree on stopping -> checkpoint when due -> publish the time budget's clock
 
@@ -118,11 +119,27 @@ class Trainer:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _micro_values(self, micro: MicroStep) -> torch.Tensor:
-        """The micro-batch's loss and metrics as one float64 vector on the device."""
+    def _micro_values(self, loss: torch.Tensor, micro: MicroStep) -> torch.Tensor:
+        """The micro-batch's (weighted) loss and metrics as one float64 vector on the device."""
         self._metric_names = sorted(micro.metrics)
-        return torch.stack([micro.loss.detach().float(),
-                            *(micro.metrics[k].float() for k in self._metric_names)]).double()
+        return torch.stack([loss.detach().float(), *(micro.metrics[k].float() for k in self._metric_names)]).double()
+
+    def _token_weights(self, micro_batches: list) -> list[torch.Tensor] | None:
+        """Weights that make an SFT step's loss the mean over every loss-bearing token of the step.
+
+        An SFT micro-batch's loss is the mean over its own loss-bearing tokens, whose number varies from one
+        micro-batch to the next. DeepSpeed averages the micro-batches' losses (over grad_accum and over ranks),
+        so on its own it would weigh a token by the size of the micro-batch it fell into. That would make a step
+        depend on how its samples are split, and a run resumed on another number of ranks would not repeat itself.
+        Each weight is (the micro-batch's tokens / the step's tokens on every rank) * micro-batches * ranks: one
+        collective per step. Returns None for batches without a loss mask: pretraining bears loss on every
+        target, and DPO and GRPO average over pairs and completions instead."""
+        if "loss_mask" not in micro_batches[0]:
+            return None
+        counts = torch.stack([b["loss_mask"].sum() for b in micro_batches]).double()
+        total = counts.sum()
+        dist.all_reduce(total)
+        return list((counts * (len(counts) * self.dist.world_size) / total.clamp(min=1)).float())
 
     def train_step(self) -> tuple[torch.Tensor, StepBatches]:
         """One step: the step source's micro-batches, trained `updates_per_step` times (one optimizer step per
@@ -132,12 +149,14 @@ class Trainer:
         batches = self.steps.step_batches(self._draw, self.step)
         self.engine.train()
         sums = None
+        weights = self._token_weights(batches.micro_batches)
         for _ in range(self.steps.updates_per_step):
-            for batch in batches.micro_batches:
+            for i, batch in enumerate(batches.micro_batches):
                 micro = self.objective(self.engine, batch)
-                self.engine.backward(micro.loss)
+                loss = micro.loss if weights is None else micro.loss * weights[i]
+                self.engine.backward(loss)
                 self.engine.step()
-                values = self._micro_values(micro)
+                values = self._micro_values(loss, micro)
                 sums = values if sums is None else sums + values
                 self._tokens_since_log += micro.loss_tokens
         self._positions_since_log += batches.positions * self.steps.updates_per_step
