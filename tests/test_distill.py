@@ -197,7 +197,12 @@ def test_two_ranks_zero3_on_sft_data(teacher, tokenizer_dir, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(math.isfinite(r["distill_kl"]) and r["distill_kl"] > 0 for r in rows)
     assert json.loads((run / "ds_config.json").read_text())["zero_optimization"]["stage"] == 3
-    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["teacher"] == str(teacher)
+    train = yaml.safe_load((run / "config.yaml").read_text())["train"]
+    assert train["teacher"] == str(teacher)
+    # loss, ce and distill_kl are all means over the step's reply tokens (weighted alike), so the logged terms add up
+    alpha, temperature = train["distill_alpha"], train["distill_temperature"]
+    assert [r["loss"] for r in rows] == pytest.approx(
+        [(1 - alpha) * r["ce"] + alpha * temperature ** 2 * r["distill_kl"] for r in rows], rel=1e-6)
 
 
 def test_resume_against_another_teacher_is_refused(student, teacher, pretrain_data, tmp_path):

@@ -359,7 +359,8 @@ def test_a_frozen_rank_ends_the_job_at_the_timeout_naming_it(pretrain_data, tmp_
         frozen.suspend()  # SIGSTOP: alive, connections open, no progress and no heartbeat
         stopped_at = time.monotonic()
         code = procs[0].wait(timeout=timeout + 30)
-        assert time.monotonic() - stopped_at < timeout * 1.1 + 5
+        # the timeout, then the node's teardown: seconds on a loaded 2-core machine (16.1 s was seen in a full suite)
+        assert time.monotonic() - stopped_at < timeout + 20
     finally:
         _kill_tree(procs[1])
         _wait_all(procs)

@@ -8,18 +8,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import TINY
+from conftest import FIXTURES, TINY
+from llm.data.prepare import prepare
 
 PROBE = Path(__file__).parent / "probes" / "step_syncs.py"
 
 
-def test_steps_have_no_host_syncs_and_collectives_use_the_training_device(pretrain_data, tmp_path):
-    overrides = [*TINY, "train.grad_accum=3", "train.precision=fp32"]
-    result = subprocess.run([sys.executable, str(PROBE), str(pretrain_data), str(tmp_path / "run"), *overrides],
+def _probe(stage, data, run, *overrides):
+    result = subprocess.run([sys.executable, str(PROBE), stage, str(data), str(run), *TINY, "train.grad_accum=3",
+                             "train.precision=fp32", *overrides],
                             capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    events = report["events"]
+    return json.loads(result.stdout.strip().splitlines()[-1])["events"]
+
+
+def test_steps_have_no_host_syncs_and_collectives_use_the_training_device(pretrain_data, tmp_path):
+    events = _probe("pretrain", pretrain_data, tmp_path / "run")
     in_steps = [e for e in events if e["phase"].startswith("train_step")]
     assert in_steps == [], in_steps  # 2 steps x 3 micro-batches: not one sync, not one collective of ours
     collectives = [e for e in events if e["kind"] == "collective"]
@@ -28,3 +32,17 @@ def test_steps_have_no_host_syncs_and_collectives_use_the_training_device(pretra
     assert all(e["on_training_device"] for e in collectives), collectives
     reduce_syncs = [e for e in events if e["phase"] == "reduce_step" and e["kind"] == "sync"]
     assert len(reduce_syncs) == 1, reduce_syncs  # the logged step waits once, for its numbers
+
+
+def test_an_sft_step_adds_one_collective_on_the_training_device_and_no_sync(tokenizer_dir, tmp_path):
+    """SFT weighs its micro-batches by their share of the step's reply tokens: one all-reduce per step."""
+    prepare("sft", [str(FIXTURES / "sft" / "messages_zh.jsonl")], tokenizer_dir, tmp_path / "sft", val_fraction=0.1,
+            seq_len=64, workers=1, show_progress=False)
+    events = _probe("sft", tmp_path / "sft", tmp_path / "run", "data.seq_len=64")
+    # packed windows on the CPU attend per segment, reading the bounds on the host (kernels/torch_attention.py);
+    # on a GPU FlexAttention takes them on the device
+    in_steps = [e for e in events if e["phase"].startswith("train_step")
+                and not e.get("where", "").startswith("torch_attention.py")]
+    assert [(e["phase"], e["kind"]) for e in in_steps] == [("train_step 1", "collective"),
+                                                           ("train_step 2", "collective")], in_steps
+    assert all(e["on_training_device"] for e in in_steps), in_steps

@@ -119,10 +119,13 @@ class Trainer:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _micro_values(self, loss: torch.Tensor, micro: MicroStep) -> torch.Tensor:
-        """The micro-batch's (weighted) loss and metrics as one float64 vector on the device."""
+    def _micro_values(self, micro: MicroStep, weight: torch.Tensor | None) -> torch.Tensor:
+        """The micro-batch's loss and metrics, times its token weight where it has one (an SFT batch's metrics
+        are token means like its loss, e.g. distillation's `ce` and `distill_kl`), as one float64 vector on the
+        device."""
         self._metric_names = sorted(micro.metrics)
-        return torch.stack([loss.detach().float(), *(micro.metrics[k].float() for k in self._metric_names)]).double()
+        values = torch.stack([micro.loss.detach().float(), *(micro.metrics[k].float() for k in self._metric_names)])
+        return (values if weight is None else values * weight).double()
 
     def _token_weights(self, micro_batches: list) -> list[torch.Tensor] | None:
         """Weights that make an SFT step's loss the mean over every loss-bearing token of the step.
@@ -153,10 +156,10 @@ class Trainer:
         for _ in range(self.steps.updates_per_step):
             for i, batch in enumerate(batches.micro_batches):
                 micro = self.objective(self.engine, batch)
-                loss = micro.loss if weights is None else micro.loss * weights[i]
-                self.engine.backward(loss)
+                weight = None if weights is None else weights[i]
+                self.engine.backward(micro.loss if weight is None else micro.loss * weight)
                 self.engine.step()
-                values = self._micro_values(loss, micro)
+                values = self._micro_values(micro, weight)
                 sums = values if sums is None else sums + values
                 self._tokens_since_log += micro.loss_tokens
         self._positions_since_log += batches.positions * self.steps.updates_per_step

@@ -1,4 +1,5 @@
-"""Probe run in a fresh interpreter by tests/test_step_syncs.py: build a one-rank trainer, then count the host
+"""Probe run in a fresh interpreter by tests/test_step_syncs.py: build a one-rank trainer of a stage (pretrain or
+sft, from scratch), then count the host
 syncs (`.item()`, `.tolist()`, `int(t)`, ...) and collectives that OUR code (llm/, kernels/) issues while it
 trains, reduces a logged step, evaluates and votes on stopping. Prints one JSON object."""
 
@@ -55,13 +56,13 @@ def _watch_collectives(device: torch.device) -> None:
     dist.all_reduce = all_reduce
 
 
-def main(data: str, run: str, overrides: list[str]) -> None:
+def main(stage: str, data: str, run: str, overrides: list[str]) -> None:
     global phase
-    cfg = build_config("demo", overrides, paths={"data.path": data})
-    attrs = read_data_attrs(data, "pretrain")
+    cfg = build_config("demo", [f"train.stage={stage}", *overrides], paths={"data.path": data})
+    attrs = read_data_attrs(data, stage)
     info = setup_distributed()
     cfg.train.precision = resolve_precision(cfg.train.precision, info.device)
-    raw, source = load_ds_config(None, "pretrain")
+    raw, source = load_ds_config(None, stage)
     trainer = build_trainer(cfg, Path(run), info, resolve_ds_config(raw, cfg, 1, source), attrs)
     _watch_syncs()
     _watch_collectives(info.device)
@@ -78,4 +79,4 @@ def main(data: str, run: str, overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])
