@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from llm.runtime.distributed import RANK_VARIABLES, ensure_accelerator_env, free_port
+from llm.runtime.rank_env import RANK_VARIABLES, free_port
 from llm.runtime.supervisor import supervisor_env
 
 GRACE_S = 30.0
@@ -91,8 +91,9 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S) -> i
 
 
 def relaunch_local(nproc: int, argv: list[str]) -> int:
-    """Start `zerollm <argv>` (without --nproc) on `nproc` local ranks and wait; returns the job's exit code."""
-    ensure_accelerator_env()
+    """Start `zerollm <argv>` (without --nproc) on `nproc` local ranks and wait; returns the job's exit code. Each
+    rank chooses its own accelerator (`llm.runtime.distributed.ensure_accelerator_env`, knowing the job's size), so
+    this process never loads torch."""
     command = [sys.executable, "-u", "-m", "llm", *strip_option(argv, "--nproc")]
     ranks = [subprocess.Popen(command, env=env) for env in rank_environments(nproc, free_port())]
     return wait_for_ranks(ranks)

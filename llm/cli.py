@@ -396,19 +396,21 @@ def _train_config(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from launch.local import relaunch_local, under_launcher
-    from llm.train.job import input_attrs, run
 
     cfg = _train_config(args)
-    if args.nproc > 1 and not under_launcher():
+    if args.nproc > 1 and not under_launcher():  # this process only starts and waits for the ranks: no DeepSpeed
         if cfg.train.stage == "grpo":
             from llm.train.rollout import grpo_inputs
 
             grpo_inputs(cfg)  # a mistake in the prompts or rewards is one line here, not one per rank
         if cfg.train.stage == "distill":
+            from llm.train.job import input_attrs
             from llm.train.teacher import check_teacher
 
             check_teacher(cfg, input_attrs(cfg))  # likewise a teacher that does not fit
         return relaunch_local(args.nproc, args.argv)
+    from llm.train.job import run
+
     try:
         code = run(cfg, Path(args.out), args.deepspeed, resume=args.resume == "auto", zero_stage=args.zero_stage)
     except UserError as exc:  # e.g. ranks that disagree: every rank raises it, with its gloo groups still open
@@ -540,10 +542,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
                   out_dir=args.out, context=args.context)
         return 0
     from launch.local import relaunch_local, under_launcher
-    from llm.eval.perplexity import run_perplexity
 
     if args.nproc > 1 and not under_launcher():
         return relaunch_local(args.nproc, args.argv)
+    from llm.eval.perplexity import run_perplexity
+
     return run_perplexity(args.model, args.input, args.data, args.split, context=args.context, stride=args.stride,
                           batch_size=args.batch_size, device=args.device, dtype=args.dtype, as_json=args.json)
 

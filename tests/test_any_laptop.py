@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 from packaging.markers import Marker
 from packaging.requirements import Requirement
@@ -72,3 +73,19 @@ def test_the_model_trains_a_step_without_triton_installed():
               "print('ok')")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=False)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_a_local_job_leaves_each_rank_to_choose_its_accelerator(monkeypatch):
+    """On a Mac one rank trains on MPS and two train on the CPU. The process that starts a local job's ranks is a
+    job of one itself, so choosing for them (DeepSpeed's DS_ACCELERATOR, inherited) would put two ranks on MPS."""
+    import launch.local as local
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    started = []
+    monkeypatch.setattr(local.subprocess, "Popen", lambda command, env: started.append(env))
+    monkeypatch.setattr(local, "wait_for_ranks", lambda ranks: 0)
+    assert local.relaunch_local(2, ["train", "pretrain", "--nproc", "2"]) == 0
+    assert len(started) == 2 and all("DS_ACCELERATOR" not in env for env in started)
+    assert {training_device_type(False, True, int(env["WORLD_SIZE"])) for env in started} == {"cpu"}

@@ -29,7 +29,7 @@ from conftest import TINY
 from llm import durable, rundir
 from llm.cli import main
 from llm.loading import consolidated_weights
-from llm.runtime.distributed import free_port
+from llm.runtime.rank_env import free_port
 from llm.train import checkpoint
 from llm.train.metrics import MetricsSink
 

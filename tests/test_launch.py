@@ -21,8 +21,8 @@ from launch.launcher import plan_launch, slurm_rendezvous
 from launch.nodelist import expand_nodelist, slurm_hosts
 from llm.cli import build_parser, launch_options
 from llm.errors import UserError
-from llm.runtime.distributed import free_port
 from llm.runtime.fingerprint import mismatch_message
+from llm.runtime.rank_env import free_port
 
 
 def _metrics(run):

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, TINY
 from llm.errors import UserError
-from llm.runtime.distributed import free_port, rank_environment
+from llm.runtime.rank_env import free_port, rank_environment
 from standins import MPIRUN, OMPI_INFO, SSH, install
 
 BIN = Path(sys.executable).parent

@@ -20,7 +20,7 @@ from launch.options import LaunchOptions
 from launch.remote_shell import pdsh_argument, pdsh_export
 from llm.cli import build_parser, launch_options
 from llm.errors import UserError
-from llm.runtime.distributed import free_port
+from llm.runtime.rank_env import free_port
 from standins import PDSH, SSH, install, pdsh_substitute
 
 

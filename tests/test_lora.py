@@ -281,9 +281,22 @@ def test_lora_grpo_under_zero3_rolls_out_with_the_adapters(base, tmp_path):
                                                      if k.endswith("lora_b"))
 
 
+def test_bench_train_with_lora_sets_full_fine_tuning_beside_lora():
+    sets = [a for o in TINY for a in ("--set", o)]
+    result = run_cli("bench", "train", "--recipe", "demo", "--steps", 1, "--warmup", 0, "--lora", "r=4", *sets)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = result.stdout[result.stdout.index("bench train: recipe demo, SFT on random conversations"):]
+    header, *rows = table.splitlines()[1:]
+    assert header.split() == ["full", "fine-tuning", "LoRA", "r=4"]
+    cells = {row[:26].strip(): row[26:].split() for row in rows}
+    total = sum(p.numel() for p in Transformer(build_config("demo", TINY).model).parameters())
+    assert cells["trainable parameters"] == [f"{total:,}", f"{TRAINABLE:,}"]
+    assert cells["of all parameters"] == ["100.00", "%", f"{100 * TRAINABLE / (total + TRAINABLE):.2f}", "%"]
+    assert all(float(v.replace(",", "")) > 0 for v in cells["tokens/s"] + cells["peak memory (MiB)"])
+
+
 def test_bench_counts_trainable_parameters_and_writes_one_conversation_per_window(tmp_path):
-    """What `bench train --lora` builds on (the command itself was measured in docs/lora.md: two jobs are too slow
-    for this file)."""
+    """What `bench train --lora` builds on."""
     full = build_config("demo", TINY)
     lora = build_config("demo", [*TINY, "train.stage=sft", *parse_lora_spec("r=4")], paths={"train.init_from": "b"})
     total = sum(p.numel() for p in Transformer(full.model).parameters())

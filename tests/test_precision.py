@@ -14,7 +14,8 @@ from conftest import run_cli, train_args
 from llm import rundir
 from llm.config import build_config
 from llm.errors import UserError
-from llm.runtime.distributed import DistInfo, free_port
+from llm.runtime.distributed import DistInfo
+from llm.runtime.rank_env import free_port
 from llm.train import checkpoint
 from llm.train import engine as engine_module
 from llm.train.engine import load_ds_config, loss_scale_of, resolve_ds_config, resolve_precision

@@ -5,7 +5,8 @@ torchrun and DeepSpeed's per-node launcher set RANK, WORLD_SIZE, LOCAL_RANK and 
 LOCAL_SIZE). mpirun sets its own variables instead (Open MPI's OMPI_COMM_WORLD_*, MVAPICH2's MV2_COMM_WORLD_*,
 the PMI_RANK/PMI_SIZE/MPI_LOCALRANKID of MPICH and Intel MPI, PMIX_RANK): `rank_environment` reads them, so ranks
 started by `zerollm launch --launcher openmpi|mvapich|mpich|impi` (or by mpirun directly, given MASTER_ADDR and
-MASTER_PORT) form one job instead of each training alone.
+MASTER_PORT) form one job instead of each training alone: `llm.runtime.rank_env` reads them, without torch, so
+that a process that only starts ranks does not load it.
 
 DeepSpeed's CPU accelerator must be selected before `deepspeed` is first imported, which
 `ensure_accelerator_env` does; every module that imports deepspeed calls it first.
@@ -14,7 +15,6 @@ DeepSpeed's CPU accelerator must be selected before `deepspeed` is first importe
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch
 
 from llm.errors import UserError
+from llm.runtime.rank_env import rank_environment
 
 
 def training_device_type(cuda: bool, mps: bool, world_size: int) -> str:
@@ -43,63 +44,6 @@ def ensure_accelerator_env() -> None:
     kind = local_device_type()
     if kind != "cuda":
         os.environ.setdefault("DS_ACCELERATOR", kind)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMI_SIZE")
-LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
-                        "PALS_LOCAL_RANKID")
-LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
-                        "MPI_LOCALNRANKS")
-
-
-def _first(environ: dict[str, str], names: tuple[str, ...]) -> tuple[str, int] | None:
-    """(name, value) of the first of `names` set in `environ`."""
-    for name in names:
-        if name in environ:
-            try:
-                return name, int(environ[name])
-            except ValueError:
-                raise UserError(f"{name}={environ[name]!r} is not a number; the launcher's environment is broken") \
-                    from None
-    return None
-
-
-def rank_environment(environ: dict[str, str]) -> dict[str, str]:
-    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT for this process, from whichever
-    launcher started it (see the module docstring), or a group of one on 127.0.0.1 when none did."""
-    rank = _first(environ, RANK_VARIABLES)
-    if rank is None:
-        return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(free_port()))
-    rank_name, rank_value = rank
-    world = _first(environ, WORLD_SIZE_VARIABLES)
-    if world is None:
-        raise UserError(f"this process has rank {rank_value} ({rank_name}) but no world size: none of "
-                        f"{', '.join(WORLD_SIZE_VARIABLES)} is set; export WORLD_SIZE to every rank")
-    world_size = world[1]
-    local = _first(environ, LOCAL_RANK_VARIABLES)
-    if local is None and world_size > 1:
-        raise UserError(f"rank {rank_value} ({rank_name}) of {world_size} has no local rank: none of "
-                        f"{', '.join(LOCAL_RANK_VARIABLES)} is set; export LOCAL_RANK to every rank")
-    local_rank = local[1] if local else 0
-    local_size = _first(environ, LOCAL_SIZE_VARIABLES)
-    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(name)]
-    if missing and world_size > 1:
-        raise UserError(f"rank {rank_value} of {world_size} was started by a launcher that sets {rank_name} but not "
-                        f"{' and '.join(missing)}: give every rank the address and a free port of rank 0's host "
-                        "(mpirun -x MASTER_ADDR=HOST -x MASTER_PORT=PORT), or start the job with zerollm launch, "
-                        "which does")
-    return dict(RANK=str(rank_value), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-                LOCAL_WORLD_SIZE=str(local_size[1] if local_size else world_size),
-                MASTER_ADDR=environ.get("MASTER_ADDR") or "127.0.0.1",
-                MASTER_PORT=environ.get("MASTER_PORT") or str(free_port()))
 
 
 @dataclass(frozen=True)
