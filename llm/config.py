@@ -215,7 +215,7 @@ class GRPOConfig:
     scale_rewards: bool = True
     """Divide advantages by the group's reward standard deviation; false keeps only the mean subtracted (Dr. GRPO)."""
     token_mean: bool = False
-    """Average the loss over every completion token of a micro-batch (DAPO) instead of per completion first."""
+    """Average the loss over every completion token of the step (DAPO) instead of per completion first."""
     rollout_model: str = "gathered"
     """What generates the rollouts under ZeRO-3 (under ZeRO 0-2 the engine's own module does, holding the full
     parameters): 'gathered' (the parameters are gathered once per rollout into a hook-free view of the model and

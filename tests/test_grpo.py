@@ -8,9 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import TINY, run_cli
 from llm.config import GRPOConfig, ModelConfig, build_config
@@ -22,6 +24,7 @@ from llm.train.objectives import GRPOObjective, token_logps
 from llm.train.prompts import prompt_record, read_prompts
 from llm.train.rewards import Completions, Reward, answers_match, final_answer
 from llm.train.rollout import group_advantages
+from llm.train.trainer import Trainer
 
 USER_REWARD = '''
 def letters(prompts, completions, answer, **fields):
@@ -199,6 +202,30 @@ def test_token_mean_weighs_every_completion_token_alike():
     per_sequence = GRPOObjective(GRPOConfig(kl_coef=0.0))(model, dict(batch)).loss
     per_token = GRPOObjective(GRPOConfig(kl_coef=0.0, token_mean=True))(model, dict(batch)).loss
     assert per_sequence.item() != pytest.approx(per_token.item())
+
+
+@pytest.fixture
+def group():
+    """A process group of one (gloo), as a one-rank job has."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_token_mean_spans_every_micro_batch_of_the_step(group):
+    """Split into two micro-batches with 14 and 10 completion tokens, a token-mean step still weighs every token
+    alike (DAPO): the trainer's weights make DeepSpeed's mean over micro-batches the mean over all 24 tokens."""
+    model, batch = _objective_batch()
+    batch["mask"][0, :] = 1  # the first completion is longer
+    del batch["ref_logps"]
+    objective = GRPOObjective(GRPOConfig(kl_coef=0.0, token_mean=True))
+    whole = objective(model, dict(batch)).loss
+    halves = [{k: v[i:i + 2] for k, v in batch.items()} for i in (0, 2)]
+    trainer = SimpleNamespace(objective=objective, dist=SimpleNamespace(world_size=1))
+    weights = Trainer._token_weights(trainer, halves)
+    split = sum(w * objective(model, half).loss for w, half in zip(weights, halves, strict=True)) / len(halves)
+    assert split.item() == pytest.approx(whole.item(), rel=1e-6)
+    assert Trainer._token_weights(SimpleNamespace(objective=GRPOObjective(GRPOConfig()), dist=None), halves) is None
 
 
 def test_grpo_config_is_checked():

@@ -42,7 +42,7 @@ from llm.train.engine import (
     resolve_precision,
 )
 from llm.train.metrics import MetricsLogger, MetricsSink, peak_memory_mb
-from llm.train.objectives import DistillObjective, DPOObjective, GRPOObjective, causal_lm
+from llm.train.objectives import CausalLMObjective, DistillObjective, DPOObjective, GRPOObjective
 from llm.train.rollout import Rollouts, grpo_inputs, tokenizer_dir
 from llm.train.run_record import check_same_data, data_summary, prompts_summary, run_record, write_run_record
 from llm.train.samples import SampleGenerator
@@ -151,7 +151,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
     elif t.stage == "distill":
         objective = DistillObjective(load_teacher(cfg, ds_config), t.distill_alpha, t.distill_temperature)
     else:
-        objective = causal_lm
+        objective = CausalLMObjective()
     return Trainer(cfg, run_dir, info, engine, objective, steps, train_set, val_set, n_params, budget,
                    _sample_generator(cfg, engine, info, chat=data_attrs.get("kind", t.stage) != "pretrain"))
 

@@ -1,8 +1,9 @@
 """Training objectives: what one micro-batch contributes to the loss. One trainer serves every stage;
 a stage differs only in its dataset and its objective.
 
-    pretrain, sft   causal_lm: next-token cross-entropy over targets whose loss mask is 1 (all in pretraining);
-                    packed SFT samples carry segment ids so they neither see each other nor share positions
+    pretrain, sft   CausalLMObjective: next-token cross-entropy over targets whose loss mask is 1 (all in
+                    pretraining); packed SFT samples carry segment ids so they neither see each other nor share
+                    positions
     dpo             DPOObjective: preference loss against a frozen reference model, log-probabilities
                     summed over reply tokens only
     grpo            GRPOObjective: clipped policy-ratio loss on group-normalised advantages, with a KL term to
@@ -10,7 +11,9 @@ a stage differs only in its dataset and its objective.
     distill         DistillObjective: cross-entropy mixed with the KL from a frozen teacher's softened token
                     distribution to the student's, over the targets whose loss mask is 1 (pretraining or SFT data)
 
-Everything an objective returns stays on the training device (no host sync per micro-batch).
+Everything an objective returns stays on the training device (no host sync per micro-batch). An objective whose
+loss is a mean over the 1s of a batch mask names that mask `token_mask` (None otherwise): the trainer then weighs
+each micro-batch by its share of those tokens in the whole step (`Trainer._token_weights`).
 """
 
 from __future__ import annotations
@@ -40,10 +43,14 @@ def loss_bearing_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return mask.sum() if mask is not None else torch.full((), targets.numel(), device=targets.device)
 
 
-def causal_lm(engine, batch: dict[str, torch.Tensor]) -> MicroStep:
+class CausalLMObjective:
     """Next-token cross-entropy over every target (pretraining) or over loss_mask == 1 (SFT)."""
-    out = engine(batch["tokens"], batch["targets"], batch.get("loss_mask"), segment_ids=batch.get("segment_ids"))
-    return MicroStep(out.loss, loss_bearing_tokens(batch))
+
+    token_mask = "loss_mask"
+
+    def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
+        out = engine(batch["tokens"], batch["targets"], batch.get("loss_mask"), segment_ids=batch.get("segment_ids"))
+        return MicroStep(out.loss, loss_bearing_tokens(batch))
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -63,6 +70,8 @@ class DPOObjective:
     `sft_weight` > 0 adds that much of the chosen replies' mean token negative log-likelihood (as in
     RPO, Pang et al., 2024), which keeps DPO from lowering the likelihood of the answers it prefers.
     """
+
+    token_mask = None  # a mean over pairs
 
     def __init__(self, reference, beta: float, loss: str = "sigmoid", sft_weight: float = 0.0) -> None:
         self.reference, self.beta, self.loss, self.sft_weight = reference, beta, loss, sft_weight
@@ -111,6 +120,7 @@ class GRPOObjective:
 
     def __init__(self, g: GRPOConfig) -> None:
         self.g = g
+        self.token_mask = "mask" if g.token_mean else None  # else a mean over completions
 
     def _mean(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.g.token_mean:
@@ -169,6 +179,8 @@ class DistillObjective:
     Metrics: `ce` (the student's cross-entropy) and `distill_kl` (the KL at temperature T, before the T^2 factor).
     In evaluation (the engine in eval mode) the loss is the student's cross-entropy alone and the teacher is not
     run, so a distilled run's val_loss compares with any other run's on the same data."""
+
+    token_mask = "loss_mask"
 
     def __init__(self, teacher, alpha: float, temperature: float) -> None:
         self.teacher, self.alpha, self.temperature = teacher, alpha, temperature

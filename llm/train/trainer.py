@@ -1,8 +1,8 @@
 """The training loop, one for every stage: the story of a step.
 
     the step source makes the step's micro-batches (drawn data; GRPO: sampled and scored rollouts) ->
-    for each of its updates: objective (SFT: weighted by the micro-batch's share of the step's loss-bearing
-    tokens) -> engine.backward / engine.step over the micro-batches (DeepSpeed
+    for each of its updates: objective (a token mean, e.g. SFT's: weighted by the micro-batch's share of the
+    step's tokens) -> engine.backward / engine.step over the micro-batches (DeepSpeed
     accumulates, clips, steps the optimizer and the schedule) -> advance the sampler -> evaluate (and write
     samples) when due -> log when due -> agree on stopping -> checkpoint when due -> publish the time budget's clock
 
@@ -128,18 +128,20 @@ class Trainer:
         return (values if weight is None else values * weight).double()
 
     def _token_weights(self, micro_batches: list) -> list[torch.Tensor] | None:
-        """Weights that make an SFT step's loss the mean over every loss-bearing token of the step.
+        """Weights that make a step's loss the mean over every token of the objective's `token_mask` in the step.
 
-        An SFT micro-batch's loss is the mean over its own loss-bearing tokens, whose number varies from one
-        micro-batch to the next. DeepSpeed averages the micro-batches' losses (over grad_accum and over ranks),
-        so on its own it would weigh a token by the size of the micro-batch it fell into. That would make a step
-        depend on how its samples are split, and a run resumed on another number of ranks would not repeat itself.
-        Each weight is (the micro-batch's tokens / the step's tokens on every rank) * micro-batches * ranks: one
-        collective per step. Returns None for batches without a loss mask: pretraining bears loss on every
-        target, and DPO and GRPO average over pairs and completions instead."""
-        if "loss_mask" not in micro_batches[0]:
+        Such a micro-batch's loss (SFT's, distillation's on SFT data, GRPO's with grpo.token_mean) is the mean over
+        its own masked tokens, whose number varies from one micro-batch to the next. DeepSpeed averages the
+        micro-batches' losses (over grad_accum and over ranks), so on its own it would weigh a token by the size of
+        the micro-batch it fell into. That would make a step depend on how its samples are split, and a run
+        resumed on another number of ranks would not repeat itself. Each weight is (the micro-batch's tokens /
+        the step's tokens on every rank) * micro-batches * ranks: one collective per step. None where the
+        objective's loss is no token mean (DPO; GRPO's default mean over completions) or the batch has no such
+        mask (pretraining, whose every target bears loss)."""
+        key = self.objective.token_mask
+        if key is None or key not in micro_batches[0]:
             return None
-        counts = torch.stack([b["loss_mask"].sum() for b in micro_batches]).double()
+        counts = torch.stack([b[key].sum() for b in micro_batches]).double()
         total = counts.sum()
         dist.all_reduce(total)
         return list((counts * (len(counts) * self.dist.world_size) / total.clamp(min=1)).float())
