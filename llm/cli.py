@@ -398,7 +398,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from launch.local import relaunch_local, under_launcher
 
     cfg = _train_config(args)
-    if args.nproc > 1 and not under_launcher():  # this process only starts and waits for the ranks: no DeepSpeed
+    if args.nproc > 1 and not under_launcher():  # this process starts the ranks and waits (GRPO, distill: checks)
         if cfg.train.stage == "grpo":
             from llm.train.rollout import grpo_inputs
 

@@ -5,6 +5,7 @@ wheels (Linux); without triton the model runs on PyTorch's ops."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import subprocess
 import sys
 
@@ -16,7 +17,8 @@ from packaging.requirements import Requirement
 
 from conftest import REPO, TINY, run_cli, train_args
 from llm.config import build_config
-from llm.runtime.distributed import training_device_type
+from llm.runtime.distributed import ensure_accelerator_env, training_device_type
+from llm.runtime.rank_env import CHOSEN_ACCELERATOR
 
 
 @pytest.mark.parametrize("text", ["wandb.mode=off", "wandb.mode=offline"])
@@ -77,15 +79,27 @@ def test_the_model_trains_a_step_without_triton_installed():
 
 def test_a_local_job_leaves_each_rank_to_choose_its_accelerator(monkeypatch):
     """On a Mac one rank trains on MPS and two train on the CPU. The process that starts a local job's ranks is a
-    job of one itself, so choosing for them (DeepSpeed's DS_ACCELERATOR, inherited) would put two ranks on MPS."""
+    job of one itself: its choice (DeepSpeed's DS_ACCELERATOR, inherited) would put two ranks on MPS. `train grpo`,
+    `train distill` and `bench train` load DeepSpeed there, and with it that choice, before they start the ranks.
+    A DS_ACCELERATOR the user set reaches every rank."""
     import launch.local as local
 
-    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    for name in ("DS_ACCELERATOR", CHOSEN_ACCELERATOR):  # restored after the test
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     started = []
     monkeypatch.setattr(local.subprocess, "Popen", lambda command, env: started.append(env))
     monkeypatch.setattr(local, "wait_for_ranks", lambda ranks: 0)
-    assert local.relaunch_local(2, ["train", "pretrain", "--nproc", "2"]) == 0
+    ensure_accelerator_env()
+    assert os.environ["DS_ACCELERATOR"] == "mps"  # right for this process, a job of one
+    assert local.relaunch_local(2, ["train", "grpo", "--nproc", "2"]) == 0
     assert len(started) == 2 and all("DS_ACCELERATOR" not in env for env in started)
     assert {training_device_type(False, True, int(env["WORLD_SIZE"])) for env in started} == {"cpu"}
+    started.clear()
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.delenv(CHOSEN_ACCELERATOR)
+    ensure_accelerator_env()
+    assert local.relaunch_local(2, ["train", "grpo", "--nproc", "2"]) == 0
+    assert [env["DS_ACCELERATOR"] for env in started] == ["cpu", "cpu"]

@@ -3,13 +3,15 @@ one rank, else the CPU), which backend, and a group of one when a rank is starte
 
 torchrun and DeepSpeed's per-node launcher set RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (or
 LOCAL_SIZE). mpirun sets its own variables instead (Open MPI's OMPI_COMM_WORLD_*, MVAPICH2's MV2_COMM_WORLD_*,
-the PMI_RANK/PMI_SIZE/MPI_LOCALRANKID of MPICH and Intel MPI, PMIX_RANK): `rank_environment` reads them, so ranks
-started by `zerollm launch --launcher openmpi|mvapich|mpich|impi` (or by mpirun directly, given MASTER_ADDR and
-MASTER_PORT) form one job instead of each training alone: `llm.runtime.rank_env` reads them, without torch, so
-that a process that only starts ranks does not load it.
+the PMI_RANK/PMI_SIZE/MPI_LOCALRANKID of MPICH and Intel MPI, PMIX_RANK): `llm.runtime.rank_env` reads them
+(without torch, so that a process that only starts ranks does not load it), so ranks started by `zerollm launch
+--launcher openmpi|mvapich|mpich|impi` (or by mpirun directly, given MASTER_ADDR and MASTER_PORT) form one job
+instead of each training alone.
 
 DeepSpeed's CPU accelerator must be selected before `deepspeed` is first imported, which
-`ensure_accelerator_env` does; every module that imports deepspeed calls it first.
+`ensure_accelerator_env` does; every module that imports deepspeed calls it first. The choice depends on the job's
+size (MPS for one rank only), so a local job's ranks do not inherit it from the process that starts them
+(`llm.runtime.rank_env.without_chosen_accelerator`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from datetime import timedelta
 import torch
 
 from llm.errors import UserError
-from llm.runtime.rank_env import rank_environment
+from llm.runtime.rank_env import CHOSEN_ACCELERATOR, rank_environment
 
 
 def training_device_type(cuda: bool, mps: bool, world_size: int) -> str:
@@ -39,11 +41,11 @@ def local_device_type() -> str:
 
 
 def ensure_accelerator_env() -> None:
-    """Select DeepSpeed's accelerator (cpu or mps) where there is no CUDA GPU; must run before deepspeed is
-    imported."""
+    """Select DeepSpeed's accelerator (cpu or mps) where there is no CUDA GPU and the user chose none, marking it
+    as our choice; must run before deepspeed is imported."""
     kind = local_device_type()
-    if kind != "cuda":
-        os.environ.setdefault("DS_ACCELERATOR", kind)
+    if kind != "cuda" and "DS_ACCELERATOR" not in os.environ:
+        os.environ["DS_ACCELERATOR"] = os.environ[CHOSEN_ACCELERATOR] = kind
 
 
 @dataclass(frozen=True)

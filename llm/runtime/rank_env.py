@@ -1,5 +1,6 @@
-"""Which rank of which job this process is, from the variables its launcher set, and a free local port: what a
-process that starts ranks needs, without importing torch (the ranks do).
+"""Which rank of which job this process is, from the variables its launcher set, a free local port, and the
+environment a local job's ranks inherit: what a process that starts ranks needs, without importing torch (the
+ranks do).
 
 torchrun and DeepSpeed's per-node launcher set RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (or
 LOCAL_SIZE). mpirun sets its own variables instead (Open MPI's OMPI_COMM_WORLD_*, MVAPICH2's MV2_COMM_WORLD_*,
@@ -11,6 +12,19 @@ from __future__ import annotations
 import socket
 
 from llm.errors import UserError
+
+CHOSEN_ACCELERATOR = "ZEROLLM_CHOSEN_DS_ACCELERATOR"
+"""Set beside DS_ACCELERATOR when zerollm chose it for this process's job (`ensure_accelerator_env`), not the user."""
+
+
+def without_chosen_accelerator(environ: dict[str, str]) -> dict[str, str]:
+    """`environ` for the ranks of another job: without a DS_ACCELERATOR that zerollm chose for this process (on a
+    Mac, MPS suits one rank and not two); one the user set is kept."""
+    env = dict(environ)
+    chosen = env.pop(CHOSEN_ACCELERATOR, None)
+    if chosen is not None and env.get("DS_ACCELERATOR") == chosen:
+        del env["DS_ACCELERATOR"]
+    return env
 
 
 def free_port() -> int:

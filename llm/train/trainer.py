@@ -120,9 +120,9 @@ class Trainer:
     # ---- one step ------------------------------------------------------------------------------
 
     def _micro_values(self, micro: MicroStep, weight: torch.Tensor | None) -> torch.Tensor:
-        """The micro-batch's loss and metrics, times its token weight where it has one (an SFT batch's metrics
-        are token means like its loss, e.g. distillation's `ce` and `distill_kl`), as one float64 vector on the
-        device."""
+        """The micro-batch's loss and metrics, times its token weight where it has one (the metrics of a token-mean
+        objective are token means over the same mask, e.g. distillation's `ce` and `distill_kl`, GRPO's `kl` and
+        `clip_fraction` with grpo.token_mean), as one float64 vector on the device."""
         self._metric_names = sorted(micro.metrics)
         values = torch.stack([micro.loss.detach().float(), *(micro.metrics[k].float() for k in self._metric_names)])
         return (values if weight is None else values * weight).double()
