@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import run_cli, train_args
+from conftest import TINY, run_cli, train_args
 from llm.config import TrainConfig, build_config
 from llm.errors import UserError
 from llm.runtime.distributed import DistInfo
@@ -123,14 +123,21 @@ BUDGET = ["train.max_steps=100000", "train.max_time=20", "train.save_every=3", "
           "train.precision=fp32", "train.sample_tokens=4", "train.min_lr_ratio=0.1"]
 
 
-def _assert_the_last_step_ran_at_the_floor(rows, budget):
-    """Up to the share of the budget that two steps, an evaluation and a checkpoint take (as the run measured them):
-    the stop comes before a step that would not fit, and the projections count the step times and the evaluations
-    and checkpoints planned, each an estimate."""
-    t = build_config("demo", ["train.lr=3e-3", *BUDGET]).train
+def _assert_the_last_step_ran_at_the_floor(rows, budget, world_size=1):
+    """The last step's learning rate is the cosine's, up to the time between the projection that set it and the
+    stop: the last step itself (its real wall time, from its throughput, 1.2 times for the moving average it moves)
+    and the reserve, twice (its evaluation and checkpoint are in the elapsed time, and the reserve may have grown
+    at them), all as the run measured them. A real clock on a busy machine gives one slow step now and then, so
+    the step allowance is that step's time, never the average's."""
+    cfg = build_config("demo", [*TINY, *BUDGET])
+    t = cfg.train
+    positions = t.micro_batch_size * t.grad_accum * cfg.data.seq_len * world_size
+    last_step_seconds = max(budget["step_seconds"], positions / rows[-1]["tokens_per_sec"])
     reserve = budget["eval_seconds"] + budget["save_seconds"]
     horizon = budget["max_time"] - reserve - budget["warmup_end"]
-    assert rows[-1]["lr"] / 3e-3 <= cosine(t, 1 - (2 * budget["step_seconds"] + reserve) / horizon) + 1e-9
+    allowance = 1.2 * last_step_seconds + 2 * reserve
+    assert rows[-1]["lr"] / 3e-3 <= cosine(t, 1 - allowance / horizon) + 1e-9
+    assert allowance / horizon < 0.25  # the bound says something: the schedule ran most of its cosine
 
 
 def _client_state(run, step):
@@ -174,4 +181,4 @@ def test_two_ranks_agree_on_the_clock_and_stop_after_the_same_step(pretrain_data
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     state = _client_state(tmp_path, rows[-1]["step"])
     assert state["world_size"] == 2 and state["time_budget"]["elapsed"] > 0
-    _assert_the_last_step_ran_at_the_floor(rows, state["time_budget"])
+    _assert_the_last_step_ran_at_the_floor(rows, state["time_budget"], world_size=2)
