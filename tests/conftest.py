@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,3 +107,11 @@ class ZeroRuns(Mapping):
 @pytest.fixture(scope="session")
 def zero_runs(pretrain_data, tmp_path_factory) -> ZeroRuns:
     return ZeroRuns(pretrain_data, tmp_path_factory)
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A process group of one (gloo), as a one-rank job has."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import FIXTURES, run_cli, train_args
 from llm import rundir
@@ -46,14 +45,6 @@ class FakeEngine:
         return str(Path(root, tag)), {}
 
 
-@pytest.fixture
-def group():
-    """A process group of one (gloo), as a one-rank job has."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _save(run: Path, *steps: int, keep: int = 0) -> None:
     for step in steps:
         checkpoint.save(FakeEngine(step), run, step, {"step": step, "world_size": 1}, keep)
@@ -73,7 +64,7 @@ def _partial(run: Path, step: int) -> Path:
 
 # ---- item 1: pruning ------------------------------------------------------------------------------------------
 
-def test_pruning_never_deletes_latest_nor_a_partial_folder(group, tmp_path):
+def test_pruning_never_deletes_latest_nor_a_partial_folder(one_rank_group, tmp_path):
     """A newer partial folder (left by a crash or a full disk) must not count: the save at step 25 with
     keep_checkpoints=1 used to delete steps 10, 20 and 25 and keep only the partial step 30."""
     _save(tmp_path, 10, 20)
@@ -84,14 +75,14 @@ def test_pruning_never_deletes_latest_nor_a_partial_folder(group, tmp_path):
     assert rundir.latest_tag(tmp_path) == "global_step25" and rundir.incompleteness(tmp_path, "global_step25") is None
 
 
-def test_pruning_keeps_the_newest_complete_checkpoints(group, tmp_path):
+def test_pruning_keeps_the_newest_complete_checkpoints(one_rank_group, tmp_path):
     _save(tmp_path, 1, 2, 3, keep=2)
     assert _tags(tmp_path) == ["global_step2", "global_step3"]
     _save(tmp_path, 4, keep=0)
     assert _tags(tmp_path) == ["global_step2", "global_step3", "global_step4"]
 
 
-def test_a_save_replaces_an_unfinished_save_of_the_same_step(group, tmp_path):
+def test_a_save_replaces_an_unfinished_save_of_the_same_step(one_rank_group, tmp_path):
     _save(tmp_path, 10)
     stale = _partial(tmp_path, 20)
     (stale / "rng_rank7.pt").write_bytes(b"from a job with more ranks")
@@ -102,7 +93,7 @@ def test_a_save_replaces_an_unfinished_save_of_the_same_step(group, tmp_path):
 
 # ---- item 2: completeness and fallback -------------------------------------------------------------------------
 
-def test_the_manifest_lists_every_file_with_its_size(group, tmp_path):
+def test_the_manifest_lists_every_file_with_its_size(one_rank_group, tmp_path):
     _save(tmp_path, 5)
     folder = rundir.checkpoint_dir(tmp_path) / "global_step5"
     manifest = json.loads((folder / rundir.MANIFEST).read_text())
@@ -118,7 +109,7 @@ def test_the_manifest_lists_every_file_with_its_size(group, tmp_path):
     (lambda f: (f / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"x"), "not in its manifest.json"),
     (lambda f: shutil.rmtree(f), "does not exist"),
 ])
-def test_an_incomplete_newest_checkpoint_is_passed_over_with_a_note(group, tmp_path, capsys, damage, reason):
+def test_an_incomplete_newest_checkpoint_is_passed_over_with_a_note(one_rank_group, tmp_path, capsys, damage, reason):
     _save(tmp_path, 10, 20)
     damage(rundir.checkpoint_dir(tmp_path) / "global_step20")
     assert rundir.usable_tag(tmp_path) == "global_step10"
@@ -130,7 +121,7 @@ def test_an_incomplete_newest_checkpoint_is_passed_over_with_a_note(group, tmp_p
     assert torch.equal(consolidated_weights(tmp_path)["w"], torch.full((4,), 10.0))
 
 
-def test_no_complete_checkpoint_is_one_clear_error(group, tmp_path):
+def test_no_complete_checkpoint_is_one_clear_error(one_rank_group, tmp_path):
     _save(tmp_path, 10)
     (rundir.checkpoint_dir(tmp_path) / "global_step10" / "rng_rank0.pt").unlink()
     with pytest.raises(UserError, match="holds no complete checkpoint .*rng_rank0.pt is missing"):
@@ -138,7 +129,7 @@ def test_no_complete_checkpoint_is_one_clear_error(group, tmp_path):
     assert rundir.usable_tag(tmp_path / "elsewhere") is None
 
 
-def test_a_newer_complete_checkpoint_latest_does_not_name_is_not_used(group, tmp_path):
+def test_a_newer_complete_checkpoint_latest_does_not_name_is_not_used(one_rank_group, tmp_path):
     """Killed after the manifest but before `latest` moved: `latest` still decides (and the folder is redone)."""
     _save(tmp_path, 10, 20)
     (rundir.checkpoint_dir(tmp_path) / rundir.LATEST).write_text("global_step10")
@@ -151,7 +142,7 @@ def _draws() -> tuple:
     return random.random(), float(np.random.rand()), float(torch.rand(1))
 
 
-def test_rng_files_load_with_weights_only_and_restore_every_stream(group, tmp_path):
+def test_rng_files_load_with_weights_only_and_restore_every_stream(one_rank_group, tmp_path):
     random.seed(1)
     np.random.seed(2)
     torch.manual_seed(3)
@@ -188,7 +179,7 @@ def _payload(marker: Path) -> dict:
 
 
 @pytest.mark.parametrize("name", [MODEL_FILE, "rng_rank0.pt"])
-def test_resuming_never_runs_a_pickle_found_in_a_checkpoint(group, tmp_path, name):
+def test_resuming_never_runs_a_pickle_found_in_a_checkpoint(one_rank_group, tmp_path, name):
     _save(tmp_path, 1)
     _plant(tmp_path, "global_step1", name, _payload(tmp_path / "pwned"))
     with pytest.raises(UserError, match=r"global_step1: a file holds more than tensors .*GLOBAL posix.mkdir"):
@@ -198,7 +189,7 @@ def test_resuming_never_runs_a_pickle_found_in_a_checkpoint(group, tmp_path, nam
 
 
 @pytest.mark.parametrize("name", [MODEL_FILE, "zero_pp_rank_0_mp_rank_00_optim_states.pt"])
-def test_loading_weights_never_runs_a_pickle_found_in_a_checkpoint(group, tmp_path, name):
+def test_loading_weights_never_runs_a_pickle_found_in_a_checkpoint(one_rank_group, tmp_path, name):
     """generate, chat, serve, export and --init-from read weights through `consolidated_weights`, plain or
     ZeRO-partitioned (DeepSpeed's zero_to_fp32, which asks torch.load for weights_only=False)."""
     _save(tmp_path, 1)

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import TINY, run_cli
 from llm.config import GRPOConfig, ModelConfig, build_config
@@ -204,15 +203,7 @@ def test_token_mean_weighs_every_completion_token_alike():
     assert per_sequence.item() != pytest.approx(per_token.item())
 
 
-@pytest.fixture
-def group():
-    """A process group of one (gloo), as a one-rank job has."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_token_mean_spans_every_micro_batch_of_the_step(group):
+def test_token_mean_spans_every_micro_batch_of_the_step(one_rank_group):
     """Split into two micro-batches with 14 and 10 completion tokens, a token-mean step still weighs every token
     alike (DAPO): the trainer's weights make DeepSpeed's mean over micro-batches the mean over all 24 tokens."""
     model, batch = _objective_batch()

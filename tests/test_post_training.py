@@ -8,12 +8,13 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import FIXTURES, run_cli, train_args
-from llm.config import ModelConfig
+from llm.config import GRPOConfig, ModelConfig
 from llm.data.datasets import PackedConversations, PreferencePairs
 from llm.data.formats import RecordError, conversation, preference, pretrain_text
 from llm.data.prepare import encode_sft, prepare
@@ -21,6 +22,8 @@ from llm.errors import UserError
 from llm.loading import consolidated_weights
 from llm.model import Transformer, masked_cross_entropy
 from llm.tokenizer import Tokenizer
+from llm.train.objectives import CausalLMObjective, DistillObjective, DPOObjective, GRPOObjective
+from llm.train.trainer import Trainer
 
 
 def _metrics(run):
@@ -367,6 +370,59 @@ def test_an_sft_step_is_the_same_on_one_rank_with_accumulation(zero_runs, chain,
     rows, reference = _metrics(tmp_path), _metrics(chain[2]["sft"])[:2]
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-6)
     assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-5)
+
+
+def test_an_moe_load_balancing_loss_counts_every_micro_batch_alike(one_rank_group):
+    """An SFT step's reply tokens are weighed across its micro-batches; an MoE model's load-balancing loss is each
+    micro-batch's own and is not: a micro-batch without reply tokens still balances its experts, and the step's
+    loss is the mean over every reply token plus the mean of the micro-batches' load-balancing losses."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                                    moe=True, n_experts=4, n_experts_per_token=2, moe_aux_loss_coef=1.0))
+    tokens = torch.randint(0, 97, (4, 16))
+    mask = torch.zeros(4, 16)
+    mask[:2, 5:] = 1  # the second micro-batch is two prompts without a reply token
+    batch = {"tokens": tokens, "targets": torch.roll(tokens, -1, 1), "loss_mask": mask}
+    halves = [{k: v[i:i + 2] for k, v in batch.items()} for i in (0, 2)]
+    objective = CausalLMObjective()
+    trainer = SimpleNamespace(objective=objective, dist=SimpleNamespace(world_size=1))
+    weights = Trainer._token_weights(trainer, halves)
+    micro = [objective(model, half) for half in halves]
+    step = sum(Trainer._micro_loss(m, w) for m, w in zip(micro, weights, strict=True)) / len(halves)
+    step.backward()
+    router = model.layers[0].feed_forward.router.weight
+    got, router.grad = router.grad.clone(), None
+
+    aux = [model(half["tokens"]).aux_loss for half in halves]
+    expected = masked_cross_entropy(model(tokens).logits, batch["targets"], mask) + sum(aux) / len(aux)
+    expected.backward()
+    assert torch.allclose(got, router.grad, rtol=1e-5, atol=1e-8)
+    assert step.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert micro[1].aux.item() > 0 and micro[0].loss.item() == pytest.approx(
+        masked_cross_entropy(model(halves[0]["tokens"]).logits, halves[0]["targets"], halves[0]["loss_mask"]).item())
+
+
+def test_every_objective_returns_an_moe_policys_load_balancing_loss_apart():
+    """SFT, DPO, GRPO and distillation each backpropagate the policy's load-balancing loss (DPO and GRPO used to
+    drop it, leaving the router unbalanced), and a validation loss is the cross-entropy alone."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, dim=32, n_layers=1, n_heads=2, max_seq_len=32, moe=True, n_experts=4,
+                      n_experts_per_token=2)
+    policy, other = Transformer(cfg), Transformer(cfg)
+    tokens = torch.randint(0, 61, (4, 9))
+    mask = torch.ones(4, 9)
+    lm = {"tokens": tokens, "targets": torch.roll(tokens, -1, 1), "loss_mask": mask}
+    pairs = {f"{side}_{k}": v[i:i + 2] for side, i in (("chosen", 0), ("rejected", 2))
+             for k, v in (("tokens", tokens), ("targets", lm["targets"]), ("mask", mask))}
+    rollouts = {"tokens": tokens, "targets": lm["targets"], "mask": mask, "advantages": torch.tensor([1., -1, 1, -1])}
+    objectives = [(CausalLMObjective(), lm), (DPOObjective(other, beta=0.1), pairs),
+                  (GRPOObjective(GRPOConfig(kl_coef=0.0)), rollouts), (DistillObjective(other, 0.5, 2.0), lm)]
+    for objective, batch in objectives:
+        assert objective(policy, dict(batch)).aux.item() == pytest.approx(policy(tokens).aux_loss.item()), objective
+    policy.eval()
+    cross_entropy = masked_cross_entropy(policy(tokens).logits, lm["targets"], mask).item()
+    for objective in (CausalLMObjective(), DistillObjective(other, 0.5, 2.0)):
+        assert objective(policy, lm).loss.item() == pytest.approx(cross_entropy, rel=1e-6), objective
 
 
 def test_init_from_a_different_shape_is_refused(zero_runs, sft_train_data, tmp_path):

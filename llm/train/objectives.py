@@ -13,7 +13,9 @@ a stage differs only in its dataset and its objective.
 
 Everything an objective returns stays on the training device (no host sync per micro-batch). An objective whose
 loss is a mean over the 1s of a batch mask names that mask `token_mask` (None otherwise): the trainer then weighs
-each micro-batch by its share of those tokens in the whole step (`Trainer._token_weights`).
+each micro-batch by its share of those tokens in the whole step (`Trainer._token_weights`). An MoE policy's
+load-balancing loss is a term of the micro-batch as a whole, not of its tokens: every objective returns it apart
+(`MicroStep.aux`), outside that weight and outside a validation loss.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class MicroStep:
     """Scalar: target positions that bear loss in this micro-batch."""
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     """Stage-specific scalars averaged into the logged row (e.g. DPO rewards)."""
+    aux: torch.Tensor | None = None
+    """Scalar backpropagated beside `loss` and unweighted by its tokens: an MoE policy's load-balancing loss
+    (already scaled by model.moe_aux_loss_coef); None for a dense model."""
 
 
 def loss_bearing_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -49,8 +54,9 @@ class CausalLMObjective:
     token_mask = "loss_mask"
 
     def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
-        out = engine(batch["tokens"], batch["targets"], batch.get("loss_mask"), segment_ids=batch.get("segment_ids"))
-        return MicroStep(out.loss, loss_bearing_tokens(batch))
+        out = engine(batch["tokens"], segment_ids=batch.get("segment_ids"))
+        loss = masked_cross_entropy(out.logits, batch["targets"], batch.get("loss_mask"))
+        return MicroStep(loss, loss_bearing_tokens(batch), aux=out.aux_loss)
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -76,15 +82,17 @@ class DPOObjective:
     def __init__(self, reference, beta: float, loss: str = "sigmoid", sft_weight: float = 0.0) -> None:
         self.reference, self.beta, self.loss, self.sft_weight = reference, beta, loss, sft_weight
 
-    def _pair_logps(self, model, tokens, targets, mask) -> tuple[torch.Tensor, torch.Tensor]:
-        return sequence_logps(model(tokens).logits, targets, mask).chunk(2)
+    def _pair_logps(self, model, tokens, targets, mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(chosen, rejected) summed log-probabilities, and the model's load-balancing loss (MoE)."""
+        out = model(tokens)
+        return *sequence_logps(out.logits, targets, mask).chunk(2), out.aux_loss
 
     def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
         tokens, targets, mask = (torch.cat([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])
                                  for k in ("tokens", "targets", "mask"))
-        policy_chosen, policy_rejected = self._pair_logps(engine, tokens, targets, mask)
+        policy_chosen, policy_rejected, aux = self._pair_logps(engine, tokens, targets, mask)
         with torch.no_grad():
-            ref_chosen, ref_rejected = self._pair_logps(self.reference, tokens, targets, mask)
+            ref_chosen, ref_rejected, _ = self._pair_logps(self.reference, tokens, targets, mask)
         chosen_ratio, rejected_ratio = policy_chosen - ref_chosen, policy_rejected - ref_rejected
         margin = chosen_ratio - rejected_ratio
         if self.loss == "ipo":
@@ -98,7 +106,7 @@ class DPOObjective:
         metrics = {"rewards/chosen": chosen_reward.mean(), "rewards/rejected": rejected_reward.mean(),
                    "rewards/accuracy": (chosen_reward > rejected_reward).float().mean(),
                    "rewards/margin": (chosen_reward - rejected_reward).mean()}
-        return MicroStep(loss, mask.sum(), metrics)
+        return MicroStep(loss, mask.sum(), metrics, aux)
 
 
 class GRPOObjective:
@@ -129,7 +137,8 @@ class GRPOObjective:
 
     def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
         g, mask = self.g, batch["mask"].float()
-        logps = token_logps(engine(batch["tokens"]).logits, batch["targets"], g.temperature)
+        out = engine(batch["tokens"])
+        logps = token_logps(out.logits, batch["targets"], g.temperature)
         old_logps = batch.setdefault("old_logps", logps.detach())
         ratio = torch.exp(logps - old_logps)
         advantages = batch["advantages"].unsqueeze(-1)
@@ -147,7 +156,7 @@ class GRPOObjective:
             kl = torch.exp(delta) - delta - 1
             per_token = per_token + g.kl_coef * kl
             metrics["kl"] = (kl.detach() * mask).sum() / n_tokens
-        return MicroStep(self._mean(per_token, mask), mask.sum(), metrics)
+        return MicroStep(self._mean(per_token, mask), mask.sum(), metrics, out.aux_loss)
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
@@ -189,11 +198,9 @@ class DistillObjective:
         tokens, targets, segment_ids = batch["tokens"], batch["targets"], batch.get("segment_ids")
         mask, loss_tokens = batch.get("loss_mask"), loss_bearing_tokens(batch)
         if not getattr(engine, "module", engine).training:  # DeepSpeed's engine passes train()/eval() to its module
-            return MicroStep(engine(tokens, targets, mask, segment_ids=segment_ids).loss, loss_tokens)
+            return CausalLMObjective()(engine, batch)
         out = engine(tokens, segment_ids=segment_ids)
         with torch.no_grad():
             teacher_logits = self.teacher(tokens, segment_ids=segment_ids).logits
         loss, ce, kl = distillation_loss(out.logits, teacher_logits, targets, mask, self.alpha, self.temperature)
-        if out.aux_loss is not None:  # an MoE student keeps its load-balancing term
-            loss = loss + out.aux_loss
-        return MicroStep(loss, loss_tokens, {"ce": ce.detach(), "distill_kl": kl.detach()})
+        return MicroStep(loss, loss_tokens, {"ce": ce.detach(), "distill_kl": kl.detach()}, out.aux_loss)

@@ -119,13 +119,22 @@ class Trainer:
 
     # ---- one step ------------------------------------------------------------------------------
 
+    @staticmethod
+    def _micro_loss(micro: MicroStep, weight: torch.Tensor | None) -> torch.Tensor:
+        """What a micro-batch backpropagates: its loss times its token weight (`_token_weights`), plus its
+        load-balancing term (an MoE policy's), which is the micro-batch's own and takes no token weight."""
+        loss = micro.loss if weight is None else micro.loss * weight
+        return loss if micro.aux is None else loss + micro.aux
+
     def _micro_values(self, micro: MicroStep, weight: torch.Tensor | None) -> torch.Tensor:
-        """The micro-batch's loss and metrics, times its token weight where it has one (the metrics of a token-mean
-        objective are token means over the same mask, e.g. distillation's `ce` and `distill_kl`, GRPO's `kl` and
-        `clip_fraction` with grpo.token_mean), as one float64 vector on the device."""
+        """The micro-batch's backpropagated loss and its metrics, these times its token weight where it has one
+        (the metrics of a token-mean objective are token means over the same mask, e.g. distillation's `ce` and
+        `distill_kl`, GRPO's `kl` and `clip_fraction` with grpo.token_mean), as one float64 vector on the device."""
         self._metric_names = sorted(micro.metrics)
-        values = torch.stack([micro.loss.detach().float(), *(micro.metrics[k].float() for k in self._metric_names)])
-        return (values if weight is None else values * weight).double()
+        metrics = [micro.metrics[k].float() for k in self._metric_names]
+        if weight is not None:
+            metrics = [m * weight for m in metrics]
+        return torch.stack([self._micro_loss(micro, weight).detach().float(), *metrics]).double()
 
     def _token_weights(self, micro_batches: list) -> list[torch.Tensor] | None:
         """Weights that make a step's loss the mean over every token of the objective's `token_mask` in the step.
@@ -159,7 +168,7 @@ class Trainer:
             for i, batch in enumerate(batches.micro_batches):
                 micro = self.objective(self.engine, batch)
                 weight = None if weights is None else weights[i]
-                self.engine.backward(micro.loss if weight is None else micro.loss * weight)
+                self.engine.backward(self._micro_loss(micro, weight))
                 self.engine.step()
                 values = self._micro_values(micro, weight)
                 sums = values if sums is None else sums + values
