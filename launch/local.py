@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from llm.runtime.rank_env import RANK_VARIABLES, free_port, without_chosen_accelerator
+from llm.runtime.rank_env import RANK_VARIABLES, free_port
 from llm.runtime.supervisor import supervisor_env
 
 GRACE_S = 30.0
@@ -49,9 +49,8 @@ def strip_option(argv: list[str], option: str) -> list[str]:
 
 def rank_environments(nproc: int, port: int) -> list[dict[str, str]]:
     """The environment of each local rank of an `nproc`-rank job meeting at 127.0.0.1:`port`."""
-    shared = {**without_chosen_accelerator(os.environ), **supervisor_env(), "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "CROSS_RANK": "0",
-              "CROSS_SIZE": "1"}
+    shared = {**os.environ, **supervisor_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+              "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
     return [{**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(nproc)]
 
 
@@ -93,8 +92,8 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S) -> i
 
 def relaunch_local(nproc: int, argv: list[str]) -> int:
     """Start `zerollm <argv>` (without --nproc) on `nproc` local ranks and wait; returns the job's exit code. Each
-    rank chooses its own accelerator (`llm.runtime.distributed.ensure_accelerator_env`, knowing the job's size):
-    this process does not need torch, and one it chose for itself is not passed on (`rank_environments`)."""
+    rank chooses its own accelerator (`llm.runtime.distributed.ensure_accelerator_env`, knowing the job's size,
+    and making again a choice this process made for itself), so this process does not need torch."""
     command = [sys.executable, "-u", "-m", "llm", *strip_option(argv, "--nproc")]
     ranks = [subprocess.Popen(command, env=env) for env in rank_environments(nproc, free_port())]
     return wait_for_ranks(ranks)

@@ -8,6 +8,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -77,29 +78,58 @@ def test_the_model_trains_a_step_without_triton_installed():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
-def test_a_local_job_leaves_each_rank_to_choose_its_accelerator(monkeypatch):
-    """On a Mac one rank trains on MPS and two train on the CPU. The process that starts a local job's ranks is a
-    job of one itself: its choice (DeepSpeed's DS_ACCELERATOR, inherited) would put two ranks on MPS. `train grpo`,
-    `train distill` and `bench train` load DeepSpeed there, and with it that choice, before they start the ranks.
-    A DS_ACCELERATOR the user set reaches every rank."""
-    import launch.local as local
+ACCELERATOR_VARIABLES = ("DS_ACCELERATOR", CHOSEN_ACCELERATOR, "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")
 
-    for name in ("DS_ACCELERATOR", CHOSEN_ACCELERATOR):  # restored after the test
+
+def _on_a_mac(monkeypatch) -> None:
+    for name in ACCELERATOR_VARIABLES:  # restored after the test
         monkeypatch.setenv(name, "unset")
         monkeypatch.delenv(name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    started = []
-    monkeypatch.setattr(local.subprocess, "Popen", lambda command, env: started.append(env))
-    monkeypatch.setattr(local, "wait_for_ranks", lambda ranks: 0)
+
+
+def _choice_of_a_rank(monkeypatch, inherited: dict[str, str], **launcher_sets: str) -> str:
+    """DS_ACCELERATOR as a rank sets it before importing DeepSpeed, given what it inherited and its launcher set."""
+    environ = {**inherited, **launcher_sets}
+    for name in ACCELERATOR_VARIABLES:
+        if name in environ:
+            monkeypatch.setenv(name, environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+    ensure_accelerator_env()
+    return os.environ["DS_ACCELERATOR"]
+
+
+def test_every_rank_chooses_its_accelerator_for_its_own_job(monkeypatch, tmp_path):
+    """On a Mac one rank trains on MPS and two train on the CPU. The process that starts a job's ranks is a job of
+    one itself, and its choice (DeepSpeed's DS_ACCELERATOR) reaches the ranks: `zerollm launch` chooses for
+    DeepSpeed's runner, and `train grpo`, `train distill` and `bench train` load DeepSpeed before they start local
+    ranks. Each rank makes the choice again for its job's size, however the launcher announces it; a
+    DS_ACCELERATOR the user set reaches every rank as it is."""
+    import launch.launcher as launcher
+    import launch.local as local
+
+    _on_a_mac(monkeypatch)
     ensure_accelerator_env()
     assert os.environ["DS_ACCELERATOR"] == "mps"  # right for this process, a job of one
+    started = []  # the environments of the processes started (local ranks, or DeepSpeed's runner)
+    monkeypatch.setattr(local.subprocess, "Popen", lambda command, env, **options: started.append(env) or
+                        SimpleNamespace(pid=0, wait=lambda: 0))
+    monkeypatch.setattr(local, "wait_for_ranks", lambda ranks: 0)
     assert local.relaunch_local(2, ["train", "grpo", "--nproc", "2"]) == 0
-    assert len(started) == 2 and all("DS_ACCELERATOR" not in env for env in started)
-    assert {training_device_type(False, True, int(env["WORLD_SIZE"])) for env in started} == {"cpu"}
+    assert [_choice_of_a_rank(monkeypatch, env) for env in started] == ["cpu", "cpu"]
+
+    _on_a_mac(monkeypatch)  # zerollm launch, in a shell of its own
     started.clear()
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    monkeypatch.delenv(CHOSEN_ACCELERATOR)
-    ensure_accelerator_env()
+    assert launcher.run_plan(launcher.Plan(["true"], []), tmp_path) == 0
+    runner = started.pop()
+    assert runner["DS_ACCELERATOR"] == "mps"  # DeepSpeed's runner: a process of one
+    assert _choice_of_a_rank(monkeypatch, runner, WORLD_SIZE="2") == "cpu"  # its ranks
+    assert _choice_of_a_rank(monkeypatch, runner, OMPI_COMM_WORLD_SIZE="2") == "cpu"  # ranks mpirun started
+    assert _choice_of_a_rank(monkeypatch, runner, WORLD_SIZE="1") == "mps"
+
+    user = {"DS_ACCELERATOR": "cpu"}
+    assert _choice_of_a_rank(monkeypatch, user) == "cpu"
     assert local.relaunch_local(2, ["train", "grpo", "--nproc", "2"]) == 0
-    assert [env["DS_ACCELERATOR"] for env in started] == ["cpu", "cpu"]
+    assert [_choice_of_a_rank(monkeypatch, env, WORLD_SIZE="1") for env in started] == ["cpu", "cpu"]

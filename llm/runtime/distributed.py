@@ -10,8 +10,8 @@ instead of each training alone.
 
 DeepSpeed's CPU accelerator must be selected before `deepspeed` is first imported, which
 `ensure_accelerator_env` does; every module that imports deepspeed calls it first. The choice depends on the job's
-size (MPS for one rank only), so a local job's ranks do not inherit it from the process that starts them
-(`llm.runtime.rank_env.without_chosen_accelerator`).
+size (MPS for one rank only), so a rank makes it again rather than keep the one it inherits from the process that
+started it (`zerollm train --nproc N`, `zerollm launch`, DeepSpeed's runner), which chose for a job of one.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 
 from llm.errors import UserError
-from llm.runtime.rank_env import CHOSEN_ACCELERATOR, rank_environment
+from llm.runtime.rank_env import CHOSEN_ACCELERATOR, announced_world_size, rank_environment
 
 
 def training_device_type(cuda: bool, mps: bool, world_size: int) -> str:
@@ -37,12 +37,16 @@ def training_device_type(cuda: bool, mps: bool, world_size: int) -> str:
 
 def local_device_type() -> str:
     return training_device_type(torch.cuda.is_available(), torch.backends.mps.is_available(),
-                                int(os.environ.get("WORLD_SIZE", "1")))
+                                announced_world_size(dict(os.environ)))
 
 
 def ensure_accelerator_env() -> None:
-    """Select DeepSpeed's accelerator (cpu or mps) where there is no CUDA GPU and the user chose none, marking it
-    as our choice; must run before deepspeed is imported."""
+    """Select DeepSpeed's accelerator (cpu or mps) for this process's job where there is no CUDA GPU and the user
+    chose none, marking it as our choice; must run before deepspeed is imported. A marked choice this process
+    inherited is made again, for this job's size."""
+    inherited = os.environ.pop(CHOSEN_ACCELERATOR, None)
+    if inherited is not None and os.environ.get("DS_ACCELERATOR") == inherited:
+        del os.environ["DS_ACCELERATOR"]
     kind = local_device_type()
     if kind != "cuda" and "DS_ACCELERATOR" not in os.environ:
         os.environ["DS_ACCELERATOR"] = os.environ[CHOSEN_ACCELERATOR] = kind

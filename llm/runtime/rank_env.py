@@ -14,17 +14,8 @@ import socket
 from llm.errors import UserError
 
 CHOSEN_ACCELERATOR = "ZEROLLM_CHOSEN_DS_ACCELERATOR"
-"""Set beside DS_ACCELERATOR when zerollm chose it for this process's job (`ensure_accelerator_env`), not the user."""
-
-
-def without_chosen_accelerator(environ: dict[str, str]) -> dict[str, str]:
-    """`environ` for the ranks of another job: without a DS_ACCELERATOR that zerollm chose for this process (on a
-    Mac, MPS suits one rank and not two); one the user set is kept."""
-    env = dict(environ)
-    chosen = env.pop(CHOSEN_ACCELERATOR, None)
-    if chosen is not None and env.get("DS_ACCELERATOR") == chosen:
-        del env["DS_ACCELERATOR"]
-    return env
+"""Set beside DS_ACCELERATOR when zerollm chose it for a process's job (`ensure_accelerator_env`), not the user: a
+process that inherits both makes the choice again for its own job."""
 
 
 def free_port() -> int:
@@ -51,6 +42,15 @@ def _first(environ: dict[str, str], names: tuple[str, ...]) -> tuple[str, int] |
                 raise UserError(f"{name}={environ[name]!r} is not a number; the launcher's environment is broken") \
                     from None
     return None
+
+
+def announced_world_size(environ: dict[str, str]) -> int:
+    """The job's size as its launcher announced it, read without a check (`rank_environment` checks it): 1 where
+    no launcher did or the value is no number."""
+    for name in WORLD_SIZE_VARIABLES:
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return 1
 
 
 def rank_environment(environ: dict[str, str]) -> dict[str, str]:
