@@ -78,7 +78,8 @@ def test_the_model_trains_a_step_without_triton_installed():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
-ACCELERATOR_VARIABLES = ("DS_ACCELERATOR", CHOSEN_ACCELERATOR, "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")
+ACCELERATOR_VARIABLES = ("DS_ACCELERATOR", CHOSEN_ACCELERATOR, "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                         "OMPI_COMM_WORLD_SIZE")
 
 
 def _on_a_mac(monkeypatch) -> None:
@@ -125,11 +126,14 @@ def test_every_rank_chooses_its_accelerator_for_its_own_job(monkeypatch, tmp_pat
     assert launcher.run_plan(launcher.Plan(["true"], []), tmp_path) == 0
     runner = started.pop()
     assert runner["DS_ACCELERATOR"] == "mps"  # DeepSpeed's runner: a process of one
-    assert _choice_of_a_rank(monkeypatch, runner, WORLD_SIZE="2") == "cpu"  # its ranks
-    assert _choice_of_a_rank(monkeypatch, runner, OMPI_COMM_WORLD_SIZE="2") == "cpu"  # ranks mpirun started
-    assert _choice_of_a_rank(monkeypatch, runner, WORLD_SIZE="1") == "mps"
+    assert _choice_of_a_rank(monkeypatch, runner, RANK="1", WORLD_SIZE="2") == "cpu"  # its ranks
+    mpirun_sets = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}
+    assert _choice_of_a_rank(monkeypatch, runner, **mpirun_sets) == "cpu"
+    assert _choice_of_a_rank(monkeypatch, runner, RANK="0", WORLD_SIZE="1") == "mps"
+    # a size without a rank is a job of one, as `rank_environment` reads it
+    assert _choice_of_a_rank(monkeypatch, runner, OMPI_COMM_WORLD_SIZE="2") == "mps"
 
     user = {"DS_ACCELERATOR": "cpu"}
     assert _choice_of_a_rank(monkeypatch, user) == "cpu"
     assert local.relaunch_local(2, ["train", "grpo", "--nproc", "2"]) == 0
-    assert [_choice_of_a_rank(monkeypatch, env, WORLD_SIZE="1") for env in started] == ["cpu", "cpu"]
+    assert [_choice_of_a_rank(monkeypatch, env, RANK="0", WORLD_SIZE="1") for env in started] == ["cpu", "cpu"]

@@ -372,6 +372,23 @@ def test_an_sft_step_is_the_same_on_one_rank_with_accumulation(zero_runs, chain,
     assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-5)
 
 
+class _RecordingEngine:
+    """A model in a DeepSpeed engine's place: backward() backpropagates what it gets, as DeepSpeed's does (which
+    also divides by grad_accum), step() does nothing."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def backward(self, loss) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        pass
+
+
 def test_an_moe_load_balancing_loss_counts_every_micro_batch_alike(one_rank_group):
     """An SFT step's reply tokens are weighed across its micro-batches; an MoE model's load-balancing loss is each
     micro-batch's own and is not: a micro-batch without reply tokens still balances its experts, and the step's
@@ -384,22 +401,20 @@ def test_an_moe_load_balancing_loss_counts_every_micro_batch_alike(one_rank_grou
     mask[:2, 5:] = 1  # the second micro-batch is two prompts without a reply token
     batch = {"tokens": tokens, "targets": torch.roll(tokens, -1, 1), "loss_mask": mask}
     halves = [{k: v[i:i + 2] for k, v in batch.items()} for i in (0, 2)]
-    objective = CausalLMObjective()
-    trainer = SimpleNamespace(objective=objective, dist=SimpleNamespace(world_size=1))
-    weights = Trainer._token_weights(trainer, halves)
-    micro = [objective(model, half) for half in halves]
-    step = sum(Trainer._micro_loss(m, w) for m, w in zip(micro, weights, strict=True)) / len(halves)
-    step.backward()
+    trainer = Trainer.__new__(Trainer)  # the trainer's own micro-steps, on a model without DeepSpeed
+    trainer.objective, trainer.engine = CausalLMObjective(), _RecordingEngine(model)
+    trainer.dist, trainer._tokens_since_log = SimpleNamespace(world_size=1), 0
+    weights = trainer._token_weights(halves)
+    logged = sum(trainer._train_micro(half, w) for half, w in zip(halves, weights, strict=True))[0] / len(halves)
     router = model.layers[0].feed_forward.router.weight
-    got, router.grad = router.grad.clone(), None
+    got, router.grad = router.grad / len(halves), None  # DeepSpeed's mean over the step's micro-batches
 
     aux = [model(half["tokens"]).aux_loss for half in halves]
+    assert aux[1].item() > 0
     expected = masked_cross_entropy(model(tokens).logits, batch["targets"], mask) + sum(aux) / len(aux)
     expected.backward()
     assert torch.allclose(got, router.grad, rtol=1e-5, atol=1e-8)
-    assert step.item() == pytest.approx(expected.item(), rel=1e-6)
-    assert micro[1].aux.item() > 0 and micro[0].loss.item() == pytest.approx(
-        masked_cross_entropy(model(halves[0]["tokens"]).logits, halves[0]["targets"], halves[0]["loss_mask"]).item())
+    assert logged.item() == pytest.approx(expected.item(), rel=1e-6)
 
 
 def test_every_objective_returns_an_moe_policys_load_balancing_loss_apart():
@@ -407,7 +422,7 @@ def test_every_objective_returns_an_moe_policys_load_balancing_loss_apart():
     drop it, leaving the router unbalanced), and a validation loss is the cross-entropy alone."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=61, dim=32, n_layers=1, n_heads=2, max_seq_len=32, moe=True, n_experts=4,
-                      n_experts_per_token=2)
+                      n_experts_per_token=2, moe_aux_loss_coef=1.0)
     policy, other = Transformer(cfg), Transformer(cfg)
     tokens = torch.randint(0, 61, (4, 9))
     mask = torch.ones(4, 9)
@@ -417,8 +432,13 @@ def test_every_objective_returns_an_moe_policys_load_balancing_loss_apart():
     rollouts = {"tokens": tokens, "targets": lm["targets"], "mask": mask, "advantages": torch.tensor([1., -1, 1, -1])}
     objectives = [(CausalLMObjective(), lm), (DPOObjective(other, beta=0.1), pairs),
                   (GRPOObjective(GRPOConfig(kl_coef=0.0)), rollouts), (DistillObjective(other, 0.5, 2.0), lm)]
-    for objective, batch in objectives:
-        assert objective(policy, dict(batch)).aux.item() == pytest.approx(policy(tokens).aux_loss.item()), objective
+    aux = policy(tokens).aux_loss.item()
+    with_aux = [objective(policy, dict(batch)) for objective, batch in objectives]
+    for layer in policy.layers:
+        layer.feed_forward.aux_loss_coef = 0.0  # the same policy without a load-balancing loss
+    for (objective, batch), micro in zip(objectives, with_aux, strict=True):
+        assert micro.aux.item() == pytest.approx(aux), objective  # returned apart...
+        assert micro.loss.item() == objective(policy, dict(batch)).loss.item(), objective  # ...and not in the loss
     policy.eval()
     cross_entropy = masked_cross_entropy(policy(tokens).logits, lm["targets"], mask).item()
     for objective in (CausalLMObjective(), DistillObjective(other, 0.5, 2.0)):

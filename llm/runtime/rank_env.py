@@ -1,6 +1,6 @@
-"""Which rank of which job this process is, from the variables its launcher set, a free local port, and the
-environment a local job's ranks inherit: what a process that starts ranks needs, without importing torch (the
-ranks do).
+"""Which rank of which job this process is and how large the job is, from the variables its launcher set, a free
+local port, and the mark of an accelerator zerollm chose: what a process that starts ranks needs, without importing
+torch (the ranks do).
 
 torchrun and DeepSpeed's per-node launcher set RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (or
 LOCAL_SIZE). mpirun sets its own variables instead (Open MPI's OMPI_COMM_WORLD_*, MVAPICH2's MV2_COMM_WORLD_*,
@@ -45,12 +45,15 @@ def _first(environ: dict[str, str], names: tuple[str, ...]) -> tuple[str, int] |
 
 
 def announced_world_size(environ: dict[str, str]) -> int:
-    """The job's size as its launcher announced it, read without a check (`rank_environment` checks it): 1 where
-    no launcher did or the value is no number."""
-    for name in WORLD_SIZE_VARIABLES:
-        if environ.get(name, "").isdigit():
-            return int(environ[name])
-    return 1
+    """The job's size as `rank_environment` reads it, without its checks (it reports what they find): 1 where no
+    launcher set a rank, or the size is no number."""
+    if not any(name in environ for name in RANK_VARIABLES):
+        return 1
+    try:
+        size = _first(environ, WORLD_SIZE_VARIABLES)
+    except UserError:
+        return 1
+    return size[1] if size else 1
 
 
 def rank_environment(environ: dict[str, str]) -> dict[str, str]:

@@ -155,6 +155,15 @@ class Trainer:
         dist.all_reduce(total)
         return list((counts * (len(counts) * self.dist.world_size) / total.clamp(min=1)).float())
 
+    def _train_micro(self, batch: dict[str, torch.Tensor], weight: torch.Tensor | None) -> torch.Tensor:
+        """One micro-step: the objective's loss backpropagated as `_micro_loss` makes it, then DeepSpeed's step (an
+        optimizer step at the end of each accumulation); returns its logged values (`_micro_values`)."""
+        micro = self.objective(self.engine, batch)
+        self.engine.backward(self._micro_loss(micro, weight))
+        self.engine.step()
+        self._tokens_since_log += micro.loss_tokens
+        return self._micro_values(micro, weight)
+
     def train_step(self) -> tuple[torch.Tensor, StepBatches]:
         """One step: the step source's micro-batches, trained `updates_per_step` times (one optimizer step per
         pass over them). Returns this rank's sums over its micro-steps of the loss and the objective's metrics,
@@ -166,13 +175,8 @@ class Trainer:
         weights = self._token_weights(batches.micro_batches)
         for _ in range(self.steps.updates_per_step):
             for i, batch in enumerate(batches.micro_batches):
-                micro = self.objective(self.engine, batch)
-                weight = None if weights is None else weights[i]
-                self.engine.backward(self._micro_loss(micro, weight))
-                self.engine.step()
-                values = self._micro_values(micro, weight)
+                values = self._train_micro(batch, None if weights is None else weights[i])
                 sums = values if sums is None else sums + values
-                self._tokens_since_log += micro.loss_tokens
         self._positions_since_log += batches.positions * self.steps.updates_per_step
         self._generated_since_log += batches.generated_tokens
         self._generation_seconds_since_log += batches.generation_seconds
