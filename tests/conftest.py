@@ -115,3 +115,16 @@ def one_rank_group() -> Iterator[None]:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+LONGEST_FILES = ("test_launch.py", "test_train.py", "test_post_training.py", "test_cli.py", "test_kernels_compile.py",
+                 "test_launch_conventions.py", "test_lora.py", "test_grpo.py", "test_eval.py", "test_kernels.py",
+                 "test_time_budget.py", "test_faults.py", "test_gpu_check.py", "test_distill.py")
+"""Test files by their time in a full run, longest first (`pytest --durations=0`, summed per file)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Queue the longest files first. pytest-xdist hands each worker whole files (--dist loadfile) in this order, so
+    a long file queued last would run alone while the other worker idles. Tests keep their order within a file."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))
