@@ -126,15 +126,15 @@ class Trainer:
         loss = micro.loss if weight is None else micro.loss * weight
         return loss if micro.aux is None else loss + micro.aux
 
-    def _micro_values(self, micro: MicroStep, weight: torch.Tensor | None) -> torch.Tensor:
-        """The micro-batch's backpropagated loss and its metrics, these times its token weight where it has one
+    def _micro_values(self, loss: torch.Tensor, micro: MicroStep, weight: torch.Tensor | None) -> torch.Tensor:
+        """The micro-batch's backpropagated `loss` and its metrics, these times its token weight where it has one
         (the metrics of a token-mean objective are token means over the same mask, e.g. distillation's `ce` and
         `distill_kl`, GRPO's `kl` and `clip_fraction` with grpo.token_mean), as one float64 vector on the device."""
         self._metric_names = sorted(micro.metrics)
         metrics = [micro.metrics[k].float() for k in self._metric_names]
         if weight is not None:
             metrics = [m * weight for m in metrics]
-        return torch.stack([self._micro_loss(micro, weight).detach().float(), *metrics]).double()
+        return torch.stack([loss.detach().float(), *metrics]).double()
 
     def _token_weights(self, micro_batches: list) -> list[torch.Tensor] | None:
         """Weights that make a step's loss the mean over every token of the objective's `token_mask` in the step.
@@ -159,10 +159,11 @@ class Trainer:
         """One micro-step: the objective's loss backpropagated as `_micro_loss` makes it, then DeepSpeed's step (an
         optimizer step at the end of each accumulation); returns its logged values (`_micro_values`)."""
         micro = self.objective(self.engine, batch)
-        self.engine.backward(self._micro_loss(micro, weight))
+        loss = self._micro_loss(micro, weight)
+        self.engine.backward(loss)
         self.engine.step()
         self._tokens_since_log += micro.loss_tokens
-        return self._micro_values(micro, weight)
+        return self._micro_values(loss, micro, weight)
 
     def train_step(self) -> tuple[torch.Tensor, StepBatches]:
         """One step: the step source's micro-batches, trained `updates_per_step` times (one optimizer step per
