@@ -132,6 +132,25 @@ def test_moe_routes_balances_and_trains_every_expert():
     assert model.layers[0].feed_forward.router.weight.grad.abs().sum() > 0
 
 
+def test_moe_load_balancing_loss_leaves_padding_out():
+    """A padded batch balances the experts over its real tokens only: its loss is the one of the same rows without
+    the padding, whether the padding is marked by a token mask (DPO's and GRPO's right-padded rows, whose real
+    tokens `real_tokens` finds from the reply mask) or by segment id 0 (packed SFT rows)."""
+    from llm.train.objectives import real_tokens
+
+    model = _tiny(moe=True, n_experts=4, n_experts_per_token=2, moe_aux_loss_coef=1.0).eval()
+    real = torch.randint(1, 97, (1, 10))
+    padded = torch.cat([real, torch.zeros(1, 6, dtype=torch.long)], dim=1)  # 6 padding tokens after the row
+    alone = model(real).aux_loss.item()
+    assert model(padded).aux_loss.item() != pytest.approx(alone)  # padding is routed too: it must be left out
+    reply = torch.zeros(1, 16)
+    reply[0, 4:10] = 1  # targets 4..9 are the reply: inputs 0..9 are the real tokens
+    assert real_tokens(reply).tolist() == [[1.0] * 10 + [0.0] * 6]
+    assert model(padded, token_mask=real_tokens(reply)).aux_loss.item() == pytest.approx(alone, rel=1e-6)
+    segments = torch.tensor([[1] * 10 + [0] * 6])  # one sample, then padding
+    assert model(padded, segment_ids=segments).aux_loss.item() == pytest.approx(alone, rel=1e-6)
+
+
 def test_untied_and_explicit_hidden_dim():
     model = _tiny(tie_embeddings=False, hidden_dim=100)
     assert model.output.weight is not model.tok_embeddings.weight

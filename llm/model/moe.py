@@ -21,7 +21,10 @@ class MoEFeedForward(nn.Module):
         self.shared_experts = nn.ModuleList(make_expert() for _ in range(cfg.n_shared_experts))
         self.aux_loss = torch.zeros(())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`token_mask` (1 on real tokens, 0 on padding; all real without one) limits the load-balancing loss to the
+        real tokens: padding is routed like any token, but balancing the experts over it would train the router on
+        positions no loss reads (Mixtral's implementation takes the attention mask for this)."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         probs = F.softmax(self.router(tokens).float(), dim=-1)
@@ -36,7 +39,12 @@ class MoEFeedForward(nn.Module):
             out.index_add_(0, token_idx, y)
         for expert in self.shared_experts:
             out = out + expert(tokens)
-        # Switch-Transformer balance loss: n_experts * sum_e (fraction routed to e) * (mean prob of e)
-        routed_fraction = F.one_hot(chosen, self.n_experts).float().sum(1).mean(0) / self.top_k
-        self.aux_loss = self.aux_loss_coef * self.n_experts * (routed_fraction * probs.mean(0)).sum()
+        # Switch-Transformer balance loss over the real tokens:
+        # n_experts * sum_e (fraction routed to e) * (mean prob of e)
+        real = (torch.ones(tokens.shape[0], 1, device=x.device) if token_mask is None
+                else token_mask.reshape(-1, 1).float())
+        n_real = real.sum().clamp(min=1.0)
+        routed_fraction = (F.one_hot(chosen, self.n_experts).float().sum(1) * real).sum(0) / (n_real * self.top_k)
+        mean_prob = (probs * real).sum(0) / n_real
+        self.aux_loss = self.aux_loss_coef * self.n_experts * (routed_fraction * mean_prob).sum()
         return out.reshape(shape)

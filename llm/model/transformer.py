@@ -98,8 +98,10 @@ class Block(nn.Module):
         self.feed_forward = MoEFeedForward(cfg, make_ffn) if cfg.moe else make_ffn()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0, packed: Packed | None = None) -> torch.Tensor:
+                layer: int = 0, packed: Packed | None = None, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, packed)
+        if isinstance(self.feed_forward, MoEFeedForward):
+            return x + self.feed_forward(self.ffn_norm(x), token_mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -163,19 +165,24 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None, cache: KVCache | None = None,
-                last_only: bool = False, segment_ids: torch.Tensor | None = None) -> ModelOutput:
+                last_only: bool = False, segment_ids: torch.Tensor | None = None,
+                token_mask: torch.Tensor | None = None) -> ModelOutput:
         """Logits (and loss when targets are given). With a `cache`, `tokens` continue the cached sequence;
         `last_only` computes the logits of the last position only (generation); `segment_ids` `[batch, seq]`
-        marks samples packed into one row (each sees only itself, with positions from 0)."""
+        marks samples packed into one row (each sees only itself, with positions from 0; 0 is padding).
+        `token_mask` `[batch, seq]` is 1 on real tokens and 0 on padding (default: segment id > 0, else every
+        position); only an MoE model's load-balancing loss reads it."""
         end = tokens.shape[1] + (cache.length if cache else 0)
         if end > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
         if end > self.rope_cos.shape[0]:
             self._extend_rope(end)
         packed = Packed.of(segment_ids) if segment_ids is not None else None
+        if token_mask is None and segment_ids is not None:
+            token_mask = segment_ids > 0
         h = self.dropout(self.tok_embeddings(tokens))
         for i, layer in enumerate(self.layers):
-            h = layer(h, self.rope_cos, self.rope_sin, cache, i, packed)
+            h = layer(h, self.rope_cos, self.rope_sin, cache, i, packed, token_mask)
         if cache is not None:
             cache.advance(tokens.shape[1])
         if last_only:

@@ -15,7 +15,8 @@ Everything an objective returns stays on the training device (no host sync per m
 loss is a mean over the 1s of a batch mask names that mask `token_mask` (None otherwise): the trainer then weighs
 each micro-batch by its share of those tokens in the whole step (`Trainer._token_weights`). An MoE policy's
 load-balancing loss is a term of the micro-batch as a whole, not of its tokens: every objective returns it apart
-(`MicroStep.aux`), outside that weight and outside a validation loss.
+(`MicroStep.aux`), outside that weight and outside a validation loss, computed over the batch's real tokens only
+(segment ids > 0 in packed SFT rows, `real_tokens` in DPO's and GRPO's right-padded rows).
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ class CausalLMObjective:
         return MicroStep(loss, loss_bearing_tokens(batch), aux=out.aux_loss)
 
 
+def real_tokens(mask: torch.Tensor) -> torch.Tensor:
+    """`[batch, seq]` 1 on the real input tokens of right-padded rows whose `mask` marks the reply's targets (DPO's
+    and GRPO's rows: prompt, reply, then padding): every position up to the row's last masked one."""
+    return mask.flip(-1).float().cummax(-1).values.flip(-1)
+
+
 def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(target) at every position `[batch, seq]`, in fp32, of the distribution softmax(logits / temperature)."""
     logits = logits.float() if temperature == 1.0 else logits.float() / temperature
@@ -84,7 +91,7 @@ class DPOObjective:
 
     def _pair_logps(self, model, tokens, targets, mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(chosen, rejected) summed log-probabilities, and the model's load-balancing loss (MoE)."""
-        out = model(tokens)
+        out = model(tokens, token_mask=real_tokens(mask))
         return *sequence_logps(out.logits, targets, mask).chunk(2), out.aux_loss
 
     def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
@@ -137,7 +144,7 @@ class GRPOObjective:
 
     def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
         g, mask = self.g, batch["mask"].float()
-        out = engine(batch["tokens"])
+        out = engine(batch["tokens"], token_mask=real_tokens(mask))
         logps = token_logps(out.logits, batch["targets"], g.temperature)
         old_logps = batch.setdefault("old_logps", logps.detach())
         ratio = torch.exp(logps - old_logps)
