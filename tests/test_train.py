@@ -53,14 +53,34 @@ def test_zero_stages_agree_numerically(zero_runs):
             assert torch.allclose(weights[stage][name], tensor, atol=1e-5), (stage, name)
 
 
-def test_gradient_accumulation_matches_a_larger_micro_batch(zero_runs, pretrain_data, tmp_path):
+ACCUMULATED = ["train.max_steps=4", "train.eval_every=2", "train.precision=fp32", "train.micro_batch_size=2",
+               "train.grad_accum=2", "train.eval_batches=4", "train.save_every=2", "train.keep_checkpoints=0"]
+
+
+@pytest.fixture(scope="module")
+def accumulated_runs(pretrain_data, tmp_path_factory):
+    """`accumulated_runs(stage)`: the job of `zero_runs[stage]` (2 ranks, 4 steps, global batch 8, evaluated at
+    steps 2 and 4) as 2 ranks x micro 2 x accum 2 with twice the eval batches (the same validation windows),
+    saving at steps 2 and 4 and logging to offline wandb; trained when a test first asks for it. Tests only read it
+    (test_two_ranks_to_one_resume_converts_to_universal_and_continues resumes a copy)."""
+    runs = {}
+
+    def run(stage: int):
+        if stage not in runs:
+            out = tmp_path_factory.mktemp(f"accumulated{stage}")
+            result = run_cli(*_args(pretrain_data, out, *ACCUMULATED, nproc=2,
+                                    extra=["--zero-stage", stage, "--wandb", "offline"]))
+            assert result.returncode == 0, result.stderr[-3000:]
+            runs[stage] = out
+        return runs[stage]
+
+    return run
+
+
+def test_gradient_accumulation_matches_a_larger_micro_batch(zero_runs, accumulated_runs):
     """2 ranks x micro 2 x accum 2 sees the same 8 windows per step as 2 ranks x micro 4
     (and, with twice the eval batches, the same validation windows)."""
-    result = run_cli(*_args(pretrain_data, tmp_path, "train.max_steps=4", "train.eval_every=2", "train.precision=fp32",
-                            "train.micro_batch_size=2", "train.grad_accum=2", "train.eval_batches=4", nproc=2,
-                            extra=["--zero-stage", 2]))
-    assert result.returncode == 0, result.stderr[-3000:]
-    accumulated, reference = _metrics(tmp_path), _metrics(zero_runs[2])
+    accumulated, reference = _metrics(accumulated_runs(2)), _metrics(zero_runs[2])
     assert [r["loss"] for r in accumulated] == pytest.approx([r["loss"] for r in reference], rel=1e-4)
     assert [r["val_loss"] for r in accumulated if "val_loss" in r] == pytest.approx(
         [r["val_loss"] for r in reference if "val_loss" in r], rel=1e-4)
@@ -165,47 +185,45 @@ def test_rerun_into_a_used_run_dir_without_resume_is_refused(zero_runs, pretrain
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_two_ranks_to_one_resume_converts_to_universal_and_continues(zero_runs, pretrain_data, tmp_path, stage):
-    """A 2-rank ZeRO run stopped after step 2 resumes on 1 rank (grad_accum 2 keeps the global batch): DeepSpeed's
-    universal checkpoint is made automatically, and steps 3-4 see the same samples with the same optimizer state
-    as the uninterrupted 2-rank run, in the same wandb run."""
+def test_two_ranks_to_one_resume_converts_to_universal_and_continues(zero_runs, accumulated_runs, pretrain_data,
+                                                                     tmp_path, stage):
+    """A 2-rank ZeRO run (micro 2 x accum 2) stopped after step 2 resumes on 1 rank (micro 4 x accum 2 keeps the
+    global batch): DeepSpeed's universal checkpoint is made automatically, and steps 3-4 see the same samples with
+    the same optimizer state as the uninterrupted 2-rank run, in the same wandb run."""
     common = ["train.max_steps=4", "train.eval_every=2", "train.precision=fp32"]
-    result = run_cli(*_args(pretrain_data, tmp_path, *common, "train.save_every=2", "train.keep_checkpoints=0",
-                            nproc=2, extra=["--zero-stage", stage, "--wandb", "offline"]))
-    assert result.returncode == 0, result.stderr[-3000:]
-    straight_state = json.loads((tmp_path / "checkpoints" / "global_step4" / "client_state.json").read_text())
+    run = tmp_path / "run"
+    shutil.copytree(accumulated_runs(stage), run, symlinks=True)
+    straight_state = json.loads((run / "checkpoints" / "global_step4" / "client_state.json").read_text())
     # the job "died" after step 2: only that checkpoint and those metrics remain
-    (tmp_path / "checkpoints" / "latest").write_text("global_step2")
-    shutil.rmtree(tmp_path / "checkpoints" / "global_step4")
-    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in
-                                                    (tmp_path / "metrics.jsonl").read_text().splitlines()[:2]))
+    (run / "checkpoints" / "latest").write_text("global_step2")
+    shutil.rmtree(run / "checkpoints" / "global_step4")
+    (run / "metrics.jsonl").write_text("".join(line + "\n" for line in
+                                               (run / "metrics.jsonl").read_text().splitlines()[:2]))
 
-    result = run_cli(*_args(pretrain_data, tmp_path, *common, "train.grad_accum=2", nproc=1,
+    result = run_cli(*_args(pretrain_data, run, *common, "train.grad_accum=2", nproc=1,
                             extra=["--zero-stage", stage, "--wandb", "offline", "--resume", "auto"]))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "saved by 2 rank(s), this job has 1: converting it to a universal checkpoint" in result.stdout
     assert "resumed at step 2" in result.stdout
-    rows, reference = _metrics(tmp_path), _metrics(zero_runs[stage])
+    rows, reference = _metrics(run), _metrics(zero_runs[stage])
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # one rank sums what two ranks reduced, in another order: losses agree to ~1e-5, gradient norms (a square root
     # of sums of squares, after ZeRO-3's repartitioned flattening) to ~2e-4 on the committed corpus
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-4)
     assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-3)
-    resumed_state = json.loads((tmp_path / "checkpoints" / "global_step4" / "client_state.json").read_text())
+    resumed_state = json.loads((run / "checkpoints" / "global_step4" / "client_state.json").read_text())
     assert resumed_state["sampler"] == straight_state["sampler"] and resumed_state["world_size"] == 1
-    assert not (tmp_path / "checkpoints" / "universal").exists()
-    run_ids = {p.name.rsplit("-", 1)[1] for p in (tmp_path / "wandb").glob("offline-run-*")}
+    assert not (run / "checkpoints" / "universal").exists()
+    run_ids = {p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")}
     assert len(run_ids) == 1 and resumed_state["run_id"] in run_ids
 
 
-def test_metrics_jsonl_and_offline_wandb_hold_the_same_numbers(pretrain_data, tmp_path):
-    result = run_cli(*_args(pretrain_data, tmp_path, "train.max_steps=3", "train.eval_every=3",
-                            "train.precision=fp32", extra=["--wandb", "offline"]))
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = _metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3] and "val_loss" in rows[-1]
-    history = _wandb_history(tmp_path)
-    assert [h["_step"] for h in history] == [1, 2, 3]
+def test_metrics_jsonl_and_offline_wandb_hold_the_same_numbers(accumulated_runs):
+    run = accumulated_runs(2)
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and "val_loss" in rows[-1]
+    history = _wandb_history(run)
+    assert [h["_step"] for h in history] == [1, 2, 3, 4]
     for row, logged in zip(rows, history):
         for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "val_loss"):
             if key in row:
