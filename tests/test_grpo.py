@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from conftest import TINY, run_cli
+from llm.cli import main
 from llm.config import GRPOConfig, ModelConfig, build_config
 from llm.errors import UserError
 from llm.export import export_model
 from llm.loading import consolidated_weights
 from llm.model import Transformer
+from llm.runtime.rank_env import RANK_VARIABLES
 from llm.train.objectives import GRPOObjective, token_logps
 from llm.train.prompts import prompt_record, read_prompts
 from llm.train.rewards import Completions, Reward, answers_match, final_answer
@@ -325,7 +327,8 @@ def test_grpo_sigkill_then_resume_is_bit_exact(grpo_runs, policy, prompt_dir, tm
     ("no usable prompt", "no usable prompt"),
     ("too few prompts", "1 usable prompts, fewer than one step takes (2: train.micro_batch_size"),
 ])
-def test_bad_prompts_and_rewards_are_one_line_errors_before_training(policy, prompt_dir, tmp_path, case, message):
+def test_bad_prompts_and_rewards_are_one_line_errors_before_training(policy, prompt_dir, tmp_path, case, message,
+                                                                     monkeypatch, capfd):
     prompts, reward = prompt_dir / "prompts.jsonl", "exact_match"
     if case == "missing prompts":
         prompts = tmp_path / "no-such-prompts.jsonl"
@@ -339,7 +342,15 @@ def test_bad_prompts_and_rewards_are_one_line_errors_before_training(policy, pro
         prompts.write_text(json.dumps({"prompt": "hi", "answer": "1"}) + "\n")
     args = _grpo_args(policy, prompt_dir, tmp_path / "run", rewards=[reward], nproc=1 if "few" in case else 2)
     args[args.index("--prompts") + 1] = prompts
-    result = run_cli(*args)
-    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
-    assert result.stderr.count("zerollm: error:") == 1 and "Traceback" not in result.stderr
+    if "few" in case:  # found by the rank's trainer: a process of its own (a one-rank job ends it with os._exit)
+        result = run_cli(*args)
+        code, stderr = result.returncode, result.stderr
+    else:  # found by the launching process before it starts a rank: `zerollm` run in this one
+        for name in ("LOCAL_RANK", *RANK_VARIABLES):
+            monkeypatch.delenv(name, raising=False)  # as in a fresh shell: this process launches the ranks
+        with pytest.raises(SystemExit) as ended:
+            main(list(map(str, args)))
+        code, stderr = ended.value.code, capfd.readouterr().err
+    assert code == 2 and message in stderr, stderr[-2000:]
+    assert stderr.count("zerollm: error:") == 1 and "Traceback" not in stderr
     assert not (tmp_path / "run").exists()

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from conftest import FIXTURES, TINY, run_cli
 from llm.bench import trainable_parameters, write_random_conversations
+from llm.cli import main
 from llm.config import LORA_TARGETS, ModelConfig, build_config, parse_lora_spec
 from llm.data.datasets import PackedConversations
 from llm.data.prepare import prepare
@@ -248,10 +249,16 @@ def test_lora_run_on_two_ranks_resumes_on_one(runs, base, data, tmp_path):
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a)
 
 
-def test_export_of_a_lora_run_is_the_merged_model(runs, tmp_path):
+def _zerollm(*args) -> int:
+    """`zerollm ARGS` run in this process (a command that starts no training job here); its exit code."""
+    with pytest.raises(SystemExit) as ended:
+        main(list(map(str, args)))
+    return ended.value.code
+
+
+def test_export_of_a_lora_run_is_the_merged_model(runs, tmp_path, capfd):
     run = runs["sft"][0]
-    result = run_cli("export", "--run", run, "--out", tmp_path / "export")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert _zerollm("export", "--run", run, "--out", tmp_path / "export") == 0, capfd.readouterr().err[-3000:]
     exported = import_model(tmp_path / "export").eval()
     assert not any(map(is_adapter_key, exported.state_dict()))
     unmerged = load_lora_model(run, build_config((run / "config.yaml").as_posix()))
@@ -281,11 +288,12 @@ def test_lora_grpo_under_zero3_rolls_out_with_the_adapters(base, tmp_path):
                                                      if k.endswith("lora_b"))
 
 
-def test_bench_train_with_lora_sets_full_fine_tuning_beside_lora():
+def test_bench_train_with_lora_sets_full_fine_tuning_beside_lora(capfd):
     sets = [a for o in TINY for a in ("--set", o)]
-    result = run_cli("bench", "train", "--recipe", "demo", "--steps", 1, "--warmup", 0, "--lora", "r=4", *sets)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    table = result.stdout[result.stdout.index("bench train: recipe demo, SFT on random conversations"):]
+    code = _zerollm("bench", "train", "--recipe", "demo", "--steps", 1, "--warmup", 0, "--lora", "r=4", *sets)
+    stdout, stderr = capfd.readouterr()  # this process's and its two training jobs'
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    table = stdout[stdout.index("bench train: recipe demo, SFT on random conversations"):]
     header, *rows = table.splitlines()[1:]
     assert header.split() == ["full", "fine-tuning", "LoRA", "r=4"]
     cells = {row[:26].strip(): row[26:].split() for row in rows}

@@ -326,18 +326,24 @@ def _stage_args(stage, data, out, init_from, *overrides, nproc=2, extra=()):
     return args
 
 
+def _chain_args(kind, stage, data, out, init_from):
+    """A run of the chain: `kind` (sft or dpo) under ZeRO `stage`, 4 steps on 2 ranks. The ZeRO-2 runs also save at
+    step 2: test_sigkill_then_resume_is_bit_exact kills a second start of them there and resumes it."""
+    steps = ["train.max_steps=4", *(["train.save_every=2"] if stage == 2 else []),
+             *(["train.micro_batch_size=2", "train.lr=1e-4"] if kind == "dpo" else [])]
+    return _stage_args(kind, data, out, init_from, *steps, extra=["--zero-stage", stage])
+
+
 @pytest.fixture(scope="module")
 def chain(zero_runs, sft_train_data, dpo_data, tmp_path_factory):
     """pretrain (ZeRO-2 run) -> sft -> dpo, under ZeRO-2 and ZeRO-3, 2 ranks each."""
     runs = {}
     for stage in (2, 3):
         sft = tmp_path_factory.mktemp(f"sft{stage}")
-        result = run_cli(*_stage_args("sft", sft_train_data, sft, zero_runs[2], "train.max_steps=4",
-                                      extra=["--zero-stage", stage]))
+        result = run_cli(*_chain_args("sft", stage, sft_train_data, sft, zero_runs[2]))
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         dpo = tmp_path_factory.mktemp(f"dpo{stage}")
-        result = run_cli(*_stage_args("dpo", dpo_data, dpo, sft, "train.max_steps=4", "train.micro_batch_size=2",
-                                      "train.lr=1e-4", extra=["--zero-stage", stage]))
+        result = run_cli(*_chain_args("dpo", stage, dpo_data, dpo, sft))
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         runs[stage] = {"sft": sft, "dpo": dpo}
     return runs
@@ -461,28 +467,28 @@ def _start(args, log):
                             start_new_session=True)
 
 
-@pytest.mark.parametrize("stage", ["sft", "dpo"])
-def test_sigkill_then_resume_is_bit_exact(stage, chain, sft_train_data, dpo_data, tmp_path):
-    data, init = (sft_train_data, chain[2]["sft"]) if stage == "sft" else (dpo_data, chain[2]["sft"])
-    steps = ["train.max_steps=6", "train.save_every=3", "train.eval_every=0", "train.micro_batch_size=8"]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    result = run_cli(*_stage_args(stage, data, straight, init, *steps))
-    assert result.returncode == 0, result.stderr[-3000:]
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_sigkill_then_resume_is_bit_exact(kind, chain, zero_runs, sft_train_data, dpo_data, tmp_path):
+    """The chain's ZeRO-2 run of `kind` (4 steps on 2 ranks, saved at steps 2 and 4), started again, SIGKILLed once
+    its step-2 checkpoint is written and resumed, repeats the uninterrupted run bit for bit."""
+    data, init = (sft_train_data, zero_runs[2]) if kind == "sft" else (dpo_data, chain[2]["sft"])
+    straight, killed = chain[2][kind], tmp_path / "killed"
+    args = _chain_args(kind, 2, data, killed, init)
     latest = killed / "checkpoints" / "latest"
     with open(tmp_path / "killed.log", "w") as log:
-        proc = _start(_stage_args(stage, data, killed, init, *steps), log)
+        proc = _start(args, log)
         try:
             deadline = time.time() + 300
-            while not (latest.is_file() and latest.read_text() == "global_step3"):
+            while not (latest.is_file() and latest.read_text() == "global_step2"):
                 assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
                 time.sleep(0.005)
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    result = run_cli(*_stage_args(stage, data, killed, init, *steps, extra=["--resume", "auto"]))
+    result = run_cli(*args, "--resume", "auto")
     assert result.returncode == 0, result.stderr[-3000:]
     a, b = _metrics(straight), _metrics(killed)
-    assert [r["step"] for r in b] == list(range(1, 7))
+    assert [r["step"] for r in b] == list(range(1, 5))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     wa, wb = consolidated_weights(straight), consolidated_weights(killed)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -493,10 +499,10 @@ def test_dpo_sanity_loss_starts_at_ln2_and_accuracy_rises(zero_runs, tokenizer_d
     rows = [{"prompt": f"{a} plus {b}?", "chosen": f"{a + b}", "rejected": f"{a + b + 7}"}
             for a in range(4) for b in range(4)]
     pairs.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    assert run_cli("data", "prepare", "--kind", "dpo", "--input", pairs, "--tokenizer", tokenizer_dir, "--out",
-                   tmp_path / "data", "--val-fraction", 0, "--seq-len", 32).returncode == 0
+    prepare("dpo", [str(pairs)], tokenizer_dir, tmp_path / "data", val_fraction=0.0, seq_len=32, workers=1,
+            show_progress=False)
     result = run_cli(*_stage_args("dpo", tmp_path / "data", tmp_path / "run", zero_runs[2], "data.seq_len=32",
-                                  "train.max_steps=30", "train.micro_batch_size=8", "train.lr=3e-3",
+                                  "train.max_steps=15", "train.micro_batch_size=8", "train.lr=3e-3",
                                   "train.warmup_steps=1", "train.eval_every=0", "train.dpo_beta=0.5", nproc=1))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = _metrics(tmp_path / "run")
