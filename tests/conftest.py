@@ -18,6 +18,8 @@ import pytest
 import torch.distributed as dist
 from filelock import FileLock
 
+from llm.runtime.rank_env import RANK_VARIABLES
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 
@@ -31,6 +33,19 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subpro
     """`zerollm ARGS` in a fresh interpreter, output captured as text."""
     return subprocess.run([sys.executable, "-m", "llm", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout, check=False)
+
+
+def zerollm_here(monkeypatch, *args) -> int:
+    """`zerollm ARGS` run in this process, as from a fresh shell (no launcher's rank variables, so an N-rank job is
+    launched from here, not joined); its exit code. Only for commands that train nothing in this process: a one-rank
+    job ends its process with os._exit."""
+    from llm.cli import main  # noqa: PLC0415 - after the environment above is set
+
+    for name in ("LOCAL_RANK", *RANK_VARIABLES):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as ended:
+        main(list(map(str, args)))
+    return ended.value.code
 
 
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:

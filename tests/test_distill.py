@@ -13,15 +13,13 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from conftest import FIXTURES, TINY, run_cli, train_args
-from llm.cli import main
+from conftest import FIXTURES, TINY, run_cli, train_args, zerollm_here
 from llm.config import build_config
 from llm.data.datasets import read_data_attrs
 from llm.data.prepare import prepare
 from llm.errors import UserError
 from llm.loading import consolidated_weights
 from llm.model.transformer import masked_cross_entropy
-from llm.runtime.rank_env import RANK_VARIABLES
 from llm.tokenizer import train_tokenizer
 from llm.train.objectives import distillation_loss
 from llm.train.teacher import check_teacher
@@ -115,13 +113,10 @@ def other_tokenizer_data(tmp_path_factory):
 def test_teacher_with_another_tokenizer_is_refused_naming_both(teacher, other_tokenizer_data, tmp_path, monkeypatch,
                                                                capfd):
     """Refused by the launching process of a 2-rank job before it starts a rank: `zerollm` is run in this one."""
-    for name in ("LOCAL_RANK", *RANK_VARIABLES):
-        monkeypatch.delenv(name, raising=False)  # as in a fresh shell: this process launches the ranks
-    with pytest.raises(SystemExit) as ended:
-        main(list(map(str, _distill_args(other_tokenizer_data, tmp_path / "run", teacher, "train.max_steps=1",
-                                         nproc=2))))
+    code = zerollm_here(monkeypatch, *_distill_args(other_tokenizer_data, tmp_path / "run", teacher,
+                                                    "train.max_steps=1", nproc=2))
     stderr = capfd.readouterr().err
-    assert ended.value.code == 2, stderr[-2000:]
+    assert code == 2, stderr[-2000:]
     error = [line for line in stderr.splitlines() if line.startswith("zerollm: error:")]
     assert len(error) == 1 and "Traceback" not in stderr
     assert f"its tokenizer {teacher / 'tokenizer'} (hash " in error[0]

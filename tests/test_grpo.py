@@ -13,14 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import TINY, run_cli
-from llm.cli import main
+from conftest import TINY, run_cli, zerollm_here
 from llm.config import GRPOConfig, ModelConfig, build_config
 from llm.errors import UserError
 from llm.export import export_model
 from llm.loading import consolidated_weights
 from llm.model import Transformer
-from llm.runtime.rank_env import RANK_VARIABLES
 from llm.train.objectives import GRPOObjective, token_logps
 from llm.train.prompts import prompt_record, read_prompts
 from llm.train.rewards import Completions, Reward, answers_match, final_answer
@@ -346,11 +344,8 @@ def test_bad_prompts_and_rewards_are_one_line_errors_before_training(policy, pro
         result = run_cli(*args)
         code, stderr = result.returncode, result.stderr
     else:  # found by the launching process before it starts a rank: `zerollm` run in this one
-        for name in ("LOCAL_RANK", *RANK_VARIABLES):
-            monkeypatch.delenv(name, raising=False)  # as in a fresh shell: this process launches the ranks
-        with pytest.raises(SystemExit) as ended:
-            main(list(map(str, args)))
-        code, stderr = ended.value.code, capfd.readouterr().err
+        code = zerollm_here(monkeypatch, *args)
+        stderr = capfd.readouterr().err
     assert code == 2 and message in stderr, stderr[-2000:]
     assert stderr.count("zerollm: error:") == 1 and "Traceback" not in stderr
     assert not (tmp_path / "run").exists()

@@ -10,9 +10,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import FIXTURES, TINY, run_cli
+from conftest import FIXTURES, TINY, run_cli, zerollm_here
 from llm.bench import trainable_parameters, write_random_conversations
-from llm.cli import main
 from llm.config import LORA_TARGETS, ModelConfig, build_config, parse_lora_spec
 from llm.data.datasets import PackedConversations
 from llm.data.prepare import prepare
@@ -249,16 +248,10 @@ def test_lora_run_on_two_ranks_resumes_on_one(runs, base, data, tmp_path):
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a)
 
 
-def _zerollm(*args) -> int:
-    """`zerollm ARGS` run in this process (a command that starts no training job here); its exit code."""
-    with pytest.raises(SystemExit) as ended:
-        main(list(map(str, args)))
-    return ended.value.code
-
-
-def test_export_of_a_lora_run_is_the_merged_model(runs, tmp_path, capfd):
+def test_export_of_a_lora_run_is_the_merged_model(runs, tmp_path, monkeypatch, capfd):
     run = runs["sft"][0]
-    assert _zerollm("export", "--run", run, "--out", tmp_path / "export") == 0, capfd.readouterr().err[-3000:]
+    code = zerollm_here(monkeypatch, "export", "--run", run, "--out", tmp_path / "export")
+    assert code == 0, capfd.readouterr().err[-3000:]
     exported = import_model(tmp_path / "export").eval()
     assert not any(map(is_adapter_key, exported.state_dict()))
     unmerged = load_lora_model(run, build_config((run / "config.yaml").as_posix()))
@@ -288,9 +281,10 @@ def test_lora_grpo_under_zero3_rolls_out_with_the_adapters(base, tmp_path):
                                                      if k.endswith("lora_b"))
 
 
-def test_bench_train_with_lora_sets_full_fine_tuning_beside_lora(capfd):
+def test_bench_train_with_lora_sets_full_fine_tuning_beside_lora(monkeypatch, capfd):
     sets = [a for o in TINY for a in ("--set", o)]
-    code = _zerollm("bench", "train", "--recipe", "demo", "--steps", 1, "--warmup", 0, "--lora", "r=4", *sets)
+    code = zerollm_here(monkeypatch, "bench", "train", "--recipe", "demo", "--steps", 1, "--warmup", 0, "--lora", "r=4",
+                        *sets)
     stdout, stderr = capfd.readouterr()  # this process's and its two training jobs'
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     table = stdout[stdout.index("bench train: recipe demo, SFT on random conversations"):]
