@@ -14,7 +14,8 @@ import pytest
 
 from conftest import REPO, TINY
 from llm.errors import UserError
-from llm.runtime.rank_env import free_port, rank_environment
+from llm.runtime.distributed import cpu_threads_per_rank
+from llm.runtime.rank_env import RANK_VARIABLES, free_port, rank_environment
 from standins import MPIRUN, OMPI_INFO, SSH, install
 
 BIN = Path(sys.executable).parent
@@ -118,3 +119,30 @@ def test_a_process_started_directly_is_a_group_of_one():
 def test_an_incomplete_launcher_environment_is_one_clear_error(environ, message):
     with pytest.raises(UserError, match=message):
         rank_environment(environ)
+
+
+THREADS_OF_A_RANK = ("from llm.runtime.distributed import setup_distributed; import torch; setup_distributed(); "
+                     "print(torch.get_num_threads())")
+
+
+@pytest.mark.parametrize("omp, cpus, expected", [
+    ("3", None, 3),  # torchrun, DeepSpeed's --bind_cores_to_rank or the user chose
+    (None, 1, 1),  # taskset, numactl or a container's cpuset leaves one CPU
+])
+def test_a_cpu_rank_runs_the_threads_its_launcher_or_cpu_mask_gives(omp, cpus, expected):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_RANK", *RANK_VARIABLES)}
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    allowed = sorted(os.sched_getaffinity(0))[:cpus]
+    result = subprocess.run([sys.executable, "-c", THREADS_OF_A_RANK], capture_output=True, text=True, timeout=300,
+                            cwd=REPO, env=env, preexec_fn=lambda: os.sched_setaffinity(0, allowed))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert int(result.stdout.split()[-1]) == expected
+
+
+def test_ranks_share_the_cpus_they_may_use_when_no_thread_count_is_given(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    assert cpu_threads_per_rank(2, {}) == 3
+    assert cpu_threads_per_rank(8, {}) == 1
+    assert cpu_threads_per_rank(2, {"OMP_NUM_THREADS": "0"}) == 3  # not a thread count
+    assert cpu_threads_per_rank(2, {"OMP_NUM_THREADS": "4"}) == 4

@@ -2,6 +2,7 @@
 config; samples at each evaluation under ZeRO-3 on two ranks; a resume on changed data is refused."""
 
 import json
+import os
 import socket
 import subprocess
 
@@ -11,6 +12,7 @@ import torch
 from test_train import _wandb_records
 
 from conftest import FIXTURES, REPO, run_cli, train_args
+from llm.runtime.distributed import cpu_threads_per_rank
 from llm.runtime.fingerprint import code_version, file_digest
 
 PROMPTS = 'train.sample_prompts=["Hello", "你好"]'
@@ -40,6 +42,7 @@ def test_the_run_record_names_command_code_versions_ranks_and_data(zero3_run, pr
     assert record["world_size"] == 2 and [r["rank"] for r in record["ranks"]] == [0, 1]
     assert {r["host"] for r in record["ranks"]} == {socket.gethostname()}
     assert len({r["pid"] for r in record["ranks"]}) == 2
+    assert [r["cpu_threads"] for r in record["ranks"]] == [cpu_threads_per_rank(2, os.environ)] * 2
     with h5py.File(pretrain_data / "tokens.h5") as h5:
         tokens = {split: h5[split]["tokens"].shape[0] for split in ("train", "val")}
     assert record["data"]["digest"] == file_digest(pretrain_data / "tokens.h5") and record["data"]["tokens"] == tokens

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -50,6 +51,20 @@ def ensure_accelerator_env() -> None:
     kind = local_device_type()
     if kind != "cuda" and "DS_ACCELERATOR" not in os.environ:
         os.environ["DS_ACCELERATOR"] = os.environ[CHOSEN_ACCELERATOR] = kind
+
+
+def cpu_threads_per_rank(local_world: int, environ: Mapping[str, str]) -> int:
+    """Threads for one CPU rank: OMP_NUM_THREADS where the user or a launcher set it (torchrun does, and DeepSpeed's
+    --bind_cores_to_rank), else the CPUs this process may run on (taskset, numactl, a container's cpuset) shared
+    among the node's ranks. Counting the machine's CPUs instead oversubscribes a restricted process."""
+    given = environ.get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity mask
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // local_world)
 
 
 @dataclass(frozen=True)
@@ -86,7 +101,7 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
         device = torch.device("cuda", local_rank)
         backend = "nccl"
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(cpu_threads_per_rank(local_world, os.environ))
         device = torch.device(kind)
         backend = "gloo"
     try:

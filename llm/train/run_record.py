@@ -7,7 +7,7 @@ newest as `run_record`:
     code               git commit and whether the checkout had uncommitted changes (when the package runs from a
                        git checkout), and the digest of the package source (`llm.runtime.fingerprint.code_version`)
     versions           python, torch (with its CUDA), deepspeed and the other libraries that shape the numbers
-    ranks              rank, local rank, host, pid and device of every rank (gathered at the start)
+    ranks              rank, local rank, host, pid, device and CPU threads of every rank (gathered at the start)
     data               the data directory, the digest of tokens.h5 (`llm.runtime.fingerprint.file_digest`), the
                        tokenizer hash and the tokens of each split
     resumed_from       the checkpoint tag a resumed session started from
@@ -90,7 +90,7 @@ def versions() -> dict[str, str]:
 def _this_rank(info: DistInfo) -> dict[str, Any]:
     device = torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else platform.processor() or "cpu"
     return {"rank": info.rank, "local_rank": info.local_rank, "host": socket.gethostname(), "pid": os.getpid(),
-            "device": f"{info.device} ({device})"}
+            "device": f"{info.device} ({device})", "cpu_threads": torch.get_num_threads()}
 
 
 def run_record(info: DistInfo, data: dict[str, Any], resumed_from: str | None) -> dict[str, Any]:
