@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-import torch
 
 from launch.environment import env_file_text, parse_env, remote_exports
 from launch.hostfile import active_slots, check_address, check_filter, hostfile_text, read_hostfile
@@ -49,7 +48,6 @@ from launch.options import LaunchOptions, launcher_problem
 from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
 from llm.errors import EXIT_PREEMPTED, UserError
-from llm.runtime.distributed import ensure_accelerator_env
 from llm.runtime.supervisor import supervisor_env
 
 _EQUAL_SLOTS = ("mvapich", "mpich", "impi")
@@ -180,6 +178,8 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
 
 
 def _local_devices() -> int:
+    import torch  # noqa: PLC0415 - torch only when the GPUs must be counted: a refused launch answers without it
+
     return max(1, torch.cuda.device_count())
 
 
@@ -322,6 +322,8 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
     """Start the launcher in its own session, forward SIGTERM/SIGINT to the training ranks, return the exit code:
     EXIT_PREEMPTED when the ranks published a checkpoint saved on a stop signal during this launch (here or on
     another node), whatever code the launcher reports (torchrun reports any non-zero rank as 1)."""
+    from llm.runtime.distributed import ensure_accelerator_env  # noqa: PLC0415 - imports torch, needed only now
+
     ensure_accelerator_env()
     with tempfile.TemporaryDirectory(prefix="zerollm-launch-") as tmp:
         for name, content in plan.files.items():

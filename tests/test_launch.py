@@ -93,6 +93,16 @@ def test_the_training_command_is_checked_before_launching(tmp_path):
     assert result.returncode == 2 and "--nproc-per-node" in result.stderr
 
 
+def test_a_refused_launch_answers_without_loading_torch(tmp_path):
+    """torch (about 2 s to import) is loaded only to count GPUs or start the launcher, not to refuse bad options."""
+    script = "import sys\nfrom llm.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n" \
+             "    print(e.code, 'torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", script, "launch", "--nnodes", "2", "--", *_job(tmp_path, tmp_path)],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert "per-node mode needs --nnodes, --node-rank and --master-addr" in result.stderr
+    assert result.stdout.split() == ["2", "False"]
+
+
 def _launch_args(*argv):
     return launch_options(build_parser().parse_args(["launch", *argv, "--", "train"]))
 
