@@ -456,15 +456,17 @@ def second_address():
 
 def test_two_nodes_meet_across_a_real_interface(second_address, pretrain_data, tmp_path):
     """Node 1 lives in its own network namespace: the rendezvous, gloo and the watchdog's store cross a veth pair
-    (each node's gloo interface is passed with --env, so this also shows --env reaching the ranks)."""
+    (each node's gloo interface is passed with --env, and a thread count that each rank's run record shows)."""
     host_if, ns_if, in_namespace = second_address
     port, run = free_port(), tmp_path / "run"
     procs = []
     for rank, (prefix, interface) in enumerate([([], host_if), (in_namespace, ns_if)]):
         argv = [*prefix, sys.executable, "-m", "llm", "launch", "--nnodes", "2", "--node-rank", str(rank),
                 "--master-addr", "10.77.0.1", "--master-port", str(port), "--env", f"GLOO_SOCKET_IFNAME={interface}",
-                "--", *_job(pretrain_data, run, "train.max_steps=2")]
+                "--env", "OMP_NUM_THREADS=3", "--", *_job(pretrain_data, run, "train.max_steps=2")]
         with open(tmp_path / f"node{rank}.log", "w") as log:  # the child keeps its own descriptor
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     assert _wait_all(procs) == [0, 0], (tmp_path / "node1.log").read_text()[-3000:]
     assert [r["step"] for r in _metrics(run)] == [1, 2] and "2 rank(s)" in (tmp_path / "node0.log").read_text()
+    (record,) = [json.loads(line) for line in (run / "run_record.jsonl").read_text().splitlines()]
+    assert [r["cpu_threads"] for r in record["ranks"]] == [3, 3]  # --env reached both nodes' ranks
