@@ -425,25 +425,30 @@ def test_an_moe_load_balancing_loss_counts_every_micro_batch_alike(one_rank_grou
 
 def test_every_objective_returns_an_moe_policys_load_balancing_loss_apart():
     """SFT, DPO, GRPO and distillation each backpropagate the policy's load-balancing loss (DPO and GRPO used to
-    drop it, leaving the router unbalanced), and a validation loss is the cross-entropy alone."""
+    drop it, leaving the router unbalanced), DPO and GRPO over their rows' real tokens only (not the right padding),
+    and a validation loss is the cross-entropy alone."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=61, dim=32, n_layers=1, n_heads=2, max_seq_len=32, moe=True, n_experts=4,
                       n_experts_per_token=2, moe_aux_loss_coef=1.0)
     policy, other = Transformer(cfg), Transformer(cfg)
     tokens = torch.randint(0, 61, (4, 9))
     mask = torch.ones(4, 9)
+    padded = mask.clone()
+    padded[1::2, 5:] = 0  # rows 1 and 3 end after 5 targets, then right padding
     lm = {"tokens": tokens, "targets": torch.roll(tokens, -1, 1), "loss_mask": mask}
     pairs = {f"{side}_{k}": v[i:i + 2] for side, i in (("chosen", 0), ("rejected", 2))
-             for k, v in (("tokens", tokens), ("targets", lm["targets"]), ("mask", mask))}
-    rollouts = {"tokens": tokens, "targets": lm["targets"], "mask": mask, "advantages": torch.tensor([1., -1, 1, -1])}
+             for k, v in (("tokens", tokens), ("targets", lm["targets"]), ("mask", padded))}
+    rollouts = {"tokens": tokens, "targets": lm["targets"], "mask": padded, "advantages": torch.tensor([1., -1, 1, -1])}
     objectives = [(CausalLMObjective(), lm), (DPOObjective(other, beta=0.1), pairs),
                   (GRPOObjective(GRPOConfig(kl_coef=0.0)), rollouts), (DistillObjective(other, 0.5, 2.0), lm)]
-    aux = policy(tokens).aux_loss.item()
+    aux, aux_of_real = policy(tokens).aux_loss.item(), policy(tokens, token_mask=padded).aux_loss.item()
+    assert aux_of_real != pytest.approx(aux)  # the padding would change it
     with_aux = [objective(policy, dict(batch)) for objective, batch in objectives]
     for layer in policy.layers:
         layer.feed_forward.aux_loss_coef = 0.0  # the same policy without a load-balancing loss
     for (objective, batch), micro in zip(objectives, with_aux, strict=True):
-        assert micro.aux.item() == pytest.approx(aux), objective  # returned apart...
+        expected = aux_of_real if "mask" in batch or "chosen_mask" in batch else aux
+        assert micro.aux.item() == pytest.approx(expected), objective  # returned apart...
         assert micro.loss.item() == objective(policy, dict(batch)).loss.item(), objective  # ...and not in the loss
     policy.eval()
     cross_entropy = masked_cross_entropy(policy(tokens).logits, lm["targets"], mask).item()
