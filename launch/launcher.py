@@ -48,6 +48,7 @@ from launch.options import LaunchOptions, launcher_problem
 from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
 from llm.errors import EXIT_PREEMPTED, UserError
+from llm.runtime.cpu_threads import cpu_threads_per_rank
 from llm.runtime.supervisor import supervisor_env
 
 _EQUAL_SLOTS = ("mvapich", "mpich", "impi")
@@ -145,9 +146,10 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
         if args.hostfile or args.nnodes or args.node_rank is not None:
             raise UserError("--backend slurm takes the nodes from SLURM; drop --hostfile/--nnodes/--node-rank")
         nnodes, node_rank, master = slurm_rendezvous(environ)
-        return _plan_torchrun(nnodes, node_rank, args.master_addr or master, args.master_port,
-                              nproc or int(environ.get("SLURM_GPUS_ON_NODE", 1)),
-                              args.rdzv_id or environ.get("SLURM_JOB_ID", "zerollm"), env, train_argv)
+        nproc = nproc or int(environ.get("SLURM_GPUS_ON_NODE", 1))
+        return _plan_torchrun(nnodes, node_rank, args.master_addr or master, args.master_port, nproc,
+                              args.rdzv_id or environ.get("SLURM_JOB_ID", "zerollm"),
+                              _torchrun_threads(nproc, environ) | env, train_argv)
     if (args.include or args.exclude) and not args.hostfile:
         raise UserError("--include/--exclude select hosts of a --hostfile")
     if args.hostfile and args.node_rank is None:
@@ -163,8 +165,8 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
     if args.backend == "torchrun":
         if args.hostfile:
             raise UserError("--hostfile is for --backend deepspeed; torchrun nodes meet at --master-addr")
-        return _plan_torchrun(nnodes, node_rank, master, args.master_port, nproc, args.rdzv_id or "zerollm", env,
-                              train_argv)
+        return _plan_torchrun(nnodes, node_rank, master, args.master_port, nproc, args.rdzv_id or "zerollm",
+                              _torchrun_threads(nproc, environ) | env, train_argv)
     _check_rendezvous_host(node_rank, master, args.master_port)
     if args.hostfile:
         hosts = read_hostfile(args.hostfile)
@@ -190,6 +192,12 @@ def _check_rendezvous_host(node_rank: int, master: str, port: int) -> None:
         raise UserError(f"--master-addr {master} is not an address of this node, but node rank 0 hosts the "
                         "rendezvous; give node 0's own address")
     check_port_free(port)
+
+
+def _torchrun_threads(nproc: int, environ: dict[str, str]) -> dict[str, str]:
+    """torchrun gives every rank OMP_NUM_THREADS=1 where it is not set; a CPU job's ranks share the node's CPUs
+    instead (`llm.runtime.cpu_threads`). --env OMP_NUM_THREADS=N, or the variable set here, is kept."""
+    return {} if "OMP_NUM_THREADS" in environ else {"OMP_NUM_THREADS": str(cpu_threads_per_rank(nproc, {}))}
 
 
 def _plan_torchrun(nnodes: int, node_rank: int, master: str, port: int, nproc: int, rdzv_id: str,

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from filelock import FileLock
 
+from llm.runtime.cpu_threads import cpu_threads_per_rank
 from llm.runtime.rank_env import RANK_VARIABLES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ if os.environ.get("PYTEST_XDIST_WORKER") is not None:
     # one worker per core, each running tests and starting jobs of its own: a thread per process keeps the cores
     # from being oversubscribed (the jobs' ranks take OMP_NUM_THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    torch.set_num_threads(cpu_threads_per_rank(1, os.environ))
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -21,6 +21,7 @@ from launch.launcher import plan_launch, slurm_rendezvous
 from launch.nodelist import expand_nodelist, slurm_hosts
 from llm.cli import build_parser, launch_options
 from llm.errors import UserError
+from llm.runtime.cpu_threads import usable_cpus
 from llm.runtime.fingerprint import mismatch_message
 from llm.runtime.rank_env import free_port
 
@@ -121,6 +122,11 @@ def test_plans_for_each_mode(tmp_path):
     assert " ".join(torchrun.argv("{dir}")).endswith(
         "torch.distributed.run --nnodes 3 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 "
         "--rdzv-id zerollm --rdzv-conf is_host=0 --max-restarts 0 -m llm train pretrain")
+    # torchrun would run each rank on one thread; the ranks share the CPUs instead, unless OMP_NUM_THREADS is given
+    assert torchrun.env == {"OMP_NUM_THREADS": str(max(1, len(usable_cpus()) // 8))}
+    given = ["--backend", "torchrun", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"]
+    assert plan_launch(_launch_args(*given, "--env", "OMP_NUM_THREADS=5"), job, {}).env == {"OMP_NUM_THREADS": "5"}
+    assert plan_launch(_launch_args(*given), job, {"OMP_NUM_THREADS": "3"}).env == {}
 
     (tmp_path / "hosts").write_text("a slots=8  # comment\nb   slots = 8\n")
     hostfile = plan_launch(_launch_args("--hostfile", str(tmp_path / "hosts"), "--master-addr", "10.0.0.1",
@@ -459,14 +465,15 @@ def test_two_nodes_meet_across_a_real_interface(second_address, pretrain_data, t
     (each node's gloo interface is passed with --env, and a thread count that each rank's run record shows)."""
     host_if, ns_if, in_namespace = second_address
     port, run = free_port(), tmp_path / "run"
+    threads = len(usable_cpus()) + 1  # neither the CPUs of a node's one rank nor what this process inherited
     procs = []
     for rank, (prefix, interface) in enumerate([([], host_if), (in_namespace, ns_if)]):
         argv = [*prefix, sys.executable, "-m", "llm", "launch", "--nnodes", "2", "--node-rank", str(rank),
                 "--master-addr", "10.77.0.1", "--master-port", str(port), "--env", f"GLOO_SOCKET_IFNAME={interface}",
-                "--env", "OMP_NUM_THREADS=3", "--", *_job(pretrain_data, run, "train.max_steps=2")]
+                "--env", f"OMP_NUM_THREADS={threads}", "--", *_job(pretrain_data, run, "train.max_steps=2")]
         with open(tmp_path / f"node{rank}.log", "w") as log:  # the child keeps its own descriptor
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     assert _wait_all(procs) == [0, 0], (tmp_path / "node1.log").read_text()[-3000:]
     assert [r["step"] for r in _metrics(run)] == [1, 2] and "2 rank(s)" in (tmp_path / "node0.log").read_text()
     (record,) = [json.loads(line) for line in (run / "run_record.jsonl").read_text().splitlines()]
-    assert [r["cpu_threads"] for r in record["ranks"]] == [3, 3]  # --env reached both nodes' ranks
+    assert [r["cpu_threads"] for r in record["ranks"]] == [threads, threads]  # --env reached both nodes' ranks

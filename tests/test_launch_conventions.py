@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, TINY
 from llm.errors import UserError
-from llm.runtime.distributed import cpu_threads_per_rank
+from llm.runtime.cpu_threads import cpu_threads_per_rank, ranks_sharing_cpus, threads_asked
 from llm.runtime.rank_env import RANK_VARIABLES, free_port, rank_environment
 from standins import MPIRUN, OMPI_INFO, SSH, install
 
@@ -141,8 +141,24 @@ def test_a_cpu_rank_runs_the_threads_its_launcher_or_cpu_mask_gives(omp, cpus, e
 
 
 def test_ranks_share_the_cpus_they_may_use_when_no_thread_count_is_given(monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
     assert cpu_threads_per_rank(2, {}) == 3
     assert cpu_threads_per_rank(8, {}) == 1
-    assert cpu_threads_per_rank(2, {"OMP_NUM_THREADS": "0"}) == 3  # not a thread count
     assert cpu_threads_per_rank(2, {"OMP_NUM_THREADS": "4"}) == 4
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS keeps no affinity mask
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert cpu_threads_per_rank(2, {}) == 4
+
+
+@pytest.mark.parametrize("value, expected", [("4", 4), (" 4 ", 4), ("4,2", 4), ("0", None), ("", None), ("two", None),
+                                             ("²", None), ("-1", None)])
+def test_omp_num_threads_is_read_as_openmp_reads_its_outer_level(value, expected):
+    assert threads_asked({"OMP_NUM_THREADS": value}) == expected
+
+
+def test_ranks_bound_to_cpus_of_their_own_do_not_share_them():
+    a, b = frozenset({0, 1, 2, 3}), frozenset({4, 5, 6, 7})
+    shared = [("n0", a | b)] * 4 + [("n1", a | b)] * 4
+    assert ranks_sharing_cpus(("n0", a | b), shared) == 4  # one mask for the node's 4 ranks; n1's are elsewhere
+    bound = [("n0", a), ("n0", a), ("n0", b), ("n0", b)]  # mpirun --bind-to socket, 2 sockets
+    assert ranks_sharing_cpus(("n0", a), bound) == 2 and ranks_sharing_cpus(("n0", b), bound) == 2

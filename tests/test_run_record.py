@@ -12,7 +12,7 @@ import torch
 from test_train import _wandb_records
 
 from conftest import FIXTURES, REPO, run_cli, train_args
-from llm.runtime.distributed import cpu_threads_per_rank
+from llm.runtime.cpu_threads import cpu_threads_per_rank
 from llm.runtime.fingerprint import code_version, file_digest
 
 PROMPTS = 'train.sample_prompts=["Hello", "你好"]'

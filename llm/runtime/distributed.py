@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
 from llm.errors import UserError
+from llm.runtime.cpu_threads import cpu_claim, cpu_threads_per_rank, ranks_sharing_cpus
 from llm.runtime.rank_env import CHOSEN_ACCELERATOR, announced_world_size, rank_environment
 
 
@@ -51,20 +51,6 @@ def ensure_accelerator_env() -> None:
     kind = local_device_type()
     if kind != "cuda" and "DS_ACCELERATOR" not in os.environ:
         os.environ["DS_ACCELERATOR"] = os.environ[CHOSEN_ACCELERATOR] = kind
-
-
-def cpu_threads_per_rank(local_world: int, environ: Mapping[str, str]) -> int:
-    """Threads for one CPU rank: OMP_NUM_THREADS where the user or a launcher set it (torchrun does, and DeepSpeed's
-    --bind_cores_to_rank), else the CPUs this process may run on (taskset, numactl, a container's cpuset) shared
-    among the node's ranks. Counting the machine's CPUs instead oversubscribes a restricted process."""
-    given = environ.get("OMP_NUM_THREADS", "").strip()
-    if given.isdigit() and int(given) > 0:
-        return int(given)
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS has no affinity mask
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // local_world)
 
 
 @dataclass(frozen=True)
@@ -101,7 +87,6 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
         device = torch.device("cuda", local_rank)
         backend = "nccl"
     else:
-        torch.set_num_threads(cpu_threads_per_rank(local_world, os.environ))
         device = torch.device(kind)
         backend = "gloo"
     try:
@@ -112,4 +97,15 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
         raise UserError(f"rank {rank}: the {world} ranks did not all meet at {address} within "
                         f"train.collective_timeout_s={timeout_s:g} s ({reason}); start every node with the same node "
                         "count, master address and port, and check that node 0 is reachable from the others") from None
+    if kind != "cuda":
+        torch.set_num_threads(cpu_threads_per_rank(_ranks_sharing_my_cpus(world), os.environ))
     return DistInfo(rank, local_rank, world, local_world, device)
+
+
+def _ranks_sharing_my_cpus(world: int) -> int:
+    """Every rank asks (a collective): how many ranks of this node may run on a CPU this rank may run on."""
+    mine = cpu_claim()
+    claims = [mine] * world
+    if world > 1:
+        torch.distributed.all_gather_object(claims, mine)
+    return ranks_sharing_cpus(mine, claims)
