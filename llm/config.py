@@ -145,8 +145,9 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     precision: str = "auto"
-    """'auto' (bf16 where the device has it, fp16 on GPUs without bf16), 'bf16', 'fp16' (CUDA only; dynamic loss
-    scaling) or 'fp32'. The run directory's config.yaml records what 'auto' became."""
+    """'auto' (bf16 where the device has it, fp16 on GPUs without bf16, fp32 on CPUs that only emulate bf16),
+    'bf16', 'fp16' (CUDA only; dynamic loss scaling) or 'fp32'. The run directory's config.yaml records what 'auto'
+    became."""
     seed: int = 1337
     log_every: int = 1
     eval_every: int = 100

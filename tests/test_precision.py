@@ -16,7 +16,7 @@ from llm.config import build_config
 from llm.errors import UserError
 from llm.runtime.distributed import DistInfo
 from llm.runtime.rank_env import free_port
-from llm.train import checkpoint
+from llm.train import checkpoint, metrics
 from llm.train import engine as engine_module
 from llm.train.engine import load_ds_config, loss_scale_of, resolve_ds_config, resolve_precision
 from llm.train.steps import DataSteps
@@ -26,8 +26,14 @@ CPU = torch.device("cpu")
 GPU = torch.device("cuda", 0)
 
 
-def test_auto_is_bf16_on_the_cpu_and_fp16_is_refused_there():
-    assert resolve_precision("auto", CPU) == "bf16"
+@pytest.mark.parametrize("native_bf16, expected", [(True, "bf16"), (False, "fp32")])
+def test_auto_on_the_cpu_is_bf16_only_where_it_multiplies_bf16_in_hardware(monkeypatch, native_bf16, expected):
+    monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: native_bf16)
+    assert resolve_precision("auto", CPU) == expected
+    assert resolve_precision("bf16", CPU) == "bf16"  # asked for: slow without hardware support, but it runs
+
+
+def test_fp32_runs_on_the_cpu_and_fp16_is_refused_there():
     assert resolve_precision("fp32", CPU) == "fp32"
     with pytest.raises(UserError, match="fp16 needs a CUDA GPU"):
         resolve_precision("fp16", CPU)
@@ -111,3 +117,21 @@ def test_the_loss_scale_is_checkpointed_and_restored_on_resume(tmp_path, process
     engine.optimizer.cur_scale = 65536.0  # a fresh engine starts from its initial scale
     trainer.resume("global_step7", universal=False)
     assert engine.optimizer.cur_scale == 2048.0 and trainer.step == 7
+
+
+def test_the_cpu_peak_stops_growing_its_matmul_once_one_takes_long_enough(monkeypatch):
+    """A CPU that emulates bf16 took 13 s per rank at the start of every run to time 1024^3 products."""
+    clock, sizes = [0.0], []
+
+    def mm(a, b):  # one nanosecond per multiply-add: 256^3 takes 17 ms, 512^3 134 ms
+        sizes.append(a.shape[0])
+        clock[0] += a.shape[0] ** 3 * 1e-9
+        return a
+
+    monkeypatch.setattr(metrics.torch, "mm", mm)
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    assert metrics.measure_peak_flops(CPU, torch.bfloat16) == pytest.approx(2e9)
+    assert sorted(set(sizes)) == [128, 256, 512]
+    sizes.clear()
+    assert metrics.measure_peak_flops(CPU, torch.float32, enough_s=1.0) == pytest.approx(2e9)
+    assert max(sizes) == 1024  # never beyond it

@@ -30,10 +30,17 @@ DYNAMIC_LOSS_SCALING = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_
 overflow (after `hysteresis` of them), doubled after 1000 steps without one."""
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware as oneDNN counts it (AVX-512 on x86, the BF16 extension on Arm).
+    Without it (AVX2 only: most laptops) bf16 matmuls are emulated: 26x slower than fp32 in training measured on a
+    2-core AVX2 machine (docs/benchmarks.md)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def resolve_precision(requested: str, device: torch.device) -> str:
-    """train.precision for this device: 'auto' is bf16 where the device has it (the CPU, Ampere and newer GPUs,
-    Apple GPUs on macOS 14+) and fp16 with dynamic loss scaling on older GPUs (T4, V100, RTX 20), fp32 on older
-    Macs; a precision the device cannot run is refused."""
+    """train.precision for this device: 'auto' is bf16 where the device has it (CPUs that multiply bf16 in
+    hardware, Ampere and newer GPUs, Apple GPUs on macOS 14+), fp16 with dynamic loss scaling on older GPUs (T4,
+    V100, RTX 20), fp32 on other CPUs and older Macs; a precision the device cannot run is refused."""
     if device.type == "mps":
         if requested == "auto":
             return "bf16" if torch.backends.mps.is_macos_or_newer(14, 0) else "fp32"
@@ -42,7 +49,9 @@ def resolve_precision(requested: str, device: torch.device) -> str:
         if requested == "fp16":
             raise UserError("train.precision=fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator has no fp16); "
                             "use bf16 or fp32 here")
-        return "bf16" if requested == "auto" else requested
+        if requested == "auto":
+            return "bf16" if cpu_has_native_bf16() else "fp32"
+        return requested
     has_bf16 = torch.cuda.is_bf16_supported()
     if requested == "auto":
         return "bf16" if has_bf16 else "fp16"

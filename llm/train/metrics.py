@@ -3,8 +3,8 @@
 MFU = achieved model FLOP/s / peak FLOP/s, with model FLOPs per token = 6 * (matmul parameters
 active per token) + 12 * n_layers * dim * seq_len (attention scores), as in the PaLM paper.
 The peak is `train.peak_tflops` when given, a table entry for known GPUs (dense bf16), and on CPU
-the best measured rate of a 1024^3 matmul in the training dtype on the threads each rank uses (so
-CPU MFU reads "share of what this machine's matmul reaches").
+the best measured rate of a square matmul (1024^3, or smaller where one takes 20 ms) in the training dtype on the
+threads each rank uses (so CPU MFU reads "share of what this machine's matmul reaches").
 """
 
 from __future__ import annotations
@@ -44,22 +44,29 @@ def flops_per_token(cfg: ModelConfig, total_params: int, seq_len: int) -> float:
     return 6.0 * matmul_params_per_token(cfg, total_params) + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
-    """Best rate of a square matmul in `dtype` on `device` (on the CPU: this process's threads). The operands come
-    from a generator of their own: drawn from the global RNG after a resume restored it, they would shift every
-    dropout mask of the resumed run."""
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, max_size: int = 1024, enough_s: float = 0.02,
+                       repeats: int = 5) -> float:
+    """Best rate of a square matmul in `dtype` on `device` (on the CPU: this process's threads), at `max_size` or at
+    the first smaller power of two from 128 whose product takes `enough_s`: a CPU that emulates bf16 reaches its
+    rate on small matrices and would spend seconds on each 1024^3 one. The operands come from a generator of their
+    own: drawn from the global RNG after a resume restored it, they would shift every dropout mask of the resumed
+    run."""
     generator = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(size, size, generator=generator).to(device, dtype) for _ in range(2))
     synchronize = torch.mps.synchronize if device.type == "mps" else (lambda: None)
-    torch.mm(a, b)
-    synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+    size = min(128, max_size)
+    while True:
+        a, b = (torch.randn(size, size, generator=generator).to(device, dtype) for _ in range(2))
         torch.mm(a, b)
         synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size ** 3 / best
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            synchronize()
+            best = min(best, time.perf_counter() - start)
+        if size >= max_size or best >= enough_s:
+            return 2.0 * size ** 3 / best
+        size *= 2
 
 
 def peak_flops_per_rank(device: torch.device, configured_tflops: float | None, dtype: torch.dtype) -> float:
