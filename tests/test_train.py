@@ -19,6 +19,7 @@ from conftest import METRIC_KEYS, run_cli
 from conftest import train_args as _args
 from launch.launcher import is_rank_command
 from llm.loading import consolidated_weights
+from llm.train.engine import cpu_has_native_bf16
 
 
 def _metrics(run):
@@ -93,6 +94,8 @@ def test_bf16_on_two_ranks(pretrain_data, tmp_path):
     rows = _metrics(tmp_path)
     assert len(rows) == 3 and all(math.isfinite(r["loss"]) for r in rows)
     assert json.loads((tmp_path / "ds_config.json").read_text())["bf16"]["enabled"] is True
+    assert ("this CPU only emulates bf16" in result.stdout) == (not cpu_has_native_bf16())  # said once if so
+    assert result.stdout.count("emulates bf16") <= 1
 
 
 def _start(args, log):

@@ -36,6 +36,7 @@ from llm.tokenizer import Tokenizer
 from llm.train import checkpoint
 from llm.train.engine import (
     build_engine,
+    cpu_has_native_bf16,
     frozen_engine,
     load_ds_config,
     resolve_ds_config,
@@ -274,6 +275,9 @@ def _announce(cfg: RunConfig, info: DistInfo, ds_config: dict, trainer: Trainer,
           + (f", resumed at step {trainer.step}" if resumed else "")
           + (f", time budget {trainer.budget.max_time:g} s ({trainer.budget.elapsed:.1f} s used)"
              if trainer.budget.enabled else ""), flush=True)
+    if info.device.type == "cpu" and cfg.train.precision == "bf16" and not cpu_has_native_bf16():
+        print(f"{stage}: note: this CPU only emulates bf16 (no AVX-512 or Arm BF16), many times slower than fp32 "
+              "(docs/benchmarks.md); train.precision=auto or fp32 trains faster here", flush=True)
     print(f"{stage}: {trainable_summary(trainer.engine.module, cfg.lora)}", flush=True)
     if stage == "grpo" and train_set.skipped:
         print(train_set.summary(), flush=True)
