@@ -146,7 +146,7 @@ def test_deepspeeds_slurm_runner_is_refused_for_backend_slurm_which_keeps_commas
     slurm = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "PATH": str(tmp_path)}
     plan = plan_launch(_launch_args("--backend", "slurm", "--env", "NCCL_SOCKET_IFNAME=^docker0,lo,ib0"),
                        ["train"], slurm)
-    assert plan.env == {"NCCL_SOCKET_IFNAME": "^docker0,lo,ib0"} and plan.files == {}
+    assert plan.env["NCCL_SOCKET_IFNAME"] == "^docker0,lo,ib0" and plan.files == {}
 
 
 # ---- MPI launchers: what DeepSpeed's MPI runners cannot express ----------------------------------
