@@ -28,7 +28,6 @@ from llm.infer.sampling import SamplingParams
 from llm.loading import load_for_inference
 from llm.model import Transformer
 from llm.model.lora import apply_lora, parameter_counts
-from llm.train.engine import resolve_precision
 
 BENCH_VOCAB = 6400
 """Vocabulary of the random tokens when the recipe leaves it to the tokenizer."""
@@ -141,7 +140,7 @@ def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int 
             if isinstance(result, int):
                 return result
             figures[name] = result
-    precision = resolve_precision(t.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+            precision = rundir.recorded_precision(run)  # what auto became on the device it ran on
     print(f"\nbench train: recipe {recipe}, {'SFT on random conversations' if lora else 'random tokens'}, "
           f"{nproc} rank(s), {precision}, micro batch {t.micro_batch_size} x accum {t.grad_accum}, seq "
           f"{cfg.data.seq_len}; median of {steps} steps after {warmup} warm-up")

@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llm.config import load_yaml
 from llm.errors import UserError
 
 CONFIG_FILE = "config.yaml"
@@ -58,6 +59,11 @@ def is_run_dir(path: Path) -> bool:
 
 def config_file(run_dir: Path) -> Path:
     return run_dir / CONFIG_FILE
+
+
+def recorded_precision(run_dir: Path) -> str:
+    """train.precision as RUN_DIR/config.yaml records it: what `auto` became on the device the run trained on."""
+    return load_yaml(config_file(run_dir).read_text())["train"]["precision"]
 
 
 def tokenizer_dir(directory: Path) -> Path:

@@ -135,3 +135,38 @@ def test_the_cpu_peak_stops_growing_its_matmul_once_one_takes_long_enough(monkey
     sizes.clear()
     assert metrics.measure_peak_flops(CPU, torch.float32, enough_s=1.0) == pytest.approx(2e9)
     assert max(sizes) == 1024  # never beyond it
+    sizes.clear()
+    metrics.measure_peak_flops(CPU, torch.float32, max_size=1000, enough_s=1.0)
+    assert sorted(set(sizes)) == [128, 256, 512, 1000]
+
+
+def test_a_torch_without_onednn_bf16_checks_counts_as_emulating_bf16(monkeypatch):
+    def missing():
+        raise AttributeError("'_OpNamespace' 'mkldnn' object has no attribute '_is_mkldnn_bf16_supported'")
+
+    monkeypatch.setattr(engine_module.torch.backends.mkldnn, "is_available", lambda: True)
+    monkeypatch.setattr(engine_module.torch.ops.mkldnn, "_is_mkldnn_bf16_supported", missing)
+    assert engine_module.cpu_has_native_bf16() is False
+    assert resolve_precision("auto", CPU) == "fp32"
+    monkeypatch.setattr(engine_module.torch.backends.mkldnn, "is_available", lambda: False)
+    assert engine_module.cpu_has_native_bf16() is False
+
+
+def test_a_resumed_run_keeps_its_precision_and_refuses_another(pretrain_data, tmp_path):
+    """`auto` on a resume takes what the run was saved in, even where this CPU would choose the other (a run begun
+    before `auto` chose fp32 on CPUs that emulate bf16, or moved between machines): DeepSpeed names a bf16 run's
+    optimizer files differently, so loading in the other precision failed half way with a traceback."""
+    run = tmp_path / "run"
+    other = "fp32" if engine_module.cpu_has_native_bf16() else "bf16"  # not what auto picks here
+    result = run_cli(*train_args(pretrain_data, run, "train.max_steps=1", f"train.precision={other}"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    mismatch = "bf16" if other == "fp32" else "fp32"
+    result = run_cli(*train_args(pretrain_data, run, "train.max_steps=2", f"train.precision={mismatch}",
+                                 extra=["--resume", "auto"]))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"{run} was trained in {other}; train.precision={mismatch} cannot resume it" in result.stderr
+    result = run_cli(*train_args(pretrain_data, run, "train.max_steps=2", "train.precision=auto",
+                                 extra=["--resume", "auto"]))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"ZeRO stage 2, {other}," in result.stdout and "resumed at step 1" in result.stdout
+    assert rundir.recorded_precision(run) == other

@@ -31,15 +31,18 @@ overflow (after `hysteresis` of them), doubled after 1000 steps without one."""
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware as oneDNN counts it (AVX-512 on x86, the BF16 extension on Arm).
-    Without it (AVX2 only: most laptops) bf16 matmuls are emulated: 26x slower than fp32 in training measured on a
-    2-core AVX2 machine (docs/benchmarks.md)."""
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """Whether oneDNN has bf16 kernels for this CPU (AVX-512 on x86, the BF16 extension on Arm). Without them (AVX2
+    only: most laptops) bf16 matmuls are emulated: training ran 21x slower than in fp32 on a 2-core AVX2 machine
+    (docs/benchmarks.md). False where torch was built without oneDNN."""
+    try:
+        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # the op is missing from some builds (e.g. Jetson's)
+        return False
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
-    """train.precision for this device: 'auto' is bf16 where the device has it (CPUs that multiply bf16 in
-    hardware, Ampere and newer GPUs, Apple GPUs on macOS 14+), fp16 with dynamic loss scaling on older GPUs (T4,
+    """train.precision for this device: 'auto' is bf16 where the device has it (CPUs with oneDNN bf16 kernels,
+    Ampere and newer GPUs, Apple GPUs on macOS 14+), fp16 with dynamic loss scaling on older GPUs (T4,
     V100, RTX 20), fp32 on other CPUs and older Macs; a precision the device cannot run is refused."""
     if device.type == "mps":
         if requested == "auto":

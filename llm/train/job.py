@@ -190,6 +190,7 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         check_same_data(run_dir, data)
         if teacher is not None:
             check_same_teacher(run_dir, teacher)
+        cfg.train.precision = resumed_precision(run_dir, cfg.train.precision)
     info = setup_distributed(cfg.train.collective_timeout_s)
     cfg.train.precision = resolve_precision(cfg.train.precision, info.device)
     ds_config = resolve_ds_config(raw_ds, cfg, info.world_size, ds_source, zero_stage)
@@ -211,6 +212,20 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         watchdog.stop()
     dist.barrier()  # every rank is done writing; the caller ends the process (see `llm.cli.cmd_train`)
     return code
+
+
+def resumed_precision(run_dir: Path, requested: str) -> str:
+    """The precision a resumed run continues in: the one its checkpoints were saved in, which `auto` takes even
+    where it would choose another on this device; another is refused (DeepSpeed keeps a bf16 run's optimizer state
+    in files of other names, so the load would fail half way)."""
+    if not rundir.config_file(run_dir).is_file():
+        return requested
+    saved = rundir.recorded_precision(run_dir)
+    if requested not in ("auto", saved):
+        raise UserError(f"{run_dir} was trained in {saved}; train.precision={requested} cannot resume it (DeepSpeed's "
+                        f"checkpoints differ by precision): resume with train.precision=auto or {saved}, or start a "
+                        f"new run with --init-from {run_dir}")
+    return saved
 
 
 def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, attrs: dict, resume: bool,

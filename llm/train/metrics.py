@@ -3,8 +3,8 @@
 MFU = achieved model FLOP/s / peak FLOP/s, with model FLOPs per token = 6 * (matmul parameters
 active per token) + 12 * n_layers * dim * seq_len (attention scores), as in the PaLM paper.
 The peak is `train.peak_tflops` when given, a table entry for known GPUs (dense bf16), and on CPU
-the best measured rate of a square matmul (1024^3, or smaller where one takes 20 ms) in the training dtype on the
-threads each rank uses (so CPU MFU reads "share of what this machine's matmul reaches").
+the best measured rate of square matmuls (up to 1024^3, or to the first that takes 20 ms) in the training dtype on
+the threads each rank uses (so CPU MFU reads "share of what this machine's matmul reaches").
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ def flops_per_token(cfg: ModelConfig, total_params: int, seq_len: int) -> float:
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, max_size: int = 1024, enough_s: float = 0.02,
                        repeats: int = 5) -> float:
-    """Best rate of a square matmul in `dtype` on `device` (on the CPU: this process's threads), at `max_size` or at
-    the first smaller power of two from 128 whose product takes `enough_s`: a CPU that emulates bf16 reaches its
+    """Best rate of a square matmul in `dtype` on `device` (on the CPU: this process's threads), over sizes doubling
+    from 128 up to `max_size` or to the first whose product takes `enough_s`: a CPU that emulates bf16 reaches its
     rate on small matrices and would spend seconds on each 1024^3 one. The operands come from a generator of their
     own: drawn from the global RNG after a resume restored it, they would shift every dropout mask of the resumed
     run."""
     generator = torch.Generator().manual_seed(0)
     synchronize = torch.mps.synchronize if device.type == "mps" else (lambda: None)
-    size = min(128, max_size)
+    size, rate = min(128, max_size), 0.0
     while True:
         a, b = (torch.randn(size, size, generator=generator).to(device, dtype) for _ in range(2))
         torch.mm(a, b)
@@ -64,9 +64,10 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, max_size: int =
             torch.mm(a, b)
             synchronize()
             best = min(best, time.perf_counter() - start)
+        rate = max(rate, 2.0 * size ** 3 / best)
         if size >= max_size or best >= enough_s:
-            return 2.0 * size ** 3 / best
-        size *= 2
+            return rate
+        size = min(2 * size, max_size)
 
 
 def peak_flops_per_rank(device: torch.device, configured_tflops: float | None, dtype: torch.dtype) -> float:
