@@ -148,8 +148,7 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
         nnodes, node_rank, master = slurm_rendezvous(environ)
         nproc = nproc or int(environ.get("SLURM_GPUS_ON_NODE", 1))
         return _plan_torchrun(nnodes, node_rank, args.master_addr or master, args.master_port, nproc,
-                              args.rdzv_id or environ.get("SLURM_JOB_ID", "zerollm"),
-                              _torchrun_threads(nproc, environ) | env, train_argv)
+                              args.rdzv_id or environ.get("SLURM_JOB_ID", "zerollm"), env, environ, train_argv)
     if (args.include or args.exclude) and not args.hostfile:
         raise UserError("--include/--exclude select hosts of a --hostfile")
     if args.hostfile and args.node_rank is None:
@@ -165,8 +164,8 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
     if args.backend == "torchrun":
         if args.hostfile:
             raise UserError("--hostfile is for --backend deepspeed; torchrun nodes meet at --master-addr")
-        return _plan_torchrun(nnodes, node_rank, master, args.master_port, nproc, args.rdzv_id or "zerollm",
-                              _torchrun_threads(nproc, environ) | env, train_argv)
+        return _plan_torchrun(nnodes, node_rank, master, args.master_port, nproc, args.rdzv_id or "zerollm", env,
+                              environ, train_argv)
     _check_rendezvous_host(node_rank, master, args.master_port)
     if args.hostfile:
         hosts = read_hostfile(args.hostfile)
@@ -194,15 +193,13 @@ def _check_rendezvous_host(node_rank: int, master: str, port: int) -> None:
     check_port_free(port)
 
 
-def _torchrun_threads(nproc: int, environ: dict[str, str]) -> dict[str, str]:
-    """torchrun gives every rank OMP_NUM_THREADS=1 where it is not set; a CPU job's ranks share the node's CPUs
-    instead (`llm.runtime.cpu_threads`). --env OMP_NUM_THREADS=N, or the variable set here, is kept."""
-    return {} if "OMP_NUM_THREADS" in environ else {"OMP_NUM_THREADS": str(cpu_threads_per_rank(nproc, {}))}
-
-
 def _plan_torchrun(nnodes: int, node_rank: int, master: str, port: int, nproc: int, rdzv_id: str,
-                   env: dict[str, str], train_argv: list[str]) -> Plan:
+                   env: dict[str, str], environ: dict[str, str], train_argv: list[str]) -> Plan:
+    """torchrun with c10d rendezvous. torchrun gives every rank OMP_NUM_THREADS=1 where it is not set; a CPU job's
+    ranks share the node's CPUs instead (`llm.runtime.cpu_threads`), unless the variable is set here or in --env."""
     _check_rendezvous_host(node_rank, master, port)
+    if "OMP_NUM_THREADS" not in environ:
+        env = {"OMP_NUM_THREADS": str(cpu_threads_per_rank(nproc, {})), **env}
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{port}", "--rdzv-id", rdzv_id,
                "--rdzv-conf", f"is_host={int(node_rank == 0)}", "--max-restarts", "0", "-m", "llm"]

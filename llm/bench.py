@@ -140,7 +140,7 @@ def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int 
             if isinstance(result, int):
                 return result
             figures[name] = result
-            precision = rundir.recorded_precision(run)  # what auto became on the device it ran on
+            precision = rundir.recorded_config(run)["train"]["precision"]  # what auto became there
     print(f"\nbench train: recipe {recipe}, {'SFT on random conversations' if lora else 'random tokens'}, "
           f"{nproc} rank(s), {precision}, micro batch {t.micro_batch_size} x accum {t.grad_accum}, seq "
           f"{cfg.data.seq_len}; median of {steps} steps after {warmup} warm-up")

@@ -11,7 +11,6 @@ import io
 from pathlib import Path
 
 import torch
-import yaml
 
 from llm import rundir
 from llm.config import ModelConfig, RunConfig, build_config
@@ -50,7 +49,7 @@ def load_trained_model(run_dir: Path, tag: str | None = None) -> tuple[Transform
     config_file = rundir.config_file(run_dir)
     if not config_file.is_file():
         raise UserError(f"{run_dir}: no {rundir.CONFIG_FILE}; is this a run directory made by `zerollm train`?")
-    cfg = build_config(yaml.safe_load(config_file.read_text()))
+    cfg = build_config(rundir.recorded_config(run_dir))
     if cfg.lora.r:
         return merge(load_lora_model(run_dir, cfg, tag)).eval(), cfg
     model = Transformer(cfg.model)

@@ -13,8 +13,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from llm import rundir
 from llm.errors import UserError
 
@@ -51,7 +49,7 @@ def read_run(run_dir: Path) -> RunSeries:
                 raise UserError(f"{metrics}:{number}: not a JSON object") from None
     if not rows:
         raise UserError(f"{metrics}: no logged steps yet")
-    seq_len = yaml.safe_load(rundir.config_file(run_dir).read_text())["data"]["seq_len"]
+    seq_len = rundir.recorded_config(run_dir)["data"]["seq_len"]
     batch = json.loads((run_dir / rundir.DS_CONFIG_FILE).read_text())["train_batch_size"]
     return RunSeries(run_dir.resolve().name, rows, int(batch) * int(seq_len))
 

@@ -61,9 +61,9 @@ def config_file(run_dir: Path) -> Path:
     return run_dir / CONFIG_FILE
 
 
-def recorded_precision(run_dir: Path) -> str:
-    """train.precision as RUN_DIR/config.yaml records it: what `auto` became on the device the run trained on."""
-    return load_yaml(config_file(run_dir).read_text())["train"]["precision"]
+def recorded_config(run_dir: Path) -> dict[str, Any]:
+    """RUN_DIR/config.yaml as a mapping: the resolved run config (what every `auto` became where the run trained)."""
+    return load_yaml(config_file(run_dir).read_text())
 
 
 def tokenizer_dir(directory: Path) -> Path:

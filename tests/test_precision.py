@@ -169,4 +169,4 @@ def test_a_resumed_run_keeps_its_precision_and_refuses_another(pretrain_data, tm
                                  extra=["--resume", "auto"]))
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"ZeRO stage 2, {other}," in result.stdout and "resumed at step 1" in result.stdout
-    assert rundir.recorded_precision(run) == other
+    assert rundir.recorded_config(run)["train"]["precision"] == other

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import yaml
 from tqdm import tqdm
 
 from llm import rundir
@@ -126,7 +125,7 @@ def trained_context(model_dir: Path, model: Transformer) -> int:
     """The context a model is evaluated at by default: the window it was trained on (data.seq_len of a run
     directory), else its longest sequence (model.max_seq_len; an export)."""
     if rundir.is_run_dir(model_dir):
-        return build_config(yaml.safe_load(rundir.config_file(model_dir).read_text())).data.seq_len
+        return build_config(rundir.recorded_config(model_dir)).data.seq_len
     return model.cfg.max_seq_len
 
 

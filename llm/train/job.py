@@ -220,7 +220,7 @@ def resumed_precision(run_dir: Path, requested: str) -> str:
     in files of other names, so the load would fail half way)."""
     if not rundir.config_file(run_dir).is_file():
         return requested
-    saved = rundir.recorded_precision(run_dir)
+    saved = rundir.recorded_config(run_dir)["train"]["precision"]
     if requested not in ("auto", saved):
         raise UserError(f"{run_dir} was trained in {saved}; train.precision={requested} cannot resume it (DeepSpeed's "
                         f"checkpoints differ by precision): resume with train.precision=auto or {saved}, or start a "

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from llm import rundir
 from llm.config import ModelConfig, RunConfig, build_config
 from llm.data.prepare import TOKENS_FILE
@@ -35,8 +33,7 @@ def teacher_source(path: str | Path) -> tuple[ModelConfig, Path]:
     """(model config, tokenizer directory) of a run or export directory, read without loading its weights."""
     directory = Path(path)
     if is_run_or_export(directory, "--teacher"):
-        saved = yaml.safe_load(rundir.config_file(directory).read_text())
-        return build_config(saved).model, rundir.tokenizer_dir(directory)
+        return build_config(rundir.recorded_config(directory)).model, rundir.tokenizer_dir(directory)
     config_path = directory / HF_CONFIG_FILE
     return model_config_from_hf(read_json_object(config_path), str(config_path)), directory
 
