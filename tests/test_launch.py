@@ -211,6 +211,11 @@ def test_fingerprint_mismatch_message_names_fields_and_ranks():
     assert mismatch_message(prints) == (
         "ranks disagree, nothing was trained: config.train.lr: 0.001 on ranks 0,1,3; 0.002 on rank 2 | "
         "data: d1 on ranks 0,1,2; d2 on rank 3. Start every node with the same code, config, data and tokenizer")
+    precision = [same, {**same, "config.train.precision": "'fp32'"}, {**same, "config.train.precision": "'bf16'"}]
+    assert mismatch_message(precision).endswith(
+        "config.train.precision: <missing> on rank 0; 'fp32' on rank 1; 'bf16' on rank 2. Start every node with the "
+        "same code, config, data and tokenizer (train.precision=auto chooses by each node's hardware: set "
+        "train.precision=bf16 or fp32 for the whole job)")
 
 
 # ---- real jobs on one machine ------------------------------------------------------------------

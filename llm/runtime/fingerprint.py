@@ -24,6 +24,8 @@ from llm.errors import UserError
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout (llm/runtime/ is two levels down)
 CODE_DIRS = ("llm", "kernels", "launch", "ds_configs")
 NODE_LOCAL_KEYS = {"config.data.path", "config.train.init_from", "config.grpo.prompts"}
+PRECISION_FIELD = "config.train.precision"
+"""Resolved on each node (`llm.train.engine.resolve_precision`), so `auto` can differ between unlike CPUs."""
 _CHUNK = 1 << 20
 
 
@@ -75,7 +77,7 @@ def _ranks(ranks: list[int]) -> str:
 
 def mismatch_message(prints: list[dict[str, str]]) -> str | None:
     """One message naming every field on which the ranks disagree, with the ranks holding each value."""
-    differing = []
+    differing, differing_fields = [], set()
     for field in sorted(set().union(*prints)):
         holders: dict[str, list[int]] = {}
         for rank, fields in enumerate(prints):
@@ -83,10 +85,14 @@ def mismatch_message(prints: list[dict[str, str]]) -> str | None:
         if len(holders) > 1:
             values = "; ".join(f"{value[:60]} on {_ranks(ranks)}" for value, ranks in holders.items())
             differing.append(f"{field}: {values}")
+            differing_fields.add(field)
     if not differing:
         return None
-    return ("ranks disagree, nothing was trained: " + " | ".join(differing)
-            + ". Start every node with the same code, config, data and tokenizer")
+    advice = "Start every node with the same code, config, data and tokenizer"
+    if PRECISION_FIELD in differing_fields:
+        advice += (" (train.precision=auto chooses by each node's hardware: set train.precision=bf16 or fp32 for "
+                   "the whole job)")
+    return "ranks disagree, nothing was trained: " + " | ".join(differing) + ". " + advice
 
 
 class RanksDisagree(UserError):
