@@ -136,9 +136,10 @@ def rank_main(rank: int, port: int, argv: list[str], log: Path, kill_at: int | N
 # ---- the test ---------------------------------------------------------------------------------------------------
 
 # imported once by the forkserver, so that no rank pays for them; DeepSpeed's engine imports the torch._dynamo and
-# muon modules on first use, which alone takes longer than the rest of a rank's run
-PRELOAD = ["torch", "torch._dynamo", "torch._inductor.compile_fx", "deepspeed",
-           "deepspeed.runtime.zero.muon.muon_optimizer", "llm.cli", "llm.train.job", "test_faults"]
+# muon modules on first use, which alone takes longer than the rest of a rank's run (muon after llm.train.job, which
+# defers its compiling: `llm.runtime.deferred_compile`)
+PRELOAD = ["torch", "torch._dynamo", "deepspeed", "llm.cli", "llm.train.job",
+           "deepspeed.runtime.zero.muon.muon_optimizer", "test_faults"]
 IN_FORKSERVER = "ZEROLLM_TEST_FAULTS_FORKSERVER"
 """Set in the forkserver's environment only (`_context`)."""
 

@@ -16,10 +16,13 @@ import torch
 
 from llm.config import RunConfig
 from llm.errors import UserError
+from llm.runtime.deferred_compile import defer_muon_compile
 from llm.runtime.distributed import ensure_accelerator_env
 
 ensure_accelerator_env()
 import deepspeed  # noqa: E402 - after the accelerator is chosen
+
+defer_muon_compile()
 
 DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 
