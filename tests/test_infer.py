@@ -101,6 +101,17 @@ def test_repetition_penalty_lowers_only_seen_tokens():
     assert apply_repetition_penalty(logits, seen, 2.0).tolist() == [[1.0, -2.0, 3.0]]
 
 
+def test_a_tiny_temperature_or_penalty_samples_without_overflowing():
+    logits = torch.tensor([[2.0, -1.0, 3.0, 2.5], [0.5, 4.0, -2.0, 1.0]])
+    seen = torch.tensor([[True, False, False, False], [False, False, True, True]])
+    tiny_temperature = SamplingParams(temperature=1e-300, seed=0)
+    for _ in range(5):  # greedy in the limit, where dividing by it made inf logits and a NaN softmax
+        assert choose_next(logits, tiny_temperature, seen, None).tolist() == [2, 1]
+    tiny_penalty = SamplingParams(temperature=1.0, repetition_penalty=1e-300)
+    assert apply_repetition_penalty(logits, seen, 1e-300).isfinite().all()
+    assert choose_next(logits, tiny_penalty, seen, torch.Generator().manual_seed(0)).tolist() == [0, 3]
+
+
 def test_greedy_is_deterministic_and_seeded_sampling_reproducible(generator):
     greedy = SamplingParams(max_new_tokens=20)
     assert generator.generate(["To be"], greedy) == generator.generate(["To be"], greedy)
@@ -132,7 +143,7 @@ def test_prompts_as_ids_or_text_give_the_same_completion(generator):
 
 def test_sampling_parameters_must_be_finite():
     for bad in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"top_p": float("nan")},
-                {"repetition_penalty": float("inf")}, {"seed": 2**64}):
+                {"repetition_penalty": float("inf")}, {"seed": 2**64}, {"stop": ["end", ""]}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
 

@@ -32,14 +32,18 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1] and repetition_penalty > 0")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError("seed must be in [0, 2**63)")
+        if "" in self.stop:
+            raise ValueError("a stop string must not be empty")
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """logits `[batch, vocab]`; seen: bool `[batch, vocab]` of tokens already present."""
+    """logits `[batch, vocab]` (float32); seen: bool `[batch, vocab]` of tokens already present. Stays finite for
+    any penalty > 0 (a tiny one would otherwise overflow a logit to inf, and the softmax to NaN)."""
     if penalty == 1.0:
         return logits
     penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalized, logits)
+    largest = torch.finfo(logits.dtype).max
+    return torch.where(seen, penalized.clamp(-largest, largest), logits)
 
 
 def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -65,5 +69,8 @@ def choose_next(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor
     logits = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty)
     if params.temperature == 0:
         return logits.argmax(-1)
-    logits = filter_top_p(filter_top_k(logits / params.temperature, params.top_k), params.top_p)
+    # in float64 (a tiny temperature is 0 in float32) and with the largest logit shifted to 0 first, so that a tiny
+    # temperature sends the others towards -inf (greedy in the limit) instead of overflowing to inf and a NaN softmax
+    logits = (logits.double() - logits.amax(-1, keepdim=True)) / params.temperature
+    logits = filter_top_p(filter_top_k(logits, params.top_k), params.top_p)
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
