@@ -25,3 +25,10 @@ def write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync(path.parent)
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask

@@ -14,6 +14,7 @@ are untrusted input, read as safetensors and JSON only, and a malformed one is a
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -81,6 +82,8 @@ def read_json_object(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise UserError(f"{path}: invalid JSON (nested too deeply)") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot be read ({exc})") from None
     if not isinstance(data, dict):
@@ -94,7 +97,7 @@ def _number(config: dict[str, Any], key: str, source: str, kind: type, default: 
     if value is None:
         raise UserError(f"{source}: '{key}' is missing")
     allowed = (int,) if kind is int else (int, float)
-    if isinstance(value, bool) or not isinstance(value, allowed) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, allowed) or not 0 < value < math.inf:
         expected = "a positive integer" if kind is int else "a positive number"
         raise UserError(f"{source}: '{key}' must be {expected}, got {value!r}")
     return value
@@ -183,8 +186,12 @@ def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> N
         state.pop("lm_head.weight")  # tied: transformers re-ties it from the embeddings
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    try:
+        staging.mkdir(parents=True)
+    except OSError as exc:  # e.g. a file where a parent folder should be
+        raise UserError(f"--out {out}: cannot create it ({exc.strerror})") from None
     save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+    os.chmod(staging / WEIGHTS_FILE, 0o666 & ~durable.current_umask())  # written 0600: readable like the other files
     tokenizer = None
     if tokenizer_dir is not None and (tokenizer_dir / TOKENIZER_FILE).is_file():
         tokenizer = Tokenizer.load(tokenizer_dir)
@@ -241,8 +248,12 @@ def import_model(directory: Path) -> Transformer:
         raise UserError(f"{directory}: expected {HF_CONFIG_FILE} and {WEIGHTS_FILE} (a Hugging Face Llama export)")
     cfg = model_config_from_hf(read_json_object(config_path), str(config_path))
     state = read_weights(directory)
-    model = Transformer(cfg)
-    expected = model.state_dict()
+    layers = {name.split(".")[2] for name in state if name.startswith("model.layers.")}
+    if len(layers) != cfg.n_layers:  # checked first: building a model of a hostile layer count would never end
+        raise UserError(f"{directory}: weights do not match {HF_CONFIG_FILE} ({len(layers)} layers in the weights, "
+                        f"num_hidden_layers {cfg.n_layers})")
+    with torch.device("meta"):  # names and shapes only: a hostile size in config.json allocates nothing
+        expected = Transformer(cfg).state_dict()
     ours = {hf_name(k): k for k in expected}
     if cfg.tie_embeddings:
         ours.pop("lm_head.weight")
@@ -254,5 +265,6 @@ def import_model(directory: Path) -> Transformer:
                  for name in sorted(state) if state[name].shape != expected[ours[name]].shape]
     if misshapen:
         raise UserError(f"{directory}: weights do not match {HF_CONFIG_FILE} ({misshapen[0]})")
+    model = Transformer(cfg)
     model.load_state_dict({ours[name]: tensor.float() for name, tensor in state.items()}, strict=not cfg.tie_embeddings)
     return model.eval()

@@ -5,6 +5,7 @@ config claiming an enormous context costs only the positions used."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,23 @@ def test_export_replaces_an_old_export_whole_and_refuses_other_folders(tmp_path)
     with pytest.raises(UserError, match="holds files that are not an export"):
         export_model(_model(0), None, precious)
     assert (precious / "thesis.txt").read_text() == "years of work"
+
+
+def test_the_weights_are_as_readable_as_the_other_files_and_a_file_in_the_way_is_one_line(tmp_path):
+    """safetensors wrote model.safetensors 0600, so another user or a serving account could not read an export whose
+    other files the umask made readable; and --out below a file was a NotADirectoryError traceback."""
+    previous = os.umask(0o022)
+    try:
+        export_model(_model(0), None, tmp_path / "export")
+    finally:
+        os.umask(previous)
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "export").iterdir()} == {
+        HF_CONFIG_FILE: 0o644, WEIGHTS_FILE: 0o644}
+    (tmp_path / "notes.txt").write_text("kept")
+    with pytest.raises(UserError) as error:
+        export_model(_model(0), None, tmp_path / "notes.txt" / "export")
+    assert str(error.value) == f"--out {tmp_path / 'notes.txt' / 'export'}: cannot create it (Not a directory)"
+    assert (tmp_path / "notes.txt").read_text() == "kept"
 
 
 def test_stale_safetensors_beside_an_export_are_not_merged(tmp_path):
@@ -131,6 +149,8 @@ def _edit_config(directory: Path, changes: dict) -> None:
     ({"num_key_value_heads": 0}, "'num_key_value_heads' must be a positive integer"),
     ({"max_position_embeddings": 1e30}, "'max_position_embeddings' must be a positive integer"),
     ({"rms_norm_eps": "small"}, "'rms_norm_eps' must be a positive number"),
+    ({"rms_norm_eps": float("inf")}, "'rms_norm_eps' must be a positive number, got inf"),  # written as Infinity
+    ("[" * 100_000 + "]" * 100_000, "invalid JSON (nested too deeply)"),
     ({"rope_scaling": "yarn"}, "'rope_scaling' must be an object or null"),
     ({"rope_scaling": {"rope_type": "yarn"}}, "'factor' is missing"),
     ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' must be true or false"),
@@ -146,6 +166,20 @@ def test_a_malformed_config_json_is_one_line(tmp_path, change, message):
         import_model(tmp_path)
     assert message in str(error.value) and str(tmp_path / HF_CONFIG_FILE) in str(error.value)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"vocab_size": 4_000_000_000}, "lm_head.weight (64, 32), expected (4000000000, 32)"),
+    ({"num_hidden_layers": 100_000_000}, "2 layers in the weights, num_hidden_layers 100000000"),
+])
+def test_sizes_in_config_json_are_checked_against_the_weights_before_any_allocation(tmp_path, change, message):
+    """A hostile config.json asked for a terabyte of embeddings, or a hundred million layers built one by one,
+    before the weights' shapes were compared."""
+    export_model(_model(0), None, tmp_path)
+    _edit_config(tmp_path, change)
+    with pytest.raises(UserError) as error:
+        import_model(tmp_path)
+    assert str(error.value) == f"{tmp_path}: weights do not match {HF_CONFIG_FILE} ({message})"
 
 
 def test_generate_on_a_malformed_export_exits_2_without_a_traceback(tmp_path):
