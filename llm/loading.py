@@ -46,14 +46,15 @@ def consolidated_weights(run_dir: Path, tag: str | None = None) -> dict[str, tor
 def load_trained_model(run_dir: Path, tag: str | None = None) -> tuple[Transformer, RunConfig]:
     """(model in eval mode, run config) rebuilt from RUN_DIR/config.yaml and its newest checkpoint. A LoRA run's
     checkpoint holds its adapters only: they are loaded onto its --init-from model and merged into it."""
-    config_file = rundir.config_file(run_dir)
-    if not config_file.is_file():
-        raise UserError(f"{run_dir}: no {rundir.CONFIG_FILE}; is this a run directory made by `zerollm train`?")
     cfg = build_config(rundir.recorded_config(run_dir))
     if cfg.lora.r:
         return merge(load_lora_model(run_dir, cfg, tag)).eval(), cfg
     model = Transformer(cfg.model)
-    missing, unexpected = model.load_state_dict(consolidated_weights(run_dir, tag), strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(consolidated_weights(run_dir, tag), strict=False)
+    except RuntimeError as exc:  # shapes that differ: torch lists every one, the first is enough
+        first = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc))
+        raise UserError(f"{run_dir}: checkpoint does not match {rundir.CONFIG_FILE} ({first})") from None
     tied = {"output.weight"} if cfg.model.tie_embeddings else set()
     if set(missing) - tied or unexpected:
         raise UserError(f"{run_dir}: checkpoint does not match {rundir.CONFIG_FILE} (missing "

@@ -35,6 +35,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from llm.config import load_yaml
 from llm.errors import UserError
 
@@ -62,8 +64,20 @@ def config_file(run_dir: Path) -> Path:
 
 
 def recorded_config(run_dir: Path) -> dict[str, Any]:
-    """RUN_DIR/config.yaml as a mapping: the resolved run config (what every `auto` became where the run trained)."""
-    return load_yaml(config_file(run_dir).read_text())
+    """RUN_DIR/config.yaml as a mapping: the resolved run config (what every `auto` became where the run trained);
+    a missing or damaged file is one UserError."""
+    path = config_file(run_dir)
+    try:
+        recorded = load_yaml(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{run_dir}: no {CONFIG_FILE}; is this a run directory made by `zerollm train`?") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        reason = " ".join(str(exc).split())
+        raise UserError(f"{path} is damaged ({reason}); `zerollm train` wrote it: restore it") from None
+    if not isinstance(recorded, dict):
+        raise UserError(f"{path} is damaged (a run config is a YAML mapping, found {type(recorded).__name__}); "
+                        "`zerollm train` wrote it: restore it")
+    return recorded
 
 
 def tokenizer_dir(directory: Path) -> Path:

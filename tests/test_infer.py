@@ -2,6 +2,7 @@
 
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -245,6 +246,23 @@ def test_generate_command_from_run_and_export(zero_runs, tmp_path):
     assert second.returncode == 0 and second.stdout == first.stdout
     bad = run_cli("generate", "--model", tmp_path / "nothing", "--prompt", "x")
     assert bad.returncode == 2 and "neither a run directory" in bad.stderr
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda text: "model: [1\n" + text, "config.yaml is damaged (while parsing"),
+    (lambda text: "", "config.yaml is damaged (a run config is a YAML mapping, found NoneType)"),
+    (lambda text: "- 1\n", "config.yaml is damaged (a run config is a YAML mapping, found list)"),
+    (lambda text: text.replace("  dim: ", "  dim: 2", 1), "checkpoint does not match config.yaml (size mismatch for"),
+])
+def test_a_damaged_run_config_is_one_line(zero_runs, tmp_path, edit, message):
+    """Before, each of these was a traceback (a YAML error, an AttributeError, a RuntimeError of torch)."""
+    run = tmp_path / "run"
+    shutil.copytree(zero_runs[2], run)
+    (run / "config.yaml").write_text(edit((run / "config.yaml").read_text()))
+    result = run_cli("generate", "--model", run, "--prompt", "To be", "--max-new-tokens", 2)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.startswith("zerollm: error: ") and message in result.stderr
+    assert result.stderr.count("\n") == 1
 
 
 def test_a_llama_style_tokenizer_exports_generates_and_chats(tiny_model, tmp_path):
