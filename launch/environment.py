@@ -31,15 +31,28 @@ class Export:
     """Where the variable comes from, for messages: '--env', 'FILE:LINE' or 'your environment'."""
 
 
+def _check_value(value: str, where: str) -> None:
+    """A variable's value must be one line of UTF-8 text, as an env file holds it (a byte of the command line or the
+    environment that is not UTF-8 reaches Python as a lone surrogate, which no UTF-8 file can hold)."""
+    check_one_line(value, where)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        found = ord(value[exc.start])
+        byte = f"byte 0x{found - 0xDC00:02x}" if 0xDC80 <= found <= 0xDCFF else f"character U+{found:04X}"
+        raise UserError(f"{where} is not UTF-8 text ({byte} at position {exc.start + 1})") from None
+
+
 def parse_env(items: list[str]) -> dict[str, str]:
-    """`--env NAME=VALUE` items as {name: value}; a name must be a shell variable name and a value one line."""
+    """`--env NAME=VALUE` items as {name: value}; a name must be a shell variable name and a value one line of UTF-8
+    text."""
     env = {}
     for item in items:
         name, separator, value = item.partition("=")
         if not separator or not ENV_NAME.fullmatch(name):
             raise UserError(f"--env {item!r}: expected NAME=VALUE, NAME made of letters, digits and '_' and not "
                             "starting with a digit")
-        check_one_line(value, f"--env {name}")
+        _check_value(value, f"--env {name}")
         env[name] = value
     return env
 
@@ -94,7 +107,7 @@ def env_file_text(exports: dict[str, Export], launcher: str) -> str:
         if not ENV_NAME.fullmatch(name):
             raise UserError(f"{where}: DeepSpeed's runner would export this variable, but its name is not a shell "
                             "variable name; rename or unset it")
-        check_one_line(export.value, where)
+        _check_value(export.value, where)
         if export.value != export.value.strip():
             raise UserError(f"{where}: DeepSpeed's runner strips the blanks around an exported value; remove them")
         if launcher == "pdsh":

@@ -13,7 +13,11 @@ from pathlib import Path
 
 from llm.errors import UserError
 
-_LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>-?\d+)$")
+_LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)$")
+_INTEGER = re.compile(r"-?[0-9]+")
+MAX_SLOTS_PER_HOST = 1024
+"""The most ranks one host runs (slots, --nproc-per-node): far beyond any machine's accelerators or cores, and small
+enough that a mistyped number is an error rather than an attempt to start it."""
 _HOST_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$")
 """A DNS name, an /etc/hosts alias or an IPv4 address: no leading '-' (an option to ssh), no '@' or ',' (user and
 list separators of pdsh), no brackets (pdsh would expand a range), no ':' (DeepSpeed's slot separator)."""
@@ -31,6 +35,17 @@ def check_address(address: str, option: str) -> None:
     """A `--master-addr`: a host name, an IPv4 or an IPv6 address, nothing a shell or ssh could read otherwise."""
     if not (is_host_name(address) or _IP_ADDRESS.match(address)):
         raise UserError(f"{option} {address!r} is not a host name or IP address ({HOST_NAME_RULE})")
+
+
+def _integer(text: str) -> int | None:
+    """`text` as an int when it is a decimal number in ASCII digits, else None (int() alone also reads '²', '٣', '1_0'
+    and ' 1', and raises on more than 4300 digits)."""
+    if not _INTEGER.fullmatch(text):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
 
 
 def _lines(path: Path) -> list[str]:
@@ -51,22 +66,29 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
     if not path.is_file():
         raise UserError(f"{path}: hostfile not found")
     hosts: dict[str, int] = {}
-    first_seen: dict[str, int] = {}
+    # host name in lower case (host names ignore case: NODE1 and node1 are one machine) -> (as written, line)
+    first_seen: dict[str, tuple[str, int]] = {}
     for number, raw in enumerate(_lines(path), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         match = _LINE.match(line)
-        if not match:
+        slots = _integer(match["slots"]) if match else None
+        if slots is None:
             raise UserError(f"{path}:{number}: expected 'HOST slots=N', got {raw.strip()!r}")
-        host, slots = match["host"], int(match["slots"])
+        host = match["host"]
         if not is_host_name(host):
             raise UserError(f"{path}:{number}: {host!r} is not a usable host name ({HOST_NAME_RULE})")
-        if host in hosts:
-            raise UserError(f"{path}:{number}: host '{host}' is listed twice (first at line {first_seen[host]})")
+        if host.lower() in first_seen:
+            spelling, line_number = first_seen[host.lower()]
+            spelled = "" if spelling == host else f" as '{spelling}'; host names ignore case"
+            raise UserError(f"{path}:{number}: host '{host}' is listed twice (first at line {line_number}{spelled})")
         if slots < 1:
             raise UserError(f"{path}:{number}: host '{host}' has slots={slots}; it needs at least 1")
-        hosts[host], first_seen[host] = slots, number
+        if slots > MAX_SLOTS_PER_HOST:
+            raise UserError(f"{path}:{number}: host '{host}' has slots={slots}; at most {MAX_SLOTS_PER_HOST} ranks "
+                            "run on one host")
+        hosts[host], first_seen[host.lower()] = slots, (host, number)
     if not hosts:
         raise UserError(f"{path}: no hosts listed")
     return hosts
@@ -85,7 +107,8 @@ def check_filter(hosts: dict[str, int], spec: str, option: str, hostfile: str | 
         if host not in hosts:
             raise UserError(f"{option} {spec}: host '{host}' is not in {hostfile} ({', '.join(hosts)})")
         for slot in slots.split(",") if colon else []:
-            if not slot.isdigit() or int(slot) >= hosts[host]:
+            index = _integer(slot)
+            if index is None or not 0 <= index < hosts[host]:
                 raise UserError(f"{option} {spec}: host '{host}' has slots 0-{hosts[host] - 1}, not '{slot}'")
 
 

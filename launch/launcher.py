@@ -41,7 +41,7 @@ from pathlib import Path
 import psutil
 
 from launch.environment import env_file_text, parse_env, remote_exports
-from launch.hostfile import active_slots, check_address, check_filter, hostfile_text, read_hostfile
+from launch.hostfile import MAX_SLOTS_PER_HOST, active_slots, check_address, check_filter, hostfile_text, read_hostfile
 from launch.local import exit_code
 from launch.nodelist import slurm_hosts
 from launch.options import LaunchOptions, launcher_problem
@@ -51,6 +51,7 @@ from llm.errors import EXIT_PREEMPTED, UserError
 from llm.runtime.cpu_threads import cpu_threads_per_rank
 from llm.runtime.supervisor import supervisor_env
 
+MAX_PORT = 65535
 _EQUAL_SLOTS = ("mvapich", "mpich", "impi")
 """DeepSpeed's runners for these place the same number of ranks on every host."""
 
@@ -82,6 +83,18 @@ class Plan:
 
 
 # ---- checks ------------------------------------------------------------------------------------
+
+
+def check_numbers(args: LaunchOptions) -> None:
+    """The counts and the master port, before anything reads them: the launchers would run one rank for
+    --nproc-per-node 0, and a port outside 1..65535 fails only in the ranks."""
+    for option, count in (("--nnodes", args.nnodes), ("--nproc-per-node", args.nproc_per_node)):
+        if count is not None and count < 1:
+            raise UserError(f"{option} must be at least 1, got {count}")
+    if args.nproc_per_node is not None and args.nproc_per_node > MAX_SLOTS_PER_HOST:
+        raise UserError(f"--nproc-per-node {args.nproc_per_node}: at most {MAX_SLOTS_PER_HOST} ranks run on one node")
+    if not 1 <= args.master_port <= MAX_PORT:
+        raise UserError(f"--master-port must be a TCP port, 1..{MAX_PORT}, got {args.master_port}")
 
 
 def is_local_address(address: str) -> bool:
@@ -138,6 +151,7 @@ def console_script() -> str:
 
 def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, str]) -> Plan:
     """Check the launch options and build the launcher command for this node."""
+    check_numbers(args)
     env = parse_env(args.env)
     if args.master_addr is not None:
         check_address(args.master_addr, "--master-addr")

@@ -14,7 +14,7 @@ from deepspeed.launcher.multinode_runner import PDSHRunner
 
 from conftest import REPO, TINY, run_cli
 from launch.environment import deepspeed_env_files, parse_env
-from launch.hostfile import active_slots, read_hostfile
+from launch.hostfile import active_slots, check_filter, read_hostfile
 from launch.launcher import is_rank_command, plan_launch
 from launch.options import LaunchOptions
 from launch.remote_shell import pdsh_argument, pdsh_export
@@ -86,6 +86,86 @@ def test_selected_slots_are_resolved_as_deepspeed_does():
     assert active_slots(hosts, nproc_per_node=1) == {"a": [0], "b": [0], "c": [0]}
 
 
+def test_host_names_that_differ_only_in_case_are_one_host(tmp_path):
+    (tmp_path / "hosts").write_text("NODE1 slots=1\nnode2 slots=1\nnode1 slots=1\n")
+    with pytest.raises(UserError) as err:
+        read_hostfile(tmp_path / "hosts")
+    assert str(err.value) == (f"{tmp_path}/hosts:3: host 'node1' is listed twice (first at line 1 as 'NODE1'; host "
+                              "names ignore case)")
+
+
+@pytest.mark.parametrize("slots, message", [
+    ("99999999999999999999999", "has slots=99999999999999999999999; at most 1024 ranks run on one host"),
+    ("1025", "has slots=1025; at most 1024 ranks run on one host"),
+    ("٣", "expected 'HOST slots=N'"),  # an Arabic-Indic 3, which int() and \d take
+    ("9" * 5000, "expected 'HOST slots=N'"),  # more digits than int() reads
+])
+def test_hostfile_slots_are_ascii_numbers_up_to_1024(tmp_path, slots, message):
+    (tmp_path / "hosts").write_text(f"node1 slots=1024\nnode2 slots={slots}\n")
+    with pytest.raises(UserError, match=rf"^{tmp_path}/hosts:2: .*{message}"):
+        read_hostfile(tmp_path / "hosts")
+
+
+@pytest.mark.parametrize("slot", ["²", "٣", "1_0", " 1", "-1", "2", "0" * 5000])
+def test_include_and_exclude_slots_are_ascii_indices_of_the_host(slot):
+    with pytest.raises(UserError) as err:
+        check_filter({"node1": 2}, f"node1:0,{slot}", "--include", "hosts")
+    assert str(err.value) == f"--include node1:0,{slot}: host 'node1' has slots 0-1, not '{slot}'"
+    check_filter({"node1": 2}, "node1:1,0", "--exclude", "hosts")
+
+
+# ---- numbers: counts and the master port ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("port", ["70000", "65536", "-1", "0"])
+@pytest.mark.parametrize("mode", [["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"],
+                                  ["--backend", "torchrun", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                   "10.0.0.1"],
+                                  ["--hostfile", "{hosts}", "--master-addr", "10.0.0.1"]])
+def test_master_ports_outside_1_to_65535_are_refused(tmp_path, mode, port):
+    (tmp_path / "hosts").write_text("node-a slots=2\nnode-b slots=2\n")
+    argv = [arg.format(hosts=tmp_path / "hosts") for arg in mode]
+    with pytest.raises(UserError) as err:
+        plan_launch(_launch_args(*argv, "--master-port", port), ["train"], {"HOME": str(tmp_path)})
+    assert str(err.value) == f"--master-port must be a TCP port, 1..65535, got {port}"
+    plan_launch(_launch_args(*argv, "--master-port", "65535"), ["train"], {"HOME": str(tmp_path)})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--nproc-per-node", "0"],
+     "--nproc-per-node must be at least 1, got 0"),
+    (["--hostfile", "{hosts}", "--nproc-per-node", "-3"], "--nproc-per-node must be at least 1, got -3"),
+    (["--hostfile", "{hosts}", "--nproc-per-node", "1025"],
+     "--nproc-per-node 1025: at most 1024 ranks run on one node"),
+    (["--nnodes", "0", "--node-rank", "0", "--master-addr", "127.0.0.1"], "--nnodes must be at least 1, got 0"),
+    (["--nnodes", "0"], "--nnodes must be at least 1, got 0"),  # without --node-rank it ran one local node
+])
+def test_node_and_rank_counts_must_be_at_least_1(tmp_path, argv, message):
+    (tmp_path / "hosts").write_text("node-a slots=2\nnode-b slots=2\n")
+    with pytest.raises(UserError) as err:
+        plan_launch(_launch_args(*[arg.format(hosts=tmp_path / "hosts") for arg in argv]), ["train"], {})
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("argv, hosts, message", [
+    (["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", "70000"], None,
+     "--master-port must be a TCP port, 1..65535, got 70000"),
+    (["--hostfile", "{hosts}"], "node1 slots=99999999999999999999999\n",
+     "{hosts}:1: host 'node1' has slots=99999999999999999999999; at most 1024 ranks run on one host"),
+    (["--hostfile", "{hosts}", "--include", "node1:²"], "node1 slots=2\n",
+     "--include node1:²: host 'node1' has slots 0-1, not '²'"),
+    (["--hostfile", "{hosts}", "--env", os.fsdecode(b"A=\xff")], "node1 slots=2\nnode2 slots=2\n",
+     "--env A is not UTF-8 text (byte 0xff at position 1)"),
+])
+def test_bad_numbers_and_bytes_are_one_line_exit_2_before_anything_starts(tmp_path, argv, hosts, message):
+    (tmp_path / "hosts").write_text(hosts or "")
+    argv = [arg.format(hosts=tmp_path / "hosts") for arg in argv]
+    result = run_cli("launch", *argv, "--", "train", "pretrain", "--recipe", "demo", "--data", tmp_path, "--out",
+                     tmp_path / "run")
+    assert (result.returncode, result.stderr, result.stdout) == \
+        (2, f"zerollm: error: {message.format(hosts=tmp_path / 'hosts')}\n", "")
+
+
 # ---- variables ---------------------------------------------------------------------------------
 
 
@@ -99,6 +179,15 @@ def test_selected_slots_are_resolved_as_deepspeed_does():
 def test_env_items_must_be_a_variable_name_and_one_line(item, message):
     with pytest.raises(UserError, match=message):
         parse_env([item])
+
+
+def test_values_that_are_not_utf8_are_refused_naming_their_origin(tmp_path):
+    """A byte that is not UTF-8 (`--env $'A=\\xff'`) reaches Python as a lone surrogate, which the env file for
+    DeepSpeed cannot hold."""
+    with pytest.raises(UserError, match=r"^--env A is not UTF-8 text \(byte 0xff at position 2\)$"):
+        parse_env([os.fsdecode(b"A=x\xff")])
+    with pytest.raises(UserError, match=r"^NCCL_X \(from your environment\) is not UTF-8 text \(byte 0xfe at "):
+        _plan(tmp_path, environ={"NCCL_X": os.fsdecode(b"\xfe")})
 
 
 def test_deepspeed_env_files_are_read_like_deepspeed_and_checked_line_by_line(tmp_path):
