@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from llm.config import ModelConfig
+from llm.errors import UserError
 from llm.infer.chat import ChatSession, chat_repl
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
@@ -46,6 +47,19 @@ def test_a_message_that_cannot_fit_is_refused_and_the_conversation_kept(generato
     assert out.count("assistant> ") == 2
     assert [m["role"] for m in session.messages] == ["system", "user", "assistant", "user", "assistant"]
     assert [m["content"] for m in session.messages if m["role"] == "user"] == ["hello", "again"]
+
+
+def test_settings_that_leave_no_room_for_a_message_are_refused_at_the_start_and_at_system(generator):
+    """Before, such a session started and then refused every message, blaming the message."""
+    with pytest.raises(UserError, match=rf"context \({CONTEXT}\) holds 0 prompt tokens beside --max-new-tokens "
+                                        rf"{CONTEXT}, and the chat template takes \d+; lower --max-new-tokens$"):
+        ChatSession(generator, SamplingParams(max_new_tokens=CONTEXT))
+    with pytest.raises(UserError, match="--system and the chat template take .* or shorten --system$"):
+        ChatSession(generator, SamplingParams(max_new_tokens=8), system="word " * 400)
+    session = ChatSession(generator, SamplingParams(max_new_tokens=8), system="Be brief.")
+    out = _repl(session, ["/system " + "word " * 400, "hello"])
+    assert "(not set: no message can be sent" in out and out.count("assistant> ") == 1
+    assert session.system == "Be brief." and session.messages[0] == {"role": "system", "content": "Be brief."}
 
 
 def test_the_oldest_exchanges_are_dropped_whole(generator):

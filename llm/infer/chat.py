@@ -27,9 +27,18 @@ class ChatSession:
         self.reset(system)
 
     def reset(self, system: str | None = None) -> None:
-        """Forget the conversation; start again with `system` as the system prompt (none if None)."""
-        self.system = system
-        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+        """Forget the conversation; start again with `system` as the system prompt (none if None). UserError, with
+        nothing changed, when beside `system` and max_new_tokens not even an empty message would fit."""
+        messages = [{"role": "system", "content": system}] if system else []
+        smallest = self.generator.tokenizer.encode_chat([*messages, {"role": "user", "content": ""}],
+                                                        add_generation_prompt=True)
+        if len(smallest) > self.budget:
+            taken = "--system and the chat template take" if system else "the chat template takes"
+            raise UserError(f"no message can be sent: the model's context ({self.generator.model.cfg.max_seq_len}) "
+                            f"holds {max(self.budget, 0)} prompt tokens beside --max-new-tokens "
+                            f"{self.params.max_new_tokens}, and {taken} {len(smallest)}; lower --max-new-tokens"
+                            + (" or shorten --system" if system else ""))
+        self.system, self.messages = system, messages
 
     @property
     def budget(self) -> int:
@@ -88,7 +97,11 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
             session.reset(session.system)
             say("(conversation reset)")
         elif line.startswith("/system"):
-            session.reset(line.removeprefix("/system").strip() or None)
+            try:
+                session.reset(line.removeprefix("/system").strip() or None)
+            except UserError as exc:
+                say(f"(not set: {exc})")
+                continue
             say(f"(system prompt {'set' if session.system else 'cleared'}; conversation reset)")
         elif line.startswith("/"):
             say(HELP)
