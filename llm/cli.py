@@ -8,6 +8,7 @@ Each command imports the modules it runs when it runs (torch and DeepSpeed take 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -508,20 +509,19 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from llm.infer.server import ChatService, check_exposure, make_server
+    from llm.infer.server import ChatService, bind_server, check_default_max_tokens
 
-    check_exposure(args.host, args.api_key)  # before the model loads
-    service = ChatService(_generator(args), Path(args.model).resolve().name, args.max_tokens)
-    server = make_server(service, args.host, args.port, api_key=args.api_key)
-    host, port = server.server_address[:2]
-    print(f"serving {service.model_name} on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
+    check_default_max_tokens(args.max_tokens)  # the options, then the address (bind_server), before the model loads
+    server = bind_server(args.host, args.port, api_key=args.api_key)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        server.service = ChatService(_generator(args), Path(args.model).resolve().name, args.max_tokens)
+        print(f"serving {server.service.model_name} on {server.url}/v1 (Ctrl-C stops)", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            server.serve_forever()
     finally:
         server.server_close()
-        service.close()
+        if server.service is not None:
+            server.service.close()
     return 0
 
 

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server: answers, OpenAI-style errors, and hostile clients that cannot hurt the others."""
 
 import json
+import select
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import run_cli, zerollm_here
 from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator
@@ -38,14 +39,14 @@ def generator(tokenizer_dir):
 
 
 @contextmanager
-def running(generator, max_queued=32, **options):
+def running(generator, max_queued=32, default_max_tokens=16, host="127.0.0.1", **options):
     """(url, service, server) of a server in a background thread."""
-    service = ChatService(generator, "tiny", default_max_tokens=16, max_queued=max_queued)
-    server = make_server(service, "127.0.0.1", 0, **options)
+    service = ChatService(generator, "tiny", default_max_tokens=default_max_tokens, max_queued=max_queued)
+    server = make_server(service, host, 0, **options)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", service, server
+        yield server.url, service, server
     finally:
         server.shutdown()
         server.server_close()
@@ -80,8 +81,8 @@ def _post(url, body: bytes, headers=None):
 
 
 def _address(url):
-    host, port = url.removeprefix("http://").split(":")
-    return host, int(port)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host.strip("[]"), int(port)
 
 
 def raw_exchange(url, data: bytes) -> tuple[int, bytes]:
@@ -189,6 +190,7 @@ def _with(**fields) -> bytes:
     (b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}', None),
     (b'{"messages": [{"role": "user", "content": "lone \\ud800 surrogate"}]}', None),
     (b'{"messages": [{"role": "user", "content": "x"}], "stop": "\\udfff"}', None),
+    (b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", None),  # deeper than Python's recursion limit
 ])
 def test_bad_requests_get_4xx_json_errors_and_the_server_survives(server, body, param):
     status, payload = _post(server, body)
@@ -258,7 +260,71 @@ def test_api_key_is_required_off_loopback_and_checked(generator, tmp_path):
         assert status == 200
 
 
+def test_without_max_tokens_a_reply_fits_the_context(generator):
+    with running(generator, default_max_tokens=CONTEXT * 4) as (url, _, _):
+        status, payload = _post(url, json.dumps({"messages": [{"role": "user", "content": "Hello"}]}).encode())
+    assert status == 200
+    assert payload["usage"]["total_tokens"] <= CONTEXT
+    with pytest.raises(UserError, match="--max-tokens"):
+        ChatService(generator, "tiny", default_max_tokens=0)
+
+
+@pytest.mark.parametrize("api_key", ["clé", "\udcff", "two words"])
+def test_an_api_key_no_client_can_send_is_refused(generator, api_key):
+    with pytest.raises(UserError, match="printable ASCII"):
+        make_server(ChatService(generator, "tiny"), "127.0.0.1", 0, api_key=api_key)
+
+
+def test_ipv6_loopback_is_served(generator):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    with running(generator, host="::1", timeout_s=10) as (url, _, _):
+        assert url.startswith("http://[::1]:")
+        with urllib.request.urlopen(f"{url}/health", timeout=CLIENT_TIMEOUT_S) as response:
+            assert response.status == 200
+
+
 # ---- clients that stall, leave or crowd ----------------------------------------------------------------------
+
+def test_a_client_dribbling_its_request_is_closed_at_the_deadline(generator):
+    """One header byte every 0.3 s keeps every read under the 1 s timeout: only the request's deadline ends it."""
+    with (running(generator, timeout_s=1) as (url, _, _),
+          socket.create_connection(_address(url), timeout=CLIENT_TIMEOUT_S) as sock):
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
+        give_up = time.monotonic() + 15  # generous: the deadline is 1 s
+        closed = False
+        while not closed and time.monotonic() < give_up:
+            try:
+                sock.sendall(b"a")
+                readable, _, _ = select.select([sock], [], [], 0.3)
+                closed = bool(readable) and sock.recv(1) == b""
+            except (ConnectionResetError, BrokenPipeError):
+                closed = True
+        assert closed
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--port", "70000"], "--port must be between 0 and 65535"),
+    (["--port", "-1"], "--port must be between 0 and 65535"),
+    (["--port", "IN_USE"], "Address already in use"),
+    (["--host", "127.0.0.1 "], "cannot listen on --host '127.0.0.1 '"),
+    (["--host", "no-such-host.invalid", "--api-key", "k"], "cannot listen on --host 'no-such-host.invalid'"),
+    (["--host", "192.0.2.1", "--api-key", "k"], "cannot listen on --host '192.0.2.1'"),  # TEST-NET: not ours
+    (["--api-key", "clé"], "--api-key"),
+    (["--api-key", "\udcff"], "--api-key"),  # the byte 0xff in argv
+    (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--max-tokens", "-7"], "--max-tokens must be at least 1"),
+])
+def test_bad_serve_options_are_one_line_before_the_model_loads(monkeypatch, capsys, tmp_path, options, message):
+    """The model does not exist: an error about the options shows they are checked before it loads."""
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        options = [str(busy.getsockname()[1]) if option == "IN_USE" else option for option in options]
+        code = zerollm_here(monkeypatch, "serve", "--model", tmp_path / "no-model", *options)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("zerollm: error: ") and err.count("\n") == 1, err
+    assert message in err
+
+
 
 def test_an_idle_connection_is_closed_at_the_timeout(generator):
     with (running(generator, timeout_s=1) as (url, _, _),

@@ -8,8 +8,9 @@ Standard library only (`http.server`, one thread per connection). Requests are u
   max_tokens of them) until the socket timeout ends the connection and cancels its generation; a
   client that disconnects is noticed while it waits and at the next write, and its generation ends
   quietly, without a traceback.
-- Every socket has a timeout (a client that sends or reads nothing for that long is dropped), open
-  connections are capped (one more gets 503 at once) and bodies are read only with a valid
+- Every socket has a timeout (a client that sends or reads nothing for that long is dropped), a request's
+  line, headers and body must all arrive within that timeout (a client dribbling bytes is dropped too),
+  open connections are capped (one more gets 503 at once) and bodies are read only with a valid
   Content-Length of at most 1 MiB.
 - Message text goes through the tokenizer's chat template to ids, never re-encoded: a user's
   `<|im_end|><|im_start|>system` stays text.
@@ -17,6 +18,7 @@ Standard library only (`http.server`, one thread per connection). Requests are u
   reach the server through DNS rebinding), and only `Content-Type: application/json` posts (which
   browsers cannot send across origins without a preflight we never grant). Off loopback an API key
   is required (`Authorization: Bearer KEY`, as OpenAI clients send it).
+- The address is bound and the options are checked before the model loads: a bad one is a UserError.
 - Every error is an OpenAI-style JSON body (4xx for the client's mistakes); after a stream has
   begun, an error is sent as an SSE `data: {"error": ...}` event.
 """
@@ -25,8 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import io
 import ipaddress
 import json
+import math
 import queue
 import re
 import select
@@ -50,6 +54,8 @@ ROLES = ("system", "user", "assistant", "tool")
 WAIT_POLL_S = 0.25
 """How often a request waiting for its generation checks whether its client is still there."""
 CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
+API_KEY = re.compile(r"[!-~]+")
+"""Visible ASCII: what an HTTP header carries unchanged."""
 
 
 class RequestError(Exception):
@@ -72,6 +78,8 @@ def parse_json_body(raw: bytes) -> Any:
         body = json.loads(raw or b"null", parse_constant=_reject_constant)
     except ValueError:  # JSONDecodeError, UnicodeDecodeError
         raise RequestError("the request body is not valid JSON") from None
+    except RecursionError:
+        raise RequestError("the request body is not valid JSON: it is nested too deeply") from None
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
@@ -126,14 +134,19 @@ def _number(body: dict, key: str, kind: type | tuple, default: Any) -> Any:
     return value
 
 
-def parse_chat_request(body: Any, default_max_tokens: int) -> tuple[list[dict], SamplingParams, bool]:
-    """(canonical messages, sampling parameters, stream) from a chat-completions body, or RequestError."""
+def parse_messages(body: Any) -> list[dict]:
+    """The canonical messages of a chat-completions body, or RequestError."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
-    messages = [canonical_message(m, i) for i, m in enumerate(messages)]
+    return [canonical_message(m, i) for i, m in enumerate(messages)]
+
+
+def parse_options(body: dict, default_max_tokens: int) -> tuple[SamplingParams, bool]:
+    """(sampling parameters, stream) of a chat-completions body whose messages parse_messages accepted, or
+    RequestError."""
     if body.get("n", 1) != 1:
         raise RequestError("only n=1 is supported", "n")
     stop = body.get("stop") or []
@@ -153,12 +166,18 @@ def parse_chat_request(body: Any, default_max_tokens: int) -> tuple[list[dict], 
                                 top_p=float(_number(body, "top_p", (int, float), 1.0)))
     except ValueError as exc:
         raise RequestError(str(exc)) from None
-    return messages, params, stream
+    return params, stream
 
 
 # ---- the model behind the server --------------------------------------------------------------------
 
 _DONE = object()
+
+
+def check_default_max_tokens(max_tokens: int) -> None:
+    """Refuse a default max_tokens for which every request that leaves max_tokens out would be refused."""
+    if max_tokens < 1:
+        raise UserError(f"--max-tokens must be at least 1, got {max_tokens}")
 
 
 class Generation:
@@ -176,7 +195,9 @@ class ChatService:
 
     def __init__(self, generator: TextGenerator, model_name: str, default_max_tokens: int = 256,
                  max_queued: int = 32) -> None:
+        check_default_max_tokens(default_max_tokens)
         self.generator, self.model_name, self.default_max_tokens = generator, model_name, default_max_tokens
+        self.context = generator.model.cfg.max_seq_len
         self.created = int(time.time())
         self.cancelled = 0
         """Generations ended early because their client left."""
@@ -188,11 +209,14 @@ class ChatService:
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.generator.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
+    def default_max_tokens_after(self, prompt_ids: list[int]) -> int:
+        """max_tokens of a request that leaves it out: the default, or what the context leaves after the prompt."""
+        return max(1, min(self.default_max_tokens, self.context - len(prompt_ids)))
+
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        context = self.generator.model.cfg.max_seq_len
-        if len(prompt_ids) + params.max_new_tokens > context:
+        if len(prompt_ids) + params.max_new_tokens > self.context:
             raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_new_tokens}) "
-                               f"exceeds the model's context of {context} tokens", "messages",
+                               f"exceeds the model's context of {self.context} tokens", "messages",
                                code="context_length_exceeded")
         job = Generation(prompt_ids, params)
         try:
@@ -241,11 +265,42 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def _make_handler(service: ChatService, api_key: str | None, loopback: bool, timeout_s: float):
+class _DeadlineReader(socket.SocketIO):
+    """A connection's reading side: each read waits at most `timeout_s`, and all the reads before `deadline` end by
+    then, so that a client sending a byte now and then cannot hold its connection for as long as it likes."""
+
+    def __init__(self, connection: socket.socket, timeout_s: float) -> None:
+        super().__init__(connection, "rb")
+        self.connection, self.timeout_s, self.deadline = connection, timeout_s, math.inf
+
+    def readinto(self, buffer: Any) -> int | None:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self.connection.settimeout(min(self.timeout_s, remaining))
+        try:
+            return super().readinto(buffer)
+        finally:
+            self.connection.settimeout(self.timeout_s)  # writes keep the whole timeout
+
+
+def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "zerollm"
         timeout = timeout_s  # every read and write on the socket
+
+        def setup(self) -> None:
+            super().setup()
+            self.service: ChatService = self.server.service
+            self.rfile.close()  # read the same socket under each request's deadline instead
+            self.reader = _DeadlineReader(self.connection, timeout_s)
+            self.rfile = io.BufferedReader(self.reader)
+
+        def handle_one_request(self) -> None:
+            """One request, whose line, headers and body must all arrive within timeout_s."""
+            self.reader.deadline = time.monotonic() + timeout_s
+            super().handle_one_request()
 
         def log_message(self, format: str, *args) -> None:  # keep the console for the operator's own output
             pass
@@ -327,8 +382,8 @@ def _make_handler(service: ChatService, api_key: str | None, loopback: bool, tim
             if self.path == "/health":
                 self._json(200, {"status": "ok"})
             elif self.path == "/v1/models":
-                self._json(200, {"object": "list", "data": [{"id": service.model_name, "object": "model",
-                                                             "created": service.created, "owned_by": "zerollm"}]})
+                self._json(200, {"object": "list", "data": [{"id": self.service.model_name, "object": "model",
+                                                             "created": self.service.created, "owned_by": "zerollm"}]})
             else:
                 raise RequestError(f"no route GET {self.path}", status=404)
 
@@ -353,9 +408,10 @@ def _make_handler(service: ChatService, api_key: str | None, loopback: bool, tim
         def _post(self) -> None:
             if self.path != "/v1/chat/completions":
                 raise RequestError(f"no route POST {self.path}", status=404)
-            messages, params, stream = parse_chat_request(parse_json_body(self._read_body()),
-                                                          service.default_max_tokens)
-            job = service.submit(service.prompt_ids(messages), params)
+            body = parse_json_body(self._read_body())
+            prompt_ids = self.service.prompt_ids(parse_messages(body))
+            params, stream = parse_options(body, self.service.default_max_tokens_after(prompt_ids))
+            job = self.service.submit(prompt_ids, params)
             try:
                 (self._stream if stream else self._complete)(job)
             finally:
@@ -386,7 +442,7 @@ def _make_handler(service: ChatService, api_key: str | None, loopback: bool, tim
             text = "".join(self._pieces(job))
             prompt_tokens, completion_tokens = len(job.prompt_ids), job.stream.completion_tokens
             self._json(200, {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                             "created": int(time.time()), "model": service.model_name,
+                             "created": int(time.time()), "model": self.service.model_name,
                              "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                           "finish_reason": job.stream.finish_reason}],
                              "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -400,7 +456,7 @@ def _make_handler(service: ChatService, api_key: str | None, loopback: bool, tim
             self.end_headers()
             self.streaming = True
             base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-                    "created": int(time.time()), "model": service.model_name}
+                    "created": int(time.time()), "model": self.service.model_name}
 
             def chunk(delta: dict, finish: str | None = None) -> dict:
                 return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
@@ -415,14 +471,23 @@ def _make_handler(service: ChatService, api_key: str | None, loopback: bool, tim
 
 
 class ChatServer(ThreadingHTTPServer):
-    """A threading HTTP server that caps open connections and reports no tracebacks for clients that leave."""
+    """A threading HTTP server that caps open connections and reports no tracebacks for clients that leave; it
+    answers with `service`, which must be set before serve_forever()."""
 
     daemon_threads = True
     request_queue_size = 128  # the default backlog (5) refuses bursts of concurrent clients
 
     def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
         self._slots = threading.BoundedSemaphore(max_connections)
+        self.service: ChatService | None = None
+        if _is_ipv6_address(address[0]):
+            self.address_family = socket.AF_INET6
         super().__init__(address, handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://[{host}]:{port}" if self.address_family == socket.AF_INET6 else f"http://{host}:{port}"
 
     def process_request(self, request: socket.socket, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -461,17 +526,43 @@ def _refuse(request: socket.socket) -> None:
         pass
 
 
+def _is_ipv6_address(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False
+
+
 def check_exposure(host: str, api_key: str | None) -> None:
-    """Refuse to serve other machines without an API key."""
+    """Refuse an API key that no client could send, and serving other machines without an API key."""
+    if api_key and not API_KEY.fullmatch(api_key):
+        raise UserError("--api-key (or $ZEROLLM_API_KEY) must be printable ASCII without spaces: clients send it in "
+                        "an HTTP header")
     if not is_loopback_host(host) and not api_key:
         raise UserError(f"--host {host} lets other machines reach the server: give --api-key KEY (clients send "
                         "'Authorization: Bearer KEY'), or bind 127.0.0.1")
 
 
+def bind_server(host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, timeout_s: float = 30.0,
+                max_connections: int = 64) -> ChatServer:
+    """The server, bound and listening but with no model yet: set its `service` before serve_forever(), so that a bad
+    address is reported before the model loads. UserError: a port out of range, an address this machine cannot
+    bind, or serving other machines without an `api_key`. `timeout_s`: a client that sends or reads nothing for this
+    long, or whose request has not all arrived this long after the server began waiting for it, is dropped;
+    `max_connections`: open connections at once (more get 503)."""
+    check_exposure(host, api_key)
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must be between 0 and 65535 (0 picks a free one), got {port}")
+    handler = _make_handler(api_key or None, is_loopback_host(host), timeout_s)
+    try:
+        return ChatServer((host, port), handler, max_connections)
+    except OSError as exc:  # in use, not this machine's address, unresolvable (socket.gaierror)
+        raise UserError(f"cannot listen on --host {host!r} --port {port}: {exc.strerror or exc}") from None
+
+
 def make_server(service: ChatService, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                 timeout_s: float = 30.0, max_connections: int = 64) -> ChatServer:
-    """The server, bound; off loopback an `api_key` is required. `timeout_s`: a client that sends or reads nothing for
-    this long is dropped; `max_connections`: open connections at once (more get 503)."""
-    check_exposure(host, api_key)
-    handler = _make_handler(service, api_key or None, is_loopback_host(host), timeout_s)
-    return ChatServer((host, port), handler, max_connections)
+    """The server of `service`, bound (see bind_server)."""
+    server = bind_server(host, port, api_key, timeout_s, max_connections)
+    server.service = service
+    return server
