@@ -20,8 +20,12 @@ on its own line; a tool turn is role `tool`.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import re
+import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
@@ -82,9 +86,90 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+RENDER_SECONDS = 5.0
+"""The longest a chat template may take to render (they take milliseconds; a hostile one loops for hours)."""
+MAX_ITEMS = 1 << 20
+"""The longest string or list a template's `*` may make, and the most bits of an integer its `*` or `**` may make."""
+
+
+class TemplateTooCostly(TemplateError):
+    """A template ran past RENDER_SECONDS or asked for a result above MAX_ITEMS."""
+
+
+def _result_size(operator: str, left: Any, right: Any) -> int:
+    """Items (or, for integers, bits) the result of `left operator right` would hold; 0 where it is small anyway."""
+    if operator == "*":
+        for count, sequence in ((left, right), (right, left)):
+            if isinstance(count, int) and isinstance(sequence, (str, list, tuple)):
+                return count * len(sequence)
+        if isinstance(left, int) and isinstance(right, int):
+            return left.bit_length() + right.bit_length()
+    if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+        return left.bit_length() * right
+    return 0
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with `*` and `**` bounded: one expression cannot ask for gigabytes, nor compute for
+    minutes between two checks of the deadline."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if _result_size(operator, left, right) > MAX_ITEMS:
+            raise TemplateTooCostly(f"'{operator}' would make a result of more than {MAX_ITEMS} items")
+        return super().call_binop(context, operator, left, right)
+
+
+class _RenderDeadlines:
+    """Stops a render that runs past its deadline: one daemon thread checks the renders in progress twice a second
+    and raises TemplateTooCostly in the thread of a late one (`PyThreadState_SetAsyncExc`: the exception surfaces
+    at that thread's next bytecode, where a template's loops run). A render pays two dictionary operations, where
+    a trace function slowed every render twofold."""
+
+    POLL_S = 0.5
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._deadlines: dict[int, float | None] = {}  # thread id -> deadline; None once the exception is sent
+        self._watcher: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def limit(self, seconds: float) -> Iterator[None]:
+        thread = threading.get_ident()
+        with self._lock:
+            self._deadlines[thread] = time.monotonic() + seconds
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch, name="chat-template-deadlines", daemon=True)
+                self._watcher.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                if self._deadlines.pop(thread, 0.0) is None:  # sent, maybe not yet raised: take it back
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), None)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.POLL_S)
+            with self._lock:
+                now = time.monotonic()
+                for thread, deadline in self._deadlines.items():
+                    if deadline is not None and now > deadline:
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
+                                                                   ctypes.py_object(TemplateTooCostly))
+                        self._deadlines[thread] = None
+
+
+_DEADLINES = _RenderDeadlines()
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    """A sandbox like transformers' (templates come with downloaded files: untrusted code)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    """A sandbox like transformers' (templates come with downloaded files: untrusted code), with its cost bounded
+    (`_BoundedSandbox`, `_render_within_deadline`); Jinja's `lipsum` global, which no chat template uses, is
+    removed (it writes as many paragraphs as asked)."""
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.globals.pop("lipsum", None)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -146,11 +231,16 @@ class ChatTemplate:
 
     def _render(self, escaped: list[dict], add_generation_prompt: bool) -> str:
         try:
-            return self._template.render(messages=escaped, add_generation_prompt=add_generation_prompt, tools=None,
-                                         **self.variables)
+            with _DEADLINES.limit(RENDER_SECONDS):
+                return self._template.render(messages=escaped, add_generation_prompt=add_generation_prompt,
+                                             tools=None, **self.variables)
+        except TemplateTooCostly as exc:
+            reason = exc.message or f"rendering took longer than {RENDER_SECONDS:g} s"
+            raise ChatTemplateError(f"{self.source}: the chat template is refused: {reason}") from None
         except TemplateError as exc:
             raise ChatTemplateError(f"{self.source}: the chat template refused the messages: {exc}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, MemoryError,
+                RecursionError) as exc:
             raise ChatTemplateError(f"{self.source}: the chat template failed on the messages "
                                     f"({type(exc).__name__}: {exc})") from None
 

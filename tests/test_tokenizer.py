@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import llm.chat_template
 from conftest import FIXTURES, TINY, run_cli
 from llm.chat_template import CHAT_TEMPLATE, ChatTemplateError
 from llm.data.prepare import encode_dpo, encode_sft, prepare
@@ -215,6 +216,26 @@ def test_a_chat_template_file_beside_the_tokenizer_is_used(tmp_path):
     shutil.copy(MINIMIND / "tokenizer.json", tmp_path / "tokenizer.json")
     messages = [{"role": "user", "content": "hi"}]
     assert Tokenizer.load(tmp_path).encode_chat(messages, True) == Tokenizer.load(MINIMIND).encode_chat(messages, True)
+
+
+@pytest.mark.parametrize("template, reason", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "rendering took longer than 0.5 s"),  # it ran for hours
+    ("{{ 'x' * 100000000000 }}", "'*' would make a result of more than 1048576 items"),  # a MemoryError traceback
+    ("{% set ns = namespace(n=2) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}{{ ns.n }}",
+     "'*' would make a result of more than 1048576 items"),  # squaring a number 40 times: minutes per step
+    ("{{ 7 ** 100000000 }}", "'**' would make a result of more than 1048576 items"),
+    ("{{ lipsum(n=100000000) }}", "'lipsum' is undefined"),
+])
+def test_a_hostile_chat_template_is_stopped_with_one_line(tmp_path, monkeypatch, template, reason):
+    """A tokenizer's chat template comes with downloaded files: its cost is bounded like its reach."""
+    monkeypatch.setattr(llm.chat_template, "RENDER_SECONDS", 0.5)
+    config = json.loads((MINIMIND / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    shutil.copy(MINIMIND / "tokenizer.json", tmp_path / "tokenizer.json")
+    with pytest.raises(ChatTemplateError) as error:
+        Tokenizer.load(tmp_path).encode_chat([{"role": "user", "content": "hi"}], True)
+    assert reason in str(error.value) and "\n" not in str(error.value)
 
 
 def test_a_saved_foreign_tokenizer_keeps_its_files_meaning(tmp_path):
