@@ -15,11 +15,13 @@ import torch
 from llm import rundir
 from llm.config import ModelConfig, RunConfig, build_config
 from llm.errors import UserError
-from llm.export import HF_CONFIG_FILE, import_model
+from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, import_model
 from llm.model import Transformer
 from llm.model.lora import apply_lora, load_adapters, merge
+from llm.runtime.fingerprint import file_digest
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.checkpoint import is_partitioned, restricted_unpickling
+from llm.train.run_record import last_record
 
 
 def consolidated_weights(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
@@ -70,6 +72,11 @@ def load_lora_model(run_dir: Path, cfg: RunConfig, tag: str | None = None) -> Tr
         raise UserError(f"{run_dir}: a LoRA run whose checkpoints hold adapters only; its base model "
                         f"(train.init_from {base}) is not there; put it back or set train.init_from in "
                         f"{rundir.config_file(run_dir)}")
+    trained_on = ((last_record(run_dir) or {}).get("data") or {}).get("base")
+    if trained_on is not None and (now := weights_summary(base, "train.init_from"))["weights"] != trained_on["weights"]:
+        raise UserError(f"{run_dir}: its adapters were trained on {trained_on['path']} ({trained_on['weights']}), "
+                        f"but train.init_from {base} holds {now['weights']}; merged onto other weights they would "
+                        "make a wrong model: put that base back")
     model = apply_lora(load_model_dir(base)[0], cfg.lora, cfg.train.seed)
     missing, unexpected = load_adapters(model, consolidated_weights(run_dir, tag))
     if missing or unexpected:
@@ -87,6 +94,24 @@ def is_run_or_export(directory: Path, option: str = "") -> bool:
         return False
     raise UserError(f"{option + ' ' if option else ''}{directory}: neither a run directory ({rundir.CONFIG_FILE}) "
                     f"nor an export directory ({HF_CONFIG_FILE})")
+
+
+def weights_summary(path: str | Path, option: str) -> dict[str, str]:
+    """What identifies the weights of a run or export directory: its path, and its weights (a run directory's run id
+    and newest usable checkpoint, or the digest of an export's weights file). `option` names it in errors."""
+    directory = Path(path)
+    if rundir.is_run_dir(directory):
+        tag = rundir.usable_tag(directory)
+        if tag is None:
+            raise UserError(f"{option} {directory}: no checkpoint found (expected "
+                            f"{rundir.checkpoint_dir(directory) / rundir.LATEST}); train it first")
+        weights = f"run {rundir.client_state_of(directory, tag)['run_id']} {tag}"
+    else:
+        files = [directory / name for name in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE) if (directory / name).is_file()]
+        if not files:
+            raise UserError(f"{option} {directory}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}")
+        weights = f"{files[0].name} digest {file_digest(files[0])}"
+    return {"path": str(directory.resolve()), "weights": weights}
 
 
 def load_model_dir(path: str | Path) -> tuple[Transformer, Path]:

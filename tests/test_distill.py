@@ -142,7 +142,7 @@ def test_teacher_of_another_vocabulary_or_without_tokenizer_or_checkpoint_is_ref
     untrained = tmp_path / "untrained"
     shutil.copytree(teacher, untrained, ignore=shutil.ignore_patterns("checkpoints"))
     cfg.train.teacher = str(untrained)
-    with pytest.raises(UserError, match="no checkpoint found .*; train the teacher first"):
+    with pytest.raises(UserError, match="no checkpoint found .*; train it first"):
         check_teacher(cfg, attrs)
     cfg.train.teacher = str(tmp_path)
     neither = rf"^--teacher {re.escape(str(tmp_path))}: neither a run directory .* nor an export directory"

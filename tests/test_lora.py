@@ -260,6 +260,24 @@ def test_export_of_a_lora_run_is_the_merged_model(runs, tmp_path, monkeypatch, c
         torch.testing.assert_close(exported(tokens).logits, unmerged(tokens).logits, atol=1e-5, rtol=0)
 
 
+def test_a_lora_run_refuses_a_base_that_holds_other_weights(runs, data, tokenizer_dir, tmp_path):
+    """The adapters belong to the base they were trained on; before, export merged them onto whatever
+    train.init_from held (a retrained or swapped base) without a word, and a resume trained on."""
+    run, other = tmp_path / "run", tmp_path / "other-base"
+    shutil.copytree(runs["sft"][0], run)
+    torch.manual_seed(1)
+    export_model(Transformer(build_config("demo", TINY).model), tokenizer_dir, other)
+    trained_on = build_config((run / "config.yaml").as_posix()).train.init_from
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace(trained_on, str(other)))
+    refusal = (r"its adapters were trained on .*\(model.safetensors digest \w+\), but "
+               rf"train.init_from {other} holds model.safetensors digest \w+; .* put that base")
+    with pytest.raises(UserError, match=refusal):
+        load_lora_model(run, build_config((run / "config.yaml").as_posix()))
+    result = run_cli(*_lora_args("sft", data["sft"], run, other, nproc=1, lora=LORA_NO_DROPOUT), "--resume", "auto")
+    assert result.returncode == 2 and f"--init-from {other} (model.safetensors digest " in result.stderr
+    assert f"not the base {run} was trained with" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_lora_grpo_under_zero3_rolls_out_with_the_adapters(base, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about {t}.", "answer": t})

@@ -26,7 +26,7 @@ from llm.data.datasets import DATASETS, read_data_attrs
 from llm.data.formats import expand_inputs
 from llm.data.prepare import TOKENS_FILE
 from llm.errors import UserError
-from llm.loading import initial_weights
+from llm.loading import initial_weights, weights_summary
 from llm.model import Transformer
 from llm.model.lora import apply_lora, trainable_summary
 from llm.runtime.distributed import DistInfo, setup_distributed
@@ -45,11 +45,18 @@ from llm.train.engine import (
 from llm.train.metrics import MetricsLogger, MetricsSink, peak_memory_mb
 from llm.train.objectives import CausalLMObjective, DistillObjective, DPOObjective, GRPOObjective
 from llm.train.rollout import Rollouts, grpo_inputs, tokenizer_dir
-from llm.train.run_record import check_same_data, data_summary, prompts_summary, run_record, write_run_record
+from llm.train.run_record import (
+    check_same_data,
+    check_same_weights,
+    data_summary,
+    prompts_summary,
+    run_record,
+    write_run_record,
+)
 from llm.train.samples import SampleGenerator
 from llm.train.schedule import lr_multiplier
 from llm.train.steps import DataSteps
-from llm.train.teacher import DISTILL_DATA_KINDS, check_same_teacher, check_teacher, load_teacher
+from llm.train.teacher import DISTILL_DATA_KINDS, check_teacher, load_teacher
 from llm.train.time_budget import TimeBudget
 from llm.train.trainer import Trainer
 
@@ -186,10 +193,13 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         data_summary(Path(cfg.data.path), attrs)
     if teacher is not None:
         data["teacher"] = teacher  # recorded with the data: a resume against another teacher is refused
+    if cfg.lora.r and cfg.train.init_from:  # the frozen base the adapters belong to (`load_lora_model` checks it)
+        data["base"] = weights_summary(cfg.train.init_from, "--init-from")
     if resume and rundir.latest_tag(run_dir) is not None:
         check_same_data(run_dir, data)
-        if teacher is not None:
-            check_same_teacher(run_dir, teacher)
+        for role, option in (("teacher", "--teacher"), ("base", "--init-from")):
+            if role in data:
+                check_same_weights(run_dir, role, data[role], option)
         cfg.train.precision = resumed_precision(run_dir, cfg.train.precision)
     info = setup_distributed(cfg.train.collective_timeout_s)
     cfg.train.precision = resolve_precision(cfg.train.precision, info.device)

@@ -140,3 +140,15 @@ def check_same_data(run_dir: Path, data: dict[str, Any]) -> None:
         raise UserError(f"{data['path']}: not the data {run_dir} was trained on{where}: {'; '.join(differences)}. "
                         f"Resume with the original data, or start a new run from this one's weights with "
                         f"--init-from {run_dir}")
+
+
+def check_same_weights(run_dir: Path, role: str, summary: dict[str, str], option: str) -> None:
+    """Refuse to resume `run_dir` with other weights as its `role` (the distillation 'teacher', the LoRA 'base') than
+    its newest session used (`llm.loading.weights_summary`), naming both."""
+    record = last_record(run_dir)
+    before = record["data"].get(role) if record else None
+    if before is None or before == summary:
+        return
+    raise UserError(f"{option} {summary['path']} ({summary['weights']}): not the {role} {run_dir} was trained with "
+                    f"({before['path']}, {before['weights']}); resume with that {role}, or start a new run from this "
+                    f"one's weights with --init-from {run_dir}")

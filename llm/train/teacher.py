@@ -6,8 +6,9 @@ distributions position by position over the whole vocabulary, so both must index
 therefore be the one the data was prepared with (same hash), and a teacher without tokenizer files is refused, since
 nothing could prove it matches.
 
-A distilled run records which teacher it learns from (`teacher_summary`, kept with the data in the run record), and
-resuming it against another teacher, or the same directory holding other weights, is refused (`check_same_teacher`).
+A distilled run records which teacher it learns from (`llm.loading.weights_summary`, kept with the data in the run
+record), and resuming it against another teacher, or the same directory holding other weights, is refused
+(`llm.train.run_record.check_same_weights`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,10 @@ from llm import rundir
 from llm.config import ModelConfig, RunConfig, build_config
 from llm.data.prepare import TOKENS_FILE
 from llm.errors import UserError
-from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, model_config_from_hf, read_json_object
-from llm.loading import is_run_or_export, load_model_dir
-from llm.runtime.fingerprint import file_digest
+from llm.export import HF_CONFIG_FILE, model_config_from_hf, read_json_object
+from llm.loading import is_run_or_export, load_model_dir, weights_summary
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.engine import frozen_engine
-from llm.train.run_record import last_record
 
 DISTILL_DATA_KINDS = ("pretrain", "sft")
 """Prepared data a student is distilled on: documents (every target bears loss) or conversations (the replies)."""
@@ -41,7 +40,7 @@ def teacher_source(path: str | Path) -> tuple[ModelConfig, Path]:
 def check_teacher(cfg: RunConfig, data_attrs: dict) -> dict[str, str]:
     """Refuse a teacher whose tokenizer is missing or is not the data's, whose vocabulary size is not the student's,
     whose context is shorter than data.seq_len, or that has no weights; each with one line naming both sides.
-    Returns what identifies the teacher (`teacher_summary`)."""
+    Returns what identifies the teacher (`llm.loading.weights_summary`)."""
     teacher = cfg.train.teacher
     teacher_cfg, tokenizer_dir = teacher_source(teacher)
     if not (tokenizer_dir / TOKENIZER_FILE).is_file():
@@ -63,7 +62,7 @@ def check_teacher(cfg: RunConfig, data_attrs: dict) -> dict[str, str]:
     if teacher_cfg.max_seq_len < cfg.data.seq_len:
         raise UserError(f"--teacher {teacher}: model.max_seq_len {teacher_cfg.max_seq_len} there is shorter than "
                         f"data.seq_len {cfg.data.seq_len}; set data.seq_len <= {teacher_cfg.max_seq_len}")
-    return teacher_summary(teacher)
+    return weights_summary(teacher, "--teacher")
 
 
 def _data_tokenizer_path(data_dir: Path) -> Path:
@@ -77,32 +76,3 @@ def load_teacher(cfg: RunConfig, ds_config: dict):
     partitioned under ZeRO-3, replicated otherwise (`llm.train.engine.frozen_engine`)."""
     model, _ = load_model_dir(cfg.train.teacher)
     return frozen_engine(model, ds_config)
-
-
-def teacher_summary(path: str | Path) -> dict[str, str]:
-    """What identifies a teacher: its directory and its weights (a run directory's run id and newest usable
-    checkpoint, or the digest of an export's weights file)."""
-    directory = Path(path)
-    if rundir.is_run_dir(directory):
-        tag = rundir.usable_tag(directory)
-        if tag is None:
-            raise UserError(f"--teacher {directory}: no checkpoint found (expected "
-                            f"{rundir.checkpoint_dir(directory) / rundir.LATEST}); train the teacher first")
-        weights = f"run {rundir.client_state_of(directory, tag)['run_id']} {tag}"
-    else:
-        files = [directory / name for name in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE) if (directory / name).is_file()]
-        if not files:
-            raise UserError(f"--teacher {directory}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}")
-        weights = f"{files[0].name} digest {file_digest(files[0])}"
-    return {"path": str(directory.resolve()), "weights": weights}
-
-
-def check_same_teacher(run_dir: Path, teacher: dict[str, str]) -> None:
-    """Refuse to resume `run_dir` against another teacher than its newest session learned from, naming both."""
-    record = last_record(run_dir)
-    before = record["data"].get("teacher") if record else None
-    if before is None or before == teacher:
-        return
-    raise UserError(f"--teacher {teacher['path']} ({teacher['weights']}): not the teacher {run_dir} was trained with "
-                    f"({before['path']}, {before['weights']}); resume with that teacher, or start a new run from this "
-                    f"one's weights with --init-from {run_dir}")
