@@ -72,7 +72,8 @@ def load_lora_model(run_dir: Path, cfg: RunConfig, tag: str | None = None) -> Tr
         raise UserError(f"{run_dir}: a LoRA run whose checkpoints hold adapters only; its base model "
                         f"(train.init_from {base}) is not there; put it back or set train.init_from in "
                         f"{rundir.config_file(run_dir)}")
-    trained_on = ((last_record(run_dir) or {}).get("data") or {}).get("base")
+    record = last_record(run_dir)
+    trained_on = record["data"].get("base") if record else None
     if trained_on is not None and (now := weights_summary(base, "train.init_from"))["weights"] != trained_on["weights"]:
         raise UserError(f"{run_dir}: its adapters were trained on {trained_on['path']} ({trained_on['weights']}), "
                         f"but train.init_from {base} holds {now['weights']}; merged onto other weights they would "

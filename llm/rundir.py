@@ -30,6 +30,7 @@ cheaply; `llm.train.checkpoint` writes checkpoints and `llm.loading` rebuilds mo
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -53,10 +54,40 @@ CLIENT_STATE = "client_state.json"
 MANIFEST = "manifest.json"
 UNIVERSAL_DIR = "universal"
 TAG_PREFIX = "global_step"
+WANDB_DIR = "wandb"
+RUN_ENTRIES = frozenset({CONFIG_FILE, DS_CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, RUN_RECORD_FILE, EVAL_DIR,
+                         TOKENIZER_DIR, CHECKPOINTS_DIR, UNIVERSAL_DIR, WANDB_DIR})
+"""What `zerollm train` writes into a run directory (besides its dot-named temporary files)."""
 
 
 def is_run_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file()
+
+
+def check_run_output(run_dir: Path) -> None:
+    """Refuse a training --out that training would damage or cannot write: a file, a folder below a file or without
+    write permission, or a non-empty folder that is not a run directory (a user's own config.yaml or metrics.jsonl
+    would be overwritten, a prepared data folder filled with checkpoints)."""
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        raise UserError(f"--out {run_dir}: {existing} is a file; give a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--out {run_dir}: {existing} is not writable")
+    if existing != run_dir:
+        return
+    names = {p.name for p in run_dir.iterdir() if not p.name.startswith(".")}
+    if not names:
+        return
+    foreign = sorted(names - RUN_ENTRIES)
+    made_by_training = ((run_dir / RUN_RECORD_FILE).is_file() or checkpoint_dir(run_dir).is_dir()
+                        or names == {WANDB_DIR})  # a run stopped before it wrote anything else
+    if foreign or not made_by_training:
+        shown = ", ".join((foreign or sorted(names))[:4])
+        raise UserError(f"--out {run_dir} holds files that are not a zerollm run ({shown}); training would overwrite "
+                        "them: choose a new or empty directory")
+    for folder in (checkpoint_dir(run_dir), tokenizer_dir(run_dir)):
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"--out {run_dir}: {folder} is a file where training keeps a folder; move it away")
 
 
 def config_file(run_dir: Path) -> Path:

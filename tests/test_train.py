@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import METRIC_KEYS, run_cli
+from conftest import METRIC_KEYS, run_cli, zerollm_here
 from conftest import train_args as _args
 from launch.launcher import is_rank_command
 from llm.loading import consolidated_weights
@@ -286,3 +286,48 @@ def test_missing_data_and_wrong_kind_are_clear_errors(tmp_path, pretrain_data):
     assert result.returncode == 2 and "no tokens.h5" in result.stderr
     result = run_cli(*_args(pretrain_data, tmp_path / "run", "model.vocab_size=100", "train.max_steps=1"))
     assert result.returncode == 2 and "model.vocab_size" in result.stderr
+
+
+# ---- what --out may be ------------------------------------------------------------------------------------------
+
+def _folder(root, files: dict[str, str]):
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"config.yaml": "# my own recipe\n", "metrics.jsonl": '{"my": "notes"}\n'},
+     "holds files that are not a zerollm run (config.yaml, metrics.jsonl); training would overwrite them"),
+    ({"tokens.h5": "", "report.json": "{}", "tokenizer/tokenizer.json": "{}"},
+     "holds files that are not a zerollm run (report.json, tokens.h5)"),
+    ({"run_record.jsonl": "{}\n", "checkpoints": "a file"}, "checkpoints is a file where training keeps a folder"),
+])
+def test_an_out_folder_that_is_not_a_run_is_refused_untouched(pretrain_data, tmp_path, monkeypatch, capsys, files,
+                                                               message):
+    """Before, training overwrote a user's config.yaml and metrics.jsonl, or filled a prepared data folder with
+    checkpoints (--resume auto), exit 0; a file named checkpoints was a traceback."""
+    out = _folder(tmp_path / "out", files)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert zerollm_here(monkeypatch, *_args(pretrain_data, out, nproc=2), "--resume", "auto") == 2  # no job here
+    assert message in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_an_out_that_is_or_lies_below_a_file_is_one_line(pretrain_data, tmp_path, monkeypatch, capsys):
+    (tmp_path / "notes.txt").write_text("kept")
+    for out in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "run"):
+        assert zerollm_here(monkeypatch, *_args(pretrain_data, out, nproc=2)) == 2
+        assert capsys.readouterr().err == f"zerollm: error: --out {out}: {tmp_path / 'notes.txt'} is a file; give a " \
+                                          "directory\n"
+    assert (tmp_path / "notes.txt").read_text() == "kept"
+
+
+def test_a_damaged_run_record_is_one_line(tmp_path):
+    from llm.errors import UserError
+    from llm.train.run_record import last_record
+
+    (tmp_path / "run_record.jsonl").write_text('{"data": {}}\nnot json\n')
+    with pytest.raises(UserError, match=r"run_record.jsonl:2: not a run record \(the file is damaged\)"):
+        last_record(tmp_path)

@@ -115,8 +115,18 @@ def last_record(run_dir: Path) -> dict[str, Any] | None:
     path = run_dir / rundir.RUN_RECORD_FILE
     if not path.is_file():
         return None
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    return json.loads(lines[-1]) if lines else None
+    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+    if not lines:
+        return None
+    number, line = lines[-1]
+    try:
+        record = json.loads(line)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or not isinstance(record.get("data"), dict):
+        raise UserError(f"{path}:{number}: not a run record (the file is damaged); `zerollm train` writes one line per "
+                        "session: restore the file, or delete that line to resume without the checks it enables")
+    return record
 
 
 def check_same_data(run_dir: Path, data: dict[str, Any]) -> None:
