@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from importlib import resources
@@ -78,6 +79,13 @@ class ModelConfig:
         hidden = int(8 * self.dim / 3)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
+    @property
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer in a block (`LORA_TARGETS`; in an MoE model every expert's)."""
+        queries, keys, hidden = self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn_hidden_dim
+        return {"wq": (self.dim, queries), "wk": (self.dim, keys), "wv": (self.dim, keys), "wo": (queries, self.dim),
+                "w1": (self.dim, hidden), "w2": (hidden, self.dim), "w3": (self.dim, hidden)}
+
 
 @dataclass
 class DataConfig:
@@ -103,7 +111,7 @@ def parse_duration(value: float | str, key: str) -> float:
         seconds = sum(float(n) * DURATION_UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d*)?)\s*([hms])", text))
     else:
         raise UserError(f"config key '{key}' expects seconds or a duration such as 10m, 1h30m, 90s; got {value!r}")
-    if seconds <= 0:
+    if not 0 < seconds < math.inf:
         raise UserError(f"config key '{key}' must be a positive duration, got {value!r}")
     return seconds
 
@@ -332,7 +340,12 @@ def _coerce(key: str, value: Any, annotation: str) -> Any:
         with contextlib.suppress(ValueError):
             value = float(value)  # YAML 1.1 reads "1e-3" as a string
     if "float" in annotation and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an int beyond float's range
+            value = math.inf
+    if isinstance(value, float) and not math.isfinite(value):  # inf passes every "positive" check; nan passes none
+        raise UserError(f"config key '{key}' must be a finite number, got {value}")
     expected = [t for t in ("bool", "int", "float", "str") if t in annotation]
     ok = {"bool": bool, "int": int, "float": float, "str": str}
     if any(isinstance(value, ok[t]) and not (t == "int" and isinstance(value, bool)) for t in expected):
@@ -388,7 +401,7 @@ def parse_lora_spec(spec: str) -> list[str]:
     if "r" not in values:
         raise UserError(f"--lora {spec}: give the rank, e.g. r=16")
     for name, check, what in (("r", lambda v: int(v) > 0, "a positive integer"),
-                              ("alpha", lambda v: float(v) > 0, "a positive number"),
+                              ("alpha", lambda v: 0 < float(v) < math.inf, "a positive number"),
                               ("dropout", lambda v: 0 <= float(v) < 1, "a number in [0, 1)")):
         if name in values:
             try:
@@ -425,11 +438,69 @@ def _require(ok: bool, message: str) -> None:
         raise UserError(message)
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The values a numeric config key accepts: from `low` up to `high` (None: no upper bound), each end included
+    unless its `*_open` flag excludes it."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above_low = value > self.low if self.low_open else value >= self.low
+        below_high = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above_low and below_high
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return "positive" if self == POSITIVE else f"{'>' if self.low_open else '>='} {self.low}"
+        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+
+
+POSITIVE = Bounds(0, low_open=True)
+NON_NEGATIVE = Bounds(0)
+UNIT_INTERVAL = Bounds(0, 1)
+BELOW_ONE = Bounds(0, 1, high_open=True)
+"""[0, 1): dropout probabilities, Adam's betas."""
+
+NUMBER_RANGES: dict[str, Bounds] = {
+    "model.vocab_size": POSITIVE, "model.dim": POSITIVE, "model.n_layers": POSITIVE, "model.n_heads": POSITIVE,
+    "model.n_kv_heads": POSITIVE, "model.hidden_dim": POSITIVE, "model.multiple_of": POSITIVE,
+    "model.norm_eps": POSITIVE, "model.max_seq_len": POSITIVE,
+    "model.rope_theta": Bounds(1, low_open=True),  # the RoPE base: 1 gives every pair the same frequency
+    "model.rope_factor": Bounds(1), "model.rope_original_max_seq_len": NON_NEGATIVE,
+    "model.yarn_beta_fast": POSITIVE, "model.yarn_beta_slow": POSITIVE, "model.dropout": BELOW_ONE,
+    "model.n_experts": POSITIVE, "model.n_experts_per_token": POSITIVE, "model.n_shared_experts": NON_NEGATIVE,
+    "model.moe_aux_loss_coef": NON_NEGATIVE, "model.init_std": POSITIVE,
+    "data.seq_len": POSITIVE, "data.loader_workers": NON_NEGATIVE,
+    "train.dpo_beta": POSITIVE, "train.dpo_sft_weight": NON_NEGATIVE, "train.distill_alpha": UNIT_INTERVAL,
+    "train.distill_temperature": POSITIVE, "train.max_steps": POSITIVE, "train.micro_batch_size": POSITIVE,
+    "train.grad_accum": POSITIVE, "train.lr": POSITIVE, "train.min_lr_ratio": UNIT_INTERVAL,
+    "train.warmup_steps": NON_NEGATIVE, "train.weight_decay": NON_NEGATIVE, "train.beta1": BELOW_ONE,
+    "train.beta2": BELOW_ONE, "train.adam_eps": POSITIVE, "train.grad_clip": NON_NEGATIVE,
+    "train.seed": Bounds(0, 2**64 - 1),  # what both torch.manual_seed and numpy's SeedSequence accept
+    "train.log_every": POSITIVE, "train.eval_every": NON_NEGATIVE, "train.eval_batches": POSITIVE,
+    "train.save_every": NON_NEGATIVE, "train.keep_checkpoints": NON_NEGATIVE, "train.peak_tflops": POSITIVE,
+    "train.collective_timeout_s": POSITIVE, "train.sample_tokens": POSITIVE,
+    "grpo.group_size": POSITIVE, "grpo.max_new_tokens": POSITIVE, "grpo.temperature": POSITIVE,
+    "grpo.top_k": NON_NEGATIVE, "grpo.top_p": Bounds(0, 1, low_open=True), "grpo.updates_per_batch": POSITIVE,
+    "grpo.clip_low": BELOW_ONE, "grpo.clip_high": NON_NEGATIVE, "grpo.kl_coef": NON_NEGATIVE,
+    "lora.r": NON_NEGATIVE, "lora.alpha": POSITIVE, "lora.dropout": BELOW_ONE,
+}
+"""The range of every int and float config key (None, where a key allows it, is not checked); train.max_time is a
+duration (`parse_duration`). Relations between keys are checked by the validate_* functions."""
+
+
+def validate_ranges(cfg: RunConfig) -> None:
+    for key, bounds in NUMBER_RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        _require(value is None or value in bounds, f"{key} must be {bounds}, got {value}")
+
+
 def validate_model(m: ModelConfig) -> None:
-    for key, value in (("model.dim", m.dim), ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads),
-                       ("model.vocab_size", 1 if m.vocab_size is None else m.vocab_size),
-                       ("model.max_seq_len", m.max_seq_len)):
-        _require(value > 0, f"{key} must be positive, got {value}")
     _require(m.dim % m.n_heads == 0, f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
     _require(m.head_dim % 2 == 0, f"head dim model.dim/model.n_heads = {m.head_dim} must be even for RoPE")
     _require(m.n_heads % m.kv_heads == 0,
@@ -443,7 +514,6 @@ def validate_model(m: ModelConfig) -> None:
                  f"model.n_experts_per_token ({m.n_experts_per_token}) must be in 1..model.n_experts ({m.n_experts})")
     _require(m.kernels in ("auto", "triton", "torch"),
              f"model.kernels must be auto, triton or torch, got '{m.kernels}'")
-    _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
 
 
 STAGES = ("pretrain", "sft", "dpo", "grpo", "distill")
@@ -460,12 +530,6 @@ def validate_grpo(cfg: RunConfig) -> None:
     _require(0 < g.max_new_tokens < cfg.data.seq_len,
              f"grpo.max_new_tokens ({g.max_new_tokens}) must be positive and below data.seq_len ({cfg.data.seq_len}), "
              "which bounds prompt + completion")
-    _require(g.temperature > 0, f"grpo.temperature must be positive (rollouts are sampled), got {g.temperature}")
-    _require(g.top_k >= 0 and 0 < g.top_p <= 1, "grpo.top_k must be >= 0 and grpo.top_p in (0, 1]")
-    _require(g.updates_per_batch >= 1, f"grpo.updates_per_batch must be >= 1, got {g.updates_per_batch}")
-    _require(0 <= g.clip_low < 1 and g.clip_high >= 0,
-             f"grpo.clip_low must be in [0, 1) and grpo.clip_high >= 0, got {g.clip_low} and {g.clip_high}")
-    _require(g.kl_coef >= 0, f"grpo.kl_coef must be >= 0, got {g.kl_coef}")
     _require(g.loss in ("grpo", "cispo"), f"grpo.loss must be grpo or cispo, got '{g.loss}'")
     _require(g.rollout_model in ("gathered", "copy"),
              f"grpo.rollout_model must be gathered or copy, got '{g.rollout_model}'")
@@ -473,52 +537,38 @@ def validate_grpo(cfg: RunConfig) -> None:
 
 def validate_distill(t: TrainConfig) -> None:
     _require(bool(t.teacher), "distillation needs a teacher: pass --teacher RUN_DIR|EXPORT_DIR")
-    _require(0.0 <= t.distill_alpha <= 1.0, f"train.distill_alpha must be in [0, 1], got {t.distill_alpha}")
-    _require(t.distill_temperature > 0, f"train.distill_temperature must be positive, got {t.distill_temperature}")
 
 
 def validate_lora(cfg: RunConfig) -> None:
     lora = cfg.lora
-    _require(lora.r >= 0, f"lora.r must be >= 0 (0 = no LoRA), got {lora.r}")
     if lora.r == 0:
         return
     stage = cfg.train.stage
     _require(stage in LORA_STAGES, f"LoRA adapts a trained model: use it with train sft, dpo or grpo (--init-from the "
                                    f"model to adapt), not with {stage}")
-    _require(lora.alpha is None or lora.alpha > 0, f"lora.alpha must be positive, got {lora.alpha}")
-    _require(0.0 <= lora.dropout < 1.0, f"lora.dropout must be in [0, 1), got {lora.dropout}")
     _require(bool(lora.targets), f"lora.targets is empty; name some of {', '.join(LORA_TARGETS)}")
     for name in lora.targets:
         _require(name in LORA_TARGETS, f"lora.targets: unknown module '{name}'; the model's linear layers LoRA can "
                                        f"adapt are {', '.join(LORA_TARGETS)}")
+    full_rank = min(min(cfg.model.linear_shapes[name]) for name in lora.targets)
+    _require(lora.r <= full_rank, f"lora.r ({lora.r}) exceeds {full_rank}, the smallest dimension of the adapted "
+                                  f"layers ({', '.join(lora.targets)}): their updates have at most that rank")
     _require(bool(cfg.train.init_from), f"LoRA on {stage} needs --init-from: the frozen base model comes from there")
 
 
 def validate(cfg: RunConfig) -> None:
     d, t = cfg.data, cfg.train
+    validate_ranges(cfg)
     validate_model(cfg.model)
-    for key, value in (("data.seq_len", d.seq_len), ("train.micro_batch_size", t.micro_batch_size),
-                       ("train.grad_accum", t.grad_accum), ("train.max_steps", t.max_steps)):
-        _require(value > 0, f"{key} must be positive, got {value}")
     _require(d.seq_len <= cfg.model.max_seq_len,
              f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
     _require(t.stage in STAGES, f"train.stage must be one of {', '.join(STAGES)}, got '{t.stage}'")
-    _require(t.dpo_beta > 0, f"train.dpo_beta must be positive, got {t.dpo_beta}")
-    _require(t.dpo_sft_weight >= 0, f"train.dpo_sft_weight must be >= 0, got {t.dpo_sft_weight}")
     _require(t.dpo_loss in ("sigmoid", "ipo"), f"train.dpo_loss must be sigmoid or ipo, got '{t.dpo_loss}'")
     _require(t.stage not in ("dpo", "grpo") or bool(t.init_from),
              f"{t.stage.upper()} needs --init-from (the policy and the frozen reference start there)")
     _require(t.precision in ("auto", "bf16", "fp16", "fp32"),
              f"train.precision must be auto, bf16, fp16 or fp32, got '{t.precision}'")
-    _require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
-    _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    for key, value in (("train.eval_every", t.eval_every), ("train.save_every", t.save_every),
-                       ("train.warmup_steps", t.warmup_steps), ("train.keep_checkpoints", t.keep_checkpoints)):
-        _require(value >= 0, f"{key} must be >= 0, got {value}")
-    _require(t.collective_timeout_s > 0, f"train.collective_timeout_s must be positive, got {t.collective_timeout_s}")
-    _require(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
     t.max_time_seconds()  # a malformed or non-positive duration is refused here
-    _require(t.sample_tokens > 0, f"train.sample_tokens must be positive, got {t.sample_tokens}")
     if t.stage == "grpo":
         validate_grpo(cfg)
     if t.stage == "distill":

@@ -1,8 +1,9 @@
+import dataclasses
 import json
 
 import pytest
 
-from llm.config import build_config, recipe_names
+from llm.config import NUMBER_RANGES, RunConfig, build_config, recipe_names
 from llm.errors import UserError
 from llm.train.engine import load_ds_config, resolve_ds_config
 
@@ -35,6 +36,61 @@ def test_dotted_overrides_parse_yaml_scalars():
     ("model.rope_scaling=yarn", "rope_factor"),
 ])
 def test_bad_config_is_one_clear_error(override, message):
+    with pytest.raises(UserError, match=message):
+        build_config("demo", [override])
+
+
+def _numeric_keys(kind: str) -> list[str]:
+    """Every config key whose type admits `kind` ('int' or 'float')."""
+    return [f"{section.name}.{f.name}" for section in dataclasses.fields(RunConfig)
+            for f in dataclasses.fields(section.default_factory()) if kind in str(f.type)]
+
+
+@pytest.mark.parametrize("key", _numeric_keys("float"))
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", ".inf", ".nan", "1e999", "1" + "0" * 400])
+def test_every_float_key_refuses_non_finite_values(key, value):
+    # train.max_time also takes text, such as '10m': there 'inf' is a string, refused as no duration
+    with pytest.raises(UserError, match=f"config key '{key}' (must be a finite number|expects seconds or a duration)"):
+        build_config("demo", [f"{key}={value}"])
+
+
+def test_every_number_key_has_a_range():
+    numeric = set(_numeric_keys("int") + _numeric_keys("float")) - {"train.max_time"}  # a duration: parse_duration
+    assert numeric == set(NUMBER_RANGES)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=0", "train.lr must be positive, got 0.0"),
+    ("model.rope_theta=0", "model.rope_theta must be > 1, got 0.0"),
+    ("model.rope_theta=1", "model.rope_theta must be > 1, got 1.0"),
+    ("model.norm_eps=0", "model.norm_eps must be positive, got 0.0"),
+    ("train.weight_decay=-0.1", "train.weight_decay must be >= 0, got -0.1"),
+    ("train.beta1=1.5", r"train.beta1 must be in \[0, 1\), got 1.5"),
+    ("train.beta1=1", r"train.beta1 must be in \[0, 1\), got 1.0"),
+    ("train.beta2=-0.1", r"train.beta2 must be in \[0, 1\), got -0.1"),
+    ("train.adam_eps=0", "train.adam_eps must be positive, got 0.0"),
+    ("train.grad_clip=-1", "train.grad_clip must be >= 0, got -1.0"),
+    ("train.seed=-1", r"train.seed must be in \[0, 18446744073709551615\], got -1"),
+    ("train.seed=18446744073709551616", r"train.seed must be in \[0, 18446744073709551615\]"),
+    ("train.eval_batches=0", "train.eval_batches must be positive, got 0"),
+    ("train.peak_tflops=-3", "train.peak_tflops must be positive, got -3.0"),
+    ("model.init_std=-1", "model.init_std must be positive, got -1.0"),
+    ("model.multiple_of=0", "model.multiple_of must be positive, got 0"),
+    ("model.hidden_dim=-5", "model.hidden_dim must be positive, got -5"),
+    ("model.hidden_dim=0", "model.hidden_dim must be positive, got 0"),
+    ("model.n_kv_heads=-2", "model.n_kv_heads must be positive, got -2"),
+    ("model.rope_factor=0.5", "model.rope_factor must be >= 1, got 0.5"),
+    ("model.yarn_beta_slow=0", "model.yarn_beta_slow must be positive, got 0.0"),
+    ("model.n_experts=0", "model.n_experts must be positive, got 0"),
+    ("model.moe_aux_loss_coef=-1", "model.moe_aux_loss_coef must be >= 0, got -1.0"),
+    ("data.loader_workers=-1", "data.loader_workers must be >= 0, got -1"),
+    ("grpo.temperature=0", "grpo.temperature must be positive, got 0.0"),
+    ("grpo.top_p=0", r"grpo.top_p must be in \(0, 1\], got 0.0"),
+    ("grpo.clip_low=1", r"grpo.clip_low must be in \[0, 1\), got 1.0"),
+    ("lora.dropout=1", r"lora.dropout must be in \[0, 1\), got 1.0"),
+    ("train.max_time=1" + "0" * 400, "train.max_time"),  # too many seconds: inf
+])
+def test_out_of_range_numbers_name_the_key_and_the_range(override, message):
     with pytest.raises(UserError, match=message):
         build_config("demo", [override])
 
@@ -75,3 +131,39 @@ def test_ds_config_conflict_names_both_sides(tmp_path):
     bad.write_text("{\n  oops\n}")
     with pytest.raises(UserError, match="bad.json:2: invalid JSON"):
         load_ds_config(bad, "pretrain")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"zero_optimization": "yes"}, "x.json: 'zero_optimization' must be a JSON object {...}, got \"yes\""),
+    ({"optimizer": [1]}, r"x.json: 'optimizer' must be a JSON object {...}, got \[1\]"),
+    ({"bf16": True}, "x.json: 'bf16' must be a JSON object {...}, got true"),
+    ({"fp16": None}, "x.json: 'fp16' must be a JSON object {...}, got null"),
+    ({"optimizer": {"type": "AdamW", "params": 3}}, "x.json: 'optimizer.params' must be a JSON object"),
+    ({"optimizer": {"type": "NoSuchOpt", "params": {}}},
+     "x.json: 'optimizer.type' is \"NoSuchOpt\", not an optimizer DeepSpeed has: one of adagrad, adam, adamw"),
+    ({"optimizer": {"params": {}}}, "x.json: 'optimizer.type' is null, not an optimizer DeepSpeed has"),
+    ({"optimizer": {"type": "lr_scheduler", "params": {}}}, "'optimizer.type' is \"lr_scheduler\", not an optimizer"),
+])
+def test_ds_config_sections_of_the_wrong_shape_are_refused(change, message):
+    raw, _ = load_ds_config(None, "pretrain")
+    with pytest.raises(UserError, match=message):
+        resolve_ds_config({**raw, **change}, build_config("demo", ["train.precision=fp32"]), 1, "x.json")
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "AdamW", "Lion", "SGD"])
+def test_ds_config_takes_deepspeeds_and_torchs_optimizers(optimizer):
+    raw, _ = load_ds_config(None, "pretrain")
+    raw["optimizer"]["type"] = optimizer
+    ds = resolve_ds_config(raw, build_config("demo", ["train.precision=fp32"]), 1, "x.json")
+    assert ds["optimizer"]["type"] == optimizer
+
+
+def test_ds_config_file_that_is_no_object_or_a_directory_is_refused(tmp_path):
+    listing = tmp_path / "list.json"
+    listing.write_text("[1, 2, 3]")
+    with pytest.raises(UserError, match=r"list.json: a DeepSpeed config is a JSON object {...}, got \[1, 2, 3\]"):
+        load_ds_config(listing, "pretrain")
+    with pytest.raises(UserError, match=f"{tmp_path}: is a directory; the DeepSpeed config is a JSON file"):
+        load_ds_config(tmp_path, "pretrain")
+    with pytest.raises(UserError, match="missing.json: DeepSpeed config not found"):
+        load_ds_config(tmp_path / "missing.json", "pretrain")

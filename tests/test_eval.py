@@ -14,7 +14,7 @@ from conftest import run_cli
 from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.eval.harness import require_lm_eval
-from llm.eval.perplexity import evaluate_stream, windows
+from llm.eval.perplexity import evaluate_stream, run_perplexity, windows
 from llm.eval.token_stream import stream_of_files, stream_of_split
 from llm.export import export_model
 from llm.model import Transformer
@@ -187,6 +187,16 @@ def local_tasks(tmp_path):
     return tasks
 
 
+@pytest.mark.parametrize("option, message", [
+    ({"context": 0}, "--context must be between 1 and the model's max_seq_len 64, got 0"),
+    ({"context": -1}, "--context must be between 1 and the model's max_seq_len 64, got -1"),
+    ({"stride": 0}, r"--stride must be between 1 and the context \(16\), got 0"),
+])
+def test_zero_context_or_stride_is_refused_not_taken_as_the_default(export_dir, text_files, option, message):
+    with pytest.raises(UserError, match=message):
+        run_perplexity(export_dir, [text_files[0]], None, "val", **{"context": CONTEXT, **option})
+
+
 def test_lm_eval_runs_local_tasks_end_to_end_and_saves_its_table(export_dir, local_tasks, tmp_path):
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     import subprocess
@@ -242,13 +252,17 @@ def test_unknown_task_is_named(export_dir, local_tasks):
     assert result.returncode == 2 and "no_such_task" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_context_defaults_to_the_trained_window_of_a_run(tmp_path):
-    from llm.eval.perplexity import trained_context
+def test_context_defaults_to_the_trained_window_of_a_run_and_is_checked_for_tasks_too(tmp_path):
+    from llm.eval.perplexity import evaluation_context
 
     (tmp_path / "config.yaml").write_text("data:\n  seq_len: 24\nmodel:\n  max_seq_len: 64\n")
     model = Transformer(ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=2, max_seq_len=64))
-    assert trained_context(tmp_path, model) == 24
-    assert trained_context(tmp_path / "export", model) == 64
+    assert evaluation_context(None, tmp_path, model) == 24
+    assert evaluation_context(None, tmp_path / "export", model) == 64
+    assert evaluation_context(32, tmp_path, model) == 32
+    for bad in (0, 65):  # `--tasks --context 0` took the default (`context or ...`)
+        with pytest.raises(UserError, match=f"--context must be between 1 and the model's max_seq_len 64, got {bad}"):
+            evaluation_context(bad, tmp_path, model)
 
 
 @pytest.mark.parametrize("command", [["eval"], ["plot"], ["bench", "learn"]])

@@ -63,6 +63,8 @@ def test_the_lora_spec_sets_the_lora_keys():
     ("r=four", "--lora: r must be a positive integer, got 'four'"),
     ("r=4,dropout=1", r"--lora: dropout must be a number in \[0, 1\), got '1'"),
     ("r=4,alpha=-2", "--lora: alpha must be a positive number, got '-2'"),
+    ("r=4,alpha=inf", "--lora: alpha must be a positive number, got 'inf'"),
+    ("r=4,alpha=nan", "--lora: alpha must be a positive number, got 'nan'"),
     ("alpha=8", "give the rank, e.g. r=16"),
     ("r=4,wq", "--lora: 'wq' is not key=value"),
     ("r=4,r=8", "--lora: 'r' is given twice"),
@@ -92,6 +94,25 @@ def test_lora_targets_are_the_models_own_linear_layers():
     for model in (_tiny(), _tiny(moe=True, n_shared_experts=1)):
         linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
         assert linear - {"output", "router"} == set(LORA_TARGETS)
+        shapes = {(name.rsplit(".", 1)[-1], (m.in_features, m.out_features)) for name, m in model.named_modules()
+                  if name.rsplit(".", 1)[-1] in LORA_TARGETS}
+        assert shapes == set(model.cfg.linear_shapes.items())  # what validate_lora bounds lora.r by
+
+
+def test_lora_rank_is_bounded_by_the_adapted_layers():
+    def sft(spec):
+        return build_config("demo", ["train.stage=sft", *parse_lora_spec(spec)], paths={"train.init_from": "base"})
+
+    shapes = build_config("demo").model.linear_shapes
+    smallest = min(min(shape) for shape in shapes.values())
+    assert sft(f"r={smallest}").lora.r == smallest
+    with pytest.raises(UserError, match=rf"lora.r \(99999999\) exceeds {smallest}, the smallest dimension of the "
+                                        r"adapted layers \(wq, wk, wv, wo, w1, w2, w3\)"):
+        sft("r=99999999")
+    only_ffn = min(min(shapes[name]) for name in ("w1", "w2"))
+    assert sft(f"r={only_ffn},targets=w1,w2").lora.r == only_ffn
+    with pytest.raises(UserError, match=rf"lora.r \({only_ffn + 1}\) exceeds {only_ffn}"):
+        sft(f"r={only_ffn + 1},targets=w1,w2")
 
 
 # ---- the module -------------------------------------------------------------------------------------

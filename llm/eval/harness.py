@@ -16,7 +16,7 @@ from pathlib import Path
 from llm import rundir
 from llm.devices import place, resolve
 from llm.errors import UserError
-from llm.eval.perplexity import trained_context
+from llm.eval.perplexity import evaluation_context
 from llm.loading import load_for_inference
 
 INSTALL_HINT = "lm-eval is not installed; pip install lm-eval (or pip install 'zerollm[eval]') to run --tasks"
@@ -59,7 +59,7 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
                         "and --include-path DIR adds your own YAML tasks")
     where, precision = resolve(device, dtype)
     model, tokenizer = load_for_inference(model_dir)
-    context = context or trained_context(Path(model_dir), model)
+    context = evaluation_context(context, Path(model_dir), model)
     harness_model = ZeroLLMHarnessModel(place(model, where, precision), tokenizer, batch_size, context)
     try:
         results = lm_eval.simple_evaluate(model=harness_model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,

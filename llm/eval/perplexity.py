@@ -121,12 +121,16 @@ def evaluate_stream(model: Transformer, tokenizer: Tokenizer, stream: TokenStrea
     return PerplexityResult(tokens, n_bytes, nats, len(every), context, stride)
 
 
-def trained_context(model_dir: Path, model: Transformer) -> int:
-    """The context a model is evaluated at by default: the window it was trained on (data.seq_len of a run
-    directory), else its longest sequence (model.max_seq_len; an export)."""
-    if rundir.is_run_dir(model_dir):
-        return build_config(rundir.recorded_config(model_dir)).data.seq_len
-    return model.cfg.max_seq_len
+def evaluation_context(context: int | None, model_dir: Path, model: Transformer) -> int:
+    """--context, checked to be in 1..model.max_seq_len; when not given (None; 0 is out of range), the window the
+    model was trained on (data.seq_len of a run directory), else its longest sequence (an export)."""
+    if context is None:
+        context = build_config(rundir.recorded_config(model_dir)).data.seq_len if rundir.is_run_dir(model_dir) \
+            else model.cfg.max_seq_len
+    if not 1 <= context <= model.cfg.max_seq_len:
+        raise UserError(f"--context must be between 1 and the model's max_seq_len {model.cfg.max_seq_len}, "
+                        f"got {context}")
+    return context
 
 
 def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | None, split: str,
@@ -144,10 +148,7 @@ def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | Non
     if batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     model, tokenizer = load_for_inference(model_dir)
-    context = context or trained_context(Path(model_dir), model)
-    if not 1 <= context <= model.cfg.max_seq_len:
-        raise UserError(f"--context must be between 1 and the model's max_seq_len {model.cfg.max_seq_len}, "
-                        f"got {context}")
+    context = evaluation_context(context, Path(model_dir), model)
     if inputs:
         stream, report = stream_of_files(inputs, tokenizer)
         if report.skipped and rank == 0:
@@ -158,8 +159,9 @@ def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | Non
     else:
         stream = stream_of_split(data_dir, split, tokenizer)
         source = {"data": str(data_dir), "split": split}
-    result = evaluate_stream(place(model, where, precision), tokenizer, stream, context, stride or context,
-                             batch_size, rank, world_size)
+    stride = context if stride is None else stride
+    result = evaluate_stream(place(model, where, precision), tokenizer, stream, context, stride, batch_size, rank,
+                             world_size)
     if rank == 0:
         if as_json:
             print(json.dumps({"model": str(model_dir), **source, "ranks": world_size, **result.to_dict()}))

@@ -78,19 +78,40 @@ def loss_scale_of(engine) -> float | None:
 def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any], str]:
     """The raw DeepSpeed JSON (default: ds_configs/<stage>.json) and its name for messages."""
     path = Path(path) if path else DS_CONFIG_DIR / f"{stage}.json"
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory; the DeepSpeed config is a JSON file")
     if not path.is_file():
         raise UserError(f"{path}: DeepSpeed config not found")
     try:
-        return json.loads(path.read_text()), str(path)
+        raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a DeepSpeed config is a JSON object {{...}}, got {json.dumps(raw)[:60]}")
+    return raw, str(path)
 
 
 def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, source: str = "DeepSpeed config",
                       zero_stage: int | None = None) -> dict[str, Any]:
-    """Fill "auto" values from the run config; refuse values that contradict it."""
+    """Fill "auto" values from the run config; refuse values that contradict it, sections that are not objects and
+    an optimizer DeepSpeed does not have (DeepSpeed would fail on those with a traceback)."""
     ds = copy.deepcopy(raw)
     t = cfg.train
+
+    def require_object(value: Any, key: str) -> None:
+        if not isinstance(value, dict):
+            raise UserError(f"{source}: '{key}' must be a JSON object {{...}}, got {json.dumps(value)[:60]}")
+
+    for section in ("bf16", "fp16", "optimizer", "zero_optimization"):  # the sections read or filled below
+        if section in ds:
+            require_object(ds[section], section)
+    if "optimizer" in ds:
+        require_object(ds["optimizer"].get("params", {}), "optimizer.params")
+        name, supported = ds["optimizer"].get("type"), deepspeed.runtime.config.DEEPSPEED_OPTIMIZERS
+        if not (isinstance(name, str) and (name.lower() in supported or
+                                           isinstance(getattr(torch.optim, name, None), type))):
+            raise UserError(f"{source}: 'optimizer.type' is {json.dumps(name)}, not an optimizer DeepSpeed has: one of "
+                            f"{', '.join(supported)} (any case) or a torch.optim class name")
 
     def fill(container: dict, key: str, value: Any, run_key: str) -> None:
         current = container.get(key, "auto")
