@@ -88,10 +88,28 @@ def test_reward_terms_weights_and_components(tmp_path, monkeypatch):
     ("format:[", "not a regular expression"),
     ("model:/nonexistent/reward-model", "no config.json there"),
     ("missing_file.py:fn", "no such file missing_file.py"),
+    ("os:system", r"system must be callable as system\(prompts=..., completions=..., \*\*fields\)"),
 ])
 def test_bad_reward_terms_are_one_line_errors(term, message):
     with pytest.raises(UserError, match=message) as error:
         Reward([term], 4, torch.device("cpu"))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("    raise RuntimeError('boom in reward')", r"score: raised RuntimeError: boom in reward \(at .*rewardfn.py:2\)"),
+    ("    import sys; sys.exit(0)", r"score: raised SystemExit: 0 \(at .*rewardfn.py:2\)"),  # it ended the run, exit 0
+    ("    return ['1.0'] * len(completions)", r"returned list \['1.0', '1.0'\]; it must return one finite float"),
+])
+def test_a_user_function_that_fails_is_one_line_naming_where(tmp_path, monkeypatch, body, message):
+    """Before, a raising function was a traceback after the model had loaded, sys.exit(0) in it ended the run with
+    exit 0 and nothing saved, and strings passed as scores."""
+    (tmp_path / "rewardfn.py").write_text(f"def score(prompts, completions, **fields):\n{body}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "rewardfn", raising=False)  # each case's own file
+    reward = Reward(["rewardfn:score"], 4, torch.device("cpu"))
+    with pytest.raises(UserError, match=message) as error:
+        reward(_completions(["a", "b"]))
     assert "\n" not in str(error.value)
 
 

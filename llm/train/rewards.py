@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import re
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,6 +203,11 @@ def _import_function(term: str, module_name: str, function_name: str) -> Callabl
     function = getattr(module, function_name, None)
     if not callable(function):
         raise UserError(f"--reward {term}: {module_name} has no function {function_name!r}")
+    try:
+        inspect.signature(function).bind_partial(prompts=[], completions=[])  # record fields may be required too
+    except (TypeError, ValueError):  # no such keywords, or no signature to read
+        raise UserError(f"--reward {term}: {function_name} must be callable as {function_name}(prompts=..., "
+                        "completions=..., **fields), e.g. `def score(prompts, completions, **fields)`") from None
     return function
 
 
@@ -211,9 +218,14 @@ class UserFunction:
     def __call__(self, batch: Completions) -> list[float]:
         keys = sorted({k for f in batch.fields for k in f} - {"prompts", "completions"})
         fields = {k: [f.get(k) for f in batch.fields] for k in keys}
-        scores = self.function(prompts=batch.prompts, completions=batch.texts, **fields)
         try:
-            values = [float(s) for s in scores]
+            scores = self.function(prompts=batch.prompts, completions=batch.texts, **fields)
+        except (Exception, SystemExit) as exc:  # the user's code; sys.exit() in it ended the run silently, exit 0
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            raise UserError(f"--reward {self.term}: raised {type(exc).__name__}: {exc} (at {where.filename}:"
+                            f"{where.lineno})".replace("\n", " ")) from None
+        try:
+            values = [float(s) for s in scores if not isinstance(s, (str, bytes))]  # "1.0" is not a score
         except (TypeError, ValueError):
             values = None
         if values is None or len(values) != len(batch.texts) or not all(map(math.isfinite, values)):
