@@ -10,6 +10,7 @@ positions the run trained on, with the batch shape the run directory records now
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,11 +43,14 @@ def read_run(run_dir: Path) -> RunSeries:
         raise UserError(f"{run_dir}: no {rundir.METRICS_FILE}; is this a run directory made by `zerollm train`?")
     rows = []
     for number, line in enumerate(metrics.read_text().splitlines(), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise UserError(f"{metrics}:{number}: not a JSON object") from None
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+        elif line.strip():  # e.g. the last line, torn by a killed run (training drops it the same way)
+            print(f"zerollm: note: {metrics}:{number}: skipped a line that is not a metrics row", file=sys.stderr)
     if not rows:
         raise UserError(f"{metrics}: no logged steps yet")
     seq_len = rundir.recorded_config(run_dir)["data"]["seq_len"]
@@ -64,6 +68,15 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     except ImportError:
         raise UserError("matplotlib is not installed; pip install matplotlib (or pip install 'zerollm[plot]') "
                         "to draw runs") from None
+    out = Path(out)
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; give a file such as {out / 'runs.png'}")
+    out = out if out.suffix else out.with_suffix(".png")  # what matplotlib would write
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if out.suffix[1:].lower() not in formats:
+        raise UserError(f"--out {out}: matplotlib cannot write .{out.suffix[1:]} pictures; give a file ending in "
+                        f"{', '.join('.' + f for f in sorted(formats))}")
     runs = [read_run(Path(d)) for d in run_dirs]
     fig, axes = plt.subplots(len(PANELS), len(X_AXES), squeeze=False,
                              figsize=(PANEL_SIZE[0] * len(X_AXES), PANEL_SIZE[1] * len(PANELS)))
@@ -78,7 +91,6 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
             ax.grid(alpha=0.3)
     axes[0][0].legend()
     fig.tight_layout()
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)

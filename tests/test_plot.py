@@ -65,3 +65,26 @@ def test_without_matplotlib_plotting_is_a_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(UserError, match="pip install matplotlib"):
         plot_runs([fake_run(tmp_path / "a", 3, 1.0)], tmp_path / "x.png")
+
+
+def test_a_torn_last_line_is_skipped_as_training_skips_it(tmp_path, capsys):
+    from llm.plot import read_run
+
+    run = fake_run(tmp_path / "a", 6, 1.0)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "loss": 1.2, "l')  # a killed run's last write; before, the whole run was refused
+    assert [row["step"] for row in read_run(run).rows] == [1, 2, 3, 4, 5, 6]
+    assert "metrics.jsonl:7: skipped a line that is not a metrics row" in capsys.readouterr().err
+
+
+def test_the_picture_file_is_checked_before_drawing(tmp_path):
+    run = fake_run(tmp_path / "a", 6, 1.0)
+    bad = run_cli("plot", run, "--out", tmp_path / "x.txt")  # a matplotlib traceback before
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.startswith(f"zerollm: error: --out {tmp_path / 'x.txt'}: matplotlib cannot write .txt pictures")
+    (tmp_path / "pictures").mkdir()
+    folder = run_cli("plot", run, "--out", tmp_path / "pictures")  # before: said it wrote the folder, wrote beside it
+    assert folder.returncode == 2 and "is a directory; give a file such as" in folder.stderr
+    plain = run_cli("plot", run, "--out", tmp_path / "curves")
+    assert plain.returncode == 0 and plain.stdout == f"wrote {tmp_path / 'curves.png'}\n"
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
