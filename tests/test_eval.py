@@ -13,7 +13,7 @@ import torch
 from conftest import run_cli
 from llm.config import ModelConfig
 from llm.errors import UserError
-from llm.eval.harness import require_lm_eval
+from llm.eval.harness import require_lm_eval, run_tasks
 from llm.eval.perplexity import evaluate_stream, run_perplexity, windows
 from llm.eval.token_stream import stream_of_files, stream_of_split
 from llm.export import export_model
@@ -244,6 +244,22 @@ def test_without_lm_eval_tasks_are_a_one_line_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)
     with pytest.raises(UserError, match="pip install lm-eval"):
         require_lm_eval()
+
+
+def test_a_task_yaml_that_does_not_parse_is_named(export_dir, local_tasks):
+    """lm-eval skips such a file, and its task was then reported as unknown."""
+    (local_tasks / "broken.yaml").write_text("task: broken\n  dataset_path: [unclosed\n")
+    with pytest.raises(UserError, match=r"broken.yaml: not a readable task YAML \(mapping values are not allowed"):
+        run_tasks(str(export_dir), ["broken"], include_path=str(local_tasks))
+
+
+def test_a_task_whose_data_is_missing_is_one_line(export_dir, local_tasks, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    (local_tasks / "rows.jsonl").unlink()  # a FileNotFoundError traceback before
+    with pytest.raises(UserError, match=r"lm-eval failed on tiny_choice \(\w*(FileNotFound|DataFiles\w*)Error"):
+        run_tasks(str(export_dir), ["tiny_choice"], include_path=str(local_tasks), out_dir=str(tmp_path / "out"))
 
 
 def test_unknown_task_is_named(export_dir, local_tasks):

@@ -13,6 +13,8 @@ import json
 import time
 from pathlib import Path
 
+import yaml
+
 from llm import rundir
 from llm.devices import place, resolve
 from llm.errors import UserError
@@ -38,6 +40,26 @@ def parse_tasks(text: str) -> list[str]:
     return tasks
 
 
+class _TaskYamlLoader(yaml.SafeLoader):
+    """Reads lm-eval task YAML as far as checking it parses: its tags (`!function utils.process`) load as None."""
+
+
+_TaskYamlLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def check_task_files(include_path: Path) -> None:
+    """Refuse an --include-path that is not a folder, or whose task YAML files do not parse (lm-eval skips such a
+    file with a log line, and its tasks are then reported unknown)."""
+    if not include_path.is_dir():
+        raise UserError(f"--include-path {include_path}: no such directory of task YAML files")
+    for path in sorted(include_path.rglob("*.y*ml")):
+        try:
+            yaml.load(path.read_text(encoding="utf-8"), Loader=_TaskYamlLoader)  # noqa: S506 - a SafeLoader
+        except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
+            reason = " ".join(str(exc).split())
+            raise UserError(f"{path}: not a readable task YAML ({reason})") from None
+
+
 def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_fewshot: int | None = None,
               include_path: str | None = None, batch_size: int = 8, device: str = "auto", dtype: str = "auto",
               out_dir: str | None = None, context: int | None = None) -> dict:
@@ -50,8 +72,8 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
 
     from llm.eval.harness_lm import ZeroLLMHarnessModel  # noqa: PLC0415 - subclasses lm-eval's LM: needs lm_eval
 
-    if include_path is not None and not Path(include_path).is_dir():
-        raise UserError(f"--include-path {include_path}: no such directory of task YAML files")
+    if include_path is not None:
+        check_task_files(Path(include_path))
     manager = TaskManager(include_path=include_path)
     unknown = [t for t in tasks if not manager.match_tasks([t])]
     if unknown:
@@ -67,6 +89,9 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     except ConnectionError as exc:
         raise UserError(f"lm-eval could not download the task data ({exc}); run once where the Hugging Face Hub "
                         "is reachable (the data is cached), or use a local task with --include-path") from None
+    except (FileNotFoundError, IndexError, KeyError, ValueError, TypeError) as exc:  # a task's data or YAML at fault
+        raise UserError(f"lm-eval failed on {', '.join(tasks)} ({type(exc).__name__}: {exc}); check the tasks' "
+                        "YAML and data files".replace("\n", " ")) from None
     table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
     print(table)
     out = Path(out_dir) if out_dir else Path(model_dir) / rundir.EVAL_DIR
