@@ -33,7 +33,8 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
                                     "tokenizer_config.json, loadable by transformers.AutoTokenizer.")
     t.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or directories to read")
     t.add_argument("--vocab-size", type=int, required=True, help="vocabulary size including special tokens")
-    t.add_argument("--out", required=True, help="output directory")
+    t.add_argument("--out", required=True, help="output directory: new, empty, or one this command wrote before "
+                   "(its files are overwritten); any other folder is refused")
     t.add_argument("--min-frequency", type=int, default=2, help="minimum pair frequency to merge (default 2)")
 
 
@@ -52,7 +53,8 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--tokenizer", required=True, help="tokenizer directory (from `zerollm tokenizer train`)")
     d.add_argument("--out", required=True, help="output directory")
     d.add_argument("--val-fraction", type=float, default=0.01, help="share of documents for validation (default 0.01)")
-    d.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: CPU count, at most 8)")
+    d.add_argument("--workers", type=int, default=None,
+                   help="tokenizer processes, 1 to 4 x the CPU count (default: CPU count, at most 8)")
     d.add_argument("--strict", action="store_true", help="stop at the first malformed record instead of skipping it")
     d.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default 0)")
     d.add_argument("--seq-len", type=int, default=512,

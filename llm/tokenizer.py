@@ -19,9 +19,10 @@ loads with `transformers.AutoTokenizer` and renders the same chat text.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -31,6 +32,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate, ChatTemplateError
+from llm.data.output import refuse_foreign_contents
 from llm.errors import UserError
 
 EOS, IM_START, IM_END, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
@@ -58,12 +60,45 @@ OUR_CONFIG = {
 }
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, min_frequency: int = 2,
-                    show_progress: bool = True) -> Tokenizer:
-    """Train byte-level BPE on a stream of texts and save it to `out_dir`."""
+TRAINING_FILE = "tokenizer_training.json"
+"""Written by `train_tokenizer` only (what it was trained with): marks a folder it may write into again."""
+MAX_VOCAB_SIZE = 1 << 32  # token ids are 32-bit
+MAX_MIN_FREQUENCY = (1 << 64) - 1
+
+
+def _check_training_options(vocab_size: int, min_frequency: int) -> None:
     smallest = 256 + len(SPECIAL_TOKENS)
     if vocab_size < smallest:
         raise UserError(f"--vocab-size {vocab_size} is too small: byte-level BPE needs at least {smallest}")
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise UserError(f"--vocab-size {vocab_size} is too large: token ids are 32-bit, so at most {MAX_VOCAB_SIZE}")
+    if not 0 <= min_frequency <= MAX_MIN_FREQUENCY:
+        raise UserError(f"--min-frequency must be between 0 and {MAX_MIN_FREQUENCY}, got {min_frequency}")
+
+
+def _make_out_dir(out_dir: Path) -> bool:
+    """Check `out_dir` before training and create it; whether it was created. Refused: a file, a folder that holds
+    anything but an earlier `train_tokenizer` output (a prepared data folder's tokenizer/, a tokenizer of your own,
+    a run), a place that cannot be written."""
+    try:
+        if out_dir.is_dir():
+            refuse_foreign_contents(out_dir, out_dir, "tokenizer train", {TOKENIZER_FILE, CONFIG_FILE, TRAINING_FILE},
+                                    TRAINING_FILE)
+            return False
+        if out_dir.exists():
+            raise UserError(f"--out {out_dir} is a file; give a directory")
+        out_dir.mkdir(parents=True)
+    except OSError as exc:
+        raise UserError(f"--out {out_dir}: cannot create or read it ({exc.strerror or exc})") from None
+    return True
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, min_frequency: int = 2,
+                    show_progress: bool = True) -> Tokenizer:
+    """Train byte-level BPE on a stream of texts and save it to `out_dir` (new, empty, or an earlier output of this
+    function, whose files it overwrites); UserError, with nothing written, when `texts` is empty."""
+    _check_training_options(vocab_size, min_frequency)
+    created = _make_out_dir(out_dir)
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -74,8 +109,29 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, min_fr
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=show_progress,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return Tokenizer(tok, OUR_CONFIG, str(out_dir)).save(out_dir)
+    n_texts = 0
+
+    def counted() -> Iterator[str]:
+        nonlocal n_texts
+        for text in texts:
+            n_texts += 1
+            yield text
+
+    try:
+        tok.train_from_iterator(counted(), trainer=trainer)
+        if n_texts == 0:
+            raise UserError("no usable records found in the inputs; nothing was written")
+    except BaseException:
+        if created:  # leave no empty folder behind
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()
+        raise
+    training = {"vocab_size": vocab_size, "min_frequency": min_frequency, "texts": n_texts}
+    try:
+        (out_dir / TRAINING_FILE).write_text(json.dumps(training, indent=2), encoding="utf-8")
+        return Tokenizer(tok, OUR_CONFIG, str(out_dir)).save(out_dir)
+    except OSError as exc:
+        raise UserError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from None
 
 
 @dataclass

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import FIXTURES, run_cli
+from conftest import FIXTURES, run_cli, zerollm_here
 from llm.cli import main
 from llm.data.datasets import read_data_attrs
 from llm.data.formats import read_items
@@ -453,3 +453,62 @@ def test_a_tokenizer_without_chat_tokens_prepares_and_records_missing_roles(tmp_
     tok = Tokenizer.load(llama)
     assert attrs["im_start_id"] == -1 and attrs["eos_id"] == tok.eos_id and attrs["pad_id"] == tok.pad_id
     assert list(attrs["stop_ids"]) == tok.stop_ids
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--workers", "-3", "--workers must be between 1 and"), ("--workers", "100000", "--workers must be between 1 and"),
+    ("--max-record-mb", "nan", "--max-record-mb must be a positive number"),
+    ("--seed", "-1", "--seed must be a non-negative integer")])
+def test_out_of_range_options_are_one_line_errors(tokenizer_dir, corpus, tmp_path, monkeypatch, capsys, option, value,
+                                                  message):
+    code = zerollm_here(monkeypatch, "data", "prepare", "--input", corpus, "--tokenizer", tokenizer_dir, "--out",
+                        tmp_path / "out", option, value)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"zerollm: error: {message}") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+LONE_SURROGATE_RECORDS = {  # the JSON escape \ud800 written literally: valid JSON, text no tokenizer can hold
+    "pretrain": ('{"text": "bad \\ud800 x"}', '{"text": "good text"}'),
+    "sft": ('{"messages": [{"role": "user", "content": "q\\ud800"}, {"role": "assistant", "content": "a"}]}',
+            '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}'),
+    "dpo": ('{"prompt": "p\\ud800", "chosen": "c", "rejected": "r"}',
+            '{"prompt": "p", "chosen": "c", "rejected": "r"}'),
+}
+LONE_SURROGATE_REASON = "text is not valid Unicode (a lone surrogate such as \\ud800)"
+
+
+@pytest.mark.parametrize("kind", LONE_SURROGATE_RECORDS)
+def test_a_record_with_a_lone_surrogate_is_skipped_and_reported(tokenizer_dir, tmp_path, kind):
+    path = tmp_path / "records.jsonl"
+    path.write_text("\n".join(LONE_SURROGATE_RECORDS[kind]) + "\n")
+    report = _quiet(kind, [path], tokenizer_dir, tmp_path / "out")
+    assert report.skipped == [f"{path}:1: {LONE_SURROGATE_REASON}"] and report.documents["train"] == 1
+
+
+def test_a_lone_surrogate_is_skipped_by_every_reader_of_records(tokenizer_dir, tmp_path):
+    """eval --input and grpo prompt files read through the same readers as data prepare."""
+    from llm.eval.token_stream import stream_of_files  # noqa: PLC0415 - loads torch
+    from llm.train.prompts import read_prompts  # noqa: PLC0415
+
+    array = tmp_path / "array.json"
+    array.write_text('[\n{"text": "fine"},\n{"text": "\\udfff"}\n]')
+    assert [str(item) for item in read_items(array)][1] == f"{array}:3: {LONE_SURROGATE_REASON}"
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("\n".join(LONE_SURROGATE_RECORDS["pretrain"]) + "\n")
+    assert stream_of_files([str(texts)], Tokenizer.load(tokenizer_dir))[1].skipped == [
+        f"{texts}:1: {LONE_SURROGATE_REASON}"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "p\\ud800"}\n{"prompt": "p"}\n')
+    assert read_prompts([str(prompts)], lambda messages: [1], 100).skipped == [
+        f"{prompts}:1: {LONE_SURROGATE_REASON}"]
+
+
+@pytest.mark.parametrize("calls", ["5", '"5"', "true"])
+def test_tool_calls_that_are_not_a_list_are_skipped_and_reported(tokenizer_dir, tmp_path, calls):
+    path = tmp_path / "sft.jsonl"
+    path.write_text(f'{{"messages": [{{"role": "user", "content": "q"}}, {{"role": "assistant", "content": "a", '
+                    f'"tool_calls": {calls}}}]}}\n' + LONE_SURROGATE_RECORDS["sft"][1] + "\n")
+    report = _quiet("sft", [path], tokenizer_dir, tmp_path / "out")
+    assert len(report.skipped) == 1 and report.skipped[0].startswith(f"{path}:1: 'tool_calls' is ")
+    assert report.skipped[0].endswith(", expected a list of tool calls") and report.documents["train"] == 1

@@ -1,5 +1,6 @@
 """Tokenizers: exact round trip, special tokens by role, text that stays text, chat templates to ids and loss masks."""
 
+import itertools
 import json
 import shutil
 
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llm.chat_template
-from conftest import FIXTURES, TINY, run_cli
+from conftest import FIXTURES, TINY, run_cli, zerollm_here
 from llm.chat_template import CHAT_TEMPLATE, ChatTemplateError
 from llm.data.prepare import encode_dpo, encode_sft, prepare
 from llm.errors import UserError
@@ -335,3 +336,72 @@ def test_minimind_tokenizer_and_dpo_records_through_prepare_train_dpo_generate_c
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# ---- tokenizer train: its output folder and options -----------------------------------------------
+
+def _train(monkeypatch, capsys, source, out, *options) -> tuple[int, str]:
+    code = zerollm_here(monkeypatch, "tokenizer", "train", "--input", source, "--vocab-size", 300, "--out", out,
+                        *options)
+    return code, capsys.readouterr().err
+
+
+def _contents(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_tokenizer_train_refuses_folders_it_did_not_write_and_leaves_them_intact(tmp_path, monkeypatch, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a few words to train on\n\nand a second document\n")
+    data_tokenizer = tmp_path / "data" / "tokenizer"  # a prepared data folder's copy: its tokens.h5 depends on it
+    Tokenizer.load(MINIMIND).save(data_tokenizer)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    shutil.copy(MINIMIND / "tokenizer.json", mine)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("x: 1\n")
+    for folder, named in ((data_tokenizer, "tokenizer.json, tokenizer_config.json"), (mine, "tokenizer.json"),
+                          (run_dir, "checkpoints, config.yaml")):
+        before = _contents(folder)
+        code, err = _train(monkeypatch, capsys, corpus, folder)
+        assert code == 2 and err == (f"zerollm: error: --out {folder} holds {named}, which tokenizer train did not "
+                                     "write; it replaces its output there, so give it a new or empty directory (or "
+                                     "one it wrote before)\n")
+        assert _contents(folder) == before
+    ours = tmp_path / "tok"
+    assert _train(monkeypatch, capsys, corpus, ours)[0] == 0
+    assert _train(monkeypatch, capsys, corpus, ours, "--min-frequency", 1)[0] == 0  # its own output: trained again
+    assert json.loads((ours / "tokenizer_training.json").read_text())["min_frequency"] == 1
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (("--out", "{file}"), "--out {file} is a file; give a directory"),
+    (("--out", "/proc/x/tok"), "--out /proc/x/tok: cannot create or read it"),
+    (("--vocab-size", "99999999999999999999"), "--vocab-size 99999999999999999999 is too large"),
+    (("--min-frequency", "-1"), "--min-frequency must be between 0 and"),
+    (("--input", "{empty}"), "no usable records found in the inputs; nothing was written"),
+    (("--input", "{unusable}"), "no usable records found in the inputs; nothing was written")])
+def test_tokenizer_train_bad_input_is_one_line_error_and_writes_nothing(tmp_path, monkeypatch, capsys, options,
+                                                                        message):
+    paths = {"file": tmp_path / "a_file", "empty": tmp_path / "empty.txt", "unusable": tmp_path / "unusable.jsonl",
+             "corpus": tmp_path / "corpus.txt"}
+    paths["file"].write_text("mine")
+    paths["empty"].write_text("")
+    paths["unusable"].write_text('{"text": "\\ud800"}\n{"text": ""}\n[1]\n')
+    paths["corpus"].write_text("some text\n")
+    given = dict(zip(("--input", "--out"), (paths["corpus"], tmp_path / "tok")))
+    given[options[0]] = options[1].format(**paths)
+    code = zerollm_here(monkeypatch, "tokenizer", "train", "--vocab-size", 300, *itertools.chain(*given.items()),
+                        *options[2:])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"zerollm: error: {message.format(**paths)}") and err.count("\n") == 1
+    assert not (tmp_path / "tok").exists() and paths["file"].read_text() == "mine"
+
+
+def test_tokenizer_train_skips_a_lone_surrogate_and_counts_it(tmp_path, monkeypatch, capsys):
+    source = tmp_path / "texts.jsonl"
+    source.write_text('{"text": "bad \\ud800 x"}\n{"text": "good text"}\n')
+    code = zerollm_here(monkeypatch, "tokenizer", "train", "--input", source, "--vocab-size", 300, "--out",
+                        tmp_path / "tok")
+    assert code == 0 and "(1 unusable records skipped)" in capsys.readouterr().out

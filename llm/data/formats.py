@@ -94,7 +94,14 @@ def _tool_calls(turn: dict, raw_role: str) -> list[dict[str, Any]]:
     calls = turn.get("tool_calls")
     if isinstance(calls, str):  # some datasets store the list as JSON text
         calls = _json_text(calls, "'tool_calls'")
-    calls = [calls] if isinstance(calls, dict) else list(calls or [])
+    if calls is None:
+        calls = []
+    elif isinstance(calls, dict):
+        calls = [calls]
+    elif not isinstance(calls, list):
+        raise RecordError(f"'tool_calls' is {type(calls).__name__}, expected a list of tool calls")
+    else:
+        calls = list(calls)  # a copy: the legacy call below is appended to it
     if turn.get("function_call") is not None:  # OpenAI's legacy single call
         calls.append(turn["function_call"])
     return [_tool_call(call) for call in calls]

@@ -34,6 +34,21 @@ def _cannot_write(out: Path, exc: OSError) -> UserError:
                      "beside it (in its parent directory)")
 
 
+def refuse_foreign_contents(out: Path, given: str | Path, command: str, names: set[str], marker: str,
+                            ignored: set[str] = frozenset()) -> None:
+    """Refuse an existing directory `out` unless it is empty or an earlier output of `command`: it holds only
+    `names` (besides `ignored`) and among them `marker`, which only `command` writes. So a command that replaces
+    or overwrites its output never touches a folder of the user's (a run, a tokenizer of their own, any file)."""
+    entries = sorted(set(os.listdir(out)) - ignored)
+    foreign = [name for name in entries if name not in names]
+    if entries and marker not in entries:  # e.g. a tokenizer/ of your own
+        foreign = entries
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UserError(f"--out {given} holds {shown}, which {command} did not write; it replaces its output there, "
+                        "so give it a new or empty directory (or one it wrote before)")
+
+
 class OutputDir:
     """Context manager: `with OutputDir(out, names) as output: ...write into output.staging...; output.commit()`.
 
@@ -107,14 +122,7 @@ class OutputDir:
             self._lock_fd = None
 
     def _check_contents(self) -> None:
-        entries = sorted(set(os.listdir(self.out)) - {LOCK_FILE})
-        foreign = [name for name in entries if name not in self.names]
-        if entries and self.marker not in entries:  # e.g. a tokenizer/ of your own
-            foreign = entries
-        if foreign:
-            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-            raise UserError(f"--out {self.given} holds {shown}, which data prepare did not write; it replaces its "
-                            "whole output directory, so give it a new or empty directory (or one it wrote before)")
+        refuse_foreign_contents(self.out, self.given, "data prepare", self.names, self.marker, ignored={LOCK_FILE})
 
     def _remove_leftovers(self) -> None:
         for entry in self.out.parent.glob(f"{self.prefix}*"):

@@ -24,6 +24,7 @@ about `CHUNK_TOKENS` tokens.
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing as mp
 import os
 import re
@@ -40,7 +41,7 @@ from tqdm import tqdm
 
 from llm.data.formats import Item, Skipped, expand_inputs, read_records
 from llm.data.output import OutputDir
-from llm.data.readers import DEFAULT_MAX_RECORD_MB
+from llm.data.readers import DEFAULT_MAX_RECORD_MB, strings
 from llm.errors import UserError
 from llm.rundir import TOKENIZER_DIR
 from llm.tokenizer import Tokenizer
@@ -286,13 +287,7 @@ def write_attrs(h5: h5py.File, kind: str, tokenizer_hash: str, vocab_size: int, 
 
 def _chars(value: Any) -> int:
     """Characters of text in a record (to size worker jobs)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(map(_chars, value.values()))
-    if isinstance(value, (list, tuple)):
-        return sum(map(_chars, value))
-    return 0
+    return sum(map(len, strings(value)))
 
 
 Job = tuple[str, int, list[Item]]
@@ -397,6 +392,16 @@ def _write_tokens(path: Path, kind: str, records: Iterator[Item | Skipped], toke
 OUTPUT_NAMES = (TOKENS_FILE, REPORT_FILE, TOKENIZER_DIR)
 
 
+def default_workers() -> int:
+    """Tokenizer processes when --workers is not given: the CPU count, at most 8."""
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+def max_workers() -> int:
+    """Most tokenizer processes allowed: more than a few per core only slow the run down (and exhaust the machine)."""
+    return 4 * (os.cpu_count() or 1)
+
+
 def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: str | Path, val_fraction: float = 0.01,
             workers: int | None = None, strict: bool = False, seed: int = 0, seq_len: int = 512,
             max_record_mb: float = DEFAULT_MAX_RECORD_MB, show_progress: bool = True) -> Report:
@@ -414,11 +419,15 @@ def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: st
         raise UserError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if seq_len < 8:
         raise UserError(f"--seq-len must be at least 8, got {seq_len}")
-    if max_record_mb <= 0:
-        raise UserError(f"--max-record-mb must be positive, got {max_record_mb}")
+    if not 0 < max_record_mb < math.inf:  # nan fails too
+        raise UserError(f"--max-record-mb must be a positive number, got {max_record_mb}")
+    if seed < 0:
+        raise UserError(f"--seed must be a non-negative integer, got {seed}")
+    workers = default_workers() if workers is None else workers
+    if not 1 <= workers <= max_workers():
+        raise UserError(f"--workers must be between 1 and {max_workers()} (4 x the CPU count), got {workers}")
     files = expand_inputs(inputs, exclude=out_dir)
     tokenizer = Tokenizer.load(tokenizer_dir)
-    workers = workers or max(1, min(os.cpu_count() or 1, 8))
     report = Report(files={str(f): 0 for f in files}, seq_len=None if kind == "pretrain" else seq_len)
     with OutputDir(out_dir, OUTPUT_NAMES) as output:
         _write_tokens(output.staging / TOKENS_FILE, kind, read_records(files, kind, max_record_mb), tokenizer,

@@ -473,14 +473,43 @@ def _table_items(path: Path, kind: str) -> Iterator[Item]:
         raise UserError(f"{path}: cannot read it as {what} after row {number} ({type(exc).__name__}: {exc})") from None
 
 
+def strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON-like value (dict keys and values, list elements), however deeply nested."""
+    pending = [value]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict):
+            pending += value.keys()
+            pending += value.values()
+        elif isinstance(value, (list, tuple)):
+            pending += value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_unicode(items: Iterator[Item | Skipped]) -> Iterator[Item | Skipped]:
+    """JSON escapes can spell a lone surrogate (`"\\ud800"`), which no tokenizer or UTF-8 file can hold: such a
+    record is skipped. (Text read from files is strict UTF-8 and never holds one.)"""
+    for item in items:
+        if isinstance(item, Item) and any(_SURROGATE.search(text) for text in strings(item.value)):
+            yield Skipped(item.source, item.line, "text is not valid Unicode (a lone surrogate such as \\ud800)",
+                          item.unit)
+        else:
+            yield item
+
+
 def read_items(path: Path, max_record_mb: float = DEFAULT_MAX_RECORD_MB) -> Iterator[Item | Skipped]:
-    """Raw values of one input (checked by `expand_inputs`), streamed."""
+    """Raw values of one input (checked by `expand_inputs`), streamed; a value with text that is not valid Unicode
+    comes out as `Skipped`."""
     kind = _format(path)
     max_record_chars = int(max_record_mb * 1e6)
     if kind == ".txt":
         return _txt_items(path)
     if kind == ".jsonl":
-        return _jsonl_items(path, max_record_chars)
+        return _valid_unicode(_jsonl_items(path, max_record_chars))
     if kind == ".json":
-        return _JsonStream(path, max_record_chars).items()
-    return _table_items(path, kind)
+        return _valid_unicode(_JsonStream(path, max_record_chars).items())
+    return _valid_unicode(_table_items(path, kind))
