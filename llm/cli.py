@@ -401,7 +401,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from launch.local import relaunch_local, under_launcher
 
     cfg = _train_config(args)
-    rundir.check_run_output(Path(args.out))  # before any rank starts (each rank under a launcher checks it again)
+    rundir.check_run_output(Path(args.out), args.resume == "auto")  # before any rank starts
     if args.nproc > 1 and not under_launcher():  # this process starts the ranks and waits (GRPO, distill: checks)
         if cfg.train.stage == "grpo":
             from llm.train.rollout import grpo_inputs
@@ -442,7 +442,7 @@ def checked_training_command(job: list[str]) -> tuple[list[str], Path]:
     except SystemExit as exc:
         raise UserError(f"the training command is invalid: {' '.join(job)}") from exc
     _train_config(parsed)
-    rundir.check_run_output(Path(parsed.out))
+    rundir.check_run_output(Path(parsed.out), parsed.resume == "auto")
     return job, Path(parsed.out)
 
 

@@ -55,6 +55,8 @@ MANIFEST = "manifest.json"
 UNIVERSAL_DIR = "universal"
 TAG_PREFIX = "global_step"
 WANDB_DIR = "wandb"
+TOKENS_FILE = "tokens.h5"
+"""The token file of a prepared data directory (`llm.data.prepare`)."""
 RUN_ENTRIES = frozenset({CONFIG_FILE, DS_CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, RUN_RECORD_FILE, EVAL_DIR,
                          TOKENIZER_DIR, CHECKPOINTS_DIR, UNIVERSAL_DIR, WANDB_DIR})
 """What `zerollm train` writes into a run directory (besides its dot-named temporary files)."""
@@ -64,10 +66,11 @@ def is_run_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file()
 
 
-def check_run_output(run_dir: Path) -> None:
+def check_run_output(run_dir: Path, resume: bool) -> None:
     """Refuse a training --out that training would damage or cannot write: a file, a folder below a file or without
-    write permission, or a non-empty folder that is not a run directory (a user's own config.yaml or metrics.jsonl
-    would be overwritten, a prepared data folder filled with checkpoints)."""
+    write permission, a non-empty folder that is not a run directory (a user's own config.yaml or metrics.jsonl
+    would be overwritten, a prepared data folder filled with checkpoints), or a run's checkpoints without
+    `resume`."""
     existing = next(p for p in (run_dir, *run_dir.parents) if p.exists() or p == p.parent)
     if not existing.is_dir():
         raise UserError(f"--out {run_dir}: {existing} is a file; give a directory")
@@ -75,19 +78,20 @@ def check_run_output(run_dir: Path) -> None:
         raise UserError(f"--out {run_dir}: {existing} is not writable")
     if existing != run_dir:
         return
-    names = {p.name for p in run_dir.iterdir() if not p.name.startswith(".")}
-    if not names:
-        return
-    foreign = sorted(names - RUN_ENTRIES)
-    made_by_training = ((run_dir / RUN_RECORD_FILE).is_file() or checkpoint_dir(run_dir).is_dir()
-                        or names == {WANDB_DIR})  # a run stopped before it wrote anything else
-    if foreign or not made_by_training:
-        shown = ", ".join((foreign or sorted(names))[:4])
-        raise UserError(f"--out {run_dir} holds files that are not a zerollm run ({shown}); training would overwrite "
-                        "them: choose a new or empty directory")
+    if (run_dir / TOKENS_FILE).exists():
+        raise UserError(f"--out {run_dir} is a prepared data folder (it holds {TOKENS_FILE}); give the run a directory "
+                        "of its own")
+    names = {p.name for p in run_dir.iterdir()}
+    clashing = sorted(names & (RUN_ENTRIES - {WANDB_DIR}))  # other files (a log, notes) training leaves alone
+    if clashing and not ((run_dir / RUN_RECORD_FILE).is_file() or checkpoint_dir(run_dir).is_dir()):
+        raise UserError(f"--out {run_dir} holds {', '.join(clashing[:4])} but is not a zerollm run; training would "
+                        "overwrite them: choose a new or empty directory")
     for folder in (checkpoint_dir(run_dir), tokenizer_dir(run_dir)):
         if folder.exists() and not folder.is_dir():
             raise UserError(f"--out {run_dir}: {folder} is a file where training keeps a folder; move it away")
+    if not resume and latest_tag(run_dir) is not None:
+        raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another "
+                        "--out")
 
 
 def config_file(run_dir: Path) -> Path:

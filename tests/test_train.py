@@ -298,10 +298,10 @@ def _folder(root, files: dict[str, str]):
 
 
 @pytest.mark.parametrize("files, message", [
-    ({"config.yaml": "# my own recipe\n", "metrics.jsonl": '{"my": "notes"}\n'},
-     "holds files that are not a zerollm run (config.yaml, metrics.jsonl); training would overwrite them"),
+    ({"config.yaml": "# my own recipe\n", "metrics.jsonl": '{"my": "notes"}\n', "train.log": ""},
+     "holds config.yaml, metrics.jsonl but is not a zerollm run; training would overwrite them"),
     ({"tokens.h5": "", "report.json": "{}", "tokenizer/tokenizer.json": "{}"},
-     "holds files that are not a zerollm run (report.json, tokens.h5)"),
+     "is a prepared data folder (it holds tokens.h5); give the run a directory of its own"),
     ({"run_record.jsonl": "{}\n", "checkpoints": "a file"}, "checkpoints is a file where training keeps a folder"),
 ])
 def test_an_out_folder_that_is_not_a_run_is_refused_untouched(pretrain_data, tmp_path, monkeypatch, capsys, files,
@@ -331,3 +331,17 @@ def test_a_damaged_run_record_is_one_line(tmp_path):
     (tmp_path / "run_record.jsonl").write_text('{"data": {}}\nnot json\n')
     with pytest.raises(UserError, match=r"run_record.jsonl:2: not a run record \(the file is damaged\)"):
         last_record(tmp_path)
+
+
+def test_a_run_with_checkpoints_is_refused_without_resume_before_any_launcher_starts(pretrain_data, tmp_path):
+    """Under `zerollm launch --backend torchrun` the rank's refusal came back as torchrun's ChildFailedError
+    traceback and exit 1; the launching process now refuses it first, as `zerollm train` does."""
+    from llm.cli import checked_training_command
+    from llm.errors import UserError
+
+    run = _folder(tmp_path / "run", {"run_record.jsonl": "{}\n", "checkpoints/latest": "global_step2"})
+    job = ["--", *map(str, _args(pretrain_data, run))]
+    del job[job.index("--nproc"):job.index("--nproc") + 2]  # the launcher starts the ranks
+    with pytest.raises(UserError, match="already holds checkpoints; pass --resume auto to continue it"):
+        checked_training_command(job)
+    assert checked_training_command([*job, "--resume", "auto"])[1] == run

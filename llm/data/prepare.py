@@ -43,11 +43,11 @@ from llm.data.formats import Item, Skipped, expand_inputs, read_records
 from llm.data.output import OutputDir
 from llm.data.readers import DEFAULT_MAX_RECORD_MB, strings
 from llm.errors import UserError
-from llm.rundir import TOKENIZER_DIR
+from llm.rundir import TOKENIZER_DIR, TOKENS_FILE
 from llm.tokenizer import Tokenizer
 
 SCHEMA_VERSION = 1
-TOKENS_FILE, REPORT_FILE = "tokens.h5", "report.json"
+REPORT_FILE = "report.json"
 SPLITS = ("train", "val")
 JOB_RECORDS = 256
 JOB_CHARS = 1 << 20

@@ -186,9 +186,7 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     teacher = check_teacher(cfg, attrs) if cfg.train.stage == "distill" else None
     check_tokenizer(run_dir, cfg, attrs["tokenizer_hash"])
     raw_ds, ds_source = load_ds_config(ds_config_path, cfg.train.stage)
-    if not resume and rundir.latest_tag(run_dir) is not None:
-        raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another "
-                        "--out")
+    rundir.check_run_output(run_dir, resume)  # checked by the CLI before any rank starts; again for direct callers
     data = prompts_summary(input_files(cfg), attrs) if cfg.train.stage == "grpo" else \
         data_summary(Path(cfg.data.path), attrs)
     if teacher is not None:
