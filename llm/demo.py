@@ -181,7 +181,7 @@ POST_TRAINING = {  # stage: (steps, window in tokens, overrides) on top of the d
 def run_demo(out: Path, steps: int | None = None, nproc: int = 1) -> int:
     corpus, tokenizer, data, run = out / "corpus.txt", out / "tokenizer", out / "data", out / "run"
     out.mkdir(parents=True, exist_ok=True)
-    for old in ("run", "sft_run", "dpo_run", "grpo_run"):
+    for old in ("tokenizer", "run", "sft_run", "dpo_run", "grpo_run"):  # the demo's own, made again below
         shutil.rmtree(out / old, ignore_errors=True)
     print(f"[1/7] writing the demo corpus to {corpus}", flush=True)
     write_corpus(corpus)
