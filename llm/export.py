@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,15 @@ from safetensors.torch import save_file
 
 from llm import durable
 from llm.config import ModelConfig, validate_model
+from llm.data.output import refuse_foreign_contents
 from llm.errors import UserError
 from llm.model import Transformer
 from llm.tokenizer import CONFIG_FILE as TOKENIZER_CONFIG
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 
 WEIGHTS_FILE, HF_CONFIG_FILE, WEIGHTS_INDEX_FILE = "model.safetensors", "config.json", "model.safetensors.index.json"
+EXPORT_FILES = {WEIGHTS_FILE, HF_CONFIG_FILE, WEIGHTS_INDEX_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG}
+_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
 
 _LAYER_NAMES = {  # ours (inside layers.N.) -> Hugging Face (inside model.layers.N.)
     "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
@@ -152,15 +156,15 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
 
 
 def _replaceable(out: Path) -> None:
-    """Refuse to replace a directory that is not an earlier export (or empty): export replaces it whole."""
+    """Refuse to replace a directory that is not empty or an earlier export: export replaces it whole, so a folder
+    with anything export does not write (a downloaded model's README.md or generation_config.json, notes, folders)
+    is left alone."""
     if not out.exists():
         return
     if not out.is_dir():
         raise UserError(f"--out {out} is a file; give a directory")
-    entries = list(out.iterdir())
-    if entries and (not (out / HF_CONFIG_FILE).is_file() or any(p.is_dir() for p in entries)):
-        raise UserError(f"--out {out} holds files that are not an export (an export is replaced whole); choose a new "
-                        "or empty directory")
+    weight_files = {name for name in os.listdir(out) if _SHARD.fullmatch(name)}  # what an export's weights may be
+    refuse_foreign_contents(out, out, "export", EXPORT_FILES | weight_files, HF_CONFIG_FILE)
 
 
 def _move_into_place(staging: Path, out: Path) -> None:

@@ -63,9 +63,26 @@ def test_export_replaces_an_old_export_whole_and_refuses_other_folders(tmp_path)
     precious = tmp_path / "notes"
     precious.mkdir()
     (precious / "thesis.txt").write_text("years of work")
-    with pytest.raises(UserError, match="holds files that are not an export"):
+    with pytest.raises(UserError, match="holds thesis.txt, which export did not write"):
         export_model(_model(0), None, precious)
     assert (precious / "thesis.txt").read_text() == "years of work"
+
+
+def test_a_downloaded_model_folder_is_not_replaced_by_an_export(tmp_path):
+    """Export replaced any folder holding a config.json and no subfolders whole, so exporting into a model downloaded
+    from the Hub deleted its README.md, generation_config.json and other files export does not write."""
+    download = tmp_path / "Qwen3-0.6B"
+    export_model(_model(0), None, download)
+    kept = {"README.md": "model card", "generation_config.json": "{}", "merges.txt": "#version: 0.2"}
+    for name, text in kept.items():
+        (download / name).write_text(text)
+    with pytest.raises(UserError) as error:
+        export_model(_model(1), None, download)
+    assert str(error.value) == (f"--out {download} holds README.md, generation_config.json, merges.txt, which export "
+                                "did not write; it replaces its output there, so give it a new or empty directory (or "
+                                "one it wrote before)")
+    assert {name: (download / name).read_text() for name in kept} == kept
+    assert torch.equal(_logits(import_model(download)), _logits(_model(0)))
 
 
 def test_the_weights_are_as_readable_as_the_other_files_and_a_file_in_the_way_is_one_line(tmp_path):
