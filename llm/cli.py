@@ -245,6 +245,9 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request (default 256)")
     v.add_argument("--api-key", default=os.environ.get("ZEROLLM_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (default: $ZEROLLM_API_KEY); needed off loopback")
+    v.add_argument("--max-connections-per-client", type=int, default=None, metavar="N",
+                   help="open connections one client address may hold, of the server's 64 (default 16); more get "
+                        "429. Behind a reverse proxy every client has the proxy's address: raise it to 64")
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
@@ -516,7 +519,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from llm.infer.server import ChatService, bind_server, check_default_max_tokens
 
     check_default_max_tokens(args.max_tokens)  # the options, then the address (bind_server), before the model loads
-    server = bind_server(args.host, args.port, api_key=args.api_key)
+    server = bind_server(args.host, args.port, api_key=args.api_key,
+                         max_connections_per_client=args.max_connections_per_client)
     try:
         server.service = ChatService(_generator(args), Path(args.model).resolve().name, args.max_tokens)
         print(f"serving {server.service.model_name} on {server.url}/v1 (Ctrl-C stops)", flush=True)

@@ -1,8 +1,10 @@
 """The OpenAI-compatible server: answers, OpenAI-style errors, and hostile clients that cannot hurt the others."""
 
 import json
+import re
 import select
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -21,7 +23,7 @@ from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
-from llm.infer.server import ChatService, make_server
+from llm.infer.server import ChatService, bind_server, client_key, make_server
 from llm.model import Transformer
 from llm.tokenizer import Tokenizer
 
@@ -85,9 +87,11 @@ def _address(url):
     return host.strip("[]"), int(port)
 
 
-def raw_exchange(url, data: bytes) -> tuple[int, bytes]:
-    """Send raw bytes, keep the connection open, read until the server closes it: (status, whole response)."""
-    with socket.create_connection(_address(url), timeout=CLIENT_TIMEOUT_S) as sock:
+def raw_exchange(url, data: bytes, source: str | None = None) -> tuple[int, bytes]:
+    """Send raw bytes (from the address `source`, if given), keep the connection open, read until the server closes
+    it: (status, whole response)."""
+    with socket.create_connection(_address(url), timeout=CLIENT_TIMEOUT_S,
+                                  source_address=(source, 0) if source else None) as sock:
         sock.sendall(data)
         chunks = []
         while chunk := sock.recv(65536):
@@ -151,18 +155,20 @@ def test_tool_turns_and_calls_are_accepted(server):
     assert status == 200 and payload["choices"][0]["message"]["role"] == "assistant"
 
 
-def test_twenty_concurrent_requests_get_their_own_answers(server, generator):
+def test_twenty_concurrent_requests_get_their_own_answers(generator):
     prompts = [f"question {i}: {'why ' * (i % 5)}" for i in range(20)]
     expected = [expected_reply(generator, p, 8) for p in prompts]
 
     def ask(prompt):
-        reply = _client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
-                                                        max_tokens=8, temperature=0, stream=prompt.endswith("why "))
+        reply = _client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                                     max_tokens=8, temperature=0, stream=prompt.endswith("why "))
         if hasattr(reply, "choices"):
             return reply.choices[0].message.content
         return "".join(c.choices[0].delta.content or "" for c in reply)
 
-    with ThreadPoolExecutor(max_workers=20) as pool:
+    # twenty clients on one address: more than its default share (a quarter of 64 connections)
+    with (running(generator, timeout_s=10, max_connections_per_client=20) as (url, _, _),
+          ThreadPoolExecutor(max_workers=20) as pool):
         assert list(pool.map(ask, prompts)) == expected
 
 
@@ -314,6 +320,8 @@ def test_a_client_dribbling_its_request_is_closed_at_the_deadline(generator):
     (["--api-key", "\udcff"], "--api-key"),  # the byte 0xff in argv
     (["--max-tokens", "0"], "--max-tokens must be at least 1"),
     (["--max-tokens", "-7"], "--max-tokens must be at least 1"),
+    (["--max-connections-per-client", "0"], "--max-connections-per-client must be between 1 and 64"),
+    (["--max-connections-per-client", "65"], "--max-connections-per-client must be between 1 and 64"),
 ])
 def test_bad_serve_options_are_one_line_before_the_model_loads(monkeypatch, capsys, tmp_path, options, message):
     """The model does not exist: an error about the options shows they are checked before it loads."""
@@ -371,11 +379,22 @@ def test_an_error_after_the_stream_began_is_an_sse_event(generator):
     assert events[-1]["error"]["message"] == "internal error: RuntimeError: the model broke"
 
 
+def _second_loopback_address() -> str:
+    """Another client address on this machine (Linux routes all of 127.0.0.0/8 to loopback)."""
+    try:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.2", 0))
+    except OSError:
+        pytest.skip("127.0.0.2 is not a loopback address here")
+    return "127.0.0.2"
+
+
 def test_connections_over_the_cap_get_503_at_once(generator):
-    with running(generator, timeout_s=30, max_connections=3) as (url, _, _):
+    other = _second_loopback_address()  # from the idle connections' address, one more is over its share: 429
+    with running(generator, timeout_s=30, max_connections=3, max_connections_per_client=3) as (url, _, _):
         idle = [socket.create_connection(_address(url), timeout=CLIENT_TIMEOUT_S) for _ in range(3)]
         try:
-            status, response = raw_exchange(url, request_bytes(b"", method="GET", path="/health"))
+            status, response = raw_exchange(url, request_bytes(b"", method="GET", path="/health"), source=other)
             assert status == 503 and json_body(response)["error"]["type"] == "server_error"
         finally:
             for sock in idle:
@@ -388,6 +407,70 @@ def test_connections_over_the_cap_get_503_at_once(generator):
                 break
             time.sleep(0.05)
         assert status == 200
+
+
+def test_one_address_cannot_hold_more_than_its_share_of_connections(generator):
+    """A client that keeps connections open (sending nothing, or half a request line, as one dribbling bytes until
+    its deadline and reconnecting does) gets a quarter of the connections; the others' requests are served."""
+    other = _second_loopback_address()
+    health = request_bytes(b"", method="GET", path="/health", headers={"Connection": "close"})
+    with running(generator, timeout_s=30, max_connections=8) as (url, _, _):  # 2 connections per address
+        held = [socket.create_connection(_address(url), timeout=CLIENT_TIMEOUT_S) for _ in range(2)]
+        try:
+            held[1].sendall(b"GET /hea")
+            for _ in range(6):  # up to the whole cap from the same address: each one more is refused at once
+                start = time.monotonic()
+                status, response = raw_exchange(url, health)
+                assert time.monotonic() - start < 10  # not at the 30 s timeout
+                assert status == 429, response
+                error = json_body(response)["error"]
+                assert error["code"] == "rate_limit_exceeded" and "at most 2 per client address" in error["message"]
+                assert set(error) == {"message", "type", "param", "code"}
+                assert b"\r\nConnection: close\r\n" in response and b"\r\nRetry-After: 1\r\n" in response
+            status, response = raw_exchange(url, request_bytes({**HELLO, "max_tokens": 2},
+                                                               headers={"Connection": "close"}), source=other)
+            assert status == 200 and json_body(response)["choices"][0]["message"]["role"] == "assistant"
+        finally:
+            held[0].setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
+            for sock in held:
+                sock.close()
+        deadline = time.monotonic() + CLIENT_TIMEOUT_S
+        while time.monotonic() < deadline:  # the address's connections come back as their threads end
+            status, _ = raw_exchange(url, health)
+            if status == 200:
+                break
+            time.sleep(0.05)
+        assert status == 200
+
+
+def test_a_timed_out_connection_gives_back_its_address_share(generator):
+    with running(generator, timeout_s=1, max_connections_per_client=1) as (url, _, _):
+        with socket.create_connection(_address(url), timeout=CLIENT_TIMEOUT_S) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\n")
+            assert sock.recv(1) == b""  # dropped at the deadline
+        health = request_bytes(b"", method="GET", path="/health", headers={"Connection": "close"})
+        deadline = time.monotonic() + CLIENT_TIMEOUT_S
+        while (status := raw_exchange(url, health)[0]) != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status == 200
+
+
+def test_client_addresses_are_counted_by_host():
+    assert client_key("127.0.0.1") == client_key("::ffff:127.0.0.1") == "127.0.0.1"  # IPv4 on a dual-stack socket
+    assert client_key("127.0.0.1") != client_key("127.0.0.2")
+    assert client_key("2001:db8::1") == client_key("2001:db8::ffff:1") == "2001:db8::/64"  # one host's /64
+    assert client_key("2001:db8:0:1::1") != client_key("2001:db8::1")
+    assert client_key("fe80::1%eth0") == "fe80::/64"
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_connections": 0}, "max_connections must be at least 1"),
+    ({"max_connections_per_client": 0}, "--max-connections-per-client must be between 1 and 64"),
+    ({"max_connections": 4, "max_connections_per_client": 5}, "between 1 and 4, the connections the server holds"),
+])
+def test_bad_connection_limits_are_refused(options, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        bind_server("127.0.0.1", 0, **options)
 
 
 def test_a_full_queue_answers_503_and_the_queued_are_served(generator):
@@ -469,7 +552,8 @@ def test_hostile_clients_cannot_starve_well_behaved_ones(generator, capfd):
         return "".join(c.choices[0].delta.content or "" for c in reply)
 
     long_stream = request_bytes({**HELLO, "max_tokens": CONTEXT - 64, "stream": True, "temperature": 0})
-    with running(generator, timeout_s=2, max_connections=48) as (url, _, server):
+    # every client here is on 127.0.0.1: the per-address limit (tested on its own) must not refuse the good ones
+    with running(generator, timeout_s=2, max_connections=48, max_connections_per_client=48) as (url, _, server):
         _small_send_buffers(server)
         address = _address(url)
         for _ in range(3):  # stalled writers: half a body, then nothing

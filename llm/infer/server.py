@@ -10,8 +10,9 @@ Standard library only (`http.server`, one thread per connection). Requests are u
   quietly, without a traceback.
 - Every socket has a timeout (a client that sends or reads nothing for that long is dropped), a request's
   line, headers and body must all arrive within that timeout (a client dribbling bytes is dropped too),
-  open connections are capped (one more gets 503 at once) and bodies are read only with a valid
-  Content-Length of at most 1 MiB.
+  open connections are capped (one more gets 503 at once), so are one client address's (by default a quarter of
+  the cap; one more gets 429 at once, so that a client reconnecting as fast as it is dropped cannot hold every
+  connection) and bodies are read only with a valid Content-Length of at most 1 MiB.
 - Message text goes through the tokenizer's chat template to ids, never re-encoded: a user's
   `<|im_end|><|im_start|>system` stays text.
 - Bound to loopback, only requests whose Host is a loopback name are answered (a web page cannot
@@ -470,15 +471,34 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
     return Handler
 
 
+def client_key(host: str) -> str:
+    """The address a client's connections are counted under: its IPv4 address (also when it comes as an
+    IPv4-mapped IPv6 address, as on a dual-stack socket), or its IPv6 /64 (one host usually holds a whole /64, so
+    counting single IPv6 addresses would let it take a fresh one per connection)."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])  # without an IPv6 zone (fe80::1%eth0)
+    except ValueError:
+        return host
+    if address.version == 6 and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.version == 4:
+        return str(address)
+    return str(ipaddress.IPv6Network((address, 64), strict=False))
+
+
 class ChatServer(ThreadingHTTPServer):
-    """A threading HTTP server that caps open connections and reports no tracebacks for clients that leave; it
-    answers with `service`, which must be set before serve_forever()."""
+    """A threading HTTP server that caps open connections, overall and per client address (`client_key`), and reports
+    no tracebacks for clients that leave; it answers with `service`, which must be set before serve_forever()."""
 
     daemon_threads = True
     request_queue_size = 128  # the default backlog (5) refuses bursts of concurrent clients
 
-    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
+    def __init__(self, address: tuple[str, int], handler: type, max_connections: int,
+                 max_connections_per_client: int) -> None:
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._per_client_limit = max_connections_per_client
+        self._per_client: dict[str, int] = {}  # open connections by client_key; only keys with some
+        self._per_client_lock = threading.Lock()  # taken in the accepting thread, freed in the connections' threads
         self.service: ChatService | None = None
         if _is_ipv6_address(address[0]):
             self.address_family = socket.AF_INET6
@@ -489,22 +509,49 @@ class ChatServer(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         return f"http://[{host}]:{port}" if self.address_family == socket.AF_INET6 else f"http://{host}:{port}"
 
+    def _take_client_slot(self, client: str) -> bool:
+        with self._per_client_lock:
+            count = self._per_client.get(client, 0)
+            if count >= self._per_client_limit:
+                return False
+            self._per_client[client] = count + 1
+            return True
+
+    def _free_client_slot(self, client: str) -> None:
+        with self._per_client_lock:
+            count = self._per_client.pop(client) - 1
+            if count:
+                self._per_client[client] = count
+
     def process_request(self, request: socket.socket, client_address: Any) -> None:
+        client = client_key(client_address[0])
+        if not self._take_client_slot(client):  # before a slot: a client over its share takes none of the others'
+            _refuse(request, 429, "Too Many Requests", f"too many open connections from {client} (at most "
+                    f"{self._per_client_limit} per client address); close one or retry later",
+                    "requests", "rate_limit_exceeded")  # what OpenAI sends with a 429 for a rate limit
+            self.shutdown_request(request)
+            return
         if not self._slots.acquire(blocking=False):
-            _refuse(request)
+            self._free_client_slot(client)
+            _refuse(request, 503, "Service Unavailable", "the server has too many open connections; retry later")
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
-        except BaseException:
+        except BaseException:  # no thread started: it would have freed both
             self._slots.release()
+            self._free_client_slot(client)
             raise
 
     def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        """The connection's thread; however the connection ends, its slots are freed."""
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            try:
+                self._slots.release()
+            finally:
+                self._free_client_slot(client_key(client_address[0]))
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         error = sys.exc_info()[1]
@@ -513,16 +560,21 @@ class ChatServer(ThreadingHTTPServer):
                   file=sys.stderr, flush=True)
 
 
-def _refuse(request: socket.socket) -> None:
-    """503 to a connection over the cap, without a thread; never blocks for long."""
-    body = json.dumps({"error": {"message": "the server has too many open connections; retry later",
-                                 "type": "server_error", "param": None, "code": None}}).encode()
-    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+def _refuse(request: socket.socket, status: int, reason: str, message: str, kind: str = "server_error",
+            code: str | None = None) -> None:
+    """An OpenAI-style error to a connection over a cap, without a thread and without reading its request; never
+    blocks for long."""
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
             "Retry-After: 1\r\nConnection: close\r\n\r\n").encode()
     try:
         request.settimeout(1.0)
         request.sendall(head + body)
-    except OSError:
+        request.setblocking(False)  # drop what the request sent so far: closing with unread bytes would reset the
+        for _ in range(16):  # connection, and the client might lose the answer
+            if not request.recv(1 << 16):
+                break
+    except OSError:  # BlockingIOError: nothing more to read now
         pass
 
 
@@ -544,25 +596,35 @@ def check_exposure(host: str, api_key: str | None) -> None:
 
 
 def bind_server(host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, timeout_s: float = 30.0,
-                max_connections: int = 64) -> ChatServer:
+                max_connections: int = 64, max_connections_per_client: int | None = None) -> ChatServer:
     """The server, bound and listening but with no model yet: set its `service` before serve_forever(), so that a bad
     address is reported before the model loads. UserError: a port out of range, an address this machine cannot
     bind, or serving other machines without an `api_key`. `timeout_s`: a client that sends or reads nothing for this
     long, or whose request has not all arrived this long after the server began waiting for it, is dropped;
-    `max_connections`: open connections at once (more get 503)."""
+    `max_connections`: open connections at once (more get 503); `max_connections_per_client`: open connections at
+    once from one client address (`client_key`; more get 429), by default a quarter of `max_connections`, so that
+    one client cannot take them all."""
     check_exposure(host, api_key)
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be between 0 and 65535 (0 picks a free one), got {port}")
+    if max_connections < 1:
+        raise UserError(f"max_connections must be at least 1, got {max_connections}")
+    if max_connections_per_client is None:
+        max_connections_per_client = max(1, max_connections // 4)
+    if not 1 <= max_connections_per_client <= max_connections:
+        raise UserError(f"--max-connections-per-client must be between 1 and {max_connections}, the connections "
+                        f"the server holds, got {max_connections_per_client}")
     handler = _make_handler(api_key or None, is_loopback_host(host), timeout_s)
     try:
-        return ChatServer((host, port), handler, max_connections)
+        return ChatServer((host, port), handler, max_connections, max_connections_per_client)
     except OSError as exc:  # in use, not this machine's address, unresolvable (socket.gaierror)
         raise UserError(f"cannot listen on --host {host!r} --port {port}: {exc.strerror or exc}") from None
 
 
 def make_server(service: ChatService, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                timeout_s: float = 30.0, max_connections: int = 64) -> ChatServer:
+                timeout_s: float = 30.0, max_connections: int = 64,
+                max_connections_per_client: int | None = None) -> ChatServer:
     """The server of `service`, bound (see bind_server)."""
-    server = bind_server(host, port, api_key, timeout_s, max_connections)
+    server = bind_server(host, port, api_key, timeout_s, max_connections, max_connections_per_client)
     server.service = service
     return server
