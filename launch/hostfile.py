@@ -37,7 +37,7 @@ def check_address(address: str, option: str) -> None:
         raise UserError(f"{option} {address!r} is not a host name or IP address ({HOST_NAME_RULE})")
 
 
-def _integer(text: str) -> int | None:
+def read_integer(text: str) -> int | None:
     """`text` as an int when it is a decimal number in ASCII digits, else None (int() alone also reads '²', '٣', '1_0'
     and ' 1', and raises on more than 4300 digits)."""
     if not _INTEGER.fullmatch(text):
@@ -73,7 +73,7 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
         if not line:
             continue
         match = _LINE.match(line)
-        slots = _integer(match["slots"]) if match else None
+        slots = read_integer(match["slots"]) if match else None
         if slots is None:
             raise UserError(f"{path}:{number}: expected 'HOST slots=N', got {raw.strip()!r}")
         host = match["host"]
@@ -107,7 +107,7 @@ def check_filter(hosts: dict[str, int], spec: str, option: str, hostfile: str | 
         if host not in hosts:
             raise UserError(f"{option} {spec}: host '{host}' is not in {hostfile} ({', '.join(hosts)})")
         for slot in slots.split(",") if colon else []:
-            index = _integer(slot)
+            index = read_integer(slot)
             if index is None or not 0 <= index < hosts[host]:
                 raise UserError(f"{option} {spec}: host '{host}' has slots 0-{hosts[host] - 1}, not '{slot}'")
 

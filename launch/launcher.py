@@ -41,7 +41,15 @@ from pathlib import Path
 import psutil
 
 from launch.environment import env_file_text, parse_env, remote_exports
-from launch.hostfile import MAX_SLOTS_PER_HOST, active_slots, check_address, check_filter, hostfile_text, read_hostfile
+from launch.hostfile import (
+    MAX_SLOTS_PER_HOST,
+    active_slots,
+    check_address,
+    check_filter,
+    hostfile_text,
+    read_hostfile,
+    read_integer,
+)
 from launch.local import exit_code
 from launch.nodelist import slurm_hosts
 from launch.options import LaunchOptions, launcher_problem
@@ -52,6 +60,9 @@ from llm.runtime.cpu_threads import cpu_threads_per_rank
 from llm.runtime.supervisor import supervisor_env
 
 MAX_PORT = 65535
+MAX_NODES = 65536
+"""The most nodes one job runs on (--nnodes, SLURM_JOB_NUM_NODES): beyond any cluster, and small enough that a mistyped
+number is an error rather than a hostfile of billions of lines or a rendezvous that waits for ever."""
 _EQUAL_SLOTS = ("mvapich", "mpich", "impi")
 """DeepSpeed's runners for these place the same number of ranks on every host."""
 
@@ -91,6 +102,8 @@ def check_numbers(args: LaunchOptions) -> None:
     for option, count in (("--nnodes", args.nnodes), ("--nproc-per-node", args.nproc_per_node)):
         if count is not None and count < 1:
             raise UserError(f"{option} must be at least 1, got {count}")
+    if args.nnodes is not None and args.nnodes > MAX_NODES:
+        raise UserError(f"--nnodes {args.nnodes}: at most {MAX_NODES} nodes run one job")
     if args.nproc_per_node is not None and args.nproc_per_node > MAX_SLOTS_PER_HOST:
         raise UserError(f"--nproc-per-node {args.nproc_per_node}: at most {MAX_SLOTS_PER_HOST} ranks run on one node")
     if not 1 <= args.master_port <= MAX_PORT:
@@ -119,13 +132,35 @@ def check_port_free(port: int) -> None:
             raise
 
 
+def _slurm_number(environ: dict[str, str], name: str, low: int, high: int, meaning: str) -> int:
+    """The SLURM variable `name` as a whole number in low..high, else one line naming it and its value."""
+    value = read_integer(environ[name])
+    if value is None or not low <= value <= high:
+        raise UserError(f"{name} is {environ[name]!r}; expected {meaning}, a whole number in {low}..{high}")
+    return value
+
+
 def slurm_rendezvous(environ: dict[str, str]) -> tuple[int, int, str]:
     """(nodes, this node's rank, first host) of the SLURM allocation this process runs in."""
     missing = [k for k in ("SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_JOB_NODELIST") if k not in environ]
     if missing:
         raise UserError(f"--backend slurm runs inside a SLURM job step (srun); {', '.join(missing)} not set")
+    nodes = _slurm_number(environ, "SLURM_JOB_NUM_NODES", 1, MAX_NODES, "the number of nodes of the job")
+    node_rank = _slurm_number(environ, "SLURM_NODEID", 0, nodes - 1,
+                              f"this node's index among SLURM_JOB_NUM_NODES={nodes}")
     hosts = slurm_hosts(environ["SLURM_JOB_NODELIST"], environ.get("PATH"))
-    return int(environ["SLURM_JOB_NUM_NODES"]), int(environ["SLURM_NODEID"]), hosts[0]
+    if len(hosts) != nodes:
+        raise UserError(f"SLURM_JOB_NODELIST {environ['SLURM_JOB_NODELIST']!r} names {len(hosts)} host(s) but "
+                        f"SLURM_JOB_NUM_NODES is {nodes}")
+    return nodes, node_rank, hosts[0]
+
+
+def slurm_ranks_per_node(environ: dict[str, str]) -> int:
+    """Ranks on this node when --nproc-per-node is not given: SLURM_GPUS_ON_NODE, or 1 where it is not set."""
+    if "SLURM_GPUS_ON_NODE" not in environ:
+        return 1
+    return _slurm_number(environ, "SLURM_GPUS_ON_NODE", 1, MAX_SLOTS_PER_HOST,
+                         "the GPUs of this node (or give --nproc-per-node)")
 
 
 # ---- plans -------------------------------------------------------------------------------------
@@ -160,7 +195,7 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
         if args.hostfile or args.nnodes or args.node_rank is not None:
             raise UserError("--backend slurm takes the nodes from SLURM; drop --hostfile/--nnodes/--node-rank")
         nnodes, node_rank, master = slurm_rendezvous(environ)
-        nproc = nproc or int(environ.get("SLURM_GPUS_ON_NODE", 1))
+        nproc = nproc or slurm_ranks_per_node(environ)
         return _plan_torchrun(nnodes, node_rank, args.master_addr or master, args.master_port, nproc,
                               args.rdzv_id or environ.get("SLURM_JOB_ID", "zerollm"), env, environ, train_argv)
     if (args.include or args.exclude) and not args.hostfile:
@@ -209,12 +244,13 @@ def _check_rendezvous_host(node_rank: int, master: str, port: int) -> None:
 
 def _plan_torchrun(nnodes: int, node_rank: int, master: str, port: int, nproc: int, rdzv_id: str,
                    env: dict[str, str], environ: dict[str, str], train_argv: list[str]) -> Plan:
-    """torchrun with c10d rendezvous. torchrun gives every rank OMP_NUM_THREADS=1 where it is not set; a CPU job's
-    ranks share the node's CPUs instead (`llm.runtime.cpu_threads`), unless the variable is set here or in --env."""
+    """torchrun with c10d rendezvous, through launch/torchrun.py (ranks that refuse their job end it with exit 2, as
+    under DeepSpeed's launcher). torchrun gives every rank OMP_NUM_THREADS=1 where it is not set; a CPU job's ranks
+    share the node's CPUs instead (`llm.runtime.cpu_threads`), unless the variable is set here or in --env."""
     _check_rendezvous_host(node_rank, master, port)
     if "OMP_NUM_THREADS" not in environ:
         env = {"OMP_NUM_THREADS": str(cpu_threads_per_rank(nproc, {})), **env}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+    command = [sys.executable, "-m", "launch.torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{port}", "--rdzv-id", rdzv_id,
                "--rdzv-conf", f"is_host={int(node_rank == 0)}", "--max-restarts", "0", "-m", "llm"]
     return Plan(command, train_argv, env)

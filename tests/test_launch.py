@@ -14,11 +14,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from conftest import REPO, TINY, run_cli
 from launch.hostfile import check_filter, read_hostfile
 from launch.launcher import plan_launch, slurm_rendezvous
 from launch.nodelist import expand_nodelist, slurm_hosts
+from launch.torchrun import refused
 from llm.cli import build_parser, launch_options
 from llm.errors import UserError
 from llm.runtime.cpu_threads import usable_cpus
@@ -120,7 +122,7 @@ def test_plans_for_each_mode(tmp_path):
     torchrun = plan_launch(_launch_args("--backend", "torchrun", "--nnodes", "3", "--node-rank", "2",
                                         "--master-addr", "10.0.0.1", "--nproc-per-node", "8"), job, {})
     assert " ".join(torchrun.argv("{dir}")).endswith(
-        "torch.distributed.run --nnodes 3 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 "
+        "launch.torchrun --nnodes 3 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 "
         "--rdzv-id zerollm --rdzv-conf is_host=0 --max-restarts 0 -m llm train pretrain")
     # torchrun would run each rank on one thread; the ranks share the CPUs instead, unless OMP_NUM_THREADS is given
     assert torchrun.env == {"OMP_NUM_THREADS": str(max(1, len(usable_cpus()) // 8))}
@@ -310,6 +312,31 @@ def test_torchrun_c10d_two_nodes_train_like_the_deepspeed_launcher(zero_runs, pr
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-6)
 
 
+def test_ranks_that_refuse_under_torchrun_end_the_launch_with_exit_2_and_their_line(tmp_path):
+    """Both ranks refuse the job after torchrun started them (the data folder holds no tokens.h5, which only the
+    ranks read): the launch ends as under DeepSpeed's launcher, exit 2 and the ranks' one line, not with torchrun's
+    ChildFailedError traceback and exit 1."""
+    (tmp_path / "empty").mkdir()
+    result = run_cli("launch", "--backend", "torchrun", "--nproc-per-node", 2, "--master-port", free_port(), "--",
+                     "train", "pretrain", "--recipe", "demo", "--data", tmp_path / "empty", "--out", tmp_path / "run")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "--rdzv-backend c10d" in result.stdout  # torchrun started the ranks: the refusal is theirs
+    assert f"zerollm: error: {tmp_path / 'empty'}: no tokens.h5; create it with" in result.stderr
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr
+
+
+def test_torchrun_is_quiet_only_when_the_failed_ranks_refused():
+    """Ranks that torchrun ended itself after the first refusal (SIGTERM, SIGKILL) are passed over; any other
+    failure keeps torchrun's report."""
+    def failed(*codes):
+        return ChildFailedError("llm", {rank: ProcessFailure(rank, 1000 + rank, code, "<N/A>")
+                                        for rank, code in enumerate(codes)})
+
+    assert refused(failed(2)) and refused(failed(2, 2)) and refused(failed(2, -signal.SIGTERM, -signal.SIGKILL))
+    assert not any(refused(failed(*codes)) for codes in [(1,), (2, 1), (76, 2), (2, 75), (-signal.SIGTERM,),
+                                                         (-signal.SIGKILL, -signal.SIGTERM), (-signal.SIGSEGV, 2)])
+
+
 def test_hostfile_mode_on_this_machine(pretrain_data, tmp_path):
     (tmp_path / "hosts").write_text("# this machine\nlocalhost slots=2\n")
     result = run_cli("launch", "--hostfile", tmp_path / "hosts", "--master-port", free_port(), "--env",
@@ -433,7 +460,7 @@ def test_slurm_template_starts_one_launcher_per_node(pretrain_data, tmp_path):
                     "code=0; for job in $(jobs -p); do wait $job || code=$?; done; exit $code\n")
     srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_LOGS": str(tmp_path),
-           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_JOB_ID": "4242",
            "MASTER_PORT": str(free_port()), "ZEROLLM": f"{sys.executable} -m llm"}
     run = tmp_path / "run"
     result = subprocess.run(["bash", REPO / "launch" / "slurm" / "zerollm.sbatch",

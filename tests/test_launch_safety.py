@@ -139,6 +139,12 @@ def test_master_ports_outside_1_to_65535_are_refused(tmp_path, mode, port):
      "--nproc-per-node 1025: at most 1024 ranks run on one node"),
     (["--nnodes", "0", "--node-rank", "0", "--master-addr", "127.0.0.1"], "--nnodes must be at least 1, got 0"),
     (["--nnodes", "0"], "--nnodes must be at least 1, got 0"),  # without --node-rank it ran one local node
+    (["--nnodes", "65537", "--node-rank", "1", "--master-addr", "10.0.0.1"],
+     "--nnodes 65537: at most 65536 nodes run one job"),  # DeepSpeed per node: it wrote a hostfile of 65537 hosts
+    (["--backend", "torchrun", "--nnodes", "99999999999999999999", "--node-rank", "1", "--master-addr", "10.0.0.1"],
+     "--nnodes 99999999999999999999: at most 65536 nodes run one job"),  # torchrun waited for them for ever
+    (["--backend", "torchrun", "--nnodes", "3", "--node-rank", "3", "--master-addr", "10.0.0.1"],
+     "--node-rank 3 is outside 0..2 (--nnodes 3)"),
 ])
 def test_node_and_rank_counts_must_be_at_least_1(tmp_path, argv, message):
     (tmp_path / "hosts").write_text("node-a slots=2\nnode-b slots=2\n")
@@ -164,6 +170,59 @@ def test_bad_numbers_and_bytes_are_one_line_exit_2_before_anything_starts(tmp_pa
                      tmp_path / "run")
     assert (result.returncode, result.stderr, result.stdout) == \
         (2, f"zerollm: error: {message.format(hosts=tmp_path / 'hosts')}\n", "")
+
+
+def test_up_to_65536_nodes_run_one_job():
+    def plan(backend):
+        return plan_launch(_launch_args("--backend", backend, "--nnodes", "65536", "--node-rank", "65535",
+                                        "--master-addr", "10.0.0.1"), ["train"], {})
+
+    assert len(plan("deepspeed").files["hostfile"].splitlines()) == 65536
+    assert plan("torchrun").command[plan("torchrun").command.index("--nnodes") + 1] == "65536"
+
+
+SLURM = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]"}
+NODES = "SLURM_JOB_NUM_NODES is {value!r}; expected the number of nodes of the job, a whole number in 1..65536"
+NODE_ID = "SLURM_NODEID is {value!r}; expected this node's index among SLURM_JOB_NUM_NODES=2, a whole number in 0..1"
+GPUS = "SLURM_GPUS_ON_NODE is {value!r}; expected the GPUs of this node (or give --nproc-per-node), a whole number " \
+    "in 1..1024"
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    *[("SLURM_JOB_NUM_NODES", value, NODES) for value in ("abc", "", "0", "-2", "65537", "٢", " 2", "9" * 5000)],
+    *[("SLURM_NODEID", value, NODE_ID) for value in ("abc", "", "2", "-1", "1.0", "²")],
+    *[("SLURM_GPUS_ON_NODE", value, GPUS) for value in ("abc", "", "0", "2(x2)", "1025", "٣")],
+    ("SLURM_JOB_NUM_NODES", "3", "SLURM_JOB_NODELIST 'n[1-2]' names 2 host(s) but SLURM_JOB_NUM_NODES is 3"),
+    ("SLURM_JOB_NODELIST", "n[1-3]", "SLURM_JOB_NODELIST 'n[1-3]' names 3 host(s) but SLURM_JOB_NUM_NODES is 2"),
+])
+def test_slurm_variables_are_checked_naming_the_variable_and_its_value(tmp_path, variable, value, message):
+    """What SLURM sets is read like the options: a value that is not a count in range was a ValueError traceback
+    (int('abc'), int('')), or a plan for 0 nodes, node 2 of 2, 0 or '٣' ranks, or a rendezvous at the first of
+    2 hosts for 3 nodes."""
+    with pytest.raises(UserError) as err:
+        plan_launch(_launch_args("--backend", "slurm"), ["train"],
+                    {**SLURM, "PATH": str(tmp_path), variable: value})
+    assert str(err.value) == message.format(value=value)
+
+
+def test_slurm_ranks_per_node_come_from_slurm_gpus_on_node_or_the_option(tmp_path):
+    def nproc(*argv, **variables):
+        plan = plan_launch(_launch_args("--backend", "slurm", *argv), ["train"],
+                           {**SLURM, "PATH": str(tmp_path), **variables})
+        return plan.command[plan.command.index("--nproc-per-node") + 1]
+
+    assert nproc() == "1" and nproc(SLURM_GPUS_ON_NODE="8") == "8"
+    assert nproc("--nproc-per-node", "2", SLURM_GPUS_ON_NODE="abc") == "2"  # the variable is not read then
+
+
+def test_a_bad_slurm_variable_is_one_line_exit_2(tmp_path):
+    env = {**os.environ, **SLURM, "PATH": str(Path(sys.executable).parent) + os.pathsep + str(tmp_path),
+           "SLURM_NODEID": "abc"}
+    result = subprocess.run([sys.executable, "-m", "llm", "launch", "--backend", "slurm", "--", "train", "pretrain",
+                             "--recipe", "demo", "--data", tmp_path, "--out", tmp_path / "run"],
+                            capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert (result.returncode, result.stderr, result.stdout) == \
+        (2, f"zerollm: error: {NODE_ID.format(value='abc')}\n", "")
 
 
 # ---- variables ---------------------------------------------------------------------------------
