@@ -80,6 +80,20 @@ class ModelConfig:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
     @property
+    def parameter_count(self) -> int:
+        """The parameters of the model this config builds, as `Transformer.num_parameters()` counts them (a tied
+        embedding once), without building it; needs vocab_size."""
+        shapes = self.linear_shapes
+        attention = sum(math.prod(shapes[name]) for name in ("wq", "wk", "wv", "wo"))
+        attention += 2 * self.head_dim if self.qk_norm else 0
+        ffn = sum(math.prod(shapes[name]) for name in ("w1", "w2", "w3"))
+        if self.moe:  # a router and the routed and shared experts
+            ffn = self.dim * self.n_experts + ffn * (self.n_experts + self.n_shared_experts)
+        block = attention + ffn + 2 * self.dim  # and the two norms
+        embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return embeddings + self.n_layers * block + self.dim  # and the final norm
+
+    @property
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each linear layer in a block (`LORA_TARGETS`; in an MoE model every expert's)."""
         queries, keys, hidden = self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn_hidden_dim
@@ -466,13 +480,15 @@ BELOW_ONE = Bounds(0, 1, high_open=True)
 """[0, 1): dropout probabilities, Adam's betas."""
 
 NUMBER_RANGES: dict[str, Bounds] = {
-    "model.vocab_size": POSITIVE, "model.dim": POSITIVE, "model.n_layers": POSITIVE, "model.n_heads": POSITIVE,
+    "model.vocab_size": POSITIVE, "model.dim": POSITIVE,
+    "model.n_layers": Bounds(1, 1024),  # deeper than any published decoder (126 in Llama 3 405B); each is a module
+    "model.n_heads": POSITIVE,
     "model.n_kv_heads": POSITIVE, "model.hidden_dim": POSITIVE, "model.multiple_of": POSITIVE,
     "model.norm_eps": POSITIVE, "model.max_seq_len": POSITIVE,
     "model.rope_theta": Bounds(1, low_open=True),  # the RoPE base: 1 gives every pair the same frequency
     "model.rope_factor": Bounds(1), "model.rope_original_max_seq_len": NON_NEGATIVE,
     "model.yarn_beta_fast": POSITIVE, "model.yarn_beta_slow": POSITIVE, "model.dropout": BELOW_ONE,
-    "model.n_experts": POSITIVE, "model.n_experts_per_token": POSITIVE, "model.n_shared_experts": NON_NEGATIVE,
+    "model.n_experts": Bounds(1, 1024), "model.n_experts_per_token": POSITIVE, "model.n_shared_experts": NON_NEGATIVE,
     "model.moe_aux_loss_coef": NON_NEGATIVE, "model.init_std": POSITIVE,
     "data.seq_len": POSITIVE, "data.loader_workers": NON_NEGATIVE,
     "train.dpo_beta": POSITIVE, "train.dpo_sft_weight": NON_NEGATIVE, "train.distill_alpha": UNIT_INTERVAL,

@@ -17,6 +17,7 @@ from llm.config import ModelConfig, RunConfig, build_config
 from llm.errors import UserError
 from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, import_model
 from llm.model import Transformer
+from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, load_adapters, merge
 from llm.runtime.fingerprint import file_digest
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
@@ -49,6 +50,7 @@ def load_trained_model(run_dir: Path, tag: str | None = None) -> tuple[Transform
     """(model in eval mode, run config) rebuilt from RUN_DIR/config.yaml and its newest checkpoint. A LoRA run's
     checkpoint holds its adapters only: they are loaded onto its --init-from model and merged into it."""
     cfg = build_config(rundir.recorded_config(run_dir))
+    check_fits_in_memory(cfg.model, remedy=f" ({run_dir / rundir.CONFIG_FILE})")
     if cfg.lora.r:
         return merge(load_lora_model(run_dir, cfg, tag)).eval(), cfg
     model = Transformer(cfg.model)

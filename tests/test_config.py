@@ -81,7 +81,9 @@ def test_every_number_key_has_a_range():
     ("model.n_kv_heads=-2", "model.n_kv_heads must be positive, got -2"),
     ("model.rope_factor=0.5", "model.rope_factor must be >= 1, got 0.5"),
     ("model.yarn_beta_slow=0", "model.yarn_beta_slow must be positive, got 0.0"),
-    ("model.n_experts=0", "model.n_experts must be positive, got 0"),
+    ("model.n_experts=0", r"model.n_experts must be in \[1, 1024\], got 0"),
+    ("model.n_experts=1025", r"model.n_experts must be in \[1, 1024\], got 1025"),
+    ("model.n_layers=100000000", r"model.n_layers must be in \[1, 1024\], got 100000000"),  # building them hung
     ("model.moe_aux_loss_coef=-1", "model.moe_aux_loss_coef must be >= 0, got -1.0"),
     ("data.loader_workers=-1", "data.loader_workers must be >= 0, got -1"),
     ("grpo.temperature=0", "grpo.temperature must be positive, got 0.0"),
@@ -167,3 +169,29 @@ def test_ds_config_file_that_is_no_object_or_a_directory_is_refused(tmp_path):
         load_ds_config(tmp_path, "pretrain")
     with pytest.raises(UserError, match="missing.json: DeepSpeed config not found"):
         load_ds_config(tmp_path / "missing.json", "pretrain")
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["model.tie_embeddings=true"], ["model.qk_norm=true", "model.n_kv_heads=1"], ["model.hidden_dim=200"],
+    ["model.moe=true", "model.n_experts=4", "model.n_experts_per_token=2", "model.n_shared_experts=1"],
+])
+def test_the_parameter_count_of_a_config_is_the_models(overrides):
+    from llm.model import Transformer
+
+    cfg = build_config("demo", ["model.vocab_size=300", "model.n_layers=2", *overrides]).model
+    assert cfg.parameter_count == Transformer(cfg).num_parameters()
+
+
+def test_a_model_that_does_not_fit_names_its_size_and_the_memory(monkeypatch):
+    from llm.model import host_memory
+
+    cfg = build_config("demo", ["model.vocab_size=300"]).model
+    monkeypatch.setattr(host_memory, "usable_memory", lambda: 4 * cfg.parameter_count * 2)
+    host_memory.check_fits_in_memory(cfg, copies=2)  # exactly fits
+    with pytest.raises(UserError) as error:
+        host_memory.check_fits_in_memory(cfg, copies=3, remedy=": use fewer ranks")
+    gib = 4 * cfg.parameter_count / 2**30
+    assert str(error.value) == (
+        f"the model has {cfg.parameter_count:,} parameters, {gib:,.1f} GiB in fp32; this host builds 3 copies of it "
+        "(each rank's model, and its frozen reference where the stage has one) before DeepSpeed partitions them, "
+        f"{3 * gib:,.1f} GiB: more than this host's {2 * gib:,.1f} GiB of memory: use fewer ranks")

@@ -253,6 +253,7 @@ def test_generate_command_from_run_and_export(zero_runs, tmp_path):
     (lambda text: "", "config.yaml is damaged (a run config is a YAML mapping, found NoneType)"),
     (lambda text: "- 1\n", "config.yaml is damaged (a run config is a YAML mapping, found list)"),
     (lambda text: text.replace("  dim: ", "  dim: 2", 1), "checkpoint does not match config.yaml (size mismatch for"),
+    (lambda text: text.replace("  vocab_size: ", "  vocab_size: 99999999", 1), "GiB of memory (/"),  # an allocation
 ])
 def test_a_damaged_run_config_is_one_line(zero_runs, tmp_path, edit, message):
     """Before, each of these was a traceback (a YAML error, an AttributeError, a RuntimeError of torch)."""

@@ -324,6 +324,17 @@ def test_an_out_that_is_or_lies_below_a_file_is_one_line(pretrain_data, tmp_path
     assert (tmp_path / "notes.txt").read_text() == "kept"
 
 
+def test_a_model_no_host_could_hold_is_refused_before_it_is_allocated(pretrain_data, tmp_path):
+    """A vocabulary of 10**11 rows was torch's allocator traceback (or, for sizes that nearly fit, the OOM killer
+    after minutes of swapping): each rank builds the whole fp32 model before DeepSpeed partitions it."""
+    result = run_cli(*_args(pretrain_data, tmp_path / "run", "model.vocab_size=100000000000", nproc=2))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = next(line for line in result.stderr.splitlines() if line.startswith("zerollm: error: "))
+    assert line.startswith("zerollm: error: the model has 6,400,000,") and "; this host builds 2 copies of it" in line
+    assert line.endswith("make model.dim, model.n_layers or model.vocab_size smaller, or run fewer ranks on a host")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_a_damaged_run_record_is_one_line(tmp_path):
     from llm.errors import UserError
     from llm.train.run_record import last_record

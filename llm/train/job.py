@@ -28,6 +28,7 @@ from llm.data.prepare import TOKENS_FILE
 from llm.errors import UserError
 from llm.loading import initial_weights, weights_summary
 from llm.model import Transformer
+from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, trainable_summary
 from llm.runtime.distributed import DistInfo, setup_distributed
 from llm.runtime.fingerprint import check_ranks_agree, fingerprint
@@ -126,6 +127,9 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
     """The model (seeded alike on every rank, or `--init-from` weights), its engine, the stage's data, objective
     and step source, and the per-rank RNG streams (dropout)."""
     t, grpo = cfg.train, cfg.train.stage == "grpo"
+    has_reference = t.stage == "dpo" or (grpo and cfg.grpo.kl_coef > 0)
+    check_fits_in_memory(cfg.model, info.local_world_size * (2 if has_reference else 1),
+                         ": make model.dim, model.n_layers or model.vocab_size smaller, or run fewer ranks on a host")
     if grpo:
         tokenizer, reward, train_set = grpo_inputs(cfg, info.device)
         val_set = None
@@ -146,7 +150,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
     updates = cfg.grpo.updates_per_batch if grpo else 1  # optimizer steps per training step: one schedule step
     engine = build_engine(model, cfg, ds_config, lambda step: lr_multiplier(step // updates, t, budget))
     reference = None
-    if t.stage == "dpo" or (grpo and cfg.grpo.kl_coef > 0):
+    if has_reference:
         reference = Transformer(cfg.model)
         reference.load_state_dict(weights)
         reference = frozen_engine(reference, ds_config)
