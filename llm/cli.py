@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import sys
 from pathlib import Path
@@ -501,7 +502,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from llm.infer.chat import ChatSession, chat_repl
 
-    chat_repl(ChatSession(_generator(args), _sampling(args), system=args.system))
+    session = ChatSession(_generator(args), _sampling(args), system=args.system)
+    if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 is refused, not a crash losing the chat
+        sys.stdin.reconfigure(errors="surrogateescape")
+    chat_repl(session)
     return 0
 
 

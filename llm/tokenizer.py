@@ -323,4 +323,14 @@ def _ids(encoder: HFTokenizer, text: str) -> list[int]:
         if not isinstance(text, str):
             raise
     # the only str the library refuses: one with a lone surrogate
-    raise ValueError("the text is not valid Unicode (it holds a lone surrogate such as \\ud800)")
+    raise ValueError(f"the text is not valid Unicode: {_surrogate_source(text)}")
+
+
+def _surrogate_source(text: str) -> str:
+    """What the first lone surrogate of `text` stands for: a byte that was not UTF-8 where Python read bytes with
+    errors='surrogateescape' (a terminal's or a command line's, as U+DC80..U+DCFF), else an escape such as \\ud800."""
+    surrogate = next(ch for ch in text if "\ud800" <= ch <= "\udfff")
+    if "\udc80" <= surrogate <= "\udcff":
+        return (f"it holds the byte 0x{ord(surrogate) - 0xDC00:02x}, which is not UTF-8 (is the terminal or the file "
+                "in another encoding?)")
+    return f"it holds a lone surrogate (\\u{ord(surrogate):04x})"

@@ -1,6 +1,7 @@
 """`zerollm chat`: commands, context fitting, messages that cannot fit, typed special tokens."""
 
 import io
+import os
 import subprocess
 import sys
 
@@ -100,3 +101,17 @@ def test_chat_command_survives_a_line_longer_than_the_context(zero_runs):
                             input=script, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "(not sent: " in result.stdout and result.stdout.count("assistant> ") == 2
+
+
+@pytest.mark.parametrize("stdin_errors", ["strict", "surrogateescape"])
+def test_a_line_that_is_not_utf8_is_named_as_such(zero_runs, stdin_errors):
+    """A byte typed in another encoding (0xe9, é in Latin-1) ended the chat with a UnicodeDecodeError traceback where
+    the locale makes stdin strict (en_US.UTF-8), and elsewhere was reported as 'a lone surrogate such as \\ud800',
+    which nobody typed."""
+    result = subprocess.run([sys.executable, "-m", "llm", "chat", "--model", str(zero_runs[2]),
+                             "--max-new-tokens", "4"], input=b"caf\xe9\nhello\n/quit\n", capture_output=True,
+                            timeout=300, check=False, env={**os.environ, "PYTHONIOENCODING": f"utf-8:{stdin_errors}"})
+    out = result.stdout.decode("utf-8", "replace")
+    assert result.returncode == 0 and out.count("assistant> ") == 1, result.stderr[-2000:]
+    assert "(not sent: the text is not valid Unicode: it holds the byte 0xe9, which is not UTF-8 (is the terminal or " \
+           "the file in another encoding?))" in out
