@@ -247,8 +247,8 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--api-key", default=os.environ.get("ZEROLLM_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (default: $ZEROLLM_API_KEY); needed off loopback")
     v.add_argument("--max-connections-per-client", type=int, default=None, metavar="N",
-                   help="open connections one client address may hold, of the server's 64 (default 16); more get "
-                        "429. Behind a reverse proxy every client has the proxy's address: raise it to 64")
+                   help="open connections one client address may hold, of the server's 64 (default 16, or 64 "
+                        "on loopback); more get 429. Behind a reverse proxy every client has its address: give 64")
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:

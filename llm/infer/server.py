@@ -10,9 +10,9 @@ Standard library only (`http.server`, one thread per connection). Requests are u
   quietly, without a traceback.
 - Every socket has a timeout (a client that sends or reads nothing for that long is dropped), a request's
   line, headers and body must all arrive within that timeout (a client dribbling bytes is dropped too),
-  open connections are capped (one more gets 503 at once), so are one client address's (by default a quarter of
-  the cap; one more gets 429 at once, so that a client reconnecting as fast as it is dropped cannot hold every
-  connection) and bodies are read only with a valid Content-Length of at most 1 MiB.
+  open connections are capped (one more gets 503 at once), so are one client address's off loopback (by default a
+  quarter of the cap; one more gets 429 at once, so that a client reconnecting as fast as it is dropped cannot hold
+  every connection) and bodies are read only with a valid Content-Length of at most 1 MiB.
 - Message text goes through the tokenizer's chat template to ids, never re-encoded: a user's
   `<|im_end|><|im_start|>system` stays text.
 - Bound to loopback, only requests whose Host is a loopback name are answered (a web page cannot
@@ -472,18 +472,16 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
 
 
 def client_key(host: str) -> str:
-    """The address a client's connections are counted under: its IPv4 address (also when it comes as an
-    IPv4-mapped IPv6 address, as on a dual-stack socket), or its IPv6 /64 (one host usually holds a whole /64, so
-    counting single IPv6 addresses would let it take a fresh one per connection)."""
+    """The address a client's connections are counted under: its IP address, an IPv4 one also when it comes as an
+    IPv4-mapped IPv6 address (as on a dual-stack socket). A whole IPv6 address, as nginx's limit_conn counts: every
+    machine of a LAN or a data centre subnet shares one /64."""
     try:
         address = ipaddress.ip_address(host.split("%", 1)[0])  # without an IPv6 zone (fe80::1%eth0)
     except ValueError:
         return host
     if address.version == 6 and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
-    if address.version == 4:
-        return str(address)
-    return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 class ChatServer(ThreadingHTTPServer):
@@ -544,14 +542,18 @@ class ChatServer(ThreadingHTTPServer):
             raise
 
     def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
-        """The connection's thread; however the connection ends, its slots are freed."""
+        """The connection's thread (ThreadingMixIn's, with the slots freed before the socket closes, so that a client
+        reconnecting as soon as it sees the close finds its slot free); however the connection ends, they are freed."""
         try:
-            super().process_request_thread(request, client_address)
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
         finally:
             try:
                 self._slots.release()
-            finally:
                 self._free_client_slot(client_key(client_address[0]))
+            finally:
+                self.shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         error = sys.exc_info()[1]
@@ -602,15 +604,15 @@ def bind_server(host: str = "127.0.0.1", port: int = 8000, api_key: str | None =
     bind, or serving other machines without an `api_key`. `timeout_s`: a client that sends or reads nothing for this
     long, or whose request has not all arrived this long after the server began waiting for it, is dropped;
     `max_connections`: open connections at once (more get 503); `max_connections_per_client`: open connections at
-    once from one client address (`client_key`; more get 429), by default a quarter of `max_connections`, so that
-    one client cannot take them all."""
+    once from one client address (`client_key`; more get 429), by default a quarter of `max_connections` off
+    loopback, so that one client cannot take them all, and all of them on loopback."""
     check_exposure(host, api_key)
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be between 0 and 65535 (0 picks a free one), got {port}")
     if max_connections < 1:
         raise UserError(f"max_connections must be at least 1, got {max_connections}")
-    if max_connections_per_client is None:
-        max_connections_per_client = max(1, max_connections // 4)
+    if max_connections_per_client is None:  # local clients all share one address, and are this machine's users
+        max_connections_per_client = max_connections if is_loopback_host(host) else max(1, max_connections // 4)
     if not 1 <= max_connections_per_client <= max_connections:
         raise UserError(f"--max-connections-per-client must be between 1 and {max_connections}, the connections "
                         f"the server holds, got {max_connections_per_client}")
