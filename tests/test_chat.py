@@ -109,9 +109,20 @@ def test_a_line_that_is_not_utf8_is_named_as_such(zero_runs, stdin_errors):
     the locale makes stdin strict (en_US.UTF-8), and elsewhere was reported as 'a lone surrogate such as \\ud800',
     which nobody typed."""
     result = subprocess.run([sys.executable, "-m", "llm", "chat", "--model", str(zero_runs[2]),
-                             "--max-new-tokens", "4"], input=b"caf\xe9\nhello\n/quit\n", capture_output=True,
+                             "--max-new-tokens", "4"], input=b"caf\xe9\n/system caf\xe9\nhello\n/quit\n",
+                            capture_output=True,
                             timeout=300, check=False, env={**os.environ, "PYTHONIOENCODING": f"utf-8:{stdin_errors}"})
     out = result.stdout.decode("utf-8", "replace")
     assert result.returncode == 0 and out.count("assistant> ") == 1, result.stderr[-2000:]
-    assert "(not sent: the text is not valid Unicode: it holds the byte 0xe9, which is not UTF-8 (is the terminal or " \
-           "the file in another encoding?))" in out
+    reason = "the text is not valid Unicode: it holds the byte 0xe9, which is not UTF-8 (is the terminal or the file " \
+             "in another encoding?)"
+    assert f"(not sent: {reason})" in out and f"(not set: {reason})" in out
+
+
+def test_a_system_prompt_that_is_not_utf8_is_one_line(zero_runs):
+    result = subprocess.run([sys.executable, "-m", "llm", "chat", "--model", str(zero_runs[2]), "--system",
+                             os.fsdecode(b"caf\xe9")], input="/quit\n", capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert (result.returncode, result.stderr) == (2, "zerollm: error: the text is not valid Unicode: it holds the byte "
+                                                     "0xe9, which is not UTF-8 (is the terminal or the file in another "
+                                                     "encoding?)\n")

@@ -28,10 +28,14 @@ class ChatSession:
 
     def reset(self, system: str | None = None) -> None:
         """Forget the conversation; start again with `system` as the system prompt (none if None). UserError, with
-        nothing changed, when beside `system` and max_new_tokens not even an empty message would fit."""
+        nothing changed, when `system` is not valid Unicode or beside it and max_new_tokens not even an empty message
+        would fit."""
         messages = [{"role": "system", "content": system}] if system else []
-        smallest = self.generator.tokenizer.encode_chat([*messages, {"role": "user", "content": ""}],
-                                                        add_generation_prompt=True)
+        try:
+            smallest = self.generator.tokenizer.encode_chat([*messages, {"role": "user", "content": ""}],
+                                                            add_generation_prompt=True)
+        except ValueError as exc:  # text that is not UTF-8
+            raise UserError(str(exc)) from None
         if len(smallest) > self.budget:
             taken = "--system and the chat template take" if system else "the chat template takes"
             raise UserError(f"no message can be sent: the model's context ({self.generator.model.cfg.max_seq_len}) "
