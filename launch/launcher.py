@@ -141,17 +141,19 @@ def _slurm_number(environ: dict[str, str], name: str, low: int, high: int, meani
 
 
 def slurm_rendezvous(environ: dict[str, str]) -> tuple[int, int, str]:
-    """(nodes, this node's rank, first host) of the SLURM allocation this process runs in."""
-    missing = [k for k in ("SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_JOB_NODELIST") if k not in environ]
+    """(nodes, this node's rank, first host) of the SLURM job step this process runs in: a step may run on fewer
+    nodes than the allocation (`salloc -N4`, then `srun -N2`), and SLURM_NODEID counts the step's nodes, so the
+    step's SLURM_STEP_NUM_NODES and SLURM_STEP_NODELIST are read where set, else the job's."""
+    count, nodelist = (next((name for name in (f"SLURM_STEP_{what}", f"SLURM_JOB_{what}") if name in environ),
+                            f"SLURM_JOB_{what}") for what in ("NUM_NODES", "NODELIST"))
+    missing = [k for k in (count, "SLURM_NODEID", nodelist) if k not in environ]
     if missing:
         raise UserError(f"--backend slurm runs inside a SLURM job step (srun); {', '.join(missing)} not set")
-    nodes = _slurm_number(environ, "SLURM_JOB_NUM_NODES", 1, MAX_NODES, "the number of nodes of the job")
-    node_rank = _slurm_number(environ, "SLURM_NODEID", 0, nodes - 1,
-                              f"this node's index among SLURM_JOB_NUM_NODES={nodes}")
-    hosts = slurm_hosts(environ["SLURM_JOB_NODELIST"], environ.get("PATH"))
+    nodes = _slurm_number(environ, count, 1, MAX_NODES, "the number of nodes of the job step")
+    node_rank = _slurm_number(environ, "SLURM_NODEID", 0, nodes - 1, f"this node's index among {count}={nodes}")
+    hosts = slurm_hosts(environ[nodelist], environ.get("PATH"))
     if len(hosts) != nodes:
-        raise UserError(f"SLURM_JOB_NODELIST {environ['SLURM_JOB_NODELIST']!r} names {len(hosts)} host(s) but "
-                        f"SLURM_JOB_NUM_NODES is {nodes}")
+        raise UserError(f"{nodelist} {environ[nodelist]!r} names {len(hosts)} host(s) but {count} is {nodes}")
     return nodes, node_rank, hosts[0]
 
 

@@ -3,8 +3,9 @@ rank that failed refused its job.
 
 A rank refuses with one line (`zerollm: error: ...`) and exit code 2 (llm/errors.py). torchrun reports any failed
 rank as its ChildFailedError, a traceback and a table of the failures, and exits 1; DeepSpeed's launcher passes the
-rank's code on. Here, when the ranks of this node that failed exited 2, the ranks' lines stand alone and this exits 2
-as well; any other failure is torchrun's own report, unchanged. A rank that torchrun itself ended because another
+rank's code on. Here, when the ranks of this node that failed exited 2, this exits 2 as well, and the ranks' lines
+are followed only by torchrun's log lines (the ranks it stopped, the exit code), not its traceback; any other failure
+is torchrun's own report, unchanged. A rank that torchrun itself ended because another
 failed (SIGTERM, then SIGKILL after its timeout: a rank still importing when the first one refused) counts among
 its failures too, and is passed over.
 """

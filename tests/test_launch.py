@@ -174,6 +174,18 @@ def test_slurm_environment(tmp_path):
         " ".join(plan.command)
 
 
+def test_a_slurm_step_on_part_of_the_allocation_rendezvous_on_its_own_nodes(tmp_path):
+    """`salloc -N4`, then `srun -N2` on gpu09 and gpu12: the job's variables describe all four nodes, SLURM_NODEID
+    the step's. Before, the step's first node refused itself ('--master-addr gpu07 is not an address of this node')
+    and the second waited for four nodes until the rendezvous timed out."""
+    env = {"SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_NODELIST": "gpu[07-09,12]", "SLURM_STEP_NUM_NODES": "2",
+           "SLURM_STEP_NODELIST": "gpu[09,12]", "SLURM_NODEID": "1", "PATH": str(tmp_path)}
+    assert slurm_rendezvous(env) == (2, 1, "gpu09")
+    with pytest.raises(UserError, match=r"^SLURM_NODEID is '2'; expected this node's index among "
+                                        r"SLURM_STEP_NUM_NODES=2, a whole number in 0..1$"):
+        slurm_rendezvous({**env, "SLURM_NODEID": "2"})
+
+
 @pytest.mark.parametrize("nodelist, hosts", [
     ("node-[1-4]-ib", ["node-1-ib", "node-2-ib", "node-3-ib", "node-4-ib"]),  # a suffix after the brackets
     ("gpu[07-09,12]", ["gpu07", "gpu08", "gpu09", "gpu12"]),

@@ -182,7 +182,7 @@ def test_up_to_65536_nodes_run_one_job():
 
 
 SLURM = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]"}
-NODES = "SLURM_JOB_NUM_NODES is {value!r}; expected the number of nodes of the job, a whole number in 1..65536"
+NODES = "SLURM_JOB_NUM_NODES is {value!r}; expected the number of nodes of the job step, a whole number in 1..65536"
 NODE_ID = "SLURM_NODEID is {value!r}; expected this node's index among SLURM_JOB_NUM_NODES=2, a whole number in 0..1"
 GPUS = "SLURM_GPUS_ON_NODE is {value!r}; expected the GPUs of this node (or give --nproc-per-node), a whole number " \
     "in 1..1024"

@@ -17,11 +17,13 @@ from llm.errors import UserError
 FP32_BYTES = 4
 GIB = 1 << 30
 CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")
-"""The memory limit of this process's cgroup (v2), where one is set: a container may hold less than the host."""
+"""A container's memory limit (cgroup v2, at the root of its cgroup namespace), where one is set: a container may
+hold less than the host. Limits of nested groups (a SLURM job's) and of cgroup v1 are not read: the host's total
+stands for them, which can only let through a model that then fails to allocate, never refuse one that fits."""
 
 
 def usable_memory() -> int:
-    """Bytes of memory this process may use: the host's, or its cgroup's limit where that is lower."""
+    """Bytes of memory this process may use: the host's, or its container's limit where that is lower."""
     total = psutil.virtual_memory().total
     try:
         limit = CGROUP_LIMIT.read_text().strip()
