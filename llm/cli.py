@@ -595,7 +595,7 @@ COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "l
 
 
 def _report(exc: UserError) -> None:
-    if getattr(exc, "announce", True):  # an error every rank raises is printed once per node
+    if exc.announce:  # an error every rank raises is printed once per node
         print(f"zerollm: error: {exc}", file=sys.stderr)
 
 

@@ -14,4 +14,9 @@ EXIT_RANK_LOST = 76
 
 
 class UserError(Exception):
-    """A mistake in the user's input (file, config, path, tokenizer), not a bug."""
+    """A mistake in the user's input (file, config, path, tokenizer), not a bug. One that every rank of a job raises
+    is printed once per node: `announce` is true on one rank of each."""
+
+    def __init__(self, message: str, announce: bool = True) -> None:
+        super().__init__(message)
+        self.announce = announce

@@ -40,6 +40,7 @@ import yaml
 
 from llm.config import load_yaml
 from llm.errors import UserError
+from llm.train.run_lock import check_run_unlocked
 
 CONFIG_FILE = "config.yaml"
 DS_CONFIG_FILE = "ds_config.json"
@@ -69,8 +70,8 @@ def is_run_dir(path: Path) -> bool:
 def check_run_output(run_dir: Path, resume: bool) -> None:
     """Refuse a training --out that training would damage or cannot write: a file, a folder below a file or without
     write permission, a non-empty folder that is not a run directory (a user's own config.yaml or metrics.jsonl
-    would be overwritten, a prepared data folder filled with checkpoints), or a run's checkpoints without
-    `resume`."""
+    would be overwritten, a prepared data folder filled with checkpoints), a run's checkpoints without `resume`, or
+    a run another training job is writing (`llm.train.run_lock`)."""
     existing = next(p for p in (run_dir, *run_dir.parents) if p.exists() or p == p.parent)
     if not existing.is_dir():
         raise UserError(f"--out {run_dir}: {existing} is a file; give a directory")
@@ -92,6 +93,7 @@ def check_run_output(run_dir: Path, resume: bool) -> None:
     if not resume and latest_tag(run_dir) is not None:
         raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another "
                         "--out")
+    check_run_unlocked(run_dir)
 
 
 def config_file(run_dir: Path) -> Path:

@@ -20,6 +20,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -100,6 +101,15 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
     if kind != "cuda":
         torch.set_num_threads(cpu_threads_per_rank(_ranks_sharing_my_cpus(world), os.environ))
     return DistInfo(rank, local_rank, world, local_world, device)
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank (a collective); `value` itself in a job of one rank."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _ranks_sharing_my_cpus(world: int) -> int:

@@ -98,10 +98,6 @@ def mismatch_message(prints: list[dict[str, str]]) -> str | None:
 class RanksDisagree(UserError):
     """Raised on every rank; `announce` is true on one rank per node, which prints it."""
 
-    def __init__(self, message: str, announce: bool) -> None:
-        super().__init__(message)
-        self.announce = announce
-
 
 def check_ranks_agree(mine: dict[str, str], announce: bool) -> None:
     """All-gather every rank's fingerprint; raise `RanksDisagree` on every rank if any field differs."""
@@ -109,4 +105,4 @@ def check_ranks_agree(mine: dict[str, str], announce: bool) -> None:
     dist.all_gather_object(prints, mine)
     message = mismatch_message(prints)
     if message:
-        raise RanksDisagree(message, announce)
+        raise RanksDisagree(message, announce=announce)

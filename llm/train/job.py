@@ -30,7 +30,7 @@ from llm.loading import initial_weights, weights_summary
 from llm.model import Transformer
 from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, trainable_summary
-from llm.runtime.distributed import DistInfo, setup_distributed
+from llm.runtime.distributed import DistInfo, from_rank0, setup_distributed
 from llm.runtime.fingerprint import check_ranks_agree, fingerprint
 from llm.runtime.watchdog import Watchdog
 from llm.tokenizer import Tokenizer
@@ -46,6 +46,7 @@ from llm.train.engine import (
 from llm.train.metrics import MetricsLogger, MetricsSink, peak_memory_mb
 from llm.train.objectives import CausalLMObjective, DistillObjective, DPOObjective, GRPOObjective
 from llm.train.rollout import Rollouts, grpo_inputs, tokenizer_dir
+from llm.train.run_lock import run_locked
 from llm.train.run_record import (
     check_same_data,
     check_same_weights,
@@ -206,23 +207,25 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     info = setup_distributed(cfg.train.collective_timeout_s)
     cfg.train.precision = resolve_precision(cfg.train.precision, info.device)
     ds_config = resolve_ds_config(raw_ds, cfg, info.world_size, ds_source, zero_stage)
-    watchdog = None
-    if info.world_size > 1:
-        watchdog = Watchdog(info.rank, info.world_size, cfg.train.collective_timeout_s, announce=info.local_rank == 0)
-    try:
-        code = _run_job(cfg, run_dir, info, ds_config, attrs, resume, watchdog, data)
-    except UserError:
+    with run_locked(run_dir, info.rank, info.local_rank == 0, from_rank0):
+        watchdog = None
+        if info.world_size > 1:
+            watchdog = Watchdog(info.rank, info.world_size, cfg.train.collective_timeout_s,
+                                announce=info.local_rank == 0)
+        try:
+            code = _run_job(cfg, run_dir, info, ds_config, attrs, resume, watchdog, data)
+        except UserError:
+            if watchdog is not None:
+                watchdog.stop()
+            raise
+        except Exception as exc:
+            if watchdog is None:
+                raise
+            traceback.print_exc()
+            watchdog.end_job(watchdog.diagnose() or f"failed with {type(exc).__name__}: {exc}")
         if watchdog is not None:
             watchdog.stop()
-        raise
-    except Exception as exc:
-        if watchdog is None:
-            raise
-        traceback.print_exc()
-        watchdog.end_job(watchdog.diagnose() or f"failed with {type(exc).__name__}: {exc}")
-    if watchdog is not None:
-        watchdog.stop()
-    dist.barrier()  # every rank is done writing; the caller ends the process (see `llm.cli.cmd_train`)
+        dist.barrier()  # every rank is done writing; the caller ends the process (see `llm.cli.cmd_train`)
     return code
 
 

@@ -1,0 +1,100 @@
+"""One training job per run directory.
+
+Two jobs writing one run directory (a job submitted again while the first still runs, two terminals, a requeued
+SLURM job beside its old allocation) interleave their checkpoints, `latest` and metrics, and a resume then reads
+one job's weights with the other's optimizer. So rank 0 of a job holds an exclusive lock on `RUN_DIR/.train.lock`
+(flock: the kernel releases it however the process ends, and it is seen across the nodes of a shared filesystem
+that supports locks, as NFSv4 does) from its start to its end, and every rank refuses the job when another holds
+it. The process that starts the ranks (`zerollm train --nproc N`, `zerollm launch`) checks first, so the usual case
+is one line before any rank starts. A filesystem without locks is trained on unprotected, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from llm.errors import UserError
+
+LOCK_FILE = ".train.lock"
+_UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
+"""flock's errors on a filesystem that has no locks."""
+
+
+def _held_by(fd: int) -> str:
+    holder = os.pread(fd, 256, 0).decode(errors="replace").strip()
+    return f"({holder})" if holder else "(another process)"
+
+
+def _refusal(run_dir: Path, fd: int) -> UserError:
+    return UserError(f"{run_dir}: another training job is writing there {_held_by(fd)}; wait for it to end (or stop "
+                     "it), or choose another --out")
+
+
+def _try_lock(fd: int) -> bool:
+    """Whether this process now holds the lock of `fd`: False when another does, True also where the filesystem
+    has no locks."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno in _UNSUPPORTED:
+            return True
+        raise
+    return True
+
+
+def check_run_unlocked(run_dir: Path) -> None:
+    """UserError when a job holds `run_dir`'s lock now; writes nothing."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:  # no run there yet, or nothing this process may read: the job itself decides
+        return
+    try:
+        if not _try_lock(fd):
+            raise _refusal(run_dir, fd)
+    finally:
+        os.close(fd)  # releases the lock if this check took it
+
+
+def take_run_lock(run_dir: Path) -> int:
+    """Lock `run_dir` for this process until it ends (the returned descriptor stays open); UserError when another
+    job holds it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    if not _try_lock(fd):
+        error = _refusal(run_dir, fd)
+        os.close(fd)
+        raise error
+    with contextlib.suppress(OSError):  # who holds it, for the message of the next job
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    return fd
+
+
+@contextlib.contextmanager
+def run_locked(run_dir: Path, rank: int, announce: bool, from_rank0: Callable[[Any], Any]) -> Iterator[None]:
+    """Rank 0 holds `run_dir`'s lock inside the block. Every rank enters it, or every rank raises the same UserError
+    (printed where `announce` is true) when another job holds it; `from_rank0` gives every rank rank 0's value (a
+    collective: every rank calls this)."""
+    fd, problem = None, None
+    if rank == 0:
+        try:
+            fd = take_run_lock(run_dir)
+        except UserError as exc:
+            problem = str(exc)
+    problem = from_rank0(problem)
+    if problem is not None:
+        raise UserError(problem, announce=announce)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)

@@ -1,0 +1,101 @@
+"""One training job per run directory (`llm.train.run_lock`)."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO, zerollm_here
+from conftest import train_args as _args
+from llm.errors import UserError
+from llm.runtime.rank_env import free_port
+from llm.train.run_lock import LOCK_FILE, check_run_unlocked, take_run_lock
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from llm.train.run_lock import take_run_lock
+    take_run_lock(Path(sys.argv[1]))
+    print("held", flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.fixture
+def held(tmp_path):
+    """`tmp_path / "run"` locked by another process, as by a training job that is running there."""
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert holder.stdout.readline() == "held\n"
+    yield run, holder.pid
+    holder.kill()
+    holder.wait()
+
+
+def test_a_run_another_job_holds_is_refused_and_free_again_when_it_ends(held):
+    run, pid = held
+    message = f"{run}: another training job is writing there (pid {pid} on {socket.gethostname()}); wait for it to " \
+              "end (or stop it), or choose another --out"
+    for check in (check_run_unlocked, take_run_lock):
+        with pytest.raises(UserError) as error:
+            check(run)
+        assert str(error.value) == message
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    check_run_unlocked(run)  # the kernel released the killed job's lock
+    os.close(take_run_lock(run))
+
+
+def test_checking_a_new_run_writes_nothing(tmp_path):
+    check_run_unlocked(tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_second_training_job_into_a_running_one_is_refused_before_its_ranks_start(held, pretrain_data, monkeypatch,
+                                                                                      capsys):
+    """Two jobs wrote one run directory side by side, interleaving checkpoints, `latest` and metrics."""
+    run, pid = held
+    assert zerollm_here(monkeypatch, *_args(pretrain_data, run, nproc=2)) == 2
+    assert capsys.readouterr().err == f"zerollm: error: {run}: another training job is writing there (pid {pid} on " \
+                                      f"{socket.gethostname()}); wait for it to end (or stop it), or choose another " \
+                                      "--out\n"
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE]
+
+
+RANK = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    import torch.distributed as dist
+    from llm.errors import UserError
+    from llm.runtime.distributed import from_rank0
+    from llm.train.run_lock import run_locked
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        with run_locked(Path(sys.argv[1]), rank, rank == 0, from_rank0):
+            print("entered")
+    except UserError as error:
+        print("refused", error.announce, error)
+""")
+
+
+@pytest.mark.parametrize("locked", [False, True])
+def test_every_rank_enters_or_every_rank_refuses_as_rank_0_finds_the_lock(tmp_path, locked):
+    """Rank 0 takes the lock; the other ranks, which cannot see it, learn of a refusal from rank 0."""
+    run = tmp_path / "run"
+    fd = take_run_lock(run) if locked else None
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(run)], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                              env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "RANK": str(rank)}) for rank in (0, 1)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    if fd is not None:
+        os.close(fd)
+    if not locked:
+        assert outputs == ["entered\n", "entered\n"]
+        return
+    reason = f"{run}: another training job is writing there (pid {os.getpid()} on {socket.gethostname()})"
+    assert outputs[0].startswith(f"refused True {reason}") and outputs[1].startswith(f"refused False {reason}")
