@@ -49,6 +49,23 @@ def test_a_run_another_job_holds_is_refused_and_free_again_when_it_ends(held):
     os.close(take_run_lock(run))
 
 
+def test_a_process_the_holder_forked_does_not_keep_the_lock_after_it_dies(tmp_path):
+    """A data loader worker outlives its killed rank for a few seconds: a resume started then is not refused."""
+    run = tmp_path / "run"
+    forking = HOLDER.replace('print("held"', 'import os\nif os.fork() == 0:\n    time.sleep(600)\nprint("held"')
+    holder = subprocess.Popen([sys.executable, "-c", forking, str(run)], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                              start_new_session=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(UserError):
+            check_run_unlocked(run)
+        holder.kill()
+        holder.wait()
+        check_run_unlocked(run)  # while the forked child still runs
+    finally:
+        os.killpg(holder.pid, 9)
+
+
 def test_checking_a_new_run_writes_nothing(tmp_path):
     check_run_unlocked(tmp_path / "new")
     assert not (tmp_path / "new").exists()

@@ -3,10 +3,11 @@
 Two jobs writing one run directory (a job submitted again while the first still runs, two terminals, a requeued
 SLURM job beside its old allocation) interleave their checkpoints, `latest` and metrics, and a resume then reads
 one job's weights with the other's optimizer. So rank 0 of a job holds an exclusive lock on `RUN_DIR/.train.lock`
-(flock: the kernel releases it however the process ends, and it is seen across the nodes of a shared filesystem
-that supports locks, as NFSv4 does) from its start to its end, and every rank refuses the job when another holds
-it. The process that starts the ranks (`zerollm train --nproc N`, `zerollm launch`) checks first, so the usual case
-is one line before any rank starts. A filesystem without locks is trained on unprotected, as before.
+from its start to its end, and every rank refuses the job when another holds it. It is a POSIX record lock
+(`lockf`): the kernel releases it however the process ends, processes it forks (data loader workers) do not
+inherit it, so none of them outliving a killed rank keeps a resume out, and NFS shows it to every node. The
+process that starts the ranks (`zerollm train --nproc N`, `zerollm launch`) checks first, so the usual case is one
+line before any rank starts. A filesystem without locks is trained on unprotected, as before.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from llm.errors import UserError
 
 LOCK_FILE = ".train.lock"
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
-"""flock's errors on a filesystem that has no locks."""
+"""lockf's errors on a filesystem that has no locks."""
 
 
 def _held_by(fd: int) -> str:
@@ -38,13 +39,13 @@ def _refusal(run_dir: Path, fd: int) -> UserError:
 
 
 def _try_lock(fd: int) -> bool:
-    """Whether this process now holds the lock of `fd`: False when another does, True also where the filesystem
-    has no locks."""
+    """Whether this process now holds the lock of `fd` (open for writing): False when another does, True also where
+    the filesystem has no locks."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            return False
         if exc.errno in _UNSUPPORTED:
             return True
         raise
@@ -52,10 +53,11 @@ def _try_lock(fd: int) -> bool:
 
 
 def check_run_unlocked(run_dir: Path) -> None:
-    """UserError when a job holds `run_dir`'s lock now; writes nothing."""
+    """UserError when a job holds `run_dir`'s lock now; writes nothing. Call it before `take_run_lock` in a process
+    that takes the lock: closing any descriptor of the file releases a process's POSIX locks."""
     try:
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
-    except OSError:  # no run there yet, or nothing this process may read: the job itself decides
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR)
+    except OSError:  # no run there yet, or not writable here: the job itself decides
         return
     try:
         if not _try_lock(fd):
