@@ -67,8 +67,8 @@ def check_run_unlocked(run_dir: Path) -> None:
 
 
 def take_run_lock(run_dir: Path) -> int:
-    """Lock `run_dir` for this process until it ends (the returned descriptor stays open); UserError when another
-    job holds it."""
+    """Lock `run_dir` for this process while the returned descriptor is open, creating the folder if need be;
+    UserError when another job holds it."""
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     if not _try_lock(fd):
@@ -86,17 +86,21 @@ def run_locked(run_dir: Path, rank: int, announce: bool, from_rank0: Callable[[A
     """Rank 0 holds `run_dir`'s lock inside the block. Every rank enters it, or every rank raises the same UserError
     (printed where `announce` is true) when another job holds it; `from_rank0` gives every rank rank 0's value (a
     collective: every rank calls this)."""
-    fd, problem = None, None
+    fd, problem, created = None, None, not run_dir.exists()
     if rank == 0:
         try:
             fd = take_run_lock(run_dir)
         except UserError as exc:
             problem = str(exc)
     problem = from_rank0(problem)
-    if problem is not None:
-        raise UserError(problem, announce=announce)
     try:
+        if problem is not None:
+            raise UserError(problem, announce=announce)
         yield
     finally:
         if fd is not None:
+            if created and os.listdir(run_dir) == [LOCK_FILE]:  # a job refused before it wrote: leave no folder
+                with contextlib.suppress(OSError):
+                    (run_dir / LOCK_FILE).unlink()
+                    run_dir.rmdir()
             os.close(fd)
