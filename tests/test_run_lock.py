@@ -12,7 +12,7 @@ from conftest import REPO, zerollm_here
 from conftest import train_args as _args
 from llm.errors import UserError
 from llm.runtime.rank_env import free_port
-from llm.train.run_lock import LOCK_FILE, check_run_unlocked, take_run_lock
+from llm.train.run_lock import LOCK_FILE, check_run_unlocked, run_locked, take_run_lock
 
 HOLDER = textwrap.dedent("""
     import sys, time
@@ -116,3 +116,25 @@ def test_every_rank_enters_or_every_rank_refuses_as_rank_0_finds_the_lock(tmp_pa
         return
     reason = f"{run}: another training job is writing there (pid {os.getpid()} on {socket.gethostname()})"
     assert outputs[0].startswith(f"refused True {reason}") and outputs[1].startswith(f"refused False {reason}")
+
+
+def test_a_lock_file_that_cannot_be_opened_is_one_line(tmp_path):
+    """A folder named .train.lock (or another user's lock file) was ignored by the check and a traceback on rank 0,
+    with the other ranks waiting for it in a collective."""
+    run = tmp_path / "run"
+    (run / LOCK_FILE).mkdir(parents=True)
+    for check in (check_run_unlocked, take_run_lock):
+        with pytest.raises(UserError, match=rf"^{run}: cannot lock {LOCK_FILE} there \(Is a directory\)"):
+            check(run)
+
+
+def test_a_refused_job_leaves_none_of_the_folders_it_created(tmp_path):
+    (tmp_path / "kept").mkdir()
+    run = tmp_path / "kept" / "new" / "deeper" / "run"
+    with pytest.raises(UserError, match="ranks disagree"), run_locked(run, 0, True, lambda value: value):
+        assert (run / LOCK_FILE).is_file()
+        raise UserError("ranks disagree")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept"]
+    with run_locked(run, 0, True, lambda value: value):
+        (run / "config.yaml").write_text("written")
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE, "config.yaml"]

@@ -52,13 +52,21 @@ def _try_lock(fd: int) -> bool:
     return True
 
 
+def _cannot_lock(run_dir: Path, exc: OSError) -> UserError:
+    return UserError(f"{run_dir}: cannot lock {LOCK_FILE} there ({exc.strerror or exc}); training keeps it locked "
+                     "while a job writes the run, so it needs to write it")
+
+
 def check_run_unlocked(run_dir: Path) -> None:
-    """UserError when a job holds `run_dir`'s lock now; writes nothing. Call it before `take_run_lock` in a process
-    that takes the lock: closing any descriptor of the file releases a process's POSIX locks."""
+    """UserError when a job holds `run_dir`'s lock now, or its lock file cannot be opened for writing; writes
+    nothing. Call it before `take_run_lock` in a process that takes the lock: closing any descriptor of the file
+    releases a process's POSIX locks."""
     try:
         fd = os.open(run_dir / LOCK_FILE, os.O_RDWR)
-    except OSError:  # no run there yet, or not writable here: the job itself decides
+    except (FileNotFoundError, NotADirectoryError):  # no run there yet
         return
+    except OSError as exc:  # another user's lock file, a folder of that name
+        raise _cannot_lock(run_dir, exc) from None
     try:
         if not _try_lock(fd):
             raise _refusal(run_dir, fd)
@@ -66,19 +74,54 @@ def check_run_unlocked(run_dir: Path) -> None:
         os.close(fd)  # releases the lock if this check took it
 
 
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of `path` (itself included) that does not exist yet."""
+    missing = None
+    for folder in (path, *path.parents):
+        if folder.exists():
+            return missing
+        missing = folder
+    return missing
+
+
 def take_run_lock(run_dir: Path) -> int:
     """Lock `run_dir` for this process while the returned descriptor is open, creating the folder if need be;
-    UserError when another job holds it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    if not _try_lock(fd):
-        error = _refusal(run_dir, fd)
-        os.close(fd)
-        raise error
+    UserError when another job holds it or it cannot be locked."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            if not _try_lock(fd):
+                error = _refusal(run_dir, fd)
+                os.close(fd)
+                raise error
+            try:
+                same = os.fstat(fd).st_ino == os.stat(run_dir / LOCK_FILE).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:  # else a refused job removed the file (and folder) between our open and lock: lock the new one
+                break
+            os.close(fd)
+            run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _cannot_lock(run_dir, exc) from None
     with contextlib.suppress(OSError):  # who holds it, for the message of the next job
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
     return fd
+
+
+def _remove_if_only_the_lock(run_dir: Path, created: Path) -> None:
+    """Remove `run_dir` and its new parents up to `created` when they hold nothing but the lock file: a job refused
+    before it wrote anything leaves no folder behind."""
+    with contextlib.suppress(OSError):
+        if os.listdir(run_dir) != [LOCK_FILE]:
+            return
+        (run_dir / LOCK_FILE).unlink()
+        for folder in (run_dir, *run_dir.parents):
+            folder.rmdir()
+            if folder == created:
+                break
 
 
 @contextlib.contextmanager
@@ -86,7 +129,7 @@ def run_locked(run_dir: Path, rank: int, announce: bool, from_rank0: Callable[[A
     """Rank 0 holds `run_dir`'s lock inside the block. Every rank enters it, or every rank raises the same UserError
     (printed where `announce` is true) when another job holds it; `from_rank0` gives every rank rank 0's value (a
     collective: every rank calls this)."""
-    fd, problem, created = None, None, not run_dir.exists()
+    fd, problem, created = None, None, _first_missing(run_dir)
     if rank == 0:
         try:
             fd = take_run_lock(run_dir)
@@ -99,8 +142,6 @@ def run_locked(run_dir: Path, rank: int, announce: bool, from_rank0: Callable[[A
         yield
     finally:
         if fd is not None:
-            if created and os.listdir(run_dir) == [LOCK_FILE]:  # a job refused before it wrote: leave no folder
-                with contextlib.suppress(OSError):
-                    (run_dir / LOCK_FILE).unlink()
-                    run_dir.rmdir()
+            if created is not None:
+                _remove_if_only_the_lock(run_dir, created)
             os.close(fd)
