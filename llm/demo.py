@@ -25,6 +25,7 @@ from llm.infer.sampling import SamplingParams
 from llm.loading import load_for_inference, load_trained_model
 from llm.tokenizer import Tokenizer
 from llm.train.rewards import answers_match
+from llm.train.run_lock import check_run_unlocked
 
 CAPITALS = [("France", "Paris", "法国", "巴黎"), ("Japan", "Tokyo", "日本", "东京"),
             ("Italy", "Rome", "意大利", "罗马"), ("Egypt", "Cairo", "埃及", "开罗"),
@@ -181,7 +182,10 @@ POST_TRAINING = {  # stage: (steps, window in tokens, overrides) on top of the d
 def run_demo(out: Path, steps: int | None = None, nproc: int = 1) -> int:
     corpus, tokenizer, data, run = out / "corpus.txt", out / "tokenizer", out / "data", out / "run"
     out.mkdir(parents=True, exist_ok=True)
-    for old in ("tokenizer", "run", "sft_run", "dpo_run", "grpo_run"):  # the demo's own, made again below
+    runs = ("run", "sft_run", "dpo_run", "grpo_run")
+    for old in runs:  # a demo still training into this --out keeps its runs
+        check_run_unlocked(out / old)
+    for old in ("tokenizer", *runs):  # the demo's own, made again below
         shutil.rmtree(out / old, ignore_errors=True)
     print(f"[1/7] writing the demo corpus to {corpus}", flush=True)
     write_corpus(corpus)

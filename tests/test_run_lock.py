@@ -138,3 +138,20 @@ def test_a_refused_job_leaves_none_of_the_folders_it_created(tmp_path):
     with run_locked(run, 0, True, lambda value: value):
         (run / "config.yaml").write_text("written")
     assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE, "config.yaml"]
+
+
+def test_a_demo_into_the_folder_of_a_running_demo_leaves_its_runs_alone(held, monkeypatch):
+    """The demo removed its run folders before training them again, while the other demo was writing them."""
+    import llm.demo
+
+    def stop(corpus):  # the demo's first step after its clean-up: go no further
+        raise RuntimeError("the demo went on")
+
+    monkeypatch.setattr(llm.demo, "write_corpus", stop)
+    sft_run, pid = held
+    sft_run.rename(sft_run.with_name("sft_run"))  # the holder's lock stays on the renamed folder's file
+    sft_run = sft_run.with_name("sft_run")
+    (sft_run / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(UserError, match=rf"^{sft_run}: another training job is writing there \(pid {pid} on "):
+        llm.demo.run_demo(sft_run.parent)
+    assert (sft_run / "metrics.jsonl").read_text() == '{"step": 1}\n'
