@@ -66,6 +66,28 @@ def test_a_process_the_holder_forked_does_not_keep_the_lock_after_it_dies(tmp_pa
         os.killpg(holder.pid, 9)
 
 
+def test_checks_made_at_the_same_moment_do_not_refuse_each_other(tmp_path):
+    """The launchers of a job's nodes and its ranks all check the run as they start, on several nodes at once. With
+    an exclusive lock for the check, one of them found another's check holding it and refused its own job."""
+    run = tmp_path / "run"
+    os.close(take_run_lock(run))  # a run trained before: its lock file is there, unlocked
+    checking = textwrap.dedent("""
+        import fcntl, os, sys, time
+        fd = os.open(sys.argv[1], os.O_RDWR)
+        fcntl.lockf(fd, fcntl.LOCK_SH)  # a check under way in another process
+        print("checking", flush=True)
+        time.sleep(600)
+    """)
+    other = subprocess.Popen([sys.executable, "-c", checking, str(run / LOCK_FILE)], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert other.stdout.readline() == "checking\n"
+        check_run_unlocked(run)
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_checking_a_new_run_writes_nothing(tmp_path):
     check_run_unlocked(tmp_path / "new")
     assert not (tmp_path / "new").exists()

@@ -38,11 +38,12 @@ def _refusal(run_dir: Path, fd: int) -> UserError:
                      "it), or choose another --out")
 
 
-def _try_lock(fd: int) -> bool:
-    """Whether this process now holds the lock of `fd` (open for writing): False when another does, True also where
-    the filesystem has no locks."""
+def _try_lock(fd: int, mode: int = fcntl.LOCK_EX) -> bool:
+    """Whether this process now holds the lock of `fd` in `mode` (LOCK_EX, or LOCK_SH: a check, which other checks
+    do not exclude): False when another process holds a lock that excludes it, True also where the filesystem has
+    no locks."""
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fd, mode | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EAGAIN):
             return False
@@ -59,8 +60,9 @@ def _cannot_lock(run_dir: Path, exc: OSError) -> UserError:
 
 def check_run_unlocked(run_dir: Path) -> None:
     """UserError when a job holds `run_dir`'s lock now, or its lock file cannot be opened for writing; writes
-    nothing. Call it before `take_run_lock` in a process that takes the lock: closing any descriptor of the file
-    releases a process's POSIX locks."""
+    nothing. It takes a shared lock for a moment, so the checks of one job's launchers and ranks, made at the same
+    moment on several nodes, never refuse each other. Call it before `take_run_lock` in a process that takes the
+    lock: closing any descriptor of the file releases a process's POSIX locks."""
     try:
         fd = os.open(run_dir / LOCK_FILE, os.O_RDWR)
     except (FileNotFoundError, NotADirectoryError):  # no run there yet
@@ -68,7 +70,7 @@ def check_run_unlocked(run_dir: Path) -> None:
     except OSError as exc:  # another user's lock file, a folder of that name
         raise _cannot_lock(run_dir, exc) from None
     try:
-        if not _try_lock(fd):
+        if not _try_lock(fd, fcntl.LOCK_SH):
             raise _refusal(run_dir, fd)
     finally:
         os.close(fd)  # releases the lock if this check took it
