@@ -305,7 +305,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "parameters, tokens/s, s/step, MFU, peak memory")
     learn = bsub.add_parser(
         "learn", help="how much a recipe learns in a fixed wall time, on your text", epilog=EPILOG,
-        description="Inside --budget, timed from the start: split the file (first 90 %% for training, the rest "
+        description="Inside --budget, timed from the start: split the file (first 90 % for training, the rest "
                     "held out), train a tokenizer, prepare the data, train the recipe with train.max_time set to the "
                     "time left (less --reserve), and print bits per byte on the held-out part. Exits 1 if the whole "
                     "took longer than the budget.")

@@ -66,7 +66,7 @@ MAX_VOCAB_SIZE = 1 << 32  # token ids are 32-bit
 MAX_MIN_FREQUENCY = (1 << 64) - 1
 
 
-def _check_training_options(vocab_size: int, min_frequency: int) -> None:
+def check_training_options(vocab_size: int, min_frequency: int = 2) -> None:
     smallest = 256 + len(SPECIAL_TOKENS)
     if vocab_size < smallest:
         raise UserError(f"--vocab-size {vocab_size} is too small: byte-level BPE needs at least {smallest}")
@@ -97,7 +97,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, min_fr
                     show_progress: bool = True) -> Tokenizer:
     """Train byte-level BPE on a stream of texts and save it to `out_dir` (new, empty, or an earlier output of this
     function, whose files it overwrites); UserError, with nothing written, when `texts` is empty."""
-    _check_training_options(vocab_size, min_frequency)
+    check_training_options(vocab_size, min_frequency)
     created = _make_out_dir(out_dir)
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

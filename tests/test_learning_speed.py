@@ -45,3 +45,27 @@ def test_bench_learn_runs_tokenizer_data_training_and_heldout_bits_per_byte_in_o
     config = (tmp_path / "out" / "run" / "config.yaml").read_text()
     assert "max_time: " in config and "vocab_size: 400" in config
     assert (tmp_path / "out" / "tasks" / "heldout_bpb.yaml").is_file()
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--reserve", "100"], "--reserve must be at least 0 s and less than --budget (30 s), got 100"),
+    (["--reserve", "nan"], "--reserve must be at least 0 s and less than --budget (30 s), got nan"),
+    (["--reserve", "-5"], "--reserve must be at least 0 s and less than --budget (30 s), got -5"),
+    (["--vocab-size", "0"], "--vocab-size 0 is too small"),  # 0 took the recipe's and trained for the whole budget
+    (["--out", "{folder}"], "--out {folder} holds train.txt; bench learn writes its split, tokenizer, data and run"),
+])
+def test_bad_options_are_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, options, message):
+    """The input in --out was cut to its first 90 % before `--reserve` above the budget was refused, and an earlier
+    tokens.h5 there replaced."""
+    from conftest import zerollm_here
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "train.txt").write_bytes((FIXTURES / "pretrain" / "en_stories.txt").read_bytes())
+    before = (folder / "train.txt").read_bytes()
+    options = [option.format(folder=folder) for option in options]
+    out = [] if "--out" in options else ["--out", str(tmp_path / "out")]
+    assert zerollm_here(monkeypatch, "bench", "learn", "--input", folder / "train.txt", "--budget", "30", *out,
+                        *options) == 2
+    assert message.format(folder=folder) in capsys.readouterr().err
+    assert (folder / "train.txt").read_bytes() == before and not (tmp_path / "out").exists()

@@ -30,7 +30,7 @@ from llm.errors import EXIT_OK, UserError
 from llm.eval.perplexity import evaluate_stream
 from llm.eval.token_stream import stream_of_files
 from llm.loading import load_trained_model
-from llm.tokenizer import Tokenizer, train_tokenizer
+from llm.tokenizer import Tokenizer, check_training_options, train_tokenizer
 from llm.train.job import run as run_training
 
 TRAIN_SHARE = 0.9
@@ -80,6 +80,17 @@ def write_heldout_task(val: Path, out: Path) -> Path:
     return out
 
 
+def _check_new_folder(out_dir: Path) -> None:
+    """bench learn writes train.txt, val.txt, tok/, data/, run/ and more into --out: it must be new or empty (the
+    input file in it, or an earlier result, would be overwritten)."""
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        shown = ", ".join(sorted(p.name for p in out_dir.iterdir())[:3])
+        raise UserError(f"--out {out_dir} holds {shown}; bench learn writes its split, tokenizer, data and run there, "
+                        "so give it a new or empty folder")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir} is a file; give a new or empty folder")
+
+
 class Phases:
     """Wall time of each phase since the start of the command."""
 
@@ -104,15 +115,17 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
     the budget, 1 over it."""
     phases = Phases()
     budget_s = parse_duration(budget, "--budget")
+    if not 0 <= reserve < budget_s:  # NaN included
+        raise UserError(f"--reserve must be at least 0 s and less than --budget ({budget_s:g} s), got {reserve:g}")
     out_dir = Path(out)
-    if rundir.latest_tag(out_dir / "run") is not None:
-        raise UserError(f"{out_dir / 'run'} already holds a run; choose another --out")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _check_new_folder(out_dir)
     base = build_config(recipe, overrides)  # a mistake in the recipe or --set fails before the clock matters
+    vocab = base.model.vocab_size if vocab_size is None else vocab_size
+    check_training_options(vocab)
+    out_dir.mkdir(parents=True, exist_ok=True)
     train_file, val_file = split_file(Path(input_file), out_dir)
     phases.done("split")
 
-    vocab = vocab_size or base.model.vocab_size
     texts = (r.value for r in read_records([train_file], "pretrain") if not isinstance(r, Skipped))
     tokenizer = train_tokenizer(texts, vocab, out_dir / "tok", show_progress=False)
     phases.done("tokenizer", f" ({tokenizer.vocab_size} tokens)")
