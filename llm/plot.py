@@ -10,7 +10,9 @@ positions the run trained on, with the batch shape the run directory records now
 from __future__ import annotations
 
 import json
+import math
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,10 +33,30 @@ class RunSeries:
     tokens_per_step: int
 
     def points(self, key: str, x: str) -> tuple[list[float], list[float]]:
-        """(x values, `key` values) of the rows holding `key`."""
-        rows = [r for r in self.rows if r.get(key) is not None]
+        """(x values, `key` values) of the rows holding a finite number as `key` (a string, a list or true is not
+        drawn: matplotlib would draw strings as categories in the order they come)."""
+        rows = [r for r in self.rows if _is_number(r.get(key))]
         xs = [r["step"] * (self.tokens_per_step if x == "tokens" else 1) for r in rows]
         return xs, [r[key] for r in rows]
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _tokens_per_step(run_dir: Path) -> int:
+    """Global batch x data.seq_len: the positions one step trains on, as the run directory records them."""
+    seq_len = rundir.recorded_config(run_dir)["data"]["seq_len"]
+    path = run_dir / rundir.DS_CONFIG_FILE
+    try:
+        batch = json.loads(path.read_text())["train_batch_size"]
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"{path}: cannot read the run's train_batch_size ({type(exc).__name__}: {exc}); `zerollm "
+                        "train` wrote it: restore it") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (batch, seq_len)):
+        raise UserError(f"{run_dir}: train_batch_size {batch!r} and data.seq_len {seq_len!r} are not positive "
+                        "integers; `zerollm train` wrote them: restore the run's files")
+    return batch * seq_len
 
 
 def read_run(run_dir: Path) -> RunSeries:
@@ -53,9 +75,7 @@ def read_run(run_dir: Path) -> RunSeries:
             print(f"zerollm: note: {metrics}:{number}: skipped a line that is not a metrics row", file=sys.stderr)
     if not rows:
         raise UserError(f"{metrics}: no logged steps yet")
-    seq_len = rundir.recorded_config(run_dir)["data"]["seq_len"]
-    batch = json.loads((run_dir / rundir.DS_CONFIG_FILE).read_text())["train_batch_size"]
-    return RunSeries(run_dir.resolve().name, rows, int(batch) * int(seq_len))
+    return RunSeries(run_dir.resolve().name, rows, _tokens_per_step(run_dir))
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
@@ -90,8 +110,16 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
             ax.set_xlabel(x_label)
             ax.grid(alpha=0.3)
     axes[0][0].legend()
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        with warnings.catch_warnings():  # numpy's overflow warnings on such values: the error below says it
+            warnings.simplefilter("ignore", RuntimeWarning)
+            fig.tight_layout()
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(out, dpi=100)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
+    except (ValueError, OverflowError) as exc:  # e.g. values too far apart for an axis
+        raise UserError(f"cannot draw these metrics ({exc}); are the runs' metrics.jsonl files intact?") from None
+    finally:
+        plt.close("all")
     return out

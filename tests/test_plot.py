@@ -88,3 +88,39 @@ def test_the_picture_file_is_checked_before_drawing(tmp_path):
     plain = run_cli("plot", run, "--out", tmp_path / "curves")
     assert plain.returncode == 0 and plain.stdout == f"wrote {tmp_path / 'curves.png'}\n"
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_values_that_are_not_numbers_are_not_drawn(tmp_path):
+    """Strings were drawn as categories in the order they came ("9" above "1" above "5"), exit 0; a list was a numpy
+    traceback."""
+    from llm.plot import read_run
+
+    run = fake_run(tmp_path / "a", 6, 1.0)
+    with (run / "metrics.jsonl").open("a") as f:
+        for step, loss in enumerate(["9", True, [1, 2], None, float("inf"), 2.5], start=7):
+            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+    xs, ys = read_run(run).points("loss", "step")
+    assert xs == [1, 2, 3, 4, 5, 6, 12] and ys[-1] == 2.5
+    assert run_cli("plot", run, "--out", tmp_path / "x.png").returncode == 0
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda run: (run / "ds_config.json").unlink(), "ds_config.json: cannot read the run's train_batch_size"),
+    (lambda run: (run / "ds_config.json").write_text('{"train_batch_size": "8"}'), "are not positive integers"),
+    (lambda run: (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1e308, "lr": 1e-300}\n'
+                                                     '{"step": 2, "loss": -1e308, "lr": 1e-300}\n'),
+     "cannot draw these metrics"),
+])
+def test_damaged_runs_are_one_line(tmp_path, damage, message):
+    """Each was a traceback: FileNotFoundError, a str times an int, matplotlib's ValueError."""
+    run = fake_run(tmp_path / "a", 6, 1.0)
+    damage(run)
+    result = run_cli("plot", run, "--out", tmp_path / "x.png")
+    assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_an_out_below_a_file_is_one_line(tmp_path):
+    run = fake_run(tmp_path / "a", 6, 1.0)
+    result = run_cli("plot", run, "--out", run / "config.yaml" / "x.png")
+    assert result.returncode == 2 and result.stderr.startswith(f"zerollm: error: --out {run / 'config.yaml' / 'x.png'}"
+                                                               ": cannot write it"), result.stderr
