@@ -89,6 +89,7 @@ def test_reward_terms_weights_and_components(tmp_path, monkeypatch):
     ("model:/nonexistent/reward-model", "no config.json there"),
     ("missing_file.py:fn", "no such file missing_file.py"),
     ("os:system", r"system must be callable as system\(prompts=..., completions=..., \*\*fields\)"),
+    ("1e400*format", r"the weight 1e400 is beyond 1e\+09 in magnitude"),  # inf: every step's loss was NaN, exit 0
 ])
 def test_bad_reward_terms_are_one_line_errors(term, message):
     with pytest.raises(UserError, match=message) as error:
@@ -99,7 +100,9 @@ def test_bad_reward_terms_are_one_line_errors(term, message):
 @pytest.mark.parametrize("body, message", [
     ("    raise RuntimeError('boom in reward')", r"score: raised RuntimeError: boom in reward \(at .*rewardfn.py:2\)"),
     ("    import sys; sys.exit(0)", r"score: raised SystemExit: 0 \(at .*rewardfn.py:2\)"),  # it ended the run, exit 0
-    ("    return ['1.0'] * len(completions)", r"returned list \['1.0', '1.0'\]; it must return one finite float"),
+    ("    return ['1.0'] * len(completions)", r"returned list \['1.0', '1.0'\]; it must return one float per"),
+    ("    return {i: 1.0 for i in range(len(completions))}", r"returned dict \{0: 1.0, 1: 1.0\}; it must return one"),
+    ("    return [1e308] * len(completions)", r"each finite and at most 1e\+09 in magnitude"),  # inf in float32
 ])
 def test_a_user_function_that_fails_is_one_line_naming_where(tmp_path, monkeypatch, body, message):
     """Before, a raising function was a traceback after the model had loaded, sys.exit(0) in it ended the run with
@@ -117,7 +120,7 @@ def test_a_user_function_returning_the_wrong_shape_is_named(tmp_path, monkeypatc
     (tmp_path / "short.py").write_text("def one(prompts, completions, **fields):\n    return [1.0]\n")
     monkeypatch.chdir(tmp_path)
     reward = Reward(["short:one"], 4, torch.device("cpu"))
-    with pytest.raises(UserError, match="short:one: returned list .* one finite float per completion \\(2\\)"):
+    with pytest.raises(UserError, match="short:one: returned list .* one float per completion \\(2\\)"):
         reward(_completions(["a", "b"]))
 
 

@@ -29,7 +29,7 @@ import math
 import re
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,18 +225,24 @@ class UserFunction:
             raise UserError(f"--reward {self.term}: raised {type(exc).__name__}: {exc} (at {where.filename}:"
                             f"{where.lineno})".replace("\n", " ")) from None
         try:
+            if isinstance(scores, (Mapping, set, frozenset)):  # a dict's keys, a set's order: not one per completion
+                raise TypeError
             values = [float(s) for s in scores if not isinstance(s, (str, bytes))]  # "1.0" is not a score
         except (TypeError, ValueError):
             values = None
-        if values is None or len(values) != len(batch.texts) or not all(map(math.isfinite, values)):
+        if values is None or len(values) != len(batch.texts) or not all(abs(v) <= MAX_MAGNITUDE for v in values):
             raise UserError(f"--reward {self.term}: returned {type(scores).__name__} {str(scores)[:80]}; it must "
-                            f"return one finite float per completion ({len(batch.texts)})")
+                            f"return one float per completion ({len(batch.texts)}), each finite and at most "
+                            f"{MAX_MAGNITUDE:g} in magnitude")
         return values
 
 
 # ---- the spec ----------------------------------------------------------------------------------------
 
 BUILT_IN = ("exact_match", "format", "length", "model")
+MAX_MAGNITUDE = 1e9
+"""The largest weight or user score: a weighted sum of such terms, and its group's variance, stay finite in float32
+(a score of 1e308 became inf there, and every advantage NaN)."""
 REQUIRED_FIELDS = {"exact_match": "answer"}
 """Record fields a term needs; a prompt record without them is skipped and reported."""
 
@@ -256,6 +262,8 @@ def parse_term(term: str, max_new_tokens: int, device: torch.device) -> RewardTe
     head, star, rest = body.partition("*")
     if star and re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*", head):  # else a '*' of a regex or path
         weight, body = float(head), rest.strip()
+        if not abs(weight) <= MAX_MAGNITUDE:  # 1e400 is inf
+            raise UserError(f"--reward {term!r}: the weight {head.strip()} is beyond {MAX_MAGNITUDE:g} in magnitude")
     name, colon, argument = body.partition(":")
     if name == "exact_match" and not colon:
         return RewardTerm(name, weight, exact_match, REQUIRED_FIELDS[name])
