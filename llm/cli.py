@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from launch.hostfile import MAX_SLOTS_PER_HOST
 from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, LaunchOptions, launcher_name
 from llm import rundir
 from llm.config import build_config, parse_lora_spec, recipe_names
@@ -23,6 +24,14 @@ EPILOG = "Documentation: README.md. Errors in your input exit with code 2."
 LORA_HELP = ("train low-rank adapters on the frozen --init-from model instead of every weight, e.g. "
              "r=16,alpha=32,targets=wq,wk,wv,wo,w1,w2,w3,dropout=0.05 (the lora.* config keys; sft, dpo, grpo; "
              "see docs/lora.md)")
+
+
+def ranks_on_this_machine(text: str) -> int:
+    """An --nproc value: 1..1024 ranks (0 and -1 ran one, -2 was a numpy traceback)."""
+    value = int(text)
+    if not 1 <= value <= MAX_SLOTS_PER_HOST:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_SLOTS_PER_HOST}, got {value}")
+    return value
 
 
 def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
@@ -74,7 +83,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="DeepSpeed config (default ds_configs/<stage>.json); 'auto' values come from the run config")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="override zero_optimization.stage of the DeepSpeed config")
-    p.add_argument("--nproc", type=int, default=1,
+    p.add_argument("--nproc", type=ranks_on_this_machine, default=1,
                    help="ranks on this machine; >1 relaunches under the deepspeed launcher")
 
 
@@ -194,7 +203,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=None,
                    help="pretraining steps, and the most each later stage takes (default: the demo's own: 1000 "
                         "pretraining, 300 SFT, 100 DPO)")
-    p.add_argument("--nproc", type=int, default=1, help="ranks (default 1)")
+    p.add_argument("--nproc", type=ranks_on_this_machine, default=1, help="ranks (default 1)")
 
 
 DEVICE_CHOICES, DTYPE_CHOICES = ("auto", "cuda", "mps", "cpu"), ("auto", "fp32", "bf16", "fp16")
@@ -270,7 +279,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stride", type=int, default=None,
                    help="tokens scored per window (default: the context; smaller gives each token more context)")
     p.add_argument("--batch-size", type=int, default=8, help="windows (or harness requests) per forward (default 8)")
-    p.add_argument("--nproc", type=int, default=1, help="ranks on this machine for --input/--data (default 1)")
+    p.add_argument("--nproc", type=ranks_on_this_machine, default=1,
+                   help="ranks on this machine for --input/--data (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     _add_placement_options(p)
     p.add_argument("--limit", type=float, default=None,
@@ -544,7 +554,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    if args.tasks:
+    if args.tasks is not None:
         from llm.eval.harness import parse_tasks, run_tasks
 
         if args.nproc > 1:

@@ -10,7 +10,7 @@ import h5py
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import run_cli, zerollm_here
 from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.eval.harness import require_lm_eval, run_tasks
@@ -285,3 +285,19 @@ def test_context_defaults_to_the_trained_window_of_a_run_and_is_checked_for_task
 def test_help_explains_the_new_commands(command):
     result = run_cli(*command, "--help")
     assert result.returncode == 0 and "usage: zerollm" in result.stdout
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--tasks", ""], "--tasks expects comma-separated task names"),  # a TypeError on the --input path before
+    (["--tasks", "my_task", "--num-fewshot", "-2"], "--num-fewshot must be 0 or more, got -2"),  # ran, '-2' shots
+    (["--tasks", "my_task", "--limit", "0"], "--limit must be positive"),
+    (["--tasks", "my_task", "--out", "{file}"], "--out {file}: {file} is a file; give a folder for the results"),
+    (["--input", "{file}", "--nproc", "0"], "argument --nproc: must be between 1 and 1024, got 0"),  # ran one rank
+])
+def test_bad_options_are_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, options, message):
+    """The model does not exist: the error shows the options are checked first (an --out that is a file was a
+    FileExistsError after the whole evaluation)."""
+    (tmp_path / "notes.txt").write_text("kept")
+    options = [o.format(file=tmp_path / "notes.txt") for o in options]
+    assert zerollm_here(monkeypatch, "eval", "--model", tmp_path / "no-model", *options) == 2
+    assert message.format(file=tmp_path / "notes.txt") in capsys.readouterr().err

@@ -10,6 +10,7 @@ works through `dataset_path: json` and `dataset_kwargs.data_files`).
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -40,6 +41,15 @@ def parse_tasks(text: str) -> list[str]:
     return tasks
 
 
+def check_output_folder(out: Path) -> None:
+    """Refuse an --out where the results cannot be written: a file, or a folder below one or not writable."""
+    existing = next(p for p in (out, *out.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        raise UserError(f"--out {out}: {existing} is a file; give a folder for the results")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: {existing} is not writable")
+
+
 class _TaskYamlLoader(yaml.SafeLoader):
     """Reads lm-eval task YAML as far as checking it parses: its tags (`!function utils.process`) load as None."""
 
@@ -66,6 +76,12 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     """Run lm-eval `tasks` on the model of a run or export directory; print the table, save
     `lm_eval_<time>.json` (the harness's results) and `lm_eval_<time>.md` (its table) in `out_dir` (default
     MODEL_DIR/eval). Returns the harness's results."""
+    if limit is not None and not limit > 0:  # NaN included
+        raise UserError(f"--limit must be positive (examples per task, or a fraction of them below 1), got {limit:g}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise UserError(f"--num-fewshot must be 0 or more, got {num_fewshot}")
+    out = Path(out_dir) if out_dir else Path(model_dir) / rundir.EVAL_DIR
+    check_output_folder(out)  # before the evaluation, whose results would be lost
     lm_eval = require_lm_eval()
     from lm_eval.tasks import TaskManager  # noqa: PLC0415 - optional dependency
     from lm_eval.utils import make_table  # noqa: PLC0415 - optional dependency
@@ -94,7 +110,6 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
                         "YAML and data files".replace("\n", " ")) from None
     table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
     print(table)
-    out = Path(out_dir) if out_dir else Path(model_dir) / rundir.EVAL_DIR
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"lm_eval_{time.strftime('%Y%m%d-%H%M%S')}"
     stem.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str, ensure_ascii=False))
