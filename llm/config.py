@@ -566,6 +566,8 @@ def validate_lora(cfg: RunConfig) -> None:
     for name in lora.targets:
         _require(name in LORA_TARGETS, f"lora.targets: unknown module '{name}'; the model's linear layers LoRA can "
                                        f"adapt are {', '.join(LORA_TARGETS)}")
+    twice = sorted({name for name in lora.targets if lora.targets.count(name) > 1})
+    _require(not twice, f"lora.targets names {', '.join(twice)} more than once")
     full_rank = min(min(cfg.model.linear_shapes[name]) for name in lora.targets)
     _require(lora.r <= full_rank, f"lora.r ({lora.r}) exceeds {full_rank}, the smallest dimension of the adapted "
                                   f"layers ({', '.join(lora.targets)}): their updates have at most that rank")

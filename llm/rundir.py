@@ -210,7 +210,8 @@ def usable_tag(run_dir: Path) -> str | None:
                       file=sys.stderr, flush=True)
             return tag
         passed_over.append(f"{root / tag}: {problem}")
-    raise UserError(f"{root} holds no complete checkpoint ({'; '.join(passed_over)}); delete the folder to start over")
+    raise UserError(f"{root} holds no complete checkpoint ({'; '.join(passed_over)}), so nothing can be loaded from "
+                    "this run; train it again into a new --out")
 
 
 def client_state_of(run_dir: Path, tag: str) -> dict[str, Any]:

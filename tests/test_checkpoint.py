@@ -124,7 +124,8 @@ def test_an_incomplete_newest_checkpoint_is_passed_over_with_a_note(one_rank_gro
 def test_no_complete_checkpoint_is_one_clear_error(one_rank_group, tmp_path):
     _save(tmp_path, 10)
     (rundir.checkpoint_dir(tmp_path) / "global_step10" / "rng_rank0.pt").unlink()
-    with pytest.raises(UserError, match="holds no complete checkpoint .*rng_rank0.pt is missing"):
+    with pytest.raises(UserError, match="holds no complete checkpoint .*rng_rank0.pt is missing.*, so nothing can be "
+                                        "loaded from this run; train it again into a new --out"):  # not "delete"
         rundir.usable_tag(tmp_path)
     assert rundir.usable_tag(tmp_path / "elsewhere") is None
 
