@@ -565,6 +565,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     from launch.local import relaunch_local, under_launcher
 
+    options = (("--limit", args.limit), ("--num-fewshot", args.num_fewshot), ("--include-path", args.include_path),
+               ("--out", args.out))
+    ignored = [option for option, value in options if value is not None]
+    if ignored:
+        raise UserError(f"{', '.join(ignored)} apply to --tasks; --input and --data print their result")
     if args.nproc > 1 and not under_launcher():
         return relaunch_local(args.nproc, args.argv)
     from llm.eval.perplexity import run_perplexity

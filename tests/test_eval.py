@@ -293,6 +293,7 @@ def test_help_explains_the_new_commands(command):
     (["--tasks", "my_task", "--limit", "0"], "--limit must be positive"),
     (["--tasks", "my_task", "--out", "{file}"], "--out {file}: {file} is a file; give a folder for the results"),
     (["--input", "{file}", "--nproc", "0"], "argument --nproc: must be between 1 and 1024, got 0"),  # ran one rank
+    (["--input", "{file}", "--limit", "5", "--out", "x"], "--limit, --out apply to --tasks"),  # silently ignored
 ])
 def test_bad_options_are_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, options, message):
     """The model does not exist: the error shows the options are checked first (an --out that is a file was a
