@@ -67,17 +67,23 @@ def is_run_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file()
 
 
+def check_writable_out(out: Path, advice: str) -> Path:
+    """The nearest of `out` and its parents that exists, checked to be a folder this process can write in (else a
+    UserError ending with `advice` for a file): an --out a command can create or write."""
+    existing = next(p for p in (out, *out.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        raise UserError(f"--out {out}: {existing} is a file; {advice}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: {existing} is not writable")
+    return existing
+
+
 def check_run_output(run_dir: Path, resume: bool) -> None:
     """Refuse a training --out that training would damage or cannot write: a file, a folder below a file or without
     write permission, a non-empty folder that is not a run directory (a user's own config.yaml or metrics.jsonl
     would be overwritten, a prepared data folder filled with checkpoints), a run's checkpoints without `resume`, or
     a run another training job is writing (`llm.train.run_lock`)."""
-    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists() or p == p.parent)
-    if not existing.is_dir():
-        raise UserError(f"--out {run_dir}: {existing} is a file; give a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--out {run_dir}: {existing} is not writable")
-    if existing != run_dir:
+    if check_writable_out(run_dir, "give a directory") != run_dir:
         return
     if (run_dir / TOKENS_FILE).exists():
         raise UserError(f"--out {run_dir} is a prepared data folder (it holds {TOKENS_FILE}); give the run a directory "

@@ -10,7 +10,6 @@ works through `dataset_path: json` and `dataset_kwargs.data_files`).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -39,15 +38,6 @@ def parse_tasks(text: str) -> list[str]:
     if not tasks:
         raise UserError("--tasks expects comma-separated task names, e.g. --tasks hellaswag,ceval-valid,cmmlu")
     return tasks
-
-
-def check_output_folder(out: Path) -> None:
-    """Refuse an --out where the results cannot be written: a file, or a folder below one or not writable."""
-    existing = next(p for p in (out, *out.parents) if p.exists() or p == p.parent)
-    if not existing.is_dir():
-        raise UserError(f"--out {out}: {existing} is a file; give a folder for the results")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--out {out}: {existing} is not writable")
 
 
 class _TaskYamlLoader(yaml.SafeLoader):
@@ -81,7 +71,7 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     if num_fewshot is not None and num_fewshot < 0:
         raise UserError(f"--num-fewshot must be 0 or more, got {num_fewshot}")
     out = Path(out_dir) if out_dir else Path(model_dir) / rundir.EVAL_DIR
-    check_output_folder(out)  # before the evaluation, whose results would be lost
+    rundir.check_writable_out(out, "give a folder for the results")  # before the evaluation: results not lost
     lm_eval = require_lm_eval()
     from lm_eval.tasks import TaskManager  # noqa: PLC0415 - optional dependency
     from lm_eval.utils import make_table  # noqa: PLC0415 - optional dependency
