@@ -103,6 +103,7 @@ def test_bad_reward_terms_are_one_line_errors(term, message):
     ("    return ['1.0'] * len(completions)", r"returned list \['1.0', '1.0'\]; it must return one float per"),
     ("    return {i: 1.0 for i in range(len(completions))}", r"returned dict \{0: 1.0, 1: 1.0\}; it must return one"),
     ("    return [1e308] * len(completions)", r"each finite and at most 1e\+09 in magnitude"),  # inf in float32
+    ("    completions.clear(); return []", r"returned list \[\]; it must return one float per completion \(2\)"),
 ])
 def test_a_user_function_that_fails_is_one_line_naming_where(tmp_path, monkeypatch, body, message):
     """Before, a raising function was a traceback after the model had loaded, sys.exit(0) in it ended the run with

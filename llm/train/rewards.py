@@ -22,6 +22,7 @@ A mistake in a term (unknown name, module that does not import, missing model di
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import inspect
@@ -218,8 +219,11 @@ class UserFunction:
     def __call__(self, batch: Completions) -> list[float]:
         keys = sorted({k for f in batch.fields for k in f} - {"prompts", "completions"})
         fields = {k: [f.get(k) for f in batch.fields] for k in keys}
+        # copies: a function that changes what it is given (`completions.clear()`) changes nothing the other terms
+        # and the policy update read
+        arguments = copy.deepcopy({"prompts": batch.prompts, "completions": batch.texts, **fields})
         try:
-            scores = self.function(prompts=batch.prompts, completions=batch.texts, **fields)
+            scores = self.function(**arguments)
         except (Exception, SystemExit) as exc:  # the user's code; sys.exit() in it ended the run silently, exit 0
             where = traceback.extract_tb(exc.__traceback__)[-1]
             raise UserError(f"--reward {self.term}: raised {type(exc).__name__}: {exc} (at {where.filename}:"
