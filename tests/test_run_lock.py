@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO, zerollm_here
 from conftest import train_args as _args
-from llm.errors import UserError
+from llm.errors import EXIT_RANK_LOST, UserError
 from llm.runtime.rank_env import free_port
 from llm.train.run_lock import LOCK_FILE, check_run_unlocked, run_locked, take_run_lock
 
@@ -108,7 +108,7 @@ RANK = textwrap.dedent("""
     import os, sys
     from pathlib import Path
     import torch.distributed as dist
-    from llm.errors import UserError
+    from llm.errors import EXIT_RANK_LOST, UserError
     from llm.runtime.distributed import from_rank0
     from llm.train.run_lock import run_locked
     rank = int(os.environ["RANK"])
@@ -160,6 +160,37 @@ def test_a_refused_job_leaves_none_of_the_folders_it_created(tmp_path):
     with run_locked(run, 0, True, lambda value: value):
         (run / "config.yaml").write_text("written")
     assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE, "config.yaml"]
+
+
+ENDED = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    import torch.distributed as dist
+    from llm.runtime.distributed import from_rank0
+    from llm.runtime.watchdog import Watchdog
+    from llm.train.run_lock import run_locked
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    with run_locked(Path(sys.argv[1]), rank, rank == 0, from_rank0) as tidy:  # as `llm.train.job.run` does
+        watchdog = Watchdog(rank, 2, 30, announce=rank == 0, before_exit=tidy)
+        if rank == 0:
+            watchdog.end_job("failed before writing anything")  # ends the process with os._exit
+        dist.barrier()  # rank 1: ended by its heartbeat thread reading the abort, or by the barrier failing
+""")
+
+
+def test_a_job_the_watchdog_ends_leaves_none_of_the_folders_it_created(tmp_path):
+    """A job that failed on some rank before writing anything left a new folder holding only the lock file: the
+    watchdog ends every rank with os._exit, which skips the lock's own tidying up."""
+    run = tmp_path / "new" / "run"
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", ENDED, str(run)], stderr=subprocess.PIPE, text=True, cwd=REPO,
+                              env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "RANK": str(rank)}) for rank in (0, 1)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert procs[0].returncode == EXIT_RANK_LOST and procs[1].returncode != 0, errors
+    assert "rank 0: failed before writing anything; the job is ended on every rank" in errors[0]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_demo_into_the_folder_of_a_running_demo_leaves_its_runs_alone(held, monkeypatch):

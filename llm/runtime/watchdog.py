@@ -26,7 +26,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -49,9 +49,12 @@ _ABORT_KEY = f"{_PREFIX}/abort"
 
 
 class Watchdog:
-    def __init__(self, rank: int, world_size: int, timeout_s: float, announce: bool) -> None:
-        """`announce`: whether this rank prints the message when another rank ended the job (one rank per node)."""
+    def __init__(self, rank: int, world_size: int, timeout_s: float, announce: bool,
+                 before_exit: Callable[[], None] = lambda: None) -> None:
+        """`announce`: whether this rank prints the message when another rank ended the job (one rank per node);
+        `before_exit`: what to do before this process ends the job's way (`os._exit`, which skips `finally`)."""
         self.rank, self.world_size, self.announce = rank, world_size, announce
+        self.before_exit = before_exit
         self.timeout_s = timeout_s
         self.interval = min(max(timeout_s / 30, 0.5), 10.0)
         self.stale_after = 3 * self.interval
@@ -118,7 +121,7 @@ class Watchdog:
             time.sleep(1.5 * self.interval)  # the store may live in this process: let the others read the key
         except Exception:  # noqa: BLE001 - the store may be what failed; the other ranks' own checks cover it
             pass
-        _exit(text)
+        self._exit(text)
 
     # ---- the thread ----------------------------------------------------------------------------
 
@@ -128,7 +131,7 @@ class Watchdog:
                 self._store.add(_counter_key(self.rank), 1)
                 if self._store.check([_ABORT_KEY]):
                     text = self._store.get(_ABORT_KEY).decode()
-                    _exit(text if self.announce else None)
+                    self._exit(text if self.announce else None)
             except Exception:  # noqa: BLE001 - the store's host is gone; the main thread's collective fails next
                 pass
             since = self._busy_since
@@ -138,9 +141,9 @@ class Watchdog:
                 self.end_job(f"{self._busy_what} did not finish within train.collective_timeout_s="
                              f"{self.timeout_s:g} s: {reason}")
 
-
-def _exit(message: str | None) -> None:
-    if message:
-        print(f"zerollm: error: {message}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(EXIT_RANK_LOST)
+    def _exit(self, message: str | None) -> None:
+        if message:
+            print(f"zerollm: error: {message}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        self.before_exit()
+        os._exit(EXIT_RANK_LOST)

@@ -207,11 +207,11 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     info = setup_distributed(cfg.train.collective_timeout_s)
     cfg.train.precision = resolve_precision(cfg.train.precision, info.device)
     ds_config = resolve_ds_config(raw_ds, cfg, info.world_size, ds_source, zero_stage)
-    with run_locked(run_dir, info.rank, info.local_rank == 0, from_rank0):
+    with run_locked(run_dir, info.rank, info.local_rank == 0, from_rank0) as tidy_run_dir:
         watchdog = None
         if info.world_size > 1:
             watchdog = Watchdog(info.rank, info.world_size, cfg.train.collective_timeout_s,
-                                announce=info.local_rank == 0)
+                                announce=info.local_rank == 0, before_exit=tidy_run_dir)
         try:
             code = _run_job(cfg, run_dir, info, ds_config, attrs, resume, watchdog, data)
         except UserError:

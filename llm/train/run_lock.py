@@ -127,10 +127,12 @@ def _remove_if_only_the_lock(run_dir: Path, created: Path) -> None:
 
 
 @contextlib.contextmanager
-def run_locked(run_dir: Path, rank: int, announce: bool, from_rank0: Callable[[Any], Any]) -> Iterator[None]:
+def run_locked(run_dir: Path, rank: int, announce: bool,
+               from_rank0: Callable[[Any], Any]) -> Iterator[Callable[[], None]]:
     """Rank 0 holds `run_dir`'s lock inside the block. Every rank enters it, or every rank raises the same UserError
     (printed where `announce` is true) when another job holds it; `from_rank0` gives every rank rank 0's value (a
-    collective: every rank calls this)."""
+    collective: every rank calls this). The block gets what leaving it does on rank 0 (remove the folders this job
+    created when they hold nothing but the lock), for a process that ends without leaving it (`os._exit`)."""
     fd, problem, created = None, None, _first_missing(run_dir)
     if rank == 0:
         try:
@@ -138,12 +140,16 @@ def run_locked(run_dir: Path, rank: int, announce: bool, from_rank0: Callable[[A
         except UserError as exc:
             problem = str(exc)
     problem = from_rank0(problem)
+
+    def tidy() -> None:
+        if fd is not None and created is not None:
+            _remove_if_only_the_lock(run_dir, created)
+
     try:
         if problem is not None:
             raise UserError(problem, announce=announce)
-        yield
+        yield tidy
     finally:
         if fd is not None:
-            if created is not None:
-                _remove_if_only_the_lock(run_dir, created)
+            tidy()
             os.close(fd)
