@@ -416,6 +416,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = _train_config(args)
     rundir.check_run_output(Path(args.out), args.resume == "auto")  # before any rank starts
+    if cfg.train.stage != "grpo":  # GRPO reads prompt files (checked below); a wrong --data: one line before torch
+        from llm.data.prepared import stage_data_attrs
+
+        stage_data_attrs(cfg.train.stage, cfg.data.path)
     if args.nproc > 1 and not under_launcher():  # this process starts the ranks and waits (GRPO, distill: checks)
         if cfg.train.stage == "grpo":
             from llm.train.rollout import grpo_inputs

@@ -18,10 +18,10 @@ import pytest
 
 from conftest import FIXTURES, run_cli, zerollm_here
 from llm.cli import main
-from llm.data.datasets import read_data_attrs
 from llm.data.formats import read_items
 from llm.data.output import OutputDir
 from llm.data.prepare import OUTPUT_NAMES, prepare
+from llm.data.prepared import read_data_attrs
 from llm.data.readers import PIECE_CHARS, Item, expand_inputs, split_text
 from llm.errors import UserError
 from llm.tokenizer import Tokenizer, train_tokenizer

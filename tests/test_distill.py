@@ -15,8 +15,8 @@ import yaml
 
 from conftest import FIXTURES, TINY, run_cli, train_args, zerollm_here
 from llm.config import build_config
-from llm.data.datasets import read_data_attrs
 from llm.data.prepare import prepare
+from llm.data.prepared import read_data_attrs
 from llm.errors import UserError
 from llm.loading import consolidated_weights
 from llm.model.transformer import masked_cross_entropy

@@ -288,6 +288,27 @@ def test_missing_data_and_wrong_kind_are_clear_errors(tmp_path, pretrain_data):
     assert result.returncode == 2 and "model.vocab_size" in result.stderr
 
 
+@pytest.mark.parametrize("stage, data, message", [
+    ("pretrain", "empty", "{empty}: no tokens.h5; create it with `zerollm data prepare --kind pretrain`"),
+    ("sft", "empty", "{empty}: no tokens.h5; create it with `zerollm data prepare --kind sft`"),
+    ("sft", "pretrain", "{data}/tokens.h5: holds 'pretrain' data, this stage needs 'sft'"),
+])
+def test_wrong_data_is_refused_before_any_rank_starts(pretrain_data, tmp_path, monkeypatch, capsys, stage, data,
+                                                       message):
+    """A --data folder without tokens.h5 (or of another kind) was refused by the ranks, after torch and DeepSpeed
+    had loaded: 5 s for one line."""
+    import launch.local  # noqa: PLC0415 - patched below
+
+    monkeypatch.setattr(launch.local, "relaunch_local", lambda *a: pytest.fail("ranks were started"))
+    (tmp_path / "empty").mkdir()
+    args = _args(pretrain_data if data == "pretrain" else tmp_path / "empty", tmp_path / "run", nproc=2)
+    args[1] = stage
+    assert zerollm_here(monkeypatch, *args) == 2
+    expected = message.format(empty=tmp_path / "empty", data=pretrain_data)
+    assert capsys.readouterr().err.startswith(f"zerollm: error: {expected}")
+    assert not (tmp_path / "run").exists()
+
+
 # ---- what --out may be ------------------------------------------------------------------------------------------
 
 def _folder(root, files: dict[str, str]):

@@ -19,44 +19,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from llm import rundir
-from llm.data.prepare import SCHEMA_VERSION, TOKENS_FILE
+from llm.data.prepare import TOKENS_FILE
+from llm.data.prepared import h5_attrs
 from llm.errors import UserError
-from llm.tokenizer import Tokenizer
-
-
-def _attrs(h5: h5py.File) -> dict:
-    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in h5.attrs.items()}
-
-
-def read_data_attrs(data_dir: str | Path, kind: str | tuple[str, ...]) -> dict:
-    """Root attributes of `data_dir/tokens.h5`, checked for schema version and kind (one kind, or any of several),
-    and the tokenizer copy beside it (`data_dir/tokenizer/`, when there is one) checked against the hash the tokens
-    were made with."""
-    kinds = (kind,) if isinstance(kind, str) else kind
-    path = Path(data_dir) / TOKENS_FILE
-    if not path.is_file():
-        raise UserError(f"{data_dir}: no {TOKENS_FILE}; create it with `zerollm data prepare --kind "
-                        f"{' or --kind '.join(kinds)}`")
-    with h5py.File(path, "r") as h5:
-        attrs = _attrs(h5)
-    if attrs.get("schema_version") != SCHEMA_VERSION:
-        raise UserError(f"{path}: schema version {attrs.get('schema_version')} is not {SCHEMA_VERSION}; "
-                        "prepare the data again")
-    if attrs.get("kind") not in kinds:
-        raise UserError(f"{path}: holds '{attrs.get('kind')}' data, this stage needs "
-                        f"{' or '.join(repr(k) for k in kinds)}")
-    tokenizer_dir = rundir.tokenizer_dir(Path(data_dir))
-    if tokenizer_dir.is_dir() and (copy_hash := Tokenizer.load(tokenizer_dir).hash) != attrs["tokenizer_hash"]:
-        raise UserError(f"{tokenizer_dir} (hash {copy_hash}) is not the tokenizer {path} was made with (hash "
-                        f"{attrs['tokenizer_hash']}); prepare the data again with `zerollm data prepare`")
-    return attrs
 
 
 def _check_fits(data_dir: str | Path, h5: h5py.File, longest: int, seq_len: int, what: str) -> None:
     """Refuse samples longer than data.seq_len (never cut them silently), naming both lengths."""
     if longest > seq_len:
-        prepared = _attrs(h5).get("seq_len")
+        prepared = h5_attrs(h5).get("seq_len")
         raise UserError(f"{data_dir}: {what} take up to {longest} positions (prepared with --seq-len {prepared}), "
                         f"more than data.seq_len {seq_len}; set data.seq_len={prepared} or prepare the data again "
                         f"with --seq-len {seq_len}")

@@ -20,9 +20,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from llm.data.datasets import read_data_attrs
 from llm.data.formats import Skipped, expand_inputs, read_records
 from llm.data.prepare import SPLITS, TOKENS_FILE, encode_pretrain
+from llm.data.prepared import read_data_attrs
 from llm.errors import UserError
 from llm.tokenizer import Tokenizer
 

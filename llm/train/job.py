@@ -22,9 +22,10 @@ import torch.distributed as dist
 
 from llm import rundir
 from llm.config import RunConfig
-from llm.data.datasets import DATASETS, read_data_attrs
+from llm.data.datasets import DATASETS
 from llm.data.formats import expand_inputs
 from llm.data.prepare import TOKENS_FILE
+from llm.data.prepared import stage_data_attrs
 from llm.errors import UserError
 from llm.loading import initial_weights, weights_summary
 from llm.model import Transformer
@@ -58,7 +59,7 @@ from llm.train.run_record import (
 from llm.train.samples import SampleGenerator
 from llm.train.schedule import lr_multiplier
 from llm.train.steps import DataSteps
-from llm.train.teacher import DISTILL_DATA_KINDS, check_teacher, load_teacher
+from llm.train.teacher import check_teacher, load_teacher
 from llm.train.time_budget import TimeBudget
 from llm.train.trainer import Trainer
 
@@ -82,9 +83,7 @@ def input_attrs(cfg: RunConfig) -> dict:
     if cfg.train.stage == "grpo":
         tokenizer = Tokenizer.load(tokenizer_dir(cfg))
         return {"vocab_size": tokenizer.vocab_size, "tokenizer_hash": tokenizer.hash, "pad_id": tokenizer.pad_id}
-    if not cfg.data.path:
-        raise UserError("no training data: pass --data DIR (a directory made by `zerollm data prepare`)")
-    return read_data_attrs(cfg.data.path, DISTILL_DATA_KINDS if cfg.train.stage == "distill" else cfg.train.stage)
+    return stage_data_attrs(cfg.train.stage, cfg.data.path)
 
 
 def input_files(cfg: RunConfig) -> list[Path]:

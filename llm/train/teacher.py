@@ -24,9 +24,6 @@ from llm.loading import is_run_or_export, load_model_dir, weights_summary
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.engine import frozen_engine
 
-DISTILL_DATA_KINDS = ("pretrain", "sft")
-"""Prepared data a student is distilled on: documents (every target bears loss) or conversations (the replies)."""
-
 
 def teacher_source(path: str | Path) -> tuple[ModelConfig, Path]:
     """(model config, tokenizer directory) of a run or export directory, read without loading its weights."""

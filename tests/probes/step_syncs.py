@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from llm.config import build_config
-from llm.data.datasets import read_data_attrs
+from llm.data.prepared import read_data_attrs
 from llm.runtime.distributed import setup_distributed
 from llm.train.engine import load_ds_config, resolve_ds_config, resolve_precision
 from llm.train.job import build_trainer

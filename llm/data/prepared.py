@@ -1,0 +1,53 @@
+"""A prepared data folder (what `zerollm data prepare` wrote) as training reads it first: the root attributes of its
+`tokens.h5`, checked. Light (h5py, no torch), so a command can refuse a wrong `--data` before it loads torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from llm import rundir
+from llm.data.prepare import SCHEMA_VERSION, TOKENS_FILE
+from llm.errors import UserError
+from llm.tokenizer import Tokenizer
+
+DISTILL_DATA_KINDS = ("pretrain", "sft")
+"""Prepared data a student is distilled on: documents (every target bears loss) or conversations (the replies)."""
+
+
+def h5_attrs(h5: h5py.File) -> dict:
+    """The file's root attributes as Python values."""
+    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in h5.attrs.items()}
+
+
+def read_data_attrs(data_dir: str | Path, kind: str | tuple[str, ...]) -> dict:
+    """Root attributes of `data_dir/tokens.h5`, checked for schema version and kind (one kind, or any of several),
+    and the tokenizer copy beside it (`data_dir/tokenizer/`, when there is one) checked against the hash the tokens
+    were made with."""
+    kinds = (kind,) if isinstance(kind, str) else kind
+    path = Path(data_dir) / TOKENS_FILE
+    if not path.is_file():
+        raise UserError(f"{data_dir}: no {TOKENS_FILE}; create it with `zerollm data prepare --kind "
+                        f"{' or --kind '.join(kinds)}`")
+    with h5py.File(path, "r") as h5:
+        attrs = h5_attrs(h5)
+    if attrs.get("schema_version") != SCHEMA_VERSION:
+        raise UserError(f"{path}: schema version {attrs.get('schema_version')} is not {SCHEMA_VERSION}; "
+                        "prepare the data again")
+    if attrs.get("kind") not in kinds:
+        raise UserError(f"{path}: holds '{attrs.get('kind')}' data, this stage needs "
+                        f"{' or '.join(repr(k) for k in kinds)}")
+    tokenizer_dir = rundir.tokenizer_dir(Path(data_dir))
+    if tokenizer_dir.is_dir() and (copy_hash := Tokenizer.load(tokenizer_dir).hash) != attrs["tokenizer_hash"]:
+        raise UserError(f"{tokenizer_dir} (hash {copy_hash}) is not the tokenizer {path} was made with (hash "
+                        f"{attrs['tokenizer_hash']}); prepare the data again with `zerollm data prepare`")
+    return attrs
+
+
+def stage_data_attrs(stage: str, data_dir: str | None) -> dict:
+    """The checked attributes of the prepared data (`--data`) a training stage other than GRPO trains on."""
+    if not data_dir:
+        raise UserError("no training data: pass --data DIR (a directory made by `zerollm data prepare`)")
+    return read_data_attrs(data_dir, DISTILL_DATA_KINDS if stage == "distill" else stage)
