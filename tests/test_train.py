@@ -6,6 +6,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from conftest import METRIC_KEYS, run_cli, zerollm_here
 from conftest import train_args as _args
 from launch.launcher import is_rank_command
 from llm.loading import consolidated_weights
+from llm.runtime.rank_env import free_port
 from llm.train.engine import cpu_has_native_bf16
 
 
@@ -307,6 +309,32 @@ def test_wrong_data_is_refused_before_any_rank_starts(pretrain_data, tmp_path, m
     expected = message.format(empty=tmp_path / "empty", data=pretrain_data)
     assert capsys.readouterr().err.startswith(f"zerollm: error: {expected}")
     assert not (tmp_path / "run").exists()
+
+
+SMALL_HOST = """
+import os, sys
+from llm.model import host_memory
+if os.environ["RANK"] == "1":
+    host_memory.usable_memory = lambda: 1 << 10  # this "host" has 1 KiB
+from llm.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_host_too_small_for_the_model_stops_every_host_with_its_reason(pretrain_data, tmp_path):
+    """Two nodes of one rank each, the second with too little memory for the model: it refused alone, and the first
+    waited in its next collective for the collective timeout (still waiting after 300 s), to name the second lost."""
+    port = free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", SMALL_HOST, *map(str, _args(pretrain_data, tmp_path / "run"))],
+                              env={**env, "RANK": str(rank)}, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errors
+    for error in errors:  # each node's first rank prints it
+        assert f"zerollm: error: {socket.gethostname()}: the model has " in error, error
+        assert "GiB of memory: make model.dim, model.n_layers or model.vocab_size smaller" in error
+        assert "Traceback" not in error
 
 
 # ---- what --out may be ------------------------------------------------------------------------------------------

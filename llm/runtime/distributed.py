@@ -112,6 +112,19 @@ def from_rank0(value: Any) -> Any:
     return box[0]
 
 
+def refuse_together(problem: str | None, announce: bool) -> None:
+    """Every rank raises the first refusal any rank found, as a UserError printed where `announce` is true (a
+    collective: every rank calls it, with its own refusal or None). For checks whose answer differs between hosts: a
+    host that refused alone left the others waiting in their next collective."""
+    problems = [problem]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        problems = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(problems, problem)
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        raise UserError(first, announce=announce)
+
+
 def _ranks_sharing_my_cpus(world: int) -> int:
     """Every rank asks (a collective): how many ranks of this node may run on a CPU this rank may run on."""
     mine = cpu_claim()

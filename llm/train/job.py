@@ -13,6 +13,7 @@ import dataclasses
 import json
 import random
 import shutil
+import socket
 import traceback
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from llm.loading import initial_weights, weights_summary
 from llm.model import Transformer
 from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, trainable_summary
-from llm.runtime.distributed import DistInfo, from_rank0, setup_distributed
+from llm.runtime.distributed import DistInfo, from_rank0, refuse_together, setup_distributed
 from llm.runtime.fingerprint import check_ranks_agree, fingerprint
 from llm.runtime.watchdog import Watchdog
 from llm.tokenizer import Tokenizer
@@ -128,8 +129,13 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
     and step source, and the per-rank RNG streams (dropout)."""
     t, grpo = cfg.train, cfg.train.stage == "grpo"
     has_reference = t.stage == "dpo" or (grpo and cfg.grpo.kl_coef > 0)
-    check_fits_in_memory(cfg.model, info.local_world_size * (2 if has_reference else 1),
-                         ": make model.dim, model.n_layers or model.vocab_size smaller, or run fewer ranks on a host")
+    remedy = ": make model.dim, model.n_layers or model.vocab_size smaller, or run fewer ranks on a host"
+    try:
+        check_fits_in_memory(cfg.model, info.local_world_size * (2 if has_reference else 1), remedy)
+        problem = None
+    except UserError as exc:  # hosts differ: every rank refuses with the host that cannot
+        problem = f"{socket.gethostname()}: {exc}"
+    refuse_together(problem, announce=info.local_rank == 0)
     if grpo:
         tokenizer, reward, train_set = grpo_inputs(cfg, info.device)
         val_set = None
