@@ -18,6 +18,7 @@ from llm.eval.perplexity import evaluate_stream, run_perplexity, windows
 from llm.eval.token_stream import stream_of_files, stream_of_split
 from llm.export import export_model
 from llm.model import Transformer
+from llm.train.run_record import git_state
 
 CONTEXT, STRIDE = 16, 8
 DOCUMENTS = ["Hello there, world.\nA second line.", "混合的中文文本，还有表情 🙂 和 ümlauts.",
@@ -203,13 +204,17 @@ def test_lm_eval_runs_local_tasks_end_to_end_and_saves_its_table(export_dir, loc
 
     result = subprocess.run([sys.executable, "-m", "llm", "eval", "--model", str(export_dir), "--tasks",
                              "tiny_choice,tiny_generate,tiny_rolling", "--include-path", str(local_tasks),
-                             "--out", str(tmp_path / "results")], capture_output=True, text=True, env=env, timeout=900)
+                             "--out", str(tmp_path / "results")], capture_output=True, text=True, env=env, timeout=900,
+                            cwd=tmp_path)  # not a git checkout
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "fatal" not in result.stderr, result.stderr  # lm-eval's `git describe` in the working directory
     for name in TASK_YAML:
         assert f"|{name}" in result.stdout
     tables, jsons = (list((tmp_path / "results").glob(f"lm_eval_*.{suffix}")) for suffix in ("md", "json"))
     assert len(tables) == 1 and len(jsons) == 1 and "tiny_choice" in tables[0].read_text()
-    results = json.loads(jsons[0].read_text())["results"]
+    saved = json.loads(jsons[0].read_text())
+    assert saved["git_hash"] == (git_state() or {}).get("commit")  # the code's, not the working directory's
+    results = saved["results"]
     assert results["tiny_choice"]["acc,none"] in (0.0, 1 / 3, 2 / 3, 1.0)
     assert math.isfinite(results["tiny_rolling"]["bits_per_byte,none"])
 

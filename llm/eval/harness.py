@@ -20,6 +20,7 @@ from llm.devices import place, resolve
 from llm.errors import UserError
 from llm.eval.perplexity import evaluation_context
 from llm.loading import load_for_inference
+from llm.train.run_record import git_state
 
 INSTALL_HINT = "lm-eval is not installed; pip install lm-eval (or pip install 'zerollm[eval]') to run --tasks"
 
@@ -73,6 +74,7 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     out = Path(out_dir) if out_dir else Path(model_dir) / rundir.EVAL_DIR
     rundir.check_writable_out(out, "give a folder for the results")  # before the evaluation: results not lost
     lm_eval = require_lm_eval()
+    from lm_eval import evaluator  # noqa: PLC0415 - optional dependency
     from lm_eval.tasks import TaskManager  # noqa: PLC0415 - optional dependency
     from lm_eval.utils import make_table  # noqa: PLC0415 - optional dependency
 
@@ -89,6 +91,9 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     model, tokenizer = load_for_inference(model_dir)
     context = evaluation_context(context, Path(model_dir), model)
     harness_model = ZeroLLMHarnessModel(place(model, where, precision), tokenizer, batch_size, context)
+    # lm-eval records `git describe` of the working directory as the version of the code that scored the model, and
+    # git's "fatal: not a git repository" reached our stderr outside a checkout: the code is this package
+    evaluator.get_git_commit_hash = lambda: (git_state() or {}).get("commit")
     try:
         results = lm_eval.simple_evaluate(model=harness_model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                                           task_manager=manager, log_samples=False)
