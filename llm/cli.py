@@ -419,17 +419,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.train.stage != "grpo":  # GRPO reads prompt files (checked below); a wrong --data: one line before torch
         from llm.data.prepared import stage_data_attrs
 
-        stage_data_attrs(cfg.train.stage, cfg.data.path)
+        attrs = stage_data_attrs(cfg.train.stage, cfg.data.path)
     if args.nproc > 1 and not under_launcher():  # this process starts the ranks and waits (GRPO, distill: checks)
         if cfg.train.stage == "grpo":
             from llm.train.rollout import grpo_inputs
 
             grpo_inputs(cfg)  # a mistake in the prompts or rewards is one line here, not one per rank
         if cfg.train.stage == "distill":
-            from llm.train.job import input_attrs
             from llm.train.teacher import check_teacher
 
-            check_teacher(cfg, input_attrs(cfg))  # likewise a teacher that does not fit
+            check_teacher(cfg, attrs)  # likewise a teacher that does not fit
         return relaunch_local(args.nproc, args.argv)
     from llm.train.job import run
 

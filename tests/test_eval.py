@@ -13,7 +13,7 @@ import torch
 from conftest import run_cli, zerollm_here
 from llm.config import ModelConfig
 from llm.errors import UserError
-from llm.eval.harness import require_lm_eval, run_tasks
+from llm.eval.harness import code_commit, require_lm_eval, run_tasks
 from llm.eval.perplexity import evaluate_stream, run_perplexity, windows
 from llm.eval.token_stream import stream_of_files, stream_of_split
 from llm.export import export_model
@@ -213,10 +213,20 @@ def test_lm_eval_runs_local_tasks_end_to_end_and_saves_its_table(export_dir, loc
     tables, jsons = (list((tmp_path / "results").glob(f"lm_eval_*.{suffix}")) for suffix in ("md", "json"))
     assert len(tables) == 1 and len(jsons) == 1 and "tiny_choice" in tables[0].read_text()
     saved = json.loads(jsons[0].read_text())
-    assert saved["git_hash"] == (git_state() or {}).get("commit")  # the code's, not the working directory's
+    assert saved["git_hash"] == code_commit() and (code_commit() or "").startswith(
+        (git_state() or {}).get("commit") or "")  # the code's, not the working directory's
     results = saved["results"]
     assert results["tiny_choice"]["acc,none"] in (0.0, 1 / 3, 2 / 3, 1.0)
     assert math.isfinite(results["tiny_rolling"]["bits_per_byte,none"])
+
+
+def test_the_code_commit_marks_uncommitted_changes(monkeypatch):
+    from llm.eval import harness
+
+    for state, expected in [({"commit": "abc", "dirty": True}, "abc-dirty"), ({"commit": "abc", "dirty": False}, "abc"),
+                            (None, None)]:
+        monkeypatch.setattr(harness, "git_state", lambda state=state: state)
+        assert code_commit() == expected
 
 
 def test_harness_scores_equal_a_direct_computation(model_and_tokenizer):

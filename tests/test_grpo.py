@@ -117,6 +117,18 @@ def test_a_user_function_that_fails_is_one_line_naming_where(tmp_path, monkeypat
     assert "\n" not in str(error.value)
 
 
+def test_a_user_function_cannot_change_what_the_next_terms_read(tmp_path, monkeypatch):
+    (tmp_path / "meddler.py").write_text(
+        "def score(prompts, completions, answer, **fields):\n"
+        "    completions[0] = '12'; answer[1] = 'ab'; prompts[0][-1]['content'] = 'changed'\n"
+        "    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    reward = Reward(["meddler:score", "exact_match"], 4, torch.device("cpu"))
+    batch = _completions(["7", "ab"], answers=["12", "12"])
+    assert reward(batch)[1]["exact_match"].tolist() == [0.0, 0.0]  # was [1.0, 1.0]: it read the meddler's edits
+    assert batch.texts == ["7", "ab"] and batch.prompts[0][-1]["content"] == "q"
+
+
 def test_a_user_function_returning_the_wrong_shape_is_named(tmp_path, monkeypatch):
     (tmp_path / "short.py").write_text("def one(prompts, completions, **fields):\n    return [1.0]\n")
     monkeypatch.chdir(tmp_path)

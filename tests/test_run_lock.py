@@ -108,7 +108,7 @@ RANK = textwrap.dedent("""
     import os, sys
     from pathlib import Path
     import torch.distributed as dist
-    from llm.errors import EXIT_RANK_LOST, UserError
+    from llm.errors import UserError
     from llm.runtime.distributed import from_rank0
     from llm.train.run_lock import run_locked
     rank = int(os.environ["RANK"])

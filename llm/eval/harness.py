@@ -61,6 +61,12 @@ def check_task_files(include_path: Path) -> None:
             raise UserError(f"{path}: not a readable task YAML ({reason})") from None
 
 
+def code_commit() -> str | None:
+    """This package's git commit, marked `-dirty` when the checkout has uncommitted changes; None outside one."""
+    state = git_state()
+    return state and state["commit"] and state["commit"] + ("-dirty" if state["dirty"] else "")
+
+
 def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_fewshot: int | None = None,
               include_path: str | None = None, batch_size: int = 8, device: str = "auto", dtype: str = "auto",
               out_dir: str | None = None, context: int | None = None) -> dict:
@@ -93,7 +99,7 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     harness_model = ZeroLLMHarnessModel(place(model, where, precision), tokenizer, batch_size, context)
     # lm-eval records `git describe` of the working directory as the version of the code that scored the model, and
     # git's "fatal: not a git repository" reached our stderr outside a checkout: the code is this package
-    evaluator.get_git_commit_hash = lambda: (git_state() or {}).get("commit")
+    evaluator.get_git_commit_hash = code_commit
     try:
         results = lm_eval.simple_evaluate(model=harness_model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                                           task_manager=manager, log_samples=False)
