@@ -283,6 +283,24 @@ def test_data_from_another_tokenizer_is_refused(zero_runs, tmp_path):
     assert result.returncode == 2 and "another tokenizer" in result.stderr
 
 
+@pytest.mark.parametrize("change, extra, differing", [
+    ("model.dim=128", [], "model.dim 64 there, 128 here"),  # was a list of DeepSpeed's size mismatches, exit 1
+    ("train.max_steps=6", ["--zero-stage", 0], "ZeRO stage 2 there, 0 here"),  # was an AttributeError
+    ("train.max_steps=6", ["--zero-stage", 3], "ZeRO stage 2 there, 3 here"),  # was an AssertionError
+])
+def test_a_resume_with_another_shape_or_zero_stage_is_refused(zero_runs, pretrain_data, tmp_path, change, extra,
+                                                               differing):
+    run = tmp_path / "run"
+    shutil.copytree(zero_runs[2], run, symlinks=True)
+    before = sorted(p.name for p in run.rglob("*"))
+    result = run_cli(*_args(pretrain_data, run, "train.max_steps=6", "train.precision=fp32", change,
+                            extra=["--resume", "auto", *extra]))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"zerollm: error: {run}: its checkpoints cannot resume with another shape ({differing}" in result.stderr
+    assert f"); resume with the values there, or start a new run with --init-from {run}\n" in result.stderr
+    assert "Traceback" not in result.stderr and sorted(p.name for p in run.rglob("*")) == before
+
+
 def test_missing_data_and_wrong_kind_are_clear_errors(tmp_path, pretrain_data):
     result = run_cli(*_args(tmp_path / "nowhere", tmp_path / "run", "train.max_steps=1"))
     assert result.returncode == 2 and "no tokens.h5" in result.stderr
@@ -329,10 +347,14 @@ def test_a_host_too_small_for_the_model_stops_every_host_with_its_reason(pretrai
            "LOCAL_WORLD_SIZE": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", SMALL_HOST, *map(str, _args(pretrain_data, tmp_path / "run"))],
                               env={**env, "RANK": str(rank)}, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    errors = [p.communicate(timeout=120)[1] for p in procs]
+    try:
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     assert [p.returncode for p in procs] == [2, 2], errors
     for error in errors:  # each node's first rank prints it
-        assert f"zerollm: error: {socket.gethostname()}: the model has " in error, error
+        assert f"zerollm: error: host {socket.gethostname()}: the model has " in error, error
         assert "GiB of memory: make model.dim, model.n_layers or model.vocab_size smaller" in error
         assert "Traceback" not in error
 

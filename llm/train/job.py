@@ -16,19 +16,20 @@ import shutil
 import socket
 import traceback
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from llm import rundir
-from llm.config import RunConfig
+from llm.config import RunConfig, build_config
 from llm.data.datasets import DATASETS
 from llm.data.formats import expand_inputs
 from llm.data.prepare import TOKENS_FILE
 from llm.data.prepared import stage_data_attrs
 from llm.errors import UserError
-from llm.loading import initial_weights, weights_summary
+from llm.loading import SHAPE_FIELDS, initial_weights, weights_summary
 from llm.model import Transformer
 from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, trainable_summary
@@ -133,8 +134,8 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
     try:
         check_fits_in_memory(cfg.model, info.local_world_size * (2 if has_reference else 1), remedy)
         problem = None
-    except UserError as exc:  # hosts differ: every rank refuses with the host that cannot
-        problem = f"{socket.gethostname()}: {exc}"
+    except UserError as exc:  # hosts differ: every rank refuses, naming the host that cannot where there are several
+        problem = f"host {socket.gethostname()}: {exc}" if info.world_size > info.local_world_size else str(exc)
     refuse_together(problem, announce=info.local_rank == 0)
     if grpo:
         tokenizer, reward, train_set = grpo_inputs(cfg, info.device)
@@ -212,6 +213,8 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     info = setup_distributed(cfg.train.collective_timeout_s)
     cfg.train.precision = resolve_precision(cfg.train.precision, info.device)
     ds_config = resolve_ds_config(raw_ds, cfg, info.world_size, ds_source, zero_stage)
+    if resume and rundir.latest_tag(run_dir) is not None:
+        check_same_shape(run_dir, cfg, ds_config)
     with run_locked(run_dir, info.rank, info.local_rank == 0, from_rank0) as tidy_run_dir:
         watchdog = None
         if info.world_size > 1:
@@ -232,6 +235,42 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
             watchdog.stop()
         dist.barrier()  # every rank is done writing; the caller ends the process (see `llm.cli.cmd_train`)
     return code
+
+
+RESUMED_FIELDS = (*(f"model.{f}" for f in SHAPE_FIELDS), "lora.r", "lora.targets")
+"""What a run's checkpoints are shaped by, beside the ZeRO stage: a resume that changes one fails inside DeepSpeed."""
+
+
+def _zero_stage(ds_config: Any) -> Any:
+    section = ds_config.get("zero_optimization") if isinstance(ds_config, dict) else None
+    return section.get("stage", 0) if isinstance(section, dict) else 0
+
+
+def _recorded_zero_stage(run_dir: Path) -> Any:
+    """The ZeRO stage in RUN_DIR/ds_config.json; None when that file cannot be read (DeepSpeed's load still checks)."""
+    try:
+        return _zero_stage(json.loads((run_dir / rundir.DS_CONFIG_FILE).read_text(encoding="utf-8")))
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def check_same_shape(run_dir: Path, cfg: RunConfig, ds_config: dict) -> None:
+    """Refuse to resume `run_dir` with a model shape, LoRA shape or ZeRO stage other than its checkpoints were saved
+    with (DeepSpeed's load fails on them with a size-mismatch list, an AttributeError or an AssertionError)."""
+    saved = build_config(rundir.recorded_config(run_dir))
+
+    def value(config: RunConfig, key: str) -> Any:
+        section, _, name = key.partition(".")
+        return getattr(getattr(config, section), name)
+
+    differing = [f"{key} {value(saved, key)} there, {value(cfg, key)} here" for key in RESUMED_FIELDS
+                 if value(saved, key) != value(cfg, key)]
+    stage = _recorded_zero_stage(run_dir)
+    if stage is not None and stage != _zero_stage(ds_config):
+        differing.append(f"ZeRO stage {stage} there, {_zero_stage(ds_config)} here")
+    if differing:
+        raise UserError(f"{run_dir}: its checkpoints cannot resume with another shape ({'; '.join(differing)}); "
+                        f"resume with the values there, or start a new run with --init-from {run_dir}")
 
 
 def resumed_precision(run_dir: Path, requested: str) -> str:
