@@ -19,7 +19,7 @@ import torch
 
 from llm import rundir
 from llm.config import RunConfig, build_config, parse_lora_spec
-from llm.data.prepare import SPLITS, STREAMS, TOKENS_FILE, SplitWriter, write_attrs
+from llm.data.prepare import RANDOM_TOKENS_HASH, SPLITS, STREAMS, TOKENS_FILE, SplitWriter, write_attrs
 from llm.devices import place, resolve
 from llm.errors import UserError
 from llm.export import export_model
@@ -44,7 +44,7 @@ def _write_random_data(out: Path, kind: str, vocab_size: int, records, seed: int
             for record in records(rng, dtype):
                 writer.append(record)
             writer.close()
-        write_attrs(h5, kind, "random", vocab_size, None, **attrs)
+        write_attrs(h5, kind, RANDOM_TOKENS_HASH, vocab_size, None, **attrs)
 
 
 def write_random_tokens(out: Path, vocab_size: int, n_tokens: int, seed: int = 0) -> None:

@@ -36,6 +36,8 @@ from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 WEIGHTS_FILE, HF_CONFIG_FILE, WEIGHTS_INDEX_FILE = "model.safetensors", "config.json", "model.safetensors.index.json"
 EXPORT_FILES = {WEIGHTS_FILE, HF_CONFIG_FILE, WEIGHTS_INDEX_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG}
 _SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+_LEGACY_BUFFER = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+"""RoPE frequencies older transformers saved with the weights: recomputed from config.json, so ignored on import."""
 
 _LAYER_NAMES = {  # ours (inside layers.N.) -> Hugging Face (inside model.layers.N.)
     "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
@@ -110,6 +112,8 @@ def _number(config: dict[str, Any], key: str, source: str, kind: type, default: 
 def model_config_from_hf(config: dict, source: str) -> ModelConfig:
     architectures = config.get("architectures") or []
     model_type = config.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise UserError(f"{source}: not a Llama- or Qwen3-architecture config (model_type {model_type!r})")
     if model_type not in ARCHITECTURES:
         named = [t for t, name in ARCHITECTURES.items() if isinstance(architectures, list) and name in architectures]
         if not named:
@@ -220,11 +224,12 @@ def _read_tensors(path: Path, names: list[str] | None) -> dict[str, torch.Tensor
         raise UserError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
-def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """Exactly the weights an export names: model.safetensors when present (as transformers does), else the shards
-    of model.safetensors.index.json's weight_map. Other *.safetensors files in the directory are not read."""
+def weight_files(directory: Path) -> dict[str, list[str] | None]:
+    """Exactly the weight files an export names, each with the tensors it must hold (None: all it holds):
+    model.safetensors when present (as transformers does), else the shards of model.safetensors.index.json's
+    weight_map. Other *.safetensors files in the directory are not read."""
     if (directory / WEIGHTS_FILE).is_file():
-        return _read_tensors(directory / WEIGHTS_FILE, None)
+        return {WEIGHTS_FILE: None}
     index = directory / WEIGHTS_INDEX_FILE
     if not index.is_file():
         raise UserError(f"{directory}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} beside {HF_CONFIG_FILE}")
@@ -237,11 +242,17 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
         if Path(shard).name != shard or shard in (".", ".."):
             raise UserError(f"{index}: shard '{shard}' is not a file name in {directory}")
         shards.setdefault(shard, []).append(name)
-    state = {}
-    for shard, names in shards.items():
+    for shard in shards:
         if not (directory / shard).is_file():
             raise UserError(f"{index}: names shard {shard}, which is missing")
-        state.update(_read_tensors(directory / shard, names))
+    return shards
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Exactly the weights an export names (`weight_files`)."""
+    state = {}
+    for name, tensors in weight_files(directory).items():
+        state.update(_read_tensors(directory / name, tensors))
     return state
 
 
@@ -251,7 +262,7 @@ def import_model(directory: Path) -> Transformer:
     if not config_path.is_file():
         raise UserError(f"{directory}: expected {HF_CONFIG_FILE} and {WEIGHTS_FILE} (a Hugging Face Llama export)")
     cfg = model_config_from_hf(read_json_object(config_path), str(config_path))
-    state = read_weights(directory)
+    state = {name: tensor for name, tensor in read_weights(directory).items() if not _LEGACY_BUFFER.fullmatch(name)}
     layers = {name.split(".")[2] for name in state if name.startswith("model.layers.")}
     if len(layers) != cfg.n_layers:  # checked first: building a model of a hostile layer count would never end
         raise UserError(f"{directory}: weights do not match {HF_CONFIG_FILE} ({len(layers)} layers in the weights, "

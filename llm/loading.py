@@ -7,6 +7,7 @@ exports are safetensors and JSON."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 from pathlib import Path
 
@@ -14,8 +15,9 @@ import torch
 
 from llm import rundir
 from llm.config import ModelConfig, RunConfig, build_config
+from llm.data.prepare import RANDOM_TOKENS_HASH
 from llm.errors import UserError
-from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, import_model
+from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, import_model, weight_files
 from llm.model import Transformer
 from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, load_adapters, merge
@@ -101,7 +103,8 @@ def is_run_or_export(directory: Path, option: str = "") -> bool:
 
 def weights_summary(path: str | Path, option: str) -> dict[str, str]:
     """What identifies the weights of a run or export directory: its path, and its weights (a run directory's run id
-    and newest usable checkpoint, or the digest of an export's weights file). `option` names it in errors."""
+    and newest usable checkpoint, or the digest of an export's weight files: model.safetensors, or the index and every
+    shard it names). `option` names it in errors."""
     directory = Path(path)
     if rundir.is_run_dir(directory):
         tag = rundir.usable_tag(directory)
@@ -110,10 +113,16 @@ def weights_summary(path: str | Path, option: str) -> dict[str, str]:
                             f"{rundir.checkpoint_dir(directory) / rundir.LATEST}); train it first")
         weights = f"run {rundir.client_state_of(directory, tag)['run_id']} {tag}"
     else:
-        files = [directory / name for name in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE) if (directory / name).is_file()]
-        if not files:
+        if not any((directory / name).is_file() for name in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE)):
             raise UserError(f"{option} {directory}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}")
-        weights = f"{files[0].name} digest {file_digest(files[0])}"
+        files = weight_files(directory)
+        if WEIGHTS_FILE in files:
+            weights = f"{WEIGHTS_FILE} digest {file_digest(directory / WEIGHTS_FILE)}"
+        else:  # the index and every shard it names: a shard replaced under an unchanged index is other weights
+            digest = hashlib.sha256(file_digest(directory / WEIGHTS_INDEX_FILE).encode())
+            for shard in sorted(files):
+                digest.update(f"\0{shard}\0{file_digest(directory / shard)}".encode())
+            weights = f"{WEIGHTS_INDEX_FILE} and its {len(files)} shards digest {digest.hexdigest()[:16]}"
     return {"path": str(directory.resolve()), "weights": weights}
 
 
@@ -130,7 +139,11 @@ def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer]:
     model, tokenizer_dir = load_model_dir(path)
     if not (tokenizer_dir / TOKENIZER_FILE).is_file():
         raise UserError(f"{path}: no tokenizer files ({TOKENIZER_FILE}) beside the model")
-    return model, Tokenizer.load(tokenizer_dir)
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    if tokenizer.vocab_size > model.cfg.vocab_size:  # fewer is fine: padded embedding rows no token reaches
+        raise UserError(f"{path}: its tokenizer {tokenizer_dir} has {tokenizer.vocab_size} tokens, more than the "
+                        f"model's vocab_size {model.cfg.vocab_size}; use the tokenizer the model was trained with")
+    return model, tokenizer
 
 
 SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "ffn_hidden_dim", "tie_embeddings", "moe",
@@ -148,7 +161,13 @@ def initial_weights(cfg: ModelConfig, init_from: str, data_tokenizer_hash: str) 
     if differing:
         raise UserError(f"--init-from {init_from}: the model differs from this run's config ({'; '.join(differing)}); "
                         "set those model.* keys to the values there")
-    if (tokenizer_dir / TOKENIZER_FILE).is_file() and Tokenizer.load(tokenizer_dir).hash != data_tokenizer_hash:
+    if not (tokenizer_dir / TOKENIZER_FILE).is_file():
+        if data_tokenizer_hash == RANDOM_TOKENS_HASH:  # `bench train --lora`: random tokens on a random export
+            return source.state_dict()
+        raise UserError(f"--init-from {init_from}: no tokenizer ({tokenizer_dir / TOKENIZER_FILE} is missing), so "
+                        "nothing shows it is the one the data was prepared with; give a model that keeps its "
+                        "tokenizer files")
+    if Tokenizer.load(tokenizer_dir).hash != data_tokenizer_hash:
         raise UserError(f"--init-from {init_from}: its tokenizer differs from the one the data was prepared with; "
                         f"prepare the data with {tokenizer_dir}")
     return source.state_dict()

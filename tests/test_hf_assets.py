@@ -7,12 +7,16 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURES, run_cli
 from llm.config import ModelConfig
-from llm.export import export_model, import_model
-from llm.loading import load_for_inference
+from llm.data.prepare import RANDOM_TOKENS_HASH
+from llm.errors import UserError
+from llm.export import export_model, hf_config, import_model, model_config_from_hf
+from llm.loading import initial_weights, load_for_inference, weights_summary
 from llm.model import Transformer
 from llm.tokenizer import Tokenizer
 
@@ -103,3 +107,86 @@ def test_a_qk_norm_model_exports_as_qwen3_with_equal_logits(tmp_path):
         assert torch.allclose(hf(tokens).logits, model(tokens).logits, atol=1e-4)
         imported = import_model(tmp_path)
         assert imported.cfg.qk_norm and torch.equal(imported(tokens).logits, model(tokens).logits)
+
+
+def _small(seed, vocab_size=96):
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                   max_seq_len=64)).eval()
+
+
+def test_a_sharded_exports_summary_covers_every_shard(tmp_path):
+    """A shard replaced under an unchanged index is other weights: a LoRA run's base or a distilled run's teacher
+    swapped that way must not pass as the one it was trained with."""
+    export, other = tmp_path / "export", tmp_path / "other"
+    export_model(_small(0), None, export)
+    export_model(_small(1), None, other)
+    shard = export / "model-00001-of-00001.safetensors"
+    (export / "model.safetensors").rename(shard)
+    names = sorted(load_file(str(shard)))
+    (export / "model.safetensors.index.json").write_text(json.dumps({"metadata": {},
+                                                                     "weight_map": {n: shard.name for n in names}}))
+    before = weights_summary(export, "--init-from")
+    assert "model.safetensors.index.json" in before["weights"]
+    assert weights_summary(export, "--init-from") == before  # stable
+    shutil.copy(other / "model.safetensors", shard)
+    after = weights_summary(export, "--init-from")
+    assert after["path"] == before["path"] and after["weights"] != before["weights"]
+
+
+def test_inference_refuses_a_tokenizer_with_more_tokens_than_the_model(tmp_path):
+    tokens = Tokenizer.load(LLAMA_TOKENIZER).vocab_size
+    export_model(_small(0, vocab_size=tokens - 10), LLAMA_TOKENIZER, tmp_path / "small")
+    with pytest.raises(UserError) as exc:
+        load_for_inference(tmp_path / "small")
+    message = str(exc.value)
+    assert "\n" not in message and str(tmp_path / "small") in message
+    assert f"has {tokens} tokens, more than the model's vocab_size {tokens - 10}" in message
+    export_model(_small(0, vocab_size=tokens + 6), LLAMA_TOKENIZER, tmp_path / "padded")  # padded rows: fine
+    model, tokenizer = load_for_inference(tmp_path / "padded")
+    assert model.cfg.vocab_size == tokens + 6 and tokenizer.vocab_size == tokens
+
+
+def test_init_from_refuses_an_export_without_tokenizer_files(tmp_path):
+    model = _small(0, vocab_size=Tokenizer.load(LLAMA_TOKENIZER).vocab_size)
+    export_model(model, LLAMA_TOKENIZER, tmp_path / "export")
+    data_hash = Tokenizer.load(LLAMA_TOKENIZER).hash
+    assert initial_weights(model.cfg, str(tmp_path / "export"), data_hash).keys() == model.state_dict().keys()
+    (tmp_path / "export" / "tokenizer.json").unlink()
+    with pytest.raises(UserError) as exc:
+        initial_weights(model.cfg, str(tmp_path / "export"), data_hash)
+    message = str(exc.value)
+    assert message.startswith(f"--init-from {tmp_path / 'export'}: no tokenizer") and "\n" not in message
+    assert "nothing shows it is the one the data was prepared with" in message
+    assert initial_weights(model.cfg, str(tmp_path / "export"), RANDOM_TOKENS_HASH)  # `bench train --lora`'s data
+
+
+@pytest.mark.parametrize("model_type", [["llama"], {"name": "llama"}])
+def test_a_model_type_that_is_not_a_string_is_refused_in_one_line(tmp_path, model_type):
+    export_model(_small(0), None, tmp_path)
+    config = hf_config(_small(0).cfg, None)
+    config["model_type"] = model_type
+    with pytest.raises(UserError, match=r"config.json: not a Llama- or Qwen3-architecture config \(model_type"):
+        model_config_from_hf(config, "config.json")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="not a Llama- or Qwen3-architecture config"):
+        import_model(tmp_path)
+
+
+def test_legacy_rotary_inv_freq_buffers_are_ignored_on_import(tmp_path):
+    """Older transformers saved each layer's RoPE frequencies with the weights; transformers loads such a directory,
+    and so do we, while any other unexpected tensor is still refused."""
+    model = _small(0)
+    export_model(model, None, tmp_path)
+    weights = tmp_path / "model.safetensors"
+    state = load_file(str(weights))
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8))
+    state.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": inv_freq.clone() for i in range(2)})
+    save_file(state, str(weights))
+    tokens = torch.randint(0, 96, (2, 11))
+    with torch.no_grad():
+        assert torch.equal(import_model(tmp_path)(tokens).logits, model(tokens).logits)
+    state["model.layers.0.self_attn.rotary_emb.other"] = inv_freq
+    save_file(state, str(weights))
+    with pytest.raises(UserError, match=r"unexpected \['model.layers.0.self_attn.rotary_emb.other'\]"):
+        import_model(tmp_path)

@@ -269,6 +269,8 @@ class SplitWriter:
 
 ROLE_IDS = ("eos_id", "pad_id", "bos_id", "im_start_id", "im_end_id")
 """Special-token roles recorded in tokens.h5; a role the tokenizer does not have is recorded as -1."""
+RANDOM_TOKENS_HASH = "random"
+"""The tokenizer hash recorded for random token ids (`zerollm bench` data), which no tokenizer made."""
 
 
 def write_attrs(h5: h5py.File, kind: str, tokenizer_hash: str, vocab_size: int, special: Tokenizer | None,
