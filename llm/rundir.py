@@ -96,7 +96,7 @@ def check_run_output(run_dir: Path, resume: bool) -> None:
     for folder in (checkpoint_dir(run_dir), tokenizer_dir(run_dir)):
         if folder.exists() and not folder.is_dir():
             raise UserError(f"--out {run_dir}: {folder} is a file where training keeps a folder; move it away")
-    if not resume and latest_tag(run_dir) is not None:
+    if latest_tag(run_dir) is not None and not resume:  # read either way: a damaged `latest` is refused here
         raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another "
                         "--out")
     check_run_unlocked(run_dir)
@@ -166,9 +166,20 @@ def checkpoint_tags(run_dir: Path) -> list[str]:
 
 
 def latest_tag(run_dir: Path) -> str | None:
-    """The tag `latest` names (None before the first checkpoint was published); it may be incomplete or gone."""
+    """The tag `latest` names (None before the first checkpoint was published); it may be incomplete or gone. A
+    `latest` that is not a file or not text is a UserError."""
     path = checkpoint_dir(run_dir) / LATEST
-    return path.read_text().strip() if path.is_file() else None
+    if not path.exists():
+        return None
+    advice = f"write the tag of a checkpoint folder there (e.g. {tag_for(0)}) or delete it to start over"
+    if not path.is_file():
+        raise UserError(f"{path} is not a file (training writes the tag of the newest checkpoint there); {advice}")
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is damaged (not UTF-8 text); {advice}") from None
+    except OSError as exc:
+        raise UserError(f"{path} cannot be read ({exc.strerror or exc}); {advice}") from None
 
 
 def incompleteness(run_dir: Path, tag: str) -> str | None:
@@ -178,7 +189,7 @@ def incompleteness(run_dir: Path, tag: str) -> str | None:
     if not directory.is_dir():
         return "the folder does not exist"
     try:
-        listed = json.loads(manifest_file(run_dir, tag).read_text())["files"]
+        listed = json.loads(manifest_file(run_dir, tag).read_text(encoding="utf-8"))["files"]
     except FileNotFoundError:
         return f"no {MANIFEST} (its save did not finish)"
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -186,6 +197,9 @@ def incompleteness(run_dir: Path, tag: str) -> str | None:
     if not isinstance(listed, dict):
         return f"unreadable {MANIFEST} (its files are not a mapping)"
     present = {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file() and p.name != MANIFEST}
+    wrong = next((name for name, size in sorted(listed.items()) if not _is_count(size)), None)
+    if wrong is not None:
+        return f"damaged {MANIFEST} (it lists {wrong} with size {listed[wrong]!r}, not a number of bytes)"
     for name, size in sorted(listed.items()):
         if name not in present:
             return f"{name} is missing"
@@ -221,7 +235,75 @@ def usable_tag(run_dir: Path) -> str | None:
 
 
 def client_state_of(run_dir: Path, tag: str) -> dict[str, Any]:
+    """What checkpoint `tag` recorded beside DeepSpeed's state (`llm.train.trainer`: step, run id, world size,
+    sampler, loss scale, time budget), its fields checked; a missing or damaged file is a UserError."""
     client_file = checkpoint_dir(run_dir) / tag / CLIENT_STATE
     if not client_file.is_file():
         raise UserError(f"{client_file.parent}: no {CLIENT_STATE}; the checkpoint is incomplete")
-    return json.loads(client_file.read_text())
+    try:
+        state = json.loads(client_file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        problem = "not UTF-8 text"
+    except ValueError as exc:
+        problem = f"not JSON: {exc}"
+    except OSError as exc:
+        problem = f"unreadable: {exc.strerror or exc}"
+    else:
+        problem = _client_state_problem(state, tag)
+    if problem is not None:
+        raise UserError(f"{client_file} is damaged ({problem}), so checkpoint {tag} cannot be used; "
+                        f"{damaged_checkpoint_advice(run_dir, tag)}")
+    return state
+
+
+def _is_count(value: Any, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _client_state_problem(state: Any, tag: str) -> str | None:
+    """What is wrong with a client state as `client_state_of` parsed it (None: nothing): each field the code reads,
+    with its type and range."""
+    if not isinstance(state, dict):
+        return f"a JSON object was expected, found {type(state).__name__}"
+    if not _is_count(state.get("step")):
+        return f"step is {state.get('step')!r}, not a step number"
+    if state["step"] != step_of(tag):
+        return f"step is {state['step']}, not the folder's {step_of(tag)}"
+    if not isinstance(state.get("run_id"), str):
+        return f"run_id is {state.get('run_id')!r}, not a string"
+    if not _is_count(state.get("world_size"), least=1):
+        return f"world_size is {state.get('world_size')!r}, not a number of ranks"
+    sampler = state.get("sampler")
+    if not isinstance(sampler, dict):
+        return f"sampler is {sampler!r}, not an object"
+    for key in ("epoch", "consumed", "seed", "num_samples"):
+        if not _is_count(sampler.get(key)):
+            return f"sampler.{key} is {sampler.get(key)!r}, not a count"
+    if sampler["consumed"] > sampler["num_samples"]:
+        return f"sampler.consumed is {sampler['consumed']}, more than its {sampler['num_samples']} samples"
+    if state.get("loss_scale") is not None and not _is_number(state["loss_scale"]):
+        return f"loss_scale is {state['loss_scale']!r}, not a number"
+    budget = state.get("time_budget")
+    if budget is not None:
+        if not isinstance(budget, dict):
+            return f"time_budget is {budget!r}, not an object"
+        for key in ("elapsed", "step_seconds", "save_seconds", "eval_seconds", "warmup_end"):
+            optional = key in ("eval_seconds", "warmup_end")
+            if not (_is_number(budget.get(key)) or optional and budget.get(key) is None):
+                return f"time_budget.{key} is {budget.get(key)!r}, not a number of seconds"
+    return None
+
+
+def damaged_checkpoint_advice(run_dir: Path, tag: str) -> str:
+    """What to do about checkpoint `tag` when a file in it is damaged: remove its folder, so that `usable_tag` falls
+    back to the newest complete one before it, when there is one."""
+    folder = checkpoint_dir(run_dir) / tag
+    earlier = [older for older in checkpoint_tags(run_dir)
+               if step_of(older) < step_of(tag) and incompleteness(run_dir, older) is None]
+    if earlier:
+        return f"remove {folder} to continue from {earlier[-1]}, the newest complete checkpoint before it"
+    return "no earlier checkpoint is complete: train the run again into a new --out"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FIXTURES, run_cli, train_args
+from conftest import FIXTURES, run_cli, train_args, zerollm_here
 from llm import rundir
 from llm.config import build_config
 from llm.errors import UserError
@@ -26,6 +27,9 @@ from llm.train import checkpoint
 from llm.train.metrics import MetricsSink
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
+CLIENT_STATE = {"step": 0, "run_id": "abc", "world_size": 1, "stopped_by_signal": False, "loss_scale": None,
+                "time_budget": None, "sampler": {"epoch": 0, "consumed": 8, "seed": 1, "num_samples": 100}}
+"""What `llm.train.trainer` records beside DeepSpeed's state (`rundir.client_state_of` checks each field)."""
 
 
 class FakeEngine:
@@ -47,7 +51,7 @@ class FakeEngine:
 
 def _save(run: Path, *steps: int, keep: int = 0) -> None:
     for step in steps:
-        checkpoint.save(FakeEngine(step), run, step, {"step": step, "world_size": 1}, keep)
+        checkpoint.save(FakeEngine(step), run, step, CLIENT_STATE | {"step": step}, keep)
 
 
 def _tags(run: Path) -> list[str]:
@@ -183,7 +187,7 @@ def _payload(marker: Path) -> dict:
 def test_resuming_never_runs_a_pickle_found_in_a_checkpoint(one_rank_group, tmp_path, name):
     _save(tmp_path, 1)
     _plant(tmp_path, "global_step1", name, _payload(tmp_path / "pwned"))
-    with pytest.raises(UserError, match=r"global_step1: a file holds more than tensors .*GLOBAL posix.mkdir"):
+    with pytest.raises(UserError, match=rf"global_step1/{name} holds more than tensors .*GLOBAL posix.mkdir"):
         checkpoint.load(FakeEngine(), tmp_path, "global_step1")
     assert not (tmp_path / "pwned").exists()
     assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
@@ -198,7 +202,7 @@ def test_loading_weights_never_runs_a_pickle_found_in_a_checkpoint(one_rank_grou
         _plant(tmp_path, "global_step1", MODEL_FILE, {"module": {}, "buffer_names": [], "shared_params": {},
                                                       "param_shapes": [{"w": torch.Size([4])}]})
     _plant(tmp_path, "global_step1", name, _payload(tmp_path / "pwned"))
-    with pytest.raises(UserError, match=r"global_step1: a file holds more than tensors .*GLOBAL posix.mkdir"):
+    with pytest.raises(UserError, match=rf"global_step1/{name} holds more than tensors .*GLOBAL posix.mkdir"):
         consolidated_weights(tmp_path)
     assert not (tmp_path / "pwned").exists()
 
@@ -212,6 +216,147 @@ def test_the_universal_conversion_never_runs_a_pickle_found_in_a_checkpoint(tmp_
     with pytest.raises(UserError, match="Weights only load failed"):
         checkpoint.convert_to_universal(tmp_path, "global_step1")
     assert not (tmp_path / "pwned").exists()
+
+
+# ---- damaged files: `latest`, client state, RNG files, manifest sizes, unreadable checkpoint files ----------------
+
+def _latest(run: Path) -> Path:
+    return rundir.checkpoint_dir(run) / rundir.LATEST
+
+
+def _replace_latest_by_a_folder(latest: Path) -> None:
+    latest.unlink()
+    latest.mkdir()
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda latest: latest.write_bytes(b"global_step10\xff"), "is damaged (not UTF-8 text)"),
+    (_replace_latest_by_a_folder, "is not a file"),
+])
+def test_a_latest_that_is_not_a_text_file_is_one_clear_error(one_rank_group, tmp_path, damage, problem):
+    """Used to be a UnicodeDecodeError (generate, export, resume), or for a folder a resume from step 0 that died
+    saving its first checkpoint with IsADirectoryError."""
+    _save(tmp_path, 10)
+    damage(_latest(tmp_path))
+    expected = rf"{_latest(tmp_path)} {re.escape(problem)}.*write the tag of a checkpoint folder there .*or delete it"
+    for read in (rundir.latest_tag, rundir.usable_tag, consolidated_weights,
+                 lambda run: rundir.check_run_output(run, resume=True)):
+        with pytest.raises(UserError, match=expected):
+            read(tmp_path)
+
+
+def test_resuming_with_a_damaged_latest_is_refused_before_training(pretrain_data, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    _latest(run).parent.mkdir(parents=True)
+    _latest(run).write_bytes(b"global_step2\xff")
+    assert zerollm_here(monkeypatch, *train_args(pretrain_data, run, *ONE_RANK, extra=["--resume", "auto"])) == 2
+    assert capsys.readouterr().err.strip() == (f"zerollm: error: {_latest(run)} is damaged (not UTF-8 text); write "
+                                               "the tag of a checkpoint folder there (e.g. global_step0) or delete it "
+                                               "to start over")
+
+
+def _rewrite(path: Path, content: bytes) -> None:
+    """Replace a checkpoint file and keep its manifest consistent (a manifest checks sizes, not contents)."""
+    path.write_bytes(content)
+    manifest = json.loads((path.parent / rundir.MANIFEST).read_text())
+    manifest["files"][path.name] = len(content)
+    (path.parent / rundir.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _client_state(**changes) -> bytes:
+    state = CLIENT_STATE | {"step": 20} | changes
+    return json.dumps({key: value for key, value in state.items() if value != "drop"}).encode()
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"\0" * 180, "not JSON: Expecting value"),  # power loss: the size is right, the blocks are zeros
+    (b'{"step": 20,', "not JSON"),
+    (b"\xff{}", "not UTF-8 text"),
+    (b"[1]", "a JSON object was expected, found list"),
+    (_client_state(world_size="1"), "world_size is '1', not a number of ranks"),
+    (_client_state(world_size=0), "world_size is 0, not a number of ranks"),
+    (_client_state(step="x"), "step is 'x', not a step number"),
+    (_client_state(step=99), "step is 99, not the folder's 20"),
+    (_client_state(sampler="drop"), "sampler is None, not an object"),
+    (_client_state(sampler={"epoch": 0, "consumed": -5, "seed": 1, "num_samples": 100}), "sampler.consumed is -5"),
+    (_client_state(run_id=7), "run_id is 7, not a string"),
+    (_client_state(time_budget={"elapsed": "1"}), "time_budget.elapsed is '1'"),
+])
+def test_a_damaged_client_state_is_one_clear_error(one_rank_group, tmp_path, content, problem):
+    """Used to be a JSONDecodeError, TypeError or KeyError traceback on resume, or a resume at a wrong step."""
+    _save(tmp_path, 10, 20)
+    client_file = rundir.checkpoint_dir(tmp_path) / "global_step20" / rundir.CLIENT_STATE
+    _rewrite(client_file, content)
+    assert rundir.usable_tag(tmp_path) == "global_step20"  # complete: sizes match its manifest
+    with pytest.raises(UserError) as raised:
+        checkpoint.load(FakeEngine(), tmp_path, "global_step20")
+    message = str(raised.value)
+    assert message.startswith(f"{client_file} is damaged ({problem}") and message.endswith(
+        f"), so checkpoint global_step20 cannot be used; remove {client_file.parent} to continue from global_step10, "
+        "the newest complete checkpoint before it")
+    shutil.rmtree(client_file.parent)  # as the message says
+    assert rundir.usable_tag(tmp_path) == "global_step10"
+    assert checkpoint.load(FakeEngine(), tmp_path, "global_step10")["step"] == 10
+
+
+def test_a_damaged_client_state_without_an_earlier_checkpoint_says_to_train_again(one_rank_group, tmp_path):
+    _save(tmp_path, 10)
+    _rewrite(rundir.checkpoint_dir(tmp_path) / "global_step10" / rundir.CLIENT_STATE, b"{}")
+    with pytest.raises(UserError, match=r"client_state.json is damaged \(step is None, .*no earlier checkpoint is "
+                                        "complete: train the run again into a new --out"):
+        rundir.client_state_of(tmp_path, "global_step10")
+
+
+@pytest.mark.parametrize("content, problem", [
+    ({"python": [1, 2]}, r"rng_rank0.pt is damaged \(not the random state of a rank: ValueError"),
+    ([1, 2, 3], r"rng_rank0.pt is damaged \(not the random state of a rank: TypeError"),
+    (b"garbage" * 100, r"rng_rank0.pt is damaged: it is not a checkpoint file torch can read \(Unsupported operand"),
+])
+def test_a_damaged_rng_file_is_one_clear_error(one_rank_group, tmp_path, content, problem):
+    """Used to be `ValueError: not enough values to unpack` (and 'holds more than tensors' for garbage)."""
+    _save(tmp_path, 10, 20)
+    folder = rundir.checkpoint_dir(tmp_path) / "global_step20"
+    if isinstance(content, bytes):
+        _rewrite(folder / "rng_rank0.pt", content)
+    else:
+        _plant(tmp_path, "global_step20", "rng_rank0.pt", content)
+    with pytest.raises(UserError, match=rf"{folder}/{problem}.*; remove {folder} to continue from global_step10"):
+        checkpoint.load(FakeEngine(), tmp_path, "global_step20")
+
+
+def test_manifest_sizes_that_are_not_numbers_make_a_damaged_manifest(one_rank_group, tmp_path, capsys):
+    """Used to read 'client_state.json has 218 bytes, 218 were written'."""
+    _save(tmp_path, 10, 20)
+    manifest = rundir.manifest_file(tmp_path, "global_step20")
+    listed = json.loads(manifest.read_text())
+    listed["files"] = {name: str(size) for name, size in listed["files"].items()}
+    manifest.write_text(json.dumps(listed))
+    assert rundir.incompleteness(tmp_path, "global_step20") == (
+        f"damaged {rundir.MANIFEST} (it lists {rundir.CLIENT_STATE} with size "
+        f"'{listed['files'][rundir.CLIENT_STATE]}', not a number of bytes)")
+    assert rundir.usable_tag(tmp_path) == "global_step10"
+    assert "damaged manifest.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, detail", [
+    (b"garbage" * 100, "Unsupported operand 103"),  # not a pickle, not a zip
+    (b"", "it ends early"),
+    ("torn", "PytorchStreamReader failed reading zip archive: failed finding central directory"),
+])
+def test_an_unreadable_model_file_is_named_as_damaged(one_rank_group, tmp_path, content, detail):
+    """Used to be 'global_step20: a file holds more than tensors and plain values' with torch's advice to load with
+    weights_only=False (or an EOFError traceback for an empty file)."""
+    _save(tmp_path, 10, 20)
+    model = rundir.checkpoint_dir(tmp_path) / "global_step20" / MODEL_FILE
+    _rewrite(model, model.read_bytes()[:200] if content == "torn" else content)
+    expected = f"{model} is damaged: it is not a checkpoint file torch can read ({detail}); remove {model.parent} " \
+               "to continue from global_step10, the newest complete checkpoint before it"
+    for read in (lambda: checkpoint.load(FakeEngine(), tmp_path, "global_step20"),
+                 lambda: consolidated_weights(tmp_path)):
+        with pytest.raises(UserError) as raised:
+            read()
+        assert str(raised.value) == expected and "weights_only" not in str(raised.value)
+    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
 
 
 # ---- item 3: metrics.jsonl ---------------------------------------------------------------------------------------

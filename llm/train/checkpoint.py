@@ -77,24 +77,57 @@ def deepspeed_state_classes() -> list[type]:
 @contextmanager
 def restricted_unpickling(source: Path) -> Iterator[None]:
     """Inside, every `torch.load` (DeepSpeed's own, which asks for weights_only=False, included) unpickles only
-    tensors, plain containers and `deepspeed_state_classes`; anything else is a UserError naming `source` (the
-    checkpoint being read) instead of running."""
+    tensors, plain containers and `deepspeed_state_classes`; anything else is a UserError naming the file (in
+    `source`, the checkpoint being read) instead of running, and so is a file torch cannot read at all (damaged)."""
     classes = deepspeed_state_classes()
     saved = os.environ.get(FORCE_WEIGHTS_ONLY)
     os.environ[FORCE_WEIGHTS_ONLY] = "1"
     try:
         with torch.serialization.safe_globals(classes):
             yield
-    except pickle.UnpicklingError as exc:
-        lines = str(exc).strip().splitlines()
-        detail = next((line.strip() for line in lines if "GLOBAL" in line), lines[0] if lines else "")
-        raise UserError(f"{source}: a file holds more than tensors and plain values, so it was not loaded ({detail})"
-                        ) from None
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as exc:
+        path = _file_being_loaded(exc)
+        unreadable = isinstance(exc, pickle.UnpicklingError) or path is not None and (
+            isinstance(exc, EOFError) or any(mark in str(exc) for mark in ("PytorchStreamReader", "magic number")))
+        if not unreadable:
+            raise  # not raised reading a file: the caller's error
+        path = path or source
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        payload = next((line for line in lines if "GLOBAL" in line), None)
+        if isinstance(exc, pickle.UnpicklingError) and payload is not None:
+            raise UserError(f"{path} holds more than tensors and plain values, so it was not loaded ({payload})"
+                            ) from None
+        boilerplate = ("Weights only load failed", "Please file an issue", "Check the documentation")
+        detail = next((line for line in lines if not line.startswith(boilerplate)), "it ends early")
+        raise UserError(f"{path} is damaged: it is not a checkpoint file torch can read ({detail.split('. ')[0]}); "
+                        f"{_damaged_advice(path, source)}") from None
     finally:
         if saved is None:
             os.environ.pop(FORCE_WEIGHTS_ONLY)
         else:
             os.environ[FORCE_WEIGHTS_ONLY] = saved
+
+
+def _file_being_loaded(exc: BaseException) -> Path | None:
+    """The file the innermost `torch.load` that `exc` came through was reading (None: it came from elsewhere)."""
+    found, frame = None, exc.__traceback__
+    while frame is not None:
+        if frame.tb_frame.f_code is torch.serialization.load.__code__:
+            f = frame.tb_frame.f_locals.get("f")
+            found = Path(f) if isinstance(f, str | os.PathLike) else Path(getattr(f, "name", "?"))
+        frame = frame.tb_next
+    return found
+
+
+def _damaged_advice(path: Path, source: Path) -> str:
+    """What to do about damaged file `path`, read while loading checkpoint folder `source`: remove a universal
+    conversion, so that it is made again; else `rundir.damaged_checkpoint_advice` for the checkpoint holding it."""
+    folder = source if path.is_relative_to(source) else path.parent
+    if folder.parent.name == rundir.UNIVERSAL_DIR:
+        return f"remove {folder} so that it is converted again"
+    if folder.parent.name != rundir.CHECKPOINTS_DIR or not rundir.is_tag(folder.name):
+        return f"remove {folder}"
+    return rundir.damaged_checkpoint_advice(folder.parent.parent, folder.name)
 
 
 def _files(directory: Path) -> dict[str, int]:
@@ -248,8 +281,24 @@ def load(engine, run_dir: Path, tag: str, universal: bool = False) -> dict[str, 
         if path is None:
             raise UserError(f"{root / tag}: DeepSpeed could not load this checkpoint")
         if dist.get_rank() < client_state["world_size"]:
-            set_rng_state(torch.load(rundir.rng_file(run_dir, tag, dist.get_rank()), weights_only=True))
+            restore_rng_state(run_dir, tag, dist.get_rank())
     return client_state
+
+
+def restore_rng_state(run_dir: Path, tag: str, rank: int) -> None:
+    """Set this process's RNGs from the RNG file of `rank` in checkpoint `tag` (`rng_state`, written by `save`);
+    a missing file or one of another structure is a UserError naming it."""
+    path = rundir.rng_file(run_dir, tag, rank)
+    try:
+        state = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing, so rank {rank}'s random state cannot be restored; "
+                        f"{rundir.damaged_checkpoint_advice(run_dir, tag)}") from None
+    try:
+        set_rng_state(state)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        raise UserError(f"{path} is damaged (not the random state of a rank: {type(exc).__name__}: {exc}), so "
+                        f"checkpoint {tag} cannot be used; {rundir.damaged_checkpoint_advice(run_dir, tag)}") from None
 
 
 class Checkpointer:
