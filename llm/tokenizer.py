@@ -215,7 +215,13 @@ class Tokenizer:
 
         template = chat_template if chat_template is not None else self.config.get("chat_template")
         if isinstance(template, list):  # transformers' named templates
-            by_name = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            for entry in template:
+                if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                        and isinstance(entry.get("template"), str)):
+                    raise UserError(f"{source}: 'chat_template' in {CONFIG_FILE} is a list of named templates "
+                                    '{"name": "...", "template": "..."} (both strings), one entry is '
+                                    f"{json.dumps(entry, default=str)[:60]}; fix or remove it")
+            by_name = {t["name"]: t["template"] for t in template}
             template = by_name.get("default", next(iter(by_name.values()), None))
         if template in LEGACY_CHAT_TEMPLATES or (template is None and IM_START in added and IM_END in added):
             template = CHAT_TEMPLATE
@@ -241,10 +247,18 @@ class Tokenizer:
                 config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise UserError(f"{directory / CONFIG_FILE}: not valid JSON ({exc})") from None
+            except RecursionError:
+                raise UserError(f"{directory / CONFIG_FILE}: not valid JSON (nested too deeply)") from None
             if not isinstance(config, dict):
                 raise UserError(f"{directory / CONFIG_FILE}: expected a JSON object")
         template_file = directory / TEMPLATE_FILE
-        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
+        try:
+            template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
+        except UnicodeDecodeError as exc:
+            raise UserError(f"{template_file}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                            "save the chat template as UTF-8") from None
+        except OSError as exc:
+            raise UserError(f"{template_file}: cannot be read ({exc.strerror or exc})") from None
         return cls(tok, config, str(directory), template)
 
     def save(self, out_dir: Path) -> Tokenizer:

@@ -8,10 +8,12 @@ the run config; an explicit value that disagrees with the run config is an error
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import torch
 
 from llm.config import RunConfig
@@ -21,6 +23,8 @@ from llm.runtime.distributed import ensure_accelerator_env
 
 ensure_accelerator_env()
 import deepspeed  # noqa: E402 - after the accelerator is chosen
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: E402
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum  # noqa: E402
 
 defer_muon_compile()
 
@@ -83,9 +87,16 @@ def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any],
     if not path.is_file():
         raise UserError(f"{path}: DeepSpeed config not found")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise UserError(f"{path}: invalid JSON (nested too deeply)") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                        "save the DeepSpeed config as UTF-8 JSON") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if not isinstance(raw, dict):
         raise UserError(f"{path}: a DeepSpeed config is a JSON object {{...}}, got {json.dumps(raw)[:60]}")
     return raw, str(path)
@@ -93,8 +104,10 @@ def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any],
 
 def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, source: str = "DeepSpeed config",
                       zero_stage: int | None = None) -> dict[str, Any]:
-    """Fill "auto" values from the run config; refuse values that contradict it, sections that are not objects and
-    an optimizer DeepSpeed does not have (DeepSpeed would fail on those with a traceback)."""
+    """Fill "auto" values from the run config; refuse values that contradict it, sections that are not objects, an
+    optimizer DeepSpeed does not have, optimizer params the optimizer does not take (the run config fills only those
+    it takes: no betas for SGD), a zero_optimization section DeepSpeed's model refuses and steps_per_print below 1
+    (DeepSpeed would fail on those in every rank with a traceback)."""
     ds = copy.deepcopy(raw)
     t = cfg.train
 
@@ -134,12 +147,6 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     if t.precision == "fp16":
         for key, value in DYNAMIC_LOSS_SCALING.items():
             fp16.setdefault(key, value)
-    optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
-    params = optimizer.setdefault("params", {})
-    fill(params, "lr", t.lr, "train.lr")
-    fill(params, "betas", [t.beta1, t.beta2], "[train.beta1, train.beta2]")
-    fill(params, "eps", t.adam_eps, "train.adam_eps")
-    fill(params, "weight_decay", t.weight_decay, "train.weight_decay")
     if "scheduler" in ds:
         raise UserError(f"{source}: remove 'scheduler'; the learning-rate schedule comes from the run config "
                         "(train.lr, train.warmup_steps, train.min_lr_ratio, train.max_steps)")
@@ -148,10 +155,88 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise UserError(f"{source}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    zero = _zero_config(ds.get("zero_optimization", {}), source)
+    optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
+    params = optimizer.setdefault("params", {})
+    offload = zero.offload_optimizer is not None and zero.offload_optimizer.device != OffloadDeviceEnum.none
+    takes = _optimizer_keywords(optimizer["type"], params, offload)
+    if takes is not None:
+        if "lr" not in takes:
+            raise UserError(f"{source}: 'optimizer.type' {optimizer['type']} has no learning rate for the run "
+                            "config's schedule; choose another optimizer")
+        for key in [key for key in params if key not in takes]:
+            if params[key] != "auto" and key not in ADAM_SWITCHES:
+                raise UserError(f"{source}: 'optimizer.params.{key}' is not a parameter of {optimizer['type']} "
+                                f"(it takes {', '.join(sorted(takes))}); remove it")
+            del params[key]  # "auto" where it does not apply, or a switch of DeepSpeed's Adam
+    for key, value, run_key in (("lr", t.lr, "train.lr"), ("betas", [t.beta1, t.beta2], "[train.beta1, train.beta2]"),
+                                ("eps", t.adam_eps, "train.adam_eps"),
+                                ("weight_decay", t.weight_decay, "train.weight_decay")):
+        if takes is None or key in takes:
+            fill(params, key, value, run_key)
     leftover = _find_auto(ds)
     if leftover:
         raise UserError(f"{source}: no run-config value fills \"auto\" at {leftover}; give it a value")
+    steps_per_print = ds.get("steps_per_print")
+    if steps_per_print is not None and (isinstance(steps_per_print, bool) or not isinstance(steps_per_print, int)
+                                        or steps_per_print < 1):
+        raise UserError(f"{source}: 'steps_per_print' must be a whole number >= 1 (or null: never), "
+                        f"got {json.dumps(steps_per_print)[:60]}")
     return ds
+
+
+def _zero_config(zero: dict[str, Any], source: str):
+    """The zero_optimization section as DeepSpeed reads it (its pydantic model), or a UserError naming the key at
+    fault (DeepSpeed would fail on it in every rank with a ValidationError traceback)."""
+    leftover = _find_auto(zero, "zero_optimization")
+    if leftover:  # DeepSpeed's model takes "auto" for some sizes; here it is a value the run config does not fill
+        raise UserError(f"{source}: no run-config value fills \"auto\" at {leftover}; give it a value")
+    try:
+        return DeepSpeedZeroConfig(**zero)
+    except pydantic.ValidationError as exc:
+        error = exc.errors()[0]
+        key = ".".join(["zero_optimization", *map(str, error["loc"])])
+        if error["type"] == "extra_forbidden":
+            raise UserError(f"{source}: '{key}' is not a ZeRO setting DeepSpeed knows; remove it or correct its "
+                            "name") from None
+        message = error["msg"][:1].lower() + error["msg"][1:]
+        raise UserError(f"{source}: '{key}' is {json.dumps(error.get('input'), default=str)[:60]}: "
+                        f"{message}") from None
+
+
+ADAM_SWITCHES = ("torch_adam", "adam_w_mode", "fp32_optimizer_states")
+"""optimizer.params that DeepSpeed takes for itself when it builds Adam or AdamW (which class, which mode): dropped
+from the other optimizers' params, which would fail on them."""
+
+MUP_OPTIMIZERS = {"muadam": torch.optim.Adam, "muadamw": torch.optim.AdamW, "musgd": torch.optim.SGD}
+
+
+def _optimizer_keywords(name: str, params: dict[str, Any], offload: bool) -> set[str] | None:
+    """The optimizer.params keys that optimizer `name` takes as DeepSpeed builds it (DeepSpeedEngine.
+    _configure_basic_optimizer: torch's Adam/AdamW with torch_adam, else DeepSpeed's CPU or fused kernels), None
+    where any key goes (Muon sorts them into its two halves and ignores the rest)."""
+    lower, extra, taken = name.lower(), set(), set()
+    if lower == "muon":
+        return None
+    if lower in ("adam", "adamw"):
+        extra = set(ADAM_SWITCHES) | ({"foreach"} if params.get("torch_adam") else set())
+        if params.get("torch_adam"):
+            cls = torch.optim.AdamW
+        elif offload:
+            cls, taken = deepspeed.ops.adam.DeepSpeedCPUAdam, {"adamw_mode"}  # DeepSpeed passes it
+        else:
+            cls = deepspeed.ops.adam.FusedAdam
+    elif lower in MUP_OPTIMIZERS:  # mup's wrappers of torch's optimizers
+        cls, extra = MUP_OPTIMIZERS[lower], {"decoupled_wd"}
+    else:
+        cls = {"adagrad": deepspeed.ops.adagrad.DeepSpeedCPUAdagrad if offload else torch.optim.Adagrad,
+               "lamb": deepspeed.ops.lamb.FusedLamb,
+               "lion": deepspeed.ops.lion.DeepSpeedCPULion if offload else deepspeed.ops.lion.FusedLion,
+               }.get(lower) or getattr(torch.optim, name)
+    parameters = list(inspect.signature(cls).parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return ({p.name for p in parameters[1:]} | extra) - taken  # the first is the parameters to optimize
 
 
 def _find_auto(node: Any, path: str = "") -> str | None:

@@ -1,0 +1,182 @@
+"""Users' DeepSpeed configs and tokenizer files that are malformed: one-line errors naming the file and the key,
+before any rank trains (DeepSpeed, json and the chat template code would fail with tracebacks in every rank)."""
+
+import json
+import pathlib
+import shutil
+
+import pytest
+import torch
+
+from conftest import FIXTURES, run_cli, train_args
+from llm.config import build_config
+from llm.errors import UserError
+from llm.tokenizer import Tokenizer
+from llm.train.engine import load_ds_config, resolve_ds_config
+
+MINIMIND = FIXTURES / "tokenizers" / "minimind"
+
+
+def resolved(change: dict, precision: str = "fp32") -> dict:
+    """The shipped pretrain.json with `change` merged into it (sections replaced), resolved for a demo run."""
+    raw, _ = load_ds_config(None, "pretrain")
+    return resolve_ds_config({**raw, **change}, build_config("demo", [f"train.precision={precision}"]), 1, "x.json")
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"steps_per_print": "\xff"}', r"bad.json: not UTF-8 \(byte 0xff at offset 21\); save the DeepSpeed config as "
+                                    "UTF-8 JSON$"),
+    (b"[" * 100_000, r"bad.json: invalid JSON \(nested too deeply\)$"),
+])
+def test_deepspeed_config_that_is_not_utf8_or_nested_too_deeply_is_refused(tmp_path, content, message):
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(content)
+    with pytest.raises(UserError, match=message):
+        load_ds_config(bad, "pretrain")
+
+
+@pytest.mark.parametrize("optimizer, kind, offload", [
+    ("SGD", torch.optim.SGD, False),
+    ("Adagrad", torch.optim.Adagrad, False),
+    ("Adamax", torch.optim.Adamax, False),
+    ("RMSprop", torch.optim.RMSprop, False),
+])
+def test_ds_config_fills_only_the_parameters_the_optimizer_takes(optimizer, kind, offload):
+    ds = resolved({"optimizer": {"type": optimizer, "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                               "weight_decay": "auto", "torch_adam": True}}})
+    params = ds["optimizer"]["params"]
+    cfg = build_config("demo").train
+    assert params["lr"] == cfg.lr and params["weight_decay"] == cfg.weight_decay
+    assert "torch_adam" not in params and ("betas" in params) == (optimizer == "Adamax")
+    kind([torch.nn.Parameter(torch.zeros(2))], **params)  # as DeepSpeed builds it: it failed on betas before
+
+
+def test_ds_config_keeps_adams_parameters_and_switches():
+    params = resolved({})["optimizer"]["params"]
+    assert params["torch_adam"] is True and params["betas"] == [0.9, 0.95] and params["eps"] == 1e-8
+
+
+@pytest.mark.parametrize("optimizer, message", [
+    ({"type": "AdamW", "params": {"foo": 1, "torch_adam": True}},
+     r"x.json: 'optimizer.params.foo' is not a parameter of AdamW \(it takes adam_w_mode, amsgrad, betas, .*\); "
+     "remove it$"),
+    ({"type": "SGD", "params": {"betas": [0.9, 0.95]}},
+     r"x.json: 'optimizer.params.betas' is not a parameter of SGD \(it takes .*momentum.*\); remove it$"),
+    ({"type": "Adagrad", "params": {"momentum": 0.9}}, "x.json: 'optimizer.params.momentum' is not a parameter of "
+                                                       "Adagrad"),
+    ({"type": "Optimizer", "params": {}}, "x.json: 'optimizer.type' Optimizer has no learning rate"),
+])
+def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(optimizer, message):
+    with pytest.raises(UserError, match=message):
+        resolved({"optimizer": optimizer})
+
+
+@pytest.mark.parametrize("steps", [0, -3, 2.5, "10", True])
+def test_ds_config_steps_per_print_below_one_is_refused(steps):
+    with pytest.raises(UserError, match=r"x.json: 'steps_per_print' must be a whole number >= 1 \(or null: never\), "
+                                        f"got {json.dumps(steps)}$"):
+        resolved({"steps_per_print": steps})
+    assert resolved({"steps_per_print": None})["steps_per_print"] is None
+
+
+@pytest.mark.parametrize("zero, message", [
+    ({"stage": 2, "bogus": 1},
+     "x.json: 'zero_optimization.bogus' is not a ZeRO setting DeepSpeed knows; remove it or correct its name$"),
+    ({"stage": 2, "reduce_bucket_size": -5},
+     "x.json: 'zero_optimization.reduce_bucket_size' is -5: input should be greater than 0$"),
+    ({"stage": 2, "reduce_bucket_size": "big"},
+     "x.json: 'zero_optimization.reduce_bucket_size' is \"big\": input should be a valid integer"),
+    ({"stage": 3, "offload_optimizer": {"device": "gpu"}},
+     "x.json: 'zero_optimization.offload_optimizer.device' is \"gpu\": input should be 'none', 'cpu' or 'nvme'$"),
+    ({"stage": 2, "reduce_bucket_size": "auto"}, "x.json: no run-config value fills \"auto\" at "
+                                                 "zero_optimization.reduce_bucket_size; give it a value$"),
+])
+def test_ds_config_zero_section_deepspeed_refuses_is_one_line(zero, message):
+    with pytest.raises(UserError, match=message):
+        resolved({"zero_optimization": zero})
+
+
+def test_ds_config_zero_section_of_every_shipped_config_and_an_offload_pass():
+    for path in sorted(FIXTURES.parents[1].joinpath("ds_configs").glob("*.json")):
+        raw, source = load_ds_config(path, "pretrain")
+        resolve_ds_config(raw, build_config("demo", ["train.precision=fp32"]), 2, source)
+    # the optimizer is DeepSpeed's CPU Adam under an offload: its parameters are checked against that class
+    offloaded = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    adam = {"type": "AdamW", "params": {"fp32_optimizer_states": True}}
+    assert resolved({"zero_optimization": offloaded, "optimizer": adam})["optimizer"]["params"]["betas"] == [0.9, 0.95]
+    with pytest.raises(UserError, match="'optimizer.params.adamw_mode' is not a parameter of AdamW"):
+        resolved({"zero_optimization": offloaded, "optimizer": {"type": "AdamW", "params": {"adamw_mode": True}}})
+
+
+@pytest.mark.parametrize("name, ds_config, message", [
+    ("deep", "[" * 100_000, "deep.json: invalid JSON (nested too deeply)"),
+    ("no_print", json.dumps({**json.loads((FIXTURES.parents[1] / "ds_configs" / "pretrain.json").read_text()),
+                             "steps_per_print": 0}),
+     "no_print.json: 'steps_per_print' must be a whole number >= 1 (or null: never), got 0"),
+])
+def test_train_with_a_bad_deepspeed_config_exits_2_with_one_line(pretrain_data, tmp_path, name, ds_config, message):
+    path = tmp_path / f"{name}.json"
+    path.write_text(ds_config)
+    result = run_cli(*train_args(pretrain_data, tmp_path / "run", "train.max_steps=2", "train.precision=fp32",
+                                 extra=["--deepspeed", path]))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"zerollm: error: {path.parent}/{message}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def copy_tokenizer(tmp_path, config: dict | None = None):
+    shutil.copy(MINIMIND / "tokenizer.json", tmp_path / "tokenizer.json")
+    if config is not None:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return json.loads((MINIMIND / "tokenizer_config.json").read_text())
+
+
+def test_tokenizer_config_nested_too_deeply_is_refused(tmp_path):
+    copy_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("[" * 100_000)
+    with pytest.raises(UserError, match=r"tokenizer_config.json: not valid JSON \(nested too deeply\)$"):
+        Tokenizer.load(tmp_path)
+
+
+def test_chat_template_file_that_is_not_utf8_is_refused(tmp_path):
+    copy_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_bytes(b"{{ '\xff' }}")
+    with pytest.raises(UserError, match=f"^{tmp_path}/chat_template.jinja: not UTF-8 \\(byte 0xff at offset 4\\); "
+                                        "save the chat template as UTF-8$"):
+        Tokenizer.load(tmp_path)
+
+
+@pytest.mark.parametrize("entry", [{"name": ["x"], "template": "a"}, {"name": "default", "template": 7}, 1,
+                                   {"template": "a"}])
+def test_named_chat_templates_of_the_wrong_shape_are_refused(tmp_path, entry):
+    config = copy_tokenizer(tmp_path)
+    copy_tokenizer(tmp_path, {**config, "chat_template": [{"name": "tool_use", "template": "b"}, entry]})
+    with pytest.raises(UserError, match=f"^{tmp_path}: 'chat_template' in tokenizer_config.json is a list of named "
+                                        "templates .* one entry is "):
+        Tokenizer.load(tmp_path)
+
+
+def test_named_chat_templates_pick_the_default(tmp_path):
+    config = copy_tokenizer(tmp_path)
+    named = [{"name": "tool_use", "template": "b"}, {"name": "default", "template": config["chat_template"]}]
+    copy_tokenizer(tmp_path, {**config, "chat_template": named})
+    assert Tokenizer.load(tmp_path).chat_template == config["chat_template"]
+
+
+def test_deepspeed_config_and_chat_template_that_cannot_be_read_are_refused(tmp_path, monkeypatch):
+    """A file the user may not read (root reads every file, so the refusal is simulated)."""
+    read_text = pathlib.Path.read_text
+
+    def refused(path, *args, **kwargs):
+        if path.suffix in (".jinja", ".json") and path.name != "tokenizer.json" and path.parent == tmp_path:
+            raise PermissionError(13, "Permission denied")
+        return read_text(path, *args, **kwargs)
+
+    copy_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{{ 'hi' }}")
+    (tmp_path / "ds.json").write_text("{}")
+    monkeypatch.setattr(pathlib.Path, "read_text", refused)
+    with pytest.raises(UserError, match=f"^{tmp_path}/ds.json: cannot be read \\(Permission denied\\)$"):
+        load_ds_config(tmp_path / "ds.json", "pretrain")
+    with pytest.raises(UserError, match=f"^{tmp_path}/chat_template.jinja: cannot be read \\(Permission denied\\)$"):
+        Tokenizer.load(tmp_path)
