@@ -329,6 +329,14 @@ def test_wrong_data_is_refused_before_any_rank_starts(pretrain_data, tmp_path, m
     assert not (tmp_path / "run").exists()
 
 
+def test_a_missing_data_folder_is_refused_before_torch_loads(tmp_path):
+    script = ("import sys\nfrom llm.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as end:\n"
+              "    print(end.code, 'torch' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", script, *map(str, _args(tmp_path / "none", tmp_path / "run"))],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert "no tokens.h5" in result.stderr and result.stdout == "2 False\n", result.stdout + result.stderr
+
+
 SMALL_HOST = """
 import os, sys
 from llm.model import host_memory
