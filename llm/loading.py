@@ -21,7 +21,7 @@ from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, import_
 from llm.model import Transformer
 from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, load_adapters, merge
-from llm.runtime.fingerprint import file_digest
+from llm.runtime.fingerprint import WEIGHTS_PARTS, file_digest, same_weights
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.checkpoint import is_partitioned, restricted_unpickling
 from llm.train.run_record import last_record
@@ -78,7 +78,8 @@ def load_lora_model(run_dir: Path, cfg: RunConfig, tag: str | None = None) -> Tr
                         f"{rundir.config_file(run_dir)}")
     record = last_record(run_dir)
     trained_on = record["data"].get("base") if record else None
-    if trained_on is not None and (now := weights_summary(base, "train.init_from"))["weights"] != trained_on["weights"]:
+    now = weights_summary(base, "train.init_from") if trained_on is not None else None
+    if now is not None and not same_weights(trained_on["weights"], now["weights"]):
         raise UserError(f"{run_dir}: its adapters were trained on {trained_on['path']} ({trained_on['weights']}), "
                         f"but train.init_from {base} holds {now['weights']}; merged onto other weights they would "
                         "make a wrong model: put that base back")
@@ -119,10 +120,11 @@ def weights_summary(path: str | Path, option: str) -> dict[str, str]:
         if WEIGHTS_FILE in files:
             weights = f"{WEIGHTS_FILE} digest {file_digest(directory / WEIGHTS_FILE)}"
         else:  # the index and every shard it names: a shard replaced under an unchanged index is other weights
-            digest = hashlib.sha256(file_digest(directory / WEIGHTS_INDEX_FILE).encode())
+            digest = hashlib.sha256()
             for shard in sorted(files):
                 digest.update(f"\0{shard}\0{file_digest(directory / shard)}".encode())
-            weights = f"{WEIGHTS_INDEX_FILE} and its {len(files)} shards digest {digest.hexdigest()[:16]}"
+            weights = (f"{WEIGHTS_INDEX_FILE} digest {file_digest(directory / WEIGHTS_INDEX_FILE)}{WEIGHTS_PARTS}its "
+                       f"{len(files)} shards digest {digest.hexdigest()[:16]}")
     return {"path": str(directory.resolve()), "weights": weights}
 
 

@@ -18,6 +18,7 @@ from llm.errors import UserError
 from llm.export import export_model, hf_config, import_model, model_config_from_hf
 from llm.loading import initial_weights, load_for_inference, weights_summary
 from llm.model import Transformer
+from llm.runtime.fingerprint import file_digest, same_weights
 from llm.tokenizer import Tokenizer
 
 LLAMA_TOKENIZER = FIXTURES / "tokenizers" / "llama"
@@ -129,9 +130,11 @@ def test_a_sharded_exports_summary_covers_every_shard(tmp_path):
     before = weights_summary(export, "--init-from")
     assert "model.safetensors.index.json" in before["weights"]
     assert weights_summary(export, "--init-from") == before  # stable
+    legacy = f"model.safetensors.index.json digest {file_digest(export / 'model.safetensors.index.json')}"
+    assert same_weights(legacy, before["weights"])  # a run recorded before shards were digested still matches
     shutil.copy(other / "model.safetensors", shard)
     after = weights_summary(export, "--init-from")
-    assert after["path"] == before["path"] and after["weights"] != before["weights"]
+    assert after["path"] == before["path"] and not same_weights(before["weights"], after["weights"])
 
 
 def test_inference_refuses_a_tokenizer_with_more_tokens_than_the_model(tmp_path):

@@ -54,6 +54,8 @@ def test_ds_config_fills_only_the_parameters_the_optimizer_takes(optimizer, kind
 def test_ds_config_keeps_adams_parameters_and_switches():
     params = resolved({})["optimizer"]["params"]
     assert params["torch_adam"] is True and params["betas"] == [0.9, 0.95] and params["eps"] == 1e-8
+    adam = {"type": "Adam", "params": {"torch_adam": True, "adam_w_mode": False, "decoupled_weight_decay": False}}
+    assert resolved({"optimizer": adam})["optimizer"]["params"]["decoupled_weight_decay"] is False  # torch's Adam
 
 
 @pytest.mark.parametrize("optimizer, message", [

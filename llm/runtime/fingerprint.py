@@ -51,6 +51,17 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+WEIGHTS_PARTS = "; "
+"""Separates the parts of a weights identity (`llm.loading.weights_summary`): a sharded export's index, then its
+shards."""
+
+
+def same_weights(recorded: str, now: str) -> bool:
+    """Whether the weights identity `now` is the one `recorded` before. A record from before shards were digested
+    (the index's digest alone) matches while the index is unchanged, as it did when it was written."""
+    return now == recorded or now.startswith(recorded + WEIGHTS_PARTS)
+
+
 def _flatten(prefix: str, node: Any, out: dict[str, str]) -> None:
     if isinstance(node, dict):
         for key, value in node.items():

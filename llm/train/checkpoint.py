@@ -85,10 +85,13 @@ def restricted_unpickling(source: Path) -> Iterator[None]:
     try:
         with torch.serialization.safe_globals(classes):
             yield
-    except (pickle.UnpicklingError, EOFError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - re-raised below unless torch.load failed on the file's bytes
         path = _file_being_loaded(exc)
-        unreadable = isinstance(exc, pickle.UnpicklingError) or path is not None and (
-            isinstance(exc, EOFError) or any(mark in str(exc) for mark in ("PytorchStreamReader", "magic number")))
+        if isinstance(exc, RuntimeError):  # also a tensor torch cannot place (map_location): not the file's fault
+            unreadable = path is not None and any(mark in str(exc) for mark in DAMAGE_MARKS)
+        else:  # the unpickler on bytes of no pickle: EOFError, KeyError, IndexError, ValueError, ...
+            unreadable = isinstance(exc, pickle.UnpicklingError) or (
+                path is not None and not isinstance(exc, OSError | MemoryError))
         if not unreadable:
             raise  # not raised reading a file: the caller's error
         path = path or source
@@ -98,7 +101,10 @@ def restricted_unpickling(source: Path) -> Iterator[None]:
             raise UserError(f"{path} holds more than tensors and plain values, so it was not loaded ({payload})"
                             ) from None
         boilerplate = ("Weights only load failed", "Please file an issue", "Check the documentation")
-        detail = next((line for line in lines if not line.startswith(boilerplate)), "it ends early")
+        detail = next((line for line in lines if not line.startswith(boilerplate)), None) or \
+            f"{type(exc).__name__}" if not isinstance(exc, EOFError) else "it ends early"
+        if "legacy .tar format" in detail:  # torch's guess for bytes it cannot place (zeros)
+            detail = "neither a zip archive nor a pickle"
         raise UserError(f"{path} is damaged: it is not a checkpoint file torch can read ({detail.split('. ')[0]}); "
                         f"{_damaged_advice(path, source)}") from None
     finally:
@@ -106,6 +112,11 @@ def restricted_unpickling(source: Path) -> Iterator[None]:
             os.environ.pop(FORCE_WEIGHTS_ONLY)
         else:
             os.environ[FORCE_WEIGHTS_ONLY] = saved
+
+
+DAMAGE_MARKS = ("PytorchStreamReader", "magic number", "legacy .tar format")
+"""Words of torch.load's RuntimeErrors on a file that is not a checkpoint it can read (a zip it cannot open, bytes
+of no pickle protocol, zeros)."""
 
 
 def _file_being_loaded(exc: BaseException) -> Path | None:

@@ -220,8 +220,8 @@ def _optimizer_keywords(name: str, params: dict[str, Any], offload: bool) -> set
         return None
     if lower in ("adam", "adamw"):
         extra = set(ADAM_SWITCHES) | ({"foreach"} if params.get("torch_adam") else set())
-        if params.get("torch_adam"):
-            cls = torch.optim.AdamW
+        if params.get("torch_adam"):  # DeepSpeed builds torch's AdamW, or Adam with adam_w_mode false
+            cls = torch.optim.Adam if lower == "adam" and params.get("adam_w_mode") is False else torch.optim.AdamW
         elif offload:
             cls, taken = deepspeed.ops.adam.DeepSpeedCPUAdam, {"adamw_mode"}  # DeepSpeed passes it
         else:

@@ -37,7 +37,7 @@ from llm import rundir
 from llm.data.prepare import SPLITS, TOKENS_FILE
 from llm.errors import UserError
 from llm.runtime.distributed import DistInfo
-from llm.runtime.fingerprint import PACKAGE_ROOT, code_version, file_digest
+from llm.runtime.fingerprint import PACKAGE_ROOT, code_version, file_digest, same_weights
 
 LIBRARIES = ("zerollm", "deepspeed", "numpy", "h5py", "tokenizers", "safetensors", "triton", "transformers", "wandb")
 
@@ -157,7 +157,7 @@ def check_same_weights(run_dir: Path, role: str, summary: dict[str, str], option
     its newest session used (`llm.loading.weights_summary`), naming both."""
     record = last_record(run_dir)
     before = record["data"].get(role) if record else None
-    if before is None or before == summary:
+    if before is None or (before["path"] == summary["path"] and same_weights(before["weights"], summary["weights"])):
         return
     raise UserError(f"{option} {summary['path']} ({summary['weights']}): not the {role} {run_dir} was trained with "
                     f"({before['path']}, {before['weights']}); resume with that {role}, or start a new run from this "
