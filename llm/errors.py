@@ -1,8 +1,11 @@
-"""The project's own exception for user mistakes, and every exit code a zerollm process ends with.
+"""The project's own exception for user mistakes, every exit code a zerollm process ends with, and the reading of a
+user's text file that turns its failures into that exception.
 
 A `UserError` carries one line that names the file, line or key at fault and what to do.
 The CLI prints it without a traceback and exits with `EXIT_USER_ERROR`.
 """
+
+from pathlib import Path
 
 EXIT_OK = 0
 EXIT_USER_ERROR = 2
@@ -20,3 +23,15 @@ class UserError(Exception):
     def __init__(self, message: str, announce: bool = True) -> None:
         super().__init__(message)
         self.announce = announce
+
+
+def read_user_text(path: Path, save_as: str) -> str:
+    """The UTF-8 text of a user's file, or a one-line UserError naming it: bytes that are not UTF-8 (say where, and
+    to save it as `save_as`) or a file that cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); save "
+                        f"{save_as}") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None

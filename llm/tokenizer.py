@@ -33,7 +33,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate, ChatTemplateError
 from llm.data.output import refuse_foreign_contents
-from llm.errors import UserError
+from llm.errors import UserError, read_user_text
 
 EOS, IM_START, IM_END, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
 SPECIAL_TOKENS = [EOS, IM_START, IM_END, PAD]  # ids 0, 1, 2, 3 in tokenizers we train
@@ -252,13 +252,7 @@ class Tokenizer:
             if not isinstance(config, dict):
                 raise UserError(f"{directory / CONFIG_FILE}: expected a JSON object")
         template_file = directory / TEMPLATE_FILE
-        try:
-            template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
-        except UnicodeDecodeError as exc:
-            raise UserError(f"{template_file}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
-                            "save the chat template as UTF-8") from None
-        except OSError as exc:
-            raise UserError(f"{template_file}: cannot be read ({exc.strerror or exc})") from None
+        template = read_user_text(template_file, "the chat template as UTF-8") if template_file.is_file() else None
         return cls(tok, config, str(directory), template)
 
     def save(self, out_dir: Path) -> Tokenizer:

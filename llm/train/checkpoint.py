@@ -101,8 +101,10 @@ def restricted_unpickling(source: Path) -> Iterator[None]:
             raise UserError(f"{path} holds more than tensors and plain values, so it was not loaded ({payload})"
                             ) from None
         boilerplate = ("Weights only load failed", "Please file an issue", "Check the documentation")
-        detail = next((line for line in lines if not line.startswith(boilerplate)), None) or \
-            f"{type(exc).__name__}" if not isinstance(exc, EOFError) else "it ends early"
+        if isinstance(exc, EOFError):
+            detail = "it ends early"
+        else:
+            detail = next((line for line in lines if not line.startswith(boilerplate)), type(exc).__name__)
         if "legacy .tar format" in detail:  # torch's guess for bytes it cannot place (zeros)
             detail = "neither a zip archive nor a pickle"
         raise UserError(f"{path} is damaged: it is not a checkpoint file torch can read ({detail.split('. ')[0]}); "

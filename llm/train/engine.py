@@ -17,7 +17,7 @@ import pydantic
 import torch
 
 from llm.config import RunConfig
-from llm.errors import UserError
+from llm.errors import UserError, read_user_text
 from llm.runtime.deferred_compile import defer_muon_compile
 from llm.runtime.distributed import ensure_accelerator_env
 
@@ -87,16 +87,11 @@ def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any],
     if not path.is_file():
         raise UserError(f"{path}: DeepSpeed config not found")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(read_user_text(path, "the DeepSpeed config as UTF-8 JSON"))
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
     except RecursionError:
         raise UserError(f"{path}: invalid JSON (nested too deeply)") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
-                        "save the DeepSpeed config as UTF-8 JSON") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if not isinstance(raw, dict):
         raise UserError(f"{path}: a DeepSpeed config is a JSON object {{...}}, got {json.dumps(raw)[:60]}")
     return raw, str(path)
