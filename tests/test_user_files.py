@@ -51,6 +51,14 @@ def test_ds_config_fills_only_the_parameters_the_optimizer_takes(optimizer, kind
     kind([torch.nn.Parameter(torch.zeros(2))], **params)  # as DeepSpeed builds it: it failed on betas before
 
 
+def test_ds_config_leaves_a_parameter_of_another_kind_to_the_optimizer():
+    # Adafactor's eps is a pair (None, 1e-3): train.adam_eps, a number, made torch fail in every rank
+    ds = resolved({"optimizer": {"type": "Adafactor", "params": {"eps": "auto", "weight_decay": "auto"}}})
+    params = ds["optimizer"]["params"]
+    assert "eps" not in params and params["weight_decay"] == build_config("demo").train.weight_decay
+    torch.optim.Adafactor([torch.nn.Parameter(torch.zeros(2, 2))], **params).step()
+
+
 def test_ds_config_keeps_adams_parameters_and_switches():
     params = resolved({})["optimizer"]["params"]
     assert params["torch_adam"] is True and params["betas"] == [0.9, 0.95] and params["eps"] == 1e-8
@@ -79,6 +87,7 @@ def test_ds_config_steps_per_print_below_one_is_refused(steps):
                                         f"got {json.dumps(steps)}$"):
         resolved({"steps_per_print": steps})
     assert resolved({"steps_per_print": None})["steps_per_print"] is None
+    assert resolved({"steps_per_print": 10.0})["steps_per_print"] == 10  # a whole number, as DeepSpeed takes it
 
 
 @pytest.mark.parametrize("zero, message", [

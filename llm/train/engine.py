@@ -167,16 +167,20 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     for key, value, run_key in (("lr", t.lr, "train.lr"), ("betas", [t.beta1, t.beta2], "[train.beta1, train.beta2]"),
                                 ("eps", t.adam_eps, "train.adam_eps"),
                                 ("weight_decay", t.weight_decay, "train.weight_decay")):
-        if takes is None or key in takes:
+        if takes is None or (key in takes and _same_kind(takes[key], value)):
             fill(params, key, value, run_key)
+        elif params.get(key) == "auto":  # the optimizer's own kind of value (Adafactor's eps is a pair)
+            del params[key]
     leftover = _find_auto(ds)
     if leftover:
         raise UserError(f"{source}: no run-config value fills \"auto\" at {leftover}; give it a value")
     steps_per_print = ds.get("steps_per_print")
-    if steps_per_print is not None and (isinstance(steps_per_print, bool) or not isinstance(steps_per_print, int)
-                                        or steps_per_print < 1):
-        raise UserError(f"{source}: 'steps_per_print' must be a whole number >= 1 (or null: never), "
-                        f"got {json.dumps(steps_per_print)[:60]}")
+    if steps_per_print is not None:
+        if (isinstance(steps_per_print, bool) or not isinstance(steps_per_print, (int, float))
+                or steps_per_print != int(steps_per_print) or steps_per_print < 1):
+            raise UserError(f"{source}: 'steps_per_print' must be a whole number >= 1 (or null: never), "
+                            f"got {json.dumps(steps_per_print)[:60]}")
+        ds["steps_per_print"] = int(steps_per_print)  # 10.0 is 10, as DeepSpeed takes it
     return ds
 
 
@@ -206,10 +210,11 @@ from the other optimizers' params, which would fail on them."""
 MUP_OPTIMIZERS = {"muadam": torch.optim.Adam, "muadamw": torch.optim.AdamW, "musgd": torch.optim.SGD}
 
 
-def _optimizer_keywords(name: str, params: dict[str, Any], offload: bool) -> set[str] | None:
+def _optimizer_keywords(name: str, params: dict[str, Any], offload: bool) -> dict[str, Any] | None:
     """The optimizer.params keys that optimizer `name` takes as DeepSpeed builds it (DeepSpeedEngine.
-    _configure_basic_optimizer: torch's Adam/AdamW with torch_adam, else DeepSpeed's CPU or fused kernels), None
-    where any key goes (Muon sorts them into its two halves and ignores the rest)."""
+    _configure_basic_optimizer: torch's Adam/AdamW with torch_adam, else DeepSpeed's CPU or fused kernels), each with
+    its default (None for DeepSpeed's switches), or None where any key goes (Muon sorts them into its two halves and
+    ignores the rest)."""
     lower, extra, taken = name.lower(), set(), set()
     if lower == "muon":
         return None
@@ -231,7 +236,14 @@ def _optimizer_keywords(name: str, params: dict[str, Any], offload: bool) -> set
     parameters = list(inspect.signature(cls).parameters.values())
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return None
-    return ({p.name for p in parameters[1:]} | extra) - taken  # the first is the parameters to optimize
+    keywords = {key: None for key in extra} | {p.name: p.default for p in parameters[1:]}  # [0]: what to optimize
+    return {key: default for key, default in keywords.items() if key not in taken}
+
+
+def _same_kind(default: Any, value: Any) -> bool:
+    """Whether the run config's `value` (a number, or a pair for betas) fits a parameter whose default is `default`
+    (None: any value goes)."""
+    return default is None or isinstance(default, (tuple, list)) == isinstance(value, (tuple, list))
 
 
 def _find_auto(node: Any, path: str = "") -> str | None:
