@@ -7,6 +7,7 @@ one file as DeepSpeed does); the last ones run `zerollm train` on one rank.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -361,6 +362,16 @@ def test_an_unreadable_model_file_is_named_as_damaged(one_rank_group, tmp_path, 
             message.endswith(advice) and "\n" not in message and "weights_only" not in message
         assert detail is None or f"({detail}{advice}" in message
     assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
+
+
+def test_damaged_bytes_loaded_from_memory_name_the_checkpoint(one_rank_group, tmp_path):
+    """A torch.load of a buffer (no file name) inside a checkpoint being read was reported as '? is damaged'."""
+    folder = rundir.checkpoint_dir(tmp_path) / "global_step20"
+    folder.mkdir(parents=True)
+    message = rf"^{re.escape(str(folder))} is damaged: it is not a checkpoint file torch can read \(it ends early\); "
+    with pytest.raises(UserError, match=message + "no earlier checkpoint is complete"), \
+            checkpoint.restricted_unpickling(folder):
+        torch.load(io.BytesIO(b""))
 
 
 # ---- item 3: metrics.jsonl ---------------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def restricted_unpickling(source: Path) -> Iterator[None]:
         with torch.serialization.safe_globals(classes):
             yield
     except Exception as exc:  # noqa: BLE001 - re-raised below unless torch.load failed on the file's bytes
-        path = _file_being_loaded(exc)
+        path = _file_being_loaded(exc, source)
         if isinstance(exc, RuntimeError):  # also a tensor torch cannot place (map_location): not the file's fault
             unreadable = path is not None and any(mark in str(exc) for mark in DAMAGE_MARKS)
         else:  # the unpickler on bytes of no pickle: EOFError, KeyError, IndexError, ValueError, ...
@@ -121,13 +121,14 @@ DAMAGE_MARKS = ("PytorchStreamReader", "magic number", "legacy .tar format")
 of no pickle protocol, zeros)."""
 
 
-def _file_being_loaded(exc: BaseException) -> Path | None:
-    """The file the innermost `torch.load` that `exc` came through was reading (None: it came from elsewhere)."""
+def _file_being_loaded(exc: BaseException, source: Path) -> Path | None:
+    """The file the innermost `torch.load` that `exc` came through was reading, `source` (the checkpoint being read)
+    for bytes in memory, None where `exc` came from elsewhere."""
     found, frame = None, exc.__traceback__
     while frame is not None:
         if frame.tb_frame.f_code is torch.serialization.load.__code__:
             f = frame.tb_frame.f_locals.get("f")
-            found = Path(f) if isinstance(f, str | os.PathLike) else Path(getattr(f, "name", "?"))
+            found = Path(f) if isinstance(f, str | os.PathLike) else Path(getattr(f, "name", source))
         frame = frame.tb_next
     return found
 
