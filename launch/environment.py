@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launch.remote_shell import BARE_VALUE_RULE, DEEPSPEED_BARE_VALUE, check_one_line, pdsh_export
-from llm.errors import UserError
+from llm.errors import UserError, not_utf8
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DEEPSPEED_FORWARDED_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
@@ -35,12 +35,9 @@ def _check_value(value: str, where: str) -> None:
     """A variable's value must be one line of UTF-8 text, as an env file holds it (a byte of the command line or the
     environment that is not UTF-8 reaches Python as a lone surrogate, which no UTF-8 file can hold)."""
     check_one_line(value, where)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        found = ord(value[exc.start])
-        byte = f"byte 0x{found - 0xDC00:02x}" if 0xDC80 <= found <= 0xDCFF else f"character U+{found:04X}"
-        raise UserError(f"{where} is not UTF-8 text ({byte} at position {exc.start + 1})") from None
+    found = not_utf8(value)
+    if found is not None:
+        raise UserError(f"{where} is not UTF-8 text ({found[1]} at position {found[0] + 1})")
 
 
 def parse_env(items: list[str]) -> dict[str, str]:

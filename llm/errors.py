@@ -1,5 +1,5 @@
-"""The project's own exception for user mistakes, every exit code a zerollm process ends with, and the reading of a
-user's text file that turns its failures into that exception.
+"""The project's own exception for user mistakes, every exit code a zerollm process ends with, the reading of a
+user's text file that turns its failures into that exception, and the naming of what in a str UTF-8 cannot hold.
 
 A `UserError` carries one line that names the file, line or key at fault and what to do.
 The CLI prints it without a traceback and exits with `EXIT_USER_ERROR`.
@@ -35,3 +35,16 @@ def read_user_text(path: Path, save_as: str) -> str:
                         f"{save_as}") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+
+
+def not_utf8(text: str) -> tuple[int, str] | None:
+    """Where `text` first holds what UTF-8 cannot encode (a 0-based index) and what that is: 'byte 0xNN' for a byte
+    that was not UTF-8 where Python read bytes with errors='surrogateescape' (a terminal, a command line or the
+    environment give those as U+DC80..U+DCFF), else 'lone surrogate U+D800' (as a JSON escape can spell one); None
+    for text UTF-8 holds."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        return exc.start, f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+    return None

@@ -33,7 +33,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate, ChatTemplateError
 from llm.data.output import refuse_foreign_contents
-from llm.errors import UserError, read_user_text
+from llm.errors import UserError, not_utf8, read_user_text
 
 EOS, IM_START, IM_END, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
 SPECIAL_TOKENS = [EOS, IM_START, IM_END, PAD]  # ids 0, 1, 2, 3 in tokenizers we train
@@ -331,14 +331,6 @@ def _ids(encoder: HFTokenizer, text: str) -> list[int]:
         if not isinstance(text, str):
             raise
     # the only str the library refuses: one with a lone surrogate
-    raise ValueError(f"the text is not valid Unicode: {_surrogate_source(text)}")
-
-
-def _surrogate_source(text: str) -> str:
-    """What the first lone surrogate of `text` stands for: a byte that was not UTF-8 where Python read bytes with
-    errors='surrogateescape' (a terminal's or a command line's, as U+DC80..U+DCFF), else an escape such as \\ud800."""
-    surrogate = next(ch for ch in text if "\ud800" <= ch <= "\udfff")
-    if "\udc80" <= surrogate <= "\udcff":
-        return (f"it holds the byte 0x{ord(surrogate) - 0xDC00:02x}, which is not UTF-8 (is the terminal or the file "
-                "in another encoding?)")
-    return f"it holds a lone surrogate (\\u{ord(surrogate):04x})"
+    _, found = not_utf8(text)
+    hint = ", which is not UTF-8 (is the terminal or the file in another encoding?)" if found.startswith("byte") else ""
+    raise ValueError(f"the text is not valid Unicode: it holds the {found}{hint}")
