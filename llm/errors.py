@@ -1,11 +1,13 @@
 """The project's own exception for user mistakes, every exit code a zerollm process ends with, the reading of a
-user's text file that turns its failures into that exception, and the naming of what in a str UTF-8 cannot hold.
+user's text or JSON file that turns its failures into that exception, and the naming of what in a str UTF-8 cannot hold.
 
 A `UserError` carries one line that names the file, line or key at fault and what to do.
 The CLI prints it without a traceback and exits with `EXIT_USER_ERROR`.
 """
 
+import json
 from pathlib import Path
+from typing import Any
 
 EXIT_OK = 0
 EXIT_USER_ERROR = 2
@@ -35,6 +37,21 @@ def read_user_text(path: Path, save_as: str) -> str:
                         f"{save_as}") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+
+
+def read_user_json_object(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in a user's UTF-8 file, or a one-line UserError naming the file (and the line and column) at
+    fault; `what` is the kind of file, for messages ('DeepSpeed config')."""
+    text = read_user_text(path, f"the {what} as UTF-8 JSON")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise UserError(f"{path}: invalid JSON (nested too deeply)") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: the {what} must be a JSON object {{...}}, got {json.dumps(data)[:60]}")
+    return data
 
 
 def not_utf8(text: str) -> tuple[int, str] | None:

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from llm import durable
 from llm.config import ModelConfig, validate_model
 from llm.data.output import refuse_foreign_contents
-from llm.errors import UserError
+from llm.errors import UserError, read_user_json_object
 from llm.model import Transformer
 from llm.tokenizer import CONFIG_FILE as TOKENIZER_CONFIG
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
@@ -80,21 +80,6 @@ def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None) -> dict:
         config.update(bos_token_id=tokenizer.im_start_id, eos_token_id=tokenizer.stop_ids,
                       pad_token_id=tokenizer.pad_id)
     return config
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """A JSON file holding an object, or a one-line UserError naming the file (and line) at fault."""
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON ({exc.msg})") from None
-    except RecursionError:
-        raise UserError(f"{path}: invalid JSON (nested too deeply)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: cannot be read ({exc})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object, found {type(data).__name__}")
-    return data
 
 
 def _number(config: dict[str, Any], key: str, source: str, kind: type, default: Any = None) -> Any:
@@ -233,7 +218,7 @@ def weight_files(directory: Path) -> dict[str, list[str] | None]:
     index = directory / WEIGHTS_INDEX_FILE
     if not index.is_file():
         raise UserError(f"{directory}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} beside {HF_CONFIG_FILE}")
-    weight_map = read_json_object(index).get("weight_map")
+    weight_map = read_user_json_object(index, "shard index").get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map or \
             not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise UserError(f"{index}: 'weight_map' must map tensor names to shard file names")
@@ -261,7 +246,7 @@ def import_model(directory: Path) -> Transformer:
     config_path = directory / HF_CONFIG_FILE
     if not config_path.is_file():
         raise UserError(f"{directory}: expected {HF_CONFIG_FILE} and {WEIGHTS_FILE} (a Hugging Face Llama export)")
-    cfg = model_config_from_hf(read_json_object(config_path), str(config_path))
+    cfg = model_config_from_hf(read_user_json_object(config_path, "model config"), str(config_path))
     state = {name: tensor for name, tensor in read_weights(directory).items() if not _LEGACY_BUFFER.fullmatch(name)}
     layers = {name.split(".")[2] for name in state if name.startswith("model.layers.")}
     if len(layers) != cfg.n_layers:  # checked first: building a model of a hostile layer count would never end

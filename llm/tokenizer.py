@@ -33,7 +33,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate, ChatTemplateError
 from llm.data.output import refuse_foreign_contents
-from llm.errors import UserError, not_utf8, read_user_text
+from llm.errors import UserError, not_utf8, read_user_json_object, read_user_text
 
 EOS, IM_START, IM_END, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
 SPECIAL_TOKENS = [EOS, IM_START, IM_END, PAD]  # ids 0, 1, 2, 3 in tokenizers we train
@@ -241,16 +241,8 @@ class Tokenizer:
             tok = HFTokenizer.from_file(str(path))
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception on bad files
             raise UserError(f"{path}: cannot load tokenizer ({exc})") from None
-        config = {}
-        if (directory / CONFIG_FILE).is_file():
-            try:
-                config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise UserError(f"{directory / CONFIG_FILE}: not valid JSON ({exc})") from None
-            except RecursionError:
-                raise UserError(f"{directory / CONFIG_FILE}: not valid JSON (nested too deeply)") from None
-            if not isinstance(config, dict):
-                raise UserError(f"{directory / CONFIG_FILE}: expected a JSON object")
+        config_file = directory / CONFIG_FILE
+        config = read_user_json_object(config_file, "tokenizer config") if config_file.is_file() else {}
         template_file = directory / TEMPLATE_FILE
         template = read_user_text(template_file, "the chat template as UTF-8") if template_file.is_file() else None
         return cls(tok, config, str(directory), template)

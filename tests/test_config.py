@@ -131,7 +131,7 @@ def test_ds_config_conflict_names_both_sides(tmp_path):
         resolve_ds_config(raw, cfg, 1, "x.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{\n  oops\n}")
-    with pytest.raises(UserError, match="bad.json:2: invalid JSON"):
+    with pytest.raises(UserError, match="bad.json:2:3: invalid JSON"):
         load_ds_config(bad, "pretrain")
 
 
@@ -163,7 +163,7 @@ def test_ds_config_takes_deepspeeds_and_torchs_optimizers(optimizer):
 def test_ds_config_file_that_is_no_object_or_a_directory_is_refused(tmp_path):
     listing = tmp_path / "list.json"
     listing.write_text("[1, 2, 3]")
-    with pytest.raises(UserError, match=r"list.json: a DeepSpeed config is a JSON object {...}, got \[1, 2, 3\]"):
+    with pytest.raises(UserError, match=r"list.json: the DeepSpeed config must be a JSON object {...}, got \[1, 2, 3"):
         load_ds_config(listing, "pretrain")
     with pytest.raises(UserError, match=f"{tmp_path}: is a directory; the DeepSpeed config is a JSON file"):
         load_ds_config(tmp_path, "pretrain")

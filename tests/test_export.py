@@ -160,7 +160,7 @@ def _edit_config(directory: Path, changes: dict) -> None:
 
 @pytest.mark.parametrize("change, message", [
     ('{"model_type": "llama",', "config.json:1:"),
-    ("[1, 2]", "expected a JSON object"),
+    ("[1, 2]", "the model config must be a JSON object {...}, got [1, 2]"),
     ({"hidden_size": None}, "'hidden_size' is missing"),
     ({"hidden_size": "32"}, "'hidden_size' must be a positive integer, got '32'"),
     ({"num_key_value_heads": 0}, "'num_key_value_heads' must be a positive integer"),

@@ -145,7 +145,21 @@ def copy_tokenizer(tmp_path, config: dict | None = None):
 def test_tokenizer_config_nested_too_deeply_is_refused(tmp_path):
     copy_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text("[" * 100_000)
-    with pytest.raises(UserError, match=r"tokenizer_config.json: not valid JSON \(nested too deeply\)$"):
+    with pytest.raises(UserError, match=r"tokenizer_config.json: invalid JSON \(nested too deeply\)$"):
+        Tokenizer.load(tmp_path)
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b'{"x": "\xff"}', r"not UTF-8 \(byte 0xff at offset 7\); save the tokenizer config as UTF-8 JSON"),  # a traceback
+    (b'{"x": 1,\n}', r"2:1: invalid JSON \(Expecting property name enclosed in double quotes\)"),
+    (b"[1]", r"the tokenizer config must be a JSON object {...}, got \[1\]"),
+])
+def test_tokenizer_config_that_is_not_a_utf8_json_object_is_one_line(tmp_path, content, problem):
+    """The tokenizer config is read like the DeepSpeed config and an import's config.json (one reader)."""
+    copy_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_bytes(content)
+    separator = ":" if problem[0].isdigit() else ": "
+    with pytest.raises(UserError, match=f"^{tmp_path}/tokenizer_config.json{separator}{problem}$"):
         Tokenizer.load(tmp_path)
 
 

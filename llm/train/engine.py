@@ -17,7 +17,7 @@ import pydantic
 import torch
 
 from llm.config import RunConfig
-from llm.errors import UserError, read_user_text
+from llm.errors import UserError, read_user_json_object
 from llm.runtime.deferred_compile import defer_muon_compile
 from llm.runtime.distributed import ensure_accelerator_env
 
@@ -86,15 +86,7 @@ def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any],
         raise UserError(f"{path}: is a directory; the DeepSpeed config is a JSON file")
     if not path.is_file():
         raise UserError(f"{path}: DeepSpeed config not found")
-    try:
-        raw = json.loads(read_user_text(path, "the DeepSpeed config as UTF-8 JSON"))
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
-    except RecursionError:
-        raise UserError(f"{path}: invalid JSON (nested too deeply)") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: a DeepSpeed config is a JSON object {{...}}, got {json.dumps(raw)[:60]}")
-    return raw, str(path)
+    return read_user_json_object(path, "DeepSpeed config"), str(path)
 
 
 def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, source: str = "DeepSpeed config",

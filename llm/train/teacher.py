@@ -18,8 +18,8 @@ from pathlib import Path
 from llm import rundir
 from llm.config import ModelConfig, RunConfig, build_config
 from llm.data.prepare import TOKENS_FILE
-from llm.errors import UserError
-from llm.export import HF_CONFIG_FILE, model_config_from_hf, read_json_object
+from llm.errors import UserError, read_user_json_object
+from llm.export import HF_CONFIG_FILE, model_config_from_hf
 from llm.loading import is_run_or_export, load_model_dir, weights_summary
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.engine import frozen_engine
@@ -31,7 +31,7 @@ def teacher_source(path: str | Path) -> tuple[ModelConfig, Path]:
     if is_run_or_export(directory, "--teacher"):
         return build_config(rundir.recorded_config(directory)).model, rundir.tokenizer_dir(directory)
     config_path = directory / HF_CONFIG_FILE
-    return model_config_from_hf(read_json_object(config_path), str(config_path)), directory
+    return model_config_from_hf(read_user_json_object(config_path, "model config"), str(config_path)), directory
 
 
 def check_teacher(cfg: RunConfig, data_attrs: dict) -> dict[str, str]:
