@@ -265,12 +265,16 @@ def convert_to_universal(run_dir: Path, tag: str) -> None:
 
 def resume_tag(run_dir: Path) -> str | None:
     """The checkpoint every rank resumes from: rank 0 picks it (`rundir.usable_tag`, which names on stderr what it
-    passes over) and tells the others, so that all agree even where their views of a shared file system lag.
-    None: start from step 0. A UserError (no complete checkpoint) is raised on every rank and printed by rank 0."""
+    passes over), checks its client state and tells the others, so that all agree even where their views of a shared
+    file system lag. None: start from step 0. A UserError (no complete checkpoint, a damaged client state) is raised
+    on every rank and printed by rank 0 (every rank reading a damaged client state printed it once per rank)."""
     answer: list[tuple[str, str | None] | None] = [None]
     if dist.get_rank() == 0:
         try:
-            answer = [("tag", rundir.usable_tag(run_dir))]
+            tag = rundir.usable_tag(run_dir)
+            if tag is not None:
+                rundir.client_state_of(run_dir, tag)
+            answer = [("tag", tag)]
         except UserError as exc:
             answer = [("error", str(exc))]
     dist.broadcast_object_list(answer, src=0)
