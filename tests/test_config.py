@@ -1,6 +1,8 @@
 import dataclasses
 import json
+import pathlib
 
+import psutil
 import pytest
 
 from llm.config import NUMBER_RANGES, RunConfig, build_config, recipe_names
@@ -180,6 +182,35 @@ def test_the_parameter_count_of_a_config_is_the_models(overrides):
 
     cfg = build_config("demo", ["model.vocab_size=300", "model.n_layers=2", *overrides]).model
     assert cfg.parameter_count == Transformer(cfg).num_parameters()
+
+
+def _cgroup_tree(root: pathlib.Path, limits: dict[str, str], membership: str) -> pathlib.Path:
+    for file, limit in limits.items():
+        (root / file).parent.mkdir(parents=True, exist_ok=True)
+        (root / file).write_text(limit + "\n")
+    (root / "cgroup").write_text(membership)
+    return root / "cgroup"
+
+
+@pytest.mark.parametrize("limits, membership, expected", [
+    # cgroup v2: a SLURM job's group below an unlimited container root, an unlimited step below the job
+    ({"memory.max": "max", "slurm/job_7/memory.max": "1073741824", "slurm/job_7/step_0/memory.max": "max"},
+     "0::/slurm/job_7/step_0\n", [1 << 30]),
+    # cgroup v1 (the memory controller's own hierarchy, beside others): every level that sets one
+    ({"memory/memory.limit_in_bytes": "9223372036854771712", "memory/docker/abc/memory.limit_in_bytes": "2147483648"},
+     "12:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n", [2 << 30, 9223372036854771712]),
+    ({}, "0::/gone/away\n", []),  # a group this process cannot see (another namespace's path)
+])
+def test_cgroup_memory_limits_of_nested_groups_and_of_cgroup_v1(tmp_path, monkeypatch, limits, membership, expected):
+    """Only the v2 root's memory.max was read: a SLURM job's nested limit and every v1 limit let a model through that
+    then failed to allocate."""
+    from llm.model import host_memory
+
+    membership_file = _cgroup_tree(tmp_path, limits, membership)
+    assert sorted(host_memory.cgroup_memory_limits(tmp_path, membership_file)) == sorted(expected)
+    monkeypatch.setattr(host_memory, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(host_memory, "MEMBERSHIP", membership_file)
+    assert host_memory.usable_memory() == min([psutil.virtual_memory().total, *expected])
 
 
 def test_a_model_that_does_not_fit_names_its_size_and_the_memory(monkeypatch):

@@ -16,20 +16,46 @@ from llm.errors import UserError
 
 FP32_BYTES = 4
 GIB = 1 << 30
-CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")
-"""A container's memory limit (cgroup v2, at the root of its cgroup namespace), where one is set: a container may
-hold less than the host. Limits of nested groups (a SLURM job's) and of cgroup v1 are not read: the host's total
-stands for them, which can only let through a model that then fails to allocate, never refuse one that fits."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+MEMBERSHIP = Path("/proc/self/cgroup")
+CGROUP_LIMIT_FILES = {"": ("", "memory.max"), "memory": ("memory", "memory.limit_in_bytes")}
+"""Where each cgroup version keeps a group's memory limit, by the controller field of a /proc/self/cgroup line ('' in
+v2's unified hierarchy): the folder below CGROUP_ROOT and the file name."""
+
+
+def cgroup_memory_limits(root: Path, membership: Path) -> list[int]:
+    """The memory limits set on the cgroups `membership` (/proc/self/cgroup) lists and on every group above them, in
+    the cgroup v2 and v1 hierarchies under `root` (/sys/fs/cgroup): a container,
+    a SLURM job or a systemd slice may hold less than the host. Groups this process cannot see (another namespace's
+    paths) and unlimited ones ('max') give none."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return []
+    limits = []
+    for line in lines:
+        _, _, rest = line.partition(":")
+        controllers, _, group_path = rest.partition(":")
+        for controller, (folder, name) in CGROUP_LIMIT_FILES.items():
+            if controller != controllers and controller not in controllers.split(","):
+                continue
+            hierarchy = root / folder
+            group = hierarchy.joinpath(*[part for part in group_path.split("/") if part not in ("", ".", "..")])
+            for level in (group, *group.parents):
+                try:
+                    value = (level / name).read_text().strip()
+                except OSError:
+                    value = ""
+                if value.isdigit():
+                    limits.append(int(value))
+                if level == hierarchy:
+                    break
+    return limits
 
 
 def usable_memory() -> int:
-    """Bytes of memory this process may use: the host's, or its container's limit where that is lower."""
-    total = psutil.virtual_memory().total
-    try:
-        limit = CGROUP_LIMIT.read_text().strip()
-    except OSError:
-        return total
-    return min(total, int(limit)) if limit.isdigit() else total
+    """Bytes of memory this process may use: the host's, or the lowest limit of its cgroups where that is lower."""
+    return min([psutil.virtual_memory().total, *cgroup_memory_limits(CGROUP_ROOT, MEMBERSHIP)])
 
 
 def check_fits_in_memory(cfg: ModelConfig, copies: int = 1, remedy: str = "") -> None:
