@@ -10,7 +10,6 @@ positions the run trained on, with the batch shape the run directory records now
 from __future__ import annotations
 
 import json
-import math
 import sys
 import warnings
 from dataclasses import dataclass
@@ -35,13 +34,9 @@ class RunSeries:
     def points(self, key: str, x: str) -> tuple[list[float], list[float]]:
         """(x values, `key` values) of the rows holding a finite number as `key` (a string, a list or true is not
         drawn: matplotlib would draw strings as categories in the order they come)."""
-        rows = [r for r in self.rows if _is_number(r.get(key))]
+        rows = [r for r in self.rows if rundir.is_number(r.get(key))]
         xs = [r["step"] * (self.tokens_per_step if x == "tokens" else 1) for r in rows]
         return xs, [r[key] for r in rows]
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _tokens_per_step(run_dir: Path) -> int:
@@ -53,7 +48,7 @@ def _tokens_per_step(run_dir: Path) -> int:
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise UserError(f"{path}: cannot read the run's train_batch_size ({type(exc).__name__}: {exc}); `zerollm "
                         "train` wrote it: restore it") from None
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (batch, seq_len)):
+    if not all(rundir.is_count(v, least=1) for v in (batch, seq_len)):
         raise UserError(f"{run_dir}: train_batch_size {batch!r} and data.seq_len {seq_len!r} are not positive "
                         "integers; `zerollm train` wrote them: restore the run's files")
     return batch * seq_len

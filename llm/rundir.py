@@ -30,6 +30,7 @@ cheaply; `llm.train.checkpoint` writes checkpoints and `llm.loading` rebuilds mo
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -197,7 +198,7 @@ def incompleteness(run_dir: Path, tag: str) -> str | None:
     if not isinstance(listed, dict):
         return f"unreadable {MANIFEST} (its files are not a mapping)"
     present = {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file() and p.name != MANIFEST}
-    wrong = next((name for name, size in sorted(listed.items()) if not _is_count(size)), None)
+    wrong = next((name for name, size in sorted(listed.items()) if not is_count(size)), None)
     if wrong is not None:
         return f"damaged {MANIFEST} (it lists {wrong} with size {listed[wrong]!r}, not a number of bytes)"
     for name, size in sorted(listed.items()):
@@ -256,12 +257,14 @@ def client_state_of(run_dir: Path, tag: str) -> dict[str, Any]:
     return state
 
 
-def _is_count(value: Any, least: int = 0) -> bool:
+def is_count(value: Any, least: int = 0) -> bool:
+    """Whether a value read from a run's JSON is a whole number >= `least` (true and false are not)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+def is_number(value: Any) -> bool:
+    """Whether a value read from a run's JSON is a finite number (true, false, NaN and Infinity are not)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _client_state_problem(state: Any, tag: str) -> str | None:
@@ -269,23 +272,23 @@ def _client_state_problem(state: Any, tag: str) -> str | None:
     with its type and range."""
     if not isinstance(state, dict):
         return f"a JSON object was expected, found {type(state).__name__}"
-    if not _is_count(state.get("step")):
+    if not is_count(state.get("step")):
         return f"step is {state.get('step')!r}, not a step number"
     if state["step"] != step_of(tag):
         return f"step is {state['step']}, not the folder's {step_of(tag)}"
     if not isinstance(state.get("run_id"), str):
         return f"run_id is {state.get('run_id')!r}, not a string"
-    if not _is_count(state.get("world_size"), least=1):
+    if not is_count(state.get("world_size"), least=1):
         return f"world_size is {state.get('world_size')!r}, not a number of ranks"
     sampler = state.get("sampler")
     if not isinstance(sampler, dict):
         return f"sampler is {sampler!r}, not an object"
     for key in ("epoch", "consumed", "seed", "num_samples"):
-        if not _is_count(sampler.get(key)):
+        if not is_count(sampler.get(key)):
             return f"sampler.{key} is {sampler.get(key)!r}, not a count"
     if sampler["consumed"] > sampler["num_samples"]:
         return f"sampler.consumed is {sampler['consumed']}, more than its {sampler['num_samples']} samples"
-    if state.get("loss_scale") is not None and not _is_number(state["loss_scale"]):
+    if state.get("loss_scale") is not None and not is_number(state["loss_scale"]):
         return f"loss_scale is {state['loss_scale']!r}, not a number"
     budget = state.get("time_budget")
     if budget is not None:
@@ -293,7 +296,7 @@ def _client_state_problem(state: Any, tag: str) -> str | None:
             return f"time_budget is {budget!r}, not an object"
         for key in ("elapsed", "step_seconds", "save_seconds", "eval_seconds", "warmup_end"):
             optional = key in ("eval_seconds", "warmup_end")
-            if not (_is_number(budget.get(key)) or optional and budget.get(key) is None):
+            if not (is_number(budget.get(key)) or optional and budget.get(key) is None):
                 return f"time_budget.{key} is {budget.get(key)!r}, not a number of seconds"
     return None
 

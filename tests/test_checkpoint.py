@@ -282,6 +282,7 @@ def _client_state(**changes) -> bytes:
     (_client_state(sampler={"epoch": 0, "consumed": -5, "seed": 1, "num_samples": 100}), "sampler.consumed is -5"),
     (_client_state(run_id=7), "run_id is 7, not a string"),
     (_client_state(time_budget={"elapsed": "1"}), "time_budget.elapsed is '1'"),
+    (_client_state(loss_scale=float("inf")), "loss_scale is inf, not a number"),  # JSON's Infinity: was resumed
 ])
 def test_a_damaged_client_state_is_one_clear_error(one_rank_group, tmp_path, content, problem):
     """Used to be a JSONDecodeError, TypeError or KeyError traceback on resume, or a resume at a wrong step."""
