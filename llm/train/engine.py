@@ -163,9 +163,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
             fill(params, key, value, run_key)
         elif params.get(key) == "auto":  # the optimizer's own kind of value (Adafactor's eps is a pair)
             del params[key]
-    leftover = _find_auto(ds)
-    if leftover:
-        raise UserError(f"{source}: no run-config value fills \"auto\" at {leftover}; give it a value")
+    _refuse_auto(ds, source)
     steps_per_print = ds.get("steps_per_print")
     if steps_per_print is not None:
         if (isinstance(steps_per_print, bool) or not isinstance(steps_per_print, (int, float))
@@ -179,9 +177,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
 def _zero_config(zero: dict[str, Any], source: str):
     """The zero_optimization section as DeepSpeed reads it (its pydantic model), or a UserError naming the key at
     fault (DeepSpeed would fail on it in every rank with a ValidationError traceback)."""
-    leftover = _find_auto(zero, "zero_optimization")
-    if leftover:  # DeepSpeed's model takes "auto" for some sizes; here it is a value the run config does not fill
-        raise UserError(f"{source}: no run-config value fills \"auto\" at {leftover}; give it a value")
+    _refuse_auto(zero, source, "zero_optimization")  # DeepSpeed's model takes "auto" for some sizes
     try:
         return DeepSpeedZeroConfig(**zero)
     except pydantic.ValidationError as exc:
@@ -238,7 +234,15 @@ def _same_kind(default: Any, value: Any) -> bool:
     return default is None or isinstance(default, (tuple, list)) == isinstance(value, (tuple, list))
 
 
-def _find_auto(node: Any, path: str = "") -> str | None:
+def _refuse_auto(node: Any, source: str, path: str = "") -> None:
+    """A UserError naming the first "auto" left in `node` (at `path` in the DeepSpeed config): no run-config value
+    fills it."""
+    found = _find_auto(node, path)
+    if found:
+        raise UserError(f"{source}: no run-config value fills \"auto\" at {found}; give it a value")
+
+
+def _find_auto(node: Any, path: str) -> str | None:
     if node == "auto":
         return path or "<root>"
     if isinstance(node, dict):
