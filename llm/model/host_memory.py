@@ -25,9 +25,9 @@ v2's unified hierarchy): the folder below CGROUP_ROOT and the file name."""
 
 def cgroup_memory_limits(root: Path, membership: Path) -> list[int]:
     """The memory limits set on the cgroups `membership` (/proc/self/cgroup) lists and on every group above them, in
-    the cgroup v2 and v1 hierarchies under `root` (/sys/fs/cgroup): a container,
-    a SLURM job or a systemd slice may hold less than the host. Groups this process cannot see (another namespace's
-    paths) and unlimited ones ('max') give none."""
+    the cgroup v2 and v1 hierarchies under `root` (/sys/fs/cgroup): a container, a SLURM job or a systemd slice may
+    hold less than the host. Groups this process cannot see (another namespace's paths) and unlimited ones ('max')
+    give none."""
     try:
         lines = membership.read_text().splitlines()
     except OSError:
@@ -37,7 +37,7 @@ def cgroup_memory_limits(root: Path, membership: Path) -> list[int]:
         _, _, rest = line.partition(":")
         controllers, _, group_path = rest.partition(":")
         for controller, (folder, name) in CGROUP_LIMIT_FILES.items():
-            if controller != controllers and controller not in controllers.split(","):
+            if controller not in controllers.split(","):  # "" is v2's line
                 continue
             hierarchy = root / folder
             group = hierarchy.joinpath(*[part for part in group_path.split("/") if part not in ("", ".", "..")])
