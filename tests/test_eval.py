@@ -142,22 +142,24 @@ def test_human_output_names_the_three_numbers(export_dir, text_files):
         assert label in result.stdout
 
 
-def test_mistakes_are_one_line_errors(export_dir, text_files, tmp_path):
+def test_mistakes_are_one_line_errors(export_dir, text_files, tmp_path, monkeypatch, capsys):
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n\n".join(f"another corpus, document {i}" for i in range(300)))
     tok = tmp_path / "tok"
-    assert run_cli("tokenizer", "train", "--input", corpus, "--vocab-size", 300, "--out", tok).returncode == 0
-    assert run_cli("data", "prepare", "--input", corpus, "--tokenizer", tmp_path / "tok", "--out",
-                   tmp_path / "data").returncode == 0
+    assert zerollm_here(monkeypatch, "tokenizer", "train", "--input", corpus, "--vocab-size", 300, "--out", tok) == 0
+    assert zerollm_here(monkeypatch, "data", "prepare", "--input", corpus, "--tokenizer", tmp_path / "tok", "--out",
+                        tmp_path / "data") == 0
     cases = [(["--data", tmp_path / "data"], "another tokenizer"),
              (["--input", text_files[0], "--context", 8, "--stride", 9], "--stride"),
              (["--input", text_files[0], "--context", 65], "--context"),
              (["--input", tmp_path / "missing.txt"], "no such file")]
+    capsys.readouterr()
     for args, message in cases:
-        result = run_cli("eval", "--model", export_dir, *args)
-        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
-    result = run_cli("eval", "--model", tmp_path, "--input", text_files[0])
-    assert result.returncode == 2 and "neither a run directory" in result.stderr
+        assert zerollm_here(monkeypatch, "eval", "--model", export_dir, *args) == 2
+        stderr = capsys.readouterr().err
+        assert stderr.startswith("zerollm: error: ") and message in stderr and stderr.count("\n") == 1, stderr
+    assert zerollm_here(monkeypatch, "eval", "--model", tmp_path, "--input", text_files[0]) == 2
+    assert "neither a run directory" in capsys.readouterr().err
 
 
 # ---- lm-evaluation-harness ---------------------------------------------------------------------------
