@@ -189,6 +189,20 @@ def _with(**fields) -> bytes:
     (_with(temperature=-1), None),
     (_with(max_tokens=100000), "messages"),
     (_with(n=3), "n"),
+    (_with(n=True), "n"),  # true == 1 in Python: it passed as n=1
+    (_with(max_completion_tokens=0), "max_completion_tokens"),  # was named max_tokens
+    (_with(max_completion_tokens=3, max_tokens="many"), "max_tokens"),  # was not checked
+    (_with(stream="yes"), "stream"),
+    (_with(stream=True, stream_options=[]), "stream_options"),
+    (_with(stream=True, stream_options={"include_usage": 1}), "include_usage"),
+    # asked for and silently not done before (a client read logprobs None, a JSON reply that was not JSON)
+    (_with(logprobs=True, top_logprobs=2), "logprobs"),
+    (_with(top_logprobs=2), "top_logprobs"),
+    (_with(response_format={"type": "json_object"}), "response_format"),
+    (_with(frequency_penalty=0.5), "frequency_penalty"),
+    (_with(presence_penalty="abc"), "presence_penalty"),
+    (_with(logit_bias={"5": 100}), "logit_bias"),
+    (_with(stop=False), "stop"),  # was taken as no stop strings
     (_with(stop=["a", "b", "c", "d", "e"]), "stop"),
     (_with(seed=10**30), None),
     (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None),
@@ -204,6 +218,36 @@ def test_bad_requests_get_4xx_json_errors_and_the_server_survives(server, body, 
     assert payload["error"]["param"] == param
     with urllib.request.urlopen(f"{server}/health", timeout=10) as response:
         assert json.loads(response.read()) == {"status": "ok"}
+
+
+def test_null_fields_and_fields_that_ask_for_nothing_take_their_defaults(server):
+    """OpenAI's API reads null as the default: "n": null and "stream": null were refused."""
+    nothing = {"n": None, "stream": None, "stream_options": None, "logprobs": False, "top_logprobs": None,
+               "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
+               "stop": None, "max_completion_tokens": None, "temperature": None, "model": "any name"}
+    status, payload = _post(server, json.dumps({**HELLO, **nothing}).encode())
+    assert status == 200 and payload["object"] == "chat.completion" and payload["model"] == "tiny"
+
+
+def test_a_stream_can_end_with_its_usage(server, generator):
+    messages = [{"role": "user", "content": "Hello"}]
+    client = _client(server)
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage  # was ignored: no chunk had a usage
+    assert all(c.usage is None for c in chunks[:-1])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == reply.choices[0].message.content
+
+
+def test_a_model_is_found_by_its_name_and_routes_take_a_query_string(server):
+    assert _client(server).models.retrieve("tiny").id == "tiny"  # GET /v1/models/tiny was 404
+    got, response = raw_exchange(server, request_bytes(b"", method="GET", path="/v1/models/gpt-4o",
+                                                       headers={"Connection": "close"}))
+    assert got == 404 and json_body(response)["error"]["code"] == "model_not_found"
+    for path in ("/v1/models?limit=1", "/health?probe=1"):
+        assert raw_exchange(server, request_bytes(b"", method="GET", path=path,
+                                                  headers={"Connection": "close"}))[0] == 200, path
 
 
 @pytest.mark.parametrize("length, headers, status", [
@@ -262,8 +306,9 @@ def test_api_key_is_required_off_loopback_and_checked(generator, tmp_path):
             status, payload = _post(url, json.dumps(HELLO).encode(), headers)
             assert status == 401 and payload["error"]["code"] == "invalid_api_key"
         assert [m.id for m in _client(url, api_key="s3cret").models.list()] == ["tiny"]
-        status, _ = _post(url, json.dumps(HELLO).encode(), {"Authorization": "Bearer s3cret"})
-        assert status == 200
+        for scheme in ("Bearer", "bearer", "BEARER"):  # a scheme's name is not case-sensitive: "bearer" was a 401
+            status, _ = _post(url, json.dumps(HELLO).encode(), {"Authorization": f"{scheme} s3cret"})
+            assert status == 200, scheme
 
 
 def test_without_max_tokens_a_reply_fits_the_context(generator):
@@ -353,6 +398,34 @@ def test_a_client_leaving_mid_stream_ends_its_generation_quietly(generator, capf
         assert service.cancelled == 1
         assert _post(url, json.dumps(HELLO).encode())[0] == 200
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_client_leaving_a_reply_that_is_not_streamed_ends_its_generation(generator):
+    """A client that left was noticed only when no piece came for a quarter second: a model making more than four
+    pieces a second went on to the end, and every request queued behind it waited."""
+    class Steady:  # 20 pieces a second, for 10 s
+        model, tokenizer = generator.model, generator.tokenizer
+
+        def stream(self, prompt, params):
+            for _ in range(200):
+                time.sleep(0.05)
+                yield "x"
+
+    service = ChatService(Steady(), "tiny")
+    server = make_server(service, "127.0.0.1", 0, timeout_s=30)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with socket.create_connection(server.server_address, timeout=CLIENT_TIMEOUT_S) as sock:
+            sock.sendall(request_bytes(HELLO))
+            time.sleep(0.5)
+        left_at = time.monotonic()
+        while service.cancelled == 0 and time.monotonic() < left_at + 5:
+            time.sleep(0.05)
+        assert service.cancelled == 1 and time.monotonic() - left_at < 2
+    finally:
+        server.shutdown()
+        server.server_close()
+        service.close()
 
 
 def test_an_error_after_the_stream_began_is_an_sse_event(generator):

@@ -39,8 +39,10 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -145,29 +147,57 @@ def parse_messages(body: Any) -> list[dict]:
     return [canonical_message(m, i) for i, m in enumerate(messages)]
 
 
-def parse_options(body: dict, default_max_tokens: int) -> tuple[SamplingParams, bool]:
-    """(sampling parameters, stream) of a chat-completions body whose messages parse_messages accepted, or
-    RequestError."""
-    if body.get("n", 1) != 1:
+@dataclass(frozen=True)
+class RequestOptions:
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    """stream_options.include_usage: a last chunk before [DONE] carries the usage, every other chunk usage null."""
+
+
+UNSUPPORTED = {"logprobs": False, "top_logprobs": None, "logit_bias": {}, "frequency_penalty": 0,
+               "presence_penalty": 0}
+"""OpenAI request fields this server does not implement, with the value that asks for nothing (null too): any other
+value is refused, not ignored, so that a client never reads a reply made without what it asked for."""
+
+
+def _flag(body: dict, key: str) -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"'{key}' must be true or false", key)
+    return bool(value)
+
+
+def parse_options(body: dict, default_max_tokens: int) -> RequestOptions:
+    """The sampling parameters and stream options of a chat-completions body whose messages parse_messages
+    accepted, or RequestError. A field given as null takes its default, as in OpenAI's API."""
+    if _number(body, "n", int, 1) != 1:
         raise RequestError("only n=1 is supported", "n")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
+    for key, nothing in UNSUPPORTED.items():
+        if body.get(key) not in (None, nothing):
+            raise RequestError(f"'{key}' is not supported by this server; leave it out", key)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise RequestError("only the 'text' response_format is supported", "response_format")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
         raise RequestError(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
-    max_tokens = _number(body, "max_completion_tokens", int, None)
-    max_tokens = _number(body, "max_tokens", int, default_max_tokens) if max_tokens is None else max_tokens
+    given = {key: _number(body, key, int, None) for key in ("max_completion_tokens", "max_tokens")}
+    key = next((key for key, value in given.items() if value is not None), "max_tokens")  # the newer name first
+    max_tokens = default_max_tokens if given[key] is None else given[key]
     if max_tokens < 1:
-        raise RequestError("'max_tokens' must be at least 1", "max_tokens")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("'stream' must be true or false", "stream")
+        raise RequestError(f"'{key}' must be at least 1", key)
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise RequestError("'stream_options' must be an object", "stream_options")
     try:
         params = SamplingParams(max_new_tokens=max_tokens, stop=stop, seed=_number(body, "seed", int, None),
                                 temperature=float(_number(body, "temperature", (int, float), 1.0)),
                                 top_p=float(_number(body, "top_p", (int, float), 1.0)))
     except ValueError as exc:
         raise RequestError(str(exc)) from None
-    return params, stream
+    return RequestOptions(params, _flag(body, "stream"), _flag(stream_options or {}, "include_usage"))
 
 
 # ---- the model behind the server --------------------------------------------------------------------
@@ -338,14 +368,16 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             if loopback and host is not None and not is_loopback_host(host):
                 raise RequestError(f"Host '{host}' is not this machine's loopback name; the server answers local "
                                    "clients only (start it with --host and --api-key to serve others)", status=403)
-            if api_key is not None and self.path != "/health":
-                given = self.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-                if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
+            if api_key is not None and self.route != "/health":
+                scheme, _, given = self.headers.get("Authorization", "").strip().partition(" ")
+                if not (scheme.lower() == "bearer"  # a scheme's name is not case-sensitive (RFC 9110)
+                        and hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), api_key.encode())):
                     raise RequestError("missing or wrong API key: send 'Authorization: Bearer KEY' with the server's "
                                        "--api-key", status=401, code="invalid_api_key")
 
         def _handle(self, route: Callable[[], None]) -> None:
             self.streaming = False
+            self.route = urllib.parse.urlsplit(self.path).path  # a query string (?limit=1) names no other route
             try:
                 self._check_access()
                 route()
@@ -380,11 +412,17 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
         do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _not_allowed
 
         def _get(self) -> None:
-            if self.path == "/health":
+            model = {"id": self.service.model_name, "object": "model", "created": self.service.created,
+                     "owned_by": "zerollm"}
+            if self.route == "/health":
                 self._json(200, {"status": "ok"})
-            elif self.path == "/v1/models":
-                self._json(200, {"object": "list", "data": [{"id": self.service.model_name, "object": "model",
-                                                             "created": self.service.created, "owned_by": "zerollm"}]})
+            elif self.route == "/v1/models":
+                self._json(200, {"object": "list", "data": [model]})
+            elif self.route == f"/v1/models/{urllib.parse.quote(self.service.model_name)}":
+                self._json(200, model)
+            elif self.route.startswith("/v1/models/"):
+                raise RequestError(f"no model {urllib.parse.unquote(self.route[len('/v1/models/'):])!r} here; this "
+                                   f"server serves {self.service.model_name!r}", "model", 404, "model_not_found")
             else:
                 raise RequestError(f"no route GET {self.path}", status=404)
 
@@ -407,14 +445,17 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             return raw
 
         def _post(self) -> None:
-            if self.path != "/v1/chat/completions":
+            if self.route != "/v1/chat/completions":
                 raise RequestError(f"no route POST {self.path}", status=404)
             body = parse_json_body(self._read_body())
             prompt_ids = self.service.prompt_ids(parse_messages(body))
-            params, stream = parse_options(body, self.service.default_max_tokens_after(prompt_ids))
-            job = self.service.submit(prompt_ids, params)
+            options = parse_options(body, self.service.default_max_tokens_after(prompt_ids))
+            job = self.service.submit(prompt_ids, options.params)
             try:
-                (self._stream if stream else self._complete)(job)
+                if options.stream:
+                    self._stream(job, options.include_usage)
+                else:
+                    self._complete(job)
             finally:
                 job.cancelled.set()  # the client left (or is done): its generation must not go on
 
@@ -426,12 +467,19 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                 return True
 
         def _pieces(self, job: Generation) -> Iterator[str]:
+            """The generation's text pieces; a client that left is noticed every WAIT_POLL_S, also while pieces
+            arrive faster than that (a reply that is not streamed writes nothing until its end)."""
+            check_at = time.monotonic() + WAIT_POLL_S
             while True:
                 try:
                     item = job.pieces.get(timeout=WAIT_POLL_S)
                 except queue.Empty:
+                    item = None
+                if item is None or time.monotonic() >= check_at:
                     if self._client_gone():
-                        raise ConnectionAbortedError("the client left while waiting") from None
+                        raise ConnectionAbortedError("the client left while waiting")
+                    check_at = time.monotonic() + WAIT_POLL_S
+                if item is None:
                     continue
                 if item is _DONE:
                     return
@@ -441,15 +489,13 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
 
         def _complete(self, job: Generation) -> None:
             text = "".join(self._pieces(job))
-            prompt_tokens, completion_tokens = len(job.prompt_ids), job.stream.completion_tokens
             self._json(200, {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                              "created": int(time.time()), "model": self.service.model_name,
                              "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                           "finish_reason": job.stream.finish_reason}],
-                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                       "total_tokens": prompt_tokens + completion_tokens}})
+                             "usage": _usage(job)})
 
-        def _stream(self, job: Generation) -> None:
+        def _stream(self, job: Generation, include_usage: bool) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
@@ -457,7 +503,8 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             self.end_headers()
             self.streaming = True
             base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-                    "created": int(time.time()), "model": self.service.model_name}
+                    "created": int(time.time()), "model": self.service.model_name,
+                    **({"usage": None} if include_usage else {})}
 
             def chunk(delta: dict, finish: str | None = None) -> dict:
                 return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
@@ -466,9 +513,18 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             for piece in self._pieces(job):
                 self._sse(chunk({"content": piece}))
             self._sse(chunk({}, job.stream.finish_reason))
+            if include_usage:
+                self._sse({**base, "choices": [], "usage": _usage(job)})
             self._sse("[DONE]")
 
     return Handler
+
+
+def _usage(job: Generation) -> dict[str, int]:
+    """OpenAI's usage of a finished generation, counted on the ids the model saw."""
+    prompt_tokens, completion_tokens = len(job.prompt_ids), job.stream.completion_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def client_key(host: str) -> str:
