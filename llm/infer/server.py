@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server: POST /v1/chat/completions (JSON or SSE stream), GET /v1/models, GET /health.
+"""OpenAI-compatible HTTP server: POST /v1/chat/completions (JSON or SSE stream), GET /v1/models[/NAME], /health.
 
 Standard library only (`http.server`, one thread per connection). Requests are untrusted:
 
@@ -6,8 +6,8 @@ Standard library only (`http.server`, one thread per connection). Requests are u
   requests never interleave on the model, and no client's socket is ever written while the model
   waits: a client that stops reading stalls only its own connection. Its pieces queue up (at most
   max_tokens of them) until the socket timeout ends the connection and cancels its generation; a
-  client that disconnects is noticed while it waits and at the next write, and its generation ends
-  quietly, without a traceback.
+  client that disconnects is noticed within a quarter second (waiting, or while its pieces arrive) and
+  at the next write, and its generation ends quietly, without a traceback.
 - Every socket has a timeout (a client that sends or reads nothing for that long is dropped), a request's
   line, headers and body must all arrive within that timeout (a client dribbling bytes is dropped too),
   open connections are capped (one more gets 503 at once), so are one client address's off loopback (by default a
