@@ -478,14 +478,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _sampling(args: argparse.Namespace):
-    from llm.infer.sampling import SamplingParams
+    from llm.infer.sampling import InvalidSampling, SamplingParams
 
     try:
         return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, repetition_penalty=args.repetition_penalty, stop=args.stop,
                               seed=args.seed)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
+    except InvalidSampling as exc:  # named by its option
+        option = "--" + exc.field.replace("_", "-")
+        raise UserError(f"{option}{str(exc).removeprefix(exc.field)}") from None
 
 
 def _generator(args: argparse.Namespace):

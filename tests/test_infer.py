@@ -13,6 +13,7 @@ from llm.config import ModelConfig
 from llm.export import export_model, import_model
 from llm.infer.generate import TextGenerator, cut_at_stop
 from llm.infer.sampling import (
+    InvalidSampling,
     SamplingParams,
     apply_repetition_penalty,
     choose_next,
@@ -142,11 +143,24 @@ def test_prompts_as_ids_or_text_give_the_same_completion(generator):
     assert "".join(generator.stream(ids, params)) == generator.generate([text], params)[0]
 
 
-def test_sampling_parameters_must_be_finite():
-    for bad in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"top_p": float("nan")},
-                {"repetition_penalty": float("inf")}, {"seed": 2**64}, {"stop": ["end", ""]}):
-        with pytest.raises(ValueError):
+def test_sampling_parameters_must_be_finite_and_in_range_and_the_error_names_the_field():
+    for bad, expected in (({"temperature": float("nan")}, "a finite number >= 0, got nan"),
+                          ({"temperature": float("inf")}, "a finite number >= 0, got inf"),
+                          ({"temperature": -1.0}, "a finite number >= 0, got -1.0"),
+                          ({"top_p": float("nan")}, "a number in (0, 1], got nan"), ({"top_p": 0}, "a number in"),
+                          ({"repetition_penalty": float("inf")}, "a finite number > 0"),
+                          ({"top_k": -1}, "an integer >= 0 (0: off), got -1"), ({"max_new_tokens": -1}, "an integer"),
+                          ({"seed": 2**64}, "an integer in [0, 2**63)"), ({"stop": ["end", ""]}, "strings that are")):
+        with pytest.raises(InvalidSampling) as raised:
             SamplingParams(**bad)
+        field = next(iter(bad))
+        assert raised.value.field == field and str(raised.value).startswith(f"{field} must be {expected}")
+
+
+def test_a_sampling_option_out_of_range_is_named_by_its_flag(monkeypatch, capsys, tmp_path):
+    """The message named fields as a group ("max_new_tokens, temperature and top_k must be >= 0")."""
+    assert zerollm_here(monkeypatch, "generate", "--model", tmp_path, "--prompt", "x", "--top-p", "1.5") == 2
+    assert capsys.readouterr().err == "zerollm: error: --top-p must be a number in (0, 1], got 1.5\n"
 
 
 # ---- streaming -----------------------------------------------------------------------------------

@@ -186,7 +186,9 @@ def _with(**fields) -> bytes:
     (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), "messages[0].content"),
     (_with(max_tokens="many"), "max_tokens"),
     (_with(max_tokens=0), "max_tokens"),
-    (_with(temperature=-1), None),
+    (_with(temperature=-1), "temperature"),  # the sampling checks' errors named no field
+    (_with(top_p=0), "top_p"),
+    (_with(stop=["a", ""]), "stop"),
     (_with(max_tokens=100000), "messages"),
     (_with(n=3), "n"),
     (_with(n=True), "n"),  # true == 1 in Python: it passed as n=1
@@ -204,10 +206,10 @@ def _with(**fields) -> bytes:
     (_with(logit_bias={"5": 100}), "logit_bias"),
     (_with(stop=False), "stop"),  # was taken as no stop strings
     (_with(stop=["a", "b", "c", "d", "e"]), "stop"),
-    (_with(seed=10**30), None),
+    (_with(seed=10**30), "seed"),
     (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None),
     (b'{"messages": [{"role": "user", "content": "x"}], "top_p": -Infinity}', None),
-    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}', None),
+    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}', "temperature"),
     (b'{"messages": [{"role": "user", "content": "lone \\ud800 surrogate"}]}', None),
     (b'{"messages": [{"role": "user", "content": "x"}], "stop": "\\udfff"}', None),
     (b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", None),  # deeper than Python's recursion limit

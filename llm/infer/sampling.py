@@ -8,6 +8,26 @@ from dataclasses import dataclass, field
 import torch
 
 
+class InvalidSampling(ValueError):
+    """A sampling parameter out of its range; `field` names it (a SamplingParams field)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field_name
+
+
+SAMPLING_RANGES = {
+    "max_new_tokens": (lambda v: v >= 0, "an integer >= 0"),
+    "temperature": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    "top_k": (lambda v: v >= 0, "an integer >= 0 (0: off)"),
+    "top_p": (lambda v: math.isfinite(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "repetition_penalty": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    "seed": (lambda v: v is None or 0 <= v < 2**63, "an integer in [0, 2**63)"),
+    "stop": (lambda v: "" not in v, "strings that are not empty"),
+}
+"""Each SamplingParams field's check, and what it must be, for the message."""
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -24,16 +44,10 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not all(math.isfinite(v) for v in (self.temperature, self.top_p, self.repetition_penalty)):
-            raise ValueError("temperature, top_p and repetition_penalty must be finite numbers")
-        if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0:
-            raise ValueError("max_new_tokens, temperature and top_k must be >= 0")
-        if not 0 < self.top_p <= 1 or self.repetition_penalty <= 0:
-            raise ValueError("top_p must be in (0, 1] and repetition_penalty > 0")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError("seed must be in [0, 2**63)")
-        if "" in self.stop:
-            raise ValueError("a stop string must not be empty")
+        for name, (valid, expected) in SAMPLING_RANGES.items():
+            value = getattr(self, name)
+            if not valid(value):
+                raise InvalidSampling(name, f"{name} must be {expected}, got {value!r}")
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -49,7 +49,7 @@ from typing import Any
 
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator, TextStream
-from llm.infer.sampling import SamplingParams
+from llm.infer.sampling import InvalidSampling, SamplingParams
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
@@ -195,8 +195,9 @@ def parse_options(body: dict, default_max_tokens: int) -> RequestOptions:
         params = SamplingParams(max_new_tokens=max_tokens, stop=stop, seed=_number(body, "seed", int, None),
                                 temperature=float(_number(body, "temperature", (int, float), 1.0)),
                                 top_p=float(_number(body, "top_p", (int, float), 1.0)))
-    except ValueError as exc:
-        raise RequestError(str(exc)) from None
+    except InvalidSampling as exc:  # named by the request's field
+        field = key if exc.field == "max_new_tokens" else exc.field
+        raise RequestError(str(exc).replace(exc.field, field, 1), field) from None
     return RequestOptions(params, _flag(body, "stream"), _flag(stream_options or {}, "include_usage"))
 
 
