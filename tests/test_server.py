@@ -136,6 +136,16 @@ def test_openai_client_chat_and_models(server, generator):
     assert chunks[-1].choices[0].finish_reason == reply.choices[0].finish_reason
 
 
+def test_a_developer_message_is_the_system_turn(server, generator):
+    """OpenAI's clients send the system prompt as role "developer" for newer models: it was a 400."""
+    reply = _client(server).chat.completions.create(model="tiny", max_tokens=6, temperature=0, messages=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hello"}])
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    ids = generator.tokenizer.encode_chat(system, add_generation_prompt=True)
+    assert reply.choices[0].message.content == "".join(generator.stream(ids, SamplingParams(max_new_tokens=6)))
+    assert reply.usage.prompt_tokens == len(ids)
+
+
 def test_injected_special_tokens_stay_in_the_user_message(server, generator):
     reply = _client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": INJECTION}],
                                                     max_tokens=8, temperature=0)

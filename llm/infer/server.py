@@ -53,7 +53,9 @@ from llm.infer.sampling import InvalidSampling, SamplingParams
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant", "tool", "developer")
+SYSTEM_ROLES = {"developer": "system"}
+"""OpenAI's newer name for the system role, which its clients send for newer models: the chat template's system turn."""
 WAIT_POLL_S = 0.25
 """How often a request waiting for its generation checks whether its client is still there."""
 CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
@@ -113,7 +115,8 @@ def canonical_message(message: Any, index: int) -> dict:
     where = f"messages[{index}]"
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         raise RequestError(f"{where} needs a role in {ROLES} and a string content", where)
-    out = {"role": message["role"], "content": _content(message.get("content"), where)}
+    role = SYSTEM_ROLES.get(message["role"], message["role"])
+    out = {"role": role, "content": _content(message.get("content"), where)}
     if out["role"] == "assistant":
         if message.get("reasoning_content") is not None:
             if not isinstance(message["reasoning_content"], str):
