@@ -240,9 +240,10 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
                        description="A ChatML REPL with streamed replies. Commands: /reset, /system TEXT, /quit.")
     _add_sampling_options(c)
     c.add_argument("--system", default=None, help="system prompt")
-    e = sub.add_parser("export", help="export a run to Hugging Face Llama format", epilog=EPILOG,
-                       description="Write model.safetensors, config.json (LlamaForCausalLM) and the tokenizer files "
-                                   "of a run's newest checkpoint (any ZeRO stage) to --out.")
+    e = sub.add_parser("export", help="export a run to Hugging Face Llama (or Qwen3) format", epilog=EPILOG,
+                       description="Write model.safetensors, config.json (LlamaForCausalLM; Qwen3ForCausalLM for a "
+                                   "model with QK-norm) and the tokenizer files of a run's newest checkpoint (any "
+                                   "ZeRO stage) to --out.")
     e.add_argument("--run", required=True, help="run directory")
     e.add_argument("--out", required=True, help="export directory")
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server", epilog=EPILOG,
@@ -528,8 +529,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from llm.loading import load_trained_model
 
     model, _ = load_trained_model(Path(args.run))
-    export_model(model, rundir.tokenizer_dir(Path(args.run)), Path(args.out))
-    print(f"exported {model.num_parameters():,} parameters to {args.out} (LlamaForCausalLM, safetensors)")
+    architecture = export_model(model, rundir.tokenizer_dir(Path(args.run)), Path(args.out))
+    print(f"exported {model.num_parameters():,} parameters to {args.out} ({architecture}, safetensors)")
     return 0
 
 

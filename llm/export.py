@@ -30,6 +30,7 @@ from llm.config import ModelConfig, validate_model
 from llm.data.output import refuse_foreign_contents
 from llm.errors import UserError, read_user_json_object
 from llm.model import Transformer
+from llm.model.rope import yarn_attention_scale
 from llm.tokenizer import CONFIG_FILE as TOKENIZER_CONFIG
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 
@@ -82,6 +83,23 @@ def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None) -> dict:
     return config
 
 
+def _refuse_other_yarn(rope: dict[str, Any], factor: float, source: str) -> None:
+    """Refuse YaRN settings that Hugging Face honours and our tables do not (they would load into another function,
+    silently): an attention factor other than 0.1 * ln(factor) + 1, DeepSeek's mscale pair, an untruncated
+    correction range."""
+    attention = rope.get("attention_factor")
+    if attention is not None and not (isinstance(attention, int | float) and not isinstance(attention, bool)
+                                      and math.isclose(attention, yarn_attention_scale(factor), rel_tol=1e-6)):
+        raise UserError(f"{source}: rope_scaling 'attention_factor' {attention!r} is not supported (our YaRN scales "
+                        f"by 0.1 * ln(factor) + 1 = {yarn_attention_scale(factor):.6g})")
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        raise UserError(f"{source}: rope_scaling 'mscale' and 'mscale_all_dim' (DeepSeek's attention factor) are not "
+                        "supported")
+    if rope.get("truncate", True) is not True:
+        raise UserError(f"{source}: rope_scaling 'truncate' {rope['truncate']!r} is not supported (our YaRN rounds "
+                        "its correction range, as truncate true does)")
+
+
 def _number(config: dict[str, Any], key: str, source: str, kind: type, default: Any = None) -> Any:
     """config[key] (or `default` when absent) checked to be a positive int (`kind` int) or number (`kind` float)."""
     value = config.get(key, default)
@@ -114,6 +132,9 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "yarn"):
         raise UserError(f"{source}: RoPE scaling '{kind}' is not supported (only YaRN)")
+    if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UserError(f"{source}: 'partial_rotary_factor' below 1 (RoPE on part of each head) is not part of our "
+                        "architecture")
     heads = _number(config, "num_attention_heads", source, int)
     tie = config.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
@@ -135,6 +156,7 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
                                                 int, cfg.max_seq_len)
         cfg.yarn_beta_fast = _number(rope, "beta_fast", f"{source} rope_scaling", float, 32.0)
         cfg.yarn_beta_slow = _number(rope, "beta_slow", f"{source} rope_scaling", float, 1.0)
+        _refuse_other_yarn(rope, cfg.rope_factor, source)
     if config.get("head_dim", cfg.head_dim) != cfg.head_dim:
         raise UserError(f"{source}: head_dim {config['head_dim']} differs from hidden_size / num_attention_heads")
     try:
@@ -168,8 +190,9 @@ def _move_into_place(staging: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> None:
-    """Write `out` (see the module docstring), replacing an earlier export there as a whole."""
+def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> str:
+    """Write `out` (see the module docstring), replacing an earlier export there as a whole; the Hugging Face
+    class its config.json names."""
     cfg, out = model.cfg, out.resolve()
     if cfg.moe:
         raise UserError("mixture-of-experts models have no LlamaForCausalLM form; export supports dense models")
@@ -190,10 +213,12 @@ def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> N
         tokenizer = Tokenizer.load(tokenizer_dir)
         for name in (TOKENIZER_FILE, TOKENIZER_CONFIG):
             shutil.copy(tokenizer_dir / name, staging / name)
-    (staging / HF_CONFIG_FILE).write_text(json.dumps(hf_config(cfg, tokenizer), indent=2))
+    config = hf_config(cfg, tokenizer)
+    (staging / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2))
     for path in staging.iterdir():
         durable.fsync(path)
     _move_into_place(staging, out)
+    return config["architectures"][0]
 
 
 def _read_tensors(path: Path, names: list[str] | None) -> dict[str, torch.Tensor]:

@@ -4,7 +4,9 @@ config claiming an enormous context costs only the positions used."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -22,6 +24,9 @@ from llm.model import Transformer
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, tie_embeddings=False)
 TOKENS = torch.arange(40).reshape(1, 40) % 64
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 
 def _model(seed: int) -> Transformer:
@@ -158,6 +163,22 @@ def _edit_config(directory: Path, changes: dict) -> None:
     (directory / HF_CONFIG_FILE).write_text(json.dumps(config))
 
 
+def test_export_names_the_class_it_wrote(tmp_path):
+    """`zerollm export` printed LlamaForCausalLM for a QK-norm model exported as Qwen3ForCausalLM."""
+    assert export_model(_model(0), None, tmp_path / "llama") == "LlamaForCausalLM"
+    qwen3 = Transformer(dataclasses.replace(CFG, qk_norm=True))
+    assert export_model(qwen3, None, tmp_path / "qwen3") == "Qwen3ForCausalLM"
+    assert json.loads((tmp_path / "qwen3" / HF_CONFIG_FILE).read_text())["architectures"] == ["Qwen3ForCausalLM"]
+
+
+def test_yarn_settings_that_ask_for_what_our_tables_do_are_taken(tmp_path):
+    export_model(_model(0), None, tmp_path)
+    _edit_config(tmp_path, {"rope_scaling": {**YARN, "attention_factor": 0.1 * math.log(4) + 1, "truncate": True,
+                                             "mscale": 1, "partial_rotary_factor": 1.0}})
+    cfg = import_model(tmp_path).cfg
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_seq_len) == ("yarn", 4.0, 64)
+
+
 @pytest.mark.parametrize("change, message", [
     ('{"model_type": "llama",', "config.json:1:"),
     ("[1, 2]", "the model config must be a JSON object {...}, got [1, 2]"),
@@ -170,6 +191,12 @@ def _edit_config(directory: Path, changes: dict) -> None:
     ("[" * 100_000 + "]" * 100_000, "invalid JSON (nested too deeply)"),
     ({"rope_scaling": "yarn"}, "'rope_scaling' must be an object or null"),
     ({"rope_scaling": {"rope_type": "yarn"}}, "'factor' is missing"),
+    # settings transformers honours and our tables did not: loaded silently into another function
+    ({"rope_scaling": {**YARN, "attention_factor": 2.0}}, "'attention_factor' 2.0 is not supported (our YaRN scales "
+                                                          "by 0.1 * ln(factor) + 1 = 1.13863)"),
+    ({"rope_scaling": {**YARN, "mscale": 1, "mscale_all_dim": 0.5}}, "'mscale' and 'mscale_all_dim'"),
+    ({"rope_scaling": {**YARN, "truncate": False}}, "'truncate' False is not supported"),
+    ({"partial_rotary_factor": 0.5}, "'partial_rotary_factor' below 1"),
     ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' must be true or false"),
     ({"num_attention_heads": 3, "head_dim": None}, "model.dim (32) must be divisible by model.n_heads (3)"),
 ])

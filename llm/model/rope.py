@@ -27,7 +27,12 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, cfg: ModelConfig) -> t
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
     extrapolation_weight = 1 - ramp
     scaled = inv_freq / cfg.rope_factor * ramp + inv_freq * extrapolation_weight
-    return scaled, 0.1 * math.log(cfg.rope_factor) + 1.0
+    return scaled, yarn_attention_scale(cfg.rope_factor)
+
+
+def yarn_attention_scale(factor: float) -> float:
+    """What YaRN scales the tables by (its attention temperature): 0.1 * ln(factor) + 1."""
+    return 0.1 * math.log(factor) + 1.0
 
 
 def rope_tables(cfg: ModelConfig, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
