@@ -169,7 +169,7 @@ def initial_weights(cfg: ModelConfig, init_from: str, data_tokenizer_hash: str) 
         raise UserError(f"--init-from {init_from}: no tokenizer ({tokenizer_dir / TOKENIZER_FILE} is missing), so "
                         "nothing shows it is the one the data was prepared with; give a model that keeps its "
                         "tokenizer files")
-    if Tokenizer.load(tokenizer_dir).hash != data_tokenizer_hash:
+    if not Tokenizer.load(tokenizer_dir).has_hash(data_tokenizer_hash):
         raise UserError(f"--init-from {init_from}: its tokenizer differs from the one the data was prepared with; "
                         f"prepare the data with {tokenizer_dir}")
     return source.state_dict()

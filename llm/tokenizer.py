@@ -175,8 +175,12 @@ class Tokenizer:
                  chat_template: str | None = None) -> None:
         """`config`: the contents of tokenizer_config.json; `chat_template` overrides its template."""
         self._tok, self.config, self.source = tok, dict(config or {}), source
-        self.hash = hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
-        """Identity of the tokenizer file's vocabulary and merges: data and models record it to refuse a mismatch."""
+        self.hash = _digest(_without_post_processor(tok))
+        """Identity of what turns text into ids (tokenizer.json less its post-processor, which adds special tokens
+        only when asked, never here): data and models record it to refuse a mismatch. transformers' save_pretrained
+        adds a post-processor that does nothing; the hash stays."""
+        self.legacy_hash = _digest(tok)
+        """The hash of the whole tokenizer.json, which earlier versions recorded: still accepted (`has_hash`)."""
         spec = json.loads(tok.to_str())
         added = {entry["content"]: entry for entry in spec.get("added_tokens", [])}
         named = {field: _token_text(self.config.get(field)) for field in ("bos_token", "eos_token", "pad_token")}
@@ -255,6 +259,10 @@ class Tokenizer:
         (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
         return self
 
+    def has_hash(self, recorded: str) -> bool:
+        """Whether `recorded` (from prepared data, a run or an export) identifies this tokenizer."""
+        return recorded in (self.hash, self.legacy_hash)
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
@@ -314,6 +322,16 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The chat template's text, for display; never encode it (use `encode_chat`)."""
         return self._chat.unescape(self._chat.render(messages, add_generation_prompt))
+
+
+def _digest(tok: HFTokenizer) -> str:
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+
+
+def _without_post_processor(tok: HFTokenizer) -> HFTokenizer:
+    copy = HFTokenizer.from_str(tok.to_str())
+    copy.post_processor = None
+    return copy
 
 
 def _ids(encoder: HFTokenizer, text: str) -> list[int]:

@@ -141,6 +141,40 @@ def test_corpus_text_with_special_strings_gets_no_false_document_breaks(tokenize
     assert np.flatnonzero(np.isin(tokens, [0, 1, 2, 3])).tolist() == (offsets[1:] - 1).tolist()
 
 
+NO_OP_POST_PROCESSOR = {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+                        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                        "special_tokens": {}}
+"""What transformers' save_pretrained writes into a tokenizer.json that had no post-processor."""
+
+
+def test_a_post_processor_does_not_change_the_hash_and_earlier_hashes_still_match(tokenizer_dir, tmp_path):
+    """An export saved again by transformers (which adds a post-processor that does nothing) was refused as another
+    tokenizer by --init-from, eval --data and --teacher: the hash covered the whole tokenizer.json."""
+    ours = Tokenizer.load(tokenizer_dir)
+    assert ours.hash == ours.legacy_hash  # no post-processor: data prepared by earlier versions keeps its hash
+    shutil.copytree(tokenizer_dir, tmp_path / "resaved")
+    spec = json.loads((tmp_path / "resaved" / "tokenizer.json").read_text())
+    (tmp_path / "resaved" / "tokenizer.json").write_text(json.dumps({**spec, "post_processor": NO_OP_POST_PROCESSOR}))
+    resaved = Tokenizer.load(tmp_path / "resaved")
+    assert resaved.hash == ours.hash and resaved.has_hash(ours.hash) and resaved.legacy_hash != ours.hash
+    llama = Tokenizer.load(LLAMA)  # a real post-processor (<s> first), which our encode never applies
+    assert llama.hash != llama.legacy_hash and llama.has_hash(llama.legacy_hash) and not llama.has_hash(ours.hash)
+
+
+def test_an_export_saved_again_by_transformers_initialises_a_run_on_the_original_data(tokenizer_dir, tmp_path):
+    from llm.config import ModelConfig
+    from llm.export import export_model
+    from llm.loading import initial_weights
+    from llm.model import Transformer
+
+    cfg = ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, max_seq_len=32)
+    export_model(Transformer(cfg), tokenizer_dir, tmp_path)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer.json").write_text(json.dumps({**spec, "post_processor": NO_OP_POST_PROCESSOR}))
+    weights = initial_weights(cfg, str(tmp_path), Tokenizer.load(tokenizer_dir).hash)  # was "its tokenizer differs"
+    assert weights["tok_embeddings.weight"].shape == (512, 32)
+
+
 def test_lone_surrogate_is_a_clear_value_error(tokenizer_dir):
     tok = Tokenizer.load(tokenizer_dir)
     with pytest.raises(ValueError, match=r"^the text is not valid Unicode: it holds the lone surrogate U\+D800$"):

@@ -40,8 +40,8 @@ def read_data_attrs(data_dir: str | Path, kind: str | tuple[str, ...]) -> dict:
         raise UserError(f"{path}: holds '{attrs.get('kind')}' data, this stage needs "
                         f"{' or '.join(repr(k) for k in kinds)}")
     tokenizer_dir = rundir.tokenizer_dir(Path(data_dir))
-    if tokenizer_dir.is_dir() and (copy_hash := Tokenizer.load(tokenizer_dir).hash) != attrs["tokenizer_hash"]:
-        raise UserError(f"{tokenizer_dir} (hash {copy_hash}) is not the tokenizer {path} was made with (hash "
+    if tokenizer_dir.is_dir() and not (copy := Tokenizer.load(tokenizer_dir)).has_hash(attrs["tokenizer_hash"]):
+        raise UserError(f"{tokenizer_dir} (hash {copy.hash}) is not the tokenizer {path} was made with (hash "
                         f"{attrs['tokenizer_hash']}); prepare the data again with `zerollm data prepare`")
     return attrs
 

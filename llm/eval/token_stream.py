@@ -105,7 +105,7 @@ def stream_of_split(data_dir: str | Path, split: str, tokenizer: Tokenizer) -> S
     if split not in SPLITS:
         raise UserError(f"--split must be one of {', '.join(SPLITS)}, got '{split}'")
     attrs = read_data_attrs(data_dir, "pretrain")
-    if attrs["tokenizer_hash"] != tokenizer.hash:
+    if not tokenizer.has_hash(attrs["tokenizer_hash"]):
         raise UserError(f"{data_dir} was tokenized with another tokenizer (hash {attrs['tokenizer_hash']}) than the "
                         f"model's (hash {tokenizer.hash}); prepare the data with the model's tokenizer")
     stream = SplitStream(Path(data_dir) / TOKENS_FILE, split, tokenizer.eos_id)

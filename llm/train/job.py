@@ -96,11 +96,11 @@ def input_files(cfg: RunConfig) -> list[Path]:
 def check_tokenizer(run_dir: Path, cfg: RunConfig, input_hash: str) -> None:
     """Refuse input tokenized with another tokenizer than the one this run directory already keeps."""
     kept = rundir.tokenizer_dir(run_dir)
-    if kept.is_dir() and (kept_hash := Tokenizer.load(kept).hash) != input_hash:
+    if kept.is_dir() and not (kept_tokenizer := Tokenizer.load(kept)).has_hash(input_hash):
         source = f"--init-from {cfg.train.init_from} has" if cfg.train.stage == "grpo" else \
             f"{cfg.data.path} was tokenized with"
-        raise UserError(f"{source} another tokenizer (hash {input_hash}) than this run's {kept} (hash {kept_hash}); "
-                        f"use {kept}")
+        raise UserError(f"{source} another tokenizer (hash {input_hash}) than this run's {kept} (hash "
+                        f"{kept_tokenizer.hash}); use {kept}")
 
 
 def keep_tokenizer(run_dir: Path, source: Path) -> None:
