@@ -92,7 +92,7 @@ def _refuse_other_yarn(rope: dict[str, Any], factor: float, source: str) -> None
                                       and math.isclose(attention, yarn_attention_scale(factor), rel_tol=1e-6)):
         raise UserError(f"{source}: rope_scaling 'attention_factor' {attention!r} is not supported (our YaRN scales "
                         f"by 0.1 * ln(factor) + 1 = {yarn_attention_scale(factor):.6g})")
-    if rope.get("mscale") and rope.get("mscale_all_dim"):
+    if attention is None and rope.get("mscale") and rope.get("mscale_all_dim"):  # transformers' order
         raise UserError(f"{source}: rope_scaling 'mscale' and 'mscale_all_dim' (DeepSeek's attention factor) are not "
                         "supported")
     if rope.get("truncate", True) is not True:
@@ -133,8 +133,8 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
     if kind not in ("default", "yarn"):
         raise UserError(f"{source}: RoPE scaling '{kind}' is not supported (only YaRN)")
     if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UserError(f"{source}: 'partial_rotary_factor' below 1 (RoPE on part of each head) is not part of our "
-                        "architecture")
+        raise UserError(f"{source}: 'partial_rotary_factor' other than 1 (RoPE on part of each head) is not part of "
+                        "our architecture")
     heads = _number(config, "num_attention_heads", source, int)
     tie = config.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):

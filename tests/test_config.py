@@ -225,4 +225,8 @@ def test_a_model_that_does_not_fit_names_its_size_and_the_memory(monkeypatch):
     assert str(error.value) == (
         f"the model has {cfg.parameter_count:,} parameters, {gib:,.1f} GiB in fp32; this host builds 3 copies of it "
         "(each rank's model, and its frozen reference where the stage has one) before DeepSpeed partitions them, "
-        f"{3 * gib:,.1f} GiB: more than this host's {2 * gib:,.1f} GiB of memory: use fewer ranks")
+        f"{3 * gib:,.1f} GiB: more than the limit of this process's cgroup (a container's or a job's): "
+        f"{2 * gib:,.1f} GiB of memory: use fewer ranks")
+    monkeypatch.setattr(host_memory, "usable_memory", lambda: psutil.virtual_memory().total)
+    with pytest.raises(UserError, match=r"GiB: more than this host's [\d,.]+ GiB of memory$"):
+        host_memory.check_fits_in_memory(dataclasses.replace(cfg, vocab_size=10**11), copies=3)

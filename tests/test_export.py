@@ -173,8 +173,9 @@ def test_export_names_the_class_it_wrote(tmp_path):
 
 def test_yarn_settings_that_ask_for_what_our_tables_do_are_taken(tmp_path):
     export_model(_model(0), None, tmp_path)
+    # transformers reads the mscale pair only without an attention_factor
     _edit_config(tmp_path, {"rope_scaling": {**YARN, "attention_factor": 0.1 * math.log(4) + 1, "truncate": True,
-                                             "mscale": 1, "partial_rotary_factor": 1.0}})
+                                             "mscale": 1, "mscale_all_dim": 0.5, "partial_rotary_factor": 1.0}})
     cfg = import_model(tmp_path).cfg
     assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_seq_len) == ("yarn", 4.0, 64)
 
@@ -196,7 +197,7 @@ def test_yarn_settings_that_ask_for_what_our_tables_do_are_taken(tmp_path):
                                                           "by 0.1 * ln(factor) + 1 = 1.13863)"),
     ({"rope_scaling": {**YARN, "mscale": 1, "mscale_all_dim": 0.5}}, "'mscale' and 'mscale_all_dim'"),
     ({"rope_scaling": {**YARN, "truncate": False}}, "'truncate' False is not supported"),
-    ({"partial_rotary_factor": 0.5}, "'partial_rotary_factor' below 1"),
+    ({"partial_rotary_factor": 0.5}, "'partial_rotary_factor' other than 1"),
     ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' must be true or false"),
     ({"num_attention_heads": 3, "head_dim": None}, "model.dim (32) must be divisible by model.n_heads (3)"),
 ])

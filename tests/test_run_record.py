@@ -91,3 +91,20 @@ def test_resuming_on_changed_data_is_refused_naming_the_difference(zero3_run, pr
     assert "tokens.h5 digest" in message and "train split" in message and "val split" in message
     assert f"--init-from {zero3_run}" in message
     assert len(_records(zero3_run)) == 1  # nothing was written
+
+
+def test_a_grpo_run_recorded_with_the_whole_file_tokenizer_hash_resumes(tmp_path):
+    """A GRPO run's input hash is its tokenizer's; runs made before the hash left out the post-processor recorded the
+    whole file's hash, and resuming them was refused as changed data."""
+    from llm.errors import UserError
+    from llm.tokenizer import Tokenizer
+    from llm.train.run_record import check_same_data, write_run_record
+
+    llama = Tokenizer.load(FIXTURES / "tokenizers" / "llama")  # a real post-processor: the two hashes differ
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    data = {"path": str(prompts), "digest": file_digest(prompts), "tokens": {}}
+    write_run_record(tmp_path, {"data": {**data, "tokenizer_hash": llama.legacy_hash}})
+    check_same_data(tmp_path, {**data, "tokenizer_hash": llama.hash}, llama.legacy_hash)
+    with pytest.raises(UserError, match=f"tokenizer {llama.legacy_hash} then, {llama.hash} now"):
+        check_same_data(tmp_path, {**data, "tokenizer_hash": llama.hash})

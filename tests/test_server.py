@@ -206,7 +206,7 @@ def _with(**fields) -> bytes:
     (_with(max_completion_tokens=3, max_tokens="many"), "max_tokens"),  # was not checked
     (_with(stream="yes"), "stream"),
     (_with(stream=True, stream_options=[]), "stream_options"),
-    (_with(stream=True, stream_options={"include_usage": 1}), "include_usage"),
+    (_with(stream=True, stream_options={"include_usage": 1}), "stream_options.include_usage"),
     # asked for and silently not done before (a client read logprobs None, a JSON reply that was not JSON)
     (_with(logprobs=True, top_logprobs=2), "logprobs"),
     (_with(top_logprobs=2), "top_logprobs"),
@@ -252,8 +252,17 @@ def test_a_stream_can_end_with_its_usage(server, generator):
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == reply.choices[0].message.content
 
 
-def test_a_model_is_found_by_its_name_and_routes_take_a_query_string(server):
+def test_a_model_is_found_by_its_name_and_routes_take_a_query_string(server, generator):
     assert _client(server).models.retrieve("tiny").id == "tiny"  # GET /v1/models/tiny was 404
+    service = ChatService(generator, "qwen:0.5b+lora")  # a folder's name, which the client sends unescaped
+    named = make_server(service, "127.0.0.1", 0, timeout_s=10)
+    threading.Thread(target=named.serve_forever, daemon=True).start()
+    try:
+        assert _client(named.url).models.retrieve("qwen:0.5b+lora").id == "qwen:0.5b+lora"
+    finally:
+        named.shutdown()
+        named.server_close()
+        service.close()
     got, response = raw_exchange(server, request_bytes(b"", method="GET", path="/v1/models/gpt-4o",
                                                        headers={"Connection": "close"}))
     assert got == 404 and json_body(response)["error"]["code"] == "model_not_found"

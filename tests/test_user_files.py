@@ -81,7 +81,7 @@ def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(op
         resolved({"optimizer": optimizer})
 
 
-@pytest.mark.parametrize("steps", [0, -3, 2.5, "10", True])
+@pytest.mark.parametrize("steps", [0, -3, 2.5, "10", True, float("inf"), float("nan")])  # int(inf) was a traceback
 def test_ds_config_steps_per_print_below_one_is_refused(steps):
     with pytest.raises(UserError, match=r"x.json: 'steps_per_print' must be a whole number >= 1 \(or null: never\), "
                                         f"got {json.dumps(steps)}$"):

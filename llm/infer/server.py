@@ -164,10 +164,11 @@ UNSUPPORTED = {"logprobs": False, "top_logprobs": None, "logit_bias": {}, "frequ
 value is refused, not ignored, so that a client never reads a reply made without what it asked for."""
 
 
-def _flag(body: dict, key: str) -> bool:
+def _flag(body: dict, key: str, where: str = "") -> bool:
+    """body[key] (None: false), or RequestError naming `where` + key."""
     value = body.get(key)
     if value is not None and not isinstance(value, bool):
-        raise RequestError(f"'{key}' must be true or false", key)
+        raise RequestError(f"'{where}{key}' must be true or false", where + key)
     return bool(value)
 
 
@@ -201,7 +202,8 @@ def parse_options(body: dict, default_max_tokens: int) -> RequestOptions:
     except InvalidSampling as exc:  # named by the request's field
         field = key if exc.field == "max_new_tokens" else exc.field
         raise RequestError(str(exc).replace(exc.field, field, 1), field) from None
-    return RequestOptions(params, _flag(body, "stream"), _flag(stream_options or {}, "include_usage"))
+    include_usage = _flag(stream_options or {}, "include_usage", "stream_options.")
+    return RequestOptions(params, _flag(body, "stream"), include_usage)
 
 
 # ---- the model behind the server --------------------------------------------------------------------
@@ -422,11 +424,12 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                 self._json(200, {"status": "ok"})
             elif self.route == "/v1/models":
                 self._json(200, {"object": "list", "data": [model]})
-            elif self.route == f"/v1/models/{urllib.parse.quote(self.service.model_name)}":
-                self._json(200, model)
             elif self.route.startswith("/v1/models/"):
-                raise RequestError(f"no model {urllib.parse.unquote(self.route[len('/v1/models/'):])!r} here; this "
-                                   f"server serves {self.service.model_name!r}", "model", 404, "model_not_found")
+                name = urllib.parse.unquote(self.route.removeprefix("/v1/models/"))  # escaped or not (: + @)
+                if name != self.service.model_name:
+                    raise RequestError(f"no model {name!r} here; this server serves {self.service.model_name!r}",
+                                       "model", 404, "model_not_found")
+                self._json(200, model)
             else:
                 raise RequestError(f"no route GET {self.path}", status=404)
 

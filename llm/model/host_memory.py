@@ -67,5 +67,7 @@ def check_fits_in_memory(cfg: ModelConfig, copies: int = 1, remedy: str = "") ->
         return
     copied = (f"; this host builds {copies} copies of it (each rank's model, and its frozen reference where the stage "
               f"has one) before DeepSpeed partitions them, {needed / GIB:,.1f} GiB" if copies > 1 else "")
+    whose = "this host's" if available >= psutil.virtual_memory().total else "the limit of this process's cgroup (a " \
+        "container's or a job's):"
     raise UserError(f"the model has {parameters:,} parameters, {FP32_BYTES * parameters / GIB:,.1f} GiB in fp32"
-                    f"{copied}: more than this host's {available / GIB:,.1f} GiB of memory{remedy}")
+                    f"{copied}: more than {whose} {available / GIB:,.1f} GiB of memory{remedy}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +168,8 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     steps_per_print = ds.get("steps_per_print")
     if steps_per_print is not None:
         if (isinstance(steps_per_print, bool) or not isinstance(steps_per_print, (int, float))
-                or steps_per_print != int(steps_per_print) or steps_per_print < 1):
+                or not math.isfinite(steps_per_print) or steps_per_print != int(steps_per_print)
+                or steps_per_print < 1):
             raise UserError(f"{source}: 'steps_per_print' must be a whole number >= 1 (or null: never), "
                             f"got {json.dumps(steps_per_print)[:60]}")
         ds["steps_per_print"] = int(steps_per_print)  # 10.0 is 10, as DeepSpeed takes it

@@ -84,7 +84,8 @@ def input_attrs(cfg: RunConfig) -> dict:
     reads raw prompt files) its tokenizer's."""
     if cfg.train.stage == "grpo":
         tokenizer = Tokenizer.load(tokenizer_dir(cfg))
-        return {"vocab_size": tokenizer.vocab_size, "tokenizer_hash": tokenizer.hash, "pad_id": tokenizer.pad_id}
+        return {"vocab_size": tokenizer.vocab_size, "tokenizer_hash": tokenizer.hash, "pad_id": tokenizer.pad_id,
+                "legacy_tokenizer_hash": tokenizer.legacy_hash}
     return stage_data_attrs(cfg.train.stage, cfg.data.path)
 
 
@@ -205,7 +206,7 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     if cfg.lora.r and cfg.train.init_from:  # the frozen base the adapters belong to (`load_lora_model` checks it)
         data["base"] = weights_summary(cfg.train.init_from, "--init-from")
     if resume and rundir.latest_tag(run_dir) is not None:
-        check_same_data(run_dir, data)
+        check_same_data(run_dir, data, attrs.get("legacy_tokenizer_hash"))
         for role, option in (("teacher", "--teacher"), ("base", "--init-from")):
             if role in data:
                 check_same_weights(run_dir, role, data[role], option)

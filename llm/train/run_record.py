@@ -129,8 +129,10 @@ def last_record(run_dir: Path) -> dict[str, Any] | None:
     return record
 
 
-def check_same_data(run_dir: Path, data: dict[str, Any]) -> None:
-    """Refuse to resume `run_dir` on data other than what its newest session trained on, naming the differences."""
+def check_same_data(run_dir: Path, data: dict[str, Any], legacy_tokenizer_hash: str | None = None) -> None:
+    """Refuse to resume `run_dir` on data other than what its newest session trained on, naming the differences.
+    `legacy_tokenizer_hash`: the whole-file hash an earlier version recorded for the same tokenizer (GRPO, whose
+    input's hash is its tokenizer's, `Tokenizer.legacy_hash`)."""
     record = last_record(run_dir)
     if record is None:
         return
@@ -143,7 +145,7 @@ def check_same_data(run_dir: Path, data: dict[str, Any]) -> None:
         then, now = before["tokens"].get(split), data["tokens"].get(split)
         if then != now:
             differences.append(f"{split} split {then} tokens then, {now} now")
-    if before["tokenizer_hash"] != data["tokenizer_hash"]:
+    if before["tokenizer_hash"] not in (data["tokenizer_hash"], legacy_tokenizer_hash):
         differences.append(f"tokenizer {before['tokenizer_hash']} then, {data['tokenizer_hash']} now")
     if differences:
         where = "" if before["path"] == data["path"] else f" (trained on {before['path']})"
