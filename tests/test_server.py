@@ -215,6 +215,8 @@ def _with(**fields) -> bytes:
     (_with(presence_penalty="abc"), "presence_penalty"),
     (_with(logit_bias={"5": 100}), "logit_bias"),
     (_with(stop=False), "stop"),  # was taken as no stop strings
+    (_with(tool_choice="required"), "tool_choice"),
+    (_with(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
     (_with(stop=["a", "b", "c", "d", "e"]), "stop"),
     (_with(seed=10**30), "seed"),
     (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None),
@@ -236,7 +238,8 @@ def test_null_fields_and_fields_that_ask_for_nothing_take_their_defaults(server)
     """OpenAI's API reads null as the default: "n": null and "stream": null were refused."""
     nothing = {"n": None, "stream": None, "stream_options": None, "logprobs": False, "top_logprobs": None,
                "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
-               "stop": None, "max_completion_tokens": None, "temperature": None, "model": "any name"}
+               "stop": None, "max_completion_tokens": None, "temperature": None, "model": "any name",
+               "tool_choice": "auto"}
     status, payload = _post(server, json.dumps({**HELLO, **nothing}).encode())
     assert status == 200 and payload["object"] == "chat.completion" and payload["model"] == "tiny"
 
