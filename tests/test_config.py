@@ -154,11 +154,15 @@ def test_ds_config_sections_of_the_wrong_shape_are_refused(change, message):
         resolve_ds_config({**raw, **change}, build_config("demo", ["train.precision=fp32"]), 1, "x.json")
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "AdamW", "Lion", "SGD"])
-def test_ds_config_takes_deepspeeds_and_torchs_optimizers(optimizer):
+@pytest.mark.parametrize("optimizer, change", [
+    ("adam", {}), ("AdamW", {}),
+    ("Lion", {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),  # DeepSpeed's CPU Lion
+    ("SGD", {"zero_allow_untested_optimizer": True}),
+])
+def test_ds_config_takes_deepspeeds_and_torchs_optimizers(optimizer, change):
     raw, _ = load_ds_config(None, "pretrain")
     raw["optimizer"]["type"] = optimizer
-    ds = resolve_ds_config(raw, build_config("demo", ["train.precision=fp32"]), 1, "x.json")
+    ds = resolve_ds_config({**raw, **change}, build_config("demo", ["train.precision=fp32"]), 1, "x.json")
     assert ds["optimizer"]["type"] == optimizer
 
 

@@ -1,6 +1,7 @@
 """Users' DeepSpeed configs and tokenizer files that are malformed: one-line errors naming the file and the key,
 before any rank trains (DeepSpeed, json and the chat template code would fail with tracebacks in every rank)."""
 
+import importlib.util
 import json
 import pathlib
 import shutil
@@ -43,7 +44,8 @@ def test_deepspeed_config_that_is_not_utf8_or_nested_too_deeply_is_refused(tmp_p
 ])
 def test_ds_config_fills_only_the_parameters_the_optimizer_takes(optimizer, kind, offload):
     ds = resolved({"optimizer": {"type": optimizer, "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                               "weight_decay": "auto", "torch_adam": True}}})
+                                                               "weight_decay": "auto", "torch_adam": True}},
+                   "zero_allow_untested_optimizer": True})
     params = ds["optimizer"]["params"]
     cfg = build_config("demo").train
     assert params["lr"] == cfg.lr and params["weight_decay"] == cfg.weight_decay
@@ -53,7 +55,8 @@ def test_ds_config_fills_only_the_parameters_the_optimizer_takes(optimizer, kind
 
 def test_ds_config_leaves_a_parameter_of_another_kind_to_the_optimizer():
     # Adafactor's eps is a pair (None, 1e-3): train.adam_eps, a number, made torch fail in every rank
-    ds = resolved({"optimizer": {"type": "Adafactor", "params": {"eps": "auto", "weight_decay": "auto"}}})
+    ds = resolved({"optimizer": {"type": "Adafactor", "params": {"eps": "auto", "weight_decay": "auto"}},
+                   "zero_allow_untested_optimizer": True})
     params = ds["optimizer"]["params"]
     assert "eps" not in params and params["weight_decay"] == build_config("demo").train.weight_decay
     torch.optim.Adafactor([torch.nn.Parameter(torch.zeros(2, 2))], **params).step()
@@ -79,6 +82,39 @@ def test_ds_config_keeps_adams_parameters_and_switches():
 def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(optimizer, message):
     with pytest.raises(UserError, match=message):
         resolved({"optimizer": optimizer})
+
+
+@pytest.mark.parametrize("change, message", [
+    # DeepSpeed failed on each of these in every rank with a traceback
+    ({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}},
+     "x.json: DeepSpeed calls SGD untested under ZeRO (stage 2); add \"zero_allow_untested_optimizer\": true to use it "
+     "anyway, or set zero_optimization.stage to 0"),
+    ({"optimizer": {"type": "Lamb", "params": {}}},
+     "x.json: 'optimizer.type' Lamb is DeepSpeed's FusedLamb, which has no CPU kernel; choose another optimizer"),
+    ({"optimizer": {"type": "Lion", "params": {}}}, "x.json: 'optimizer.type' Lion is DeepSpeed's FusedLion, which "
+     "has no CPU kernel; choose another optimizer (or offload_optimizer to the cpu, which has DeepSpeed's CPU Lion)"),
+    ({"sparse_gradients": False}, "x.json: Sparse compression of dense torch.nn.Embedding gradients has been removed."),
+    ({"amp": {"enabled": True, "opt_level": "O1"}}, "x.json: NVIDIA Apex AMP integration has been removed."),
+    ({"tensorboard": {"enabled": True, "output_path": "tb"}}, "x.json: the 'tensorboard' monitor needs the tensorboard "
+     "package: pip install tensorboard"),
+    ({"optimizer": {"type": "MuAdamW", "params": {}}}, "x.json: 'optimizer.type' MuAdamW needs the mup package: pip "
+     "install mup"),
+    ({"bfloat16": {"enabled": True}, "bf16": {"enabled": False}}, "x.json: give one of 'bf16' and 'bfloat16'"),
+])
+def test_ds_config_deepspeed_would_fail_on_is_one_line(monkeypatch, change, message):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)  # tensorboard, mup: not here
+    with pytest.raises(UserError) as raised:
+        resolved(change)
+    assert str(raised.value).startswith(message), str(raised.value)
+
+
+def test_ds_config_in_deepspeeds_older_words_means_what_it_says():
+    """"bfloat16" (bf16's older name) was overridden: a "bf16" section filled beside it turned bf16 off in fp32 runs."""
+    raw, _ = load_ds_config(None, "pretrain")
+    raw = {**{key: value for key, value in raw.items() if key != "bf16"}, "bfloat16": {"enabled": True}}
+    with pytest.raises(UserError, match="'enabled' is True but train.precision == 'bf16' is False"):
+        resolve_ds_config(raw, build_config("demo", ["train.precision=fp32"]), 1, "x.json")
+    assert resolve_ds_config(raw, build_config("demo", ["train.precision=bf16"]), 1, "x.json")["bf16"]["enabled"]
 
 
 @pytest.mark.parametrize("steps", [0, -3, 2.5, "10", True, float("inf"), float("nan")])  # int(inf) was a traceback

@@ -8,6 +8,7 @@ the run config; an explicit value that disagrees with the run config is an error
 from __future__ import annotations
 
 import copy
+import importlib.util
 import inspect
 import json
 import math
@@ -26,6 +27,7 @@ ensure_accelerator_env()
 import deepspeed  # noqa: E402 - after the accelerator is chosen
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: E402
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum  # noqa: E402
+from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS  # noqa: E402
 
 defer_muon_compile()
 
@@ -103,6 +105,11 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
         if not isinstance(value, dict):
             raise UserError(f"{source}: '{key}' must be a JSON object {{...}}, got {json.dumps(value)[:60]}")
 
+    if "bfloat16" in ds:  # DeepSpeed's older name: filling "bf16" beside it overrode the user's setting
+        if "bf16" in ds:
+            raise UserError(f"{source}: give one of 'bf16' and 'bfloat16' (its older name), not both")
+        ds["bf16"] = ds.pop("bfloat16")
+    _refuse_removed_features(ds, source)
     for section in ("bf16", "fp16", "optimizer", "zero_optimization"):  # the sections read or filled below
         if section in ds:
             require_object(ds[section], section)
@@ -147,7 +154,8 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
     params = optimizer.setdefault("params", {})
     offload = zero.offload_optimizer is not None and zero.offload_optimizer.device != OffloadDeviceEnum.none
-    takes = _optimizer_keywords(optimizer["type"], params, offload)
+    optimizer_class = _optimizer_class(optimizer["type"], params, offload, source)
+    takes = _optimizer_keywords(optimizer["type"], optimizer_class, params)
     if takes is not None:
         if "lr" not in takes:
             raise UserError(f"{source}: 'optimizer.type' {optimizer['type']} has no learning rate for the run "
@@ -164,6 +172,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
             fill(params, key, value, run_key)
         elif params.get(key) == "auto":  # the optimizer's own kind of value (Adafactor's eps is a pair)
             del params[key]
+    _refuse_unbuildable(optimizer["type"], optimizer_class, stage, ds, source)
     _refuse_auto(ds, source)
     steps_per_print = ds.get("steps_per_print")
     if steps_per_print is not None:
@@ -200,29 +209,74 @@ from the other optimizers' params, which would fail on them."""
 MUP_OPTIMIZERS = {"muadam": torch.optim.Adam, "muadamw": torch.optim.AdamW, "musgd": torch.optim.SGD}
 
 
-def _optimizer_keywords(name: str, params: dict[str, Any], offload: bool) -> dict[str, Any] | None:
-    """The optimizer.params keys that optimizer `name` takes as DeepSpeed builds it (DeepSpeedEngine.
-    _configure_basic_optimizer: torch's Adam/AdamW with torch_adam, else DeepSpeed's CPU or fused kernels), each with
-    its default (None for DeepSpeed's switches), or None where any key goes (Muon sorts them into its two halves and
-    ignores the rest)."""
-    lower, extra, taken = name.lower(), set(), set()
+def _optimizer_class(name: str, params: dict[str, Any], offload: bool, source: str) -> type | None:
+    """The class DeepSpeed builds for optimizer `name` (DeepSpeedEngine._configure_basic_optimizer: torch's Adam or
+    AdamW with torch_adam, else DeepSpeed's CPU or fused kernels), None for Muon (which sorts its params into its two
+    halves and ignores the rest)."""
+    lower = name.lower()
     if lower == "muon":
         return None
     if lower in ("adam", "adamw"):
-        extra = set(ADAM_SWITCHES) | ({"foreach"} if params.get("torch_adam") else set())
         if params.get("torch_adam"):  # DeepSpeed builds torch's AdamW, or Adam with adam_w_mode false
-            cls = torch.optim.Adam if lower == "adam" and params.get("adam_w_mode") is False else torch.optim.AdamW
-        elif offload:
-            cls, taken = deepspeed.ops.adam.DeepSpeedCPUAdam, {"adamw_mode"}  # DeepSpeed passes it
-        else:
-            cls = deepspeed.ops.adam.FusedAdam
-    elif lower in MUP_OPTIMIZERS:  # mup's wrappers of torch's optimizers
-        cls, extra = MUP_OPTIMIZERS[lower], {"decoupled_wd"}
-    else:
-        cls = {"adagrad": deepspeed.ops.adagrad.DeepSpeedCPUAdagrad if offload else torch.optim.Adagrad,
-               "lamb": deepspeed.ops.lamb.FusedLamb,
-               "lion": deepspeed.ops.lion.DeepSpeedCPULion if offload else deepspeed.ops.lion.FusedLion,
-               }.get(lower) or getattr(torch.optim, name)
+            return torch.optim.Adam if lower == "adam" and params.get("adam_w_mode") is False else torch.optim.AdamW
+        return deepspeed.ops.adam.DeepSpeedCPUAdam if offload else deepspeed.ops.adam.FusedAdam
+    if lower in MUP_OPTIMIZERS:  # mup's wrappers of torch's optimizers
+        if importlib.util.find_spec("mup") is None:
+            raise UserError(f"{source}: 'optimizer.type' {name} needs the mup package: pip install mup")
+        return MUP_OPTIMIZERS[lower]
+    return {"adagrad": deepspeed.ops.adagrad.DeepSpeedCPUAdagrad if offload else torch.optim.Adagrad,
+            "lamb": deepspeed.ops.lamb.FusedLamb,
+            "lion": deepspeed.ops.lion.DeepSpeedCPULion if offload else deepspeed.ops.lion.FusedLion,
+            }.get(lower) or getattr(torch.optim, name)
+
+
+def _refuse_unbuildable(name: str, cls: type | None, stage: int, ds: dict[str, Any], source: str) -> None:
+    """Refuse an optimizer DeepSpeed would fail to build in every rank: a fused kernel this accelerator has none of
+    (Lamb and Lion on a CPU), or one DeepSpeed calls untested under ZeRO unless the config allows it."""
+    if cls in (deepspeed.ops.lamb.FusedLamb, deepspeed.ops.lion.FusedLion) and \
+            deepspeed.get_accelerator().device_name() == "cpu":
+        offload = " (or offload_optimizer to the cpu, which has DeepSpeed's CPU Lion)" if cls.__name__ == "FusedLion" \
+            else ""
+        raise UserError(f"{source}: 'optimizer.type' {name} is DeepSpeed's {cls.__name__}, which has no CPU kernel; "
+                        f"choose another optimizer{offload}")
+    if cls is not None and stage > 0 and cls not in ZERO_SUPPORTED_OPTIMIZERS and \
+            not ds.get("zero_allow_untested_optimizer"):
+        raise UserError(f"{source}: DeepSpeed calls {name} untested under ZeRO (stage {stage}); add "
+                        "\"zero_allow_untested_optimizer\": true to use it anyway, or set zero_optimization.stage to 0")
+
+
+MONITOR_PACKAGES = {"tensorboard": "tensorboard", "comet": "comet_ml", "wandb": "wandb"}
+"""DeepSpeed's monitor sections and the package each needs (DeepSpeed imports it as the engine is built)."""
+
+
+def _refuse_removed_features(ds: dict[str, Any], source: str) -> None:
+    """Refuse a section of a DeepSpeed feature this DeepSpeed has removed (sparse_gradients, amp, elasticity, ...),
+    and an enabled monitor whose package is missing: DeepSpeed fails on either in every rank with a traceback."""
+    reject = getattr(deepspeed.runtime.config, "_reject_removed_config_keys", None)  # in DeepSpeed >= 0.18
+    if reject is not None:
+        try:
+            reject(ds)
+        except deepspeed.runtime.config.DeepSpeedConfigError as exc:
+            raise UserError(f"{source}: {str(exc).split(' See ')[0]} Remove that section.") from None
+    for section, package in MONITOR_PACKAGES.items():
+        value = ds.get(section)
+        if isinstance(value, dict) and value.get("enabled") and importlib.util.find_spec(package) is None:
+            raise UserError(f"{source}: the '{section}' monitor needs the {package} package: pip install {package} "
+                            "(or remove the section; zerollm logs metrics.jsonl and wandb itself)")
+
+
+def _optimizer_keywords(name: str, cls: type | None, params: dict[str, Any]) -> dict[str, Any] | None:
+    """The optimizer.params keys that optimizer `name`, built as `cls` (`_optimizer_class`), takes, each with its
+    default (None for DeepSpeed's switches), or None where any key goes (Muon)."""
+    if cls is None:
+        return None
+    lower, extra, taken = name.lower(), set(), set()
+    if lower in ("adam", "adamw"):
+        extra = set(ADAM_SWITCHES) | ({"foreach"} if params.get("torch_adam") else set())
+        if cls is deepspeed.ops.adam.DeepSpeedCPUAdam:
+            taken = {"adamw_mode"}  # DeepSpeed passes it
+    elif lower in MUP_OPTIMIZERS:
+        extra = {"decoupled_wd"}
     parameters = list(inspect.signature(cls).parameters.values())
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return None
