@@ -95,9 +95,11 @@ def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any],
 def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, source: str = "DeepSpeed config",
                       zero_stage: int | None = None) -> dict[str, Any]:
     """Fill "auto" values from the run config; refuse values that contradict it, sections that are not objects, an
-    optimizer DeepSpeed does not have, optimizer params the optimizer does not take (the run config fills only those
-    it takes: no betas for SGD), a zero_optimization section DeepSpeed's model refuses and steps_per_print below 1
-    (DeepSpeed would fail on those in every rank with a traceback)."""
+    optimizer DeepSpeed does not have or cannot build here (`_refuse_unbuildable`), optimizer params the optimizer
+    does not take (the run config fills only those it takes: no betas for SGD), a zero_optimization section
+    DeepSpeed's model refuses, sections of removed features or of monitors whose package is missing
+    (`_refuse_removed_features`) and steps_per_print below 1 (DeepSpeed would fail on those in every rank with a
+    traceback). "bfloat16", bf16's older name, is read as "bf16"."""
     ds = copy.deepcopy(raw)
     t = cfg.train
 
