@@ -273,6 +273,12 @@ def import_model(directory: Path) -> Transformer:
         raise UserError(f"{directory}: expected {HF_CONFIG_FILE} and {WEIGHTS_FILE} (a Hugging Face Llama export)")
     cfg = model_config_from_hf(read_user_json_object(config_path, "model config"), str(config_path))
     state = {name: tensor for name, tensor in read_weights(directory).items() if not _LEGACY_BUFFER.fullmatch(name)}
+    if cfg.tie_embeddings and "lm_head.weight" in state:  # a tied model saved with both names (not transformers)
+        if not torch.equal(state["lm_head.weight"], state.get("model.embed_tokens.weight", torch.empty(0))):
+            raise UserError(f"{directory}: {HF_CONFIG_FILE} ties the embeddings (tie_word_embeddings true), but the "
+                            "weights hold an lm_head.weight that differs from model.embed_tokens.weight; set "
+                            "tie_word_embeddings to false to keep both")
+        del state["lm_head.weight"]
     layers = {name.split(".")[2] for name in state if name.startswith("model.layers.")}
     if len(layers) != cfg.n_layers:  # checked first: building a model of a hostile layer count would never end
         raise UserError(f"{directory}: weights do not match {HF_CONFIG_FILE} ({len(layers)} layers in the weights, "

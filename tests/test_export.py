@@ -163,6 +163,22 @@ def _edit_config(directory: Path, changes: dict) -> None:
     (directory / HF_CONFIG_FILE).write_text(json.dumps(config))
 
 
+def test_a_tied_model_saved_with_both_names_loads_when_they_are_equal(tmp_path):
+    """Such a folder (a tool other than transformers wrote the tied weights twice) was refused with "unexpected
+    ['lm_head.weight']", where transformers ties them."""
+    tied = Transformer(dataclasses.replace(CFG, tie_embeddings=True)).eval()
+    export_model(tied, None, tmp_path)
+    weights = load_file(tmp_path / WEIGHTS_FILE)
+    save_file({**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()}, str(tmp_path / WEIGHTS_FILE))
+    with torch.no_grad():
+        assert torch.equal(import_model(tmp_path)(TOKENS).logits, tied(TOKENS).logits)
+    save_file({**weights, "lm_head.weight": torch.zeros_like(weights["model.embed_tokens.weight"])},
+              str(tmp_path / WEIGHTS_FILE))
+    with pytest.raises(UserError, match="ties the embeddings .* lm_head.weight that differs from "
+                                        "model.embed_tokens.weight; set tie_word_embeddings to false"):
+        import_model(tmp_path)
+
+
 def test_export_names_the_class_it_wrote(tmp_path):
     """`zerollm export` printed LlamaForCausalLM for a QK-norm model exported as Qwen3ForCausalLM."""
     assert export_model(_model(0), None, tmp_path / "llama") == "LlamaForCausalLM"
