@@ -175,13 +175,14 @@ class Tokenizer:
                  chat_template: str | None = None) -> None:
         """`config`: the contents of tokenizer_config.json; `chat_template` overrides its template."""
         self._tok, self.config, self.source = tok, dict(config or {}), source
-        self.hash = _digest(_without_post_processor(tok))
+        text = tok.to_str()
+        spec = json.loads(text)
+        self.legacy_hash = _digest(text)
+        """The hash of the whole tokenizer.json, which earlier versions recorded: still accepted (`has_hash`)."""
+        self.hash = self.legacy_hash if spec.get("post_processor") is None else _digest(_without_post_processor(tok))
         """Identity of what turns text into ids (tokenizer.json less its post-processor, which adds special tokens
         only when asked, never here): data and models record it to refuse a mismatch. transformers' save_pretrained
         adds a post-processor that does nothing; the hash stays."""
-        self.legacy_hash = _digest(tok)
-        """The hash of the whole tokenizer.json, which earlier versions recorded: still accepted (`has_hash`)."""
-        spec = json.loads(tok.to_str())
         added = {entry["content"]: entry for entry in spec.get("added_tokens", [])}
         named = {field: _token_text(self.config.get(field)) for field in ("bos_token", "eos_token", "pad_token")}
         configured = {field: tok.token_to_id(text) if text else None for field, text in named.items()}
@@ -324,14 +325,15 @@ class Tokenizer:
         return self._chat.unescape(self._chat.render(messages, add_generation_prompt))
 
 
-def _digest(tok: HFTokenizer) -> str:
-    return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _without_post_processor(tok: HFTokenizer) -> HFTokenizer:
+def _without_post_processor(tok: HFTokenizer) -> str:
+    """tokenizer.json of `tok` as the library writes it, with no post-processor."""
     copy = HFTokenizer.from_str(tok.to_str())
     copy.post_processor = None
-    return copy
+    return copy.to_str()
 
 
 def _ids(encoder: HFTokenizer, text: str) -> list[int]:
