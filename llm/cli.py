@@ -486,8 +486,7 @@ def _sampling(args: argparse.Namespace):
                               top_p=args.top_p, repetition_penalty=args.repetition_penalty, stop=args.stop,
                               seed=args.seed)
     except InvalidSampling as exc:  # named by its option
-        option = "--" + exc.field.replace("_", "-")
-        raise UserError(f"{option}{str(exc).removeprefix(exc.field)}") from None
+        raise UserError(f"--{exc.field.replace('_', '-')} {exc.reason}") from None
 
 
 def _generator(args: argparse.Namespace):

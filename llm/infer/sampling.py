@@ -9,11 +9,12 @@ import torch
 
 
 class InvalidSampling(ValueError):
-    """A sampling parameter out of its range; `field` names it (a SamplingParams field)."""
+    """A sampling parameter out of its range: `field` names it (a SamplingParams field), `reason` says what it must
+    be ("must be ..., got ..."), for callers that name the field their own way (a flag, a request field)."""
 
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field_name
+    def __init__(self, field_name: str, reason: str) -> None:
+        super().__init__(f"{field_name} {reason}")
+        self.field, self.reason = field_name, reason
 
 
 SAMPLING_RANGES = {
@@ -47,7 +48,7 @@ class SamplingParams:
         for name, (valid, expected) in SAMPLING_RANGES.items():
             value = getattr(self, name)
             if not valid(value):
-                raise InvalidSampling(name, f"{name} must be {expected}, got {value!r}")
+                raise InvalidSampling(name, f"must be {expected}, got {value!r}")
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -204,7 +204,7 @@ def parse_options(body: dict, default_max_tokens: int) -> RequestOptions:
                                 top_p=float(_number(body, "top_p", (int, float), 1.0)))
     except InvalidSampling as exc:  # named by the request's field
         field = key if exc.field == "max_new_tokens" else exc.field
-        raise RequestError(str(exc).replace(exc.field, field, 1), field) from None
+        raise RequestError(f"{field} {exc.reason}", field) from None
     include_usage = _flag(stream_options or {}, "include_usage", "stream_options.")
     return RequestOptions(params, _flag(body, "stream"), include_usage)
 
