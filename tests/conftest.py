@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from filelock import FileLock
+from forked_ranks import run_job
 
 from llm.runtime.cpu_threads import cpu_threads_per_rank
 from llm.runtime.rank_env import RANK_VARIABLES
@@ -114,7 +115,7 @@ class ZeroRuns(Mapping):
 
     def __getitem__(self, stage: int) -> Path:
         if stage not in self.runs:
-            self.runs[stage] = built_once(self.tmp_path_factory, f"zero{stage}", lambda out: _check(run_cli(
+            self.runs[stage] = built_once(self.tmp_path_factory, f"zero{stage}", lambda out: _check(run_job(
                 *train_args(self.data, out, "train.max_steps=4", "train.eval_every=2", "train.precision=fp32",
                             nproc=2, extra=["--zero-stage", stage]))))
         return self.runs[stage]

@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from forked_ranks import run_job
 
-from conftest import FIXTURES, TINY, run_cli, train_args, zerollm_here
+from conftest import FIXTURES, TINY, train_args, zerollm_here
 from llm.config import build_config
 from llm.data.prepare import prepare
 from llm.data.prepared import read_data_attrs
@@ -93,7 +94,7 @@ def test_bad_alpha_temperature_or_no_teacher_is_refused(override, message):
 def teacher(pretrain_data, tmp_path_factory):
     """The TINY model pretrained for 20 steps."""
     out = tmp_path_factory.mktemp("teacher")
-    result = run_cli(*train_args(pretrain_data, out, "train.max_steps=20", "train.eval_every=0",
+    result = run_job(*train_args(pretrain_data, out, "train.max_steps=20", "train.eval_every=0",
                                  "train.precision=fp32"))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
@@ -156,7 +157,7 @@ def test_teacher_of_another_vocabulary_or_without_tokenizer_or_checkpoint_is_ref
 def student(teacher, pretrain_data, tmp_path_factory):
     """A student distilled for 20 steps on one rank, checkpointed at steps 10 and 20."""
     out = tmp_path_factory.mktemp("student")
-    result = run_cli(*_distill_args(pretrain_data, out, teacher, *RESUMABLE))
+    result = run_job(*_distill_args(pretrain_data, out, teacher, *RESUMABLE))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -180,7 +181,7 @@ def test_resume_is_exact(student, teacher, pretrain_data, tmp_path):
     shutil.copytree(student, resumed)
     shutil.rmtree(resumed / "checkpoints" / "global_step20")
     (resumed / "checkpoints" / "latest").write_text("global_step10")  # as if killed after step 10's checkpoint
-    result = run_cli(*_distill_args(pretrain_data, resumed, teacher, *RESUMABLE, extra=["--resume", "auto"]))
+    result = run_job(*_distill_args(pretrain_data, resumed, teacher, *RESUMABLE, extra=["--resume", "auto"]))
     assert result.returncode == 0, result.stderr[-3000:]
     keys = ("step", "loss", "ce", "distill_kl", "val_loss")
     assert [[r.get(k) for k in keys] for r in _metrics(resumed)] == [[r.get(k) for k in keys] for r in
@@ -194,7 +195,7 @@ def test_two_ranks_zero3_on_sft_data(teacher, tokenizer_dir, tmp_path):
     prepare("sft", [str(FIXTURES / "sft" / "messages_zh.jsonl")], tokenizer_dir, data, val_fraction=0.05,
             seq_len=64, workers=1, show_progress=False)
     run = tmp_path / "run"
-    result = run_cli(*_distill_args(data, run, teacher, "data.seq_len=64", "train.max_steps=3", "train.eval_every=3",
+    result = run_job(*_distill_args(data, run, teacher, "data.seq_len=64", "train.max_steps=3", "train.eval_every=3",
                                     nproc=2, extra=["--zero-stage", 3]))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     rows = _metrics(run)
@@ -214,7 +215,7 @@ def test_resume_against_another_teacher_is_refused(student, teacher, pretrain_da
     shutil.copytree(teacher, other)
     resumed = tmp_path / "resumed"
     shutil.copytree(student, resumed)
-    result = run_cli(*_distill_args(pretrain_data, resumed, other, *RESUMABLE, extra=["--resume", "auto"]))
+    result = run_job(*_distill_args(pretrain_data, resumed, other, *RESUMABLE, extra=["--resume", "auto"]))
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"not the teacher {resumed} was trained with ({teacher.resolve()}, run " in result.stderr
     assert result.stderr.count("zerollm: error:") == 1 and "Traceback" not in result.stderr

@@ -3,17 +3,15 @@ ZeRO-3 (reward rising, first-step KL 0), bit-exact resume after SIGKILL, one-lin
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from forked_ranks import kill_ranks, run_job, start_ranks
 
-from conftest import TINY, run_cli, zerollm_here
+from conftest import TINY, zerollm_here
 from llm.config import GRPOConfig, ModelConfig, build_config
 from llm.errors import UserError
 from llm.export import export_model
@@ -307,7 +305,7 @@ def grpo_runs(policy, prompt_dir, tmp_path_factory):
     runs = {}
     for stage, reward in ((2, "format:[A-Z].*"), (3, "myrewards:capital")):
         out = tmp_path_factory.mktemp(f"grpo{stage}")
-        result = run_cli(*_grpo_args(policy, prompt_dir, out, rewards=[reward], extra=["--zero-stage", stage]),
+        result = run_job(*_grpo_args(policy, prompt_dir, out, rewards=[reward], extra=["--zero-stage", stage]),
                          cwd=prompt_dir)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         runs[stage] = out
@@ -332,18 +330,15 @@ def test_grpo_sigkill_then_resume_is_bit_exact(grpo_runs, policy, prompt_dir, tm
     killed = tmp_path / "killed"
     args = _grpo_args(policy, prompt_dir, killed, rewards=["format:[A-Z].*"], extra=["--zero-stage", 2])
     latest = killed / "checkpoints" / "latest"
-    with open(tmp_path / "killed.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "llm", *map(str, args)], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            deadline = time.time() + 300
-            while not (latest.is_file() and latest.read_text() == "global_step4"):
-                assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
-                time.sleep(0.005)
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    result = run_cli(*args, "--resume", "auto")
+    ranks, _ = start_ranks(*args)
+    try:
+        deadline = time.time() + 300
+        while not (latest.is_file() and latest.read_text() == "global_step4"):
+            assert ranks[0].poll() is None and time.time() < deadline, "run ended before its first checkpoint"
+            time.sleep(0.005)
+    finally:
+        kill_ranks(ranks)  # both at once, as a job killed outright dies
+    result = run_job(*args, "--resume", "auto", name="resumed")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     straight, resumed = _metrics(grpo_runs[2]), _metrics(killed)
     assert [r["step"] for r in resumed] == list(range(1, 9))
@@ -375,7 +370,7 @@ def test_bad_prompts_and_rewards_are_one_line_errors_before_training(policy, pro
     args = _grpo_args(policy, prompt_dir, tmp_path / "run", rewards=[reward], nproc=1 if "few" in case else 2)
     args[args.index("--prompts") + 1] = prompts
     if "few" in case:  # found by the rank's trainer: a process of its own (a one-rank job ends it with os._exit)
-        result = run_cli(*args)
+        result = run_job(*args)
         code, stderr = result.returncode, result.stderr
     else:  # found by the launching process before it starts a rank: `zerollm` run in this one
         code = zerollm_here(monkeypatch, *args)

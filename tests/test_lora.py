@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 import torch.nn as nn
+from forked_ranks import run_job
 
 from conftest import FIXTURES, TINY, run_cli, zerollm_here
 from llm.bench import trainable_parameters, write_random_conversations
@@ -192,7 +193,7 @@ def runs(base, data, tmp_path_factory):
     for stage, zero, extra in (("sft", 2, []), ("dpo", 3, ["train.micro_batch_size=2", "train.lr=1e-2"])):
         run = tmp_path_factory.mktemp(f"{stage}{zero}")
         relative = stage == "sft"
-        result = run_cli(*_lora_args(stage, data[stage], run, base.name if relative else base, *extra, zero=zero,
+        result = run_job(*_lora_args(stage, data[stage], run, base.name if relative else base, *extra, zero=zero,
                                      lora=LORA_NO_DROPOUT if stage == "sft" else LORA),
                          cwd=base.parent if relative else None)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -239,7 +240,7 @@ def test_lora_resume_is_bit_exact(runs, base, data, tmp_path):
     shutil.copytree(straight, stopped)
     shutil.rmtree(stopped / "checkpoints" / "global_step4")
     (stopped / "checkpoints" / "latest").write_text("global_step2")
-    result = run_cli(*_lora_args("dpo", data["dpo"], stopped, base, "train.micro_batch_size=2", "train.lr=1e-2",
+    result = run_job(*_lora_args("dpo", data["dpo"], stopped, base, "train.micro_batch_size=2", "train.lr=1e-2",
                                  zero=3), "--resume", "auto")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "resumed at step 2" in result.stdout
@@ -257,7 +258,7 @@ def test_lora_run_on_two_ranks_resumes_on_one(runs, base, data, tmp_path):
     shutil.rmtree(stopped / "checkpoints" / "global_step4")
     (stopped / "checkpoints" / "latest").write_text("global_step2")
     (stopped / "metrics.jsonl").write_text("".join(line + "\n" for line in _metrics_lines(stopped)[:2]))
-    result = run_cli(*_lora_args("sft", data["sft"], stopped, base, "train.grad_accum=2", nproc=1,
+    result = run_job(*_lora_args("sft", data["sft"], stopped, base, "train.grad_accum=2", nproc=1,
                                  lora=LORA_NO_DROPOUT),
                      "--resume", "auto")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -297,7 +298,7 @@ def test_a_lora_run_refuses_a_base_that_holds_other_weights(runs, data, tokenize
                rf"train.init_from {other} holds model.safetensors digest \w+; .* put that base")
     with pytest.raises(UserError, match=refusal):
         load_lora_model(run, build_config((run / "config.yaml").as_posix()))
-    result = run_cli(*_lora_args("sft", data["sft"], run, other, nproc=1, lora=LORA_NO_DROPOUT), "--resume", "auto")
+    result = run_job(*_lora_args("sft", data["sft"], run, other, nproc=1, lora=LORA_NO_DROPOUT), "--resume", "auto")
     assert result.returncode == 2 and f"--init-from {other} (model.safetensors digest " in result.stderr
     assert f"not the base {run} was trained with" in result.stderr and "Traceback" not in result.stderr
 
@@ -312,7 +313,7 @@ def test_lora_grpo_under_zero3_rolls_out_with_the_adapters(base, tmp_path):
     run = tmp_path / "grpo"
     sets = [a for o in [*TINY, "train.precision=fp32", "train.micro_batch_size=8", "train.lr=1e-2",
                         "train.max_steps=3", "grpo.group_size=4", "grpo.max_new_tokens=6"] for a in ("--set", o)]
-    result = run_cli("train", "grpo", "--recipe", "demo", "--init-from", base, "--prompts", prompts, "--reward",
+    result = run_job("train", "grpo", "--recipe", "demo", "--init-from", base, "--prompts", prompts, "--reward",
                      "myrewards:ascii_share", "--out", run, "--lora", LORA, "--zero-stage", 3, *sets, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "rollouts by the gathered model" in result.stdout and "grpo: LoRA r=4" in result.stdout

@@ -3,15 +3,12 @@ chain."""
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from forked_ranks import kill_ranks, run_job, start_ranks
 
 from conftest import FIXTURES, run_cli, train_args
 from llm.config import GRPOConfig, ModelConfig
@@ -340,10 +337,10 @@ def chain(zero_runs, sft_train_data, dpo_data, tmp_path_factory):
     runs = {}
     for stage in (2, 3):
         sft = tmp_path_factory.mktemp(f"sft{stage}")
-        result = run_cli(*_chain_args("sft", stage, sft_train_data, sft, zero_runs[2]))
+        result = run_job(*_chain_args("sft", stage, sft_train_data, sft, zero_runs[2]))
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         dpo = tmp_path_factory.mktemp(f"dpo{stage}")
-        result = run_cli(*_chain_args("dpo", stage, dpo_data, dpo, sft))
+        result = run_job(*_chain_args("dpo", stage, dpo_data, dpo, sft))
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         runs[stage] = {"sft": sft, "dpo": dpo}
     return runs
@@ -370,7 +367,7 @@ def test_sft_starts_from_the_pretrained_weights(zero_runs, chain):
 def test_an_sft_step_is_the_same_on_one_rank_with_accumulation(zero_runs, chain, sft_train_data, tmp_path):
     """One rank with grad_accum 2 trains on the same samples as two ranks, split into micro-batches with other
     numbers of reply tokens: the loss is the mean over every reply token of the step, so both give one step."""
-    result = run_cli(*_stage_args("sft", sft_train_data, tmp_path, zero_runs[2], "train.max_steps=2",
+    result = run_job(*_stage_args("sft", sft_train_data, tmp_path, zero_runs[2], "train.max_steps=2",
                                   "train.grad_accum=2", nproc=1, extra=["--zero-stage", 2]))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     rows, reference = _metrics(tmp_path), _metrics(chain[2]["sft"])[:2]
@@ -457,7 +454,7 @@ def test_every_objective_returns_an_moe_policys_load_balancing_loss_apart():
 
 
 def test_init_from_a_different_shape_is_refused(zero_runs, sft_train_data, tmp_path):
-    result = run_cli(*_stage_args("sft", sft_train_data, tmp_path, zero_runs[2], "model.dim=96", "train.max_steps=1",
+    result = run_job(*_stage_args("sft", sft_train_data, tmp_path, zero_runs[2], "model.dim=96", "train.max_steps=1",
                                   nproc=1))
     assert result.returncode == 2 and "model.dim 64 there, 96 here" in result.stderr
 
@@ -465,11 +462,6 @@ def test_init_from_a_different_shape_is_refused(zero_runs, sft_train_data, tmp_p
 def test_dpo_needs_init_from(dpo_data, tmp_path):
     result = run_cli("train", "dpo", "--recipe", "demo", "--data", dpo_data, "--out", tmp_path)
     assert result.returncode == 2 and "--init-from" in result.stderr
-
-
-def _start(args, log):
-    return subprocess.Popen([sys.executable, "-m", "llm", *map(str, args)], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
@@ -480,17 +472,15 @@ def test_sigkill_then_resume_is_bit_exact(kind, chain, zero_runs, sft_train_data
     straight, killed = chain[2][kind], tmp_path / "killed"
     args = _chain_args(kind, 2, data, killed, init)
     latest = killed / "checkpoints" / "latest"
-    with open(tmp_path / "killed.log", "w") as log:
-        proc = _start(args, log)
-        try:
-            deadline = time.time() + 300
-            while not (latest.is_file() and latest.read_text() == "global_step2"):
-                assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
-                time.sleep(0.005)
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    result = run_cli(*args, "--resume", "auto")
+    ranks, _ = start_ranks(*args)
+    try:
+        deadline = time.time() + 300
+        while not (latest.is_file() and latest.read_text() == "global_step2"):
+            assert ranks[0].poll() is None and time.time() < deadline, "run ended before its first checkpoint"
+            time.sleep(0.005)
+    finally:
+        kill_ranks(ranks)  # both at once, as a job killed outright dies
+    result = run_job(*args, "--resume", "auto", name="resumed")
     assert result.returncode == 0, result.stderr[-3000:]
     a, b = _metrics(straight), _metrics(killed)
     assert [r["step"] for r in b] == list(range(1, 5))
@@ -506,7 +496,7 @@ def test_dpo_sanity_loss_starts_at_ln2_and_accuracy_rises(zero_runs, tokenizer_d
     pairs.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     prepare("dpo", [str(pairs)], tokenizer_dir, tmp_path / "data", val_fraction=0.0, seq_len=32, workers=1,
             show_progress=False)
-    result = run_cli(*_stage_args("dpo", tmp_path / "data", tmp_path / "run", zero_runs[2], "data.seq_len=32",
+    result = run_job(*_stage_args("dpo", tmp_path / "data", tmp_path / "run", zero_runs[2], "data.seq_len=32",
                                   "train.max_steps=15", "train.micro_batch_size=8", "train.lr=3e-3",
                                   "train.warmup_steps=1", "train.eval_every=0", "train.dpo_beta=0.5", nproc=1))
     assert result.returncode == 0, result.stderr[-3000:]

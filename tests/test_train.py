@@ -15,6 +15,7 @@ import time
 import psutil
 import pytest
 import torch
+from forked_ranks import kill_ranks, run_job, start_ranks
 
 from conftest import METRIC_KEYS, run_cli, zerollm_here
 from conftest import train_args as _args
@@ -71,7 +72,7 @@ def accumulated_runs(pretrain_data, tmp_path_factory):
     def run(stage: int):
         if stage not in runs:
             out = tmp_path_factory.mktemp(f"accumulated{stage}")
-            result = run_cli(*_args(pretrain_data, out, *ACCUMULATED, nproc=2,
+            result = run_job(*_args(pretrain_data, out, *ACCUMULATED, nproc=2,
                                     extra=["--zero-stage", stage, "--wandb", "offline"]))
             assert result.returncode == 0, result.stderr[-3000:]
             runs[stage] = out
@@ -90,7 +91,7 @@ def test_gradient_accumulation_matches_a_larger_micro_batch(zero_runs, accumulat
 
 
 def test_bf16_on_two_ranks(pretrain_data, tmp_path):
-    result = run_cli(*_args(pretrain_data, tmp_path, "train.max_steps=3", "train.eval_every=0",
+    result = run_job(*_args(pretrain_data, tmp_path, "train.max_steps=3", "train.eval_every=0",
                             "train.precision=bf16", nproc=2, extra=["--zero-stage", 2]))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = _metrics(tmp_path)
@@ -122,19 +123,17 @@ SLOW_STEPS = ["data.seq_len=128", "train.micro_batch_size=16", "train.precision=
 
 def test_sigkill_then_resume_is_bit_exact(pretrain_data, tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    result = run_cli(*_args(pretrain_data, straight, *SLOW_STEPS, nproc=2))
+    result = run_job(*_args(pretrain_data, straight, *SLOW_STEPS, nproc=2))
     assert result.returncode == 0, result.stderr[-3000:]
 
     latest = killed / "checkpoints" / "latest"
-    with open(tmp_path / "killed.log", "w") as log:
-        proc = _start(_args(pretrain_data, killed, *SLOW_STEPS, nproc=2), log)
-        try:
-            _wait_for(lambda: latest.is_file() and latest.read_text() == "global_step3", proc)
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    ranks, _ = start_ranks(*_args(pretrain_data, killed, *SLOW_STEPS, nproc=2))
+    try:
+        _wait_for(lambda: latest.is_file() and latest.read_text() == "global_step3", ranks[0])
+    finally:
+        kill_ranks(ranks)  # both at once, as a job killed outright dies
     assert latest.read_text() == "global_step3"
-    result = run_cli(*_args(pretrain_data, killed, *SLOW_STEPS, nproc=2, extra=["--resume", "auto"]))
+    result = run_job(*_args(pretrain_data, killed, *SLOW_STEPS, nproc=2, extra=["--resume", "auto"]), name="resumed")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed at step 6" in result.stdout or "resumed at step 3" in result.stdout
 
@@ -205,7 +204,7 @@ def test_two_ranks_to_one_resume_converts_to_universal_and_continues(zero_runs, 
     (run / "metrics.jsonl").write_text("".join(line + "\n" for line in
                                                (run / "metrics.jsonl").read_text().splitlines()[:2]))
 
-    result = run_cli(*_args(pretrain_data, run, *common, "train.grad_accum=2", nproc=1,
+    result = run_job(*_args(pretrain_data, run, *common, "train.grad_accum=2", nproc=1,
                             extra=["--zero-stage", stage, "--wandb", "offline", "--resume", "auto"]))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "saved by 2 rank(s), this job has 1: converting it to a universal checkpoint" in result.stdout
@@ -293,7 +292,7 @@ def test_a_resume_with_another_shape_or_zero_stage_is_refused(zero_runs, pretrai
     run = tmp_path / "run"
     shutil.copytree(zero_runs[2], run, symlinks=True)
     before = sorted(p.name for p in run.rglob("*"))
-    result = run_cli(*_args(pretrain_data, run, "train.max_steps=6", "train.precision=fp32", change,
+    result = run_job(*_args(pretrain_data, run, "train.max_steps=6", "train.precision=fp32", change,
                             extra=["--resume", "auto", *extra]))
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"zerollm: error: {run}: its checkpoints cannot resume with another shape ({differing}" in result.stderr
