@@ -23,9 +23,8 @@ from launch.local import rank_environments, strip_option, wait_for_ranks
 from llm.runtime.rank_env import RANK_VARIABLES, free_port
 
 PRELOAD = ["torch", "torch._dynamo", "deepspeed", "llm.cli", "llm.train.job",
-           "deepspeed.runtime.zero.muon.muon_optimizer", "forked_ranks"]
-"""Imported by the forkserver once, so that no rank pays for them (a test module that installs code in the ranks,
-such as tests/test_faults.py, adds itself)."""
+           "deepspeed.runtime.zero.muon.muon_optimizer", "forked_ranks", "test_faults"]
+"""Imported by the forkserver once, so that no rank pays for them (tests/test_faults.py runs ranks of its own)."""
 IN_FORKSERVER = "ZEROLLM_TEST_FORKSERVER"
 """Set in the forkserver's environment only (`forkserver`)."""
 
@@ -35,14 +34,13 @@ if os.environ.get(IN_FORKSERVER):  # preloaded by the forkserver: DeepSpeed's op
     _PROBED = deepspeed.ops.__compatible_ops__
 
 
-def forkserver(*preload: str):
-    """The forkserver context, its server importing PRELOAD and `preload` when it starts (the first time a process
-    is started through it, in this pytest worker). Python before 3.12.8 and 3.13.1 starts the forkserver without this
-    process's sys.path (CPython gh-117378), so it finds the test modules (tests/ is not on the default path) only
-    through PYTHONPATH; without it, the preload of a test module fails silently and every rank imports it after the
-    fork. Both variables are set for the server's start only."""
+def forkserver():
+    """The forkserver context, its server started (once per pytest worker) importing PRELOAD. Python before 3.12.8
+    and 3.13.1 starts the forkserver without this process's sys.path (CPython gh-117378), so it finds the test
+    modules (tests/ is not on the default path) only through PYTHONPATH; without it, the preload of a test module
+    fails silently and every rank imports it after the fork. Both variables are set for the server's start only."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([*PRELOAD, *preload])
+    context.set_forkserver_preload(PRELOAD)
     tests = str(Path(__file__).resolve().parent)
     saved = {name: os.environ.get(name) for name in ("PYTHONPATH", IN_FORKSERVER)}
     os.environ.update(PYTHONPATH=os.pathsep.join(filter(None, [tests, saved["PYTHONPATH"]])), **{IN_FORKSERVER: "1"})
@@ -55,7 +53,9 @@ def forkserver(*preload: str):
 
 
 def _rank_main(argv: list[str], env: dict[str, str], cwd: Path, out: Path, err: Path) -> None:
-    """One rank: `zerollm ARGV` in `cwd` with `env` as its whole environment and its output in `out` and `err`."""
+    """One rank: `zerollm ARGV` in `cwd` with `env` as its whole environment and its output in `out` and `err`, and
+    ARGV in sys.argv, as `python -m llm ARGV` has it."""
+    sys.argv = [sys.argv[0], *argv]
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -65,7 +65,7 @@ def _rank_main(argv: list[str], env: dict[str, str], cwd: Path, out: Path, err: 
         os.close(file)
     from llm.cli import main  # noqa: PLC0415 - preloaded by the forkserver
 
-    sys.exit(main(argv))
+    sys.exit(main())
 
 
 class ForkedRank:

@@ -13,10 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from forked_ranks import run_job
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 
-from conftest import REPO, TINY, run_cli, train_args
+from conftest import REPO, TINY, train_args
 from llm.config import build_config
 from llm.runtime.distributed import ensure_accelerator_env, training_device_type
 from llm.runtime.rank_env import CHOSEN_ACCELERATOR
@@ -35,7 +36,7 @@ def test_yaml_off_in_a_recipe_file_is_a_word(tmp_path):
 
 
 def test_wandb_off_on_the_command_line_trains(pretrain_data, tmp_path):
-    result = run_cli(*train_args(pretrain_data, tmp_path, "train.max_steps=1", "train.eval_every=0",
+    result = run_job(*train_args(pretrain_data, tmp_path, "train.max_steps=1", "train.eval_every=0",
                                  extra=["--wandb", "off"]))
     assert result.returncode == 0, result.stderr[-2000:]
 
@@ -43,7 +44,7 @@ def test_wandb_off_on_the_command_line_trains(pretrain_data, tmp_path):
 def test_a_recipe_without_a_vocabulary_takes_the_tokenizers(pretrain_data, tmp_path):
     overrides = [o for o in TINY if not o.startswith("model.vocab_size")]
     sets = [a for o in [*overrides, "train.max_steps=1", "train.eval_every=0"] for a in ("--set", o)]
-    result = run_cli("train", "pretrain", "--recipe", "demo", "--data", pretrain_data, "--out", tmp_path, *sets)
+    result = run_job("train", "pretrain", "--recipe", "demo", "--data", pretrain_data, "--out", tmp_path, *sets)
     assert result.returncode == 0, result.stderr[-2000:]
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["model"]["vocab_size"] == 512  # the session tokenizer's size

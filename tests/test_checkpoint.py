@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from forked_ranks import run_job
 
 from conftest import FIXTURES, run_cli, train_args, zerollm_here
 from llm import rundir
@@ -399,7 +400,7 @@ ONE_RANK = ["train.max_steps=4", "train.save_every=2", "train.keep_checkpoints=0
 @pytest.fixture(scope="module")
 def one_rank_run(pretrain_data, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("one_rank") / "run"
-    result = run_cli(*train_args(pretrain_data, run, *ONE_RANK))
+    result = run_job(*train_args(pretrain_data, run, *ONE_RANK))
     assert result.returncode == 0, result.stderr[-3000:]
     return run
 
@@ -415,7 +416,7 @@ def test_resume_passes_over_a_torn_checkpoint_and_continues_exactly(one_rank_run
     torn.write_bytes(torn.read_bytes()[:1000])
     lines = (run / rundir.METRICS_FILE).read_text().splitlines()
     (run / rundir.METRICS_FILE).write_text("\n".join(lines[:3]) + "\n" + lines[3][:20])  # killed mid-row
-    result = run_cli(*train_args(pretrain_data, run, *ONE_RANK, extra=["--resume", "auto"]))
+    result = run_job(*train_args(pretrain_data, run, *ONE_RANK, extra=["--resume", "auto"]))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "global_step4: mp_rank_00_model_states.pt has 1000 bytes" in result.stderr
     assert "resumed at step 2" in result.stdout
@@ -431,11 +432,11 @@ def test_resuming_on_other_data_is_one_clear_error(one_rank_run, tokenizer_dir, 
     run = tmp_path / "run"
     shutil.copytree(one_rank_run, run)
     args = train_args(data, run, *ONE_RANK, "train.max_steps=6", extra=["--resume", "auto"])
-    result = run_cli(*args)  # the run record names the data it trained on: refused before anything starts
+    result = run_job(*args)  # the run record names the data it trained on: refused before anything starts
     errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
     assert result.returncode == 2 and len(errors) == 1 and "not the data" in errors[0], result.stderr[-3000:]
     (run / rundir.RUN_RECORD_FILE).unlink()  # a run without a record: the sampler's state does not fit the data
-    result = run_cli(*args)
+    result = run_job(*args)
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
     assert len(errors) == 1 and "global_step4 does not fit the data" in errors[0] and "--init-from" in errors[0]

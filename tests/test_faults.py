@@ -3,17 +3,17 @@
 checkpoint, `latest` never names a lost or partial one, and the losses, gradient norms and final weights equal
 those of an uninterrupted run bit for bit.
 
-The ranks are forked from a forkserver that imported torch, DeepSpeed and this module once, so a kill and its
-resume take seconds. In a rank, the file operations of `llm.train.checkpoint.save` (every `torch.save`, fsync, atomic
-write, rename, deletion and collective) and each `MetricsSink.log` are numbered; the fault rank SIGKILLs itself at the
-chosen one, and the test kills the other rank as soon as it sees that death, as a crashed job would end.
+The ranks are forked from the tests' forkserver (tests/forked_ranks.py), which imported torch, DeepSpeed and this
+module once, so a kill and its resume take seconds. In a rank, the file operations of `llm.train.checkpoint.save`
+(every `torch.save`, fsync, atomic write, rename, deletion and collective) and each `MetricsSink.log` are numbered;
+the fault rank SIGKILLs itself at the chosen one, and the test kills the other rank as soon as it sees that death,
+as a crashed job would end.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import multiprocessing
 import os
 import random
 import shutil
@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from forked_ranks import forkserver
 
 from conftest import TINY
 from llm import durable, rundir
@@ -135,33 +136,6 @@ def rank_main(rank: int, port: int, argv: list[str], log: Path, kill_at: int | N
 
 # ---- the test ---------------------------------------------------------------------------------------------------
 
-# imported once by the forkserver, so that no rank pays for them; DeepSpeed's engine imports the torch._dynamo and
-# muon modules on first use, which alone takes longer than the rest of a rank's run (muon after llm.train.job, which
-# defers its compiling: `llm.runtime.deferred_compile`)
-PRELOAD = ["torch", "torch._dynamo", "deepspeed", "llm.cli", "llm.train.job",
-           "deepspeed.runtime.zero.muon.muon_optimizer", "test_faults"]
-IN_FORKSERVER = "ZEROLLM_TEST_FAULTS_FORKSERVER"
-"""Set in the forkserver's environment only (`_context`)."""
-
-if os.environ.get(IN_FORKSERVER):  # preloaded by the forkserver: DeepSpeed's op probe, which compiles test programs
-    import deepspeed.ops  # and which every rank's `setup_distributed` reads, runs here once instead of in each rank
-
-    _PROBED = deepspeed.ops.__compatible_ops__
-
-
-def _context(monkeypatch):
-    """The forkserver context. Python before 3.12.8 and 3.13.1 starts the forkserver without this process's sys.path
-    (CPython gh-117378), so the forkserver finds this module (tests/ is not on the default path) only through
-    PYTHONPATH; without it, the preload of "test_faults" fails silently and every rank imports it, and pytest,
-    after the fork."""
-    tests = str(Path(__file__).resolve().parent)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv(IN_FORKSERVER, "1")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    return context
-
-
 def _launch(context, run: Path, data: Path, logs: Path, name: str, fault: tuple[int, int] | None = None,
             seed: int = 0) -> dict[int, int]:
     """Both ranks of `zerollm train pretrain ... --resume auto`; `fault` = (rank, point) kills that rank there and
@@ -197,8 +171,8 @@ def _published(run: Path) -> str | None:
 
 
 @pytest.mark.slow
-def test_killed_at_random_points_in_saves_always_resumes_exactly(pretrain_data, tmp_path, monkeypatch):
-    context, logs = _context(monkeypatch), tmp_path / "logs"
+def test_killed_at_random_points_in_saves_always_resumes_exactly(pretrain_data, tmp_path):
+    context, logs = forkserver(), tmp_path / "logs"
     logs.mkdir()
     reference, run = tmp_path / "reference", tmp_path / "run"
     assert _launch(context, reference, pretrain_data, logs, "reference") == {0: 0, 1: 0}

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from forked_ranks import run_job
 from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURES, run_cli
@@ -54,7 +55,7 @@ def _sft_data(tmp_path, tokenizer):
 
 
 def _sft(base, data, out, *overrides):
-    return run_cli("train", "sft", "--recipe", "demo", "--init-from", base, "--data", data, "--out", out,
+    return run_job("train", "sft", "--recipe", "demo", "--init-from", base, "--data", data, "--out", out,
                    *[a for o in [*BASE_SHAPE, *SFT, *overrides] for a in ("--set", o)])
 
 

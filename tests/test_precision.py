@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from forked_ranks import run_job
 
-from conftest import run_cli, train_args
+from conftest import train_args
 from llm import rundir
 from llm.config import build_config
 from llm.errors import UserError
@@ -74,7 +75,7 @@ def test_fp16_in_the_json_against_a_bf16_run_names_both(tmp_path):
 
 def test_fp16_training_on_the_cpu_is_one_clear_error_and_writes_nothing(pretrain_data, tmp_path):
     run = tmp_path / "run"
-    result = run_cli(*train_args(pretrain_data, run, "train.max_steps=1", "train.precision=fp16"))
+    result = run_job(*train_args(pretrain_data, run, "train.max_steps=1", "train.precision=fp16"))
     assert result.returncode == 2, result.stderr[-2000:]
     assert "fp16 needs a CUDA GPU" in result.stderr and "Traceback" not in result.stderr
     assert not (run / "config.yaml").exists()
@@ -158,14 +159,14 @@ def test_a_resumed_run_keeps_its_precision_and_refuses_another(pretrain_data, tm
     optimizer files differently, so loading in the other precision failed half way with a traceback."""
     run = tmp_path / "run"
     other = "fp32" if engine_module.cpu_has_native_bf16() else "bf16"  # not what auto picks here
-    result = run_cli(*train_args(pretrain_data, run, "train.max_steps=1", f"train.precision={other}"))
+    result = run_job(*train_args(pretrain_data, run, "train.max_steps=1", f"train.precision={other}"))
     assert result.returncode == 0, result.stderr[-2000:]
     mismatch = "bf16" if other == "fp32" else "fp32"
-    result = run_cli(*train_args(pretrain_data, run, "train.max_steps=2", f"train.precision={mismatch}",
+    result = run_job(*train_args(pretrain_data, run, "train.max_steps=2", f"train.precision={mismatch}",
                                  extra=["--resume", "auto"]))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert f"{run} was trained in {other}; train.precision={mismatch} cannot resume it" in result.stderr
-    result = run_cli(*train_args(pretrain_data, run, "train.max_steps=2", "train.precision=auto",
+    result = run_job(*train_args(pretrain_data, run, "train.max_steps=2", "train.precision=auto",
                                  extra=["--resume", "auto"]))
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"ZeRO stage 2, {other}," in result.stdout and "resumed at step 1" in result.stdout

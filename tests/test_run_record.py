@@ -9,6 +9,7 @@ import subprocess
 import h5py
 import pytest
 import torch
+from forked_ranks import run_job
 from test_train import _wandb_records
 
 from conftest import FIXTURES, REPO, run_cli, train_args
@@ -21,7 +22,7 @@ PROMPTS = 'train.sample_prompts=["Hello", "你好"]'
 @pytest.fixture(scope="module")
 def zero3_run(pretrain_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("zero3_record")
-    result = run_cli(*train_args(pretrain_data, out, "train.max_steps=2", "train.eval_every=1", "train.precision=fp32",
+    result = run_job(*train_args(pretrain_data, out, "train.max_steps=2", "train.eval_every=1", "train.precision=fp32",
                                  PROMPTS, "train.sample_tokens=6", nproc=2,
                                  extra=["--zero-stage", 3, "--wandb", "offline"]))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -83,7 +84,7 @@ def test_resuming_on_changed_data_is_refused_naming_the_difference(zero3_run, pr
     result = run_cli("data", "prepare", "--input", FIXTURES / "pretrain" / "en_notes.jsonl", "--tokenizer",
                      tokenizer_dir, "--out", other, "--val-fraction", 0.2, "--workers", 1)
     assert result.returncode == 0, result.stderr[-2000:]
-    result = run_cli(*train_args(other, zero3_run, "train.max_steps=3", PROMPTS,
+    result = run_job(*train_args(other, zero3_run, "train.max_steps=3", PROMPTS,
                                  extra=["--zero-stage", 3, "--resume", "auto"]))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     message = result.stderr.strip().splitlines()[-1]

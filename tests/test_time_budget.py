@@ -3,16 +3,13 @@ drives the budget exactly as the trainer does), and a killed time-budget run res
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from forked_ranks import kill_ranks, run_job, start_ranks
 
-from conftest import TINY, run_cli, train_args
+from conftest import TINY, train_args
 from llm.config import TrainConfig, build_config
 from llm.errors import UserError
 from llm.runtime.distributed import DistInfo
@@ -146,21 +143,18 @@ def _client_state(run, step):
 
 def test_a_killed_time_budget_run_resumes_its_clock_and_completes_its_schedule(pretrain_data, tmp_path):
     latest = tmp_path / "checkpoints" / "latest"
-    with open(tmp_path / "killed.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "llm", *map(str, train_args(pretrain_data, tmp_path, *BUDGET))],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.time() + 300
-            while not (latest.is_file() and latest.read_text() == "global_step3"):
-                assert proc.poll() is None and time.time() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
-                time.sleep(0.01)
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    ranks, logs = start_ranks(*train_args(pretrain_data, tmp_path, *BUDGET), name="killed")
+    try:
+        deadline = time.time() + 300
+        while not (latest.is_file() and latest.read_text() == "global_step3"):
+            assert ranks[0].poll() is None and time.time() < deadline, (logs / "killed.0.err").read_text()[-3000:]
+            time.sleep(0.01)
+    finally:
+        kill_ranks(ranks)
     saved = _client_state(tmp_path, 3)["time_budget"]
     assert 0 < saved["elapsed"] < 20 and saved["max_time"] == 20
 
-    result = run_cli(*train_args(pretrain_data, tmp_path, *BUDGET, extra=["--resume", "auto"]))
+    result = run_job(*train_args(pretrain_data, tmp_path, *BUDGET, extra=["--resume", "auto"]))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"resumed at step 3, time budget 20 s ({saved['elapsed']:.1f} s used)" in result.stdout
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -175,8 +169,7 @@ def test_a_killed_time_budget_run_resumes_its_clock_and_completes_its_schedule(p
 
 def test_two_ranks_agree_on_the_clock_and_stop_after_the_same_step(pretrain_data, tmp_path):
     """Rank 0's clock decides for both (a rank stopping alone would hang the other in its next collective)."""
-    result = run_cli(*train_args(pretrain_data, tmp_path, *BUDGET[:1], "train.max_time=8", *BUDGET[2:], nproc=2),
-                     timeout=600)
+    result = run_job(*train_args(pretrain_data, tmp_path, *BUDGET[:1], "train.max_time=8", *BUDGET[2:], nproc=2))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     state = _client_state(tmp_path, rows[-1]["step"])

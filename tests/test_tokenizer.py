@@ -7,6 +7,7 @@ import shutil
 import h5py
 import numpy as np
 import pytest
+from forked_ranks import run_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -329,7 +330,7 @@ def test_minimind_tokenizer_and_dpo_records_through_prepare_train_dpo_generate_c
                          "--out", tmp_path / kind, "--workers", 1, "--val-fraction", 0.05)
         assert result.returncode == 0, result.stderr[-2000:]
     sets = [a for o in [*TINY, "train.max_steps=2", "train.eval_every=2"] for a in ("--set", o)]
-    result = run_cli("train", "pretrain", "--recipe", "demo", "--data", tmp_path / "pretrain",
+    result = run_job("train", "pretrain", "--recipe", "demo", "--data", tmp_path / "pretrain",
                      "--out", tmp_path / "run", *sets)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert Tokenizer.load(tmp_path / "run" / "tokenizer").hash == Tokenizer.load(MINIMIND).hash
@@ -341,7 +342,7 @@ def test_minimind_tokenizer_and_dpo_records_through_prepare_train_dpo_generate_c
                      "--seq-len", 128)
     assert result.returncode == 0 and "skipped" not in result.stdout + result.stderr, result.stderr[-2000:]
     dpo_sets = [a for o in [*TINY, "data.seq_len=128", "train.max_steps=1", "train.eval_every=1"] for a in ("--set", o)]
-    result = run_cli("train", "dpo", "--recipe", "demo", "--data", tmp_path / "dpo", "--init-from", tmp_path / "run",
+    result = run_job("train", "dpo", "--recipe", "demo", "--data", tmp_path / "dpo", "--init-from", tmp_path / "run",
                      "--out", tmp_path / "dpo_run", *dpo_sets)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     result = run_cli("generate", "--model", tmp_path / "dpo_run", "--prompt", "你好", "--chat", "--max-new-tokens", 4)

@@ -8,8 +8,9 @@ import shutil
 
 import pytest
 import torch
+from forked_ranks import run_job
 
-from conftest import FIXTURES, run_cli, train_args
+from conftest import FIXTURES, train_args
 from llm.config import build_config
 from llm.errors import UserError
 from llm.tokenizer import Tokenizer
@@ -164,7 +165,7 @@ def test_ds_config_zero_section_of_every_shipped_config_and_an_offload_pass():
 def test_train_with_a_bad_deepspeed_config_exits_2_with_one_line(pretrain_data, tmp_path, name, ds_config, message):
     path = tmp_path / f"{name}.json"
     path.write_text(ds_config)
-    result = run_cli(*train_args(pretrain_data, tmp_path / "run", "train.max_steps=2", "train.precision=fp32",
+    result = run_job(*train_args(pretrain_data, tmp_path / "run", "train.max_steps=2", "train.precision=fp32",
                                  extra=["--deepspeed", path]))
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"zerollm: error: {path.parent}/{message}" in result.stderr
