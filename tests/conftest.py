@@ -106,8 +106,13 @@ def train_args(data, out, *overrides, nproc=1, extra=()):
     return ["train", "pretrain", "--recipe", "demo", "--data", data, "--out", out, "--nproc", nproc, *sets, *extra]
 
 
+ZERO_RUN = ["train.max_steps=4", "train.eval_every=2", "train.precision=fp32"]
+"""The job of `zero_runs`, on 2 ranks."""
+
+
 class ZeroRuns(Mapping):
-    """The same 4-step job on 2 ranks under ZeRO 0, 1, 2 and 3 (fp32), each trained when a test first asks for it."""
+    """The same 4-step job on 2 ranks under ZeRO 0, 1, 2 and 3 (fp32), each trained when a test first asks for it,
+    its ranks forked (tests/forked_ranks.py)."""
 
     def __init__(self, data: Path, tmp_path_factory) -> None:
         self.data, self.tmp_path_factory = data, tmp_path_factory
@@ -116,8 +121,7 @@ class ZeroRuns(Mapping):
     def __getitem__(self, stage: int) -> Path:
         if stage not in self.runs:
             self.runs[stage] = built_once(self.tmp_path_factory, f"zero{stage}", lambda out: _check(run_job(
-                *train_args(self.data, out, "train.max_steps=4", "train.eval_every=2", "train.precision=fp32",
-                            nproc=2, extra=["--zero-stage", stage]))))
+                *train_args(self.data, out, *ZERO_RUN, nproc=2, extra=["--zero-stage", stage]))))
         return self.runs[stage]
 
     def __iter__(self) -> Iterator[int]:
@@ -140,9 +144,9 @@ def one_rank_group() -> Iterator[None]:
     dist.destroy_process_group()
 
 
-LONGEST_FILES = ("test_launch.py", "test_train.py", "test_post_training.py", "test_cli.py", "test_kernels_compile.py",
-                 "test_launch_conventions.py", "test_lora.py", "test_grpo.py", "test_eval.py", "test_kernels.py",
-                 "test_time_budget.py", "test_faults.py", "test_gpu_check.py", "test_distill.py")
+LONGEST_FILES = ("test_launch.py", "test_kernels_compile.py", "test_launch_conventions.py", "test_cli.py",
+                 "test_train.py", "test_eval.py", "test_gpu_check.py", "test_time_budget.py", "test_launch_safety.py",
+                 "test_lora.py", "test_faults.py", "test_tokenizer.py", "test_learning_speed.py", "test_devices.py")
 """Test files by their time in a full run, longest first (`pytest --durations=0`, summed per file)."""
 
 

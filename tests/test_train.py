@@ -17,7 +17,7 @@ import pytest
 import torch
 from forked_ranks import kill_ranks, run_job, start_ranks
 
-from conftest import METRIC_KEYS, run_cli, zerollm_here
+from conftest import METRIC_KEYS, ZERO_RUN, run_cli, zerollm_here
 from conftest import train_args as _args
 from launch.launcher import is_rank_command
 from llm.loading import consolidated_weights
@@ -44,6 +44,18 @@ def test_two_rank_training_under_each_zero_stage(zero_runs, stage):
     assert (run / "checkpoints" / "latest").read_text() == "global_step4"
     rng_files = sorted(p.name for p in (run / "checkpoints" / "global_step4").glob("rng_rank*.pt"))
     assert rng_files == ["rng_rank0.pt", "rng_rank1.pt"]
+
+
+def test_forked_ranks_train_exactly_as_the_command_does(zero_runs, pretrain_data, tmp_path):
+    """Most tests' jobs fork their ranks (tests/forked_ranks.py); the same job as `zerollm train --nproc 2` starts it
+    (a fresh interpreter per rank) logs the same numbers and saves the same weights, bit for bit."""
+    result = run_cli(*_args(pretrain_data, tmp_path, *ZERO_RUN, nproc=2, extra=["--zero-stage", 2]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    keys = ("step", "loss", "lr", "grad_norm", "val_loss")
+    assert [[r.get(k) for k in keys] for r in _metrics(tmp_path)] == [[r.get(k) for k in keys]
+                                                                      for r in _metrics(zero_runs[2])]
+    forked, started = consolidated_weights(zero_runs[2]), consolidated_weights(tmp_path)
+    assert forked.keys() == started.keys() and all(torch.equal(forked[k], started[k]) for k in forked)
 
 
 def test_zero_stages_agree_numerically(zero_runs):
