@@ -3,30 +3,44 @@
 A rank started as `python -m llm train ...` spends about 5 s of CPU before its first step (torch 2 s, DeepSpeed
 0.7 s, and torch._dynamo 2.2 s, which every torch optimizer imports on its first step), on a 2-core machine that
 runs two test files at once. Forked from this module's forkserver, a rank starts in a fraction of a second and runs
-exactly what it would run there: `llm.cli.main` with the environment `--nproc N` gives each rank
-(`launch.local.rank_environments`), waited for as `--nproc N` waits (`launch.local.wait_for_ranks`). What this
-leaves out is the `--nproc` process's own work before the ranks start (the checks of prompts and teachers that are
-said once, not once per rank) and the launchers: tests of those run the command itself (`conftest.run_cli`).
+what it would run there: `llm.cli.main` with the command in sys.argv, unbuffered output, and the environment that
+`--nproc N` gives each rank (`launch.local.rank_environments`), waited for as `--nproc N` waits
+(`launch.local.wait_for_ranks`). test_train checks that such a job trains bit for bit as the command does.
+
+What differs, so that tests of these things run the command itself (`conftest.run_cli`):
+- the `--nproc` process's own work before the ranks start (the checks of prompts and teachers said once, not once
+  per rank), the launchers, and the command line a run records (tests/test_run_record.py);
+- what is fixed when the forkserver starts, once per pytest worker: variables read at import (conftest sets
+  DS_ACCELERATOR=cpu first), the modules already imported, the string-hash seed every rank shares, and
+  multiprocessing's start method inside a rank (forkserver, not fork, for data-loader workers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 from launch.local import rank_environments, strip_option, wait_for_ranks
 from llm.runtime.rank_env import RANK_VARIABLES, free_port
 
-PRELOAD = ["torch", "torch._dynamo", "deepspeed", "llm.cli", "llm.train.job",
-           "deepspeed.runtime.zero.muon.muon_optimizer", "forked_ranks", "test_faults"]
-"""Imported by the forkserver once, so that no rank pays for them (tests/test_faults.py runs ranks of its own)."""
+PRELOAD = ["torch", "llm.cli", "llm.train.job", "torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer",
+           "forked_ranks", "test_faults"]
+"""Imported by the forkserver once, so that no rank pays for them: llm.train.job chooses DeepSpeed's accelerator
+before it imports DeepSpeed, as a rank does (tests/test_faults.py runs ranks of its own)."""
 IN_FORKSERVER = "ZEROLLM_TEST_FORKSERVER"
-"""Set in the forkserver's environment only (`forkserver`)."""
+"""Set for the forkserver's start only: its preload of this module runs DeepSpeed's op probe (below)."""
+SERVER_ENV = {IN_FORKSERVER: "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+"""The forkserver's own variables: the second keeps the server from initialising CUDA, which a fork cannot use."""
 
 if os.environ.get(IN_FORKSERVER):  # preloaded by the forkserver: DeepSpeed's op probe, which compiles test programs
     import deepspeed.ops  # and which every rank's `setup_distributed` reads, runs here once instead of in each rank
@@ -38,34 +52,40 @@ def forkserver():
     """The forkserver context, its server started (once per pytest worker) importing PRELOAD. Python before 3.12.8
     and 3.13.1 starts the forkserver without this process's sys.path (CPython gh-117378), so it finds the test
     modules (tests/ is not on the default path) only through PYTHONPATH; without it, the preload of a test module
-    fails silently and every rank imports it after the fork. Both variables are set for the server's start only."""
+    fails silently and every rank imports it after the fork. These variables are set for the server's start only."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     tests = str(Path(__file__).resolve().parent)
-    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", IN_FORKSERVER)}
-    os.environ.update(PYTHONPATH=os.pathsep.join(filter(None, [tests, saved["PYTHONPATH"]])), **{IN_FORKSERVER: "1"})
+    server_env = {**SERVER_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    saved = {name: os.environ.get(name) for name in server_env}
+    os.environ.update(server_env)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
         for name, value in saved.items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
     return context
 
 
 def _rank_main(argv: list[str], env: dict[str, str], cwd: Path, out: Path, err: Path) -> None:
-    """One rank: `zerollm ARGV` in `cwd` with `env` as its whole environment and its output in `out` and `err`, and
-    ARGV in sys.argv, as `python -m llm ARGV` has it."""
-    sys.argv = [sys.argv[0], *argv]
+    """One rank: `zerollm ARGV` in `cwd` with `env` as its whole environment, its output unbuffered in `out` and
+    `err`, and ARGV in sys.argv, as `python -u -m llm ARGV` has them."""
+    for fd, path in ((1, out), (2, err)):
+        file = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(file, fd)
+        os.close(file)
+    sys.stdout.reconfigure(write_through=True)
+    sys.stderr.reconfigure(write_through=True)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    for fd, path in ((1, out), (2, err)):
-        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(file, fd)
-        os.close(file)
+    sys.argv = [sys.argv[0], *argv]
     from llm.cli import main  # noqa: PLC0415 - preloaded by the forkserver
 
-    sys.exit(main())
+    main()
 
 
 class ForkedRank:
@@ -82,17 +102,19 @@ class ForkedRank:
         return self.process.exitcode
 
     def send_signal(self, signum: int) -> None:
-        os.kill(self.process.pid, signum)
+        with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+            os.kill(self.process.pid, signum)
 
 
-def _option(args: list[str], name: str) -> str | None:
-    """The value of `name VALUE` or `name=VALUE` in `args`, None without it."""
+def _last_option(args: list[str], name: str) -> str | None:
+    """The value of the last `name VALUE` or `name=VALUE` in `args` (argparse keeps the last), None without it."""
+    value = None
     for i, arg in enumerate(args):
         if arg == name and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def start_ranks(*args, name: str = "job", cwd: Path | None = None) -> tuple[list[ForkedRank], Path]:
@@ -100,45 +122,85 @@ def start_ranks(*args, name: str = "job", cwd: Path | None = None) -> tuple[list
     command runs, with no rank variables), in `cwd` (default: this process's), and return them at once, with the
     folder of their output: OUT.logs beside the command's --out folder, where rank R writes NAME.R.out and .err."""
     args = list(map(str, args))
-    nproc, argv = int(_option(args, "--nproc") or 1), strip_option(args, "--nproc")
+    nproc, argv = int(_last_option(args, "--nproc") or 1), strip_option(args, "--nproc")
     if nproc == 1:
         envs = [{k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", *RANK_VARIABLES)}]
     else:
         envs = rank_environments(nproc, free_port())
     cwd = cwd or Path.cwd()
-    out = cwd / _option(args, "--out")
+    out = cwd / _last_option(args, "--out")
     logs = out.with_name(f"{out.name}.logs")
-    logs.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(exist_ok=True)
     context, ranks = forkserver(), []
-    for rank, env in enumerate(envs):
-        process = context.Process(target=_rank_main, args=(argv, env, cwd, logs / f"{name}.{rank}.out",
-                                                           logs / f"{name}.{rank}.err"))
-        process.start()
-        ranks.append(ForkedRank(process))
+    try:
+        for rank, env in enumerate(envs):
+            streams = [logs / f"{name}.{rank}.{kind}" for kind in ("out", "err")]
+            for stream in streams:
+                stream.write_text("")  # there, empty, even if the rank fails before it writes
+            process = context.Process(target=_rank_main, args=(argv, env, cwd, *streams))
+            process.start()
+            ranks.append(ForkedRank(process))
+    except BaseException:
+        kill_ranks(ranks)
+        raise
     return ranks, logs
 
 
 def kill_ranks(ranks: list[ForkedRank]) -> None:
-    """SIGKILL every rank still running and reap them all."""
+    """SIGKILL every rank still running, and every process it started, and reap the ranks."""
+    family = []
     for rank in ranks:
-        if rank.poll() is None:
-            rank.send_signal(signal.SIGKILL)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if rank.poll() is None:
+                process = psutil.Process(rank.process.pid)
+                family += [process, *process.children(recursive=True)]
+    for process in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
     for rank in ranks:
         rank.process.join()
 
 
+def _outputs(logs: Path, name: str, nproc: int) -> tuple[str, str]:
+    """Each stream of a job: the ranks' outputs one after the other, rank 0 first."""
+    return tuple("".join((logs / f"{name}.{rank}.{kind}").read_text(errors="replace") for rank in range(nproc))
+                 for kind in ("out", "err"))
+
+
+def wait_until(condition: Callable[[], bool], ranks: list[ForkedRank], logs: Path, name: str = "job",
+               timeout: float = 300) -> None:
+    """Wait until `condition()` holds; fails, with every rank's error output, when a rank ends or `timeout` passes
+    first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        codes = [rank.returncode for rank in ranks]
+        if any(code is not None for code in codes) or time.monotonic() > deadline:
+            raise AssertionError(f"ranks' exit codes {codes} before the condition held:\n"
+                                 + _outputs(logs, name, len(ranks))[1][-3000:])
+        time.sleep(0.005)
+
+
 def run_job(*args, name: str = "job", cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`zerollm ARGS` (a `train` command) with forked ranks (module docstring), waited for; its exit code as
-    `--nproc N` gives it, and each stream as the ranks' outputs one after the other (rank 0 first). Every rank is
-    killed after `timeout` seconds."""
+    """`zerollm ARGS` (a `train` command) with forked ranks (module docstring), waited for: its exit code as
+    `--nproc N` gives it, and each stream as the ranks' outputs one after the other (rank 0 first). After `timeout`
+    seconds every rank is killed and subprocess.TimeoutExpired raised, as `conftest.run_cli` raises it."""
     ranks, logs = start_ranks(*args, name=name, cwd=cwd)
-    deadline = threading.Timer(timeout, kill_ranks, [ranks])
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        for rank in ranks:
+            rank.send_signal(signal.SIGKILL)
+
+    deadline = threading.Timer(timeout, expire)
     deadline.start()
     try:
         code = wait_for_ranks(ranks)
     finally:
         deadline.cancel()
         kill_ranks(ranks)
-    stdout, stderr = ("".join((logs / f"{name}.{rank}.{kind}").read_text(errors="replace")
-                              for rank in range(len(ranks))) for kind in ("out", "err"))
-    return subprocess.CompletedProcess(["zerollm", *map(str, args)], code, stdout, stderr)
+    stdout, stderr = _outputs(logs, name, len(ranks))
+    command = ["zerollm", *map(str, args)]
+    if expired.is_set():
+        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(command, code, stdout, stderr)

@@ -4,12 +4,11 @@ ZeRO-3 (reward rising, first-step KL 0), bit-exact resume after SIGKILL, one-lin
 import json
 import math
 import sys
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from forked_ranks import kill_ranks, run_job, start_ranks
+from forked_ranks import kill_ranks, run_job, start_ranks, wait_until
 
 from conftest import TINY, zerollm_here
 from llm.config import GRPOConfig, ModelConfig, build_config
@@ -330,14 +329,11 @@ def test_grpo_sigkill_then_resume_is_bit_exact(grpo_runs, policy, prompt_dir, tm
     killed = tmp_path / "killed"
     args = _grpo_args(policy, prompt_dir, killed, rewards=["format:[A-Z].*"], extra=["--zero-stage", 2])
     latest = killed / "checkpoints" / "latest"
-    ranks, _ = start_ranks(*args)
+    ranks, logs = start_ranks(*args)
     try:
-        deadline = time.time() + 300
-        while not (latest.is_file() and latest.read_text() == "global_step4"):
-            assert ranks[0].poll() is None and time.time() < deadline, "run ended before its first checkpoint"
-            time.sleep(0.005)
+        wait_until(lambda: latest.is_file() and latest.read_text() == "global_step4", ranks, logs)
     finally:
-        kill_ranks(ranks)  # both at once, as a job killed outright dies
+        kill_ranks(ranks)  # all at once, as a job killed outright dies
     result = run_job(*args, "--resume", "auto", name="resumed")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     straight, resumed = _metrics(grpo_runs[2]), _metrics(killed)

@@ -3,12 +3,11 @@ chain."""
 
 import json
 import math
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from forked_ranks import kill_ranks, run_job, start_ranks
+from forked_ranks import kill_ranks, run_job, start_ranks, wait_until
 
 from conftest import FIXTURES, run_cli, train_args
 from llm.config import GRPOConfig, ModelConfig
@@ -472,14 +471,11 @@ def test_sigkill_then_resume_is_bit_exact(kind, chain, zero_runs, sft_train_data
     straight, killed = chain[2][kind], tmp_path / "killed"
     args = _chain_args(kind, 2, data, killed, init)
     latest = killed / "checkpoints" / "latest"
-    ranks, _ = start_ranks(*args)
+    ranks, logs = start_ranks(*args)
     try:
-        deadline = time.time() + 300
-        while not (latest.is_file() and latest.read_text() == "global_step2"):
-            assert ranks[0].poll() is None and time.time() < deadline, "run ended before its first checkpoint"
-            time.sleep(0.005)
+        wait_until(lambda: latest.is_file() and latest.read_text() == "global_step2", ranks, logs)
     finally:
-        kill_ranks(ranks)  # both at once, as a job killed outright dies
+        kill_ranks(ranks)  # all at once, as a job killed outright dies
     result = run_job(*args, "--resume", "auto", name="resumed")
     assert result.returncode == 0, result.stderr[-3000:]
     a, b = _metrics(straight), _metrics(killed)

@@ -21,8 +21,9 @@ PROMPTS = 'train.sample_prompts=["Hello", "你好"]'
 
 @pytest.fixture(scope="module")
 def zero3_run(pretrain_data, tmp_path_factory):
+    """Started as a user starts it (not with forked ranks): the record names the ranks' command line."""
     out = tmp_path_factory.mktemp("zero3_record")
-    result = run_job(*train_args(pretrain_data, out, "train.max_steps=2", "train.eval_every=1", "train.precision=fp32",
+    result = run_cli(*train_args(pretrain_data, out, "train.max_steps=2", "train.eval_every=1", "train.precision=fp32",
                                  PROMPTS, "train.sample_tokens=6", nproc=2,
                                  extra=["--zero-stage", 3, "--wandb", "offline"]))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

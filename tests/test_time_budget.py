@@ -3,11 +3,10 @@ drives the budget exactly as the trainer does), and a killed time-budget run res
 
 import json
 import math
-import time
 
 import pytest
 import torch
-from forked_ranks import kill_ranks, run_job, start_ranks
+from forked_ranks import kill_ranks, run_job, start_ranks, wait_until
 
 from conftest import TINY, train_args
 from llm.config import TrainConfig, build_config
@@ -145,10 +144,7 @@ def test_a_killed_time_budget_run_resumes_its_clock_and_completes_its_schedule(p
     latest = tmp_path / "checkpoints" / "latest"
     ranks, logs = start_ranks(*train_args(pretrain_data, tmp_path, *BUDGET), name="killed")
     try:
-        deadline = time.time() + 300
-        while not (latest.is_file() and latest.read_text() == "global_step3"):
-            assert ranks[0].poll() is None and time.time() < deadline, (logs / "killed.0.err").read_text()[-3000:]
-            time.sleep(0.01)
+        wait_until(lambda: latest.is_file() and latest.read_text() == "global_step3", ranks, logs, "killed")
     finally:
         kill_ranks(ranks)
     saved = _client_state(tmp_path, 3)["time_budget"]
