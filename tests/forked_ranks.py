@@ -9,7 +9,7 @@ what it would run there: `llm.cli.main` with the command in sys.argv, unbuffered
 
 What differs, so that tests of these things run the command itself (`conftest.run_cli`):
 - the `--nproc` process's own work before the ranks start (the checks of prompts and teachers said once, not once
-  per rank), the launchers, and the command line a run records (tests/test_run_record.py);
+  per rank, and the rank command it builds, which a run records) and the launchers;
 - what is fixed when the forkserver starts, once per pytest worker: variables read at import (conftest sets
   DS_ACCELERATOR=cpu first), the modules already imported, the string-hash seed every rank shares, and
   multiprocessing's start method inside a rank (forkserver, not fork, for data-loader workers).
@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import psutil
@@ -39,8 +40,9 @@ PRELOAD = ["torch", "llm.cli", "llm.train.job", "torch._dynamo", "deepspeed.runt
 before it imports DeepSpeed, as a rank does (tests/test_faults.py runs ranks of its own)."""
 IN_FORKSERVER = "ZEROLLM_TEST_FORKSERVER"
 """Set for the forkserver's start only: its preload of this module runs DeepSpeed's op probe (below)."""
-SERVER_ENV = {IN_FORKSERVER: "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
-"""The forkserver's own variables: the second keeps the server from initialising CUDA, which a fork cannot use."""
+SERVER_ENV = {IN_FORKSERVER: "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONUNBUFFERED": "1"}
+"""The forkserver's own variables: the second keeps the server from initialising CUDA, which a fork cannot use; the
+third makes its standard streams, which every rank inherits, unbuffered (as `python -u` makes a rank's)."""
 
 if os.environ.get(IN_FORKSERVER):  # preloaded by the forkserver: DeepSpeed's op probe, which compiles test programs
     import deepspeed.ops  # and which every rank's `setup_distributed` reads, runs here once instead of in each rank
@@ -77,8 +79,6 @@ def _rank_main(argv: list[str], env: dict[str, str], cwd: Path, out: Path, err: 
         file = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(file, fd)
         os.close(file)
-    sys.stdout.reconfigure(write_through=True)
-    sys.stderr.reconfigure(write_through=True)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -122,11 +122,11 @@ def start_ranks(*args, name: str = "job", cwd: Path | None = None) -> tuple[list
     command runs, with no rank variables), in `cwd` (default: this process's), and return them at once, with the
     folder of their output: OUT.logs beside the command's --out folder, where rank R writes NAME.R.out and .err."""
     args = list(map(str, args))
-    nproc, argv = int(_last_option(args, "--nproc") or 1), strip_option(args, "--nproc")
-    if nproc == 1:
-        envs = [{k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", *RANK_VARIABLES)}]
+    nproc = int(_last_option(args, "--nproc") or 1)
+    if nproc == 1:  # the command runs its one rank itself
+        argv, envs = args, [{k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", *RANK_VARIABLES)}]
     else:
-        envs = rank_environments(nproc, free_port())
+        argv, envs = strip_option(args, "--nproc"), rank_environments(nproc, free_port())
     cwd = cwd or Path.cwd()
     out = cwd / _last_option(args, "--out")
     logs = out.with_name(f"{out.name}.logs")
@@ -146,17 +146,23 @@ def start_ranks(*args, name: str = "job", cwd: Path | None = None) -> tuple[list
     return ranks, logs
 
 
-def kill_ranks(ranks: list[ForkedRank]) -> None:
-    """SIGKILL every rank still running, and every process it started, and reap the ranks."""
+def _kill_running(ranks: list[ForkedRank]) -> None:
+    """SIGKILL every rank still running and every process it started. Whether a rank runs is read from its sentinel,
+    which any thread may wait on (two threads polling one process can misread its exit code)."""
     family = []
     for rank in ranks:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if rank.poll() is None:
+        if not wait([rank.process.sentinel], 0):
+            with contextlib.suppress(psutil.NoSuchProcess):
                 process = psutil.Process(rank.process.pid)
                 family += [process, *process.children(recursive=True)]
     for process in family:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
+
+
+def kill_ranks(ranks: list[ForkedRank]) -> None:
+    """SIGKILL every rank still running and every process it started, and reap the ranks."""
+    _kill_running(ranks)
     for rank in ranks:
         rank.process.join()
 
@@ -167,17 +173,25 @@ def _outputs(logs: Path, name: str, nproc: int) -> tuple[str, str]:
                  for kind in ("out", "err"))
 
 
-def wait_until(condition: Callable[[], bool], ranks: list[ForkedRank], logs: Path, name: str = "job",
-               timeout: float = 300) -> None:
-    """Wait until `condition()` holds; fails, with every rank's error output, when a rank ends or `timeout` passes
+def kill_when(condition: Callable[[], bool], *args, name: str = "job", timeout: float = 300) -> None:
+    """Start `zerollm ARGS` as `start_ranks` does and SIGKILL it, every rank at once as a job killed outright dies,
+    as soon as `condition()` holds. Fails, with each rank's error output, when a rank ends or `timeout` passes
     first."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        codes = [rank.returncode for rank in ranks]
-        if any(code is not None for code in codes) or time.monotonic() > deadline:
-            raise AssertionError(f"ranks' exit codes {codes} before the condition held:\n"
-                                 + _outputs(logs, name, len(ranks))[1][-3000:])
-        time.sleep(0.005)
+    ranks, logs = start_ranks(*args, name=name)
+    try:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            codes = [rank.poll() for rank in ranks]
+            if condition():  # it came true as a rank ended
+                break
+            if any(code is not None for code in codes) or time.monotonic() > deadline:
+                tails = "".join(f"\nrank {rank}: ...{(logs / f'{name}.{rank}.err').read_text()[-1500:]}"
+                                for rank in range(len(ranks)))
+                ended = f"exit codes {codes}" if any(code is not None for code in codes) else f"{timeout} s"
+                raise AssertionError(f"{ended} before the condition held;{tails}")
+            time.sleep(0.005)
+    finally:
+        kill_ranks(ranks)
 
 
 def run_job(*args, name: str = "job", cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -189,8 +203,7 @@ def run_job(*args, name: str = "job", cwd: Path | None = None, timeout: float = 
 
     def expire() -> None:
         expired.set()
-        for rank in ranks:
-            rank.send_signal(signal.SIGKILL)
+        _kill_running(ranks)
 
     deadline = threading.Timer(timeout, expire)
     deadline.start()

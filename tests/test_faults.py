@@ -27,6 +27,7 @@ import torch.distributed as dist
 from forked_ranks import forkserver
 
 from conftest import TINY
+from launch.local import rank_environments
 from llm import durable, rundir
 from llm.cli import main
 from llm.loading import consolidated_weights
@@ -123,14 +124,15 @@ def install_fault_points(kill_at: int | None, record: Path, logs_metrics: bool, 
     shutil.rmtree = points.before(shutil.rmtree)
 
 
-def rank_main(rank: int, port: int, argv: list[str], log: Path, kill_at: int | None, record: Path, seed: int) -> None:
-    """One rank of the job, as a launcher would start it, with its output in `log`."""
+def rank_main(env: dict[str, str], argv: list[str], log: Path, kill_at: int | None, record: Path, seed: int) -> None:
+    """One rank of the job, with `env` (the launcher's, for this rank) as its whole environment and its output in
+    `log`."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    install_fault_points(kill_at, record, logs_metrics=rank == 0, seed=seed)
+    os.environ.clear()
+    os.environ.update(env)
+    install_fault_points(kill_at, record, logs_metrics=env["RANK"] == "0", seed=seed)
     main(argv)
 
 
@@ -143,11 +145,10 @@ def _launch(context, run: Path, data: Path, logs: Path, name: str, fault: tuple[
     signal that ended it)."""
     argv = ["train", "pretrain", "--recipe", "demo", "--data", str(data), "--out", str(run), "--resume", "auto"]
     argv += [a for o in [*TINY, *RUN] for a in ("--set", o)]
-    port = free_port()
     procs = {}
-    for rank in range(WORLD):
+    for rank, env in enumerate(rank_environments(WORLD, free_port())):
         kill_at = fault[1] if fault and fault[0] == rank else None
-        procs[rank] = context.Process(target=rank_main, args=(rank, port, argv, logs / f"{name}.rank{rank}.log",
+        procs[rank] = context.Process(target=rank_main, args=(env, argv, logs / f"{name}.rank{rank}.log",
                                                                kill_at, logs / f"{name}.points{rank}", seed))
         procs[rank].start()
     wait([p.sentinel for p in procs.values()], timeout=300)

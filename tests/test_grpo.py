@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from forked_ranks import kill_ranks, run_job, start_ranks, wait_until
+from forked_ranks import kill_when, run_job
 
 from conftest import TINY, zerollm_here
 from llm.config import GRPOConfig, ModelConfig, build_config
@@ -329,11 +329,7 @@ def test_grpo_sigkill_then_resume_is_bit_exact(grpo_runs, policy, prompt_dir, tm
     killed = tmp_path / "killed"
     args = _grpo_args(policy, prompt_dir, killed, rewards=["format:[A-Z].*"], extra=["--zero-stage", 2])
     latest = killed / "checkpoints" / "latest"
-    ranks, logs = start_ranks(*args)
-    try:
-        wait_until(lambda: latest.is_file() and latest.read_text() == "global_step4", ranks, logs)
-    finally:
-        kill_ranks(ranks)  # all at once, as a job killed outright dies
+    kill_when(lambda: latest.is_file() and latest.read_text() == "global_step4", *args)
     result = run_job(*args, "--resume", "auto", name="resumed")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     straight, resumed = _metrics(grpo_runs[2]), _metrics(killed)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from forked_ranks import kill_ranks, run_job, start_ranks, wait_until
+from forked_ranks import kill_when, run_job
 
 from conftest import FIXTURES, run_cli, train_args
 from llm.config import GRPOConfig, ModelConfig
@@ -471,11 +471,7 @@ def test_sigkill_then_resume_is_bit_exact(kind, chain, zero_runs, sft_train_data
     straight, killed = chain[2][kind], tmp_path / "killed"
     args = _chain_args(kind, 2, data, killed, init)
     latest = killed / "checkpoints" / "latest"
-    ranks, logs = start_ranks(*args)
-    try:
-        wait_until(lambda: latest.is_file() and latest.read_text() == "global_step2", ranks, logs)
-    finally:
-        kill_ranks(ranks)  # all at once, as a job killed outright dies
+    kill_when(lambda: latest.is_file() and latest.read_text() == "global_step2", *args)
     result = run_job(*args, "--resume", "auto", name="resumed")
     assert result.returncode == 0, result.stderr[-3000:]
     a, b = _metrics(straight), _metrics(killed)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from forked_ranks import kill_ranks, run_job, start_ranks, wait_until
+from forked_ranks import kill_when, run_job
 
 from conftest import TINY, train_args
 from llm.config import TrainConfig, build_config
@@ -142,11 +142,8 @@ def _client_state(run, step):
 
 def test_a_killed_time_budget_run_resumes_its_clock_and_completes_its_schedule(pretrain_data, tmp_path):
     latest = tmp_path / "checkpoints" / "latest"
-    ranks, logs = start_ranks(*train_args(pretrain_data, tmp_path, *BUDGET), name="killed")
-    try:
-        wait_until(lambda: latest.is_file() and latest.read_text() == "global_step3", ranks, logs, "killed")
-    finally:
-        kill_ranks(ranks)
+    kill_when(lambda: latest.is_file() and latest.read_text() == "global_step3",
+              *train_args(pretrain_data, tmp_path, *BUDGET), name="killed")
     saved = _client_state(tmp_path, 3)["time_budget"]
     assert 0 < saved["elapsed"] < 20 and saved["max_time"] == 20
 

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 import torch
-from forked_ranks import kill_ranks, run_job, start_ranks, wait_until
+from forked_ranks import kill_when, run_job
 
 from conftest import METRIC_KEYS, ZERO_RUN, run_cli, zerollm_here
 from conftest import train_args as _args
@@ -139,11 +139,8 @@ def test_sigkill_then_resume_is_bit_exact(pretrain_data, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
 
     latest = killed / "checkpoints" / "latest"
-    ranks, logs = start_ranks(*_args(pretrain_data, killed, *SLOW_STEPS, nproc=2))
-    try:
-        wait_until(lambda: latest.is_file() and latest.read_text() == "global_step3", ranks, logs)
-    finally:
-        kill_ranks(ranks)  # all at once, as a job killed outright dies
+    kill_when(lambda: latest.is_file() and latest.read_text() == "global_step3",
+              *_args(pretrain_data, killed, *SLOW_STEPS, nproc=2))
     assert latest.read_text() == "global_step3"
     result = run_job(*_args(pretrain_data, killed, *SLOW_STEPS, nproc=2, extra=["--resume", "auto"]), name="resumed")
     assert result.returncode == 0, result.stderr[-3000:]
