@@ -32,6 +32,7 @@ from pathlib import Path
 import psutil
 
 from launch.local import rank_environments, strip_option, wait_for_ranks
+from llm.cli import build_parser
 from llm.runtime.rank_env import RANK_VARIABLES, free_port
 
 PRELOAD = ["torch", "llm.cli", "llm.train.job", "torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer",
@@ -72,16 +73,22 @@ def forkserver():
     return context
 
 
-def _rank_main(argv: list[str], env: dict[str, str], cwd: Path, out: Path, err: Path) -> None:
-    """One rank: `zerollm ARGV` in `cwd` with `env` as its whole environment, its output unbuffered in `out` and
-    `err`, and ARGV in sys.argv, as `python -u -m llm ARGV` has them."""
+def enter_rank(env: dict[str, str], out: Path, err: Path) -> None:
+    """Make this forked process a rank: `env` its whole environment, its output (unbuffered: `SERVER_ENV`) appended
+    to the existing files `out` and `err` (one file may take both)."""
     for fd, path in ((1, out), (2, err)):
         file = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(file, fd)
         os.close(file)
-    os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+
+
+def _rank_main(argv: list[str], env: dict[str, str], cwd: Path, out: Path, err: Path) -> None:
+    """One rank: `zerollm ARGV` in `cwd` (`enter_rank` with `env`, `out` and `err`), ARGV in sys.argv, as
+    `python -u -m llm ARGV` has them."""
+    enter_rank(env, out, err)
+    os.chdir(cwd)
     sys.argv = [sys.argv[0], *argv]
     from llm.cli import main  # noqa: PLC0415 - preloaded by the forkserver
 
@@ -106,29 +113,18 @@ class ForkedRank:
             os.kill(self.process.pid, signum)
 
 
-def _last_option(args: list[str], name: str) -> str | None:
-    """The value of the last `name VALUE` or `name=VALUE` in `args` (argparse keeps the last), None without it."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def start_ranks(*args, name: str = "job", cwd: Path | None = None) -> tuple[list[ForkedRank], Path]:
     """Start `zerollm ARGS` (a `train` command) on the ranks its `--nproc` asks for, forked (one rank: as a one-rank
     command runs, with no rank variables), in `cwd` (default: this process's), and return them at once, with the
     folder of their output: OUT.logs beside the command's --out folder, where rank R writes NAME.R.out and .err."""
     args = list(map(str, args))
-    nproc = int(_last_option(args, "--nproc") or 1)
-    if nproc == 1:  # the command runs its one rank itself
+    parsed = build_parser().parse_args(args)  # --nproc and --out as the command reads them
+    if parsed.nproc == 1:  # the command runs its one rank itself
         argv, envs = args, [{k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", *RANK_VARIABLES)}]
     else:
-        argv, envs = strip_option(args, "--nproc"), rank_environments(nproc, free_port())
+        argv, envs = strip_option(args, "--nproc"), rank_environments(parsed.nproc, free_port())
     cwd = cwd or Path.cwd()
-    out = cwd / _last_option(args, "--out")
+    out = cwd / parsed.out
     logs = out.with_name(f"{out.name}.logs")
     logs.mkdir(exist_ok=True)
     context, ranks = forkserver(), []
@@ -184,11 +180,12 @@ def kill_when(condition: Callable[[], bool], *args, name: str = "job", timeout: 
             codes = [rank.poll() for rank in ranks]
             if condition():  # it came true as a rank ended
                 break
-            if any(code is not None for code in codes) or time.monotonic() > deadline:
+            ended = any(code is not None for code in codes)
+            if ended or time.monotonic() > deadline:
                 tails = "".join(f"\nrank {rank}: ...{(logs / f'{name}.{rank}.err').read_text()[-1500:]}"
                                 for rank in range(len(ranks)))
-                ended = f"exit codes {codes}" if any(code is not None for code in codes) else f"{timeout} s"
-                raise AssertionError(f"{ended} before the condition held;{tails}")
+                raise AssertionError(f"{f'exit codes {codes}' if ended else f'{timeout} s'} before the condition "
+                                     f"held;{tails}")
             time.sleep(0.005)
     finally:
         kill_ranks(ranks)

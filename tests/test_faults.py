@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from forked_ranks import forkserver
+from forked_ranks import enter_rank, forkserver
 
 from conftest import TINY
 from launch.local import rank_environments
@@ -127,11 +127,8 @@ def install_fault_points(kill_at: int | None, record: Path, logs_metrics: bool, 
 def rank_main(env: dict[str, str], argv: list[str], log: Path, kill_at: int | None, record: Path, seed: int) -> None:
     """One rank of the job, with `env` (the launcher's, for this rank) as its whole environment and its output in
     `log`."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.environ.clear()
-    os.environ.update(env)
+    log.write_text("")
+    enter_rank(env, log, log)
     install_fault_points(kill_at, record, logs_metrics=env["RANK"] == "0", seed=seed)
     main(argv)
 
