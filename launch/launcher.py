@@ -12,10 +12,10 @@ Three ways to start a job, one command for each:
 - SLURM (`--backend slurm`): per-node torchrun with N, R and A taken from the SLURM environment (see
   launch/slurm/zerollm.sbatch, which starts one launcher per node with srun).
 
-Before starting anything: the hostfile is checked, the training command has been parsed and its config
-built by the CLI (a bad key fails there, not on 100 ranks), and the node hosting the rendezvous checks
-that the master port is free. Once the ranks meet they compare fingerprints (llm/runtime/fingerprint.py)
-and watch each other (llm/runtime/watchdog.py).
+Before starting anything: the hostfile is checked, every host pdsh will reach answers over ssh
+(reachable.py), the training command has been parsed and its config built by the CLI (a bad key fails there,
+not on 100 ranks), and the node hosting the rendezvous checks that the master port is free. Once the ranks
+meet they compare fingerprints (llm/runtime/fingerprint.py) and watch each other (llm/runtime/watchdog.py).
 
 SIGTERM/SIGINT to `zerollm launch` is forwarded to the training ranks: they agree to stop, save a
 checkpoint and the launch exits 75 (`EXIT_PREEMPTED`); `--resume auto` continues, on any number of ranks.
@@ -53,6 +53,7 @@ from launch.hostfile import (
 from launch.local import exit_code
 from launch.nodelist import slurm_hosts
 from launch.options import LaunchOptions, launcher_problem
+from launch.reachable import check_reachable
 from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
 from llm.errors import EXIT_PREEMPTED, UserError
@@ -84,6 +85,8 @@ class Plan:
     """name -> content, written to the temporary directory."""
     file_env: dict[str, str] = field(default_factory=dict)
     """Variables added to the launcher's environment that name one of `files`: variable -> file name."""
+    ssh_hosts: list[str] = field(default_factory=list)
+    """Hosts the launcher reaches over ssh (pdsh's): each is asked before it starts (`launch.reachable`)."""
 
     def argv(self, directory: str) -> list[str]:
         return [directory + part[len(TEMP_DIR):] if part.startswith(TEMP_DIR + "/") else part
@@ -320,7 +323,7 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     home = Path(environ["HOME"]) if environ.get("HOME") else Path.home()  # where DeepSpeed's runner looks
     files["deepspeed_env"] = env_file_text(remote_exports(env, environ, Path.cwd(), home), args.launcher)
     return Plan(deepspeed_runner(*options, program=program), job, files=files,
-                file_env={"DS_ENV_FILE": "deepspeed_env"})
+                file_env={"DS_ENV_FILE": "deepspeed_env"}, ssh_hosts=list(active) if args.launcher == "pdsh" else [])
 
 
 def _check_port_if_local(master: str, port: int) -> None:
@@ -410,4 +413,7 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
 
 def launch(options: LaunchOptions, train_argv: list[str], run_dir: Path) -> int:
     """Start the checked training command `train_argv` (`train STAGE ...`, writing to `run_dir`) on this node."""
-    return run_plan(plan_launch(options, train_argv, dict(os.environ)), run_dir)
+    plan = plan_launch(options, train_argv, dict(os.environ))
+    if plan.ssh_hosts:
+        check_reachable(plan.ssh_hosts, options.hostfile)
+    return run_plan(plan, run_dir)

@@ -19,6 +19,7 @@ from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, La
 from llm import rundir
 from llm.config import build_config, parse_lora_spec, recipe_names
 from llm.errors import EXIT_USER_ERROR, UserError
+from llm.train.ds_config_file import load_ds_config
 
 EPILOG = "Documentation: README.md. Errors in your input exit with code 2."
 LORA_HELP = ("train low-rank adapters on the frozen --init-from model instead of every weight, e.g. "
@@ -417,6 +418,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = _train_config(args)
     rundir.check_run_output(Path(args.out), args.resume == "auto")  # before any rank starts
+    load_ds_config(args.deepspeed, cfg.train.stage)  # likewise a missing or broken JSON (its values: in each rank)
     if cfg.train.stage != "grpo":  # GRPO reads prompt files (checked below); a wrong --data: one line before torch
         from llm.data.prepared import stage_data_attrs
 
@@ -459,8 +461,9 @@ def checked_training_command(job: list[str]) -> tuple[list[str], Path]:
         parsed = build_parser().parse_args(job)
     except SystemExit as exc:
         raise UserError(f"the training command is invalid: {' '.join(job)}") from exc
-    _train_config(parsed)
+    cfg = _train_config(parsed)
     rundir.check_run_output(Path(parsed.out), parsed.resume == "auto")
+    load_ds_config(parsed.deepspeed, cfg.train.stage)
     return job, Path(parsed.out)
 
 

@@ -34,7 +34,8 @@ from llm.bench import BENCH_VOCAB, write_random_tokens
 from llm.config import build_config
 from llm.data.prepared import read_data_attrs
 from llm.runtime.distributed import setup_distributed
-from llm.train.engine import load_ds_config, resolve_ds_config, resolve_precision
+from llm.train.ds_config_file import load_ds_config
+from llm.train.engine import resolve_ds_config, resolve_precision
 from llm.train.job import build_trainer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,8 @@ import pytest
 
 from llm.config import NUMBER_RANGES, RunConfig, build_config, recipe_names
 from llm.errors import UserError
-from llm.train.engine import load_ds_config, resolve_ds_config
+from llm.train.ds_config_file import load_ds_config
+from llm.train.engine import resolve_ds_config
 
 
 def test_recipes_are_packaged_and_valid():

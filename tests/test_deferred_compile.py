@@ -49,7 +49,8 @@ BUILD_AN_ENGINE = textwrap.dedent("""
     from llm.model import Transformer
     from llm.runtime.distributed import setup_distributed
     from llm.runtime.rank_env import free_port
-    from llm.train.engine import build_engine, load_ds_config, resolve_ds_config
+    from llm.train.ds_config_file import load_ds_config
+    from llm.train.engine import build_engine, resolve_ds_config
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")

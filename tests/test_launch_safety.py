@@ -423,3 +423,47 @@ def test_pdsh_job_trains_with_a_hostile_run_directory(pretrain_data, tmp_path):
         exported = (tmp_path / f"env.{rank}").read_bytes().decode().split("\0")
         assert f"ZL_PROBE={probe}" in exported
     assert sorted(p.name for p in tmp_path.glob("pwned*")) == []
+
+
+def test_a_missing_deepspeed_config_is_one_line_before_any_host_is_reached(tmp_path):
+    (tmp_path / "hosts").write_text("node1 slots=2\nnode2 slots=2\n")
+    result = run_cli("launch", "--hostfile", tmp_path / "hosts", "--", "train", "pretrain", "--recipe", "demo",
+                     "--data", tmp_path, "--out", tmp_path / "run", "--deepspeed", tmp_path / "ds.json", timeout=120)
+    assert (result.returncode, result.stderr, result.stdout) == \
+        (2, f"zerollm: error: {tmp_path / 'ds.json'}: DeepSpeed config not found\n", "")
+
+
+SSH_TO_SOME = r'''
+"""ssh that reaches every host but those named down-*, as ssh fails on a host that refuses the connection."""
+import sys
+
+args = sys.argv[1:]
+while args and args[0].startswith("-"):
+    args = args[2:] if args[0] in ("-o", "-p", "-l") else args[1:]
+if args[0].startswith("down-"):
+    sys.exit(print(f"ssh: connect to host {args[0]} port 22: Connection refused", file=sys.stderr) or 255)
+'''
+
+
+@pytest.mark.parametrize("programs, message", [
+    ({"pdsh": PDSH, "ssh": SSH_TO_SOME},
+     "--hostfile {hosts}: 2 of 3 host(s) cannot be reached over ssh without a prompt, as pdsh needs (down-1: ssh: "
+     "connect to host down-1 port 22: Connection refused; down-2: ssh: connect to host down-2 port 22: Connection "
+     "refused); check the names, or set up passwordless ssh (`ssh HOST true` must work)"),
+    ({"pdsh": PDSH},
+     "--hostfile {hosts}: pdsh reaches the hosts over ssh, and no ssh program is on PATH; install an ssh client, or "
+     "choose another --launcher"),
+])
+def test_hosts_pdsh_cannot_reach_are_named_in_one_line_before_anything_starts(tmp_path, programs, message):
+    """Every host is asked (DeepSpeed's runner asks the first alone, and fails with a traceback); nothing starts."""
+    bin_dir = install(tmp_path / "bin", **programs)
+    (tmp_path / "hosts").write_text("localhost slots=1\ndown-1 slots=1\ndown-2 slots=1\n")
+    environ = {**os.environ, "PATH": str(bin_dir) if "ssh" not in programs else f"{bin_dir}:{os.environ['PATH']}",
+               "STANDIN_RECORD": str(tmp_path), "STANDIN_DRY": "1"}
+    result = subprocess.run([sys.executable, "-m", "llm", "launch", "--hostfile", tmp_path / "hosts",
+                             "--master-addr", "127.0.0.1", "--", "train", "pretrain", "--recipe", "demo", "--data",
+                             tmp_path, "--out", tmp_path / "run"],
+                            env=environ, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr, result.stdout) == \
+        (2, f"zerollm: error: {message.format(hosts=tmp_path / 'hosts')}\n", "")
+    assert not list(tmp_path.glob("argv.*"))  # pdsh never ran

@@ -19,7 +19,8 @@ from llm.runtime.distributed import DistInfo
 from llm.runtime.rank_env import free_port
 from llm.train import checkpoint, metrics
 from llm.train import engine as engine_module
-from llm.train.engine import load_ds_config, loss_scale_of, resolve_ds_config, resolve_precision
+from llm.train.ds_config_file import load_ds_config
+from llm.train.engine import loss_scale_of, resolve_ds_config, resolve_precision
 from llm.train.steps import DataSteps
 from llm.train.trainer import Trainer
 

@@ -85,9 +85,10 @@ def test_resuming_on_changed_data_is_refused_naming_the_difference(zero3_run, pr
     result = run_cli("data", "prepare", "--input", FIXTURES / "pretrain" / "en_notes.jsonl", "--tokenizer",
                      tokenizer_dir, "--out", other, "--val-fraction", 0.2, "--workers", 1)
     assert result.returncode == 0, result.stderr[-2000:]
-    result = run_job(*train_args(other, zero3_run, "train.max_steps=3", PROMPTS,
+    result = run_job(*train_args(other, zero3_run, "train.max_steps=3", PROMPTS, nproc=2,
                                  extra=["--zero-stage", 3, "--resume", "auto"]))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("zerollm: error:") == 1, result.stderr[-3000:]  # said once, not once per rank
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith(f"zerollm: error: {other.resolve()}: not the data {zero3_run} was trained on")
     assert "tokens.h5 digest" in message and "train split" in message and "val split" in message

@@ -3,6 +3,7 @@ before any rank trains (DeepSpeed, json and the chat template code would fail wi
 
 import importlib.util
 import json
+import os
 import pathlib
 import shutil
 
@@ -10,11 +11,12 @@ import pytest
 import torch
 from forked_ranks import run_job
 
-from conftest import FIXTURES, train_args
+from conftest import FIXTURES, run_cli, train_args
 from llm.config import build_config
 from llm.errors import UserError
 from llm.tokenizer import Tokenizer
-from llm.train.engine import load_ds_config, resolve_ds_config
+from llm.train.ds_config_file import load_ds_config
+from llm.train.engine import resolve_ds_config
 
 MINIMIND = FIXTURES / "tokenizers" / "minimind"
 
@@ -156,20 +158,48 @@ def test_ds_config_zero_section_of_every_shipped_config_and_an_offload_pass():
         resolved({"zero_optimization": offloaded, "optimizer": {"type": "AdamW", "params": {"adamw_mode": True}}})
 
 
+SHIPPED_PRETRAIN = json.loads((FIXTURES.parents[1] / "ds_configs" / "pretrain.json").read_text())
+
+
 @pytest.mark.parametrize("name, ds_config, message", [
-    ("deep", "[" * 100_000, "deep.json: invalid JSON (nested too deeply)"),
-    ("no_print", json.dumps({**json.loads((FIXTURES.parents[1] / "ds_configs" / "pretrain.json").read_text()),
-                             "steps_per_print": 0}),
+    ("no_print", {**SHIPPED_PRETRAIN, "steps_per_print": 0},
      "no_print.json: 'steps_per_print' must be a whole number >= 1 (or null: never), got 0"),
+    ("bogus", {**SHIPPED_PRETRAIN, "zero_optimization": {"stage": 2, "bogus": 1}},
+     "bogus.json: 'zero_optimization.bogus' is not a ZeRO setting DeepSpeed knows; remove it or correct its name"),
 ])
-def test_train_with_a_bad_deepspeed_config_exits_2_with_one_line(pretrain_data, tmp_path, name, ds_config, message):
+def test_train_with_a_bad_deepspeed_config_exits_2_with_one_line_once(pretrain_data, tmp_path, name, ds_config,
+                                                                      message):
+    """Every rank finds the mistake; the job says it once (it said it once per rank)."""
     path = tmp_path / f"{name}.json"
-    path.write_text(ds_config)
+    path.write_text(json.dumps(ds_config))
     result = run_job(*train_args(pretrain_data, tmp_path / "run", "train.max_steps=2", "train.precision=fp32",
-                                 extra=["--deepspeed", path]))
+                                 nproc=2, extra=["--deepspeed", path]))
     assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.count("zerollm: error:") == 1, result.stderr[-3000:]
     assert f"zerollm: error: {path.parent}/{message}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("name, ds_config, message", [
+    ("deep", "[" * 100_000, "deep.json: invalid JSON (nested too deeply)"),
+    ("missing", None, "missing.json: DeepSpeed config not found"),
+])
+def test_an_unreadable_deepspeed_config_is_refused_before_any_rank_starts(pretrain_data, tmp_path, monkeypatch, name,
+                                                                          ds_config, message):
+    """`--nproc 2` reads the JSON before it starts ranks (each rank read it, and said so unless the first to fail
+    had the other killed first): one line, and no rank started (a `sitecustomize` notes every Python process
+    started with a rank's RANK variable)."""
+    path = tmp_path / f"{name}.json"
+    if ds_config is not None:
+        path.write_text(ds_config)
+    hook, started = tmp_path / "hook", tmp_path / "ranks_started"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(f"import os\nif 'RANK' in os.environ:\n    open({str(started)!r}, 'a')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    result = run_cli(*train_args(pretrain_data, tmp_path / "run", nproc=2, extra=["--deepspeed", path]))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr == f"zerollm: error: {path.parent}/{message}\n"
+    assert result.stdout == "" and not (tmp_path / "run").exists() and not started.exists()
 
 
 def copy_tokenizer(tmp_path, config: dict | None = None):

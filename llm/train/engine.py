@@ -12,14 +12,13 @@ import importlib.util
 import inspect
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 import pydantic
 import torch
 
 from llm.config import RunConfig
-from llm.errors import UserError, read_user_json_object
+from llm.errors import UserError
 from llm.runtime.deferred_compile import defer_muon_compile
 from llm.runtime.distributed import ensure_accelerator_env
 
@@ -30,8 +29,6 @@ from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum  # noqa: E40
 from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS  # noqa: E402
 
 defer_muon_compile()
-
-DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 
 CONCRETE_PRECISIONS = ("bf16", "fp16", "fp32")
 DYNAMIC_LOSS_SCALING = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
@@ -80,16 +77,6 @@ def loss_scale_of(engine) -> float | None:
     if not engine.fp16_enabled():
         return None
     return float(engine.optimizer.cur_scale)
-
-
-def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any], str]:
-    """The raw DeepSpeed JSON (default: ds_configs/<stage>.json) and its name for messages."""
-    path = Path(path) if path else DS_CONFIG_DIR / f"{stage}.json"
-    if path.is_dir():
-        raise UserError(f"{path}: is a directory; the DeepSpeed config is a JSON file")
-    if not path.is_file():
-        raise UserError(f"{path}: DeepSpeed config not found")
-    return read_user_json_object(path, "DeepSpeed config"), str(path)
 
 
 def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, source: str = "DeepSpeed config",

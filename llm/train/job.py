@@ -38,11 +38,11 @@ from llm.runtime.fingerprint import check_ranks_agree, fingerprint
 from llm.runtime.watchdog import Watchdog
 from llm.tokenizer import Tokenizer
 from llm.train import checkpoint
+from llm.train.ds_config_file import load_ds_config
 from llm.train.engine import (
     build_engine,
     cpu_has_native_bf16,
     frozen_engine,
-    load_ds_config,
     resolve_ds_config,
     resolve_precision,
 )
@@ -196,7 +196,6 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         raise UserError(f"{source}: tokenizer has {attrs['vocab_size']} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}; set model.vocab_size >= {attrs['vocab_size']}")
     teacher = check_teacher(cfg, attrs) if cfg.train.stage == "distill" else None
-    check_tokenizer(run_dir, cfg, attrs["tokenizer_hash"])
     raw_ds, ds_source = load_ds_config(ds_config_path, cfg.train.stage)
     rundir.check_run_output(run_dir, resume)  # checked by the CLI before any rank starts; again for direct callers
     data = prompts_summary(input_files(cfg), attrs) if cfg.train.stage == "grpo" else \
@@ -205,17 +204,13 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         data["teacher"] = teacher  # recorded with the data: a resume against another teacher is refused
     if cfg.lora.r and cfg.train.init_from:  # the frozen base the adapters belong to (`load_lora_model` checks it)
         data["base"] = weights_summary(cfg.train.init_from, "--init-from")
-    if resume and rundir.latest_tag(run_dir) is not None:
-        check_same_data(run_dir, data, attrs.get("legacy_tokenizer_hash"))
-        for role, option in (("teacher", "--teacher"), ("base", "--init-from")):
-            if role in data:
-                check_same_weights(run_dir, role, data[role], option)
-        cfg.train.precision = resumed_precision(run_dir, cfg.train.precision)
     info = setup_distributed(cfg.train.collective_timeout_s)
-    cfg.train.precision = resolve_precision(cfg.train.precision, info.device)
-    ds_config = resolve_ds_config(raw_ds, cfg, info.world_size, ds_source, zero_stage)
-    if resume and rundir.latest_tag(run_dir) is not None:
-        check_same_shape(run_dir, cfg, ds_config)
+    problem, ds_config = None, None
+    try:  # every rank finds the same refusal in these: printed once per node, not once per rank
+        ds_config = _resolved_ds_config(cfg, run_dir, info, (raw_ds, ds_source), zero_stage, resume, data, attrs)
+    except UserError as exc:
+        problem = str(exc)
+    refuse_together(problem, announce=info.local_rank == 0)
     with run_locked(run_dir, info.rank, info.local_rank == 0, from_rank0) as tidy_run_dir:
         watchdog = None
         if info.world_size > 1:
@@ -253,6 +248,26 @@ def _recorded_zero_stage(run_dir: Path) -> Any:
         return _zero_stage(json.loads((run_dir / rundir.DS_CONFIG_FILE).read_text(encoding="utf-8")))
     except (OSError, ValueError, RecursionError):
         return None
+
+
+def _resolved_ds_config(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_file: tuple[dict, str],
+                        zero_stage: int | None, resume: bool, data: dict, attrs: dict) -> dict:
+    """The resolved DeepSpeed config (`cfg.train.precision` made concrete), after refusing input of another tokenizer
+    than `run_dir` keeps and a resume of it on other data, teacher, base, precision or shape."""
+    check_tokenizer(run_dir, cfg, attrs["tokenizer_hash"])
+    resuming = resume and rundir.latest_tag(run_dir) is not None
+    if resuming:
+        check_same_data(run_dir, data, attrs.get("legacy_tokenizer_hash"))
+        for role, option in (("teacher", "--teacher"), ("base", "--init-from")):
+            if role in data:
+                check_same_weights(run_dir, role, data[role], option)
+        cfg.train.precision = resumed_precision(run_dir, cfg.train.precision)
+    cfg.train.precision = resolve_precision(cfg.train.precision, info.device)
+    raw, source = ds_file
+    ds_config = resolve_ds_config(raw, cfg, info.world_size, source, zero_stage)
+    if resuming:
+        check_same_shape(run_dir, cfg, ds_config)
+    return ds_config
 
 
 def check_same_shape(run_dir: Path, cfg: RunConfig, ds_config: dict) -> None:

@@ -1,0 +1,23 @@
+"""The DeepSpeed JSON a training command names (`--deepspeed`), or the stage's shipped one, read as a JSON object.
+
+Reading it needs neither torch nor DeepSpeed, so the process that starts a job's ranks (`--nproc`, `zerollm launch`)
+reads it first: a missing or broken file is one line before any rank starts, not one line per rank. Filling and
+checking its values is `llm.train.engine.resolve_ds_config`'s, in every rank.
+"""
+
+from pathlib import Path
+from typing import Any
+
+from llm.errors import UserError, read_user_json_object
+
+DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+
+
+def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any], str]:
+    """The raw DeepSpeed JSON (default: ds_configs/<stage>.json) and its name for messages."""
+    path = Path(path) if path else DS_CONFIG_DIR / f"{stage}.json"
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory; the DeepSpeed config is a JSON file")
+    if not path.is_file():
+        raise UserError(f"{path}: DeepSpeed config not found")
+    return read_user_json_object(path, "DeepSpeed config"), str(path)
