@@ -145,8 +145,9 @@ def one_rank_group() -> Iterator[None]:
 
 
 LONGEST_FILES = ("test_launch.py", "test_kernels_compile.py", "test_launch_conventions.py", "test_cli.py",
-                 "test_train.py", "test_eval.py", "test_gpu_check.py", "test_time_budget.py", "test_launch_safety.py",
-                 "test_lora.py", "test_faults.py", "test_tokenizer.py", "test_learning_speed.py", "test_devices.py")
+                 "test_train.py", "test_user_files.py", "test_eval.py", "test_gpu_check.py", "test_time_budget.py",
+                 "test_launch_safety.py", "test_lora.py", "test_faults.py", "test_tokenizer.py",
+                 "test_learning_speed.py", "test_devices.py")
 """Test files by their time in a full run, longest first (`pytest --durations=0`, summed per file)."""
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from forked_ranks import run_job
 
-from conftest import FIXTURES, run_cli, train_args
+from conftest import FIXTURES, ZERO_RUN, run_cli, train_args
 from llm.config import build_config
 from llm.errors import UserError
 from llm.tokenizer import Tokenizer
@@ -138,8 +138,8 @@ def test_ds_config_steps_per_print_below_one_is_refused(steps):
      "x.json: 'zero_optimization.reduce_bucket_size' is \"big\": input should be a valid integer"),
     ({"stage": 3, "offload_optimizer": {"device": "gpu"}},
      "x.json: 'zero_optimization.offload_optimizer.device' is \"gpu\": input should be 'none', 'cpu' or 'nvme'$"),
-    ({"stage": 2, "reduce_bucket_size": "auto"}, "x.json: no run-config value fills \"auto\" at "
-                                                 "zero_optimization.reduce_bucket_size; give it a value$"),
+    ({"stage": 2, "allgather_bucket_size": "auto"}, "x.json: no run-config value fills \"auto\" at "
+                                                    "zero_optimization.allgather_bucket_size; give it a value$"),
 ])
 def test_ds_config_zero_section_deepspeed_refuses_is_one_line(zero, message):
     with pytest.raises(UserError, match=message):
@@ -200,6 +200,53 @@ def test_an_unreadable_deepspeed_config_is_refused_before_any_rank_starts(pretra
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr == f"zerollm: error: {path.parent}/{message}\n"
     assert result.stdout == "" and not (tmp_path / "run").exists() and not started.exists()
+
+
+HF_ZERO3 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2,
+             "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True, "contiguous_gradients": True,
+        "sub_group_size": 1e9, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+"""The Hugging Face Trainer's zero3.json habit (ZeRO-3, parameters and optimizer offloaded to the CPU, every size and
+batch "auto"), without its "scheduler" section, which is refused by name (the schedule is the run config's)."""
+
+
+def test_zero_sizes_left_auto_as_hugging_face_leaves_them_are_filled_from_the_width():
+    """As its Trainer fills them from hidden_size (they were refused: no run-config value filled them)."""
+    cfg = build_config("demo", ["train.precision=fp32"])
+    dim = cfg.model.dim
+    zero = resolve_ds_config(HF_ZERO3, cfg, 2, "zero3.json")["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
+            zero["stage3_param_persistence_threshold"]) == (dim * dim, int(0.9 * dim * dim), 10 * dim)
+    given = {**HF_ZERO3, "zero_optimization": {**HF_ZERO3["zero_optimization"], "reduce_bucket_size": 5e8}}
+    assert resolve_ds_config(given, cfg, 2, "zero3.json")["zero_optimization"]["reduce_bucket_size"] == 5e8
+
+
+def test_hugging_face_zero3_offload_config_trains_as_the_shipped_one(zero_runs, pretrain_data, tmp_path):
+    """Offloaded to the CPU (DeepSpeed's CPU Adam, compiled on its first use on a machine), the session's ZeRO-3 job
+    takes the same steps as with ds_configs/pretrain.json: the first loss equal, the rest within float rounding."""
+    path = tmp_path / "zero3.json"
+    path.write_text(json.dumps(HF_ZERO3))
+    result = run_job(*train_args(pretrain_data, tmp_path / "run", *ZERO_RUN, nproc=2, extra=["--deepspeed", path]))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    zero = json.loads((tmp_path / "run" / "ds_config.json").read_text())["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
+
+    def losses(run):
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    offloaded, shipped = losses(tmp_path / "run"), losses(zero_runs[3])
+    assert len(offloaded) == len(shipped) == 4 and offloaded[0] == shipped[0]
+    assert offloaded == pytest.approx(shipped, rel=1e-5)
 
 
 def copy_tokenizer(tmp_path, config: dict | None = None):

@@ -36,6 +36,12 @@ DYNAMIC_LOSS_SCALING = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_
 """DeepSpeed's fp16 section when the JSON leaves it to us: a dynamic loss scale starting at 2^16, halved on an
 overflow (after `hysteresis` of them), doubled after 1000 steps without one."""
 
+WIDTH_SIZES = {"reduce_bucket_size": lambda dim: dim * dim,
+               "stage3_prefetch_bucket_size": lambda dim: int(0.9 * dim * dim),
+               "stage3_param_persistence_threshold": lambda dim: 10 * dim}
+"""ZeRO sizes that Hugging Face's DeepSpeed configs (its zero3.json) leave "auto", filled from the model's width as
+its Trainer fills them from `hidden_size`: here `model.dim`."""
+
 
 def cpu_has_native_bf16() -> bool:
     """Whether oneDNN has bf16 kernels for this CPU (AVX-512 on x86, the BF16 extension on Arm). Without them (AVX2
@@ -86,7 +92,8 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     does not take (the run config fills only those it takes: no betas for SGD), a zero_optimization section
     DeepSpeed's model refuses, sections of removed features or of monitors whose package is missing
     (`_refuse_removed_features`) and steps_per_print below 1 (DeepSpeed would fail on those in every rank with a
-    traceback). "bfloat16", bf16's older name, is read as "bf16"."""
+    traceback). "bfloat16", bf16's older name, is read as "bf16"; ZeRO sizes left "auto" as Hugging Face's
+    configs leave them are filled from the model's width (`WIDTH_SIZES`)."""
     ds = copy.deepcopy(raw)
     t = cfg.train
 
@@ -139,6 +146,9 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise UserError(f"{source}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    for key, size in WIDTH_SIZES.items():
+        if ds.get("zero_optimization", {}).get(key) == "auto":
+            ds["zero_optimization"][key] = size(cfg.model.dim)
     zero = _zero_config(ds.get("zero_optimization", {}), source)
     optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
     params = optimizer.setdefault("params", {})
