@@ -309,6 +309,7 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     options += ["--force_multi"] if len(active) == 1 else []  # one remote host: reach it, do not run here
     program, job, master = RANK_MODULE, train_argv, args.master_addr
     if args.launcher == "pdsh":
+        options.append("--no_ssh_check")  # every host is asked first, with pdsh's ssh options (launch.reachable)
         check_shell_word(str(Path.cwd()), "the working directory")
         check_shell_word(sys.executable, "the Python interpreter")
         job = [pdsh_argument(arg) for arg in train_argv]

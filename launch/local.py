@@ -74,7 +74,7 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S) -> i
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         failure, kill_at = None, None
-        while any(rank.poll() is None for rank in ranks):
+        while None in [rank.poll() for rank in ranks]:  # every rank polled: a later one may have failed
             failed = [rank.returncode for rank in ranks if rank.returncode not in (None, 0)]
             if failed and failure is None:
                 failure, kill_at = failed[0], time.monotonic() + grace_s

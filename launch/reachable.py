@@ -2,11 +2,13 @@
 
 DeepSpeed's runner asks the first host alone (`ssh -o PasswordAuthentication=no HOST hostname`) and fails with a
 traceback; a later host that cannot be reached stalls or fails the job once the others have started. `zerollm
-launch` asks every host at once, in parallel, without any prompt, and says in one line which cannot be reached
-and why (ssh's own words)."""
+launch` asks every host it will start ranks on, in parallel, without any prompt and with the options pdsh adds
+(PDSH_SSH_ARGS_APPEND: a port, a key), and says in one line which cannot be reached and why (ssh's own words)."""
 
 from __future__ import annotations
 
+import os
+import shlex
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -17,12 +19,22 @@ SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
 """No password or host-key prompt (pdsh could not answer one either), and an answer within 10 s of connecting."""
 NAMED = 5
 """Hosts named in the message; the rest are counted."""
+MAX_ASKING = 256
+"""Hosts asked at once."""
 
 
-def ssh_problem(host: str) -> str | None:
-    """Why `ssh HOST true` fails (ssh's last line of error, or its exit status), None when it succeeds."""
+def pdsh_ssh_options(environ: dict[str, str]) -> list[str]:
+    """The ssh options pdsh appends to its own (PDSH_SSH_ARGS_APPEND), as words."""
     try:
-        result = subprocess.run(["ssh", *SSH_OPTIONS, host, "true"], stdin=subprocess.DEVNULL,
+        return shlex.split(environ.get("PDSH_SSH_ARGS_APPEND", ""))
+    except ValueError as exc:
+        raise UserError(f"PDSH_SSH_ARGS_APPEND cannot be split into ssh options ({exc})") from None
+
+
+def ssh_problem(host: str, options: list[str]) -> str | None:
+    """Why `ssh OPTIONS HOST true` fails (ssh's last line of error, or its exit status), None when it succeeds."""
+    try:
+        result = subprocess.run(["ssh", *SSH_OPTIONS, *options, host, "true"], stdin=subprocess.DEVNULL,
                                 capture_output=True, text=True, errors="replace", timeout=60, check=False)
     except subprocess.TimeoutExpired:
         return "no answer in 60 s"
@@ -37,8 +49,10 @@ def check_reachable(hosts: list[str], hostfile: str) -> None:
     if shutil.which("ssh") is None:
         raise UserError(f"--hostfile {hostfile}: pdsh reaches the hosts over ssh, and no ssh program is on PATH; "
                         "install an ssh client, or choose another --launcher")
-    with ThreadPoolExecutor(max_workers=min(64, len(hosts))) as pool:
-        problems = {host: problem for host, problem in zip(hosts, pool.map(ssh_problem, hosts)) if problem}
+    options = pdsh_ssh_options(dict(os.environ))
+    with ThreadPoolExecutor(max_workers=min(MAX_ASKING, len(hosts))) as pool:
+        answers = pool.map(lambda host: ssh_problem(host, options), hosts)
+        problems = {host: problem for host, problem in zip(hosts, answers) if problem}
     if problems:
         named = "; ".join(f"{host}: {problem}" for host, problem in list(problems.items())[:NAMED])
         more = f"; and {len(problems) - NAMED} more" if len(problems) > NAMED else ""

@@ -18,7 +18,7 @@ from launch.hostfile import MAX_SLOTS_PER_HOST
 from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, LaunchOptions, launcher_name
 from llm import rundir
 from llm.config import build_config, parse_lora_spec, recipe_names
-from llm.errors import EXIT_USER_ERROR, UserError
+from llm.errors import EXIT_USER_ERROR, UserError, report
 from llm.train.ds_config_file import load_ds_config
 
 EPILOG = "Documentation: README.md. Errors in your input exit with code 2."
@@ -617,8 +617,8 @@ COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "l
 
 
 def _report(exc: UserError) -> None:
-    if exc.announce:  # an error every rank raises is printed once per node
-        print(f"zerollm: error: {exc}", file=sys.stderr)
+    if exc.announce:  # one every rank raises was printed once per node as it was raised
+        report(str(exc))
 
 
 def main(argv: list[str] | None = None) -> None:

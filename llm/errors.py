@@ -6,6 +6,7 @@ The CLI prints it without a traceback and exits with `EXIT_USER_ERROR`.
 """
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,17 @@ EXIT_RANK_LOST = 76
 
 
 class UserError(Exception):
-    """A mistake in the user's input (file, config, path, tokenizer), not a bug. One that every rank of a job raises
-    is printed once per node: `announce` is true on one rank of each."""
+    """A mistake in the user's input (file, config, path, tokenizer), not a bug. `announce` false: already printed
+    (one that every rank of a job raises is printed once per node, by `llm.runtime.distributed.raise_together`)."""
 
     def __init__(self, message: str, announce: bool = True) -> None:
         super().__init__(message)
         self.announce = announce
+
+
+def report(message: str) -> None:
+    """Print a user error as every zerollm command does: one line on stderr, `zerollm: error: ...`."""
+    print(f"zerollm: error: {message}", file=sys.stderr, flush=True)
 
 
 def read_user_text(path: Path, save_as: str) -> str:

@@ -9,6 +9,7 @@ import socket
 import stat
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from conftest import REPO, TINY, run_cli
 from launch.hostfile import check_filter, read_hostfile
 from launch.launcher import plan_launch, slurm_rendezvous
+from launch.local import wait_for_ranks
 from launch.nodelist import expand_nodelist, slurm_hosts
 from launch.torchrun import refused
 from llm.cli import build_parser, launch_options
@@ -322,6 +324,51 @@ def test_torchrun_c10d_two_nodes_train_like_the_deepspeed_launcher(zero_runs, pr
     assert "--rdzv-backend c10d" in (tmp_path / "node0.log").read_text()
     rows, reference = _metrics(run), _metrics(zero_runs[2])
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-6)
+
+
+SAYING = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    import torch.distributed as dist
+    import llm.runtime.distributed as distributed
+    from llm.errors import UserError
+    rank, said = int(os.environ["RANK"]), Path(sys.argv[1])
+    say = distributed.report
+
+    def slow_say(message):  # rank 0 is descheduled just before it prints
+        time.sleep(1)
+        say(message)
+        said.write_text("said")
+
+    distributed.report = slow_say
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        distributed.refuse_together("bad input" if rank == 1 else None, announce=rank == 0)
+    except UserError as error:
+        print("refused", error.announce, "after rank 0 said it" if said.exists() else "before rank 0 said it")
+""")
+
+
+def test_a_refusal_every_rank_raises_is_said_before_any_rank_leaves(tmp_path):
+    """Only rank 0 says it; a rank that left first could have its launcher kill rank 0 (as --nproc and DeepSpeed's
+    launcher stop the others at the first failure) before it had, and the job ended with exit 2 and no message."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", SAYING, str(tmp_path / "said")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=REPO,
+                              env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "RANK": str(rank)}) for rank in (0, 1)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [out for out, _ in outputs] == ["refused False after rank 0 said it\n"] * 2, outputs
+    assert [err for _, err in outputs] == ["zerollm: error: bad input\n", ""]
+
+
+def test_nproc_ends_the_job_when_any_rank_fails_not_only_the_first():
+    """`--nproc`'s wait polled the ranks only up to the first still running: a later rank's failure went unnoticed
+    while rank 0 ran on (into a collective that only the watchdog's timeout ended)."""
+    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(20)"]),
+             subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])]
+    assert wait_for_ranks(ranks) == 3
+    assert ranks[0].returncode == -signal.SIGTERM  # the others are stopped at the first failure
 
 
 def test_ranks_that_refuse_under_torchrun_end_the_launch_with_exit_2_and_their_line(tmp_path):

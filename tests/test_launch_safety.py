@@ -434,36 +434,55 @@ def test_a_missing_deepspeed_config_is_one_line_before_any_host_is_reached(tmp_p
 
 
 SSH_TO_SOME = r'''
-"""ssh that reaches every host but those named down-*, as ssh fails on a host that refuses the connection."""
+"""ssh that reaches every host on port 2222 but those named down-*, as ssh fails on a host that refuses the
+connection."""
 import sys
 
-args = sys.argv[1:]
+args, port = sys.argv[1:], "22"
 while args and args[0].startswith("-"):
+    port = args[1] if args[0] == "-p" else port
     args = args[2:] if args[0] in ("-o", "-p", "-l") else args[1:]
-if args[0].startswith("down-"):
-    sys.exit(print(f"ssh: connect to host {args[0]} port 22: Connection refused", file=sys.stderr) or 255)
+if args[0].startswith("down-") or port != "2222":
+    sys.exit(print(f"ssh: connect to host {args[0]} port {port}: Connection refused", file=sys.stderr) or 255)
 '''
+
+
+def _launch_pdsh_dry(tmp_path, programs: dict[str, str], hosts: str, **environ) -> subprocess.CompletedProcess:
+    """`zerollm launch --hostfile` of `hosts` with stand-ins of `programs` first on PATH (alone on it without an
+    ssh), pdsh recording instead of starting the ranks."""
+    bin_dir = install(tmp_path / "bin", **programs)
+    (tmp_path / "hosts").write_text(hosts)
+    path = f"{bin_dir}:{os.environ['PATH']}" if "ssh" in programs else str(bin_dir)
+    return subprocess.run([sys.executable, "-m", "llm", "launch", "--hostfile", tmp_path / "hosts", "--master-addr",
+                           "127.0.0.1", "--master-port", str(free_port()), "--", "train", "pretrain", "--recipe",
+                           "demo", "--data", tmp_path, "--out", tmp_path / "run"],
+                          env={**os.environ, "PATH": path, "STANDIN_RECORD": str(tmp_path), "STANDIN_DRY": "1",
+                               **environ}, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("programs, message", [
     ({"pdsh": PDSH, "ssh": SSH_TO_SOME},
      "--hostfile {hosts}: 2 of 3 host(s) cannot be reached over ssh without a prompt, as pdsh needs (down-1: ssh: "
-     "connect to host down-1 port 22: Connection refused; down-2: ssh: connect to host down-2 port 22: Connection "
-     "refused); check the names, or set up passwordless ssh (`ssh HOST true` must work)"),
+     "connect to host down-1 port 2222: Connection refused; down-2: ssh: connect to host down-2 port 2222: "
+     "Connection refused); check the names, or set up passwordless ssh (`ssh HOST true` must work)"),
     ({"pdsh": PDSH},
      "--hostfile {hosts}: pdsh reaches the hosts over ssh, and no ssh program is on PATH; install an ssh client, or "
      "choose another --launcher"),
 ])
 def test_hosts_pdsh_cannot_reach_are_named_in_one_line_before_anything_starts(tmp_path, programs, message):
     """Every host is asked (DeepSpeed's runner asks the first alone, and fails with a traceback); nothing starts."""
-    bin_dir = install(tmp_path / "bin", **programs)
-    (tmp_path / "hosts").write_text("localhost slots=1\ndown-1 slots=1\ndown-2 slots=1\n")
-    environ = {**os.environ, "PATH": str(bin_dir) if "ssh" not in programs else f"{bin_dir}:{os.environ['PATH']}",
-               "STANDIN_RECORD": str(tmp_path), "STANDIN_DRY": "1"}
-    result = subprocess.run([sys.executable, "-m", "llm", "launch", "--hostfile", tmp_path / "hosts",
-                             "--master-addr", "127.0.0.1", "--", "train", "pretrain", "--recipe", "demo", "--data",
-                             tmp_path, "--out", tmp_path / "run"],
-                            env=environ, cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = _launch_pdsh_dry(tmp_path, programs, "localhost slots=1\ndown-1 slots=1\ndown-2 slots=1\n",
+                              PDSH_SSH_ARGS_APPEND="-p 2222")
     assert (result.returncode, result.stderr, result.stdout) == \
         (2, f"zerollm: error: {message.format(hosts=tmp_path / 'hosts')}\n", "")
     assert not list(tmp_path.glob("argv.*"))  # pdsh never ran
+
+
+@pytest.mark.parametrize("append, reached", [("-p 2222", True), ("", False)])
+def test_hosts_are_asked_with_the_ssh_options_pdsh_adds(tmp_path, append, reached):
+    """A port or key in PDSH_SSH_ARGS_APPEND reaches pdsh's ssh; the check uses it too (DeepSpeed's own check, now
+    skipped, did not, and refused a job pdsh could run)."""
+    result = _launch_pdsh_dry(tmp_path, {"pdsh": PDSH, "ssh": SSH_TO_SOME}, "localhost slots=1\n127.0.0.1 slots=1\n",
+                              PDSH_SSH_ARGS_APPEND=append)
+    assert result.returncode == (0 if reached else 2), result.stderr[-3000:]
+    assert len(list(tmp_path.glob("argv.*"))) == (2 if reached else 0)

@@ -109,15 +109,15 @@ RANK = textwrap.dedent("""
     from pathlib import Path
     import torch.distributed as dist
     from llm.errors import UserError
-    from llm.runtime.distributed import from_rank0
+    from llm.runtime.distributed import refuse_together
     from llm.train.run_lock import run_locked
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        with run_locked(Path(sys.argv[1]), rank, rank == 0, from_rank0):
+        with run_locked(Path(sys.argv[1]), rank, lambda problem: refuse_together(problem, rank == 0)):
             print("entered")
     except UserError as error:
-        print("refused", error.announce, error)
+        print("refused", error)
 """)
 
 
@@ -127,17 +127,19 @@ def test_every_rank_enters_or_every_rank_refuses_as_rank_0_finds_the_lock(tmp_pa
     run = tmp_path / "run"
     fd = take_run_lock(run) if locked else None
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(run)], stdout=subprocess.PIPE, text=True, cwd=REPO,
-                              env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                   "RANK": str(rank)}) for rank in (0, 1)]
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=REPO, env={**os.environ, "MASTER_ADDR": "127.0.0.1",
+                                                        "MASTER_PORT": str(port), "RANK": str(rank)})
+             for rank in (0, 1)]
+    outputs = [p.communicate(timeout=120) for p in procs]
     if fd is not None:
         os.close(fd)
     if not locked:
-        assert outputs == ["entered\n", "entered\n"]
+        assert [out for out, _ in outputs] == ["entered\n", "entered\n"]
         return
     reason = f"{run}: another training job is writing there (pid {os.getpid()} on {socket.gethostname()})"
-    assert outputs[0].startswith(f"refused True {reason}") and outputs[1].startswith(f"refused False {reason}")
+    assert all(out.startswith(f"refused {reason}") for out, _ in outputs)
+    assert outputs[0][1].startswith(f"zerollm: error: {reason}") and outputs[1][1] == ""  # said by rank 0 alone
 
 
 def test_a_lock_file_that_cannot_be_opened_is_one_line(tmp_path):
@@ -153,11 +155,11 @@ def test_a_lock_file_that_cannot_be_opened_is_one_line(tmp_path):
 def test_a_refused_job_leaves_none_of_the_folders_it_created(tmp_path):
     (tmp_path / "kept").mkdir()
     run = tmp_path / "kept" / "new" / "deeper" / "run"
-    with pytest.raises(UserError, match="ranks disagree"), run_locked(run, 0, True, lambda value: value):
+    with pytest.raises(UserError, match="ranks disagree"), run_locked(run, 0, lambda problem: None):
         assert (run / LOCK_FILE).is_file()
         raise UserError("ranks disagree")
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept"]
-    with run_locked(run, 0, True, lambda value: value):
+    with run_locked(run, 0, lambda problem: None):
         (run / "config.yaml").write_text("written")
     assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE, "config.yaml"]
 
@@ -166,12 +168,12 @@ ENDED = textwrap.dedent("""
     import os, sys
     from pathlib import Path
     import torch.distributed as dist
-    from llm.runtime.distributed import from_rank0
+    from llm.runtime.distributed import refuse_together
     from llm.runtime.watchdog import Watchdog
     from llm.train.run_lock import run_locked
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    with run_locked(Path(sys.argv[1]), rank, rank == 0, from_rank0) as tidy:  # as `llm.train.job.run` does
+    with run_locked(Path(sys.argv[1]), rank, lambda problem: refuse_together(problem, rank == 0)) as tidy:  # as run
         watchdog = Watchdog(rank, 2, 30, announce=rank == 0, before_exit=tidy)
         if rank == 0:
             watchdog.end_job("failed before writing anything")  # ends the process with os._exit

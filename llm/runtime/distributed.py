@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import NoReturn, TypeVar
 
 import torch
 
-from llm.errors import UserError
+from llm.errors import UserError, report
 from llm.runtime.cpu_threads import cpu_claim, cpu_threads_per_rank, ranks_sharing_cpus
 from llm.runtime.rank_env import CHOSEN_ACCELERATOR, announced_world_size, rank_environment
+
+T = TypeVar("T")
 
 
 def training_device_type(cuda: bool, mps: bool, world_size: int) -> str:
@@ -103,26 +106,42 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
     return DistInfo(rank, local_rank, world, local_world, device)
 
 
-def from_rank0(value: Any) -> Any:
-    """Rank 0's `value` on every rank (a collective); `value` itself in a job of one rank."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
+def _many_ranks() -> bool:
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def raise_together(message: str, announce: bool, kind: type[UserError] = UserError) -> NoReturn:
+    """Raise `message` on every rank (a collective: every rank calls it with the same message), printed where
+    `announce` is true (one rank per node) before any rank leaves: a rank that ended first had its launcher kill
+    the others, and with them a message not yet printed."""
+    if announce:
+        report(message)
+    if _many_ranks():
+        torch.distributed.barrier()
+    raise kind(message, announce=False)
 
 
 def refuse_together(problem: str | None, announce: bool) -> None:
-    """Every rank raises the first refusal any rank found, as a UserError printed where `announce` is true (a
-    collective: every rank calls it, with its own refusal or None). For checks whose answer differs between hosts: a
-    host that refused alone left the others waiting in their next collective."""
+    """Every rank raises the first refusal any rank found (`raise_together`; a collective: every rank calls it, with
+    its own refusal or None). For checks whose answer may differ between ranks or hosts: a rank that refused alone
+    left the others waiting in their next collective."""
     problems = [problem]
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    if _many_ranks():
         problems = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(problems, problem)
     first = next((p for p in problems if p is not None), None)
     if first is not None:
-        raise UserError(first, announce=announce)
+        raise_together(first, announce)
+
+
+def agreed(check: Callable[[], T], announce: bool) -> T:
+    """`check()` on every rank (a collective), or its UserError on every rank where any rank's check raised one."""
+    try:
+        return_value, problem = check(), None
+    except UserError as exc:
+        return_value, problem = None, str(exc)
+    refuse_together(problem, announce)
+    return return_value
 
 
 def _ranks_sharing_my_cpus(world: int) -> int:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from llm.errors import UserError
+from llm.runtime.distributed import raise_together
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout (llm/runtime/ is two levels down)
 CODE_DIRS = ("llm", "kernels", "launch", "ds_configs")
@@ -116,4 +117,4 @@ def check_ranks_agree(mine: dict[str, str], announce: bool) -> None:
     dist.all_gather_object(prints, mine)
     message = mismatch_message(prints)
     if message:
-        raise RanksDisagree(message, announce=announce)
+        raise_together(message, announce, RanksDisagree)

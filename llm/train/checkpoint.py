@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from llm import durable, rundir
 from llm.errors import UserError
-from llm.runtime.distributed import ensure_accelerator_env
+from llm.runtime.distributed import ensure_accelerator_env, raise_together
 
 FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # read by torch on every torch.load
 DELETING_PREFIX = ".deleting-"
@@ -280,9 +280,7 @@ def resume_tag(run_dir: Path) -> str | None:
     dist.broadcast_object_list(answer, src=0)
     kind, value = answer[0]
     if kind == "error":
-        error = UserError(value)
-        error.announce = dist.get_rank() == 0
-        raise error
+        raise_together(value, announce=dist.get_rank() == 0)
     return value
 
 

@@ -33,7 +33,7 @@ from llm.loading import SHAPE_FIELDS, initial_weights, weights_summary
 from llm.model import Transformer
 from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, trainable_summary
-from llm.runtime.distributed import DistInfo, from_rank0, refuse_together, setup_distributed
+from llm.runtime.distributed import DistInfo, agreed, refuse_together, setup_distributed
 from llm.runtime.fingerprint import check_ranks_agree, fingerprint
 from llm.runtime.watchdog import Watchdog
 from llm.tokenizer import Tokenizer
@@ -132,12 +132,16 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
     t, grpo = cfg.train, cfg.train.stage == "grpo"
     has_reference = t.stage == "dpo" or (grpo and cfg.grpo.kl_coef > 0)
     remedy = ": make model.dim, model.n_layers or model.vocab_size smaller, or run fewer ranks on a host"
-    try:
-        check_fits_in_memory(cfg.model, info.local_world_size * (2 if has_reference else 1), remedy)
-        problem = None
-    except UserError as exc:  # hosts differ: every rank refuses, naming the host that cannot where there are several
-        problem = f"host {socket.gethostname()}: {exc}" if info.world_size > info.local_world_size else str(exc)
-    refuse_together(problem, announce=info.local_rank == 0)
+
+    def fits() -> None:  # hosts differ: every rank refuses, naming the host that cannot where there are several
+        try:
+            check_fits_in_memory(cfg.model, info.local_world_size * (2 if has_reference else 1), remedy)
+        except UserError as exc:
+            if info.world_size > info.local_world_size:
+                raise UserError(f"host {socket.gethostname()}: {exc}") from None
+            raise
+
+    agreed(fits, announce=info.local_rank == 0)
     if grpo:
         tokenizer, reward, train_set = grpo_inputs(cfg, info.device)
         val_set = None
@@ -205,17 +209,14 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     if cfg.lora.r and cfg.train.init_from:  # the frozen base the adapters belong to (`load_lora_model` checks it)
         data["base"] = weights_summary(cfg.train.init_from, "--init-from")
     info = setup_distributed(cfg.train.collective_timeout_s)
-    problem, ds_config = None, None
-    try:  # every rank finds the same refusal in these: printed once per node, not once per rank
-        ds_config = _resolved_ds_config(cfg, run_dir, info, (raw_ds, ds_source), zero_stage, resume, data, attrs)
-    except UserError as exc:
-        problem = str(exc)
-    refuse_together(problem, announce=info.local_rank == 0)
-    with run_locked(run_dir, info.rank, info.local_rank == 0, from_rank0) as tidy_run_dir:
+    announce = info.local_rank == 0  # a refusal every rank finds is printed once per node, not once per rank
+    ds_config = agreed(lambda: _resolved_ds_config(cfg, run_dir, info, (raw_ds, ds_source), zero_stage, resume, data,
+                                                   attrs), announce)
+    with run_locked(run_dir, info.rank, lambda problem: refuse_together(problem, announce)) as tidy_run_dir:
         watchdog = None
         if info.world_size > 1:
             watchdog = Watchdog(info.rank, info.world_size, cfg.train.collective_timeout_s,
-                                announce=info.local_rank == 0, before_exit=tidy_run_dir)
+                                announce=announce, before_exit=tidy_run_dir)
         try:
             code = _run_job(cfg, run_dir, info, ds_config, attrs, resume, watchdog, data)
         except UserError:

@@ -19,7 +19,6 @@ import os
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 from llm.errors import UserError
 
@@ -127,27 +126,25 @@ def _remove_if_only_the_lock(run_dir: Path, created: Path) -> None:
 
 
 @contextlib.contextmanager
-def run_locked(run_dir: Path, rank: int, announce: bool,
-               from_rank0: Callable[[Any], Any]) -> Iterator[Callable[[], None]]:
+def run_locked(run_dir: Path, rank: int, refuse: Callable[[str | None], None]) -> Iterator[Callable[[], None]]:
     """Rank 0 holds `run_dir`'s lock inside the block. Every rank enters it, or every rank raises the same UserError
-    (printed where `announce` is true) when another job holds it; `from_rank0` gives every rank rank 0's value (a
-    collective: every rank calls this). The block gets what leaving it does on rank 0 (remove the folders this job
-    created when they hold nothing but the lock), for a process that ends without leaving it (`os._exit`)."""
+    when another job holds it: `refuse` gets rank 0's refusal, None elsewhere, and raises it on every rank (a
+    collective: `llm.runtime.distributed.refuse_together`). The block gets what leaving it does on rank 0 (remove the
+    folders this job created when they hold nothing but the lock), for a process that ends without leaving it
+    (`os._exit`)."""
     fd, problem, created = None, None, _first_missing(run_dir)
     if rank == 0:
         try:
             fd = take_run_lock(run_dir)
         except UserError as exc:
             problem = str(exc)
-    problem = from_rank0(problem)
 
     def tidy() -> None:
         if fd is not None and created is not None:
             _remove_if_only_the_lock(run_dir, created)
 
     try:
-        if problem is not None:
-            raise UserError(problem, announce=announce)
+        refuse(problem)
         yield tidy
     finally:
         if fd is not None:

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from llm.config import RunConfig
 from llm.data.sampler import ResumableDistributedSampler
 from llm.errors import EXIT_OK, EXIT_PREEMPTED, UserError
-from llm.runtime.distributed import DistInfo
+from llm.runtime.distributed import DistInfo, raise_together
 from llm.runtime.preemption import Preemption
 from llm.runtime.watchdog import Watchdog
 from llm.train import checkpoint
@@ -80,12 +80,10 @@ class Trainer:
         self.step, self.run_id = state["step"], state["run_id"]
         try:
             self.sampler.load_state_dict(state["sampler"])
-        except ValueError as exc:
-            error = UserError(f"{self.run_dir}: {tag} does not fit the data in {self.cfg.data.path} ({exc}); resume "
-                              "with the data and train.seed it was trained on, or start a new run with --init-from "
-                              f"{self.run_dir}")
-            error.announce = self.dist.is_main  # every rank raises it
-            raise error from None
+        except ValueError as exc:  # every rank finds it
+            raise_together(f"{self.run_dir}: {tag} does not fit the data in {self.cfg.data.path} ({exc}); resume "
+                           "with the data and train.seed it was trained on, or start a new run with --init-from "
+                           f"{self.run_dir}", announce=self.dist.is_main)
         if state.get("loss_scale") is not None:  # fp16: continue with the scale the run had reached, exactly
             self.engine.optimizer.cur_scale = state["loss_scale"]
         self.budget.load_state_dict(state.get("time_budget"))
