@@ -7,7 +7,7 @@ import pytest
 
 from llm.config import NUMBER_RANGES, RunConfig, build_config, recipe_names
 from llm.errors import UserError
-from llm.train.ds_config_file import load_ds_config
+from llm.train.ds_config_file import DS_CONFIG_DIR, load_ds_config
 from llm.train.engine import resolve_ds_config
 
 
@@ -176,6 +176,22 @@ def test_ds_config_file_that_is_no_object_or_a_directory_is_refused(tmp_path):
         load_ds_config(tmp_path, "pretrain")
     with pytest.raises(UserError, match="missing.json: DeepSpeed config not found"):
         load_ds_config(tmp_path / "missing.json", "pretrain")
+
+
+def test_a_shipped_ds_config_is_found_by_name_from_any_directory(tmp_path, monkeypatch):
+    """`--deepspeed ds_configs/pretrain_zero3.json`, as the README writes it, was not found outside the checkout."""
+    monkeypatch.chdir(tmp_path)
+    shipped = DS_CONFIG_DIR / "pretrain_zero3.json"
+    for name in ("ds_configs/pretrain_zero3.json", "pretrain_zero3"):
+        assert load_ds_config(name, "pretrain") == (json.loads(shipped.read_text()), str(shipped))
+    (tmp_path / "ds_configs").mkdir()
+    (tmp_path / "ds_configs" / "pretrain_zero3.json").write_text('{"steps_per_print": 7}')  # a user's own wins
+    assert load_ds_config("ds_configs/pretrain_zero3.json", "pretrain")[0] == {"steps_per_print": 7}
+    for missing in ("pretrain_zero4", "ds_configs/pretrain_zero4.json", "pretrain_zero3.json"):
+        with pytest.raises(UserError, match=f"^{missing}: DeepSpeed config not found \\(give a JSON file, or a "
+                                            "shipped one by name: distill, dpo, grpo, pretrain, pretrain_zero3, "
+                                            "sft\\)$"):
+            load_ds_config(missing, "pretrain")
 
 
 @pytest.mark.parametrize("overrides", [

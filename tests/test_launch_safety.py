@@ -430,7 +430,8 @@ def test_a_missing_deepspeed_config_is_one_line_before_any_host_is_reached(tmp_p
     result = run_cli("launch", "--hostfile", tmp_path / "hosts", "--", "train", "pretrain", "--recipe", "demo",
                      "--data", tmp_path, "--out", tmp_path / "run", "--deepspeed", tmp_path / "ds.json", timeout=120)
     assert (result.returncode, result.stderr, result.stdout) == \
-        (2, f"zerollm: error: {tmp_path / 'ds.json'}: DeepSpeed config not found\n", "")
+        (2, f"zerollm: error: {tmp_path / 'ds.json'}: DeepSpeed config not found (give a JSON file, or a shipped "
+            "one by name: distill, dpo, grpo, pretrain, pretrain_zero3, sft)\n", "")
 
 
 SSH_TO_SOME = r'''

@@ -182,7 +182,8 @@ def test_train_with_a_bad_deepspeed_config_exits_2_with_one_line_once(pretrain_d
 
 @pytest.mark.parametrize("name, ds_config, message", [
     ("deep", "[" * 100_000, "deep.json: invalid JSON (nested too deeply)"),
-    ("missing", None, "missing.json: DeepSpeed config not found"),
+    ("missing", None, "missing.json: DeepSpeed config not found (give a JSON file, or a shipped one by name: "
+                      "distill, dpo, grpo, pretrain, pretrain_zero3, sft)"),
 ])
 def test_an_unreadable_deepspeed_config_is_refused_before_any_rank_starts(pretrain_data, tmp_path, monkeypatch, name,
                                                                           ds_config, message):

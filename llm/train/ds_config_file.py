@@ -13,11 +13,21 @@ from llm.errors import UserError, read_user_json_object
 DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 
 
+def shipped_names() -> list[str]:
+    return sorted(path.stem for path in DS_CONFIG_DIR.glob("*.json"))
+
+
 def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any], str]:
-    """The raw DeepSpeed JSON (default: ds_configs/<stage>.json) and its name for messages."""
+    """The raw DeepSpeed JSON and its name for messages: `path`, or the shipped config a missing `path` names (a
+    bare name, `pretrain_zero3`, or `ds_configs/pretrain_zero3.json` as the README writes it: found from any
+    directory); by default the stage's shipped one, ds_configs/<stage>.json."""
     path = Path(path) if path else DS_CONFIG_DIR / f"{stage}.json"
+    if not path.exists() and (path.parent == Path(".") and not path.suffix
+                              or path.parent == Path("ds_configs") and path.suffix == ".json"):
+        path = DS_CONFIG_DIR / f"{path.stem}.json" if path.stem in shipped_names() else path
     if path.is_dir():
         raise UserError(f"{path}: is a directory; the DeepSpeed config is a JSON file")
     if not path.is_file():
-        raise UserError(f"{path}: DeepSpeed config not found")
+        raise UserError(f"{path}: DeepSpeed config not found (give a JSON file, or a shipped one by name: "
+                        f"{', '.join(shipped_names())})")
     return read_user_json_object(path, "DeepSpeed config"), str(path)
