@@ -53,7 +53,7 @@ from launch.hostfile import (
 from launch.local import exit_code
 from launch.nodelist import slurm_hosts
 from launch.options import LaunchOptions, launcher_problem
-from launch.reachable import check_reachable
+from launch.reachable import check_reachable, pdsh_ssh_options
 from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
 from llm.errors import EXIT_PREEMPTED, UserError
@@ -310,6 +310,9 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     program, job, master = RANK_MODULE, train_argv, args.master_addr
     if args.launcher == "pdsh":
         options.append("--no_ssh_check")  # every host is asked first, with pdsh's ssh options (launch.reachable)
+        if not master and pdsh_ssh_options(environ):
+            raise UserError("give --master-addr: without it DeepSpeed's runner asks the first host for its address "
+                            "over ssh without the options of PDSH_SSH_ARGS_APPEND")
         check_shell_word(str(Path.cwd()), "the working directory")
         check_shell_word(sys.executable, "the Python interpreter")
         job = [pdsh_argument(arg) for arg in train_argv]

@@ -7,7 +7,8 @@ is the per-node launcher's, with stop signals handled the way `zerollm launch` h
 
 - SIGTERM/SIGINT to this process is forwarded to every rank: they agree to stop, save a checkpoint and exit 75;
 - when a rank fails, the others are sent SIGTERM and killed after GRACE_S; the job's exit code is the first
-  failing rank's (a rank ended by signal N counts as 128 + N);
+  failing rank's, or 76 (EXIT_RANK_LOST) where that rank was ended by a signal (SIGKILL from the kernel's OOM
+  killer, a segfault), which is named in one line;
 - if this process is killed outright, the ranks notice (`llm.runtime.supervisor`) and stop as on SIGTERM.
 """
 
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 
+from llm.errors import EXIT_RANK_LOST, report
 from llm.runtime.rank_env import RANK_VARIABLES, free_port
 from llm.runtime.supervisor import supervisor_env
 
@@ -68,16 +70,22 @@ def _signal_all(ranks: list[subprocess.Popen], signum: int) -> None:
 
 def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S) -> int:
     """Wait for every rank; the job's exit code (module docstring). Forwards SIGTERM/SIGINT while waiting."""
+    stopping = []  # a stop forwarded: a rank it ends before its handler is set is not a lost rank
+
     def forward(signum, frame):
+        stopping.append(signum)
         _signal_all(ranks, signal.SIGTERM)
+
+    def first_failure() -> int | None:
+        index = next((i for i, rank in enumerate(ranks) if rank.returncode not in (None, 0)), None)
+        return None if index is None else _failure(index, ranks[index], named=not stopping)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         failure, kill_at = None, None
         while None in [rank.poll() for rank in ranks]:  # every rank polled: a later one may have failed
-            failed = [rank.returncode for rank in ranks if rank.returncode not in (None, 0)]
-            if failed and failure is None:
-                failure, kill_at = failed[0], time.monotonic() + grace_s
+            if failure is None and (failure := first_failure()) is not None:
+                kill_at = time.monotonic() + grace_s
                 _signal_all(ranks, signal.SIGTERM)
             if kill_at is not None and time.monotonic() > kill_at:
                 _signal_all(ranks, signal.SIGKILL)
@@ -86,8 +94,22 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S) -> i
         for s, handler in previous.items():
             signal.signal(s, handler)
     if failure is None:
-        failure = next((rank.returncode for rank in ranks if rank.returncode != 0), 0)
+        failure = first_failure() or 0
     return exit_code(failure)
+
+
+def _failure(index: int, rank: subprocess.Popen, named: bool) -> int:
+    """The job's return code for its first failing rank: that rank's, or (`named`) EXIT_RANK_LOST for a rank ended
+    by a signal, named here (the others' watchdogs would only see it stop responding, and be stopped first)."""
+    if rank.returncode >= 0 or not named:
+        return rank.returncode
+    try:
+        name = f"{signal.Signals(-rank.returncode).name} (signal {-rank.returncode})"
+    except ValueError:
+        name = f"signal {-rank.returncode}"
+    report(f"rank {index} (pid {rank.pid}) was ended by {name}; the job is ended on every rank: rerun with "
+           "--resume auto to continue from its last complete checkpoint")
+    return EXIT_RANK_LOST
 
 
 def relaunch_local(nproc: int, argv: list[str]) -> int:

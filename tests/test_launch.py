@@ -24,7 +24,7 @@ from launch.local import wait_for_ranks
 from launch.nodelist import expand_nodelist, slurm_hosts
 from launch.torchrun import refused
 from llm.cli import build_parser, launch_options
-from llm.errors import UserError
+from llm.errors import EXIT_RANK_LOST, UserError
 from llm.runtime.cpu_threads import usable_cpus
 from llm.runtime.fingerprint import mismatch_message
 from llm.runtime.rank_env import free_port
@@ -369,6 +369,17 @@ def test_nproc_ends_the_job_when_any_rank_fails_not_only_the_first():
              subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])]
     assert wait_for_ranks(ranks) == 3
     assert ranks[0].returncode == -signal.SIGTERM  # the others are stopped at the first failure
+
+
+def test_nproc_names_a_rank_a_signal_ended_and_exits_76(capfd):
+    """A rank the OOM killer ends: the job said nothing of it and exited 137 (once its wait polled every rank, the
+    others were stopped before their watchdogs could name it)."""
+    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(20)"]),
+             subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])]
+    assert wait_for_ranks(ranks) == EXIT_RANK_LOST
+    assert capfd.readouterr().err == (f"zerollm: error: rank 1 (pid {ranks[1].pid}) was ended by SIGKILL (signal 9); "
+                                      "the job is ended on every rank: rerun with --resume auto to continue from its "
+                                      "last complete checkpoint\n")
 
 
 def test_ranks_that_refuse_under_torchrun_end_the_launch_with_exit_2_and_their_line(tmp_path):

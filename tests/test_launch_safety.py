@@ -448,14 +448,15 @@ if args[0].startswith("down-") or port != "2222":
 '''
 
 
-def _launch_pdsh_dry(tmp_path, programs: dict[str, str], hosts: str, **environ) -> subprocess.CompletedProcess:
+def _launch_pdsh_dry(tmp_path, programs: dict[str, str], hosts: str, master: tuple[str, ...] = ("--master-addr",
+                     "127.0.0.1"), **environ) -> subprocess.CompletedProcess:
     """`zerollm launch --hostfile` of `hosts` with stand-ins of `programs` first on PATH (alone on it without an
     ssh), pdsh recording instead of starting the ranks."""
     bin_dir = install(tmp_path / "bin", **programs)
     (tmp_path / "hosts").write_text(hosts)
     path = f"{bin_dir}:{os.environ['PATH']}" if "ssh" in programs else str(bin_dir)
-    return subprocess.run([sys.executable, "-m", "llm", "launch", "--hostfile", tmp_path / "hosts", "--master-addr",
-                           "127.0.0.1", "--master-port", str(free_port()), "--", "train", "pretrain", "--recipe",
+    return subprocess.run([sys.executable, "-m", "llm", "launch", "--hostfile", tmp_path / "hosts", *master,
+                           "--master-port", str(free_port()), "--", "train", "pretrain", "--recipe",
                            "demo", "--data", tmp_path, "--out", tmp_path / "run"],
                           env={**os.environ, "PATH": path, "STANDIN_RECORD": str(tmp_path), "STANDIN_DRY": "1",
                                **environ}, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -487,3 +488,14 @@ def test_hosts_are_asked_with_the_ssh_options_pdsh_adds(tmp_path, append, reache
                               PDSH_SSH_ARGS_APPEND=append)
     assert result.returncode == (0 if reached else 2), result.stderr[-3000:]
     assert len(list(tmp_path.glob("argv.*"))) == (2 if reached else 0)
+
+
+def test_ssh_options_for_pdsh_need_a_master_address(tmp_path):
+    """Without --master-addr DeepSpeed's runner asks the first host for its address with a bare ssh, and failed
+    there with a traceback where the hosts need PDSH_SSH_ARGS_APPEND's options."""
+    (tmp_path / "hosts").write_text("node-a slots=2\nnode-b slots=2\n")
+    environ = {"HOME": str(tmp_path), "PDSH_SSH_ARGS_APPEND": "-p 2222"}
+    with pytest.raises(UserError, match="^give --master-addr: without it DeepSpeed's runner asks the first host for "
+                                        "its address over ssh without the options of PDSH_SSH_ARGS_APPEND$"):
+        plan_launch(_launch_args("--hostfile", str(tmp_path / "hosts")), ["train", "pretrain"], environ)
+    assert _plan(tmp_path, environ=environ).command  # with one, the plan is made
