@@ -83,7 +83,7 @@ class Trainer:
         except ValueError as exc:  # every rank finds it
             raise_together(f"{self.run_dir}: {tag} does not fit the data in {self.cfg.data.path} ({exc}); resume "
                            "with the data and train.seed it was trained on, or start a new run with --init-from "
-                           f"{self.run_dir}", announce=self.dist.is_main)
+                           f"{self.run_dir}", announce=self.dist.local_rank == 0)
         if state.get("loss_scale") is not None:  # fp16: continue with the scale the run had reached, exactly
             self.engine.optimizer.cur_scale = state["loss_scale"]
         self.budget.load_state_dict(state.get("time_budget"))
