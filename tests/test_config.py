@@ -187,6 +187,9 @@ def test_a_shipped_ds_config_is_found_by_name_from_any_directory(tmp_path, monke
     (tmp_path / "ds_configs").mkdir()
     (tmp_path / "ds_configs" / "pretrain_zero3.json").write_text('{"steps_per_print": 7}')  # a user's own wins
     assert load_ds_config("ds_configs/pretrain_zero3.json", "pretrain")[0] == {"steps_per_print": 7}
+    with pytest.raises(UserError, match=r"^--deepspeed is empty: give a JSON file or a shipped name, or leave the "
+                                        r"option out for the stage's own \(sft\)$"):
+        load_ds_config("", "sft")
     for missing in ("pretrain_zero4", "ds_configs/pretrain_zero4.json", "pretrain_zero3.json"):
         with pytest.raises(UserError, match=f"^{missing}: DeepSpeed config not found \\(give a JSON file, or a "
                                             "shipped one by name: distill, dpo, grpo, pretrain, pretrain_zero3, "

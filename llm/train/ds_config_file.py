@@ -21,7 +21,10 @@ def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any],
     """The raw DeepSpeed JSON and its name for messages: `path`, or the shipped config a missing `path` names (a
     bare name, `pretrain_zero3`, or `ds_configs/pretrain_zero3.json` as the README writes it: found from any
     directory); by default the stage's shipped one, ds_configs/<stage>.json."""
-    path = Path(path) if path else DS_CONFIG_DIR / f"{stage}.json"
+    if path is not None and not str(path).strip():  # `--deepspeed "$UNSET"` took the default silently
+        raise UserError("--deepspeed is empty: give a JSON file or a shipped name, or leave the option out for the "
+                        f"stage's own ({stage})")
+    path = Path(path) if path is not None else DS_CONFIG_DIR / f"{stage}.json"
     if not path.exists() and (path.parent == Path(".") and not path.suffix
                               or path.parent == Path("ds_configs") and path.suffix == ".json"):
         path = DS_CONFIG_DIR / f"{path.stem}.json" if path.stem in shipped_names() else path
