@@ -76,9 +76,9 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S) -> i
         stopping.append(signum)
         _signal_all(ranks, signal.SIGTERM)
 
-    def first_failure() -> int | None:
-        index = next((i for i, rank in enumerate(ranks) if rank.returncode not in (None, 0)), None)
-        return None if index is None else _failure(index, ranks[index], named=not stopping)
+    def first_failure() -> int | None:  # of those seen failing at once, one a signal ended (the others followed it)
+        failed = sorted((rank.returncode >= 0, i) for i, rank in enumerate(ranks) if rank.returncode not in (None, 0))
+        return _failure(failed[0][1], ranks[failed[0][1]], named=not stopping) if failed else None
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:

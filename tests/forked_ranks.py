@@ -96,10 +96,15 @@ def _rank_main(argv: list[str], env: dict[str, str], cwd: Path, out: Path, err: 
 
 
 class ForkedRank:
-    """A forked rank with the part of `subprocess.Popen` that `wait_for_ranks` uses."""
+    """A forked rank with the part of `subprocess.Popen` that `wait_for_ranks` uses (pid, returncode, poll,
+    send_signal)."""
 
     def __init__(self, process) -> None:
         self.process = process
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     @property
     def returncode(self) -> int | None:

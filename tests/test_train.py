@@ -46,6 +46,13 @@ def test_two_rank_training_under_each_zero_stage(zero_runs, stage):
     assert rng_files == ["rng_rank0.pt", "rng_rank1.pt"]
 
 
+def test_forked_ranks_past_their_deadline_raise_timeout_expired(pretrain_data, tmp_path):
+    """As `run_cli` raises it (the ranks killed at the deadline had no pid for the wait to name them by)."""
+    with pytest.raises(subprocess.TimeoutExpired) as expired:
+        run_job(*_args(pretrain_data, tmp_path / "run", "train.max_steps=100000", nproc=2), timeout=2)
+    assert expired.value.timeout == 2 and expired.value.cmd[:3] == ["zerollm", "train", "pretrain"]
+
+
 def test_forked_ranks_train_exactly_as_the_command_does(zero_runs, pretrain_data, tmp_path):
     """Most tests' jobs fork their ranks (tests/forked_ranks.py); the same job as `zerollm train --nproc 2` starts it
     (a fresh interpreter per rank) logs the same numbers and saves the same weights, bit for bit."""
