@@ -307,9 +307,10 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
         _check_port_if_local(master, args.master_port)
         return Plan(deepspeed_runner(*options, "--no_ssh_check", "--master_addr", master), train_argv, env, files)
     options += ["--force_multi"] if len(active) == 1 else []  # one remote host: reach it, do not run here
-    program, job, master = RANK_MODULE, train_argv, args.master_addr
+    program, job, master, ssh_hosts = RANK_MODULE, train_argv, args.master_addr, []
     if args.launcher == "pdsh":
         options.append("--no_ssh_check")  # every host is asked first, with pdsh's ssh options (launch.reachable)
+        ssh_hosts = list(active)
         if not master and pdsh_ssh_options(environ):
             raise UserError("give --master-addr: without it DeepSpeed's runner asks the first host for its address "
                             "over ssh without the options of PDSH_SSH_ARGS_APPEND")
@@ -327,7 +328,7 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     home = Path(environ["HOME"]) if environ.get("HOME") else Path.home()  # where DeepSpeed's runner looks
     files["deepspeed_env"] = env_file_text(remote_exports(env, environ, Path.cwd(), home), args.launcher)
     return Plan(deepspeed_runner(*options, program=program), job, files=files,
-                file_env={"DS_ENV_FILE": "deepspeed_env"}, ssh_hosts=list(active) if args.launcher == "pdsh" else [])
+                file_env={"DS_ENV_FILE": "deepspeed_env"}, ssh_hosts=ssh_hosts)
 
 
 def _check_port_if_local(master: str, port: int) -> None:

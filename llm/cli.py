@@ -414,12 +414,19 @@ def _train_config(args: argparse.Namespace):
                                "grpo.reward": getattr(args, "reward", None)})
 
 
+def _checked_before_ranks(args: argparse.Namespace):
+    """The run config of a `train STAGE` command, after what is checked before any rank starts: its output folder
+    and its DeepSpeed JSON's file (its values are checked in every rank)."""
+    cfg = _train_config(args)
+    rundir.check_run_output(Path(args.out), args.resume == "auto")
+    load_ds_config(args.deepspeed, cfg.train.stage)
+    return cfg
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from launch.local import relaunch_local, under_launcher
 
-    cfg = _train_config(args)
-    rundir.check_run_output(Path(args.out), args.resume == "auto")  # before any rank starts
-    load_ds_config(args.deepspeed, cfg.train.stage)  # likewise a missing or broken JSON (its values: in each rank)
+    cfg = _checked_before_ranks(args)
     if cfg.train.stage != "grpo":  # GRPO reads prompt files (checked below); a wrong --data: one line before torch
         from llm.data.prepared import stage_data_attrs
 
@@ -462,9 +469,7 @@ def checked_training_command(job: list[str]) -> tuple[list[str], Path]:
         parsed = build_parser().parse_args(job)
     except SystemExit as exc:
         raise UserError(f"the training command is invalid: {' '.join(job)}") from exc
-    cfg = _train_config(parsed)
-    rundir.check_run_output(Path(parsed.out), parsed.resume == "auto")
-    load_ds_config(parsed.deepspeed, cfg.train.stage)
+    _checked_before_ranks(parsed)
     return job, Path(parsed.out)
 
 
