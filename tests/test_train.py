@@ -311,7 +311,7 @@ def test_a_resume_with_another_shape_or_zero_stage_is_refused(zero_runs, pretrai
     result = run_job(*_args(pretrain_data, run, "train.max_steps=6", "train.precision=fp32", change,
                             extra=["--resume", "auto", *extra]))
     assert result.returncode == 2, result.stderr[-3000:]
-    assert f"zerollm: error: {run}: its checkpoints cannot resume with another shape ({differing}" in result.stderr
+    assert f"zerollm: error: {run}: its checkpoints cannot resume with these changes ({differing}" in result.stderr
     assert f"); resume with the values there, or start a new run with --init-from {run}\n" in result.stderr
     assert "Traceback" not in result.stderr and sorted(p.name for p in run.rglob("*")) == before
 

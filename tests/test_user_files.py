@@ -218,7 +218,8 @@ HF_ZERO3 = {
     "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
 }
 """The Hugging Face Trainer's zero3.json habit (ZeRO-3, parameters and optimizer offloaded to the CPU, every size and
-batch "auto"), without its "scheduler" section, which is refused by name (the schedule is the run config's)."""
+batch "auto"), without its "scheduler" section: DeepSpeed's schedule would replace the run config's, which the
+shipped runs it is compared with follow (tests/test_ds_scheduler.py)."""
 
 
 def test_zero_sizes_left_auto_as_hugging_face_leaves_them_are_filled_from_the_width():

@@ -21,6 +21,7 @@ from llm.config import RunConfig
 from llm.errors import UserError
 from llm.runtime.deferred_compile import defer_muon_compile
 from llm.runtime.distributed import ensure_accelerator_env
+from llm.train.ds_scheduler import resolve_scheduler, scheduler_name
 
 ensure_accelerator_env()
 import deepspeed  # noqa: E402 - after the accelerator is chosen
@@ -139,8 +140,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
         for key, value in DYNAMIC_LOSS_SCALING.items():
             fp16.setdefault(key, value)
     if "scheduler" in ds:
-        raise UserError(f"{source}: remove 'scheduler'; the learning-rate schedule comes from the run config "
-                        "(train.lr, train.warmup_steps, train.min_lr_ratio, train.max_steps)")
+        resolve_scheduler(ds["scheduler"], cfg, source, fill)
     if zero_stage is not None:
         ds.setdefault("zero_optimization", {})["stage"] = zero_stage
     stage = ds.get("zero_optimization", {}).get("stage", 0)
@@ -316,13 +316,15 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 
 def build_engine(model: torch.nn.Module, cfg: RunConfig, ds_config: dict[str, Any], lr_lambda):
-    """`deepspeed.initialize` with our parameter groups and a LambdaLR schedule on its optimizer."""
+    """`deepspeed.initialize` with our parameter groups and a LambdaLR schedule on its optimizer, or the schedule of
+    the config's `scheduler` section (`llm.train.ds_scheduler`), which DeepSpeed builds."""
 
     def make_scheduler(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
-                                           config=ds_config, lr_scheduler=make_scheduler)
+                                           config=ds_config,
+                                           lr_scheduler=None if scheduler_name(ds_config) else make_scheduler)
     return engine
 
 

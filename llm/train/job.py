@@ -39,6 +39,7 @@ from llm.runtime.watchdog import Watchdog
 from llm.tokenizer import Tokenizer
 from llm.train import checkpoint
 from llm.train.ds_config_file import load_ds_config
+from llm.train.ds_scheduler import optimizer_steps_per_step, scheduler_name
 from llm.train.engine import (
     build_engine,
     cpu_has_native_bf16,
@@ -159,7 +160,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
     n_params = model.num_parameters()  # before ZeRO-3 partitions the parameters
     seed_rank_rngs(t.seed, info.rank)  # then per-rank streams (dropout, sampling)
     budget = TimeBudget(t, info)
-    updates = cfg.grpo.updates_per_batch if grpo else 1  # optimizer steps per training step: one schedule step
+    updates = optimizer_steps_per_step(cfg)  # one step of the run config's schedule
     engine = build_engine(model, cfg, ds_config, lambda step: lr_multiplier(step // updates, t, budget))
     reference = None
     if has_reference:
@@ -243,12 +244,17 @@ def _zero_stage(ds_config: Any) -> Any:
     return section.get("stage", 0) if isinstance(section, dict) else 0
 
 
-def _recorded_zero_stage(run_dir: Path) -> Any:
-    """The ZeRO stage in RUN_DIR/ds_config.json; None when that file cannot be read (DeepSpeed's load still checks)."""
+def _recorded_ds_config(run_dir: Path) -> Any:
+    """RUN_DIR/ds_config.json; None when that file cannot be read (DeepSpeed's load still checks)."""
     try:
-        return _zero_stage(json.loads((run_dir / rundir.DS_CONFIG_FILE).read_text(encoding="utf-8")))
+        return json.loads((run_dir / rundir.DS_CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
+
+
+def _schedule(ds_config: Any) -> str:
+    name = scheduler_name(ds_config)
+    return f"DeepSpeed's {name}" if name else "the run config's schedule"
 
 
 def _resolved_ds_config(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_file: tuple[dict, str],
@@ -272,8 +278,9 @@ def _resolved_ds_config(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_file: 
 
 
 def check_same_shape(run_dir: Path, cfg: RunConfig, ds_config: dict) -> None:
-    """Refuse to resume `run_dir` with a model shape, LoRA shape or ZeRO stage other than its checkpoints were saved
-    with (DeepSpeed's load fails on them with a size-mismatch list, an AttributeError or an AssertionError)."""
+    """Refuse to resume `run_dir` with a model shape, LoRA shape, ZeRO stage or kind of schedule other than its
+    checkpoints were saved with (DeepSpeed's load fails on them with a size-mismatch list, an AttributeError or an
+    AssertionError; a schedule of another kind fails with a KeyError or restarts from its first step)."""
     saved = build_config(rundir.recorded_config(run_dir))
 
     def value(config: RunConfig, key: str) -> Any:
@@ -282,11 +289,13 @@ def check_same_shape(run_dir: Path, cfg: RunConfig, ds_config: dict) -> None:
 
     differing = [f"{key} {value(saved, key)} there, {value(cfg, key)} here" for key in RESUMED_FIELDS
                  if value(saved, key) != value(cfg, key)]
-    stage = _recorded_zero_stage(run_dir)
-    if stage is not None and stage != _zero_stage(ds_config):
-        differing.append(f"ZeRO stage {stage} there, {_zero_stage(ds_config)} here")
+    recorded = _recorded_ds_config(run_dir)
+    if recorded is not None and _zero_stage(recorded) != _zero_stage(ds_config):
+        differing.append(f"ZeRO stage {_zero_stage(recorded)} there, {_zero_stage(ds_config)} here")
+    if recorded is not None and scheduler_name(recorded) != scheduler_name(ds_config):
+        differing.append(f"{_schedule(recorded)} there, {_schedule(ds_config)} here")
     if differing:
-        raise UserError(f"{run_dir}: its checkpoints cannot resume with another shape ({'; '.join(differing)}); "
+        raise UserError(f"{run_dir}: its checkpoints cannot resume with these changes ({'; '.join(differing)}); "
                         f"resume with the values there, or start a new run with --init-from {run_dir}")
 
 
@@ -363,6 +372,7 @@ def _announce(cfg: RunConfig, info: DistInfo, ds_config: dict, trainer: Trainer,
                     f"{cfg.train.distill_temperature:g})")
     print(f"{stage}: {trainer.n_params / 1e6:.3f} M parameters, {info.world_size} rank(s), "
           f"ZeRO stage {ds_config.get('zero_optimization', {}).get('stage', 0)}, {cfg.train.precision}, {samples}"
+          + (f", learning rate by {_schedule(ds_config)}" if scheduler_name(ds_config) else "")
           + (f", resumed at step {trainer.step}" if resumed else "")
           + (f", time budget {trainer.budget.max_time:g} s ({trainer.budget.elapsed:.1f} s used)"
              if trainer.budget.enabled else ""), flush=True)
