@@ -12,10 +12,11 @@ Three ways to start a job, one command for each:
 - SLURM (`--backend slurm`): per-node torchrun with N, R and A taken from the SLURM environment (see
   launch/slurm/zerollm.sbatch, which starts one launcher per node with srun).
 
-Before starting anything: the hostfile is checked, every host pdsh will reach answers over ssh
-(reachable.py), the training command has been parsed and its config built by the CLI (a bad key fails there,
-not on 100 ranks), and the node hosting the rendezvous checks that the master port is free. Once the ranks
-meet they compare fingerprints (llm/runtime/fingerprint.py) and watch each other (llm/runtime/watchdog.py).
+Before starting anything: the hostfile is checked, every host pdsh will reach answers over ssh and, without
+--master-addr, the first gives its address (reachable.py), the training command has been parsed and its config
+built by the CLI (a bad key fails there, not on 100 ranks), and the node hosting the rendezvous checks that the
+master port is free. Once the ranks meet they compare fingerprints (llm/runtime/fingerprint.py) and watch each
+other (llm/runtime/watchdog.py).
 
 SIGTERM/SIGINT to `zerollm launch` is forwarded to the training ranks: they agree to stop, save a
 checkpoint and the launch exits 75 (`EXIT_PREEMPTED`); `--resume auto` continues, on any number of ranks.
@@ -35,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -53,7 +54,7 @@ from launch.hostfile import (
 from launch.local import exit_code
 from launch.nodelist import slurm_hosts
 from launch.options import LaunchOptions, launcher_problem
-from launch.reachable import check_reachable, pdsh_ssh_options
+from launch.reachable import check_reachable, host_address
 from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
 from llm.errors import EXIT_PREEMPTED, UserError
@@ -87,6 +88,14 @@ class Plan:
     """Variables added to the launcher's environment that name one of `files`: variable -> file name."""
     ssh_hosts: list[str] = field(default_factory=list)
     """Hosts the launcher reaches over ssh (pdsh's): each is asked before it starts (`launch.reachable`)."""
+    address_of: str | None = None
+    """The host whose address, asked over ssh once `ssh_hosts` answer, is the rendezvous (pdsh without
+    --master-addr): given to the launcher as its --master_addr (`with_master`)."""
+
+    def with_master(self, address: str) -> Plan:
+        at = self.command.index("--no_local_rank")
+        return replace(self, command=[*self.command[:at], "--master_addr", address, *self.command[at:]],
+                                   address_of=None)
 
     def argv(self, directory: str) -> list[str]:
         return [directory + part[len(TEMP_DIR):] if part.startswith(TEMP_DIR + "/") else part
@@ -311,9 +320,6 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     if args.launcher == "pdsh":
         options.append("--no_ssh_check")  # every host is asked first, with pdsh's ssh options (launch.reachable)
         ssh_hosts = list(active)
-        if not master and pdsh_ssh_options(environ):
-            raise UserError("give --master-addr: without it DeepSpeed's runner asks the first host for its address "
-                            "over ssh without the options of PDSH_SSH_ARGS_APPEND")
         check_shell_word(str(Path.cwd()), "the working directory")
         check_shell_word(sys.executable, "the Python interpreter")
         job = [pdsh_argument(arg) for arg in train_argv]
@@ -323,12 +329,12 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
         env = {**env, "MASTER_ADDR": master, "MASTER_PORT": str(args.master_port)}
         options.append("--no_ssh_check")  # mpirun reaches the hosts its own way
         program = (console_script(),) if args.launcher == "mpich" else RANK_MODULE
-    options += ["--master_addr", master] if master else []  # pdsh without one: DeepSpeed asks the first host
+    options += ["--master_addr", master] if master else []  # pdsh without one: asked of the first host at launch
     _check_port_if_local(master or first, args.master_port)
     home = Path(environ["HOME"]) if environ.get("HOME") else Path.home()  # where DeepSpeed's runner looks
     files["deepspeed_env"] = env_file_text(remote_exports(env, environ, Path.cwd(), home), args.launcher)
     return Plan(deepspeed_runner(*options, program=program), job, files=files,
-                file_env={"DS_ENV_FILE": "deepspeed_env"}, ssh_hosts=ssh_hosts)
+                file_env={"DS_ENV_FILE": "deepspeed_env"}, ssh_hosts=ssh_hosts, address_of=None if master else first)
 
 
 def _check_port_if_local(master: str, port: int) -> None:
@@ -421,4 +427,6 @@ def launch(options: LaunchOptions, train_argv: list[str], run_dir: Path) -> int:
     plan = plan_launch(options, train_argv, dict(os.environ))
     if plan.ssh_hosts:
         check_reachable(plan.ssh_hosts, options.hostfile)
+    if plan.address_of:
+        plan = plan.with_master(host_address(plan.address_of, options.hostfile))
     return run_plan(plan, run_dir)

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
+from launch.hostfile import check_address
 from llm.errors import UserError
 
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
@@ -31,17 +32,41 @@ def pdsh_ssh_options(environ: dict[str, str]) -> list[str]:
         raise UserError(f"PDSH_SSH_ARGS_APPEND cannot be split into ssh options ({exc})") from None
 
 
-def ssh_problem(host: str, options: list[str]) -> str | None:
-    """Why `ssh OPTIONS HOST true` fails (ssh's last line of error, or its exit status), None when it succeeds."""
+def _ssh(host: str, options: list[str], *command: str) -> tuple[str | None, str]:
+    """Run `ssh OPTIONS HOST COMMAND`: why it failed (ssh's last line of error, or its exit status; None when it
+    succeeded), and what it printed."""
     try:
-        result = subprocess.run(["ssh", *SSH_OPTIONS, *options, host, "true"], stdin=subprocess.DEVNULL,
+        result = subprocess.run(["ssh", *SSH_OPTIONS, *options, host, *command], stdin=subprocess.DEVNULL,
                                 capture_output=True, text=True, errors="replace", timeout=60, check=False)
     except subprocess.TimeoutExpired:
-        return "no answer in 60 s"
+        return "no answer in 60 s", ""
     if result.returncode == 0:
-        return None
+        return None, result.stdout
     lines = result.stderr.strip().splitlines()
-    return lines[-1] if lines else f"ssh exited with status {result.returncode}"
+    return lines[-1] if lines else f"ssh exited with status {result.returncode}", result.stdout
+
+
+def ssh_problem(host: str, options: list[str]) -> str | None:
+    """Why `ssh OPTIONS HOST true` fails, None when it succeeds."""
+    return _ssh(host, options, "true")[0]
+
+
+def host_address(host: str, hostfile: str) -> str:
+    """The first address `hostname -I` gives on `host`, asked over ssh with pdsh's options: where the other hosts
+    meet rank 0 when no --master-addr is given. DeepSpeed's runner asks it with a bare ssh (which fails where the
+    hosts need PDSH_SSH_ARGS_APPEND) and fails with a traceback when the command fails or prints nothing."""
+    problem, printed = _ssh(host, pdsh_ssh_options(dict(os.environ)), "hostname", "-I")
+    words = printed.split()
+    if problem is None and not words:
+        problem = "it printed no address"
+    if problem is None:
+        try:
+            check_address(words[0], "it printed")
+            return words[0]
+        except UserError as exc:
+            problem = str(exc)
+    raise UserError(f"--hostfile {hostfile}: the first host, {host}, where rank 0 runs, cannot give its address with "
+                    f"`hostname -I` over ssh ({problem}); give --master-addr")
 
 
 def check_reachable(hosts: list[str], hostfile: str) -> None:

@@ -490,12 +490,37 @@ def test_hosts_are_asked_with_the_ssh_options_pdsh_adds(tmp_path, append, reache
     assert len(list(tmp_path.glob("argv.*"))) == (2 if reached else 0)
 
 
-def test_ssh_options_for_pdsh_need_a_master_address(tmp_path):
-    """Without --master-addr DeepSpeed's runner asks the first host for its address with a bare ssh, and failed
-    there with a traceback where the hosts need PDSH_SSH_ARGS_APPEND's options."""
-    (tmp_path / "hosts").write_text("node-a slots=2\nnode-b slots=2\n")
-    environ = {"HOME": str(tmp_path), "PDSH_SSH_ARGS_APPEND": "-p 2222"}
-    with pytest.raises(UserError, match="^give --master-addr: without it DeepSpeed's runner asks the first host for "
-                                        "its address over ssh without the options of PDSH_SSH_ARGS_APPEND$"):
-        plan_launch(_launch_args("--hostfile", str(tmp_path / "hosts")), ["train", "pretrain"], environ)
-    assert _plan(tmp_path, environ=environ).command  # with one, the plan is made
+SSH_GIVING_ADDRESSES = SSH_TO_SOME + r'''
+if args[1:] == ["hostname", "-I"]:
+    print(__import__("os").environ["STANDIN_ADDRESSES"])
+'''
+"""SSH_TO_SOME, answering `hostname -I` with STANDIN_ADDRESSES."""
+
+
+def test_without_a_master_address_the_first_host_gives_its_own_with_pdshs_ssh_options(tmp_path):
+    """DeepSpeed's runner asked the first host with a bare ssh, which fails where the hosts need
+    PDSH_SSH_ARGS_APPEND's options (a traceback); such a launch was refused, asking for --master-addr."""
+    result = _launch_pdsh_dry(tmp_path, {"pdsh": PDSH, "ssh": SSH_GIVING_ADDRESSES},
+                              "localhost slots=1\n127.0.0.1 slots=1\n", master=(), PDSH_SSH_ARGS_APPEND="-p 2222",
+                              STANDIN_ADDRESSES="127.0.0.1 fd00::2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert "--master_addr=127.0.0.1" in (tmp_path / f"argv.{rank}").read_text().split("\0")
+
+
+@pytest.mark.parametrize("addresses, problem", [
+    ("", "it printed no address"),  # DeepSpeed: an IndexError traceback
+    ("a;touch pwned", "it printed 'a;touch' is not a host name or IP address"),
+])
+def test_a_first_host_that_gives_no_usable_address_is_one_line(tmp_path, addresses, problem):
+    result = _launch_pdsh_dry(tmp_path, {"pdsh": PDSH, "ssh": SSH_GIVING_ADDRESSES},
+                              "localhost slots=1\n127.0.0.1 slots=1\n", master=(), PDSH_SSH_ARGS_APPEND="-p 2222",
+                              STANDIN_ADDRESSES=addresses)
+    assert result.returncode == 2 and result.stdout == "", result.stderr[-3000:]
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"zerollm: error: --hostfile {tmp_path / 'hosts'}: the first host, localhost, "
+                                    "where rank 0 runs, cannot give its address with `hostname -I` over ssh "
+                                    f"({problem}")
+    assert result.stderr.endswith("; give --master-addr\n") and not list(tmp_path.glob("argv.*"))  # pdsh never ran
+
+
