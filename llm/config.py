@@ -414,16 +414,17 @@ def parse_lora_spec(spec: str) -> list[str]:
             raise UserError(f"--lora: '{piece}' is not key=value (e.g. --lora r=16,alpha=32,targets=wq,wv)")
     if "r" not in values:
         raise UserError(f"--lora {spec}: give the rank, e.g. r=16")
-    for name, check, what in (("r", lambda v: int(v) > 0, "a positive integer"),
-                              ("alpha", lambda v: 0 < float(v) < math.inf, "a positive number"),
-                              ("dropout", lambda v: 0 <= float(v) < 1, "a number in [0, 1)")):
+    for name, kind, check, what in (("r", int, lambda v: v > 0, "a positive integer"),
+                                    ("alpha", float, lambda v: 0 < v < math.inf, "a positive number"),
+                                    ("dropout", float, lambda v: 0 <= v < 1, "a number in [0, 1)")):
         if name in values:
             try:
-                ok = check(values[name][0])
+                number = kind(values[name][0])
             except ValueError:
-                ok = False
-            if not ok:
+                number = None
+            if number is None or not check(number):
                 raise UserError(f"--lora: {name} must be {what}, got '{values[name][0]}'")
+            values[name] = [repr(number)]  # the number checked: as YAML, r=010 was octal 8
     return [f"lora.{name}={json.dumps(items) if name == 'targets' else items[0]}" for name, items in values.items()]
 
 

@@ -23,6 +23,7 @@ from llm.model import Transformer
 from llm.model.lora import apply_lora, is_adapter_key, merge, parameter_counts
 from llm.train.checkpoint import restricted_unpickling
 from llm.train.engine import param_groups
+from llm.train.job import check_same_shape
 
 LORA = "r=4,alpha=8,targets=wq,wk,wv,wo,w1,w2,w3,dropout=0.05"
 LORA_NO_DROPOUT = LORA.replace("dropout=0.05", "dropout=0")
@@ -56,6 +57,9 @@ def test_the_lora_spec_sets_the_lora_keys():
     default = build_config("demo", ["train.stage=sft", "lora.r=8"], paths={"train.init_from": "base"}).lora
     assert default.targets == list(LORA_TARGETS) and default.scale == 2.0 and default.dropout == 0.0
     assert build_config("demo").lora.r == 0  # off unless asked for
+    octal = build_config("demo", ["train.stage=sft", *parse_lora_spec("r=010,alpha=010")],
+                         paths={"train.init_from": "base"}).lora  # checked as 10, passed on as YAML's octal 8
+    assert (octal.r, octal.alpha) == (10, 10.0)
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -271,6 +275,19 @@ def test_lora_run_on_two_ranks_resumes_on_one(runs, base, data, tmp_path):
     assert all(map(is_adapter_key, next(s["module"] for n, s in saved.items() if "model_states" in n)))
     a, b = consolidated_weights(straight), consolidated_weights(stopped)
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a)
+
+
+def test_a_lora_resume_refuses_another_alpha_and_takes_the_targets_in_any_order(runs):
+    """alpha scales the saved adapters: resumed with another, the run trained on, and its checkpoints merged at the
+    new scale. The order of the targets does not change which modules have adapters; it was refused."""
+    run = runs["sft"][0]
+    cfg = build_config((run / "config.yaml").as_posix())
+    ds_config = json.loads((run / "ds_config.json").read_text())
+    cfg.lora.targets = cfg.lora.targets[::-1]
+    check_same_shape(run, cfg, ds_config)
+    cfg.lora.alpha = 64.0
+    with pytest.raises(UserError, match=r"cannot resume with these changes \(lora.alpha 8.0 there, 64.0 here\)"):
+        check_same_shape(run, cfg, ds_config)
 
 
 def test_export_of_a_lora_run_is_the_merged_model(runs, tmp_path, monkeypatch, capfd):

@@ -3,6 +3,7 @@ chain."""
 
 import json
 import math
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -354,6 +355,19 @@ def test_sft_then_dpo_on_two_ranks(chain, stage):
         assert all(key in r for r in dpo_rows)
     assert dpo_rows[0]["loss"] == pytest.approx(math.log(2), abs=0.01)  # policy starts as the reference
     assert json.loads((chain[stage]["dpo"] / "ds_config.json").read_text())["zero_optimization"]["stage"] == stage
+
+
+def test_a_dpo_resume_with_another_reference_is_refused(chain, zero_runs, dpo_data, tmp_path):
+    """The reference is what --init-from holds; resumed with another (the pretrained run instead of the SFT run), DPO
+    trained on against it without a word."""
+    run, sft = tmp_path / "run", chain[2]["sft"]
+    shutil.copytree(chain[2]["dpo"], run)
+    result = run_job(*_chain_args("dpo", 2, dpo_data, run, zero_runs[2]), "--resume", "auto")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith(f"zerollm: error: --init-from {zero_runs[2].resolve()} (run ") and \
+        f"not the base {run} was trained with ({sft.resolve()}, run " in errors[0]
+    assert _metrics(run) == _metrics(chain[2]["dpo"])  # nothing trained
 
 
 def test_sft_starts_from_the_pretrained_weights(zero_runs, chain):

@@ -127,16 +127,20 @@ def convert_if_resharded(run_dir: Path, tag: str, info: DistInfo) -> bool:
     return True
 
 
+def has_reference(cfg: RunConfig) -> bool:
+    """Whether the stage keeps a frozen reference of its --init-from model: DPO's, and GRPO's KL term's."""
+    return cfg.train.stage == "dpo" or (cfg.train.stage == "grpo" and cfg.grpo.kl_coef > 0)
+
+
 def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, data_attrs: dict) -> Trainer:
     """The model (seeded alike on every rank, or `--init-from` weights), its engine, the stage's data, objective
     and step source, and the per-rank RNG streams (dropout)."""
-    t, grpo = cfg.train, cfg.train.stage == "grpo"
-    has_reference = t.stage == "dpo" or (grpo and cfg.grpo.kl_coef > 0)
+    t, grpo, reference_needed = cfg.train, cfg.train.stage == "grpo", has_reference(cfg)
     remedy = ": make model.dim, model.n_layers or model.vocab_size smaller, or run fewer ranks on a host"
 
     def fits() -> None:  # hosts differ: every rank refuses, naming the host that cannot where there are several
         try:
-            check_fits_in_memory(cfg.model, info.local_world_size * (2 if has_reference else 1), remedy)
+            check_fits_in_memory(cfg.model, info.local_world_size * (2 if reference_needed else 1), remedy)
         except UserError as exc:
             if info.world_size > info.local_world_size:
                 raise UserError(f"host {socket.gethostname()}: {exc}") from None
@@ -163,7 +167,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
     updates = optimizer_steps_per_step(cfg)  # one step of the run config's schedule
     engine = build_engine(model, cfg, ds_config, lambda step: lr_multiplier(step // updates, t, budget))
     reference = None
-    if has_reference:
+    if reference_needed:
         reference = Transformer(cfg.model)
         reference.load_state_dict(weights)
         reference = frozen_engine(reference, ds_config)
@@ -207,8 +211,8 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         data_summary(Path(cfg.data.path), attrs)
     if teacher is not None:
         data["teacher"] = teacher  # recorded with the data: a resume against another teacher is refused
-    if cfg.lora.r and cfg.train.init_from:  # the frozen base the adapters belong to (`load_lora_model` checks it)
-        data["base"] = weights_summary(cfg.train.init_from, "--init-from")
+    if cfg.train.init_from and (cfg.lora.r or has_reference(cfg)):  # the frozen base the adapters belong to
+        data["base"] = weights_summary(cfg.train.init_from, "--init-from")  # (`load_lora_model`), the reference
     info = setup_distributed(cfg.train.collective_timeout_s)
     announce = info.local_rank == 0  # a refusal every rank finds is printed once per node, not once per rank
     ds_config = agreed(lambda: _resolved_ds_config(cfg, run_dir, info, (raw_ds, ds_source), zero_stage, resume, data,
@@ -235,8 +239,9 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     return code
 
 
-RESUMED_FIELDS = (*(f"model.{f}" for f in SHAPE_FIELDS), "lora.r", "lora.targets")
-"""What a run's checkpoints are shaped by, beside the ZeRO stage: a resume that changes one fails inside DeepSpeed."""
+RESUMED_FIELDS = (*(f"model.{f}" for f in SHAPE_FIELDS), "lora.r", "lora.targets", "lora.alpha")
+"""What a run's checkpoints are shaped by, beside the ZeRO stage: a resume that changes one fails inside DeepSpeed,
+or (lora.alpha, the adapters' scale) gives its saved adapters another meaning."""
 
 
 def _zero_stage(ds_config: Any) -> Any:
@@ -285,7 +290,8 @@ def check_same_shape(run_dir: Path, cfg: RunConfig, ds_config: dict) -> None:
 
     def value(config: RunConfig, key: str) -> Any:
         section, _, name = key.partition(".")
-        return getattr(getattr(config, section), name)
+        found = getattr(getattr(config, section), name)
+        return sorted(found) if key == "lora.targets" else found  # adapters are found by module, in any order
 
     differing = [f"{key} {value(saved, key)} there, {value(cfg, key)} here" for key in RESUMED_FIELDS
                  if value(saved, key) != value(cfg, key)]
