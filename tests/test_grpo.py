@@ -7,6 +7,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import safetensors.torch
 import torch
 from forked_ranks import kill_when, run_job
 
@@ -101,6 +102,7 @@ def test_bad_reward_terms_are_one_line_errors(term, message):
     ("    return {i: 1.0 for i in range(len(completions))}", r"returned dict \{0: 1.0, 1: 1.0\}; it must return one"),
     ("    return [1e308] * len(completions)", r"each finite and at most 1e\+09 in magnitude"),  # inf in float32
     ("    completions.clear(); return []", r"returned list \[\]; it must return one float per completion \(2\)"),
+    ("    return b'\\x01' * len(completions)", r"returned bytes b'\\x01\\x01'; it must return one float"),  # [1.0, 1.0]
 ])
 def test_a_user_function_that_fails_is_one_line_naming_where(tmp_path, monkeypatch, body, message):
     """Before, a raising function was a traceback after the model had loaded, sys.exit(0) in it ended the run with
@@ -112,6 +114,20 @@ def test_a_user_function_that_fails_is_one_line_naming_where(tmp_path, monkeypat
     with pytest.raises(UserError, match=message) as error:
         reward(_completions(["a", "b"]))
     assert "\n" not in str(error.value)
+
+
+def test_a_reward_module_that_exits_while_imported_is_one_line(tmp_path, monkeypatch):
+    """sys.exit(3) at import ended zerollm with exit 3 and nothing said."""
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"^--reward exits:f: cannot import exits \(SystemExit: 3\); run from the "):
+        Reward(["exits:f"], 4, torch.device("cpu"))
+
+
+def test_exact_match_compares_words_that_float_reads_as_text():
+    """float("nan") is a NaN, unequal to itself: a record answered "nan" (or "NaN") never matched."""
+    assert answers_match("nan", "nan") and answers_match("NaN", "NaN") and not answers_match("nan", "NaN")
+    assert answers_match("inf", "inf") and answers_match("1,000", 1000.0)
 
 
 def test_a_user_function_cannot_change_what_the_next_terms_read(tmp_path, monkeypatch):
@@ -147,6 +163,27 @@ def test_a_local_reward_model_scores_completions(tokenizer_dir, tmp_path):
     scores = reward(batch)[1]["model"].tolist()
     assert len(scores) == 3 and all(math.isfinite(s) for s in scores)
     assert scores[0] == pytest.approx(scores[2]) and scores[0] != pytest.approx(scores[1])
+
+
+def test_a_reward_model_that_is_no_classifier_is_refused(tokenizer_dir, tmp_path):
+    """A causal language model (an export of ours) loaded as a sequence classifier got a head of random weights:
+    the run trained on noise, with only transformers' table of newly initialised weights to say so."""
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=3)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "lm")
+    with pytest.raises(UserError, match=f"^--reward model:{tmp_path / 'lm'}: its config.json names LlamaForCausalLM, "
+                                        "not a sequence-classification model"):
+        Reward([f"model:{tmp_path / 'lm'}"], 4, torch.device("cpu"))
+    transformers.LlamaForSequenceClassification(config).save_pretrained(tmp_path / "headless")
+    weights = tmp_path / "headless" / "model.safetensors"
+    tensors = {k: v for k, v in safetensors.torch.load_file(weights).items() if not k.startswith("score")}
+    safetensors.torch.save_file(tensors, weights, metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "headless" / name).write_bytes((tokenizer_dir / name).read_bytes())
+    reward = Reward([f"model:{tmp_path / 'headless'}"], 4, torch.device("cpu"))
+    with pytest.raises(UserError, match=r"its weights lack score.weight; transformers would start them from random"):
+        reward(_completions(["a fine answer"]))
 
 
 # ---- prompts ----------------------------------------------------------------------------------------

@@ -89,10 +89,13 @@ def final_answer(completion: str) -> str:
 
 
 def _number(text: str) -> float | None:
+    """The finite number `text` writes; None for anything else ("nan", "inf" and "infinity" are words, compared as
+    text: a record answered "nan" never matched, NaN being unequal to itself)."""
     try:
-        return float(text.replace(",", ""))
+        value = float(text.replace(",", ""))
     except ValueError:
         return None
+    return value if math.isfinite(value) else None
 
 
 def answers_match(completion: str, answer: Any) -> bool:
@@ -147,19 +150,29 @@ class RewardModel:
             raise UserError(f"--reward model:{directory}: no config.json there; give a directory written by "
                             "save_pretrained of a sequence-classification model")
         try:
-            transformers.AutoConfig.from_pretrained(path)
+            architectures = transformers.AutoConfig.from_pretrained(path).architectures or []
         except (OSError, ValueError) as exc:
             raise UserError(f"--reward model:{directory}: cannot read its config ({exc})".replace("\n", " ")) from None
+        if not any(name.endswith("ForSequenceClassification") for name in architectures):
+            named = ", ".join(architectures) or "no architecture"
+            raise UserError(f"--reward model:{directory}: its config.json names {named}, not a sequence-classification "
+                            "model (...ForSequenceClassification); a language model's scores would come from a head "
+                            "of random weights")
         self.transformers, self.path, self.device = transformers, path, device
         self.model = self.tokenizer = None
 
     def _load(self) -> None:
         try:
             self.tokenizer = self.transformers.AutoTokenizer.from_pretrained(self.path)
-            model = self.transformers.AutoModelForSequenceClassification.from_pretrained(
-                self.path, use_safetensors=True, trust_remote_code=False)
+            model, loading = self.transformers.AutoModelForSequenceClassification.from_pretrained(
+                self.path, use_safetensors=True, trust_remote_code=False, output_loading_info=True)
         except (OSError, ValueError) as exc:
             raise UserError(f"--reward model:{self.path}: cannot load it ({exc})".replace("\n", " ")) from None
+        if loading["missing_keys"]:
+            missing = sorted(loading["missing_keys"])
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise UserError(f"--reward model:{self.path}: its weights lack {', '.join(missing[:3])}{more}; "
+                            "transformers would start them from random values")
         self.model = model.to(self.device).eval()
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -198,7 +211,8 @@ def _import_function(term: str, module_name: str, function_name: str) -> Callabl
             module = importlib.import_module(module_name)
     except UserError:
         raise
-    except Exception as exc:  # the user's module may fail in any way while it runs
+    except (Exception, SystemExit) as exc:  # the user's module may fail in any way while it runs (sys.exit() at
+        # import ended the run with its code, silently)
         raise UserError(f"--reward {term}: cannot import {module_name} ({type(exc).__name__}: {exc}); run from the "
                         "directory that holds it, or give the path of its .py file".replace("\n", " ")) from None
     function = getattr(module, function_name, None)
@@ -229,8 +243,8 @@ class UserFunction:
             raise UserError(f"--reward {self.term}: raised {type(exc).__name__}: {exc} (at {where.filename}:"
                             f"{where.lineno})".replace("\n", " ")) from None
         try:
-            if isinstance(scores, (Mapping, set, frozenset)):  # a dict's keys, a set's order: not one per completion
-                raise TypeError
+            if isinstance(scores, (Mapping, set, frozenset, str, bytes, bytearray)):  # a dict's keys, a set's order,
+                raise TypeError  # a text's characters or bytes: not one score per completion
             values = [float(s) for s in scores if not isinstance(s, (str, bytes))]  # "1.0" is not a score
         except (TypeError, ValueError):
             values = None
