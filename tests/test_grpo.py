@@ -3,6 +3,7 @@ ZeRO-3 (reward rising, first-step KL 0), bit-exact resume after SIGKILL, one-lin
 
 import json
 import math
+import shutil
 import sys
 from types import SimpleNamespace
 
@@ -377,11 +378,40 @@ def test_grpo_sigkill_then_resume_is_bit_exact(grpo_runs, policy, prompt_dir, tm
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_grpo_resume_on_another_seed_names_the_prompts(grpo_runs, policy, prompt_dir, tmp_path):
+    """The prompt order is the seed's: the refusal said "does not fit the data in None" (GRPO has no data.path)."""
+    run = tmp_path / "run"
+    shutil.copytree(grpo_runs[2], run)
+    result = run_job(*_grpo_args(policy, prompt_dir, run, "train.seed=7", rewards=["format:[A-Z].*"],
+                                 extra=["--zero-stage", 2, "--resume", "auto"]))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith(f"zerollm: error: {run}: global_step8 does not fit the data in "
+                                f"{prompt_dir / 'prompts.jsonl'} (")
+
+
+def test_a_reward_that_fails_on_one_rank_is_one_line(policy, prompt_dir, tmp_path):
+    """Each rank scores its own completions. A reward that raised on rank 1 alone left rank 0 in its next
+    collective: its line came with rank 0's traceback of a lost connection and the watchdog's advice to replace a
+    failed node."""
+    (tmp_path / "rankfail.py").write_text(
+        "import os\n\ndef score(prompts, completions, **fields):\n"
+        "    if os.environ['RANK'] == '1':\n        raise ValueError('no score on rank 1')\n"
+        "    return [0.0] * len(completions)\n")
+    result = run_job(*_grpo_args(policy, prompt_dir, tmp_path / "run", "train.max_steps=2", rewards=["rankfail:score"]),
+                     cwd=tmp_path)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
+    assert result.returncode == 2 and errors == [
+        "zerollm: error: --reward rankfail:score: raised ValueError: no score on rank 1 (at "
+        f"{tmp_path / 'rankfail.py'}:5)"], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "stopped responding" not in result.stderr + result.stdout
+
+
 @pytest.mark.parametrize("case, message", [
     ("missing prompts", "no-such-prompts.jsonl: no such file or directory"),
     ("bad reward", "--reward nosuchmodule:fn: cannot import nosuchmodule"),
     ("no usable prompt", "no usable prompt"),
-    ("too few prompts", "1 usable prompts, fewer than one step takes (2: train.micro_batch_size"),
+    ("too few prompts", "1 usable prompts, fewer than one step takes (4 over all ranks: train.micro_batch_size"),
 ])
 def test_bad_prompts_and_rewards_are_one_line_errors_before_training(policy, prompt_dir, tmp_path, case, message,
                                                                      monkeypatch, capfd):
@@ -396,9 +426,9 @@ def test_bad_prompts_and_rewards_are_one_line_errors_before_training(policy, pro
     else:
         prompts = tmp_path / "one.jsonl"
         prompts.write_text(json.dumps({"prompt": "hi", "answer": "1"}) + "\n")
-    args = _grpo_args(policy, prompt_dir, tmp_path / "run", rewards=[reward], nproc=1 if "few" in case else 2)
+    args = _grpo_args(policy, prompt_dir, tmp_path / "run", rewards=[reward])
     args[args.index("--prompts") + 1] = prompts
-    if "few" in case:  # found by the rank's trainer: a process of its own (a one-rank job ends it with os._exit)
+    if "few" in case:  # found by every rank's trainer (it was said once per rank), in processes of their own
         result = run_job(*args)
         code, stderr = result.returncode, result.stderr
     else:  # found by the launching process before it starts a rank: `zerollm` run in this one

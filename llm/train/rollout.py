@@ -34,7 +34,7 @@ from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 from llm.model import Transformer
 from llm.model.lora import apply_lora
-from llm.runtime.distributed import DistInfo
+from llm.runtime.distributed import DistInfo, agreed
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.engine import full_parameters
 from llm.train.objectives import token_logps
@@ -136,13 +136,14 @@ class Rollouts:
         self.reward, self.reference = reward, reference
         self.group_size, self.micro_batch_size = g.group_size, t.micro_batch_size
         self.draw_size = t.micro_batch_size * t.grad_accum // g.group_size
+        self.inputs = ", ".join(g.prompts)
         self.updates_per_step = g.updates_per_batch
         self.policy = RolloutPolicy(cfg, engine, info.device)
 
     def too_few(self, n_prompts: int, needed: int) -> str:
-        return (f"{', '.join(self.cfg.grpo.prompts)}: {n_prompts} usable prompts, fewer than one step takes "
-                f"({needed}: train.micro_batch_size * train.grad_accum / grpo.group_size per rank); add prompts "
-                "or lower train.micro_batch_size")
+        return (f"{self.inputs}: {n_prompts} usable prompts, fewer than one step takes ({needed} over all ranks: "
+                "train.micro_batch_size * train.grad_accum / grpo.group_size on each); add prompts or lower "
+                "train.micro_batch_size")
 
     # ---- sampling ------------------------------------------------------------------------------
 
@@ -192,8 +193,10 @@ class Rollouts:
         prompts = [p for p in drawn for _ in range(group)]
         completions, texts = self._sample([p.ids for p in prompts], step)
         lengths = [len(c) for c in completions]
-        rewards, components = self.reward(Completions([p.messages for p in prompts], texts, lengths,
-                                                      [p.fields for p in prompts]))
+        batch = Completions([p.messages for p in prompts], texts, lengths, [p.fields for p in prompts])
+        # each rank scores its own completions: a reward that fails on one is said once and ends every rank (alone,
+        # it left the others in their next collective until the watchdog called the node failed)
+        rewards, components = agreed(lambda: self.reward(batch), announce=self.info.local_rank == 0)
         seconds = time.perf_counter() - start
         advantages = group_advantages(rewards, group, self.cfg.grpo.scale_rewards)
         size = self.micro_batch_size

@@ -7,8 +7,8 @@ its objective.
                          policy and scored, trained `grpo.updates_per_batch` times
 
 A step source has `draw_size` (samples per draw from the data loader), `draws_per_step`, `updates_per_step`,
-`collate` (the data loader's collate function), `step_batches(draw, step) -> StepBatches` and `too_few(n, needed)`
-(the message when the data holds fewer samples than one step takes).
+`collate` (the data loader's collate function), `step_batches(draw, step) -> StepBatches`, `too_few(n, needed)`
+(the message when the data holds fewer samples than one step takes) and `inputs` (what it draws from, for messages).
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ class DataSteps:
 
     def __init__(self, cfg: RunConfig, device: torch.device) -> None:
         t = cfg.train
-        self.data_path = cfg.data.path
+        self.inputs = cfg.data.path
         self.draw_size, self.draws_per_step, self.device = t.micro_batch_size, t.grad_accum, device
         self.positions = t.micro_batch_size * t.grad_accum * cfg.data.seq_len
 
     def too_few(self, n_samples: int, needed: int) -> str:
-        return (f"{self.data_path}: the train split has {n_samples} samples of data.seq_len positions, fewer than one "
+        return (f"{self.inputs}: the train split has {n_samples} samples of data.seq_len positions, fewer than one "
                 f"global batch ({needed}); add data or lower train.micro_batch_size / data.seq_len")
 
     def step_batches(self, draw: Callable[[], Any], step: int) -> StepBatches:

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from llm.config import RunConfig
 from llm.data.sampler import ResumableDistributedSampler
-from llm.errors import EXIT_OK, EXIT_PREEMPTED, UserError
+from llm.errors import EXIT_OK, EXIT_PREEMPTED
 from llm.runtime.distributed import DistInfo, raise_together
 from llm.runtime.preemption import Preemption
 from llm.runtime.watchdog import Watchdog
@@ -57,8 +57,8 @@ class Trainer:
         self.global_batch = t.micro_batch_size * t.grad_accum * info.world_size
         self.samples_per_step = steps.draw_size * steps.draws_per_step * info.world_size
         """Samples drawn by all ranks together per step (GRPO: prompts; a global batch of completions)."""
-        if len(train_set) < self.samples_per_step:
-            raise UserError(steps.too_few(len(train_set), self.samples_per_step))
+        if len(train_set) < self.samples_per_step:  # every rank finds it
+            raise_together(steps.too_few(len(train_set), self.samples_per_step), announce=info.local_rank == 0)
         self.sampler = ResumableDistributedSampler(len(train_set), info.world_size, info.rank, seed=t.seed)
         self.preemption = Preemption(info)
         self.budget = budget or TimeBudget(t, info)
@@ -81,7 +81,7 @@ class Trainer:
         try:
             self.sampler.load_state_dict(state["sampler"])
         except ValueError as exc:  # every rank finds it
-            raise_together(f"{self.run_dir}: {tag} does not fit the data in {self.cfg.data.path} ({exc}); resume "
+            raise_together(f"{self.run_dir}: {tag} does not fit the data in {self.steps.inputs} ({exc}); resume "
                            "with the data and train.seed it was trained on, or start a new run with --init-from "
                            f"{self.run_dir}", announce=self.dist.local_rank == 0)
         if state.get("loss_scale") is not None:  # fp16: continue with the scale the run had reached, exactly
