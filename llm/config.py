@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -298,7 +299,22 @@ class RunConfig:
 
 class _Yaml12Loader(yaml.SafeLoader):
     """YAML with the 1.2 core schema's booleans: only true/false. YAML 1.1 (PyYAML's default) also reads on, off,
-    yes, no, y and n as booleans, so `wandb.mode: off` or `--set wandb.mode=off` would arrive as False."""
+    yes, no, y and n as booleans, so `wandb.mode: off` or `--set wandb.mode=off` would arrive as False. A key given
+    twice in one mapping is an error, as YAML says (PyYAML kept the last silently: `lora: {r: 4, r: 8}` trained
+    at rank 8)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, Hashable):
+                    continue  # refused by PyYAML's own construction below
+                if key in seen:
+                    raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                            f"found the key {key!r} twice", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 _Yaml12Loader.yaml_implicit_resolvers = {

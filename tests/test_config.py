@@ -100,6 +100,14 @@ def test_out_of_range_numbers_name_the_key_and_the_range(override, message):
         build_config("demo", [override])
 
 
+def test_a_recipe_that_gives_a_key_twice_is_refused(tmp_path):
+    """PyYAML kept the last of two values silently: `lora: {r: 4, r: 8}` trained at rank 8."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("model:\n  dim: 64\ntrain:\n  lr: 0.001\n  lr: 0.1\n")
+    with pytest.raises(UserError, match=f"^{recipe}: invalid YAML .*found the key 'lr' twice .*line 5, column 3"):
+        build_config(str(recipe))
+
+
 def test_unknown_recipe_lists_the_packaged_ones():
     with pytest.raises(UserError, match="minimind-26m"):
         build_config("no-such-recipe")
