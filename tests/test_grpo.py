@@ -390,6 +390,22 @@ def test_a_grpo_resume_on_another_seed_names_the_prompts(grpo_runs, policy, prom
                                 f"{prompt_dir / 'prompts.jsonl'} (")
 
 
+@pytest.mark.parametrize("found_at, log_every, save_every", [(1, 1, 4), (2, 3, 2)])  # logged; before a save
+def test_a_loss_that_is_no_longer_a_number_ends_the_run_before_it_is_saved(policy, prompt_dir, tmp_path, found_at,
+                                                                           log_every, save_every):
+    """Sampled at a temperature of 1e-45 the logits overflow: every step's loss was NaN and its gradient norm
+    Infinity, written as such into metrics.jsonl (not JSON) and saved, and the run ended with exit 0."""
+    run = tmp_path / "run"
+    sets = [f"train.log_every={log_every}", f"train.save_every={save_every}", "grpo.temperature=1e-45"]
+    result = run_job(*_grpo_args(policy, prompt_dir, run, *sets, rewards=["format:[A-Z].*"]))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
+    assert result.returncode == 2 and errors == [
+        f"zerollm: error: step {found_at}: the training loss is nan (no longer a number: the weights, gradients or "
+        "activations overflowed); stopped without saving. No checkpoint was saved before: lower train.lr (or change "
+        "what made it diverge) and rerun"], result.stderr[-3000:]
+    assert not (run / "checkpoints" / "latest").exists() and not (run / "metrics.jsonl").exists()
+
+
 def test_a_reward_that_fails_on_one_rank_is_one_line(policy, prompt_dir, tmp_path):
     """Each rank scores its own completions. A reward that raised on rank 1 alone left rank 0 in its next
     collective: its line came with rank 0's traceback of a lost connection and the watchdog's advice to replace a

@@ -17,6 +17,7 @@ where the host waits (and GRPO's rollouts, which need the sampled text on the ho
 
 from __future__ import annotations
 
+import math
 import uuid
 from contextlib import nullcontext
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
+from llm import rundir
 from llm.config import RunConfig
 from llm.data.sampler import ResumableDistributedSampler
 from llm.errors import EXIT_OK, EXIT_PREEMPTED
@@ -183,6 +185,27 @@ class Trainer:
         self.step += 1
         return sums, batches
 
+    def _refuse_diverged(self, loss: float | torch.Tensor) -> None:
+        """End the run, on every rank, at a loss that is not a number (the reduced loss of a logged step, or this
+        rank's sums before a checkpoint, agreed over the ranks), before a checkpoint of such weights replaces a
+        good one. Under fp16 DeepSpeed skips such a step and lowers its loss scale instead."""
+        if loss_scale_of(self.engine) is not None:
+            return
+        if isinstance(loss, torch.Tensor):
+            finite = torch.isfinite(loss[:1]).to(torch.int32)
+            if self.dist.world_size > 1:
+                dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            loss = float("nan") if finite.item() == 0 else 0.0
+        if math.isfinite(loss):
+            return
+        newest = rundir.latest_tag(self.run_dir)
+        raise_together(f"step {self.step}: the training loss is {loss} (no longer a number: the weights, gradients "
+                       "or activations overflowed); stopped without saving. "
+                       + (f"The newest checkpoint, {newest}, is from before: lower train.lr (or change what made it "
+                          "diverge) and rerun with --resume auto" if newest else
+                          "No checkpoint was saved before: lower train.lr (or change what made it diverge) and rerun"),
+                       announce=self.dist.local_rank == 0)
+
     def reduce_step(self, sums: torch.Tensor, batches: StepBatches) -> StepStats:
         """The step's means over micro-steps and ranks (its step-level metrics: over ranks), with the loss-bearing
         tokens, positions and generated tokens since the last reduction: one collective, and the host waits for
@@ -252,6 +275,8 @@ class Trainer:
                 calibrate = self.budget.calibration_due(self.step)  # measure what the final step will cost
                 eval_due = self._eval_due(last) or calibrate
                 stats = self.reduce_step(sums, batches) if logger.due(self.step, eval_due) else None
+                if stats is not None or checkpointer.due(self.step, last or calibrate, stopped_by_signal=False):
+                    self._refuse_diverged(sums if stats is None else stats.loss)
             with self.budget.overhead("eval" if eval_due else None):
                 val_loss = self.evaluate() if eval_due else None
                 samples = self.samples.generate(self.step) if eval_due and self.samples else None
