@@ -225,9 +225,18 @@ class ChatTemplate:
             return [self._escape(v) for v in value]
         return value
 
+    def _escaped(self, messages: list[dict]) -> list[dict]:
+        """The messages as the template sees them, their text escaped; ChatTemplateError for a value nested deeper
+        than Python's recursion limit (e.g. a tool call's arguments from a client)."""
+        try:
+            return self._escape([_template_message(m) for m in messages])
+        except RecursionError:
+            raise ChatTemplateError("the messages hold a value nested too deeply to render (lists or objects "
+                                    "inside one another, as in a tool call's arguments)") from None
+
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """Rendered text with message text escaped; cut it with `split`."""
-        return self._render(self._escape([_template_message(m) for m in messages]), add_generation_prompt)
+        return self._render(self._escaped(messages), add_generation_prompt)
 
     def _render(self, escaped: list[dict], add_generation_prompt: bool) -> str:
         try:
@@ -264,7 +273,7 @@ class ChatTemplate:
 
     def replies(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """(rendered text, per assistant message (reply start, turn end) as character offsets in it)."""
-        escaped = self._escape([_template_message(m) for m in messages])
+        escaped = self._escaped(messages)
         full = self._render(escaped, False)
         bounds, previous_end = [], 0
         for index, message in enumerate(messages):

@@ -511,14 +511,20 @@ def _generator(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     params, generator = _sampling(args), _generator(args)
     prompt = args.prompt
-    if args.chat:
-        prompt = generator.tokenizer.encode_chat([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     try:
+        if args.chat:
+            prompt = generator.tokenizer.encode_chat([{"role": "user", "content": args.prompt}],
+                                                     add_generation_prompt=True)
         for piece in generator.stream(prompt, params):
             print(piece, end="", flush=True)
-    except ValueError as exc:
+        print(flush=True)
+    except ValueError as exc:  # text that is not UTF-8, a prompt the context cannot hold
         raise UserError(str(exc)) from None
-    print()
+    except OSError as exc:  # stdout's reader left (| head) or its disk is full (> /dev/full)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered must not fail at exit
+        if isinstance(exc, BrokenPipeError):
+            return 141  # quietly, as a tool a closed pipe's SIGPIPE ends: the shell's 128 + 13 (Ctrl-C: 130)
+        raise UserError(f"cannot write the output ({exc.strerror or exc})") from None
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`zerollm chat`: commands, context fitting, messages that cannot fit, typed special tokens."""
+"""`zerollm chat`: commands, context fitting, messages that cannot fit or nest too deeply, typed special tokens."""
 
 import io
 import os
@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from llm.chat_template import ChatTemplateError
 from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.infer.chat import ChatSession, chat_repl
@@ -80,6 +81,17 @@ def test_typed_special_tokens_stay_inside_the_message(generator):
     _, ids = session.fit([{"role": "user", "content": typed}])
     assert ids.count(generator.tokenizer.im_start_id) == 2 and ids.count(generator.tokenizer.im_end_id) == 1
     assert generator.tokenizer.eos_id not in ids
+
+
+def test_messages_nested_too_deeply_are_a_chat_template_error(generator):
+    """Tool call arguments nested a few hundred levels deep (a server's client sends them) ended in a RecursionError
+    from copying them to escape their text."""
+    arguments: list = []
+    for _ in range(sys.getrecursionlimit()):
+        arguments = [arguments]
+    call = {"name": "f", "arguments": {"a": arguments}}
+    with pytest.raises(ChatTemplateError, match="^the messages hold a value nested too deeply to render"):
+        generator.tokenizer.encode_chat([{"role": "assistant", "content": "", "tool_calls": [call]}])
 
 
 def test_chat_repl_commands(zero_runs):

@@ -2,8 +2,12 @@
 
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 import torch
@@ -38,6 +42,14 @@ def tiny_model():
 @pytest.fixture(scope="module")
 def generator(tiny_model, tokenizer_dir):
     return TextGenerator(tiny_model, Tokenizer.load(tokenizer_dir))
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_model, tokenizer_dir, tmp_path_factory) -> Path:
+    """The tiny model exported with its tokenizer, for `zerollm generate --model`."""
+    out = tmp_path_factory.mktemp("exported")
+    export_model(tiny_model, tokenizer_dir, out)
+    return out
 
 
 # ---- KV cache --------------------------------------------------------------------------------------
@@ -262,6 +274,39 @@ def test_generate_command_from_run_and_export(zero_runs, tmp_path, monkeypatch, 
     assert capsys.readouterr().out == first
     assert zerollm_here(monkeypatch, "generate", "--model", tmp_path / "nothing", "--prompt", "x") == 2
     assert "neither a run directory" in capsys.readouterr().err
+
+
+def test_a_chat_prompt_that_is_not_utf8_is_one_line(exported, monkeypatch, capsys):
+    """Without --chat it was one line; with it, a ValueError traceback and exit code 1."""
+    prompt = os.fsdecode(b"\xff\xfe")  # as a shell passes $'\xff\xfe'
+    assert zerollm_here(monkeypatch, "generate", "--model", exported, "--chat", "--prompt", prompt) == 2
+    assert capsys.readouterr().err == ("zerollm: error: the text is not valid Unicode: it holds the byte 0xff, which "
+                                       "is not UTF-8 (is the terminal or the file in another encoding?)\n")
+
+
+def _closed_pipe() -> BinaryIO:
+    """A pipe's writing end whose reader has left before the first write, as `| head -c 5`'s once head is done."""
+    reading, writing = os.pipe()
+    os.close(reading)
+    return open(writing, "wb")
+
+
+def _full_disk() -> BinaryIO:
+    """A file every write to which finds no space left on its device."""
+    return open("/dev/full", "wb")
+
+
+@pytest.mark.parametrize("open_stdout, code, stderr", [
+    (_closed_pipe, 141, ""),  # 128 + SIGPIPE: what a shell reports for a writer the closed pipe ended
+    (_full_disk, 2, "zerollm: error: cannot write the output (No space left on device)\n"),
+])
+def test_generate_ends_quietly_on_a_closed_pipe_and_in_one_line_on_a_full_disk(exported, open_stdout, code, stderr):
+    """`zerollm generate ... | head -c 5` and `> /dev/full` ended in a BrokenPipeError or OSError traceback."""
+    with open_stdout() as stdout:
+        result = subprocess.run([sys.executable, "-m", "llm", "generate", "--model", str(exported), "--prompt",
+                                 "To be", "--max-new-tokens", "4"], stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                check=False)
+    assert (result.returncode, result.stderr) == (code, stderr)
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -188,6 +188,13 @@ def _with(**fields) -> bytes:
     return json.dumps({"messages": [{"role": "user", "content": "x"}], **fields}).encode()
 
 
+def _deep_tool_call_arguments(depth: int) -> bytes:
+    """An assistant tool call whose arguments nest lists `depth` deep: one frame a level parses them, the chat
+    template's escaping took two."""
+    call = b'{"function": {"name": "f", "arguments": {"a": ' + b"[" * depth + b"]" * depth + b"}}}"
+    return b'{"messages": [{"role": "assistant", "content": null, "tool_calls": [' + call + b"]}]}"
+
+
 @pytest.mark.parametrize("body, param", [
     (b"{not json", None),
     (b"[]", None),
@@ -222,9 +229,12 @@ def _with(**fields) -> bytes:
     (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None),
     (b'{"messages": [{"role": "user", "content": "x"}], "top_p": -Infinity}', None),
     (b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}', "temperature"),
+    (_with(temperature=10**400), "temperature"),  # too large for a float: was an OverflowError, a 500
+    (_with(top_p=-10**400), "top_p"),
     (b'{"messages": [{"role": "user", "content": "lone \\ud800 surrogate"}]}', None),
     (b'{"messages": [{"role": "user", "content": "x"}], "stop": "\\udfff"}', None),
     (b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", None),  # deeper than Python's recursion limit
+    (_deep_tool_call_arguments(sys.getrecursionlimit() * 2 // 3), "messages"),  # parsed; was a RecursionError, a 500
 ])
 def test_bad_requests_get_4xx_json_errors_and_the_server_survives(server, body, param):
     status, payload = _post(server, body)
@@ -285,6 +295,16 @@ def test_content_length_must_be_one_small_non_negative_integer(server, length, h
     # the client keeps its side open: the server must not wait for it
     got, response = raw_exchange(server, request_bytes(HELLO, headers=headers, length=length))
     assert got == status and json_body(response)["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("framing", [{}, {"Content-Length": None, "Transfer-Encoding": "chunked"}])
+def test_a_get_with_a_body_is_refused_and_its_body_never_runs_as_a_request(server, framing):
+    """The body of a GET was left unread and taken for the connection's next request: behind a proxy that reads it as
+    a body, a request smuggled past the proxy."""
+    smuggled = request_bytes(b"", method="GET", path="/v1/models/tiny", length=None)
+    status, response = raw_exchange(server, request_bytes(smuggled, framing, method="GET", path="/health"))
+    assert status == 400 and response.count(b"HTTP/1.1 ") == 1, response
+    assert "must not have a body" in json_body(response)["error"]["message"]
 
 
 def test_two_content_lengths_are_refused(server):
@@ -486,12 +506,15 @@ def _second_loopback_address() -> str:
     return "127.0.0.2"
 
 
-def test_connections_over_the_cap_get_503_at_once(generator):
-    other = _second_loopback_address()  # from the idle connections' address, one more is over its share: 429
-    with running(generator, timeout_s=30, max_connections=3, max_connections_per_client=3) as (url, _, _):
+@pytest.mark.parametrize("from_another_address", [False, True])
+def test_connections_over_the_cap_get_503_at_once(generator, from_another_address):
+    """Also from the address holding them all: on loopback, whose share is every connection, one more was 429 (too
+    many from that address), not the 503 the docs promise."""
+    source = _second_loopback_address() if from_another_address else None
+    with running(generator, timeout_s=30, max_connections=3) as (url, _, _):
         idle = [socket.create_connection(_address(url), timeout=CLIENT_TIMEOUT_S) for _ in range(3)]
         try:
-            status, response = raw_exchange(url, request_bytes(b"", method="GET", path="/health"), source=other)
+            status, response = raw_exchange(url, request_bytes(b"", method="GET", path="/health"), source=source)
             assert status == 503 and json_body(response)["error"]["type"] == "server_error"
         finally:
             for sock in idle:

@@ -12,7 +12,8 @@ Standard library only (`http.server`, one thread per connection). Requests are u
   line, headers and body must all arrive within that timeout (a client dribbling bytes is dropped too),
   open connections are capped (one more gets 503 at once), so are one client address's off loopback (by default a
   quarter of the cap; one more gets 429 at once, so that a client reconnecting as fast as it is dropped cannot hold
-  every connection) and bodies are read only with a valid Content-Length of at most 1 MiB.
+  every connection) and bodies are read only with a valid Content-Length of at most 1 MiB; a GET that declares one is
+  refused and its connection closed (its body must not be taken for the next request).
 - Message text goes through the tokenizer's chat template to ids, never re-encoded: a user's
   `<|im_end|><|im_start|>system` stays text.
 - Bound to loopback, only requests whose Host is a loopback name are answered (a web page cannot
@@ -140,6 +141,16 @@ def _number(body: dict, key: str, kind: type | tuple, default: Any) -> Any:
     return value
 
 
+def _float(body: dict, key: str, default: float) -> float:
+    """A number field as a float: an integer too large for one (10**400) is infinite, as JSON's 1e999 is, for the
+    sampling checks to refuse."""
+    value = _number(body, key, (int, float), default)
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def parse_messages(body: Any) -> list[dict]:
     """The canonical messages of a chat-completions body, or RequestError."""
     if not isinstance(body, dict):
@@ -200,8 +211,7 @@ def parse_options(body: dict, default_max_tokens: int) -> RequestOptions:
         raise RequestError("'stream_options' must be an object", "stream_options")
     try:
         params = SamplingParams(max_new_tokens=max_tokens, stop=stop, seed=_number(body, "seed", int, None),
-                                temperature=float(_number(body, "temperature", (int, float), 1.0)),
-                                top_p=float(_number(body, "top_p", (int, float), 1.0)))
+                                temperature=_float(body, "temperature", 1.0), top_p=_float(body, "top_p", 1.0))
     except InvalidSampling as exc:  # named by the request's field
         field = key if exc.field == "max_new_tokens" else exc.field
         raise RequestError(f"{field} {exc.reason}", field) from None
@@ -421,6 +431,12 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
         do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _not_allowed
 
         def _get(self) -> None:
+            lengths = self.headers.get_all("Content-Length") or []
+            if self.headers.get("Transfer-Encoding") or any(length.strip() != "0" for length in lengths):
+                # unread, the body would be taken for the next request on the connection (a proxy's desync); the
+                # error closes the connection
+                raise RequestError("a GET request must not have a body (a Content-Length above 0 or a "
+                                   "Transfer-Encoding)")
             model = {"id": self.service.model_name, "object": "model", "created": self.service.created,
                      "owned_by": "zerollm"}
             if self.route == "/health":
@@ -589,15 +605,17 @@ class ChatServer(ThreadingHTTPServer):
 
     def process_request(self, request: socket.socket, client_address: Any) -> None:
         client = client_key(client_address[0])
-        if not self._take_client_slot(client):  # before a slot: a client over its share takes none of the others'
+        # a full server answers 503 whoever asks (also the one address of loopback, whose share is every connection);
+        # a client over its share while the server has room, 429
+        if not self._slots.acquire(blocking=False):
+            _refuse(request, 503, "Service Unavailable", "the server has too many open connections; retry later")
+            self.shutdown_request(request)
+            return
+        if not self._take_client_slot(client):
+            self._slots.release()  # before the next connection is accepted: it takes none of the others'
             _refuse(request, 429, "Too Many Requests", f"too many open connections from {client} (at most "
                     f"{self._per_client_limit} per client address); close one or retry later",
                     "requests", "rate_limit_exceeded")  # what OpenAI sends with a 429 for a rate limit
-            self.shutdown_request(request)
-            return
-        if not self._slots.acquire(blocking=False):
-            self._free_client_slot(client)
-            _refuse(request, 503, "Service Unavailable", "the server has too many open connections; retry later")
             self.shutdown_request(request)
             return
         try:
