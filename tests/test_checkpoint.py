@@ -27,6 +27,7 @@ from llm.errors import UserError
 from llm.loading import consolidated_weights
 from llm.train import checkpoint
 from llm.train.metrics import MetricsSink
+from llm.train.schedule import lr_multiplier
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 CLIENT_STATE = {"step": 0, "run_id": "abc", "world_size": 1, "stopped_by_signal": False, "loss_scale": None,
@@ -422,6 +423,20 @@ def test_resume_passes_over_a_torn_checkpoint_and_continues_exactly(one_rank_run
     assert "resumed at step 2" in result.stdout
     assert _losses(run) == _losses(one_rank_run)
     assert rundir.incompleteness(run, "global_step4") is None
+
+
+def test_a_resume_with_another_learning_rate_trains_at_it(one_rank_run, pretrain_data, tmp_path):
+    """The schedule's saved state brought the old train.lr back: the run trained on at it while config.yaml
+    recorded the new one (and a diverged run, resumed at a lower rate as advised, diverged again)."""
+    run = tmp_path / "run"
+    shutil.copytree(one_rank_run, run)
+    torn = rundir.checkpoint_dir(run) / "global_step4" / MODEL_FILE
+    torn.write_bytes(torn.read_bytes()[:1000])  # resumed at step 2
+    result = run_job(*train_args(pretrain_data, run, *ONE_RANK, "train.lr=3e-5", extra=["--resume", "auto"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    cfg = build_config((run / "config.yaml").as_posix())
+    rates = [json.loads(line)["lr"] for line in (run / rundir.METRICS_FILE).read_text().splitlines()]
+    assert cfg.train.lr == 3e-5 and rates[2:] == pytest.approx([3e-5 * lr_multiplier(s, cfg.train) for s in (2, 3)])
 
 
 def test_resuming_on_other_data_is_one_clear_error(one_rank_run, tokenizer_dir, tmp_path):

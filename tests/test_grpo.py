@@ -165,6 +165,13 @@ def test_a_local_reward_model_scores_completions(tokenizer_dir, tmp_path):
     assert len(scores) == 3 and all(math.isfinite(s) for s in scores)
     assert scores[0] == pytest.approx(scores[2]) and scores[0] != pytest.approx(scores[1])
 
+    def out_of_memory(**inputs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    reward.terms[0].score.model = out_of_memory  # a traceback on the rank it hit, the others left waiting
+    with pytest.raises(UserError, match=r"model:.*rm: failed on 3 completions \(OutOfMemoryError: CUDA out of memory"):
+        reward(batch)
+
 
 def test_a_reward_model_that_is_no_classifier_is_refused(tokenizer_dir, tmp_path):
     """A causal language model (an export of ours) loaded as a sequence classifier got a head of random weights:
@@ -390,19 +397,23 @@ def test_a_grpo_resume_on_another_seed_names_the_prompts(grpo_runs, policy, prom
                                 f"{prompt_dir / 'prompts.jsonl'} (")
 
 
-@pytest.mark.parametrize("found_at, log_every, save_every", [(1, 1, 4), (2, 3, 2)])  # logged; before a save
-def test_a_loss_that_is_no_longer_a_number_ends_the_run_before_it_is_saved(policy, prompt_dir, tmp_path, found_at,
-                                                                           log_every, save_every):
+@pytest.mark.parametrize("found_at, log_every, save_every, setting, what", [
+    (1, 1, 4, "grpo.temperature=1e-45", "training loss is nan"),  # at a logged step
+    (2, 3, 2, "grpo.temperature=1e-45", "training loss is nan"),  # before a checkpoint
+    (2, 3, 2, "grpo.kl_coef=1e30", "gradient norm is inf"),  # a finite loss
+])
+def test_a_run_that_diverged_ends_before_it_is_saved(policy, prompt_dir, tmp_path, found_at, log_every, save_every,
+                                                     setting, what):
     """Sampled at a temperature of 1e-45 the logits overflow: every step's loss was NaN and its gradient norm
     Infinity, written as such into metrics.jsonl (not JSON) and saved, and the run ended with exit 0."""
     run = tmp_path / "run"
-    sets = [f"train.log_every={log_every}", f"train.save_every={save_every}", "grpo.temperature=1e-45"]
+    sets = [f"train.log_every={log_every}", f"train.save_every={save_every}", setting]
     result = run_job(*_grpo_args(policy, prompt_dir, run, *sets, rewards=["format:[A-Z].*"]))
     errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
     assert result.returncode == 2 and errors == [
-        f"zerollm: error: step {found_at}: the training loss is nan (no longer a number: the weights, gradients or "
-        "activations overflowed); stopped without saving. No checkpoint was saved before: lower train.lr (or change "
-        "what made it diverge) and rerun"], result.stderr[-3000:]
+        f"zerollm: error: step {found_at}: the {what} (no longer a number: the weights, gradients or "
+        "activations overflowed); stopped without saving; no checkpoint was saved before: lower train.lr, or change "
+        "what made the run diverge"], result.stderr[-3000:]
     assert not (run / "checkpoints" / "latest").exists() and not (run / "metrics.jsonl").exists()
 
 

@@ -290,6 +290,9 @@ def load(engine, run_dir: Path, tag: str, universal: bool = False) -> dict[str, 
     another world size than the one that saved; a rank that did not exist then keeps its freshly seeded RNGs)."""
     client_state = rundir.client_state_of(run_dir, tag)
     root = rundir.universal_dir(run_dir) if universal else rundir.checkpoint_dir(run_dir)
+    schedule = getattr(engine, "lr_scheduler", None)
+    schedule = schedule if isinstance(schedule, torch.optim.lr_scheduler.LambdaLR) else None
+    configured = list(schedule.base_lrs) if schedule is not None else None  # this run config's learning rates
     with restricted_unpickling(root / tag):
         path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=True,
@@ -298,7 +301,18 @@ def load(engine, run_dir: Path, tag: str, universal: bool = False) -> dict[str, 
             raise UserError(f"{root / tag}: DeepSpeed could not load this checkpoint")
         if dist.get_rank() < client_state["world_size"]:
             restore_rng_state(run_dir, tag, dist.get_rank())
+    if schedule is not None and schedule.base_lrs != configured:
+        _take_configured_rates(schedule, configured)
     return client_state
+
+
+def _take_configured_rates(schedule: torch.optim.lr_scheduler.LambdaLR, configured: list[float]) -> None:
+    """Continue the schedule at the run config's learning rates (resumed with another train.lr): its saved state
+    brought back the old ones, which the run then trained at while config.yaml recorded the new."""
+    schedule.base_lrs = configured
+    for group, base, multiplier in zip(schedule.optimizer.param_groups, configured, schedule.lr_lambdas, strict=True):
+        group["lr"] = base * multiplier(schedule.last_epoch)
+    schedule._last_lr = [group["lr"] for group in schedule.optimizer.param_groups]
 
 
 def restore_rng_state(run_dir: Path, tag: str, rank: int) -> None:

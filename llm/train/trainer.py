@@ -186,25 +186,28 @@ class Trainer:
         return sums, batches
 
     def _refuse_diverged(self, loss: float | torch.Tensor) -> None:
-        """End the run, on every rank, at a loss that is not a number (the reduced loss of a logged step, or this
-        rank's sums before a checkpoint, agreed over the ranks), before a checkpoint of such weights replaces a
-        good one. Under fp16 DeepSpeed skips such a step and lowers its loss scale instead."""
+        """End the run, on every rank, at a step whose loss or gradient norm is not a number (`loss`: the reduced
+        loss of a logged step, or this rank's sums, then summed over the ranks), before a checkpoint of such weights
+        replaces a good one: an infinite gradient makes the weights NaN (clipped by a factor of 0, or through Adam's
+        moments) even where the loss was finite. Under fp16 DeepSpeed skips such a step and lowers its loss scale."""
         if loss_scale_of(self.engine) is not None:
             return
         if isinstance(loss, torch.Tensor):
-            finite = torch.isfinite(loss[:1]).to(torch.int32)
+            total = loss[:1].detach().double()
             if self.dist.world_size > 1:
-                dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-            loss = float("nan") if finite.item() == 0 else 0.0
-        if math.isfinite(loss):
-            return
-        newest = rundir.latest_tag(self.run_dir)
-        raise_together(f"step {self.step}: the training loss is {loss} (no longer a number: the weights, gradients "
-                       "or activations overflowed); stopped without saving. "
-                       + (f"The newest checkpoint, {newest}, is from before: lower train.lr (or change what made it "
-                          "diverge) and rerun with --resume auto" if newest else
-                          "No checkpoint was saved before: lower train.lr (or change what made it diverge) and rerun"),
-                       announce=self.dist.local_rank == 0)
+                dist.all_reduce(total)
+            loss = total.item()
+        norm = self.engine.get_global_grad_norm()
+        for what, value in (("training loss", loss), ("gradient norm", None if norm is None else float(norm))):
+            if value is not None and not math.isfinite(value):
+                newest = rundir.latest_tag(self.run_dir)
+                advice = (f"the newest checkpoint, {newest}, is from before: resume from it with a lower train.lr "
+                          "(--resume auto --set train.lr=...), or change what made the run diverge"
+                          if newest else "no checkpoint was saved before: lower train.lr, or change what made the run "
+                          "diverge")
+                raise_together(f"step {self.step}: the {what} is {value} (no longer a number: the weights, gradients "
+                               f"or activations overflowed); stopped without saving; {advice}",
+                               announce=self.dist.local_rank == 0)
 
     def reduce_step(self, sums: torch.Tensor, batches: StepBatches) -> StepStats:
         """The step's means over micro-steps and ranks (its step-level metrics: over ranks), with the loss-bearing
@@ -275,8 +278,8 @@ class Trainer:
                 calibrate = self.budget.calibration_due(self.step)  # measure what the final step will cost
                 eval_due = self._eval_due(last) or calibrate
                 stats = self.reduce_step(sums, batches) if logger.due(self.step, eval_due) else None
-                if stats is not None or checkpointer.due(self.step, last or calibrate, stopped_by_signal=False):
-                    self._refuse_diverged(sums if stats is None else stats.loss)
+                if stats is not None:
+                    self._refuse_diverged(stats.loss)
             with self.budget.overhead("eval" if eval_due else None):
                 val_loss = self.evaluate() if eval_due else None
                 samples = self.samples.generate(self.step) if eval_due and self.samples else None
@@ -284,6 +287,8 @@ class Trainer:
             logger.log_samples(self.step, samples)
             stop = self.preemption.agreed()
             save_due = checkpointer.due(self.step, last or calibrate, stop)
+            if save_due and stats is None:
+                self._refuse_diverged(sums)
             with self.budget.overhead("save" if save_due else None):
                 checkpointer.after_step(self.step, last=last or calibrate, stopped_by_signal=stop)
             self.budget.end_iteration(self.step)
