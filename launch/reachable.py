@@ -7,13 +7,13 @@ launch` asks every host it will start ranks on, in parallel, without any prompt 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shlex
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
-from launch.hostfile import check_address
 from llm.errors import UserError
 
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
@@ -61,10 +61,9 @@ def host_address(host: str, hostfile: str) -> str:
         problem = "it printed no address"
     if problem is None:
         try:
-            check_address(words[0], "it printed")
-            return words[0]
-        except UserError as exc:
-            problem = str(exc)
+            return str(ipaddress.ip_address(words[0]))
+        except ValueError:  # a login banner's word, or worse: `hostname -I` prints IP addresses only
+            problem = f"it printed {words[0][:40]!r}, not an IP address"
     raise UserError(f"--hostfile {hostfile}: the first host, {host}, where rank 0 runs, cannot give its address with "
                     f"`hostname -I` over ssh ({problem}); give --master-addr")
 

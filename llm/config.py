@@ -270,7 +270,8 @@ class LoRAConfig:
 
     @property
     def scale(self) -> float:
-        return (2.0 * self.r if self.alpha is None else self.alpha) / self.r
+        """alpha / r; 0 without LoRA."""
+        return (2.0 * self.r if self.alpha is None else self.alpha) / self.r if self.r else 0.0
 
 
 @dataclass
@@ -307,6 +308,8 @@ class _Yaml12Loader(yaml.SafeLoader):
         if isinstance(node, yaml.MappingNode):
             seen = set()
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`, expanded by PyYAML below
+                    continue
                 key = self.construct_object(key_node, deep=True)
                 if not isinstance(key, Hashable):
                     continue  # refused by PyYAML's own construction below

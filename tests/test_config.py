@@ -106,6 +106,8 @@ def test_a_recipe_that_gives_a_key_twice_is_refused(tmp_path):
     recipe.write_text("model:\n  dim: 64\ntrain:\n  lr: 0.001\n  lr: 0.1\n")
     with pytest.raises(UserError, match=f"^{recipe}: invalid YAML .*found the key 'lr' twice .*line 5, column 3"):
         build_config(str(recipe))
+    recipe.write_text("train:\n  <<: {lr: 0.001, max_steps: 10}\n  warmup_steps: 2\n")  # a merge key: no twin
+    assert build_config(str(recipe)).train.max_steps == 10
 
 
 def test_unknown_recipe_lists_the_packaged_ones():

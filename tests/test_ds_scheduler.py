@@ -121,5 +121,5 @@ def test_a_run_follows_the_deepspeed_schedule_and_resumes_on_it_exactly(pretrain
     errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
     assert result.returncode == 2 and errors == [
         f"zerollm: error: {resumed}: its checkpoints cannot resume with these changes (DeepSpeed's WarmupDecayLR "
-        f"there, the run config's schedule here); resume with the values there, or start a new run with "
-        f"--init-from {resumed}"], result.stderr[-3000:]
+        "there, the run config's schedule here, as the --deepspeed JSON's 'scheduler' section sets it); resume with "
+        f"the values there, or start a new run with --init-from {resumed}"], result.stderr[-3000:]

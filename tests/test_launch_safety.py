@@ -510,7 +510,8 @@ def test_without_a_master_address_the_first_host_gives_its_own_with_pdshs_ssh_op
 
 @pytest.mark.parametrize("addresses, problem", [
     ("", "it printed no address"),  # DeepSpeed: an IndexError traceback
-    ("a;touch pwned", "it printed 'a;touch' is not a host name or IP address"),
+    ("a;touch pwned", "it printed 'a;touch', not an IP address"),
+    ("Welcome 10.0.0.1", "it printed 'Welcome', not an IP address"),  # a login banner: a host name's shape
 ])
 def test_a_first_host_that_gives_no_usable_address_is_one_line(tmp_path, addresses, problem):
     result = _launch_pdsh_dry(tmp_path, {"pdsh": PDSH, "ssh": SSH_GIVING_ADDRESSES},

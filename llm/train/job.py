@@ -239,9 +239,9 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     return code
 
 
-RESUMED_FIELDS = (*(f"model.{f}" for f in SHAPE_FIELDS), "lora.r", "lora.targets", "lora.alpha")
+RESUMED_FIELDS = (*(f"model.{f}" for f in SHAPE_FIELDS), "lora.r", "lora.targets", "lora.scale")
 """What a run's checkpoints are shaped by, beside the ZeRO stage: a resume that changes one fails inside DeepSpeed,
-or (lora.alpha, the adapters' scale) gives its saved adapters another meaning."""
+or (lora.scale, alpha / r) gives its saved adapters another meaning."""
 
 
 def _zero_stage(ds_config: Any) -> Any:
@@ -299,7 +299,8 @@ def check_same_shape(run_dir: Path, cfg: RunConfig, ds_config: dict) -> None:
     if recorded is not None and _zero_stage(recorded) != _zero_stage(ds_config):
         differing.append(f"ZeRO stage {_zero_stage(recorded)} there, {_zero_stage(ds_config)} here")
     if recorded is not None and scheduler_name(recorded) != scheduler_name(ds_config):
-        differing.append(f"{_schedule(recorded)} there, {_schedule(ds_config)} here")
+        differing.append(f"{_schedule(recorded)} there, {_schedule(ds_config)} here, as the --deepspeed JSON's "
+                         "'scheduler' section sets it")
     if differing:
         raise UserError(f"{run_dir}: its checkpoints cannot resume with these changes ({'; '.join(differing)}); "
                         f"resume with the values there, or start a new run with --init-from {run_dir}")

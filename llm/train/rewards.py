@@ -166,7 +166,7 @@ class RewardModel:
             self.tokenizer = self.transformers.AutoTokenizer.from_pretrained(self.path)
             model, loading = self.transformers.AutoModelForSequenceClassification.from_pretrained(
                 self.path, use_safetensors=True, trust_remote_code=False, output_loading_info=True)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: weights of other shapes than its config's
             raise UserError(f"--reward model:{self.path}: cannot load it ({exc})".replace("\n", " ")) from None
         if loading["missing_keys"]:
             missing = sorted(loading["missing_keys"])
@@ -188,8 +188,12 @@ class RewardModel:
         if self.model is None:
             self._load()
         texts = [self._text(p, c) for p, c in zip(batch.prompts, batch.texts, strict=True)]
-        encoded = self.tokenizer(texts, padding=True, truncation=True, return_tensors="pt").to(self.device)
-        logits = self.model(**encoded).logits.float()
+        try:
+            encoded = self.tokenizer(texts, padding=True, truncation=True, return_tensors="pt").to(self.device)
+            logits = self.model(**encoded).logits.float()
+        except RuntimeError as exc:  # out of memory, most likely: one line, agreed by every rank (`llm.train.rollout`)
+            raise UserError(f"--reward model:{self.path}: failed on {len(texts)} completions ({type(exc).__name__}: "
+                            f"{exc})".replace("\n", " ")[:500]) from None
         scores = logits[:, 0] if logits.shape[-1] == 1 else logits.softmax(-1)[:, -1]
         return scores.tolist()
 
