@@ -6,21 +6,24 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import datasets
 import h5py
 import numpy as np
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from conftest import FIXTURES, run_cli, zerollm_here
 from llm.cli import main
-from llm.data.formats import read_items
+from llm.data.formats import read_items, read_records
 from llm.data.output import OutputDir
-from llm.data.prepare import OUTPUT_NAMES, prepare
+from llm.data.prepare import OUTPUT_NAMES, SplitWriter, prepare
 from llm.data.prepared import read_data_attrs
 from llm.data.readers import PIECE_CHARS, Item, expand_inputs, split_text
 from llm.errors import UserError
@@ -151,6 +154,30 @@ def test_malformed_json_line_is_skipped_and_reported_with_file_line(tokenizer_di
     assert f"{bad_inputs['malformed']}:2: malformed JSON" in result.stdout
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["documents"]["train"] + report["documents"]["val"] == 22 and len(report["skipped"]) == 1
+
+
+DEEP, HUGE = "[" * 100_000 + "]" * 100_000, "1" * 5000  # deeper than the recursion limit; more digits than int takes
+TOO_DEEP, TOO_LONG = "nested too deeply", f"an integer of more than {sys.get_int_max_str_digits()} digits"
+
+
+def test_json_nested_too_deeply_or_with_a_huge_integer_is_skipped_or_refused(tokenizer_dir, tmp_path, monkeypatch,
+                                                                             capsys):
+    path = tmp_path / "a.jsonl"
+    path.write_text("\n".join(['{"text": "fine"}', DEEP, f'{{"text": {HUGE}}}']) + "\n")
+    report = _quiet("pretrain", [path], tokenizer_dir, tmp_path / "out")
+    assert report.skipped == [f"{path}:2: malformed JSON ({TOO_DEEP})", f"{path}:3: malformed JSON ({TOO_LONG})"]
+    calls = tmp_path / "calls.jsonl"  # tool calls given as JSON text
+    calls.write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                              {"role": "assistant", "content": "a", "tool_calls": DEEP}]}) + "\n")
+    assert [str(r) for r in read_records([calls], "sft")] == [f"{calls}:1: 'tool_calls' is not valid JSON ({TOO_DEEP})"]
+    for value, problem in ((DEEP, TOO_DEEP), (HUGE, TOO_LONG)):
+        array = tmp_path / "a.json"
+        array.write_text(f'[\n{{"text": "fine"}},\n{value}\n]\n')
+        code = zerollm_here(monkeypatch, "data", "prepare", "--input", array, "--tokenizer", tokenizer_dir, "--out",
+                            tmp_path / "out2", "--workers", 1)
+        assert code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+            f"zerollm: error: {array}:3: invalid JSON ({problem}); a .json file must hold one array or object")
+        assert not (tmp_path / "out2").exists()
 
 
 def test_strict_makes_a_malformed_record_fatal_and_writes_nothing(tokenizer_dir, bad_inputs, tmp_path):
@@ -346,6 +373,46 @@ def test_an_interrupted_prepare_leaves_the_previous_output_whole(tokenizer_dir, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "out"]
 
 
+def _signalled_prepare(tokenizer_dir, tmp_path, records: int, signal_workers) -> tuple[int, str]:
+    """Exit code and stderr of `data prepare --workers 2` (in a session of its own) on `records` records of 3000
+    characters; `signal_workers(process)` is called once its workers are started and writing."""
+    unit = (FIXTURES / "pretrain" / "en_stories.txt").read_text().replace("\n", " ")
+    source = tmp_path / "corpus.jsonl"
+    source.write_text("".join(json.dumps({"text": unit[i:i + 3000]}) + "\n" for i in range(records)))
+    process = subprocess.Popen([sys.executable, "-m", "llm", "data", "prepare", "--input", str(source), "--tokenizer",
+                                str(tokenizer_dir), "--out", str(tmp_path / "out"), "--workers", "2"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        while not list(tmp_path.glob(".out.partial-*/tokens.h5")):  # created after the workers
+            assert process.poll() is None, process.stderr.read()
+            time.sleep(0.01)
+        signal_workers(process)
+        err = process.communicate(timeout=120)[1]
+    finally:
+        process.kill()
+    return process.returncode, err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_to_the_process_group_stops_prepare_and_its_workers_cleanly(tokenizer_dir, tmp_path, signum):
+    """Ctrl-C signals the whole process group: workers that took it printed tracebacks, and one stopped halfway
+    through a job or a result hung the run in Pool.terminate. SIGTERM killed the run with its staging left behind."""
+    code, err = _signalled_prepare(tokenizer_dir, tmp_path, 3000, lambda process: os.killpg(process.pid, signum))
+    assert code == 128 + signum and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert signum != signal.SIGINT or err.endswith("\nzerollm: interrupted\n")
+    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]  # no staging directory, no OUT holding only the lock
+
+
+def test_workers_leave_ctrl_c_to_the_main_process(tokenizer_dir, tmp_path):
+    def interrupt_workers(process):
+        for worker in psutil.Process(process.pid).children():
+            worker.send_signal(signal.SIGINT)
+
+    code, err = _signalled_prepare(tokenizer_dir, tmp_path, 300, interrupt_workers)
+    assert code == 0 and "Traceback" not in err, err
+    assert read_data_attrs(tmp_path / "out", "pretrain")["kind"] == "pretrain"
+
+
 def test_training_refuses_a_tokenizer_copy_that_does_not_match_the_tokens(tokenizer_dir, other_tokenizer, corpus,
                                                                            tmp_path):
     out = tmp_path / "out"
@@ -377,6 +444,19 @@ def test_unwritable_out_is_a_one_line_error(tokenizer_dir, corpus, tmp_path, mon
         assert capsys.readouterr().err.strip().splitlines()[-1] == (
             f"zerollm: error: --out {out}: cannot write there ({reason}); data prepare needs to write in it and "
             "beside it (in its parent directory)")
+
+
+def test_a_full_disk_is_a_one_line_error_and_leaves_nothing(tokenizer_dir, corpus, tmp_path, monkeypatch, capsys):
+    def full(self):
+        raise OSError(errno.ENOSPC, "Can't synchronously write data (h5py's paragraph)")
+
+    monkeypatch.setattr(SplitWriter, "flush", full)
+    code = zerollm_here(monkeypatch, "data", "prepare", "--input", corpus, "--tokenizer", tokenizer_dir, "--out",
+                        tmp_path / "out", "--workers", 1)
+    assert code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+        f"zerollm: error: --out {tmp_path / 'out'}: cannot write the output (No space left on device); nothing was "
+        "kept")
+    assert sorted(os.listdir(tmp_path)) == ["corpus.txt"]
 
 
 # ---- bounded memory ----------------------------------------------------------------------------------------

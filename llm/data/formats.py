@@ -22,7 +22,17 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from llm.data.readers import DEFAULT_MAX_RECORD_MB, PIECE_CHARS, Item, Skipped, expand_inputs, read_items, split_text
+from llm.data.readers import (
+    DEFAULT_MAX_RECORD_MB,
+    JSON_ERRORS,
+    PIECE_CHARS,
+    Item,
+    Skipped,
+    expand_inputs,
+    json_problem,
+    read_items,
+    split_text,
+)
 
 __all__ = ["Item", "RecordError", "Skipped", "conversation", "expand_inputs", "preference", "pretrain_text",
            "read_items", "read_records"]
@@ -84,8 +94,8 @@ def _tool_call(call: Any) -> dict[str, Any]:
 def _json_text(text: str, what: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise RecordError(f"{what} is not valid JSON ({exc.msg})") from None
+    except JSON_ERRORS as exc:
+        raise RecordError(f"{what} is not valid JSON ({json_problem(exc)})") from None
 
 
 def _tool_calls(turn: dict, raw_role: str) -> list[dict[str, Any]]:

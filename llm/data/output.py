@@ -11,7 +11,12 @@ OUT holds `tokens.h5`, `report.json`, `tokenizer/` and the lock file `.prepare.l
    whole old output or the whole new one, never new tokens beside an old tokenizer. The lock file is
    hard-linked into the new output first, so the lock stays held across the swap.
 
-Leftovers of killed runs (staging and set-aside directories) are removed by the next run that holds the lock.
+A run stopped by Ctrl-C (SIGINT) or SIGTERM removes its staging directory (and OUT, if it created it) before it
+exits: while the block runs, SIGINT raises KeyboardInterrupt and SIGTERM `SystemExit(143)` (128 + 15, as a shell
+reports it). Python drops an exception raised in a finalizer, where a signal handler may happen to run; so the
+signal is recorded too, the lost exception is not printed, and `check_stopped` (called as the run goes, and by
+`commit`) raises it again: a stopped run never replaces OUT. Leftovers of killed runs (SIGKILL, a crash: staging
+and set-aside directories) are removed by the next run that holds the lock.
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ import fcntl
 import os
 import secrets
 import shutil
+import signal
+import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 from llm.errors import UserError
 
@@ -32,6 +41,13 @@ LOCK_FILE = ".prepare.lock"
 def _cannot_write(out: Path, exc: OSError) -> UserError:
     return UserError(f"--out {out}: cannot write there ({exc.strerror or exc}); data prepare needs to write in it and "
                      "beside it (in its parent directory)")
+
+
+def cannot_write_output(out: str | Path, exc: OSError) -> UserError:
+    """A failed write into the output (a full disk, a quota): its reason without the library's details (h5py gives
+    errno 28 with a paragraph of its own)."""
+    return UserError(f"--out {out}: cannot write the output ({os.strerror(exc.errno) if exc.errno else exc}); "
+                     "nothing was kept")
 
 
 def refuse_foreign_contents(out: Path, given: str | Path, command: str, names: set[str], marker: str,
@@ -53,7 +69,7 @@ class OutputDir:
     """Context manager: `with OutputDir(out, names) as output: ...write into output.staging...; output.commit()`.
 
     `names` are the entries a data prepare output holds (besides the lock file); an earlier output is recognised
-    by the first of them (tokens.h5). Leaving the block without `commit()` (an error, Ctrl-C) removes the
+    by the first of them (tokens.h5). Leaving the block without `commit()` (an error, Ctrl-C, SIGTERM) removes the
     staging directory and leaves OUT as it was (and removes OUT if this run created it).
     """
 
@@ -65,12 +81,20 @@ class OutputDir:
         self.staging = self.out.with_name(f"{self.prefix}partial-{os.getpid()}-{secrets.token_hex(4)}")
         self._lock_fd: int | None = None
         self._created = self._committed = False
+        self._handlers: dict[int, Any] = {}
+        """SIGINT's and SIGTERM's handlers before this block, restored when it ends (none replaced off the main
+        thread, where Python runs no signal handler)."""
+        self._signalled: int | None = None
+        self._unraisablehook = sys.unraisablehook
 
     def __enter__(self):
         cwd = Path.cwd().resolve()
         if cwd == self.out or self.out in cwd.parents:
             raise UserError(f"--out {self.given} is the current directory or holds it; data prepare replaces the "
                             "whole output directory, so give it a directory of its own, e.g. --out data/")
+        if threading.current_thread() is threading.main_thread():
+            self._handlers = {signum: signal.signal(signum, self._stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+            sys.unraisablehook = self._unraisable
         try:
             self._created = not self.out.exists()
             if not self._created:
@@ -94,6 +118,23 @@ class OutputDir:
                 (self.out / LOCK_FILE).unlink()
                 self.out.rmdir()
         self._unlock()
+        for signum, handler in self._handlers.items():
+            signal.signal(signum, handler)
+        self._handlers = {}
+        sys.unraisablehook = self._unraisablehook
+
+    def _stop(self, signum: int, frame) -> None:
+        self._signalled = signum
+        raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+
+    def _unraisable(self, unraisable) -> None:
+        if self._signalled is None or not isinstance(unraisable.exc_value, (KeyboardInterrupt, SystemExit)):
+            self._unraisablehook(unraisable)
+
+    def check_stopped(self) -> None:
+        """Raise the KeyboardInterrupt or SystemExit of a signal whose exception was lost in a finalizer."""
+        if self._signalled is not None:
+            self._stop(self._signalled, None)
 
     def _lock(self) -> None:
         while True:
@@ -131,6 +172,7 @@ class OutputDir:
 
     def commit(self) -> None:
         """Make the staging directory OUT: the old output moves aside and is removed."""
+        self.check_stopped()
         old = self.out.with_name(f"{self.prefix}old-{os.getpid()}-{secrets.token_hex(4)}")
         try:
             os.link(self.out / LOCK_FILE, self.staging / LOCK_FILE)

@@ -28,6 +28,7 @@ import math
 import multiprocessing as mp
 import os
 import re
+import signal
 from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -40,7 +41,7 @@ import numpy as np
 from tqdm import tqdm
 
 from llm.data.formats import Item, Skipped, expand_inputs, read_records
-from llm.data.output import OutputDir
+from llm.data.output import OutputDir, cannot_write_output
 from llm.data.readers import DEFAULT_MAX_RECORD_MB, strings
 from llm.errors import UserError
 from llm.rundir import TOKENIZER_DIR, TOKENS_FILE
@@ -159,6 +160,22 @@ def _init_worker(tokenizer_dir: str) -> None:
     global _worker_tokenizer
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer = Tokenizer.load(tokenizer_dir)
+
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _init_pool_worker(tokenizer_dir: str) -> None:
+    """A pool worker leaves the process group, so Ctrl-C and a SIGTERM to the group reach only the main process,
+    which stops the run and terminates its workers (`Pool.terminate`): a worker stopped halfway through reading a job
+    or sending a result would leave the pool's queue locks held and the run hung. It ignores SIGINT sent to it alone
+    and dies on SIGTERM (the main process's handlers, inherited, are for the main process); both are blocked from
+    its start (`_worker_pool`) until then. A worker whose main process died ends on its own: its job queue closes."""
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    _init_worker(tokenizer_dir)
 
 
 def _encode(kind: str, item: Item, max_tokens: int) -> Result:
@@ -350,20 +367,25 @@ def _worker_pool(workers: int, tokenizer_dir: str):
     if workers == 1:
         _init_worker(tokenizer_dir)
         return nullcontext()
-    return mp.get_context("fork").Pool(workers, _init_worker, (tokenizer_dir,))
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited by the workers and the pool's threads
+    try:
+        return mp.get_context("fork").Pool(workers, _init_pool_worker, (tokenizer_dir,))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _write_tokens(path: Path, kind: str, records: Iterator[Item | Skipped], tokenizer: Tokenizer,
+def _write_tokens(output: OutputDir, kind: str, records: Iterator[Item | Skipped], tokenizer: Tokenizer,
                   tokenizer_dir: str, report: Report, workers: int, val_fraction: float, strict: bool, seed: int,
                   seq_len: int, show_progress: bool) -> None:
     rng = np.random.default_rng(seed)
     progress = tqdm(desc=f"tokenizing {kind} records", unit=" records", disable=not show_progress)
-    with progress, _worker_pool(workers, tokenizer_dir) as pool, h5py.File(path, "w") as h5:
+    with progress, _worker_pool(workers, tokenizer_dir) as pool, h5py.File(output.staging / TOKENS_FILE, "w") as h5:
         writers = {split: SplitWriter(h5.create_group(split), STREAMS[kind], token_dtype(tokenizer.vocab_size))
                    for split in SPLITS}
         split = "train"
         jobs = _jobs(records, kind, seq_len + 1, report, strict, progress)
         for places, results in _encoded(jobs, pool, workers):
+            output.check_stopped()
             for item, result in zip(places, results):
                 if isinstance(result, Skipped):
                     _skip(result, report, strict)
@@ -432,9 +454,12 @@ def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: st
     tokenizer = Tokenizer.load(tokenizer_dir)
     report = Report(files={str(f): 0 for f in files}, seq_len=None if kind == "pretrain" else seq_len)
     with OutputDir(out_dir, OUTPUT_NAMES) as output:
-        _write_tokens(output.staging / TOKENS_FILE, kind, read_records(files, kind, max_record_mb), tokenizer,
-                      str(tokenizer_dir), report, workers, val_fraction, strict, seed, seq_len, show_progress)
-        (output.staging / REPORT_FILE).write_text(json.dumps(asdict(report), indent=1, ensure_ascii=False))
-        tokenizer.save(output.staging / TOKENIZER_DIR)
+        try:
+            _write_tokens(output, kind, read_records(files, kind, max_record_mb), tokenizer, str(tokenizer_dir),
+                          report, workers, val_fraction, strict, seed, seq_len, show_progress)
+            (output.staging / REPORT_FILE).write_text(json.dumps(asdict(report), indent=1, ensure_ascii=False))
+            tokenizer.save(output.staging / TOKENIZER_DIR)
+        except OSError as exc:  # the inputs' read errors are UserErrors already
+            raise cannot_write_output(out_dir, exc) from None
         output.commit()
     return report

@@ -24,6 +24,7 @@ import gzip
 import json
 import os
 import re
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,9 @@ ROWS_PER_BATCH = 256
 TABLE_ERRORS = (OSError, ValueError, KeyError, TypeError, NotImplementedError)
 """What pyarrow and datasets raise for a damaged or foreign file (their Arrow* errors derive from these)."""
 INSTALL_DATASETS = "pip install 'zerollm[datasets]'"
+JSON_ERRORS = (ValueError, RecursionError)
+"""What `json` raises on text it cannot turn into a value: malformed JSON (`JSONDecodeError`, a ValueError), an
+integer longer than Python converts (ValueError) and a value nested deeper than the recursion limit."""
 
 
 @dataclass(frozen=True)
@@ -301,6 +305,15 @@ def _too_long(size: int, max_record_chars: int) -> str:
             "long documents in .txt files, which are streamed")
 
 
+def json_problem(exc: ValueError | RecursionError) -> str:
+    """What is wrong with the JSON text that raised `exc` (one of `JSON_ERRORS`), for a message."""
+    if isinstance(exc, json.JSONDecodeError):
+        return exc.msg
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return f"an integer of more than {sys.get_int_max_str_digits()} digits"
+
+
 def _jsonl_items(path: Path, max_record_chars: int) -> Iterator[Item | Skipped]:
     parts: list[str] = []
     size = 0
@@ -317,8 +330,8 @@ def _jsonl_items(path: Path, max_record_chars: int) -> Iterator[Item | Skipped]:
         elif line.strip():
             try:
                 yield Item(str(path), number, json.loads(line))
-            except json.JSONDecodeError as exc:
-                yield Skipped(str(path), number, f"malformed JSON ({exc.msg})")
+            except JSON_ERRORS as exc:
+                yield Skipped(str(path), number, f"malformed JSON ({json_problem(exc)})")
 
 
 _JSON_SPACE = re.compile(r"[ \t\r\n]*")
@@ -376,6 +389,8 @@ class _JsonStream:
             except json.JSONDecodeError as exc:
                 if self.eof:
                     raise self._error(f"invalid JSON ({exc.msg})", exc.pos) from None
+            except JSON_ERRORS as exc:  # more text cannot mend these
+                raise self._error(f"invalid JSON ({json_problem(exc)})") from None
             self._check_size(len(self.buffer))
             self._more()
         self._check_size(end)
