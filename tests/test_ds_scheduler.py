@@ -20,11 +20,23 @@ HF_SCHEDULER = {"type": "WarmupLR", "params": AUTO}
 """The scheduler section of Hugging Face's zero2.json and zero3.json."""
 
 
-def resolved_scheduler(section, *overrides: str) -> dict:
+def resolved_scheduler(section, *overrides: str, optimizer: dict | None = None) -> dict:
     raw, _ = load_ds_config(None, "pretrain")
     cfg = build_config("demo", ["train.precision=fp32", "train.lr=3e-4", "train.warmup_steps=20",
                                 "train.max_steps=500", "train.min_lr_ratio=0.2", *overrides])
-    return resolve_ds_config({**raw, "scheduler": section}, cfg, 1, "x.json")["scheduler"]
+    return resolve_ds_config({**raw, "scheduler": section, **({"optimizer": optimizer} if optimizer else {})}, cfg, 1,
+                             "x.json")["scheduler"]
+
+
+MUON = {"type": "Muon", "params": {"lr": "auto", "muon_lr": 0.02, "adam_lr": 2e-3}}
+
+
+def test_a_one_rate_schedule_is_refused_for_an_optimizer_of_several_rates():
+    """WarmupLR set Muon's groups, at muon_lr and adam_lr, both to warmup_max_lr, without a word."""
+    with pytest.raises(UserError, match="^x.json: WarmupLR sets every parameter group to one rate .warmup_max_lr., "
+                                        "which replaces the optimizer's adam_lr, muon_lr; use WarmupCosineLR"):
+        resolved_scheduler(HF_SCHEDULER, optimizer=MUON)
+    assert resolved_scheduler({"type": "WarmupCosineLR"}, optimizer=MUON)["type"] == "WarmupCosineLR"
 
 
 @pytest.mark.parametrize("section, params", [

@@ -30,10 +30,15 @@ def optimizer_steps_per_step(cfg: RunConfig) -> int:
     return cfg.grpo.updates_per_batch if cfg.train.stage == "grpo" else 1
 
 
-def resolve_scheduler(section: Any, cfg: RunConfig, source: str, fill) -> None:
+SAME_RATE_EVERYWHERE = ("WarmupLR", "WarmupDecayLR")
+"""Schedules that set every parameter group to one rate (warmup_max_lr); WarmupCosineLR scales each group's own."""
+
+
+def resolve_scheduler(section: Any, cfg: RunConfig, source: str, fill, optimizer_params: dict[str, Any]) -> None:
     """Check the `scheduler` section and fill its "auto" values in place with `fill(params, key, value, run_key)`
     (an explicit value that disagrees is refused there). The run config's values are counted in optimizer steps,
-    the unit DeepSpeed's schedules count in."""
+    the unit DeepSpeed's schedules count in. `optimizer_params`: the optimizer section's, whose rates of their own
+    (Muon's muon_lr and adam_lr) a one-rate schedule would replace."""
     if not isinstance(section, dict):
         raise UserError(f"{source}: 'scheduler' must be a JSON object {{...}}, got {json.dumps(section)[:60]}")
     name = section.get("type")
@@ -41,6 +46,10 @@ def resolve_scheduler(section: Any, cfg: RunConfig, source: str, fill) -> None:
         raise UserError(f"{source}: 'scheduler.type' is {json.dumps(name)}; the schedules taken are "
                         f"{', '.join(SCHEDULES)}, or leave 'scheduler' out for the run config's (linear warmup, "
                         "cosine to train.min_lr_ratio * train.lr)")
+    own_rates = sorted(key for key in optimizer_params if key.endswith("_lr"))
+    if name in SAME_RATE_EVERYWHERE and own_rates:
+        raise UserError(f"{source}: {name} sets every parameter group to one rate (warmup_max_lr), which replaces the "
+                        f"optimizer's {', '.join(own_rates)}; use WarmupCosineLR, which scales each group's own rate")
     if cfg.train.max_time is not None:
         raise UserError(f"{source}: a 'scheduler' section counts steps, and train.max_time ends the run by the clock: "
                         "remove one of them (the run config's own schedule completes inside train.max_time)")

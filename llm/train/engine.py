@@ -140,7 +140,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
         for key, value in DYNAMIC_LOSS_SCALING.items():
             fp16.setdefault(key, value)
     if "scheduler" in ds:
-        resolve_scheduler(ds["scheduler"], cfg, source, fill)
+        resolve_scheduler(ds["scheduler"], cfg, source, fill, ds.get("optimizer", {}).get("params", {}))
     if zero_stage is not None:
         ds.setdefault("zero_optimization", {})["stage"] = zero_stage
     stage = ds.get("zero_optimization", {}).get("stage", 0)
