@@ -9,7 +9,9 @@ positions the run trained on, with the batch shape the run directory records now
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -64,7 +66,7 @@ def read_run(run_dir: Path) -> RunSeries:
             row = json.loads(line) if line.strip() else None
         except json.JSONDecodeError:
             row = None
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
+        if isinstance(row, dict) and rundir.is_count(row.get("step")):
             rows.append(row)
         elif line.strip():  # e.g. the last line, torn by a killed run (training drops it the same way)
             print(f"zerollm: note: {metrics}:{number}: skipped a line that is not a metrics row", file=sys.stderr)
@@ -87,6 +89,9 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; give a file such as {out / 'runs.png'}")
     out = out if out.suffix else out.with_suffix(".png")  # what matplotlib would write
+    nearest = next(folder for folder in out.parents if folder.exists())  # "." at the latest
+    if not nearest.is_dir():
+        raise UserError(f"--out {out}: cannot write it ({nearest} is a file, not a directory)")
     formats = plt.figure().canvas.get_supported_filetypes()
     plt.close("all")
     if out.suffix[1:].lower() not in formats:
@@ -105,16 +110,20 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
             ax.set_xlabel(x_label)
             ax.grid(alpha=0.3)
     axes[0][0].legend()
+    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")  # renamed over `out` once whole
     try:
         with warnings.catch_warnings():  # numpy's overflow warnings on such values: the error below says it
             warnings.simplefilter("ignore", RuntimeWarning)
             fig.tight_layout()
             out.parent.mkdir(parents=True, exist_ok=True)
-            fig.savefig(out, dpi=100)
+            fig.savefig(partial, dpi=100, format=out.suffix[1:].lower())
+        os.replace(partial, out)
     except OSError as exc:
         raise UserError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
     except (ValueError, OverflowError) as exc:  # e.g. values too far apart for an axis
         raise UserError(f"cannot draw these metrics ({exc}); are the runs' metrics.jsonl files intact?") from None
     finally:
         plt.close("all")
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
     return out

@@ -22,6 +22,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -121,17 +124,30 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, min_fr
         tok.train_from_iterator(counted(), trainer=trainer)
         if n_texts == 0:
             raise UserError("no usable records found in the inputs; nothing was written")
+        training = {"vocab_size": vocab_size, "min_frequency": min_frequency, "texts": n_texts}
+        return _write_output(Tokenizer(tok, OUR_CONFIG, str(out_dir)), training, out_dir)
     except BaseException:
         if created:  # leave no empty folder behind
             with contextlib.suppress(OSError):
                 out_dir.rmdir()
         raise
-    training = {"vocab_size": vocab_size, "min_frequency": min_frequency, "texts": n_texts}
+
+
+def _write_output(tokenizer: Tokenizer, training: dict, out_dir: Path) -> Tokenizer:
+    """The tokenizer's files and `training` written into a temporary folder beside `out_dir`, then renamed into it:
+    a failure while writing (a full disk) leaves the tokenizer that was there whole."""
     try:
-        (out_dir / TRAINING_FILE).write_text(json.dumps(training, indent=2), encoding="utf-8")
-        return Tokenizer(tok, OUR_CONFIG, str(out_dir)).save(out_dir)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.resolve().parent))
+        try:
+            (staging / TRAINING_FILE).write_text(json.dumps(training, indent=2), encoding="utf-8")
+            tokenizer.save(staging)
+            for written in sorted(staging.iterdir()):
+                os.replace(written, out_dir / written.name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:
         raise UserError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from None
+    return tokenizer
 
 
 @dataclass

@@ -300,6 +300,47 @@ def test_a_missing_datasets_package_is_a_one_line_error(tmp_path, monkeypatch):
         list(read_items(tmp_path / "hf"))
 
 
+def test_symlinked_folders_are_read_each_once_and_a_link_loop_ends(tokenizer_dir, tmp_path):
+    folder, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    (folder / "a.txt").write_text("one document\n")
+    (elsewhere / "b.txt").write_text("a linked document\n")
+    (folder / "linked").symlink_to(elsewhere)
+    (folder / "same_again").symlink_to(elsewhere)  # the same folder reached twice
+    (folder / "loop").symlink_to(folder)
+    report = _quiet("pretrain", [folder], tokenizer_dir, tmp_path / "out")
+    assert report.files == {str(folder / "a.txt"): 1, str(folder / "linked" / "b.txt"): 1}
+    assert _documents(tmp_path / "out", tokenizer_dir) == ["one document", "a linked document"]
+
+
+def test_a_file_named_twice_or_also_found_in_a_folder_is_read_once(tokenizer_dir, tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    named = folder / "a.jsonl"
+    report = _quiet("pretrain", [named, folder, tmp_path / "corpus" / ".." / "corpus" / "a.jsonl"], tokenizer_dir,
+                    tmp_path / "out")
+    assert report.files == {str(named): 2} and report.documents["train"] == 2
+
+
+def test_a_fifo_in_a_folder_is_skipped_and_one_named_is_refused(tokenizer_dir, tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("one document\n")
+    os.mkfifo(folder / "pipe.txt")  # reading it would wait forever for a writer
+    result = run_cli("data", "prepare", "--input", folder, "--tokenizer", tokenizer_dir, "--out", tmp_path / "out",
+                     "--workers", 1, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads((tmp_path / "out" / "report.json").read_text())["files"]) == {str(folder / "a.txt")}
+    result = run_cli("data", "prepare", "--input", folder / "pipe.txt", "--tokenizer", tokenizer_dir, "--out",
+                     tmp_path / "out2", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr == f"zerollm: error: {folder / 'pipe.txt'}: not a regular file (a FIFO, socket or device); " \
+                            "give a file or a directory\n"
+    assert not (tmp_path / "out2").exists()
+
+
 # ---- the output directory --------------------------------------------------------------------------------
 
 def test_out_inside_the_input_directory_is_never_read_back(tokenizer_dir, tmp_path):
@@ -522,6 +563,26 @@ def test_json_records_over_the_limit_are_skipped_or_refused_without_reading_them
     (tmp_path / "big.json").write_text(json.dumps([{"text": "short"}, big]))
     with pytest.raises(UserError, match="big.json:1: a value longer than --max-record-mb 0.01"):
         _quiet("pretrain", [tmp_path / "big.json"], tokenizer_dir, tmp_path / "out2", max_record_mb=0.01)
+
+
+def test_a_tiny_max_record_mb_is_named_as_given(tokenizer_dir, tmp_path):
+    """It was named "--max-record-mb 0" (the limit in whole characters, over a million)."""
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "x"}\n')
+    assert [str(s) for s in read_items(path, max_record_mb=1e-9)] == [
+        f"{path}:1: record of 14 characters is over --max-record-mb 1e-09; raise it, or put long documents in .txt "
+        "files, which are streamed"]
+    (tmp_path / "a.json").write_text('{"text": "x"}')
+    with pytest.raises(UserError, match="a.json:1: a value longer than --max-record-mb 1e-09;"):
+        list(read_items(tmp_path / "a.json", max_record_mb=1e-9))
+
+
+def test_a_dpo_prompt_of_the_wrong_type_is_named(tokenizer_dir, tmp_path):
+    """It was skipped as "no prompt"."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": 5, "chosen": "a", "rejected": "b"}\n{"prompt": "hi", "chosen": "a", "rejected": "b"}\n')
+    report = _quiet("dpo", [path], tokenizer_dir, tmp_path / "out")
+    assert report.skipped == [f"{path}:1: 'prompt' is int, expected a string or a list of turns"]
 
 
 @pytest.mark.parametrize("kind, source", [("pretrain", "pretrain/en_notes.jsonl"), ("sft", "sft/messages_zh.jsonl")])

@@ -1,6 +1,8 @@
 """`zerollm plot`: a picture of several runs' curves from their metrics.jsonl."""
 
+import errno
 import json
+import os
 import sys
 
 import numpy as np
@@ -99,6 +101,7 @@ def test_values_that_are_not_numbers_are_not_drawn(tmp_path):
     with (run / "metrics.jsonl").open("a") as f:
         for step, loss in enumerate(["9", True, [1, 2], None, float("inf"), 2.5], start=7):
             f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+        f.write(json.dumps({"step": True, "loss": 3.0}) + "\n")  # was drawn as step 1
     xs, ys = read_run(run).points("loss", "step")
     assert xs == [1, 2, 3, 4, 5, 6, 12] and ys[-1] == 2.5
     assert run_cli("plot", run, "--out", tmp_path / "x.png").returncode == 0
@@ -122,5 +125,25 @@ def test_damaged_runs_are_one_line(tmp_path, damage, message):
 def test_an_out_below_a_file_is_one_line(tmp_path):
     run = fake_run(tmp_path / "a", 6, 1.0)
     result = run_cli("plot", run, "--out", run / "config.yaml" / "x.png")
-    assert result.returncode == 2 and result.stderr.startswith(f"zerollm: error: --out {run / 'config.yaml' / 'x.png'}"
-                                                               ": cannot write it"), result.stderr
+    assert result.returncode == 2 and result.stderr == (f"zerollm: error: --out {run / 'config.yaml' / 'x.png'}: "
+                                                        f"cannot write it ({run / 'config.yaml'} is a file, not a "
+                                                        "directory)\n"), result.stderr
+
+
+def test_a_failed_write_leaves_the_earlier_picture_and_no_partial_file(tmp_path, monkeypatch):
+    """A full disk left a 0-byte picture in place of the earlier one."""
+    from matplotlib.figure import Figure
+
+    run = fake_run(tmp_path / "a", 6, 1.0)
+    out = tmp_path / "pictures" / "x.png"
+    out.parent.mkdir()
+    out.write_bytes(b"the earlier picture")
+
+    def disk_full(figure, path, **options):
+        open(path, "wb").close()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Figure, "savefig", disk_full)
+    with pytest.raises(UserError, match=r"x.png: cannot write it \(No space left on device\)$"):
+        plot_runs([run], out)
+    assert out.read_bytes() == b"the earlier picture" and list(out.parent.iterdir()) == [out]

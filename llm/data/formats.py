@@ -223,6 +223,8 @@ def _explicit_prompt(value: dict) -> list[Message]:
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, list):
         return _messages(prompt, "'prompt'")
+    if prompt is not None:
+        raise RecordError(f"'prompt' is {type(prompt).__name__}, expected a string or a list of turns")
     if "instruction" in value:
         return _alpaca(value, None)
     return []

@@ -118,15 +118,20 @@ def _dataset_dict_splits(path: Path) -> list[Path]:
 
 
 def _walk(folder: Path, exclude: Path | None) -> list[Path]:
-    """Supported files and save_to_disk datasets under `folder`, sorted; hidden entries and `exclude` left out."""
+    """Supported files and save_to_disk datasets under `folder`, sorted; hidden entries, `exclude` and anything but
+    regular files (a FIFO would block the reader forever) left out. Symlinked folders are followed, each folder
+    read once however many links reach it (so a link loop ends)."""
     found: list[Path] = []
-    for root, dirs, files in os.walk(folder):
+    seen = {folder.resolve()}
+    for root, dirs, files in os.walk(folder, followlinks=True):
         here = Path(root)
         kept = []
         for name in sorted(dirs):
             sub = here / name
-            if name.startswith(".") or (exclude is not None and _is_within(sub.resolve(), exclude)):
+            real = sub.resolve()
+            if name.startswith(".") or real in seen or (exclude is not None and _is_within(real, exclude)):
                 continue
+            seen.add(real)
             if _format(sub) == "hf":
                 found.append(sub)
             elif (sub / HF_DATASET_DICT_FILE).is_file():
@@ -134,13 +139,27 @@ def _walk(folder: Path, exclude: Path | None) -> list[Path]:
             else:
                 kept.append(name)
         dirs[:] = kept
-        found.extend(here / name for name in files if not name.startswith(".") and _format(here / name))
+        found.extend(here / name for name in files
+                     if not name.startswith(".") and _format(here / name) and (here / name).is_file())
     return sorted(found)
+
+
+def _once(paths: list[Path]) -> list[Path]:
+    """`paths` without repeats of a file (by resolved path), in order: one named twice, or named and also found in
+    a folder given, is read once."""
+    seen: set[Path] = set()
+    unique = []
+    for path in paths:
+        real = path.resolve()
+        if real not in seen:
+            seen.add(real)
+            unique.append(path)
+    return unique
 
 
 def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None) -> list[Path]:
     """Files (and save_to_disk datasets) named directly, plus the supported ones under any directory (sorted;
-    hidden files and folders are left out). `exclude` (the output directory) is never read: a directory
+    hidden files and folders are left out), each once. `exclude` (the output directory) is never read: a directory
     walk leaves it out, and naming a path inside it is refused."""
     excluded = Path(exclude).resolve() if exclude is not None else None
     files: list[Path] = []
@@ -157,6 +176,8 @@ def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None
                 raise UserError(f"{path}: directory holds no {'/'.join(SUPPORTED)} files or datasets directories")
             files.extend(found)
         elif path.exists():
+            if not (path.is_file() or path.is_dir()):
+                raise UserError(f"{path}: not a regular file (a FIFO, socket or device); give a file or a directory")
             if _format(path) is None:
                 raise UserError(f"{path}: unknown format '{''.join(path.suffixes) or path.name}'; expected one of "
                                 f"{', '.join(SUPPORTED)} or a directory saved by datasets' save_to_disk")
@@ -165,6 +186,7 @@ def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None
             raise UserError(f"{path}: no such file or directory")
     if not files:
         raise UserError("no input files given")
+    files = _once(files)
     for path in files:
         if _format(path) in TEXT_SUFFIXES:
             _check_text_file(path)
@@ -300,9 +322,14 @@ def _txt_items(path: Path) -> Iterator[Item]:
         yield from document.finish()
 
 
-def _too_long(size: int, max_record_chars: int) -> str:
-    return (f"record of {size:,} characters is over --max-record-mb {max_record_chars / 1e6:g}; raise it, or put "
+def _too_long(size: int, max_record_mb: float) -> str:
+    return (f"record of {size:,} characters is over --max-record-mb {max_record_mb:g}; raise it, or put "
             "long documents in .txt files, which are streamed")
+
+
+def _chars(max_record_mb: float) -> int:
+    """The longest record --max-record-mb allows, in characters."""
+    return int(max_record_mb * 1e6)
 
 
 def json_problem(exc: ValueError | RecursionError) -> str:
@@ -314,7 +341,8 @@ def json_problem(exc: ValueError | RecursionError) -> str:
     return f"an integer of more than {sys.get_int_max_str_digits()} digits"
 
 
-def _jsonl_items(path: Path, max_record_chars: int) -> Iterator[Item | Skipped]:
+def _jsonl_items(path: Path, max_record_mb: float) -> Iterator[Item | Skipped]:
+    max_record_chars = _chars(max_record_mb)
     parts: list[str] = []
     size = 0
     for number, text, complete in _line_parts(path, min(PIECE_CHARS, max_record_chars + 1)):
@@ -326,7 +354,7 @@ def _jsonl_items(path: Path, max_record_chars: int) -> Iterator[Item | Skipped]:
         line, too_long = "".join(parts), size > max_record_chars
         parts, size_read, size = [], size, 0
         if too_long:
-            yield Skipped(str(path), number, _too_long(size_read, max_record_chars))
+            yield Skipped(str(path), number, _too_long(size_read, max_record_mb))
         elif line.strip():
             try:
                 yield Item(str(path), number, json.loads(line))
@@ -341,8 +369,8 @@ class _JsonStream:
     """The values of a `.json` file (the elements of a top-level array, or the one value), parsed one at a time
     from a sliding window of the text, so the file is never held whole."""
 
-    def __init__(self, path: Path, max_record_chars: int) -> None:
-        self.path, self.max_record_chars = path, max_record_chars
+    def __init__(self, path: Path, max_record_mb: float) -> None:
+        self.path, self.max_record_mb, self.max_record_chars = path, max_record_mb, _chars(max_record_mb)
         self.parts = (text for _, text, _ in _line_parts(path, PIECE_CHARS))
         self.buffer, self.pos, self.line, self.eof = "", 0, 1, False
 
@@ -375,7 +403,7 @@ class _JsonStream:
 
     def _check_size(self, end: int) -> None:
         if end - self.pos > self.max_record_chars:
-            raise self._error(f"a value longer than --max-record-mb {self.max_record_chars / 1e6:g}; raise it or "
+            raise self._error(f"a value longer than --max-record-mb {self.max_record_mb:g}; raise it or "
                               "convert the file to .jsonl")
 
     def _value(self) -> tuple[int, Any]:
@@ -520,11 +548,10 @@ def read_items(path: Path, max_record_mb: float = DEFAULT_MAX_RECORD_MB) -> Iter
     """Raw values of one input (checked by `expand_inputs`), streamed; a value with text that is not valid Unicode
     comes out as `Skipped`."""
     kind = _format(path)
-    max_record_chars = int(max_record_mb * 1e6)
     if kind == ".txt":
         return _txt_items(path)
     if kind == ".jsonl":
-        return _valid_unicode(_jsonl_items(path, max_record_chars))
+        return _valid_unicode(_jsonl_items(path, max_record_mb))
     if kind == ".json":
-        return _valid_unicode(_JsonStream(path, max_record_chars).items())
+        return _valid_unicode(_JsonStream(path, max_record_mb).items())
     return _valid_unicode(_table_items(path, kind))
