@@ -52,6 +52,7 @@ def test_bench_learn_runs_tokenizer_data_training_and_heldout_bits_per_byte_in_o
     (["--reserve", "nan"], "--reserve must be at least 0 s and less than --budget (30 s), got nan"),
     (["--reserve", "-5"], "--reserve must be at least 0 s and less than --budget (30 s), got -5"),
     (["--vocab-size", "0"], "--vocab-size 0 is too small"),  # 0 took the recipe's and trained for the whole budget
+    (["--budget", "0"], "zerollm: error: --budget must be a positive duration, got '0'"),  # "config key '--budget'"
     (["--out", "{folder}"], "--out {folder} holds train.txt; bench learn writes its split, tokenizer, data and run"),
 ])
 def test_bad_options_are_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, options, message):

@@ -3,6 +3,7 @@ chain."""
 
 import json
 import math
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -214,7 +215,8 @@ def test_over_long_records_are_reported_at_prepare_time(tokenizer_dir, tmp_path)
     result = run_cli("data", "prepare", "--kind", "sft", "--input", chats, "--tokenizer", tokenizer_dir, "--out",
                      tmp_path / "sft", "--seq-len", 48, "--val-fraction", 0)
     assert result.returncode == 0, result.stderr
-    assert f"{chats}:2: too long: the first reply ends after" in result.stdout
+    assert re.search(f"{re.escape(str(chats))}:2: too long: the first reply ends after \\d+ tokens, more than "
+                     r"--seq-len 48 holds \(49: the window and its last target\)", result.stdout)  # "the limit is 49"
     assert f"{chats}:3: cut to fit --seq-len 48" in result.stdout
     report = json.loads((tmp_path / "sft" / "report.json").read_text())
     assert report["documents"]["train"] == 2 and len(report["skipped"]) == 1 and report["seq_len"] == 48

@@ -127,7 +127,8 @@ def encode_sft(tok: Tokenizer, messages: list[dict[str, str]], max_tokens: int) 
     if truncated:
         fitting = [end for end in chat.turn_ends if end <= max_tokens]
         if not fitting:
-            raise TooLong(f"too long: the first reply ends after {chat.turn_ends[0]} tokens, the limit is {max_tokens}")
+            raise TooLong(f"too long: the first reply ends after {chat.turn_ends[0]} tokens, more than --seq-len "
+                          f"{max_tokens - 1} holds ({max_tokens}: the window and its last target)")
         tokens, mask = tokens[:fitting[-1]], mask[:fitting[-1]]
     return {"tokens": tokens, "loss_mask": mask}, truncated
 
