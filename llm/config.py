@@ -241,6 +241,9 @@ class GRPOConfig:
     """Divide advantages by the group's reward standard deviation; false keeps only the mean subtracted (Dr. GRPO)."""
     token_mean: bool = False
     """Average the loss over every completion token of the step (DAPO) instead of per completion first."""
+    reward_timeout_s: float = 600.0
+    """Seconds the rewards of one rollout may take on a rank, every term together; longer ends the run in one line
+    (a reward that hangs held the run, which a stop signal lets finish its step first). 0: no limit."""
     rollout_model: str = "gathered"
     """What generates the rollouts under ZeRO-3 (under ZeRO 0-2 the engine's own module does, holding the full
     parameters): 'gathered' (the parameters are gathered once per rollout into a hook-free view of the model and
@@ -524,6 +527,7 @@ NUMBER_RANGES: dict[str, Bounds] = {
     "grpo.group_size": POSITIVE, "grpo.max_new_tokens": POSITIVE, "grpo.temperature": POSITIVE,
     "grpo.top_k": NON_NEGATIVE, "grpo.top_p": Bounds(0, 1, low_open=True), "grpo.updates_per_batch": POSITIVE,
     "grpo.clip_low": BELOW_ONE, "grpo.clip_high": NON_NEGATIVE, "grpo.kl_coef": NON_NEGATIVE,
+    "grpo.reward_timeout_s": NON_NEGATIVE,
     "lora.r": NON_NEGATIVE, "lora.alpha": POSITIVE, "lora.dropout": BELOW_ONE,
 }
 """The range of every int and float config key (None, where a key allows it, is not checked); train.max_time is a

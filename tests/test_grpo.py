@@ -4,6 +4,7 @@ ZeRO-3 (reward rising, first-step KL 0), bit-exact resume after SIGKILL, one-lin
 import json
 import math
 import shutil
+import signal
 import sys
 from types import SimpleNamespace
 
@@ -115,6 +116,20 @@ def test_a_user_function_that_fails_is_one_line_naming_where(tmp_path, monkeypat
     with pytest.raises(UserError, match=message) as error:
         reward(_completions(["a", "b"]))
     assert "\n" not in str(error.value)
+
+
+def test_a_reward_that_hangs_ends_in_one_line_at_its_time_limit(tmp_path, monkeypatch):
+    """A reward that never answered held the run for ever: a stop signal lets the step finish first."""
+    (tmp_path / "hangs.py").write_text("import time\n\ndef score(prompts, completions, **fields):\n"
+                                       "    try:\n        time.sleep(60)\n    except Exception:\n"
+                                       "        return [0.0] * len(completions)\n")  # it cannot catch the limit
+    monkeypatch.chdir(tmp_path)
+    reward = Reward(["exact_match", "hangs:score"], 4, torch.device("cpu"), timeout_s=0.2)
+    with pytest.raises(UserError, match=r"^--reward score: no answer for 2 completions within "
+                                        r"grpo.reward_timeout_s \(0.2 s, every term together\); make it faster"):
+        reward(_completions(["a", "b"], answers=["a", "b"]))
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    assert Reward(["exact_match"], 4, torch.device("cpu"), timeout_s=0.2)(_completions(["a"], answers=["a"]))[0] == 1
 
 
 def test_a_reward_module_that_exits_while_imported_is_one_line(tmp_path, monkeypatch):

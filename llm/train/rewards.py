@@ -28,9 +28,12 @@ import importlib.util
 import inspect
 import math
 import re
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -302,12 +305,39 @@ def parse_term(term: str, max_new_tokens: int, device: torch.device) -> RewardTe
                     f"model:DIR or module:function{hint}")
 
 
-class Reward:
-    """The weighted sum of the `--reward` terms."""
+class _OutOfTime(BaseException):
+    """Raised into a reward that ran past grpo.reward_timeout_s: not an Exception, so that no handler of the
+    user's (or `UserFunction`'s) takes it for the reward's own failure."""
 
-    def __init__(self, terms: Sequence[str], max_new_tokens: int, device: torch.device) -> None:
+
+@contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise `_OutOfTime` into the block after `seconds` (0: never). A timer signal interrupts Python code and the
+    waits it makes (sleep, sockets); only the main thread receives it, so elsewhere there is no limit."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def ring(signum, frame):
+        raise _OutOfTime
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Reward:
+    """The weighted sum of the `--reward` terms, computed within `timeout_s` seconds (0: no limit)."""
+
+    def __init__(self, terms: Sequence[str], max_new_tokens: int, device: torch.device,
+                 timeout_s: float = 0.0) -> None:
         if not terms:
             raise UserError("no reward: pass --reward TERM (e.g. exact_match)")
+        self.timeout_s = timeout_s
         self.terms = [parse_term(t, max_new_tokens, device) for t in terms]
         names = [t.name for t in self.terms]
         for i, term in enumerate(self.terms):
@@ -317,6 +347,14 @@ class Reward:
 
     def __call__(self, batch: Completions) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(total reward per completion, {term name: its unweighted scores}), float32 on the CPU."""
-        components = {t.name: torch.tensor(t.score(batch), dtype=torch.float32) for t in self.terms}
+        components, term = {}, None
+        try:
+            with _time_limit(self.timeout_s):
+                for term in self.terms:
+                    components[term.name] = torch.tensor(term.score(batch), dtype=torch.float32)
+        except _OutOfTime:
+            raise UserError(f"--reward {term.name}: no answer for {len(batch.texts)} completions within "
+                            f"grpo.reward_timeout_s ({self.timeout_s:g} s, every term together); make it faster or "
+                            "raise the limit (0: none)") from None
         total = sum(t.weight * components[t.name] for t in self.terms)
         return total, components

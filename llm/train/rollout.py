@@ -64,7 +64,7 @@ def grpo_inputs(cfg: RunConfig, device: torch.device | None = None) -> tuple[Tok
     run, every mistake in them a `UserError`."""
     g = cfg.grpo
     tokenizer = Tokenizer.load(tokenizer_dir(cfg))
-    reward = Reward(g.reward, g.max_new_tokens, device or torch.device("cpu"))
+    reward = Reward(g.reward, g.max_new_tokens, device or torch.device("cpu"), g.reward_timeout_s)
     prompts = read_prompts(g.prompts, partial(encode_prompt, tokenizer), cfg.data.seq_len - g.max_new_tokens,
                            reward.required_fields)
     return tokenizer, reward, prompts
