@@ -299,14 +299,21 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def save(self, path: Path) -> None:
-        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True))
+        path.write_text(dump_yaml(self.to_dict()))
 
 
 class _Yaml12Loader(yaml.SafeLoader):
-    """YAML with the 1.2 core schema's booleans: only true/false. YAML 1.1 (PyYAML's default) also reads on, off,
-    yes, no, y and n as booleans, so `wandb.mode: off` or `--set wandb.mode=off` would arrive as False. A key given
+    """YAML with the 1.2 core schema's scalars. YAML 1.1 (PyYAML's default) also reads on, off, yes, no, y and n as
+    booleans (`--set wandb.mode=off` arrived as False), 010 as octal 8 (`--set lora.r=010` trained at rank 8),
+    1:30 as 90, 1_000 as 1000 and 2026-12-02 as a date, and needs a dot in a float (1e-3 was text). A key given
     twice in one mapping is an error, as YAML says (PyYAML kept the last silently: `lora: {r: 4, r: 8}` trained
     at rank 8)."""
+
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node)
+        sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
+        base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
+        return sign * int(digits[2:] if base != 10 else digits, base)
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -324,16 +331,39 @@ class _Yaml12Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+_YAML11_ONLY = {f"tag:yaml.org,2002:{kind}" for kind in ("bool", "int", "float", "timestamp")}
 _Yaml12Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _YAML11_ONLY]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 _Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
                                     list("tTfF"))
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+                                    list("-+0123456789"))
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+.0123456789"))
+_Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _Yaml12Loader.construct_yaml_int)
+
+
+class _QuotingDumper(yaml.SafeDumper):
+    """Quotes every string that YAML 1.1 or 1.2 would read as another type: a run named 1e5 or on reads back as
+    text both here and in other YAML readers."""
+
+
+_QuotingDumper.yaml_implicit_resolvers = {
+    first: yaml.SafeDumper.yaml_implicit_resolvers.get(first, []) + _Yaml12Loader.yaml_implicit_resolvers.get(first, [])
+    for first in {*yaml.SafeDumper.yaml_implicit_resolvers, *_Yaml12Loader.yaml_implicit_resolvers}}
 
 
 def load_yaml(text: str):
-    """Parse YAML text the way recipes, overrides and run configs are read (YAML 1.2 booleans)."""
+    """Parse YAML text the way recipes, overrides and run configs are read (YAML 1.2 core schema)."""
     return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+def dump_yaml(data) -> str:
+    """YAML text that `load_yaml` reads back as `data`."""
+    return yaml.dump(data, Dumper=_QuotingDumper, sort_keys=False, allow_unicode=True)
 
 
 def recipe_names() -> list[str]:
@@ -375,7 +405,7 @@ def _coerce(key: str, value: Any, annotation: str) -> Any:
         raise UserError(f"config key '{key}' expects a list of strings, got {value!r}")
     if "float" in annotation and isinstance(value, str) and "str" not in annotation:
         with contextlib.suppress(ValueError):
-            value = float(value)  # YAML 1.1 reads "1e-3" as a string
+            value = float(value)  # a quoted number, "1e-3"
     if "float" in annotation and isinstance(value, int) and not isinstance(value, bool):
         try:
             value = float(value)
@@ -390,7 +420,9 @@ def _coerce(key: str, value: Any, annotation: str) -> Any:
     raise UserError(f"config key '{key}' expects {annotation}, got {value!r}")
 
 
-def _apply(cfg: RunConfig, dotted: str, value: Any) -> None:
+def _apply(cfg: RunConfig, dotted: str, value: Any, text: str | None = None) -> None:
+    """Set one key. `text` is the value as written after `--set key=`: a key that only takes text gets it as
+    written (`--set wandb.name=0123` names the run 0123, not 123), null aside."""
     section_name, _, field_name = dotted.partition(".")
     sections = {f.name: f for f in dataclasses.fields(RunConfig)}
     if section_name not in sections or not field_name:
@@ -401,11 +433,14 @@ def _apply(cfg: RunConfig, dotted: str, value: Any) -> None:
     if field_name not in fields:
         raise UserError(f"unknown config key '{dotted}'; '{section_name}' has: {', '.join(fields)}")
     annotation = str(fields[field_name].type)
+    takes_text_only = annotation in ("str", "str | None")
+    if text is not None and takes_text_only and not (value is None and "None" in annotation):
+        value = text
     setattr(section, field_name, _coerce(dotted, value, annotation))
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """'train.lr=1e-3' -> ('train.lr', 0.001); values are parsed as YAML scalars."""
+def parse_override(text: str) -> tuple[str, Any, str]:
+    """'train.lr=1e-3' -> ('train.lr', 0.001, '1e-3'): the key, the value parsed as YAML and the value as written."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise UserError(f"--set expects key=value, got '{text}'")
@@ -413,7 +448,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = load_yaml(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
-    return key.strip(), value
+    return key.strip(), value, raw
 
 
 def parse_lora_spec(spec: str) -> list[str]:
@@ -447,7 +482,7 @@ def parse_lora_spec(spec: str) -> list[str]:
                 number = None
             if number is None or not check(number):
                 raise UserError(f"--lora: {name} must be {what}, got '{values[name][0]}'")
-            values[name] = [repr(number)]  # the number checked: as YAML, r=010 was octal 8
+            values[name] = [repr(number)]  # the number as checked
     return [f"lora.{name}={json.dumps(items) if name == 'targets' else items[0]}" for name, items in values.items()]
 
 

@@ -5,7 +5,7 @@ import pathlib
 import psutil
 import pytest
 
-from llm.config import NUMBER_RANGES, RunConfig, build_config, recipe_names
+from llm.config import NUMBER_RANGES, RunConfig, build_config, load_yaml, recipe_names
 from llm.errors import UserError
 from llm.train.ds_config_file import DS_CONFIG_DIR, load_ds_config
 from llm.train.engine import resolve_ds_config
@@ -26,6 +26,22 @@ def test_dotted_overrides_parse_yaml_scalars():
     t, m = cfg.train, cfg.model
     assert (t.max_steps, t.save_every, t.eval_every, t.micro_batch_size, t.lr) == (7, 3, 2, 2, 1e-3)
     assert (cfg.data.seq_len, m.dim, m.n_layers, m.n_kv_heads, m.moe) == (64, 96, 3, None, True)
+
+
+def test_values_are_read_by_yaml_12_and_text_keys_take_the_text_as_written(tmp_path):
+    """YAML 1.1 read 010 as octal 8 (`--set lora.r=010` trained at rank 8), 1_000 as 1000 and 2026-12-02 as a date
+    (a run named so was refused), and `--set wandb.name=0123` named the run 83."""
+    cfg = build_config("demo", ["train.stage=sft", "lora.r=010", "train.max_steps=0o12", "train.lr=2e-4",
+                                "wandb.name=0123", "wandb.project=2026-12-02"], paths={"train.init_from": "base"})
+    assert (cfg.lora.r, cfg.train.max_steps, cfg.train.lr) == (10, 10, 2e-4)
+    assert (cfg.wandb.name, cfg.wandb.project) == ("0123", "2026-12-02")
+    assert build_config("demo", ["wandb.name=null"]).wandb.name is None
+    with pytest.raises(UserError, match="train.max_steps' expects int, got '1_000'"):
+        build_config("demo", ["train.max_steps=1_000"])
+    for name in ("1e5", "on", "010", "1:30", ".5"):  # what config.yaml records reads back as the same text
+        saved = build_config("demo", [f"wandb.name={name}"])
+        saved.save(tmp_path / "config.yaml")
+        assert load_yaml((tmp_path / "config.yaml").read_text())["wandb"]["name"] == name
 
 
 @pytest.mark.parametrize("override, message", [

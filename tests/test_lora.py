@@ -58,7 +58,7 @@ def test_the_lora_spec_sets_the_lora_keys():
     assert default.targets == list(LORA_TARGETS) and default.scale == 2.0 and default.dropout == 0.0
     assert build_config("demo").lora.r == 0  # off unless asked for
     octal = build_config("demo", ["train.stage=sft", *parse_lora_spec("r=010,alpha=010")],
-                         paths={"train.init_from": "base"}).lora  # checked as 10, passed on as YAML's octal 8
+                         paths={"train.init_from": "base"}).lora  # YAML 1.1 read 010 as octal 8
     assert (octal.r, octal.alpha) == (10, 10.0)
 
 
