@@ -13,6 +13,7 @@ import io
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from launch.hostfile import MAX_SLOTS_PER_HOST
 from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, LaunchOptions, launcher_name
@@ -451,9 +452,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Every file is written and every rank has passed the final barrier, or every rank refused the job. End the
     # process without interpreter teardown: destroying two ZeRO-3 engines and their gloo groups there, or the
     # watchdog's heartbeat caught mid-call, can abort ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    end_now(code)
 
 
 def checked_training_command(job: list[str]) -> tuple[list[str], Path]:
@@ -613,8 +612,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         code = bench_learn(args.input, args.out, recipe=args.recipe, budget=args.budget, reserve=args.reserve,
                            vocab_size=args.vocab_size, overrides=args.overrides, deepspeed_config=args.deepspeed,
                            zero_stage=args.zero_stage)
-        sys.stdout.flush()
-        os._exit(code)  # the training job ran in this process: end it as `zerollm train` does (see cmd_train)
+        end_now(code)  # the training job ran in this process: end it as `zerollm train` does (see cmd_train)
     if args.what == "train":
         return bench_train(args.recipe, args.overrides, steps=args.steps, warmup=args.warmup, nproc=args.nproc,
                            deepspeed_config=args.deepspeed, zero_stage=args.zero_stage, lora=args.lora)
@@ -626,6 +624,14 @@ COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "l
             "generate": cmd_generate,
             "chat": cmd_chat, "export": cmd_export, "serve": cmd_serve, "demo": cmd_demo, "bench": cmd_bench,
             "eval": cmd_eval, "plot": cmd_plot}
+
+
+def end_now(code: int) -> NoReturn:
+    """End this process with `code` once what it printed is flushed, without interpreter teardown (finalizers,
+    atexit handlers, freeing objects), where that teardown can crash."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _report(exc: UserError) -> None:
@@ -643,6 +649,8 @@ def main(argv: list[str] | None = None) -> None:
         code = COMMANDS[args.command](args)
     except UserError as exc:
         _report(exc)
+        if exc.end_at_once:
+            end_now(EXIT_USER_ERROR)
         code = EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("zerollm: interrupted", file=sys.stderr)

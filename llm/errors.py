@@ -21,11 +21,14 @@ EXIT_RANK_LOST = 76
 
 class UserError(Exception):
     """A mistake in the user's input (file, config, path, tokenizer), not a bug. `announce` false: already printed
-    (one that every rank of a job raises is printed once per node, by `llm.runtime.distributed.raise_together`)."""
+    (one that every rank of a job raises is printed once per node, by `llm.runtime.distributed.raise_together`).
+    `end_at_once`: what failed left a library that crashes when its objects are freed (HDF5 after a failed write
+    segfaults as Python ends: exit 139 after the message), so the CLI ends the process at once, without finalizers,
+    when it has printed the message; everything of the command's own is cleaned up before it is raised."""
 
-    def __init__(self, message: str, announce: bool = True) -> None:
+    def __init__(self, message: str, announce: bool = True, end_at_once: bool = False) -> None:
         super().__init__(message)
-        self.announce = announce
+        self.announce, self.end_at_once = announce, end_at_once
 
 
 def report(message: str) -> None:

@@ -5,6 +5,7 @@ import gzip
 import itertools
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -23,7 +24,7 @@ from conftest import FIXTURES, run_cli, zerollm_here
 from llm.cli import main
 from llm.data.formats import read_items, read_records
 from llm.data.output import OutputDir
-from llm.data.prepare import OUTPUT_NAMES, SplitWriter, prepare
+from llm.data.prepare import OUTPUT_NAMES, prepare
 from llm.data.prepared import read_data_attrs
 from llm.data.readers import PIECE_CHARS, Item, expand_inputs, split_text
 from llm.errors import UserError
@@ -487,16 +488,28 @@ def test_unwritable_out_is_a_one_line_error(tokenizer_dir, corpus, tmp_path, mon
             "beside it (in its parent directory)")
 
 
-def test_a_full_disk_is_a_one_line_error_and_leaves_nothing(tokenizer_dir, corpus, tmp_path, monkeypatch, capsys):
-    def full(self):
-        raise OSError(errno.ENOSPC, "Can't synchronously write data (h5py's paragraph)")
+def _file_size_limit(limit: int):
+    """For a child process: files it writes cannot grow past `limit` bytes (a write fails with EFBIG, as on a full
+    disk; no root needed to fill a file system)."""
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
 
-    monkeypatch.setattr(SplitWriter, "flush", full)
-    code = zerollm_here(monkeypatch, "data", "prepare", "--input", corpus, "--tokenizer", tokenizer_dir, "--out",
-                        tmp_path / "out", "--workers", 1)
-    assert code == 2 and capsys.readouterr().err.splitlines()[-1] == (
-        f"zerollm: error: --out {tmp_path / 'out'}: cannot write the output (No space left on device); nothing was "
-        "kept")
+
+@pytest.mark.parametrize("documents", [10_000, 40_000])  # the write fails as the file closes; as it is written
+def test_a_failed_write_is_a_one_line_error_and_leaves_nothing(tokenizer_dir, tmp_path, documents):
+    """HDF5 crashed freeing the file whose write failed: exit 139 (a segmentation fault) after the message; a write
+    that failed as the file closed was an h5py traceback."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"document number {i}, with a few words" for i in range(documents)) + "\n")
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "llm", "data", "prepare", "--input", str(corpus), "--tokenizer",
+                             str(tokenizer_dir), "--out", str(out), "--workers", "1"], capture_output=True, text=True,
+                            preexec_fn=_file_size_limit(64 * 1024), check=False)
+    assert (result.returncode, result.stderr.splitlines()[-1]) == (2, (
+        f"zerollm: error: --out {out}: cannot write the output (File too large); nothing was kept"))
+    assert "Traceback" not in result.stderr
     assert sorted(os.listdir(tmp_path)) == ["corpus.txt"]
 
 

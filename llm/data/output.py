@@ -45,9 +45,10 @@ def _cannot_write(out: Path, exc: OSError) -> UserError:
 
 def cannot_write_output(out: str | Path, exc: OSError) -> UserError:
     """A failed write into the output (a full disk, a quota): its reason without the library's details (h5py gives
-    errno 28 with a paragraph of its own)."""
+    errno 28 with a paragraph of its own). HDF5 crashes when it frees a file whose write failed, so the process
+    ends at once after the message (`UserError.end_at_once`)."""
     return UserError(f"--out {out}: cannot write the output ({os.strerror(exc.errno) if exc.errno else exc}); "
-                     "nothing was kept")
+                     "nothing was kept", end_at_once=True)
 
 
 def refuse_foreign_contents(out: Path, given: str | Path, command: str, names: set[str], marker: str,

@@ -462,5 +462,10 @@ def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: st
             tokenizer.save(output.staging / TOKENIZER_DIR)
         except OSError as exc:  # the inputs' read errors are UserErrors already
             raise cannot_write_output(out_dir, exc) from None
+        except RuntimeError as exc:  # h5py's word for a write that fails as the file closes, its errno in the text
+            failed = re.search(r"\berrno = (\d+)", str(exc))
+            if failed is None:
+                raise
+            raise cannot_write_output(out_dir, OSError(int(failed[1]), str(exc))) from None
         output.commit()
     return report
