@@ -49,9 +49,14 @@ def interpreting() -> bool:
     return type(language.standard.sum).__name__ == "InterpretedFunction"
 
 
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether backend 'triton' can run on `device`: a CUDA device, or any device in an interpreting process."""
+    return device.type == "cuda" or interpreting()
+
+
 def triton_module_for(name: str, t: torch.Tensor) -> ModuleType:
     """The module `kernels.<name>` for tensors like `t`: CUDA tensors, or CPU tensors in an interpreting process."""
-    if not t.is_cuda and not interpreting():
+    if not triton_runs_on(t.device):
         raise KernelUnavailableError(
             f"kernels: backend 'triton' needs CUDA tensors (got {t.device.type}); on the CPU Triton runs only in its "
             f"interpreter, which tests ask for with {INTERPRET_ENV}=1 set before Triton is imported; "

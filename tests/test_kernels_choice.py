@@ -1,0 +1,42 @@
+"""model.kernels=triton where Triton cannot run (a CPU without the interpreter): a training job is refused in one
+line, and a run trained with it on a GPU still generates here. Each runs in a process without TRITON_INTERPRET,
+which tests/test_kernels.py sets in this one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+from conftest import train_args
+
+NO_INTERPRETER = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+def zerollm(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llm", *map(str, args)], capture_output=True, text=True,
+                          env={**NO_INTERPRETER, "DS_ACCELERATOR": "cpu"}, timeout=600, check=False)
+
+
+def test_training_with_triton_kernels_on_the_cpu_is_one_line_and_writes_nothing(pretrain_data, tmp_path):
+    """It was a KernelUnavailableError traceback in the first forward pass, exit 1."""
+    run = tmp_path / "run"
+    result = zerollm(*train_args(pretrain_data, run, "train.max_steps=1", "model.kernels=triton"))
+    assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (2, (
+        "zerollm: error: model.kernels=triton needs a CUDA GPU (this job runs on cpu); use auto or torch here"))
+    assert "Traceback" not in result.stderr and not run.exists()
+
+
+def test_a_run_trained_with_triton_kernels_generates_where_triton_cannot_run(zero_runs, tmp_path):
+    """A run trained on a GPU with model.kernels=triton, then chatted with on a laptop: generate, chat, serve and
+    eval failed with a KernelUnavailableError traceback. Here it computes what the same run does with auto."""
+    triton_run = tmp_path / "run"
+    shutil.copytree(zero_runs[0], triton_run)
+    config = triton_run / "config.yaml"
+    config.write_text(config.read_text().replace("kernels: auto", "kernels: triton"))
+    assert "kernels: triton" in config.read_text()
+    outputs = [zerollm("generate", "--model", run, "--prompt", "Once upon", "--max-new-tokens", 8)
+               for run in (zero_runs[0], triton_run)]
+    assert [r.returncode for r in outputs] == [0, 0], outputs[1].stderr[-2000:]
+    assert outputs[1].stdout == outputs[0].stdout
