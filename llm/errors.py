@@ -7,6 +7,7 @@ The CLI prints it without a traceback and exits with `EXIT_USER_ERROR`.
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +49,17 @@ def read_user_text(path: Path, save_as: str) -> str:
         raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
 
 
-def read_user_json_object(path: Path, what: str) -> dict[str, Any]:
+def read_user_json_object(path: Path, what: str, loads: Callable[[str], Any] = json.loads) -> dict[str, Any]:
     """The JSON object in a user's UTF-8 file, or a one-line UserError naming the file (and the line and column) at
-    fault; `what` is the kind of file, for messages ('DeepSpeed config')."""
+    fault; `what` is the kind of file, for messages ('DeepSpeed config'). `loads` parses the text: it raises
+    json.JSONDecodeError, or a ValueError whose text says what is wrong (e.g. a key given twice)."""
     text = read_user_text(path, f"the {what} as UTF-8 JSON")
     try:
-        data = json.loads(text)
+        data = loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON ({exc.msg})") from None
+    except ValueError as exc:
+        raise UserError(f"{path}: invalid JSON ({exc})") from None
     except RecursionError:
         raise UserError(f"{path}: invalid JSON (nested too deeply)") from None
     if not isinstance(data, dict):

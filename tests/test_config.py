@@ -148,11 +148,11 @@ def test_ds_config_conflict_names_both_sides(tmp_path):
     cfg = build_config("demo")
     raw, _ = load_ds_config(None, "pretrain")
     raw["optimizer"]["params"]["lr"] = 0.5
-    with pytest.raises(UserError, match=r"'lr' is 0.5 but train.lr is 0.003"):
+    with pytest.raises(UserError, match=r"'optimizer.params.lr' is 0.5 but train.lr is 0.003"):
         resolve_ds_config(raw, cfg, 1, "x.json")
     raw, _ = load_ds_config(None, "pretrain")
     raw["fp16"] = {"enabled": True}
-    with pytest.raises(UserError, match="train.precision == .fp16. is False"):
+    with pytest.raises(UserError, match="'fp16.enabled' is true but this run trains in fp32 "):
         resolve_ds_config(raw, cfg, 1, "x.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{\n  oops\n}")

@@ -73,14 +73,15 @@ def test_grpo_schedules_count_every_update_of_a_batch():
      "'scheduler.params.total_num_steps' is not a parameter of WarmupLR .it takes warmup_min_lr, warmup_max_lr, "
      "warmup_num_steps, warmup_type.; remove it"),  # a TypeError traceback in every rank
     ({"type": "WarmupLR", "params": {"warmup_num_steps": 0}}, ["train.warmup_steps=0"],
-     "'warmup_num_steps' is 0 but train.warmup_steps .at least 1. is 1"),  # DeepSpeed: ValueError
+     "'scheduler.params.warmup_num_steps' is 0 but train.warmup_steps .at least 1. is 1"),  # DeepSpeed: ValueError
     ({"type": "WarmupLR", "params": {"warmup_type": "linaer"}}, [],
      "'scheduler.params.warmup_type' is \"linaer\", not one of log, linear$"),  # DeepSpeed: "log", with a warning
     ({"type": "WarmupLR", "params": {"warmup_min_lr": -1}}, [],
      "'scheduler.params.warmup_min_lr' must be a number >= 0, got -1$"),
-    ({"type": "WarmupLR", "params": {"warmup_max_lr": 0.1}}, [], "'warmup_max_lr' is 0.1 but train.lr is 0.0003"),
+    ({"type": "WarmupLR", "params": {"warmup_max_lr": 0.1}}, [],
+     "'scheduler.params.warmup_max_lr' is 0.1 but train.lr is 0.0003"),
     ({"type": "WarmupCosineLR", "params": {"total_num_steps": 400}}, [],
-     "'total_num_steps' is 400 but train.max_steps is 500"),
+     "'scheduler.params.total_num_steps' is 400 but train.max_steps is 500"),
     (HF_SCHEDULER, ["train.max_time=10m"], "a 'scheduler' section counts steps, and train.max_time ends the run by "
                                            "the clock: remove one of them"),
 ])

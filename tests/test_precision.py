@@ -4,6 +4,7 @@ and the loss scale carried through checkpoints."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -69,7 +70,9 @@ def test_fp16_in_the_json_against_a_bf16_run_names_both(tmp_path):
     path = tmp_path / "ds.json"
     raw, _ = load_ds_config(None, "pretrain")
     path.write_text(json.dumps({**raw, "fp16": {"enabled": True}}))
-    with pytest.raises(UserError, match="'enabled' is True but train.precision == 'fp16' is False"):
+    message = ("'fp16.enabled' is true but this run trains in bf16 (train.precision, auto made concrete for this "
+               "device); set 'fp16.enabled' to \"auto\", or train.precision=fp16 where the device has it")
+    with pytest.raises(UserError, match=f"{re.escape(message)}$"):
         resolve_ds_config(*load_ds_config(path, "pretrain")[:1], build_config("demo", ["train.precision=bf16"]),
                           world_size=1, source=str(path))
 

@@ -15,6 +15,7 @@ from conftest import FIXTURES, ZERO_RUN, run_cli, train_args
 from llm.config import build_config
 from llm.errors import UserError
 from llm.tokenizer import Tokenizer
+from llm.train import engine
 from llm.train.ds_config_file import load_ds_config
 from llm.train.engine import resolve_ds_config
 
@@ -37,6 +38,20 @@ def test_deepspeed_config_that_is_not_utf8_or_nested_too_deeply_is_refused(tmp_p
     bad.write_bytes(content)
     with pytest.raises(UserError, match=message):
         load_ds_config(bad, "pretrain")
+
+
+def test_ds_config_file_is_read_as_deepspeed_reads_it(tmp_path):
+    """DeepSpeed reads its config file as Hjson and refuses a key given twice: comments and trailing commas were
+    refused here, and `"stage": 3, "stage": 1` ran ZeRO-1 without a word."""
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  // ZeRO-2\n  "zero_optimization": {"stage": 2,},\n  /* note */ "bf16": {"enabled": "auto"},}')
+    assert load_ds_config(path, "pretrain")[0] == {"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}
+    path.write_text('{"zero_optimization": {"stage": 3, "stage": 1}}')
+    with pytest.raises(UserError, match=f"^{path}: invalid JSON \\(the key 'stage' is given twice in one object\\)$"):
+        load_ds_config(path, "pretrain")
+    path.write_text('{\n  "zero_optimization": {"stage": 2, "x": [1}\n}')  # neither reads it: JSON's own words
+    with pytest.raises(UserError, match=f"^{path}:2:44: invalid JSON \\(Expecting ',' delimiter\\)$"):
+        load_ds_config(path, "pretrain")
 
 
 @pytest.mark.parametrize("optimizer, kind, offload", [
@@ -103,9 +118,21 @@ def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(op
     ({"optimizer": {"type": "MuAdamW", "params": {}}}, "x.json: 'optimizer.type' MuAdamW needs the mup package: pip "
      "install mup"),
     ({"bfloat16": {"enabled": True}, "bf16": {"enabled": False}}, "x.json: give one of 'bf16' and 'bfloat16'"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "x.json: "
+     "'zero_optimization.offload_param.device' is nvme but no 'nvme_path' names the folder on the NVMe drive to "
+     "offload to; give one"),  # an AssertionError
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}}, "x.json: "
+     "'zero_optimization.offload_optimizer.device' nvme needs DeepSpeed's async_io op, which cannot be built here "
+     "(it needs libaio: e.g. apt install libaio-dev); offload to \"cpu\" instead"),  # a RuntimeError
+    ({"data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {"enabled": True}}}},
+     "x.json: 'data_efficiency' needs DeepSpeed's own data loader and layers"),  # a KeyError
+    # silently ignored: nothing calls deepspeed.checkpointing
+    ({"activation_checkpointing": {"partition_activations": True}}, "x.json: 'activation_checkpointing' would not "
+     "apply: zerollm's model does not checkpoint activations through DeepSpeed; remove the section"),
 ])
 def test_ds_config_deepspeed_would_fail_on_is_one_line(monkeypatch, change, message):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)  # tensorboard, mup: not here
+    monkeypatch.setattr(engine, "async_io_builds", lambda: False)  # no libaio here
     with pytest.raises(UserError) as raised:
         resolved(change)
     assert str(raised.value).startswith(message), str(raised.value)
@@ -115,7 +142,7 @@ def test_ds_config_in_deepspeeds_older_words_means_what_it_says():
     """"bfloat16" (bf16's older name) was overridden: a "bf16" section filled beside it turned bf16 off in fp32 runs."""
     raw, _ = load_ds_config(None, "pretrain")
     raw = {**{key: value for key, value in raw.items() if key != "bf16"}, "bfloat16": {"enabled": True}}
-    with pytest.raises(UserError, match="'enabled' is True but train.precision == 'bf16' is False"):
+    with pytest.raises(UserError, match="'bf16.enabled' is true but this run trains in fp32 "):
         resolve_ds_config(raw, build_config("demo", ["train.precision=fp32"]), 1, "x.json")
     assert resolve_ds_config(raw, build_config("demo", ["train.precision=bf16"]), 1, "x.json")["bf16"]["enabled"]
 

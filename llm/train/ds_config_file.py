@@ -5,8 +5,11 @@ reads it first: a missing or broken file is one line before any rank starts, not
 checking its values is `llm.train.engine.resolve_ds_config`'s, in every rank.
 """
 
+import json
 from pathlib import Path
 from typing import Any
+
+import hjson
 
 from llm.errors import UserError, read_user_json_object
 
@@ -33,4 +36,25 @@ def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any],
     if not path.is_file():
         raise UserError(f"{path}: DeepSpeed config not found (give a JSON file, or a shipped one by name: "
                         f"{', '.join(shipped_names())})")
-    return read_user_json_object(path, "DeepSpeed config"), str(path)
+    return read_user_json_object(path, "DeepSpeed config", parse_as_deepspeed), str(path)
+
+
+def _refuse_keys_given_twice(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    twice = next((key for key in keys if keys.count(key) > 1), None)
+    if twice is not None:
+        raise ValueError(f"the key {twice!r} is given twice in one object")
+    return dict(pairs)
+
+
+def parse_as_deepspeed(text: str) -> Any:
+    """A DeepSpeed config's text read as DeepSpeed reads a config file: as Hjson, so comments and trailing commas are
+    taken, and a key given twice is refused (json keeps the last silently: `"stage": 3, "stage": 1` ran ZeRO-1).
+    Strict JSON is tried first: where neither reads the text, its error says where and what."""
+    try:
+        return json.loads(text, object_pairs_hook=_refuse_keys_given_twice)
+    except json.JSONDecodeError as strict:
+        try:
+            return hjson.loads(text, object_pairs_hook=_refuse_keys_given_twice)
+        except (hjson.HjsonDecodeError, OverflowError):
+            raise strict from None

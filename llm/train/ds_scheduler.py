@@ -35,7 +35,7 @@ SAME_RATE_EVERYWHERE = ("WarmupLR", "WarmupDecayLR")
 
 
 def resolve_scheduler(section: Any, cfg: RunConfig, source: str, fill, optimizer_params: dict[str, Any]) -> None:
-    """Check the `scheduler` section and fill its "auto" values in place with `fill(params, key, value, run_key)`
+    """Check the `scheduler` section and fill its "auto" values in place with `fill(params, path, value, run_key)`
     (an explicit value that disagrees is refused there). The run config's values are counted in optimizer steps,
     the unit DeepSpeed's schedules count in. `optimizer_params`: the optimizer section's, whose rates of their own
     (Muon's muon_lr and adam_lr) a one-rate schedule would replace."""
@@ -72,7 +72,7 @@ def resolve_scheduler(section: Any, cfg: RunConfig, source: str, fill, optimizer
                                  f"train.warmup_steps{steps} (at least 1)"),
                                 ("total_num_steps", t.max_steps * per_step, f"train.max_steps{steps}")):
         if key in takes:
-            fill(params, key, value, run_key)
+            fill(params, f"scheduler.params.{key}", value, run_key)
     for key, kind in takes.items():
         if key in params:
             params[key] = _checked(params[key], kind, f"{source}: 'scheduler.params.{key}'")

@@ -107,6 +107,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
             raise UserError(f"{source}: give one of 'bf16' and 'bfloat16' (its older name), not both")
         ds["bf16"] = ds.pop("bfloat16")
     _refuse_removed_features(ds, source)
+    _refuse_unused_features(ds, source)
     for section in ("bf16", "fp16", "optimizer", "zero_optimization"):  # the sections read or filled below
         if section in ds:
             require_object(ds[section], section)
@@ -118,12 +119,14 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
             raise UserError(f"{source}: 'optimizer.type' is {json.dumps(name)}, not an optimizer DeepSpeed has: one of "
                             f"{', '.join(supported)} (any case) or a torch.optim class name")
 
-    def fill(container: dict, key: str, value: Any, run_key: str) -> None:
+    def fill(container: dict, path: str, value: Any, run_key: str) -> None:
+        """Fill "auto" (or a missing value) at `path` (dotted, in the JSON) in `container`, its innermost object."""
+        key = path.rpartition(".")[2]
         current = container.get(key, "auto")
         if current == "auto":
             container[key] = value
         elif current != value:
-            raise UserError(f"{source}: '{key}' is {current!r} but {run_key} is {value!r}; "
+            raise UserError(f"{source}: '{path}' is {json.dumps(current)} but {run_key} is {json.dumps(value)}; "
                             f"set it to \"auto\" or make them equal")
 
     fill(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size")
@@ -133,9 +136,17 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     fill(ds, "gradient_clipping", t.grad_clip, "train.grad_clip")
     if t.precision not in CONCRETE_PRECISIONS:
         raise ValueError(f"resolve train.precision={t.precision!r} with resolve_precision first")
-    fill(ds.setdefault("bf16", {}), "enabled", t.precision == "bf16", "train.precision == 'bf16'")
-    fp16 = ds.setdefault("fp16", {})
-    fill(fp16, "enabled", t.precision == "fp16", "train.precision == 'fp16'")
+    for name in ("bf16", "fp16"):
+        enabled = ds.setdefault(name, {}).get("enabled", "auto")
+        if enabled == "auto":
+            ds[name]["enabled"] = t.precision == name
+        elif enabled != (t.precision == name):
+            other = f"train.precision={name} where the device has it" if enabled is True else \
+                "another train.precision (fp32 runs everywhere)"
+            raise UserError(f"{source}: '{name}.enabled' is {json.dumps(enabled)} but this run trains in {t.precision} "
+                            f"(train.precision, auto made concrete for this device); set '{name}.enabled' to "
+                            f"\"auto\", or {other}")
+    fp16 = ds["fp16"]
     if t.precision == "fp16":
         for key, value in DYNAMIC_LOSS_SCALING.items():
             fp16.setdefault(key, value)
@@ -150,6 +161,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
         if ds.get("zero_optimization", {}).get(key) == "auto":
             ds["zero_optimization"][key] = size(cfg.model.dim)
     zero = _zero_config(ds.get("zero_optimization", {}), source)
+    _refuse_unusable_nvme(zero, source)
     optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
     params = optimizer.setdefault("params", {})
     offload = zero.offload_optimizer is not None and zero.offload_optimizer.device != OffloadDeviceEnum.none
@@ -168,7 +180,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
                                 ("eps", t.adam_eps, "train.adam_eps"),
                                 ("weight_decay", t.weight_decay, "train.weight_decay")):
         if takes is None or (key in takes and _same_kind(takes[key], value)):
-            fill(params, key, value, run_key)
+            fill(params, f"optimizer.params.{key}", value, run_key)
         elif params.get(key) == "auto":  # the optimizer's own kind of value (Adafactor's eps is a pair)
             del params[key]
     _refuse_unbuildable(optimizer["type"], optimizer_class, stage, ds, source)
@@ -262,6 +274,43 @@ def _refuse_removed_features(ds: dict[str, Any], source: str) -> None:
         if isinstance(value, dict) and value.get("enabled") and importlib.util.find_spec(package) is None:
             raise UserError(f"{source}: the '{section}' monitor needs the {package} package: pip install {package} "
                             "(or remove the section; zerollm logs metrics.jsonl and wandb itself)")
+
+
+def _refuse_unused_features(ds: dict[str, Any], source: str) -> None:
+    """Refuse a section asking for what DeepSpeed does only through a model or data loader of its own: activation
+    checkpointing (the model calls deepspeed.checkpointing: ours does not, so the section was silently ignored) and
+    data efficiency (DeepSpeed's curriculum sampler and random-LTD layers: a KeyError traceback in every rank)."""
+    checkpointing = ds.get("activation_checkpointing")
+    if isinstance(checkpointing, dict) and any(checkpointing.values()):
+        raise UserError(f"{source}: 'activation_checkpointing' would not apply: zerollm's model does not checkpoint "
+                        "activations through DeepSpeed; remove the section (or lower train.micro_batch_size and raise "
+                        "train.grad_accum to save activation memory)")
+    efficiency = ds.get("data_efficiency")
+    if isinstance(efficiency, dict) and efficiency.get("enabled"):
+        raise UserError(f"{source}: 'data_efficiency' needs DeepSpeed's own data loader and layers; zerollm feeds "
+                        "its own batches and model, so remove the section or set its 'enabled' to false")
+
+
+def async_io_builds() -> bool:
+    """Whether DeepSpeed's async_io op (NVMe offload) can be built for this accelerator here."""
+    async_io = deepspeed.get_accelerator().create_op_builder("AsyncIOBuilder")
+    return async_io is not None and async_io.is_compatible(verbose=False)
+
+
+def _refuse_unusable_nvme(zero, source: str) -> None:
+    """Offload to NVMe needs a folder on the drive and DeepSpeed's async_io op (built against libaio): without
+    either DeepSpeed fails in every rank with an AssertionError or a RuntimeError traceback."""
+    for name in ("offload_param", "offload_optimizer"):
+        offload = getattr(zero, name)
+        if offload is None or offload.device != OffloadDeviceEnum.nvme:
+            continue
+        if offload.nvme_path is None:
+            raise UserError(f"{source}: 'zero_optimization.{name}.device' is nvme but no 'nvme_path' names the folder "
+                            "on the NVMe drive to offload to; give one")
+        if not async_io_builds():
+            raise UserError(f"{source}: 'zero_optimization.{name}.device' nvme needs DeepSpeed's async_io op, which "
+                            "cannot be built here (it needs libaio: e.g. apt install libaio-dev); offload to \"cpu\" "
+                            "instead")
 
 
 def _optimizer_keywords(name: str, cls: type | None, params: dict[str, Any]) -> dict[str, Any] | None:
