@@ -278,6 +278,16 @@ class LoRAConfig:
         return (2.0 * self.r if self.alpha is None else self.alpha) / self.r if self.r else 0.0
 
 
+DERIVED_KEYS = {"model.kv_heads": "model.n_kv_heads", "model.ffn_hidden_dim": "model.hidden_dim",
+                "lora.scale": "lora.alpha / lora.r"}
+"""Values derived from the run config, by the keys that set them (for messages that ask the user to set them)."""
+
+
+def settable_key(key: str) -> str:
+    """`key`, or for a derived value the key(s) that set it: 'model.kv_heads' -> 'model.n_kv_heads'."""
+    return DERIVED_KEYS.get(key, key)
+
+
 @dataclass
 class WandbConfig:
     mode: str = "off"

@@ -15,7 +15,7 @@ import torch
 
 from kernels.runtime import triton_runs_on
 from llm import rundir
-from llm.config import ModelConfig, RunConfig, build_config
+from llm.config import ModelConfig, RunConfig, build_config, settable_key
 from llm.data.prepare import RANDOM_TOKENS_HASH
 from llm.errors import UserError
 from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, import_model, weight_files
@@ -162,7 +162,7 @@ FUNCTION_FIELDS = ("rope_theta", "norm_eps", "rope_scaling", "rope_factor", "rop
 def initial_weights(cfg: ModelConfig, init_from: str, data_tokenizer_hash: str) -> dict[str, torch.Tensor]:
     """Weights of a run or export directory, refused when its shape or tokenizer differs from this run's."""
     source, tokenizer_dir = load_model_dir(init_from)
-    differing = [f"model.{f} {getattr(source.cfg, f)} there, {getattr(cfg, f)} here"
+    differing = [f"{settable_key(f'model.{f}')} {getattr(source.cfg, f)} there, {getattr(cfg, f)} here"
                  for f in (*SHAPE_FIELDS, *FUNCTION_FIELDS) if getattr(source.cfg, f) != getattr(cfg, f)]
     if differing:
         raise UserError(f"--init-from {init_from}: the model differs from this run's config ({'; '.join(differing)}); "

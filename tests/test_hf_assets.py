@@ -4,6 +4,7 @@ norm settings differ from the run's instead of training it silently on other one
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -163,6 +164,16 @@ def test_init_from_refuses_an_export_without_tokenizer_files(tmp_path):
     assert message.startswith(f"--init-from {tmp_path / 'export'}: no tokenizer") and "\n" not in message
     assert "nothing shows it is the one the data was prepared with" in message
     assert initial_weights(model.cfg, str(tmp_path / "export"), RANDOM_TOKENS_HASH)  # `bench train --lora`'s data
+
+
+def test_init_from_another_shape_names_the_keys_that_set_it(tmp_path):
+    """It named model.kv_heads and model.ffn_hidden_dim, which --set refuses as unknown keys."""
+    model = _small(0)
+    export_model(model, None, tmp_path / "export")
+    other = dataclasses.replace(model.cfg, n_kv_heads=4, hidden_dim=64)
+    with pytest.raises(UserError, match=r"\(model.n_kv_heads 2 there, 4 here; model.hidden_dim 128 there, 64 here\); "
+                                        r"set those model.\* keys to the values there$"):
+        initial_weights(other, str(tmp_path / "export"), RANDOM_TOKENS_HASH)
 
 
 @pytest.mark.parametrize("model_type", [["llama"], {"name": "llama"}])

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from kernels.runtime import triton_runs_on
 from llm import rundir
-from llm.config import RunConfig, build_config
+from llm.config import RunConfig, build_config, settable_key
 from llm.data.datasets import DATASETS
 from llm.data.formats import expand_inputs
 from llm.data.prepare import TOKENS_FILE
@@ -297,7 +297,7 @@ def check_same_shape(run_dir: Path, cfg: RunConfig, ds_config: dict) -> None:
         found = getattr(getattr(config, section), name)
         return sorted(found) if key == "lora.targets" else found  # adapters are found by module, in any order
 
-    differing = [f"{key} {value(saved, key)} there, {value(cfg, key)} here" for key in RESUMED_FIELDS
+    differing = [f"{settable_key(key)} {value(saved, key)} there, {value(cfg, key)} here" for key in RESUMED_FIELDS
                  if value(saved, key) != value(cfg, key)]
     recorded = _recorded_ds_config(run_dir)
     if recorded is not None and _zero_stage(recorded) != _zero_stage(ds_config):
