@@ -439,6 +439,20 @@ def test_a_resume_with_another_learning_rate_trains_at_it(one_rank_run, pretrain
     assert cfg.train.lr == 3e-5 and rates[2:] == pytest.approx([3e-5 * lr_multiplier(s, cfg.train) for s in (2, 3)])
 
 
+def test_a_resume_with_more_steps_follows_the_longer_schedule_from_its_first_step(one_rank_run, pretrain_data,
+                                                                                    tmp_path):
+    """docs/checkpoints.md: train.max_steps may change on a resume and takes effect from there. The first resumed
+    step trained at the rate the old schedule had computed for it (its floor, min_lr_ratio * lr, here)."""
+    run = tmp_path / "run"
+    shutil.copytree(one_rank_run, run)  # complete at step 4
+    result = run_job(*train_args(pretrain_data, run, *ONE_RANK, "train.max_steps=6", extra=["--resume", "auto"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    cfg = build_config((run / "config.yaml").as_posix())
+    rates = [json.loads(line)["lr"] for line in (run / rundir.METRICS_FILE).read_text().splitlines()]
+    assert cfg.train.max_steps == 6 and len(rates) == 6
+    assert rates[4:] == pytest.approx([cfg.train.lr * lr_multiplier(s, cfg.train) for s in (4, 5)])
+
+
 def test_resuming_on_other_data_is_one_clear_error(one_rank_run, tokenizer_dir, tmp_path):
     data = tmp_path / "other_data"
     result = run_cli("data", "prepare", "--input", FIXTURES / "pretrain" / "en_notes.jsonl", "--tokenizer",

@@ -130,6 +130,13 @@ def test_a_run_follows_the_deepspeed_schedule_and_resumes_on_it_exactly(pretrain
     assert "resumed at step 3" in result.stdout
     assert _trained(resumed) == _trained(run)
 
+    longer = tmp_path / "longer"  # total_num_steps 8 from step 6 on: the first step trained at the old rate
+    shutil.copytree(run, longer)
+    result = run_job(*train_args(pretrain_data, longer, *ONE_RANK, "train.max_steps=8",
+                                 extra=["--deepspeed", config, "--resume", "auto"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [row["lr"] for row in _rows(longer)][6:] == pytest.approx([lr * (8 - i) / (8 - 3) for i in (5, 6)])
+
     result = run_job(*train_args(pretrain_data, resumed, *ONE_RANK, "train.max_steps=8", extra=["--resume", "auto"]))
     errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
     assert result.returncode == 2 and errors == [

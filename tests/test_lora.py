@@ -288,7 +288,8 @@ def test_a_lora_resume_refuses_another_alpha_and_takes_the_targets_in_any_order(
     cfg.lora.alpha = None  # its default, 2r: alpha 8 at r=4, the same scale
     check_same_shape(run, cfg, ds_config)
     cfg.lora.alpha = 64.0
-    with pytest.raises(UserError, match=r"cannot resume with these changes \(lora.alpha / lora.r 2.0 there, 16.0 here\)"):
+    with pytest.raises(UserError, match=r"cannot resume with these changes \(lora.alpha / lora.r 2.0 there, 16.0 "
+                                        r"here\)"):
         check_same_shape(run, cfg, ds_config)
 
 

@@ -284,15 +284,18 @@ def resume_tag(run_dir: Path) -> str | None:
     return value
 
 
-def load(engine, run_dir: Path, tag: str, universal: bool = False) -> dict[str, Any]:
+def load(engine, run_dir: Path, tag: str, universal: bool = False, clock_driven: bool = False) -> dict[str, Any]:
     """Restore engine, optimizer, scheduler and this rank's RNGs; return the client state. `tag` is a complete
     checkpoint (`rundir.usable_tag`). `universal`: load the conversion made by `convert_to_universal` (the job has
-    another world size than the one that saved; a rank that did not exist then keeps its freshly seeded RNGs)."""
+    another world size than the one that saved; a rank that did not exist then keeps its freshly seeded RNGs).
+    The optimizer's learning rates are set to what this run's schedule gives at the restored step (`_continue_at`),
+    except where the schedule follows the clock (`clock_driven`: train.max_time) and train.lr is unchanged: the
+    saved rate was computed from the clock as it was then."""
     client_state = rundir.client_state_of(run_dir, tag)
     root = rundir.universal_dir(run_dir) if universal else rundir.checkpoint_dir(run_dir)
     schedule = getattr(engine, "lr_scheduler", None)
-    schedule = schedule if isinstance(schedule, torch.optim.lr_scheduler.LambdaLR) else None
-    configured = list(schedule.base_lrs) if schedule is not None else None  # this run config's learning rates
+    lambda_schedule = isinstance(schedule, torch.optim.lr_scheduler.LambdaLR)
+    configured = list(schedule.base_lrs) if lambda_schedule else None  # this run config's learning rates
     with restricted_unpickling(root / tag):
         path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=True,
@@ -301,18 +304,23 @@ def load(engine, run_dir: Path, tag: str, universal: bool = False) -> dict[str, 
             raise UserError(f"{root / tag}: DeepSpeed could not load this checkpoint")
         if dist.get_rank() < client_state["world_size"]:
             restore_rng_state(run_dir, tag, dist.get_rank())
-    if schedule is not None and schedule.base_lrs != configured:
-        _take_configured_rates(schedule, configured)
+    if lambda_schedule and (schedule.base_lrs != configured or not clock_driven):
+        schedule.base_lrs = configured
+        _continue_at([base * multiplier(schedule.last_epoch)
+                      for base, multiplier in zip(configured, schedule.lr_lambdas, strict=True)], schedule)
+    elif schedule is not None and not lambda_schedule:  # DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR
+        _continue_at(schedule.get_lr(), schedule)
     return client_state
 
 
-def _take_configured_rates(schedule: torch.optim.lr_scheduler.LambdaLR, configured: list[float]) -> None:
-    """Continue the schedule at the run config's learning rates (resumed with another train.lr): its saved state
-    brought back the old ones, which the run then trained at while config.yaml recorded the new."""
-    schedule.base_lrs = configured
-    for group, base, multiplier in zip(schedule.optimizer.param_groups, configured, schedule.lr_lambdas, strict=True):
-        group["lr"] = base * multiplier(schedule.last_epoch)
-    schedule._last_lr = [group["lr"] for group in schedule.optimizer.param_groups]
+def _continue_at(rates: list[float], schedule) -> None:
+    """Train the next step at `rates`, this run's schedule at its restored step. The loaded optimizer state brought
+    back the rates the saved run had computed for that step, so a resume with another train.lr trained at the old
+    rate throughout, and one with another train.max_steps or warmup (or a DeepSpeed schedule's total_num_steps) for
+    its first step."""
+    for group, rate in zip(schedule.optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    schedule._last_lr = list(rates)
 
 
 def restore_rng_state(run_dir: Path, tag: str, rank: int) -> None:

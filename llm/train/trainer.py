@@ -78,7 +78,7 @@ class Trainer:
     # ---- state ---------------------------------------------------------------------------------
 
     def resume(self, tag: str, universal: bool) -> None:
-        state = checkpoint.load(self.engine, self.run_dir, tag, universal)
+        state = checkpoint.load(self.engine, self.run_dir, tag, universal, clock_driven=self.budget.enabled)
         self.step, self.run_id = state["step"], state["run_id"]
         try:
             self.sampler.load_state_dict(state["sampler"])
