@@ -211,8 +211,8 @@ def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> s
     tokenizer = None
     if tokenizer_dir is not None and (tokenizer_dir / TOKENIZER_FILE).is_file():
         tokenizer = Tokenizer.load(tokenizer_dir)
-        for name in (TOKENIZER_FILE, TOKENIZER_CONFIG):
-            shutil.copy(tokenizer_dir / name, staging / name)
+        shutil.copy(tokenizer_dir / TOKENIZER_FILE, staging / TOKENIZER_FILE)
+        tokenizer.save_config(staging)  # its special tokens by role too: a copy made by earlier versions lacks them
     config = hf_config(cfg, tokenizer)
     (staging / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2))
     for path in staging.iterdir():

@@ -4,7 +4,8 @@ Any Hugging Face tokenizer directory works (`tokenizer.json`, optionally `tokeni
 `chat_template.jinja`): ours, MiniMind's, Qwen's, Llama's. Special tokens are found by role, not by
 id — the end of text (document separator), padding, the start and end of a chat turn — from the
 token names and the config's `eos_token` / `bos_token` / `pad_token` fields; a tokenizer without a
-pad token pads with its end-of-text token and says so in `notes`.
+pad token pads with its end-of-text token and says so in `notes`. A saved copy (`save`) records the end-of-text,
+pad and bos tokens it uses where the config leaves them unset, so `transformers` reads the copy the same way.
 
 Text from users and files is encoded with special tokens disabled (`encode`): `<|im_end|>` in a
 message or a corpus is seven ordinary tokens, never the real one. Only a chat template inserts
@@ -224,6 +225,11 @@ class Tokenizer:
             self.notes.append(f"{source}: the tokenizer has no pad token; padding with {self.token(pad)} "
                               f"(id {pad}), the end-of-text token")
         self.pad_id = pad
+        self._unset_roles = {field: self.token(i) for field, i in
+                             (("bos_token", self.bos_id), ("eos_token", self.eos_id), ("pad_token", self.pad_id))
+                             if i is not None and self.config.get(field) is None}
+        """The role tokens found by name or fallback that the config leaves unset (absent or null): `save` records
+        them, so the copy means the same to transformers, and chat templates see them (the copy renders the same)."""
 
         role_ids = {self.eos_id, self.pad_id, self.im_end_id, *self.stop_ids} | {self.bos_id, self.im_start_id}
         self.protected = sorted({t for t, entry in added.items() if entry.get("special")}
@@ -247,8 +253,9 @@ class Tokenizer:
         if template in LEGACY_CHAT_TEMPLATES or (template is None and IM_START in added and IM_END in added):
             template = CHAT_TEMPLATE
         self.chat_template: str | None = template if isinstance(template, str) and template else None
+        config = {**self.config, **self._unset_roles}
         self._template_variables = {f: t for f in ("bos_token", "eos_token", "pad_token", "unk_token")
-                                    if (t := _token_text(self.config.get(f)))}
+                                    if (t := _token_text(config.get(f)))}
 
     @classmethod
     def load(cls, directory: str | Path) -> Tokenizer:
@@ -268,12 +275,25 @@ class Tokenizer:
         template = read_user_text(template_file, "the chat template as UTF-8") if template_file.is_file() else None
         return cls(tok, config, str(directory), template)
 
+    @property
+    def saved_config(self) -> dict:
+        """tokenizer_config.json as `save` writes it: the loaded config, plus the end-of-text, pad and bos tokens
+        zerollm uses where the config leaves them unset (absent or null; a value the config sets is kept, even one
+        naming another token), plus the chat template in use. So `transformers.AutoTokenizer` loads the copy with
+        the eos_token and pad_token zerollm found (a tokenizer.json alone has none) and can pad."""
+        return {**self.config, **self._unset_roles,
+                **({"chat_template": self.chat_template} if self.chat_template else {})}
+
     def save(self, out_dir: Path) -> Tokenizer:
-        """tokenizer.json and tokenizer_config.json (with the chat template in use) into `out_dir`."""
+        """tokenizer.json and tokenizer_config.json (`saved_config`) into `out_dir`."""
         out_dir.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(out_dir / TOKENIZER_FILE))
-        config = {**self.config, **({"chat_template": self.chat_template} if self.chat_template else {})}
-        (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+        return self.save_config(out_dir)
+
+    def save_config(self, out_dir: Path) -> Tokenizer:
+        """tokenizer_config.json (`saved_config`) into the existing folder `out_dir`."""
+        (out_dir / CONFIG_FILE).write_text(json.dumps(self.saved_config, indent=2, ensure_ascii=False),
+                                           encoding="utf-8")
         return self
 
     def has_hash(self, recorded: str) -> bool:

@@ -287,6 +287,108 @@ def test_a_saved_foreign_tokenizer_keeps_its_files_meaning(tmp_path):
     assert config["added_tokens_decoder"]["3"]["content"] == "<|object_ref_start|>"
 
 
+# ---- saved copies keep the special tokens by role, for transformers too ----------------------------------
+
+def _library_tokenizer(directory: Path, special_tokens: list[str]) -> Path:
+    """What a `tokenizers`-library user has: a byte-level BPE tokenizer.json alone, no tokenizer_config.json."""
+    from tokenizers import Tokenizer as LibraryTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = LibraryTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special_tokens, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([(FIXTURES / "pretrain" / "en_stories.txt").read_text()], trainer=trainer)
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def _roles_in_transformers(directory: Path) -> tuple[str | None, str | None, str | None]:
+    """transformers' eos, pad and bos tokens of `directory`, after checking they are zerollm's and that a batch pads
+    with zerollm's pad token."""
+    from transformers import AutoTokenizer
+
+    theirs, ours = AutoTokenizer.from_pretrained(str(directory)), Tokenizer.load(directory)
+    assert (theirs.eos_token_id, theirs.pad_token_id) == (ours.eos_id, ours.pad_id)
+    assert theirs.bos_token_id == ours.bos_id
+    short, long = theirs(["a", "a much longer text"])["input_ids"]
+    padded = theirs(["a", "a much longer text"], padding=True)  # "Asking to pad but ... no padding token"
+    assert padded["input_ids"] == [short + [ours.pad_id] * (len(long) - len(short)), long]
+    return theirs.eos_token, theirs.pad_token, theirs.bos_token
+
+
+@pytest.mark.parametrize("source, roles", [("ours", ("<|endoftext|>", "<|pad|>", None)),
+                                           ("</s>", ("</s>", "</s>", None))])
+def test_a_tokenizer_json_alone_keeps_its_special_tokens_in_the_prepared_data(tokenizer_dir, tmp_path, source, roles):
+    """A tokenizer.json without tokenizer_config.json: zerollm found its roles by name, but the copy it wrote held
+    only the chat template, so transformers had no eos or pad token and could not pad."""
+    if source == "ours":
+        (tmp_path / "given").mkdir()
+        shutil.copy(tokenizer_dir / "tokenizer.json", tmp_path / "given")
+        given = tmp_path / "given"
+    else:  # <s> is in the vocabulary, but nothing names it bos: zerollm and transformers have none
+        given = _library_tokenizer(tmp_path / "given", ["<unk>", "<s>", "</s>"])
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("first document\n\nsecond document\n")
+    prepare("pretrain", [str(corpus)], given, tmp_path / "data", val_fraction=0.0, workers=1, show_progress=False)
+    original, copy = Tokenizer.load(given), Tokenizer.load(tmp_path / "data" / "tokenizer")
+    assert _roles_in_transformers(tmp_path / "data" / "tokenizer") == roles
+    assert (original.eos_id, original.pad_id, original.bos_id) == (copy.eos_id, copy.pad_id, copy.bos_id)
+    assert (copy.hash, copy.im_end_id, copy.stop_ids, copy.protected) == (original.hash, original.im_end_id,
+                                                                         original.stop_ids, original.protected)
+
+
+def test_saving_keeps_what_the_users_config_sets_and_fills_only_unset_roles(tokenizer_dir, tmp_path):
+    (tmp_path / "given").mkdir()
+    shutil.copy(tokenizer_dir / "tokenizer.json", tmp_path / "given")
+    users = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": None, "model_max_length": 64}
+    (tmp_path / "given" / CONFIG_FILE).write_text(json.dumps(users))
+    Tokenizer.load(tmp_path / "given").save(tmp_path / "copy")
+    saved = json.loads((tmp_path / "copy" / CONFIG_FILE).read_text())
+    assert saved == {**users, "pad_token": "<|pad|>", "chat_template": CHAT_TEMPLATE}  # null is unset
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path / "copy"))
+    assert (theirs.eos_token, theirs.pad_token, theirs.bos_token) == ("<|im_end|>", "<|pad|>", "<|im_start|>")
+    Tokenizer.load(LLAMA).save(tmp_path / "llama")  # pad_token null there: zerollm pads with </s>
+    assert _roles_in_transformers(tmp_path / "llama") == ("</s>", "</s>", "<s>")
+
+
+def test_a_template_sees_the_found_end_of_text_before_and_after_saving(tmp_path):
+    """A template using eos_token renders it in the original, in its saved copy and in transformers alike, so data
+    prepared with the original matches the run's copy and the export."""
+    given = _library_tokenizer(tmp_path / "given", ["</s>"])
+    (given / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] + eos_token }}{% endfor %}")
+    Tokenizer.load(given).save(tmp_path / "copy")
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "hi"}]
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path / "copy")).apply_chat_template(messages, tokenize=False)
+    assert Tokenizer.load(given).render_chat(messages) == Tokenizer.load(tmp_path / "copy").render_chat(messages)
+    assert Tokenizer.load(given).render_chat(messages) == theirs == "hi</s>"
+
+
+@pytest.mark.parametrize("config", [{"chat_template": CHAT_TEMPLATE}, None])
+def test_an_export_records_the_special_tokens_its_runs_copy_lacks(tokenizer_dir, tmp_path, config):
+    """A run whose tokenizer copy an earlier version wrote ({"chat_template": ...} alone), or one holding
+    tokenizer.json alone (GRPO from such a model; export failed with FileNotFoundError): the export records them."""
+    from llm.config import ModelConfig
+    from llm.export import export_model
+    from llm.model import Transformer
+
+    (tmp_path / "kept").mkdir()
+    shutil.copy(tokenizer_dir / "tokenizer.json", tmp_path / "kept")
+    if config is not None:
+        (tmp_path / "kept" / CONFIG_FILE).write_text(json.dumps(config))
+    export_model(Transformer(ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, max_seq_len=32)),
+                 tmp_path / "kept", tmp_path / "export")
+    assert _roles_in_transformers(tmp_path / "export") == ("<|endoftext|>", "<|pad|>", None)
+    assert Tokenizer.load(tmp_path / "export").chat_template == CHAT_TEMPLATE
+    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == (tokenizer_dir / "tokenizer.json").read_bytes()
+
+
 # ---- SFT and DPO samples through the template ------------------------------------------------------------
 
 def test_sft_mask_covers_reasoning_content_tool_calls_and_end_of_turn(tokenizer_dir):
