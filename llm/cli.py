@@ -36,6 +36,14 @@ def ranks_on_this_machine(text: str) -> int:
     return value
 
 
+def at_least_one(text: str) -> int:
+    """A count that must be 1 or more (`demo --steps 0` ran the full demo)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
     tsub = p.add_subparsers(dest="action", required=True)
@@ -203,7 +211,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                                    "train a tokenizer, prepare data, pretrain the 'demo' recipe under DeepSpeed, "
                                    "show validation loss falling and print samples.")
     p.add_argument("--out", default="runs/demo", help="working directory (default runs/demo)")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", type=at_least_one, default=None,
                    help="pretraining steps, and the most each later stage takes (default: the demo's own: 1000 "
                         "pretraining, 300 SFT, 100 DPO)")
     p.add_argument("--nproc", type=ranks_on_this_machine, default=1, help="ranks (default 1)")

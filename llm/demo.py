@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from llm import rundir
+from llm.data.output import refuse_foreign_contents
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator, complete
 from llm.infer.sampling import SamplingParams
@@ -179,9 +180,30 @@ POST_TRAINING = {  # stage: (steps, window in tokens, overrides) on top of the d
 }
 
 
+DEMO_MARKER = ".zerollm-demo"
+"""Written first into the demo's --out: marks a folder the demo may write into again."""
+DEMO_OUTPUTS = {"corpus.txt", "tokenizer", "data", "run", "sft.jsonl", "dpo.jsonl", "grpo.jsonl", "sft_data",
+                "dpo_data", "sft_run", "dpo_run", "grpo_run", DEMO_MARKER}
+"""Everything the demo writes into --out (and replaces when it runs there again)."""
+
+
+def take_output_dir(out: Path) -> None:
+    """Make `out` the demo's folder: new, empty, or an earlier demo's. A folder of the user's is refused: the demo
+    overwrites corpus.txt and deletes tokenizer/ and run/ there (a `--out .` in a project lost its own)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: is a file; give a directory (new, empty, or an earlier demo's)")
+    if out.is_dir():
+        refuse_foreign_contents(out, out, "zerollm demo", DEMO_OUTPUTS, DEMO_MARKER)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / DEMO_MARKER).touch()
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
+
+
 def run_demo(out: Path, steps: int | None = None, nproc: int = 1) -> int:
     corpus, tokenizer, data, run = out / "corpus.txt", out / "tokenizer", out / "data", out / "run"
-    out.mkdir(parents=True, exist_ok=True)
+    take_output_dir(out)
     runs = ("run", "sft_run", "dpo_run", "grpo_run")
     for old in runs:  # a demo still training into this --out keeps its runs
         check_run_unlocked(out / old)

@@ -37,6 +37,27 @@ def test_demo_runs_every_stage_and_reports_accuracy(tmp_path):
     assert (tmp_path / "grpo.jsonl").read_text().count("\n") == 800 - 114  # the training questions, with answers
 
 
+def test_demo_refuses_a_folder_of_the_users_and_steps_below_one(tmp_path):
+    """The demo overwrote corpus.txt and deleted tokenizer/ in any --out (`--out .` in a project lost its own); a
+    file as --out was a FileExistsError traceback; --steps 0 ran the full-length demo."""
+    mine = tmp_path / "project"
+    (mine / "tokenizer").mkdir(parents=True)
+    (mine / "tokenizer" / "tokenizer.json").write_text("{}")
+    (mine / "corpus.txt").write_text("my corpus")
+    result = run_cli("demo", "--out", mine)
+    assert (result.returncode, result.stderr.splitlines()[-1]) == (2, (
+        f"zerollm: error: --out {mine} holds corpus.txt, tokenizer, which zerollm demo did not write; it replaces its "
+        "output there, so give it a new or empty directory (or one it wrote before)"))
+    assert (mine / "corpus.txt").read_text() == "my corpus" and (mine / "tokenizer" / "tokenizer.json").is_file()
+    (tmp_path / "afile").write_text("x")
+    result = run_cli("demo", "--out", tmp_path / "afile")
+    assert (result.returncode, result.stderr.splitlines()[-1]) == (2, (
+        f"zerollm: error: --out {tmp_path / 'afile'}: is a file; give a directory (new, empty, or an earlier demo's)"))
+    result = run_cli("demo", "--out", tmp_path / "new", "--steps", 0)
+    assert result.returncode == 2 and "argument --steps: must be at least 1, got 0" in result.stderr
+    assert not (tmp_path / "new").exists()
+
+
 def test_bench_train_prints_throughput_mfu_and_memory():
     result = run_cli("bench", "train", "--recipe", "demo", "--steps", 2, "--warmup", 1)
     assert result.returncode == 0, result.stderr[-3000:]

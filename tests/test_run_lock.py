@@ -207,6 +207,7 @@ def test_a_demo_into_the_folder_of_a_running_demo_leaves_its_runs_alone(held, mo
     sft_run.rename(sft_run.with_name("sft_run"))  # the holder's lock stays on the renamed folder's file
     sft_run = sft_run.with_name("sft_run")
     (sft_run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (sft_run.parent / llm.demo.DEMO_MARKER).touch()  # an earlier demo's folder
     with pytest.raises(UserError, match=rf"^{sft_run}: another training job is writing there \(pid {pid} on "):
         llm.demo.run_demo(sft_run.parent)
     assert (sft_run / "metrics.jsonl").read_text() == '{"step": 1}\n'
