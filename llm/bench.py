@@ -5,6 +5,7 @@ generator with and without its KV cache beside transformers' `generate`."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -82,6 +83,8 @@ class TrainFigures:
     peak_mem_mb: float
     trainable: int
     total: int
+    steps: int
+    """Steps measured: --steps, or fewer where train.max_time ended the job sooner."""
 
 
 def _train_job(command: list[str], run: Path, warmup: int, cfg: RunConfig) -> TrainFigures | int:
@@ -90,10 +93,15 @@ def _train_job(command: list[str], run: Path, warmup: int, cfg: RunConfig) -> Tr
     if code != 0:
         return code
     rows = [json.loads(line) for line in (run / rundir.METRICS_FILE).read_text().splitlines()]
+    rows = [r for r in rows if "tokens_per_sec" in r]  # the training steps' rows
     measured = [r for r in rows if r["step"] > warmup]
+    if not measured:
+        raise UserError(f"the job stopped after {len(rows)} step(s), within the {warmup} warm-up steps "
+                        f"(train.max_time={cfg.train.max_time}): nothing was measured; raise train.max_time or "
+                        "leave it out")
     return TrainFigures(*(statistics.median(r[key] for r in measured)
                           for key in ("tokens_per_sec", "loss_tokens_per_sec", "mfu")),
-                        max(r["peak_mem_mb"] for r in measured), *trainable_parameters(cfg))
+                        max(r["peak_mem_mb"] for r in measured), *trainable_parameters(cfg), len(measured))
 
 
 def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int = 2, nproc: int = 1,
@@ -143,7 +151,7 @@ def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int 
             precision = rundir.recorded_config(run)["train"]["precision"]  # what auto became there
     print(f"\nbench train: recipe {recipe}, {'SFT on random conversations' if lora else 'random tokens'}, "
           f"{nproc} rank(s), {precision}, micro batch {t.micro_batch_size} x accum {t.grad_accum}, seq "
-          f"{cfg.data.seq_len}; median of {steps} steps after {warmup} warm-up")
+          f"{cfg.data.seq_len}; median of {_measured(figures, steps)} after {warmup} warm-up")
     tokens_per_step = t.micro_batch_size * t.grad_accum * nproc * cfg.data.seq_len
     lines = [("trainable parameters", lambda f: f"{f.trainable:,}"),
              ("  of all parameters", lambda f: f"{100 * f.trainable / f.total:.2f} %"),
@@ -158,8 +166,17 @@ def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int 
     return 0
 
 
+def _measured(figures: dict[str, TrainFigures], asked: int) -> str:
+    """'N steps', for each job where they differ, and why where fewer than asked ran."""
+    counts = sorted({f.steps for f in figures.values()})
+    shown = f"{' / '.join(map(str, counts))} step{'s' if counts != [1] else ''}"
+    return shown if counts == [asked] else f"{shown} (of --steps {asked}: train.max_time ended the job sooner)"
+
+
 def _median_seconds(fn, repeats: int) -> list[float]:
-    """Median over `repeats` of each element of the tuple of seconds `fn` returns."""
+    """Median over `repeats` of each element of the tuple of seconds `fn` returns, after one run not counted (the
+    first call of a variant pays for allocations, lazy initialisation and cold caches)."""
+    fn()
     runs = [fn() for _ in range(repeats)]
     return [statistics.median(column) for column in zip(*runs)]
 
@@ -172,6 +189,11 @@ def _synchronized(device: torch.device, fn):
             torch.cuda.synchronize(device)
         return out
     return run
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    """Tokens per second; inf for a time below the clock's resolution."""
+    return tokens / seconds if seconds > 0 else math.inf
 
 
 def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 64, batch: int = 1,
@@ -205,33 +227,50 @@ def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 6
                "zerollm, no cache": _median_seconds(ours(False), repeats)}
     try:
         from transformers import AutoModelForCausalLM  # noqa: PLC0415 - optional: compared where installed
+        from transformers.generation.streamers import BaseStreamer  # noqa: PLC0415
     except ImportError:
         AutoModelForCausalLM = None
     if AutoModelForCausalLM is not None and not model.cfg.moe:
         hf = AutoModelForCausalLM.from_pretrained(hf_dir.name, dtype=precision).to(where).eval()
         hf_prompts = prompts.to(where)
 
+        class FirstToken(BaseStreamer):
+            """Notes when generate hands over its first new token (its first `put` is the prompt); the host has
+            the token then, so the prefill is done."""
+
+            def __init__(self) -> None:
+                self.puts, self.at = 0, None
+
+            def put(self, value) -> None:
+                self.puts += 1
+                if self.puts == 2:
+                    self.at = time.perf_counter()
+
+            def end(self) -> None:
+                pass
+
         def transformers_run() -> tuple[float, float]:
-            kwargs = dict(do_sample=False, pad_token_id=tokenizer.pad_id, eos_token_id=None)
+            """Prefill and decode of one generate call, as ours: up to the first new token, and the rest."""
+            first = FirstToken()
             with torch.no_grad():
                 start = time.perf_counter()
-                _synchronized(where, lambda: hf.generate(hf_prompts, max_new_tokens=1, min_new_tokens=1, **kwargs))()
-                prefill = time.perf_counter() - start
-                start = time.perf_counter()
                 _synchronized(where, lambda: hf.generate(hf_prompts, max_new_tokens=new_tokens,
-                                                         min_new_tokens=new_tokens, **kwargs))()
-            return prefill, time.perf_counter() - start - prefill
+                                                         min_new_tokens=new_tokens, do_sample=False,
+                                                         pad_token_id=tokenizer.pad_id, eos_token_id=None,
+                                                         streamer=first))()
+                end = time.perf_counter()
+            return first.at - start, end - first.at
 
         results["transformers generate"] = _median_seconds(transformers_run, repeats)
     hf_dir.cleanup()
     prefill_tokens, decode_tokens = batch * prompt_tokens, batch * (new_tokens - 1)
-    cached_decode = decode_tokens / results["zerollm, KV cache"][1]
+    cached_decode = _rate(decode_tokens, results["zerollm, KV cache"][1])
     print(f"bench generate: {model.num_parameters() / 1e6:.2f} M parameters, batch {batch}, prompt "
           f"{prompt_tokens} tokens, {new_tokens} new tokens, greedy, {where.type} "
           f"{str(precision).removeprefix('torch.')}"
           f"{f', {torch.get_num_threads()} threads' if where.type == 'cpu' else ''}; median of {repeats}")
     print(f"  {'variant':<24}{'prefill tok/s':>15}{'decode tok/s':>15}{'cached decode is':>20}")
     for name, (prefill, decode) in results.items():
-        rate = decode_tokens / decode
-        print(f"  {name:<24}{prefill_tokens / prefill:15,.0f}{rate:15,.1f}{cached_decode / rate:18.2f}x")
+        rate = _rate(decode_tokens, decode)
+        print(f"  {name:<24}{_rate(prefill_tokens, prefill):15,.0f}{rate:15,.1f}{cached_decode / rate:18.2f}x")
     return 0

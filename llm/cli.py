@@ -285,7 +285,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     what.add_argument("--input", nargs="+", metavar="PATH", help="text files or directories to score")
     what.add_argument("--data", metavar="DIR", help="prepared data directory (`zerollm data prepare --kind pretrain`)")
     what.add_argument("--tasks", metavar="LIST", help="comma-separated lm-eval tasks, e.g. hellaswag,ceval-valid,cmmlu")
-    p.add_argument("--split", default="val", help="split of --data to score (default val)")
+    p.add_argument("--split", default=None, help="split of --data to score (default val)")
     p.add_argument("--context", type=int, default=None,
                    help="tokens per window (default: the run's data.seq_len, or an export's max length)")
     p.add_argument("--stride", type=int, default=None,
@@ -293,7 +293,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="windows (or harness requests) per forward (default 8)")
     p.add_argument("--nproc", type=ranks_on_this_machine, default=1,
                    help="ranks on this machine for --input/--data (default 1)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--json", action="store_true",
+                   help="--input/--data: print one JSON object instead of the table (a perplexity beyond a float's "
+                        "range is null)")
     _add_placement_options(p)
     p.add_argument("--limit", type=float, default=None,
                    help="--tasks: examples per task (a fraction if < 1), for a quick look")
@@ -579,27 +581,44 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.out), steps=args.steps, nproc=args.nproc)
 
 
+def _refuse_given(options: tuple[tuple[str, object], ...], why: str) -> None:
+    """Refuse the options given (a value other than None) that do not apply, in one line ending with `why`."""
+    given = [option for option, value in options if value is not None]
+    if given:
+        raise UserError(f"{', '.join(given)} {why}")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
+    from llm.eval.perplexity import check_batch_size, check_rank_device, run_perplexity
+
+    check_batch_size(args.batch_size)  # lm-eval failed on it after loading everything; ranks each refused it
     if args.tasks is not None:
         from llm.eval.harness import parse_tasks, run_tasks
 
-        if args.nproc > 1:
-            raise UserError("--nproc applies to --input/--data; --tasks runs in one process")
+        _refuse_given((("--nproc", args.nproc > 1 or None), ("--stride", args.stride), ("--split", args.split),
+                       ("--json", args.json or None)),
+                      "apply to --input/--data; --tasks runs in one process, prints the harness's table and saves its "
+                      "results (the .json in MODEL/eval, or --out)")
         run_tasks(args.model, parse_tasks(args.tasks), limit=args.limit, num_fewshot=args.num_fewshot,
                   include_path=args.include_path, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                   out_dir=args.out, context=args.context)
         return 0
     from launch.local import relaunch_local, under_launcher
 
-    options = (("--limit", args.limit), ("--num-fewshot", args.num_fewshot), ("--include-path", args.include_path),
-               ("--out", args.out))
-    ignored = [option for option, value in options if value is not None]
-    if ignored:
-        raise UserError(f"{', '.join(ignored)} apply to --tasks; --input and --data print their result")
+    _refuse_given((("--limit", args.limit), ("--num-fewshot", args.num_fewshot), ("--include-path", args.include_path),
+                   ("--out", args.out)), "apply to --tasks; --input and --data print their result")
+    if args.split is not None and args.data is None:
+        raise UserError("--split applies to --data (a prepared split); --input scores every document of its files")
     if args.nproc > 1 and not under_launcher():
-        return relaunch_local(args.nproc, args.argv)
-    from llm.eval.perplexity import run_perplexity
+        import torch
 
+        from llm.devices import mps_available, resolve
+        from llm.runtime.distributed import training_device_type
+
+        resolve(args.device, args.dtype)  # a device that is not here
+        check_rank_device(args.device, training_device_type(torch.cuda.is_available(), mps_available(), args.nproc),
+                          args.nproc)
+        return relaunch_local(args.nproc, args.argv)
     return run_perplexity(args.model, args.input, args.data, args.split, context=args.context, stride=args.stride,
                           batch_size=args.batch_size, device=args.device, dtype=args.dtype, as_json=args.json)
 

@@ -4,6 +4,7 @@ on one and two ranks; lm-evaluation-harness suites through our wrapper, on local
 import json
 import math
 import os
+import re
 import sys
 
 import h5py
@@ -321,11 +322,102 @@ def test_help_explains_the_new_commands(command):
     (["--tasks", "my_task", "--out", "{file}"], "--out {file}: {file} is a file; give a folder for the results"),
     (["--input", "{file}", "--nproc", "0"], "argument --nproc: must be between 1 and 1024, got 0"),  # ran one rank
     (["--input", "{file}", "--limit", "5", "--out", "x"], "--limit, --out apply to --tasks"),  # silently ignored
+    # silently ignored before:
+    (["--tasks", "my_task", "--json"], "--json apply to --input/--data; --tasks runs in one process"),
+    (["--tasks", "my_task", "--stride", "4", "--split", "train"], "--stride, --split apply to --input/--data"),
+    (["--input", "{file}", "--split", "train"], "--split applies to --data (a prepared split)"),
+    # lm-eval failed after loading everything (0: "check the tasks' YAML"; -1: an AttributeError traceback)
+    (["--tasks", "my_task", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--tasks", "my_task", "--batch-size", "-1"], "--batch-size must be >= 1, got -1"),
+    (["--input", "{file}", "--nproc", "2", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),  # per rank
+    # the ranks ran on the CPU whatever --device said (mps: not on this machine, or not for 2 ranks)
+    (["--input", "{file}", "--nproc", "2", "--device", "mps"], "--device mps: "),
 ])
 def test_bad_options_are_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, options, message):
     """The model does not exist: the error shows the options are checked first (an --out that is a file was a
-    FileExistsError after the whole evaluation)."""
+    FileExistsError after the whole evaluation), in this process, before any rank starts: one line."""
     (tmp_path / "notes.txt").write_text("kept")
     options = [o.format(file=tmp_path / "notes.txt") for o in options]
     assert zerollm_here(monkeypatch, "eval", "--model", tmp_path / "no-model", *options) == 2
-    assert message.format(file=tmp_path / "notes.txt") in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message.format(file=tmp_path / "notes.txt") in err and err.count(": error:") == 1, err
+
+
+def test_several_ranks_refuse_a_device_other_than_theirs():
+    from llm.eval.perplexity import check_rank_device
+
+    for device in ("auto", "cpu"):
+        check_rank_device(device, "cpu", 2)
+    check_rank_device("cuda", "cuda", 2)
+    with pytest.raises(UserError, match=r"--device cuda: the 2 ranks of this job run on cpu"):
+        check_rank_device("cuda", "cpu", 2)
+
+
+def test_a_mistake_every_rank_finds_is_printed_once(export_dir, pretrain_data):
+    """Each of the 2 ranks printed it."""
+    result = run_cli("eval", "--model", export_dir, "--data", pretrain_data, "--context", 16, "--stride", 40,
+                     "--nproc", 2)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.stderr.count("zerollm: error: --stride must be between 1 and the context (16), got 40") == 1, \
+        result.stderr[-3000:]
+    assert result.stderr.count("zerollm: error:") == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.fixture()
+def diverged_export(export_dir, tmp_path):
+    """export_dir's model with its (tied) embeddings scaled by 900: a loss per token above 709.8 nats, whose
+    exp overflows a float."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "diverged"
+    shutil.copytree(export_dir, out)
+    weights = load_file(out / "model.safetensors")
+    weights["model.embed_tokens.weight"] *= 900
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_a_diverged_models_perplexity_is_inf_and_its_loss_and_bits_per_byte_still_print(diverged_export, text_files,
+                                                                                       capsys):
+    """math.exp(loss) raised OverflowError (a traceback) in the table, under --json and in bench learn's result."""
+    run_perplexity(diverged_export, [text_files[0]], None, None, context=CONTEXT, as_json=True)
+    got = json.loads(capsys.readouterr().out)  # valid JSON: null, not Infinity
+    assert got["loss"] > 709.8 and got["perplexity"] is None and math.isfinite(got["bits_per_byte"])
+    run_perplexity(diverged_export, [text_files[0]], None, None, context=CONTEXT)
+    table = capsys.readouterr().out
+    assert re.search(r"perplexity +inf\n", table), table
+    assert f"loss per token  {got['loss']:10.4f}" in table and f"bits per byte   {got['bits_per_byte']:10.4f}" in table
+
+
+def test_a_huge_perplexity_prints_in_scientific_notation():
+    from llm.eval.perplexity import PerplexityResult
+
+    huge = PerplexityResult(tokens=10, bytes=40, nats=10 * 345.0, windows=1, context=16, stride=16)
+    assert math.isclose(huge.perplexity, math.exp(345.0)) and huge.to_dict()["perplexity"] == huge.perplexity
+    assert re.search(r"perplexity +6\.786e\+149\n", huge.summary()), huge.summary()  # 150 digits before
+    small = PerplexityResult(tokens=10, bytes=40, nats=10 * 5.0, windows=1, context=16, stride=16)
+    assert f"perplexity      {math.exp(5.0):10.3f}" in small.summary()
+    empty = PerplexityResult(tokens=10, bytes=0, nats=10.0, windows=1, context=16, stride=16)
+    assert empty.to_dict()["bits_per_byte"] is None  # NaN is not JSON
+
+
+def test_lm_eval_results_get_names_of_their_own_written_atomically(tmp_path, monkeypatch):
+    """Two runs in one second wrote the same lm_eval_<time>.json and .md (the second replacing the first), with
+    plain write_text (a torn file after a crash)."""
+    from llm import durable
+    from llm.eval import harness
+
+    monkeypatch.setattr(harness.time, "strftime", lambda fmt, *args: "20260101-120000")
+    written = []
+    monkeypatch.setattr(durable, "write_text", lambda path, text, real=durable.write_text: (
+        written.append(path.name), real(path, text)))
+    stems = [harness.save_results(tmp_path / "out", json.dumps({"run": i}), f"table {i}") for i in range(3)]
+    assert [s.name for s in stems] == ["lm_eval_20260101-120000", "lm_eval_20260101-120000-1",
+                                       "lm_eval_20260101-120000-2"]
+    for i, stem in enumerate(stems):
+        assert json.loads(stem.with_suffix(".json").read_text()) == {"run": i}
+        assert stem.with_suffix(".md").read_text() == f"table {i}"
+    assert written == [f"{s.name}.{suffix}" for s in stems for suffix in ("json", "md")]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(written)  # no temporary left

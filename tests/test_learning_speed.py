@@ -54,6 +54,12 @@ def test_bench_learn_runs_tokenizer_data_training_and_heldout_bits_per_byte_in_o
     (["--vocab-size", "0"], "--vocab-size 0 is too small"),  # 0 took the recipe's and trained for the whole budget
     (["--budget", "0"], "zerollm: error: --budget must be a positive duration, got '0'"),  # "config key '--budget'"
     (["--out", "{folder}"], "--out {folder} holds train.txt; bench learn writes its split, tokenizer, data and run"),
+    # a TypeError traceback (check_training_options(None)):
+    (["--recipe", "demo"], "recipe demo leaves model.vocab_size to the tokenizer: give --vocab-size N"),
+    # refused by the training job once split, tokenizer and data filled --out, so that the corrected command was
+    # refused for the full --out:
+    (["--deepspeed", "{tmp}/missing.json"], "{tmp}/missing.json: DeepSpeed config not found"),
+    (["--deepspeed", "{tmp}/ds.json"], "{tmp}/ds.json: zero_optimization.stage must be 0, 1, 2 or 3, got 7"),
 ])
 def test_bad_options_are_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, options, message):
     """The input in --out was cut to its first 90 % before `--reserve` above the budget was refused, and an earlier
@@ -63,10 +69,28 @@ def test_bad_options_are_refused_before_anything_is_written(tmp_path, monkeypatc
     folder = tmp_path / "mine"
     folder.mkdir()
     (folder / "train.txt").write_bytes((FIXTURES / "pretrain" / "en_stories.txt").read_bytes())
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 7}}')
     before = (folder / "train.txt").read_bytes()
-    options = [option.format(folder=folder) for option in options]
+    options = [option.format(folder=folder, tmp=tmp_path) for option in options]
     out = [] if "--out" in options else ["--out", str(tmp_path / "out")]
     assert zerollm_here(monkeypatch, "bench", "learn", "--input", folder / "train.txt", "--budget", "30", *out,
                         *options) == 2
-    assert message.format(folder=folder) in capsys.readouterr().err
+    assert message.format(folder=folder, tmp=tmp_path) in capsys.readouterr().err
     assert (folder / "train.txt").read_bytes() == before and not (tmp_path / "out").exists()
+
+
+def test_the_heldout_task_is_written_atomically(tmp_path, monkeypatch):
+    """tasks/heldout.jsonl and its YAML (and result.json) were written in place (a torn file after a crash)."""
+    from llm import durable
+    from llm.eval.learning_speed import write_heldout_task
+
+    val = tmp_path / "val.txt"
+    val.write_text("第一段。\n\nSecond paragraph.\n")
+    written = []
+    monkeypatch.setattr(durable, "write_text", lambda path, text, real=durable.write_text: (
+        written.append(path.name), real(path, text)))
+    task_dir = write_heldout_task(val, tmp_path / "tasks")
+    assert written == ["heldout.jsonl", "heldout_bpb.yaml"]
+    rows = [json.loads(line) for line in (task_dir / "heldout.jsonl").read_text().splitlines()]
+    assert rows == [{"text": "第一段。"}, {"text": "Second paragraph."}]
+    assert str((task_dir / "heldout.jsonl").resolve()) in (task_dir / "heldout_bpb.yaml").read_text()

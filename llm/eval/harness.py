@@ -10,15 +10,17 @@ works through `dataset_path: json` and `dataset_kwargs.data_files`).
 from __future__ import annotations
 
 import json
+import os
 import time
+from itertools import count
 from pathlib import Path
 
 import yaml
 
-from llm import rundir
+from llm import durable, rundir
 from llm.devices import place, resolve
 from llm.errors import UserError
-from llm.eval.perplexity import evaluation_context
+from llm.eval.perplexity import check_batch_size, evaluation_context
 from llm.loading import load_for_inference
 from llm.train.run_record import git_state
 
@@ -86,6 +88,7 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     """Run lm-eval `tasks` on the model of a run or export directory; print the table, save
     `lm_eval_<time>.json` (the harness's results) and `lm_eval_<time>.md` (its table) in `out_dir` (default
     MODEL_DIR/eval). Returns the harness's results."""
+    check_batch_size(batch_size)  # lm-eval failed on 0 (and -1) after loading everything
     if limit is not None and not limit > 0:  # NaN included
         raise UserError(f"--limit must be positive (examples per task, or a fraction of them below 1), got {limit:g}")
     if num_fewshot is not None and num_fewshot < 0:
@@ -123,9 +126,27 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
                         "YAML and data files".replace("\n", " ")) from None
     table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
     print(table)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"lm_eval_{time.strftime('%Y%m%d-%H%M%S')}"
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str, ensure_ascii=False))
-    stem.with_suffix(".md").write_text(table)
+    stem = save_results(out, json.dumps(results, indent=1, default=str, ensure_ascii=False), table)
     print(f"results written to {stem}.json and {stem}.md")
     return results
+
+
+def save_results(out: Path, results: str, table: str) -> Path:
+    """Write `results` (JSON text) and `table` as OUT/lm_eval_<time>.json and .md, each atomically
+    (`llm.durable`); returns their common path without suffix. The name is claimed by creating the .json
+    exclusively, so that runs finishing in the same second (or at once) each get their own: lm_eval_<time>,
+    lm_eval_<time>-1, ..."""
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = f"lm_eval_{time.strftime('%Y%m%d-%H%M%S')}"
+    for n in count():
+        stem = out / (f"{stamp}-{n}" if n else stamp)
+        if stem.with_suffix(".md").exists():
+            continue
+        try:
+            os.close(os.open(stem.with_suffix(".json"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+        except FileExistsError:
+            continue
+        break
+    durable.write_text(stem.with_suffix(".json"), results)
+    durable.write_text(stem.with_suffix(".md"), table)
+    return stem

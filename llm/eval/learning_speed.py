@@ -18,19 +18,25 @@ val.txt, tok/, data/, run/), result.json, and an lm-evaluation-harness task over
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
 
-from llm import rundir
-from llm.config import build_config, parse_duration
+import torch
+
+from llm import durable, rundir
+from llm.config import RunConfig, build_config, parse_duration
 from llm.data.formats import Skipped, expand_inputs, read_records
 from llm.data.prepare import prepare
 from llm.errors import EXIT_OK, UserError
 from llm.eval.perplexity import evaluate_stream
 from llm.eval.token_stream import stream_of_files
 from llm.loading import load_trained_model
+from llm.runtime.distributed import local_device_type
 from llm.tokenizer import Tokenizer, check_training_options, train_tokenizer
+from llm.train.ds_config_file import load_ds_config
+from llm.train.engine import resolve_ds_config, resolve_precision
 from llm.train.job import run as run_training
 
 TRAIN_SHARE = 0.9
@@ -72,12 +78,23 @@ def write_heldout_task(val: Path, out: Path) -> Path:
     """An lm-eval task over the held-out documents (one jsonl record per document, as the readers see them)."""
     out.mkdir(parents=True, exist_ok=True)
     documents = out / "heldout.jsonl"
-    with documents.open("w") as f:
-        for record in read_records([val], "pretrain"):
-            if not isinstance(record, Skipped):
-                f.write(json.dumps({"text": record.value}, ensure_ascii=False) + "\n")
-    (out / f"{TASK_NAME}.yaml").write_text(TASK_YAML.format(name=TASK_NAME, data=documents.resolve()))
+    durable.write_text(documents, "".join(json.dumps({"text": record.value}, ensure_ascii=False) + "\n"
+                                          for record in read_records([val], "pretrain")
+                                          if not isinstance(record, Skipped)))
+    durable.write_text(out / f"{TASK_NAME}.yaml", TASK_YAML.format(name=TASK_NAME, data=documents.resolve()))
     return out
+
+
+def check_training_start(base: RunConfig, vocab_size: int, deepspeed_config: str | None,
+                         zero_stage: int | None) -> None:
+    """What the training job would refuse at its start without needing the data, checked before anything is
+    written (a refusal after the split, tokenizer and data left --out full, and the corrected command was refused
+    for that): the DeepSpeed config's file and values against the recipe, its precision on this machine."""
+    cfg = copy.deepcopy(base)
+    cfg.model.vocab_size = vocab_size
+    raw, source = load_ds_config(deepspeed_config, cfg.train.stage)
+    cfg.train.precision = resolve_precision(cfg.train.precision, torch.device(local_device_type()))
+    resolve_ds_config(raw, cfg, 1, source, zero_stage)
 
 
 def _check_new_folder(out_dir: Path) -> None:
@@ -121,7 +138,11 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
     _check_new_folder(out_dir)
     base = build_config(recipe, overrides)  # a mistake in the recipe or --set fails before the clock matters
     vocab = base.model.vocab_size if vocab_size is None else vocab_size
+    if vocab is None:
+        raise UserError(f"recipe {recipe} leaves model.vocab_size to the tokenizer: give --vocab-size N (the "
+                        "tokenizer's size, e.g. 4096 as cpu-10m)")
     check_training_options(vocab)
+    check_training_start(base, vocab, deepspeed_config, zero_stage)
     out_dir.mkdir(parents=True, exist_ok=True)
     train_file, val_file = split_file(Path(input_file), out_dir)
     phases.done("split")
@@ -159,7 +180,7 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
                "wall_s": total, "within_budget": total <= budget_s, "phases_s": phases.seconds,
                "train_max_time_s": max_time, "train_loop_s": in_loop, "vocab_size": tokenizer.vocab_size,
                "train_tokens": report.tokens["train"], "heldout": result.to_dict()}
-    (out_dir / "result.json").write_text(json.dumps(summary, indent=1))
+    durable.write_text(out_dir / "result.json", json.dumps(summary, indent=1, allow_nan=False))
     print(f"\nbench learn: {input_file}, recipe {recipe}, budget {budget_s:g} s, wall {total:.1f} s"
           f"{'' if total <= budget_s else f' -- OVER BUDGET by {total - budget_s:.1f} s: raise --reserve'}\n"
           f"  held-out bits per byte  {result.bits_per_byte:.4f}  (loss per token {result.loss:.4f}, "

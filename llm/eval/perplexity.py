@@ -34,7 +34,7 @@ from llm.eval.scoring import score_sequences
 from llm.eval.token_stream import TokenStream, scored_text_bytes, stream_of_files, stream_of_split
 from llm.loading import load_for_inference
 from llm.model import Transformer
-from llm.runtime.distributed import setup_distributed
+from llm.runtime.distributed import agreed, setup_distributed
 from llm.tokenizer import Tokenizer
 
 
@@ -77,21 +77,36 @@ class PerplexityResult:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.loss)
+        """exp(loss per token); inf where that overflows a float (a loss above ~709.8 nats: a diverged model)."""
+        try:
+            return math.exp(self.loss)
+        except OverflowError:
+            return math.inf
 
     @property
     def bits_per_byte(self) -> float:
         return self.nats / math.log(2) / self.bytes if self.bytes else float("nan")
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "loss": self.loss, "perplexity": self.perplexity, "bits_per_byte": self.bits_per_byte}
+        """The fields and the three figures, for JSON: a figure that is not a finite number (the perplexity of a
+        diverged model overflows to inf; bits per byte of no bytes) is None (JSON null), so the text stays JSON."""
+        figures = {**asdict(self), "loss": self.loss, "perplexity": self.perplexity,
+                   "bits_per_byte": self.bits_per_byte}
+        return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+                for key, value in figures.items()}
 
     def summary(self) -> str:
         return (f"{self.tokens:,} tokens ({self.bytes:,} bytes) in {self.windows:,} windows of up to {self.context} "
                 f"tokens, stride {self.stride}\n"
                 f"  loss per token  {self.loss:10.4f}\n"
-                f"  perplexity      {self.perplexity:10.3f}\n"
+                f"  perplexity      {_figure(self.perplexity)}\n"
                 f"  bits per byte   {self.bits_per_byte:10.4f}")
+
+
+def _figure(value: float) -> str:
+    """A perplexity in 10 columns: 3 decimals, or scientific notation from 1e9 on (a diverged model's has hundreds
+    of digits), inf past a float's range."""
+    return f"{value:10.3f}" if value < 1e9 else f"{value:10.4g}"
 
 
 def evaluate_stream(model: Transformer, tokenizer: Tokenizer, stream: TokenStream, context: int, stride: int,
@@ -133,38 +148,68 @@ def evaluation_context(context: int | None, model_dir: Path, model: Transformer)
     return context
 
 
-def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | None, split: str,
+def check_batch_size(batch_size: int) -> None:
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+
+
+def check_rank_device(device: str, ranks_device: str, world_size: int) -> None:
+    """Refuse a --device other than auto and the one the ranks of a job of `world_size` run on (`ranks_device`:
+    a CUDA GPU per rank where there is one, else the CPU): the ranks ran there, ignoring it."""
+    if device not in ("auto", ranks_device):
+        raise UserError(f"--device {device}: the {world_size} ranks of this job run on {ranks_device} (a CUDA GPU per "
+                        "rank where there is one, else the CPU); leave --device out, or score in one process without "
+                        "--nproc")
+
+
+def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | None, split: str | None,
                    context: int | None = None, stride: int | None = None, batch_size: int = 8, device: str = "auto",
                    dtype: str = "auto", as_json: bool = False) -> int:
     """`zerollm eval --input/--data`: print the result (rank 0), on every rank of the job when started by a
-    launcher. Returns the exit code."""
+    launcher; a mistake every rank finds is printed once per node. Returns the exit code."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = 0
+    split = split or "val"
+    check_batch_size(batch_size)
+    rank, announce = 0, True
     if world_size > 1:
         info = setup_distributed()
-        rank, where, precision = info.rank, info.device, resolve(info.device.type, dtype)[1]
+        rank, where, announce = info.rank, info.device, info.local_rank == 0
+
+        def rank_precision():
+            check_rank_device(device, info.device.type, world_size)
+            return resolve(info.device.type, dtype)[1]
+
+        precision = agreed(rank_precision, announce)
     else:
         where, precision = resolve(device, dtype)
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
-    model, tokenizer = load_for_inference(model_dir)
-    context = evaluation_context(context, Path(model_dir), model)
-    if inputs:
-        stream, report = stream_of_files(inputs, tokenizer)
-        if report.skipped and rank == 0:
-            print(f"skipped {len(report.skipped)} unusable records:", file=sys.stderr)
-            for line in report.skipped:
-                print(f"  {line}", file=sys.stderr)
-        source = {"input": [str(p) for p in inputs], "documents": report.documents, "skipped": len(report.skipped)}
+
+    def inputs_checked():
+        model, tokenizer = load_for_inference(model_dir)
+        window = evaluation_context(context, Path(model_dir), model)
+        if inputs:
+            stream, report = stream_of_files(inputs, tokenizer)
+            source = {"input": [str(p) for p in inputs], "documents": report.documents, "skipped": len(report.skipped)}
+        else:
+            stream, report = stream_of_split(data_dir, split, tokenizer), None
+            source = {"data": str(data_dir), "split": split}
+        step = window if stride is None else stride
+        windows(len(stream), window, step)  # refuses a stride outside 1..context
+        return model, tokenizer, window, step, stream, report, source
+
+    if world_size > 1:  # a mistake every rank finds: one line per node, not one per rank
+        model, tokenizer, context, stride, stream, report, source = agreed(inputs_checked, announce)
     else:
-        stream = stream_of_split(data_dir, split, tokenizer)
-        source = {"data": str(data_dir), "split": split}
-    stride = context if stride is None else stride
+        model, tokenizer, context, stride, stream, report, source = inputs_checked()
+    if report is not None and report.skipped and rank == 0:
+        print(f"skipped {len(report.skipped)} unusable records:", file=sys.stderr)
+        for line in report.skipped:
+            print(f"  {line}", file=sys.stderr)
     result = evaluate_stream(place(model, where, precision), tokenizer, stream, context, stride, batch_size, rank,
                              world_size)
     if rank == 0:
         if as_json:
-            print(json.dumps({"model": str(model_dir), **source, "ranks": world_size, **result.to_dict()}))
+            print(json.dumps({"model": str(model_dir), **source, "ranks": world_size, **result.to_dict()},
+                             allow_nan=False))
         else:
             print(f"eval {model_dir} on {', '.join(source.get('input', [])) or f'{data_dir} ({split})'}: "
                   + result.summary())

@@ -1,0 +1,75 @@
+"""`zerollm bench generate` and `bench train`: what they measure and report (benchmarks are commands: these tests
+check the figures' bookkeeping, never a speed)."""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import TINY, run_cli
+from llm.config import ModelConfig
+from llm.export import export_model
+from llm.model import Transformer
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tokenizer_dir, tmp_path_factory):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64))
+    out = tmp_path_factory.mktemp("export")
+    export_model(model, tokenizer_dir, out)
+    return out
+
+
+def _rates(stdout: str) -> dict[str, tuple[float, float]]:
+    """variant -> (prefill tok/s, decode tok/s) of the printed table."""
+    rows = re.findall(r"^  (zerollm, KV cache|zerollm, no cache|transformers generate) +([\d,.]+|inf) +([-\d,.]+|inf)",
+                      stdout, re.MULTILINE)
+    return {name: (float(prefill.replace(",", "")), float(decode.replace(",", ""))) for name, prefill, decode in rows}
+
+
+def test_bench_generate_times_prefill_and_decode_within_one_call(tiny_export, monkeypatch, capsys):
+    """transformers' decode time was one generate(new) call less a separate (cold) generate(1) call: negative or
+    absurd rates (-2,394.9 tok/s, -0.09x). A clock that ticks once per reading makes that difference 0 (a
+    ZeroDivisionError before); timed within one call, every variant's prefill and decode take 1 tick."""
+    from llm import bench
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    assert bench.bench_generate(str(tiny_export), prompt_tokens=16, new_tokens=2, repeats=1, device="cpu") == 0
+    rates = _rates(capsys.readouterr().out)
+    assert set(rates) == {"zerollm, KV cache", "zerollm, no cache", "transformers generate"}
+    assert all(r == (16.0, 1.0) for r in rates.values()), rates  # 16 prompt tokens and 1 decoded token per tick
+
+
+def test_bench_generate_rates_are_positive(tiny_export):
+    result = run_cli("bench", "generate", "--model", tiny_export, "--prompt-tokens", 16, "--new-tokens", 2,
+                     "--repeats", 1, "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rates = _rates(result.stdout)
+    assert len(rates) == 3 and all(p > 0 and d > 0 for p, d in rates.values()), result.stdout
+
+
+def test_bench_train_ended_by_max_time_in_its_warmup_is_one_line():
+    """train.max_time ended the job within the warm-up steps: `statistics.median` of no steps raised
+    StatisticsError (a traceback), under a header promising the median of --steps steps."""
+    tiny = [a for o in TINY for a in ("--set", o)]
+    result = run_cli("bench", "train", "--recipe", "demo", "--steps", 1, "--warmup", 100, *tiny,
+                     "--set", "train.max_time=0.01")
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert re.search(r"zerollm: error: the job stopped after \d+ step\(s\), within the 100 warm-up steps "
+                     r"\(train\.max_time=0\.01\): nothing was measured", result.stderr), result.stderr[-2000:]
+
+
+def test_bench_train_reports_the_steps_it_measured():
+    from llm.bench import TrainFigures, _measured
+
+    def figures(steps: int) -> TrainFigures:
+        return TrainFigures(1.0, 1.0, 0.1, 10.0, 5, 5, steps)
+
+    assert _measured({"": figures(20)}, 20) == "20 steps"
+    assert _measured({"": figures(3)}, 20) == "3 steps (of --steps 20: train.max_time ended the job sooner)"
+    assert _measured({"a": figures(1), "b": figures(4)}, 4) == \
+        "1 / 4 steps (of --steps 4: train.max_time ended the job sooner)"
