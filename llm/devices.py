@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from kernels.runtime import triton_runs_on
 from llm.errors import UserError
+from llm.model import Transformer
 
 DEVICES = ("auto", "cuda", "mps", "cpu")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,9 +45,12 @@ def resolve(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, to
     return torch.device(device), DTYPES[dtype]
 
 
-def place(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def place(model: Transformer, device: torch.device, dtype: torch.dtype) -> Transformer:
     """Move `model` to `device` and cast its parameters to `dtype`; buffers keep their precision (the RoPE tables
-    stay fp32, as rotations in bf16 would lose the position information of far tokens)."""
+    stay fp32, as rotations in bf16 would lose the position information of far tokens). A model trained with our
+    Triton kernels (model.kernels=triton, on a GPU) runs PyTorch's ops where they cannot run (a CPU, a Mac)."""
+    if model.cfg.kernels == "triton" and not triton_runs_on(device):
+        model.use_kernels("auto")
     model.to(device)
     for param in model.parameters():
         param.data = param.data.to(dtype)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from kernels.runtime import triton_runs_on
 from llm import rundir
 from llm.config import ModelConfig, RunConfig, build_config, settable_key
 from llm.data.prepare import RANDOM_TOKENS_HASH
@@ -54,9 +53,6 @@ def load_trained_model(run_dir: Path, tag: str | None = None) -> tuple[Transform
     checkpoint holds its adapters only: they are loaded onto its --init-from model and merged into it."""
     cfg = build_config(rundir.recorded_config(run_dir))
     check_fits_in_memory(cfg.model, remedy=f" ({run_dir / rundir.CONFIG_FILE})")
-    here = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if cfg.model.kernels == "triton" and not triton_runs_on(here):  # trained on a GPU, used where there is none:
-        cfg.model.kernels = "auto"  # the kernels choose how the ops run, not what they compute
     if cfg.lora.r:
         return merge(load_lora_model(run_dir, cfg, tag)).eval(), cfg
     model = Transformer(cfg.model)

@@ -28,15 +28,42 @@ def test_training_with_triton_kernels_on_the_cpu_is_one_line_and_writes_nothing(
     assert "Traceback" not in result.stderr and not run.exists()
 
 
+def _trained_with_triton(run, copy):
+    """A copy of `run` as if trained with model.kernels=triton (on a GPU)."""
+    shutil.copytree(run, copy)
+    config = copy / "config.yaml"
+    config.write_text(config.read_text().replace("kernels: auto", "kernels: triton"))
+    assert "kernels: triton" in config.read_text()
+    return copy
+
+
 def test_a_run_trained_with_triton_kernels_generates_where_triton_cannot_run(zero_runs, tmp_path):
     """A run trained on a GPU with model.kernels=triton, then chatted with on a laptop: generate, chat, serve and
     eval failed with a KernelUnavailableError traceback. Here it computes what the same run does with auto."""
-    triton_run = tmp_path / "run"
-    shutil.copytree(zero_runs[0], triton_run)
-    config = triton_run / "config.yaml"
-    config.write_text(config.read_text().replace("kernels: auto", "kernels: triton"))
-    assert "kernels: triton" in config.read_text()
+    triton_run = _trained_with_triton(zero_runs[0], tmp_path / "run")
     outputs = [zerollm("generate", "--model", run, "--prompt", "Once upon", "--max-new-tokens", 8)
                for run in (zero_runs[0], triton_run)]
     assert [r.returncode for r in outputs] == [0, 0], outputs[1].stderr[-2000:]
     assert outputs[1].stdout == outputs[0].stdout
+
+
+def test_a_triton_model_placed_on_the_cpu_of_a_gpu_machine_runs_pytorchs_ops():
+    """`generate --device cpu` where a GPU is: the choice followed whether CUDA was there, not the model's device."""
+    code = ("import torch; torch.cuda.is_available = lambda: True\n"
+            "from llm.config import ModelConfig; from llm.devices import place; from llm.model import Transformer\n"
+            "model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, kernels='triton'))\n"
+            "place(model, torch.device('cpu'), torch.float32)\n"
+            "print(model.cfg.kernels, tuple(model(torch.arange(8)[None]).logits.shape))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=NO_INTERPRETER,
+                            timeout=300, check=False)
+    assert (result.returncode, result.stdout) == (0, "auto (1, 8, 64)\n"), result.stderr[-2000:]
+
+
+def test_a_teacher_trained_with_triton_kernels_teaches_where_triton_cannot_run(zero_runs, pretrain_data, tmp_path):
+    """The teacher runs its ops as the distillation job does (model.kernels of this job, checked for its device)."""
+    teacher = _trained_with_triton(zero_runs[0], tmp_path / "teacher")
+    args = train_args(pretrain_data, tmp_path / "student", "model.dim=32", "model.n_layers=1", "train.max_steps=1",
+                      "train.precision=fp32", extra=["--teacher", teacher])
+    args[1] = "distill"
+    result = zerollm(*args)
+    assert result.returncode == 0, result.stderr[-2000:]

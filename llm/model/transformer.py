@@ -153,6 +153,15 @@ class Transformer(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
 
+    def use_kernels(self, choice: str) -> Transformer:
+        """Run the hot ops the `choice` way (model.kernels: auto, triton, torch) from now on: how they run, not what
+        they compute."""
+        self.cfg.kernels = choice
+        for module in self.modules():
+            if hasattr(module, "kernels_choice"):
+                module.kernels_choice = choice
+        return self
+
     def num_parameters(self) -> int:
         """Distinct parameters (a tied embedding counts once)."""
         return sum(p.numel() for p in self.parameters())

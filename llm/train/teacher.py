@@ -72,4 +72,4 @@ def load_teacher(cfg: RunConfig, ds_config: dict):
     """The teacher's weights (its run directory's newest checkpoint, or its export) as a frozen inference engine:
     partitioned under ZeRO-3, replicated otherwise (`llm.train.engine.frozen_engine`)."""
     model, _ = load_model_dir(cfg.train.teacher)
-    return frozen_engine(model, ds_config)
+    return frozen_engine(model.use_kernels(cfg.model.kernels), ds_config)  # the ops run as this job's (its device's)
