@@ -371,8 +371,15 @@ def load_yaml(text: str):
     return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
 
 
+def load_recorded_yaml(text: str):
+    """Parse a config.yaml that zerollm wrote, as its writer meant it: YAML 1.1, which PyYAML's safe_dump spoke for
+    earlier versions (it left text such as 08 or 1e5 unquoted, which YAML 1.2 reads as numbers: a run named 08
+    could no longer be resumed or exported); `dump_yaml` quotes what either version would misread."""
+    return yaml.safe_load(text)
+
+
 def dump_yaml(data) -> str:
-    """YAML text that `load_yaml` reads back as `data`."""
+    """YAML text that `load_yaml` and `load_recorded_yaml` read back as `data`."""
     return yaml.dump(data, Dumper=_QuotingDumper, sort_keys=False, allow_unicode=True)
 
 
@@ -432,7 +439,8 @@ def _coerce(key: str, value: Any, annotation: str) -> Any:
 
 def _apply(cfg: RunConfig, dotted: str, value: Any, text: str | None = None) -> None:
     """Set one key. `text` is the value as written after `--set key=`: a key that only takes text gets it as
-    written (`--set wandb.name=0123` names the run 0123, not 123), null aside."""
+    written where YAML reads a number or a boolean (`--set wandb.name=0123` names the run 0123, not 123; quotes
+    and null are YAML's, `--set 'wandb.name="0123"'` is 0123 too)."""
     section_name, _, field_name = dotted.partition(".")
     sections = {f.name: f for f in dataclasses.fields(RunConfig)}
     if section_name not in sections or not field_name:
@@ -443,9 +451,8 @@ def _apply(cfg: RunConfig, dotted: str, value: Any, text: str | None = None) -> 
     if field_name not in fields:
         raise UserError(f"unknown config key '{dotted}'; '{section_name}' has: {', '.join(fields)}")
     annotation = str(fields[field_name].type)
-    takes_text_only = annotation in ("str", "str | None")
-    if text is not None and takes_text_only and not (value is None and "None" in annotation):
-        value = text
+    if text is not None and annotation in ("str", "str | None") and value is not None and not isinstance(value, str):
+        value = text.strip()  # YAML read a number or a boolean there (0123, 1e5, true): the text as written
     setattr(section, field_name, _coerce(dotted, value, annotation))
 
 

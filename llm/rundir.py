@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from llm.config import load_yaml
+from llm.config import load_recorded_yaml
 from llm.errors import UserError
 from llm.train.run_lock import check_run_unlocked
 
@@ -112,7 +112,7 @@ def recorded_config(run_dir: Path) -> dict[str, Any]:
     a missing or damaged file is one UserError."""
     path = config_file(run_dir)
     try:
-        recorded = load_yaml(path.read_text(encoding="utf-8"))
+        recorded = load_recorded_yaml(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"{run_dir}: no {CONFIG_FILE}; is this a run directory made by `zerollm train`?") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:

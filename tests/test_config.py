@@ -4,7 +4,9 @@ import pathlib
 
 import psutil
 import pytest
+import yaml
 
+from llm import rundir
 from llm.config import NUMBER_RANGES, RunConfig, build_config, load_yaml, recipe_names
 from llm.errors import UserError
 from llm.train.ds_config_file import DS_CONFIG_DIR, load_ds_config
@@ -42,6 +44,20 @@ def test_values_are_read_by_yaml_12_and_text_keys_take_the_text_as_written(tmp_p
         saved = build_config("demo", [f"wandb.name={name}"])
         saved.save(tmp_path / "config.yaml")
         assert load_yaml((tmp_path / "config.yaml").read_text())["wandb"]["name"] == name
+        assert rundir.recorded_config(tmp_path)["wandb"]["name"] == name
+    quoted = build_config("demo", ['wandb.name="0123"', "wandb.mode='off'", "wandb.project= mine  # a note"]).wandb
+    assert (quoted.name, quoted.mode, quoted.project) == ("0123", "off", "mine")  # quotes and comments are YAML's
+
+
+def test_a_config_yaml_an_earlier_version_wrote_reads_back_as_it_meant(tmp_path):
+    """PyYAML's safe_dump (YAML 1.1) left text such as 08 and 1e5 unquoted; read as YAML 1.2 they were numbers, and
+    a run so named could no longer be resumed, exported or evaluated ("expects str | None, got 8")."""
+    cfg = build_config("demo", ["wandb.name=08", "wandb.project=1e5", "train.stage=sft"],
+                       paths={"train.init_from": "09"})
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    assert "name: 08\n" in (tmp_path / "config.yaml").read_text()
+    recorded = build_config(rundir.recorded_config(tmp_path))
+    assert (recorded.wandb.name, recorded.wandb.project, recorded.train.init_from) == ("08", "1e5", "09")
 
 
 @pytest.mark.parametrize("override, message", [
