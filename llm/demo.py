@@ -12,7 +12,9 @@ ran and the pretraining validation loss fell.
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -185,6 +187,14 @@ DEMO_MARKER = ".zerollm-demo"
 DEMO_OUTPUTS = {"corpus.txt", "tokenizer", "data", "run", "sft.jsonl", "dpo.jsonl", "grpo.jsonl", "sft_data",
                 "dpo_data", "sft_run", "dpo_run", "grpo_run", DEMO_MARKER}
 """Everything the demo writes into --out (and replaces when it runs there again)."""
+UNMARKED_DEMO = {"corpus.txt", "tokenizer", "data", "run"}
+"""What a demo of a version that wrote no marker holds once it has pretrained: taken as the demo's own."""
+
+
+def _leftover(name: str) -> bool:
+    """A staging or set-aside folder that a killed `tokenizer train` or `data prepare` left beside its output (the
+    next one into that output removes it)."""
+    return re.fullmatch(r"\.(?:tokenizer|data|sft_data|dpo_data)\.(?:partial|old)-.+", name) is not None
 
 
 def take_output_dir(out: Path) -> None:
@@ -193,7 +203,9 @@ def take_output_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: is a file; give a directory (new, empty, or an earlier demo's)")
     if out.is_dir():
-        refuse_foreign_contents(out, out, "zerollm demo", DEMO_OUTPUTS, DEMO_MARKER)
+        entries = set(os.listdir(out))
+        marker = "corpus.txt" if DEMO_MARKER not in entries and entries >= UNMARKED_DEMO else DEMO_MARKER
+        refuse_foreign_contents(out, out, "zerollm demo", DEMO_OUTPUTS, marker, {e for e in entries if _leftover(e)})
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / DEMO_MARKER).touch()

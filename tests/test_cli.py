@@ -58,6 +58,22 @@ def test_demo_refuses_a_folder_of_the_users_and_steps_below_one(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def test_demo_takes_its_own_earlier_folders(tmp_path):
+    """A demo folder of a version that wrote no marker, and one where a killed demo left data prepare's staging
+    folder, were refused as the user's."""
+    from llm.demo import DEMO_MARKER, take_output_dir
+
+    unmarked, killed = tmp_path / "unmarked", tmp_path / "killed"
+    for folder, names in ((unmarked, ["tokenizer", "data", "run", "sft_run"]), (killed, [".data.partial-41-9f0c"])):
+        for name in names:
+            (folder / name).mkdir(parents=True)
+        (folder / "corpus.txt").write_text("")
+    (killed / DEMO_MARKER).touch()
+    for folder in (unmarked, killed):
+        take_output_dir(folder)
+        assert (folder / DEMO_MARKER).is_file()
+
+
 def test_bench_train_prints_throughput_mfu_and_memory():
     result = run_cli("bench", "train", "--recipe", "demo", "--steps", 2, "--warmup", 1)
     assert result.returncode == 0, result.stderr[-3000:]
