@@ -52,6 +52,9 @@ def test_ds_config_file_is_read_as_deepspeed_reads_it(tmp_path):
     path.write_text('{\n  "zero_optimization": {"stage": 2, "x": [1}\n}')  # neither reads it: JSON's own words
     with pytest.raises(UserError, match=f"^{path}:2:44: invalid JSON \\(Expecting ',' delimiter\\)$"):
         load_ds_config(path, "pretrain")
+    path.write_text('{\n  // ZeRO-2\n  "zero_optimization": {"stage": 2, "x": [1}\n}')  # not at the comment
+    with pytest.raises(UserError, match=f"^{path}:3:44: invalid JSON \\(Found a punctuator character "):
+        load_ds_config(path, "pretrain")
 
 
 @pytest.mark.parametrize("optimizer, kind, offload", [

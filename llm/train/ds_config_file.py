@@ -50,11 +50,16 @@ def _refuse_keys_given_twice(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def parse_as_deepspeed(text: str) -> Any:
     """A DeepSpeed config's text read as DeepSpeed reads a config file: as Hjson, so comments and trailing commas are
     taken, and a key given twice is refused (json keeps the last silently: `"stage": 3, "stage": 1` ran ZeRO-1).
-    Strict JSON is tried first: where neither reads the text, its error says where and what."""
+    Strict JSON is tried first: where neither reads the text, its error says where and what, unless it stopped at
+    a comment (which Hjson takes): then Hjson's error does."""
     try:
         return json.loads(text, object_pairs_hook=_refuse_keys_given_twice)
     except json.JSONDecodeError as strict:
         try:
             return hjson.loads(text, object_pairs_hook=_refuse_keys_given_twice)
-        except (hjson.HjsonDecodeError, OverflowError):
+        except OverflowError:
+            raise strict from None
+        except hjson.HjsonDecodeError as lenient:
+            if text.startswith(("//", "/*", "#"), strict.pos):
+                raise json.JSONDecodeError(lenient.msg, text, lenient.pos) from None
             raise strict from None
