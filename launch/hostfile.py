@@ -13,7 +13,8 @@ from pathlib import Path
 
 from llm.errors import UserError
 
-_LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)$")
+_LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)(?:\s+\S.*)?$")
+"""`HOST slots=N`, then any other words, which DeepSpeed's runner ignores too (Open MPI's `max_slots=N`)."""
 _INTEGER = re.compile(r"-?[0-9]+")
 MAX_SLOTS_PER_HOST = 1024
 """The most ranks one host runs (slots, --nproc-per-node): far beyond any machine's accelerators or cores, and small
@@ -63,6 +64,8 @@ def _lines(path: Path) -> list[str]:
 def read_hostfile(path: str | Path) -> dict[str, int]:
     """{host: slots} in file order."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory, not a hostfile; give the file with one 'HOST slots=N' per line")
     if not path.is_file():
         raise UserError(f"{path}: hostfile not found")
     hosts: dict[str, int] = {}
@@ -113,12 +116,14 @@ def check_filter(hosts: dict[str, int], spec: str, option: str, hostfile: str | 
 
 
 def _spec(spec: str) -> dict[str, list[int] | None]:
-    """`host1@host2:0,2` -> {host1: None (every slot), host2: [0, 2]}, for a spec `check_filter` accepted."""
-    chosen: dict[str, list[int] | None] = {}
+    """`host1@host2:0,2` -> {host1: None (every slot), host2: [0, 2]}, for a spec `check_filter` accepted. A host
+    named in several parts gets the slots of all of them, every slot only where none of them names slots
+    (`h:0@h:1` -> {h: [0, 1]}, `h@h:1` -> {h: [1]}), as DeepSpeed's `parse_node_config_list` merges them."""
+    merged: dict[str, list[int]] = {}
     for part in spec.split("@"):
         host, _, slots = part.partition(":")
-        chosen[host] = [int(slot) for slot in slots.split(",")] if slots else None
-    return chosen
+        merged.setdefault(host, []).extend(int(slot) for slot in slots.split(",") if slots)
+    return {host: sorted(set(slots)) or None for host, slots in merged.items()}
 
 
 def active_slots(hosts: dict[str, int], include: str = "", exclude: str = "",

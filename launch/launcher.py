@@ -12,21 +12,26 @@ Three ways to start a job, one command for each:
 - SLURM (`--backend slurm`): per-node torchrun with N, R and A taken from the SLURM environment (see
   launch/slurm/zerollm.sbatch, which starts one launcher per node with srun).
 
-Before starting anything: the hostfile is checked, every host pdsh will reach answers over ssh and, without
---master-addr, the first gives its address (reachable.py), the training command has been parsed and its config
-built by the CLI (a bad key fails there, not on 100 ranks), and the node hosting the rendezvous checks that the
-master port is free. Once the ranks meet they compare fingerprints (llm/runtime/fingerprint.py) and watch each
-other (llm/runtime/watchdog.py).
+Before starting anything: the hostfile is checked, an option the chosen mode would ignore is refused, the program
+DeepSpeed's runner reaches the hosts with (pdsh, mpirun) is on PATH, every host pdsh will reach answers over ssh
+and, without --master-addr, the first gives its address (reachable.py), the training command has been parsed and
+its config built by the CLI (a bad key fails there, not on 100 ranks), and the node hosting the rendezvous checks
+that the master address is its own and the master port is free. Once the ranks meet they compare fingerprints
+(llm/runtime/fingerprint.py) and watch each other (llm/runtime/watchdog.py).
 
 SIGTERM/SIGINT to `zerollm launch` is forwarded to the training ranks: they agree to stop, save a
-checkpoint and the launch exits 75 (`EXIT_PREEMPTED`); `--resume auto` continues, on any number of ranks.
+checkpoint and the launch exits 75 (`EXIT_PREEMPTED`); `--resume auto` continues, on any number of ranks. A rank
+ended by a signal (the OOM killer's SIGKILL) is named in one line and the launch exits 76 (`EXIT_RANK_LOST`), under
+DeepSpeed's launcher (`run_plan`) as under torchrun (launch/torchrun.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import errno
+import math
 import os
 import shlex
 import shutil
@@ -35,6 +40,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,7 +57,7 @@ from launch.hostfile import (
     read_hostfile,
     read_integer,
 )
-from launch.local import exit_code
+from launch.local import exit_code, report_rank_ended
 from launch.nodelist import slurm_hosts
 from launch.options import LaunchOptions, launcher_problem
 from launch.reachable import check_reachable, host_address
@@ -59,12 +65,18 @@ from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
 from llm.errors import EXIT_PREEMPTED, UserError
 from llm.runtime.cpu_threads import cpu_threads_per_rank
+from llm.runtime.rank_env import RANK_VARIABLES
 from llm.runtime.supervisor import supervisor_env
 
 MAX_PORT = 65535
 MAX_NODES = 65536
 """The most nodes one job runs on (--nnodes, SLURM_JOB_NUM_NODES): beyond any cluster, and small enough that a mistyped
 number is an error rather than a hostfile of billions of lines or a rendezvous that waits for ever."""
+LAUNCHER_PROGRAMS = {"pdsh": ("pdsh",), "openmpi": ("ompi_info", "mpirun"), "mvapich": ("mpiname", "mpirun"),
+                     "mpich": ("mpirun",), "impi": ("mpirun",)}
+"""What DeepSpeed's runner looks for (its `backend_exists`) and runs, for each --launcher reaching other hosts."""
+_INSTALL = {"pdsh": "pdsh (e.g. `apt install pdsh`)", "openmpi": "Open MPI", "mvapich": "MVAPICH2-GDR",
+            "mpich": "MPICH", "impi": "Intel MPI"}
 _EQUAL_SLOTS = ("mvapich", "mpich", "impi")
 """DeepSpeed's runners for these place the same number of ranks on every host."""
 
@@ -91,6 +103,16 @@ class Plan:
     address_of: str | None = None
     """The host whose address, asked over ssh once `ssh_hosts` answer, is the rendezvous (pdsh without
     --master-addr): given to the launcher as its --master_addr (`with_master`)."""
+    programs: tuple[str, ...] = ()
+    """Programs DeepSpeed's runner needs on this node's PATH to reach the hosts (pdsh, mpirun, ...): each is looked
+    for before anything starts (`check_programs`)."""
+    stop_wait_s: float = 0.0
+    """After a stop was forwarded, how long to wait for the checkpoint the ranks save when the launcher ends without
+    it published: DeepSpeed's pdsh runner on several hosts exits 1 s after it has pdsh kill the ranks' launchers,
+    while the ranks are still saving (train.collective_timeout_s there, where a save that takes longer has hung)."""
+    deepspeed_launch: bool = True
+    """Whether the ranks run under DeepSpeed's per-node launcher, which passes a rank's death by signal N on as exit
+    code 256 - N (torchrun's is read in launch/torchrun.py)."""
 
     def with_master(self, address: str) -> Plan:
         at = self.command.index("--no_local_rank")
@@ -206,16 +228,36 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
         check_address(args.master_addr, "--master-addr")
     nproc = args.nproc_per_node
     if args.backend == "slurm":
-        if args.hostfile or args.nnodes or args.node_rank is not None:
-            raise UserError("--backend slurm takes the nodes from SLURM; drop --hostfile/--nnodes/--node-rank")
+        given = [option for option, value in (("--hostfile", args.hostfile), ("--nnodes", args.nnodes),
+                                               ("--node-rank", args.node_rank), ("--include", args.include),
+                                               ("--exclude", args.exclude),
+                                               ("--launcher", args.launcher if args.launcher != "pdsh" else None))
+                 if value not in (None, "")]
+        if given:
+            raise UserError(f"--backend slurm takes the nodes from SLURM; drop {'/'.join(given)}")
         nnodes, node_rank, master = slurm_rendezvous(environ)
         nproc = nproc or slurm_ranks_per_node(environ)
         return _plan_torchrun(nnodes, node_rank, args.master_addr or master, args.master_port, nproc,
                               args.rdzv_id or environ.get("SLURM_JOB_ID", "zerollm"), env, environ, train_argv)
     if (args.include or args.exclude) and not args.hostfile:
         raise UserError("--include/--exclude select hosts of a --hostfile")
+    if args.rdzv_id is not None and args.backend == "deepspeed":
+        raise UserError("--rdzv-id names a torchrun rendezvous (--backend torchrun or slurm); DeepSpeed's launcher "
+                        "takes none: drop it")
     if args.hostfile and args.node_rank is None:
+        if args.backend == "torchrun":
+            raise UserError("--hostfile is for --backend deepspeed; torchrun nodes meet at --master-addr: start "
+                            "`zerollm launch --backend torchrun --nnodes N --node-rank R --master-addr A` on every "
+                            "node")
+        if args.nnodes is not None:
+            raise UserError(f"--nnodes without --node-rank: a --hostfile job runs on every host of {args.hostfile} "
+                            "(choose them with --include/--exclude); per-node mode needs --nnodes, --node-rank and "
+                            "--master-addr on every node")
         return _plan_hostfile(args, env, train_argv, environ)
+    if args.launcher != "pdsh":
+        raise UserError(f"--launcher {args.launcher} is how DeepSpeed's launcher reaches the hosts of a --hostfile "
+                        "from one node; " + ("in per-node mode every node starts its own ranks: drop it"
+                                             if args.node_rank is not None or args.nnodes else "give a --hostfile"))
     per_node = args.node_rank is not None or args.nnodes
     if per_node and (args.nnodes is None or args.node_rank is None or args.master_addr is None):
         raise UserError("per-node mode needs --nnodes, --node-rank and --master-addr on every node")
@@ -231,9 +273,14 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
                               environ, train_argv)
     _check_rendezvous_host(node_rank, master, args.master_port)
     if args.hostfile:
+        if args.include or args.exclude:
+            raise UserError("--include/--exclude select the hosts DeepSpeed's launcher reaches from one node; in "
+                            f"per-node mode every host of {args.hostfile} runs: list only the nodes to use")
         hosts = read_hostfile(args.hostfile)
         if len(hosts) != nnodes:
             raise UserError(f"{args.hostfile} lists {len(hosts)} hosts but --nnodes is {nnodes}")
+        if args.nproc_per_node:  # as in hostfile mode, where DeepSpeed's --num_gpus sets every host's ranks
+            hosts = dict.fromkeys(hosts, args.nproc_per_node)
     else:
         hosts = {f"node{i}": nproc for i in range(nnodes)}
     command = deepspeed_runner("--hostfile", f"{TEMP_DIR}/hostfile", "--no_ssh", "--node_rank", str(node_rank),
@@ -256,18 +303,40 @@ def _check_rendezvous_host(node_rank: int, master: str, port: int) -> None:
     check_port_free(port)
 
 
+def collective_timeout_s(train_argv: list[str]) -> float:
+    """train.collective_timeout_s of the training command (its --recipe and --set overrides, checked by the CLI
+    already), as its ranks will read it; the config's default where the command names no recipe (plans built for
+    tests)."""
+    from llm.config import TrainConfig, build_config  # noqa: PLC0415 - only for torchrun and pdsh plans
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--recipe")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    known, _ = parser.parse_known_args(train_argv[2:])
+    if known.recipe is None:
+        return TrainConfig().collective_timeout_s
+    try:
+        return float(build_config(known.recipe, known.overrides).train.collective_timeout_s)
+    except UserError:
+        return TrainConfig().collective_timeout_s
+
+
 def _plan_torchrun(nnodes: int, node_rank: int, master: str, port: int, nproc: int, rdzv_id: str,
                    env: dict[str, str], environ: dict[str, str], train_argv: list[str]) -> Plan:
     """torchrun with c10d rendezvous, through launch/torchrun.py (ranks that refuse their job end it with exit 2, as
     under DeepSpeed's launcher). torchrun gives every rank OMP_NUM_THREADS=1 where it is not set; a CPU job's ranks
-    share the node's CPUs instead (`llm.runtime.cpu_threads`), unless the variable is set here or in --env."""
+    share the node's CPUs instead (`llm.runtime.cpu_threads`), unless the variable is set here or in --env. The
+    nodes wait for each other train.collective_timeout_s, as ranks under DeepSpeed's launcher do (torchrun's own
+    default is 600 s, whatever the config says)."""
     _check_rendezvous_host(node_rank, master, port)
     if "OMP_NUM_THREADS" not in environ:
         env = {"OMP_NUM_THREADS": str(cpu_threads_per_rank(nproc, {})), **env}
+    join_timeout = max(1, math.ceil(collective_timeout_s(train_argv)))
     command = [sys.executable, "-m", "launch.torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{port}", "--rdzv-id", rdzv_id,
-               "--rdzv-conf", f"is_host={int(node_rank == 0)}", "--max-restarts", "0", "-m", "llm"]
-    return Plan(command, train_argv, env)
+               "--rdzv-conf", f"is_host={int(node_rank == 0)},join_timeout={join_timeout}", "--max-restarts", "0",
+               "-m", "llm"]
+    return Plan(command, train_argv, env, deepspeed_launch=False)
 
 
 def _check_mpi_selection(args: LaunchOptions, active: dict[str, list[int]]) -> None:
@@ -311,7 +380,12 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     options += ["--exclude", args.exclude] if args.exclude else []
     options += ["--num_gpus", str(args.nproc_per_node)] if args.nproc_per_node else []
     files = {"hostfile": hostfile_text(hosts)}
-    if len(active) == 1 and is_local_address(first):  # DeepSpeed starts the ranks here itself, without ssh
+    first_is_here = is_local_address(first)
+    if first_is_here and args.master_addr is not None and not is_local_address(args.master_addr):
+        raise UserError(f"--master-addr {args.master_addr} is not an address of this node, but the first host of "
+                        f"{args.hostfile}, {first}, is this node and hosts the rendezvous (rank 0); give its own "
+                        "address, or drop --master-addr")
+    if len(active) == 1 and first_is_here:  # DeepSpeed starts the ranks here itself, without ssh
         master = args.master_addr or "127.0.0.1"
         _check_port_if_local(master, args.master_port)
         return Plan(deepspeed_runner(*options, "--no_ssh_check", "--master_addr", master), train_argv, env, files)
@@ -334,7 +408,9 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     home = Path(environ["HOME"]) if environ.get("HOME") else Path.home()  # where DeepSpeed's runner looks
     files["deepspeed_env"] = env_file_text(remote_exports(env, environ, Path.cwd(), home), args.launcher)
     return Plan(deepspeed_runner(*options, program=program), job, files=files,
-                file_env={"DS_ENV_FILE": "deepspeed_env"}, ssh_hosts=ssh_hosts, address_of=None if master else first)
+                file_env={"DS_ENV_FILE": "deepspeed_env"}, ssh_hosts=ssh_hosts, address_of=None if master else first,
+                programs=LAUNCHER_PROGRAMS[args.launcher], deepspeed_launch=args.launcher == "pdsh",
+                stop_wait_s=collective_timeout_s(train_argv) if args.launcher == "pdsh" else 0.0)
 
 
 def _check_port_if_local(master: str, port: int) -> None:
@@ -389,13 +465,80 @@ def _end_with_parent() -> None:
         ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+class _RankWatch:
+    """The training ranks under the launcher on this node, looked at while it runs, for the one a signal ended: the
+    first seen ended (a zombie until its launcher reaps it, or gone) with the rank its launcher gave it."""
+
+    def __init__(self, launcher_pid: int) -> None:
+        self.launcher_pid = launcher_pid
+        self.ranks: dict[int, tuple[psutil.Process, str]] = {}  # pid -> (process, its rank as its launcher set it)
+        self.first_ended: tuple[int, str] | None = None  # (pid, rank)
+
+    def look(self) -> None:
+        for process in _rank_processes(self.launcher_pid):
+            if process.pid not in self.ranks:
+                with contextlib.suppress(psutil.Error):
+                    environ = process.environ()
+                    rank = next((environ[name] for name in RANK_VARIABLES if name in environ), "?")
+                    self.ranks[process.pid] = (process, rank)
+        if self.first_ended is None:
+            for pid, (process, rank) in self.ranks.items():
+                try:
+                    ended = process.status() == psutil.STATUS_ZOMBIE
+                except psutil.NoSuchProcess:
+                    ended = True
+                except psutil.Error:
+                    ended = False
+                if ended:
+                    self.first_ended = (pid, rank)
+                    return
+
+    def run(self, done: threading.Event) -> None:
+        """Look every POLL_S until `done` is set (a thread beside the one waiting for the launcher)."""
+        while not done.wait(POLL_S):
+            with contextlib.suppress(psutil.Error, OSError):
+                self.look()
+
+
+def deepspeed_signal(code: int) -> int | None:
+    """The signal that ended a rank, read from the exit code of DeepSpeed's runner: its per-node launcher exits with
+    the rank's return code, -N for signal N, which the process reports as 256 - N (247 for SIGKILL); None for any
+    other code (SIGHUP's 255 is also ssh's code for a failed connection)."""
+    return 256 - code if 192 < code < 255 else None  # not 255: ssh's own failure, passed on by pdsh
+
+
+def _lost_rank(signum: int, ended: tuple[int, str] | None) -> int:
+    """Name the rank a signal ended (one line) and return EXIT_RANK_LOST, as `zerollm train --nproc` does."""
+    who = f"rank {ended[1]} (pid {ended[0]})" if ended and ended[1] != "?" else \
+        f"a rank (pid {ended[0]})" if ended else "a rank"
+    return report_rank_ended(who, signum)
+
+
+POLL_S = 0.25
+"""How often the ranks are looked at while the launcher runs."""
+
+
+def _wait_for_preempted(run_dir: Path, since: float, bound_s: float, stopping: list[int]) -> bool:
+    """Wait up to `bound_s` for the ranks to publish the checkpoint of a stop (`_preempted_since`); another stop
+    signal (appended to `stopping`) ends the wait."""
+    print(f"zerollm launch: waiting up to {bound_s:g} s for the ranks of the other hosts to publish the checkpoint "
+          f"they save in {run_dir} (stop again to end the wait)", flush=True)
+    signals, deadline = len(stopping), time.monotonic() + bound_s
+    while not (found := _preempted_since(run_dir, since)) and time.monotonic() < deadline and \
+            len(stopping) == signals:
+        time.sleep(POLL_S)
+    return found
+
+
 def run_plan(plan: Plan, run_dir: Path) -> int:
     """Start the launcher in its own session, forward SIGTERM/SIGINT to the training ranks, return the exit code:
     EXIT_PREEMPTED when the ranks published a checkpoint saved on a stop signal during this launch (here or on
-    another node), whatever code the launcher reports (torchrun reports any non-zero rank as 1)."""
+    another node), whatever code the launcher reports (torchrun reports any non-zero rank as 1); EXIT_RANK_LOST,
+    naming the rank, when DeepSpeed's launcher reports a rank ended by a signal."""
     from llm.runtime.distributed import ensure_accelerator_env  # noqa: PLC0415 - imports torch, needed only now
 
     ensure_accelerator_env()
+    stopping: list[int] = []
     with tempfile.TemporaryDirectory(prefix="zerollm-launch-") as tmp:
         for name, content in plan.files.items():
             Path(tmp, name).write_text(content)
@@ -404,27 +547,60 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
         print("zerollm launch: " + shlex.join(command), flush=True)
         started_at = time.time()
         launcher = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_end_with_parent)
+        watch = _RankWatch(launcher.pid)
+        preempted = False
 
         def forward(signum, frame):
+            stopping.append(signum)
+            if getattr(launcher, "returncode", None) is not None:  # ended, its pid perhaps reused: waiting
+                return
             ranks = _rank_processes(launcher.pid)
             for process in ranks or [launcher]:
                 with contextlib.suppress(OSError, psutil.Error):  # already gone
                     process.send_signal(signal.SIGTERM)
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        watching = threading.Event()
+        watcher = threading.Thread(target=watch.run, args=(watching,), daemon=True)
+        if plan.deepspeed_launch:
+            watcher.start()
         try:
-            code = launcher.wait()
+            try:
+                code = launcher.wait()
+            finally:
+                watching.set()
+                if watcher.is_alive():
+                    watcher.join()
+            preempted = code != 0 and _preempted_since(run_dir, started_at)
+            if code != 0 and stopping and not preempted and plan.stop_wait_s:
+                preempted = _wait_for_preempted(run_dir, started_at, plan.stop_wait_s, stopping)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-    if code != 0 and _preempted_since(run_dir, started_at):
+    if preempted:
         return EXIT_PREEMPTED
+    signum = deepspeed_signal(code) if plan.deepspeed_launch and not stopping else None
+    if signum is not None:
+        return _lost_rank(signum, watch.first_ended)
     return exit_code(code)
+
+
+def check_programs(programs: tuple[str, ...], options: LaunchOptions, path: str | None = None) -> None:
+    """Refuse, in one line, a launch whose launcher program is not on `path` (default PATH): DeepSpeed's runner
+    fails on it with a traceback (`launcher 'pdsh' not installed`)."""
+    missing = [program for program in programs if shutil.which(program, path=path) is None]
+    if missing:
+        others = ", ".join(name for name in LAUNCHER_PROGRAMS if name != options.launcher)
+        raise UserError(f"--launcher {options.launcher} reaches the hosts of {options.hostfile} with "
+                        f"{' and '.join(missing)}, and {'it is' if len(missing) == 1 else 'they are'} not on PATH; "
+                        f"install {_INSTALL[options.launcher]} on this node, or choose another --launcher ({others}), "
+                        "or start `zerollm launch --nnodes N --node-rank R --master-addr A` on every node")
 
 
 def launch(options: LaunchOptions, train_argv: list[str], run_dir: Path) -> int:
     """Start the checked training command `train_argv` (`train STAGE ...`, writing to `run_dir`) on this node."""
     plan = plan_launch(options, train_argv, dict(os.environ))
+    check_programs(plan.programs, options)
     if plan.ssh_hosts:
         check_reachable(plan.ssh_hosts, options.hostfile)
     if plan.address_of:

@@ -103,12 +103,18 @@ def _failure(index: int, rank: subprocess.Popen, named: bool) -> int:
     by a signal, named here (the others' watchdogs would only see it stop responding, and be stopped first)."""
     if rank.returncode >= 0 or not named:
         return rank.returncode
+    return report_rank_ended(f"rank {index} (pid {rank.pid})", -rank.returncode)
+
+
+def report_rank_ended(who: str, signum: int) -> int:
+    """Say in one line that `who` ('rank 1 (pid 42)') was ended by signal `signum` (the OOM killer's SIGKILL, a
+    segfault), and return EXIT_RANK_LOST: how a job ends for it, whichever way its ranks were started."""
     try:
-        name = f"{signal.Signals(-rank.returncode).name} (signal {-rank.returncode})"
+        name = f"{signal.Signals(signum).name} (signal {signum})"
     except ValueError:
-        name = f"signal {-rank.returncode}"
-    report(f"rank {index} (pid {rank.pid}) was ended by {name}; the job is ended on every rank: rerun with "
-           "--resume auto to continue from its last complete checkpoint")
+        name = f"signal {signum}"
+    report(f"{who} was ended by {name}; the job is ended on every rank: rerun with --resume auto to continue from "
+           "its last complete checkpoint")
     return EXIT_RANK_LOST
 
 

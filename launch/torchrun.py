@@ -1,13 +1,20 @@
-"""`python -m launch.torchrun ARGS`: torchrun (`torch.distributed.run`) with ARGS, ending like the ranks when every
-rank that failed refused its job.
+"""`python -m launch.torchrun ARGS`: torchrun (`torch.distributed.run`) with ARGS, ending as a job under DeepSpeed's
+launcher or `zerollm train --nproc` ends, in one line where torchrun would print a traceback.
 
-A rank refuses with one line (`zerollm: error: ...`) and exit code 2 (llm/errors.py). torchrun reports any failed
-rank as its ChildFailedError, a traceback and a table of the failures, and exits 1; DeepSpeed's launcher passes the
-rank's code on. Here, when the ranks of this node that failed exited 2, this exits 2 as well, and the ranks' lines
-are followed only by torchrun's log lines (the ranks it stopped, the exit code), not its traceback; any other failure
-is torchrun's own report, unchanged. A rank that torchrun itself ended because another
-failed (SIGTERM, then SIGKILL after its timeout: a rank still importing when the first one refused) counts among
-its failures too, and is passed over.
+torchrun reports any failed rank as its ChildFailedError, a traceback and a table of the failures, and exits 1;
+DeepSpeed's launcher passes the rank's code on. Here:
+
+- when the ranks of this node that failed all exited 2 (refused their job with one line, `zerollm: error: ...`, see
+  llm/errors.py) or all exited 76 (a rank's watchdog named a lost or hung rank), this exits with that code, after
+  the ranks' lines and torchrun's log lines (the ranks it stopped, the exit code), without its traceback;
+- when a rank was ended by a signal (SIGKILL from the kernel's OOM killer, a segfault), it is named in one line and
+  this exits 76 (EXIT_RANK_LOST), as `zerollm train --nproc` does;
+- when the nodes do not all meet within the rendezvous's join timeout (`--rdzv-conf join_timeout=S`, which
+  `zerollm launch` sets to train.collective_timeout_s) or node 0's rendezvous cannot be reached, one line and exit 2;
+- any other failure is torchrun's own report, unchanged.
+
+A rank that torchrun itself ended because another failed (SIGTERM, then SIGKILL after its timeout: a rank still
+importing when the first one refused) counts among its failures too, and is passed over.
 """
 
 from __future__ import annotations
@@ -16,26 +23,72 @@ import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+from torch.distributed.run import get_args_parser
 from torch.distributed.run import main as torchrun_main
 
-from llm.errors import EXIT_USER_ERROR
+from launch.local import report_rank_ended
+from llm.errors import EXIT_RANK_LOST, EXIT_USER_ERROR, report
 
 CLOSING_CODES = (-signal.SIGTERM, -signal.SIGKILL)
 """Exit codes of a rank that torchrun ended after another rank failed."""
+QUIET_CODES = (EXIT_USER_ERROR, EXIT_RANK_LOST)
+"""Exit codes of ranks that said why in one line themselves."""
 
 
-def refused(failure: ChildFailedError) -> bool:
-    """Whether the failed ranks in `failure` refused their job (exit code 2), apart from ranks torchrun ended."""
-    codes = [process.exitcode for process in failure.failures.values()]
-    return EXIT_USER_ERROR in codes and all(code in (EXIT_USER_ERROR, *CLOSING_CODES) for code in codes)
+def _codes(failure: ChildFailedError) -> list[int]:
+    return [process.exitcode for process in failure.failures.values()]
+
+
+def quiet_code(failure: ChildFailedError) -> int | None:
+    """The code every failed rank in `failure` ended with after saying why (2 or 76), apart from ranks torchrun
+    ended; None when they did not all end so."""
+    codes = _codes(failure)
+    for code in QUIET_CODES:
+        if code in codes and all(c in (code, *CLOSING_CODES) for c in codes):
+            return code
+    return None
+
+
+def lost_rank(failure: ChildFailedError) -> tuple[int, int, int] | None:
+    """(rank, pid, signal) of the rank a signal ended, not torchrun closing it (SIGTERM); the earliest, then the
+    lowest rank, where several were; None when no rank was."""
+    ended = sorted((process.timestamp, rank, process.pid, -process.exitcode)
+                   for rank, process in failure.failures.items()
+                   if process.exitcode < 0 and process.exitcode != -signal.SIGTERM)
+    return tuple(ended[0][1:]) if ended else None
+
+
+def _rendezvous(argv: list[str]) -> tuple[str, str, str]:
+    """(nodes, endpoint, join timeout in seconds) of the torchrun command line `argv`, for messages."""
+    args, _ = get_args_parser().parse_known_args(argv)
+    conf = dict(item.partition("=")[::2] for item in (args.rdzv_conf or "").split(",") if item)
+    return args.nnodes, args.rdzv_endpoint, conf.get("join_timeout", "600")
 
 
 def main(argv: list[str]) -> int:
     try:
         torchrun_main(argv)
     except ChildFailedError as failure:
-        if not refused(failure):
+        code = quiet_code(failure)
+        if code is not None:
+            return code
+        lost = lost_rank(failure)
+        if lost is None:
             raise
+        rank, pid, signum = lost
+        return report_rank_ended(f"rank {rank} (pid {pid})", signum)
+    except RendezvousTimeoutError:
+        nodes, endpoint, timeout = _rendezvous(argv)
+        report(f"the {nodes} nodes did not all meet at {endpoint} within train.collective_timeout_s={timeout} s "
+               "(torchrun's rendezvous); start every node with the same --nnodes, --master-addr, --master-port and "
+               "--rdzv-id, and check that node 0 is reachable from the others")
+        return EXIT_USER_ERROR
+    except RendezvousConnectionError as exc:
+        _, endpoint, _ = _rendezvous(argv)
+        reason = (str(exc).strip().splitlines() or ["no answer"])[-1]
+        report(f"cannot reach the rendezvous at {endpoint} ({reason}); start node 0 (--node-rank 0) first, with "
+               "the same --master-addr and --master-port, and check that it is reachable from this node")
         return EXIT_USER_ERROR
     return 0
 

@@ -163,7 +163,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "launch", help="start a training job on several nodes (hostfile, per node, SLURM)",
+        "launch", help="start a training job on several nodes (hostfile, per node, SLURM)", allow_abbrev=False,
         usage="zerollm launch [options] -- train STAGE ...",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Exit codes: 0 done; 2 bad input or ranks that disagree; 75 stopped by SIGTERM/SIGINT with a "

@@ -19,12 +19,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from conftest import REPO, TINY, run_cli
 from launch.hostfile import check_filter, read_hostfile
-from launch.launcher import plan_launch, slurm_rendezvous
+from launch.launcher import Plan, deepspeed_runner, plan_launch, run_plan, slurm_rendezvous
 from launch.local import wait_for_ranks
 from launch.nodelist import expand_nodelist, slurm_hosts
-from launch.torchrun import refused
+from launch.torchrun import lost_rank, quiet_code
 from llm.cli import build_parser, launch_options
-from llm.errors import EXIT_RANK_LOST, UserError
+from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, UserError
 from llm.runtime.cpu_threads import usable_cpus
 from llm.runtime.fingerprint import mismatch_message
 from llm.runtime.rank_env import free_port
@@ -125,7 +125,7 @@ def test_plans_for_each_mode(tmp_path):
                                         "--master-addr", "10.0.0.1", "--nproc-per-node", "8"), job, {})
     assert " ".join(torchrun.argv("{dir}")).endswith(
         "launch.torchrun --nnodes 3 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 "
-        "--rdzv-id zerollm --rdzv-conf is_host=0 --max-restarts 0 -m llm train pretrain")
+        "--rdzv-id zerollm --rdzv-conf is_host=0,join_timeout=600 --max-restarts 0 -m llm train pretrain")
     # torchrun would run each rank on one thread; the ranks share the CPUs instead, unless OMP_NUM_THREADS is given
     assert torchrun.env == {"OMP_NUM_THREADS": str(max(1, len(usable_cpus()) // 8))}
     given = ["--backend", "torchrun", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"]
@@ -402,6 +402,9 @@ def test_torchrun_is_quiet_only_when_the_failed_ranks_refused():
         return ChildFailedError("llm", {rank: ProcessFailure(rank, 1000 + rank, code, "<N/A>")
                                         for rank, code in enumerate(codes)})
 
+    def refused(failure):
+        return quiet_code(failure) == 2
+
     assert refused(failed(2)) and refused(failed(2, 2)) and refused(failed(2, -signal.SIGTERM, -signal.SIGKILL))
     assert not any(refused(failed(*codes)) for codes in [(1,), (2, 1), (76, 2), (2, 75), (-signal.SIGTERM,),
                                                          (-signal.SIGKILL, -signal.SIGTERM), (-signal.SIGSEGV, 2)])
@@ -579,3 +582,137 @@ def test_two_nodes_meet_across_a_real_interface(second_address, pretrain_data, t
     assert [r["step"] for r in _metrics(run)] == [1, 2] and "2 rank(s)" in (tmp_path / "node0.log").read_text()
     (record,) = [json.loads(line) for line in (run / "run_record.jsonl").read_text().splitlines()]
     assert [r["cpu_threads"] for r in record["ranks"]] == [threads, threads]  # --env reached both nodes' ranks
+
+
+# ---- how a job ends: a rank a signal ended, a node that never comes, a stop while remote ranks save ------------
+
+RANK_KILLED_BY_SIGNAL = """
+import os, signal, sys, time
+rank = int(os.environ["RANK"])
+open(os.path.join(sys.argv[1], f"pid.{rank}"), "w").write(str(os.getpid()))
+if rank == 1:
+    time.sleep(2)  # seen running by the launch first
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(120)
+"""
+"""A two-rank job whose rank 1 the kernel kills (as the OOM killer does); rank 0 waits to be stopped."""
+
+
+def _lost_rank_line(rank, pid):
+    return (f"zerollm: error: rank {rank} (pid {pid}) was ended by SIGKILL (signal 9); the job is ended on every rank: "
+            "rerun with --resume auto to continue from its last complete checkpoint")
+
+
+def test_a_rank_a_signal_ends_under_deepspeeds_launcher_is_named_and_exits_76(tmp_path, capfd):
+    """DeepSpeed's per-node launcher exits with the rank's return code, -9, which reached the shell as 247 with no
+    word of which rank (hostfile mode on one host, per-node mode)."""
+    script = tmp_path / "zerollm"  # a name `zerollm launch` knows as a rank's
+    script.write_text(RANK_KILLED_BY_SIGNAL)
+    command = deepspeed_runner("--hostfile", "{dir}/hostfile", "--no_ssh_check", "--master_addr", "127.0.0.1",
+                               "--master_port", str(free_port()), program=(str(script),))
+    plan = Plan(command, [str(tmp_path)], files={"hostfile": "localhost slots=2\n"})
+    assert run_plan(plan, tmp_path / "run") == EXIT_RANK_LOST
+    assert _lost_rank_line(1, (tmp_path / "pid.1").read_text()) in capfd.readouterr().err.splitlines()
+
+
+def test_a_rank_a_signal_ends_under_torchrun_is_named_and_exits_76(tmp_path):
+    """torchrun reported it as its ChildFailedError traceback, exit 1."""
+    (tmp_path / "rank.py").write_text(RANK_KILLED_BY_SIGNAL)
+    result = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node", "2",
+                             "--max-restarts", "0", tmp_path / "rank.py", tmp_path], capture_output=True, text=True,
+                            cwd=REPO, timeout=120)
+    assert result.returncode == EXIT_RANK_LOST, result.stderr[-3000:]
+    assert _lost_rank_line(1, (tmp_path / "pid.1").read_text()) in result.stderr.splitlines()
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
+def test_torchrun_failures_are_read_like_the_ranks_own_ending():
+    def failed(*codes):
+        return ChildFailedError("llm", {rank: ProcessFailure(rank, 1000 + rank, code, "<N/A>")
+                                        for rank, code in enumerate(codes)})
+
+    assert quiet_code(failed(76, -signal.SIGTERM)) == EXIT_RANK_LOST  # a watchdog named the rank it lost
+    assert quiet_code(failed(2, -signal.SIGKILL)) == 2 and quiet_code(failed(76, 2)) is None
+    assert lost_rank(failed(-signal.SIGTERM, -signal.SIGKILL)) == (1, 1001, signal.SIGKILL)
+    assert lost_rank(failed(-signal.SIGSEGV, 1)) == (0, 1000, signal.SIGSEGV)
+    assert lost_rank(failed(-signal.SIGTERM, 1)) is None  # torchrun closed rank 0 after rank 1 failed
+
+
+def test_torchrun_nodes_wait_for_each_other_train_collective_timeout_s(tmp_path):
+    """torchrun's rendezvous waited its own 600 s whatever the config said."""
+    argv = ["--backend", "torchrun", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"]
+    plan = plan_launch(_launch_args(*argv), _job(tmp_path, tmp_path / "run", "train.collective_timeout_s=42.5"), {})
+    assert "is_host=0,join_timeout=43" in plan.command
+    plan = plan_launch(_launch_args(*argv), _job(tmp_path, tmp_path / "run"), {})
+    assert "is_host=0,join_timeout=600" in plan.command
+
+
+def test_a_node_that_never_comes_under_torchrun_is_one_line_at_the_timeout(tmp_path):
+    """608 s of silence, then torchrun's RendezvousTimeoutError traceback and exit 1."""
+    port = free_port()
+    result = run_cli("launch", "--backend", "torchrun", "--nnodes", 2, "--node-rank", 0, "--master-addr",
+                     "127.0.0.1", "--master-port", port, "--",
+                     *_job(tmp_path, tmp_path / "run", "train.collective_timeout_s=3"), timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1] == (
+        f"zerollm: error: the 2 nodes did not all meet at 127.0.0.1:{port} within train.collective_timeout_s=3 s "
+        "(torchrun's rendezvous); start every node with the same --nnodes, --master-addr, --master-port and "
+        "--rdzv-id, and check that node 0 is reachable from the others")
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+PDSH_RUNNER_STOPPED = """
+import json, os, signal, subprocess, sys, time
+run, ready = sys.argv[1], sys.argv[2]
+SAVE = '''
+import json, os, sys, time
+run = sys.argv[1]
+time.sleep(3)  # still saving after the runner is gone
+os.makedirs(os.path.join(run, "checkpoints", "global_step3"))
+state = {"step": 3, "run_id": "r", "world_size": 2, "stopped_by_signal": True,
+         "sampler": {"epoch": 0, "consumed": 8, "seed": 1, "num_samples": 100}}
+open(os.path.join(run, "checkpoints", "global_step3", "client_state.json"), "w").write(json.dumps(state))
+open(os.path.join(run, "checkpoints", "latest"), "w").write("global_step3")
+'''
+
+def stop(signum, frame):  # DeepSpeed's pdsh runner: pdsh kills the ranks' launchers, 1 s later it exits 1
+    subprocess.Popen([sys.executable, "-c", SAVE, run], start_new_session=True)
+    sys.exit(1)
+
+signal.signal(signal.SIGTERM, stop)
+time.sleep(0.5)
+open(ready, "w").close()
+time.sleep(120)
+"""
+"""Stands in for DeepSpeed's runner on several hosts under pdsh, whose ranks, elsewhere, save after it has exited."""
+
+
+def test_a_stop_waits_for_the_checkpoint_ranks_on_other_hosts_still_save(tmp_path):
+    """DeepSpeed's pdsh runner exits 1 a second after a stop, while the ranks of the other hosts are still saving;
+    the launch exited 1 rather than 75 when the save took longer."""
+    (tmp_path / "hosts").write_text("node-a slots=1\nnode-b slots=1\n")
+    (tmp_path / "runner.py").write_text(PDSH_RUNNER_STOPPED)
+    run, job = tmp_path / "run", _job(tmp_path, tmp_path / "run")
+    script = textwrap.dedent(f"""
+        import dataclasses, sys
+        from launch.launcher import plan_launch, run_plan
+        from llm.cli import build_parser, launch_options
+        from pathlib import Path
+        job = {job!r}
+        options = launch_options(build_parser().parse_args(
+            ["launch", "--hostfile", {str(tmp_path / "hosts")!r}, "--master-addr", "10.0.0.1", "--", *job]))
+        plan = plan_launch(options, job, {{"HOME": {str(tmp_path)!r}}})
+        plan = dataclasses.replace(plan, command=[sys.executable, {str(tmp_path / "runner.py")!r}, {str(run)!r},
+                                                  {str(tmp_path / "ready")!r}], job=[])
+        print("code", run_plan(plan, Path({str(run)!r})))
+    """)
+    launch = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready").exists() and launch.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        launch.send_signal(signal.SIGTERM)
+        out, _ = launch.communicate(timeout=120)
+    finally:
+        _kill_tree(launch)
+    assert out.splitlines()[-1] == f"code {EXIT_PREEMPTED}"

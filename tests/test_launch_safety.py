@@ -525,3 +525,115 @@ def test_a_first_host_that_gives_no_usable_address_is_one_line(tmp_path, address
     assert result.stderr.endswith("; give --master-addr\n") and not list(tmp_path.glob("argv.*"))  # pdsh never ran
 
 
+
+
+# ---- options that would be dropped, programs that are missing ----------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hostfile", "{hosts}", "--backend", "torchrun"],
+     "--hostfile is for --backend deepspeed; torchrun nodes meet at --master-addr: start `zerollm launch --backend "
+     "torchrun --nnodes N --node-rank R --master-addr A` on every node"),
+    (["--hostfile", "{hosts}", "--nnodes", "1"],
+     "--nnodes without --node-rank: a --hostfile job runs on every host of {hosts} (choose them with "
+     "--include/--exclude); per-node mode needs --nnodes, --node-rank and --master-addr on every node"),
+    (["--hostfile", "{hosts}", "--rdzv-id", "job7"],
+     "--rdzv-id names a torchrun rendezvous (--backend torchrun or slurm); DeepSpeed's launcher takes none: drop it"),
+    (["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--hostfile", "{hosts}", "--exclude",
+      "node-b"],
+     "--include/--exclude select the hosts DeepSpeed's launcher reaches from one node; in per-node mode every host "
+     "of {hosts} runs: list only the nodes to use"),
+    (["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--hostfile", "{hosts}", "--launcher",
+      "openmpi"],
+     "--launcher openmpi is how DeepSpeed's launcher reaches the hosts of a --hostfile from one node; in per-node "
+     "mode every node starts its own ranks: drop it"),
+    (["--launcher", "mpich", "--nproc-per-node", "2"],
+     "--launcher mpich is how DeepSpeed's launcher reaches the hosts of a --hostfile from one node; give a --hostfile"),
+    (["--backend", "slurm", "--launcher", "openmpi", "--exclude", "node-b"],
+     "--backend slurm takes the nodes from SLURM; drop --exclude/--launcher"),
+])
+def test_options_a_mode_would_drop_are_refused(tmp_path, argv, message):
+    """They were ignored: a --hostfile launch ran DeepSpeed's pdsh launcher whatever --backend, --nnodes or --rdzv-id
+    said, and per-node mode with a hostfile ran every slot of it whatever --include/--exclude or --launcher said."""
+    (tmp_path / "hosts").write_text("node-a slots=2\nnode-b slots=2\n")
+    with pytest.raises(UserError) as err:
+        plan_launch(_launch_args(*[arg.format(hosts=tmp_path / "hosts") for arg in argv]), ["train"],
+                    {"HOME": str(tmp_path)})
+    assert str(err.value) == message.format(hosts=tmp_path / "hosts")
+
+
+def test_per_node_mode_with_a_hostfile_runs_nproc_per_node_ranks_on_each(tmp_path):
+    """--nproc-per-node was dropped there: every node ran its hostfile slots (2 ranks where 1 was asked)."""
+    (tmp_path / "hosts").write_text("node-a slots=2\nnode-b slots=2\n")
+    plan = plan_launch(_launch_args("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--hostfile",
+                                    str(tmp_path / "hosts"), "--nproc-per-node", "1"), ["train"], {})
+    assert plan.files == {"hostfile": "node-a slots=1\nnode-b slots=1\n"}
+
+
+def test_a_master_address_elsewhere_than_the_local_first_host_is_refused(tmp_path):
+    """The local ranks started and failed 40 s later with C++ frames and a rendezvous error."""
+    for hosts in ("localhost slots=2\n", "localhost slots=1\nnode-b slots=1\n"):
+        (tmp_path / "hosts").write_text(hosts)
+        with pytest.raises(UserError) as err:
+            plan_launch(_launch_args("--hostfile", str(tmp_path / "hosts"), "--master-addr", "192.0.2.1"), ["train"],
+                        {"HOME": str(tmp_path)})
+        assert str(err.value) == (f"--master-addr 192.0.2.1 is not an address of this node, but the first host of "
+                                  f"{tmp_path / 'hosts'}, localhost, is this node and hosts the rendezvous (rank 0); "
+                                  "give its own address, or drop --master-addr")
+
+
+@pytest.mark.parametrize("spec", ["node-b:0@node-b:1", "node-b:1@node-a@node-b:0", "node-b@node-b:1", "node-b:1,1"])
+def test_a_host_named_twice_in_include_or_exclude_is_merged_as_deepspeed_merges_it(spec):
+    """Only the last part naming a host counted: `--exclude node-b:0@node-b:1` kept node-b's slot 0."""
+    from deepspeed.launcher.runner import parse_resource_filter  # noqa: PLC0415
+
+    hosts = {"node-a": 2, "node-b": 2}
+    slots = {host: list(range(count)) for host, count in hosts.items()}
+    for option in ("include", "exclude"):
+        check_filter(hosts, spec, f"--{option}", "hosts")
+        assert active_slots(hosts, **{option: spec}) == parse_resource_filter(slots, **{f"{option}_str": spec})
+    assert active_slots(hosts, exclude="node-b:0@node-b:1") == {"node-a": [0, 1]}
+
+
+def test_open_mpi_hostfile_words_after_the_slots_are_ignored_as_deepspeed_ignores_them(tmp_path):
+    (tmp_path / "hosts").write_text("node1 slots=4 max_slots=4\nnode2 slots=2  # spare\n")
+    assert read_hostfile(tmp_path / "hosts") == {"node1": 4, "node2": 2}
+    (tmp_path / "hosts").write_text("node1 slots=4x max_slots=4\n")
+    with pytest.raises(UserError, match="hosts:1: expected 'HOST slots=N'"):
+        read_hostfile(tmp_path / "hosts")
+
+
+def test_a_hostfile_that_is_a_directory_is_called_one(tmp_path):
+    with pytest.raises(UserError) as err:
+        read_hostfile(tmp_path)
+    assert str(err.value) == (f"{tmp_path}: is a directory, not a hostfile; give the file with one 'HOST slots=N' "
+                              "per line")
+
+
+@pytest.mark.parametrize("launcher, missing", [
+    ("pdsh", "pdsh (e.g. `apt install pdsh`)"), ("openmpi", "Open MPI"), ("mpich", "MPICH"),
+])
+def test_a_missing_launcher_program_is_one_line_before_anything_starts(tmp_path, launcher, missing):
+    """It passed the checks, then DeepSpeed's runner ended in a traceback (`launcher 'pdsh' not installed`), exit 1.
+    PATH holds an ssh that reaches every host, and nothing else."""
+    bin_dir = install(tmp_path / "bin", ssh="import sys\nsys.exit(0)\n")
+    (tmp_path / "hosts").write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    result = subprocess.run([sys.executable, "-m", "llm", "launch", "--hostfile", tmp_path / "hosts", "--launcher",
+                             launcher, "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--", "train",
+                             "pretrain", "--recipe", "demo", "--data", tmp_path, "--out", tmp_path / "run"],
+                            env={**os.environ, "PATH": str(bin_dir), "HOME": str(tmp_path)},
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    program = {"pdsh": "pdsh", "openmpi": "ompi_info and mpirun", "mpich": "mpirun"}[launcher]
+    others = ", ".join(name for name in ("pdsh", "openmpi", "mvapich", "mpich", "impi") if name != launcher)
+    verb = "they are" if " and " in program else "it is"
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", (
+        f"zerollm: error: --launcher {launcher} reaches the hosts of {tmp_path / 'hosts'} with {program}, and {verb} "
+        f"not on PATH; install {missing} on this node, or choose another --launcher ({others}), or start `zerollm "
+        "launch --nnodes N --node-rank R --master-addr A` on every node\n"))
+
+
+def test_an_abbreviated_launch_option_is_not_taken_for_another():
+    """`zerollm launch --nproc 2` (the option of `zerollm train`) was taken as --nproc-per-node."""
+    result = run_cli("launch", "--nproc", "2", "--", "train", "pretrain", "--recipe", "demo", "--data", "d", "--out",
+                     "r")
+    assert result.returncode == 2 and "unrecognized arguments: --nproc" in result.stderr
