@@ -21,7 +21,7 @@ that the master address is its own and the master port is free. Once the ranks m
 
 SIGTERM/SIGINT to `zerollm launch` is forwarded to the training ranks: they agree to stop, save a
 checkpoint and the launch exits 75 (`EXIT_PREEMPTED`); `--resume auto` continues, on any number of ranks. A rank
-ended by a signal (the OOM killer's SIGKILL) is named in one line and the launch exits 76 (`EXIT_RANK_LOST`), under
+ended by a signal (the OOM killer's SIGKILL) is reported in one line and the launch exits 76 (`EXIT_RANK_LOST`), under
 DeepSpeed's launcher (`run_plan`) as under torchrun (launch/torchrun.py).
 """
 
@@ -40,7 +40,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -65,7 +64,6 @@ from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
 from llm.errors import EXIT_PREEMPTED, UserError
 from llm.runtime.cpu_threads import cpu_threads_per_rank
-from llm.runtime.rank_env import RANK_VARIABLES
 from llm.runtime.supervisor import supervisor_env
 
 MAX_PORT = 65535
@@ -109,7 +107,7 @@ class Plan:
     stop_wait_s: float = 0.0
     """After a stop was forwarded, how long to wait for the checkpoint the ranks save when the launcher ends without
     it published: DeepSpeed's pdsh runner on several hosts exits 1 s after it has pdsh kill the ranks' launchers,
-    while the ranks are still saving (train.collective_timeout_s there, where a save that takes longer has hung)."""
+    while the ranks are still saving (`STOP_WAIT_S`)."""
     deepspeed_launch: bool = True
     """Whether the ranks run under DeepSpeed's per-node launcher, which passes a rank's death by signal N on as exit
     code 256 - N (torchrun's is read in launch/torchrun.py)."""
@@ -309,7 +307,7 @@ def collective_timeout_s(train_argv: list[str]) -> float:
     tests)."""
     from llm.config import TrainConfig, build_config  # noqa: PLC0415 - only for torchrun and pdsh plans
 
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser = argparse.ArgumentParser(add_help=False)  # abbreviations as the training command's parser takes them
     parser.add_argument("--recipe")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     known, _ = parser.parse_known_args(train_argv[2:])
@@ -410,7 +408,7 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     return Plan(deepspeed_runner(*options, program=program), job, files=files,
                 file_env={"DS_ENV_FILE": "deepspeed_env"}, ssh_hosts=ssh_hosts, address_of=None if master else first,
                 programs=LAUNCHER_PROGRAMS[args.launcher], deepspeed_launch=args.launcher == "pdsh",
-                stop_wait_s=collective_timeout_s(train_argv) if args.launcher == "pdsh" else 0.0)
+                stop_wait_s=STOP_WAIT_S if args.launcher == "pdsh" else 0.0)
 
 
 def _check_port_if_local(master: str, port: int) -> None:
@@ -465,41 +463,6 @@ def _end_with_parent() -> None:
         ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-class _RankWatch:
-    """The training ranks under the launcher on this node, looked at while it runs, for the one a signal ended: the
-    first seen ended (a zombie until its launcher reaps it, or gone) with the rank its launcher gave it."""
-
-    def __init__(self, launcher_pid: int) -> None:
-        self.launcher_pid = launcher_pid
-        self.ranks: dict[int, tuple[psutil.Process, str]] = {}  # pid -> (process, its rank as its launcher set it)
-        self.first_ended: tuple[int, str] | None = None  # (pid, rank)
-
-    def look(self) -> None:
-        for process in _rank_processes(self.launcher_pid):
-            if process.pid not in self.ranks:
-                with contextlib.suppress(psutil.Error):
-                    environ = process.environ()
-                    rank = next((environ[name] for name in RANK_VARIABLES if name in environ), "?")
-                    self.ranks[process.pid] = (process, rank)
-        if self.first_ended is None:
-            for pid, (process, rank) in self.ranks.items():
-                try:
-                    ended = process.status() == psutil.STATUS_ZOMBIE
-                except psutil.NoSuchProcess:
-                    ended = True
-                except psutil.Error:
-                    ended = False
-                if ended:
-                    self.first_ended = (pid, rank)
-                    return
-
-    def run(self, done: threading.Event) -> None:
-        """Look every POLL_S until `done` is set (a thread beside the one waiting for the launcher)."""
-        while not done.wait(POLL_S):
-            with contextlib.suppress(psutil.Error, OSError):
-                self.look()
-
-
 def deepspeed_signal(code: int) -> int | None:
     """The signal that ended a rank, read from the exit code of DeepSpeed's runner: its per-node launcher exits with
     the rank's return code, -N for signal N, which the process reports as 256 - N (247 for SIGKILL); None for any
@@ -507,15 +470,11 @@ def deepspeed_signal(code: int) -> int | None:
     return 256 - code if 192 < code < 255 else None  # not 255: ssh's own failure, passed on by pdsh
 
 
-def _lost_rank(signum: int, ended: tuple[int, str] | None) -> int:
-    """Name the rank a signal ended (one line) and return EXIT_RANK_LOST, as `zerollm train --nproc` does."""
-    who = f"rank {ended[1]} (pid {ended[0]})" if ended and ended[1] != "?" else \
-        f"a rank (pid {ended[0]})" if ended else "a rank"
-    return report_rank_ended(who, signum)
-
-
 POLL_S = 0.25
-"""How often the ranks are looked at while the launcher runs."""
+"""How often a stopped launch looks for the checkpoint of the stop (`_wait_for_preempted`)."""
+STOP_WAIT_S = 60.0
+"""The longest a stopped launch waits for the checkpoint of the ranks on other hosts (`Plan.stop_wait_s`):
+DeepSpeed's per-node launcher kills a rank 30 s after its SIGTERM, so their checkpoint comes within that or never."""
 
 
 def _wait_for_preempted(run_dir: Path, since: float, bound_s: float, stopping: list[int]) -> bool:
@@ -534,7 +493,7 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
     """Start the launcher in its own session, forward SIGTERM/SIGINT to the training ranks, return the exit code:
     EXIT_PREEMPTED when the ranks published a checkpoint saved on a stop signal during this launch (here or on
     another node), whatever code the launcher reports (torchrun reports any non-zero rank as 1); EXIT_RANK_LOST,
-    naming the rank, when DeepSpeed's launcher reports a rank ended by a signal."""
+    in one line, when DeepSpeed's launcher reports a rank ended by a signal (it does not say which)."""
     from llm.runtime.distributed import ensure_accelerator_env  # noqa: PLC0415 - imports torch, needed only now
 
     ensure_accelerator_env()
@@ -547,7 +506,6 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
         print("zerollm launch: " + shlex.join(command), flush=True)
         started_at = time.time()
         launcher = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_end_with_parent)
-        watch = _RankWatch(launcher.pid)
         preempted = False
 
         def forward(signum, frame):
@@ -560,17 +518,8 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
                     process.send_signal(signal.SIGTERM)
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-        watching = threading.Event()
-        watcher = threading.Thread(target=watch.run, args=(watching,), daemon=True)
-        if plan.deepspeed_launch:
-            watcher.start()
         try:
-            try:
-                code = launcher.wait()
-            finally:
-                watching.set()
-                if watcher.is_alive():
-                    watcher.join()
+            code = launcher.wait()
             preempted = code != 0 and _preempted_since(run_dir, started_at)
             if code != 0 and stopping and not preempted and plan.stop_wait_s:
                 preempted = _wait_for_preempted(run_dir, started_at, plan.stop_wait_s, stopping)
@@ -580,8 +529,8 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
     if preempted:
         return EXIT_PREEMPTED
     signum = deepspeed_signal(code) if plan.deepspeed_launch and not stopping else None
-    if signum is not None:
-        return _lost_rank(signum, watch.first_ended)
+    if signum is not None:  # which rank, DeepSpeed's launcher does not say
+        return report_rank_ended("a rank", signum)
     return exit_code(code)
 
 

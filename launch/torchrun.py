@@ -51,19 +51,22 @@ def quiet_code(failure: ChildFailedError) -> int | None:
 
 
 def lost_rank(failure: ChildFailedError) -> tuple[int, int, int] | None:
-    """(rank, pid, signal) of the rank a signal ended, not torchrun closing it (SIGTERM); the earliest, then the
-    lowest rank, where several were; None when no rank was."""
-    ended = sorted((process.timestamp, rank, process.pid, -process.exitcode)
-                   for rank, process in failure.failures.items()
-                   if process.exitcode < 0 and process.exitcode != -signal.SIGTERM)
-    return tuple(ended[0][1:]) if ended else None
+    """(rank, pid, signal) of the rank whose ending ended the job, where a signal other than SIGTERM ended it (the
+    OOM killer's SIGKILL, a segfault): the first failure torchrun saw (it records them in that order; their
+    timestamps are whole seconds). None where that was a rank's own exit or a SIGTERM: torchrun then closed the
+    others with SIGTERM, and SIGKILL 30 s later a rank that had not ended yet (still starting, or blocked in a
+    collective), which is not the cause."""
+    rank, process = next(iter(failure.failures.items()))
+    return (rank, process.pid, -process.exitcode) if process.exitcode < 0 and process.exitcode != -signal.SIGTERM \
+        else None
 
 
-def _rendezvous(argv: list[str]) -> tuple[str, str, str]:
-    """(nodes, endpoint, join timeout in seconds) of the torchrun command line `argv`, for messages."""
+def _rendezvous(argv: list[str]) -> tuple[str, str, str, bool]:
+    """(nodes, endpoint, join timeout in seconds, whether this node hosts it) of the torchrun command line `argv`,
+    for messages."""
     args, _ = get_args_parser().parse_known_args(argv)
     conf = dict(item.partition("=")[::2] for item in (args.rdzv_conf or "").split(",") if item)
-    return args.nnodes, args.rdzv_endpoint, conf.get("join_timeout", "600")
+    return args.nnodes, args.rdzv_endpoint, conf.get("join_timeout", "600"), conf.get("is_host") == "1"
 
 
 def main(argv: list[str]) -> int:
@@ -79,15 +82,17 @@ def main(argv: list[str]) -> int:
         rank, pid, signum = lost
         return report_rank_ended(f"rank {rank} (pid {pid})", signum)
     except RendezvousTimeoutError:
-        nodes, endpoint, timeout = _rendezvous(argv)
+        nodes, endpoint, timeout, _ = _rendezvous(argv)
         report(f"the {nodes} nodes did not all meet at {endpoint} within train.collective_timeout_s={timeout} s "
                "(torchrun's rendezvous); start every node with the same --nnodes, --master-addr, --master-port and "
                "--rdzv-id, and check that node 0 is reachable from the others")
         return EXIT_USER_ERROR
     except RendezvousConnectionError as exc:
-        _, endpoint, _ = _rendezvous(argv)
+        _, endpoint, _, hosting = _rendezvous(argv)
         reason = (str(exc).strip().splitlines() or ["no answer"])[-1]
-        report(f"cannot reach the rendezvous at {endpoint} ({reason}); start node 0 (--node-rank 0) first, with "
+        report(f"cannot open the rendezvous at {endpoint} on this node ({reason}); choose a free --master-port"
+               if hosting else
+               f"cannot reach the rendezvous at {endpoint} ({reason}); start node 0 (--node-rank 0) first, with "
                "the same --master-addr and --master-port, and check that it is reachable from this node")
         return EXIT_USER_ERROR
     return 0
