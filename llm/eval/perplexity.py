@@ -48,10 +48,14 @@ class Window:
     """The last `scored` targets count."""
 
 
-def windows(n_tokens: int, context: int, stride: int) -> list[Window]:
-    """Windows that score positions 1 .. n_tokens - 1 once each (see the module docstring)."""
+def check_stride(stride: int, context: int) -> None:
     if not 1 <= stride <= context:
         raise UserError(f"--stride must be between 1 and the context ({context}), got {stride}")
+
+
+def windows(n_tokens: int, context: int, stride: int) -> list[Window]:
+    """Windows that score positions 1 .. n_tokens - 1 once each (see the module docstring)."""
+    check_stride(stride, context)
     out = []
     for first in range(1, n_tokens, stride):
         end = min(first + stride, n_tokens)
@@ -193,7 +197,7 @@ def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | Non
             stream, report = stream_of_split(data_dir, split, tokenizer), None
             source = {"data": str(data_dir), "split": split}
         step = window if stride is None else stride
-        windows(len(stream), window, step)  # refuses a stride outside 1..context
+        check_stride(step, window)
         return model, tokenizer, window, step, stream, report, source
 
     if world_size > 1:  # a mistake every rank finds: one line per node, not one per rank
