@@ -506,11 +506,10 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
         print("zerollm launch: " + shlex.join(command), flush=True)
         started_at = time.time()
         launcher = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_end_with_parent)
-        preempted = False
 
         def forward(signum, frame):
             stopping.append(signum)
-            if getattr(launcher, "returncode", None) is not None:  # ended, its pid perhaps reused: waiting
+            if launcher.returncode is not None:  # ended, its pid perhaps reused: waiting
                 return
             ranks = _rank_processes(launcher.pid)
             for process in ranks or [launcher]:
