@@ -1,11 +1,15 @@
 """GRPO: rewards and their spec, prompt files, advantages, the objective, and training on 2 ranks under ZeRO-2 and
 ZeRO-3 (reward rising, first-step KL 0), bit-exact resume after SIGKILL, one-line errors for bad inputs."""
 
+import contextlib
 import json
 import math
+import os
 import shutil
 import signal
+import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -447,6 +451,38 @@ def test_a_reward_that_fails_on_one_rank_is_one_line(policy, prompt_dir, tmp_pat
         "zerollm: error: --reward rankfail:score: raised ValueError: no score on rank 1 (at "
         f"{tmp_path / 'rankfail.py'}:5)"], result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "stopped responding" not in result.stderr + result.stdout
+
+
+def test_a_second_ctrl_c_stops_a_hung_run_at_once(policy, prompt_dir, tmp_path):
+    """A Ctrl-C (the terminal signals every process of the job: the command and both ranks, which the command also
+    forwards it to) asks for a stop after the step; a reward that hangs never lets the step end, and a second Ctrl-C
+    did nothing, so the run held until grpo.reward_timeout_s (600 s). Now the first is acknowledged and the second
+    stops every rank at once, without a checkpoint."""
+    (tmp_path / "hangs.py").write_text("import os, pathlib, time\n\ndef score(prompts, completions, **fields):\n"
+                                       "    pathlib.Path(os.environ['RANK'] + '.hung').touch()\n    time.sleep(600)\n")
+    args = _grpo_args(policy, prompt_dir, tmp_path / "run", rewards=["hangs:score"])
+    with open(tmp_path / "run.log", "w") as log:
+        job = subprocess.Popen([sys.executable, "-m", "llm", *map(str, args)], stdout=log, stderr=subprocess.STDOUT,
+                               cwd=tmp_path, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not all((tmp_path / f"{rank}.hung").exists() for rank in (0, 1)):
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(job.pid, signal.SIGINT)
+        time.sleep(3)  # more than FORCE_AFTER_S: the forwarded copy of this Ctrl-C must not count as a second
+        first = (tmp_path / "run.log").read_text()
+        assert job.poll() is None and first.count("zerollm: stopping with a checkpoint when this step ends; a "
+                                                  "second Ctrl-C (or SIGTERM) stops at once, without one") == 1, first
+        os.killpg(job.pid, signal.SIGINT)
+        assert job.wait(timeout=60) == 128 + signal.SIGINT
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert (tmp_path / "run.log").read_text().count(
+        "zerollm: stopped at once by a second signal, without a checkpoint; rerun with --resume auto to continue "
+        "from the last complete one") == 1
+    assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
 
 
 @pytest.mark.parametrize("case, message", [

@@ -6,11 +6,23 @@ training device. On the CPU (gloo) the result is read at once. On a GPU the resu
 host memory behind an event and read after the next step, so reading it waits only for that tiny
 collective, never for the step queued after it: there a stop takes effect one step after the request,
 on every rank at the same step.
+
+A second stop request stops a rank at once, without a checkpoint, as SIGKILL would (a step, an evaluation or a
+reward that takes minutes, or hangs, need not be waited for; every checkpoint is written atomically, so the last
+complete one resumes). One Ctrl-C reaches each rank of `zerollm train --nproc N` twice, from the terminal and
+forwarded by the command, so requests less than `FORCE_AFTER_S` apart count as one.
+
+The signals are read by a thread of their own, through Python's wakeup descriptor, not by a Python signal handler:
+that runs only when the main thread runs Python, and a main thread asleep (in a reward that waits on a socket) does
+not wake for a signal the kernel handed to another of the rank's threads, nor can one inside a collective.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,11 +30,21 @@ import torch.distributed as dist
 from llm.runtime.distributed import DistInfo
 from llm.runtime.supervisor import watch_supervisor
 
+FORCE_AFTER_S = 1.0
+"""A stop request at least this long after the first stops the rank at once (module docstring)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _noted(signum, frame) -> None:
+    """The Python handler of a stop signal: none of its own (the signal reader acts), there so that the signal neither
+    ends the process nor is ignored before Python's C handler writes it to the wakeup descriptor."""
+
 
 class Preemption:
     def __init__(self, info: DistInfo) -> None:
         self.info = info
         self.requested = False
+        self._signalled_at: float | None = None
         on_gpu = info.device.type == "cuda"
         self._flag = torch.zeros(1, dtype=torch.int32, device=info.device)
         self._result = torch.zeros(1, dtype=torch.int32, pin_memory=on_gpu)
@@ -30,13 +52,38 @@ class Preemption:
         self._voted = False
 
     def install(self) -> None:
-        """Request a stop on SIGTERM/SIGINT, and when the supervising `zerollm launch` ends."""
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        """Request a stop on SIGTERM/SIGINT (read by a daemon thread: module docstring), and when the supervising
+        `zerollm launch` ends."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)  # as set_wakeup_fd requires: a full pipe drops a number, never blocks
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, _noted)
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        threading.Thread(target=self._read_signals, args=(read_end,), name="zerollm-stop-signals", daemon=True).start()
         watch_supervisor(self._on_supervisor_lost)
 
-    def _on_signal(self, signum, frame) -> None:
-        self.requested = True
+    def _read_signals(self, read_end: int) -> None:
+        while True:
+            for signum in os.read(read_end, 64):  # the numbers of the signals Python's C handler caught
+                if signum in STOP_SIGNALS:
+                    self._on_signal(signum)
+
+    def _on_signal(self, signum: int) -> None:
+        now = time.monotonic()
+        if self._signalled_at is None:
+            self._signalled_at, self.requested = now, True
+            self._say("stopping with a checkpoint when this step ends; a second Ctrl-C (or SIGTERM) stops at once, "
+                      "without one")
+        elif now - self._signalled_at >= FORCE_AFTER_S:
+            self._say("stopped at once by a second signal, without a checkpoint; rerun with --resume auto to continue "
+                      "from the last complete one")
+            os._exit(128 + signum)
+
+    def _say(self, line: str) -> None:
+        """One line from the first rank, written straight to the error stream (the main thread may be inside a
+        write to sys.stderr, which a print here would wait for)."""
+        if self.info.is_main:
+            os.write(2, f"\nzerollm: {line}\n".encode())
 
     def _on_supervisor_lost(self, reason: str) -> None:
         print(f"rank {self.info.rank}: {reason}; saving a checkpoint and stopping", flush=True)
