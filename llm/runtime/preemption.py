@@ -40,7 +40,19 @@ def _noted(signum, frame) -> None:
     ends the process nor is ignored before Python's C handler writes it to the wakeup descriptor."""
 
 
+def _as_before_in_child() -> None:
+    """In a process forked from a rank after `install` (a data-loader worker): Python's defaults for the stop signals
+    and no wakeup descriptor. The child shares the rank's pipe, so a SIGTERM that DataLoader sends a slow worker at
+    the end of an epoch asked the rank to stop; and with `_noted` the worker outlived it."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class Preemption:
+    _child_hook = False
+    """Whether this process resets the stop signals in its forked children (registered once: it cannot be undone)."""
+
     def __init__(self, info: DistInfo) -> None:
         self.info = info
         self.requested = False
@@ -59,6 +71,9 @@ class Preemption:
         for signum in STOP_SIGNALS:
             signal.signal(signum, _noted)
         signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        if not Preemption._child_hook:
+            os.register_at_fork(after_in_child=_as_before_in_child)
+            Preemption._child_hook = True
         threading.Thread(target=self._read_signals, args=(read_end,), name="zerollm-stop-signals", daemon=True).start()
         watch_supervisor(self._on_supervisor_lost)
 
