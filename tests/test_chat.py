@@ -11,7 +11,7 @@ import torch
 from llm.chat_template import ChatTemplateError
 from llm.config import ModelConfig
 from llm.errors import UserError
-from llm.infer.chat import ChatSession, chat_repl
+from llm.infer.chat import HELP, ChatSession, chat_repl
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 from llm.model import Transformer
@@ -64,6 +64,31 @@ def test_settings_that_leave_no_room_for_a_message_are_refused_at_the_start_and_
     assert session.system == "Be brief." and session.messages[0] == {"role": "system", "content": "Be brief."}
 
 
+@pytest.mark.parametrize("line, sent", [
+    ("/systemctl restart nginx fails, why?", None),  # was the /system command: 'ctl restart ...' the system prompt
+    ("/etc/hosts: what is it?", None),  # was never sent: the commands' help instead
+    ("/reset the router how?", None),
+    ("//reset", "/reset"),  # a message that is a command's word
+    ("//system be terse", "/system be terse"),
+])
+def test_only_the_exact_commands_are_commands_and_any_other_line_is_sent(generator, line, sent):
+    session = ChatSession(generator, SamplingParams(max_new_tokens=4), system="Be brief.")
+    out = _repl(session, [line])
+    assert out.count("assistant> ") == 1 and out.count(HELP) == 1 and "reset)" not in out, out
+    assert session.system == "Be brief." and session.messages[:2] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": sent or line}]
+
+
+def test_the_commands_and_ctrl_d(generator):
+    """Ctrl-D at the prompt quit without a newline: the shell's prompt came after `you> `."""
+    session = ChatSession(generator, SamplingParams(max_new_tokens=4))
+    assert _repl(session, []) == f"{HELP}\n\n"
+    out = _repl(session, ["hello", "/system  You are terse. ", "hi", "/reset", "/system", "/quit", "never sent"])
+    assert out.count("assistant> ") == 2 and out.endswith("(system prompt cleared; conversation reset)\n"), out
+    assert "(system prompt set; conversation reset)\n" in out and "(conversation reset)\n" in out
+    assert session.system is None and session.messages == []
+
+
 def test_the_oldest_exchanges_are_dropped_whole(generator):
     session = ChatSession(generator, SamplingParams(max_new_tokens=64), system="Be brief.")
     history = [{"role": "system", "content": "Be brief."}]
@@ -95,15 +120,15 @@ def test_messages_nested_too_deeply_are_a_chat_template_error(generator):
 
 
 def test_chat_repl_commands(zero_runs):
-    script = "hello\n/system You are terse.\nhi there\n/reset\n/bogus\nagain\n/quit\n"
+    script = "hello\n/system You are terse.\nhi there\n/reset\n/bogus\nagain\n/quit\n"  # /bogus is a message
     result = subprocess.run([sys.executable, "-m", "llm", "chat", "--model", str(zero_runs[2]),
                              "--max-new-tokens", "6"],
                             input=script, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
-    assert out.count("assistant> ") == 3
+    assert out.count("assistant> ") == 4
     assert "(system prompt set; conversation reset)" in out and "(conversation reset)" in out
-    assert out.count("commands: /reset") == 2  # at start, and for the unknown command
+    assert out.count("commands: /reset") == 1  # at the start only
 
 
 def test_chat_command_survives_a_line_longer_than_the_context(zero_runs):

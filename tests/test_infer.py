@@ -284,6 +284,13 @@ def test_a_chat_prompt_that_is_not_utf8_is_one_line(exported, monkeypatch, capsy
                                        "is not UTF-8 (is the terminal or the file in another encoding?)\n")
 
 
+def test_an_empty_prompt_is_named_as_such(exported, monkeypatch, capsys):
+    """It was 'every prompt needs at least one token', of tokens nobody typed."""
+    assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "") == 2
+    assert capsys.readouterr().err == ("zerollm: error: the prompt is empty: there is nothing to continue (a prompt "
+                                       "needs at least one token)\n")
+
+
 def _closed_pipe() -> BinaryIO:
     """A pipe's writing end whose reader has left before the first write, as `| head -c 5`'s once head is done."""
     reading, writing = os.pipe()

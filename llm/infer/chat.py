@@ -1,6 +1,8 @@
 """`zerollm chat`: a multi-turn conversation in the terminal, with streamed replies.
 
-Commands: /reset (forget the conversation), /system TEXT (set the system prompt and reset), /quit.
+Commands: /reset (forget the conversation), /system TEXT (set the system prompt and reset), /quit (or /exit). Only these
+exact lines are commands: any other line is a message, also one starting with `/` (`/etc/hosts: what is it?`), and `//`
+sends a line less its first `/` (`//reset` sends `/reset`).
 The history goes through the tokenizer's chat template to ids (what the user types stays text, even
 `<|im_start|>`); the oldest exchanges are dropped when the context is full, and a message that cannot
 fit at all is refused with a message while the conversation carries on. Ctrl-C during a reply stops it.
@@ -16,7 +18,7 @@ from llm.errors import UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 
-HELP = "commands: /reset  /system TEXT  /quit"
+HELP = "commands: /reset  /system TEXT  /quit  (//text sends /text)"
 
 
 class ChatSession:
@@ -91,7 +93,8 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
     while True:
         try:
             line = read("you> ").strip()
-        except EOFError:
+        except EOFError:  # Ctrl-D: the shell's prompt goes on a line of its own
+            say("")
             break
         if not line:
             continue
@@ -100,16 +103,15 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
         if line == "/reset":
             session.reset(session.system)
             say("(conversation reset)")
-        elif line.startswith("/system"):
+        elif line.partition(" ")[0] == "/system":  # the command word alone, not /systemctl
             try:
                 session.reset(line.removeprefix("/system").strip() or None)
             except UserError as exc:
                 say(f"(not set: {exc})")
                 continue
             say(f"(system prompt {'set' if session.system else 'cleared'}; conversation reset)")
-        elif line.startswith("/"):
-            say(HELP)
         else:
+            line = line.removeprefix("/") if line.startswith("//") else line
             try:
                 pieces = session.reply(line)
             except (ValueError, UserError) as exc:

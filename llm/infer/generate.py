@@ -59,7 +59,7 @@ class TextGenerator:
                     use_cache: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Per decode step: (next token `[batch]`, finished `[batch]`); a row is finished once it emitted a stop id."""
         if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+            raise ValueError("the prompt is empty: there is nothing to continue (a prompt needs at least one token)")
         ids, valid = self._left_pad(prompts)
         batch, total = ids.shape[0], ids.shape[1] + params.max_new_tokens
         if total > self.model.cfg.max_seq_len:

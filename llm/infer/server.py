@@ -7,7 +7,8 @@ Standard library only (`http.server`, one thread per connection). Requests are u
   waits: a client that stops reading stalls only its own connection. Its pieces queue up (at most
   max_tokens of them) until the socket timeout ends the connection and cancels its generation; a
   client that disconnects is noticed within a quarter second (waiting, or while its pieces arrive) and
-  at the next write, and its generation ends quietly, without a traceback.
+  at the next write, and its generation ends quietly, without a traceback. One that only half-closes
+  (shutdown(SHUT_WR)) after its request still gets its answer.
 - Every socket has a timeout (a client that sends or reads nothing for that long is dropped), a request's
   line, headers and body must all arrive within that timeout (a client dribbling bytes is dropped too),
   open connections are capped (one more gets 503 at once), so are one client address's off loopback (by default a
@@ -54,6 +55,8 @@ from llm.infer.sampling import InvalidSampling, SamplingParams
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
+MAX_TEMPERATURE = 2.0
+"""OpenAI's bound (SamplingParams takes any finite temperature >= 0)."""
 ROLES = ("system", "user", "assistant", "tool", "developer")
 SYSTEM_ROLES = {"developer": "system"}
 """OpenAI's newer name for the system role, which its clients send for newer models: the chat template's system turn."""
@@ -169,7 +172,7 @@ class RequestOptions:
     """stream_options.include_usage: a last chunk before [DONE] carries the usage, every other chunk usage null."""
 
 
-UNSUPPORTED = {"logprobs": False, "top_logprobs": None, "logit_bias": {}, "frequency_penalty": 0,
+UNSUPPORTED = {"logprobs": False, "top_logprobs": 0, "logit_bias": {}, "frequency_penalty": 0,
                "presence_penalty": 0}
 """OpenAI request fields this server does not implement, with the value that asks for nothing (null too): any other
 value is refused, not ignored, so that a client never reads a reply made without what it asked for."""
@@ -206,17 +209,23 @@ def parse_options(body: dict, default_max_tokens: int) -> RequestOptions:
     max_tokens = default_max_tokens if given[key] is None else given[key]
     if max_tokens < 1:
         raise RequestError(f"'{key}' must be at least 1", key)
-    stream_options = body.get("stream_options")
+    stream, stream_options = _flag(body, "stream"), body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise RequestError("'stream_options' must be an object", "stream_options")
+    if stream_options is not None and not stream:
+        raise RequestError("'stream_options' is only allowed with \"stream\": true", "stream_options")
+    temperature = _float(body, "temperature", 1.0)
+    if not 0 <= temperature <= MAX_TEMPERATURE:  # NaN cannot come: the body's JSON refuses it
+        raise RequestError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}",
+                           "temperature")
     try:
         params = SamplingParams(max_new_tokens=max_tokens, stop=stop, seed=_number(body, "seed", int, None),
-                                temperature=_float(body, "temperature", 1.0), top_p=_float(body, "top_p", 1.0))
+                                temperature=temperature, top_p=_float(body, "top_p", 1.0))
     except InvalidSampling as exc:  # named by the request's field
         field = key if exc.field == "max_new_tokens" else exc.field
         raise RequestError(f"{field} {exc.reason}", field) from None
     include_usage = _flag(stream_options or {}, "include_usage", "stream_options.")
-    return RequestOptions(params, _flag(body, "stream"), include_usage)
+    return RequestOptions(params, stream, include_usage)
 
 
 # ---- the model behind the server --------------------------------------------------------------------
@@ -260,10 +269,19 @@ class ChatService:
         return self.generator.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
     def default_max_tokens_after(self, prompt_ids: list[int]) -> int:
-        """max_tokens of a request that leaves it out: the default, or what the context leaves after the prompt."""
+        """max_tokens of a request that leaves it out: the default, or what the context leaves after the prompt (at
+        least 1: a prompt that leaves no room is for `submit` to refuse)."""
         return max(1, min(self.default_max_tokens, self.context - len(prompt_ids)))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """Queue a generation; RequestError when its prompt is empty or does not fit the context with max_tokens, or
+        when the queue is full."""
+        if not prompt_ids:  # e.g. Llama 2's template renders a conversation without a user turn to nothing
+            raise RequestError("the chat template renders these messages to no tokens: the model has nothing to "
+                               "answer (send a user message)", "messages")
+        if len(prompt_ids) >= self.context:  # whatever max_tokens is, given or not
+            raise RequestError(f"the prompt ({len(prompt_ids)} tokens) leaves no room for a reply in the model's "
+                               f"context of {self.context} tokens", "messages", code="context_length_exceeded")
         if len(prompt_ids) + params.max_new_tokens > self.context:
             raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_new_tokens}) "
                                f"exceeds the model's context of {self.context} tokens", "messages",
@@ -383,7 +401,10 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             self.wfile.write(f"data: {data}\n\n".encode())
 
         def _check_access(self) -> None:
-            host = self.headers.get("Host")
+            hosts = self.headers.get_all("Host") or []
+            if len(hosts) > 1 or not hosts and self.request_version != "HTTP/1.0":  # RFC 9112, section 3.2
+                raise RequestError(f"a request needs one Host header (HTTP/1.0: at most one), got {len(hosts)}")
+            host = hosts[0] if hosts else None
             if loopback and host is not None and not is_loopback_host(host):
                 raise RequestError(f"Host '{host}' is not this machine's loopback name; the server answers local "
                                    "clients only (start it with --host and --api-key to serve others)", status=403)
@@ -395,7 +416,7 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                                        "--api-key", status=401, code="invalid_api_key")
 
         def _handle(self, route: Callable[[], None]) -> None:
-            self.streaming = False
+            self.streaming = self.input_ended = False
             self.route = urllib.parse.urlsplit(self.path).path  # a query string (?limit=1) names no other route
             try:
                 self._check_access()
@@ -486,9 +507,24 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                 job.cancelled.set()  # the client left (or is done): its generation must not go on
 
         def _client_gone(self) -> bool:
+            """Whether the client has left: its connection was reset or closed both ways (POLLERR, POLLHUP). The end
+            of its input alone is no sign: a client that half-closes (shutdown(SHUT_WR), as `nc -N` does) still waits
+            for its answer, and Linux tells it from one that closed only once something is written, which a closed
+            socket answers with a reset. A stream writes as it goes; a reply that is not streamed is preceded by an
+            interim `100 Continue` to the HTTP/1.1 clients whose input ended (HTTP/1.0 has no interim responses)."""
             try:
-                readable, _, _ = select.select([self.connection], [], [], 0)
-                return bool(readable) and not self.connection.recv(1, socket.MSG_PEEK)
+                poller = select.poll()
+                poller.register(self.connection, select.POLLIN)
+                events = poller.poll(0)
+                flags = events[0][1] if events else 0
+                if flags & (select.POLLERR | select.POLLHUP):
+                    return True
+                if flags & select.POLLIN and not self.input_ended and not self.connection.recv(1, socket.MSG_PEEK):
+                    self.input_ended = True
+                    if not self.streaming and self.request_version != "HTTP/1.0":
+                        self.send_response_only(HTTPStatus.CONTINUE)
+                        self.end_headers()
+                return False
             except (OSError, ValueError):
                 return True
 
