@@ -11,7 +11,9 @@ real text, so the result equals what `transformers.apply_chat_template` renders.
 
 Loss masks need each assistant reply's place in the rendered text, whatever the template: a reply
 starts where the conversation up to it, rendered with a generation prompt, stops matching the whole
-conversation; its turn ends where the conversation rendered up to and including it ends.
+conversation; its turn ends where the conversation rendered up to and including it ends. A template that
+cannot render zero messages (it reads `messages[0]`) is asked about a conversation that opens with a reply
+behind one user turn instead: the reply starts as far from the end of the text as it does there.
 
 Our own template is ChatML extended per the canonical-message contract: an assistant turn renders
 `<think>\\n{reasoning}\\n</think>\\n\\n{content}`, then each tool call `<tool_call>\\n{json}\\n</tool_call>`
@@ -74,6 +76,11 @@ PLACEHOLDER = re.compile(f"{ESCAPE}(\\d+){ESCAPE_END}")
 
 class ChatTemplateError(UserError):
     """The chat template refused the messages (e.g. roles that do not alternate) or is missing or broken."""
+
+
+class MessagesRefused(ChatTemplateError):
+    """The chat template refused or failed on these messages (others may render): in a file of records, that record
+    is skipped."""
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
@@ -231,8 +238,8 @@ class ChatTemplate:
         try:
             return self._escape([_template_message(m) for m in messages])
         except RecursionError:
-            raise ChatTemplateError("the messages hold a value nested too deeply to render (lists or objects "
-                                    "inside one another, as in a tool call's arguments)") from None
+            raise MessagesRefused("the messages hold a value nested too deeply to render (lists or objects "
+                                  "inside one another, as in a tool call's arguments)") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """Rendered text with message text escaped; cut it with `split`."""
@@ -247,11 +254,10 @@ class ChatTemplate:
             reason = exc.message or f"rendering took longer than {RENDER_SECONDS:g} s"
             raise ChatTemplateError(f"{self.source}: the chat template is refused: {reason}") from None
         except TemplateError as exc:
-            raise ChatTemplateError(f"{self.source}: the chat template refused the messages: {exc}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, MemoryError,
-                RecursionError) as exc:
-            raise ChatTemplateError(f"{self.source}: the chat template failed on the messages "
-                                    f"({type(exc).__name__}: {exc})") from None
+            raise MessagesRefused(f"{self.source}: the chat template refused the messages: {exc}") from None
+        except Exception as exc:  # a template is code from elsewhere: whatever it raises is its error, in one line
+            raise MessagesRefused(f"{self.source}: the chat template failed on the messages "
+                                  f"({type(exc).__name__}: {exc})") from None
 
     def split(self, rendered: str) -> Iterator[tuple[str, bool]]:
         """(piece, is_literal) in order: template text, or an escaped string to encode as plain text."""
@@ -279,16 +285,31 @@ class ChatTemplate:
         for index, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            try:
-                asking = self._render(escaped[:index], True)
-            except ChatTemplateError:  # e.g. a template that needs a first message, asked about none
-                asking = ""
-            start = max(common_prefix_length(full, asking), previous_end)
+            start = max(self._reply_start(full, escaped, index), previous_end)
             answered = self._render(escaped[:index + 1], False)
             end = len(answered) if full.startswith(answered) and len(answered) > start else self._turn_end(full, start)
             bounds.append((start, end))
             previous_end = end
         return full, bounds
+
+    def _reply_start(self, full: str, escaped: list[dict], index: int) -> int:
+        """Where the reply of message `index` starts in `full`: where the conversation before it, rendered with a
+        generation prompt, stops matching. A template that cannot render zero messages (it reads `messages[0]`) is
+        asked, for an opening reply, about the conversation behind one user turn: the reply starts as far from the
+        end as there."""
+        try:
+            return common_prefix_length(full, self._render(escaped[:index], True))
+        except MessagesRefused:
+            if index:
+                raise
+        probe = [{"role": "user", "content": "?"}]
+        behind = self._render(probe + escaped, False)
+        rest = behind[common_prefix_length(behind, self._render(probe, True)):]
+        if not full.endswith(rest):
+            raise MessagesRefused(f"{self.source}: the chat template renders a conversation that opens with an "
+                                  "assistant turn unlike one behind a user turn, so the reply's start is unknown; "
+                                  "open the conversation with a user (or system) turn")
+        return len(full) - len(rest)
 
     def _turn_end(self, rendered: str, start: int) -> int:
         """Just after the first end-of-turn string from `start` (message text holds none: it is escaped)."""

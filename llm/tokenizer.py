@@ -66,7 +66,10 @@ OUR_CONFIG = {
 
 TRAINING_FILE = "tokenizer_training.json"
 """Written by `train_tokenizer` only (what it was trained with): marks a folder it may write into again."""
-MAX_VOCAB_SIZE = 1 << 32  # token ids are 32-bit
+MAX_VOCAB_SIZE = 1 << 24
+"""The largest --vocab-size: 64 times the largest vocabularies in use (about 256k), an embedding of billions of
+parameters at any width, and ids that `data prepare` stores as uint32 many times over. The BPE trainer allocates for
+the size asked up front (2^31 asked 141 GB and aborted the process)."""
 MAX_MIN_FREQUENCY = (1 << 64) - 1
 
 
@@ -75,7 +78,8 @@ def check_training_options(vocab_size: int, min_frequency: int = 2) -> None:
     if vocab_size < smallest:
         raise UserError(f"--vocab-size {vocab_size} is too small: byte-level BPE needs at least {smallest}")
     if vocab_size > MAX_VOCAB_SIZE:
-        raise UserError(f"--vocab-size {vocab_size} is too large: token ids are 32-bit, so at most {MAX_VOCAB_SIZE}")
+        raise UserError(f"--vocab-size {vocab_size} is too large: at most {MAX_VOCAB_SIZE:,} (2^24), far more than "
+                        "any model's vocabulary")
     if not 0 <= min_frequency <= MAX_MIN_FREQUENCY:
         raise UserError(f"--min-frequency must be between 0 and {MAX_MIN_FREQUENCY}, got {min_frequency}")
 

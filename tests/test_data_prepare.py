@@ -24,7 +24,7 @@ from conftest import FIXTURES, run_cli, zerollm_here
 from llm.cli import main
 from llm.data.formats import read_items, read_records
 from llm.data.output import OutputDir
-from llm.data.prepare import OUTPUT_NAMES, prepare
+from llm.data.prepare import OUTPUT_NAMES, Report, prepare
 from llm.data.prepared import read_data_attrs
 from llm.data.readers import PIECE_CHARS, Item, expand_inputs, split_text
 from llm.errors import UserError
@@ -139,8 +139,10 @@ def bad_inputs(tmp_path):
     empty.write_text("")
     damaged = tmp_path / "damaged.parquet"
     damaged.write_bytes(b"PAR1 not really")
+    utf16 = tmp_path / "utf16.txt"
+    utf16.write_text("text saved as UTF-16\n", encoding="utf-16")
     return {"good": good, "malformed": malformed, "wrong_field": wrong_field, "binary": binary, "empty": empty,
-            "damaged": damaged, "unknown": tmp_path / "x.csv", "missing": tmp_path / "missing.jsonl"}
+            "damaged": damaged, "utf16": utf16, "unknown": tmp_path / "x.csv", "missing": tmp_path / "missing.jsonl"}
 
 
 def _prepare(tokenizer_dir, out, *inputs, strict=False):
@@ -202,6 +204,7 @@ def test_wrong_field_is_skipped_with_reason(tokenizer_dir, bad_inputs, tmp_path)
     ("missing", "no such file or directory"),
     ("unknown", "unknown format"),
     ("damaged", "cannot read it as Parquet"),
+    ("utf16", "looks like UTF-16 text (byte-order mark FF FE); convert it to UTF-8"),  # was "a binary file"
 ])
 def test_unusable_input_is_one_line_error_exit_2_nothing_written(tokenizer_dir, bad_inputs, tmp_path, case, message):
     if case == "unknown":
@@ -612,7 +615,8 @@ def test_a_tokenizer_without_chat_tokens_prepares_and_records_missing_roles(tmp_
 @pytest.mark.parametrize(("option", "value", "message"), [
     ("--workers", "-3", "--workers must be between 1 and"), ("--workers", "100000", "--workers must be between 1 and"),
     ("--max-record-mb", "nan", "--max-record-mb must be a positive number"),
-    ("--seed", "-1", "--seed must be a non-negative integer")])
+    ("--seed", "-1", "--seed must be a non-negative integer"),
+    ("--seq-len", str(1 << 64), "--seq-len must be between 8 and 16,777,216, got 18446744073709551616")])
 def test_out_of_range_options_are_one_line_errors(tokenizer_dir, corpus, tmp_path, monkeypatch, capsys, option, value,
                                                   message):
     code = zerollm_here(monkeypatch, "data", "prepare", "--input", corpus, "--tokenizer", tokenizer_dir, "--out",
@@ -666,3 +670,166 @@ def test_tool_calls_that_are_not_a_list_are_skipped_and_reported(tokenizer_dir, 
     report = _quiet("sft", [path], tokenizer_dir, tmp_path / "out")
     assert len(report.skipped) == 1 and report.skipped[0].startswith(f"{path}:1: 'tool_calls' is ")
     assert report.skipped[0].endswith(", expected a list of tool calls") and report.documents["train"] == 1
+
+
+# ---- record shapes read alike everywhere ----------------------------------------------------------------------
+
+def _values(path, kind):
+    return [r.value if isinstance(r, Item) else str(r) for r in read_records([path], kind)]
+
+
+def test_a_top_level_system_field_opens_the_conversation_pair_and_prompt(tmp_path):
+    """LLaMA-Factory's ShareGPT shape: it was dropped silently."""
+    from llm.train.prompts import read_prompts  # noqa: PLC0415 - loads torch
+
+    turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "arr"}]
+    system = {"role": "system", "content": "You are a pirate."}
+    user, reply = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "arr"}
+    path = tmp_path / "records.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"system": "You are a pirate.", "conversations": turns},
+        {"system": "You are a pirate.", "conversations": [{"from": "system", "value": "Be kind."}, *turns]},
+        {"system": "", "messages": [user, reply]},
+    ]) + "\n")
+    assert _values(path, "sft") == [
+        [system, user, reply],
+        f"{path}:2: both a 'system' field and a system turn; keep one",
+        [user, reply]]
+    assert _values(path, "pretrain")[:2] == ["You are a pirate.\nhi\narr",
+                                             f"{path}:2: both a 'system' field and a system turn; keep one"]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"system": "You are a pirate.", "prompt": "hi", "chosen": "arr", "rejected": "no"})
+                     + "\n")
+    assert _values(pairs, "dpo") == [([system, user], reply, {"role": "assistant", "content": "no"})]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"system": "You are a pirate.", "prompt": "hi", "answer": "arr"}) + "\n")
+    prompt = read_prompts([str(prompts)], lambda messages: [1], 100)[0]
+    assert (prompt.messages, prompt.fields) == ([system, user], {"answer": "arr"})
+
+
+def test_pretraining_flattens_every_conversation_shape_sft_reads(tmp_path):
+    """Content parts and "input": null were skipped, Alpaca's system and history dropped."""
+    path = tmp_path / "records.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts "}, {"type": "text", "text": "x"}]},
+                      {"role": "assistant", "content": "ok"}]},
+        {"instruction": "add 2 and 2", "input": None, "output": "4"},
+        {"instruction": "add", "input": "1 and 2", "output": "3", "system": "math", "history": [["2+2?", "4"]]},
+    ]) + "\n")
+    assert _values(path, "pretrain") == ["parts x\nok", "add 2 and 2\n4", "math\n2+2?\n4\nadd\n1 and 2\n3"]
+    assert ["\n".join(m["content"] for m in messages) for messages in _values(path, "sft")] == _values(path,
+                                                                                                       "pretrain")
+
+
+UNKNOWN_ROLE = ("unknown role {}; expected one of system, user, human, assistant, gpt, bot, tool, observation, "
+                "function, function_call")
+
+
+@pytest.mark.parametrize("kind, record, reason", [
+    ("sft", {"messages": [{"role": ["user"], "content": "q"}, {"role": "assistant", "content": "a"}]},
+     UNKNOWN_ROLE.format("['user']")),
+    ("pretrain", {"conversations": [{"from": ["user"], "value": "q"}]}, UNKNOWN_ROLE.format("['user']")),
+    ("dpo", {"prompt": [{"role": {"is": "user"}, "content": "q"}], "chosen": "a", "rejected": "b"},
+     UNKNOWN_ROLE.format("{'is': 'user'}")),
+    ("sft", {"messages": [{"role": "user", "content": [{"type": ["text"], "text": "q"}]},
+                          {"role": "assistant", "content": "a"}]},
+     "turn 'content' has parts of type ['text']; only text parts can be trained on"),
+    ("dpo", {"prompt": "q", "chosen": [], "rejected": "b"},
+     "'chosen' is an empty list; expected the reply (a string, turn or list of turns)"),
+])
+def test_a_role_or_part_type_that_is_not_a_string_is_skipped_with_its_reason(tokenizer_dir, tmp_path, kind, record,
+                                                                             reason):
+    """A list or object as a role or part type was a TypeError traceback (unhashable)."""
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps(record) + "\n" + LONE_SURROGATE_RECORDS[kind][1] + "\n")
+    report = _quiet(kind, [path], tokenizer_dir, tmp_path / "out")
+    assert report.skipped == [f"{path}:1: {reason}"] and report.documents["train"] == 1
+
+
+def test_a_role_that_is_not_a_string_is_skipped_from_grpo_prompts(tmp_path):
+    from llm.train.prompts import read_prompts  # noqa: PLC0415 - loads torch
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": [{"role": ["user"], "content": "q"}]}\n{"prompt": "fine"}\n')
+    assert read_prompts([str(path)], lambda messages: [1], 100).skipped == [
+        f"{path}:1: {UNKNOWN_ROLE.format(['user'])}"]
+
+
+LLAMA = FIXTURES / "tokenizers" / "llama"
+ALTERNATE = (f"{LLAMA}: the chat template refused the messages: Conversation roles must alternate "
+             "user/assistant/user/assistant/...")
+
+
+@pytest.mark.parametrize("kind, refused, fine", [
+    ("sft", {"messages": [{"role": "assistant", "content": "Hello, how can I help?"}, {"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "ok"}]}, LONE_SURROGATE_RECORDS["sft"][1]),
+    ("dpo", {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "chosen": "c",
+             "rejected": "d"}, LONE_SURROGATE_RECORDS["dpo"][1]),
+])
+def test_a_record_the_chat_template_refuses_is_skipped_with_its_place(tmp_path, kind, refused, fine):
+    """It stopped the whole run with one line naming no record."""
+    path = tmp_path / "records.jsonl"
+    path.write_text(fine + "\n" + json.dumps(refused) + "\n")
+    report = _quiet(kind, [path], LLAMA, tmp_path / "out")
+    assert report.skipped == [f"{path}:2: {ALTERNATE}"] and report.documents["train"] == 1
+    with pytest.raises(UserError) as stopped:
+        _quiet(kind, [path], LLAMA, tmp_path / "strict", strict=True)
+    assert str(stopped.value) == f"{path}:2: {ALTERNATE} (--strict stops at the first bad record)"
+    assert not (tmp_path / "strict").exists()
+
+
+def test_a_grpo_prompt_the_chat_template_refuses_is_skipped_with_its_place(tmp_path):
+    from llm.train.prompts import read_prompts  # noqa: PLC0415 - loads torch
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}\n'
+                    '{"prompt": "fine"}\n')
+    tok = Tokenizer.load(LLAMA)
+    prompts = read_prompts([str(path)], lambda messages: tok.encode_chat(messages, True), 100)
+    assert prompts.skipped == [f"{path}:1: {ALTERNATE}"] and len(prompts) == 1
+
+
+# ---- the splits, and inputs that change under the run -------------------------------------------------------
+
+@pytest.mark.parametrize("records, documents", [(2, {"train": 1, "val": 1}), (1, {"train": 1, "val": 0})])
+def test_the_train_split_always_gets_a_sample(tokenizer_dir, tmp_path, records, documents):
+    """Every record drawn for validation left training without a sample (and `train` failed later)."""
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(records)))
+    report = _quiet("pretrain", [path], tokenizer_dir, tmp_path / "out", val_fraction=0.99)
+    assert report.documents == documents
+    tokens, offsets, _ = _tokens(tmp_path / "out")
+    assert len(offsets) == 2 and offsets[-1] == len(tokens) == report.tokens["train"]
+    assert _documents(tmp_path / "out", tokenizer_dir) == [f"document {records - 1}"]
+
+
+@pytest.mark.parametrize("change, problem", [("unlink", "No such file or directory"),
+                                             ("mkdir", "it is a directory now")])
+def test_an_input_gone_while_preparing_is_named_not_the_output(tokenizer_dir, tmp_path, monkeypatch, capsys, change,
+                                                               problem):
+    """It was `--out OUT: cannot write the output (No such file or directory)`."""
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for path in (first, second):
+        path.write_text('{"text": "some text"}\n')
+    listed = expand_inputs
+
+    def then_changed(*args, **kwargs):
+        files = listed(*args, **kwargs)
+        second.unlink()
+        if change == "mkdir":
+            second.mkdir()
+        return files
+
+    monkeypatch.setattr("llm.data.prepare.expand_inputs", then_changed)
+    code = zerollm_here(monkeypatch, "data", "prepare", "--input", first, second, "--tokenizer", tokenizer_dir,
+                        "--out", tmp_path / "out", "--workers", 1)
+    assert code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"zerollm: error: {second}: cannot read ({problem})"
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_summary_groups_reasons_by_their_numbers_but_keeps_escapes():
+    """'\\ud800' was shown as '\\udN'."""
+    report = Report(skipped=[f"a.jsonl:1: {LONE_SURROGATE_REASON}", "a.jsonl:2: record of 700 characters",
+                             "a.jsonl:3: record of 800 characters"])
+    assert f"skipped: 3 records: record of N characters x2; {LONE_SURROGATE_REASON} x1" in report.summary()

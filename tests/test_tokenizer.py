@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llm.chat_template
+import llm.data.formats
 from conftest import FIXTURES, TINY, run_cli, zerollm_here
 from llm.chat_template import CHAT_TEMPLATE, ChatTemplateError
 from llm.data.prepare import encode_dpo, encode_sft, prepare
@@ -239,6 +240,31 @@ def test_llama_template_masks_the_reply_and_refuses_unalternating_roles():
         tok.encode_chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 
 
+PREAMBLE_TEMPLATE = (  # Qwen2.5's way: a default system turn unless messages[0] is one (so no messages: an error)
+    "{%- if messages[0].role != 'system' %}{{- '<|im_start|>system\nBe helpful.<|im_end|>\n' }}{%- endif %}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("template", [None, PREAMBLE_TEMPLATE])
+def test_an_opening_assistant_turn_is_learned_from_after_its_header(tmp_path, template):
+    """Templates that read messages[0] cannot render the empty conversation before an opening reply: the mask
+    covered the reply's header (and a default system turn before it)."""
+    config = json.loads((MINIMIND / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template
+                                                                or config["chat_template"]}))
+    shutil.copy(MINIMIND / "tokenizer.json", tmp_path / "tokenizer.json")
+    tok = Tokenizer.load(tmp_path)
+    messages = [{"role": "assistant", "content": "Hello, how can I help?"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "ok"}]
+    chat = tok.encode_chat_masked(messages)
+    assert _mask_runs(tok, chat.ids, chat.loss_mask) == ["Hello, how can I help?<|im_end|>", "ok<|im_end|>"]
+    assert tok.decode(chat.ids) == tok.render_chat(messages)
+    if template is None:  # MiniMind: a reply with reasoning is learned from inside the think block, as later ones
+        chat = tok.encode_chat_masked([{**messages[0], "reasoning_content": "Greet."}, *messages[1:]])
+        assert _mask_runs(tok, chat.ids, chat.loss_mask)[0] == "Greet.\n</think>\n\nHello, how can I help?<|im_end|>"
+
+
 def test_a_tokenizer_without_chat_template_encodes_text_and_refuses_chat(tmp_path):
     shutil.copy(LLAMA / "tokenizer.json", tmp_path / "tokenizer.json")
     tok = Tokenizer.load(tmp_path)
@@ -265,6 +291,8 @@ def test_a_chat_template_file_beside_the_tokenizer_is_used(tmp_path):
      "'*' would make a result of more than 1048576 items"),  # squaring a number 40 times: minutes per step
     ("{{ 7 ** 100000000 }}", "'**' would make a result of more than 1048576 items"),
     ("{{ lipsum(n=100000000) }}", "'lipsum' is undefined"),
+    ("{{ (messages|length) / 0 }}",  # a ZeroDivisionError traceback: any exception is the template's error
+     "the chat template failed on the messages (ZeroDivisionError: division by zero)"),
 ])
 def test_a_hostile_chat_template_is_stopped_with_one_line(tmp_path, monkeypatch, template, reason):
     """A tokenizer's chat template comes with downloaded files: its cost is bounded like its reach."""
@@ -540,6 +568,8 @@ def test_a_failed_write_into_an_earlier_output_keeps_the_old_tokenizer_whole(tmp
     (("--out", "{file}"), "--out {file} is a file; give a directory"),
     (("--out", "/proc/x/tok"), "--out /proc/x/tok: cannot create or read it"),
     (("--vocab-size", "99999999999999999999"), "--vocab-size 99999999999999999999 is too large"),
+    (("--vocab-size", str((1 << 24) + 1)),  # 2^31 aborted the process, allocating 141 GB
+     "--vocab-size 16777217 is too large: at most 16,777,216 (2^24), far more than any model's vocabulary"),
     (("--min-frequency", "-1"), "--min-frequency must be between 0 and"),
     (("--input", "{empty}"), "no usable records found in the inputs; nothing was written"),
     (("--input", "{unusable}"), "no usable records found in the inputs; nothing was written")])
@@ -566,3 +596,26 @@ def test_tokenizer_train_skips_a_lone_surrogate_and_counts_it(tmp_path, monkeypa
     code = zerollm_here(monkeypatch, "tokenizer", "train", "--input", source, "--vocab-size", 300, "--out",
                         tmp_path / "tok")
     assert code == 0 and "(1 unusable records skipped)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change, problem", [("unlink", "No such file or directory"),
+                                             ("mkdir", "it is a directory now")])
+def test_tokenizer_train_names_an_input_gone_since_it_was_listed(tmp_path, monkeypatch, capsys, change, problem):
+    """It was a FileNotFoundError traceback."""
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    for path in (first, second):
+        path.write_text("a few words to train on\n")
+    listed = llm.data.formats.expand_inputs
+
+    def then_changed(*args, **kwargs):
+        files = listed(*args, **kwargs)
+        second.unlink()
+        if change == "mkdir":
+            second.mkdir()
+        return files
+
+    monkeypatch.setattr(llm.data.formats, "expand_inputs", then_changed)
+    code = zerollm_here(monkeypatch, "tokenizer", "train", "--input", first, second, "--vocab-size", 300, "--out",
+                        tmp_path / "tok")
+    assert code == 2 and capsys.readouterr().err == f"zerollm: error: {second}: cannot read ({problem})\n"
+    assert not (tmp_path / "tok").exists()

@@ -11,7 +11,8 @@ Records come from `llm.data.readers` (text files, JSON, tables). Conversations b
 Accepted turn shapes: OpenAI/MiniMind `{"role", "content"}` (content may be a list of text parts; an assistant
 turn may carry `reasoning_content`, `tool_calls` in OpenAI's `{"function": {...}}` form or plain `{"name",
 "arguments"}`, or a legacy `function_call`), ShareGPT `{"from", "value"}` (human, gpt, system, function_call,
-observation). A record that cannot be used raises `RecordError`; `read_records` turns it into a `Skipped`
+observation). A top-level `system` beside the turns (LLaMA-Factory, Alpaca) becomes the opening system turn
+(`with_system`). A record that cannot be used raises `RecordError`; `read_records` turns it into a `Skipped`
 naming its place, so the caller counts and reports it.
 """
 
@@ -35,7 +36,7 @@ from llm.data.readers import (
 )
 
 __all__ = ["Item", "RecordError", "Skipped", "conversation", "expand_inputs", "preference", "pretrain_text",
-           "read_items", "read_records"]
+           "read_items", "read_records", "with_system"]
 
 Message = dict[str, Any]
 
@@ -63,9 +64,9 @@ def _content(turn: dict, role: str) -> str:
     key = "content" if "content" in turn else "value"
     value = turn.get(key)
     if isinstance(value, list):  # OpenAI content parts
-        kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in value}
+        kinds = {str(part.get("type")) if isinstance(part, dict) else type(part).__name__ for part in value}
         if kinds - {"text"}:
-            raise RecordError(f"turn '{key}' has parts of type {', '.join(sorted(map(str, kinds - {'text'})))}; "
+            raise RecordError(f"turn '{key}' has parts of type {', '.join(sorted(kinds - {'text'}))}; "
                               "only text parts can be trained on")
         value = "".join(_require_text(part.get("text"), "text part") for part in value)
     if value is None and role == "assistant":
@@ -123,7 +124,7 @@ def message(turn: Any) -> Message:
     if not isinstance(turn, dict):
         raise RecordError("conversation turn is not an object")
     raw_role = turn.get("role", turn.get("from"))
-    if raw_role not in ROLE_ALIASES:
+    if not isinstance(raw_role, str) or raw_role not in ROLE_ALIASES:
         raise RecordError(f"unknown role {raw_role!r}; expected one of {', '.join(ROLE_ALIASES)}")
     role = ROLE_ALIASES[raw_role]
     calls = _tool_calls(turn, raw_role)
@@ -152,13 +153,11 @@ def _is_empty_reply(m: Message) -> bool:
 
 
 def _alpaca(value: dict, answer_key: str | None) -> list[Message]:
-    """Alpaca `system`, `history` ([[question, answer], ...]), `instruction` + `input` (one user turn) and, when
-    `answer_key` is given, its value as the assistant reply."""
+    """Alpaca `history` ([[question, answer], ...]), `instruction` + `input` (one user turn) and, when `answer_key` is
+    given, its value as the assistant reply (its `system`, as any record's, is `with_system`'s)."""
     instruction = _require_text(value["instruction"], "'instruction'")
     extra = _require_text(value.get("input") or "", "'input'")
     messages = []
-    if value.get("system"):
-        messages.append({"role": "system", "content": _require_text(value["system"], "'system'")})
     history = value.get("history") or []
     if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 for h in history):
         raise RecordError("'history' is not a list of [question, answer] pairs")
@@ -175,20 +174,41 @@ def _turns_key(value: dict) -> str | None:
     return next((key for key in ("conversations", "messages") if key in value), None)
 
 
+def with_system(value: dict, messages: list[Message]) -> list[Message]:
+    """`messages` opened by the record's top-level `system` text (LLaMA-Factory's ShareGPT and Alpaca shapes), when
+    it has one. A record with both that field and a system turn of its own is refused: which one is meant?"""
+    system = value.get("system")
+    if system is None or system == "":
+        return messages
+    system = _require_text(system, "'system'")
+    if messages and messages[0]["role"] == "system":
+        raise RecordError("both a 'system' field and a system turn; keep one")
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _written_messages(value: dict) -> list[Message] | None:
+    """The messages of a conversation record, every turn as written (the shapes of `conversation`), with its
+    `system`; None for a record of neither shape."""
+    if (key := _turns_key(value)) is not None:
+        return with_system(value, _messages(value[key], f"'{key}'"))
+    if "instruction" in value and "output" in value:
+        return with_system(value, _alpaca(value, "output"))
+    return None
+
+
 def conversation(value: Any) -> list[Message]:
     """Canonical messages of an SFT record: `conversations`/`messages` turns, or Alpaca (`instruction`, `input`,
-    `output`, optional `system` and `history`). Turns after the last assistant reply teach nothing and are left out.
+    `output`, optional `history`), either with an optional top-level `system`. Turns after the last assistant reply
+    teach nothing and are left out.
 
     Refused (RecordError): no assistant reply, an empty assistant reply (neither content nor tool calls), an
-    unknown role, a non-string content, reasoning or tool calls outside an assistant turn, a malformed tool call.
+    unknown role, a non-string content, reasoning or tool calls outside an assistant turn, a malformed tool call, a
+    `system` field beside a system turn.
     """
     if not isinstance(value, dict):
         raise RecordError(f"record is {type(value).__name__}, expected an object")
-    if (key := _turns_key(value)) is not None:
-        messages = _messages(value[key], f"'{key}'")
-    elif "instruction" in value and "output" in value:
-        messages = _alpaca(value, "output")
-    else:
+    messages = _written_messages(value)
+    if messages is None:
         keys = ", ".join(sorted(value)) or "none"
         raise RecordError(f"not a conversation (keys: {keys}); expected 'conversations', 'messages' or "
                           "'instruction'/'output'")
@@ -210,9 +230,11 @@ def _reply_turns(value: Any, what: str) -> list[Message]:
     if isinstance(value, dict):
         has_role = "role" in value or "from" in value
         return [message(value if has_role else {**value, "role": "assistant"})]
-    if isinstance(value, list) and value:
+    if isinstance(value, list):
+        if not value:
+            raise RecordError(f"{what} is an empty list; expected the reply (a string, turn or list of turns)")
         return _messages(value, what)
-    raise RecordError(f"{what} is missing or not a string, turn or list of turns")
+    raise RecordError(f"{what} is {type(value).__name__}, expected a string, turn or list of turns")
 
 
 def _explicit_prompt(value: dict) -> list[Message]:
@@ -235,8 +257,9 @@ def preference(value: Any) -> tuple[list[Message], Message, Message]:
 
     The prompt is `conversations`/`messages` turns, a `prompt` string or list of turns, an Alpaca `instruction`
     (+ `input`), or, with none of these (MiniMind's shape), the turns that `chosen` and `rejected` conversations
-    share before their last reply. Either way `chosen` and `rejected` must each end in exactly one assistant turn
-    after the shared turns, and the prompt must end with a user or tool turn.
+    share before their last reply; a top-level `system` opens it (`with_system`). Either way `chosen` and `rejected`
+    must each end in exactly one assistant turn after the shared turns, and the prompt must end with a user or tool
+    turn.
     """
     if not isinstance(value, dict) or "chosen" not in value or "rejected" not in value:
         raise RecordError("a preference record needs 'chosen' and 'rejected'")
@@ -244,7 +267,7 @@ def preference(value: Any) -> tuple[list[Message], Message, Message]:
     full = []
     for key in ("chosen", "rejected"):
         turns = _reply_turns(value[key], f"'{key}'")
-        full.append(turns if prompt and turns[:len(prompt)] == prompt else prompt + turns)
+        full.append(with_system(value, turns if prompt and turns[:len(prompt)] == prompt else prompt + turns))
     chosen, rejected = full
     shared = 0
     while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
@@ -268,19 +291,13 @@ def preference(value: Any) -> tuple[list[Message], Message, Message]:
 
 # ---- pretraining text ---------------------------------------------------------------------------------
 
-def _turn_text(turn: Any) -> str:
-    """Lenient text of a turn for pretraining: its reasoning and content, whatever its role."""
-    if not isinstance(turn, dict):
-        raise RecordError("conversation turn is not an object")
-    parts = [turn.get("reasoning_content"), turn.get("content", turn.get("value"))]
-    return "\n".join(_require_text(p, "turn text") for p in parts if p)
-
-
 def pretrain_text(value: Any) -> str:
     """The text a record contributes to pretraining.
 
     Plain strings and `{"text"}` records (MiniMind) as they are; conversations, Alpaca and DPO records (prompt
-    and chosen reply) are flattened to their turns' text joined by newlines.
+    and chosen reply), read as `conversation` and `preference` read them (a record they refuse for its shape is
+    refused here too), are flattened to their messages' reasoning and content joined by newlines. A conversation
+    needs no assistant reply here, and keeps its turns after the last one.
     """
     if isinstance(value, str):
         text = value
@@ -290,20 +307,19 @@ def pretrain_text(value: Any) -> str:
         text = _require_text(value["text"], "'text'")
     elif "chosen" in value and "rejected" in value:
         prompt, chosen, _ = preference(value)
-        text = "\n".join(filter(None, map(_turn_text, [*prompt, chosen])))
-    elif (key := _turns_key(value)) is not None:
-        if not isinstance(value[key], list):
-            raise RecordError(f"'{key}' is not a list")
-        text = "\n".join(filter(None, map(_turn_text, value[key])))
-    elif "instruction" in value and "output" in value:
-        parts = [value["instruction"], value.get("input", ""), value["output"]]
-        text = "\n".join(_require_text(p, "alpaca field") for p in parts if p != "")
+        text = _flattened([*prompt, chosen])
+    elif (messages := _written_messages(value)) is not None:
+        text = _flattened(messages)
     else:
         keys = ", ".join(sorted(value)) or "none"
         raise RecordError(f"no text field (keys: {keys}); expected 'text', 'conversations' or 'instruction'/'output'")
     if not text.strip():
         raise RecordError("empty text")
     return text
+
+
+def _flattened(messages: list[Message]) -> str:
+    return "\n".join(part for m in messages for part in (m.get("reasoning_content"), m["content"]) if part)
 
 
 READERS = {"pretrain": pretrain_text, "sft": conversation, "dpo": preference}

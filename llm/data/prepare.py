@@ -40,6 +40,7 @@ import h5py
 import numpy as np
 from tqdm import tqdm
 
+from llm.chat_template import MessagesRefused
 from llm.data.formats import Item, Skipped, expand_inputs, read_records
 from llm.data.output import OutputDir, cannot_write_output
 from llm.data.readers import DEFAULT_MAX_RECORD_MB, strings
@@ -54,6 +55,9 @@ JOB_RECORDS = 256
 JOB_CHARS = 1 << 20
 CHUNK_TOKENS = 1 << 16
 CHUNK_OFFSETS = 1 << 14
+MAX_SEQ_LEN = 1 << 24
+"""The largest --seq-len: 16,777,216 tokens, beyond the context of any model (the checks need a bound: a huge
+number was read through and then failed to be stored)."""
 
 
 @dataclass
@@ -81,7 +85,7 @@ class Report:
                                ("skipped", self.skipped)):
             if not entries:
                 continue
-            reasons = Counter(re.sub(r"\d+", "N", s.split(": ", 1)[1]) for s in entries)
+            reasons = Counter(re.sub(r"\b\d+\b", "N", s.split(": ", 1)[1]) for s in entries)  # \ud800 stays
             by_reason = "; ".join(f"{r} x{n}" for r, n in reasons.most_common(5)) if len(reasons) > 1 else ""
             lines.append(f"{title}: {len(entries):,} records" + (f": {by_reason}" if by_reason else ""))
             lines += [f"  {s}" for s in entries[:shown]]
@@ -184,7 +188,7 @@ def _encode(kind: str, item: Item, max_tokens: int) -> Result:
         return encode_pretrain(_worker_tokenizer, item.value, item.last), False
     try:
         sample, truncated = ENCODERS[kind](_worker_tokenizer, item.value, max_tokens)
-    except TooLong as exc:
+    except (TooLong, MessagesRefused) as exc:
         return Skipped(item.source, item.line, str(exc), item.unit)
     has_reply = any(sample["loss_mask"]) if kind == "sft" else len(sample["chosen"]) and len(sample["rejected"])
     if not has_reply:
@@ -403,15 +407,21 @@ def _write_tokens(output: OutputDir, kind: str, records: Iterator[Item | Skipped
             raise UserError("no usable records found in the inputs; nothing was written"
                             + (f" ({len(report.skipped)} records skipped, first: {report.skipped[0]})"
                                if report.skipped else ""))
+        if report.documents["train"] == 0:  # training needs a sample, whatever the draw
+            _move_last_sample(writers, report, "val", "train")
         if val_fraction > 0 and report.documents["val"] == 0 and report.documents["train"] > 1:
-            moved = writers["train"].move_last_to(writers["val"])  # a tiny corpus still gets a validation sample
-            for name, sign in (("train", -1), ("val", 1)):
-                report.documents[name] += sign
-                report.tokens[name] += sign * moved
+            _move_last_sample(writers, report, "train", "val")  # a tiny corpus still gets a validation sample
         for writer in writers.values():
             writer.close()
         extra = {} if kind == "pretrain" else {"seq_len": seq_len}
         write_attrs(h5, kind, tokenizer.hash, tokenizer.vocab_size, tokenizer, **extra)
+
+
+def _move_last_sample(writers: dict[str, SplitWriter], report: Report, source: str, target: str) -> None:
+    moved = writers[source].move_last_to(writers[target])
+    for name, sign in ((source, -1), (target, 1)):
+        report.documents[name] += sign
+        report.tokens[name] += sign * moved
 
 
 OUTPUT_NAMES = (TOKENS_FILE, REPORT_FILE, TOKENIZER_DIR)
@@ -442,8 +452,8 @@ def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: st
         raise UserError(f"--kind must be one of {', '.join(STREAMS)}, got '{kind}'")
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    if seq_len < 8:
-        raise UserError(f"--seq-len must be at least 8, got {seq_len}")
+    if not 8 <= seq_len <= MAX_SEQ_LEN:
+        raise UserError(f"--seq-len must be between 8 and {MAX_SEQ_LEN:,}, got {seq_len}")
     if not 0 < max_record_mb < math.inf:  # nan fails too
         raise UserError(f"--max-record-mb must be a positive number, got {max_record_mb}")
     if seed < 0:

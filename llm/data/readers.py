@@ -196,7 +196,16 @@ def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None
 
 
 def _open(path: Path) -> BinaryIO:
-    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else path.open("rb")
+    """The file for reading; UserError naming it when it cannot be opened (gone since it was listed, say)."""
+    try:
+        return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else path.open("rb")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+             (codecs.BOM_UTF16_BE, "UTF-16"))
+"""Byte-order marks of text in other Unicode encodings (UTF-32 LE's begins with UTF-16 LE's: it comes first)."""
 
 
 def _check_text_file(path: Path) -> None:
@@ -205,6 +214,10 @@ def _check_text_file(path: Path) -> None:
             head = f.read(8192)
     except (OSError, EOFError) as exc:
         raise UserError(f"{path}: cannot read ({exc})") from None
+    for bom, encoding in WIDE_BOMS:
+        if head.startswith(bom):
+            raise UserError(f"{path}: looks like {encoding} text (byte-order mark {bom.hex(' ').upper()}); convert it "
+                            f"to UTF-8 (e.g. iconv -f {encoding} -t UTF-8)")
     if b"\x00" in head:
         raise UserError(f"{path}: looks like a binary file (NUL bytes); expected UTF-8 text")
 
@@ -548,6 +561,8 @@ def read_items(path: Path, max_record_mb: float = DEFAULT_MAX_RECORD_MB) -> Iter
     """Raw values of one input (checked by `expand_inputs`), streamed; a value with text that is not valid Unicode
     comes out as `Skipped`."""
     kind = _format(path)
+    if kind is None:  # listed as a file, replaced by a folder since
+        raise UserError(f"{path}: cannot read (it is a directory now)")
     if kind == ".txt":
         return _txt_items(path)
     if kind == ".jsonl":

@@ -8,10 +8,12 @@ A record is one of
     {"prompt": "text" | [turns], "answer": ..., ...}          a prompt string (one user message) or turns
     a plain string (a .txt block or a JSON string)            one user message
 
+A top-level "system" text opens the prompt as a system turn, as in `data prepare` (`llm.data.formats.with_system`).
 Every other field of a record (`answer`, ...) travels with the prompt to the rewards. Files are read record by
 record; the prompts are held in memory as token ids (a few hundred bytes each). A record that cannot be used
 (malformed, no user turn, missing a field the rewards need, longer than data.seq_len - grpo.max_new_tokens
-tokens) is skipped and reported as file:line; a set with no usable prompt is a `UserError`.
+tokens, refused by the chat template) is skipped and reported as file:line; a set with no usable prompt is a
+`UserError`.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from llm.data.formats import Item, RecordError, Skipped, _messages, expand_inputs, read_items
+from llm.chat_template import MessagesRefused
+from llm.data.formats import Item, RecordError, Skipped, _messages, expand_inputs, read_items, with_system
 from llm.errors import UserError
 
 PROMPT_KEYS = ("conversations", "messages", "prompt")
+CONSUMED_KEYS = (*PROMPT_KEYS, "system")
+"""Fields that make the prompt; the others go to the rewards."""
 
 
 @dataclass(frozen=True)
@@ -51,13 +56,14 @@ def prompt_record(value: Any) -> tuple[list[dict[str, str]], dict[str, Any]]:
         raise RecordError(f"no prompt (keys: {keys}); expected 'conversations', 'messages' or 'prompt'")
     turns = value[key]
     messages = [{"role": "user", "content": turns}] if isinstance(turns, str) else _messages(turns, f"'{key}'")
+    messages = with_system(value, messages)
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     if not users:
         raise RecordError("no user turn")
     messages = messages[:users[-1] + 1]
     if not messages[-1]["content"].strip():
         raise RecordError("empty user turn")
-    return messages, {k: v for k, v in value.items() if k not in PROMPT_KEYS}
+    return messages, {k: v for k, v in value.items() if k not in CONSUMED_KEYS}
 
 
 class PromptSet(Dataset):
@@ -110,7 +116,7 @@ def read_prompts(paths: list[str], encode: Callable[[list[dict[str, str]]], list
                 continue
             try:
                 prompts.append(_usable(item, encode, max_tokens, required_fields))
-            except RecordError as exc:
+            except (RecordError, MessagesRefused) as exc:
                 skipped.append(str(Skipped(item.source, item.line, str(exc))))
     if not prompts:
         first = f"; first: {skipped[0]}" if skipped else ""
