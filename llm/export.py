@@ -78,7 +78,7 @@ def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None) -> dict:
                                   "beta_slow": cfg.yarn_beta_slow,
                                   "original_max_position_embeddings": cfg.rope_original_max_seq_len}
     if tokenizer is not None:
-        config.update(bos_token_id=tokenizer.im_start_id, eos_token_id=tokenizer.stop_ids,
+        config.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.stop_ids,
                       pad_token_id=tokenizer.pad_id)
     return config
 
@@ -112,6 +112,15 @@ def _number(config: dict[str, Any], key: str, source: str, kind: type, default: 
     return value
 
 
+def _first_of(key: str, places: list[tuple[dict[str, Any], str]], kind: type, default: Any) -> Any:
+    """`key` from the first of `places` (a mapping, and its name in errors) that holds it, else `default`: the order
+    transformers 5 reads RoPE keys in. Checked by `_number`."""
+    for mapping, where in places:
+        if key in mapping:
+            return _number(mapping, key, where, kind)
+    return default
+
+
 def model_config_from_hf(config: dict, source: str) -> ModelConfig:
     architectures = config.get("architectures") or []
     model_type = config.get("model_type")
@@ -126,9 +135,12 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
         raise UserError(f"{source}: sliding-window attention is not part of our architecture")
     if config.get("attention_bias") or config.get("mlp_bias") or config.get("hidden_act", "silu") != "silu":
         raise UserError(f"{source}: biases or a non-SiLU activation are not part of our architecture")
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope_key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"  # transformers' choice
+    rope = config.get(rope_key) or {}
     if not isinstance(rope, dict):
-        raise UserError(f"{source}: 'rope_scaling' must be an object or null, got {rope!r}")
+        raise UserError(f"{source}: '{rope_key}' must be an object or null, got {rope!r}")
+    if any(isinstance(value, dict) for value in rope.values()):
+        raise UserError(f"{source}: '{rope_key}' per layer type (a nested object) is not supported")
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "yarn"):
         raise UserError(f"{source}: RoPE scaling '{kind}' is not supported (only YaRN)")
@@ -146,16 +158,18 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
         hidden_dim=_number(config, "intermediate_size", source, int),
         norm_eps=_number(config, "rms_norm_eps", source, float, 1e-6),
         max_seq_len=_number(config, "max_position_embeddings", source, int, 2048),
-        rope_theta=_number(config, "rope_theta", source, float, rope.get("rope_theta", 10000.0)),
+        rope_theta=_first_of("rope_theta", [(rope, f"{source} {rope_key}"), (config, source)], float, 10000.0),
         tie_embeddings=tie, init_std=_number(config, "initializer_range", source, float, 0.02),
         qk_norm=model_type == "qwen3",
     )
     if kind == "yarn":
-        cfg.rope_scaling, cfg.rope_factor = "yarn", _number(rope, "factor", f"{source} rope_scaling", float)
-        cfg.rope_original_max_seq_len = _number(rope, "original_max_position_embeddings", f"{source} rope_scaling",
-                                                int, cfg.max_seq_len)
-        cfg.yarn_beta_fast = _number(rope, "beta_fast", f"{source} rope_scaling", float, 32.0)
-        cfg.yarn_beta_slow = _number(rope, "beta_slow", f"{source} rope_scaling", float, 1.0)
+        cfg.rope_scaling, cfg.rope_factor = "yarn", _number(rope, "factor", f"{source} {rope_key}", float)
+        # a top-level original_max_position_embeddings (Phi-3's) comes first in transformers, rope_parameters' does not
+        cfg.rope_original_max_seq_len = _first_of("original_max_position_embeddings", [
+            (config, source), (rope, f"{source} {rope_key}")], int, cfg.max_seq_len)
+        betas = {key: rope.get(key) or default for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0))}
+        cfg.yarn_beta_fast = _number(betas, "beta_fast", f"{source} {rope_key}", float)  # null or 0: the default,
+        cfg.yarn_beta_slow = _number(betas, "beta_slow", f"{source} {rope_key}", float)  # as in transformers
         _refuse_other_yarn(rope, cfg.rope_factor, source)
     if config.get("head_dim", cfg.head_dim) != cfg.head_dim:
         raise UserError(f"{source}: head_dim {config['head_dim']} differs from hidden_size / num_attention_heads")
@@ -206,6 +220,20 @@ def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> s
         staging.mkdir(parents=True)
     except OSError as exc:  # e.g. a file where a parent folder should be
         raise UserError(f"--out {out}: cannot create it ({exc.strerror})") from None
+    try:
+        config = _write_export(state, cfg, tokenizer_dir, staging)
+    except Exception as exc:
+        if (reason := durable.out_of_room(exc)) is None:
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+        kept = "the export there is as it was" if out.exists() else "nothing was written"
+        raise UserError(f"--out {out}: {reason} while writing the export; {kept}") from None
+    _move_into_place(staging, out)
+    return config["architectures"][0]
+
+
+def _write_export(state: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer_dir: Path | None, staging: Path) -> dict:
+    """The export's files into the folder `staging`, flushed to the disk; its config.json."""
     save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
     os.chmod(staging / WEIGHTS_FILE, 0o666 & ~durable.current_umask())  # written 0600: readable like the other files
     tokenizer = None
@@ -217,8 +245,7 @@ def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> s
     (staging / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2))
     for path in staging.iterdir():
         durable.fsync(path)
-    _move_into_place(staging, out)
-    return config["architectures"][0]
+    return config
 
 
 def _read_tensors(path: Path, names: list[str] | None) -> dict[str, torch.Tensor]:
@@ -266,6 +293,18 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def drop_tied_copy(state: dict[str, torch.Tensor], embeddings: str, output: str) -> bool:
+    """For a model whose config ties its output matrix to its embeddings: remove `output` from the weights `state`
+    when it is a copy of `embeddings` (a tied model saved under both names), and say so (True, also when there is no
+    `output`); False, `state` unchanged, when `output` holds another matrix (an untied model's weights), which loading
+    into the one tied parameter would lose."""
+    if output in state:
+        if not torch.equal(state[output], state.get(embeddings, torch.empty(0))):
+            return False
+        del state[output]
+    return True
+
+
 def import_model(directory: Path) -> Transformer:
     """Our model from an export directory (ours, or `save_pretrained` of a Llama model)."""
     config_path = directory / HF_CONFIG_FILE
@@ -273,12 +312,10 @@ def import_model(directory: Path) -> Transformer:
         raise UserError(f"{directory}: expected {HF_CONFIG_FILE} and {WEIGHTS_FILE} (a Hugging Face Llama export)")
     cfg = model_config_from_hf(read_user_json_object(config_path, "model config"), str(config_path))
     state = {name: tensor for name, tensor in read_weights(directory).items() if not _LEGACY_BUFFER.fullmatch(name)}
-    if cfg.tie_embeddings and "lm_head.weight" in state:  # a tied model saved with both names (not transformers)
-        if not torch.equal(state["lm_head.weight"], state.get("model.embed_tokens.weight", torch.empty(0))):
-            raise UserError(f"{directory}: {HF_CONFIG_FILE} ties the embeddings (tie_word_embeddings true), but the "
-                            "weights hold an lm_head.weight that differs from model.embed_tokens.weight; set "
-                            "tie_word_embeddings to false to keep both")
-        del state["lm_head.weight"]
+    if cfg.tie_embeddings and not drop_tied_copy(state, "model.embed_tokens.weight", "lm_head.weight"):
+        raise UserError(f"{directory}: {HF_CONFIG_FILE} ties the embeddings (tie_word_embeddings true), but the "
+                        "weights hold an lm_head.weight that differs from model.embed_tokens.weight; set "
+                        "tie_word_embeddings to false to keep both")
     layers = {name.split(".")[2] for name in state if name.startswith("model.layers.")}
     if len(layers) != cfg.n_layers:  # checked first: building a model of a hostile layer count would never end
         raise UserError(f"{directory}: weights do not match {HF_CONFIG_FILE} ({len(layers)} layers in the weights, "

@@ -17,7 +17,7 @@ from llm import rundir
 from llm.config import ModelConfig, RunConfig, build_config, settable_key
 from llm.data.prepare import RANDOM_TOKENS_HASH
 from llm.errors import UserError
-from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, import_model, weight_files
+from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, drop_tied_copy, import_model, weight_files
 from llm.model import Transformer
 from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, load_adapters, merge
@@ -26,13 +26,34 @@ from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.checkpoint import is_partitioned, restricted_unpickling
 from llm.train.run_record import last_record
 
+READ_ATTEMPTS = 5
+"""How many times `consolidated_weights` chooses the newest checkpoint again when a training saving meanwhile pruned
+the one it chose before it was read."""
+
 
 def consolidated_weights(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
     """Full fp32 model weights of a checkpoint of any ZeRO stage and world size, on the CPU: `tag`, or the newest
-    complete checkpoint (`rundir.usable_tag`). No file is unpickled beyond tensors and plain values."""
-    tag = tag or rundir.usable_tag(run_dir)
-    if tag is None:
-        raise UserError(f"{run_dir}: no checkpoint found (expected {rundir.checkpoint_dir(run_dir) / rundir.LATEST})")
+    complete checkpoint (`rundir.usable_tag`) at the moment it is read: one that a training still saving into the
+    run prunes (train.keep_checkpoints) before it is read is replaced by the newest then, `READ_ATTEMPTS` times at
+    most. No file is unpickled beyond tensors and plain values."""
+    if tag is not None:
+        return _checkpoint_weights(run_dir, tag)
+    for _ in range(READ_ATTEMPTS):
+        tag = rundir.usable_tag(run_dir)
+        if tag is None:
+            raise UserError(f"{run_dir}: no checkpoint found (expected "
+                            f"{rundir.checkpoint_dir(run_dir) / rundir.LATEST})")
+        try:
+            return _checkpoint_weights(run_dir, tag)
+        except (FileNotFoundError, UserError):
+            if (rundir.checkpoint_dir(run_dir) / tag).is_dir():
+                raise  # not pruned: the checkpoint's own problem
+    raise UserError(f"{run_dir}: a training is saving checkpoints faster than they can be read (the newest one was "
+                    f"pruned before it was read, {READ_ATTEMPTS} times); retry, or raise train.keep_checkpoints")
+
+
+def _checkpoint_weights(run_dir: Path, tag: str) -> dict[str, torch.Tensor]:
+    """`consolidated_weights` of checkpoint `tag`, which must be complete."""
     if (problem := rundir.incompleteness(run_dir, tag)) is not None:
         raise UserError(f"{rundir.checkpoint_dir(run_dir) / tag}: incomplete checkpoint ({problem})")
     with restricted_unpickling(rundir.checkpoint_dir(run_dir) / tag):
@@ -56,15 +77,19 @@ def load_trained_model(run_dir: Path, tag: str | None = None) -> tuple[Transform
     if cfg.lora.r:
         return merge(load_lora_model(run_dir, cfg, tag)).eval(), cfg
     model = Transformer(cfg.model)
+    state = consolidated_weights(run_dir, tag)
+    mismatch = f"{run_dir}: checkpoint does not match {rundir.CONFIG_FILE}"
+    if cfg.model.tie_embeddings and not drop_tied_copy(state, "tok_embeddings.weight", "output.weight"):
+        raise UserError(f"{mismatch} (model.tie_embeddings is true, but the checkpoint holds an output.weight that "
+                        "differs from tok_embeddings.weight: it was trained untied)")
     try:
-        missing, unexpected = model.load_state_dict(consolidated_weights(run_dir, tag), strict=False)
+        missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # shapes that differ: torch lists every one, the first is enough
         first = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc))
-        raise UserError(f"{run_dir}: checkpoint does not match {rundir.CONFIG_FILE} ({first})") from None
+        raise UserError(f"{mismatch} ({first})") from None
     tied = {"output.weight"} if cfg.model.tie_embeddings else set()
     if set(missing) - tied or unexpected:
-        raise UserError(f"{run_dir}: checkpoint does not match {rundir.CONFIG_FILE} (missing "
-                        f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})")
+        raise UserError(f"{mismatch} (missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})")
     return model.eval(), cfg
 
 

@@ -7,24 +7,34 @@ one file as DeepSpeed does); the last ones run `zerollm train` on one rank.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import io
 import json
 import os
 import random
 import re
+import resource
 import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from forked_ranks import run_job
+from test_data_prepare import _file_size_limit
 
-from conftest import FIXTURES, run_cli, train_args, zerollm_here
-from llm import rundir
+from conftest import FIXTURES, TINY, ZERO_RUN, run_cli, train_args, zerollm_here
+from llm import durable, loading, rundir
 from llm.config import build_config
 from llm.errors import UserError
-from llm.loading import consolidated_weights
+from llm.loading import consolidated_weights, load_trained_model
+from llm.model import Transformer
 from llm.train import checkpoint
 from llm.train.metrics import MetricsSink
 from llm.train.schedule import lr_multiplier
@@ -36,16 +46,24 @@ CLIENT_STATE = {"step": 0, "run_id": "abc", "world_size": 1, "stopped_by_signal"
 
 
 class FakeEngine:
-    """Saves and loads one model-state file per checkpoint with torch.save / torch.load(weights_only=False), as
-    DeepSpeed's engine does."""
+    """Saves and loads one model-state file per checkpoint through DeepSpeed's torch checkpoint engine (torch.save)
+    and torch.load(weights_only=False), as DeepSpeed's engine does."""
 
-    def __init__(self, value: float = 0.0) -> None:
-        self.state = {"module": {"w": torch.full((4,), value)}}
+    def __init__(self, value: float = 0.0, size: int = 4) -> None:
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        self.state = {"module": {"w": torch.full((size,), value)}}
         self.module = torch.nn.Module()  # no frozen parameters: everything is saved
+        self.checkpoint_engine = TorchCheckpointEngine()
+        self.checkpoint_engine.zipfile_serialization = True  # what DeepSpeed's default config gives it
 
     def save_checkpoint(self, root: str, tag: str, save_latest: bool, exclude_frozen_parameters: bool) -> None:
         Path(root, tag).mkdir(parents=True, exist_ok=True)
-        torch.save(self.state, Path(root, tag, MODEL_FILE))
+        self.checkpoint_engine.save(state_dict=self.state, path=str(Path(root, tag, MODEL_FILE)))  # DeepSpeed's call
+        self._copy_recovery_script(root)
+
+    def _copy_recovery_script(self, save_path: str) -> None:
+        """Where DeepSpeed's engine copies its zero_to_fp32.py into the checkpoints folder: nothing to copy here."""
 
     def load_checkpoint(self, root: str, tag: str, **_) -> tuple[str, dict]:
         self.state = torch.load(Path(root, tag, MODEL_FILE), weights_only=False)
@@ -96,6 +114,96 @@ def test_a_save_replaces_an_unfinished_save_of_the_same_step(one_rank_group, tmp
     _save(tmp_path, 20)
     assert rundir.incompleteness(tmp_path, "global_step20") is None
     assert not (stale / "rng_rank7.pt").exists()
+
+
+@contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """In this process, no file written grows past `limit` bytes: a write fails with EFBIG, as on a full disk (no
+    root needed to fill a file system). For a child process: test_data_prepare's `_file_size_limit`."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def _quota_exceeded_on(name: str, monkeypatch) -> None:
+    """Rank 0's durable write of `name` fails as over a disk quota."""
+    write = durable.write_text
+
+    def over_quota(path: Path, text: str) -> None:
+        if path.name == name:
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(path))
+        write(path, text)
+
+    monkeypatch.setattr(durable, "write_text", over_quota)
+
+
+FILE_SIZE_LIMIT = "a file reached the file size limit (ulimit -f)"
+
+
+@pytest.mark.parametrize("where, reason", [
+    ("DeepSpeed's file", FILE_SIZE_LIMIT),  # torch.save said "[enforce fail at inline_container.cc:672] ..."
+    (rundir.MANIFEST, "disk quota exceeded"),  # an OSError traceback
+    (rundir.LATEST, "disk quota exceeded"),
+])
+def test_a_save_that_runs_out_of_room_is_one_line_and_keeps_the_previous_checkpoint(one_rank_group, tmp_path,
+                                                                                     monkeypatch, capsys, where,
+                                                                                     reason):
+    _save(tmp_path, 1)
+    capsys.readouterr()
+    big = FakeEngine(2.0, size=100_000)
+    with file_size_limit(100_000 if where == "DeepSpeed's file" else 2**40), pytest.raises(UserError) as error:
+        if where != "DeepSpeed's file":
+            _quota_exceeded_on(where, monkeypatch)
+        checkpoint.save(big, tmp_path, 2, CLIENT_STATE | {"step": 2}, keep=1)
+    message = (f"{rundir.checkpoint_dir(tmp_path)}: {reason} while saving step 2; the previous checkpoint "
+               "(global_step1) is intact; free space and rerun with --resume auto")
+    assert str(error.value) == message and capsys.readouterr().err == f"zerollm: error: {message}\n"
+    assert sorted(p.name for p in rundir.checkpoint_dir(tmp_path).iterdir()) == ["global_step1", rundir.LATEST]
+    assert rundir.usable_tag(tmp_path) == "global_step1"
+
+
+def test_a_first_save_that_runs_out_of_room_says_none_was_saved_before(one_rank_group, tmp_path):
+    with file_size_limit(100_000), pytest.raises(UserError) as error:
+        _save(tmp_path, 1)  # the RNG file (about 5 kB) fits; DeepSpeed's (400 kB) does not
+        checkpoint.save(FakeEngine(2.0, size=100_000), tmp_path, 2, CLIENT_STATE | {"step": 2}, keep=0)
+    assert str(error.value).endswith("while saving step 2; the previous checkpoint (global_step1) is intact; free "
+                                     "space and rerun with --resume auto")
+    with file_size_limit(1000), pytest.raises(UserError) as error:
+        _save(tmp_path / "new", 1)  # the RNG file, this time
+    assert str(error.value) == (f"{rundir.checkpoint_dir(tmp_path / 'new')}: {FILE_SIZE_LIMIT} while saving step 1; "
+                                "no checkpoint was saved before; free space and rerun with --resume auto")
+    assert os.listdir(rundir.checkpoint_dir(tmp_path / "new")) == []
+
+
+def test_two_ranks_out_of_room_end_in_one_line_exit_2(zero_runs, pretrain_data, tmp_path):
+    """A full disk while saving was exit 1 after 46 lines (two ranks' tracebacks of torch.save's '[enforce fail at
+    inline_container.cc:672] . unexpected pos', which never said why); a rank whose write failed alone left the
+    other waiting in the next collective."""
+    run = tmp_path / "run"
+    shutil.copytree(zero_runs[2], run)  # global_step4; its files are 100 kB to 500 kB
+    args = train_args(pretrain_data, run, *ZERO_RUN, "train.max_steps=6", nproc=2,
+                      extra=["--zero-stage", 2, "--resume", "auto"])
+
+    result = subprocess.run([sys.executable, "-m", "llm", *map(str, args)], capture_output=True, text=True,
+                            preexec_fn=_file_size_limit(64_000), timeout=600, check=False)
+    assert (result.returncode, [line for line in result.stderr.splitlines() if "error" in line.lower()]) == (2, [
+        f"zerollm: error: {rundir.checkpoint_dir(run)}: {FILE_SIZE_LIMIT} while saving step 6; the previous "
+        "checkpoint (global_step4) is intact; free space and rerun with --resume auto"]), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert rundir.checkpoint_tags(run) == ["global_step4"] and rundir.usable_tag(run) == "global_step4"
+
+
+def test_durable_text_that_runs_out_of_room_leaves_the_old_file_and_no_temporary(tmp_path):
+    (tmp_path / "latest").write_text("global_step1")
+    with file_size_limit(10), pytest.raises(OSError) as error:
+        durable.write_text(tmp_path / "latest", "global_step1000000")
+    assert os.listdir(tmp_path) == ["latest"] and (tmp_path / "latest").read_text() == "global_step1"
+    assert durable.out_of_room(error.value) == FILE_SIZE_LIMIT
 
 
 # ---- item 2: completeness and fallback -------------------------------------------------------------------------
@@ -208,6 +316,65 @@ def test_loading_weights_never_runs_a_pickle_found_in_a_checkpoint(one_rank_grou
     with pytest.raises(UserError, match=rf"global_step1/{name} holds more than tensors .*GLOBAL posix.mkdir"):
         consolidated_weights(tmp_path)
     assert not (tmp_path / "pwned").exists()
+
+
+def _run_of(tmp_path: Path, trained_tied: bool, config_tied: bool) -> tuple[Path, Transformer]:
+    """A run directory whose checkpoint holds a model trained with tie_embeddings `trained_tied` (both of its
+    matrices, as DeepSpeed saves a tied model's) and whose config.yaml says `config_tied`; the model trained."""
+    cfg = build_config("demo", [*TINY, f"model.tie_embeddings={str(config_tied).lower()}"])
+    torch.manual_seed(0)
+    trained = Transformer(dataclasses.replace(cfg.model, tie_embeddings=trained_tied)).eval()
+    engine = FakeEngine()
+    engine.state = {"module": trained.state_dict()}
+    run = tmp_path / "run"
+    checkpoint.save(engine, run, 1, CLIENT_STATE | {"step": 1}, keep=0)
+    cfg.save(rundir.config_file(run))
+    return run, trained
+
+
+def test_a_tied_config_over_an_untied_checkpoint_is_one_line(one_rank_group, tmp_path, monkeypatch, capsys):
+    """Both matrices loaded into the one tied parameter, the output matrix last: export succeeded with logits 1.4
+    away from the trained model's."""
+    run, _ = _run_of(tmp_path, trained_tied=False, config_tied=True)
+    assert zerollm_here(monkeypatch, "export", "--run", run, "--out", tmp_path / "export") == 2
+    assert capsys.readouterr().err == (
+        f"zerollm: error: {run}: checkpoint does not match config.yaml (model.tie_embeddings is true, but the "
+        "checkpoint holds an output.weight that differs from tok_embeddings.weight: it was trained untied)\n")
+    assert not (tmp_path / "export").exists()
+
+
+def test_a_tied_checkpoint_with_both_matrices_loads_under_a_tied_config(one_rank_group, tmp_path):
+    run, trained = _run_of(tmp_path, trained_tied=True, config_tied=True)
+    tokens = torch.arange(20).reshape(1, 20)
+    with torch.no_grad():
+        assert torch.equal(load_trained_model(run)[0](tokens).logits, trained(tokens).logits)
+
+
+@pytest.mark.parametrize("pruned", ["when chosen", "while DeepSpeed is imported"])
+def test_a_checkpoint_pruned_before_it_is_read_gives_way_to_the_newest(one_rank_group, tmp_path, monkeypatch, pruned):
+    """export, generate and eval beside a training saving often (keep_checkpoints 2): the newest checkpoint was
+    chosen, then pruned while DeepSpeed was imported, and opening it was a FileNotFoundError traceback."""
+    _save(tmp_path, 1, 2)
+    saves = iter([3, 4])  # a training saves (pruning the one before) each time a checkpoint is about to be read
+
+    def training_saves_and_prunes() -> None:
+        if (step := next(saves, None)) is not None:
+            _save(tmp_path, step, keep=1)
+
+    if pruned == "when chosen":
+        choose = rundir.usable_tag
+        monkeypatch.setattr(rundir, "usable_tag", lambda run: (choose(run), training_saves_and_prunes())[0])
+    else:
+        restricted = loading.restricted_unpickling
+        monkeypatch.setattr(loading, "restricted_unpickling", lambda source: (training_saves_and_prunes(),
+                                                                             restricted(source))[1])
+    assert torch.equal(consolidated_weights(tmp_path)["w"], torch.full((4,), 4.0))  # global_step2, 3 pruned
+    saves = iter(range(5, 100))  # now as fast as it is read
+    with pytest.raises(UserError) as error:
+        consolidated_weights(tmp_path)
+    assert str(error.value) == (f"{tmp_path}: a training is saving checkpoints faster than they can be read (the "
+                                f"newest one was pruned before it was read, {loading.READ_ATTEMPTS} times); retry, or "
+                                "raise train.keep_checkpoints")
 
 
 def test_the_universal_conversion_never_runs_a_pickle_found_in_a_checkpoint(tmp_path):

@@ -8,15 +8,17 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_checkpoint import FILE_SIZE_LIMIT, file_size_limit
 
 import llm.export
 import llm.model.transformer
-from conftest import run_cli
+from conftest import FIXTURES, run_cli
 from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, export_model, import_model
@@ -57,6 +59,20 @@ def test_a_killed_export_leaves_the_previous_export_whole(tmp_path, monkeypatch)
     export_model(_model(1), None, out)  # the next export cleans up and replaces the old one
     assert torch.equal(_logits(import_model(out)), _logits(_model(1)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_an_export_that_runs_out_of_room_is_one_line_and_leaves_nothing_half_written(tmp_path):
+    """A full disk was a SafetensorError traceback."""
+    out = tmp_path / "export"
+    export_model(_model(0), None, out)
+    for kept in ("the export there is as it was", "nothing was written"):
+        with file_size_limit(10_000), pytest.raises(UserError) as error:
+            export_model(_model(1), None, out)
+        assert str(error.value) == f"--out {out}: {FILE_SIZE_LIMIT} while writing the export; {kept}"
+        assert sorted(p.name for p in tmp_path.iterdir()) == (["export"] if out.exists() else [])
+        if out.exists():
+            assert torch.equal(_logits(import_model(out)), _logits(_model(0)))
+            shutil.rmtree(out)
 
 
 def test_export_replaces_an_old_export_whole_and_refuses_other_folders(tmp_path):
@@ -196,6 +212,79 @@ def test_yarn_settings_that_ask_for_what_our_tables_do_are_taken(tmp_path):
     assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_seq_len) == ("yarn", 4.0, 64)
 
 
+def _noisy(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with weights of std 0.2, so that logits are far apart wherever RoPE differs."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0, 0.2)
+    return model.eval()
+
+
+def _hf_llama(directory: Path, config_changes: dict, **settings):
+    """A Llama saved by transformers (dim 64, 4 heads of 16, vocab 128), its config.json then edited; the model
+    transformers loads back from it."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=128, **settings)
+    _noisy(LlamaForCausalLM(config)).save_pretrained(str(directory))
+    _edit_config(directory, config_changes)
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+
+LONG_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}
+"""With rope_theta 1000 and head dim 16, beta_slow's correction dimension is 8.3: past head_dim // 2 - 1."""
+
+
+@pytest.mark.parametrize("settings, changes", [
+    ({"max_position_embeddings": 32768, "rope_theta": 1000.0, "rope_scaling": LONG_YARN}, {}),
+    # transformers takes rope_parameters' rope_theta over a top-level one, and Phi-3's top-level
+    # original_max_position_embeddings over rope_parameters' (or the default, max_position_embeddings)
+    ({"max_position_embeddings": 1024}, {"rope_theta": 500000.0}),
+    ({"max_position_embeddings": 1024}, {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4},
+                                         "original_max_position_embeddings": 16}),
+    ({"max_position_embeddings": 1024}, {"rope_parameters": {**YARN, "rope_theta": 1e4, "beta_fast": None},
+                                         "original_max_position_embeddings": 16}),
+])
+def test_an_imported_llama_gives_transformers_logits(tmp_path, settings, changes):
+    """Each of these loaded silently with logits 3.6 to 9 away from transformers' own forward."""
+    hf = _hf_llama(tmp_path, changes, **settings)
+    tokens = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        difference = (import_model(tmp_path)(tokens).logits - hf(tokens).logits).abs().max().item()
+    assert difference < 1e-3, difference  # float32 rounding of transformers' frequencies (ours are float64)
+
+
+def test_an_exported_long_context_yarn_model_gives_our_logits_in_transformers(tmp_path):
+    """Our tables clamped YaRN's ramp at head_dim // 2 - 1: such an export was 0.07 to 0.4 logits away."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = ModelConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32768,
+                      rope_theta=1000.0, rope_scaling="yarn", rope_factor=4.0, rope_original_max_seq_len=8192)
+    model = _noisy(Transformer(cfg))
+    export_model(model, None, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    tokens = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        difference = (hf(tokens).logits - model(tokens).logits).abs().max().item()
+    assert difference < 1e-3, difference
+
+
+@pytest.mark.parametrize("tokenizer", ["ours", "llama", "minimind"])
+def test_the_exported_config_has_the_bos_token_of_the_exported_tokenizer(tmp_path, tokenizer_dir, tokenizer):
+    """config.json said bos_token_id 1 (<|im_start|>) beside our tokenizer, whose bos_token is null: transformers'
+    generate without a prompt started from a turn start no tokenizer names as its bos."""
+    from transformers import AutoTokenizer
+
+    source = tokenizer_dir if tokenizer == "ours" else FIXTURES / "tokenizers" / tokenizer
+    export_model(_model(0), source, tmp_path)
+    config = json.loads((tmp_path / HF_CONFIG_FILE).read_text())
+    assert config["bos_token_id"] == AutoTokenizer.from_pretrained(str(tmp_path)).bos_token_id
+    assert config["bos_token_id"] == {"ours": None, "llama": 1, "minimind": 1}[tokenizer]
+
+
 @pytest.mark.parametrize("change, message", [
     ('{"model_type": "llama",', "config.json:1:"),
     ("[1, 2]", "the model config must be a JSON object {...}, got [1, 2]"),
@@ -213,6 +302,11 @@ def test_yarn_settings_that_ask_for_what_our_tables_do_are_taken(tmp_path):
                                                           "by 0.1 * ln(factor) + 1 = 1.13863)"),
     ({"rope_scaling": {**YARN, "mscale": 1, "mscale_all_dim": 0.5}}, "'mscale' and 'mscale_all_dim'"),
     ({"rope_scaling": {**YARN, "truncate": False}}, "'truncate' False is not supported"),
+    ({"rope_parameters": {"full_attention": YARN}}, "'rope_parameters' per layer type (a nested object) is not "
+                                                     "supported"),
+    ({"rope_scaling": {**YARN, "rope_theta": "big"}}, "rope_scaling: 'rope_theta' must be a positive number"),
+    ({"rope_scaling": YARN, "original_max_position_embeddings": 0}, "'original_max_position_embeddings' must be a "
+                                                                    "positive integer, got 0"),
     ({"partial_rotary_factor": 0.5}, "'partial_rotary_factor' other than 1"),
     ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' must be true or false"),
     ({"num_attention_heads": 3, "head_dim": None}, "model.dim (32) must be divisible by model.n_heads (3)"),

@@ -95,7 +95,12 @@ class FaultPoints:
 def _torn_torch_save(obj, f, *args, **kwargs) -> None:
     data = io.BytesIO()
     REAL_TORCH_SAVE(obj, data)
-    Path(f).write_bytes(data.getvalue()[:random.randrange(len(data.getvalue()))])
+    torn = data.getvalue()[:random.randrange(len(data.getvalue()))]
+    if hasattr(f, "write"):  # checkpoints are saved through file objects (llm.train.checkpoint)
+        f.write(torn)
+        f.flush()
+    else:
+        Path(f).write_bytes(torn)
 
 
 def _torn_text(path: Path, text: str) -> None:

@@ -120,6 +120,30 @@ def test_yarn_keeps_high_frequencies_and_stretches_low_ones():
     assert torch.allclose(cos_y[0], torch.full_like(cos_y[0], mscale))
 
 
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("theta, original", [(10.0, 65536), (10.0, 8192), (1000.0, 8192), (10000.0, 32),
+                                             (10000.0, 4096), (10000.0, 65536), (500000.0, 8192), (1e6, 32768)])
+def test_yarn_tables_equal_transformers(theta, original, head_dim):
+    """The ramp's correction range was clamped at head_dim // 2 - 1 where transformers (and YaRN's own code) clamp at
+    head_dim - 1: wherever beta_slow's correction dimension passed head_dim // 2 - 1 the tables differed (an import
+    of a theta-1000, 8192-position YaRN Llama was 3.6 logits away). The grid includes original lengths above
+    2 pi theta (the upper clamp applies) and above 201 theta^2 (the range is empty: all interpolated)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    factor, positions = 4.0, 512
+    cfg = ModelConfig(dim=head_dim * 2, n_heads=2, max_seq_len=int(original * factor), rope_theta=theta,
+                      rope_scaling="yarn", rope_factor=factor, rope_original_max_seq_len=original)
+    cos, sin = rope_tables(cfg, positions)
+    hf_config = LlamaConfig(hidden_size=head_dim * 2, num_attention_heads=2, max_position_embeddings=cfg.max_seq_len,
+                            rope_parameters={"rope_type": "yarn", "rope_theta": theta, "factor": factor,
+                                             "original_max_position_embeddings": original})
+    hf_cos, hf_sin = LlamaRotaryEmbedding(hf_config)(torch.zeros(1, 1), torch.arange(positions)[None])
+    # transformers' frequencies are float32, ours float64: their rounding, times a position up to 512
+    assert torch.allclose(cos, hf_cos[0, :, :head_dim // 2], atol=5e-5)
+    assert torch.allclose(sin, hf_sin[0, :, :head_dim // 2], atol=5e-5)
+
+
 def test_moe_routes_balances_and_trains_every_expert():
     model = _tiny(moe=True, n_experts=4, n_experts_per_token=2, n_shared_experts=1).train()
     tokens = torch.randint(0, 97, (4, 16))

@@ -2,8 +2,9 @@
 
 The tables are `cos`, `sin` of shape `[positions, head_dim // 2]`; `kernels.apply_rope` applies them.
 YaRN follows "YaRN: Efficient Context Window Extension of Large Language Models" (Peng et al., 2023)
-as Hugging Face implements it: low frequencies are interpolated by `factor`, high ones kept, a linear
-ramp between, and the tables scaled by 0.1 * ln(factor) + 1.
+as Hugging Face implements it (`_compute_yarn_parameters`, truncate true): low frequencies are interpolated by
+`factor`, high ones kept, a linear ramp between, and the tables scaled by 0.1 * ln(factor) + 1. The ramp's
+correction range is clamped to [0, head_dim - 1] (not head_dim // 2 - 1), as there and in the YaRN authors' code.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, cfg: ModelConfig) -> t
         return head_dim * math.log(wavelengths) / (2 * math.log(cfg.rope_theta))
 
     low = max(math.floor(correction_dim(cfg.yarn_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(cfg.yarn_beta_slow)), head_dim // 2 - 1)
+    high = min(math.ceil(correction_dim(cfg.yarn_beta_slow)), head_dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)

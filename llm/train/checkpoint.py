@@ -2,10 +2,13 @@
 
 A save runs in this order, so that a job killed at any instant resumes from a complete checkpoint:
 
-    every rank writes its files (DeepSpeed's, and rng_rank<R>.pt) and fsyncs them      -> barrier
+    every rank writes its files (DeepSpeed's, and rng_rank<R>.pt) and fsyncs them      -> agreement
     the ranks gather what files they see, with sizes
     rank 0: client_state.json, then manifest.json (every file with its size), then `latest`, each durably
-    rank 0: prune complete checkpoints older than the `keep` newest                     -> barrier
+    rank 0: prune complete checkpoints older than the `keep` newest                     -> agreement
+
+Each agreement is a barrier at which the ranks also learn whether any rank's writes ran out of room (a full disk, a
+quota, the file size limit): then every rank ends with one UserError, said once, and the unfinished folder is gone.
 
 A model with frozen parameters (LoRA: `llm.model.lora`) saves only its trainable ones (its adapters): model states,
 optimizer partitions and all; the frozen base comes back from --init-from when the run is loaded or resumed.
@@ -35,7 +38,7 @@ import torch.distributed as dist
 
 from llm import durable, rundir
 from llm.errors import UserError
-from llm.runtime.distributed import ensure_accelerator_env, raise_together
+from llm.runtime.distributed import ensure_accelerator_env, raise_together, refuse_together
 
 FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # read by torch on every torch.load
 DELETING_PREFIX = ".deleting-"
@@ -154,7 +157,11 @@ def save(engine, run_dir: Path, step: int, client_state: dict[str, Any], keep: i
 
     Each rank flushes every file it sees once its own are written (its own among them; flushing a file twice
     costs nothing more). The manifest lists the union of what the ranks see, each file at its largest size, so a
-    rank whose view of a shared file system lags cannot leave another rank's file out."""
+    rank whose view of a shared file system lags cannot leave another rank's file out.
+
+    A write that runs out of room (a full disk, a quota, the file size limit) on any rank ends the save on every
+    rank, after every rank's writes, with one UserError said once (`_refuse_out_of_room`): the unfinished folder is
+    removed and `latest` still names the previous checkpoint."""
     root, tag = rundir.checkpoint_dir(run_dir), rundir.tag_for(step)
     directory = root / tag
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -163,23 +170,109 @@ def save(engine, run_dir: Path, step: int, client_state: dict[str, Any], keep: i
             raise RuntimeError(f"{directory} is the published checkpoint; it is never written over")
         shutil.rmtree(directory)  # an unfinished save of this step by an earlier attempt: none of it may count
     dist.barrier()
-    with frozen_parameters_left_out(engine) as leaving_out:
-        engine.save_checkpoint(str(root), tag=tag, save_latest=False, exclude_frozen_parameters=leaving_out)
-    torch.save(rng_state(), rundir.rng_file(run_dir, tag, rank))
-    for name in _files(directory):
-        durable.fsync(directory / name)
-    dist.barrier()
+    _refuse_out_of_room(_out_of_room_in(lambda: _write_rank_files(engine, run_dir, tag, rank)), run_dir, step)
     views: list[dict[str, int] | None] = [None] * world
     dist.all_gather_object(views, _files(directory))
+    reason = None
     if rank == 0:
-        durable.write_text(directory / rundir.CLIENT_STATE, json.dumps(client_state, indent=1))
-        files = {name: max(view.get(name, 0) for view in views) for name in sorted(set().union(*views))}
-        files[rundir.CLIENT_STATE] = (directory / rundir.CLIENT_STATE).stat().st_size
-        manifest = {"step": step, "world_size": world, "files": files}
-        durable.write_text(rundir.manifest_file(run_dir, tag), json.dumps(manifest, indent=1))
-        durable.write_text(root / rundir.LATEST, tag)
-        prune(run_dir, keep)
-    dist.barrier()
+        reason = _out_of_room_in(lambda: _publish(run_dir, tag, step, world, views, client_state, keep))
+    _refuse_out_of_room(reason, run_dir, step)
+
+
+def _write_rank_files(engine, run_dir: Path, tag: str, rank: int) -> None:
+    """This rank's files of checkpoint `tag` (DeepSpeed's and its RNG file), flushed to the disk. A DeepSpeed write
+    that ran out of room is raised once DeepSpeed's save is over (`_writes_held_at_first_failure`)."""
+    directory = rundir.checkpoint_dir(run_dir) / tag
+    with frozen_parameters_left_out(engine) as leaving_out, _writes_held_at_first_failure(engine) as failures:
+        engine.save_checkpoint(str(directory.parent), tag=tag, save_latest=False,
+                               exclude_frozen_parameters=leaving_out)
+    if failures:
+        raise failures[0]
+    with open(rundir.rng_file(run_dir, tag, rank), "wb") as f:  # a file object: torch.save keeps a write's errno
+        torch.save(rng_state(), f)
+    for name in _files(directory):
+        durable.fsync(directory / name)
+
+
+def _publish(run_dir: Path, tag: str, step: int, world: int, views: list[dict[str, int]],
+             client_state: dict[str, Any], keep: int) -> None:
+    """Rank 0: client_state.json, the manifest of every file the ranks see, `latest`, then prune."""
+    directory = rundir.checkpoint_dir(run_dir) / tag
+    durable.write_text(directory / rundir.CLIENT_STATE, json.dumps(client_state, indent=1))
+    files = {name: max(view.get(name, 0) for view in views) for name in sorted(set().union(*views))}
+    files[rundir.CLIENT_STATE] = (directory / rundir.CLIENT_STATE).stat().st_size
+    manifest = {"step": step, "world_size": world, "files": files}
+    durable.write_text(rundir.manifest_file(run_dir, tag), json.dumps(manifest, indent=1))
+    durable.write_text(rundir.checkpoint_dir(run_dir) / rundir.LATEST, tag)
+    prune(run_dir, keep)
+
+
+def _out_of_room_in(write: Callable[[], None]) -> str | None:
+    """Run `write`; why it ran out of room (`durable.out_of_room`), None when it did not. Any other failure is
+    raised."""
+    try:
+        write()
+    except Exception as exc:  # noqa: BLE001 - re-raised unless a write ran out of room
+        reason = durable.out_of_room(exc)
+        if reason is None:
+            raise
+        return reason
+    return None
+
+
+def _refuse_out_of_room(reason: str | None, run_dir: Path, step: int) -> None:
+    """Every rank (a collective, in place of a barrier) raises one UserError, said by rank 0, when any rank's writes
+    of step `step` ran out of room (`reason`), after rank 0 removed the unfinished checkpoint folder."""
+    problem = None
+    if reason is not None:
+        latest = rundir.latest_tag(run_dir)
+        before = f"the previous checkpoint ({latest}) is intact" if latest else "no checkpoint was saved before"
+        problem = (f"{rundir.checkpoint_dir(run_dir)}: {reason} while saving step {step}; {before}; free space and "
+                   "rerun with --resume auto")
+    try:
+        refuse_together(problem, announce=dist.get_rank() == 0)
+    except UserError:
+        if dist.get_rank() == 0:
+            shutil.rmtree(rundir.checkpoint_dir(run_dir) / rundir.tag_for(step), ignore_errors=True)
+        raise
+
+
+@contextmanager
+def _writes_held_at_first_failure(engine) -> Iterator[list[Exception]]:
+    """Inside, DeepSpeed writes each checkpoint file of its torch engine through a file object (torch.save given a
+    path says only '[enforce fail at inline_container.cc:672] . unexpected pos', not why), and the first write that
+    runs out of room is recorded in the yielded list instead of raised, with no file written after it: DeepSpeed
+    goes on through its collectives, so a rank whose disk is full leaves no other rank waiting in one."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (  # noqa: PLC0415 - after the accelerator
+        TorchCheckpointEngine,
+    )
+
+    failures: list[Exception] = []
+    writer, save_file, copy_scripts = engine.checkpoint_engine, engine.checkpoint_engine.save, \
+        engine._copy_recovery_script
+
+    def through_a_file(state_dict, path: str) -> None:  # the names DeepSpeed calls it with
+        with open(path, "wb") as f:
+            save_file(state_dict, f)
+
+    def held(write):
+        def unless_failed(*args, **kwargs) -> None:
+            if failures:
+                return
+            try:
+                write(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - re-raised unless it ran out of room
+                if durable.out_of_room(exc) is None:
+                    raise
+                failures.append(exc)
+        return unless_failed
+
+    writer.save = held(through_a_file if isinstance(writer, TorchCheckpointEngine) else save_file)
+    engine._copy_recovery_script = held(copy_scripts)
+    try:
+        yield failures
+    finally:
+        del writer.save, engine._copy_recovery_script  # the classes' methods again
 
 
 def prune(run_dir: Path, keep: int) -> None:
