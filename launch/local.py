@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -25,6 +26,9 @@ from llm.errors import EXIT_RANK_LOST, report
 from llm.runtime.rank_env import RANK_VARIABLES, free_port
 from llm.runtime.supervisor import supervisor_env
 
+COMMAND_VARIABLE = "ZEROLLM_COMMAND"
+"""The command as the user typed it (with --nproc), given to the ranks for their run record
+(`llm.train.run_record`)."""
 GRACE_S = 30.0
 """How long the other ranks get to end by themselves after one failed, before they are killed."""
 POLL_S = 0.05
@@ -123,5 +127,7 @@ def relaunch_local(nproc: int, argv: list[str]) -> int:
     rank chooses its own accelerator (`llm.runtime.distributed.ensure_accelerator_env`, knowing the job's size,
     and making again a choice this process made for itself), so this process does not need torch."""
     command = [sys.executable, "-u", "-m", "llm", *strip_option(argv, "--nproc")]
-    ranks = [subprocess.Popen(command, env=env) for env in rank_environments(nproc, free_port())]
+    typed = shlex.join(["zerollm", *argv])
+    ranks = [subprocess.Popen(command, env={**env, COMMAND_VARIABLE: typed})
+             for env in rank_environments(nproc, free_port())]
     return wait_for_ranks(ranks)

@@ -11,34 +11,42 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import warnings
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
 from llm import rundir
 from llm.errors import UserError
+from llm.jsonl import jsonl_lines
 
 PANELS = (("loss", "training loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),
           ("tokens_per_sec", "throughput (tokens/s)"))
 X_AXES = (("step", "step"), ("tokens", "tokens seen"))
 PANEL_SIZE = (6.0, 3.2)
-"""Inches per panel (width, height); at 100 dpi a 2 x 4 grid is 1200 x 1280 pixels."""
+"""Inches per panel (width, height); at 100 dpi a 2 x 4 grid is 1200 x 1280 pixels, with the legend below it."""
+LEGEND_COLUMNS = 3
+LEGEND_ROW_HEIGHT = 0.3
+"""Inches per row of the legend, which lies below the panels (`LEGEND_COLUMNS` runs a row)."""
+LINE_STYLES = ("-", "--", ":", "-.")
+"""After every colour of matplotlib's cycle is used, the next runs take the next line style."""
 
 
 @dataclass
 class RunSeries:
     name: str
-    rows: list[dict]
+    columns: dict[str, tuple[array, array]]
+    """Per drawn key (`PANELS`): the steps and values of the rows holding a finite number as that key."""
     tokens_per_step: int
 
     def points(self, key: str, x: str) -> tuple[list[float], list[float]]:
         """(x values, `key` values) of the rows holding a finite number as `key` (a string, a list or true is not
         drawn: matplotlib would draw strings as categories in the order they come)."""
-        rows = [r for r in self.rows if rundir.is_number(r.get(key))]
-        xs = [r["step"] * (self.tokens_per_step if x == "tokens" else 1) for r in rows]
-        return xs, [r[key] for r in rows]
+        steps, values = self.columns[key]
+        return [step * (self.tokens_per_step if x == "tokens" else 1) for step in steps], list(values)
 
 
 def _tokens_per_step(run_dir: Path) -> int:
@@ -56,23 +64,46 @@ def _tokens_per_step(run_dir: Path) -> int:
     return batch * seq_len
 
 
-def read_run(run_dir: Path) -> RunSeries:
+def read_run(run_dir: Path, name: str | None = None) -> RunSeries:
+    """The drawn columns of a run's metrics.jsonl, read a line at a time (a long run's file need not fit in memory
+    as rows); `name` labels it (default: the folder's name)."""
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: " + ("no such directory" if not run_dir.exists() else
+                                          "not a directory; give a run directory made by `zerollm train`"))
     metrics = run_dir / rundir.METRICS_FILE
     if not metrics.is_file():
         raise UserError(f"{run_dir}: no {rundir.METRICS_FILE}; is this a run directory made by `zerollm train`?")
-    rows = []
-    for number, line in enumerate(metrics.read_text().splitlines(), start=1):
-        try:
-            row = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:
-            row = None
-        if isinstance(row, dict) and rundir.is_count(row.get("step")):
-            rows.append(row)
-        elif line.strip():  # e.g. the last line, torn by a killed run (training drops it the same way)
-            print(f"zerollm: note: {metrics}:{number}: skipped a line that is not a metrics row", file=sys.stderr)
+    columns = {key: (array("q"), array("d")) for key, _ in PANELS}
+    rows = 0
+    for line in jsonl_lines(metrics):
+        row = line.value
+        if not (isinstance(row, dict) and rundir.is_count(row.get("step"))):
+            # e.g. the last line, torn by a killed run (training drops it the same way)
+            print(f"zerollm: note: {metrics}:{line.number}: skipped a line that is not a metrics row", file=sys.stderr)
+            continue
+        rows += 1
+        for key, (steps, values) in columns.items():
+            if rundir.is_number(row.get(key)):
+                steps.append(row["step"])
+                values.append(row[key])
     if not rows:
         raise UserError(f"{metrics}: no logged steps yet")
-    return RunSeries(run_dir.resolve().name, rows, _tokens_per_step(run_dir))
+    return RunSeries(name or run_dir.resolve().name, columns, _tokens_per_step(run_dir))
+
+
+def run_labels(run_dirs: list[Path]) -> list[str]:
+    """Each run's shortest path suffix that no other run's path ends with (runs/a/run and runs/b/run: a/run and
+    b/run), so that runs in folders of the same name get distinct labels."""
+    paths = [d.resolve().parts for d in run_dirs]
+
+    def label(parts: tuple[str, ...]) -> str:
+        others = [other for other in paths if other != parts]  # a run given twice is labelled alike
+        for n in range(1, len(parts)):
+            if all(other[-n:] != parts[-n:] for other in others):
+                return "/".join(parts[-n:])
+        return str(Path(*parts))  # /run beside /x/run
+
+    return [label(parts) for parts in paths]
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
@@ -88,33 +119,47 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     out = Path(out)
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; give a file such as {out / 'runs.png'}")
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if not out.suffix and out.name[1:].lower() in formats:  # ".png" is a hidden file without a suffix to Python
+        raise UserError(f"--out {out} is a suffix without a file name; give a file such as "
+                        f"{out.with_name('runs' + out.name)}")
     out = out if out.suffix else out.with_suffix(".png")  # what matplotlib would write
     nearest = next(folder for folder in out.parents if folder.exists())  # "." at the latest
     if not nearest.is_dir():
         raise UserError(f"--out {out}: cannot write it ({nearest} is a file, not a directory)")
-    formats = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
     if out.suffix[1:].lower() not in formats:
         raise UserError(f"--out {out}: matplotlib cannot write .{out.suffix[1:]} pictures; give a file ending in "
                         f"{', '.join('.' + f for f in sorted(formats))}")
-    runs = [read_run(Path(d)) for d in run_dirs]
-    fig, axes = plt.subplots(len(PANELS), len(X_AXES), squeeze=False,
-                             figsize=(PANEL_SIZE[0] * len(X_AXES), PANEL_SIZE[1] * len(PANELS)))
+    runs = [read_run(Path(d), name) for d, name in zip(run_dirs, run_labels([Path(d) for d in run_dirs]))]
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    legend_height = LEGEND_ROW_HEIGHT * (math.ceil(len(runs) / LEGEND_COLUMNS) + 1)
+    height = PANEL_SIZE[1] * len(PANELS) + legend_height
+    fig, axes = plt.subplots(len(PANELS), len(X_AXES), squeeze=False, figsize=(PANEL_SIZE[0] * len(X_AXES), height))
     for row, (key, title) in enumerate(PANELS):
         for column, (x, x_label) in enumerate(X_AXES):
             ax = axes[row][column]
-            for run in runs:
+            drawn = False
+            for i, run in enumerate(runs):
                 xs, ys = run.points(key, x)
-                ax.plot(xs, ys, marker="o" if key == "val_loss" or len(xs) == 1 else None, markersize=3, label=run.name)
+                drawn = drawn or bool(xs)
+                ax.plot(xs, ys, marker="o" if key == "val_loss" or len(xs) == 1 else None, markersize=3,
+                        label=run.name, color=colours[i % len(colours)],
+                        linestyle=LINE_STYLES[i // len(colours) % len(LINE_STYLES)])
+            if not drawn:  # rather than an empty frame with axes from -0.04 to 0.04
+                ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="grey")
+                ax.set_xticks([])
+                ax.set_yticks([])
             ax.set_title(f"{title} by {x_label}")
             ax.set_xlabel(x_label)
             ax.grid(alpha=0.3)
-    axes[0][0].legend()
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncols=min(len(runs), LEGEND_COLUMNS),
+               frameon=False)
     partial = out.with_name(f".{out.name}.{os.getpid()}.partial")  # renamed over `out` once whole
     try:
         with warnings.catch_warnings():  # numpy's overflow warnings on such values: the error below says it
             warnings.simplefilter("ignore", RuntimeWarning)
-            fig.tight_layout()
+            fig.tight_layout(rect=(0, legend_height / height, 1, 1))  # the legend below every panel
             out.parent.mkdir(parents=True, exist_ok=True)
             fig.savefig(partial, dpi=100, format=out.suffix[1:].lower())
         os.replace(partial, out)

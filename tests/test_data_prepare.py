@@ -387,6 +387,28 @@ def test_preparing_again_replaces_the_whole_earlier_output(tokenizer_dir, other_
         Tokenizer.load(tokenizer_dir).hash
 
 
+def test_the_tokens_carry_a_digest_of_all_their_content(tokenizer_dir, corpus, tmp_path, monkeypatch, capsys):
+    """Runs identified data by its size and first and last MiB, blind to a change between them; the digest is now
+    of all of it, made as the file is written. A file prepared before (no digest stored) is read whole for it, with
+    a note where that takes a while, and gets the same digest."""
+    from llm.data import prepare as prepare_module
+
+    _quiet("pretrain", [corpus], tokenizer_dir, tmp_path / "a")
+    corpus.write_text(corpus.read_text().replace("number 15,", "number 51,"))
+    _quiet("pretrain", [corpus], tokenizer_dir, tmp_path / "b")
+    digests = [prepare_module.tokens_digest(tmp_path / name / "tokens.h5") for name in ("a", "b")]
+    assert digests[0] != digests[1] and all(len(d) == 16 for d in digests)
+    path = tmp_path / "a" / "tokens.h5"
+    with h5py.File(path, "a") as h5:
+        assert h5.attrs["content_digest"] == digests[0]
+        del h5.attrs["content_digest"]  # as an earlier version wrote it
+    monkeypatch.setattr(prepare_module, "NOTED_DIGEST_BYTES", 0)
+    assert prepare_module.tokens_digest(path) == digests[0]
+    assert capsys.readouterr().err == (f"zerollm: note: {path} was prepared by an earlier version, which stored no "
+                                       "digest of it: reading all 0.0 GiB of it to compute one (`zerollm data "
+                                       "prepare` again stores one)\n")
+
+
 def test_a_second_prepare_into_a_locked_out_is_refused(tokenizer_dir, corpus, tmp_path):
     out = tmp_path / "out"
     with OutputDir(out, OUTPUT_NAMES) as first:

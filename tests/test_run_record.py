@@ -3,29 +3,33 @@ config; samples at each evaluation under ZeRO-3 on two ranks; a resume on change
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 
 import h5py
+import numpy as np
 import pytest
 import torch
 from forked_ranks import run_job
 from test_train import _wandb_records
 
 from conftest import FIXTURES, REPO, run_cli, train_args
+from llm.data.prepare import STREAMS, TOKENS_FILE, SplitWriter, write_attrs
+from llm.errors import UserError
 from llm.runtime.cpu_threads import cpu_threads_per_rank
 from llm.runtime.fingerprint import code_version, file_digest
 
 PROMPTS = 'train.sample_prompts=["Hello", "你好"]'
+ZERO3_ARGS = ["train.max_steps=2", "train.eval_every=1", "train.precision=fp32", PROMPTS, "train.sample_tokens=6"]
 
 
 @pytest.fixture(scope="module")
 def zero3_run(pretrain_data, tmp_path_factory):
-    """Started as a user starts it (not with forked ranks): the record names the ranks' command line."""
+    """Started as a user starts it (not with forked ranks): the record names the command as typed."""
     out = tmp_path_factory.mktemp("zero3_record")
-    result = run_cli(*train_args(pretrain_data, out, "train.max_steps=2", "train.eval_every=1", "train.precision=fp32",
-                                 PROMPTS, "train.sample_tokens=6", nproc=2,
-                                 extra=["--zero-stage", 3, "--wandb", "offline"]))
+    result = run_cli(*train_args(pretrain_data, out, *ZERO3_ARGS, nproc=2, extra=["--zero-stage", 3, "--wandb",
+                                                                                  "offline"]))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
@@ -36,8 +40,8 @@ def _records(run):
 
 def test_the_run_record_names_command_code_versions_ranks_and_data(zero3_run, pretrain_data):
     (record,) = _records(zero3_run)
-    assert record["command"].startswith("zerollm train pretrain --recipe demo")
-    assert "--zero-stage 3" in record["command"]
+    typed = train_args(pretrain_data, zero3_run, *ZERO3_ARGS, nproc=2, extra=["--zero-stage", 3, "--wandb", "offline"])
+    assert record["command"] == shlex.join(["zerollm", *map(str, typed)])  # --nproc 2 was missing
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert record["code"]["git"]["commit"] == head and record["code"]["digest"] == code_version()
     assert record["versions"]["torch"] == torch.__version__ and "deepspeed" in record["versions"]
@@ -47,8 +51,31 @@ def test_the_run_record_names_command_code_versions_ranks_and_data(zero3_run, pr
     assert [r["cpu_threads"] for r in record["ranks"]] == [cpu_threads_per_rank(2, os.environ)] * 2
     with h5py.File(pretrain_data / "tokens.h5") as h5:
         tokens = {split: h5[split]["tokens"].shape[0] for split in ("train", "val")}
-    assert record["data"]["digest"] == file_digest(pretrain_data / "tokens.h5") and record["data"]["tokens"] == tokens
+    from llm.data.prepare import tokens_digest
+
+    assert record["data"]["digest"] == tokens_digest(pretrain_data / "tokens.h5") and record["data"]["tokens"] == tokens
+    assert record["data"]["digest_method"] == "whole"
     assert record["resumed_from"] is None
+
+
+def test_an_untracked_module_makes_the_checkout_dirty(tmp_path):
+    """git status was asked with --untracked-files=no: a new .py file under the package left `dirty` false."""
+    from llm.train.run_record import git_state
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / ".gitignore").write_text("runs/\n")
+    git("add", ".gitignore")
+    git("commit", "-qm", "start")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "metrics.jsonl").write_text("{}\n")
+    assert git_state(tmp_path)["dirty"] is False  # an ignored file is not a change
+    (tmp_path / "llm").mkdir()
+    (tmp_path / "llm" / "new_module.py").write_text("x = 1\n")
+    assert git_state(tmp_path)["dirty"] is True
 
 
 def test_the_code_digest_covers_the_package_source():
@@ -99,15 +126,83 @@ def test_resuming_on_changed_data_is_refused_naming_the_difference(zero3_run, pr
 def test_a_grpo_run_recorded_with_the_whole_file_tokenizer_hash_resumes(tmp_path):
     """A GRPO run's input hash is its tokenizer's; runs made before the hash left out the post-processor recorded the
     whole file's hash, and resuming them was refused as changed data."""
-    from llm.errors import UserError
     from llm.tokenizer import Tokenizer
-    from llm.train.run_record import check_same_data, write_run_record
+    from llm.train.run_record import check_same_data, prompts_summary, write_run_record
 
     llama = Tokenizer.load(FIXTURES / "tokenizers" / "llama")  # a real post-processor: the two hashes differ
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
-    data = {"path": str(prompts), "digest": file_digest(prompts), "tokens": {}}
+    data = {"path": str(prompts), "digest": file_digest(prompts), "tokens": {}}  # as runs recorded it then
     write_run_record(tmp_path, {"data": {**data, "tokenizer_hash": llama.legacy_hash}})
-    check_same_data(tmp_path, {**data, "tokenizer_hash": llama.hash}, llama.legacy_hash)
+    now = prompts_summary([prompts], {"tokenizer_hash": llama.hash})
+    check_same_data(tmp_path, now, [prompts], llama.legacy_hash)
     with pytest.raises(UserError, match=f"tokenizer {llama.legacy_hash} then, {llama.hash} now"):
-        check_same_data(tmp_path, {**data, "tokenizer_hash": llama.hash})
+        check_same_data(tmp_path, now, [prompts])
+
+
+def _tokens_h5(folder, middle_token):
+    """A tokens.h5 of 2 x 1.5 M tokens (more than the two MiB a sampled digest reads), written as `data prepare`
+    writes it, whose one token in the middle of the train split is `middle_token`."""
+    folder.mkdir()
+    tokens = np.arange(3_000_000, dtype=np.uint16) % 500
+    tokens[1_500_000] = middle_token
+    with h5py.File(folder / TOKENS_FILE, "w") as h5:
+        for split, part in (("train", tokens), ("val", tokens[:100])):
+            writer = SplitWriter(h5.create_group(split), STREAMS["pretrain"], np.uint16)
+            writer.append({"tokens": part})
+            writer.close()
+        write_attrs(h5, "pretrain", "tok", 512, None)
+    return folder
+
+
+@pytest.fixture
+def edited_data(tmp_path):
+    """The same data, and the same with one token in the middle changed (same size, same first and last MiB)."""
+    return _tokens_h5(tmp_path / "data", 7), _tokens_h5(tmp_path / "edited", 8)
+
+
+def test_resuming_on_data_edited_between_its_first_and_last_mib_is_refused(edited_data, tmp_path):
+    """The digest was the size and the first and last MiB: a resume on such data went on, and ranks holding either
+    copy agreed."""
+    from llm.train.run_record import check_same_data, data_summary, write_run_record
+
+    original, edited = edited_data
+    run = tmp_path / "run"
+    run.mkdir()
+    write_run_record(run, {"data": data_summary(original, {"tokenizer_hash": "tok"})})
+    check_same_data(run, data_summary(original, {"tokenizer_hash": "tok"}), [original / TOKENS_FILE])
+    now = data_summary(edited, {"tokenizer_hash": "tok"})
+    with pytest.raises(UserError, match=r"not the data .* was trained on .*: tokens.h5 digest \w+ then, \w+ now\. "):
+        check_same_data(run, now, [edited / TOKENS_FILE])
+
+
+def test_a_record_with_the_sampled_digest_of_earlier_versions_compares_like_with_like(edited_data, tmp_path):
+    """A run recorded before `digest_method` holds the sampled digest: its own data still resumes it, and other data
+    is still refused (what that digest can see)."""
+    from llm.train.run_record import check_same_data, data_summary, write_run_record
+
+    original, _ = edited_data
+    run = tmp_path / "run"
+    run.mkdir()
+    old = {"path": str(original), "digest": file_digest(original / TOKENS_FILE), "tokenizer_hash": "tok",
+           "tokens": {"train": 3_000_000, "val": 100}}
+    write_run_record(run, {"data": old})
+    check_same_data(run, data_summary(original, {"tokenizer_hash": "tok"}), [original / TOKENS_FILE])
+    write_run_record(run, {"data": {**old, "digest": "0123456789abcdef"}})
+    with pytest.raises(UserError, match=f"tokens.h5 digest 0123456789abcdef then, {old['digest']} now"):
+        check_same_data(run, data_summary(original, {"tokenizer_hash": "tok"}), [original / TOKENS_FILE])
+
+
+def test_a_run_recorded_by_the_previous_version_resumes_on_its_data(pretrain_data, tmp_path):
+    """Its record holds the sampled digest and no digest_method; the resume compares it with the same kind."""
+    run = tmp_path / "run"
+    first = run_cli(*train_args(pretrain_data, run, "train.max_steps=1", "train.save_every=1"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    (record,) = _records(run)
+    del record["data"]["digest_method"]
+    record["data"]["digest"] = file_digest(pretrain_data / TOKENS_FILE)
+    (run / "run_record.jsonl").write_text(json.dumps(record) + "\n")
+    resumed = run_cli(*train_args(pretrain_data, run, "train.max_steps=2", extra=["--resume", "auto"]))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed at step 1" in resumed.stdout
+    assert [r["data"].get("digest_method") for r in _records(run)] == [None, "whole"]

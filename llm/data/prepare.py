@@ -2,7 +2,8 @@
 
 Output directory layout:
     tokens.h5     one group per split ('train', 'val'); root attributes record the schema version,
-                  kind, tokenizer hash, vocabulary size, special ids (and seq_len for sft/dpo).
+                  kind, tokenizer hash, vocabulary size, special ids (and seq_len for sft/dpo), and
+                  `content_digest`, a digest of everything else the file holds (function `content_digest`).
                   Token arrays are flat (uint16 when the vocabulary fits, else uint32) with int64
                   offsets (n_samples + 1) per stream:
                     pretrain  tokens + doc_offsets (end-of-text closes each document)
@@ -23,12 +24,14 @@ about `CHUNK_TOKENS` tokens.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import multiprocessing as mp
 import os
 import re
 import signal
+import sys
 from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -295,10 +298,52 @@ RANDOM_TOKENS_HASH = "random"
 """The tokenizer hash recorded for random token ids (`zerollm bench` data), which no tokenizer made."""
 
 
+DIGEST_ATTR = "content_digest"
+"""The root attribute holding `content_digest`, stored as the file is written: what a run records and its ranks
+compare to identify the data (`tokens_digest`), without reading the tokens again."""
+DIGEST_READ = 1 << 22
+"""Elements read at a time to compute a digest."""
+NOTED_DIGEST_BYTES = 1 << 30
+"""A tokens.h5 without a stored digest from this size on gets a note that it is read whole (seconds per GiB)."""
+
+
+def content_digest(h5: h5py.File) -> str:
+    """A digest of everything a tokens.h5 holds (whatever the HDF5 layout): every root attribute but DIGEST_ATTR,
+    then every array (name, dtype, shape and values, in name order), read DIGEST_READ elements at a time."""
+    digest = hashlib.sha256()
+
+    def add(name: str, value: np.ndarray | h5py.Dataset) -> None:
+        digest.update(f"\0{name}\0{value.dtype.str}\0{value.shape}\0".encode())
+        for start in range(0, len(value) if value.shape else 1, DIGEST_READ):
+            digest.update(np.ascontiguousarray(value[start:start + DIGEST_READ] if value.shape else value).data)
+
+    for name in sorted(h5.attrs):
+        if name != DIGEST_ATTR:
+            add(name, np.asarray(h5.attrs[name]))
+    h5.visititems(lambda name, node: add(name, node) if isinstance(node, h5py.Dataset) else None)
+    return digest.hexdigest()[:16]
+
+
+def tokens_digest(path: Path) -> str:
+    """The content digest of a tokens.h5: the one `data prepare` stored in it or, for a file prepared before it
+    stored one, computed by reading the whole file (said in a note for a large file)."""
+    with h5py.File(path, "r") as h5:
+        stored = h5.attrs.get(DIGEST_ATTR)
+        if stored is not None:
+            return str(stored)
+        size = path.stat().st_size
+        if size >= NOTED_DIGEST_BYTES:
+            print(f"zerollm: note: {path} was prepared by an earlier version, which stored no digest of it: reading "
+                  f"all {size / 2**30:.1f} GiB of it to compute one (`zerollm data prepare` again stores one)",
+                  file=sys.stderr, flush=True)
+        return content_digest(h5)
+
+
 def write_attrs(h5: h5py.File, kind: str, tokenizer_hash: str, vocab_size: int, special: Tokenizer | None,
                 **extra) -> None:
     """Root attributes that let training refuse mismatched data: schema, kind, the tokenizer's hash and size, and
-    its special ids by role (from `special`; random benchmark data, which has none, pads with 3)."""
+    its special ids by role (from `special`; random benchmark data, which has none, pads with 3); then the digest of
+    the whole file (`content_digest`). Called once every array is written."""
     if special is None:
         ids, stop_ids = {"pad_id": 3}, []
     else:
@@ -307,6 +352,7 @@ def write_attrs(h5: h5py.File, kind: str, tokenizer_hash: str, vocab_size: int, 
                      "vocab_size": vocab_size,
                      **{role: -1 if ids.get(role) is None else ids[role] for role in ROLE_IDS},
                      "stop_ids": np.asarray(stop_ids, dtype=np.int64), **extra})
+    h5.attrs[DIGEST_ATTR] = content_digest(h5)
 
 
 def _chars(value: Any) -> int:

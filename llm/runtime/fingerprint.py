@@ -1,7 +1,8 @@
 """Rank agreement, checked at rendezvous before any training step.
 
 Every rank all-gathers a fingerprint: the code version, the software versions, every key of the
-resolved run config and DeepSpeed config, digests of the data files and the tokenizer hash. Nodes
+resolved run config and DeepSpeed config, the digest of its data (the run record's, `llm.train.run_record`: of
+all the data, not a sample of it) and the tokenizer hash. Nodes
 started with a different checkout, config or data would otherwise train silently on different
 things (or deadlock in mismatched collectives); here the job stops on every rank with one message
 naming the differing fields and ranks. Node-local paths (data.path, train.init_from, grpo.prompts) are not
@@ -42,13 +43,23 @@ def code_version() -> str:
 
 
 def file_digest(path: Path) -> str:
-    """Size plus the first and last MiB: cheap on multi-GB token files, different for different data."""
+    """Size plus the first and last MiB: cheap on multi-GB files, blind to a change between them (what runs
+    recorded as their data's digest before `whole_file_digest`, and what weights are identified by)."""
     size = path.stat().st_size
     digest = hashlib.sha256(str(size).encode())
     with open(path, "rb") as f:
         digest.update(f.read(_CHUNK))
         f.seek(max(0, size - _CHUNK))
         digest.update(f.read(_CHUNK))
+    return digest.hexdigest()[:16]
+
+
+def whole_file_digest(path: Path) -> str:
+    """sha256 of every byte of the file, read a MiB at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
     return digest.hexdigest()[:16]
 
 
@@ -71,11 +82,11 @@ def _flatten(prefix: str, node: Any, out: dict[str, str]) -> None:
         out[prefix] = repr(node)
 
 
-def fingerprint(config: dict, ds_config: dict, data_files: list[Path], tokenizer_hash: str) -> dict[str, str]:
+def fingerprint(config: dict, ds_config: dict, data_digest: str, tokenizer_hash: str) -> dict[str, str]:
     fields = {"code": code_version(),
               "software": f"python {platform.python_version()}, torch {torch.__version__}, "
                           f"deepspeed {importlib.metadata.version('deepspeed')}",
-              "data": ",".join(file_digest(path) for path in data_files), "tokenizer": tokenizer_hash}
+              "data": data_digest, "tokenizer": tokenizer_hash}
     _flatten("config", config, fields)
     _flatten("ds_config", ds_config, fields)
     for key in NODE_LOCAL_KEYS:

@@ -48,7 +48,7 @@ from llm.train.engine import (
     resolve_ds_config,
     resolve_precision,
 )
-from llm.train.metrics import MetricsLogger, MetricsSink, peak_memory_mb
+from llm.train.metrics import MetricsLogger, MetricsSink, check_wandb, peak_memory_mb
 from llm.train.objectives import CausalLMObjective, DistillObjective, DPOObjective, GRPOObjective
 from llm.train.rollout import Rollouts, grpo_inputs, tokenizer_dir
 from llm.train.run_lock import run_locked
@@ -92,7 +92,7 @@ def input_attrs(cfg: RunConfig) -> dict:
 
 
 def input_files(cfg: RunConfig) -> list[Path]:
-    """The files whose digests the ranks compare at rendezvous."""
+    """The files the run's data summary identifies (`data_summary`, `prompts_summary`)."""
     return expand_inputs(cfg.grpo.prompts) if cfg.train.stage == "grpo" else [Path(cfg.data.path) / TOKENS_FILE]
 
 
@@ -216,6 +216,7 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         data["base"] = weights_summary(cfg.train.init_from, "--init-from")  # (`load_lora_model`), the reference
     info = setup_distributed(cfg.train.collective_timeout_s)
     announce = info.local_rank == 0  # a refusal every rank finds is printed once per node, not once per rank
+    agreed(lambda: check_wandb(cfg.wandb.mode) if info.is_main else None, announce)  # rank 0 logs to wandb
     ds_config = agreed(lambda: _resolved_ds_config(cfg, run_dir, info, (raw_ds, ds_source), zero_stage, resume, data,
                                                    attrs), announce)
     with run_locked(run_dir, info.rank, lambda problem: refuse_together(problem, announce)) as tidy_run_dir:
@@ -270,7 +271,7 @@ def _resolved_ds_config(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_file: 
     check_tokenizer(run_dir, cfg, attrs["tokenizer_hash"])
     resuming = resume and rundir.latest_tag(run_dir) is not None
     if resuming:
-        check_same_data(run_dir, data, attrs.get("legacy_tokenizer_hash"))
+        check_same_data(run_dir, data, input_files(cfg), attrs.get("legacy_tokenizer_hash"))
         for role, option in (("teacher", "--teacher"), ("base", "--init-from")):
             if role in data:
                 check_same_weights(run_dir, role, data[role], option)
@@ -327,7 +328,7 @@ def resumed_precision(run_dir: Path, requested: str) -> str:
 def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, attrs: dict, resume: bool,
              watchdog: Watchdog | None, data: dict) -> int:
     if info.world_size > 1:
-        check_ranks_agree(fingerprint(cfg.to_dict(), ds_config, input_files(cfg), attrs["tokenizer_hash"]),
+        check_ranks_agree(fingerprint(cfg.to_dict(), ds_config, data["digest"], attrs["tokenizer_hash"]),
                           announce=info.local_rank == 0)
     tag = checkpoint.resume_tag(run_dir) if resume else None
     universal = tag is not None and convert_if_resharded(run_dir, tag, info)

@@ -26,6 +26,7 @@ from kernels.hardware import peak_tflops
 from llm import durable, rundir
 from llm.config import ModelConfig, RunConfig
 from llm.errors import UserError
+from llm.jsonl import jsonl_lines
 from llm.runtime.distributed import DistInfo
 
 
@@ -107,20 +108,60 @@ class StepStats:
 
 def _truncate_after(path: Path, step: int) -> None:
     """Drop rows of a jsonl file past the step this run starts from (logged by a killed run, or by an earlier run),
-    and lines that are not a JSON row (the last one torn by a kill mid-write), each named as file:line on stderr.
-    The file is replaced atomically, so a kill here loses nothing."""
+    and lines that are not a JSON row (the last one torn by a kill mid-write, even mid-character), each named as
+    file:line on stderr. The file is replaced atomically, so a kill here loses nothing."""
     if not path.is_file():
         return
     kept = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for line in jsonl_lines(path):
         try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line + "\n")
-        except (ValueError, KeyError, TypeError):
-            if line.strip():
-                print(f"zerollm: note: {path}:{number}: dropped a line that is not a metrics row (torn by a killed "
-                      "run)", file=sys.stderr, flush=True)
+            if line.value["step"] <= step:
+                kept.append(line.text + "\n")
+        except (KeyError, TypeError):
+            print(f"zerollm: note: {path}:{line.number}: dropped a line that is not a metrics row (torn by a killed "
+                  "run)", file=sys.stderr, flush=True)
     durable.write_text(path, "".join(kept))
+
+
+NO_WANDB_KEY = "wandb: no API key configured; run `wandb login`, set WANDB_API_KEY, or pass --wandb offline"
+
+
+def import_wandb():
+    """The wandb module, or a one-line refusal naming the remedy."""
+    try:
+        import wandb  # noqa: PLC0415 - optional dependency, imported only when asked for
+    except ImportError:
+        raise UserError("wandb is not installed; `pip install wandb` or use --wandb off") from None
+    return wandb
+
+
+def _wandb_reason(exc: Exception) -> str:
+    """The first line of a wandb error, to go in a sentence of ours."""
+    text = str(exc).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(exc).__name__
+
+
+def check_wandb(mode: str) -> None:
+    """Refuse, before the run directory is written, a wandb `mode` that cannot start: wandb not installed, or
+    `online` without an API key where wandb.init looks for one (WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE, the
+    netrc file, wandb's settings files), looked up without a network call and without asking."""
+    if mode == "off":
+        return
+    wandb = import_wandb()
+    if mode != "online":
+        return
+    try:
+        from wandb.sdk import wandb_setup  # noqa: PLC0415 - part of wandb
+        from wandb.sdk.lib import wbauth  # noqa: PLC0415
+    except ImportError:  # a wandb older than its credential helpers: the error of wandb.init says it (MetricsSink)
+        return
+    try:
+        auth = wbauth.authenticate_session(host=wandb_setup.singleton().settings.base_url, source="zerollm",
+                                           prompt=False, update_session=False)
+    except wandb.errors.AuthenticationError as exc:  # a key of the wrong form, or two kinds of credentials set
+        raise UserError(f"wandb: {_wandb_reason(exc)}; run `wandb login`, or pass --wandb offline") from None
+    if auth is None:
+        raise UserError(NO_WANDB_KEY)
 
 
 class MetricsSink:
@@ -135,12 +176,15 @@ class MetricsSink:
             _truncate_after(path, start_step)
         self.wandb_run = None
         if cfg.wandb.mode != "off":
+            wandb = import_wandb()
             try:
-                import wandb  # noqa: PLC0415 - optional dependency, imported only when asked for
-            except ImportError:
-                raise UserError("wandb is not installed; `pip install wandb` or use --wandb off") from None
-            self.wandb_run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or run_dir.name, id=run_id,
-                                        resume="allow", dir=str(run_dir), mode=cfg.wandb.mode, config=cfg.to_dict())
+                self.wandb_run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or run_dir.name,
+                                            id=run_id, resume="allow", dir=str(run_dir), mode=cfg.wandb.mode,
+                                            config=cfg.to_dict())
+            except wandb.Error as exc:  # no network (after wandb's wait), a key the server refuses, ...
+                raise UserError(f"wandb: cannot start the {cfg.wandb.mode} run ({_wandb_reason(exc)}); check the "
+                                "network and "
+                                "`wandb login`, or pass --wandb offline (and `wandb sync` its folder later)") from None
             if record is not None:
                 self.wandb_run.config.update({"run_record": record}, allow_val_change=True)
 
@@ -152,12 +196,12 @@ class MetricsSink:
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Append `rows` ({step, prompt, completion}) to samples.jsonl; wandb gets the whole table so far."""
-        with self.samples_path.open("a") as f:
+        with self.samples_path.open("a", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         if self.wandb_run is not None:
             import wandb  # noqa: PLC0415 - optional dependency, present since the run was created with it
 
-            every = [json.loads(line) for line in self.samples_path.read_text().splitlines() if line.strip()]
+            every = [line.value for line in jsonl_lines(self.samples_path)]  # whole: torn lines went at the start
             table = wandb.Table(columns=["step", "prompt", "completion"],
                                 data=[[r["step"], r["prompt"], r["completion"]] for r in every])
             self.wandb_run.log({"samples": table}, step=step)

@@ -3,13 +3,17 @@
 RUN_DIR/run_record.jsonl gets one JSON object per session (start or resume), and the wandb run's config gets the
 newest as `run_record`:
 
-    time, command      UTC start time; the command line (`zerollm ...`) and working directory
-    code               git commit and whether the checkout had uncommitted changes (when the package runs from a
-                       git checkout), and the digest of the package source (`llm.runtime.fingerprint.code_version`)
+    time, command      UTC start time; the command line as typed (`zerollm ... --nproc 2`: `launch.local` passes
+                       it to the ranks it starts) and working directory
+    code               git commit and whether the checkout had uncommitted changes or files git does not ignore
+                       (when the package runs from a git checkout), and the digest of the package source
+                       (`llm.runtime.fingerprint.code_version`)
     versions           python, torch (with its CUDA), deepspeed and the other libraries that shape the numbers
     ranks              rank, local rank, host, pid, device and CPU threads of every rank (gathered at the start)
-    data               the data directory, the digest of tokens.h5 (`llm.runtime.fingerprint.file_digest`), the
-                       tokenizer hash and the tokens of each split
+    data               the data directory, the digest of all of tokens.h5 (`llm.data.prepare.tokens_digest`) or of
+                       the GRPO prompt files, `digest_method` "whole" (a record without one holds the digest of size
+                       and first and last MiB, `llm.runtime.fingerprint.file_digest`), the tokenizer hash and the
+                       tokens of each split
     resumed_from       the checkpoint tag a resumed session started from
 
 Resuming on other data than the run was trained on is refused (`check_same_data`), naming what differs.
@@ -33,13 +37,18 @@ import h5py
 import torch
 import torch.distributed as dist
 
+from launch.local import COMMAND_VARIABLE
 from llm import rundir
-from llm.data.prepare import SPLITS, TOKENS_FILE
+from llm.data.prepare import SPLITS, TOKENS_FILE, tokens_digest
 from llm.errors import UserError
+from llm.jsonl import JsonLine, jsonl_lines
 from llm.runtime.distributed import DistInfo
-from llm.runtime.fingerprint import PACKAGE_ROOT, code_version, file_digest, same_weights
+from llm.runtime.fingerprint import PACKAGE_ROOT, code_version, file_digest, same_weights, whole_file_digest
 
 LIBRARIES = ("zerollm", "deepspeed", "numpy", "h5py", "tokenizers", "safetensors", "triton", "transformers", "wandb")
+DIGEST_METHOD = "whole"
+"""How the data digests of new records are made: from all of the data. Records without `digest_method` hold
+`sampled_digest`s, and are compared with those (`check_same_data`)."""
 
 
 def data_summary(data_dir: Path, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -49,15 +58,20 @@ def data_summary(data_dir: Path, attrs: dict[str, Any]) -> dict[str, Any]:
         tokens = {split: int(sum(h5[split][name].shape[0] for name in h5[split] if not name.endswith("offsets")
                                  and name != "loss_mask"))
                   for split in SPLITS if split in h5}
-    return {"path": str(data_dir.resolve()), "digest": file_digest(path), "tokenizer_hash": attrs["tokenizer_hash"],
-            "tokens": tokens}
+    return {"path": str(data_dir.resolve()), "digest": tokens_digest(path), "digest_method": DIGEST_METHOD,
+            "tokenizer_hash": attrs["tokenizer_hash"], "tokens": tokens}
 
 
 def prompts_summary(files: list[Path], attrs: dict[str, Any]) -> dict[str, Any]:
     """What identifies GRPO's prompt files (read raw, so no token counts): their paths and digests, the tokenizer."""
     return {"path": ",".join(str(path.resolve()) for path in files),
-            "digest": ",".join(file_digest(path) for path in files), "tokenizer_hash": attrs["tokenizer_hash"],
-            "tokens": {}}
+            "digest": ",".join(whole_file_digest(path) for path in files), "digest_method": DIGEST_METHOD,
+            "tokenizer_hash": attrs["tokenizer_hash"], "tokens": {}}
+
+
+def sampled_digest(files: list[Path]) -> str:
+    """The data digest of records made before `digest_method` (size and first and last MiB of each file)."""
+    return ",".join(file_digest(path) for path in files)
 
 
 def git_state(root: Path = PACKAGE_ROOT) -> dict[str, Any] | None:
@@ -74,7 +88,9 @@ def git_state(root: Path = PACKAGE_ROOT) -> dict[str, Any] | None:
     top = git("rev-parse", "--show-toplevel")
     if top is None or Path(top).resolve() != root.resolve():
         return None
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    # dirty: uncommitted changes, or files git does not ignore but was not told about (a new module)
+    return {"commit": git("rev-parse", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=normal"))}
 
 
 def versions() -> dict[str, str]:
@@ -101,46 +117,66 @@ def run_record(info: DistInfo, data: dict[str, Any], resumed_from: str | None) -
     else:
         ranks = [_this_rank(info)]
     return {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "command": shlex.join(["zerollm", *sys.argv[1:]]), "cwd": os.getcwd(),
+            "command": os.environ.get(COMMAND_VARIABLE) or shlex.join(["zerollm", *sys.argv[1:]]), "cwd": os.getcwd(),
             "code": {"git": git_state(), "digest": code_version()}, "versions": versions(),
             "world_size": info.world_size, "ranks": ranks, "data": data, "resumed_from": resumed_from}
 
 
+def _is_record(value: Any) -> bool:
+    return isinstance(value, dict) and isinstance(value.get("data"), dict)
+
+
+def _records(path: Path) -> tuple[list[JsonLine], JsonLine | None]:
+    """The lines of a run_record.jsonl, and apart from them its last line if a kill left it unfinished (no newline
+    after it, not a record): its session was writing its record, and trained nothing."""
+    lines = list(jsonl_lines(path)) if path.is_file() else []
+    torn = lines.pop() if lines and not lines[-1].ended and not _is_record(lines[-1].value) else None
+    return lines, torn
+
+
 def write_run_record(run_dir: Path, record: dict[str, Any]) -> None:
-    with (run_dir / rundir.RUN_RECORD_FILE).open("a") as f:
-        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    """Append `record` as a line of its own, in place of a last line a killed session left unfinished."""
+    path = run_dir / rundir.RUN_RECORD_FILE
+    lines, torn = _records(path)
+    if torn is not None:
+        print(f"zerollm: note: {path}:{torn.number}: dropped a line that is not a run record (torn by a killed run)",
+              file=sys.stderr, flush=True)
+        os.truncate(path, torn.offset)
+    unended = torn is None and bool(lines) and not lines[-1].ended  # a record a text editor left without its newline
+    with path.open("a", encoding="utf-8") as f:
+        f.write(("\n" if unended else "") + json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def last_record(run_dir: Path) -> dict[str, Any] | None:
+    """The newest session's record (a last line left unfinished by a killed session does not count); None for a run
+    without one."""
     path = run_dir / rundir.RUN_RECORD_FILE
-    if not path.is_file():
-        return None
-    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+    lines, _ = _records(path)
     if not lines:
         return None
-    number, line = lines[-1]
-    try:
-        record = json.loads(line)
-    except ValueError:
-        record = None
-    if not isinstance(record, dict) or not isinstance(record.get("data"), dict):
-        raise UserError(f"{path}:{number}: not a run record (the file is damaged); `zerollm train` writes one line per "
-                        "session: restore the file, or delete that line to resume without the checks it enables")
-    return record
+    last = lines[-1]
+    if not _is_record(last.value):
+        raise UserError(f"{path}:{last.number}: not a run record (the file is damaged); `zerollm train` writes one "
+                        "line per session: restore the file, or delete that line to resume without the checks it "
+                        "enables")
+    return last.value
 
 
-def check_same_data(run_dir: Path, data: dict[str, Any], legacy_tokenizer_hash: str | None = None) -> None:
+def check_same_data(run_dir: Path, data: dict[str, Any], files: list[Path],
+                    legacy_tokenizer_hash: str | None = None) -> None:
     """Refuse to resume `run_dir` on data other than what its newest session trained on, naming the differences.
-    `legacy_tokenizer_hash`: the whole-file hash an earlier version recorded for the same tokenizer (GRPO, whose
-    input's hash is its tokenizer's, `Tokenizer.legacy_hash`)."""
+    `data` summarizes `files` (`data_summary`, `prompts_summary`); a record made before `digest_method` is compared
+    with the `sampled_digest` of the files. `legacy_tokenizer_hash`: the whole-file hash an earlier version recorded
+    for the same tokenizer (GRPO, whose input's hash is its tokenizer's, `Tokenizer.legacy_hash`)."""
     record = last_record(run_dir)
     if record is None:
         return
     before = record["data"]
     differences = []
-    if before["digest"] != data["digest"]:
+    digest = data["digest"] if before.get("digest_method") == data["digest_method"] else sampled_digest(files)
+    if before["digest"] != digest:
         what = "tokens.h5" if data["tokens"] else "prompt files"
-        differences.append(f"{what} digest {before['digest']} then, {data['digest']} now")
+        differences.append(f"{what} digest {before['digest']} then, {digest} now")
     for split in SPLITS:
         then, now = before["tokens"].get(split), data["tokens"].get(split)
         if then != now:

@@ -1,0 +1,37 @@
+"""Reading the JSON Lines files a run appends to (metrics.jsonl, samples.jsonl, run_record.jsonl), whose last line
+a killed run may have cut anywhere, even inside a character."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+
+class JsonLine(NamedTuple):
+    number: int
+    offset: int
+    """Where the line starts in the file, in bytes."""
+    text: str
+    value: Any
+    """The line's JSON value; None where the line is not JSON (or not UTF-8)."""
+    ended: bool
+    """Whether a newline ends the line: the last line a killed run was writing has none."""
+
+
+def jsonl_lines(path: Path) -> Iterator[JsonLine]:
+    """The lines of a jsonl file that are not blank, read one at a time and decoded one by one: a line that is not
+    UTF-8 (a write cut mid-character by a kill) is not JSON, as an ASCII line cut short is not, and the others still
+    read. Only newlines end lines (U+2028 inside a JSON string, written as is, does not)."""
+    offset = 0
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            if text.strip():
+                try:
+                    value = json.loads(raw.decode("utf-8"))
+                except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+                    value = None
+                yield JsonLine(number, offset, text, value, raw.endswith(b"\n"))
+            offset += len(raw)

@@ -1,0 +1,125 @@
+"""The jsonl files a run appends to (metrics.jsonl, samples.jsonl, run_record.jsonl) after a kill cut their last
+line, even in the middle of a UTF-8 character; wandb refused in one line when it cannot start."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, train_args
+from llm import rundir
+from llm.config import build_config
+from llm.errors import UserError
+from llm.train.metrics import MetricsSink
+
+TORN = '{"step": 6, "prompt": "从'.encode()[:-1]  # cut inside the last character, as a kill mid-write leaves it
+
+
+def _config(wandb_mode="off"):
+    cfg = build_config("demo")
+    cfg.wandb.mode = wandb_mode
+    return cfg
+
+
+@pytest.mark.parametrize("name", [rundir.METRICS_FILE, rundir.SAMPLES_FILE])
+def test_a_last_line_torn_mid_character_is_dropped_and_named(tmp_path, capsys, name):
+    """Was a UnicodeDecodeError traceback on every resume."""
+    rows = [json.dumps({"step": step, "prompt": "从前有座山，\u2028", "completion": "x"}, ensure_ascii=False)
+            for step in (1, 2, 3)]  # U+2028, written as is, does not end a line
+    path = tmp_path / name
+    path.write_bytes(("\n".join(rows) + "\n").encode() + TORN)
+    MetricsSink(tmp_path, _config(), "run", start_step=2)
+    assert path.read_text(encoding="utf-8") == rows[0] + "\n" + rows[1] + "\n"
+    assert capsys.readouterr().err == (f"zerollm: note: {path}:4: dropped a line that is not a metrics row (torn by a "
+                                       "killed run)\n")
+
+
+def _record(session):
+    return {"command": f"zerollm train 实验 {session}", "data": {"digest": "d"}}
+
+
+def test_a_run_record_torn_mid_character_is_dropped_and_the_next_record_has_a_line_of_its_own(tmp_path, capsys):
+    """Was a UnicodeDecodeError traceback on every resume (an ASCII torn line: 'the file is damaged'), and the next
+    session's record would have been appended to the torn line."""
+    from llm.train.run_record import last_record, write_run_record
+
+    path = tmp_path / rundir.RUN_RECORD_FILE
+    write_run_record(tmp_path, _record(1))
+    with path.open("ab") as f:
+        f.write('{"command": "zerollm train 实'.encode()[:-1])
+    assert last_record(tmp_path) == _record(1)
+    write_run_record(tmp_path, _record(2))
+    assert capsys.readouterr().err == (f"zerollm: note: {path}:2: dropped a line that is not a run record (torn by a "
+                                       "killed run)\n")
+    assert [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] == [_record(1), _record(2)]
+    assert last_record(tmp_path) == _record(2)
+
+
+def test_a_damaged_line_that_a_newline_ends_is_still_refused(tmp_path):
+    """Only a last line without its newline was being written when a kill came; any other is damage."""
+    from llm.train.run_record import last_record
+
+    (tmp_path / rundir.RUN_RECORD_FILE).write_bytes(json.dumps(_record(1)).encode() + b"\n" + TORN + b"\n")
+    with pytest.raises(UserError, match=r"run_record.jsonl:2: not a run record \(the file is damaged\)"):
+        last_record(tmp_path)
+
+
+def test_wandb_online_without_an_api_key_is_one_line_before_anything_is_written(pretrain_data, tmp_path):
+    """Was wandb's UsageError traceback after the run directory had been written (config, tokenizer, a record of a
+    session that trained nothing); checked without the network."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_CONFIG_DIR", "NETRC")}
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "llm", *map(str, train_args(pretrain_data, out, "train.max_steps=1",
+                                                                               extra=["--wandb", "online"]))],
+                            capture_output=True, text=True, cwd=REPO, env={**env, "HOME": str(home)}, timeout=600,
+                            check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == ("zerollm: error: wandb: no API key configured; run `wandb "
+                                                     "login`, set WANDB_API_KEY, or pass --wandb offline"), \
+        result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and result.stderr.count("zerollm: error:") == 1
+    assert not out.exists() and list(home.iterdir()) == []
+
+
+def test_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
+    """No network: wandb.init raised CommError (after a 100 s wait) through the training job as a traceback."""
+    import wandb
+
+    def unreachable(**options):
+        raise wandb.errors.CommError("Run initialization has timed out after 90.0 sec.\nPlease try again.")
+
+    monkeypatch.setattr(wandb, "init", unreachable)
+    with pytest.raises(UserError) as refused:
+        MetricsSink(tmp_path, _config("online"), "run", start_step=0)
+    assert str(refused.value) == ("wandb: cannot start the online run (Run initialization has timed out after 90.0 "
+                                  "sec); check the network and `wandb login`, or pass --wandb offline (and `wandb "
+                                  "sync` its folder later)")
+
+
+def test_a_wandb_key_of_the_wrong_form_is_one_line(monkeypatch):
+    from llm.train.metrics import check_wandb
+
+    monkeypatch.setenv("WANDB_API_KEY", "short")
+    with pytest.raises(UserError) as refused:
+        check_wandb("online")
+    assert str(refused.value) == ("wandb: WANDB_API_KEY invalid: API key must have 40+ characters, has 5; run `wandb "
+                                  "login`, or pass --wandb offline")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    check_wandb("online")
+
+
+def test_a_wandb_without_its_credential_helpers_leaves_the_key_to_wandb_init(monkeypatch):
+    """Older wandb releases (pyproject allows 0.18) have no wandb.sdk.lib.wbauth: no check, no traceback."""
+    import wandb.sdk.lib
+
+    from llm.train.metrics import check_wandb
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setitem(sys.modules, "wandb.sdk.lib.wbauth", None)
+    monkeypatch.delattr(wandb.sdk.lib, "wbauth")
+    check_wandb("online")
