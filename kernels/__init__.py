@@ -8,8 +8,9 @@ Every function here takes `backend`:
   interpreter only in a process started with TRITON_INTERPRET=1 (what the tests ask for; see
   `kernels.runtime`), and raises KernelUnavailableError otherwise;
 - "auto" (the one definition): on a CUDA device, the Triton kernel when (op, compute capability) is in
-  `VERIFIED` (and, for attention, the head dim is one the kernel takes), else the torch path; on the CPU the
-  torch path. `auto` never selects the interpreter.
+  `VERIFIED` (and, for attention, the head dim is one the kernel takes), else the torch path; on the CPU and on
+  devices below compute capability 8.0 (`runtime.MIN_CAPABILITY`), where backend 'triton' is refused, the torch
+  path. `auto` never selects the interpreter.
 
 `VERIFIED` lists the (op, capability) pairs whose compiled kernels passed tests/test_kernels_gpu.py on a
 device of that capability. It is empty: no GPU run has happened yet. After the GPU tests pass on, e.g.,
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference, torch_attention
-from kernels.runtime import KernelUnavailableError, interpreting, triton_module_for
+from kernels.runtime import KernelUnavailableError, interpreting, triton_module_for, triton_runs_on
 from kernels.segments import check_segment_ids
 
 BACKENDS = ("auto", "triton", "torch")
@@ -36,7 +37,8 @@ def choose_backend(op: str, t: torch.Tensor, backend: str) -> str:
         raise ValueError(f"kernels: backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
-    if t.is_cuda and not interpreting() and (op, torch.cuda.get_device_capability(t.device)) in VERIFIED:
+    if t.is_cuda and not interpreting() and triton_runs_on(t.device) \
+            and (op, torch.cuda.get_device_capability(t.device)) in VERIFIED:
         return "triton"
     return "torch"
 

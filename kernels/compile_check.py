@@ -1,10 +1,10 @@
-"""Compile every Triton kernel for real GPUs, on any machine: `python -m kernels.compile_check [--arch 80,90]`.
+"""Compile every Triton kernel for real GPUs, on any machine: `python -m kernels.compile_check [--arch 80,86,90]`.
 
 For each kernel, each launch configuration the dispatcher can choose (dtypes fp32/bf16/fp16; attention head
 dims 32/48/64/96/128, causal or not, with or without segment ids, forward and backward, every autotune tile
-of the architecture family; RMSNorm row widths 64..16384; RoPE head dims with offsets or positions) and each
-architecture, the kernel is compiled to a cubin by Triton with the ptxas that ships inside the triton wheel
-(no GPU, no CUDA install needed). One row per kernel x configuration x arch gives registers per thread,
+of the architecture's family, `runtime.arch_family`; RMSNorm row widths 64..16384; RoPE head dims with offsets or
+positions) and each architecture, the kernel is compiled to a cubin by Triton with the ptxas that ships inside the
+triton wheel (no GPU, no CUDA install needed). One row per kernel x configuration x arch gives registers per thread,
 spilled bytes (ptxas' spill stores / loads) and shared memory. The exit status is 1 when a compile fails or
 a configuration needs more shared memory than the architecture allows, 0 otherwise; spills are reported, not
 fatal (kernels/BENCHMARKS.md justifies the ones that remain).
@@ -40,9 +40,9 @@ from kernels.hardware import SHARED_MEMORY_LIMIT
 from kernels.runtime import INTERPRET_ENV, Launch, interpreting
 
 MODULES = ("flash_attention", "rmsnorm", "rope", "swiglu_gate")
-ARCHS = (80, 90)
+ARCHS = (80, 86, 90)  # one of each tile family: A100, A10 / RTX 3090 (sm_89 compiles alike), Hopper
 # --quick: every kernel in bf16 at the widest head dims (the most registers and shared memory; every causal /
-# segments variant), one RMSNorm width, with the first tile of each list: 50 compiles
+# segments variant), one RMSNorm width, with the first tile of each list: 25 compiles an arch
 QUICK = {"dtype": {"bfloat16"}, "head_dim": {"96,128"}, "hidden": {4096}}
 
 
@@ -163,7 +163,8 @@ HEADER = (f"{'arch':<7}{'kernel':<23}{'dtype':<10}{'size':>7}  {'variant':<18}{'
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default=",".join(map(str, ARCHS)),
-                        help="compute capabilities to compile for, e.g. 80,90 (default)")
+                        help=f"compute capabilities to compile for, of {sorted(SHARED_MEMORY_LIMIT)} "
+                             f"(default {','.join(map(str, ARCHS))})")
     parser.add_argument("--kernel", action="append", help="only this kernel (repeatable), e.g. attn_fwd")
     parser.add_argument("--quick", action="store_true", help="a representative subset (the CI test)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiler processes")

@@ -39,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import Launch, device_arch, interpreting
+from kernels.hardware import SHARED_MEMORY_LIMIT
+from kernels.runtime import ATTENTION_HEAD_DIMS, HEAD_DIMS_TEXT, Launch, arch_family, device_arch, interpreting
 from kernels.segments import run_bounds
 
 LOG2E = 1.4426950408889634
@@ -56,12 +57,15 @@ def _tile(m: int, n: int, warps: int, stages: int) -> triton.Config:
 # (BLOCK_M, BLOCK_N, warps, stages) per kernel, architecture family and class of input: 16-bit inputs with
 # head dims up to 64 ("small") or above ("large"), fp32 inputs likewise ("fp32-small", "fp32-large"). The
 # autotuner times the candidates of the device's family on first use (per power-of-two sequence length, tile
-# width, dtype, causal, segments). Every candidate compiles without register spills on its architecture
-# (python -m kernels.compile_check) except those BENCHMARKS.md lists with the reason. Ampere keeps the B
+# width, dtype, causal, segments). Candidates are chosen to compile without register spills on their architecture
+# (python -m kernels.compile_check); BENCHMARKS.md ("Spills") lists those that spill, all but the atomic-dQ option's
+# by at most 16 bytes a thread, and what was compiled since the last kernel change. Ampere keeps the B
 # operand of every matmul whole in each warp's registers, so its dK/dV tiles are narrow in the query
 # dimension (the K dimension of the dK/dV matmuls); Hopper's wgmma reads operands from shared memory, which allows
 # wider dK/dV tiles at head dims up to 64; at 128 only M16 N64 (no spills) and M32 N64 (under 64 bytes a thread)
-# keep the dK/dV accumulators in registers, where M64 N128 spilled 0.3-1.4 KiB a thread.
+# keep the dK/dV accumulators in registers, where M64 N128 spilled 0.3-1.4 KiB a thread. fp32 inputs multiply on the
+# CUDA cores (IEEE dots): at head dims 96-128 on sm_90 the forward and dQ tile M16 N32 spilled 0.3-1.4 KiB a thread
+# with 4 warps and none with 8 (or as M16 N16 with 4), the dK/dV tile M16 N32 44-60 bytes, M16 N16 none.
 TILES: dict[str, dict[int, dict[str, list[triton.Config]]]] = {
     "fwd": {
         80: {"small": [_tile(128, 64, 8, 3), _tile(64, 64, 4, 3)],
@@ -69,7 +73,7 @@ TILES: dict[str, dict[int, dict[str, list[triton.Config]]]] = {
              "fp32-small": [_tile(32, 32, 8, 2)], "fp32-large": [_tile(16, 32, 4, 2)]},
         90: {"small": [_tile(128, 128, 8, 3), _tile(128, 64, 8, 3)],
              "large": [_tile(128, 64, 8, 3), _tile(128, 32, 8, 3)],
-             "fp32-small": [_tile(32, 32, 8, 2)], "fp32-large": [_tile(16, 32, 4, 2)]},
+             "fp32-small": [_tile(32, 32, 8, 2)], "fp32-large": [_tile(16, 32, 8, 2), _tile(16, 16, 4, 2)]},
     },
     "kv": {
         80: {"small": [_tile(32, 64, 8, 2), _tile(32, 64, 4, 1)],
@@ -77,7 +81,7 @@ TILES: dict[str, dict[int, dict[str, list[triton.Config]]]] = {
              "fp32-small": [_tile(32, 32, 8, 1)], "fp32-large": [_tile(16, 32, 8, 2)]},
         90: {"small": [_tile(64, 128, 8, 2), _tile(32, 64, 8, 2)],
              "large": [_tile(16, 64, 8, 2), _tile(32, 64, 8, 2)],
-             "fp32-small": [_tile(32, 32, 8, 1)], "fp32-large": [_tile(16, 32, 8, 2)]},
+             "fp32-small": [_tile(32, 32, 8, 1)], "fp32-large": [_tile(16, 16, 4, 2), _tile(16, 16, 8, 2)]},
     },
     "kv_atomic": {
         80: {"small": [_tile(16, 64, 4, 2)], "large": [_tile(16, 128, 8, 1)],
@@ -91,9 +95,14 @@ TILES: dict[str, dict[int, dict[str, list[triton.Config]]]] = {
              "fp32-small": [_tile(16, 32, 4, 2)], "fp32-large": [_tile(16, 32, 4, 2)]},
         90: {"small": [_tile(128, 64, 8, 2), _tile(128, 32, 8, 3)],
              "large": [_tile(128, 32, 8, 3), _tile(64, 32, 8, 3)],
-             "fp32-small": [_tile(16, 32, 4, 2)], "fp32-large": [_tile(16, 32, 4, 2)]},
+             "fp32-small": [_tile(16, 32, 4, 2)], "fp32-large": [_tile(16, 32, 8, 2), _tile(16, 16, 4, 2)]},
     },
 }
+# sm_86 / sm_89 and others with 99 KiB of shared memory a block (arch_family 86): Ampere's tiles but where those need
+# more (the 16-bit atomic-dQ tile M16 N128 at head dims 96-128 takes 112 KiB)
+SMALL_SHARED_MEMORY_TILES = {"kv_atomic": {"large": [_tile(16, 64, 8, 2), _tile(16, 64, 8, 1)]}}
+for _name, _families in TILES.items():
+    _families[86] = {**_families[80], **SMALL_SHARED_MEMORY_TILES.get(_name, {})}
 # under the interpreter: small, unequal tiles, so that multi-block paths and M != N masks are exercised
 INTERPRETER_TILES = {"fwd": _tile(32, 16, 4, 1), "kv": _tile(16, 32, 4, 1), "kv_atomic": _tile(16, 32, 4, 1),
                      "q": _tile(32, 16, 4, 1)}
@@ -107,6 +116,14 @@ def tiles(kernel: str, arch: int, dtype: torch.dtype, block_d: int) -> list[trit
 
 
 # ---- device helpers ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _program(seq, BLOCK: tl.constexpr):
+    """(first row of this program's block, its batch x head index) on the one-axis grid of `grid`."""
+    n_blocks = tl.cdiv(seq, BLOCK)
+    pid = tl.program_id(0)
+    return (pid % n_blocks) * BLOCK, (pid // n_blocks).to(tl.int64)
+
 
 @triton.jit
 def _load_tile(base, idx, n, stride_idx, stride_d, head_dim, CHECK: tl.constexpr, TRANS: tl.constexpr,
@@ -254,8 +271,7 @@ def _attn_fwd(Q, K, V, OUT, LSE, SEG_START, SEG_END,
               n_heads, group, seq_q, seq_k, seq_bucket, head_dim, qk_scale,
               BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
+    start_m, bh = _program(seq_q, BLOCK_M)
     b = bh // n_heads
     h = bh % n_heads
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -296,8 +312,8 @@ def _attn_bwd_delta(OUT, DO, DELTA,
                     stride_dob, stride_doh, stride_dom, stride_dod,
                     n_heads, seq_q, head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta = rowsum(dO * O) in fp32, the softmax-gradient term every backward block needs."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh = tl.program_id(1).to(tl.int64)
+    start_m, bh = _program(seq_q, BLOCK_M)
+    rows = start_m + tl.arange(0, BLOCK_M)
     b = bh // n_heads
     h = bh % n_heads
     o = _load_tile(OUT + b * stride_ob + h * stride_oh, rows, seq_q, stride_om, stride_od, head_dim, True, False,
@@ -356,8 +372,7 @@ def _attn_bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SEG_START, SEG_END,
                  BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK and dV of one key block, summed over the query heads of its group (dQ too with ATOMIC_DQ)."""
-    start_n = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1).to(tl.int64)
+    start_n, bhk = _program(seq_k, BLOCK_N)
     b = bhk // n_kv_heads
     hk = bhk % n_kv_heads
     cols = start_n + tl.arange(0, BLOCK_N)
@@ -435,8 +450,7 @@ def _attn_bwd_q(Q, K, V, DO, LSE, DELTA, DQ, SEG_START, SEG_END,
                 BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ of one query block (the deterministic backward)."""
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
+    start_m, bh = _program(seq_q, BLOCK_M)
     b = bh // n_heads
     h = bh % n_heads
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -493,6 +507,13 @@ attn_bwd_q = _autotuned(_attn_bwd_q, "q", _KEY)
 
 # ---- launches ------------------------------------------------------------------------------------------------
 
+def grid(seq: int, block: str, heads: int):
+    """The launch grid of a kernel with one program per block of `seq` rows (of the tile's `block` size) and per
+    (batch, head) of `heads` = batch x heads: one axis, the blocks of a head consecutive, for CUDA allows 2^31 - 1
+    programs on axis 0 but 65535 on axes 1 and 2, which batch x heads passes (e.g. 4096 x 32)."""
+    return lambda meta: (triton.cdiv(seq, meta[block]) * heads,)
+
+
 def block_d(head_dim: int) -> int:
     """Tile width for a head dim: 48 and 64 share the 64-wide kernels, 96 and 128 the 128-wide ones."""
     return triton.next_power_of_2(head_dim)
@@ -500,7 +521,7 @@ def block_d(head_dim: int) -> int:
 
 def supports(head_dim: int) -> bool:
     """Head dims the kernels take: multiples of 16 from 32 to 128 (what the compile check covers)."""
-    return head_dim % 16 == 0 and 32 <= head_dim <= 128
+    return head_dim in ATTENTION_HEAD_DIMS
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -573,7 +594,7 @@ class AttentionFunction(torch.autograd.Function):
         lse = torch.empty((batch, n_heads, seq_q), dtype=torch.float32, device=q.device)
         if o.numel():
             args, constexprs = fwd_args(q, k, v, o, lse, seg_start, seg_end, scale, causal, segments)
-            attn_fwd[lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * n_heads)](*args, **constexprs)
+            attn_fwd[grid(seq_q, "BLOCK_M", batch * n_heads)](*args, **constexprs)
         ctx.save_for_backward(q, k, v, o, lse, seg_start, seg_end)
         ctx.causal, ctx.scale, ctx.segments, ctx.deterministic = causal, scale, segments, deterministic
         return o
@@ -592,17 +613,17 @@ class AttentionFunction(torch.autograd.Function):
             dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         if q.numel():
             args, constexprs = delta_args(o, do, delta)
-            _attn_bwd_delta[(triton.cdiv(seq_q, DELTA_ROWS), batch * n_heads)](*args, **constexprs)
+            _attn_bwd_delta[grid(seq_q, "BLOCK_M", batch * n_heads)](*args, **constexprs)
         if k.numel():
             kernel = attn_bwd_kv if ctx.deterministic else attn_bwd_kv_atomic
             args, constexprs = kv_args(q, k, v, do, lse, delta, dk, dv, dq_acc, seg_start, seg_end,
                                        atomic_dq=not ctx.deterministic, **common)
-            kernel[lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]), batch * n_kv_heads)](*args, **constexprs)
+            kernel[grid(seq_k, "BLOCK_N", batch * n_kv_heads)](*args, **constexprs)
         if not ctx.deterministic:
             dq = dq_acc.to(q.dtype)
         elif q.numel():
             args, constexprs = q_args(q, k, v, do, lse, delta, dq, seg_start, seg_end, **common)
-            attn_bwd_q[lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * n_heads)](*args, **constexprs)
+            attn_bwd_q[grid(seq_q, "BLOCK_M", batch * n_heads)](*args, **constexprs)
         return dq, dk, dv, None, None, None, None
 
 
@@ -615,7 +636,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     if not supports(q.shape[-1]):
-        raise ValueError(f"attention: the Triton kernel takes head dims 32 to 128 in steps of 16, got {q.shape[-1]}")
+        raise ValueError(f"attention: the Triton kernel takes head dims {HEAD_DIMS_TEXT}, got {q.shape[-1]}")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if scale <= 0:
         raise ValueError(f"attention: scale must be positive, got {scale}")
@@ -625,7 +646,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 # ---- the compile check's view --------------------------------------------------------------------------------
 
 def launches(arch: int) -> list[Launch]:
-    """Every launch configuration the dispatcher can choose on an architecture family, on meta tensors."""
+    """Every launch configuration the dispatcher can choose on sm_<arch>, on meta tensors."""
+    family = arch_family(divmod(arch, 10), SHARED_MEMORY_LIMIT[arch])
     out = []
     batch, heads, kv_heads, seq = 2, 8, 2, 256
     for dtype in DTYPES:
@@ -646,14 +668,15 @@ def launches(arch: int) -> list[Launch]:
                     mode = dict(labels, causal=causal, segments=segments)
                     common = {"scale": 0.125, "causal": causal, "segments": segments}
                     args, constexprs = fwd_args(q, k, v, o, lse, seg, seg, **common)
-                    out.append(Launch("attn_fwd", _attn_fwd, args, constexprs, tiles("fwd", arch, dtype, width), mode))
+                    out.append(Launch("attn_fwd", _attn_fwd, args, constexprs, tiles("fwd", family, dtype, width),
+                                      mode))
                     for atomic in (False, True):
                         args, constexprs = kv_args(q, k, v, do, lse, delta, k, v, dq_acc, seg, seg, atomic_dq=atomic,
                                                    **common)
                         out.append(Launch("attn_bwd_kv_atomic_dq" if atomic else "attn_bwd_kv", _attn_bwd_kv, args,
-                                          constexprs, tiles("kv_atomic" if atomic else "kv", arch, dtype, width),
+                                          constexprs, tiles("kv_atomic" if atomic else "kv", family, dtype, width),
                                           mode))
                     args, constexprs = q_args(q, k, v, do, lse, delta, q, seg, seg, **common)
-                    out.append(Launch("attn_bwd_q", _attn_bwd_q, args, constexprs, tiles("q", arch, dtype, width),
+                    out.append(Launch("attn_bwd_q", _attn_bwd_q, args, constexprs, tiles("q", family, dtype, width),
                                       mode))
     return out

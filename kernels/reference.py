@@ -4,15 +4,17 @@ Layouts shared with the Triton kernels and the model:
 - q `[batch, n_heads, seq, head_dim]`, k and v `[batch, n_kv_heads, seq_k, head_dim]`;
 - RoPE tables `cos`, `sin` of shape `[max_positions, head_dim // 2]` (rotate-half layout), applied at
   rows `position_offset ... position_offset + seq - 1`, or at `positions[b, s]` per token;
-- segment ids `[batch, seq]`: a token attends only to keys with its own id (packed samples, each a
-  contiguous run of one id). Here as a dense mask: this is the oracle; `kernels.torch_attention` is
-  the torch path that avoids the `[seq, seq]` mask.
+- segment ids `[batch, seq]`: a token attends only to keys of its segment, the run of equal consecutive ids it
+  lies in (packed samples, each a run of one id; an id that comes back later starts another segment). Here as a
+  dense mask: this is the oracle; `kernels.torch_attention` is the torch path that avoids the `[seq, seq]` mask.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.segments import same_segment
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -49,7 +51,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: float | None = None,
               segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention with grouped-query heads; a causal mask is aligned bottom-right when q is shorter than k;
-    with `segment_ids` (seq_q == seq_k) a token sees only keys of its own segment."""
+    with `segment_ids` (seq_q == seq_k) a token sees only keys of its own segment (run of equal ids)."""
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
     if causal and seq_q == 1:  # one query after its keys (a decode step) sees every key
@@ -60,7 +62,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if causal:
         mask = mask.tril(diagonal=seq_k - seq_q)
     if segment_ids is not None:
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :]).unsqueeze(1)
+        mask = mask & same_segment(segment_ids)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 

@@ -113,8 +113,11 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of `x` (any leading shape, any strides)."""
-    return RMSNormFunction.apply(x, weight, eps)
+    """RMSNorm over the last dim of `x` (any leading shape, any strides) with `weight` of that dim's length."""
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} must be [{x.shape[-1]}], the last dim of x "
+                         f"{tuple(x.shape)}")
+    return RMSNormFunction.apply(x, weight.contiguous(), eps)
 
 
 def launches(arch: int) -> list[Launch]:

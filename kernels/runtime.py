@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 
+from kernels.hardware import SHARED_MEMORY_LIMIT
+
 INTERPRET_ENV = "TRITON_INTERPRET"
+MIN_CAPABILITY = (8, 0)  # Ampere: below it (T4, V100) the attention tiles exceed the shared memory or spill heavily
+ATTENTION_HEAD_DIMS = range(32, 129, 16)  # what the attention kernel takes (and the compile check covers)
+HEAD_DIMS_TEXT = f"{ATTENTION_HEAD_DIMS[0]} to {ATTENTION_HEAD_DIMS[-1]} in steps of {ATTENTION_HEAD_DIMS.step}"
 
 
 @dataclass
@@ -49,28 +54,47 @@ def interpreting() -> bool:
     return type(language.standard.sum).__name__ == "InterpretedFunction"
 
 
+def triton_unavailable(device: torch.device) -> str | None:
+    """Why backend 'triton' cannot run on `device` (one line), or None: it runs on CUDA devices of compute capability
+    MIN_CAPABILITY or newer, and on any device in an interpreting process."""
+    if interpreting():
+        return None
+    if device.type != "cuda":
+        return (f"kernels: backend 'triton' needs CUDA tensors (got {device.type}); on the CPU Triton runs only in its "
+                f"interpreter, which tests ask for with {INTERPRET_ENV}=1 set before Triton is imported; "
+                "use backend 'auto' or 'torch' here")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        return (f"kernels: the Triton kernels need compute capability {'.'.join(map(str, MIN_CAPABILITY))} or newer; "
+                f"{torch.cuda.get_device_name(device)} is {'.'.join(map(str, capability))}: use model.kernels=torch")
+    return None
+
+
 def triton_runs_on(device: torch.device) -> bool:
-    """Whether backend 'triton' can run on `device`: a CUDA device, or any device in an interpreting process."""
-    return device.type == "cuda" or interpreting()
+    """Whether backend 'triton' can run on `device` (see triton_unavailable)."""
+    return triton_unavailable(device) is None
 
 
 def triton_module_for(name: str, t: torch.Tensor) -> ModuleType:
-    """The module `kernels.<name>` for tensors like `t`: CUDA tensors, or CPU tensors in an interpreting process."""
-    if not triton_runs_on(t.device):
-        raise KernelUnavailableError(
-            f"kernels: backend 'triton' needs CUDA tensors (got {t.device.type}); on the CPU Triton runs only in its "
-            f"interpreter, which tests ask for with {INTERPRET_ENV}=1 set before Triton is imported; "
-            "use backend 'auto' or 'torch' here")
+    """The module `kernels.<name>` for tensors like `t`, where Triton runs on them (else KernelUnavailableError)."""
+    if reason := triton_unavailable(t.device):
+        raise KernelUnavailableError(reason)
     return importlib.import_module(f"kernels.{name}")
 
 
-def arch_family(capability: tuple[int, int]) -> int:
-    """The tile table a device uses: 90 for Hopper and newer, 80 for Ampere/Ada (and older, where Triton runs)."""
-    return 90 if capability[0] >= 9 else 80
+def arch_family(capability: tuple[int, int], shared_memory: int) -> int:
+    """The tile table (`flash_attention.TILES`) of a device of compute `capability` with `shared_memory` bytes per
+    block: 90 for Hopper-class parts (227 KiB), 80 for the A100 class (163 KiB), 86 for the rest (99 KiB: sm_86 A10,
+    A40, RTX 3090; sm_89 L4, L40, RTX 4090; consumer Blackwell)."""
+    if capability[0] >= 9 and shared_memory >= SHARED_MEMORY_LIMIT[90]:
+        return 90
+    return 80 if shared_memory >= SHARED_MEMORY_LIMIT[80] else 86
 
 
 def device_arch(t: torch.Tensor) -> int:
-    return arch_family(torch.cuda.get_device_capability(t.device))
+    """The tile table of `t`'s CUDA device."""
+    properties = torch.cuda.get_device_properties(t.device)
+    return arch_family((properties.major, properties.minor), properties.shared_memory_per_block_optin)
 
 
 def num_programs_for(n_items: int, device: torch.device) -> int:

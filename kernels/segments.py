@@ -32,3 +32,10 @@ def check_segment_ids(segment_ids: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             or seq_q != seq_k:
         raise ValueError(f"attention: segment_ids must be integers [batch, seq] = [{batch}, {seq_q}] with as many keys "
                          f"as queries; got {segment_ids.dtype} {tuple(segment_ids.shape)} for {seq_k} keys")
+
+
+def same_segment(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Dense bool `[batch, 1, seq, seq]`: whether tokens i and j lie in one run of equal ids (the test oracles' mask;
+    the kernels never build it)."""
+    start, _ = run_bounds(segment_ids)
+    return (start[:, :, None] == start[:, None, :]).unsqueeze(1)

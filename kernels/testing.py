@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
+from kernels.segments import same_segment
+
 FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
@@ -76,7 +78,8 @@ def compare(op_kernel, op_ref, inputs: list, dtype: torch.dtype, seed: int, dete
 
 def oracle_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                      segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense attention that, like the kernels, gives 0 (not NaN) for a row that sees no key."""
+    """Dense attention that, like the kernels, gives 0 (not NaN) for a row that sees no key; a segment is a run of
+    equal ids."""
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -85,7 +88,7 @@ def oracle_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     if causal:
         visible = visible.tril(seq_k - seq_q)
     if segment_ids is not None:
-        visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :]).unsqueeze(1)
+        visible = visible & same_segment(segment_ids)
     weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
     return weights @ v
 

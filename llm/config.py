@@ -607,6 +607,12 @@ def validate_model(m: ModelConfig) -> None:
                  f"model.n_experts_per_token ({m.n_experts_per_token}) must be in 1..model.n_experts ({m.n_experts})")
     _require(m.kernels in ("auto", "triton", "torch"),
              f"model.kernels must be auto, triton or torch, got '{m.kernels}'")
+    if m.kernels == "triton":
+        from kernels.runtime import ATTENTION_HEAD_DIMS, HEAD_DIMS_TEXT  # noqa: PLC0415 - loads torch: only when asked
+
+        _require(m.head_dim in ATTENTION_HEAD_DIMS,
+                 f"model.kernels=triton: the attention kernel takes head dims {HEAD_DIMS_TEXT}, got model.dim/"
+                 f"model.n_heads = {m.dim}/{m.n_heads} = {m.head_dim}; use model.kernels=auto or torch")
 
 
 STAGES = ("pretrain", "sft", "dpo", "grpo", "distill")

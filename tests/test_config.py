@@ -292,3 +292,18 @@ def test_a_model_that_does_not_fit_names_its_size_and_the_memory(monkeypatch):
     monkeypatch.setattr(host_memory, "usable_memory", lambda: psutil.virtual_memory().total)
     with pytest.raises(UserError, match=r"GiB: more than this host's [\d,.]+ GiB of memory$"):
         host_memory.check_fits_in_memory(dataclasses.replace(cfg, vocab_size=10**11), copies=3)
+
+
+@pytest.mark.parametrize("dim, n_heads", [(160, 4), (288, 4), (1024, 4), (64, 4)])  # head dims 40, 72, 256, 16
+def test_triton_kernels_with_a_head_dim_the_attention_kernel_refuses_are_refused_at_validation(dim, n_heads):
+    """They passed validation and job setup, then died at step 1 with the kernel's ValueError."""
+    with pytest.raises(UserError) as refused:
+        build_config("demo", [f"model.dim={dim}", f"model.n_heads={n_heads}", "model.n_kv_heads=null",
+                              "model.kernels=triton"])
+    assert str(refused.value) == (
+        f"model.kernels=triton: the attention kernel takes head dims 32 to 128 in steps of 16, got model.dim/"
+        f"model.n_heads = {dim}/{n_heads} = {dim // n_heads}; use model.kernels=auto or torch")
+    for choice in ("auto", "torch"):  # the torch path takes any head dim
+        build_config("demo", [f"model.dim={dim}", f"model.n_heads={n_heads}", "model.n_kv_heads=null",
+                              f"model.kernels={choice}"])
+    assert build_config("demo", ["model.dim=384", "model.n_heads=4", "model.kernels=triton"]).model.head_dim == 96

@@ -65,6 +65,21 @@ def test_rms_norm_non_contiguous_input(seed, nan_outputs):
             lambda x, w: reference.rms_norm(x, w, 1e-5), [x, w], torch.float32, seed)
 
 
+def test_rms_norm_strided_weight(seed, nan_outputs):
+    """The kernel read the weight as if contiguous: a weight of stride 2 gave a relative error of 1.5."""
+    x, w = torch.randn(5, 64), torch.randn(128)[::2]
+    compare(lambda x, w: kernels.rms_norm(x, w, 1e-6, backend="triton"),
+            lambda x, w: reference.rms_norm(x, w, 1e-6), [x, w], torch.float32, seed)
+
+
+@pytest.mark.parametrize("length", [128, 32])
+def test_rms_norm_refuses_a_weight_of_another_length(length):
+    """A longer weight was accepted (its first 64 used); a shorter one was read past its end."""
+    with pytest.raises(ValueError) as refused:
+        kernels.rms_norm(torch.randn(3, 64), torch.randn(length), 1e-6, backend="triton")
+    assert str(refused.value) == f"rms_norm: weight ({length},) must be [64], the last dim of x (3, 64)"
+
+
 def test_rms_norm_backward_covers_more_row_blocks_than_programs(seed, nan_outputs):
     """The persistent backward strides over row blocks: 4 programs x 4 rows, 37 rows, ragged last block."""
     x, w = torch.randn(37, 24), torch.randn(24)
@@ -176,6 +191,34 @@ def test_rows_that_see_no_key_are_zero_not_nan(seed):
     assert not torch.isnan(q.grad).any() and torch.equal(q.grad[0, 0, :4], torch.zeros(4, 64))
 
 
+def test_attention_grid_puts_batch_times_heads_on_axis_0():
+    """Batch x heads was grid axis 1, which CUDA limits to 65535: 4096 x 32 heads failed to launch."""
+    from kernels.flash_attention import grid
+
+    for block in ("BLOCK_M", "BLOCK_N"):
+        assert grid(4096, block, 4096 * 32)({block: 128}) == (32 * 4096 * 32,)
+    assert grid(1000, "BLOCK_M", 3)({"BLOCK_M": 64}) == (16 * 3,)  # ragged: 16 blocks per head
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_attention_flat_grid_maps_every_program_to_its_block_and_head(segments, seed, nan_outputs):
+    """Programs walk (query or key block, batch x head) from one grid axis: 2 x 2 heads (GQA), 2-3 blocks a head."""
+    ids = packed_segment_ids(2, 40, [[25, 15], [7, 20]]) if segments else None
+    q, k, v = torch.randn(2, 2, 40, 32), torch.randn(2, 1, 40, 32), torch.randn(2, 1, 40, 32)
+    compare(lambda q, k, v: kernels.attention(q, k, v, segment_ids=ids, backend="triton"),
+            lambda q, k, v: oracle_attention(q, k, v, True, ids), [q, k, v], torch.float32, seed)
+
+
+def test_auto_sends_head_dims_the_kernel_refuses_to_torch(monkeypatch):
+    """auto where Triton is chosen (a verified device) and head dim 40: the torch path, not the kernel's ValueError."""
+    q = torch.randn(1, 2, 9, 40)
+    monkeypatch.setattr(kernels, "choose_backend", lambda op, t, backend: "triton")
+    assert torch.equal(kernels.attention(q, q, q, backend="auto"), kernels.attention(q, q, q, backend="torch"))
+    with pytest.raises(ValueError, match="^attention: the Triton kernel takes head dims 32 to 128 in steps of 16, "
+                                         "got 40$"):
+        kernels.attention(q, q, q, backend="triton")
+
+
 def test_gqa_never_materialises_repeated_kv(monkeypatch, seed):
     def refuse(*args, **kwargs):
         raise AssertionError("repeated K/V materialised")
@@ -219,6 +262,24 @@ def test_segment_attention_matches_dense_block_diagonal_sdpa(batch, heads, kv_he
             [q, k, v], torch.float32, seed)
     flex = torch_attention.flex_segment_attention(q, k, v, causal, None, ids, compiled=False)
     assert torch.allclose(flex, dense(q, k, v), atol=1e-5), f"seed={seed}"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_an_id_that_comes_back_starts_another_segment(causal, seed, nan_outputs):
+    """A segment is a run of equal ids: with ids 1 1 1 2 2 1 1 1 the last three tokens do not see the first three.
+    The oracles treated equal ids anywhere as one segment and differed from Triton and the torch path by 1.9."""
+    ids = torch.tensor([[1, 1, 1, 2, 2, 1, 1, 1] * 3, [0, 0, 3, 3, 3, 3, 0, 0] * 3])
+    q, k, v = torch.randn(2, 2, 24, 32), torch.randn(2, 1, 24, 32), torch.randn(2, 1, 24, 32)
+    runs = packed_segment_ids(2, 24, [[3, 2, 6, 2, 6, 2, 3], [2, 4, 4, 4, 4, 4, 2]])  # the same runs, distinct ids
+
+    def oracle(q, k, v):
+        return oracle_attention(q, k, v, causal, ids)
+
+    assert torch.allclose(oracle(q, k, v), oracle_attention(q, k, v, causal, runs), atol=1e-6)
+    assert torch.allclose(reference.attention(q, k, v, causal, segment_ids=ids), oracle(q, k, v), atol=1e-5)
+    for backend in ("triton", "torch"):
+        compare(lambda q, k, v, backend=backend: kernels.attention(q, k, v, causal, segment_ids=ids, backend=backend),
+                oracle, [q, k, v], torch.float32, seed)
 
 
 def test_segment_attention_never_builds_a_seq_by_seq_mask(monkeypatch, seed):
@@ -303,7 +364,7 @@ def test_auto_means_torch_on_the_cpu_even_when_interpreting():
 
 class _FakeCuda:
     is_cuda = True
-    device = "cuda:0"
+    device = torch.device("cuda", 0)
 
 
 @pytest.mark.parametrize("op", kernels.OPS)
@@ -318,6 +379,47 @@ def test_auto_on_cuda_picks_triton_only_for_verified_capabilities(op, monkeypatc
     monkeypatch.setattr(kernels, "interpreting", lambda: True)  # auto never chooses the interpreter
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert kernels.choose_backend(op, _FakeCuda(), "auto") == "torch"
+
+
+@pytest.mark.parametrize("op", kernels.OPS)
+def test_triton_is_refused_below_compute_capability_8_and_auto_uses_torch_there(op, monkeypatch):
+    """A T4 (7.5) was treated as Ampere: its 64 KiB of shared memory ran out in the attention backward."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    monkeypatch.setattr(kernels, "VERIFIED", frozenset({(op, (7, 5))}))
+    assert kernels.choose_backend(op, _FakeCuda(), "auto") == "torch"
+    assert not runtime.triton_runs_on(_FakeCuda.device)
+    with pytest.raises(kernels.KernelUnavailableError) as refused:
+        runtime.triton_module_for("swiglu_gate", _FakeCuda())
+    assert str(refused.value) == ("kernels: the Triton kernels need compute capability 8.0 or newer; Tesla T4 is 7.5: "
+                                  "use model.kernels=torch")
+
+
+class _Properties:
+    def __init__(self, major, minor, shared):
+        self.major, self.minor, self.shared_memory_per_block_optin = major, minor, shared
+
+
+@pytest.mark.parametrize("capability, shared, family", [
+    ((8, 0), 166912, 80),  # A100
+    ((8, 7), 166912, 80),  # Jetson Orin
+    ((8, 6), 101376, 86),  # A10, A40, RTX 3090
+    ((8, 9), 101376, 86),  # L4, L40, RTX 4090
+    ((9, 0), 232448, 90),  # H100, H200
+    ((10, 0), 232448, 90),  # B200
+    ((12, 0), 101376, 86),  # RTX 5090
+])
+def test_each_device_gets_tiles_that_fit_its_shared_memory(capability, shared, family, monkeypatch):
+    """sm_86 / sm_89 (99 KiB a block) got the A100's tiles: the atomic-dQ one needs 112 KiB."""
+    from kernels.flash_attention import TILES
+    from kernels.hardware import SHARED_MEMORY_LIMIT
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _Properties(*capability, shared))
+    assert runtime.device_arch(_FakeCuda()) == family
+    assert all(family in table for table in TILES.values())
+    assert SHARED_MEMORY_LIMIT[family] <= shared  # what the compile check holds the family's tiles to
 
 
 def test_triton_backend_on_cpu_without_the_interpreter_is_a_clear_error():

@@ -22,27 +22,43 @@ def zerollm(*args) -> subprocess.CompletedProcess:
 def test_training_with_triton_kernels_on_the_cpu_is_one_line_and_writes_nothing(pretrain_data, tmp_path):
     """It was a KernelUnavailableError traceback in the first forward pass, exit 1."""
     run = tmp_path / "run"
-    result = zerollm(*train_args(pretrain_data, run, "train.max_steps=1", "model.kernels=triton"))
+    result = zerollm(*train_args(pretrain_data, run, "train.max_steps=1", "model.n_heads=2", "model.kernels=triton"))
     assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (2, (
         "zerollm: error: model.kernels=triton needs a CUDA GPU (this job runs on cpu); use auto or torch here"))
     assert "Traceback" not in result.stderr and not run.exists()
 
 
-def _trained_with_triton(run, copy):
-    """A copy of `run` as if trained with model.kernels=triton (on a GPU)."""
+def test_training_with_triton_kernels_at_a_head_dim_they_refuse_is_one_line_and_writes_nothing(pretrain_data,
+                                                                                              tmp_path):
+    """Head dim 64 / 4 heads = 16: it passed validation and job setup, then the attention kernel's ValueError ended
+    step 1 (on a GPU)."""
+    run = tmp_path / "run"
+    result = zerollm(*train_args(pretrain_data, run, "train.max_steps=1", "model.kernels=triton"))
+    assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (2, (
+        "zerollm: error: model.kernels=triton: the attention kernel takes head dims 32 to 128 in steps of 16, got "
+        "model.dim/model.n_heads = 64/4 = 16; use model.kernels=auto or torch"))
+    assert "Traceback" not in result.stderr and not run.exists()
+
+
+def _trained_with_triton(run, copy, kernels="triton"):
+    """A copy of `run` as if trained with model.kernels=`kernels` (triton: on a GPU), its 4 heads of 16 (2 KV heads)
+    read as 2 of 32 (1 KV head), a head dim the attention kernel takes, with the same weights."""
     shutil.copytree(run, copy)
     config = copy / "config.yaml"
-    config.write_text(config.read_text().replace("kernels: auto", "kernels: triton"))
-    assert "kernels: triton" in config.read_text()
+    text = config.read_text()
+    for old, new in (("kernels: auto", f"kernels: {kernels}"), ("n_heads: 4", "n_heads: 2"),
+                     ("n_kv_heads: 2", "n_kv_heads: 1")):
+        assert old in text
+        text = text.replace(old, new)
+    config.write_text(text)
     return copy
 
 
 def test_a_run_trained_with_triton_kernels_generates_where_triton_cannot_run(zero_runs, tmp_path):
     """A run trained on a GPU with model.kernels=triton, then chatted with on a laptop: generate, chat, serve and
     eval failed with a KernelUnavailableError traceback. Here it computes what the same run does with auto."""
-    triton_run = _trained_with_triton(zero_runs[0], tmp_path / "run")
-    outputs = [zerollm("generate", "--model", run, "--prompt", "Once upon", "--max-new-tokens", 8)
-               for run in (zero_runs[0], triton_run)]
+    runs = [_trained_with_triton(zero_runs[0], tmp_path / kernels, kernels) for kernels in ("auto", "triton")]
+    outputs = [zerollm("generate", "--model", run, "--prompt", "Once upon", "--max-new-tokens", 8) for run in runs]
     assert [r.returncode for r in outputs] == [0, 0], outputs[1].stderr[-2000:]
     assert outputs[1].stdout == outputs[0].stdout
 

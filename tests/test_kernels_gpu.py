@@ -174,17 +174,37 @@ def test_flex_route_is_compiled_flex_attention_on_cuda(seed):
 
 
 @compiled
-def test_autotuner_picks_tiles_of_this_devices_family(seed):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_autotuner_picks_tiles_of_this_devices_family(dtype, seed):
     from kernels import flash_attention
 
     arch = runtime.device_arch(_rand(1))
     for seq in (300, 2048):
-        q = _rand(1, 8, seq, 128).bfloat16().requires_grad_()
-        k, v = (_rand(1, 2, seq, 128).bfloat16().requires_grad_() for _ in range(2))
+        q = _rand(1, 8, seq, 128).to(dtype).requires_grad_()
+        k, v = (_rand(1, 2, seq, 128).to(dtype).requires_grad_() for _ in range(2))
         kernels.attention(q, k, v, backend="triton").sum().backward()
         for name, kernel in (("fwd", flash_attention.attn_fwd), ("kv", flash_attention.attn_bwd_kv),
                              ("q", flash_attention.attn_bwd_q)):
-            assert str(kernel.best_config) in map(str, flash_attention.tiles(name, arch, torch.bfloat16, 128))
+            assert str(kernel.best_config) in map(str, flash_attention.tiles(name, arch, dtype, 128))
+
+
+@compiled
+def test_attention_with_more_than_65535_batch_times_heads(seed, nan_outputs):
+    """4096 x 17 heads: batch x heads was grid axis 1, which CUDA limits to 65535 (a launch error)."""
+    q, k, v = _rand(4096, 17, 16, 32), _rand(4096, 17, 16, 32), _rand(4096, 17, 16, 32)
+    compare(lambda q, k, v: kernels.attention(q, k, v, backend="triton"),
+            lambda q, k, v: oracle_attention(q, k, v, True), [q, k, v], torch.bfloat16, seed)
+
+
+@compiled
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() >= runtime.MIN_CAPABILITY,
+                    reason="a device below compute capability 8.0 (T4, V100)")
+def test_triton_is_refused_below_compute_capability_8():
+    """A T4 ran the attention backward into OutOfResources (64 KiB of shared memory)."""
+    with pytest.raises(kernels.KernelUnavailableError, match="^kernels: the Triton kernels need compute capability "
+                                                             "8.0 or newer; .* use model.kernels=torch$"):
+        kernels.swiglu(_rand(8), _rand(8), backend="triton")
+    assert "SwiGLUFunction" not in kernels.swiglu(_rand(8).requires_grad_(), _rand(8)).grad_fn.name()
 
 
 @compiled

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kernels.runtime import triton_runs_on
+from kernels.runtime import triton_unavailable
 from llm import rundir
 from llm.config import RunConfig, build_config, settable_key
 from llm.data.datasets import DATASETS
@@ -277,9 +277,9 @@ def _resolved_ds_config(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_file: 
                 check_same_weights(run_dir, role, data[role], option)
         cfg.train.precision = resumed_precision(run_dir, cfg.train.precision)
     cfg.train.precision = resolve_precision(cfg.train.precision, info.device)
-    if cfg.model.kernels == "triton" and not triton_runs_on(info.device):
-        raise UserError(f"model.kernels=triton needs a CUDA GPU (this job runs on {info.device.type}); use auto or "
-                        "torch here")
+    if cfg.model.kernels == "triton" and (reason := triton_unavailable(info.device)) is not None:
+        raise UserError(reason if info.device.type == "cuda" else f"model.kernels=triton needs a CUDA GPU (this job "
+                        f"runs on {info.device.type}); use auto or torch here")
     raw, source = ds_file
     ds_config = resolve_ds_config(raw, cfg, info.world_size, source, zero_stage)
     if resuming:
