@@ -167,6 +167,36 @@ def test_a_save_that_runs_out_of_room_is_one_line_and_keeps_the_previous_checkpo
     assert rundir.usable_tag(tmp_path) == "global_step1"
 
 
+def test_running_out_of_room_after_latest_names_the_new_checkpoint_keeps_it(one_rank_group, tmp_path, monkeypatch,
+                                                                           capsys):
+    """Out of room after `latest` was replaced (flushing its folder on a quota-bound file system) or while pruning:
+    the published checkpoint was removed, `latest` named nothing, and the message called it intact."""
+    _save(tmp_path, 1)
+    fsync = durable.fsync
+
+    def full_after_latest(path: Path) -> None:
+        if path == rundir.checkpoint_dir(tmp_path) and rundir.latest_tag(tmp_path) == "global_step2":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        fsync(path)
+
+    monkeypatch.setattr(durable, "fsync", full_after_latest)
+    with pytest.raises(UserError, match=r"no space left on device while saving step 2; its checkpoint "
+                                        r"\(global_step2\) was published first; free space"):
+        checkpoint.save(FakeEngine(2.0), tmp_path, 2, CLIENT_STATE | {"step": 2}, keep=1)
+    assert rundir.usable_tag(tmp_path) == "global_step2"
+    monkeypatch.setattr(durable, "fsync", fsync)
+    monkeypatch.setattr(checkpoint, "prune", _raise_enospc)
+    capsys.readouterr()
+    checkpoint.save(FakeEngine(3.0), tmp_path, 3, CLIENT_STATE | {"step": 3}, keep=1)
+    assert rundir.usable_tag(tmp_path) == "global_step3"
+    assert capsys.readouterr().err == (f"zerollm: note: {rundir.checkpoint_dir(tmp_path)}: no space left on device "
+                                       "while removing checkpoints older than the 1 newest; they are kept\n")
+
+
+def _raise_enospc(*args) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 def test_a_first_save_that_runs_out_of_room_says_none_was_saved_before(one_rank_group, tmp_path):
     with file_size_limit(100_000), pytest.raises(UserError) as error:
         _save(tmp_path, 1)  # the RNG file (about 5 kB) fits; DeepSpeed's (400 kB) does not

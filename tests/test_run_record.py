@@ -177,8 +177,8 @@ def test_resuming_on_data_edited_between_its_first_and_last_mib_is_refused(edite
 
 
 def test_a_record_with_the_sampled_digest_of_earlier_versions_compares_like_with_like(edited_data, tmp_path):
-    """A run recorded before `digest_method` holds the sampled digest: its own data still resumes it, and other data
-    is still refused (what that digest can see)."""
+    """A run recorded before `digest_method` holds the sampled digest: its own data still resumes it (other data:
+    the two tests of an earlier version's run below)."""
     from llm.train.run_record import check_same_data, data_summary, write_run_record
 
     original, _ = edited_data
@@ -188,9 +188,6 @@ def test_a_record_with_the_sampled_digest_of_earlier_versions_compares_like_with
            "tokens": {"train": 3_000_000, "val": 100}}
     write_run_record(run, {"data": old})
     check_same_data(run, data_summary(original, {"tokenizer_hash": "tok"}), [original / TOKENS_FILE])
-    write_run_record(run, {"data": {**old, "digest": "0123456789abcdef"}})
-    with pytest.raises(UserError, match=f"tokens.h5 digest 0123456789abcdef then, {old['digest']} now"):
-        check_same_data(run, data_summary(original, {"tokenizer_hash": "tok"}), [original / TOKENS_FILE])
 
 
 def test_a_run_recorded_by_the_previous_version_resumes_on_its_data(pretrain_data, tmp_path):
@@ -206,3 +203,47 @@ def test_a_run_recorded_by_the_previous_version_resumes_on_its_data(pretrain_dat
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed at step 1" in resumed.stdout
     assert [r["data"].get("digest_method") for r in _records(run)] == [None, "whole"]
+
+
+def _old_record(run, data_dir, digest):
+    """A run record as versions before digest_method wrote it: the sampled digest of the data it trained on."""
+    from llm.train.run_record import data_summary
+
+    summary = data_summary(data_dir, {"tokenizer_hash": "tok"})
+    old = {"path": summary["path"], "digest": digest, "tokenizer_hash": "tok", "tokens": summary["tokens"]}
+    run.mkdir()
+    (run / "run_record.jsonl").write_text(json.dumps({"data": old}) + "\n")
+    return summary
+
+
+def test_an_earlier_version_s_run_resumes_on_its_data_prepared_again(pretrain_data, tmp_path, capsys):
+    """Preparing the same corpus again (as the note for data without a stored digest advises) changed the file's
+    first MiB by the digest it stores, so the earlier record's sampled digest differed and the run was refused."""
+    from llm.train.run_record import check_same_data
+
+    run, files = tmp_path / "run", [pretrain_data / TOKENS_FILE]
+    summary = _old_record(run, pretrain_data, "0123456789abcdef")  # the file as the earlier version wrote it
+    check_same_data(run, summary, files)
+    assert "is compared by its token counts and tokenizer only" in capsys.readouterr().err
+    changed = {**summary, "tokens": {**summary["tokens"], "train": summary["tokens"]["train"] + 1}}
+    with pytest.raises(UserError, match=r"train split \d+ tokens then, \d+ now"):
+        check_same_data(run, changed, files)
+
+
+def test_an_earlier_version_s_data_that_changed_is_still_refused(pretrain_data, tmp_path):
+    """A tokens.h5 with no stored digest (prepared by an earlier version) is compared by the sampled digest."""
+    from llm.train.run_record import check_same_data
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / TOKENS_FILE).write_bytes((pretrain_data / TOKENS_FILE).read_bytes())
+    with h5py.File(data / TOKENS_FILE, "r+") as h5:
+        del h5.attrs["content_digest"]
+    run = tmp_path / "run"
+    summary = _old_record(run, data, "0123456789abcdef")
+    with pytest.raises(UserError, match=r"tokens.h5 digest 0123456789abcdef then, [0-9a-f]{16} now"):
+        check_same_data(run, summary, [data / TOKENS_FILE])
+    (run / "run_record.jsonl").unlink()
+    run.rmdir()
+    _old_record(run, data, file_digest(data / TOKENS_FILE))
+    check_same_data(run, summary, [data / TOKENS_FILE])

@@ -324,13 +324,19 @@ def content_digest(h5: h5py.File) -> str:
     return digest.hexdigest()[:16]
 
 
+def stored_digest(path: Path) -> str | None:
+    """The content digest `data prepare` stored in a tokens.h5; None for a file prepared before it stored one."""
+    with h5py.File(path, "r") as h5:
+        stored = h5.attrs.get(DIGEST_ATTR)
+    return None if stored is None else str(stored)
+
+
 def tokens_digest(path: Path) -> str:
     """The content digest of a tokens.h5: the one `data prepare` stored in it or, for a file prepared before it
     stored one, computed by reading the whole file (said in a note for a large file)."""
+    if (stored := stored_digest(path)) is not None:
+        return stored
     with h5py.File(path, "r") as h5:
-        stored = h5.attrs.get(DIGEST_ATTR)
-        if stored is not None:
-            return str(stored)
         size = path.stat().st_size
         if size >= NOTED_DIGEST_BYTES:
             print(f"zerollm: note: {path} was prepared by an earlier version, which stored no digest of it: reading "

@@ -175,7 +175,10 @@ def save(engine, run_dir: Path, step: int, client_state: dict[str, Any], keep: i
     dist.all_gather_object(views, _files(directory))
     reason = None
     if rank == 0:
-        reason = _out_of_room_in(lambda: _publish(run_dir, tag, step, world, views, client_state, keep))
+        reason = _out_of_room_in(lambda: _publish(run_dir, tag, step, world, views, client_state))
+        if reason is None and (unpruned := _out_of_room_in(lambda: prune(run_dir, keep))) is not None:
+            print(f"zerollm: note: {rundir.checkpoint_dir(run_dir)}: {unpruned} while removing checkpoints older "
+                  f"than the {keep} newest; they are kept", file=sys.stderr, flush=True)
     _refuse_out_of_room(reason, run_dir, step)
 
 
@@ -195,8 +198,8 @@ def _write_rank_files(engine, run_dir: Path, tag: str, rank: int) -> None:
 
 
 def _publish(run_dir: Path, tag: str, step: int, world: int, views: list[dict[str, int]],
-             client_state: dict[str, Any], keep: int) -> None:
-    """Rank 0: client_state.json, the manifest of every file the ranks see, `latest`, then prune."""
+             client_state: dict[str, Any]) -> None:
+    """Rank 0: client_state.json, the manifest of every file the ranks see, then `latest`."""
     directory = rundir.checkpoint_dir(run_dir) / tag
     durable.write_text(directory / rundir.CLIENT_STATE, json.dumps(client_state, indent=1))
     files = {name: max(view.get(name, 0) for view in views) for name in sorted(set().union(*views))}
@@ -204,7 +207,6 @@ def _publish(run_dir: Path, tag: str, step: int, world: int, views: list[dict[st
     manifest = {"step": step, "world_size": world, "files": files}
     durable.write_text(rundir.manifest_file(run_dir, tag), json.dumps(manifest, indent=1))
     durable.write_text(rundir.checkpoint_dir(run_dir) / rundir.LATEST, tag)
-    prune(run_dir, keep)
 
 
 def _out_of_room_in(write: Callable[[], None]) -> str | None:
@@ -222,18 +224,20 @@ def _out_of_room_in(write: Callable[[], None]) -> str | None:
 
 def _refuse_out_of_room(reason: str | None, run_dir: Path, step: int) -> None:
     """Every rank (a collective, in place of a barrier) raises one UserError, said by rank 0, when any rank's writes
-    of step `step` ran out of room (`reason`), after rank 0 removed the unfinished checkpoint folder."""
-    problem = None
+    of step `step` ran out of room (`reason`), after rank 0 removed the unfinished checkpoint folder (never the one
+    `latest` names: a failure after `latest` was replaced, in flushing its folder, leaves that checkpoint whole)."""
+    problem, tag, latest = None, rundir.tag_for(step), rundir.latest_tag(run_dir)
+    published = latest == tag
     if reason is not None:
-        latest = rundir.latest_tag(run_dir)
-        before = f"the previous checkpoint ({latest}) is intact" if latest else "no checkpoint was saved before"
+        before = (f"its checkpoint ({tag}) was published first" if published else
+                  f"the previous checkpoint ({latest}) is intact" if latest else "no checkpoint was saved before")
         problem = (f"{rundir.checkpoint_dir(run_dir)}: {reason} while saving step {step}; {before}; free space and "
                    "rerun with --resume auto")
     try:
         refuse_together(problem, announce=dist.get_rank() == 0)
     except UserError:
-        if dist.get_rank() == 0:
-            shutil.rmtree(rundir.checkpoint_dir(run_dir) / rundir.tag_for(step), ignore_errors=True)
+        if dist.get_rank() == 0 and not published:
+            shutil.rmtree(rundir.checkpoint_dir(run_dir) / tag, ignore_errors=True)
         raise
 
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from launch.local import COMMAND_VARIABLE
 from llm import rundir
-from llm.data.prepare import SPLITS, TOKENS_FILE, tokens_digest
+from llm.data.prepare import SPLITS, TOKENS_FILE, stored_digest, tokens_digest
 from llm.errors import UserError
 from llm.jsonl import JsonLine, jsonl_lines
 from llm.runtime.distributed import DistInfo
@@ -173,8 +173,13 @@ def check_same_data(run_dir: Path, data: dict[str, Any], files: list[Path],
         return
     before = record["data"]
     differences = []
-    digest = data["digest"] if before.get("digest_method") == data["digest_method"] else sampled_digest(files)
-    if before["digest"] != digest:
+    same_method = before.get("digest_method") == data["digest_method"]
+    digest = data["digest"] if same_method else sampled_digest(files)
+    if before["digest"] != digest and not same_method and data["tokens"] and stored_digest(files[0]):
+        print(f"zerollm: note: {run_dir}'s record, made by an earlier version, identifies its data by the first and "
+              f"last MiB of tokens.h5, which `data prepare` by this version changes (it stores a digest there): the "
+              "data is compared by its token counts and tokenizer only", file=sys.stderr, flush=True)
+    elif before["digest"] != digest:
         what = "tokens.h5" if data["tokens"] else "prompt files"
         differences.append(f"{what} digest {before['digest']} then, {digest} now")
     for split in SPLITS:
