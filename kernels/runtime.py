@@ -91,10 +91,19 @@ def arch_family(capability: tuple[int, int], shared_memory: int) -> int:
     return 80 if shared_memory >= SHARED_MEMORY_LIMIT[80] else 86
 
 
+KNOWN_SHARED_MEMORY = {(8, 0): SHARED_MEMORY_LIMIT[80], (8, 7): SHARED_MEMORY_LIMIT[80],
+                       (9, 0): SHARED_MEMORY_LIMIT[90], (10, 0): SHARED_MEMORY_LIMIT[90]}
+"""Shared memory per block by compute capability, for a torch that does not report it (before 2.7, and ROCm
+builds); any other device is taken to have the least (99 KiB), whose tiles fit every device."""
+
+
 def device_arch(t: torch.Tensor) -> int:
     """The tile table of `t`'s CUDA device."""
     properties = torch.cuda.get_device_properties(t.device)
-    return arch_family((properties.major, properties.minor), properties.shared_memory_per_block_optin)
+    capability = (properties.major, properties.minor)
+    shared = getattr(properties, "shared_memory_per_block_optin", 0) or KNOWN_SHARED_MEMORY.get(
+        capability, SHARED_MEMORY_LIMIT[86])
+    return arch_family(capability, shared)
 
 
 def num_programs_for(n_items: int, device: torch.device) -> int:

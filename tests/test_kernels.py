@@ -422,6 +422,17 @@ def test_each_device_gets_tiles_that_fit_its_shared_memory(capability, shared, f
     assert SHARED_MEMORY_LIMIT[family] <= shared  # what the compile check holds the family's tiles to
 
 
+@pytest.mark.parametrize("capability, family", [((9, 0), 90), ((8, 0), 80), ((8, 9), 86), ((7, 5), 86)])
+def test_a_torch_that_does_not_report_shared_memory_still_gets_tiles(capability, family, monkeypatch):
+    """torch before 2.7 (and ROCm builds) has no shared_memory_per_block_optin: the first attention launch was an
+    AttributeError."""
+    class OlderProperties:
+        major, minor = capability
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: OlderProperties())
+    assert runtime.device_arch(_FakeCuda()) == family
+
+
 def test_triton_backend_on_cpu_without_the_interpreter_is_a_clear_error():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = "import torch, kernels; kernels.swiglu(torch.ones(3), torch.ones(3), backend='triton')"

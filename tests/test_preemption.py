@@ -4,37 +4,110 @@ The stop of whole jobs (a checkpoint and exit 75, a second signal at once) is te
 import subprocess
 import sys
 
-RANK = """
-import multiprocessing, os, signal, time
+START = """
+import asyncio, multiprocessing, os, signal, time
 import torch
+from torch.utils.data import DataLoader
+import llm.runtime.preemption as preemption
 from llm.runtime.distributed import DistInfo
-from llm.runtime.preemption import Preemption
 
+stop = preemption.Preemption(DistInfo(0, 0, 1, 1, torch.device("cpu")))
+stop.install()
+"""
+
+
+def _rank(script: str) -> subprocess.CompletedProcess:
+    """START then `script` in a process of its own group (a Ctrl-C there reaches only it and its children)."""
+    result = subprocess.run([sys.executable, "-c", START + script], capture_output=True, text=True, timeout=120,
+                            start_new_session=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_a_forked_worker_s_signals_are_its_own():
+    """A worker forked after the rank set its stop signals shared its wakeup pipe: a SIGTERM to the worker was read
+    as one to the rank."""
+    result = _rank("""
 def wait(ready):
     ready.set()
     time.sleep(60)
 
-stop = Preemption(DistInfo(0, 0, 1, 1, torch.device("cpu")))
-stop.install()
 fork = multiprocessing.get_context("fork")
 ready = fork.Event()
 worker = fork.Process(target=wait, args=(ready,))
 worker.start()
 ready.wait(30)
-worker.terminate()  # as DataLoader ends a worker that is slow to leave at the end of an epoch
+worker.terminate()
 worker.join(10)
 time.sleep(0.5)
 print("worker", worker.exitcode, "stop", stop.requested, flush=True)
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(0.5)
 print("stop", stop.requested, flush=True)
-"""
-
-
-def test_a_forked_worker_s_signals_are_its_own():
-    """A data-loader worker forked after the rank set its stop signals ignored SIGTERM and passed it to the rank
-    (they shared its wakeup pipe): DataLoader's terminate() of a slow worker asked the whole job to stop."""
-    result = subprocess.run([sys.executable, "-c", RANK], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
+""")
     assert result.stdout.splitlines() == ["worker -15 stop False", "stop True"]
     assert result.stderr.count("zerollm: stopping with a checkpoint when this step ends") == 1
+
+
+def test_a_ctrl_c_leaves_the_data_loader_workers_running():
+    """A Ctrl-C reaches the terminal's whole process group: data-loader workers (2 by default on a GPU) ended by a
+    KeyboardInterrupt crashed the rank's next draw, before the stop's checkpoint."""
+    result = _rank("""
+draws = iter(DataLoader(range(10**6), batch_size=4, num_workers=2))
+next(draws)
+time.sleep(1)
+os.killpg(os.getpgrp(), signal.SIGINT)
+time.sleep(0.5)
+print(sum(1 for _, _ in zip(range(16), draws)), "draws", "stop", stop.requested, flush=True)
+""")
+    assert result.stdout.splitlines() == ["16 draws stop True"]
+
+
+def test_a_stop_is_not_lost_to_an_asyncio_loop_that_took_the_wakeup_descriptor():
+    """A reward running an asyncio loop with a signal handler left Python with no wakeup descriptor: every later
+    SIGTERM and SIGINT was swallowed."""
+    result = _rank("""
+async def handler_set():
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: None)
+
+asyncio.run(handler_set())
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)
+print("stop", stop.requested, flush=True)
+""")
+    assert result.stdout.splitlines() == ["stop True"]
+
+
+def test_one_ctrl_c_is_not_taken_for_two_when_the_error_stream_is_slow():
+    """One Ctrl-C reaches a rank of `--nproc` twice, ms apart; the acknowledgement's write held the signal reader
+    while the error stream did not drain, so the second copy was read a second later: a stop at once, exit 143."""
+    result = _rank("""
+write = os.write
+def slow_write(fd, data):
+    if fd == 2:
+        time.sleep(1.5)
+    return write(fd, data)
+
+os.write = slow_write
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(0.01)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(3)
+print("stop", stop.requested, flush=True)
+""")
+    assert result.stdout.splitlines() == ["stop True"]
+
+
+def test_signals_after_the_stop_s_checkpoint_ask_nothing_more():
+    """A launcher ends the other ranks once one exits 75: their SIGTERM, a second or more after the stop request,
+    was read as a second request and ended a rank with 143 and 'without a checkpoint' after its checkpoint."""
+    result = _rank("""
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+stop.saved()
+time.sleep(1.2)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)
+print("alive", flush=True)
+""")
+    assert result.stdout.splitlines() == ["alive"] and "without a checkpoint" not in result.stderr

@@ -19,6 +19,7 @@ not wake for a signal the kernel handed to another of the rank's threads, nor ca
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -35,18 +36,19 @@ FORCE_AFTER_S = 1.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def _noted(signum, frame) -> None:
-    """The Python handler of a stop signal: none of its own (the signal reader acts), there so that the signal neither
-    ends the process nor is ignored before Python's C handler writes it to the wakeup descriptor."""
+def _write_error(text: str) -> None:
+    with contextlib.suppress(OSError):  # a closed error stream (its reader was stopped too)
+        os.write(2, text.encode())
 
 
 def _as_before_in_child() -> None:
-    """In a process forked from a rank after `install` (a data-loader worker): Python's defaults for the stop signals
-    and no wakeup descriptor. The child shares the rank's pipe, so a SIGTERM that DataLoader sends a slow worker at
-    the end of an epoch asked the rank to stop; and with `_noted` the worker outlived it."""
+    """In a process forked from a rank after `install` (a data-loader worker): no wakeup descriptor (the child would
+    share the rank's pipe, and a signal to it would be read as one to the rank), SIGINT ignored (a Ctrl-C reaches
+    the terminal's whole process group: a worker it ended would crash the rank's next draw, before its checkpoint;
+    the rank ends its workers itself) and SIGTERM's default (DataLoader's workers set their own)."""
     signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class Preemption:
@@ -57,6 +59,8 @@ class Preemption:
         self.info = info
         self.requested = False
         self._signalled_at: float | None = None
+        self._saved = False
+        self._wakeup = -1
         on_gpu = info.device.type == "cuda"
         self._flag = torch.zeros(1, dtype=torch.int32, device=info.device)
         self._result = torch.zeros(1, dtype=torch.int32, pin_memory=on_gpu)
@@ -66,25 +70,34 @@ class Preemption:
     def install(self) -> None:
         """Request a stop on SIGTERM/SIGINT (read by a daemon thread: module docstring), and when the supervising
         `zerollm launch` ends."""
-        read_end, write_end = os.pipe()
-        os.set_blocking(write_end, False)  # as set_wakeup_fd requires: a full pipe drops a number, never blocks
+        read_end, self._wakeup = os.pipe()
+        os.set_blocking(self._wakeup, False)  # as set_wakeup_fd requires: a full pipe drops a number, never blocks
         for signum in STOP_SIGNALS:
-            signal.signal(signum, _noted)
-        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+            signal.signal(signum, self._noted)
+        signal.set_wakeup_fd(self._wakeup, warn_on_full_buffer=False)
         if not Preemption._child_hook:
             os.register_at_fork(after_in_child=_as_before_in_child)
             Preemption._child_hook = True
         threading.Thread(target=self._read_signals, args=(read_end,), name="zerollm-stop-signals", daemon=True).start()
         watch_supervisor(self._on_supervisor_lost)
 
+    def _noted(self, signum, frame) -> None:
+        """The Python handler of the stop signals, in the main thread when it runs Python: the request, should the
+        wakeup descriptor have been taken over meanwhile (an asyncio loop in a reward sets its own, and leaves
+        none); the reader thread acts on the signal itself."""
+        self.requested = True
+
     def _read_signals(self, read_end: int) -> None:
         while True:
-            for signum in os.read(read_end, 64):  # the numbers of the signals Python's C handler caught
+            numbers = os.read(read_end, 64)  # the signals Python's C handler caught since the last read
+            now = time.monotonic()  # one time for all: a slow read must not part one Ctrl-C's two copies
+            for signum in numbers:
                 if signum in STOP_SIGNALS:
-                    self._on_signal(signum)
+                    self._on_signal(signum, now)
 
-    def _on_signal(self, signum: int) -> None:
-        now = time.monotonic()
+    def _on_signal(self, signum: int, now: float) -> None:
+        if self._saved:  # the stop's checkpoint is published: a launcher ending the other ranks asks nothing more
+            return
         if self._signalled_at is None:
             self._signalled_at, self.requested = now, True
             self._say("stopping with a checkpoint when this step ends; a second Ctrl-C (or SIGTERM) stops at once, "
@@ -95,10 +108,14 @@ class Preemption:
             os._exit(128 + signum)
 
     def _say(self, line: str) -> None:
-        """One line from the first rank, written straight to the error stream (the main thread may be inside a
-        write to sys.stderr, which a print here would wait for)."""
+        """One line from the first rank on the error stream, written by a thread of its own: a write to a stream
+        that does not drain (a paused terminal, a slow pipe) must not hold the signal reader."""
         if self.info.is_main:
-            os.write(2, f"\nzerollm: {line}\n".encode())
+            threading.Thread(target=_write_error, args=(f"\nzerollm: {line}\n",), daemon=True).start()
+
+    def saved(self) -> None:
+        """The checkpoint of a requested stop is published: signals from here on ask nothing more."""
+        self._saved = True
 
     def _on_supervisor_lost(self, reason: str) -> None:
         print(f"rank {self.info.rank}: {reason}; saving a checkpoint and stopping", flush=True)
@@ -107,6 +124,8 @@ class Preemption:
     def agreed(self) -> bool:
         """Called by every rank after every step: True on every rank at the same step once any rank was asked to
         stop (on a GPU, one step after the request)."""
+        if self._wakeup >= 0:  # ours again, should an asyncio loop (in a reward) have taken it and left none
+            signal.set_wakeup_fd(self._wakeup, warn_on_full_buffer=False)
         if self.info.world_size == 1:
             return self.requested
         if self._ready is None:  # gloo: the all-reduce completes before it returns

@@ -291,6 +291,8 @@ class Trainer:
                 self._refuse_diverged(sums)
             with self.budget.overhead("save" if save_due else None):
                 checkpointer.after_step(self.step, last=last or calibrate, stopped_by_signal=stop)
+            if stop or last:
+                self.preemption.saved()
             self.budget.end_iteration(self.step)
             if stop:
                 if self.dist.is_main:
