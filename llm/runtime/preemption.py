@@ -10,11 +10,13 @@ on every rank at the same step.
 A second stop request stops a rank at once, without a checkpoint, as SIGKILL would (a step, an evaluation or a
 reward that takes minutes, or hangs, need not be waited for; every checkpoint is written atomically, so the last
 complete one resumes). One Ctrl-C reaches each rank of `zerollm train --nproc N` twice, from the terminal and
-forwarded by the command, so requests less than `FORCE_AFTER_S` apart count as one.
+forwarded by the command, so requests less than `FORCE_AFTER_S` apart count as one. Once the stop's checkpoint is
+published (`saved`), signals ask nothing more: launchers end the other ranks when the first exits 75.
 
 The signals are read by a thread of their own, through Python's wakeup descriptor, not by a Python signal handler:
 that runs only when the main thread runs Python, and a main thread asleep (in a reward that waits on a socket) does
-not wake for a signal the kernel handed to another of the rank's threads, nor can one inside a collective.
+not wake for a signal the kernel handed to another of the rank's threads, nor can one inside a collective. (The
+handler records the request too, for when an asyncio loop took the descriptor; each step takes it back.)
 """
 
 from __future__ import annotations
