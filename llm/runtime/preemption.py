@@ -36,6 +36,8 @@ from llm.runtime.supervisor import watch_supervisor
 FORCE_AFTER_S = 1.0
 """A stop request at least this long after the first stops the rank at once (module docstring)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+EXIT_SAY_S = 2.0
+"""How long a rank stopped at once waits for its last line to be written."""
 
 
 def _write_error(text: str) -> None:
@@ -106,14 +108,17 @@ class Preemption:
                       "without one")
         elif now - self._signalled_at >= FORCE_AFTER_S:
             self._say("stopped at once by a second signal, without a checkpoint; rerun with --resume auto to continue "
-                      "from the last complete one")
+                      "from the last complete one", wait_s=EXIT_SAY_S)
             os._exit(128 + signum)
 
-    def _say(self, line: str) -> None:
+    def _say(self, line: str, wait_s: float = 0.0) -> None:
         """One line from the first rank on the error stream, written by a thread of its own: a write to a stream
-        that does not drain (a paused terminal, a slow pipe) must not hold the signal reader."""
+        that does not drain (a paused terminal, a slow pipe) must not hold the signal reader. Waits up to `wait_s`
+        for the write (the last line before the process ends, which would take the thread with it)."""
         if self.info.is_main:
-            threading.Thread(target=_write_error, args=(f"\nzerollm: {line}\n",), daemon=True).start()
+            writer = threading.Thread(target=_write_error, args=(f"\nzerollm: {line}\n",), daemon=True)
+            writer.start()
+            writer.join(wait_s)
 
     def saved(self) -> None:
         """The checkpoint of a requested stop is published: signals from here on ask nothing more."""
