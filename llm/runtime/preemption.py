@@ -36,7 +36,7 @@ from llm.runtime.supervisor import watch_supervisor
 FORCE_AFTER_S = 1.0
 """A stop request at least this long after the first stops the rank at once (module docstring)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-EXIT_SAY_S = 2.0
+LAST_LINE_WAIT_S = 2.0
 """How long a rank stopped at once waits for its last line to be written."""
 
 
@@ -108,7 +108,7 @@ class Preemption:
                       "without one")
         elif now - self._signalled_at >= FORCE_AFTER_S:
             self._say("stopped at once by a second signal, without a checkpoint; rerun with --resume auto to continue "
-                      "from the last complete one", wait_s=EXIT_SAY_S)
+                      "from the last complete one", wait_s=LAST_LINE_WAIT_S)
             os._exit(128 + signum)
 
     def _say(self, line: str, wait_s: float = 0.0) -> None:
