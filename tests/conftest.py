@@ -156,3 +156,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     a long file queued last would run alone while the other worker idles. Tests keep their order within a file."""
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))
+
+
+def changed_after_listing(listing: Callable, path: Path, change: str) -> Callable:
+    """`listing` (an `expand_inputs`) that then takes `path` away: removed ('unlink'), or replaced by a folder
+    ('mkdir'), as a file can change between the listing of the inputs and their reading."""
+    def then_changed(*args, **kwargs):
+        files = listing(*args, **kwargs)
+        path.unlink()
+        if change == "mkdir":
+            path.mkdir()
+        return files
+
+    return then_changed

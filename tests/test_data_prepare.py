@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import FIXTURES, run_cli, zerollm_here
+from conftest import FIXTURES, changed_after_listing, run_cli, zerollm_here
 from llm.cli import main
 from llm.data.formats import read_items, read_records
 from llm.data.output import OutputDir
@@ -833,16 +833,7 @@ def test_an_input_gone_while_preparing_is_named_not_the_output(tokenizer_dir, tm
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     for path in (first, second):
         path.write_text('{"text": "some text"}\n')
-    listed = expand_inputs
-
-    def then_changed(*args, **kwargs):
-        files = listed(*args, **kwargs)
-        second.unlink()
-        if change == "mkdir":
-            second.mkdir()
-        return files
-
-    monkeypatch.setattr("llm.data.prepare.expand_inputs", then_changed)
+    monkeypatch.setattr("llm.data.prepare.expand_inputs", changed_after_listing(expand_inputs, second, change))
     code = zerollm_here(monkeypatch, "data", "prepare", "--input", first, second, "--tokenizer", tokenizer_dir,
                         "--out", tmp_path / "out", "--workers", 1)
     assert code == 2

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import llm.chat_template
 import llm.data.formats
-from conftest import FIXTURES, TINY, run_cli, zerollm_here
+from conftest import FIXTURES, TINY, changed_after_listing, run_cli, zerollm_here
 from llm.chat_template import CHAT_TEMPLATE, ChatTemplateError
 from llm.data.prepare import encode_dpo, encode_sft, prepare
 from llm.errors import UserError
@@ -605,16 +605,8 @@ def test_tokenizer_train_names_an_input_gone_since_it_was_listed(tmp_path, monke
     first, second = tmp_path / "a.txt", tmp_path / "b.txt"
     for path in (first, second):
         path.write_text("a few words to train on\n")
-    listed = llm.data.formats.expand_inputs
-
-    def then_changed(*args, **kwargs):
-        files = listed(*args, **kwargs)
-        second.unlink()
-        if change == "mkdir":
-            second.mkdir()
-        return files
-
-    monkeypatch.setattr(llm.data.formats, "expand_inputs", then_changed)
+    monkeypatch.setattr(llm.data.formats, "expand_inputs",
+                        changed_after_listing(llm.data.formats.expand_inputs, second, change))
     code = zerollm_here(monkeypatch, "tokenizer", "train", "--input", first, second, "--vocab-size", 300, "--out",
                         tmp_path / "tok")
     assert code == 2 and capsys.readouterr().err == f"zerollm: error: {second}: cannot read ({problem})\n"
