@@ -49,10 +49,21 @@ def _as_before_in_child() -> None:
     """In a process forked from a rank after `install` (a data-loader worker): no wakeup descriptor (the child would
     share the rank's pipe, and a signal to it would be read as one to the rank), SIGINT ignored (a Ctrl-C reaches
     the terminal's whole process group: a worker it ended would crash the rank's next draw, before its checkpoint;
-    the rank ends its workers itself) and SIGTERM's default (DataLoader's workers set their own)."""
+    the rank ends its workers itself) and SIGTERM's default (a data-loader worker ignores it too:
+    `data_loader_worker_init`)."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def data_loader_worker_init(worker_id: int) -> None:
+    """A data-loader worker's `worker_init_fn`: it ignores SIGTERM as well as SIGINT (DataLoader's own handler,
+    set after the fork, ends it). A SIGTERM meant for the whole job reaches the workers too (SLURM's scancel signals
+    every process of the job step, DeepSpeed's launcher the rank's whole process tree): a worker it ended crashed
+    the rank's next draw, before the stop's checkpoint. The rank ends its workers itself, and a worker whose rank
+    is gone leaves within DataLoader's status interval (5 s)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class Preemption:

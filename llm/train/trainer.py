@@ -32,7 +32,7 @@ from llm.config import RunConfig
 from llm.data.sampler import ResumableDistributedSampler
 from llm.errors import EXIT_OK, EXIT_PREEMPTED
 from llm.runtime.distributed import DistInfo, raise_together
-from llm.runtime.preemption import Preemption
+from llm.runtime.preemption import Preemption, data_loader_worker_init
 from llm.runtime.watchdog import Watchdog
 from llm.train import checkpoint
 from llm.train.engine import loss_scale_of
@@ -107,7 +107,7 @@ class Trainer:
             loader = DataLoader(self.train_set, batch_size=self.steps.draw_size, sampler=self.sampler,
                                 collate_fn=self.steps.collate,
                                 num_workers=(2 if on_gpu else 0) if workers is None else workers, pin_memory=on_gpu,
-                                generator=torch.Generator())
+                                worker_init_fn=data_loader_worker_init, generator=torch.Generator())
             self._batches = iter(loader)
         return next(self._batches)
 
