@@ -108,6 +108,21 @@ def test_typed_special_tokens_stay_inside_the_message(generator):
     assert generator.tokenizer.eos_id not in ids
 
 
+def test_a_reply_shows_and_keeps_no_special_tokens(generator):
+    """A model emitting <|im_start|> or <|pad|> mid-reply printed them, and the history kept them (as text)."""
+    tokenizer = generator.tokenizer
+
+    class Scripted(TextGenerator):
+        def token_steps(self, prompts, params, use_cache=True):
+            for token in [*tokenizer.encode("Hi"), tokenizer.im_start_id, *tokenizer.encode(" you"),
+                          tokenizer.pad_id, tokenizer.im_end_id]:
+                yield torch.tensor([token]), torch.tensor([token == tokenizer.im_end_id])
+
+    session = ChatSession(Scripted(generator.model, tokenizer), SamplingParams(max_new_tokens=8))
+    assert "assistant> Hi you\n" in _repl(session, ["hello"])
+    assert session.messages[-1] == {"role": "assistant", "content": "Hi you"}
+
+
 def test_messages_nested_too_deeply_are_a_chat_template_error(generator):
     """Tool call arguments nested a few hundred levels deep (a server's client sends them) ended in a RecursionError
     from copying them to escape their text."""

@@ -30,6 +30,19 @@ from llm.model.kv_cache import KVCache
 from llm.tokenizer import Tokenizer
 
 LLAMA = Path(__file__).resolve().parent / "fixtures" / "tokenizers" / "llama"
+MINIMIND = LLAMA.parent / "minimind"
+
+
+class Scripted(TextGenerator):
+    """The real decoding, batching and streaming over a model whose every row emits the ids `script`."""
+
+    def __init__(self, model, tokenizer, script: list[int]) -> None:
+        super().__init__(model, tokenizer)
+        self.script = script
+
+    def token_steps(self, prompts, params, use_cache=True):
+        for token in self.script[:params.max_new_tokens]:
+            yield torch.tensor([token] * len(prompts)), torch.tensor([token in self.stop_ids.tolist()] * len(prompts))
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +220,51 @@ def test_stop_strings_cut_the_output_in_both_modes(generator):
     assert cut_at_stop("abcXYdef", ["XY", "d"]) == ("abc", True)
 
 
+@pytest.mark.parametrize("tokenizer_path", ["ours", MINIMIND])
+def test_special_tokens_are_left_out_of_the_text_in_both_modes(tiny_model, tokenizer_dir, tokenizer_path):
+    """A model emitting <|im_start|>, <|pad|> or another special token mid-reply showed it in the text; added tokens
+    that are not special (Qwen's and MiniMind's <think>) are text and stay, as in vLLM's output."""
+    tokenizer = Tokenizer.load(tokenizer_dir if tokenizer_path == "ours" else tokenizer_path)
+    if tokenizer_path == "ours":
+        inside, kept = [tokenizer.pad_id], ""
+    else:
+        assert (tokenizer.token(9), tokenizer.token(18)) == ("<|vision_start|>", "<think>")
+        inside, kept = [9, 18], "<think>"  # special but no role; added but not special
+    script = [*tokenizer.encode("Hello"), tokenizer.im_start_id, *tokenizer.encode(" world"), *inside,
+              *tokenizer.encode("!"), tokenizer.im_end_id]
+    generator = Scripted(tiny_model, tokenizer, script)
+    params = SamplingParams(max_new_tokens=len(script))
+    assert generator.generate(["x"], params) == [f"Hello world{kept}!"]
+    stream = generator.stream("x", params)
+    assert ("".join(stream), stream.finish_reason) == (f"Hello world{kept}!", "stop")
+    # left out of the text, a special token is still where a stop string naming it stops
+    params = SamplingParams(max_new_tokens=len(script), stop=[tokenizer.token(tokenizer.im_start_id)])
+    assert generator.generate(["x"], params) == ["Hello"]
+    stream = generator.stream("x", params)
+    assert ("".join(stream), stream.finish_reason) == ("Hello", "stop")
+
+
+@pytest.mark.parametrize("stop, expected", [("\ufffd", "你好呀"), ("好", "你"), ("你\ufffd", "你好呀")])
+def test_a_stop_string_never_matches_a_character_still_forming(tiny_model, generator, stop, expected):
+    """A character made of several byte tokens decodes as U+FFFD until its last byte comes: a stop string holding
+    U+FFFD matched it, and "你好呀" ended as ""."""
+    script = generator.tokenizer.encode("你好呀")
+    assert len(script) > 3  # byte tokens: each character comes in pieces
+    scripted = Scripted(tiny_model, generator.tokenizer, script)
+    params = SamplingParams(max_new_tokens=len(script), stop=[stop])
+    assert scripted.generate(["x"], params) == [expected]
+    assert "".join(scripted.stream("x", params)) == expected
+
+
+def test_a_cancelled_stream_ends_at_the_next_token_also_while_no_text_comes(tiny_model, generator):
+    """The server's generation thread could leave a stream only between its pieces: one whose text may still become
+    a stop string sends none, and a client that left had its generation run to the end."""
+    scripted = Scripted(tiny_model, generator.tokenizer, generator.tokenizer.encode("abc " * 20))
+    stream = scripted.stream("x", SamplingParams(max_new_tokens=40, stop=["z" * 100]),
+                             cancelled=lambda: stream.completion_tokens >= 5)
+    assert list(stream) == [] and stream.completion_tokens == 5
+
+
 # ---- export and import ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -284,11 +342,17 @@ def test_a_chat_prompt_that_is_not_utf8_is_one_line(exported, monkeypatch, capsy
                                        "is not UTF-8 (is the terminal or the file in another encoding?)\n")
 
 
-def test_an_empty_prompt_is_named_as_such(exported, monkeypatch, capsys):
-    """It was 'every prompt needs at least one token', of tokens nobody typed."""
-    assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "") == 2
-    assert capsys.readouterr().err == ("zerollm: error: the prompt is empty: there is nothing to continue (a prompt "
-                                       "needs at least one token)\n")
+def test_an_empty_prompt_is_an_unconditional_sample(exported, generator, monkeypatch, capsys):
+    """It was refused ('the prompt is empty'): an empty prompt starts a document, from BOS where the tokenizer has
+    one, else from the end-of-text token that closes every pretraining document (as GPT-2's unconditional samples)."""
+    assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "", "--max-new-tokens", 6) == 0
+    expected = generator.generate([[generator.tokenizer.eos_id]], SamplingParams(max_new_tokens=6))[0]
+    assert capsys.readouterr().out == expected + "\n"
+    assert generator.prompt_ids("") == [generator.tokenizer.eos_id]
+    llama = TextGenerator(generator.model, Tokenizer.load(LLAMA))
+    assert llama.prompt_ids("") == [llama.tokenizer.bos_id] == [1]
+    with pytest.raises(ValueError, match="the prompt is empty"):  # no ids at all: still nothing to continue
+        generator.generate([[]], SamplingParams(max_new_tokens=2))
 
 
 def _closed_pipe() -> BinaryIO:

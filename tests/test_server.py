@@ -63,6 +63,19 @@ def server(generator):
         yield url
 
 
+class Scripted(TextGenerator):
+    """The real streaming and decoding over a model whose every reply is the ids `script`, `delay_s` a token."""
+
+    def __init__(self, generator, script: list[int], delay_s: float = 0.0) -> None:
+        super().__init__(generator.model, generator.tokenizer)
+        self.script, self.delay_s = script, delay_s
+
+    def token_steps(self, prompts, params, use_cache=True):
+        for token in self.script[:params.max_new_tokens]:
+            time.sleep(self.delay_s)
+            yield torch.tensor([token]), torch.tensor([token in self.stop_ids.tolist()])
+
+
 def expected_reply(generator, content: str, max_tokens: int) -> str:
     ids = generator.tokenizer.encode_chat([{"role": "user", "content": content}], add_generation_prompt=True)
     return "".join(generator.stream(ids, SamplingParams(max_new_tokens=max_tokens)))
@@ -186,6 +199,24 @@ def test_twenty_concurrent_requests_get_their_own_answers(generator):
         assert list(pool.map(ask, prompts)) == expected
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_replies_leave_special_tokens_out(generator, stream):
+    """A model emitting <|im_start|> or <|pad|> mid-reply showed them to the client; vLLM and TGI skip special tokens
+    (skip_special_tokens=True by default)."""
+    tokenizer = generator.tokenizer
+    script = [*tokenizer.encode("Hello"), tokenizer.im_start_id, *tokenizer.encode(" world"), tokenizer.pad_id,
+              *tokenizer.encode("!"), tokenizer.im_end_id]
+    with running(Scripted(generator, script), timeout_s=10) as (url, _, _):
+        reply = _client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=20, stream=stream)
+        if stream:
+            chunks = list(reply)
+            text, finish = "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0]
+        else:
+            text, finish = reply.choices[0].message.content, reply.choices[0]
+    assert (text, finish.finish_reason) == ("Hello world!", "stop")
+
+
 # ---- refusals: OpenAI-style JSON, never a 500 for the client's mistake ---------------------------------------
 
 def _with(**fields) -> bytes:
@@ -234,6 +265,21 @@ def _deep_tool_call_arguments(depth: int) -> bytes:
     (_with(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
     (_with(stop=["a", "b", "c", "d", "e"]), "stop"),
     (_with(seed=10**30), "seed"),
+    # true is 1 and false is 0 in Python, never in OpenAI's API: these passed as 0 (asking for nothing)
+    (_with(top_logprobs=False), "top_logprobs"),
+    (_with(logprobs=0), "logprobs"),
+    (_with(frequency_penalty=False), "frequency_penalty"),
+    (_with(presence_penalty=False), "presence_penalty"),
+    (_with(logit_bias=[]), "logit_bias"),
+    (_with(max_tokens=True), "max_tokens"),
+    (_with(max_completion_tokens=True), "max_completion_tokens"),
+    (_with(seed=True), "seed"),
+    (_with(temperature=False), "temperature"),
+    (_with(top_p=True), "top_p"),
+    (_with(stream=1), "stream"),
+    (_with(top_k=-5), "top_k"),  # vLLM's extension: it was ignored, whatever it was
+    (_with(top_k=True), "top_k"),
+    (_with(repetition_penalty=0), "repetition_penalty"),
     (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None),
     (b'{"messages": [{"role": "user", "content": "x"}], "top_p": -Infinity}', None),
     (b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}', "temperature"),
@@ -268,11 +314,27 @@ def test_null_fields_and_fields_that_ask_for_nothing_take_their_defaults(server,
     ({"temperature": -0.5}, "temperature", "temperature must be a number in [0, 2], got -0.5"),
     ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options",
      "'stream_options' is only allowed with \"stream\": true"),
+    ({"top_logprobs": False}, "top_logprobs", "'top_logprobs' must be an integer"),  # was taken for 0
+    ({"logprobs": 0}, "logprobs", "'logprobs' must be true or false"),  # was taken for false
+    ({"presence_penalty": False}, "presence_penalty", "'presence_penalty' must be a number"),
+    ({"top_logprobs": 3}, "top_logprobs", "'top_logprobs' is not supported by this server; leave it out"),
+    ({"n": True}, "n", "'n' must be an integer"),
 ])
 def test_out_of_openai_range_sampling_and_stream_options_without_a_stream_are_named(server, fields, param, message):
     """OpenAI answers 400 to these; a temperature of 50 was sampled and stream_options ignored."""
     status, payload = _post(server, _with(**fields))
     assert (status, payload["error"]["param"], payload["error"]["message"]) == (400, param, message)
+
+
+def test_vllm_top_k_and_repetition_penalty_are_applied(server, generator):
+    """vLLM's sampling extensions, which our sampler has, were silently ignored: top_k 1 sampled from every token."""
+    ids = generator.tokenizer.encode_chat([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+    for fields, params in [({"top_k": 1, "temperature": 1.0, "seed": 3}, SamplingParams(max_new_tokens=24)),
+                           ({"repetition_penalty": 5.0, "temperature": 0},
+                            SamplingParams(max_new_tokens=24, repetition_penalty=5.0))]:
+        status, payload = _post(server, json.dumps({**HELLO, "max_tokens": 24, **fields}).encode())
+        assert status == 200, payload
+        assert payload["choices"][0]["message"]["content"] == "".join(generator.stream(ids, params)), fields
 
 
 def test_a_prompt_that_fills_the_context_is_refused_without_a_max_tokens_it_was_not_sent(server, generator):
@@ -513,7 +575,7 @@ class Steady:
     def __init__(self, generator, pieces: int) -> None:
         self.model, self.tokenizer, self.completion_tokens = generator.model, generator.tokenizer, pieces
 
-    def stream(self, prompt, params):
+    def stream(self, prompt, params, cancelled=None):
         return self
 
     def __iter__(self):
@@ -522,14 +584,18 @@ class Steady:
             yield "x"
 
 
-@pytest.mark.parametrize("leaving", ["close", "reset"])
-def test_a_client_leaving_a_reply_that_is_not_streamed_ends_its_generation(generator, leaving):
+@pytest.mark.parametrize("leaving, version, headers", [
+    ("close", "HTTP/1.1", None), ("reset", "HTTP/1.1", None), ("close", "HTTP/1.1", {"Connection": "close"}),
+    ("close", "HTTP/1.0", None),  # noticed only when the reply was written: no interim response to HTTP/1.0
+])
+def test_a_client_leaving_a_reply_that_is_not_streamed_ends_its_generation(generator, leaving, version, headers):
     """A client that left was noticed only when no piece came for a quarter second: a model making more than four
     pieces a second went on to the end, and every request queued behind it waited. A close is told from a half-close
-    (next test) by the reset that answers the interim 100 Continue."""
+    (next test) by the reset that answers the interim 100 Continue (HTTP/1.1) or the reply's head sent early
+    (HTTP/1.0)."""
     with running(Steady(generator, 200), timeout_s=30) as (url, service, _):
         with socket.create_connection(_address(url), timeout=CLIENT_TIMEOUT_S) as sock:
-            sock.sendall(request_bytes(HELLO))
+            sock.sendall(request_bytes(HELLO, headers, version=version))
             time.sleep(0.5)
             if leaving == "reset":
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -539,7 +605,8 @@ def test_a_client_leaving_a_reply_that_is_not_streamed_ends_its_generation(gener
         assert service.cancelled == 1 and time.monotonic() - left_at < 2
 
 
-@pytest.mark.parametrize("version, stream", [("HTTP/1.1", False), ("HTTP/1.1", True), ("HTTP/1.0", False)])
+@pytest.mark.parametrize("version, stream", [("HTTP/1.1", False), ("HTTP/1.1", True), ("HTTP/1.0", False),
+                                             ("HTTP/1.0", True)])
 def test_a_client_that_half_closes_after_its_request_gets_its_answer(generator, version, stream):
     """`nc -N` and some HTTP/1.0 scripts shut their sending side down once the request is sent: the end of their input
     was taken for a client that left, and a reply taking longer than a quarter second was never sent."""
@@ -551,18 +618,56 @@ def test_a_client_that_half_closes_after_its_request_gets_its_answer(generator, 
     interim = b"HTTP/1.1 100 Continue\r\n\r\n" if version == "HTTP/1.1" and not stream else b""
     assert status == (100 if interim else 200) and head.startswith(interim + b"HTTP/1.1 200 OK\r\n"), response
     if stream:
-        events = [line.removeprefix(b"data: ") for line in body.split(b"\n\n") if line]
-        assert events[-1] == b"[DONE]"
+        events = [line.removeprefix(b"data: ") for line in body.split(b"\n\n") if line.startswith(b"data: ")]
+        assert events[-1] == b"[DONE]" and body.count(b"\n\n:") <= 1  # an SSE comment (the probe) may come
         assert "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-2]) == "x" * 20
     else:
         assert json.loads(body)["choices"][0]["message"]["content"] == "x" * 20
+
+
+@pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/1.0"])
+def test_a_client_leaving_a_silent_stream_ends_its_generation(generator, version):
+    """A stream sends nothing while its text may still become a stop string (or while the model emits special
+    tokens): a client that closed was noticed at the next write only, and the generation, which looked for a client
+    that left only between pieces, went on to its end for nobody while the requests behind it waited."""
+    script = generator.tokenizer.encode("abc " * 100)
+    slow = Scripted(generator, script, delay_s=0.05)  # seconds of tokens, none of them sent: "z" * 500 may still come
+    with running(slow, timeout_s=30) as (url, service, _):
+        with socket.create_connection(_address(url), timeout=CLIENT_TIMEOUT_S) as sock:
+            sock.sendall(request_bytes({**HELLO, "max_tokens": len(script), "stream": True, "stop": ["z" * 500]},
+                                       version=version))
+            received = b""
+            while b"data:" not in received:  # the role's chunk: the stream has begun
+                received += sock.recv(4096)
+        left_at = time.monotonic()
+        while service.cancelled == 0 and time.monotonic() < left_at + 5:
+            time.sleep(0.05)
+        assert service.cancelled == 1 and time.monotonic() - left_at < 2
+        assert _post(url, json.dumps({**HELLO, "max_tokens": 1}).encode())[0] == 200
+
+
+def test_an_error_after_an_early_head_is_the_body(generator):
+    """To an HTTP/1.0 client whose input ended the head of the reply goes at once (to tell a close from a
+    half-close); a failure of the model after it is the OpenAI error as the body, with no second head."""
+    class Failing:
+        model, tokenizer = generator.model, generator.tokenizer
+
+        def stream(self, prompt, params, cancelled=None):
+            time.sleep(1)
+            raise RuntimeError("the model broke")
+            yield
+
+    with running(Failing(), timeout_s=10) as (url, _, _):
+        status, response = raw_exchange(url, request_bytes(HELLO, version="HTTP/1.0"), half_close=True)
+    assert status == 200 and response.count(b"HTTP/1.1") == 1, response
+    assert json_body(response)["error"]["message"] == "internal error: RuntimeError: the model broke"
 
 
 def test_an_error_after_the_stream_began_is_an_sse_event(generator):
     class Failing:
         model, tokenizer = generator.model, generator.tokenizer
 
-        def stream(self, prompt, params):
+        def stream(self, prompt, params, cancelled=None):
             yield "partial"
             raise RuntimeError("the model broke")
 
@@ -702,7 +807,7 @@ def test_a_full_queue_answers_503_and_the_queued_are_served(generator):
     class Holding:
         model, tokenizer = generator.model, generator.tokenizer
 
-        def stream(self, prompt, params):
+        def stream(self, prompt, params, cancelled=None):
             return Held()
 
     service = ChatService(Holding(), "tiny", max_queued=1)

@@ -5,11 +5,17 @@ prompts of any lengths) and `stream` (text pieces as they are produced, never sp
 character or leaking part of a stop string) are built on it. Prompts are token ids (a chat prompt
 comes from `Tokenizer.encode_chat`, never from re-encoding rendered text) or plain text to continue.
 `use_cache=False` recomputes the whole sequence for every token, for comparison and benchmarks.
+
+The text of a completion leaves special tokens out (`TextGenerator.text`), as OpenAI-compatible servers (vLLM,
+TGI) do by default: a model that emits `<|im_start|>` or padding mid-reply shows no markup to its reader. Added
+tokens that are not special (Qwen's `<think>`, `<tool_call>`) are text and stay. An empty text prompt asks for an
+unconditional sample: it starts from the tokenizer's BOS, or else its end-of-text token, which closes every
+pretraining document (what follows it begins a new one), as GPT-2's unconditional samples do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -38,6 +44,10 @@ class TextGenerator:
         if stop_token_ids is None:
             stop_token_ids = tokenizer.stop_ids
         self.stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long)
+        roles = {tokenizer.eos_id, tokenizer.pad_id, tokenizer.bos_id, tokenizer.im_start_id, tokenizer.im_end_id,
+                 *tokenizer.stop_ids}
+        self.special_ids = frozenset(roles - {None})
+        """Role tokens left out of the text (`text`) even where the tokenizer does not flag them special."""
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
 
@@ -94,9 +104,28 @@ class TextGenerator:
                 cache = new_cache()
                 logits = self._logits(ids, valid, cache)
 
+    def text(self, ids: Iterable[int]) -> str:
+        """The text of generated ids, without special tokens: the role tokens (`special_ids`) and the tokenizer's
+        special added tokens are left out."""
+        return self.tokenizer.decode([i for i in ids if i not in self.special_ids], skip_special_tokens=True)
+
+    def stops_at(self, token: int, stop: list[str]) -> bool:
+        """Whether `token` is a special token (left out of the text, where no stop string can match it) that a stop
+        string names: `stop=["<|im_start|>"]` ends a reply where the model would open a turn."""
+        return bool(stop) and self.tokenizer.token(token) in stop and not self.text([token])
+
+    @property
+    def start_ids(self) -> list[int]:
+        """The prompt of an unconditional sample (an empty text prompt): BOS, or else end of text."""
+        return [self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self.tokenizer.eos_id]
+
     def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """Ids of a prompt: token ids as they are, or text to continue (special-token strings in it stay text)."""
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        """Ids of a prompt: token ids as they are, or text to continue (special-token strings in it stay text); the
+        empty text is an unconditional sample's prompt (`start_ids`). Empty ids stay empty (`token_steps` refuses
+        them)."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt) if prompt else self.start_ids
+        return list(prompt)
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, use_cache: bool = True) -> list[str]:
         """Completions of several prompts at once."""
@@ -107,19 +136,27 @@ class TextGenerator:
             for row, token in enumerate(next_ids.tolist()):
                 if done[row]:
                     continue
-                if token in stop_ids:
+                if token in stop_ids or self.stops_at(token, params.stop):
                     done[row] = True
                     continue
                 outputs[row].append(token)
                 if params.stop:
-                    done[row] = cut_at_stop(self.tokenizer.decode(outputs[row]), params.stop)[1]
+                    done[row] = cut_at_stop(_complete_text(self.text(outputs[row])), params.stop)[1]
             if all(done):
                 break
-        return [cut_at_stop(self.tokenizer.decode(out), params.stop)[0] for out in outputs]
+        return [cut_at_stop(self.text(out), params.stop)[0] for out in outputs]
 
-    def stream(self, prompt: Prompt, params: SamplingParams) -> TextStream:
-        """Text pieces of one completion as they are produced; their concatenation equals `generate`'s text."""
-        return TextStream(self, self.prompt_ids(prompt), params)
+    def stream(self, prompt: Prompt, params: SamplingParams, cancelled: Callable[[], bool] | None = None) -> TextStream:
+        """Text pieces of one completion as they are produced; their concatenation equals `generate`'s text.
+        `cancelled`, asked before each token, ends the generation when it answers true (also while no text comes:
+        special tokens, a character or a stop string still forming)."""
+        return TextStream(self, self.prompt_ids(prompt), params, cancelled)
+
+
+def _complete_text(text: str) -> str:
+    """Text less a character still forming at its end: an incomplete UTF-8 sequence decodes as U+FFFD, which no stop
+    string may match before its bytes have all come."""
+    return text.rstrip("\ufffd")
 
 
 class TextStream:
@@ -127,13 +164,14 @@ class TextStream:
     string. Once it has ended: `finish_reason` ('stop': a stop token or string; 'length': max_new_tokens reached)
     and `completion_tokens` (tokens sampled). Leaving the loop early ends the generation."""
 
-    def __init__(self, generator: TextGenerator, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.generator, self.prompt_ids, self.params = generator, prompt_ids, params
+    def __init__(self, generator: TextGenerator, prompt_ids: list[int], params: SamplingParams,
+                 cancelled: Callable[[], bool] | None = None) -> None:
+        self.generator, self.prompt_ids, self.params, self.cancelled = generator, prompt_ids, params, cancelled
         self.completion_tokens = 0
         self.finish_reason: str | None = None
 
     def __iter__(self) -> Iterator[str]:
-        tokenizer, params = self.generator.tokenizer, self.params
+        params = self.params
         ids: list[int] = []
         emitted = 0
         hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may still be forming
@@ -142,22 +180,24 @@ class TextStream:
         for next_ids, _ in self.generator.token_steps([self.prompt_ids], params):
             token = int(next_ids[0])
             self.completion_tokens += 1
-            if token in stop_ids:
+            if token in stop_ids or self.generator.stops_at(token, params.stop):
                 self.finish_reason = "stop"
                 break
             ids.append(token)
-            text, stopped = cut_at_stop(tokenizer.decode(ids), params.stop)
+            # an incomplete UTF-8 sequence decodes as U+FFFD: wait for its rest, to emit it and to match a stop string
+            text = _complete_text(self.generator.text(ids))
+            text, stopped = cut_at_stop(text, params.stop)
             if stopped:
                 self.finish_reason = "stop"
                 yield text[emitted:]
                 return
             safe = len(text) - hold
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence decodes as U+FFFD: wait for its rest
-                safe = min(safe, len(text.rstrip("\ufffd")))
             if safe > emitted:
                 yield text[emitted:safe]
                 emitted = safe
-        text, _ = cut_at_stop(tokenizer.decode(ids), params.stop)
+            if self.cancelled is not None and self.cancelled():
+                return
+        text, _ = cut_at_stop(self.generator.text(ids), params.stop)
         if len(text) > emitted:
             yield text[emitted:]
 

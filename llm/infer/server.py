@@ -6,9 +6,9 @@ Standard library only (`http.server`, one thread per connection). Requests are u
   requests never interleave on the model, and no client's socket is ever written while the model
   waits: a client that stops reading stalls only its own connection. Its pieces queue up (at most
   max_tokens of them) until the socket timeout ends the connection and cancels its generation; a
-  client that disconnects is noticed within a quarter second (waiting, or while its pieces arrive) and
-  at the next write, and its generation ends quietly, without a traceback. One that only half-closes
-  (shutdown(SHUT_WR)) after its request still gets its answer.
+  client that disconnects is noticed within a quarter second (waiting, or while its pieces arrive, or while none
+  come) and at the next write, and its generation ends quietly, at the next token, without a traceback. One that
+  only half-closes (shutdown(SHUT_WR)) after its request still gets its answer.
 - Every socket has a timeout (a client that sends or reads nothing for that long is dropped), a request's
   line, headers and body must all arrive within that timeout (a client dribbling bytes is dropped too),
   open connections are capped (one more gets 503 at once), so are one client address's off loopback (by default a
@@ -23,7 +23,9 @@ Standard library only (`http.server`, one thread per connection). Requests are u
   is required (`Authorization: Bearer KEY`, as OpenAI clients send it).
 - The address is bound and the options are checked before the model loads: a bad one is a UserError.
 - Every error is an OpenAI-style JSON body (4xx for the client's mistakes); after a stream has
-  begun, an error is sent as an SSE `data: {"error": ...}` event.
+  begun, an error is sent as an SSE `data: {"error": ...}` event, and after the head of a reply that is not streamed
+  was sent early (an HTTP/1.0 client whose input ended: see `_probe`), as the body under status 200.
+- Replies are text without special tokens (`TextGenerator.text`), as vLLM's and TGI's are by default.
 """
 
 from __future__ import annotations
@@ -172,10 +174,24 @@ class RequestOptions:
     """stream_options.include_usage: a last chunk before [DONE] carries the usage, every other chunk usage null."""
 
 
-UNSUPPORTED = {"logprobs": False, "top_logprobs": 0, "logit_bias": {}, "frequency_penalty": 0,
-               "presence_penalty": 0}
-"""OpenAI request fields this server does not implement, with the value that asks for nothing (null too): any other
-value is refused, not ignored, so that a client never reads a reply made without what it asked for."""
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # true is 1 in Python, never in OpenAI's API
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str, Any]] = {
+    "logprobs": (lambda value: isinstance(value, bool), "true or false", False),
+    "top_logprobs": (_is_integer, "an integer", 0),
+    "logit_bias": (lambda value: isinstance(value, dict), "an object", {}),
+    "frequency_penalty": (_is_number, "a number", 0),
+    "presence_penalty": (_is_number, "a number", 0),
+}
+"""OpenAI request fields this server does not implement: (the check of their type, its name, the value that asks for
+nothing). A value of another type is refused as OpenAI refuses it (false is no integer, 0 no boolean), any value but
+nothing (or null) as unsupported, not ignored, so that a client never reads a reply made without what it asked for."""
 
 
 def _flag(body: dict, key: str, where: str = "") -> bool:
@@ -191,8 +207,11 @@ def parse_options(body: dict, default_max_tokens: int) -> RequestOptions:
     accepted, or RequestError. A field given as null takes its default, as in OpenAI's API."""
     if _number(body, "n", int, 1) != 1:
         raise RequestError("only n=1 is supported", "n")
-    for key, nothing in UNSUPPORTED.items():
-        if body.get(key) not in (None, nothing):
+    for key, (valid, kind, nothing) in UNSUPPORTED.items():
+        value = body.get(key)
+        if value is not None and not valid(value):
+            raise RequestError(f"'{key}' must be {kind}", key)
+        if value not in (None, nothing):
             raise RequestError(f"'{key}' is not supported by this server; leave it out", key)
     if body.get("tool_choice") not in (None, "none", "auto"):  # a reply must call a tool: none is parsed out of it
         raise RequestError("only 'none' and 'auto' tool_choice are supported (no tool call is parsed out of a reply)",
@@ -218,9 +237,12 @@ def parse_options(body: dict, default_max_tokens: int) -> RequestOptions:
     if not 0 <= temperature <= MAX_TEMPERATURE:  # NaN cannot come: the body's JSON refuses it
         raise RequestError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}",
                            "temperature")
+    top_k = _number(body, "top_k", int, 0)  # vLLM's extensions, which the sampler has: -1 or 0 is off
     try:
         params = SamplingParams(max_new_tokens=max_tokens, stop=stop, seed=_number(body, "seed", int, None),
-                                temperature=temperature, top_p=_float(body, "top_p", 1.0))
+                                temperature=temperature, top_p=_float(body, "top_p", 1.0),
+                                top_k=0 if top_k == -1 else top_k,
+                                repetition_penalty=_float(body, "repetition_penalty", 1.0))
     except InvalidSampling as exc:  # named by the request's field
         field = key if exc.field == "max_new_tokens" else exc.field
         raise RequestError(f"{field} {exc.reason}", field) from None
@@ -304,13 +326,14 @@ class ChatService:
             if job.cancelled.is_set():
                 self.cancelled += 1
                 continue
-            try:
-                job.stream = self.generator.stream(job.prompt_ids, job.params)
+            try:  # a client that left ends its generation at the next token, also while no text comes
+                job.stream = self.generator.stream(job.prompt_ids, job.params, cancelled=job.cancelled.is_set)
                 for piece in job.stream:
                     if job.cancelled.is_set():
-                        self.cancelled += 1
                         break
                     job.pieces.put(piece)
+                if job.cancelled.is_set():
+                    self.cancelled += 1
                 job.pieces.put(_DONE)
             except Exception as exc:  # noqa: BLE001 - the request reports it; the server keeps serving
                 job.pieces.put(exc)
@@ -416,7 +439,7 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                                        "--api-key", status=401, code="invalid_api_key")
 
         def _handle(self, route: Callable[[], None]) -> None:
-            self.streaming = self.input_ended = False
+            self.streaming = self.input_ended = self.head_sent = False
             self.route = urllib.parse.urlsplit(self.path).path  # a query string (?limit=1) names no other route
             try:
                 self._check_access()
@@ -432,9 +455,12 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
 
         def _fail(self, message: str) -> None:
             self.close_connection = True
+            error = {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
             try:
                 if self.streaming:
-                    self._sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+                    self._sse(error)
+                elif self.head_sent:
+                    self.wfile.write(json.dumps(error, ensure_ascii=False).encode())
                 else:
                     self._error(500, message)
             except OSError:
@@ -510,8 +536,7 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             """Whether the client has left: its connection was reset or closed both ways (POLLERR, POLLHUP). The end
             of its input alone is no sign: a client that half-closes (shutdown(SHUT_WR), as `nc -N` does) still waits
             for its answer, and Linux tells it from one that closed only once something is written, which a closed
-            socket answers with a reset. A stream writes as it goes; a reply that is not streamed is preceded by an
-            interim `100 Continue` to the HTTP/1.1 clients whose input ended (HTTP/1.0 has no interim responses)."""
+            socket answers with a reset: when its input ends, `_probe` writes."""
             try:
                 poller = select.poll()
                 poller.register(self.connection, select.POLLIN)
@@ -521,12 +546,32 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                     return True
                 if flags & select.POLLIN and not self.input_ended and not self.connection.recv(1, socket.MSG_PEEK):
                     self.input_ended = True
-                    if not self.streaming and self.request_version != "HTTP/1.0":
-                        self.send_response_only(HTTPStatus.CONTINUE)
-                        self.end_headers()
+                    self._probe()
                 return False
             except (OSError, ValueError):
                 return True
+
+        def _probe(self) -> None:
+            """Write what the client skips, for a client that closed to answer it with a reset (seen at the next
+            poll): in a stream, an SSE comment (a stream may be silent for long: special tokens, or text that may
+            still become a stop string, are not sent); before a reply that is not streamed, an interim `100 Continue`
+            to HTTP/1.1; to HTTP/1.0, which has no interim responses, the reply's head at once (`_begin_reply`)."""
+            if self.streaming:
+                self.wfile.write(b": waiting for the model\n\n")
+            elif self.request_version != "HTTP/1.0":
+                self.send_response_only(HTTPStatus.CONTINUE)
+                self.end_headers()
+            else:
+                self._begin_reply()
+
+        def _begin_reply(self) -> None:
+            """The head of a 200 JSON reply whose body ends where the connection does (its length is not known yet);
+            an error after it is the body."""
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = self.head_sent = True
 
         def _pieces(self, job: Generation) -> Iterator[str]:
             """The generation's text pieces; a client that left is noticed every WAIT_POLL_S, also while pieces
@@ -551,11 +596,15 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
 
         def _complete(self, job: Generation) -> None:
             text = "".join(self._pieces(job))
-            self._json(200, {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                             "created": int(time.time()), "model": self.service.model_name,
-                             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                          "finish_reason": job.stream.finish_reason}],
-                             "usage": _usage(job)})
+            reply = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                     "model": self.service.model_name,
+                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                  "finish_reason": job.stream.finish_reason}],
+                     "usage": _usage(job)}
+            if self.head_sent:
+                self.wfile.write(json.dumps(reply, ensure_ascii=False).encode())
+            else:
+                self._json(200, reply)
 
         def _stream(self, job: Generation, include_usage: bool) -> None:
             self.send_response(200)
