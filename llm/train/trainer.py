@@ -18,6 +18,7 @@ where the host waits (and GRPO's rollouts, which need the sampled text on the ho
 from __future__ import annotations
 
 import math
+import sys
 import uuid
 from contextlib import nullcontext
 from pathlib import Path
@@ -294,6 +295,9 @@ class Trainer:
             if stop or last:
                 self.preemption.saved()
             self.budget.end_iteration(self.step)
+            note = self.budget.warmup_note()
+            if note and self.dist.is_main:
+                logger.bar.write(f"{self.cfg.train.stage}: {note}", file=sys.stdout)
             if stop:
                 if self.dist.is_main:
                     logger.bar.close()
