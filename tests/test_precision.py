@@ -145,6 +145,22 @@ def test_the_cpu_peak_stops_growing_its_matmul_once_one_takes_long_enough(monkey
     assert sorted(set(sizes)) == [128, 256, 512, 1000]
 
 
+def test_the_cpu_peak_is_not_taken_from_a_small_matmul_slowed_by_a_loaded_machine(monkeypatch):
+    """On a loaded machine a small product waits for its threads: a 128^3 one took over 20 ms, the peak was taken
+    from it, and MFU read 33.5."""
+    clock, sizes = [0.0], []
+
+    def mm(a, b):  # a 2 GFLOP/s CPU whose every product also waits 25 ms for its threads
+        sizes.append(a.shape[0])
+        clock[0] += a.shape[0] ** 3 * 1e-9 + 0.025
+        return a
+
+    monkeypatch.setattr(metrics.torch, "mm", mm)
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    assert metrics.measure_peak_flops(CPU, torch.float32) == pytest.approx(2 * 1024 ** 3 / (1024 ** 3 * 1e-9 + 0.025))
+    assert max(sizes) == 1024
+
+
 def test_a_torch_without_onednn_bf16_checks_counts_as_emulating_bf16(monkeypatch):
     def missing():
         raise AttributeError("'_OpNamespace' 'mkldnn' object has no attribute '_is_mkldnn_bf16_supported'")

@@ -3,7 +3,8 @@
 MFU = achieved model FLOP/s / peak FLOP/s, with model FLOPs per token = 6 * (matmul parameters
 active per token) + 12 * n_layers * dim * seq_len (attention scores), as in the PaLM paper.
 The peak is `train.peak_tflops` when given, a table entry for known GPUs (dense bf16), and on CPU
-the best measured rate of square matmuls (up to 1024^3, or to the first that takes 20 ms) in the training dtype on
+the best measured rate of square matmuls (up to 1024^3, or to the first that takes 20 ms
+without beating the size before: `measure_peak_flops`) in the training dtype on
 the threads each rank uses (so CPU MFU reads "share of what this machine's matmul reaches").
 """
 
@@ -45,13 +46,18 @@ def flops_per_token(cfg: ModelConfig, total_params: int, seq_len: int) -> float:
     return 6.0 * matmul_params_per_token(cfg, total_params) + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 
+GROWING = 1.1
+"""A matmul rate this much above the size before's is still growing (`measure_peak_flops`)."""
+
+
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, max_size: int = 1024, enough_s: float = 0.02,
                        repeats: int = 5) -> float:
     """Best rate of a square matmul in `dtype` on `device` (on the CPU: this process's threads), over sizes doubling
-    from 128 up to `max_size` or to the first whose product takes `enough_s`: a CPU that emulates bf16 reaches its
-    rate on small matrices and would spend seconds on each 1024^3 one. The operands come from a generator of their
-    own: drawn from the global RNG after a resume restored it, they would shift every dropout mask of the resumed
-    run."""
+    from 128 up to `max_size` or to the first whose product takes `enough_s` at a rate no better than the size
+    before's (by `GROWING`): a CPU that emulates bf16 reaches its rate on small matrices and would spend seconds on
+    each 1024^3 one, while on a loaded machine a small product waits for its threads to be scheduled (a 128^3 one
+    took 20 ms there, and the peak read 33 times too low). The operands come from a generator of their own: drawn
+    from the global RNG after a resume restored it, they would shift every dropout mask of the resumed run."""
     generator = torch.Generator().manual_seed(0)
     synchronize = torch.mps.synchronize if device.type == "mps" else (lambda: None)
     size, rate = min(128, max_size), 0.0
@@ -65,8 +71,8 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, max_size: int =
             torch.mm(a, b)
             synchronize()
             best = min(best, time.perf_counter() - start)
-        rate = max(rate, 2.0 * size ** 3 / best)
-        if size >= max_size or best >= enough_s:
+        rate, before = max(rate, 2.0 * size ** 3 / best), rate
+        if size >= max_size or (best >= enough_s and rate <= GROWING * before):
             return rate
         size = min(2 * size, max_size)
 
