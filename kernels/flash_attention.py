@@ -58,8 +58,8 @@ def _tile(m: int, n: int, warps: int, stages: int) -> triton.Config:
 # head dims up to 64 ("small") or above ("large"), fp32 inputs likewise ("fp32-small", "fp32-large"). The
 # autotuner times the candidates of the device's family on first use (per power-of-two sequence length, tile
 # width, dtype, causal, segments). Candidates are chosen to compile without register spills on their architecture
-# (python -m kernels.compile_check); BENCHMARKS.md ("Spills") lists those that spill, all but the atomic-dQ option's
-# by at most 16 bytes a thread, and what was compiled since the last kernel change. Ampere keeps the B
+# (python -m kernels.compile_check); BENCHMARKS.md ("Spills") lists those that spill (from the full check: the
+# default tiles by 4-60 bytes a thread, the atomic-dQ option's by up to 184). Ampere keeps the B
 # operand of every matmul whole in each warp's registers, so its dK/dV tiles are narrow in the query
 # dimension (the K dimension of the dK/dV matmuls); Hopper's wgmma reads operands from shared memory, which allows
 # wider dK/dV tiles at head dims up to 64; at 128 only M16 N64 (no spills) and M32 N64 (under 64 bytes a thread)

@@ -4,7 +4,8 @@ x = [x1, x2] (halves of head_dim); y = [x1 cos - x2 sin, x2 cos + x1 sin] with t
 token: `position_offset + s`, or `positions[b, s]` (packed samples restart at 0). The backward pass is
 the inverse rotation (sin negated). One program per (block of BLOCK_S tokens, batch) loads the cos/sin
 rows of its tokens once and rotates every query head, then every key head (GQA/MQA head counts differ);
-any strides; outputs keep the inputs' memory layout.
+any strides; outputs keep the inputs' memory layout. The programs lie on grid axis 0 only (`grid`): CUDA
+limits axes 1 and 2 to 65535, which a batch may pass.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ def _rope(Q, K, QO, KO, COS, SIN, POS,
           stride_qob, stride_qoh, stride_qos, stride_qod, stride_kob, stride_koh, stride_kos, stride_kod,
           stride_cos, stride_pos, seq, n_q_heads, n_k_heads, position_offset, half,
           SIGN: tl.constexpr, POSITIONS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    b = tl.program_id(1).to(tl.int64)
-    tokens = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    n_blocks = tl.cdiv(seq, BLOCK_S)
+    pid = tl.program_id(0)
+    b = (pid // n_blocks).to(tl.int64)
+    tokens = (pid % n_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
     token_ok = tokens < seq
     d_ok = tl.arange(0, BLOCK_D) < half
     if POSITIONS:
@@ -76,11 +79,17 @@ def rope_args(q, k, qo, ko, cos, sin, positions, position_offset: int, sign: int
     return args, {"SIGN": sign, "POSITIONS": has_positions, "BLOCK_D": block_d, "BLOCK_S": block_s}
 
 
+def grid(batch: int, seq: int, block_s: int) -> tuple[int]:
+    """The launch grid: one program per (block of `block_s` tokens, batch), the blocks of a batch row consecutive,
+    all on axis 0, for CUDA allows 2^31 - 1 programs on axis 0 but 65535 on axes 1 and 2."""
+    return (triton.cdiv(seq, block_s) * batch,)
+
+
 def _rotate(q, k, cos, sin, positions, position_offset: int, sign: int) -> tuple[torch.Tensor, torch.Tensor]:
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     if qo.numel() or ko.numel():
         args, constexprs = rope_args(q, k, qo, ko, cos, sin, positions, position_offset, sign)
-        _rope[(triton.cdiv(q.shape[2], constexprs["BLOCK_S"]), q.shape[0])](*args, **constexprs, num_warps=4)
+        _rope[grid(q.shape[0], q.shape[2], constexprs["BLOCK_S"])](*args, **constexprs, num_warps=4)
     return qo, ko
 
 

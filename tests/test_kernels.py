@@ -116,6 +116,39 @@ def test_rope_with_positions_per_token(dtype, seed, nan_outputs):
             lambda q, k: reference.apply_rope(q, k, cos, sin, positions=positions), [q, k], dtype, seed)
 
 
+@pytest.mark.parametrize("with_positions", [False, True])
+def test_rope_launch_puts_the_batch_on_grid_axis_0(monkeypatch, with_positions):
+    """The batch was grid axis 1, which CUDA limits to 65535: a batch of 70000 failed to launch. The launch is
+    recorded, not run (70000 interpreted programs would take minutes); the flat grid's decoding is tested below."""
+    import kernels.rope
+
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            launched.append(tuple(grid))
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(kernels.rope, "_rope", Recorder())
+    batch, seq = 70000, 20  # interpreted tiles hold 8 tokens: 3 blocks a row
+    cos, sin = _tables(32, 32)
+    q, k = torch.randn(batch, 1, seq, 32), torch.randn(batch, 1, seq, 32)
+    positions = torch.zeros(batch, seq, dtype=torch.long) if with_positions else None
+    kernels.apply_rope(q, k, cos, sin, positions=positions, backend="triton")
+    assert launched == [(3 * batch,)]
+
+
+@pytest.mark.parametrize("with_positions", [False, True])
+def test_rope_flat_grid_maps_every_program_to_its_token_block_and_batch_row(with_positions, seed, nan_outputs):
+    """Programs walk (block of tokens, batch row) from one grid axis: 5 rows of 19 tokens, 3 blocks a row (ragged)."""
+    cos, sin = _tables(64, 32)
+    positions = torch.randint(0, 64, (5, 19)) if with_positions else None
+    q, k = torch.randn(5, 3, 19, 32), torch.randn(5, 1, 19, 32)
+    offset = 0 if with_positions else 40
+    compare(lambda q, k: kernels.apply_rope(q, k, cos, sin, offset, positions, backend="triton"),
+            lambda q, k: reference.apply_rope(q, k, cos, sin, offset, positions), [q, k], torch.float32, seed)
+
+
 def test_rope_positions_match_the_models_gather():
     cos, sin = _tables(32, 64)
     positions = torch.tensor([[0, 1, 0, 1, 2, 3]])
