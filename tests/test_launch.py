@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from conftest import REPO, TINY, run_cli
@@ -25,6 +26,7 @@ from launch.nodelist import expand_nodelist, slurm_hosts
 from launch.torchrun import lost_rank, quiet_code
 from llm.cli import build_parser, launch_options
 from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, UserError
+from llm.runtime import watchdog
 from llm.runtime.cpu_threads import usable_cpus
 from llm.runtime.fingerprint import mismatch_message
 from llm.runtime.rank_env import free_port
@@ -462,7 +464,7 @@ def test_a_killed_rank_ends_the_job_naming_it_and_one_node_resumes(pretrain_data
     assert time.monotonic() - killed_at < timeout + 10
     log = (tmp_path / "node0.log").read_text()
     assert code == 76, log[-3000:]
-    assert f"rank 1 (host {socket.gethostname()}, pid {victim.pid}) stopped responding" in log
+    assert f"rank 1 (host {socket.gethostname()}, pid {victim.pid}) ended" in log  # same machine: named at once
 
     step = int((run / "checkpoints" / "latest").read_text().removeprefix("global_step"))
     job = _job(pretrain_data, run, *SLOW, f"train.max_steps={step + 2}", "train.micro_batch_size=32")
@@ -471,6 +473,29 @@ def test_a_killed_rank_ends_the_job_naming_it_and_one_node_resumes(pretrain_data
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed at step {step}" in result.stdout and "converting it to a universal checkpoint" in result.stdout
     assert [r["step"] for r in _metrics(run)][-2:] == [step + 1, step + 2]
+
+
+@pytest.mark.parametrize("same_namespace", [True, False])
+def test_a_rank_of_this_machine_whose_process_ended_is_named_at_once(monkeypatch, same_namespace):
+    """A peer killed on the same machine was diagnosed only after its heartbeat had been silent for 3 intervals
+    (30 s by default) and called a rank that stopped responding. A pid of another pid namespace (a container with
+    the host's network) says nothing: its heartbeat decides."""
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    boot, namespace, _ = watchdog._this_process().split(" ")
+    store.set(watchdog._identity_key(1), f"host h1, pid {ended.pid}")
+    store.set(watchdog._process_key(1), f"{boot} {namespace if same_namespace else 'elsewhere'} {ended.pid}")
+    store.add(watchdog._counter_key(1), 1)
+    dog = watchdog.Watchdog(0, 2, timeout_s=15, announce=True)
+    try:
+        assert dog.diagnose() == (f"rank 1 (host h1, pid {ended.pid}) ended" if same_namespace else
+                                  f"rank 1 (host h1, pid {ended.pid}) stopped responding (no heartbeat for 2 s)")
+    finally:
+        dog.stop()
 
 
 def test_a_frozen_rank_ends_the_job_at_the_timeout_naming_it(pretrain_data, tmp_path):

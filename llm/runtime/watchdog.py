@@ -6,7 +6,8 @@ a clock that needs no synchronised clocks between nodes:
 
 - when a collective fails (a peer's connection closed) or times out (`train.collective_timeout_s`),
   `diagnose()` reads every counter twice, `stale_after` seconds apart; ranks whose counter did not move
-  are dead or frozen, and are named with the host and pid they registered;
+  are dead or frozen, and are named with the host and pid they registered (a rank of the same machine and pid
+  namespace whose process has ended is named at once, without the wait);
 - the rank that diagnosed a failure publishes it under an abort key; every other rank's heartbeat
   thread sees the key within one interval and ends its process, so no rank is left waiting;
 - a step that runs longer than the timeout ends the job from the thread (a backstop for waits that no
@@ -29,7 +30,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 
+import psutil
 import torch.distributed as dist
 
 from llm.errors import EXIT_RANK_LOST
@@ -43,6 +46,34 @@ def _counter_key(rank: int) -> str:
 
 def _identity_key(rank: int) -> str:
     return f"{_PREFIX}/who/{rank}"
+
+
+def _process_key(rank: int) -> str:
+    return f"{_PREFIX}/process/{rank}"
+
+
+def _this_process() -> str:
+    """Where a pid means this process: the boot and the pid namespace of this machine, and the pid ("" where /proc
+    does not tell)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot} {os.stat('/proc/self/ns/pid').st_ino} {os.getpid()}"
+    except OSError:
+        return ""
+
+
+def _ended(process: str, here: str) -> bool:
+    """Whether `process` (a rank's `_this_process`) is of this machine and pid namespace, and has ended (or is a
+    zombie its launcher has not reaped yet). Elsewhere only its heartbeat can tell."""
+    *where, pid = process.split(" ") if process else ["", ""]
+    if not here or where != here.split(" ")[:-1]:
+        return False
+    try:
+        return psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # not ours to look at: its heartbeat tells
+        return False
 
 
 _ABORT_KEY = f"{_PREFIX}/abort"
@@ -61,6 +92,7 @@ class Watchdog:
         self.address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         self._store = self._connect(timeout_s)
         self._store.set(_identity_key(rank), f"host {socket.gethostname()}, pid {os.getpid()}")
+        self._store.set(_process_key(rank), _this_process())
         self._store.add(_counter_key(rank), 1)
         self._busy_since: float | None = None
         self._busy_what = ""
@@ -92,10 +124,19 @@ class Watchdog:
         self._thread.join()
 
     def diagnose(self) -> str | None:
-        """A sentence naming the ranks whose heartbeat stopped, or None when every rank is alive."""
+        """A sentence naming the ranks whose heartbeat stopped, or None when every rank is alive. Ranks of this
+        machine whose process has ended are named at once, without waiting for their heartbeat."""
         host, port = self.address
+        others = [r for r in range(self.world_size) if r != self.rank]
         try:
             store = self._connect(max(5.0, 2 * self.interval))
+            here = _this_process()
+            known = [r for r in others if store.check([_process_key(r)])]  # a rank may fail before another began
+            processes = store.multi_get([_process_key(r) for r in known]) if known else []
+            ended = [r for r, process in zip(known, processes, strict=True) if _ended(process.decode(), here)]
+            if ended:
+                who = store.multi_get([_identity_key(r) for r in ended])
+                return "; ".join(f"rank {r} ({w.decode()})" for r, w in zip(ended, who, strict=True)) + " ended"
             keys = [_counter_key(r) for r in range(self.world_size)]
             before = store.multi_get(keys)
             time.sleep(self.stale_after)
