@@ -11,7 +11,9 @@ Text from users and files is encoded with special tokens disabled (`encode`): `<
 message or a corpus is seven ordinary tokens, never the real one. Only a chat template inserts
 special tokens, and templates produce ids directly (`encode_chat`, `encode_chat_masked`), so nothing
 re-encodes a rendered string. The template is the tokenizer's own `chat_template` where it has one,
-else our ChatML when the vocabulary has `<|im_start|>`/`<|im_end|>`.
+else our ChatML when the vocabulary has `<|im_start|>`/`<|im_end|>`. A plain text (a pretraining document, a prompt
+to continue) begins with `document_start_ids`: the BOS a Llama-style tokenizer puts before every text, as
+`transformers` does; nothing for ours.
 
 Tokenizers we train: no normalizer and no prefix space, so `decode(encode(s)) == s` for every UTF-8
 string; `<|endoftext|>` 0, `<|im_start|>` 1, `<|im_end|>` 2, `<|pad|>` 3; the saved directory
@@ -184,13 +186,19 @@ class Tokenizer:
     pad_id: int
     """Padding (the end-of-text token when the tokenizer has no pad token; see `notes`)."""
     bos_id: int | None
-    """The config's bos_token, if any (never added by `encode`; a chat template may insert it)."""
+    """The config's bos_token, if any (never added by `encode`; a chat template may insert it; a document starts
+    with it where the tokenizer says so: `document_start_ids`)."""
     im_start_id: int | None
     """Start of a chat turn (<|im_start|> or the tokenizer's equivalent), if the vocabulary has one."""
     im_end_id: int
     """End of a chat turn (<|im_end|> or equivalent; else the config's eos_token; else end of text)."""
     stop_ids: list[int]
     """Tokens that end generation: end of text, end of turn and the config's eos_token."""
+    document_start_ids: list[int]
+    """What a text starts with in `transformers` (`tokenizer(text)`): the ids the tokenizer's own post-processor puts
+    before it (BOS for Llama, Mistral, Gemma), else the BOS where tokenizer_config.json says `add_bos_token: true`;
+    empty for ours and GPT-2- or Qwen-style tokenizers. Pretraining documents, eval streams and plain-text prompts
+    begin with it (`encode` never adds it)."""
 
     def __init__(self, tok: HFTokenizer, config: dict | None = None, source: str = "tokenizer",
                  chat_template: str | None = None) -> None:
@@ -217,6 +225,9 @@ class Tokenizer:
             raise UserError(f"{source}: no end-of-text token (none of {', '.join(END_OF_TEXT_NAMES)}, and no "
                             f"eos_token in {CONFIG_FILE}); set eos_token there")
         self.bos_id = configured["bos_token"]
+        self.document_start_ids = _document_start(tok)
+        if not self.document_start_ids and self.config.get("add_bos_token") is True and self.bos_id is not None:
+            self.document_start_ids = [self.bos_id]
         self.im_start_id = first_added(TURN_START_NAMES)
         turn_end = first_added(TURN_END_NAMES)
         self.im_end_id = next(i for i in (turn_end, configured["eos_token"], self.eos_id) if i is not None)
@@ -374,6 +385,20 @@ def _without_post_processor(tok: HFTokenizer) -> str:
     copy = HFTokenizer.from_str(tok.to_str())
     copy.post_processor = None
     return copy.to_str()
+
+
+DOCUMENT_PROBE = "a"
+"""A text any tokenizer encodes to tokens: encoded with and without special tokens, it shows what the post-processor
+puts before a text."""
+
+
+def _document_start(tok: HFTokenizer) -> list[int]:
+    """The ids `tok`'s post-processor puts before a text (what `add_special_tokens=True` adds in front; a suffix,
+    such as an end-of-text some post-processors append, is not part of it)."""
+    plain = tok.encode(DOCUMENT_PROBE, add_special_tokens=False).ids
+    full = tok.encode(DOCUMENT_PROBE, add_special_tokens=True).ids
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain]
+    return full[:starts[0]] if plain and starts else []
 
 
 def _ids(encoder: HFTokenizer, text: str) -> list[int]:

@@ -559,6 +559,20 @@ def test_a_long_document_is_tokenized_in_pieces_that_add_up_exactly(tokenizer_di
     assert tokens.tolist() == tok.encode(text) + [tok.eos_id] and offsets.tolist() == [0, len(tokens)]
 
 
+def test_documents_open_with_the_bos_a_llama_style_tokenizer_puts_before_a_text(tmp_path):
+    """They were written without it, though transformers' `tokenizer(text)` gives it and such a model is trained
+    behind it. A long document read in pieces gets one, before its first piece."""
+    llama = FIXTURES / "tokenizers" / "llama"
+    tok = Tokenizer.load(llama)
+    text = _long_text()
+    (tmp_path / "docs.txt").write_text("Short one.\n\n" + text + "\n")
+    _quiet("pretrain", [tmp_path / "docs.txt"], llama, tmp_path / "out")
+    tokens, offsets, attrs = _tokens(tmp_path / "out")
+    short = [1, *tok.encode("Short one."), 2]
+    assert tokens.tolist() == short + [1, *tok.encode(text), 2] and offsets.tolist() == [0, len(short), len(tokens)]
+    assert attrs["tokenizer_hash"] == tok.hash and attrs["bos_id"] == 1
+
+
 @pytest.mark.parametrize("limit", [40, 300, 5000])
 def test_pieces_tokenize_as_the_whole_text(tokenizer_dir, limit):
     tok = Tokenizer.load(tokenizer_dir)

@@ -8,20 +8,23 @@ import re
 import sys
 
 import h5py
+import numpy as np
 import pytest
 import torch
 
-from conftest import run_cli, zerollm_here
+from conftest import FIXTURES, run_cli, zerollm_here
 from llm.config import ModelConfig
+from llm.data.prepare import prepare
 from llm.errors import UserError
 from llm.eval.harness import code_commit, require_lm_eval, run_tasks
 from llm.eval.perplexity import evaluate_stream, run_perplexity, windows
-from llm.eval.token_stream import stream_of_files, stream_of_split
+from llm.eval.token_stream import ArrayStream, scored_text_bytes, stream_of_files, stream_of_split
 from llm.export import export_model
 from llm.model import Transformer
 from llm.train.run_record import git_state
 
 CONTEXT, STRIDE = 16, 8
+LLAMA = FIXTURES / "tokenizers" / "llama"
 DOCUMENTS = ["Hello there, world.\nA second line.", "混合的中文文本，还有表情 🙂 和 ümlauts.",
              "Short.", "Another document: 2 + 2 = 4, and 天下大势，分久必合。"]
 
@@ -121,6 +124,43 @@ def test_a_prepared_split_scores_like_its_documents_given_as_a_file(model_and_to
     with h5py.File(pretrain_data / "tokens.h5") as h5:
         assert split.tokens == h5["val"]["tokens"].shape[0] == files.tokens
     assert split.nats == pytest.approx(files.nats, rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def llama_model_and_tokenizer(tmp_path_factory):
+    """A tiny random model with the Llama-style tokenizer fixture, whose documents start with <s>, as an export."""
+    from llm.loading import load_for_inference
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=415, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                                    init_std=0.3))
+    out = tmp_path_factory.mktemp("llama_export")
+    export_model(model, LLAMA, out)
+    return load_for_inference(out)
+
+
+def test_documents_of_a_llama_style_tokenizer_are_scored_behind_their_bos(llama_model_and_tokenizer, text_files,
+                                                                         tmp_path):
+    """Each document is scored as `data prepare` writes it, <s> first (what a Llama is trained on); <s> and </s>
+    count no bytes. The documents had no <s> before. A split prepared with the tokenizer scores as the files do, and
+    one prepared before documents had <s> still counts only its text's bytes."""
+    model, tokenizer = llama_model_and_tokenizer
+    eos, bos = tokenizer.eos_id, tokenizer.bos_id
+    stream, _ = stream_of_files([str(p) for p in text_files], tokenizer)
+    files = evaluate_stream(model, tokenizer, stream, CONTEXT, STRIDE, batch_size=3, progress=False)
+    tokens = [eos] + [t for doc in DOCUMENTS for t in [bos, *tokenizer.encode(doc), eos]]
+    n_bytes = sum(len(doc.encode("utf-8")) for doc in DOCUMENTS)
+    assert stream.tokens.tolist() == tokens and (files.tokens, files.bytes) == (len(tokens) - 1, n_bytes)
+    assert files.nats == pytest.approx(direct_nats(model, tokens, CONTEXT, STRIDE), rel=1e-5)
+
+    prepare("pretrain", [str(p) for p in text_files], LLAMA, tmp_path / "data", val_fraction=0.0, workers=1,
+            show_progress=False)
+    split = evaluate_stream(model, tokenizer, stream_of_split(tmp_path / "data", "train", tokenizer), CONTEXT, STRIDE,
+                            batch_size=3, progress=False)
+    assert (split.tokens, split.bytes) == (files.tokens, files.bytes)
+    assert split.nats == pytest.approx(files.nats, rel=1e-9)
+    without_bos = [eos] + [t for doc in DOCUMENTS for t in [*tokenizer.encode(doc), eos]]
+    assert scored_text_bytes(ArrayStream(np.array(without_bos), eos), tokenizer) == n_bytes
 
 
 def test_two_ranks_give_what_one_rank_gives(export_dir, pretrain_data):
@@ -233,17 +273,36 @@ def test_the_code_commit_marks_uncommitted_changes(monkeypatch):
 
 
 def test_harness_scores_equal_a_direct_computation(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    _check_harness_scores(model, tokenizer, [])
+
+
+def test_harness_texts_follow_the_bos_of_a_llama_style_tokenizer(llama_model_and_tokenizer):
+    """As lm-eval's HFLM encodes them for such a tokenizer: contexts behind <s>, and <s> (not </s>) as the
+    context of a text that has none (rolling log-likelihood, an empty context)."""
+    model, tokenizer = llama_model_and_tokenizer
+    _check_harness_scores(model, tokenizer, [tokenizer.bos_id])
+
+
+def _check_harness_scores(model, tokenizer, start: list[int]) -> None:
+    """The harness's scores equal a direct computation on the ids `start` + the text's (`start` empty: the
+    end-of-text token is the context of a text that has none)."""
     from lm_eval.api.instance import Instance
 
     from llm.eval.harness_lm import ZeroLLMHarnessModel
 
-    model, tokenizer = model_and_tokenizer
     lm = ZeroLLMHarnessModel(model, tokenizer, batch_size=2, max_length=CONTEXT)
-    pairs = [("The king said", " to the queen"), ("天下大势，", "分久必合"), ("A" * 60 + " long context", " ends")]
+    assert lm.prefix_token_id == (start or [tokenizer.eos_id])[-1]
+    pairs = [("The king said", " to the queen"), ("天下大势，", "分久必合"), ("A" * 60 + " long context", " ends"),
+             ("", "An empty context")]
     requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
     for (context, continuation), (logp, greedy) in zip(pairs, lm.loglikelihood(requests, disable_tqdm=True),
                                                        strict=True):
-        whole, head = tokenizer.encode(context + continuation), tokenizer.encode(context)
+        if context:
+            head, whole = start + tokenizer.encode(context), start + tokenizer.encode(context + continuation)
+        else:  # the prefix token is the context
+            head = [lm.prefix_token_id]
+            whole = head + tokenizer.encode(continuation)
         kept = whole[-(CONTEXT + 1):]
         n = len(whole) - len(head)
         with torch.no_grad():
@@ -254,7 +313,7 @@ def test_harness_scores_equal_a_direct_computation(model_and_tokenizer):
         assert greedy == bool((rows.argmax(-1) == targets).all())
     text = " ".join(DOCUMENTS)
     rolling = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
-    direct = direct_nats(model, [tokenizer.eos_id, *tokenizer.encode(text)], CONTEXT, CONTEXT)
+    direct = direct_nats(model, [lm.prefix_token_id, *tokenizer.encode(text)], CONTEXT, CONTEXT)
     assert rolling[0] == pytest.approx(-direct, rel=1e-5)
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import shutil
 
+import h5py
 import pytest
 import torch
 from forked_ranks import run_job
@@ -205,3 +206,129 @@ def test_legacy_rotary_inv_freq_buffers_are_ignored_on_import(tmp_path):
     save_file(state, str(weights))
     with pytest.raises(UserError, match=r"unexpected \['model.layers.0.self_attn.rotary_emb.other'\]"):
         import_model(tmp_path)
+
+
+# ---- the ids a document starts with: what transformers' `tokenizer(text)` puts before a text ---------------------
+
+TEXTS = ["The lighthouse keeper wrote the weather.", "灯塔看守人每天早上都在蓝色的笔记本上记录天气。", "x"]
+
+
+def _llama_variant(directory, post_processor="keep", **config):
+    """The Llama fixture with another post-processor (a `tokenizers.processors` object, or None) and config fields
+    (a value None removes the field)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    directory.mkdir()
+    tok = HFTokenizer.from_file(str(LLAMA_TOKENIZER / "tokenizer.json"))
+    if post_processor != "keep":
+        tok.post_processor = post_processor
+    tok.save(str(directory / "tokenizer.json"))
+    fields = {**json.loads((LLAMA_TOKENIZER / "tokenizer_config.json").read_text()), **config}
+    (directory / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in fields.items() if v is not None}))
+    return directory
+
+
+def _bos_template(single="<s> $A"):
+    from tokenizers import processors
+
+    return processors.TemplateProcessing(single=single, pair=f"{single} $B", special_tokens=[("<s>", 1), ("</s>", 2)])
+
+
+def _variant(name, tmp_path, tokenizer_dir):
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    if name == "ours":
+        return tokenizer_dir
+    if name == "ours saved by transformers":  # which adds a post-processor that puts nothing before a text
+        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(tmp_path / name))
+        return tmp_path / name
+    if name == "minimind":
+        return FIXTURES / "tokenizers" / "minimind"
+    if name == "llama":
+        return LLAMA_TOKENIZER
+    variants = {
+        "llama-3 (byte-level, then the template)": dict(post_processor=processors.Sequence(
+            [processors.ByteLevel(trim_offsets=False), _bos_template()])),
+        "bos and eos around the text": dict(post_processor=_bos_template("<s> $A </s>")),
+        "add_bos_token false beside the template": dict(add_bos_token=False),  # the post-processor decides
+        "gpt-2 (byte-level only)": dict(post_processor=processors.ByteLevel(), add_bos_token=None),
+    }
+    return _llama_variant(tmp_path / "variant", **variants[name])
+
+
+@pytest.mark.parametrize("name, start", [
+    ("ours", []), ("ours saved by transformers", []), ("minimind", []), ("gpt-2 (byte-level only)", []),
+    ("llama", [1]), ("llama-3 (byte-level, then the template)", [1]), ("bos and eos around the text", [1]),
+    ("add_bos_token false beside the template", [1]),
+])
+def test_documents_start_with_what_transformers_puts_before_a_text(name, start, tmp_path, tokenizer_dir):
+    """`Tokenizer.encode` never adds a BOS, and nothing else knew of one: an imported Llama got its documents,
+    prompts and eval texts without the <s> it was trained behind. The post-processor's own prefix is the document
+    start; its hash (the post-processor left out) stays that of the tokenizer as it was."""
+    from transformers import AutoTokenizer
+
+    directory = _variant(name, tmp_path, tokenizer_dir)
+    ours, theirs = Tokenizer.load(directory), AutoTokenizer.from_pretrained(str(directory))
+    assert ours.document_start_ids == start
+    for text in TEXTS:
+        expected = theirs(text)["input_ids"]
+        assert expected[:len(start) + len(ours.encode(text))] == ours.document_start_ids + ours.encode(text)
+    if name not in ("ours", "ours saved by transformers", "minimind"):  # the fixture with another post-processor
+        assert ours.hash == Tokenizer.load(LLAMA_TOKENIZER).hash
+    ours.save(tmp_path / "copy")  # a prepared data folder's, a run's, an export's copy starts documents alike
+    assert Tokenizer.load(tmp_path / "copy").document_start_ids == start
+
+
+@pytest.mark.parametrize("config, start", [
+    ({"add_bos_token": True}, [1]),  # as transformers 4's Llama tokenizers build their post-processor from it
+    ({"add_bos_token": False}, []),
+    ({"add_bos_token": None}, []),  # not said: the post-processor (here none) decides
+    ({"add_bos_token": True, "bos_token": None}, []),  # no BOS to add
+])
+def test_add_bos_token_starts_documents_where_the_post_processor_adds_nothing(config, start, tmp_path):
+    tokenizer = Tokenizer.load(_llama_variant(tmp_path / "variant", post_processor=None, **config))
+    assert tokenizer.document_start_ids == start
+    assert tokenizer.encode("The lighthouse") == Tokenizer.load(LLAMA_TOKENIZER).encode("The lighthouse")
+    tokenizer.save(tmp_path / "copy")
+    assert Tokenizer.load(tmp_path / "copy").document_start_ids == start
+
+
+def test_an_imported_llama_reads_documents_prompts_and_eval_texts_as_transformers_tokenizes_them(tmp_path):
+    """Pretraining documents, `zerollm eval` streams and plain prompts of a Llama brought from the hub begin with its
+    <s>, as `tokenizer(text)` gives them; lm-eval's rolling log-likelihood equals transformers' own on those ids."""
+    from lm_eval.api.instance import Instance
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llm.data.prepare import prepare
+    from llm.eval.harness_lm import ZeroLLMHarnessModel
+    from llm.eval.token_stream import stream_of_files
+    from llm.infer.generate import TextGenerator
+
+    base = tmp_path / "base"
+    _transformers_llama(base)
+    theirs = AutoTokenizer.from_pretrained(str(base))
+    model, tokenizer = load_for_inference(base)
+    ids = [theirs(text)["input_ids"] for text in TEXTS]
+    eos = tokenizer.eos_id
+    assert all(i[0] == 1 for i in ids)
+
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    prepare("pretrain", [str(tmp_path / "docs.jsonl")], base, tmp_path / "data", val_fraction=0.0, workers=1,
+            show_progress=False)
+    with h5py.File(tmp_path / "data" / "tokens.h5") as h5:
+        assert h5["train"]["tokens"][:].tolist() == [t for i in ids for t in [*i, eos]]
+    stream, _ = stream_of_files([str(tmp_path / "docs.jsonl")], tokenizer)
+    assert stream.tokens.tolist() == [eos] + [t for i in ids for t in [*i, eos]]
+    assert [TextGenerator(model, tokenizer).prompt_ids(text) for text in TEXTS] == ids
+
+    harness = ZeroLLMHarnessModel(model, tokenizer, batch_size=2, max_length=64)
+    assert harness.prefix_token_id == 1 and harness.tok_encode(TEXTS[0]) == ids[0]
+    rolling = harness.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), n)
+                                             for n, t in enumerate(TEXTS)], disable_tqdm=True)
+    hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    for text_ids, ours in zip(ids, rolling, strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([text_ids])).logits[0].double(), -1)
+        expected = sum(logp[p - 1, text_ids[p]].item() for p in range(1, len(text_ids)))
+        assert ours == pytest.approx(expected, rel=1e-4)

@@ -355,6 +355,27 @@ def test_an_empty_prompt_is_an_unconditional_sample(exported, generator, monkeyp
         generator.generate([[]], SamplingParams(max_new_tokens=2))
 
 
+def test_a_text_prompt_begins_as_its_tokenizers_documents_do(generator, tiny_model, tmp_path, monkeypatch, capsys):
+    """`zerollm generate --prompt TEXT` and training's samples fed a Llama-style model its text without the <s>
+    that its tokenizer puts before every text (transformers' `tokenizer(text)`) and that it was trained behind."""
+    from llm.runtime.distributed import DistInfo
+    from llm.train.samples import SampleGenerator
+
+    llama = TextGenerator(tiny_model, Tokenizer.load(LLAMA))
+    text = "The lighthouse keeper"
+    with_bos = [1, *llama.tokenizer.encode(text)]
+    assert llama.prompt_ids(text) == with_bos and llama.prompt_ids("") == [1]
+    assert generator.prompt_ids(text) == generator.tokenizer.encode(text)  # ours puts nothing before a text
+    export_model(tiny_model, LLAMA, tmp_path)
+    assert zerollm_here(monkeypatch, "generate", "--model", tmp_path, "--prompt", text, "--max-new-tokens", 6) == 0
+    assert capsys.readouterr().out == llama.generate([with_bos], SamplingParams(max_new_tokens=6))[0] + "\n"
+    engine = type("Engine", (), {"module": tiny_model, "zero_optimization_stage": lambda self: 0})()
+    info = DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    assert SampleGenerator([text, ""], 4, llama.tokenizer, engine, info).prompt_ids == [with_bos, [1]]
+    ours = SampleGenerator([text, ""], 4, generator.tokenizer, engine, info).prompt_ids
+    assert ours == [generator.tokenizer.encode(text), [generator.tokenizer.eos_id]]
+
+
 def _closed_pipe() -> BinaryIO:
     """A pipe's writing end whose reader has left before the first write, as `| head -c 5`'s once head is done."""
     reading, writing = os.pipe()

@@ -6,7 +6,8 @@ Output directory layout:
                   `content_digest`, a digest of everything else the file holds (function `content_digest`).
                   Token arrays are flat (uint16 when the vocabulary fits, else uint32) with int64
                   offsets (n_samples + 1) per stream:
-                    pretrain  tokens + doc_offsets (end-of-text closes each document)
+                    pretrain  tokens + doc_offsets (each document opens with the tokenizer's document start,
+                              BOS for Llama-style tokenizers, nothing for ours, and end-of-text closes it)
                     sft       tokens, loss_mask (uint8, 1 on assistant replies and their <|im_end|>) + doc_offsets
                     dpo       prompt + prompt_offsets (ChatML prompt ending in the assistant header),
                               chosen + chosen_offsets, rejected + rejected_offsets (replies + <|im_end|>)
@@ -120,9 +121,11 @@ def token_dtype(vocab_size: int) -> type:
     return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
 
 
-def encode_pretrain(tok: Tokenizer, text: str, end_of_document: bool) -> Sample:
-    """A document's tokens (or a piece's), closed by end-of-text at the document's end."""
-    return {"tokens": tok.encode(text) + ([tok.eos_id] if end_of_document else [])}
+def encode_pretrain(tok: Tokenizer, piece: Item) -> Sample:
+    """A document's tokens (or a piece's, `Item.piece` and `Item.last`): the tokenizer's document start (BOS for
+    Llama-style tokenizers, nothing for ours) before its first piece, end-of-text after its last."""
+    start = tok.document_start_ids if piece.piece == 0 else []
+    return {"tokens": start + tok.encode(piece.value) + ([tok.eos_id] if piece.last else [])}
 
 
 def encode_sft(tok: Tokenizer, messages: list[dict[str, str]], max_tokens: int) -> tuple[Sample, bool]:
@@ -188,7 +191,7 @@ def _init_pool_worker(tokenizer_dir: str) -> None:
 
 def _encode(kind: str, item: Item, max_tokens: int) -> Result:
     if kind == "pretrain":
-        return encode_pretrain(_worker_tokenizer, item.value, item.last), False
+        return encode_pretrain(_worker_tokenizer, item), False
     try:
         sample, truncated = ENCODERS[kind](_worker_tokenizer, item.value, max_tokens)
     except (TooLong, MessagesRefused) as exc:

@@ -5,7 +5,10 @@
     loglikelihood_rolling  log p(text) over windows of the model's context (`llm.eval.perplexity.windows`)
     generate_until         greedy continuation, cut at the first stop string
 
-Every score goes through `llm.eval.scoring.score_sequences`, the same code `zerollm eval --input` uses.
+Every score goes through `llm.eval.scoring.score_sequences`, the same code `zerollm eval --input` uses. Texts are
+encoded as lm-eval's own Hugging Face model encodes them: behind the tokenizer's document start (BOS for Llama-style
+tokenizers, nothing for ours) unless the harness asks for no special tokens, and a text without context (rolling,
+an empty context) follows `prefix_token_id`: that BOS, else the end-of-text token.
 """
 
 from __future__ import annotations
@@ -37,11 +40,21 @@ class ZeroLLMHarnessModel(TemplateLM):
         return self.tokenizer_ours.eos_id
 
     @property
+    def prefix_token_id(self) -> int:
+        """The context of a text that has none: the token a document starts with where the tokenizer puts one
+        before every text (BOS), as lm-eval's HFLM uses the BOS; else the end-of-text token."""
+        start = self.tokenizer_ours.document_start_ids
+        return start[-1] if start else self.eot_token_id
+
+    @property
     def tokenizer_name(self) -> str:
         return f"zerollm-{self.tokenizer_ours.hash}"
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tokenizer_ours.encode(string)
+        """Ids of `string` (special-token strings in it stay text) behind the tokenizer's document start, as
+        `tokenizer(string)` gives them, unless `add_special_tokens` is False."""
+        start = self.tokenizer_ours.document_start_ids if add_special_tokens is not False else []
+        return start + self.tokenizer_ours.encode(string)
 
     def tok_decode(self, tokens: list[int], **kwargs) -> str:
         return self.tokenizer_ours.decode(tokens)
@@ -80,7 +93,8 @@ class ZeroLLMHarnessModel(TemplateLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         sequences, scored, owner = [], [], []
         for index, (text,) in enumerate(request.args for request in requests):
-            stream = np.asarray([self.eot_token_id, *self.tok_encode(text)], dtype=np.int64)
+            stream = np.asarray([self.prefix_token_id, *self.tok_encode(text, add_special_tokens=False)],
+                                dtype=np.int64)
             for window in windows(len(stream), self.max_length, self.max_length):
                 sequences.append(stream[window.start:window.end])
                 scored.append(window.scored)
@@ -101,7 +115,7 @@ class ZeroLLMHarnessModel(TemplateLM):
             until = gen_kwargs.get("until", [])
             until = [until] if isinstance(until, str) else list(until)
             max_new = min(int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKENS)), self.max_length - 1)
-            prompt = self.tok_encode(context)[-(self.max_length - max_new):] or [self.eot_token_id]
+            prompt = self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
             text = self._greedy(prompt, SamplingParams(max_new_tokens=max_new, stop=until))
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             out.append(text)

@@ -1,13 +1,15 @@
 """The token streams evaluation scores: the documents of users' files, or a split prepared by `data prepare`.
 
-A stream is one flat sequence of token ids laid out as `data prepare` writes a split (every document closed by
+A stream is one flat sequence of token ids laid out as `data prepare` writes a split (every document opened by the
+tokenizer's `document_start_ids`, BOS for Llama-style tokenizers and nothing for ours, and closed by
 <|endoftext|>), with one more <|endoftext|> in front as the context of the first document's first token. Every
-token after that leading one is scored, so the scored text is exactly the documents' text.
+token after that leading one is scored, so the scored text is exactly the documents' text (with their BOS, as
+training sees them: a model predicts the BOS after the end of a document).
 
 Bytes, for bits per byte: the UTF-8 bytes of the text of the scored tokens. Documents are decoded one at a time
-(split at <|endoftext|>), so no multi-byte character is cut, and <|endoftext|> itself counts zero bytes (its
-prediction, the end of a document, still counts in the loss). For files this equals the UTF-8 length of the
-documents' text as the readers return it; for a prepared split it is what its tokens decode to.
+(split at <|endoftext|>), so no multi-byte character is cut; <|endoftext|> and a document's start ids count zero
+bytes (their predictions still count in the loss). For files this equals the UTF-8 length of the documents' text
+as the readers return it; for a prepared split it is what its tokens decode to.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def stream_of_files(paths: list[str], tokenizer: Tokenizer) -> tuple[ArrayStream
             report.skipped.append(str(record))
             continue
         # a long document arrives in pieces (bounded memory); the end-of-text token follows its last piece
-        pieces.append(np.array(encode_pretrain(tokenizer, record.value, record.last)["tokens"], dtype=np.int64))
+        pieces.append(np.array(encode_pretrain(tokenizer, record)["tokens"], dtype=np.int64))
         report.documents += record.last
     if report.documents == 0:
         first = f" ({len(report.skipped)} records skipped, first: {report.skipped[0]})" if report.skipped else ""
@@ -127,7 +129,15 @@ def scored_text_bytes(stream: TokenStream, tokenizer: Tokenizer) -> int:
 
 
 def _document_bytes(tokens: np.ndarray, eos_id: int, tokenizer: Tokenizer) -> int:
-    """Bytes of whole documents (each closed by eos_id, the last one possibly not)."""
+    """Bytes of whole documents (each closed by eos_id, the last one possibly not), less their start ids."""
     bounds = [0, *(np.flatnonzero(tokens == eos_id) + 1).tolist(), len(tokens)]
     documents = [tokens[a:b] for a, b in pairwise(bounds) if b > a]
-    return sum(len(tokenizer.decode(doc[doc != eos_id].tolist()).encode("utf-8")) for doc in documents)
+    return sum(len(tokenizer.decode(_text_ids(doc, eos_id, tokenizer)).encode("utf-8")) for doc in documents)
+
+
+def _text_ids(document: np.ndarray, eos_id: int, tokenizer: Tokenizer) -> list[int]:
+    """A document's ids less its end-of-text and the start ids it opens with (data prepared before documents had
+    them opens with its text)."""
+    ids = document[document != eos_id].tolist()
+    start = tokenizer.document_start_ids
+    return ids[len(start):] if start and ids[:len(start)] == start else ids

@@ -8,9 +8,11 @@ comes from `Tokenizer.encode_chat`, never from re-encoding rendered text) or pla
 
 The text of a completion leaves special tokens out (`TextGenerator.text`), as OpenAI-compatible servers (vLLM,
 TGI) do by default: a model that emits `<|im_start|>` or padding mid-reply shows no markup to its reader. Added
-tokens that are not special (Qwen's `<think>`, `<tool_call>`) are text and stay. An empty text prompt asks for an
-unconditional sample: it starts from the tokenizer's BOS, or else its end-of-text token, which closes every
-pretraining document (what follows it begins a new one), as GPT-2's unconditional samples do.
+tokens that are not special (Qwen's `<think>`, `<tool_call>`) are text and stay. A text prompt begins as a document
+does (`text_prompt_ids`): behind the tokenizer's document start, the BOS a Llama-style tokenizer puts before every
+text. An empty text prompt asks for an unconditional sample: it starts from that document start, else the
+tokenizer's BOS, or else its end-of-text token, which closes every pretraining document (what follows it begins a
+new one), as GPT-2's unconditional samples do.
 """
 
 from __future__ import annotations
@@ -25,8 +27,17 @@ from llm.model.kv_cache import KVCache
 from llm.tokenizer import Tokenizer
 
 Prompt = str | list[int]
-"""Text to continue (encoded with special-token strings kept as text), or token ids (e.g. from
+"""Text to continue (`text_prompt_ids`), or token ids (e.g. from
 `Tokenizer.encode_chat(messages, add_generation_prompt=True)`)."""
+
+
+def text_prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Ids of text to continue, as a document starts (`Tokenizer.document_start_ids`, then the text, whose
+    special-token strings stay text); the empty text is an unconditional sample's prompt: the document start, else
+    BOS, else end of text."""
+    if text:
+        return tokenizer.document_start_ids + tokenizer.encode(text)
+    return tokenizer.document_start_ids or [tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id]
 
 
 def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
@@ -114,18 +125,10 @@ class TextGenerator:
         string names: `stop=["<|im_start|>"]` ends a reply where the model would open a turn."""
         return bool(stop) and self.tokenizer.token(token) in stop and not self.text([token])
 
-    @property
-    def start_ids(self) -> list[int]:
-        """The prompt of an unconditional sample (an empty text prompt): BOS, or else end of text."""
-        return [self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self.tokenizer.eos_id]
-
     def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """Ids of a prompt: token ids as they are, or text to continue (special-token strings in it stay text); the
-        empty text is an unconditional sample's prompt (`start_ids`). Empty ids stay empty (`token_steps` refuses
-        them)."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt) if prompt else self.start_ids
-        return list(prompt)
+        """Ids of a prompt: token ids as they are, or text to continue (`text_prompt_ids`). Empty ids stay empty
+        (`token_steps` refuses them)."""
+        return text_prompt_ids(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, use_cache: bool = True) -> list[str]:
         """Completions of several prompts at once."""

@@ -1,6 +1,7 @@
 """Samples at each evaluation: greedy continuations of fixed prompts (`train.sample_prompts`, `train.sample_tokens`),
-which rank 0 writes to RUN_DIR/samples.jsonl and to a wandb table (`llm.train.metrics`). After pretraining (SFT,
-DPO) a prompt is a user message and the sample is the assistant's reply (ChatML).
+which rank 0 writes to RUN_DIR/samples.jsonl and to a wandb table (`llm.train.metrics`). In pretraining a prompt is
+text to continue, begun as a document is (`llm.infer.generate.text_prompt_ids`: BOS first for Llama-style
+tokenizers); after it (SFT, DPO) a prompt is a user message and the sample is the assistant's reply (ChatML).
 
 Under ZeRO 0-2 rank 0 generates alone with the engine's module, which holds every parameter. Under ZeRO-3 the
 parameters are partitioned and each forward gathers them from every rank, so every rank runs the same generation
@@ -14,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from llm.errors import UserError
-from llm.infer.generate import TextGenerator
+from llm.infer.generate import TextGenerator, text_prompt_ids
 from llm.infer.sampling import SamplingParams
 from llm.runtime.distributed import DistInfo
 from llm.tokenizer import Tokenizer
@@ -27,7 +28,7 @@ class SampleGenerator:
         opened."""
         self.prompts, self.tokenizer, self.engine, self.info = prompts, tokenizer, engine, info
         self.prompt_ids = [(tokenizer.encode_chat([{"role": "user", "content": p}], True) if chat
-                            else tokenizer.encode(p)) or [tokenizer.eos_id] for p in prompts]
+                            else text_prompt_ids(tokenizer, p)) or [tokenizer.eos_id] for p in prompts]
         max_len = engine.module.cfg.max_seq_len
         longest = max((len(ids) for ids in self.prompt_ids), default=0)
         if prompts and longest + max_new_tokens > max_len:
