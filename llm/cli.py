@@ -23,6 +23,9 @@ from llm.errors import EXIT_USER_ERROR, UserError, report
 from llm.train.ds_config_file import load_ds_config
 
 EPILOG = "Documentation: README.md. Errors in your input exit with code 2."
+INPUT_FORMATS = (".txt, .jsonl and .json files (each also gzip-compressed, .gz), .parquet and .arrow files, and "
+                 "folders written by datasets' save_to_disk (the tables need `pip install 'zerollm[datasets]'`)")
+"""What `llm.data.readers` reads, for the help of every command that takes input files."""
 LORA_HELP = ("train low-rank adapters on the frozen --init-from model instead of every weight, e.g. "
              "r=16,alpha=32,targets=wq,wk,wv,wo,w1,w2,w3,dropout=0.05 (the lora.* config keys; sft, dpo, grpo; "
              "see docs/lora.md)")
@@ -49,9 +52,10 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
     tsub = p.add_subparsers(dest="action", required=True)
     t = tsub.add_parser("train", help="train a tokenizer on text files", epilog=EPILOG,
                         description="Train byte-level BPE (exact round trip, ChatML special tokens at ids 0-3) "
-                                    "on .txt/.jsonl/.json files, streaming; writes tokenizer.json and "
+                                    f"on text read streaming from {INPUT_FORMATS}; writes tokenizer.json and "
                                     "tokenizer_config.json, loadable by transformers.AutoTokenizer.")
-    t.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or directories to read")
+    t.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="files or directories to read (a directory: every supported file under it)")
     t.add_argument("--vocab-size", type=int, required=True, help="vocabulary size including special tokens")
     t.add_argument("--out", required=True, help="output directory: new, empty, or one this command wrote before "
                    "(its files are overwritten); any other folder is refused")
@@ -62,14 +66,19 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="prepare tokenized HDF5 datasets")
     dsub = p.add_subparsers(dest="action", required=True)
     d = dsub.add_parser("prepare", help="tokenize files into HDF5", epilog=EPILOG,
-                        description="Read .txt (documents separated by blank lines), .jsonl and .json files "
-                                    "({'text'} records, conversations, alpaca, ...), tokenize them in parallel, "
-                                    "append end-of-text after each document and write OUT/tokens.h5 with a "
-                                    "train/val split and OUT/report.json. Malformed records are skipped and "
-                                    "reported with file:line (or fatal with --strict).")
+                        description="Read .txt files (documents separated by blank lines), .jsonl and .json files "
+                                    "({'text'} records, conversations, alpaca, preference pairs, ...), each also "
+                                    "gzip-compressed (.gz), and .parquet and .arrow files and folders written by "
+                                    "datasets' save_to_disk (a row is a record; these need `pip install "
+                                    "'zerollm[datasets]'`); tokenize them in parallel, append end-of-text after each "
+                                    "document and write OUT/tokens.h5 with a train/val split and OUT/report.json. "
+                                    "Malformed records are skipped and reported with file:line (file:row N in a "
+                                    "table), or fatal with --strict.")
     d.add_argument("--kind", choices=["pretrain", "sft", "dpo"], default="pretrain",
-                   help="pretrain: documents; sft: conversations with a loss mask on replies; dpo: preference pairs")
-    d.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or directories to read")
+                   help="pretrain: documents; sft: conversations with a loss mask on replies; dpo: preference pairs "
+                        "(default pretrain)")
+    d.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="files or directories to read (a directory: every supported file under it)")
     d.add_argument("--tokenizer", required=True, help="tokenizer directory (from `zerollm tokenizer train`)")
     d.add_argument("--out", required=True, help="output directory")
     d.add_argument("--val-fraction", type=float, default=0.01, help="share of documents for validation (default 0.01)")
@@ -78,8 +87,9 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--strict", action="store_true", help="stop at the first malformed record instead of skipping it")
     d.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default 0)")
     d.add_argument("--seq-len", type=int, default=512,
-                   help="sft/dpo: longest sample in predicted positions; longer conversations are cut at a turn "
-                        "boundary, longer pairs truncated (default 512)")
+                   help="sft/dpo: longest sample in predicted positions; a longer conversation is cut after its "
+                        "last reply that fits (skipped when even its first reply does not fit), a longer pair "
+                        "truncated, each listed in the report (default 512)")
     d.add_argument("--max-record-mb", type=float, default=64.0,
                    help="largest JSON record read whole, in millions of characters; larger ones are skipped and "
                         "reported (.txt documents of any length are streamed in pieces; default 64)")
@@ -141,7 +151,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         _add_run_options(t)
         if stage == "grpo":
             t.add_argument("--prompts", nargs="+", required=True, metavar="FILE",
-                           help="prompt files or directories (.jsonl/.json/.txt)")
+                           help=f"prompt files or directories: {INPUT_FORMATS}")
             t.add_argument("--reward", action="append", default=None, metavar="TERM", help=REWARD_HELP)
         else:
             kinds = "pretrain` or `--kind sft" if stage == "distill" else stage
@@ -154,7 +164,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                            help="the frozen teacher: a run directory (newest checkpoint) or an export directory")
         if stage == "dpo":
             t.add_argument("--beta", type=float, default=None, help="DPO beta (default: train.dpo_beta, 0.1)")
-        t.add_argument("--lora", default=None, metavar="SPEC", help=LORA_HELP)
+        # pretrain and distill keep --lora only to refuse it in one line that says where it belongs (llm.config)
+        t.add_argument("--lora", default=None, metavar="SPEC",
+                       help=LORA_HELP if stage in ("sft", "dpo", "grpo") else argparse.SUPPRESS)
         t.add_argument("--resume", choices=["auto", "never"], default="never",
                        help="auto: continue from the newest complete checkpoint in --out, if any")
         t.add_argument("--wandb", choices=["off", "offline", "online"], default=None,
@@ -208,12 +220,18 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the whole pipeline on a built-in corpus, in minutes on a CPU", epilog=EPILOG,
                        description="Generate a small learnable corpus (facts and arithmetic in English and Chinese), "
-                                   "train a tokenizer, prepare data, pretrain the 'demo' recipe under DeepSpeed, "
-                                   "show validation loss falling and print samples.")
-    p.add_argument("--out", default="runs/demo", help="working directory (default runs/demo)")
+                                   "train a tokenizer, prepare data, pretrain the 'demo' recipe under DeepSpeed "
+                                   "(validation loss at each evaluation, greedy samples), then SFT on generated "
+                                   "arithmetic questions, DPO preferring right answers over the SFT model's own wrong "
+                                   "ones and GRPO with an exact-match reward, printing the accuracy on held-out "
+                                   "questions after each stage. Exit code 1 if the pretraining validation loss did "
+                                   "not fall.")
+    p.add_argument("--out", default="runs/demo",
+                   help="working directory: new, empty or an earlier demo's, whose files the demo replaces; any "
+                        "other folder is refused (default runs/demo)")
     p.add_argument("--steps", type=at_least_one, default=None,
                    help="pretraining steps, and the most each later stage takes (default: the demo's own: 1000 "
-                        "pretraining, 300 SFT, 100 DPO)")
+                        "pretraining, 300 SFT, 100 DPO, 300 GRPO)")
     p.add_argument("--nproc", type=ranks_on_this_machine, default=1, help="ranks (default 1)")
 
 
@@ -248,7 +266,8 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--prompt", required=True, help="text to continue")
     g.add_argument("--chat", action="store_true", help="treat the prompt as a user message and answer it (ChatML)")
     c = sub.add_parser("chat", help="multi-turn chat in the terminal", epilog=EPILOG,
-                       description="A ChatML REPL with streamed replies. Commands: /reset, /system TEXT, /quit.")
+                       description="A ChatML REPL with streamed replies. Commands: /reset, /system TEXT, /quit (or "
+                                   "/exit).")
     _add_sampling_options(c)
     c.add_argument("--system", default=None, help="system prompt")
     e = sub.add_parser("export", help="export a run to Hugging Face Llama (or Qwen3) format", epilog=EPILOG,

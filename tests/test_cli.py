@@ -100,3 +100,45 @@ def test_demo_held_out_questions_are_a_random_slice_never_trained_on():
     # spread over the addends, not one structured slice (such as b % 7 == 0, which left "+ 0" untrained)
     for position in (0, 1):
         assert len({pair[position] for pair in HELD_OUT}) >= 15
+
+
+def _help(monkeypatch, capsys, *command: str) -> str:
+    """`zerollm COMMAND --help` as printed on a wide terminal (no line breaks inside a sentence)."""
+    from llm.cli import build_parser
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--help"])
+    return capsys.readouterr().out
+
+
+def test_demo_help_names_every_stage_and_its_default_length(monkeypatch, capsys):
+    """It said '1000 pretraining, 300 SFT, 100 DPO' and described pretraining only, after GRPO joined the demo."""
+    from llm.config import load_recipe
+    from llm.demo import POST_TRAINING
+
+    text = _help(monkeypatch, capsys, "demo")
+    assert f"{load_recipe('demo')['train']['max_steps']} pretraining" in text
+    for stage, (steps, _, _) in POST_TRAINING.items():
+        assert f"{steps} {stage.upper()}" in text and f"{stage.upper()} " in text.split("options:")[0], stage
+    assert "accuracy on held-out questions after each stage" in text
+
+
+def test_lora_is_offered_only_where_it_is_accepted(monkeypatch, capsys):
+    """`--lora` showed in the help of pretrain and distill, which refuse it (still in one line: test_lora.py)."""
+    for stage in ("sft", "dpo", "grpo"):
+        assert "--lora SPEC" in _help(monkeypatch, capsys, "train", stage), stage
+    for stage in ("pretrain", "distill"):
+        assert "--lora" not in _help(monkeypatch, capsys, "train", stage), stage
+
+
+def test_help_of_every_input_option_names_what_the_readers_read(monkeypatch, capsys):
+    """The help named .txt, .jsonl and .json only; the readers take gzip, Parquet, Arrow and save_to_disk too."""
+    from llm.data.readers import TABLE_SUFFIXES, TEXT_SUFFIXES
+
+    for command in (["tokenizer", "train"], ["data", "prepare"], ["train", "grpo"]):
+        text = _help(monkeypatch, capsys, *command)
+        for suffix in (*TEXT_SUFFIXES, ".gz", *TABLE_SUFFIXES, "save_to_disk"):
+            assert suffix in text, (command, suffix)
+    assert "(default pretrain)" in _help(monkeypatch, capsys, "data", "prepare")
+    assert "/quit (or /exit)" in _help(monkeypatch, capsys, "chat")

@@ -18,7 +18,7 @@ from llm.errors import UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 
-HELP = "commands: /reset  /system TEXT  /quit  (//text sends /text)"
+HELP = "commands: /reset  /system TEXT  /quit or /exit  (//text sends /text)"
 
 
 class ChatSession:
