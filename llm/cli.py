@@ -413,6 +413,9 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     tok = train_tokenizer(texts(), args.vocab_size, Path(args.out), args.min_frequency)
     print(f"tokenizer: {tok.vocab_size} tokens, hash {tok.hash}, written to {args.out}"
           + (f" ({skipped} unusable records skipped)" if skipped else ""))
+    if tok.vocab_size < args.vocab_size:
+        print(f"note: {tok.vocab_size} tokens, not the {args.vocab_size} asked for: the text has no more pairs "
+              f"seen at least {args.min_frequency} times (--min-frequency) to merge")
     return 0
 
 

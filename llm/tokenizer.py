@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -117,7 +118,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, min_fr
         min_frequency=min_frequency,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=show_progress,
+        show_progress=show_progress and sys.stdout.isatty(),  # off a terminal its bars are blank lines
     )
     n_texts = 0
 

@@ -98,6 +98,19 @@ def test_loads_in_transformers_with_same_ids_and_chat_template(tokenizer_dir):
         '<tool_call>\n{"name": "clock", "arguments": "{}"}\n</tool_call><|im_end|>\n')
 
 
+def test_cli_output_is_its_summary_and_a_note_when_the_vocabulary_falls_short(tmp_path):
+    """Off a terminal, the trainer's progress bars were three blank lines; a vocabulary the corpus could not fill
+    (2,161 tokens for --vocab-size 4096) was not mentioned."""
+    result = run_cli("tokenizer", "train", "--input", FIXTURES / "pretrain" / "en_notes.jsonl",
+                     "--vocab-size", 4096, "--out", tmp_path / "t")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    size = Tokenizer.load(tmp_path / "t").vocab_size
+    assert size < 4096 and len(lines) == 2 and lines[0].startswith(f"tokenizer: {size} tokens, hash ")
+    assert lines[1] == (f"note: {size} tokens, not the 4096 asked for: the text has no more pairs seen at least 2 "
+                        "times (--min-frequency) to merge")
+
+
 def test_cli_rejects_too_small_vocab_and_missing_input(tmp_path):
     result = run_cli("tokenizer", "train", "--input", FIXTURES / "pretrain" / "en_notes.jsonl",
                      "--vocab-size", 100, "--out", tmp_path / "t")
