@@ -228,6 +228,26 @@ def test_two_ranks_out_of_room_end_in_one_line_exit_2(zero_runs, pretrain_data, 
     assert rundir.checkpoint_tags(run) == ["global_step4"] and rundir.usable_tag(run) == "global_step4"
 
 
+@pytest.mark.parametrize("stage, name", [(2, "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                                         (3, "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                                         (3, "zero_pp_rank_1_mp_rank_00_model_states.pt"), (3, "rng_rank1.pt")])
+def test_a_damaged_file_only_one_rank_reads_ends_every_rank_in_one_line(zero_runs, pretrain_data, tmp_path, stage,
+                                                                         name):
+    """Rank 1 said its partition was damaged and left; rank 0 went on into its next collective (the run record's,
+    or ZeRO-3's gather of its persistent parameters inside DeepSpeed's load), whose traceback was the last line."""
+    run = tmp_path / "run"
+    shutil.copytree(zero_runs[stage], run, symlinks=True)
+    damaged = rundir.checkpoint_dir(run) / "global_step4" / name
+    damaged.write_bytes(bytes(damaged.stat().st_size))  # zeros of the listed size: complete by its manifest
+    result = run_job(*train_args(pretrain_data, run, *ZERO_RUN, "train.max_steps=6", nproc=2,
+                                 extra=["--zero-stage", stage, "--resume", "auto"]))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and result.stderr.strip().splitlines()[-1] == (
+        f"zerollm: error: {damaged} is damaged: it is not a checkpoint file torch can read (neither a zip archive "
+        f"nor a pickle); {rundir.damaged_checkpoint_advice(run, 'global_step4')}")
+    assert result.stderr.count("zerollm: error:") == 1
+
+
 def test_durable_text_that_runs_out_of_room_leaves_the_old_file_and_no_temporary(tmp_path):
     (tmp_path / "latest").write_text("global_step1")
     with file_size_limit(10), pytest.raises(OSError) as error:
@@ -416,6 +436,44 @@ def test_the_universal_conversion_never_runs_a_pickle_found_in_a_checkpoint(tmp_
     with pytest.raises(UserError, match="Weights only load failed"):
         checkpoint.convert_to_universal(tmp_path, "global_step1")
     assert not (tmp_path / "pwned").exists()
+
+
+def _converted_weights(run: Path, tag: str) -> dict[str, torch.Tensor]:
+    folder = rundir.universal_dir(run) / tag / "zero"
+    with checkpoint.restricted_unpickling(folder):
+        return {p.parent.name: torch.load(p, weights_only=True)["param"] for p in folder.glob("*/fp32.pt")}
+
+
+def test_a_universal_conversion_is_used_only_whole_and_for_the_checkpoint_it_was_made_from(zero_runs, tmp_path):
+    """A conversion left by a refused resume was used for a checkpoint of the same step saved later (the run resumed
+    the old weights, silently: the manifest and client state may be the same byte for byte), and one that a job was
+    killed while removing failed in DeepSpeed's load with a traceback (`ValueError: exp_avg not found`)."""
+    run, tag = tmp_path / "run", "global_step4"
+    shutil.copytree(zero_runs[2], run, symlinks=True)
+    checkpoint.convert_to_universal(run, tag)
+    converted = next((rundir.universal_dir(run) / tag / "zero").glob("*/fp32.pt"))
+    made, before = converted.stat().st_mtime_ns, _converted_weights(run, tag)
+    checkpoint.convert_to_universal(run, tag)  # whole, and of this checkpoint: used as it is
+    assert converted.stat().st_mtime_ns == made
+
+    # the step is saved again (other weights, files of the same sizes): rank 0's partition moved by 1
+    partition = rundir.checkpoint_dir(run) / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    with checkpoint.restricted_unpickling(partition.parent):
+        state = torch.load(partition, weights_only=True)
+    state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0].data += 1
+    with open(partition, "wb") as f:  # as the save writes it (`_writes_held_at_first_failure`)
+        torch.save(state, f)
+    assert rundir.incompleteness(run, tag) is None  # the manifest is as it was
+    checkpoint.convert_to_universal(run, tag)
+    after = _converted_weights(run, tag)
+    moved = [name for name in before if not torch.equal(before[name], after[name])]
+    assert moved and all(((d == 0) | ((d - 1).abs() < 1e-5)).all() for d in (after[n] - before[n] for n in moved))
+
+    # a job killed while removing the conversion after its load
+    (rundir.universal_dir(run) / tag / "zero" / moved[0] / "exp_avg.pt").unlink()
+    checkpoint.convert_to_universal(run, tag)
+    assert (rundir.universal_dir(run) / tag / "zero" / moved[0] / "exp_avg.pt").is_file()
+    assert all(torch.equal(after[name], weights) for name, weights in _converted_weights(run, tag).items())
 
 
 # ---- damaged files: `latest`, client state, RNG files, manifest sizes, unreadable checkpoint files ----------------

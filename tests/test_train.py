@@ -212,7 +212,11 @@ def test_two_ranks_to_one_resume_converts_to_universal_and_continues(zero_runs, 
                                                                      tmp_path, stage):
     """A 2-rank ZeRO run (micro 2 x accum 2) stopped after step 2 resumes on 1 rank (micro 4 x accum 2 keeps the
     global batch): DeepSpeed's universal checkpoint is made automatically, and steps 3-4 see the same samples with
-    the same optimizer state as the uninterrupted 2-rank run, in the same wandb run."""
+    the same optimizer state as the uninterrupted 2-rank run, in the same wandb run.
+
+    Under ZeRO-3, DeepSpeed's universal load gave both param groups one shared Adam step (advanced twice a step) and
+    the first group's weight decay (the norms decayed): step 4's loss was off by ~9e-5 and the resumed run saved
+    Adam steps of 6 at step 4, and weight decay 0.01 for every group."""
     common = ["train.max_steps=4", "train.eval_every=2", "train.precision=fp32"]
     run = tmp_path / "run"
     shutil.copytree(accumulated_runs(stage), run, symlinks=True)
@@ -234,11 +238,30 @@ def test_two_ranks_to_one_resume_converts_to_universal_and_continues(zero_runs, 
     # of sums of squares, after ZeRO-3's repartitioned flattening) to ~2e-4 on the committed corpus
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-4)
     assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-3)
+    # the same 2 steps from the same state as the uninterrupted run of the copied checkpoint: equal to rounding
+    straight = _metrics(accumulated_runs(stage))
+    assert [r["loss"] for r in rows[2:]] == pytest.approx([r["loss"] for r in straight[2:]], rel=0, abs=2e-6)
+    resumed_adam = _adam_state(run / "checkpoints" / "global_step4", stage)
+    assert resumed_adam == _adam_state(accumulated_runs(stage) / "checkpoints" / "global_step4", stage)
+    assert resumed_adam[0] == [4, 4] and [group["weight_decay"] for group in resumed_adam[1]] == [0.01, 0.0]
     resumed_state = json.loads((run / "checkpoints" / "global_step4" / "client_state.json").read_text())
     assert resumed_state["sampler"] == straight_state["sampler"] and resumed_state["world_size"] == 1
     assert not (run / "checkpoints" / "universal").exists()
     run_ids = {p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")}
     assert len(run_ids) == 1 and resumed_state["run_id"] in run_ids
+
+
+def _adam_state(folder, stage):
+    """Rank 0's Adam steps (one per param group, or ZeRO-3 sub-group) and its param groups' settings but the learning
+    rate, in checkpoint `folder` of a ZeRO `stage` run."""
+    from llm.train.checkpoint import restricted_unpickling
+
+    with restricted_unpickling(folder):
+        saved = torch.load(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=True)
+    saved = saved["optimizer_state_dict"]
+    adam = saved["optimizer_state_dict" if stage == 3 else "base_optimizer_state"]
+    return ([int(state["step"]) for _, state in sorted(adam["state"].items())],
+            [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in adam["param_groups"]])
 
 
 def test_metrics_jsonl_and_offline_wandb_hold_the_same_numbers(accumulated_runs):

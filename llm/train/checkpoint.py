@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from llm import durable, rundir
 from llm.errors import UserError
-from llm.runtime.distributed import ensure_accelerator_env, raise_together, refuse_together
+from llm.runtime.distributed import agreed, ensure_accelerator_env, raise_together, refuse_together
 
 FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # read by torch on every torch.load
 DELETING_PREFIX = ".deleting-"
@@ -334,20 +334,31 @@ def is_partitioned(run_dir: Path, tag: str) -> bool:
 _UNIVERSAL_CONVERTER = ("import runpy, torch; from llm.train.checkpoint import deepspeed_state_classes; "
                         "torch.serialization.add_safe_globals(deepspeed_state_classes()); "
                         "runpy.run_module('deepspeed.checkpoint.ds_to_universal', run_name='__main__', alter_sys=True)")
+CONVERSION_RECORD = "converted_from.json"
+"""Written last into a universal conversion: the checkpoint it was made from (`_identity`) and its own files with
+their sizes. A conversion is used only while both still hold (`_is_conversion_of`)."""
 
 
 def convert_to_universal(run_dir: Path, tag: str) -> None:
     """DeepSpeed's universal checkpoint of `tag` (one file per parameter and optimizer state, loadable on any
     world size), written to checkpoints/universal/<tag> by `deepspeed.checkpoint.ds_to_universal`, whose loads
-    are restricted as in `restricted_unpickling`."""
+    are restricted as in `restricted_unpickling`.
+
+    A conversion left there by an earlier job is used only when it is whole and was made from checkpoint `tag` as
+    it is now; anything else is removed and converted again: one made from an earlier checkpoint of the same step (a
+    refused resume leaves its conversion, and the run may then save that step again, with files of the same sizes),
+    one that an earlier job was killed while removing, one made before conversions recorded their source."""
     universal = rundir.universal_dir(run_dir)
     target = universal / tag
+    source = rundir.checkpoint_dir(run_dir) / tag
+    identity = _identity(source)
     if target.is_dir():
-        return
+        if identity is not None and _is_conversion_of(target, identity):
+            return
+        shutil.rmtree(target)
     partial = universal / f".{tag}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.parent.mkdir(parents=True, exist_ok=True)
-    source = rundir.checkpoint_dir(run_dir) / tag
     command = [sys.executable, "-c", _UNIVERSAL_CONVERTER, "--input_folder", str(source),
                "--output_folder", str(partial), "--inject_missing_state"]
     result = subprocess.run(command, capture_output=True, text=True, check=False,
@@ -357,7 +368,39 @@ def convert_to_universal(run_dir: Path, tag: str) -> None:
         raise UserError(f"{source}: conversion to a universal checkpoint failed:\n"
                         f"{(result.stdout + result.stderr)[-2000:]}")
     (universal / "latest_universal").unlink(missing_ok=True)  # written by the tool; we keep `latest`
+    if identity is not None:  # else (the source unreadable) it is converted again next time
+        record = {"source": identity, "files": _converted_files(partial)}
+        durable.write_text(partial / CONVERSION_RECORD, json.dumps(record, indent=1))
     os.replace(partial, target)
+
+
+def _identity(source: Path) -> dict[str, list[int]] | None:
+    """What tells checkpoint folder `source` from another checkpoint of the same step: its manifest and each file
+    the manifest lists, with their sizes and modification times (a checkpoint saved again under the same tag may
+    have the same manifest and client state, byte for byte). None where the manifest cannot be read."""
+    try:
+        listed = json.loads((source / rundir.MANIFEST).read_text())["files"]
+        return {name: [stat.st_size, stat.st_mtime_ns] for name in [rundir.MANIFEST, *sorted(listed)]
+                for stat in [(source / name).stat()]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _converted_files(folder: Path) -> dict[str, int]:
+    """Every file under `folder` but the record, by its path there, with its size."""
+    return {path.relative_to(folder).as_posix(): path.stat().st_size for path in sorted(folder.rglob("*"))
+            if path.is_file() and path.name != CONVERSION_RECORD}
+
+
+def _is_conversion_of(target: Path, identity: dict[str, list[int]]) -> bool:
+    """Whether universal checkpoint `target` was converted from the checkpoint of `identity` and is whole: its record
+    is there, names that checkpoint, and lists exactly its files with their sizes."""
+    try:
+        record = json.loads((target / CONVERSION_RECORD).read_text())
+        return isinstance(record, dict) and record.get("source") == identity and \
+            record.get("files") == _converted_files(target)
+    except (OSError, ValueError):
+        return False
 
 
 def resume_tag(run_dir: Path) -> str | None:
@@ -387,20 +430,33 @@ def load(engine, run_dir: Path, tag: str, universal: bool = False, clock_driven:
     another world size than the one that saved; a rank that did not exist then keeps its freshly seeded RNGs).
     The optimizer's learning rates are set to what this run's schedule gives at the restored step (`_continue_at`),
     except where the schedule follows the clock (`clock_driven`: train.max_time) and train.lr is unchanged: the
-    saved rate was computed from the clock as it was then."""
+    saved rate was computed from the clock as it was then.
+
+    A collective: a file that only some ranks read (their optimizer partition, their RNG file) and find damaged
+    ends every rank with that rank's UserError, said once; a rank that refused alone left the others waiting in
+    their next collective, which then failed with a traceback."""
     client_state = rundir.client_state_of(run_dir, tag)
     root = rundir.universal_dir(run_dir) if universal else rundir.checkpoint_dir(run_dir)
     schedule = getattr(engine, "lr_scheduler", None)
     lambda_schedule = isinstance(schedule, torch.optim.lr_scheduler.LambdaLR)
     configured = list(schedule.base_lrs) if lambda_schedule else None  # this run config's learning rates
-    with restricted_unpickling(root / tag):
-        path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
-                                         load_lr_scheduler_states=True,
-                                         load_module_strict=not has_frozen_parameters(engine))
-        if path is None:
-            raise UserError(f"{root / tag}: DeepSpeed could not load this checkpoint")
-        if dist.get_rank() < client_state["world_size"]:
-            restore_rng_state(run_dir, tag, dist.get_rank())
+
+    def restore() -> None:
+        with restricted_unpickling(root / tag):
+            with _read_failures_held(engine) as failures:
+                path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                                 load_lr_scheduler_states=True,
+                                                 load_module_strict=not has_frozen_parameters(engine))
+            if failures:
+                raise failures[0]
+            if path is None:
+                raise UserError(f"{root / tag}: DeepSpeed could not load this checkpoint")
+            if universal and engine.zero_optimization_partition_weights():
+                _separate_zero3_groups(engine, root / tag)
+            if dist.get_rank() < client_state["world_size"]:
+                restore_rng_state(run_dir, tag, dist.get_rank())
+
+    agreed(restore, announce=dist.get_rank() == 0)
     if lambda_schedule and (schedule.base_lrs != configured or not clock_driven):
         schedule.base_lrs = configured
         _continue_at([base * multiplier(schedule.last_epoch)
@@ -408,6 +464,60 @@ def load(engine, run_dir: Path, tag: str, universal: bool = False, clock_driven:
     elif schedule is not None and not lambda_schedule:  # DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR
         _continue_at(schedule.get_lr(), schedule)
     return client_state
+
+
+@contextmanager
+def _read_failures_held(engine) -> Iterator[list[Exception]]:
+    """Inside, a failure of DeepSpeed's engine to read its model or optimizer files (a damaged file that only this
+    rank reads: its optimizer partition, its ZeRO-3 model states) is recorded in the yielded list instead of raised,
+    and the load goes on without that file's state through the collectives after it (ZeRO-3 gathers its persistent
+    parameters), where the other ranks wait; the caller raises it. With one rank, nothing is held."""
+    failures: list[Exception] = []
+    if dist.get_world_size() == 1:
+        yield failures
+        return
+
+    def held(read, instead):
+        def holding(*args, **kwargs):
+            try:
+                return read(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - raised by the caller once DeepSpeed's load is over
+                failures.append(exc)
+                return instead
+        return holding
+
+    engine._load_checkpoint = held(engine._load_checkpoint, (None, None))  # as for no checkpoint: no partition read
+    engine._load_zero_checkpoint = held(engine._load_zero_checkpoint, True)  # True: no fallback to the weights
+    try:
+        yield failures
+    finally:
+        del engine._load_checkpoint, engine._load_zero_checkpoint  # the class's methods again
+
+
+ZERO3_OPTIMIZER_STATE = Path("zero", "optimizer_state.pt")
+"""Where a universal checkpoint of a ZeRO-3 run keeps its optimizer's param groups (and rank 0's partition)."""
+
+
+def _separate_zero3_groups(engine, folder: Path) -> None:
+    """Undo two things DeepSpeed's ZeRO-3 universal load (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`)
+    does to the optimizer, which silently changed the resumed run's updates and were saved with its checkpoints:
+    it gives every sub-group the same `step` tensor, which Adam then advances once per sub-group each step (bias
+    corrections of a later step), and it sets every param group's hyperparameters to the first group's (weight decay
+    on the norms and biases). Each sub-group gets a step of its own, and each param group its own saved settings,
+    as a load on the world size that saved restores them (ZeRO 1 and 2 universal loads do too)."""
+    zero = engine.optimizer
+    base = zero.optimizer
+    for flat in zero.fp32_partitioned_groups_flat:
+        state = base.state.get(flat, {})
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
+    saved = torch.load(folder / ZERO3_OPTIMIZER_STATE, map_location="cpu", mmap=True, weights_only=True)
+    saved_groups = saved["optimizer_state_dict"]["param_groups"]
+    if len(saved_groups) != len(base.param_groups):
+        raise UserError(f"{folder / ZERO3_OPTIMIZER_STATE} holds {len(saved_groups)} optimizer param groups, this "
+                        f"model has {len(base.param_groups)}; remove {folder} so that it is converted again")
+    for group, settings in zip(base.param_groups, saved_groups, strict=True):
+        group.update({key: value for key, value in settings.items() if key != "params"})
 
 
 def _continue_at(rates: list[float], schedule) -> None:
