@@ -680,18 +680,23 @@ def test_resume_passes_over_a_torn_checkpoint_and_continues_exactly(one_rank_run
     assert rundir.incompleteness(run, "global_step4") is None
 
 
-def test_a_resume_with_another_learning_rate_trains_at_it(one_rank_run, pretrain_data, tmp_path):
+def test_a_resume_with_another_learning_rate_and_weight_decay_trains_at_them(one_rank_run, pretrain_data, tmp_path):
     """The schedule's saved state brought the old train.lr back: the run trained on at it while config.yaml
-    recorded the new one (and a diverged run, resumed at a lower rate as advised, diverged again)."""
+    recorded the new one (and a diverged run, resumed at a lower rate as advised, diverged again). The optimizer's
+    saved state likewise brought back the old weight decay (and betas, eps)."""
     run = tmp_path / "run"
     shutil.copytree(one_rank_run, run)
     torn = rundir.checkpoint_dir(run) / "global_step4" / MODEL_FILE
     torn.write_bytes(torn.read_bytes()[:1000])  # resumed at step 2
-    result = run_job(*train_args(pretrain_data, run, *ONE_RANK, "train.lr=3e-5", extra=["--resume", "auto"]))
+    result = run_job(*train_args(pretrain_data, run, *ONE_RANK, "train.lr=3e-5", "train.weight_decay=0.5",
+                                 extra=["--resume", "auto"]))
     assert result.returncode == 0, result.stderr[-3000:]
     cfg = build_config((run / "config.yaml").as_posix())
     rates = [json.loads(line)["lr"] for line in (run / rundir.METRICS_FILE).read_text().splitlines()]
     assert cfg.train.lr == 3e-5 and rates[2:] == pytest.approx([3e-5 * lr_multiplier(s, cfg.train) for s in (2, 3)])
+    optimizer = next((rundir.checkpoint_dir(run) / "global_step4").glob("*optim_states.pt"))
+    groups = torch.load(optimizer, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    assert [group["weight_decay"] for group in groups] == [0.5, 0.0]
 
 
 def test_a_resume_with_more_steps_follows_the_longer_schedule_from_its_first_step(one_rank_run, pretrain_data,

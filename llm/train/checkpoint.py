@@ -440,6 +440,7 @@ def load(engine, run_dir: Path, tag: str, universal: bool = False, clock_driven:
     schedule = getattr(engine, "lr_scheduler", None)
     lambda_schedule = isinstance(schedule, torch.optim.lr_scheduler.LambdaLR)
     configured = list(schedule.base_lrs) if lambda_schedule else None  # this run config's learning rates
+    settings = _optimizer_settings(engine)  # and its weight decay, betas, eps: the load brings back the saved ones
 
     def restore() -> None:
         with restricted_unpickling(root / tag):
@@ -452,11 +453,13 @@ def load(engine, run_dir: Path, tag: str, universal: bool = False, clock_driven:
             if path is None:
                 raise UserError(f"{root / tag}: DeepSpeed could not load this checkpoint")
             if universal and engine.zero_optimization_partition_weights():
-                _separate_zero3_groups(engine, root / tag)
+                _separate_zero3_steps(engine)
             if dist.get_rank() < client_state["world_size"]:
                 restore_rng_state(run_dir, tag, dist.get_rank())
 
     agreed(restore, announce=dist.get_rank() == 0)
+    for group, own in zip(engine.optimizer.param_groups, settings, strict=True):
+        group.update(own)
     if lambda_schedule and (schedule.base_lrs != configured or not clock_driven):
         schedule.base_lrs = configured
         _continue_at([base * multiplier(schedule.last_epoch)
@@ -494,30 +497,30 @@ def _read_failures_held(engine) -> Iterator[list[Exception]]:
         del engine._load_checkpoint, engine._load_zero_checkpoint  # the class's methods again
 
 
-ZERO3_OPTIMIZER_STATE = Path("zero", "optimizer_state.pt")
-"""Where a universal checkpoint of a ZeRO-3 run keeps its optimizer's param groups (and rank 0's partition)."""
+SCHEDULED = ("params", "lr", "initial_lr", "step")
+"""Param group entries that are not the run config's settings: the parameters, what the schedule sets, and the step
+count an optimizer (DeepSpeed's FusedAdam) keeps there."""
 
 
-def _separate_zero3_groups(engine, folder: Path) -> None:
-    """Undo two things DeepSpeed's ZeRO-3 universal load (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`)
-    does to the optimizer, which silently changed the resumed run's updates and were saved with its checkpoints:
-    it gives every sub-group the same `step` tensor, which Adam then advances once per sub-group each step (bias
-    corrections of a later step), and it sets every param group's hyperparameters to the first group's (weight decay
-    on the norms and biases). Each sub-group gets a step of its own, and each param group its own saved settings,
-    as a load on the world size that saved restores them (ZeRO 1 and 2 universal loads do too)."""
+def _optimizer_settings(engine) -> list[dict[str, Any]]:
+    """The run config's settings of each param group (weight decay, betas, eps, ...), as the engine was built: a
+    checkpoint's optimizer state brings back the settings it was saved with, and a resume that changed them (the
+    documented way to change them) trained on with the old ones."""
+    return [{key: value for key, value in group.items() if key not in SCHEDULED}
+            for group in engine.optimizer.param_groups]
+
+
+def _separate_zero3_steps(engine) -> None:
+    """Undo what DeepSpeed's ZeRO-3 universal load (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`) does to
+    Adam's step count, which silently changed the resumed run's updates and was saved with its checkpoints: it gives
+    every sub-group the same `step` tensor, which Adam then advances once per sub-group each step (the bias
+    corrections of a later step). Each sub-group gets a step of its own. (That load also sets every param group's
+    settings to the first group's, weight decay on the norms and biases: `load` sets every group's own again.)"""
     zero = engine.optimizer
-    base = zero.optimizer
     for flat in zero.fp32_partitioned_groups_flat:
-        state = base.state.get(flat, {})
+        state = zero.optimizer.state.get(flat, {})
         if isinstance(state.get("step"), torch.Tensor):
             state["step"] = state["step"].clone()
-    saved = torch.load(folder / ZERO3_OPTIMIZER_STATE, map_location="cpu", mmap=True, weights_only=True)
-    saved_groups = saved["optimizer_state_dict"]["param_groups"]
-    if len(saved_groups) != len(base.param_groups):
-        raise UserError(f"{folder / ZERO3_OPTIMIZER_STATE} holds {len(saved_groups)} optimizer param groups, this "
-                        f"model has {len(base.param_groups)}; remove {folder} so that it is converted again")
-    for group, settings in zip(base.param_groups, saved_groups, strict=True):
-        group.update({key: value for key, value in settings.items() if key != "params"})
 
 
 def _continue_at(rates: list[float], schedule) -> None:
