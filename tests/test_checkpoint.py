@@ -54,6 +54,7 @@ class FakeEngine:
 
         self.state = {"module": {"w": torch.full((size,), value)}}
         self.module = torch.nn.Module()  # no frozen parameters: everything is saved
+        self.optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # its settings are restored
         self.checkpoint_engine = TorchCheckpointEngine()
         self.checkpoint_engine.zipfile_serialization = True  # what DeepSpeed's default config gives it
 

@@ -89,7 +89,7 @@ class _FakeFP16Engine:
     """Stands in for a DeepSpeed fp16 engine: what the trainer reads and restores of its loss scaler."""
 
     def __init__(self, scale: float) -> None:
-        self.optimizer = SimpleNamespace(cur_scale=scale)
+        self.optimizer = SimpleNamespace(cur_scale=scale, param_groups=[])
         self.module = torch.nn.Module()  # no frozen parameters
 
     def fp16_enabled(self) -> bool:
