@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from llm import durable
 from llm.errors import UserError
 
 
@@ -309,7 +310,9 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def save(self, path: Path) -> None:
-        path.write_text(dump_yaml(self.to_dict()))
+        """Write the config to `path` atomically (`llm.durable`: a full disk or a kill leaves the old file whole), and
+        not at all when the file already holds it."""
+        durable.update_text(path, dump_yaml(self.to_dict()))
 
 
 class _Yaml12Loader(yaml.SafeLoader):

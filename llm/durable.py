@@ -1,12 +1,17 @@
 """Writing files so that a crash (SIGKILL, power loss, a full disk) leaves either the old or the new content,
-never a torn file: write under a temporary name, fsync, rename over the target, fsync the folder. And naming a write
-that failed for want of room (`out_of_room`)."""
+never a torn file: write under a temporary name, fsync, rename over the target, fsync the folder; a folder is copied
+the same way (`copy_folder`). And naming a write that failed for want of room (`out_of_room`, `room_needed`)."""
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from llm.errors import UserError
 
 OUT_OF_ROOM = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                errno.EFBIG: "a file reached the file size limit (ulimit -f)"}
@@ -36,13 +41,27 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_text(path: Path, text: str) -> None:
-    """Replace `path` by `text` atomically and durably; a failed write (a full disk) leaves `path` as it was and no
+@contextmanager
+def room_needed(folder: Path, writing: str) -> Iterator[None]:
+    """Inside, a write that runs out of room (`out_of_room`) is one UserError naming `folder` and what was being
+    written (`writing`), for writes that leave what was there as it was (`write_text`, `copy_folder`)."""
+    try:
+        yield
+    except OSError as exc:
+        reason = out_of_room(exc)
+        if reason is None:
+            raise
+        raise UserError(f"{folder}: {reason} while writing {writing}; nothing was lost (what was there is as it "
+                        "was): free space and run the command again") from None
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Replace `path` by `data` atomically and durably; a failed write (a full disk) leaves `path` as it was and no
     temporary file."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -50,6 +69,42 @@ def write_text(path: Path, text: str) -> None:
         raise
     os.replace(tmp, path)
     fsync(path.parent)
+
+
+def write_text(path: Path, text: str) -> None:
+    """`write_bytes` of `text` in UTF-8."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def update_text(path: Path, text: str) -> bool:
+    """`write_text`, unless `path` already holds `text` (then nothing is written: a start that changes nothing needs
+    no room); whether it wrote."""
+    try:
+        if path.read_bytes() == text.encode("utf-8"):
+            return False
+    except OSError:  # missing or unreadable: written
+        pass
+    write_text(path, text)
+    return True
+
+
+def copy_folder(source: Path, target: Path) -> None:
+    """Copy folder `source` to `target` (which must not exist) whole or not at all: into a hidden `.NAME.partial`
+    beside it (a leftover of an earlier attempt is removed first), each file flushed, then renamed into place. A
+    failed copy (a full disk) leaves no `target` and no partial folder."""
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        shutil.copytree(source, partial)
+        for path in sorted(partial.rglob("*")):
+            if path.is_file():
+                fsync(path)
+        fsync(partial)
+        os.replace(partial, target)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    fsync(target.parent)
 
 
 def current_umask() -> int:

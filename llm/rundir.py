@@ -21,7 +21,8 @@ A prepared data directory keeps its tokenizer under the same folder name (`TOKEN
 
 A checkpoint is *complete* when its manifest exists and the folder holds exactly the files it lists, each with
 the listed size. Whoever reads a run directory (resume, generate, export, `--init-from`) takes the checkpoint
-`latest` names when it is complete, else the newest complete one before it (`usable_tag`).
+`latest` names when it is complete, else the newest complete one before it (`usable_tag`); without `latest` (lost,
+or a kill between the first checkpoint's manifest and its `latest`), the newest complete one.
 
 This module names and reads the layout only (no torch, no model code), so the launcher can use it
 cheaply; `llm.train.checkpoint` writes checkpoints and `llm.loading` rebuilds models from them.
@@ -39,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from llm.config import load_recorded_yaml
+from llm.config import build_config, load_recorded_yaml
 from llm.errors import UserError
 from llm.train.run_lock import check_run_unlocked
 
@@ -100,7 +101,17 @@ def check_run_output(run_dir: Path, resume: bool) -> None:
     if latest_tag(run_dir) is not None and not resume:  # read either way: a damaged `latest` is refused here
         raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another "
                         "--out")
+    if not resume and (newest := newest_complete_tag(run_dir)) is not None:  # its `latest` is gone: not a new run
+        raise UserError(f"{run_dir} already holds checkpoints (the newest complete one is {newest}; "
+                        f"{checkpoint_dir(run_dir) / LATEST} is missing); pass --resume auto to continue from "
+                        f"{newest}, or choose another --out")
     check_run_unlocked(run_dir)
+
+
+def holds_checkpoints(run_dir: Path) -> bool:
+    """Whether `--resume auto` continues `run_dir` from a checkpoint (`usable_tag`): `latest` names one, or a
+    complete one is there without `latest`."""
+    return latest_tag(run_dir) is not None or newest_complete_tag(run_dir) is not None
 
 
 def config_file(run_dir: Path) -> Path:
@@ -121,6 +132,10 @@ def recorded_config(run_dir: Path) -> dict[str, Any]:
     if not isinstance(recorded, dict):
         raise UserError(f"{path} is damaged (a run config is a YAML mapping, found {type(recorded).__name__}); "
                         "`zerollm train` wrote it: restore it")
+    try:  # a file cut short (a full disk under an earlier version) parses, and leaves keys null or out of range
+        build_config(recorded)
+    except UserError as exc:
+        raise UserError(f"{path} is damaged ({exc}); `zerollm train` wrote it: restore it") from None
     return recorded
 
 
@@ -166,21 +181,36 @@ def checkpoint_tags(run_dir: Path) -> list[str]:
     return sorted(tags, key=step_of)
 
 
+def newest_complete_tag(run_dir: Path) -> str | None:
+    """The newest complete checkpoint, whatever `latest` names; None when there is none."""
+    return next((tag for tag in reversed(checkpoint_tags(run_dir)) if incompleteness(run_dir, tag) is None), None)
+
+
+def _latest_advice(run_dir: Path) -> str:
+    """What to do about a `latest` that names no checkpoint: name the newest complete one, which `usable_tag` takes
+    once `latest` is gone."""
+    newest = newest_complete_tag(run_dir)
+    if newest is None:
+        return f"write the tag of a checkpoint folder there (e.g. {tag_for(0)}) or delete it to start over"
+    return (f"write the tag of a checkpoint folder there ({newest} is the newest complete one) or delete it to "
+            f"continue from {newest}")
+
+
 def latest_tag(run_dir: Path) -> str | None:
-    """The tag `latest` names (None before the first checkpoint was published); it may be incomplete or gone. A
-    `latest` that is not a file or not text is a UserError."""
+    """The tag `latest` names (None before the first checkpoint was published, or when `latest` was lost); it may
+    be incomplete or gone. A `latest` that is not a file or not text is a UserError."""
     path = checkpoint_dir(run_dir) / LATEST
     if not path.exists():
         return None
-    advice = f"write the tag of a checkpoint folder there (e.g. {tag_for(0)}) or delete it to start over"
     if not path.is_file():
-        raise UserError(f"{path} is not a file (training writes the tag of the newest checkpoint there); {advice}")
+        raise UserError(f"{path} is not a file (training writes the tag of the newest checkpoint there); "
+                        f"{_latest_advice(run_dir)}")
     try:
         return path.read_text(encoding="utf-8").strip()
     except UnicodeDecodeError:
-        raise UserError(f"{path} is damaged (not UTF-8 text); {advice}") from None
+        raise UserError(f"{path} is damaged (not UTF-8 text); {_latest_advice(run_dir)}") from None
     except OSError as exc:
-        raise UserError(f"{path} cannot be read ({exc.strerror or exc}); {advice}") from None
+        raise UserError(f"{path} cannot be read ({exc.strerror or exc}); {_latest_advice(run_dir)}") from None
 
 
 def incompleteness(run_dir: Path, tag: str) -> str | None:
@@ -212,15 +242,20 @@ def incompleteness(run_dir: Path, tag: str) -> str | None:
 
 def usable_tag(run_dir: Path) -> str | None:
     """The checkpoint to continue from or load: the one `latest` names when complete, else the newest complete one
-    before it (each one passed over is named on stderr). None when no checkpoint was ever published; a UserError
-    when none of them is complete."""
+    before it (each one passed over is named on stderr). Without `latest`, the newest complete checkpoint (with a
+    note: `latest` was lost, or a kill came between the first checkpoint's manifest and its `latest`), None when
+    there is none (no checkpoint was ever published). A UserError when `latest` names checkpoints none of which is
+    complete."""
     latest = latest_tag(run_dir)
-    if latest is None:
-        return None
     root = checkpoint_dir(run_dir)
+    if latest is None:
+        newest = newest_complete_tag(run_dir)
+        if newest is not None:
+            print(f"zerollm: note: {root} holds complete checkpoints but no {LATEST}; using {newest}, the newest "
+                  "complete one", file=sys.stderr, flush=True)
+        return newest
     if not is_tag(latest):
-        raise UserError(f"{root / LATEST} names '{latest}', which is not a checkpoint tag; write the tag of a "
-                        f"checkpoint folder there (e.g. {tag_for(0)}) or delete the file to start over")
+        raise UserError(f"{root / LATEST} names '{latest}', which is not a checkpoint tag; {_latest_advice(run_dir)}")
     candidates = [tag for tag in checkpoint_tags(run_dir) if step_of(tag) < step_of(latest)] + [latest]
     passed_over = []
     for tag in reversed(candidates):

@@ -60,6 +60,61 @@ def test_a_config_yaml_an_earlier_version_wrote_reads_back_as_it_meant(tmp_path)
     assert (recorded.wandb.name, recorded.wandb.project, recorded.train.init_from) == ("08", "1e5", "09")
 
 
+def test_a_config_yaml_cut_short_is_refused_naming_the_file(tmp_path):
+    """config.yaml cut by a full disk (written in place by earlier versions) parses, with keys left null: every resume
+    and `zerollm generate` then failed with "config key 'train.save_every' cannot be null", naming no file."""
+    build_config("demo").save(tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    (tmp_path / "config.yaml").write_text(text[:text.index("save_every:") + len("save_every:")])
+    with pytest.raises(UserError) as refused:
+        rundir.recorded_config(tmp_path)
+    assert str(refused.value) == (f"{tmp_path / 'config.yaml'} is damaged (config key 'train.save_every' cannot be "
+                                  "null); `zerollm train` wrote it: restore it")
+
+
+RESUMED = ["model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "data.seq_len=32"]
+
+
+def _resumed_as(tmp_path, saved: list[str], here: list[str], paths: dict | None = None) -> None:
+    """`check_same_shape` of a run saved with `saved` overrides, resumed with `here` (and its own `paths`)."""
+    from llm.train.job import check_same_shape
+
+    ds_config = {"zero_optimization": {"stage": 1}}
+    build_config("demo", [*RESUMED, *saved]).save(tmp_path / "config.yaml")
+    (tmp_path / "ds_config.json").write_text(json.dumps(ds_config))
+    check_same_shape(tmp_path, build_config("demo", [*RESUMED, *here], paths), ds_config)
+
+
+@pytest.mark.parametrize("saved, here, paths, changes", [
+    ([], ["model.rope_theta=500000", "model.norm_eps=0.1"], None,
+     "model.rope_theta 10000.0 there, 500000.0 here; model.norm_eps 1e-05 there, 0.1 here"),
+    ([], ["model.rope_scaling=yarn", "model.rope_factor=4", "model.rope_original_max_seq_len=128"], None,
+     "model.rope_scaling none there, yarn here; model.rope_factor 1.0 there, 4.0 here; "
+     "model.rope_original_max_seq_len 0 there, 128 here"),
+    ([], ["train.stage=distill"], {"train.teacher": "teach"}, "train.stage pretrain there, distill (--teacher teach) "
+                                                              "here"),
+    (["train.stage=distill", "train.teacher=teach"], [], None, "train.stage distill (--teacher teach) there, pretrain "
+                                                               "here"),
+    ([], ["data.seq_len=16"], None, "data.seq_len 32 there, 16 here (its samples are windows of that many tokens)"),
+])
+def test_a_resume_that_changes_what_the_checkpoints_mean_is_refused(tmp_path, saved, here, paths, changes):
+    """Accepted before: the run trained on as another function (RoPE base, norm epsilon: what --init-from refuses)
+    or objective (a pretraining run resumed as distillation mixed the losses in its metrics), into checkpoints that
+    then loaded with the new values; another data.seq_len was refused by the sampler, naming 'the data and
+    train.seed'."""
+    with pytest.raises(UserError) as refused:
+        _resumed_as(tmp_path, saved, here, paths)
+    assert str(refused.value) == (f"{tmp_path}: its checkpoints cannot resume with these changes ({changes}); resume "
+                                  f"with the values there, or start a new run with --init-from {tmp_path}")
+
+
+def test_a_resume_may_change_data_seq_len_where_samples_are_not_windows_of_it(tmp_path):
+    """DPO pairs are padded to data.seq_len, one sample each: another length changes no sampler position."""
+    init = {"train.init_from": "sft_run"}
+    _resumed_as(tmp_path, ["train.stage=dpo", "train.init_from=sft_run"], ["train.stage=dpo", "data.seq_len=64"], init)
+    _resumed_as(tmp_path, [], ["train.lr=1e-4", "train.max_steps=9"])  # and what takes effect from there
+
+
 @pytest.mark.parametrize("override, message", [
     ("train.lrr=1", "unknown config key 'train.lrr'"),
     ("nope.x=1", "unknown config key 'nope.x'"),

@@ -16,24 +16,29 @@ import io
 import json
 import os
 import random
+import resource
 import shutil
 import signal
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from forked_ranks import enter_rank, forkserver
+from forked_ranks import enter_rank, forkserver, run_job
 
-from conftest import TINY
+from conftest import TINY, ZERO_RUN, train_args, zerollm_here
 from launch.local import rank_environments
 from llm import durable, rundir
 from llm.cli import main
+from llm.config import build_config
+from llm.errors import UserError
 from llm.loading import consolidated_weights
 from llm.runtime.rank_env import free_port
-from llm.train import checkpoint
+from llm.train import checkpoint, job
 from llm.train.metrics import MetricsSink
+from llm.train.run_record import write_run_record
 
 REAL_TORCH_SAVE = torch.save
 WORLD = 2
@@ -186,11 +191,12 @@ def test_killed_at_random_points_in_saves_always_resumes_exactly(pretrain_data, 
     for kill in range(KILLS):
         rank = rng.randrange(WORLD)
         fault = (rank, rng.randint(1, 2 * points[rank]))  # in the first or second step after the resume
+        start = latest or rundir.newest_complete_tag(run)  # killed between the first manifest and `latest`: that one
         codes = _launch(context, run, pretrain_data, logs, f"kill{kill}", fault, seed=kill)
         log = (logs / f"kill{kill}.rank0.log").read_text()
         assert codes[rank] == -signal.SIGKILL, (fault, codes, log[-3000:])
-        resumed = f"resumed at step {rundir.step_of(latest)}" if latest else None
-        assert (resumed in log) if resumed else ("resumed at step" not in log), (fault, latest, log[-3000:])
+        resumed = f"resumed at step {rundir.step_of(start)}" if start else None
+        assert (resumed in log) if resumed else ("resumed at step" not in log), (fault, start, log[-3000:])
         resumes += resumed is not None
         now = _published(run)
         assert latest is None or (now is not None and rundir.step_of(now) >= rundir.step_of(latest)), (latest, now)
@@ -208,3 +214,114 @@ def test_killed_at_random_points_in_saves_always_resumes_exactly(pretrain_data, 
     weights, reference_weights = consolidated_weights(run), consolidated_weights(reference)
     assert all(torch.equal(weights[k], reference_weights[k]) for k in reference_weights)
     assert _published(run) == rundir.tag_for(MAX_STEPS)
+
+
+# ---- a full disk, a quota or the file size limit as a run starts; a lost `latest` --------------------------------
+
+@contextmanager
+def file_size_limit(size: int):
+    """Inside, this process cannot write a file past `size` bytes (`ulimit -f`; Python ignores SIGXFSZ, so such a
+    write fails with EFBIG, as one on a full disk fails with ENOSPC)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` with its content, but the lock a job holds (it names the job's pid)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".train.lock"}
+
+
+def test_running_out_of_room_as_a_run_starts_is_one_line_and_loses_nothing(tmp_path):
+    """`ulimit -f 1` at the start of a resume cut config.yaml to 1024 bytes (written in place), a traceback ended the
+    job with exit 76, and every later resume and `zerollm generate` failed on the file. The run files are written
+    whole or not at all, not at all when unchanged, and a write that runs out of room is one line naming the run."""
+    data, run = tmp_path / "data", tmp_path / "run"
+    (data / rundir.TOKENIZER_DIR).mkdir(parents=True)
+    (data / rundir.TOKENIZER_DIR / "tokenizer.json").write_text("x" * 4096)
+    cfg = build_config("demo", [*TINY, "train.max_steps=8"], {"data.path": str(data)})
+    ds_config = {"zero_optimization": {"stage": 1}, "train_batch_size": 8, "wall_clock_breakdown": False}
+    job._write_run_files(cfg, run, ds_config)
+    write_run_record(run, {"data": {"path": str(data)}, "note": "x" * 300})
+    before = _files(run)
+
+    with file_size_limit(0):  # nothing changed: nothing is written (the resume needs no room)
+        job._write_run_files(cfg, run, ds_config)
+    changed = build_config("demo", [*TINY, "train.max_steps=16"], {"data.path": str(data)})
+    for write, name in ((lambda: job._write_run_files(changed, run, ds_config), "config.yaml"),
+                        (lambda: job._write_run_files(cfg, run, {**ds_config, "train_batch_size": 16}),
+                         "ds_config.json"),
+                        (lambda: write_run_record(run, {"data": {"path": str(data)}}), "run_record.jsonl"),
+                        (lambda: job._write_run_files(cfg, tmp_path / "new", ds_config), "tokenizer")):
+        with file_size_limit(100), pytest.raises(UserError) as refused:
+            write()
+        assert str(refused.value) == (f"{run if name != 'tokenizer' else tmp_path / 'new'}: a file reached the file "
+                                      f"size limit (ulimit -f) while writing {name}; nothing was lost (what was there "
+                                      "is as it was): free space and run the command again")
+        assert _files(run) == before  # and no temporary file
+    assert os.listdir(tmp_path / "new") == []  # no partial tokenizer copy, which blocked every later start
+    assert rundir.recorded_config(run)["train"]["max_steps"] == 8
+
+
+def _fake_checkpoint(run: Path, step: int, complete: bool = True) -> None:
+    """A checkpoint folder that is complete as `rundir.incompleteness` reads it (a file and a manifest listing it)."""
+    folder = rundir.checkpoint_dir(run) / rundir.tag_for(step)
+    folder.mkdir(parents=True)
+    (folder / "model_states.pt").write_bytes(b"w" * step)
+    if complete:
+        (folder / rundir.MANIFEST).write_text(json.dumps({"files": {"model_states.pt": step}}))
+
+
+def test_a_run_that_lost_its_latest_continues_from_its_newest_complete_checkpoint(tmp_path, capsys):
+    """Without checkpoints/latest beside complete checkpoints, a start (with or without --resume auto) began at step 0:
+    metrics.jsonl was cut to step 0 and each checkpoint deleted and saved again."""
+    for step, complete in ((2, True), (4, True), (6, False)):
+        _fake_checkpoint(tmp_path, step, complete)
+    assert rundir.usable_tag(tmp_path) == "global_step4"
+    assert capsys.readouterr().err == (f"zerollm: note: {rundir.checkpoint_dir(tmp_path)} holds complete checkpoints "
+                                       "but no latest; using global_step4, the newest complete one\n")
+    assert rundir.holds_checkpoints(tmp_path)
+    rundir.check_run_output(tmp_path, resume=True)
+    with pytest.raises(UserError) as refused:
+        rundir.check_run_output(tmp_path, resume=False)
+    assert str(refused.value) == (f"{tmp_path} already holds checkpoints (the newest complete one is global_step4; "
+                                  f"{rundir.checkpoint_dir(tmp_path) / 'latest'} is missing); pass --resume auto to "
+                                  "continue from global_step4, or choose another --out")
+    latest = rundir.checkpoint_dir(tmp_path) / "latest"
+    for garbled in (b"", b"\x00\x00\x00"):  # a `latest` a crash of the file system left empty or zeroed
+        latest.write_bytes(garbled)
+        with pytest.raises(UserError, match="write the tag of a checkpoint folder there \\(global_step4 is the newest "
+                                            "complete one\\) or delete it to continue from global_step4$"):
+            rundir.usable_tag(tmp_path)
+    latest.unlink()
+    for step in (2, 4):  # no complete checkpoint: nothing was published, the run starts at step 0
+        (rundir.checkpoint_dir(tmp_path) / rundir.tag_for(step) / rundir.MANIFEST).unlink()
+    assert rundir.usable_tag(tmp_path) is None and not rundir.holds_checkpoints(tmp_path)
+    rundir.check_run_output(tmp_path, resume=False)
+
+
+def test_resuming_a_finished_run_that_lost_its_latest_trains_nothing_and_says_so(zero_runs, pretrain_data, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """The run resumes from its newest complete checkpoint, which is its last step: one line says there is nothing to
+    train, and the run directory is left as it was (a run record was added for a session that trained nothing)."""
+    run = tmp_path / "run"
+    shutil.copytree(zero_runs[2], run)
+    (rundir.checkpoint_dir(run) / "latest").unlink()
+    before = _files(run)
+    args = train_args(pretrain_data, run, *ZERO_RUN, nproc=2, extra=["--zero-stage", 2])
+    assert zerollm_here(monkeypatch, *args) == 2
+    assert capsys.readouterr().err == (f"zerollm: error: {run} already holds checkpoints (the newest complete one is "
+                                       f"global_step4; {rundir.checkpoint_dir(run) / 'latest'} is missing); pass "
+                                       "--resume auto to continue from global_step4, or choose another --out\n")
+    result = run_job(*args, "--resume", "auto")
+    assert result.returncode == 0, result.stderr[-3000:]
+    notes = [line for line in result.stderr.splitlines() if line.startswith("zerollm: ")]
+    assert notes == [f"zerollm: note: {rundir.checkpoint_dir(run)} holds complete checkpoints but no latest; using "
+                     "global_step4, the newest complete one",
+                     f"zerollm: note: {run}: nothing to train: its checkpoint global_step4 is at step 4 and "
+                     "train.max_steps is 4; set a higher train.max_steps to train further"], result.stderr[-3000:]
+    assert _files(run) == before

@@ -351,3 +351,27 @@ def test_deepspeed_config_and_chat_template_that_cannot_be_read_are_refused(tmp_
         load_ds_config(tmp_path / "ds.json", "pretrain")
     with pytest.raises(UserError, match=f"^{tmp_path}/chat_template.jinja: cannot be read \\(Permission denied\\)$"):
         Tokenizer.load(tmp_path)
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda kept: (kept / "tokenizer.json").write_text((MINIMIND / "tokenizer.json").read_text()[:1000]),
+     "cannot load tokenizer ("),
+    (lambda kept: (kept / "tokenizer.json").unlink(), "no tokenizer.json)"),
+])
+def test_a_run_s_damaged_tokenizer_copy_is_named_with_where_to_copy_it_from(tmp_path, damage, reason):
+    """A kill during the first start's copy left RUN/tokenizer partial, and every later start was refused with
+    advice to train a tokenizer (`zerollm tokenizer train`). The copy is made whole or not at all now; one that an
+    earlier version left partial is named, with the data's tokenizer to copy it from again."""
+    from llm.train.job import check_tokenizer
+
+    data, run = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(MINIMIND, data / "tokenizer")
+    shutil.copytree(MINIMIND, run / "tokenizer")
+    damage(run / "tokenizer")
+    cfg = build_config("demo", paths={"data.path": str(data)})
+    with pytest.raises(UserError) as refused:
+        check_tokenizer(run, cfg, Tokenizer.load(data / "tokenizer").hash)
+    message = str(refused.value)
+    assert message.startswith(f"{run / 'tokenizer'} is damaged (") and reason in message, message
+    assert message.endswith(f"; it is this run's copy of its input's tokenizer: delete it, and the next start copies "
+                            f"it again from {data / 'tokenizer'}") and "tokenizer train" not in message, message

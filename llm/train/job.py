@@ -14,6 +14,7 @@ import json
 import random
 import shutil
 import socket
+import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -23,21 +24,21 @@ import torch
 import torch.distributed as dist
 
 from kernels.runtime import triton_unavailable
-from llm import rundir
+from llm import durable, rundir
 from llm.config import RunConfig, build_config, settable_key
 from llm.data.datasets import DATASETS
 from llm.data.formats import expand_inputs
 from llm.data.prepare import TOKENS_FILE
 from llm.data.prepared import stage_data_attrs
-from llm.errors import UserError
-from llm.loading import SHAPE_FIELDS, initial_weights, weights_summary
+from llm.errors import EXIT_OK, UserError
+from llm.loading import FUNCTION_FIELDS, SHAPE_FIELDS, initial_weights, weights_summary
 from llm.model import Transformer
 from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, trainable_summary
 from llm.runtime.distributed import DistInfo, agreed, refuse_together, setup_distributed
 from llm.runtime.fingerprint import check_ranks_agree, fingerprint
 from llm.runtime.watchdog import Watchdog
-from llm.tokenizer import Tokenizer
+from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train import checkpoint
 from llm.train.ds_config_file import load_ds_config
 from llm.train.ds_scheduler import optimizer_steps_per_step, scheduler_name
@@ -97,9 +98,18 @@ def input_files(cfg: RunConfig) -> list[Path]:
 
 
 def check_tokenizer(run_dir: Path, cfg: RunConfig, input_hash: str) -> None:
-    """Refuse input tokenized with another tokenizer than the one this run directory already keeps."""
+    """Refuse input tokenized with another tokenizer than the one this run directory already keeps, and a kept copy
+    that cannot be loaded (an earlier version's copy cut short by a kill or a full disk), naming where it came from."""
     kept = rundir.tokenizer_dir(run_dir)
-    if kept.is_dir() and not (kept_tokenizer := Tokenizer.load(kept)).has_hash(input_hash):
+    if not kept.is_dir():
+        return
+    try:
+        kept_tokenizer = Tokenizer.load(kept)
+    except UserError as exc:
+        reason = " ".join(str(exc).split()) if (kept / TOKENIZER_FILE).is_file() else f"no {TOKENIZER_FILE}"
+        raise UserError(f"{kept} is damaged ({reason}); it is this run's copy of its input's tokenizer: delete it, "
+                        f"and the next start copies it again from {input_tokenizer(cfg)}") from None
+    if not kept_tokenizer.has_hash(input_hash):
         source = f"--init-from {cfg.train.init_from} has" if cfg.train.stage == "grpo" else \
             f"{cfg.data.path} was tokenized with"
         raise UserError(f"{source} another tokenizer (hash {input_hash}) than this run's {kept} (hash "
@@ -107,10 +117,11 @@ def check_tokenizer(run_dir: Path, cfg: RunConfig, input_hash: str) -> None:
 
 
 def keep_tokenizer(run_dir: Path, source: Path) -> None:
-    """Copy the input's tokenizer directory into the run directory, so the run is self-contained."""
+    """Copy the input's tokenizer directory into the run directory, so the run is self-contained: whole or not at
+    all (`durable.copy_folder`: a kill or a full disk leaves no partial copy)."""
     kept = rundir.tokenizer_dir(run_dir)
     if source.is_dir() and not kept.is_dir():
-        shutil.copytree(source, kept)
+        durable.copy_folder(source, kept)
 
 
 def convert_if_resharded(run_dir: Path, tag: str, info: DistInfo) -> bool:
@@ -241,9 +252,15 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     return code
 
 
-RESUMED_FIELDS = (*(f"model.{f}" for f in SHAPE_FIELDS), "lora.r", "lora.targets", "lora.scale")
-"""What a run's checkpoints are shaped by, beside the ZeRO stage: a resume that changes one fails inside DeepSpeed,
-or (lora.scale, alpha / r) gives its saved adapters another meaning."""
+RESUMED_FIELDS = (*(f"model.{f}" for f in (*SHAPE_FIELDS, *FUNCTION_FIELDS)), "lora.r", "lora.targets", "lora.scale",
+                  "train.stage")
+"""What a run's checkpoints are shaped by or mean, beside the ZeRO stage: a resume that changes one fails inside
+DeepSpeed, or silently trains (and loads the checkpoints as) another function (RoPE, norm epsilon: the keys
+--init-from refuses too), or (lora.scale, alpha / r) gives its saved adapters another meaning, or (train.stage)
+continues a run's schedule and sampler position under another objective."""
+WINDOWED_STAGES = ("pretrain", "sft", "distill")
+"""Stages whose samples are windows of data.seq_len tokens (pretraining windows, packed conversations): another
+data.seq_len makes the sampler position of a checkpoint mean other samples."""
 
 
 def _zero_stage(ds_config: Any) -> Any:
@@ -269,7 +286,7 @@ def _resolved_ds_config(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_file: 
     """The resolved DeepSpeed config (`cfg.train.precision` made concrete), after refusing input of another tokenizer
     than `run_dir` keeps and a resume of it on other data, teacher, base, precision or shape."""
     check_tokenizer(run_dir, cfg, attrs["tokenizer_hash"])
-    resuming = resume and rundir.latest_tag(run_dir) is not None
+    resuming = resume and rundir.holds_checkpoints(run_dir)
     if resuming:
         check_same_data(run_dir, data, input_files(cfg), attrs.get("legacy_tokenizer_hash"))
         for role, option in (("teacher", "--teacher"), ("base", "--init-from")):
@@ -288,9 +305,10 @@ def _resolved_ds_config(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_file: 
 
 
 def check_same_shape(run_dir: Path, cfg: RunConfig, ds_config: dict) -> None:
-    """Refuse to resume `run_dir` with a model shape, LoRA shape, ZeRO stage or kind of schedule other than its
-    checkpoints were saved with (DeepSpeed's load fails on them with a size-mismatch list, an AttributeError or an
-    AssertionError; a schedule of another kind fails with a KeyError or restarts from its first step)."""
+    """Refuse to resume `run_dir` with a model shape or function, LoRA shape, stage, windowing (data.seq_len), ZeRO
+    stage or kind of schedule other than its checkpoints were saved with (DeepSpeed's load fails on shapes with a
+    size-mismatch list, an AttributeError or an AssertionError; a schedule of another kind fails with a KeyError or
+    restarts from its first step; the others train on silently, into checkpoints that mean something else)."""
     saved = build_config(rundir.recorded_config(run_dir))
 
     def value(config: RunConfig, key: str) -> Any:
@@ -298,8 +316,16 @@ def check_same_shape(run_dir: Path, cfg: RunConfig, ds_config: dict) -> None:
         found = getattr(getattr(config, section), name)
         return sorted(found) if key == "lora.targets" else found  # adapters are found by module, in any order
 
-    differing = [f"{settable_key(key)} {value(saved, key)} there, {value(cfg, key)} here" for key in RESUMED_FIELDS
+    def shown(config: RunConfig, key: str) -> Any:
+        if key == "train.stage" and config.train.stage == "distill":
+            return f"distill (--teacher {config.train.teacher})"
+        return value(config, key)
+
+    differing = [f"{settable_key(key)} {shown(saved, key)} there, {shown(cfg, key)} here" for key in RESUMED_FIELDS
                  if value(saved, key) != value(cfg, key)]
+    if cfg.train.stage in WINDOWED_STAGES and saved.data.seq_len != cfg.data.seq_len:
+        differing.append(f"data.seq_len {saved.data.seq_len} there, {cfg.data.seq_len} here (its samples are windows "
+                         "of that many tokens)")
     recorded = _recorded_ds_config(run_dir)
     if recorded is not None and _zero_stage(recorded) != _zero_stage(ds_config):
         differing.append(f"ZeRO stage {_zero_stage(recorded)} there, {_zero_stage(ds_config)} here")
@@ -341,12 +367,19 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
             dist.barrier()
             if info.is_main:
                 shutil.rmtree(rundir.universal_dir(run_dir))
+    if tag is not None and trainer.step >= cfg.train.max_steps:  # every rank finds it, once the resume was checked
+        if info.is_main:
+            print(f"zerollm: note: {run_dir}: nothing to train: its checkpoint {tag} is at step {trainer.step} and "
+                  f"train.max_steps is {cfg.train.max_steps}; set a higher train.max_steps to train further",
+                  file=sys.stderr, flush=True)
+        return EXIT_OK
     record = run_record(info, data, resumed_from=tag)  # every rank takes part (hosts and ranks are gathered)
-    if info.is_main:  # written once the run is known to start (a refused resume leaves the directory as it was)
-        _write_run_files(cfg, run_dir, ds_config)
-        write_run_record(run_dir, record)
+    # written once the run is known to start (a refused resume leaves the directory as it was), by rank 0; a full
+    # disk there is one line on every rank
+    sink = agreed(lambda: _start_files(cfg, run_dir, ds_config, trainer, record) if info.is_main else None,
+                  announce=info.local_rank == 0)
+    if info.is_main:
         _announce(cfg, info, ds_config, trainer, resumed=tag is not None)
-    sink = MetricsSink(run_dir, cfg, trainer.run_id, trainer.step, record) if info.is_main else None
     logger = MetricsLogger(cfg, info, trainer.n_params, trainer.step, sink)
     checkpointer = checkpoint.Checkpointer(trainer.engine, run_dir, cfg.train.save_every, cfg.train.keep_checkpoints,
                                            trainer.client_state)
@@ -361,14 +394,33 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
     return code
 
 
+def _start_files(cfg: RunConfig, run_dir: Path, ds_config: dict, trainer: Trainer, record: dict) -> MetricsSink:
+    """Rank 0, as the run starts: the metrics files cut to its first step, the run files, its run record. A write
+    that runs out of room is a UserError naming the run directory, with every file whole."""
+    with durable.room_needed(run_dir, rundir.METRICS_FILE):
+        sink = MetricsSink(run_dir, cfg, trainer.run_id, trainer.step, record)
+    try:
+        _write_run_files(cfg, run_dir, ds_config)
+        write_run_record(run_dir, record)
+    except BaseException:
+        sink.close()
+        raise
+    return sink
+
+
 def _write_run_files(cfg: RunConfig, run_dir: Path, ds_config: dict) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    keep_tokenizer(run_dir, input_tokenizer(cfg))
+    """The run's tokenizer copy, config.yaml and ds_config.json, each written whole or not at all, and not at all
+    when unchanged (`llm.durable`); a write that runs out of room is a UserError naming the run directory."""
     # the base of a LoRA run is loaded whenever the run is (its checkpoints hold adapters only), from any directory
     init_from = cfg.train.init_from and str(Path(cfg.train.init_from).resolve())
     saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=init_from))
-    saved.save(rundir.config_file(run_dir))
-    (run_dir / rundir.DS_CONFIG_FILE).write_text(json.dumps(ds_config, indent=2))
+    with durable.room_needed(run_dir, rundir.TOKENIZER_DIR):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        keep_tokenizer(run_dir, input_tokenizer(cfg))
+    with durable.room_needed(run_dir, rundir.CONFIG_FILE):
+        saved.save(rundir.config_file(run_dir))
+    with durable.room_needed(run_dir, rundir.DS_CONFIG_FILE):
+        durable.update_text(run_dir / rundir.DS_CONFIG_FILE, json.dumps(ds_config, indent=2))
 
 
 def _announce(cfg: RunConfig, info: DistInfo, ds_config: dict, trainer: Trainer, resumed: bool) -> None:

@@ -16,6 +16,8 @@ newest as `run_record`:
                        tokens of each split
     resumed_from       the checkpoint tag a resumed session started from
 
+A session that trains nothing (a resume of a finished run) adds no record.
+
 Resuming on other data than the run was trained on is refused (`check_same_data`), naming what differs.
 """
 
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from launch.local import COMMAND_VARIABLE
-from llm import rundir
+from llm import durable, rundir
 from llm.data.prepare import SPLITS, TOKENS_FILE, stored_digest, tokens_digest
 from llm.errors import UserError
 from llm.jsonl import JsonLine, jsonl_lines
@@ -135,16 +137,20 @@ def _records(path: Path) -> tuple[list[JsonLine], JsonLine | None]:
 
 
 def write_run_record(run_dir: Path, record: dict[str, Any]) -> None:
-    """Append `record` as a line of its own, in place of a last line a killed session left unfinished."""
+    """Add `record` as a line of its own, in place of a last line a killed session left unfinished. The file is
+    replaced whole (`durable.write_bytes`), so a kill or a full disk leaves it as it was; one that runs out of room
+    is a UserError naming the run directory."""
     path = run_dir / rundir.RUN_RECORD_FILE
     lines, torn = _records(path)
+    before = path.read_bytes() if path.is_file() else b""
     if torn is not None:
         print(f"zerollm: note: {path}:{torn.number}: dropped a line that is not a run record (torn by a killed run)",
               file=sys.stderr, flush=True)
-        os.truncate(path, torn.offset)
+        before = before[:torn.offset]
     unended = torn is None and bool(lines) and not lines[-1].ended  # a record a text editor left without its newline
-    with path.open("a", encoding="utf-8") as f:
-        f.write(("\n" if unended else "") + json.dumps(record, ensure_ascii=False) + "\n")
+    line = ("\n" if unended else "") + json.dumps(record, ensure_ascii=False) + "\n"
+    with durable.room_needed(run_dir, rundir.RUN_RECORD_FILE):
+        durable.write_bytes(path, before + line.encode("utf-8"))
 
 
 def last_record(run_dir: Path) -> dict[str, Any] | None:
