@@ -700,6 +700,23 @@ def test_a_resume_with_another_learning_rate_and_weight_decay_trains_at_them(one
     assert [group["weight_decay"] for group in groups] == [0.5, 0.0]
 
 
+def test_a_conversion_that_fails_ends_every_rank_in_one_line(one_rank_run, pretrain_data, tmp_path):
+    """Rank 0 converts a checkpoint resumed on another number of ranks while the others wait: its failure was its
+    error with 2,000 characters of the converter's traceback, then rank 1's traceback from the barrier."""
+    run = tmp_path / "run"
+    shutil.copytree(one_rank_run, run)
+    damaged = next((rundir.checkpoint_dir(run) / "global_step4").glob("*optim_states.pt"))
+    damaged.write_bytes(bytes(damaged.stat().st_size))  # complete by its manifest
+    result = run_job(*train_args(pretrain_data, run, *ONE_RANK, "train.max_steps=6", nproc=2,
+                                 extra=["--resume", "auto"]))
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
+    assert "Traceback" not in result.stderr and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith(f"zerollm: error: {damaged.parent}: conversion to a universal checkpoint failed (")
+    assert errors[0].endswith("); resume it on the number of ranks that saved it, or remove it to resume from the "
+                              "checkpoint before it")
+
+
 def test_a_resume_with_more_steps_follows_the_longer_schedule_from_its_first_step(one_rank_run, pretrain_data,
                                                                                     tmp_path):
     """docs/checkpoints.md: train.max_steps may change on a resume and takes effect from there. The first resumed

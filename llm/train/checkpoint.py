@@ -365,8 +365,10 @@ def convert_to_universal(run_dir: Path, tag: str) -> None:
                             env={**os.environ, FORCE_WEIGHTS_ONLY: "1"})
     if result.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
-        raise UserError(f"{source}: conversion to a universal checkpoint failed:\n"
-                        f"{(result.stdout + result.stderr)[-2000:]}")
+        said = [line.strip() for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+        last = said[-1] if said else f"exit code {result.returncode}"  # a traceback's last line: its exception
+        raise UserError(f"{source}: conversion to a universal checkpoint failed ({last}); resume it on the number of "
+                        "ranks that saved it, or remove it to resume from the checkpoint before it")
     (universal / "latest_universal").unlink(missing_ok=True)  # written by the tool; we keep `latest`
     if identity is not None:  # else (the source unreadable) it is converted again next time
         record = {"source": identity, "files": _converted_files(partial)}

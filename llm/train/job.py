@@ -126,16 +126,19 @@ def keep_tokenizer(run_dir: Path, source: Path) -> None:
 
 def convert_if_resharded(run_dir: Path, tag: str, info: DistInfo) -> bool:
     """Whether resuming `tag` needs a universal checkpoint (its optimizer state is partitioned over another number
-    of ranks than this job's); if so, rank 0 makes it while the others wait at a barrier (bounded by
-    train.collective_timeout_s)."""
+    of ranks than this job's); if so, rank 0 makes it while the others wait (bounded by train.collective_timeout_s),
+    and a conversion that fails ends every rank with its one error, said once."""
     saved_world = rundir.client_state_of(run_dir, tag)["world_size"]
     if saved_world == info.world_size or not checkpoint.is_partitioned(run_dir, tag):
         return False
-    if info.is_main:
-        print(f"{tag} was saved by {saved_world} rank(s), this job has {info.world_size}: converting it to a "
-              "universal checkpoint", flush=True)
-        checkpoint.convert_to_universal(run_dir, tag)
-    dist.barrier()
+
+    def convert() -> None:
+        if info.is_main:
+            print(f"{tag} was saved by {saved_world} rank(s), this job has {info.world_size}: converting it to a "
+                  "universal checkpoint", flush=True)
+            checkpoint.convert_to_universal(run_dir, tag)
+
+    agreed(convert, announce=info.local_rank == 0)
     return True
 
 
@@ -244,8 +247,10 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         except Exception as exc:
             if watchdog is None:
                 raise
-            traceback.print_exc()
-            watchdog.end_job(watchdog.diagnose() or f"failed with {type(exc).__name__}: {exc}")
+            lost = watchdog.diagnose()  # a collective that failed because a peer is gone: that is the news
+            if lost is None:
+                traceback.print_exc()
+            watchdog.end_job(lost or f"failed with {type(exc).__name__}: {exc}")
         if watchdog is not None:
             watchdog.stop()
         dist.barrier()  # every rank is done writing; the caller ends the process (see `llm.cli.cmd_train`)
