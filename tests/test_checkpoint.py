@@ -439,6 +439,27 @@ def test_the_universal_conversion_never_runs_a_pickle_found_in_a_checkpoint(tmp_
     assert not (tmp_path / "pwned").exists()
 
 
+def test_an_fp16_dynamic_loss_scaler_in_a_zero_optimizer_file_loads_with_its_scale(tmp_path):
+    """fp16 with dynamic loss scaling under ZeRO 1-3 pickles a DynamicLossScaler into every *optim_states.pt: only
+    LossScaler was allowed, so such a run could never be resumed, exported nor loaded."""
+    checkpoint.deepspeed_state_classes()  # chooses the accelerator before deepspeed is imported
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler  # noqa: PLC0415
+
+    scaler = CreateLossScaler(torch.half, 0, True, {"init_scale": 2**16, "scale_window": 1000, "min_scale": 1,
+                                                    "delayed_shift": 2, "consecutive_hysteresis": False,
+                                                    "raise_error_at_min_scale": True})
+    scaler.cur_scale = 1024.0
+    folder = rundir.checkpoint_dir(tmp_path) / "global_step1"
+    folder.mkdir(parents=True)
+    partition = folder / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    # what ZeRO's optimizer state_dict holds (stage_1_and_2.py / stage3.py: "loss_scaler", "dynamic_loss_scale")
+    torch.save({"optimizer_state_dict": {"loss_scaler": scaler, "dynamic_loss_scale": True}}, partition)
+    with checkpoint.restricted_unpickling(folder):
+        loaded = torch.load(partition, weights_only=False)["optimizer_state_dict"]["loss_scaler"]
+    assert type(loaded) is type(scaler) and loaded.dynamic and loaded.cur_scale == 1024.0
+    assert loaded.dtype == torch.half and loaded.scale_window == 1000
+
+
 def _converted_weights(run: Path, tag: str) -> dict[str, torch.Tensor]:
     folder = rundir.universal_dir(run) / tag / "zero"
     with checkpoint.restricted_unpickling(folder):

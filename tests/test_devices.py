@@ -71,3 +71,31 @@ def test_bench_generate_runs_on_the_chosen_device_and_dtype(zero_runs):
     assert "cpu bfloat16" in result.stdout
     assert {"zerollm, KV cache", "zerollm, no cache", "transformers generate"} <= {
         line[2:26].strip() for line in result.stdout.splitlines() if line.startswith("  ")}
+
+
+@pytest.mark.parametrize("local_rank, announced", [(1, True), (2, False)])
+def test_more_ranks_than_gpus_on_a_node_is_one_line_naming_both(monkeypatch, local_rank, announced):
+    """`--nproc 3` on a one-GPU machine ended ranks 1 and 2 in a raw "CUDA error: invalid device ordinal"."""
+    from llm.runtime import distributed  # noqa: PLC0415
+
+    for name, value in dict(RANK=local_rank, WORLD_SIZE=3, LOCAL_RANK=local_rank, LOCAL_WORLD_SIZE=3,
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=29999).items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(distributed, "ensure_accelerator_env", lambda: None)
+    monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(distributed.torch.cuda, "device_count", lambda: 1)
+    chosen = []
+
+    def set_device(index: int) -> None:  # as torch does where there is no such GPU
+        if index >= 1:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        chosen.append(index)
+
+    monkeypatch.setattr(distributed.torch.cuda, "set_device", set_device)
+    with pytest.raises(UserError) as raised:
+        distributed.setup_distributed()
+    assert str(raised.value) == ("this node starts 3 ranks but has 1 visible CUDA GPU(s), one per rank (local rank 1 "
+                                 "and up have none): start no more ranks per node than it has GPUs (--nproc 1; under "
+                                 "zerollm launch, --nproc-per-node 1), or make more GPUs visible "
+                                 "(CUDA_VISIBLE_DEVICES)")
+    assert raised.value.announce is announced and chosen == []  # printed by one rank of the node

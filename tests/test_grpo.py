@@ -23,6 +23,7 @@ from llm.errors import UserError
 from llm.export import export_model
 from llm.loading import consolidated_weights
 from llm.model import Transformer
+from llm.train import rollout
 from llm.train.objectives import GRPOObjective, token_logps
 from llm.train.prompts import prompt_record, read_prompts
 from llm.train.rewards import Completions, Reward, answers_match, final_answer
@@ -264,6 +265,25 @@ def _objective_batch():
     with torch.no_grad():
         batch["ref_logps"] = token_logps(model(batch["tokens"]).logits, batch["targets"])
     return model, batch
+
+
+@pytest.mark.parametrize("mode", ["gathered", "copy"])
+def test_the_zero3_rollout_model_computes_what_the_engine_trains(monkeypatch, mode):
+    """The rollout model was cast whole (`model.to(dtype=bf16)`), RoPE tables included, while DeepSpeed casts only
+    the parameters: completions were sampled from another function than the one trained."""
+    model_cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16)
+    policy = Transformer(model_cfg).eval()
+    for param in policy.parameters():  # as DeepSpeed's bf16 engine casts the module (its buffers stay fp32)
+        param.data = param.data.to(torch.bfloat16)
+    engine = SimpleNamespace(module=policy, zero_optimization_stage=lambda: 3)
+    cfg = SimpleNamespace(model=model_cfg, lora=SimpleNamespace(r=0), train=SimpleNamespace(seed=0),
+                          grpo=SimpleNamespace(rollout_model=mode))
+    monkeypatch.setattr(rollout, "full_parameters", lambda engine: contextlib.nullcontext())  # one rank: all there
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with rollout.RolloutPolicy(cfg, engine, torch.device("cpu")).generating() as model, torch.no_grad():
+        assert model is not policy and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
+        assert torch.equal(model(tokens).logits, policy(tokens).logits)
 
 
 def test_first_update_has_ratio_one_zero_kl_and_no_clipping():

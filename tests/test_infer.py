@@ -128,6 +128,30 @@ def test_repetition_penalty_lowers_only_seen_tokens():
     assert apply_repetition_penalty(logits, seen, 2.0).tolist() == [[1.0, -2.0, 3.0]]
 
 
+def test_the_pad_id_in_a_prompt_is_seen_whatever_order_a_scatter_writes_in(generator, monkeypatch):
+    """A prompt holding the pad id (an empty text prompt is [eos], and pad is eos where a tokenizer has no pad) beside
+    a longer one: its pad column got True and False writes, whose order a CUDA scatter does not define. Here the
+    CPU's scatter writes in reverse (an order CUDA may take), so the False ones come last."""
+    scatter = torch.Tensor.scatter_
+
+    def reversed_scatter(self, dim, index, src, **kwargs):
+        if isinstance(src, torch.Tensor):  # same result wherever no index repeats
+            index, src = index.flip(dim), src.flip(dim)
+        return scatter(self, dim, index, src, **kwargs)
+
+    seen_first = []
+    monkeypatch.setattr(torch.Tensor, "scatter_", reversed_scatter)
+    monkeypatch.setattr("llm.infer.generate.choose_next",
+                        lambda logits, params, seen, gen: seen_first.append(seen.clone()) or logits.argmax(-1))
+    pad = generator.tokenizer.pad_id
+    others = [t for t in range(10, 20) if t != pad]
+    prompts = [[pad], others[:3], others[:2]]  # left-padded to 3: rows 0 and 2 have padding, row 2 no pad id
+    next(generator.token_steps(prompts, SamplingParams(temperature=0.0, max_new_tokens=1)))
+    seen = seen_first[0]
+    assert seen[0, pad] and not seen[2, pad] and not seen[1, pad]  # the prompt's pad id; padding is no token
+    assert seen.sum(1).tolist() == [1, 3, 2]
+
+
 def test_a_tiny_temperature_or_penalty_samples_without_overflowing():
     logits = torch.tensor([[2.0, -1.0, 3.0, 2.5], [0.5, 4.0, -2.0, 1.0]])
     seen = torch.tensor([[True, False, False, False], [False, False, True, True]])

@@ -287,6 +287,24 @@ def test_a_samples_loss_does_not_depend_on_its_window_mates():
     assert loss_of_target(20) == pytest.approx(alone, abs=1e-6)
 
 
+def test_an_sft_step_on_packed_samples_with_dropout_trains_and_drops():
+    """model.dropout > 0 with packed samples (SFT, distillation on SFT data) ended the first forward in `ValueError:
+    attention: segment_ids cannot be combined with attn_mask or dropout`. Attention-weight dropout is off for packed
+    rows; residual, FFN and embedding dropout apply."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                                    dropout=0.1)).train()
+    tokens, targets = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+    segments = torch.tensor([[1] * 6 + [2] * 10, [1] * 12 + [0] * 4])
+    batch = {"tokens": tokens, "targets": targets, "loss_mask": (segments > 0).long(), "segment_ids": segments}
+    first = CausalLMObjective()(model, batch).loss
+    first.backward()
+    assert first.isfinite() and all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+    assert CausalLMObjective()(model, batch).loss != first  # dropout is on
+    model.eval()
+    assert CausalLMObjective()(model, batch).loss == CausalLMObjective()(model, batch).loss
+
+
 def test_preference_pairs_mask_the_replies(tokenizer_dir, tmp_path):
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"}) + "\n")

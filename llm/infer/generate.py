@@ -90,7 +90,10 @@ class TextGenerator:
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         seen = torch.zeros(batch, self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
-        seen.scatter_(1, ids, valid)
+        # every prompt token is seen; padding points at the row's last token (always a prompt's) so that no column
+        # gets both a True and a False write: the pad id may be in a prompt, and on CUDA a scatter with duplicate
+        # indices writes in no defined order
+        seen.scatter_(1, torch.where(valid, ids, ids[:, -1:]), True)
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         stop_ids = self.stop_ids.to(self.device)
 

@@ -62,9 +62,11 @@ class Attention(nn.Module):
         if cache is not None:  # attend to every cached position; the causal mask aligns bottom-right
             k, v = cache.append(layer, k, v)
             mask = cache.attention_mask(seq)
+        # dropout on the attention weights only for unpacked rows: the packed-sample paths (per-segment SDPA,
+        # FlexAttention, our flash kernel) have none; residual, FFN and embedding dropout apply to packed rows too
+        dropout = self.attn_dropout if self.training and packed is None else 0.0
         y = kernels.attention(q, k, v, causal=True, segment_ids=packed.segment_ids if packed else None,
-                              attn_mask=mask, dropout_p=self.attn_dropout if self.training else 0.0,
-                              backend=self.kernels_choice)
+                              attn_mask=mask, dropout_p=dropout, backend=self.kernels_choice)
         y = y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim)
         return self.resid_dropout(self.wo(y))
 

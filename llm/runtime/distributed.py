@@ -87,6 +87,13 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     kind = local_device_type()
     if kind == "cuda":
+        gpus = torch.cuda.device_count()
+        if local_rank >= gpus:  # set_device would end the rank with "CUDA error: invalid device ordinal"
+            ranks = max(local_world, local_rank + 1)
+            raise UserError(f"this node starts {ranks} ranks but has {gpus} visible CUDA GPU(s), one per rank (local "
+                            f"rank {gpus} and up have none): start no more ranks per node than it has GPUs "
+                            f"(--nproc {gpus}; under zerollm launch, --nproc-per-node {gpus}), or make more GPUs "
+                            "visible (CUDA_VISIBLE_DEVICES)", announce=local_rank == gpus)  # printed once per node
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         backend = "nccl"

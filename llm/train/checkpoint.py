@@ -14,8 +14,8 @@ A model with frozen parameters (LoRA: `llm.model.lora`) saves only its trainable
 optimizer partitions and all; the frozen base comes back from --init-from when the run is loaded or resumed.
 
 Loading (resume, and the consolidated weights of `llm.loading`) runs every `torch.load` with weights_only=True
-(`restricted_unpickling`): our RNG files hold tensors and plain values only, and DeepSpeed's files need just three
-plain-data DeepSpeed classes on top.
+(`restricted_unpickling`): our RNG files hold tensors and plain values only, and DeepSpeed's files need just four
+plain-data DeepSpeed classes on top (`deepspeed_state_classes`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -67,14 +68,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def deepspeed_state_classes() -> list[type]:
-    """The plain-data DeepSpeed classes its checkpoints pickle (ZeRO optimizer files): enum, loss-scale settings,
-    fragment offsets. Allowing them runs no code of the file's choosing."""
+    """The plain-data DeepSpeed classes its checkpoints pickle (ZeRO optimizer files): enum, loss scalers (static,
+    and fp16's dynamic one with its current scale), fragment offsets. Allowing them runs no code of the file's
+    choosing: none has a __setstate__, and their constructors only store the numbers and flags they are given."""
     ensure_accelerator_env()
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler  # noqa: PLC0415 - deepspeed after the accelerator
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # noqa: PLC0415 - after the accelerator
     from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: PLC0415
     from deepspeed.utils.tensor_fragment import fragment_address  # noqa: PLC0415
 
-    return [LossScaler, ZeroStageEnum, fragment_address]
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 @contextmanager
@@ -365,15 +367,21 @@ def convert_to_universal(run_dir: Path, tag: str) -> None:
                             env={**os.environ, FORCE_WEIGHTS_ONLY: "1"})
     if result.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
-        said = [line.strip() for line in (result.stdout + result.stderr).splitlines() if line.strip()]
-        last = said[-1] if said else f"exit code {result.returncode}"  # a traceback's last line: its exception
-        raise UserError(f"{source}: conversion to a universal checkpoint failed ({last}); resume it on the number of "
-                        "ranks that saved it, or remove it to resume from the checkpoint before it")
+        raise UserError(f"{source}: conversion to a universal checkpoint failed ({_exception_said(result)}); resume "
+                        "it on the number of ranks that saved it, or remove it to resume from the checkpoint before it")
     (universal / "latest_universal").unlink(missing_ok=True)  # written by the tool; we keep `latest`
     if identity is not None:  # else (the source unreadable) it is converted again next time
         record = {"source": identity, "files": _converted_files(partial)}
         durable.write_text(partial / CONVERSION_RECORD, json.dumps(record, indent=1))
     os.replace(partial, target)
+
+
+def _exception_said(result: subprocess.CompletedProcess) -> str:
+    """The exception that ended a Python subprocess: the last line of its output naming one (`ValueError: ...`; a
+    message of several lines goes on after it), else its last line, else its exit code."""
+    said = [line.strip() for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    named = [line for line in said if re.match(r"[\w.]+(Error|Exception|Interrupt|Exit): ", line)]
+    return (named or said or [f"exit code {result.returncode}"])[-1]
 
 
 def _identity(source: Path) -> dict[str, list[int]] | None:

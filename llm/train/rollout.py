@@ -93,7 +93,9 @@ class RolloutPolicy:
             model = Transformer(cfg.model)
             if cfg.lora.r:  # the policy's structure, so that its parameters match the engine's by name
                 apply_lora(model, cfg.lora, cfg.train.seed)
-            self.model = model.to(dtype=dtype).requires_grad_(False).eval()
+            for param in model.parameters():  # parameters only, as the engine casts them: the RoPE tables stay fp32
+                param.data = param.data.to(dtype)
+            self.model = model.requires_grad_(False).eval()
             if self.mode == "gathered":
                 self._release()
             self.model.to(device)
