@@ -6,18 +6,22 @@ result to a file as soon as it is known (a run cut short keeps what it finished)
 
 Steps, each bounded by its share of the budget and recorded in DIR/summary.md as it ends:
   1. versions and clocks (python, torch, triton, deepspeed; GPU, capability, memory, clocks, power)
-  2. compiled-kernel correctness: the GPU-marked kernel tests, compiled (TRITON_INTERPRET unset)
+  2. compiled-kernel correctness: tests/test_kernels_gpu.py alone, in a process that compiles (TRITON_INTERPRET unset;
+     tests/test_kernels.py would set it to 1), each test's outcome listed as it ends (what kernels.VERIFIED rests on)
   3. the kernel table: `python -m kernels.bench` (GB/s against a measured copy, TFLOP/s against SDPA's flash and
      cuDNN backends and torch eager), bf16, then attention in fp16
   4. training throughput: `zerollm bench train` for minimind-26m, minimind3-64m and tiny-k-215m at bf16 ZeRO-2,
      with model.kernels=triton and =torch (tokens/s, MFU, peak memory)
   5. where a step's time goes: torch.profiler's top 20 ops of one tiny-k-215m training step
+A step's budget is its share (SHARES) of the time left when it starts, among the steps still to run: what a step
+leaves unused goes to the ones after it.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -40,8 +44,40 @@ from llm.train.job import build_trainer
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_RECIPES = ("minimind-26m", "minimind3-64m", "tiny-k-215m")
-SHARES = {"versions": 0.02, "kernel tests": 0.2, "kernel table": 0.3, "training": 0.38, "profile": 0.1}
-"""Each step's share of the time budget."""
+SHARES = {"versions": 0.02, "kernel tests": 0.4, "kernel table": 0.2, "training": 0.3, "profile": 0.08}
+"""Each step's share of the time budget. The kernel tests compile each kernel of tests/test_kernels_gpu.py for every
+dtype and shape class they take and autotune attention's tiles (many Triton compiles), so they get the largest share;
+the kernel table and the triton training runs then find most of those kernels in Triton's cache."""
+GIB_PER_KERNEL_TEST_WORKER = 40
+"""GPU memory per pytest-xdist process of the kernel tests: the float64 reference of the largest attention test
+(kernels.testing.compare; 32 heads x 4096 x 4096 scores, kept for the backward) takes some 30 GiB."""
+
+
+def kernel_test_workers() -> int:
+    """Processes for the kernel tests: compiling them is the CPU's work, so where pytest-xdist is installed, one per
+    GIB_PER_KERNEL_TEST_WORKER of GPU memory, at most 4 and one per core (1: pytest's own process)."""
+    if importlib.util.find_spec("xdist") is None or not torch.cuda.is_available():
+        return 1
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return max(1, min(4, int(gib // GIB_PER_KERNEL_TEST_WORKER), os.cpu_count() or 1))
+
+
+def step_budget(name: str, total_s: float, elapsed_s: float) -> float:
+    """Step `name`'s share of the time left, among the steps from it on (a step's unused time goes to later ones)."""
+    later = list(SHARES)[list(SHARES).index(name):]
+    return max(0.0, total_s - elapsed_s) * SHARES[name] / sum(SHARES[n] for n in later)
+
+
+def kernel_tests_command(python: str, smoke: bool, workers: int = 1) -> tuple[list[str], dict[str, str | None]]:
+    """The kernel tests' command and its environment changes (None: unset). On a GPU: tests/test_kernels_gpu.py alone
+    (tests/test_kernels.py sets TRITON_INTERPRET=1 as it is imported, which would skip every compiled test), in a
+    process that compiles, `-v` streaming each outcome as it ends (a run cut short keeps them) and `-rA` listing them
+    all, skip reasons included, at the end."""
+    pytest = [python, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-rA"]
+    if smoke:
+        return [*pytest, "-q", "tests/test_kernels.py", "-k", "rms"], {"TRITON_INTERPRET": "1"}
+    processes = ["-n", str(workers)] if workers > 1 else []
+    return [*pytest, "-v", *processes, "-m", "gpu", "tests/test_kernels_gpu.py"], {"TRITON_INTERPRET": None}
 
 
 class Report:
@@ -62,13 +98,15 @@ class Report:
         print(text, flush=True)
 
 
-def run_command(command: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> str:
-    """Run `command`, appending its output to `log` as it comes; returns 'ok', 'exit N' or 'timed out'."""
+def run_command(command: list[str], log: Path, timeout_s: float, env: dict[str, str | None] | None = None) -> str:
+    """Run `command` with `env`'s changes to this environment (None unsets a variable), appending its output to `log`
+    as it comes; returns 'ok', 'exit N' or 'timed out'."""
+    child_env = {**os.environ, **(env or {})}
     with log.open("a") as f:
         f.write(f"$ {' '.join(command)}\n")
         f.flush()
         process = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                                   env={**os.environ, **(env or {})}, start_new_session=True)
+                                   env={k: v for k, v in child_env.items() if v is not None}, start_new_session=True)
         try:
             code = process.wait(timeout=max(1.0, timeout_s))
         except subprocess.TimeoutExpired:
@@ -147,24 +185,20 @@ def main(argv: list[str] | None = None) -> int:
         print("llm.gpu_check: no CUDA device; use --smoke to check the tool on the CPU", file=sys.stderr)
         return 2
     report = Report(Path(args.out))
-    budget = {name: share * args.budget_s for name, share in SHARES.items()}
+    start = time.monotonic()
     python = sys.executable
+
+    def budget(name: str) -> float:
+        return step_budget(name, args.budget_s, time.monotonic() - start)
 
     def write(log: Path, text: str) -> str:
         with log.open("a") as f:
             f.write(text + "\n")
         return "ok"
 
-    _timed(report, "versions", budget["versions"], lambda log, _: write(log, versions(args.smoke)))
-    pytest = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]  # in one process
-    if args.smoke:
-        tests = [*pytest, "tests/test_kernels.py", "-k", "rms"]
-        tests_env = {"TRITON_INTERPRET": "1"}
-    else:
-        tests = [*pytest, "-m", "gpu",
-                 *sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_kernels*.py"))]
-        tests_env = {"TRITON_INTERPRET": "0"}
-    _timed(report, "kernel tests", budget["kernel tests"], lambda log, t: run_command(tests, log, t, tests_env))
+    _timed(report, "versions", budget("versions"), lambda log, _: write(log, versions(args.smoke)))
+    tests, tests_env = kernel_tests_command(python, args.smoke, 1 if args.smoke else kernel_test_workers())
+    _timed(report, "kernel tests", budget("kernel tests"), lambda log, t: run_command(tests, log, t, tests_env))
 
     def kernel_table(log: Path, t: float) -> str:
         if args.smoke:  # one op, as the smoke's kernel tests (tests/test_kernels.py runs every op's smoke table)
@@ -173,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         second = run_command([python, "-m", "kernels.bench", "--op", "attention", "--dtype", "fp16"], log, 0.25 * t)
         return f"bf16 {first}, fp16 attention {second}"
 
-    _timed(report, "kernel table", budget["kernel table"], kernel_table)
+    _timed(report, "kernel table", budget("kernel table"), kernel_table)
 
     def training(log: Path, t: float) -> str:
         runs = [("demo", "torch")] if args.smoke else [(r, k) for r in GPU_RECIPES for k in ("triton", "torch")]
@@ -186,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(f"{recipe}/{kernels} {run_command(command, log, t / len(runs))}")
         return ", ".join(results)
 
-    _timed(report, "training", budget["training"], training)
+    _timed(report, "training", budget("training"), training)
     recipe = "demo" if args.smoke else "tiny-k-215m"
-    _timed(report, "profile", budget["profile"], lambda log, _: write(log, profile_step(recipe, args.smoke)))
+    _timed(report, "profile", budget("profile"), lambda log, _: write(log, profile_step(recipe, args.smoke)))
     (report.out / "done.json").write_text(json.dumps({"finished": time.strftime("%Y-%m-%dT%H:%M:%S")}))
     return 0
 

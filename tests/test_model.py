@@ -175,6 +175,48 @@ def test_moe_load_balancing_loss_leaves_padding_out():
     assert model(padded, segment_ids=segments).aux_loss.item() == pytest.approx(alone, rel=1e-6)
 
 
+def _moe_per_expert(moe, x):
+    """MoE routing written the plain way, one expert at a time: its (token, slot) pairs found by `nonzero` (a host
+    sync per expert on a GPU), the experts' outputs added in expert order."""
+    tokens = x.reshape(-1, x.shape[-1])
+    probs = F.softmax(moe.router(tokens).float(), dim=-1)
+    weights, chosen = probs.topk(moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(tokens)
+    for e, expert in enumerate(moe.experts):
+        token_idx, slot = (chosen == e).nonzero(as_tuple=True)
+        out.index_add_(0, token_idx, expert(tokens[token_idx]) * weights[token_idx, slot].unsqueeze(-1))
+    for expert in moe.shared_experts:
+        out = out + expert(tokens)
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("n_experts, top_k, shared, norm, n_tokens", [
+    (4, 2, 1, True, 37), (8, 3, 0, False, 50), (8, 1, 0, True, 3), (5, 5, 2, True, 16), (16, 2, 0, True, 2),
+])
+def test_moe_routing_gives_exactly_what_routing_one_expert_at_a_time_gives(n_experts, top_k, shared, norm, n_tokens):
+    """Routing by one sort per layer (one host sync) gives the per-expert routing's output bitwise (same tokens in the
+    same order for each expert, added in the same order), and its gradients bitwise too on the CPU; experts that get
+    no token included."""
+    model = _tiny(moe=True, n_experts=n_experts, n_experts_per_token=top_k, n_shared_experts=shared,
+                  norm_topk_prob=norm)
+    moe = model.layers[0].feed_forward
+    results = []
+    for forward in (moe, lambda x: _moe_per_expert(moe, x)):
+        x = torch.randn(1, n_tokens, 48, generator=torch.Generator().manual_seed(n_tokens)).requires_grad_()
+        out = forward(x)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach(), x.grad, [p.grad.clone() for p in moe.parameters()]))
+        moe.zero_grad(set_to_none=False)
+    (out, x_grad, grads), (expected, expected_x_grad, expected_grads) = results
+    assert torch.equal(out, expected)
+    assert torch.equal(x_grad, expected_x_grad)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
+    if n_tokens * top_k < n_experts:  # some expert had no token: it ran on none, and its parameters got zero grads
+        assert any(torch.count_nonzero(expert.w1.weight.grad) == 0 for expert in moe.experts)
+
+
 def test_untied_and_explicit_hidden_dim():
     model = _tiny(tie_embeddings=False, hidden_dim=100)
     assert model.output.weight is not model.tok_embeddings.weight

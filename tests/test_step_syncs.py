@@ -8,10 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import FIXTURES, TINY
+import torch
+
+from conftest import FIXTURES, REPO, TINY
+from llm.config import ModelConfig
 from llm.data.prepare import prepare
+from llm.model import Transformer
 
 PROBE = Path(__file__).parent / "probes" / "step_syncs.py"
+DATA_SIZED = ("nonzero", "argwhere", "bincount", "unique", "masked_select")
+"""Ops whose output's size depends on the data: on a GPU, each waits for the device (torch.* and Tensor.*)."""
+HOST_SYNCS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy", *DATA_SIZED)
+"""Tensor methods that wait for the device on a GPU: the probe's, and the data-sized ops."""
 
 
 def _probe(stage, data, run, *overrides):
@@ -46,3 +54,31 @@ def test_an_sft_step_adds_one_collective_on_the_training_device_and_no_sync(toke
     assert [(e["phase"], e["kind"]) for e in in_steps] == [("train_step 1", "collective"),
                                                            ("train_step 2", "collective")], in_steps
     assert all(e["on_training_device"] for e in in_steps), in_steps
+
+
+def test_an_moe_layer_waits_for_the_device_once_per_forward(monkeypatch):
+    """An MoE layer reads its experts' token counts on the host once per forward (each expert module runs on its own
+    number of tokens); it found each expert's tokens with `nonzero`, one sync per expert per layer."""
+    ours = tuple(str(REPO / name) + "/" for name in ("llm", "kernels"))
+    syncs = []
+
+    def watch(owner, name):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            frame = sys._getframe(1)
+            if frame.f_code.co_filename.startswith(ours):
+                syncs.append((name, Path(frame.f_code.co_filename).name))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    model = Transformer(ModelConfig(vocab_size=97, dim=48, n_layers=3, n_heads=4, max_seq_len=64, moe=True,
+                                    n_experts=8, n_experts_per_token=2, n_shared_experts=1)).train()
+    tokens = torch.randint(0, 97, (2, 24))
+    for name in HOST_SYNCS:
+        watch(torch.Tensor, name)
+    for name in DATA_SIZED:
+        watch(torch, name)
+    model(tokens, tokens).loss.backward()
+    assert syncs == [("tolist", "moe.py")] * 3, syncs

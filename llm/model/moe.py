@@ -31,11 +31,18 @@ class MoEFeedForward(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
+        # Route with one stable sort: the (token, slot) pairs grouped by expert, each group in token order (what
+        # `(chosen == e).nonzero()` gave per expert, one host sync each). The groups' sizes are read on the host
+        # once per layer, the one sync of an MoE layer: an expert module runs on its own number of tokens.
+        assigned = F.one_hot(chosen, self.n_experts)  # [tokens, top_k, n_experts]; no sync with num_classes on CUDA
+        order = chosen.reshape(-1).argsort(stable=True)  # position token * top_k + slot, grouped by expert
+        sizes = assigned.sum((0, 1)).tolist()
         out = torch.zeros_like(tokens)
-        for e, expert in enumerate(self.experts):
-            token_idx, slot = (chosen == e).nonzero(as_tuple=True)
+        flat_weights = weights.reshape(-1)
+        for expert, pairs in zip(self.experts, order.split(sizes)):
+            token_idx = pairs // self.top_k
             # every expert runs (possibly on zero tokens) so all parameters get gradients under ZeRO
-            y = expert(tokens[token_idx]) * weights[token_idx, slot].unsqueeze(-1).to(tokens.dtype)
+            y = expert(tokens[token_idx]) * flat_weights[pairs].unsqueeze(-1).to(tokens.dtype)
             out.index_add_(0, token_idx, y)
         for expert in self.shared_experts:
             out = out + expert(tokens)
@@ -44,7 +51,7 @@ class MoEFeedForward(nn.Module):
         real = (torch.ones(tokens.shape[0], 1, device=x.device) if token_mask is None
                 else token_mask.reshape(-1, 1).float())
         n_real = real.sum().clamp(min=1.0)
-        routed_fraction = (F.one_hot(chosen, self.n_experts).float().sum(1) * real).sum(0) / (n_real * self.top_k)
+        routed_fraction = (assigned.float().sum(1) * real).sum(0) / (n_real * self.top_k)
         mean_prob = (probs * real).sum(0) / n_real
         self.aux_loss = self.aux_loss_coef * self.n_experts * (routed_fraction * mean_prob).sum()
         return out.reshape(shape)
