@@ -499,6 +499,14 @@ def test_a_rank_of_this_machine_whose_process_ended_is_named_at_once(monkeypatch
         dog.stop()
 
 
+def test_no_pid_is_looked_up_in_a_proc_of_another_pid_namespace(monkeypatch):
+    """In a pid namespace without its own /proc (unshare --pid without --mount-proc), /proc shows the host's pids:
+    live ranks were named as ended after unrelated host processes."""
+    assert watchdog._this_process().endswith(f" {os.getpid()}")
+    monkeypatch.setattr(watchdog.os, "readlink", lambda path: "1")  # what /proc/self reads there
+    assert watchdog._this_process() == ""
+
+
 def test_a_frozen_rank_ends_the_job_at_the_timeout_naming_it(pretrain_data, tmp_path):
     run, timeout = tmp_path / "run", 10
     procs = _two_nodes(tmp_path, lambda rank: _job(pretrain_data, run, *SLOW, f"train.collective_timeout_s={timeout}"))

@@ -56,6 +56,8 @@ def _this_process() -> str:
     """Where a pid means this process: the boot and the pid namespace of this machine, and the pid ("" where /proc
     does not tell)."""
     try:
+        if os.readlink("/proc/self") != str(os.getpid()):  # a /proc of another pid namespace: its pids are not ours
+            return ""
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         return f"{boot} {os.stat('/proc/self/ns/pid').st_ino} {os.getpid()}"
     except OSError:
@@ -131,7 +133,8 @@ class Watchdog:
         try:
             store = self._connect(max(5.0, 2 * self.interval))
             here = _this_process()
-            known = [r for r in others if store.check([_process_key(r)])]  # a rank may fail before another began
+            keys = [_process_key(r) for r in others]  # a rank may fail before another registered
+            known = others if store.check(keys) else [r for r in others if store.check([_process_key(r)])]
             processes = store.multi_get([_process_key(r) for r in known]) if known else []
             ended = [r for r, process in zip(known, processes, strict=True) if _ended(process.decode(), here)]
             if ended:

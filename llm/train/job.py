@@ -250,11 +250,16 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
             lost = watchdog.diagnose()  # a collective that failed because a peer is gone: that is the news
             if lost is None:
                 traceback.print_exc()
-            watchdog.end_job(lost or f"failed with {type(exc).__name__}: {exc}")
+            failed = f"failed with {type(exc).__name__}: {_first_line(exc)}"
+            watchdog.end_job(f"{lost}; this rank then {failed}" if lost else failed)
         if watchdog is not None:
             watchdog.stop()
         dist.barrier()  # every rank is done writing; the caller ends the process (see `llm.cli.cmd_train`)
     return code
+
+
+def _first_line(exc: Exception) -> str:
+    return next((line for line in str(exc).splitlines() if line.strip()), "")
 
 
 RESUMED_FIELDS = (*(f"model.{f}" for f in (*SHAPE_FIELDS, *FUNCTION_FIELDS)), "lora.r", "lora.targets", "lora.scale",
@@ -400,17 +405,12 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
 
 
 def _start_files(cfg: RunConfig, run_dir: Path, ds_config: dict, trainer: Trainer, record: dict) -> MetricsSink:
-    """Rank 0, as the run starts: the metrics files cut to its first step, the run files, its run record. A write
-    that runs out of room is a UserError naming the run directory, with every file whole."""
+    """Rank 0, as the run starts: the run files, its run record, then the metrics files cut to its first step (and
+    wandb). A write that runs out of room is a UserError naming the run directory, with every file whole."""
+    _write_run_files(cfg, run_dir, ds_config)
+    write_run_record(run_dir, record)
     with durable.room_needed(run_dir, rundir.METRICS_FILE):
-        sink = MetricsSink(run_dir, cfg, trainer.run_id, trainer.step, record)
-    try:
-        _write_run_files(cfg, run_dir, ds_config)
-        write_run_record(run_dir, record)
-    except BaseException:
-        sink.close()
-        raise
-    return sink
+        return MetricsSink(run_dir, cfg, trainer.run_id, trainer.step, record)
 
 
 def _write_run_files(cfg: RunConfig, run_dir: Path, ds_config: dict) -> None:

@@ -58,7 +58,6 @@ class TimeBudget:
         self._session_start = self._iteration_start = 0.0
         self._overhead = 0.0
         self._measured_steps = 0
-        self._warmup_noted = False
         self._eval_measured: float | None = None
         self._save_measured = 0.0
         self._channel = _Broadcast(info, 6) if self.enabled and info.world_size > 1 else None
@@ -100,19 +99,15 @@ class TimeBudget:
             return 1.0
         return min(1.0, max(0.0, (self.projected_end(step_index + 1) - self.warmup_end) / horizon))
 
-    def warmup_note(self) -> str | None:
-        """Once a session, at its first published step time, a note when the budget ends before the warmup does: the
-        time-driven decay starts after `train.warmup_steps`, so such a run neither reaches its peak learning rate nor
-        decays from it (published values only: every rank decides alike)."""
-        if not self.enabled or self._warmup_noted or self.step_seconds == 0:
+    def warmup_note(self, steps_done: int) -> str | None:
+        """When the budget ends the run after `steps_done` steps, before its warmup did, a note saying so: the
+        time-driven decay starts after `train.warmup_steps`, so the run neither reached its peak learning rate nor
+        decayed from it (published values only: every rank decides alike)."""
+        if not self.enabled or steps_done >= self.warmup_steps or not self.out_of_time(steps_done):
             return None
-        self._warmup_noted = True
-        if self.warmup_end is not None or self.projected_end(self.warmup_steps) <= self.max_time:
-            return None
-        steps = self.known_step + int((self.max_time - self.elapsed) / self.step_seconds)
-        return (f"note: train.max_time={self.max_time:g} s leaves time for about {steps} steps, fewer than "
-                f"train.warmup_steps={self.warmup_steps}: the learning rate will neither reach its peak nor decay; "
-                "lower train.warmup_steps")
+        return (f"note: train.max_time={self.max_time:g} s ended the run after {steps_done} steps, inside its "
+                f"warmup of train.warmup_steps={self.warmup_steps}: the learning rate neither reached its peak nor "
+                "decayed; lower train.warmup_steps")
 
     # ---- measuring (rank 0 decides) -------------------------------------------------------------
 

@@ -295,7 +295,7 @@ class Trainer:
             if stop or last:
                 self.preemption.saved()
             self.budget.end_iteration(self.step)
-            note = self.budget.warmup_note()
+            note = self.budget.warmup_note(self.step) if last else None
             if note and self.dist.is_main:
                 logger.bar.write(f"{self.cfg.train.stage}: {note}", file=sys.stdout)
             if stop:
