@@ -327,6 +327,11 @@ class Tokenizer:
         """Ids of text from a user or a file: special-token strings in it stay text."""
         return _ids(self._text, text)
 
+    def encode_document(self, text: str) -> list[int]:
+        """Ids of a text that begins a document (a pretraining document, a text to continue or score): behind the
+        tokenizer's `document_start_ids`, as `transformers`' `tokenizer(text)` gives them."""
+        return self.document_start_ids + self.encode(text)
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

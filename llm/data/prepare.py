@@ -124,8 +124,8 @@ def token_dtype(vocab_size: int) -> type:
 def encode_pretrain(tok: Tokenizer, piece: Item) -> Sample:
     """A document's tokens (or a piece's, `Item.piece` and `Item.last`): the tokenizer's document start (BOS for
     Llama-style tokenizers, nothing for ours) before its first piece, end-of-text after its last."""
-    start = tok.document_start_ids if piece.piece == 0 else []
-    return {"tokens": start + tok.encode(piece.value) + ([tok.eos_id] if piece.last else [])}
+    tokens = tok.encode_document(piece.value) if piece.piece == 0 else tok.encode(piece.value)
+    return {"tokens": tokens + ([tok.eos_id] if piece.last else [])}
 
 
 def encode_sft(tok: Tokenizer, messages: list[dict[str, str]], max_tokens: int) -> tuple[Sample, bool]:

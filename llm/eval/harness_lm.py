@@ -53,8 +53,9 @@ class ZeroLLMHarnessModel(TemplateLM):
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         """Ids of `string` (special-token strings in it stay text) behind the tokenizer's document start, as
         `tokenizer(string)` gives them, unless `add_special_tokens` is False."""
-        start = self.tokenizer_ours.document_start_ids if add_special_tokens is not False else []
-        return start + self.tokenizer_ours.encode(string)
+        if add_special_tokens is False:
+            return self.tokenizer_ours.encode(string)
+        return self.tokenizer_ours.encode_document(string)
 
     def tok_decode(self, tokens: list[int], **kwargs) -> str:
         return self.tokenizer_ours.decode(tokens)

@@ -36,7 +36,7 @@ def text_prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     special-token strings stay text); the empty text is an unconditional sample's prompt: the document start, else
     BOS, else end of text."""
     if text:
-        return tokenizer.document_start_ids + tokenizer.encode(text)
+        return tokenizer.encode_document(text)
     return tokenizer.document_start_ids or [tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id]
 
 

@@ -28,7 +28,7 @@ class SampleGenerator:
         opened."""
         self.prompts, self.tokenizer, self.engine, self.info = prompts, tokenizer, engine, info
         self.prompt_ids = [(tokenizer.encode_chat([{"role": "user", "content": p}], True) if chat
-                            else text_prompt_ids(tokenizer, p)) or [tokenizer.eos_id] for p in prompts]
+                            else text_prompt_ids(tokenizer, p)) for p in prompts]
         max_len = engine.module.cfg.max_seq_len
         longest = max((len(ids) for ids in self.prompt_ids), default=0)
         if prompts and longest + max_new_tokens > max_len:
