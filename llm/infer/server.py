@@ -174,26 +174,6 @@ class RequestOptions:
     """stream_options.include_usage: a last chunk before [DONE] carries the usage, every other chunk usage null."""
 
 
-def _is_integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # true is 1 in Python, never in OpenAI's API
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str, Any]] = {
-    "logprobs": (lambda value: isinstance(value, bool), "true or false", False),
-    "top_logprobs": (_is_integer, "an integer", 0),
-    "logit_bias": (lambda value: isinstance(value, dict), "an object", {}),
-    "frequency_penalty": (_is_number, "a number", 0),
-    "presence_penalty": (_is_number, "a number", 0),
-}
-"""OpenAI request fields this server does not implement: (the check of their type, its name, the value that asks for
-nothing). A value of another type is refused as OpenAI refuses it (false is no integer, 0 no boolean), any value but
-nothing (or null) as unsupported, not ignored, so that a client never reads a reply made without what it asked for."""
-
-
 def _flag(body: dict, key: str, where: str = "") -> bool:
     """body[key] (None: false), or RequestError naming `where` + key."""
     value = body.get(key)
@@ -202,16 +182,33 @@ def _flag(body: dict, key: str, where: str = "") -> bool:
     return bool(value)
 
 
+def _object(body: dict, key: str) -> dict | None:
+    """body[key], a JSON object or None, or RequestError."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise RequestError(f"'{key}' must be an object", key)
+    return value
+
+
+UNSUPPORTED: dict[str, tuple[Callable[[dict, str], Any], Any]] = {
+    "logprobs": (_flag, False),
+    "top_logprobs": (lambda body, key: _number(body, key, int, None), 0),
+    "logit_bias": (_object, {}),
+    "frequency_penalty": (lambda body, key: _number(body, key, (int, float), None), 0),
+    "presence_penalty": (lambda body, key: _number(body, key, (int, float), None), 0),
+}
+"""OpenAI request fields this server does not implement: (their reader, the value that asks for nothing). A value of
+another type is refused by the reader as OpenAI refuses it (false is no integer, 0 no boolean), any value but nothing
+(or null) as unsupported, not ignored, so that a client never reads a reply made without what it asked for."""
+
+
 def parse_options(body: dict, default_max_tokens: int) -> RequestOptions:
     """The sampling parameters and stream options of a chat-completions body whose messages parse_messages
     accepted, or RequestError. A field given as null takes its default, as in OpenAI's API."""
     if _number(body, "n", int, 1) != 1:
         raise RequestError("only n=1 is supported", "n")
-    for key, (valid, kind, nothing) in UNSUPPORTED.items():
-        value = body.get(key)
-        if value is not None and not valid(value):
-            raise RequestError(f"'{key}' must be {kind}", key)
-        if value not in (None, nothing):
+    for key, (read, nothing) in UNSUPPORTED.items():
+        if read(body, key) not in (None, nothing):
             raise RequestError(f"'{key}' is not supported by this server; leave it out", key)
     if body.get("tool_choice") not in (None, "none", "auto"):  # a reply must call a tool: none is parsed out of it
         raise RequestError("only 'none' and 'auto' tool_choice are supported (no tool call is parsed out of a reply)",
@@ -228,9 +225,7 @@ def parse_options(body: dict, default_max_tokens: int) -> RequestOptions:
     max_tokens = default_max_tokens if given[key] is None else given[key]
     if max_tokens < 1:
         raise RequestError(f"'{key}' must be at least 1", key)
-    stream, stream_options = _flag(body, "stream"), body.get("stream_options")
-    if stream_options is not None and not isinstance(stream_options, dict):
-        raise RequestError("'stream_options' must be an object", "stream_options")
+    stream, stream_options = _flag(body, "stream"), _object(body, "stream_options")
     if stream_options is not None and not stream:
         raise RequestError("'stream_options' is only allowed with \"stream\": true", "stream_options")
     temperature = _float(body, "temperature", 1.0)
