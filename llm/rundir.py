@@ -181,9 +181,11 @@ def checkpoint_tags(run_dir: Path) -> list[str]:
     return sorted(tags, key=step_of)
 
 
-def newest_complete_tag(run_dir: Path) -> str | None:
-    """The newest complete checkpoint, whatever `latest` names; None when there is none."""
-    return next((tag for tag in reversed(checkpoint_tags(run_dir)) if incompleteness(run_dir, tag) is None), None)
+def newest_complete_tag(run_dir: Path, before_step: int | None = None) -> str | None:
+    """The newest complete checkpoint (of a step before `before_step`, where given), whatever `latest` names; None
+    when there is none."""
+    tags = [tag for tag in checkpoint_tags(run_dir) if before_step is None or step_of(tag) < before_step]
+    return next((tag for tag in reversed(tags) if incompleteness(run_dir, tag) is None), None)
 
 
 def _latest_advice(run_dir: Path) -> str:

@@ -211,6 +211,18 @@ def test_a_first_save_that_runs_out_of_room_says_none_was_saved_before(one_rank_
     assert os.listdir(rundir.checkpoint_dir(tmp_path / "new")) == []
 
 
+def test_running_out_of_room_without_latest_names_the_intact_checkpoint(one_rank_group, tmp_path):
+    """With `latest` lost, the message read "no checkpoint was saved before" while a resume would continue from the
+    newest complete one."""
+    _save(tmp_path, 1)
+    (rundir.checkpoint_dir(tmp_path) / rundir.LATEST).unlink()
+    with file_size_limit(100_000), pytest.raises(UserError) as error:
+        checkpoint.save(FakeEngine(2.0, size=100_000), tmp_path, 2, CLIENT_STATE | {"step": 2}, keep=0)
+    assert str(error.value).endswith("while saving step 2; the previous checkpoint (global_step1) is intact; free "
+                                     "space and rerun with --resume auto")
+    assert rundir.usable_tag(tmp_path) == "global_step1"
+
+
 def test_two_ranks_out_of_room_end_in_one_line_exit_2(zero_runs, pretrain_data, tmp_path):
     """A full disk while saving was exit 1 after 46 lines (two ranks' tracebacks of torch.save's '[enforce fail at
     inline_container.cc:672] . unexpected pos', which never said why); a rank whose write failed alone left the

@@ -207,6 +207,21 @@ def test_rerun_into_a_used_run_dir_without_resume_is_refused(zero_runs, pretrain
     assert result.returncode == 2 and "--resume auto" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_resumed_run_that_diverges_names_the_checkpoint_it_resumed_from(zero_runs, pretrain_data, tmp_path):
+    """Resumed without `checkpoints/latest` (lost; the newest complete checkpoint is taken), a run that diverged said
+    "no checkpoint was saved before"."""
+    run = tmp_path / "run"
+    shutil.copytree(zero_runs[2], run)
+    (run / "checkpoints" / "latest").unlink()
+    result = run_job(*_args(pretrain_data, run, *ZERO_RUN[1:], "train.max_steps=8", "train.lr=1e30", nproc=2,
+                            extra=["--zero-stage", 2, "--resume", "auto"]))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].endswith("stopped without saving; the newest checkpoint, global_step4, is from before: resume "
+                              "from it with a lower train.lr (--resume auto --set train.lr=...), or change what made "
+                              "the run diverge"), errors
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_ranks_to_one_resume_converts_to_universal_and_continues(zero_runs, accumulated_runs, pretrain_data,
                                                                      tmp_path, stage):

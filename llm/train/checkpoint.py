@@ -228,11 +228,12 @@ def _refuse_out_of_room(reason: str | None, run_dir: Path, step: int) -> None:
     """Every rank (a collective, in place of a barrier) raises one UserError, said by rank 0, when any rank's writes
     of step `step` ran out of room (`reason`), after rank 0 removed the unfinished checkpoint folder (never the one
     `latest` names: a failure after `latest` was replaced, in flushing its folder, leaves that checkpoint whole)."""
-    problem, tag, latest = None, rundir.tag_for(step), rundir.latest_tag(run_dir)
-    published = latest == tag
+    problem, tag = None, rundir.tag_for(step)
+    published = rundir.latest_tag(run_dir) == tag
     if reason is not None:
+        previous = rundir.newest_complete_tag(run_dir, before_step=step)  # `latest` may be lost
         before = (f"its checkpoint ({tag}) was published first" if published else
-                  f"the previous checkpoint ({latest}) is intact" if latest else "no checkpoint was saved before")
+                  f"the previous checkpoint ({previous}) is intact" if previous else "no checkpoint was saved before")
         problem = (f"{rundir.checkpoint_dir(run_dir)}: {reason} while saving step {step}; {before}; free space and "
                    "rerun with --resume auto")
     try:

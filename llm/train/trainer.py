@@ -201,7 +201,7 @@ class Trainer:
         norm = self.engine.get_global_grad_norm()
         for what, value in (("training loss", loss), ("gradient norm", None if norm is None else float(norm))):
             if value is not None and not math.isfinite(value):
-                newest = rundir.latest_tag(self.run_dir)
+                newest = rundir.newest_complete_tag(self.run_dir, before_step=self.step)  # `latest` may be lost
                 advice = (f"the newest checkpoint, {newest}, is from before: resume from it with a lower train.lr "
                           "(--resume auto --set train.lr=...), or change what made the run diverge"
                           if newest else "no checkpoint was saved before: lower train.lr, or change what made the run "
