@@ -263,6 +263,7 @@ def _deep_tool_call_arguments(depth: int) -> bytes:
     (_with(stop=False), "stop"),  # was taken as no stop strings
     (_with(tool_choice="required"), "tool_choice"),
     (_with(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+    (_with(function_call={"name": "f"}, functions=[{"name": "f", "parameters": {}}]), "function_call"),  # was ignored
     (_with(stop=["a", "b", "c", "d", "e"]), "stop"),
     (_with(seed=10**30), "seed"),
     # true is 1 and false is 0 in Python, never in OpenAI's API: these passed as 0 (asking for nothing)

@@ -210,9 +210,10 @@ def parse_options(body: dict, default_max_tokens: int) -> RequestOptions:
     for key, (read, nothing) in UNSUPPORTED.items():
         if read(body, key) not in (None, nothing):
             raise RequestError(f"'{key}' is not supported by this server; leave it out", key)
-    if body.get("tool_choice") not in (None, "none", "auto"):  # a reply must call a tool: none is parsed out of it
-        raise RequestError("only 'none' and 'auto' tool_choice are supported (no tool call is parsed out of a reply)",
-                           "tool_choice")
+    for key in ("tool_choice", "function_call"):  # function_call: its name before tools replaced functions
+        if body.get(key) not in (None, "none", "auto"):  # a reply must call a tool: none is parsed out of it
+            raise RequestError(f"only 'none' and 'auto' {key} are supported (no tool call is parsed out of a reply)",
+                               key)
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise RequestError("only the 'text' response_format is supported", "response_format")
