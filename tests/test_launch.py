@@ -499,6 +499,24 @@ def test_a_rank_of_this_machine_whose_process_ended_is_named_at_once(monkeypatch
         dog.stop()
 
 
+def test_an_ended_rank_is_named_while_other_ranks_never_registered(monkeypatch):
+    """A rank may fail before every other rank registered its process: the ranks that did are still looked up."""
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    boot, namespace, _ = watchdog._this_process().split(" ")
+    store.set(watchdog._identity_key(2), f"host h2, pid {ended.pid}")
+    store.set(watchdog._process_key(2), f"{boot} {namespace} {ended.pid}")
+    dog = watchdog.Watchdog(0, 4, timeout_s=15, announce=True)  # ranks 1 and 3 never registered
+    try:
+        assert dog.diagnose() == f"rank 2 (host h2, pid {ended.pid}) ended"
+    finally:
+        dog.stop()
+
+
 def test_no_pid_is_looked_up_in_a_proc_of_another_pid_namespace(monkeypatch):
     """In a pid namespace without its own /proc (unshare --pid without --mount-proc), /proc shows the host's pids:
     live ranks were named as ended after unrelated host processes."""

@@ -133,9 +133,10 @@ class Watchdog:
         try:
             store = self._connect(max(5.0, 2 * self.interval))
             here = _this_process()
-            keys = {r: _process_key(r) for r in others}  # a rank may fail before another registered
-            known = others if store.check(list(keys.values())) else [r for r in others if store.check([keys[r]])]
-            processes = store.multi_get([keys[r] for r in known]) if known else []
+            process_keys = {r: _process_key(r) for r in others}  # a rank may fail before another registered
+            known = (others if store.check(list(process_keys.values())) else
+                     [r for r in others if store.check([process_keys[r]])])
+            processes = store.multi_get([process_keys[r] for r in known]) if known else []
             ended = [r for r, process in zip(known, processes, strict=True) if _ended(process.decode(), here)]
             if ended:
                 who = store.multi_get([_identity_key(r) for r in ended])
