@@ -571,9 +571,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from llm.export import export_model
-    from llm.loading import load_trained_model
+    from llm.loading import load_trained_model, run_tokenizer
 
     model, _ = load_trained_model(Path(args.run))
+    run_tokenizer(Path(args.run))  # a damaged copy is refused, naming it, before anything is written
     architecture = export_model(model, rundir.tokenizer_dir(Path(args.run)), Path(args.out))
     print(f"exported {model.num_parameters():,} parameters to {args.out} ({architecture}, safetensors)")
     return 0

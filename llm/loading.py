@@ -161,12 +161,36 @@ def load_model_dir(path: str | Path) -> tuple[Transformer, Path]:
     return import_model(directory), directory
 
 
+def load_tokenizer_copy(kept: Path, remedy: str) -> Tokenizer:
+    """The copy of its input's tokenizer a run directory keeps (`rundir.tokenizer_dir`, which exists); one that cannot
+    be loaded (cut short by a kill or a full disk, a file of it deleted or damaged) is refused as damaged, naming the
+    file and what is wrong with it, followed by `remedy`."""
+    try:
+        return Tokenizer.load(kept)
+    except UserError as exc:
+        reason = " ".join(str(exc).split()) if (kept / TOKENIZER_FILE).is_file() else f"no {TOKENIZER_FILE}"
+        raise UserError(f"{kept} is damaged ({reason}); it is this run's copy of its input's tokenizer: "
+                        f"{remedy}") from None
+
+
+def run_tokenizer(run_dir: Path) -> Tokenizer | None:
+    """The tokenizer a run directory keeps (None when it keeps none), whole (`load_tokenizer_copy`)."""
+    kept = rundir.tokenizer_dir(run_dir)
+    if not kept.is_dir():
+        return None
+    return load_tokenizer_copy(kept, f"copy the tokenizer the run was trained with back into {kept}")
+
+
 def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer]:
-    """A run or export directory -> (model, tokenizer); the tokenizer files must be there."""
+    """A run or export directory -> (model, tokenizer); the tokenizer files must be there, and a run's copy of its
+    tokenizer whole (`load_tokenizer_copy`)."""
     model, tokenizer_dir = load_model_dir(path)
-    if not (tokenizer_dir / TOKENIZER_FILE).is_file():
+    if rundir.is_run_dir(Path(path)) and tokenizer_dir.is_dir():
+        tokenizer = run_tokenizer(Path(path))
+    elif (tokenizer_dir / TOKENIZER_FILE).is_file():
+        tokenizer = Tokenizer.load(tokenizer_dir)
+    else:
         raise UserError(f"{path}: no tokenizer files ({TOKENIZER_FILE}) beside the model")
-    tokenizer = Tokenizer.load(tokenizer_dir)
     if tokenizer.vocab_size > model.cfg.vocab_size:  # fewer is fine: padded embedding rows no token reaches
         raise UserError(f"{path}: its tokenizer {tokenizer_dir} has {tokenizer.vocab_size} tokens, more than the "
                         f"model's vocab_size {model.cfg.vocab_size}; use the tokenizer the model was trained with")

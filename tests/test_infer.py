@@ -442,6 +442,33 @@ def test_a_damaged_run_config_is_one_line(zero_runs, tmp_path, monkeypatch, caps
     assert stderr.startswith("zerollm: error: ") and message in stderr and stderr.count("\n") == 1, stderr
 
 
+@pytest.mark.parametrize("damage, reason", [
+    (lambda copy: copy.unlink(), "no tokenizer.json"),
+    (lambda copy: copy.write_text(copy.read_text()[:300]), "{copy}: cannot load tokenizer (EOF while parsing"),
+    (lambda copy: copy.write_text("not JSON"), "{copy}: cannot load tokenizer (expected ident at line 1 column 2)"),
+])
+def test_a_run_s_damaged_tokenizer_copy_is_named_with_what_to_do(zero_runs, tmp_path, monkeypatch, capsys, damage,
+                                                                  reason):
+    """generate, chat, serve and eval said "no tokenizer files (tokenizer.json) beside the model" for a run whose
+    RUN/tokenizer/tokenizer.json was deleted, and "cannot load tokenizer" for one cut short or not JSON, with nothing
+    to do about it; export of the deleted one wrote an export without a tokenizer, exit 0. The damaged copy is named
+    as training names it, with the tokenizer to copy back."""
+    run = tmp_path / "run"
+    shutil.copytree(zero_runs[2], run)
+    copy = run / "tokenizer" / "tokenizer.json"
+    damage(copy)
+    expected = f"zerollm: error: {run / 'tokenizer'} is damaged ({reason.format(copy=copy)}"
+    remedy = (f"; it is this run's copy of its input's tokenizer: copy the tokenizer the run was trained with back "
+              f"into {run / 'tokenizer'}\n")
+    export = tmp_path / "export"
+    for command in (["generate", "--model", run, "--prompt", "hi"], ["export", "--run", run, "--out", export],
+                    ["eval", "--model", run, "--input", run / "config.yaml"]):
+        assert zerollm_here(monkeypatch, *command) == 2
+        stderr = capsys.readouterr().err
+        assert stderr.startswith(expected) and stderr.endswith(remedy) and stderr.count("\n") == 1, stderr
+    assert not export.exists()
+
+
 def test_a_llama_style_tokenizer_exports_generates_and_chats(tiny_model, tmp_path):
     from llm.infer.chat import ChatSession
 

@@ -31,14 +31,14 @@ from llm.data.formats import expand_inputs
 from llm.data.prepare import TOKENS_FILE
 from llm.data.prepared import stage_data_attrs
 from llm.errors import EXIT_OK, UserError
-from llm.loading import FUNCTION_FIELDS, SHAPE_FIELDS, initial_weights, weights_summary
+from llm.loading import FUNCTION_FIELDS, SHAPE_FIELDS, initial_weights, load_tokenizer_copy, weights_summary
 from llm.model import Transformer
 from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, trainable_summary
 from llm.runtime.distributed import DistInfo, agreed, refuse_together, setup_distributed
 from llm.runtime.fingerprint import check_ranks_agree, fingerprint
 from llm.runtime.watchdog import Watchdog
-from llm.tokenizer import TOKENIZER_FILE, Tokenizer
+from llm.tokenizer import Tokenizer
 from llm.train import checkpoint
 from llm.train.ds_config_file import load_ds_config
 from llm.train.ds_scheduler import optimizer_steps_per_step, scheduler_name
@@ -103,12 +103,8 @@ def check_tokenizer(run_dir: Path, cfg: RunConfig, input_hash: str) -> None:
     kept = rundir.tokenizer_dir(run_dir)
     if not kept.is_dir():
         return
-    try:
-        kept_tokenizer = Tokenizer.load(kept)
-    except UserError as exc:
-        reason = " ".join(str(exc).split()) if (kept / TOKENIZER_FILE).is_file() else f"no {TOKENIZER_FILE}"
-        raise UserError(f"{kept} is damaged ({reason}); it is this run's copy of its input's tokenizer: delete it, "
-                        f"and the next start copies it again from {input_tokenizer(cfg)}") from None
+    kept_tokenizer = load_tokenizer_copy(kept, f"delete it, and the next start copies it again from "
+                                               f"{input_tokenizer(cfg)}")
     if not kept_tokenizer.has_hash(input_hash):
         source = f"--init-from {cfg.train.init_from} has" if cfg.train.stage == "grpo" else \
             f"{cfg.data.path} was tokenized with"
