@@ -20,6 +20,7 @@ from llm.errors import UserError
 from llm.loading import consolidated_weights
 from llm.model import Transformer, masked_cross_entropy
 from llm.tokenizer import Tokenizer
+from llm.train.ds_config_file import load_ds_config
 from llm.train.objectives import CausalLMObjective, DistillObjective, DPOObjective, GRPOObjective
 from llm.train.trainer import Trainer
 
@@ -495,6 +496,24 @@ def test_init_from_a_different_shape_is_refused(zero_runs, sft_train_data, tmp_p
 def test_dpo_needs_init_from(dpo_data, tmp_path):
     result = run_cli("train", "dpo", "--recipe", "demo", "--data", dpo_data, "--out", tmp_path)
     assert result.returncode == 2 and "--init-from" in result.stderr
+
+
+def test_a_bf16_dpo_run_prints_deepspeeds_warnings_but_not_its_memory_reports(zero_runs, dpo_data, tmp_path):
+    """A bf16 engine without ZeRO (the DPO and GRPO reference under every stage but 3, the policy too under ZeRO 0)
+    printed DeepSpeed's BF16_Optimizer memory reports, six lines ahead of the run's own first one. DeepSpeed's warnings
+    (here of the JSON's vocabulary_size) still come."""
+    raw, _ = load_ds_config(None, "dpo")
+    (tmp_path / "ds.json").write_text(json.dumps({**raw, "vocabulary_size": 510}))
+    result = run_job(*_stage_args("dpo", dpo_data, tmp_path / "run", zero_runs[2], "train.max_steps=1",
+                                  "train.precision=bf16", "train.micro_batch_size=2", "train.eval_every=0", nproc=1,
+                                  extra=["--zero-stage", 0, "--deepspeed", tmp_path / "ds.json"]))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    warnings = [line for line in lines if "[WARNING]" in line]
+    assert warnings and all("vocabulary size 510 is not aligned to 8" in line for line in warnings), lines[:10]
+    assert lines[len(warnings)].startswith("dpo: "), lines[:10]  # the warnings, then the run's first line
+    for report in ("bf16_optimizer", "Max_MA", "CPU Virtual Memory"):
+        assert report not in result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])

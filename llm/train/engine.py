@@ -7,9 +7,11 @@ the run config; an explicit value that disagrees with the run config is an error
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import inspect
+import io
 import json
 import math
 from typing import Any
@@ -364,6 +366,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _initialize(**kwargs):
+    """`deepspeed.initialize` without what DeepSpeed print()s while building the engine: BF16_Optimizer's memory
+    reports (six lines or more on rank 0, before the run's first line) come whatever the config says, and a bf16
+    engine without ZeRO has one: the DPO, GRPO and distillation reference (`frozen_engine`), or ZeRO-1 with fp32
+    gradient accumulation. DeepSpeed's warnings and errors still reach the user: its logger writes to the stream it
+    was created with, not to `sys.stdout`, and stderr is left as it is."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return deepspeed.initialize(**kwargs)
+
+
 def build_engine(model: torch.nn.Module, cfg: RunConfig, ds_config: dict[str, Any], lr_lambda):
     """`deepspeed.initialize` with our parameter groups and a LambdaLR schedule on its optimizer, or the schedule of
     the config's `scheduler` section (`llm.train.ds_scheduler`), which DeepSpeed builds."""
@@ -371,9 +383,8 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, ds_config: dict[str, An
     def make_scheduler(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
-                                           config=ds_config,
-                                           lr_scheduler=None if scheduler_name(ds_config) else make_scheduler)
+    engine, _, _, _ = _initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
+                                  config=ds_config, lr_scheduler=None if scheduler_name(ds_config) else make_scheduler)
     return engine
 
 
@@ -391,6 +402,6 @@ def frozen_engine(model: torch.nn.Module, ds_config: dict[str, Any]):
     config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
     if ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
         config["zero_optimization"] = {"stage": 0}
-    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine = _initialize(model=model, config=config)[0]
     engine.eval()
     return engine
