@@ -18,7 +18,7 @@ from llm.data.prepare import prepare
 from llm.errors import UserError
 from llm.eval.harness import code_commit, require_lm_eval, run_tasks
 from llm.eval.perplexity import evaluate_stream, run_perplexity, windows
-from llm.eval.token_stream import ArrayStream, scored_text_bytes, stream_of_files, stream_of_split
+from llm.eval.token_stream import ArrayStream, document_start_positions, stream_of_files, stream_of_split
 from llm.export import export_model
 from llm.model import Transformer
 from llm.train.run_record import git_state
@@ -57,9 +57,10 @@ def text_files(tmp_path):
     return txt, jsonl
 
 
-def direct_nats(model, tokens: list[int], context: int, stride: int) -> float:
-    """Negative log-likelihood of tokens[1:], each scored once, one window at a time without batching or padding:
-    a window scoring positions [first, end) reads the up-to-`context` tokens before `end - 1`."""
+def direct_nats(model, tokens: list[int], context: int, stride: int, unscored: frozenset[int] = frozenset()) -> float:
+    """Negative log-likelihood of tokens[1:] but the positions in `unscored` (context only: documents' BOS), each
+    scored once, one window at a time without batching or padding: a window scoring positions [first, end) reads
+    the up-to-`context` tokens before `end - 1`."""
     total = 0.0
     with torch.no_grad():
         for first in range(1, len(tokens), stride):
@@ -67,7 +68,7 @@ def direct_nats(model, tokens: list[int], context: int, stride: int) -> float:
             start = max(0, end - 1 - context)
             inputs = torch.tensor(tokens[start:end - 1])[None]
             logp = torch.log_softmax(model(inputs).logits[0].double(), -1)
-            total -= sum(logp[p - 1 - start, tokens[p]].item() for p in range(first, end))
+            total -= sum(logp[p - 1 - start, tokens[p]].item() for p in range(first, end) if p not in unscored)
     return total
 
 
@@ -139,28 +140,70 @@ def llama_model_and_tokenizer(tmp_path_factory):
     return load_for_inference(out)
 
 
-def test_documents_of_a_llama_style_tokenizer_are_scored_behind_their_bos(llama_model_and_tokenizer, text_files,
-                                                                         tmp_path):
-    """Each document is scored as `data prepare` writes it, <s> first (what a Llama is trained on); <s> and </s>
-    count no bytes. The documents had no <s> before. A split prepared with the tokenizer scores as the files do, and
-    one prepared before documents had <s> still counts only its text's bytes."""
+def test_the_bos_of_a_llama_style_tokenizers_documents_is_context_never_scored(llama_model_and_tokenizer, text_files,
+                                                                                tmp_path, monkeypatch):
+    """Each document is read as `data prepare` writes it, <s> first (what a Llama is trained on), and <s> is context
+    only, as lm-evaluation-harness reads it: the </s> before it is not asked to predict it (it was, and its nats
+    counted in the loss and bits per byte). Files, a split prepared with the tokenizer, and two ranks' shares give
+    a direct computation that skips <s>; <s> and </s> count no bytes. Data prepared before documents had <s> still
+    scores every token after the leading </s> and counts only its text's bytes."""
     model, tokenizer = llama_model_and_tokenizer
     eos, bos = tokenizer.eos_id, tokenizer.bos_id
     stream, _ = stream_of_files([str(p) for p in text_files], tokenizer)
     files = evaluate_stream(model, tokenizer, stream, CONTEXT, STRIDE, batch_size=3, progress=False)
     tokens = [eos] + [t for doc in DOCUMENTS for t in [bos, *tokenizer.encode(doc), eos]]
+    starts = frozenset(p for p in range(1, len(tokens)) if tokens[p - 1:p + 1] == [eos, bos])
     n_bytes = sum(len(doc.encode("utf-8")) for doc in DOCUMENTS)
-    assert stream.tokens.tolist() == tokens and (files.tokens, files.bytes) == (len(tokens) - 1, n_bytes)
-    assert files.nats == pytest.approx(direct_nats(model, tokens, CONTEXT, STRIDE), rel=1e-5)
+    assert stream.tokens.tolist() == tokens and len(starts) == len(DOCUMENTS)
+    assert (files.tokens, files.bytes) == (len(tokens) - 1 - len(DOCUMENTS), n_bytes)
+    assert files.nats == pytest.approx(direct_nats(model, tokens, CONTEXT, STRIDE, starts), rel=1e-5)
 
     prepare("pretrain", [str(p) for p in text_files], LLAMA, tmp_path / "data", val_fraction=0.0, workers=1,
             show_progress=False)
-    split = evaluate_stream(model, tokenizer, stream_of_split(tmp_path / "data", "train", tokenizer), CONTEXT, STRIDE,
-                            batch_size=3, progress=False)
+    split_stream = stream_of_split(tmp_path / "data", "train", tokenizer)
+    split = evaluate_stream(model, tokenizer, split_stream, CONTEXT, STRIDE, batch_size=3, progress=False)
     assert (split.tokens, split.bytes) == (files.tokens, files.bytes)
     assert split.nats == pytest.approx(files.nats, rel=1e-9)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor: None)  # each rank's own share
+    shares = [evaluate_stream(model, tokenizer, split_stream, CONTEXT, STRIDE, batch_size=3, rank=rank, world_size=2,
+                              progress=False) for rank in (0, 1)]
+    assert sum(share.tokens for share in shares) == files.tokens and shares[1].tokens > 0
+    assert sum(share.nats for share in shares) == pytest.approx(files.nats, rel=1e-9)
+
     without_bos = [eos] + [t for doc in DOCUMENTS for t in [*tokenizer.encode(doc), eos]]
-    assert scored_text_bytes(ArrayStream(np.array(without_bos), eos), tokenizer) == n_bytes
+    old = evaluate_stream(model, tokenizer, ArrayStream(np.array(without_bos), eos), CONTEXT, STRIDE, progress=False)
+    assert (old.tokens, old.bytes) == (len(without_bos) - 1, n_bytes)
+    assert old.nats == pytest.approx(direct_nats(model, without_bos, CONTEXT, STRIDE), rel=1e-5)
+
+
+def test_a_window_that_would_score_only_a_bos_scores_nothing(llama_model_and_tokenizer):
+    """With stride 1 a window scores one position: at a document's <s> it reads and scores nothing."""
+    model, tokenizer = llama_model_and_tokenizer
+    eos, bos = tokenizer.eos_id, tokenizer.bos_id
+    tokens = [eos, *tokenizer.encode_document("Short."), eos, *tokenizer.encode_document("天下"), eos]
+    result = evaluate_stream(model, tokenizer, ArrayStream(np.array(tokens), eos), 3, 1, batch_size=4, progress=False)
+    starts = frozenset(p for p in range(1, len(tokens)) if tokens[p] == bos)
+    assert len(starts) == 2 and (result.tokens, result.windows) == (len(tokens) - 3, len(tokens) - 1)
+    assert result.nats == pytest.approx(direct_nats(model, tokens, 3, 1, starts), rel=1e-5)
+
+
+def test_document_start_positions_are_the_start_ids_after_each_end_of_text(llama_model_and_tokenizer):
+    """A start of several ids is found whole from any slice of the stream, also one that cuts it or the end-of-text
+    before it; the same ids inside a document, or only part of them after an end-of-text, are text."""
+    import copy
+
+    tokenizer = copy.copy(llama_model_and_tokenizer[1])
+    eos, bos, word = tokenizer.eos_id, tokenizer.bos_id, 50
+    tokenizer.document_start_ids = [bos, word]
+    stream = ArrayStream(np.array([eos, bos, word, 7, bos, word, eos, bos, word, eos, bos, 8, eos, bos, word]), eos)
+    starts = {1, 2, 7, 8, 13, 14}
+    for start in range(len(stream) + 1):
+        for end in range(start, len(stream) + 1):
+            got = document_start_positions(stream, tokenizer, start, end).tolist()
+            assert got == sorted(p for p in starts if start <= p < end), (start, end)
+    tokenizer.document_start_ids = []
+    assert document_start_positions(stream, tokenizer, 0, len(stream)).tolist() == []
 
 
 def test_two_ranks_give_what_one_rank_gives(export_dir, pretrain_data):

@@ -3,7 +3,8 @@
 Windows: the stream is cut into windows of at most `context` input tokens. Each window scores the `stride` tokens
 after the previous window's (`stride <= context`); its inputs reach back as far as `context` allows, so with a
 stride below the context every scored token after the first window sees at least `context - stride` tokens of
-context. Every token after the stream's leading <|endoftext|> is scored exactly once.
+context. Every token after the stream's leading <|endoftext|> is scored exactly once, except a document's start
+ids (the BOS of a Llama-style tokenizer): those are context only, read and never predicted.
 
     loss per token = total nats / scored tokens       perplexity = exp(loss per token)
     bits per byte  = total nats / ln 2 / UTF-8 bytes of the scored text (the rule: `llm.eval.token_stream`)
@@ -31,7 +32,13 @@ from llm.config import build_config
 from llm.devices import place, resolve
 from llm.errors import UserError
 from llm.eval.scoring import score_sequences
-from llm.eval.token_stream import TokenStream, scored_text_bytes, stream_of_files, stream_of_split
+from llm.eval.token_stream import (
+    TokenStream,
+    document_start_positions,
+    scored_text_bytes,
+    stream_of_files,
+    stream_of_split,
+)
 from llm.loading import load_for_inference
 from llm.model import Transformer
 from llm.runtime.distributed import agreed, setup_distributed
@@ -125,10 +132,11 @@ def evaluate_stream(model: Transformer, tokenizer: Tokenizer, stream: TokenStrea
     for first in range(0, len(mine), batch_size):
         group = mine[first:first + batch_size]
         sequences = [stream.read(w.start, w.end) for w in group]
-        for window, score in zip(group, score_sequences(model, sequences, [w.scored for w in group], batch_size,
-                                                         tokenizer.pad_id), strict=True):
+        starts = [document_start_positions(stream, tokenizer, w.end - w.scored, w.end) - w.start for w in group]
+        for score in score_sequences(model, sequences, [w.scored for w in group], batch_size, tokenizer.pad_id,
+                                     starts):
             nats += score.nats
-            tokens += window.scored
+            tokens += score.tokens
         bar.update(len(group))
     bar.close()
     if world_size > 1:

@@ -2,14 +2,15 @@
 
 A stream is one flat sequence of token ids laid out as `data prepare` writes a split (every document opened by the
 tokenizer's `document_start_ids`, BOS for Llama-style tokenizers and nothing for ours, and closed by
-<|endoftext|>), with one more <|endoftext|> in front as the context of the first document's first token. Every
-token after that leading one is scored, so the scored text is exactly the documents' text (with their BOS, as
-training sees them: a model predicts the BOS after the end of a document).
+<|endoftext|>), with one more <|endoftext|> in front as the context of the first document. Every token after that
+leading one is scored except a document's start ids (`document_start_positions`): they are context, as
+lm-evaluation-harness reads the BOS before a text, not text to predict. So the scored text is exactly the
+documents' text and each one's <|endoftext|>.
 
 Bytes, for bits per byte: the UTF-8 bytes of the text of the scored tokens. Documents are decoded one at a time
-(split at <|endoftext|>), so no multi-byte character is cut; <|endoftext|> and a document's start ids count zero
-bytes (their predictions still count in the loss). For files this equals the UTF-8 length of the documents' text
-as the readers return it; for a prepared split it is what its tokens decode to.
+(split at <|endoftext|>), so no multi-byte character is cut; <|endoftext|> counts zero bytes (its prediction still
+counts in the loss), and so does a document's start (it is not scored). For files this equals the UTF-8 length of
+the documents' text as the readers return it; for a prepared split it is what its tokens decode to.
 """
 
 from __future__ import annotations
@@ -114,6 +115,19 @@ def stream_of_split(data_dir: str | Path, split: str, tokenizer: Tokenizer) -> S
     if len(stream) < 2:
         raise UserError(f"{data_dir}: the '{split}' split holds no tokens")
     return stream
+
+
+def document_start_positions(stream: TokenStream, tokenizer: Tokenizer, start: int, end: int) -> np.ndarray:
+    """Positions in [start, end) of `stream` that hold a document's start ids: the tokenizer's `document_start_ids`
+    right after an <|endoftext|> (none for our tokenizers, nor in data prepared before documents had them)."""
+    ids = tokenizer.document_start_ids
+    if not ids:
+        return np.zeros(0, dtype=np.int64)
+    low = max(0, start - len(ids))  # the <|endoftext|> before a start that reaches into [start, end)
+    tokens = stream.read(low, min(len(stream), end + len(ids) - 1))
+    opens = [q for q in np.flatnonzero(tokens == stream.eos_id) + 1 if tokens[q:q + len(ids)].tolist() == ids]
+    positions = low + np.array([q + j for q in opens for j in range(len(ids))], dtype=np.int64)
+    return positions[(positions >= start) & (positions < end)]
 
 
 def scored_text_bytes(stream: TokenStream, tokenizer: Tokenizer) -> int:
