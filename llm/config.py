@@ -33,7 +33,10 @@ class ModelConfig:
     """Model (residual stream) width."""
     n_layers: int = 8
     n_heads: int = 8
-    """Query heads; head_dim = dim / n_heads."""
+    """Query heads."""
+    head_dim: int | None = None
+    """Width of each attention head; None derives it as dim / n_heads (Qwen3-0.6B sets 128 with dim 1024 and 16
+    heads)."""
     n_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None means n_heads (plain multi-head)."""
     hidden_dim: int | None = None
@@ -71,8 +74,8 @@ class ModelConfig:
         return self.n_kv_heads or self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def attention_head_dim(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -87,7 +90,7 @@ class ModelConfig:
         embedding once), without building it; needs vocab_size."""
         shapes = self.linear_shapes
         attention = sum(math.prod(shapes[name]) for name in ("wq", "wk", "wv", "wo"))
-        attention += 2 * self.head_dim if self.qk_norm else 0
+        attention += 2 * self.attention_head_dim if self.qk_norm else 0
         ffn = sum(math.prod(shapes[name]) for name in ("w1", "w2", "w3"))
         if self.moe:  # a router and the routed and shared experts
             ffn = self.dim * self.n_experts + ffn * (self.n_experts + self.n_shared_experts)
@@ -98,7 +101,8 @@ class ModelConfig:
     @property
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each linear layer in a block (`LORA_TARGETS`; in an MoE model every expert's)."""
-        queries, keys, hidden = self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn_hidden_dim
+        queries, keys = self.n_heads * self.attention_head_dim, self.kv_heads * self.attention_head_dim
+        hidden = self.ffn_hidden_dim
         return {"wq": (self.dim, queries), "wk": (self.dim, keys), "wv": (self.dim, keys), "wo": (queries, self.dim),
                 "w1": (self.dim, hidden), "w2": (hidden, self.dim), "w3": (self.dim, hidden)}
 
@@ -280,6 +284,7 @@ class LoRAConfig:
 
 
 DERIVED_KEYS = {"model.kv_heads": "model.n_kv_heads", "model.ffn_hidden_dim": "model.hidden_dim",
+                "model.attention_head_dim": "model.head_dim",
                 "lora.scale": "lora.alpha / lora.r"}
 """Values derived from the run config, by the keys that set them (for messages that ask the user to set them)."""
 
@@ -561,7 +566,7 @@ BELOW_ONE = Bounds(0, 1, high_open=True)
 NUMBER_RANGES: dict[str, Bounds] = {
     "model.vocab_size": POSITIVE, "model.dim": POSITIVE,
     "model.n_layers": Bounds(1, 1024),  # deeper than any published decoder (126 in Llama 3 405B); each is a module
-    "model.n_heads": POSITIVE,
+    "model.n_heads": POSITIVE, "model.head_dim": POSITIVE,
     "model.n_kv_heads": POSITIVE, "model.hidden_dim": POSITIVE, "model.multiple_of": POSITIVE,
     "model.norm_eps": POSITIVE, "model.max_seq_len": POSITIVE,
     "model.rope_theta": Bounds(1, low_open=True),  # the RoPE base: 1 gives every pair the same frequency
@@ -597,8 +602,13 @@ def validate_ranges(cfg: RunConfig) -> None:
 
 
 def validate_model(m: ModelConfig) -> None:
-    _require(m.dim % m.n_heads == 0, f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
-    _require(m.head_dim % 2 == 0, f"head dim model.dim/model.n_heads = {m.head_dim} must be even for RoPE")
+    if m.head_dim is None:
+        _require(m.dim % m.n_heads == 0, f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads}), or "
+                 "set model.head_dim")
+        head_dim = f"model.dim/model.n_heads = {m.dim}/{m.n_heads} = {m.attention_head_dim}"
+    else:
+        head_dim = f"model.head_dim = {m.head_dim}"
+    _require(m.attention_head_dim % 2 == 0, f"head dim {head_dim} must be even for RoPE")
     _require(m.n_heads % m.kv_heads == 0,
              f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
     _require(m.rope_scaling in ("none", "yarn"), f"model.rope_scaling must be 'none' or 'yarn', got '{m.rope_scaling}'")
@@ -613,9 +623,9 @@ def validate_model(m: ModelConfig) -> None:
     if m.kernels == "triton":
         from kernels.runtime import ATTENTION_HEAD_DIMS, HEAD_DIMS_TEXT  # noqa: PLC0415 - loads torch: only when asked
 
-        _require(m.head_dim in ATTENTION_HEAD_DIMS,
-                 f"model.kernels=triton: the attention kernel takes head dims {HEAD_DIMS_TEXT}, got model.dim/"
-                 f"model.n_heads = {m.dim}/{m.n_heads} = {m.head_dim}; use model.kernels=auto or torch")
+        _require(m.attention_head_dim in ATTENTION_HEAD_DIMS,
+                 f"model.kernels=triton: the attention kernel takes head dims {HEAD_DIMS_TEXT}, got {head_dim}; use "
+                 "model.kernels=auto or torch")
 
 
 STAGES = ("pretrain", "sft", "dpo", "grpo", "distill")

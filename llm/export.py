@@ -65,7 +65,7 @@ def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None) -> dict:
     config = {
         "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "hidden_act": "silu",
         "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden_dim, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.attention_head_dim,
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_seq_len,
         "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
         "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": cfg.init_std, "torch_dtype": "float32",
@@ -83,20 +83,20 @@ def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None) -> dict:
     return config
 
 
-def _refuse_other_yarn(rope: dict[str, Any], factor: float, source: str) -> None:
+def _refuse_other_yarn(rope: dict[str, Any], factor: float, where: str) -> None:
     """Refuse YaRN settings that Hugging Face honours and our tables do not (they would load into another function,
     silently): an attention factor other than 0.1 * ln(factor) + 1, DeepSeek's mscale pair, an untruncated
-    correction range."""
+    correction range. `where`: the file and the RoPE object's key, for the errors."""
     attention = rope.get("attention_factor")
     if attention is not None and not (isinstance(attention, int | float) and not isinstance(attention, bool)
                                       and math.isclose(attention, yarn_attention_scale(factor), rel_tol=1e-6)):
-        raise UserError(f"{source}: rope_scaling 'attention_factor' {attention!r} is not supported (our YaRN scales "
+        raise UserError(f"{where} 'attention_factor' {attention!r} is not supported (our YaRN scales "
                         f"by 0.1 * ln(factor) + 1 = {yarn_attention_scale(factor):.6g})")
     if attention is None and rope.get("mscale") and rope.get("mscale_all_dim"):  # transformers' order
-        raise UserError(f"{source}: rope_scaling 'mscale' and 'mscale_all_dim' (DeepSeek's attention factor) are not "
+        raise UserError(f"{where} 'mscale' and 'mscale_all_dim' (DeepSeek's attention factor) are not "
                         "supported")
     if rope.get("truncate", True) is not True:
-        raise UserError(f"{source}: rope_scaling 'truncate' {rope['truncate']!r} is not supported (our YaRN rounds "
+        raise UserError(f"{where} 'truncate' {rope['truncate']!r} is not supported (our YaRN rounds "
                         "its correction range, as truncate true does)")
 
 
@@ -133,8 +133,11 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
         model_type = named[0]
     if config.get("use_sliding_window"):
         raise UserError(f"{source}: sliding-window attention is not part of our architecture")
-    if config.get("attention_bias") or config.get("mlp_bias") or config.get("hidden_act", "silu") != "silu":
-        raise UserError(f"{source}: biases or a non-SiLU activation are not part of our architecture")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise UserError(f"{source}: '{key}' {config[key]!r}: biases are not part of our architecture")
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' two names of one function
+        raise UserError(f"{source}: 'hidden_act' {config['hidden_act']!r} is not part of our architecture (SiLU only)")
     rope_key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"  # transformers' choice
     rope = config.get(rope_key) or {}
     if not isinstance(rope, dict):
@@ -170,9 +173,10 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
         betas = {key: rope.get(key) or default for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0))}
         cfg.yarn_beta_fast = _number(betas, "beta_fast", f"{source} {rope_key}", float)  # null or 0: the default,
         cfg.yarn_beta_slow = _number(betas, "beta_slow", f"{source} {rope_key}", float)  # as in transformers
-        _refuse_other_yarn(rope, cfg.rope_factor, source)
-    if config.get("head_dim", cfg.head_dim) != cfg.head_dim:
-        raise UserError(f"{source}: head_dim {config['head_dim']} differs from hidden_size / num_attention_heads")
+        _refuse_other_yarn(rope, cfg.rope_factor, f"{source}: {rope_key}")
+    if config.get("head_dim") is not None:  # null or absent: hidden_size / num_attention_heads, as in transformers
+        head_dim = _number(config, "head_dim", source, int)
+        cfg.head_dim = head_dim if cfg.dim % heads or head_dim != cfg.dim // heads else None
     try:
         validate_model(cfg)
     except UserError as exc:
@@ -269,7 +273,10 @@ def weight_files(directory: Path) -> dict[str, list[str] | None]:
         return {WEIGHTS_FILE: None}
     index = directory / WEIGHTS_INDEX_FILE
     if not index.is_file():
-        raise UserError(f"{directory}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} beside {HF_CONFIG_FILE}")
+        pickled = sorted(p.name for p in directory.glob("*.bin"))
+        hint = (f"; {pickled[0]} is not read (a pickle can run code when loaded): save the model with transformers' "
+                "save_pretrained, which writes safetensors" if pickled else "")
+        raise UserError(f"{directory}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} beside {HF_CONFIG_FILE}{hint}")
     weight_map = read_user_json_object(index, "shard index").get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map or \
             not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):

@@ -139,9 +139,10 @@ def weights_summary(path: str | Path, option: str) -> dict[str, str]:
                             f"{rundir.checkpoint_dir(directory) / rundir.LATEST}); train it first")
         weights = f"run {rundir.client_state_of(directory, tag)['run_id']} {tag}"
     else:
-        if not any((directory / name).is_file() for name in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE)):
-            raise UserError(f"{option} {directory}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}")
-        files = weight_files(directory)
+        try:
+            files = weight_files(directory)
+        except UserError as exc:
+            raise UserError(f"{option} {exc}") from None
         if WEIGHTS_FILE in files:
             weights = f"{WEIGHTS_FILE} digest {file_digest(directory / WEIGHTS_FILE)}"
         else:  # the index and every shard it names: a shard replaced under an unchanged index is other weights
@@ -197,8 +198,8 @@ def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer]:
     return model, tokenizer
 
 
-SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "ffn_hidden_dim", "tie_embeddings", "moe",
-                "n_experts", "n_shared_experts", "qk_norm")
+SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "attention_head_dim", "ffn_hidden_dim",
+                "tie_embeddings", "moe", "n_experts", "n_shared_experts", "qk_norm")
 """What the weights' shapes and names depend on."""
 FUNCTION_FIELDS = ("rope_theta", "norm_eps", "rope_scaling", "rope_factor", "rope_original_max_seq_len")
 """What the trained function depends on beyond the shapes: training on other values would silently change it."""

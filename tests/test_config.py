@@ -18,7 +18,7 @@ def test_recipes_are_packaged_and_valid():
     for name in recipe_names():
         build_config(name)
     m = build_config("minimind3-64m").model
-    assert (m.dim, m.n_layers, m.n_heads, m.kv_heads, m.vocab_size, m.head_dim) == (768, 8, 8, 4, 6400, 96)
+    assert (m.dim, m.n_layers, m.n_heads, m.kv_heads, m.vocab_size, m.attention_head_dim) == (768, 8, 8, 4, 6400, 96)
 
 
 def test_dotted_overrides_parse_yaml_scalars():
@@ -361,4 +361,5 @@ def test_triton_kernels_with_a_head_dim_the_attention_kernel_refuses_are_refused
     for choice in ("auto", "torch"):  # the torch path takes any head dim
         build_config("demo", [f"model.dim={dim}", f"model.n_heads={n_heads}", "model.n_kv_heads=null",
                               f"model.kernels={choice}"])
-    assert build_config("demo", ["model.dim=384", "model.n_heads=4", "model.kernels=triton"]).model.head_dim == 96
+    model = build_config("demo", ["model.dim=384", "model.n_heads=4", "model.kernels=triton"]).model
+    assert model.attention_head_dim == 96

@@ -179,6 +179,29 @@ def _edit_config(directory: Path, changes: dict) -> None:
     (directory / HF_CONFIG_FILE).write_text(json.dumps(config))
 
 
+@pytest.mark.parametrize("key, value", [("head_dim", None), ("hidden_act", "swish")])
+def test_configs_transformers_reads_as_ours_load(tmp_path, key, value):
+    """A null head_dim (transformers: hidden_size / num_attention_heads) was refused as "head_dim None differs", and
+    hidden_act 'swish' (transformers' other name of SiLU) as "biases or a non-SiLU activation"."""
+    model = _model(0)
+    export_model(model, None, tmp_path)
+    config = json.loads((tmp_path / HF_CONFIG_FILE).read_text())
+    (tmp_path / HF_CONFIG_FILE).write_text(json.dumps({**config, key: value}))
+    tokens = torch.randint(0, CFG.vocab_size, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(import_model(tmp_path)(tokens).logits, model(tokens).logits)
+
+
+def test_a_folder_with_pickled_weights_only_says_they_are_not_read(tmp_path):
+    export_model(_model(0), None, tmp_path)
+    (tmp_path / WEIGHTS_FILE).rename(tmp_path / "pytorch_model.bin")
+    with pytest.raises(UserError) as error:
+        import_model(tmp_path)
+    assert str(error.value) == (f"{tmp_path}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} beside {HF_CONFIG_FILE}; "
+                                "pytorch_model.bin is not read (a pickle can run code when loaded): save the model "
+                                "with transformers' save_pretrained, which writes safetensors")
+
+
 def test_a_tied_model_saved_with_both_names_loads_when_they_are_equal(tmp_path):
     """Such a folder (a tool other than transformers wrote the tied weights twice) was refused with "unexpected
     ['lm_head.weight']", where transformers ties them."""
@@ -310,6 +333,12 @@ def test_the_exported_config_has_the_bos_token_of_the_exported_tokenizer(tmp_pat
     ({"partial_rotary_factor": 0.5}, "'partial_rotary_factor' other than 1"),
     ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' must be true or false"),
     ({"num_attention_heads": 3, "head_dim": None}, "model.dim (32) must be divisible by model.n_heads (3)"),
+    ({"head_dim": 7}, "model.head_dim = 7 must be even for RoPE"),
+    ({"head_dim": "8"}, "'head_dim' must be a positive integer, got '8'"),
+    ({"hidden_act": "gelu"}, "'hidden_act' 'gelu' is not part of our architecture (SiLU only)"),  # named no key
+    ({"attention_bias": True}, "'attention_bias' True: biases are not part of our architecture"),
+    # the RoPE object is named by its key: 'rope_scaling' was said of a transformers 5 file's rope_parameters
+    ({"rope_parameters": {**YARN, "attention_factor": 2.0}}, "config.json: rope_parameters 'attention_factor' 2.0"),
 ])
 def test_a_malformed_config_json_is_one_line(tmp_path, change, message):
     export_model(_model(0), None, tmp_path)

@@ -92,12 +92,15 @@ def test_init_from_refuses_other_rope_theta_and_norm_eps(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_a_qk_norm_model_exports_as_qwen3_with_equal_logits(tmp_path):
+@pytest.mark.parametrize("head_dim", [None, 32])
+def test_a_qk_norm_model_exports_as_qwen3_with_equal_logits(tmp_path, head_dim):
+    """head_dim 32 with dim 64 and 4 heads: a head wider than dim / n_heads, as Qwen3-0.6B's (128 with dim 1024 and
+    16 heads) was refused ("head_dim 128 differs from hidden_size / num_attention_heads")."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
-                                    qk_norm=True)).eval()
+                                    qk_norm=True, head_dim=head_dim)).eval()
     with torch.no_grad():  # norms away from their initial ones, so a missing norm would show in the logits
         for name, p in model.named_parameters():
             if "q_norm" in name or "k_norm" in name:
@@ -111,6 +114,8 @@ def test_a_qk_norm_model_exports_as_qwen3_with_equal_logits(tmp_path):
         assert torch.allclose(hf(tokens).logits, model(tokens).logits, atol=1e-4)
         imported = import_model(tmp_path)
         assert imported.cfg.qk_norm and torch.equal(imported(tokens).logits, model(tokens).logits)
+    assert config["head_dim"] == imported.cfg.attention_head_dim == (head_dim or 16)
+    assert hf.model.layers[0].self_attn.q_proj.weight.shape == (4 * (head_dim or 16), 64)
 
 
 def _small(seed, vocab_size=96):

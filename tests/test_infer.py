@@ -318,7 +318,7 @@ def test_import_a_llama_made_by_transformers(tmp_path):
     hf = LlamaForCausalLM(config).eval()
     hf.save_pretrained(str(tmp_path))
     ours = import_model(tmp_path)
-    assert ours.cfg.head_dim == 16 and ours.cfg.kv_heads == 2 and not ours.cfg.tie_embeddings
+    assert ours.cfg.attention_head_dim == 16 and ours.cfg.kv_heads == 2 and not ours.cfg.tie_embeddings
     tokens = torch.randint(0, 300, (2, 33))
     with torch.no_grad():
         assert torch.allclose(ours(tokens).logits, hf(tokens).logits, atol=1e-4)

@@ -17,7 +17,7 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
         if max_len > cfg.max_seq_len:
             raise ValueError(f"cache of {max_len} positions exceeds model.max_seq_len {cfg.max_seq_len}")
-        shape = (cfg.n_layers, batch, cfg.kv_heads, max_len, cfg.head_dim)
+        shape = (cfg.n_layers, batch, cfg.kv_heads, max_len, cfg.attention_head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)

@@ -39,7 +39,7 @@ def yarn_attention_scale(factor: float) -> float:
 def rope_tables(cfg: ModelConfig, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of the first `length` positions (default max_seq_len), each float32 `[length, head_dim // 2]`;
     a position's row does not depend on `length`."""
-    head_dim = cfg.head_dim
+    head_dim = cfg.attention_head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     scale = 1.0
     if cfg.rope_scaling == "yarn":

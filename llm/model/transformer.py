@@ -35,17 +35,17 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.attention_head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.attention_head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.attention_head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.attention_head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.attention_head_dim, cfg.dim, bias=False)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.attn_dropout = cfg.dropout
         self.kernels_choice = cfg.kernels
         if cfg.qk_norm:  # one weight of head_dim each, shared by the heads (Qwen3)
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.kernels)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.kernels)
+            self.q_norm = RMSNorm(cfg.attention_head_dim, cfg.norm_eps, cfg.kernels)
+            self.k_norm = RMSNorm(cfg.attention_head_dim, cfg.norm_eps, cfg.kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
                 layer: int = 0, packed: Packed | None = None) -> torch.Tensor:
