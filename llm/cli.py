@@ -12,6 +12,7 @@ import contextlib
 import io
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -539,24 +540,39 @@ def _generator(args: argparse.Namespace):
     return TextGenerator(place(model, device, dtype), tokenizer)
 
 
+def _to_stdout(write: Callable[[], None]) -> int:
+    """Run `write`, which prints the command's output: exit code 0; 141, quietly, when stdout's reader left (| head),
+    as for a tool a closed pipe's SIGPIPE ends (the shell's 128 + 13; Ctrl-C: 130); a full disk (> /dev/full) is
+    one line."""
+    try:
+        write()
+    except OSError as exc:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered must not fail at exit
+        if isinstance(exc, BrokenPipeError):
+            return 141
+        raise UserError(f"cannot write the output ({exc.strerror or exc})") from None
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     params, generator = _sampling(args), _generator(args)
-    prompt = args.prompt
     try:
-        if args.chat:
-            prompt = generator.tokenizer.encode_chat([{"role": "user", "content": args.prompt}],
-                                                     add_generation_prompt=True)
+        prompt = (generator.tokenizer.encode_chat([{"role": "user", "content": args.prompt}],
+                                                  add_generation_prompt=True) if args.chat else
+                  generator.prompt_ids(args.prompt))
+    except ValueError as exc:  # text that is not UTF-8
+        raise UserError(f"--prompt: {exc}") from None
+    context = generator.model.cfg.max_seq_len
+    if len(prompt) + params.max_new_tokens > context:
+        raise UserError(f"the prompt ({len(prompt)} tokens) and --max-new-tokens {params.max_new_tokens} do not fit "
+                        f"in the model's context ({context} tokens): lower --max-new-tokens or shorten the prompt")
+
+    def write() -> None:
         for piece in generator.stream(prompt, params):
             print(piece, end="", flush=True)
         print(flush=True)
-    except ValueError as exc:  # text that is not UTF-8, a prompt the context cannot hold
-        raise UserError(str(exc)) from None
-    except OSError as exc:  # stdout's reader left (| head) or its disk is full (> /dev/full)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered must not fail at exit
-        if isinstance(exc, BrokenPipeError):
-            return 141  # quietly, as a tool a closed pipe's SIGPIPE ends: the shell's 128 + 13 (Ctrl-C: 130)
-        raise UserError(f"cannot write the output ({exc.strerror or exc})") from None
-    return 0
+
+    return _to_stdout(write)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -565,8 +581,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     session = ChatSession(_generator(args), _sampling(args), system=args.system)
     if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 is refused, not a crash losing the chat
         sys.stdin.reconfigure(errors="surrogateescape")
-    chat_repl(session)
-    return 0
+    if sys.stdin.isatty():
+        import readline  # noqa: F401, PLC0415 - input() then edits the line (arrows, history), as in a shell
+
+    return _to_stdout(lambda: chat_repl(session))
 
 
 def cmd_export(args: argparse.Namespace) -> int:

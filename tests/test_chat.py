@@ -2,8 +2,10 @@
 
 import io
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -28,17 +30,23 @@ def generator(tokenizer_dir):
     return TextGenerator(model, Tokenizer.load(tokenizer_dir))
 
 
-def _repl(session: ChatSession, lines: list[str]) -> str:
-    out = io.StringIO()
+def _reader(lines: list) -> Callable[[str], str]:
+    """`input` that returns `lines` one by one (an exception class in them is raised: Ctrl-C), then raises EOFError
+    (Ctrl-D)."""
     feed = iter(lines)
 
     def read(prompt: str) -> str:
-        try:
-            return next(feed)
-        except StopIteration:
-            raise EOFError from None
+        line = next(feed, EOFError)
+        if isinstance(line, type):
+            raise line
+        return line
 
-    chat_repl(session, read=read, out=out)
+    return read
+
+
+def _repl(session: ChatSession, lines: list) -> str:
+    out = io.StringIO()
+    chat_repl(session, read=_reader(lines), out=out)
     return out.getvalue()
 
 
@@ -56,11 +64,17 @@ def test_settings_that_leave_no_room_for_a_message_are_refused_at_the_start_and_
     with pytest.raises(UserError, match=rf"context \({CONTEXT}\) holds 0 prompt tokens beside --max-new-tokens "
                                         rf"{CONTEXT}, and the chat template takes \d+; lower --max-new-tokens$"):
         ChatSession(generator, SamplingParams(max_new_tokens=CONTEXT))
-    with pytest.raises(UserError, match="--system and the chat template take .* or shorten --system$"):
+    with pytest.raises(UserError, match=r"--system and the chat template take \d+; lower --max-new-tokens or shorten "
+                                        r"--system$"):
+        ChatSession(generator, SamplingParams(max_new_tokens=100), system="word " * 20)
+    # longer than the whole context: "lower --max-new-tokens" was advised, which cannot help, and inside the chat
+    # "shorten --system", an option that cannot be given there
+    with pytest.raises(UserError, match=r"--system and the chat template take \d+; shorten --system$"):
         ChatSession(generator, SamplingParams(max_new_tokens=8), system="word " * 400)
     session = ChatSession(generator, SamplingParams(max_new_tokens=8), system="Be brief.")
     out = _repl(session, ["/system " + "word " * 400, "hello"])
-    assert "(not set: no message can be sent" in out and out.count("assistant> ") == 1
+    assert re.search(r"\(not set: no message can be sent: .* the system prompt and the chat template take \d+; "
+                     r"shorten the system prompt\)", out) and out.count("assistant> ") == 1
     assert session.system == "Be brief." and session.messages[0] == {"role": "system", "content": "Be brief."}
 
 
@@ -87,6 +101,39 @@ def test_the_commands_and_ctrl_d(generator):
     assert out.count("assistant> ") == 2 and out.endswith("(system prompt cleared; conversation reset)\n"), out
     assert "(system prompt set; conversation reset)\n" in out and "(conversation reset)\n" in out
     assert session.system is None and session.messages == []
+
+
+def test_ctrl_c_at_the_prompt_clears_the_line_and_the_chat_goes_on(generator):
+    """It ended the session (exit 130), the conversation lost."""
+    session = ChatSession(generator, SamplingParams(max_new_tokens=4))
+    out = _repl(session, [KeyboardInterrupt, "hello"])
+    assert out.startswith(f"{HELP}\n\n(Ctrl-D or /quit ends the chat)\nassistant> ")
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == ["hello"]
+
+
+class InterruptedOnce(io.StringIO):
+    """A terminal where Ctrl-C lands while the first piece of the first reply is being printed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupted = False
+
+    def write(self, text: str) -> int:
+        if not self.interrupted and "assistant> " in self.getvalue() and text:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        return super().write(text)
+
+
+def test_a_reply_stopped_while_it_is_printed_joins_the_history(generator):
+    """Stopped while a piece was being printed (not inside the model's step), the exchange was lost: the next message
+    was fitted to the history before the stopped reply was closed, and its close wrote that older history back."""
+    session = ChatSession(generator, SamplingParams(max_new_tokens=4))
+    out = InterruptedOnce()
+    chat_repl(session, read=_reader(["hello", "again"]), out=out)
+    assert out.interrupted and " (stopped)" in out.getvalue()
+    assert [(m["role"], m["content"]) for m in session.messages][::2] == [("user", "hello"), ("user", "again")]
+    assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]
 
 
 def test_the_oldest_exchanges_are_dropped_whole(generator):

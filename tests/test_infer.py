@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -358,12 +359,27 @@ def test_generate_command_from_run_and_export(zero_runs, tmp_path, monkeypatch, 
     assert "neither a run directory" in capsys.readouterr().err
 
 
-def test_a_chat_prompt_that_is_not_utf8_is_one_line(exported, monkeypatch, capsys):
-    """Without --chat it was one line; with it, a ValueError traceback and exit code 1."""
-    prompt = os.fsdecode(b"\xff\xfe")  # as a shell passes $'\xff\xfe'
-    assert zerollm_here(monkeypatch, "generate", "--model", exported, "--chat", "--prompt", prompt) == 2
-    assert capsys.readouterr().err == ("zerollm: error: the text is not valid Unicode: it holds the byte 0xff, which "
-                                       "is not UTF-8 (is the terminal or the file in another encoding?)\n")
+@pytest.mark.parametrize("chat", [[], ["--chat"]])
+def test_a_prompt_or_stop_string_that_is_not_utf8_is_one_line_naming_the_option(exported, monkeypatch, capsys, chat):
+    """With --chat it was a ValueError traceback and exit code 1; without, one line that named no option. A stop
+    string of such bytes was accepted and could never match."""
+    text = os.fsdecode(b"\xff\xfe")  # as a shell passes $'\xff\xfe'
+    assert zerollm_here(monkeypatch, "generate", "--model", exported, *chat, "--prompt", text) == 2
+    assert capsys.readouterr().err == ("zerollm: error: --prompt: the text is not valid Unicode: it holds the byte "
+                                       "0xff, which is not UTF-8 (is the terminal or the file in another encoding?)\n")
+    assert zerollm_here(monkeypatch, "generate", "--model", exported, *chat, "--prompt", "hi", "--stop", text) == 2
+    assert capsys.readouterr().err.startswith("zerollm: error: --stop must be strings that are not empty, in valid "
+                                              "Unicode (a command line's bytes that are not UTF-8 are not), got [")
+
+
+def test_a_prompt_that_leaves_no_room_says_what_to_change(exported, monkeypatch, capsys):
+    """It said "prompt (3 tokens) + max_new_tokens (1000) exceeds model.max_seq_len 128": internal names, no advice."""
+    context = import_model(exported).cfg.max_seq_len
+    assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "To be", "--max-new-tokens",
+                        context) == 2
+    assert re.fullmatch(rf"zerollm: error: the prompt \(\d+ tokens\) and --max-new-tokens {context} do not fit in the "
+                        rf"model's context \({context} tokens\): lower --max-new-tokens or shorten the prompt\n",
+                        capsys.readouterr().err)
 
 
 def test_an_empty_prompt_is_an_unconditional_sample(exported, generator, monkeypatch, capsys):
@@ -412,16 +428,19 @@ def _full_disk() -> BinaryIO:
     return open("/dev/full", "wb")
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "To be"], ["chat"]])
 @pytest.mark.parametrize("open_stdout, code, stderr", [
     (_closed_pipe, 141, ""),  # 128 + SIGPIPE: what a shell reports for a writer the closed pipe ended
     (_full_disk, 2, "zerollm: error: cannot write the output (No space left on device)\n"),
 ])
-def test_generate_ends_quietly_on_a_closed_pipe_and_in_one_line_on_a_full_disk(exported, open_stdout, code, stderr):
-    """`zerollm generate ... | head -c 5` and `> /dev/full` ended in a BrokenPipeError or OSError traceback."""
+def test_output_ends_quietly_on_a_closed_pipe_and_in_one_line_on_a_full_disk(exported, open_stdout, code, stderr,
+                                                                              command):
+    """`zerollm generate ... | head -c 5` and `> /dev/full` ended in a BrokenPipeError or OSError traceback, and
+    `zerollm chat` still did."""
     with open_stdout() as stdout:
-        result = subprocess.run([sys.executable, "-m", "llm", "generate", "--model", str(exported), "--prompt",
-                                 "To be", "--max-new-tokens", "4"], stdout=stdout, stderr=subprocess.PIPE, text=True,
-                                check=False)
+        result = subprocess.run([sys.executable, "-m", "llm", command[0], "--model", str(exported), *command[1:],
+                                 "--max-new-tokens", "4"], input="hello\n", stdout=stdout, stderr=subprocess.PIPE,
+                                text=True, check=False)
     assert (result.returncode, result.stderr) == (code, stderr)
 
 

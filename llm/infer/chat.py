@@ -5,7 +5,8 @@ exact lines are commands: any other line is a message, also one starting with `/
 sends a line less its first `/` (`//reset` sends `/reset`).
 The history goes through the tokenizer's chat template to ids (what the user types stays text, even
 `<|im_start|>`); the oldest exchanges are dropped when the context is full, and a message that cannot
-fit at all is refused with a message while the conversation carries on. Ctrl-C during a reply stops it.
+fit at all is refused with a message while the conversation carries on. Ctrl-C during a reply stops it (the reply
+joins the history as far as it got); at the prompt it clears the line. Ctrl-D quits.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ class ChatSession:
         self.generator, self.params = generator, params
         self.reset(system)
 
-    def reset(self, system: str | None = None) -> None:
+    def reset(self, system: str | None = None, named: str = "--system") -> None:
         """Forget the conversation; start again with `system` as the system prompt (none if None). UserError, with
         nothing changed, when `system` is not valid Unicode or beside it and max_new_tokens not even an empty message
-        would fit."""
+        would fit (the advice calls the system prompt `named`)."""
         messages = [{"role": "system", "content": system}] if system else []
         try:
             smallest = self.generator.tokenizer.encode_chat([*messages, {"role": "user", "content": ""}],
@@ -39,11 +40,12 @@ class ChatSession:
         except ValueError as exc:  # text that is not UTF-8
             raise UserError(str(exc)) from None
         if len(smallest) > self.budget:
-            taken = "--system and the chat template take" if system else "the chat template takes"
+            taken = f"{named} and the chat template take" if system else "the chat template takes"
+            fixes = [*(["lower --max-new-tokens"] if len(smallest) < self.generator.model.cfg.max_seq_len else []),
+                     *([f"shorten {named}"] if system else [])]
             raise UserError(f"no message can be sent: the model's context ({self.generator.model.cfg.max_seq_len}) "
                             f"holds {max(self.budget, 0)} prompt tokens beside --max-new-tokens "
-                            f"{self.params.max_new_tokens}, and {taken} {len(smallest)}; lower --max-new-tokens"
-                            + (" or shorten --system" if system else ""))
+                            f"{self.params.max_new_tokens}, and {taken} {len(smallest)}; {' or '.join(fixes)}")
         self.system, self.messages = system, messages
 
     @property
@@ -96,6 +98,9 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
         except EOFError:  # Ctrl-D: the shell's prompt goes on a line of its own
             say("")
             break
+        except KeyboardInterrupt:  # Ctrl-C at the prompt clears the line; the conversation goes on
+            say("\n(Ctrl-D or /quit ends the chat)")
+            continue
         if not line:
             continue
         if line in ("/quit", "/exit"):
@@ -105,7 +110,7 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
             say("(conversation reset)")
         elif line.partition(" ")[0] == "/system":  # the command word alone, not /systemctl
             try:
-                session.reset(line.removeprefix("/system").strip() or None)
+                session.reset(line.removeprefix("/system").strip() or None, named="the system prompt")
             except UserError as exc:
                 say(f"(not set: {exc})")
                 continue
@@ -123,4 +128,6 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
                     say(piece, end="")
             except KeyboardInterrupt:
                 say(" (stopped)", end="")
+            finally:  # the exchange joins the history now, also when Ctrl-C came while a piece was being printed
+                pieces.close()
             say("")

@@ -17,6 +17,16 @@ class InvalidSampling(ValueError):
         self.field, self.reason = field_name, reason
 
 
+def _is_unicode(text: str) -> bool:
+    """Whether `text` holds no lone surrogate (what Python makes of bytes in argv that are not UTF-8): such a stop
+    string could never match generated text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 SAMPLING_RANGES = {
     "max_new_tokens": (lambda v: v >= 0, "an integer >= 0"),
     "temperature": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
@@ -24,7 +34,8 @@ SAMPLING_RANGES = {
     "top_p": (lambda v: math.isfinite(v) and 0 < v <= 1, "a number in (0, 1]"),
     "repetition_penalty": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     "seed": (lambda v: v is None or 0 <= v < 2**63, "an integer in [0, 2**63)"),
-    "stop": (lambda v: "" not in v, "strings that are not empty"),
+    "stop": (lambda v: "" not in v and all(_is_unicode(s) for s in v),
+             "strings that are not empty, in valid Unicode (a command line's bytes that are not UTF-8 are not)"),
 }
 """Each SamplingParams field's check, and what it must be, for the message."""
 
