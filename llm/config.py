@@ -47,11 +47,18 @@ class ModelConfig:
     """Length of the RoPE tables: the longest sequence the model accepts."""
     rope_theta: float = 10000.0
     rope_scaling: str = "none"
-    """'none' or 'yarn' (context extension by `rope_factor` over `rope_original_max_seq_len`)."""
+    """'none', 'yarn' or 'llama3' (context extension by `rope_factor` over `rope_original_max_seq_len`; 'llama3' is
+    Llama 3.1's: frequencies whose wavelength exceeds the original length / `llama3_low_freq_factor` divided by
+    `rope_factor`, those below the original length / `llama3_high_freq_factor` kept, a smooth blend between)."""
     rope_factor: float = 1.0
     rope_original_max_seq_len: int = 0
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    llama3_low_freq_factor: float = 1.0
+    """rope_scaling=llama3: the original length over the wavelength above which frequencies are divided in full."""
+    llama3_high_freq_factor: float = 4.0
+    """rope_scaling=llama3: the original length over the wavelength below which frequencies are kept; above
+    `llama3_low_freq_factor`."""
     qk_norm: bool = False
     """RMSNorm over each head's queries and keys before RoPE (Qwen3, MiniMind-3); exported as Qwen3ForCausalLM."""
     dropout: float = 0.0
@@ -571,7 +578,8 @@ NUMBER_RANGES: dict[str, Bounds] = {
     "model.norm_eps": POSITIVE, "model.max_seq_len": POSITIVE,
     "model.rope_theta": Bounds(1, low_open=True),  # the RoPE base: 1 gives every pair the same frequency
     "model.rope_factor": Bounds(1), "model.rope_original_max_seq_len": NON_NEGATIVE,
-    "model.yarn_beta_fast": POSITIVE, "model.yarn_beta_slow": POSITIVE, "model.dropout": BELOW_ONE,
+    "model.yarn_beta_fast": POSITIVE, "model.yarn_beta_slow": POSITIVE, "model.llama3_low_freq_factor": POSITIVE,
+    "model.llama3_high_freq_factor": POSITIVE, "model.dropout": BELOW_ONE,
     "model.n_experts": Bounds(1, 1024), "model.n_experts_per_token": POSITIVE, "model.n_shared_experts": NON_NEGATIVE,
     "model.moe_aux_loss_coef": NON_NEGATIVE, "model.init_std": POSITIVE,
     "data.seq_len": POSITIVE, "data.loader_workers": NON_NEGATIVE,
@@ -611,10 +619,18 @@ def validate_model(m: ModelConfig) -> None:
     _require(m.attention_head_dim % 2 == 0, f"head dim {head_dim} must be even for RoPE")
     _require(m.n_heads % m.kv_heads == 0,
              f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
-    _require(m.rope_scaling in ("none", "yarn"), f"model.rope_scaling must be 'none' or 'yarn', got '{m.rope_scaling}'")
+    _require(m.rope_scaling in ("none", "yarn", "llama3"),
+             f"model.rope_scaling must be 'none', 'yarn' or 'llama3', got '{m.rope_scaling}'")
     if m.rope_scaling == "yarn":
         _require(m.rope_factor > 1 and m.rope_original_max_seq_len > 0,
                  "model.rope_scaling=yarn needs model.rope_factor > 1 and model.rope_original_max_seq_len > 0")
+    if m.rope_scaling == "llama3":  # factor 1 keeps every frequency, as in transformers
+        _require(m.rope_factor >= 1 and m.rope_original_max_seq_len > 0
+                 and 0 < m.llama3_low_freq_factor < m.llama3_high_freq_factor,
+                 "model.rope_scaling=llama3 needs model.rope_factor >= 1, model.rope_original_max_seq_len > 0 and "
+                 "0 < model.llama3_low_freq_factor < model.llama3_high_freq_factor, got "
+                 f"{m.rope_factor}, {m.rope_original_max_seq_len}, {m.llama3_low_freq_factor} and "
+                 f"{m.llama3_high_freq_factor}")
     if m.moe:
         _require(0 < m.n_experts_per_token <= m.n_experts,
                  f"model.n_experts_per_token ({m.n_experts_per_token}) must be in 1..model.n_experts ({m.n_experts})")

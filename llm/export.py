@@ -77,6 +77,11 @@ def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None) -> dict:
         config["rope_scaling"] = {"rope_type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.yarn_beta_fast,
                                   "beta_slow": cfg.yarn_beta_slow,
                                   "original_max_position_embeddings": cfg.rope_original_max_seq_len}
+    if cfg.rope_scaling == "llama3":
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_factor,
+                                  "low_freq_factor": cfg.llama3_low_freq_factor,
+                                  "high_freq_factor": cfg.llama3_high_freq_factor,
+                                  "original_max_position_embeddings": cfg.rope_original_max_seq_len}
     if tokenizer is not None:
         config.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.stop_ids,
                       pad_token_id=tokenizer.pad_id)
@@ -145,8 +150,8 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
     if any(isinstance(value, dict) for value in rope.values()):
         raise UserError(f"{source}: '{rope_key}' per layer type (a nested object) is not supported")
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "yarn"):
-        raise UserError(f"{source}: RoPE scaling '{kind}' is not supported (only YaRN)")
+    if kind not in ("default", "yarn", "llama3"):
+        raise UserError(f"{source}: RoPE scaling '{kind}' is not supported (only YaRN and Llama 3's)")
     if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UserError(f"{source}: 'partial_rotary_factor' other than 1 (RoPE on part of each head) is not part of "
                         "our architecture")
@@ -165,11 +170,15 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
         tie_embeddings=tie, init_std=_number(config, "initializer_range", source, float, 0.02),
         qk_norm=model_type == "qwen3",
     )
-    if kind == "yarn":
-        cfg.rope_scaling, cfg.rope_factor = "yarn", _number(rope, "factor", f"{source} {rope_key}", float)
+    if kind in ("yarn", "llama3"):
+        cfg.rope_scaling, cfg.rope_factor = kind, _number(rope, "factor", f"{source} {rope_key}", float)
         # a top-level original_max_position_embeddings (Phi-3's) comes first in transformers, rope_parameters' does not
         cfg.rope_original_max_seq_len = _first_of("original_max_position_embeddings", [
             (config, source), (rope, f"{source} {rope_key}")], int, cfg.max_seq_len)
+    if kind == "llama3":  # transformers requires both (and ignores an attention_factor: llama3 scales by 1)
+        cfg.llama3_low_freq_factor = _number(rope, "low_freq_factor", f"{source} {rope_key}", float)
+        cfg.llama3_high_freq_factor = _number(rope, "high_freq_factor", f"{source} {rope_key}", float)
+    if kind == "yarn":
         betas = {key: rope.get(key) or default for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0))}
         cfg.yarn_beta_fast = _number(betas, "beta_fast", f"{source} {rope_key}", float)  # null or 0: the default,
         cfg.yarn_beta_slow = _number(betas, "beta_slow", f"{source} {rope_key}", float)  # as in transformers

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 
 import h5py
@@ -116,6 +117,83 @@ def test_a_qk_norm_model_exports_as_qwen3_with_equal_logits(tmp_path, head_dim):
         assert imported.cfg.qk_norm and torch.equal(imported(tokens).logits, model(tokens).logits)
     assert config["head_dim"] == imported.cfg.attention_head_dim == (head_dim or 16)
     assert hf.model.layers[0].self_attn.q_proj.weight.shape == (4 * (head_dim or 16), 64)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+"""Llama 3.1's RoPE scaling (Llama-3.2-1B: factor 32, original 8192) at a size where, with rope_theta 10000 and
+heads of 16, all three bands occur: wavelengths below 64 / 4 kept, above 64 / 1 divided by 8, the rest blended."""
+
+
+def test_a_llama3_rope_scaled_llama_imports_and_exports_with_transformers_logits(tmp_path):
+    """Refused before ("RoPE scaling 'llama3' is not supported (only YaRN)"): Llama 3.1 and 3.2 could not be
+    brought in."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         rope_parameters={**LLAMA3_ROPE, "rope_theta": 10000.0}, tie_word_embeddings=False)
+    wavelengths = [2 * math.pi * 10000.0 ** (i / 16) for i in range(0, 16, 2)]
+    assert {"kept" if w < 64 / 4 else "divided" if w > 64 / 1 else "blended" for w in wavelengths} == {
+        "kept", "divided", "blended"}
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # weights of std 0.2, so that logits are far apart wherever RoPE differs
+        for parameter in hf.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0, 0.2)
+    hf.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+    tokens = torch.randint(0, 96, (1, 100), generator=torch.Generator().manual_seed(1))
+    ours = import_model(tmp_path / "hf")
+    cfg = ours.cfg
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_seq_len, cfg.llama3_low_freq_factor,
+            cfg.llama3_high_freq_factor, cfg.rope_theta) == ("llama3", 8.0, 64, 1.0, 4.0, 10000.0)
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        assert torch.allclose(ours(tokens).logits, expected, atol=1e-4)
+        plain = Transformer(dataclasses.replace(cfg, rope_scaling="none"))
+        plain.load_state_dict(ours.state_dict())
+        assert not torch.allclose(plain(tokens).logits, expected, atol=1e-2)  # the scaling shows in the logits
+        export_model(ours, None, tmp_path / "export")
+        assert json.loads((tmp_path / "export" / "config.json").read_text())["rope_scaling"] == LLAMA3_ROPE
+        again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32).eval()
+        assert torch.allclose(again(tokens).logits, expected, atol=1e-4)
+
+
+def test_init_from_and_resume_refuse_another_llama3_low_freq_factor_or_yarn_beta(tmp_path):
+    """The frequency bands are part of the trained function, as model.rope_factor is."""
+    from llm.train.job import RESUMED_FIELDS
+
+    cfg = dataclasses.replace(_small(0).cfg, rope_scaling="llama3", rope_factor=8.0, rope_original_max_seq_len=16)
+    export_model(Transformer(cfg), None, tmp_path / "export")
+    assert initial_weights(cfg, str(tmp_path / "export"), RANDOM_TOKENS_HASH)
+    with pytest.raises(UserError, match=r"\(model.llama3_low_freq_factor 1.0 there, 2.0 here\); set those model.\* "
+                                        r"keys to the values there$"):
+        initial_weights(dataclasses.replace(cfg, llama3_low_freq_factor=2.0), str(tmp_path / "export"),
+                        RANDOM_TOKENS_HASH)
+    # and YaRN's correction range, which went through silently
+    yarn = dataclasses.replace(cfg, rope_scaling="yarn", rope_factor=4.0)
+    export_model(Transformer(yarn), None, tmp_path / "yarn")
+    with pytest.raises(UserError, match=r"\(model.yarn_beta_fast 32.0 there, 16.0 here\); set those"):
+        initial_weights(dataclasses.replace(yarn, yarn_beta_fast=16.0), str(tmp_path / "yarn"), RANDOM_TOKENS_HASH)
+    assert {f"model.{key}" for key in ("llama3_low_freq_factor", "llama3_high_freq_factor", "yarn_beta_fast",
+                                       "yarn_beta_slow")} <= set(RESUMED_FIELDS)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"low_freq_factor": None}, "config.json rope_scaling: 'low_freq_factor' is missing"),
+    ({"high_freq_factor": "4"}, "config.json rope_scaling: 'high_freq_factor' must be a positive number, got '4'"),
+    ({"high_freq_factor": 1.0}, "config.json: model.rope_scaling=llama3 needs model.rope_factor >= 1, "
+                                "model.rope_original_max_seq_len > 0 and 0 < model.llama3_low_freq_factor < "
+                                "model.llama3_high_freq_factor, got 8.0, 64, 1.0 and 1.0"),
+])
+def test_llama3_rope_settings_transformers_cannot_compute_are_refused_in_one_line(change, message):
+    """transformers fails on a missing factor (KeyError) and divides by zero on equal low and high factors."""
+    config = {**hf_config(ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, max_seq_len=128), None),
+              "rope_scaling": {k: v for k, v in {**LLAMA3_ROPE, **change}.items() if v is not None}}
+    with pytest.raises(UserError) as exc:
+        model_config_from_hf(config, "config.json")
+    assert str(exc.value) == message
 
 
 def _small(seed, vocab_size=96):

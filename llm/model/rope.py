@@ -5,6 +5,9 @@ YaRN follows "YaRN: Efficient Context Window Extension of Large Language Models"
 as Hugging Face implements it (`_compute_yarn_parameters`, truncate true): low frequencies are interpolated by
 `factor`, high ones kept, a linear ramp between, and the tables scaled by 0.1 * ln(factor) + 1. The ramp's
 correction range is clamped to [0, head_dim - 1] (not head_dim // 2 - 1), as there and in the YaRN authors' code.
+Llama 3.1's scaling follows Hugging Face's `_compute_llama3_parameters`: frequencies whose wavelength is above the
+original length / low_freq_factor are divided by `factor`, those below original length / high_freq_factor kept,
+and those between blended by where original length / wavelength falls from low to high; the tables are not scaled.
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, cfg: ModelConfig) -> t
     return scaled, yarn_attention_scale(cfg.rope_factor)
 
 
+def _llama3_inv_freq(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    low, high = cfg.llama3_low_freq_factor, cfg.llama3_high_freq_factor
+    rotations = cfg.rope_original_max_seq_len * inv_freq / (2 * math.pi)  # original length / wavelength
+    smooth = ((rotations - low) / (high - low)).clamp(0, 1)  # 0: divided by factor, 1: kept
+    return inv_freq / cfg.rope_factor * (1 - smooth) + inv_freq * smooth
+
+
 def yarn_attention_scale(factor: float) -> float:
     """What YaRN scales the tables by (its attention temperature): 0.1 * ln(factor) + 1."""
     return 0.1 * math.log(factor) + 1.0
@@ -44,6 +54,8 @@ def rope_tables(cfg: ModelConfig, length: int | None = None) -> tuple[torch.Tens
     scale = 1.0
     if cfg.rope_scaling == "yarn":
         inv_freq, scale = _yarn_inv_freq(inv_freq, head_dim, cfg)
+    elif cfg.rope_scaling == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, cfg)
     angles = torch.outer(torch.arange(length or cfg.max_seq_len, dtype=torch.float64), inv_freq)
     return (angles.cos() * scale).float(), (angles.sin() * scale).float()
 
