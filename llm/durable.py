@@ -1,6 +1,7 @@
 """Writing files so that a crash (SIGKILL, power loss, a full disk) leaves either the old or the new content,
-never a torn file: write under a temporary name, fsync, rename over the target, fsync the folder; a folder is copied
-the same way (`copy_folder`). And naming a write that failed for want of room (`out_of_room`, `room_needed`)."""
+never a torn file: write under a temporary name, fsync, rename over the target, fsync the folder; a folder is made
+the same way (`staged_folder`, `copy_folder`). And naming a write that failed for want of room (`out_of_room`,
+`room_needed`)."""
 
 from __future__ import annotations
 
@@ -88,23 +89,38 @@ def update_text(path: Path, text: str) -> bool:
     return True
 
 
-def copy_folder(source: Path, target: Path) -> None:
-    """Copy folder `source` to `target` (which must not exist) whole or not at all: into a hidden `.NAME.partial`
-    beside it (a leftover of an earlier attempt is removed first), each file flushed, then renamed into place. A
-    failed copy (a full disk) leaves no `target` and no partial folder."""
-    partial = target.with_name(f".{target.name}.partial")
+@contextmanager
+def staged_folder(target: Path, replace: bool = False) -> Iterator[Path]:
+    """Make folder `target` whole or not at all: inside, fill the hidden `.NAME.partial` beside it that this yields
+    (not yet created; a leftover is removed first); on leaving, its files and it are flushed and it is renamed into
+    place. `target` must not exist, unless `replace`: then an earlier one is renamed aside to `.NAME.old` and deleted
+    after (a crash between the two renames leaves both complete folders, the old one as `.NAME.old`). A failure
+    inside or while flushing (a full disk) leaves `target` as it was and no partial folder."""
+    partial, old = target.with_name(f".{target.name}.partial"), target.with_name(f".{target.name}.old")
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        shutil.copytree(source, partial)
+        yield partial
         for path in sorted(partial.rglob("*")):
             if path.is_file():
                 fsync(path)
         fsync(partial)
-        os.replace(partial, target)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    if replace and target.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+    os.replace(partial, target)
     fsync(target.parent)
+    if replace:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_folder(source: Path, target: Path) -> None:
+    """Copy folder `source` to `target` (which must not exist) whole or not at all (`staged_folder`): a failed copy
+    (a full disk) leaves no `target` and no partial folder."""
+    with staged_folder(target) as partial:
+        shutil.copytree(source, partial)
 
 
 def current_umask() -> int:

@@ -205,21 +205,10 @@ def _replaceable(out: Path) -> None:
     refuse_foreign_contents(out, out, "export", EXPORT_FILES | weight_files, HF_CONFIG_FILE)
 
 
-def _move_into_place(staging: Path, out: Path) -> None:
-    """Rename the finished `staging` folder to `out`; an earlier `out` is renamed aside first and then deleted (a
-    crash between the two renames leaves both complete folders, the old one as .<name>.old)."""
-    old = out.with_name(f".{out.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        os.replace(out, old)
-    os.replace(staging, out)
-    durable.fsync(out.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> str:
-    """Write `out` (see the module docstring), replacing an earlier export there as a whole; the Hugging Face
-    class its config.json names."""
+    """Write `out` (see the module docstring), replacing an earlier export there as a whole (`durable.staged_folder`:
+    the earlier one is renamed aside and then deleted; a crash between the two renames leaves both complete folders,
+    the old one as .<name>.old); the Hugging Face class its config.json names."""
     cfg, out = model.cfg, out.resolve()
     if cfg.moe:
         raise UserError("mixture-of-experts models have no LlamaForCausalLM form; export supports dense models")
@@ -227,26 +216,23 @@ def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> s
     state = {hf_name(k): v.detach().float().contiguous() for k, v in model.state_dict().items()}
     if cfg.tie_embeddings:
         state.pop("lm_head.weight")  # tied: transformers re-ties it from the embeddings
-    staging = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
     try:
-        staging.mkdir(parents=True)
-    except OSError as exc:  # e.g. a file where a parent folder should be
-        raise UserError(f"--out {out}: cannot create it ({exc.strerror})") from None
-    try:
-        config = _write_export(state, cfg, tokenizer_dir, staging)
+        with durable.staged_folder(out, replace=True) as staging:
+            try:
+                staging.mkdir(parents=True)
+            except OSError as exc:  # e.g. a file where a parent folder should be
+                raise UserError(f"--out {out}: cannot create it ({exc.strerror})") from None
+            config = _write_export(state, cfg, tokenizer_dir, staging)
     except Exception as exc:
         if (reason := durable.out_of_room(exc)) is None:
             raise
-        shutil.rmtree(staging, ignore_errors=True)
         kept = "the export there is as it was" if out.exists() else "nothing was written"
         raise UserError(f"--out {out}: {reason} while writing the export; {kept}") from None
-    _move_into_place(staging, out)
     return config["architectures"][0]
 
 
 def _write_export(state: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer_dir: Path | None, staging: Path) -> dict:
-    """The export's files into the folder `staging`, flushed to the disk; its config.json."""
+    """The export's files into the folder `staging`; its config.json."""
     save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
     os.chmod(staging / WEIGHTS_FILE, 0o666 & ~durable.current_umask())  # written 0600: readable like the other files
     tokenizer = None
@@ -256,8 +242,6 @@ def _write_export(state: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer_di
         tokenizer.save_config(staging)  # its special tokens by role too: a copy made by earlier versions lacks them
     config = hf_config(cfg, tokenizer)
     (staging / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    for path in staging.iterdir():
-        durable.fsync(path)
     return config
 
 

@@ -9,17 +9,16 @@ positions the run trained on, with the batch shape the run directory records now
 
 from __future__ import annotations
 
-import contextlib
+import io
 import json
 import math
-import os
 import sys
 import warnings
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
-from llm import rundir
+from llm import durable, rundir
 from llm.errors import UserError
 from llm.jsonl import jsonl_lines
 
@@ -155,20 +154,18 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
             ax.grid(alpha=0.3)
     fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncols=min(len(runs), LEGEND_COLUMNS),
                frameon=False)
-    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")  # renamed over `out` once whole
+    picture = io.BytesIO()
     try:
         with warnings.catch_warnings():  # numpy's overflow warnings on such values: the error below says it
             warnings.simplefilter("ignore", RuntimeWarning)
             fig.tight_layout(rect=(0, legend_height / height, 1, 1))  # the legend below every panel
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fig.savefig(partial, dpi=100, format=out.suffix[1:].lower())
-        os.replace(partial, out)
+            fig.savefig(picture, dpi=100, format=out.suffix[1:].lower())
+        out.parent.mkdir(parents=True, exist_ok=True)
+        durable.write_bytes(out, picture.getvalue())  # a failed write leaves the earlier picture
     except OSError as exc:
         raise UserError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
     except (ValueError, OverflowError) as exc:  # e.g. values too far apart for an axis
         raise UserError(f"cannot draw these metrics ({exc}); are the runs' metrics.jsonl files intact?") from None
     finally:
         plt.close("all")
-        with contextlib.suppress(OSError):
-            partial.unlink(missing_ok=True)
     return out

@@ -269,6 +269,39 @@ def test_durable_text_that_runs_out_of_room_leaves_the_old_file_and_no_temporary
     assert durable.out_of_room(error.value) == FILE_SIZE_LIMIT
 
 
+def _tree(folder: Path) -> dict[str, bytes | None]:
+    """Every path under `folder` with its content (None: a folder)."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_a_failure_inside_a_staged_folder_leaves_the_target_as_it_was_and_no_staging(tmp_path, replace):
+    target = tmp_path / "target"
+    if replace:
+        (target / "sub").mkdir(parents=True)
+        (target / "sub" / "a").write_text("old")
+    before = _tree(tmp_path)
+    with pytest.raises(KeyboardInterrupt), durable.staged_folder(target, replace) as staging:
+        staging.mkdir()
+        (staging / "a").write_text("new")
+        raise KeyboardInterrupt  # killed while filling it
+    assert _tree(tmp_path) == before
+
+
+def test_a_staged_folder_with_replace_swaps_the_whole_old_folder_for_the_new(tmp_path):
+    target = tmp_path / "target"
+    (target / "sub").mkdir(parents=True)
+    (target / "sub" / "a").write_text("old")
+    (target / "b").write_text("old")
+    for leftover in (".target.partial", ".target.old"):  # of a crash: removed
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "b").write_text("left over")
+    with durable.staged_folder(target, replace=True) as staging:
+        staging.mkdir()
+        (staging / "c").write_text("new")
+    assert _tree(tmp_path) == {"target": None, "target/c": b"new"}
+
+
 # ---- item 2: completeness and fallback -------------------------------------------------------------------------
 
 def test_the_manifest_lists_every_file_with_its_size(one_rank_group, tmp_path):
