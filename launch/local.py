@@ -5,7 +5,8 @@ LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): going throu
 launcher would start two more interpreters, each importing DeepSpeed, before the first rank starts. The behaviour
 is the per-node launcher's, with stop signals handled the way `zerollm launch` handles them:
 
-- SIGTERM/SIGINT to this process is forwarded to every rank: they agree to stop, save a checkpoint and exit 75;
+- SIGTERM/SIGINT to this process is forwarded to every rank: they agree to stop, save a checkpoint and exit 75; a
+  second one stops them at once, and the job exits 128 + the signal this process was sent last (130 for Ctrl-C);
 - when a rank fails, the others are sent SIGTERM and killed after GRACE_S; the job's exit code is the first
   failing rank's, or 76 (EXIT_RANK_LOST) where that rank was ended by a signal (SIGKILL from the kernel's OOM
   killer, a segfault), which is named in one line;
@@ -72,6 +73,10 @@ def _signal_all(ranks: list[subprocess.Popen], signum: int) -> None:
                 rank.send_signal(signum)
 
 
+STOPPED_AT_ONCE = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+"""The exit codes of a rank a second stop request ended at once (`llm.runtime.preemption`)."""
+
+
 def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S) -> int:
     """Wait for every rank; the job's exit code (module docstring). Forwards SIGTERM/SIGINT while waiting."""
     stopping = []  # a stop forwarded: a rank it ends before its handler is set is not a lost rank
@@ -99,6 +104,8 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S) -> i
             signal.signal(s, handler)
     if failure is None:
         failure = first_failure() or 0
+    if stopping and failure in STOPPED_AT_ONCE:  # a rank ends by whichever copy of the second stop it reads first
+        failure = 128 + stopping[-1]  # (the terminal's SIGINT or the SIGTERM forwarded here): said as it was sent
     return exit_code(failure)
 
 

@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -371,6 +372,22 @@ def test_nproc_ends_the_job_when_any_rank_fails_not_only_the_first():
              subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])]
     assert wait_for_ranks(ranks) == 3
     assert ranks[0].returncode == -signal.SIGTERM  # the others are stopped at the first failure
+
+
+def test_a_job_stopped_at_once_by_ctrl_c_exits_130_whichever_copy_its_ranks_read(tmp_path):
+    """Each rank gets a Ctrl-C twice (the terminal's SIGINT, and the SIGTERM this process forwards) and ends by the
+    first it reads: on a loaded machine a rank read the forwarded SIGTERM first, and the job exited 143 for a Ctrl-C.
+    Here the ranks read only the SIGTERM."""
+    ready = [tmp_path / f"{i}.ready" for i in range(2)]
+    rank = ("import os, pathlib, signal, sys, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))\n"
+            "pathlib.Path(sys.argv[1]).touch()\ntime.sleep(20)\n")
+    ranks = [subprocess.Popen([sys.executable, "-c", rank, path]) for path in ready]
+    while not all(path.exists() for path in ready):
+        time.sleep(0.01)
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    assert wait_for_ranks(ranks) == 128 + signal.SIGINT
+    assert [r.returncode for r in ranks] == [128 + signal.SIGTERM] * 2
 
 
 def test_nproc_names_a_rank_a_signal_ended_and_exits_76(capfd):
