@@ -383,8 +383,8 @@ def test_a_job_stopped_at_once_by_ctrl_c_exits_130_whichever_copy_its_ranks_read
             "signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))\n"
             "pathlib.Path(sys.argv[1]).touch()\ntime.sleep(20)\n")
     ranks = [subprocess.Popen([sys.executable, "-c", rank, path]) for path in ready]
-    while not all(path.exists() for path in ready):
-        time.sleep(0.01)
+    for path in ready:
+        _wait_for(path)
     threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
     assert wait_for_ranks(ranks) == 128 + signal.SIGINT
     assert [r.returncode for r in ranks] == [128 + signal.SIGTERM] * 2
@@ -684,6 +684,22 @@ def test_a_rank_a_signal_ends_under_deepspeeds_launcher_is_said_and_exits_76(tmp
     plan = Plan(command, [str(tmp_path)], files={"hostfile": "localhost slots=2\n"})
     assert run_plan(plan, tmp_path / "run") == EXIT_RANK_LOST
     assert _lost_rank_line("a rank") in capfd.readouterr().err.splitlines()
+
+
+def test_a_launch_stopped_at_once_by_a_second_ctrl_c_exits_130(tmp_path):
+    """The ranks are sent SIGTERM for each stop `zerollm launch` is given (its launcher runs in a session of its own),
+    so a second Ctrl-C ended the job with their 143."""
+    ready = tmp_path / "ready"
+    launcher = ("import os, pathlib, signal, sys, time\n"  # DeepSpeed's launcher passes the rank's code on
+                "signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))\n"
+                f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(20)\n")
+    threading.Thread(target=lambda: (_wait_for(ready), os.kill(os.getpid(), signal.SIGINT)), daemon=True).start()
+    assert run_plan(Plan([sys.executable, "-c", launcher], []), tmp_path / "run") == 128 + signal.SIGINT
+
+
+def _wait_for(path: Path) -> None:
+    while not path.exists():
+        time.sleep(0.01)
 
 
 def test_a_rank_a_signal_ends_under_torchrun_is_named_and_exits_76(tmp_path):
