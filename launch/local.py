@@ -73,8 +73,9 @@ def _signal_all(ranks: list[subprocess.Popen], signum: int) -> None:
                 rank.send_signal(signum)
 
 
-STOPPED_AT_ONCE = (128 + signal.SIGINT, 128 + signal.SIGTERM)
-"""The exit codes of a rank a second stop request ended at once (`llm.runtime.preemption`)."""
+STOPPED_AT_ONCE = (128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM)
+"""The return codes of a rank a second stop request ended at once (`llm.runtime.preemption`), or a stop request
+before its handlers were set (still importing)."""
 
 
 def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S) -> int:

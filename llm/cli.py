@@ -562,10 +562,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   generator.prompt_ids(args.prompt))
     except ValueError as exc:  # text that is not UTF-8
         raise UserError(f"--prompt: {exc}") from None
-    context = generator.model.cfg.max_seq_len
-    if len(prompt) + params.max_new_tokens > context:
-        raise UserError(f"the prompt ({len(prompt)} tokens) and --max-new-tokens {params.max_new_tokens} do not fit "
-                        f"in the model's context ({context} tokens): lower --max-new-tokens or shorten the prompt")
+    if (problem := generator.room_problem(len(prompt), params.max_new_tokens)) is not None:
+        fits_alone = len(prompt) < generator.model.cfg.max_seq_len
+        raise UserError(f"{problem.replace('max_new_tokens', '--max-new-tokens')}: "
+                        f"{'lower --max-new-tokens or ' if fits_alone else ''}shorten the prompt")
 
     def write() -> None:
         for piece in generator.stream(prompt, params):
@@ -581,10 +581,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     session = ChatSession(_generator(args), _sampling(args), system=args.system)
     if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 is refused, not a crash losing the chat
         sys.stdin.reconfigure(errors="surrogateescape")
-    if sys.stdin.isatty():
+    interactive = sys.stdin.isatty()
+    if interactive:
         import readline  # noqa: F401, PLC0415 - input() then edits the line (arrows, history), as in a shell
 
-    return _to_stdout(lambda: chat_repl(session))
+    return _to_stdout(lambda: chat_repl(session, interactive=interactive))
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -104,13 +104,15 @@ def staged_folder(target: Path, replace: bool = False) -> Iterator[Path]:
             if path.is_file():
                 fsync(path)
         fsync(partial)
+        if replace and target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+        os.replace(partial, target)
     except BaseException:
+        if replace and old.exists() and not target.exists():  # the new one could not be renamed in
+            os.replace(old, target)
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    if replace and target.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-    os.replace(partial, target)
     fsync(target.parent)
     if replace:
         shutil.rmtree(old, ignore_errors=True)

@@ -44,9 +44,9 @@ def _reader(lines: list) -> Callable[[str], str]:
     return read
 
 
-def _repl(session: ChatSession, lines: list) -> str:
+def _repl(session: ChatSession, lines: list, interactive: bool = False) -> str:
     out = io.StringIO()
-    chat_repl(session, read=_reader(lines), out=out)
+    chat_repl(session, read=_reader(lines), out=out, interactive=interactive)
     return out.getvalue()
 
 
@@ -103,12 +103,15 @@ def test_the_commands_and_ctrl_d(generator):
     assert session.system is None and session.messages == []
 
 
-def test_ctrl_c_at_the_prompt_clears_the_line_and_the_chat_goes_on(generator):
-    """It ended the session (exit 130), the conversation lost."""
+def test_ctrl_c_at_a_terminals_prompt_clears_the_line_and_the_chat_goes_on(generator):
+    """It ended the session (exit 130), the conversation lost. A chat reading a pipe still ends."""
     session = ChatSession(generator, SamplingParams(max_new_tokens=4))
-    out = _repl(session, [KeyboardInterrupt, "hello"])
+    out = _repl(session, [KeyboardInterrupt, "hello"], interactive=True)
     assert out.startswith(f"{HELP}\n\n(Ctrl-D or /quit ends the chat)\nassistant> ")
     assert [m["content"] for m in session.messages if m["role"] == "user"] == ["hello"]
+    with pytest.raises(KeyboardInterrupt):
+        _repl(session, ["again", KeyboardInterrupt, "never sent"])
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == ["hello", "again"]
 
 
 class InterruptedOnce(io.StringIO):

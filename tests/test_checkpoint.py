@@ -288,6 +288,28 @@ def test_a_failure_inside_a_staged_folder_leaves_the_target_as_it_was_and_no_sta
     assert _tree(tmp_path) == before
 
 
+def test_a_staged_folder_that_cannot_be_renamed_in_leaves_the_target_as_it_was(tmp_path, monkeypatch):
+    (tmp_path / "source").mkdir()
+    (tmp_path / "source" / "a").write_text("new")
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "a").write_text("old")
+    before = _tree(tmp_path)
+    with pytest.raises(OSError):  # a folder is there: copy_folder's target must not exist
+        durable.copy_folder(tmp_path / "source", tmp_path / "target")
+    assert _tree(tmp_path) == before  # the complete staging folder was left beside it
+    rename = os.replace
+
+    def fails_into_target(source, target) -> None:  # the staging folder's rename only
+        if Path(source).name == ".target.partial":
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        rename(source, target)
+
+    monkeypatch.setattr(durable.os, "replace", fails_into_target)
+    with pytest.raises(OSError), durable.staged_folder(tmp_path / "target", replace=True) as staging:
+        staging.mkdir()
+    assert _tree(tmp_path) == before  # the earlier folder, moved aside, is back
+
+
 def test_a_staged_folder_with_replace_swaps_the_whole_old_folder_for_the_new(tmp_path):
     target = tmp_path / "target"
     (target / "sub").mkdir(parents=True)

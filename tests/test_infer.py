@@ -368,8 +368,8 @@ def test_a_prompt_or_stop_string_that_is_not_utf8_is_one_line_naming_the_option(
     assert capsys.readouterr().err == ("zerollm: error: --prompt: the text is not valid Unicode: it holds the byte "
                                        "0xff, which is not UTF-8 (is the terminal or the file in another encoding?)\n")
     assert zerollm_here(monkeypatch, "generate", "--model", exported, *chat, "--prompt", "hi", "--stop", text) == 2
-    assert capsys.readouterr().err.startswith("zerollm: error: --stop must be strings that are not empty, in valid "
-                                              "Unicode (a command line's bytes that are not UTF-8 are not), got [")
+    assert capsys.readouterr().err.startswith("zerollm: error: --stop must be strings that are not empty, of valid "
+                                              "Unicode, got [")
 
 
 def test_a_prompt_that_leaves_no_room_says_what_to_change(exported, monkeypatch, capsys):
@@ -380,6 +380,10 @@ def test_a_prompt_that_leaves_no_room_says_what_to_change(exported, monkeypatch,
     assert re.fullmatch(rf"zerollm: error: the prompt \(\d+ tokens\) and --max-new-tokens {context} do not fit in the "
                         rf"model's context \({context} tokens\): lower --max-new-tokens or shorten the prompt\n",
                         capsys.readouterr().err)
+    assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "word " * context,
+                        "--max-new-tokens", 1) == 2  # fewer new tokens cannot help
+    assert re.fullmatch(r"zerollm: error: the prompt \(\d+ tokens\) and --max-new-tokens 1 do not fit in the model's "
+                        rf"context \({context} tokens\): shorten the prompt\n", capsys.readouterr().err)
 
 
 def test_an_empty_prompt_is_an_unconditional_sample(exported, generator, monkeypatch, capsys):

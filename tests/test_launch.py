@@ -385,7 +385,7 @@ def test_a_job_stopped_at_once_by_ctrl_c_exits_130_whichever_copy_its_ranks_read
     ranks = [subprocess.Popen([sys.executable, "-c", rank, path]) for path in ready]
     for path in ready:
         _wait_for(path)
-    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    _ctrl_c_once_handled()
     assert wait_for_ranks(ranks) == 128 + signal.SIGINT
     assert [r.returncode for r in ranks] == [128 + signal.SIGTERM] * 2
 
@@ -693,13 +693,30 @@ def test_a_launch_stopped_at_once_by_a_second_ctrl_c_exits_130(tmp_path):
     launcher = ("import os, pathlib, signal, sys, time\n"  # DeepSpeed's launcher passes the rank's code on
                 "signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))\n"
                 f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(20)\n")
-    threading.Thread(target=lambda: (_wait_for(ready), os.kill(os.getpid(), signal.SIGINT)), daemon=True).start()
+    _ctrl_c_once_handled(after=ready)
     assert run_plan(Plan([sys.executable, "-c", launcher], []), tmp_path / "run") == 128 + signal.SIGINT
 
 
 def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + 60
     while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never came"
         time.sleep(0.01)
+
+
+def _ctrl_c_once_handled(after: Path | None = None) -> None:
+    """Send this process a SIGINT (a Ctrl-C) once the code under test has set its own handler (and `after` exists):
+    pytest's own would end the whole session."""
+    pytest_handler = signal.getsignal(signal.SIGINT)
+
+    def interrupt() -> None:
+        if after is not None:
+            _wait_for(after)
+        while signal.getsignal(signal.SIGINT) is pytest_handler:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
 
 
 def test_a_rank_a_signal_ends_under_torchrun_is_named_and_exits_76(tmp_path):

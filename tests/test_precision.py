@@ -14,7 +14,7 @@ from forked_ranks import run_job
 
 from conftest import train_args
 from llm import rundir
-from llm.config import build_config
+from llm.config import ModelConfig, build_config
 from llm.errors import UserError
 from llm.runtime.distributed import DistInfo
 from llm.runtime.rank_env import free_port
@@ -191,3 +191,12 @@ def test_a_resumed_run_keeps_its_precision_and_refuses_another(pretrain_data, tm
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"ZeRO stage 2, {other}," in result.stdout and "resumed at step 1" in result.stdout
     assert rundir.recorded_config(run)["train"]["precision"] == other
+
+
+
+def test_attention_flops_count_the_heads_width_where_head_dim_is_set_apart_from_dim():
+    """Qwen3-0.6B's shape (dim 1024, 16 heads of 128): attention was counted at dim's width, and MFU read 22 % low."""
+    cfg = ModelConfig(vocab_size=1000, dim=1024, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=128, qk_norm=True)
+    params = cfg.parameter_count
+    attention = metrics.flops_per_token(cfg, params, 4096) - 6 * metrics.matmul_params_per_token(cfg, params)
+    assert attention == 12 * 2 * (16 * 128) * 4096

@@ -6,7 +6,7 @@ sends a line less its first `/` (`//reset` sends `/reset`).
 The history goes through the tokenizer's chat template to ids (what the user types stays text, even
 `<|im_start|>`); the oldest exchanges are dropped when the context is full, and a message that cannot
 fit at all is refused with a message while the conversation carries on. Ctrl-C during a reply stops it (the reply
-joins the history as far as it got); at the prompt it clears the line. Ctrl-D quits.
+joins the history as far as it got); at a terminal's prompt it clears the line. Ctrl-D quits.
 """
 
 from __future__ import annotations
@@ -87,7 +87,10 @@ class ChatSession:
             self.messages = messages + [{"role": "assistant", "content": "".join(pieces)}]
 
 
-def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: TextIO = sys.stdout) -> None:
+def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: TextIO = sys.stdout,
+              interactive: bool = False) -> None:
+    """Read lines with `read` and answer them on `out` until Ctrl-D or /quit. `interactive` (a person at a terminal):
+    Ctrl-C at the prompt clears the line; otherwise it ends the chat, as for any command reading a pipe."""
     def say(text: str, end: str = "\n") -> None:
         print(text, end=end, file=out, flush=True)
 
@@ -98,8 +101,10 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
         except EOFError:  # Ctrl-D: the shell's prompt goes on a line of its own
             say("")
             break
-        except KeyboardInterrupt:  # Ctrl-C at the prompt clears the line; the conversation goes on
-            say("\n(Ctrl-D or /quit ends the chat)")
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            say("\n(Ctrl-D or /quit ends the chat)")  # the line is cleared; the conversation goes on
             continue
         if not line:
             continue

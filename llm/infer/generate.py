@@ -83,9 +83,8 @@ class TextGenerator:
             raise ValueError("the prompt is empty: there is nothing to continue (a prompt needs at least one token)")
         ids, valid = self._left_pad(prompts)
         batch, total = ids.shape[0], ids.shape[1] + params.max_new_tokens
-        if total > self.model.cfg.max_seq_len:
-            raise ValueError(f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                             f"model.max_seq_len {self.model.cfg.max_seq_len}")
+        if (problem := self.room_problem(ids.shape[1], params.max_new_tokens)) is not None:
+            raise ValueError(problem)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -127,6 +126,14 @@ class TextGenerator:
         """Whether `token` is a special token (left out of the text, where no stop string can match it) that a stop
         string names: `stop=["<|im_start|>"]` ends a reply where the model would open a turn."""
         return bool(stop) and self.tokenizer.token(token) in stop and not self.text([token])
+
+    def room_problem(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """Why a prompt of `prompt_tokens` and `max_new_tokens` do not fit in the model's context, or None."""
+        context = self.model.cfg.max_seq_len
+        if prompt_tokens + max_new_tokens <= context:
+            return None
+        return (f"the prompt ({prompt_tokens} tokens) and max_new_tokens {max_new_tokens} do not fit in the model's "
+                f"context ({context} tokens)")
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """Ids of a prompt: token ids as they are, or text to continue (`text_prompt_ids`). Empty ids stay empty

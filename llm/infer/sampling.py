@@ -18,8 +18,8 @@ class InvalidSampling(ValueError):
 
 
 def _is_unicode(text: str) -> bool:
-    """Whether `text` holds no lone surrogate (what Python makes of bytes in argv that are not UTF-8): such a stop
-    string could never match generated text."""
+    """Whether `text` holds no lone surrogate (what Python makes of a command line's bytes that are not UTF-8): such
+    a stop string could never match generated text."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -35,7 +35,7 @@ SAMPLING_RANGES = {
     "repetition_penalty": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     "seed": (lambda v: v is None or 0 <= v < 2**63, "an integer in [0, 2**63)"),
     "stop": (lambda v: "" not in v and all(_is_unicode(s) for s in v),
-             "strings that are not empty, in valid Unicode (a command line's bytes that are not UTF-8 are not)"),
+             "strings that are not empty, of valid Unicode"),
 }
 """Each SamplingParams field's check, and what it must be, for the message."""
 

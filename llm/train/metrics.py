@@ -1,7 +1,7 @@
 """Training metrics: throughput, MFU, memory, and where logged steps go (`metrics.jsonl`, wandb, the console).
 
 MFU = achieved model FLOP/s / peak FLOP/s, with model FLOPs per token = 6 * (matmul parameters
-active per token) + 12 * n_layers * dim * seq_len (attention scores), as in the PaLM paper.
+active per token) + 12 * n_layers * n_heads * head_dim * seq_len (attention scores), as in the PaLM paper.
 The peak is `train.peak_tflops` when given, a table entry for known GPUs (dense bf16), and on CPU
 the best measured rate of square matmuls (up to 1024^3, or to the first that takes 20 ms
 without beating the size before: `measure_peak_flops`) in the training dtype on
@@ -43,7 +43,8 @@ def matmul_params_per_token(cfg: ModelConfig, total_params: int) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, total_params: int, seq_len: int) -> float:
-    return 6.0 * matmul_params_per_token(cfg, total_params) + 12.0 * cfg.n_layers * cfg.dim * seq_len
+    attention_width = cfg.n_heads * cfg.attention_head_dim  # dim, unless head_dim is set apart from it
+    return 6.0 * matmul_params_per_token(cfg, total_params) + 12.0 * cfg.n_layers * attention_width * seq_len
 
 
 GROWING = 1.1
