@@ -100,9 +100,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", required=True, help="packaged recipe name or YAML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a run-config key, e.g. --set train.lr=1e-3 (repeatable)")
-    p.add_argument("--deepspeed", default=None, metavar="JSON",
+    p.add_argument("--deepspeed", "--deepspeed_config", default=None, metavar="JSON",
                    help="DeepSpeed config: a JSON file, or a shipped one by name (pretrain_zero3, ...; default: the "
-                        "stage's, ds_configs/<stage>.json); 'auto' values come from the run config")
+                        "stage's, ds_configs/<stage>.json); 'auto' values come from the run config. "
+                        "--deepspeed_config is DeepSpeed's own name for it")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="override zero_optimization.stage of the DeepSpeed config")
     p.add_argument("--nproc", type=ranks_on_this_machine, default=1,

@@ -142,3 +142,12 @@ def test_help_of_every_input_option_names_what_the_readers_read(monkeypatch, cap
             assert suffix in text, (command, suffix)
     assert "(default pretrain)" in _help(monkeypatch, capsys, "data", "prepare")
     assert "/quit (or /exit)" in _help(monkeypatch, capsys, "chat")
+
+
+def test_deepspeeds_own_option_name_gives_the_config():
+    """`--deepspeed_config ds.json`, as DeepSpeed's scripts take it, was "unrecognized arguments"."""
+    from llm.cli import build_parser
+
+    args = build_parser().parse_args(["train", "pretrain", "--recipe", "demo", "--data", "d", "--out", "o",
+                                      "--deepspeed_config", "ds.json"])
+    assert args.deepspeed == "ds.json"
