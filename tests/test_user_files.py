@@ -32,8 +32,11 @@ def resolved(change: dict, precision: str = "fp32") -> dict:
     (b'{"steps_per_print": "\xff"}', r"bad.json: not UTF-8 \(byte 0xff at offset 21\); save the DeepSpeed config as "
                                     "UTF-8 JSON$"),
     (b"[" * 100_000, r"bad.json: invalid JSON \(nested too deeply\)$"),
+    # Hjson read these as {}: the run trained at ZeRO 0, not at the stage's own config
+    *[(empty, r"bad.json: is empty; give the DeepSpeed settings as a JSON object, or leave --deepspeed out for the "
+              r"stage's own \(pretrain\)$") for empty in (b"", b"  \n\t\n", b"// to do\n# later\n/* { } */\n")],
 ])
-def test_deepspeed_config_that_is_not_utf8_or_nested_too_deeply_is_refused(tmp_path, content, message):
+def test_deepspeed_config_that_is_not_utf8_nested_too_deeply_or_empty_is_refused(tmp_path, content, message):
     bad = tmp_path / "bad.json"
     bad.write_bytes(content)
     with pytest.raises(UserError, match=message):
@@ -46,6 +49,8 @@ def test_ds_config_file_is_read_as_deepspeed_reads_it(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{\n  // ZeRO-2\n  "zero_optimization": {"stage": 2,},\n  /* note */ "bf16": {"enabled": "auto"},}')
     assert load_ds_config(path, "pretrain")[0] == {"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}
+    path.write_text("// nothing but\n{}")  # an empty object, as written: taken
+    assert load_ds_config(path, "pretrain")[0] == {}
     path.write_text('{"zero_optimization": {"stage": 3, "stage": 1}}')
     with pytest.raises(UserError, match=f"^{path}: invalid JSON \\(the key 'stage' is given twice in one object\\)$"):
         load_ds_config(path, "pretrain")
@@ -66,7 +71,7 @@ def test_ds_config_file_is_read_as_deepspeed_reads_it(tmp_path):
 def test_ds_config_fills_only_the_parameters_the_optimizer_takes(optimizer, kind, offload):
     ds = resolved({"optimizer": {"type": optimizer, "params": {"lr": "auto", "betas": "auto", "eps": "auto",
                                                                "weight_decay": "auto", "torch_adam": True}},
-                   "zero_allow_untested_optimizer": True})
+                   "zero_optimization": {"stage": 0}})  # no ZeRO: torch's Adagrad fails under it
     params = ds["optimizer"]["params"]
     cfg = build_config("demo").train
     assert params["lr"] == cfg.lr and params["weight_decay"] == cfg.weight_decay
@@ -129,9 +134,46 @@ def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(op
      "(it needs libaio: e.g. apt install libaio-dev); offload to \"cpu\" instead"),  # a RuntimeError
     ({"data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {"enabled": True}}}},
      "x.json: 'data_efficiency' needs DeepSpeed's own data loader and layers"),  # a KeyError
-    # silently ignored: nothing calls deepspeed.checkpointing
+    ({"wandb": {"enabled": True, "project": "x"}}, "x.json: 'wandb' is not for zerollm: DeepSpeed's wandb monitor "
+     "fails where wandb has no API key, and zerollm logs the run to wandb itself (--wandb online or offline); remove "
+     "the section or set its 'enabled' to false"),  # a UsageError without an API key
+    ({"prescale_gradients": True}, "x.json: 'prescale_gradients' is true, which DeepSpeed's ZeRO-2 does not support "
+     "with reduce_scatter; remove it, or set zero_optimization.reduce_scatter to false"),  # AssertionErrors
+    ({"gradient_predivide_factor": 2.0}, "x.json: 'gradient_predivide_factor' is 2.0, which DeepSpeed's ZeRO-2 does "
+     "not support with reduce_scatter; remove it, or set zero_optimization.reduce_scatter to false"),
+    ({"sequence_parallel_size": 2}, "x.json: 'sequence_parallel_size' is 2, but zerollm's model has no sequence "
+     "parallelism; remove it (each rank trains on whole sequences)"),  # an AssertionError
+    ({"compile": {"enabled": True}}, "x.json: 'compile' would not apply: zerollm never calls DeepSpeed's "
+     "engine.compile(); remove the section"),  # a ValidationError
+    ({"optimizer": {"type": "Adagrad", "params": {}}}, "x.json: 'optimizer.type' Adagrad is torch's Adagrad, which "
+     "DeepSpeed's ZeRO (stage 2) fails on; set zero_optimization.stage to 0, or offload_optimizer to the cpu "
+     "(DeepSpeed's CPU Adagrad)"),  # an IndexError at the first step
+    ({"checkpoint": {"load_universal": True}}, "x.json: 'checkpoint.load_universal' makes a resume from zerollm's own "
+     "checkpoints fail; remove it (zerollm converts a checkpoint to universal itself when the number of ranks "
+     "changes)"),  # an AssertionError on resuming
+    ({"autotuning": {"enabled": True}}, "x.json: 'autotuning' is not for zerollm: DeepSpeed would end the run after "
+     "its profiling steps, without a checkpoint (zerollm bench train measures throughput); remove the section or set "
+     "its 'enabled' to false"),  # the run ended early with exit status 0
+    # silently ignored: nothing calls deepspeed.checkpointing, engine.compile() or deepspeed.comm.log_summary()
     ({"activation_checkpointing": {"partition_activations": True}}, "x.json: 'activation_checkpointing' would not "
      "apply: zerollm's model does not checkpoint activations through DeepSpeed; remove the section"),
+    ({"compile": {"deepcompile": True}}, "x.json: 'compile' would not apply"),
+    ({"comms_logger": {"enabled": True, "prof_all": True}}, "x.json: 'comms_logger' is not for zerollm: zerollm "
+     "never prints DeepSpeed's communication summary; remove the section or set its 'enabled' to false"),
+    # ignored by the stage: the run trained without offloading
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "x.json: "
+     "'zero_optimization.offload_param' does nothing at ZeRO stage 2: DeepSpeed offloads there from stage 3 on; "
+     "remove it or raise the stage"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "x.json: "
+     "'zero_optimization.offload_optimizer' does nothing at ZeRO stage 0: DeepSpeed offloads there from stage 1 on; "
+     "remove it or raise the stage"),
+    # misspelt: DeepSpeed ignores a key it does not know
+    ({"schedular": {"type": "WarmupLR", "params": {}}}, "x.json: 'schedular' is not a setting DeepSpeed knows (it "
+     "would ignore it); did you mean 'scheduler'? Correct its name"),
+    ({"zero_optimisation": {"stage": 3}}, "x.json: 'zero_optimisation' is not a setting DeepSpeed knows (it would "
+     "ignore it); did you mean 'zero_optimization'? Correct its name"),
+    ({"gradient_clippin": 1.0}, "x.json: 'gradient_clippin' is not a setting DeepSpeed knows (it would ignore it); "
+     "did you mean 'gradient_clipping'? Correct its name"),
 ])
 def test_ds_config_deepspeed_would_fail_on_is_one_line(monkeypatch, change, message):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)  # tensorboard, mup: not here
@@ -139,6 +181,29 @@ def test_ds_config_deepspeed_would_fail_on_is_one_line(monkeypatch, change, mess
     with pytest.raises(UserError) as raised:
         resolved(change)
     assert str(raised.value).startswith(message), str(raised.value)
+
+
+def test_ds_config_refusals_leave_what_applies_alone():
+    """What is near a refused setting but works is taken: a key DeepSpeed does not know and that is no near miss of
+    one it does (DeepSpeed ignores it: a note), offload where the stage does it, sections that ask for nothing."""
+    assert {"scheduler", "zero_optimization", "gradient_clipping", "vocabulary_size"} <= engine.deepspeed_keys()
+    ds = resolved({"comment": "mine", "vocabulary_size": 512, "compile": {"deepcompile": False}, "wandb": {
+        "enabled": False}, "comms_logger": {"enabled": False}, "sequence_parallel_size": 1, "prescale_gradients": False,
+        "gradient_predivide_factor": 1.0, "checkpoint": {"load_universal": False}})
+    assert ds["comment"] == "mine"
+    offloaded = {"stage": 1, "offload_optimizer": {"device": "cpu"}}
+    adagrad = {"type": "Adagrad", "params": {}}
+    assert resolved({"zero_optimization": offloaded, "optimizer": adagrad})["optimizer"]["type"] == "Adagrad"
+    assert resolved({"zero_optimization": {"stage": 0}, "optimizer": adagrad})["optimizer"]["type"] == "Adagrad"
+    assert resolved({"zero_optimization": {"stage": 2, "reduce_scatter": False}, "prescale_gradients": True})
+
+
+def test_ds_config_offload_that_the_zero_stage_option_makes_ignored_is_refused():
+    raw = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    with pytest.raises(UserError, match=r"^x.json: 'zero_optimization.offload_param' does nothing at ZeRO stage 1 "
+                                        r"\(--zero-stage\): DeepSpeed offloads there from stage 3 on; remove it or "
+                                        "raise the stage$"):
+        resolve_ds_config(raw, build_config("demo", ["train.precision=fp32"]), 1, "x.json", zero_stage=1)
 
 
 def test_ds_config_in_deepspeeds_older_words_means_what_it_says():

@@ -6,6 +6,7 @@ checking its values is `llm.train.engine.resolve_ds_config`'s, in every rank.
 """
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import hjson
 from llm.errors import UserError, read_user_json_object
 
 DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+COMMENTS = re.compile(r"#[^\n]*|//[^\n]*|/\*.*?\*/", re.DOTALL)
+"""Hjson's comments: what is left of a file without them is blank where Hjson reads the file as {}."""
 
 
 def shipped_names() -> list[str]:
@@ -23,7 +26,8 @@ def shipped_names() -> list[str]:
 def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any], str]:
     """The raw DeepSpeed JSON and its name for messages: `path`, or the shipped config a missing `path` names (a
     bare name, `pretrain_zero3`, or `ds_configs/pretrain_zero3.json` as the README writes it: found from any
-    directory); by default the stage's shipped one, ds_configs/<stage>.json."""
+    directory); by default the stage's shipped one, ds_configs/<stage>.json. A file with nothing but blanks and
+    comments is refused (Hjson reads it as {})."""
     if path is not None and not str(path).strip():  # `--deepspeed "$UNSET"` took the default silently
         raise UserError("--deepspeed is empty: give a JSON file or a shipped name, or leave the option out for the "
                         f"stage's own ({stage})")
@@ -36,7 +40,15 @@ def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any],
     if not path.is_file():
         raise UserError(f"{path}: DeepSpeed config not found (give a JSON file, or a shipped one by name: "
                         f"{', '.join(shipped_names())})")
-    return read_user_json_object(path, "DeepSpeed config", parse_as_deepspeed), str(path)
+
+    def parse(text: str) -> Any:
+        data = parse_as_deepspeed(text)
+        if data == {} and not COMMENTS.sub("", text).strip():  # Hjson's {}: ZeRO 0, not the stage's own config
+            raise UserError(f"{path}: is empty; give the DeepSpeed settings as a JSON object, or leave --deepspeed "
+                            f"out for the stage's own ({stage})")
+        return data
+
+    return read_user_json_object(path, "DeepSpeed config", parse), str(path)
 
 
 def _refuse_keys_given_twice(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

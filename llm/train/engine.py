@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
+import functools
 import importlib.util
 import inspect
 import io
@@ -95,8 +97,10 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     does not take (the run config fills only those it takes: no betas for SGD), a zero_optimization section
     DeepSpeed's model refuses, sections of removed features or of monitors whose package is missing
     (`_refuse_removed_features`) and steps_per_print below 1 (DeepSpeed would fail on those in every rank with a
-    traceback). "bfloat16", bf16's older name, is read as "bf16"; ZeRO sizes left "auto" as Hugging Face's
-    configs leave them are filled from the model's width (`WIDTH_SIZES`)."""
+    traceback); also a top-level key that is a near miss of one DeepSpeed knows (`_refuse_misspelt_keys`), sections
+    zerollm would not act on (`_refuse_unused_features`) and what the ZeRO stage ignores or fails on
+    (`_refuse_ignored_by_stage`). "bfloat16", bf16's older name, is read as "bf16"; ZeRO sizes left "auto" as
+    Hugging Face's configs leave them are filled from the model's width (`WIDTH_SIZES`)."""
     ds = copy.deepcopy(raw)
     t = cfg.train
 
@@ -108,6 +112,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
         if "bf16" in ds:
             raise UserError(f"{source}: give one of 'bf16' and 'bfloat16' (its older name), not both")
         ds["bf16"] = ds.pop("bfloat16")
+    _refuse_misspelt_keys(ds, source)
     _refuse_removed_features(ds, source)
     _refuse_unused_features(ds, source)
     for section in ("bf16", "fp16", "optimizer", "zero_optimization"):  # the sections read or filled below
@@ -164,6 +169,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
             ds["zero_optimization"][key] = size(cfg.model.dim)
     zero = _zero_config(ds.get("zero_optimization", {}), source)
     _refuse_unusable_nvme(zero, source)
+    _refuse_ignored_by_stage(ds, zero, stage, source, " (--zero-stage)" if zero_stage is not None else "")
     optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
     params = optimizer.setdefault("params", {})
     offload = zero.offload_optimizer is not None and zero.offload_optimizer.device != OffloadDeviceEnum.none
@@ -244,22 +250,77 @@ def _optimizer_class(name: str, params: dict[str, Any], offload: bool, source: s
 
 
 def _refuse_unbuildable(name: str, cls: type | None, stage: int, ds: dict[str, Any], source: str) -> None:
-    """Refuse an optimizer DeepSpeed would fail to build in every rank: a fused kernel this accelerator has none of
-    (Lamb and Lion on a CPU), or one DeepSpeed calls untested under ZeRO unless the config allows it."""
+    """Refuse an optimizer DeepSpeed would fail to build or step in every rank: a fused kernel this accelerator has
+    none of (Lamb and Lion on a CPU), torch's Adagrad under ZeRO, or one DeepSpeed calls untested under ZeRO unless
+    the config allows it."""
     if cls in (deepspeed.ops.lamb.FusedLamb, deepspeed.ops.lion.FusedLion) and \
             deepspeed.get_accelerator().device_name() == "cpu":
         offload = " (or offload_optimizer to the cpu, which has DeepSpeed's CPU Lion)" if cls.__name__ == "FusedLion" \
             else ""
         raise UserError(f"{source}: 'optimizer.type' {name} is DeepSpeed's {cls.__name__}, which has no CPU kernel; "
                         f"choose another optimizer{offload}")
+    if cls is torch.optim.Adagrad and stage > 0:  # an IndexError in every rank at the first step
+        raise UserError(f"{source}: 'optimizer.type' {name} is torch's Adagrad, which DeepSpeed's ZeRO (stage {stage}) "
+                        "fails on; set zero_optimization.stage to 0, or offload_optimizer to the cpu (DeepSpeed's CPU "
+                        "Adagrad)")
     if cls is not None and stage > 0 and cls not in ZERO_SUPPORTED_OPTIMIZERS and \
             not ds.get("zero_allow_untested_optimizer"):
         raise UserError(f"{source}: DeepSpeed calls {name} untested under ZeRO (stage {stage}); add "
                         "\"zero_allow_untested_optimizer\": true to use it anyway, or set zero_optimization.stage to 0")
 
 
-MONITOR_PACKAGES = {"tensorboard": "tensorboard", "comet": "comet_ml", "wandb": "wandb"}
+MONITOR_PACKAGES = {"tensorboard": "tensorboard", "comet": "comet_ml"}
 """DeepSpeed's monitor sections and the package each needs (DeepSpeed imports it as the engine is built)."""
+
+
+@functools.cache
+def deepspeed_keys() -> frozenset[str]:
+    """The top-level keys DeepSpeed reads from a config: those `DeepSpeedConfig` looks up while it reads an empty one
+    and checks it for warnings (recorded as it looks), those of the features it has removed (it refuses them by
+    name) and the two that `deepspeed.initialize` reads itself."""
+
+    class Recorder(dict):
+        def __init__(self):
+            super().__init__()
+            self.asked: set[str] = set()
+
+        def __bool__(self) -> bool:  # `if param_dict and KEY in param_dict.keys()`
+            return True
+
+        def __contains__(self, key) -> bool:
+            self.asked.add(key)
+            return False
+
+        def get(self, key, default=None):
+            self.asked.add(key)
+            return default
+
+        def keys(self):
+            return self
+
+    recorder = Recorder()
+    config = deepspeed.runtime.config
+    reader = config.DeepSpeedConfig.__new__(config.DeepSpeedConfig)
+    reader._param_dict = recorder
+    try:  # DeepSpeed's private readers: another DeepSpeed may read otherwise, and then no near miss is refused
+        reader._initialize_params(recorder)
+        reader._do_warning_check()  # vocabulary_size
+    except (AttributeError, TypeError):
+        return frozenset()
+    removed = getattr(config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {})  # in DeepSpeed >= 0.18
+    return frozenset(recorder.asked | set(removed) | {"sequence_parallel_size", "data_parallel_size"})
+
+
+def _refuse_misspelt_keys(ds: dict[str, Any], source: str) -> None:
+    """Refuse a top-level key DeepSpeed does not know that is a near miss of one it does (`schedular`,
+    `zero_optimisation`): DeepSpeed ignores it, so the run went on without the setting. Other unknown keys (a
+    "comment", a tool's own) are left alone, as DeepSpeed leaves them."""
+    for key in ds:
+        if key not in deepspeed_keys():
+            match = difflib.get_close_matches(key, deepspeed_keys(), n=1, cutoff=0.85)
+            if match:
+                raise UserError(f"{source}: '{key}' is not a setting DeepSpeed knows (it would ignore it); did you "
+                                f"mean '{match[0]}'? Correct its name")
 
 
 def _refuse_removed_features(ds: dict[str, Any], source: str) -> None:
@@ -279,9 +340,15 @@ def _refuse_removed_features(ds: dict[str, Any], source: str) -> None:
 
 
 def _refuse_unused_features(ds: dict[str, Any], source: str) -> None:
-    """Refuse a section asking for what DeepSpeed does only through a model or data loader of its own: activation
-    checkpointing (the model calls deepspeed.checkpointing: ours does not, so the section was silently ignored) and
-    data efficiency (DeepSpeed's curriculum sampler and random-LTD layers: a KeyError traceback in every rank)."""
+    """Refuse a section asking for what DeepSpeed does only through a model, data loader or call of its own, or what
+    zerollm does itself: activation checkpointing (the model calls deepspeed.checkpointing: ours does not, so the
+    section was silently ignored), data efficiency (DeepSpeed's curriculum sampler and random-LTD layers: a KeyError
+    traceback in every rank), sequence parallelism (an AssertionError), compile (only `engine.compile()` reads it;
+    keys its model refuses were a ValidationError traceback), the comms logger (only `deepspeed.comm.log_summary()`
+    prints it), autotuning (DeepSpeed exits after its profiling steps: the run ended early, with exit status 0 and no
+    checkpoint), DeepSpeed's wandb monitor (a UsageError traceback where wandb has no API key; `--wandb` logs the
+    run) and loading universal checkpoints (zerollm converts to one itself when the rank count changes; the key made
+    a normal resume fail)."""
     checkpointing = ds.get("activation_checkpointing")
     if isinstance(checkpointing, dict) and any(checkpointing.values()):
         raise UserError(f"{source}: 'activation_checkpointing' would not apply: zerollm's model does not checkpoint "
@@ -291,6 +358,54 @@ def _refuse_unused_features(ds: dict[str, Any], source: str) -> None:
     if isinstance(efficiency, dict) and efficiency.get("enabled"):
         raise UserError(f"{source}: 'data_efficiency' needs DeepSpeed's own data loader and layers; zerollm feeds "
                         "its own batches and model, so remove the section or set its 'enabled' to false")
+    if ds.get("sequence_parallel_size", 1) != 1:
+        raise UserError(f"{source}: 'sequence_parallel_size' is {json.dumps(ds['sequence_parallel_size'])[:60]}, but "
+                        "zerollm's model has no sequence parallelism; remove it (each rank trains on whole sequences)")
+    compiling = ds.get("compile", {})
+    if not isinstance(compiling, dict) or any(compiling.values()) or not compiling.keys() <= _compile_keys():
+        raise UserError(f"{source}: 'compile' would not apply: zerollm never calls DeepSpeed's engine.compile(); "
+                        "remove the section")
+    for section, why in (("comms_logger", "zerollm never prints DeepSpeed's communication summary"),
+                         ("autotuning", "DeepSpeed would end the run after its profiling steps, without a checkpoint "
+                                        "(zerollm bench train measures throughput)"),
+                         ("wandb", "DeepSpeed's wandb monitor fails where wandb has no API key, and zerollm logs the "
+                                   "run to wandb itself (--wandb online or offline)")):
+        value = ds.get(section)
+        if isinstance(value, dict) and value.get("enabled"):
+            raise UserError(f"{source}: '{section}' is not for zerollm: {why}; remove the section or set its "
+                            "'enabled' to false")
+    checkpoint = ds.get("checkpoint")
+    if isinstance(checkpoint, dict) and checkpoint.get("load_universal"):
+        raise UserError(f"{source}: 'checkpoint.load_universal' makes a resume from zerollm's own checkpoints fail; "
+                        "remove it (zerollm converts a checkpoint to universal itself when the number of ranks "
+                        "changes)")
+
+
+def _compile_keys() -> set[str]:
+    """The keys DeepSpeed's compile section takes (none in a DeepSpeed without DeepCompile)."""
+    try:
+        from deepspeed.compile.config import CompileConfig  # noqa: PLC0415 - only where there is a compile section
+    except ImportError:
+        return set()
+    return set(CompileConfig.model_fields)
+
+
+def _refuse_ignored_by_stage(ds: dict[str, Any], zero, stage: int, source: str, set_by: str) -> None:
+    """Refuse what ZeRO stage `stage` (set by `set_by`: "" for the JSON) ignores, offload below the stage that
+    does it (the run trained without offloading), or fails on: ZeRO-2 with reduce_scatter takes neither prescaled
+    gradients nor a predivide factor (an AssertionError traceback in every rank)."""
+    for name, lowest in (("offload_param", 3), ("offload_optimizer", 1)):
+        offload = getattr(zero, name)
+        if stage < lowest and offload is not None and offload.device != OffloadDeviceEnum.none:
+            raise UserError(f"{source}: 'zero_optimization.{name}' does nothing at ZeRO stage {stage}{set_by}: "
+                            f"DeepSpeed offloads there from stage {lowest} on; remove it or raise the stage")
+    if stage == 2 and zero.reduce_scatter:
+        for key, asks in (("prescale_gradients", ds.get("prescale_gradients", False) is not False),
+                          ("gradient_predivide_factor", ds.get("gradient_predivide_factor", 1.0) != 1.0)):
+            if asks:
+                raise UserError(f"{source}: '{key}' is {json.dumps(ds[key])[:60]}, which DeepSpeed's ZeRO-2 does not "
+                                "support with reduce_scatter; remove it, or set zero_optimization.reduce_scatter to "
+                                "false")
 
 
 def async_io_builds() -> bool:
