@@ -414,7 +414,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
     tok = train_tokenizer(texts(), args.vocab_size, Path(args.out), args.min_frequency)
     print(f"tokenizer: {tok.vocab_size} tokens, hash {tok.hash}, written to {args.out}"
-          + (f" ({skipped} unusable records skipped)" if skipped else ""))
+          + (f" ({skipped} unusable record{'s' if skipped != 1 else ''} skipped)" if skipped else ""))
     if tok.vocab_size < args.vocab_size:
         print(f"note: {tok.vocab_size} tokens, not the {args.vocab_size} asked for: the text has no more pairs "
               f"seen at least {args.min_frequency} times (--min-frequency) to merge")
@@ -624,11 +624,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.out), steps=args.steps, nproc=args.nproc)
 
 
-def _refuse_given(options: tuple[tuple[str, object], ...], why: str) -> None:
-    """Refuse the options given (a value other than None) that do not apply, in one line ending with `why`."""
+def _refuse_given(options: tuple[tuple[str, object], ...], applies_to: str) -> None:
+    """Refuse the options given (a value other than None) that do not apply, in one line: they apply to
+    `applies_to`."""
     given = [option for option, value in options if value is not None]
     if given:
-        raise UserError(f"{', '.join(given)} {why}")
+        raise UserError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to {applies_to}")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -640,7 +641,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         _refuse_given((("--nproc", args.nproc > 1 or None), ("--stride", args.stride), ("--split", args.split),
                        ("--json", args.json or None)),
-                      "apply to --input/--data; --tasks runs in one process, prints the harness's table and saves its "
+                      "--input/--data; --tasks runs in one process, prints the harness's table and saves its "
                       "results (the .json in MODEL/eval, or --out)")
         run_tasks(args.model, parse_tasks(args.tasks), limit=args.limit, num_fewshot=args.num_fewshot,
                   include_path=args.include_path, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
@@ -649,7 +650,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from launch.local import relaunch_local, under_launcher
 
     _refuse_given((("--limit", args.limit), ("--num-fewshot", args.num_fewshot), ("--include-path", args.include_path),
-                   ("--out", args.out)), "apply to --tasks; --input and --data print their result")
+                   ("--out", args.out)), "--tasks; --input and --data print their result")
     if args.split is not None and args.data is None:
         raise UserError("--split applies to --data (a prepared split); --input scores every document of its files")
     if args.nproc > 1 and not under_launcher():

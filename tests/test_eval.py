@@ -425,7 +425,7 @@ def test_help_explains_the_new_commands(command):
     (["--input", "{file}", "--nproc", "0"], "argument --nproc: must be between 1 and 1024, got 0"),  # ran one rank
     (["--input", "{file}", "--limit", "5", "--out", "x"], "--limit, --out apply to --tasks"),  # silently ignored
     # silently ignored before:
-    (["--tasks", "my_task", "--json"], "--json apply to --input/--data; --tasks runs in one process"),
+    (["--tasks", "my_task", "--json"], "--json applies to --input/--data; --tasks runs in one process"),
     (["--tasks", "my_task", "--stride", "4", "--split", "train"], "--stride, --split apply to --input/--data"),
     (["--input", "{file}", "--split", "train"], "--split applies to --data (a prepared split)"),
     # lm-eval failed after loading everything (0: "check the tasks' YAML"; -1: an AttributeError traceback)

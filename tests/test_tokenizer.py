@@ -608,7 +608,7 @@ def test_tokenizer_train_skips_a_lone_surrogate_and_counts_it(tmp_path, monkeypa
     source.write_text('{"text": "bad \\ud800 x"}\n{"text": "good text"}\n')
     code = zerollm_here(monkeypatch, "tokenizer", "train", "--input", source, "--vocab-size", 300, "--out",
                         tmp_path / "tok")
-    assert code == 0 and "(1 unusable records skipped)" in capsys.readouterr().out
+    assert code == 0 and "(1 unusable record skipped)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("change, problem", [("unlink", "No such file or directory"),

@@ -213,7 +213,8 @@ def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | Non
     else:
         model, tokenizer, context, stride, stream, report, source = inputs_checked()
     if report is not None and report.skipped and rank == 0:
-        print(f"skipped {len(report.skipped)} unusable records:", file=sys.stderr)
+        count = len(report.skipped)
+        print(f"skipped {count} unusable record{'s' if count != 1 else ''}:", file=sys.stderr)
         for line in report.skipped:
             print(f"  {line}", file=sys.stderr)
     result = evaluate_stream(place(model, where, precision), tokenizer, stream, context, stride, batch_size, rank,
