@@ -7,6 +7,7 @@ exports are safetensors and JSON."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 from pathlib import Path
@@ -210,7 +211,13 @@ def initial_weights(cfg: ModelConfig, init_from: str, data_tokenizer_hash: str) 
     """Weights of a run or export directory, refused when its shape or tokenizer differs from this run's."""
     source, tokenizer_dir = load_model_dir(init_from)
     differing = [f"{settable_key(f'model.{f}')} {getattr(source.cfg, f)} there, {getattr(cfg, f)} here"
-                 for f in (*SHAPE_FIELDS, *FUNCTION_FIELDS) if getattr(source.cfg, f) != getattr(cfg, f)]
+                 for f in (*SHAPE_FIELDS, *FUNCTION_FIELDS)
+                 if f != "attention_head_dim" and getattr(source.cfg, f) != getattr(cfg, f)]
+    # the head width once model.dim and model.n_heads are set as there: otherwise a second refusal would name it
+    if source.cfg.attention_head_dim != dataclasses.replace(cfg, dim=source.cfg.dim,
+                                                            n_heads=source.cfg.n_heads).attention_head_dim:
+        here = cfg.head_dim if cfg.head_dim is not None else "unset (model.dim / model.n_heads)"
+        differing.append(f"model.head_dim {source.cfg.attention_head_dim} there, {here} here")
     if differing:
         raise UserError(f"--init-from {init_from}: the model differs from this run's config ({'; '.join(differing)}); "
                         "set those model.* keys to the values there")

@@ -260,6 +260,19 @@ def test_init_from_another_shape_names_the_keys_that_set_it(tmp_path):
         initial_weights(other, str(tmp_path / "export"), RANDOM_TOKENS_HASH)
 
 
+def test_init_from_names_a_head_dim_the_other_keys_will_not_give(tmp_path):
+    """A model with 4 heads of 16 at dim 32 (head_dim set apart), a run at dim 64 with 4 heads (derived 16): the
+    refusal named model.dim only, and once it was set, a second refusal named model.head_dim."""
+    model = Transformer(dataclasses.replace(_small(0).cfg, head_dim=16))
+    export_model(model, None, tmp_path / "export")
+    run = dataclasses.replace(model.cfg, dim=64, head_dim=None, hidden_dim=model.cfg.ffn_hidden_dim)
+    assert run.attention_head_dim == model.cfg.attention_head_dim == 16
+    with pytest.raises(UserError, match=r"\(model.dim 32 there, 64 here; model.head_dim 16 there, unset \(model.dim / "
+                                        r"model.n_heads\) here\); set those"):
+        initial_weights(run, str(tmp_path / "export"), RANDOM_TOKENS_HASH)
+    assert initial_weights(dataclasses.replace(run, dim=32, head_dim=16), str(tmp_path / "export"), RANDOM_TOKENS_HASH)
+
+
 @pytest.mark.parametrize("model_type", [["llama"], {"name": "llama"}])
 def test_a_model_type_that_is_not_a_string_is_refused_in_one_line(tmp_path, model_type):
     export_model(_small(0), None, tmp_path)
