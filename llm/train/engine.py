@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import difflib
 import functools
 import importlib.util
 import inspect
@@ -98,8 +97,8 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     DeepSpeed's model refuses, sections of removed features or of monitors whose package is missing
     (`_refuse_removed_features`) and steps_per_print below 1 (DeepSpeed would fail on those in every rank with a
     traceback); also a top-level key that is a near miss of one DeepSpeed knows (`_refuse_misspelt_keys`), sections
-    zerollm would not act on (`_refuse_unused_features`) and what the ZeRO stage ignores or fails on
-    (`_refuse_ignored_by_stage`). "bfloat16", bf16's older name, is read as "bf16"; ZeRO sizes left "auto" as
+    zerollm would not act on (`_refuse_unused_features`) and what ZeRO-2 fails on
+    (`_refuse_unsupported_by_zero2`). "bfloat16", bf16's older name, is read as "bf16"; ZeRO sizes left "auto" as
     Hugging Face's configs leave them are filled from the model's width (`WIDTH_SIZES`)."""
     ds = copy.deepcopy(raw)
     t = cfg.train
@@ -169,7 +168,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
             ds["zero_optimization"][key] = size(cfg.model.dim)
     zero = _zero_config(ds.get("zero_optimization", {}), source)
     _refuse_unusable_nvme(zero, source)
-    _refuse_ignored_by_stage(ds, zero, stage, source, " (--zero-stage)" if zero_stage is not None else "")
+    _refuse_unsupported_by_zero2(ds, zero, stage, source)
     optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
     params = optimizer.setdefault("params", {})
     offload = zero.offload_optimizer is not None and zero.offload_optimizer.device != OffloadDeviceEnum.none
@@ -276,8 +275,8 @@ MONITOR_PACKAGES = {"tensorboard": "tensorboard", "comet": "comet_ml"}
 @functools.cache
 def deepspeed_keys() -> frozenset[str]:
     """The top-level keys DeepSpeed reads from a config: those `DeepSpeedConfig` looks up while it reads an empty one
-    and checks it for warnings (recorded as it looks), those of the features it has removed (it refuses them by
-    name) and the two that `deepspeed.initialize` reads itself."""
+    and checks it for warnings (recorded as it looks) and the two that `deepspeed.initialize` reads itself; none when
+    its reader cannot be run so."""
 
     class Recorder(dict):
         def __init__(self):
@@ -305,22 +304,40 @@ def deepspeed_keys() -> frozenset[str]:
     try:  # DeepSpeed's private readers: another DeepSpeed may read otherwise, and then no near miss is refused
         reader._initialize_params(recorder)
         reader._do_warning_check()  # vocabulary_size
-    except (AttributeError, TypeError):
+    except Exception:  # noqa: BLE001 - whatever another version raises: the check is a help, not a requirement
         return frozenset()
-    removed = getattr(config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {})  # in DeepSpeed >= 0.18
-    return frozenset(recorder.asked | set(removed) | {"sequence_parallel_size", "data_parallel_size"})
+    return frozenset(recorder.asked | {"sequence_parallel_size", "data_parallel_size"})
 
 
 def _refuse_misspelt_keys(ds: dict[str, Any], source: str) -> None:
-    """Refuse a top-level key DeepSpeed does not know that is a near miss of one it does (`schedular`,
-    `zero_optimisation`): DeepSpeed ignores it, so the run went on without the setting. Other unknown keys (a
-    "comment", a tool's own) are left alone, as DeepSpeed leaves them."""
+    """Refuse a top-level key DeepSpeed does not know that is a typo of one it does (a letter or two added, dropped
+    or changed: `schedular`, `zero_optimisation`, `gradient_clippin`): DeepSpeed ignores it, so the
+    run went on without the setting. Other unknown keys (a "comment", another tool's `sequence_parallel` or
+    `lr_scheduler`) are left alone, as DeepSpeed leaves them, and so are the removed features' (refused next)."""
+    removed = set(getattr(deepspeed.runtime.config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {}))  # in DeepSpeed >= 0.18
     for key in ds:
-        if key not in deepspeed_keys():
-            match = difflib.get_close_matches(key, deepspeed_keys(), n=1, cutoff=0.85)
-            if match:
-                raise UserError(f"{source}: '{key}' is not a setting DeepSpeed knows (it would ignore it); did you "
-                                f"mean '{match[0]}'? Correct its name")
+        if key in deepspeed_keys() or key in removed:
+            continue
+        most = 1 if len(key) < LONG_KEY else 2  # "comment" is not a typo of "comet"
+        match = next((known for known in sorted(deepspeed_keys()) if _edits(key, known) <= most), None)
+        if match is not None:
+            raise UserError(f"{source}: '{key}' is not a setting DeepSpeed knows (it would ignore it); did you mean "
+                            f"'{match}'? Correct its name")
+
+
+LONG_KEY = 12
+"""A misspelt DeepSpeed key this long or longer may differ by two letters, a shorter one by one
+(`_refuse_misspelt_keys`)."""
+
+
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance: the fewest letters added, dropped or changed that make `a` into `b`."""
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        previous, row[0] = row[0], i
+        for j, y in enumerate(b, 1):
+            previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (x != y))
+    return row[-1]
 
 
 def _refuse_removed_features(ds: dict[str, Any], source: str) -> None:
@@ -362,7 +379,7 @@ def _refuse_unused_features(ds: dict[str, Any], source: str) -> None:
         raise UserError(f"{source}: 'sequence_parallel_size' is {json.dumps(ds['sequence_parallel_size'])[:60]}, but "
                         "zerollm's model has no sequence parallelism; remove it (each rank trains on whole sequences)")
     compiling = ds.get("compile", {})
-    if not isinstance(compiling, dict) or any(compiling.values()) or not compiling.keys() <= _compile_keys():
+    if not isinstance(compiling, dict) or compiling.get("deepcompile") or not compiling.keys() <= _compile_keys():
         raise UserError(f"{source}: 'compile' would not apply: zerollm never calls DeepSpeed's engine.compile(); "
                         "remove the section")
     for section, why in (("comms_logger", "zerollm never prints DeepSpeed's communication summary"),
@@ -390,17 +407,11 @@ def _compile_keys() -> set[str]:
     return set(CompileConfig.model_fields)
 
 
-def _refuse_ignored_by_stage(ds: dict[str, Any], zero, stage: int, source: str, set_by: str) -> None:
-    """Refuse what ZeRO stage `stage` (set by `set_by`: "" for the JSON) ignores, offload below the stage that
-    does it (the run trained without offloading), or fails on: ZeRO-2 with reduce_scatter takes neither prescaled
-    gradients nor a predivide factor (an AssertionError traceback in every rank)."""
-    for name, lowest in (("offload_param", 3), ("offload_optimizer", 1)):
-        offload = getattr(zero, name)
-        if stage < lowest and offload is not None and offload.device != OffloadDeviceEnum.none:
-            raise UserError(f"{source}: 'zero_optimization.{name}' does nothing at ZeRO stage {stage}{set_by}: "
-                            f"DeepSpeed offloads there from stage {lowest} on; remove it or raise the stage")
+def _refuse_unsupported_by_zero2(ds: dict[str, Any], zero, stage: int, source: str) -> None:
+    """Refuse what ZeRO-2 with reduce_scatter fails on in every rank (an AssertionError traceback): prescaled
+    gradients or a predivide factor."""
     if stage == 2 and zero.reduce_scatter:
-        for key, asks in (("prescale_gradients", ds.get("prescale_gradients", False) is not False),
+        for key, asks in (("prescale_gradients", bool(ds.get("prescale_gradients"))),
                           ("gradient_predivide_factor", ds.get("gradient_predivide_factor", 1.0) != 1.0)):
             if asks:
                 raise UserError(f"{source}: '{key}' is {json.dumps(ds[key])[:60]}, which DeepSpeed's ZeRO-2 does not "
