@@ -199,7 +199,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
 def _sample_generator(cfg: RunConfig, engine, info: DistInfo, chat: bool) -> SampleGenerator | None:
     """Samples at each evaluation, with the data's tokenizer (data made without one, e.g. by `bench train`, gets
     none); `chat`: the prompts as user turns (post-training on conversations)."""
-    source = tokenizer_dir(cfg) if cfg.train.stage == "grpo" else rundir.tokenizer_dir(Path(cfg.data.path))
+    source = input_tokenizer(cfg)
     if not cfg.train.sample_prompts or not source.is_dir():
         return None
     return SampleGenerator(cfg.train.sample_prompts, cfg.train.sample_tokens, Tokenizer.load(source), engine,
