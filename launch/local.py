@@ -9,7 +9,8 @@ is the per-node launcher's, with stop signals handled the way `zerollm launch` h
   second one stops them at once, and the job exits 128 + the signal this process was sent last (130 for Ctrl-C);
 - when a rank fails, the others are sent SIGTERM and killed after GRACE_S; the job's exit code is the first
   failing rank's, or 76 (EXIT_RANK_LOST) where that rank was ended by a signal (SIGKILL from the kernel's OOM
-  killer, a segfault), which is named in one line;
+  killer, a segfault), which is named in one line; the ranks' agreed refusal (2) wins over a rank that ended as the
+  job came down;
 - if this process is killed outright, the ranks notice (`llm.runtime.supervisor`) and stop as on SIGTERM.
 """
 
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from llm.errors import EXIT_RANK_LOST, report
+from llm.errors import EXIT_RANK_LOST, EXIT_USER_ERROR, report
 from llm.runtime.rank_env import RANK_VARIABLES, free_port
 from llm.runtime.supervisor import supervisor_env
 
@@ -86,9 +87,13 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S) -> i
         stopping.append(signum)
         _signal_all(ranks, signal.SIGTERM)
 
-    def first_failure() -> int | None:  # of those seen failing at once, one a signal ended (the others followed it)
-        failed = sorted((rank.returncode >= 0, i) for i, rank in enumerate(ranks) if rank.returncode not in (None, 0))
-        return _failure(failed[0][1], ranks[failed[0][1]], named=not stopping) if failed else None
+    def first_failure() -> int | None:
+        """Of the ranks seen failing at once: one that refused the job (exit 2: the ranks agree on a refusal before
+        any leaves, so another ending meanwhile, by a signal too, followed it as the job came down), else one a
+        signal ended (the others followed it)."""
+        failed = sorted((rank.returncode != EXIT_USER_ERROR, rank.returncode >= 0, i)
+                        for i, rank in enumerate(ranks) if rank.returncode not in (None, 0))
+        return _failure(failed[0][2], ranks[failed[0][2]], named=not stopping) if failed else None
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -374,6 +374,18 @@ def test_nproc_ends_the_job_when_any_rank_fails_not_only_the_first():
     assert ranks[0].returncode == -signal.SIGTERM  # the others are stopped at the first failure
 
 
+def test_the_ranks_refusal_is_the_jobs_code_though_a_rank_aborted_as_the_job_came_down():
+    """Both ranks refused the job together (exit 2); rank 1 aborted in its teardown once rank 0, which hosts the
+    rendezvous store, had left ("terminate called without an active exception"), and the job, seeing both at once,
+    named rank 1 as ended by SIGABRT and exited 76 (a CI run of `eval --nproc 2` with a bad --stride)."""
+    ranks = [subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"]),
+             subprocess.Popen([sys.executable, "-c", "import os, resource\n"
+                               "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file\nos.abort()"])]
+    for rank in ranks:
+        rank.wait()  # both seen ending at once
+    assert wait_for_ranks(ranks) == 2
+
+
 def test_a_job_stopped_at_once_by_ctrl_c_exits_130_whichever_copy_its_ranks_read(tmp_path):
     """Each rank gets a Ctrl-C twice (the terminal's SIGINT, and the SIGTERM this process forwards) and ends by the
     first it reads: on a loaded machine a rank read the forwarded SIGTERM first, and the job exited 143 for a Ctrl-C.
