@@ -528,6 +528,25 @@ def test_a_rank_of_this_machine_whose_process_ended_is_named_at_once(monkeypatch
         dog.stop()
 
 
+def test_a_rank_still_exiting_when_its_peer_looks_is_named_as_ended(monkeypatch):
+    """A killed rank closes its sockets before it is a zombie: a peer whose collective failed at once could find it
+    still exiting, and called it a rank that stopped responding (a CI run on a loaded machine)."""
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    store.set(watchdog._identity_key(1), "host h1, pid 7")
+    store.set(watchdog._process_key(1), f"{watchdog._this_process().rsplit(' ', 1)[0]} 7")
+    store.add(watchdog._counter_key(1), 1)
+    looks = iter([False, True])  # still exiting at the first look, gone at the second
+    monkeypatch.setattr(watchdog, "_ended", lambda process, here: next(looks))
+    dog = watchdog.Watchdog(0, 2, timeout_s=15, announce=True)
+    try:
+        assert dog.diagnose() == "rank 1 (host h1, pid 7) ended"
+    finally:
+        dog.stop()
+
+
 def test_an_ended_rank_is_named_while_other_ranks_never_registered(monkeypatch):
     """A rank may fail before every other rank registered its process: the ranks that did are still looked up."""
     port = free_port()

@@ -137,14 +137,20 @@ class Watchdog:
             known = (others if store.check(list(process_keys.values())) else
                      [r for r in others if store.check([process_keys[r]])])
             processes = store.multi_get([process_keys[r] for r in known]) if known else []
-            ended = [r for r, process in zip(known, processes, strict=True) if _ended(process.decode(), here)]
-            if ended:
-                who = store.multi_get([_identity_key(r) for r in ended])
-                return "; ".join(f"rank {r} ({w.decode()})" for r, w in zip(ended, who, strict=True)) + " ended"
-            keys = [_counter_key(r) for r in range(self.world_size)]
-            before = store.multi_get(keys)
-            time.sleep(self.stale_after)
-            after = store.multi_get(keys)
+
+            def ended() -> list[int]:
+                return [r for r, process in zip(known, processes, strict=True) if _ended(process.decode(), here)]
+
+            gone = ended()
+            if not gone:
+                keys = [_counter_key(r) for r in range(self.world_size)]
+                before = store.multi_get(keys)
+                time.sleep(self.stale_after)
+                after = store.multi_get(keys)
+                gone = ended()  # a rank killed as this began may have been still exiting (its sockets close first)
+            if gone:
+                who = store.multi_get([_identity_key(r) for r in gone])
+                return "; ".join(f"rank {r} ({w.decode()})" for r, w in zip(gone, who, strict=True)) + " ended"
             silent = [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]]
             who = dict(zip(silent, store.multi_get([_identity_key(r) for r in silent]))) if silent else {}
         except Exception:  # noqa: BLE001 - any store failure means the same thing here
