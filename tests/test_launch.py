@@ -505,64 +505,60 @@ def test_a_killed_rank_ends_the_job_naming_it_and_one_node_resumes(pretrain_data
     assert [r["step"] for r in _metrics(run)][-2:] == [step + 1, step + 2]
 
 
+def _diagnosis(monkeypatch, world_size: int, registered: dict[int, tuple[str, str, bool]]) -> str | None:
+    """Rank 0's watchdog diagnosis in a job of `world_size` ranks whose rendezvous store holds, for each rank of
+    `registered`, its identity, its process key and (True) one heartbeat."""
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    for rank, (identity, process, beat) in registered.items():
+        store.set(watchdog._identity_key(rank), identity)
+        store.set(watchdog._process_key(rank), process)
+        if beat:
+            store.add(watchdog._counter_key(rank), 1)
+    dog = watchdog.Watchdog(0, world_size, timeout_s=15, announce=True)
+    try:
+        return dog.diagnose()
+    finally:
+        dog.stop()
+
+
+def _ended_pid() -> int:
+    """The pid of a process of this machine that has ended."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    return ended.pid
+
+
 @pytest.mark.parametrize("same_namespace", [True, False])
 def test_a_rank_of_this_machine_whose_process_ended_is_named_at_once(monkeypatch, same_namespace):
     """A peer killed on the same machine was diagnosed only after its heartbeat had been silent for 3 intervals
     (30 s by default) and called a rank that stopped responding. A pid of another pid namespace (a container with
     the host's network) says nothing: its heartbeat decides."""
-    port = free_port()
-    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    ended = subprocess.Popen([sys.executable, "-c", "pass"])
-    ended.wait()
+    pid = _ended_pid()
     boot, namespace, _ = watchdog._this_process().split(" ")
-    store.set(watchdog._identity_key(1), f"host h1, pid {ended.pid}")
-    store.set(watchdog._process_key(1), f"{boot} {namespace if same_namespace else 'elsewhere'} {ended.pid}")
-    store.add(watchdog._counter_key(1), 1)
-    dog = watchdog.Watchdog(0, 2, timeout_s=15, announce=True)
-    try:
-        assert dog.diagnose() == (f"rank 1 (host h1, pid {ended.pid}) ended" if same_namespace else
-                                  f"rank 1 (host h1, pid {ended.pid}) stopped responding (no heartbeat for 2 s)")
-    finally:
-        dog.stop()
+    process = f"{boot} {namespace if same_namespace else 'elsewhere'} {pid}"
+    assert _diagnosis(monkeypatch, 2, {1: (f"host h1, pid {pid}", process, True)}) == (
+        f"rank 1 (host h1, pid {pid}) ended" if same_namespace else
+        f"rank 1 (host h1, pid {pid}) stopped responding (no heartbeat for 2 s)")
 
 
 def test_a_rank_still_exiting_when_its_peer_looks_is_named_as_ended(monkeypatch):
     """A killed rank closes its sockets before it is a zombie: a peer whose collective failed at once could find it
     still exiting, and called it a rank that stopped responding (a CI run on a loaded machine)."""
-    port = free_port()
-    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    store.set(watchdog._identity_key(1), "host h1, pid 7")
-    store.set(watchdog._process_key(1), f"{watchdog._this_process().rsplit(' ', 1)[0]} 7")
-    store.add(watchdog._counter_key(1), 1)
     looks = iter([False, True])  # still exiting at the first look, gone at the second
     monkeypatch.setattr(watchdog, "_ended", lambda process, here: next(looks))
-    dog = watchdog.Watchdog(0, 2, timeout_s=15, announce=True)
-    try:
-        assert dog.diagnose() == "rank 1 (host h1, pid 7) ended"
-    finally:
-        dog.stop()
+    process = f"{watchdog._this_process().rsplit(' ', 1)[0]} 7"
+    assert _diagnosis(monkeypatch, 2, {1: ("host h1, pid 7", process, True)}) == "rank 1 (host h1, pid 7) ended"
 
 
 def test_an_ended_rank_is_named_while_other_ranks_never_registered(monkeypatch):
     """A rank may fail before every other rank registered its process: the ranks that did are still looked up."""
-    port = free_port()
-    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    ended = subprocess.Popen([sys.executable, "-c", "pass"])
-    ended.wait()
+    pid = _ended_pid()
     boot, namespace, _ = watchdog._this_process().split(" ")
-    store.set(watchdog._identity_key(2), f"host h2, pid {ended.pid}")
-    store.set(watchdog._process_key(2), f"{boot} {namespace} {ended.pid}")
-    dog = watchdog.Watchdog(0, 4, timeout_s=15, announce=True)  # ranks 1 and 3 never registered
-    try:
-        assert dog.diagnose() == f"rank 2 (host h2, pid {ended.pid}) ended"
-    finally:
-        dog.stop()
+    registered = {2: (f"host h2, pid {pid}", f"{boot} {namespace} {pid}", False)}  # ranks 1 and 3 never registered
+    assert _diagnosis(monkeypatch, 4, registered) == f"rank 2 (host h2, pid {pid}) ended"
 
 
 def test_no_pid_is_looked_up_in_a_proc_of_another_pid_namespace(monkeypatch):
