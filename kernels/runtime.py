@@ -54,6 +54,12 @@ def interpreting() -> bool:
     return type(language.standard.sum).__name__ == "InterpretedFunction"
 
 
+def cuda_has_bf16() -> bool:
+    """Whether the CUDA GPU computes in bf16 natively (Ampere and newer). torch's `is_bf16_supported()` also says yes
+    for GPUs that only emulate it (T4, V100, RTX 20: no bf16 tensor cores, many times slower than fp16)."""
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def triton_unavailable(device: torch.device) -> str | None:
     """Why backend 'triton' cannot run on `device` (one line), or None: it runs on CUDA devices of compute capability
     MIN_CAPABILITY or newer, and on any device in an interpreting process."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.runtime import triton_runs_on
+from kernels.runtime import cuda_has_bf16, triton_runs_on
 from llm.errors import UserError
 from llm.model import Transformer
 
@@ -39,7 +39,7 @@ def resolve(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, to
     elif (device == "cuda" and not cuda) or (device == "mps" and not mps):
         raise UserError(f"--device {device}: no {device.upper()} device is available here; use --device cpu or auto")
     if dtype == "auto":
-        dtype = default_dtype(device, cuda and torch.cuda.is_bf16_supported())
+        dtype = default_dtype(device, cuda and cuda_has_bf16())
     elif dtype not in DTYPES:
         raise UserError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
     return torch.device(device), DTYPES[dtype]

@@ -42,15 +42,29 @@ def test_fp32_runs_on_the_cpu_and_fp16_is_refused_there():
         resolve_precision("fp16", CPU)
 
 
-@pytest.mark.parametrize("has_bf16, expected", [(True, "bf16"), (False, "fp16")])
-def test_auto_on_a_gpu_follows_its_bf16_support(monkeypatch, has_bf16, expected):
-    monkeypatch.setattr(engine_module.torch.cuda, "is_bf16_supported", lambda: has_bf16)
+def _gpu_bf16(monkeypatch, native: bool, emulated: bool) -> None:
+    """torch.cuda.is_bf16_supported as torch answers it on a GPU: yes where bf16 tensors can be made at all (a T4, a
+    V100: emulated), unless asked about native support (including_emulation=False)."""
+    monkeypatch.setattr(engine_module.torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: native or (including_emulation and emulated))
+
+
+@pytest.mark.parametrize("native, emulated, expected", [(True, True, "bf16"), (False, True, "fp16"),
+                                                         (False, False, "fp16")])
+def test_auto_on_a_gpu_is_bf16_only_where_it_has_it_natively(monkeypatch, native, emulated, expected):
+    """A T4 or V100 (bf16 emulated: torch's is_bf16_supported() says yes) trained and served in bf16, at a fraction
+    of fp16's speed; it takes fp16 with loss scaling, as documented."""
+    from llm.devices import resolve
+
+    _gpu_bf16(monkeypatch, native, emulated)
     assert resolve_precision("auto", GPU) == expected
+    monkeypatch.setattr(engine_module.torch.cuda, "is_available", lambda: True)
+    assert resolve("auto", "auto") == (torch.device("cuda"), {"bf16": torch.bfloat16, "fp16": torch.float16}[expected])
 
 
 def test_bf16_on_a_gpu_without_it_is_refused_naming_the_gpu(monkeypatch):
     cuda = engine_module.torch.cuda
-    monkeypatch.setattr(cuda, "is_bf16_supported", lambda: False)
+    _gpu_bf16(monkeypatch, native=False, emulated=True)
     monkeypatch.setattr(cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(cuda, "get_device_name", lambda device=None: "Tesla T4")
     with pytest.raises(UserError, match=r"Tesla T4 \(sm_75\) has no bf16; use fp16"):

@@ -20,6 +20,7 @@ from typing import Any
 import pydantic
 import torch
 
+from kernels.runtime import cuda_has_bf16
 from llm.config import RunConfig
 from llm.errors import UserError
 from llm.runtime.deferred_compile import defer_muon_compile
@@ -72,7 +73,7 @@ def resolve_precision(requested: str, device: torch.device) -> str:
         if requested == "auto":
             return "bf16" if cpu_has_native_bf16() else "fp32"
         return requested
-    has_bf16 = torch.cuda.is_bf16_supported()
+    has_bf16 = cuda_has_bf16()
     if requested == "auto":
         return "bf16" if has_bf16 else "fp16"
     if requested == "bf16" and not has_bf16:
