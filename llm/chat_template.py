@@ -259,6 +259,20 @@ class ChatTemplate:
             raise MessagesRefused(f"{self.source}: the chat template failed on the messages "
                                   f"({type(exc).__name__}: {exc})") from None
 
+    def render_continuing(self, messages: list[dict]) -> str:
+        """Rendered text (message text escaped) that ends inside the final message, for its text to be continued:
+        the whole conversation cut just after that message's text, as transformers' `continue_final_message` cuts
+        it (its surrounding blanks may be trimmed by the template)."""
+        escaped = self._escaped(messages)
+        rendered, final = self._render(escaped, False), escaped[-1].get("content")
+        final = final if isinstance(final, str) else ""
+        if final.strip() not in rendered:
+            raise MessagesRefused(f"{self.source}: the chat template does not render the final message's text, so "
+                                  "it cannot be continued")
+        where = rendered.rindex(final.strip())
+        kept = final.lstrip() if rendered[where:where + len(final.lstrip())] == final.lstrip() else final.strip()
+        return rendered[:where + len(kept)]
+
     def split(self, rendered: str) -> Iterator[tuple[str, bool]]:
         """(piece, is_literal) in order: template text, or an escaped string to encode as plain text."""
         position = 0

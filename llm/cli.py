@@ -323,6 +323,13 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples (default: the task's)")
     p.add_argument("--include-path", default=None, metavar="DIR", help="--tasks: folder of your own task YAML files")
     p.add_argument("--out", default=None, metavar="DIR", help="--tasks: where results go (default MODEL/eval)")
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="--tasks: give each question through the tokenizer's chat template, few-shot examples as "
+                        "turns (for SFT, DPO and GRPO models; lm-eval's --apply_chat_template)")
+    p.add_argument("--system-instruction", default=None, metavar="TEXT",
+                   help="--tasks: a system turn before each question (with --apply-chat-template; else text before it)")
+    p.add_argument("--log-samples", action="store_true",
+                   help="--tasks: also save each request, the model's answer and its score, a jsonl file per task")
 
 
 def _add_plot(sub: argparse._SubParsersAction) -> None:
@@ -645,12 +652,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
                       "results (the .json in MODEL/eval, or --out)")
         run_tasks(args.model, parse_tasks(args.tasks), limit=args.limit, num_fewshot=args.num_fewshot,
                   include_path=args.include_path, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
-                  out_dir=args.out, context=args.context)
+                  out_dir=args.out, context=args.context, chat=args.apply_chat_template,
+                  system_instruction=args.system_instruction, log_samples=args.log_samples)
         return 0
     from launch.local import relaunch_local, under_launcher
 
     _refuse_given((("--limit", args.limit), ("--num-fewshot", args.num_fewshot), ("--include-path", args.include_path),
-                   ("--out", args.out)), "--tasks; --input and --data print their result")
+                   ("--out", args.out), ("--apply-chat-template", args.apply_chat_template or None),
+                   ("--system-instruction", args.system_instruction), ("--log-samples", args.log_samples or None)),
+                  "--tasks; --input and --data print their result")
     if args.split is not None and args.data is None:
         raise UserError("--split applies to --data (a prepared split); --input scores every document of its files")
     if args.nproc > 1 and not under_launcher():

@@ -343,8 +343,9 @@ class Tokenizer:
         return ChatTemplate(self.chat_template, self.source, self._template_variables, self.protected,
                             [self.token(i) for i in self.stop_ids])
 
-    def _encode_rendered(self, rendered: str) -> list[int]:
-        """Template text with its special tokens; escaped message text as plain text."""
+    def encode_rendered(self, rendered: str) -> list[int]:
+        """Ids of text rendered by `render_for_encoding` (and anything appended to it): template text with its special
+        tokens parsed; escaped message text as plain text."""
         ids: list[int] = []
         for piece, literal in self._chat.split(rendered):
             ids += _ids(self._text if literal else self._tok, piece)
@@ -352,7 +353,7 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
         """Canonical messages through the chat template to ids; with `add_generation_prompt`, ready for a reply."""
-        return self._encode_rendered(self._chat.render(messages, add_generation_prompt))
+        return self.encode_rendered(self._chat.render(messages, add_generation_prompt))
 
     def encode_chat_masked(self, messages: list[dict]) -> MaskedChat:
         """Ids and SFT loss mask of a conversation: the mask covers each assistant reply up to and including its
@@ -363,8 +364,8 @@ class Tokenizer:
         chat = MaskedChat([], [], [], [])
         position = 0
         for start, end in bounds:
-            before = self._encode_rendered(rendered[position:start])
-            body = self._encode_rendered(rendered[start:end])
+            before = self.encode_rendered(rendered[position:start])
+            body = self.encode_rendered(rendered[start:end])
             learned = next((k + 1 for k, token in enumerate(body) if token in stops), len(body))
             chat.ids += before
             chat.replies.append((len(chat.ids), len(chat.ids) + learned))
@@ -372,10 +373,18 @@ class Tokenizer:
             chat.loss_mask += [0] * len(before) + [1] * learned + [0] * (len(body) - learned)
             chat.turn_ends.append(len(chat.ids))
             position = end
-        tail = self._encode_rendered(rendered[position:])
+        tail = self.encode_rendered(rendered[position:])
         chat.ids += tail
         chat.loss_mask += [0] * len(tail)
         return chat
+
+    def render_for_encoding(self, messages: list[dict], add_generation_prompt: bool = False,
+                            continue_final: bool = False) -> str:
+        """The chat template's text with message text escaped, to encode with `encode_rendered`: ready for a reply
+        (`add_generation_prompt`), or ending inside the final message, to continue it (`continue_final`)."""
+        if continue_final:
+            return self._chat.render_continuing(messages)
+        return self._chat.render(messages, add_generation_prompt)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The chat template's text, for display; never encode it (use `encode_chat`)."""

@@ -84,10 +84,14 @@ def task_manager(tasks: list[str], include_path: str | None):
 
 def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_fewshot: int | None = None,
               include_path: str | None = None, batch_size: int = 8, device: str = "auto", dtype: str = "auto",
-              out_dir: str | None = None, context: int | None = None) -> dict:
+              out_dir: str | None = None, context: int | None = None, chat: bool = False,
+              system_instruction: str | None = None, log_samples: bool = False) -> dict:
     """Run lm-eval `tasks` on the model of a run or export directory; print the table, save
     `lm_eval_<time>.json` (the harness's results) and `lm_eval_<time>.md` (its table) in `out_dir` (default
-    MODEL_DIR/eval). Returns the harness's results."""
+    MODEL_DIR/eval), and with `log_samples` each task's requests and answers as `lm_eval_<time>_samples_<task>.jsonl`.
+    `chat`: contexts through the tokenizer's chat template, few-shot examples as turns (lm-eval's
+    --apply_chat_template); `system_instruction`: a system turn (without `chat`, text before each context).
+    Returns the harness's results (without the samples)."""
     check_batch_size(batch_size)  # lm-eval failed on 0 (and -1) after loading everything
     if limit is not None and not limit > 0:  # NaN included
         raise UserError(f"--limit must be positive (examples per task, or a fraction of them below 1), got {limit:g}")
@@ -110,14 +114,18 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
                         "and --include-path DIR adds your own YAML tasks")
     where, precision = resolve(device, dtype)
     model, tokenizer = load_for_inference(model_dir)
+    if chat and tokenizer.chat_template is None:
+        raise UserError(f"--apply-chat-template: {model_dir}: the tokenizer has no chat template; score the model "
+                        "without the option")
     context = evaluation_context(context, Path(model_dir), model)
-    harness_model = ZeroLLMHarnessModel(place(model, where, precision), tokenizer, batch_size, context)
+    harness_model = ZeroLLMHarnessModel(place(model, where, precision), tokenizer, batch_size, context, chat=chat)
     # lm-eval records `git describe` of the working directory as the version of the code that scored the model, and
     # git's "fatal: not a git repository" reached our stderr outside a checkout: the code is this package
     evaluator.get_git_commit_hash = code_commit
     try:
         results = lm_eval.simple_evaluate(model=harness_model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                          task_manager=manager, log_samples=False)
+                                          task_manager=manager, log_samples=log_samples, apply_chat_template=chat,
+                                          fewshot_as_multiturn=chat, system_instruction=system_instruction)
     except ConnectionError as exc:
         raise UserError(f"lm-eval could not download the task data ({exc}); run once where the Hugging Face Hub "
                         "is reachable (the data is cached), or use a local task with --include-path") from None
@@ -126,8 +134,13 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
                         "YAML and data files".replace("\n", " ")) from None
     table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
     print(table)
+    samples = results.pop("samples", {})
     stem = save_results(out, json.dumps(results, indent=1, default=str, ensure_ascii=False), table)
     print(f"results written to {stem}.json and {stem}.md")
+    for task, rows in samples.items():
+        path = stem.with_name(f"{stem.name}_samples_{task}.jsonl")
+        durable.write_text(path, "".join(json.dumps(row, default=str, ensure_ascii=False) + "\n" for row in rows))
+        print(f"samples of {task} written to {path}")
     return results
 
 

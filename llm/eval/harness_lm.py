@@ -7,8 +7,12 @@
 
 Every score goes through `llm.eval.scoring.score_sequences`, the same code `zerollm eval --input` uses. Texts are
 encoded as lm-eval's own Hugging Face model encodes them: behind the tokenizer's document start (BOS for Llama-style
-tokenizers, nothing for ours) unless the harness asks for no special tokens, and a text without context (rolling,
-an empty context) follows `prefix_token_id`: that BOS, else the end-of-text token.
+tokenizers, nothing for ours) unless the harness asks for no special tokens or the text already starts with it, and
+a text without context (rolling, an empty context) follows `prefix_token_id`: that BOS, else the end-of-text token.
+
+With `chat` (--apply-chat-template) the harness renders each context through the tokenizer's chat template
+(`apply_chat_template`), as transformers renders it; the template's special tokens are tokens, the messages' text
+(questions, few-shot answers) stays text, as `zerollm chat` and the server encode a conversation.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ DEFAULT_MAX_GEN_TOKENS = 256
 
 
 class ZeroLLMHarnessModel(TemplateLM):
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int, max_length: int) -> None:
-        """`model` placed on its device; `max_length`: the longest token sequence it reads."""
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int, max_length: int,
+                 chat: bool = False) -> None:
+        """`model` placed on its device; `max_length`: the longest token sequence it reads; `chat`: the harness
+        applies the chat template (texts are then `render_for_encoding`'s)."""
         super().__init__()
         self.model, self.tokenizer_ours = model.eval(), tokenizer
-        self.batch_size, self.max_length = batch_size, max_length
+        self.batch_size, self.max_length, self.chat = batch_size, max_length, chat
         self.generator = TextGenerator(model, tokenizer)
 
     @property
@@ -50,12 +56,26 @@ class ZeroLLMHarnessModel(TemplateLM):
     def tokenizer_name(self) -> str:
         return f"zerollm-{self.tokenizer_ours.hash}"
 
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The tokenizer's chat template where one is applied (lm-eval records it), else None."""
+        return self.tokenizer_ours.chat_template if chat_template else None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation through the tokenizer's chat template, ready for the reply, or (not
+        `add_generation_prompt`: a task's `gen_prefix` opens the reply) ending inside its final assistant message."""
+        return self.tokenizer_ours.render_for_encoding(chat_history, add_generation_prompt=add_generation_prompt,
+                                                       continue_final=not add_generation_prompt)
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        """Ids of `string` (special-token strings in it stay text) behind the tokenizer's document start, as
-        `tokenizer(string)` gives them, unless `add_special_tokens` is False."""
-        if add_special_tokens is False:
-            return self.tokenizer_ours.encode(string)
-        return self.tokenizer_ours.encode_document(string)
+        """Ids of `string` behind the tokenizer's document start, as `tokenizer(string)` gives them, unless
+        `add_special_tokens` is False or a chat template put it there already. Special-token strings in it stay
+        text, except the chat template's own (`chat`)."""
+        tokenizer = self.tokenizer_ours
+        ids = tokenizer.encode_rendered(string) if self.chat else tokenizer.encode(string)
+        start = tokenizer.document_start_ids
+        if add_special_tokens is False or (self.chat and ids[:len(start)] == start):
+            return ids
+        return start + ids
 
     def tok_decode(self, tokens: list[int], **kwargs) -> str:
         return self.tokenizer_ours.decode(tokens)
@@ -94,7 +114,7 @@ class ZeroLLMHarnessModel(TemplateLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         sequences, scored, owner = [], [], []
         for index, (text,) in enumerate(request.args for request in requests):
-            stream = np.asarray([self.prefix_token_id, *self.tok_encode(text, add_special_tokens=False)],
+            stream = np.asarray([self.prefix_token_id, *self.tokenizer_ours.encode(text)],  # a document: no template
                                 dtype=np.int64)
             for window in windows(len(stream), self.max_length, self.max_length):
                 sequences.append(stream[window.start:window.end])
