@@ -570,9 +570,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   generator.prompt_ids(args.prompt))
     except ValueError as exc:  # text that is not UTF-8
         raise UserError(f"--prompt: {exc}") from None
-    if (problem := generator.room_problem(len(prompt), params.max_new_tokens)) is not None:
+    if (problem := generator.room_problem(len(prompt), params.max_new_tokens, "--max-new-tokens")) is not None:
         fits_alone = len(prompt) < generator.model.cfg.max_seq_len
-        raise UserError(f"{problem.replace('max_new_tokens', '--max-new-tokens')}: "
+        raise UserError(f"{problem}: "
                         f"{'lower --max-new-tokens or ' if fits_alone else ''}shorten the prompt")
 
     def write() -> None:

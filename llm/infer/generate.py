@@ -127,12 +127,13 @@ class TextGenerator:
         string names: `stop=["<|im_start|>"]` ends a reply where the model would open a turn."""
         return bool(stop) and self.tokenizer.token(token) in stop and not self.text([token])
 
-    def room_problem(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
-        """Why a prompt of `prompt_tokens` and `max_new_tokens` do not fit in the model's context, or None."""
+    def room_problem(self, prompt_tokens: int, max_new_tokens: int, limit_name: str = "max_new_tokens") -> str | None:
+        """Why a prompt of `prompt_tokens` and `max_new_tokens` (called `limit_name` in the message: the caller's name
+        for it) do not fit in the model's context, or None."""
         context = self.model.cfg.max_seq_len
         if prompt_tokens + max_new_tokens <= context:
             return None
-        return (f"the prompt ({prompt_tokens} tokens) and max_new_tokens {max_new_tokens} do not fit in the model's "
+        return (f"the prompt ({prompt_tokens} tokens) and {limit_name} {max_new_tokens} do not fit in the model's "
                 f"context ({context} tokens)")
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
