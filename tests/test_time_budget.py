@@ -16,6 +16,7 @@ from llm.train.schedule import lr_multiplier
 from llm.train.time_budget import TimeBudget
 
 ONE_RANK = DistInfo(0, 0, 1, 1, torch.device("cpu"))
+RANK_0_OF_2 = DistInfo(0, 0, 2, 2, torch.device("cpu"))
 
 
 class FakeClock:
@@ -26,12 +27,12 @@ class FakeClock:
         return self.now
 
 
-def simulate(t: TrainConfig, step_time, eval_time, save_time, state=None, start=0, kill_after=None):
+def simulate(t: TrainConfig, step_time, eval_time, save_time, state=None, start=0, kill_after=None, info=ONE_RANK):
     """Drive a TimeBudget through the trainer's sequence of calls on a fake clock, with evaluations and checkpoints
     every t.eval_every and t.save_every steps. Returns (multiplier used by each step, seconds on the clock when the
     run ended, the state saved at the last checkpoint with the scheduler's next multiplier, its step)."""
     clock = FakeClock()
-    budget = TimeBudget(t, ONE_RANK, clock)
+    budget = TimeBudget(t, info, clock)
     budget.load_state_dict(state and state["budget"])
     budget.start(start)
     step, used, saved = start, [], (None, None)
@@ -188,3 +189,72 @@ def test_two_ranks_agree_on_the_clock_and_stop_after_the_same_step(pretrain_data
     state = _client_state(tmp_path, rows[-1]["step"])
     assert state["world_size"] == 2 and state["time_budget"]["elapsed"] > 0
     _assert_the_last_step_ran_at_the_floor(rows, state["time_budget"], world_size=2)
+
+
+# ---- a GPU's broadcast, one step late --------------------------------------------------------------
+
+
+class ImmediateBroadcast:
+    """`_Broadcast` with gloo: rank 0's values read at once. Keeps what it published (None: nothing yet)."""
+
+    last: "ImmediateBroadcast"
+
+    def __init__(self, info: DistInfo, size: int) -> None:
+        self.published: list[list[float] | None] = []
+        self._sent: list[float] | None = None
+        type(self).last = self
+
+    def exchange(self, values: list[float]) -> list[float] | None:
+        self.published.append(list(values))
+        return self.published[-1]
+
+
+class OneLateBroadcast(ImmediateBroadcast):
+    """`_Broadcast` on a GPU: the previous exchange's values (None the first time)."""
+
+    def exchange(self, values: list[float]) -> list[float] | None:
+        self.published.append(self._sent)
+        self._sent = list(values)
+        return self.published[-1]
+
+
+@pytest.mark.parametrize("max_time, eval_every, save_every", [(16, 0, 0), (30, 0, 0), (60, 10, 15)])
+def test_rank_0_estimates_alike_when_it_reads_its_broadcast_one_step_late(monkeypatch, max_time, eval_every,
+                                                                          save_every):
+    """On a GPU rank 0 reads what it publishes one step late. It averaged its step times and set the end of warmup
+    from those late values: 1 s steps were published as 1, .2, 1, .36, 1, .49, ..., the end of warmup flipped
+    between two times for the whole run, the decay jittered, and a short budget was overrun by a step."""
+    t = TrainConfig(max_time=max_time, max_steps=10**6, warmup_steps=5, min_lr_ratio=0.1, eval_every=eval_every,
+                    save_every=save_every)
+    runs = []
+    for channel in (ImmediateBroadcast, OneLateBroadcast):
+        monkeypatch.setattr("llm.train.time_budget._Broadcast", channel)
+        used, total, _, _ = simulate(t, 1.0, eval_time=2.0, save_time=1.0, info=RANK_0_OF_2)
+        runs.append((used, total, channel.last.published))
+    (now, now_total, now_published), (late, late_total, late_published) = runs
+    assert late_published[0] is None
+    assert [values[2] for values in late_published[1:]] == pytest.approx([1.0] * (len(late_published) - 1))
+    warmup_ends = [values[5] for values in late_published[1:] if values[5] >= 0]
+    assert warmup_ends and set(warmup_ends) == {now_published[-1][5]}  # published once, never moved
+    # the same values, a step later, up to the immediate run's last step (which evaluates and saves)
+    assert late_published[1:len(now_published)] == now_published[:-1]
+    assert now_total <= max_time and late_total <= max_time
+    assert len(now) <= len(late) <= len(now) + 1
+    decay = late[t.warmup_steps:]
+    assert all(a >= b for a, b in zip(decay, decay[1:], strict=False))
+    assert late[-1] == pytest.approx(t.min_lr_ratio, abs=2e-3)
+
+
+def test_a_checkpoint_keeps_rank_0s_own_estimates_not_the_late_published_ones(monkeypatch):
+    """A GPU resume starts from what rank 0 measured, and continues as an uninterrupted run does."""
+    t = TrainConfig(max_time=200, max_steps=10**6, warmup_steps=5, eval_every=20, save_every=30)
+    monkeypatch.setattr("llm.train.time_budget._Broadcast", OneLateBroadcast)
+    straight, straight_total, _, _ = simulate(t, 1.1, eval_time=3.0, save_time=1.0, info=RANK_0_OF_2)
+    first, _, state, tag = simulate(t, 1.1, eval_time=3.0, save_time=1.0, kill_after=75, info=RANK_0_OF_2)
+    assert tag == 60
+    saved = state["budget"]
+    assert saved["step_seconds"] == pytest.approx(1.1) and saved["warmup_end"] == pytest.approx(5 * 1.1 + 3 + 1)
+    assert saved["eval_seconds"] == 3.0 and saved["save_seconds"] == 1.0
+    rest, total, _, _ = simulate(t, 1.1, eval_time=3.0, save_time=1.0, state=state, start=60, info=RANK_0_OF_2)
+    assert first[:60] + rest == pytest.approx(straight)
+    assert total == pytest.approx(straight_total) and total <= 200

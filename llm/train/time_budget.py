@@ -10,7 +10,8 @@ Every rank must use the same learning rate and stop after the same step, so rank
 step it publishes what it measured (elapsed time, seconds per step, seconds of an evaluation and of a
 checkpoint) in a broadcast; on the CPU the ranks read it at once, on a GPU one step later (copied to pinned memory
 behind an event, like the stop vote), so no step waits for the device. All decisions below use published values
-only.
+only; rank 0 keeps its own estimates apart and updates them from its own measurements alone (on a GPU what it
+reads back is a step late), and its checkpoints keep those.
 
     step_seconds   moving average of a step's wall time, evaluations and checkpoints excluded
     calibration    the first step after warmup (step 1 without warmup) evaluates and saves a checkpoint, whatever
@@ -53,13 +54,18 @@ class TimeBudget:
         self.eval_seconds: float | None = None
         self.save_seconds = 0.0
         self.warmup_end: float | None = 0.0 if self.warmup_steps == 0 else None
-        # rank 0's own measurements
+        # rank 0's own measurements and estimates: what it publishes, never read back from what was published
         self._base = 0.0
         self._session_start = self._iteration_start = 0.0
         self._overhead = 0.0
         self._measured_steps = 0
+        self._step_average = 0.0
         self._eval_measured: float | None = None
+        """The longest evaluation (with its samples) so far, or None before the first."""
         self._save_measured = 0.0
+        """The longest checkpoint so far."""
+        self._warmup_ended = self.warmup_end
+        """Training time at the end of warmup, None before it."""
         self._channel = _Broadcast(info, 6) if self.enabled and info.world_size > 1 else None
 
     @property
@@ -140,16 +146,13 @@ class TimeBudget:
         step_time = now - self._iteration_start - self._overhead
         self._iteration_start, self._overhead = now, 0.0
         self._measured_steps += 1
-        first = self._measured_steps == 1 and self.step_seconds == 0
-        average = step_time if first else (1 - SMOOTHING) * self.step_seconds + SMOOTHING * step_time
+        first = self._measured_steps == 1 and self._step_average == 0
+        self._step_average = step_time if first else (1 - SMOOTHING) * self._step_average + SMOOTHING * step_time
         elapsed = self._now()
-        warmup_end = self.warmup_end
-        if warmup_end is None and step >= self.warmup_steps:
-            warmup_end = elapsed
-        evaluation = max(self.eval_seconds or 0.0, self._eval_measured) if self._eval_measured is not None \
-            else self.eval_seconds
-        values = [elapsed, float(step), average, -1.0 if evaluation is None else evaluation,
-                  max(self.save_seconds, self._save_measured), -1.0 if warmup_end is None else warmup_end]
+        if self._warmup_ended is None and step >= self.warmup_steps:
+            self._warmup_ended = elapsed
+        values = [elapsed, float(step), self._step_average, _or_minus_one(self._eval_measured), self._save_measured,
+                  _or_minus_one(self._warmup_ended)]
         published = self._channel.exchange(values) if self._channel else values
         if published is not None:
             self._publish(published)
@@ -163,18 +166,29 @@ class TimeBudget:
     # ---- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any] | None:
-        """What a checkpoint keeps (rank 0 writes it): the elapsed time now and the estimates."""
+        """What a checkpoint keeps (rank 0 writes it): the elapsed time now and rank 0's own estimates (not the
+        published ones, a step late on a GPU)."""
         if not self.enabled:
             return None
-        return {"elapsed": self._now(), "max_time": self.max_time, "step_seconds": self.step_seconds,
-                "eval_seconds": self.eval_seconds, "save_seconds": self.save_seconds, "warmup_end": self.warmup_end}
+        return {"elapsed": self._now(), "max_time": self.max_time, "step_seconds": self._step_average,
+                "eval_seconds": self._eval_measured, "save_seconds": self._save_measured,
+                "warmup_end": self._warmup_ended}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Continue from a checkpoint's estimates: published at once on every rank (each reads the same
+        checkpoint), and rank 0's own, which it goes on updating."""
         if not state or not self.enabled:
             return
         self._base = self.elapsed = state["elapsed"]
-        self.step_seconds, self.eval_seconds = state["step_seconds"], state["eval_seconds"]
-        self.save_seconds, self.warmup_end = state["save_seconds"], state["warmup_end"]
+        self._step_average = self.step_seconds = state["step_seconds"]
+        self._eval_measured = self.eval_seconds = state["eval_seconds"]
+        self._save_measured = self.save_seconds = state["save_seconds"]
+        self._warmup_ended = self.warmup_end = state["warmup_end"]
+
+
+def _or_minus_one(seconds: float | None) -> float:
+    """A value that may be unknown, as broadcast: -1 for None (see `TimeBudget._publish`)."""
+    return -1.0 if seconds is None else seconds
 
 
 class _Broadcast:
