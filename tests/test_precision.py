@@ -22,6 +22,7 @@ from llm.train import checkpoint, metrics
 from llm.train import engine as engine_module
 from llm.train.ds_config_file import load_ds_config
 from llm.train.engine import loss_scale_of, resolve_ds_config, resolve_precision
+from llm.train.objectives import MicroStep
 from llm.train.steps import DataSteps
 from llm.train.trainer import Trainer
 
@@ -99,18 +100,78 @@ def test_fp16_training_on_the_cpu_is_one_clear_error_and_writes_nothing(pretrain
     assert not (run / "config.yaml").exists()
 
 
-class _FakeFP16Engine:
-    """Stands in for a DeepSpeed fp16 engine: what the trainer reads and restores of its loss scaler."""
+DYNAMIC_ARGS = {"init_scale": 2.0 ** 16, "scale_window": 1000, "delayed_shift": 2, "consecutive_hysteresis": False,
+                "min_scale": 1}
+"""DeepSpeed's dynamic loss scaling arguments (`dynamic_loss_scale_args`) for DYNAMIC_LOSS_SCALING."""
 
-    def __init__(self, scale: float) -> None:
-        self.optimizer = SimpleNamespace(cur_scale=scale, param_groups=[])
-        self.module = torch.nn.Module()  # no frozen parameters
+FP16_OPTIMIZERS = ("unfused", "fused", "zero", "zero3")
+"""DeepSpeed's four fp16 optimizers: without ZeRO FP16_UnfusedOptimizer (torch's AdamW) and FP16_Optimizer (fused
+Adam), with ZeRO DeepSpeedZeroOptimizer (stages 1-2) and DeepSpeedZeroOptimizer_Stage3."""
+
+
+def _fp16_optimizer(kind: str, module: torch.nn.Module, **dynamic):
+    """One of `FP16_OPTIMIZERS` over `module`'s parameters (torch's AdamW at lr 0 inside, so that the weights stay as
+    they are), with DYNAMIC_ARGS changed by `dynamic`. Without ZeRO the real optimizer, on the CPU; ZeRO's need an
+    accelerator to be built, so those are DeepSpeed's classes with only what their loss scale and param groups read:
+    their loss scaler, DeepSpeed's DynamicLossScaler."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    inner = torch.optim.AdamW(module.parameters(), lr=0.0)
+    args = {**DYNAMIC_ARGS, **dynamic}
+    if kind in ("unfused", "fused"):
+        cls = FP16_UnfusedOptimizer if kind == "unfused" else FP16_Optimizer
+        return cls(inner, dynamic_loss_scale=True, dynamic_loss_args=args, verbose=False)
+    zero = object.__new__(DeepSpeedZeroOptimizer if kind == "zero" else DeepSpeedZeroOptimizer_Stage3)
+    zero.optimizer, zero.custom_loss_scaler, zero.loss_scaler = inner, False, DynamicLossScaler(**args)
+    return zero
+
+
+def _scale_read_by_step(optimizer) -> float:
+    """The loss scale `optimizer`'s backward and step multiply and divide by: ZeRO's loss scaler's (stage_1_and_2.py,
+    stage3.py), else its LossScaleConfig's (fused_optimizer.py, unfused_optimizer.py)."""
+    holder = optimizer.loss_scaler if hasattr(optimizer, "loss_scaler") else optimizer.loss_scale_config
+    return holder.cur_scale
+
+
+class _FakeFP16Engine:
+    """Stands in for a DeepSpeed fp16 engine around `optimizer`, one of DeepSpeed's fp16 optimizers: what the
+    trainer calls, done as DeepSpeedEngine does it (backward and step go to the optimizer, and `_take_model_step`
+    keeps the optimizer's gradient norm)."""
+
+    def __init__(self, optimizer, module: torch.nn.Module | None = None) -> None:
+        self.optimizer = optimizer
+        self.module = torch.nn.Module() if module is None else module  # no frozen parameters
+        self._global_grad_norm = None
 
     def fp16_enabled(self) -> bool:
         return True
 
     def load_checkpoint(self, *args, **kwargs):
         return "loaded", {}
+
+    def __call__(self, *args):
+        return self.module(*args)
+
+    def train(self) -> None:
+        self.module.train()
+
+    def get_lr(self) -> list[float]:
+        return [self.optimizer.param_groups[0]["lr"]]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.optimizer.backward(loss)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self._global_grad_norm = self.optimizer._global_grad_norm
+        self.optimizer.zero_grad()
+
+    def get_global_grad_norm(self):
+        return self._global_grad_norm
 
 
 @pytest.fixture
@@ -120,10 +181,24 @@ def process_group_of_one():
     dist.destroy_process_group()
 
 
-def test_the_loss_scale_is_checkpointed_and_restored_on_resume(tmp_path, process_group_of_one):
+@pytest.fixture
+def deepspeed_group_of_one(process_group_of_one, monkeypatch):
+    """DeepSpeed's communication over the process group of one, as `setup_distributed` starts it on a CPU (without
+    the shared-memory op it would compile): DeepSpeed's fp16 optimizers ask it their rank and agree on overflows."""
+    import deepspeed
+
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", False)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+
+@pytest.mark.parametrize("kind", FP16_OPTIMIZERS)
+def test_the_loss_scale_is_checkpointed_and_restored_on_resume(tmp_path, deepspeed_group_of_one, kind):
+    """Every fp16 optimizer: only ZeRO's have `cur_scale`, which was read (an AttributeError at the first logged step
+    or checkpoint of an fp16 run without ZeRO) and set on resume (a new attribute nothing read: the resumed run
+    started from the initial scale again)."""
     cfg = build_config("demo", ["train.micro_batch_size=1"])
     info = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)
-    engine = _FakeFP16Engine(scale=2.0 ** 11)
+    engine = _FakeFP16Engine(_fp16_optimizer(kind, torch.nn.Linear(4, 3).half(), init_scale=2.0 ** 11))
     trainer = Trainer(cfg, tmp_path, info, engine, objective=None, steps=DataSteps(cfg, CPU), train_set=list(range(4)),
                       val_set=[], n_params=1)
     state = trainer.client_state(stopped_by_signal=False)
@@ -133,9 +208,9 @@ def test_the_loss_scale_is_checkpointed_and_restored_on_resume(tmp_path, process
     tag_dir.mkdir(parents=True)
     (tag_dir / "client_state.json").write_text(json.dumps({**state, "step": 7}))
     torch.save(checkpoint.rng_state(), rundir.rng_file(tmp_path, "global_step7", 0))
-    engine.optimizer.cur_scale = 65536.0  # a fresh engine starts from its initial scale
+    engine.optimizer.loss_scale = 65536.0  # a fresh engine starts from its initial scale
     trainer.resume("global_step7", universal=False)
-    assert engine.optimizer.cur_scale == 2048.0 and trainer.step == 7
+    assert _scale_read_by_step(engine.optimizer) == 2048.0 and trainer.step == 7
 
 
 def test_the_cpu_peak_stops_growing_its_matmul_once_one_takes_long_enough(monkeypatch):
@@ -214,3 +289,87 @@ def test_attention_flops_count_the_heads_width_where_head_dim_is_set_apart_from_
     params = cfg.parameter_count
     attention = metrics.flops_per_token(cfg, params, 4096) - 6 * metrics.matmul_params_per_token(cfg, params)
     assert attention == 12 * 2 * (16 * 128) * 4096
+
+
+class _SquareObjective:
+    """The mean square of a linear layer's output, in fp32 (as DeepSpeed's fp16 optimizers scale it)."""
+
+    token_mask = None
+
+    def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
+        return MicroStep(engine(batch["x"]).float().pow(2).mean(), torch.tensor(len(batch["x"])))
+
+
+def _fit(engine, run_dir, *sets: str) -> list[dict]:
+    """Train `engine` with the trainer's loop (`Trainer.fit`) for train.max_steps steps of one micro-batch, each the
+    same input; return its metrics.jsonl rows. Signals and checkpoints are left out."""
+    cfg = build_config("demo", ["train.micro_batch_size=1", "train.grad_accum=1", "train.log_every=1",
+                                "train.eval_every=0", "train.peak_tflops=1", *sets])
+    info = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)
+    x = torch.linspace(-1, 1, 4).half()
+    trainer = Trainer(cfg, run_dir, info, engine, _SquareObjective(), DataSteps(cfg, CPU), [{"x": x}] * 4, None,
+                      n_params=15)
+    trainer.preemption = SimpleNamespace(install=lambda: None, agreed=lambda: False, saved=lambda: None)
+    never = SimpleNamespace(due=lambda *args: False, after_step=lambda *args, **kwargs: None)
+    logger = metrics.MetricsLogger(cfg, info, n_params=15, start_step=0,
+                                   sink=metrics.MetricsSink(run_dir, cfg, trainer.run_id, 0))
+    trainer.fit(logger, never, watchdog=None)
+    return [json.loads(line) for line in (run_dir / rundir.METRICS_FILE).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("kind, window", [("unfused", 1), ("fused", 1000)])
+def test_the_logged_gradient_norm_is_of_the_unscaled_gradients(tmp_path, deepspeed_group_of_one, kind, window):
+    """fp16 without ZeRO: FP16_UnfusedOptimizer (torch's AdamW) keeps the norm of the gradients still multiplied by
+    the loss scale, and metrics.jsonl had a grad_norm 65536 times too high; FP16_Optimizer divides it itself. With
+    a scale window of 1 the unfused optimizer's second step doubles the scale before its gradients are unscaled:
+    the norm is divided by the scale they were computed with."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    reference = torch.nn.Linear(4, 3)
+    reference.load_state_dict(layer.half().state_dict())  # the same weights, in fp32
+    reference(torch.linspace(-1, 1, 4)).pow(2).mean().backward()
+    true_norm = torch.cat([p.grad.flatten() for p in reference.parameters()]).norm().item()
+
+    engine = _FakeFP16Engine(_fp16_optimizer(kind, layer, scale_window=window), layer)
+    rows = _fit(engine, tmp_path, "train.max_steps=2")
+    assert [row["grad_norm"] for row in rows] == pytest.approx([true_norm] * 2, rel=1e-2)
+    assert loss_scale_of(engine) == 2.0 ** 16 * (2 if window == 1 else 1)  # the second step doubled it
+
+
+class _OverflowingZeroEngine(_FakeFP16Engine):
+    """An fp16 ZeRO engine whose every step overflows: its optimizer updates its loss scale as ZeRO's step does on
+    overflowing gradients (stage_1_and_2.py `step`: `self._update_scale(self.overflow)`)."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer._update_scale(True)
+
+
+def test_gradients_overflowing_at_the_minimum_loss_scale_end_the_run_in_one_line(tmp_path, deepspeed_group_of_one):
+    """fp16 with ZeRO: at its minimum loss scale DeepSpeed's DynamicLossScaler raises a bare Exception from the
+    step, a traceback from every rank; the run ends as a diverged run does."""
+    layer = torch.nn.Linear(4, 3).half()
+    engine = _OverflowingZeroEngine(_fp16_optimizer("zero", layer, init_scale=4.0, delayed_shift=1), layer)
+    with pytest.raises(UserError) as raised:
+        _fit(engine, tmp_path, "train.max_steps=5")
+    assert str(raised.value) == (
+        "step 3: the gradients overflow even at the minimum fp16 loss scale, 1 (fp16.min_loss_scale): the weights, "
+        "gradients or activations overflowed; stopped without saving; no checkpoint was saved before: lower "
+        "train.lr, or change what made the run diverge")
+
+
+class _FailingZeroEngine(_OverflowingZeroEngine):
+    """An fp16 ZeRO engine whose step fails otherwise."""
+
+    def step(self) -> None:
+        raise Exception("Current loss scale is fine, but something else failed")  # bare, as DeepSpeed raises its own
+
+
+def test_another_exception_from_the_step_is_left_as_it_is(tmp_path, deepspeed_group_of_one):
+    layer = torch.nn.Linear(4, 3).half()
+    engine = _FailingZeroEngine(_fp16_optimizer("zero", layer), layer)
+    with pytest.raises(Exception, match="^Current loss scale is fine, but something else failed$") as raised:
+        _fit(engine, tmp_path, "train.max_steps=1")
+    assert type(raised.value) is Exception

@@ -29,6 +29,7 @@ from llm.train.ds_scheduler import resolve_scheduler, scheduler_name
 
 ensure_accelerator_env()
 import deepspeed  # noqa: E402 - after the accelerator is chosen
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer  # noqa: E402
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: E402
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum  # noqa: E402
 from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS  # noqa: E402
@@ -84,10 +85,44 @@ def resolve_precision(requested: str, device: torch.device) -> str:
 
 
 def loss_scale_of(engine) -> float | None:
-    """The current fp16 loss scale of an engine, None when it does not scale the loss."""
+    """The current fp16 loss scale of an engine, None when it does not scale the loss. Read as
+    `optimizer.loss_scale`, the one name all four of DeepSpeed's fp16 optimizers give it: only ZeRO's (stages 1-2
+    and 3) also call it `cur_scale`, which FP16_Optimizer and FP16_UnfusedOptimizer (fp16 without ZeRO; fused Adam,
+    or torch's AdamW) lack, so an fp16 run with --zero-stage 0 failed at its first logged step."""
     if not engine.fp16_enabled():
         return None
-    return float(engine.optimizer.cur_scale)
+    return float(engine.optimizer.loss_scale)
+
+
+def set_loss_scale(engine, scale: float) -> None:
+    """Continue an fp16 engine at loss scale `scale` (a resumed run's). `optimizer.loss_scale` is, in each of
+    DeepSpeed's fp16 optimizers, a property that sets what its backward and step read (ZeRO's `loss_scaler.cur_scale`,
+    the others' `loss_scale_config.cur_scale`); a `cur_scale` set on FP16_Optimizer or FP16_UnfusedOptimizer was a
+    new attribute that nothing read."""
+    engine.optimizer.loss_scale = scale
+
+
+def unscaled_grad_norm(engine, scale: float | None) -> float | None:
+    """The gradient norm of the engine's last optimizer step (None where DeepSpeed computes none), of the gradients
+    as the loss gave them. Under fp16 FP16_UnfusedOptimizer (no ZeRO, torch's AdamW: `"torch_adam": true`) keeps
+    the norm of the gradients still multiplied by the loss scale, where the fused and ZeRO optimizers divide it:
+    the logged norm was 65536 times too high at the start of a run. `scale`: the loss scale those gradients were
+    computed with (`loss_scale_of` before the step, which may change it)."""
+    norm = engine.get_global_grad_norm()
+    if norm is None or scale is None or not isinstance(engine.optimizer, FP16_UnfusedOptimizer):
+        return norm
+    return float(norm) / scale
+
+
+LOSS_SCALE_AT_MINIMUM = "Current loss scale already at minimum"
+"""How DeepSpeed says, in a bare Exception, that a step's gradients overflowed with the fp16 loss scale already at
+fp16.min_loss_scale: its DynamicLossScaler, which ZeRO's optimizers (stages 1-3) update in their step. (Without ZeRO
+the fp16 optimizers keep the scale at the minimum and skip the step.)"""
+
+
+def is_loss_scale_at_minimum(exc: BaseException) -> bool:
+    """Whether `exc` is DeepSpeed's `LOSS_SCALE_AT_MINIMUM` exception."""
+    return type(exc) is Exception and str(exc).startswith(LOSS_SCALE_AT_MINIMUM)
 
 
 def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, source: str = "DeepSpeed config",

@@ -22,7 +22,7 @@ import sys
 import uuid
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from llm.runtime.distributed import DistInfo, raise_together
 from llm.runtime.preemption import Preemption, data_loader_worker_init
 from llm.runtime.watchdog import Watchdog
 from llm.train import checkpoint
-from llm.train.engine import loss_scale_of
+from llm.train.engine import is_loss_scale_at_minimum, loss_scale_of, set_loss_scale, unscaled_grad_norm
 from llm.train.metrics import MetricsLogger, StepStats
 from llm.train.objectives import MicroStep
 from llm.train.samples import SampleGenerator
@@ -75,6 +75,9 @@ class Trainer:
         self._positions_since_log = 0
         self._generated_since_log = 0
         self._generation_seconds_since_log = 0.0
+        self._update_loss_scale: float | None = None
+        """fp16: the loss scale of the last optimizer update's gradients (the update may change it), to unscale
+        its gradient norm (`unscaled_grad_norm`)."""
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -88,7 +91,7 @@ class Trainer:
                            "with the data and train.seed it was trained on, or start a new run with --init-from "
                            f"{self.run_dir}", announce=self.dist.local_rank == 0)
         if state.get("loss_scale") is not None:  # fp16: continue with the scale the run had reached, exactly
-            self.engine.optimizer.cur_scale = state["loss_scale"]
+            set_loss_scale(self.engine, state["loss_scale"])
         self.budget.load_state_dict(state.get("time_budget"))
 
     def client_state(self, stopped_by_signal: bool) -> dict[str, Any]:
@@ -162,9 +165,24 @@ class Trainer:
         micro = self.objective(self.engine, batch)
         loss = self._micro_loss(micro, weight)
         self.engine.backward(loss)
-        self.engine.step()
+        self._engine_step()
         self._tokens_since_log += micro.loss_tokens
         return self._micro_values(loss, micro, weight)
+
+    def _engine_step(self) -> None:
+        """`engine.step()`. Under fp16 with ZeRO, DeepSpeed's loss scaler raises a bare Exception from it where the
+        gradients overflow with the loss scale already at its minimum (fp16.min_loss_scale), on every rank (the
+        overflow is agreed across ranks): the run diverged, and ends as such (`_stop_diverged`), with one line
+        instead of a traceback from every rank."""
+        try:
+            self.engine.step()
+            return
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it is DeepSpeed's at the minimum loss scale
+            if not is_loss_scale_at_minimum(exc):
+                raise
+        self._stop_diverged(self.step + 1, "the gradients overflow even at the minimum fp16 loss scale, "
+                            f"{loss_scale_of(self.engine):g} (fp16.min_loss_scale): the weights, gradients or "
+                            "activations overflowed")
 
     def train_step(self) -> tuple[torch.Tensor, StepBatches]:
         """One step: the step source's micro-batches, trained `updates_per_step` times (one optimizer step per
@@ -176,6 +194,7 @@ class Trainer:
         sums = None
         weights = self._token_weights(batches.micro_batches)
         for _ in range(self.steps.updates_per_step):
+            self._update_loss_scale = loss_scale_of(self.engine)
             for i, batch in enumerate(batches.micro_batches):
                 values = self._train_micro(batch, None if weights is None else weights[i])
                 sums = values if sums is None else sums + values
@@ -190,7 +209,8 @@ class Trainer:
         """End the run, on every rank, at a step whose loss or gradient norm is not a number (`loss`: the reduced
         loss of a logged step, or this rank's sums, then summed over the ranks), before a checkpoint of such weights
         replaces a good one: an infinite gradient makes the weights NaN (clipped by a factor of 0, or through Adam's
-        moments) even where the loss was finite. Under fp16 DeepSpeed skips such a step and lowers its loss scale."""
+        moments) even where the loss was finite. Under fp16 DeepSpeed skips such a step and lowers its loss scale, down
+        to its minimum (`_engine_step`)."""
         if loss_scale_of(self.engine) is not None:
             return
         if isinstance(loss, torch.Tensor):
@@ -201,14 +221,17 @@ class Trainer:
         norm = self.engine.get_global_grad_norm()
         for what, value in (("training loss", loss), ("gradient norm", None if norm is None else float(norm))):
             if value is not None and not math.isfinite(value):
-                newest = rundir.newest_complete_tag(self.run_dir, before_step=self.step)  # `latest` may be lost
-                advice = (f"the newest checkpoint, {newest}, is from before: resume from it with a lower train.lr "
-                          "(--resume auto --set train.lr=...), or change what made the run diverge"
-                          if newest else "no checkpoint was saved before: lower train.lr, or change what made the run "
-                          "diverge")
-                raise_together(f"step {self.step}: the {what} is {value} (no longer a number: the weights, gradients "
-                               f"or activations overflowed); stopped without saving; {advice}",
-                               announce=self.dist.local_rank == 0)
+                self._stop_diverged(self.step, f"the {what} is {value} (no longer a number: the weights, gradients "
+                                    "or activations overflowed)")
+
+    def _stop_diverged(self, step: int, what: str) -> NoReturn:
+        """End the run on every rank (a collective) with one line: step `step` diverged (`what`), and the newest
+        complete checkpoint from before it is the one to resume from with a lower learning rate."""
+        newest = rundir.newest_complete_tag(self.run_dir, before_step=step)  # `latest` may be lost
+        advice = (f"the newest checkpoint, {newest}, is from before: resume from it with a lower train.lr "
+                  "(--resume auto --set train.lr=...), or change what made the run diverge"
+                  if newest else "no checkpoint was saved before: lower train.lr, or change what made the run diverge")
+        raise_together(f"step {step}: {what}; stopped without saving; {advice}", announce=self.dist.local_rank == 0)
 
     def reduce_step(self, sums: torch.Tensor, batches: StepBatches) -> StepStats:
         """The step's means over micro-steps and ranks (its step-level metrics: over ranks), with the loss-bearing
@@ -284,7 +307,8 @@ class Trainer:
             with self.budget.overhead("eval" if eval_due else None):
                 val_loss = self.evaluate() if eval_due else None
                 samples = self.samples.generate(self.step) if eval_due and self.samples else None
-            logger.log(self.step, lr, stats, self.engine.get_global_grad_norm(), self.sampler.epoch, val_loss)
+            logger.log(self.step, lr, stats, unscaled_grad_norm(self.engine, self._update_loss_scale),
+                       self.sampler.epoch, val_loss)
             logger.log_samples(self.step, samples)
             stop = self.preemption.agreed()
             save_due = checkpointer.due(self.step, last or calibrate, stop)
