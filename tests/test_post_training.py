@@ -425,6 +425,12 @@ class _RecordingEngine:
     def step(self) -> None:
         pass
 
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return True
+
+    def fp16_enabled(self) -> bool:
+        return False
+
 
 def test_an_moe_load_balancing_loss_counts_every_micro_batch_alike(one_rank_group):
     """An SFT step's reply tokens are weighed across its micro-batches; an MoE model's load-balancing loss is each

@@ -173,6 +173,9 @@ class _FakeFP16Engine:
     def get_global_grad_norm(self):
         return self._global_grad_norm
 
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return True  # one micro-batch a step
+
 
 @pytest.fixture
 def process_group_of_one():
@@ -358,6 +361,24 @@ def test_gradients_overflowing_at_the_minimum_loss_scale_end_the_run_in_one_line
         "step 3: the gradients overflow even at the minimum fp16 loss scale, 1 (fp16.min_loss_scale): the weights, "
         "gradients or activations overflowed; stopped without saving; no checkpoint was saved before: lower "
         "train.lr, or change what made the run diverge")
+
+
+class _OverflowingEngine(_FakeFP16Engine):
+    """An fp16 engine without ZeRO whose every step overflows: its real optimizer sees infinite gradients."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss * float("inf"))
+
+
+@pytest.mark.parametrize("kind", ["unfused", "fused"])
+def test_gradients_overflowing_at_the_minimum_loss_scale_end_a_run_without_zero_too(tmp_path, deepspeed_group_of_one,
+                                                                                      kind):
+    """fp16 without ZeRO: FP16_Optimizer and FP16_UnfusedOptimizer keep the scale at its minimum and skip the step,
+    and every later one: the run went on to its last step training nothing, and saved that."""
+    layer = torch.nn.Linear(4, 3).half()
+    engine = _OverflowingEngine(_fp16_optimizer(kind, layer, init_scale=4.0, delayed_shift=1), layer)
+    with pytest.raises(UserError, match=r"^step 3: the gradients overflow even at the minimum fp16 loss scale, 1 "):
+        _fit(engine, tmp_path, "train.max_steps=5")
 
 
 class _FailingZeroEngine(_OverflowingZeroEngine):

@@ -125,6 +125,16 @@ def is_loss_scale_at_minimum(exc: BaseException) -> bool:
     return type(exc) is Exception and str(exc).startswith(LOSS_SCALE_AT_MINIMUM)
 
 
+def overflowed_at_minimum_scale(engine, scale: float | None) -> bool:
+    """Whether the fp16 optimizer step just taken without ZeRO (FP16_Optimizer, FP16_UnfusedOptimizer: their
+    `loss_scale_config`) skipped overflowing gradients computed at `scale` (`loss_scale_of` before the step), the
+    dynamic loss scale's minimum; where ZeRO's would raise `LOSS_SCALE_AT_MINIMUM`, these skip every step from there
+    on."""
+    config = getattr(engine.optimizer, "loss_scale_config", None) if scale is not None else None
+    return (config is not None and config.dynamic_loss_scale and bool(getattr(engine.optimizer, "overflow", False))
+            and scale <= config.min_loss_scale)
+
+
 def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, source: str = "DeepSpeed config",
                       zero_stage: int | None = None) -> dict[str, Any]:
     """Fill "auto" values from the run config; refuse values that contradict it, sections that are not objects, an

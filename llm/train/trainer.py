@@ -36,7 +36,13 @@ from llm.runtime.distributed import DistInfo, raise_together
 from llm.runtime.preemption import Preemption, data_loader_worker_init
 from llm.runtime.watchdog import Watchdog
 from llm.train import checkpoint
-from llm.train.engine import is_loss_scale_at_minimum, loss_scale_of, set_loss_scale, unscaled_grad_norm
+from llm.train.engine import (
+    is_loss_scale_at_minimum,
+    loss_scale_of,
+    overflowed_at_minimum_scale,
+    set_loss_scale,
+    unscaled_grad_norm,
+)
 from llm.train.metrics import MetricsLogger, StepStats
 from llm.train.objectives import MicroStep
 from llm.train.samples import SampleGenerator
@@ -170,16 +176,19 @@ class Trainer:
         return self._micro_values(loss, micro, weight)
 
     def _engine_step(self) -> None:
-        """`engine.step()`. Under fp16 with ZeRO, DeepSpeed's loss scaler raises a bare Exception from it where the
-        gradients overflow with the loss scale already at its minimum (fp16.min_loss_scale), on every rank (the
-        overflow is agreed across ranks): the run diverged, and ends as such (`_stop_diverged`), with one line
-        instead of a traceback from every rank."""
+        """`engine.step()`. Gradients that overflow with the fp16 loss scale already at its minimum
+        (fp16.min_loss_scale) mean the run diverged, and it ends as such (`_stop_diverged`), on every rank (the
+        overflow is agreed across ranks): with ZeRO, DeepSpeed's loss scaler raises a bare Exception from the step
+        (a traceback from every rank); without, its optimizer skipped that step and every later one, silently."""
+        scale = loss_scale_of(self.engine) if self.engine.is_gradient_accumulation_boundary() else None
         try:
             self.engine.step()
-            return
         except Exception as exc:  # noqa: BLE001 - re-raised unless it is DeepSpeed's at the minimum loss scale
             if not is_loss_scale_at_minimum(exc):
                 raise
+        else:
+            if not overflowed_at_minimum_scale(self.engine, scale):
+                return
         self._stop_diverged(self.step + 1, "the gradients overflow even at the minimum fp16 loss scale, "
                             f"{loss_scale_of(self.engine):g} (fp16.min_loss_scale): the weights, gradients or "
                             "activations overflowed")
