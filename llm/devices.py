@@ -46,12 +46,13 @@ def resolve(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, to
 
 
 def place(model: Transformer, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """Move `model` to `device` and cast its parameters to `dtype`; buffers keep their precision (the RoPE tables
-    stay fp32, as rotations in bf16 would lose the position information of far tokens). A model trained with our
+    """Cast `model`'s parameters to `dtype` where they are (the host, for a loaded model), then move it to `device`;
+    buffers keep their precision (the RoPE tables stay fp32, as rotations in bf16 would lose the position information
+    of far tokens). Cast first: moved first, the device would hold the whole fp32 model before the cast (an imported
+    8B model: 32 GB where bf16 needs 16 GB, out of memory on a 24 GB card it fits in). A model trained with our
     Triton kernels (model.kernels=triton, on a GPU) runs PyTorch's ops where they cannot run (a CPU, a Mac)."""
     if model.cfg.kernels == "triton" and not triton_runs_on(device):
         model.use_kernels("auto")
-    model.to(device)
     for param in model.parameters():
         param.data = param.data.to(dtype)
-    return model
+    return model.to(device)

@@ -99,3 +99,26 @@ def test_more_ranks_than_gpus_on_a_node_is_one_line_naming_both(monkeypatch, loc
                                  "zerollm launch, --nproc-per-node 1), or make more GPUs visible "
                                  "(CUDA_VISIBLE_DEVICES)")
     assert raised.value.announce is announced and chosen == []  # printed by one rank of the node
+
+
+def test_place_never_holds_an_fp32_copy_of_a_parameter_on_the_device():
+    """Moved before the cast, the device held the whole fp32 model for a moment (an imported 8B model: 32 GB where
+    bf16 needs 16 GB). The meta device stands for the GPU: every tensor made there is recorded as it is made."""
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
+
+    made = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            made.extend(t for t in (out if isinstance(out, tuple | list) else [out])
+                        if isinstance(t, torch.Tensor) and t.device.type == "meta")
+            return out
+
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16))
+    buffers = sum(b.numel() for b in model.buffers())
+    with Record():
+        devices.place(model, torch.device("meta"), torch.bfloat16)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert sum(t.numel() for t in made if t.dtype == torch.float32) == buffers  # the RoPE tables, nothing else
