@@ -63,7 +63,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         mask = mask.tril(diagonal=seq_k - seq_q)
     if segment_ids is not None:
         mask = mask & same_segment(segment_ids)
+    k, v, gqa = grouped_kv(q, k, v, mask, q.device.type)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def grouped_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+               device_type: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(k, v, enable_gqa) for an SDPA call on `device_type` where k/v may have fewer heads than q (GQA).
+
+    On CUDA, torch documents `enable_gqa` for its flash and math backends only, and flash takes no mask: a masked
+    GQA call (batched generation over left-padded prompts, GRPO's rollouts) ran on the math backend, which builds
+    the fp32 scores [batch, heads, seq_q, seq_k] of every layer (64 rows x 16 heads x 2k tokens: 16 GiB). So there
+    k/v are repeated to q's head count (query head h reads k/v head h // group, the grouping `enable_gqa` uses) and
+    the call, without `enable_gqa`, may take the memory-efficient backend: a copy of k/v instead of the scores. On
+    the CPU the flash kernel takes a mask with `enable_gqa`, and without a mask flash takes it on CUDA."""
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and attn_mask is not None and device_type == "cuda":
+        group = q.shape[1] // k.shape[1]
+        return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
+    return k, v, gqa
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -26,12 +26,12 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     """SDPA with a boolean `attn_mask` `[batch, 1, seq_q, seq_k]` (True = may attend) and/or dropout; the causal
     mask (bottom-right aligned) is combined with `attn_mask` when `causal`."""
     seq_q, seq_k = q.shape[-2], k.shape[-2]
-    gqa = q.shape[1] != k.shape[1]
     causal = causal and seq_q > 1
     if causal and (attn_mask is not None or seq_q != seq_k):
         tril = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril(diagonal=seq_k - seq_q)
         attn_mask = tril if attn_mask is None else attn_mask & tril
         causal = False
+    k, v, gqa = reference.grouped_kv(q, k, v, attn_mask, q.device.type)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal,
                                           scale=scale, enable_gqa=gqa)
 

@@ -384,6 +384,38 @@ def test_attn_mask_and_dropout_route_to_sdpa(seed):
     assert torch.equal(runs[0], runs[1]) and not torch.allclose(runs[0], kernels.attention(q, k, v), atol=1e-3)
 
 
+
+@pytest.mark.parametrize("seq_q", [1, 5])  # a decode step, a prefill over left-padded prompts
+def test_masked_gqa_on_cuda_repeats_kv_so_sdpa_can_leave_the_math_backend(monkeypatch, seq_q, seed):
+    """torch documents enable_gqa for the flash and math backends only, and flash takes no mask: a masked GQA call
+    (batched generation over padded prompts; a prefill on top of a KV cache, which the reference path masks) ran on
+    the math backend, its fp32 scores [b, h, s_q, s_k] in memory. Here the CUDA branch runs on CPU tensors: k/v
+    come with q's head count, no enable_gqa, and the same output."""
+    q, k, v = torch.randn(3, 8, seq_q, 64), torch.randn(3, 2, 9, 64), torch.randn(3, 2, 9, 64)
+    mask = torch.ones(3, 1, seq_q, 9, dtype=torch.bool)
+    mask[0, :, :, :4] = False  # left padding of the first prompt
+    paths = {"padded": lambda: torch_attention.masked_attention(q, k, v, True, None, mask, 0.0),
+             "on a cache": lambda: reference.attention(q, k, v, causal=True)}
+    expected = {name: path() for name, path in paths.items()}
+    assert reference.grouped_kv(q, k, v, mask, "cpu")[2]  # the CPU's flash kernel takes a mask with GQA
+    assert reference.grouped_kv(q, k, v, None, "cuda")[2]  # and CUDA's without a mask
+    calls = []
+    sdpa, grouped_kv = torch.nn.functional.scaled_dot_product_attention, reference.grouped_kv
+
+    def recorded(q, k, v, **kwargs):
+        calls.append((k.shape[1], v.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    monkeypatch.setattr(reference, "grouped_kv", lambda q, k, v, mask, _: grouped_kv(q, k, v, mask, "cuda"))
+    for name, path in paths.items():
+        calls.clear()
+        got = path()
+        unmasked = seq_q == 1 and name == "on a cache"  # a decode step sees every key: no mask, flash takes GQA
+        assert calls == [(2, 2, True) if unmasked else (8, 8, False)], name
+        assert torch.allclose(got, expected[name], atol=1e-6), (name, seed)
+
+
 # ---- dispatch ---------------------------------------------------------------------------------
 
 def test_auto_means_torch_on_the_cpu_even_when_interpreting():
