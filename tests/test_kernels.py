@@ -516,6 +516,26 @@ def test_peak_tflops_table_matches_device_names_and_dtypes():
     assert math.isnan(peak_tflops("Some Future GPU", torch.bfloat16))
 
 
+
+@pytest.mark.parametrize("name, half, single", [  # as torch.cuda.get_device_name() spells them
+    ("Tesla V100-SXM2-32GB", 125.0, 15.7), ("Tesla V100-PCIE-16GB", 112.0, 14.0),
+    ("Tesla V100S-PCIE-32GB", 130.0, 16.4), ("Tesla T4", 65.0, 8.1), ("NVIDIA A10G", 70.0, 35.0),
+    ("NVIDIA A10", 125.0, 31.2), ("NVIDIA A30", 165.0, 10.3), ("NVIDIA A40", 149.7, 37.4),
+    ("NVIDIA A100-SXM4-40GB", 312.0, 19.5), ("NVIDIA A100 80GB PCIe", 312.0, 19.5),
+    ("NVIDIA RTX A6000", 154.8, 38.7), ("NVIDIA RTX A5000", 111.1, 27.8), ("NVIDIA RTX A4000", 76.7, 19.2),
+    ("NVIDIA L4", 121.0, 30.3), ("NVIDIA L40", 181.05, 90.5), ("NVIDIA L40S", 362.05, 91.6),
+    ("NVIDIA RTX 6000 Ada Generation", 364.2, 91.1), ("NVIDIA GeForce RTX 4090", 165.2, 82.6),
+    ("NVIDIA GeForce RTX 3090", 71.0, 35.6), ("NVIDIA H100 80GB HBM3", 989.5, 67.0),
+    ("NVIDIA H100 NVL", 835.5, 60.0), ("NVIDIA H200 NVL", 835.5, 60.0), ("NVIDIA GH200 480GB", 989.5, 67.0),
+    ("NVIDIA H800 PCIe", 756.0, 51.2), ("NVIDIA H20", 148.0, 44.0), ("NVIDIA B200", 2250.0, 75.0),
+    ("NVIDIA GB200", 2500.0, 80.0),
+])
+def test_common_gpus_have_their_dense_peaks(name, half, single):
+    """A GPU missing from the table, or missed by its pattern (AWS's A10G by the A10's), had an MFU of NaN."""
+    assert (peak_tflops(name, torch.bfloat16), peak_tflops(name, torch.float16)) == (half, half)
+    assert peak_tflops(name, torch.float32) == single
+
+
 # ---- the model ---------------------------------------------------------------------------------
 
 def test_tiny_model_trains_the_same_with_triton_and_torch_kernels(seed):
