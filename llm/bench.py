@@ -11,8 +11,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -87,6 +89,13 @@ class TrainFigures:
     """Steps measured: --steps, or fewer where train.max_time ended the job sooner."""
 
 
+def _median(values: Iterable[Any]) -> float:
+    """The median of the numbers among `values`; NaN where there is none (metrics.jsonl holds null for a value that
+    is not a number, such as the MFU of a GPU whose peak is unknown)."""
+    numbers = [v for v in values if rundir.is_number(v)]
+    return statistics.median(numbers) if numbers else math.nan
+
+
 def _train_job(command: list[str], run: Path, warmup: int, cfg: RunConfig) -> TrainFigures | int:
     """Run a training command; its figures, or its exit code when it failed."""
     code = subprocess.run(command, check=False).returncode
@@ -99,7 +108,7 @@ def _train_job(command: list[str], run: Path, warmup: int, cfg: RunConfig) -> Tr
         raise UserError(f"the job stopped after {len(rows)} step(s), within the {warmup} warm-up steps "
                         f"(train.max_time={cfg.train.max_time}): nothing was measured; raise train.max_time or "
                         "leave it out")
-    return TrainFigures(*(statistics.median(r[key] for r in measured)
+    return TrainFigures(*(_median(r.get(key) for r in measured)
                           for key in ("tokens_per_sec", "loss_tokens_per_sec", "mfu")),
                         max(r["peak_mem_mb"] for r in measured), *trainable_parameters(cfg), len(measured))
 
@@ -158,7 +167,7 @@ def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int 
              ("tokens/s", lambda f: f"{f.tokens_per_sec:,.0f}"),
              ("s/step", lambda f: f"{tokens_per_step / f.tokens_per_sec:.3f}"),
              ("loss-bearing tokens/s", lambda f: f"{f.loss_tokens_per_sec:,.0f}"),
-             ("MFU", lambda f: f"{f.mfu:.3f}"),
+             ("MFU", lambda f: f"{f.mfu:.3f}" if math.isfinite(f.mfu) else "n/a"),
              ("peak memory (MiB)", lambda f: f"{f.peak_mem_mb:,.0f}")]
     print(f"  {'':24}" + "".join(f"{name:>20}" for name in figures))
     for label, show in lines:

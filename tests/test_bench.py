@@ -1,14 +1,18 @@
 """`zerollm bench generate` and `bench train`: what they measure and report (benchmarks are commands: these tests
 check the figures' bookkeeping, never a speed)."""
 
+import json
+import math
 import re
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import TINY, run_cli
-from llm.config import ModelConfig
+from llm import rundir
+from llm.config import ModelConfig, build_config
 from llm.export import export_model
 from llm.model import Transformer
 
@@ -73,3 +77,16 @@ def test_bench_train_reports_the_steps_it_measured():
     assert _measured({"": figures(3)}, 20) == "3 steps (of --steps 20: train.max_time ended the job sooner)"
     assert _measured({"a": figures(1), "b": figures(4)}, 4) == \
         "1 / 4 steps (of --steps 4: train.max_time ended the job sooner)"
+
+
+def test_bench_train_takes_the_medians_of_the_numbers_a_run_logged(tmp_path):
+    """metrics.jsonl holds null for a value that is not a number (the MFU of a GPU missing from the peak table, with
+    no train.peak_tflops): the median over it was a TypeError."""
+    from llm.bench import _train_job
+
+    rows = [{"step": step, "tokens_per_sec": 100.0 * step, "loss_tokens_per_sec": 50.0, "mfu": None,
+             "peak_mem_mb": 10.0 + step} for step in (1, 2, 3)]
+    (tmp_path / rundir.METRICS_FILE).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    figures = _train_job([sys.executable, "-c", ""], tmp_path, warmup=0, cfg=build_config("demo", ["model.vocab_size=512"]))
+    assert (figures.tokens_per_sec, figures.loss_tokens_per_sec, figures.peak_mem_mb) == (200.0, 50.0, 13.0)
+    assert math.isnan(figures.mfu) and figures.steps == 3

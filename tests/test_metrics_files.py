@@ -123,3 +123,23 @@ def test_a_wandb_without_its_credential_helpers_leaves_the_key_to_wandb_init(mon
     monkeypatch.setitem(sys.modules, "wandb.sdk.lib.wbauth", None)
     monkeypatch.delattr(wandb.sdk.lib, "wbauth")
     check_wandb("online")
+
+
+def _refuse(constant):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def test_a_value_that_is_not_a_finite_number_is_written_as_null(tmp_path):
+    """The MFU of a GPU with no known peak (NaN) and the gradient norm of an fp16 step DeepSpeed skipped (inf) were
+    written as bare NaN / Infinity: not JSON to jq, JavaScript or pandas' strict readers. Null, as `eval --json`."""
+    sink = MetricsSink(tmp_path, _config(), "run", start_step=0)
+    sink.log({"step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": float("inf"), "mfu": float("nan"),
+              "reward/std": float("-inf"), "epoch": 0})
+    sink.log({"step": 2, "loss": 2.25, "lr": 1e-3, "grad_norm": 0.5, "mfu": 0.25, "epoch": 0})
+    lines = (tmp_path / rundir.METRICS_FILE).read_text().splitlines()
+    rows = [json.loads(line, parse_constant=_refuse) for line in lines]
+    assert rows[0] == {"step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": None, "mfu": None, "reward/std": None,
+                       "epoch": 0}
+    assert rows[1]["grad_norm"] == 0.5 and rows[1]["mfu"] == 0.25
+    MetricsSink(tmp_path, _config(), "run", start_step=1)  # a resume from step 1 keeps its row, drops step 2's
+    assert (tmp_path / rundir.METRICS_FILE).read_text().splitlines() == lines[:1]

@@ -242,3 +242,23 @@ def test_a_failed_write_leaves_the_earlier_picture_and_no_partial_file(tmp_path)
         plot_runs([run], out)
     assert str(error.value) == f"--out {out}: cannot write it ({os.strerror(errno.EFBIG)})"
     assert out.read_bytes() == b"the earlier picture" and list(out.parent.iterdir()) == [out]
+
+
+def test_a_run_whose_rows_hold_null_is_drawn_without_those_points(tmp_path):
+    """metrics.jsonl writes a value that is not a finite number as null (an unknown GPU's MFU, a skipped fp16
+    step's gradient norm): the plot leaves that point out and draws the rest."""
+    from llm.config import build_config
+    from llm.plot import read_run
+    from llm.train.metrics import MetricsSink
+
+    run = fake_run(tmp_path / "a", 4, 1.0)
+    (run / "metrics.jsonl").unlink()
+    sink = MetricsSink(run, build_config("demo"), "run", start_step=0)
+    for step, loss in enumerate([3.0, float("nan"), 2.0, 1.5], start=1):
+        sink.log({"step": step, "loss": loss, "lr": 1e-3, "grad_norm": float("inf"), "mfu": float("nan"),
+                  "tokens_per_sec": 1000.0 + step})
+    assert read_run(run).points("loss", "step") == ([1, 3, 4], [3.0, 2.0, 1.5])
+    out = tmp_path / "runs.png"
+    result = run_cli("plot", run, "--out", out)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "Traceback" not in result.stderr

@@ -11,6 +11,7 @@ the threads each rank uses (so CPU MFU reads "share of what this machine's matmu
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
@@ -130,6 +131,20 @@ def _truncate_after(path: Path, step: int) -> None:
     durable.write_text(path, "".join(kept))
 
 
+def strict_json(value: Any) -> Any:
+    """`value` with every number that is not finite as None: a row of metrics.jsonl is strict JSON, as `zerollm eval
+    --json` writes it. The MFU of a GPU whose peak is unknown is NaN, the gradient norm of an fp16 step DeepSpeed
+    skipped is inf, and json.dumps writes them as bare NaN / Infinity, which jq, JavaScript and pandas' strict readers
+    refuse. Readers take null as "no value" (`zerollm plot` leaves the point out); wandb still gets the number."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(item) for item in value]
+    return value
+
+
 NO_WANDB_KEY = "wandb: no API key configured; run `wandb login`, set WANDB_API_KEY, or pass --wandb offline"
 
 
@@ -197,7 +212,7 @@ class MetricsSink:
 
     def log(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(strict_json(row), allow_nan=False) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
 
