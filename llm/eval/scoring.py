@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from llm.model import Transformer
+from llm.model.token_losses import cross_entropy
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,8 @@ def score_sequences(model: Transformer, sequences: Sequence[np.ndarray], scored:
             mask[row, n - count:n] = True
             mask[row, [p - 1 for p in positions]] = False  # position p is target p - 1
         tokens, targets, mask = tokens.to(device), targets.to(device), mask.to(device)
-        logits = model(tokens).logits.float()
-        nats = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape).double()
+        logits = model(tokens).logits
+        nats = cross_entropy(logits, targets).double()  # a chunk of positions at a time, in fp32
         nats = (nats * mask).sum(1)
         greedy = ((logits.argmax(-1) == targets) | ~mask).all(1)
         for value, is_greedy, count in zip(nats.tolist(), greedy.tolist(), mask.sum(1).tolist(), strict=True):

@@ -13,13 +13,13 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import kernels
 from llm.config import ModelConfig
 from llm.model.kv_cache import KVCache
 from llm.model.moe import MoEFeedForward
 from llm.model.rope import rope_tables, segment_positions
+from llm.model.token_losses import cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -209,8 +209,9 @@ class Transformer(nn.Module):
 
 
 def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
-    """Mean token cross-entropy in fp32 over positions where loss_mask is 1 (all positions without a mask)."""
-    per_token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    """Mean token cross-entropy in fp32 over positions where loss_mask is 1 (all positions without a mask), a chunk
+    of positions at a time (`llm.model.token_losses`)."""
+    per_token = cross_entropy(logits, targets).reshape(-1)
     if loss_mask is None:
         return per_token.mean()
     mask = loss_mask.reshape(-1).to(per_token.dtype)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from llm.config import GRPOConfig
+from llm.model.token_losses import forward_kl, target_logps
 from llm.model.transformer import masked_cross_entropy
 
 
@@ -67,9 +68,9 @@ def real_tokens(mask: torch.Tensor) -> torch.Tensor:
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(target) at every position `[batch, seq]`, in fp32, of the distribution softmax(logits / temperature)."""
-    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    """log p(target) at every position `[batch, seq]`, in fp32, of the distribution softmax(logits / temperature), a
+    chunk of positions at a time (`llm.model.token_losses`)."""
+    return target_logps(logits, targets, temperature)
 
 
 def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -177,9 +178,7 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     The forward KL sums over the whole vocabulary; T^2 keeps its gradients the size of the cross-entropy's as T
     grows (the softened distributions' gradients shrink by 1/T^2)."""
     ce = masked_cross_entropy(student_logits, targets, loss_mask)
-    teacher_logps = torch.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    student_logps = torch.log_softmax(student_logits.float() / temperature, dim=-1)
-    per_token = F.kl_div(student_logps, teacher_logps, log_target=True, reduction="none").sum(-1)
+    per_token = forward_kl(student_logits, teacher_logits, temperature)
     if loss_mask is None:
         kl = per_token.mean()
     else:
