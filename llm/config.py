@@ -256,6 +256,10 @@ class GRPOConfig:
     reward_timeout_s: float = 600.0
     """Seconds the rewards of one rollout may take on a rank, every term together; longer ends the run in one line
     (a reward that hangs held the run, which a stop signal lets finish its step first). 0: no limit."""
+    rollout_batch_size: int = 0
+    """Completions generated per call of the generator, in whole groups (a multiple of group_size); 0: at most
+    train.micro_batch_size (one group where a group is larger). The generator's KV cache holds one call's rows x
+    (longest prompt + max_new_tokens) positions; larger calls decode faster on a GPU where the memory allows."""
     rollout_model: str = "gathered"
     """What generates the rollouts under ZeRO-3 (under ZeRO 0-2 the engine's own module does, holding the full
     parameters): 'gathered' (the parameters are gathered once per rollout into a hook-free view of the model and
@@ -595,7 +599,7 @@ NUMBER_RANGES: dict[str, Bounds] = {
     "grpo.group_size": POSITIVE, "grpo.max_new_tokens": POSITIVE, "grpo.temperature": POSITIVE,
     "grpo.top_k": NON_NEGATIVE, "grpo.top_p": Bounds(0, 1, low_open=True), "grpo.updates_per_batch": POSITIVE,
     "grpo.clip_low": BELOW_ONE, "grpo.clip_high": NON_NEGATIVE, "grpo.kl_coef": NON_NEGATIVE,
-    "grpo.reward_timeout_s": NON_NEGATIVE,
+    "grpo.reward_timeout_s": NON_NEGATIVE, "grpo.rollout_batch_size": NON_NEGATIVE,
     "lora.r": NON_NEGATIVE, "lora.alpha": POSITIVE, "lora.dropout": BELOW_ONE,
 }
 """The range of every int and float config key (None, where a key allows it, is not checked); train.max_time is a
@@ -655,6 +659,9 @@ def validate_grpo(cfg: RunConfig) -> None:
     _require(completions % g.group_size == 0,
              f"train.micro_batch_size * train.grad_accum ({completions}) completions per rank must be a multiple of "
              f"grpo.group_size ({g.group_size})")
+    _require(g.rollout_batch_size % g.group_size == 0,
+             f"grpo.rollout_batch_size ({g.rollout_batch_size}) must be a multiple of grpo.group_size "
+             f"({g.group_size}), or 0 for at most train.micro_batch_size completions per generation call")
     _require(0 < g.max_new_tokens < cfg.data.seq_len,
              f"grpo.max_new_tokens ({g.max_new_tokens}) must be positive and below data.seq_len ({cfg.data.seq_len}), "
              "which bounds prompt + completion")

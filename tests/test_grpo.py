@@ -535,3 +535,110 @@ def test_bad_prompts_and_rewards_are_one_line_errors_before_training(policy, pro
     assert code == 2 and message in stderr, stderr[-2000:]
     assert stderr.count("zerollm: error:") == 1 and "Traceback" not in stderr
     assert not (tmp_path / "run").exists()
+
+
+# ---- rollouts generated a micro-batch at a time -------------------------------------------------------------------
+
+def _rollouts(policy, prompt_dir, micro, accum, group, *overrides):
+    """GRPO's step source in this process on one rank, as under ZeRO-2 (the engine's own module generates), and the
+    prompts of its first step."""
+    from llm.runtime.distributed import DistInfo
+    cfg = build_config("demo", [*TINY, *GRPO_SETTINGS, "model.init_std=0.2", "train.stage=grpo",
+                                f"train.init_from={policy}", f"grpo.prompts={prompt_dir / 'prompts.jsonl'}",
+                                "grpo.reward=length", f"train.micro_batch_size={micro}", f"train.grad_accum={accum}",
+                                f"grpo.group_size={group}", *overrides])
+    tokenizer, reward, prompts = rollout.grpo_inputs(cfg)
+    torch.manual_seed(0)
+    engine = SimpleNamespace(module=Transformer(cfg.model).eval(), zero_optimization_stage=lambda: 2)
+    info = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    source = rollout.Rollouts(cfg, info, engine, tokenizer, reward)
+    return cfg, source, [prompts[i] for i in range(source.draw_size)]
+
+
+def _generation_calls(monkeypatch):
+    """The (rows, seed) of every generation call from now on."""
+    from llm.infer.generate import TextGenerator
+    calls, token_steps = [], TextGenerator.token_steps
+
+    def recorded(self, prompts, params, use_cache=True):
+        calls.append((len(prompts), params.seed))
+        return token_steps(self, prompts, params, use_cache)
+
+    monkeypatch.setattr(TextGenerator, "token_steps", recorded)
+    return calls
+
+
+def test_the_rollout_batch_size_is_whole_groups():
+    base = ["train.stage=grpo", "train.init_from=x", "grpo.prompts=p.jsonl", "grpo.group_size=4"]
+    with pytest.raises(UserError, match=r"grpo.rollout_batch_size \(6\) must be a multiple of grpo.group_size \(4\)"):
+        build_config("demo", [*base, "grpo.rollout_batch_size=6"])
+    assert build_config("demo", [*base, "grpo.rollout_batch_size=8"]).grpo.rollout_batch_size == 8
+
+
+@pytest.mark.parametrize("micro, accum, group, chunk, rows", [
+    (8, 2, 4, 0, [8, 8]), (4, 4, 8, 0, [8, 8]), (12, 2, 8, 0, [8, 8, 8]), (16, 1, 8, 0, [16]),
+    (8, 2, 4, 16, [16]), (8, 2, 4, 4, [4, 4, 4, 4])])
+def test_rollouts_are_generated_at_most_a_micro_batch_at_a_time(policy, prompt_dir, monkeypatch, micro, accum, group,
+                                                                chunk, rows):
+    """A step's completions were one generation call, whose KV cache holds rows x (longest prompt + max_new_tokens)
+    positions: it grew with train.grad_accum (an 8B policy at micro 8 x accum 8 with 1k + 4k tokens: 40 GiB), and a
+    lower micro-batch with more accumulation, the usual remedy, changed nothing. Now whole groups, at most
+    max(micro_batch_size, group_size) rows a call (or grpo.rollout_batch_size), put back together in order."""
+    chunk_set = [f"grpo.rollout_batch_size={chunk}"] if chunk else []  # 0: the default, as the user sets nothing
+    cfg, source, drawn = _rollouts(policy, prompt_dir, micro, accum, group, *chunk_set)
+    calls = _generation_calls(monkeypatch)
+    batches = source.step_batches(lambda: drawn, 3)
+    assert [n for n, _ in calls] == rows
+    assert [len(b["tokens"]) for b in batches.micro_batches] == [micro] * accum
+    tokens = [row for b in batches.micro_batches for row in b["tokens"].tolist()]
+    for row, prompt in zip(tokens, [p for p in drawn for _ in range(group)], strict=True):  # in order, `group` each
+        assert row[:len(prompt.ids)] == prompt.ids
+    lengths = torch.cat([b["mask"].sum(1) for b in batches.micro_batches])
+    assert len(lengths) == micro * accum and lengths.min() >= 1
+    assert batches.generated_tokens == int(lengths.sum())  # the rollout tokens/s counts every chunk's tokens
+    advantages = torch.cat([b["advantages"] for b in batches.micro_batches])
+    torch.testing.assert_close(advantages, group_advantages(-lengths.float() / cfg.grpo.max_new_tokens, group, True))
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_each_chunk_samples_as_one_generation_call_with_its_seed(policy, prompt_dir, accum):
+    """One chunk (train.grad_accum 1) samples exactly what the step's single generation call did (the measured
+    examples and the demo depend on it); with more, chunk i takes word i of the step's seed sequence."""
+    import numpy as np
+
+    from llm.infer.generate import TextGenerator
+    from llm.infer.sampling import SamplingParams
+    cfg, source, drawn = _rollouts(policy, prompt_dir, 8, accum, 4)
+    ids = [p.ids for p in drawn for _ in range(4)]
+    completions, texts = source._sample(ids, 5)
+    g, generator = cfg.grpo, TextGenerator(source.engine.module, source.tokenizer)
+    seeds = np.random.SeedSequence([cfg.train.seed, 0, 5]).generate_state(accum)
+    expected = []
+    for i, seed in enumerate(seeds):
+        params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
+                                top_p=g.top_p, seed=int(seed))
+        steps = [next_ids for next_ids, _ in generator.token_steps(ids[8 * i:8 * i + 8], params)]
+        expected += torch.stack(steps, 1).tolist()
+    stop = set(generator.stop_ids.tolist())
+    ends = [next((i + 1 for i, token in enumerate(row) if token in stop), len(row)) for row in expected]
+    assert completions == [row[:end] for row, end in zip(expected, ends, strict=True)]
+    assert len(texts) == 8 * accum
+
+
+def test_grpo_resume_with_grad_accum_is_bit_exact(policy, prompt_dir, tmp_path):
+    """Generated in chunks, a step still samples what it did before the run was killed."""
+    sets = ["train.micro_batch_size=8", "train.grad_accum=2", "train.max_steps=4", "train.save_every=2"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    result = run_job(*_grpo_args(policy, prompt_dir, straight, *sets, rewards=["format:[A-Z].*"]), name="straight")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    args = _grpo_args(policy, prompt_dir, killed, *sets, rewards=["format:[A-Z].*"])
+    latest = killed / "checkpoints" / "latest"
+    kill_when(lambda: latest.is_file() and latest.read_text() == "global_step2", *args)
+    result = run_job(*args, "--resume", "auto", name="resumed")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    a, b = _metrics(straight), _metrics(killed)
+    assert [r["step"] for r in b] == list(range(1, 5))
+    for key in ("loss", "reward/mean", "kl", "completion_length"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    wa, wb = consolidated_weights(straight), consolidated_weights(killed)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -3,7 +3,10 @@
 Each step, every rank draws its prompts, samples `grpo.group_size` completions of each from the *current* policy
 with our KV-cache generator (batched, left-padded), scores them with the rewards, normalises the rewards within
 each group into advantages, and cuts prompt + completion sequences into the step's micro-batches, with the frozen
-reference's log-probabilities when the KL term is on. A group never spans ranks, so advantages need no collective.
+reference's log-probabilities when the KL term is on. The completions are generated in chunks of whole groups, at
+most train.micro_batch_size completions each (one group where a group is larger) unless grpo.rollout_batch_size
+says otherwise, one generation call per chunk: the KV cache holds one chunk, so its size follows the micro-batch,
+not train.grad_accum. A group never spans ranks, so advantages need no collective.
 
 What generates (`RolloutPolicy`): under ZeRO 0-2 the engine's own module, which holds the full parameters. Under
 ZeRO-3 the parameters are gathered once per rollout, and generation runs on a model without DeepSpeed's hooks
@@ -12,8 +15,10 @@ the rollout ('gathered'), or a full copy kept on each rank and refreshed from th
 measurement.
 
 Sampling is seeded from (train.seed, rank, step), so a run resumed on the same number of ranks samples exactly
-what the uninterrupted run did (on another number of ranks it continues correctly, with other samples). This
-module is the one place that renders prompts and calls the generator (`encode_prompt`, `_sample`).
+what the uninterrupted run did (on another number of ranks it continues correctly, with other samples): a step's
+chunks take the first words of that seed sequence in turn (`sampling_seeds`; a step of one chunk samples as when a
+step was always one generation call). This module is the one place that renders prompts and calls the generator
+(`encode_prompt`, `_sample`).
 """
 
 from __future__ import annotations
@@ -70,8 +75,10 @@ def grpo_inputs(cfg: RunConfig, device: torch.device | None = None) -> tuple[Tok
     return tokenizer, reward, prompts
 
 
-def sampling_seed(seed: int, rank: int, step: int) -> int:
-    return int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
+def sampling_seeds(seed: int, rank: int, step: int, n: int = 1) -> list[int]:
+    """The seeds of a step's `n` generation calls on a rank: the first `n` words of one seed sequence, so the first
+    is the same whatever `n` is."""
+    return [int(word) for word in np.random.SeedSequence([seed, rank, step]).generate_state(n)]
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool, eps: float = 1e-4) -> torch.Tensor:
@@ -138,6 +145,9 @@ class Rollouts:
         self.reward, self.reference = reward, reference
         self.group_size, self.micro_batch_size = g.group_size, t.micro_batch_size
         self.draw_size = t.micro_batch_size * t.grad_accum // g.group_size
+        self.generation_rows = g.rollout_batch_size or max(1, t.micro_batch_size // g.group_size) * g.group_size
+        """Completions per generation call: whole groups, grpo.rollout_batch_size or at most
+        max(train.micro_batch_size, grpo.group_size)."""
         self.inputs = ", ".join(g.prompts)
         self.updates_per_step = g.updates_per_batch
         self.policy = RolloutPolicy(cfg, engine, info.device)
@@ -150,13 +160,19 @@ class Rollouts:
     # ---- sampling ------------------------------------------------------------------------------
 
     def _sample(self, prompts: list[list[int]], step: int) -> tuple[list[list[int]], list[str]]:
-        """Each prompt's completion (token ids up to and including the stop token, if one came) and its text."""
+        """Each prompt's completion (token ids up to and including the stop token, if one came) and its text, in the
+        prompts' order: one generation call per chunk of `generation_rows` prompts (`prompts` holds whole groups)."""
         g = self.cfg.grpo
-        params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
-                                top_p=g.top_p, seed=sampling_seed(self.cfg.train.seed, self.info.rank, step))
-        with self.policy.generating() as model:
+        size = self.generation_rows
+        chunks = [prompts[i:i + size] for i in range(0, len(prompts), size)]
+        seeds = sampling_seeds(self.cfg.train.seed, self.info.rank, step, len(chunks))
+        rows: list[list[int]] = []
+        with self.policy.generating() as model:  # under ZeRO-3, the parameters are gathered once for every chunk
             generator = TextGenerator(model, self.tokenizer)
-            rows = torch.stack([next_ids for next_ids, _ in generator.token_steps(prompts, params)], 1).tolist()
+            for chunk, seed in zip(chunks, seeds, strict=True):
+                params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
+                                        top_p=g.top_p, seed=seed)
+                rows += torch.stack([next_ids for next_ids, _ in generator.token_steps(chunk, params)], 1).tolist()
         stop_ids = set(generator.stop_ids.tolist())
         completions, texts = [], []
         for row in rows:
