@@ -87,6 +87,7 @@ def test_bench_train_takes_the_medians_of_the_numbers_a_run_logged(tmp_path):
     rows = [{"step": step, "tokens_per_sec": 100.0 * step, "loss_tokens_per_sec": 50.0, "mfu": None,
              "peak_mem_mb": 10.0 + step} for step in (1, 2, 3)]
     (tmp_path / rundir.METRICS_FILE).write_text("".join(json.dumps(row) + "\n" for row in rows))
-    figures = _train_job([sys.executable, "-c", ""], tmp_path, warmup=0, cfg=build_config("demo", ["model.vocab_size=512"]))
+    cfg = build_config("demo", ["model.vocab_size=512"])
+    figures = _train_job([sys.executable, "-c", ""], tmp_path, warmup=0, cfg=cfg)
     assert (figures.tokens_per_sec, figures.loss_tokens_per_sec, figures.peak_mem_mb) == (200.0, 50.0, 13.0)
     assert math.isnan(figures.mfu) and figures.steps == 3
