@@ -524,6 +524,29 @@ def _diagnosis(monkeypatch, world_size: int, registered: dict[int, tuple[str, st
         dog.stop()
 
 
+def test_a_step_past_the_timeout_says_what_stuck_it_or_to_allow_it_longer(monkeypatch):
+    """With every heartbeat alive, a step past train.collective_timeout_s was called stuck outside communication
+    only: a GRPO step of a large model generating long completions legitimately takes longer, and the message did
+    not say which setting allows it."""
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841 - the job's store
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    said = []
+    monkeypatch.setattr(watchdog.Watchdog, "_exit", lambda self, message: (said.append(message), self._stopped.set()))
+    dog = watchdog.Watchdog(0, 1, timeout_s=1.0, announce=True)
+    try:
+        with dog.watching("step 3"):
+            deadline = time.monotonic() + 30
+            while not said and time.monotonic() < deadline:
+                time.sleep(0.1)
+    finally:
+        dog.stop()
+    assert said and said[0].startswith("rank 0: step 3 did not finish within train.collective_timeout_s=1 s: every "
+                                       "rank's heartbeat is alive")
+    assert "raise train.collective_timeout_s" in said[0]
+
+
 def _ended_pid() -> int:
     """The pid of a process of this machine that has ended."""
     ended = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -188,7 +188,9 @@ class Watchdog:
             since = self._busy_since
             if since is not None and time.monotonic() - since > self.timeout_s:
                 reason = self.diagnose() or ("every rank's heartbeat is alive, so a rank is stuck outside "
-                                             "communication (a data loader, a file system, its own code)")
+                                             "communication (a data loader, a file system, its own code), or a step "
+                                             "takes longer than that (long GRPO rollouts of a large model: raise "
+                                             "train.collective_timeout_s)")
                 self.end_job(f"{self._busy_what} did not finish within train.collective_timeout_s="
                              f"{self.timeout_s:g} s: {reason}")
 
