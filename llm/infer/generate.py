@@ -146,6 +146,12 @@ class TextGenerator:
         outputs: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
         stop_ids = set(self.stop_ids.tolist())
+        # with stop strings, each row's text is followed as it grows (`IncrementalText`: a few tokens decoded per
+        # step, not the whole output); a stop string is looked for where it could newly end: in the new text and
+        # the `hold` characters before it (`tails`), which hold none
+        texts = [IncrementalText(self) for _ in prompts]
+        tails = [""] * len(prompts)
+        hold = _stop_hold(params.stop)
         for next_ids, _ in self.token_steps([self.prompt_ids(p) for p in prompts], params, use_cache):
             for row, token in enumerate(next_ids.tolist()):
                 if done[row]:
@@ -155,7 +161,9 @@ class TextGenerator:
                     continue
                 outputs[row].append(token)
                 if params.stop:
-                    done[row] = cut_at_stop(_complete_text(self.text(outputs[row])), params.stop)[1]
+                    searched = tails[row] + texts[row].add(token)
+                    done[row] = cut_at_stop(searched, params.stop)[1]
+                    tails[row] = searched[max(len(searched) - hold, 0):]
             if all(done):
                 break
         return [cut_at_stop(self.text(out), params.stop)[0] for out in outputs]
@@ -167,10 +175,86 @@ class TextGenerator:
         return TextStream(self, self.prompt_ids(prompt), params, cancelled)
 
 
-def _complete_text(text: str) -> str:
-    """Text less a character still forming at its end: an incomplete UTF-8 sequence decodes as U+FFFD, which no stop
-    string may match before its bytes have all come."""
-    return text.rstrip("\ufffd")
+FORMING = "\ufffd"
+"""What an incomplete UTF-8 sequence decodes as (and an invalid one, for good)."""
+
+
+def _stop_hold(stop: list[str]) -> int:
+    """How many characters at the end of a text may be the start of a stop string still forming."""
+    return max((len(s) for s in stop), default=1) - 1
+
+
+class IncrementalText:
+    """The text of generated ids (`TextGenerator.text`) as they come, one token at a time, decoding only the last
+    few: the cost of a token does not grow with the length of the output (decoding the whole output for every
+    token made a long generation's host time grow with the square of its length).
+
+    `add` returns what the *complete* text grew by: the text less the U+FFFD at its end (`forming` of them), where
+    the bytes of a character may still be coming. As in Hugging Face's `DecodeStream` (and vLLM's incremental
+    detokenizer), the ids before `_settled` have text that no later token changes; each step decodes the window
+    `ids[_start:]`, where `ids[_start:_settled]` is context whose own text (`_context`) it begins with: the new text
+    is the window's text after it. Context keeps the window's start on a character and makes what a decoder does
+    to a text's first token (SentencePiece's leading space) the same on both. The ids settle where the text ends
+    in no U+FFFD; a text that keeps ending in U+FFFD (stray bytes) settles `_SETTLE_LAG` tokens back, where the
+    text is already followed by what came after it, so the window stays short. The text equals the whole decode
+    wherever the text of the first ids, less the U+FFFD at its end, begins the text of more: always with byte-level
+    BPE (ours, GPT-2, Qwen, Llama 3), and with SentencePiece's byte fallback while its bytes make valid UTF-8 (a
+    stray byte turns a whole run of byte tokens into U+FFFD, changing text already shown)."""
+
+    _MAX_UNSETTLED = 8
+    _SETTLE_LAG = 4
+    """A UTF-8 character has at most 4 bytes, a token at least one: 4 tokens on, what the end held is settled."""
+
+    def __init__(self, generator: TextGenerator) -> None:
+        self._decode, self._special_ids = generator.text, generator.special_ids
+        self.ids: list[int] = []
+        """The ids added, less role tokens (`TextGenerator.special_ids`), which have no text."""
+        self._start = self._settled = 0
+        self._context = ""
+        self._settled_len = self._settled_complete = 0
+        """Length of the text of `ids[:_settled]`, and of it less the U+FFFD at its end."""
+        self.length = 0
+        """Length of the complete text so far."""
+        self.forming = 0
+        """How many U+FFFD the whole text has after its complete text."""
+
+    def add(self, token: int) -> str:
+        """Add a token; the characters the complete text grew by."""
+        if token in self._special_ids:
+            return ""
+        self.ids.append(token)
+        new = self._decode(self.ids[self._start:])[len(self._context):]
+        if len(self.ids) - self._settled > self._MAX_UNSETTLED and (not new or new.endswith(FORMING)):
+            new = self._settle_back(new)
+        complete = new.rstrip(FORMING)
+        total = self._settled_len + len(complete) if complete else self._settled_complete
+        grown = ""
+        if total > self.length:
+            # the complete text ended at `length`, maybe inside U+FFFD that ended the settled text
+            offset = self.length - self._settled_len
+            grown, self.length = FORMING * -offset + complete[max(offset, 0):], total
+        raw = self._settled_len + len(new)
+        self.forming = max(raw - self.length, 0)
+        if new and not new.endswith(FORMING):
+            self._start, self._settled = self._settled, len(self.ids)
+            self._settled_len = self._settled_complete = raw
+            self._context = self._decode(self.ids[self._start:self._settled])
+        return grown
+
+    def _settle_back(self, new: str) -> str:
+        """Settle the ids `_SETTLE_LAG` tokens back, if their text is where `new` (the text after `_settled`)
+        starts; `new` after the new settled text."""
+        settle = len(self.ids) - self._SETTLE_LAG
+        before = self._decode(self.ids[self._start:settle])[len(self._context):]
+        if not new.startswith(before):
+            return new
+        complete = before.rstrip(FORMING)
+        if complete:
+            self._settled_complete = self._settled_len + len(complete)
+        self._settled_len += len(before)
+        self._start, self._settled = self._settled, settle
+        self._context = self._decode(self.ids[self._start:self._settled])
+        return new[len(before):]
 
 
 class TextStream:
@@ -186,9 +270,11 @@ class TextStream:
 
     def __iter__(self) -> Iterator[str]:
         params = self.params
-        ids: list[int] = []
-        emitted = 0
-        hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may still be forming
+        text = IncrementalText(self.generator)
+        # the complete text not yet emitted: never more than `hold` characters (a stop string may still be forming)
+        # between tokens, and holding no stop string, so a stop string is looked for in it and the new text alone
+        pending = ""
+        hold = _stop_hold(params.stop)
         stop_ids = set(self.generator.stop_ids.tolist())
         self.finish_reason = "length"
         for next_ids, _ in self.generator.token_steps([self.prompt_ids], params):
@@ -197,23 +283,24 @@ class TextStream:
             if token in stop_ids or self.generator.stops_at(token, params.stop):
                 self.finish_reason = "stop"
                 break
-            ids.append(token)
-            # an incomplete UTF-8 sequence decodes as U+FFFD: wait for its rest, to emit it and to match a stop string
-            text = _complete_text(self.generator.text(ids))
-            text, stopped = cut_at_stop(text, params.stop)
-            if stopped:
-                self.finish_reason = "stop"
-                yield text[emitted:]
-                return
-            safe = len(text) - hold
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
+            # an incomplete UTF-8 sequence decodes as U+FFFD: `text` waits for its rest, to emit it and to match a
+            # stop string
+            new = text.add(token)
+            if new:
+                pending, stopped = cut_at_stop(pending + new, params.stop)
+                if stopped:
+                    self.finish_reason = "stop"
+                    yield pending
+                    return
+                if len(pending) > hold:
+                    yield pending[:len(pending) - hold]
+                    pending = pending[len(pending) - hold:]
             if self.cancelled is not None and self.cancelled():
                 return
-        text, _ = cut_at_stop(self.generator.text(ids), params.stop)
-        if len(text) > emitted:
-            yield text[emitted:]
+        # the end: what is held back, and the U+FFFD of bytes that never made a character
+        pending, _ = cut_at_stop(pending + FORMING * text.forming, params.stop)
+        if pending:
+            yield pending
 
 
 def complete(model: Transformer, tokenizer: Tokenizer, prompt: Prompt, max_new_tokens: int = 32) -> str:
