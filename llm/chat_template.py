@@ -72,6 +72,9 @@ them so that reasoning and tool calls are not dropped."""
 
 ESCAPE, ESCAPE_END = "\ue000", "\ue001"
 PLACEHOLDER = re.compile(f"{ESCAPE}(\\d+){ESCAPE_END}")
+CONTINUE_TAG = f"{ESCAPE}continue{ESCAPE_END} "
+"""Appended to a final message to find where its text ends once rendered (`render_continuing`): message text
+cannot hold it (its ESCAPE characters are escaped), and its blank shows whether the template trims the text."""
 
 
 class ChatTemplateError(UserError):
@@ -260,18 +263,19 @@ class ChatTemplate:
                                   f"({type(exc).__name__}: {exc})") from None
 
     def render_continuing(self, messages: list[dict]) -> str:
-        """Rendered text (message text escaped) that ends inside the final message, for its text to be continued:
-        the whole conversation cut just after that message's text, as transformers' `continue_final_message` cuts
-        it (its surrounding blanks may be trimmed by the template)."""
+        """Rendered text (message text escaped) that ends inside the final message, for its text to be continued,
+        cut as transformers' `continue_final_message` cuts it: a tag is appended to that message's text, the
+        conversation rendered, and the text cut where the tag is (and its blanks trimmed where the template trimmed
+        the tag's own): not where the message's text last occurs, which may be inside the template's end of turn."""
         escaped = self._escaped(messages)
-        rendered, final = self._render(escaped, False), escaped[-1].get("content")
-        final = final if isinstance(final, str) else ""
-        if final.strip() not in rendered:
+        final = escaped[-1].get("content")
+        tagged = [*escaped[:-1], {**escaped[-1], "content": (final if isinstance(final, str) else "") + CONTINUE_TAG}]
+        rendered = self._render(tagged, False)
+        if CONTINUE_TAG.strip() not in rendered:
             raise MessagesRefused(f"{self.source}: the chat template does not render the final message's text, so "
                                   "it cannot be continued")
-        where = rendered.rindex(final.strip())
-        kept = final.lstrip() if rendered[where:where + len(final.lstrip())] == final.lstrip() else final.strip()
-        return rendered[:where + len(kept)]
+        where = rendered.rindex(CONTINUE_TAG.strip())
+        return rendered[:where] if rendered.startswith(CONTINUE_TAG, where) else rendered[:where].rstrip()
 
     def split(self, rendered: str) -> Iterator[tuple[str, bool]]:
         """(piece, is_literal) in order: template text, or an escaped string to encode as plain text."""

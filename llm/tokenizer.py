@@ -381,8 +381,10 @@ class Tokenizer:
     def render_for_encoding(self, messages: list[dict], add_generation_prompt: bool = False,
                             continue_final: bool = False) -> str:
         """The chat template's text with message text escaped, to encode with `encode_rendered`: ready for a reply
-        (`add_generation_prompt`), or ending inside the final message, to continue it (`continue_final`)."""
+        (`add_generation_prompt`), or ending inside the final message, to continue it (`continue_final`), not both."""
         if continue_final:
+            if add_generation_prompt:
+                raise ValueError("a reply is opened or the final message continued, not both")
             return self._chat.render_continuing(messages)
         return self._chat.render(messages, add_generation_prompt)
 
