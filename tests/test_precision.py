@@ -394,3 +394,23 @@ def test_another_exception_from_the_step_is_left_as_it_is(tmp_path, deepspeed_gr
     with pytest.raises(Exception, match="^Current loss scale is fine, but something else failed$") as raised:
         _fit(engine, tmp_path, "train.max_steps=1")
     assert type(raised.value) is Exception
+
+
+@pytest.mark.parametrize("kind", ["unfused", "fused"])
+def test_an_overflow_at_the_minimum_scale_is_seen_on_deepspeed_before_0_18_6(kind):
+    """Before DeepSpeed 0.18.6 FP16_Optimizer and FP16_UnfusedOptimizer kept cur_scale, min_loss_scale and
+    dynamic_loss_scale on themselves (no loss_scale_config), which pyproject's deepspeed>=0.16 allows: the check
+    looked for loss_scale_config only, so those versions skipped every later step silently again."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    from llm.train.engine import overflowed_at_minimum_scale
+
+    optimizer = object.__new__(FP16_UnfusedOptimizer if kind == "unfused" else FP16_Optimizer)
+    optimizer.__dict__.update(cur_scale=1.0, min_loss_scale=1.0, dynamic_loss_scale=True, overflow=True)
+    engine = SimpleNamespace(optimizer=optimizer)
+    assert overflowed_at_minimum_scale(engine, 1.0)
+    assert not overflowed_at_minimum_scale(engine, 2.0)  # the scale could still be lowered
+    optimizer.overflow = False
+    assert not overflowed_at_minimum_scale(engine, 1.0)
+    assert not overflowed_at_minimum_scale(engine, None)  # not fp16

@@ -29,6 +29,7 @@ from llm.train.ds_scheduler import resolve_scheduler, scheduler_name
 
 ensure_accelerator_env()
 import deepspeed  # noqa: E402 - after the accelerator is chosen
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer  # noqa: E402
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer  # noqa: E402
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: E402
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum  # noqa: E402
@@ -86,9 +87,10 @@ def resolve_precision(requested: str, device: torch.device) -> str:
 
 def loss_scale_of(engine) -> float | None:
     """The current fp16 loss scale of an engine, None when it does not scale the loss. Read as
-    `optimizer.loss_scale`, the one name all four of DeepSpeed's fp16 optimizers give it: only ZeRO's (stages 1-2
-    and 3) also call it `cur_scale`, which FP16_Optimizer and FP16_UnfusedOptimizer (fp16 without ZeRO; fused Adam,
-    or torch's AdamW) lack, so an fp16 run with --zero-stage 0 failed at its first logged step."""
+    `optimizer.loss_scale`, the one name all four of DeepSpeed's fp16 optimizers give it in every version: since
+    DeepSpeed 0.18.6 only ZeRO's (stages 1-2 and 3) also call it `cur_scale`, which FP16_Optimizer and
+    FP16_UnfusedOptimizer (fp16 without ZeRO; fused Adam, or torch's AdamW) lack, so an fp16 run with
+    --zero-stage 0 failed at its first logged step."""
     if not engine.fp16_enabled():
         return None
     return float(engine.optimizer.loss_scale)
@@ -97,8 +99,8 @@ def loss_scale_of(engine) -> float | None:
 def set_loss_scale(engine, scale: float) -> None:
     """Continue an fp16 engine at loss scale `scale` (a resumed run's). `optimizer.loss_scale` is, in each of
     DeepSpeed's fp16 optimizers, a property that sets what its backward and step read (ZeRO's `loss_scaler.cur_scale`,
-    the others' `loss_scale_config.cur_scale`); a `cur_scale` set on FP16_Optimizer or FP16_UnfusedOptimizer was a
-    new attribute that nothing read."""
+    the others' `loss_scale_config.cur_scale` since DeepSpeed 0.18.6); a `cur_scale` set on FP16_Optimizer or
+    FP16_UnfusedOptimizer there was a new attribute that nothing read."""
     engine.optimizer.loss_scale = scale
 
 
@@ -126,13 +128,15 @@ def is_loss_scale_at_minimum(exc: BaseException) -> bool:
 
 
 def overflowed_at_minimum_scale(engine, scale: float | None) -> bool:
-    """Whether the fp16 optimizer step just taken without ZeRO (FP16_Optimizer, FP16_UnfusedOptimizer: their
-    `loss_scale_config`) skipped overflowing gradients computed at `scale` (`loss_scale_of` before the step), the
-    dynamic loss scale's minimum; where ZeRO's would raise `LOSS_SCALE_AT_MINIMUM`, these skip every step from there
-    on."""
-    config = getattr(engine.optimizer, "loss_scale_config", None) if scale is not None else None
-    return (config is not None and config.dynamic_loss_scale and bool(getattr(engine.optimizer, "overflow", False))
-            and scale <= config.min_loss_scale)
+    """Whether the fp16 optimizer step just taken without ZeRO (FP16_Optimizer, FP16_UnfusedOptimizer) skipped
+    overflowing gradients computed at `scale` (`loss_scale_of` before the step, None without fp16), the dynamic loss
+    scale's minimum; where ZeRO's would raise `LOSS_SCALE_AT_MINIMUM`, these skip every step from there on. Their
+    scaling settings are in `loss_scale_config` since DeepSpeed 0.18.6, on the optimizer itself before."""
+    optimizer = engine.optimizer if scale is not None else None
+    if not isinstance(optimizer, FP16_Optimizer | FP16_UnfusedOptimizer):
+        return False
+    config = getattr(optimizer, "loss_scale_config", optimizer)
+    return bool(config.dynamic_loss_scale and optimizer.overflow and scale <= config.min_loss_scale)
 
 
 def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, source: str = "DeepSpeed config",
