@@ -320,6 +320,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the special tokens (`protected`): decoding without special tokens leaves them out."""
+        return frozenset(i for text in self.protected if (i := self._tok.token_to_id(text)) is not None)
+
     def token(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id)
 

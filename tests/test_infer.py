@@ -646,3 +646,17 @@ def test_streaming_decodes_a_bounded_window_per_token(tiny_model, tokenizer_dir,
         decoded.clear()
         assert generator.generate(["x"], params) == [expected]
         assert sum(decoded) < 20 * n, f"generate with stop strings: {sum(decoded)} tokens decoded for {n}"
+
+
+def test_tokens_without_text_inside_a_character_leave_it_whole(tiny_model):
+    """A special token that is no role token (Llama's <unk>, Qwen's <|vision_start|>) has no text; among the bytes
+    of a character, enough of them made the stream settle inside the character and show U+FFFD for it."""
+    from llm.infer.generate import IncrementalText
+
+    tokenizer = Tokenizer.load(LLAMA)
+    generator = TextGenerator(tiny_model, tokenizer)
+    assert tokenizer.token(0) == "<unk>" and 0 in tokenizer.special_token_ids
+    character = tokenizer.encode("😀a")
+    script = character[:1] + [0] * 9 + character[1:]
+    text = IncrementalText(generator)
+    assert "".join(text.add(token) for token in script) == generator.text(script) == "😀a"

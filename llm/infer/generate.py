@@ -57,8 +57,9 @@ class TextGenerator:
         self.stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long)
         roles = {tokenizer.eos_id, tokenizer.pad_id, tokenizer.bos_id, tokenizer.im_start_id, tokenizer.im_end_id,
                  *tokenizer.stop_ids}
-        self.special_ids = frozenset(roles - {None})
-        """Role tokens left out of the text (`text`) even where the tokenizer does not flag them special."""
+        self.special_ids = frozenset(roles - {None}) | tokenizer.special_token_ids
+        """Tokens left out of the text (`text`): the tokenizer's special tokens, and role tokens even where the
+        tokenizer does not flag them special."""
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
 
@@ -118,8 +119,7 @@ class TextGenerator:
                 logits = self._logits(ids, valid, cache)
 
     def text(self, ids: Iterable[int]) -> str:
-        """The text of generated ids, without special tokens: the role tokens (`special_ids`) and the tokenizer's
-        special added tokens are left out."""
+        """The text of generated ids, without special tokens (`special_ids`)."""
         return self.tokenizer.decode([i for i in ids if i not in self.special_ids], skip_special_tokens=True)
 
     def stops_at(self, token: int, stop: list[str]) -> bool:
@@ -208,7 +208,8 @@ class IncrementalText:
     def __init__(self, generator: TextGenerator) -> None:
         self._decode, self._special_ids = generator.text, generator.special_ids
         self.ids: list[int] = []
-        """The ids added, less role tokens (`TextGenerator.special_ids`), which have no text."""
+        """The ids added, less special and role tokens (`TextGenerator.special_ids`), which have no text (so each id
+        here has at least a byte, as settling back assumes)."""
         self._start = self._settled = 0
         self._context = ""
         self._settled_len = self._settled_complete = 0
