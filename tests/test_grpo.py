@@ -23,8 +23,9 @@ from llm.errors import UserError
 from llm.export import export_model
 from llm.loading import consolidated_weights
 from llm.model import Transformer
+from llm.model.token_losses import token_logps
 from llm.train import rollout
-from llm.train.objectives import GRPOObjective, token_logps
+from llm.train.objectives import GRPOObjective
 from llm.train.prompts import prompt_record, read_prompts
 from llm.train.rewards import Completions, Reward, answers_match, final_answer
 from llm.train.rollout import group_advantages

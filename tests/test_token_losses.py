@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from llm.model import token_losses
+from llm.model.token_losses import token_logps
 from llm.model.transformer import masked_cross_entropy
-from llm.train.objectives import distillation_loss, token_logps
+from llm.train.objectives import distillation_loss
 
 
 def _whole_cross_entropy(logits, targets, mask, teacher=None):

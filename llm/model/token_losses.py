@@ -46,7 +46,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return per_position(_cross_entropy, logits, targets)
 
 
-def target_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(target) at every position `[...]`, in fp32, of the distribution softmax(logits / temperature)."""
 
     def logps(rows: torch.Tensor, row_targets: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from llm.config import GRPOConfig
-from llm.model.token_losses import forward_kl, target_logps
+from llm.model.token_losses import forward_kl, token_logps
 from llm.model.transformer import masked_cross_entropy
 
 
@@ -65,12 +65,6 @@ def real_tokens(mask: torch.Tensor) -> torch.Tensor:
     """`[batch, seq]` 1 on the real input tokens of right-padded rows whose `mask` marks the reply's targets (DPO's
     and GRPO's rows: prompt, reply, then padding): every position up to the row's last masked one."""
     return mask.flip(-1).float().cummax(-1).values.flip(-1)
-
-
-def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(target) at every position `[batch, seq]`, in fp32, of the distribution softmax(logits / temperature), a
-    chunk of positions at a time (`llm.model.token_losses`)."""
-    return target_logps(logits, targets, temperature)
 
 
 def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -39,10 +39,10 @@ from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 from llm.model import Transformer
 from llm.model.lora import apply_lora
+from llm.model.token_losses import token_logps
 from llm.runtime.distributed import DistInfo, agreed
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.engine import full_parameters
-from llm.train.objectives import token_logps
 from llm.train.prompts import Prompt, PromptSet, read_prompts
 from llm.train.rewards import Completions, Reward
 from llm.train.steps import Batch, StepBatches
