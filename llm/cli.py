@@ -308,7 +308,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     what.add_argument("--tasks", metavar="LIST", help="comma-separated lm-eval tasks, e.g. hellaswag,ceval-valid,cmmlu")
     p.add_argument("--split", default=None, help="split of --data to score (default val)")
     p.add_argument("--context", type=int, default=None,
-                   help="tokens per window (default: the run's data.seq_len, or an export's max length)")
+                   help="tokens per window (default: the run's data.seq_len, or an export's max length up to 4096)")
     p.add_argument("--stride", type=int, default=None,
                    help="tokens scored per window (default: the context; smaller gives each token more context)")
     p.add_argument("--batch-size", type=int, default=8, help="windows (or harness requests) per forward (default 8)")

@@ -483,6 +483,10 @@ def test_context_defaults_to_the_trained_window_of_a_run_and_is_checked_for_task
     model = Transformer(ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=2, max_seq_len=64))
     assert evaluation_context(None, tmp_path, model) == 24
     assert evaluation_context(None, tmp_path / "export", model) == 64
+    # an export of a long context: its windows were all of it (Llama 3.1: 131,072 positions, 33 GB of logits each)
+    long = Transformer(ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=2, max_seq_len=131072))
+    assert evaluation_context(None, tmp_path / "export", long) == 4096
+    assert evaluation_context(8192, tmp_path / "export", long) == 8192
     assert evaluation_context(32, tmp_path, model) == 32
     for bad in (0, 65):  # `--tasks --context 0` took the default (`context or ...`)
         with pytest.raises(UserError, match=f"--context must be between 1 and the model's max_seq_len 64, got {bad}"):

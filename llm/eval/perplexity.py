@@ -148,12 +148,18 @@ def evaluate_stream(model: Transformer, tokenizer: Tokenizer, stream: TokenStrea
     return PerplexityResult(tokens, n_bytes, nats, len(every), context, stride)
 
 
+EXPORT_CONTEXT = 4096
+"""The most tokens an export's windows take by default: a window of a Llama 3.1's whole 131,072 positions has 33 GB
+of logits in bf16 (16 GiB of them a row at batch size 1), out of memory at the default batch size on any GPU."""
+
+
 def evaluation_context(context: int | None, model_dir: Path, model: Transformer) -> int:
     """--context, checked to be in 1..model.max_seq_len; when not given (None; 0 is out of range), the window the
-    model was trained on (data.seq_len of a run directory), else its longest sequence (an export)."""
+    model was trained on (data.seq_len of a run directory), else its longest sequence up to EXPORT_CONTEXT (an
+    export)."""
     if context is None:
         context = build_config(rundir.recorded_config(model_dir)).data.seq_len if rundir.is_run_dir(model_dir) \
-            else model.cfg.max_seq_len
+            else min(model.cfg.max_seq_len, EXPORT_CONTEXT)
     if not 1 <= context <= model.cfg.max_seq_len:
         raise UserError(f"--context must be between 1 and the model's max_seq_len {model.cfg.max_seq_len}, "
                         f"got {context}")
