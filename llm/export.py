@@ -30,6 +30,7 @@ from llm.config import ModelConfig, validate_model
 from llm.data.output import refuse_foreign_contents
 from llm.errors import UserError, read_user_json_object
 from llm.model import Transformer
+from llm.model.from_weights import model_from_weights
 from llm.model.rope import yarn_attention_scale
 from llm.tokenizer import CONFIG_FILE as TOKENIZER_CONFIG
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
@@ -333,6 +334,7 @@ def import_model(directory: Path) -> Transformer:
                  for name in sorted(state) if state[name].shape != expected[ours[name]].shape]
     if misshapen:
         raise UserError(f"{directory}: weights do not match {HF_CONFIG_FILE} ({misshapen[0]})")
-    model = Transformer(cfg)
-    model.load_state_dict({ours[name]: tensor.float() for name, tensor in state.items()}, strict=not cfg.tie_embeddings)
-    return model.eval()
+    weights = {}
+    for name in sorted(state):  # copied one at a time into this process's memory (safetensors maps the file: its
+        weights[ours[name]] = state.pop(name).to(torch.float32, copy=True)  # pages would change with a later write)
+    return model_from_weights(cfg, weights).eval()

@@ -20,6 +20,7 @@ from llm.data.prepare import RANDOM_TOKENS_HASH
 from llm.errors import UserError
 from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, drop_tied_copy, import_model, weight_files
 from llm.model import Transformer
+from llm.model.from_weights import model_from_weights
 from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, load_adapters, merge
 from llm.runtime.fingerprint import WEIGHTS_PARTS, file_digest, same_weights
@@ -77,20 +78,16 @@ def load_trained_model(run_dir: Path, tag: str | None = None) -> tuple[Transform
     check_fits_in_memory(cfg.model, remedy=f" ({run_dir / rundir.CONFIG_FILE})")
     if cfg.lora.r:
         return merge(load_lora_model(run_dir, cfg, tag)).eval(), cfg
-    model = Transformer(cfg.model)
     state = consolidated_weights(run_dir, tag)
     mismatch = f"{run_dir}: checkpoint does not match {rundir.CONFIG_FILE}"
     if cfg.model.tie_embeddings and not drop_tied_copy(state, "tok_embeddings.weight", "output.weight"):
         raise UserError(f"{mismatch} (model.tie_embeddings is true, but the checkpoint holds an output.weight that "
                         "differs from tok_embeddings.weight: it was trained untied)")
     try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        model = model_from_weights(cfg.model, state)
     except RuntimeError as exc:  # shapes that differ: torch lists every one, the first is enough
         first = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc))
         raise UserError(f"{mismatch} ({first})") from None
-    tied = {"output.weight"} if cfg.model.tie_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise UserError(f"{mismatch} (missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})")
     return model.eval(), cfg
 
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llm.config import LoRAConfig
+from llm.model.from_weights import model_from_weights
 from llm.model.transformer import Transformer
 
 ADAPTER_NAMES = ("lora_a", "lora_b")
@@ -89,9 +90,8 @@ def merge(model: Transformer) -> Transformer:
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
             state[f"{name}.weight"] = module.merged_weight()
-    merged = Transformer(model.cfg).to(next(model.parameters()).dtype)
-    merged.load_state_dict(state)
-    return merged.train(model.training)
+    dtype = next(model.parameters()).dtype
+    return model_from_weights(model.cfg, {k: v.to(dtype, copy=True) for k, v in state.items()}).train(model.training)
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:

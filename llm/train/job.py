@@ -33,6 +33,7 @@ from llm.data.prepared import stage_data_attrs
 from llm.errors import EXIT_OK, UserError
 from llm.loading import FUNCTION_FIELDS, SHAPE_FIELDS, initial_weights, load_tokenizer_copy, weights_summary
 from llm.model import Transformer
+from llm.model.from_weights import model_from_weights
 from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, trainable_summary
 from llm.runtime.distributed import DistInfo, agreed, refuse_together, setup_distributed
@@ -165,11 +166,12 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
         dataset = DATASETS[data_attrs["kind"]]
         train_set = dataset(cfg.data.path, "train", cfg.data.seq_len, data_attrs["pad_id"])
         val_set = dataset(cfg.data.path, "val", cfg.data.seq_len, data_attrs["pad_id"])
-    torch.manual_seed(t.seed)  # identical initial weights on every rank
-    model = Transformer(cfg.model)
     weights = initial_weights(cfg.model, t.init_from, data_attrs["tokenizer_hash"]) if t.init_from else None
     if weights is not None:
-        model.load_state_dict(weights)
+        model = model_from_weights(cfg.model, weights)  # the loaded tensors themselves: no second copy
+    else:
+        torch.manual_seed(t.seed)  # identical initial weights on every rank
+        model = Transformer(cfg.model)
     if cfg.lora.r:  # frozen base, trainable adapters (the same on every rank)
         apply_lora(model, cfg.lora, t.seed)
     n_params = model.num_parameters()  # before ZeRO-3 partitions the parameters
@@ -179,9 +181,8 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
     engine = build_engine(model, cfg, ds_config, lambda step: lr_multiplier(step // updates, t, budget))
     reference = None
     if reference_needed:
-        reference = Transformer(cfg.model)
-        reference.load_state_dict(weights)
-        reference = frozen_engine(reference, ds_config)
+        # its own copy: the policy's parameters may still be `weights`' tensors, which training changes in place
+        reference = frozen_engine(model_from_weights(cfg.model, {k: v.clone() for k, v in weights.items()}), ds_config)
     steps = DataSteps(cfg, info.device)
     if t.stage == "dpo":
         objective = DPOObjective(reference, t.dpo_beta, t.dpo_loss, t.dpo_sft_weight)

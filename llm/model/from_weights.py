@@ -1,0 +1,41 @@
+"""A model made around weights already in memory, without first making random ones.
+
+`Transformer(cfg)` fills every parameter with random values before a checkpoint's or an export's weights are copied
+over them: for an 8B model that is 32 GB of fp32 beside the 32 GB being loaded, and minutes of random number
+generation on the host. Here the model is built on the meta device (shapes, no memory), the given tensors become its
+parameters, and the RoPE tables are computed for real: memory holds each weight once.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from llm.config import ModelConfig
+from llm.model.rope import rope_tables
+from llm.model.transformer import Transformer
+
+
+def model_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> Transformer:
+    """The model `cfg` describes whose parameters ARE `weights` (our state-dict names; the tensors are used as they
+    are, in their dtype and device, not copied). A tied model's output matrix is its embedding: an `output.weight`
+    among `weights` is ignored (check beforehand that it is a copy). RuntimeError when shapes differ (torch's
+    message, one 'size mismatch' line per tensor) or names are missing or unexpected ('missing [...], unexpected
+    [...]')."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    tied = {"output.weight"} if cfg.tie_embeddings else set()
+    given = {name: tensor for name, tensor in weights.items() if name not in tied}
+    missing, unexpected = model.load_state_dict(given, strict=False, assign=True)
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+    if cfg.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    cos, sin = rope_tables(cfg, model.rope_cos.shape[0])
+    device = model.tok_embeddings.weight.device
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    left = [name for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()) if tensor.is_meta]
+    if left:  # a tensor the model makes in __init__ that neither the weights nor the RoPE tables replace
+        raise RuntimeError(f"no values for {left}")
+    return model
