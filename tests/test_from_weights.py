@@ -4,11 +4,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llm.config import ModelConfig
+from llm.config import ModelConfig, build_config
 from llm.export import WEIGHTS_FILE, export_model
 from llm.loading import load_model_dir, load_trained_model
 from llm.model import Transformer
-from llm.model.from_weights import model_from_weights
+from llm.model.from_weights import model_from_weights, model_to_fill
+from llm.train.rollout import RolloutPolicy
 
 SHAPES = {
     "untied": {},
@@ -70,3 +71,48 @@ def test_loading_a_run_makes_no_random_model(zero_runs):
     model, cfg = load_trained_model(zero_runs[3])
     assert torch.equal(torch.random.get_rng_state(), before)
     assert model.num_parameters() == Transformer(cfg.model).num_parameters()
+
+
+@pytest.mark.parametrize("shape", ["untied", "tied"])
+def test_a_model_to_fill_has_room_for_the_weights_or_none(shape):
+    torch.manual_seed(0)
+    source = Transformer(_cfg(**SHAPES[shape])).eval()
+    with torch.device("meta"):
+        sized = Transformer(source.cfg)
+        unsized = Transformer(source.cfg)
+    sized = model_to_fill(sized, torch.bfloat16, torch.device("cpu"), sized=True)
+    unsized = model_to_fill(unsized, torch.bfloat16, torch.device("cpu"), sized=False)
+    assert all(p.dtype == torch.bfloat16 and not p.is_meta for p in sized.parameters())
+    assert all(p.numel() == 0 for p in unsized.parameters())
+    for model in (sized, unsized):
+        assert model.rope_cos.dtype == torch.float32 and torch.equal(model.rope_cos, source.rope_cos)
+        assert (model.output.weight is model.tok_embeddings.weight) == source.cfg.tie_embeddings
+    with torch.no_grad():
+        for name, param in sized.named_parameters():
+            param.copy_(source.get_parameter(name))
+        for param in source.parameters():  # parameters only, as a DeepSpeed engine casts them
+            param.data = param.data.to(torch.bfloat16)
+    tokens = torch.randint(0, 97, (2, 11))
+    assert torch.equal(sized(tokens).logits, source(tokens).logits)
+
+
+@pytest.mark.parametrize("mode", ["copy", "gathered"])
+def test_the_zero3_rollout_model_is_made_without_random_weights(mode):
+    """GRPO's inference copy of a ZeRO-3 policy used to be a randomly initialised fp32 model on every rank (32 GB and
+    minutes for an 8B policy), its values replaced at the first rollout anyway."""
+    cfg = build_config("demo", [f"grpo.rollout_model={mode}", "model.vocab_size=97", "model.dim=48",
+                                "model.n_layers=2", "model.n_heads=4"])
+
+    class ZeRO3Engine:
+        module = torch.nn.Linear(1, 1).to(torch.bfloat16)
+
+        @staticmethod
+        def zero_optimization_stage() -> int:
+            return 3
+
+    before = torch.random.get_rng_state()
+    policy = RolloutPolicy(cfg, ZeRO3Engine(), torch.device("cpu"))
+    assert torch.equal(torch.random.get_rng_state(), before)
+    sizes = {p.numel() for p in policy.model.parameters()}
+    assert (sizes == {0}) == (mode == "gathered")
+    assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}

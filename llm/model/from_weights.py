@@ -1,9 +1,9 @@
-"""A model made around weights already in memory, without first making random ones.
+"""Models made without random weights: around weights already in memory, or with room for weights that come later.
 
 `Transformer(cfg)` fills every parameter with random values before a checkpoint's or an export's weights are copied
 over them: for an 8B model that is 32 GB of fp32 beside the 32 GB being loaded, and minutes of random number
-generation on the host. Here the model is built on the meta device (shapes, no memory), the given tensors become its
-parameters, and the RoPE tables are computed for real: memory holds each weight once.
+generation on the host. Here the model is built on the meta device (shapes, no memory), its parameters become the
+given tensors (or uninitialised storage, or none, to be filled later), and the RoPE tables are computed for real.
 """
 
 from __future__ import annotations
@@ -30,12 +30,28 @@ def model_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> Tr
     missing, unexpected = model.load_state_dict(given, strict=False, assign=True)
     if set(missing) - tied or unexpected:
         raise RuntimeError(f"missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
-    if cfg.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
-    cos, sin = rope_tables(cfg, model.rope_cos.shape[0])
-    device = model.tok_embeddings.weight.device
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    _tie_and_tabulate(model, model.tok_embeddings.weight.device, model.rope_cos.shape[0])
     left = [name for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()) if tensor.is_meta]
     if left:  # a tensor the model makes in __init__ that neither the weights nor the RoPE tables replace
         raise RuntimeError(f"no values for {left}")
     return model
+
+
+def model_to_fill(model: Transformer, dtype: torch.dtype, device: torch.device, sized: bool) -> Transformer:
+    """`model`, built on the meta device (LoRA adapters and all), with parameters whose values come later: each
+    uninitialised `dtype` storage of its size on `device` (`sized`), or an empty tensor there, for one swapped in
+    later (`param.data = ...`); its RoPE tables computed."""
+    positions = model.rope_cos.shape[0]
+    model._apply(lambda t: torch.empty(t.shape if sized else 0, device=device,
+                                       dtype=dtype if t.is_floating_point() else t.dtype))
+    _tie_and_tabulate(model, device, positions)
+    return model
+
+
+def _tie_and_tabulate(model: Transformer, device: torch.device, positions: int) -> None:
+    """Tie the output matrix to the embedding again (a tied model whose parameters were replaced has two), and
+    compute the model's first `positions` RoPE rows in fp32 on `device`."""
+    if model.cfg.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    cos, sin = rope_tables(model.cfg, positions)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)

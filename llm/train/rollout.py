@@ -38,6 +38,7 @@ from llm.errors import UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 from llm.model import Transformer
+from llm.model.from_weights import model_to_fill
 from llm.model.lora import apply_lora
 from llm.model.token_losses import token_logps
 from llm.runtime.distributed import DistInfo, agreed
@@ -96,16 +97,13 @@ class RolloutPolicy:
         self.mode = "engine" if engine.zero_optimization_stage() != 3 else cfg.grpo.rollout_model
         self.model = None
         if self.mode != "engine":
-            dtype = next(engine.module.parameters()).dtype
-            model = Transformer(cfg.model)
-            if cfg.lora.r:  # the policy's structure, so that its parameters match the engine's by name
-                apply_lora(model, cfg.lora, cfg.train.seed)
-            for param in model.parameters():  # parameters only, as the engine casts them: the RoPE tables stay fp32
-                param.data = param.data.to(dtype)
+            with torch.device("meta"):  # no random weights: the engine's replace them at every rollout
+                model = Transformer(cfg.model)
+                if cfg.lora.r:  # the policy's structure, so that its parameters match the engine's by name
+                    apply_lora(model, cfg.lora, cfg.train.seed)
+            dtype = next(engine.module.parameters()).dtype  # parameters only, as the engine casts them: the RoPE
+            model = model_to_fill(model, dtype, device, sized=self.mode == "copy")  # tables stay fp32
             self.model = model.requires_grad_(False).eval()
-            if self.mode == "gathered":
-                self._release()
-            self.model.to(device)
 
     def _release(self) -> None:
         for param in self.model.parameters():
