@@ -26,15 +26,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from forked_ranks import run_job
+import torch.distributed as dist
+from forked_ranks import enter_rank, forkserver, run_job
 from test_data_prepare import _file_size_limit
 
 from conftest import FIXTURES, TINY, ZERO_RUN, run_cli, train_args, zerollm_here
+from launch.local import rank_environments
 from llm import durable, loading, rundir
 from llm.config import build_config
 from llm.errors import UserError
 from llm.loading import consolidated_weights, load_trained_model
 from llm.model import Transformer
+from llm.runtime.rank_env import free_port
 from llm.train import checkpoint
 from llm.train.metrics import MetricsSink
 from llm.train.schedule import lr_multiplier
@@ -333,6 +336,181 @@ def test_the_manifest_lists_every_file_with_its_size(one_rank_group, tmp_path):
     assert manifest["step"] == 5 and manifest["world_size"] == 1
     assert manifest["files"] == {p.name: p.stat().st_size for p in folder.iterdir() if p.name != rundir.MANIFEST}
     assert set(manifest["files"]) == {MODEL_FILE, "rng_rank0.pt", rundir.CLIENT_STATE}
+
+
+# ---- a save on several ranks: each rank flushes the files it wrote, and only rank 0 learns them -----------------
+
+class RankEngine(FakeEngine):
+    """FakeEngine on one of two ranks, writing as DeepSpeed's ZeRO engine does: rank 0 the model states, each rank
+    its own optimizer partition (of another size on each rank)."""
+
+    def save_checkpoint(self, root: str, tag: str, save_latest: bool, exclude_frozen_parameters: bool) -> None:
+        rank = dist.get_rank()
+        Path(root, tag).mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            self.checkpoint_engine.save(state_dict=self.state, path=str(Path(root, tag, MODEL_FILE)))
+        partition = {"state": torch.zeros(10 + 100 * rank)}
+        self.checkpoint_engine.save(partition, str(Path(root, tag, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")))
+        self._copy_recovery_script(root)
+
+
+def _watch_saves(record: Path) -> None:
+    """In a rank: for each `checkpoint.save`, one JSON line in `record` with the paths this rank wrote by torch.save
+    ("saved"), the paths it flushed by `durable.fsync` ("fsynced"), and what its object collectives brought it, as
+    text ("received"; None where a gather brought it nothing)."""
+    seen: dict[str, list[str]] = {}
+    save, torch_save, fsync = checkpoint.save, torch.save, durable.fsync
+    all_gather, gather, broadcast = dist.all_gather_object, dist.gather_object, dist.broadcast_object_list
+
+    def note(key: str, value: str) -> None:
+        if seen:
+            seen[key].append(value)
+
+    def watched_save(*args, **kwargs):
+        seen.update(saved=[], fsynced=[], received=[])
+        try:
+            return save(*args, **kwargs)
+        finally:
+            with record.open("a") as f:
+                f.write(json.dumps(seen) + "\n")
+            seen.clear()
+
+    def watched_torch_save(obj, f, *args, **kwargs):
+        note("saved", os.path.abspath(getattr(f, "name", f)))
+        return torch_save(obj, f, *args, **kwargs)
+
+    def watched_fsync(path):
+        note("fsynced", os.path.abspath(path))
+        return fsync(path)
+
+    def watched_all_gather(output, obj, *args, **kwargs):
+        all_gather(output, obj, *args, **kwargs)
+        note("received", repr(output))
+
+    def watched_gather(obj, output=None, *args, **kwargs):
+        gather(obj, output, *args, **kwargs)
+        note("received", repr(output))
+
+    def watched_broadcast(objects, *args, **kwargs):
+        broadcast(objects, *args, **kwargs)
+        note("received", repr(objects))
+
+    checkpoint.save, torch.save, durable.fsync = watched_save, watched_torch_save, watched_fsync
+    dist.all_gather_object, dist.gather_object = watched_all_gather, watched_gather
+    dist.broadcast_object_list = watched_broadcast
+
+
+def _rank_of_a_fake_save(rank: int, port: int, run: Path, log: Path, record: Path) -> None:
+    """One rank of a 2-rank gloo group saving step 2 of RankEngines (its output in `log`, `_watch_saves` in
+    `record`). Rank 0's view of the folder lags, as on a shared file system: its listings lack rank 1's files."""
+    log.write_text("")
+    enter_rank(dict(os.environ), log, log)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    _watch_saves(record)
+    if rank == 0:
+        listdir = os.listdir
+        os.listdir = lambda path=".": [name for name in listdir(path) if not re.search(r"rank_?1\D", name)]
+    checkpoint.save(RankEngine(), run, 2, CLIENT_STATE | {"step": 2, "world_size": 2}, keep=0)
+    dist.destroy_process_group()
+
+
+def _rank_of_a_training_job(env: dict[str, str], argv: list[str], log: Path, record: Path) -> None:
+    """One rank of `zerollm ARGV` (its launcher's environment `env`, its output in `log`), its saves watched
+    (`_watch_saves` in `record`)."""
+    log.write_text("")
+    enter_rank(env, log, log)
+    _watch_saves(record)
+    from llm.cli import main  # noqa: PLC0415 - preloaded by the forkserver
+
+    main(argv)
+
+
+def _watched_ranks(target, args_of_rank: list[tuple], log: Path) -> None:
+    """`target(*args)` on forked ranks, one per entry of `args_of_rank`, waited for; each must end with exit code 0
+    (else the failure shows `log`'s files)."""
+    ranks = [forkserver().Process(target=target, args=args) for args in args_of_rank]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join(timeout=300)
+    for rank in ranks:
+        rank.kill()
+        rank.join()
+    logs = "".join(f"\n{path.name}: ...{path.read_text()[-3000:]}" for path in sorted(log.parent.glob(f"{log.name}*")))
+    assert [rank.exitcode for rank in ranks] == [0] * len(ranks), logs
+
+
+def _check_watched_saves(run: Path, records: list[Path]) -> None:
+    """Each save of `run` as its ranks' `records` saw it: each rank flushed exactly the checkpoint files it wrote
+    (each once), no rank but rank 0 received another rank's file names, and the manifest lists exactly the folder's
+    files with their sizes: every rank's files and the client state."""
+    saves = [[json.loads(line) for line in record.read_text().splitlines()] for record in records]
+    tags = rundir.checkpoint_tags(run)
+    assert tags and [len(seen) for seen in saves] == [len(tags)] * len(records)
+    for i, tag in enumerate(tags):
+        folder = os.path.abspath(rundir.checkpoint_dir(run) / tag)
+        inside = [{key: sorted(Path(p).name for p in seen[i][key] if os.path.dirname(p) == folder)
+                   for key in ("saved", "fsynced")} for seen in saves]
+        assert [rank["fsynced"] for rank in inside] == [rank["saved"] for rank in inside], tag
+        for rank, seen in enumerate(saves[1:], start=1):
+            others = [name for other, files in enumerate(inside) if other != rank for name in files["saved"]]
+            assert not [name for name in others if any(name in said for said in seen[i]["received"])], (rank, tag)
+        files = json.loads(rundir.manifest_file(run, tag).read_text())["files"]
+        assert files == {p.name: p.stat().st_size for p in Path(folder).iterdir() if p.name != rundir.MANIFEST}
+        assert sorted(files) == sorted([rundir.CLIENT_STATE, *(name for rank in inside for name in rank["saved"])])
+        assert rundir.incompleteness(run, tag) is None
+
+
+def test_each_rank_flushes_only_its_own_files_and_only_rank_0_learns_them(tmp_path):
+    """Every rank listed the whole folder and flushed every file it saw (at 512 ranks on Lustre or NFS, 512 fsyncs
+    of each file, each a round trip to the metadata server), and all-gathered its listing to every rank (world^2 x
+    files names). A rank whose view lags (rank 0 here) still cannot leave another rank's file out of the manifest."""
+    run, port = tmp_path / "run", free_port()
+    records = [tmp_path / f"saves.{rank}" for rank in range(2)]
+    _watched_ranks(_rank_of_a_fake_save, [(rank, port, run, tmp_path / f"log.{rank}", records[rank])
+                                          for rank in range(2)], tmp_path / "log")
+    _check_watched_saves(run, records)
+    assert rundir.latest_tag(run) == "global_step2"
+    assert sorted(json.loads(rundir.manifest_file(run, "global_step2").read_text())["files"]) == sorted([
+        MODEL_FILE, "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "rng_rank0.pt", "rng_rank1.pt", rundir.CLIENT_STATE])
+
+
+class EngineWritingAside(FakeEngine):
+    """A DeepSpeed that writes one file of its checkpoint otherwise than through its checkpoint engine."""
+
+    def save_checkpoint(self, root: str, tag: str, save_latest: bool, exclude_frozen_parameters: bool) -> None:
+        super().save_checkpoint(root, tag, save_latest, exclude_frozen_parameters)
+        Path(root, tag, "written_aside.json").write_text("{}")
+
+
+def test_a_file_no_rank_wrote_through_the_checkpoint_engine_is_still_listed(one_rank_group, tmp_path, monkeypatch):
+    """The ranks list the files they wrote through DeepSpeed's checkpoint engine; one written otherwise would have
+    made every checkpoint incomplete (a file not in its manifest), so rank 0 flushes and lists it."""
+    flushed = []
+    fsync = durable.fsync
+    monkeypatch.setattr(durable, "fsync", lambda path: (flushed.append(Path(path).name), fsync(path)))
+    checkpoint.save(EngineWritingAside(), tmp_path, 3, CLIENT_STATE | {"step": 3}, keep=0)
+    assert rundir.incompleteness(tmp_path, "global_step3") is None
+    assert "written_aside.json" in json.loads(rundir.manifest_file(tmp_path, "global_step3").read_text())["files"]
+    assert flushed.count("written_aside.json") == 1
+
+
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "fp32"), (2, "bf16"), (3, "bf16")])
+def test_deepspeed_saves_on_two_ranks_flush_each_rank_s_own_files(pretrain_data, tmp_path, stage, precision):
+    """As above, with DeepSpeed's engine under each ZeRO stage (bf16 adds its bf16_zero_pp_rank_<R> files): the
+    files each rank flushes are those it wrote (seen through torch.save, not through the save's own record of them),
+    rank 0 flushes no file it did not write, and the manifest lists every rank's."""
+    run = tmp_path / "run"
+    argv = ["train", "pretrain", "--recipe", "demo", "--data", str(pretrain_data), "--out", str(run),
+            "--zero-stage", str(stage)]
+    argv += [a for o in [*TINY, "train.max_steps=2", "train.save_every=1", "train.eval_every=0",
+                         f"train.precision={precision}"] for a in ("--set", o)]
+    records = [tmp_path / f"saves.{rank}" for rank in range(2)]
+    _watched_ranks(_rank_of_a_training_job, [(env, argv, tmp_path / f"log.{rank}", records[rank])
+                                             for rank, env in enumerate(rank_environments(2, free_port()))],
+                   tmp_path / "log")
+    _check_watched_saves(run, records)
 
 
 @pytest.mark.parametrize("damage, reason", [

@@ -130,6 +130,7 @@ def install_fault_points(kill_at: int | None, record: Path, logs_metrics: bool, 
     durable.fsync = points.before(durable.fsync)
     dist.barrier = points.before(dist.barrier)
     dist.all_gather_object = points.before(dist.all_gather_object)
+    dist.gather_object = points.before(dist.gather_object)
     os.replace = points.before(os.replace)
     shutil.rmtree = points.before(shutil.rmtree)
 

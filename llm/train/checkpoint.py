@@ -3,7 +3,7 @@
 A save runs in this order, so that a job killed at any instant resumes from a complete checkpoint:
 
     every rank writes its files (DeepSpeed's, and rng_rank<R>.pt) and fsyncs them      -> agreement
-    the ranks gather what files they see, with sizes
+    rank 0 gathers each rank's list of the files it wrote, with their sizes once flushed
     rank 0: client_state.json, then manifest.json (every file with its size), then `latest`, each durably
     rank 0: prune complete checkpoints older than the `keep` newest                     -> agreement
 
@@ -149,17 +149,15 @@ def _damaged_advice(path: Path, source: Path) -> str:
     return rundir.damaged_checkpoint_advice(folder.parent.parent, folder.name)
 
 
-def _files(directory: Path) -> dict[str, int]:
-    """The files this rank sees in `directory`, with their sizes."""
-    return {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()}
-
-
 def save(engine, run_dir: Path, step: int, client_state: dict[str, Any], keep: int) -> None:
     """Save on every rank; rank 0 then writes the manifest, publishes the checkpoint as `latest` and prunes.
 
-    Each rank flushes every file it sees once its own are written (its own among them; flushing a file twice
-    costs nothing more). The manifest lists the union of what the ranks see, each file at its largest size, so a
-    rank whose view of a shared file system lags cannot leave another rank's file out.
+    Each rank flushes only the files it wrote (`_write_rank_files`) and sends their names and sizes to rank 0 alone
+    (a gather): every rank listing the folder and flushing all it saw there was, at 512 ranks, 512 fsyncs of each
+    file of the checkpoint (each a metadata round trip on Lustre or NFS), and an all-gather of those listings sent
+    every rank's to every rank (world^2 x files names). The manifest lists the union of the writers' lists, each
+    file with its size as its writer saw it once flushed, so a rank (rank 0) whose view of a shared file system lags
+    cannot leave another rank's file out.
 
     A write that runs out of room (a full disk, a quota, the file size limit) on any rank ends the save on every
     rank, after every rank's writes, with one UserError said once (`_refuse_out_of_room`): the unfinished folder is
@@ -172,39 +170,62 @@ def save(engine, run_dir: Path, step: int, client_state: dict[str, Any], keep: i
             raise RuntimeError(f"{directory} is the published checkpoint; it is never written over")
         shutil.rmtree(directory)  # an unfinished save of this step by an earlier attempt: none of it may count
     dist.barrier()
-    _refuse_out_of_room(_out_of_room_in(lambda: _write_rank_files(engine, run_dir, tag, rank)), run_dir, step)
-    views: list[dict[str, int] | None] = [None] * world
-    dist.all_gather_object(views, _files(directory))
+    own: dict[str, int] = {}
+    _refuse_out_of_room(_out_of_room_in(lambda: own.update(_write_rank_files(engine, run_dir, tag, rank))),
+                        run_dir, step)
+    written: list[dict[str, int] | None] | None = [None] * world if rank == 0 else None
+    dist.gather_object(own, written, dst=0)  # NCCL: through the current device, which setup_distributed set
     reason = None
     if rank == 0:
-        reason = _out_of_room_in(lambda: _publish(run_dir, tag, step, world, views, client_state))
+        reason = _out_of_room_in(lambda: _publish(run_dir, tag, step, world, written, client_state))
         if reason is None and (unpruned := _out_of_room_in(lambda: prune(run_dir, keep))) is not None:
             print(f"zerollm: note: {rundir.checkpoint_dir(run_dir)}: {unpruned} while removing checkpoints older "
                   f"than the {keep} newest; they are kept", file=sys.stderr, flush=True)
     _refuse_out_of_room(reason, run_dir, step)
 
 
-def _write_rank_files(engine, run_dir: Path, tag: str, rank: int) -> None:
-    """This rank's files of checkpoint `tag` (DeepSpeed's and its RNG file), flushed to the disk. A DeepSpeed write
-    that ran out of room is raised once DeepSpeed's save is over (`_writes_held_at_first_failure`)."""
+def _write_rank_files(engine, run_dir: Path, tag: str, rank: int) -> dict[str, int]:
+    """This rank's files of checkpoint `tag` (those DeepSpeed's checkpoint engine saved on this rank, and its RNG
+    file), each flushed to the disk; their names, with their sizes once flushed. Only these are flushed: not the
+    other ranks' files, nor anything this rank wrote outside the folder. A DeepSpeed write that ran out of room is
+    raised once DeepSpeed's save is over (`_writes_held_at_first_failure`)."""
     directory = rundir.checkpoint_dir(run_dir) / tag
-    with frozen_parameters_left_out(engine) as leaving_out, _writes_held_at_first_failure(engine) as failures:
+    with frozen_parameters_left_out(engine) as leaving_out, \
+            _writes_held_at_first_failure(engine) as (failures, saved):
         engine.save_checkpoint(str(directory.parent), tag=tag, save_latest=False,
                                exclude_frozen_parameters=leaving_out)
     if failures:
         raise failures[0]
-    with open(rundir.rng_file(run_dir, tag, rank), "wb") as f:  # a file object: torch.save keeps a write's errno
+    rng = rundir.rng_file(run_dir, tag, rank)
+    with open(rng, "wb") as f:  # a file object: torch.save keeps a write's errno
         torch.save(rng_state(), f)
-    for name in _files(directory):
-        durable.fsync(directory / name)
+    folder, own = os.path.abspath(directory), {}
+    for path in [*saved, rng]:
+        if os.path.dirname(os.path.abspath(path)) == folder and path.name not in own:
+            durable.fsync(path)
+            own[path.name] = path.stat().st_size
+    return own
 
 
-def _publish(run_dir: Path, tag: str, step: int, world: int, views: list[dict[str, int]],
+def _publish(run_dir: Path, tag: str, step: int, world: int, written: list[dict[str, int]],
              client_state: dict[str, Any]) -> None:
-    """Rank 0: client_state.json, the manifest of every file the ranks see, then `latest`."""
+    """Rank 0: client_state.json, the manifest of every file of the checkpoint, then `latest`. `written`: each rank's
+    files, with their sizes once flushed (`_write_rank_files`).
+
+    A file in the folder that no rank wrote through DeepSpeed's checkpoint engine (a DeepSpeed that writes one
+    otherwise) is flushed and listed by rank 0, as rank 0 sees it: one listing of the folder's names, on one rank;
+    with today's DeepSpeed there is none."""
     directory = rundir.checkpoint_dir(run_dir) / tag
+    files: dict[str, int] = {}
+    for own in written:
+        for name, size in own.items():
+            files[name] = max(size, files.get(name, 0))
+    for name in set(os.listdir(directory)) - files.keys():
+        if (directory / name).is_file():
+            durable.fsync(directory / name)
+            files[name] = (directory / name).stat().st_size
+    files = dict(sorted(files.items()))
     durable.write_text(directory / rundir.CLIENT_STATE, json.dumps(client_state, indent=1))
-    files = {name: max(view.get(name, 0) for view in views) for name in sorted(set().union(*views))}
     files[rundir.CLIENT_STATE] = (directory / rundir.CLIENT_STATE).stat().st_size
     manifest = {"step": step, "world_size": world, "files": files}
     durable.write_text(rundir.manifest_file(run_dir, tag), json.dumps(manifest, indent=1))
@@ -245,22 +266,31 @@ def _refuse_out_of_room(reason: str | None, run_dir: Path, step: int) -> None:
 
 
 @contextmanager
-def _writes_held_at_first_failure(engine) -> Iterator[list[Exception]]:
+def _writes_held_at_first_failure(engine) -> Iterator[tuple[list[Exception], list[Path]]]:
     """Inside, DeepSpeed writes each checkpoint file of its torch engine through a file object (torch.save given a
     path says only '[enforce fail at inline_container.cc:672] . unexpected pos', not why), and the first write that
-    runs out of room is recorded in the yielded list instead of raised, with no file written after it: DeepSpeed
-    goes on through its collectives, so a rank whose disk is full leaves no other rank waiting in one."""
+    runs out of room is recorded in the first yielded list instead of raised, with no file written after it:
+    DeepSpeed goes on through its collectives, so a rank whose disk is full leaves no other rank waiting in one.
+    The second yielded list gets the path of each file DeepSpeed's checkpoint engine saved (whichever engine it is):
+    this rank's own files, which it alone flushes (`_write_rank_files`)."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (  # noqa: PLC0415 - after the accelerator
         TorchCheckpointEngine,
     )
 
     failures: list[Exception] = []
+    saved: list[Path] = []
     writer, save_file, copy_scripts = engine.checkpoint_engine, engine.checkpoint_engine.save, \
         engine._copy_recovery_script
 
     def through_a_file(state_dict, path: str) -> None:  # the names DeepSpeed calls it with
         with open(path, "wb") as f:
             save_file(state_dict, f)
+
+    save_one = through_a_file if isinstance(writer, TorchCheckpointEngine) else save_file
+
+    def recorded(state_dict, path: str) -> None:
+        save_one(state_dict, path)
+        saved.append(Path(path))
 
     def held(write):
         def unless_failed(*args, **kwargs) -> None:
@@ -274,10 +304,10 @@ def _writes_held_at_first_failure(engine) -> Iterator[list[Exception]]:
                 failures.append(exc)
         return unless_failed
 
-    writer.save = held(through_a_file if isinstance(writer, TorchCheckpointEngine) else save_file)
+    writer.save = held(recorded)
     engine._copy_recovery_script = held(copy_scripts)
     try:
-        yield failures
+        yield failures, saved
     finally:
         del writer.save, engine._copy_recovery_script  # the classes' methods again
 
