@@ -3,6 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import threading
+from datetime import timedelta
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -73,32 +80,140 @@ def test_bench_generate_runs_on_the_chosen_device_and_dtype(zero_runs):
         line[2:26].strip() for line in result.stdout.splitlines() if line.startswith("  ")}
 
 
-@pytest.mark.parametrize("local_rank, announced", [(1, True), (2, False)])
-def test_more_ranks_than_gpus_on_a_node_is_one_line_naming_both(monkeypatch, local_rank, announced):
-    """`--nproc 3` on a one-GPU machine ended ranks 1 and 2 in a raw "CUDA error: invalid device ordinal"."""
-    from llm.runtime import distributed  # noqa: PLC0415
-
-    for name, value in dict(RANK=local_rank, WORLD_SIZE=3, LOCAL_RANK=local_rank, LOCAL_WORLD_SIZE=3,
+def _rank_env(monkeypatch, rank: int, world: int, local_rank: int, local_world: int) -> None:
+    for name, value in dict(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=local_rank, LOCAL_WORLD_SIZE=local_world,
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=29999).items():
         monkeypatch.setenv(name, str(value))
-    monkeypatch.setattr(distributed, "ensure_accelerator_env", lambda: None)
-    monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(distributed.torch.cuda, "device_count", lambda: 1)
+
+
+def _visible_gpus(monkeypatch, distributed, count: int, uuid: str = "0a1b") -> list[int]:
+    """torch.cuda as a rank that sees `count` GPUs (each with `uuid`) finds it; the indices it sets, recorded."""
     chosen = []
 
     def set_device(index: int) -> None:  # as torch does where there is no such GPU
-        if index >= 1:
+        if index >= count:
             raise RuntimeError("CUDA error: invalid device ordinal")
         chosen.append(index)
 
+    monkeypatch.setattr(distributed, "ensure_accelerator_env", lambda: None)
+    monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(distributed.torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(distributed.torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(distributed.torch.cuda, "get_device_properties", lambda index: SimpleNamespace(uuid=uuid))
+    return chosen
+
+
+@pytest.mark.parametrize("local_rank, announced", [(2, True), (3, False)])
+def test_more_ranks_than_the_several_gpus_a_rank_sees_is_one_line_naming_both(monkeypatch, local_rank, announced):
+    """`--nproc 4` on a two-GPU machine ended ranks 2 and 3 in a raw "CUDA error: invalid device ordinal"."""
+    from llm.runtime import distributed  # noqa: PLC0415
+
+    _rank_env(monkeypatch, local_rank, 4, local_rank, 4)
+    chosen = _visible_gpus(monkeypatch, distributed, 2)
     with pytest.raises(UserError) as raised:
         distributed.setup_distributed()
-    assert str(raised.value) == ("this node starts 3 ranks but has 1 visible CUDA GPU(s), one per rank (local rank 1 "
-                                 "and up have none): start no more ranks per node than it has GPUs (--nproc 1; under "
-                                 "zerollm launch, --nproc-per-node 1), or make more GPUs visible "
-                                 "(CUDA_VISIBLE_DEVICES)")
+    assert str(raised.value) == ("this node starts 4 ranks but has 2 visible CUDA GPU(s), one per rank (local rank 2 "
+                                 "and up have none): start no more ranks per node than it has GPUs (--nproc 2; under "
+                                 "zerollm launch, --nproc-per-node 2), or make more GPUs visible "
+                                 "(CUDA_VISIBLE_DEVICES), or one to each rank (srun --gpus-per-task=1)")
     assert raised.value.announce is announced and chosen == []  # printed by one rank of the node
+
+
+@pytest.mark.parametrize("local_rank, local_world, gpus, index", [
+    (0, 1, 1, 0), (3, 4, 8, 3), (3, 4, 4, 3),
+    (1, 4, 2, 1),  # the node's ranks 2 and 3 are refused (above); rank 1 has its GPU
+    (1, 2, 1, 0), (7, 8, 1, 0),  # a GPU bound to each rank (srun --gpus-per-task=1), or ranks sharing one
+])
+def test_a_rank_uses_the_gpu_of_its_local_rank_or_the_one_it_sees(local_rank, local_world, gpus, index):
+    from llm.runtime.distributed import cuda_device_index  # noqa: PLC0415
+
+    assert cuda_device_index(local_rank, local_world, gpus) == index
+
+
+def _ranks_claim_gpus(claims: list[tuple[str, str]]) -> list[str | None]:
+    """`refuse_shared_gpus` on one store from a thread per rank, each claiming its (host, gpu): what each raised."""
+    from llm.runtime.distributed import refuse_shared_gpus  # noqa: PLC0415
+
+    store = torch.distributed.HashStore()
+    store.set_timeout(timedelta(seconds=20))
+    outcome: list[str | None] = [None] * len(claims)
+
+    def rank(r: int) -> None:
+        try:
+            refuse_shared_gpus(store, r, len(claims), claims[r][1], claims[r][0])
+        except UserError as exc:
+            outcome[r] = f"{exc} (announce={exc.announce})"
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(claims))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+    return outcome
+
+
+def test_ranks_that_each_have_a_gpu_of_their_own_pass(capsys):
+    claims = [(host, f"GPU-{host}{i}") for host in "ab" for i in range(3)] + [("c", "GPU-x")]
+    assert _ranks_claim_gpus(claims) == [None] * 7
+    assert capsys.readouterr().err == ""
+
+
+def test_ranks_that_share_a_gpu_are_refused_on_every_rank_in_one_line_said_once(capsys):
+    """On a one-GPU node started with --nproc 2 (or a wrapper that gave two ranks the same GPU), NCCL ended every
+    rank with "Duplicate GPU detected" tracebacks, or hung."""
+    claims = [("a", "GPU-1"), ("a", "GPU-2"), ("a", "GPU-3"), ("b", "GPU-4"), ("b", "GPU-5"), ("b", "GPU-4")]
+    message = ("ranks 3 and 5 on b use the same CUDA GPU (GPU-4), and NCCL needs a GPU per rank: start at most as "
+               "many ranks per node as it has GPUs (--nproc, or --nproc-per-node under zerollm launch), or give each "
+               "rank a GPU of its own (CUDA_VISIBLE_DEVICES per rank, srun --gpus-per-task=1)")
+    assert _ranks_claim_gpus(claims) == [f"{message} (announce=False)"] * 6
+    assert capsys.readouterr().err == f"zerollm: error: {message}\n"
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_rank_that_sees_one_gpu_of_many_ranks_on_its_node_uses_it(monkeypatch, shared):
+    """Under `srun --gpus-per-task=1` (or CUDA_VISIBLE_DEVICES set per rank) every rank sees one GPU, cuda:0, while
+    LOCAL_RANK goes 0..N-1: local rank 1 was refused ("this node starts 2 ranks but has 1 visible CUDA GPU(s)"), so
+    such jobs could not run. It uses its GPU, named to DeepSpeed (which takes LOCAL_RANK for the GPU) as 0, unless
+    its node's other rank uses the same GPU. Rank 0 is a thread here, sharing the rendezvous store."""
+    import deepspeed  # noqa: PLC0415 - imported before torch.cuda pretends to have a GPU
+
+    from llm.runtime import distributed  # noqa: PLC0415
+
+    _rank_env(monkeypatch, 1, 2, 1, 2)
+    chosen = _visible_gpus(monkeypatch, distributed, 1, uuid="0a1b")
+    store = torch.distributed.HashStore()
+    store.set_timeout(timedelta(seconds=20))
+    monkeypatch.setattr(distributed.torch.distributed, "rendezvous", lambda url, rank, world, timeout: iter(
+        [(store, rank, world)]))
+    groups = []
+    monkeypatch.setattr(distributed.torch.distributed, "init_process_group",
+                        lambda backend, **kwargs: groups.append((backend, kwargs["rank"], kwargs["device_id"])))
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kwargs: None)
+    gpus = torch.distributed.PrefixStore("zerollm_gpus", store)
+    rank0 = threading.Thread(target=_ranks_sharing_or_not, args=(gpus, "GPU-0a1b" if shared else "GPU-ffff"))
+    rank0.start()
+    try:
+        if shared:
+            with pytest.raises(UserError) as raised:
+                distributed.setup_distributed()
+            assert str(raised.value).startswith("ranks 0 and 1 on ") and " use the same CUDA GPU (GPU-0a1b)" in str(
+                raised.value) and not raised.value.announce and groups == []
+        else:
+            info = distributed.setup_distributed()
+            assert (info.rank, info.local_rank, info.device) == (1, 1, torch.device("cuda", 0))
+            assert chosen == [0] and os.environ["LOCAL_RANK"] == "0"
+            assert groups == [("nccl", 1, torch.device("cuda", 0))]
+    finally:
+        rank0.join(30)
+
+
+def _ranks_sharing_or_not(store, gpu: str) -> None:
+    """Rank 0 of the test above, on this host."""
+    from llm.runtime.distributed import refuse_shared_gpus  # noqa: PLC0415
+
+    with contextlib.suppress(UserError):
+        refuse_shared_gpus(store, 0, 2, gpu, socket.gethostname())
 
 
 def test_place_never_holds_an_fp32_copy_of_a_parameter_on_the_device():

@@ -12,11 +12,19 @@ DeepSpeed's CPU accelerator must be selected before `deepspeed` is first importe
 `ensure_accelerator_env` does; every module that imports deepspeed calls it first. The choice depends on the job's
 size (MPS for one rank only), so a rank makes it again rather than keep the one it inherits from the process that
 started it (`zerollm train --nproc N`, `zerollm launch`, DeepSpeed's runner), which chose for a job of one.
+
+A rank uses the GPU of its local rank where it sees enough GPUs for its node's ranks, and its only GPU where it sees
+one: clusters that bind a GPU to each rank (`srun --gpus-per-task=1`, `--gpu-bind=single:1`, a CUDA_VISIBLE_DEVICES
+set per rank, GPUs isolated by cgroups) show every rank one GPU. Which of those GPUs are one and the same (a one-GPU
+node started with `--nproc 2`) only the ranks together know: before NCCL starts, every rank writes its GPU's identity
+to the rendezvous store, a few store operations per rank at any job size, and ranks that share a GPU are refused in
+one line instead of NCCL's "Duplicate GPU detected" from every rank, or a hang.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +32,7 @@ from datetime import timedelta
 from typing import NoReturn, TypeVar
 
 import torch
+from packaging.version import Version
 
 from llm.errors import UserError, report
 from llm.runtime.cpu_threads import cpu_claim, cpu_threads_per_rank, ranks_sharing_cpus
@@ -59,6 +68,9 @@ def ensure_accelerator_env() -> None:
 
 @dataclass(frozen=True)
 class DistInfo:
+    """This rank's place in the job. `local_rank` is its place on its node, as its launcher numbered it (the
+    environment's LOCAL_RANK names its CUDA GPU once `setup_distributed` has run: 0 where a rank sees one)."""
+
     rank: int
     local_rank: int
     world_size: int
@@ -87,21 +99,34 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     kind = local_device_type()
     if kind == "cuda":
-        gpus = torch.cuda.device_count()
-        if local_rank >= gpus:  # set_device would end the rank with "CUDA error: invalid device ordinal"
-            ranks = max(local_world, local_rank + 1)
-            raise UserError(f"this node starts {ranks} ranks but has {gpus} visible CUDA GPU(s), one per rank (local "
-                            f"rank {gpus} and up have none): start no more ranks per node than it has GPUs "
-                            f"(--nproc {gpus}; under zerollm launch, --nproc-per-node {gpus}), or make more GPUs "
-                            "visible (CUDA_VISIBLE_DEVICES)", announce=local_rank == gpus)  # printed once per node
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        index = cuda_device_index(local_rank, local_world, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
         backend = "nccl"
+        if index != local_rank:  # DeepSpeed takes LOCAL_RANK for the GPU's index (deepspeed.initialize's set_device,
+            # zero.Init) and asserts that Open MPI's local rank, where set, is the same: both name the GPU it uses
+            for name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"):
+                if name == "LOCAL_RANK" or name in os.environ:
+                    os.environ[name] = str(index)
     else:
         device = torch.device(kind)
         backend = "gloo"
+    timeout = timedelta(seconds=timeout_s)
     try:
-        deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timedelta(seconds=timeout_s))
+        # the group is formed here rather than by deepspeed.init_distributed (which then only wraps it): its store
+        # is needed before NCCL starts, and DeepSpeed would bind NCCL to the GPU of LOCAL_RANK and start it at once
+        store, _, _ = next(torch.distributed.rendezvous("env://", rank, world, timeout=timeout))
+        store.set_timeout(timeout)
+        if kind == "cuda" and world > 1:
+            refuse_shared_gpus(torch.distributed.PrefixStore("zerollm_gpus", store), rank, world,
+                               gpu_identity(index), socket.gethostname())
+        bind = kind == "cuda" and world > 1 and not Version("2.6.0") < Version(torch.__version__) < Version("2.7.1")
+        # as DeepSpeed binds: a bound device starts NCCL now and splits later groups from it; torch 2.6 hangs with one
+        # (pytorch#153960)
+        torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("default_pg", store),
+                                             rank=rank, world_size=world, timeout=timeout,
+                                             device_id=device if bind else None)
+        deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
     except (torch.distributed.DistError, RuntimeError, TimeoutError) as exc:
         address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         reason = str(exc).strip().splitlines()[-1]
@@ -111,6 +136,73 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
     if kind != "cuda":
         torch.set_num_threads(cpu_threads_per_rank(_ranks_sharing_my_cpus(world), os.environ))
     return DistInfo(rank, local_rank, world, local_world, device)
+
+
+def cuda_device_index(local_rank: int, local_world: int, gpus: int) -> int:
+    """The index of this rank's CUDA GPU among the `gpus` it sees: its local rank where it sees a GPU for each rank
+    of its node up to its own, else 0 where it sees one (each rank of the node was given its own, or ranks share it:
+    `refuse_shared_gpus` tells which). A UserError where it sees several but too few (printed once per node)."""
+    if local_rank < gpus:
+        return local_rank
+    if gpus == 1:
+        return 0
+    ranks = max(local_world, local_rank + 1)
+    raise UserError(f"this node starts {ranks} ranks but has {gpus} visible CUDA GPU(s), one per rank (local rank "
+                    f"{gpus} and up have none): start no more ranks per node than it has GPUs (--nproc {gpus}; under "
+                    f"zerollm launch, --nproc-per-node {gpus}), or make more GPUs visible (CUDA_VISIBLE_DEVICES), or "
+                    "one to each rank (srun --gpus-per-task=1)", announce=local_rank == gpus)
+
+
+def gpu_identity(index: int) -> str:
+    """What names CUDA GPU `index` of this process the same in every process that sees it: its UUID, else the
+    host and its PCI address."""
+    props = torch.cuda.get_device_properties(index)
+    uuid = str(getattr(props, "uuid", "") or "")
+    if uuid.strip("0-"):  # as nvidia-smi -L shows it
+        return f"GPU-{uuid}"
+    return (f"{socket.gethostname()} PCI {getattr(props, 'pci_domain_id', 0):04x}:"
+            f"{getattr(props, 'pci_bus_id', 0):02x}:{getattr(props, 'pci_device_id', 0):02x}")
+
+
+def shared_gpu_message(first: tuple[int, str], second: tuple[int, str], gpu: str) -> str:
+    """The refusal of two ranks, each (rank, host), that use one GPU."""
+    (rank_a, host_a), (rank_b, host_b) = sorted([first, second])
+    who = f"ranks {rank_a} and {rank_b} on {host_a}" if host_a == host_b else \
+        f"rank {rank_a} on {host_a} and rank {rank_b} on {host_b}"
+    return (f"{who} use the same CUDA GPU ({gpu}), and NCCL needs a GPU per rank: start at most as many ranks per "
+            "node as it has GPUs (--nproc, or --nproc-per-node under zerollm launch), or give each rank a GPU of its "
+            "own (CUDA_VISIBLE_DEVICES per rank, srun --gpus-per-task=1)")
+
+
+_NO_SHARED_GPU = "-"
+
+
+def refuse_shared_gpus(store: torch.distributed.Store, rank: int, world: int, gpu: str, host: str) -> None:
+    """Every rank of the job calls this (through `store`, not NCCL) with its GPU's identity (`gpu_identity`): if
+    any two use the same GPU, every rank raises one UserError naming two of them, printed once. Four or five store
+    operations per rank, whatever the job's size: a counter per GPU finds a second user, and the last rank to
+    arrive tells the verdict to all."""
+    users = store.add(f"gpu/{gpu}", 1)
+    if users == 1:
+        store.set(f"gpu/{gpu}/first", f"{rank} {host}")
+    elif users == 2:  # the first rank to find a GPU shared says so, before any rank can learn the verdict and leave
+        first_rank, first_host = store.get(f"gpu/{gpu}/first").decode().split(" ", 1)
+        message = shared_gpu_message((int(first_rank), first_host), (rank, host), gpu)
+        if store.add("shared", 1) == 1:
+            report(message)
+            store.set("message", message)
+    if store.add("arrived", 1) == world:
+        verdict = store.get("message").decode() if store.add("shared", 0) else _NO_SHARED_GPU
+        store.set("verdict", verdict)
+    else:
+        verdict = store.get("verdict").decode()  # waits for the last rank
+    if verdict == _NO_SHARED_GPU:
+        return
+    if store.add("left", 1) == world:
+        store.set("all left", "")
+    if rank == 0:  # the store's server lives in rank 0 where no torchrun agent holds it: it leaves last
+        store.wait(["all left"])
+    raise UserError(verdict, announce=False)
 
 
 def _many_ranks() -> bool:
