@@ -61,6 +61,8 @@ class ModelConfig:
     `llama3_low_freq_factor`."""
     qk_norm: bool = False
     """RMSNorm over each head's queries and keys before RoPE (Qwen3, MiniMind-3); exported as Qwen3ForCausalLM."""
+    qkv_bias: bool = False
+    """A bias on the query, key and value projections (Qwen2, Qwen2.5); exported as Qwen2ForCausalLM."""
     dropout: float = 0.0
     tie_embeddings: bool = True
     moe: bool = False
@@ -98,6 +100,7 @@ class ModelConfig:
         shapes = self.linear_shapes
         attention = sum(math.prod(shapes[name]) for name in ("wq", "wk", "wv", "wo"))
         attention += 2 * self.attention_head_dim if self.qk_norm else 0
+        attention += sum(shapes[name][1] for name in ("wq", "wk", "wv")) if self.qkv_bias else 0
         ffn = sum(math.prod(shapes[name]) for name in ("w1", "w2", "w3"))
         if self.moe:  # a router and the routed and shared experts
             ffn = self.dim * self.n_experts + ffn * (self.n_experts + self.n_shared_experts)

@@ -1,7 +1,8 @@
 """Hugging Face Llama format: export a run, import an export (ours or one written by transformers).
 
 An export directory holds `model.safetensors`, a `config.json` for `LlamaForCausalLM` (`Qwen3ForCausalLM` for a
-model with QK-norm, which is Llama plus a per-head RMSNorm of q and k) and the tokenizer files, so
+model with QK-norm, which is Llama plus a per-head RMSNorm of q and k; `Qwen2ForCausalLM` for one with biases on q, k
+and v, which is Llama plus those) and the tokenizer files, so
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` reproduces our logits.
 Our RoPE already uses the rotate-half layout Hugging Face uses, so weights are renamed, never permuted.
 
@@ -48,8 +49,11 @@ _LAYER_NAMES = {  # ours (inside layers.N.) -> Hugging Face (inside model.layers
     "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias", "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # model_type -> class; qwen3 = QK-norm
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+"""model_type -> class: qwen3 is Llama with QK-norm, qwen2 Llama with biases on q, k and v."""
 _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 
@@ -62,7 +66,10 @@ def hf_name(name: str) -> str:
 
 
 def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None) -> dict:
-    model_type = "qwen3" if cfg.qk_norm else "llama"
+    if cfg.qk_norm and cfg.qkv_bias:  # Qwen3's attention_bias puts one on the output projection too
+        raise UserError("a model with both model.qk_norm and model.qkv_bias has no Hugging Face class; export supports "
+                        "either")
+    model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
     config = {
         "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "hidden_act": "silu",
         "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden_dim, "num_hidden_layers": cfg.n_layers,
@@ -72,7 +79,7 @@ def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None) -> dict:
         "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": cfg.init_std, "torch_dtype": "float32",
         "rope_scaling": None,
     }
-    if cfg.qk_norm:
+    if model_type != "llama":
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
     if cfg.rope_scaling == "yarn":
         config["rope_scaling"] = {"rope_type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.yarn_beta_fast,
@@ -131,17 +138,19 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
     architectures = config.get("architectures") or []
     model_type = config.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
-        raise UserError(f"{source}: not a Llama- or Qwen3-architecture config (model_type {model_type!r})")
+        raise UserError(f"{source}: not a Llama-, Qwen2- or Qwen3-architecture config (model_type {model_type!r})")
     if model_type not in ARCHITECTURES:
         named = [t for t, name in ARCHITECTURES.items() if isinstance(architectures, list) and name in architectures]
         if not named:
-            raise UserError(f"{source}: not a Llama- or Qwen3-architecture config (model_type {model_type!r})")
+            raise UserError(f"{source}: not a Llama-, Qwen2- or Qwen3-architecture config (model_type "
+                            f"{model_type!r})")
         model_type = named[0]
     if config.get("use_sliding_window"):
         raise UserError(f"{source}: sliding-window attention is not part of our architecture")
-    for key in ("attention_bias", "mlp_bias"):
+    for key in ("attention_bias", "mlp_bias"):  # Llama's and Qwen3's attention_bias is on every projection
         if config.get(key):
-            raise UserError(f"{source}: '{key}' {config[key]!r}: biases are not part of our architecture")
+            raise UserError(f"{source}: '{key}' {config[key]!r}: biases other than Qwen2's on q, k and v are not part "
+                            "of our architecture")
     if config.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' two names of one function
         raise UserError(f"{source}: 'hidden_act' {config['hidden_act']!r} is not part of our architecture (SiLU only)")
     rope_key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"  # transformers' choice
@@ -169,7 +178,7 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
         max_seq_len=_number(config, "max_position_embeddings", source, int, 2048),
         rope_theta=_first_of("rope_theta", [(rope, f"{source} {rope_key}"), (config, source)], float, 10000.0),
         tie_embeddings=tie, init_std=_number(config, "initializer_range", source, float, 0.02),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type == "qwen3", qkv_bias=model_type == "qwen2",
     )
     if kind in ("yarn", "llama3"):
         cfg.rope_scaling, cfg.rope_factor = kind, _number(rope, "factor", f"{source} {rope_key}", float)

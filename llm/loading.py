@@ -197,7 +197,7 @@ def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer]:
 
 
 SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "attention_head_dim", "ffn_hidden_dim",
-                "tie_embeddings", "moe", "n_experts", "n_shared_experts", "qk_norm")
+                "tie_embeddings", "moe", "n_experts", "n_shared_experts", "qk_norm", "qkv_bias")
 """What the weights' shapes and names depend on."""
 FUNCTION_FIELDS = ("rope_theta", "norm_eps", "rope_scaling", "rope_factor", "rope_original_max_seq_len",
                    "yarn_beta_fast", "yarn_beta_slow", "llama3_low_freq_factor", "llama3_high_freq_factor")

@@ -336,7 +336,8 @@ def test_the_exported_config_has_the_bos_token_of_the_exported_tokenizer(tmp_pat
     ({"head_dim": 7}, "model.head_dim = 7 must be even for RoPE"),
     ({"head_dim": "8"}, "'head_dim' must be a positive integer, got '8'"),
     ({"hidden_act": "gelu"}, "'hidden_act' 'gelu' is not part of our architecture (SiLU only)"),  # named no key
-    ({"attention_bias": True}, "'attention_bias' True: biases are not part of our architecture"),
+    ({"attention_bias": True}, "'attention_bias' True: biases other than Qwen2's on q, k and v are not part of our "
+                               "architecture"),
     # the RoPE object is named by its key: 'rope_scaling' was said of a transformers 5 file's rope_parameters
     ({"rope_parameters": {**YARN, "attention_factor": 2.0}}, "config.json: rope_parameters 'attention_factor' 2.0"),
 ])

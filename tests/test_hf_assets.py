@@ -119,6 +119,43 @@ def test_a_qk_norm_model_exports_as_qwen3_with_equal_logits(tmp_path, head_dim):
     assert hf.model.layers[0].self_attn.q_proj.weight.shape == (4 * (head_dim or 16), 64)
 
 
+def test_a_qwen2_model_imports_and_exports_with_transformers_logits(tmp_path):
+    """Qwen2 and Qwen2.5 (Llama with biases on q, k and v) were refused ("not a Llama- or Qwen3-architecture
+    config"): the most used small models to fine-tune could not be brought in."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False)
+    hf = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # biases away from zero, so a missing one would show in the logits
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.uniform_(-0.5, 0.5)
+    hf.save_pretrained(tmp_path / "hf")
+    model = import_model(tmp_path / "hf")
+    assert model.cfg.qkv_bias and not model.cfg.qk_norm
+    assert model.num_parameters() == model.cfg.parameter_count == sum(p.numel() for p in hf.parameters())
+    tokens = torch.randint(0, 96, (2, 21))
+    with torch.no_grad():
+        assert torch.allclose(model(tokens).logits, hf(tokens).logits, atol=1e-4)
+    assert export_model(model, None, tmp_path / "ours") == "Qwen2ForCausalLM"
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(again(tokens).logits, hf(tokens).logits, atol=1e-4)
+        assert torch.equal(import_model(tmp_path / "ours")(tokens).logits, model(tokens).logits)
+
+
+def test_biases_qwen2_does_not_have_are_refused(tmp_path):
+    config = hf_config(_small(0).cfg, None)
+    with pytest.raises(UserError, match="'attention_bias' True: biases other than Qwen2's on q, k and v"):
+        model_config_from_hf({**config, "attention_bias": True}, "config.json")
+    both = dataclasses.replace(_small(0).cfg, qk_norm=True, qkv_bias=True)
+    with pytest.raises(UserError, match="both model.qk_norm and model.qkv_bias has no Hugging Face class"):
+        hf_config(both, None)
+
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 """Llama 3.1's RoPE scaling (Llama-3.2-1B: factor 32, original 8192) at a size where, with rope_theta 10000 and
@@ -278,10 +315,10 @@ def test_a_model_type_that_is_not_a_string_is_refused_in_one_line(tmp_path, mode
     export_model(_small(0), None, tmp_path)
     config = hf_config(_small(0).cfg, None)
     config["model_type"] = model_type
-    with pytest.raises(UserError, match=r"config.json: not a Llama- or Qwen3-architecture config \(model_type"):
+    with pytest.raises(UserError, match=r"config.json: not a Llama-, Qwen2- or Qwen3-architecture config \(model_type"):
         model_config_from_hf(config, "config.json")
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match="not a Llama- or Qwen3-architecture config"):
+    with pytest.raises(UserError, match="not a Llama-, Qwen2- or Qwen3-architecture config"):
         import_model(tmp_path)
 
 

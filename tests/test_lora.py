@@ -143,19 +143,20 @@ def test_adapters_start_at_the_base_model_exactly_and_are_all_that_trains():
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
 
 
-def test_merge_gives_a_plain_model_with_the_same_logits():
-    model = apply_lora(_tiny(moe=True), build_config("demo", ["train.stage=sft", "lora.r=4"],
-                                                      paths={"train.init_from": "b"}).lora, seed=0).eval()
+@pytest.mark.parametrize("shape", [{"moe": True}, {"qkv_bias": True}])
+def test_merge_gives_a_plain_model_with_the_same_logits(shape):
+    model = apply_lora(_tiny(**shape), build_config("demo", ["train.stage=sft", "lora.r=4"],
+                                                     paths={"train.init_from": "b"}).lora, seed=0).eval()
     torch.manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("lora_b"):
+            if name.endswith(("lora_b", "bias")):  # adapters and biases that matter
                 param.normal_(std=0.05)
     merged = merge(model)
-    assert type(merged) is Transformer and set(merged.state_dict()) == set(_tiny(moe=True).state_dict())
+    assert type(merged) is Transformer and set(merged.state_dict()) == set(_tiny(**shape).state_dict())
     tokens = torch.randint(0, 97, (2, 16))
     unmerged = model(tokens).logits
-    assert not torch.allclose(unmerged, _tiny(moe=True)(tokens).logits, atol=1e-3)  # the adapters matter
+    assert not torch.allclose(unmerged, _tiny(**shape)(tokens).logits, atol=1e-3)  # the adapters matter
     torch.testing.assert_close(merged(tokens).logits, unmerged, atol=1e-5, rtol=0)
 
 

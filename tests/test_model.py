@@ -228,3 +228,12 @@ def test_untied_and_explicit_hidden_dim():
 def test_sequence_longer_than_tables_is_refused():
     with pytest.raises(ValueError, match="max_seq_len"):
         _tiny()(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_qkv_biases_start_at_zero_and_are_counted():
+    model = _tiny(qkv_bias=True)
+    attention = model.layers[0].attention
+    assert all(torch.equal(layer.bias, torch.zeros_like(layer.bias)) for layer in (attention.wq, attention.wk,
+                                                                                   attention.wv))
+    assert attention.wo.bias is None and model.layers[0].feed_forward.w1.bias is None
+    assert model.num_parameters() == model.cfg.parameter_count == _tiny().num_parameters() + 2 * (48 + 2 * 24)

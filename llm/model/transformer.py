@@ -36,9 +36,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.attention_head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.attention_head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.attention_head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.attention_head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.attention_head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.attention_head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.attention_head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.attention_head_dim, cfg.dim, bias=False)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.attn_dropout = cfg.dropout
@@ -154,6 +154,8 @@ class Transformer(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:  # Qwen2's q, k and v biases start at zero
+            nn.init.zeros_(module.bias)
 
     def use_kernels(self, choice: str) -> Transformer:
         """Run the hot ops the `choice` way (model.kernels: auto, triton, torch) from now on: how they run, not what
