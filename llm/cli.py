@@ -19,7 +19,7 @@ from typing import NoReturn
 from launch.hostfile import MAX_SLOTS_PER_HOST
 from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, LaunchOptions, launcher_name
 from llm import rundir
-from llm.config import build_config, parse_lora_spec, recipe_names
+from llm.config import build_config, parse_lora_spec, parse_override, recipe_names
 from llm.errors import EXIT_USER_ERROR, UserError, report
 from llm.train.ds_config_file import load_ds_config
 
@@ -449,11 +449,16 @@ def _train_config(args: argparse.Namespace):
         extra.append(f"train.dpo_beta={args.beta}")
     if args.lora is not None:
         extra += parse_lora_spec(args.lora)
-    return build_config(args.recipe, [*args.overrides, *extra],
-                        paths={"data.path": getattr(args, "data", None), "train.init_from": args.init_from,
-                               "train.teacher": getattr(args, "teacher", None),
-                               "grpo.prompts": getattr(args, "prompts", None),
-                               "grpo.reward": getattr(args, "reward", None)})
+    cfg = build_config(args.recipe, [*args.overrides, *extra],
+                       paths={"data.path": getattr(args, "data", None), "train.init_from": args.init_from,
+                              "train.teacher": getattr(args, "teacher", None),
+                              "grpo.prompts": getattr(args, "prompts", None),
+                              "grpo.reward": getattr(args, "reward", None)})
+    if cfg.train.init_from:
+        from llm.loading import adopt_init_from_model
+
+        adopt_init_from_model(cfg, {parse_override(text)[0] for text in args.overrides})
+    return cfg
 
 
 def _checked_before_ranks(args: argparse.Namespace):

@@ -15,10 +15,18 @@ from pathlib import Path
 import torch
 
 from llm import rundir
-from llm.config import ModelConfig, RunConfig, build_config, settable_key
+from llm.config import ModelConfig, RunConfig, build_config, settable_key, validate_model
 from llm.data.prepare import RANDOM_TOKENS_HASH
-from llm.errors import UserError
-from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, drop_tied_copy, import_model, weight_files
+from llm.errors import UserError, read_user_json_object
+from llm.export import (
+    HF_CONFIG_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    drop_tied_copy,
+    import_model,
+    model_config_from_hf,
+    weight_files,
+)
 from llm.model import Transformer
 from llm.model.from_weights import model_from_weights
 from llm.model.host_memory import check_fits_in_memory
@@ -202,6 +210,34 @@ SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "attenti
 FUNCTION_FIELDS = ("rope_theta", "norm_eps", "rope_scaling", "rope_factor", "rope_original_max_seq_len",
                    "yarn_beta_fast", "yarn_beta_slow", "llama3_low_freq_factor", "llama3_high_freq_factor")
 """What the trained function depends on beyond the shapes: training on other values would silently change it."""
+
+
+ADOPTED_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "n_kv_heads", "hidden_dim", "multiple_of",
+                  "tie_embeddings", "moe", "n_experts", "n_experts_per_token", "n_shared_experts", "norm_topk_prob",
+                  "qk_norm", "qkv_bias", *FUNCTION_FIELDS)
+"""The model.* keys a run with --init-from takes from that model instead of its recipe: its shape and function."""
+
+
+def model_config_of(path: str | Path) -> ModelConfig:
+    """The model config of a run directory (its config.yaml) or an export directory (its config.json), read without
+    its weights."""
+    directory = Path(path)
+    if is_run_or_export(directory, "--init-from"):
+        return build_config(rundir.recorded_config(directory)).model
+    config_path = directory / HF_CONFIG_FILE
+    return model_config_from_hf(read_user_json_object(config_path, "model config"), str(config_path))
+
+
+def adopt_init_from_model(cfg: RunConfig, explicit: set[str]) -> None:
+    """Give `cfg.model` the shape and function of its --init-from model (`ADOPTED_FIELDS`): fine-tuning a
+    downloaded Qwen2.5 or Llama needs no recipe written for it. Keys set on the command line (`explicit`, such as
+    'model.dim') are kept: where they differ from the model's, loading its weights refuses them by name
+    (`initial_weights`)."""
+    source = model_config_of(cfg.train.init_from)
+    for name in ADOPTED_FIELDS:
+        if f"model.{name}" not in explicit:
+            setattr(cfg.model, name, getattr(source, name))
+    validate_model(cfg.model)
 
 
 def initial_weights(cfg: ModelConfig, init_from: str, data_tokenizer_hash: str) -> dict[str, torch.Tensor]:

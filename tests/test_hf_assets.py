@@ -12,6 +12,7 @@ import shutil
 import h5py
 import pytest
 import torch
+import yaml
 from forked_ranks import run_job
 from safetensors.torch import load_file, save_file
 
@@ -82,10 +83,25 @@ def test_a_transformers_llama_with_its_tokenizer_fine_tunes_and_exports_with_equ
         assert not torch.allclose(base_logits, ours(tokens).logits, atol=1e-4)  # the fine-tuning changed it
 
 
-def test_init_from_refuses_other_rope_theta_and_norm_eps(tmp_path):
+def test_init_from_gives_the_run_its_model_s_shape_and_rope(tmp_path):
+    """A downloaded model needed a recipe written for it: every model.* key the recipe did not share with it was
+    refused ("the model differs from this run's config"). The recipe now brings the training settings only."""
     base = tmp_path / "base"
     _transformers_llama(base)
-    result = _sft(base, _sft_data(tmp_path, base), tmp_path / "run")  # the recipe's rope_theta and norm_eps
+    data = _sft_data(tmp_path, base)
+    result = run_job("train", "sft", "--recipe", "demo", "--init-from", base, "--data", data, "--out", tmp_path / "run",
+                     *[a for o in SFT for a in ("--set", o)])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "the model's shape and RoPE are --init-from" in result.stdout
+    model = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]
+    assert (model["dim"], model["n_layers"], model["vocab_size"], model["hidden_dim"], model["rope_theta"],
+            model["norm_eps"], model["tie_embeddings"]) == (64, 2, 415, 160, 500000.0, 1e-6, False)
+
+
+def test_init_from_refuses_model_keys_set_otherwise(tmp_path):
+    base = tmp_path / "base"
+    _transformers_llama(base)
+    result = _sft(base, _sft_data(tmp_path, base), tmp_path / "run", "model.rope_theta=10000", "model.norm_eps=1e-5")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     message = result.stderr.strip().splitlines()[-1]
     assert "model.rope_theta 500000.0 there, 10000.0 here" in message

@@ -445,6 +445,10 @@ def _announce(cfg: RunConfig, info: DistInfo, ds_config: dict, trainer: Trainer,
     if info.device.type == "cpu" and cfg.train.precision == "bf16" and not cpu_has_native_bf16():
         print(f"{stage}: note: this CPU only emulates bf16 (no AVX-512 or Arm BF16), many times slower than fp32 "
               "(docs/benchmarks.md); train.precision=auto or fp32 trains faster here", flush=True)
+    if cfg.train.init_from:
+        m = cfg.model
+        print(f"{stage}: the model's shape and RoPE are --init-from {cfg.train.init_from}'s: dim {m.dim}, {m.n_layers} "
+              f"layers, {m.n_heads} heads ({m.kv_heads} key/value), vocabulary {m.vocab_size}", flush=True)
     print(f"{stage}: {trainable_summary(trainer.engine.module, cfg.lora)}", flush=True)
     if stage == "grpo" and train_set.skipped:
         print(train_set.summary(), flush=True)
