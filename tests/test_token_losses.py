@@ -4,6 +4,7 @@ whole computation, bit for bit, without the fp32 copy of every logit kept for th
 import pytest
 import torch
 import torch.nn.functional as F
+from saved_tensors import storages_kept_for_the_backward
 
 from llm.model import token_losses
 from llm.model.token_losses import token_logps
@@ -59,18 +60,6 @@ def test_chunks_give_the_whole_computations_values_and_gradients_bit_for_bit(mon
         assert torch.equal(chunked(logits, targets, mask, teacher), expected)
 
 
-def _bytes_kept_for_the_backward(fn) -> int:
-    """Bytes of the distinct storages autograd keeps for the backward of `fn()`."""
-    kept = {}
-
-    def pack(tensor):
-        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        fn()
-    return sum(kept.values())
-
 
 def test_the_backward_keeps_the_logits_not_an_fp32_copy(monkeypatch):
     """Computed whole, the loss kept an fp32 log-softmax of every logit for its backward, twice the bf16 logits (and
@@ -78,5 +67,5 @@ def test_the_backward_keeps_the_logits_not_an_fp32_copy(monkeypatch):
     monkeypatch.setattr(token_losses, "CHUNK_ELEMENTS", 256 * 1000)
     logits = torch.randn(4, 1024, 1000, dtype=torch.bfloat16, requires_grad=True)
     targets = torch.randint(0, 1000, (4, 1024))
-    kept = _bytes_kept_for_the_backward(lambda: masked_cross_entropy(logits, targets, None))
+    kept = sum(storages_kept_for_the_backward(lambda: masked_cross_entropy(logits, targets, None)))
     assert kept < 1.05 * logits.numel() * logits.element_size()

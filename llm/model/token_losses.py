@@ -8,6 +8,26 @@ Qwen-sized vocabulary (152 k) and 32 k positions per micro-batch that is 70 GB f
 and, where gradients flow, recomputed in the backward (`torch.utils.checkpoint`): what stays is the logits (as the
 model made them) and their gradient. Every value equals the whole computation's, bit for bit: each position's loss
 depends on its own row of logits only.
+
+Training's cross-entropy goes further (`linear_cross_entropy`, which the model's output layer runs given targets:
+`llm.model.transformer.OutputHead`): the output projection and the loss are fused, so that beyond one chunk the
+`[positions, vocab]` logits and their gradient are never made whole, in the forward or in the backward; one chunk's
+exist at a time (as in Liger-Kernel's FusedLinearCrossEntropy). Of the two ways to have the gradients without keeping
+the chunks, recomputing each chunk's logits in the backward (as `per_position` does) or computing the gradients of
+the hidden states and of the weight chunk by chunk in the forward (the loss's normalisation, the mask's sum, is known
+there) and only scaling them by the incoming gradient in the backward, this takes the second, by cost:
+- FLOPs: the head's three matmuls (logits, the input's gradient, the weight's), as the whole computation has them;
+  recomputation adds a fourth, a third more of the head's, which is a quarter of a small model with a large
+  vocabulary (Qwen2.5-0.5B: 136 M of 494 M parameters).
+- Precision: the weight's gradient is summed over the chunks in fp32 (then stored in the weight's dtype); autograd
+  would sum the recomputed chunks' gradients in bf16, one rounding per chunk. The gradients kept are of the masked
+  sum of the losses, divided by the token count only with the incoming gradient (fp16's loss scale) in the
+  backward: (softmax - one_hot) / tokens alone is below fp16's range for most logits.
+- Memory: what it keeps for the backward (one gradient the size of the hidden states, one the size of the weight,
+  in their dtypes) is what the backward makes anyway, only made earlier; the fp32 sum of the weight's gradient lives
+  during the forward of the loss.
+The gradients are made only where they are wanted: with grad mode on, for whichever of the hidden states and the
+weight requires one (LoRA's frozen head: the hidden states' only); evaluation computes the loss alone.
 """
 
 from __future__ import annotations
@@ -22,13 +42,19 @@ CHUNK_ELEMENTS = 1 << 24
 """Logits (positions x vocabulary) of one chunk: 64 MiB in fp32."""
 
 
+def chunk_positions(vocab: int) -> int:
+    """Positions in one chunk of logits over `vocab`: at least one, and at most `CHUNK_ELEMENTS` logits (a row
+    longer than that is a chunk alone)."""
+    return max(1, CHUNK_ELEMENTS // vocab)
+
+
 def per_position(fn: Callable[..., torch.Tensor], logits: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
     """`fn` over the positions of `logits` `[..., vocab]` and of `others` (each `[...]` or `[..., vocab]`, the same
     leading shape), a chunk of rows at a time; `fn` takes the rows `[n, vocab]` (and `[n]` / `[n, vocab]`) and
     returns one value per row `[n]`. Returns `[...]`."""
     shape, vocab = logits.shape[:-1], logits.shape[-1]
     rows = [logits.reshape(-1, vocab), *(t.reshape(-1, *t.shape[len(shape):]) for t in others)]
-    size = max(1, CHUNK_ELEMENTS // vocab)
+    size = chunk_positions(vocab)
     if rows[0].shape[0] <= size:
         return fn(*rows).reshape(shape)
     recompute = torch.is_grad_enabled() and any(t.requires_grad for t in rows)
@@ -66,3 +92,74 @@ def forward_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tempe
         return F.kl_div(student_logps, teacher_logps, log_target=True, reduction="none").sum(-1)
 
     return per_position(kl, student_logits, teacher_logits)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy in fp32 of the logits `F.linear(hidden, weight)` (`hidden` `[..., dim]`, `weight`
+    `[vocab, dim]`) against `targets` `[...]`, over the positions where `loss_mask` is 1 (all without a mask), made a
+    chunk of positions at a time and never kept: neither the logits nor their gradient exist whole, in the forward
+    or in the backward (see the module docstring)."""
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    if loss_mask is None:
+        mask, total = None, torch.full((), targets.numel(), dtype=torch.float32, device=targets.device)
+    else:
+        mask = loss_mask.reshape(-1).to(torch.float32)
+        total = mask.sum().clamp(min=1.0)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(hidden, weight, targets, mask, total)
+    return _chunks(hidden, weight, targets, mask, total, False, False)[0]
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """`linear_cross_entropy` with its gradients computed in the forward and scaled in the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, mask, total):
+        loss, grad_hidden, grad_weight = _chunks(hidden, weight, targets, mask, total, *ctx.needs_input_grad[:2])
+        ctx.save_for_backward(grad_hidden, grad_weight, total)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        """The saved gradients are of the masked sum, not the mean: divided by the token count here, with the
+        incoming gradient (under fp16, the loss scale), never alone, which in fp16 would flush most to zero."""
+        grad_hidden, grad_weight, total = ctx.saved_tensors  # not scaled in place: a second backward finds them
+        factor = grad_loss / total
+        return (None if grad_hidden is None else grad_hidden * factor.to(grad_hidden.dtype),
+                None if grad_weight is None else (grad_weight * factor).to(ctx.weight_dtype), None, None, None)
+
+
+def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None,
+            total: torch.Tensor, need_hidden: bool, need_weight: bool):
+    """(loss, gradient of the masked sum of the positions' losses (the loss times `total`) for `hidden` `[n, dim]`
+    or None, and for `weight` (fp32 for an fp16 weight, whose range the sum over positions may exceed) or None), one
+    chunk of logits at a time. A position's loss is F.cross_entropy's, -log_softmax at its target; the gradient of its
+    logits, (softmax - one_hot(target)) * mask, is made in place of that chunk's log-softmax."""
+    per_token = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+    size = chunk_positions(weight.shape[0])
+    for start in range(0, hidden.shape[0], size):
+        rows = slice(start, start + size)
+        chunk, chunk_targets = hidden[rows], targets[rows].unsqueeze(-1)
+        logps = torch.log_softmax(F.linear(chunk, weight).float(), dim=-1)
+        per_token[rows] = -logps.gather(-1, chunk_targets).squeeze(-1)
+        if need_hidden or need_weight:
+            minus_one = torch.full(chunk_targets.shape, -1.0, device=logps.device)
+            grad = logps.exp_().scatter_add_(-1, chunk_targets, minus_one)
+            grad = (grad if mask is None else grad.mul_(mask[rows].unsqueeze(-1))).to(hidden.dtype)
+            if need_hidden:
+                torch.mm(grad, weight, out=grad_hidden[rows])
+            if need_weight:  # summed over the chunks in fp32
+                if grad_weight.dtype == grad.dtype:
+                    grad_weight.addmm_(grad.t(), chunk)
+                else:
+                    grad_weight += grad.t() @ chunk
+            del grad
+        del logps  # before the next chunk's logits: one chunk's at a time
+    loss = per_token.mean() if mask is None else (per_token * mask).sum() / total
+    if grad_weight is not None and weight.dtype != torch.float16:
+        grad_weight = grad_weight.to(weight.dtype)
+    return loss, grad_hidden, grad_weight

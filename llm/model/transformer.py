@@ -19,7 +19,7 @@ from llm.config import ModelConfig
 from llm.model.kv_cache import KVCache
 from llm.model.moe import MoEFeedForward
 from llm.model.rope import rope_tables, segment_positions
-from llm.model.token_losses import cross_entropy
+from llm.model.token_losses import chunk_positions, cross_entropy, linear_cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -118,12 +118,32 @@ class Packed(NamedTuple):
         return cls(segment_ids, segment_positions(segment_ids))
 
 
+class OutputHead(nn.Linear):
+    """The output projection `[..., dim] -> [..., vocab]` (an `nn.Linear`: its weight is `output.weight`, tied to the
+    embedding or not). Given targets, its forward returns the loss as well: the loss is computed inside the head's
+    forward because that is where ZeRO-3 gathers the weight (DeepSpeed's hooks around a module's forward)."""
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits; given `targets`, (mean cross-entropy over the targets whose `loss_mask` is 1, the logits or
+        None). Logits that fit in one chunk (`llm.model.token_losses.CHUNK_ELEMENTS`, as the demo's and most CPU
+        runs' do) are made as ever and returned with their loss; more are never made whole (`linear_cross_entropy`),
+        so training holds one chunk of them at a time, and None stands in their place."""
+        if targets is None:
+            return super().forward(x)
+        if x.shape[:-1].numel() <= chunk_positions(self.out_features):
+            logits = super().forward(x)
+            return masked_cross_entropy(logits, targets, loss_mask), logits
+        return linear_cross_entropy(x, self.weight, targets, loss_mask), None
+
+
 class ModelOutput(NamedTuple):
     """A named tuple, so DeepSpeed ZeRO-3 sees the tensors inside it."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None given targets whose logits would exceed one chunk (`OutputHead`)
     loss: torch.Tensor | None = None  # mean cross-entropy over targets whose loss mask is 1, plus aux_loss
     aux_loss: torch.Tensor | None = None  # MoE load-balancing loss (already weighted); None for a dense model
+    ce_loss: torch.Tensor | None = None  # the mean cross-entropy alone: loss without aux_loss
 
 
 ROPE_EAGER_POSITIONS = 32768
@@ -139,7 +159,7 @@ class Transformer(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.kernels)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = OutputHead(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = rope_tables(cfg, min(cfg.max_seq_len, ROPE_EAGER_POSITIONS))
@@ -180,9 +200,11 @@ class Transformer(nn.Module):
                 loss_mask: torch.Tensor | None = None, cache: KVCache | None = None,
                 last_only: bool = False, segment_ids: torch.Tensor | None = None,
                 token_mask: torch.Tensor | None = None) -> ModelOutput:
-        """Logits (and loss when targets are given). With a `cache`, `tokens` continue the cached sequence;
-        `last_only` computes the logits of the last position only (generation); `segment_ids` `[batch, seq]`
-        marks samples packed into one row (each sees only itself, with positions from 0; 0 is padding).
+        """Logits; given targets, the loss too, computed inside the output layer so that training never holds all
+        the logits (which are then None unless they fit in one chunk: `OutputHead`). With a `cache`, `tokens`
+        continue the cached sequence; `last_only` computes the logits of the last position only (generation);
+        `segment_ids` `[batch, seq]` marks samples packed into one row (each sees only itself, with positions from 0;
+        0 is padding).
         `token_mask` `[batch, seq]` is 1 on real tokens and 0 on padding (default: segment id > 0, else every
         position); only an MoE model's load-balancing loss reads it."""
         end = tokens.shape[1] + (cache.length if cache else 0)
@@ -200,14 +222,12 @@ class Transformer(nn.Module):
             cache.advance(tokens.shape[1])
         if last_only:
             h = h[:, -1:]
-        logits = self.output(self.norm(h))
         aux_loss = sum(layer.feed_forward.aux_loss for layer in self.layers) if self.cfg.moe else None
         if targets is None:
-            return ModelOutput(logits=logits, aux_loss=aux_loss)
-        loss = masked_cross_entropy(logits, targets, loss_mask)
-        if aux_loss is not None:
-            loss = loss + aux_loss
-        return ModelOutput(logits=logits, loss=loss, aux_loss=aux_loss)
+            return ModelOutput(logits=self.output(self.norm(h)), aux_loss=aux_loss)
+        ce_loss, logits = self.output(self.norm(h), targets, loss_mask)
+        loss = ce_loss if aux_loss is None else ce_loss + aux_loss
+        return ModelOutput(logits=logits, loss=loss, aux_loss=aux_loss, ce_loss=ce_loss)
 
 
 def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:

@@ -51,14 +51,15 @@ def loss_bearing_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 class CausalLMObjective:
-    """Next-token cross-entropy over every target (pretraining) or over loss_mask == 1 (SFT)."""
+    """Next-token cross-entropy over every target (pretraining) or over loss_mask == 1 (SFT), computed by the model's
+    output layer from its hidden states (`llm.model.transformer.OutputHead`), so that the micro-batch's logits are
+    held one chunk at a time."""
 
     token_mask = "loss_mask"
 
     def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
-        out = engine(batch["tokens"], segment_ids=batch.get("segment_ids"))
-        loss = masked_cross_entropy(out.logits, batch["targets"], batch.get("loss_mask"))
-        return MicroStep(loss, loss_bearing_tokens(batch), aux=out.aux_loss)
+        out = engine(batch["tokens"], batch["targets"], batch.get("loss_mask"), segment_ids=batch.get("segment_ids"))
+        return MicroStep(out.ce_loss, loss_bearing_tokens(batch), aux=out.aux_loss)
 
 
 def real_tokens(mask: torch.Tensor) -> torch.Tensor:
