@@ -160,7 +160,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
             t.add_argument("--data", required=True, help=f"directory from `zerollm data prepare --kind {kinds}`")
         t.add_argument("--out", required=True, help="run directory")
         t.add_argument("--init-from", default=None, metavar="DIR", required=stage in ("dpo", "grpo"),
-                       help="start from the weights of a run directory or an export directory")
+                       help="start from the weights of a run directory or an export directory (ours, or a Llama, "
+                            "Qwen2/2.5 or Qwen3 saved by transformers); the run takes its model shape and RoPE, the "
+                            "recipe the training settings")
         if stage == "distill":
             t.add_argument("--teacher", required=True, metavar="DIR",
                            help="the frozen teacher: a run directory (newest checkpoint) or an export directory")
