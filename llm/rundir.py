@@ -10,9 +10,12 @@
         tokenizer/                   a copy of the tokenizer the data was prepared with
         checkpoints/
             global_step<N>/          DeepSpeed's files (model, optimizer / ZeRO partitions, scheduler)
+                                     + offloaded_tensors/rank<NN>/ (under NVMe optimizer offload: rank NN's
+                                       optimizer swap files, which DeepSpeed copies there)
                                      + client_state.json (step, sampler, run id, world size)
                                      + rng_rank<R>.pt (every RNG of rank R, tensors and plain values)
-                                     + manifest.json (every file above with its size; written last)
+                                     + manifest.json (every file above with its size, by its path in the
+                                       folder; written last)
             latest                   the tag of the newest published checkpoint (written after its manifest)
             universal/global_step<N> while resuming on another world size: DeepSpeed's universal
                                      checkpoint of global_step<N> (removed once loaded)
@@ -20,7 +23,8 @@
 A prepared data directory keeps its tokenizer under the same folder name (`TOKENIZER_DIR`).
 
 A checkpoint is *complete* when its manifest exists and the folder holds exactly the files it lists, each with
-the listed size. Whoever reads a run directory (resume, generate, export, `--init-from`) takes the checkpoint
+the listed size; a file in a subfolder is listed by its path in the folder (`offloaded_tensors/rank00/3.tensor.swp`,
+`checkpoint_files`). Whoever reads a run directory (resume, generate, export, `--init-from`) takes the checkpoint
 `latest` names when it is complete, else the newest complete one before it (`usable_tag`); without `latest` (lost,
 or a kill between the first checkpoint's manifest and its `latest`), the newest complete one.
 
@@ -215,9 +219,21 @@ def latest_tag(run_dir: Path) -> str | None:
         raise UserError(f"{path} cannot be read ({exc.strerror or exc}); {_latest_advice(run_dir)}") from None
 
 
+def checkpoint_files(folder: Path) -> list[str]:
+    """Every file in checkpoint folder `folder` and its subfolders, by its path there ('/'-separated: the manifest's
+    names), sorted."""
+    found = []
+    for parent, _, names in os.walk(folder):
+        inside = Path(parent).relative_to(folder)
+        found += [(inside / name).as_posix() for name in names if os.path.isfile(os.path.join(parent, name))]
+    return sorted(found)
+
+
 def incompleteness(run_dir: Path, tag: str) -> str | None:
     """Why checkpoint `tag` is not complete, or None when it is: the folder must hold exactly the files its
-    manifest lists, each with the listed size."""
+    manifest lists, each with the listed size, those in its subfolders (NVMe offload's `offloaded_tensors`) by their
+    path in the folder. A manifest that lists no file in a subfolder (one written before zerollm listed them: an
+    NVMe offload checkpoint saved by an earlier version) is checked against the folder's own files only."""
     directory = checkpoint_dir(run_dir) / tag
     if not directory.is_dir():
         return "the folder does not exist"
@@ -229,7 +245,10 @@ def incompleteness(run_dir: Path, tag: str) -> str | None:
         return f"unreadable {MANIFEST} ({type(exc).__name__})"
     if not isinstance(listed, dict):
         return f"unreadable {MANIFEST} (its files are not a mapping)"
-    present = {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file() and p.name != MANIFEST}
+    names = checkpoint_files(directory)
+    if not any("/" in name for name in listed):
+        names = [name for name in names if "/" not in name]
+    present = {name: (directory / name).stat().st_size for name in names if name != MANIFEST}
     wrong = next((name for name, size in sorted(listed.items()) if not is_count(size)), None)
     if wrong is not None:
         return f"damaged {MANIFEST} (it lists {wrong} with size {listed[wrong]!r}, not a number of bytes)"

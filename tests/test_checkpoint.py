@@ -21,7 +21,9 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -425,14 +427,14 @@ def _rank_of_a_training_job(env: dict[str, str], argv: list[str], log: Path, rec
     main(argv)
 
 
-def _watched_ranks(target, args_of_rank: list[tuple], log: Path) -> None:
-    """`target(*args)` on forked ranks, one per entry of `args_of_rank`, waited for; each must end with exit code 0
-    (else the failure shows `log`'s files)."""
+def _watched_ranks(target, args_of_rank: list[tuple], log: Path, timeout: float = 300) -> None:
+    """`target(*args)` on forked ranks, one per entry of `args_of_rank`, waited for (each up to `timeout` seconds);
+    each must end with exit code 0 (else the failure shows `log`'s files)."""
     ranks = [forkserver().Process(target=target, args=args) for args in args_of_rank]
     for rank in ranks:
         rank.start()
     for rank in ranks:
-        rank.join(timeout=300)
+        rank.join(timeout=timeout)
     for rank in ranks:
         rank.kill()
         rank.join()
@@ -511,6 +513,184 @@ def test_deepspeed_saves_on_two_ranks_flush_each_rank_s_own_files(pretrain_data,
                                              for rank, env in enumerate(rank_environments(2, free_port()))],
                    tmp_path / "log")
     _check_watched_saves(run, records)
+
+
+# ---- ZeRO-Infinity's NVMe optimizer offload: DeepSpeed copies the swap files into the checkpoint itself ------------
+
+class NvmeOffloadEngine(FakeEngine):
+    """A stand-in engine under NVMe optimizer offload, saved by DeepSpeed's own `save_checkpoint`: the model states
+    through its checkpoint engine (rank 0), then its copy (shutil.copytree, outside the checkpoint engine) of the
+    optimizer swapper's folder on the NVMe drive, `swap` (a swap file of each size in `sizes`, and a gradient's,
+    which DeepSpeed leaves out), into <tag>/offloaded_tensors/rank<NN>. Loading restores the optimizer from that
+    copy alone."""
+
+    def __init__(self, swap: Path, sizes: list[int]) -> None:
+        super().__init__()
+        swap.mkdir(parents=True, exist_ok=True)
+        for i, size in enumerate(sizes):
+            (swap / f"{i}.tensor.swp").write_bytes(bytes([i + 1]) * size)
+        (swap / "0_gradient_0_8.tensor.swp").write_bytes(bytes(8))
+        self.optimizer = SimpleNamespace(swap_optimizer=True, optimizer_swapper=SimpleNamespace(swap_folder=str(swap)))
+        self.global_rank = self.local_rank = dist.get_rank()
+        self.has_moe_layers = self.save_zero_checkpoint = False
+
+    def save_checkpoint(self, root: str, tag: str, save_latest: bool, exclude_frozen_parameters: bool) -> None:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        DeepSpeedEngine.save_checkpoint(self, root, tag=tag, save_latest=save_latest,
+                                        exclude_frozen_parameters=exclude_frozen_parameters)
+
+    # what DeepSpeed's save_checkpoint asks of its engine besides, answered as an engine with NVMe offload answers
+    def zero_nvme_offload_optimizer(self) -> bool:
+        return self.optimizer.swap_optimizer
+
+    def use_node_local_storage(self) -> bool:
+        return False
+
+    def _optimizer_has_ckpt_event_prologue(self) -> bool:
+        return False
+
+    def _optimizer_has_ckpt_event_epilogue(self) -> bool:
+        return False
+
+    def _checkpoint_tag_validation(self, tag: str) -> None:
+        pass
+
+    def _create_checkpoint_file(self, save_dir: str, tag: str, zero_checkpoint: bool) -> bool:
+        Path(save_dir, tag).mkdir(parents=True, exist_ok=True)
+        return True
+
+    def _save_checkpoint(self, save_dir: str, tag: str, client_state, exclude_frozen_parameters: bool) -> None:
+        if self.global_rank == 0:
+            self.checkpoint_engine.save(self.state, str(Path(save_dir, tag, MODEL_FILE)))
+
+
+def _deepspeed_collectives() -> object:
+    """DeepSpeed's collectives over this process's group (its save's barriers), as deepspeed.init_distributed makes
+    them once torch's group exists."""
+    from deepspeed.comm.torch import TorchBackend
+
+    return TorchBackend("gloo", timedelta(minutes=5), None)
+
+
+@pytest.fixture
+def deepspeed_collectives(one_rank_group, monkeypatch) -> None:
+    from deepspeed.comm import comm
+
+    monkeypatch.setattr(comm, "cdb", _deepspeed_collectives())
+
+
+def _files_below(folder: Path) -> dict[str, int]:
+    """Every file in `folder` and its subfolders, by its path there, with its size."""
+    return {path.relative_to(folder).as_posix(): path.stat().st_size for path in folder.rglob("*") if path.is_file()}
+
+
+COPIES = ["offloaded_tensors/rank00/0.tensor.swp", "offloaded_tensors/rank00/1.tensor.swp"]
+"""A one-rank NvmeOffloadEngine's copies of its swap files, by their paths in the checkpoint folder."""
+
+
+def test_nvme_offload_copies_are_flushed_and_listed_by_their_path(deepspeed_collectives, tmp_path, monkeypatch):
+    """DeepSpeed's copy of the optimizer's swap files into the checkpoint was flushed by no rank and listed in no
+    manifest (rank 0's listing skipped folders): a checkpoint whose optimizer state was torn or missing counted as
+    complete. A manifest that lists no file in a subfolder (an NVMe checkpoint saved before) still counts."""
+    run, flushed = tmp_path / "run", []
+    fsync = durable.fsync
+    monkeypatch.setattr(durable, "fsync", lambda path: (flushed.append(os.path.abspath(path)), fsync(path)))
+    checkpoint.save(NvmeOffloadEngine(tmp_path / "nvme", [300, 5000]), run, 3, CLIENT_STATE | {"step": 3}, keep=0)
+    folder = rundir.checkpoint_dir(run) / "global_step3"
+    manifest = json.loads((folder / rundir.MANIFEST).read_text())
+    assert manifest["files"] == {name: size for name, size in _files_below(folder).items()
+                                 if name != rundir.MANIFEST}
+    assert sorted(manifest["files"]) == sorted([MODEL_FILE, "rng_rank0.pt", rundir.CLIENT_STATE, *COPIES])
+    assert [manifest["files"][name] for name in COPIES] == [300, 5000]
+    assert [flushed.count(str(folder / name)) for name in COPIES] == [1, 1]
+    assert {str(folder / "offloaded_tensors" / "rank00"), str(folder / "offloaded_tensors")} <= set(flushed)
+    assert rundir.incompleteness(run, "global_step3") is None
+    manifest["files"] = {name: size for name, size in manifest["files"].items() if name not in COPIES}
+    (folder / rundir.MANIFEST).write_text(json.dumps(manifest))
+    assert rundir.incompleteness(run, "global_step3") is None
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda f: (f / COPIES[1]).write_bytes(bytes(100)), f"{COPIES[1]} has 100 bytes, 5000 were written"),
+    (lambda f: (f / COPIES[0]).unlink(), f"{COPIES[0]} is missing"),
+    (lambda f: shutil.rmtree(f / "offloaded_tensors"), f"{COPIES[0]} is missing"),
+    (lambda f: (f / "offloaded_tensors/rank01").mkdir() or (f / "offloaded_tensors/rank01/0.tensor.swp").touch(),
+     f"offloaded_tensors/rank01/0.tensor.swp not in its {rundir.MANIFEST}"),
+])
+def test_a_torn_nvme_offload_copy_makes_its_checkpoint_incomplete(deepspeed_collectives, tmp_path, capsys, damage,
+                                                                  reason):
+    run = tmp_path / "run"
+    for step in (10, 20):
+        checkpoint.save(NvmeOffloadEngine(tmp_path / "nvme", [300, 5000]), run, step, CLIENT_STATE | {"step": step},
+                        keep=0)
+    damage(rundir.checkpoint_dir(run) / "global_step20")
+    assert rundir.incompleteness(run, "global_step20") == reason
+    assert rundir.usable_tag(run) == "global_step10"
+    assert f"global_step20: {reason}; using global_step10" in capsys.readouterr().err
+
+
+def _rank_of_an_nvme_save(rank: int, port: int, run: Path, log: Path, record: Path, out_of_room: bool) -> None:
+    """One rank of a 2-rank gloo group saving steps 1 and 2 of NvmeOffloadEngines (its output in `log`,
+    `_watch_saves` in `record`, what its save of step 2 raised in LOG.said). With `out_of_room`, rank 1's copy of a
+    swap file at step 2 runs past the file size limit."""
+    log.write_text("")
+    enter_rank(dict(os.environ), log, log)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from deepspeed.comm import comm
+
+    comm.cdb = _deepspeed_collectives()
+    _watch_saves(record)
+    swap = run.parent / f"nvme{rank}"
+    checkpoint.save(NvmeOffloadEngine(swap, [300 + 1000 * rank, 70]), run, 1,
+                    CLIENT_STATE | {"step": 1, "world_size": 2}, keep=0)
+    full = out_of_room and rank == 1
+    engine = NvmeOffloadEngine(swap, [200_000 if full else 300, 70])
+    try:
+        with file_size_limit(100_000 if full else 2**40):
+            checkpoint.save(engine, run, 2, CLIENT_STATE | {"step": 2, "world_size": 2}, keep=0)
+    except UserError as exc:
+        Path(f"{log}.said").write_text(str(exc))
+    dist.destroy_process_group()
+
+
+def _nvme_saves_on_two_ranks(tmp_path: Path, out_of_room: bool) -> tuple[Path, list[Path], list[Path]]:
+    """`_rank_of_an_nvme_save` on two forked ranks: the run, the ranks' records and their logs."""
+    run, port = tmp_path / "run", free_port()
+    records, logs = [tmp_path / f"saves.{rank}" for rank in range(2)], [tmp_path / f"log.{rank}" for rank in range(2)]
+    _watched_ranks(_rank_of_an_nvme_save, [(rank, port, run, logs[rank], records[rank], out_of_room)
+                                           for rank in range(2)], tmp_path / "log", timeout=120)
+    return run, records, logs
+
+
+def test_each_rank_flushes_its_own_nvme_offload_copies_and_the_manifest_lists_all(tmp_path):
+    run, records, _ = _nvme_saves_on_two_ranks(tmp_path, out_of_room=False)
+    for i, tag in enumerate(["global_step1", "global_step2"]):
+        folder = rundir.checkpoint_dir(run) / tag
+        copies = [[f"offloaded_tensors/rank0{rank}/{n}.tensor.swp" for n in range(2)] for rank in range(2)]
+        saves = [[json.loads(line) for line in record.read_text().splitlines()][i] for record in records]
+        for rank, seen in enumerate(saves):
+            flushed = sorted(os.path.relpath(path, folder) for path in seen["fsynced"]
+                             if Path(path).is_relative_to(folder / "offloaded_tensors"))
+            assert flushed == sorted([*copies[rank], f"offloaded_tensors/rank0{rank}", "offloaded_tensors"]), tag
+        assert not [name for name in copies[0] if any(name in said for said in saves[1]["received"])], tag
+        files = json.loads(rundir.manifest_file(run, tag).read_text())["files"]
+        assert files == {name: size for name, size in _files_below(folder).items()
+                         if name != rundir.MANIFEST}
+        assert [files[name] for name in copies[0] + copies[1]] == [300, 70, 1300 if i == 0 else 300, 70]
+        assert rundir.incompleteness(run, tag) is None
+
+
+def test_an_nvme_offload_copy_out_of_room_on_one_rank_ends_every_rank_in_one_line(tmp_path):
+    """Rank 1's copy ran out of room inside DeepSpeed's save, which it left with a shutil.Error, while rank 0 waited
+    in DeepSpeed's closing barrier."""
+    run, _, logs = _nvme_saves_on_two_ranks(tmp_path, out_of_room=True)
+    message = (f"{rundir.checkpoint_dir(run)}: {FILE_SIZE_LIMIT} while saving step 2; the previous checkpoint "
+               "(global_step1) is intact; free space and rerun with --resume auto")
+    assert [Path(f"{log}.said").read_text() for log in logs] == [message, message]
+    said = [[line for line in log.read_text().splitlines() if "error" in line.lower()] for log in logs]
+    assert said == [[f"zerollm: error: {message}"], []]
+    assert rundir.checkpoint_tags(run) == ["global_step1"] and rundir.usable_tag(run) == "global_step1"
 
 
 @pytest.mark.parametrize("damage, reason", [

@@ -3,6 +3,7 @@
 A save runs in this order, so that a job killed at any instant resumes from a complete checkpoint:
 
     every rank writes its files (DeepSpeed's, and rng_rank<R>.pt) and fsyncs them      -> agreement
+        (under NVMe optimizer offload, DeepSpeed's copy of its swap files in offloaded_tensors/rank<NN> too)
     rank 0 gathers each rank's list of the files it wrote, with their sizes once flushed
     rank 0: client_state.json, then manifest.json (every file with its size), then `latest`, each durably
     rank 0: prune complete checkpoints older than the `keep` newest                     -> agreement
@@ -20,6 +21,7 @@ plain-data DeepSpeed classes on top (`deepspeed_state_classes`).
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import pickle
@@ -185,13 +187,15 @@ def save(engine, run_dir: Path, step: int, client_state: dict[str, Any], keep: i
 
 
 def _write_rank_files(engine, run_dir: Path, tag: str, rank: int) -> dict[str, int]:
-    """This rank's files of checkpoint `tag` (those DeepSpeed's checkpoint engine saved on this rank, and its RNG
-    file), each flushed to the disk; their names, with their sizes once flushed. Only these are flushed: not the
-    other ranks' files, nor anything this rank wrote outside the folder. A DeepSpeed write that ran out of room is
-    raised once DeepSpeed's save is over (`_writes_held_at_first_failure`)."""
+    """This rank's files of checkpoint `tag` (those DeepSpeed's checkpoint engine saved on this rank, the swap files
+    DeepSpeed copied into offloaded_tensors/rank<NN> under NVMe optimizer offload, and its RNG file), each flushed to
+    the disk, and the subfolders holding them; their paths in the folder (`rundir.checkpoint_files`), with their
+    sizes once flushed. Only these are flushed: not the other ranks' files, nor anything this rank wrote outside the
+    folder. A DeepSpeed write or copy that ran out of room is raised once DeepSpeed's save is over
+    (`_writes_held_at_first_failure`)."""
     directory = rundir.checkpoint_dir(run_dir) / tag
     with frozen_parameters_left_out(engine) as leaving_out, \
-            _writes_held_at_first_failure(engine) as (failures, saved):
+            _writes_held_at_first_failure(engine, directory) as (failures, saved):
         engine.save_checkpoint(str(directory.parent), tag=tag, save_latest=False,
                                exclude_frozen_parameters=leaving_out)
     if failures:
@@ -199,31 +203,36 @@ def _write_rank_files(engine, run_dir: Path, tag: str, rank: int) -> dict[str, i
     rng = rundir.rng_file(run_dir, tag, rank)
     with open(rng, "wb") as f:  # a file object: torch.save keeps a write's errno
         torch.save(rng_state(), f)
-    folder, own = os.path.abspath(directory), {}
+    folder, own, subfolders = Path(os.path.abspath(directory)), {}, set()
     for path in [*saved, rng]:
-        if os.path.dirname(os.path.abspath(path)) == folder and path.name not in own:
-            durable.fsync(path)
-            own[path.name] = path.stat().st_size
+        path = Path(os.path.abspath(path))
+        if not path.is_relative_to(folder) or (name := path.relative_to(folder).as_posix()) in own:
+            continue
+        durable.fsync(path)
+        own[name] = path.stat().st_size
+        subfolders.update(parent for parent in path.parents if parent != folder and parent.is_relative_to(folder))
+    for subfolder in sorted(subfolders, reverse=True):  # their entries: offloaded_tensors/rank<NN>, then its parent
+        durable.fsync(subfolder)
     return own
 
 
 def _publish(run_dir: Path, tag: str, step: int, world: int, written: list[dict[str, int]],
              client_state: dict[str, Any]) -> None:
     """Rank 0: client_state.json, the manifest of every file of the checkpoint, then `latest`. `written`: each rank's
-    files, with their sizes once flushed (`_write_rank_files`).
+    files, by their paths in the folder, with their sizes once flushed (`_write_rank_files`).
 
-    A file in the folder that no rank wrote through DeepSpeed's checkpoint engine (a DeepSpeed that writes one
-    otherwise) is flushed and listed by rank 0, as rank 0 sees it: one listing of the folder's names, on one rank;
-    with today's DeepSpeed there is none."""
+    A file in the folder or its subfolders that no rank reported (a DeepSpeed that writes one neither through its
+    checkpoint engine nor by the NVMe offload copy `_writes_held_at_first_failure` follows) is flushed and listed by
+    rank 0, as rank 0 sees it: one listing of the folder's names (and of each subfolder's), on one rank. With
+    DeepSpeed 0.19 there is none."""
     directory = rundir.checkpoint_dir(run_dir) / tag
     files: dict[str, int] = {}
     for own in written:
         for name, size in own.items():
             files[name] = max(size, files.get(name, 0))
-    for name in set(os.listdir(directory)) - files.keys():
-        if (directory / name).is_file():
-            durable.fsync(directory / name)
-            files[name] = (directory / name).stat().st_size
+    for name in set(rundir.checkpoint_files(directory)) - files.keys():
+        durable.fsync(directory / name)
+        files[name] = (directory / name).stat().st_size
     files = dict(sorted(files.items()))
     durable.write_text(directory / rundir.CLIENT_STATE, json.dumps(client_state, indent=1))
     files[rundir.CLIENT_STATE] = (directory / rundir.CLIENT_STATE).stat().st_size
@@ -266,13 +275,14 @@ def _refuse_out_of_room(reason: str | None, run_dir: Path, step: int) -> None:
 
 
 @contextmanager
-def _writes_held_at_first_failure(engine) -> Iterator[tuple[list[Exception], list[Path]]]:
+def _writes_held_at_first_failure(engine, directory: Path) -> Iterator[tuple[list[Exception], list[Path]]]:
     """Inside, DeepSpeed writes each checkpoint file of its torch engine through a file object (torch.save given a
     path says only '[enforce fail at inline_container.cc:672] . unexpected pos', not why), and the first write that
     runs out of room is recorded in the first yielded list instead of raised, with no file written after it:
     DeepSpeed goes on through its collectives, so a rank whose disk is full leaves no other rank waiting in one.
-    The second yielded list gets the path of each file DeepSpeed's checkpoint engine saved (whichever engine it is):
-    this rank's own files, which it alone flushes (`_write_rank_files`)."""
+    The second yielded list gets the path of each file DeepSpeed's checkpoint engine saved (whichever engine it is)
+    and of each file it copied into checkpoint folder `directory` (`_copies_followed`): this rank's own files, which
+    it alone flushes (`_write_rank_files`)."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (  # noqa: PLC0415 - after the accelerator
         TorchCheckpointEngine,
     )
@@ -307,9 +317,63 @@ def _writes_held_at_first_failure(engine) -> Iterator[tuple[list[Exception], lis
     writer.save = held(recorded)
     engine._copy_recovery_script = held(copy_scripts)
     try:
-        yield failures, saved
+        with _copies_followed(directory, failures, saved):
+            yield failures, saved
     finally:
         del writer.save, engine._copy_recovery_script  # the classes' methods again
+
+
+@contextmanager
+def _copies_followed(directory: Path, failures: list[Exception], saved: list[Path]) -> Iterator[None]:
+    """Inside, a `shutil.copytree` into checkpoint folder `directory` (DeepSpeed's save under ZeRO-Infinity's NVMe
+    optimizer offload copies the optimizer swapper's folder on the NVMe drive, outside its checkpoint engine, to
+    <tag>/offloaded_tensors/rank<NN>: `DeepSpeedEngine.save_checkpoint`, which imports copytree from shutil as it
+    runs) records each file it copies in `saved`, and is held as the checkpoint engine's writes are: the first
+    copy that runs out of room (copytree would go on with the next file and raise a shutil.Error of texts at the
+    end) is recorded in `failures` and nothing more is copied; a copy after an earlier failure copies nothing.
+    Copies elsewhere, by any thread, are copytree's own."""
+    copytree = shutil.copytree
+    signature = inspect.signature(copytree)
+
+    def held_copy(copy):
+        def copy_held(source, target, *args, **kwargs):
+            if failures:
+                return target
+            try:
+                copy(source, target, *args, **kwargs)
+            except OSError as exc:
+                if durable.out_of_room(exc) is None:
+                    raise
+                failures.append(exc)
+                return target
+            saved.append(Path(target))
+            return target
+        copy_held.held = True
+        return copy_held
+
+    def followed(src, dst, *args, **kwargs):
+        if not Path(os.path.abspath(dst)).is_relative_to(os.path.abspath(directory)):
+            return copytree(src, dst, *args, **kwargs)
+        if failures:
+            return dst
+        call = signature.bind(src, dst, *args, **kwargs)
+        call.apply_defaults()
+        copy = call.arguments["copy_function"]
+        if not getattr(copy, "held", False):  # copytree calls itself for each subfolder, with the copy it was given
+            call.arguments["copy_function"] = held_copy(copy)
+        try:
+            return copytree(*call.args, **call.kwargs)
+        except OSError as exc:  # its folder could not be made, or a shutil.Error: the texts of its other failures
+            if durable.out_of_room(exc) is None:
+                raise
+            failures.append(exc)
+            return dst
+
+    shutil.copytree = followed
+    try:
+        yield
+    finally:
+        shutil.copytree = copytree
 
 
 def prune(run_dir: Path, keep: int) -> None:
