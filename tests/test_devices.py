@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -115,14 +119,16 @@ def test_more_ranks_than_the_several_gpus_a_rank_sees_is_one_line_naming_both(mo
     assert str(raised.value) == ("this node starts 4 ranks but has 2 visible CUDA GPU(s), one per rank (local rank 2 "
                                  "and up have none): start no more ranks per node than it has GPUs (--nproc 2; under "
                                  "zerollm launch, --nproc-per-node 2), or make more GPUs visible "
-                                 "(CUDA_VISIBLE_DEVICES), or one to each rank (srun --gpus-per-task=1)")
+                                 "(CUDA_VISIBLE_DEVICES), or bind one to each rank (a CUDA_VISIBLE_DEVICES set per "
+                                 "rank; under srun, --gpus-per-task=1 with a wrapper that exports each task's RANK and "
+                                 "LOCAL_RANK: docs/gpu.md)")
     assert raised.value.announce is announced and chosen == []  # printed by one rank of the node
 
 
 @pytest.mark.parametrize("local_rank, local_world, gpus, index", [
     (0, 1, 1, 0), (3, 4, 8, 3), (3, 4, 4, 3),
     (1, 4, 2, 1),  # the node's ranks 2 and 3 are refused (above); rank 1 has its GPU
-    (1, 2, 1, 0), (7, 8, 1, 0),  # a GPU bound to each rank (srun --gpus-per-task=1), or ranks sharing one
+    (1, 2, 1, 0), (7, 8, 1, 0),  # a GPU bound to each rank (CUDA_VISIBLE_DEVICES per rank), or ranks sharing one
 ])
 def test_a_rank_uses_the_gpu_of_its_local_rank_or_the_one_it_sees(local_rank, local_world, gpus, index):
     from llm.runtime.distributed import cuda_device_index  # noqa: PLC0415
@@ -130,12 +136,14 @@ def test_a_rank_uses_the_gpu_of_its_local_rank_or_the_one_it_sees(local_rank, lo
     assert cuda_device_index(local_rank, local_world, gpus) == index
 
 
-def _ranks_claim_gpus(claims: list[tuple[str, str]]) -> list[str | None]:
-    """`refuse_shared_gpus` on one store from a thread per rank, each claiming its (host, gpu): what each raised."""
+def _ranks_claim_gpus(claims: list[tuple[str, str]], store: torch.distributed.Store | None = None) -> list[str | None]:
+    """`refuse_shared_gpus` on one store (a new one, or `store`) from a thread per rank, each claiming its (host,
+    gpu): what each raised."""
     from llm.runtime.distributed import refuse_shared_gpus  # noqa: PLC0415
 
-    store = torch.distributed.HashStore()
-    store.set_timeout(timedelta(seconds=20))
+    if store is None:
+        store = torch.distributed.HashStore()
+        store.set_timeout(timedelta(seconds=20))
     outcome: list[str | None] = [None] * len(claims)
 
     def rank(r: int) -> None:
@@ -165,14 +173,93 @@ def test_ranks_that_share_a_gpu_are_refused_on_every_rank_in_one_line_said_once(
     claims = [("a", "GPU-1"), ("a", "GPU-2"), ("a", "GPU-3"), ("b", "GPU-4"), ("b", "GPU-5"), ("b", "GPU-4")]
     message = ("ranks 3 and 5 on b use the same CUDA GPU (GPU-4), and NCCL needs a GPU per rank: start at most as "
                "many ranks per node as it has GPUs (--nproc, or --nproc-per-node under zerollm launch), or give each "
-               "rank a GPU of its own (CUDA_VISIBLE_DEVICES per rank, srun --gpus-per-task=1)")
+               "rank a GPU of its own (a CUDA_VISIBLE_DEVICES set per rank; under srun, --gpus-per-task=1 with a "
+               "wrapper that exports each task's RANK and LOCAL_RANK: docs/gpu.md)")
     assert _ranks_claim_gpus(claims) == [f"{message} (announce=False)"] * 6
     assert capsys.readouterr().err == f"zerollm: error: {message}\n"
 
 
+def test_each_attempt_of_a_restarted_job_checks_its_own_gpus(monkeypatch, capsys):
+    """torchrun with --max-restarts keeps the agent's store, its workers' rendezvous store, across restarts: the
+    first attempt's counters made the second say "ranks 0 and 0 on a use the same CUDA GPU" of ranks that each have
+    their own, and its verdict let a third whose ranks do share one through (to NCCL's "Duplicate GPU detected")."""
+    store = torch.distributed.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    own, shared = [("a", "GPU-1"), ("a", "GPU-2")], [("a", "GPU-1"), ("a", "GPU-1")]
+    refused = ("ranks 0 and 1 on a use the same CUDA GPU (GPU-1), and NCCL needs a GPU per rank: start at most as many "
+               "ranks per node as it has GPUs")
+    for restart, claims in ((None, own), ("1", own), ("2", shared), ("3", own)):
+        if restart is None:
+            monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+        else:
+            monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+        outcome, err = _ranks_claim_gpus(claims, store), capsys.readouterr().err
+        if claims is own:
+            assert (outcome, err) == ([None, None], ""), (restart, outcome, err)
+        else:
+            assert all(o is not None and o.startswith(refused) for o in outcome), (restart, outcome)
+            assert err.startswith(f"zerollm: error: {refused}") and err.count("\n") == 1, err
+
+
+def test_a_gpu_that_cannot_be_read_is_not_said_to_be_a_failure_to_meet(monkeypatch):
+    """Reading the GPU's identity ran inside the rendezvous' try: a CUDA error there was reported as "the 2 ranks did
+    not all meet at 127.0.0.1:29999 ... check that node 0 is reachable"."""
+    import deepspeed  # noqa: PLC0415, F401 - imported before torch.cuda pretends to have a GPU
+
+    from llm.runtime import distributed  # noqa: PLC0415
+
+    _rank_env(monkeypatch, 1, 2, 1, 2)
+    _visible_gpus(monkeypatch, distributed, 1)
+
+    def broken(index: int):
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    monkeypatch.setattr(distributed.torch.cuda, "get_device_properties", broken)
+    met = []
+    monkeypatch.setattr(distributed.torch.distributed, "rendezvous", lambda *args, **kwargs: met.append(1) or iter(
+        [(torch.distributed.HashStore(), 1, 2)]))
+    with pytest.raises(RuntimeError, match="^CUDA error: unspecified launch failure$"):
+        distributed.setup_distributed()
+    assert met == []
+
+
+SRUN_PROBE = ("import json, os; from llm.runtime.rank_env import rank_environment; "
+              "print(json.dumps(rank_environment(dict(os.environ))))")
+
+
+def test_the_srun_wrapper_of_the_gpu_guide_gives_each_task_its_rank(monkeypatch):
+    """srun sets only SLURM_* variables, which zerollm does not read (a plain srun task trains alone: `srun
+    --ntasks-per-node=4 --gpus-per-task=1 zerollm train` started four jobs of one rank, where the guide promised one
+    job); the guide's wrapper turns them into the rank variables. Its task script, run as srun would run it for the
+    second task of the second node of two."""
+    from llm.runtime.rank_env import RANK_VARIABLES, rank_environment  # noqa: PLC0415
+
+    slurm = dict(SLURM_PROCID="5", SLURM_LOCALID="1", SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="4",
+                 SLURM_NODEID="1", SLURM_JOB_NODELIST="node-[1-2]")
+    bare = {name: value for name, value in os.environ.items()
+            if name not in (*RANK_VARIABLES, "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                            "MASTER_PORT")}
+    alone = rank_environment({**bare, **slurm})
+    assert (alone["RANK"], alone["WORLD_SIZE"], alone["LOCAL_RANK"]) == ("0", "1", "0")  # without the wrapper
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "gpu.md").read_text(encoding="utf-8")
+    srun = next((line.strip() for line in guide.splitlines() if line.strip().startswith("srun --ntasks-per-node=")),
+                "no srun line")
+    assert "--gpus-per-task=1 bash -c '" in srun and srun.endswith("'"), srun
+    task = srun.split("bash -c '", 1)[1][:-1]
+    assert " exec zerollm train " in task
+    task = task.split(" exec zerollm train ")[0] + f" exec {sys.executable} -c '{SRUN_PROBE}'"
+    env = {**bare, **slurm, "MASTER_ADDR": "node-1", "MASTER_PORT": "29500",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    result = subprocess.run(["bash", "-c", task], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == dict(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4",
+                                             MASTER_ADDR="node-1", MASTER_PORT="29500")
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_a_rank_that_sees_one_gpu_of_many_ranks_on_its_node_uses_it(monkeypatch, shared):
-    """Under `srun --gpus-per-task=1` (or CUDA_VISIBLE_DEVICES set per rank) every rank sees one GPU, cuda:0, while
+    """Under a CUDA_VISIBLE_DEVICES set per rank (or GPUs isolated by cgroups) every rank sees one GPU, cuda:0, while
     LOCAL_RANK goes 0..N-1: local rank 1 was refused ("this node starts 2 ranks but has 1 visible CUDA GPU(s)"), so
     such jobs could not run. It uses its GPU, named to DeepSpeed (which takes LOCAL_RANK for the GPU) as 0, unless
     its node's other rank uses the same GPU. Rank 0 is a thread here, sharing the rendezvous store."""
@@ -190,17 +277,16 @@ def test_a_rank_that_sees_one_gpu_of_many_ranks_on_its_node_uses_it(monkeypatch,
     monkeypatch.setattr(distributed.torch.distributed, "init_process_group",
                         lambda backend, **kwargs: groups.append((backend, kwargs["rank"], kwargs["device_id"])))
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kwargs: None)
-    gpus = torch.distributed.PrefixStore("zerollm_gpus", store)
-    rank0 = threading.Thread(target=_ranks_sharing_or_not, args=(gpus, "GPU-0a1b" if shared else "GPU-ffff"))
+    rank0 = threading.Thread(target=_ranks_sharing_or_not, args=(store, "GPU-0a1b" if shared else "GPU-ffff"))
     rank0.start()
     try:
         if shared:
             with pytest.raises(UserError) as raised:
-                distributed.setup_distributed()
+                distributed.setup_distributed(timeout_s=20)
             assert str(raised.value).startswith("ranks 0 and 1 on ") and " use the same CUDA GPU (GPU-0a1b)" in str(
                 raised.value) and not raised.value.announce and groups == []
         else:
-            info = distributed.setup_distributed()
+            info = distributed.setup_distributed(timeout_s=20)
             assert (info.rank, info.local_rank, info.device) == (1, 1, torch.device("cuda", 0))
             assert chosen == [0] and os.environ["LOCAL_RANK"] == "0"
             assert groups == [("nccl", 1, torch.device("cuda", 0))]

@@ -151,6 +151,16 @@ def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(op
     ({"checkpoint": {"load_universal": True}}, "x.json: 'checkpoint.load_universal' makes a resume from zerollm's own "
      "checkpoints fail; remove it (zerollm converts a checkpoint to universal itself when the number of ranks "
      "changes)"),  # an AssertionError on resuming
+    # DeepSpeed takes LOCAL_RANK for a rank's place on its node, which it is not for a rank that sees one GPU (its
+    # LOCAL_RANK is 0, the GPU's index): a resume hung until the collective timeout (ZeRO-3 on 2 CPU ranks of
+    # LOCAL_RANK 0, or resumed on 2 ranks from 1), or every such rank wrote the same model-states file
+    ({"zero_optimization": {"stage": 3, "pipeline_loading_checkpoint": True}}, "x.json: "
+     "'zero_optimization.pipeline_loading_checkpoint' is not for zerollm: DeepSpeed passes the load from rank to rank "
+     "by LOCAL_RANK, and a resume hangs on a job of several nodes, of ranks that each see one GPU, or of another "
+     "number of ranks than saved; remove it"),
+    ({"checkpoint": {"use_node_local_storage": True}}, "x.json: 'checkpoint.use_node_local_storage' is not for "
+     "zerollm: its checkpoints live in one run directory every host sees, where the option has the first rank of "
+     "every node (every rank, where each sees one GPU) write the same model-states file; remove it"),
     ({"autotuning": {"enabled": True}}, "x.json: 'autotuning' is not for zerollm: DeepSpeed would end the run after "
      "its profiling steps, without a checkpoint (zerollm bench train measures throughput); remove the section or set "
      "its 'enabled' to false"),  # the run ended early with exit status 0
@@ -184,7 +194,8 @@ def test_ds_config_refusals_leave_what_applies_alone():
     assert {"scheduler", "zero_optimization", "gradient_clipping", "vocabulary_size"} <= engine.deepspeed_keys()
     ds = resolved({"comment": "mine", "vocabulary_size": 512, "compile": {"deepcompile": False, "double_buffer": True},
                    "wandb": {"enabled": False}, "comms_logger": {"enabled": False}, "sequence_parallel_size": 1,
-                   "prescale_gradients": 0, "gradient_predivide_factor": 1.0, "checkpoint": {"load_universal": False},
+                   "prescale_gradients": 0, "gradient_predivide_factor": 1.0,
+                   "checkpoint": {"load_universal": False, "use_node_local_storage": False},
                    "sequence_parallel": False, "lr_scheduler": None, "tensor_parallel_size": 1})
     assert ds["comment"] == "mine"
     for stage, offload in ((2, "offload_param"), (0, "offload_optimizer")):
@@ -194,6 +205,7 @@ def test_ds_config_refusals_leave_what_applies_alone():
     assert resolved({"zero_optimization": offloaded, "optimizer": adagrad})["optimizer"]["type"] == "Adagrad"
     assert resolved({"zero_optimization": {"stage": 0}, "optimizer": adagrad})["optimizer"]["type"] == "Adagrad"
     assert resolved({"zero_optimization": {"stage": 2, "reduce_scatter": False}, "prescale_gradients": True})
+    assert resolved({"zero_optimization": {"stage": 3, "pipeline_loading_checkpoint": False}})
 
 
 def test_ds_config_in_deepspeeds_older_words_means_what_it_says():
@@ -251,6 +263,8 @@ SHIPPED_PRETRAIN = json.loads((FIXTURES.parents[1] / "ds_configs" / "pretrain.js
      "no_print.json: 'steps_per_print' must be a whole number >= 1 (or null: never), got 0"),
     ("bogus", {**SHIPPED_PRETRAIN, "zero_optimization": {"stage": 2, "bogus": 1}},
      "bogus.json: 'zero_optimization.bogus' is not a ZeRO setting DeepSpeed knows; remove it or correct its name"),
+    ("node_local", {**SHIPPED_PRETRAIN, "checkpoint": {"use_node_local_storage": True}},
+     "node_local.json: 'checkpoint.use_node_local_storage' is not for zerollm"),
 ])
 def test_train_with_a_bad_deepspeed_config_exits_2_with_one_line_once(pretrain_data, tmp_path, name, ds_config,
                                                                       message):

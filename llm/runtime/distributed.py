@@ -14,11 +14,18 @@ size (MPS for one rank only), so a rank makes it again rather than keep the one 
 started it (`zerollm train --nproc N`, `zerollm launch`, DeepSpeed's runner), which chose for a job of one.
 
 A rank uses the GPU of its local rank where it sees enough GPUs for its node's ranks, and its only GPU where it sees
-one: clusters that bind a GPU to each rank (`srun --gpus-per-task=1`, `--gpu-bind=single:1`, a CUDA_VISIBLE_DEVICES
-set per rank, GPUs isolated by cgroups) show every rank one GPU. Which of those GPUs are one and the same (a one-GPU
-node started with `--nproc 2`) only the ranks together know: before NCCL starts, every rank writes its GPU's identity
-to the rendezvous store, a few store operations per rank at any job size, and ranks that share a GPU are refused in
-one line instead of NCCL's "Duplicate GPU detected" from every rank, or a hang.
+one: under a launcher that gives each rank its rank variables (torchrun, DeepSpeed's launcher, mpirun of Open MPI,
+MVAPICH2, MPICH or Intel MPI, PALS: `llm.runtime.rank_env`), with a GPU bound to each rank (a CUDA_VISIBLE_DEVICES
+set per rank by a site's wrapper script, GPUs isolated by cgroups), every rank sees one GPU. srun sets no variable
+`rank_env` reads (a plain srun task is a job of one): under `srun --gpus-per-task=1` each task needs a wrapper that
+exports RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE from SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS and
+SLURM_NTASKS_PER_NODE, and MASTER_ADDR and MASTER_PORT (docs/gpu.md). Such a rank's LOCAL_RANK is rewritten to 0,
+the index DeepSpeed takes it for; DeepSpeed's features that take LOCAL_RANK for a rank's place on its node are
+refused in every job (`llm.train.engine.resolve_ds_config`). Which of those GPUs are one and the same (a one-GPU
+node started with `--nproc 2`) only the ranks together know: before NCCL starts, every rank writes its GPU's
+identity to the rendezvous store, under keys of this attempt of the job (torchrun keeps one store across its
+restarts), a few store operations per rank at any job size, and ranks that share a GPU are refused in one line
+instead of NCCL's "Duplicate GPU detected" from every rank, or a hang.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn, TypeVar
@@ -112,14 +119,14 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
         device = torch.device(kind)
         backend = "gloo"
     timeout = timedelta(seconds=timeout_s)
+    gpu = gpu_identity(index) if kind == "cuda" and world > 1 else None  # a failure here is no failure to meet
     try:
         # the group is formed here rather than by deepspeed.init_distributed (which then only wraps it): its store
         # is needed before NCCL starts, and DeepSpeed would bind NCCL to the GPU of LOCAL_RANK and start it at once
         store, _, _ = next(torch.distributed.rendezvous("env://", rank, world, timeout=timeout))
         store.set_timeout(timeout)
-        if kind == "cuda" and world > 1:
-            refuse_shared_gpus(torch.distributed.PrefixStore("zerollm_gpus", store), rank, world,
-                               gpu_identity(index), socket.gethostname())
+        if gpu is not None:
+            refuse_shared_gpus(store, rank, world, gpu, socket.gethostname())
         bind = kind == "cuda" and world > 1 and not Version("2.6.0") < Version(torch.__version__) < Version("2.7.1")
         # as DeepSpeed binds: a bound device starts NCCL now and splits later groups from it; torch 2.6 hangs with one
         # (pytorch#153960)
@@ -138,6 +145,11 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
     return DistInfo(rank, local_rank, world, local_world, device)
 
 
+GPU_PER_RANK = ("a CUDA_VISIBLE_DEVICES set per rank; under srun, --gpus-per-task=1 with a wrapper that exports each "
+                "task's RANK and LOCAL_RANK: docs/gpu.md")
+"""How a rank gets a GPU of its own, as the refusals of ranks without one say it."""
+
+
 def cuda_device_index(local_rank: int, local_world: int, gpus: int) -> int:
     """The index of this rank's CUDA GPU among the `gpus` it sees: its local rank where it sees a GPU for each rank
     of its node up to its own, else 0 where it sees one (each rank of the node was given its own, or ranks share it:
@@ -150,7 +162,7 @@ def cuda_device_index(local_rank: int, local_world: int, gpus: int) -> int:
     raise UserError(f"this node starts {ranks} ranks but has {gpus} visible CUDA GPU(s), one per rank (local rank "
                     f"{gpus} and up have none): start no more ranks per node than it has GPUs (--nproc {gpus}; under "
                     f"zerollm launch, --nproc-per-node {gpus}), or make more GPUs visible (CUDA_VISIBLE_DEVICES), or "
-                    "one to each rank (srun --gpus-per-task=1)", announce=local_rank == gpus)
+                    f"bind one to each rank ({GPU_PER_RANK})", announce=local_rank == gpus)
 
 
 def gpu_identity(index: int) -> str:
@@ -170,18 +182,26 @@ def shared_gpu_message(first: tuple[int, str], second: tuple[int, str], gpu: str
     who = f"ranks {rank_a} and {rank_b} on {host_a}" if host_a == host_b else \
         f"rank {rank_a} on {host_a} and rank {rank_b} on {host_b}"
     return (f"{who} use the same CUDA GPU ({gpu}), and NCCL needs a GPU per rank: start at most as many ranks per "
-            "node as it has GPUs (--nproc, or --nproc-per-node under zerollm launch), or give each rank a GPU of its "
-            "own (CUDA_VISIBLE_DEVICES per rank, srun --gpus-per-task=1)")
+            f"node as it has GPUs (--nproc, or --nproc-per-node under zerollm launch), or give each rank a GPU of its "
+            f"own ({GPU_PER_RANK})")
 
 
 _NO_SHARED_GPU = "-"
 
 
+def gpu_check_prefix(environ: Mapping[str, str]) -> str:
+    """The store prefix of `refuse_shared_gpus` in this attempt of the job: torchrun's run id and restart count,
+    which its workers get in their environment (TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT). Its workers share
+    the agent's store, which outlives a restart (--max-restarts): an attempt's keys must not be the last one's."""
+    return f"zerollm_gpus/{environ.get('TORCHELASTIC_RUN_ID', '')}/{environ.get('TORCHELASTIC_RESTART_COUNT') or 0}"
+
+
 def refuse_shared_gpus(store: torch.distributed.Store, rank: int, world: int, gpu: str, host: str) -> None:
-    """Every rank of the job calls this (through `store`, not NCCL) with its GPU's identity (`gpu_identity`): if
-    any two use the same GPU, every rank raises one UserError naming two of them, printed once. Four or five store
-    operations per rank, whatever the job's size: a counter per GPU finds a second user, and the last rank to
-    arrive tells the verdict to all."""
+    """Every rank of the job calls this (through `store`, the rendezvous store, not NCCL) with its GPU's identity
+    (`gpu_identity`): if any two use the same GPU, every rank raises one UserError naming two of them, printed once.
+    Four or five store operations per rank, whatever the job's size: a counter per GPU finds a second user, and the
+    last rank to arrive tells the verdict to all. The keys are this attempt's (`gpu_check_prefix`)."""
+    store = torch.distributed.PrefixStore(gpu_check_prefix(os.environ), store)
     users = store.add(f"gpu/{gpu}", 1)
     if users == 1:
         store.set(f"gpu/{gpu}/first", f"{rank} {host}")

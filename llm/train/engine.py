@@ -147,9 +147,10 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     DeepSpeed's model refuses, sections of removed features or of monitors whose package is missing
     (`_refuse_removed_features`) and steps_per_print below 1 (DeepSpeed would fail on those in every rank with a
     traceback); also a top-level key that is a near miss of one DeepSpeed knows (`_refuse_misspelt_keys`), sections
-    zerollm would not act on (`_refuse_unused_features`) and what ZeRO-2 fails on
-    (`_refuse_unsupported_by_zero2`). "bfloat16", bf16's older name, is read as "bf16"; ZeRO sizes left "auto" as
-    Hugging Face's configs leave them are filled from the model's width (`WIDTH_SIZES`)."""
+    zerollm would not act on (`_refuse_unused_features`), features that take LOCAL_RANK for a rank's place on its
+    node (`_refuse_local_rank_features`) and what ZeRO-2 fails on (`_refuse_unsupported_by_zero2`). "bfloat16",
+    bf16's older name, is read as "bf16"; ZeRO sizes left "auto" as Hugging Face's configs leave them are filled from
+    the model's width (`WIDTH_SIZES`)."""
     ds = copy.deepcopy(raw)
     t = cfg.train
 
@@ -217,6 +218,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
         if ds.get("zero_optimization", {}).get(key) == "auto":
             ds["zero_optimization"][key] = size(cfg.model.dim)
     zero = _zero_config(ds.get("zero_optimization", {}), source)
+    _refuse_local_rank_features(ds, zero, source)
     _refuse_unusable_nvme(zero, source)
     _refuse_unsupported_by_zero2(ds, zero, stage, source)
     optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
@@ -446,6 +448,35 @@ def _refuse_unused_features(ds: dict[str, Any], source: str) -> None:
         raise UserError(f"{source}: 'checkpoint.load_universal' makes a resume from zerollm's own checkpoints fail; "
                         "remove it (zerollm converts a checkpoint to universal itself when the number of ranks "
                         "changes)")
+
+
+def _refuse_local_rank_features(ds: dict[str, Any], zero, source: str) -> None:
+    """Refuse DeepSpeed's features that take LOCAL_RANK for a rank's place on its node, which it is not where a rank
+    sees one GPU (`llm.runtime.distributed.setup_distributed` sets LOCAL_RANK to 0 there, the GPU's index), and which
+    fail in zerollm's jobs anyway; they are refused in every job (whether a run will be resumed on other ranks is
+    not known when it starts):
+
+    - Serial checkpoint loading (zero_optimization.pipeline_loading_checkpoint): a rank whose LOCAL_RANK is not 0
+      waits for the previous rank, and a rank whose LOCAL_RANK is not the job's last rank sends to the next. With
+      one-GPU ranks (all LOCAL_RANK 0) every rank sends and none waits, the last to a rank that does not exist; on
+      several nodes the last rank of each node sends to a rank that does not wait; on a universal checkpoint
+      (zerollm's resume on another number of ranks) no rank sends. The resume hangs, then fails at the
+      collective timeout.
+    - Node-local storage (checkpoint.use_node_local_storage): the rank of LOCAL_RANK 0 writes the model states, so
+      the first rank of every node (every one-GPU rank) writes the same file; zerollm keeps a checkpoint in one run
+      directory every host sees, its manifest listing every rank's files.
+
+    checkpoint.writer reads LOCAL_RANK too, but only for its decoupled engine's size statistic: which ranks write
+    follows their data-parallel rank and CROSS_RANK, so it is left to DeepSpeed."""
+    if zero.pipeline_loading_checkpoint:
+        raise UserError(f"{source}: 'zero_optimization.pipeline_loading_checkpoint' is not for zerollm: DeepSpeed "
+                        "passes the load from rank to rank by LOCAL_RANK, and a resume hangs on a job of several "
+                        "nodes, of ranks that each see one GPU, or of another number of ranks than saved; remove it")
+    checkpoint = ds.get("checkpoint")
+    if isinstance(checkpoint, dict) and checkpoint.get("use_node_local_storage"):
+        raise UserError(f"{source}: 'checkpoint.use_node_local_storage' is not for zerollm: its checkpoints live in "
+                        "one run directory every host sees, where the option has the first rank of every node (every "
+                        "rank, where each sees one GPU) write the same model-states file; remove it")
 
 
 def _compile_keys() -> set[str]:
