@@ -19,7 +19,7 @@ from typing import NoReturn
 from launch.hostfile import MAX_SLOTS_PER_HOST
 from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, LaunchOptions, launcher_name
 from llm import rundir
-from llm.config import build_config, parse_lora_spec, parse_override, recipe_names
+from llm.config import build_config, load_recipe, parse_lora_spec, parse_override, recipe_names
 from llm.errors import EXIT_USER_ERROR, UserError, report
 from llm.train.ds_config_file import load_ds_config
 
@@ -161,8 +161,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         t.add_argument("--out", required=True, help="run directory")
         t.add_argument("--init-from", default=None, metavar="DIR", required=stage in ("dpo", "grpo"),
                        help="start from the weights of a run directory or an export directory (ours, or a Llama, "
-                            "Qwen2/2.5 or Qwen3 saved by transformers); the run takes its model shape and RoPE, the "
-                            "recipe the training settings")
+                            "Qwen2/2.5 or Qwen3 saved by transformers); the run takes its model shape, RoPE and "
+                            "context length, the recipe the training settings")
         if stage == "distill":
             t.add_argument("--teacher", required=True, metavar="DIR",
                            help="the frozen teacher: a run directory (newest checkpoint) or an export directory")
@@ -274,10 +274,10 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
                                    "/exit).")
     _add_sampling_options(c)
     c.add_argument("--system", default=None, help="system prompt")
-    e = sub.add_parser("export", help="export a run to Hugging Face Llama (or Qwen3) format", epilog=EPILOG,
+    e = sub.add_parser("export", help="export a run to Hugging Face Llama (or Qwen2, Qwen3) format", epilog=EPILOG,
                        description="Write model.safetensors, config.json (LlamaForCausalLM; Qwen3ForCausalLM for a "
-                                   "model with QK-norm) and the tokenizer files of a run's newest checkpoint (any "
-                                   "ZeRO stage) to --out.")
+                                   "model with QK-norm, Qwen2ForCausalLM for one with q, k and v biases) and the "
+                                   "tokenizer files of a run's newest checkpoint (any ZeRO stage) to --out.")
     e.add_argument("--run", required=True, help="run directory")
     e.add_argument("--out", required=True, help="export directory")
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server", epilog=EPILOG,
@@ -451,16 +451,19 @@ def _train_config(args: argparse.Namespace):
         extra.append(f"train.dpo_beta={args.beta}")
     if args.lora is not None:
         extra += parse_lora_spec(args.lora)
-    cfg = build_config(args.recipe, [*args.overrides, *extra],
-                       paths={"data.path": getattr(args, "data", None), "train.init_from": args.init_from,
-                              "train.teacher": getattr(args, "teacher", None),
-                              "grpo.prompts": getattr(args, "prompts", None),
-                              "grpo.reward": getattr(args, "reward", None)})
-    if cfg.train.init_from:
-        from llm.loading import adopt_init_from_model
+    from llm.loading import recipe_for_init_from
 
-        adopt_init_from_model(cfg, {parse_override(text)[0] for text in args.overrides})
-    return cfg
+    recipe = load_recipe(args.recipe)
+    train = recipe.get("train")
+    init_from = args.init_from or next((value for key, value, _ in map(parse_override, args.overrides)
+                                        if key == "train.init_from"), train.get("init_from") if isinstance(train, dict)
+                                       else None)
+    recipe = recipe_for_init_from(recipe, init_from, Path(args.out) if args.resume == "auto" else None)
+    return build_config(recipe, [*args.overrides, *extra],
+                        paths={"data.path": getattr(args, "data", None), "train.init_from": args.init_from,
+                               "train.teacher": getattr(args, "teacher", None),
+                               "grpo.prompts": getattr(args, "prompts", None),
+                               "grpo.reward": getattr(args, "reward", None)})
 
 
 def _checked_before_ranks(args: argparse.Namespace):

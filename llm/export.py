@@ -81,6 +81,8 @@ def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None) -> dict:
     }
     if model_type != "llama":
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    if model_type == "qwen2":  # Qwen2's q, k and v biases are its class's own: no attention_bias key says so
+        del config["attention_bias"]
     if cfg.rope_scaling == "yarn":
         config["rope_scaling"] = {"rope_type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.yarn_beta_fast,
                                   "beta_slow": cfg.yarn_beta_slow,

@@ -11,11 +11,12 @@ import dataclasses
 import hashlib
 import io
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from llm import rundir
-from llm.config import ModelConfig, RunConfig, build_config, settable_key, validate_model
+from llm.config import ModelConfig, RunConfig, build_config, settable_key
 from llm.data.prepare import RANDOM_TOKENS_HASH
 from llm.errors import UserError, read_user_json_object
 from llm.export import (
@@ -213,9 +214,10 @@ FUNCTION_FIELDS = ("rope_theta", "norm_eps", "rope_scaling", "rope_factor", "rop
 
 
 ADOPTED_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "n_kv_heads", "hidden_dim", "multiple_of",
-                  "tie_embeddings", "moe", "n_experts", "n_experts_per_token", "n_shared_experts", "norm_topk_prob",
-                  "qk_norm", "qkv_bias", *FUNCTION_FIELDS)
-"""The model.* keys a run with --init-from takes from that model instead of its recipe: its shape and function."""
+                  "max_seq_len", "tie_embeddings", "moe", "n_experts", "n_experts_per_token", "n_shared_experts",
+                  "norm_topk_prob", "qk_norm", "qkv_bias", *FUNCTION_FIELDS)
+"""The model.* keys a run with --init-from takes from that model instead of its recipe: its shape, its function and
+its context length."""
 
 
 def model_config_of(path: str | Path) -> ModelConfig:
@@ -228,16 +230,23 @@ def model_config_of(path: str | Path) -> ModelConfig:
     return model_config_from_hf(read_user_json_object(config_path, "model config"), str(config_path))
 
 
-def adopt_init_from_model(cfg: RunConfig, explicit: set[str]) -> None:
-    """Give `cfg.model` the shape and function of its --init-from model (`ADOPTED_FIELDS`): fine-tuning a
-    downloaded Qwen2.5 or Llama needs no recipe written for it. Keys set on the command line (`explicit`, such as
-    'model.dim') are kept: where they differ from the model's, loading its weights refuses them by name
+def recipe_for_init_from(recipe: dict[str, Any], init_from: str | None, resumed: Path | None) -> dict[str, Any]:
+    """The raw `recipe` with its model section's `ADOPTED_FIELDS` replaced by those of the model the run starts
+    from: its --init-from model, or, resuming run `resumed` without --init-from, the one recorded there (a run that
+    had one). Fine-tuning a downloaded Qwen2.5 or Llama needs no recipe written for it; `--set` model keys still
+    apply after, and where they differ from the model's, loading its weights refuses them by name
     (`initial_weights`)."""
-    source = model_config_of(cfg.train.init_from)
-    for name in ADOPTED_FIELDS:
-        if f"model.{name}" not in explicit:
-            setattr(cfg.model, name, getattr(source, name))
-    validate_model(cfg.model)
+    if not isinstance(recipe.get("model", {}), dict):  # refused by build_config, naming the section
+        return recipe
+    if init_from:
+        source = model_config_of(init_from)
+        model = {name: getattr(source, name) for name in ADOPTED_FIELDS}
+    elif resumed is not None and rundir.config_file(resumed).is_file() and \
+            (recorded := rundir.recorded_config(resumed)).get("train", {}).get("init_from"):
+        model = {name: recorded["model"][name] for name in ADOPTED_FIELDS if name in recorded.get("model", {})}
+    else:
+        return recipe
+    return {**recipe, "model": {**(recipe.get("model") or {}), **model}}
 
 
 def initial_weights(cfg: ModelConfig, init_from: str, data_tokenizer_hash: str) -> dict[str, torch.Tensor]:

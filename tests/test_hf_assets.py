@@ -17,6 +17,7 @@ from forked_ranks import run_job
 from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURES, run_cli
+from llm import rundir
 from llm.config import ModelConfig
 from llm.data.prepare import RANDOM_TOKENS_HASH
 from llm.errors import UserError
@@ -92,10 +93,34 @@ def test_init_from_gives_the_run_its_model_s_shape_and_rope(tmp_path):
     result = run_job("train", "sft", "--recipe", "demo", "--init-from", base, "--data", data, "--out", tmp_path / "run",
                      *[a for o in SFT for a in ("--set", o)])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "the model's shape and RoPE are --init-from" in result.stdout
+    assert "the model's shape, RoPE and context are --init-from" in result.stdout
     model = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]
     assert (model["dim"], model["n_layers"], model["vocab_size"], model["hidden_dim"], model["rope_theta"],
             model["norm_eps"], model["tie_embeddings"]) == (64, 2, 415, 160, 500000.0, 1e-6, False)
+
+
+def _train_config(*argv):
+    from llm.cli import _train_config, build_parser
+
+    return _train_config(build_parser().parse_args(["train", *map(str, argv)]))
+
+
+def test_the_run_s_settings_are_checked_against_the_init_from_model(tmp_path):
+    """The recipe's model used to be validated before --init-from's replaced it: a LoRA rank the adopted model
+    allows, or a --set model.n_heads equal to the model's own, was refused against the recipe's width."""
+    torch.manual_seed(0)
+    export_model(Transformer(ModelConfig(vocab_size=64, dim=192, n_layers=1, n_heads=6, n_kv_heads=3,
+                                         max_seq_len=4096)), None, tmp_path / "export")
+    common = ["sft", "--recipe", "demo", "--data", tmp_path / "data", "--out", tmp_path / "run",
+              "--init-from", tmp_path / "export"]
+    cfg = _train_config(*common, "--lora", "r=96,targets=wk", "--set", "model.n_heads=6")
+    assert (cfg.model.dim, cfg.model.n_heads, cfg.model.kv_heads, cfg.lora.r) == (192, 6, 3, 96)
+    assert cfg.model.max_seq_len == 4096  # its context, which export writes and chat and serve allow
+    (tmp_path / "run").mkdir()
+    cfg.save(rundir.config_file(tmp_path / "run"))  # as the run records it
+    resumed = _train_config(*common[:-2], "--resume", "auto")  # without --init-from: the recorded model's shape
+    assert (resumed.model.dim, resumed.model.n_heads, resumed.model.max_seq_len) == (192, 6, 4096)
+    assert _train_config(*common[:-2]).model.dim == 128  # a new run without --init-from: the recipe's
 
 
 def test_init_from_refuses_model_keys_set_otherwise(tmp_path):
