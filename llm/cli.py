@@ -451,14 +451,15 @@ def _train_config(args: argparse.Namespace):
         extra.append(f"train.dpo_beta={args.beta}")
     if args.lora is not None:
         extra += parse_lora_spec(args.lora)
-    from llm.loading import recipe_for_init_from
-
     recipe = load_recipe(args.recipe)
     train = recipe.get("train")
     init_from = args.init_from or next((value for key, value, _ in map(parse_override, args.overrides)
                                         if key == "train.init_from"), train.get("init_from") if isinstance(train, dict)
                                        else None)
-    recipe = recipe_for_init_from(recipe, init_from, Path(args.out) if args.resume == "auto" else None)
+    if init_from or args.resume == "auto":  # torch only then: a mistake in a new run's paths is said before it loads
+        from llm.loading import recipe_for_init_from
+
+        recipe = recipe_for_init_from(recipe, init_from, Path(args.out) if args.resume == "auto" else None)
     return build_config(recipe, [*args.overrides, *extra],
                         paths={"data.path": getattr(args, "data", None), "train.init_from": args.init_from,
                                "train.teacher": getattr(args, "teacher", None),

@@ -241,12 +241,20 @@ def recipe_for_init_from(recipe: dict[str, Any], init_from: str | None, resumed:
     if init_from:
         source = model_config_of(init_from)
         model = {name: getattr(source, name) for name in ADOPTED_FIELDS}
-    elif resumed is not None and rundir.config_file(resumed).is_file() and \
-            (recorded := rundir.recorded_config(resumed)).get("train", {}).get("init_from"):
+    elif resumed is not None and (recorded := _recorded_run_config(resumed)).get("train", {}).get("init_from"):
         model = {name: recorded["model"][name] for name in ADOPTED_FIELDS if name in recorded.get("model", {})}
     else:
         return recipe
     return {**recipe, "model": {**(recipe.get("model") or {}), **model}}
+
+
+def _recorded_run_config(run_dir: Path) -> dict[str, Any]:
+    """The config a run directory records; empty where there is none or it cannot be read (what is wrong with the
+    folder is said where its use as the output is checked, `rundir.check_run_output`)."""
+    try:
+        return rundir.recorded_config(run_dir) if rundir.config_file(run_dir).is_file() else {}
+    except UserError:
+        return {}
 
 
 def initial_weights(cfg: ModelConfig, init_from: str, data_tokenizer_hash: str) -> dict[str, torch.Tensor]:
