@@ -302,25 +302,29 @@ def _writes_held_at_first_failure(engine, directory: Path) -> Iterator[tuple[lis
         save_one(state_dict, path)
         saved.append(Path(path))
 
-    def held(write):
-        def unless_failed(*args, **kwargs) -> None:
-            if failures:
-                return
-            try:
-                write(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - re-raised unless it ran out of room
-                if durable.out_of_room(exc) is None:
-                    raise
-                failures.append(exc)
-        return unless_failed
-
-    writer.save = held(recorded)
-    engine._copy_recovery_script = held(copy_scripts)
+    writer.save = _held(recorded, failures)
+    engine._copy_recovery_script = _held(copy_scripts, failures)
     try:
         with _copies_followed(directory, failures, saved):
             yield failures, saved
     finally:
         del writer.save, engine._copy_recovery_script  # the classes' methods again
+
+
+def _held(write: Callable[..., Any], failures: list[Exception]) -> Callable[..., Any]:
+    """`write`, done only while `failures` is empty, and a failure for lack of room recorded there instead of
+    raised (what it returns, else None); any other failure is raised."""
+    def unless_failed(*args, **kwargs) -> Any:
+        if failures:
+            return None
+        try:
+            return write(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it ran out of room
+            if durable.out_of_room(exc) is None:
+                raise
+            failures.append(exc)
+            return None
+    return unless_failed
 
 
 @contextmanager
@@ -336,38 +340,24 @@ def _copies_followed(directory: Path, failures: list[Exception], saved: list[Pat
     signature = inspect.signature(copytree)
 
     def held_copy(copy):
-        def copy_held(source, target, *args, **kwargs):
-            if failures:
-                return target
-            try:
-                copy(source, target, *args, **kwargs)
-            except OSError as exc:
-                if durable.out_of_room(exc) is None:
-                    raise
-                failures.append(exc)
-                return target
+        def copy_recorded(source, target, *args, **kwargs) -> None:
+            copy(source, target, *args, **kwargs)
             saved.append(Path(target))
-            return target
+
+        copy_held = _held(copy_recorded, failures)
         copy_held.held = True
         return copy_held
 
     def followed(src, dst, *args, **kwargs):
         if not Path(os.path.abspath(dst)).is_relative_to(os.path.abspath(directory)):
             return copytree(src, dst, *args, **kwargs)
-        if failures:
-            return dst
         call = signature.bind(src, dst, *args, **kwargs)
         call.apply_defaults()
         copy = call.arguments["copy_function"]
         if not getattr(copy, "held", False):  # copytree calls itself for each subfolder, with the copy it was given
             call.arguments["copy_function"] = held_copy(copy)
-        try:
-            return copytree(*call.args, **call.kwargs)
-        except OSError as exc:  # its folder could not be made, or a shutil.Error: the texts of its other failures
-            if durable.out_of_room(exc) is None:
-                raise
-            failures.append(exc)
-            return dst
+        # held too: its folder could not be made, or a shutil.Error gathering the texts of its other failures
+        return _held(copytree, failures)(*call.args, **call.kwargs)
 
     shutil.copytree = followed
     try:
