@@ -402,10 +402,15 @@ def _refuse_removed_features(ds: dict[str, Any], source: str) -> None:
         except deepspeed.runtime.config.DeepSpeedConfigError as exc:
             raise UserError(f"{source}: {str(exc).split(' See ')[0]} Remove that section.") from None
     for section, package in MONITOR_PACKAGES.items():
-        value = ds.get(section)
-        if isinstance(value, dict) and value.get("enabled") and importlib.util.find_spec(package) is None:
+        if _is_set(ds, section, "enabled") and importlib.util.find_spec(package) is None:
             raise UserError(f"{source}: the '{section}' monitor needs the {package} package: pip install {package} "
                             "(or remove the section; zerollm logs metrics.jsonl and wandb itself)")
+
+
+def _is_set(ds: dict[str, Any], section: str, key: str) -> bool:
+    """Whether the DeepSpeed config's `section` is a mapping whose `key` is set (true, or any non-empty value)."""
+    value = ds.get(section)
+    return isinstance(value, dict) and bool(value.get(key))
 
 
 def _refuse_unused_features(ds: dict[str, Any], source: str) -> None:
@@ -423,8 +428,7 @@ def _refuse_unused_features(ds: dict[str, Any], source: str) -> None:
         raise UserError(f"{source}: 'activation_checkpointing' would not apply: zerollm's model does not checkpoint "
                         "activations through DeepSpeed; remove the section (or lower train.micro_batch_size and raise "
                         "train.grad_accum to save activation memory)")
-    efficiency = ds.get("data_efficiency")
-    if isinstance(efficiency, dict) and efficiency.get("enabled"):
+    if _is_set(ds, "data_efficiency", "enabled"):
         raise UserError(f"{source}: 'data_efficiency' needs DeepSpeed's own data loader and layers; zerollm feeds "
                         "its own batches and model, so remove the section or set its 'enabled' to false")
     if ds.get("sequence_parallel_size", 1) != 1:
@@ -439,12 +443,10 @@ def _refuse_unused_features(ds: dict[str, Any], source: str) -> None:
                                         "(zerollm bench train measures throughput)"),
                          ("wandb", "DeepSpeed's wandb monitor fails where wandb has no API key, and zerollm logs the "
                                    "run to wandb itself (--wandb online or offline)")):
-        value = ds.get(section)
-        if isinstance(value, dict) and value.get("enabled"):
+        if _is_set(ds, section, "enabled"):
             raise UserError(f"{source}: '{section}' is not for zerollm: {why}; remove the section or set its "
                             "'enabled' to false")
-    checkpoint = ds.get("checkpoint")
-    if isinstance(checkpoint, dict) and checkpoint.get("load_universal"):
+    if _is_set(ds, "checkpoint", "load_universal"):
         raise UserError(f"{source}: 'checkpoint.load_universal' makes a resume from zerollm's own checkpoints fail; "
                         "remove it (zerollm converts a checkpoint to universal itself when the number of ranks "
                         "changes)")
@@ -472,8 +474,7 @@ def _refuse_local_rank_features(ds: dict[str, Any], zero, source: str) -> None:
         raise UserError(f"{source}: 'zero_optimization.pipeline_loading_checkpoint' is not for zerollm: DeepSpeed "
                         "passes the load from rank to rank by LOCAL_RANK, and a resume hangs on a job of several "
                         "nodes, of ranks that each see one GPU, or of another number of ranks than saved; remove it")
-    checkpoint = ds.get("checkpoint")
-    if isinstance(checkpoint, dict) and checkpoint.get("use_node_local_storage"):
+    if _is_set(ds, "checkpoint", "use_node_local_storage"):
         raise UserError(f"{source}: 'checkpoint.use_node_local_storage' is not for zerollm: its checkpoints live in "
                         "one run directory every host sees, where the option has the first rank of every node (every "
                         "rank, where each sees one GPU) write the same model-states file; remove it")
