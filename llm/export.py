@@ -317,12 +317,17 @@ def drop_tied_copy(state: dict[str, torch.Tensor], embeddings: str, output: str)
     return True
 
 
-def import_model(directory: Path) -> Transformer:
-    """Our model from an export directory (ours, or `save_pretrained` of a Llama model)."""
+def export_model_config(directory: Path) -> ModelConfig:
+    """The model config an export directory's config.json describes, read without its weights."""
     config_path = directory / HF_CONFIG_FILE
     if not config_path.is_file():
         raise UserError(f"{directory}: expected {HF_CONFIG_FILE} and {WEIGHTS_FILE} (a Hugging Face Llama export)")
-    cfg = model_config_from_hf(read_user_json_object(config_path, "model config"), str(config_path))
+    return model_config_from_hf(read_user_json_object(config_path, "model config"), str(config_path))
+
+
+def import_model(directory: Path) -> Transformer:
+    """Our model from an export directory (ours, or `save_pretrained` of a Llama model)."""
+    cfg = export_model_config(directory)
     state = {name: tensor for name, tensor in read_weights(directory).items() if not _LEGACY_BUFFER.fullmatch(name)}
     if cfg.tie_embeddings and not drop_tied_copy(state, "model.embed_tokens.weight", "lm_head.weight"):
         raise UserError(f"{directory}: {HF_CONFIG_FILE} ties the embeddings (tie_word_embeddings true), but the "

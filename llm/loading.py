@@ -18,14 +18,14 @@ import torch
 from llm import rundir
 from llm.config import ModelConfig, RunConfig, build_config, settable_key
 from llm.data.prepare import RANDOM_TOKENS_HASH
-from llm.errors import UserError, read_user_json_object
+from llm.errors import UserError
 from llm.export import (
     HF_CONFIG_FILE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
     drop_tied_copy,
+    export_model_config,
     import_model,
-    model_config_from_hf,
     weight_files,
 )
 from llm.model import Transformer
@@ -226,8 +226,7 @@ def model_config_of(path: str | Path) -> ModelConfig:
     directory = Path(path)
     if is_run_or_export(directory, "--init-from"):
         return build_config(rundir.recorded_config(directory)).model
-    config_path = directory / HF_CONFIG_FILE
-    return model_config_from_hf(read_user_json_object(config_path, "model config"), str(config_path))
+    return export_model_config(directory)
 
 
 def recipe_for_init_from(recipe: dict[str, Any], init_from: str | None, resumed: Path | None) -> dict[str, Any]:
