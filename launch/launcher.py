@@ -22,7 +22,8 @@ that the master address is its own and the master port is free. Once the ranks m
 SIGTERM/SIGINT to `zerollm launch` is forwarded to the training ranks: they agree to stop, save a
 checkpoint and the launch exits 75 (`EXIT_PREEMPTED`); `--resume auto` continues, on any number of ranks. A rank
 ended by a signal (the OOM killer's SIGKILL) is reported in one line and the launch exits 76 (`EXIT_RANK_LOST`), under
-DeepSpeed's launcher (`run_plan`) as under torchrun (launch/torchrun.py).
+DeepSpeed's launcher (`run_plan`) as under torchrun (launch/torchrun.py); a rank that failed with an exit code of its
+own ends the launch with that code, under either.
 """
 
 from __future__ import annotations
@@ -108,9 +109,10 @@ class Plan:
     """After a stop was forwarded, how long to wait for the checkpoint the ranks save when the launcher ends without
     it published: DeepSpeed's pdsh runner on several hosts exits 1 s after it has pdsh kill the ranks' launchers,
     while the ranks are still saving (`STOP_WAIT_S`)."""
-    deepspeed_launch: bool = True
-    """Whether the ranks run under DeepSpeed's per-node launcher, which passes a rank's death by signal N on as exit
-    code 256 - N (torchrun's is read in launch/torchrun.py)."""
+    deepspeed_codes: bool = True
+    """Whether the launcher ends as DeepSpeed's per-node launcher does, with the failed rank's return code, a death
+    by signal N passed on as 256 - N: DeepSpeed's and launch/torchrun.py (for a signal it does not name itself) do,
+    mpirun does not."""
 
     def with_master(self, address: str) -> Plan:
         at = self.command.index("--no_local_rank")
@@ -334,7 +336,7 @@ def _plan_torchrun(nnodes: int, node_rank: int, master: str, port: int, nproc: i
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{port}", "--rdzv-id", rdzv_id,
                "--rdzv-conf", f"is_host={int(node_rank == 0)},join_timeout={join_timeout}", "--max-restarts", "0",
                "-m", "llm"]
-    return Plan(command, train_argv, env, deepspeed_launch=False)
+    return Plan(command, train_argv, env)
 
 
 def _check_mpi_selection(args: LaunchOptions, active: dict[str, list[int]]) -> None:
@@ -407,7 +409,7 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     files["deepspeed_env"] = env_file_text(remote_exports(env, environ, Path.cwd(), home), args.launcher)
     return Plan(deepspeed_runner(*options, program=program), job, files=files,
                 file_env={"DS_ENV_FILE": "deepspeed_env"}, ssh_hosts=ssh_hosts, address_of=None if master else first,
-                programs=LAUNCHER_PROGRAMS[args.launcher], deepspeed_launch=args.launcher == "pdsh",
+                programs=LAUNCHER_PROGRAMS[args.launcher], deepspeed_codes=args.launcher == "pdsh",
                 stop_wait_s=STOP_WAIT_S if args.launcher == "pdsh" else 0.0)
 
 
@@ -492,8 +494,9 @@ def _wait_for_preempted(run_dir: Path, since: float, bound_s: float, stopping: l
 def run_plan(plan: Plan, run_dir: Path) -> int:
     """Start the launcher in its own session, forward SIGTERM/SIGINT to the training ranks, return the exit code:
     EXIT_PREEMPTED when the ranks published a checkpoint saved on a stop signal during this launch (here or on
-    another node), whatever code the launcher reports (torchrun reports any non-zero rank as 1); EXIT_RANK_LOST,
-    in one line, when DeepSpeed's launcher reports a rank ended by a signal (it does not say which)."""
+    another node), whatever code the launcher reports; EXIT_RANK_LOST, in one line, when the launcher reports a rank
+    ended by a signal as DeepSpeed's does (256 - N; it does not say which); else the launcher's code, which under
+    DeepSpeed's launcher and launch/torchrun.py is the failed rank's own (torchrun alone exits 1)."""
     from llm.runtime.distributed import ensure_accelerator_env  # noqa: PLC0415 - imports torch, needed only now
 
     ensure_accelerator_env()
@@ -529,8 +532,8 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
         return EXIT_PREEMPTED
     if stopping and code in STOPPED_AT_ONCE:  # the ranks got the forwarded SIGTERM only: said as the stop was sent
         return 128 + stopping[-1]
-    signum = deepspeed_signal(code) if plan.deepspeed_launch and not stopping else None
-    if signum is not None:  # which rank, DeepSpeed's launcher does not say
+    signum = deepspeed_signal(code) if plan.deepspeed_codes and not stopping else None
+    if signum is not None:  # which rank, DeepSpeed's launcher does not say (torchrun's table above does)
         return report_rank_ended("a rank", signum)
     return exit_code(code)
 

@@ -11,7 +11,11 @@ DeepSpeed's launcher passes the rank's code on. Here:
   this exits 76 (EXIT_RANK_LOST), as `zerollm train --nproc` does;
 - when the nodes do not all meet within the rendezvous's join timeout (`--rdzv-conf join_timeout=S`, which
   `zerollm launch` sets to train.collective_timeout_s) or node 0's rendezvous cannot be reached, one line and exit 2;
-- any other failure is torchrun's own report, unchanged.
+- any other failed rank: torchrun's table of the failures (each failed rank, its exit code or signal), without
+  its traceback, and this exits as DeepSpeed's per-node launcher would, with the code of the rank that failed
+  first, or 256 - N where signal N (a SIGTERM from outside) ended it, which `zerollm launch` reads as DeepSpeed's
+  (launch.launcher.deepspeed_signal: one line and 76, unless it forwarded a stop);
+- any other torchrun failure is torchrun's own report, unchanged.
 
 A rank that torchrun itself ended because another failed (SIGTERM, then SIGKILL after its timeout: a rank still
 importing when the first one refused) counts among its failures too, and is passed over.
@@ -22,7 +26,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import main as torchrun_main
@@ -50,13 +54,25 @@ def quiet_code(failure: ChildFailedError) -> int | None:
     return None
 
 
+def first_failure(failure: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """(rank, failure) of the first failure torchrun saw: it records them in that order (their timestamps are whole
+    seconds)."""
+    return next(iter(failure.failures.items()))
+
+
+def passed_on_code(failure: ChildFailedError) -> int:
+    """The exit code DeepSpeed's per-node launcher ends with for `failure`: the return code of the rank that failed
+    first, -N for signal N, which the process reports as 256 - N."""
+    return first_failure(failure)[1].exitcode % 256
+
+
 def lost_rank(failure: ChildFailedError) -> tuple[int, int, int] | None:
     """(rank, pid, signal) of the rank whose ending ended the job, where a signal other than SIGTERM ended it (the
-    OOM killer's SIGKILL, a segfault): the first failure torchrun saw (it records them in that order; their
-    timestamps are whole seconds). None where that was a rank's own exit or a SIGTERM: torchrun then closed the
+    OOM killer's SIGKILL, a segfault): the first failure torchrun saw. None where that was a rank's own exit, or a
+    SIGTERM, perhaps a stop `zerollm launch` forwarded (`passed_on_code` leaves that to it): torchrun then closed the
     others with SIGTERM, and SIGKILL 30 s later a rank that had not ended yet (still starting, or blocked in a
     collective), which is not the cause."""
-    rank, process = next(iter(failure.failures.items()))
+    rank, process = first_failure(failure)
     return (rank, process.pid, -process.exitcode) if process.exitcode < 0 and process.exitcode != -signal.SIGTERM \
         else None
 
@@ -77,10 +93,11 @@ def main(argv: list[str]) -> int:
         if code is not None:
             return code
         lost = lost_rank(failure)
-        if lost is None:
-            raise
-        rank, pid, signum = lost
-        return report_rank_ended(f"rank {rank} (pid {pid})", signum)
+        if lost is not None:
+            rank, pid, signum = lost
+            return report_rank_ended(f"rank {rank} (pid {pid})", signum)
+        print(failure.format_msg().strip("\n"), file=sys.stderr, flush=True)
+        return passed_on_code(failure)
     except RendezvousTimeoutError:
         nodes, endpoint, timeout, _ = _rendezvous(argv)
         report(f"the {nodes} nodes did not all meet at {endpoint} within train.collective_timeout_s={timeout} s "

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -21,10 +22,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from conftest import REPO, TINY, run_cli
 from launch.hostfile import check_filter, read_hostfile
-from launch.launcher import Plan, deepspeed_runner, plan_launch, run_plan, slurm_rendezvous
+from launch.launcher import Plan, deepspeed_runner, deepspeed_signal, plan_launch, run_plan, slurm_rendezvous
 from launch.local import wait_for_ranks
 from launch.nodelist import expand_nodelist, slurm_hosts
-from launch.torchrun import lost_rank, quiet_code
+from launch.torchrun import lost_rank, passed_on_code, quiet_code
 from llm.cli import build_parser, launch_options
 from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, UserError
 from llm.runtime import watchdog
@@ -778,6 +779,49 @@ def test_a_rank_a_signal_ends_under_torchrun_is_named_and_exits_76(tmp_path):
     assert result.returncode == EXIT_RANK_LOST, result.stderr[-3000:]
     assert _lost_rank_line(f"rank 1 (pid {(tmp_path / 'pid.1').read_text()})") in result.stderr.splitlines()
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
+RANK_FAILS = """
+import os, signal, sys, time
+if os.environ["RANK"] == "1":
+    time.sleep(2)  # seen running by torchrun first
+    if sys.argv[1] == "SIGTERM":
+        os.kill(os.getpid(), signal.SIGTERM)
+    sys.exit(int(sys.argv[1]))
+time.sleep(120)
+"""
+"""A two-rank job whose rank 1 exits with the code given, or is sent SIGTERM from outside; rank 0 waits to be
+stopped."""
+
+
+@pytest.mark.parametrize("ending, code, line", [
+    ("3", 3, None),
+    ("SIGTERM", EXIT_RANK_LOST, "zerollm: error: a rank was ended by SIGTERM (signal 15); the job is ended on every "
+                                "rank: rerun with --resume auto to continue from its last complete checkpoint")])
+def test_a_rank_failing_under_torchrun_ends_the_launch_as_under_deepspeeds_launcher(tmp_path, capfd, ending, code,
+                                                                                     line):
+    """torchrun exits 1 whichever code or signal ended the rank (`--backend torchrun` and `slurm` ended so, after
+    its traceback); DeepSpeed's launcher passes the code on (3) and a signal as 256 - N, said in one line, 76."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_FAILS)
+    options = _launch_args("--backend", "torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()))
+    plan = plan_launch(options, ["train", "pretrain"], {})
+    assert plan.command[-2:] == ["-m", "llm"]
+    plan = replace(plan, command=[*plan.command[:-2], str(script)], job=[ending])
+    assert run_plan(plan, tmp_path / "run") == code
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
+    root_cause = err.split("Root Cause (first observed failure):")[1]  # torchrun's table: the rank and how it ended
+    assert "rank      : 1 (local_rank: 1)" in root_cause
+    assert f"exitcode  : {3 if ending == '3' else -signal.SIGTERM}" in root_cause
+    assert line is None or line in err.splitlines()
+
+
+def test_torchrun_passes_the_first_failure_on_as_deepspeeds_launcher_does():
+    assert passed_on_code(failed(3, -signal.SIGTERM)) == 3  # rank 0's code, not torchrun's 1
+    assert passed_on_code(failed(1, 3)) == 1
+    assert passed_on_code(failed(-signal.SIGTERM, -signal.SIGKILL)) == 256 - signal.SIGTERM  # read by zerollm launch
+    assert deepspeed_signal(passed_on_code(failed(-signal.SIGTERM))) == signal.SIGTERM
 
 
 def test_torchrun_failures_are_read_like_the_ranks_own_ending():
