@@ -27,10 +27,12 @@ class FakeClock:
         return self.now
 
 
-def simulate(t: TrainConfig, step_time, eval_time, save_time, state=None, start=0, kill_after=None, info=ONE_RANK):
+def simulate(t: TrainConfig, step_time, eval_time, save_time, state=None, start=0, kill_after=None, info=ONE_RANK,
+             saves=None):
     """Drive a TimeBudget through the trainer's sequence of calls on a fake clock, with evaluations and checkpoints
     every t.eval_every and t.save_every steps. Returns (multiplier used by each step, seconds on the clock when the
-    run ended, the state saved at the last checkpoint with the scheduler's next multiplier, its step)."""
+    run ended, the state saved at the last checkpoint with the scheduler's next multiplier, its step); `saves`, a
+    list, gets the step of every checkpoint."""
     clock = FakeClock()
     budget = TimeBudget(t, info, clock)
     budget.load_state_dict(state and state["budget"])
@@ -46,7 +48,8 @@ def simulate(t: TrainConfig, step_time, eval_time, save_time, state=None, start=
         next_lr = lr_multiplier(step, t, budget)  # DeepSpeed steps the schedule at the end of the optimizer step
         last = step >= t.max_steps or budget.out_of_time(step)
         calibrate = budget.calibration_due(step)
-        eval_due = last or calibrate or bool(t.eval_every and step % t.eval_every == 0)
+        evaluate = calibrate and budget.eval_seconds is None  # a resumed run's calibration only saves
+        eval_due = last or evaluate or bool(t.eval_every and step % t.eval_every == 0)
         with budget.overhead("eval" if eval_due else None):
             clock.now += eval_time if eval_due else 0.0
         save_due = last or calibrate or bool(t.save_every and step % t.save_every == 0)
@@ -54,6 +57,8 @@ def simulate(t: TrainConfig, step_time, eval_time, save_time, state=None, start=
             if save_due:
                 clock.now += save_time
                 saved = ({"budget": budget.state_dict(), "next_lr": next_lr}, step)
+                if saves is not None:
+                    saves.append(step)
         budget.end_iteration(step)
         if step == kill_after:
             break
@@ -258,3 +263,28 @@ def test_a_checkpoint_keeps_rank_0s_own_estimates_not_the_late_published_ones(mo
     rest, total, _, _ = simulate(t, 1.1, eval_time=3.0, save_time=1.0, state=state, start=60, info=RANK_0_OF_2)
     assert first[:60] + rest == pytest.approx(straight)
     assert total == pytest.approx(straight_total) and total <= 200
+
+
+@pytest.mark.parametrize("channel", [ImmediateBroadcast, OneLateBroadcast])
+def test_a_run_resumed_from_its_calibration_checkpoint_keeps_its_budget(monkeypatch, channel):
+    """The calibration checkpoint (the last warmup step's) is written before its own time and the end of warmup are
+    measured: it kept save_seconds 0 and warmup_end None. Resumed from it, a run with no checkpoint due before its
+    last step reserved nothing for that checkpoint and ended 2 steps (its 2 s) past the budget, and its warmup ended
+    a step late. Now the checkpoint keeps the end of warmup and the resumed run saves after its first step, to
+    measure a checkpoint again (it evaluates no more than the uninterrupted run)."""
+    monkeypatch.setattr("llm.train.time_budget._Broadcast", channel)
+    t = TrainConfig(max_time=60, max_steps=10**6, warmup_steps=5, min_lr_ratio=0.1, eval_every=0, save_every=0)
+    times = dict(step_time=1.0, eval_time=3.0, save_time=2.0, info=RANK_0_OF_2)
+    straight_saves, resumed_saves = [], []
+    straight, straight_total, _, _ = simulate(t, **times, saves=straight_saves)
+    assert straight_saves == [5, 50] and straight_total == 60.0  # 5 steps, calibration, 45 steps, the last's 5 s
+    first, _, state, tag = simulate(t, **times, kill_after=8)
+    assert tag == 5 and state["budget"]["elapsed"] == 10.0
+    assert state["budget"]["warmup_end"] == 10.0 and state["budget"]["eval_seconds"] == 3.0
+    rest, total, final, last = simulate(t, **times, state=state, start=5, saves=resumed_saves)
+    assert resumed_saves == [6, last] and last == 48  # the budget less the second checkpoint's 2 s
+    assert total == 60.0 and final["budget"]["save_seconds"] == 2.0
+    assert first[:6] == straight[:6] and rest[0] == straight[5]
+    decay = [*first[:5], *rest][t.warmup_steps:]
+    assert all(a >= b for a, b in zip(decay, decay[1:], strict=False))
+    assert rest[-1] == pytest.approx(t.min_lr_ratio, abs=2e-3)

@@ -15,7 +15,9 @@ reads back is a step late), and its checkpoints keep those.
 
     step_seconds   moving average of a step's wall time, evaluations and checkpoints excluded
     calibration    the first step after warmup (step 1 without warmup) evaluates and saves a checkpoint, whatever
-                   train.eval_every and train.save_every say, so that the time both take is measured early
+                   train.eval_every and train.save_every say, so that the time both take is measured early; that
+                   checkpoint is written before its own time is known, so a run resumed from it (or from any other
+                   that knows an evaluation's time but not a checkpoint's) saves again after its first step
     reserve        an evaluation (with its samples) + a checkpoint: the longest of each seen so far
     projection     the end of a later step: the last published elapsed time + step_seconds for each step to come
                    + the evaluations and checkpoints train.eval_every and train.save_every place between them
@@ -63,7 +65,14 @@ class TimeBudget:
         self._eval_measured: float | None = None
         """The longest evaluation (with its samples) so far, or None before the first."""
         self._save_measured = 0.0
-        """The longest checkpoint so far."""
+        """The longest checkpoint so far, 0 before the first."""
+        self._steps_done = 0
+        """Steps completed when `end_iteration` was last called (or the loop started): the step in progress is
+        the next one."""
+        self._session_start_step = 0
+        self._measure_save_again = False
+        """Resumed from a checkpoint that knew an evaluation's time but not a checkpoint's (the calibration
+        checkpoint: written before its own time was measured): the session's first step saves to measure it."""
         self._warmup_ended = self.warmup_end
         """Training time at the end of warmup, None before it."""
         self._channel = _Broadcast(info, 6) if self.enabled and info.world_size > 1 else None
@@ -80,8 +89,12 @@ class TimeBudget:
         return (self.eval_seconds or 0.0) + self.save_seconds
 
     def calibration_due(self, steps_done: int) -> bool:
-        """Whether this step evaluates and saves to measure the reserve (see the module docstring)."""
-        return self.enabled and self.eval_seconds is None and steps_done == max(1, self.warmup_steps)
+        """Whether this step saves, and evaluates too while no evaluation was measured (`eval_seconds` is None), to
+        measure the reserve (see the module docstring)."""
+        if not self.enabled:
+            return False
+        first = self.eval_seconds is None and steps_done == max(1, self.warmup_steps)
+        return first or (self._measure_save_again and steps_done == self._session_start_step + 1)
 
     def projected_end(self, steps_done: int) -> float:
         """Training time when `steps_done` steps will have been completed, with the evaluations and checkpoints due
@@ -119,7 +132,7 @@ class TimeBudget:
 
     def start(self, step: int) -> None:
         """The loop starts (or resumes) after `step` steps."""
-        self.known_step = step
+        self.known_step = self._steps_done = self._session_start_step = step
         self._session_start = self._iteration_start = self.clock()
 
     def _now(self) -> float:
@@ -145,6 +158,7 @@ class TimeBudget:
         now = self.clock()
         step_time = now - self._iteration_start - self._overhead
         self._iteration_start, self._overhead = now, 0.0
+        self._steps_done = step
         self._measured_steps += 1
         first = self._measured_steps == 1 and self._step_average == 0
         self._step_average = step_time if first else (1 - SMOOTHING) * self._step_average + SMOOTHING * step_time
@@ -166,13 +180,18 @@ class TimeBudget:
     # ---- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any] | None:
-        """What a checkpoint keeps (rank 0 writes it): the elapsed time now and rank 0's own estimates (not the
-        published ones, a step late on a GPU)."""
+        """What a checkpoint of the step in progress keeps (rank 0 writes it): the elapsed time now and rank 0's
+        own estimates (not the published ones, a step late on a GPU). A checkpoint of the last warmup step (the
+        calibration's) records the end of warmup as now: `end_iteration` sets it only after the checkpoint, and a
+        run resumed from it would otherwise end its warmup a step (and its first step's start-up time) late."""
         if not self.enabled:
             return None
-        return {"elapsed": self._now(), "max_time": self.max_time, "step_seconds": self._step_average,
-                "eval_seconds": self._eval_measured, "save_seconds": self._save_measured,
-                "warmup_end": self._warmup_ended}
+        now = self._now()
+        warmup_end = self._warmup_ended
+        if warmup_end is None and self._steps_done + 1 >= self.warmup_steps:
+            warmup_end = now
+        return {"elapsed": now, "max_time": self.max_time, "step_seconds": self._step_average,
+                "eval_seconds": self._eval_measured, "save_seconds": self._save_measured, "warmup_end": warmup_end}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Continue from a checkpoint's estimates: published at once on every rank (each reads the same
@@ -182,8 +201,9 @@ class TimeBudget:
         self._base = self.elapsed = state["elapsed"]
         self._step_average = self.step_seconds = state["step_seconds"]
         self._eval_measured = self.eval_seconds = state["eval_seconds"]
-        self._save_measured = self.save_seconds = state["save_seconds"]
+        self._save_measured = self.save_seconds = state["save_seconds"] or 0.0
         self._warmup_ended = self.warmup_end = state["warmup_end"]
+        self._measure_save_again = self.eval_seconds is not None and not self.save_seconds
 
 
 def _or_minus_one(seconds: float | None) -> float:

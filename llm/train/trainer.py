@@ -309,7 +309,7 @@ class Trainer:
                 sums, batches = self.train_step()
                 last = self._finished()
                 calibrate = self.budget.calibration_due(self.step)  # measure what the final step will cost
-                eval_due = self._eval_due(last) or calibrate
+                eval_due = self._eval_due(last) or (calibrate and self.budget.eval_seconds is None)
                 stats = self.reduce_step(sums, batches) if logger.due(self.step, eval_due) else None
                 if stats is not None:
                     self._refuse_diverged(stats.loss)
