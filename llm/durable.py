@@ -92,16 +92,17 @@ def update_text(path: Path, text: str) -> bool:
 @contextmanager
 def staged_folder(target: Path, replace: bool = False) -> Iterator[Path]:
     """Make folder `target` whole or not at all: inside, fill the hidden `.NAME.partial` beside it that this yields
-    (not yet created; a leftover is removed first); on leaving, its files and it are flushed and it is renamed into
-    place. `target` must not exist, unless `replace`: then an earlier one is renamed aside to `.NAME.old` and deleted
-    after (a crash between the two renames leaves both complete folders, the old one as `.NAME.old`). A failure
-    inside or while flushing (a full disk) leaves `target` as it was and no partial folder."""
+    (not yet created; a leftover is removed first); on leaving, its files, its subfolders and it are flushed, it is
+    renamed into place and the folder holding it is flushed. `target` must not exist, unless `replace`: then an
+    earlier one is renamed aside to `.NAME.old` and deleted after (a crash between the two renames leaves both
+    complete folders, the old one as `.NAME.old`). A failure inside or while flushing (a full disk) leaves `target`
+    as it was and no partial folder."""
     partial, old = target.with_name(f".{target.name}.partial"), target.with_name(f".{target.name}.old")
     shutil.rmtree(partial, ignore_errors=True)
     try:
         yield partial
-        for path in sorted(partial.rglob("*")):
-            if path.is_file():
+        for path in sorted(partial.rglob("*"), reverse=True):  # a subfolder after the files and folders in it
+            if not path.is_symlink() and (path.is_file() or path.is_dir()):
                 fsync(path)
         fsync(partial)
         if replace and target.exists():

@@ -329,6 +329,51 @@ def test_a_staged_folder_with_replace_swaps_the_whole_old_folder_for_the_new(tmp
     assert _tree(tmp_path) == {"target": None, "target/c": b"new"}
 
 
+
+def _flushes_and_renames(monkeypatch) -> list[tuple[str, str, str]]:
+    """Every os.fsync from now on, as ("fsync", the real path of what it flushed, ""), and every os.replace, as
+    ("replace", source, target), in the order they happened: whoever calls them (`durable`'s helpers or not)."""
+    events: list[tuple[str, str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def watched_fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), ""))
+        fsync(fd)
+
+    def watched_replace(source, target) -> None:
+        replace(source, target)
+        events.append(("replace", os.path.abspath(source), os.path.abspath(target)))
+
+    monkeypatch.setattr(os, "fsync", watched_fsync)
+    monkeypatch.setattr(os, "replace", watched_replace)
+    return events
+
+
+def _check_flushed_then_renamed(events: list[tuple[str, str, str]], target: Path) -> None:
+    """Folder `target` was renamed into place from its staging folder once that folder and every file and subfolder
+    in it were flushed, and the folder holding it was flushed after the rename."""
+    staging = target.with_name(f".{target.name}.partial")
+    renamed = next(i for i, (kind, _, to) in enumerate(events) if kind == "replace" and to == str(target))
+    assert events[renamed][1] == str(staging)
+    flushed = {path for kind, path, _ in events[:renamed] if kind == "fsync"}
+    inside = {str(staging / path.relative_to(target)) for path in target.rglob("*")}
+    assert inside and inside - flushed == set()  # every file and subfolder
+    assert str(staging) in flushed
+    assert ("fsync", str(target.parent), "") in events[renamed + 1:]
+
+
+def test_a_staged_folder_flushes_every_file_and_subfolder_before_it_is_renamed_in(tmp_path, monkeypatch):
+    """Only its files and itself were flushed: after a power loss, a file in a subfolder (copy_folder's tokenizer
+    copy, a universal conversion's zero/<parameter>/ files) could be missing from the folder renamed into place."""
+    target = tmp_path.resolve() / "target"
+    events = _flushes_and_renames(monkeypatch)
+    with durable.staged_folder(target) as staging:
+        (staging / "sub" / "deeper").mkdir(parents=True)
+        for name in ("a", "sub/b", "sub/deeper/c"):
+            (staging / name).write_text(name)
+    _check_flushed_then_renamed(events, target)
+
+
 # ---- item 2: completeness and fallback -------------------------------------------------------------------------
 
 def test_the_manifest_lists_every_file_with_its_size(one_rank_group, tmp_path):
@@ -517,12 +562,28 @@ def test_deepspeed_saves_on_two_ranks_flush_each_rank_s_own_files(pretrain_data,
 
 # ---- ZeRO-Infinity's NVMe optimizer offload: DeepSpeed copies the swap files into the checkpoint itself ------------
 
+class SwappingOptimizer:
+    """What a checkpoint's save and load ask of an optimizer under NVMe offload: the folder of its swapper, and to
+    read its state back from there once DeepSpeed's load copied the checkpoint's swap files to it (counted)."""
+
+    swap_optimizer = True
+
+    def __init__(self, swap: Path) -> None:
+        self.optimizer_swapper = SimpleNamespace(swap_folder=str(swap))
+        self.param_groups: list[dict] = []
+        self.swapped_back = 0
+
+    def reset_swap_buffers(self) -> None:
+        self.swapped_back += 1
+
+
 class NvmeOffloadEngine(FakeEngine):
     """A stand-in engine under NVMe optimizer offload, saved by DeepSpeed's own `save_checkpoint`: the model states
     through its checkpoint engine (rank 0), then its copy (shutil.copytree, outside the checkpoint engine) of the
     optimizer swapper's folder on the NVMe drive, `swap` (a swap file of each size in `sizes`, and a gradient's,
-    which DeepSpeed leaves out), into <tag>/offloaded_tensors/rank<NN>. Loading restores the optimizer from that
-    copy alone."""
+    which DeepSpeed leaves out), into <tag>/offloaded_tensors/rank<NN>. Loaded by DeepSpeed's own `load_checkpoint`:
+    the model states, then its copy of <tag>/offloaded_tensors/rank<NN> back to `swap`, from which the optimizer
+    reads its state back (ZeRO's optimizer files are not read under NVMe offload)."""
 
     def __init__(self, swap: Path, sizes: list[int]) -> None:
         super().__init__()
@@ -530,7 +591,7 @@ class NvmeOffloadEngine(FakeEngine):
         for i, size in enumerate(sizes):
             (swap / f"{i}.tensor.swp").write_bytes(bytes([i + 1]) * size)
         (swap / "0_gradient_0_8.tensor.swp").write_bytes(bytes(8))
-        self.optimizer = SimpleNamespace(swap_optimizer=True, optimizer_swapper=SimpleNamespace(swap_folder=str(swap)))
+        self.optimizer = SwappingOptimizer(swap)
         self.global_rank = self.local_rank = dist.get_rank()
         self.has_moe_layers = self.save_zero_checkpoint = False
 
@@ -539,6 +600,23 @@ class NvmeOffloadEngine(FakeEngine):
 
         DeepSpeedEngine.save_checkpoint(self, root, tag=tag, save_latest=save_latest,
                                         exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, root: str, tag: str, **kwargs) -> tuple[str, dict]:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        return DeepSpeedEngine.load_checkpoint(self, root, tag=tag, **kwargs)
+
+    def _load_checkpoint(self, load_dir: str, tag: str, **_) -> tuple[str, dict]:
+        return FakeEngine.load_checkpoint(self, load_dir, tag)
+
+    def _load_zero_checkpoint(self, *args, **kwargs) -> bool:
+        raise AssertionError("ZeRO's optimizer files are not read under NVMe offload")
+
+    def zero_optimization(self) -> bool:
+        return True
+
+    def load_universal_checkpoint(self) -> bool:
+        return False
 
     # what DeepSpeed's save_checkpoint asks of its engine besides, answered as an engine with NVMe offload answers
     def zero_nvme_offload_optimizer(self) -> bool:
@@ -692,6 +770,66 @@ def test_an_nvme_offload_copy_out_of_room_on_one_rank_ends_every_rank_in_one_lin
     assert said == [[f"zerollm: error: {message}"], []]
     assert rundir.checkpoint_tags(run) == ["global_step1"] and rundir.usable_tag(run) == "global_step1"
 
+
+
+def _copy_back_out_of_room(swap: Path, run: Path) -> str:
+    """What DeepSpeed's load copying the swap files of `run`'s checkpoint global_step1 back to `swap` (a full
+    drive) is said as."""
+    return (f"{swap}: {FILE_SIZE_LIMIT} while copying the optimizer's swap files back from "
+            f"{rundir.checkpoint_dir(run) / 'global_step1' / 'offloaded_tensors'}; the checkpoint is intact: free "
+            "space there and rerun with --resume auto")
+
+
+def test_loading_copies_the_nvme_offload_files_back_and_a_full_drive_is_one_line(deepspeed_collectives, tmp_path):
+    """DeepSpeed's copy back to the drive ran out of room with a shutil.Error of texts (its copytree went on with
+    every other file), and the optimizer then read its state back from the partial copy."""
+    run = tmp_path / "run"
+    checkpoint.save(NvmeOffloadEngine(tmp_path / "nvme", [300, 5000]), run, 1, CLIENT_STATE | {"step": 1}, keep=0)
+    engine = NvmeOffloadEngine(tmp_path / "loaded", [1, 1])
+    assert checkpoint.load(engine, run, "global_step1")["step"] == 1
+    assert [(tmp_path / "loaded" / f"{i}.tensor.swp").read_bytes() for i in range(2)] == [b"\1" * 300, b"\2" * 5000]
+    assert engine.optimizer.swapped_back == 1
+    assert "reset_swap_buffers" not in vars(engine.optimizer)  # the class's method again
+
+    engine = NvmeOffloadEngine(tmp_path / "full", [1, 1])
+    with file_size_limit(1000), pytest.raises(UserError) as error:
+        checkpoint.load(engine, run, "global_step1")
+    assert str(error.value) == _copy_back_out_of_room(tmp_path / "full", run)
+    assert engine.optimizer.swapped_back == 0  # nothing read back from a partial copy
+    assert rundir.usable_tag(run) == "global_step1"
+
+
+def _rank_of_an_nvme_load(rank: int, port: int, run: Path, log: Path) -> None:
+    """One rank of a 2-rank gloo group saving step 1 of NvmeOffloadEngines, then loading it into fresh ones (its
+    output in `log`, what its load raised in LOG.said): rank 1's copy of a swap file back to the drive runs past the
+    file size limit."""
+    log.write_text("")
+    enter_rank(dict(os.environ), log, log)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from deepspeed.comm import comm
+
+    comm.cdb = _deepspeed_collectives()
+    checkpoint.save(NvmeOffloadEngine(run.parent / f"nvme{rank}", [300 if rank == 0 else 200_000, 70]), run, 1,
+                    CLIENT_STATE | {"step": 1, "world_size": 2}, keep=0)
+    try:
+        with file_size_limit(100_000 if rank == 1 else 2**40):
+            checkpoint.load(NvmeOffloadEngine(run.parent / f"loaded{rank}", [1, 1]), run, "global_step1")
+    except UserError as exc:
+        Path(f"{log}.said").write_text(str(exc))
+    dist.destroy_process_group()
+
+
+def test_an_nvme_offload_copy_back_out_of_room_on_one_rank_ends_every_rank_in_one_line(tmp_path):
+    """Rank 1's copy back to its drive raised a shutil.Error out of DeepSpeed's load, on rank 1 alone, while rank 0
+    waited for it in the load's agreement."""
+    run, port = tmp_path / "run", free_port()
+    logs = [tmp_path / f"log.{rank}" for rank in range(2)]
+    _watched_ranks(_rank_of_an_nvme_load, [(rank, port, run, logs[rank]) for rank in range(2)], tmp_path / "log",
+                   timeout=120)
+    message = _copy_back_out_of_room(tmp_path / "loaded1", run)
+    assert [Path(f"{log}.said").read_text() for log in logs] == [message, message]
+    said = [[line for line in log.read_text().splitlines() if "error" in line.lower()] for log in logs]
+    assert said == [[f"zerollm: error: {message}"], []]
 
 @pytest.mark.parametrize("damage, reason", [
     (lambda f: (f / MODEL_FILE).write_bytes((f / MODEL_FILE).read_bytes()[:100]), f"{MODEL_FILE} has 100 bytes"),
@@ -921,6 +1059,21 @@ def test_a_universal_conversion_is_used_only_whole_and_for_the_checkpoint_it_was
     checkpoint.convert_to_universal(run, tag)
     assert (rundir.universal_dir(run) / tag / "zero" / moved[0] / "exp_avg.pt").is_file()
     assert all(torch.equal(after[name], weights) for name, weights in _converted_weights(run, tag).items())
+
+
+
+def test_a_universal_conversion_is_flushed_whole_before_it_is_renamed_into_place(zero_runs, tmp_path, monkeypatch):
+    """The conversion was renamed into place with only its record flushed: after a power loss, a later resume could
+    trust a conversion whose parameter files were torn or empty (their sizes are in the record, flushed)."""
+    run, tag = tmp_path.resolve() / "run", "global_step4"
+    shutil.copytree(zero_runs[2], run, symlinks=True)
+    events = _flushes_and_renames(monkeypatch)
+    checkpoint.convert_to_universal(run, tag)
+    target = rundir.universal_dir(run) / tag
+    assert [path for path in target.rglob("*") if path.is_file() and path.parent.parent.name == "zero"]
+    _check_flushed_then_renamed(events, target)
+    renamed = next(i for i, (kind, _, to) in enumerate(events) if kind == "replace" and to == str(target))
+    assert ("fsync", str(rundir.checkpoint_dir(run)), "") in events[:renamed]  # universal/ itself, made new
 
 
 # ---- damaged files: `latest`, client state, RNG files, manifest sizes, unreadable checkpoint files ----------------

@@ -328,14 +328,16 @@ def _held(write: Callable[..., Any], failures: list[Exception]) -> Callable[...,
 
 
 @contextmanager
-def _copies_followed(directory: Path, failures: list[Exception], saved: list[Path]) -> Iterator[None]:
+def _copies_followed(directory: Path, failures: list[Exception], saved: list[Path],
+                     out_of: bool = False) -> Iterator[None]:
     """Inside, a `shutil.copytree` into checkpoint folder `directory` (DeepSpeed's save under ZeRO-Infinity's NVMe
     optimizer offload copies the optimizer swapper's folder on the NVMe drive, outside its checkpoint engine, to
     <tag>/offloaded_tensors/rank<NN>: `DeepSpeedEngine.save_checkpoint`, which imports copytree from shutil as it
-    runs) records each file it copies in `saved`, and is held as the checkpoint engine's writes are: the first
-    copy that runs out of room (copytree would go on with the next file and raise a shutil.Error of texts at the
-    end) is recorded in `failures` and nothing more is copied; a copy after an earlier failure copies nothing.
-    Copies elsewhere, by any thread, are copytree's own."""
+    runs), or with `out_of` one out of it (its load's copy back to the drive: `_copy_back_held`), records each
+    file it copies in `saved`, and is held as the checkpoint engine's writes are: the first copy that runs out of
+    room (copytree would go on with the next file and raise a shutil.Error of texts at the end) is recorded in
+    `failures` and nothing more is copied; a copy after an earlier failure copies nothing. Copies elsewhere, by any
+    thread, are copytree's own."""
     copytree = shutil.copytree
     signature = inspect.signature(copytree)
 
@@ -349,7 +351,7 @@ def _copies_followed(directory: Path, failures: list[Exception], saved: list[Pat
         return copy_held
 
     def followed(src, dst, *args, **kwargs):
-        if not Path(os.path.abspath(dst)).is_relative_to(os.path.abspath(directory)):
+        if not Path(os.path.abspath(src if out_of else dst)).is_relative_to(os.path.abspath(directory)):
             return copytree(src, dst, *args, **kwargs)
         call = signature.bind(src, dst, *args, **kwargs)
         call.apply_defaults()
@@ -429,7 +431,9 @@ their sizes. A conversion is used only while both still hold (`_is_conversion_of
 def convert_to_universal(run_dir: Path, tag: str) -> None:
     """DeepSpeed's universal checkpoint of `tag` (one file per parameter and optimizer state, loadable on any
     world size), written to checkpoints/universal/<tag> by `deepspeed.checkpoint.ds_to_universal`, whose loads
-    are restricted as in `restricted_unpickling`.
+    are restricted as in `restricted_unpickling`. It is made whole or not at all (`durable.staged_folder`: every
+    file and folder of it is flushed before it is renamed into place, and universal/ after), so that a power loss
+    leaves no conversion whose files are torn or empty for a later resume to trust.
 
     A conversion left there by an earlier job is used only when it is whole and was made from checkpoint `tag` as
     it is now; anything else is removed and converted again: one made from an earlier checkpoint of the same step (a
@@ -443,22 +447,22 @@ def convert_to_universal(run_dir: Path, tag: str) -> None:
         if identity is not None and _is_conversion_of(target, identity):
             return
         shutil.rmtree(target)
-    partial = universal / f".{tag}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-c", _UNIVERSAL_CONVERTER, "--input_folder", str(source),
-               "--output_folder", str(partial), "--inject_missing_state"]
-    result = subprocess.run(command, capture_output=True, text=True, check=False,
-                            env={**os.environ, FORCE_WEIGHTS_ONLY: "1"})
-    if result.returncode != 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise UserError(f"{source}: conversion to a universal checkpoint failed ({_exception_said(result)}); resume "
-                        "it on the number of ranks that saved it, or remove it to resume from the checkpoint before it")
-    (universal / "latest_universal").unlink(missing_ok=True)  # written by the tool; we keep `latest`
-    if identity is not None:  # else (the source unreadable) it is converted again next time
-        record = {"source": identity, "files": _converted_files(partial)}
-        durable.write_text(partial / CONVERSION_RECORD, json.dumps(record, indent=1))
-    os.replace(partial, target)
+    if not universal.is_dir():
+        universal.mkdir(parents=True, exist_ok=True)
+        durable.fsync(universal.parent)  # its entry in checkpoints/, before a conversion is renamed into it
+    with durable.staged_folder(target) as partial:  # its files, subfolders and it flushed before it is renamed in
+        command = [sys.executable, "-c", _UNIVERSAL_CONVERTER, "--input_folder", str(source),
+                   "--output_folder", str(partial), "--inject_missing_state"]
+        result = subprocess.run(command, capture_output=True, text=True, check=False,
+                                env={**os.environ, FORCE_WEIGHTS_ONLY: "1"})
+        if result.returncode != 0:
+            raise UserError(f"{source}: conversion to a universal checkpoint failed ({_exception_said(result)}); "
+                            "resume it on the number of ranks that saved it, or remove it to resume from the "
+                            "checkpoint before it")
+        (universal / "latest_universal").unlink(missing_ok=True)  # written by the tool; we keep `latest`
+        if identity is not None:  # else (the source unreadable) it is converted again next time
+            record = {"source": identity, "files": _converted_files(partial)}
+            (partial / CONVERSION_RECORD).write_text(json.dumps(record, indent=1))
 
 
 def _exception_said(result: subprocess.CompletedProcess) -> str:
@@ -529,7 +533,8 @@ def load(engine, run_dir: Path, tag: str, universal: bool = False, clock_driven:
 
     A collective: a file that only some ranks read (their optimizer partition, their RNG file) and find damaged
     ends every rank with that rank's UserError, said once; a rank that refused alone left the others waiting in
-    their next collective, which then failed with a traceback."""
+    their next collective, which then failed with a traceback. So does a rank whose NVMe drive runs out of room
+    while DeepSpeed copies its offloaded optimizer files back there (`_copy_back_held`)."""
     client_state = rundir.client_state_of(run_dir, tag)
     root = rundir.universal_dir(run_dir) if universal else rundir.checkpoint_dir(run_dir)
     schedule = getattr(engine, "lr_scheduler", None)
@@ -539,12 +544,17 @@ def load(engine, run_dir: Path, tag: str, universal: bool = False, clock_driven:
 
     def restore() -> None:
         with restricted_unpickling(root / tag):
-            with _read_failures_held(engine) as failures:
+            with _read_failures_held(engine) as failures, _copy_back_held(engine, root / tag) as copy_failures:
                 path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                                  load_lr_scheduler_states=True,
                                                  load_module_strict=not has_frozen_parameters(engine))
             if failures:
                 raise failures[0]
+            if copy_failures:
+                swap = engine.optimizer.optimizer_swapper.swap_folder
+                raise UserError(f"{swap}: {durable.out_of_room(copy_failures[0])} while copying the optimizer's "
+                                f"swap files back from {root / tag / 'offloaded_tensors'}; the checkpoint is intact: "
+                                "free space there and rerun with --resume auto")
             if path is None:
                 raise UserError(f"{root / tag}: DeepSpeed could not load this checkpoint")
             if universal and engine.zero_optimization_partition_weights():
@@ -590,6 +600,31 @@ def _read_failures_held(engine) -> Iterator[list[Exception]]:
         yield failures
     finally:
         del engine._load_checkpoint, engine._load_zero_checkpoint  # the class's methods again
+
+
+@contextmanager
+def _copy_back_held(engine, folder: Path) -> Iterator[list[Exception]]:
+    """Inside, DeepSpeed's load under NVMe optimizer offload, which copies checkpoint folder `folder`'s
+    offloaded_tensors/rank<NN> back to the optimizer swapper's folder on the NVMe drive (`DeepSpeedEngine.
+    load_checkpoint`), holds that copy as its save holds its copy out to the checkpoint (`_copies_followed`): the
+    first file that runs out of room (a full drive) is recorded in the yielded list and nothing more is copied, nor
+    read back from the drive (the optimizer's `reset_swap_buffers`), so that the rank goes on through the load's
+    collectives where the others wait; the caller raises it. A copy that raised on one rank ended that rank alone,
+    with a shutil.Error of texts."""
+    failures: list[Exception] = []
+    optimizer = engine.optimizer
+    swapped_back = getattr(optimizer, "reset_swap_buffers", None)
+    own = "reset_swap_buffers" in getattr(optimizer, "__dict__", {})
+    if swapped_back is not None:
+        optimizer.reset_swap_buffers = _held(swapped_back, failures)
+    try:
+        with _copies_followed(folder, failures, [], out_of=True):
+            yield failures
+    finally:
+        if own:
+            optimizer.reset_swap_buffers = swapped_back
+        elif swapped_back is not None:
+            del optimizer.reset_swap_buffers  # the class's method again
 
 
 SCHEDULED = ("params", "lr", "initial_lr", "step")
