@@ -1,18 +1,19 @@
-"""Training's cross-entropy fused with the output projection (`llm.model.token_losses.linear_cross_entropy`, run by
-the model's `OutputHead`): logits that fit in one chunk are computed as they always were, bit for bit; more are made a
-chunk at a time and never kept, with the whole computation's loss and gradients (to rounding)."""
+"""Training's cross-entropy and DPO's and GRPO's log-probabilities fused with the output projection
+(`llm.model.token_losses.linear_cross_entropy` and `linear_token_logps`, run by the model's `OutputHead`): logits that
+fit in one chunk are computed as they always were, bit for bit; more are made a chunk at a time and never kept, with
+the whole computation's values and gradients (to rounding)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from saved_tensors import storages_kept_for_the_backward
 
-from llm.config import LoRAConfig, ModelConfig
+from llm.config import GRPOConfig, LoRAConfig, ModelConfig
 from llm.model import token_losses
 from llm.model.lora import apply_lora
-from llm.model.token_losses import linear_cross_entropy
+from llm.model.token_losses import linear_cross_entropy, linear_token_logps, token_logps
 from llm.model.transformer import Transformer, masked_cross_entropy
-from llm.train.objectives import CausalLMObjective, MicroStep, loss_bearing_tokens
+from llm.train.objectives import CausalLMObjective, DPOObjective, GRPOObjective, MicroStep, loss_bearing_tokens
 
 VOCAB = 97
 TOLERANCES = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-3}}
@@ -206,3 +207,128 @@ def _hidden(model, tokens):
     for i, layer in enumerate(model.layers):
         h = layer(h, model.rope_cos, model.rope_sin, None, i, None, None)
     return h
+
+
+def _logps_as_before(model, tokens, targets, temperature):
+    """The targets' log-probabilities as DPO and GRPO computed them before the fused head: the logits whole."""
+    return token_logps(model(tokens).logits, targets, temperature)
+
+
+def _weighted(logps):
+    """A loss that gives every position a gradient of its own, as DPO's and GRPO's do, of a mean's size."""
+    weights = torch.randn(logps.shape, generator=torch.Generator().manual_seed(2))
+    return (logps * weights).sum() / logps.numel()
+
+
+def _weighted_logps(model, tokens, targets):
+    return _weighted(model(tokens, targets, logps_temperature=0.7).token_logps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", MODELS)
+def test_token_logps_within_one_chunk_are_as_before_bit_for_bit(kind, dtype):
+    model = _model(dtype, **MODELS[kind]).train()
+    tokens, targets, _ = _batch()
+    got_logps = model(tokens, targets, logps_temperature=0.7).token_logps
+    assert torch.equal(got_logps, _logps_as_before(model, tokens, targets, 0.7))
+    got, got_grads = _loss_and_grads(model, lambda: _weighted_logps(model, tokens, targets))
+    expected, expected_grads = _loss_and_grads(model, lambda: _weighted(_logps_as_before(model, tokens, targets, 0.7)))
+    assert torch.equal(got, expected)
+    assert all(torch.equal(got_grads[name], expected_grads[name]) for name in expected_grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", MODELS)
+def test_token_logps_over_chunks_give_the_whole_computations_values_and_gradients(monkeypatch, kind, dtype):
+    model = _model(dtype, **MODELS[kind]).train()
+    tokens, targets, _ = _batch()
+    expected_logps = _logps_as_before(model, tokens, targets, 0.7).detach()
+    expected, expected_grads = _loss_and_grads(model, lambda: _weighted(_logps_as_before(model, tokens, targets, 0.7)))
+    monkeypatch.setattr(token_losses, "CHUNK_ELEMENTS", 5 * VOCAB)  # 5 positions a chunk; 3 x 13 = 39 positions
+    out = model(tokens, targets, logps_temperature=0.7)
+    assert out.logits is None and out.loss is None  # never made whole; no loss asked for
+    assert torch.allclose(out.token_logps, expected_logps, **TOLERANCES[dtype])
+    got, got_grads = _loss_and_grads(model, lambda: _weighted_logps(model, tokens, targets))
+    assert torch.allclose(got, expected, **TOLERANCES[dtype]), (got, expected)
+    for name, grad in expected_grads.items():
+        assert torch.allclose(got_grads[name].float(), grad.float(), **TOLERANCES[dtype]), name
+    with torch.no_grad():  # the reference model: values alone
+        assert torch.allclose(model(tokens, targets, logps_temperature=0.7).token_logps, expected_logps,
+                              **TOLERANCES[dtype])
+
+
+def test_the_token_logps_backward_keeps_no_logits(monkeypatch):
+    """What the log-probabilities keep for their backward is their inputs (the hidden states, which the head's matmul
+    keeps anyway, and the weight) and the targets; the whole computation kept the logits too."""
+    monkeypatch.setattr(token_losses, "CHUNK_ELEMENTS", 256 * 1000)
+    hidden = torch.randn(4, 1024, 64, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(1000, 64, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 1000, (4, 1024))
+    kept = sum(storages_kept_for_the_backward(lambda: linear_token_logps(hidden, weight, targets, 1.0)))
+    inputs = (hidden.numel() + weight.numel()) * hidden.element_size() + targets.numel() * targets.element_size()
+    assert kept <= inputs and inputs < 0.1 * hidden.shape[:-1].numel() * 1000 * hidden.element_size()
+
+
+def test_token_logps_train_a_frozen_head_and_pass_gradients_twice(monkeypatch):
+    """LoRA's frozen head: only the hidden states' gradient is made; a second backward of the same graph gives the
+    same gradient again."""
+    monkeypatch.setattr(token_losses, "CHUNK_ELEMENTS", 4 * VOCAB)
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(2, 7, 32), torch.randn(VOCAB, 32) * 0.3
+    targets = torch.randint(0, VOCAB, (2, 7))
+    grads = []
+    for fused in (True, False):
+        h = hidden.clone().requires_grad_()
+        logps = linear_token_logps(h, weight, targets, 1.3) if fused else token_logps(F.linear(h, weight), targets,
+                                                                                        1.3)
+        _weighted(logps).backward(retain_graph=True)
+        grads.append(h.grad.clone())
+        _weighted(logps).backward()
+        assert torch.equal(h.grad, 2 * grads[-1])
+    assert torch.allclose(*grads, **TOLERANCES[torch.float32])
+
+
+def _dpo_batch(tokens, targets):
+    rows = tokens.shape[0] // 2 * 2
+    mask = torch.zeros(tokens.shape)
+    mask[:, 4:] = 1
+    return {f"{side}_{key}": value[half] for side, half in (("chosen", slice(0, rows // 2)),
+                                                             ("rejected", slice(rows // 2, rows)))
+            for key, value in (("tokens", tokens), ("targets", targets), ("mask", mask))}
+
+
+def _grpo_batch(tokens, targets):
+    mask = torch.zeros(tokens.shape)
+    mask[:, 5:] = 1
+    advantages = torch.linspace(-1, 1, tokens.shape[0])
+    return {"tokens": tokens, "targets": targets, "mask": mask, "advantages": advantages,
+            "ref_logps": torch.full(tokens.shape, -4.0)}
+
+
+@pytest.mark.parametrize("objective", ["dpo", "grpo"])
+def test_dpo_and_grpo_over_chunks_give_the_whole_computations_loss_and_gradients(monkeypatch, objective):
+    model = _model().train()
+    reference = _model().eval()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    tokens, targets, _ = _batch(rows=4)
+    if objective == "dpo":
+        make, batch = DPOObjective(reference, beta=0.1), _dpo_batch(tokens, targets)
+    else:
+        make, batch = GRPOObjective(GRPOConfig(temperature=0.8)), _grpo_batch(tokens, targets)
+    steps = []
+
+    def loss():
+        steps.append(make(model, dict(batch)))
+        return steps[-1].loss
+
+    expected, expected_grads = _loss_and_grads(model, loss)
+    monkeypatch.setattr(token_losses, "CHUNK_ELEMENTS", 3 * VOCAB)
+    got, got_grads = _loss_and_grads(model, loss)
+    expected_metrics, got_metrics = (step.metrics for step in steps)
+    assert torch.allclose(got, expected, **TOLERANCES[torch.float32]), (got, expected)
+    for name, grad in expected_grads.items():
+        assert torch.allclose(got_grads[name], grad, **TOLERANCES[torch.float32]), name
+    for name, value in expected_metrics.items():
+        assert torch.allclose(got_metrics[name], value, **TOLERANCES[torch.float32]), name

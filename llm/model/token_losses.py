@@ -28,6 +28,11 @@ there) and only scaling them by the incoming gradient in the backward, this take
   during the forward of the loss.
 The gradients are made only where they are wanted: with grad mode on, for whichever of the hidden states and the
 weight requires one (LoRA's frozen head: the hidden states' only); evaluation computes the loss alone.
+
+DPO and GRPO want the log-probability of each target (`linear_token_logps`, which the output layer runs given targets
+and a temperature) and combine them into their loss afterwards, so the gradient reaching each position is known only
+in the backward: there each chunk's logits are made again from the kept hidden states and weight (one matmul more
+than the whole computation, no logits kept), and the weight's gradient is again summed in fp32.
 """
 
 from __future__ import annotations
@@ -140,26 +145,91 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, m
     per_token = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-    size = chunk_positions(weight.shape[0])
-    for start in range(0, hidden.shape[0], size):
-        rows = slice(start, start + size)
-        chunk, chunk_targets = hidden[rows], targets[rows].unsqueeze(-1)
-        logps = torch.log_softmax(F.linear(chunk, weight).float(), dim=-1)
+    for rows in _chunk_rows(hidden.shape[0], weight.shape[0]):
+        chunk, chunk_targets = hidden[rows], targets[rows, None]
+        logps = _chunk_logps(chunk, weight, 1.0)
         per_token[rows] = -logps.gather(-1, chunk_targets).squeeze(-1)
         if need_hidden or need_weight:
-            minus_one = torch.full(chunk_targets.shape, -1.0, device=logps.device)
-            grad = logps.exp_().scatter_add_(-1, chunk_targets, minus_one)
+            grad = _softmax_minus_one_hot(logps, chunk_targets)
             grad = (grad if mask is None else grad.mul_(mask[rows].unsqueeze(-1))).to(hidden.dtype)
-            if need_hidden:
-                torch.mm(grad, weight, out=grad_hidden[rows])
-            if need_weight:  # summed over the chunks in fp32
-                if grad_weight.dtype == grad.dtype:
-                    grad_weight.addmm_(grad.t(), chunk)
-                else:
-                    grad_weight += grad.t() @ chunk
+            _add_chunk_gradients(grad, chunk, weight, rows, grad_hidden, grad_weight)
             del grad
         del logps  # before the next chunk's logits: one chunk's at a time
     loss = per_token.mean() if mask is None else (per_token * mask).sum() / total
     if grad_weight is not None and weight.dtype != torch.float16:
         grad_weight = grad_weight.to(weight.dtype)
     return loss, grad_hidden, grad_weight
+
+
+def _chunk_logps(chunk: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax in fp32 of one chunk's logits at `temperature`, as `token_logps` computes it from the logits."""
+    logits = F.linear(chunk, weight).float()
+    return torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+
+
+def linear_token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                       temperature: float = 1.0) -> torch.Tensor:
+    """log p(target) at every position `[...]`, in fp32, of softmax(F.linear(hidden, weight) / temperature)
+    (`hidden` `[..., dim]`, `weight` `[vocab, dim]`), a chunk of positions at a time: the logits are never whole, and
+    the backward makes each chunk's again (see the module docstring)."""
+    shape = targets.shape
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearTokenLogps.apply(hidden, weight, targets, temperature).reshape(shape)
+    logps = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+    for rows in _chunk_rows(hidden.shape[0], weight.shape[0]):
+        logps[rows] = _chunk_logps(hidden[rows], weight, temperature).gather(-1, targets[rows, None]).squeeze(-1)
+    return logps.reshape(shape)
+
+
+def _chunk_rows(positions: int, vocab: int) -> list[slice]:
+    size = chunk_positions(vocab)
+    return [slice(start, start + size) for start in range(0, positions, size)]
+
+
+class _LinearTokenLogps(torch.autograd.Function):
+    """`linear_token_logps` keeping the hidden states and the weight, each chunk's logits made again in the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature):
+        with torch.no_grad():
+            logps = linear_token_logps(hidden, weight, targets, temperature)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.temperature = temperature
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad_logps):
+        """d log p(t) / d logits = (one_hot(t) - softmax) / T, times the incoming gradient of each position."""
+        hidden, weight, targets = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        scale = grad_logps.float() / -ctx.temperature
+        for rows in _chunk_rows(hidden.shape[0], weight.shape[0]):
+            chunk, chunk_targets = hidden[rows], targets[rows, None]
+            grad = _softmax_minus_one_hot(_chunk_logps(chunk, weight, ctx.temperature), chunk_targets)
+            _add_chunk_gradients(grad.mul_(scale[rows, None]).to(hidden.dtype), chunk, weight, rows, grad_hidden,
+                                 grad_weight)
+            del grad  # before the next chunk's logits: one chunk's at a time
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
+
+
+def _softmax_minus_one_hot(logps: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """softmax - one_hot(targets) of a chunk's log-softmax `[n, vocab]` (`targets` `[n, 1]`), made in its place: the
+    gradient of -log p(target) for the chunk's logits."""
+    minus_one = torch.full(targets.shape, -1.0, device=logps.device)
+    return logps.exp_().scatter_add_(-1, targets, minus_one)
+
+
+def _add_chunk_gradients(grad_logits: torch.Tensor, chunk: torch.Tensor, weight: torch.Tensor, rows: slice,
+                         grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None) -> None:
+    """From a chunk's logits' gradient (in the hidden states' dtype): its rows of the hidden states' gradient, and
+    its share of the weight's, summed into `grad_weight` (fp32 for a bf16 or fp16 weight)."""
+    if grad_hidden is not None:
+        torch.mm(grad_logits, weight, out=grad_hidden[rows])
+    if grad_weight is not None:
+        if grad_weight.dtype == grad_logits.dtype:
+            grad_weight.addmm_(grad_logits.t(), chunk)
+        else:
+            grad_weight += grad_logits.t() @ chunk

@@ -19,7 +19,7 @@ from llm.config import ModelConfig
 from llm.model.kv_cache import KVCache
 from llm.model.moe import MoEFeedForward
 from llm.model.rope import rope_tables, segment_positions
-from llm.model.token_losses import chunk_positions, cross_entropy, linear_cross_entropy
+from llm.model.token_losses import chunk_positions, cross_entropy, linear_cross_entropy, linear_token_logps, token_logps
 
 
 class RMSNorm(nn.Module):
@@ -120,20 +120,26 @@ class Packed(NamedTuple):
 
 class OutputHead(nn.Linear):
     """The output projection `[..., dim] -> [..., vocab]` (an `nn.Linear`: its weight is `output.weight`, tied to the
-    embedding or not). Given targets, its forward returns the loss as well: the loss is computed inside the head's
-    forward because that is where ZeRO-3 gathers the weight (DeepSpeed's hooks around a module's forward)."""
+    embedding or not). Given targets, its forward returns their loss, or their log-probabilities, as well: computed
+    inside the head's forward because that is where ZeRO-3 gathers the weight (DeepSpeed's hooks around a module's
+    forward)."""
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
-                loss_mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                temperature: float | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """The logits; given `targets`, (mean cross-entropy over the targets whose `loss_mask` is 1, the logits or
+        None), or with a `temperature` (log p(target) at every position at that temperature, in fp32, the logits or
         None). Logits that fit in one chunk (`llm.model.token_losses.CHUNK_ELEMENTS`, as the demo's and most CPU
-        runs' do) are made as ever and returned with their loss; more are never made whole (`linear_cross_entropy`),
-        so training holds one chunk of them at a time, and None stands in their place."""
+        runs' do) are made as ever and returned with their loss; more are never made whole (`linear_cross_entropy`,
+        `linear_token_logps`), so training holds one chunk of them at a time, and None stands in their place."""
         if targets is None:
             return super().forward(x)
         if x.shape[:-1].numel() <= chunk_positions(self.out_features):
             logits = super().forward(x)
+            if temperature is not None:
+                return token_logps(logits, targets, temperature), logits
             return masked_cross_entropy(logits, targets, loss_mask), logits
+        if temperature is not None:
+            return linear_token_logps(x, self.weight, targets, temperature), None
         return linear_cross_entropy(x, self.weight, targets, loss_mask), None
 
 
@@ -144,6 +150,7 @@ class ModelOutput(NamedTuple):
     loss: torch.Tensor | None = None  # mean cross-entropy over targets whose loss mask is 1, plus aux_loss
     aux_loss: torch.Tensor | None = None  # MoE load-balancing loss (already weighted); None for a dense model
     ce_loss: torch.Tensor | None = None  # the mean cross-entropy alone: loss without aux_loss
+    token_logps: torch.Tensor | None = None  # given targets and logps_temperature: log p(target) per position, fp32
 
 
 ROPE_EAGER_POSITIONS = 32768
@@ -199,14 +206,16 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None, cache: KVCache | None = None,
                 last_only: bool = False, segment_ids: torch.Tensor | None = None,
-                token_mask: torch.Tensor | None = None) -> ModelOutput:
+                token_mask: torch.Tensor | None = None, logps_temperature: float | None = None) -> ModelOutput:
         """Logits; given targets, the loss too, computed inside the output layer so that training never holds all
         the logits (which are then None unless they fit in one chunk: `OutputHead`). With a `cache`, `tokens`
         continue the cached sequence; `last_only` computes the logits of the last position only (generation);
         `segment_ids` `[batch, seq]` marks samples packed into one row (each sees only itself, with positions from 0;
         0 is padding).
         `token_mask` `[batch, seq]` is 1 on real tokens and 0 on padding (default: segment id > 0, else every
-        position); only an MoE model's load-balancing loss reads it."""
+        position); only an MoE model's load-balancing loss reads it. Given targets and `logps_temperature`, the
+        output is the targets' log-probabilities at that temperature (`token_logps`, for DPO and GRPO) instead of
+        their loss, made as the loss is (`OutputHead`)."""
         end = tokens.shape[1] + (cache.length if cache else 0)
         if end > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
@@ -225,6 +234,9 @@ class Transformer(nn.Module):
         aux_loss = sum(layer.feed_forward.aux_loss for layer in self.layers) if self.cfg.moe else None
         if targets is None:
             return ModelOutput(logits=self.output(self.norm(h)), aux_loss=aux_loss)
+        if logps_temperature is not None:
+            logps, logits = self.output(self.norm(h), targets, temperature=logps_temperature)
+            return ModelOutput(logits=logits, aux_loss=aux_loss, token_logps=logps)
         ce_loss, logits = self.output(self.norm(h), targets, loss_mask)
         loss = ce_loss if aux_loss is None else ce_loss + aux_loss
         return ModelOutput(logits=logits, loss=loss, aux_loss=aux_loss, ce_loss=ce_loss)

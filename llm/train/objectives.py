@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from llm.config import GRPOConfig
-from llm.model.token_losses import forward_kl, token_logps
+from llm.model.token_losses import forward_kl
 from llm.model.transformer import masked_cross_entropy
 
 
@@ -68,11 +68,6 @@ def real_tokens(mask: torch.Tensor) -> torch.Tensor:
     return mask.flip(-1).float().cummax(-1).values.flip(-1)
 
 
-def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sum over masked positions of log p(target), per row, in fp32."""
-    return (token_logps(logits, targets) * mask).sum(-1)
-
-
 class DPOObjective:
     """Direct Preference Optimization (Rafailov et al., 2023), or IPO (Azar et al., 2023) with loss='ipo'.
 
@@ -86,9 +81,10 @@ class DPOObjective:
         self.reference, self.beta, self.loss, self.sft_weight = reference, beta, loss, sft_weight
 
     def _pair_logps(self, model, tokens, targets, mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(chosen, rejected) summed log-probabilities, and the model's load-balancing loss (MoE)."""
-        out = model(tokens, token_mask=real_tokens(mask))
-        return *sequence_logps(out.logits, targets, mask).chunk(2), out.aux_loss
+        """(chosen, rejected) log-probabilities summed over the masked positions of each row, in fp32, and the
+        model's load-balancing loss (MoE)."""
+        out = model(tokens, targets, token_mask=real_tokens(mask), logps_temperature=1.0)
+        return *(out.token_logps * mask).sum(-1).chunk(2), out.aux_loss
 
     def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
         tokens, targets, mask = (torch.cat([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])
@@ -140,8 +136,8 @@ class GRPOObjective:
 
     def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
         g, mask = self.g, batch["mask"].float()
-        out = engine(batch["tokens"], token_mask=real_tokens(mask))
-        logps = token_logps(out.logits, batch["targets"], g.temperature)
+        out = engine(batch["tokens"], batch["targets"], token_mask=real_tokens(mask), logps_temperature=g.temperature)
+        logps = out.token_logps
         old_logps = batch.setdefault("old_logps", logps.detach())
         ratio = torch.exp(logps - old_logps)
         advantages = batch["advantages"].unsqueeze(-1)

@@ -40,7 +40,6 @@ from llm.infer.sampling import SamplingParams
 from llm.model import Transformer
 from llm.model.from_weights import model_to_fill
 from llm.model.lora import apply_lora
-from llm.model.token_losses import token_logps
 from llm.runtime.distributed import DistInfo, agreed
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.engine import full_parameters
@@ -198,8 +197,8 @@ class Rollouts:
                  "advantages": advantages.to(device)}
         if self.reference is not None:
             with torch.no_grad():
-                logits = self.reference(batch["tokens"]).logits
-                batch["ref_logps"] = token_logps(logits, batch["targets"], self.cfg.grpo.temperature)
+                batch["ref_logps"] = self.reference(batch["tokens"], batch["targets"],
+                                                    logps_temperature=self.cfg.grpo.temperature).token_logps
         return batch
 
     def step_batches(self, draw: Callable[[], list[Prompt]], step: int) -> StepBatches:
