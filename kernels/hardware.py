@@ -49,8 +49,9 @@ _PEAKS: list[tuple[str, float, float]] = [
     (r"3090", 71.0, 35.6),
 ]
 
-# largest dynamic shared memory one block may use, bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin)
-SHARED_MEMORY_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+# largest dynamic shared memory one block may use, bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin): Ampere A100,
+# other Ampere, Ada, Hopper, data-centre Blackwell (B200, GB200), consumer Blackwell (RTX 50)
+SHARED_MEMORY_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
 
 
 def peak_tflops(device_name: str, dtype: torch.dtype) -> float:

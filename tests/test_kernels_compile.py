@@ -1,4 +1,5 @@
-"""The compile check (`python -m kernels.compile_check`): Triton kernels compiled for sm_80, sm_86, sm_90 on a CPU.
+"""The compile check (`python -m kernels.compile_check`): Triton kernels compiled for sm_80, sm_86, sm_90 (and
+Blackwell's sm_100, sm_120) on a CPU.
 
 Each test runs it in its own process: compiling needs Triton in compiled mode, and this pytest process runs
 Triton's interpreter (tests/test_kernels.py sets it up; see kernels.runtime).
@@ -33,6 +34,17 @@ def test_quick_compile_check_passes_for_each_tile_family_with_every_kernel():
     # the default attention kernels' first tiles keep everything in registers (only the atomic-dQ option spills)
     assert all(row[-4] == "0/0" for row in rows if row[1] in ("attn_fwd", "attn_bwd_kv", "attn_bwd_q")), rows
     assert "0 failed" in result.stdout.splitlines()[-1]
+
+
+def test_blackwell_compiles_with_the_tiles_of_its_family():
+    """sm_100 (B200: 227 KiB of shared memory a block, Hopper's tiles) and sm_120 (RTX 50: 99 KiB, sm_86's)."""
+    result = _run("--arch", "100,120", "--kernel", "attn_bwd_delta", "--kernel", "rmsnorm_bwd", "--quick",
+                  "--jobs", "1")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = [line.split() for line in result.stdout.splitlines()[1:-1]]
+    assert {(row[0], row[1]) for row in rows} == {(f"sm_{arch}", kernel) for arch in (100, 120)
+                                                  for kernel in ("attn_bwd_delta", "rmsnorm_bwd")}
+    assert all(row[-1] == "ok" for row in rows), rows
 
 
 def test_compile_error_and_shared_memory_over_the_limit_fail_the_check(tmp_path):
