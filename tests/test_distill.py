@@ -20,9 +20,8 @@ from llm.data.prepare import prepare
 from llm.data.prepared import read_data_attrs
 from llm.errors import UserError
 from llm.loading import consolidated_weights
-from llm.model.transformer import masked_cross_entropy
+from llm.model.token_losses import distillation_loss, masked_cross_entropy
 from llm.tokenizer import train_tokenizer
-from llm.train.objectives import distillation_loss
 from llm.train.teacher import check_teacher
 
 STUDENT = ["model.dim=32", "model.n_layers=1", "train.precision=fp32"]

@@ -1,7 +1,7 @@
-"""Training's cross-entropy and DPO's and GRPO's log-probabilities fused with the output projection
-(`llm.model.token_losses.linear_cross_entropy` and `linear_token_logps`, run by the model's `OutputHead`): logits that
-fit in one chunk are computed as they always were, bit for bit; more are made a chunk at a time and never kept, with
-the whole computation's values and gradients (to rounding)."""
+"""Training's cross-entropy, DPO's and GRPO's log-probabilities and distillation's loss fused with the output
+projection (`llm.model.token_losses.linear_cross_entropy`, `linear_token_logps` and `linear_distillation`, run by the
+model's `OutputHead`): logits that fit in one chunk are computed as they always were, bit for bit; more are made a
+chunk at a time and never kept, with the whole computation's values and gradients (to rounding)."""
 
 import pytest
 import torch
@@ -11,8 +11,16 @@ from saved_tensors import storages_kept_for_the_backward
 from llm.config import GRPOConfig, LoRAConfig, ModelConfig
 from llm.model import token_losses
 from llm.model.lora import apply_lora
-from llm.model.token_losses import linear_cross_entropy, linear_token_logps, token_logps
-from llm.model.transformer import Transformer, masked_cross_entropy
+from llm.model.token_losses import (
+    Distillation,
+    distillation_loss,
+    linear_cross_entropy,
+    linear_distillation,
+    linear_token_logps,
+    masked_cross_entropy,
+    token_logps,
+)
+from llm.model.transformer import Transformer
 from llm.train.objectives import CausalLMObjective, DPOObjective, GRPOObjective, MicroStep, loss_bearing_tokens
 
 VOCAB = 97
@@ -332,3 +340,77 @@ def test_dpo_and_grpo_over_chunks_give_the_whole_computations_loss_and_gradients
         assert torch.allclose(got_grads[name], grad, **TOLERANCES[torch.float32]), name
     for name, value in expected_metrics.items():
         assert torch.allclose(got_metrics[name], value, **TOLERANCES[torch.float32]), name
+
+
+def _teacher(dtype=torch.float32) -> Transformer:
+    """A teacher of another width and depth than `_model`'s student, with the same vocabulary."""
+    torch.manual_seed(3)
+    cfg = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=64, init_std=0.1)
+    return Transformer(cfg).to(dtype).eval()
+
+
+def _distill(model, teacher, tokens, targets, mask):
+    """The student's (loss, ce, kl) as the distillation objective computes them: the teacher's hidden states and
+    output weight given to the student's output layer."""
+    with torch.no_grad():
+        hidden = teacher(tokens, hidden_only=True).hidden
+    out = model(tokens, targets, mask, distill=Distillation(hidden, teacher.output.weight.detach(), 0.3, 2.0))
+    assert out.loss is out.distill_loss or torch.equal(out.loss, out.distill_loss + out.aux_loss)
+    return out.distill_loss, out.ce_loss, out.distill_kl
+
+
+def _distill_as_before(model, teacher, tokens, targets, mask):
+    """As it was computed before the fused head: both models' logits whole."""
+    with torch.no_grad():
+        teacher_logits = teacher(tokens).logits
+    return distillation_loss(model(tokens).logits, teacher_logits, targets, mask, 0.3, 2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", MODELS)
+def test_distillation_within_one_chunk_is_as_before_bit_for_bit(kind, dtype):
+    model, teacher = _model(dtype, **MODELS[kind]).train(), _teacher(dtype)
+    tokens, targets, mask = _batch()
+    got, got_grads = _loss_and_grads(model, lambda: _distill(model, teacher, tokens, targets, mask)[0])
+    expected, expected_grads = _loss_and_grads(model, lambda: _distill_as_before(model, teacher, tokens, targets,
+                                                                                   mask)[0])
+    assert torch.equal(got, expected)
+    assert all(torch.equal(got_grads[name], expected_grads[name]) for name in expected_grads)
+    for value, before in zip(_distill(model, teacher, tokens, targets, mask)[1:],
+                             _distill_as_before(model, teacher, tokens, targets, mask)[1:], strict=True):
+        assert torch.equal(value, before)  # ce and kl, the logged metrics
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [True, False], ids=["loss mask", "no mask"])
+@pytest.mark.parametrize("kind", MODELS)
+def test_distillation_over_chunks_gives_the_whole_computations_loss_and_gradients(monkeypatch, kind, masked, dtype):
+    model, teacher = _model(dtype, **MODELS[kind]).train(), _teacher(dtype)
+    tokens, targets, mask = _batch(masked=masked)
+    expected, expected_grads = _loss_and_grads(model, lambda: _distill_as_before(model, teacher, tokens, targets,
+                                                                                   mask)[0])
+    expected_metrics = [value.detach() for value in _distill_as_before(model, teacher, tokens, targets, mask)[1:]]
+    monkeypatch.setattr(token_losses, "CHUNK_ELEMENTS", 5 * VOCAB)  # 5 positions a chunk; 3 x 13 = 39 positions
+    with torch.no_grad():
+        hidden = teacher(tokens, hidden_only=True).hidden
+    assert model(tokens, targets, mask, distill=Distillation(hidden, teacher.output.weight, 0.3, 2.0)).logits is None
+    got, got_grads = _loss_and_grads(model, lambda: _distill(model, teacher, tokens, targets, mask)[0])
+    assert torch.allclose(got, expected, **TOLERANCES[dtype]), (got, expected)
+    for name, grad in expected_grads.items():
+        assert torch.allclose(got_grads[name].float(), grad.float(), **TOLERANCES[dtype]), name
+    for value, before in zip(_distill(model, teacher, tokens, targets, mask)[1:], expected_metrics, strict=True):
+        assert not value.requires_grad and torch.allclose(value, before, **TOLERANCES[dtype])
+
+
+def test_the_distillation_backward_keeps_gradients_of_the_inputs_and_no_logits(monkeypatch):
+    """As the cross-entropy's: a gradient the size of the hidden states and one the size of the weight; the whole
+    computation kept the student's logits and the teacher's."""
+    monkeypatch.setattr(token_losses, "CHUNK_ELEMENTS", 256 * 1000)
+    hidden = torch.randn(4, 1024, 64, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(1000, 64, dtype=torch.bfloat16, requires_grad=True)
+    teacher = Distillation(torch.randn(4, 1024, 96, dtype=torch.bfloat16), torch.randn(1000, 96, dtype=torch.bfloat16),
+                           0.5, 2.0)
+    targets = torch.randint(0, 1000, (4, 1024))
+    kept = sum(storages_kept_for_the_backward(lambda: linear_distillation(hidden, weight, teacher, targets, None)))
+    gradients = (hidden.numel() + weight.numel()) * hidden.element_size()
+    assert kept <= gradients + 4 and gradients < 0.1 * hidden.shape[:-1].numel() * 1000 * hidden.element_size()

@@ -7,9 +7,7 @@ import torch.nn.functional as F
 from saved_tensors import storages_kept_for_the_backward
 
 from llm.model import token_losses
-from llm.model.token_losses import token_logps
-from llm.model.transformer import masked_cross_entropy
-from llm.train.objectives import distillation_loss
+from llm.model.token_losses import distillation_loss, masked_cross_entropy, token_logps
 
 
 def _whole_cross_entropy(logits, targets, mask, teacher=None):

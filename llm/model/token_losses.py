@@ -37,7 +37,9 @@ than the whole computation, no logits kept), and the weight's gradient is again 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +101,18 @@ def forward_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tempe
     return per_position(kl, student_logits, teacher_logits)
 
 
+def _mask_and_total(targets: torch.Tensor, loss_mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the loss mask flat in fp32 or None, the count of loss-bearing positions in fp32, at least 1)."""
+    if loss_mask is None:
+        return None, torch.full((), targets.numel(), dtype=torch.float32, device=targets.device)
+    mask = loss_mask.reshape(-1).to(torch.float32)
+    return mask, mask.sum().clamp(min=1.0)
+
+
+def _masked_mean(per_token: torch.Tensor, mask: torch.Tensor | None, total: torch.Tensor) -> torch.Tensor:
+    return per_token.mean() if mask is None else (per_token * mask).sum() / total
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          loss_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean cross-entropy in fp32 of the logits `F.linear(hidden, weight)` (`hidden` `[..., dim]`, `weight`
@@ -106,45 +120,89 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     chunk of positions at a time and never kept: neither the logits nor their gradient exist whole, in the forward
     or in the backward (see the module docstring)."""
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    if loss_mask is None:
-        mask, total = None, torch.full((), targets.numel(), dtype=torch.float32, device=targets.device)
-    else:
-        mask = loss_mask.reshape(-1).to(torch.float32)
-        total = mask.sum().clamp(min=1.0)
+    mask, total = _mask_and_total(targets, loss_mask)
+    return _gradients_in_forward(hidden, weight, total, functools.partial(_cross_entropy_chunks, hidden, weight,
+                                                                          targets, mask, total))[0]
+
+
+class Distillation(NamedTuple):
+    """What distillation gives the student's output layer (`linear_distillation`): the teacher's side of the KL."""
+
+    teacher_hidden: torch.Tensor
+    """`[..., teacher dim]`: the teacher's final hidden states, normalised (its output layer's input)."""
+    teacher_weight: torch.Tensor
+    """`[vocab, teacher dim]`: the teacher's output weight (gathered under ZeRO-3), frozen."""
+    alpha: float
+    temperature: float
+
+
+def linear_distillation(hidden: torch.Tensor, weight: torch.Tensor, distill: Distillation, targets: torch.Tensor,
+                        loss_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`distillation_loss` of the student's logits `F.linear(hidden, weight)` and the teacher's
+    `F.linear(distill.teacher_hidden, distill.teacher_weight)`, made a chunk of positions at a time with the
+    gradients in the forward, as `linear_cross_entropy` (the loss is a mean over the masked positions, known there):
+    neither model's logits exist whole. Returns (loss, ce, kl); only the loss has a gradient."""
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    teacher = distill._replace(teacher_hidden=distill.teacher_hidden.reshape(-1, distill.teacher_hidden.shape[-1]))
+    mask, total = _mask_and_total(targets, loss_mask)
+    return _gradients_in_forward(hidden, weight, total, functools.partial(_distillation_chunks, hidden, weight,
+                                                                          teacher, targets, mask, total))
+
+
+def _gradients_in_forward(hidden: torch.Tensor, weight: torch.Tensor, total: torch.Tensor,
+                          chunks: Callable[[bool, bool], tuple]) -> tuple[torch.Tensor, ...]:
+    """(loss, *metrics) of `chunks(need_hidden, need_weight)`, which returns them with the gradients of the loss times
+    `total` for `hidden` and `weight` (None where not needed), through `_GradientsInForward` where a gradient is
+    wanted."""
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(hidden, weight, targets, mask, total)
-    return _chunks(hidden, weight, targets, mask, total, False, False)[0]
+        return _GradientsInForward.apply(hidden, weight, total, chunks)
+    loss, metrics, _, _ = chunks(False, False)
+    return loss, *metrics
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    """`linear_cross_entropy` with its gradients computed in the forward and scaled in the backward."""
+class _GradientsInForward(torch.autograd.Function):
+    """A loss over chunks of `F.linear(hidden, weight)` whose gradients its `chunks` computes in the forward; the
+    backward only scales them. Its other outputs are metrics, without gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, mask, total):
-        loss, grad_hidden, grad_weight = _chunks(hidden, weight, targets, mask, total, *ctx.needs_input_grad[:2])
+    def forward(ctx, hidden, weight, total, chunks):
+        loss, metrics, grad_hidden, grad_weight = chunks(*ctx.needs_input_grad[:2])
         ctx.save_for_backward(grad_hidden, grad_weight, total)
         ctx.weight_dtype = weight.dtype
-        return loss
+        ctx.mark_non_differentiable(*metrics)
+        return loss, *metrics
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, *metrics_grads):
         """The saved gradients are of the masked sum, not the mean: divided by the token count here, with the
         incoming gradient (under fp16, the loss scale), never alone, which in fp16 would flush most to zero."""
         grad_hidden, grad_weight, total = ctx.saved_tensors  # not scaled in place: a second backward finds them
         factor = grad_loss / total
         return (None if grad_hidden is None else grad_hidden * factor.to(grad_hidden.dtype),
-                None if grad_weight is None else (grad_weight * factor).to(ctx.weight_dtype), None, None, None)
+                None if grad_weight is None else (grad_weight * factor).to(ctx.weight_dtype), None, None)
 
 
-def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None,
-            total: torch.Tensor, need_hidden: bool, need_weight: bool):
-    """(loss, gradient of the masked sum of the positions' losses (the loss times `total`) for `hidden` `[n, dim]`
-    or None, and for `weight` (fp32 for an fp16 weight, whose range the sum over positions may exceed) or None), one
-    chunk of logits at a time. A position's loss is F.cross_entropy's, -log_softmax at its target; the gradient of its
-    logits, (softmax - one_hot(target)) * mask, is made in place of that chunk's log-softmax."""
+def _gradient_buffers(hidden: torch.Tensor, weight: torch.Tensor, need_hidden: bool,
+                      need_weight: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Where the chunks put their gradients: the hidden states' (their dtype), the weight's (summed in fp32)."""
+    return (torch.empty_like(hidden) if need_hidden else None,
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None)
+
+
+def _weight_gradient(grad_weight: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight's summed gradient in the weight's dtype, but fp32 for an fp16 weight, whose range a sum over the
+    positions may exceed before the backward divides it by their count."""
+    return grad_weight if grad_weight is None or weight.dtype == torch.float16 else grad_weight.to(weight.dtype)
+
+
+def _cross_entropy_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          mask: torch.Tensor | None, total: torch.Tensor, need_hidden: bool, need_weight: bool):
+    """(loss, no metrics, gradient of the masked sum of the positions' losses (the loss times `total`) for `hidden`
+    `[n, dim]` or None, and for `weight` (`_weight_gradient`) or None), one chunk of logits at a time. A position's
+    loss is F.cross_entropy's, -log_softmax at its target; the gradient of its logits, (softmax - one_hot(target)) *
+    mask, is made in place of that chunk's log-softmax."""
     per_token = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
-    grad_hidden = torch.empty_like(hidden) if need_hidden else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+    grad_hidden, grad_weight = _gradient_buffers(hidden, weight, need_hidden, need_weight)
     for rows in _chunk_rows(hidden.shape[0], weight.shape[0]):
         chunk, chunk_targets = hidden[rows], targets[rows, None]
         logps = _chunk_logps(chunk, weight, 1.0)
@@ -155,10 +213,66 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, m
             _add_chunk_gradients(grad, chunk, weight, rows, grad_hidden, grad_weight)
             del grad
         del logps  # before the next chunk's logits: one chunk's at a time
-    loss = per_token.mean() if mask is None else (per_token * mask).sum() / total
-    if grad_weight is not None and weight.dtype != torch.float16:
-        grad_weight = grad_weight.to(weight.dtype)
-    return loss, grad_hidden, grad_weight
+    return _masked_mean(per_token, mask, total), (), grad_hidden, _weight_gradient(grad_weight, weight)
+
+
+def _distillation_chunks(hidden: torch.Tensor, weight: torch.Tensor, teacher: Distillation, targets: torch.Tensor,
+                         mask: torch.Tensor | None, total: torch.Tensor, need_hidden: bool, need_weight: bool):
+    """(loss, (ce, kl), gradients as `_cross_entropy_chunks`'s) of `distillation_loss`, one chunk of positions at a
+    time. The gradient of a position's logits z, for the teacher's t at temperature T, is
+    (1 - alpha) (softmax(z) - one_hot(target)) + alpha T (softmax(z / T) - softmax(t / T))."""
+    alpha, temperature = teacher.alpha, teacher.temperature
+    per_ce = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+    per_kl = torch.empty_like(per_ce)
+    grad_hidden, grad_weight = _gradient_buffers(hidden, weight, need_hidden, need_weight)
+    for rows in _chunk_rows(hidden.shape[0], weight.shape[0]):
+        chunk, chunk_targets = hidden[rows], targets[rows, None]
+        logps = _chunk_logps(chunk, weight, 1.0)
+        softened = logps if temperature == 1.0 else _chunk_logps(chunk, weight, temperature)
+        teacher_logps = _chunk_logps(teacher.teacher_hidden[rows], teacher.teacher_weight, temperature)
+        per_ce[rows] = -logps.gather(-1, chunk_targets).squeeze(-1)
+        per_kl[rows] = F.kl_div(softened, teacher_logps, log_target=True, reduction="none").sum(-1)
+        if need_hidden or need_weight:
+            towards_teacher = softened.exp().sub_(teacher_logps.exp_()).mul_(alpha * temperature)
+            grad = _softmax_minus_one_hot(logps, chunk_targets).mul_(1 - alpha).add_(towards_teacher)
+            del towards_teacher
+            grad = (grad if mask is None else grad.mul_(mask[rows].unsqueeze(-1))).to(hidden.dtype)
+            _add_chunk_gradients(grad, chunk, weight, rows, grad_hidden, grad_weight)
+            del grad
+        del logps, softened, teacher_logps  # before the next chunk's logits: one chunk's at a time
+    ce, kl = _masked_mean(per_ce, mask, total), _masked_mean(per_kl, mask, total)
+    loss = (1 - alpha) * ce + alpha * temperature ** 2 * kl
+    return loss, (ce, kl), grad_hidden, _weight_gradient(grad_weight, weight)
+
+
+def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean token cross-entropy in fp32 over positions where loss_mask is 1 (all positions without a mask), a chunk
+    of positions at a time."""
+    per_token = cross_entropy(logits, targets).reshape(-1)
+    if loss_mask is None:
+        return per_token.mean()
+    mask = loss_mask.reshape(-1).to(per_token.dtype)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
+                      loss_mask: torch.Tensor | None, alpha: float,
+                      temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, ce, kl) of knowledge distillation (Hinton et al., 2015), in fp32, each a mean over the positions whose
+    loss mask is 1 (all without a mask):
+
+        loss = (1 - alpha) * CE(student, targets) + alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T))
+
+    The forward KL sums over the whole vocabulary; T^2 keeps its gradients the size of the cross-entropy's as T
+    grows (the softened distributions' gradients shrink by 1/T^2)."""
+    ce = masked_cross_entropy(student_logits, targets, loss_mask)
+    per_token = forward_kl(student_logits, teacher_logits, temperature)
+    if loss_mask is None:
+        kl = per_token.mean()
+    else:
+        mask = loss_mask.to(per_token.dtype)
+        kl = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    return (1 - alpha) * ce + alpha * temperature ** 2 * kl, ce, kl
 
 
 def _chunk_logps(chunk: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:

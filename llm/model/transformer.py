@@ -13,13 +13,23 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import kernels
 from llm.config import ModelConfig
 from llm.model.kv_cache import KVCache
 from llm.model.moe import MoEFeedForward
 from llm.model.rope import rope_tables, segment_positions
-from llm.model.token_losses import chunk_positions, cross_entropy, linear_cross_entropy, linear_token_logps, token_logps
+from llm.model.token_losses import (
+    Distillation,
+    chunk_positions,
+    distillation_loss,
+    linear_cross_entropy,
+    linear_distillation,
+    linear_token_logps,
+    masked_cross_entropy,
+    token_logps,
+)
 
 
 class RMSNorm(nn.Module):
@@ -125,21 +135,29 @@ class OutputHead(nn.Linear):
     forward)."""
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                temperature: float | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+                temperature: float | None = None, distill: Distillation | None = None):
         """The logits; given `targets`, (mean cross-entropy over the targets whose `loss_mask` is 1, the logits or
-        None), or with a `temperature` (log p(target) at every position at that temperature, in fp32, the logits or
-        None). Logits that fit in one chunk (`llm.model.token_losses.CHUNK_ELEMENTS`, as the demo's and most CPU
-        runs' do) are made as ever and returned with their loss; more are never made whole (`linear_cross_entropy`,
-        `linear_token_logps`), so training holds one chunk of them at a time, and None stands in their place."""
+        None); or with a `temperature`, (log p(target) at every position at that temperature, in fp32, the logits or
+        None); or with `distill`, ((distillation loss, cross-entropy, KL) over the targets whose `loss_mask` is 1,
+        the logits or None). Logits that fit in one chunk (`llm.model.token_losses.CHUNK_ELEMENTS`, as the demo's
+        and most CPU runs' do) are made as ever and returned with their loss; more are never made whole
+        (`linear_cross_entropy`, `linear_token_logps`, `linear_distillation`), so training holds one chunk of them
+        at a time, and None stands in their place."""
         if targets is None:
             return super().forward(x)
         if x.shape[:-1].numel() <= chunk_positions(self.out_features):
             logits = super().forward(x)
             if temperature is not None:
                 return token_logps(logits, targets, temperature), logits
+            if distill is not None:
+                teacher_logits = F.linear(distill.teacher_hidden, distill.teacher_weight)
+                return distillation_loss(logits, teacher_logits, targets, loss_mask, distill.alpha,
+                                         distill.temperature), logits
             return masked_cross_entropy(logits, targets, loss_mask), logits
         if temperature is not None:
             return linear_token_logps(x, self.weight, targets, temperature), None
+        if distill is not None:
+            return linear_distillation(x, self.weight, distill, targets, loss_mask), None
         return linear_cross_entropy(x, self.weight, targets, loss_mask), None
 
 
@@ -151,6 +169,9 @@ class ModelOutput(NamedTuple):
     aux_loss: torch.Tensor | None = None  # MoE load-balancing loss (already weighted); None for a dense model
     ce_loss: torch.Tensor | None = None  # the mean cross-entropy alone: loss without aux_loss
     token_logps: torch.Tensor | None = None  # given targets and logps_temperature: log p(target) per position, fp32
+    distill_loss: torch.Tensor | None = None  # given targets and distill: the distillation loss alone (ce_loss: its CE)
+    distill_kl: torch.Tensor | None = None  # given targets and distill: the mean KL to the teacher at its temperature
+    hidden: torch.Tensor | None = None  # with hidden_only: the final hidden states, normalised (the head's input)
 
 
 ROPE_EAGER_POSITIONS = 32768
@@ -206,7 +227,8 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None, cache: KVCache | None = None,
                 last_only: bool = False, segment_ids: torch.Tensor | None = None,
-                token_mask: torch.Tensor | None = None, logps_temperature: float | None = None) -> ModelOutput:
+                token_mask: torch.Tensor | None = None, logps_temperature: float | None = None,
+                distill: Distillation | None = None, hidden_only: bool = False) -> ModelOutput:
         """Logits; given targets, the loss too, computed inside the output layer so that training never holds all
         the logits (which are then None unless they fit in one chunk: `OutputHead`). With a `cache`, `tokens`
         continue the cached sequence; `last_only` computes the logits of the last position only (generation);
@@ -215,7 +237,9 @@ class Transformer(nn.Module):
         `token_mask` `[batch, seq]` is 1 on real tokens and 0 on padding (default: segment id > 0, else every
         position); only an MoE model's load-balancing loss reads it. Given targets and `logps_temperature`, the
         output is the targets' log-probabilities at that temperature (`token_logps`, for DPO and GRPO) instead of
-        their loss, made as the loss is (`OutputHead`)."""
+        their loss, made as the loss is (`OutputHead`); given targets and `distill` (the teacher's side), the loss
+        is distillation's (`distill_loss`, with `ce_loss` and `distill_kl`). `hidden_only` stops before the output
+        layer (a distillation teacher's part: `hidden`)."""
         end = tokens.shape[1] + (cache.length if cache else 0)
         if end > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
@@ -232,21 +256,18 @@ class Transformer(nn.Module):
         if last_only:
             h = h[:, -1:]
         aux_loss = sum(layer.feed_forward.aux_loss for layer in self.layers) if self.cfg.moe else None
+        if hidden_only:
+            return ModelOutput(logits=None, aux_loss=aux_loss, hidden=self.norm(h))
         if targets is None:
             return ModelOutput(logits=self.output(self.norm(h)), aux_loss=aux_loss)
+        if distill is not None:
+            (distill_loss, ce_loss, kl), logits = self.output(self.norm(h), targets, loss_mask, distill=distill)
+            loss = distill_loss if aux_loss is None else distill_loss + aux_loss
+            return ModelOutput(logits=logits, loss=loss, aux_loss=aux_loss, ce_loss=ce_loss, distill_loss=distill_loss,
+                               distill_kl=kl)
         if logps_temperature is not None:
             logps, logits = self.output(self.norm(h), targets, temperature=logps_temperature)
             return ModelOutput(logits=logits, aux_loss=aux_loss, token_logps=logps)
         ce_loss, logits = self.output(self.norm(h), targets, loss_mask)
         loss = ce_loss if aux_loss is None else ce_loss + aux_loss
         return ModelOutput(logits=logits, loss=loss, aux_loss=aux_loss, ce_loss=ce_loss)
-
-
-def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
-    """Mean token cross-entropy in fp32 over positions where loss_mask is 1 (all positions without a mask), a chunk
-    of positions at a time (`llm.model.token_losses`)."""
-    per_token = cross_entropy(logits, targets).reshape(-1)
-    if loss_mask is None:
-        return per_token.mean()
-    mask = loss_mask.reshape(-1).to(per_token.dtype)
-    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)

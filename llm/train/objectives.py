@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from llm.config import GRPOConfig
-from llm.model.token_losses import forward_kl
-from llm.model.transformer import masked_cross_entropy
+from llm.model.token_losses import Distillation
+from llm.train.engine import gathered
 
 
 @dataclass
@@ -158,29 +158,12 @@ class GRPOObjective:
         return MicroStep(self._mean(per_token, mask), mask.sum(), metrics, out.aux_loss)
 
 
-def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
-                      loss_mask: torch.Tensor | None, alpha: float,
-                      temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, ce, kl) of knowledge distillation (Hinton et al., 2015), in fp32, each a mean over the positions whose
-    loss mask is 1 (all without a mask):
-
-        loss = (1 - alpha) * CE(student, targets) + alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T))
-
-    The forward KL sums over the whole vocabulary; T^2 keeps its gradients the size of the cross-entropy's as T
-    grows (the softened distributions' gradients shrink by 1/T^2)."""
-    ce = masked_cross_entropy(student_logits, targets, loss_mask)
-    per_token = forward_kl(student_logits, teacher_logits, temperature)
-    if loss_mask is None:
-        kl = per_token.mean()
-    else:
-        mask = loss_mask.to(per_token.dtype)
-        kl = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-    return (1 - alpha) * ce + alpha * temperature ** 2 * kl, ce, kl
-
-
 class DistillObjective:
     """Distillation from a frozen teacher engine (same tokenizer and vocabulary, any shape) on pretraining or SFT
-    micro-batches (`distillation_loss`; packed SFT samples reach the teacher with their segment ids too).
+    micro-batches (`llm.model.token_losses.distillation_loss`; packed SFT samples reach the teacher with their
+    segment ids too). The teacher gives its final hidden states and the student's output layer computes the loss
+    with the teacher's output weight (gathered under ZeRO-3), a chunk of positions at a time, so that neither
+    model's logits are made whole (`llm.model.token_losses.linear_distillation`).
 
     Metrics: `ce` (the student's cross-entropy) and `distill_kl` (the KL at temperature T, before the T^2 factor).
     In evaluation (the engine in eval mode) the loss is the student's cross-entropy alone and the teacher is not
@@ -196,8 +179,11 @@ class DistillObjective:
         mask, loss_tokens = batch.get("loss_mask"), loss_bearing_tokens(batch)
         if not getattr(engine, "module", engine).training:  # DeepSpeed's engine passes train()/eval() to its module
             return CausalLMObjective()(engine, batch)
-        out = engine(tokens, segment_ids=segment_ids)
         with torch.no_grad():
-            teacher_logits = self.teacher(tokens, segment_ids=segment_ids).logits
-        loss, ce, kl = distillation_loss(out.logits, teacher_logits, targets, mask, self.alpha, self.temperature)
-        return MicroStep(loss, loss_tokens, {"ce": ce.detach(), "distill_kl": kl.detach()}, out.aux_loss)
+            teacher_hidden = self.teacher(tokens, segment_ids=segment_ids, hidden_only=True).hidden
+        teacher_weight = self.teacher.module.output.weight
+        with gathered(self.teacher, [teacher_weight]):
+            distill = Distillation(teacher_hidden, teacher_weight.detach(), self.alpha, self.temperature)
+            out = engine(tokens, targets, mask, segment_ids=segment_ids, distill=distill)
+        metrics = {"ce": out.ce_loss.detach(), "distill_kl": out.distill_kl.detach()}
+        return MicroStep(out.distill_loss, loss_tokens, metrics, out.aux_loss)
