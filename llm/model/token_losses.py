@@ -29,6 +29,10 @@ there) and only scaling them by the incoming gradient in the backward, this take
 The gradients are made only where they are wanted: with grad mode on, for whichever of the hidden states and the
 weight requires one (LoRA's frozen head: the hidden states' only); evaluation computes the loss alone.
 
+Distillation's loss is a mean over the loss-bearing positions as the cross-entropy is, and is fused the same way
+(`linear_distillation`): the student's output layer is given the teacher's final hidden states and output weight, and
+each chunk makes both models' logits, the loss and its gradients.
+
 DPO and GRPO want the log-probability of each target (`linear_token_logps`, which the output layer runs given targets
 and a temperature) and combine them into their loss afterwards, so the gradient reaching each position is known only
 in the backward: there each chunk's logits are made again from the kept hidden states and weight (one matmul more
