@@ -57,7 +57,7 @@ from launch.hostfile import (
     read_hostfile,
     read_integer,
 )
-from launch.local import STOPPED_AT_ONCE, exit_code, report_rank_ended
+from launch.local import STOP_SIGNALS, STOPPED_AT_ONCE, exit_code, report_rank_ended
 from launch.nodelist import slurm_hosts
 from launch.options import LaunchOptions, launcher_problem
 from launch.reachable import check_reachable, host_address
@@ -530,8 +530,9 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
                 signal.signal(s, handler)
     if preempted:
         return EXIT_PREEMPTED
-    if stopping and code in STOPPED_AT_ONCE:  # the ranks got the forwarded SIGTERM only: said as the stop was sent
-        return 128 + stopping[-1]
+    if stopping and (code in STOPPED_AT_ONCE or plan.deepspeed_codes and deepspeed_signal(code) in STOP_SIGNALS):
+        return 128 + stopping[-1]  # the ranks got the forwarded SIGTERM only (or before their handlers were set, which
+        # DeepSpeed's launcher and launch/torchrun.py pass on as 256 - N): said as the stop was sent
     signum = deepspeed_signal(code) if plan.deepspeed_codes and not stopping else None
     if signum is not None:  # which rank, DeepSpeed's launcher does not say (torchrun's table above does)
         return report_rank_ended("a rank", signum)

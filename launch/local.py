@@ -74,7 +74,8 @@ def _signal_all(ranks: list[subprocess.Popen], signum: int) -> None:
                 rank.send_signal(signum)
 
 
-STOPPED_AT_ONCE = (128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOPPED_AT_ONCE = (*(128 + signum for signum in STOP_SIGNALS), *(-signum for signum in STOP_SIGNALS))
 """The return codes of a rank a second stop request ended at once (`llm.runtime.preemption`), or a stop request
 before its handlers were set (still importing)."""
 

@@ -32,12 +32,12 @@ from torch.distributed.run import get_args_parser
 from torch.distributed.run import main as torchrun_main
 
 from launch.local import report_rank_ended
-from llm.errors import EXIT_RANK_LOST, EXIT_USER_ERROR, report
+from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, EXIT_USER_ERROR, report
 
 CLOSING_CODES = (-signal.SIGTERM, -signal.SIGKILL)
 """Exit codes of a rank that torchrun ended after another rank failed."""
-QUIET_CODES = (EXIT_USER_ERROR, EXIT_RANK_LOST)
-"""Exit codes of ranks that said why in one line themselves."""
+QUIET_CODES = (EXIT_USER_ERROR, EXIT_RANK_LOST, EXIT_PREEMPTED)
+"""Exit codes of ranks that said why in one line themselves (a stop: that they saved)."""
 
 
 def _codes(failure: ChildFailedError) -> list[int]:

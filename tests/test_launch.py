@@ -748,6 +748,17 @@ def test_a_launch_stopped_at_once_by_a_second_ctrl_c_exits_130(tmp_path):
     assert run_plan(Plan([sys.executable, "-c", launcher], []), tmp_path / "run") == 128 + signal.SIGINT
 
 
+def test_a_launch_stopped_while_its_ranks_start_exits_as_the_stop_was_sent(tmp_path):
+    """Ranks still importing (no handler set) end by the forwarded SIGTERM itself, which torchrun, as DeepSpeed's
+    launcher does, passes on as 256 - 15: the launch exited 241 for a Ctrl-C."""
+    ready = tmp_path / "ready"
+    launcher = ("import os, pathlib, signal, sys, time\n"
+                "signal.signal(signal.SIGTERM, lambda *_: os._exit(256 - signal.SIGTERM))\n"
+                f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(20)\n")
+    _ctrl_c_once_handled(after=ready)
+    assert run_plan(Plan([sys.executable, "-c", launcher], []), tmp_path / "run") == 128 + signal.SIGINT
+
+
 def _wait_for(path: Path) -> None:
     deadline = time.monotonic() + 60
     while not path.exists():
@@ -826,6 +837,7 @@ def test_torchrun_passes_the_first_failure_on_as_deepspeeds_launcher_does():
 
 def test_torchrun_failures_are_read_like_the_ranks_own_ending():
     assert quiet_code(failed(76, -signal.SIGTERM)) == EXIT_RANK_LOST  # a watchdog named the rank it lost
+    assert quiet_code(failed(EXIT_PREEMPTED, EXIT_PREEMPTED)) == EXIT_PREEMPTED  # stopped and saved: no failure table
     assert quiet_code(failed(2, -signal.SIGKILL)) == 2 and quiet_code(failed(76, 2)) is None
     assert lost_rank(failed(-signal.SIGKILL, -signal.SIGTERM)) == (0, 1000, signal.SIGKILL)  # the OOM killer's
     assert lost_rank(failed(-signal.SIGSEGV, 1)) == (0, 1000, signal.SIGSEGV)
