@@ -464,6 +464,9 @@ def test_a_config_that_asks_for_bf16_accumulation_keeps_it():
     cfg = build_config("demo", ["train.precision=bf16"])
     raw = {**load_ds_config(None, "pretrain")[0], "data_types": {"grad_accum_dtype": "bf16"}}
     assert resolve_ds_config(raw, cfg, world_size=1)["data_types"] == {"grad_accum_dtype": "bf16"}
+    auto = {**load_ds_config(None, "pretrain")[0], "data_types": {"grad_accum_dtype": "auto"}}
+    assert resolve_ds_config(auto, cfg, world_size=1)["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert resolve_ds_config(auto, cfg, world_size=1, zero_stage=1)["data_types"] == {}  # DeepSpeed's default
     for precision, stage in (("fp32", 2), ("bf16", 1), ("bf16", 0)):  # nothing to do, or left to the config
         ds = resolve_ds_config(load_ds_config(None, "pretrain")[0],
                                build_config("demo", [f"train.precision={precision}"]), world_size=1, zero_stage=stage)
@@ -474,7 +477,8 @@ def test_a_config_that_asks_for_bf16_accumulation_keeps_it():
     ({"grad_accum_dtype": "fp32"}, "'data_types.grad_accum_dtype' \"fp32\" differs from this run's bf16, which "
                                    "DeepSpeed does only under ZeRO (stage 1-3); remove it or raise "
                                    "zero_optimization.stage"),
-    ({"grad_accum_dtype": "fp64"}, "'data_types.grad_accum_dtype' is \"fp64\", not one of fp32, bf16, fp16"),
+    ({"grad_accum_dtype": "fp64"}, "'data_types.grad_accum_dtype' is \"fp64\", not a dtype DeepSpeed knows: fp32, "
+                                   "bf16 or fp16 (or \"auto\")"),
     (["fp32"], "'data_types' must be a JSON object {...}, got [\"fp32\"]")])
 def test_grad_accum_dtypes_deepspeed_cannot_do_are_one_line(data_types, message):
     """Without ZeRO DeepSpeed raised NotImplementedError("unsupported mix of model_dtype=... and grad_accum_dtype=...")

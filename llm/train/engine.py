@@ -264,10 +264,11 @@ FP32_GRAD_ACCUM_STAGES = (2, 3)
 
 def _fill_grad_accum_dtype(ds: dict[str, Any], precision: str, stage: int, source: str) -> None:
     """bf16 under ZeRO-2 and ZeRO-3: gradients summed over micro-batches in fp32 (DeepSpeed's
-    `data_types.grad_accum_dtype`) unless the config says otherwise. DeepSpeed's default sums them in bf16, one
-    rounding to 8 bits of mantissa per micro-batch: with 16 micro-batches a step, gradients were off by up to 1.1 %
-    of their value (the fp32 sum is exact there, tests/test_precision.py); ZeRO-2 keeps its gradient partition in
-    fp32 for it (2 more bytes per parameter over the ranks), and the ranks still reduce in bf16. Without ZeRO DeepSpeed
+    `data_types.grad_accum_dtype`) unless the config says otherwise ("auto" or absent is filled). DeepSpeed's
+    default sums them in bf16, one rounding to 8 bits of mantissa per micro-batch: with 16 micro-batches a step,
+    gradients were off by up to 1.1 % of their value (the fp32 sum is exact there, tests/test_precision.py); both
+    stages keep their gradient partition in fp32 for it (2 more bytes per parameter over the ranks), and the ranks
+    still reduce in bf16. Without ZeRO DeepSpeed
     cannot do it (bf16 with fp32 accumulation is refused in one line here, not DeepSpeed's NotImplementedError from
     every rank); ZeRO-1's would switch to DeepSpeed's BF16_Optimizer, another checkpoint layout, so it is left to the
     config."""
@@ -275,15 +276,17 @@ def _fill_grad_accum_dtype(ds: dict[str, Any], precision: str, stage: int, sourc
     if not isinstance(data_types, dict):
         raise UserError(f"{source}: 'data_types' must be a JSON object {{...}}, got {json.dumps(data_types)[:60]}")
     given = data_types.get("grad_accum_dtype")
-    if given is None:
+    if given in (None, "auto"):
         if precision == "bf16" and stage in FP32_GRAD_ACCUM_STAGES:
             ds["data_types"] = {**data_types, "grad_accum_dtype": "fp32"}
+        elif given == "auto":  # DeepSpeed's own default: the model's dtype
+            ds["data_types"] = {key: value for key, value in data_types.items() if key != "grad_accum_dtype"}
         return
     try:
         accum = DtypeEnum(given).value
     except ValueError:
-        raise UserError(f"{source}: 'data_types.grad_accum_dtype' is {json.dumps(given)[:60]}, not one of fp32, bf16, "
-                        "fp16") from None
+        raise UserError(f"{source}: 'data_types.grad_accum_dtype' is {json.dumps(given)[:60]}, not a dtype DeepSpeed "
+                        "knows: fp32, bf16 or fp16 (or \"auto\")") from None
     if stage == 0 and accum != DTYPES[precision]:
         raise UserError(f"{source}: 'data_types.grad_accum_dtype' {json.dumps(given)} differs from this run's "
                         f"{precision}, which DeepSpeed does only under ZeRO (stage 1-3); remove it or raise "
