@@ -145,6 +145,9 @@ def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(op
      "parallelism; remove it (each rank trains on whole sequences)"),  # an AssertionError
     ({"compile": {"enabled": True}}, "x.json: 'compile' would not apply: zerollm never calls DeepSpeed's "
      "engine.compile(); remove the section"),  # a ValidationError
+    ({"optimizer": {"type": "Muon", "params": {}}, "zero_optimization": {"stage": 3}}, "x.json: 'optimizer.type' "
+     "Muon under ZeRO-3 needs \"reduce_scatter\": false in zero_optimization (DeepSpeed's ZeRO-3 does not "
+     "reduce-scatter Muon's gradients)"),  # a ValueError as the engine is built
     ({"optimizer": {"type": "Adagrad", "params": {}}}, "x.json: 'optimizer.type' Adagrad is torch's Adagrad, which "
      "DeepSpeed's ZeRO (stage 2) fails on; set zero_optimization.stage to 0, or offload_optimizer to the cpu "
      "(DeepSpeed's CPU Adagrad)"),  # an IndexError at the first step
