@@ -640,13 +640,13 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, ds_config: dict[str, An
 def full_parameters(engine):
     """A context in which the engine's module holds its full parameters on every rank: gathered (read-only) under
     ZeRO-3, as they are under the other stages."""
-    return gathered(engine, list(engine.module.parameters()))
+    return gathered(list(engine.module.parameters()))
 
 
-def gathered(engine, params: list[torch.nn.Parameter]):
-    """A context in which `params` of the engine's module are whole on every rank: gathered (read-only) under
-    ZeRO-3, as they are under the other stages."""
-    return deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3)
+def gathered(params: list[torch.nn.Parameter]):
+    """A context in which `params` are whole on every rank: gathered (read-only) where ZeRO-3 partitions them, as
+    they are otherwise."""
+    return deepspeed.zero.GatheredParameters(params, enabled=any(hasattr(p, "ds_id") for p in params))
 
 
 def frozen_engine(model: torch.nn.Module, ds_config: dict[str, Any]):

@@ -181,8 +181,8 @@ class DistillObjective:
             return CausalLMObjective()(engine, batch)
         with torch.no_grad():
             teacher_hidden = self.teacher(tokens, segment_ids=segment_ids, hidden_only=True).hidden
-        teacher_weight = self.teacher.module.output.weight
-        with gathered(self.teacher, [teacher_weight]):
+        teacher_weight = getattr(self.teacher, "module", self.teacher).output.weight  # an engine's, or a model's
+        with gathered([teacher_weight]):
             distill = Distillation(teacher_hidden, teacher_weight.detach(), self.alpha, self.temperature)
             out = engine(tokens, targets, mask, segment_ids=segment_ids, distill=distill)
         metrics = {"ce": out.ce_loss.detach(), "distill_kl": out.distill_kl.detach()}
