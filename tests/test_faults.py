@@ -1,7 +1,8 @@
 """Fault injection: a 2-rank CPU job is killed at seeded random points inside checkpoint saves and metrics writes
 (some of them mid-file: the file is left torn) and resumed each time. Every resume starts from a complete
 checkpoint, `latest` never names a lost or partial one, and the losses, gradient norms and final weights equal
-those of an uninterrupted run bit for bit.
+those of an uninterrupted run bit for bit. Then: a full disk or a lost `latest`; a data-loader worker that is
+killed or stuck, with and without a stop request.
 
 The ranks are forked from the tests' forkserver (tests/forked_ranks.py), which imported torch, DeepSpeed and this
 module once, so a kill and its resume take seconds. In a rank, the file operations of `llm.train.checkpoint.save`
@@ -12,6 +13,7 @@ as a crashed job would end.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -19,10 +21,16 @@ import random
 import resource
 import shutil
 import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from multiprocessing.connection import wait
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,9 +41,10 @@ from launch.local import rank_environments
 from llm import durable, rundir
 from llm.cli import main
 from llm.config import build_config
+from llm.data.datasets import PretrainWindows
 from llm.errors import UserError
 from llm.loading import consolidated_weights
-from llm.runtime.rank_env import free_port
+from llm.runtime.rank_env import RANK_VARIABLES, free_port
 from llm.train import checkpoint, job
 from llm.train.metrics import MetricsSink
 from llm.train.run_record import write_run_record
@@ -326,3 +335,197 @@ def test_resuming_a_finished_run_that_lost_its_latest_trains_nothing_and_says_so
                      f"zerollm: note: {run}: nothing to train: its checkpoint global_step4 is at step 4 and "
                      "train.max_steps is 4; set a higher train.max_steps to train further"], result.stderr[-3000:]
     assert _files(run) == before
+
+
+# ---- a data-loader worker killed or stuck; a stop while the rank waits for its data ------------------------------
+
+LOADER_RUN = ["train.precision=fp32", "train.eval_every=0", "train.save_every=0", "train.max_steps=400",
+              "train.min_lr_ratio=1"]
+"""A job that saves only when it stops, train.max_steps=400 far ahead; its learning rate is constant after warmup, so
+a run with fewer steps trains its steps alike."""
+WORKER = "data.loader_workers=1"
+
+
+def _metrics_rows(run: Path) -> list[dict]:
+    return _rows(run) if (run / rundir.METRICS_FILE).is_file() else []
+
+
+@contextmanager
+def _job(args, log: Path):
+    """`zerollm ARGS` in a session of its own (as SLURM's job step), its output in `log`; everything it started is
+    SIGKILLed when it is left (a stopped worker would stay so)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "llm", *map(str, args)], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    family = []
+    try:
+        yield proc, family
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            family += psutil.Process(proc.pid).children(recursive=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for process in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        proc.wait()
+
+
+def _after_steps(ended: Callable[[], bool], run: Path, steps: int = 2) -> None:
+    """Wait until the job has logged `steps` steps; fails if it ends (`ended()`) or 300 s pass first."""
+    deadline = time.monotonic() + 300
+    while len(_metrics_rows(run)) < steps:
+        assert not ended() and time.monotonic() < deadline, "the job ended or took too long"
+        time.sleep(0.05)
+
+
+def _until_stalled(ended: Callable[[], bool], run: Path) -> None:
+    """Wait until no step has been logged for 2 s: the rank waits for its data."""
+    logged, since = len(_metrics_rows(run)), time.monotonic()
+    while time.monotonic() - since < 2:
+        if len(_metrics_rows(run)) != logged:
+            logged, since = len(_metrics_rows(run)), time.monotonic()
+        assert not ended(), "the job ended"
+        time.sleep(0.05)
+
+
+def _worker(proc, family: list, rank: int | None = None) -> psutil.Process:
+    """The data-loader worker of a one-rank job's rank, or of rank `rank` of a `--nproc` job."""
+    ranks = [psutil.Process(proc.pid)]
+    if rank is not None:
+        ranks = [r for r in ranks[0].children() if r.environ().get("RANK") == str(rank)]
+    (worker,) = ranks[0].children()
+    family.append(worker)
+    return worker
+
+
+def _errors(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("zerollm: error:")]
+
+
+@pytest.mark.parametrize("fault", ["killed", "stuck"])
+def test_a_data_loader_worker_killed_or_stuck_ends_a_one_rank_run_in_one_line(pretrain_data, tmp_path, fault):
+    """A worker the out-of-memory killer ended (SIGKILL) was an 80-line traceback, twice chained, and exit 1; a worker
+    stuck (here stopped; one whose read of a hung network file system never returns holds the rank alike) held a
+    one-rank job, which has no watchdog, forever and without a word. Either is now one line naming the worker, and
+    exit 76; a stuck one after 0.9 x train.collective_timeout_s."""
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    with _job(train_args(pretrain_data, run, *LOADER_RUN, WORKER, "train.collective_timeout_s=5"), log) as \
+            (proc, family):
+        _after_steps(lambda: proc.poll() is not None, run)
+        worker = _worker(proc, family)
+        if fault == "killed":
+            worker.kill()
+        else:
+            worker.suspend()
+            _until_stalled(lambda: proc.poll() is not None, run)
+        code = proc.wait(timeout=60)
+    text = log.read_text()
+    assert code == 76 and len(_errors(text)) == 1 and "Traceback" not in text, text[-3000:]
+    if fault == "killed":
+        assert _errors(text) == [f"zerollm: error: rank 0: its data-loader worker pid {worker.pid} was killed by "
+                                 "SIGKILL (the out-of-memory killer's signal, most often: lower data.loader_workers or "
+                                 "free memory); no checkpoint was saved"]
+    else:
+        step = _metrics_rows(run)[-1]["step"]
+        assert _errors(text)[0].startswith(f"zerollm: error: rank 0: step {step + 1}'s data did not come in ")
+        assert _errors(text)[0].endswith(f"s: its data-loader worker(s), pid {worker.pid} (stopped), gave none (stuck "
+                                         f"reading {pretrain_data}, e.g. on a hung network file system?); the limit is "
+                                         "0.9 x train.collective_timeout_s=5; no checkpoint was saved")
+
+
+def test_a_stop_while_a_data_loader_worker_is_stuck_saves_the_last_complete_step(pretrain_data, tmp_path):
+    """A stuck worker left the rank waiting for the next batch: SIGTERM said "stopping with a checkpoint when this
+    step ends" and the job hung until SLURM SIGKILLed it, its work since the last checkpoint lost. The step cannot
+    end without its batch, and nothing of it was trained: the last complete step is saved, and resuming from it
+    trains as the uninterrupted run does."""
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    with _job(train_args(pretrain_data, run, *LOADER_RUN, WORKER), log) as (proc, family):
+        _after_steps(lambda: proc.poll() is not None, run)
+        worker = _worker(proc, family)
+        worker.suspend()
+        _until_stalled(lambda: proc.poll() is not None, run)
+        os.killpg(proc.pid, signal.SIGTERM)  # as SLURM's scancel: the whole job step
+        code = proc.wait(timeout=60)
+    text = log.read_text()
+    step = _metrics_rows(run)[-1]["step"]
+    assert code == 75 and "Traceback" not in text, text[-3000:]
+    assert (run / "checkpoints" / "latest").read_text() == f"global_step{step}"
+    assert f"stopped by signal at step {step} while waiting for step {step + 1}'s data: its data-loader worker(s), " \
+           f"pid {worker.pid} (stopped), gave none (stuck reading {pretrain_data}" in text, text[-3000:]
+    assert text.count("rerun with --resume auto") == 1, text[-3000:]
+
+    ends = [WORKER, f"train.max_steps={step + 2}"]
+    resumed = run_job(*train_args(pretrain_data, run, *LOADER_RUN, *ends, extra=["--resume", "auto"]), name="resumed")
+    assert resumed.returncode == 0 and f"resumed at step {step}" in resumed.stdout, resumed.stderr[-3000:]
+    straight = run_job(*train_args(pretrain_data, tmp_path / "straight", *LOADER_RUN, *ends), name="straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    keys = ("step", "loss", "grad_norm")
+    assert [[r[k] for k in keys] for r in _rows(run)] == [[r[k] for k in keys] for r in _rows(tmp_path / "straight")]
+
+
+def test_a_stop_while_one_rank_s_data_loader_is_stuck_ends_the_job_saying_so(pretrain_data, tmp_path):
+    """Rank 1's worker stuck: rank 0 waits for rank 1 inside the step, so no rank can save. SIGTERM said "stopping
+    with a checkpoint" and the job hung until SLURM SIGKILLed it (or the watchdog, after train.collective_timeout_s,
+    blamed a rank it took for dead and said to replace its node). Rank 1 now ends the job a few seconds after the
+    stop, naming the worker it waited for, and says that nothing was saved."""
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    args = train_args(pretrain_data, run, *LOADER_RUN, WORKER, "train.collective_timeout_s=60", nproc=2)
+    with _job(args, log) as (proc, family):
+        _after_steps(lambda: proc.poll() is not None, run)
+        worker = _worker(proc, family, rank=1)
+        worker.suspend()
+        _until_stalled(lambda: proc.poll() is not None, run)
+        proc.send_signal(signal.SIGTERM)  # forwarded to both ranks
+        code = proc.wait(timeout=45)
+    text = log.read_text()
+    errors = _errors(text)
+    assert code == 76 and errors and "Traceback" not in text, text[-3000:]
+    assert errors[0].startswith("zerollm: error: rank 1: asked to stop while waiting ") and \
+           errors[0].endswith(f"data: its data-loader worker(s), pid {worker.pid} (stopped), gave none (stuck reading "
+                              f"{pretrain_data}, e.g. on a hung network file system?); the other ranks cannot end the "
+                              "step without it, so no checkpoint was saved"), errors
+    assert not (run / "checkpoints" / "latest").exists()
+
+
+def stuck_reader_main(argv: list[str], log: Path, trigger: Path, entered: Path) -> None:
+    """A one-rank job, `zerollm ARGV` with its output in `log`, whose reads of the train split never return once
+    `trigger` exists, as on a hung network file system (`entered` then exists)."""
+    enter_rank({k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", *RANK_VARIABLES)}, log, log)
+    read = PretrainWindows.__getitem__
+
+    def stuck(self, index):
+        if trigger.exists() and self.h5.split == "train":
+            entered.touch()
+            threading.Event().wait()
+        return read(self, index)
+
+    PretrainWindows.__getitem__ = stuck
+    main(argv)
+
+
+def test_a_stop_while_the_rank_itself_is_stuck_reading_saves_the_last_complete_step(pretrain_data, tmp_path):
+    """data.loader_workers=0 (the CPU's default): the rank reads its batches itself, and a read that never returned
+    held it past the stop as a stuck worker did."""
+    run, log, trigger, entered = tmp_path / "run", tmp_path / "run.log", tmp_path / "hang", tmp_path / "hung"
+    log.write_text("")
+    argv = list(map(str, train_args(pretrain_data, run, *LOADER_RUN, "data.loader_workers=0")))
+    rank = forkserver().Process(target=stuck_reader_main, args=(argv, log, trigger, entered))
+    rank.start()
+    try:
+        _after_steps(lambda: rank.exitcode is not None, run)
+        trigger.touch()
+        while not entered.exists():
+            assert rank.exitcode is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(rank.pid, signal.SIGTERM)
+        rank.join(60)
+    finally:
+        rank.kill()
+        rank.join()
+    text = log.read_text()
+    step = _metrics_rows(run)[-1]["step"]
+    assert rank.exitcode == 75 and "Traceback" not in text, text[-3000:]
+    assert (run / "checkpoints" / "latest").read_text() == f"global_step{step}"
+    assert f"stopped by signal at step {step} while waiting for step {step + 1}'s data: its data loader (in the rank " \
+           f"itself: data.loader_workers=0) gave none (stuck reading {pretrain_data}" in text, text[-3000:]

@@ -315,7 +315,8 @@ def _fit(engine, run_dir, *sets: str) -> list[dict]:
     x = torch.linspace(-1, 1, 4).half()
     trainer = Trainer(cfg, run_dir, info, engine, _SquareObjective(), DataSteps(cfg, CPU), [{"x": x}] * 4, None,
                       n_params=15)
-    trainer.preemption = SimpleNamespace(install=lambda: None, agreed=lambda: False, saved=lambda: None)
+    trainer.preemption = SimpleNamespace(install=lambda: None, agreed=lambda: False, saved=lambda: None,
+                                         requested=False)
     never = SimpleNamespace(due=lambda *args: False, after_step=lambda *args, **kwargs: None)
     logger = metrics.MetricsLogger(cfg, info, n_params=15, start_step=0,
                                    sink=metrics.MetricsSink(run_dir, cfg, trainer.run_id, 0))

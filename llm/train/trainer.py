@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from llm import rundir
 from llm.config import RunConfig
 from llm.data.sampler import ResumableDistributedSampler
-from llm.errors import EXIT_OK, EXIT_PREEMPTED
+from llm.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_RANK_LOST
 from llm.runtime.distributed import DistInfo, raise_together
 from llm.runtime.preemption import Preemption, data_loader_worker_init
 from llm.runtime.watchdog import Watchdog
@@ -43,6 +43,7 @@ from llm.train.engine import (
     set_loss_scale,
     unscaled_grad_norm,
 )
+from llm.train.loader_watch import LIMIT, NoBatch, WatchedLoader, WorkerDied, worker_failure
 from llm.train.metrics import MetricsLogger, StepStats
 from llm.train.objectives import MicroStep
 from llm.train.samples import SampleGenerator
@@ -108,9 +109,10 @@ class Trainer:
     # ---- data ----------------------------------------------------------------------------------
 
     def _draw(self):
-        """The next `steps.draw_size` samples of this rank, collated by the step source. The loader draws its
-        workers' base seed from a generator of its own: from the global RNG, a resumed run (which starts a loader
-        where the uninterrupted one continued its own) would shift every dropout mask after it."""
+        """The next `steps.draw_size` samples of this rank, collated by the step source, drawn as
+        `llm.train.loader_watch.WatchedLoader.next` watches it. The loader draws its workers' base seed from a
+        generator of its own: from the global RNG, a resumed run (which starts a loader where the uninterrupted one
+        continued its own) would shift every dropout mask after it."""
         if self._batches is None:
             on_gpu = self.dist.device.type == "cuda"
             workers = self.cfg.data.loader_workers
@@ -118,8 +120,9 @@ class Trainer:
                                 collate_fn=self.steps.collate,
                                 num_workers=(2 if on_gpu else 0) if workers is None else workers, pin_memory=on_gpu,
                                 worker_init_fn=data_loader_worker_init, generator=torch.Generator())
-            self._batches = iter(loader)
-        return next(self._batches)
+            self._batches = WatchedLoader(iter(loader), self.dist.device, self.steps.inputs)
+        return self._batches.next(self.step + 1, lambda: self.preemption.requested, self.dist.world_size,
+                                  self.cfg.train.collective_timeout_s)
 
     def _start_epoch_if_needed(self) -> None:
         """An epoch ends when less than one step's samples remain (that tail is not trained on)."""
@@ -300,13 +303,28 @@ class Trainer:
         return last or bool(t.eval_every and self.step % t.eval_every == 0)
 
     def fit(self, logger: MetricsLogger, checkpointer: checkpoint.Checkpointer, watchdog: Watchdog | None) -> int:
+        """Train to the end, or until stopped; the exit code. A data-loader worker that dies (the out-of-memory
+        killer's SIGKILL) ends the job with one line, wherever the rank was when torch raised it (`worker_failure`)."""
+        try:
+            return self._train(logger, checkpointer, watchdog)
+        except (WorkerDied, RuntimeError) as exc:
+            if not worker_failure(exc):
+                raise
+            dead = self._batches.dead_workers() if self._batches is not None else None
+            return self._end_for_data(dead or str(exc).strip(), "a data-loader worker of it died",
+                                      logger, watchdog)
+
+    def _train(self, logger: MetricsLogger, checkpointer: checkpoint.Checkpointer, watchdog: Watchdog | None) -> int:
         self.preemption.install()
         self.budget.start(self.step)
-        last = self._finished()
+        last, sums = self._finished(), None
         while not last:
             lr = self.engine.get_lr()[0]
             with watchdog.watching(f"step {self.step + 1}") if watchdog else nullcontext(), logger.timed():
-                sums, batches = self.train_step()
+                try:
+                    sums, batches = self.train_step()
+                except NoBatch as stalled:
+                    return self._stop_without_batch(stalled, sums, logger, checkpointer, watchdog)
                 last = self._finished()
                 calibrate = self.budget.calibration_due(self.step)  # measure what the final step will cost
                 eval_due = self._eval_due(last) or (calibrate and self.budget.eval_seconds is None)
@@ -338,3 +356,52 @@ class Trainer:
                           f"rerun with --resume auto to continue", flush=True)
                 return EXIT_PREEMPTED
         return EXIT_OK
+
+    def _stop_without_batch(self, stalled: NoBatch, sums: torch.Tensor | None, logger: MetricsLogger,
+                            checkpointer: checkpoint.Checkpointer, watchdog: Watchdog | None) -> int:
+        """A draw that got no batch (`WatchedLoader.next`). A one-rank job asked to stop saves its last complete step:
+        nothing of the step it was drawing for was trained, and drawing used no RNG the checkpoint keeps, so a resume
+        continues as the run would have. Ranks of a job of several cannot: the others wait inside the step, in
+        collectives that need this rank's batch; the job ends on every rank, saying why (`_end_for_data`)."""
+        if not stalled.stopped:
+            return self._end_for_data(f"{stalled}; the limit is {LIMIT:g} x train.collective_timeout_s="
+                                      f"{self.cfg.train.collective_timeout_s:g}",
+                                      f"its data loader gave no batch for step {stalled.step} in "
+                                      f"{stalled.waited:.0f} s", logger, watchdog)
+        if self.dist.world_size > 1:
+            return self._end_for_data(f"asked to stop while waiting {stalled.waited:.0f} s for step {stalled.step}'s "
+                                      f"data: {stalled.loader}; the other ranks cannot end the step without it, so "
+                                      "no checkpoint was saved",
+                                      f"asked to stop, its data loader gave no batch for step {stalled.step}: no "
+                                      "checkpoint was saved", logger, watchdog)
+        tag = rundir.tag_for(self.step)
+        saved = self.step > 0 and rundir.latest_tag(self.run_dir) != tag
+        if saved:
+            if sums is not None:
+                self._refuse_diverged(sums)
+            checkpointer.after_step(self.step, last=True, stopped_by_signal=True)
+        self.preemption.saved()
+        if self.dist.is_main:
+            logger.bar.close()
+            where = (f"checkpoint saved in {self.run_dir}" if saved else
+                     f"checkpoint {tag} is in {self.run_dir}" if self.step else "nothing was trained, nothing saved")
+            print(f"stopped by signal at step {self.step} while waiting for step {stalled.step}'s data: "
+                  f"{stalled.loader}; {where}; rerun with --resume auto to continue", flush=True)
+        return EXIT_PREEMPTED
+
+    def _end_for_data(self, message: str, brief: str, logger: MetricsLogger, watchdog: Watchdog | None) -> int:
+        """End the job on every rank over this rank's data loader, with one line naming the rank and `message`. One
+        rank returns EXIT_RANK_LOST. Of several, the watchdog ends them all (it never returns), and the rank of each
+        node that says its news says `brief`; this rank says `message` itself unless it is that rank: the
+        watchdog's heartbeat can end the rank that asked it to end the job before its line, and the launcher then
+        stops the others before they say it."""
+        said = f"zerollm: error: rank {self.dist.rank}: {message}"
+        if watchdog is not None:
+            if not watchdog.announce:
+                print(said, file=sys.stderr, flush=True)
+            watchdog.end_job(brief if not watchdog.announce else message)
+        logger.bar.close()
+        newest = rundir.newest_complete_tag(self.run_dir)
+        print(f"{said}; " + (f"rerun with --resume auto to continue from {newest}" if newest else
+                             "no checkpoint was saved"), file=sys.stderr, flush=True)
+        return EXIT_RANK_LOST
