@@ -348,17 +348,58 @@ class Tokenizer:
         return ChatTemplate(self.chat_template, self.source, self._template_variables, self.protected,
                             [self.token(i) for i in self.stop_ids])
 
-    def encode_rendered(self, rendered: str) -> list[int]:
+    def encode_rendered(self, rendered: str, release_gil: bool = False) -> list[int]:
         """Ids of text rendered by `render_for_encoding` (and anything appended to it): template text with its special
-        tokens parsed; escaped message text as plain text."""
-        ids: list[int] = []
-        for piece, literal in self._chat.split(rendered):
-            ids += _ids(self._text if literal else self._tok, piece)
-        return ids
+        tokens parsed; escaped message text as plain text. `release_gil`: the same ids, encoded while other Python
+        threads run (the library's batch encoder; `encode` holds the GIL throughout, about a second for 1 MiB)."""
+        pieces = list(self._chat.split(rendered))
+        if not release_gil:
+            ids: list[int] = []
+            for piece, literal in pieces:
+                ids += _ids(self._text if literal else self._tok, piece)
+            return ids
+        encoded = {literal: iter(_ids_of_batch(self._text if literal else self._tok,
+                                               [piece for piece, is_literal in pieces if is_literal == literal]))
+                   for literal in (False, True)}
+        return [i for _, literal in pieces for i in next(encoded[literal])]
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-        """Canonical messages through the chat template to ids; with `add_generation_prompt`, ready for a reply."""
-        return self.encode_rendered(self._chat.render(messages, add_generation_prompt))
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False,
+                    release_gil: bool = False) -> list[int]:
+        """Canonical messages through the chat template to ids; with `add_generation_prompt`, ready for a reply;
+        `release_gil`: see `encode_rendered`."""
+        return self.encode_rendered(self._chat.render(messages, add_generation_prompt), release_gil)
+
+    @cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes of text that one token of `encode` or `encode_rendered` stands for, so that a text of
+        n bytes is at least n / max_token_bytes tokens (`fewest_tokens`): the longest token (a byte-level token's
+        characters are one byte each). None where the tokenizer may drop or merge text, so that no such bound holds:
+        a normalizer (other than Prepend, or a Replace of a string by one at least as long), a pre-tokenizer that
+        removes characters, an added token that takes in the blanks beside it (lstrip, rstrip), unknown characters
+        fused into one token, a model other than BPE, truncation."""
+        spec = json.loads(self._tok.to_str())
+        model, added = spec.get("model") or {}, spec.get("added_tokens") or []
+        if (spec.get("truncation") is not None or not _keeps_text(spec.get("normalizer"), NORMALIZERS_KEEPING_TEXT)
+                or not _keeps_text(spec.get("pre_tokenizer"), PRE_TOKENIZERS_KEEPING_TEXT)
+                or model.get("type") != "BPE" or any(t.get("lstrip") or t.get("rstrip") for t in added)):
+            return None
+        vocab = self._tok.get_vocab(with_added_tokens=False)
+        if model.get("unk_token") is not None and model.get("fuse_unk") and not (
+                model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256))):
+            return None  # a run of unknown characters, however long, is one token
+        byte_level = _has_step(spec.get("pre_tokenizer"), "ByteLevel")
+        longest = max((len(t) if byte_level else len(t.encode()) for t in vocab), default=1)
+        longest_added = max((len(t["content"].encode()) for t in added), default=1)
+        unknown = 4 if model.get("unk_token") is not None else 1  # one unknown character: at most 4 bytes
+        return max(longest, longest_added, unknown)
+
+    def fewest_tokens(self, rendered: str) -> int:
+        """A lower bound on len(encode_rendered(rendered)), found without encoding: 0 where `max_token_bytes` is
+        None."""
+        if self.max_token_bytes is None:
+            return 0
+        size = sum(len(piece.encode("utf-8", "surrogatepass")) for piece, _ in self._chat.split(rendered))
+        return -(-size // self.max_token_bytes)
 
     def encode_chat_masked(self, messages: list[dict]) -> MaskedChat:
         """Ids and SFT loss mask of a conversation: the mask covers each assistant reply up to and including its
@@ -423,13 +464,64 @@ def _document_start(tok: HFTokenizer) -> list[int]:
     return full[:starts[0]] if plain and starts else []
 
 
+NORMALIZERS_KEEPING_TEXT = {"Prepend": None, "Replace": None}
+"""Normalizers whose text is never shorter than their input (a Replace only of a string by one at least as long:
+`_keeps_text`); a step's value: the `behavior` that would remove text, or None."""
+PRE_TOKENIZERS_KEEPING_TEXT = {"ByteLevel": None, "Metaspace": None, "Digits": None, "UnicodeScripts": None,
+                               "FixedLength": None, "Split": "Removed", "Punctuation": "Removed"}
+"""Pre-tokenizers that keep every character (Whitespace, WhitespaceSplit, BertPreTokenizer and CharDelimiterSplit
+drop blanks or delimiters), but for the `behavior` named."""
+
+
+def _steps(step: dict | None) -> list[dict]:
+    """A normalizer's or pre-tokenizer's steps (a Sequence's, or itself)."""
+    if step is None:
+        return []
+    if step.get("type") != "Sequence":
+        return [step]
+    return [s for part in step.get("normalizers", step.get("pretokenizers", [])) for s in _steps(part)]
+
+
+def _has_step(step: dict | None, kind: str) -> bool:
+    return any(s.get("type") == kind for s in _steps(step))
+
+
+def _keeps_text(step: dict | None, keeping: dict[str, str | None]) -> bool:
+    """Whether a normalizer or pre-tokenizer (tokenizer.json's) never makes a text shorter."""
+    for part in _steps(step):
+        kind = part.get("type")
+        if kind not in keeping or keeping[kind] is not None and part.get("behavior") == keeping[kind]:
+            return False
+        if kind == "Replace":
+            pattern = part.get("pattern") or {}
+            if "String" not in pattern or len(str(part.get("content", "")).encode()) < len(pattern["String"].encode()):
+                return False
+    return True
+
+
 def _ids(encoder: HFTokenizer, text: str) -> list[int]:
     try:
         return encoder.encode(text, add_special_tokens=False).ids
     except TypeError:
         if not isinstance(text, str):
             raise
-    # the only str the library refuses: one with a lone surrogate
+    raise _not_unicode(text)
+
+
+def _ids_of_batch(encoder: HFTokenizer, texts: list[str]) -> list[list[int]]:
+    """`_ids` of each text, encoded without the GIL (ids equal `encode`'s; the offsets, unused, are not computed)."""
+    batches = [texts] if encoder.padding is None else [[text] for text in texts]  # a batch is padded to its longest
+    try:
+        return [encoding.ids for batch in batches
+                for encoding in encoder.encode_batch_fast(batch, add_special_tokens=False)]
+    except TypeError:
+        if not all(isinstance(text, str) for text in texts):
+            raise
+    raise _not_unicode(next(text for text in texts if not_utf8(text)))
+
+
+def _not_unicode(text: str) -> ValueError:
+    """The error for a str the library refuses: the only one is a str with a lone surrogate."""
     _, found = not_utf8(text)
     hint = ", which is not UTF-8 (is the terminal or the file in another encoding?)" if found.startswith("byte") else ""
-    raise ValueError(f"the text is not valid Unicode: it holds the {found}{hint}")
+    return ValueError(f"the text is not valid Unicode: it holds the {found}{hint}")

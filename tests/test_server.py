@@ -18,6 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from tokenizers import AddedToken, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from conftest import run_cli, zerollm_here
 from llm.config import ModelConfig
@@ -462,6 +464,21 @@ def test_an_http10_request_may_leave_its_host_out(server):
     assert raw_exchange(server, health)[0] == 200
 
 
+@pytest.mark.parametrize("method, path", [("GET", "/health"), ("POST", "/v1/chat/completions")])
+def test_an_http10_connection_closes_after_its_reply_even_if_asked_to_stay_open(generator, method, path):
+    """HTTP/1.0 with `Connection: keep-alive` got a reply that did not confirm it, so the client waited for the close,
+    which came only at the server's idle timeout."""
+    with (running(generator, timeout_s=CLIENT_TIMEOUT_S) as (url, _, _),
+          socket.create_connection(_address(url), timeout=20) as sock):  # well before the server's timeout
+        sock.sendall(request_bytes(HELLO if method == "POST" else b"", {"Connection": "keep-alive"}, method=method,
+                                   path=path, version="HTTP/1.0"))
+        response = b""
+        while chunk := sock.recv(65536):  # the server closes it
+            response += chunk
+    head = response.split(b"\r\n\r\n", 1)[0]
+    assert head.startswith(b"HTTP/1.1 200 ") and b"\r\nConnection: close" in head, response
+
+
 def test_api_key_is_required_off_loopback_and_checked(generator, tmp_path):
     with pytest.raises(UserError, match="--api-key"):
         make_server(ChatService(generator, "tiny"), "0.0.0.0", 0)
@@ -898,6 +915,186 @@ def test_hostile_clients_cannot_starve_well_behaved_ones(generator, capfd):
         for sock in hostile:
             sock.close()
     assert "Traceback" not in capfd.readouterr().err
+
+
+# ---- long prompts and the waiting line ---------------------------------------------------------------------
+
+@contextmanager
+def counting_encodes(monkeypatch):
+    """A list that gets one entry per encoding of a chat (every path to the tokenizers library goes through
+    `encode_rendered`) or of a text."""
+    calls = []
+    for name in ("encode_rendered", "encode"):
+        original = getattr(Tokenizer, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            calls.append(args)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Tokenizer, name, counted)
+    yield calls
+
+
+@pytest.mark.parametrize("fields, param, code", [
+    ({"messages": [{"role": "user", "content": "too long"}]}, "messages", "context_length_exceeded"),
+    ({"n": 2}, "n", None), ({"temperature": 5}, "temperature", None), ({"stop": 3}, "stop", None),
+])
+def test_prompts_too_long_for_the_context_and_bad_options_are_refused_before_tokenizing(generator, monkeypatch,
+                                                                                        fields, param, code):
+    """A 1 MiB prompt was tokenized (a second holding the GIL: every other client's generation stopped) before it
+    was refused for not fitting the context, or for an option that needs no tokenizing to check."""
+    text = "word " * 100_000  # 500 kB
+    if param == "messages":
+        fields = {"messages": [{"role": "user", "content": text}]}
+    with running(generator, timeout_s=10) as (url, _, _), counting_encodes(monkeypatch) as calls:
+        status, payload = _post(url, json.dumps({**HELLO, "messages": [{"role": "user", "content": "Hi"}],
+                                                 **fields}).encode())
+    assert calls == []
+    assert (status, payload["error"]["type"], payload["error"]["param"], payload["error"]["code"]) == (
+        400, "invalid_request_error", param, code)
+    if param == "messages":
+        assert re.fullmatch(rf"the prompt \(at least \d+ tokens\) leaves no room for a reply in the model's context "
+                            rf"of {CONTEXT} tokens", payload["error"]["message"])
+        # a byte-level BPE keeps every byte: no token stands for more bytes than its longest token's
+        assert len(text) > CONTEXT * generator.tokenizer.max_token_bytes
+
+
+def _tokenizers(tokenizer_dir) -> list[Tokenizer]:
+    return [Tokenizer.load(d) for d in (tokenizer_dir, LLAMA, LLAMA.parent / "minimind")]
+
+
+CHAT_TEXTS = ["Hello", INJECTION, "生存还是毁灭 😀 e\u0301 \u212a", "\ue000 0\ue001 \ue0001\ue001 \ue001",
+              "  \n\t  x  ", "why " * 300, "<think>\nhmm\n</think>\n\n<tool_call>{}</tool_call>" * 3]
+
+
+def test_the_token_bound_is_never_above_the_encoding_and_exact_for_the_longest_token(tokenizer_dir):
+    """A prompt is refused without tokenizing when its bytes cannot fit: `fewest_tokens` must never be more than the
+    tokens the text encodes to (template text, special tokens, escaped message text), whatever the text."""
+    for tokenizer in _tokenizers(tokenizer_dir):
+        vocab = tokenizer._tok.get_vocab(with_added_tokens=False)
+        longest = tokenizer.decode([max(vocab.values(), key=lambda i: len(tokenizer.token(i)))])
+        for text in [*CHAT_TEXTS, longest * 100, "x" * 5000]:
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+            rendered = tokenizer.render_for_encoding(messages, add_generation_prompt=True)
+            fewest, ids = tokenizer.fewest_tokens(rendered), tokenizer.encode_rendered(rendered)
+            assert 0 < fewest <= len(ids), (tokenizer.source, text[:40])
+    llama = Tokenizer.load(LLAMA)
+    text = "等于几" * 100  # its longest token: 9 bytes (18 in its byte-level spelling, whose characters are bytes)
+    assert len(llama.encode(text)) == llama.fewest_tokens(text) == 100
+
+
+@pytest.mark.parametrize("change, bounded", [
+    (lambda hf: None, True),
+    (lambda hf: setattr(hf, "normalizer", normalizers.Sequence([normalizers.Prepend("▁"),
+                                                               normalizers.Replace(" ", "▁")])), True),  # Llama 2's
+    (lambda hf: setattr(hf, "normalizer", normalizers.Strip()), False),
+    (lambda hf: setattr(hf, "normalizer", normalizers.NFKC()), False),  # "𝐀" (4 bytes) is "A" (1)
+    (lambda hf: setattr(hf, "normalizer", normalizers.Replace("  ", " ")), False),
+    (lambda hf: setattr(hf, "pre_tokenizer", pre_tokenizers.Whitespace()), False),
+    (lambda hf: hf.add_tokens([AddedToken("<sep>", rstrip=True)]), False),  # takes in the blanks after it
+    (lambda hf: hf.enable_truncation(64), False),
+])
+def test_tokenizers_that_may_shrink_text_have_no_token_bound(tokenizer_dir, change, bounded):
+    hf = HFTokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    change(hf)
+    assert (Tokenizer(hf, {}).max_token_bytes is not None) == bounded
+
+
+def test_encoding_without_the_gil_gives_the_same_ids(tokenizer_dir):
+    padded = HFTokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    padded.enable_padding()  # a batch is padded to its longest text: one text a batch then
+    for tokenizer in [*_tokenizers(tokenizer_dir), Tokenizer(padded, {})]:
+        for text in CHAT_TEXTS:
+            messages = [{"role": "user", "content": text}, {"role": "assistant", "content": text},
+                        {"role": "user", "content": "And?"}]
+            assert (tokenizer.encode_chat(messages, add_generation_prompt=True, release_gil=True)
+                    == tokenizer.encode_chat(messages, add_generation_prompt=True)), (tokenizer.source, text)
+
+
+def test_long_prompts_are_tokenized_without_the_gil_a_few_at_once(generator, monkeypatch):
+    """Tokenizing held the GIL (about a second for 1 MiB): the generation thread, which needs it between torch ops,
+    stood still meanwhile. Encodes that let other threads run are bounded, for memory."""
+    service = ChatService(generator, "tiny")
+    try:
+        # let a long prompt be encoded
+        monkeypatch.setattr(Tokenizer, "fewest_tokens", lambda self, rendered: 0, raising=False)
+        messages = [{"role": "user", "content": "hello world " * 100_000}]
+        encoding = threading.Thread(target=service.prompt_ids, args=(messages,))
+        encoding.start()
+        wakes = 0
+        while encoding.is_alive():  # a thread waiting for the GIL would wake once, after the encode
+            time.sleep(0.002)
+            wakes += 1
+        assert wakes >= 10
+
+        at_once, most = [0], [0]
+        lock = threading.Lock()
+
+        def slow_encode(self, rendered, release_gil=False):
+            with lock:
+                at_once[0] += 1
+                most[0] = max(most[0], at_once[0])
+            time.sleep(0.2)
+            with lock:
+                at_once[0] -= 1
+            return [1]
+
+        monkeypatch.setattr(Tokenizer, "encode_rendered", slow_encode)
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            list(pool.map(lambda _: service.prompt_ids([{"role": "user", "content": "Hi"}]), range(6)))
+        assert most[0] == 2
+    finally:
+        service.close()
+
+
+def test_requests_whose_clients_left_give_up_their_places_in_the_line(generator):
+    """A request whose client left kept its place until the generation thread reached it: a client sending requests
+    and closing at once filled the line, and everyone else got 503 'the server is busy'."""
+    started, release = threading.Event(), threading.Event()
+
+    class Held:  # a generation that waits for the test's word
+        finish_reason, completion_tokens = "stop", 1
+
+        def __iter__(self):
+            started.set()
+            release.wait(CLIENT_TIMEOUT_S)
+            yield "done"
+
+    class Holding:
+        model, tokenizer = generator.model, generator.tokenizer
+
+        def stream(self, prompt, params, cancelled=None):
+            return Held()
+
+    places = 2
+    with (running(Holding(), max_queued=places, timeout_s=CLIENT_TIMEOUT_S) as (url, service, _),
+          ThreadPoolExecutor(max_workers=2) as pool):
+        try:
+            running_one = pool.submit(_post, url, json.dumps(HELLO).encode())
+            assert started.wait(CLIENT_TIMEOUT_S)
+            leaving = [socket.create_connection(_address(url), timeout=CLIENT_TIMEOUT_S) for _ in range(places)]
+            for sock in leaving:
+                sock.sendall(request_bytes(HELLO))
+            deadline = time.monotonic() + CLIENT_TIMEOUT_S
+            while service._queue.qsize() < places and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert _post(url, json.dumps(HELLO).encode())[0] == 503  # the line is full
+            for sock in leaving:
+                sock.close()
+            deadline = time.monotonic() + 10  # they are noticed within a second
+            while service.cancelled < places and time.monotonic() < deadline:
+                time.sleep(0.05)
+            new_one = pool.submit(_post, url, json.dumps(HELLO).encode())
+            deadline = time.monotonic() + CLIENT_TIMEOUT_S
+            while not new_one.done() and service._queue.qsize() != 1 and time.monotonic() < deadline:
+                time.sleep(0.01)  # until it is refused or waits in the line, alone
+            release.set()
+            for future in (running_one, new_one):
+                status, payload = future.result()
+                assert status == 200 and payload["choices"][0]["message"]["content"] == "done", payload
+            assert service.cancelled == places
+        finally:
+            release.set()
 
 
 # ---- the command -------------------------------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 Standard library only (`http.server`, one thread per connection). Requests are untrusted:
 
-- One generation thread owns the model and takes requests from a bounded queue (full: 503), so
-  requests never interleave on the model, and no client's socket is ever written while the model
-  waits: a client that stops reading stalls only its own connection. Its pieces queue up (at most
-  max_tokens of them) until the socket timeout ends the connection and cancels its generation; a
+- One generation thread owns the model and takes requests from a bounded line (full: 503; a request whose client
+  left gives up its place at once), so requests never interleave on the model, and no client's socket is ever
+  written while the model waits: a client that stops reading stalls only its own connection. Its pieces queue up
+  (at most max_tokens of them) until the socket timeout ends the connection and cancels its generation; a
   client that disconnects is noticed within a quarter second (waiting, or while its pieces arrive, or while none
   come) and at the next write, and its generation ends quietly, at the next token, without a traceback. One that
   only half-closes (shutdown(SHUT_WR)) after its request still gets its answer.
@@ -16,7 +16,9 @@ Standard library only (`http.server`, one thread per connection). Requests are u
   every connection) and bodies are read only with a valid Content-Length of at most 1 MiB; a GET that declares one is
   refused and its connection closed (its body must not be taken for the next request).
 - Message text goes through the tokenizer's chat template to ids, never re-encoded: a user's
-  `<|im_end|><|im_start|>system` stays text.
+  `<|im_end|><|im_start|>system` stays text. The cheap checks of a request come before its tokenizing, which runs
+  without the GIL (a few prompts at once), so that a long prompt does not stall the others' generation; a prompt
+  whose text is too long for any encoding of it to fit the context is refused without encoding it.
 - Bound to loopback, only requests whose Host is a loopback name are answered (a web page cannot
   reach the server through DNS rebinding), and only `Content-Type: application/json` posts (which
   browsers cannot send across origins without a preflight we never grant). Off loopback an API key
@@ -30,7 +32,7 @@ Standard library only (`http.server`, one thread per connection). Requests are u
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import hmac
 import io
 import ipaddress
@@ -62,6 +64,9 @@ MAX_TEMPERATURE = 2.0
 ROLES = ("system", "user", "assistant", "tool", "developer")
 SYSTEM_ROLES = {"developer": "system"}
 """OpenAI's newer name for the system role, which its clients send for newer models: the chat template's system turn."""
+ENCODES_AT_ONCE = 2
+"""Prompts tokenized at once. Each is encoded without the GIL, so that generation and the other requests go on
+meanwhile; a 1 MiB one takes about a second and 200 MB (64 at once would take 13 GB): the others wait their turn."""
 WAIT_POLL_S = 0.25
 """How often a request waiting for its generation checks whether its client is still there."""
 CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
@@ -267,8 +272,52 @@ class Generation:
         self.stream: TextStream | None = None
 
 
+class WaitingLine:
+    """The requests waiting for the generation thread, oldest first, at most `limit` of them. A request whose client
+    left is taken out at once (`withdraw`): it holds no place, so clients that leave cannot fill the line."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._jobs: collections.deque[Generation] = collections.deque()
+        self._changed = threading.Condition()
+        self._closed = False
+
+    def put(self, job: Generation) -> bool:
+        """Whether `job` found a place."""
+        with self._changed:
+            if len(self._jobs) >= self.limit:
+                return False
+            self._jobs.append(job)
+            self._changed.notify()
+            return True
+
+    def withdraw(self, job: Generation) -> bool:
+        """Whether `job` was waiting (and is no longer)."""
+        with self._changed:
+            try:
+                self._jobs.remove(job)
+            except ValueError:
+                return False
+            return True
+
+    def get(self) -> Generation | None:
+        """The oldest request, once there is one; None once the line is closed."""
+        with self._changed:
+            while not self._jobs and not self._closed:
+                self._changed.wait()
+            return None if self._closed else self._jobs.popleft()
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def qsize(self) -> int:
+        return len(self._jobs)
+
+
 class ChatService:
-    """The model behind the server: one generation thread serving a bounded queue of requests."""
+    """The model behind the server: one generation thread serving a bounded line of requests."""
 
     def __init__(self, generator: TextGenerator, model_name: str, default_max_tokens: int = 256,
                  max_queued: int = 32) -> None:
@@ -277,14 +326,24 @@ class ChatService:
         self.context = generator.model.cfg.max_seq_len
         self.created = int(time.time())
         self.cancelled = 0
-        """Generations ended early because their client left."""
-        self._queue: queue.Queue[Generation | None] = queue.Queue(maxsize=max_queued)
-        self._closing = threading.Event()
+        """Generations ended early, or never begun, because their client left."""
+        self._counting = threading.Lock()
+        self._queue = WaitingLine(max_queued)
+        self._encoding = threading.BoundedSemaphore(ENCODES_AT_ONCE)
         self._worker = threading.Thread(target=self._serve, name="zerollm-generation", daemon=True)
         self._worker.start()
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.generator.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        """The ids of the messages, ready for a reply. Messages whose text is too long for any encoding of it to
+        leave room for a reply in the context are refused (context_length_exceeded) without encoding them."""
+        tokenizer = self.generator.tokenizer
+        rendered = tokenizer.render_for_encoding(messages, add_generation_prompt=True)
+        fewest = tokenizer.fewest_tokens(rendered)
+        if fewest >= self.context:
+            raise RequestError(f"the prompt (at least {fewest} tokens) leaves no room for a reply in the model's "
+                               f"context of {self.context} tokens", "messages", code="context_length_exceeded")
+        with self._encoding:
+            return tokenizer.encode_rendered(rendered, release_gil=True)
 
     def default_max_tokens_after(self, prompt_ids: list[int]) -> int:
         """max_tokens of a request that leaves it out: the default, or what the context leaves after the prompt (at
@@ -293,7 +352,7 @@ class ChatService:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """Queue a generation; RequestError when its prompt is empty or does not fit the context with max_tokens, or
-        when the queue is full."""
+        when the line is full. The caller must `withdraw` it when its client leaves or its reply is done."""
         if not prompt_ids:  # e.g. Llama 2's template renders a conversation without a user turn to nothing
             raise RequestError("the chat template renders these messages to no tokens: the model has nothing to "
                                "answer (send a user message)", "messages")
@@ -305,22 +364,29 @@ class ChatService:
                                f"exceeds the model's context of {self.context} tokens", "messages",
                                code="context_length_exceeded")
         job = Generation(prompt_ids, params)
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise RequestError("the server is busy: too many requests are waiting; retry later", status=503) from None
+        if not self._queue.put(job):
+            raise RequestError("the server is busy: too many requests are waiting; retry later", status=503)
         return job
+
+    def withdraw(self, job: Generation) -> None:
+        """End a submitted generation whose client left (or whose reply is done): it stops at the next token, and
+        one still waiting leaves the line at once."""
+        job.cancelled.set()
+        if self._queue.withdraw(job):
+            self._count_cancelled()
 
     def close(self) -> None:
         """Stop the generation thread after the current request."""
-        self._closing.set()
-        with contextlib.suppress(queue.Full):
-            self._queue.put_nowait(None)  # wakes an idle thread; a busy one sees _closing next
+        self._queue.close()
+
+    def _count_cancelled(self) -> None:
+        with self._counting:  # the connections' threads and the generation thread count
+            self.cancelled += 1
 
     def _serve(self) -> None:
-        while not self._closing.is_set() and (job := self._queue.get()) is not None:
+        while (job := self._queue.get()) is not None:
             if job.cancelled.is_set():
-                self.cancelled += 1
+                self._count_cancelled()
                 continue
             try:  # a client that left ends its generation at the next token, also while no text comes
                 job.stream = self.generator.stream(job.prompt_ids, job.params, cancelled=job.cancelled.is_set)
@@ -329,7 +395,7 @@ class ChatService:
                         break
                     job.pieces.put(piece)
                 if job.cancelled.is_set():
-                    self.cancelled += 1
+                    self._count_cancelled()
                 job.pieces.put(_DONE)
             except Exception as exc:  # noqa: BLE001 - the request reports it; the server keeps serving
                 job.pieces.put(exc)
@@ -389,15 +455,24 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             self.reader.deadline = time.monotonic() + timeout_s
             super().handle_one_request()
 
+        def parse_request(self) -> bool:
+            """The standard library's, but an HTTP/1.0 connection closes after its reply, also one that asks to be
+            kept alive (which its reply would have to confirm: an HTTP/1.0 client waits for the close otherwise)."""
+            parsed = super().parse_request()
+            if self.request_version == "HTTP/1.0":
+                self.close_connection = True
+            return parsed
+
         def log_message(self, format: str, *args) -> None:  # keep the console for the operator's own output
             pass
 
         def _json(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
             data = json.dumps(payload, ensure_ascii=False).encode()
+            headers = {**({"Connection": "close"} if self.close_connection else {}), **(headers or {})}
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
-            for name, value in (headers or {}).items():
+            for name, value in headers.items():
                 self.send_header(name, value)
             self.end_headers()
             if self.command != "HEAD":
@@ -517,7 +592,9 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             if self.route != "/v1/chat/completions":
                 raise RequestError(f"no route POST {self.path}", status=404)
             body = parse_json_body(self._read_body())
-            prompt_ids = self.service.prompt_ids(parse_messages(body))
+            messages = parse_messages(body)
+            parse_options(body, self.service.default_max_tokens)  # its cheap checks before the costly tokenizing
+            prompt_ids = self.service.prompt_ids(messages)
             options = parse_options(body, self.service.default_max_tokens_after(prompt_ids))
             job = self.service.submit(prompt_ids, options.params)
             try:
@@ -526,7 +603,7 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                 else:
                     self._complete(job)
             finally:
-                job.cancelled.set()  # the client left (or is done): its generation must not go on
+                self.service.withdraw(job)  # the client left (or is done): its generation must not go on
 
         def _client_gone(self) -> bool:
             """Whether the client has left: its connection was reset or closed both ways (POLLERR, POLLHUP). The end
