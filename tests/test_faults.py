@@ -29,6 +29,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from multiprocessing.connection import wait
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -46,6 +47,7 @@ from llm.errors import UserError
 from llm.loading import consolidated_weights
 from llm.runtime.rank_env import RANK_VARIABLES, free_port
 from llm.train import checkpoint, job
+from llm.train.loader_watch import WatchedLoader
 from llm.train.metrics import MetricsSink
 from llm.train.run_record import write_run_record
 
@@ -529,3 +531,45 @@ def test_a_stop_while_the_rank_itself_is_stuck_reading_saves_the_last_complete_s
     assert (run / "checkpoints" / "latest").read_text() == f"global_step{step}"
     assert f"stopped by signal at step {step} while waiting for step {step + 1}'s data: its data loader (in the rank " \
            f"itself: data.loader_workers=0) gave none (stuck reading {pretrain_data}" in text, text[-3000:]
+
+
+def test_a_stop_while_stuck_after_a_resume_keeps_the_checkpoint_it_resumed_from(pretrain_data, tmp_path):
+    """A run resumed from its newest complete checkpoint where `latest` was lost, and stopped while its first read
+    hangs, saved that step again: the save first deleted the complete folder (`latest` did not name it), so until the
+    copy was whole the run had no checkpoint at all, while SLURM's SIGKILL was due."""
+    run, log, trigger, entered = tmp_path / "run", tmp_path / "run.log", tmp_path / "hang", tmp_path / "hung"
+    first = run_job(*train_args(pretrain_data, run, *LOADER_RUN, "data.loader_workers=0", "train.max_steps=2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    (run / "checkpoints" / "latest").unlink()
+    folder = run / "checkpoints" / "global_step2"
+    written = {path: path.stat().st_mtime_ns for path in folder.rglob("*")}
+    log.write_text("")
+    trigger.touch()  # every read of the train split hangs from the start
+    argv = list(map(str, train_args(pretrain_data, run, *LOADER_RUN, "data.loader_workers=0", "train.max_steps=4",
+                                    extra=["--resume", "auto"])))
+    rank = forkserver().Process(target=stuck_reader_main, args=(argv, log, trigger, entered))
+    rank.start()
+    try:
+        while not entered.exists():
+            assert rank.exitcode is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(rank.pid, signal.SIGTERM)
+        rank.join(60)
+    finally:
+        rank.kill()
+        rank.join()
+    text = log.read_text()
+    assert rank.exitcode == 75 and "resumed at step 2" in text, text[-3000:]
+    assert "stopped by signal at step 2 while waiting for step 3's data" in text, text[-3000:]
+    assert f"checkpoint global_step2 is in {run}" in text, text[-3000:]
+    assert {path: path.stat().st_mtime_ns for path in folder.rglob("*")} == written  # not deleted and written again
+
+
+def test_a_worker_ended_by_sigbus_is_said_to_need_shared_memory():
+    """torch says a worker's SIGBUS may be a full /dev/shm (Docker's 64 MiB default); the one line that replaced its
+    message said only the signal."""
+    workers = [SimpleNamespace(pid=7, exitcode=-signal.SIGBUS), SimpleNamespace(pid=8, exitcode=None)]
+    loader = WatchedLoader(SimpleNamespace(_workers=workers), torch.device("cpu"), "data")
+    assert loader.dead_workers() == ("its data-loader worker pid 7 was killed by SIGBUS (most often a full /dev/shm, "
+                                     "where workers hand their batches over: raise its size, e.g. docker run "
+                                     "--shm-size, or lower data.loader_workers)")

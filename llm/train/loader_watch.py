@@ -25,6 +25,13 @@ LIMIT = 0.9
 before the watchdog ends it at the timeout without knowing what the rank waits for."""
 
 
+KILLED_HINTS = {signal.SIGKILL: " (the out-of-memory killer's signal, most often: lower data.loader_workers or free "
+                                "memory)",
+                signal.SIGBUS: " (most often a full /dev/shm, where workers hand their batches over: raise its size, "
+                               "e.g. docker run --shm-size, or lower data.loader_workers)"}
+"""What a worker's death by each signal most often means."""
+
+
 class NoBatch(Exception):
     """The data loader gave no batch for step `step` in `waited` seconds, raised before the step trained anything;
     `loader` says what it waits for; `stopped`: a stop was asked for meanwhile."""
@@ -86,7 +93,7 @@ class WatchedLoader:
         if "error" in drawn:
             error = drawn.pop("error")
             # a transfer cut off by its worker's death fails before the rank hears of the death: wait for that news
-            if dead := self.dead_workers(wait_s=POLL_S):
+            if self._workers() and (dead := self.dead_workers(wait_s=POLL_S)):
                 raise WorkerDied(dead) from error
             raise error
         return drawn.pop("batch")
@@ -117,8 +124,7 @@ class WatchedLoader:
                 code = worker.exitcode
                 if code is not None and code < 0:
                     said.append(f"its data-loader worker pid {worker.pid} was killed by {signal.Signals(-code).name}"
-                                + (" (the out-of-memory killer's signal, most often: lower data.loader_workers or "
-                                   "free memory)" if -code == signal.SIGKILL else ""))
+                                + KILLED_HINTS.get(-code, ""))
                 elif code:
                     said.append(f"its data-loader worker pid {worker.pid} exited with code {code}")
             if said or time.monotonic() >= deadline:

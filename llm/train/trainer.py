@@ -374,8 +374,8 @@ class Trainer:
                                       "no checkpoint was saved",
                                       f"asked to stop, its data loader gave no batch for step {stalled.step}: no "
                                       "checkpoint was saved", logger, watchdog)
-        tag = rundir.tag_for(self.step)
-        saved = self.step > 0 and rundir.latest_tag(self.run_dir) != tag
+        tag = rundir.tag_for(self.step)  # complete already where the job resumed from it: not saved over
+        saved = self.step > 0 and rundir.incompleteness(self.run_dir, tag) is not None
         if saved:
             if sums is not None:
                 self._refuse_diverged(sums)
