@@ -506,17 +506,19 @@ def stuck_reader_main(argv: list[str], log: Path, trigger: Path, entered: Path) 
     main(argv)
 
 
-def test_a_stop_while_the_rank_itself_is_stuck_reading_saves_the_last_complete_step(pretrain_data, tmp_path):
-    """data.loader_workers=0 (the CPU's default): the rank reads its batches itself, and a read that never returned
-    held it past the stop as a stuck worker did."""
-    run, log, trigger, entered = tmp_path / "run", tmp_path / "run.log", tmp_path / "hang", tmp_path / "hung"
+def _stopped_while_reading(argv, run: Path, tmp_path: Path, hang_after_steps: bool) -> tuple[int, str]:
+    """`zerollm ARGV` (training into `run`) as one forked rank whose reads of the train split hang, after its first
+    logged steps or from the start, and which is sent SIGTERM once a read hangs: its exit code and output."""
+    log, trigger, entered = tmp_path / "run.log", tmp_path / "hang", tmp_path / "hung"
     log.write_text("")
-    argv = list(map(str, train_args(pretrain_data, run, *LOADER_RUN, "data.loader_workers=0")))
-    rank = forkserver().Process(target=stuck_reader_main, args=(argv, log, trigger, entered))
+    if not hang_after_steps:
+        trigger.touch()
+    rank = forkserver().Process(target=stuck_reader_main, args=(list(map(str, argv)), log, trigger, entered))
     rank.start()
     try:
-        _after_steps(lambda: rank.exitcode is not None, run)
-        trigger.touch()
+        if hang_after_steps:
+            _after_steps(lambda: rank.exitcode is not None, run)
+            trigger.touch()
         while not entered.exists():
             assert rank.exitcode is None, log.read_text()[-3000:]
             time.sleep(0.05)
@@ -525,9 +527,17 @@ def test_a_stop_while_the_rank_itself_is_stuck_reading_saves_the_last_complete_s
     finally:
         rank.kill()
         rank.join()
-    text = log.read_text()
+    return rank.exitcode, log.read_text()
+
+
+def test_a_stop_while_the_rank_itself_is_stuck_reading_saves_the_last_complete_step(pretrain_data, tmp_path):
+    """data.loader_workers=0 (the CPU's default): the rank reads its batches itself, and a read that never returned
+    held it past the stop as a stuck worker did."""
+    run = tmp_path / "run"
+    code, text = _stopped_while_reading(train_args(pretrain_data, run, *LOADER_RUN, "data.loader_workers=0"), run,
+                                        tmp_path, hang_after_steps=True)
     step = _metrics_rows(run)[-1]["step"]
-    assert rank.exitcode == 75 and "Traceback" not in text, text[-3000:]
+    assert code == 75 and "Traceback" not in text, text[-3000:]
     assert (run / "checkpoints" / "latest").read_text() == f"global_step{step}"
     assert f"stopped by signal at step {step} while waiting for step {step + 1}'s data: its data loader (in the rank " \
            f"itself: data.loader_workers=0) gave none (stuck reading {pretrain_data}" in text, text[-3000:]
@@ -537,29 +547,16 @@ def test_a_stop_while_stuck_after_a_resume_keeps_the_checkpoint_it_resumed_from(
     """A run resumed from its newest complete checkpoint where `latest` was lost, and stopped while its first read
     hangs, saved that step again: the save first deleted the complete folder (`latest` did not name it), so until the
     copy was whole the run had no checkpoint at all, while SLURM's SIGKILL was due."""
-    run, log, trigger, entered = tmp_path / "run", tmp_path / "run.log", tmp_path / "hang", tmp_path / "hung"
+    run = tmp_path / "run"
     first = run_job(*train_args(pretrain_data, run, *LOADER_RUN, "data.loader_workers=0", "train.max_steps=2"))
     assert first.returncode == 0, first.stderr[-3000:]
     (run / "checkpoints" / "latest").unlink()
     folder = run / "checkpoints" / "global_step2"
     written = {path: path.stat().st_mtime_ns for path in folder.rglob("*")}
-    log.write_text("")
-    trigger.touch()  # every read of the train split hangs from the start
-    argv = list(map(str, train_args(pretrain_data, run, *LOADER_RUN, "data.loader_workers=0", "train.max_steps=4",
-                                    extra=["--resume", "auto"])))
-    rank = forkserver().Process(target=stuck_reader_main, args=(argv, log, trigger, entered))
-    rank.start()
-    try:
-        while not entered.exists():
-            assert rank.exitcode is None, log.read_text()[-3000:]
-            time.sleep(0.05)
-        os.kill(rank.pid, signal.SIGTERM)
-        rank.join(60)
-    finally:
-        rank.kill()
-        rank.join()
-    text = log.read_text()
-    assert rank.exitcode == 75 and "resumed at step 2" in text, text[-3000:]
+    argv = train_args(pretrain_data, run, *LOADER_RUN, "data.loader_workers=0", "train.max_steps=4",
+                      extra=["--resume", "auto"])
+    code, text = _stopped_while_reading(argv, run, tmp_path, hang_after_steps=False)  # every read hangs from the start
+    assert code == 75 and "resumed at step 2" in text, text[-3000:]
     assert "stopped by signal at step 2 while waiting for step 3's data" in text, text[-3000:]
     assert f"checkpoint global_step2 is in {run}" in text, text[-3000:]
     assert {path: path.stat().st_mtime_ns for path in folder.rglob("*")} == written  # not deleted and written again

@@ -811,10 +811,11 @@ def test_bad_connection_limits_are_refused(options, message):
         bind_server("127.0.0.1", 0, **options)
 
 
-def test_a_full_queue_answers_503_and_the_queued_are_served(generator):
-    started, release = threading.Event(), threading.Event()
+def _holding(generator, started: threading.Event, release: threading.Event):
+    """A generator whose every generation sets `started` and then waits for `release` (at most CLIENT_TIMEOUT_S)
+    before its one piece of text: it holds the generation thread for as long as a test wants."""
 
-    class Held:  # a generation that waits for the test's word
+    class Held:
         finish_reason, completion_tokens = "stop", 1
 
         def __iter__(self):
@@ -828,7 +829,14 @@ def test_a_full_queue_answers_503_and_the_queued_are_served(generator):
         def stream(self, prompt, params, cancelled=None):
             return Held()
 
-    service = ChatService(Holding(), "tiny", max_queued=1)
+    return Holding()
+
+
+def test_a_full_queue_answers_503_and_the_queued_are_served(generator):
+    started, release = threading.Event(), threading.Event()
+    holding = _holding(generator, started, release)
+
+    service = ChatService(holding, "tiny", max_queued=1)
     server = make_server(service, "127.0.0.1", 0, timeout_s=CLIENT_TIMEOUT_S)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -1051,23 +1059,10 @@ def test_requests_whose_clients_left_give_up_their_places_in_the_line(generator)
     """A request whose client left kept its place until the generation thread reached it: a client sending requests
     and closing at once filled the line, and everyone else got 503 'the server is busy'."""
     started, release = threading.Event(), threading.Event()
-
-    class Held:  # a generation that waits for the test's word
-        finish_reason, completion_tokens = "stop", 1
-
-        def __iter__(self):
-            started.set()
-            release.wait(CLIENT_TIMEOUT_S)
-            yield "done"
-
-    class Holding:
-        model, tokenizer = generator.model, generator.tokenizer
-
-        def stream(self, prompt, params, cancelled=None):
-            return Held()
+    holding = _holding(generator, started, release)
 
     places = 2
-    with (running(Holding(), max_queued=places, timeout_s=CLIENT_TIMEOUT_S) as (url, service, _),
+    with (running(holding, max_queued=places, timeout_s=CLIENT_TIMEOUT_S) as (url, service, _),
           ThreadPoolExecutor(max_workers=2) as pool):
         try:
             running_one = pool.submit(_post, url, json.dumps(HELLO).encode())
