@@ -252,11 +252,7 @@ def _distillation_chunks(hidden: torch.Tensor, weight: torch.Tensor, teacher: Di
 def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
     """Mean token cross-entropy in fp32 over positions where loss_mask is 1 (all positions without a mask), a chunk
     of positions at a time."""
-    per_token = cross_entropy(logits, targets).reshape(-1)
-    if loss_mask is None:
-        return per_token.mean()
-    mask = loss_mask.reshape(-1).to(per_token.dtype)
-    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    return _masked_mean(cross_entropy(logits, targets).reshape(-1), *_mask_and_total(targets, loss_mask))
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
@@ -270,12 +266,8 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     The forward KL sums over the whole vocabulary; T^2 keeps its gradients the size of the cross-entropy's as T
     grows (the softened distributions' gradients shrink by 1/T^2)."""
     ce = masked_cross_entropy(student_logits, targets, loss_mask)
-    per_token = forward_kl(student_logits, teacher_logits, temperature)
-    if loss_mask is None:
-        kl = per_token.mean()
-    else:
-        mask = loss_mask.to(per_token.dtype)
-        kl = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    kl = _masked_mean(forward_kl(student_logits, teacher_logits, temperature).reshape(-1),
+                      *_mask_and_total(targets, loss_mask))
     return (1 - alpha) * ce + alpha * temperature ** 2 * kl, ce, kl
 
 
