@@ -302,7 +302,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                     "--split val (a prepared split). Prints loss per token, perplexity and bits per byte (total "
                     "nats / ln 2 / UTF-8 bytes of the scored text: tokenizer-independent). Or run benchmark suites "
                     "through lm-evaluation-harness: --tasks hellaswag,ceval-valid,cmmlu (needs `pip install "
-                    "lm-eval`); the results table is printed and saved in MODEL/eval/.")
+                    "lm-eval 'transformers<5.25'`); the results table is printed and saved in MODEL/eval/.")
     p.add_argument("--model", required=True, help="run directory (newest checkpoint) or export directory")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--input", nargs="+", metavar="PATH", help="text files or directories to score")

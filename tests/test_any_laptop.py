@@ -79,6 +79,20 @@ def test_the_model_trains_a_step_without_triton_installed():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
+def test_another_package_named_kernels_is_named_at_import(tmp_path):
+    """Hugging Face's `kernels` (required by transformers 5.25 and later), installed ahead of zerollm's kernels/,
+    is named in one line with what to do, not met later as a missing attribute."""
+    (tmp_path / "elsewhere" / "kernels").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "kernels" / "__init__.py").write_text("def get_kernel(name):\n    return name\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "elsewhere")}
+    result = subprocess.run([sys.executable, "-m", "llm", "--help"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, check=False)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and result.stdout == ""
+    assert last.startswith("ImportError: zerollm: `import kernels` finds ") and str(tmp_path / "elsewhere") in last
+    assert "pip uninstall -y kernels && pip install 'transformers<5.25'" in last
+
+
 ACCELERATOR_VARIABLES = ("DS_ACCELERATOR", CHOSEN_ACCELERATOR, "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
                          "OMPI_COMM_WORLD_SIZE")
 

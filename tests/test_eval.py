@@ -440,7 +440,7 @@ def test_a_chat_template_is_not_applied_where_the_tokenizer_has_none(export_dir,
 
 def test_without_lm_eval_tasks_are_a_one_line_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)
-    with pytest.raises(UserError, match="pip install lm-eval"):
+    with pytest.raises(UserError, match="pip install 'lm-eval' 'transformers<5.25'"):
         require_lm_eval()
 
 

@@ -1,5 +1,5 @@
-"""Benchmark suites through lm-evaluation-harness (`pip install lm-eval`, or the `eval` extra): `zerollm eval
---tasks hellaswag,ceval-valid,cmmlu` runs the harness's tasks on our model (`llm.eval.harness_lm`), prints its
+"""Benchmark suites through lm-evaluation-harness (the `eval` extra: lm-eval, transformers below 5.25): `zerollm
+eval --tasks hellaswag,ceval-valid,cmmlu` runs the harness's tasks on our model (`llm.eval.harness_lm`), prints its
 results table and saves the table and the full results in MODEL_DIR/eval/ (or --out).
 
 Task data comes from the Hugging Face Hub the first time a public task runs (then from the datasets cache);
@@ -24,7 +24,8 @@ from llm.eval.perplexity import check_batch_size, evaluation_context
 from llm.loading import load_for_inference
 from llm.train.run_record import git_state
 
-INSTALL_HINT = "lm-eval is not installed; pip install lm-eval (or pip install 'zerollm[eval]') to run --tasks"
+INSTALL_HINT = ("lm-eval is not installed; pip install 'lm-eval' 'transformers<5.25' (or the eval extra: pip install "
+                "'zerollm[eval]') to run --tasks")
 
 
 def require_lm_eval():
