@@ -283,6 +283,9 @@ def _deep_tool_call_arguments(depth: int) -> bytes:
     (_with(top_k=-5), "top_k"),  # vLLM's extension: it was ignored, whatever it was
     (_with(top_k=True), "top_k"),
     (_with(repetition_penalty=0), "repetition_penalty"),
+    (_with(min_p=0.1), "min_p"),  # vLLM's extensions the sampler lacks: each was ignored
+    (_with(min_tokens=8), "min_tokens"),
+    (_with(ignore_eos=True), "ignore_eos"),
     (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None),
     (b'{"messages": [{"role": "user", "content": "x"}], "top_p": -Infinity}', None),
     (b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}', "temperature"),
@@ -307,7 +310,7 @@ def test_null_fields_and_fields_that_ask_for_nothing_take_their_defaults(server,
     nothing = {"n": None, "stream": None, "stream_options": None, "logprobs": False, "top_logprobs": top_logprobs,
                "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
                "stop": None, "max_completion_tokens": None, "temperature": None, "model": "any name",
-               "tool_choice": "auto"}
+               "tool_choice": "auto", "min_p": 0.0, "min_tokens": 0, "ignore_eos": False}
     status, payload = _post(server, json.dumps({**HELLO, **nothing}).encode())
     assert status == 200 and payload["object"] == "chat.completion" and payload["model"] == "tiny"
 

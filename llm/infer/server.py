@@ -195,16 +195,28 @@ def _object(body: dict, key: str) -> dict | None:
     return value
 
 
+def _given_number(body: dict, key: str) -> int | float | None:
+    return _number(body, key, (int, float), None)
+
+
+def _given_integer(body: dict, key: str) -> int | None:
+    return _number(body, key, int, None)
+
+
 UNSUPPORTED: dict[str, tuple[Callable[[dict, str], Any], Any]] = {
     "logprobs": (_flag, False),
-    "top_logprobs": (lambda body, key: _number(body, key, int, None), 0),
+    "top_logprobs": (_given_integer, 0),
     "logit_bias": (_object, {}),
-    "frequency_penalty": (lambda body, key: _number(body, key, (int, float), None), 0),
-    "presence_penalty": (lambda body, key: _number(body, key, (int, float), None), 0),
+    "frequency_penalty": (_given_number, 0),
+    "presence_penalty": (_given_number, 0),
+    "min_p": (_given_number, 0),  # vLLM's extensions, as top_k is
+    "min_tokens": (_given_integer, 0),
+    "ignore_eos": (_flag, False),
 }
-"""OpenAI request fields this server does not implement: (their reader, the value that asks for nothing). A value of
-another type is refused by the reader as OpenAI refuses it (false is no integer, 0 no boolean), any value but nothing
-(or null) as unsupported, not ignored, so that a client never reads a reply made without what it asked for."""
+"""OpenAI request fields (and vLLM's) this server does not implement: (their reader, the value that asks for
+nothing). A value of another type is refused by the reader as OpenAI refuses it (false is no integer, 0 no boolean),
+any value but nothing (or null) as unsupported, not ignored, so that a client never reads a reply made without what
+it asked for."""
 
 
 def parse_options(body: dict, default_max_tokens: int) -> RequestOptions:
