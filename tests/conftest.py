@@ -144,6 +144,15 @@ def one_rank_group() -> Iterator[None]:
     dist.destroy_process_group()
 
 
+@pytest.fixture
+def deepspeed_without_shared_memory(monkeypatch) -> None:
+    """DeepSpeed's CPU communication as `setup_distributed` starts it: without the shared-memory op that building
+    DeepSpeed's collectives would compile first (a minute of a core)."""
+    import deepspeed  # noqa: PLC0415 - after the environment above is set
+
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", False)
+
+
 LONGEST_FILES = ("test_launch.py", "test_kernels_compile.py", "test_launch_conventions.py", "test_cli.py",
                  "test_train.py", "test_user_files.py", "test_eval.py", "test_gpu_check.py", "test_time_budget.py",
                  "test_launch_safety.py", "test_lora.py", "test_faults.py", "test_tokenizer.py",

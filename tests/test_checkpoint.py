@@ -645,14 +645,17 @@ class NvmeOffloadEngine(FakeEngine):
 
 def _deepspeed_collectives() -> object:
     """DeepSpeed's collectives over this process's group (its save's barriers), as deepspeed.init_distributed makes
-    them once torch's group exists."""
+    them once torch's group exists, without the shared-memory op (as `setup_distributed` builds them on a CPU; its
+    compile takes a minute of a core). In this process the `deepspeed_without_shared_memory` fixture undoes that."""
+    import deepspeed
     from deepspeed.comm.torch import TorchBackend
 
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return TorchBackend("gloo", timedelta(minutes=5), None)
 
 
 @pytest.fixture
-def deepspeed_collectives(one_rank_group, monkeypatch) -> None:
+def deepspeed_collectives(one_rank_group, deepspeed_without_shared_memory, monkeypatch) -> None:
     from deepspeed.comm import comm
 
     monkeypatch.setattr(comm, "cdb", _deepspeed_collectives())

@@ -185,13 +185,12 @@ def process_group_of_one():
 
 
 @pytest.fixture
-def deepspeed_group_of_one(process_group_of_one, monkeypatch):
-    """DeepSpeed's communication over the process group of one, as `setup_distributed` starts it on a CPU (without
-    the shared-memory op it would compile): DeepSpeed's fp16 optimizers ask it their rank and agree on overflows."""
+def deepspeed_group_of_one(process_group_of_one, deepspeed_without_shared_memory, monkeypatch):
+    """DeepSpeed's communication over the process group of one, as `setup_distributed` starts it on a CPU: DeepSpeed's
+    fp16 optimizers ask it their rank and agree on overflows."""
     import deepspeed
     from deepspeed.utils import groups
 
-    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", False)
     for cached in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP"):  # an engine's groups, of an earlier test's process group
         monkeypatch.setattr(groups, cached, None)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
