@@ -16,9 +16,8 @@ def check_own_kernels() -> None:
     found = Path(spec.origin).resolve().parent if spec is not None and spec.origin else None
     if found == OURS:
         return
-    where = f"{found}" if found is not None else "nothing"
     raise ImportError(
-        f"zerollm: `import kernels` finds {where}, not zerollm's {OURS}: another package named `kernels` (Hugging "
-        f"Face's, which transformers 5.25 and later require) hides it; in this environment run "
+        f"zerollm: `import kernels` finds {found or 'nothing'}, not zerollm's {OURS}: another package named `kernels` "
+        f"(Hugging Face's, which transformers 5.25 and later require) hides it; in this environment run "
         f"`pip uninstall -y kernels && pip install 'transformers<5.25'`, then reinstall zerollm unless it is an "
         f"editable install (pip install -e)")
