@@ -64,6 +64,7 @@ from launch.reachable import check_reachable, host_address
 from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
 from llm.errors import EXIT_PREEMPTED, UserError
+from llm.runtime.accelerator import ensure_accelerator_env
 from llm.runtime.cpu_threads import cpu_threads_per_rank
 from llm.runtime.supervisor import supervisor_env
 
@@ -497,8 +498,6 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
     another node), whatever code the launcher reports; EXIT_RANK_LOST, in one line, when the launcher reports a rank
     ended by a signal as DeepSpeed's does (256 - N; it does not say which); else the launcher's code, which under
     DeepSpeed's launcher and launch/torchrun.py is the failed rank's own (torchrun alone exits 1)."""
-    from llm.runtime.distributed import ensure_accelerator_env  # noqa: PLC0415 - imports torch, needed only now
-
     ensure_accelerator_env()
     stopping: list[int] = []
     with tempfile.TemporaryDirectory(prefix="zerollm-launch-") as tmp:

@@ -138,7 +138,7 @@ def report_rank_ended(who: str, signum: int) -> int:
 
 def relaunch_local(nproc: int, argv: list[str]) -> int:
     """Start `zerollm <argv>` (without --nproc) on `nproc` local ranks and wait; returns the job's exit code. Each
-    rank chooses its own accelerator (`llm.runtime.distributed.ensure_accelerator_env`, knowing the job's size,
+    rank chooses its own accelerator (`llm.runtime.accelerator.ensure_accelerator_env`, knowing the job's size,
     and making again a choice this process made for itself), so this process does not need torch."""
     command = [sys.executable, "-u", "-m", "llm", *strip_option(argv, "--nproc")]
     typed = shlex.join(["zerollm", *argv])

@@ -678,7 +678,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         import torch
 
         from llm.devices import mps_available, resolve
-        from llm.runtime.distributed import training_device_type
+        from llm.runtime.accelerator import training_device_type
 
         resolve(args.device, args.dtype)  # a device that is not here
         check_rank_device(args.device, training_device_type(torch.cuda.is_available(), mps_available(), args.nproc),

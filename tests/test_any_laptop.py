@@ -19,7 +19,7 @@ from packaging.requirements import Requirement
 
 from conftest import REPO, TINY, train_args
 from llm.config import build_config
-from llm.runtime.distributed import ensure_accelerator_env, training_device_type
+from llm.runtime.accelerator import ensure_accelerator_env, training_device_type
 from llm.runtime.rank_env import CHOSEN_ACCELERATOR
 
 

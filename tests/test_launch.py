@@ -112,6 +112,31 @@ def test_a_refused_launch_answers_without_loading_torch(tmp_path):
     assert result.stdout.split() == ["2", "False"]
 
 
+STARTED_WITH = """
+import sys
+import launch.launcher
+from llm.cli import main
+
+def started(command, **options):  # the launcher, not started: what this process had loaded by then
+    print(command[2], 'torch' in sys.modules)
+    sys.exit(0)
+
+launch.launcher.subprocess.Popen = started
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("chosen, loaded", [("cpu", False), (None, True)])
+def test_a_launch_loads_torch_only_to_look_for_a_gpu_where_the_user_chose_no_accelerator(tmp_path, chosen, loaded):
+    """`zerollm launch` imported torch (3 CPU-s, before DeepSpeed's runner imports it again) to choose DeepSpeed's
+    accelerator even where DS_ACCELERATOR gave it."""
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"} | ({"DS_ACCELERATOR": chosen} if chosen else {})
+    result = subprocess.run([sys.executable, "-c", STARTED_WITH, "launch", "--nproc-per-node", "2", "--master-port",
+                             str(free_port()), "--", *_job(tmp_path, tmp_path)], capture_output=True, text=True,
+                            timeout=120, cwd=REPO, env=env)
+    assert result.stdout.splitlines()[-1].split() == ["deepspeed.launcher.runner", str(loaded)], result.stderr[-3000:]
+
+
 def _launch_args(*argv):
     return launch_options(build_parser().parse_args(["launch", *argv, "--", "train"]))
 

@@ -33,7 +33,7 @@ from llm.errors import EXIT_OK, UserError
 from llm.eval.perplexity import evaluate_stream
 from llm.eval.token_stream import stream_of_files
 from llm.loading import load_trained_model
-from llm.runtime.distributed import local_device_type
+from llm.runtime.accelerator import local_device_type
 from llm.tokenizer import Tokenizer, check_training_options, train_tokenizer
 from llm.train.ds_config_file import load_ds_config
 from llm.train.engine import resolve_ds_config, resolve_precision

@@ -8,10 +8,7 @@ the PMI_RANK/PMI_SIZE/MPI_LOCALRANKID of MPICH and Intel MPI, PMIX_RANK): `llm.r
 --launcher openmpi|mvapich|mpich|impi` (or by mpirun directly, given MASTER_ADDR and MASTER_PORT) form one job
 instead of each training alone.
 
-DeepSpeed's CPU accelerator must be selected before `deepspeed` is first imported, which
-`ensure_accelerator_env` does; every module that imports deepspeed calls it first. The choice depends on the job's
-size (MPS for one rank only), so a rank makes it again rather than keep the one it inherits from the process that
-started it (`zerollm train --nproc N`, `zerollm launch`, DeepSpeed's runner), which chose for a job of one.
+DeepSpeed's accelerator is chosen before `deepspeed` is imported (`llm.runtime.accelerator`).
 
 A rank uses the GPU of its local rank where it sees enough GPUs for its node's ranks, and its only GPU where it sees
 one: under a launcher that gives each rank its rank variables (torchrun, DeepSpeed's launcher, mpirun of Open MPI,
@@ -42,35 +39,11 @@ import torch
 from packaging.version import Version
 
 from llm.errors import UserError, report
+from llm.runtime.accelerator import ensure_accelerator_env, local_device_type
 from llm.runtime.cpu_threads import cpu_claim, cpu_threads_per_rank, ranks_sharing_cpus
-from llm.runtime.rank_env import CHOSEN_ACCELERATOR, announced_world_size, rank_environment
+from llm.runtime.rank_env import rank_environment
 
 T = TypeVar("T")
-
-
-def training_device_type(cuda: bool, mps: bool, world_size: int) -> str:
-    """Where a rank trains: a CUDA GPU when there is one; Apple's MPS for a single rank (a Mac has one GPU);
-    else the CPU."""
-    if cuda:
-        return "cuda"
-    return "mps" if mps and world_size == 1 else "cpu"
-
-
-def local_device_type() -> str:
-    return training_device_type(torch.cuda.is_available(), torch.backends.mps.is_available(),
-                                announced_world_size(dict(os.environ)))
-
-
-def ensure_accelerator_env() -> None:
-    """Select DeepSpeed's accelerator (cpu or mps) for this process's job where there is no CUDA GPU and the user
-    chose none, marking it as our choice; must run before deepspeed is imported. A marked choice this process
-    inherited is made again, for this job's size."""
-    inherited = os.environ.pop(CHOSEN_ACCELERATOR, None)
-    if inherited is not None and os.environ.get("DS_ACCELERATOR") == inherited:
-        del os.environ["DS_ACCELERATOR"]
-    kind = local_device_type()
-    if kind != "cuda" and "DS_ACCELERATOR" not in os.environ:
-        os.environ["DS_ACCELERATOR"] = os.environ[CHOSEN_ACCELERATOR] = kind
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ import torch.distributed as dist
 
 from llm import durable, rundir
 from llm.errors import UserError
-from llm.runtime.distributed import agreed, ensure_accelerator_env, raise_together, refuse_together
+from llm.runtime.accelerator import ensure_accelerator_env
+from llm.runtime.distributed import agreed, raise_together, refuse_together
 
 FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # read by torch on every torch.load
 DELETING_PREFIX = ".deleting-"

@@ -24,8 +24,8 @@ from kernels.runtime import cuda_has_bf16
 from llm.config import RunConfig
 from llm.devices import DTYPES
 from llm.errors import UserError
+from llm.runtime.accelerator import ensure_accelerator_env
 from llm.runtime.deferred_compile import defer_muon_compile
-from llm.runtime.distributed import ensure_accelerator_env
 from llm.train.ds_scheduler import resolve_scheduler, scheduler_name
 
 ensure_accelerator_env()

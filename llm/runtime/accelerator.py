@@ -1,0 +1,45 @@
+"""Which device a job trains on, and DeepSpeed's accelerator chosen from it before DeepSpeed is imported.
+
+DeepSpeed's CPU accelerator must be selected before `deepspeed` is first imported, which
+`ensure_accelerator_env` does; every module that imports deepspeed calls it first. The choice depends on the job's
+size (MPS for one rank only), so a rank makes it again rather than keep the one it inherits from the process that
+started it (`zerollm train --nproc N`, `zerollm launch`, DeepSpeed's runner), which chose for a job of one.
+
+torch is imported only to look for a GPU, and not where the user chose DeepSpeed's accelerator (DS_ACCELERATOR):
+`zerollm launch`, which starts ranks and trains nothing, then starts its launcher without loading torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+from llm.runtime.rank_env import CHOSEN_ACCELERATOR, announced_world_size
+
+
+def training_device_type(cuda: bool, mps: bool, world_size: int) -> str:
+    """Where a rank trains: a CUDA GPU when there is one; Apple's MPS for a single rank (a Mac has one GPU);
+    else the CPU."""
+    if cuda:
+        return "cuda"
+    return "mps" if mps and world_size == 1 else "cpu"
+
+
+def local_device_type() -> str:
+    import torch  # noqa: PLC0415 - only to look for a GPU: ensure_accelerator_env needs none where the user chose
+
+    return training_device_type(torch.cuda.is_available(), torch.backends.mps.is_available(),
+                                announced_world_size(dict(os.environ)))
+
+
+def ensure_accelerator_env() -> None:
+    """Select DeepSpeed's accelerator (cpu or mps) for this process's job where there is no CUDA GPU and the user
+    chose none, marking it as our choice; must run before deepspeed is imported. A marked choice this process
+    inherited is made again, for this job's size."""
+    inherited = os.environ.pop(CHOSEN_ACCELERATOR, None)
+    if inherited is not None and os.environ.get("DS_ACCELERATOR") == inherited:
+        del os.environ["DS_ACCELERATOR"]
+    if "DS_ACCELERATOR" in os.environ:  # the user's
+        return
+    kind = local_device_type()
+    if kind != "cuda":
+        os.environ["DS_ACCELERATOR"] = os.environ[CHOSEN_ACCELERATOR] = kind
