@@ -130,7 +130,8 @@ main(sys.argv[1:])
 def test_a_launch_loads_torch_only_to_look_for_a_gpu_where_the_user_chose_no_accelerator(tmp_path, chosen, loaded):
     """`zerollm launch` imported torch (3 CPU-s, before DeepSpeed's runner imports it again) to choose DeepSpeed's
     accelerator even where DS_ACCELERATOR gave it."""
-    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"} | ({"DS_ACCELERATOR": chosen} if chosen else {})
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env.update({"DS_ACCELERATOR": chosen} if chosen else {})
     result = subprocess.run([sys.executable, "-c", STARTED_WITH, "launch", "--nproc-per-node", "2", "--master-port",
                              str(free_port()), "--", *_job(tmp_path, tmp_path)], capture_output=True, text=True,
                             timeout=120, cwd=REPO, env=env)
