@@ -30,6 +30,7 @@ from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 from llm.loading import load_for_inference
 from llm.model import Transformer
+from llm.model.from_weights import shapes_only
 from llm.model.lora import apply_lora, parameter_counts
 
 BENCH_VOCAB = 6400
@@ -68,7 +69,7 @@ def write_random_conversations(out: Path, vocab_size: int, n_conversations: int,
 
 def trainable_parameters(cfg: RunConfig) -> tuple[int, int]:
     """(trainable, total) parameters of the run config's model, LoRA included; counted on the meta device."""
-    with torch.device("meta"):
+    with shapes_only():
         model = Transformer(cfg.model)
         if cfg.lora.r:
             apply_lora(model, cfg.lora, cfg.train.seed)

@@ -31,7 +31,7 @@ from llm.config import ModelConfig, validate_model
 from llm.data.output import refuse_foreign_contents
 from llm.errors import UserError, read_user_json_object
 from llm.model import Transformer
-from llm.model.from_weights import model_from_weights
+from llm.model.from_weights import model_from_weights, shapes_only
 from llm.model.rope import yarn_attention_scale
 from llm.tokenizer import CONFIG_FILE as TOKENIZER_CONFIG
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
@@ -337,7 +337,7 @@ def import_model(directory: Path) -> Transformer:
     if len(layers) != cfg.n_layers:  # checked first: building a model of a hostile layer count would never end
         raise UserError(f"{directory}: weights do not match {HF_CONFIG_FILE} ({len(layers)} layers in the weights, "
                         f"num_hidden_layers {cfg.n_layers})")
-    with torch.device("meta"):  # names and shapes only: a hostile size in config.json allocates nothing
+    with shapes_only():  # names and shapes only: a hostile size in config.json allocates nothing
         expected = Transformer(cfg).state_dict()
     ours = {hf_name(k): k for k in expected}
     if cfg.tie_embeddings:

@@ -1,4 +1,6 @@
 import itertools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ from llm.config import ModelConfig, build_config
 from llm.export import WEIGHTS_FILE, export_model
 from llm.loading import load_model_dir, load_trained_model
 from llm.model import Transformer
-from llm.model.from_weights import model_from_weights, model_to_fill
+from llm.model.from_weights import model_from_weights, model_to_fill, shapes_only
 from llm.train.rollout import RolloutPolicy
 
 SHAPES = {
@@ -116,3 +118,32 @@ def test_the_zero3_rollout_model_is_made_without_random_weights(mode):
     sizes = {p.numel() for p in policy.model.parameters()}
     assert (sizes == {0}) == (mode == "gathered")
     assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}
+
+
+LOAD_AN_EXPORT = """
+import sys
+from pathlib import Path
+from llm.export import import_model
+model = import_model(Path(sys.argv[1]))
+print('torch._dynamo' in sys.modules, model.tok_embeddings.weight.device)
+"""
+
+
+def test_loading_an_export_leaves_torch_dynamo_unimported(tmp_path):
+    """The meta-device model that names and shapes an export's weights ran torch's initialisers and built its RoPE
+    tables through torch's Python reference implementations, whose first call imports torch._dynamo: 2 CPU-s of
+    every command that loads a model to generate, chat, serve, evaluate or export."""
+    export_model(Transformer(_cfg()), None, tmp_path / "export")
+    result = subprocess.run([sys.executable, "-c", LOAD_AN_EXPORT, str(tmp_path / "export")], capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.stdout.split() == ["False", "cpu"], result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_model_of_shapes_only_has_every_parameter_on_the_meta_device(shape):
+    with shapes_only():
+        model = Transformer(_cfg(**SHAPES[shape]))
+    reference = Transformer(_cfg(**SHAPES[shape]))
+    assert all(p.is_meta for p in model.parameters())
+    assert {n: p.shape for n, p in model.named_parameters()} == {n: p.shape for n, p in reference.named_parameters()}
+    assert torch.empty(2).device.type == "cpu" and torch.nn.init.normal_(torch.zeros(3)).abs().sum() > 0  # left

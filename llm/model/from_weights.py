@@ -4,17 +4,41 @@
 over them: for an 8B model that is 32 GB of fp32 beside the 32 GB being loaded, and minutes of random number
 generation on the host. Here the model is built on the meta device (shapes, no memory), its parameters become the
 given tensors (or uninitialised storage, or none, to be filled later), and the RoPE tables are computed for real.
+
+On the meta device the initialisers (`torch.nn.init`) compute nothing, yet torch runs them through its Python
+reference implementations, the first of which imports torch._dynamo (2 CPU-s): `shapes_only` skips them, so that a
+command that loads a model to generate, evaluate or export never imports it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from llm.config import ModelConfig
 from llm.model.rope import rope_tables
 from llm.model.transformer import Transformer
+
+
+class _SkipInitialisers(TorchFunctionMode):
+    """Returns the tensor a `torch.nn.init` function was given, untouched; every other call runs."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == torch.nn.init.__name__:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Modules built inside have their parameters and buffers on the meta device (shapes, no memory), their
+    initialisers skipped."""
+    with torch.device("meta"), _SkipInitialisers():
+        yield
 
 
 def model_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> Transformer:
@@ -23,7 +47,7 @@ def model_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> Tr
     among `weights` is ignored (check beforehand that it is a copy). RuntimeError when shapes differ (torch's
     message, one 'size mismatch' line per tensor) or names are missing or unexpected ('missing [...], unexpected
     [...]')."""
-    with torch.device("meta"):
+    with shapes_only():
         model = Transformer(cfg)
     tied = {"output.weight"} if cfg.tie_embeddings else set()
     given = {name: tensor for name, tensor in weights.items() if name not in tied}

@@ -47,17 +47,19 @@ def yarn_attention_scale(factor: float) -> float:
 
 
 def rope_tables(cfg: ModelConfig, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of the first `length` positions (default max_seq_len), each float32 `[length, head_dim // 2]`;
-    a position's row does not depend on `length`."""
-    head_dim = cfg.attention_head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    scale = 1.0
-    if cfg.rope_scaling == "yarn":
-        inv_freq, scale = _yarn_inv_freq(inv_freq, head_dim, cfg)
-    elif cfg.rope_scaling == "llama3":
-        inv_freq = _llama3_inv_freq(inv_freq, cfg)
-    angles = torch.outer(torch.arange(length or cfg.max_seq_len, dtype=torch.float64), inv_freq)
-    return (angles.cos() * scale).float(), (angles.sin() * scale).float()
+    """(cos, sin) of the first `length` positions (default max_seq_len), each float32 `[length, head_dim // 2]` on
+    the CPU (computed there in float64, whatever the default device; callers move them); a position's row does not
+    depend on `length`."""
+    with torch.device("cpu"):
+        head_dim = cfg.attention_head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        scale = 1.0
+        if cfg.rope_scaling == "yarn":
+            inv_freq, scale = _yarn_inv_freq(inv_freq, head_dim, cfg)
+        elif cfg.rope_scaling == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, cfg)
+        angles = torch.outer(torch.arange(length or cfg.max_seq_len, dtype=torch.float64), inv_freq)
+        return (angles.cos() * scale).float(), (angles.sin() * scale).float()
 
 
 def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from llm.errors import UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 from llm.model import Transformer
-from llm.model.from_weights import model_to_fill
+from llm.model.from_weights import model_to_fill, shapes_only
 from llm.model.lora import apply_lora
 from llm.runtime.distributed import DistInfo, agreed
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
@@ -96,7 +96,7 @@ class RolloutPolicy:
         self.mode = "engine" if engine.zero_optimization_stage() != 3 else cfg.grpo.rollout_model
         self.model = None
         if self.mode != "engine":
-            with torch.device("meta"):  # no random weights: the engine's replace them at every rollout
+            with shapes_only():  # no random weights: the engine's replace them at every rollout
                 model = Transformer(cfg.model)
                 if cfg.lora.r:  # the policy's structure, so that its parameters match the engine's by name
                     apply_lora(model, cfg.lora, cfg.train.seed)
