@@ -323,6 +323,17 @@ def _fit(engine, run_dir, *sets: str) -> list[dict]:
     return [json.loads(line) for line in (run_dir / rundir.METRICS_FILE).read_text().splitlines()]
 
 
+def test_only_the_rank_that_writes_the_metrics_measures_the_peak(monkeypatch, tmp_path):
+    """Every rank measured the CPU's matmul rate (0.3 CPU-s at each start) that only rank 0's rows use."""
+    measured = []
+    monkeypatch.setattr(metrics, "measure_peak_flops", lambda device, dtype: measured.append(device) or 2e9)
+    cfg = build_config("demo", [])
+    for rank, sink in ((1, None), (0, metrics.MetricsSink(tmp_path, cfg, "run", 0))):
+        info = DistInfo(rank=rank, local_rank=rank, world_size=2, local_world_size=2, device=CPU)
+        logger = metrics.MetricsLogger(cfg, info, n_params=15, start_step=0, sink=sink)
+    assert measured == [CPU] and logger.peak_flops == 4e9
+
+
 @pytest.mark.parametrize("kind, window", [("unfused", 1), ("fused", 1000)])
 def test_the_logged_gradient_norm_is_of_the_unscaled_gradients(tmp_path, deepspeed_group_of_one, kind, window):
     """fp16 without ZeRO: FP16_UnfusedOptimizer (torch's AdamW) keeps the norm of the gradients still multiplied by

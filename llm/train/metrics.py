@@ -250,7 +250,9 @@ class MetricsLogger:
         self.cfg, self.sink = cfg, sink
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
         self.flops_per_token = flops_per_token(cfg.model, n_params, cfg.data.seq_len)
-        self.peak_flops = peak_flops_per_rank(info.device, t.peak_tflops, dtype) * info.world_size
+        # only the rank that writes the rows reads the peak: another would measure its matmuls for nothing
+        self.peak_flops = None if sink is None else peak_flops_per_rank(info.device, t.peak_tflops, dtype) * \
+            info.world_size
         self.device = info.device
         self.interactive = sys.stdout.isatty()  # a bar on a terminal, plain lines in a log file
         self.bar = tqdm(total=t.max_steps if t.max_time is None else None,  # a time budget: no step count known
