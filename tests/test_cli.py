@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, zerollm_here
 
 
 @pytest.mark.parametrize("command", [[], ["tokenizer", "train"], ["data", "prepare"], ["train", "pretrain"],
@@ -24,37 +24,38 @@ def test_module_entry_point_matches_console_script():
 
 
 def test_demo_runs_every_stage_and_reports_accuracy(tmp_path):
-    result = run_cli("demo", "--out", tmp_path, "--steps", 12)  # every stage at most 12 steps
+    result = run_cli("demo", "--out", tmp_path, "--steps", 4)  # every stage at most 4 steps
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "validation loss fell" in result.stdout
     assert "samples (greedy):" in result.stdout and "'The capital of France is' ->" in result.stdout
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "global_step12"
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "global_step4"
     report = result.stdout[result.stdout.index("accuracy on 114 held-out arithmetic questions"):]
     for stage in ("pretrain", "sft", "dpo", "grpo"):
         assert re.search(rf"after {stage} +\d+\.\d %", report), stage
     for stage in ("sft", "dpo", "grpo"):
-        assert (tmp_path / f"{stage}_run" / "checkpoints" / "latest").read_text() == "global_step12", stage
+        assert (tmp_path / f"{stage}_run" / "checkpoints" / "latest").read_text() == "global_step4", stage
     assert (tmp_path / "grpo.jsonl").read_text().count("\n") == 800 - 114  # the training questions, with answers
 
 
-def test_demo_refuses_a_folder_of_the_users_and_steps_below_one(tmp_path):
+def test_demo_refuses_a_folder_of_the_users_and_steps_below_one(tmp_path, monkeypatch, capsys):
     """The demo overwrote corpus.txt and deleted tokenizer/ in any --out (`--out .` in a project lost its own); a
-    file as --out was a FileExistsError traceback; --steps 0 ran the full-length demo."""
+    file as --out was a FileExistsError traceback; --steps 0 ran the full-length demo. Each is refused before the
+    demo starts anything, so it runs in this process."""
     mine = tmp_path / "project"
     (mine / "tokenizer").mkdir(parents=True)
     (mine / "tokenizer" / "tokenizer.json").write_text("{}")
     (mine / "corpus.txt").write_text("my corpus")
-    result = run_cli("demo", "--out", mine)
-    assert (result.returncode, result.stderr.splitlines()[-1]) == (2, (
+    assert zerollm_here(monkeypatch, "demo", "--out", mine) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
         f"zerollm: error: --out {mine} holds corpus.txt, tokenizer, which zerollm demo did not write; it replaces its "
-        "output there, so give it a new or empty directory (or one it wrote before)"))
+        "output there, so give it a new or empty directory (or one it wrote before)")
     assert (mine / "corpus.txt").read_text() == "my corpus" and (mine / "tokenizer" / "tokenizer.json").is_file()
     (tmp_path / "afile").write_text("x")
-    result = run_cli("demo", "--out", tmp_path / "afile")
-    assert (result.returncode, result.stderr.splitlines()[-1]) == (2, (
-        f"zerollm: error: --out {tmp_path / 'afile'}: is a file; give a directory (new, empty, or an earlier demo's)"))
-    result = run_cli("demo", "--out", tmp_path / "new", "--steps", 0)
-    assert result.returncode == 2 and "argument --steps: must be at least 1, got 0" in result.stderr
+    assert zerollm_here(monkeypatch, "demo", "--out", tmp_path / "afile") == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"zerollm: error: --out {tmp_path / 'afile'}: is a file; give a directory (new, empty, or an earlier demo's)")
+    assert zerollm_here(monkeypatch, "demo", "--out", tmp_path / "new", "--steps", 0) == 2
+    assert "argument --steps: must be at least 1, got 0" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
 
 
