@@ -56,6 +56,18 @@ def zerollm_here(monkeypatch, *args) -> int:
     return ended.value.code
 
 
+@pytest.fixture
+def cli_here(monkeypatch, capsys) -> Callable[..., subprocess.CompletedProcess]:
+    """`zerollm ARGS` run in this process (`zerollm_here`), with its exit code and output as `run_cli` gives them:
+    for commands that start no process and train nothing, saving the fresh interpreter's imports."""
+    def run(*args) -> subprocess.CompletedProcess:
+        code = zerollm_here(monkeypatch, *args)
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(list(map(str, args)), code, captured.out, captured.err)
+
+    return run
+
+
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
     """The directory `name`, filled by `build` once per test session: under pytest-xdist the first worker to ask
     builds it in the directory all workers share, the others wait for it and read it (tests only read these)."""

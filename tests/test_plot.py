@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from test_checkpoint import file_size_limit
 
-from conftest import run_cli
 from llm.errors import UserError
 from llm.plot import plot_runs
 
@@ -37,12 +36,12 @@ def _colour_pixels(image, rgb, tolerance=0.02):
     return int((np.abs(image[..., :3] - target) < tolerance).all(-1).sum())
 
 
-def test_plot_writes_a_png_with_every_run_drawn(tmp_path):
+def test_plot_writes_a_png_with_every_run_drawn(tmp_path, cli_here):
     import matplotlib.image
 
     first, second = fake_run(tmp_path / "a", 20, 1.0), fake_run(tmp_path / "b", 30, 1.5, batch=16)
     out = tmp_path / "pictures" / "runs.png"
-    result = run_cli("plot", first, second, "--out", out)
+    result = cli_here("plot", first, second, "--out", out)
     assert result.returncode == 0, result.stderr[-2000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     image = matplotlib.image.imread(out)
@@ -59,14 +58,14 @@ def test_tokens_seen_follow_the_global_batch_and_window(tmp_path):
     assert xs == [5 * 16 * 64, 10 * 16 * 64] and len(ys) == 2
 
 
-def test_a_directory_without_metrics_is_a_one_line_error(tmp_path):
-    result = run_cli("plot", tmp_path, "--out", tmp_path / "x.png")
+def test_a_directory_without_metrics_is_a_one_line_error(tmp_path, cli_here):
+    result = cli_here("plot", tmp_path, "--out", tmp_path / "x.png")
     assert result.returncode == 2 and "no metrics.jsonl" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_a_run_directory_that_does_not_exist_is_named_so(tmp_path):
+def test_a_run_directory_that_does_not_exist_is_named_so(tmp_path, cli_here):
     """Was "no metrics.jsonl; is this a run directory made by `zerollm train`?"."""
-    result = run_cli("plot", tmp_path / "nowhere", "--out", tmp_path / "x.png")
+    result = cli_here("plot", tmp_path / "nowhere", "--out", tmp_path / "x.png")
     assert result.returncode == 2 and result.stderr == f"zerollm: error: {tmp_path / 'nowhere'}: no such directory\n"
 
 
@@ -176,25 +175,25 @@ def test_a_panel_without_data_says_so(tmp_path, monkeypatch):
                     "throughput (tokens/s) by step": ["no data"], "throughput (tokens/s) by tokens seen": ["no data"]}
 
 
-def test_the_picture_file_is_checked_before_drawing(tmp_path):
+def test_the_picture_file_is_checked_before_drawing(tmp_path, cli_here):
     run = fake_run(tmp_path / "a", 6, 1.0)
-    bad = run_cli("plot", run, "--out", tmp_path / "x.txt")  # a matplotlib traceback before
+    bad = cli_here("plot", run, "--out", tmp_path / "x.txt")  # a matplotlib traceback before
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.startswith(f"zerollm: error: --out {tmp_path / 'x.txt'}: matplotlib cannot write .txt pictures")
     (tmp_path / "pictures").mkdir()
-    folder = run_cli("plot", run, "--out", tmp_path / "pictures")  # before: said it wrote the folder, wrote beside it
+    folder = cli_here("plot", run, "--out", tmp_path / "pictures")  # before: said it wrote the folder, wrote beside it
     assert folder.returncode == 2 and "is a directory; give a file such as" in folder.stderr
-    plain = run_cli("plot", run, "--out", tmp_path / "curves")
+    plain = cli_here("plot", run, "--out", tmp_path / "curves")
     assert plain.returncode == 0 and plain.stdout == f"wrote {tmp_path / 'curves.png'}\n"
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    suffix = run_cli("plot", run, "--out", tmp_path / "pictures" / ".png")  # wrote pictures/.png.png
+    suffix = cli_here("plot", run, "--out", tmp_path / "pictures" / ".png")  # wrote pictures/.png.png
     assert suffix.returncode == 2 and suffix.stderr == (f"zerollm: error: --out {tmp_path / 'pictures' / '.png'} is a "
                                                         "suffix without a file name; give a file such as "
                                                         f"{tmp_path / 'pictures' / 'runs.png'}\n")
     assert list((tmp_path / "pictures").iterdir()) == []
 
 
-def test_values_that_are_not_numbers_are_not_drawn(tmp_path):
+def test_values_that_are_not_numbers_are_not_drawn(tmp_path, cli_here):
     """Strings were drawn as categories in the order they came ("9" above "1" above "5"), exit 0; a list was a numpy
     traceback."""
     from llm.plot import read_run
@@ -206,7 +205,7 @@ def test_values_that_are_not_numbers_are_not_drawn(tmp_path):
         f.write(json.dumps({"step": True, "loss": 3.0}) + "\n")  # was drawn as step 1
     xs, ys = read_run(run).points("loss", "step")
     assert xs == [1, 2, 3, 4, 5, 6, 12] and ys[-1] == 2.5
-    assert run_cli("plot", run, "--out", tmp_path / "x.png").returncode == 0
+    assert cli_here("plot", run, "--out", tmp_path / "x.png").returncode == 0
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -216,17 +215,17 @@ def test_values_that_are_not_numbers_are_not_drawn(tmp_path):
                                                      '{"step": 2, "loss": -1e308, "lr": 1e-300}\n'),
      "cannot draw these metrics"),
 ])
-def test_damaged_runs_are_one_line(tmp_path, damage, message):
+def test_damaged_runs_are_one_line(tmp_path, damage, message, cli_here):
     """Each was a traceback: FileNotFoundError, a str times an int, matplotlib's ValueError."""
     run = fake_run(tmp_path / "a", 6, 1.0)
     damage(run)
-    result = run_cli("plot", run, "--out", tmp_path / "x.png")
+    result = cli_here("plot", run, "--out", tmp_path / "x.png")
     assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
 
 
-def test_an_out_below_a_file_is_one_line(tmp_path):
+def test_an_out_below_a_file_is_one_line(tmp_path, cli_here):
     run = fake_run(tmp_path / "a", 6, 1.0)
-    result = run_cli("plot", run, "--out", run / "config.yaml" / "x.png")
+    result = cli_here("plot", run, "--out", run / "config.yaml" / "x.png")
     assert result.returncode == 2 and result.stderr == (f"zerollm: error: --out {run / 'config.yaml' / 'x.png'}: "
                                                         f"cannot write it ({run / 'config.yaml'} is a file, not a "
                                                         "directory)\n"), result.stderr
@@ -244,7 +243,7 @@ def test_a_failed_write_leaves_the_earlier_picture_and_no_partial_file(tmp_path)
     assert out.read_bytes() == b"the earlier picture" and list(out.parent.iterdir()) == [out]
 
 
-def test_a_run_whose_rows_hold_null_is_drawn_without_those_points(tmp_path):
+def test_a_run_whose_rows_hold_null_is_drawn_without_those_points(tmp_path, cli_here):
     """metrics.jsonl writes a value that is not a finite number as null (an unknown GPU's MFU, a skipped fp16
     step's gradient norm): the plot leaves that point out and draws the rest."""
     from llm.config import build_config
@@ -259,6 +258,6 @@ def test_a_run_whose_rows_hold_null_is_drawn_without_those_points(tmp_path):
                   "tokens_per_sec": 1000.0 + step})
     assert read_run(run).points("loss", "step") == ([1, 3, 4], [3.0, 2.0, 1.5])
     out = tmp_path / "runs.png"
-    result = run_cli("plot", run, "--out", out)
+    result = cli_here("plot", run, "--out", out)
     assert result.returncode == 0, result.stderr[-2000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "Traceback" not in result.stderr
