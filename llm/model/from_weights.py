@@ -35,8 +35,8 @@ class _SkipInitialisers(TorchFunctionMode):
 
 @contextlib.contextmanager
 def shapes_only() -> Iterator[None]:
-    """Modules built inside have their parameters and buffers on the meta device (shapes, no memory), their
-    initialisers skipped."""
+    """Modules built inside have their parameters on the meta device (shapes, no memory), their initialisers
+    skipped; a tensor made on a device named explicitly is real there (the RoPE tables, on the CPU)."""
     with torch.device("meta"), _SkipInitialisers():
         yield
 
