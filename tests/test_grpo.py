@@ -92,6 +92,8 @@ def test_reward_terms_weights_and_components(tmp_path, monkeypatch):
     ("no_such_module_xyz:fn", "cannot import no_such_module_xyz"),
     ("json:no_such_function", "json has no function 'no_such_function'"),
     ("format:[", "not a regular expression"),
+    ("format:a{99999999999}", r"not a regular expression \(the repetition number is too large\)"),  # OverflowError
+    ("format:" + "(" * 2000 + ")" * 2000, r"not a regular expression \(maximum recursion depth"),  # RecursionError
     ("model:/nonexistent/reward-model", "no config.json there"),
     ("missing_file.py:fn", "no such file missing_file.py"),
     ("os:system", r"system must be callable as system\(prompts=..., completions=..., \*\*fields\)"),
@@ -109,6 +111,7 @@ def test_bad_reward_terms_are_one_line_errors(term, message):
     ("    return ['1.0'] * len(completions)", r"returned list \['1.0', '1.0'\]; it must return one float per"),
     ("    return {i: 1.0 for i in range(len(completions))}", r"returned dict \{0: 1.0, 1: 1.0\}; it must return one"),
     ("    return [1e308] * len(completions)", r"each finite and at most 1e\+09 in magnitude"),  # inf in float32
+    ("    return [10**400] * len(completions)", r"returned list \[1000000000000\d*; it must return one float"),
     ("    completions.clear(); return []", r"returned list \[\]; it must return one float per completion \(2\)"),
     ("    return b'\\x01' * len(completions)", r"returned bytes b'\\x01\\x01'; it must return one float"),  # [1.0, 1.0]
 ])

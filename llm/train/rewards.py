@@ -122,7 +122,7 @@ class FormatReward:
     def __init__(self, pattern: str) -> None:
         try:
             self.regex = re.compile(pattern, re.DOTALL)
-        except re.error as exc:
+        except (re.error, OverflowError, RecursionError) as exc:  # a{99999999999}; thousands of nested groups
             raise UserError(f"--reward format:{pattern}: not a regular expression ({exc})") from None
 
     def __call__(self, batch: Completions) -> list[float]:
@@ -253,7 +253,7 @@ class UserFunction:
             if isinstance(scores, (Mapping, set, frozenset, str, bytes, bytearray)):  # a dict's keys, a set's order,
                 raise TypeError  # a text's characters or bytes: not one score per completion
             values = [float(s) for s in scores if not isinstance(s, (str, bytes))]  # "1.0" is not a score
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond any float (10**400)
             values = None
         if values is None or len(values) != len(batch.texts) or not all(abs(v) <= MAX_MAGNITUDE for v in values):
             raise UserError(f"--reward {self.term}: returned {type(scores).__name__} {str(scores)[:80]}; it must "
