@@ -35,7 +35,6 @@ cheaply; `llm.train.checkpoint` writes checkpoints and `llm.loading` rebuilds mo
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import sys
@@ -313,14 +312,20 @@ def client_state_of(run_dir: Path, tag: str) -> dict[str, Any]:
     return state
 
 
+MAX_COUNT = 2**63 - 1
+"""The largest count read from a run's JSON: what a signed 64-bit integer (torch's, numpy's, an array's) holds."""
+
+
 def is_count(value: Any, least: int = 0) -> bool:
-    """Whether a value read from a run's JSON is a whole number >= `least` (true and false are not)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+    """Whether a value read from a run's JSON is a whole number from `least` to MAX_COUNT (true and false are not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value <= MAX_COUNT
 
 
 def is_number(value: Any) -> bool:
-    """Whether a value read from a run's JSON is a finite number (true, false, NaN and Infinity are not)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """Whether a value read from a run's JSON is a finite number (true, false, NaN, Infinity and integers beyond
+    any float are not)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and \
+        -sys.float_info.max <= value <= sys.float_info.max  # NaN compares false
 
 
 def _client_state_problem(state: Any, tag: str) -> str | None:

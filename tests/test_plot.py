@@ -203,6 +203,8 @@ def test_values_that_are_not_numbers_are_not_drawn(tmp_path, cli_here):
         for step, loss in enumerate(["9", True, [1, 2], None, float("inf"), 2.5], start=7):
             f.write(json.dumps({"step": step, "loss": loss}) + "\n")
         f.write(json.dumps({"step": True, "loss": 3.0}) + "\n")  # was drawn as step 1
+        f.write(json.dumps({"step": 13, "loss": 10**400}) + "\n")  # an int beyond any float: OverflowError
+        f.write(json.dumps({"step": 2**63, "loss": 1.0}) + "\n")  # beyond a 64-bit step: OverflowError
     xs, ys = read_run(run).points("loss", "step")
     assert xs == [1, 2, 3, 4, 5, 6, 12] and ys[-1] == 2.5
     assert cli_here("plot", run, "--out", tmp_path / "x.png").returncode == 0
