@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 
 import h5py
@@ -227,14 +228,26 @@ def test_human_output_names_the_three_numbers(export_dir, text_files):
         assert label in result.stdout
 
 
-def test_mistakes_are_one_line_errors(export_dir, text_files, tmp_path, monkeypatch, capsys):
+def test_mistakes_are_one_line_errors(export_dir, text_files, pretrain_data, tmp_path, monkeypatch, capsys):
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n\n".join(f"another corpus, document {i}" for i in range(300)))
     tok = tmp_path / "tok"
     assert zerollm_here(monkeypatch, "tokenizer", "train", "--input", corpus, "--vocab-size", 300, "--out", tok) == 0
     assert zerollm_here(monkeypatch, "data", "prepare", "--input", corpus, "--tokenizer", tmp_path / "tok", "--out",
                         tmp_path / "data") == 0
+    cut, text, no_val = (tmp_path / name for name in ("cut", "text", "no_val"))  # each a traceback before
+    for folder in (cut, text, no_val):
+        shutil.copytree(pretrain_data, folder)
+    whole = (pretrain_data / "tokens.h5").read_bytes()
+    (cut / "tokens.h5").write_bytes(whole[:5000])  # a copy cut short
+    (text / "tokens.h5").write_text("not HDF5")
+    with h5py.File(no_val / "tokens.h5", "a") as h5:
+        del h5["val"]
     cases = [(["--data", tmp_path / "data"], "another tokenizer"),
+             (["--data", cut], f"{cut / 'tokens.h5'}: not a readable HDF5 file (truncated file: eof = 5000"),
+             (["--data", text], f"{text / 'tokens.h5'}: not a readable HDF5 file (file signature not found)"),
+             (["--data", no_val], f"{no_val / 'tokens.h5'}: no 'val' split; prepare the data again"),
+             (["--data", pretrain_data, "--split", ""], "--split must be one of train, val, got ''"),  # scored val
              (["--input", text_files[0], "--context", 8, "--stride", 9], "--stride"),
              (["--input", text_files[0], "--context", 65], "--context"),
              (["--input", tmp_path / "missing.txt"], "no such file")]

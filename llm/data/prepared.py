@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import h5py
@@ -31,8 +32,13 @@ def read_data_attrs(data_dir: str | Path, kind: str | tuple[str, ...]) -> dict:
     if not path.is_file():
         raise UserError(f"{data_dir}: no {TOKENS_FILE}; create it with `zerollm data prepare --kind "
                         f"{' or --kind '.join(kinds)}`")
-    with h5py.File(path, "r") as h5:
-        attrs = h5_attrs(h5)
+    try:
+        with h5py.File(path, "r") as h5:
+            attrs = h5_attrs(h5)
+    except OSError as exc:  # cut short by a copy, or not HDF5: h5py says why in parentheses
+        reason = re.search(r"\((.*)\)", str(exc))
+        raise UserError(f"{path}: not a readable HDF5 file ({reason[1] if reason else exc}); copy it again, or "
+                        "prepare the data again with `zerollm data prepare`") from None
     if attrs.get("schema_version") != SCHEMA_VERSION:
         raise UserError(f"{path}: schema version {attrs.get('schema_version')} is not {SCHEMA_VERSION}; "
                         "prepare the data again")

@@ -186,7 +186,7 @@ def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | Non
     """`zerollm eval --input/--data`: print the result (rank 0), on every rank of the job when started by a
     launcher; a mistake every rank finds is printed once per node. Returns the exit code."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    split = split or "val"
+    split = "val" if split is None else split  # --split '' is refused, not taken for val
     check_batch_size(batch_size)
     rank, announce = 0, True
     if world_size > 1:
