@@ -164,6 +164,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
         durable.write_bytes(out, picture.getvalue())  # a failed write leaves the earlier picture
     except OSError as exc:
         raise UserError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
+    except RuntimeError as exc:  # a format that needs a program matplotlib did not find: .pgf needs LaTeX
+        raise UserError(f"--out {out}: matplotlib cannot write .{out.suffix[1:]} pictures here ({exc})") from None
     except (ValueError, OverflowError) as exc:  # e.g. values too far apart for an axis
         raise UserError(f"cannot draw these metrics ({exc}); are the runs' metrics.jsonl files intact?") from None
     finally:

@@ -193,6 +193,16 @@ def test_the_picture_file_is_checked_before_drawing(tmp_path, cli_here):
     assert list((tmp_path / "pictures").iterdir()) == []
 
 
+def test_a_format_whose_program_is_missing_is_one_line(tmp_path, monkeypatch, cli_here):
+    """matplotlib lists .pgf among what it writes, but writes it through LaTeX: a RuntimeError traceback without."""
+    run = fake_run(tmp_path / "a", 6, 1.0)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no xelatex there
+    result = cli_here("plot", run, "--out", tmp_path / "x.pgf")
+    assert result.returncode == 2 and result.stderr.startswith(
+        f"zerollm: error: --out {tmp_path / 'x.pgf'}: matplotlib cannot write .pgf pictures here ('xelatex' not found")
+    assert result.stderr.count("\n") == 1 and not (tmp_path / "x.pgf").exists()
+
+
 def test_values_that_are_not_numbers_are_not_drawn(tmp_path, cli_here):
     """Strings were drawn as categories in the order they came ("9" above "1" above "5"), exit 0; a list was a numpy
     traceback."""
