@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import io
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -21,6 +21,7 @@ from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, La
 from llm import rundir
 from llm.config import build_config, load_recipe, parse_lora_spec, parse_override, recipe_names
 from llm.errors import EXIT_USER_ERROR, UserError, report
+from llm.stdout import GuardedStdout, OutputLost, discard
 from llm.train.ds_config_file import load_ds_config
 
 EPILOG = "Documentation: README.md. Errors in your input exit with code 2."
@@ -559,20 +560,6 @@ def _generator(args: argparse.Namespace):
     return TextGenerator(place(model, device, dtype), tokenizer)
 
 
-def _to_stdout(write: Callable[[], None]) -> int:
-    """Run `write`, which prints the command's output: exit code 0; 141, quietly, when stdout's reader left (| head),
-    as for a tool a closed pipe's SIGPIPE ends (the shell's 128 + 13; Ctrl-C: 130); a full disk (> /dev/full) is
-    one line."""
-    try:
-        write()
-    except OSError as exc:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered must not fail at exit
-        if isinstance(exc, BrokenPipeError):
-            return 141
-        raise UserError(f"cannot write the output ({exc.strerror or exc})") from None
-    return 0
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     params, generator = _sampling(args), _generator(args)
     try:
@@ -586,12 +573,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UserError(f"{problem}: "
                         f"{'lower --max-new-tokens or ' if fits_alone else ''}shorten the prompt")
 
-    def write() -> None:
-        for piece in generator.stream(prompt, params):
-            print(piece, end="", flush=True)
-        print(flush=True)
-
-    return _to_stdout(write)
+    for piece in generator.stream(prompt, params):
+        print(piece, end="", flush=True)
+    print(flush=True)
+    return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -604,7 +589,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if interactive:
         import readline  # noqa: F401, PLC0415 - input() then edits the line (arrows, history), as in a shell
 
-    return _to_stdout(lambda: chat_repl(session, interactive=interactive))
+    chat_repl(session, interactive=interactive)
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -718,6 +704,11 @@ COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "l
             "eval": cmd_eval, "plot": cmd_plot}
 
 
+UNUSABLE_PATH = (errno.ENAMETOOLONG, errno.EACCES, errno.EPERM)
+"""Errors of a path the user gave that no command reads or writes (a name over 255 bytes, a folder not open to this
+user): one line naming it, where they reach `main`."""
+
+
 def end_now(code: int) -> NoReturn:
     """End this process with `code` once what it printed is flushed, without interpreter teardown (finalizers,
     atexit handlers, freeing objects), where that teardown can crash."""
@@ -737,8 +728,11 @@ def main(argv: list[str] | None = None) -> None:
     args.argv = argv
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    stdout = sys.stdout
+    sys.stdout = GuardedStdout(stdout)
     try:
         code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # what is still buffered: its failure is said here, not as an exception at exit
     except UserError as exc:
         _report(exc)
         if exc.end_at_once:
@@ -747,6 +741,19 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("zerollm: interrupted", file=sys.stderr)
         code = 130
+    except OutputLost as lost:
+        sys.stdout = stdout
+        discard(stdout)
+        if not isinstance(lost.error, BrokenPipeError):
+            report(f"cannot write the output ({lost})")
+        end_now(141 if isinstance(lost.error, BrokenPipeError) else EXIT_USER_ERROR)  # a job may have run here
+    except OSError as exc:
+        if exc.filename is None or exc.errno not in UNUSABLE_PATH:
+            raise
+        report(f"{exc.filename}: {exc.strerror}")  # pathlib's is_file() and is_dir() raise these (ENOENT: False)
+        code = EXIT_USER_ERROR
+    finally:
+        sys.stdout = stdout
     sys.exit(code)
 
 

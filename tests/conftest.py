@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 import torch
@@ -41,6 +42,18 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subpro
     """`zerollm ARGS` in a fresh interpreter, output captured as text."""
     return subprocess.run([sys.executable, "-m", "llm", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout, check=False)
+
+
+def closed_pipe() -> BinaryIO:
+    """A pipe's writing end whose reader has left before the first write, as `| head -c 5`'s once head is done."""
+    reading, writing = os.pipe()
+    os.close(reading)
+    return open(writing, "wb")
+
+
+def full_disk() -> BinaryIO:
+    """A file every write to which finds no space left on its device."""
+    return open("/dev/full", "wb")
 
 
 def zerollm_here(monkeypatch, *args) -> int:

@@ -1,9 +1,11 @@
 import random
 import re
+import subprocess
+import sys
 
 import pytest
 
-from conftest import run_cli, zerollm_here
+from conftest import closed_pipe, full_disk, run_cli, zerollm_here
 
 
 @pytest.mark.parametrize("command", [[], ["tokenizer", "train"], ["data", "prepare"], ["train", "pretrain"],
@@ -152,3 +154,32 @@ def test_deepspeeds_own_option_name_gives_the_config():
     args = build_parser().parse_args(["train", "pretrain", "--recipe", "demo", "--data", "d", "--out", "o",
                                       "--deepspeed_config", "ds.json"])
     assert args.deepspeed == "ds.json"
+
+
+@pytest.mark.parametrize("open_stdout, code, stderr", [
+    (closed_pipe, 141, ""),  # 128 + SIGPIPE, quietly
+    (full_disk, 2, "zerollm: error: cannot write the output (No space left on device)\n"),
+])
+def test_every_command_ends_quietly_on_a_closed_pipe_and_in_one_line_on_a_full_disk(tmp_path, open_stdout, code,
+                                                                                    stderr):
+    """Only generate and chat did; `tokenizer train`, `data prepare`, `eval` and `plot` ended in a BrokenPipeError
+    or OSError traceback, exit 1, after doing their work."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"document {i}: some words to merge" for i in range(50)))
+    with open_stdout() as stdout:
+        result = subprocess.run([sys.executable, "-m", "llm", "tokenizer", "train", "--input", str(corpus),
+                                 "--vocab-size", "300", "--out", str(tmp_path / "tok")], stdout=stdout,
+                                stderr=subprocess.PIPE, text=True, check=False)
+    assert (result.returncode, result.stderr) == (code, stderr)
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()  # the work is done: only what it said is lost
+
+
+def test_a_path_too_long_for_the_file_system_is_one_line(tmp_path, cli_here):
+    """pathlib's is_file() and is_dir() raise ENAMETOOLONG where they answer False for a missing file: a traceback in
+    eval, plot, generate, export and train."""
+    long = tmp_path / ("b" * 300)
+    for command in (["plot", long, "--out", tmp_path / "x.png"], ["eval", "--model", long, "--input", long],
+                    ["generate", "--model", long, "--prompt", "hi"]):
+        result = cli_here(*command)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, command
+        assert result.stderr.startswith(f"zerollm: error: {long}") and result.stderr.endswith(": File name too long\n")

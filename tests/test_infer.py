@@ -8,12 +8,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import BinaryIO
 
 import pytest
 import torch
 
-from conftest import run_cli, zerollm_here
+from conftest import closed_pipe, full_disk, run_cli, zerollm_here
 from llm.config import ModelConfig
 from llm.export import export_model, import_model
 from llm.infer.generate import TextGenerator, cut_at_stop
@@ -420,22 +419,10 @@ def test_a_text_prompt_begins_as_its_tokenizers_documents_do(generator, tiny_mod
     assert ours == [generator.tokenizer.encode(text), [generator.tokenizer.eos_id]]
 
 
-def _closed_pipe() -> BinaryIO:
-    """A pipe's writing end whose reader has left before the first write, as `| head -c 5`'s once head is done."""
-    reading, writing = os.pipe()
-    os.close(reading)
-    return open(writing, "wb")
-
-
-def _full_disk() -> BinaryIO:
-    """A file every write to which finds no space left on its device."""
-    return open("/dev/full", "wb")
-
-
 @pytest.mark.parametrize("command", [["generate", "--prompt", "To be"], ["chat"]])
 @pytest.mark.parametrize("open_stdout, code, stderr", [
-    (_closed_pipe, 141, ""),  # 128 + SIGPIPE: what a shell reports for a writer the closed pipe ended
-    (_full_disk, 2, "zerollm: error: cannot write the output (No space left on device)\n"),
+    (closed_pipe, 141, ""),  # 128 + SIGPIPE: what a shell reports for a writer the closed pipe ended
+    (full_disk, 2, "zerollm: error: cannot write the output (No space left on device)\n"),
 ])
 def test_output_ends_quietly_on_a_closed_pipe_and_in_one_line_on_a_full_disk(exported, open_stdout, code, stderr,
                                                                               command):
