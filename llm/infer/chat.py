@@ -87,12 +87,13 @@ class ChatSession:
             self.messages = messages + [{"role": "assistant", "content": "".join(pieces)}]
 
 
-def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: TextIO = sys.stdout,
+def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: TextIO | None = None,
               interactive: bool = False) -> None:
-    """Read lines with `read` and answer them on `out` until Ctrl-D or /quit. `interactive` (a person at a terminal):
-    Ctrl-C at the prompt clears the line; otherwise it ends the chat, as for any command reading a pipe."""
+    """Read lines with `read` and answer them on `out` (default: sys.stdout as it is when called, which `zerollm`
+    guards) until Ctrl-D or /quit. `interactive` (a person at a terminal): Ctrl-C at the prompt clears the line;
+    otherwise it ends the chat, as for any command reading a pipe."""
     def say(text: str, end: str = "\n") -> None:
-        print(text, end=end, file=out, flush=True)
+        print(text, end=end, file=out or sys.stdout, flush=True)
 
     say(HELP)
     while True:
