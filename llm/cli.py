@@ -21,7 +21,7 @@ from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, La
 from llm import rundir
 from llm.config import build_config, load_recipe, parse_lora_spec, parse_override, recipe_names
 from llm.errors import EXIT_USER_ERROR, UserError, report
-from llm.stdout import GuardedStdout, OutputLost, discard
+from llm.stdout import GuardedStdout, OutputLost, discard, settle
 from llm.train.ds_config_file import load_ds_config
 
 EPILOG = "Documentation: README.md. Errors in your input exit with code 2."
@@ -705,15 +705,24 @@ COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "l
 
 
 UNUSABLE_PATH = (errno.ENAMETOOLONG, errno.EACCES, errno.EPERM)
-"""Errors of a path the user gave that no command reads or writes (a name over 255 bytes, a folder not open to this
-user): one line naming it, where they reach `main`."""
+"""Errors of a path the user gave that the file system refuses (a name over 255 bytes, a folder closed to this user):
+one line naming it, where they reach `main`."""
+
+
+def _given(filename: str | bytes | int | None, argv: list[str]) -> bool:
+    """Whether `filename` (an OSError's) is one of the command line's paths or lies under one."""
+    if not isinstance(filename, str | bytes):
+        return False
+    name = os.fsdecode(filename)
+    return any(name == arg or name.startswith(arg.rstrip("/") + "/") for arg in argv if arg)
 
 
 def end_now(code: int) -> NoReturn:
     """End this process with `code` once what it printed is flushed, without interpreter teardown (finalizers,
     atexit handlers, freeing objects), where that teardown can crash."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, OutputLost, AttributeError):  # AttributeError: None, a closed descriptor
+            stream.flush()
     os._exit(code)
 
 
@@ -729,10 +738,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     stdout = sys.stdout
-    sys.stdout = GuardedStdout(stdout)
+    if stdout is not None:  # None where descriptor 1 was closed at start: print() then writes nothing
+        sys.stdout = GuardedStdout(stdout)
     try:
         code = COMMANDS[args.command](args)
-        sys.stdout.flush()  # what is still buffered: its failure is said here, not as an exception at exit
+        if stdout is not None:
+            sys.stdout.flush()  # what is still buffered: its failure is said here, not as an exception at exit
     except UserError as exc:
         _report(exc)
         if exc.end_at_once:
@@ -748,12 +759,13 @@ def main(argv: list[str] | None = None) -> None:
             report(f"cannot write the output ({lost})")
         end_now(141 if isinstance(lost.error, BrokenPipeError) else EXIT_USER_ERROR)  # a job may have run here
     except OSError as exc:
-        if exc.filename is None or exc.errno not in UNUSABLE_PATH:
+        if exc.errno not in UNUSABLE_PATH or not _given(exc.filename, argv):  # a path of the product's own: its bug
             raise
         report(f"{exc.filename}: {exc.strerror}")  # pathlib's is_file() and is_dir() raise these (ENOENT: False)
         code = EXIT_USER_ERROR
     finally:
         sys.stdout = stdout
+    settle(stdout)
     sys.exit(code)
 
 

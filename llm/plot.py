@@ -159,13 +159,15 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
         with warnings.catch_warnings():  # numpy's overflow warnings on such values: the error below says it
             warnings.simplefilter("ignore", RuntimeWarning)
             fig.tight_layout(rect=(0, legend_height / height, 1, 1))  # the legend below every panel
-            fig.savefig(picture, dpi=100, format=out.suffix[1:].lower())
+            try:
+                fig.savefig(picture, dpi=100, format=out.suffix[1:].lower())
+            except RuntimeError as exc:  # a format that needs a program matplotlib did not find: .pgf needs LaTeX
+                raise UserError(f"--out {out}: matplotlib cannot write .{out.suffix[1:]} pictures here ({exc})") \
+                    from None
         out.parent.mkdir(parents=True, exist_ok=True)
         durable.write_bytes(out, picture.getvalue())  # a failed write leaves the earlier picture
     except OSError as exc:
         raise UserError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
-    except RuntimeError as exc:  # a format that needs a program matplotlib did not find: .pgf needs LaTeX
-        raise UserError(f"--out {out}: matplotlib cannot write .{out.suffix[1:]} pictures here ({exc})") from None
     except (ValueError, OverflowError) as exc:  # e.g. values too far apart for an axis
         raise UserError(f"cannot draw these metrics ({exc}); are the runs' metrics.jsonl files intact?") from None
     finally:

@@ -5,6 +5,8 @@ reports for a writer the closed pipe ended), in one line with exit 2 on a full d
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterable
 from typing import Any, TextIO
 
 
@@ -17,7 +19,8 @@ class OutputLost(Exception):  # noqa: N818 - not an error of the command's: its 
 
 
 class GuardedStdout:
-    """`stream` (sys.stdout) whose writes and flushes raise OutputLost where they fail; the rest is the stream's."""
+    """`stream` (sys.stdout) whose write, writelines and flush raise OutputLost where they fail; the rest is the
+    stream's (`unguarded` gives the stream itself)."""
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
@@ -25,6 +28,12 @@ class GuardedStdout:
     def write(self, text: str) -> int:
         try:
             return self.stream.write(text)
+        except OSError as exc:
+            raise OutputLost(exc) from None
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        try:
+            self.stream.writelines(lines)
         except OSError as exc:
             raise OutputLost(exc) from None
 
@@ -36,6 +45,23 @@ class GuardedStdout:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
+
+
+def unguarded() -> TextIO:
+    """sys.stdout without the guard: for decoration whose failure must not end the command (a progress bar, which
+    turns itself off where its terminal is gone)."""
+    return sys.stdout.stream if isinstance(sys.stdout, GuardedStdout) else sys.stdout
+
+
+def settle(stream: TextIO | None) -> None:
+    """Flush `stream` (the real sys.stdout, at the end of a command that failed otherwise); where that fails, discard
+    what is buffered rather than fail again at exit: the command's own exit code stands."""
+    if stream is None:
+        return
+    try:
+        stream.flush()
+    except OSError:
+        discard(stream)
 
 
 def discard(stream: TextIO) -> None:

@@ -118,7 +118,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, min_fr
         min_frequency=min_frequency,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=show_progress and sys.stdout.isatty(),  # off a terminal its bars are blank lines
+        # off a terminal its bars are blank lines; None: descriptor 1 closed (`>&-`)
+        show_progress=show_progress and sys.stdout is not None and sys.stdout.isatty(),
     )
     n_texts = 0
 

@@ -1,3 +1,6 @@
+import errno
+import io
+import os
 import random
 import re
 import subprocess
@@ -174,6 +177,29 @@ def test_every_command_ends_quietly_on_a_closed_pipe_and_in_one_line_on_a_full_d
     assert (tmp_path / "tok" / "tokenizer.json").is_file()  # the work is done: only what it said is lost
 
 
+def test_a_command_started_with_its_output_closed_runs_silently(tmp_path):
+    """With descriptor 1 closed (`>&-`) sys.stdout is None, to which print() writes nothing: the guard is not put
+    around None."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"document {i}: some words to merge" for i in range(50)))
+    result = subprocess.run([sys.executable, "-m", "llm", "tokenizer", "train", "--input", str(corpus), "--vocab-size",
+                             "300", "--out", str(tmp_path / "tok")], preexec_fn=lambda: os.close(1),
+                            stderr=subprocess.PIPE, text=True, check=False)
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_a_progress_bar_writes_around_the_guard(monkeypatch):
+    """tqdm turns a bar off where its terminal is gone (an OSError it catches); through the guard that was OutputLost,
+    which ended the training."""
+    from llm.stdout import GuardedStdout, unguarded
+
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", GuardedStdout(stream))
+    assert unguarded() is stream
+    monkeypatch.setattr(sys, "stdout", stream)
+    assert unguarded() is stream
+
+
 def test_a_path_too_long_for_the_file_system_is_one_line(tmp_path, cli_here):
     """pathlib's is_file() and is_dir() raise ENAMETOOLONG where they answer False for a missing file: a traceback in
     eval, plot, generate, export and train."""
@@ -183,3 +209,15 @@ def test_a_path_too_long_for_the_file_system_is_one_line(tmp_path, cli_here):
         result = cli_here(*command)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, command
         assert result.stderr.startswith(f"zerollm: error: {long}") and result.stderr.endswith(": File name too long\n")
+
+
+def test_only_a_path_of_the_command_line_is_said_as_the_users(tmp_path, monkeypatch, capsys):
+    """A path the product made itself that the file system refuses is the product's bug: its traceback stays."""
+    import llm.cli
+
+    def refuse(args):
+        raise OSError(errno.ENAMETOOLONG, "File name too long", str(tmp_path / "made-here"))
+
+    monkeypatch.setitem(llm.cli.COMMANDS, "plot", refuse)
+    with pytest.raises(OSError, match="made-here"):
+        llm.cli.main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "x.png")])
