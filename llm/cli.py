@@ -752,12 +752,12 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("zerollm: interrupted", file=sys.stderr)
         code = 130
-    except OutputLost as lost:
-        sys.stdout = stdout
+    except OutputLost as lost:  # end_now, not sys.exit: a job may have run in this process
         discard(stdout)
-        if not isinstance(lost.error, BrokenPipeError):
-            report(f"cannot write the output ({lost})")
-        end_now(141 if isinstance(lost.error, BrokenPipeError) else EXIT_USER_ERROR)  # a job may have run here
+        if isinstance(lost.error, BrokenPipeError):
+            end_now(141)
+        report(f"cannot write the output ({lost})")
+        end_now(EXIT_USER_ERROR)
     except OSError as exc:
         if exc.errno not in UNUSABLE_PATH or not _given(exc.filename, argv):  # a path of the product's own: its bug
             raise

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 
@@ -26,20 +26,18 @@ class GuardedStdout:
         self.stream = stream
 
     def write(self, text: str) -> int:
-        try:
-            return self.stream.write(text)
-        except OSError as exc:
-            raise OutputLost(exc) from None
+        return self._guarded(self.stream.write, text)
 
     def writelines(self, lines: Iterable[str]) -> None:
-        try:
-            self.stream.writelines(lines)
-        except OSError as exc:
-            raise OutputLost(exc) from None
+        self._guarded(self.stream.writelines, lines)
 
     def flush(self) -> None:
+        self._guarded(self.stream.flush)
+
+    @staticmethod
+    def _guarded(call: Callable[..., Any], *args: Any) -> Any:
         try:
-            self.stream.flush()
+            return call(*args)
         except OSError as exc:
             raise OutputLost(exc) from None
 
@@ -51,6 +49,11 @@ def unguarded() -> TextIO:
     """sys.stdout without the guard: for decoration whose failure must not end the command (a progress bar, which
     turns itself off where its terminal is gone)."""
     return sys.stdout.stream if isinstance(sys.stdout, GuardedStdout) else sys.stdout
+
+
+def on_terminal() -> bool:
+    """Whether sys.stdout is a terminal (not where descriptor 1 was closed at start, `>&-`: sys.stdout is None)."""
+    return sys.stdout is not None and sys.stdout.isatty()
 
 
 def settle(stream: TextIO | None) -> None:

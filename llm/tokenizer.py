@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate, ChatTemplateError
 from llm.data.output import refuse_foreign_contents
 from llm.errors import UserError, not_utf8, read_user_json_object, read_user_text
+from llm.stdout import on_terminal
 
 EOS, IM_START, IM_END, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
 SPECIAL_TOKENS = [EOS, IM_START, IM_END, PAD]  # ids 0, 1, 2, 3 in tokenizers we train
@@ -118,8 +118,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, min_fr
         min_frequency=min_frequency,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        # off a terminal its bars are blank lines; None: descriptor 1 closed (`>&-`)
-        show_progress=show_progress and sys.stdout is not None and sys.stdout.isatty(),
+        show_progress=show_progress and on_terminal(),  # off a terminal its bars are blank lines
     )
     n_texts = 0
 

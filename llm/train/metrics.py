@@ -30,7 +30,7 @@ from llm.config import ModelConfig, RunConfig
 from llm.errors import UserError
 from llm.jsonl import jsonl_lines
 from llm.runtime.distributed import DistInfo
-from llm.stdout import unguarded
+from llm.stdout import on_terminal, unguarded
 
 
 def matmul_params_per_token(cfg: ModelConfig, total_params: int) -> int:
@@ -255,7 +255,7 @@ class MetricsLogger:
         self.peak_flops = None if sink is None else peak_flops_per_rank(info.device, t.peak_tflops, dtype) * \
             info.world_size
         self.device = info.device
-        self.interactive = sys.stdout is not None and sys.stdout.isatty()  # a bar on a terminal, lines in a log
+        self.interactive = on_terminal()  # a bar on a terminal, plain lines in a log file
         self.bar = tqdm(total=t.max_steps if t.max_time is None else None,  # a time budget: no step count known
                         initial=start_step, desc=t.stage, unit="step", dynamic_ncols=True,
                         disable=sink is None or not self.interactive, file=unguarded())  # off if its terminal goes
