@@ -289,6 +289,9 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     v.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     v.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request (default 256)")
+    v.add_argument("--served-model-name", metavar="NAME",
+                   help="the model's name in /v1/models and replies; a request naming another model gets 404 "
+                        "(default: the --model folder's name)")
     v.add_argument("--api-key", default=os.environ.get("ZEROLLM_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (default: $ZEROLLM_API_KEY); needed off loopback")
     v.add_argument("--max-connections-per-client", type=int, default=None, metavar="N",
@@ -605,13 +608,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from llm.infer.server import ChatService, bind_server, check_default_max_tokens
+    from llm.infer.server import ChatService, bind_server, check_default_max_tokens, served_name
 
     check_default_max_tokens(args.max_tokens)  # the options, then the address (bind_server), before the model loads
+    name = served_name(args.served_model_name, args.model)
     server = bind_server(args.host, args.port, api_key=args.api_key,
                          max_connections_per_client=args.max_connections_per_client)
     try:
-        server.service = ChatService(_generator(args), Path(args.model).resolve().name, args.max_tokens)
+        server.service = ChatService(_generator(args), name, args.max_tokens)
         print(f"serving {server.service.model_name} on {server.url}/v1 (Ctrl-C stops)", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             server.serve_forever()

@@ -309,7 +309,7 @@ def test_null_fields_and_fields_that_ask_for_nothing_take_their_defaults(server,
     """OpenAI's API reads null as the default: "n": null and "stream": null were refused."""
     nothing = {"n": None, "stream": None, "stream_options": None, "logprobs": False, "top_logprobs": top_logprobs,
                "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
-               "stop": None, "max_completion_tokens": None, "temperature": None, "model": "any name",
+               "stop": None, "max_completion_tokens": None, "temperature": None, "model": None,
                "tool_choice": "auto", "min_p": 0.0, "min_tokens": 0, "ignore_eos": False}
     status, payload = _post(server, json.dumps({**HELLO, **nothing}).encode())
     assert status == 200 and payload["object"] == "chat.completion" and payload["model"] == "tiny"
@@ -394,6 +394,18 @@ def test_a_model_is_found_by_its_name_and_routes_take_a_query_string(server, gen
     for path in ("/v1/models?limit=1", "/health?probe=1"):
         assert raw_exchange(server, request_bytes(b"", method="GET", path=path,
                                                   headers={"Connection": "close"}))[0] == 200, path
+
+
+@pytest.mark.parametrize("model, status, code", [
+    ("tiny", 200, None), ("gpt-4o", 404, "model_not_found"), ("", 404, "model_not_found"),
+    (7, 400, None), (["tiny"], 400, None)])
+def test_a_request_for_another_model_is_refused(server, model, status, code):
+    """Any name was answered by the model served, under the name asked for in no reply (OpenAI and vLLM: 404)."""
+    got, payload = _post(server, json.dumps({**HELLO, "model": model}).encode())
+    assert got == status
+    if status != 200:
+        assert payload["error"]["param"] == "model" and payload["error"]["code"] == code
+        assert "'tiny'" in payload["error"]["message"] or "must be a string" in payload["error"]["message"]
 
 
 @pytest.mark.parametrize("length, headers, status", [
@@ -552,6 +564,8 @@ def test_a_client_dribbling_its_request_is_closed_at_the_deadline(generator):
     (["--api-key", "clé"], "--api-key"),
     (["--api-key", "\udcff"], "--api-key"),  # the byte 0xff in argv
     (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--served-model-name", " "], "--served-model-name must be printable text that is not blank"),
+    (["--served-model-name", "a\nb"], "--served-model-name must be printable text that is not blank"),
     (["--max-tokens", "-7"], "--max-tokens must be at least 1"),
     (["--max-connections-per-client", "0"], "--max-connections-per-client must be between 1 and 64"),
     (["--max-connections-per-client", "65"], "--max-connections-per-client must be between 1 and 64"),
@@ -1098,14 +1112,17 @@ def test_requests_whose_clients_left_give_up_their_places_in_the_line(generator)
 # ---- the command -------------------------------------------------------------------------------------------
 
 def test_serve_command_starts_on_loopback(zero_runs):
-    proc = subprocess.Popen([sys.executable, "-m", "llm", "serve", "--model", str(zero_runs[2]), "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "llm", "serve", "--model", str(zero_runs[2]), "--port", "0",
+                             "--served-model-name", "my-model"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
-        assert "on http://127.0.0.1:" in line, line + proc.stderr.read()
+        assert line.startswith("serving my-model on http://127.0.0.1:"), line + proc.stderr.read()
         url = line.split(" on ")[1].split("/v1")[0]
         with urllib.request.urlopen(f"{url}/health", timeout=30) as response:
             assert response.status == 200
+        assert _client(url).models.list().data[0].id == "my-model"
+        assert _post(url, json.dumps({**HELLO, "model": zero_runs[2].name}).encode())[0] == 404
     finally:
         proc.terminate()
         proc.wait(timeout=30)

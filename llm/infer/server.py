@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from llm.errors import UserError
@@ -171,6 +172,25 @@ def parse_messages(body: Any) -> list[dict]:
     return [canonical_message(m, i) for i, m in enumerate(messages)]
 
 
+def check_model(body: dict, served: str) -> None:
+    """A request's `model`, where it names one, must be the model served (404 otherwise, as OpenAI's API and vLLM
+    answer): a client that asks for another model must not get this one's reply under that name. Absent or null
+    asks for the model served."""
+    name = body.get("model")
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise RequestError(f"'model' must be a string, got {json.dumps(name)[:60]}", "model")
+    if name != served:
+        raise model_not_found(name, served)
+
+
+def model_not_found(name: str, served: str) -> RequestError:
+    """The 404 for a model name other than the one served."""
+    return RequestError(f"no model {name[:200]!r} here; this server serves {served!r}", "model", 404,
+                        "model_not_found")
+
+
 @dataclass(frozen=True)
 class RequestOptions:
     params: SamplingParams
@@ -272,6 +292,15 @@ def check_default_max_tokens(max_tokens: int) -> None:
     """Refuse a default max_tokens for which every request that leaves max_tokens out would be refused."""
     if max_tokens < 1:
         raise UserError(f"--max-tokens must be at least 1, got {max_tokens}")
+
+
+def served_name(name: str | None, model_dir: str) -> str:
+    """The name the server answers to: --served-model-name, or the model folder's name."""
+    if name is None:
+        return Path(model_dir).resolve().name
+    if not name.strip() or not name.isprintable():
+        raise UserError(f"--served-model-name must be printable text that is not blank, got {name!r}")
+    return name
 
 
 class Generation:
@@ -576,8 +605,7 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             elif self.route.startswith("/v1/models/"):
                 name = urllib.parse.unquote(self.route.removeprefix("/v1/models/"))  # escaped or not (: + @)
                 if name != self.service.model_name:
-                    raise RequestError(f"no model {name!r} here; this server serves {self.service.model_name!r}",
-                                       "model", 404, "model_not_found")
+                    raise model_not_found(name, self.service.model_name)
                 self._json(200, model)
             else:
                 raise RequestError(f"no route GET {self.path}", status=404)
@@ -605,6 +633,7 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                 raise RequestError(f"no route POST {self.path}", status=404)
             body = parse_json_body(self._read_body())
             messages = parse_messages(body)
+            check_model(body, self.service.model_name)
             parse_options(body, self.service.default_max_tokens)  # its cheap checks before the costly tokenizing
             prompt_ids = self.service.prompt_ids(messages)
             options = parse_options(body, self.service.default_max_tokens_after(prompt_ids))
