@@ -12,6 +12,7 @@ import contextlib
 import errno
 import io
 import os
+import re
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -735,8 +736,24 @@ def _report(exc: UserError) -> None:
         report(str(exc))
 
 
+NEGATIVE_WEIGHT = re.compile(r"-\.?\d")
+"""The start of a --reward term with a negative weight (-1*length, -.5*format)."""
+
+
+def attach_negative_weights(argv: list[str]) -> list[str]:
+    """`--reward -1*length` as `--reward=-1*length`: argparse takes a separate value that starts with '-' for an
+    option and stops ('expected one argument')."""
+    attached = []
+    for arg in argv:
+        if attached and attached[-1] == "--reward" and NEGATIVE_WEIGHT.match(arg):
+            attached[-1] = f"--reward={arg}"
+        else:
+            attached.append(arg)
+    return attached
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = attach_negative_weights(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
     if args.local_rank is not None:

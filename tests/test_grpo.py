@@ -18,6 +18,7 @@ import torch
 from forked_ranks import kill_when, run_job
 
 from conftest import TINY, zerollm_here
+from llm.cli import attach_negative_weights, build_parser
 from llm.config import GRPOConfig, ModelConfig, build_config
 from llm.errors import UserError
 from llm.export import export_model
@@ -92,6 +93,8 @@ def test_reward_terms_weights_and_components(tmp_path, monkeypatch):
     ("no_such_module_xyz:fn", "cannot import no_such_module_xyz"),
     ("json:no_such_function", "json has no function 'no_such_function'"),
     ("format:[", "not a regular expression"),
+    ("format:", "no pattern after 'format:'; give 'format' alone for DeepSeek-R1's"),  # it meant R1's format
+    ("0.5*format:", "no pattern after 'format:'"),
     ("format:a{99999999999}", r"not a regular expression \(the repetition number is too large\)"),  # OverflowError
     ("format:" + "(" * 2000 + ")" * 2000, r"not a regular expression \(maximum recursion depth"),  # RecursionError
     ("model:/nonexistent/reward-model", "no config.json there"),
@@ -103,6 +106,21 @@ def test_bad_reward_terms_are_one_line_errors(term, message):
     with pytest.raises(UserError, match=message) as error:
         Reward([term], 4, torch.device("cpu"))
     assert "\n" not in str(error.value)
+
+
+def test_a_negative_weight_is_a_reward_term_not_an_option(monkeypatch, capsys, tmp_path):
+    """`--reward -1*length` ended in argparse's 'expected one argument' (only `--reward=-1*length` worked)."""
+    code = zerollm_here(monkeypatch, "train", "grpo", "--recipe", "demo", "--init-from", tmp_path / "none",
+                        "--prompts", tmp_path / "p.jsonl", "--reward", "-1*length", "--reward", "-.5*format",
+                        "--out", tmp_path / "run")
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"zerollm: error: --init-from {tmp_path / 'none'}: neither a run directory " \
+                                "(config.yaml) nor an export directory (config.json)\n"
+    argv = ["train", "grpo", "--recipe", "demo", "--init-from", "m", "--prompts", "p", "--reward", "-1*length",
+            "--reward", "-.5*format", "--reward", "exact_match", "--out", "o"]
+    assert build_parser().parse_args(attach_negative_weights(argv)).reward == ["-1*length", "-.5*format",
+                                                                               "exact_match"]
+    assert [term.weight for term in Reward(["-1*length", "-.5*format"], 4, torch.device("cpu")).terms] == [-1, -0.5]
 
 
 @pytest.mark.parametrize("body, message", [

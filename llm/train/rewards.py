@@ -292,6 +292,9 @@ def parse_term(term: str, max_new_tokens: int, device: torch.device) -> RewardTe
     name, colon, argument = body.partition(":")
     if name == "exact_match" and not colon:
         return RewardTerm(name, weight, exact_match, REQUIRED_FIELDS[name])
+    if name == "format" and colon and not argument:  # it meant R1's format silently
+        raise UserError(f"--reward {term!r}: no pattern after 'format:'; give 'format' alone for DeepSeek-R1's "
+                        "<think>...</think> <answer>...</answer>")
     if name == "format":
         return RewardTerm(name, weight, FormatReward(argument or R1_FORMAT))
     if name == "length" and not colon:
