@@ -258,6 +258,20 @@ def test_mistakes_are_one_line_errors(export_dir, text_files, pretrain_data, tmp
         assert stderr.startswith("zerollm: error: ") and message in stderr and stderr.count("\n") == 1, stderr
     assert zerollm_here(monkeypatch, "eval", "--model", tmp_path, "--input", text_files[0]) == 2
     assert "neither a run directory" in capsys.readouterr().err
+    sft = tmp_path / "sft"
+    shutil.copytree(pretrain_data, sft)
+    with h5py.File(sft / "tokens.h5", "a") as h5:
+        h5.attrs["kind"] = "sft"
+    before_the_model = [  # said after the model had loaded, or in the words of a training stage
+        (["--data", pretrain_data, "--split", "test"], "--split must be one of train, val, got 'test'"),
+        (["--data", tmp_path / "nowhere"], f"{tmp_path / 'nowhere'}: no such directory; pass the folder `zerollm "
+                                           "data prepare --out` wrote"),  # was: no tokens.h5
+        (["--data", corpus], f"{corpus}: not a directory"),
+        (["--data", sft], f"{sft / 'tokens.h5'}: holds 'sft' data, eval --data needs 'pretrain'")]  # this stage
+    for args, message in before_the_model:
+        assert zerollm_here(monkeypatch, "eval", "--model", tmp_path / "no-model", *args) == 2
+        stderr = capsys.readouterr().err
+        assert stderr.startswith("zerollm: error: ") and message in stderr and stderr.count("\n") == 1, stderr
 
 
 # ---- lm-evaluation-harness ---------------------------------------------------------------------------

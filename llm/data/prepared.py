@@ -23,12 +23,15 @@ def h5_attrs(h5: h5py.File) -> dict:
     return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in h5.attrs.items()}
 
 
-def read_data_attrs(data_dir: str | Path, kind: str | tuple[str, ...]) -> dict:
-    """Root attributes of `data_dir/tokens.h5`, checked for schema version and kind (one kind, or any of several),
-    and the tokenizer copy beside it (`data_dir/tokenizer/`, when there is one) checked against the hash the tokens
-    were made with."""
+def read_data_attrs(data_dir: str | Path, kind: str | tuple[str, ...], reader: str = "this stage") -> dict:
+    """Root attributes of `data_dir/tokens.h5`, checked for schema version and kind (one kind, or any of several,
+    which `reader` needs), and the tokenizer copy beside it (`data_dir/tokenizer/`, when there is one) checked
+    against the hash the tokens were made with."""
     kinds = (kind,) if isinstance(kind, str) else kind
     path = Path(data_dir) / TOKENS_FILE
+    if not Path(data_dir).is_dir():
+        problem = "not a directory" if Path(data_dir).exists() else "no such directory"
+        raise UserError(f"{data_dir}: {problem}; pass the folder `zerollm data prepare --out` wrote")
     if not path.is_file():
         raise UserError(f"{data_dir}: no {TOKENS_FILE}; create it with `zerollm data prepare --kind "
                         f"{' or --kind '.join(kinds)}`")
@@ -43,7 +46,7 @@ def read_data_attrs(data_dir: str | Path, kind: str | tuple[str, ...]) -> dict:
         raise UserError(f"{path}: schema version {attrs.get('schema_version')} is not {SCHEMA_VERSION}; "
                         "prepare the data again")
     if attrs.get("kind") not in kinds:
-        raise UserError(f"{path}: holds '{attrs.get('kind')}' data, this stage needs "
+        raise UserError(f"{path}: holds '{attrs.get('kind')}' data, {reader} needs "
                         f"{' or '.join(repr(k) for k in kinds)}")
     tokenizer_dir = rundir.tokenizer_dir(Path(data_dir))
     if tokenizer_dir.is_dir() and not (copy := Tokenizer.load(tokenizer_dir)).has_hash(attrs["tokenizer_hash"]):

@@ -36,6 +36,7 @@ from llm.eval.token_stream import (
     TokenStream,
     document_start_positions,
     scored_text_bytes,
+    split_data_attrs,
     stream_of_files,
     stream_of_split,
 )
@@ -202,6 +203,8 @@ def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | Non
         where, precision = resolve(device, dtype)
 
     def inputs_checked():
+        if not inputs:
+            split_data_attrs(data_dir, split)  # a wrong --data or --split is said before the model loads
         model, tokenizer = load_for_inference(model_dir)
         window = evaluation_context(context, Path(model_dir), model)
         if inputs:

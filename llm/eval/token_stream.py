@@ -107,11 +107,16 @@ def stream_of_files(paths: list[str], tokenizer: Tokenizer) -> tuple[ArrayStream
     return ArrayStream(np.concatenate(pieces), tokenizer.eos_id), report
 
 
-def stream_of_split(data_dir: str | Path, split: str, tokenizer: Tokenizer) -> SplitStream:
-    """A pretraining split of a prepared data directory, refused when another tokenizer made it."""
+def split_data_attrs(data_dir: str | Path, split: str) -> dict:
+    """The checked attributes of the prepared data `eval --data --split` reads, before any model loads."""
     if split not in SPLITS:
         raise UserError(f"--split must be one of {', '.join(SPLITS)}, got '{split}'")
-    attrs = read_data_attrs(data_dir, "pretrain")
+    return read_data_attrs(data_dir, "pretrain", reader="eval --data")
+
+
+def stream_of_split(data_dir: str | Path, split: str, tokenizer: Tokenizer) -> SplitStream:
+    """A pretraining split of a prepared data directory, refused when another tokenizer made it."""
+    attrs = split_data_attrs(data_dir, split)
     if not tokenizer.has_hash(attrs["tokenizer_hash"]):
         raise UserError(f"{data_dir} was tokenized with another tokenizer (hash {attrs['tokenizer_hash']}) than the "
                         f"model's (hash {tokenizer.hash}); prepare the data with the model's tokenizer")
