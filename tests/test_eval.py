@@ -273,6 +273,16 @@ def test_mistakes_are_one_line_errors(export_dir, text_files, pretrain_data, tmp
         stderr = capsys.readouterr().err
         assert stderr.startswith("zerollm: error: ") and message in stderr and stderr.count("\n") == 1, stderr
 
+    def unreadable(name, mode="r", **options):  # root reads every file: h5py's error for anyone else, as raised
+        raise PermissionError(13, f"Unable to synchronously open file (unable to open file: name = '{name}', "
+                                  "errno = 13, error message = 'Permission denied', flags = 0, o_flags = 0)")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(h5py, "File", unreadable)
+        assert zerollm_here(monkeypatch, "eval", "--model", tmp_path / "no-model", "--data", pretrain_data) == 2
+    assert capsys.readouterr().err == (f"zerollm: error: {pretrain_data / 'tokens.h5'}: permission denied; give "
+                                       "this user read access to it\n")  # was: copy it again, or prepare it again
+
 
 # ---- lm-evaluation-harness ---------------------------------------------------------------------------
 

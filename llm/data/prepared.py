@@ -38,6 +38,8 @@ def read_data_attrs(data_dir: str | Path, kind: str | tuple[str, ...], reader: s
     try:
         with h5py.File(path, "r") as h5:
             attrs = h5_attrs(h5)
+    except PermissionError:  # h5py raises its open's errno as Python's subclass of OSError
+        raise UserError(f"{path}: permission denied; give this user read access to it") from None
     except OSError as exc:  # cut short by a copy, or not HDF5: h5py says why in parentheses
         reason = re.search(r"\((.*)\)", str(exc))
         raise UserError(f"{path}: not a readable HDF5 file ({reason[1] if reason else exc}); copy it again, or "
