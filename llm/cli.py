@@ -642,7 +642,7 @@ def _refuse_given(options: tuple[tuple[str, object], ...], applies_to: str) -> N
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from llm.eval.perplexity import check_batch_size, check_rank_device, run_perplexity
+    from llm.eval.perplexity import check_batch_size, check_rank_device, check_sources, run_perplexity
 
     check_batch_size(args.batch_size)  # lm-eval failed on it after loading everything; ranks each refused it
     if args.tasks is not None:
@@ -672,6 +672,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from llm.runtime.accelerator import training_device_type
 
         resolve(args.device, args.dtype)  # a device that is not here
+        check_sources(args.model, args.input, args.data, args.split)  # once here, not once a rank
         check_rank_device(args.device, training_device_type(torch.cuda.is_available(), mps_available(), args.nproc),
                           args.nproc)
         return relaunch_local(args.nproc, args.argv)

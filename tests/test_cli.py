@@ -205,7 +205,8 @@ def test_a_path_too_long_for_the_file_system_is_one_line(tmp_path, cli_here):
     eval, plot, generate, export and train."""
     long = tmp_path / ("b" * 300)
     for command in (["plot", long, "--out", tmp_path / "x.png"], ["eval", "--model", long, "--input", long],
-                    ["generate", "--model", long, "--prompt", "hi"]):
+                    ["generate", "--model", long, "--prompt", "hi"],
+                    ["eval", "--model", long, "--input", long, "--nproc", 2]):  # was said by each rank
         result = cli_here(*command)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, command
         assert result.stderr.startswith(f"zerollm: error: {long}") and result.stderr.endswith(": File name too long\n")

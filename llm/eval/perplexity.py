@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from llm import rundir
 from llm.config import build_config
+from llm.data.readers import expand_inputs
 from llm.devices import place, resolve
 from llm.errors import UserError
 from llm.eval.scoring import score_sequences
@@ -40,7 +41,7 @@ from llm.eval.token_stream import (
     stream_of_files,
     stream_of_split,
 )
-from llm.loading import load_for_inference
+from llm.loading import is_run_or_export, load_for_inference
 from llm.model import Transformer
 from llm.runtime.distributed import agreed, setup_distributed
 from llm.tokenizer import Tokenizer
@@ -181,6 +182,16 @@ def check_rank_device(device: str, ranks_device: str, world_size: int) -> None:
                         "--nproc")
 
 
+def check_sources(model_dir: str, inputs: list[str] | None, data_dir: str | None, split: str | None) -> None:
+    """What `eval --input/--data` reads, checked before any model loads; by the launching process too, so that a
+    mistake there is one line rather than one a rank."""
+    if inputs:
+        expand_inputs(inputs)
+    else:
+        split_data_attrs(data_dir, "val" if split is None else split)
+    is_run_or_export(Path(model_dir), "--model")
+
+
 def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | None, split: str | None,
                    context: int | None = None, stride: int | None = None, batch_size: int = 8, device: str = "auto",
                    dtype: str = "auto", as_json: bool = False) -> int:
@@ -203,8 +214,7 @@ def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | Non
         where, precision = resolve(device, dtype)
 
     def inputs_checked():
-        if not inputs:
-            split_data_attrs(data_dir, split)  # a wrong --data or --split is said before the model loads
+        check_sources(model_dir, inputs, data_dir, split)
         model, tokenizer = load_for_inference(model_dir)
         window = evaluation_context(context, Path(model_dir), model)
         if inputs:
