@@ -47,7 +47,7 @@ from llm.errors import UserError
 from llm.loading import consolidated_weights
 from llm.runtime.rank_env import RANK_VARIABLES, free_port
 from llm.train import checkpoint, job
-from llm.train.loader_watch import WatchedLoader
+from llm.train.loader_watch import WatchedLoader, torch_said
 from llm.train.metrics import MetricsSink
 from llm.train.run_record import write_run_record
 
@@ -403,6 +403,28 @@ def _worker(proc, family: list, rank: int | None = None) -> psutil.Process:
 
 def _errors(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("zerollm: error:")]
+
+
+def test_torch_s_news_of_a_killed_worker_is_said_as_the_rank_s_own():
+    """torch's SIGCHLD handler raises its news wherever the rank is, also where the rank's loader no longer holds the
+    worker (its iterator was replaced at an epoch's end): the job then ended with torch's 'DataLoader worker (pid N)
+    is killed by signal: Killed.' rather than the line naming SIGKILL and what to do."""
+    batches = iter(torch.utils.data.DataLoader(range(1000), batch_size=1, num_workers=1))
+    next(batches)
+    worker = batches._workers[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError) as news:
+        for _ in range(600):
+            time.sleep(0.1)  # torch's handler raises here
+    del batches
+    assert str(news.value).startswith(f"DataLoader worker (pid {worker.pid}) is killed by signal: ")
+    assert torch_said(news.value) == (f"its data-loader worker pid {worker.pid} was killed by SIGKILL (the "
+                                      "out-of-memory killer's signal, most often: lower data.loader_workers or free "
+                                      "memory)")
+    exited = RuntimeError("DataLoader worker (pid 12) exited unexpectedly with exit code 3. Details are lost due to "
+                          "multiprocessing. Rerunning with num_workers=0 may give better error trace.")
+    assert torch_said(exited) == "its data-loader worker pid 12 exited with code 3"
+    assert torch_said(RuntimeError("CUDA error: out of memory")) is None
 
 
 @pytest.mark.parametrize("fault", ["killed", "stuck"])

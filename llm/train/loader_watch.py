@@ -6,6 +6,7 @@ made, which needs that worker to answer), and a worker can die (the out-of-memor
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -51,6 +52,31 @@ def worker_failure(exc: BaseException) -> bool:
     was; or `WorkerDied`."""
     torch_s = isinstance(exc, RuntimeError) and str(exc).startswith("DataLoader worker (pid")
     return torch_s or isinstance(exc, WorkerDied)
+
+
+def worker_death(pid: int, code: int) -> str:
+    """How a data-loader worker ended (`code`: its exit code, or -N for signal N), as one clause with what to do."""
+    if code < 0:
+        name = signal.Signals(-code).name
+        return f"its data-loader worker pid {pid} was killed by {name}{KILLED_HINTS.get(-code, '')}"
+    return f"its data-loader worker pid {pid} exited with code {code}"
+
+
+TORCH_KILLED = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: (.+?)\. ")
+TORCH_EXITED = re.compile(r"DataLoader worker \(pid (\d+)\) exited unexpectedly with exit code (-?\d+)\.")
+SIGNAL_OF_DESCRIPTION = {signal.strsignal(signum): signum for signum in signal.valid_signals()}
+"""torch says a worker's signal by its description (strsignal: "Killed")."""
+
+
+def torch_said(exc: BaseException) -> str | None:
+    """The `worker_death` clause of torch's news of a dead worker (its SIGCHLD handler's, raised wherever the rank
+    was: also where no loader of the rank's own still holds that worker, as at an epoch's end); None for other news."""
+    text = f"{exc} "
+    if (killed := TORCH_KILLED.search(text)) and killed[2] in SIGNAL_OF_DESCRIPTION:
+        return worker_death(int(killed[1]), -SIGNAL_OF_DESCRIPTION[killed[2]])
+    if exited := TORCH_EXITED.search(text):
+        return worker_death(int(exited[1]), int(exited[2]))
+    return None
 
 
 class WatchedLoader:
@@ -119,14 +145,7 @@ class WatchedLoader:
         later, wherever the rank then is (its message depends on which of its checks saw the death first)."""
         deadline = time.monotonic() + wait_s
         while True:
-            said = []
-            for worker in self._workers():
-                code = worker.exitcode
-                if code is not None and code < 0:
-                    said.append(f"its data-loader worker pid {worker.pid} was killed by {signal.Signals(-code).name}"
-                                + KILLED_HINTS.get(-code, ""))
-                elif code:
-                    said.append(f"its data-loader worker pid {worker.pid} exited with code {code}")
+            said = [worker_death(worker.pid, worker.exitcode) for worker in self._workers() if worker.exitcode]
             if said or time.monotonic() >= deadline:
                 return "; ".join(said) or None
             time.sleep(0.05)

@@ -43,7 +43,7 @@ from llm.train.engine import (
     set_loss_scale,
     unscaled_grad_norm,
 )
-from llm.train.loader_watch import LIMIT, NoBatch, WatchedLoader, WorkerDied, worker_failure
+from llm.train.loader_watch import LIMIT, NoBatch, WatchedLoader, WorkerDied, torch_said, worker_failure
 from llm.train.metrics import MetricsLogger, StepStats
 from llm.train.objectives import MicroStep
 from llm.train.samples import SampleGenerator
@@ -311,7 +311,7 @@ class Trainer:
             if not worker_failure(exc):
                 raise
             dead = self._batches.dead_workers() if self._batches is not None else None
-            return self._end_for_data(dead or str(exc).strip(), "a data-loader worker of it died",
+            return self._end_for_data(dead or torch_said(exc) or str(exc).strip(), "a data-loader worker of it died",
                                       logger, watchdog)
 
     def _train(self, logger: MetricsLogger, checkpointer: checkpoint.Checkpointer, watchdog: Watchdog | None) -> int:
