@@ -589,7 +589,7 @@ NUMBER_RANGES: dict[str, Bounds] = {
     "model.llama3_high_freq_factor": POSITIVE, "model.dropout": BELOW_ONE,
     "model.n_experts": Bounds(1, 1024), "model.n_experts_per_token": POSITIVE, "model.n_shared_experts": NON_NEGATIVE,
     "model.moe_aux_loss_coef": NON_NEGATIVE, "model.init_std": POSITIVE,
-    "data.seq_len": POSITIVE, "data.loader_workers": NON_NEGATIVE,
+    "data.seq_len": POSITIVE, "data.loader_workers": Bounds(0, 64),  # per rank; each is a process
     "train.dpo_beta": POSITIVE, "train.dpo_sft_weight": NON_NEGATIVE, "train.distill_alpha": UNIT_INTERVAL,
     "train.distill_temperature": POSITIVE, "train.max_steps": POSITIVE, "train.micro_batch_size": POSITIVE,
     "train.grad_accum": POSITIVE, "train.lr": POSITIVE, "train.min_lr_ratio": UNIT_INTERVAL,

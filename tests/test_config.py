@@ -174,8 +174,9 @@ def test_every_number_key_has_a_range():
     ("model.n_experts=0", r"model.n_experts must be in \[1, 1024\], got 0"),
     ("model.n_experts=1025", r"model.n_experts must be in \[1, 1024\], got 1025"),
     ("model.n_layers=100000000", r"model.n_layers must be in \[1, 1024\], got 100000000"),  # building them hung
+    ("data.loader_workers=65", r"data.loader_workers must be in \[0, 64\], got 65"),  # each a process: a fork bomb
     ("model.moe_aux_loss_coef=-1", "model.moe_aux_loss_coef must be >= 0, got -1.0"),
-    ("data.loader_workers=-1", "data.loader_workers must be >= 0, got -1"),
+    ("data.loader_workers=-1", r"data.loader_workers must be in \[0, 64\], got -1"),
     ("grpo.temperature=0", "grpo.temperature must be positive, got 0.0"),
     ("grpo.top_p=0", r"grpo.top_p must be in \(0, 1\], got 0.0"),
     ("grpo.clip_low=1", r"grpo.clip_low must be in \[0, 1\), got 1.0"),
