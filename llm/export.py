@@ -39,6 +39,8 @@ from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 WEIGHTS_FILE, HF_CONFIG_FILE, WEIGHTS_INDEX_FILE = "model.safetensors", "config.json", "model.safetensors.index.json"
 EXPORT_FILES = {WEIGHTS_FILE, HF_CONFIG_FILE, WEIGHTS_INDEX_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG}
 _SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+EXPORTED_BY = {"exported_by": "zerollm"}
+"""In the metadata of an export's model.safetensors: how a later export knows a folder it may replace."""
 _LEGACY_BUFFER = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 """RoPE frequencies older transformers saved with the weights: recomputed from config.json, so ignored on import."""
 
@@ -207,14 +209,23 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
 
 def _replaceable(out: Path) -> None:
     """Refuse to replace a directory that is not empty or an earlier export: export replaces it whole, so a folder
-    with anything export does not write (a downloaded model's README.md or generation_config.json, notes, folders)
-    is left alone."""
+    with anything export does not write (a downloaded model's README.md or generation_config.json, notes, folders),
+    or whose model.safetensors export did not write (a downloaded model of those files alone), is left alone."""
     if not out.exists():
         return
     if not out.is_dir():
         raise UserError(f"--out {out} is a file; give a directory")
     weight_files = {name for name in os.listdir(out) if _SHARD.fullmatch(name)}  # what an export's weights may be
-    refuse_foreign_contents(out, out, "export", EXPORT_FILES | weight_files, HF_CONFIG_FILE)
+    refuse_foreign_contents(out, out, "export", EXPORT_FILES | weight_files, WEIGHTS_FILE, ours=_exported_here)
+
+
+def _exported_here(out: Path) -> bool:
+    """Whether export wrote `out`'s model.safetensors (a model downloaded from the Hub has one too)."""
+    try:
+        with safe_open(out / WEIGHTS_FILE, "pt") as weights:
+            return (weights.metadata() or {}).items() >= EXPORTED_BY.items()
+    except (SafetensorError, OSError):
+        return False
 
 
 def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> str:
@@ -245,7 +256,7 @@ def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> s
 
 def _write_export(state: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer_dir: Path | None, staging: Path) -> dict:
     """The export's files into the folder `staging`; its config.json."""
-    save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": "pt", **EXPORTED_BY})
     os.chmod(staging / WEIGHTS_FILE, 0o666 & ~durable.current_umask())  # written 0600: readable like the other files
     tokenizer = None
     if tokenizer_dir is not None and (tokenizer_dir / TOKENIZER_FILE).is_file():

@@ -24,7 +24,7 @@ from conftest import FIXTURES, changed_after_listing, run_cli, zerollm_here
 from llm.cli import main
 from llm.data.formats import read_items, read_records
 from llm.data.output import OutputDir
-from llm.data.prepare import OUTPUT_NAMES, Report, prepare
+from llm.data.prepare import OUTPUT_NAMES, Report, prepare, prepared_here
 from llm.data.prepared import read_data_attrs
 from llm.data.readers import PIECE_CHARS, Item, expand_inputs, split_text
 from llm.errors import UserError
@@ -365,21 +365,29 @@ def test_out_holding_files_of_its_own_is_refused_and_left_intact(tokenizer_dir, 
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "config.yaml").write_text("x: 1\n")
-    for out, named in ((mine, "tokenizer"), (run_dir, "checkpoints, config.yaml")):
+    named_tokens = tmp_path / "named-tokens"  # a file of the user's that happens to be named tokens.h5
+    named_tokens.mkdir()
+    (named_tokens / "tokens.h5").write_text("my own file")
+    notes_beside = tmp_path / "notes-beside"  # prepared data with the user's notes put in its tokenizer/
+    _quiet("pretrain", [corpus], tokenizer_dir, notes_beside)
+    (notes_beside / "tokenizer" / "notes.txt").write_text("keep me too")
+    for out, named in ((mine, "tokenizer"), (run_dir, "checkpoints, config.yaml"), (named_tokens, "tokens.h5"),
+                       (notes_beside, "report.json, tokenizer, tokens.h5")):  # the last two were replaced, exit 0
         result = _prepare(tokenizer_dir, out, corpus)
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert f"holds {named}, which data prepare did not write" in result.stderr
     assert (mine / "tokenizer" / "notes.txt").read_text() == "keep me"
     assert sorted(os.listdir(run_dir)) == ["checkpoints", "config.yaml"]
+    assert (named_tokens / "tokens.h5").read_text() == "my own file"
+    assert (notes_beside / "tokenizer" / "notes.txt").read_text() == "keep me too"
 
 
 def test_preparing_again_replaces_the_whole_earlier_output(tokenizer_dir, other_tokenizer, corpus, tmp_path):
     out = tmp_path / "out"
     _quiet("pretrain", [corpus], tokenizer_dir, out)
-    (out / "tokenizer" / "stale.json").write_text("{}")  # anything of the old output goes with it
     _quiet("pretrain", [corpus], other_tokenizer, out)
     assert read_data_attrs(out, "pretrain")["tokenizer_hash"] == Tokenizer.load(other_tokenizer).hash
-    assert not (out / "tokenizer" / "stale.json").exists()
+    assert Tokenizer.load(out / "tokenizer").hash == Tokenizer.load(other_tokenizer).hash
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "out"]  # no staging or set-aside copy left
     (tmp_path / "link").symlink_to(out)  # through a symlink: the directory is replaced, the link kept
     _quiet("pretrain", [corpus], tokenizer_dir, tmp_path / "link")
@@ -411,14 +419,14 @@ def test_the_tokens_carry_a_digest_of_all_their_content(tokenizer_dir, corpus, t
 
 def test_a_second_prepare_into_a_locked_out_is_refused(tokenizer_dir, corpus, tmp_path):
     out = tmp_path / "out"
-    with OutputDir(out, OUTPUT_NAMES) as first:
+    with OutputDir(out, OUTPUT_NAMES, prepared_here) as first:
         (first.staging / "tokens.h5").write_text("being written")
         result = _prepare(tokenizer_dir, out, corpus)
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert (f"--out {out}: another `zerollm data prepare` (pid {os.getpid()}) is writing there; wait for it to "
                 "finish or choose another --out") in result.stderr
         assert (first.staging / "tokens.h5").read_text() == "being written"
-        assert OutputDir(out, OUTPUT_NAMES).staging != first.staging  # temporary names are unique
+        assert OutputDir(out, OUTPUT_NAMES, prepared_here).staging != first.staging  # temporary names are unique
     assert _prepare(tokenizer_dir, out, corpus).returncode == 0  # the lock goes with its holder
 
 

@@ -106,6 +106,27 @@ def test_a_downloaded_model_folder_is_not_replaced_by_an_export(tmp_path):
     assert torch.equal(_logits(import_model(download)), _logits(_model(0)))
 
 
+def test_a_folder_of_only_the_names_an_export_holds_is_not_replaced_unless_export_wrote_it(tmp_path):
+    """A folder was taken for an earlier export by its names alone: a model downloaded in shards, or any folder of a
+    config.json, was deleted by an export into it (exit 0)."""
+    shards, config_only, hub_single = (tmp_path / name for name in ("shards", "config-only", "hub-single"))
+    files = {shards: {"config.json": '{"note": "downloaded"}', "model-00001-of-00002.safetensors": "w1",
+                      "model-00002-of-00002.safetensors": "w2", "model.safetensors.index.json": "{}",
+                      "tokenizer_config.json": "{}"},
+             config_only: {"config.json": "mine"}, hub_single: {"config.json": "{}"}}
+    for folder, named in files.items():
+        folder.mkdir()
+        for name, text in named.items():
+            (folder / name).write_text(text)
+    save_file({"w": torch.ones(2)}, str(hub_single / WEIGHTS_FILE), metadata={"format": "pt"})  # as the Hub's are
+    hub_weights = (hub_single / WEIGHTS_FILE).read_bytes()
+    for folder in files:
+        with pytest.raises(UserError, match="which export did not write"):
+            export_model(_model(0), None, folder)
+        assert {name: (folder / name).read_text() for name in files[folder]} == files[folder]
+    assert (hub_single / WEIGHTS_FILE).read_bytes() == hub_weights
+
+
 def test_the_weights_are_as_readable_as_the_other_files_and_a_file_in_the_way_is_one_line(tmp_path):
     """safetensors wrote model.safetensors 0600, so another user or a serving account could not read an export whose
     other files the umask made readable; and --out below a file was a NotADirectoryError traceback."""

@@ -50,7 +50,7 @@ from llm.data.output import OutputDir, cannot_write_output
 from llm.data.readers import DEFAULT_MAX_RECORD_MB, strings
 from llm.errors import UserError
 from llm.rundir import TOKENIZER_DIR, TOKENS_FILE
-from llm.tokenizer import Tokenizer
+from llm.tokenizer import CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
 SCHEMA_VERSION = 1
 REPORT_FILE = "report.json"
@@ -480,6 +480,22 @@ def _move_last_sample(writers: dict[str, SplitWriter], report: Report, source: s
 
 
 OUTPUT_NAMES = (TOKENS_FILE, REPORT_FILE, TOKENIZER_DIR)
+TOKENIZER_FILES = {TOKENIZER_FILE, CONFIG_FILE}
+"""What the tokenizer's copy in a prepared folder holds (`Tokenizer.save`)."""
+
+
+def prepared_here(out: Path) -> bool:
+    """Whether the folder `out` is what data prepare writes: its tokens.h5 carries our schema version and its
+    tokenizer/ only a tokenizer's files. A file of the user's named tokens.h5, or a tokenizer/
+    with notes in it, makes it the user's folder, which data prepare refuses to replace."""
+    tokenizer = out / TOKENIZER_DIR
+    if tokenizer.exists() and not (tokenizer.is_dir() and set(os.listdir(tokenizer)) <= TOKENIZER_FILES):
+        return False
+    try:
+        with h5py.File(out / TOKENS_FILE, "r") as h5:
+            return "schema_version" in h5.attrs
+    except OSError:  # not HDF5 (h5py's word for it), or not a file
+        return False
 
 
 def default_workers() -> int:
@@ -519,7 +535,7 @@ def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: st
     files = expand_inputs(inputs, exclude=out_dir)
     tokenizer = Tokenizer.load(tokenizer_dir)
     report = Report(files={str(f): 0 for f in files}, seq_len=None if kind == "pretrain" else seq_len)
-    with OutputDir(out_dir, OUTPUT_NAMES) as output:
+    with OutputDir(out_dir, OUTPUT_NAMES, prepared_here) as output:
         try:
             _write_tokens(output, kind, read_records(files, kind, max_record_mb), tokenizer, str(tokenizer_dir),
                           report, workers, val_fraction, strict, seed, seq_len, show_progress)
