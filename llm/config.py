@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from llm import durable
-from llm.errors import UserError
+from llm.errors import UserError, read_user_text
 
 
 @dataclass
@@ -420,7 +420,7 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
         if not path.is_file():
             raise UserError(f"recipe '{name_or_path}' is neither a packaged recipe ({', '.join(recipe_names())}) "
                             "nor a YAML file")
-        text = path.read_text()
+        text = read_user_text(path, "the recipe as UTF-8 YAML")
         source = str(path)
     try:
         raw = load_yaml(text) or {}

@@ -198,6 +198,17 @@ def test_a_recipe_that_gives_a_key_twice_is_refused(tmp_path):
     assert build_config(str(recipe)).train.max_steps == 10
 
 
+@pytest.mark.parametrize("raw, where", [(b"model:\n  dim: 32 # caf\xe9\n", "byte 0xe9 at offset 22"),
+                                        ("model:\n  dim: 32\n".encode("utf-16"), "byte 0xff at offset 0")])
+def test_a_recipe_that_is_not_utf8_is_one_line(tmp_path, raw, where):
+    """A Latin-1 comment or a file saved as UTF-16 was a UnicodeDecodeError traceback (exit 1)."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_bytes(raw)
+    with pytest.raises(UserError) as error:
+        build_config(str(recipe))
+    assert str(error.value) == f"{recipe}: not UTF-8 ({where}); save the recipe as UTF-8 YAML"
+
+
 def test_unknown_recipe_lists_the_packaged_ones():
     with pytest.raises(UserError, match="minimind-26m"):
         build_config("no-such-recipe")

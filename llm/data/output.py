@@ -73,8 +73,9 @@ class OutputDir:
     output.commit()`.
 
     `names` are the entries a data prepare output holds (besides the lock file); an earlier output is recognised
-    by the first of them (tokens.h5) and `ours(out)`, which looks inside. Leaving the block without `commit()` (an error, Ctrl-C, SIGTERM) removes the
-    staging directory and leaves OUT as it was (and removes OUT if this run created it).
+    by the first of them (tokens.h5) and by `ours(out)`, which looks inside. Leaving the block without `commit()`
+    (an error, Ctrl-C, SIGTERM) removes the staging directory and leaves OUT as it was (and removes OUT if this run
+    created it).
     """
 
     def __init__(self, out: str | Path, names: tuple[str, ...], ours: Callable[[Path], bool]) -> None:
