@@ -574,6 +574,8 @@ class Bounds:
 POSITIVE = Bounds(0, low_open=True)
 NON_NEGATIVE = Bounds(0)
 UNIT_INTERVAL = Bounds(0, 1)
+WEEK_S = 7 * 24 * 3600
+"""The longest timeout in seconds: torch's collective timeout and the timer of a reward overflow not far beyond."""
 BELOW_ONE = Bounds(0, 1, high_open=True)
 """[0, 1): dropout probabilities, Adam's betas."""
 
@@ -598,11 +600,11 @@ NUMBER_RANGES: dict[str, Bounds] = {
     "train.seed": Bounds(0, 2**64 - 1),  # what both torch.manual_seed and numpy's SeedSequence accept
     "train.log_every": POSITIVE, "train.eval_every": NON_NEGATIVE, "train.eval_batches": POSITIVE,
     "train.save_every": NON_NEGATIVE, "train.keep_checkpoints": NON_NEGATIVE, "train.peak_tflops": POSITIVE,
-    "train.collective_timeout_s": POSITIVE, "train.sample_tokens": POSITIVE,
+    "train.collective_timeout_s": Bounds(0, WEEK_S, low_open=True), "train.sample_tokens": POSITIVE,
     "grpo.group_size": POSITIVE, "grpo.max_new_tokens": POSITIVE, "grpo.temperature": POSITIVE,
     "grpo.top_k": NON_NEGATIVE, "grpo.top_p": Bounds(0, 1, low_open=True), "grpo.updates_per_batch": POSITIVE,
     "grpo.clip_low": BELOW_ONE, "grpo.clip_high": NON_NEGATIVE, "grpo.kl_coef": NON_NEGATIVE,
-    "grpo.reward_timeout_s": NON_NEGATIVE, "grpo.rollout_batch_size": NON_NEGATIVE,
+    "grpo.reward_timeout_s": Bounds(0, WEEK_S), "grpo.rollout_batch_size": NON_NEGATIVE,
     "lora.r": NON_NEGATIVE, "lora.alpha": POSITIVE, "lora.dropout": BELOW_ONE,
 }
 """The range of every int and float config key (None, where a key allows it, is not checked); train.max_time is a
