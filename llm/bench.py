@@ -35,6 +35,9 @@ from llm.model.lora import apply_lora, parameter_counts
 
 BENCH_VOCAB = 6400
 """Vocabulary of the random tokens when the recipe leaves it to the tokenizer."""
+MAX_RANDOM_TOKENS = 1 << 24
+"""The most random tokens `bench train` writes (32 MiB); a longer benchmark goes over them again, in epochs (a
+billion steps' worth was a numpy MemoryError)."""
 
 
 def _write_random_data(out: Path, kind: str, vocab_size: int, records, seed: int, **attrs) -> None:
@@ -128,7 +131,8 @@ def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int 
     lora_overrides = parse_lora_spec(lora) if lora is not None else []
     total_steps = steps + warmup
     t = cfg.train
-    samples_needed = total_steps * t.micro_batch_size * t.grad_accum * nproc
+    per_step = t.micro_batch_size * t.grad_accum * nproc
+    samples = max(per_step, min(total_steps * per_step, MAX_RANDOM_TOKENS // cfg.data.seq_len))  # more: epochs
     options = [a for o in overrides for a in ("--set", o)] + [
         "--set", f"train.max_steps={total_steps}", "--set", "train.eval_every=0", "--set", "train.save_every=0",
         "--set", "train.log_every=1", "--set", "train.eval_batches=1", "--nproc", str(nproc)]
@@ -140,10 +144,10 @@ def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int 
     with tempfile.TemporaryDirectory(prefix="zerollm-bench-") as tmp:
         data, base = Path(tmp) / "data", Path(tmp) / "base"
         if lora is None:
-            write_random_tokens(data, cfg.model.vocab_size, samples_needed * cfg.data.seq_len + 1)
+            write_random_tokens(data, cfg.model.vocab_size, samples * cfg.data.seq_len + 1)
             jobs = {"": (["pretrain"], cfg)}
         else:
-            write_random_conversations(data, cfg.model.vocab_size, samples_needed, cfg.data.seq_len)
+            write_random_conversations(data, cfg.model.vocab_size, samples, cfg.data.seq_len)
             torch.manual_seed(t.seed)
             export_model(Transformer(cfg.model), None, base)
             tuned = build_config(recipe, [*overrides, *lora_overrides, "train.stage=sft"],

@@ -67,6 +67,15 @@ def test_bench_train_ended_by_max_time_in_its_warmup_is_one_line():
                      r"\(train\.max_time=0\.01\): nothing was measured", result.stderr), result.stderr[-2000:]
 
 
+def test_bench_train_of_more_steps_than_memory_holds_tokens_for_runs_to_its_time_budget():
+    """The random tokens of every step were made up front: --steps 1000000000 was a numpy MemoryError (477 GiB)."""
+    tiny = [a for o in TINY for a in ("--set", o)]
+    result = run_cli("bench", "train", "--recipe", "demo", "--steps", 10**9, "--warmup", 1, *tiny,
+                     "--set", "train.max_time=4")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "of --steps 1000000000: train.max_time ended the job sooner" in result.stdout, result.stdout[-2000:]
+
+
 def test_bench_train_reports_the_steps_it_measured():
     from llm.bench import TrainFigures, _measured
 
