@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from llm import rundir
-from llm.config import RunConfig, build_config, parse_lora_spec
+from llm.config import ModelConfig, RunConfig, build_config, parse_lora_spec
 from llm.data.prepare import RANDOM_TOKENS_HASH, SPLITS, STREAMS, TOKENS_FILE, SplitWriter, write_attrs
 from llm.devices import place, resolve
 from llm.errors import UserError
@@ -31,6 +31,7 @@ from llm.infer.sampling import SamplingParams
 from llm.loading import load_for_inference
 from llm.model import Transformer
 from llm.model.from_weights import shapes_only
+from llm.model.host_memory import FP32_BYTES, GIB, usable_memory
 from llm.model.lora import apply_lora, parameter_counts
 
 BENCH_VOCAB = 6400
@@ -210,6 +211,20 @@ def _rate(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else math.inf
 
 
+def check_host_memory_for_generation(cfg: ModelConfig, batch: int, positions: int) -> None:
+    """Refuse a batch whose generations on the CPU cannot fit in this host's memory: an estimate of the largest
+    forward's tensors (the uncached one over every position: KV cache, attention scores, logits and the
+    feed-forward's activations, in fp32; an upper bound). --batch 100000 of a tiny model ended in the OOM killer's
+    SIGKILL, without a word, after filling 24 GiB. (A GPU says so itself: `torch.OutOfMemoryError`.)"""
+    per_position = (2 * cfg.n_layers * cfg.kv_heads * cfg.attention_head_dim + cfg.n_heads * positions
+                    + cfg.vocab_size + 3 * cfg.ffn_hidden_dim + 4 * cfg.dim)
+    needed, available = FP32_BYTES * batch * positions * per_position, usable_memory()
+    if needed > available:
+        raise UserError(f"--batch {batch} of {positions} positions needs about {needed / GIB:,.1f} GiB for its "
+                        f"generations on the CPU (KV cache, attention, logits), more than this host's "
+                        f"{available / GIB:,.1f} GiB; lower --batch or the token counts")
+
+
 def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 64, batch: int = 1,
                    repeats: int = 3, device: str = "auto", dtype: str = "auto") -> int:
     """Prefill and decode tokens/s: our cached decoding, uncached decoding, transformers' generate."""
@@ -219,6 +234,8 @@ def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 6
     model, tokenizer = load_for_inference(model_dir)
     if prompt_tokens + new_tokens > model.cfg.max_seq_len:
         raise UserError(f"--prompt-tokens + --new-tokens exceeds the model's max_seq_len {model.cfg.max_seq_len}")
+    if where.type == "cpu":
+        check_host_memory_for_generation(model.cfg, batch, prompt_tokens + new_tokens)
     hf_dir = tempfile.TemporaryDirectory(prefix="zerollm-bench-")
     if not model.cfg.moe:
         export_model(model, None, Path(hf_dir.name))  # the same weights for transformers, written before casting
@@ -237,8 +254,14 @@ def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 6
             return first - start, time.perf_counter() - first
         return run
 
-    results = {"zerollm, KV cache": _median_seconds(ours(True), repeats),
-               "zerollm, no cache": _median_seconds(ours(False), repeats)}
+    def measured(run: Callable[[], tuple[float, float]]) -> tuple[float, float]:
+        try:
+            return _median_seconds(run, repeats)
+        except torch.OutOfMemoryError:
+            raise UserError(f"the GPU ran out of memory generating --batch {batch} of {prompt_tokens + new_tokens} "
+                            "positions; lower --batch or the token counts") from None
+
+    results = {"zerollm, KV cache": measured(ours(True)), "zerollm, no cache": measured(ours(False))}
     try:
         from transformers import AutoModelForCausalLM  # noqa: PLC0415 - optional: compared where installed
         from transformers.generation.streamers import BaseStreamer  # noqa: PLC0415
@@ -275,7 +298,7 @@ def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 6
                 end = time.perf_counter()
             return first.at - start, end - first.at
 
-        results["transformers generate"] = _median_seconds(transformers_run, repeats)
+        results["transformers generate"] = measured(transformers_run)
     hf_dir.cleanup()
     prefill_tokens, decode_tokens = batch * prompt_tokens, batch * (new_tokens - 1)
     cached_decode = _rate(decode_tokens, results["zerollm, KV cache"][1])

@@ -55,6 +55,16 @@ def test_bench_generate_rates_are_positive(tiny_export):
     assert len(rates) == 3 and all(p > 0 and d > 0 for p, d in rates.values()), result.stdout
 
 
+def test_bench_generate_of_a_batch_no_host_holds_is_one_line(tiny_export):
+    """--batch 100000 filled the host's memory until the OOM killer ended it (exit 137, nothing said)."""
+    result = run_cli("bench", "generate", "--model", tiny_export, "--prompt-tokens", 16, "--new-tokens", 2,
+                     "--batch", 10**8, "--device", "cpu")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert re.fullmatch(r"zerollm: error: --batch 100000000 of 18 positions needs about [\d,.]+ GiB for its "
+                        r"generations on the CPU \(KV cache, attention, logits\), more than this host's [\d,.]+ GiB; "
+                        r"lower --batch or the token counts\n", result.stderr)
+
+
 def test_bench_train_ended_by_max_time_in_its_warmup_is_one_line():
     """train.max_time ended the job within the warm-up steps: `statistics.median` of no steps raised
     StatisticsError (a traceback), under a header promising the median of --steps steps."""
