@@ -254,6 +254,21 @@ def test_ds_config_conflict_names_both_sides(tmp_path):
     ({"optimizer": {"type": "NoSuchOpt", "params": {}}},
      "x.json: 'optimizer.type' is \"NoSuchOpt\", not an optimizer DeepSpeed has: one of adagrad, adam, adamw"),
     ({"optimizer": {"params": {}}}, "x.json: 'optimizer.type' is null, not an optimizer DeepSpeed has"),
+    # torch's optimizers refused these as every rank built them: a traceback a rank, exit 1
+    ({"optimizer": {"type": "SGD", "params": {"momentum": -1}}, "zero_optimization": {"stage": 0}},
+     r"x.json: 'optimizer' SGD refuses its params \(Invalid momentum value: -1\)"),
+    ({"optimizer": {"type": "SGD", "params": {"momentum": "x"}}, "zero_optimization": {"stage": 0}},
+     "x.json: 'optimizer' SGD refuses its params"),
+    ({"optimizer": {"type": "SGD", "params": {"nesterov": True}}, "zero_optimization": {"stage": 0}},
+     r"x.json: 'optimizer' SGD refuses its params \(Nesterov momentum requires a momentum"),
+    ({"optimizer": {"type": "RMSprop", "params": {"alpha": -3}}, "zero_optimization": {"stage": 0}},
+     r"x.json: 'optimizer' RMSprop refuses its params \(Invalid alpha value: -3\)"),
+    ({"optimizer": {"type": "LBFGS", "params": {}}, "zero_optimization": {"stage": 0}},
+     r"x.json: 'optimizer' LBFGS refuses its params \(LBFGS doesn't support per-parameter options"),
+    ({"optimizer": {"type": "AdamW", "params": {"amsgrad": "yes"}}},
+     "x.json: 'optimizer.params.amsgrad': DeepSpeed's FusedAdam has no AMSGrad; remove it, or add \"torch_adam\": "
+     "true for torch's"),
+    ({"zero_optimization": {"stage": True}}, "x.json: zero_optimization.stage must be 0, 1, 2 or 3, got True"),
     ({"optimizer": {"type": "lr_scheduler", "params": {}}}, "'optimizer.type' is \"lr_scheduler\", not an optimizer"),
 ])
 def test_ds_config_sections_of_the_wrong_shape_are_refused(change, message):

@@ -214,7 +214,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     if zero_stage is not None:
         ds.setdefault("zero_optimization", {})["stage"] = zero_stage
     stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if stage not in (0, 1, 2, 3):
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):  # true is 1 to Python
         raise UserError(f"{source}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     for key, size in WIDTH_SIZES.items():
         if ds.get("zero_optimization", {}).get(key) == "auto":
@@ -247,6 +247,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
             del params[key]
     _refuse_unbuildable(optimizer["type"], optimizer_class, stage, ds, source)
     _refuse_auto(ds, source)
+    _refuse_bad_values(optimizer["type"], optimizer_class, params, source)
     steps_per_print = ds.get("steps_per_print")
     if steps_per_print is not None:
         if (isinstance(steps_per_print, bool) or not isinstance(steps_per_print, (int, float))
@@ -359,6 +360,26 @@ def _refuse_unbuildable(name: str, cls: type | None, stage: int, ds: dict[str, A
             not ds.get("zero_allow_untested_optimizer"):
         raise UserError(f"{source}: DeepSpeed calls {name} untested under ZeRO (stage {stage}); add "
                         "\"zero_allow_untested_optimizer\": true to use it anyway, or set zero_optimization.stage to 0")
+
+
+def _refuse_bad_values(name: str, cls: type | None, params: dict[str, Any], source: str) -> None:
+    """Refuse optimizer params the optimizer itself refuses as it is built, which it would do in every rank (a
+    traceback each, exit 1): a torch optimizer is built once here, on parameters grouped as the trainer groups them
+    (`param_groups`), so that its own checks run (a momentum below 0, text where a number goes, Nesterov without
+    momentum, LBFGS's single group); DeepSpeed's Adam kernels have no AMSGrad."""
+    if cls in (deepspeed.ops.adam.FusedAdam, deepspeed.ops.adam.DeepSpeedCPUAdam) and params.get("amsgrad"):
+        raise UserError(f"{source}: 'optimizer.params.amsgrad': DeepSpeed's {cls.__name__} has no AMSGrad; remove it, "
+                        "or add \"torch_adam\": true for torch's")
+    if cls is None or not cls.__module__.startswith("torch.optim"):
+        return
+    taken = inspect.signature(cls).parameters
+    keywords = {key: value for key, value in params.items() if key in taken}
+    groups = [{"params": [torch.zeros(1, requires_grad=True)], "weight_decay": params.get("weight_decay", 0.0)},
+              {"params": [torch.zeros(1, requires_grad=True)], "weight_decay": 0.0}]
+    try:
+        cls(groups, **keywords)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise UserError(f"{source}: 'optimizer' {name} refuses its params ({str(exc).splitlines()[0]})") from None
 
 
 MONITOR_PACKAGES = {"tensorboard": "tensorboard", "comet": "comet_ml"}
