@@ -29,12 +29,12 @@ HOST_NAME_RULE = "letters, digits, '.', '-' and '_', starting and ending with a 
 
 def is_host_name(name: str) -> bool:
     """Whether `name` is a plain host name or IPv4 address that is safe on any command line."""
-    return bool(_HOST_NAME.match(name))
+    return bool(_HOST_NAME.fullmatch(name))  # match: "$" also matches before a final newline
 
 
 def check_address(address: str, option: str) -> None:
     """A `--master-addr`: a host name, an IPv4 or an IPv6 address, nothing a shell or ssh could read otherwise."""
-    if not (is_host_name(address) or _IP_ADDRESS.match(address)):
+    if not (is_host_name(address) or _IP_ADDRESS.fullmatch(address)):
         raise UserError(f"{option} {address!r} is not a host name or IP address ({HOST_NAME_RULE})")
 
 

@@ -43,7 +43,7 @@ def _numbers(group: str, nodelist: str) -> list[str]:
     """'07-09,12' -> ['07', '08', '09', '12']."""
     numbers = []
     for part in group.split(","):
-        match = _RANGE.match(part)
+        match = _RANGE.fullmatch(part)
         if not match or (match[2] is not None and int(match[2]) < int(match[1])):
             raise UserError(f"cannot read the SLURM node list {nodelist!r}: '[{group}]' is not a list of numbers "
                             "and ascending ranges")

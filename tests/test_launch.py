@@ -232,7 +232,7 @@ def test_slurm_node_lists_expand_fully(nodelist, hosts, tmp_path):
     assert slurm_hosts(nodelist, path=str(tmp_path)) == hosts  # no scontrol on that PATH: expanded here
 
 
-@pytest.mark.parametrize("nodelist", ["gpu[1-", "gpu[3-1]", "gpu[a-b]", "gpu1,", "gpu]1", ""])
+@pytest.mark.parametrize("nodelist", ["gpu[1-", "gpu[3-1]", "gpu[a-b]", "gpu1,", "gpu]1", "", "gpu[1-2\n]"])
 def test_bad_slurm_node_lists_are_one_line_errors(nodelist):
     with pytest.raises(UserError, match="SLURM node list"):
         expand_nodelist(nodelist)

@@ -50,7 +50,7 @@ def test_ordinary_host_names_and_addresses_pass(tmp_path):
     assert read_hostfile(tmp_path / "hosts") == {"gpu-01.cluster.example.org": 8, "10.0.0.7": 8, "node_3": 1}
 
 
-@pytest.mark.parametrize("address", ["-Fevil", "1.2.3.4;reboot", "$(id)", "a b"])
+@pytest.mark.parametrize("address", ["-Fevil", "1.2.3.4;reboot", "$(id)", "a b", "127.0.0.1\n", "fd00::1\n"])
 def test_master_addresses_that_are_not_addresses_are_refused(tmp_path, address):
     with pytest.raises(UserError, match="is not a host name or IP address"):
         plan_launch(_launch_args("--nnodes", "2", "--node-rank", "1", f"--master-addr={address}"), ["train"], {})
