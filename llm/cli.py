@@ -415,7 +415,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     from llm.data.formats import Skipped, expand_inputs, read_records
     from llm.tokenizer import train_tokenizer
 
-    files = expand_inputs(args.input)
+    files = expand_inputs(args.input, exclude=args.out)  # a tokenizer written into an input folder is not read back
     skipped = 0
 
     def texts():

@@ -111,6 +111,18 @@ def test_cli_output_is_its_summary_and_a_note_when_the_vocabulary_falls_short(tm
                         "times (--min-frequency) to merge")
 
 
+def test_a_tokenizer_written_into_its_input_folder_is_not_read_back(tmp_path):
+    """A second `tokenizer train --input corpus --out corpus/tok` read the first one's JSON files as training text
+    ('3 unusable records skipped'), a different tokenizer for the same corpus."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(FIXTURES / "pretrain" / "en_notes.jsonl", corpus)
+    outputs = [run_cli("tokenizer", "train", "--input", corpus, "--vocab-size", 300, "--out", corpus / "tok")
+               for _ in range(2)]
+    assert [r.returncode for r in outputs] == [0, 0] and outputs[0].stdout == outputs[1].stdout, outputs[1].stdout
+    assert "skipped" not in outputs[1].stdout
+
+
 def test_cli_rejects_too_small_vocab_and_missing_input(tmp_path):
     result = run_cli("tokenizer", "train", "--input", FIXTURES / "pretrain" / "en_notes.jsonl",
                      "--vocab-size", 100, "--out", tmp_path / "t")
