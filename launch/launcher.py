@@ -387,6 +387,9 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
                         f"{args.hostfile}, {first}, is this node and hosts the rendezvous (rank 0); give its own "
                         "address, or drop --master-addr")
     if len(active) == 1 and first_is_here:  # DeepSpeed starts the ranks here itself, without ssh
+        if args.launcher != "pdsh":  # DeepSpeed would leave it unused
+            raise UserError(f"--launcher {args.launcher} reaches the hosts of a --hostfile; {args.hostfile} runs on "
+                            f"this node alone ({first}), whose ranks DeepSpeed starts itself: drop --launcher")
         master = args.master_addr or "127.0.0.1"
         _check_port_if_local(master, args.master_port)
         return Plan(deepspeed_runner(*options, "--no_ssh_check", "--master_addr", master), train_argv, env, files)

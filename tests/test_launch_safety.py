@@ -311,6 +311,16 @@ def test_mpi_launchers_refuse_what_their_runners_cannot_do(tmp_path, launcher, a
         _plan(tmp_path, "--launcher", launcher, *argv, **({"hosts": hosts} if hosts else {}))
 
 
+@pytest.mark.parametrize("launcher", ["mpich", "openmpi"])
+def test_an_mpi_launcher_for_a_hostfile_of_this_node_alone_is_refused_not_dropped(tmp_path, launcher):
+    """DeepSpeed starts the ranks of one local host itself: the --launcher asked for went unused (exit 0)."""
+    (tmp_path / "hosts").write_text("localhost slots=1\n")
+    with pytest.raises(UserError, match=f"^--launcher {launcher} reaches the hosts of a --hostfile; .*hosts runs on "
+                                        "this node alone \\(localhost\\), whose ranks DeepSpeed starts itself: drop "
+                                        "--launcher$"):
+        plan_launch(_launch_args("--hostfile", str(tmp_path / "hosts"), "--launcher", launcher), ["train"], {})
+
+
 def test_mpi_plans_export_the_rendezvous_and_mpich_starts_the_console_script(tmp_path):
     plan = _plan(tmp_path, "--launcher", "mvapich", "--master-port", "29123")
     assert plan.files["deepspeed_env"].endswith("MASTER_ADDR=10.0.0.1\nMASTER_PORT=29123\n")
