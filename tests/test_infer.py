@@ -470,9 +470,10 @@ def test_a_run_s_damaged_tokenizer_copy_is_named_with_what_to_do(zero_runs, tmp_
     expected = f"zerollm: error: {run / 'tokenizer'} is damaged ({reason.format(copy=copy)}"
     remedy = (f"; it is this run's copy of its input's tokenizer: copy the tokenizer the run was trained with back "
               f"into {run / 'tokenizer'}\n")
-    export = tmp_path / "export"
+    export, text = tmp_path / "export", tmp_path / "text.txt"
+    text.write_text("some text to score\n")
     for command in (["generate", "--model", run, "--prompt", "hi"], ["export", "--run", run, "--out", export],
-                    ["eval", "--model", run, "--input", run / "config.yaml"]):
+                    ["eval", "--model", run, "--input", text]):
         assert zerollm_here(monkeypatch, *command) == 2
         stderr = capsys.readouterr().err
         assert stderr.startswith(expected) and stderr.endswith(remedy) and stderr.count("\n") == 1, stderr
