@@ -386,14 +386,12 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
         raise UserError(f"--master-addr {args.master_addr} is not an address of this node, but the first host of "
                         f"{args.hostfile}, {first}, is this node and hosts the rendezvous (rank 0); give its own "
                         "address, or drop --master-addr")
-    if len(active) == 1 and first_is_here:  # DeepSpeed starts the ranks here itself, without ssh
-        if args.launcher != "pdsh":  # DeepSpeed would leave it unused
-            raise UserError(f"--launcher {args.launcher} reaches the hosts of a --hostfile; {args.hostfile} runs on "
-                            f"this node alone ({first}), whose ranks DeepSpeed starts itself: drop --launcher")
+    if len(active) == 1 and first_is_here and args.launcher == "pdsh":  # DeepSpeed starts the ranks here itself
         master = args.master_addr or "127.0.0.1"
         _check_port_if_local(master, args.master_port)
         return Plan(deepspeed_runner(*options, "--no_ssh_check", "--master_addr", master), train_argv, env, files)
-    options += ["--force_multi"] if len(active) == 1 else []  # one remote host: reach it, do not run here
+    # one host: reach it as several are (a remote one is not run here; an MPI launcher asked for is used, not dropped)
+    options += ["--force_multi"] if len(active) == 1 else []
     program, job, master, ssh_hosts = RANK_MODULE, train_argv, args.master_addr, []
     if args.launcher == "pdsh":
         options.append("--no_ssh_check")  # every host is asked first, with pdsh's ssh options (launch.reachable)

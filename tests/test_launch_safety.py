@@ -15,7 +15,7 @@ from deepspeed.launcher.multinode_runner import PDSHRunner
 from conftest import REPO, TINY, run_cli
 from launch.environment import deepspeed_env_files, parse_env
 from launch.hostfile import active_slots, check_filter, read_hostfile
-from launch.launcher import is_rank_command, plan_launch
+from launch.launcher import LAUNCHER_PROGRAMS, is_rank_command, plan_launch
 from launch.options import LaunchOptions
 from launch.remote_shell import pdsh_argument, pdsh_export
 from llm.cli import build_parser, launch_options
@@ -312,13 +312,14 @@ def test_mpi_launchers_refuse_what_their_runners_cannot_do(tmp_path, launcher, a
 
 
 @pytest.mark.parametrize("launcher", ["mpich", "openmpi"])
-def test_an_mpi_launcher_for_a_hostfile_of_this_node_alone_is_refused_not_dropped(tmp_path, launcher):
-    """DeepSpeed starts the ranks of one local host itself: the --launcher asked for went unused (exit 0)."""
+def test_an_mpi_launcher_for_a_hostfile_of_this_node_alone_is_used_not_dropped(tmp_path, launcher):
+    """DeepSpeed starts the ranks of one local host itself: the --launcher asked for went unused (exit 0, without
+    mpirun installed). It is used, as for one remote host, so a missing mpirun is said before anything starts."""
     (tmp_path / "hosts").write_text("localhost slots=1\n")
-    with pytest.raises(UserError, match=f"^--launcher {launcher} reaches the hosts of a --hostfile; .*hosts runs on "
-                                        "this node alone \\(localhost\\), whose ranks DeepSpeed starts itself: drop "
-                                        "--launcher$"):
-        plan_launch(_launch_args("--hostfile", str(tmp_path / "hosts"), "--launcher", launcher), ["train"], {})
+    plan = plan_launch(_launch_args("--hostfile", str(tmp_path / "hosts"), "--launcher", launcher,
+                                    "--master-port", str(free_port())), ["train"], {"HOME": str(tmp_path)})
+    assert plan.command[plan.command.index("--launcher") + 1] == launcher and "--force_multi" in plan.command
+    assert plan.programs == LAUNCHER_PROGRAMS[launcher]
 
 
 def test_mpi_plans_export_the_rendezvous_and_mpich_starts_the_console_script(tmp_path):
