@@ -37,10 +37,12 @@ from llm.tokenizer import CONFIG_FILE as TOKENIZER_CONFIG
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 
 WEIGHTS_FILE, HF_CONFIG_FILE, WEIGHTS_INDEX_FILE = "model.safetensors", "config.json", "model.safetensors.index.json"
-EXPORT_FILES = {WEIGHTS_FILE, HF_CONFIG_FILE, WEIGHTS_INDEX_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG}
-_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+EXPORT_FILES = {WEIGHTS_FILE, HF_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG}
+"""What an export holds."""
 EXPORTED_BY = {"exported_by": "zerollm"}
 """In the metadata of an export's model.safetensors: how a later export knows a folder it may replace."""
+SAVED_BY_TRANSFORMERS = "transformers_version"
+"""A key every config.json transformers saves carries, and export never writes."""
 _LEGACY_BUFFER = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 """RoPE frequencies older transformers saved with the weights: recomputed from config.json, so ignored on import."""
 
@@ -215,17 +217,23 @@ def _replaceable(out: Path) -> None:
         return
     if not out.is_dir():
         raise UserError(f"--out {out} is a file; give a directory")
-    weight_files = {name for name in os.listdir(out) if _SHARD.fullmatch(name)}  # what an export's weights may be
-    refuse_foreign_contents(out, out, "export", EXPORT_FILES | weight_files, WEIGHTS_FILE, ours=_exported_here)
+    refuse_foreign_contents(out, out, "export", EXPORT_FILES, WEIGHTS_FILE, not_ours=_not_exported_here)
 
 
-def _exported_here(out: Path) -> bool:
-    """Whether export wrote `out`'s model.safetensors (a model downloaded from the Hub has one too)."""
+def _not_exported_here(out: Path) -> str | None:
+    """None where export wrote `out`'s model.safetensors (a model downloaded from the Hub has one too): marked so in
+    its metadata, or, unmarked, as earlier versions wrote it, beside a config.json that transformers did not save;
+    else the weights' name."""
     try:
         with safe_open(out / WEIGHTS_FILE, "pt") as weights:
-            return (weights.metadata() or {}).items() >= EXPORTED_BY.items()
-    except (SafetensorError, OSError):
-        return False
+            if (weights.metadata() or {}).items() >= EXPORTED_BY.items():
+                return None
+        config = json.loads((out / HF_CONFIG_FILE).read_text(encoding="utf-8"))
+        if isinstance(config, dict) and SAVED_BY_TRANSFORMERS not in config:
+            return None
+    except (SafetensorError, OSError, ValueError):  # ValueError: JSON's, and text that is not UTF-8
+        pass
+    return WEIGHTS_FILE
 
 
 def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> str:

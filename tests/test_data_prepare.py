@@ -24,7 +24,7 @@ from conftest import FIXTURES, changed_after_listing, run_cli, zerollm_here
 from llm.cli import main
 from llm.data.formats import read_items, read_records
 from llm.data.output import OutputDir
-from llm.data.prepare import OUTPUT_NAMES, Report, prepare, prepared_here
+from llm.data.prepare import OUTPUT_NAMES, Report, not_prepared_here, prepare
 from llm.data.prepared import read_data_attrs
 from llm.data.readers import PIECE_CHARS, Item, expand_inputs, split_text
 from llm.errors import UserError
@@ -372,7 +372,7 @@ def test_out_holding_files_of_its_own_is_refused_and_left_intact(tokenizer_dir, 
     _quiet("pretrain", [corpus], tokenizer_dir, notes_beside)
     (notes_beside / "tokenizer" / "notes.txt").write_text("keep me too")
     for out, named in ((mine, "tokenizer"), (run_dir, "checkpoints, config.yaml"), (named_tokens, "tokens.h5"),
-                       (notes_beside, "report.json, tokenizer, tokens.h5")):  # the last two were replaced, exit 0
+                       (notes_beside, "tokenizer/notes.txt")):  # the last two were replaced, exit 0
         result = _prepare(tokenizer_dir, out, corpus)
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert f"holds {named}, which data prepare did not write" in result.stderr
@@ -419,14 +419,14 @@ def test_the_tokens_carry_a_digest_of_all_their_content(tokenizer_dir, corpus, t
 
 def test_a_second_prepare_into_a_locked_out_is_refused(tokenizer_dir, corpus, tmp_path):
     out = tmp_path / "out"
-    with OutputDir(out, OUTPUT_NAMES, prepared_here) as first:
+    with OutputDir(out, OUTPUT_NAMES, not_prepared_here) as first:
         (first.staging / "tokens.h5").write_text("being written")
         result = _prepare(tokenizer_dir, out, corpus)
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert (f"--out {out}: another `zerollm data prepare` (pid {os.getpid()}) is writing there; wait for it to "
                 "finish or choose another --out") in result.stderr
         assert (first.staging / "tokens.h5").read_text() == "being written"
-        assert OutputDir(out, OUTPUT_NAMES, prepared_here).staging != first.staging  # temporary names are unique
+        assert OutputDir(out, OUTPUT_NAMES, not_prepared_here).staging != first.staging  # temporary names are unique
     assert _prepare(tokenizer_dir, out, corpus).returncode == 0  # the lock goes with its holder
 
 

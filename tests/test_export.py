@@ -78,9 +78,13 @@ def test_an_export_that_runs_out_of_room_is_one_line_and_leaves_nothing_half_wri
 def test_export_replaces_an_old_export_whole_and_refuses_other_folders(tmp_path):
     out = tmp_path / "export"
     export_model(_model(0), None, out)
-    save_file({"x": torch.zeros(1)}, str(out / "model-00002-of-00002.safetensors"))  # from an older export
-    export_model(_model(0), None, out)
+    export_model(_model(1), None, out)
     assert sorted(p.name for p in out.iterdir()) == [HF_CONFIG_FILE, WEIGHTS_FILE]
+    assert torch.equal(_logits(import_model(out)), _logits(_model(1)))
+    weights = load_file(out / WEIGHTS_FILE)
+    save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})  # as earlier versions wrote it: unmarked
+    export_model(_model(0), None, out)
+    assert torch.equal(_logits(import_model(out)), _logits(_model(0)))
     precious = tmp_path / "notes"
     precious.mkdir()
     (precious / "thesis.txt").write_text("years of work")
@@ -113,7 +117,7 @@ def test_a_folder_of_only_the_names_an_export_holds_is_not_replaced_unless_expor
     files = {shards: {"config.json": '{"note": "downloaded"}', "model-00001-of-00002.safetensors": "w1",
                       "model-00002-of-00002.safetensors": "w2", "model.safetensors.index.json": "{}",
                       "tokenizer_config.json": "{}"},
-             config_only: {"config.json": "mine"}, hub_single: {"config.json": "{}"}}
+             config_only: {"config.json": "mine"}, hub_single: {"config.json": '{"transformers_version": "4.51.0"}'}}
     for folder, named in files.items():
         folder.mkdir()
         for name, text in named.items():

@@ -53,15 +53,19 @@ def cannot_write_output(out: str | Path, exc: OSError) -> UserError:
 
 
 def refuse_foreign_contents(out: Path, given: str | Path, command: str, names: set[str], marker: str,
-                            ignored: set[str] = frozenset(), ours: Callable[[Path], bool] | None = None) -> None:
+                            ignored: set[str] = frozenset(),
+                            not_ours: Callable[[Path], str | None] | None = None) -> None:
     """Refuse an existing directory `out` unless it is empty or an earlier output of `command`: it holds only
-    `names` (besides `ignored`) and among them `marker`, which only `command` writes, or, where the name is not
-    `command`'s alone (config.json, tokens.h5), which `ours(out)` finds `command` wrote. So a command that replaces
-    or overwrites its output never touches a folder of the user's (a run, a tokenizer of their own, any file)."""
+    `names` (besides `ignored`) and among them `marker`, which only `command` writes, or, where the names are not
+    `command`'s alone (model.safetensors, tokens.h5), which `not_ours(out)` finds `command` wrote (it names what
+    `command` did not write, or None). So a command that replaces or overwrites its output never touches a folder of
+    the user's (a run, a tokenizer of their own, any file)."""
     entries = sorted(set(os.listdir(out)) - ignored)
     foreign = [name for name in entries if name not in names]
-    if entries and (marker not in entries or ours is not None and not ours(out)):  # e.g. a tokenizer/ of your own
+    if entries and marker not in entries:  # e.g. a tokenizer/ of your own
         foreign = entries
+    elif entries and not foreign and not_ours is not None and (found := not_ours(out)):
+        foreign = [found]
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise UserError(f"--out {given} holds {shown}, which {command} did not write; it replaces its output there, "
@@ -69,17 +73,17 @@ def refuse_foreign_contents(out: Path, given: str | Path, command: str, names: s
 
 
 class OutputDir:
-    """Context manager: `with OutputDir(out, names, ours) as output: ...write into output.staging...;
+    """Context manager: `with OutputDir(out, names, not_ours) as output: ...write into output.staging...;
     output.commit()`.
 
     `names` are the entries a data prepare output holds (besides the lock file); an earlier output is recognised
-    by the first of them (tokens.h5) and by `ours(out)`, which looks inside. Leaving the block without `commit()`
+    by the first of them (tokens.h5) and by `not_ours(out)`, which looks inside. Leaving the block without `commit()`
     (an error, Ctrl-C, SIGTERM) removes the staging directory and leaves OUT as it was (and removes OUT if this run
     created it).
     """
 
-    def __init__(self, out: str | Path, names: tuple[str, ...], ours: Callable[[Path], bool]) -> None:
-        self.given, self.ours = Path(out), ours
+    def __init__(self, out: str | Path, names: tuple[str, ...], not_ours: Callable[[Path], str | None]) -> None:
+        self.given, self.not_ours = Path(out), not_ours
         self.out = self.given.resolve()  # a symlink to a directory: replace the directory, keep the link
         self.names, self.marker = set(names) | {LOCK_FILE}, names[0]
         self.prefix = f".{self.out.name}."
@@ -169,7 +173,7 @@ class OutputDir:
 
     def _check_contents(self) -> None:
         refuse_foreign_contents(self.out, self.given, "data prepare", self.names, self.marker, ignored={LOCK_FILE},
-                                ours=self.ours)
+                                not_ours=self.not_ours)
 
     def _remove_leftovers(self) -> None:
         for entry in self.out.parent.glob(f"{self.prefix}*"):

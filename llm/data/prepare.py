@@ -484,18 +484,21 @@ TOKENIZER_FILES = {TOKENIZER_FILE, CONFIG_FILE}
 """What the tokenizer's copy in a prepared folder holds (`Tokenizer.save`)."""
 
 
-def prepared_here(out: Path) -> bool:
-    """Whether the folder `out` is what data prepare writes: its tokens.h5 carries our schema version and its
-    tokenizer/ only a tokenizer's files. A file of the user's named tokens.h5, or a tokenizer/
-    with notes in it, makes it the user's folder, which data prepare refuses to replace."""
+def not_prepared_here(out: Path) -> str | None:
+    """What in the folder `out` data prepare did not write, or None where it is an output of data prepare: its
+    tokens.h5 carries our schema version and its tokenizer/ only a tokenizer's files. A file of the user's named
+    tokens.h5, or notes put in tokenizer/, make it the user's folder, which data prepare refuses to replace."""
     tokenizer = out / TOKENIZER_DIR
-    if tokenizer.exists() and not (tokenizer.is_dir() and set(os.listdir(tokenizer)) <= TOKENIZER_FILES):
-        return False
+    if tokenizer.exists():
+        if not tokenizer.is_dir():
+            return TOKENIZER_DIR
+        if extra := sorted(set(os.listdir(tokenizer)) - TOKENIZER_FILES):
+            return f"{TOKENIZER_DIR}/{extra[0]}"
     try:
         with h5py.File(out / TOKENS_FILE, "r") as h5:
-            return "schema_version" in h5.attrs
+            return None if "schema_version" in h5.attrs else TOKENS_FILE
     except OSError:  # not HDF5 (h5py's word for it), or not a file
-        return False
+        return TOKENS_FILE
 
 
 def default_workers() -> int:
@@ -535,7 +538,7 @@ def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: st
     files = expand_inputs(inputs, exclude=out_dir)
     tokenizer = Tokenizer.load(tokenizer_dir)
     report = Report(files={str(f): 0 for f in files}, seq_len=None if kind == "pretrain" else seq_len)
-    with OutputDir(out_dir, OUTPUT_NAMES, prepared_here) as output:
+    with OutputDir(out_dir, OUTPUT_NAMES, not_prepared_here) as output:
         try:
             _write_tokens(output, kind, read_records(files, kind, max_record_mb), tokenizer, str(tokenizer_dir),
                           report, workers, val_fraction, strict, seed, seq_len, show_progress)
