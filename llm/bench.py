@@ -37,7 +37,7 @@ from llm.model.lora import apply_lora, parameter_counts
 BENCH_VOCAB = 6400
 """Vocabulary of the random tokens when the recipe leaves it to the tokenizer."""
 MAX_RANDOM_TOKENS = 1 << 24
-"""The most random tokens `bench train` writes (32 MiB); a longer benchmark goes over them again, in epochs (a
+"""The most random tokens `bench train` writes to each split; a longer benchmark goes over them again, in epochs (a
 billion steps' worth was a numpy MemoryError)."""
 
 
@@ -133,7 +133,8 @@ def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int 
     total_steps = steps + warmup
     t = cfg.train
     per_step = t.micro_batch_size * t.grad_accum * nproc
-    samples = max(per_step, min(total_steps * per_step, MAX_RANDOM_TOKENS // cfg.data.seq_len))  # more: epochs
+    # the samples of every step, up to MAX_RANDOM_TOKENS (then the steps go over them again), and at least one step's
+    samples = max(per_step, min(total_steps * per_step, MAX_RANDOM_TOKENS // cfg.data.seq_len))
     options = [a for o in overrides for a in ("--set", o)] + [
         "--set", f"train.max_steps={total_steps}", "--set", "train.eval_every=0", "--set", "train.save_every=0",
         "--set", "train.log_every=1", "--set", "train.eval_batches=1", "--nproc", str(nproc)]
@@ -213,12 +214,13 @@ def _rate(tokens: int, seconds: float) -> float:
 
 def check_host_memory_for_generation(cfg: ModelConfig, batch: int, positions: int) -> None:
     """Refuse a batch whose generations on the CPU cannot fit in this host's memory: an estimate of the largest
-    forward's tensors (the uncached one over every position: KV cache, attention scores, logits and the
-    feed-forward's activations, in fp32; an upper bound). --batch 100000 of a tiny model ended in the OOM killer's
-    SIGKILL, without a word, after filling 24 GiB. (A GPU says so itself: `torch.OutOfMemoryError`.)"""
+    forward's tensors (the uncached one over every position: KV cache, attention scores and the feed-forward's
+    activations, in fp32, and the last position's logits; an upper bound). --batch 100000 of a tiny model ended in
+    the OOM killer's SIGKILL, without a word, after filling 24 GiB. (A GPU says so itself: `torch.OutOfMemoryError`.)"""
     per_position = (2 * cfg.n_layers * cfg.kv_heads * cfg.attention_head_dim + cfg.n_heads * positions
-                    + cfg.vocab_size + 3 * cfg.ffn_hidden_dim + 4 * cfg.dim)
-    needed, available = FP32_BYTES * batch * positions * per_position, usable_memory()
+                    + 3 * cfg.ffn_hidden_dim + 4 * cfg.dim)
+    needed = FP32_BYTES * batch * (positions * per_position + cfg.vocab_size)  # logits: the last position's
+    available = usable_memory()
     if needed > available:
         raise UserError(f"--batch {batch} of {positions} positions needs about {needed / GIB:,.1f} GiB for its "
                         f"generations on the CPU (KV cache, attention, logits), more than this host's "
@@ -257,7 +259,7 @@ def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 6
     def measured(run: Callable[[], tuple[float, float]]) -> tuple[float, float]:
         try:
             return _median_seconds(run, repeats)
-        except torch.OutOfMemoryError:
+        except torch.OutOfMemoryError:  # CUDA's; MPS says so in a RuntimeError of its own
             raise UserError(f"the GPU ran out of memory generating --batch {batch} of {prompt_tokens + new_tokens} "
                             "positions; lower --batch or the token counts") from None
 

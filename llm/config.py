@@ -575,7 +575,8 @@ POSITIVE = Bounds(0, low_open=True)
 NON_NEGATIVE = Bounds(0)
 UNIT_INTERVAL = Bounds(0, 1)
 WEEK_S = 7 * 24 * 3600
-"""The longest timeout in seconds: torch's collective timeout and the timer of a reward overflow not far beyond."""
+"""The longest timeout a config takes, in seconds: torch's collective timeout and a reward's timer overflow not far
+beyond it (1e10 s)."""
 BELOW_ONE = Bounds(0, 1, high_open=True)
 """[0, 1): dropout probabilities, Adam's betas."""
 

@@ -13,6 +13,7 @@ import torch
 from conftest import TINY, run_cli
 from llm import rundir
 from llm.config import ModelConfig, build_config
+from llm.errors import UserError
 from llm.export import export_model
 from llm.model import Transformer
 
@@ -63,6 +64,19 @@ def test_bench_generate_of_a_batch_no_host_holds_is_one_line(tiny_export):
     assert re.fullmatch(r"zerollm: error: --batch 100000000 of 18 positions needs about [\d,.]+ GiB for its "
                         r"generations on the CPU \(KV cache, attention, logits\), more than this host's [\d,.]+ GiB; "
                         r"lower --batch or the token counts\n", result.stderr)
+
+
+def test_bench_generate_out_of_gpu_memory_is_one_line(tiny_export, monkeypatch):
+    from llm import bench
+
+    def out_of_memory(run, repeats):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(bench, "_median_seconds", out_of_memory)
+    with pytest.raises(UserError) as error:
+        bench.bench_generate(str(tiny_export), prompt_tokens=16, new_tokens=2, batch=3, repeats=1, device="cpu")
+    assert str(error.value) == ("the GPU ran out of memory generating --batch 3 of 18 positions; lower --batch or the "
+                                "token counts")
 
 
 def test_bench_train_ended_by_max_time_in_its_warmup_is_one_line():

@@ -378,8 +378,9 @@ def _refuse_bad_values(name: str, cls: type | None, params: dict[str, Any], sour
               {"params": [torch.zeros(1, requires_grad=True)], "weight_decay": 0.0}]
     try:
         cls(groups, **keywords)
-    except (ValueError, TypeError, RuntimeError) as exc:
-        raise UserError(f"{source}: 'optimizer' {name} refuses its params ({str(exc).splitlines()[0]})") from None
+    except Exception as exc:  # noqa: BLE001 - whatever it raises, every rank would raise: Rprop's etas [1], IndexError
+        said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{source}: 'optimizer' {name} refuses its params ({said})") from None
 
 
 MONITOR_PACKAGES = {"tensorboard": "tensorboard", "comet": "comet_ml"}

@@ -57,11 +57,13 @@ def worker_failure(exc: BaseException) -> bool:
 def worker_death(pid: int, code: int) -> str:
     """How a data-loader worker ended (`code`: its exit code, or -N for signal N), as one clause with what to do."""
     if code < 0:
-        name = signal.Signals(-code).name
+        name = signal.Signals(-code).name if -code in SIGNAL_NAMES else f"signal {-code}"  # real-time ones: no name
         return f"its data-loader worker pid {pid} was killed by {name}{KILLED_HINTS.get(-code, '')}"
     return f"its data-loader worker pid {pid} exited with code {code}"
 
 
+SIGNAL_NAMES = frozenset(signal.Signals)
+"""The signals Python has a name for."""
 TORCH_KILLED = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: (.+?)\. ")
 TORCH_EXITED = re.compile(r"DataLoader worker \(pid (\d+)\) exited unexpectedly with exit code (-?\d+)\.")
 SIGNAL_OF_DESCRIPTION = {signal.strsignal(signum): signum for signum in signal.valid_signals()}
