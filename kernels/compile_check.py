@@ -97,6 +97,11 @@ def _launches(module: str, arch: int) -> list[Launch]:
     return importlib.import_module(f"kernels.{module}").launches(arch)
 
 
+JIT_COMPILATION_KNOBS = ("instrumentation_mode", "fpsan_homomorphic_casts")
+"""knobs.compilation settings that Triton's JITFunction.run passes to the compiler as options: those of them this
+Triton has (3.6 has the first only)."""
+
+
 def compile_launch(launch: Launch, config, arch: int) -> Row:
     """Compile one launch with one config for sm_<arch>; registers, spills and shared memory from ptxas."""
     row = Row(arch, launch.kernel, launch.labels, _tile(config))
@@ -104,8 +109,8 @@ def compile_launch(launch: Launch, config, arch: int) -> Row:
     backend = make_backend(target)
     fn = launch.fn
     kwargs = dict(launch.constexprs, **config.all_kwargs(), debug=bool(fn.debug) or knobs.runtime.debug,
-                  instrumentation_mode=knobs.compilation.instrumentation_mode,
-                  fpsan_homomorphic_casts=knobs.compilation.fpsan_homomorphic_casts)
+                  **{name: getattr(knobs.compilation, name) for name in JIT_COMPILATION_KNOBS
+                     if hasattr(knobs.compilation, name)})
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
