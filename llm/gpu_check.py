@@ -10,7 +10,7 @@ Steps, each bounded by its share of the budget and recorded in DIR/summary.md as
      tests/test_kernels.py would set it to 1), each test's outcome listed as it ends (what kernels.VERIFIED rests on)
   3. the kernel table: `python -m kernels.bench` (GB/s against a measured copy, TFLOP/s against SDPA's flash and
      cuDNN backends and torch eager), bf16, then attention in fp16
-  4. training throughput: `zerollm bench train` for minimind-26m, minimind3-64m and tiny-k-215m at bf16 ZeRO-2,
+  4. training throughput: `zerollm bench train` for minimind-26m and tiny-k-215m at bf16 ZeRO-2,
      with model.kernels=triton and =torch (tokens/s, MFU, peak memory)
   5. where a step's time goes: torch.profiler's top 20 ops of one tiny-k-215m training step
 A step's budget is its share (SHARES) of the time left when it starts, among the steps still to run: what a step
@@ -43,11 +43,12 @@ from llm.train.engine import resolve_ds_config, resolve_precision
 from llm.train.job import build_trainer
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_RECIPES = ("minimind-26m", "minimind3-64m", "tiny-k-215m")
-SHARES = {"versions": 0.02, "kernel tests": 0.4, "kernel table": 0.2, "training": 0.3, "profile": 0.08}
-"""Each step's share of the time budget. The kernel tests compile each kernel of tests/test_kernels_gpu.py for every
-dtype and shape class they take and autotune attention's tiles (many Triton compiles), so they get the largest share;
-the kernel table and the triton training runs then find most of those kernels in Triton's cache."""
+GPU_RECIPES = ("minimind-26m", "tiny-k-215m")
+SHARES = {"versions": 0.02, "kernel tests": 0.35, "kernel table": 0.3, "training": 0.28, "profile": 0.05}
+"""Each step's share of the time budget, from one H200 run (docs/benchmarks.md): the kernel tests took 130 s (they
+compile each kernel for every dtype and shape class they take and autotune attention's tiles), the kernel table
+about 105 s, the four training jobs 90 s (each starts DeepSpeed in a process of its own), the profile 12 s; at the
+default budget (480 s) each step has at least 1.25 times what it took there."""
 GIB_PER_KERNEL_TEST_WORKER = 40
 """GPU memory per pytest-xdist process of the kernel tests: the float64 reference of the largest attention test
 (kernels.testing.compare; 32 heads x 4096 x 4096 scores, kept for the backward) takes some 30 GiB."""

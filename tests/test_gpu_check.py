@@ -61,7 +61,7 @@ def test_the_kernel_tests_step_runs_the_compiled_gpu_tests_alone_and_lists_each_
     assert [arg for arg in command if arg.startswith("tests/")] == ["tests/test_kernels_gpu.py"], command
     assert "-rA" in command and "-m" in command and command[command.index("-m", 3) + 1] == "gpu", command
     assert {**os.environ, **env}["TRITON_INTERPRET"] in (None, "0"), env
-    assert timeout_s >= 0.35 * 480, timeout_s  # a few hundred compiles: the largest share of the budget
+    assert timeout_s >= 0.3 * 480, timeout_s  # a few hundred compiles: about a third of the budget
     assert "- kernel tests: ok" in (tmp_path / "summary.md").read_text()
     if not has_gpu:
         log = (tmp_path / "kernel_tests.txt").read_text()
