@@ -436,7 +436,8 @@ class _FakeCuda:
 def test_auto_on_cuda_picks_triton_only_for_verified_capabilities(op, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
-    assert kernels.choose_backend(op, _FakeCuda(), "auto") == "torch"  # VERIFIED is empty
+    monkeypatch.setattr(kernels, "VERIFIED", frozenset())
+    assert kernels.choose_backend(op, _FakeCuda(), "auto") == "torch"
     monkeypatch.setattr(kernels, "VERIFIED", frozenset({(op, (9, 0))}))
     assert kernels.choose_backend(op, _FakeCuda(), "auto") == "triton"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
@@ -444,6 +445,14 @@ def test_auto_on_cuda_picks_triton_only_for_verified_capabilities(op, monkeypatc
     monkeypatch.setattr(kernels, "interpreting", lambda: True)  # auto never chooses the interpreter
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert kernels.choose_backend(op, _FakeCuda(), "auto") == "torch"
+
+
+def test_verified_names_ops_and_capabilities_the_kernels_run_on():
+    """A misspelt op in VERIFIED would leave `auto` on the torch path without a word."""
+    assert kernels.VERIFIED, "the H200 run of tests/test_kernels_gpu.py put entries here"
+    for op, capability in kernels.VERIFIED:
+        assert op in kernels.OPS, op
+        assert capability >= runtime.MIN_CAPABILITY, capability
 
 
 @pytest.mark.parametrize("op", kernels.OPS)
