@@ -7,7 +7,8 @@ result to a file as soon as it is known (a run cut short keeps what it finished)
 Steps, each bounded by its share of the budget and recorded in DIR/summary.md as it ends:
   1. versions and clocks (python, torch, triton, deepspeed; GPU, capability, memory, clocks, power)
   2. compiled-kernel correctness: tests/test_kernels_gpu.py alone, in a process that compiles (TRITON_INTERPRET unset;
-     tests/test_kernels.py would set it to 1), each test's outcome listed as it ends (what kernels.VERIFIED rests on)
+     tests/test_kernels.py would set it to 1), each test's outcome listed as it ends (with the kernel table, what
+     kernels.VERIFIED rests on)
   3. the kernel table: `python -m kernels.bench` (GB/s against a measured copy, TFLOP/s against SDPA's flash and
      cuDNN backends and torch eager), bf16, then attention in fp16
   4. training throughput: `zerollm bench train` for minimind-26m and tiny-k-215m at bf16 ZeRO-2,

@@ -3,8 +3,9 @@
 Triton's interpreter is a mode of the whole process (kernels.runtime). When this file is collected in a process
 that interprets -- the whole suite, where tests/test_kernels.py sets TRITON_INTERPRET=1 -- its tests run in a
 fresh process without it, through test_gpu_suite_in_a_compiling_process; run alone
-(`pytest -m gpu tests/test_kernels_gpu.py`) they run here. Passing on a device of compute capability X is what
-lets (op, X) into kernels.VERIFIED (see docs/kernels.md).
+(`pytest -m gpu tests/test_kernels_gpu.py`) they run here. Passing on a device of compute capability X, and
+beating the torch path there in `python -m kernels.bench`, is what lets (op, X) into kernels.VERIFIED (see
+docs/kernels.md).
 """
 
 import os
