@@ -212,6 +212,11 @@ def _rate(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else math.inf
 
 
+MPS_OUT_OF_MEMORY = "MPS backend out of memory"
+"""How Apple's MPS backend begins the RuntimeError it raises when it runs out of memory (it has no
+torch.OutOfMemoryError)."""
+
+
 def check_host_memory_for_generation(cfg: ModelConfig, batch: int, positions: int) -> None:
     """Refuse a batch whose generations on the CPU cannot fit in this host's memory: an estimate of the largest
     forward's tensors (the uncached one over every position: KV cache, attention scores and the feed-forward's
@@ -259,7 +264,9 @@ def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 6
     def measured(run: Callable[[], tuple[float, float]]) -> tuple[float, float]:
         try:
             return _median_seconds(run, repeats)
-        except torch.OutOfMemoryError:  # CUDA's; MPS says so in a RuntimeError of its own
+        except (torch.OutOfMemoryError, RuntimeError) as exc:  # CUDA's, or MPS's RuntimeError of its own
+            if not isinstance(exc, torch.OutOfMemoryError) and not str(exc).startswith(MPS_OUT_OF_MEMORY):
+                raise
             raise UserError(f"the GPU ran out of memory generating --batch {batch} of {prompt_tokens + new_tokens} "
                             "positions; lower --batch or the token counts") from None
 

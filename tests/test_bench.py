@@ -66,17 +66,33 @@ def test_bench_generate_of_a_batch_no_host_holds_is_one_line(tiny_export):
                         r"lower --batch or the token counts\n", result.stderr)
 
 
-def test_bench_generate_out_of_gpu_memory_is_one_line(tiny_export, monkeypatch):
+@pytest.mark.parametrize("raised", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+    RuntimeError("MPS backend out of memory (MPS allocated: 17.06 GB, other allocations: 1.20 GB, max allowed: "
+                 "18.13 GB). Tried to allocate 2.00 GB on private pool."),  # Apple's GPU: a RuntimeError
+])
+def test_bench_generate_out_of_gpu_memory_is_one_line(tiny_export, monkeypatch, raised):
     from llm import bench
 
     def out_of_memory(run, repeats):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        raise raised
 
     monkeypatch.setattr(bench, "_median_seconds", out_of_memory)
     with pytest.raises(UserError) as error:
         bench.bench_generate(str(tiny_export), prompt_tokens=16, new_tokens=2, batch=3, repeats=1, device="cpu")
     assert str(error.value) == ("the GPU ran out of memory generating --batch 3 of 18 positions; lower --batch or the "
                                 "token counts")
+
+
+def test_bench_generate_passes_on_other_runtime_errors(tiny_export, monkeypatch):
+    from llm import bench
+
+    def broken(run, repeats):
+        raise RuntimeError("expected all tensors to be on the same device")
+
+    monkeypatch.setattr(bench, "_median_seconds", broken)
+    with pytest.raises(RuntimeError, match="same device"):
+        bench.bench_generate(str(tiny_export), prompt_tokens=16, new_tokens=2, batch=3, repeats=1, device="cpu")
 
 
 def test_bench_train_ended_by_max_time_in_its_warmup_is_one_line():
