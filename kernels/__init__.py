@@ -14,7 +14,7 @@ Every function here takes `backend`:
 
 `VERIFIED` lists the (op, capability) pairs whose compiled kernels passed tests/test_kernels_gpu.py on a
 device of that capability and beat the torch path there in `python -m kernels.bench` (kernels/BENCHMARKS.md).
-On an H200 (9, 0), with Triton 3.6: RMSNorm (1.7-5.3x eager) and RoPE (5.8-14x) are in; SwiGLU passed but
+On an H200 (9, 0), with Triton 3.6: RMSNorm (1.1-5.3x eager) and RoPE (2.6-14x) are in; SwiGLU passed but
 ran at 0.7-0.8x eager, and attention passed but its backward ran at 0.55-1.05x SDPA's flash, so `auto` keeps
 PyTorch's paths for those two.
 """

@@ -59,16 +59,17 @@ def _tile(m: int, n: int, warps: int, stages: int) -> triton.Config:
 # autotuner times the candidates of the device's family on first use (per power-of-two sequence length, tile
 # width, dtype, causal, segments). Candidates are chosen to compile without register spills on their architecture
 # (python -m kernels.compile_check); BENCHMARKS.md ("Spills") lists those that spill (from the full check: the
-# default tiles by 4-60 bytes a thread, the atomic-dQ option's by up to 184). Ampere keeps the B
+# default tiles by 4-60 bytes a thread, the atomic-dQ option's by up to 96). Ampere keeps the B
 # operand of every matmul whole in each warp's registers, so its dK/dV tiles are narrow in the query
 # dimension (the K dimension of the dK/dV matmuls); Hopper's wgmma reads operands from shared memory, which allows
 # wider dK/dV tiles at head dims up to 64; at 128 only M16 N64 (no spills) and M32 N64 (under 64 bytes a thread)
 # keep the dK/dV accumulators in registers, where M64 N128 spilled 0.3-1.4 KiB a thread. fp32 inputs multiply on the
 # CUDA cores (IEEE dots): at head dims 96-128 on sm_90 the forward and dQ tile M16 N32 spilled 0.3-1.4 KiB a thread
 # with 4 warps and none with 8 (or as M16 N16 with 4), the dK/dV tile M16 N32 44-60 bytes, M16 N16 none.
-# On an H200 with Triton 3.6 the atomic-dQ tile M16 N128 (which spilled 184 bytes a thread) gave dQ errors 500
-# times the reference's at head dim 128 (tests/test_kernels_gpu.py); M16 N64, 2 stages, passes (it spills nothing
-# without segment ids, 56-68 bytes a thread with them).
+# On an H200 with Triton 3.6 the atomic-dQ tile M16 N128 (which spilled 184 bytes a thread) gave dQ errors about 490
+# times the reference's at head dim 128 (tests/test_kernels_gpu.py); M16 N64 with 2 stages passes there. It spills
+# 8 bytes a thread without segment ids and 68 with them (Triton 3.9; 0 and 68 with 3.6). sm_80 keeps M16 N128 (never
+# run on a device).
 TILES: dict[str, dict[int, dict[str, list[triton.Config]]]] = {
     "fwd": {
         80: {"small": [_tile(128, 64, 8, 3), _tile(64, 64, 4, 3)],
