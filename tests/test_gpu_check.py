@@ -69,6 +69,26 @@ def test_the_kernel_tests_step_runs_the_compiled_gpu_tests_alone_and_lists_each_
         assert "this process interprets" not in log, log[-3000:]
 
 
+def test_the_fp16_kernel_table_gets_the_time_the_bf16_one_leaves(tmp_path, monkeypatch):
+    """On an H200 the fp16 attention table had a fixed quarter of the step (24 s) and was cut off after 10 of its 16
+    rows while the bf16 table's share had gone unused."""
+    timeouts = {}
+
+    def run_command(command, log, timeout_s, env=None):
+        if "kernels.bench" in command:
+            timeouts["fp16" if "fp16" in command else "bf16"] = timeout_s
+        return "ok"  # at once: the bf16 table leaves nearly all of its time
+
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "run_command", run_command)
+    monkeypatch.setattr(gpu_check, "versions", lambda smoke: "versions")
+    monkeypatch.setattr(gpu_check, "profile_step", lambda recipe, smoke: "profile")
+    monkeypatch.setattr(gpu_check, "kernel_test_workers", lambda: 1, raising=False)
+    assert gpu_check.main(["--out", str(tmp_path), "--budget-s", "480"]) == 0
+    table_budget = timeouts["bf16"] / gpu_check.BF16_TABLE_SHARE
+    assert timeouts["fp16"] >= 0.95 * table_budget, timeouts
+
+
 def test_a_command_of_the_gpu_check_runs_without_the_variables_it_unsets(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     log = tmp_path / "log.txt"
