@@ -374,10 +374,8 @@ def _refuse_bad_values(name: str, cls: type | None, params: dict[str, Any], sour
         return
     taken = inspect.signature(cls).parameters
     keywords = {key: value for key, value in params.items() if key in taken}
-    groups = [{"params": [torch.zeros(1, requires_grad=True)], "weight_decay": params.get("weight_decay", 0.0)},
-              {"params": [torch.zeros(1, requires_grad=True)], "weight_decay": 0.0}]
-    try:
-        cls(groups, **keywords)
+    try:  # a Linear's weight and bias: one parameter in each of the trainer's two groups
+        cls(param_groups(torch.nn.Linear(1, 1), params.get("weight_decay", 0.0)), **keywords)
     except Exception as exc:  # noqa: BLE001 - whatever it raises, every rank would raise: Rprop's etas [1], IndexError
         said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"{source}: 'optimizer' {name} refuses its params ({said})") from None
