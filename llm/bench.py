@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from llm import rundir
-from llm.config import ModelConfig, RunConfig, build_config, parse_lora_spec
+from llm.config import RunConfig, build_config, parse_lora_spec
 from llm.data.prepare import RANDOM_TOKENS_HASH, SPLITS, STREAMS, TOKENS_FILE, SplitWriter, write_attrs
 from llm.devices import place, resolve
 from llm.errors import UserError
@@ -31,7 +31,7 @@ from llm.infer.sampling import SamplingParams
 from llm.loading import load_for_inference
 from llm.model import Transformer
 from llm.model.from_weights import shapes_only
-from llm.model.host_memory import FP32_BYTES, GIB, usable_memory
+from llm.model.host_memory import check_generation_fits_in_memory
 from llm.model.lora import apply_lora, parameter_counts
 
 BENCH_VOCAB = 6400
@@ -217,21 +217,6 @@ MPS_OUT_OF_MEMORY = "MPS backend out of memory"
 torch.OutOfMemoryError)."""
 
 
-def check_host_memory_for_generation(cfg: ModelConfig, batch: int, positions: int) -> None:
-    """Refuse a batch whose generations on the CPU cannot fit in this host's memory: an estimate of the largest
-    forward's tensors (the uncached one over every position: KV cache, attention scores and the feed-forward's
-    activations, in fp32, and the last position's logits; an upper bound). --batch 100000 of a tiny model ended in
-    the OOM killer's SIGKILL, without a word, after filling 24 GiB. (A GPU says so itself: `torch.OutOfMemoryError`.)"""
-    per_position = (2 * cfg.n_layers * cfg.kv_heads * cfg.attention_head_dim + cfg.n_heads * positions
-                    + 3 * cfg.ffn_hidden_dim + 4 * cfg.dim)
-    needed = FP32_BYTES * batch * (positions * per_position + cfg.vocab_size)  # logits: the last position's
-    available = usable_memory()
-    if needed > available:
-        raise UserError(f"--batch {batch} of {positions} positions needs about {needed / GIB:,.1f} GiB for its "
-                        f"generations on the CPU (KV cache, attention, logits), more than this host's "
-                        f"{available / GIB:,.1f} GiB; lower --batch or the token counts")
-
-
 def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 64, batch: int = 1,
                    repeats: int = 3, device: str = "auto", dtype: str = "auto") -> int:
     """Prefill and decode tokens/s: our cached decoding, uncached decoding, transformers' generate."""
@@ -242,7 +227,7 @@ def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 6
     if prompt_tokens + new_tokens > model.cfg.max_seq_len:
         raise UserError(f"--prompt-tokens + --new-tokens exceeds the model's max_seq_len {model.cfg.max_seq_len}")
     if where.type == "cpu":
-        check_host_memory_for_generation(model.cfg, batch, prompt_tokens + new_tokens)
+        check_generation_fits_in_memory(model.cfg, batch, prompt_tokens + new_tokens)
     hf_dir = tempfile.TemporaryDirectory(prefix="zerollm-bench-")
     if not model.cfg.moe:
         export_model(model, None, Path(hf_dir.name))  # the same weights for transformers, written before casting

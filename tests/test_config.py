@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import pathlib
+import re
 
 import psutil
 import pytest
@@ -378,6 +379,23 @@ def test_a_model_that_does_not_fit_names_its_size_and_the_memory(monkeypatch):
     monkeypatch.setattr(host_memory, "usable_memory", lambda: psutil.virtual_memory().total)
     with pytest.raises(UserError, match=r"GiB: more than this host's [\d,.]+ GiB of memory$"):
         host_memory.check_fits_in_memory(dataclasses.replace(cfg, vocab_size=10**11), copies=3)
+
+
+def test_generations_that_do_not_fit_name_whose_memory_is_short(monkeypatch):
+    """`bench generate`'s check said "this host's" memory even where a cgroup's lower limit was the one exceeded."""
+    from llm.model import host_memory
+
+    cfg = build_config("demo", ["model.vocab_size=300"]).model
+    monkeypatch.setattr(host_memory, "usable_memory", lambda: 2**30)
+    host_memory.check_generation_fits_in_memory(cfg, batch=1, positions=18)
+    with pytest.raises(UserError) as error:
+        host_memory.check_generation_fits_in_memory(cfg, batch=10**6, positions=18)
+    assert re.fullmatch(r"--batch 1000000 of 18 positions needs about [\d,.]+ GiB for its generations on the CPU "
+                        r"\(KV cache, attention, logits\), more than the limit of this process's cgroup \(a "
+                        r"container's or a job's\): 1\.0 GiB; lower --batch or the token counts", str(error.value))
+    monkeypatch.setattr(host_memory, "usable_memory", lambda: psutil.virtual_memory().total)
+    with pytest.raises(UserError, match=r"more than this host's [\d,.]+ GiB; lower --batch"):
+        host_memory.check_generation_fits_in_memory(cfg, batch=10**9, positions=18)
 
 
 @pytest.mark.parametrize("dim, n_heads", [(160, 4), (288, 4), (1024, 4), (64, 4)])  # head dims 40, 72, 256, 16

@@ -58,6 +58,13 @@ def usable_memory() -> int:
     return min([psutil.virtual_memory().total, *cgroup_memory_limits(CGROUP_ROOT, MEMBERSHIP)])
 
 
+def whose_memory(available: int) -> str:
+    """Whose `available` bytes (from `usable_memory`) are: the host's, or its cgroup's where that limit is lower."""
+    if available >= psutil.virtual_memory().total:
+        return "this host's"
+    return "the limit of this process's cgroup (a container's or a job's):"
+
+
 def check_fits_in_memory(cfg: ModelConfig, copies: int = 1, remedy: str = "") -> None:
     """UserError (ending with `remedy`) when `copies` fp32 copies of the model `cfg` describes (one per rank on this
     host, and each rank's frozen reference) need more than this host's memory: they cannot fit, whatever else."""
@@ -67,7 +74,20 @@ def check_fits_in_memory(cfg: ModelConfig, copies: int = 1, remedy: str = "") ->
         return
     copied = (f"; this host builds {copies} copies of it (each rank's model, and its frozen reference where the stage "
               f"has one) before DeepSpeed partitions them, {needed / GIB:,.1f} GiB" if copies > 1 else "")
-    whose = "this host's" if available >= psutil.virtual_memory().total else "the limit of this process's cgroup (a " \
-        "container's or a job's):"
     raise UserError(f"the model has {parameters:,} parameters, {FP32_BYTES * parameters / GIB:,.1f} GiB in fp32"
-                    f"{copied}: more than {whose} {available / GIB:,.1f} GiB of memory{remedy}")
+                    f"{copied}: more than {whose_memory(available)} {available / GIB:,.1f} GiB of memory{remedy}")
+
+
+def check_generation_fits_in_memory(cfg: ModelConfig, batch: int, positions: int) -> None:
+    """Refuse a batch whose generations on the CPU cannot fit in this host's memory: an estimate of the largest
+    forward's tensors (the uncached one over every position: KV cache, attention scores and the feed-forward's
+    activations, in fp32, and the last position's logits; an upper bound). --batch 100000 of a tiny model ended in
+    the OOM killer's SIGKILL, without a word, after filling 24 GiB. (A GPU says so itself: `torch.OutOfMemoryError`.)"""
+    per_position = (2 * cfg.n_layers * cfg.kv_heads * cfg.attention_head_dim + cfg.n_heads * positions
+                    + 3 * cfg.ffn_hidden_dim + 4 * cfg.dim)
+    needed = FP32_BYTES * batch * (positions * per_position + cfg.vocab_size)  # logits: the last position's
+    available = usable_memory()
+    if needed > available:
+        raise UserError(f"--batch {batch} of {positions} positions needs about {needed / GIB:,.1f} GiB for its "
+                        f"generations on the CPU (KV cache, attention, logits), more than {whose_memory(available)} "
+                        f"{available / GIB:,.1f} GiB; lower --batch or the token counts")
