@@ -427,6 +427,30 @@ def test_torch_s_news_of_a_killed_worker_is_said_as_the_rank_s_own():
     assert torch_said(RuntimeError("CUDA error: out of memory")) is None
 
 
+def test_torch_s_news_raised_during_a_step_ends_the_run_as_a_draw_s_does(tmp_path, capsys):
+    """torch raises its news of a dead worker wherever the rank is (its SIGCHLD handler), also inside a step, away
+    from the watched draw: `Trainer.fit` ends the run with the same one line, exit 76; other errors pass through."""
+    from llm.train.trainer import Trainer
+
+    def trainer(raised: BaseException) -> SimpleNamespace:
+        def train(*args):
+            raise raised
+        stand_in = SimpleNamespace(_train=train, _batches=None, dist=SimpleNamespace(rank=0), run_dir=tmp_path)
+        stand_in._end_for_data = lambda *args: Trainer._end_for_data(stand_in, *args)
+        return stand_in
+
+    logger = SimpleNamespace(bar=SimpleNamespace(close=lambda: None))
+    news = RuntimeError("DataLoader worker (pid 12) is killed by signal: Killed. ")
+    assert Trainer.fit(trainer(news), logger, None, None) == 76
+    assert capsys.readouterr().err == ("zerollm: error: rank 0: its data-loader worker pid 12 was killed by SIGKILL "
+                                       "(the out-of-memory killer's signal, most often: lower data.loader_workers or "
+                                       "free memory); no checkpoint was saved\n")
+    other = RuntimeError("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(RuntimeError) as passed:
+        Trainer.fit(trainer(other), logger, None, None)
+    assert passed.value is other
+
+
 @pytest.mark.parametrize("fault", ["killed", "stuck"])
 def test_a_data_loader_worker_killed_or_stuck_ends_a_one_rank_run_in_one_line(pretrain_data, tmp_path, fault):
     """A worker the out-of-memory killer ended (SIGKILL) was an 80-line traceback, twice chained, and exit 1; a worker
