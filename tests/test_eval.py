@@ -497,6 +497,31 @@ def test_a_task_whose_data_is_missing_is_one_line(export_dir, local_tasks, tmp_p
         run_tasks(str(export_dir), ["tiny_choice"], include_path=str(local_tasks), out_dir=str(tmp_path / "out"))
 
 
+UNREADABLE = r"DatasetGenerationError: An error occurred while generating the dataset, from "
+
+
+@pytest.mark.parametrize("data, field, said", [
+    (bytes(range(256)) * 4, "question", UNREADABLE),
+    (b'{"question": "q", "choices": ["a", "b"], "label": 0}\n{"question":', "question", UNREADABLE),
+    (b"", "question", r"StopIteration: a task's data has no rows"),
+    (None, "nosuchfield", r"UndefinedError: 'nosuchfield' is undefined"),
+])
+def test_task_data_that_is_not_json_lines_or_a_field_the_rows_lack_is_one_line(export_dir, local_tasks, tmp_path,
+                                                                             monkeypatch, data, field, said):
+    """Each was a traceback of the datasets library or of jinja2, exit 1."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    if data is not None:
+        (local_tasks / "rows.jsonl").write_bytes(data)
+    yaml_file = local_tasks / "tiny_choice.yaml"
+    yaml_file.write_text(yaml_file.read_text().replace("{{question}}", "{{" + field + "}}"))
+    with pytest.raises(UserError) as error:
+        run_tasks(str(export_dir), ["tiny_choice"], include_path=str(local_tasks), out_dir=str(tmp_path / "out"))
+    assert re.match(rf"lm-eval failed on tiny_choice \({said}", str(error.value)), str(error.value)
+    assert str(error.value).endswith("); check the tasks' YAML and data files") and "\n" not in str(error.value)
+
+
 def test_local_tasks_are_indexed_without_lm_evals_own_and_a_group_with_them(local_tasks):
     """lm-eval's 15,000 tasks were indexed (12 s) even where every task asked for is in --include-path."""
     from llm.eval.harness import task_manager

@@ -101,6 +101,8 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     out = Path(out_dir) if out_dir else Path(model_dir) / rundir.EVAL_DIR
     rundir.check_writable_out(out, "give a folder for the results")  # before the evaluation: results not lost
     lm_eval = require_lm_eval()
+    from datasets.exceptions import DatasetGenerationError  # noqa: PLC0415 - lm-eval's dependency
+    from jinja2.exceptions import TemplateError  # noqa: PLC0415 - lm-eval's dependency
     from lm_eval import evaluator  # noqa: PLC0415 - optional dependency
     from lm_eval.utils import make_table  # noqa: PLC0415 - optional dependency
 
@@ -130,9 +132,10 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     except ConnectionError as exc:
         raise UserError(f"lm-eval could not download the task data ({exc}); run once where the Hugging Face Hub "
                         "is reachable (the data is cached), or use a local task with --include-path") from None
-    except (FileNotFoundError, IndexError, KeyError, ValueError, TypeError) as exc:  # a task's data or YAML at fault
-        raise UserError(f"lm-eval failed on {', '.join(tasks)} ({type(exc).__name__}: {exc}); check the tasks' "
-                        "YAML and data files".replace("\n", " ")) from None
+    except (FileNotFoundError, IndexError, KeyError, ValueError, TypeError, StopIteration, DatasetGenerationError,
+            TemplateError) as exc:  # a task's data or YAML at fault: unreadable or empty data, a field it lacks
+        raise UserError(f"lm-eval failed on {', '.join(tasks)} ({_said(exc)}); check the tasks' YAML and data "
+                        "files") from None
     table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
     print(table)
     samples = results.pop("samples", {})
@@ -143,6 +146,17 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
         durable.write_text(path, "".join(json.dumps(row, default=str, ensure_ascii=False) + "\n" for row in rows))
         print(f"samples of {task} written to {path}")
     return results
+
+
+def _said(exc: BaseException) -> str:
+    """An exception from a task's data or YAML in one line: its type, its message, and the cause the datasets
+    library wraps in its generic one ("An error occurred while generating the dataset")."""
+    if isinstance(exc, StopIteration):  # lm-eval's first look at a split without rows
+        return "StopIteration: a task's data has no rows"
+    said = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if exc.__cause__ is not None:
+        said += f", from {_said(exc.__cause__)}"
+    return " ".join(said.split())[:500]
 
 
 def save_results(out: Path, results: str, table: str) -> Path:
