@@ -159,6 +159,21 @@ def test_a_reward_that_hangs_ends_in_one_line_at_its_time_limit(tmp_path, monkey
     assert Reward(["exact_match"], 4, torch.device("cpu"), timeout_s=0.2)(_completions(["a"], answers=["a"]))[0] == 1
 
 
+def test_a_time_limit_that_ends_before_the_first_term_starts_names_that_term(monkeypatch):
+    """grpo.reward_timeout_s=1e-9 rang before the first term had started: an AttributeError traceback."""
+    from llm.train import rewards
+
+    @contextlib.contextmanager
+    def rings_at_once(seconds):
+        raise rewards._OutOfTime
+        yield
+
+    monkeypatch.setattr(rewards, "_time_limit", rings_at_once)
+    with pytest.raises(UserError, match=r"^--reward exact_match: no answer for 1 completions within "
+                                        r"grpo.reward_timeout_s \(1e-09 s, every term together\)"):
+        Reward(["exact_match", "format"], 4, torch.device("cpu"), timeout_s=1e-9)(_completions(["a"], answers=["a"]))
+
+
 def test_a_reward_module_that_exits_while_imported_is_one_line(tmp_path, monkeypatch):
     """sys.exit(3) at import ended zerollm with exit 3 and nothing said."""
     (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")

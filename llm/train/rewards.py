@@ -350,7 +350,7 @@ class Reward:
 
     def __call__(self, batch: Completions) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(total reward per completion, {term name: its unweighted scores}), float32 on the CPU."""
-        components, term = {}, None
+        components, term = {}, self.terms[0]  # the limit can ring before the loop names the first term
         try:
             with _time_limit(self.timeout_s):
                 for term in self.terms:
