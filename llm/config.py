@@ -579,6 +579,9 @@ WEEK_S = 7 * 24 * 3600
 beyond it (1e10 s)."""
 BELOW_ONE = Bounds(0, 1, high_open=True)
 """[0, 1): dropout probabilities, Adam's betas."""
+DISTILL_TEMPERATURES = Bounds(0.01, 100)
+"""Distillation temperatures: the loss weighs the KL by T^2, which overflowed at 1e300 (a traceback) and made the loss
+NaN at 1e23 and 1e-300 (said as a learning rate too high); the usual ones are 1 to 20."""
 
 NUMBER_RANGES: dict[str, Bounds] = {
     "model.vocab_size": POSITIVE, "model.dim": POSITIVE,
@@ -594,7 +597,7 @@ NUMBER_RANGES: dict[str, Bounds] = {
     "model.moe_aux_loss_coef": NON_NEGATIVE, "model.init_std": POSITIVE,
     "data.seq_len": POSITIVE, "data.loader_workers": Bounds(0, 64),  # per rank; each is a process
     "train.dpo_beta": POSITIVE, "train.dpo_sft_weight": NON_NEGATIVE, "train.distill_alpha": UNIT_INTERVAL,
-    "train.distill_temperature": POSITIVE, "train.max_steps": POSITIVE, "train.micro_batch_size": POSITIVE,
+    "train.distill_temperature": DISTILL_TEMPERATURES, "train.max_steps": POSITIVE, "train.micro_batch_size": POSITIVE,
     "train.grad_accum": POSITIVE, "train.lr": POSITIVE, "train.min_lr_ratio": UNIT_INTERVAL,
     "train.warmup_steps": NON_NEGATIVE, "train.weight_decay": NON_NEGATIVE, "train.beta1": BELOW_ONE,
     "train.beta2": BELOW_ONE, "train.adam_eps": POSITIVE, "train.grad_clip": NON_NEGATIVE,

@@ -78,7 +78,9 @@ def test_kl_term_is_the_masked_mean_forward_kl_times_t_squared(temperature):
 @pytest.mark.parametrize("override, message", [
     ("train.distill_alpha=1.5", "train.distill_alpha must be in [0, 1], got 1.5"),
     ("train.distill_alpha=-0.1", "train.distill_alpha must be in [0, 1], got -0.1"),
-    ("train.distill_temperature=0", "train.distill_temperature must be positive, got 0"),
+    ("train.distill_temperature=0", "train.distill_temperature must be in [0.01, 100], got 0"),
+    ("train.distill_temperature=1e300", "train.distill_temperature must be in [0.01, 100], got 1e+300"),
+    ("train.distill_temperature=1e-300", "train.distill_temperature must be in [0.01, 100], got 1e-300"),
     ("train.teacher=null", "distillation needs a teacher: pass --teacher"),
 ])
 def test_bad_alpha_temperature_or_no_teacher_is_refused(override, message):
