@@ -79,6 +79,34 @@ def test_bad_options_are_refused_before_anything_is_written(tmp_path, monkeypatc
     assert (folder / "train.txt").read_bytes() == before and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name, tail, said", [
+    ("novel.txt", b"caf\xe9 ol\xe9\n" * 20, "{input}:301: not valid UTF-8 text"),
+    ("novel.jsonl", b'{"title": "no text"}\n' * 300, "{out}/val.jsonl: no usable text records to evaluate on ("),
+])
+def test_a_heldout_part_the_readers_refuse_ends_bench_learn_before_it_trains(tmp_path, monkeypatch, capsys, name, tail,
+                                                                           said):
+    """It was read only after training: the whole budget (10 minutes by default) went before the refusal, which named
+    a line of the split file rather than of the user's."""
+    from conftest import zerollm_here
+    from llm.eval import learning_speed
+
+    def trains(*args, **kwargs):
+        raise AssertionError("bench learn trained before it read the held-out part")
+
+    monkeypatch.setattr(learning_speed, "run_training", trains)
+    lines = [f"The king went to the sea and found gold number {i}.\n" for i in range(300)]
+    if name.endswith(".jsonl"):
+        lines = [json.dumps({"text": line.strip()}) + "\n" for line in lines]
+    source, out = tmp_path / name, tmp_path / "out"
+    source.write_bytes("".join(lines).encode() + tail)
+    assert zerollm_here(monkeypatch, "bench", "learn", "--input", source, "--budget", "30", "--out", out) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("zerollm: error: " + said.format(input=source, out=out)), error
+    assert error.endswith(f"(in the held-out part, the last 10% of {source}, copied to {out}/val{source.suffix}; "
+                          "nothing was trained)")
+    assert not (out / "tok").exists() and not (out / "run").exists()
+
+
 def test_the_heldout_task_is_written_atomically(tmp_path, monkeypatch):
     """tasks/heldout.jsonl and its YAML (and result.json) were written in place (a torn file after a crash)."""
     from llm import durable

@@ -2,7 +2,8 @@
 
 The whole pipeline runs inside the budget, timed from the start of the command:
 
-    split      the file's first 90 % (cut at a line end) for training, the rest for validation
+    split      the file's first 90 % (cut at a line end) for training, the rest for validation, which is read
+               (and written out as an lm-eval task) before anything trains: a part the readers refuse ends it here
     tokenizer  byte-level BPE trained on the training part (--vocab-size, default the recipe's model.vocab_size)
     data       the training part prepared for pretraining (no validation split: the held-out part is scored at the end)
     train      the recipe with train.max_time = what is left of the budget after the reserve; the time budget ends
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import time
 from pathlib import Path
 
@@ -75,14 +77,32 @@ def split_file(path: Path, out: Path, train_share: float = TRAIN_SHARE) -> tuple
 
 
 def write_heldout_task(val: Path, out: Path) -> Path:
-    """An lm-eval task over the held-out documents (one jsonl record per document, as the readers see them)."""
+    """An lm-eval task over the held-out documents (one jsonl record per document, as the readers see them); a
+    held-out part the readers refuse, or without a usable record, is a UserError."""
+    records = list(read_records([val], "pretrain"))
+    usable = [record for record in records if not isinstance(record, Skipped)]
+    if not usable:
+        first = f" ({len(records)} records skipped, first: {records[0]})" if records else ""
+        raise UserError(f"{val}: no usable text records to evaluate on{first}")
     out.mkdir(parents=True, exist_ok=True)
     documents = out / "heldout.jsonl"
     durable.write_text(documents, "".join(json.dumps({"text": record.value}, ensure_ascii=False) + "\n"
-                                          for record in read_records([val], "pretrain")
-                                          if not isinstance(record, Skipped)))
+                                          for record in usable))
     durable.write_text(out / f"{TASK_NAME}.yaml", TASK_YAML.format(name=TASK_NAME, data=documents.resolve()))
     return out
+
+
+def check_heldout_part(input_file: str, train: Path, val: Path, tasks: Path) -> Path:
+    """`write_heldout_task` before training, so that a held-out part the readers refuse ends the command before
+    the budget is spent (it ended it after training); its message names the line of the user's file."""
+    try:
+        return write_heldout_task(val, tasks)
+    except UserError as exc:
+        lines_before = train.read_bytes().count(b"\n")
+        said = re.sub(rf"^{re.escape(str(val))}:(\d+):", lambda m: f"{input_file}:{int(m[1]) + lines_before}:",
+                      str(exc))
+        raise UserError(f"{said} (in the held-out part, the last {1 - TRAIN_SHARE:.0%} of {input_file}, copied to "
+                        f"{val}; nothing was trained)") from None
 
 
 def check_training_start(base: RunConfig, vocab_size: int, deepspeed_config: str | None,
@@ -145,6 +165,7 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
     check_training_start(base, vocab, deepspeed_config, zero_stage)
     out_dir.mkdir(parents=True, exist_ok=True)
     train_file, val_file = split_file(Path(input_file), out_dir)
+    task_dir = check_heldout_part(input_file, train_file, val_file, out_dir / "tasks")
     phases.done("split")
 
     texts = (r.value for r in read_records([train_file], "pretrain") if not isinstance(r, Skipped))
@@ -175,7 +196,6 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
     phases.done("evaluation")
 
     total = phases.elapsed()
-    task_dir = write_heldout_task(val_file, out_dir / "tasks")
     summary = {"input": str(input_file), "recipe": recipe, "overrides": overrides or [], "budget_s": budget_s,
                "wall_s": total, "within_budget": total <= budget_s, "phases_s": phases.seconds,
                "train_max_time_s": max_time, "train_loop_s": in_loop, "vocab_size": tokenizer.vocab_size,
