@@ -62,8 +62,9 @@ def test_bench_generate_of_a_batch_no_host_holds_is_one_line(tiny_export):
                      "--batch", 10**8, "--device", "cpu")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
     assert re.fullmatch(r"zerollm: error: --batch 100000000 of 18 positions needs about [\d,.]+ GiB for its "
-                        r"generations on the CPU \(KV cache, attention, logits\), more than this host's [\d,.]+ GiB; "
-                        r"lower --batch or the token counts\n", result.stderr)
+                        r"generations on the CPU \(KV cache, attention, logits\), more than (this host's|the limit "
+                        r"of this process's cgroup \(a container's or a job's\):) [\d,.]+ GiB; lower --batch or "
+                        r"the token counts\n", result.stderr)  # a container's limit is named where it is the lower
 
 
 @pytest.mark.parametrize("raised", [

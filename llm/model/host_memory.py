@@ -1,4 +1,4 @@
-"""Refuse a model this host cannot hold before any of it is allocated.
+"""Refuse a model this host cannot hold before any of it is allocated, and generations on the CPU that cannot fit.
 
 Every rank builds the whole model in fp32 host memory (with a frozen reference or teacher beside it where the stage
 has one) before DeepSpeed partitions or moves it, and inference loads it whole. A size such as `model.dim=10**12`
@@ -67,7 +67,8 @@ def whose_memory(available: int) -> str:
 
 def check_fits_in_memory(cfg: ModelConfig, copies: int = 1, remedy: str = "") -> None:
     """UserError (ending with `remedy`) when `copies` fp32 copies of the model `cfg` describes (one per rank on this
-    host, and each rank's frozen reference) need more than this host's memory: they cannot fit, whatever else."""
+    host, and each rank's frozen reference) need more than this host's memory (or its cgroup's limit, where lower):
+    they cannot fit, whatever else."""
     parameters = cfg.parameter_count
     needed, available = FP32_BYTES * parameters * copies, usable_memory()
     if needed <= available:
@@ -79,10 +80,11 @@ def check_fits_in_memory(cfg: ModelConfig, copies: int = 1, remedy: str = "") ->
 
 
 def check_generation_fits_in_memory(cfg: ModelConfig, batch: int, positions: int) -> None:
-    """Refuse a batch whose generations on the CPU cannot fit in this host's memory: an estimate of the largest
-    forward's tensors (the uncached one over every position: KV cache, attention scores and the feed-forward's
-    activations, in fp32, and the last position's logits; an upper bound). --batch 100000 of a tiny model ended in
-    the OOM killer's SIGKILL, without a word, after filling 24 GiB. (A GPU says so itself: `torch.OutOfMemoryError`.)"""
+    """Refuse a batch whose generations on the CPU cannot fit in this host's memory (or its cgroup's limit, where
+    lower): an estimate of the largest forward's tensors (the uncached one over every position: KV cache, attention
+    scores and the feed-forward's activations, in fp32, and the last position's logits; an upper bound). --batch
+    100000 of a tiny model ended in the OOM killer's SIGKILL, without a word, after filling 24 GiB. (A GPU says so
+    itself: `torch.OutOfMemoryError`.)"""
     per_position = (2 * cfg.n_layers * cfg.kv_heads * cfg.attention_head_dim + cfg.n_heads * positions
                     + 3 * cfg.ffn_hidden_dim + 4 * cfg.dim)
     needed = FP32_BYTES * batch * (positions * per_position + cfg.vocab_size)  # logits: the last position's
