@@ -99,8 +99,8 @@ def check_heldout_part(input_file: str, train: Path, val: Path, tasks: Path) -> 
         return write_heldout_task(val, tasks)
     except UserError as exc:
         lines_before = train.read_bytes().count(b"\n")
-        said = re.sub(rf"^{re.escape(str(val))}:(\d+):", lambda m: f"{input_file}:{int(m[1]) + lines_before}:",
-                      str(exc))
+        said = re.sub(rf"{re.escape(str(val))}:(\d+):", lambda m: f"{input_file}:{int(m[1]) + lines_before}:",
+                      str(exc))  # the refusal, and the first record skipped where none is usable
         raise UserError(f"{said} (in the held-out part, the last {1 - TRAIN_SHARE:.0%} of {input_file}, copied to "
                         f"{val}; nothing was trained)") from None
 
