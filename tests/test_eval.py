@@ -503,7 +503,7 @@ UNREADABLE = r"DatasetGenerationError: An error occurred while generating the da
 @pytest.mark.parametrize("data, field, said", [
     (bytes(range(256)) * 4, "question", UNREADABLE),
     (b'{"question": "q", "choices": ["a", "b"], "label": 0}\n{"question":', "question", UNREADABLE),
-    (b"", "question", r"StopIteration: a task's data has no rows"),
+    (b"", "question", r"StopIteration \(a task's data file is empty\?\)"),
     (None, "nosuchfield", r"UndefinedError: 'nosuchfield' is undefined"),
 ])
 def test_task_data_that_is_not_json_lines_or_a_field_the_rows_lack_is_one_line(export_dir, local_tasks, tmp_path,

@@ -151,12 +151,20 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
 def _said(exc: BaseException) -> str:
     """An exception from a task's data or YAML in one line: its type, its message, and the cause the datasets
     library wraps in its generic one ("An error occurred while generating the dataset")."""
-    if isinstance(exc, StopIteration):  # lm-eval's first look at a split without rows
-        return "StopIteration: a task's data has no rows"
     said = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if isinstance(exc, StopIteration) and _raised_in(exc, "datasets"):  # its JSON reader's look at an empty file
+        said += " (a task's data file is empty?)"
     if exc.__cause__ is not None:
         said += f", from {_said(exc.__cause__)}"
     return " ".join(said.split())[:500]
+
+
+def _raised_in(exc: BaseException, package: str) -> bool:
+    """Whether the innermost frame of `exc`'s traceback is in the installed `package`."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"{os.sep}{package}{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
 def save_results(out: Path, results: str, table: str) -> Path:
