@@ -32,11 +32,12 @@ from llm.data.readers import (
     expand_inputs,
     json_problem,
     read_items,
+    skipped_note,
     split_text,
 )
 
 __all__ = ["Item", "RecordError", "Skipped", "conversation", "expand_inputs", "preference", "pretrain_text",
-           "read_items", "read_records", "with_system"]
+           "read_items", "read_records", "skipped_note", "with_system"]
 
 Message = dict[str, Any]
 

@@ -45,7 +45,7 @@ import numpy as np
 from tqdm import tqdm
 
 from llm.chat_template import MessagesRefused
-from llm.data.formats import Item, Skipped, expand_inputs, read_records
+from llm.data.formats import Item, Skipped, expand_inputs, read_records, skipped_note
 from llm.data.output import OutputDir, cannot_write_output
 from llm.data.readers import DEFAULT_MAX_RECORD_MB, strings
 from llm.errors import UserError
@@ -459,9 +459,7 @@ def _write_tokens(output: OutputDir, kind: str, records: Iterator[Item | Skipped
                 writers[split].append(sample, end=item.last)
                 report.tokens[split] += _token_count(sample)
         if report.documents["train"] + report.documents["val"] == 0:
-            raise UserError("no usable records found in the inputs; nothing was written"
-                            + (f" ({len(report.skipped)} records skipped, first: {report.skipped[0]})"
-                               if report.skipped else ""))
+            raise UserError(f"no usable records found in the inputs; nothing was written{skipped_note(report.skipped)}")
         if report.documents["train"] == 0:  # training needs a sample, whatever the draw
             _move_last_sample(writers, report, "val", "train")
         if val_fraction > 0 and report.documents["val"] == 0 and report.documents["train"] > 1:

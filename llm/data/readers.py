@@ -25,7 +25,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -83,6 +83,12 @@ class Skipped:
 
     def __str__(self) -> str:
         return f"{place(self.source, self.line, self.unit)}: {self.reason}"
+
+
+def skipped_note(skipped: Sequence[Skipped | str]) -> str:
+    """' (N records skipped, first: FILE:LINE: reason)' for an error that nothing usable was read; '' if none was
+    skipped."""
+    return f" ({len(skipped)} records skipped, first: {skipped[0]})" if skipped else ""
 
 
 def place(source: str, line: int, unit: str) -> str:

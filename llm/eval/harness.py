@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import traceback
 from itertools import count
 from pathlib import Path
 
@@ -161,10 +162,8 @@ def _said(exc: BaseException) -> str:
 
 def _raised_in(exc: BaseException, package: str) -> bool:
     """Whether the innermost frame of `exc`'s traceback is in the installed `package`."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and f"{os.sep}{package}{os.sep}" in tb.tb_frame.f_code.co_filename
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and f"{os.sep}{package}{os.sep}" in frames[-1].filename
 
 
 def save_results(out: Path, results: str, table: str) -> Path:

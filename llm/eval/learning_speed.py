@@ -29,7 +29,7 @@ import torch
 
 from llm import durable, rundir
 from llm.config import RunConfig, build_config, parse_duration
-from llm.data.formats import Skipped, expand_inputs, read_records
+from llm.data.formats import Skipped, expand_inputs, read_records, skipped_note
 from llm.data.prepare import prepare
 from llm.errors import EXIT_OK, UserError
 from llm.eval.perplexity import evaluate_stream
@@ -81,9 +81,8 @@ def write_heldout_task(val: Path, out: Path) -> Path:
     held-out part the readers refuse, or without a usable record, is a UserError."""
     records = list(read_records([val], "pretrain"))
     usable = [record for record in records if not isinstance(record, Skipped)]
-    if not usable:
-        first = f" ({len(records)} records skipped, first: {records[0]})" if records else ""
-        raise UserError(f"{val}: no usable text records to evaluate on{first}")
+    if not usable:  # every record read was skipped
+        raise UserError(f"{val}: no usable text records to evaluate on{skipped_note(records)}")
     out.mkdir(parents=True, exist_ok=True)
     documents = out / "heldout.jsonl"
     durable.write_text(documents, "".join(json.dumps({"text": record.value}, ensure_ascii=False) + "\n"

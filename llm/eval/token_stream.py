@@ -23,7 +23,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from llm.data.formats import Skipped, expand_inputs, read_records
+from llm.data.formats import Skipped, expand_inputs, read_records, skipped_note
 from llm.data.prepare import SPLITS, TOKENS_FILE, encode_pretrain
 from llm.data.prepared import read_data_attrs
 from llm.errors import UserError
@@ -102,8 +102,8 @@ def stream_of_files(paths: list[str], tokenizer: Tokenizer) -> tuple[ArrayStream
         pieces.append(np.array(encode_pretrain(tokenizer, record)["tokens"], dtype=np.int64))
         report.documents += record.last
     if report.documents == 0:
-        first = f" ({len(report.skipped)} records skipped, first: {report.skipped[0]})" if report.skipped else ""
-        raise UserError(f"{', '.join(map(str, paths))}: no usable text records to evaluate on{first}")
+        raise UserError(f"{', '.join(map(str, paths))}: no usable text records to evaluate on"
+                        f"{skipped_note(report.skipped)}")
     return ArrayStream(np.concatenate(pieces), tokenizer.eos_id), report
 
 
