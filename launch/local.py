@@ -34,6 +34,8 @@ COMMAND_VARIABLE = "ZEROLLM_COMMAND"
 GRACE_S = 30.0
 """How long the other ranks get to end by themselves after one failed, before they are killed."""
 POLL_S = 0.05
+RESUME_ADVICE = "rerun with --resume auto to continue from its last complete checkpoint"
+"""What to do when a training job's rank was lost (`report_rank_ended`)."""
 
 
 def under_launcher() -> bool:
@@ -80,8 +82,9 @@ STOPPED_AT_ONCE = (*(128 + signum for signum in STOP_SIGNALS), *(-signum for sig
 before its handlers were set (still importing)."""
 
 
-def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S) -> int:
-    """Wait for every rank; the job's exit code (module docstring). Forwards SIGTERM/SIGINT while waiting."""
+def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S, advice: str = RESUME_ADVICE) -> int:
+    """Wait for every rank; the job's exit code (module docstring). Forwards SIGTERM/SIGINT while waiting. `advice`
+    ends the line naming a rank a signal ended."""
     stopping = []  # a stop forwarded: a rank it ends before its handler is set is not a lost rank
 
     def forward(signum, frame):
@@ -94,7 +97,7 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S) -> i
         signal ended (the others followed it)."""
         failed = sorted((rank.returncode != EXIT_USER_ERROR, rank.returncode >= 0, i)
                         for i, rank in enumerate(ranks) if rank.returncode not in (None, 0))
-        return _failure(failed[0][2], ranks[failed[0][2]], named=not stopping) if failed else None
+        return _failure(failed[0][2], ranks[failed[0][2]], named=not stopping, advice=advice) if failed else None
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -116,32 +119,33 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S) -> i
     return exit_code(failure)
 
 
-def _failure(index: int, rank: subprocess.Popen, named: bool) -> int:
+def _failure(index: int, rank: subprocess.Popen, named: bool, advice: str) -> int:
     """The job's return code for its first failing rank: that rank's, or (`named`) EXIT_RANK_LOST for a rank ended
     by a signal, named here (the others' watchdogs would only see it stop responding, and be stopped first)."""
     if rank.returncode >= 0 or not named:
         return rank.returncode
-    return report_rank_ended(f"rank {index} (pid {rank.pid})", -rank.returncode)
+    return report_rank_ended(f"rank {index} (pid {rank.pid})", -rank.returncode, advice)
 
 
-def report_rank_ended(who: str, signum: int) -> int:
+def report_rank_ended(who: str, signum: int, advice: str = RESUME_ADVICE) -> int:
     """Say in one line that `who` ('rank 1 (pid 42)') was ended by signal `signum` (the OOM killer's SIGKILL, a
-    segfault), and return EXIT_RANK_LOST: how a job ends for it, whichever way its ranks were started."""
+    segfault), and what to do (`advice`), and return EXIT_RANK_LOST: how a job ends for it, whichever way its ranks
+    were started."""
     try:
         name = f"{signal.Signals(signum).name} (signal {signum})"
     except ValueError:
         name = f"signal {signum}"
-    report(f"{who} was ended by {name}; the job is ended on every rank: rerun with --resume auto to continue from "
-           "its last complete checkpoint")
+    report(f"{who} was ended by {name}; the job is ended on every rank: {advice}")
     return EXIT_RANK_LOST
 
 
-def relaunch_local(nproc: int, argv: list[str]) -> int:
-    """Start `zerollm <argv>` (without --nproc) on `nproc` local ranks and wait; returns the job's exit code. Each
-    rank chooses its own accelerator (`llm.runtime.accelerator.ensure_accelerator_env`, knowing the job's size,
-    and making again a choice this process made for itself), so this process does not need torch."""
+def relaunch_local(nproc: int, argv: list[str], advice: str = RESUME_ADVICE) -> int:
+    """Start `zerollm <argv>` (without --nproc) on `nproc` local ranks and wait (`wait_for_ranks`, with `advice`);
+    returns the job's exit code. Each rank chooses its own accelerator (`llm.runtime.accelerator.
+    ensure_accelerator_env`, knowing the job's size, and making again a choice this process made for itself), so
+    this process does not need torch."""
     command = [sys.executable, "-u", "-m", "llm", *strip_option(argv, "--nproc")]
     typed = shlex.join(["zerollm", *argv])
     ranks = [subprocess.Popen(command, env={**env, COMMAND_VARIABLE: typed})
              for env in rank_environments(nproc, free_port())]
-    return wait_for_ranks(ranks)
+    return wait_for_ranks(ranks, advice=advice)

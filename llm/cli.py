@@ -14,6 +14,7 @@ import io
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -501,15 +502,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return relaunch_local(args.nproc, args.argv)
     from llm.train.job import run
 
-    try:
-        code = run(cfg, Path(args.out), args.deepspeed, resume=args.resume == "auto", zero_stage=args.zero_stage)
-    except UserError as exc:  # e.g. ranks that disagree: every rank raises it, with its gloo groups still open
-        _report(exc)
-        code = EXIT_USER_ERROR
-    # Every file is written and every rank has passed the final barrier, or every rank refused the job. End the
-    # process without interpreter teardown: destroying two ZeRO-3 engines and their gloo groups there, or the
-    # watchdog's heartbeat caught mid-call, can abort ("terminate called without an active exception").
-    end_now(code)
+    end_rank(lambda: run(cfg, Path(args.out), args.deepspeed, resume=args.resume == "auto",
+                         zero_stage=args.zero_stage))
 
 
 def checked_training_command(job: list[str]) -> tuple[list[str], Path]:
@@ -675,9 +669,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         check_sources(args.model, args.input, args.data, args.split)  # once here, not once a rank
         check_rank_device(args.device, training_device_type(torch.cuda.is_available(), mps_available(), args.nproc),
                           args.nproc)
-        return relaunch_local(args.nproc, args.argv)
-    return run_perplexity(args.model, args.input, args.data, args.split, context=args.context, stride=args.stride,
-                          batch_size=args.batch_size, device=args.device, dtype=args.dtype, as_json=args.json)
+        return relaunch_local(args.nproc, args.argv, advice="rerun the command (nothing was saved)")
+
+    def score() -> int:
+        return run_perplexity(args.model, args.input, args.data, args.split, context=args.context,
+                              stride=args.stride, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                              as_json=args.json)
+
+    if under_launcher():  # a rank of a job, its gloo group open
+        end_rank(score)
+    return score()
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -696,7 +697,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         code = bench_learn(args.input, args.out, recipe=args.recipe, budget=args.budget, reserve=args.reserve,
                            vocab_size=args.vocab_size, overrides=args.overrides, deepspeed_config=args.deepspeed,
                            zero_stage=args.zero_stage)
-        end_now(code)  # the training job ran in this process: end it as `zerollm train` does (see cmd_train)
+        end_now(code)  # the training job ran in this process: end it as `zerollm train` does (see end_rank)
     if args.what == "train":
         return bench_train(args.recipe, args.overrides, steps=args.steps, warmup=args.warmup, nproc=args.nproc,
                            deepspeed_config=args.deepspeed, zero_stage=args.zero_stage, lora=args.lora)
@@ -730,6 +731,22 @@ def end_now(code: int) -> NoReturn:
         with contextlib.suppress(OSError, OutputLost, AttributeError):  # AttributeError: None, a closed descriptor
             stream.flush()
     os._exit(code)
+
+
+def end_rank(job: Callable[[], int]) -> NoReturn:
+    """Run the job of a rank (or of a one-process `zerollm train`) and end its process with the job's exit code, or
+    EXIT_USER_ERROR once a UserError it raised is printed (e.g. a refusal every rank raised, its gloo group still
+    open). Every file is written and every rank has passed the job's last collective by then, so the process ends
+    without interpreter teardown: destroying ZeRO-3 engines and gloo groups there, or a watchdog's heartbeat caught
+    mid-call, can abort ("terminate called without an active exception": exit 76, a rank lost, not 2)."""
+    try:
+        code = job()
+        if sys.stdout is not None:
+            sys.stdout.flush()  # as main does: a failure of what is still buffered is said, not lost with the process
+    except UserError as exc:
+        _report(exc)
+        code = EXIT_USER_ERROR
+    end_now(code)
 
 
 def _report(exc: UserError) -> None:

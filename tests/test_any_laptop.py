@@ -132,7 +132,7 @@ def test_every_rank_chooses_its_accelerator_for_its_own_job(monkeypatch, tmp_pat
     started = []  # the environments of the processes started (local ranks, or DeepSpeed's runner)
     monkeypatch.setattr(local.subprocess, "Popen", lambda command, env, **options: started.append(env) or
                         SimpleNamespace(pid=0, wait=lambda: 0))
-    monkeypatch.setattr(local, "wait_for_ranks", lambda ranks: 0)
+    monkeypatch.setattr(local, "wait_for_ranks", lambda ranks, advice: 0)
     assert local.relaunch_local(2, ["train", "grpo", "--nproc", "2"]) == 0
     assert [_choice_of_a_rank(monkeypatch, env) for env in started] == ["cpu", "cpu"]
 

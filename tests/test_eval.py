@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 from conftest import FIXTURES, run_cli, zerollm_here
 from llm.config import ModelConfig
 from llm.data.prepare import prepare
-from llm.errors import UserError
+from llm.errors import EXIT_RANK_LOST, UserError
 from llm.eval.harness import code_commit, require_lm_eval, run_tasks
 from llm.eval.perplexity import evaluate_stream, run_perplexity, windows
 from llm.eval.token_stream import ArrayStream, document_start_positions, stream_of_files, stream_of_split
@@ -601,14 +602,40 @@ def test_several_ranks_refuse_a_device_other_than_theirs():
         check_rank_device("cuda", "cpu", 2)
 
 
-def test_a_mistake_every_rank_finds_is_printed_once(export_dir, pretrain_data):
-    """Each of the 2 ranks printed it."""
+def ranks_import(code: str, site: Path, monkeypatch) -> None:
+    """Have every process this test starts run `code` as it starts (a sitecustomize module in `site`)."""
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(code)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+
+
+def test_a_mistake_every_rank_finds_is_printed_once_and_the_ranks_end_without_teardown(export_dir, pretrain_data,
+                                                                                        tmp_path, monkeypatch):
+    """Each of the 2 ranks printed it. Then each rank ended through interpreter teardown with its gloo group open,
+    which could abort ("terminate called without an active exception"): about 1 run in 30 under load, and the job
+    exited 76, a rank lost, not 2 (a CI run). A rank whose interpreter runs its teardown (atexit handlers first)
+    leaves a file here."""
+    ranks_import("import atexit, os, pathlib\nif 'RANK' in os.environ:\n"
+                 "    atexit.register(pathlib.Path(os.environ['TEARDOWN_SEEN'], os.environ['RANK']).touch)\n",
+                 tmp_path / "site", monkeypatch)
+    monkeypatch.setenv("TEARDOWN_SEEN", str(tmp_path))
     result = run_cli("eval", "--model", export_dir, "--data", pretrain_data, "--context", 16, "--stride", 40,
                      "--nproc", 2)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
     assert result.stderr.count("zerollm: error: --stride must be between 1 and the context (16), got 40") == 1, \
         result.stderr[-3000:]
     assert result.stderr.count("zerollm: error:") == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "0").exists() and not (tmp_path / "1").exists()
+
+
+def test_a_lost_rank_of_an_eval_job_is_named_with_advice_for_eval(export_dir, pretrain_data, tmp_path, monkeypatch):
+    """The line naming it said to rerun with --resume auto from the last checkpoint: eval has neither."""
+    ranks_import("import os, signal\nif os.environ.get('RANK') == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n",
+                 tmp_path / "site", monkeypatch)
+    result = run_cli("eval", "--model", export_dir, "--data", pretrain_data, "--context", 16, "--nproc", 2)
+    assert result.returncode == EXIT_RANK_LOST, result.stderr[-3000:]
+    assert re.fullmatch(r"zerollm: error: rank 1 \(pid \d+\) was ended by SIGKILL \(signal 9\); the job is ended on "
+                        r"every rank: rerun the command \(nothing was saved\)\n", result.stderr), result.stderr[-3000:]
 
 
 @pytest.fixture()
