@@ -35,9 +35,25 @@ LORA_HELP = ("train low-rank adapters on the frozen --init-from model instead of
              "see docs/lora.md)")
 
 
+def a_path(text: str) -> str:
+    """A path option's value: '' is refused (it was taken for the current directory: `--out ''` trained there,
+    `--input ''` read all of it)."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give a path (. for the current directory)")
+    return text
+
+
+def whole_number(text: str) -> int:
+    """int(text), or argparse's one line ('invalid ranks_on_this_machine value' named this module's function)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+
+
 def ranks_on_this_machine(text: str) -> int:
     """An --nproc value: 1..1024 ranks (0 and -1 ran one, -2 was a numpy traceback)."""
-    value = int(text)
+    value = whole_number(text)
     if not 1 <= value <= MAX_SLOTS_PER_HOST:
         raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_SLOTS_PER_HOST}, got {value}")
     return value
@@ -45,7 +61,7 @@ def ranks_on_this_machine(text: str) -> int:
 
 def at_least_one(text: str) -> int:
     """A count that must be 1 or more (`demo --steps 0` ran the full demo)."""
-    value = int(text)
+    value = whole_number(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
@@ -58,10 +74,11 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
                         description="Train byte-level BPE (exact round trip, ChatML special tokens at ids 0-3) "
                                     f"on text read streaming from {INPUT_FORMATS}; writes tokenizer.json and "
                                     "tokenizer_config.json, loadable by transformers.AutoTokenizer.")
-    t.add_argument("--input", nargs="+", required=True, metavar="PATH",
+    t.add_argument("--input", type=a_path, nargs="+", required=True, metavar="PATH",
                    help="files or directories to read (a directory: every supported file under it)")
     t.add_argument("--vocab-size", type=int, required=True, help="vocabulary size including special tokens")
-    t.add_argument("--out", required=True, help="output directory: new, empty, or one this command wrote before "
+    t.add_argument("--out", type=a_path, required=True,
+                   help="output directory: new, empty, or one this command wrote before "
                    "(its files are overwritten); any other folder is refused")
     t.add_argument("--min-frequency", type=int, default=2, help="minimum pair frequency to merge (default 2)")
 
@@ -81,10 +98,11 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--kind", choices=["pretrain", "sft", "dpo"], default="pretrain",
                    help="pretrain: documents; sft: conversations with a loss mask on replies; dpo: preference pairs "
                         "(default pretrain)")
-    d.add_argument("--input", nargs="+", required=True, metavar="PATH",
+    d.add_argument("--input", type=a_path, nargs="+", required=True, metavar="PATH",
                    help="files or directories to read (a directory: every supported file under it)")
-    d.add_argument("--tokenizer", required=True, help="tokenizer directory (from `zerollm tokenizer train`)")
-    d.add_argument("--out", required=True, help="output directory")
+    d.add_argument("--tokenizer", type=a_path, required=True,
+                   help="tokenizer directory (from `zerollm tokenizer train`)")
+    d.add_argument("--out", type=a_path, required=True, help="output directory")
     d.add_argument("--val-fraction", type=float, default=0.01, help="share of documents for validation (default 0.01)")
     d.add_argument("--workers", type=int, default=None,
                    help="tokenizer processes, 1 to 4 x the CPU count (default: CPU count, at most 8)")
@@ -100,10 +118,10 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipe", required=True, help="packaged recipe name or YAML file")
+    p.add_argument("--recipe", type=a_path, required=True, help="packaged recipe name or YAML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a run-config key, e.g. --set train.lr=1e-3 (repeatable)")
-    p.add_argument("--deepspeed", "--deepspeed_config", default=None, metavar="JSON",
+    p.add_argument("--deepspeed", "--deepspeed_config", type=a_path, default=None, metavar="JSON",
                    help="DeepSpeed config: a JSON file, or a shipped one by name (pretrain_zero3, ...; default: the "
                         "stage's, ds_configs/<stage>.json); 'auto' values come from the run config. "
                         "--deepspeed_config is DeepSpeed's own name for it")
@@ -155,19 +173,20 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                             "job a rank that dies or hangs ends the job on every rank, named, with exit 76.")
         _add_run_options(t)
         if stage == "grpo":
-            t.add_argument("--prompts", nargs="+", required=True, metavar="FILE",
+            t.add_argument("--prompts", type=a_path, nargs="+", required=True, metavar="FILE",
                            help=f"prompt files or directories: {INPUT_FORMATS}")
             t.add_argument("--reward", action="append", default=None, metavar="TERM", help=REWARD_HELP)
         else:
             kinds = "pretrain` or `--kind sft" if stage == "distill" else stage
-            t.add_argument("--data", required=True, help=f"directory from `zerollm data prepare --kind {kinds}`")
-        t.add_argument("--out", required=True, help="run directory")
-        t.add_argument("--init-from", default=None, metavar="DIR", required=stage in ("dpo", "grpo"),
+            t.add_argument("--data", type=a_path, required=True,
+                           help=f"directory from `zerollm data prepare --kind {kinds}`")
+        t.add_argument("--out", type=a_path, required=True, help="run directory")
+        t.add_argument("--init-from", type=a_path, default=None, metavar="DIR", required=stage in ("dpo", "grpo"),
                        help="start from the weights of a run directory or an export directory (ours, or a Llama, "
                             "Qwen2/2.5 or Qwen3 saved by transformers); the run takes its model shape, RoPE and "
                             "context length, the recipe the training settings")
         if stage == "distill":
-            t.add_argument("--teacher", required=True, metavar="DIR",
+            t.add_argument("--teacher", type=a_path, required=True, metavar="DIR",
                            help="the frozen teacher: a run directory (newest checkpoint) or an export directory")
         if stage == "dpo":
             t.add_argument("--beta", type=float, default=None, help="DPO beta (default: train.dpo_beta, 0.1)")
@@ -202,7 +221,7 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
                     "Before starting: the hostfile, the training command and a free master port are checked. "
                     "Ranks compare code, config, data and tokenizer fingerprints at rendezvous, and a rank that "
                     "dies or hangs ends the job within train.collective_timeout_s.")
-    p.add_argument("--hostfile", default=None, help="DeepSpeed hostfile: one 'HOST slots=N' per line")
+    p.add_argument("--hostfile", type=a_path, default=None, help="DeepSpeed hostfile: one 'HOST slots=N' per line")
     p.add_argument("--include", default="", metavar="HOSTS", help="hostfile hosts/slots to use, e.g. node1@node2:0,1")
     p.add_argument("--exclude", default="", metavar="HOSTS", help="hostfile hosts/slots to leave out")
     p.add_argument("--launcher", type=launcher_name, default="pdsh", metavar="{" + ",".join(HOSTFILE_LAUNCHERS) + "}",
@@ -233,7 +252,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                                    "ones and GRPO with an exact-match reward, printing the accuracy on held-out "
                                    "questions after each stage. Exit code 1 if the pretraining validation loss did "
                                    "not fall.")
-    p.add_argument("--out", default="runs/demo",
+    p.add_argument("--out", type=a_path, default="runs/demo",
                    help="working directory: new, empty or an earlier demo's, whose files the demo replaces; any "
                         "other folder is refused (default runs/demo)")
     p.add_argument("--steps", type=at_least_one, default=None,
@@ -254,7 +273,7 @@ def _add_placement_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="run directory (newest checkpoint) or export directory")
+    p.add_argument("--model", type=a_path, required=True, help="run directory (newest checkpoint) or export directory")
     _add_placement_options(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -281,12 +300,12 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
                        description="Write model.safetensors, config.json (LlamaForCausalLM; Qwen3ForCausalLM for a "
                                    "model with QK-norm, Qwen2ForCausalLM for one with q, k and v biases) and the "
                                    "tokenizer files of a run's newest checkpoint (any ZeRO stage) to --out.")
-    e.add_argument("--run", required=True, help="run directory")
-    e.add_argument("--out", required=True, help="export directory")
+    e.add_argument("--run", type=a_path, required=True, help="run directory")
+    e.add_argument("--out", type=a_path, required=True, help="export directory")
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server", epilog=EPILOG,
                        description="Serve POST /v1/chat/completions (JSON or SSE stream), GET /v1/models and "
                                    "GET /health. Binds 127.0.0.1 unless --host says otherwise.")
-    v.add_argument("--model", required=True, help="run directory or export directory")
+    v.add_argument("--model", type=a_path, required=True, help="run directory or export directory")
     _add_placement_options(v)
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     v.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
@@ -309,10 +328,11 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                     "nats / ln 2 / UTF-8 bytes of the scored text: tokenizer-independent). Or run benchmark suites "
                     "through lm-evaluation-harness: --tasks hellaswag,ceval-valid,cmmlu (needs `pip install "
                     "lm-eval 'transformers<5.25'`); the results table is printed and saved in MODEL/eval/.")
-    p.add_argument("--model", required=True, help="run directory (newest checkpoint) or export directory")
+    p.add_argument("--model", type=a_path, required=True, help="run directory (newest checkpoint) or export directory")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--input", nargs="+", metavar="PATH", help="text files or directories to score")
-    what.add_argument("--data", metavar="DIR", help="prepared data directory (`zerollm data prepare --kind pretrain`)")
+    what.add_argument("--input", type=a_path, nargs="+", metavar="PATH", help="text files or directories to score")
+    what.add_argument("--data", type=a_path, metavar="DIR",
+                      help="prepared data directory (`zerollm data prepare --kind pretrain`)")
     what.add_argument("--tasks", metavar="LIST", help="comma-separated lm-eval tasks, e.g. hellaswag,ceval-valid,cmmlu")
     p.add_argument("--split", default=None, help="split of --data to score (default val)")
     p.add_argument("--context", type=int, default=None,
@@ -329,8 +349,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=float, default=None,
                    help="--tasks: examples per task (a fraction if < 1), for a quick look")
     p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples (default: the task's)")
-    p.add_argument("--include-path", default=None, metavar="DIR", help="--tasks: folder of your own task YAML files")
-    p.add_argument("--out", default=None, metavar="DIR", help="--tasks: where results go (default MODEL/eval)")
+    p.add_argument("--include-path", type=a_path, default=None, metavar="DIR",
+                   help="--tasks: folder of your own task YAML files")
+    p.add_argument("--out", type=a_path, default=None, metavar="DIR",
+                   help="--tasks: where results go (default MODEL/eval)")
     p.add_argument("--apply-chat-template", action="store_true",
                    help="--tasks: give each question through the tokenizer's chat template, few-shot examples as "
                         "turns (for SFT, DPO and GRPO models; lm-eval's --apply_chat_template)")
@@ -345,8 +367,9 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
                        description="Draw training loss, validation loss, learning rate and throughput against the "
                                    "step and against the tokens seen, several runs overlaid, from their "
                                    "metrics.jsonl (needs `pip install matplotlib`).")
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
-    p.add_argument("--out", required=True, metavar="FILE", help="picture to write (.png; .pdf and .svg work too)")
+    p.add_argument("runs", type=a_path, nargs="+", metavar="RUN", help="run directories")
+    p.add_argument("--out", type=a_path, required=True, metavar="FILE",
+                   help="picture to write (.png; .pdf and .svg work too)")
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -369,23 +392,26 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                     "held out), train a tokenizer, prepare the data, train the recipe with train.max_time set to the "
                     "time left (less --reserve), and print bits per byte on the held-out part. Exits 1 if the whole "
                     "took longer than the budget.")
-    learn.add_argument("--input", required=True, metavar="FILE", help="a .txt or .jsonl file (e.g. a novel)")
+    learn.add_argument("--input", type=a_path, required=True, metavar="FILE",
+                       help="a .txt or .jsonl file (e.g. a novel)")
     learn.add_argument("--budget", default="10m", help="wall time for everything, e.g. 10m, 600, 1h (default 10m)")
-    learn.add_argument("--recipe", default="cpu-10m", help="packaged recipe name or YAML file (default cpu-10m)")
+    learn.add_argument("--recipe", type=a_path, default="cpu-10m",
+                       help="packaged recipe name or YAML file (default cpu-10m)")
     learn.add_argument("--vocab-size", type=int, default=None, help="tokenizer size (default: the recipe's)")
     learn.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a run-config key (repeatable)")
     learn.add_argument("--reserve", type=float, default=15.0,
                        help="seconds kept for starting the training job and the final evaluation (default 15)")
-    learn.add_argument("--deepspeed", default=None, metavar="JSON", help="DeepSpeed config (default pretrain.json)")
+    learn.add_argument("--deepspeed", type=a_path, default=None, metavar="JSON",
+                       help="DeepSpeed config (default pretrain.json)")
     learn.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                        help="override zero_optimization.stage of the DeepSpeed config")
-    learn.add_argument("--out", default="runs/learn", help="working directory (default runs/learn)")
+    learn.add_argument("--out", type=a_path, default="runs/learn", help="working directory (default runs/learn)")
     g = bsub.add_parser("generate", help="prefill and decode speed: cached, uncached, transformers", epilog=EPILOG,
                         description="Time prefill and decode tokens/s of greedy generation with our KV cache, "
                                     "without it (whole sequence recomputed per token), and with transformers' "
                                     "generate on the exported weights, side by side.")
-    g.add_argument("--model", required=True, help="run directory or export directory")
+    g.add_argument("--model", type=a_path, required=True, help="run directory or export directory")
     _add_placement_options(g)
     g.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
     g.add_argument("--new-tokens", type=int, default=64, help="tokens to decode (default 64)")

@@ -222,3 +222,26 @@ def test_only_a_path_of_the_command_line_is_said_as_the_users(tmp_path, monkeypa
     monkeypatch.setitem(llm.cli.COMMANDS, "plot", refuse)
     with pytest.raises(OSError, match="made-here"):
         llm.cli.main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "x.png")])
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["tokenizer", "train", "--input", "", "--vocab-size", "300", "--out", "t"], "argument --input: is empty"),
+    (["data", "prepare", "--input", "a.txt", "--tokenizer", "", "--out", "d"], "argument --tokenizer: is empty"),
+    (["train", "pretrain", "--recipe", "demo", "--data", "d", "--out", ""], "argument --out: is empty"),
+    (["train", "sft", "--recipe", "demo", "--data", "d", "--out", "o", "--init-from", ""],
+     "argument --init-from: is empty"),
+    (["eval", "--model", "", "--input", "a.txt"], "argument --model: is empty"),
+    (["plot", "", "--out", "p.png"], "argument RUN: is empty"),
+    (["eval", "--model", "m", "--input", "a.txt", "--nproc", "abc"], "argument --nproc: not a whole number: 'abc'"),
+    (["demo", "--steps", "1.5"], "argument --steps: not a whole number: '1.5'"),
+])
+def test_an_empty_path_and_a_count_that_is_not_a_number_are_refused_by_name(argv, said, capsys):
+    """An empty path was the current directory: `train --out ''` trained there and `data prepare --input ''` read all
+    of it. A count that is not a number was 'invalid ranks_on_this_machine value', the name of a function."""
+    from llm.cli import build_parser
+
+    with pytest.raises(SystemExit) as ended:
+        build_parser().parse_args(argv)
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {said}" + ("; give a path (. for the current "
+                                                                               "directory)" if "empty" in said else ""))
