@@ -439,23 +439,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> int:
-    from llm.data.formats import Skipped, expand_inputs, read_records
+    from llm.data.formats import expand_inputs, pretrain_texts
     from llm.tokenizer import train_tokenizer
 
     files = expand_inputs(args.input, exclude=args.out)  # a tokenizer written into an input folder is not read back
-    skipped = 0
-
-    def texts():
-        nonlocal skipped
-        for record in read_records(files, "pretrain"):
-            if isinstance(record, Skipped):
-                skipped += 1
-            else:
-                yield record.value
-
-    tok = train_tokenizer(texts(), args.vocab_size, Path(args.out), args.min_frequency)
+    skipped = []
+    tok = train_tokenizer(pretrain_texts(files, skipped), args.vocab_size, Path(args.out), args.min_frequency,
+                          skipped=skipped)
     print(f"tokenizer: {tok.vocab_size} tokens, hash {tok.hash}, written to {args.out}"
-          + (f" ({skipped} unusable record{'s' if skipped != 1 else ''} skipped)" if skipped else ""))
+          + (f" ({len(skipped)} unusable record{'s' if len(skipped) != 1 else ''} skipped)" if skipped else ""))
     if tok.vocab_size < args.vocab_size:
         print(f"note: {tok.vocab_size} tokens, not the {args.vocab_size} asked for: the text has no more pairs "
               f"seen at least {args.min_frequency} times (--min-frequency) to merge")

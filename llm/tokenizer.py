@@ -26,9 +26,10 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -39,6 +40,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate, ChatTemplateError
 from llm.data.output import refuse_foreign_contents
+from llm.data.readers import Skipped, skipped_note
 from llm.errors import UserError, not_utf8, read_user_json_object, read_user_text
 from llm.stdout import on_terminal
 
@@ -69,6 +71,9 @@ OUR_CONFIG = {
 
 TRAINING_FILE = "tokenizer_training.json"
 """Written by `train_tokenizer` only (what it was trained with): marks a folder it may write into again."""
+OS_ERROR_SAID = re.compile(r"\(os error (\d+)\)")
+"""How the tokenizers library says an operating-system error in its plain Exception: 'No space left on device (os
+error 28)'."""
 MAX_VOCAB_SIZE = 1 << 24
 """The largest --vocab-size: 64 times the largest vocabularies in use (about 256k), an embedding of billions of
 parameters at any width, and ids that `data prepare` stores as uint32 many times over. The BPE trainer allocates for
@@ -105,9 +110,10 @@ def _make_out_dir(out_dir: Path) -> bool:
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, min_frequency: int = 2,
-                    show_progress: bool = True) -> Tokenizer:
+                    show_progress: bool = True, skipped: Sequence[Skipped] = ()) -> Tokenizer:
     """Train byte-level BPE on a stream of texts and save it to `out_dir` (new, empty, or an earlier output of this
-    function, whose files it overwrites); UserError, with nothing written, when `texts` is empty."""
+    function, whose files it overwrites); UserError, with nothing written, when `texts` is empty, which names the
+    first of the records that `texts` left out as unusable (`skipped`, filled as it is read)."""
     check_training_options(vocab_size, min_frequency)
     created = _make_out_dir(out_dir)
     tok = HFTokenizer(models.BPE())
@@ -131,7 +137,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, min_fr
     try:
         tok.train_from_iterator(counted(), trainer=trainer)
         if n_texts == 0:
-            raise UserError("no usable records found in the inputs; nothing was written")
+            raise UserError(f"no usable records found in the inputs; nothing was written{skipped_note(skipped)}")
         training = {"vocab_size": vocab_size, "min_frequency": min_frequency, "texts": n_texts}
         return _write_output(Tokenizer(tok, OUR_CONFIG, str(out_dir)), training, out_dir)
     except BaseException:
@@ -303,7 +309,15 @@ class Tokenizer:
     def save(self, out_dir: Path) -> Tokenizer:
         """tokenizer.json and tokenizer_config.json (`saved_config`) into `out_dir`."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        self._tok.save(str(out_dir / TOKENIZER_FILE))
+        path = out_dir / TOKENIZER_FILE
+        try:
+            self._tok.save(str(path))
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception, also for a full disk
+            said = OS_ERROR_SAID.search(str(exc))
+            if said is None:
+                raise
+            code = int(said[1])
+            raise OSError(code, os.strerror(code), str(path)) from None  # what every caller turns into one line
         return self.save_config(out_dir)
 
     def save_config(self, out_dir: Path) -> Tokenizer:

@@ -5,6 +5,8 @@ import itertools
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import h5py
@@ -597,7 +599,9 @@ def test_a_failed_write_into_an_earlier_output_keeps_the_old_tokenizer_whole(tmp
      "--vocab-size 16777217 is too large: at most 16,777,216 (2^24), far more than any model's vocabulary"),
     (("--min-frequency", "-1"), "--min-frequency must be between 0 and"),
     (("--input", "{empty}"), "no usable records found in the inputs; nothing was written"),
-    (("--input", "{unusable}"), "no usable records found in the inputs; nothing was written")])
+    (("--input", "{unusable}"), "no usable records found in the inputs; nothing was written (3 records skipped, "
+                                "first: {unusable}:1: text is not valid Unicode (a lone surrogate such as "
+                                "\\ud800))\n")])
 def test_tokenizer_train_bad_input_is_one_line_error_and_writes_nothing(tmp_path, monkeypatch, capsys, options,
                                                                         message):
     paths = {"file": tmp_path / "a_file", "empty": tmp_path / "empty.txt", "unusable": tmp_path / "unusable.jsonl",
@@ -621,6 +625,24 @@ def test_tokenizer_train_skips_a_lone_surrogate_and_counts_it(tmp_path, monkeypa
     code = zerollm_here(monkeypatch, "tokenizer", "train", "--input", source, "--vocab-size", 300, "--out",
                         tmp_path / "tok")
     assert code == 0 and "(1 unusable record skipped)" in capsys.readouterr().out
+
+
+def test_tokenizer_train_out_of_room_for_tokenizer_json_is_one_line_and_keeps_the_old_one(tmp_path):
+    """The tokenizers library says a failed write in a plain Exception ('File too large (os error 27)'): a
+    traceback, exit 1. A file size limit stands in for a full disk."""
+    from test_data_prepare import _file_size_limit
+
+    corpus, out = tmp_path / "corpus.txt", tmp_path / "tok"
+    corpus.write_text("".join(f"line {i} of a corpus with word{i} and more words{i * 7}\n" for i in range(3000)))
+    command = [sys.executable, "-m", "llm", "tokenizer", "train", "--input", str(corpus), "--out", str(out)]
+    assert subprocess.run([*command, "--vocab-size", "300"], check=False).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    result = subprocess.run([*command, "--vocab-size", "3000"], capture_output=True, text=True, check=False,
+                            preexec_fn=_file_size_limit(48_000))
+    assert (result.returncode, result.stderr) == (2, f"zerollm: error: --out {out}: cannot write there (File too "
+                                                     "large)\n")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "tok"]  # no temporary folder left
 
 
 @pytest.mark.parametrize("change, problem", [("unlink", "No such file or directory"),

@@ -37,7 +37,7 @@ from llm.data.readers import (
 )
 
 __all__ = ["Item", "RecordError", "Skipped", "conversation", "expand_inputs", "preference", "pretrain_text",
-           "read_items", "read_records", "skipped_note", "with_system"]
+           "pretrain_texts", "read_items", "read_records", "skipped_note", "with_system"]
 
 Message = dict[str, Any]
 
@@ -350,3 +350,13 @@ def read_records(files: Iterable[Path], kind: str, max_record_mb: float = DEFAUL
                     yield from split_text(item, value, piece_chars)
                 else:
                     yield Item(item.source, item.line, value, item.unit)
+
+
+def pretrain_texts(files: Iterable[Path], skipped: list[Skipped]) -> Iterator[str]:
+    """The text of every usable pretraining record of `files` (`read_records`), a long document as pieces; each
+    unusable one is appended to `skipped` as it is read, for a count and for `skipped_note`."""
+    for record in read_records(files, "pretrain"):
+        if isinstance(record, Skipped):
+            skipped.append(record)
+        else:
+            yield record.value

@@ -29,7 +29,7 @@ import torch
 
 from llm import durable, rundir
 from llm.config import RunConfig, build_config, parse_duration
-from llm.data.formats import Skipped, expand_inputs, read_records, skipped_note
+from llm.data.formats import Skipped, expand_inputs, pretrain_texts, read_records, skipped_note
 from llm.data.prepare import prepare
 from llm.errors import EXIT_OK, UserError
 from llm.eval.perplexity import evaluate_stream
@@ -167,8 +167,9 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
     task_dir = check_heldout_part(input_file, train_file, val_file, out_dir / "tasks")
     phases.done("split")
 
-    texts = (r.value for r in read_records([train_file], "pretrain") if not isinstance(r, Skipped))
-    tokenizer = train_tokenizer(texts, vocab, out_dir / "tok", show_progress=False)
+    skipped = []
+    tokenizer = train_tokenizer(pretrain_texts([train_file], skipped), vocab, out_dir / "tok", show_progress=False,
+                                skipped=skipped)
     phases.done("tokenizer", f" ({tokenizer.vocab_size} tokens)")
 
     report = prepare("pretrain", [str(train_file)], out_dir / "tok", out_dir / "data", val_fraction=0.0, workers=2,
