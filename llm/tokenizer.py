@@ -272,9 +272,13 @@ class Tokenizer:
                                     f"{json.dumps(entry, default=str)[:60]}; fix or remove it")
             by_name = {t["name"]: t["template"] for t in template}
             template = by_name.get("default", next(iter(by_name.values()), None))
+        if template == "":  # an empty template is none
+            template = None
         if template in LEGACY_CHAT_TEMPLATES or (template is None and IM_START in added and IM_END in added):
             template = CHAT_TEMPLATE
-        self.chat_template: str | None = template if isinstance(template, str) and template else None
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        self._template_given_unusable = None if template is None or isinstance(template, str) else template
+        """A 'chat_template' that is neither a string nor a list of named ones (a number): said when one is needed."""
         config = {**self.config, **self._unset_roles}
         self._template_variables = {f: t for f in ("bos_token", "eos_token", "pad_token", "unk_token")
                                     if (t := _token_text(config.get(f)))}
@@ -356,9 +360,13 @@ class Tokenizer:
 
     @cached_property
     def _chat(self) -> ChatTemplate:
+        if self._template_given_unusable is not None:
+            raise ChatTemplateError(f"{self.source}: 'chat_template' in {CONFIG_FILE} is "
+                                    f"{json.dumps(self._template_given_unusable, default=str)[:60]}, not a template "
+                                    "string; fix or remove it")
         if self.chat_template is None:
-            raise ChatTemplateError(f"{self.source}: the tokenizer has no chat template ({CONFIG_FILE} has no "
-                                    f"'chat_template' and the vocabulary no {IM_START}/{IM_END}); add one there")
+            raise ChatTemplateError(f"{self.source}: the tokenizer has no chat template ({CONFIG_FILE} gives none "
+                                    f"and the vocabulary has no {IM_START}/{IM_END}); add one there")
         return ChatTemplate(self.chat_template, self.source, self._template_variables, self.protected,
                             [self.token(i) for i in self.stop_ids])
 

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import shutil
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from forked_ranks import run_job
 
 from conftest import FIXTURES, ZERO_RUN, run_cli, train_args
+from llm.chat_template import CHAT_TEMPLATE
 from llm.config import build_config
 from llm.errors import UserError
 from llm.tokenizer import Tokenizer
@@ -404,6 +406,25 @@ def test_named_chat_templates_pick_the_default(tmp_path):
     named = [{"name": "tool_use", "template": "b"}, {"name": "default", "template": config["chat_template"]}]
     copy_tokenizer(tmp_path, {**config, "chat_template": named})
     assert Tokenizer.load(tmp_path).chat_template == config["chat_template"]
+
+
+@pytest.mark.parametrize("given", [5, {"template": "x"}])
+def test_a_chat_template_that_is_not_a_string_is_said_as_it_is(tmp_path, given):
+    """It was 'the tokenizer has no chat template (tokenizer_config.json has no 'chat_template' and the vocabulary no
+    <|im_start|>/<|im_end|>)': both false. Pretraining needs no template, so the tokenizer still loads."""
+    config = copy_tokenizer(tmp_path)
+    copy_tokenizer(tmp_path, {**config, "chat_template": given})
+    tokenizer = Tokenizer.load(tmp_path)
+    with pytest.raises(UserError, match=f"^{tmp_path}: 'chat_template' in tokenizer_config.json is "
+                                        f"{re.escape(json.dumps(given))}, not a template string; fix or remove it$"):
+        tokenizer.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+
+
+def test_an_empty_chat_template_is_none(tmp_path):
+    """An empty one left a tokenizer with <|im_start|>/<|im_end|> without the ChatML template it gets without one."""
+    config = copy_tokenizer(tmp_path)
+    copy_tokenizer(tmp_path, {**config, "chat_template": ""})
+    assert Tokenizer.load(tmp_path).chat_template == CHAT_TEMPLATE
 
 
 def test_deepspeed_config_and_chat_template_that_cannot_be_read_are_refused(tmp_path, monkeypatch):
