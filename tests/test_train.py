@@ -364,6 +364,23 @@ def test_missing_data_and_wrong_kind_are_clear_errors(tmp_path, pretrain_data):
     assert result.returncode == 2 and "model.vocab_size" in result.stderr
 
 
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_token_id_beyond_the_vocabulary_is_one_line_naming_the_file(pretrain_data, tmp_path, split):
+    """A tokens.h5 changed after `data prepare` (its digest is of what it recorded): an IndexError traceback at the
+    embedding on the CPU, a device-side assert on a GPU."""
+    import h5py
+
+    data = tmp_path / "data"
+    shutil.copytree(pretrain_data, data)
+    with h5py.File(data / "tokens.h5", "r+") as h5:
+        h5[f"{split}/tokens"][:] = 600
+    result = run_job(*_args(data, tmp_path / "run", "train.max_steps=2", "train.eval_every=1"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1] == (
+        f"zerollm: error: {data}/tokens.h5: the {split} split holds token id 600, beyond the model's vocabulary of "
+        "512 (ids 0-511); the file was changed after `zerollm data prepare` wrote it: prepare the data again")
+
+
 @pytest.mark.parametrize("stage, data, message", [
     ("pretrain", "empty", "{empty}: no tokens.h5; create it with `zerollm data prepare --kind pretrain`"),
     ("sft", "empty", "{empty}: no tokens.h5; create it with `zerollm data prepare --kind sft`"),

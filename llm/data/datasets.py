@@ -33,6 +33,18 @@ def _check_fits(data_dir: str | Path, h5: h5py.File, longest: int, seq_len: int,
                         f"with --seq-len {seq_len}")
 
 
+def check_token_ids(batch: dict[str, torch.Tensor], vocab_size: int, data_dir: str | Path, split: str) -> None:
+    """Refuse a batch (on the host, before it reaches the device) holding a token id the model has no embedding for:
+    an IndexError traceback on the CPU, a device-side assert on a GPU. `data prepare` writes only ids of the
+    tokenizer it records, so such an id means a file changed since."""
+    highest = max((int(v.max()) for k, v in batch.items() if k.endswith(("tokens", "targets")) and v.numel()),
+                  default=-1)
+    if highest >= vocab_size:
+        raise UserError(f"{Path(data_dir) / TOKENS_FILE}: the {split} split holds token id {highest}, beyond the "
+                        f"model's vocabulary of {vocab_size} (ids 0-{vocab_size - 1}); the file was changed after "
+                        "`zerollm data prepare` wrote it: prepare the data again")
+
+
 class _LazyH5:
     """Opens `tokens.h5` on first access in each process (DataLoader workers included), without HDF5's chunk cache:
     training reads windows at random, and through the default 1 MiB cache each window read the whole 64 Ki-token

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import default_collate
 
 from llm.config import RunConfig
+from llm.data.datasets import check_token_ids
 
 Batch = dict[str, torch.Tensor]
 
@@ -47,7 +48,7 @@ class DataSteps:
 
     def __init__(self, cfg: RunConfig, device: torch.device) -> None:
         t = cfg.train
-        self.inputs = cfg.data.path
+        self.inputs, self.vocab_size = cfg.data.path, cfg.model.vocab_size
         self.draw_size, self.draws_per_step, self.device = t.micro_batch_size, t.grad_accum, device
         self.positions = t.micro_batch_size * t.grad_accum * cfg.data.seq_len
 
@@ -56,6 +57,9 @@ class DataSteps:
                 f"global batch ({needed}); add data or lower train.micro_batch_size / data.seq_len")
 
     def step_batches(self, draw: Callable[[], Any], step: int) -> StepBatches:
-        micro_batches = [{k: v.to(self.device, non_blocking=True) for k, v in draw().items()}
-                         for _ in range(self.draws_per_step)]
+        micro_batches = [self._on_device(draw()) for _ in range(self.draws_per_step)]
         return StepBatches(micro_batches, self.positions)
+
+    def _on_device(self, batch: Batch) -> Batch:
+        check_token_ids(batch, self.vocab_size, self.inputs, "train")
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
