@@ -90,9 +90,11 @@ def check_run_output(run_dir: Path, resume: bool) -> None:
     a run another training job is writing (`llm.train.run_lock`)."""
     if check_writable_out(run_dir, "give a directory") != run_dir:
         return
-    if (run_dir / TOKENS_FILE).exists():
-        raise UserError(f"--out {run_dir} is a prepared data folder (it holds {TOKENS_FILE}); give the run a directory "
-                        "of its own")
+    from llm.tokenizer import TOKENIZER_FILE  # noqa: PLC0415 - the tokenizers library only where a run is checked
+
+    for marker, what in ((TOKENS_FILE, "a prepared data folder"), (TOKENIZER_FILE, "a tokenizer or export folder")):
+        if (run_dir / marker).exists():
+            raise UserError(f"--out {run_dir} is {what} (it holds {marker}); give the run a directory of its own")
     names = {p.name for p in run_dir.iterdir()}
     clashing = sorted(names & (RUN_ENTRIES - {WANDB_DIR}))  # other files (a log, notes) training leaves alone
     if clashing and not ((run_dir / RUN_RECORD_FILE).is_file() or checkpoint_dir(run_dir).is_dir()):

@@ -454,6 +454,8 @@ def _folder(root, files: dict[str, str]):
      "holds config.yaml, metrics.jsonl but is not a zerollm run; training would overwrite them"),
     ({"tokens.h5": "", "report.json": "{}", "tokenizer/tokenizer.json": "{}"},
      "is a prepared data folder (it holds tokens.h5); give the run a directory of its own"),
+    ({"tokenizer.json": "{}", "tokenizer_config.json": "{}"},  # a run was mixed into a tokenizer's folder
+     "is a tokenizer or export folder (it holds tokenizer.json); give the run a directory of its own"),
     ({"run_record.jsonl": "{}\n", "checkpoints": "a file"}, "checkpoints is a file where training keeps a folder"),
 ])
 def test_an_out_folder_that_is_not_a_run_is_refused_untouched(pretrain_data, tmp_path, monkeypatch, capsys, files,
