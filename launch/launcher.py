@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -110,6 +111,9 @@ class Plan:
     """After a stop was forwarded, how long to wait for the checkpoint the ranks save when the launcher ends without
     it published: DeepSpeed's pdsh runner on several hosts exits 1 s after it has pdsh kill the ranks' launchers,
     while the ranks are still saving (`STOP_WAIT_S`)."""
+    ranks_here: bool = True
+    """Whether ranks run on this node (a hostfile may list only other hosts): its inputs are then checked here
+    before the launcher starts (`launch`)."""
     deepspeed_codes: bool = True
     """Whether the launcher ends as DeepSpeed's per-node launcher does, with the failed rank's return code, a death
     by signal N passed on as 256 - N: DeepSpeed's and launch/torchrun.py (for a signal it does not name itself) do,
@@ -411,6 +415,7 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     files["deepspeed_env"] = env_file_text(remote_exports(env, environ, Path.cwd(), home), args.launcher)
     return Plan(deepspeed_runner(*options, program=program), job, files=files,
                 file_env={"DS_ENV_FILE": "deepspeed_env"}, ssh_hosts=ssh_hosts, address_of=None if master else first,
+                ranks_here=first_is_here or any(is_local_address(host) for host in active),
                 programs=LAUNCHER_PROGRAMS[args.launcher], deepspeed_codes=args.launcher == "pdsh",
                 stop_wait_s=STOP_WAIT_S if args.launcher == "pdsh" else 0.0)
 
@@ -551,12 +556,16 @@ def check_programs(programs: tuple[str, ...], options: LaunchOptions, path: str 
                         "or start `zerollm launch --nnodes N --node-rank R --master-addr A` on every node")
 
 
-def launch(options: LaunchOptions, train_argv: list[str], run_dir: Path) -> int:
-    """Start the checked training command `train_argv` (`train STAGE ...`, writing to `run_dir`) on this node."""
+def launch(options: LaunchOptions, train_argv: list[str], run_dir: Path, check_inputs: Callable[[], object]) -> int:
+    """Start the checked training command `train_argv` (`train STAGE ...`, writing to `run_dir`) on this node;
+    `check_inputs()` first where ranks run on this node (what the ranks read: data, prompts, a teacher), so that a
+    mistake there is one line before any launcher starts rather than one per rank after."""
     plan = plan_launch(options, train_argv, dict(os.environ))
     check_programs(plan.programs, options)
     if plan.ssh_hosts:
         check_reachable(plan.ssh_hosts, options.hostfile)
     if plan.address_of:
         plan = plan.with_master(host_address(plan.address_of, options.hostfile))
+    if plan.ranks_here:
+        check_inputs()
     return run_plan(plan, run_dir)

@@ -21,7 +21,7 @@ from typing import NoReturn
 from launch.hostfile import MAX_SLOTS_PER_HOST
 from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, LaunchOptions, launcher_name
 from llm import rundir
-from llm.config import build_config, load_recipe, parse_lora_spec, parse_override, recipe_names
+from llm.config import RunConfig, build_config, load_recipe, parse_lora_spec, parse_override, recipe_names
 from llm.errors import EXIT_USER_ERROR, UserError, report
 from llm.stdout import GuardedStdout, OutputLost, discard, settle
 from llm.train.ds_config_file import load_ds_config
@@ -500,23 +500,32 @@ def _checked_before_ranks(args: argparse.Namespace):
     return cfg
 
 
+def _check_rank_inputs(cfg: RunConfig, starting_ranks: bool) -> None:
+    """What the ranks of a training job read, checked by the process about to start them (`starting_ranks`), so
+    that a mistake is one line before any rank starts, not one per rank: the prepared data (a wrong --data: one line
+    before torch loads, in a one-process job too); GRPO's prompts and rewards and a teacher that does not fit only
+    where ranks are started (a one-process job checks them as it starts)."""
+    if cfg.train.stage != "grpo":  # GRPO reads prompt files, not prepared data
+        from llm.data.prepared import stage_data_attrs
+
+        attrs = stage_data_attrs(cfg.train.stage, cfg.data.path)
+    if starting_ranks and cfg.train.stage == "grpo":
+        from llm.train.rollout import grpo_inputs
+
+        grpo_inputs(cfg)
+    if starting_ranks and cfg.train.stage == "distill":
+        from llm.train.teacher import check_teacher
+
+        check_teacher(cfg, attrs)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from launch.local import relaunch_local, under_launcher
 
     cfg = _checked_before_ranks(args)
-    if cfg.train.stage != "grpo":  # GRPO reads prompt files (checked below); a wrong --data: one line before torch
-        from llm.data.prepared import stage_data_attrs
-
-        attrs = stage_data_attrs(cfg.train.stage, cfg.data.path)
-    if args.nproc > 1 and not under_launcher():  # this process starts the ranks and waits (GRPO, distill: checks)
-        if cfg.train.stage == "grpo":
-            from llm.train.rollout import grpo_inputs
-
-            grpo_inputs(cfg)  # a mistake in the prompts or rewards is one line here, not one per rank
-        if cfg.train.stage == "distill":
-            from llm.train.teacher import check_teacher
-
-            check_teacher(cfg, attrs)  # likewise a teacher that does not fit
+    starting_ranks = args.nproc > 1 and not under_launcher()  # this process starts the ranks and waits
+    _check_rank_inputs(cfg, starting_ranks)
+    if starting_ranks:
         return relaunch_local(args.nproc, args.argv)
     from llm.train.job import run
 
@@ -524,9 +533,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                          zero_stage=args.zero_stage))
 
 
-def checked_training_command(job: list[str]) -> tuple[list[str], Path]:
+def checked_training_command(job: list[str]) -> tuple[list[str], Path, RunConfig]:
     """The command after `zerollm launch ... --` (it must be `train ...`), parsed and its config built here, so a
-    mistake fails before any rank starts; returns (the command, its run directory)."""
+    mistake fails before any rank starts; returns (the command, its run directory, its run config)."""
     job = job[1:] if job[:1] == ["--"] else job
     if job[:1] != ["train"]:
         raise UserError("give the training command after '--', e.g. "
@@ -537,8 +546,7 @@ def checked_training_command(job: list[str]) -> tuple[list[str], Path]:
         parsed = build_parser().parse_args(job)
     except SystemExit as exc:
         raise UserError(f"the training command is invalid: {' '.join(job)}") from exc
-    _checked_before_ranks(parsed)
-    return job, Path(parsed.out)
+    return job, Path(parsed.out), _checked_before_ranks(parsed)
 
 
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
@@ -551,8 +559,8 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
 def cmd_launch(args: argparse.Namespace) -> int:
     from launch.launcher import launch
 
-    job, run_dir = checked_training_command(args.job)
-    return launch(launch_options(args), job, run_dir)
+    job, run_dir, cfg = checked_training_command(args.job)
+    return launch(launch_options(args), job, run_dir, lambda: _check_rank_inputs(cfg, starting_ranks=True))
 
 
 def _sampling(args: argparse.Namespace):

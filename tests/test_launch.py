@@ -4,6 +4,7 @@ on 127.0.0.1) through DeepSpeed's launcher in per-node and hostfile mode, torchr
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -102,6 +103,31 @@ def test_the_training_command_is_checked_before_launching(tmp_path):
     assert result.returncode == 2 and "--nproc-per-node" in result.stderr
 
 
+@pytest.mark.parametrize("mode", [["--hostfile", "{hosts}"], ["--nnodes", "1", "--node-rank", "0", "--master-addr",
+                                                                 "127.0.0.1"]])
+def test_data_the_ranks_of_this_node_would_read_is_checked_before_the_launcher_starts(tmp_path, mode):
+    """A wrong --data was found by each rank once DeepSpeed's launchers had started (16 s, and their kill lines
+    around the message)."""
+    (tmp_path / "hosts").write_text("localhost slots=1\n")
+    result = run_cli("launch", *[a.format(hosts=tmp_path / "hosts") for a in mode], "--master-port", free_port(),
+                     "--", *_job(tmp_path / "nowhere", tmp_path / "run"))
+    assert (result.returncode, result.stderr) == (2, f"zerollm: error: {tmp_path / 'nowhere'}: no such directory; "
+                                                     "pass the folder `zerollm data prepare --out` wrote\n")
+    assert result.stdout == "" and not (tmp_path / "run").exists()  # no launcher was started
+
+
+def test_a_hostfile_of_other_hosts_only_runs_no_rank_here(tmp_path):
+    """Its data is read there (a login node need not hold it), so it is not checked here."""
+    (tmp_path / "hosts").write_text("localhost slots=1\n")
+    args = ["--hostfile", str(tmp_path / "hosts"), "--master-port", str(free_port())]
+    assert plan_launch(launch_options(build_parser().parse_args(["launch", *args, "--", "train"])), ["train"],
+                       {"HOME": str(tmp_path)}).ranks_here
+    (tmp_path / "hosts").write_text("node-a.invalid slots=1\nnode-b.invalid slots=2\n")
+    assert not plan_launch(launch_options(build_parser().parse_args(["launch", *args, "--master-addr", "10.0.0.1",
+                                                                     "--", "train"])),
+                           ["train"], {"HOME": str(tmp_path)}).ranks_here
+
+
 def test_a_refused_launch_answers_without_loading_torch(tmp_path):
     """torch (about 2 s to import) is loaded only to count GPUs or start the launcher, not to refuse bad options."""
     script = "import sys\nfrom llm.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n" \
@@ -118,23 +144,26 @@ import launch.launcher
 from llm.cli import main
 
 def started(command, **options):  # the launcher, not started: what this process had loaded by then
+    if "deepspeed.launcher.runner" not in command:  # another program (h5py asks the platform, reading the data)
+        return popen(command, **options)
     print(command[2], 'torch' in sys.modules)
     sys.exit(0)
 
-launch.launcher.subprocess.Popen = started
+popen, launch.launcher.subprocess.Popen = launch.launcher.subprocess.Popen, started
 main(sys.argv[1:])
 """
 
 
 @pytest.mark.parametrize("chosen, loaded", [("cpu", False), (None, True)])
-def test_a_launch_loads_torch_only_to_look_for_a_gpu_where_the_user_chose_no_accelerator(tmp_path, chosen, loaded):
+def test_a_launch_loads_torch_only_to_look_for_a_gpu_where_the_user_chose_no_accelerator(pretrain_data, tmp_path,
+                                                                                         chosen, loaded):
     """`zerollm launch` imported torch (3 CPU-s, before DeepSpeed's runner imports it again) to choose DeepSpeed's
     accelerator even where DS_ACCELERATOR gave it."""
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
     env.update({"DS_ACCELERATOR": chosen} if chosen else {})
     result = subprocess.run([sys.executable, "-c", STARTED_WITH, "launch", "--nproc-per-node", "2", "--master-port",
-                             str(free_port()), "--", *_job(tmp_path, tmp_path)], capture_output=True, text=True,
-                            timeout=120, cwd=REPO, env=env)
+                             str(free_port()), "--", *_job(pretrain_data, tmp_path)], capture_output=True,
+                            text=True, timeout=120, cwd=REPO, env=env)
     assert result.stdout.splitlines()[-1].split() == ["deepspeed.launcher.runner", str(loaded)], result.stderr[-3000:]
 
 
@@ -440,16 +469,16 @@ def test_nproc_names_a_rank_a_signal_ended_and_exits_76(capfd):
                                       "last complete checkpoint\n")
 
 
-def test_ranks_that_refuse_under_torchrun_end_the_launch_with_exit_2_and_their_line(tmp_path):
-    """Both ranks refuse the job after torchrun started them (the data folder holds no tokens.h5, which only the
-    ranks read): the launch ends as under DeepSpeed's launcher, exit 2 and the ranks' one line, not with torchrun's
-    ChildFailedError traceback and exit 1."""
-    (tmp_path / "empty").mkdir()
+def test_ranks_that_refuse_under_torchrun_end_the_launch_with_exit_2_and_their_line(pretrain_data, tmp_path):
+    """Both ranks refuse the job after torchrun started them (a vocabulary smaller than the data's tokenizer, which
+    only the ranks compare): the launch ends as under DeepSpeed's launcher, exit 2 and the ranks' one line, not with
+    torchrun's ChildFailedError traceback and exit 1."""
     result = run_cli("launch", "--backend", "torchrun", "--nproc-per-node", 2, "--master-port", free_port(), "--",
-                     "train", "pretrain", "--recipe", "demo", "--data", tmp_path / "empty", "--out", tmp_path / "run")
+                     "train", "pretrain", "--recipe", "demo", "--data", pretrain_data, "--out", tmp_path / "run",
+                     "--set", "model.vocab_size=100")
     assert result.returncode == 2, result.stderr[-3000:]
     assert "--rdzv-backend c10d" in result.stdout  # torchrun started the ranks: the refusal is theirs
-    assert f"zerollm: error: {tmp_path / 'empty'}: no tokens.h5; create it with" in result.stderr
+    assert re.search(r"^zerollm: error: .*model\.vocab_size", result.stderr, re.MULTILINE), result.stderr
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr
 
 
@@ -881,12 +910,12 @@ def test_torchrun_nodes_wait_for_each_other_train_collective_timeout_s(tmp_path)
     assert "is_host=0,join_timeout=600" in plan.command
 
 
-def test_a_node_that_never_comes_under_torchrun_is_one_line_at_the_timeout(tmp_path):
+def test_a_node_that_never_comes_under_torchrun_is_one_line_at_the_timeout(pretrain_data, tmp_path):
     """608 s of silence, then torchrun's RendezvousTimeoutError traceback and exit 1."""
     port = free_port()
     result = run_cli("launch", "--backend", "torchrun", "--nnodes", 2, "--node-rank", 0, "--master-addr",
                      "127.0.0.1", "--master-port", port, "--",
-                     *_job(tmp_path, tmp_path / "run", "train.collective_timeout_s=3"), timeout=300)
+                     *_job(pretrain_data, tmp_path / "run", "train.collective_timeout_s=3"), timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.splitlines()[-1] == (
         f"zerollm: error: the 2 nodes did not all meet at 127.0.0.1:{port} within train.collective_timeout_s=3 s "

@@ -356,7 +356,7 @@ def test_pdsh_words_survive_deepspeed_pdsh_and_the_shell(text, shell):
 
 
 @pytest.fixture(scope="module")
-def pdsh_dry_run(tmp_path_factory):
+def pdsh_dry_run(tmp_path_factory, pretrain_data):
     """`zerollm launch --hostfile` on two hosts through DeepSpeed's pdsh runner and a stand-in pdsh that runs the
     remote command under sh (host 0) and bash (host 1) with the training launcher replaced by printf: what each
     host's shell built, and the variables it exported."""
@@ -365,7 +365,7 @@ def pdsh_dry_run(tmp_path_factory):
     (tmp / "home").mkdir()
     (tmp / "home" / ".deepspeed_env").write_text(f"# from the home directory\nZL_FILE = $(touch {tmp}/pwned-file) x\n")
     (tmp / "hosts").write_text("localhost slots=1\n127.0.0.1 slots=1\n")
-    job = ["train", "pretrain", "--recipe", "demo", "--data", str(tmp),
+    job = ["train", "pretrain", "--recipe", "demo", "--data", str(pretrain_data),
            "--out", f"{tmp}/run $(touch {tmp}/pwned-subshell); touch {tmp}/pwned-semicolon `touch {tmp}/pwned-tick` "
                     "\"dq\" 'sq' \\ 50%n %h",
            "--set", f"wandb.name=x;touch {tmp}/pwned-nospace", "--set", f"wandb.project=$(touch {tmp}/pwned-x)%n"]
@@ -459,16 +459,17 @@ if args[0].startswith("down-") or port != "2222":
 '''
 
 
-def _launch_pdsh_dry(tmp_path, programs: dict[str, str], hosts: str, master: tuple[str, ...] = ("--master-addr",
-                     "127.0.0.1"), **environ) -> subprocess.CompletedProcess:
-    """`zerollm launch --hostfile` of `hosts` with stand-ins of `programs` first on PATH (alone on it without an
-    ssh), pdsh recording instead of starting the ranks."""
+def _launch_pdsh_dry(tmp_path, data, programs: dict[str, str], hosts: str,
+                     master: tuple[str, ...] = ("--master-addr", "127.0.0.1"),
+                     **environ) -> subprocess.CompletedProcess:
+    """`zerollm launch --hostfile` of `hosts` training on `data` with stand-ins of `programs` first on PATH (alone on
+    it without an ssh), pdsh recording instead of starting the ranks."""
     bin_dir = install(tmp_path / "bin", **programs)
     (tmp_path / "hosts").write_text(hosts)
     path = f"{bin_dir}:{os.environ['PATH']}" if "ssh" in programs else str(bin_dir)
     return subprocess.run([sys.executable, "-m", "llm", "launch", "--hostfile", tmp_path / "hosts", *master,
                            "--master-port", str(free_port()), "--", "train", "pretrain", "--recipe",
-                           "demo", "--data", tmp_path, "--out", tmp_path / "run"],
+                           "demo", "--data", data, "--out", tmp_path / "run"],
                           env={**os.environ, "PATH": path, "STANDIN_RECORD": str(tmp_path), "STANDIN_DRY": "1",
                                **environ}, cwd=REPO, capture_output=True, text=True, timeout=120)
 
@@ -482,9 +483,10 @@ def _launch_pdsh_dry(tmp_path, programs: dict[str, str], hosts: str, master: tup
      "--hostfile {hosts}: pdsh reaches the hosts over ssh, and no ssh program is on PATH; install an ssh client, or "
      "choose another --launcher"),
 ])
-def test_hosts_pdsh_cannot_reach_are_named_in_one_line_before_anything_starts(tmp_path, programs, message):
+def test_hosts_pdsh_cannot_reach_are_named_in_one_line_before_anything_starts(tmp_path, pretrain_data, programs,
+                                                                              message):
     """Every host is asked (DeepSpeed's runner asks the first alone, and fails with a traceback); nothing starts."""
-    result = _launch_pdsh_dry(tmp_path, programs, "localhost slots=1\ndown-1 slots=1\ndown-2 slots=1\n",
+    result = _launch_pdsh_dry(tmp_path, pretrain_data, programs, "localhost slots=1\ndown-1 slots=1\ndown-2 slots=1\n",
                               PDSH_SSH_ARGS_APPEND="-p 2222")
     assert (result.returncode, result.stderr, result.stdout) == \
         (2, f"zerollm: error: {message.format(hosts=tmp_path / 'hosts')}\n", "")
@@ -492,11 +494,11 @@ def test_hosts_pdsh_cannot_reach_are_named_in_one_line_before_anything_starts(tm
 
 
 @pytest.mark.parametrize("append, reached", [("-p 2222", True), ("", False)])
-def test_hosts_are_asked_with_the_ssh_options_pdsh_adds(tmp_path, append, reached):
+def test_hosts_are_asked_with_the_ssh_options_pdsh_adds(tmp_path, pretrain_data, append, reached):
     """A port or key in PDSH_SSH_ARGS_APPEND reaches pdsh's ssh; the check uses it too (DeepSpeed's own check, now
     skipped, did not, and refused a job pdsh could run)."""
-    result = _launch_pdsh_dry(tmp_path, {"pdsh": PDSH, "ssh": SSH_TO_SOME}, "localhost slots=1\n127.0.0.1 slots=1\n",
-                              PDSH_SSH_ARGS_APPEND=append)
+    result = _launch_pdsh_dry(tmp_path, pretrain_data, {"pdsh": PDSH, "ssh": SSH_TO_SOME},
+                              "localhost slots=1\n127.0.0.1 slots=1\n", PDSH_SSH_ARGS_APPEND=append)
     assert result.returncode == (0 if reached else 2), result.stderr[-3000:]
     assert len(list(tmp_path.glob("argv.*"))) == (2 if reached else 0)
 
@@ -508,10 +510,10 @@ if args[1:] == ["hostname", "-I"]:
 """SSH_TO_SOME, answering `hostname -I` with STANDIN_ADDRESSES."""
 
 
-def test_without_a_master_address_the_first_host_gives_its_own_with_pdshs_ssh_options(tmp_path):
+def test_without_a_master_address_the_first_host_gives_its_own_with_pdshs_ssh_options(tmp_path, pretrain_data):
     """DeepSpeed's runner asked the first host with a bare ssh, which fails where the hosts need
     PDSH_SSH_ARGS_APPEND's options (a traceback); such a launch was refused, asking for --master-addr."""
-    result = _launch_pdsh_dry(tmp_path, {"pdsh": PDSH, "ssh": SSH_GIVING_ADDRESSES},
+    result = _launch_pdsh_dry(tmp_path, pretrain_data, {"pdsh": PDSH, "ssh": SSH_GIVING_ADDRESSES},
                               "localhost slots=1\n127.0.0.1 slots=1\n", master=(), PDSH_SSH_ARGS_APPEND="-p 2222",
                               STANDIN_ADDRESSES="127.0.0.1 fd00::2")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -524,8 +526,8 @@ def test_without_a_master_address_the_first_host_gives_its_own_with_pdshs_ssh_op
     ("a;touch pwned", "it printed 'a;touch', not an IP address"),
     ("Welcome 10.0.0.1", "it printed 'Welcome', not an IP address"),  # a login banner: a host name's shape
 ])
-def test_a_first_host_that_gives_no_usable_address_is_one_line(tmp_path, addresses, problem):
-    result = _launch_pdsh_dry(tmp_path, {"pdsh": PDSH, "ssh": SSH_GIVING_ADDRESSES},
+def test_a_first_host_that_gives_no_usable_address_is_one_line(tmp_path, pretrain_data, addresses, problem):
+    result = _launch_pdsh_dry(tmp_path, pretrain_data, {"pdsh": PDSH, "ssh": SSH_GIVING_ADDRESSES},
                               "localhost slots=1\n127.0.0.1 slots=1\n", master=(), PDSH_SSH_ARGS_APPEND="-p 2222",
                               STANDIN_ADDRESSES=addresses)
     assert result.returncode == 2 and result.stdout == "", result.stderr[-3000:]
