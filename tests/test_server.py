@@ -431,6 +431,19 @@ def test_a_get_with_a_body_is_refused_and_its_body_never_runs_as_a_request(serve
     assert "must not have a body" in json_body(response)["error"]["message"]
 
 
+@pytest.mark.parametrize("bad_line", ["BadHeader", "Content-Length : 34", "X-A\tB: 1"])
+def test_a_header_line_that_is_not_name_colon_value_is_refused_and_nothing_after_it_runs(server, bad_line):
+    """A line without a colon ended the headers there: the Content-Length after it went unread and the GET's body
+    ran as a second request (a smuggled one behind a proxy that reads the line otherwise); 'Content-Length : 34'
+    was no length at all."""
+    smuggled = request_bytes(b"", method="GET", path="/v1/models/tiny", length=None)
+    data = request_bytes(smuggled, method="GET", path="/health").replace(b"Content-Length:",
+                                                                          f"{bad_line}\r\nContent-Length:".encode(), 1)
+    status, response = raw_exchange(server, data)
+    assert status == 400 and response.count(b"HTTP/1.1 ") == 1, response
+    assert json_body(response)["error"]["message"] == "a header line is not 'Name: value' (RFC 9112, section 5)"
+
+
 def test_two_content_lengths_are_refused(server):
     data = request_bytes(HELLO).replace(b"Content-Length:", b"Content-Length: 3\r\nContent-Length:", 1)
     assert raw_exchange(server, data)[0] == 400
@@ -679,6 +692,23 @@ def test_a_client_leaving_a_silent_stream_ends_its_generation(generator, version
             time.sleep(0.05)
         assert service.cancelled == 1 and time.monotonic() - left_at < 2
         assert _post(url, json.dumps({**HELLO, "max_tokens": 1}).encode())[0] == 200
+
+
+def test_closing_the_service_ends_the_running_generation_and_waits_for_its_thread(generator):
+    """Ctrl-C on `serve` closed the service and the process ended while the generation thread still ran the model:
+    torch aborted it ('terminate called without an active exception', SIGABRT)."""
+    script = generator.tokenizer.encode("abc " * 100)
+    service = ChatService(Scripted(generator, script, delay_s=0.05), "tiny")  # 20 s of tokens
+    job = service.submit(service.prompt_ids([{"role": "user", "content": "hi"}]),
+                         SamplingParams(max_new_tokens=len(script)))
+    first = job.pieces.get(timeout=30)
+    started = time.monotonic()
+    service.close()
+    assert not service._worker.is_alive() and time.monotonic() - started < 2
+    pieces = [first]
+    while isinstance(piece := job.pieces.get(timeout=1), str):
+        pieces.append(piece)
+    assert not isinstance(piece, Exception) and len(pieces) < len(script)  # the text so far, then the end
 
 
 def test_an_error_after_an_early_head_is_the_body(generator):

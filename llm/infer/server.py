@@ -68,9 +68,13 @@ SYSTEM_ROLES = {"developer": "system"}
 ENCODES_AT_ONCE = 2
 """Prompts tokenized at once. Each is encoded without the GIL, so that generation and the other requests go on
 meanwhile; a 1 MiB one takes about a second and 200 MB (64 at once would take 13 GB): the others wait their turn."""
+CLOSE_WAIT_S = 30.0
+"""How long closing the service waits for the generation thread to leave the model (one token's step)."""
 WAIT_POLL_S = 0.25
 """How often a request waiting for its generation checks whether its client is still there."""
 CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
+FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+"""A header's name: an RFC 9110 token, no whitespace."""
 API_KEY = re.compile(r"[!-~]+")
 """Visible ASCII: what an HTTP header carries unchanged."""
 
@@ -371,6 +375,8 @@ class ChatService:
         self._counting = threading.Lock()
         self._queue = WaitingLine(max_queued)
         self._encoding = threading.BoundedSemaphore(ENCODES_AT_ONCE)
+        self._current: Generation | None = None
+        """The request the generation thread took last."""
         self._worker = threading.Thread(target=self._serve, name="zerollm-generation", daemon=True)
         self._worker.start()
 
@@ -417,8 +423,13 @@ class ChatService:
             self._count_cancelled()
 
     def close(self) -> None:
-        """Stop the generation thread after the current request."""
+        """Stop the generation thread: the waiting requests are dropped, the current generation ends at its next
+        token (its client gets the text so far), and the thread is waited for, so that the process never ends while
+        it runs the model (torch aborts the process then: 'terminate called without an active exception')."""
         self._queue.close()
+        if (current := self._current) is not None:
+            current.cancelled.set()
+        self._worker.join(CLOSE_WAIT_S)
 
     def _count_cancelled(self) -> None:
         with self._counting:  # the connections' threads and the generation thread count
@@ -426,6 +437,7 @@ class ChatService:
 
     def _serve(self) -> None:
         while (job := self._queue.get()) is not None:
+            self._current = job
             if job.cancelled.is_set():
                 self._count_cancelled()
                 continue
@@ -502,6 +514,13 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             parsed = super().parse_request()
             if self.request_version == "HTTP/1.0":
                 self.close_connection = True
+            if parsed and (self.headers.defects or self.headers.get_payload()
+                           or not all(FIELD_NAME.fullmatch(name) for name in self.headers)):
+                # a line without a colon ended the headers there (those after it, a Content-Length or a Host, went
+                # unread: the body would be taken for the next request), and 'Content-Length : 5' is not the length
+                self.close_connection = True
+                self.send_error(400, "a header line is not 'Name: value' (RFC 9112, section 5)")
+                return False
             return parsed
 
         def log_message(self, format: str, *args) -> None:  # keep the console for the operator's own output
