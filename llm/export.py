@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from llm import durable
 from llm.config import ModelConfig, validate_model
-from llm.data.output import refuse_foreign_contents
+from llm.data.output import refuse_foreign_contents, refuse_mount_point
 from llm.errors import UserError, read_user_json_object
 from llm.model import Transformer
 from llm.model.from_weights import model_from_weights, shapes_only
@@ -217,6 +217,7 @@ def _replaceable(out: Path) -> None:
         return
     if not out.is_dir():
         raise UserError(f"--out {out} is a file; give a directory")
+    refuse_mount_point(out, out, "export")
     refuse_foreign_contents(out, out, "export", EXPORT_FILES, WEIGHTS_FILE, not_ours=_not_exported_here)
 
 

@@ -39,7 +39,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate, ChatTemplateError
-from llm.data.output import refuse_foreign_contents
+from llm.data.output import refuse_foreign_contents, refuse_mount_point
 from llm.data.readers import Skipped, skipped_note
 from llm.errors import UserError, not_utf8, read_user_json_object, read_user_text
 from llm.stdout import on_terminal
@@ -98,6 +98,7 @@ def _make_out_dir(out_dir: Path) -> bool:
     a run), a place that cannot be written."""
     try:
         if out_dir.is_dir():
+            refuse_mount_point(out_dir.resolve(), out_dir, "tokenizer train")
             refuse_foreign_contents(out_dir, out_dir, "tokenizer train", {TOKENIZER_FILE, CONFIG_FILE, TRAINING_FILE},
                                     TRAINING_FILE)
             return False

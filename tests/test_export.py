@@ -41,6 +41,28 @@ def _logits(model: Transformer) -> torch.Tensor:
         return model(TOKENS).logits
 
 
+def test_a_mount_point_as_out_is_refused_by_every_command_that_replaces_its_output(tmp_path, monkeypatch):
+    """export ended in an OSError traceback (EBUSY, renaming the mount point aside); tokenizer train and data
+    prepare said 'Invalid cross-device link', data prepare leaving its lock file there. A tmpfs mount needs root,
+    so the mount point is simulated."""
+    from llm.data.output import OutputDir
+    from llm.data.prepare import OUTPUT_NAMES
+    from llm.tokenizer import train_tokenizer
+
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == mount)
+    for command, write in (("export", lambda: export_model(_model(0), None, mount)),
+                           ("tokenizer train", lambda: train_tokenizer(["some text"], 300, mount, show_progress=False)),
+                           ("data prepare", lambda: OutputDir(mount, OUTPUT_NAMES, lambda out: None).__enter__())):
+        with pytest.raises(UserError) as refused:
+            write()
+        assert str(refused.value) == (f"--out {mount} is a mount point, which {command} cannot replace (it writes its "
+                                      f"output beside it and renames it into place); give a folder inside it, e.g. "
+                                      f"--out {mount / 'out'}")
+        assert sorted(p.name for p in tmp_path.rglob("*")) == ["mnt"], command  # nothing written, beside or inside
+
+
 # ---- item 7: writing and reading exactly -------------------------------------------------------------------------
 
 def test_a_killed_export_leaves_the_previous_export_whole(tmp_path, monkeypatch):

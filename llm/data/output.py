@@ -72,6 +72,14 @@ def refuse_foreign_contents(out: Path, given: str | Path, command: str, names: s
                         "so give it a new or empty directory (or one it wrote before)")
 
 
+def refuse_mount_point(out: Path, given: Path, command: str) -> None:
+    """Refuse an --out (resolved: `out`) that is a mount point: `command` stages its output beside it and renames it
+    into place, which a mount point cannot take ('Device or resource busy', 'Invalid cross-device link')."""
+    if os.path.ismount(out):
+        raise UserError(f"--out {given} is a mount point, which {command} cannot replace (it writes its output beside "
+                        f"it and renames it into place); give a folder inside it, e.g. --out {given / 'out'}")
+
+
 class OutputDir:
     """Context manager: `with OutputDir(out, names, not_ours) as output: ...write into output.staging...;
     output.commit()`.
@@ -101,6 +109,7 @@ class OutputDir:
         if cwd == self.out or self.out in cwd.parents:
             raise UserError(f"--out {self.given} is the current directory or holds it; data prepare replaces the "
                             "whole output directory, so give it a directory of its own, e.g. --out data/")
+        refuse_mount_point(self.out, self.given, "data prepare")
         if threading.current_thread() is threading.main_thread():
             self._handlers = {signum: signal.signal(signum, self._stop) for signum in (signal.SIGINT, signal.SIGTERM)}
             sys.unraisablehook = self._unraisable
