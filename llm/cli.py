@@ -607,6 +607,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from llm.infer.chat import ChatSession, chat_repl
 
     session = ChatSession(_generator(args), _sampling(args), system=args.system)
+    if sys.stdin is None:  # started with its input closed (<&-): an input that has ended, as </dev/null
+        sys.stdin = io.StringIO()
     if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 is refused, not a crash losing the chat
         sys.stdin.reconfigure(errors="surrogateescape")
     interactive = sys.stdin.isatty()

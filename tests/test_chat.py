@@ -196,6 +196,15 @@ def test_chat_repl_commands(zero_runs):
     assert out.count("commands: /reset") == 1  # at the start only
 
 
+def test_chat_started_with_its_input_closed_ends_as_at_the_end_of_input(zero_runs):
+    """`zerollm chat <&-` was an AttributeError traceback (sys.stdin is None), exit 1."""
+    command = [sys.executable, "-m", "llm", "chat", "--model", str(zero_runs[2]), "--max-new-tokens", "6"]
+    ended = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300, check=False)
+    closed = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False,
+                            preexec_fn=lambda: os.close(0))
+    assert (closed.returncode, closed.stdout, closed.stderr) == (0, ended.stdout, ended.stderr), closed.stderr[-2000:]
+
+
 def test_chat_command_survives_a_line_longer_than_the_context(zero_runs):
     script = "hello\n" + "word " * 2000 + "\nagain\n/quit\n"
     result = subprocess.run([sys.executable, "-m", "llm", "chat", "--model", str(zero_runs[2]),
