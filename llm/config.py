@@ -425,6 +425,9 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
     try:
         raw = load_yaml(text) or {}
     except yaml.YAMLError as exc:
+        mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+        if mark is not None and problem:  # where the parser stopped, not its '"<unicode string>", line 2' text
+            raise UserError(f"{source}:{mark.line + 1}:{mark.column + 1}: invalid YAML ({problem})") from None
         raise UserError(f"{source}: invalid YAML ({exc})".replace("\n", " ")) from None
     if not isinstance(raw, dict):
         raise UserError(f"{source}: expected a mapping of sections (model, data, train, grpo, lora, wandb)")

@@ -191,11 +191,20 @@ def test_out_of_range_numbers_name_the_key_and_the_range(override, message):
         build_config("demo", [override])
 
 
+def test_a_recipe_yaml_mistake_is_named_by_its_file_line_and_column(tmp_path):
+    """It was PyYAML's text squashed into one line, naming the file '"<unicode string>", line 2, column 1'."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("train:\n  lr: [0.1\n")
+    with pytest.raises(UserError) as refused:
+        build_config(str(recipe))
+    assert str(refused.value) == f"{recipe}:3:1: invalid YAML (expected ',' or ']', but got '<stream end>')"
+
+
 def test_a_recipe_that_gives_a_key_twice_is_refused(tmp_path):
     """PyYAML kept the last of two values silently: `lora: {r: 4, r: 8}` trained at rank 8."""
     recipe = tmp_path / "mine.yaml"
     recipe.write_text("model:\n  dim: 64\ntrain:\n  lr: 0.001\n  lr: 0.1\n")
-    with pytest.raises(UserError, match=f"^{recipe}: invalid YAML .*found the key 'lr' twice .*line 5, column 3"):
+    with pytest.raises(UserError, match=f"^{recipe}:5:3: invalid YAML \\(found the key 'lr' twice\\)$"):
         build_config(str(recipe))
     recipe.write_text("train:\n  <<: {lr: 0.001, max_steps: 10}\n  warmup_steps: 2\n")  # a merge key: no twin
     assert build_config(str(recipe)).train.max_steps == 10
