@@ -538,7 +538,8 @@ def checked_training_command(job: list[str]) -> tuple[list[str], Path, RunConfig
     mistake fails before any rank starts; returns (the command, its run directory, its run config)."""
     job = job[1:] if job[:1] == ["--"] else job
     if job[:1] != ["train"]:
-        raise UserError("give the training command after '--', e.g. "
+        said = f"`{job[0]}` is not a training command: " if job else ""
+        raise UserError(f"{said}give the training command after '--', e.g. "
                         "zerollm launch ... -- train pretrain --recipe demo --data DATA --out RUN")
     if any(arg == "--nproc" or arg.startswith("--nproc=") for arg in job):
         raise UserError("--nproc belongs to single-machine runs; under `zerollm launch` use --nproc-per-node")

@@ -130,6 +130,8 @@ def recorded_config(run_dir: Path) -> dict[str, Any]:
     try:
         recorded = load_recorded_yaml(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        if not run_dir.exists():
+            raise UserError(f"{run_dir}: no such directory") from None
         raise UserError(f"{run_dir}: no {CONFIG_FILE}; is this a run directory made by `zerollm train`?") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         reason = " ".join(str(exc).split())

@@ -440,3 +440,13 @@ def test_rope_tables_grow_on_demand_with_the_same_values(monkeypatch):
     assert lazy.rope_cos.shape[0] == 40 and torch.equal(lazy.rope_sin, full.rope_sin[:40])
     with pytest.raises(ValueError, match="exceeds model.max_seq_len 64"):
         lazy(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_a_run_directory_that_does_not_exist_is_said_so(tmp_path):
+    """It was 'no config.yaml; is this a run directory made by `zerollm train`?' for a path with nothing there."""
+    from llm import rundir
+
+    with pytest.raises(UserError, match=f"^{tmp_path / 'nowhere'}: no such directory$"):
+        rundir.recorded_config(tmp_path / "nowhere")
+    with pytest.raises(UserError, match=f"^{tmp_path}: no config.yaml; is this a run directory made by"):
+        rundir.recorded_config(tmp_path)

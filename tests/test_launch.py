@@ -98,7 +98,9 @@ def test_the_training_command_is_checked_before_launching(tmp_path):
                      "--set", "train.no_such_key=1")
     assert result.returncode == 2 and "train.no_such_key" in result.stderr
     result = run_cli("launch", "--", "generate", "--model", tmp_path)
-    assert result.returncode == 2 and "after '--'" in result.stderr
+    assert (result.returncode, result.stderr) == (2, "zerollm: error: `generate` is not a training command: give "
+                                                     "the training command after '--', e.g. zerollm launch ... -- "
+                                                     "train pretrain --recipe demo --data DATA --out RUN\n")
     result = run_cli("launch", "--", *_job(tmp_path, tmp_path), "--nproc", 2)
     assert result.returncode == 2 and "--nproc-per-node" in result.stderr
 
