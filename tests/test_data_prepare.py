@@ -195,7 +195,7 @@ def test_wrong_field_is_skipped_with_reason(tokenizer_dir, bad_inputs, tmp_path)
     result = _prepare(tokenizer_dir, tmp_path / "out", bad_inputs["wrong_field"])
     assert result.returncode == 0, result.stderr
     assert f"{bad_inputs['wrong_field']}:2: no text field (keys: content)" in result.stdout
-    assert f"{bad_inputs['wrong_field']}:3: 'text' is int, expected a string" in result.stdout
+    assert f"{bad_inputs['wrong_field']}:3: 'text' is a number, expected a string" in result.stdout
 
 
 @pytest.mark.parametrize("case, message", [
@@ -642,7 +642,7 @@ def test_a_dpo_prompt_of_the_wrong_type_is_named(tokenizer_dir, tmp_path):
     path = tmp_path / "pairs.jsonl"
     path.write_text('{"prompt": 5, "chosen": "a", "rejected": "b"}\n{"prompt": "hi", "chosen": "a", "rejected": "b"}\n')
     report = _quiet("dpo", [path], tokenizer_dir, tmp_path / "out")
-    assert report.skipped == [f"{path}:1: 'prompt' is int, expected a string or a list of turns"]
+    assert report.skipped == [f"{path}:1: 'prompt' is a number, expected a string or a list of turns"]
 
 
 @pytest.mark.parametrize("kind, source", [("pretrain", "pretrain/en_notes.jsonl"), ("sft", "sft/messages_zh.jsonl")])
@@ -868,3 +868,15 @@ def test_the_summary_groups_reasons_by_their_numbers_but_keeps_escapes():
     report = Report(skipped=[f"a.jsonl:1: {LONE_SURROGATE_REASON}", "a.jsonl:2: record of 700 characters",
                              "a.jsonl:3: record of 800 characters"])
     assert f"skipped: 3 records: record of N characters x2; {LONE_SURROGATE_REASON} x1" in report.summary()
+
+
+def test_a_wrongly_typed_field_is_named_in_jsons_words(tmp_path):
+    """The reasons named Python's types: 'text' is NoneType (for null), is list, is bool."""
+    from llm.data.formats import read_records
+
+    path = tmp_path / "records.jsonl"
+    path.write_text('{"text": null}\n{"text": [1]}\n{"text": true}\n{"text": 1.5}\n[{"text": "a"}]\n')
+    assert [str(r) for r in read_records([path], "pretrain")] == [
+        f"{path}:1: 'text' is null, expected a string", f"{path}:2: 'text' is a list, expected a string",
+        f"{path}:3: 'text' is a boolean, expected a string", f"{path}:4: 'text' is a number, expected a string",
+        f"{path}:5: record is a list, expected an object or a string"]

@@ -31,6 +31,7 @@ from llm.data.readers import (
     Skipped,
     expand_inputs,
     json_problem,
+    json_type,
     read_items,
     skipped_note,
     split_text,
@@ -48,7 +49,7 @@ class RecordError(ValueError):
 
 def _require_text(value: Any, what: str) -> str:
     if not isinstance(value, str):
-        raise RecordError(f"{what} is {type(value).__name__}, expected a string")
+        raise RecordError(f"{what} is {json_type(value)}, expected a string")
     return value
 
 
@@ -82,13 +83,13 @@ def _tool_call(call: Any) -> dict[str, Any]:
     if isinstance(call, str):
         call = _json_text(call, "tool call")
     if not isinstance(call, dict):
-        raise RecordError(f"tool call is {type(call).__name__}, expected an object")
+        raise RecordError(f"tool call is {json_type(call)}, expected an object")
     function = call.get("function", call)
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise RecordError("tool call has no 'name' string")
     arguments = function.get("arguments", {})
     if not isinstance(arguments, (dict, str)):
-        raise RecordError(f"tool call '{function['name']}' arguments are {type(arguments).__name__}, expected an "
+        raise RecordError(f"tool call '{function['name']}' arguments are {json_type(arguments)}, expected an "
                           "object or a string")
     return {"name": function["name"], "arguments": arguments}
 
@@ -111,7 +112,7 @@ def _tool_calls(turn: dict, raw_role: str) -> list[dict[str, Any]]:
     elif isinstance(calls, dict):
         calls = [calls]
     elif not isinstance(calls, list):
-        raise RecordError(f"'tool_calls' is {type(calls).__name__}, expected a list of tool calls")
+        raise RecordError(f"'tool_calls' is {json_type(calls)}, expected a list of tool calls")
     else:
         calls = list(calls)  # a copy: the legacy call below is appended to it
     if turn.get("function_call") is not None:  # OpenAI's legacy single call
@@ -207,7 +208,7 @@ def conversation(value: Any) -> list[Message]:
     `system` field beside a system turn.
     """
     if not isinstance(value, dict):
-        raise RecordError(f"record is {type(value).__name__}, expected an object")
+        raise RecordError(f"record is {json_type(value)}, expected an object")
     messages = _written_messages(value)
     if messages is None:
         keys = ", ".join(sorted(value)) or "none"
@@ -235,7 +236,7 @@ def _reply_turns(value: Any, what: str) -> list[Message]:
         if not value:
             raise RecordError(f"{what} is an empty list; expected the reply (a string, turn or list of turns)")
         return _messages(value, what)
-    raise RecordError(f"{what} is {type(value).__name__}, expected a string, turn or list of turns")
+    raise RecordError(f"{what} is {json_type(value)}, expected a string, turn or list of turns")
 
 
 def _explicit_prompt(value: dict) -> list[Message]:
@@ -247,7 +248,7 @@ def _explicit_prompt(value: dict) -> list[Message]:
     if isinstance(prompt, list):
         return _messages(prompt, "'prompt'")
     if prompt is not None:
-        raise RecordError(f"'prompt' is {type(prompt).__name__}, expected a string or a list of turns")
+        raise RecordError(f"'prompt' is {json_type(prompt)}, expected a string or a list of turns")
     if "instruction" in value:
         return _alpaca(value, None)
     return []
@@ -303,7 +304,7 @@ def pretrain_text(value: Any) -> str:
     if isinstance(value, str):
         text = value
     elif not isinstance(value, dict):
-        raise RecordError(f"record is {type(value).__name__}, expected an object or a string")
+        raise RecordError(f"record is {json_type(value)}, expected an object or a string")
     elif "text" in value:
         text = _require_text(value["text"], "'text'")
     elif "chosen" in value and "rejected" in value:

@@ -351,6 +351,16 @@ def _chars(max_record_mb: float) -> int:
     return int(max_record_mb * 1e6)
 
 
+JSON_TYPE_NAMES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+                   list: "a list", dict: "an object"}
+
+
+def json_type(value: object) -> str:
+    """What a value read from JSON (or a table) is, in JSON's words ('null', 'a list') for a user's message: Python's
+    ('NoneType', 'list') are not theirs."""
+    return JSON_TYPE_NAMES.get(type(value), type(value).__name__)
+
+
 def json_problem(exc: ValueError | RecursionError) -> str:
     """What is wrong with the JSON text that raised `exc` (one of `JSON_ERRORS`), for a message."""
     if isinstance(exc, json.JSONDecodeError):

@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 
 from llm.chat_template import MessagesRefused
 from llm.data.formats import Item, RecordError, Skipped, _messages, expand_inputs, read_items, with_system
+from llm.data.readers import json_type
 from llm.errors import UserError
 
 PROMPT_KEYS = ("conversations", "messages", "prompt")
@@ -49,7 +50,7 @@ def prompt_record(value: Any) -> tuple[list[dict[str, str]], dict[str, Any]]:
     if isinstance(value, str):
         value = {"prompt": value}
     if not isinstance(value, dict):
-        raise RecordError(f"record is {type(value).__name__}, expected an object or a string")
+        raise RecordError(f"record is {json_type(value)}, expected an object or a string")
     key = next((k for k in PROMPT_KEYS if k in value), None)
     if key is None:
         keys = ", ".join(sorted(value)) or "none"
