@@ -304,11 +304,12 @@ def test_bad_requests_get_4xx_json_errors_and_the_server_survives(server, body, 
         assert json.loads(response.read()) == {"status": "ok"}
 
 
-@pytest.mark.parametrize("top_logprobs", [None, 0])  # 0 asks for nothing too: it was refused
-def test_null_fields_and_fields_that_ask_for_nothing_take_their_defaults(server, top_logprobs):
-    """OpenAI's API reads null as the default: "n": null and "stream": null were refused."""
+@pytest.mark.parametrize("top_logprobs, response_format", [(None, {"type": "text"}), (0, {})])  # 0, {}: refused
+def test_null_fields_and_fields_that_ask_for_nothing_take_their_defaults(server, top_logprobs, response_format):
+    """OpenAI's API reads null as the default: "n": null and "stream": null were refused. 0 and {} ask for nothing
+    too (as docs/inference.md says), and were refused."""
     nothing = {"n": None, "stream": None, "stream_options": None, "logprobs": False, "top_logprobs": top_logprobs,
-               "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
+               "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "response_format": response_format,
                "stop": None, "max_completion_tokens": None, "temperature": None, "model": None,
                "tool_choice": "auto", "min_p": 0.0, "min_tokens": 0, "ignore_eos": False}
     status, payload = _post(server, json.dumps({**HELLO, **nothing}).encode())

@@ -256,7 +256,7 @@ def parse_options(body: dict, default_max_tokens: int) -> RequestOptions:
             raise RequestError(f"only 'none' and 'auto' {key} are supported (no tool call is parsed out of a reply)",
                                key)
     response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
+    if response_format not in (None, {}, {"type": "text"}):  # {} asks for nothing, as logit_bias's does
         raise RequestError("only the 'text' response_format is supported", "response_format")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
