@@ -310,6 +310,8 @@ def test_ds_config_file_that_is_no_object_or_a_directory_is_refused(tmp_path):
         load_ds_config(tmp_path, "pretrain")
     with pytest.raises(UserError, match="missing.json: DeepSpeed config not found"):
         load_ds_config(tmp_path / "missing.json", "pretrain")
+    with pytest.raises(UserError, match="^/dev/null: not a regular file; the DeepSpeed config is a JSON file$"):
+        load_ds_config("/dev/null", "pretrain")  # it was 'not found'
 
 
 def test_a_shipped_ds_config_is_found_by_name_from_any_directory(tmp_path, monkeypatch):

@@ -519,6 +519,13 @@ def test_unwritable_out_is_a_one_line_error(tokenizer_dir, corpus, tmp_path, mon
         assert capsys.readouterr().err.strip().splitlines()[-1] == (
             f"zerollm: error: --out {out}: cannot write there ({reason}); data prepare needs to write in it and "
             "beside it (in its parent directory)")
+    (tmp_path / "a_file").write_text("mine")
+    with pytest.raises(SystemExit):  # it said "cannot write there (Not a directory); ... write in it and beside it"
+        main(["data", "prepare", "--input", str(corpus), "--tokenizer", str(tokenizer_dir), "--out",
+              str(tmp_path / "a_file")])
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"zerollm: error: --out {tmp_path / 'a_file'} is a "
+                                                                "file; give a directory")
+    assert (tmp_path / "a_file").read_text() == "mine"
 
 
 def _file_size_limit(limit: int):

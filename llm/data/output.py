@@ -110,6 +110,8 @@ class OutputDir:
             raise UserError(f"--out {self.given} is the current directory or holds it; data prepare replaces the "
                             "whole output directory, so give it a directory of its own, e.g. --out data/")
         refuse_mount_point(self.out, self.given, "data prepare")
+        if self.out.exists() and not self.out.is_dir():
+            raise UserError(f"--out {self.given} is a file; give a directory")
         if threading.current_thread() is threading.main_thread():
             self._handlers = {signum: signal.signal(signum, self._stop) for signum in (signal.SIGINT, signal.SIGTERM)}
             sys.unraisablehook = self._unraisable

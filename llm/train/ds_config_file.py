@@ -37,6 +37,8 @@ def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any],
         path = DS_CONFIG_DIR / f"{path.stem}.json" if path.stem in shipped_names() else path
     if path.is_dir():
         raise UserError(f"{path}: is a directory; the DeepSpeed config is a JSON file")
+    if path.exists() and not path.is_file():  # /dev/null, a pipe
+        raise UserError(f"{path}: not a regular file; the DeepSpeed config is a JSON file")
     if not path.is_file():
         raise UserError(f"{path}: DeepSpeed config not found (give a JSON file, or a shipped one by name: "
                         f"{', '.join(shipped_names())})")
