@@ -304,6 +304,14 @@ def test_bad_requests_get_4xx_json_errors_and_the_server_survives(server, body, 
         assert json.loads(response.read()) == {"status": "ok"}
 
 
+def test_an_integer_too_long_to_read_is_said_as_such(server):
+    """It was 'the request body is not valid JSON', which it is."""
+    status, payload = _post(server, b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": ' + b"9" * 5000
+                            + b"}")
+    assert status == 400 and payload["error"]["message"] == (
+        f"the request body holds an integer of more than {sys.get_int_max_str_digits()} digits")
+
+
 @pytest.mark.parametrize("top_logprobs, response_format", [(None, {"type": "text"}), (0, {})])  # 0, {}: refused
 def test_null_fields_and_fields_that_ask_for_nothing_take_their_defaults(server, top_logprobs, response_format):
     """OpenAI's API reads null as the default: "n": null and "stream": null were refused. 0 and {} ask for nothing

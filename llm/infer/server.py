@@ -97,8 +97,11 @@ def parse_json_body(raw: bytes) -> Any:
     """The JSON value of a body; NaN/Infinity literals and lone surrogates (e.g. \\ud800) are refused."""
     try:
         body = json.loads(raw or b"null", parse_constant=_reject_constant)
-    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise RequestError("the request body is not valid JSON") from None
+    except ValueError:  # valid JSON, but an integer longer than Python converts
+        raise RequestError(f"the request body holds an integer of more than {sys.get_int_max_str_digits()} digits") \
+            from None
     except RecursionError:
         raise RequestError("the request body is not valid JSON: it is nested too deeply") from None
     try:
