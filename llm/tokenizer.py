@@ -290,6 +290,9 @@ class Tokenizer:
         directory = Path(directory)
         path = directory / TOKENIZER_FILE
         if not path.is_file():
+            if (directory / "tokenizer" / TOKENIZER_FILE).is_file():  # a prepared data folder's or a run's copy
+                raise UserError(f"{directory}: no {TOKENIZER_FILE} (its tokenizer is in {directory / 'tokenizer'}: "
+                                "give that)")
             raise UserError(f"{directory}: no {TOKENIZER_FILE}; train one with `zerollm tokenizer train` or give a "
                             "Hugging Face tokenizer directory")
         try:

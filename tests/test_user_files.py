@@ -468,3 +468,12 @@ def test_a_run_s_damaged_tokenizer_copy_is_named_with_where_to_copy_it_from(tmp_
     assert message.startswith(f"{run / 'tokenizer'} is damaged (") and reason in message, message
     assert message.endswith(f"; it is this run's copy of its input's tokenizer: delete it, and the next start copies "
                             f"it again from {data / 'tokenizer'}") and "tokenizer train" not in message, message
+
+
+def test_a_folder_whose_tokenizer_is_one_level_down_is_pointed_there(tmp_path):
+    """`--tokenizer DATA` (a prepared data folder, or a run) said only 'no tokenizer.json'."""
+    (tmp_path / "tokenizer").mkdir()
+    copy_tokenizer(tmp_path / "tokenizer")
+    with pytest.raises(UserError, match=f"^{tmp_path}: no tokenizer.json \\(its tokenizer is in "
+                                        f"{tmp_path / 'tokenizer'}: give that\\)$"):
+        Tokenizer.load(tmp_path)
