@@ -230,10 +230,11 @@ def test_a_line_that_is_not_utf8_is_named_as_such(zero_runs, stdin_errors):
     assert f"(not sent: {reason})" in out and f"(not set: {reason})" in out
 
 
-def test_a_system_prompt_that_is_not_utf8_is_one_line(zero_runs):
+def test_a_system_prompt_that_is_not_utf8_is_one_line_naming_the_option(zero_runs):
+    """The line did not name --system (generate's names --prompt)."""
     result = subprocess.run([sys.executable, "-m", "llm", "chat", "--model", str(zero_runs[2]), "--system",
                              os.fsdecode(b"caf\xe9")], input="/quit\n", capture_output=True, text=True, timeout=300,
                             check=False)
-    assert (result.returncode, result.stderr) == (2, "zerollm: error: the text is not valid Unicode: it holds the byte "
-                                                     "0xe9, which is not UTF-8 (is the terminal or the file in another "
-                                                     "encoding?)\n")
+    assert (result.returncode, result.stderr) == (2, "zerollm: error: --system: the text is not valid Unicode: it "
+                                                     "holds the byte 0xe9, which is not UTF-8 (is the terminal or the "
+                                                     "file in another encoding?)\n")

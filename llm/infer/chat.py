@@ -38,7 +38,7 @@ class ChatSession:
             smallest = self.generator.tokenizer.encode_chat([*messages, {"role": "user", "content": ""}],
                                                             add_generation_prompt=True)
         except ValueError as exc:  # text that is not UTF-8
-            raise UserError(str(exc)) from None
+            raise UserError(f"{named}: {exc}" if named.startswith("--") else str(exc)) from None  # an option: named
         if len(smallest) > self.budget:
             taken = f"{named} and the chat template take" if system else "the chat template takes"
             fixes = [*(["lower --max-new-tokens"] if len(smallest) < self.generator.model.cfg.max_seq_len else []),
