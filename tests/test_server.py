@@ -521,6 +521,8 @@ def test_api_key_is_required_off_loopback_and_checked(generator, tmp_path):
         make_server(ChatService(generator, "tiny"), "0.0.0.0", 0)
     result = run_cli("serve", "--model", tmp_path / "no-model", "--host", "0.0.0.0")
     assert result.returncode == 2 and "--api-key" in result.stderr and "Traceback" not in result.stderr
+    with pytest.raises(UserError, match="^--host '' \\(every address of this machine\\) lets other machines reach"):
+        make_server(ChatService(generator, "tiny"), "", 0)  # it said '--host  lets'
     with running(generator, api_key="s3cret", timeout_s=10) as (url, _, _):
         with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
             assert response.status == 200

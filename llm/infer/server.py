@@ -898,7 +898,8 @@ def check_exposure(host: str, api_key: str | None) -> None:
         raise UserError("--api-key (or $ZEROLLM_API_KEY) must be printable ASCII without spaces: clients send it in "
                         "an HTTP header")
     if not is_loopback_host(host) and not api_key:
-        raise UserError(f"--host {host} lets other machines reach the server: give --api-key KEY (clients send "
+        shown = host or "'' (every address of this machine)"
+        raise UserError(f"--host {shown} lets other machines reach the server: give --api-key KEY (clients send "
                         "'Authorization: Bearer KEY'), or bind 127.0.0.1")
 
 
