@@ -15,9 +15,10 @@ Three ways to start a job, one command for each:
 Before starting anything: the hostfile is checked, an option the chosen mode would ignore is refused, the program
 DeepSpeed's runner reaches the hosts with (pdsh, mpirun) is on PATH, every host pdsh will reach answers over ssh
 and, without --master-addr, the first gives its address (reachable.py), the training command has been parsed and
-its config built by the CLI (a bad key fails there, not on 100 ranks), and the node hosting the rendezvous checks
-that the master address is its own and the master port is free. Once the ranks meet they compare fingerprints
-(llm/runtime/fingerprint.py) and watch each other (llm/runtime/watchdog.py).
+its config built by the CLI (a bad key fails there, not on 100 ranks), the node hosting the rendezvous checks
+that the master address is its own and the master port is free, and, where ranks will run on this node, what they
+read (the prepared data, GRPO's prompts, a distillation teacher) is checked (`launch`'s `check_inputs`). Once the
+ranks meet they compare fingerprints (llm/runtime/fingerprint.py) and watch each other (llm/runtime/watchdog.py).
 
 SIGTERM/SIGINT to `zerollm launch` is forwarded to the training ranks: they agree to stop, save a
 checkpoint and the launch exits 75 (`EXIT_PREEMPTED`); `--resume auto` continues, on any number of ranks. A rank
@@ -415,7 +416,7 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     files["deepspeed_env"] = env_file_text(remote_exports(env, environ, Path.cwd(), home), args.launcher)
     return Plan(deepspeed_runner(*options, program=program), job, files=files,
                 file_env={"DS_ENV_FILE": "deepspeed_env"}, ssh_hosts=ssh_hosts, address_of=None if master else first,
-                ranks_here=first_is_here or any(is_local_address(host) for host in active),
+                ranks_here=any(is_local_address(host) for host in active),
                 programs=LAUNCHER_PROGRAMS[args.launcher], deepspeed_codes=args.launcher == "pdsh",
                 stop_wait_s=STOP_WAIT_S if args.launcher == "pdsh" else 0.0)
 

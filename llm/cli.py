@@ -218,7 +218,8 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
                     "                              torchrun --nproc-per-node N -m llm train ...\n\n"
                     "What crosses to other hosts (training arguments, --env values, .deepspeed_env lines) arrives "
                     "exactly as typed; what DeepSpeed's launcher cannot carry is refused. See docs/cluster.md.\n\n"
-                    "Before starting: the hostfile, the training command and a free master port are checked. "
+                    "Before starting: the hostfile, the training command, a free master port and (where ranks run on "
+                    "this node) the data they read are checked. "
                     "Ranks compare code, config, data and tokenizer fingerprints at rendezvous, and a rank that "
                     "dies or hangs ends the job within train.collective_timeout_s.")
     p.add_argument("--hostfile", type=a_path, default=None, help="DeepSpeed hostfile: one 'HOST slots=N' per line")
@@ -726,7 +727,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         code = bench_learn(args.input, args.out, recipe=args.recipe, budget=args.budget, reserve=args.reserve,
                            vocab_size=args.vocab_size, overrides=args.overrides, deepspeed_config=args.deepspeed,
                            zero_stage=args.zero_stage)
-        end_now(code)  # the training job ran in this process: end it as `zerollm train` does (see end_rank)
+        end_now(code)  # the training job ran in this process: end it without teardown, as end_rank does
     if args.what == "train":
         return bench_train(args.recipe, args.overrides, steps=args.steps, warmup=args.warmup, nproc=args.nproc,
                            deepspeed_config=args.deepspeed, zero_stage=args.zero_stage, lora=args.lora)

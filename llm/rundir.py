@@ -90,7 +90,7 @@ def check_run_output(run_dir: Path, resume: bool) -> None:
     a run another training job is writing (`llm.train.run_lock`)."""
     if check_writable_out(run_dir, "give a directory") != run_dir:
         return
-    from llm.tokenizer import TOKENIZER_FILE  # noqa: PLC0415 - the tokenizers library only where a run is checked
+    from llm.tokenizer import TOKENIZER_FILE  # noqa: PLC0415 - it loads the tokenizers library: not for every command
 
     for marker, what in ((TOKENS_FILE, "a prepared data folder"), (TOKENIZER_FILE, "a tokenizer or export folder")):
         if (run_dir / marker).exists():

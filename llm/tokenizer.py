@@ -364,6 +364,12 @@ class Tokenizer:
 
     @cached_property
     def _chat(self) -> ChatTemplate:
+        self.check_chat_template()
+        return ChatTemplate(self.chat_template, self.source, self._template_variables, self.protected,
+                            [self.token(i) for i in self.stop_ids])
+
+    def check_chat_template(self) -> None:
+        """A ChatTemplateError saying why the tokenizer has no chat template to use; nothing where it has one."""
         if self._template_given_unusable is not None:
             raise ChatTemplateError(f"{self.source}: 'chat_template' in {CONFIG_FILE} is "
                                     f"{json.dumps(self._template_given_unusable, default=str)[:60]}, not a template "
@@ -371,8 +377,6 @@ class Tokenizer:
         if self.chat_template is None:
             raise ChatTemplateError(f"{self.source}: the tokenizer has no chat template ({CONFIG_FILE} gives none "
                                     f"and the vocabulary has no {IM_START}/{IM_END}); add one there")
-        return ChatTemplate(self.chat_template, self.source, self._template_variables, self.protected,
-                            [self.token(i) for i in self.stop_ids])
 
     def encode_rendered(self, rendered: str, release_gil: bool = False) -> list[int]:
         """Ids of text rendered by `render_for_encoding` (and anything appended to it): template text with its special

@@ -476,6 +476,17 @@ def test_a_chat_template_is_not_applied_where_the_tokenizer_has_none(export_dir,
         run_tasks(str(export_dir), ["tiny_choice"], include_path=str(local_tasks), chat=True)
 
 
+def test_a_chat_template_that_is_not_a_string_is_said_as_it_is(export_dir, local_tasks, tmp_path):
+    """It was 'the tokenizer has no chat template', as elsewhere before (tests/test_user_files.py)."""
+    copy = tmp_path / "export"
+    shutil.copytree(export_dir, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": 5}))
+    with pytest.raises(UserError, match=f"^--apply-chat-template: {copy}: 'chat_template' in tokenizer_config.json "
+                                        "is 5, not a template string; fix or remove it; or score the model without"):
+        run_tasks(str(copy), ["tiny_choice"], include_path=str(local_tasks), chat=True)
+
+
 def test_without_lm_eval_tasks_are_a_one_line_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)
     with pytest.raises(UserError, match="pip install 'lm-eval' 'transformers<5.25'"):

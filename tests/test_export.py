@@ -51,7 +51,7 @@ def test_a_mount_point_as_out_is_refused_by_every_command_that_replaces_its_outp
 
     mount = tmp_path / "mnt"
     mount.mkdir()
-    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == mount)
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path).resolve() == mount.resolve())
     for command, write in (("export", lambda: export_model(_model(0), None, mount)),
                            ("tokenizer train", lambda: train_tokenizer(["some text"], 300, mount, show_progress=False)),
                            ("data prepare", lambda: OutputDir(mount, OUTPUT_NAMES, lambda out: None).__enter__())):

@@ -118,16 +118,29 @@ def test_data_the_ranks_of_this_node_would_read_is_checked_before_the_launcher_s
     assert result.stdout == "" and not (tmp_path / "run").exists()  # no launcher was started
 
 
-def test_a_hostfile_of_other_hosts_only_runs_no_rank_here(tmp_path):
+def test_a_hostfile_of_other_hosts_only_runs_no_rank_here_and_its_inputs_are_left_to_them(tmp_path, monkeypatch):
     """Its data is read there (a login node need not hold it), so it is not checked here."""
-    (tmp_path / "hosts").write_text("localhost slots=1\n")
-    args = ["--hostfile", str(tmp_path / "hosts"), "--master-port", str(free_port())]
-    assert plan_launch(launch_options(build_parser().parse_args(["launch", *args, "--", "train"])), ["train"],
-                       {"HOME": str(tmp_path)}).ranks_here
-    (tmp_path / "hosts").write_text("node-a.invalid slots=1\nnode-b.invalid slots=2\n")
-    assert not plan_launch(launch_options(build_parser().parse_args(["launch", *args, "--master-addr", "10.0.0.1",
-                                                                     "--", "train"])),
-                           ["train"], {"HOME": str(tmp_path)}).ranks_here
+    import launch.launcher as launcher
+
+    def ranks_here(hosts: str) -> bool:
+        (tmp_path / "hosts").write_text(hosts)
+        args = ["--hostfile", str(tmp_path / "hosts"), "--master-addr", "10.0.0.1", "--master-port", str(free_port())]
+        return plan_launch(launch_options(build_parser().parse_args(["launch", *args, "--", "train"])), ["train"],
+                           {"HOME": str(tmp_path)}).ranks_here
+
+    assert ranks_here("node-a.invalid slots=1\nlocalhost slots=1\n")
+    assert not ranks_here("node-a.invalid slots=1\nnode-b.invalid slots=2\n")
+    checked, started = [], []
+    for name in ("check_programs", "check_reachable"):
+        monkeypatch.setattr(launcher, name, lambda *args: None)
+    monkeypatch.setattr(launcher, "run_plan", lambda plan, run_dir: started.append(plan) or 0)
+    options = launch_options(build_parser().parse_args(["launch", "--hostfile", str(tmp_path / "hosts"),
+                                                        "--master-addr", "10.0.0.1", "--", "train"]))
+    assert launcher.launch(options, ["train"], tmp_path / "run", lambda: checked.append(1)) == 0
+    assert checked == [] and len(started) == 1
+    (tmp_path / "hosts").write_text("node-a.invalid slots=1\nlocalhost slots=1\n")
+    assert launcher.launch(options, ["train"], tmp_path / "run", lambda: checked.append(1)) == 0
+    assert checked == [1] and len(started) == 2
 
 
 def test_a_refused_launch_answers_without_loading_torch(tmp_path):

@@ -42,7 +42,7 @@ def test_python_m_llm_cli_is_the_cli():
     assert result.returncode == 0 and result.stdout.startswith("usage: zerollm ")
     result = subprocess.run([sys.executable, "-m", "llm.cli", "launch", "--", "generate"], capture_output=True,
                             text=True, cwd=REPO)
-    assert result.returncode == 2 and result.stderr.startswith("zerollm: error: give the training command after")
+    assert result.returncode == 2 and result.stderr.startswith("zerollm: error: `generate` is not a training command")
 
 
 @pytest.mark.parametrize("program", [["--module", "llm"], [BIN / "zerollm"]], ids=["module", "console-script"])

@@ -440,14 +440,16 @@ def test_a_get_with_a_body_is_refused_and_its_body_never_runs_as_a_request(serve
     assert "must not have a body" in json_body(response)["error"]["message"]
 
 
-@pytest.mark.parametrize("bad_line", ["BadHeader", "Content-Length : 34", "X-A\tB: 1"])
+@pytest.mark.parametrize("bad_line", ["BadHeader", "Content-Length : 34", "X-A\tB: 1", "X(A): 1", "From x",
+                                      "X-A: 1\rX-B: 2"])
 def test_a_header_line_that_is_not_name_colon_value_is_refused_and_nothing_after_it_runs(server, bad_line):
     """A line without a colon ended the headers there: the Content-Length after it went unread and the GET's body
     ran as a second request (a smuggled one behind a proxy that reads the line otherwise); 'Content-Length : 34'
-    was no length at all."""
+    was no length at all; a name that is not a token, a first line 'From x' (dropped as a mailbox's) and a bare CR
+    (split into a second header) were taken too."""
     smuggled = request_bytes(b"", method="GET", path="/v1/models/tiny", length=None)
-    data = request_bytes(smuggled, method="GET", path="/health").replace(b"Content-Length:",
-                                                                          f"{bad_line}\r\nContent-Length:".encode(), 1)
+    data = request_bytes(smuggled, method="GET", path="/health").replace(b"HTTP/1.1\r\n",
+                                                                          f"HTTP/1.1\r\n{bad_line}\r\n".encode(), 1)
     status, response = raw_exchange(server, data)
     assert status == 400 and response.count(b"HTTP/1.1 ") == 1, response
     assert json_body(response)["error"]["message"] == "a header line is not 'Name: value' (RFC 9112, section 5)"
@@ -720,6 +722,30 @@ def test_closing_the_service_ends_the_running_generation_and_waits_for_its_threa
     while isinstance(piece := job.pieces.get(timeout=1), str):
         pieces.append(piece)
     assert not isinstance(piece, Exception) and len(pieces) < len(script)  # the text so far, then the end
+
+
+def test_closing_the_service_as_its_thread_takes_a_request_ends_that_generation_too(generator, monkeypatch):
+    """close() cancelled the generation the thread had started last: one it was just taking ran on to its end (20 s
+    of tokens here), past close()'s wait, and the process ended while it ran the model."""
+    from llm.infer.server import WaitingLine
+
+    taken, get = threading.Event(), WaitingLine.get
+
+    def slow_get(line):  # the thread pauses between taking a request and starting it
+        job = get(line)
+        if job is not None:
+            taken.set()
+            time.sleep(0.3)
+        return job
+
+    monkeypatch.setattr(WaitingLine, "get", slow_get)
+    script = generator.tokenizer.encode("abc " * 100)
+    service = ChatService(Scripted(generator, script, delay_s=0.05), "tiny")
+    service.submit(service.prompt_ids([{"role": "user", "content": "hi"}]), SamplingParams(max_new_tokens=len(script)))
+    assert taken.wait(30)
+    started = time.monotonic()
+    service.close()
+    assert not service._worker.is_alive() and time.monotonic() - started < 2
 
 
 def test_an_error_after_an_early_head_is_the_body(generator):

@@ -118,9 +118,11 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
                         "and --include-path DIR adds your own YAML tasks")
     where, precision = resolve(device, dtype)
     model, tokenizer = load_for_inference(model_dir)
-    if chat and tokenizer.chat_template is None:
-        raise UserError(f"--apply-chat-template: {model_dir}: the tokenizer has no chat template; score the model "
-                        "without the option")
+    if chat:
+        try:
+            tokenizer.check_chat_template()
+        except UserError as exc:
+            raise UserError(f"--apply-chat-template: {exc}; or score the model without the option") from None
     context = evaluation_context(context, Path(model_dir), model)
     harness_model = ZeroLLMHarnessModel(place(model, where, precision), tokenizer, batch_size, context, chat=chat)
     # lm-eval records `git describe` of the working directory as the version of the code that scored the model, and

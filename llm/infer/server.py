@@ -378,8 +378,7 @@ class ChatService:
         self._counting = threading.Lock()
         self._queue = WaitingLine(max_queued)
         self._encoding = threading.BoundedSemaphore(ENCODES_AT_ONCE)
-        self._current: Generation | None = None
-        """The request the generation thread took last."""
+        self._closing = threading.Event()
         self._worker = threading.Thread(target=self._serve, name="zerollm-generation", daemon=True)
         self._worker.start()
 
@@ -427,11 +426,10 @@ class ChatService:
 
     def close(self) -> None:
         """Stop the generation thread: the waiting requests are dropped, the current generation ends at its next
-        token (its client gets the text so far), and the thread is waited for, so that the process never ends while
-        it runs the model (torch aborts the process then: 'terminate called without an active exception')."""
+        token (also one the thread is just taking), and the thread is waited for, so that the process never ends
+        while it runs the model (torch aborts the process then: 'terminate called without an active exception')."""
+        self._closing.set()
         self._queue.close()
-        if (current := self._current) is not None:
-            current.cancelled.set()
         self._worker.join(CLOSE_WAIT_S)
 
     def _count_cancelled(self) -> None:
@@ -440,14 +438,17 @@ class ChatService:
 
     def _serve(self) -> None:
         while (job := self._queue.get()) is not None:
-            self._current = job
             if job.cancelled.is_set():
                 self._count_cancelled()
                 continue
+
+            def ended(job: Generation = job) -> bool:  # its client left, or the service is closing
+                return job.cancelled.is_set() or self._closing.is_set()
+
             try:  # a client that left ends its generation at the next token, also while no text comes
-                job.stream = self.generator.stream(job.prompt_ids, job.params, cancelled=job.cancelled.is_set)
+                job.stream = self.generator.stream(job.prompt_ids, job.params, cancelled=ended)
                 for piece in job.stream:
-                    if job.cancelled.is_set():
+                    if ended():
                         break
                     job.pieces.put(piece)
                 if job.cancelled.is_set():
@@ -493,6 +494,31 @@ class _DeadlineReader(socket.SocketIO):
             self.connection.settimeout(self.timeout_s)  # writes keep the whole timeout
 
 
+class _HeadRecorder(io.BufferedReader):
+    """A connection's buffered reading side that keeps the lines a request's head was read as (`lines`, emptied for
+    each request): the header parser reads a bare CR inside a line as a line end, so only the raw line shows it."""
+
+    def __init__(self, raw: io.RawIOBase) -> None:
+        super().__init__(raw)
+        self.lines: list[bytes] = []
+
+    def readline(self, size: int | None = -1) -> bytes:
+        line = super().readline(size)
+        self.lines.append(line)
+        return line
+
+
+def _malformed_head(lines: list[bytes], headers: Any) -> bool:
+    """Whether a request's head holds a header line that is not 'Name: value' (RFC 9112, sections 2.2 and 5): a
+    line without a colon (the parser ended the headers there: those after it, a Content-Length or a Host, went
+    unread, and the body would be taken for the next request), a name that is not a token ('Content-Length : 5' or
+    'X(A)'), a bare CR inside a line (the parser split the line there into a second header), or a first line the
+    parser took for a mailbox's 'From ' line and dropped."""
+    bare_cr = any(b"\r" in line.removesuffix(b"\n").removesuffix(b"\r") for line in lines)
+    return bool(bare_cr or headers.defects or headers.get_payload() or headers.get_unixfrom()
+                or not all(FIELD_NAME.fullmatch(name) for name in headers))
+
+
 def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -504,23 +530,23 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             self.service: ChatService = self.server.service
             self.rfile.close()  # read the same socket under each request's deadline instead
             self.reader = _DeadlineReader(self.connection, timeout_s)
-            self.rfile = io.BufferedReader(self.reader)
+            self.rfile = _HeadRecorder(self.reader)
 
         def handle_one_request(self) -> None:
             """One request, whose line, headers and body must all arrive within timeout_s."""
             self.reader.deadline = time.monotonic() + timeout_s
+            self.rfile.lines.clear()
             super().handle_one_request()
 
         def parse_request(self) -> bool:
             """The standard library's, but an HTTP/1.0 connection closes after its reply, also one that asks to be
-            kept alive (which its reply would have to confirm: an HTTP/1.0 client waits for the close otherwise)."""
+            kept alive (which its reply would have to confirm: an HTTP/1.0 client waits for the close otherwise),
+            and a head with a header line that is not 'Name: value' (`_malformed_head`) is a 400 that closes the
+            connection."""
             parsed = super().parse_request()
             if self.request_version == "HTTP/1.0":
                 self.close_connection = True
-            if parsed and (self.headers.defects or self.headers.get_payload()
-                           or not all(FIELD_NAME.fullmatch(name) for name in self.headers)):
-                # a line without a colon ended the headers there (those after it, a Content-Length or a Host, went
-                # unread: the body would be taken for the next request), and 'Content-Length : 5' is not the length
+            if parsed and _malformed_head(self.rfile.lines, self.headers):
                 self.close_connection = True
                 self.send_error(400, "a header line is not 'Name: value' (RFC 9112, section 5)")
                 return False
