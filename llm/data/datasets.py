@@ -37,8 +37,10 @@ def check_token_ids(batch: dict[str, torch.Tensor], vocab_size: int, data_dir: s
     """Refuse a batch (on the host, before it reaches the device) holding a token id the model has no embedding for:
     an IndexError traceback on the CPU, a device-side assert on a GPU. `data prepare` writes only ids of the
     tokenizer it records, so such an id means a file changed since."""
-    highest = max((int(v.max()) for k, v in batch.items() if k.endswith(("tokens", "targets")) and v.numel()),
-                  default=-1)
+    ids = [v for k, v in batch.items() if k.endswith(("tokens", "targets")) and v.numel()]
+    if not ids:  # a batch of other inputs
+        return
+    highest = max(int(v.max()) for v in ids)
     if highest >= vocab_size:
         raise UserError(f"{Path(data_dir) / TOKENS_FILE}: the {split} split holds token id {highest}, beyond the "
                         f"model's vocabulary of {vocab_size} (ids 0-{vocab_size - 1}); the file was changed after "
