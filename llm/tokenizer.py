@@ -186,6 +186,21 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+ROLE_FIELDS = ("bos_token", "eos_token", "pad_token", "unk_token")
+"""tokenizer_config.json's special-token fields zerollm reads (and templates see)."""
+
+
+def _check_role_fields(config: dict, source: str) -> None:
+    """A role field is a token's text, transformers' AddedToken object, or null: another value (an id such as 7)
+    would be copied into every run and export, and transformers could not load the copy."""
+    for field in ROLE_FIELDS:
+        value = config.get(field)
+        if value is None or isinstance(value.get("content") if isinstance(value, dict) else value, str):
+            continue
+        raise UserError(f"{source}: '{field}' in {CONFIG_FILE} must be a token's text (such as \"</s>\"), "
+                        f"{{\"content\": \"...\"}} or null, got {json.dumps(value, default=str)[:60]}")
+
+
 class Tokenizer:
     """A tokenizer with its special tokens by role, safe text encoding and chat rendering to ids."""
 
@@ -212,6 +227,7 @@ class Tokenizer:
                  chat_template: str | None = None) -> None:
         """`config`: the contents of tokenizer_config.json; `chat_template` overrides its template."""
         self._tok, self.config, self.source = tok, dict(config or {}), source
+        _check_role_fields(self.config, source)
         text = tok.to_str()
         spec = json.loads(text)
         self.legacy_hash = _digest(text)
@@ -281,8 +297,7 @@ class Tokenizer:
         self._template_given_unusable = None if template is None or isinstance(template, str) else template
         """A 'chat_template' that is neither a string nor a list of named ones (a number): said when one is needed."""
         config = {**self.config, **self._unset_roles}
-        self._template_variables = {f: t for f in ("bos_token", "eos_token", "pad_token", "unk_token")
-                                    if (t := _token_text(config.get(f)))}
+        self._template_variables = {f: t for f in ROLE_FIELDS if (t := _token_text(config.get(f)))}
 
     @classmethod
     def load(cls, directory: str | Path) -> Tokenizer:

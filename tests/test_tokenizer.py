@@ -4,6 +4,7 @@ import errno
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -658,3 +659,14 @@ def test_tokenizer_train_names_an_input_gone_since_it_was_listed(tmp_path, monke
                         tmp_path / "tok")
     assert code == 2 and capsys.readouterr().err == f"zerollm: error: {second}: cannot read ({problem})\n"
     assert not (tmp_path / "tok").exists()
+
+
+@pytest.mark.parametrize("value", [7, ["</s>"], {"id": 7}, True])
+def test_a_role_token_that_is_not_text_is_refused_on_load(tokenizer_dir, tmp_path, value):
+    """`"eos_token": 7` was copied into every run's and export's tokenizer, which transformers then could not load."""
+    (tmp_path / "given").mkdir()
+    shutil.copy(tokenizer_dir / "tokenizer.json", tmp_path / "given")
+    (tmp_path / "given" / CONFIG_FILE).write_text(json.dumps({"eos_token": "<|endoftext|>", "pad_token": value}))
+    with pytest.raises(UserError, match=rf"given: 'pad_token' in {CONFIG_FILE} must be a token's text .*, "
+                                        rf"got {re.escape(json.dumps(value))}$"):
+        Tokenizer.load(tmp_path / "given")
