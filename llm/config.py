@@ -334,6 +334,10 @@ class RunConfig:
         durable.update_text(path, dump_yaml(self.to_dict()))
 
 
+SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
+"""A run config's top-level keys: model, data, train, grpo, lora, wandb."""
+
+
 class _Yaml12Loader(yaml.SafeLoader):
     """YAML with the 1.2 core schema's scalars. YAML 1.1 (PyYAML's default) also reads on, off, yes, no, y and n as
     booleans (`--set wandb.mode=off` arrived as False), 010 as octal 8 (`--set lora.r=010` trained at rank 8),
@@ -423,14 +427,17 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
         text = read_user_text(path, "the recipe as UTF-8 YAML")
         source = str(path)
     try:
-        raw = load_yaml(text) or {}
+        raw = load_yaml(text)
     except yaml.YAMLError as exc:
         mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
         if mark is not None and problem:  # where the parser stopped, not its '"<unicode string>", line 2' text
             raise UserError(f"{source}:{mark.line + 1}:{mark.column + 1}: invalid YAML ({problem})") from None
         raise UserError(f"{source}: invalid YAML ({exc})".replace("\n", " ")) from None
+    if not raw:  # an empty file (or comments only) trained every default model and schedule without a word
+        raise UserError(f"{source}: no settings (an empty recipe); give at least one section (model, data, train, "
+                        f"...), or a packaged recipe ({', '.join(recipe_names())})")
     if not isinstance(raw, dict):
-        raise UserError(f"{source}: expected a mapping of sections (model, data, train, grpo, lora, wandb)")
+        raise UserError(f"{source}: expected a mapping of sections ({', '.join(SECTIONS)})")
     return raw
 
 

@@ -210,6 +210,16 @@ def test_a_recipe_that_gives_a_key_twice_is_refused(tmp_path):
     assert build_config(str(recipe)).train.max_steps == 10
 
 
+@pytest.mark.parametrize("text", ["", "# my settings, to come\n", "{}\n", "null\n"])
+def test_an_empty_recipe_is_refused(tmp_path, text):
+    """An empty recipe (a truncated file, or comments only) trained every default without a word."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(text)
+    with pytest.raises(UserError, match=rf"^{recipe}: no settings \(an empty recipe\); give at least one section "
+                                        r"\(model, data, train, \.\.\.\), or a packaged recipe \(.*demo"):
+        build_config(str(recipe))
+
+
 @pytest.mark.parametrize("raw, where", [(b"model:\n  dim: 32 # caf\xe9\n", "byte 0xe9 at offset 22"),
                                         ("model:\n  dim: 32\n".encode("utf-16"), "byte 0xff at offset 0")])
 def test_a_recipe_that_is_not_utf8_is_one_line(tmp_path, raw, where):
