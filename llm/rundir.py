@@ -43,7 +43,7 @@ from typing import Any
 
 import yaml
 
-from llm.config import build_config, load_recorded_yaml
+from llm.config import SECTIONS, build_config, load_recorded_yaml
 from llm.errors import UserError
 from llm.train.run_lock import check_run_unlocked
 
@@ -139,6 +139,10 @@ def recorded_config(run_dir: Path) -> dict[str, Any]:
     if not isinstance(recorded, dict):
         raise UserError(f"{path} is damaged (a run config is a YAML mapping, found {type(recorded).__name__}); "
                         "`zerollm train` wrote it: restore it")
+    if not recorded.keys() & set(SECTIONS):  # another tool's config.yaml (Hydra's, a trainer's): not damage
+        keys = ", ".join(map(str, list(recorded)[:4])) + (", ..." if len(recorded) > 4 else "")
+        raise UserError(f"{run_dir}: not a run directory made by `zerollm train` (its {CONFIG_FILE} has none of "
+                        f"{', '.join(SECTIONS)}, but {keys or 'nothing'})")
     try:  # a file cut short (a full disk under an earlier version) parses, and leaves keys null or out of range
         build_config(recorded)
     except UserError as exc:

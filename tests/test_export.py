@@ -450,3 +450,15 @@ def test_a_run_directory_that_does_not_exist_is_said_so(tmp_path):
         rundir.recorded_config(tmp_path / "nowhere")
     with pytest.raises(UserError, match=f"^{tmp_path}: no config.yaml; is this a run directory made by"):
         rundir.recorded_config(tmp_path)
+
+
+def test_another_tool_s_config_yaml_is_not_called_damaged(tmp_path):
+    """A folder of another trainer with its own config.yaml was 'config.yaml is damaged (...); `zerollm train` wrote
+    it: restore it'."""
+    from llm import rundir
+
+    (tmp_path / "config.yaml").write_text("optimizer: adamw\nlr: 0.001\nepochs: 3\nseed: 1\nbatch: 8\n")
+    with pytest.raises(UserError, match=rf"^{tmp_path}: not a run directory made by `zerollm train` \(its config.yaml "
+                                        r"has none of model, data, train, grpo, lora, wandb, but optimizer, lr, "
+                                        r"epochs, seed, \.\.\.\)$"):
+        rundir.recorded_config(tmp_path)
