@@ -628,7 +628,8 @@ def test_json_records_over_the_limit_are_skipped_or_refused_without_reading_them
         (f"{path}:2: record of {size:,} characters is over --max-record-mb 0.01; raise it, or put long documents "
          "in .txt files, which are streamed")]
     (tmp_path / "big.json").write_text(json.dumps([{"text": "short"}, big]))
-    with pytest.raises(UserError, match="big.json:1: a value longer than --max-record-mb 0.01"):
+    with pytest.raises(UserError, match="big.json:1: a value longer than --max-record-mb 0.01; raise it or convert "
+                                        "the file to .jsonl$"):  # not "; a .json file must hold one array or object"
         _quiet("pretrain", [tmp_path / "big.json"], tokenizer_dir, tmp_path / "out2", max_record_mb=0.01)
 
 

@@ -426,14 +426,18 @@ class _JsonStream:
             if end < len(self.buffer) or not self._more():
                 return self.buffer[self.pos:self.pos + 1]
 
+    def _where(self, pos: int | None = None) -> str:
+        """path:line of `pos` (default: the next unread character)."""
+        return f"{self.path}:{self.line + self.buffer.count(chr(10), self.pos, pos if pos is not None else self.pos)}"
+
     def _error(self, message: str, pos: int | None = None) -> UserError:
-        line = self.line + self.buffer.count("\n", self.pos, pos if pos is not None else self.pos)
-        return UserError(f"{self.path}:{line}: {message}; a .json file must hold one array or object")
+        """A mistake in the file's JSON or its shape."""
+        return UserError(f"{self._where(pos)}: {message}; a .json file must hold one array or object")
 
     def _check_size(self, end: int) -> None:
         if end - self.pos > self.max_record_chars:
-            raise self._error(f"a value longer than --max-record-mb {self.max_record_mb:g}; raise it or "
-                              "convert the file to .jsonl")
+            raise UserError(f"{self._where()}: a value longer than --max-record-mb {self.max_record_mb:g}; raise it "
+                            "or convert the file to .jsonl")
 
     def _value(self) -> tuple[int, Any]:
         decoder = json.JSONDecoder()
