@@ -203,8 +203,7 @@ def test_ds_config_refusals_leave_what_applies_alone():
                    "checkpoint": {"load_universal": False, "use_node_local_storage": False},
                    "sequence_parallel": False, "lr_scheduler": None, "tensor_parallel_size": 1})
     assert ds["comment"] == "mine"
-    for stage, offload in ((2, "offload_param"), (0, "offload_optimizer")):
-        assert resolved({"zero_optimization": {"stage": stage, offload: {"device": "cpu"}}})
+    assert resolved({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
     offloaded = {"stage": 1, "offload_optimizer": {"device": "cpu"}}
     adagrad = {"type": "Adagrad", "params": {}}
     assert resolved({"zero_optimization": offloaded, "optimizer": adagrad})["optimizer"]["type"] == "Adagrad"
@@ -246,6 +245,16 @@ def test_ds_config_steps_per_print_below_one_is_refused(steps):
 def test_ds_config_zero_section_deepspeed_refuses_is_one_line(zero, message):
     with pytest.raises(UserError, match=message):
         resolved({"zero_optimization": zero})
+
+
+def test_optimizer_offload_is_dropped_without_zero():
+    """At stage 0 (a zero3.json with --zero-stage 0) DeepSpeed offloads nothing but still built its CPU Adam from
+    offload_optimizer, which fails at the first step on a GPU's parameters ("CPUAdam param is on cuda:0 and must be
+    'cpu'"); the run trains with the device's own optimizer instead."""
+    offloaded = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    ds = resolved({"zero_optimization": {"stage": 0, **offloaded}})
+    assert ds["zero_optimization"] == {"stage": 0, "offload_param": {"device": "cpu"}}
+    assert resolved({"zero_optimization": {"stage": 1, **offloaded}})["zero_optimization"] == {"stage": 1, **offloaded}
 
 
 def test_ds_config_zero_section_of_every_shipped_config_and_an_offload_pass():

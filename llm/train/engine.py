@@ -219,6 +219,8 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     for key, size in WIDTH_SIZES.items():
         if ds.get("zero_optimization", {}).get(key) == "auto":
             ds["zero_optimization"][key] = size(cfg.model.dim)
+    if stage == 0:  # DeepSpeed offloads nothing without ZeRO, yet builds its CPU optimizer, which then fails at the
+        ds.get("zero_optimization", {}).pop("offload_optimizer", None)  # first step on a GPU's parameters
     zero = _zero_config(ds.get("zero_optimization", {}), source)
     _fill_grad_accum_dtype(ds, t.precision, stage, source)
     _refuse_local_rank_features(ds, zero, source)
