@@ -455,6 +455,23 @@ def test_a_header_line_that_is_not_name_colon_value_is_refused_and_nothing_after
     assert json_body(response)["error"]["message"] == "a header line is not 'Name: value' (RFC 9112, section 5)"
 
 
+@pytest.mark.parametrize("headers, status, message", [
+    ({"Expect": "foo"}, 417, "Expect 'foo': this server meets only 'Expect: 100-continue'"),
+    ({"Content-Encoding": "gzip"}, 415, "Content-Encoding 'gzip' is not supported; send the JSON body uncompressed"),
+    ({"Host": "localhost:abc"}, 400, "Host 'localhost:abc' has a port that is not a number from 0 to 65535"),
+    ({"Host": "127.0.0.1:70000"}, 400, "Host '127.0.0.1:70000' has a port that is not a number from 0 to 65535"),
+])
+def test_an_expectation_an_encoding_or_a_host_port_the_server_cannot_meet_is_refused(server, headers, status,
+                                                                                      message):
+    """Each was answered as if the header were not there: 'Expect: foo' (RFC 9110 10.1.1: 417), a gzip body (read
+    as JSON text: 'not valid UTF-8'), a Host port that is no number (RFC 9112 3.2: 400)."""
+    got, response = raw_exchange(server, request_bytes(HELLO, headers))
+    assert (got, json_body(response)["error"]["message"]) == (status, message)
+    for fine in ({"Expect": "100-continue"}, {"Content-Encoding": "identity"}, {"Host": "[::1]:8000"}):
+        response = raw_exchange(server, request_bytes(HELLO, {**fine, "Connection": "close"}))[1]
+        assert b"HTTP/1.1 200 OK\r\n" in response, response  # after "100 Continue" where it was asked for
+
+
 def test_two_content_lengths_are_refused(server):
     data = request_bytes(HELLO).replace(b"Content-Length:", b"Content-Length: 3\r\nContent-Length:", 1)
     assert raw_exchange(server, data)[0] == 400
@@ -535,6 +552,11 @@ def test_api_key_is_required_off_loopback_and_checked(generator, tmp_path):
         for scheme in ("Bearer", "bearer", "BEARER"):  # a scheme's name is not case-sensitive: "bearer" was a 401
             status, _ = _post(url, json.dumps(HELLO).encode(), {"Authorization": f"{scheme} s3cret"})
             assert status == 200, scheme
+        for keys in ("s3cret\r\nAuthorization: Bearer wrong", "wrong\r\nAuthorization: Bearer s3cret"):
+            # the first was checked and the second ignored: a proxy that checks the other lets the request through
+            status, response = raw_exchange(url, request_bytes(HELLO, {"Authorization": f"Bearer {keys}"}))
+            assert (status, json_body(response)["error"]["message"]) == (
+                400, "a request may have one Authorization header, not several")
 
 
 def test_without_max_tokens_a_reply_fits_the_context(generator):

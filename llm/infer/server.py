@@ -475,6 +475,15 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+def _port_is_a_number(host: str) -> bool:
+    """Whether a Host header's port, if it has one, is a number from 0 to 65535 (RFC 9112, section 3.2)."""
+    try:
+        urllib.parse.urlsplit(f"//{host.strip()}").port  # noqa: B018 - reading it checks it
+    except ValueError:
+        return False
+    return True
+
+
 class _DeadlineReader(socket.SocketIO):
     """A connection's reading side: each read waits at most `timeout_s`, and all the reads before `deadline` end by
     then, so that a client sending a byte now and then cannot hold its connection for as long as it likes."""
@@ -541,16 +550,23 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
         def parse_request(self) -> bool:
             """The standard library's, but an HTTP/1.0 connection closes after its reply, also one that asks to be
             kept alive (which its reply would have to confirm: an HTTP/1.0 client waits for the close otherwise),
-            and a head with a header line that is not 'Name: value' (`_malformed_head`) is a 400 that closes the
-            connection."""
+            a head with a header line that is not 'Name: value' (`_malformed_head`) is a 400 and an expectation
+            other than 100-continue a 417, each closing the connection."""
             parsed = super().parse_request()
             if self.request_version == "HTTP/1.0":
                 self.close_connection = True
-            if parsed and _malformed_head(self.rfile.lines, self.headers):
+            if not parsed:
+                return False
+            if _malformed_head(self.rfile.lines, self.headers):
                 self.close_connection = True
                 self.send_error(400, "a header line is not 'Name: value' (RFC 9112, section 5)")
                 return False
-            return parsed
+            expect = self.headers.get_all("Expect") or []
+            if [value.strip().lower() for value in expect] not in ([], ["100-continue"]):  # RFC 9110, section 10.1.1
+                self.close_connection = True
+                self.send_error(417, f"Expect '{', '.join(expect)}': this server meets only 'Expect: 100-continue'")
+                return False
+            return True
 
         def log_message(self, format: str, *args) -> None:  # keep the console for the operator's own output
             pass
@@ -588,10 +604,14 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             if len(hosts) > 1 or not hosts and self.request_version != "HTTP/1.0":  # RFC 9112, section 3.2
                 raise RequestError(f"a request needs one Host header (HTTP/1.0: at most one), got {len(hosts)}")
             host = hosts[0] if hosts else None
+            if host is not None and not _port_is_a_number(host):
+                raise RequestError(f"Host '{host}' has a port that is not a number from 0 to 65535")
             if loopback and host is not None and not is_loopback_host(host):
                 raise RequestError(f"Host '{host}' is not this machine's loopback name; the server answers local "
                                    "clients only (start it with --host and --api-key to serve others)", status=403)
             if api_key is not None and self.route != "/health":
+                if len(self.headers.get_all("Authorization") or []) > 1:  # a proxy may check one, this server another
+                    raise RequestError("a request may have one Authorization header, not several")
                 scheme, _, given = self.headers.get("Authorization", "").strip().partition(" ")
                 if not (scheme.lower() == "bearer"  # a scheme's name is not case-sensitive (RFC 9110)
                         and hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), api_key.encode())):
@@ -663,6 +683,10 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                 raise RequestError("send the body with a Content-Length (no Transfer-Encoding)", status=411)
             if self.headers.get_content_type() != "application/json":
                 raise RequestError("Content-Type must be application/json", status=415)
+            encoding = self.headers.get("Content-Encoding", "identity").strip()
+            if encoding.lower() != "identity":  # a gzip body was read as JSON text: "not valid UTF-8"
+                raise RequestError(f"Content-Encoding '{encoding}' is not supported; send the JSON body uncompressed",
+                                   status=415)
             lengths = self.headers.get_all("Content-Length") or []
             if not lengths:
                 raise RequestError("a Content-Length header is required", status=411)
