@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 
@@ -106,6 +107,35 @@ def test_a_heldout_part_the_readers_refuse_ends_bench_learn_before_it_trains(tmp
     assert error.endswith(f"(in the held-out part, the last 10% of {source}, copied to {out}/val{source.suffix}; "
                           "nothing was trained)")
     assert not (out / "tok").exists() and not (out / "run").exists()
+
+
+def test_a_refusal_from_the_training_job_ends_bench_learn_without_teardown(tmp_path, monkeypatch, capsys):
+    """The training job runs in bench learn's process: a UserError it raised was printed and the process then went
+    through interpreter teardown, which can abort with its DeepSpeed engine and gloo group alive (`llm.cli.end_rank`
+    ends a training process at once for that reason)."""
+    from conftest import zerollm_here
+    from llm.eval import learning_speed
+
+    class Ended(Exception):
+        pass
+
+    def refuses(*args, **kwargs):
+        raise UserError("a refusal from inside the training job")
+
+    this_process, real_exit = os.getpid(), os._exit
+
+    def os_exit(code):
+        if os.getpid() != this_process:  # a data-preparing worker ends as ever
+            real_exit(code)
+        raise Ended(code)
+
+    monkeypatch.setattr(learning_speed, "run_training", refuses)
+    monkeypatch.setattr(os, "_exit", os_exit)
+    with pytest.raises(Ended) as ended:
+        zerollm_here(monkeypatch, "bench", "learn", "--input", FIXTURES / "pretrain" / "en_stories.txt",
+                     "--budget", "60", "--reserve", "1", "--vocab-size", "300", "--out", tmp_path / "out")
+    assert ended.value.args == (2,)
+    assert capsys.readouterr().err.endswith("zerollm: error: a refusal from inside the training job\n")
 
 
 def test_the_heldout_task_is_written_atomically(tmp_path, monkeypatch):

@@ -182,7 +182,11 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
                         f"and a {reserve:g} s reserve")
     cfg = build_config(recipe, [*(overrides or []), f"model.vocab_size={tokenizer.vocab_size}",
                                 f"train.max_time={max_time:.3f}"], paths={"data.path": str(out_dir / "data")})
-    code = run_training(cfg, out_dir / "run", deepspeed_config, resume=False, zero_stage=zero_stage)
+    try:
+        code = run_training(cfg, out_dir / "run", deepspeed_config, resume=False, zero_stage=zero_stage)
+    except UserError as exc:  # the job ran in this process: end it without teardown, as `llm.cli.end_rank` does
+        exc.end_at_once = True
+        raise
     if code != EXIT_OK:
         return code
     phases.done("training", f" (train.max_time {max_time:.1f} s)")
