@@ -589,9 +589,14 @@ WEEK_S = 7 * 24 * 3600
 beyond it (1e10 s)."""
 BELOW_ONE = Bounds(0, 1, high_open=True)
 """[0, 1): dropout probabilities, Adam's betas."""
-DISTILL_TEMPERATURES = Bounds(0.01, 100)
-"""Distillation temperatures: the loss weighs the KL by T^2, which overflowed at 1e300 (a traceback) and made the loss
-NaN at 1e23 and 1e-300 (said as a learning rate too high); the usual ones are 1 to 20."""
+LEARNING_RATES = Bounds(0, 1e30, low_open=True)
+"""Far above any that trains, yet below what torch's Adam overflows on: at 1e38 its step size (the learning rate over
+the bias correction) does not fit a float32, a RuntimeError traceback at the first step."""
+
+TEMPERATURES = Bounds(0.01, 100)
+"""Temperatures that divide the logits in a loss (distillation's T, GRPO's sampling temperature): distillation weighs
+the KL by T^2, which overflowed at 1e300 (a traceback) and made the loss NaN at 1e23 and 1e-300, and GRPO's logits
+over 1e-39 were infinite, its first loss NaN (each said as a learning rate too high); the usual ones are 0.3 to 20."""
 
 NUMBER_RANGES: dict[str, Bounds] = {
     "model.vocab_size": POSITIVE, "model.dim": POSITIVE,
@@ -607,15 +612,15 @@ NUMBER_RANGES: dict[str, Bounds] = {
     "model.moe_aux_loss_coef": NON_NEGATIVE, "model.init_std": POSITIVE,
     "data.seq_len": POSITIVE, "data.loader_workers": Bounds(0, 64),  # per rank; each is a process
     "train.dpo_beta": POSITIVE, "train.dpo_sft_weight": NON_NEGATIVE, "train.distill_alpha": UNIT_INTERVAL,
-    "train.distill_temperature": DISTILL_TEMPERATURES, "train.max_steps": POSITIVE, "train.micro_batch_size": POSITIVE,
-    "train.grad_accum": POSITIVE, "train.lr": POSITIVE, "train.min_lr_ratio": UNIT_INTERVAL,
+    "train.distill_temperature": TEMPERATURES, "train.max_steps": POSITIVE, "train.micro_batch_size": POSITIVE,
+    "train.grad_accum": POSITIVE, "train.lr": LEARNING_RATES, "train.min_lr_ratio": UNIT_INTERVAL,
     "train.warmup_steps": NON_NEGATIVE, "train.weight_decay": NON_NEGATIVE, "train.beta1": BELOW_ONE,
     "train.beta2": BELOW_ONE, "train.adam_eps": POSITIVE, "train.grad_clip": NON_NEGATIVE,
     "train.seed": Bounds(0, 2**64 - 1),  # what both torch.manual_seed and numpy's SeedSequence accept
     "train.log_every": POSITIVE, "train.eval_every": NON_NEGATIVE, "train.eval_batches": POSITIVE,
     "train.save_every": NON_NEGATIVE, "train.keep_checkpoints": NON_NEGATIVE, "train.peak_tflops": POSITIVE,
     "train.collective_timeout_s": Bounds(0, WEEK_S, low_open=True), "train.sample_tokens": POSITIVE,
-    "grpo.group_size": POSITIVE, "grpo.max_new_tokens": POSITIVE, "grpo.temperature": POSITIVE,
+    "grpo.group_size": POSITIVE, "grpo.max_new_tokens": POSITIVE, "grpo.temperature": TEMPERATURES,
     "grpo.top_k": NON_NEGATIVE, "grpo.top_p": Bounds(0, 1, low_open=True), "grpo.updates_per_batch": POSITIVE,
     "grpo.clip_low": BELOW_ONE, "grpo.clip_high": NON_NEGATIVE, "grpo.kl_coef": NON_NEGATIVE,
     "grpo.reward_timeout_s": Bounds(0, WEEK_S), "grpo.rollout_batch_size": NON_NEGATIVE,

@@ -151,7 +151,9 @@ def test_every_number_key_has_a_range():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.lr=0", "train.lr must be positive, got 0.0"),
+    ("train.lr=0", r"train.lr must be in \(0, 1e\+30\], got 0.0"),
+    ("train.lr=1e38", r"train.lr must be in \(0, 1e\+30\], got 1e\+38"),  # a RuntimeError in torch's Adam
+    ("grpo.temperature=1e-39", r"grpo.temperature must be in \[0.01, 100\], got 1e-39"),  # infinite logits: NaN loss
     ("model.rope_theta=0", "model.rope_theta must be > 1, got 0.0"),
     ("model.rope_theta=1", "model.rope_theta must be > 1, got 1.0"),
     ("model.norm_eps=0", "model.norm_eps must be positive, got 0.0"),
@@ -180,7 +182,7 @@ def test_every_number_key_has_a_range():
     ("data.loader_workers=65", r"data.loader_workers must be in \[0, 64\], got 65"),  # each a process: a fork bomb
     ("model.moe_aux_loss_coef=-1", "model.moe_aux_loss_coef must be >= 0, got -1.0"),
     ("data.loader_workers=-1", r"data.loader_workers must be in \[0, 64\], got -1"),
-    ("grpo.temperature=0", "grpo.temperature must be positive, got 0.0"),
+    ("grpo.temperature=0", r"grpo.temperature must be in \[0.01, 100\], got 0.0"),
     ("grpo.top_p=0", r"grpo.top_p must be in \(0, 1\], got 0.0"),
     ("grpo.clip_low=1", r"grpo.clip_low must be in \[0, 1\), got 1.0"),
     ("lora.dropout=1", r"lora.dropout must be in \[0, 1\), got 1.0"),

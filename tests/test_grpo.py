@@ -213,6 +213,22 @@ def test_a_user_function_returning_the_wrong_shape_is_named(tmp_path, monkeypatc
         reward(_completions(["a", "b"]))
 
 
+def test_a_function_named_like_a_total_and_an_array_of_lines_are_said_plainly(tmp_path, monkeypatch):
+    """A function named `mean` overwrote reward/mean (the total) with its own unweighted mean, and one returning an
+    array of rows was refused in a message of ten lines."""
+    (tmp_path / "rw.py").write_text("import numpy as np\n"
+                                    "def mean(prompts, completions, **fields):\n    return [1.0] * len(completions)\n"
+                                    "def rows(prompts, completions, **fields):\n"
+                                    "    return np.ones((len(completions), 2))\n")
+    monkeypatch.chdir(tmp_path)
+    reward = Reward(["2*rw:mean", "exact_match"], 4, torch.device("cpu"))
+    assert [term.name for term in reward.terms] == ["mean_0", "exact_match"]
+    with pytest.raises(UserError) as refused:
+        Reward(["rw:rows"], 4, torch.device("cpu"))(_completions(["a"] * 6))
+    said = str(refused.value)
+    assert "\n" not in said and said.startswith("--reward rw:rows: returned ndarray [[1. 1.] [1. 1.]")
+
+
 def test_a_local_reward_model_scores_completions(tokenizer_dir, tmp_path):
     import transformers
     config = transformers.LlamaConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -479,14 +495,13 @@ def test_a_grpo_resume_on_another_seed_names_the_prompts(grpo_runs, policy, prom
 
 
 @pytest.mark.parametrize("found_at, log_every, save_every, setting, what", [
-    (1, 1, 4, "grpo.temperature=1e-45", "training loss is nan"),  # at a logged step
-    (2, 3, 2, "grpo.temperature=1e-45", "training loss is nan"),  # before a checkpoint
-    (2, 3, 2, "grpo.kl_coef=1e30", "gradient norm is inf"),  # a finite loss
+    (2, 1, 4, "train.lr=1e30", "gradient norm is inf"),  # at a logged step
+    (2, 3, 2, "grpo.kl_coef=1e30", "gradient norm is inf"),  # before a checkpoint, from a finite loss
 ])
 def test_a_run_that_diverged_ends_before_it_is_saved(policy, prompt_dir, tmp_path, found_at, log_every, save_every,
                                                      setting, what):
-    """Sampled at a temperature of 1e-45 the logits overflow: every step's loss was NaN and its gradient norm
-    Infinity, written as such into metrics.jsonl (not JSON) and saved, and the run ended with exit 0."""
+    """A diverged run's loss was NaN or its gradient norm Infinity, written as such into metrics.jsonl (not JSON) and
+    saved, and the run ended with exit 0 (sampled at a temperature of 1e-45, now refused, every step's loss was)."""
     run = tmp_path / "run"
     sets = [f"train.log_every={log_every}", f"train.save_every={save_every}", setting]
     result = run_job(*_grpo_args(policy, prompt_dir, run, *sets, rewards=["format:[A-Z].*"]))
@@ -495,7 +510,9 @@ def test_a_run_that_diverged_ends_before_it_is_saved(policy, prompt_dir, tmp_pat
         f"zerollm: error: step {found_at}: the {what} (no longer a number: the weights, gradients or "
         "activations overflowed); stopped without saving; no checkpoint was saved before: lower train.lr, or change "
         "what made the run diverge"], result.stderr[-3000:]
-    assert not (run / "checkpoints" / "latest").exists() and not (run / "metrics.jsonl").exists()
+    assert not (run / "checkpoints" / "latest").exists()
+    logged = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
+    assert all(json.loads(line)["step"] < found_at for line in logged)  # nothing of the diverged step
 
 
 def test_a_reward_that_fails_on_one_rank_is_one_line(policy, prompt_dir, tmp_path):

@@ -256,7 +256,8 @@ class UserFunction:
         except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond any float (10**400)
             values = None
         if values is None or len(values) != len(batch.texts) or not all(abs(v) <= MAX_MAGNITUDE for v in values):
-            raise UserError(f"--reward {self.term}: returned {type(scores).__name__} {str(scores)[:80]}; it must "
+            shown = " ".join(str(scores).split())[:80]  # an array's text spans lines
+            raise UserError(f"--reward {self.term}: returned {type(scores).__name__} {shown}; it must "
                             f"return one float per completion ({len(batch.texts)}), each finite and at most "
                             f"{MAX_MAGNITUDE:g} in magnitude")
         return values
@@ -333,6 +334,11 @@ def _time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+TOTALS_LOGGED = ("mean", "std")
+"""What the total reward is logged as (reward/mean, reward/std): a term of that name (a function `mean`) gets its
+position appended, as two terms of one name do, so that it does not overwrite them."""
+
+
 class Reward:
     """The weighted sum of the `--reward` terms, computed within `timeout_s` seconds (0: no limit)."""
 
@@ -344,7 +350,7 @@ class Reward:
         self.terms = [parse_term(t, max_new_tokens, device) for t in terms]
         names = [t.name for t in self.terms]
         for i, term in enumerate(self.terms):
-            if names.count(term.name) > 1:
+            if names.count(term.name) > 1 or term.name in TOTALS_LOGGED:
                 term.name = f"{term.name}_{i}"
         self.required_fields = sorted({t.required_field for t in self.terms if t.required_field})
 
