@@ -366,6 +366,29 @@ def test_harness_texts_follow_the_bos_of_a_llama_style_tokenizer(llama_model_and
     _check_harness_scores(model, tokenizer, [tokenizer.bos_id])
 
 
+def test_a_generation_prompt_keeps_its_question_and_the_answer_takes_the_room_left(model_and_tokenizer, capsys):
+    """With the harness's default max_gen_toks (256) at or above the model's context, the prompt was cut to its last
+    token before the room for 256 answer tokens: the model answered a question it never saw."""
+    from lm_eval.api.instance import Instance
+
+    from llm.eval.harness_lm import ZeroLLMHarnessModel
+
+    model, tokenizer = model_and_tokenizer
+    lm = ZeroLLMHarnessModel(model, tokenizer, batch_size=2, max_length=CONTEXT)
+    seen = []
+    lm._greedy = lambda prompt, params: seen.append((prompt, params.max_new_tokens)) or "answer"
+    contexts = [("Say it", {"until": ["\n"]}), ("Say it", {"until": ["\n"], "max_gen_toks": 3}),
+                ("A" * 60 + " long question", {"until": ["\n"]})]
+    assert lm.generate_until([Instance("generate_until", {}, c, i) for i, c in enumerate(contexts)],
+                             disable_tqdm=True) == ["answer"] * 3
+    short, long_question = lm.tok_encode("Say it"), lm.tok_encode("A" * 60 + " long question")
+    assert len(short) < CONTEXT < len(long_question)
+    assert seen == [(short, CONTEXT - len(short)), (short, 3), (long_question[-(CONTEXT - 1):], 1)]
+    assert capsys.readouterr().err == ("note: 2 of 3 generate_until answers had less room than the task's "
+                                       f"max_gen_toks: the prompt and the answer share the model's context of "
+                                       f"{CONTEXT} tokens\n")
+
+
 def _check_harness_scores(model, tokenizer, start: list[int]) -> None:
     """The harness's scores equal a direct computation on the ids `start` + the text's (`start` empty: the
     end-of-text token is the context of a text that has none)."""

@@ -17,6 +17,8 @@ With `chat` (--apply-chat-template) the harness renders each context through the
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
@@ -130,16 +132,25 @@ class ZeroLLMHarnessModel(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuations (the harness's sampling options other than `until` and `max_gen_toks` are not
-        used), cut at the first `until` string, at most `max_gen_toks` tokens."""
-        out = []
+        used), cut at the first `until` string, at most `max_gen_toks` tokens. The prompt comes first: it is cut
+        from the left only where it leaves no room for one token, and the answer may take what the context has left
+        (a note says how many answers had less room than `max_gen_toks`). Reserving `max_gen_toks` (256 unless the
+        task says) before the prompt cut a question to its last token in a context of 256 or less."""
+        out, short = [], 0
         for context, gen_kwargs in tqdm([r.args for r in requests], desc="generate_until", disable=disable_tqdm):
             until = gen_kwargs.get("until", [])
             until = [until] if isinstance(until, str) else list(until)
-            max_new = min(int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKENS)), self.max_length - 1)
-            prompt = self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
+            asked = int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKENS))
+            prompt = self.tok_encode(context)[-(self.max_length - 1):] or [self.prefix_token_id]
+            max_new = min(asked, self.max_length - len(prompt))
+            short += max_new < asked
             text = self._greedy(prompt, SamplingParams(max_new_tokens=max_new, stop=until))
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             out.append(text)
+        if short:
+            print(f"note: {short} of {len(requests)} generate_until answers had less room than the task's "
+                  f"max_gen_toks: the prompt and the answer share the model's context of {self.max_length} tokens",
+                  file=sys.stderr)
         return out
 
     def _greedy(self, prompt: list[int], params: SamplingParams) -> str:
