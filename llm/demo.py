@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from llm import rundir
-from llm.data.output import refuse_foreign_contents
+from llm.data.output import refuse_foreign_contents, staging_leftovers
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator, complete
 from llm.infer.sampling import SamplingParams
@@ -191,12 +190,6 @@ UNMARKED_DEMO = {"corpus.txt", "tokenizer", "data", "run"}
 """What a demo of a version that wrote no marker holds once it has pretrained: taken as the demo's own."""
 
 
-def _leftover(name: str) -> bool:
-    """A staging or set-aside folder that a killed `tokenizer train` or `data prepare` left beside its output (the
-    next one into that output removes it)."""
-    return re.fullmatch(r"\.(?:tokenizer|data|sft_data|dpo_data)\.(?:partial|old)-.+", name) is not None
-
-
 def take_output_dir(out: Path) -> None:
     """Make `out` the demo's folder: new, empty, or an earlier demo's. A folder of the user's is refused: the demo
     overwrites corpus.txt and deletes tokenizer/ and run/ there (a `--out .` in a project lost its own)."""
@@ -205,7 +198,8 @@ def take_output_dir(out: Path) -> None:
     if out.is_dir():
         entries = set(os.listdir(out))
         marker = "corpus.txt" if DEMO_MARKER not in entries and entries >= UNMARKED_DEMO else DEMO_MARKER
-        refuse_foreign_contents(out, out, "zerollm demo", DEMO_OUTPUTS, marker, {e for e in entries if _leftover(e)})
+        refuse_foreign_contents(out, out, "zerollm demo", DEMO_OUTPUTS, marker,
+                                staging_leftovers(entries, ("tokenizer", "data", "sft_data", "dpo_data")))
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / DEMO_MARKER).touch()

@@ -40,7 +40,8 @@ def test_bench_learn_runs_tokenizer_data_training_and_heldout_bits_per_byte_in_o
     assert summary["vocab_size"] == 400 and 0 < summary["train_max_time_s"] < 60 - 48
     heldout = summary["heldout"]
     paragraphs = [p.strip("\n") for p in (tmp_path / "out" / "val.txt").read_text().split("\n\n") if p.strip()]
-    assert heldout["bytes"] == sum(len(p.encode()) for p in paragraphs)
+    assert heldout["bytes"] == sum(len(p.encode()) for p in paragraphs) and summary["skipped"] == {
+        "train": [], "heldout": []}
     assert math.isfinite(heldout["bits_per_byte"]) and heldout["context"] == 32
     assert f"held-out bits per byte  {heldout['bits_per_byte']:.4f}" in result.stdout
     config = (tmp_path / "out" / "run" / "config.yaml").read_text()
@@ -54,7 +55,12 @@ def test_bench_learn_runs_tokenizer_data_training_and_heldout_bits_per_byte_in_o
     (["--reserve", "-5"], "--reserve must be at least 0 s and less than --budget (30 s), got -5"),
     (["--vocab-size", "0"], "--vocab-size 0 is too small"),  # 0 took the recipe's and trained for the whole budget
     (["--budget", "0"], "zerollm: error: --budget must be a positive duration, got '0'"),  # "config key '--budget'"
-    (["--out", "{folder}"], "--out {folder} holds train.txt; bench learn writes its split, tokenizer, data and run"),
+    (["--set", "train.max_time=3s"], "--set train.max_time: bench learn sets it to what --budget leaves"),  # ignored
+    (["--out", "{folder}"], "--out {folder} holds train.txt, which bench learn did not write; it replaces its output "
+                            "there, so give it a new or empty directory (or one it wrote before)"),
+    (["--out", "{folder}/train.txt/out"], "--out {folder}/train.txt/out: {folder}/train.txt is a file"),  # a traceback
+    (["--out", "{tmp}/dangling"], "--out {tmp}/dangling: {tmp}/dangling is a symbolic link to {tmp}/nowhere, which "
+                                  "does not exist"),  # FileExistsError traceback
     # a TypeError traceback (check_training_options(None)):
     (["--recipe", "demo"], "recipe demo leaves model.vocab_size to the tokenizer: give --vocab-size N"),
     # refused by the training job once split, tokenizer and data filled --out, so that the corrected command was
@@ -71,6 +77,7 @@ def test_bad_options_are_refused_before_anything_is_written(tmp_path, monkeypatc
     folder.mkdir()
     (folder / "train.txt").write_bytes((FIXTURES / "pretrain" / "en_stories.txt").read_bytes())
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 7}}')
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     before = (folder / "train.txt").read_bytes()
     options = [option.format(folder=folder, tmp=tmp_path) for option in options]
     out = [] if "--out" in options else ["--out", str(tmp_path / "out")]
@@ -138,6 +145,56 @@ def test_a_refusal_from_the_training_job_ends_bench_learn_without_teardown(tmp_p
     assert capsys.readouterr().err.endswith("zerollm: error: a refusal from inside the training job\n")
 
 
+def test_a_failed_bench_learn_is_rerun_into_its_own_out_but_a_foreign_or_input_holding_one_is_refused(
+        tmp_path, monkeypatch, capsys):
+    """A bench learn that failed after its split (here: the training part is not UTF-8) left --out full, and the
+    corrected command was refused for that folder; the refusal also named the split's copy, not the user's file."""
+    from conftest import zerollm_here
+
+    lines = "".join(f"The king went to the sea and found gold number {i}.\n" for i in range(300)).encode()
+    source, out = tmp_path / "novel.txt", tmp_path / "out"
+    source.write_bytes(b"caf\xe9\n" + lines)
+    for _ in range(2):
+        assert zerollm_here(monkeypatch, "bench", "learn", "--input", source, "--budget", "30", "--out", out) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"zerollm: error: {source}:1: not valid UTF-8 text (in the training part, the first 90% of {source}, "
+            f"copied to {out}/train.txt; nothing was trained)")
+    assert sorted(os.listdir(out)) == [".zerollm-bench-learn", "tasks", "train.txt", "val.txt"]
+    assert zerollm_here(monkeypatch, "bench", "learn", "--input", out / "val.txt", "--budget", "30", "--out", out) == 2
+    said = capsys.readouterr().err
+    assert f"--input {out}/val.txt is inside --out {out}, whose contents bench learn replaces" in said
+    (out / "notes.md").write_text("mine")
+    assert zerollm_here(monkeypatch, "bench", "learn", "--input", source, "--budget", "30", "--out", out) == 2
+    assert "holds notes.md, which bench learn did not write" in capsys.readouterr().err
+
+
+def test_records_left_out_of_either_part_are_said(tmp_path, monkeypatch, capsys):
+    """Unusable records were dropped from the training and the held-out part without a word: the bits per byte
+    covered an unstated subset."""
+    from conftest import zerollm_here
+    from llm.eval import learning_speed
+
+    class Trained(Exception):
+        pass
+
+    def trains(*args, **kwargs):
+        raise Trained
+
+    monkeypatch.setattr(learning_speed, "run_training", trains)
+    rows = [{"text": f"The king went to the sea and found gold number {i}."} for i in range(300)]
+    for i in (3, 7, 280, 290, 295):
+        rows[i] = {"title": "no text"}
+    source = tmp_path / "novel.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(Trained):
+        zerollm_here(monkeypatch, "bench", "learn", "--input", source, "--budget", "60", "--reserve", "1",
+                     "--vocab-size", "300", "--out", tmp_path / "out")
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    reason = "no text field (keys: title); expected 'text', 'conversations' or 'instruction'/'output')"
+    assert notes == [f"note: 2 unusable records of the training part left out (first: {source}:4: {reason}",
+                     f"note: 3 unusable records of the held-out part left out (first: {source}:281: {reason}"]
+
+
 def test_the_heldout_task_is_written_atomically(tmp_path, monkeypatch):
     """tasks/heldout.jsonl and its YAML (and result.json) were written in place (a torn file after a crash)."""
     from llm import durable
@@ -148,7 +205,7 @@ def test_the_heldout_task_is_written_atomically(tmp_path, monkeypatch):
     written = []
     monkeypatch.setattr(durable, "write_text", lambda path, text, real=durable.write_text: (
         written.append(path.name), real(path, text)))
-    task_dir = write_heldout_task(val, tmp_path / "tasks")
+    task_dir, skipped = write_heldout_task(val, tmp_path / "tasks")
     assert written == ["heldout.jsonl", "heldout_bpb.yaml"]
     rows = [json.loads(line) for line in (task_dir / "heldout.jsonl").read_text().splitlines()]
     assert rows == [{"text": "第一段。"}, {"text": "Second paragraph."}]

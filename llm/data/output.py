@@ -25,12 +25,13 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import secrets
 import shutil
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,13 @@ def refuse_foreign_contents(out: Path, given: str | Path, command: str, names: s
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise UserError(f"--out {given} holds {shown}, which {command} did not write; it replaces its output there, "
                         "so give it a new or empty directory (or one it wrote before)")
+
+
+def staging_leftovers(entries: Iterable[str], outputs: Iterable[str]) -> set[str]:
+    """Those of a folder's `entries` that a killed `tokenizer train` or `data prepare` into one of its `outputs` left
+    beside it, a staging or set-aside folder (`OutputDir`: the next one into that output removes it)."""
+    staged = "|".join(re.escape(name) for name in outputs)
+    return {e for e in entries if re.fullmatch(rf"\.(?:{staged})\.(?:partial|old)-.+", e)}
 
 
 def refuse_mount_point(out: Path, given: Path, command: str) -> None:

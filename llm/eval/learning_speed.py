@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -30,6 +32,7 @@ import torch
 from llm import durable, rundir
 from llm.config import RunConfig, build_config, parse_duration
 from llm.data.formats import Skipped, expand_inputs, pretrain_texts, read_records, skipped_note
+from llm.data.output import refuse_foreign_contents, staging_leftovers
 from llm.data.prepare import prepare
 from llm.errors import EXIT_OK, UserError
 from llm.eval.perplexity import evaluate_stream
@@ -40,6 +43,7 @@ from llm.tokenizer import Tokenizer, check_training_options, train_tokenizer
 from llm.train.ds_config_file import load_ds_config
 from llm.train.engine import resolve_ds_config, resolve_precision
 from llm.train.job import run as run_training
+from llm.train.run_lock import check_run_unlocked
 
 TRAIN_SHARE = 0.9
 SPLIT_SUFFIXES = (".txt", ".jsonl")
@@ -76,9 +80,9 @@ def split_file(path: Path, out: Path, train_share: float = TRAIN_SHARE) -> tuple
     return train, val
 
 
-def write_heldout_task(val: Path, out: Path) -> Path:
-    """An lm-eval task over the held-out documents (one jsonl record per document, as the readers see them); a
-    held-out part the readers refuse, or without a usable record, is a UserError."""
+def write_heldout_task(val: Path, out: Path) -> tuple[Path, list[Skipped]]:
+    """An lm-eval task over the held-out documents (one jsonl record per document, as the readers see them), and the
+    records the readers skipped; a held-out part the readers refuse, or without a usable record, is a UserError."""
     records = list(read_records([val], "pretrain"))
     usable = [record for record in records if not isinstance(record, Skipped)]
     if not usable:  # every record read was skipped
@@ -88,20 +92,41 @@ def write_heldout_task(val: Path, out: Path) -> Path:
     durable.write_text(documents, "".join(json.dumps({"text": record.value}, ensure_ascii=False) + "\n"
                                           for record in usable))
     durable.write_text(out / f"{TASK_NAME}.yaml", TASK_YAML.format(name=TASK_NAME, data=documents.resolve()))
-    return out
+    return out, [record for record in records if isinstance(record, Skipped)]
 
 
-def check_heldout_part(input_file: str, train: Path, val: Path, tasks: Path) -> Path:
+def in_input(said: str, part: Path, input_file: str, lines_before: int) -> str:
+    """`said` with each `part:LINE:` (a line of the split's copy) as the line of the user's file it came from."""
+    return re.sub(rf"{re.escape(str(part))}:(\d+):", lambda m: f"{input_file}:{int(m[1]) + lines_before}:", said)
+
+
+def check_heldout_part(input_file: str, train: Path, val: Path, tasks: Path) -> tuple[Path, list[str]]:
     """`write_heldout_task` before training, so that a held-out part the readers refuse ends the command before
-    the budget is spent (it ended it after training); its message names the line of the user's file."""
+    the budget is spent (it ended it after training); its messages (the refusal, or the records it skipped) name
+    the lines of the user's file."""
+    lines_before = train.read_bytes().count(b"\n")
     try:
-        return write_heldout_task(val, tasks)
+        task_dir, skipped = write_heldout_task(val, tasks)
     except UserError as exc:
-        lines_before = train.read_bytes().count(b"\n")
-        said = re.sub(rf"{re.escape(str(val))}:(\d+):", lambda m: f"{input_file}:{int(m[1]) + lines_before}:",
-                      str(exc))  # the refusal, and the first record skipped where none is usable
-        raise UserError(f"{said} (in the held-out part, the last {1 - TRAIN_SHARE:.0%} of {input_file}, copied to "
-                        f"{val}; nothing was trained)") from None
+        raise refused_part(exc, val, input_file, lines_before) from None
+    return task_dir, [in_input(str(record), val, input_file, lines_before) for record in skipped]
+
+
+def refused_part(exc: UserError, part: Path, input_file: str, lines_before: int) -> UserError:
+    """The refusal of a part of the split (`lines_before` lines of the input before it: 0 for the training part) in
+    the user's terms: their file's lines, which part, and that nothing was trained."""
+    which = (f"the training part, the first {TRAIN_SHARE:.0%}" if lines_before == 0 else
+             f"the held-out part, the last {1 - TRAIN_SHARE:.0%}")
+    return UserError(f"{in_input(str(exc), part, input_file, lines_before)} (in {which} of {input_file}, copied to "
+                     f"{part}; nothing was trained)")
+
+
+def skipped_in_part(skipped: list[str], part: str) -> str:
+    """A note on the records of one part that were left out, or ''."""
+    if not skipped:
+        return ""
+    return (f"note: {len(skipped)} unusable record{'s' if len(skipped) != 1 else ''} of the {part} part left out "
+            f"(first: {skipped[0]})")
 
 
 def check_training_start(base: RunConfig, vocab_size: int, deepspeed_config: str | None,
@@ -116,15 +141,39 @@ def check_training_start(base: RunConfig, vocab_size: int, deepspeed_config: str
     resolve_ds_config(raw, cfg, 1, source, zero_stage)
 
 
-def _check_new_folder(out_dir: Path) -> None:
-    """bench learn writes train.txt, val.txt, tok/, data/, run/ and more into --out: it must be new or empty (the
-    input file in it, or an earlier result, would be overwritten)."""
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        shown = ", ".join(sorted(p.name for p in out_dir.iterdir())[:3])
-        raise UserError(f"--out {out_dir} holds {shown}; bench learn writes its split, tokenizer, data and run there, "
-                        "so give it a new or empty folder")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir} is a file; give a new or empty folder")
+LEARN_MARKER = ".zerollm-bench-learn"
+"""Written first into bench learn's --out: marks a folder whose contents an earlier bench learn wrote."""
+LEARN_OUTPUTS = {f"{part}{suffix}" for part in ("train", "val") for suffix in SPLIT_SUFFIXES} | {
+    "tok", "data", "run", "tasks", "result.json", LEARN_MARKER}
+"""Everything bench learn writes into --out (and replaces when it runs there again)."""
+
+
+def check_output_dir(out_dir: Path, input_file: Path) -> None:
+    """--out must be new, empty or an earlier bench learn's (a failed one's included: its rerun was refused for the
+    folder it had filled), and must not hold the input (its split would overwrite it); nothing is written here."""
+    rundir.check_writable_out(out_dir, "give a new or empty folder")
+    if not out_dir.is_dir():
+        return
+    entries = os.listdir(out_dir)
+    refuse_foreign_contents(out_dir, out_dir, "bench learn", LEARN_OUTPUTS, LEARN_MARKER,
+                            staging_leftovers(entries, ("tok", "data")))
+    if entries and input_file.resolve().is_relative_to(out_dir.resolve()):
+        raise UserError(f"--input {input_file} is inside --out {out_dir}, whose contents bench learn replaces; "
+                        "give another --out")
+    check_run_unlocked(out_dir / "run")
+
+
+def take_output_dir(out_dir: Path) -> None:
+    """`out_dir` (checked by `check_output_dir`) made empty but for the marker: an earlier bench learn's outputs
+    removed."""
+    for name in LEARN_OUTPUTS - {LEARN_MARKER}:
+        path = out_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / LEARN_MARKER).touch()
 
 
 class Phases:
@@ -154,27 +203,37 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
     if not 0 <= reserve < budget_s:  # NaN included
         raise UserError(f"--reserve must be at least 0 s and less than --budget ({budget_s:g} s), got {reserve:g}")
     out_dir = Path(out)
-    _check_new_folder(out_dir)
+    check_output_dir(out_dir, Path(input_file))
     base = build_config(recipe, overrides)  # a mistake in the recipe or --set fails before the clock matters
+    if any(o.partition("=")[0].strip() == "train.max_time" for o in overrides or []):  # it was replaced silently
+        raise UserError("--set train.max_time: bench learn sets it to what --budget leaves after the preparation and "
+                        "--reserve; give --budget instead")
     vocab = base.model.vocab_size if vocab_size is None else vocab_size
     if vocab is None:
         raise UserError(f"recipe {recipe} leaves model.vocab_size to the tokenizer: give --vocab-size N (the "
                         "tokenizer's size, e.g. 4096 as cpu-10m)")
     check_training_options(vocab)
     check_training_start(base, vocab, deepspeed_config, zero_stage)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    take_output_dir(out_dir)
     train_file, val_file = split_file(Path(input_file), out_dir)
-    task_dir = check_heldout_part(input_file, train_file, val_file, out_dir / "tasks")
+    task_dir, heldout_skipped = check_heldout_part(input_file, train_file, val_file, out_dir / "tasks")
     phases.done("split")
 
     skipped = []
-    tokenizer = train_tokenizer(pretrain_texts([train_file], skipped), vocab, out_dir / "tok", show_progress=False,
-                                skipped=skipped)
+    try:
+        tokenizer = train_tokenizer(pretrain_texts([train_file], skipped), vocab, out_dir / "tok",
+                                    show_progress=False, skipped=skipped)
+    except UserError as exc:
+        raise refused_part(exc, train_file, input_file, 0) from None
     phases.done("tokenizer", f" ({tokenizer.vocab_size} tokens)")
 
     report = prepare("pretrain", [str(train_file)], out_dir / "tok", out_dir / "data", val_fraction=0.0, workers=2,
                      show_progress=False)
     phases.done("data", f" ({report.tokens['train']:,} training tokens)")
+    train_skipped = [in_input(said, train_file, input_file, 0) for said in report.skipped]
+    for note in (skipped_in_part(train_skipped, "training"), skipped_in_part(heldout_skipped, "held-out")):
+        if note:
+            print(note, flush=True)
 
     max_time = budget_s - phases.elapsed() - reserve
     if max_time <= 0:
@@ -203,7 +262,8 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
     summary = {"input": str(input_file), "recipe": recipe, "overrides": overrides or [], "budget_s": budget_s,
                "wall_s": total, "within_budget": total <= budget_s, "phases_s": phases.seconds,
                "train_max_time_s": max_time, "train_loop_s": in_loop, "vocab_size": tokenizer.vocab_size,
-               "train_tokens": report.tokens["train"], "heldout": result.to_dict()}
+               "train_tokens": report.tokens["train"], "heldout": result.to_dict(),
+               "skipped": {"train": train_skipped, "heldout": heldout_skipped}}
     durable.write_text(out_dir / "result.json", json.dumps(summary, indent=1, allow_nan=False))
     print(f"\nbench learn: {input_file}, recipe {recipe}, budget {budget_s:g} s, wall {total:.1f} s"
           f"{'' if total <= budget_s else f' -- OVER BUDGET by {total - budget_s:.1f} s: raise --reserve'}\n"
