@@ -601,6 +601,8 @@ def test_help_explains_the_new_commands(command):
     (["--tasks", "my_task", "--num-fewshot", "-2"], "--num-fewshot must be 0 or more, got -2"),  # ran, '-2' shots
     (["--tasks", "my_task", "--limit", "0"], "--limit must be positive"),
     (["--tasks", "my_task", "--out", "{file}"], "--out {file}: {file} is a file; give a folder for the results"),
+    (["--tasks", "my_task", "--out", "{link}"], "--out {link}: {link} is a symbolic link to {link}-target, which "
+                                                "does not exist"),  # a FileExistsError after the evaluation
     (["--input", "{file}", "--nproc", "0"], "argument --nproc: must be between 1 and 1024, got 0"),  # ran one rank
     (["--input", "{file}", "--limit", "5", "--out", "x"], "--limit, --out apply to --tasks"),  # silently ignored
     (["--input", "{file}", "--apply-chat-template", "--system-instruction", "Be brief.", "--log-samples"],
@@ -620,10 +622,12 @@ def test_bad_options_are_refused_before_the_model_loads(tmp_path, monkeypatch, c
     """The model does not exist: the error shows the options are checked first (an --out that is a file was a
     FileExistsError after the whole evaluation), in this process, before any rank starts: one line."""
     (tmp_path / "notes.txt").write_text("kept")
-    options = [o.format(file=tmp_path / "notes.txt") for o in options]
+    (tmp_path / "results").symlink_to(tmp_path / "results-target")
+    names = {"file": tmp_path / "notes.txt", "link": tmp_path / "results"}
+    options = [o.format(**names) for o in options]
     assert zerollm_here(monkeypatch, "eval", "--model", tmp_path / "no-model", *options) == 2
     err = capsys.readouterr().err
-    assert message.format(file=tmp_path / "notes.txt") in err and err.count(": error:") == 1, err
+    assert message.format(**names) in err and err.count(": error:") == 1, err
 
 
 def test_several_ranks_refuse_a_device_other_than_theirs():
