@@ -143,8 +143,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
                 xs, ys = run.points(key, x)
                 drawn = drawn or bool(xs)
                 ax.plot(xs, ys, marker="o" if key == "val_loss" or len(xs) == 1 else None, markersize=3,
-                        label=run.name, color=colours[i % len(colours)],
-                        linestyle=LINE_STYLES[i // len(colours) % len(LINE_STYLES)])
+                        color=colours[i % len(colours)], linestyle=LINE_STYLES[i // len(colours) % len(LINE_STYLES)])
             if not drawn:  # rather than an empty frame with axes from -0.04 to 0.04
                 ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="grey")
                 ax.set_xticks([])
@@ -152,8 +151,10 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
             ax.set_title(f"{title} by {x_label}")
             ax.set_xlabel(x_label)
             ax.grid(alpha=0.3)
-    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncols=min(len(runs), LEGEND_COLUMNS),
-               frameon=False)
+    # each run's line in the first panel, labelled as given: matplotlib leaves out a label that starts with '_'
+    # (a run folder '_base') and reads text between two '$' as mathematics ('cost$5 and $6', or an error)
+    fig.legend(axes[0][0].get_lines(), [run.name.replace("$", r"\$") for run in runs], loc="lower center",
+               ncols=min(len(runs), LEGEND_COLUMNS), frameon=False)
     picture = io.BytesIO()
     try:
         with warnings.catch_warnings():  # numpy's overflow warnings on such values: the error below says it

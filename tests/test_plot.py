@@ -149,6 +149,16 @@ def test_runs_in_folders_of_the_same_name_get_distinct_labels(tmp_path, monkeypa
     assert _legend_labels(_drawn_figure(monkeypatch, runs, tmp_path / "x.png")) == ["x/run", "y/run", "solo"]
 
 
+def test_run_names_are_shown_as_written(tmp_path, monkeypatch):
+    """A run folder named '_base' was left out of the legend, 'cost$5 and $6' was drawn as mathematics (italic
+    'cost5and6'), and 'r$\\frac{$' was refused as metrics.jsonl files that are not intact."""
+    names = ["_base", "cost$5 and $6", "r$\\frac{$"]
+    runs = [fake_run(tmp_path / name, 6, 1.0 + i) for i, name in enumerate(names)]
+    figure = _drawn_figure(monkeypatch, runs, tmp_path / "x.png")
+    assert _legend_labels(figure) == ["_base", "cost\\$5 and \\$6", "r\\$\\frac{\\$"]  # a '$' escaped is a '$'
+    assert (tmp_path / "x.png").stat().st_size > 0
+
+
 def test_many_runs_differ_in_line_style_and_their_legend_is_below_every_panel(tmp_path, monkeypatch):
     """The 11th run had the 1st run's colour and style, and the legend of many runs hung over the first panel's
     curves and below it."""
