@@ -599,7 +599,11 @@ def test_help_explains_the_new_commands(command):
 @pytest.mark.parametrize("options, message", [
     (["--tasks", ""], "--tasks expects comma-separated task names"),  # a TypeError on the --input path before
     (["--tasks", "my_task", "--num-fewshot", "-2"], "--num-fewshot must be 0 or more, got -2"),  # ran, '-2' shots
-    (["--tasks", "my_task", "--limit", "0"], "--limit must be positive"),
+    (["--tasks", "my_task", "--limit", "0"], "--limit must be a whole number of examples per task, or a fraction "
+                                             "of them below 1, got 0"),
+    (["--tasks", "my_task", "--limit", "inf"], "--limit must be a whole number of examples per task"),  # OverflowError
+    (["--tasks", "my_task", "--limit", "1.5"], "--limit must be a whole number of examples per task, or a fraction "
+                                               "of them below 1, got 1.5"),  # ran 1 example
     (["--tasks", "my_task", "--out", "{file}"], "--out {file}: {file} is a file; give a folder for the results"),
     (["--tasks", "my_task", "--out", "{link}"], "--out {link}: {link} is a symbolic link to {link}-target, which "
                                                 "does not exist"),  # a FileExistsError after the evaluation

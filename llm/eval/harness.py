@@ -10,6 +10,7 @@ works through `dataset_path: json` and `dataset_kwargs.data_files`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import traceback
@@ -95,8 +96,10 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     --apply_chat_template); `system_instruction`: a system turn (without `chat`, text before each context).
     Returns the harness's results (without the samples)."""
     check_batch_size(batch_size)  # lm-eval failed on 0 (and -1) after loading everything
-    if limit is not None and not limit > 0:  # NaN included
-        raise UserError(f"--limit must be positive (examples per task, or a fraction of them below 1), got {limit:g}")
+    if limit is not None and not (0 < limit < 1 or (math.isfinite(limit) and limit == int(limit) >= 1)):
+        # NaN and inf included (inf: an OverflowError in lm-eval); 1.5 ran 1 example, without a word
+        raise UserError(f"--limit must be a whole number of examples per task, or a fraction of them below 1, got "
+                        f"{limit:g}")
     if num_fewshot is not None and num_fewshot < 0:
         raise UserError(f"--num-fewshot must be 0 or more, got {num_fewshot}")
     out = Path(out_dir) if out_dir else Path(model_dir) / rundir.EVAL_DIR
