@@ -557,6 +557,27 @@ def test_task_data_that_is_not_json_lines_or_a_field_the_rows_lack_is_one_line(e
     assert str(error.value).endswith("); check the tasks' YAML and data files") and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("function, said", [
+    ("nomodule.text", r"ImportError: Cannot import module 'nomodule' for function 'text'"),
+    ("utils.missing", r"AttributeError: Module '.*utils.py' has no function 'missing'"),
+    ("utils.fails", r"RuntimeError: no text for this row"),
+])
+def test_a_task_function_that_is_missing_or_fails_is_one_line(export_dir, local_tasks, tmp_path, monkeypatch,
+                                                              function, said):
+    """A `!function` of the task's YAML whose module or function is missing, or that raised, was a traceback (exit
+    1)."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    (local_tasks / "utils.py").write_text("def fails(doc):\n    raise RuntimeError('no text for this row')\n")
+    yaml_file = local_tasks / "tiny_choice.yaml"
+    yaml_file.write_text(yaml_file.read_text().replace("'{{question}}'", f"!function {function}"))
+    with pytest.raises(UserError) as error:
+        run_tasks(str(export_dir), ["tiny_choice"], include_path=str(local_tasks), out_dir=str(tmp_path / "out"))
+    assert re.match(rf"lm-eval failed on tiny_choice \({said}", str(error.value)), str(error.value)
+    assert "\n" not in str(error.value)
+
+
 def test_local_tasks_are_indexed_without_lm_evals_own_and_a_group_with_them(local_tasks):
     """lm-eval's 15,000 tasks were indexed (12 s) even where every task asked for is in --include-path."""
     from llm.eval.harness import task_manager

@@ -105,8 +105,6 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     out = Path(out_dir) if out_dir else Path(model_dir) / rundir.EVAL_DIR
     rundir.check_writable_out(out, "give a folder for the results")  # before the evaluation: results not lost
     lm_eval = require_lm_eval()
-    from datasets.exceptions import DatasetGenerationError  # noqa: PLC0415 - lm-eval's dependency
-    from jinja2.exceptions import TemplateError  # noqa: PLC0415 - lm-eval's dependency
     from lm_eval import evaluator  # noqa: PLC0415 - optional dependency
     from lm_eval.utils import make_table  # noqa: PLC0415 - optional dependency
 
@@ -138,8 +136,9 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     except ConnectionError as exc:
         raise UserError(f"lm-eval could not download the task data ({exc}); run once where the Hugging Face Hub "
                         "is reachable (the data is cached), or use a local task with --include-path") from None
-    except (FileNotFoundError, IndexError, KeyError, ValueError, TypeError, StopIteration, DatasetGenerationError,
-            TemplateError) as exc:  # a task's data or YAML at fault: unreadable or empty data, a field it lacks
+    except Exception as exc:  # noqa: BLE001 - what a task's YAML, data or functions raise, through lm-eval
+        if not _task_fault(exc, include_path):
+            raise  # zerollm's own code, or the model's: a bug to see whole
         raise UserError(f"lm-eval failed on {', '.join(tasks)} ({_said(exc)}); check the tasks' YAML and data "
                         "files") from None
     table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
@@ -163,6 +162,22 @@ def _said(exc: BaseException) -> str:
     if exc.__cause__ is not None:
         said += f", from {_said(exc.__cause__)}"
     return " ".join(said.split())[:500]
+
+
+TASK_PACKAGES = ("lm_eval", "datasets", "jinja2", "yaml")
+"""Where an error that lm-eval's run of a task raises comes from the task (unreadable or empty data, a field it
+lacks, a template or a `!function` that fails or is missing), not from zerollm or the model."""
+
+
+def _task_fault(exc: BaseException, include_path: str | None) -> bool:
+    """Whether `exc` was raised by a task: in one of `TASK_PACKAGES` (or is one of their errors, as a template's
+    undefined field, raised in the template's compiled code), or in a file of --include-path (a task's own
+    function)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if type(exc).__module__.partition(".")[0] in TASK_PACKAGES or any(_raised_in(exc, p) for p in TASK_PACKAGES):
+        return True
+    return bool(frames) and include_path is not None and \
+        Path(frames[-1].filename).resolve().is_relative_to(Path(include_path).resolve())
 
 
 def _raised_in(exc: BaseException, package: str) -> bool:
