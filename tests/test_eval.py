@@ -19,7 +19,7 @@ from conftest import FIXTURES, run_cli, zerollm_here
 from llm.config import ModelConfig
 from llm.data.prepare import prepare
 from llm.errors import EXIT_RANK_LOST, UserError
-from llm.eval.harness import code_commit, require_lm_eval, run_tasks
+from llm.eval.harness import check_task_files, code_commit, require_lm_eval, run_tasks
 from llm.eval.perplexity import evaluate_stream, run_perplexity, windows
 from llm.eval.token_stream import ArrayStream, document_start_positions, stream_of_files, stream_of_split
 from llm.export import export_model
@@ -521,6 +521,12 @@ def test_a_task_yaml_that_does_not_parse_is_named(export_dir, local_tasks):
     (local_tasks / "broken.yaml").write_text("task: broken\n  dataset_path: [unclosed\n")
     with pytest.raises(UserError, match=r"broken.yaml: not a readable task YAML \(mapping values are not allowed"):
         run_tasks(str(export_dir), ["broken"], include_path=str(local_tasks))
+    (local_tasks / "broken.yaml").write_text("include: base.yaml\ntask: broken\n")  # was 'unknown task: broken'
+    with pytest.raises(UserError, match=rf"^{local_tasks}/broken.yaml: 'include: base.yaml' names no file \(it is "
+                                        rf"read beside the YAML, in {local_tasks}\)$"):
+        run_tasks(str(export_dir), ["broken"], include_path=str(local_tasks))
+    (local_tasks / "base.yaml").write_text("dataset_path: json\n")
+    check_task_files(local_tasks)  # found beside it
 
 
 def test_a_task_whose_data_is_missing_is_one_line(export_dir, local_tasks, tmp_path, monkeypatch):

@@ -54,16 +54,21 @@ _TaskYamlLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
 
 
 def check_task_files(include_path: Path) -> None:
-    """Refuse an --include-path that is not a folder, or whose task YAML files do not parse (lm-eval skips such a
-    file with a log line, and its tasks are then reported unknown)."""
+    """Refuse an --include-path that is not a folder, or whose task YAML files do not parse or `include:` a file that
+    is not there (lm-eval skips such a file with a log line, and its tasks are then reported unknown)."""
     if not include_path.is_dir():
         raise UserError(f"--include-path {include_path}: no such directory of task YAML files")
     for path in sorted(include_path.rglob("*.y*ml")):
         try:
-            yaml.load(path.read_text(encoding="utf-8"), Loader=_TaskYamlLoader)  # noqa: S506 - a SafeLoader
+            task = yaml.load(path.read_text(encoding="utf-8"), Loader=_TaskYamlLoader)  # noqa: S506 - a SafeLoader
         except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
             reason = " ".join(str(exc).split())
             raise UserError(f"{path}: not a readable task YAML ({reason})") from None
+        included = task.get("include", []) if isinstance(task, dict) else []
+        for name in included if isinstance(included, list) else [included]:  # as lm-eval resolves them
+            if isinstance(name, str) and not (path.parent / name).is_file():  # an absolute name stays absolute
+                raise UserError(f"{path}: 'include: {name}' names no file (it is read beside the YAML, in "
+                                f"{path.parent})")
 
 
 def code_commit() -> str | None:
