@@ -337,7 +337,10 @@ def test_lm_eval_runs_local_tasks_end_to_end_and_saves_its_table(export_dir, loc
         assert f"|{name}" in result.stdout
     tables, jsons = (list((tmp_path / "results").glob(f"lm_eval_*.{suffix}")) for suffix in ("md", "json"))
     assert len(tables) == 1 and len(jsons) == 1 and "tiny_choice" in tables[0].read_text()
+    assert tables[0].read_text().startswith(f"model: {export_dir}\n\n")
     saved = json.loads(jsons[0].read_text())
+    assert {key: saved["config"][key] for key in ("model", "model_args", "batch_size", "device")} == {
+        "model": "zerollm", "model_args": f"model={export_dir}", "batch_size": 8, "device": "cpu"}  # was unnamed
     assert saved["git_hash"] == code_commit() and (code_commit() or "").startswith(
         (git_state() or {}).get("commit") or "")  # the code's, not the working directory's
     results = saved["results"]

@@ -149,7 +149,11 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
     print(table)
     samples = results.pop("samples", {})
-    stem = save_results(out, json.dumps(results, indent=1, default=str, ensure_ascii=False), table)
+    # which model scored, as lm-eval records a Hugging Face model ("ZeroLLMHarnessModel" and nulls before)
+    results.setdefault("config", {}).update(model="zerollm", model_args=f"model={model_dir}", batch_size=batch_size,
+                                           device=str(where), dtype=str(precision).removeprefix("torch."))
+    stem = save_results(out, json.dumps(results, indent=1, default=str, ensure_ascii=False),
+                        f"model: {model_dir}\n\n{table}")
     print(f"results written to {stem}.json and {stem}.md")
     for task, rows in samples.items():
         path = stem.with_name(f"{stem.name}_samples_{task}.jsonl")
