@@ -746,6 +746,7 @@ def test_a_huge_perplexity_prints_in_scientific_notation():
     assert re.search(r"perplexity +6\.786e\+149\n", huge.summary()), huge.summary()  # 150 digits before
     small = PerplexityResult(tokens=10, bytes=40, nats=10 * 5.0, windows=1, context=16, stride=16)
     assert f"perplexity      {math.exp(5.0):10.3f}" in small.summary()
+    assert small.summary().startswith("10 tokens (40 bytes) in 1 window of up to 16 tokens")  # '1 windows'
     empty = PerplexityResult(tokens=10, bytes=0, nats=10.0, windows=1, context=16, stride=16)
     assert empty.to_dict()["bits_per_byte"] is None  # NaN is not JSON
 

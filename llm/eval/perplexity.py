@@ -109,7 +109,8 @@ class PerplexityResult:
                 for key, value in figures.items()}
 
     def summary(self) -> str:
-        return (f"{self.tokens:,} tokens ({self.bytes:,} bytes) in {self.windows:,} windows of up to {self.context} "
+        return (f"{self.tokens:,} tokens ({self.bytes:,} bytes) in {self.windows:,} "
+                f"window{'s' if self.windows != 1 else ''} of up to {self.context} "
                 f"tokens, stride {self.stride}\n"
                 f"  loss per token  {self.loss:10.4f}\n"
                 f"  perplexity      {_figure(self.perplexity)}\n"
@@ -130,7 +131,8 @@ def evaluate_stream(model: Transformer, tokenizer: Tokenizer, stream: TokenStrea
     every = windows(len(stream), context, stride)
     mine = every[rank::world_size]
     nats, tokens = 0.0, 0
-    bar = tqdm(total=len(mine), desc="eval", unit="window", disable=not progress or rank != 0, file=sys.stderr)
+    bar = tqdm(total=len(mine), desc="eval" if world_size == 1 else f"eval (rank 0's {len(mine)} of {len(every)})",
+               unit="window", disable=not progress or rank != 0, file=sys.stderr)
     for first in range(0, len(mine), batch_size):
         group = mine[first:first + batch_size]
         sequences = [stream.read(w.start, w.end) for w in group]
@@ -217,14 +219,14 @@ def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | Non
         check_sources(model_dir, inputs, data_dir, split)
         model, tokenizer = load_for_inference(model_dir)
         window = evaluation_context(context, Path(model_dir), model)
+        step = window if stride is None else stride
+        check_stride(step, window)  # before the inputs are read: large ones take minutes
         if inputs:
-            stream, report = stream_of_files(inputs, tokenizer)
+            stream, report = stream_of_files(inputs, tokenizer, progress=rank == 0)
             source = {"input": [str(p) for p in inputs], "documents": report.documents, "skipped": len(report.skipped)}
         else:
             stream, report = stream_of_split(data_dir, split, tokenizer), None
             source = {"data": str(data_dir), "split": split}
-        step = window if stride is None else stride
-        check_stride(step, window)
         return model, tokenizer, window, step, stream, report, source
 
     if world_size > 1:  # a mistake every rank finds: one line per node, not one per rank

@@ -15,6 +15,7 @@ the documents' text as the readers return it; for a prepared split it is what it
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+from tqdm import tqdm
 
 from llm.data.formats import Skipped, expand_inputs, read_records, skipped_note
 from llm.data.prepare import SPLITS, TOKENS_FILE, encode_pretrain
@@ -90,11 +92,13 @@ class FilesReport:
     """Every unusable record as 'file:line: reason'."""
 
 
-def stream_of_files(paths: list[str], tokenizer: Tokenizer) -> tuple[ArrayStream, FilesReport]:
-    """The documents of `paths` (any format `data prepare` reads, as pretraining text) tokenized into one stream."""
+def stream_of_files(paths: list[str], tokenizer: Tokenizer, progress: bool = False) -> tuple[ArrayStream, FilesReport]:
+    """The documents of `paths` (any format `data prepare` reads, as pretraining text) tokenized into one stream;
+    `progress`: a bar of the records read, shown after 2 s (large inputs take minutes)."""
     report = FilesReport()
     pieces: list[np.ndarray] = [np.array([tokenizer.eos_id], dtype=np.int64)]
-    for record in read_records(expand_inputs(paths), "pretrain"):
+    records = read_records(expand_inputs(paths), "pretrain")
+    for record in tqdm(records, desc="tokenizing", unit=" records", disable=not progress, delay=2, file=sys.stderr):
         if isinstance(record, Skipped):
             report.skipped.append(str(record))
             continue
