@@ -494,6 +494,20 @@ def test_a_grpo_resume_on_another_seed_names_the_prompts(grpo_runs, policy, prom
                                 f"{prompt_dir / 'prompts.jsonl'} (")
 
 
+def test_a_resume_by_another_stage_names_the_stage(grpo_runs, pretrain_data, tmp_path):
+    """`train pretrain --resume auto` into a GRPO run compared its tokens.h5 with the run's prompt file and said
+    "not the data ... was trained on", with the digests mislabelled; the stage was never named."""
+    run = tmp_path / "run"
+    shutil.copytree(grpo_runs[2], run)
+    sets = [a for o in TINY for a in ("--set", o)]
+    result = run_job("train", "pretrain", "--recipe", "demo", "--data", pretrain_data, "--out", run, "--resume",
+                     "auto", "--nproc", 1, *sets)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
+    assert result.returncode == 2 and errors == [
+        f"zerollm: error: {run}: its checkpoints cannot resume with these changes (train.stage grpo there, pretrain "
+        f"here); resume with the values there, or start a new run with --init-from {run}"], result.stderr[-3000:]
+
+
 @pytest.mark.parametrize("found_at, log_every, save_every, setting, what", [
     (2, 1, 4, "train.lr=1e30", "gradient norm is inf"),  # at a logged step
     (2, 3, 2, "grpo.kl_coef=1e30", "gradient norm is inf"),  # before a checkpoint, from a finite loss

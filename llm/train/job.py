@@ -17,7 +17,7 @@ import socket
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -295,6 +295,7 @@ def _resolved_ds_config(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_file: 
     check_tokenizer(run_dir, cfg, attrs["tokenizer_hash"])
     resuming = resume and rundir.holds_checkpoints(run_dir)
     if resuming:
+        check_same_stage(run_dir, cfg)
         check_same_data(run_dir, data, input_files(cfg), attrs.get("legacy_tokenizer_hash"))
         for role, option in (("teacher", "--teacher"), ("base", "--init-from")):
             if role in data:
@@ -324,9 +325,7 @@ def check_same_shape(run_dir: Path, cfg: RunConfig, ds_config: dict) -> None:
         return sorted(found) if key == "lora.targets" else found  # adapters are found by module, in any order
 
     def shown(config: RunConfig, key: str) -> Any:
-        if key == "train.stage" and config.train.stage == "distill":
-            return f"distill (--teacher {config.train.teacher})"
-        return value(config, key)
+        return _stage(config) if key == "train.stage" else value(config, key)
 
     differing = [f"{settable_key(key)} {shown(saved, key)} there, {shown(cfg, key)} here" for key in RESUMED_FIELDS
                  if value(saved, key) != value(cfg, key)]
@@ -340,8 +339,24 @@ def check_same_shape(run_dir: Path, cfg: RunConfig, ds_config: dict) -> None:
         differing.append(f"{_schedule(recorded)} there, {_schedule(ds_config)} here, as the --deepspeed JSON's "
                          "'scheduler' section sets it")
     if differing:
-        raise UserError(f"{run_dir}: its checkpoints cannot resume with these changes ({'; '.join(differing)}); "
-                        f"resume with the values there, or start a new run with --init-from {run_dir}")
+        _refuse_resume(run_dir, differing)
+
+
+def check_same_stage(run_dir: Path, cfg: RunConfig) -> None:
+    """Refuse a resume by another stage before its data is compared with the run's: a GRPO prompt file's digest
+    against an SFT run's tokens.h5 digest was reported as other data, mislabelled."""
+    saved = build_config(rundir.recorded_config(run_dir))
+    if saved.train.stage != cfg.train.stage:
+        _refuse_resume(run_dir, [f"train.stage {_stage(saved)} there, {_stage(cfg)} here"])
+
+
+def _stage(config: RunConfig) -> str:
+    return f"distill (--teacher {config.train.teacher})" if config.train.stage == "distill" else config.train.stage
+
+
+def _refuse_resume(run_dir: Path, differing: list[str]) -> NoReturn:
+    raise UserError(f"{run_dir}: its checkpoints cannot resume with these changes ({'; '.join(differing)}); resume "
+                    f"with the values there, or start a new run with --init-from {run_dir}")
 
 
 def resumed_precision(run_dir: Path, requested: str) -> str:
