@@ -495,8 +495,11 @@ def parse_override(text: str) -> tuple[str, Any, str]:
         raise UserError(f"--set expects key=value, got '{text}'")
     try:
         value = load_yaml(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
+    except yaml.YAMLError as exc:
+        if raw.lstrip().startswith(("[", "{")):  # a list or mapping mistyped: it became one text ('[a, b')
+            raise UserError(f"--set {key.strip()}: '{raw}' is not a YAML list or mapping "
+                            f"({getattr(exc, 'problem', None) or 'invalid YAML'})") from None
+        value = raw  # plain text that YAML reads otherwise (a: b)
     return key.strip(), value, raw
 
 
@@ -546,10 +549,15 @@ def build_config(recipe: str | dict[str, Any], overrides: list[str] | None = Non
             raise UserError(f"recipe section '{section_name}' must be a mapping")
         for name, value in values.items():
             _apply(cfg, f"{section_name}.{name}", value)
+    set_keys = set()
     for text in overrides or []:
-        _apply(cfg, *parse_override(text))
+        key, value, written = parse_override(text)
+        _apply(cfg, key, value, written)
+        set_keys.add(key)
     for key, value in (paths or {}).items():
         if value is not None:
+            if key in set_keys:  # the option won, and the --set was dropped without a word
+                raise UserError(f"--set {key}: the command line's option for it gives it too; give it once")
             _apply(cfg, key, [str(v) for v in value] if isinstance(value, list) else str(value))
     validate(cfg)
     return cfg
@@ -700,15 +708,15 @@ def validate_distill(t: TrainConfig) -> None:
 
 def validate_lora(cfg: RunConfig) -> None:
     lora = cfg.lora
+    for name in lora.targets:  # also without LoRA (r 0): a name such as q_proj was accepted, to fail once r is set
+        _require(name in LORA_TARGETS, f"lora.targets: unknown module '{name}'; the model's linear layers LoRA can "
+                                       f"adapt are {', '.join(LORA_TARGETS)}")
     if lora.r == 0:
         return
     stage = cfg.train.stage
     _require(stage in LORA_STAGES, f"LoRA adapts a trained model: use it with train sft, dpo or grpo (--init-from the "
                                    f"model to adapt), not with {stage}")
     _require(bool(lora.targets), f"lora.targets is empty; name some of {', '.join(LORA_TARGETS)}")
-    for name in lora.targets:
-        _require(name in LORA_TARGETS, f"lora.targets: unknown module '{name}'; the model's linear layers LoRA can "
-                                       f"adapt are {', '.join(LORA_TARGETS)}")
     twice = sorted({name for name in lora.targets if lora.targets.count(name) > 1})
     _require(not twice, f"lora.targets names {', '.join(twice)} more than once")
     full_rank = min(min(cfg.model.linear_shapes[name]) for name in lora.targets)

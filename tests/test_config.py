@@ -193,6 +193,19 @@ def test_out_of_range_numbers_name_the_key_and_the_range(override, message):
         build_config("demo", [override])
 
 
+def test_a_set_that_an_option_also_gives_or_a_mistyped_list_is_refused():
+    """`--set grpo.prompts=X` beside --prompts was dropped without a word, and `--set 'train.sample_prompts=[a, b'`
+    became one prompt, the text '[a, b'."""
+    with pytest.raises(UserError, match=r"^--set train.init_from: the command line's option for it gives it too; "
+                                        r"give it once$"):
+        build_config("demo", ["train.stage=sft", "train.init_from=a"], paths={"train.init_from": "b"})
+    assert build_config("demo", ["train.stage=sft"], paths={"train.init_from": "b"}).train.init_from == "b"
+    with pytest.raises(UserError, match=r"^--set train.sample_prompts: '\[a, b' is not a YAML list or mapping "
+                                        r"\(expected ',' or '\]', but got '<stream end>'\)$"):
+        build_config("demo", ["train.sample_prompts=[a, b"])
+    assert build_config("demo", ["wandb.name=a: b"]).wandb.name == "a: b"  # text YAML reads otherwise stays text
+
+
 def test_a_recipe_yaml_mistake_is_named_by_its_file_line_and_column(tmp_path):
     """It was PyYAML's text squashed into one line, naming the file '"<unicode string>", line 2, column 1'."""
     recipe = tmp_path / "mine.yaml"

@@ -84,6 +84,8 @@ def test_lora_keys_are_checked_against_the_model(tmp_path):
                                         "adapt are wq, wk, wv, wo, w1, w2, w3"):
         build_config("demo", ["train.stage=sft", *parse_lora_spec("r=4,targets=wq,q_proj")],
                      paths={"train.init_from": "base"})
+    with pytest.raises(UserError, match="lora.targets: unknown module 'q_proj'"):  # without LoRA too: it was accepted
+        build_config("demo", ["lora.targets=[q_proj]"])
     with pytest.raises(UserError, match="lora.targets names wq more than once"):  # accepted, printed 'on wq,wq'
         build_config("demo", ["train.stage=sft", *parse_lora_spec("r=4,targets=wq,wv,wq")],
                      paths={"train.init_from": "base"})
