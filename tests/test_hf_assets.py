@@ -93,7 +93,7 @@ def test_init_from_gives_the_run_its_model_s_shape_and_rope(tmp_path):
     result = run_job("train", "sft", "--recipe", "demo", "--init-from", base, "--data", data, "--out", tmp_path / "run",
                      *[a for o in SFT for a in ("--set", o)])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "the model's shape, RoPE and context are --init-from" in result.stdout
+    assert "the model's shape and RoPE are --init-from" in result.stdout
     model = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]
     assert (model["dim"], model["n_layers"], model["vocab_size"], model["hidden_dim"], model["rope_theta"],
             model["norm_eps"], model["tie_embeddings"]) == (64, 2, 415, 160, 500000.0, 1e-6, False)

@@ -462,9 +462,9 @@ def _announce(cfg: RunConfig, info: DistInfo, ds_config: dict, trainer: Trainer,
               "(docs/benchmarks.md); train.precision=auto or fp32 trains faster here", flush=True)
     if cfg.train.init_from:
         m = cfg.model
-        print(f"{stage}: the model's shape, RoPE and context are --init-from {cfg.train.init_from}'s: dim {m.dim}, "
-              f"{m.n_layers} layers, {m.n_heads} heads ({m.kv_heads} key/value), vocabulary {m.vocab_size}, "
-              f"{m.max_seq_len} positions", flush=True)
+        print(f"{stage}: the model's shape and RoPE are --init-from {cfg.train.init_from}'s: dim {m.dim}, "
+              f"{m.n_layers} layers, {m.n_heads} heads ({m.kv_heads} key/value), vocabulary {m.vocab_size}; context "
+              f"{m.max_seq_len} positions (its own unless --set model.max_seq_len)", flush=True)
     print(f"{stage}: {trainable_summary(trainer.engine.module, cfg.lora)}", flush=True)
     if stage == "grpo" and train_set.skipped:
         print(train_set.summary(), flush=True)
