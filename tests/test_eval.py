@@ -597,6 +597,14 @@ def test_local_tasks_are_indexed_without_lm_evals_own_and_a_group_with_them(loca
     assert {"mixed", "tiny_choice", "hellaswag"} <= set(task_manager(["mixed"], str(local_tasks)).all_tasks)
 
 
+def test_a_group_naming_a_task_that_does_not_exist_names_it(export_dir, local_tasks):
+    """It was 'lm-eval failed on mine (TypeError: expected str, bytes or os.PathLike object, not NoneType)'."""
+    (local_tasks / "mine.yaml").write_text("group: mine\ntask: [tiny_choice, not_a_task_xyz]\n")
+    with pytest.raises(UserError, match=rf"^{local_tasks}/mine.yaml: group mine names not_a_task_xyz, which no lm-eval "
+                                        "task is called; `lm-eval ls tasks` lists them$"):
+        run_tasks(str(export_dir), ["mine"], include_path=str(local_tasks))
+
+
 def test_unknown_task_is_named(export_dir, local_tasks):
     result = run_cli("eval", "--model", export_dir, "--tasks", "tiny_choice,no_such_task", "--include-path",
                      local_tasks)

@@ -53,11 +53,13 @@ class _TaskYamlLoader(yaml.SafeLoader):
 _TaskYamlLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
 
 
-def check_task_files(include_path: Path) -> None:
+def check_task_files(include_path: Path) -> dict[str, tuple[Path, list[str]]]:
     """Refuse an --include-path that is not a folder, or whose task YAML files do not parse or `include:` a file that
-    is not there (lm-eval skips such a file with a log line, and its tasks are then reported unknown)."""
+    is not there (lm-eval skips such a file with a log line, and its tasks are then reported unknown). Returns the
+    groups its files define: name -> (file, the names of its member tasks)."""
     if not include_path.is_dir():
         raise UserError(f"--include-path {include_path}: no such directory of task YAML files")
+    groups = {}
     for path in sorted(include_path.rglob("*.y*ml")):
         try:
             task = yaml.load(path.read_text(encoding="utf-8"), Loader=_TaskYamlLoader)  # noqa: S506 - a SafeLoader
@@ -69,6 +71,9 @@ def check_task_files(include_path: Path) -> None:
             if isinstance(name, str) and not (path.parent / name).is_file():  # an absolute name stays absolute
                 raise UserError(f"{path}: 'include: {name}' names no file (it is read beside the YAML, in "
                                 f"{path.parent})")
+        if isinstance(task, dict) and isinstance(task.get("group"), str) and isinstance(task.get("task"), list):
+            groups[task["group"]] = (path, [member for member in task["task"] if isinstance(member, str)])
+    return groups
 
 
 def code_commit() -> str | None:
@@ -115,13 +120,17 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
 
     from llm.eval.harness_lm import ZeroLLMHarnessModel  # noqa: PLC0415 - subclasses lm-eval's LM: needs lm_eval
 
-    if include_path is not None:
-        check_task_files(Path(include_path))
+    groups = check_task_files(Path(include_path)) if include_path is not None else {}
     manager = task_manager(tasks, include_path)
     unknown = [t for t in tasks if not manager.match_tasks([t])]
     if unknown:
         raise UserError(f"unknown lm-eval task(s): {', '.join(unknown)}; `lm-eval ls tasks` lists them, "
                         "and --include-path DIR adds your own YAML tasks")
+    for group in (t for t in tasks if t in groups):  # an unknown member was a TypeError naming nothing
+        path, members = groups[group]
+        if missing := [m for m in members if not manager.match_tasks([m])]:
+            raise UserError(f"{path}: group {group} names {', '.join(missing)}, which no lm-eval task is called; "
+                            "`lm-eval ls tasks` lists them")
     where, precision = resolve(device, dtype)
     model, tokenizer = load_for_inference(model_dir)
     if chat:
