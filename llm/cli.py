@@ -21,7 +21,15 @@ from typing import NoReturn
 from launch.hostfile import MAX_SLOTS_PER_HOST
 from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, LaunchOptions, launcher_name
 from llm import rundir
-from llm.config import RunConfig, build_config, load_recipe, parse_lora_spec, parse_override, recipe_names
+from llm.config import (
+    RunConfig,
+    build_config,
+    load_recipe,
+    parse_lora_spec,
+    parse_override,
+    recipe_names,
+    refuse_set_twice,
+)
 from llm.errors import EXIT_USER_ERROR, UserError, report
 from llm.stdout import GuardedStdout, OutputLost, discard, settle
 from llm.train.ds_config_file import load_ds_config
@@ -476,6 +484,11 @@ def _train_config(args: argparse.Namespace):
         extra.append(f"train.dpo_beta={args.beta}")
     if args.lora is not None:
         extra += parse_lora_spec(args.lora)
+    options = {"train.stage": f"`train {args.stage}`", "wandb.mode": "--wandb", "train.dpo_beta": "--beta",
+               **dict.fromkeys(("lora.r", "lora.alpha", "lora.targets", "lora.dropout"), "--lora"),
+               **PATH_OPTIONS}
+    given = {parse_override(o)[0] for o in extra} | {key for key, value in _path_options(args).items() if value}
+    refuse_set_twice(args.overrides, {key: options[key] for key in given})
     recipe = load_recipe(args.recipe)
     train = recipe.get("train")
     init_from = args.init_from or next((value for key, value, _ in map(parse_override, args.overrides)
@@ -485,11 +498,17 @@ def _train_config(args: argparse.Namespace):
         from llm.loading import recipe_for_init_from
 
         recipe = recipe_for_init_from(recipe, init_from, Path(args.out) if args.resume == "auto" else None)
-    return build_config(recipe, [*args.overrides, *extra],
-                        paths={"data.path": getattr(args, "data", None), "train.init_from": args.init_from,
-                               "train.teacher": getattr(args, "teacher", None),
-                               "grpo.prompts": getattr(args, "prompts", None),
-                               "grpo.reward": getattr(args, "reward", None)})
+    return build_config(recipe, [*args.overrides, *extra], paths=_path_options(args))
+
+
+PATH_OPTIONS = {"data.path": "--data", "train.init_from": "--init-from", "train.teacher": "--teacher",
+                "grpo.prompts": "--prompts", "grpo.reward": "--reward"}
+"""The run-config keys that a `train STAGE` command's options give, taken as written (`build_config`'s paths)."""
+
+
+def _path_options(args: argparse.Namespace) -> dict[str, str | list[str] | None]:
+    return {key: getattr(args, option.removeprefix("--").replace("-", "_"), None) for key, option in
+            PATH_OPTIONS.items()}
 
 
 def _checked_before_ranks(args: argparse.Namespace):

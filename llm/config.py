@@ -433,7 +433,7 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
         if mark is not None and problem:  # where the parser stopped, not its '"<unicode string>", line 2' text
             raise UserError(f"{source}:{mark.line + 1}:{mark.column + 1}: invalid YAML ({problem})") from None
         raise UserError(f"{source}: invalid YAML ({exc})".replace("\n", " ")) from None
-    if not raw:  # an empty file (or comments only) trained every default model and schedule without a word
+    if raw is None or raw == {}:  # an empty file (or comments only) trained every default without a word
         raise UserError(f"{source}: no settings (an empty recipe); give at least one section (model, data, train, "
                         f"...), or a packaged recipe ({', '.join(recipe_names())})")
     if not isinstance(raw, dict):
@@ -496,11 +496,21 @@ def parse_override(text: str) -> tuple[str, Any, str]:
     try:
         value = load_yaml(raw) if raw != "" else ""
     except yaml.YAMLError as exc:
-        if raw.lstrip().startswith(("[", "{")):  # a list or mapping mistyped: it became one text ('[a, b')
-            raise UserError(f"--set {key.strip()}: '{raw}' is not a YAML list or mapping "
-                            f"({getattr(exc, 'problem', None) or 'invalid YAML'})") from None
-        value = raw  # plain text that YAML reads otherwise (a: b)
+        problem = getattr(exc, "problem", None) or ""
+        if "<stream end>" in problem:  # a list or mapping left open ('[a, b'): it became one text
+            raise UserError(f"--set {key.strip()}: '{raw}' ends inside a YAML list or mapping ({problem}); close it, "
+                            f"or quote text: --set '{key.strip()}=\"{raw}\"'") from None
+        value = raw  # text that YAML reads otherwise ('a: b', '[INST] hi', '{date}-run')
     return key.strip(), value, raw
+
+
+def refuse_set_twice(overrides: list[str], given: dict[str, str]) -> None:
+    """Refuse a `--set` of a key that the command also sets (`given`: key -> what sets it, such as '--init-from'):
+    that one won, and the --set was dropped without a word."""
+    for text in overrides:
+        key = parse_override(text)[0]
+        if key in given:
+            raise UserError(f"--set {key}: {given[key]} sets it too; give it once")
 
 
 def parse_lora_spec(spec: str) -> list[str]:
@@ -549,15 +559,10 @@ def build_config(recipe: str | dict[str, Any], overrides: list[str] | None = Non
             raise UserError(f"recipe section '{section_name}' must be a mapping")
         for name, value in values.items():
             _apply(cfg, f"{section_name}.{name}", value)
-    set_keys = set()
     for text in overrides or []:
-        key, value, written = parse_override(text)
-        _apply(cfg, key, value, written)
-        set_keys.add(key)
+        _apply(cfg, *parse_override(text))
     for key, value in (paths or {}).items():
         if value is not None:
-            if key in set_keys:  # the option won, and the --set was dropped without a word
-                raise UserError(f"--set {key}: the command line's option for it gives it too; give it once")
             _apply(cfg, key, [str(v) for v in value] if isinstance(value, list) else str(value))
     validate(cfg)
     return cfg

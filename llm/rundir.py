@@ -74,11 +74,12 @@ def is_run_dir(path: Path) -> bool:
 
 def check_writable_out(out: Path, advice: str) -> Path:
     """The nearest of `out` and its parents that exists, checked to be a folder this process can write in (else a
-    UserError ending with `advice` for a file): an --out a command can create or write."""
+    UserError ending with `advice` for a file; a symbolic link that cannot be followed is refused too): an --out a
+    command can create or write."""
     existing = next(p for p in (out, *out.parents) if p.exists() or p.is_symlink() or p == p.parent)
     if not existing.exists():  # a link to nothing: writing there failed only after the work (FileExistsError)
         raise UserError(f"--out {out}: {existing} is a symbolic link to {os.readlink(existing)}, which does not "
-                        "exist; create its target or remove the link")
+                        "exist (or links back to itself); create its target or remove the link")
     if not existing.is_dir():
         raise UserError(f"--out {out}: {existing} is a file; {advice}")
     if not os.access(existing, os.W_OK | os.X_OK):

@@ -193,17 +193,34 @@ def test_out_of_range_numbers_name_the_key_and_the_range(override, message):
         build_config("demo", [override])
 
 
-def test_a_set_that_an_option_also_gives_or_a_mistyped_list_is_refused():
-    """`--set grpo.prompts=X` beside --prompts was dropped without a word, and `--set 'train.sample_prompts=[a, b'`
-    became one prompt, the text '[a, b'."""
-    with pytest.raises(UserError, match=r"^--set train.init_from: the command line's option for it gives it too; "
-                                        r"give it once$"):
-        build_config("demo", ["train.stage=sft", "train.init_from=a"], paths={"train.init_from": "b"})
-    assert build_config("demo", ["train.stage=sft"], paths={"train.init_from": "b"}).train.init_from == "b"
-    with pytest.raises(UserError, match=r"^--set train.sample_prompts: '\[a, b' is not a YAML list or mapping "
-                                        r"\(expected ',' or '\]', but got '<stream end>'\)$"):
+@pytest.mark.parametrize("command, sets, said", [
+    (["grpo", "--prompts", "p.jsonl"], "grpo.prompts=q.jsonl", "--prompts sets it too"),
+    (["sft", "--data", "d"], "data.path=e", "--data sets it too"),
+    (["dpo", "--data", "d", "--beta", "0.2"], "train.dpo_beta=0.1", "--beta sets it too"),
+    (["sft", "--data", "d", "--lora", "r=4"], "lora.r=8", "--lora sets it too"),
+    (["sft", "--data", "d", "--wandb", "offline"], "wandb.mode=off", "--wandb sets it too"),
+    (["sft", "--data", "d"], "train.stage=dpo", "`train sft` sets it too"),
+])
+def test_a_set_that_the_command_also_sets_is_refused(tmp_path, monkeypatch, capsys, command, sets, said):
+    """The command's option won, and the --set was dropped without a word (`--set grpo.prompts=X` beside
+    --prompts, `--set train.dpo_beta` beside --beta, ...)."""
+    from conftest import zerollm_here
+
+    monkeypatch.chdir(tmp_path)
+    assert zerollm_here(monkeypatch, "train", *command, "--recipe", "demo", "--init-from", "base", "--out", "run",
+                        "--set", sets) == 2
+    assert capsys.readouterr().err == f"zerollm: error: --set {sets.partition('=')[0]}: {said}; give it once\n"
+
+
+def test_a_set_list_left_open_is_refused_and_other_text_kept():
+    """`--set 'train.sample_prompts=[a, b'` became one prompt, the text '[a, b'."""
+    with pytest.raises(UserError, match=r"^--set train.sample_prompts: '\[a, b' ends inside a YAML list or mapping "
+                                        r"\(expected ',' or '\]', but got '<stream end>'\); close it, or quote "
+                                        r"text: --set 'train.sample_prompts=\"\[a, b\"'$"):
         build_config("demo", ["train.sample_prompts=[a, b"])
-    assert build_config("demo", ["wandb.name=a: b"]).wandb.name == "a: b"  # text YAML reads otherwise stays text
+    for text in ("a: b", "{date}-run", "[exp] 1"):  # text YAML reads otherwise stays text
+        assert build_config("demo", [f"wandb.name={text}"]).wandb.name == text
+    assert build_config("demo", ["train.sample_prompts=[INST] Hello"]).train.sample_prompts == ["[INST] Hello"]
 
 
 def test_a_recipe_yaml_mistake_is_named_by_its_file_line_and_column(tmp_path):
@@ -232,6 +249,9 @@ def test_an_empty_recipe_is_refused(tmp_path, text):
     recipe.write_text(text)
     with pytest.raises(UserError, match=rf"^{recipe}: no settings \(an empty recipe\); give at least one section "
                                         r"\(model, data, train, \.\.\.\), or a packaged recipe \(.*demo"):
+        build_config(str(recipe))
+    recipe.write_text(text + "[]\n" if text.startswith("#") else "0\n")  # not empty: no mapping
+    with pytest.raises(UserError, match=rf"^{recipe}: expected a mapping of sections \(model, data, train"):
         build_config(str(recipe))
 
 

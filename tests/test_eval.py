@@ -371,7 +371,8 @@ def test_harness_texts_follow_the_bos_of_a_llama_style_tokenizer(llama_model_and
 
 def test_a_generation_prompt_keeps_its_question_and_the_answer_takes_the_room_left(model_and_tokenizer, capsys):
     """With the harness's default max_gen_toks (256) at or above the model's context, the prompt was cut to its last
-    token before the room for 256 answer tokens: the model answered a question it never saw."""
+    token before the room for 256 answer tokens: the model answered a question it never saw. The answer is sure of
+    half the context at most, so a long prompt still leaves it room."""
     from lm_eval.api.instance import Instance
 
     from llm.eval.harness_lm import ZeroLLMHarnessModel
@@ -386,7 +387,8 @@ def test_a_generation_prompt_keeps_its_question_and_the_answer_takes_the_room_le
                              disable_tqdm=True) == ["answer"] * 3
     short, long_question = lm.tok_encode("Say it"), lm.tok_encode("A" * 60 + " long question")
     assert len(short) < CONTEXT < len(long_question)
-    assert seen == [(short, CONTEXT - len(short)), (short, 3), (long_question[-(CONTEXT - 1):], 1)]
+    assert len(short) <= CONTEXT // 2  # kept whole, the answer taking the rest of the context
+    assert seen == [(short, CONTEXT - len(short)), (short, 3), (long_question[-(CONTEXT // 2):], CONTEXT // 2)]
     assert capsys.readouterr().err == ("note: 2 of 3 generate_until answers had less room than the task's "
                                        f"max_gen_toks: the prompt and the answer share the model's context of "
                                        f"{CONTEXT} tokens\n")
@@ -585,6 +587,24 @@ def test_a_task_function_that_is_missing_or_fails_is_one_line(export_dir, local_
         run_tasks(str(export_dir), ["tiny_choice"], include_path=str(local_tasks), out_dir=str(tmp_path / "out"))
     assert re.match(rf"lm-eval failed on tiny_choice \({said}", str(error.value)), str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_an_error_of_zerollm_s_own_code_under_lm_eval_is_not_blamed_on_the_task(export_dir, local_tasks, tmp_path,
+                                                                                 monkeypatch):
+    """Only what the tasks or lm-eval raise is said as the tasks' fault: an error in zerollm's model wrapper is a
+    bug, and keeps its traceback."""
+    from llm.eval import harness_lm
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+
+    def bug(*args, **kwargs):
+        raise KeyError("a bug of ours")
+
+    monkeypatch.setattr(harness_lm.ZeroLLMHarnessModel, "_scores", bug)
+    with pytest.raises(KeyError, match="a bug of ours"):
+        run_tasks(str(export_dir), ["tiny_choice"], include_path=str(local_tasks), out_dir=str(tmp_path / "out"))
 
 
 def test_local_tasks_are_indexed_without_lm_evals_own_and_a_group_with_them(local_tasks):

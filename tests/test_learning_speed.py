@@ -55,7 +55,9 @@ def test_bench_learn_runs_tokenizer_data_training_and_heldout_bits_per_byte_in_o
     (["--reserve", "-5"], "--reserve must be at least 0 s and less than --budget (30 s), got -5"),
     (["--vocab-size", "0"], "--vocab-size 0 is too small"),  # 0 took the recipe's and trained for the whole budget
     (["--budget", "0"], "zerollm: error: --budget must be a positive duration, got '0'"),  # "config key '--budget'"
-    (["--set", "train.max_time=3s"], "--set train.max_time: bench learn sets it to what --budget leaves"),  # ignored
+    (["--set", "train.max_time=3s"], "--set train.max_time: --budget (what it leaves after the preparation and "
+                                     "--reserve) sets it too; give it once"),  # replaced without a word
+    (["--set", "data.path=mine"], "--set data.path: bench learn (the training part of --input) sets it too"),
     (["--out", "{folder}"], "--out {folder} holds train.txt, which bench learn did not write; it replaces its output "
                             "there, so give it a new or empty directory (or one it wrote before)"),
     (["--out", "{folder}/train.txt/out"], "--out {folder}/train.txt/out: {folder}/train.txt is a file"),  # a traceback

@@ -151,7 +151,7 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
         raise UserError(f"lm-eval could not download the task data ({exc}); run once where the Hugging Face Hub "
                         "is reachable (the data is cached), or use a local task with --include-path") from None
     except Exception as exc:  # noqa: BLE001 - what a task's YAML, data or functions raise, through lm-eval
-        if not _task_fault(exc, include_path):
+        if not _task_fault(exc):
             raise  # zerollm's own code, or the model's: a bug to see whole
         raise UserError(f"lm-eval failed on {', '.join(tasks)} ({_said(exc)}); check the tasks' YAML and data "
                         "files") from None
@@ -182,20 +182,13 @@ def _said(exc: BaseException) -> str:
     return " ".join(said.split())[:500]
 
 
-TASK_PACKAGES = ("lm_eval", "datasets", "jinja2", "yaml")
-"""Where an error that lm-eval's run of a task raises comes from the task (unreadable or empty data, a field it
-lacks, a template or a `!function` that fails or is missing), not from zerollm or the model."""
-
-
-def _task_fault(exc: BaseException, include_path: str | None) -> bool:
-    """Whether `exc` was raised by a task: in one of `TASK_PACKAGES` (or is one of their errors, as a template's
-    undefined field, raised in the template's compiled code), or in a file of --include-path (a task's own
-    function)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if type(exc).__module__.partition(".")[0] in TASK_PACKAGES or any(_raised_in(exc, p) for p in TASK_PACKAGES):
-        return True
-    return bool(frames) and include_path is not None and \
-        Path(frames[-1].filename).resolve().is_relative_to(Path(include_path).resolve())
+def _task_fault(exc: BaseException) -> bool:
+    """Whether `exc`, raised while lm-eval ran the tasks, comes from them or from lm-eval (a task's YAML, data,
+    template, `!function` or metric): no frame of zerollm's own code lies below this module's call into lm-eval (the
+    model, its wrapper and the tokenizer are zerollm's: an error there is a bug to see whole)."""
+    package = Path(__file__).resolve().parents[1]
+    frames = traceback.extract_tb(exc.__traceback__)[1:]  # the first is run_tasks, where it was caught
+    return not any(Path(frame.filename).resolve().is_relative_to(package) for frame in frames)
 
 
 def _raised_in(exc: BaseException, package: str) -> bool:

@@ -132,16 +132,18 @@ class ZeroLLMHarnessModel(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuations (the harness's sampling options other than `until` and `max_gen_toks` are not
-        used), cut at the first `until` string, at most `max_gen_toks` tokens. The prompt comes first: it is cut
-        from the left only where it leaves no room for one token, and the answer may take what the context has left
-        (a note says how many answers had less room than `max_gen_toks`). Reserving `max_gen_toks` (256 unless the
-        task says) before the prompt cut a question to its last token in a context of 256 or less."""
+        used), cut at the first `until` string, at most `max_gen_toks` tokens. The answer is sure of
+        `max_gen_toks` or half the context, whichever is less: the prompt is cut from the left only to leave that,
+        and the answer may take whatever else the context has left (a note says how many answers had less room than
+        `max_gen_toks`). Reserving all of `max_gen_toks` (256 unless the task says) cut a question to its last
+        token in a context of 256 or less; reserving nothing would leave a long few-shot prompt no room to answer."""
         out, short = [], 0
         for context, gen_kwargs in tqdm([r.args for r in requests], desc="generate_until", disable=disable_tqdm):
             until = gen_kwargs.get("until", [])
             until = [until] if isinstance(until, str) else list(until)
             asked = int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKENS))
-            prompt = self.tok_encode(context)[-(self.max_length - 1):] or [self.prefix_token_id]
+            reserved = min(asked, max(1, self.max_length // 2))
+            prompt = self.tok_encode(context)[-(self.max_length - reserved):] or [self.prefix_token_id]
             max_new = min(asked, self.max_length - len(prompt))
             short += max_new < asked
             text = self._greedy(prompt, SamplingParams(max_new_tokens=max_new, stop=until))

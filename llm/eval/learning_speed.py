@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from llm import durable, rundir
-from llm.config import RunConfig, build_config, parse_duration
+from llm.config import RunConfig, build_config, parse_duration, refuse_set_twice
 from llm.data.formats import Skipped, expand_inputs, pretrain_texts, read_records, skipped_note
 from llm.data.output import refuse_foreign_contents, staging_leftovers
 from llm.data.prepare import prepare
@@ -141,6 +141,10 @@ def check_training_start(base: RunConfig, vocab_size: int, deepspeed_config: str
     resolve_ds_config(raw, cfg, 1, source, zero_stage)
 
 
+SET_HERE = {"train.max_time": "--budget (what it leaves after the preparation and --reserve)",
+            "data.path": "bench learn (the training part of --input)"}
+"""Run-config keys bench learn sets itself, and what sets them: a --set of one is refused (it was replaced)."""
+
 LEARN_MARKER = ".zerollm-bench-learn"
 """Written first into bench learn's --out: marks a folder whose contents an earlier bench learn wrote."""
 LEARN_OUTPUTS = {f"{part}{suffix}" for part in ("train", "val") for suffix in SPLIT_SUFFIXES} | {
@@ -205,9 +209,7 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
     out_dir = Path(out)
     check_output_dir(out_dir, Path(input_file))
     base = build_config(recipe, overrides)  # a mistake in the recipe or --set fails before the clock matters
-    if any(o.partition("=")[0].strip() == "train.max_time" for o in overrides or []):  # it was replaced silently
-        raise UserError("--set train.max_time: bench learn sets it to what --budget leaves after the preparation and "
-                        "--reserve; give --budget instead")
+    refuse_set_twice(overrides or [], SET_HERE)
     vocab = base.model.vocab_size if vocab_size is None else vocab_size
     if vocab is None:
         raise UserError(f"recipe {recipe} leaves model.vocab_size to the tokenizer: give --vocab-size N (the "
@@ -223,8 +225,8 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
     try:
         tokenizer = train_tokenizer(pretrain_texts([train_file], skipped), vocab, out_dir / "tok",
                                     show_progress=False, skipped=skipped)
-    except UserError as exc:
-        raise refused_part(exc, train_file, input_file, 0) from None
+    except UserError as exc:  # about the training part (its records), or not (a write to tok/)
+        raise (refused_part(exc, train_file, input_file, 0) if str(train_file) in str(exc) else exc) from None
     phases.done("tokenizer", f" ({tokenizer.vocab_size} tokens)")
 
     report = prepare("pretrain", [str(train_file)], out_dir / "tok", out_dir / "data", val_fraction=0.0, workers=2,

@@ -476,7 +476,8 @@ def is_loopback_host(host: str) -> bool:
 
 
 def _port_is_a_number(host: str) -> bool:
-    """Whether a Host header's port, if it has one, is a number from 0 to 65535 (RFC 9112, section 3.2)."""
+    """Whether a Host header reads as a host with an optional port from 0 to 65535 (RFC 9112, section 3.2); an
+    unclosed '[' of an IPv6 address fails too."""
     try:
         urllib.parse.urlsplit(f"//{host.strip()}").port  # noqa: B018 - reading it checks it
     except ValueError:
@@ -562,7 +563,7 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                 self.send_error(400, "a header line is not 'Name: value' (RFC 9112, section 5)")
                 return False
             expect = self.headers.get_all("Expect") or []
-            if [value.strip().lower() for value in expect] not in ([], ["100-continue"]):  # RFC 9110, section 10.1.1
+            if {value.strip().lower() for value in expect} - {"100-continue"}:  # RFC 9110, section 10.1.1
                 self.close_connection = True
                 self.send_error(417, f"Expect '{', '.join(expect)}': this server meets only 'Expect: 100-continue'")
                 return False
@@ -605,7 +606,8 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                 raise RequestError(f"a request needs one Host header (HTTP/1.0: at most one), got {len(hosts)}")
             host = hosts[0] if hosts else None
             if host is not None and not _port_is_a_number(host):
-                raise RequestError(f"Host '{host}' has a port that is not a number from 0 to 65535")
+                raise RequestError(f"Host '{host}' is not a host name with an optional port (a number from 0 to "
+                                   "65535)")
             if loopback and host is not None and not is_loopback_host(host):
                 raise RequestError(f"Host '{host}' is not this machine's loopback name; the server answers local "
                                    "clients only (start it with --host and --api-key to serve others)", status=403)
