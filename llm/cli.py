@@ -627,7 +627,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from llm.infer.chat import ChatSession, chat_repl
 
-    session = ChatSession(_generator(args), _sampling(args), system=args.system)
+    generator = _generator(args)
+    try:
+        session = ChatSession(generator, _sampling(args), system=args.system)
+    except ValueError as exc:  # the text is not valid Unicode
+        raise UserError(f"--system: {exc}") from None
     if sys.stdin is None:  # started with its input closed (<&-): an input that has ended, as </dev/null
         sys.stdin = io.StringIO()
     if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 is refused, not a crash losing the chat

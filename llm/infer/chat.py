@@ -30,15 +30,13 @@ class ChatSession:
         self.reset(system)
 
     def reset(self, system: str | None = None, named: str = "--system") -> None:
-        """Forget the conversation; start again with `system` as the system prompt (none if None). UserError, with
-        nothing changed, when `system` is not valid Unicode or beside it and max_new_tokens not even an empty message
-        would fit (the advice calls the system prompt `named`)."""
+        """Forget the conversation; start again with `system` as the system prompt (none if None). With nothing
+        changed: ValueError when `system` is not valid Unicode (the caller names where it came from), UserError when
+        beside it and max_new_tokens not even an empty message would fit (the advice calls the system prompt
+        `named`)."""
         messages = [{"role": "system", "content": system}] if system else []
-        try:
-            smallest = self.generator.tokenizer.encode_chat([*messages, {"role": "user", "content": ""}],
-                                                            add_generation_prompt=True)
-        except ValueError as exc:  # text that is not UTF-8
-            raise UserError(f"{named}: {exc}" if named.startswith("--") else str(exc)) from None  # an option: named
+        smallest = self.generator.tokenizer.encode_chat([*messages, {"role": "user", "content": ""}],
+                                                        add_generation_prompt=True)
         if len(smallest) > self.budget:
             taken = f"{named} and the chat template take" if system else "the chat template takes"
             fixes = [*(["lower --max-new-tokens"] if len(smallest) < self.generator.model.cfg.max_seq_len else []),
@@ -117,7 +115,7 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
         elif line.partition(" ")[0] == "/system":  # the command word alone, not /systemctl
             try:
                 session.reset(line.removeprefix("/system").strip() or None, named="the system prompt")
-            except UserError as exc:
+            except (UserError, ValueError) as exc:  # ValueError: text that is not valid Unicode
                 say(f"(not set: {exc})")
                 continue
             say(f"(system prompt {'set' if session.system else 'cleared'}; conversation reset)")
