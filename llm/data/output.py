@@ -195,9 +195,8 @@ class OutputDir:
                                 not_ours=self.not_ours)
 
     def _remove_leftovers(self) -> None:
-        for entry in self.out.parent.glob(f"{self.prefix}*"):
-            if entry.name.startswith((f"{self.prefix}partial-", f"{self.prefix}old-")):
-                shutil.rmtree(entry, ignore_errors=True)
+        for name in staging_leftovers(os.listdir(self.out.parent), [self.out.name]):
+            shutil.rmtree(self.out.parent / name, ignore_errors=True)
 
     def commit(self) -> None:
         """Make the staging directory OUT: the old output moves aside and is removed."""
