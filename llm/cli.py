@@ -22,6 +22,7 @@ from launch.hostfile import MAX_SLOTS_PER_HOST
 from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, LaunchOptions, launcher_name
 from llm import rundir
 from llm.config import (
+    LORA_SPEC_KEYS,
     RunConfig,
     build_config,
     load_recipe,
@@ -485,7 +486,7 @@ def _train_config(args: argparse.Namespace):
     if args.lora is not None:
         extra += parse_lora_spec(args.lora)
     options = {"train.stage": f"`train {args.stage}`", "wandb.mode": "--wandb", "train.dpo_beta": "--beta",
-               **dict.fromkeys(("lora.r", "lora.alpha", "lora.targets", "lora.dropout"), "--lora"),
+               **{f"lora.{key}": "--lora" for key in LORA_SPEC_KEYS},
                **PATH_OPTIONS}
     given = {parse_override(o)[0] for o in extra} | {key for key, value in _path_options(args).items() if value}
     refuse_set_twice(args.overrides, {key: options[key] for key in given})
