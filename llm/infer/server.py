@@ -475,7 +475,7 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def _port_is_a_number(host: str) -> bool:
+def _well_formed_host(host: str) -> bool:
     """Whether a Host header reads as a host with an optional port from 0 to 65535 (RFC 9112, section 3.2); an
     unclosed '[' of an IPv6 address fails too."""
     try:
@@ -605,7 +605,7 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             if len(hosts) > 1 or not hosts and self.request_version != "HTTP/1.0":  # RFC 9112, section 3.2
                 raise RequestError(f"a request needs one Host header (HTTP/1.0: at most one), got {len(hosts)}")
             host = hosts[0] if hosts else None
-            if host is not None and not _port_is_a_number(host):
+            if host is not None and not _well_formed_host(host):
                 raise RequestError(f"Host '{host}' is not a host name with an optional port (a number from 0 to "
                                    "65535)")
             if loopback and host is not None and not is_loopback_host(host):
