@@ -229,6 +229,19 @@ def test_a_function_named_like_a_total_and_an_array_of_lines_are_said_plainly(tm
     assert "\n" not in said and said.startswith("--reward rw:rows: returned ndarray [[1. 1.] [1. 1.]")
 
 
+def test_a_column_of_scores_is_refused_alike_from_torch_and_numpy(tmp_path, monkeypatch):
+    """A torch tensor of shape (n, 1) was taken as n scores, where numpy's (n, 1) was refused."""
+    (tmp_path / "cols.py").write_text("import numpy as np, torch\n"
+                                      "def t(prompts, completions, **f):\n    return torch.ones(len(completions), 1)\n"
+                                      "def n(prompts, completions, **f):\n    return np.ones((len(completions), 1))\n"
+                                      "def flat(prompts, completions, **f):\n    return torch.ones(len(completions))\n")
+    monkeypatch.chdir(tmp_path)
+    for name, kind in (("t", "Tensor"), ("n", "ndarray")):
+        with pytest.raises(UserError, match=rf"^--reward cols:{name}: returned {kind} .*one float per completion"):
+            Reward([f"cols:{name}"], 4, torch.device("cpu"))(_completions(["a", "b"]))
+    assert Reward(["cols:flat"], 4, torch.device("cpu"))(_completions(["a", "b"]))[0].tolist() == [1.0, 1.0]
+
+
 def test_a_local_reward_model_scores_completions(tokenizer_dir, tmp_path):
     import transformers
     config = transformers.LlamaConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
