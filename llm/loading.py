@@ -10,8 +10,9 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,25 +38,32 @@ from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.checkpoint import is_partitioned, restricted_unpickling
 from llm.train.run_record import last_record
 
+T = TypeVar("T")
+
 READ_ATTEMPTS = 5
-"""How many times `consolidated_weights` chooses the newest checkpoint again when a training saving meanwhile pruned
+"""How many times `newest_checkpoint` chooses the newest checkpoint again when a training saving meanwhile pruned
 the one it chose before it was read."""
 
 
 def consolidated_weights(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
     """Full fp32 model weights of a checkpoint of any ZeRO stage and world size, on the CPU: `tag`, or the newest
-    complete checkpoint (`rundir.usable_tag`) at the moment it is read: one that a training still saving into the
-    run prunes (train.keep_checkpoints) before it is read is replaced by the newest then, `READ_ATTEMPTS` times at
-    most. No file is unpickled beyond tensors and plain values."""
+    complete checkpoint (`newest_checkpoint`). No file is unpickled beyond tensors and plain values."""
     if tag is not None:
         return _checkpoint_weights(run_dir, tag)
+    return newest_checkpoint(run_dir, lambda newest: _checkpoint_weights(run_dir, newest))[1]
+
+
+def newest_checkpoint(run_dir: Path, read: Callable[[str], T]) -> tuple[str, T]:
+    """(tag, read(tag)) for the newest complete checkpoint (`rundir.usable_tag`) at the moment it is read: one that
+    a training still saving into the run prunes (train.keep_checkpoints) before it is read is replaced by the newest
+    then, `READ_ATTEMPTS` times at most."""
     for _ in range(READ_ATTEMPTS):
         tag = rundir.usable_tag(run_dir)
         if tag is None:
             raise UserError(f"{run_dir}: no checkpoint found (expected "
                             f"{rundir.checkpoint_dir(run_dir) / rundir.LATEST})")
         try:
-            return _checkpoint_weights(run_dir, tag)
+            return tag, read(tag)
         except (FileNotFoundError, UserError):
             if (rundir.checkpoint_dir(run_dir) / tag).is_dir():
                 raise  # not pruned: the checkpoint's own problem
@@ -161,11 +169,12 @@ def weights_summary(path: str | Path, option: str) -> dict[str, str]:
     return {"path": str(directory.resolve()), "weights": weights}
 
 
-def load_model_dir(path: str | Path) -> tuple[Transformer, Path]:
-    """A run directory (newest checkpoint) or an export directory -> (model, directory of its tokenizer)."""
+def load_model_dir(path: str | Path, tag: str | None = None) -> tuple[Transformer, Path]:
+    """A run directory (checkpoint `tag`, or its newest) or an export directory -> (model, directory of its
+    tokenizer)."""
     directory = Path(path)
     if is_run_or_export(directory):
-        return load_trained_model(directory)[0], rundir.tokenizer_dir(directory)
+        return load_trained_model(directory, tag)[0], rundir.tokenizer_dir(directory)
     return import_model(directory), directory
 
 
@@ -189,10 +198,10 @@ def run_tokenizer(run_dir: Path) -> Tokenizer | None:
     return load_tokenizer_copy(kept, f"copy the tokenizer the run was trained with back into {kept}")
 
 
-def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer]:
-    """A run or export directory -> (model, tokenizer); the tokenizer files must be there, and a run's copy of its
-    tokenizer whole (`load_tokenizer_copy`)."""
-    model, tokenizer_dir = load_model_dir(path)
+def load_for_inference(path: str | Path, tag: str | None = None) -> tuple[Transformer, Tokenizer]:
+    """A run (checkpoint `tag`, or its newest) or export directory -> (model, tokenizer); the tokenizer files must be
+    there, and a run's copy of its tokenizer whole (`load_tokenizer_copy`)."""
+    model, tokenizer_dir = load_model_dir(path, tag)
     if rundir.is_run_dir(Path(path)) and tokenizer_dir.is_dir():
         tokenizer = run_tokenizer(Path(path))
     elif (tokenizer_dir / TOKENIZER_FILE).is_file():
@@ -203,6 +212,15 @@ def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer]:
         raise UserError(f"{path}: its tokenizer {tokenizer_dir} has {tokenizer.vocab_size} tokens, more than the "
                         f"model's vocab_size {model.cfg.vocab_size}; use the tokenizer the model was trained with")
     return model, tokenizer
+
+
+def load_scored(path: str | Path) -> tuple[Transformer, Tokenizer, str | None]:
+    """`load_for_inference`, and the checkpoint it read (None for an export directory): what an evaluation names as
+    the weights it scored, a run still training being read at its newest complete checkpoint."""
+    if not rundir.is_run_dir(Path(path)):
+        return *load_for_inference(path), None
+    tag, (model, tokenizer) = newest_checkpoint(Path(path), lambda newest: load_for_inference(path, newest))
+    return model, tokenizer, tag
 
 
 SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "attention_head_dim", "ffn_hidden_dim",

@@ -497,9 +497,9 @@ def test_lm_eval_runs_tasks_through_the_chat_template_and_logs_their_samples(exp
 def test_a_chat_template_is_not_applied_where_the_tokenizer_has_none(export_dir, local_tasks, monkeypatch):
     from llm.eval import harness
 
-    model, tokenizer = harness.load_for_inference(export_dir)
+    model, tokenizer, checkpoint = harness.load_scored(export_dir)
     tokenizer.chat_template = None
-    monkeypatch.setattr(harness, "load_for_inference", lambda directory: (model, tokenizer))
+    monkeypatch.setattr(harness, "load_scored", lambda directory: (model, tokenizer, checkpoint))
     with pytest.raises(UserError, match="--apply-chat-template: .*: the tokenizer has no chat template"):
         run_tasks(str(export_dir), ["tiny_choice"], include_path=str(local_tasks), chat=True)
 
@@ -797,3 +797,34 @@ def test_lm_eval_results_get_names_of_their_own_written_atomically(tmp_path, mon
         assert stem.with_suffix(".md").read_text() == f"table {i}"
     assert written == [f"{s.name}.{suffix}" for s in stems for suffix in ("json", "md")]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(written)  # no temporary left
+
+
+def test_a_run_is_scored_naming_the_checkpoint_it_was_read_at(zero_runs, text_files, monkeypatch, capsys):
+    """A run still training is read at its newest complete checkpoint; the result did not say which."""
+    run = zero_runs[2]
+    assert zerollm_here(monkeypatch, "eval", "--model", run, "--input", text_files[0], "--json") == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["checkpoint"] == "global_step4"
+    assert zerollm_here(monkeypatch, "eval", "--model", run, "--input", text_files[0]) == 0
+    assert capsys.readouterr().out.startswith(f"eval {run} (global_step4) on {text_files[0]}: ")
+
+
+def test_ranks_that_read_different_checkpoints_are_refused(monkeypatch):
+    """Each rank of `eval --nproc 2` reads the run itself: a checkpoint published between their reads had them score
+    two models as one."""
+    from llm.eval import perplexity
+
+    monkeypatch.setattr(perplexity.dist, "all_gather_object", lambda read, mine: read.__setitem__(1, "global_step8"))
+    perplexity.same_checkpoint("run", "global_step8", 2)
+    with pytest.raises(UserError, match=r"^--model run: its ranks read different checkpoints \(global_step4, "
+                                        r"global_step8\); a training published one while they loaded; run again$"):
+        perplexity.same_checkpoint("run", "global_step4", 2)
+
+
+def test_lm_eval_results_name_the_checkpoint_of_a_run(zero_runs, local_tasks, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    run = zero_runs[2]
+    results = run_tasks(str(run), ["tiny_choice"], include_path=str(local_tasks),
+                        out_dir=str(tmp_path / "results"))
+    assert results["config"]["model_args"] == f"model={run},checkpoint=global_step4"
+    assert next((tmp_path / "results").glob("*.md")).read_text().startswith(f"model: {run} (global_step4)\n\n")

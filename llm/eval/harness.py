@@ -23,7 +23,7 @@ from llm import durable, rundir
 from llm.devices import place, resolve
 from llm.errors import UserError
 from llm.eval.perplexity import check_batch_size, evaluation_context
-from llm.loading import load_for_inference
+from llm.loading import load_scored
 from llm.train.run_record import git_state
 
 INSTALL_HINT = ("lm-eval is not installed; pip install 'lm-eval' 'transformers<5.25' (or the eval extra: pip install "
@@ -132,7 +132,7 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
             raise UserError(f"{path}: group {group} names {', '.join(missing)}, which no lm-eval task is called; "
                             "`lm-eval ls tasks` lists them")
     where, precision = resolve(device, dtype)
-    model, tokenizer = load_for_inference(model_dir)
+    model, tokenizer, checkpoint = load_scored(model_dir)
     if chat:
         try:
             tokenizer.check_chat_template()
@@ -159,10 +159,12 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     print(table)
     samples = results.pop("samples", {})
     # which model scored, as lm-eval records a Hugging Face model ("ZeroLLMHarnessModel" and nulls before)
-    results.setdefault("config", {}).update(model="zerollm", model_args=f"model={model_dir}", batch_size=batch_size,
+    scored = f"model={model_dir}" + (f",checkpoint={checkpoint}" if checkpoint else "")
+    results.setdefault("config", {}).update(model="zerollm", model_args=scored, batch_size=batch_size,
                                            device=str(where), dtype=str(precision).removeprefix("torch."))
+    named = f"{model_dir} ({checkpoint})" if checkpoint else model_dir
     stem = save_results(out, json.dumps(results, indent=1, default=str, ensure_ascii=False),
-                        f"model: {model_dir}\n\n{table}")
+                        f"model: {named}\n\n{table}")
     print(f"results written to {stem}.json and {stem}.md")
     for task, rows in samples.items():
         path = stem.with_name(f"{stem.name}_samples_{task}.jsonl")

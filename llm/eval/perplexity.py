@@ -41,7 +41,7 @@ from llm.eval.token_stream import (
     stream_of_files,
     stream_of_split,
 )
-from llm.loading import is_run_or_export, load_for_inference
+from llm.loading import is_run_or_export, load_scored
 from llm.model import Transformer
 from llm.runtime.distributed import agreed, setup_distributed
 from llm.tokenizer import Tokenizer
@@ -194,6 +194,16 @@ def check_sources(model_dir: str, inputs: list[str] | None, data_dir: str | None
     is_run_or_export(Path(model_dir), "--model")
 
 
+def same_checkpoint(model_dir: str, mine: str | None, world_size: int) -> None:
+    """Every rank read checkpoint `mine` of the run (a collective): a training that published a newer one while the
+    ranks loaded theirs would have them score different weights as one model."""
+    read = [mine] * world_size
+    dist.all_gather_object(read, mine)
+    if len(set(read)) > 1:
+        raise UserError(f"--model {model_dir}: its ranks read different checkpoints ({', '.join(sorted(set(read)))}); "
+                        "a training published one while they loaded; run again")
+
+
 def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | None, split: str | None,
                    context: int | None = None, stride: int | None = None, batch_size: int = 8, device: str = "auto",
                    dtype: str = "auto", as_json: bool = False) -> int:
@@ -217,7 +227,7 @@ def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | Non
 
     def inputs_checked():
         check_sources(model_dir, inputs, data_dir, split)
-        model, tokenizer = load_for_inference(model_dir)
+        model, tokenizer, checkpoint = load_scored(model_dir)
         window = evaluation_context(context, Path(model_dir), model)
         step = window if stride is None else stride
         check_stride(step, window)  # before the inputs are read: large ones take minutes
@@ -227,10 +237,13 @@ def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | Non
         else:
             stream, report = stream_of_split(data_dir, split, tokenizer), None
             source = {"data": str(data_dir), "split": split}
+        if checkpoint is not None:
+            source["checkpoint"] = checkpoint
         return model, tokenizer, window, step, stream, report, source
 
     if world_size > 1:  # a mistake every rank finds: one line per node, not one per rank
         model, tokenizer, context, stride, stream, report, source = agreed(inputs_checked, announce)
+        agreed(lambda: same_checkpoint(model_dir, source.get("checkpoint"), world_size), announce)
     else:
         model, tokenizer, context, stride, stream, report, source = inputs_checked()
     if report is not None and report.skipped and rank == 0:
@@ -245,6 +258,7 @@ def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | Non
             print(json.dumps({"model": str(model_dir), **source, "ranks": world_size, **result.to_dict()},
                              allow_nan=False))
         else:
-            print(f"eval {model_dir} on {', '.join(source.get('input', [])) or f'{data_dir} ({split})'}: "
+            weights = f" ({source['checkpoint']})" if "checkpoint" in source else ""
+            print(f"eval {model_dir}{weights} on {', '.join(source.get('input', [])) or f'{data_dir} ({split})'}: "
                   + result.summary())
     return 0  # a rank's process ends without teardown, its gloo group open (`llm.cli.end_rank`)
