@@ -83,7 +83,8 @@ def _resumed_as(tmp_path, saved: list[str], here: list[str], paths: dict | None 
     ds_config = {"zero_optimization": {"stage": 1}}
     build_config("demo", [*RESUMED, *saved]).save(tmp_path / "config.yaml")
     (tmp_path / "ds_config.json").write_text(json.dumps(ds_config))
-    check_same_shape(tmp_path, build_config("demo", [*RESUMED, *here], paths), ds_config)
+    check_same_shape(tmp_path, build_config(rundir.recorded_config(tmp_path)),
+                     build_config("demo", [*RESUMED, *here], paths), ds_config)
 
 
 @pytest.mark.parametrize("saved, here, paths, changes", [

@@ -284,16 +284,16 @@ def test_a_lora_resume_refuses_another_alpha_and_takes_the_targets_in_any_order(
     """alpha scales the saved adapters: resumed with another, the run trained on, and its checkpoints merged at the
     new scale. The order of the targets does not change which modules have adapters; it was refused."""
     run = runs["sft"][0]
-    cfg = build_config((run / "config.yaml").as_posix())
+    saved, cfg = (build_config((run / "config.yaml").as_posix()) for _ in range(2))
     ds_config = json.loads((run / "ds_config.json").read_text())
     cfg.lora.targets = cfg.lora.targets[::-1]
-    check_same_shape(run, cfg, ds_config)
+    check_same_shape(run, saved, cfg, ds_config)
     cfg.lora.alpha = None  # its default, 2r: alpha 8 at r=4, the same scale
-    check_same_shape(run, cfg, ds_config)
+    check_same_shape(run, saved, cfg, ds_config)
     cfg.lora.alpha = 64.0
     with pytest.raises(UserError, match=r"cannot resume with these changes \(lora.alpha / lora.r 2.0 there, 16.0 "
                                         r"here\)"):
-        check_same_shape(run, cfg, ds_config)
+        check_same_shape(run, saved, cfg, ds_config)
 
 
 def test_export_of_a_lora_run_is_the_merged_model(runs, tmp_path, monkeypatch, capfd):

@@ -293,31 +293,31 @@ def _resolved_ds_config(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_file: 
     """The resolved DeepSpeed config (`cfg.train.precision` made concrete), after refusing input of another tokenizer
     than `run_dir` keeps and a resume of it on other data, teacher, base, precision or shape."""
     check_tokenizer(run_dir, cfg, attrs["tokenizer_hash"])
-    resuming = resume and rundir.holds_checkpoints(run_dir)
-    if resuming:
-        check_same_stage(run_dir, cfg)
+    saved = build_config(rundir.recorded_config(run_dir)) if resume and rundir.holds_checkpoints(run_dir) else None
+    if saved is not None:
+        check_same_stage(run_dir, saved, cfg)
         check_same_data(run_dir, data, input_files(cfg), attrs.get("legacy_tokenizer_hash"))
         for role, option in (("teacher", "--teacher"), ("base", "--init-from")):
             if role in data:
                 check_same_weights(run_dir, role, data[role], option)
-        cfg.train.precision = resumed_precision(run_dir, cfg.train.precision)
+        cfg.train.precision = resumed_precision(run_dir, saved.train.precision, cfg.train.precision)
     cfg.train.precision = resolve_precision(cfg.train.precision, info.device)
     if cfg.model.kernels == "triton" and (reason := triton_unavailable(info.device)) is not None:
         raise UserError(reason if info.device.type == "cuda" else f"model.kernels=triton needs a CUDA GPU (this job "
                         f"runs on {info.device.type}); use auto or torch here")
     raw, source = ds_file
     ds_config = resolve_ds_config(raw, cfg, info.world_size, source, zero_stage)
-    if resuming:
-        check_same_shape(run_dir, cfg, ds_config)
+    if saved is not None:
+        check_same_shape(run_dir, saved, cfg, ds_config)
     return ds_config
 
 
-def check_same_shape(run_dir: Path, cfg: RunConfig, ds_config: dict) -> None:
-    """Refuse to resume `run_dir` with a model shape or function, LoRA shape, stage, windowing (data.seq_len), ZeRO
-    stage or kind of schedule other than its checkpoints were saved with (DeepSpeed's load fails on shapes with a
-    size-mismatch list, an AttributeError or an AssertionError; a schedule of another kind fails with a KeyError or
-    restarts from its first step; the others train on silently, into checkpoints that mean something else)."""
-    saved = build_config(rundir.recorded_config(run_dir))
+def check_same_shape(run_dir: Path, saved: RunConfig, cfg: RunConfig, ds_config: dict) -> None:
+    """Refuse to resume `run_dir` (trained with `saved`) with a model shape or function, LoRA shape, stage, windowing
+    (data.seq_len), ZeRO stage or kind of schedule other than its checkpoints were saved with (DeepSpeed's load fails
+    on shapes with a size-mismatch list, an AttributeError or an AssertionError; a schedule of another kind fails
+    with a KeyError or restarts from its first step; the others train on silently, into checkpoints that mean
+    something else)."""
 
     def value(config: RunConfig, key: str) -> Any:
         section, _, name = key.partition(".")
@@ -342,10 +342,10 @@ def check_same_shape(run_dir: Path, cfg: RunConfig, ds_config: dict) -> None:
         _refuse_resume(run_dir, differing)
 
 
-def check_same_stage(run_dir: Path, cfg: RunConfig) -> None:
-    """Refuse a resume by another stage before its data is compared with the run's: a GRPO prompt file's digest
-    against an SFT run's tokens.h5 digest was reported as other data, mislabelled."""
-    saved = build_config(rundir.recorded_config(run_dir))
+def check_same_stage(run_dir: Path, saved: RunConfig, cfg: RunConfig) -> None:
+    """Refuse a resume of `run_dir` (trained with `saved`) by another stage before its data is compared with the
+    run's: a GRPO prompt file's digest against an SFT run's tokens.h5 digest was reported as other data,
+    mislabelled."""
     if saved.train.stage != cfg.train.stage:
         _refuse_resume(run_dir, [f"train.stage {_stage(saved)} there, {_stage(cfg)} here"])
 
@@ -359,13 +359,10 @@ def _refuse_resume(run_dir: Path, differing: list[str]) -> NoReturn:
                     f"with the values there, or start a new run with --init-from {run_dir}")
 
 
-def resumed_precision(run_dir: Path, requested: str) -> str:
-    """The precision a resumed run continues in: the one its checkpoints were saved in, which `auto` takes even
-    where it would choose another on this device; another is refused (DeepSpeed keeps a bf16 run's optimizer state
-    in files of other names, so the load would fail half way)."""
-    if not rundir.config_file(run_dir).is_file():
-        return requested
-    saved = rundir.recorded_config(run_dir)["train"]["precision"]
+def resumed_precision(run_dir: Path, saved: str, requested: str) -> str:
+    """The precision a resumed run continues in: `saved`, the one its checkpoints were saved in, which `auto` takes
+    even where it would choose another on this device; another is refused (DeepSpeed keeps a bf16 run's optimizer
+    state in files of other names, so the load would fail half way)."""
     if requested not in ("auto", saved):
         raise UserError(f"{run_dir} was trained in {saved}; train.precision={requested} cannot resume it (DeepSpeed's "
                         f"checkpoints differ by precision): resume with train.precision=auto or {saved}, or start a "
