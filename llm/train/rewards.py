@@ -369,3 +369,11 @@ class Reward:
                             "raise the limit (0: none)") from None
         total = sum(t.weight * components[t.name] for t in self.terms)
         return total, components
+
+
+def reward_metrics(total: torch.Tensor, components: dict[str, torch.Tensor], group: int) -> dict[str, torch.Tensor]:
+    """A step's reward metrics: the total's mean and the mean of its groups' standard deviations (`TOTALS_LOGGED`),
+    and each term's unweighted mean."""
+    mean, std = TOTALS_LOGGED
+    return {f"reward/{mean}": total.mean(), f"reward/{std}": total.view(-1, group).std(1).mean(),
+            **{f"reward/{name}": scores.mean() for name, scores in components.items()}}

@@ -44,7 +44,7 @@ from llm.runtime.distributed import DistInfo, agreed
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.engine import full_parameters
 from llm.train.prompts import Prompt, PromptSet, read_prompts
-from llm.train.rewards import Completions, Reward
+from llm.train.rewards import Completions, Reward, reward_metrics
 from llm.train.steps import Batch, StepBatches
 
 
@@ -217,8 +217,7 @@ class Rollouts:
         size = self.micro_batch_size
         micro_batches = [self._micro_batch([p.ids for p in prompts[i:i + size]], completions[i:i + size],
                                            advantages[i:i + size]) for i in range(0, len(prompts), size)]
-        metrics = {"reward/mean": rewards.mean(), "reward/std": rewards.view(-1, group).std(1).mean(),
-                   "completion_length": torch.tensor(lengths, dtype=torch.float32).mean(),
-                   **{f"reward/{name}": scores.mean() for name, scores in components.items()}}
+        metrics = {**reward_metrics(rewards, components, group),
+                   "completion_length": torch.tensor(lengths, dtype=torch.float32).mean()}
         return StepBatches(micro_batches, sum(b["tokens"].numel() for b in micro_batches),
                            {k: v.to(self.info.device) for k, v in metrics.items()}, sum(lengths), seconds)
