@@ -47,6 +47,13 @@ def check_token_ids(batch: dict[str, torch.Tensor], vocab_size: int, data_dir: s
                         "`zerollm data prepare` wrote it: prepare the data again")
 
 
+def checked_to(device: torch.device, batch: dict[str, torch.Tensor], vocab_size: int, data_dir: str | Path,
+               split: str) -> dict[str, torch.Tensor]:
+    """`batch` on `device` (copied without waiting on a GPU), its token ids checked first (`check_token_ids`)."""
+    check_token_ids(batch, vocab_size, data_dir, split)
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 class _LazyH5:
     """Opens `tokens.h5` on first access in each process (DataLoader workers included), without HDF5's chunk cache:
     training reads windows at random, and through the default 1 MiB cache each window read the whole 64 Ki-token

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import default_collate
 
 from llm.config import RunConfig
-from llm.data.datasets import check_token_ids
+from llm.data.datasets import checked_to
 
 Batch = dict[str, torch.Tensor]
 
@@ -57,9 +57,6 @@ class DataSteps:
                 f"global batch ({needed}); add data or lower train.micro_batch_size / data.seq_len")
 
     def step_batches(self, draw: Callable[[], Any], step: int) -> StepBatches:
-        micro_batches = [self._on_device(draw()) for _ in range(self.draws_per_step)]
+        micro_batches = [checked_to(self.device, draw(), self.vocab_size, self.inputs, "train")
+                         for _ in range(self.draws_per_step)]
         return StepBatches(micro_batches, self.positions)
-
-    def _on_device(self, batch: Batch) -> Batch:
-        check_token_ids(batch, self.vocab_size, self.inputs, "train")
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}

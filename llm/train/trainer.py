@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from llm import rundir
 from llm.config import RunConfig
-from llm.data.datasets import check_token_ids
+from llm.data.datasets import checked_to
 from llm.data.sampler import ResumableDistributedSampler
 from llm.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_RANK_LOST
 from llm.runtime.distributed import DistInfo, raise_together
@@ -285,8 +285,7 @@ class Trainer:
         for start in range(0, per_rank, micro):
             samples = [self.val_set[i] for i in indices[start:start + micro]]
             batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
-            check_token_ids(batch, self.cfg.model.vocab_size, self.cfg.data.path, "val")
-            batch = {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
+            batch = checked_to(self.dist.device, batch, self.cfg.model.vocab_size, self.cfg.data.path, "val")
             result = self.objective(self.engine, batch)
             tokens = result.loss_tokens.double()
             totals += torch.stack([result.loss.float().double() * tokens, tokens])
