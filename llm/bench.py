@@ -33,6 +33,7 @@ from llm.model import Transformer
 from llm.model.from_weights import shapes_only
 from llm.model.host_memory import check_generation_fits_in_memory
 from llm.model.lora import apply_lora, parameter_counts
+from llm.wording import plural
 
 BENCH_VOCAB = 6400
 """Vocabulary of the random tokens when the recipe leaves it to the tokenizer."""
@@ -185,7 +186,7 @@ def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int 
 def _measured(figures: dict[str, TrainFigures], asked: int) -> str:
     """'N steps', for each job where they differ, and why where fewer than asked ran."""
     counts = sorted({f.steps for f in figures.values()})
-    shown = f"{' / '.join(map(str, counts))} step{'s' if counts != [1] else ''}"
+    shown = f"{' / '.join(map(str, counts))} {plural('step', max(counts))}"
     return shown if counts == [asked] else f"{shown} (of --steps {asked}: train.max_time ended the job sooner)"
 
 

@@ -34,6 +34,7 @@ from llm.config import (
 from llm.errors import EXIT_USER_ERROR, UserError, report
 from llm.stdout import GuardedStdout, OutputLost, discard, settle
 from llm.train.ds_config_file import load_ds_config
+from llm.wording import plural
 
 EPILOG = "Documentation: README.md. Errors in your input exit with code 2."
 INPUT_FORMATS = (".txt, .jsonl and .json files (each also gzip-compressed, .gz), .parquet and .arrow files, and "
@@ -457,7 +458,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     tok = train_tokenizer(pretrain_texts(files, skipped), args.vocab_size, Path(args.out), args.min_frequency,
                           skipped=skipped)
     print(f"tokenizer: {tok.vocab_size} tokens, hash {tok.hash}, written to {args.out}"
-          + (f" ({len(skipped)} unusable record{'s' if len(skipped) != 1 else ''} skipped)" if skipped else ""))
+          + (f" ({len(skipped)} unusable {plural('record', len(skipped))} skipped)" if skipped else ""))
     if tok.vocab_size < args.vocab_size:
         print(f"note: {tok.vocab_size} tokens, not the {args.vocab_size} asked for: the text has no more pairs "
               f"seen at least {args.min_frequency} times (--min-frequency) to merge")

@@ -44,6 +44,7 @@ from llm.train.ds_config_file import load_ds_config
 from llm.train.engine import resolve_ds_config, resolve_precision
 from llm.train.job import run as run_training
 from llm.train.run_lock import check_run_unlocked
+from llm.wording import plural
 
 TRAIN_SHARE = 0.9
 SPLIT_SUFFIXES = (".txt", ".jsonl")
@@ -125,7 +126,7 @@ def skipped_in_part(skipped: list[str], part: str) -> str:
     """A note on the records of one part that were left out, or ''."""
     if not skipped:
         return ""
-    return (f"note: {len(skipped)} unusable record{'s' if len(skipped) != 1 else ''} of the {part} part left out "
+    return (f"note: {len(skipped)} unusable {plural('record', len(skipped))} of the {part} part left out "
             f"(first: {skipped[0]})")
 
 

@@ -45,6 +45,7 @@ from llm.loading import is_run_or_export, load_scored
 from llm.model import Transformer
 from llm.runtime.distributed import agreed, setup_distributed
 from llm.tokenizer import Tokenizer
+from llm.wording import plural
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class PerplexityResult:
 
     def summary(self) -> str:
         return (f"{self.tokens:,} tokens ({self.bytes:,} bytes) in {self.windows:,} "
-                f"window{'s' if self.windows != 1 else ''} of up to {self.context} "
+                f"{plural('window', self.windows)} of up to {self.context} "
                 f"tokens, stride {self.stride}\n"
                 f"  loss per token  {self.loss:10.4f}\n"
                 f"  perplexity      {_figure(self.perplexity)}\n"
@@ -248,7 +249,7 @@ def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | Non
         model, tokenizer, context, stride, stream, report, source = inputs_checked()
     if report is not None and report.skipped and rank == 0:
         count = len(report.skipped)
-        print(f"skipped {count} unusable record{'s' if count != 1 else ''}:", file=sys.stderr)
+        print(f"skipped {count} unusable {plural('record', count)}:", file=sys.stderr)
         for line in report.skipped:
             print(f"  {line}", file=sys.stderr)
     result = evaluate_stream(place(model, where, precision), tokenizer, stream, context, stride, batch_size, rank,
