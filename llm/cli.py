@@ -450,13 +450,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> int:
-    from llm.data.formats import expand_inputs, pretrain_texts
+    from llm.data.formats import PretrainTexts, expand_inputs
     from llm.tokenizer import train_tokenizer
 
-    files = expand_inputs(args.input, exclude=args.out)  # a tokenizer written into an input folder is not read back
-    skipped = []
-    tok = train_tokenizer(pretrain_texts(files, skipped), args.vocab_size, Path(args.out), args.min_frequency,
-                          skipped=skipped)
+    # a tokenizer written into an input folder is not read back
+    texts = PretrainTexts(expand_inputs(args.input, exclude=args.out))
+    tok = train_tokenizer(texts, args.vocab_size, Path(args.out), args.min_frequency, skipped=texts.skipped)
+    skipped = texts.skipped
     print(f"tokenizer: {tok.vocab_size} tokens, hash {tok.hash}, written to {args.out}"
           + (f" ({len(skipped)} unusable {plural('record', len(skipped))} skipped)" if skipped else ""))
     if tok.vocab_size < args.vocab_size:

@@ -38,7 +38,7 @@ from llm.data.readers import (
 )
 
 __all__ = ["Item", "RecordError", "Skipped", "conversation", "expand_inputs", "preference", "pretrain_text",
-           "pretrain_texts", "read_items", "read_records", "skipped_note", "with_system"]
+           "PretrainTexts", "read_items", "read_records", "skipped_note", "with_system"]
 
 Message = dict[str, Any]
 
@@ -353,11 +353,16 @@ def read_records(files: Iterable[Path], kind: str, max_record_mb: float = DEFAUL
                     yield Item(item.source, item.line, value, item.unit)
 
 
-def pretrain_texts(files: Iterable[Path], skipped: list[Skipped]) -> Iterator[str]:
-    """The text of every usable pretraining record of `files` (`read_records`), a long document as pieces; each
-    unusable one is appended to `skipped` as it is read, for a count and for `skipped_note`."""
-    for record in read_records(files, "pretrain"):
-        if isinstance(record, Skipped):
-            skipped.append(record)
-        else:
-            yield record.value
+class PretrainTexts:
+    """The text of every usable pretraining record of `files` (`read_records`), a long document as pieces, read as
+    it is iterated; `skipped` gathers each unusable one as it is read, for a count and for `skipped_note`."""
+
+    def __init__(self, files: Iterable[Path]) -> None:
+        self.files, self.skipped = files, []
+
+    def __iter__(self) -> Iterator[str]:
+        for record in read_records(self.files, "pretrain"):
+            if isinstance(record, Skipped):
+                self.skipped.append(record)
+            else:
+                yield record.value

@@ -31,7 +31,7 @@ import torch
 
 from llm import durable, rundir
 from llm.config import RunConfig, build_config, parse_duration, refuse_set_twice
-from llm.data.formats import Skipped, expand_inputs, pretrain_texts, read_records, skipped_note
+from llm.data.formats import PretrainTexts, Skipped, expand_inputs, read_records, skipped_note
 from llm.data.output import refuse_foreign_contents, staging_leftovers
 from llm.data.prepare import prepare
 from llm.errors import EXIT_OK, UserError
@@ -222,10 +222,9 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
     task_dir, heldout_skipped = check_heldout_part(input_file, train_file, val_file, out_dir / "tasks")
     phases.done("split")
 
-    skipped = []
+    texts = PretrainTexts([train_file])
     try:
-        tokenizer = train_tokenizer(pretrain_texts([train_file], skipped), vocab, out_dir / "tok",
-                                    show_progress=False, skipped=skipped)
+        tokenizer = train_tokenizer(texts, vocab, out_dir / "tok", show_progress=False, skipped=texts.skipped)
     except UserError as exc:  # about the training part (its records), or not (a write to tok/)
         raise (refused_part(exc, train_file, input_file, 0) if str(train_file) in str(exc) else exc) from None
     phases.done("tokenizer", f" ({tokenizer.vocab_size} tokens)")
