@@ -516,10 +516,23 @@ def _path_options(args: argparse.Namespace) -> dict[str, str | list[str] | None]
 def _checked_before_ranks(args: argparse.Namespace):
     """The run config of a `train STAGE` command, after what is checked before any rank starts: its output folder
     and its DeepSpeed JSON's file (its values are checked in every rank)."""
+    from launch.local import under_launcher
+
     cfg = _train_config(args)
     rundir.check_run_output(Path(args.out), args.resume == "auto")
     load_ds_config(args.deepspeed, cfg.train.stage)
+    if not under_launcher():  # said once, by the process that starts the ranks
+        _note_dormant_lora(args.overrides, cfg)
     return cfg
+
+
+def _note_dormant_lora(overrides: list[str], cfg: RunConfig) -> None:
+    """`--set lora.alpha=...` without lora.r trains every weight, as without LoRA: said, not refused (a recipe may
+    keep a lora section that is off)."""
+    keys = [key for key, _, _ in map(parse_override, overrides) if key.startswith("lora.") and key != "lora.r"]
+    if keys and not cfg.lora.r:
+        print(f"zerollm: note: {', '.join(keys)} set, but lora.r is 0: no LoRA, every weight trains (--set lora.r=N "
+              "or --lora r=N for adapters)", file=sys.stderr, flush=True)
 
 
 def _check_rank_inputs(cfg: RunConfig, starting_ranks: bool) -> None:

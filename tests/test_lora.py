@@ -373,3 +373,22 @@ def test_bench_counts_trainable_parameters_and_writes_one_conversation_per_windo
     write_random_conversations(tmp_path, 512, n_conversations=5, seq_len=32)
     windows = PackedConversations(tmp_path, "train", 32, pad_id=3)
     assert len(windows) == 5 and windows.padding_fraction == 0 and bool(windows[0]["loss_mask"].all())
+
+
+def test_lora_settings_without_a_rank_are_noted_once(monkeypatch, capsys, tmp_path):
+    """`--set lora.alpha=64` without lora.r trained every weight with no word: the user meant adapters."""
+    common = ["train", "sft", "--recipe", "demo", "--data", tmp_path / "none", "--out", tmp_path / "run"]
+    assert zerollm_here(monkeypatch, *common, "--set", "lora.alpha=64", "--set", "lora.dropout=0.1") == 2
+    err = capsys.readouterr().err
+    assert err.count("note") == 1 and err.startswith(
+        "zerollm: note: lora.alpha, lora.dropout set, but lora.r is 0: no LoRA, every weight trains (--set lora.r=N "
+        "or --lora r=N for adapters)\n")
+    for quiet in (["--set", "train.lr=1e-4"], ["--set", "lora.r=4", "--set", "lora.alpha=8"]):
+        zerollm_here(monkeypatch, *common, *quiet)
+        assert "note" not in capsys.readouterr().err
+    from llm.cli import main
+
+    monkeypatch.setenv("LOCAL_RANK", "0")  # a rank: the process that started it said it
+    with pytest.raises(SystemExit):
+        main([*map(str, common), "--set", "lora.alpha=64"])
+    assert "note" not in capsys.readouterr().err
