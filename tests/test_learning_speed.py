@@ -89,6 +89,19 @@ def test_bad_options_are_refused_before_anything_is_written(tmp_path, monkeypatc
     assert (folder / "train.txt").read_bytes() == before and not (tmp_path / "out").exists()
 
 
+def test_a_short_file_that_is_not_utf8_is_refused_for_its_encoding(tmp_path, monkeypatch, capsys):
+    """It was called too short to split: true, but text that is not UTF-8 is refused however long it grows."""
+    from conftest import zerollm_here
+
+    for body, said in ((b"ok\n\xc4\xe3\xba\xc3\n", "{input}:2: not valid UTF-8 text"),  # GBK
+                       (b"ok\n", "{input}: too short to split into a training part and a held-out part")):
+        source = tmp_path / "short.txt"
+        source.write_bytes(body)
+        assert zerollm_here(monkeypatch, "bench", "learn", "--input", source, "--budget", "30",
+                            "--out", tmp_path / "out") == 2
+        assert capsys.readouterr().err.startswith("zerollm: error: " + said.format(input=source))
+
+
 @pytest.mark.parametrize("name, tail, said", [
     ("novel.txt", b"caf\xe9 ol\xe9\n" * 20, "{input}:301: not valid UTF-8 text"),
     ("novel.jsonl", b'{"title": "no text"}\n' * 300,
