@@ -238,3 +238,18 @@ def test_a_system_prompt_that_is_not_utf8_is_one_line_naming_the_option(zero_run
     assert (result.returncode, result.stderr) == (2, "zerollm: error: --system: the text is not valid Unicode: it "
                                                      "holds the byte 0xe9, which is not UTF-8 (is the terminal or the "
                                                      "file in another encoding?)\n")
+
+
+def test_a_reply_whose_kv_cache_cannot_fit_in_memory_is_refused_first(generator, monkeypatch):
+    """It ended the chat in the allocator's traceback, losing the conversation."""
+    from llm.model import host_memory
+
+    per_position = 2 * 2 * 2 * 16 * 4  # keys and values of 2 layers, 2 KV heads of 16 dimensions, fp32
+    monkeypatch.setattr(host_memory, "usable_memory", lambda: 60 * per_position)
+    with pytest.raises(UserError, match=r"^no message can be sent: the prompt \(\d+ tokens\) and --max-new-tokens 64 "
+                                        r"need a KV cache of .*; lower --max-new-tokens$"):
+        ChatSession(generator, SamplingParams(max_new_tokens=64))
+    session = ChatSession(generator, SamplingParams(max_new_tokens=8))
+    out = _repl(session, ["hello", "word " * 20, "again"])
+    assert re.search(r"\(not sent: the prompt \(\d+ tokens\) and --max-new-tokens 8 need a KV cache of ", out)
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == ["hello", "again"]

@@ -648,3 +648,21 @@ def test_tokens_without_text_inside_a_character_leave_it_whole(tiny_model):
     script = character[:1] + [0] * 9 + character[1:]
     text = IncrementalText(generator)
     assert "".join(text.add(token) for token in script) == generator.text(script) == "😀a"
+
+
+def test_a_kv_cache_that_cannot_fit_in_memory_is_one_line(exported, generator, monkeypatch, capsys):
+    """--max-new-tokens 10**8 on a model of a long context ended in the allocator's traceback (102 GB asked)."""
+    from llm.model import host_memory
+
+    per_position = 2 * 2 * 2 * 16 * 4  # keys and values of 2 layers, 2 KV heads of 16 dimensions, fp32
+    monkeypatch.setattr(host_memory, "usable_memory", lambda: 40 * per_position)
+    assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "To be", "--max-new-tokens",
+                        64) == 2
+    assert re.fullmatch(r"zerollm: error: the prompt \(\d+ tokens\) and --max-new-tokens 64 need a KV cache of "
+                        r"[\d.]+ GiB, more than the limit of this process's cgroup \(a container's or a job's\): "
+                        r"[\d.]+ GiB of memory: lower --max-new-tokens or shorten the prompt\n",
+                        capsys.readouterr().err)
+    prompt = generator.prompt_ids("To be")
+    with pytest.raises(ValueError, match=r"need a KV cache"):
+        generator.generate([prompt] * 2, SamplingParams(max_new_tokens=30))  # 2 rows: twice the cache
+    assert len(generator.generate([prompt], SamplingParams(max_new_tokens=30))) == 1

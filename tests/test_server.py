@@ -352,6 +352,19 @@ def test_vllm_top_k_and_repetition_penalty_are_applied(server, generator):
         assert payload["choices"][0]["message"]["content"] == "".join(generator.stream(ids, params)), fields
 
 
+def test_a_reply_whose_kv_cache_cannot_fit_in_memory_is_a_400_naming_max_tokens(server, generator, monkeypatch):
+    """The generation thread met the allocator's error instead."""
+    from llm.model import host_memory
+
+    per_position = 2 * 2 * 2 * 16 * 4  # keys and values of 2 layers, 2 KV heads of 16 dimensions, fp32
+    monkeypatch.setattr(host_memory, "usable_memory", lambda: 40 * per_position)
+    status, payload = _post(server, json.dumps({**HELLO, "max_tokens": 64}).encode())
+    assert (status, payload["error"]["param"]) == (400, "max_tokens")
+    assert re.fullmatch(r"the prompt \(\d+ tokens\) and max_tokens 64 need a KV cache of .*; lower max_tokens",
+                        payload["error"]["message"])
+    assert _post(server, json.dumps({**HELLO, "max_tokens": 8}).encode())[0] == 200
+
+
 def test_a_prompt_that_fills_the_context_is_refused_without_a_max_tokens_it_was_not_sent(server, generator):
     """Without max_tokens the message blamed 'max_tokens (1)', which the client never sent."""
     content = "word " * CONTEXT
@@ -653,7 +666,15 @@ def test_a_client_leaving_mid_stream_ends_its_generation_quietly(generator, capf
     assert "Traceback" not in capfd.readouterr().err
 
 
-class Steady:
+class FitsInMemory:
+    """What ChatService asks of a stand-in generator beside its stream: whether a reply's KV cache fits in memory
+    (it always does; the service checks the context itself)."""
+
+    def room_problem(self, prompt_tokens, max_new_tokens, limit_name="max_new_tokens", batch=1):
+        return None
+
+
+class Steady(FitsInMemory):
     """A model whose every reply is `pieces` pieces "x", 20 a second (a stream of itself)."""
 
     finish_reason = "length"
@@ -776,7 +797,7 @@ def test_closing_the_service_as_its_thread_takes_a_request_ends_that_generation_
 def test_an_error_after_an_early_head_is_the_body(generator):
     """To an HTTP/1.0 client whose input ended the head of the reply goes at once (to tell a close from a
     half-close); a failure of the model after it is the OpenAI error as the body, with no second head."""
-    class Failing:
+    class Failing(FitsInMemory):
         model, tokenizer = generator.model, generator.tokenizer
 
         def stream(self, prompt, params, cancelled=None):
@@ -791,7 +812,7 @@ def test_an_error_after_an_early_head_is_the_body(generator):
 
 
 def test_an_error_after_the_stream_began_is_an_sse_event(generator):
-    class Failing:
+    class Failing(FitsInMemory):
         model, tokenizer = generator.model, generator.tokenizer
 
         def stream(self, prompt, params, cancelled=None):
@@ -932,7 +953,7 @@ def _holding(generator, started: threading.Event, release: threading.Event):
             release.wait(CLIENT_TIMEOUT_S)
             yield "done"
 
-    class Holding:
+    class Holding(FitsInMemory):
         model, tokenizer = generator.model, generator.tokenizer
 
         def stream(self, prompt, params, cancelled=None):

@@ -44,7 +44,13 @@ class ChatSession:
             raise UserError(f"no message can be sent: the model's context ({self.generator.model.cfg.max_seq_len}) "
                             f"holds {max(self.budget, 0)} prompt tokens beside --max-new-tokens "
                             f"{self.params.max_new_tokens}, and {taken} {len(smallest)}; {' or '.join(fixes)}")
+        if (problem := self._room_problem(smallest)) is not None:
+            raise UserError(f"no message can be sent: {problem}")
         self.system, self.messages = system, messages
+
+    def _room_problem(self, ids: list[int]) -> str | None:
+        problem = self.generator.room_problem(len(ids), self.params.max_new_tokens, "--max-new-tokens")
+        return None if problem is None else f"{problem}; lower --max-new-tokens"
 
     @property
     def budget(self) -> int:
@@ -53,12 +59,15 @@ class ChatSession:
 
     def fit(self, messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[int]]:
         """(messages, prompt ids) with the oldest exchanges dropped until the prompt fits; never drops the system
-        prompt or the newest message. ValueError when even those do not fit."""
+        prompt or the newest message. ValueError when even those do not fit, or their reply's KV cache does not fit
+        in memory."""
         system = [m for m in messages[:1] if m["role"] == "system"]
         turns = messages[len(system):]
         while True:
             ids = self.generator.tokenizer.encode_chat(system + turns, add_generation_prompt=True)
             if len(ids) <= self.budget:
+                if (problem := self._room_problem(ids)) is not None:  # its KV cache does not fit in memory
+                    raise ValueError(problem)
                 return system + turns, ids
             if len(turns) <= 1:
                 raise ValueError(f"this message makes a prompt of {len(ids)} tokens, but the model's context "

@@ -23,6 +23,7 @@ import torch
 
 from llm.infer.sampling import SamplingParams, choose_next
 from llm.model import Transformer
+from llm.model.host_memory import kv_cache_problem
 from llm.model.kv_cache import KVCache
 from llm.tokenizer import Tokenizer
 
@@ -84,7 +85,7 @@ class TextGenerator:
             raise ValueError("the prompt is empty: there is nothing to continue (a prompt needs at least one token)")
         ids, valid = self._left_pad(prompts)
         batch, total = ids.shape[0], ids.shape[1] + params.max_new_tokens
-        if (problem := self.room_problem(ids.shape[1], params.max_new_tokens)) is not None:
+        if (problem := self.room_problem(ids.shape[1], params.max_new_tokens, batch=batch)) is not None:
             raise ValueError(problem)
         generator = None
         if params.seed is not None:
@@ -127,14 +128,16 @@ class TextGenerator:
         string names: `stop=["<|im_start|>"]` ends a reply where the model would open a turn."""
         return bool(stop) and self.tokenizer.token(token) in stop and not self.text([token])
 
-    def room_problem(self, prompt_tokens: int, max_new_tokens: int, limit_name: str = "max_new_tokens") -> str | None:
-        """Why a prompt of `prompt_tokens` and `max_new_tokens` (called `limit_name` in the message: the caller's name
-        for it) do not fit in the model's context, or None."""
+    def room_problem(self, prompt_tokens: int, max_new_tokens: int, limit_name: str = "max_new_tokens",
+                     batch: int = 1) -> str | None:
+        """Why `batch` prompts of `prompt_tokens` and `max_new_tokens` (called `limit_name` in the message: the
+        caller's name for it) do not fit in the model's context, or their KV cache in memory; None when they do."""
         context = self.model.cfg.max_seq_len
-        if prompt_tokens + max_new_tokens <= context:
-            return None
-        return (f"the prompt ({prompt_tokens} tokens) and {limit_name} {max_new_tokens} do not fit in the model's "
-                f"context ({context} tokens)")
+        said = f"the prompt ({prompt_tokens} tokens) and {limit_name} {max_new_tokens}"
+        if prompt_tokens + max_new_tokens > context:
+            return f"{said} do not fit in the model's context ({context} tokens)"
+        memory = kv_cache_problem(self.model.cfg, batch, prompt_tokens + max_new_tokens, self.dtype, self.device)
+        return None if memory is None else f"{said} {memory}"
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """Ids of a prompt: token ids as they are, or text to continue (`text_prompt_ids`). Empty ids stay empty
