@@ -123,7 +123,12 @@ def load_lora_model(run_dir: Path, cfg: RunConfig, tag: str | None = None) -> Tr
         raise UserError(f"{run_dir}: its adapters were trained on {trained_on['path']} ({trained_on['weights']}), "
                         f"but train.init_from {base} holds {now['weights']}; merged onto other weights they would "
                         "make a wrong model: put that base back")
-    model = apply_lora(load_model_dir(base)[0], cfg.lora, cfg.train.seed)
+    base_model = load_model_dir(base)[0]
+    if differing := model_differences(base_model.cfg, cfg.model):  # its config.json edited since: another function
+        raise UserError(f"{run_dir}: its adapters were trained on the model {rundir.CONFIG_FILE} records, but its base "
+                        f"train.init_from {base} now differs ({'; '.join(differing)}; there is the base, here the "
+                        "run); merged onto it they would make a wrong model: put that base back as it was")
+    model = apply_lora(base_model, cfg.lora, cfg.train.seed)
     missing, unexpected = load_adapters(model, consolidated_weights(run_dir, tag))
     if missing or unexpected:
         raise UserError(f"{run_dir}: checkpoint does not match the LoRA settings in {rundir.CONFIG_FILE} (missing "
@@ -274,18 +279,23 @@ def _recorded_run_config(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
+def model_differences(there: ModelConfig, here: ModelConfig) -> list[str]:
+    """'model.KEY X there, Y here' for each shape or function field (`SHAPE_FIELDS`, `FUNCTION_FIELDS`) in which the
+    model config `there` differs from `here`."""
+    differing = [f"{settable_key(f'model.{f}')} {getattr(there, f)} there, {getattr(here, f)} here"
+                 for f in (*SHAPE_FIELDS, *FUNCTION_FIELDS)
+                 if f != "attention_head_dim" and getattr(there, f) != getattr(here, f)]
+    # the head width once model.dim and model.n_heads are set as there: otherwise a second refusal would name it
+    if there.attention_head_dim != dataclasses.replace(here, dim=there.dim, n_heads=there.n_heads).attention_head_dim:
+        said = here.head_dim if here.head_dim is not None else "unset (model.dim / model.n_heads)"
+        differing.append(f"model.head_dim {there.attention_head_dim} there, {said} here")
+    return differing
+
+
 def initial_weights(cfg: ModelConfig, init_from: str, data_tokenizer_hash: str) -> dict[str, torch.Tensor]:
     """Weights of a run or export directory, refused when its shape or tokenizer differs from this run's."""
     source, tokenizer_dir = load_model_dir(init_from)
-    differing = [f"{settable_key(f'model.{f}')} {getattr(source.cfg, f)} there, {getattr(cfg, f)} here"
-                 for f in (*SHAPE_FIELDS, *FUNCTION_FIELDS)
-                 if f != "attention_head_dim" and getattr(source.cfg, f) != getattr(cfg, f)]
-    # the head width once model.dim and model.n_heads are set as there: otherwise a second refusal would name it
-    if source.cfg.attention_head_dim != dataclasses.replace(cfg, dim=source.cfg.dim,
-                                                            n_heads=source.cfg.n_heads).attention_head_dim:
-        here = cfg.head_dim if cfg.head_dim is not None else "unset (model.dim / model.n_heads)"
-        differing.append(f"model.head_dim {source.cfg.attention_head_dim} there, {here} here")
-    if differing:
+    if differing := model_differences(source.cfg, cfg):
         raise UserError(f"--init-from {init_from}: the model differs from this run's config ({'; '.join(differing)}); "
                         "set those model.* keys to the values there")
     if not (tokenizer_dir / TOKENIZER_FILE).is_file():

@@ -392,3 +392,20 @@ def test_lora_settings_without_a_rank_are_noted_once(monkeypatch, capsys, tmp_pa
     with pytest.raises(SystemExit):
         main([*map(str, common), "--set", "lora.alpha=64"])
     assert "note" not in capsys.readouterr().err
+
+
+def test_a_lora_run_refuses_a_base_whose_config_changed(runs, base, tmp_path):
+    """An edit of the base's config.json (its RoPE base, its norm epsilon) merged the adapters into another function
+    without a word: only the base's weight files were compared."""
+    run, moved = tmp_path / "run", tmp_path / "base"
+    shutil.copytree(runs["sft"][0], run)
+    shutil.copytree(base, moved)
+    trained_on = build_config((run / "config.yaml").as_posix()).train.init_from
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace(trained_on, str(moved)))
+    load_lora_model(run, build_config((run / "config.yaml").as_posix()))  # the same base, moved: fine
+    config = json.loads((moved / "config.json").read_text())
+    config["rms_norm_eps"] = 0.1
+    (moved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=rf"but its base train.init_from {moved} now differs \(model.norm_eps 0.1 "
+                                        r"there, 1e-0?5 here; there is the base, here the run\); .* put that base"):
+        load_lora_model(run, build_config((run / "config.yaml").as_posix()))
