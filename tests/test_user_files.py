@@ -232,7 +232,7 @@ def test_ds_config_steps_per_print_below_one_is_refused(steps):
 
 @pytest.mark.parametrize("zero, message", [
     ({"stage": 2, "bogus": 1},
-     "x.json: 'zero_optimization.bogus' is not a ZeRO setting DeepSpeed knows; remove it or correct its name$"),
+     "x.json: 'zero_optimization.bogus' is not one of DeepSpeed's ZeRO settings; remove it or correct its name$"),
     ({"stage": 2, "reduce_bucket_size": -5},
      "x.json: 'zero_optimization.reduce_bucket_size' is -5: input should be greater than 0$"),
     ({"stage": 2, "reduce_bucket_size": "big"},
@@ -269,6 +269,24 @@ def test_ds_config_zero_section_of_every_shipped_config_and_an_offload_pass():
         resolved({"zero_optimization": offloaded, "optimizer": {"type": "AdamW", "params": {"adamw_mode": True}}})
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"bf16": {"enabeld": True}}, "'bf16.enabeld' is not one of DeepSpeed's bf16 settings; remove it or correct"),
+    ({"fp16": {"enabled": "auto", "loss_scal": 0}}, "'fp16.loss_scal' is not one of DeepSpeed's fp16 settings; "),
+    ({"fp16": {"loss_scale": -1}}, r"'fp16.loss_scale' is -1: fp16.loss_scale must be >= 0 \(0 enables dynamic "),
+    ({"tensorboard": {"enabled": False, "outputpath": "x"}},
+     "'tensorboard.outputpath' is not one of DeepSpeed's monitor settings; remove it or correct its name$"),
+    ({"csv_monitor": [1]}, r"'csv_monitor' must be a JSON object \{...\}, got \[1\]$"),
+])
+def test_a_bad_key_in_the_precision_or_monitor_sections_is_named(change, message):
+    """DeepSpeed's models of these sections refused them in every rank with a ValidationError traceback, which two
+    ranks reported as a failed node (exit 76)."""
+    with pytest.raises(UserError, match="^x.json: " + message):
+        resolved(change)
+    hugging_face_fp16 = {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                         "hysteresis": 2, "min_loss_scale": 1}
+    assert resolved({"fp16": hugging_face_fp16, "bf16": {"enabled": "auto"}})["fp16"]["enabled"] is False
+
+
 SHIPPED_PRETRAIN = json.loads((FIXTURES.parents[1] / "ds_configs" / "pretrain.json").read_text())
 
 
@@ -276,7 +294,7 @@ SHIPPED_PRETRAIN = json.loads((FIXTURES.parents[1] / "ds_configs" / "pretrain.js
     ("no_print", {**SHIPPED_PRETRAIN, "steps_per_print": 0},
      "no_print.json: 'steps_per_print' must be a whole number >= 1 (or null: never), got 0"),
     ("bogus", {**SHIPPED_PRETRAIN, "zero_optimization": {"stage": 2, "bogus": 1}},
-     "bogus.json: 'zero_optimization.bogus' is not a ZeRO setting DeepSpeed knows; remove it or correct its name"),
+     "bogus.json: 'zero_optimization.bogus' is not one of DeepSpeed's ZeRO settings; remove it or correct its name"),
     ("node_local", {**SHIPPED_PRETRAIN, "checkpoint": {"use_node_local_storage": True}},
      "node_local.json: 'checkpoint.use_node_local_storage' is not for zerollm"),
 ])

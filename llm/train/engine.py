@@ -30,9 +30,11 @@ from llm.train.ds_scheduler import resolve_scheduler, scheduler_name
 
 ensure_accelerator_env()
 import deepspeed  # noqa: E402 - after the accelerator is chosen
+from deepspeed.monitor.config import DeepSpeedMonitorConfig  # noqa: E402
 from deepspeed.runtime.config import DtypeEnum  # noqa: E402
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer  # noqa: E402
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer  # noqa: E402
+from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config  # noqa: E402
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: E402
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum  # noqa: E402
 from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS  # noqa: E402
@@ -209,6 +211,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     if t.precision == "fp16":
         for key, value in DYNAMIC_LOSS_SCALING.items():
             fp16.setdefault(key, value)
+    _refuse_invalid_sections(ds, source)
     if "scheduler" in ds:
         resolve_scheduler(ds["scheduler"], cfg, source, fill, ds.get("optimizer", {}).get("params", {}))
     if zero_stage is not None:
@@ -298,18 +301,43 @@ def _fill_grad_accum_dtype(ds: dict[str, Any], precision: str, stage: int, sourc
 
 def _zero_config(zero: dict[str, Any], source: str):
     """The zero_optimization section as DeepSpeed reads it (its pydantic model), or a UserError naming the key at
-    fault (DeepSpeed would fail on it in every rank with a ValidationError traceback)."""
-    _refuse_auto(zero, source, "zero_optimization")  # DeepSpeed's model takes "auto" for some sizes
+    fault (`_section_model`)."""
+    return _section_model(DeepSpeedZeroConfig, zero, "zero_optimization", "ZeRO", source)
+
+
+MONITORS = ("tensorboard", "wandb", "csv_monitor", "comet")
+"""DeepSpeed's monitor sections, each a top-level key (`deepspeed.monitor.config.get_monitor_config`)."""
+
+
+def _refuse_invalid_sections(ds: dict[str, Any], source: str) -> None:
+    """Refuse what DeepSpeed's models of the bf16, fp16 and monitor sections refuse (`_section_model`): a misspelt
+    key in them ("bf16": {"enabeld": true}) was a ValidationError traceback from `deepspeed.initialize` in every
+    rank, which two ranks reported as a failed node (exit 76)."""
+    for section, model, name in (("bf16", DeepSpeedBF16Config, "bf16"), ("fp16", DeepSpeedFP16Config, "fp16")):
+        _section_model(model, ds.get(section, {}), section, name, source)
+    for section in MONITORS:
+        if section in ds and not isinstance(ds[section], dict):
+            raise UserError(f"{source}: '{section}' must be a JSON object {{...}}, got {json.dumps(ds[section])[:60]}")
+    monitors = {section: ds[section] for section in MONITORS if section in ds}
+    _section_model(DeepSpeedMonitorConfig, monitors, None, "monitor", source)
+
+
+def _section_model(model: type, section: dict[str, Any], key: str | None, name: str, source: str):
+    """`model(**section)`, DeepSpeed's pydantic model of a section (at `key` in the JSON; None: at the top level, its
+    fields being sections), or a UserError naming the key at fault (DeepSpeed would fail on it in every rank with a
+    ValidationError traceback); `name` says whose setting a key is not."""
+    _refuse_auto(section, source, key or "")  # DeepSpeed's models take "auto" for some values
     try:
-        return DeepSpeedZeroConfig(**zero)
+        return model(**section)
     except pydantic.ValidationError as exc:
         error = exc.errors()[0]
-        key = ".".join(["zero_optimization", *map(str, error["loc"])])
+        at = ".".join([*([key] if key else []), *map(str, error["loc"])])
         if error["type"] == "extra_forbidden":
-            raise UserError(f"{source}: '{key}' is not a ZeRO setting DeepSpeed knows; remove it or correct its "
-                            "name") from None
-        message = error["msg"][:1].lower() + error["msg"][1:]
-        raise UserError(f"{source}: '{key}' is {json.dumps(error.get('input'), default=str)[:60]}: "
+            raise UserError(f"{source}: '{at}' is not one of DeepSpeed's {name} settings; remove it or correct "
+                            "its name") from None
+        said = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]  # not "Value error, "
+        message = said[:1].lower() + said[1:]
+        raise UserError(f"{source}: '{at}' is {json.dumps(error.get('input'), default=str)[:60]}: "
                         f"{message}") from None
 
 
