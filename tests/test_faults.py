@@ -43,7 +43,7 @@ from llm import durable, rundir
 from llm.cli import main
 from llm.config import build_config
 from llm.data.datasets import PretrainWindows
-from llm.errors import UserError
+from llm.errors import EXIT_RANK_LOST, UserError
 from llm.loading import consolidated_weights
 from llm.runtime.rank_env import RANK_VARIABLES, free_port
 from llm.train import checkpoint, job
@@ -616,3 +616,19 @@ def test_a_worker_ended_by_sigbus_is_said_to_need_shared_memory():
     assert loader.dead_workers() == ("its data-loader worker pid 7 was killed by SIGBUS (most often a full /dev/shm, "
                                      "where workers hand their batches over: raise its size, e.g. docker run "
                                      "--shm-size, or lower data.loader_workers)")
+
+
+def test_an_error_of_a_rank_s_own_is_not_blamed_on_its_node(pretrain_data, tmp_path):
+    """A rank that raised (here DeepSpeed's SparseAdam on dense gradients, at the first step) ended the job telling
+    the user to fix or replace the failed node."""
+    config = tmp_path / "sparse.json"
+    config.write_text(json.dumps({"optimizer": {"type": "SparseAdam", "params": {"lr": "auto"}},
+                                  "zero_allow_untested_optimizer": True}))
+    result = run_job(*train_args(pretrain_data, tmp_path / "run", "train.max_steps=2", nproc=2,
+                                 extra=["--deepspeed", config, "--zero-stage", 0]))
+    assert result.returncode == EXIT_RANK_LOST, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error: rank ")]
+    assert said and all("failed with RuntimeError: SparseAdam does not support dense gradients" in line
+                        and line.endswith("the job is ended on every rank. Its traceback is above: fix the cause, "
+                                          "then start the job again with --resume auto") for line in said), said
+    assert "Traceback" in result.stderr and "replace the failed node" not in result.stderr

@@ -81,6 +81,10 @@ def _ended(process: str, here: str) -> bool:
 _ABORT_KEY = f"{_PREFIX}/abort"
 
 
+NODE_ADVICE = "Fix or replace the failed node, then start the job again with --resume auto"
+"""What to do when a rank died, hung or could not be reached."""
+
+
 class Watchdog:
     def __init__(self, rank: int, world_size: int, timeout_s: float, announce: bool,
                  before_exit: Callable[[], None] = lambda: None) -> None:
@@ -161,12 +165,12 @@ class Watchdog:
         named = "; ".join(f"rank {r} ({who[r].decode()})" for r in silent)
         return f"{named} stopped responding (no heartbeat for {self.stale_after:.0f} s)"
 
-    def end_job(self, message: str) -> None:
-        """Tell every rank to end, print `message` and end this process with EXIT_RANK_LOST. Called from the main
-        thread and the watchdog thread alike; the first caller ends the process, a second one waits for that."""
+    def end_job(self, message: str, advice: str = NODE_ADVICE) -> None:
+        """Tell every rank to end, print `message` and `advice` and end this process with EXIT_RANK_LOST. Called from
+        the main thread and the watchdog thread alike; the first caller ends the process, a second one waits for
+        that."""
         self._ending.acquire()
-        text = f"rank {self.rank}: {message}; the job is ended on every rank. Fix or replace the failed node, " \
-               "then start the job again with --resume auto"
+        text = f"rank {self.rank}: {message}; the job is ended on every rank. {advice}"
         try:
             self._connect(5.0).set(_ABORT_KEY, text)
             time.sleep(1.5 * self.interval)  # the store may live in this process: let the others read the key
