@@ -276,10 +276,14 @@ def test_ds_config_zero_section_of_every_shipped_config_and_an_offload_pass():
     ({"tensorboard": {"enabled": False, "outputpath": "x"}},
      "'tensorboard.outputpath' is not one of DeepSpeed's monitor settings; remove it or correct its name$"),
     ({"csv_monitor": [1]}, r"'csv_monitor' must be a JSON object \{...\}, got \[1\]$"),
+    ({"optimizer": {"type": "AdamW", "parms": {"lr": 1e-5}}},
+     r"'optimizer.parms' is not a key DeepSpeed reads in 'optimizer' \(it reads type, params, legacy_fusion\); "),
+    ({"scheduler": {"type": "WarmupLR", "parmas": {}}}, r"'scheduler.parmas' is not a key DeepSpeed reads in "),
 ])
-def test_a_bad_key_in_the_precision_or_monitor_sections_is_named(change, message):
-    """DeepSpeed's models of these sections refused them in every rank with a ValidationError traceback, which two
-    ranks reported as a failed node (exit 76)."""
+def test_a_bad_key_in_the_precision_monitor_optimizer_or_scheduler_sections_is_named(change, message):
+    """DeepSpeed's models of the precision and monitor sections refused them in every rank with a ValidationError
+    traceback, which two ranks reported as a failed node (exit 76); a misspelt key in the optimizer or scheduler
+    section was ignored, the run config's values used in its place."""
     with pytest.raises(UserError, match="^x.json: " + message):
         resolved(change)
     hugging_face_fp16 = {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,

@@ -143,6 +143,11 @@ def overflowed_at_minimum_scale(engine, scale: float | None) -> bool:
     return bool(config.dynamic_loss_scale and optimizer.overflow and scale <= config.min_loss_scale)
 
 
+SECTION_KEYS = {"optimizer": ("type", "params", "legacy_fusion"), "scheduler": ("type", "params")}
+"""The keys DeepSpeed reads in these sections (`deepspeed.runtime.config`): another, a misspelt "parms", was ignored,
+and the run config's values were used in its place."""
+
+
 def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, source: str = "DeepSpeed config",
                       zero_stage: int | None = None) -> dict[str, Any]:
     """Fill "auto" values from the run config; refuse values that contradict it, sections that are not objects, an
@@ -172,6 +177,10 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     for section in ("bf16", "fp16", "optimizer", "zero_optimization"):  # the sections read or filled below
         if section in ds:
             require_object(ds[section], section)
+    for section, keys in SECTION_KEYS.items():
+        if isinstance(ds.get(section), dict) and (unknown := [key for key in ds[section] if key not in keys]):
+            raise UserError(f"{source}: '{section}.{unknown[0]}' is not a key DeepSpeed reads in '{section}' (it reads "
+                            f"{', '.join(keys)}); remove it or correct its name")
     if "optimizer" in ds:
         require_object(ds["optimizer"].get("params", {}), "optimizer.params")
         name, supported = ds["optimizer"].get("type"), deepspeed.runtime.config.DEEPSPEED_OPTIMIZERS
