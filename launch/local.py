@@ -24,8 +24,8 @@ import subprocess
 import sys
 import time
 
-from llm.errors import EXIT_RANK_LOST, EXIT_USER_ERROR, report
-from llm.runtime.rank_env import RANK_VARIABLES, free_port
+from llm.errors import EXIT_RANK_LOST, EXIT_USER_ERROR, UserError, report
+from llm.runtime.rank_env import RANK_VARIABLES, announced_world_size, free_port
 from llm.runtime.supervisor import supervisor_env
 
 COMMAND_VARIABLE = "ZEROLLM_COMMAND"
@@ -42,6 +42,22 @@ def under_launcher() -> bool:
     """True inside a process started by a launcher: deepspeed and torchrun set LOCAL_RANK, mpirun its rank
     variables."""
     return "LOCAL_RANK" in os.environ or any(name in os.environ for name in RANK_VARIABLES)
+
+
+def starts_ranks(nproc: int) -> bool:
+    """Whether this process is to start `nproc` (--nproc) local ranks and wait for them. A process that a launcher
+    started is a rank itself (False), and an --nproc other than 1 there must be its job's size: in a shell that an
+    interactive `srun` or an exported LOCAL_RANK left launcher variables in, `--nproc 2` trained on one rank without
+    a word."""
+    if not under_launcher():
+        return nproc > 1
+    size = announced_world_size(os.environ)
+    if nproc not in (1, size):
+        names = ", ".join(name for name in ("LOCAL_RANK", *RANK_VARIABLES) if name in os.environ)
+        raise UserError(f"--nproc {nproc}, but this process is a rank of a job of {size} (its environment holds a "
+                        f"launcher's {names}); leave --nproc out under a launcher, or unset those variables to start "
+                        f"{nproc} ranks from here")
+    return False
 
 
 def strip_option(argv: list[str], option: str) -> list[str]:

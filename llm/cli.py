@@ -555,10 +555,10 @@ def _check_rank_inputs(cfg: RunConfig, starting_ranks: bool) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from launch.local import relaunch_local, under_launcher
+    from launch.local import relaunch_local, starts_ranks
 
+    starting_ranks = starts_ranks(args.nproc)  # this process starts the ranks and waits
     cfg = _checked_before_ranks(args)
-    starting_ranks = args.nproc > 1 and not under_launcher()  # this process starts the ranks and waits
     _check_rank_inputs(cfg, starting_ranks)
     if starting_ranks:
         return relaunch_local(args.nproc, args.argv)
@@ -719,7 +719,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                   out_dir=args.out, context=args.context, chat=args.apply_chat_template,
                   system_instruction=args.system_instruction, log_samples=args.log_samples)
         return 0
-    from launch.local import relaunch_local, under_launcher
+    from launch.local import relaunch_local, starts_ranks, under_launcher
 
     _refuse_given((("--limit", args.limit), ("--num-fewshot", args.num_fewshot), ("--include-path", args.include_path),
                    ("--out", args.out), ("--apply-chat-template", args.apply_chat_template or None),
@@ -727,7 +727,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                   "--tasks; --input and --data print their result")
     if args.split is not None and args.data is None:
         raise UserError("--split applies to --data (a prepared split); --input scores every document of its files")
-    if args.nproc > 1 and not under_launcher():
+    if starts_ranks(args.nproc):
         import torch
 
         from llm.devices import mps_available, resolve

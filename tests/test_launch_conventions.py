@@ -162,3 +162,23 @@ def test_ranks_bound_to_cpus_of_their_own_do_not_share_them():
     assert ranks_sharing_cpus(("n0", a | b), shared) == 4  # one mask for the node's 4 ranks; n1's are elsewhere
     bound = [("n0", a), ("n0", a), ("n0", b), ("n0", b)]  # mpirun --bind-to socket, 2 sockets
     assert ranks_sharing_cpus(("n0", a), bound) == 2 and ranks_sharing_cpus(("n0", b), bound) == 2
+
+
+@pytest.mark.parametrize("environ, names", [({"PMI_RANK": "0", "PMI_SIZE": "1"}, "PMI_RANK"),
+                                            ({"LOCAL_RANK": "0"}, "LOCAL_RANK")])
+@pytest.mark.parametrize("command", [["train", "pretrain", "--recipe", "demo", "--data", "d", "--out", "o"],
+                                     ["eval", "--model", "m", "--input", "i.txt"]])
+def test_nproc_in_a_shell_a_launcher_left_variables_in_is_refused(monkeypatch, capsys, environ, names, command):
+    """An interactive `srun` shell (PMI_RANK, PMI_SIZE) or an exported LOCAL_RANK made `--nproc 2` train on one rank
+    without a word."""
+    from llm.cli import main
+
+    for name in ("LOCAL_RANK", *RANK_VARIABLES):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as ended:
+        main([*command, "--nproc", "2"])
+    assert ended.value.code == 2 and capsys.readouterr().err == (
+        f"zerollm: error: --nproc 2, but this process is a rank of a job of 1 (its environment holds a launcher's "
+        f"{names}); leave --nproc out under a launcher, or unset those variables to start 2 ranks from here\n")
