@@ -555,3 +555,18 @@ def test_dpo_sanity_loss_starts_at_ln2_and_accuracy_rises(zero_runs, tokenizer_d
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=0.01)
     assert max(r["rewards/accuracy"] for r in rows[-5:]) > 0.9
     assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_data_of_a_larger_vocabulary_than_the_init_from_model_names_the_model(sft_data, tokenizer_dir, tmp_path):
+    """It advised `set model.vocab_size >= 512`, which the next run refused: the model of --init-from sets it."""
+    from llm.config import build_config
+    from llm.export import export_model
+
+    small = tmp_path / "small"
+    export_model(Transformer(build_config("demo", ["model.vocab_size=256", "model.dim=64", "model.n_layers=1",
+                                                   "model.n_heads=4"]).model), tokenizer_dir, small)
+    result = run_cli("train", "sft", "--recipe", "demo", "--data", sft_data, "--init-from", small, "--out",
+                     tmp_path / "run", "--set", "train.max_steps=1")
+    assert result.returncode == 2 and result.stderr == (
+        f"zerollm: error: {sft_data}: its tokenizer has 512 tokens, more than the 256 of --init-from {small}'s model; "
+        "prepare the data with that model's tokenizer\n"), result.stderr[-2000:]
