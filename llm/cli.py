@@ -664,9 +664,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     from llm.loading import load_trained_model, run_tokenizer
 
     model, _ = load_trained_model(Path(args.run))
-    run_tokenizer(Path(args.run))  # a damaged copy is refused, naming it, before anything is written
+    # a damaged copy is refused, naming it, before anything is written
+    kept = run_tokenizer(Path(args.run)) is not None
     architecture = export_model(model, rundir.tokenizer_dir(Path(args.run)), Path(args.out))
     print(f"exported {model.num_parameters():,} parameters to {args.out} ({architecture}, safetensors)")
+    if not kept:  # the copy was deleted, or the run trained on random tokens (`bench train`)
+        print(f"zerollm: note: {args.run} keeps no tokenizer ({rundir.tokenizer_dir(Path(args.run))} is missing), so "
+              f"the export has none: copy the tokenizer files it was trained with into {args.out} before generate, "
+              "chat, serve or eval use it", file=sys.stderr)
     return 0
 
 

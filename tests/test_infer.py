@@ -666,3 +666,15 @@ def test_a_kv_cache_that_cannot_fit_in_memory_is_one_line(exported, generator, m
     with pytest.raises(ValueError, match=r"need a KV cache"):
         generator.generate([prompt] * 2, SamplingParams(max_new_tokens=30))  # 2 rows: twice the cache
     assert len(generator.generate([prompt], SamplingParams(max_new_tokens=30))) == 1
+
+
+def test_exporting_a_run_that_keeps_no_tokenizer_says_the_export_has_none(zero_runs, tmp_path, monkeypatch, capsys):
+    """The export was written without tokenizer files and without a word; generate on it then failed."""
+    run = tmp_path / "run"
+    shutil.copytree(zero_runs[2], run)
+    shutil.rmtree(run / "tokenizer")
+    assert zerollm_here(monkeypatch, "export", "--run", run, "--out", tmp_path / "out") == 0
+    assert capsys.readouterr().err == (
+        f"zerollm: note: {run} keeps no tokenizer ({run / 'tokenizer'} is missing), so the export has none: copy the "
+        f"tokenizer files it was trained with into {tmp_path / 'out'} before generate, chat, serve or eval use it\n")
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
