@@ -14,6 +14,7 @@ import torch
 
 from conftest import closed_pipe, full_disk, run_cli, zerollm_here
 from llm.config import ModelConfig
+from llm.errors import UserError
 from llm.export import export_model, import_model
 from llm.infer.generate import TextGenerator, cut_at_stop
 from llm.infer.sampling import (
@@ -678,3 +679,18 @@ def test_exporting_a_run_that_keeps_no_tokenizer_says_the_export_has_none(zero_r
         f"zerollm: note: {run} keeps no tokenizer ({run / 'tokenizer'} is missing), so the export has none: copy the "
         f"tokenizer files it was trained with into {tmp_path / 'out'} before generate, chat, serve or eval use it\n")
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+
+
+def test_weights_that_are_not_floating_point_are_refused(exported, tmp_path):
+    """A tensor of integers or booleans (a quantized model's) was cast to float32 and loaded without a word."""
+    from safetensors.torch import load_file, save_file
+
+    for dtype in (torch.int8, torch.bool):
+        folder = tmp_path / str(dtype)
+        shutil.copytree(exported, folder)
+        state = load_file(folder / "model.safetensors")
+        state["model.norm.weight"] = state["model.norm.weight"].to(dtype)
+        save_file(state, folder / "model.safetensors")
+        with pytest.raises(UserError, match=rf"^{folder}: model.norm.weight holds {str(dtype)[6:]} values, not "
+                                            r"floating point \(quantized weights\?\); give the model's fp32, bf16"):
+            import_model(folder)
