@@ -299,7 +299,7 @@ def usable_tag(run_dir: Path) -> str | None:
             return tag
         passed_over.append(f"{root / tag}: {problem}")
     raise UserError(f"{root} holds no complete checkpoint ({'; '.join(passed_over)}), so nothing can be loaded from "
-                    "this run; train it again into a new --out")
+                    "this run; train it again into a new run directory")
 
 
 def client_state_of(run_dir: Path, tag: str) -> dict[str, Any]:
@@ -382,4 +382,4 @@ def damaged_checkpoint_advice(run_dir: Path, tag: str) -> str:
                if step_of(older) < step_of(tag) and incompleteness(run_dir, older) is None]
     if earlier:
         return f"remove {folder} to continue from {earlier[-1]}, the newest complete checkpoint before it"
-    return "no earlier checkpoint is complete: train the run again into a new --out"
+    return "no earlier checkpoint is complete: train the run again into a new run directory"

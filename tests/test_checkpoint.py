@@ -857,7 +857,7 @@ def test_no_complete_checkpoint_is_one_clear_error(one_rank_group, tmp_path):
     _save(tmp_path, 10)
     (rundir.checkpoint_dir(tmp_path) / "global_step10" / "rng_rank0.pt").unlink()
     with pytest.raises(UserError, match="holds no complete checkpoint .*rng_rank0.pt is missing.*, so nothing can be "
-                                        "loaded from this run; train it again into a new --out"):  # not "delete"
+                                        "loaded from this run; train it again into a new run directory"):
         rundir.usable_tag(tmp_path)
     assert rundir.usable_tag(tmp_path / "elsewhere") is None
 
@@ -1168,7 +1168,7 @@ def test_a_damaged_client_state_without_an_earlier_checkpoint_says_to_train_agai
     _save(tmp_path, 10)
     _rewrite(rundir.checkpoint_dir(tmp_path) / "global_step10" / rundir.CLIENT_STATE, b"{}")
     with pytest.raises(UserError, match=r"client_state.json is damaged \(step is None, .*no earlier checkpoint is "
-                                        "complete: train the run again into a new --out"):
+                                        "complete: train the run again into a new run directory"):
         rundir.client_state_of(tmp_path, "global_step10")
 
 
