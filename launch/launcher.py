@@ -151,12 +151,20 @@ def check_numbers(args: LaunchOptions) -> None:
 
 
 def is_local_address(address: str) -> bool:
+    """Whether this node can listen on `address`: a host name, an IPv4 or an IPv6 address (an IPv4 socket took
+    '::1' for a name that resolves to nothing)."""
     try:
-        with socket.socket() as s:
-            s.bind((address, 0))
-        return True
-    except OSError:
+        found = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
         return False
+    for family, kind, protocol, _, where in found:
+        try:
+            with socket.socket(family, kind, protocol) as s:
+                s.bind(where)
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def check_port_free(port: int) -> None:
@@ -244,7 +252,8 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
         nnodes, node_rank, master = slurm_rendezvous(environ)
         nproc = nproc or slurm_ranks_per_node(environ)
         return _plan_torchrun(nnodes, node_rank, args.master_addr or master, args.master_port, nproc,
-                              args.rdzv_id or environ.get("SLURM_JOB_ID", "zerollm"), env, environ, train_argv)
+                              args.rdzv_id or environ.get("SLURM_JOB_ID", "zerollm"), env, environ, train_argv,
+                              master_from=None if args.master_addr else "the first host of SLURM's node list")
     if (args.include or args.exclude) and not args.hostfile:
         raise UserError("--include/--exclude select hosts of a --hostfile")
     if args.rdzv_id is not None and args.backend == "deepspeed":
@@ -300,12 +309,16 @@ def _local_devices() -> int:
     return max(1, torch.cuda.device_count())
 
 
-def _check_rendezvous_host(node_rank: int, master: str, port: int) -> None:
+def _check_rendezvous_host(node_rank: int, master: str, port: int, master_from: str | None = None) -> None:
+    """On node rank 0, which hosts the rendezvous: `master` (--master-addr, or what `master_from` says it is) must be
+    an address of this node, and `port` free."""
     if node_rank != 0:
         return
     if not is_local_address(master):
-        raise UserError(f"--master-addr {master} is not an address of this node, but node rank 0 hosts the "
-                        "rendezvous; give node 0's own address")
+        named, option = (f"--master-addr {master}", "") if master_from is None else \
+            (f"{master} ({master_from})", " with --master-addr")
+        raise UserError(f"{named} is not an address of this node, but node rank 0 hosts the rendezvous; give node "
+                        f"0's own address{option}")
     check_port_free(port)
 
 
@@ -328,13 +341,15 @@ def collective_timeout_s(train_argv: list[str]) -> float:
 
 
 def _plan_torchrun(nnodes: int, node_rank: int, master: str, port: int, nproc: int, rdzv_id: str,
-                   env: dict[str, str], environ: dict[str, str], train_argv: list[str]) -> Plan:
+                   env: dict[str, str], environ: dict[str, str], train_argv: list[str],
+                   master_from: str | None = None) -> Plan:
     """torchrun with c10d rendezvous, through launch/torchrun.py (ranks that refuse their job end it with exit 2, as
     under DeepSpeed's launcher). torchrun gives every rank OMP_NUM_THREADS=1 where it is not set; a CPU job's ranks
     share the node's CPUs instead (`llm.runtime.cpu_threads`), unless the variable is set here or in --env. The
     nodes wait for each other train.collective_timeout_s, as ranks under DeepSpeed's launcher do (torchrun's own
-    default is 600 s, whatever the config says)."""
-    _check_rendezvous_host(node_rank, master, port)
+    default is 600 s, whatever the config says). `master_from`: what `master` is where --master-addr did not give
+    it."""
+    _check_rendezvous_host(node_rank, master, port, master_from)
     if "OMP_NUM_THREADS" not in environ:
         env = {"OMP_NUM_THREADS": str(cpu_threads_per_rank(nproc, {})), **env}
     join_timeout = max(1, math.ceil(collective_timeout_s(train_argv)))

@@ -23,7 +23,15 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from conftest import REPO, TINY, run_cli
 from launch.hostfile import check_filter, read_hostfile
-from launch.launcher import Plan, deepspeed_runner, deepspeed_signal, plan_launch, run_plan, slurm_rendezvous
+from launch.launcher import (
+    Plan,
+    deepspeed_runner,
+    deepspeed_signal,
+    is_local_address,
+    plan_launch,
+    run_plan,
+    slurm_rendezvous,
+)
 from launch.local import wait_for_ranks
 from launch.nodelist import expand_nodelist, slurm_hosts
 from launch.torchrun import lost_rank, passed_on_code, quiet_code
@@ -248,6 +256,31 @@ def test_slurm_environment(tmp_path):
                                                                        "SLURM_GPUS_ON_NODE": "8"})
     assert "--nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint gpu07:29500 --rdzv-id 777" in \
         " ".join(plan.command)
+
+
+def test_a_slurm_rendezvous_host_that_is_not_this_node_is_named_as_slurm_s(tmp_path):
+    """It was called '--master-addr node01', an option the user never gave."""
+    env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "node[01-02]",
+           "PATH": str(tmp_path)}
+    with pytest.raises(UserError, match=r"^node01 \(the first host of SLURM's node list\) is not an address of this "
+                                        r"node, but node rank 0 hosts the rendezvous; give node 0's own address with "
+                                        r"--master-addr$"):
+        plan_launch(_launch_args("--backend", "slurm"), ["train"], env)
+
+
+def test_an_ipv6_address_of_this_node_hosts_the_rendezvous():
+    """An IPv4 socket was bound to '::1', so node rank 0 refused every IPv6 --master-addr as not its own."""
+    def binds(family, address):
+        try:
+            with socket.socket(family) as s:
+                s.bind((address, 0))
+            return True
+        except OSError:
+            return False
+
+    assert is_local_address("127.0.0.1") and is_local_address("localhost") and not is_local_address("192.0.2.1")
+    assert is_local_address("::1") == binds(socket.AF_INET6, "::1")  # False only where the node has no IPv6
+    assert not is_local_address("2001:db8::1") and not is_local_address("no host.invalid")
 
 
 def test_a_slurm_step_on_part_of_the_allocation_rendezvous_on_its_own_nodes(tmp_path):
