@@ -199,7 +199,7 @@ def slurm_rendezvous(environ: dict[str, str]) -> tuple[int, int, str]:
         raise UserError(f"--backend slurm runs inside a SLURM job step (srun); {', '.join(missing)} not set")
     nodes = _slurm_number(environ, count, 1, MAX_NODES, "the number of nodes of the job step")
     node_rank = _slurm_number(environ, "SLURM_NODEID", 0, nodes - 1, f"this node's index among {count}={nodes}")
-    hosts = slurm_hosts(environ[nodelist], environ.get("PATH"))
+    hosts = slurm_hosts(environ[nodelist], environ.get("PATH"), most=nodes)
     if len(hosts) != nodes:
         raise UserError(f"{nodelist} {environ[nodelist]!r} names {len(hosts)} host(s) but {count} is {nodes}")
     return nodes, node_rank, hosts[0]

@@ -10,6 +10,7 @@ range's first number, groups expanded left to right with the leftmost varying sl
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import shutil
 import subprocess
@@ -39,37 +40,49 @@ def _split_items(nodelist: str) -> list[str]:
     return items
 
 
-def _numbers(group: str, nodelist: str) -> list[str]:
-    """'07-09,12' -> ['07', '08', '09', '12']."""
-    numbers = []
+def _ranges(group: str, nodelist: str) -> list[tuple[str, str]]:
+    """'07-09,12' -> [('07', '09'), ('12', '12')]."""
+    ranges = []
     for part in group.split(","):
         match = _RANGE.fullmatch(part)
         if not match or (match[2] is not None and int(match[2]) < int(match[1])):
             raise UserError(f"cannot read the SLURM node list {nodelist!r}: '[{group}]' is not a list of numbers "
                             "and ascending ranges")
-        first, last = match[1], match[2] or match[1]
-        numbers += [str(n).zfill(len(first)) for n in range(int(first), int(last) + 1)]
-    return numbers
+        ranges.append((match[1], match[2] or match[1]))
+    return ranges
 
 
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Every host of a SLURM node list, in order."""
+def _numbers(ranges: list[tuple[str, str]]) -> list[str]:
+    """[('07', '09'), ('12', '12')] -> ['07', '08', '09', '12']."""
+    return [str(n).zfill(len(first)) for first, last in ranges for n in range(int(first), int(last) + 1)]
+
+
+def expand_nodelist(nodelist: str, most: int | None = None) -> list[str]:
+    """Every host of a SLURM node list, in order; a list of more than `most` hosts is refused before it is expanded
+    (`node[1-20000000]` filled the memory)."""
     if not nodelist.strip():
         raise UserError("the SLURM node list is empty")
-    hosts = []
+    items = []
     for item in _split_items(nodelist.strip()):
         texts = _GROUP.split(item)  # literal, group, literal, group, ..., literal
-        choices = [[text] if i % 2 == 0 else _numbers(text, nodelist) for i, text in enumerate(texts)]
-        hosts += ["".join(parts) for parts in itertools.product(*choices)]
+        items.append([text if i % 2 == 0 else _ranges(text, nodelist) for i, text in enumerate(texts)])
+    count = sum(math.prod(sum(int(last) - int(first) + 1 for first, last in part) for part in parts[1::2])
+                for parts in items)
+    if most is not None and count > most:
+        raise UserError(f"the SLURM node list {nodelist!r} names {count:,} hosts, more than the {most} expected")
+    hosts = []
+    for parts in items:
+        choices = [[part] if i % 2 == 0 else _numbers(part) for i, part in enumerate(parts)]
+        hosts += ["".join(chosen) for chosen in itertools.product(*choices)]
     return hosts
 
 
-def slurm_hosts(nodelist: str, path: str | None = None) -> list[str]:
+def slurm_hosts(nodelist: str, path: str | None = None, most: int | None = None) -> list[str]:
     """The hosts of `nodelist`: from `scontrol show hostnames` when it is on `path` (default: PATH), else expanded
-    here."""
+    here (no more than `most`: `expand_nodelist`)."""
     scontrol = shutil.which("scontrol", path=path)
     if scontrol is None:
-        return expand_nodelist(nodelist)
+        return expand_nodelist(nodelist, most)
     result = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, check=False)
     hosts = result.stdout.split()
     if result.returncode != 0 or not hosts:

@@ -315,6 +315,17 @@ def test_bad_slurm_node_lists_are_one_line_errors(nodelist):
         expand_nodelist(nodelist)
 
 
+def test_a_node_list_of_more_hosts_than_the_job_step_has_is_refused_before_it_is_expanded(tmp_path):
+    """`node[1-20000000]` was expanded in full (gigabytes, then a MemoryError traceback) before its length was
+    compared with the node count."""
+    env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "node[1-20000000],rack[1-2]-n[1-3]",
+           "PATH": str(tmp_path)}
+    with pytest.raises(UserError, match=r"^the SLURM node list 'node\[1-20000000\],rack\[1-2\]-n\[1-3\]' names "
+                                        r"20,000,006 hosts, more than the 2 expected$"):
+        slurm_rendezvous(env)
+    assert len(expand_nodelist("rack[1-2]-n[1-3],login", most=7)) == 7
+
+
 def test_scontrol_is_the_authority_on_node_lists(tmp_path):
     scontrol = tmp_path / "scontrol"
     scontrol.write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] && echo \"$3\" > \"$0.args\" && "
