@@ -66,7 +66,7 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{path}: is a directory, not a hostfile; give the file with one 'HOST slots=N' per line")
-    if not path.is_file():
+    if not path.exists():  # a pipe (`--hostfile <(...)`) is read as a file is: it was said not to be found
         raise UserError(f"{path}: hostfile not found")
     hosts: dict[str, int] = {}
     # host name in lower case (host names ignore case: NODE1 and node1 are one machine) -> (as written, line)

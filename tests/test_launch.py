@@ -68,6 +68,18 @@ def test_bad_hostfiles_name_file_and_line(tmp_path, text, message):
     assert str(err.value) == f"{tmp_path}/{message}"
 
 
+def test_a_hostfile_from_a_pipe_is_read(tmp_path):
+    """`--hostfile <(...)` (a pipe, as process substitution gives) was said not to be found."""
+    pipe = tmp_path / "hosts"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=pipe.write_text, args=("worker-1 slots=2\n",), daemon=True)  # blocked until
+    writer.start()  # the pipe is read, which the refusal never did
+    assert read_hostfile(pipe) == {"worker-1": 2}
+    writer.join(timeout=10)
+    with pytest.raises(UserError, match=rf"^{tmp_path}/nowhere: hostfile not found$"):
+        read_hostfile(tmp_path / "nowhere")
+
+
 def test_hostfile_with_comments_and_filters(tmp_path):
     (tmp_path / "hosts").write_text("# two nodes\nworker-1 slots=8  # first\n\nworker-2 slots=4\n")
     hosts = read_hostfile(tmp_path / "hosts")
