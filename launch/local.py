@@ -73,10 +73,12 @@ def strip_option(argv: list[str], option: str) -> list[str]:
     return out
 
 
-def rank_environments(nproc: int, port: int) -> list[dict[str, str]]:
-    """The environment of each local rank of an `nproc`-rank job meeting at 127.0.0.1:`port`."""
-    shared = {**os.environ, **supervisor_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-              "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
+def rank_environments(nproc: int, port: int, command: str = "train") -> list[dict[str, str]]:
+    """The environment of each local rank of an `nproc`-rank job meeting at 127.0.0.1:`port`, started by `zerollm
+    COMMAND --nproc`."""
+    shared = {**os.environ, **supervisor_env(f"zerollm {command} --nproc {nproc}"), "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "CROSS_RANK": "0",
+              "CROSS_SIZE": "1"}
     return [{**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(nproc)]
 
 
@@ -163,5 +165,5 @@ def relaunch_local(nproc: int, argv: list[str], advice: str = RESUME_ADVICE) -> 
     command = [sys.executable, "-u", "-m", "llm", *strip_option(argv, "--nproc")]
     typed = shlex.join(["zerollm", *argv])
     ranks = [subprocess.Popen(command, env={**env, COMMAND_VARIABLE: typed})
-             for env in rank_environments(nproc, free_port())]
+             for env in rank_environments(nproc, free_port(), argv[0])]
     return wait_for_ranks(ranks, advice=advice)

@@ -1050,3 +1050,21 @@ def test_a_stop_waits_for_the_checkpoint_ranks_on_other_hosts_still_save(tmp_pat
     finally:
         _kill_tree(launch)
     assert out.splitlines()[-1] == f"code {EXIT_PREEMPTED}"
+
+
+def test_ranks_name_the_command_that_started_them_when_it_is_gone(monkeypatch):
+    """Ranks of `zerollm train --nproc 2` whose parent was killed said 'zerollm launch (pid N) ended'."""
+    import queue
+
+    from launch.local import rank_environments
+    from llm.runtime import supervisor
+
+    gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    environment = {**rank_environments(2, free_port(), "eval")[0], supervisor.PID_ENV: str(gone.pid),
+                   supervisor.STARTED_ENV: repr(psutil.Process(gone.pid).create_time())}
+    gone.wait()
+    for name in (supervisor.PID_ENV, supervisor.HOST_ENV, supervisor.STARTED_ENV, supervisor.NAME_ENV):
+        monkeypatch.setenv(name, environment[name])
+    said = queue.Queue()
+    supervisor.watch_supervisor(said.put, interval_s=0.05)
+    assert said.get(timeout=30) == f"zerollm eval --nproc 2 (pid {gone.pid}) ended"

@@ -15,13 +15,15 @@ from collections.abc import Callable
 
 import psutil
 
-PID_ENV, HOST_ENV, STARTED_ENV = "ZEROLLM_LAUNCH_PID", "ZEROLLM_LAUNCH_HOST", "ZEROLLM_LAUNCH_STARTED"
+PID_ENV, HOST_ENV, STARTED_ENV, NAME_ENV = ("ZEROLLM_LAUNCH_PID", "ZEROLLM_LAUNCH_HOST", "ZEROLLM_LAUNCH_STARTED",
+                                            "ZEROLLM_LAUNCH_NAME")
 
 
-def supervisor_env() -> dict[str, str]:
-    """Environment that identifies this process (the `zerollm launch` of this node) to the ranks it starts."""
+def supervisor_env(name: str = "zerollm launch") -> dict[str, str]:
+    """Environment that identifies this process (the `zerollm launch` of this node, or the command `name` that
+    starts `--nproc` local ranks) to the ranks it starts."""
     return {PID_ENV: str(os.getpid()), HOST_ENV: socket.gethostname(),
-            STARTED_ENV: repr(psutil.Process().create_time())}
+            STARTED_ENV: repr(psutil.Process().create_time()), NAME_ENV: name}
 
 
 def _alive(pid: int, started: float) -> bool:
@@ -37,12 +39,13 @@ def watch_supervisor(on_lost: Callable[[str], None], interval_s: float = 1.0) ->
     if PID_ENV not in os.environ or os.environ.get(HOST_ENV) != socket.gethostname():
         return
     pid, started = int(os.environ[PID_ENV]), float(os.environ[STARTED_ENV])
+    name = os.environ.get(NAME_ENV, "zerollm launch")  # a rank of a version that did not say
     stopped = threading.Event()
 
     def watch() -> None:
         while not stopped.wait(interval_s):
             if not _alive(pid, started):
-                on_lost(f"zerollm launch (pid {pid}) ended")
+                on_lost(f"{name} (pid {pid}) ended")
                 return
 
     threading.Thread(target=watch, name="zerollm-supervisor", daemon=True).start()
