@@ -743,6 +743,7 @@ def test_a_node_that_never_comes_is_reported_at_the_timeout(pretrain_data, tmp_p
                      free_port(), "--", *_job(pretrain_data, tmp_path / "run", "train.collective_timeout_s=5"))
     assert result.returncode == 2
     assert "rank 0: the 2 ranks did not all meet at 127.0.0.1:" in result.stderr
+    assert "start every node with the same node count, ranks per node (--nproc-per-node), master" in result.stderr
     assert "1/2 clients joined" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 

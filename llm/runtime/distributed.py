@@ -112,7 +112,8 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
         reason = str(exc).strip().splitlines()[-1]
         raise UserError(f"rank {rank}: the {world} ranks did not all meet at {address} within "
                         f"train.collective_timeout_s={timeout_s:g} s ({reason}); start every node with the same node "
-                        "count, master address and port, and check that node 0 is reachable from the others") from None
+                        "count, ranks per node (--nproc-per-node), master address and port, and check that node 0 is "
+                        "reachable from the others") from None
     if kind != "cuda":
         torch.set_num_threads(cpu_threads_per_rank(_ranks_sharing_my_cpus(world), os.environ))
     return DistInfo(rank, local_rank, world, local_world, device)
