@@ -60,7 +60,7 @@ from launch.hostfile import (
     read_integer,
 )
 from launch.local import STOP_SIGNALS, STOPPED_AT_ONCE, exit_code, report_rank_ended
-from launch.nodelist import slurm_hosts
+from launch.nodelist import nodelist_size, slurm_hosts
 from launch.options import LaunchOptions, launcher_problem
 from launch.reachable import check_reachable, host_address
 from launch.remote_shell import check_shell_word, pdsh_argument
@@ -199,9 +199,15 @@ def slurm_rendezvous(environ: dict[str, str]) -> tuple[int, int, str]:
         raise UserError(f"--backend slurm runs inside a SLURM job step (srun); {', '.join(missing)} not set")
     nodes = _slurm_number(environ, count, 1, MAX_NODES, "the number of nodes of the job step")
     node_rank = _slurm_number(environ, "SLURM_NODEID", 0, nodes - 1, f"this node's index among {count}={nodes}")
-    hosts = slurm_hosts(environ[nodelist], environ.get("PATH"), most=nodes)
-    if len(hosts) != nodes:
-        raise UserError(f"{nodelist} {environ[nodelist]!r} names {len(hosts)} host(s) but {count} is {nodes}")
+    try:  # counted before they are listed, here or by scontrol: node[1-20000000] filled the memory
+        named = nodelist_size(environ[nodelist])
+    except UserError:  # a form only scontrol reads: it lists the hosts
+        named = None
+    if named in (None, nodes):
+        hosts = slurm_hosts(environ[nodelist], environ.get("PATH"))
+        named = len(hosts)
+    if named != nodes:
+        raise UserError(f"{nodelist} {environ[nodelist]!r} names {named:,} host(s) but {count} is {nodes}")
     return nodes, node_rank, hosts[0]
 
 

@@ -57,32 +57,35 @@ def _numbers(ranges: list[tuple[str, str]]) -> list[str]:
     return [str(n).zfill(len(first)) for first, last in ranges for n in range(int(first), int(last) + 1)]
 
 
-def expand_nodelist(nodelist: str, most: int | None = None) -> list[str]:
-    """Every host of a SLURM node list, in order; a list of more than `most` hosts is refused before it is expanded
-    (`node[1-20000000]` filled the memory)."""
+def _parsed(nodelist: str) -> list[list]:
+    """Each item of a node list as its parts: literal text, then a group's ranges, then text, and so on."""
     if not nodelist.strip():
         raise UserError("the SLURM node list is empty")
-    items = []
-    for item in _split_items(nodelist.strip()):
-        texts = _GROUP.split(item)  # literal, group, literal, group, ..., literal
-        items.append([text if i % 2 == 0 else _ranges(text, nodelist) for i, text in enumerate(texts)])
-    count = sum(math.prod(sum(int(last) - int(first) + 1 for first, last in part) for part in parts[1::2])
-                for parts in items)
-    if most is not None and count > most:
-        raise UserError(f"the SLURM node list {nodelist!r} names {count:,} hosts, more than the {most} expected")
+    return [[text if i % 2 == 0 else _ranges(text, nodelist) for i, text in enumerate(_GROUP.split(item))]
+            for item in _split_items(nodelist.strip())]  # literal, group, literal, group, ..., literal
+
+
+def nodelist_size(nodelist: str) -> int:
+    """How many hosts a node list names, counted without listing them (`node[1-20000000]` is 20,000,000)."""
+    return sum(math.prod(sum(int(last) - int(first) + 1 for first, last in part) for part in parts[1::2])
+               for parts in _parsed(nodelist))
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Every host of a SLURM node list, in order."""
     hosts = []
-    for parts in items:
+    for parts in _parsed(nodelist):
         choices = [[part] if i % 2 == 0 else _numbers(part) for i, part in enumerate(parts)]
         hosts += ["".join(chosen) for chosen in itertools.product(*choices)]
     return hosts
 
 
-def slurm_hosts(nodelist: str, path: str | None = None, most: int | None = None) -> list[str]:
+def slurm_hosts(nodelist: str, path: str | None = None) -> list[str]:
     """The hosts of `nodelist`: from `scontrol show hostnames` when it is on `path` (default: PATH), else expanded
-    here (no more than `most`: `expand_nodelist`)."""
+    here."""
     scontrol = shutil.which("scontrol", path=path)
     if scontrol is None:
-        return expand_nodelist(nodelist, most)
+        return expand_nodelist(nodelist)
     result = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, check=False)
     hosts = result.stdout.split()
     if result.returncode != 0 or not hosts:

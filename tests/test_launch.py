@@ -33,7 +33,7 @@ from launch.launcher import (
     slurm_rendezvous,
 )
 from launch.local import wait_for_ranks
-from launch.nodelist import expand_nodelist, slurm_hosts
+from launch.nodelist import expand_nodelist, nodelist_size, slurm_hosts
 from launch.torchrun import lost_rank, passed_on_code, quiet_code
 from llm.cli import build_parser, launch_options
 from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, UserError
@@ -332,10 +332,17 @@ def test_a_node_list_of_more_hosts_than_the_job_step_has_is_refused_before_it_is
     compared with the node count."""
     env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "node[1-20000000],rack[1-2]-n[1-3]",
            "PATH": str(tmp_path)}
-    with pytest.raises(UserError, match=r"^the SLURM node list 'node\[1-20000000\],rack\[1-2\]-n\[1-3\]' names "
-                                        r"20,000,006 hosts, more than the 2 expected$"):
+    said = (r"^SLURM_JOB_NODELIST 'node\[1-20000000\],rack\[1-2\]-n\[1-3\]' names 20,000,006 host\(s\) but "
+            "SLURM_JOB_NUM_NODES is 2$")
+    with pytest.raises(UserError, match=said):  # no scontrol on PATH: it was expanded here
         slurm_rendezvous(env)
-    assert len(expand_nodelist("rack[1-2]-n[1-3],login", most=7)) == 7
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\ntouch {tmp_path}/asked\n")
+    scontrol.chmod(0o755)
+    with pytest.raises(UserError, match=said):
+        slurm_rendezvous(env)
+    assert not (tmp_path / "asked").exists()  # scontrol would have listed 20,000,006 names
+    assert nodelist_size("rack[1-2]-n[1-3],login") == len(expand_nodelist("rack[1-2]-n[1-3],login")) == 7
 
 
 def test_scontrol_is_the_authority_on_node_lists(tmp_path):
