@@ -653,12 +653,12 @@ def test_tokens_without_text_inside_a_character_leave_it_whole(tiny_model):
 
 def test_a_kv_cache_that_cannot_fit_in_memory_is_one_line(exported, generator, monkeypatch, capsys):
     """--max-new-tokens 10**8 on a model of a long context ended in the allocator's traceback (102 GB asked)."""
-    from llm.model import host_memory
+    from llm.model import kv_cache
 
     per_position = 2 * 2 * 2 * 16 * 4  # keys and values of 2 layers, 2 KV heads of 16 dimensions, fp32
-    monkeypatch.setattr(host_memory, "usable_memory", lambda: 40 * per_position)
-    assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "To be", "--max-new-tokens",
-                        64) == 2
+    monkeypatch.setattr(kv_cache, "usable_memory", lambda: 40 * per_position)
+    assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "To be", "--max-new-tokens", 64,
+                        "--device", "cpu", "--dtype", "fp32") == 2
     assert re.fullmatch(r"zerollm: error: the prompt \(\d+ tokens\) and --max-new-tokens 64 need a KV cache of "
                         r"[\d.]+ GiB, more than the limit of this process's cgroup \(a container's or a job's\): "
                         r"[\d.]+ GiB of memory: lower --max-new-tokens or shorten the prompt\n",

@@ -44,13 +44,14 @@ class ChatSession:
             raise UserError(f"no message can be sent: the model's context ({self.generator.model.cfg.max_seq_len}) "
                             f"holds {max(self.budget, 0)} prompt tokens beside --max-new-tokens "
                             f"{self.params.max_new_tokens}, and {taken} {len(smallest)}; {' or '.join(fixes)}")
-        if (problem := self._room_problem(smallest)) is not None:
-            raise UserError(f"no message can be sent: {problem}")
+        if (problem := self._memory_problem(smallest)) is not None:
+            raise UserError(f"no message can be sent: {problem}: lower --max-new-tokens")
         self.system, self.messages = system, messages
 
-    def _room_problem(self, ids: list[int]) -> str | None:
-        problem = self.generator.room_problem(len(ids), self.params.max_new_tokens, "--max-new-tokens")
-        return None if problem is None else f"{problem}; lower --max-new-tokens"
+    def _memory_problem(self, ids: list[int]) -> str | None:
+        """Why a reply to `ids` (which fit in the context beside max_new_tokens) cannot have its KV cache in
+        memory, or None."""
+        return self.generator.room_problem(len(ids), self.params.max_new_tokens, "--max-new-tokens")
 
     @property
     def budget(self) -> int:
@@ -58,17 +59,18 @@ class ChatSession:
         return self.generator.model.cfg.max_seq_len - self.params.max_new_tokens
 
     def fit(self, messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[int]]:
-        """(messages, prompt ids) with the oldest exchanges dropped until the prompt fits; never drops the system
-        prompt or the newest message. ValueError when even those do not fit, or their reply's KV cache does not fit
-        in memory."""
+        """(messages, prompt ids) with the oldest exchanges dropped until the prompt fits in the context, and the KV
+        cache of its reply in memory; never drops the system prompt or the newest message. ValueError when even those
+        do not fit."""
         system = [m for m in messages[:1] if m["role"] == "system"]
         turns = messages[len(system):]
         while True:
             ids = self.generator.tokenizer.encode_chat(system + turns, add_generation_prompt=True)
-            if len(ids) <= self.budget:
-                if (problem := self._room_problem(ids)) is not None:  # its KV cache does not fit in memory
-                    raise ValueError(problem)
+            memory = self._memory_problem(ids) if len(ids) <= self.budget else None
+            if len(ids) <= self.budget and memory is None:
                 return system + turns, ids
+            if len(turns) <= 1 and memory is not None:  # its KV cache, beside the reply's, exceeds the memory
+                raise ValueError(f"{memory}: shorten the message, or /reset with a shorter system prompt")
             if len(turns) <= 1:
                 raise ValueError(f"this message makes a prompt of {len(ids)} tokens, but the model's context "
                                  f"({self.generator.model.cfg.max_seq_len}) holds {max(self.budget, 0)} beside "
@@ -119,7 +121,11 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
         if line in ("/quit", "/exit"):
             break
         if line == "/reset":
-            session.reset(session.system)
+            try:  # the system prompt's reply may no longer fit in a GPU's memory
+                session.reset(session.system)
+            except UserError as exc:
+                say(f"(not reset: {exc})")
+                continue
             say("(conversation reset)")
         elif line.partition(" ")[0] == "/system":  # the command word alone, not /systemctl
             try:

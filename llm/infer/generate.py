@@ -23,8 +23,7 @@ import torch
 
 from llm.infer.sampling import SamplingParams, choose_next
 from llm.model import Transformer
-from llm.model.host_memory import kv_cache_problem
-from llm.model.kv_cache import KVCache
+from llm.model.kv_cache import KVCache, memory_problem
 from llm.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -133,10 +132,11 @@ class TextGenerator:
         """Why `batch` prompts of `prompt_tokens` and `max_new_tokens` (called `limit_name` in the message: the
         caller's name for it) do not fit in the model's context, or their KV cache in memory; None when they do."""
         context = self.model.cfg.max_seq_len
-        said = f"the prompt ({prompt_tokens} tokens) and {limit_name} {max_new_tokens}"
+        said = f"the prompt ({prompt_tokens} tokens) and {limit_name} {max_new_tokens}" if batch == 1 else \
+            f"{batch} prompts (padded to {prompt_tokens} tokens) and {limit_name} {max_new_tokens}"
         if prompt_tokens + max_new_tokens > context:
             return f"{said} do not fit in the model's context ({context} tokens)"
-        memory = kv_cache_problem(self.model.cfg, batch, prompt_tokens + max_new_tokens, self.dtype, self.device)
+        memory = memory_problem(self.model.cfg, batch, prompt_tokens + max_new_tokens, self.dtype, self.device)
         return None if memory is None else f"{said} {memory}"
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:

@@ -413,7 +413,7 @@ class ChatService:
                                f"exceeds the model's context of {self.context} tokens", "messages",
                                code="context_length_exceeded")
         if (problem := self.generator.room_problem(len(prompt_ids), params.max_new_tokens, "max_tokens")) is not None:
-            raise RequestError(f"{problem}; lower max_tokens", "max_tokens")  # the KV cache does not fit in memory
+            raise RequestError(f"{problem}: lower max_tokens", "max_tokens")  # the KV cache does not fit in memory
         job = Generation(prompt_ids, params)
         if not self._queue.put(job):
             raise RequestError("the server is busy: too many requests are waiting; retry later", status=503)

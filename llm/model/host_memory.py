@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import psutil
-import torch
 
 from llm.config import ModelConfig
 from llm.errors import UserError
@@ -94,20 +93,3 @@ def check_generation_fits_in_memory(cfg: ModelConfig, batch: int, positions: int
         raise UserError(f"--batch {batch} of {positions} positions needs about {needed / GIB:,.1f} GiB for its "
                         f"generations on the CPU (KV cache, attention, logits), more than {whose_memory(available)} "
                         f"{available / GIB:,.1f} GiB; lower --batch or the token counts")
-
-
-def kv_cache_problem(cfg: ModelConfig, batch: int, positions: int, dtype: torch.dtype,
-                     device: torch.device) -> str | None:
-    """Why a KV cache of `positions` for `batch` rows (`llm.model.kv_cache.KVCache`) cannot fit in the memory of
-    `device` (a GPU's free memory; on the CPU, this host's or its cgroup's limit), as the end of a sentence, or None:
-    a --max-new-tokens of 10**8 on a model of a long context ended in the allocator's traceback."""
-    needed = 2 * cfg.n_layers * batch * cfg.kv_heads * positions * cfg.attention_head_dim * dtype.itemsize
-    if device.type == "cuda":
-        available = torch.cuda.mem_get_info(device)[0]
-        where = f"the {available / GIB:,.1f} GiB free on {device}"
-    elif device.type == "cpu":
-        available = usable_memory()
-        where = f"{whose_memory(available)} {available / GIB:,.1f} GiB of memory"
-    else:
-        return None
-    return None if needed <= available else f"need a KV cache of {needed / GIB:,.1f} GiB, more than {where}"
