@@ -242,6 +242,16 @@ def test_a_column_of_scores_is_refused_alike_from_torch_and_numpy(tmp_path, monk
     assert Reward(["cols:flat"], 4, torch.device("cpu"))(_completions(["a", "b"]))[0].tolist() == [1.0, 1.0]
 
 
+def test_a_reward_may_be_any_iterable_of_floats(tmp_path, monkeypatch):
+    """A generator or a map of scores (read once) is as good as a list."""
+    (tmp_path / "lazy.py").write_text("def gen(prompts, completions, **f):\n    return (1.0 for c in completions)\n"
+                                      "def lengths(prompts, completions, **f):\n    return map(len, completions)\n")
+    monkeypatch.chdir(tmp_path)
+    reward = Reward(["lazy:gen", "lazy:lengths"], 4, torch.device("cpu"))
+    assert {name: scores.tolist() for name, scores in reward(_completions(["a", "bcd"]))[1].items()} == {
+        "gen": [1.0, 1.0], "lengths": [1.0, 3.0]}
+
+
 def test_a_local_reward_model_scores_completions(tokenizer_dir, tmp_path):
     import transformers
     config = transformers.LlamaConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

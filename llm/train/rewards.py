@@ -252,9 +252,10 @@ class UserFunction:
         try:
             if isinstance(scores, (Mapping, set, frozenset, str, bytes, bytearray)):  # a dict's keys, a set's order,
                 raise TypeError  # a text's characters or bytes: not one score per completion
-            if any(getattr(s, "ndim", 0) for s in scores):  # a row of a torch (n, 1) tensor: float() took it,
-                raise TypeError  # where numpy's (n, 1) was refused
-            values = [float(s) for s in scores if not isinstance(s, (str, bytes))]  # "1.0" is not a score
+            values = [None if getattr(s, "ndim", 0) else float(s)  # a row of a torch (n, 1) tensor: float() took
+                      for s in scores if not isinstance(s, (str, bytes))]  # it (numpy's refused); "1.0" is no score
+            if None in values:
+                raise TypeError
         except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond any float (10**400)
             values = None
         if values is None or len(values) != len(batch.texts) or not all(abs(v) <= MAX_MAGNITUDE for v in values):
