@@ -25,7 +25,7 @@ import sys
 import time
 
 from llm.errors import EXIT_RANK_LOST, EXIT_USER_ERROR, UserError, report
-from llm.runtime.rank_env import RANK_VARIABLES, announced_world_size, free_port
+from llm.runtime.rank_env import LOCAL_SIZE_VARIABLES, RANK_VARIABLES, announced_world_size, free_port
 from llm.runtime.supervisor import supervisor_env
 
 COMMAND_VARIABLE = "ZEROLLM_COMMAND"
@@ -52,7 +52,8 @@ def starts_ranks(nproc: int) -> bool:
     if not under_launcher():
         return nproc > 1
     size = announced_world_size(os.environ)
-    if nproc not in (1, size):
+    here = next((int(os.environ[name]) for name in LOCAL_SIZE_VARIABLES if os.environ.get(name, "").isdigit()), size)
+    if nproc not in (1, size, here):  # the job's size, or its ranks on this node (torchrun --nproc-per-node)
         names = ", ".join(name for name in ("LOCAL_RANK", *RANK_VARIABLES) if name in os.environ)
         raise UserError(f"--nproc {nproc}, but this process is a rank of a job of {size} (its environment holds a "
                         f"launcher's {names}); leave --nproc out under a launcher, or unset those variables to start "

@@ -182,3 +182,19 @@ def test_nproc_in_a_shell_a_launcher_left_variables_in_is_refused(monkeypatch, c
     assert ended.value.code == 2 and capsys.readouterr().err == (
         f"zerollm: error: --nproc 2, but this process is a rank of a job of 1 (its environment holds a launcher's "
         f"{names}); leave --nproc out under a launcher, or unset those variables to start 2 ranks from here\n")
+
+
+
+def test_nproc_under_a_launcher_may_be_the_job_s_size_or_its_ranks_on_this_node():
+    """`torchrun --nnodes 2 --nproc-per-node 2 -m llm train ... --nproc 2` gives --nproc as ranks per node."""
+    from launch.local import starts_ranks
+
+    environ = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("LOCAL_RANK", *RANK_VARIABLES):
+            patch.delenv(name, raising=False)
+        for name, value in environ.items():
+            patch.setenv(name, value)
+        assert [starts_ranks(nproc) for nproc in (1, 2, 4)] == [False] * 3
+        with pytest.raises(UserError, match=r"^--nproc 3, but this process is a rank of a job of 4 "):
+            starts_ranks(3)
