@@ -629,6 +629,7 @@ def test_an_error_of_a_rank_s_own_is_not_blamed_on_its_node(pretrain_data, tmp_p
     assert result.returncode == EXIT_RANK_LOST, result.stderr[-3000:]
     said = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error: rank ")]
     assert said and all("failed with RuntimeError: SparseAdam does not support dense gradients" in line
-                        and line.endswith("the job is ended on every rank. Its traceback is above: fix the cause, "
-                                          "then start the job again with --resume auto") for line in said), said
+                        and line.endswith("the job is ended on every rank. That rank's traceback, in its output, "
+                                          "says where: fix the cause, then start the job again with --resume auto")
+                        for line in said), said
     assert "Traceback" in result.stderr and "replace the failed node" not in result.stderr

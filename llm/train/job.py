@@ -255,8 +255,8 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
             if lost:
                 watchdog.end_job(f"{lost}; this rank then {failed}")
             else:  # an error of its own, not of its node
-                watchdog.end_job(failed, advice="Its traceback is above: fix the cause, then start the job again "
-                                                "with --resume auto")
+                watchdog.end_job(failed, advice="That rank's traceback, in its output, says where: fix the cause, "
+                                                "then start the job again with --resume auto")
         if watchdog is not None:
             watchdog.stop()
         dist.barrier()  # every rank is done writing; the caller ends the process (see `llm.cli.cmd_train`)
