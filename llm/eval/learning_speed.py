@@ -74,11 +74,8 @@ def split_file(path: Path, out: Path, train_share: float = TRAIN_SHARE) -> tuple
     data = path.read_bytes()
     cut = data.find(b"\n", int(len(data) * train_share))
     if cut < 0 or not data[cut + 1:].strip() or not data[:cut].strip():
-        try:  # what the readers refuse a longer file for comes first
-            data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            line = data.count(b"\n", 0, exc.start) + 1
-            raise UserError(f"{path}:{line}: not valid UTF-8 text") from None
+        for _ in read_records([path], "pretrain"):  # what the readers refuse a longer file for (text that is not
+            pass  # UTF-8) comes first
         raise UserError(f"{path}: too short to split into a training part and a held-out part at a line end")
     train, val = out / f"train{path.suffix.lower()}", out / f"val{path.suffix.lower()}"
     train.write_bytes(data[:cut + 1])
