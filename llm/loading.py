@@ -123,12 +123,11 @@ def load_lora_model(run_dir: Path, cfg: RunConfig, tag: str | None = None) -> Tr
         raise UserError(f"{run_dir}: its adapters were trained on {trained_on['path']} ({trained_on['weights']}), "
                         f"but train.init_from {base} holds {now['weights']}; merged onto other weights they would "
                         "make a wrong model: put that base back")
-    base_model = load_model_dir(base)[0]
-    if differing := model_differences(base_model.cfg, cfg.model):  # its config.json edited since: another function
+    if differing := model_differences(model_config_of(base), cfg.model):  # its config.json edited: other function
         raise UserError(f"{run_dir}: its adapters were trained on the model {rundir.CONFIG_FILE} records, but its base "
                         f"train.init_from {base} now differs ({'; '.join(differing)}; there is the base, here the "
                         "run); merged onto it they would make a wrong model: put that base back as it was")
-    model = apply_lora(base_model, cfg.lora, cfg.train.seed)
+    model = apply_lora(load_model_dir(base)[0], cfg.lora, cfg.train.seed)
     missing, unexpected = load_adapters(model, consolidated_weights(run_dir, tag))
     if missing or unexpected:
         raise UserError(f"{run_dir}: checkpoint does not match the LoRA settings in {rundir.CONFIG_FILE} (missing "
