@@ -349,6 +349,9 @@ def import_model(directory: Path) -> Transformer:
     """Our model from an export directory (ours, or `save_pretrained` of a Llama model)."""
     cfg = export_model_config(directory)
     state = {name: tensor for name, tensor in read_weights(directory).items() if not _LEGACY_BUFFER.fullmatch(name)}
+    if integral := next((name for name in sorted(state) if not state[name].dtype.is_floating_point), None):
+        raise UserError(f"{directory}: {integral} holds {str(state[integral].dtype).removeprefix('torch.')} values, "
+                        "not floating point (quantized weights?); give the model's fp32, bf16 or fp16 weights")
     if cfg.tie_embeddings and not drop_tied_copy(state, "model.embed_tokens.weight", "lm_head.weight"):
         raise UserError(f"{directory}: {HF_CONFIG_FILE} ties the embeddings (tie_word_embeddings true), but the "
                         "weights hold an lm_head.weight that differs from model.embed_tokens.weight; set "
@@ -370,9 +373,6 @@ def import_model(directory: Path) -> Transformer:
                  for name in sorted(state) if state[name].shape != expected[ours[name]].shape]
     if misshapen:
         raise UserError(f"{directory}: weights do not match {HF_CONFIG_FILE} ({misshapen[0]})")
-    if integral := next((name for name in sorted(state) if not state[name].dtype.is_floating_point), None):
-        raise UserError(f"{directory}: {integral} holds {str(state[integral].dtype).removeprefix('torch.')} values, "
-                        "not floating point (quantized weights?); give the model's fp32, bf16 or fp16 weights")
     weights = {}
     for name in sorted(state):  # copied one at a time into this process's memory (safetensors maps the file: its
         weights[ours[name]] = state.pop(name).to(torch.float32, copy=True)  # pages would change with a later write)

@@ -694,3 +694,11 @@ def test_weights_that_are_not_floating_point_are_refused(exported, tmp_path):
         with pytest.raises(UserError, match=rf"^{folder}: model.norm.weight holds {str(dtype)[6:]} values, not "
                                             r"floating point \(quantized weights\?\); give the model's fp32, bf16"):
             import_model(folder)
+    packed = tmp_path / "packed"  # GPTQ's layout: packed integers beside their scales, under other names
+    shutil.copytree(exported, packed)
+    state = load_file(packed / "model.safetensors")
+    state["model.layers.0.self_attn.q_proj.qweight"] = torch.zeros(8, 64, dtype=torch.int32)
+    del state["model.layers.0.self_attn.q_proj.weight"]
+    save_file(state, packed / "model.safetensors")
+    with pytest.raises(UserError, match=r"q_proj.qweight holds int32 values, not floating point \(quantized"):
+        import_model(packed)  # it was "weights do not match config.json (missing [...], unexpected [...])"
