@@ -174,8 +174,8 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     _refuse_misspelt_keys(ds, source)
     _refuse_removed_features(ds, source)
     _refuse_unused_features(ds, source)
-    for section in ("bf16", "fp16", "optimizer", "zero_optimization"):  # the sections read or filled below
-        if section in ds:
+    for section in ("bf16", "fp16", "optimizer", "zero_optimization", *MONITORS):  # the sections read or filled
+        if section in ds:  # below, or checked against DeepSpeed's models of them
             require_object(ds[section], section)
     for section, keys in SECTION_KEYS.items():
         if isinstance(ds.get(section), dict) and (unknown := [key for key in ds[section] if key not in keys]):
@@ -324,9 +324,6 @@ def _refuse_invalid_sections(ds: dict[str, Any], source: str) -> None:
     rank, which two ranks reported as a failed node (exit 76)."""
     for section, model, name in (("bf16", DeepSpeedBF16Config, "bf16"), ("fp16", DeepSpeedFP16Config, "fp16")):
         _section_model(model, ds.get(section, {}), section, name, source)
-    for section in MONITORS:
-        if section in ds and not isinstance(ds[section], dict):
-            raise UserError(f"{source}: '{section}' must be a JSON object {{...}}, got {json.dumps(ds[section])[:60]}")
     monitors = {section: ds[section] for section in MONITORS if section in ds}
     _section_model(DeepSpeedMonitorConfig, monitors, None, "monitor", source)
 
