@@ -212,11 +212,11 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     attrs = input_attrs(cfg)
     if cfg.model.vocab_size is None:  # the recipe does not pin one: the tokenizer's
         cfg.model.vocab_size = attrs["vocab_size"]
-    if attrs["vocab_size"] > cfg.model.vocab_size and cfg.train.init_from and cfg.train.stage != "grpo":
-        raise UserError(f"{cfg.data.path}: its tokenizer has {attrs['vocab_size']} tokens, more than the "
-                        f"{cfg.model.vocab_size} of --init-from {cfg.train.init_from}'s model; prepare the data with "
-                        "that model's tokenizer")  # whose vocab_size the run takes: setting it here is refused
     if attrs["vocab_size"] > cfg.model.vocab_size:
+        if cfg.train.init_from and cfg.train.stage != "grpo":  # the run takes that model's vocab_size
+            raise UserError(f"{cfg.data.path}: its tokenizer has {attrs['vocab_size']} tokens, more than the "
+                            f"{cfg.model.vocab_size} of --init-from {cfg.train.init_from}'s model; prepare the data "
+                            "with that model's tokenizer")
         source = cfg.train.init_from if cfg.train.stage == "grpo" else cfg.data.path
         raise UserError(f"{source}: tokenizer has {attrs['vocab_size']} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}; set model.vocab_size >= {attrs['vocab_size']}")
