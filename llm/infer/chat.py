@@ -66,10 +66,11 @@ class ChatSession:
         turns = messages[len(system):]
         while True:
             ids = self.generator.tokenizer.encode_chat(system + turns, add_generation_prompt=True)
-            memory = self._memory_problem(ids) if len(ids) <= self.budget else None
-            if len(ids) <= self.budget and memory is None:
+            fits = len(ids) <= self.budget
+            memory = self._memory_problem(ids) if fits else None
+            if fits and memory is None:
                 return system + turns, ids
-            if len(turns) <= 1 and memory is not None:  # its KV cache, beside the reply's, exceeds the memory
+            if len(turns) <= 1 and fits:  # its KV cache, beside the reply's, exceeds the memory
                 raise ValueError(f"{memory}: shorten the message, or /reset with a shorter system prompt")
             if len(turns) <= 1:
                 raise ValueError(f"this message makes a prompt of {len(ids)} tokens, but the model's context "
