@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import errno
 import math
 import os
 import shlex
@@ -68,6 +67,7 @@ from llm import rundir
 from llm.errors import EXIT_PREEMPTED, UserError
 from llm.runtime.accelerator import ensure_accelerator_env
 from llm.runtime.cpu_threads import cpu_threads_per_rank
+from llm.runtime.rank_env import port_in_use
 from llm.runtime.supervisor import supervisor_env
 
 MAX_PORT = 65535
@@ -169,15 +169,9 @@ def is_local_address(address: str) -> bool:
 
 def check_port_free(port: int) -> None:
     """The rendezvous store listens on every interface of the node hosting it; the port must be free there."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise UserError(f"master port {port} is already in use on this node (another job?); "
-                                "choose a free one with --master-port") from None
-            raise
+    if port_in_use(port):
+        raise UserError(f"master port {port} is already in use on this node (another job?); "
+                        "choose a free one with --master-port")
 
 
 def _slurm_number(environ: dict[str, str], name: str, low: int, high: int, meaning: str) -> int:

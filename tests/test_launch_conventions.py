@@ -6,6 +6,7 @@ environment and form one job."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from conftest import REPO, TINY
 from llm.errors import UserError
+from llm.runtime import rank_env
 from llm.runtime.cpu_threads import cpu_threads_per_rank, ranks_sharing_cpus, threads_asked
 from llm.runtime.rank_env import RANK_VARIABLES, free_port, rank_environment
 from standins import MPIRUN, OMPI_INFO, SSH, install
@@ -106,6 +108,31 @@ def test_a_process_started_directly_is_a_group_of_one():
     found = rank_environment({})
     assert (found["RANK"], found["WORLD_SIZE"], found["MASTER_ADDR"]) == ("0", "1", "127.0.0.1")
     assert rank_environment({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"})["WORLD_SIZE"] == "1"
+
+
+def test_a_chosen_port_is_free_and_below_the_ports_the_kernel_hands_out_itself():
+    """A port the kernel handed out (a bind to port 0) and released was soon handed out again, to another process's
+    connection or listener, before the rendezvous took it: a launch then failed as "already in use"."""
+    for _ in range(20):
+        port = free_port()
+        assert rank_env.LOWEST_CHOSEN_PORT <= port < rank_env.ephemeral_low()
+        assert not rank_env.port_in_use(port)
+
+
+def test_a_port_in_use_is_passed_over(monkeypatch):
+    free = free_port()
+    with socket.socket() as busy:
+        busy.bind(("", free_port()))
+        busy.listen()
+        drawn = iter([busy.getsockname()[1], free])
+        monkeypatch.setattr(rank_env.random.SystemRandom, "randrange", lambda self, low, high: next(drawn))
+        assert rank_env.port_in_use(busy.getsockname()[1]) and free_port() == free
+
+
+def test_without_the_kernel_s_port_range_the_iana_range_is_kept_clear_of(monkeypatch, tmp_path):
+    monkeypatch.setattr(rank_env, "EPHEMERAL_RANGE_FILE", str(tmp_path / "absent"))
+    assert rank_env.ephemeral_low() == 49152
+    assert free_port() < 49152
 
 
 @pytest.mark.parametrize("environ, message", [

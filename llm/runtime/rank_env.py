@@ -9,6 +9,8 @@ the PMI_RANK/PMI_SIZE/MPI_LOCALRANKID of MPICH and Intel MPI, PMIX_RANK).
 
 from __future__ import annotations
 
+import errno
+import random
 import socket
 
 from llm.errors import UserError
@@ -18,7 +20,46 @@ CHOSEN_ACCELERATOR = "ZEROLLM_CHOSEN_DS_ACCELERATOR"
 process that inherits both makes the choice again for its own job."""
 
 
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+IANA_EPHEMERAL_LOW = 49152
+"""Where the kernel's own port range starts when EPHEMERAL_RANGE_FILE cannot say (macOS, the BSDs)."""
+LOWEST_CHOSEN_PORT = 20000
+TRIES = 64
+
+
+def ephemeral_low() -> int:
+    """The first port of the range the kernel hands out by itself (to connections, to binds of port 0)."""
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return IANA_EPHEMERAL_LOW
+
+
+def port_in_use(port: int) -> bool:
+    """Whether `port` is taken on this node: a listener could not take it on every interface now, as the
+    rendezvous store does."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False
+
+
 def free_port() -> int:
+    """A port free on this node now, for a rendezvous to listen on a moment later. It is drawn below the kernel's
+    own range: a port the kernel handed out (bind to port 0) and released was soon handed out again, to another
+    process's connection or listener, before the rendezvous could take it."""
+    high = ephemeral_low()
+    if high - LOWEST_CHOSEN_PORT >= TRIES:
+        for _ in range(TRIES):
+            port = random.SystemRandom().randrange(LOWEST_CHOSEN_PORT, high)
+            if not port_in_use(port):
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
