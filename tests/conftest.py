@@ -22,7 +22,7 @@ from filelock import FileLock
 from forked_ranks import run_job
 
 from llm.runtime.cpu_threads import cpu_threads_per_rank
-from llm.runtime.rank_env import RANK_VARIABLES
+from llm.runtime.rank_env import PORTS_VARIABLE, RANK_VARIABLES, port_range
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -32,6 +32,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+    # each worker's jobs draw their ports from a part of the range of their own: a port one worker drew and had not
+    # yet bound looked free to the other
+    low, high = port_range({})
+    workers, worker = int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), int(os.environ["PYTEST_XDIST_WORKER"][2:])
+    width = (high - low + 1) // workers
+    os.environ[PORTS_VARIABLE] = f"{low + worker * width}-{low + (worker + 1) * width - 1}"
     # one worker per core, each running tests and starting jobs of its own: a thread per process keeps the cores
     # from being oversubscribed (the jobs' ranks take OMP_NUM_THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -114,25 +114,38 @@ def test_a_chosen_port_is_free_and_below_the_ports_the_kernel_hands_out_itself()
     """A port the kernel handed out (a bind to port 0) and released was soon handed out again, to another process's
     connection or listener, before the rendezvous took it: a launch then failed as "already in use"."""
     for _ in range(20):
-        port = free_port()
+        port = free_port({})
         assert rank_env.LOWEST_CHOSEN_PORT <= port < rank_env.ephemeral_low()
         assert not rank_env.port_in_use(port)
 
 
-def test_a_port_in_use_is_passed_over(monkeypatch):
-    free = free_port()
+def test_the_ports_to_choose_from_may_be_given():
+    assert {free_port({"ZEROLLM_PORTS": "23000-23003"}) for _ in range(40)} <= set(range(23000, 23004))
+    assert free_port({"ZEROLLM_PORTS": " 23010 - 23010 "}) == 23010
+
+
+@pytest.mark.parametrize("given", ["23000", "23000-22000", "80-90", "23000-70000", "a-b", ""])
+def test_a_port_range_that_is_not_one_is_refused_naming_it(given):
+    with pytest.raises(UserError, match=f"^ZEROLLM_PORTS={given!r}: expected LOW-HIGH, the ports zerollm may choose"):
+        free_port({"ZEROLLM_PORTS": given})
+
+
+def test_a_port_in_use_is_passed_over_and_a_range_without_a_free_one_is_one_line():
     with socket.socket() as busy:
         busy.bind(("", free_port()))
         busy.listen()
-        drawn = iter([busy.getsockname()[1], free])
-        monkeypatch.setattr(rank_env.random.SystemRandom, "randrange", lambda self, low, high: next(drawn))
-        assert rank_env.port_in_use(busy.getsockname()[1]) and free_port() == free
+        port = busy.getsockname()[1]
+        assert rank_env.port_in_use(port)
+        assert free_port({"ZEROLLM_PORTS": f"{port}-{port + 1}"}) == port + 1
+        with pytest.raises(UserError, match=f"^no free port found in {port}-{port} after 64 tries \\(ZEROLLM_PORTS\\); "
+                                            "free some, or set ZEROLLM_PORTS=LOW-HIGH to a range with free ports$"):
+            free_port({"ZEROLLM_PORTS": f"{port}-{port}"})
 
 
 def test_without_the_kernel_s_port_range_the_iana_range_is_kept_clear_of(monkeypatch, tmp_path):
     monkeypatch.setattr(rank_env, "EPHEMERAL_RANGE_FILE", str(tmp_path / "absent"))
     assert rank_env.ephemeral_low() == 49152
-    assert free_port() < 49152
+    assert rank_env.port_range({}) == (20000, 49151)
 
 
 @pytest.mark.parametrize("environ, message", [

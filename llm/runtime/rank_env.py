@@ -10,8 +10,11 @@ the PMI_RANK/PMI_SIZE/MPI_LOCALRANKID of MPICH and Intel MPI, PMIX_RANK).
 from __future__ import annotations
 
 import errno
+import os
 import random
+import re
 import socket
+from collections.abc import Mapping
 
 from llm.errors import UserError
 
@@ -24,6 +27,8 @@ EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 IANA_EPHEMERAL_LOW = 49152
 """Where the kernel's own port range starts when EPHEMERAL_RANGE_FILE cannot say (macOS, the BSDs)."""
 LOWEST_CHOSEN_PORT = 20000
+PORTS_VARIABLE = "ZEROLLM_PORTS"
+"""LOW-HIGH: the ports `free_port` draws from, where jobs on one machine are given ranges of their own."""
 TRIES = 64
 
 
@@ -34,6 +39,19 @@ def ephemeral_low() -> int:
             return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return IANA_EPHEMERAL_LOW
+
+
+def port_range(environ: Mapping[str, str]) -> tuple[int, int]:
+    """The ports `free_port` draws from, LOW to HIGH inclusive: PORTS_VARIABLE's, else LOWEST_CHOSEN_PORT up to the
+    kernel's own range."""
+    given = environ.get(PORTS_VARIABLE)
+    if given is None:  # a kernel whose own range starts lower leaves none below it: theirs overlap then
+        return LOWEST_CHOSEN_PORT, max(ephemeral_low() - 1, LOWEST_CHOSEN_PORT + 1000)
+    match = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", given)
+    if not match or not 1024 <= int(match[1]) <= int(match[2]) <= 65535:
+        raise UserError(f"{PORTS_VARIABLE}={given!r}: expected LOW-HIGH, the ports zerollm may choose for a job on "
+                        "this machine, with 1024 <= LOW <= HIGH <= 65535 (e.g. 20000-20999)")
+    return int(match[1]), int(match[2])
 
 
 def port_in_use(port: int) -> bool:
@@ -50,19 +68,19 @@ def port_in_use(port: int) -> bool:
     return False
 
 
-def free_port() -> int:
-    """A port free on this node now, for a rendezvous to listen on a moment later. It is drawn below the kernel's
-    own range: a port the kernel handed out (bind to port 0) and released was soon handed out again, to another
-    process's connection or listener, before the rendezvous could take it."""
-    high = ephemeral_low()
-    if high - LOWEST_CHOSEN_PORT >= TRIES:
-        for _ in range(TRIES):
-            port = random.SystemRandom().randrange(LOWEST_CHOSEN_PORT, high)
-            if not port_in_use(port):
-                return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(environ: Mapping[str, str] = os.environ) -> int:
+    """A port free on this node now, for a rendezvous to listen on a moment later, drawn from `port_range`. By
+    default that is below the kernel's own range: a port the kernel handed out (bind to port 0) and released was
+    soon handed out again, to another process's connection or listener, before the rendezvous could take it."""
+    low, high = port_range(environ)
+    draw = random.SystemRandom()
+    for _ in range(TRIES):
+        port = draw.randint(low, high)
+        if not port_in_use(port):
+            return port
+    raise UserError(f"no free port found in {low}-{high} after {TRIES} tries"
+                    + (f" ({PORTS_VARIABLE})" if PORTS_VARIABLE in environ else "")
+                    + f"; free some, or set {PORTS_VARIABLE}=LOW-HIGH to a range with free ports")
 
 
 RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
@@ -103,7 +121,7 @@ def rank_environment(environ: dict[str, str]) -> dict[str, str]:
     rank = _first(environ, RANK_VARIABLES)
     if rank is None:
         return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(free_port()))
+                    MASTER_PORT=str(free_port(environ)))
     rank_name, rank_value = rank
     world = _first(environ, WORLD_SIZE_VARIABLES)
     if world is None:
@@ -125,4 +143,4 @@ def rank_environment(environ: dict[str, str]) -> dict[str, str]:
     return dict(RANK=str(rank_value), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                 LOCAL_WORLD_SIZE=str(local_size[1] if local_size else world_size),
                 MASTER_ADDR=environ.get("MASTER_ADDR") or "127.0.0.1",
-                MASTER_PORT=environ.get("MASTER_PORT") or str(free_port()))
+                MASTER_PORT=environ.get("MASTER_PORT") or str(free_port(environ)))
