@@ -458,7 +458,7 @@ def test_a_data_loader_worker_killed_or_stuck_ends_a_one_rank_run_in_one_line(pr
     one-rank job, which has no watchdog, forever and without a word. Either is now one line naming the worker, and
     exit 76; a stuck one after 0.9 x train.collective_timeout_s."""
     run, log = tmp_path / "run", tmp_path / "run.log"
-    with _job(train_args(pretrain_data, run, *LOADER_RUN, WORKER, "train.collective_timeout_s=5"), log) as \
+    with _job(train_args(pretrain_data, run, *LOADER_RUN, WORKER, "train.collective_timeout_s=10"), log) as \
             (proc, family):
         _after_steps(lambda: proc.poll() is not None, run)
         worker = _worker(proc, family)
@@ -479,7 +479,7 @@ def test_a_data_loader_worker_killed_or_stuck_ends_a_one_rank_run_in_one_line(pr
         assert _errors(text)[0].startswith(f"zerollm: error: rank 0: step {step + 1}'s data did not come in ")
         assert _errors(text)[0].endswith(f"s: its data-loader worker(s), pid {worker.pid} (stopped), gave none (stuck "
                                          f"reading {pretrain_data}, e.g. on a hung network file system?); the limit is "
-                                         "0.9 x train.collective_timeout_s=5; no checkpoint was saved")
+                                         "0.9 x train.collective_timeout_s=10; no checkpoint was saved")
 
 
 def test_a_stop_while_a_data_loader_worker_is_stuck_saves_the_last_complete_step(pretrain_data, tmp_path):

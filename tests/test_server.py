@@ -709,7 +709,7 @@ def test_a_client_leaving_a_reply_that_is_not_streamed_ends_its_generation(gener
         left_at = time.monotonic()
         while service.cancelled == 0 and time.monotonic() < left_at + 5:
             time.sleep(0.05)
-        assert service.cancelled == 1 and time.monotonic() - left_at < 2
+        assert service.cancelled == 1 and time.monotonic() - left_at < 5
 
 
 @pytest.mark.parametrize("version, stream", [("HTTP/1.1", False), ("HTTP/1.1", True), ("HTTP/1.0", False),
@@ -749,7 +749,7 @@ def test_a_client_leaving_a_silent_stream_ends_its_generation(generator, version
         left_at = time.monotonic()
         while service.cancelled == 0 and time.monotonic() < left_at + 5:
             time.sleep(0.05)
-        assert service.cancelled == 1 and time.monotonic() - left_at < 2
+        assert service.cancelled == 1 and time.monotonic() - left_at < 5
         assert _post(url, json.dumps({**HELLO, "max_tokens": 1}).encode())[0] == 200
 
 
@@ -763,7 +763,7 @@ def test_closing_the_service_ends_the_running_generation_and_waits_for_its_threa
     first = job.pieces.get(timeout=30)
     started = time.monotonic()
     service.close()
-    assert not service._worker.is_alive() and time.monotonic() - started < 2
+    assert not service._worker.is_alive() and time.monotonic() - started < 5
     pieces = [first]
     while isinstance(piece := job.pieces.get(timeout=1), str):
         pieces.append(piece)
@@ -791,7 +791,7 @@ def test_closing_the_service_as_its_thread_takes_a_request_ends_that_generation_
     assert taken.wait(30)
     started = time.monotonic()
     service.close()
-    assert not service._worker.is_alive() and time.monotonic() - started < 2
+    assert not service._worker.is_alive() and time.monotonic() - started < 5
 
 
 def test_an_error_after_an_early_head_is_the_body(generator):

@@ -146,9 +146,11 @@ def test_sigkill_then_resume_is_bit_exact(pretrain_data, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
 
     latest = killed / "checkpoints" / "latest"
-    kill_when(lambda: latest.is_file() and latest.read_text() == "global_step3",
-              *_args(pretrain_data, killed, *SLOW_STEPS, nproc=2))
-    assert latest.read_text() == "global_step3"
+    # step 3's checkpoint, or step 6's where the poll missed the moment on a loaded machine
+    saved = ("global_step3", "global_step6")
+    kill_when(lambda: latest.is_file() and latest.read_text() in saved, *_args(pretrain_data, killed, *SLOW_STEPS,
+                                                                               nproc=2))
+    assert latest.read_text() in saved
     result = run_job(*_args(pretrain_data, killed, *SLOW_STEPS, nproc=2, extra=["--resume", "auto"]), name="resumed")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed at step 6" in result.stdout or "resumed at step 3" in result.stdout
