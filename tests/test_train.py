@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -381,6 +382,39 @@ def test_a_token_id_beyond_the_vocabulary_is_one_line_naming_the_file(pretrain_d
     assert result.stderr.splitlines()[-1] == (
         f"zerollm: error: {data}/tokens.h5: the {split} split holds token id 600, beyond the model's vocabulary of "
         "512 (ids 0-511); the file was changed after `zerollm data prepare` wrote it: prepare the data again")
+
+
+def _drop(h5, name):
+    del h5[name]
+
+
+def _signed(h5, name):
+    tokens = h5[name][:].astype(np.int32)
+    tokens[0] = -1
+    del h5[name]
+    h5[name] = tokens
+
+
+@pytest.mark.parametrize("damage, name, problem", [
+    (_drop, "val", "the val split has no tokens array"),
+    (_drop, "train/doc_offsets", "the train split has no doc_offsets array"),
+    (_signed, "train/tokens", "train/tokens holds int32 values, not the unsigned integers data prepare writes"),
+])
+def test_a_tokens_file_missing_an_array_or_with_signed_ids_is_one_line(pretrain_data, tmp_path, damage, name,
+                                                                       problem):
+    """A split removed was a KeyError traceback; token id -1 (an edit in a signed type) an IndexError one, past the
+    check of the highest id."""
+    import h5py
+
+    data = tmp_path / "data"
+    shutil.copytree(pretrain_data, data)
+    with h5py.File(data / "tokens.h5", "r+") as h5:
+        damage(h5, name)
+    result = run_cli(*_args(data, tmp_path / "run", "train.max_steps=1"))
+    assert (result.returncode, result.stderr) == (2, f"zerollm: error: {data}/tokens.h5: {problem}; the file was "
+                                                     "changed after `zerollm data prepare` wrote it: prepare the "
+                                                     "data again\n")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("stage, data, message", [

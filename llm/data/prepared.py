@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 
 from llm import rundir
-from llm.data.prepare import SCHEMA_VERSION, TOKENS_FILE
+from llm.data.prepare import SCHEMA_VERSION, SPLITS, STREAMS, TOKENS_FILE
 from llm.errors import UserError
 from llm.tokenizer import Tokenizer
 
@@ -21,6 +21,22 @@ DISTILL_DATA_KINDS = ("pretrain", "sft")
 def h5_attrs(h5: h5py.File) -> dict:
     """The file's root attributes as Python values."""
     return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in h5.attrs.items()}
+
+
+def layout_problem(h5: h5py.File, kind: str | None) -> str | None:
+    """What of the arrays `data prepare` writes for data of `kind` (every split's fields and offsets, `STREAMS`) the
+    file lacks or holds in another type, or None (also for an unknown kind, refused by its name after)."""
+    for split in SPLITS:
+        for stream, fields in STREAMS.get(kind, {}).items():
+            for name in (*fields, f"{stream}_offsets"):
+                array = h5.get(f"{split}/{name}")
+                if not isinstance(array, h5py.Dataset) or array.ndim != 1:
+                    return f"the {split} split has no {name} array"
+                kind_wanted = "i" if name.endswith("_offsets") else "u"
+                if array.dtype.kind != kind_wanted:
+                    wanted = "signed integers" if kind_wanted == "i" else "unsigned integers"
+                    return f"{split}/{name} holds {array.dtype} values, not the {wanted} data prepare writes"
+    return None
 
 
 def read_data_attrs(data_dir: str | Path, kind: str | tuple[str, ...], reader: str = "this stage") -> dict:
@@ -38,6 +54,7 @@ def read_data_attrs(data_dir: str | Path, kind: str | tuple[str, ...], reader: s
     try:
         with h5py.File(path, "r") as h5:
             attrs = h5_attrs(h5)
+            layout = layout_problem(h5, attrs.get("kind"))
     except PermissionError:  # h5py raises its open's errno as Python's subclass of OSError
         raise UserError(f"{path}: permission denied; give this user read access to it") from None
     except OSError as exc:  # cut short by a copy, or not HDF5: h5py says why in parentheses
@@ -50,6 +67,9 @@ def read_data_attrs(data_dir: str | Path, kind: str | tuple[str, ...], reader: s
     if attrs.get("kind") not in kinds:
         raise UserError(f"{path}: holds '{attrs.get('kind')}' data, {reader} needs "
                         f"{' or '.join(repr(k) for k in kinds)}")
+    if layout is not None:
+        raise UserError(f"{path}: {layout}; the file was changed after `zerollm data prepare` wrote it: prepare the "
+                        "data again")
     tokenizer_dir = rundir.tokenizer_dir(Path(data_dir))
     if tokenizer_dir.is_dir() and not (copy := Tokenizer.load(tokenizer_dir)).has_hash(attrs["tokenizer_hash"]):
         raise UserError(f"{tokenizer_dir} (hash {copy.hash}) is not the tokenizer {path} was made with (hash "
