@@ -31,6 +31,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from types import SimpleNamespace
 
+import h5py
 import psutil
 import pytest
 import torch
@@ -480,6 +481,30 @@ def test_a_data_loader_worker_killed_or_stuck_ends_a_one_rank_run_in_one_line(pr
         assert _errors(text)[0].endswith(f"s: its data-loader worker(s), pid {worker.pid} (stopped), gave none (stuck "
                                          f"reading {pretrain_data}, e.g. on a hung network file system?); the limit is "
                                          "0.9 x train.collective_timeout_s=10; no checkpoint was saved")
+
+
+def test_data_prepared_again_into_the_folder_mid_run_ends_it_at_the_next_epoch_in_one_line(pretrain_data, tmp_path):
+    """The workers of the next epoch read the new tokens.h5 (a pretraining run trained on the other data, an SFT run
+    on the new tokens by the old offsets), and the run ended with exit 0."""
+    data, run, log = tmp_path / "data", tmp_path / "run", tmp_path / "run.log"
+    shutil.copytree(pretrain_data, data)
+    with h5py.File(data / "tokens.h5") as h5:  # steps of 16 windows of 256 tokens
+        epoch_steps = (h5["train/tokens"].shape[0] - 1) // 256 // 16
+    with _job(train_args(data, run, *LOADER_RUN[:3], f"train.max_steps={3 * epoch_steps}", "data.seq_len=256",
+                         "train.micro_batch_size=16", WORKER), log) as (proc, _):
+        _after_steps(lambda: proc.poll() is not None, run)
+        new = tmp_path / "new.h5"
+        shutil.copy(data / "tokens.h5", new)
+        with h5py.File(new, "r+") as h5:
+            h5["train/tokens"][:] = h5["train/tokens"][:][::-1]
+        os.replace(new, data / "tokens.h5")  # as `data prepare` replaces it
+        code = proc.wait(timeout=300)
+    text = log.read_text()
+    assert code == 2 and "Traceback" not in text, text[-3000:]
+    assert _errors(text) == [f"zerollm: error: {data}/tokens.h5 was replaced or changed after this run started reading "
+                             f"it (a `zerollm data prepare` into {data}?); a run trains on one version of its data: "
+                             "prepare new data into another folder"]
+    assert epoch_steps <= _metrics_rows(run)[-1]["step"] < 3 * epoch_steps  # the next epoch's workers refused it
 
 
 def test_a_stop_while_a_data_loader_worker_is_stuck_saves_the_last_complete_step(pretrain_data, tmp_path):

@@ -3,6 +3,8 @@ chain."""
 
 import json
 import math
+import os
+import pickle
 import re
 import shutil
 from types import SimpleNamespace
@@ -13,9 +15,9 @@ from forked_ranks import kill_when, run_job
 
 from conftest import FIXTURES, run_cli, train_args
 from llm.config import GRPOConfig, ModelConfig
-from llm.data.datasets import PackedConversations, PreferencePairs
+from llm.data.datasets import PackedConversations, PreferencePairs, PretrainWindows
 from llm.data.formats import RecordError, conversation, preference, pretrain_text
-from llm.data.prepare import encode_sft, prepare
+from llm.data.prepare import TOKENS_FILE, encode_sft, prepare
 from llm.errors import UserError
 from llm.loading import consolidated_weights
 from llm.model import Transformer, masked_cross_entropy
@@ -256,6 +258,38 @@ def sft_data(tokenizer_dir, tmp_path_factory):
     prepare("sft", [str(FIXTURES / "sft")], tokenizer_dir, out, val_fraction=0.02, seq_len=512,
             workers=2, show_progress=False)
     return out
+
+
+def _replace(tokens_file, change) -> None:
+    """`tokens_file` replaced as `data prepare` replaces it: a new file renamed over it, with `change` applied."""
+    import h5py
+
+    new = tokens_file.with_name("new.h5")
+    shutil.copy(tokens_file, new)
+    with h5py.File(new, "r+") as h5:
+        change(h5)
+    os.replace(new, tokens_file)
+
+
+def _reversed_tokens(h5):
+    h5["train/tokens"][:] = h5["train/tokens"][:][::-1]
+
+
+@pytest.mark.parametrize("dataset, data", [(PretrainWindows, "pretrain_data"), (PackedConversations, "sft_data")])
+def test_a_worker_of_a_later_epoch_refuses_a_file_replaced_meanwhile(request, tmp_path, dataset, data):
+    """The data-loader workers of each epoch open the file again: after a `data prepare` into the folder they read
+    the new file (packed samples by the old one's offsets, across conversations), without a word."""
+    shutil.copytree(request.getfixturevalue(data), tmp_path / "data")
+    samples = dataset(tmp_path / "data", "train", 512, pad_id=3)
+    first = samples[0]
+    worker = pickle.loads(pickle.dumps(samples))  # what a data-loader worker gets
+    assert all((worker[0][k] == v).all() for k, v in first.items())  # the same file: read as before
+    _replace(tmp_path / "data" / TOKENS_FILE, _reversed_tokens)
+    assert all((samples[0][k] == v).all() for k, v in first.items())  # the handle open already: the old file
+    with pytest.raises(UserError, match=f"^{tmp_path / 'data' / TOKENS_FILE} was replaced or changed after this run "
+                                        "started reading it \\(a `zerollm data prepare` into .*\\?\\); a run trains on "
+                                        "one version of its data: prepare new data into another folder$"):
+        pickle.loads(pickle.dumps(samples))[0]
 
 
 def test_packing_pads_under_ten_percent(sft_data):

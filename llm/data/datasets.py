@@ -12,6 +12,7 @@ never shared across a fork.
 from __future__ import annotations
 
 import bisect
+import os
 from pathlib import Path
 
 import h5py
@@ -54,19 +55,41 @@ def checked_to(device: torch.device, batch: dict[str, torch.Tensor], vocab_size:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def _identity(stat: os.stat_result) -> tuple[int, ...]:
+    """Which file a stat is of, and which version of it: device, inode, size and modification time."""
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
 class _LazyH5:
     """Opens `tokens.h5` on first access in each process (DataLoader workers included), without HDF5's chunk cache:
     training reads windows at random, and through the default 1 MiB cache each window read the whole 64 Ki-token
     chunk around it (a 2,049-token window of uint32 tokens: 29 times the bytes used; 128 times at seq 512), from a
-    shared file system on every rank."""
+    shared file system on every rank.
+
+    Every open after the first (the dataset's own, as it is built) must find the same file, unchanged: the workers
+    of each epoch open it again, and a `data prepare` into the folder meanwhile (which replaces the file) had them
+    train on the new data, and packed samples on the old one's offsets, without a word."""
 
     def __init__(self, data_dir: str | Path, split: str) -> None:
         self.path, self.split = Path(data_dir) / TOKENS_FILE, split
         self._group = None
+        self.identity: tuple[int, ...] | None = None
+
+    def open(self) -> h5py.File:
+        h5 = h5py.File(self.path, "r", rdcc_nbytes=0)
+        found = _identity(os.fstat(h5.id.get_vfd_handle()))
+        if self.identity is None:
+            self.identity = found
+        elif found != self.identity:
+            h5.close()
+            raise UserError(f"{self.path} was replaced or changed after this run started reading it (a `zerollm data "
+                            f"prepare` into {self.path.parent}?); a run trains on one version of its data: prepare "
+                            "new data into another folder")
+        return h5
 
     def group(self) -> h5py.Group:
         if self._group is None:
-            self._group = h5py.File(self.path, "r", rdcc_nbytes=0)[self.split]
+            self._group = self.open()[self.split]
         return self._group
 
     def __getstate__(self) -> dict:
@@ -82,7 +105,7 @@ class PretrainWindows(Dataset):
 
     def __init__(self, data_dir: str | Path, split: str, seq_len: int, pad_id: int = 0) -> None:
         self.h5, self.seq_len = _LazyH5(data_dir, split), seq_len
-        with h5py.File(self.h5.path, "r") as h5:
+        with self.h5.open() as h5:
             n_tokens = h5[split]["tokens"].shape[0]
         self.num_windows = max(0, (n_tokens - 1) // seq_len)
 
@@ -122,7 +145,7 @@ class PackedConversations(Dataset):
 
     def __init__(self, data_dir: str | Path, split: str, seq_len: int, pad_id: int) -> None:
         self.h5, self.seq_len, self.pad_id = _LazyH5(data_dir, split), seq_len, pad_id
-        with h5py.File(self.h5.path, "r") as h5:
+        with self.h5.open() as h5:
             self.offsets = h5[split]["doc_offsets"][:]
             lengths = (np.diff(self.offsets) - 1).tolist()
             _check_fits(data_dir, h5, max(lengths, default=0), seq_len, "conversations")
@@ -158,7 +181,7 @@ class PreferencePairs(Dataset):
 
     def __init__(self, data_dir: str | Path, split: str, seq_len: int, pad_id: int) -> None:
         self.h5, self.seq_len, self.pad_id = _LazyH5(data_dir, split), seq_len, pad_id
-        with h5py.File(self.h5.path, "r") as h5:
+        with self.h5.open() as h5:
             self.offsets = {name: h5[split][f"{name}_offsets"][:] for name in ("prompt", "chosen", "rejected")}
             lengths = {name: np.diff(offsets) for name, offsets in self.offsets.items()}
             pairs = lengths["prompt"] + np.maximum(lengths["chosen"], lengths["rejected"]) - 1

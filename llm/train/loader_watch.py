@@ -16,6 +16,8 @@ from typing import Any
 import psutil
 import torch
 
+from llm.errors import UserError
+
 POLL_S = 1.0
 """How often a rank waiting for its data loader's next batch looks at the stop flag and at how long it waited."""
 STOP_WAIT_S = 5.0
@@ -81,6 +83,12 @@ def torch_said(exc: BaseException) -> str | None:
     return None
 
 
+WORKER_ERROR = "Caught UserError in DataLoader worker process"
+"""How torch begins the error a data-loader worker raised, as the rank raises it again: the worker's traceback
+follows, its last line the error's own."""
+USER_ERROR_LINE = f"{UserError.__module__}.{UserError.__qualname__}: "
+
+
 class WatchedLoader:
     """The batches of a DataLoader iterator `batches`, each drawn by a thread of its own while the rank waits
     POLL_S at a time (`next`). `device`: the rank's (a draw thread on a GPU sets it, as DataLoader's pinning thread
@@ -123,6 +131,8 @@ class WatchedLoader:
             # a transfer cut off by its worker's death fails before the rank hears of the death: wait for that news
             if self._workers() and (dead := self.dead_workers(wait_s=POLL_S)):
                 raise WorkerDied(dead) from error
+            if isinstance(error, UserError) and str(error).startswith(WORKER_ERROR):  # torch's, with the traceback
+                raise UserError(str(error).rstrip().rsplit("\n", 1)[-1].removeprefix(USER_ERROR_LINE)) from None
             raise error
         return drawn.pop("batch")
 
