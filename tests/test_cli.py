@@ -52,8 +52,9 @@ def test_demo_refuses_a_folder_of_the_users_and_steps_below_one(tmp_path, monkey
     (mine / "corpus.txt").write_text("my corpus")
     assert zerollm_here(monkeypatch, "demo", "--out", mine) == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"zerollm: error: --out {mine} holds corpus.txt, tokenizer, which zerollm demo did not write; it replaces its "
-        "output there, so give it a new or empty directory (or one it wrote before)")
+        f"zerollm: error: --out {mine} holds corpus.txt, tokenizer but no .zerollm-demo, which zerollm demo writes "
+        "into its every output, so they may be yours; it replaces its output there, so give it a new or empty "
+        "directory (or one it wrote before)")
     assert (mine / "corpus.txt").read_text() == "my corpus" and (mine / "tokenizer" / "tokenizer.json").is_file()
     (tmp_path / "afile").write_text("x")
     assert zerollm_here(monkeypatch, "demo", "--out", tmp_path / "afile") == 2

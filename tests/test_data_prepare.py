@@ -371,11 +371,13 @@ def test_out_holding_files_of_its_own_is_refused_and_left_intact(tokenizer_dir, 
     notes_beside = tmp_path / "notes-beside"  # prepared data with the user's notes put in its tokenizer/
     _quiet("pretrain", [corpus], tokenizer_dir, notes_beside)
     (notes_beside / "tokenizer" / "notes.txt").write_text("keep me too")
-    for out, named in ((mine, "tokenizer"), (run_dir, "checkpoints, config.yaml"), (named_tokens, "tokens.h5"),
-                       (notes_beside, "tokenizer/notes.txt")):  # the last two were replaced, exit 0
+    unmarked = "but no tokens.h5, which data prepare writes into its every output, so they may be yours"
+    for out, said in ((mine, f"tokenizer {unmarked}"), (run_dir, f"checkpoints, config.yaml {unmarked}"),
+                      (named_tokens, "tokens.h5, which data prepare did not write"),  # this one and the next were
+                      (notes_beside, "tokenizer/notes.txt, which data prepare did not write")):  # replaced, exit 0
         result = _prepare(tokenizer_dir, out, corpus)
         assert result.returncode == 2 and "Traceback" not in result.stderr
-        assert f"holds {named}, which data prepare did not write" in result.stderr
+        assert f"--out {out} holds {said}; it replaces its output there" in result.stderr
     assert (mine / "tokenizer" / "notes.txt").read_text() == "keep me"
     assert sorted(os.listdir(run_dir)) == ["checkpoints", "config.yaml"]
     assert (named_tokens / "tokens.h5").read_text() == "my own file"

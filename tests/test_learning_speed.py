@@ -58,8 +58,9 @@ def test_bench_learn_runs_tokenizer_data_training_and_heldout_bits_per_byte_in_o
     (["--set", "train.max_time=3s"], "--set train.max_time: --budget (what it leaves after the preparation and "
                                      "--reserve) sets it too; give it once"),  # replaced without a word
     (["--set", "data.path=mine"], "--set data.path: bench learn (the training part of --input) sets it too"),
-    (["--out", "{folder}"], "--out {folder} holds train.txt, which bench learn did not write; it replaces its output "
-                            "there, so give it a new or empty directory (or one it wrote before)"),
+    (["--out", "{folder}"], "--out {folder} holds train.txt but no .zerollm-bench-learn, which bench learn writes "
+                            "into its every output, so they may be yours; it replaces its output there, so give it a "
+                            "new or empty directory (or one it wrote before)"),
     (["--out", "{folder}/train.txt/out"], "--out {folder}/train.txt/out: {folder}/train.txt is a file"),  # a traceback
     (["--out", "{tmp}/dangling"], "--out {tmp}/dangling: {tmp}/dangling is a symbolic link to {tmp}/nowhere, which "
                                   "does not exist"),  # FileExistsError traceback

@@ -63,14 +63,17 @@ def refuse_foreign_contents(out: Path, given: str | Path, command: str, names: s
     the user's (a run, a tokenizer of their own, any file)."""
     entries = sorted(set(os.listdir(out)) - ignored)
     foreign = [name for name in entries if name not in names]
-    if entries and marker not in entries:  # e.g. a tokenizer/ of your own
+    unmarked = bool(entries) and marker not in entries  # e.g. a tokenizer/ of your own
+    if unmarked:
         foreign = entries
     elif entries and not foreign and not_ours is not None and (found := not_ours(out)):
         foreign = [found]
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise UserError(f"--out {given} holds {shown}, which {command} did not write; it replaces its output there, "
-                        "so give it a new or empty directory (or one it wrote before)")
+        whose = f" but no {marker}, which {command} writes into its every output, so they may be yours" if unmarked \
+            else f", which {command} did not write"
+        raise UserError(f"--out {given} holds {shown}{whose}; it replaces its output there, so give it a new or "
+                        "empty directory (or one it wrote before)")
 
 
 def staging_leftovers(entries: Iterable[str], outputs: Iterable[str]) -> set[str]:
