@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import h5py
 import numpy as np
 import psutil
 import pytest
@@ -21,9 +22,11 @@ from forked_ranks import kill_when, run_job
 from conftest import METRIC_KEYS, ZERO_RUN, run_cli, zerollm_here
 from conftest import train_args as _args
 from launch.launcher import is_rank_command
+from llm.config import build_config
 from llm.loading import consolidated_weights
 from llm.runtime.rank_env import free_port
 from llm.train.engine import cpu_has_native_bf16
+from llm.train.steps import DataSteps
 
 
 def _metrics(run):
@@ -365,6 +368,25 @@ def test_missing_data_and_wrong_kind_are_clear_errors(tmp_path, pretrain_data):
     assert result.returncode == 2 and f"{tmp_path / 'nowhere'}: no such directory" in result.stderr
     result = run_cli(*_args(pretrain_data, tmp_path / "run", "model.vocab_size=100", "train.max_steps=1"))
     assert result.returncode == 2 and "model.vocab_size" in result.stderr
+
+
+def test_data_smaller_than_one_global_batch_is_one_line_naming_what_makes_the_batch(pretrain_data, tmp_path):
+    """It advised lowering data.seq_len to a DPO run (which cannot add pairs) and never named train.grad_accum or the
+    ranks, the rest of the global batch."""
+    with h5py.File(pretrain_data / "tokens.h5") as h5:
+        windows = (h5["train/tokens"].shape[0] - 1) // 32
+    result = run_cli(*_args(pretrain_data, tmp_path / "run", f"train.micro_batch_size={windows // 2 + 1}",
+                            "train.grad_accum=2", "train.max_steps=1"))
+    assert (result.returncode, result.stderr.splitlines()[-1]) == (2, (
+        f"zerollm: error: {pretrain_data}: the train split has {windows} windows of data.seq_len positions, fewer "
+        f"than one global batch ({windows + 2 - windows % 2}: train.micro_batch_size {windows // 2 + 1} x "
+        "train.grad_accum 2 x 1 rank); add data, or lower train.micro_batch_size, train.grad_accum, the ranks or "
+        "data.seq_len (shorter windows, more of them)"))
+    cfg = build_config("demo", ["train.stage=dpo", "train.micro_batch_size=4"], {"data.path": "pairs",
+                                                                             "train.init_from": "base"})
+    assert DataSteps(cfg, torch.device("cpu")).too_few(5, 8) == (
+        "pairs: the train split has 5 preference pairs, fewer than one global batch (8: train.micro_batch_size 4 x "
+        "train.grad_accum 1 x 2 ranks); add data, or lower train.micro_batch_size, train.grad_accum or the ranks")
 
 
 @pytest.mark.parametrize("split", ["train", "val"])

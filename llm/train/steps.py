@@ -22,6 +22,7 @@ from torch.utils.data import default_collate
 
 from llm.config import RunConfig
 from llm.data.datasets import checked_to
+from llm.wording import plural
 
 Batch = dict[str, torch.Tensor]
 
@@ -48,13 +49,18 @@ class DataSteps:
 
     def __init__(self, cfg: RunConfig, device: torch.device) -> None:
         t = cfg.train
-        self.inputs, self.vocab_size = cfg.data.path, cfg.model.vocab_size
+        self.inputs, self.vocab_size, self.pairs = cfg.data.path, cfg.model.vocab_size, cfg.train.stage == "dpo"
         self.draw_size, self.draws_per_step, self.device = t.micro_batch_size, t.grad_accum, device
         self.positions = t.micro_batch_size * t.grad_accum * cfg.data.seq_len
 
     def too_few(self, n_samples: int, needed: int) -> str:
-        return (f"{self.inputs}: the train split has {n_samples} samples of data.seq_len positions, fewer than one "
-                f"global batch ({needed}); add data or lower train.micro_batch_size / data.seq_len")
+        ranks = needed // (self.draw_size * self.draws_per_step)
+        what = "preference pairs" if self.pairs else "windows of data.seq_len positions"
+        lower = "train.micro_batch_size, train.grad_accum or the ranks" if self.pairs else \
+            "train.micro_batch_size, train.grad_accum, the ranks or data.seq_len (shorter windows, more of them)"
+        return (f"{self.inputs}: the train split has {n_samples} {what}, fewer than one global batch ({needed}: "
+                f"train.micro_batch_size {self.draw_size} x train.grad_accum {self.draws_per_step} x {ranks} "
+                f"{plural('rank', ranks)}); add data, or lower {lower}")
 
     def step_batches(self, draw: Callable[[], Any], step: int) -> StepBatches:
         micro_batches = [checked_to(self.device, draw(), self.vocab_size, self.inputs, "train")
