@@ -77,6 +77,23 @@ def write_text(path: Path, text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
 
 
+def append_text(path: Path, text: str) -> None:
+    """Append `text` (UTF-8) to `path` whole or not at all: a write that fails (a full disk) cuts the file back to
+    where it ended before, so no torn line is left, and is raised."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        left = memoryview(text.encode("utf-8"))
+        try:
+            while left:
+                left = left[os.write(fd, left):]
+        except BaseException:
+            os.ftruncate(fd, end)
+            raise
+    finally:
+        os.close(fd)
+
+
 def update_text(path: Path, text: str) -> bool:
     """`write_text`, unless `path` already holds `text` (then nothing is written: a start that changes nothing needs
     no room); whether it wrote."""

@@ -1247,7 +1247,7 @@ def test_a_torn_last_metrics_line_is_dropped_and_named(tmp_path, capsys):
     cfg.wandb.mode = "off"
     MetricsSink(tmp_path, cfg, "run", start_step=2).log({"step": 3, "loss": 0.5})
     assert (tmp_path / rundir.METRICS_FILE).read_text().splitlines() == [*rows[:2], '{"step": 3, "loss": 0.5}']
-    assert f"{tmp_path / rundir.METRICS_FILE}:4: dropped a line that is not a metrics row" in capsys.readouterr().err
+    assert f"{tmp_path / rundir.METRICS_FILE}:4: dropped a line that is not a row of a step" in capsys.readouterr().err
 
 
 # ---- through `zerollm train` (one rank) -------------------------------------------------------------------------

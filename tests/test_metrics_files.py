@@ -1,6 +1,7 @@
 """The jsonl files a run appends to (metrics.jsonl, samples.jsonl, run_record.jsonl) after a kill cut their last
 line, even in the middle of a UTF-8 character; wandb refused in one line when it cannot start."""
 
+import errno
 import json
 import os
 import subprocess
@@ -32,8 +33,33 @@ def test_a_last_line_torn_mid_character_is_dropped_and_named(tmp_path, capsys, n
     path.write_bytes(("\n".join(rows) + "\n").encode() + TORN)
     MetricsSink(tmp_path, _config(), "run", start_step=2)
     assert path.read_text(encoding="utf-8") == rows[0] + "\n" + rows[1] + "\n"
-    assert capsys.readouterr().err == (f"zerollm: note: {path}:4: dropped a line that is not a metrics row (torn by a "
-                                       "killed run)\n")
+    assert capsys.readouterr().err == (f"zerollm: note: {path}:4: dropped a line that is not a row of a step (torn by "
+                                       "a killed run)\n")
+
+
+@pytest.mark.parametrize("name", [rundir.METRICS_FILE, rundir.SAMPLES_FILE])
+def test_a_full_disk_while_logging_is_one_line_and_leaves_no_torn_row(tmp_path, monkeypatch, name):
+    """An OSError traceback in the middle of training, the file ending in a torn row."""
+    sink = MetricsSink(tmp_path, _config(), "run", start_step=0)
+    row = {"step": 1, "loss": 2.0, "prompt": "p", "completion": "c"}
+    log = {rundir.METRICS_FILE: lambda step: sink.log({**row, "step": step}),
+           rundir.SAMPLES_FILE: lambda step: sink.log_samples(step, [{**row, "step": step}])}[name]
+    log(1)
+    before = (tmp_path / name).read_bytes()
+    write = os.write
+
+    def half_then_full(fd, data):  # the disk fills midway through the row
+        if len(data) > 4:
+            return write(fd, data[:len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(UserError) as error:
+        log(2)
+    assert str(error.value) == (f"{tmp_path / name}: no space left on device while logging step 2 (the file is "
+                                "as it was before it); free space and rerun with --resume auto, which continues from "
+                                "the newest checkpoint")
+    assert (tmp_path / name).read_bytes() == before
 
 
 def _record(session):

@@ -127,7 +127,7 @@ def _truncate_after(path: Path, step: int) -> None:
             if line.value["step"] <= step:
                 kept.append(line.text + "\n")
         except (KeyError, TypeError):
-            print(f"zerollm: note: {path}:{line.number}: dropped a line that is not a metrics row (torn by a killed "
+            print(f"zerollm: note: {path}:{line.number}: dropped a line that is not a row of a step (torn by a killed "
                   "run)", file=sys.stderr, flush=True)
     durable.write_text(path, "".join(kept))
 
@@ -187,6 +187,17 @@ def check_wandb(mode: str) -> None:
         raise UserError(NO_WANDB_KEY)
 
 
+def _append(path: Path, text: str, step: int) -> None:
+    """`durable.append_text`; a write that runs out of room (a full disk, a quota) is one UserError."""
+    try:
+        durable.append_text(path, text)
+    except OSError as exc:
+        if (reason := durable.out_of_room(exc)) is None:
+            raise
+        raise UserError(f"{path}: {reason} while logging step {step} (the file is as it was before it); free space "
+                        "and rerun with --resume auto, which continues from the newest checkpoint") from None
+
+
 class MetricsSink:
     """Writes logged steps to RUN_DIR/metrics.jsonl, samples to RUN_DIR/samples.jsonl and, when enabled, both to a
     wandb run (samples as a table; the run record in its config). Rank 0 only."""
@@ -212,15 +223,13 @@ class MetricsSink:
                 self.wandb_run.config.update({"run_record": record}, allow_val_change=True)
 
     def log(self, row: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(strict_json(row), allow_nan=False) + "\n")
+        _append(self.path, json.dumps(strict_json(row), allow_nan=False) + "\n", row["step"])
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Append `rows` ({step, prompt, completion}) to samples.jsonl; wandb gets the whole table so far."""
-        with self.samples_path.open("a", encoding="utf-8") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        _append(self.samples_path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), step)
         if self.wandb_run is not None:
             import wandb  # noqa: PLC0415 - optional dependency, present since the run was created with it
 
