@@ -6,12 +6,14 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import REPO, train_args
 from llm import rundir
-from llm.config import build_config
+from llm.config import WandbConfig, build_config
 from llm.errors import UserError
 from llm.train.metrics import MetricsSink
 
@@ -127,16 +129,80 @@ def test_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
                                   "sync` its folder later)")
 
 
+@pytest.mark.parametrize("variable, value, said", [
+    ("WANDB_MODE", "bogus", "wandb cannot read WANDB_MODE='bogus' (Input should be 'online', 'offline', 'shared', "
+                            "'disabled', 'dryrun' or 'run'); correct or unset it"),
+    ("WANDB_INIT_TIMEOUT", "abc", "wandb cannot read WANDB_INIT_TIMEOUT='abc' (Input should be a valid number, unable "
+                                  "to parse string as a number); correct or unset it"),
+    ("WANDB_PROJECT", "a/b", "wandb cannot read the WANDB_* variables: Invalid project name 'a/b': cannot contain "
+                             "characters '/,\\\\,#,?,%,:', found '/'"),
+])
+def test_a_wandb_variable_wandb_cannot_read_is_one_line(monkeypatch, variable, value, said):
+    """Was pydantic's ValidationError traceback, after the run directory was written (with --nproc 2: exit 76 and
+    'start the job again with --resume auto')."""
+    from llm.train.metrics import check_wandb
+
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(UserError) as refused:
+        check_wandb(WandbConfig(mode="offline"))
+    assert str(refused.value) == said
+
+
+def test_a_project_name_wandb_refuses_is_one_line_naming_the_key():
+    """It was said as 'cannot start the offline run (...); check the network and `wandb login`', once the run
+    directory was written."""
+    from llm.train.metrics import check_wandb
+
+    with pytest.raises(UserError, match="^wandb.project: Invalid project name 'a/b': cannot contain characters"):
+        check_wandb(WandbConfig(mode="offline", project="a/b"))
+    check_wandb(WandbConfig(mode="off", project="a/b"))  # not logged to wandb: not read
+
+
+class _Run:
+    """What MetricsSink uses of a wandb run, recording it."""
+
+    def __init__(self, **options):
+        self.options, self.exit_codes, self.config = options, [], SimpleNamespace(update=lambda *a, **k: None)
+
+    def finish(self, exit_code=None):
+        self.exit_codes.append(exit_code)
+
+
+def test_the_wandb_run_records_the_exit_code_and_the_folder_s_own_name(tmp_path, monkeypatch):
+    """A run that diverged (exit 2) or was stopped (75) was recorded as exit 0; `--out .` named the run ''."""
+    import wandb
+
+    monkeypatch.setattr(wandb, "init", _Run)
+    monkeypatch.chdir(tmp_path)
+    sink = MetricsSink(Path("."), _config("offline"), "run", start_step=0)
+    assert sink.wandb_run.options["name"] == tmp_path.name
+    sink.close(75)
+    assert sink.wandb_run.exit_codes == [75]
+
+
+def test_an_offline_run_that_cannot_start_is_not_told_to_check_the_network(tmp_path, monkeypatch):
+    import wandb
+
+    def broken(**options):
+        raise ValueError("invalid literal for int() with base 10: 'junk'")
+
+    monkeypatch.setattr(wandb, "init", broken)
+    with pytest.raises(UserError) as refused:
+        MetricsSink(tmp_path, _config("offline"), "run", start_step=0)
+    assert str(refused.value) == ("wandb: cannot start the offline run (invalid literal for int() with base 10: "
+                                  "'junk'); check the WANDB_* variables, or pass --wandb off")
+
+
 def test_a_wandb_key_of_the_wrong_form_is_one_line(monkeypatch):
     from llm.train.metrics import check_wandb
 
     monkeypatch.setenv("WANDB_API_KEY", "short")
     with pytest.raises(UserError) as refused:
-        check_wandb("online")
+        check_wandb(WandbConfig(mode="online"))
     assert str(refused.value) == ("wandb: WANDB_API_KEY invalid: API key must have 40+ characters, has 5; run `wandb "
                                   "login`, or pass --wandb offline")
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
-    check_wandb("online")
+    check_wandb(WandbConfig(mode="online"))
 
 
 def test_a_wandb_without_its_credential_helpers_leaves_the_key_to_wandb_init(monkeypatch):
@@ -148,7 +214,7 @@ def test_a_wandb_without_its_credential_helpers_leaves_the_key_to_wandb_init(mon
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setitem(sys.modules, "wandb.sdk.lib.wbauth", None)
     monkeypatch.delattr(wandb.sdk.lib, "wbauth")
-    check_wandb("online")
+    check_wandb(WandbConfig(mode="online"))
 
 
 def _refuse(constant):

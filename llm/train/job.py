@@ -30,7 +30,7 @@ from llm.data.datasets import DATASETS
 from llm.data.formats import expand_inputs
 from llm.data.prepare import TOKENS_FILE
 from llm.data.prepared import stage_data_attrs
-from llm.errors import EXIT_OK, UserError
+from llm.errors import EXIT_OK, EXIT_USER_ERROR, UserError
 from llm.loading import FUNCTION_FIELDS, SHAPE_FIELDS, initial_weights, load_tokenizer_copy, weights_summary
 from llm.model import Transformer
 from llm.model.from_weights import model_from_weights
@@ -231,7 +231,7 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         data["base"] = weights_summary(cfg.train.init_from, "--init-from")  # (`load_lora_model`), the reference
     info = setup_distributed(cfg.train.collective_timeout_s)
     announce = info.local_rank == 0  # a refusal every rank finds is printed once per node, not once per rank
-    agreed(lambda: check_wandb(cfg.wandb.mode) if info.is_main else None, announce)  # rank 0 logs to wandb
+    agreed(lambda: check_wandb(cfg.wandb) if info.is_main else None, announce)  # rank 0 logs to wandb
     ds_config = agreed(lambda: _resolved_ds_config(cfg, run_dir, info, (raw_ds, ds_source), zero_stage, resume, data,
                                                    attrs), announce)
     with run_locked(run_dir, info.rank, lambda problem: refuse_together(problem, announce)) as tidy_run_dir:
@@ -410,10 +410,14 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
     logger = MetricsLogger(cfg, info, trainer.n_params, trainer.step, sink)
     checkpointer = checkpoint.Checkpointer(trainer.engine, run_dir, cfg.train.save_every, cfg.train.keep_checkpoints,
                                            trainer.client_state)
+    code = 1  # what an exception ends the process with, a UserError 2
     try:
         code = trainer.fit(logger, checkpointer, watchdog)
+    except UserError:
+        code = EXIT_USER_ERROR
+        raise
     finally:
-        logger.close()
+        logger.close(code)
     if info.is_main:
         measure = {"cuda": "peak allocated", "mps": "allocated now"}.get(info.device.type, "peak resident set")
         print(f"{cfg.train.stage}: peak memory {peak_memory_mb(info.device):,.0f} MiB on rank 0 ({measure}); "

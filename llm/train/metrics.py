@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -26,7 +27,7 @@ from tqdm import tqdm
 
 from kernels.hardware import peak_tflops
 from llm import durable, rundir
-from llm.config import ModelConfig, RunConfig
+from llm.config import ModelConfig, RunConfig, WandbConfig
 from llm.errors import UserError
 from llm.jsonl import jsonl_lines
 from llm.runtime.distributed import DistInfo
@@ -164,19 +165,43 @@ def _wandb_reason(exc: Exception) -> str:
     return text.splitlines()[0].rstrip(".") if text else type(exc).__name__
 
 
-def check_wandb(mode: str) -> None:
-    """Refuse, before the run directory is written, a wandb `mode` that cannot start: wandb not installed, or
-    `online` without an API key where wandb.init looks for one (WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE, the
-    netrc file, wandb's settings files), looked up without a network call and without asking."""
-    if mode == "off":
+def _settings_reason(exc: ValueError) -> str:
+    """What of wandb's settings (pydantic's ValidationError) it cannot read, named as the variable it came from where
+    one is set."""
+    errors = getattr(exc, "errors", lambda: [])()
+    if not errors:
+        return f"wandb cannot read its settings ({_wandb_reason(exc)}); check the WANDB_* variables"
+    given, said = errors[0].get("input"), errors[0].get("msg", "")
+    variable = next((name for name, value in os.environ.items() if name.startswith("WANDB_") and value == given),
+                    None)
+    where = f"{variable}={given!r}" if variable else f"the setting {'.'.join(map(str, errors[0].get('loc', ())))}"
+    return f"wandb cannot read {where} ({said}); correct or unset it"
+
+
+def check_wandb(settings: WandbConfig) -> None:
+    """Refuse, before the run directory is written, wandb settings that cannot start a run: wandb not installed, a
+    WANDB_* variable it cannot read (`WANDB_MODE=bogus`), a wandb.project it refuses (`a/b`), or `online` without
+    an API key where wandb.init looks for one (WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE, the netrc file, wandb's
+    settings files), looked up without a network call and without asking."""
+    if settings.mode == "off":
         return
     wandb = import_wandb()
-    if mode != "online":
-        return
     try:
         from wandb.sdk import wandb_setup  # noqa: PLC0415 - part of wandb
         from wandb.sdk.lib import wbauth  # noqa: PLC0415
     except ImportError:  # a wandb older than its credential helpers: the error of wandb.init says it (MetricsSink)
+        return
+    try:
+        wandb.Settings().update_from_env_vars(dict(os.environ))  # each WANDB_* variable, as wandb.init reads it
+    except ValueError as exc:  # pydantic's ValidationError
+        raise UserError(_settings_reason(exc)) from None
+    except wandb.Error as exc:  # a WANDB_PROJECT it refuses
+        raise UserError(f"wandb cannot read the WANDB_* variables: {_wandb_reason(exc)}") from None
+    try:
+        wandb.Settings(project=settings.project)
+    except wandb.Error as exc:
+        raise UserError(f"wandb.project: {_wandb_reason(exc)}") from None
+    if settings.mode != "online":
         return
     try:
         auth = wbauth.authenticate_session(host=wandb_setup.singleton().settings.base_url, source="zerollm",
@@ -212,13 +237,15 @@ class MetricsSink:
         if cfg.wandb.mode != "off":
             wandb = import_wandb()
             try:
-                self.wandb_run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or run_dir.name,
+                self.wandb_run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or run_dir.resolve().name,
                                             id=run_id, resume="allow", dir=str(run_dir), mode=cfg.wandb.mode,
                                             config=cfg.to_dict())
-            except wandb.Error as exc:  # no network (after wandb's wait), a key the server refuses, ...
-                raise UserError(f"wandb: cannot start the {cfg.wandb.mode} run ({_wandb_reason(exc)}); check the "
-                                "network and "
-                                "`wandb login`, or pass --wandb offline (and `wandb sync` its folder later)") from None
+            except (wandb.Error, ValueError) as exc:  # no network (after wandb's wait), a key the server refuses, a
+                # WANDB_SERVICE it cannot parse, ...
+                advice = "check the network and `wandb login`, or pass --wandb offline (and `wandb sync` its folder " \
+                    "later)" if cfg.wandb.mode == "online" else "check the WANDB_* variables, or pass --wandb off"
+                raise UserError(f"wandb: cannot start the {cfg.wandb.mode} run ({_wandb_reason(exc)}); {advice}") \
+                    from None
             if record is not None:
                 self.wandb_run.config.update({"run_record": record}, allow_val_change=True)
 
@@ -238,9 +265,10 @@ class MetricsSink:
                                 data=[[r["step"], r["prompt"], r["completion"]] for r in every])
             self.wandb_run.log({"samples": table}, step=step)
 
-    def close(self) -> None:
+    def close(self, exit_code: int) -> None:
+        """End the wandb run, recording the exit code of the training command (a failed or stopped run's too)."""
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            self.wandb_run.finish(exit_code=exit_code)
 
 
 class MetricsLogger:
@@ -315,7 +343,7 @@ class MetricsLogger:
         for row in rows:
             self.bar.write(f"  sample {row['prompt']!r} -> {row['completion']!r}", file=sys.stdout)
 
-    def close(self) -> None:
+    def close(self, exit_code: int) -> None:
         self.bar.close()
         if self.sink is not None:
-            self.sink.close()
+            self.sink.close(exit_code)
