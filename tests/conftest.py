@@ -33,11 +33,13 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if os.environ.get("PYTEST_XDIST_WORKER") is not None:
     # each worker's jobs draw their ports from a part of the range of their own: a port one worker drew and had not
-    # yet bound looked free to the other
-    low, high = port_range({})
-    workers, worker = int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), int(os.environ["PYTEST_XDIST_WORKER"][2:])
+    # yet bound looked free to the other (a worker that replaces a crashed one, gw2 of 2, takes gw0's part)
+    low, high = port_range(os.environ)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    part = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")) % workers
     width = (high - low + 1) // workers
-    os.environ[PORTS_VARIABLE] = f"{low + worker * width}-{low + (worker + 1) * width - 1}"
+    if width >= 1:
+        os.environ[PORTS_VARIABLE] = f"{low + part * width}-{low + (part + 1) * width - 1}"
     # one worker per core, each running tests and starting jobs of its own: a thread per process keeps the cores
     # from being oversubscribed (the jobs' ranks take OMP_NUM_THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -113,15 +113,25 @@ def test_a_process_started_directly_is_a_group_of_one():
 def test_a_chosen_port_is_free_and_below_the_ports_the_kernel_hands_out_itself():
     """A port the kernel handed out (a bind to port 0) and released was soon handed out again, to another process's
     connection or listener, before the rendezvous took it: a launch then failed as "already in use"."""
+    low, high = rank_env.port_range({})
+    assert (low, high) == (20000, rank_env.ephemeral_low() - 1)  # this machine's kernel range starts above 21000
     for _ in range(20):
         port = free_port({})
-        assert rank_env.LOWEST_CHOSEN_PORT <= port < rank_env.ephemeral_low()
-        assert not rank_env.port_in_use(port)
+        assert low <= port <= high and not rank_env.port_in_use(port)
 
 
 def test_the_ports_to_choose_from_may_be_given():
-    assert {free_port({"ZEROLLM_PORTS": "23000-23003"}) for _ in range(40)} <= set(range(23000, 23004))
-    assert free_port({"ZEROLLM_PORTS": " 23010 - 23010 "}) == 23010
+    port = free_port()
+    assert free_port({"ZEROLLM_PORTS": f" {port} - {port} "}) == port
+    assert rank_env.port_range({"ZEROLLM_PORTS": "23000-23003"}) == (23000, 23003)
+
+
+@pytest.mark.parametrize("kernel_low, chosen", [(32768, (20000, 32767)), (15000, (1024, 14999)),
+                                                (1500, (1024, 2024))])
+def test_below_a_kernel_range_that_starts_low_the_ports_start_at_the_first_unprivileged_one(monkeypatch, kernel_low,
+                                                                                            chosen):
+    monkeypatch.setattr(rank_env, "ephemeral_low", lambda: kernel_low)
+    assert rank_env.port_range({}) == chosen
 
 
 @pytest.mark.parametrize("given", ["23000", "23000-22000", "80-90", "23000-70000", "a-b", ""])
@@ -130,13 +140,18 @@ def test_a_port_range_that_is_not_one_is_refused_naming_it(given):
         free_port({"ZEROLLM_PORTS": given})
 
 
-def test_a_port_in_use_is_passed_over_and_a_range_without_a_free_one_is_one_line():
+@pytest.mark.parametrize("address", ["", "127.0.0.1"])
+def test_a_port_in_use_is_passed_over_and_a_range_without_a_free_one_is_one_line(monkeypatch, address):
+    free = free_port()
     with socket.socket() as busy:
-        busy.bind(("", free_port()))
+        busy.bind((address, free_port()))
         busy.listen()
         port = busy.getsockname()[1]
         assert rank_env.port_in_use(port)
-        assert free_port({"ZEROLLM_PORTS": f"{port}-{port + 1}"}) == port + 1
+        drawn = iter([port, free])
+        with monkeypatch.context() as patched:
+            patched.setattr(rank_env.random.SystemRandom, "randint", lambda self, low, high: next(drawn))
+            assert free_port() == free
         with pytest.raises(UserError, match=f"^no free port found in {port}-{port} after 64 tries \\(ZEROLLM_PORTS\\); "
                                             "free some, or set ZEROLLM_PORTS=LOW-HIGH to a range with free ports$"):
             free_port({"ZEROLLM_PORTS": f"{port}-{port}"})

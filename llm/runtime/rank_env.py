@@ -25,8 +25,11 @@ process that inherits both makes the choice again for its own job."""
 
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 IANA_EPHEMERAL_LOW = 49152
-"""Where the kernel's own port range starts when EPHEMERAL_RANGE_FILE cannot say (macOS, the BSDs)."""
+"""Where the kernel's own port range starts when EPHEMERAL_RANGE_FILE cannot say (macOS; the IANA range)."""
 LOWEST_CHOSEN_PORT = 20000
+FIRST_UNPRIVILEGED = 1024
+MIN_PORTS = 1000
+"""The fewest ports drawn from by default."""
 PORTS_VARIABLE = "ZEROLLM_PORTS"
 """LOW-HIGH: the ports `free_port` draws from, where jobs on one machine are given ranges of their own."""
 TRIES = 64
@@ -45,8 +48,10 @@ def port_range(environ: Mapping[str, str]) -> tuple[int, int]:
     """The ports `free_port` draws from, LOW to HIGH inclusive: PORTS_VARIABLE's, else LOWEST_CHOSEN_PORT up to the
     kernel's own range."""
     given = environ.get(PORTS_VARIABLE)
-    if given is None:  # a kernel whose own range starts lower leaves none below it: theirs overlap then
-        return LOWEST_CHOSEN_PORT, max(ephemeral_low() - 1, LOWEST_CHOSEN_PORT + 1000)
+    if given is None:  # below a kernel range that starts low, from the first unprivileged port
+        kernel = ephemeral_low()
+        low = LOWEST_CHOSEN_PORT if kernel > LOWEST_CHOSEN_PORT + MIN_PORTS else FIRST_UNPRIVILEGED
+        return low, max(kernel - 1, low + MIN_PORTS)
     match = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", given)
     if not match or not 1024 <= int(match[1]) <= int(match[2]) <= 65535:
         raise UserError(f"{PORTS_VARIABLE}={given!r}: expected LOW-HIGH, the ports zerollm may choose for a job on "
@@ -56,15 +61,17 @@ def port_range(environ: Mapping[str, str]) -> tuple[int, int]:
 
 def port_in_use(port: int) -> bool:
     """Whether `port` is taken on this node: a listener could not take it on every interface now, as the
-    rendezvous store does."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return True
-            raise
+    rendezvous store does. The loopback address is tried as well: BSD kernels (macOS) let a bind to every interface
+    share the port of a listener on one address."""
+    for address in ("", "127.0.0.1"):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((address, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+                raise
     return False
 
 
