@@ -44,6 +44,7 @@ from llm import durable, rundir
 from llm.cli import main
 from llm.config import build_config
 from llm.data.datasets import PretrainWindows
+from llm.data.prepare import DIGEST_ATTR, content_digest
 from llm.errors import EXIT_RANK_LOST, UserError
 from llm.loading import consolidated_weights
 from llm.runtime.rank_env import RANK_VARIABLES, free_port
@@ -497,6 +498,7 @@ def test_data_prepared_again_into_the_folder_mid_run_ends_it_at_the_next_epoch_i
         shutil.copy(data / "tokens.h5", new)
         with h5py.File(new, "r+") as h5:
             h5["train/tokens"][:] = h5["train/tokens"][:][::-1]
+            h5.attrs[DIGEST_ATTR] = content_digest(h5)
         os.replace(new, data / "tokens.h5")  # as `data prepare` replaces it
         code = proc.wait(timeout=300)
     text = log.read_text()

@@ -17,7 +17,7 @@ from conftest import FIXTURES, run_cli, train_args
 from llm.config import GRPOConfig, ModelConfig
 from llm.data.datasets import PackedConversations, PreferencePairs, PretrainWindows
 from llm.data.formats import RecordError, conversation, preference, pretrain_text
-from llm.data.prepare import TOKENS_FILE, encode_sft, prepare
+from llm.data.prepare import DIGEST_ATTR, TOKENS_FILE, content_digest, encode_sft, prepare
 from llm.errors import UserError
 from llm.loading import consolidated_weights
 from llm.model import Transformer, masked_cross_entropy
@@ -272,14 +272,24 @@ def _replace(tokens_file, change) -> None:
 
 
 def _reversed_tokens(h5):
+    """The train split's tokens in reverse order, with the digest `data prepare` would store for them."""
     h5["train/tokens"][:] = h5["train/tokens"][:][::-1]
+    if DIGEST_ATTR in h5.attrs:
+        h5.attrs[DIGEST_ATTR] = content_digest(h5)
+
+
+def _without_digest(h5):
+    del h5.attrs[DIGEST_ATTR]  # as earlier versions prepared it
 
 
 @pytest.mark.parametrize("dataset, data", [(PretrainWindows, "pretrain_data"), (PackedConversations, "sft_data")])
-def test_a_worker_of_a_later_epoch_refuses_a_file_replaced_meanwhile(request, tmp_path, dataset, data):
+@pytest.mark.parametrize("digest", [True, False])
+def test_a_worker_of_a_later_epoch_refuses_a_file_replaced_meanwhile(request, tmp_path, dataset, data, digest):
     """The data-loader workers of each epoch open the file again: after a `data prepare` into the folder they read
     the new file (packed samples by the old one's offsets, across conversations), without a word."""
     shutil.copytree(request.getfixturevalue(data), tmp_path / "data")
+    if not digest:
+        _replace(tmp_path / "data" / TOKENS_FILE, _without_digest)
     samples = dataset(tmp_path / "data", "train", 512, pad_id=3)
     first = samples[0]
     worker = pickle.loads(pickle.dumps(samples))  # what a data-loader worker gets
@@ -289,6 +299,17 @@ def test_a_worker_of_a_later_epoch_refuses_a_file_replaced_meanwhile(request, tm
     with pytest.raises(UserError, match=f"^{tmp_path / 'data' / TOKENS_FILE} was replaced or changed after this run "
                                         "started reading it \\(a `zerollm data prepare` into .*\\?\\); a run trains on "
                                         "one version of its data: prepare new data into another folder$"):
+        pickle.loads(pickle.dumps(samples))[0]
+
+
+def test_a_worker_that_finds_the_file_gone_says_so_in_one_line(pretrain_data, tmp_path):
+    """A 'Caught FileNotFoundError in DataLoader worker process 0' traceback."""
+    shutil.copytree(pretrain_data, tmp_path / "data")
+    samples = PretrainWindows(tmp_path / "data", "train", 32)
+    (tmp_path / "data" / TOKENS_FILE).unlink()
+    with pytest.raises(UserError, match=f"^{tmp_path / 'data' / TOKENS_FILE}: cannot open it again \\(.*\\) after "
+                                        "this run started reading it \\(removed or moved\\?\\); a run reads its data "
+                                        "until it ends$"):
         pickle.loads(pickle.dumps(samples))[0]
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from llm.data.prepare import TOKENS_FILE
+from llm.data.prepare import DIGEST_ATTR, TOKENS_FILE
 from llm.data.prepared import h5_attrs
 from llm.errors import UserError
 
@@ -55,9 +55,14 @@ def checked_to(device: torch.device, batch: dict[str, torch.Tensor], vocab_size:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _identity(stat: os.stat_result) -> tuple[int, ...]:
-    """Which file a stat is of, and which version of it: device, inode, size and modification time."""
-    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+def _identity(h5: h5py.File) -> tuple:
+    """Which data an open tokens.h5 holds: its stored digest of everything in it (`prepare.DIGEST_ATTR`), or, in a
+    file prepared before there was one, its size and modification time. Not its inode: on FUSE and some network
+    file systems one file's inode changes."""
+    if (digest := h5.attrs.get(DIGEST_ATTR)) is not None:
+        return (str(digest),)
+    stat = os.fstat(h5.id.get_vfd_handle())
+    return stat.st_size, stat.st_mtime_ns
 
 
 class _LazyH5:
@@ -73,18 +78,24 @@ class _LazyH5:
     def __init__(self, data_dir: str | Path, split: str) -> None:
         self.path, self.split = Path(data_dir) / TOKENS_FILE, split
         self._group = None
-        self.identity: tuple[int, ...] | None = None
+        self.identity: tuple | None = None
 
     def open(self) -> h5py.File:
-        h5 = h5py.File(self.path, "r", rdcc_nbytes=0)
-        found = _identity(os.fstat(h5.id.get_vfd_handle()))
+        try:
+            h5 = h5py.File(self.path, "r", rdcc_nbytes=0)
+        except OSError as exc:
+            if self.identity is None:  # the first open: what is wrong is said where the data is checked
+                raise
+            raise UserError(f"{self.path}: cannot open it again ({exc.strerror or exc}) after this run started reading "
+                            "it (removed or moved?); a run reads its data until it ends") from None
+        found = _identity(h5)
         if self.identity is None:
             self.identity = found
         elif found != self.identity:
             h5.close()
             raise UserError(f"{self.path} was replaced or changed after this run started reading it (a `zerollm data "
-                            f"prepare` into {self.path.parent}?); a run trains on one version of its data: prepare "
-                            "new data into another folder")
+                            f"prepare` into {os.path.abspath(self.path.parent)}?); a run trains on one version of its "
+                            "data: prepare new data into another folder")
         return h5
 
     def group(self) -> h5py.Group:

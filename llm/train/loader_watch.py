@@ -83,10 +83,14 @@ def torch_said(exc: BaseException) -> str | None:
     return None
 
 
-WORKER_ERROR = "Caught UserError in DataLoader worker process"
-"""How torch begins the error a data-loader worker raised, as the rank raises it again: the worker's traceback
-follows, its last line the error's own."""
-USER_ERROR_LINE = f"{UserError.__module__}.{UserError.__qualname__}: "
+def worker_user_error(error: UserError) -> str | None:
+    """The message of a UserError a data-loader worker raised, from what torch raises again in the rank ('Caught
+    UserError in DataLoader worker process 0.', the worker's traceback, then the error's own line); None for one the
+    rank raised."""
+    kind = type(error)
+    if not str(error).startswith(f"Caught {kind.__name__} in DataLoader worker process"):
+        return None
+    return str(error).rstrip().rsplit("\n", 1)[-1].removeprefix(f"{kind.__module__}.{kind.__qualname__}: ")
 
 
 class WatchedLoader:
@@ -131,8 +135,8 @@ class WatchedLoader:
             # a transfer cut off by its worker's death fails before the rank hears of the death: wait for that news
             if self._workers() and (dead := self.dead_workers(wait_s=POLL_S)):
                 raise WorkerDied(dead) from error
-            if isinstance(error, UserError) and str(error).startswith(WORKER_ERROR):  # torch's, with the traceback
-                raise UserError(str(error).rstrip().rsplit("\n", 1)[-1].removeprefix(USER_ERROR_LINE)) from None
+            if isinstance(error, UserError) and (said := worker_user_error(error)) is not None:
+                raise UserError(said) from None
             raise error
         return drawn.pop("batch")
 
