@@ -247,7 +247,7 @@ def test_mistakes_are_one_line_errors(export_dir, text_files, pretrain_data, tmp
     cases = [(["--data", tmp_path / "data"], "another tokenizer"),
              (["--data", cut], f"{cut / 'tokens.h5'}: not a readable HDF5 file (truncated file: eof = 5000"),
              (["--data", text], f"{text / 'tokens.h5'}: not a readable HDF5 file (file signature not found)"),
-             (["--data", no_val], f"{no_val / 'tokens.h5'}: no 'val' split; prepare the data again"),
+             (["--data", no_val], f"{no_val / 'tokens.h5'}: the val split has no tokens array; the file was changed"),
              (["--data", pretrain_data, "--split", ""], "--split must be one of train, val, got ''"),  # scored val
              (["--input", text_files[0], "--context", 8, "--stride", 9], "--stride"),
              (["--input", text_files[0], "--context", 65], "--context"),

@@ -68,11 +68,7 @@ class SplitStream(TokenStream):
 
     def __init__(self, path: Path, split: str, eos_id: int) -> None:
         self.path, self.split, self.eos_id = path, split, eos_id
-        h5 = h5py.File(path, "r")
-        if f"{split}/tokens" not in h5:  # prepared data always holds both splits
-            h5.close()
-            raise UserError(f"{path}: no '{split}' split; prepare the data again with `zerollm data prepare`")
-        self._tokens = h5[split]["tokens"]
+        self._tokens = h5py.File(path, "r")[split]["tokens"]  # both splits there (`prepared.layout_problem`)
 
     def __len__(self) -> int:
         return 1 + self._tokens.shape[0]
