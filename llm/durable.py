@@ -43,9 +43,10 @@ def fsync(path: Path) -> None:
 
 
 @contextmanager
-def room_needed(folder: Path, writing: str) -> Iterator[None]:
+def room_needed(folder: Path, writing: str, again: str = "run the command again") -> Iterator[None]:
     """Inside, a write that runs out of room (`out_of_room`) is one UserError naming `folder` and what was being
-    written (`writing`), for writes that leave what was there as it was (`write_text`, `copy_folder`)."""
+    written (`writing`), with how to go on once there is room (`again`), for writes that leave what was there as it
+    was (`write_text`, `append_text`, `copy_folder`)."""
     try:
         yield
     except OSError as exc:
@@ -53,7 +54,7 @@ def room_needed(folder: Path, writing: str) -> Iterator[None]:
         if reason is None:
             raise
         raise UserError(f"{folder}: {reason} while writing {writing}; nothing was lost (what was there is as it "
-                        "was): free space and run the command again") from None
+                        f"was): free space and {again}") from None
 
 
 def write_bytes(path: Path, data: bytes) -> None:

@@ -104,7 +104,7 @@ def check_run_output(run_dir: Path, resume: bool) -> None:
     if clashing and not ((run_dir / RUN_RECORD_FILE).is_file() or checkpoint_dir(run_dir).is_dir()):
         raise UserError(f"--out {run_dir} holds {', '.join(clashing[:4])} but is not a zerollm run; training would "
                         "overwrite them: choose a new or empty directory")
-    for folder in (checkpoint_dir(run_dir), tokenizer_dir(run_dir), run_dir / WANDB_DIR):
+    for folder in (checkpoint_dir(run_dir), tokenizer_dir(run_dir)):
         if folder.exists() and not folder.is_dir():
             raise UserError(f"--out {run_dir}: {folder} is a file where training keeps a folder; move it away")
     if latest_tag(run_dir) is not None and not resume:  # read either way: a damaged `latest` is refused here

@@ -58,9 +58,9 @@ def test_a_full_disk_while_logging_is_one_line_and_leaves_no_torn_row(tmp_path, 
     monkeypatch.setattr(os, "write", half_then_full)
     with pytest.raises(UserError) as error:
         log(2)
-    assert str(error.value) == (f"{tmp_path / name}: no space left on device while logging step 2 (the file is "
-                                "as it was before it); free space and rerun with --resume auto, which continues from "
-                                "the newest checkpoint")
+    assert str(error.value) == (f"{tmp_path}: no space left on device while writing step 2 to {name}; nothing was "
+                                "lost (what was there is as it was): free space and rerun with --resume auto, which "
+                                "continues from the newest checkpoint")
     assert (tmp_path / name).read_bytes() == before
 
 
@@ -134,28 +134,43 @@ def test_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
                             "'disabled', 'dryrun' or 'run'); correct or unset it"),
     ("WANDB_INIT_TIMEOUT", "abc", "wandb cannot read WANDB_INIT_TIMEOUT='abc' (Input should be a valid number, unable "
                                   "to parse string as a number); correct or unset it"),
-    ("WANDB_PROJECT", "a/b", "wandb cannot read the WANDB_* variables: Invalid project name 'a/b': cannot contain "
-                             "characters '/,\\\\,#,?,%,:', found '/'"),
+    ("WANDB_INIT_TIMEOUT", "true", "wandb cannot read WANDB_INIT_TIMEOUT='true' (Input should be a valid number, "
+                                   "unable to parse string as a number); correct or unset it"),  # not WANDB_SILENT
+    ("WANDB_PROJECT", "a/b", "wandb cannot read WANDB_PROJECT='a/b' (Invalid project name 'a/b': cannot contain "
+                             "characters '/,\\\\,#,?,%,:', found '/'); correct or unset it"),
 ])
-def test_a_wandb_variable_wandb_cannot_read_is_one_line(monkeypatch, variable, value, said):
+def test_a_wandb_variable_wandb_cannot_read_is_one_line(monkeypatch, tmp_path, variable, value, said):
     """Was pydantic's ValidationError traceback, after the run directory was written (with --nproc 2: exit 76 and
     'start the job again with --resume auto')."""
     from llm.train.metrics import check_wandb
 
+    monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv(variable, value)
     with pytest.raises(UserError) as refused:
-        check_wandb(WandbConfig(mode="offline"))
+        check_wandb(WandbConfig(mode="offline"), tmp_path)
     assert str(refused.value) == said
 
 
-def test_a_project_name_wandb_refuses_is_one_line_naming_the_key():
+def test_a_project_name_wandb_refuses_is_one_line_naming_the_key(tmp_path):
     """It was said as 'cannot start the offline run (...); check the network and `wandb login`', once the run
     directory was written."""
     from llm.train.metrics import check_wandb
 
     with pytest.raises(UserError, match="^wandb.project: Invalid project name 'a/b': cannot contain characters"):
-        check_wandb(WandbConfig(mode="offline", project="a/b"))
-    check_wandb(WandbConfig(mode="off", project="a/b"))  # not logged to wandb: not read
+        check_wandb(WandbConfig(mode="offline", project="a/b"), tmp_path)
+    check_wandb(WandbConfig(mode="off", project="a/b"), tmp_path)  # not logged to wandb: not read
+
+
+def test_a_file_where_the_run_keeps_its_wandb_folder_is_one_line(tmp_path):
+    """A NotADirectoryError traceback; with --wandb off such a file is left alone."""
+    from llm.train.metrics import check_wandb
+
+    (tmp_path / "wandb").write_text("notes")
+    with pytest.raises(UserError) as refused:
+        check_wandb(WandbConfig(mode="offline"), tmp_path)
+    assert str(refused.value) == f"--out {tmp_path}: {tmp_path / 'wandb'} is a file where wandb keeps its folder; " \
+                                 "move it away"
+    check_wandb(WandbConfig(mode="off"), tmp_path)
 
 
 class _Run:
@@ -193,19 +208,19 @@ def test_an_offline_run_that_cannot_start_is_not_told_to_check_the_network(tmp_p
                                   "'junk'); check the WANDB_* variables, or pass --wandb off")
 
 
-def test_a_wandb_key_of_the_wrong_form_is_one_line(monkeypatch):
+def test_a_wandb_key_of_the_wrong_form_is_one_line(monkeypatch, tmp_path):
     from llm.train.metrics import check_wandb
 
     monkeypatch.setenv("WANDB_API_KEY", "short")
     with pytest.raises(UserError) as refused:
-        check_wandb(WandbConfig(mode="online"))
+        check_wandb(WandbConfig(mode="online"), tmp_path)
     assert str(refused.value) == ("wandb: WANDB_API_KEY invalid: API key must have 40+ characters, has 5; run `wandb "
                                   "login`, or pass --wandb offline")
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
-    check_wandb(WandbConfig(mode="online"))
+    check_wandb(WandbConfig(mode="online"), tmp_path)
 
 
-def test_a_wandb_without_its_credential_helpers_leaves_the_key_to_wandb_init(monkeypatch):
+def test_a_wandb_without_its_credential_helpers_leaves_the_key_to_wandb_init(monkeypatch, tmp_path):
     """Older wandb releases (pyproject allows 0.18) have no wandb.sdk.lib.wbauth: no check, no traceback."""
     import wandb.sdk.lib
 
@@ -214,7 +229,7 @@ def test_a_wandb_without_its_credential_helpers_leaves_the_key_to_wandb_init(mon
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setitem(sys.modules, "wandb.sdk.lib.wbauth", None)
     monkeypatch.delattr(wandb.sdk.lib, "wbauth")
-    check_wandb(WandbConfig(mode="online"))
+    check_wandb(WandbConfig(mode="online"), tmp_path)
 
 
 def _refuse(constant):

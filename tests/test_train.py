@@ -515,7 +515,6 @@ def _folder(root, files: dict[str, str]):
     ({"tokenizer.json": "{}", "tokenizer_config.json": "{}"},  # a run was mixed into a tokenizer's folder
      "is a tokenizer or export folder (it holds tokenizer.json); give the run a directory of its own"),
     ({"run_record.jsonl": "{}\n", "checkpoints": "a file"}, "checkpoints is a file where training keeps a folder"),
-    ({"wandb": "a file"}, "wandb is a file where training keeps a folder"),  # a NotADirectoryError traceback
 ])
 def test_an_out_folder_that_is_not_a_run_is_refused_untouched(pretrain_data, tmp_path, monkeypatch, capsys, files,
                                                                message):

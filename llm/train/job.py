@@ -231,7 +231,7 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         data["base"] = weights_summary(cfg.train.init_from, "--init-from")  # (`load_lora_model`), the reference
     info = setup_distributed(cfg.train.collective_timeout_s)
     announce = info.local_rank == 0  # a refusal every rank finds is printed once per node, not once per rank
-    agreed(lambda: check_wandb(cfg.wandb) if info.is_main else None, announce)  # rank 0 logs to wandb
+    agreed(lambda: check_wandb(cfg.wandb, run_dir) if info.is_main else None, announce)  # rank 0 logs to wandb
     ds_config = agreed(lambda: _resolved_ds_config(cfg, run_dir, info, (raw_ds, ds_source), zero_stage, resume, data,
                                                    attrs), announce)
     with run_locked(run_dir, info.rank, lambda problem: refuse_together(problem, announce)) as tidy_run_dir:

@@ -165,43 +165,45 @@ def _wandb_reason(exc: Exception) -> str:
     return text.splitlines()[0].rstrip(".") if text else type(exc).__name__
 
 
-def _settings_reason(exc: ValueError) -> str:
-    """What of wandb's settings (pydantic's ValidationError) it cannot read, named as the variable it came from where
-    one is set."""
-    errors = getattr(exc, "errors", lambda: [])()
-    if not errors:
-        return f"wandb cannot read its settings ({_wandb_reason(exc)}); check the WANDB_* variables"
-    given, said = errors[0].get("input"), errors[0].get("msg", "")
-    variable = next((name for name, value in os.environ.items() if name.startswith("WANDB_") and value == given),
-                    None)
-    where = f"{variable}={given!r}" if variable else f"the setting {'.'.join(map(str, errors[0].get('loc', ())))}"
-    return f"wandb cannot read {where} ({said}); correct or unset it"
+def _refuse_unreadable_variables(wandb) -> None:
+    """Refuse the first WANDB_* variable wandb.init would fail to read (`WANDB_MODE=bogus`: pydantic's
+    ValidationError; `WANDB_PROJECT=a/b`: wandb's UsageError), naming it; each is read alone, as wandb reads it."""
+    for name, value in sorted(os.environ.items()):
+        if not name.startswith("WANDB_"):
+            continue
+        try:
+            wandb.Settings().update_from_env_vars({name: value})
+        except (ValueError, wandb.Error) as exc:
+            errors = exc.errors() if hasattr(exc, "errors") else []
+            said = errors[0].get("msg", "") if errors else _wandb_reason(exc)
+            raise UserError(f"wandb cannot read {name}={value!r} ({said}); correct or unset it") from None
 
 
-def check_wandb(settings: WandbConfig) -> None:
+def check_wandb(settings: WandbConfig, run_dir: Path) -> None:
     """Refuse, before the run directory is written, wandb settings that cannot start a run: wandb not installed, a
-    WANDB_* variable it cannot read (`WANDB_MODE=bogus`), a wandb.project it refuses (`a/b`), or `online` without
-    an API key where wandb.init looks for one (WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE, the netrc file, wandb's
-    settings files), looked up without a network call and without asking."""
+    WANDB_* variable it cannot read (`WANDB_MODE=bogus`), a wandb.project it refuses (`a/b`), a file where the run
+    keeps its wandb folder, or `online` without an API key where wandb.init looks for one (WANDB_API_KEY or
+    WANDB_IDENTITY_TOKEN_FILE, the netrc file, wandb's settings files), looked up without a network call and without
+    asking. A wandb older than the helpers these need (`Settings.update_from_env_vars`, `wbauth`) leaves what they
+    check to wandb.init, whose error is one line too (`MetricsSink`)."""
     if settings.mode == "off":
         return
     wandb = import_wandb()
+    folder = run_dir / rundir.WANDB_DIR
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--out {run_dir}: {folder} is a file where wandb keeps its folder; move it away")
+    if hasattr(wandb.Settings, "update_from_env_vars"):
+        _refuse_unreadable_variables(wandb)
+        try:
+            wandb.Settings(project=settings.project)
+        except wandb.Error as exc:
+            raise UserError(f"wandb.project: {_wandb_reason(exc)}") from None
+    if settings.mode != "online":
+        return
     try:
         from wandb.sdk import wandb_setup  # noqa: PLC0415 - part of wandb
         from wandb.sdk.lib import wbauth  # noqa: PLC0415
-    except ImportError:  # a wandb older than its credential helpers: the error of wandb.init says it (MetricsSink)
-        return
-    try:
-        wandb.Settings().update_from_env_vars(dict(os.environ))  # each WANDB_* variable, as wandb.init reads it
-    except ValueError as exc:  # pydantic's ValidationError
-        raise UserError(_settings_reason(exc)) from None
-    except wandb.Error as exc:  # a WANDB_PROJECT it refuses
-        raise UserError(f"wandb cannot read the WANDB_* variables: {_wandb_reason(exc)}") from None
-    try:
-        wandb.Settings(project=settings.project)
-    except wandb.Error as exc:
-        raise UserError(f"wandb.project: {_wandb_reason(exc)}") from None
-    if settings.mode != "online":
+    except ImportError:
         return
     try:
         auth = wbauth.authenticate_session(host=wandb_setup.singleton().settings.base_url, source="zerollm",
@@ -213,14 +215,13 @@ def check_wandb(settings: WandbConfig) -> None:
 
 
 def _append(path: Path, text: str, step: int) -> None:
-    """`durable.append_text`; a write that runs out of room (a full disk, a quota) is one UserError."""
-    try:
+    """`durable.append_text` of step `step`'s `text`; a write that runs out of room (a full disk, a quota) is one
+    UserError."""
+    with durable.room_needed(path.parent, f"step {step} to {path.name}", RESUME_AGAIN):
         durable.append_text(path, text)
-    except OSError as exc:
-        if (reason := durable.out_of_room(exc)) is None:
-            raise
-        raise UserError(f"{path}: {reason} while logging step {step} (the file is as it was before it); free space "
-                        "and rerun with --resume auto, which continues from the newest checkpoint") from None
+
+
+RESUME_AGAIN = "rerun with --resume auto, which continues from the newest checkpoint"
 
 
 class MetricsSink:
