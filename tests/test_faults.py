@@ -41,6 +41,7 @@ from forked_ranks import enter_rank, forkserver, run_job
 from conftest import TINY, ZERO_RUN, train_args, zerollm_here
 from launch.local import rank_environments
 from llm import durable, rundir
+from llm.chat_template import ChatTemplateError
 from llm.cli import main
 from llm.config import build_config
 from llm.data.datasets import PretrainWindows
@@ -427,6 +428,29 @@ def test_torch_s_news_of_a_killed_worker_is_said_as_the_rank_s_own():
                           "multiprocessing. Rerunning with num_workers=0 may give better error trace.")
     assert torch_said(exited) == "its data-loader worker pid 12 exited with code 3"
     assert torch_said(RuntimeError("CUDA error: out of memory")) is None
+
+
+class _Refused(torch.utils.data.Dataset):
+    """A dataset whose every read is refused in the worker, with `error` (a UserError class)."""
+
+    def __init__(self, error: type[UserError]) -> None:
+        self.error = error
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int):
+        raise self.error("the data changed")
+
+
+@pytest.mark.parametrize("error", [UserError, ChatTemplateError])
+def test_an_error_a_worker_raises_is_said_in_one_line(error):
+    """torch raises it again in the rank as 'Caught UserError in DataLoader worker process 0.' followed by the
+    worker's traceback: that was the whole message."""
+    batches = iter(torch.utils.data.DataLoader(_Refused(error), batch_size=1, num_workers=1))
+    with pytest.raises(UserError) as refused:
+        WatchedLoader(batches, torch.device("cpu"), "data").next(1, lambda: False, 1, 60)
+    assert str(refused.value) == "the data changed"
 
 
 def test_torch_s_news_raised_during_a_step_ends_the_run_as_a_draw_s_does(tmp_path, capsys):
