@@ -522,17 +522,29 @@ def _checked_before_ranks(args: argparse.Namespace):
     rundir.check_run_output(Path(args.out), args.resume == "auto")
     load_ds_config(args.deepspeed, cfg.train.stage)
     if not under_launcher():  # said once, by the process that starts the ranks
-        _note_dormant_lora(args.overrides, cfg)
+        _note_dormant_keys(args.overrides, cfg)
     return cfg
 
 
-def _note_dormant_lora(overrides: list[str], cfg: RunConfig) -> None:
-    """`--set lora.alpha=...` without lora.r trains every weight, as without LoRA: said, not refused (a recipe may
-    keep a lora section that is off)."""
-    keys = [key for key, _, _ in map(parse_override, overrides) if key.startswith("lora.") and key != "lora.r"]
-    if keys and not cfg.lora.r:
-        print(f"zerollm: note: {', '.join(keys)} set, but lora.r is 0: no LoRA, every weight trains (--set lora.r=N "
-              "or --lora r=N for adapters)", file=sys.stderr, flush=True)
+DORMANT_KEYS = (
+    (lambda key: key.startswith("lora.") and key != "lora.r", lambda cfg: not cfg.lora.r,
+     "lora.r is 0: no LoRA, every weight trains (--set lora.r=N or --lora r=N for adapters)"),
+    (lambda key: key == "train.teacher" or key.startswith("train.distill_"), lambda cfg: cfg.train.stage != "distill",
+     "only `train distill` reads them: no teacher, nothing distilled"),
+    (lambda key: key.startswith("train.dpo_"), lambda cfg: cfg.train.stage != "dpo", "only `train dpo` reads them"),
+    (lambda key: key.startswith("grpo."), lambda cfg: cfg.train.stage != "grpo", "only `train grpo` reads them"),
+)
+"""(which `--set` keys, when they are read by nothing, why) for keys a run keeps in its config but does not use."""
+
+
+def _note_dormant_keys(overrides: list[str], cfg: RunConfig) -> None:
+    """`--set` keys this run reads nothing of (`--set lora.alpha=64` without lora.r trains every weight, as without
+    LoRA; `--set train.teacher=T` in `train sft` trains without a teacher): said, not refused (a recipe may keep a
+    section that is off)."""
+    keys = [key for key, _, _ in map(parse_override, overrides)]
+    for named, dormant, why in DORMANT_KEYS:
+        if (unread := [key for key in keys if named(key)]) and dormant(cfg):
+            print(f"zerollm: note: {', '.join(unread)} set, but {why}", file=sys.stderr, flush=True)
 
 
 def _check_rank_inputs(cfg: RunConfig, starting_ranks: bool) -> None:

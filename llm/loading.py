@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -146,11 +147,13 @@ def is_run_or_export(directory: Path, option: str = "") -> bool:
                     f"nor an export directory ({HF_CONFIG_FILE})")
 
 
-def weights_summary(path: str | Path, option: str) -> dict[str, str]:
-    """What identifies the weights of a run or export directory: its path, and its weights (a run directory's run id
-    and newest usable checkpoint, or the digest of an export's weight files: model.safetensors, or the index and every
-    shard it names). `option` names it in errors."""
+def weights_summary(path: str | Path, option: str) -> dict[str, Any]:
+    """What identifies the model of a run or export directory: its path; its weights (a run directory's run id and
+    newest usable checkpoint, also as `tag`, the one to load; or the digest of an export's weight files:
+    model.safetensors, or the index and every shard it names); and its config's shape and function fields (`model`:
+    an edited RoPE base is another function of the same weights). `option` names it in errors."""
     directory = Path(path)
+    tag = None
     if rundir.is_run_dir(directory):
         tag = rundir.usable_tag(directory)
         if tag is None:
@@ -170,7 +173,9 @@ def weights_summary(path: str | Path, option: str) -> dict[str, str]:
                 digest.update(f"\0{shard}\0{file_digest(directory / shard)}".encode())
             weights = (f"{WEIGHTS_INDEX_FILE} digest {file_digest(directory / WEIGHTS_INDEX_FILE)}{WEIGHTS_PARTS}its "
                        f"{len(files)} shards digest {digest.hexdigest()[:16]}")
-    return {"path": str(directory.resolve()), "weights": weights}
+    config = model_config_of(directory)
+    model = json.loads(json.dumps({name: getattr(config, name) for name in (*SHAPE_FIELDS, *FUNCTION_FIELDS)}))
+    return {"path": str(directory.resolve()), "weights": weights, "model": model, **({"tag": tag} if tag else {})}
 
 
 def load_model_dir(path: str | Path, tag: str | None = None) -> tuple[Transformer, Path]:
@@ -291,9 +296,11 @@ def model_differences(there: ModelConfig, here: ModelConfig) -> list[str]:
     return differing
 
 
-def initial_weights(cfg: ModelConfig, init_from: str, data_tokenizer_hash: str) -> dict[str, torch.Tensor]:
-    """Weights of a run or export directory, refused when its shape or tokenizer differs from this run's."""
-    source, tokenizer_dir = load_model_dir(init_from)
+def initial_weights(cfg: ModelConfig, init_from: str, data_tokenizer_hash: str,
+                    tag: str | None = None) -> dict[str, torch.Tensor]:
+    """Weights of a run (checkpoint `tag`, or its newest) or export directory, refused when its shape or tokenizer
+    differs from this run's."""
+    source, tokenizer_dir = load_model_dir(init_from, tag)
     if differing := model_differences(source.cfg, cfg):
         raise UserError(f"--init-from {init_from}: the model differs from this run's config ({'; '.join(differing)}); "
                         "set those model.* keys to the values there")

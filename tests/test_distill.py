@@ -15,13 +15,14 @@ import yaml
 from forked_ranks import run_job
 
 from conftest import FIXTURES, TINY, train_args, zerollm_here
+from llm import rundir
 from llm.config import build_config
 from llm.data.prepare import prepare
 from llm.data.prepared import read_data_attrs
 from llm.errors import UserError
-from llm.loading import consolidated_weights
+from llm.loading import consolidated_weights, initial_weights, weights_summary
 from llm.model.token_losses import distillation_loss, masked_cross_entropy
-from llm.tokenizer import train_tokenizer
+from llm.tokenizer import Tokenizer, train_tokenizer
 from llm.train.teacher import check_teacher
 
 STUDENT = ["model.dim=32", "model.n_layers=1", "train.precision=fp32"]
@@ -212,11 +213,43 @@ def test_two_ranks_zero3_on_sft_data(teacher, tokenizer_dir, tmp_path):
 
 
 def test_resume_against_another_teacher_is_refused(student, teacher, pretrain_data, tmp_path):
-    other = tmp_path / "other_teacher"
-    shutil.copytree(teacher, other)
+    other = tmp_path / "other_teacher"  # another run of the same tokenizer and vocabulary
+    shutil.copytree(student, other)
     resumed = tmp_path / "resumed"
     shutil.copytree(student, resumed)
     result = run_job(*_distill_args(pretrain_data, resumed, other, *RESUMABLE, extra=["--resume", "auto"]))
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"not the teacher {resumed} was trained with ({teacher.resolve()}, run " in result.stderr
     assert result.stderr.count("zerollm: error:") == 1 and "Traceback" not in result.stderr
+
+
+def test_a_resume_refuses_the_teacher_s_config_edited_and_takes_it_moved(student, teacher, pretrain_data, tmp_path):
+    """Its weights alone were compared: a teacher whose RoPE base was edited (another function) was resumed against
+    without a word, and the same teacher at another path was refused as another teacher."""
+    moved, resumed = tmp_path / "moved", tmp_path / "resumed"
+    shutil.copytree(teacher, moved)
+    shutil.copytree(student, resumed)
+    result = run_job(*_distill_args(pretrain_data, resumed, moved, *RESUMABLE, extra=["--resume", "auto"]))
+    assert result.returncode == 0, result.stderr[-2000:]  # checked, then nothing to train: at train.max_steps
+    assert "nothing to train" in result.stderr
+    config = moved / "config.yaml"
+    config.write_text(re.sub(r"rope_theta: .*", "rope_theta: 10.0", config.read_text()))
+    result = run_job(*_distill_args(pretrain_data, resumed, moved, *RESUMABLE, extra=["--resume", "auto"]))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.splitlines()[-1] == (
+        f"zerollm: error: --teacher {moved.resolve()}: the weights {resumed} was trained with, but their config "
+        "changed since (model.rope_theta 10000.0 then, 10.0 now): another function; put its config back as it was")
+
+
+def test_the_checkpoint_checked_is_the_one_loaded(student, teacher):
+    """A teacher (or base) still training could save between the check, which records its newest checkpoint, and
+    the load, which took the newest again: the run record named one checkpoint and the run learnt from another."""
+    summary = weights_summary(student, "--teacher")
+    assert summary["tag"] == "global_step20" and summary["model"]["dim"] == 32
+    assert weights_summary(teacher, "--teacher")["model"]["dim"] == 64
+    cfg = build_config("demo", [*TINY, *STUDENT])
+    earlier = initial_weights(cfg.model, str(student), Tokenizer.load(rundir.tokenizer_dir(student)).hash,
+                              "global_step10")
+    at = {tag: consolidated_weights(student, tag) for tag in ("global_step10", "global_step20")}
+    assert all(torch.equal(earlier[k], at["global_step10"][k]) for k in earlier)
+    assert not all(torch.equal(earlier[k], at["global_step20"][k]) for k in earlier)

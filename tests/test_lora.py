@@ -375,7 +375,7 @@ def test_bench_counts_trainable_parameters_and_writes_one_conversation_per_windo
     assert len(windows) == 5 and windows.padding_fraction == 0 and bool(windows[0]["loss_mask"].all())
 
 
-def test_lora_settings_without_a_rank_are_noted_once(monkeypatch, capsys, tmp_path):
+def test_settings_no_part_of_the_run_reads_are_noted_once(monkeypatch, capsys, tmp_path):
     """`--set lora.alpha=64` without lora.r trained every weight with no word: the user meant adapters."""
     common = ["train", "sft", "--recipe", "demo", "--data", tmp_path / "none", "--out", tmp_path / "run"]
     assert zerollm_here(monkeypatch, *common, "--set", "lora.alpha=64", "--set", "lora.dropout=0.1") == 2
@@ -386,6 +386,13 @@ def test_lora_settings_without_a_rank_are_noted_once(monkeypatch, capsys, tmp_pa
     for quiet in (["--set", "train.lr=1e-4"], ["--set", "lora.r=4", "--set", "lora.alpha=8"]):
         zerollm_here(monkeypatch, *common, *quiet)
         assert "note" not in capsys.readouterr().err
+    distill = "only `train distill` reads them: no teacher, nothing distilled"
+    for stage, keys, why in (("sft", ["train.teacher=t", "train.distill_alpha=1"], distill),
+                             ("pretrain", ["train.dpo_beta=0.5"], "only `train dpo` reads them"),
+                             ("sft", ["grpo.group_size=4"], "only `train grpo` reads them")):
+        zerollm_here(monkeypatch, *common[:1], stage, *common[2:], *[a for key in keys for a in ("--set", key)])
+        named = ", ".join(key.split("=")[0] for key in keys)
+        assert f"zerollm: note: {named} set, but {why}\n" in capsys.readouterr().err  # trained without a word
     from llm.cli import main
 
     monkeypatch.setenv("LOCAL_RANK", "0")  # a rank: the process that started it said it

@@ -144,9 +144,14 @@ def has_reference(cfg: RunConfig) -> bool:
     return cfg.train.stage == "dpo" or (cfg.train.stage == "grpo" and cfg.grpo.kl_coef > 0)
 
 
-def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, data_attrs: dict) -> Trainer:
+def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, data_attrs: dict,
+                  sources: dict | None = None) -> Trainer:
     """The model (seeded alike on every rank, or `--init-from` weights), its engine, the stage's data, objective
-    and step source, and the per-rank RNG streams (dropout)."""
+    and step source, and the per-rank RNG streams (dropout). `sources`: the run record's data section, whose
+    `base` and `teacher` (`llm.loading.weights_summary`) name the checkpoints to load: the ones checked and recorded,
+    not a newer one their runs saved since."""
+    tags = {role: summary.get("tag") for role, summary in (sources or {}).items()
+            if role in ("base", "teacher") and isinstance(summary, dict)}
     t, grpo, reference_needed = cfg.train, cfg.train.stage == "grpo", has_reference(cfg)
     remedy = ": make model.dim, model.n_layers or model.vocab_size smaller, or run fewer ranks on a host"
 
@@ -166,7 +171,8 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
         dataset = DATASETS[data_attrs["kind"]]
         train_set = dataset(cfg.data.path, "train", cfg.data.seq_len, data_attrs["pad_id"])
         val_set = dataset(cfg.data.path, "val", cfg.data.seq_len, data_attrs["pad_id"])
-    weights = initial_weights(cfg.model, t.init_from, data_attrs["tokenizer_hash"]) if t.init_from else None
+    weights = initial_weights(cfg.model, t.init_from, data_attrs["tokenizer_hash"], tags.get("base")) \
+        if t.init_from else None
     if weights is not None:
         model = model_from_weights(cfg.model, weights)  # the loaded tensors themselves: no second copy
     else:
@@ -190,7 +196,8 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
         objective = GRPOObjective(cfg.grpo)
         steps = Rollouts(cfg, info, engine, tokenizer, reward, reference)
     elif t.stage == "distill":
-        objective = DistillObjective(load_teacher(cfg, ds_config), t.distill_alpha, t.distill_temperature)
+        objective = DistillObjective(load_teacher(cfg, ds_config, tags.get("teacher")), t.distill_alpha,
+                                     t.distill_temperature)
     else:
         objective = CausalLMObjective()
     return Trainer(cfg, run_dir, info, engine, objective, steps, train_set, val_set, n_params, budget,
@@ -387,7 +394,7 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
     universal = tag is not None and convert_if_resharded(run_dir, tag, info)
     engine_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}} \
         if universal else ds_config
-    trainer = build_trainer(cfg, run_dir, info, engine_config, attrs)
+    trainer = build_trainer(cfg, run_dir, info, engine_config, attrs, data)
     if tag is not None:
         trainer.resume(tag, universal)
         if universal:

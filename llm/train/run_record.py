@@ -201,13 +201,21 @@ def check_same_data(run_dir: Path, data: dict[str, Any], files: list[Path],
                         f"--init-from {run_dir}")
 
 
-def check_same_weights(run_dir: Path, role: str, summary: dict[str, str], option: str) -> None:
-    """Refuse to resume `run_dir` with other weights as its `role` (the distillation 'teacher', the LoRA 'base') than
-    its newest session used (`llm.loading.weights_summary`), naming both."""
+def check_same_weights(run_dir: Path, role: str, summary: dict[str, Any], option: str) -> None:
+    """Refuse to resume `run_dir` with another model as its `role` (the distillation 'teacher', the LoRA 'base') than
+    its newest session used (`llm.loading.weights_summary`): other weights, or the same weights under a config
+    whose shape or function fields changed (recorded since they were), naming both. The same model moved elsewhere
+    is the same model."""
     record = last_record(run_dir)
     before = record["data"].get(role) if record else None
-    if before is None or (before["path"] == summary["path"] and same_weights(before["weights"], summary["weights"])):
+    if before is None:
         return
-    raise UserError(f"{option} {summary['path']} ({summary['weights']}): not the {role} {run_dir} was trained with "
-                    f"({before['path']}, {before['weights']}); resume with that {role}, or start a new run from this "
-                    f"one's weights with --init-from {run_dir}")
+    if not same_weights(before["weights"], summary["weights"]):
+        raise UserError(f"{option} {summary['path']} ({summary['weights']}): not the {role} {run_dir} was trained "
+                        f"with ({before['path']}, {before['weights']}); resume with that {role}, or start a new run "
+                        f"from this one's weights with --init-from {run_dir}")
+    then, now = before.get("model", {}), summary["model"]
+    if changed := [f"model.{name} {then[name]} then, {now.get(name)} now" for name in then
+                   if then[name] != now.get(name)]:
+        raise UserError(f"{option} {summary['path']}: the weights {run_dir} was trained with, but their config changed "
+                        f"since ({'; '.join(changed)}): another function; put its config back as it was")

@@ -68,8 +68,9 @@ def _data_tokenizer_path(data_dir: Path) -> Path:
     return copy if copy.is_dir() else data_dir / TOKENS_FILE
 
 
-def load_teacher(cfg: RunConfig, ds_config: dict):
-    """The teacher's weights (its run directory's newest checkpoint, or its export) as a frozen inference engine:
-    partitioned under ZeRO-3, replicated otherwise (`llm.train.engine.frozen_engine`)."""
-    model, _ = load_model_dir(cfg.train.teacher)
+def load_teacher(cfg: RunConfig, ds_config: dict, tag: str | None = None):
+    """The teacher's weights (its run directory's checkpoint `tag`, the one `check_teacher` found newest and the run
+    records, or its export) as a frozen inference engine: partitioned under ZeRO-3, replicated otherwise
+    (`llm.train.engine.frozen_engine`)."""
+    model, _ = load_model_dir(cfg.train.teacher, tag)
     return frozen_engine(model.use_kernels(cfg.model.kernels), ds_config)  # the ops run as this job's (its device's)
