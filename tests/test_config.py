@@ -438,6 +438,23 @@ def test_a_model_that_does_not_fit_names_its_size_and_the_memory(monkeypatch):
         host_memory.check_fits_in_memory(dataclasses.replace(cfg, vocab_size=10**11), copies=3)
 
 
+def test_a_distilled_model_counts_its_teacher_beside_each_copy(monkeypatch):
+    """Each rank builds its teacher in fp32 beside its model: a teacher ten times the student's size was left out, and
+    a host that held the students but not the teachers went to the OOM killer."""
+    from llm.model import host_memory
+
+    student = build_config("demo", ["model.vocab_size=300"]).model
+    teacher = dataclasses.replace(student, dim=4 * student.dim)
+    both = 4 * (student.parameter_count + teacher.parameter_count)
+    monkeypatch.setattr(host_memory, "usable_memory", lambda: 2 * both - 1)
+    host_memory.check_fits_in_memory(student, copies=2)  # the students alone fit
+    with pytest.raises(UserError) as error:
+        host_memory.check_fits_in_memory(student, copies=2, teacher=teacher)
+    assert f"; this host builds 2 copies of it (each rank's model, and its frozen reference where the stage has " \
+           f"one), with each copy a teacher of {teacher.parameter_count:,} parameters before DeepSpeed partitions " \
+           f"them, {2 * both / 2**30:,.1f} GiB: more than" in str(error.value)
+
+
 def test_generations_that_do_not_fit_name_whose_memory_is_short(monkeypatch):
     """`bench generate`'s check said "this host's" memory even where a cgroup's lower limit was the one exceeded."""
     from llm.model import host_memory

@@ -65,18 +65,25 @@ def whose_memory(available: int) -> str:
     return "the limit of this process's cgroup (a container's or a job's):"
 
 
-def check_fits_in_memory(cfg: ModelConfig, copies: int = 1, remedy: str = "") -> None:
+def check_fits_in_memory(cfg: ModelConfig, copies: int = 1, remedy: str = "",
+                         teacher: ModelConfig | None = None) -> None:
     """UserError (ending with `remedy`) when `copies` fp32 copies of the model `cfg` describes (one per rank on this
-    host, and each rank's frozen reference) need more than this host's memory (or its cgroup's limit, where lower):
-    they cannot fit, whatever else."""
+    host, and each rank's frozen reference), each with a frozen `teacher` where one is given (distillation), need
+    more than this host's memory (or its cgroup's limit, where lower): they cannot fit, whatever else."""
     parameters = cfg.parameter_count
-    needed, available = FP32_BYTES * parameters * copies, usable_memory()
+    taught = 0 if teacher is None else teacher.parameter_count
+    needed, available = FP32_BYTES * (parameters + taught) * copies, usable_memory()
     if needed <= available:
         return
-    copied = (f"; this host builds {copies} copies of it (each rank's model, and its frozen reference where the stage "
-              f"has one) before DeepSpeed partitions them, {needed / GIB:,.1f} GiB" if copies > 1 else "")
+    built = ""
+    if copies > 1 or teacher is not None:
+        models = f"{copies} copies of it" if copies > 1 else "it"
+        beside = "" if teacher is None else f", with {'each copy' if copies > 1 else 'it'} a teacher of {taught:,} " \
+            "parameters"
+        built = (f"; this host builds {models} (each rank's model, and its frozen reference where the stage has "
+                 f"one){beside} before DeepSpeed partitions them, {needed / GIB:,.1f} GiB")
     raise UserError(f"the model has {parameters:,} parameters, {FP32_BYTES * parameters / GIB:,.1f} GiB in fp32"
-                    f"{copied}: more than {whose_memory(available)} {available / GIB:,.1f} GiB of memory{remedy}")
+                    f"{built}: more than {whose_memory(available)} {available / GIB:,.1f} GiB of memory{remedy}")
 
 
 def check_generation_fits_in_memory(cfg: ModelConfig, batch: int, positions: int) -> None:

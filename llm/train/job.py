@@ -65,7 +65,7 @@ from llm.train.run_record import (
 from llm.train.samples import SampleGenerator
 from llm.train.schedule import lr_multiplier
 from llm.train.steps import DataSteps
-from llm.train.teacher import check_teacher, load_teacher
+from llm.train.teacher import check_teacher, load_teacher, teacher_source
 from llm.train.time_budget import TimeBudget
 from llm.train.trainer import Trainer
 
@@ -153,11 +153,13 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
     tags = {role: summary.get("tag") for role, summary in (sources or {}).items()
             if role in ("base", "teacher") and isinstance(summary, dict)}
     t, grpo, reference_needed = cfg.train, cfg.train.stage == "grpo", has_reference(cfg)
-    remedy = ": make model.dim, model.n_layers or model.vocab_size smaller, or run fewer ranks on a host"
+    teacher = teacher_source(t.teacher)[0] if t.stage == "distill" else None
+    remedy = ": make model.dim, model.n_layers or model.vocab_size smaller" + \
+        (", distill from a smaller teacher" if teacher else "") + ", or run fewer ranks on a host"
 
     def fits() -> None:  # hosts differ: every rank refuses, naming the host that cannot where there are several
         try:
-            check_fits_in_memory(cfg.model, info.local_world_size * (2 if reference_needed else 1), remedy)
+            check_fits_in_memory(cfg.model, info.local_world_size * (2 if reference_needed else 1), remedy, teacher)
         except UserError as exc:
             if info.world_size > info.local_world_size:
                 raise UserError(f"host {socket.gethostname()}: {exc}") from None
