@@ -24,7 +24,7 @@ from llm import rundir
 from llm.config import RunConfig, build_config, parse_lora_spec
 from llm.data.prepare import RANDOM_TOKENS_HASH, SPLITS, STREAMS, TOKENS_FILE, SplitWriter, write_attrs
 from llm.devices import place, resolve
-from llm.errors import UserError
+from llm.errors import EXIT_PREEMPTED, UserError
 from llm.export import export_model
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
@@ -105,6 +105,9 @@ def _median(values: Iterable[Any]) -> float:
 def _train_job(command: list[str], run: Path, warmup: int, cfg: RunConfig) -> TrainFigures | int:
     """Run a training command; its figures, or its exit code when it failed."""
     code = subprocess.run(command, check=False).returncode
+    if code == EXIT_PREEMPTED:  # the job advised --resume auto, into a folder about to be removed
+        print("zerollm: note: bench train stopped, so nothing was measured; its runs were in a temporary folder, now "
+              "removed: there is nothing to resume, run it again", file=sys.stderr, flush=True)
     if code != 0:
         return code
     rows = [json.loads(line) for line in (run / rundir.METRICS_FILE).read_text().splitlines()]

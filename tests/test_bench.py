@@ -141,3 +141,16 @@ def test_bench_train_takes_the_medians_of_the_numbers_a_run_logged(tmp_path):
     figures = _train_job([sys.executable, "-c", ""], tmp_path, warmup=0, cfg=cfg)
     assert (figures.tokens_per_sec, figures.loss_tokens_per_sec, figures.peak_mem_mb) == (200.0, 50.0, 13.0)
     assert math.isnan(figures.mfu) and figures.steps == 3
+
+
+def test_a_stopped_bench_train_says_there_is_nothing_to_resume(monkeypatch, capsys):
+    """The job's line advised `--resume auto` into its temporary folder, which bench train then removed."""
+    import subprocess
+
+    from llm import bench
+
+    monkeypatch.setattr(bench.subprocess, "run", lambda command, check: subprocess.CompletedProcess(command, 75))
+    assert bench.bench_train("demo", ["model.vocab_size=512", *TINY[1:]], steps=1, warmup=0) == 75
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "zerollm: note: bench train stopped, so nothing was measured; its runs were in a temporary folder, now "
+        "removed: there is nothing to resume, run it again")

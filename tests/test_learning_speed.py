@@ -3,11 +3,12 @@
 import json
 import math
 import os
+import signal
 
 import pytest
 
 from conftest import FIXTURES, TINY, run_cli
-from llm.errors import UserError
+from llm.errors import EXIT_PREEMPTED, UserError
 from llm.eval.learning_speed import split_file
 
 
@@ -70,6 +71,9 @@ def test_bench_learn_runs_tokenizer_data_training_and_heldout_bits_per_byte_in_o
     # refused for the full --out:
     (["--deepspeed", "{tmp}/missing.json"], "{tmp}/missing.json: DeepSpeed config not found"),
     (["--deepspeed", "{tmp}/ds.json"], "{tmp}/ds.json: zero_optimization.stage must be 0, 1, 2 or 3, got 7"),
+    # refused by the training job, once an earlier bench learn's result and run there were deleted:
+    (["--set", "train.stage=sft"], "train.stage sft: bench learn measures pretraining on the training part of --input; "
+                                   "leave train.stage as pretrain"),
 ])
 def test_bad_options_are_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, options, message):
     """The input in --out was cut to its first 90 % before `--reserve` above the budget was refused, and an earlier
@@ -226,3 +230,50 @@ def test_the_heldout_task_is_written_atomically(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (task_dir / "heldout.jsonl").read_text().splitlines()]
     assert rows == [{"text": "第一段。"}, {"text": "Second paragraph."}]
     assert str((task_dir / "heldout.jsonl").resolve()) in (task_dir / "heldout_bpb.yaml").read_text()
+
+
+def test_a_second_bench_learn_into_the_same_out_is_refused_while_the_first_runs(tmp_path, monkeypatch, capsys):
+    """Only the training held a lock: a second one, started while the first split, prepared or evaluated, deleted
+    the first's files and both printed a result (the first's from the second's held-out part)."""
+    from conftest import zerollm_here
+    from llm.eval.learning_speed import held_output_dir
+
+    out = tmp_path / "out"
+    with held_output_dir(out):  # as the first bench learn holds it
+        (out / "result.json").write_text("the first's")
+        assert zerollm_here(monkeypatch, "bench", "learn", "--input", FIXTURES / "pretrain" / "en_stories.txt",
+                            "--budget", "30", "--out", out) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"zerollm: error: --out {out}: another bench learn is writing "
+                                                        "there; wait for it to end, or choose another --out")
+    assert (out / "result.json").read_text() == "the first's"
+
+
+def test_a_bench_learn_stopped_while_training_says_there_is_nothing_to_resume(tmp_path, monkeypatch, capsys):
+    """The job's own line advised `--resume auto`, which bench learn does not have (and a rerun starts over)."""
+    from llm.eval import learning_speed
+
+    monkeypatch.setattr(learning_speed, "run_training", lambda *args, **kwargs: EXIT_PREEMPTED)
+    assert learning_speed.bench_learn(str(FIXTURES / "pretrain" / "en_stories.txt"), str(tmp_path / "out"),
+                                      budget="60") == EXIT_PREEMPTED  # the CLI then ends the process with it
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "zerollm: note: bench learn stopped while training, so nothing was measured; it has no --resume: run it again "
+        f"(into {tmp_path / 'out'}, whose contents it replaces)")
+
+
+def test_the_stop_signals_are_as_they_were_after_an_in_process_training_job():
+    """The job's handlers stayed after it: Ctrl-C during bench learn's evaluation was ignored, and it ran on."""
+    from llm.runtime.preemption import stop_signals_restored
+
+    before = [signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)]
+    reading, writing = os.pipe()
+    os.set_blocking(writing, False)
+    try:
+        with stop_signals_restored():  # what `Preemption.install` changes
+            signal.signal(signal.SIGINT, lambda *_: None)
+            signal.signal(signal.SIGTERM, lambda *_: None)
+            signal.set_wakeup_fd(writing)
+        assert [signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)] == before
+        assert signal.set_wakeup_fd(-1) == -1
+    finally:
+        os.close(reading)
+        os.close(writing)

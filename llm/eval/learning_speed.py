@@ -19,12 +19,17 @@ val.txt, tok/, data/, run/), result.json, and an lm-evaluation-harness task over
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
+import fcntl
 import json
 import os
 import re
 import shutil
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,11 +39,12 @@ from llm.config import RunConfig, build_config, parse_duration, refuse_set_twice
 from llm.data.formats import PretrainTexts, Skipped, expand_inputs, read_records, skipped_note
 from llm.data.output import refuse_foreign_contents, staging_leftovers
 from llm.data.prepare import prepare
-from llm.errors import EXIT_OK, UserError
+from llm.errors import EXIT_OK, EXIT_PREEMPTED, UserError
 from llm.eval.perplexity import evaluate_stream
 from llm.eval.token_stream import stream_of_files
 from llm.loading import load_trained_model
 from llm.runtime.accelerator import local_device_type
+from llm.runtime.preemption import stop_signals_restored
 from llm.tokenizer import Tokenizer, check_training_options, train_tokenizer
 from llm.train.ds_config_file import load_ds_config
 from llm.train.engine import resolve_ds_config, resolve_precision
@@ -136,7 +142,11 @@ def check_training_start(base: RunConfig, vocab_size: int, deepspeed_config: str
                          zero_stage: int | None) -> None:
     """What the training job would refuse at its start without needing the data, checked before anything is
     written (a refusal after the split, tokenizer and data left --out full, and the corrected command was refused
-    for that): the DeepSpeed config's file and values against the recipe, its precision on this machine."""
+    for that; an earlier bench learn's result deleted): the stage (pretraining: --input is text), the DeepSpeed
+    config's file and values against the recipe, its precision on this machine."""
+    if base.train.stage != "pretrain":
+        raise UserError(f"train.stage {base.train.stage}: bench learn measures pretraining on the training part of "
+                        "--input; leave train.stage as pretrain")
     cfg = copy.deepcopy(base)
     cfg.model.vocab_size = vocab_size
     raw, source = load_ds_config(deepspeed_config, cfg.train.stage)
@@ -168,6 +178,29 @@ def check_output_dir(out_dir: Path, input_file: Path) -> None:
         raise UserError(f"--input {input_file} is inside --out {out_dir}, whose contents bench learn replaces; "
                         "give another --out")
     check_run_unlocked(out_dir / "run")
+
+
+@contextlib.contextmanager
+def held_output_dir(out_dir: Path) -> Iterator[None]:
+    """Inside, `out_dir`'s marker (the folder and the marker made where new) is locked: a second bench learn into
+    the same --out, started while the first split, prepared or evaluated, deleted the first's files and replaced its
+    result without a word. A file system without locks is not held."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out_dir / LEARN_MARKER, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise UserError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            os.close(fd)
+            raise UserError(f"--out {out_dir}: another bench learn is writing there; wait for it to end, or choose "
+                            "another --out") from None
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 def take_output_dir(out_dir: Path) -> None:
@@ -219,62 +252,67 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
                         "tokenizer's size, e.g. 4096 as cpu-10m)")
     check_training_options(vocab)
     check_training_start(base, vocab, deepspeed_config, zero_stage)
-    take_output_dir(out_dir)
-    train_file, val_file = split_file(Path(input_file), out_dir)
-    task_dir, heldout_skipped = check_heldout_part(input_file, train_file, val_file, out_dir / "tasks")
-    phases.done("split")
+    with held_output_dir(out_dir):
+        take_output_dir(out_dir)
+        train_file, val_file = split_file(Path(input_file), out_dir)
+        task_dir, heldout_skipped = check_heldout_part(input_file, train_file, val_file, out_dir / "tasks")
+        phases.done("split")
 
-    texts = PretrainTexts([train_file])
-    try:
-        tokenizer = train_tokenizer(texts, vocab, out_dir / "tok", show_progress=False, skipped=texts.skipped)
-    except UserError as exc:  # about the training part (its records), or not (a write to tok/)
-        raise (refused_part(exc, train_file, input_file, 0) if str(train_file) in str(exc) else exc) from None
-    phases.done("tokenizer", f" ({tokenizer.vocab_size} tokens)")
+        texts = PretrainTexts([train_file])
+        try:
+            tokenizer = train_tokenizer(texts, vocab, out_dir / "tok", show_progress=False, skipped=texts.skipped)
+        except UserError as exc:  # about the training part (its records), or not (a write to tok/)
+            raise (refused_part(exc, train_file, input_file, 0) if str(train_file) in str(exc) else exc) from None
+        phases.done("tokenizer", f" ({tokenizer.vocab_size} tokens)")
 
-    report = prepare("pretrain", [str(train_file)], out_dir / "tok", out_dir / "data", val_fraction=0.0, workers=2,
-                     show_progress=False)
-    phases.done("data", f" ({report.tokens['train']:,} training tokens)")
-    train_skipped = [in_input(said, train_file, input_file, 0) for said in report.skipped]
-    for note in (skipped_in_part(train_skipped, "training"), skipped_in_part(heldout_skipped, "held-out")):
-        if note:
-            print(note, flush=True)
+        report = prepare("pretrain", [str(train_file)], out_dir / "tok", out_dir / "data", val_fraction=0.0, workers=2,
+                         show_progress=False)
+        phases.done("data", f" ({report.tokens['train']:,} training tokens)")
+        train_skipped = [in_input(said, train_file, input_file, 0) for said in report.skipped]
+        for note in (skipped_in_part(train_skipped, "training"), skipped_in_part(heldout_skipped, "held-out")):
+            if note:
+                print(note, flush=True)
 
-    max_time = budget_s - phases.elapsed() - reserve
-    if max_time <= 0:
-        raise UserError(f"--budget {budget} leaves no time to train after {phases.elapsed():.0f} s of preparation "
-                        f"and a {reserve:g} s reserve")
-    cfg = build_config(recipe, [*(overrides or []), f"model.vocab_size={tokenizer.vocab_size}",
-                                f"train.max_time={max_time:.3f}"], paths={"data.path": str(out_dir / "data")})
-    try:
-        code = run_training(cfg, out_dir / "run", deepspeed_config, resume=False, zero_stage=zero_stage)
-    except UserError as exc:  # the job ran in this process: end it without teardown, as `llm.cli.end_rank` does
-        exc.end_at_once = True
-        raise
-    if code != EXIT_OK:
-        return code
-    phases.done("training", f" (train.max_time {max_time:.1f} s)")
-    in_loop = rundir.client_state_of(out_dir / "run", rundir.latest_tag(out_dir / "run"))["time_budget"]["elapsed"]
+        max_time = budget_s - phases.elapsed() - reserve
+        if max_time <= 0:
+            raise UserError(f"--budget {budget} leaves no time to train after {phases.elapsed():.0f} s of preparation "
+                            f"and a {reserve:g} s reserve")
+        cfg = build_config(recipe, [*(overrides or []), f"model.vocab_size={tokenizer.vocab_size}",
+                                    f"train.max_time={max_time:.3f}"], paths={"data.path": str(out_dir / "data")})
+        try:
+            with stop_signals_restored():
+                code = run_training(cfg, out_dir / "run", deepspeed_config, resume=False, zero_stage=zero_stage)
+        except UserError as exc:  # the job ran in this process: end it without teardown, as `llm.cli.end_rank` does
+            exc.end_at_once = True
+            raise
+        if code == EXIT_PREEMPTED:
+            print(f"zerollm: note: bench learn stopped while training, so nothing was measured; it has no --resume: "
+                  f"run it again (into {out_dir}, whose contents it replaces)", file=sys.stderr, flush=True)
+        if code != EXIT_OK:
+            return code
+        phases.done("training", f" (train.max_time {max_time:.1f} s)")
+        in_loop = rundir.client_state_of(out_dir / "run", rundir.latest_tag(out_dir / "run"))["time_budget"]["elapsed"]
 
-    model, trained = load_trained_model(out_dir / "run")
-    heldout = Tokenizer.load(rundir.tokenizer_dir(out_dir / "run"))
-    stream, _ = stream_of_files([str(val_file)], heldout)
-    context = trained.data.seq_len
-    result = evaluate_stream(model, heldout, stream, context, context, progress=False)
-    phases.done("evaluation")
+        model, trained = load_trained_model(out_dir / "run")
+        heldout = Tokenizer.load(rundir.tokenizer_dir(out_dir / "run"))
+        stream, _ = stream_of_files([str(val_file)], heldout)
+        context = trained.data.seq_len
+        result = evaluate_stream(model, heldout, stream, context, context, progress=False)
+        phases.done("evaluation")
 
-    total = phases.elapsed()
-    summary = {"input": str(input_file), "recipe": recipe, "overrides": overrides or [], "budget_s": budget_s,
-               "wall_s": total, "within_budget": total <= budget_s, "phases_s": phases.seconds,
-               "train_max_time_s": max_time, "train_loop_s": in_loop, "vocab_size": tokenizer.vocab_size,
-               "train_tokens": report.tokens["train"], "heldout": result.to_dict(),
-               "skipped": {"train": train_skipped, "heldout": heldout_skipped}}
-    durable.write_text(out_dir / "result.json", json.dumps(summary, indent=1, allow_nan=False))
-    print(f"\nbench learn: {input_file}, recipe {recipe}, budget {budget_s:g} s, wall {total:.1f} s"
-          f"{'' if total <= budget_s else f' -- OVER BUDGET by {total - budget_s:.1f} s: raise --reserve'}\n"
-          f"  held-out bits per byte  {result.bits_per_byte:.4f}  (loss per token {result.loss:.4f}, "
-          f"{result.tokens:,} tokens, {result.bytes:,} bytes, windows of {context})\n"
-          f"  training loop {in_loop:.1f} s of train.max_time {max_time:.1f} s; starting and ending the job "
-          f"{phases.seconds['training'] - in_loop:.1f} s and the held-out evaluation "
-          f"{phases.seconds['evaluation']:.1f} s came out of the {reserve:g} s reserve\n"
-          f"  written to {out_dir / 'result.json'}; lm-eval task for other models in {task_dir}")
-    return 0 if total <= budget_s else 1
+        total = phases.elapsed()
+        summary = {"input": str(input_file), "recipe": recipe, "overrides": overrides or [], "budget_s": budget_s,
+                   "wall_s": total, "within_budget": total <= budget_s, "phases_s": phases.seconds,
+                   "train_max_time_s": max_time, "train_loop_s": in_loop, "vocab_size": tokenizer.vocab_size,
+                   "train_tokens": report.tokens["train"], "heldout": result.to_dict(),
+                   "skipped": {"train": train_skipped, "heldout": heldout_skipped}}
+        durable.write_text(out_dir / "result.json", json.dumps(summary, indent=1, allow_nan=False))
+        print(f"\nbench learn: {input_file}, recipe {recipe}, budget {budget_s:g} s, wall {total:.1f} s"
+              f"{'' if total <= budget_s else f' -- OVER BUDGET by {total - budget_s:.1f} s: raise --reserve'}\n"
+              f"  held-out bits per byte  {result.bits_per_byte:.4f}  (loss per token {result.loss:.4f}, "
+              f"{result.tokens:,} tokens, {result.bytes:,} bytes, windows of {context})\n"
+              f"  training loop {in_loop:.1f} s of train.max_time {max_time:.1f} s; starting and ending the job "
+              f"{phases.seconds['training'] - in_loop:.1f} s and the held-out evaluation "
+              f"{phases.seconds['evaluation']:.1f} s came out of the {reserve:g} s reserve\n"
+              f"  written to {out_dir / 'result.json'}; lm-eval task for other models in {task_dir}")
+        return 0 if total <= budget_s else 1

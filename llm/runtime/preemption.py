@@ -26,6 +26,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,22 @@ def data_loader_worker_init(worker_id: int) -> None:
     is gone leaves within DataLoader's status interval (5 s)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def stop_signals_restored() -> Iterator[None]:
+    """Inside, a training job may take the stop signals (`Preemption.install`); after, their handlers and the wakeup
+    descriptor are as they were, so a command that goes on in the same process (bench learn's evaluation) stops on
+    Ctrl-C again: the job's handlers, once its checkpoint was saved, ignored every signal."""
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(wakeup)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 
 class Preemption:
