@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import statistics
 import subprocess
 import sys
@@ -104,7 +105,13 @@ def _median(values: Iterable[Any]) -> float:
 
 def _train_job(command: list[str], run: Path, warmup: int, cfg: RunConfig) -> TrainFigures | int:
     """Run a training command; its figures, or its exit code when it failed."""
-    code = subprocess.run(command, check=False).returncode
+    # Ctrl-C reaches the job as well, which stops with a checkpoint: wait for it (on KeyboardInterrupt subprocess.run
+    # killed it at once). A Python handler, unlike SIG_IGN, is not inherited: the job takes Ctrl-C as ever.
+    previous = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        code = subprocess.run(command, check=False).returncode
+    finally:
+        signal.signal(signal.SIGINT, previous)
     if code == EXIT_PREEMPTED:  # the job advised --resume auto, into a folder about to be removed
         print("zerollm: note: bench train stopped, so nothing was measured; its runs were in a temporary folder, now "
               "removed: there is nothing to resume, run it again", file=sys.stderr, flush=True)

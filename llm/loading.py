@@ -178,10 +178,15 @@ def weights_summary(path: str | Path, option: str) -> dict[str, Any]:
     return {"path": str(directory.resolve()), "weights": weights, "model": model, **({"tag": tag} if tag else {})}
 
 
-def load_model_dir(path: str | Path, tag: str | None = None) -> tuple[Transformer, Path]:
+def load_model_dir(path: str | Path, tag: str | None = None, option: str = "") -> tuple[Transformer, Path]:
     """A run directory (checkpoint `tag`, or its newest) or an export directory -> (model, directory of its
-    tokenizer)."""
+    tokenizer). A `tag` (the checkpoint a run checked as it started, `weights_summary`) gone since is one line
+    naming `option`."""
     directory = Path(path)
+    if tag is not None and not (rundir.checkpoint_dir(directory) / tag).is_dir():
+        raise UserError(f"{option + ' ' if option else ''}{directory}: its checkpoint {tag}, the newest as this run "
+                        "started, was removed since (its training keeps only its newest checkpoints); start this "
+                        "run again")
     if is_run_or_export(directory):
         return load_trained_model(directory, tag)[0], rundir.tokenizer_dir(directory)
     return import_model(directory), directory
@@ -300,7 +305,7 @@ def initial_weights(cfg: ModelConfig, init_from: str, data_tokenizer_hash: str,
                     tag: str | None = None) -> dict[str, torch.Tensor]:
     """Weights of a run (checkpoint `tag`, or its newest) or export directory, refused when its shape or tokenizer
     differs from this run's."""
-    source, tokenizer_dir = load_model_dir(init_from, tag)
+    source, tokenizer_dir = load_model_dir(init_from, tag, "--init-from")
     if differing := model_differences(source.cfg, cfg):
         raise UserError(f"--init-from {init_from}: the model differs from this run's config ({'; '.join(differing)}); "
                         "set those model.* keys to the values there")

@@ -3,7 +3,9 @@ check the figures' bookkeeping, never a speed)."""
 
 import json
 import math
+import os
 import re
+import signal
 import sys
 from types import SimpleNamespace
 
@@ -144,12 +146,17 @@ def test_bench_train_takes_the_medians_of_the_numbers_a_run_logged(tmp_path):
 
 
 def test_a_stopped_bench_train_says_there_is_nothing_to_resume(monkeypatch, capsys):
-    """The job's line advised `--resume auto` into its temporary folder, which bench train then removed."""
+    """The job's line advised `--resume auto` into its temporary folder, which bench train then removed; and the
+    Ctrl-C that stopped it raised KeyboardInterrupt here, and subprocess.run killed the job before it saved."""
     import subprocess
 
     from llm import bench
 
-    monkeypatch.setattr(bench.subprocess, "run", lambda command, check: subprocess.CompletedProcess(command, 75))
+    def stopped_by_ctrl_c(command, check):  # the terminal's SIGINT reaches this process too
+        os.kill(os.getpid(), signal.SIGINT)
+        return subprocess.CompletedProcess(command, 75)
+
+    monkeypatch.setattr(bench.subprocess, "run", stopped_by_ctrl_c)
     assert bench.bench_train("demo", ["model.vocab_size=512", *TINY[1:]], steps=1, warmup=0) == 75
     assert capsys.readouterr().err.splitlines()[-1] == (
         "zerollm: note: bench train stopped, so nothing was measured; its runs were in a temporary folder, now "

@@ -451,8 +451,8 @@ def test_a_distilled_model_counts_its_teacher_beside_each_copy(monkeypatch):
     with pytest.raises(UserError) as error:
         host_memory.check_fits_in_memory(student, copies=2, teacher=teacher)
     assert f"; this host builds 2 copies of it (each rank's model, and its frozen reference where the stage has " \
-           f"one), with each copy a teacher of {teacher.parameter_count:,} parameters before DeepSpeed partitions " \
-           f"them, {2 * both / 2**30:,.1f} GiB: more than" in str(error.value)
+           f"one), and beside each copy a teacher of {teacher.parameter_count:,} parameters before DeepSpeed " \
+           f"partitions them, {2 * both / 2**30:,.1f} GiB: more than" in str(error.value)
 
 
 def test_generations_that_do_not_fit_name_whose_memory_is_short(monkeypatch):

@@ -20,9 +20,11 @@ from llm.config import build_config
 from llm.data.prepare import prepare
 from llm.data.prepared import read_data_attrs
 from llm.errors import UserError
-from llm.loading import consolidated_weights, initial_weights, weights_summary
+from llm.loading import consolidated_weights, initial_weights, load_model_dir, weights_summary
 from llm.model.token_losses import distillation_loss, masked_cross_entropy
+from llm.runtime.fingerprint import fingerprint, mismatch_message
 from llm.tokenizer import Tokenizer, train_tokenizer
+from llm.train.run_record import check_same_weights
 from llm.train.teacher import check_teacher
 
 STUDENT = ["model.dim=32", "model.n_layers=1", "train.precision=fp32"]
@@ -223,22 +225,51 @@ def test_resume_against_another_teacher_is_refused(student, teacher, pretrain_da
     assert result.stderr.count("zerollm: error:") == 1 and "Traceback" not in result.stderr
 
 
-def test_a_resume_refuses_the_teacher_s_config_edited_and_takes_it_moved(student, teacher, pretrain_data, tmp_path):
-    """Its weights alone were compared: a teacher whose RoPE base was edited (another function) was resumed against
-    without a word, and the same teacher at another path was refused as another teacher."""
-    moved, resumed = tmp_path / "moved", tmp_path / "resumed"
-    shutil.copytree(teacher, moved)
+def test_a_resume_refuses_a_teacher_whose_config_changed(student, teacher, pretrain_data, tmp_path):
+    """Its weights alone were compared: a teacher whose RoPE base was edited (another function of the same weights)
+    was resumed against without a word. Here the record says the teacher had another RoPE base then."""
+    resumed = tmp_path / "resumed"
     shutil.copytree(student, resumed)
-    result = run_job(*_distill_args(pretrain_data, resumed, moved, *RESUMABLE, extra=["--resume", "auto"]))
-    assert result.returncode == 0, result.stderr[-2000:]  # checked, then nothing to train: at train.max_steps
-    assert "nothing to train" in result.stderr
-    config = moved / "config.yaml"
-    config.write_text(re.sub(r"rope_theta: .*", "rope_theta: 10.0", config.read_text()))
-    result = run_job(*_distill_args(pretrain_data, resumed, moved, *RESUMABLE, extra=["--resume", "auto"]))
+    records = (resumed / rundir.RUN_RECORD_FILE).read_text().splitlines()
+    last = json.loads(records[-1])
+    last["data"]["teacher"]["model"]["rope_theta"] = 10.0
+    (resumed / rundir.RUN_RECORD_FILE).write_text("\n".join([*records[:-1], json.dumps(last)]) + "\n")
+    result = run_job(*_distill_args(pretrain_data, resumed, teacher, *RESUMABLE, extra=["--resume", "auto"]))
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.splitlines()[-1] == (
-        f"zerollm: error: --teacher {moved.resolve()}: the weights {resumed} was trained with, but their config "
-        "changed since (model.rope_theta 10000.0 then, 10.0 now): another function; put its config back as it was")
+        f"zerollm: error: --teacher {teacher.resolve()}: the weights {resumed} was trained with, but their config "
+        "changed since (model.rope_theta 10.0 then, 10000.0 now): another function; put its config back as it was")
+
+
+def test_a_checked_checkpoint_removed_before_it_loads_is_one_line_and_ranks_compare_what_they_load(student):
+    """A teacher still training that kept only its newest checkpoints could remove the one checked: 'incomplete
+    checkpoint (the folder does not exist)', naming neither the teacher nor what happened. Ranks that looked at a
+    teacher before and after it saved would each load another checkpoint, which nothing compared."""
+    with pytest.raises(UserError, match=f"^--teacher {student}: its checkpoint global_step30, the newest as this run "
+                                        "started, was removed since \\(its training keeps only its newest "
+                                        "checkpoints\\); start this run again$"):
+        load_model_dir(student, "global_step30", "--teacher")
+    prints = [fingerprint({}, {}, "data", "tok", {"teacher": f"run 9c1e {tag}"})
+              for tag in ("global_step10", "global_step20")]
+    assert "teacher weights: run 9c1e global_step10 on rank 0; run 9c1e global_step20 on rank 1" in \
+        mismatch_message(prints)
+
+
+def _recorded(run_dir, **teacher):
+    (run_dir / rundir.RUN_RECORD_FILE).write_text(json.dumps({"data": {"teacher": teacher}}) + "\n")
+
+
+def test_an_export_moved_is_the_same_teacher_and_a_run_directory_elsewhere_is_not(tmp_path):
+    """The same teacher at another path was refused as another, even with the same digest on both sides; a run
+    directory is known by its run id and checkpoint, which a copy trained on keeps, so its path still counts."""
+    model = {"dim": 64, "rope_theta": 10000.0}
+    _recorded(tmp_path, path="/models/a", weights="model.safetensors digest 1234", model=model)
+    check_same_weights(tmp_path, "teacher", {"path": "/moved/a", "weights": "model.safetensors digest 1234",
+                                             "model": model}, "--teacher")
+    _recorded(tmp_path, path="/runs/a", weights="run 9c1e global_step20", model=model)
+    with pytest.raises(UserError, match="^--teacher /runs/copy \\(run 9c1e global_step20\\): not the teacher "):
+        check_same_weights(tmp_path, "teacher", {"path": "/runs/copy", "weights": "run 9c1e global_step20",
+                                                 "model": model}, "--teacher")
 
 
 def test_the_checkpoint_checked_is_the_one_loaded(student, teacher):

@@ -265,6 +265,8 @@ def test_the_stop_signals_are_as_they_were_after_an_in_process_training_job():
     from llm.runtime.preemption import stop_signals_restored
 
     before = [signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)]
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
     reading, writing = os.pipe()
     os.set_blocking(writing, False)
     try:
@@ -273,7 +275,7 @@ def test_the_stop_signals_are_as_they_were_after_an_in_process_training_job():
             signal.signal(signal.SIGTERM, lambda *_: None)
             signal.set_wakeup_fd(writing)
         assert [signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)] == before
-        assert signal.set_wakeup_fd(-1) == -1
+        assert signal.set_wakeup_fd(wakeup) == wakeup
     finally:
         os.close(reading)
         os.close(writing)

@@ -78,8 +78,8 @@ def check_fits_in_memory(cfg: ModelConfig, copies: int = 1, remedy: str = "",
     built = ""
     if copies > 1 or teacher is not None:
         models = f"{copies} copies of it" if copies > 1 else "it"
-        beside = "" if teacher is None else f", with {'each copy' if copies > 1 else 'it'} a teacher of {taught:,} " \
-            "parameters"
+        beside = "" if teacher is None else f", and beside {'each copy' if copies > 1 else 'it'} a teacher of " \
+            f"{taught:,} parameters"
         built = (f"; this host builds {models} (each rank's model, and its frozen reference where the stage has "
                  f"one){beside} before DeepSpeed partitions them, {needed / GIB:,.1f} GiB")
     raise UserError(f"the model has {parameters:,} parameters, {FP32_BYTES * parameters / GIB:,.1f} GiB in fp32"

@@ -82,11 +82,15 @@ def _flatten(prefix: str, node: Any, out: dict[str, str]) -> None:
         out[prefix] = repr(node)
 
 
-def fingerprint(config: dict, ds_config: dict, data_digest: str, tokenizer_hash: str) -> dict[str, str]:
+def fingerprint(config: dict, ds_config: dict, data_digest: str, tokenizer_hash: str,
+                models: dict[str, str] | None = None) -> dict[str, str]:
+    """What the ranks of a job compare before they train: code, software, data, tokenizer, config, and the weights of
+    the frozen `models` they load (a teacher, a base: `llm.loading.weights_summary`'s `weights`)."""
     fields = {"code": code_version(),
               "software": f"python {platform.python_version()}, torch {torch.__version__}, "
                           f"deepspeed {importlib.metadata.version('deepspeed')}",
-              "data": data_digest, "tokenizer": tokenizer_hash}
+              "data": data_digest, "tokenizer": tokenizer_hash,
+              **{f"{role} weights": weights for role, weights in (models or {}).items()}}
     _flatten("config", config, fields)
     _flatten("ds_config", ds_config, fields)
     for key in NODE_LOCAL_KEYS:

@@ -80,7 +80,8 @@ def stop_signals_restored() -> Iterator[None]:
     finally:
         signal.set_wakeup_fd(wakeup)
         for signum, handler in handlers.items():
-            signal.signal(signum, handler)
+            if handler is not None:  # None: set from C, not Python's to restore
+                signal.signal(signum, handler)
 
 
 class Preemption:

@@ -204,13 +204,15 @@ def check_same_data(run_dir: Path, data: dict[str, Any], files: list[Path],
 def check_same_weights(run_dir: Path, role: str, summary: dict[str, Any], option: str) -> None:
     """Refuse to resume `run_dir` with another model as its `role` (the distillation 'teacher', the LoRA 'base') than
     its newest session used (`llm.loading.weights_summary`): other weights, or the same weights under a config
-    whose shape or function fields changed (recorded since they were), naming both. The same model moved elsewhere
-    is the same model."""
+    whose shape or function fields changed (recorded since they were), naming both. An export moved elsewhere is
+    the same model (its weights are known by their digest); a run directory elsewhere is not (it is known by its run
+    id and checkpoint, which a copy trained on keeps)."""
     record = last_record(run_dir)
     before = record["data"].get(role) if record else None
     if before is None:
         return
-    if not same_weights(before["weights"], summary["weights"]):
+    by_digest = " digest " in summary["weights"]
+    if not same_weights(before["weights"], summary["weights"]) or (not by_digest and before["path"] != summary["path"]):
         raise UserError(f"{option} {summary['path']} ({summary['weights']}): not the {role} {run_dir} was trained "
                         f"with ({before['path']}, {before['weights']}); resume with that {role}, or start a new run "
                         f"from this one's weights with --init-from {run_dir}")

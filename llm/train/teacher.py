@@ -6,9 +6,10 @@ distributions position by position over the whole vocabulary, so both must index
 therefore be the one the data was prepared with (same hash), and a teacher without tokenizer files is refused, since
 nothing could prove it matches.
 
-A distilled run records which teacher it learns from (`llm.loading.weights_summary`, kept with the data in the run
-record), and resuming it against another teacher, or the same directory holding other weights, is refused
-(`llm.train.run_record.check_same_weights`).
+A distilled run records which teacher it learns from (`llm.loading.weights_summary`: its weights, its checkpoint and
+its config's shape and RoPE fields, kept with the data in the run record) and loads it at that checkpoint; resuming
+it against another teacher, the same directory holding other weights, or the same weights under another config is
+refused (`llm.train.run_record.check_same_weights`).
 """
 
 from __future__ import annotations
@@ -72,5 +73,5 @@ def load_teacher(cfg: RunConfig, ds_config: dict, tag: str | None = None):
     """The teacher's weights (its run directory's checkpoint `tag`, the one `check_teacher` found newest and the run
     records, or its export) as a frozen inference engine: partitioned under ZeRO-3, replicated otherwise
     (`llm.train.engine.frozen_engine`)."""
-    model, _ = load_model_dir(cfg.train.teacher, tag)
+    model, _ = load_model_dir(cfg.train.teacher, tag, "--teacher")
     return frozen_engine(model.use_kernels(cfg.model.kernels), ds_config)  # the ops run as this job's (its device's)
