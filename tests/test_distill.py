@@ -269,7 +269,7 @@ def test_an_export_moved_is_the_same_teacher_and_a_run_directory_elsewhere_is_no
     _recorded(tmp_path, path="/runs/a", weights="run 9c1e global_step20", model=model)
     with pytest.raises(UserError, match="^--teacher /runs/copy \\(run 9c1e global_step20\\): not the teacher "):
         check_same_weights(tmp_path, "teacher", {"path": "/runs/copy", "weights": "run 9c1e global_step20",
-                                                 "model": model}, "--teacher")
+                                                 "model": model, "tag": "global_step20"}, "--teacher")
 
 
 def test_the_checkpoint_checked_is_the_one_loaded(student, teacher):

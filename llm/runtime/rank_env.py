@@ -53,7 +53,7 @@ def port_range(environ: Mapping[str, str]) -> tuple[int, int]:
         low = LOWEST_CHOSEN_PORT if kernel > LOWEST_CHOSEN_PORT + MIN_PORTS else FIRST_UNPRIVILEGED
         return low, max(kernel - 1, low + MIN_PORTS)
     match = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", given)
-    if not match or not 1024 <= int(match[1]) <= int(match[2]) <= 65535:
+    if not match or not FIRST_UNPRIVILEGED <= int(match[1]) <= int(match[2]) <= 65535:
         raise UserError(f"{PORTS_VARIABLE}={given!r}: expected LOW-HIGH, the ports zerollm may choose for a job on "
                         "this machine, with 1024 <= LOW <= HIGH <= 65535 (e.g. 20000-20999)")
     return int(match[1]), int(match[2])

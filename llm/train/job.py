@@ -150,8 +150,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
     and step source, and the per-rank RNG streams (dropout). `sources`: the run record's data section, whose
     `base` and `teacher` (`llm.loading.weights_summary`) name the checkpoints to load: the ones checked and recorded,
     not a newer one their runs saved since."""
-    tags = {role: summary.get("tag") for role, summary in (sources or {}).items()
-            if role in ("base", "teacher") and isinstance(summary, dict)}
+    tags = {role: (sources or {}).get(role, {}).get("tag") for role in ("base", "teacher")}
     t, grpo, reference_needed = cfg.train, cfg.train.stage == "grpo", has_reference(cfg)
     teacher = teacher_source(t.teacher)[0] if t.stage == "distill" else None
     remedy = ": make model.dim, model.n_layers or model.vocab_size smaller" + \

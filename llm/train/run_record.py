@@ -211,8 +211,8 @@ def check_same_weights(run_dir: Path, role: str, summary: dict[str, Any], option
     before = record["data"].get(role) if record else None
     if before is None:
         return
-    by_digest = " digest " in summary["weights"]
-    if not same_weights(before["weights"], summary["weights"]) or (not by_digest and before["path"] != summary["path"]):
+    moved_run = "tag" in summary and before["path"] != summary["path"]  # a run directory's summary names its tag
+    if moved_run or not same_weights(before["weights"], summary["weights"]):
         raise UserError(f"{option} {summary['path']} ({summary['weights']}): not the {role} {run_dir} was trained "
                         f"with ({before['path']}, {before['weights']}); resume with that {role}, or start a new run "
                         f"from this one's weights with --init-from {run_dir}")
