@@ -24,6 +24,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
 import shutil
@@ -38,12 +39,15 @@ import torch
 from llm.bench import BENCH_VOCAB, write_random_tokens
 from llm.config import build_config
 from llm.data.prepared import read_data_attrs
+from llm.errors import UserError
 from llm.runtime.distributed import setup_distributed
 from llm.train.ds_config_file import load_ds_config
 from llm.train.engine import resolve_ds_config, resolve_precision
 from llm.train.job import build_trainer
 
 REPO = Path(__file__).resolve().parents[1]
+DONE_FILE = "done.json"
+"""Written when every step has run; a rerun into the same --out removes the earlier one first."""
 GPU_RECIPES = ("minimind-26m", "tiny-k-215m")
 SHARES = {"versions": 0.02, "kernel tests": 0.35, "kernel table": 0.3, "training": 0.28, "profile": 0.05}
 """Each step's weight in the time budget (step_budget), from one H200 run (docs/benchmarks.md): the kernel tests took
@@ -57,6 +61,14 @@ In the H200's first sitting the fp16 run made 10 of its 16 rows in 24 s."""
 GIB_PER_KERNEL_TEST_WORKER = 40
 """GPU memory per pytest-xdist process of the kernel tests: the float64 reference of the largest attention test
 (kernels.testing.compare; 32 heads x 4096 x 4096 scores, kept for the backward) takes some 30 GiB."""
+
+
+def seconds(text: str) -> float:
+    """--budget-s: a positive, finite number of seconds (argparse's float takes nan and inf)."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 def kernel_test_workers() -> int:
@@ -91,7 +103,14 @@ class Report:
 
     def __init__(self, out: Path) -> None:
         self.out = out
-        out.mkdir(parents=True, exist_ok=True)
+        if out.exists() and not out.is_dir():
+            raise UserError(f"--out {out} is a file; give a directory for the results")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
+        for earlier in [self.step_file(name) for name in SHARES] + [out / DONE_FILE]:  # a rerun's results replace them
+            earlier.unlink(missing_ok=True)
         self.summary = out / "summary.md"
         self.summary.write_text(f"# GPU check, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n\n")
 
@@ -120,6 +139,10 @@ def run_command(command: list[str], log: Path, timeout_s: float, env: dict[str, 
             process.wait()
             f.write(f"\n[timed out after {timeout_s:.0f} s]\n")
             return "timed out"
+        except BaseException:  # Ctrl-C: the child, in a session of its own, did not get it
+            os.killpg(process.pid, 9)
+            process.wait()
+            raise
     return "ok" if code == 0 else f"exit {code}"
 
 
@@ -184,30 +207,43 @@ def _timed(report: Report, name: str, budget_s: float, fn: Callable[[Path, float
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llm.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for the results (created)")
-    parser.add_argument("--budget-s", type=float, default=480.0, help="total time for every step (default 480)")
+    parser.add_argument("--budget-s", type=seconds, default=480.0, help="total time for every step (default 480)")
     parser.add_argument("--smoke", action="store_true", help="tiny versions of every step on the CPU")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("llm.gpu_check: no CUDA device; use --smoke to check the tool on the CPU", file=sys.stderr)
         return 2
-    report = Report(Path(args.out))
+    try:
+        report = Report(Path(args.out))
+        run_steps(report, args.budget_s, args.smoke)
+    except UserError as exc:
+        print(f"llm.gpu_check: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"llm.gpu_check: stopped; {args.out} keeps the steps that finished (summary.md)", file=sys.stderr)
+        return 130
+    return 0
+
+
+def run_steps(report: Report, budget_s: float, smoke: bool) -> None:
+    """Every step in turn, each within its share of what is left of `budget_s`; done.json when all have run."""
     start = time.monotonic()
     python = sys.executable
 
     def budget(name: str) -> float:
-        return step_budget(name, args.budget_s, time.monotonic() - start)
+        return step_budget(name, budget_s, time.monotonic() - start)
 
     def write(log: Path, text: str) -> str:
         with log.open("a") as f:
             f.write(text + "\n")
         return "ok"
 
-    _timed(report, "versions", budget("versions"), lambda log, _: write(log, versions(args.smoke)))
-    tests, tests_env = kernel_tests_command(python, args.smoke, 1 if args.smoke else kernel_test_workers())
+    _timed(report, "versions", budget("versions"), lambda log, _: write(log, versions(smoke)))
+    tests, tests_env = kernel_tests_command(python, smoke, 1 if smoke else kernel_test_workers())
     _timed(report, "kernel tests", budget("kernel tests"), lambda log, t: run_command(tests, log, t, tests_env))
 
     def kernel_table(log: Path, t: float) -> str:
-        if args.smoke:  # one op, as the smoke's kernel tests (tests/test_kernels.py runs every op's smoke table)
+        if smoke:  # one op, as the smoke's kernel tests (tests/test_kernels.py runs every op's smoke table)
             return run_command([python, "-m", "kernels.bench", "--smoke", "--op", "rmsnorm"], log, t)
         start = time.monotonic()  # bf16, every op: at most BF16_TABLE_SHARE; fp16 attention: what it leaves
         first = run_command([python, "-m", "kernels.bench", "--dtype", "bf16"], log, BF16_TABLE_SHARE * t)
@@ -218,21 +254,20 @@ def main(argv: list[str] | None = None) -> int:
     _timed(report, "kernel table", budget("kernel table"), kernel_table)
 
     def training(log: Path, t: float) -> str:
-        runs = [("demo", "torch")] if args.smoke else [(r, k) for r in GPU_RECIPES for k in ("triton", "torch")]
+        runs = [("demo", "torch")] if smoke else [(r, k) for r in GPU_RECIPES for k in ("triton", "torch")]
         results = []
         for recipe, kernels in runs:
-            steps = ["--steps", "1", "--warmup", "1"] if args.smoke else ["--steps", "8", "--warmup", "3"]
-            precision = "auto" if args.smoke else "bf16"
+            steps = ["--steps", "1", "--warmup", "1"] if smoke else ["--steps", "8", "--warmup", "3"]
+            precision = "auto" if smoke else "bf16"
             command = [python, "-m", "llm", "bench", "train", "--recipe", recipe, *steps, "--zero-stage", "2",
                        "--set", f"model.kernels={kernels}", "--set", f"train.precision={precision}"]
             results.append(f"{recipe}/{kernels} {run_command(command, log, t / len(runs))}")
         return ", ".join(results)
 
     _timed(report, "training", budget("training"), training)
-    recipe = "demo" if args.smoke else "tiny-k-215m"
-    _timed(report, "profile", budget("profile"), lambda log, _: write(log, profile_step(recipe, args.smoke)))
-    (report.out / "done.json").write_text(json.dumps({"finished": time.strftime("%Y-%m-%dT%H:%M:%S")}))
-    return 0
+    recipe = "demo" if smoke else "tiny-k-215m"
+    _timed(report, "profile", budget("profile"), lambda log, _: write(log, profile_step(recipe, smoke)))
+    (report.out / DONE_FILE).write_text(json.dumps({"finished": time.strftime("%Y-%m-%dT%H:%M:%S")}))
 
 
 if __name__ == "__main__":

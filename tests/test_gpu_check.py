@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 import torch
 
@@ -106,3 +109,65 @@ def test_a_steps_unused_time_goes_to_the_later_steps():
         pytest.approx(after_versions * gpu_check.SHARES["kernel tests"] / shares_left)
     assert gpu_check.step_budget("profile", 480, 470) == pytest.approx(10)  # the last step gets all that is left
     assert gpu_check.step_budget("profile", 480, 500) == 0
+
+
+def test_ctrl_c_stops_the_running_steps_command_too(tmp_path):
+    """The command runs in a session of its own (a timeout kills its whole group), so Ctrl-C never reached it: it
+    ran on after the check had stopped."""
+    log = tmp_path / "log.txt"
+    script = ("import sys; from pathlib import Path; from llm.gpu_check import run_command; "
+              "run_command([sys.executable, '-c', 'import os, time; print(os.getpid(), flush=True); time.sleep(300)'], "
+              "Path(sys.argv[1]), 300)")
+    check = subprocess.Popen([sys.executable, "-c", script, str(log)], cwd=REPO, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (log.is_file() and log.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = psutil.Process(int(log.read_text().splitlines()[1]))
+    check.send_signal(signal.SIGINT)
+    assert check.wait(timeout=60) != 0
+    try:
+        assert child.wait(timeout=10) is not None or not child.is_running()
+    except psutil.TimeoutExpired:
+        child.kill()
+        pytest.fail("the step's command outlived the check stopped by Ctrl-C")
+
+
+def test_a_rerun_replaces_the_earlier_results(tmp_path, monkeypatch):
+    """A rerun into the same --out appended to each step's file and kept the earlier run's done.json, so a rerun cut
+    short looked finished."""
+    (tmp_path / "kernel_tests.txt").write_text("EARLIER RUN\n")
+    (tmp_path / gpu_check.DONE_FILE).write_text("{}")
+    (tmp_path / "mine.txt").write_text("a user's file\n")
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "versions", lambda smoke: "versions")
+    monkeypatch.setattr(gpu_check, "run_command", lambda *args, **kwargs: "ok")
+
+    def stopped(recipe, smoke):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gpu_check, "profile_step", stopped)
+    monkeypatch.setattr(gpu_check, "kernel_test_workers", lambda: 1)
+    assert gpu_check.main(["--out", str(tmp_path)]) == 130
+    assert not (tmp_path / "kernel_tests.txt").exists()  # the stand-in command wrote nothing this time
+    assert not (tmp_path / gpu_check.DONE_FILE).exists()
+    assert (tmp_path / "mine.txt").read_text() == "a user's file\n"
+    assert "- training: minimind-26m/triton ok" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--budget-s", "nan"], "'nan' is not a positive number of seconds"),
+    (["--budget-s", "-5"], "'-5' is not a positive number of seconds"),
+    (["--budget-s", "inf"], "'inf' is not a positive number of seconds"),
+])
+def test_a_budget_that_is_not_a_positive_time_is_refused(args, said, capsys):
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main(["--out", "unused", "--smoke", *args])
+    assert stop.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_file_as_out_is_one_line(tmp_path, capsys):
+    out = tmp_path / "results"
+    out.write_text("mine\n")
+    assert gpu_check.main(["--out", str(out), "--smoke"]) == 2
+    assert capsys.readouterr().err == f"llm.gpu_check: --out {out} is a file; give a directory for the results\n"
+    assert out.read_text() == "mine\n"
