@@ -83,11 +83,18 @@ def read_run(run_dir: Path, name: str | None = None) -> RunSeries:
         rows += 1
         for key, (steps, values) in columns.items():
             if rundir.is_number(row.get(key)):
+                while steps and steps[-1] >= row["step"]:  # a step logged again supersedes it and what came after
+                    steps.pop()
+                    values.pop()
                 steps.append(row["step"])
                 values.append(row[key])
     if not rows:
         raise UserError(f"{metrics}: no logged steps yet")
-    return RunSeries(name or run_dir.resolve().name, columns, _tokens_per_step(run_dir))
+    label = name or run_dir.resolve().name
+    if not any(steps for steps, _ in columns.values()):
+        print(f"zerollm: note: {metrics}: no row holds a number as {', '.join(key for key, _ in PANELS)}; "
+              f"{label} has no line", file=sys.stderr)
+    return RunSeries(label, columns, _tokens_per_step(run_dir))
 
 
 def run_labels(run_dirs: list[Path]) -> list[str]:

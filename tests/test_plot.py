@@ -283,3 +283,24 @@ def test_a_run_whose_rows_hold_null_is_drawn_without_those_points(tmp_path, cli_
     result = cli_here("plot", run, "--out", out)
     assert result.returncode == 0, result.stderr[-2000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "Traceback" not in result.stderr
+
+
+def test_a_step_logged_again_supersedes_the_earlier_rows_from_it_on(tmp_path):
+    """Steps going backwards (rows appended after an edit or by hand) were drawn as a line zig-zagging back."""
+    from llm.plot import read_run
+
+    run = fake_run(tmp_path / "a", 1, 1.0)
+    rows = [{"step": s, "loss": float(s)} for s in (1, 2, 3, 4)] + [{"step": s, "loss": 10.0 + s} for s in (3, 4, 5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_run(run).points("loss", "step") == ([1, 2, 3, 4, 5], [1.0, 2.0, 13.0, 14.0, 15.0])
+
+
+def test_a_run_with_nothing_to_draw_is_noted(tmp_path, capsys):
+    """Such a run got a legend entry and no line anywhere, without a word."""
+    from llm.plot import read_run
+
+    run = fake_run(tmp_path / "a", 1, 1.0)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    read_run(run)
+    assert capsys.readouterr().err == (f"zerollm: note: {run / 'metrics.jsonl'}: no row holds a number as loss, "
+                                       "val_loss, lr, tokens_per_sec; a has no line\n")
