@@ -252,11 +252,11 @@ ADOPTED_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "n_kv_
 its context length."""
 
 
-def model_config_of(path: str | Path) -> ModelConfig:
+def model_config_of(path: str | Path, option: str = "--init-from") -> ModelConfig:
     """The model config of a run directory (its config.yaml) or an export directory (its config.json), read without
-    its weights."""
+    its weights; `option` names the path in errors."""
     directory = Path(path)
-    if is_run_or_export(directory, "--init-from"):
+    if is_run_or_export(directory, option):
         return build_config(rundir.recorded_config(directory)).model
     return export_model_config(directory)
 

@@ -31,7 +31,14 @@ from llm.data.formats import expand_inputs
 from llm.data.prepare import TOKENS_FILE
 from llm.data.prepared import stage_data_attrs
 from llm.errors import EXIT_OK, EXIT_USER_ERROR, UserError
-from llm.loading import FUNCTION_FIELDS, SHAPE_FIELDS, initial_weights, load_tokenizer_copy, weights_summary
+from llm.loading import (
+    FUNCTION_FIELDS,
+    SHAPE_FIELDS,
+    initial_weights,
+    load_tokenizer_copy,
+    model_config_of,
+    weights_summary,
+)
 from llm.model import Transformer
 from llm.model.from_weights import model_from_weights
 from llm.model.host_memory import check_fits_in_memory
@@ -65,7 +72,7 @@ from llm.train.run_record import (
 from llm.train.samples import SampleGenerator
 from llm.train.schedule import lr_multiplier
 from llm.train.steps import DataSteps
-from llm.train.teacher import check_teacher, load_teacher, teacher_source
+from llm.train.teacher import check_teacher, load_teacher
 from llm.train.time_budget import TimeBudget
 from llm.train.trainer import Trainer
 
@@ -152,7 +159,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
     not a newer one their runs saved since."""
     tags = {role: (sources or {}).get(role, {}).get("tag") for role in ("base", "teacher")}
     t, grpo, reference_needed = cfg.train, cfg.train.stage == "grpo", has_reference(cfg)
-    teacher = teacher_source(t.teacher)[0] if t.stage == "distill" else None
+    teacher = model_config_of(t.teacher, "--teacher") if t.stage == "distill" else None
     remedy = ": make model.dim, model.n_layers or model.vocab_size smaller" + \
         (", distill from a smaller teacher" if teacher else "") + ", or run fewer ranks on a host"
 

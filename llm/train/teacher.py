@@ -17,11 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from llm import rundir
-from llm.config import ModelConfig, RunConfig, build_config
+from llm.config import ModelConfig, RunConfig
 from llm.data.prepare import TOKENS_FILE
-from llm.errors import UserError, read_user_json_object
-from llm.export import HF_CONFIG_FILE, model_config_from_hf
-from llm.loading import is_run_or_export, load_model_dir, weights_summary
+from llm.errors import UserError
+from llm.loading import load_model_dir, model_config_of, weights_summary
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.engine import frozen_engine
 
@@ -29,10 +28,8 @@ from llm.train.engine import frozen_engine
 def teacher_source(path: str | Path) -> tuple[ModelConfig, Path]:
     """(model config, tokenizer directory) of a run or export directory, read without loading its weights."""
     directory = Path(path)
-    if is_run_or_export(directory, "--teacher"):
-        return build_config(rundir.recorded_config(directory)).model, rundir.tokenizer_dir(directory)
-    config_path = directory / HF_CONFIG_FILE
-    return model_config_from_hf(read_user_json_object(config_path, "model config"), str(config_path)), directory
+    config = model_config_of(directory, "--teacher")
+    return config, rundir.tokenizer_dir(directory) if rundir.is_run_dir(directory) else directory
 
 
 def check_teacher(cfg: RunConfig, data_attrs: dict) -> dict[str, str]:
