@@ -37,6 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from forked_ranks import enter_rank, forkserver, run_job
+from tokens_swap import replace_tokens_file, reversed_tokens
 
 from conftest import TINY, ZERO_RUN, train_args, zerollm_here
 from launch.local import rank_environments
@@ -45,7 +46,6 @@ from llm.chat_template import ChatTemplateError
 from llm.cli import main
 from llm.config import build_config
 from llm.data.datasets import PretrainWindows
-from llm.data.prepare import DIGEST_ATTR, content_digest
 from llm.errors import EXIT_RANK_LOST, UserError
 from llm.loading import consolidated_weights
 from llm.runtime.rank_env import RANK_VARIABLES, free_port
@@ -518,12 +518,7 @@ def test_data_prepared_again_into_the_folder_mid_run_ends_it_at_the_next_epoch_i
     with _job(train_args(data, run, *LOADER_RUN[:3], f"train.max_steps={3 * epoch_steps}", "data.seq_len=256",
                          "train.micro_batch_size=16", WORKER), log) as (proc, _):
         _after_steps(lambda: proc.poll() is not None, run)
-        new = tmp_path / "new.h5"
-        shutil.copy(data / "tokens.h5", new)
-        with h5py.File(new, "r+") as h5:
-            h5["train/tokens"][:] = h5["train/tokens"][:][::-1]
-            h5.attrs[DIGEST_ATTR] = content_digest(h5)
-        os.replace(new, data / "tokens.h5")  # as `data prepare` replaces it
+        replace_tokens_file(data / "tokens.h5", reversed_tokens)
         code = proc.wait(timeout=300)
     text = log.read_text()
     assert code == 2 and "Traceback" not in text, text[-3000:]

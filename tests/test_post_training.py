@@ -3,7 +3,6 @@ chain."""
 
 import json
 import math
-import os
 import pickle
 import re
 import shutil
@@ -12,12 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from forked_ranks import kill_when, run_job
+from tokens_swap import replace_tokens_file, reversed_tokens
 
 from conftest import FIXTURES, run_cli, train_args
 from llm.config import GRPOConfig, ModelConfig
 from llm.data.datasets import PackedConversations, PreferencePairs, PretrainWindows
 from llm.data.formats import RecordError, conversation, preference, pretrain_text
-from llm.data.prepare import DIGEST_ATTR, TOKENS_FILE, content_digest, encode_sft, prepare
+from llm.data.prepare import DIGEST_ATTR, TOKENS_FILE, encode_sft, prepare
 from llm.errors import UserError
 from llm.loading import consolidated_weights
 from llm.model import Transformer, masked_cross_entropy
@@ -260,24 +260,6 @@ def sft_data(tokenizer_dir, tmp_path_factory):
     return out
 
 
-def _replace(tokens_file, change) -> None:
-    """`tokens_file` replaced as `data prepare` replaces it: a new file renamed over it, with `change` applied."""
-    import h5py
-
-    new = tokens_file.with_name("new.h5")
-    shutil.copy(tokens_file, new)
-    with h5py.File(new, "r+") as h5:
-        change(h5)
-    os.replace(new, tokens_file)
-
-
-def _reversed_tokens(h5):
-    """The train split's tokens in reverse order, with the digest `data prepare` would store for them."""
-    h5["train/tokens"][:] = h5["train/tokens"][:][::-1]
-    if DIGEST_ATTR in h5.attrs:
-        h5.attrs[DIGEST_ATTR] = content_digest(h5)
-
-
 def _without_digest(h5):
     del h5.attrs[DIGEST_ATTR]  # as earlier versions prepared it
 
@@ -289,12 +271,12 @@ def test_a_worker_of_a_later_epoch_refuses_a_file_replaced_meanwhile(request, tm
     the new file (packed samples by the old one's offsets, across conversations), without a word."""
     shutil.copytree(request.getfixturevalue(data), tmp_path / "data")
     if not digest:
-        _replace(tmp_path / "data" / TOKENS_FILE, _without_digest)
+        replace_tokens_file(tmp_path / "data" / TOKENS_FILE, _without_digest)
     samples = dataset(tmp_path / "data", "train", 512, pad_id=3)
     first = samples[0]
     worker = pickle.loads(pickle.dumps(samples))  # what a data-loader worker gets
     assert all((worker[0][k] == v).all() for k, v in first.items())  # the same file: read as before
-    _replace(tmp_path / "data" / TOKENS_FILE, _reversed_tokens)
+    replace_tokens_file(tmp_path / "data" / TOKENS_FILE, reversed_tokens)
     assert all((samples[0][k] == v).all() for k, v in first.items())  # the handle open already: the old file
     with pytest.raises(UserError, match=f"^{tmp_path / 'data' / TOKENS_FILE} was replaced or changed after this run "
                                         "started reading it \\(a `zerollm data prepare` into .*\\?\\); a run trains on "
