@@ -295,6 +295,120 @@ def test_a_reward_model_that_is_no_classifier_is_refused(tokenizer_dir, tmp_path
         reward(_completions(["a fine answer"]))
 
 
+def _reward_model(tokenizer_dir, out, model_class="LlamaForSequenceClassification", **config):
+    """A tiny sequence-classification model saved at `out` with the test tokenizer's files."""
+    import transformers
+    if model_class.startswith("GPT2"):
+        settings = {"vocab_size": 512, "n_embd": 16, "n_layer": 1, "n_head": 2, "num_labels": 1, **config}
+        config_class = transformers.GPT2Config
+    else:
+        settings = {"vocab_size": 512, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                    "num_attention_heads": 2, "num_key_value_heads": 1, "num_labels": 1, **config}
+        config_class = transformers.LlamaConfig
+    torch.manual_seed(0)
+    getattr(transformers, model_class)(config_class(**settings)).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((tokenizer_dir / name).read_bytes())
+    return out
+
+
+def test_a_reward_model_without_a_padding_token_or_with_a_short_context_scores_batches(tokenizer_dir, tmp_path):
+    """A model whose config names no pad_token_id, or whose context is shorter than a prompt and its completion:
+    a ValueError and an IndexError traceback at the first rollout, exit 1."""
+    texts = ["a fine answer", "another, longer answer " * 30, "a fine answer"]
+    for name, model_class, config in (("nopad", "LlamaForSequenceClassification", {}),
+                                      ("short", "GPT2ForSequenceClassification", {"n_positions": 8,
+                                                                                  "pad_token_id": 3})):
+        directory = _reward_model(tokenizer_dir, tmp_path / name, model_class, **config)
+        scores = Reward([f"model:{directory}"], 4, torch.device("cpu"))(_completions(texts))[1]["model"].tolist()
+        assert all(math.isfinite(score) for score in scores) and scores[0] == pytest.approx(scores[2]), name
+
+
+def test_a_broken_reward_model_is_one_line(tokenizer_dir, tmp_path):
+    """A truncated weights file was a SafetensorError traceback; weights of NaN passed their scores on, and the run
+    ended blaming the learning rate; a directory without tokenizer files failed inside the model."""
+    batch = _completions(["a fine answer", "another"])
+    corrupt = _reward_model(tokenizer_dir, tmp_path / "corrupt", pad_token_id=3)
+    (corrupt / "model.safetensors").write_bytes(b"\0" * 100)
+    with pytest.raises(UserError, match=f"^--reward model:{corrupt}: cannot load it \\(SafetensorError: "):
+        Reward([f"model:{corrupt}"], 4, torch.device("cpu"))(batch)
+    broken = _reward_model(tokenizer_dir, tmp_path / "nan", pad_token_id=3)
+    weights = safetensors.torch.load_file(broken / "model.safetensors")
+    weights["score.weight"] = torch.full_like(weights["score.weight"], math.nan)
+    safetensors.torch.save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=f"^--reward model:{broken}: scored 2 of 2 completions nan; a reward must "
+                                        "be finite"):
+        Reward([f"model:{broken}"], 4, torch.device("cpu"))(batch)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (broken / name).unlink()
+    with pytest.raises(UserError, match=f"^--reward model:{broken}: no tokenizer there \\(none of tokenizer.json, "):
+        Reward([f"model:{broken}"], 4, torch.device("cpu"))
+
+
+def test_a_reward_file_given_by_path_imports_as_python_runs_it(tmp_path, monkeypatch):
+    """Loaded without a place in sys.modules, a file defining a dataclass failed ('NoneType' object has no
+    attribute '__dict__', with advice to give the path it had been given), and it could not import its neighbours."""
+    folder = tmp_path / "rewards_here"
+    folder.mkdir()
+    (folder / "helpers_of_mine.py").write_text("BONUS = 2.0\n")
+    (folder / "scored.py").write_text("from __future__ import annotations\nfrom dataclasses import dataclass\n"
+                                      "from helpers_of_mine import BONUS\n\n@dataclass\nclass Score:\n"
+                                      "    value: float = BONUS\n\n"
+                                      "def score(prompts, completions, **fields):\n"
+                                      "    return [Score().value for _ in completions]\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "scored", raising=False)
+    monkeypatch.delitem(sys.modules, "helpers_of_mine", raising=False)
+    reward = Reward([f"{folder / 'scored.py'}:score"], 4, torch.device("cpu"))
+    assert reward(_completions(["a", "b"]))[0].tolist() == [2.0, 2.0]
+    (tmp_path / "json.py").write_text("def score(prompts, completions, **fields):\n    return [0.0]\n")
+    with pytest.raises(UserError, match=f"^--reward {tmp_path / 'json.py'}:score: a module named json is imported "
+                                        f"already \\(json of .*\\); rename {tmp_path / 'json.py'}$"):
+        Reward([f"{tmp_path / 'json.py'}:score"], 4, torch.device("cpu"))
+
+
+def test_terms_renamed_apart_never_take_another_terms_name(tmp_path, monkeypatch):
+    """`format`, `format:REGEX` and a function `format_1`: the second was renamed format_1 too, its scores
+    overwritten by the function's, which was counted twice."""
+    (tmp_path / "named.py").write_text("def format_1(prompts, completions, **fields):\n"
+                                       "    return [100.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "named", raising=False)
+    reward = Reward(["format", "format:[A-Z].*", "named:format_1"], 4, torch.device("cpu"))
+    names = [term.name for term in reward.terms]
+    assert len(set(names)) == 3 and names[2] == "format_1", names
+    total, parts = reward(_completions(["Abc", "x"]))
+    assert total.tolist() == [101.0, 100.0] and set(parts) == set(names)
+
+
+def test_a_reward_that_swallows_its_time_limit_still_ends_at_it(tmp_path, monkeypatch):
+    """The limit rang once: a bare `except: pass` around the wait took it, and the reward ran on for as long as it
+    liked, exit 0."""
+    (tmp_path / "swallows.py").write_text("import time\n\ndef score(prompts, completions, **fields):\n"
+                                          "    for _ in range(3):\n        try:\n            time.sleep(0.5)\n"
+                                          "        except BaseException:\n            pass\n"
+                                          "    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "swallows", raising=False)
+    reward = Reward(["swallows:score"], 4, torch.device("cpu"), timeout_s=0.2)
+    with pytest.raises(UserError, match=r"^--reward score: no answer for 1 completions within grpo.reward_timeout_s"):
+        reward(_completions(["a"]))
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+
+
+def test_a_function_that_cannot_take_the_records_fields_is_refused_before_training(tmp_path, monkeypatch):
+    """`def score(prompts, completions)` given records with an answer failed at the first rollout, the error placed
+    in our code."""
+    (tmp_path / "narrow.py").write_text("def score(prompts, completions):\n    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "narrow", raising=False)
+    reward = Reward(["narrow:score"], 4, torch.device("cpu"))
+    reward.check_fields(set())  # records without other fields: it takes them
+    with pytest.raises(UserError, match=r"^--reward narrow:score: cannot take the prompt records' fields \(got an "
+                                        r"unexpected keyword argument 'answer'\); give it a \*\*fields parameter"):
+        reward.check_fields({"answer"})
+
+
 # ---- prompts ----------------------------------------------------------------------------------------
 
 def test_prompt_records_of_both_shapes():
@@ -312,15 +426,17 @@ def test_bad_prompt_records_are_skipped_and_reported_by_line(tmp_path):
     rows = [json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}), "{not json",
             json.dumps({"conversations": [{"role": "assistant", "content": "hi"}], "answer": "1"}),
             json.dumps({"prompt": "no answer here"}), json.dumps({"text": "pretraining text"}),
-            json.dumps({"prompt": "long " * 40, "answer": "1"}), json.dumps({"prompt": "ok", "answer": 3})]
+            json.dumps({"prompt": "long " * 40, "answer": "1"}), json.dumps({"prompt": "ok", "answer": 3}),
+            json.dumps({"prompt": "empty answer", "answer": " "})]  # an empty completion matched it
     path.write_text("\n".join(rows) + "\n")
     prompts = read_prompts([str(path)], lambda messages: [0] * len(messages[-1]["content"]), max_tokens=50,
                            required_fields=["answer"])
     assert [p.fields["answer"] for p in prompts] == ["2", 3]
-    assert [s.split(": ", 1)[0] for s in prompts.skipped] == [f"{path}:{n}" for n in (2, 3, 4, 5, 6)]
+    assert [s.split(": ", 1)[0] for s in prompts.skipped] == [f"{path}:{n}" for n in (2, 3, 4, 5, 6, 8)]
     assert "no user turn" in prompts.skipped[1] and "no 'answer'" in prompts.skipped[2]
     assert "longer than data.seq_len - grpo.max_new_tokens = 50" in prompts.skipped[4]
-    assert "skipped 5 records" in prompts.summary()
+    assert prompts.skipped[5].endswith("an empty 'answer', which the reward needs")
+    assert "skipped 6 records" in prompts.summary()
     with pytest.raises(UserError, match="no usable prompt"):
         read_prompts([str(path)], lambda messages: [0] * 100, max_tokens=50)
 
@@ -606,6 +722,7 @@ def test_a_second_ctrl_c_stops_a_hung_run_at_once(policy, prompt_dir, tmp_path):
     ("bad reward", "--reward nosuchmodule:fn: cannot import nosuchmodule"),
     ("no usable prompt", "no usable prompt"),
     ("too few prompts", "1 usable prompts, fewer than one step takes (4 over all ranks: train.micro_batch_size"),
+    ("narrow reward", "narrow_score.py:score: cannot take the prompt records' fields (got an unexpected keyword"),
 ])
 def test_bad_prompts_and_rewards_are_one_line_errors_before_training(policy, prompt_dir, tmp_path, case, message,
                                                                      monkeypatch, capfd):
@@ -614,6 +731,11 @@ def test_bad_prompts_and_rewards_are_one_line_errors_before_training(policy, pro
         prompts = tmp_path / "no-such-prompts.jsonl"
     elif case == "bad reward":
         reward = "nosuchmodule:fn"
+    elif case == "narrow reward":  # it failed at the first rollout: the records have an answer it cannot take
+        (tmp_path / "narrow_score.py").write_text("def score(prompts, completions):\n    return [0.0]\n")
+        monkeypatch.setattr(sys, "path", list(sys.path))
+        monkeypatch.delitem(sys.modules, "narrow_score", raising=False)
+        reward = f"{tmp_path / 'narrow_score.py'}:score"
     elif case == "no usable prompt":
         prompts = tmp_path / "answerless.jsonl"
         prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")  # exact_match needs an answer

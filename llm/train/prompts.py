@@ -99,6 +99,8 @@ def _usable(item: Item, encode: Callable[[list[dict[str, str]]], list[int]], max
         value = fields.get(name)
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise RecordError(f"no '{name}' string or number, which the reward needs")
+        if isinstance(value, str) and not value.strip():  # an empty completion would match it
+            raise RecordError(f"an empty '{name}', which the reward needs")
     ids = encode(messages)
     if len(ids) > max_tokens:
         raise RecordError(f"prompt of {len(ids)} tokens is longer than data.seq_len - grpo.max_new_tokens = "

@@ -13,9 +13,10 @@ every term's unweighted mean is logged as `reward/<name>`.
                        has one label, else the probability of its last label, on the prompt and completion rendered
                        with the model's chat template
     module:function    a function of yours, `module` importable from the working directory or a path to a .py
-                       file; called as function(prompts=..., completions=..., **fields) with one entry per
-                       completion: the prompt's messages, the completion's text, and each other field of its record
-                       (`answer`, ...; None where a record lacks it); it returns one float per completion
+                       file (imported as `python FILE` runs it); called as function(prompts=..., completions=...,
+                       **fields) with one entry per completion: the prompt's messages, the completion's text, and
+                       each other field of its record (`answer`, ...; None where a record lacks it); it returns one
+                       float per completion
 
 A mistake in a term (unknown name, module that does not import, missing model directory) is a `UserError`.
 """
@@ -31,11 +32,14 @@ import re
 import signal
 import sys
 import threading
+import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -43,6 +47,9 @@ import torch
 from llm.errors import UserError
 
 R1_FORMAT = r"<think>.*?</think>\s*<answer>.*?</answer>"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
+"""A reward model directory holds at least one of these (without them transformers found no tokenizer, and the
+first rollout failed in the model, far from the cause)."""
 
 
 @dataclass
@@ -161,24 +168,40 @@ class RewardModel:
             raise UserError(f"--reward model:{directory}: its config.json names {named}, not a sequence-classification "
                             "model (...ForSequenceClassification); a language model's scores would come from a head "
                             "of random weights")
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise UserError(f"--reward model:{directory}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); "
+                            "save the model's tokenizer beside it (tokenizer.save_pretrained)")
         self.transformers, self.path, self.device = transformers, path, device
         self.model = self.tokenizer = None
+        self.max_length: int | None = None
 
     def _load(self) -> None:
         try:
             self.tokenizer = self.transformers.AutoTokenizer.from_pretrained(self.path)
             model, loading = self.transformers.AutoModelForSequenceClassification.from_pretrained(
                 self.path, use_safetensors=True, trust_remote_code=False, output_loading_info=True)
-        except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: weights of other shapes than its config's
-            raise UserError(f"--reward model:{self.path}: cannot load it ({exc})".replace("\n", " ")) from None
+        except Exception as exc:  # noqa: BLE001 - the user's files may fail in any way (a truncated safetensors file:
+            # SafetensorError; weights of other shapes than its config's: RuntimeError)
+            raise UserError(f"--reward model:{self.path}: cannot load it ({type(exc).__name__}: {exc})"
+                            .replace("\n", " ")[:500]) from None
         if loading["missing_keys"]:
             missing = sorted(loading["missing_keys"])
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise UserError(f"--reward model:{self.path}: its weights lack {', '.join(missing[:3])}{more}; "
                             "transformers would start them from random values")
-        self.model = model.to(self.device).eval()
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        if model.config.pad_token_id is None:  # transformers scores a batch at each row's last token before padding
+            model.config.pad_token_id = self.tokenizer.pad_token_id
+        if model.config.pad_token_id is None:
+            raise UserError(f"--reward model:{self.path}: neither its config nor its tokenizer names a padding (or "
+                            "end) token, without which transformers cannot score a batch; set pad_token_id in its "
+                            "config.json")
+        positions = [getattr(model.config, name, None) for name in ("max_position_embeddings", "n_positions")]
+        self.max_length = min([n for n in positions if isinstance(n, int) and n > 0]
+                              + [self.tokenizer.model_max_length])
+        self.tokenizer.truncation_side = "left"  # a text longer than the model's context keeps its completion
+        self.model = model.to(self.device).eval()
 
     def _text(self, prompt: list[dict[str, str]], completion: str) -> str:
         messages = [*prompt, {"role": "assistant", "content": completion}]
@@ -192,26 +215,49 @@ class RewardModel:
             self._load()
         texts = [self._text(p, c) for p, c in zip(batch.prompts, batch.texts, strict=True)]
         try:
-            encoded = self.tokenizer(texts, padding=True, truncation=True, return_tensors="pt").to(self.device)
+            encoded = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length,
+                                     return_tensors="pt").to(self.device)
             logits = self.model(**encoded).logits.float()
-        except RuntimeError as exc:  # out of memory, most likely: one line, agreed by every rank (`llm.train.rollout`)
+        except Exception as exc:  # noqa: BLE001 - out of memory, or the user's model failing in its own way: one
+            # line, agreed by every rank (`llm.train.rollout`)
             raise UserError(f"--reward model:{self.path}: failed on {len(texts)} completions ({type(exc).__name__}: "
                             f"{exc})".replace("\n", " ")[:500]) from None
         scores = logits[:, 0] if logits.shape[-1] == 1 else logits.softmax(-1)[:, -1]
+        if not (finite := scores.isfinite()).all():
+            raise UserError(f"--reward model:{self.path}: scored {int((~finite).sum())} of {len(texts)} completions "
+                            f"{scores[~finite][0].item()}; a reward must be finite (are its weights intact?)")
         return scores.tolist()
 
 
 # ---- a user's function -------------------------------------------------------------------------------
 
+def _import_file(term: str, path: Path) -> ModuleType:
+    """The module of a .py file, imported as `python FILE` would run it: its folder first on sys.path (so that it
+    imports the files beside it) and itself in sys.modules under its name (what pickle and dataclasses look up)."""
+    if not path.is_file():
+        raise UserError(f"--reward {term}: no such file {path}")
+    name = path.stem
+    if (other := sys.modules.get(name)) is not None and Path(getattr(other, "__file__", "") or "") != path.resolve():
+        raise UserError(f"--reward {term}: a module named {name} is imported already ({other.__name__} of "
+                        f"{getattr(other, '__file__', None) or 'Python itself'}); rename {path}")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(name, path.resolve())
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
 def _import_function(term: str, module_name: str, function_name: str) -> Callable:
     try:
         if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise UserError(f"--reward {term}: no such file {path}")
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            module = _import_file(term, Path(module_name))
         else:
             if "" not in sys.path:
                 sys.path.insert(0, "")  # the working directory, as `python -m` has it
@@ -220,8 +266,10 @@ def _import_function(term: str, module_name: str, function_name: str) -> Callabl
         raise
     except (Exception, SystemExit) as exc:  # the user's module may fail in any way while it runs (sys.exit() at
         # import ended the run with its code, silently)
-        raise UserError(f"--reward {term}: cannot import {module_name} ({type(exc).__name__}: {exc}); run from the "
-                        "directory that holds it, or give the path of its .py file".replace("\n", " ")) from None
+        advice = "" if module_name.endswith(".py") else \
+            "; run from the directory that holds it, or give the path of its .py file"
+        raise UserError(f"--reward {term}: cannot import {module_name} ({type(exc).__name__}: {exc}){advice}"
+                        .replace("\n", " ")) from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise UserError(f"--reward {term}: {module_name} has no function {function_name!r}")
@@ -236,6 +284,17 @@ def _import_function(term: str, module_name: str, function_name: str) -> Callabl
 class UserFunction:
     def __init__(self, term: str, function: Callable) -> None:
         self.term, self.function = term, function
+
+    def check_fields(self, keys: set[str]) -> None:
+        """Refuse, before training, a function that cannot take the prompt records' other fields `keys` as keywords
+        (`def score(prompts, completions)` given records with an `answer`): it failed at the first rollout, the error
+        placed in our code."""
+        fields = {key: [] for key in keys - {"prompts", "completions"}}
+        try:
+            inspect.signature(self.function).bind(prompts=[], completions=[], **fields)
+        except TypeError as exc:
+            raise UserError(f"--reward {self.term}: cannot take the prompt records' fields ({exc}); give it a "
+                            "**fields parameter, e.g. `def score(prompts, completions, **fields)`") from None
 
     def __call__(self, batch: Completions) -> list[float]:
         keys = sorted({k for f in batch.fields for k in f} - {"prompts", "completions"})
@@ -319,22 +378,30 @@ class _OutOfTime(BaseException):
 
 @contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
-    """Raise `_OutOfTime` into the block after `seconds` (0: never). A timer signal interrupts Python code and the
-    waits it makes (sleep, sockets); only the main thread receives it, so elsewhere there is no limit."""
+    """Raise `_OutOfTime` into the block after `seconds` (0: never), and again every `seconds` after that (a reward
+    that swallows it, `except: pass`, is interrupted again), then once more as the block ends late if it was
+    swallowed every time. A timer signal interrupts Python code and the waits it makes (sleep, sockets); only the
+    main thread receives it, so elsewhere there is no limit."""
     if not seconds or threading.current_thread() is not threading.main_thread():
         yield
         return
+    armed = True
 
     def ring(signum, frame):
-        raise _OutOfTime
+        if armed:
+            raise _OutOfTime
 
     previous = signal.signal(signal.SIGALRM, ring)
+    start = time.monotonic()
     try:  # a limit of a microsecond rings as setitimer returns: the handler is put back then too
-        signal.setitimer(signal.ITIMER_REAL, seconds)
+        signal.setitimer(signal.ITIMER_REAL, seconds, seconds)
         yield
     finally:
+        armed = False  # before the timer is stopped: it may ring in between
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+    if time.monotonic() - start > seconds:
+        raise _OutOfTime
 
 
 TOTALS_LOGGED = ("mean", "std")
@@ -351,11 +418,18 @@ class Reward:
             raise UserError("no reward: pass --reward TERM (e.g. exact_match)")
         self.timeout_s = timeout_s
         self.terms = [parse_term(t, max_new_tokens, device) for t in terms]
-        names = [t.name for t in self.terms]
+        given = Counter(t.name for t in self.terms)
         for i, term in enumerate(self.terms):
-            if names.count(term.name) > 1 or term.name in TOTALS_LOGGED:
-                term.name = f"{term.name}_{i}"
+            if given[term.name] > 1 or term.name in TOTALS_LOGGED:
+                while term.name in given or term.name in TOTALS_LOGGED:  # format and format_1 given: format_1_1
+                    term.name = f"{term.name}_{i}"
         self.required_fields = sorted({t.required_field for t in self.terms if t.required_field})
+
+    def check_fields(self, keys: set[str]) -> None:
+        """Refuse a function of the user's that cannot take the records' fields `keys` (`UserFunction.check_fields`)."""
+        for term in self.terms:
+            if isinstance(term.score, UserFunction):
+                term.score.check_fields(keys)
 
     def __call__(self, batch: Completions) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(total reward per completion, {term name: its unweighted scores}), float32 on the CPU."""

@@ -72,6 +72,7 @@ def grpo_inputs(cfg: RunConfig, device: torch.device | None = None) -> tuple[Tok
     reward = Reward(g.reward, g.max_new_tokens, device or torch.device("cpu"), g.reward_timeout_s)
     prompts = read_prompts(g.prompts, partial(encode_prompt, tokenizer), cfg.data.seq_len - g.max_new_tokens,
                            reward.required_fields)
+    reward.check_fields({key for prompt in prompts.prompts for key in prompt.fields})
     return tokenizer, reward, prompts
 
 
