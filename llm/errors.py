@@ -32,6 +32,12 @@ class UserError(Exception):
         self.announce, self.end_at_once = announce, end_at_once
 
 
+class StepInputError(UserError):
+    """What a step is made of failed on every rank alike before the step trained anything (a GRPO reward that raised
+    or ran out of time): the run is still at its last complete step, which the trainer saves before it ends with the
+    message (`Trainer._save_then_fail`). Raised unannounced: the trainer says it, with where that step is."""
+
+
 def report(message: str) -> None:
     """Print a user error as every zerollm command does: one line on stderr, `zerollm: error: ...`."""
     print(f"zerollm: error: {message}", file=sys.stderr, flush=True)

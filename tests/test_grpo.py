@@ -681,8 +681,37 @@ def test_a_reward_that_fails_on_one_rank_is_one_line(policy, prompt_dir, tmp_pat
     errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
     assert result.returncode == 2 and errors == [
         "zerollm: error: --reward rankfail:score: raised ValueError: no score on rank 1 (at "
-        f"{tmp_path / 'rankfail.py'}:5)"], result.stderr[-3000:]
+        f"{tmp_path / 'rankfail.py'}:5); nothing was trained, nothing saved"], result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "stopped responding" not in result.stderr + result.stdout
+
+
+def test_a_reward_that_fails_mid_run_keeps_the_steps_before_it_and_the_resume_is_exact(grpo_runs, policy,
+                                                                                         prompt_dir, tmp_path):
+    """A reward that raised at step 6 ended the run without saving: step 5, complete, was lost with every step
+    since the checkpoint of step 4 (hundreds at the default train.save_every)."""
+    (tmp_path / "flaky.py").write_text(  # myrewards:capital, but for a failure at the call that fail_at names
+        "import os\n\nCALLS = [0]\n\ndef capital(prompts, completions, **fields):\n    CALLS[0] += 1\n"
+        "    if os.path.exists('fail_at') and CALLS[0] == int(open('fail_at').read()):\n"
+        "        raise RuntimeError('scorer offline')\n"
+        "    return [float('A' <= text.strip()[:1] <= 'Z') for text in completions]\n")
+    (tmp_path / "fail_at").write_text("6")
+    run = tmp_path / "run"
+    args = _grpo_args(policy, prompt_dir, run, rewards=["flaky:capital"], extra=["--zero-stage", 3])
+    result = run_job(*args, cwd=tmp_path)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
+    assert result.returncode == 2 and errors == [
+        f"zerollm: error: --reward flaky:capital: raised RuntimeError: scorer offline (at {tmp_path / 'flaky.py'}:8); "
+        f"step 5 is saved in {run}; rerun with --resume auto once it is corrected"], result.stderr[-3000:]
+    assert (run / "checkpoints" / "latest").read_text() == "global_step5"
+    (tmp_path / "fail_at").unlink()
+    result = run_job(*args, "--resume", "auto", cwd=tmp_path, name="resumed")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    straight, resumed = _metrics(grpo_runs[3]), _metrics(run)
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    for key in ("loss", "reward/mean", "kl", "completion_length"):
+        assert [r[key] for r in straight] == [r[key] for r in resumed], key
+    a, b = consolidated_weights(grpo_runs[3]), consolidated_weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_second_ctrl_c_stops_a_hung_run_at_once(policy, prompt_dir, tmp_path):

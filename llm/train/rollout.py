@@ -34,7 +34,7 @@ import torch
 
 from llm import rundir
 from llm.config import RunConfig
-from llm.errors import UserError
+from llm.errors import StepInputError, UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 from llm.model import Transformer
@@ -210,9 +210,13 @@ class Rollouts:
         completions, texts = self._sample([p.ids for p in prompts], step)
         lengths = [len(c) for c in completions]
         batch = Completions([p.messages for p in prompts], texts, lengths, [p.fields for p in prompts])
-        # each rank scores its own completions: a reward that fails on one is said once and ends every rank (alone,
-        # it left the others in their next collective until the watchdog called the node failed)
-        rewards, components = agreed(lambda: self.reward(batch), announce=self.info.local_rank == 0)
+        # each rank scores its own completions: a reward that fails on one ends every rank (alone, it left the others
+        # in their next collective until the watchdog called the node failed), saying so once the last complete step
+        # is saved
+        try:
+            rewards, components = agreed(lambda: self.reward(batch), announce=False)
+        except UserError as exc:
+            raise StepInputError(str(exc), announce=False) from None
         seconds = time.perf_counter() - start
         advantages = group_advantages(rewards, group, self.cfg.grpo.scale_rewards)
         size = self.micro_batch_size

@@ -32,7 +32,7 @@ from llm import rundir
 from llm.config import RunConfig
 from llm.data.datasets import checked_to
 from llm.data.sampler import ResumableDistributedSampler
-from llm.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_RANK_LOST
+from llm.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_RANK_LOST, StepInputError
 from llm.runtime.distributed import DistInfo, raise_together
 from llm.runtime.preemption import Preemption, data_loader_worker_init
 from llm.runtime.watchdog import Watchdog
@@ -326,6 +326,8 @@ class Trainer:
                     sums, batches = self.train_step()
                 except NoBatch as stalled:
                     return self._stop_without_batch(stalled, sums, logger, checkpointer, watchdog)
+                except StepInputError as failed:
+                    self._save_then_fail(failed, sums, logger, checkpointer)
                 last = self._finished()
                 calibrate = self.budget.calibration_due(self.step)  # measure what the final step will cost
                 eval_due = self._eval_due(last) or (calibrate and self.budget.eval_seconds is None)
@@ -389,6 +391,25 @@ class Trainer:
             print(f"stopped by signal at step {self.step} while waiting for step {stalled.step}'s data: "
                   f"{stalled.loader}; {where}; rerun with --resume auto to continue", flush=True)
         return EXIT_PREEMPTED
+
+    def _save_then_fail(self, failed: StepInputError, sums: torch.Tensor | None, logger: MetricsLogger,
+                        checkpointer: checkpoint.Checkpointer) -> NoReturn:
+        """A step whose inputs failed on every rank (`StepInputError`: a reward that raised) trained nothing, so the
+        run is still at its last complete step: saved (where it is not already), so that a resume once the cause is
+        fixed continues from it as the run would have (GRPO's rollouts are seeded by their step), the steps since
+        the last checkpoint kept. Then the error, with where that step is, on every rank."""
+        tag = rundir.tag_for(self.step)
+        saved = self.step > 0 and rundir.incompleteness(self.run_dir, tag) is not None
+        if saved:
+            if sums is not None:  # the last step's loss, unless it was logged (and checked) already
+                self._refuse_diverged(sums)
+            checkpointer.after_step(self.step, last=True, stopped_by_signal=False)
+        if self.dist.is_main:
+            logger.bar.close()
+        where = (f"step {self.step} is saved in {self.run_dir}" if saved else
+                 f"checkpoint {tag} is in {self.run_dir}" if self.step else "nothing was trained, nothing saved")
+        raise_together(f"{failed}; {where}" + ("; rerun with --resume auto once it is corrected" if self.step else ""),
+                       announce=self.dist.local_rank == 0)
 
     def _end_for_data(self, message: str, brief: str, logger: MetricsLogger, watchdog: Watchdog | None) -> int:
         """End the job on every rank over this rank's data loader, with one line naming the rank and `message`. One
