@@ -376,30 +376,37 @@ class _OutOfTime(BaseException):
     user's (or `UserFunction`'s) takes it for the reward's own failure."""
 
 
+RING_AGAIN_AFTER_S = 0.5
+"""The least time between two rings of one time limit (`_time_limit`): a limit of a microsecond rang every
+microsecond, and a ring that landed in the limit's own clean-up escaped it, leaving the timer ringing for ever."""
+
+
 @contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
-    """Raise `_OutOfTime` into the block after `seconds` (0: never), and again every `seconds` after that (a reward
-    that swallows it, `except: pass`, is interrupted again), then once more as the block ends late if it was
-    swallowed every time. A timer signal interrupts Python code and the waits it makes (sleep, sockets); only the
-    main thread receives it, so elsewhere there is no limit."""
+    """Raise `_OutOfTime` into the block after `seconds` (0: never), and again every `seconds` (at least
+    RING_AGAIN_AFTER_S) after that, so that a reward that swallows it (`except: pass`) is interrupted again; and once
+    more as the block ends if it ran past the limit all the same. A timer signal interrupts Python code and the waits
+    it makes (sleep, sockets); only the main thread receives it, so elsewhere there is no limit."""
     if not seconds or threading.current_thread() is not threading.main_thread():
         yield
         return
-    armed = True
 
     def ring(signum, frame):
-        if armed:
-            raise _OutOfTime
+        raise _OutOfTime
 
     previous = signal.signal(signal.SIGALRM, ring)
     start = time.monotonic()
     try:  # a limit of a microsecond rings as setitimer returns: the handler is put back then too
-        signal.setitimer(signal.ITIMER_REAL, seconds, seconds)
+        signal.setitimer(signal.ITIMER_REAL, seconds, max(seconds, RING_AGAIN_AFTER_S))
         yield
     finally:
-        armed = False  # before the timer is stopped: it may ring in between
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        while True:  # a ring that lands here is taken, and the timer stopped again
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+                break
+            except _OutOfTime:
+                continue
     if time.monotonic() - start > seconds:
         raise _OutOfTime
 
