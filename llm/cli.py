@@ -31,7 +31,7 @@ from llm.config import (
     recipe_names,
     refuse_set_twice,
 )
-from llm.errors import EXIT_USER_ERROR, UserError, report
+from llm.errors import EXIT_USER_ERROR, UserError, not_utf8, report
 from llm.stdout import GuardedStdout, OutputLost, discard, settle
 from llm.train.ds_config_file import load_ds_config
 from llm.wording import plural
@@ -731,6 +731,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                        ("--json", args.json or None)),
                       "--input/--data; --tasks runs in one process, prints the harness's table and saves its "
                       "results (the .json in MODEL/eval, or --out)")
+        if args.system_instruction is not None and (found := not_utf8(args.system_instruction)):
+            raise UserError(f"--system-instruction: not UTF-8 text ({found[1]} at character {found[0]})")
         run_tasks(args.model, parse_tasks(args.tasks), limit=args.limit, num_fewshot=args.num_fewshot,
                   include_path=args.include_path, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                   out_dir=args.out, context=args.context, chat=args.apply_chat_template,
@@ -862,6 +864,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     stdout = sys.stdout
+    if isinstance(stdout, io.TextIOWrapper):  # a path that is not UTF-8 printed as its bytes, as ls prints it (a
+        stdout.reconfigure(errors="surrogateescape")  # strict UTF-8 stdout raised after the work was done)
     if stdout is not None:  # None where descriptor 1 was closed at start: print() then writes nothing
         sys.stdout = GuardedStdout(stdout)
     try:

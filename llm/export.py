@@ -241,7 +241,11 @@ def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> s
     """Write `out` (see the module docstring), replacing an earlier export there as a whole (`durable.staged_folder`:
     the earlier one is renamed aside and then deleted; a crash between the two renames leaves both complete folders,
     the old one as .<name>.old); the Hugging Face class its config.json names."""
-    cfg, out = model.cfg, out.resolve()
+    cfg = model.cfg
+    try:
+        out = out.resolve()
+    except (OSError, RuntimeError) as exc:  # a loop of symbolic links: RuntimeError before Python 3.13
+        raise UserError(f"--out {out}: cannot follow it ({exc})") from None
     if cfg.moe:
         raise UserError("mixture-of-experts models have no LlamaForCausalLM form; export supports dense models")
     _replaceable(out)

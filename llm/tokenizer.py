@@ -26,7 +26,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
@@ -71,9 +70,6 @@ OUR_CONFIG = {
 
 TRAINING_FILE = "tokenizer_training.json"
 """Written by `train_tokenizer` only (what it was trained with): marks a folder it may write into again."""
-OS_ERROR_SAID = re.compile(r"\(os error (\d+)\)")
-"""How the tokenizers library says an operating-system error in its plain Exception: 'No space left on device (os
-error 28)'."""
 MAX_VOCAB_SIZE = 1 << 24
 """The largest --vocab-size: 64 times the largest vocabularies in use (about 256k), an embedding of billions of
 parameters at any width, and ids that `data prepare` stores as uint32 many times over. The BPE trainer allocates for
@@ -332,15 +328,9 @@ class Tokenizer:
     def save(self, out_dir: Path) -> Tokenizer:
         """tokenizer.json and tokenizer_config.json (`saved_config`) into `out_dir`."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / TOKENIZER_FILE
-        try:
-            self._tok.save(str(path))
-        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception, also for a full disk
-            said = OS_ERROR_SAID.search(str(exc))
-            if said is None:
-                raise
-            code = int(said[1])
-            raise OSError(code, os.strerror(code), str(path)) from None  # what every caller turns into one line
+        # written by Python, as the library's own save writes it: the library takes only paths that are UTF-8 (one
+        # that is not was a UnicodeEncodeError traceback) and says an operating-system error as a plain Exception
+        (out_dir / TOKENIZER_FILE).write_text(self._tok.to_str(pretty=True), encoding="utf-8")
         return self.save_config(out_dir)
 
     def save_config(self, out_dir: Path) -> Tokenizer:

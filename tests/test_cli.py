@@ -5,10 +5,11 @@ import random
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import closed_pipe, full_disk, run_cli, zerollm_here
+from conftest import FIXTURES, closed_pipe, full_disk, run_cli, zerollm_here
 
 
 @pytest.mark.parametrize("command", [[], ["tokenizer", "train"], ["data", "prepare"], ["train", "pretrain"],
@@ -246,3 +247,15 @@ def test_an_empty_path_and_a_count_that_is_not_a_number_are_refused_by_name(argv
     assert ended.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {said}" + ("; give a path (. for the current "
                                                                                "directory)" if "empty" in said else ""))
+
+
+def test_a_path_that_is_not_utf8_is_printed_as_its_bytes(tmp_path, monkeypatch):
+    """On a strict UTF-8 standard output (what a UTF-8 locale gives Python), printing such a path was a
+    UnicodeEncodeError traceback, exit 1, after the work was done."""
+    out = Path(os.fsdecode(os.fsencode(tmp_path) + b"/tok\xff"))
+    written = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(written, encoding="utf-8", errors="strict"))
+    code = zerollm_here(monkeypatch, "tokenizer", "train", "--input", FIXTURES / "pretrain" / "en_stories.txt",
+                        "--vocab-size", 300, "--out", out)
+    sys.stdout.flush()
+    assert code == 0 and b"written to " + os.fsencode(out) + b"\n" in written.getvalue()

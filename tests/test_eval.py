@@ -1,6 +1,7 @@
 """`zerollm eval`: loss, perplexity and bits per byte on files and prepared splits against a direct computation,
 on one and two ranks; lm-evaluation-harness suites through our wrapper, on local tasks."""
 
+import io
 import itertools
 import json
 import math
@@ -8,6 +9,7 @@ import os
 import re
 import shutil
 import sys
+import unicodedata
 from pathlib import Path
 
 import h5py
@@ -828,3 +830,99 @@ def test_lm_eval_results_name_the_checkpoint_of_a_run(zero_runs, local_tasks, tm
                         out_dir=str(tmp_path / "results"))
     assert results["config"]["model_args"] == f"model={run},checkpoint=global_step4"
     assert next((tmp_path / "results").glob("*.md")).read_text().startswith(f"model: {run} (global_step4)\n\n")
+
+
+def _offline(monkeypatch, tmp_path):
+    for name, value in (("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_OFFLINE", "1"), ("HF_HOME", str(tmp_path / "hf"))):
+        monkeypatch.setenv(name, value)
+
+
+def test_lm_eval_results_are_saved_before_anything_is_printed(export_dir, local_tasks, tmp_path, monkeypatch):
+    """With stdout gone (`| head`, a full disk) the table was printed first and the results never saved; a task
+    named with a '/' failed to save its samples (an invalid file name) after the results were written."""
+    from llm.stdout import GuardedStdout, OutputLost
+
+    _offline(monkeypatch, tmp_path)
+    (local_tasks / "tiny_choice.yaml").write_text(
+        (local_tasks / "tiny_choice.yaml").read_text().replace("task: tiny_choice", "task: mine/choice"))
+
+    class Gone(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", GuardedStdout(Gone()))
+    with pytest.raises(OutputLost):
+        run_tasks(str(export_dir), ["mine/choice"], include_path=str(local_tasks), out_dir=str(tmp_path / "results"),
+                  log_samples=True)
+    [results] = (tmp_path / "results").glob("lm_eval_*[0-9].json")
+    assert "mine/choice" in json.loads(results.read_text())["results"]
+    [samples] = (tmp_path / "results").glob("lm_eval_*_samples_mine_choice.jsonl")
+    assert len(samples.read_text().splitlines()) == len(TASK_ROWS)
+
+
+@pytest.mark.parametrize("setting, said", [
+    ("max_gen_toks: -3", "a generate_until task's max_gen_toks is -3, not a positive integer; check the tasks' YAML"),
+    ("max_gen_toks: lots", "a generate_until task's max_gen_toks is 'lots', not a positive integer"),
+    ("until: [1]", "a generate_until task's until is [1], not a string or a list of non-empty strings"),
+    ("until: ['']", "a generate_until task's until is [''], not a string or a list of non-empty strings"),
+])
+def test_a_generation_setting_of_a_task_that_is_wrong_is_one_line(export_dir, local_tasks, tmp_path, monkeypatch,
+                                                                    setting, said):
+    """Read by our generate_until, such values were tracebacks (our code, so not taken for the task's fault)."""
+    _offline(monkeypatch, tmp_path)
+    yaml_file = local_tasks / "tiny_generate.yaml"
+    key = setting.split(":")[0]
+    yaml_file.write_text("\n".join(f"  {setting}" if line.strip().startswith(f"{key}:") else line
+                                   for line in yaml_file.read_text().splitlines()) + "\n")
+    with pytest.raises(UserError, match=f"^{re.escape(said)}"):
+        run_tasks(str(export_dir), ["tiny_generate"], include_path=str(local_tasks), out_dir=str(tmp_path / "out"))
+
+
+def test_a_context_of_one_token_still_answers(model_and_tokenizer):
+    """With --context 1 no prompt token fits beside the answer's reserved one: the slice [-0:] kept the whole prompt
+    and the answer's room went negative (an InvalidSampling traceback)."""
+    from lm_eval.api.instance import Instance
+
+    from llm.eval.harness_lm import ZeroLLMHarnessModel
+
+    model, tokenizer = model_and_tokenizer
+    lm = ZeroLLMHarnessModel(model, tokenizer, batch_size=1, max_length=1)
+    seen = []
+    lm._greedy = lambda prompt, params: seen.append((prompt, params.max_new_tokens)) or ""
+    lm.generate_until([Instance("generate_until", {}, ("A question", {"until": ["\n"]}), 0)], disable_tqdm=True)
+    assert seen == [([lm.prefix_token_id], 0)]
+
+
+def test_bits_per_byte_of_files_count_their_text_not_what_the_tokens_decode_to(export_dir, tmp_path):
+    """A tokenizer that normalises (Qwen's NFC) decodes composed text: the bytes were counted from the tokens, 34
+    instead of the file's 64, and bits per byte came out too high."""
+    normalising = tmp_path / "nfc"
+    shutil.copytree(export_dir, normalising)
+    config = json.loads((normalising / "tokenizer.json").read_text())
+    config["normalizer"] = {"type": "NFC"}
+    (normalising / "tokenizer.json").write_text(json.dumps(config))
+    from llm.loading import load_for_inference
+
+    text = unicodedata.normalize("NFD", "café résumé naïve")
+    (tmp_path / "nfd.txt").write_text(text + "\n")
+    model, tokenizer = load_for_inference(normalising)
+    stream, _ = stream_of_files([str(tmp_path / "nfd.txt")], tokenizer)
+    result = evaluate_stream(model, tokenizer, stream, CONTEXT, CONTEXT, progress=False)
+    assert result.bytes == len(text.encode("utf-8")) == 25
+
+
+def test_a_split_holding_an_id_beyond_the_vocabulary_is_one_line(export_dir, pretrain_data, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(pretrain_data, data)
+    with h5py.File(data / "tokens.h5", "r+") as h5:
+        h5["val/tokens"][5] = 60000
+    with pytest.raises(UserError, match=f"^{re.escape(str(data / 'tokens.h5'))}: the val split holds token id 60000, "
+                                        r"beyond the model's vocabulary of 512 \(ids 0-511\)"):
+        run_perplexity(str(export_dir), None, str(data), "val", context=CONTEXT)
+
+
+def test_a_system_instruction_that_is_not_utf8_is_refused_before_anything_loads(monkeypatch, capsys):
+    code = zerollm_here(monkeypatch, "eval", "--model", "unused", "--tasks", "tiny_choice", "--system-instruction",
+                        "caf\udce9")
+    assert code == 2 and capsys.readouterr().err == ("zerollm: error: --system-instruction: not UTF-8 text (byte 0xe9 "
+                                                     "at character 3)\n")

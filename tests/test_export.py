@@ -463,3 +463,12 @@ def test_another_tool_s_config_yaml_is_not_called_damaged(tmp_path):
                                         r"has none of model, data, train, grpo, lora, wandb, but optimizer, lr, "
                                         r"epochs, seed, \.\.\.\)$"):
         rundir.recorded_config(tmp_path)
+
+
+def test_an_out_that_is_a_loop_of_links_is_one_line(tmp_path):
+    """`export --out` on a loop of symbolic links was a RuntimeError traceback, after the model had loaded."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    model = Transformer(ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=8))
+    with pytest.raises(UserError, match=f"^--out {tmp_path / 'a'}: cannot follow it"):
+        export_model(model, None, tmp_path / "a")

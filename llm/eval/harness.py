@@ -156,7 +156,6 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
         raise UserError(f"lm-eval failed on {', '.join(tasks)} ({_said(exc)}); check the tasks' YAML and data "
                         "files") from None
     table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
-    print(table)
     samples = results.pop("samples", {})
     # which model scored, as lm-eval records a Hugging Face model ("ZeroLLMHarnessModel" and nulls before)
     scored = f"model={model_dir}" + (f",checkpoint={checkpoint}" if checkpoint else "")
@@ -165,12 +164,21 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     named = f"{model_dir} ({checkpoint})" if checkpoint else model_dir
     stem = save_results(out, json.dumps(results, indent=1, default=str, ensure_ascii=False),
                         f"model: {named}\n\n{table}")
-    print(f"results written to {stem}.json and {stem}.md")
+    written = []  # everything saved before anything is printed: a reader that leaves (`| head`) loses no result
     for task, rows in samples.items():
-        path = stem.with_name(f"{stem.name}_samples_{task}.jsonl")
+        path = stem.with_name(f"{stem.name}_samples_{_file_name_part(task)}.jsonl")
         durable.write_text(path, "".join(json.dumps(row, default=str, ensure_ascii=False) + "\n" for row in rows))
-        print(f"samples of {task} written to {path}")
+        written.append(f"samples of {task} written to {path}")
+    print(table)
+    print(f"results written to {stem}.json and {stem}.md")
+    for line in written:
+        print(line)
     return results
+
+
+def _file_name_part(task: str) -> str:
+    """A task's name as part of a file name: a '/' (a task named `mine/choice`) is not one."""
+    return task.replace("/", "_").replace(os.sep, "_")
 
 
 def _said(exc: BaseException) -> str:

@@ -23,6 +23,7 @@ import numpy as np
 from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
+from llm.errors import UserError
 from llm.eval.perplexity import windows
 from llm.eval.scoring import score_sequences
 from llm.infer.generate import TextGenerator, cut_at_stop
@@ -31,6 +32,21 @@ from llm.model import Transformer
 from llm.tokenizer import Tokenizer
 
 DEFAULT_MAX_GEN_TOKENS = 256
+
+
+def generation_settings(gen_kwargs: dict) -> tuple[list[str], int]:
+    """(`until` strings, `max_gen_toks`) of a generate_until request, as a task's YAML gives them, checked: a
+    mistake there is one line (it was a traceback from our sampling code)."""
+    until = gen_kwargs.get("until", [])
+    until = [until] if isinstance(until, str) else until
+    if not (isinstance(until, (list, tuple)) and all(isinstance(u, str) and u for u in until)):
+        raise UserError(f"a generate_until task's until is {until!r}, not a string or a list of non-empty strings; "
+                        "check the tasks' YAML")
+    asked = gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKENS)
+    if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
+        raise UserError(f"a generate_until task's max_gen_toks is {asked!r}, not a positive integer; check the "
+                        "tasks' YAML")
+    return list(until), asked
 
 
 class ZeroLLMHarnessModel(TemplateLM):
@@ -139,11 +155,10 @@ class ZeroLLMHarnessModel(TemplateLM):
         token in a context of 256 or less; reserving nothing would leave a long few-shot prompt no room to answer."""
         out, short = [], 0
         for context, gen_kwargs in tqdm([r.args for r in requests], desc="generate_until", disable=disable_tqdm):
-            until = gen_kwargs.get("until", [])
-            until = [until] if isinstance(until, str) else list(until)
-            asked = int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKENS))
+            until, asked = generation_settings(gen_kwargs)
             reserved = min(asked, max(1, self.max_length // 2))
-            prompt = self.tok_encode(context)[-(self.max_length - reserved):] or [self.prefix_token_id]
+            ids, room = self.tok_encode(context), self.max_length - reserved  # room: 0 in a context of 1
+            prompt = (ids[max(0, len(ids) - room):] if room else []) or [self.prefix_token_id]
             max_new = min(asked, self.max_length - len(prompt))
             short += max_new < asked
             text = self._greedy(prompt, SamplingParams(max_new_tokens=max_new, stop=until))

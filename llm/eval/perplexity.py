@@ -236,7 +236,7 @@ def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | Non
             stream, report = stream_of_files(inputs, tokenizer, progress=rank == 0)
             source = {"input": [str(p) for p in inputs], "documents": report.documents, "skipped": len(report.skipped)}
         else:
-            stream, report = stream_of_split(data_dir, split, tokenizer), None
+            stream, report = stream_of_split(data_dir, split, tokenizer, model.cfg.vocab_size), None
             source = {"data": str(data_dir), "split": split}
         if checkpoint is not None:
             source["checkpoint"] = checkpoint

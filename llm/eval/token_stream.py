@@ -9,8 +9,10 @@ documents' text and each one's <|endoftext|>.
 
 Bytes, for bits per byte: the UTF-8 bytes of the text of the scored tokens. Documents are decoded one at a time
 (split at <|endoftext|>), so no multi-byte character is cut; <|endoftext|> counts zero bytes (its prediction still
-counts in the loss), and so does a document's start (it is not scored). For files this equals the UTF-8 length of
-the documents' text as the readers return it; for a prepared split it is what its tokens decode to.
+counts in the loss), and so does a document's start (it is not scored). For files it is the UTF-8 length of the
+documents' text as the readers return it, counted from that text (decoding the tokens would count less for a
+tokenizer that normalises, NFC or NFKC as Qwen's do, or has no token for some characters); for a prepared split,
+where only the tokens remain, it is what they decode to.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import torch
 from tqdm import tqdm
 
+from llm.data.datasets import check_token_ids
 from llm.data.formats import Skipped, expand_inputs, read_records, skipped_note
 from llm.data.prepare import SPLITS, TOKENS_FILE, encode_pretrain
 from llm.data.prepared import read_data_attrs
@@ -51,10 +55,11 @@ class TokenStream:
 
 
 class ArrayStream(TokenStream):
-    """A stream held in memory (users' files, tokenized here)."""
+    """A stream held in memory (users' files, tokenized here); `text_bytes`: the UTF-8 bytes of the text it holds,
+    where that text was read."""
 
-    def __init__(self, tokens: np.ndarray, eos_id: int) -> None:
-        self.tokens, self.eos_id = tokens.astype(np.int64), eos_id
+    def __init__(self, tokens: np.ndarray, eos_id: int, text_bytes: int | None = None) -> None:
+        self.tokens, self.eos_id, self.text_bytes = tokens.astype(np.int64), eos_id, text_bytes
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -66,8 +71,8 @@ class ArrayStream(TokenStream):
 class SplitStream(TokenStream):
     """A prepared split read lazily from tokens.h5, behind a virtual leading <|endoftext|>."""
 
-    def __init__(self, path: Path, split: str, eos_id: int) -> None:
-        self.path, self.split, self.eos_id = path, split, eos_id
+    def __init__(self, path: Path, split: str, eos_id: int, vocab_size: int | None = None) -> None:
+        self.path, self.split, self.eos_id, self.vocab_size = path, split, eos_id, vocab_size
         self._tokens = h5py.File(path, "r")[split]["tokens"]  # both splits there (`prepared.layout_problem`)
 
     def __len__(self) -> int:
@@ -76,6 +81,8 @@ class SplitStream(TokenStream):
     def read(self, start: int, end: int) -> np.ndarray:
         head = [self.eos_id] if start == 0 else []
         body = self._tokens[max(0, start - 1):max(0, end - 1)].astype(np.int64)
+        if self.vocab_size is not None:  # an id beyond the model's embeddings: an IndexError traceback
+            check_token_ids({"tokens": torch.from_numpy(body)}, self.vocab_size, self.path.parent, self.split)
         return np.concatenate([np.array(head, dtype=np.int64), body])
 
 
@@ -91,7 +98,7 @@ class FilesReport:
 def stream_of_files(paths: list[str], tokenizer: Tokenizer, progress: bool = False) -> tuple[ArrayStream, FilesReport]:
     """The documents of `paths` (any format `data prepare` reads, as pretraining text) tokenized into one stream;
     `progress`: a bar of the records read, shown after 2 s (large inputs take minutes)."""
-    report = FilesReport()
+    report, text_bytes = FilesReport(), 0
     pieces: list[np.ndarray] = [np.array([tokenizer.eos_id], dtype=np.int64)]
     records = read_records(expand_inputs(paths), "pretrain")
     for record in tqdm(records, desc="tokenizing", unit=" records", disable=not progress, delay=2, file=sys.stderr):
@@ -100,11 +107,12 @@ def stream_of_files(paths: list[str], tokenizer: Tokenizer, progress: bool = Fal
             continue
         # a long document arrives in pieces (bounded memory); the end-of-text token follows its last piece
         pieces.append(np.array(encode_pretrain(tokenizer, record)["tokens"], dtype=np.int64))
+        text_bytes += len(record.value.encode("utf-8"))
         report.documents += record.last
     if report.documents == 0:
         raise UserError(f"{', '.join(map(str, paths))}: no usable text records to evaluate on"
                         f"{skipped_note(report.skipped)}")
-    return ArrayStream(np.concatenate(pieces), tokenizer.eos_id), report
+    return ArrayStream(np.concatenate(pieces), tokenizer.eos_id, text_bytes), report
 
 
 def split_data_attrs(data_dir: str | Path, split: str) -> dict:
@@ -114,13 +122,15 @@ def split_data_attrs(data_dir: str | Path, split: str) -> dict:
     return read_data_attrs(data_dir, "pretrain", reader="eval --data")
 
 
-def stream_of_split(data_dir: str | Path, split: str, tokenizer: Tokenizer) -> SplitStream:
-    """A pretraining split of a prepared data directory, refused when another tokenizer made it."""
+def stream_of_split(data_dir: str | Path, split: str, tokenizer: Tokenizer,
+                    vocab_size: int | None = None) -> SplitStream:
+    """A pretraining split of a prepared data directory, refused when another tokenizer made it; with `vocab_size`
+    (the model's), each read refuses a token id beyond it."""
     attrs = split_data_attrs(data_dir, split)
     if not tokenizer.has_hash(attrs["tokenizer_hash"]):
         raise UserError(f"{data_dir} was tokenized with another tokenizer (hash {attrs['tokenizer_hash']}) than the "
                         f"model's (hash {tokenizer.hash}); prepare the data with the model's tokenizer")
-    stream = SplitStream(Path(data_dir) / TOKENS_FILE, split, tokenizer.eos_id)
+    stream = SplitStream(Path(data_dir) / TOKENS_FILE, split, tokenizer.eos_id, vocab_size)
     if len(stream) < 2:
         raise UserError(f"{data_dir}: the '{split}' split holds no tokens")
     return stream
@@ -141,6 +151,8 @@ def document_start_positions(stream: TokenStream, tokenizer: Tokenizer, start: i
 
 def scored_text_bytes(stream: TokenStream, tokenizer: Tokenizer) -> int:
     """UTF-8 bytes of the text of every token after the first (see the module docstring for the rule)."""
+    if isinstance(stream, ArrayStream) and stream.text_bytes is not None:
+        return stream.text_bytes
     total, carry = 0, np.zeros(0, dtype=np.int64)
     for chunk in stream.chunks():
         tokens = np.concatenate([carry, chunk])
