@@ -21,6 +21,7 @@ leaves unused goes to the ones after it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -110,7 +111,11 @@ class Report:
         except OSError as exc:
             raise UserError(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
         for earlier in [self.step_file(name) for name in SHARES] + [out / DONE_FILE]:  # a rerun's results replace them
-            earlier.unlink(missing_ok=True)
+            try:
+                earlier.unlink(missing_ok=True)
+            except OSError as exc:
+                raise UserError(f"--out {out}: cannot replace the earlier {earlier.name} ({exc.strerror or exc})") \
+                    from None
         self.summary = out / "summary.md"
         self.summary.write_text(f"# GPU check, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n\n")
 
@@ -140,7 +145,8 @@ def run_command(command: list[str], log: Path, timeout_s: float, env: dict[str, 
             f.write(f"\n[timed out after {timeout_s:.0f} s]\n")
             return "timed out"
         except BaseException:  # Ctrl-C: the child, in a session of its own, did not get it
-            os.killpg(process.pid, 9)
+            with contextlib.suppress(ProcessLookupError):  # its group gone already
+                os.killpg(process.pid, 9)
             process.wait()
             raise
     return "ok" if code == 0 else f"exit {code}"

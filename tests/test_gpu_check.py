@@ -30,12 +30,12 @@ def test_gpu_check_smoke_runs_every_step_and_writes_its_files(tmp_path):
     assert (out / "done.json").is_file()
 
 
-def test_gpu_check_without_a_gpu_says_so():
+def test_gpu_check_without_a_gpu_says_so(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the check would run for real")
-    result = subprocess.run([sys.executable, "-m", "llm.gpu_check", "--out", "unused"], cwd=REPO, capture_output=True,
-                            text=True, timeout=300, check=False)
-    assert result.returncode == 2 and "no CUDA device" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "llm.gpu_check", "--out", str(tmp_path / "out")], cwd=REPO,
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 2 and "no CUDA device" in result.stderr and not (tmp_path / "out").exists()
 
 
 def test_the_kernel_tests_step_runs_the_compiled_gpu_tests_alone_and_lists_each_outcome(tmp_path, monkeypatch):
@@ -159,9 +159,9 @@ def test_a_rerun_replaces_the_earlier_results(tmp_path, monkeypatch):
     (["--budget-s", "-5"], "'-5' is not a positive number of seconds"),
     (["--budget-s", "inf"], "'inf' is not a positive number of seconds"),
 ])
-def test_a_budget_that_is_not_a_positive_time_is_refused(args, said, capsys):
+def test_a_budget_that_is_not_a_positive_time_is_refused(args, said, capsys, tmp_path):
     with pytest.raises(SystemExit) as stop:
-        gpu_check.main(["--out", "unused", "--smoke", *args])
+        gpu_check.main(["--out", str(tmp_path / "out"), "--smoke", *args])
     assert stop.value.code == 2 and said in capsys.readouterr().err
 
 
