@@ -163,12 +163,10 @@ def test_a_time_limit_that_ends_before_the_first_term_starts_names_that_term(mon
     """grpo.reward_timeout_s=1e-9 rang before the first term had started: an AttributeError traceback."""
     from llm.train import rewards
 
-    @contextlib.contextmanager
-    def rings_at_once(seconds):
+    def rings_at_once(limit):
         raise rewards._OutOfTime
-        yield
 
-    monkeypatch.setattr(rewards, "_time_limit", rings_at_once)
+    monkeypatch.setattr(rewards.TimeLimit, "arm", rings_at_once)
     with pytest.raises(UserError, match=r"^--reward exact_match: no answer for 1 completions within "
                                         r"grpo.reward_timeout_s \(1e-09 s, every term together\)"):
         Reward(["exact_match", "format"], 4, torch.device("cpu"), timeout_s=1e-9)(_completions(["a"], answers=["a"]))
@@ -324,6 +322,26 @@ def test_a_reward_model_without_a_padding_token_or_with_a_short_context_scores_b
         assert all(math.isfinite(score) for score in scores) and scores[0] == pytest.approx(scores[2]), name
 
 
+def test_a_reward_model_scores_a_completion_alike_alone_and_padded_in_a_batch(tokenizer_dir, tmp_path):
+    """A config naming another padding id than the tokenizer pads with: transformers read each shorter row's score
+    at a padding position, silently."""
+    directory = _reward_model(tokenizer_dir, tmp_path / "rm", pad_token_id=5)
+    reward = Reward([f"model:{directory}"], 4, torch.device("cpu"))
+    alone = reward(_completions(["a fine answer"]))[0].tolist()
+    batched = reward(_completions(["a fine answer", "another, much longer answer than that one"]))[0].tolist()
+    assert batched[0] == pytest.approx(alone[0], abs=1e-5)
+
+
+def test_a_reward_models_context_is_the_least_limit_it_states():
+    """A model whose config and tokenizer state no limit (Bloom) was given transformers' 'no limit', 10**30, as a
+    length: an OverflowError on every rollout."""
+    from llm.train.rewards import _context_of
+
+    assert _context_of(SimpleNamespace(max_position_embeddings=514), SimpleNamespace(model_max_length=512)) == 512
+    assert _context_of(SimpleNamespace(n_positions=8), SimpleNamespace(model_max_length=10**30)) == 8
+    assert _context_of(SimpleNamespace(), SimpleNamespace(model_max_length=10**30)) is None  # not cut
+
+
 def test_a_broken_reward_model_is_one_line(tokenizer_dir, tmp_path):
     """A truncated weights file was a SafetensorError traceback; weights of NaN passed their scores on, and the run
     ended blaming the learning rate; a directory without tokenizer files failed inside the model."""
@@ -361,10 +379,13 @@ def test_a_reward_file_given_by_path_imports_as_python_runs_it(tmp_path, monkeyp
     monkeypatch.delitem(sys.modules, "helpers_of_mine", raising=False)
     reward = Reward([f"{folder / 'scored.py'}:score"], 4, torch.device("cpu"))
     assert reward(_completions(["a", "b"]))[0].tolist() == [2.0, 2.0]
-    (tmp_path / "json.py").write_text("def score(prompts, completions, **fields):\n    return [0.0]\n")
-    with pytest.raises(UserError, match=f"^--reward {tmp_path / 'json.py'}:score: a module named json is imported "
-                                        f"already \\(json of .*\\); rename {tmp_path / 'json.py'}$"):
-        Reward([f"{tmp_path / 'json.py'}:score"], 4, torch.device("cpu"))
+    for folder, value in (("a", 3.0), ("b", 4.0)):  # a file named as a module, twice: neither takes its place
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "json.py").write_text(f"def score(prompts, completions, **fields):\n"
+                                                   f"    return [{value}] * len(completions)\n")
+    reward = Reward([f"{tmp_path / 'a' / 'json.py'}:score", f"{tmp_path / 'b' / 'json.py'}:score"], 4,
+                    torch.device("cpu"))
+    assert reward(_completions(["a"]))[0].tolist() == [7.0] and sys.modules["json"] is json
 
 
 def test_terms_renamed_apart_never_take_another_terms_name(tmp_path, monkeypatch):
@@ -381,18 +402,25 @@ def test_terms_renamed_apart_never_take_another_terms_name(tmp_path, monkeypatch
     assert total.tolist() == [101.0, 100.0] and set(parts) == set(names)
 
 
-def test_a_reward_that_swallows_its_time_limit_still_ends_at_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("body", [
+    # swallows every ring and returns: out of time all the same
+    "    for _ in range(3):\n        try:\n            time.sleep(0.5)\n"
+    "        except BaseException:\n            pass\n",
+    # swallows the first ring and waits again: the limit rang once only, and the second wait took its 30 s
+    "    try:\n        time.sleep(30)\n    except BaseException:\n        pass\n    time.sleep(30)\n",
+])
+def test_a_reward_that_swallows_its_time_limit_still_ends_at_it(tmp_path, monkeypatch, body):
     """The limit rang once: a bare `except: pass` around the wait took it, and the reward ran on for as long as it
     liked, exit 0."""
-    (tmp_path / "swallows.py").write_text("import time\n\ndef score(prompts, completions, **fields):\n"
-                                          "    for _ in range(3):\n        try:\n            time.sleep(0.5)\n"
-                                          "        except BaseException:\n            pass\n"
+    (tmp_path / "swallows.py").write_text(f"import time\n\ndef score(prompts, completions, **fields):\n{body}"
                                           "    return [0.0] * len(completions)\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "swallows", raising=False)
     reward = Reward(["swallows:score"], 4, torch.device("cpu"), timeout_s=0.2)
+    start = time.monotonic()
     with pytest.raises(UserError, match=r"^--reward score: no answer for 1 completions within grpo.reward_timeout_s"):
         reward(_completions(["a"]))
+    assert time.monotonic() - start < 10
     assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL)[0] == 0
 
 

@@ -24,6 +24,7 @@ A mistake in a term (unknown name, module that does not import, missing model di
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -35,8 +36,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -47,9 +47,12 @@ import torch
 from llm.errors import UserError
 
 R1_FORMAT = r"<think>.*?</think>\s*<answer>.*?</answer>"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
+REWARD_MODEL_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model",
+                                "vocab.txt")
 """A reward model directory holds at least one of these (without them transformers found no tokenizer, and the
 first rollout failed in the model, far from the cause)."""
+NO_LIMIT = 10**20
+"""A tokenizer's model_max_length at or above this is transformers' 'no limit' (10**30)."""
 
 
 @dataclass
@@ -168,9 +171,10 @@ class RewardModel:
             raise UserError(f"--reward model:{directory}: its config.json names {named}, not a sequence-classification "
                             "model (...ForSequenceClassification); a language model's scores would come from a head "
                             "of random weights")
-        if not any((path / name).is_file() for name in TOKENIZER_FILES):
-            raise UserError(f"--reward model:{directory}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); "
-                            "save the model's tokenizer beside it (tokenizer.save_pretrained)")
+        if not any((path / name).is_file() for name in REWARD_MODEL_TOKENIZER_FILES):
+            named = ", ".join(REWARD_MODEL_TOKENIZER_FILES)
+            raise UserError(f"--reward model:{directory}: no tokenizer there (none of {named}); save the model's "
+                            "tokenizer beside it (tokenizer.save_pretrained)")
         self.transformers, self.path, self.device = transformers, path, device
         self.model = self.tokenizer = None
         self.max_length: int | None = None
@@ -191,15 +195,13 @@ class RewardModel:
                             "transformers would start them from random values")
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        if model.config.pad_token_id is None:  # transformers scores a batch at each row's last token before padding
-            model.config.pad_token_id = self.tokenizer.pad_token_id
+        # transformers scores each row at its last token before the config's padding id: the one the rows are padded
+        # with (a config naming none could not score a batch; one naming another read a padding position)
+        model.config.pad_token_id = self.tokenizer.pad_token_id
         if model.config.pad_token_id is None:
-            raise UserError(f"--reward model:{self.path}: neither its config nor its tokenizer names a padding (or "
-                            "end) token, without which transformers cannot score a batch; set pad_token_id in its "
-                            "config.json")
-        positions = [getattr(model.config, name, None) for name in ("max_position_embeddings", "n_positions")]
-        self.max_length = min([n for n in positions if isinstance(n, int) and n > 0]
-                              + [self.tokenizer.model_max_length])
+            raise UserError(f"--reward model:{self.path}: its tokenizer names no padding (or end) token, without which "
+                            "transformers cannot score a batch; set pad_token in its tokenizer_config.json")
+        self.max_length = _context_of(model.config, self.tokenizer)
         self.tokenizer.truncation_side = "left"  # a text longer than the model's context keeps its completion
         self.model = model.to(self.device).eval()
 
@@ -215,8 +217,8 @@ class RewardModel:
             self._load()
         texts = [self._text(p, c) for p, c in zip(batch.prompts, batch.texts, strict=True)]
         try:
-            encoded = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length,
-                                     return_tensors="pt").to(self.device)
+            encoded = self.tokenizer(texts, padding=True, truncation=self.max_length is not None,
+                                     max_length=self.max_length, return_tensors="pt").to(self.device)
             logits = self.model(**encoded).logits.float()
         except Exception as exc:  # noqa: BLE001 - out of memory, or the user's model failing in its own way: one
             # line, agreed by every rank (`llm.train.rollout`)
@@ -229,21 +231,32 @@ class RewardModel:
         return scores.tolist()
 
 
+def _context_of(config, tokenizer) -> int | None:
+    """The most tokens a reward model takes: the least of its tokenizer's model_max_length (RoBERTa's 512, where its
+    config has 514 positions, 2 of which its position ids skip) and its config's positions; None where neither says
+    (transformers' 'no limit' is 10**30, beyond what a fast tokenizer takes as a length)."""
+    limits = [getattr(config, name, None) for name in ("max_position_embeddings", "n_positions")]
+    limits.append(tokenizer.model_max_length)
+    return min((n for n in limits if isinstance(n, int) and 0 < n < NO_LIMIT), default=None)
+
+
 # ---- a user's function -------------------------------------------------------------------------------
 
 def _import_file(term: str, path: Path) -> ModuleType:
-    """The module of a .py file, imported as `python FILE` would run it: its folder first on sys.path (so that it
-    imports the files beside it) and itself in sys.modules under its name (what pickle and dataclasses look up)."""
+    """The module of a .py file, run once per process: its folder first on sys.path, as `python FILE` has it (so that
+    it imports the files beside it), and itself in sys.modules (what pickle and dataclasses look up) under a name of
+    its own, `zerollm_reward_<stem>_<hash of its path>`: its stem alone could take the place of a module of that name
+    (a file math.py), and two files of one stem in two folders are two modules."""
     if not path.is_file():
         raise UserError(f"--reward {term}: no such file {path}")
-    name = path.stem
-    if (other := sys.modules.get(name)) is not None and Path(getattr(other, "__file__", "") or "") != path.resolve():
-        raise UserError(f"--reward {term}: a module named {name} is imported already ({other.__name__} of "
-                        f"{getattr(other, '__file__', None) or 'Python itself'}); rename {path}")
-    folder = str(path.resolve().parent)
+    resolved = path.resolve()
+    name = f"zerollm_reward_{resolved.stem}_{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"
+    if (module := sys.modules.get(name)) is not None:
+        return module
+    folder = str(resolved.parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    spec = importlib.util.spec_from_file_location(name, path.resolve())
+    spec = importlib.util.spec_from_file_location(name, resolved)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -290,7 +303,7 @@ class UserFunction:
         (`def score(prompts, completions)` given records with an `answer`): it failed at the first rollout, the error
         placed in our code."""
         fields = {key: [] for key in keys - {"prompts", "completions"}}
-        try:
+        try:  # its signature was read as it was imported (`_import_function`)
             inspect.signature(self.function).bind(prompts=[], completions=[], **fields)
         except TypeError as exc:
             raise UserError(f"--reward {self.term}: cannot take the prompt records' fields ({exc}); give it a "
@@ -377,38 +390,46 @@ class _OutOfTime(BaseException):
 
 
 RING_AGAIN_AFTER_S = 0.5
-"""The least time between two rings of one time limit (`_time_limit`): a limit of a microsecond rang every
-microsecond, and a ring that landed in the limit's own clean-up escaped it, leaving the timer ringing for ever."""
+"""The least time between two rings of one `TimeLimit`: at most one ring can land in its clean-up, which takes
+microseconds (a limit of a microsecond rang every microsecond)."""
 
 
-@contextmanager
-def _time_limit(seconds: float) -> Iterator[None]:
-    """Raise `_OutOfTime` into the block after `seconds` (0: never), and again every `seconds` (at least
-    RING_AGAIN_AFTER_S) after that, so that a reward that swallows it (`except: pass`) is interrupted again; and once
-    more as the block ends if it ran past the limit all the same. A timer signal interrupts Python code and the waits
-    it makes (sleep, sockets); only the main thread receives it, so elsewhere there is no limit."""
-    if not seconds or threading.current_thread() is not threading.main_thread():
-        yield
-        return
+class TimeLimit:
+    """Raise `_OutOfTime` into the running code after `seconds` (0: never), and again every `seconds` (at least
+    RING_AGAIN_AFTER_S) after that, so that a reward that swallows a ring (`except: pass`) is interrupted again in
+    its next wait; `check` raises it too where the limit has passed all the same. A timer signal interrupts Python
+    code and the waits it makes (sleep, sockets); only the main thread receives it, so elsewhere there is no limit.
+    Not a context manager: a ring landing between a `with` block's end and the manager's clean-up escaped it, the
+    timer left ringing and raising anywhere. `disarm` takes a ring that lands in it, and may be called again."""
 
-    def ring(signum, frame):
-        raise _OutOfTime
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.previous = None
+        self.start = time.monotonic()
 
-    previous = signal.signal(signal.SIGALRM, ring)
-    start = time.monotonic()
-    try:  # a limit of a microsecond rings as setitimer returns: the handler is put back then too
-        signal.setitimer(signal.ITIMER_REAL, seconds, max(seconds, RING_AGAIN_AFTER_S))
-        yield
-    finally:
-        while True:  # a ring that lands here is taken, and the timer stopped again
+    def arm(self) -> None:
+        if not self.seconds or threading.current_thread() is not threading.main_thread():
+            return
+        self.previous = signal.signal(signal.SIGALRM, _ring)
+        # a limit of a microsecond rings as setitimer returns, before arm does: `disarm` puts the handler back
+        signal.setitimer(signal.ITIMER_REAL, self.seconds, max(self.seconds, RING_AGAIN_AFTER_S))
+
+    def disarm(self) -> None:
+        while self.previous is not None:
             try:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, previous)
-                break
-            except _OutOfTime:
+                signal.signal(signal.SIGALRM, self.previous)
+                self.previous = None
+            except _OutOfTime:  # a ring that landed here: stop the timer again
                 continue
-    if time.monotonic() - start > seconds:
-        raise _OutOfTime
+
+    def check(self) -> None:
+        if self.seconds and time.monotonic() - self.start > self.seconds:
+            raise _OutOfTime
+
+
+def _ring(signum, frame):
+    raise _OutOfTime
 
 
 TOTALS_LOGGED = ("mean", "std")
@@ -441,11 +462,17 @@ class Reward:
     def __call__(self, batch: Completions) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(total reward per completion, {term name: its unweighted scores}), float32 on the CPU."""
         components, term = {}, self.terms[0]  # the limit can ring before the loop names the first term
+        limit = TimeLimit(self.timeout_s)
         try:
-            with _time_limit(self.timeout_s):
+            try:
+                limit.arm()
                 for term in self.terms:
                     components[term.name] = torch.tensor(term.score(batch), dtype=torch.float32)
+            finally:
+                limit.disarm()
+            limit.check()
         except _OutOfTime:
+            limit.disarm()  # where a ring landed in the first call, before its loop
             raise UserError(f"--reward {term.name}: no answer for {len(batch.texts)} completions within "
                             f"grpo.reward_timeout_s ({self.timeout_s:g} s, every term together); make it faster or "
                             "raise the limit (0: none)") from None
