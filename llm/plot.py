@@ -73,7 +73,7 @@ def read_run(run_dir: Path, name: str | None = None) -> RunSeries:
     if not metrics.is_file():
         raise UserError(f"{run_dir}: no {rundir.METRICS_FILE}; is this a run directory made by `zerollm train`?")
     columns = {key: (array("q"), array("d")) for key, _ in PANELS}
-    rows = 0
+    rows, last_step = 0, -1
     for line in jsonl_lines(metrics):
         row = line.value
         if not (isinstance(row, dict) and rundir.is_count(row.get("step"))):
@@ -81,11 +81,14 @@ def read_run(run_dir: Path, name: str | None = None) -> RunSeries:
             print(f"zerollm: note: {metrics}:{line.number}: skipped a line that is not a metrics row", file=sys.stderr)
             continue
         rows += 1
-        for key, (steps, values) in columns.items():
-            if rundir.is_number(row.get(key)):
-                while steps and steps[-1] >= row["step"]:  # a step logged again supersedes it and what came after
+        if row["step"] <= last_step:  # a step logged again supersedes it and every point after it, in every column
+            for steps, values in columns.values():
+                while steps and steps[-1] >= row["step"]:
                     steps.pop()
                     values.pop()
+        last_step = row["step"]
+        for key, (steps, values) in columns.items():
+            if rundir.is_number(row.get(key)):
                 steps.append(row["step"])
                 values.append(row[key])
     if not rows:

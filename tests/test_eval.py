@@ -894,8 +894,8 @@ def test_a_context_of_one_token_still_answers(model_and_tokenizer):
 
 
 def test_bits_per_byte_of_files_count_their_text_not_what_the_tokens_decode_to(export_dir, tmp_path):
-    """A tokenizer that normalises (Qwen's NFC) decodes composed text: the bytes were counted from the tokens, 34
-    instead of the file's 64, and bits per byte came out too high."""
+    """A tokenizer that normalises (Qwen's NFC) decodes composed text: the bytes were counted from the tokens, fewer
+    than the file's, and bits per byte came out too high."""
     normalising = tmp_path / "nfc"
     shutil.copytree(export_dir, normalising)
     config = json.loads((normalising / "tokenizer.json").read_text())

@@ -917,3 +917,27 @@ def test_grpo_resume_with_grad_accum_is_bit_exact(policy, prompt_dir, tmp_path):
         assert [r[key] for r in a] == [r[key] for r in b], key
     wa, wb = consolidated_weights(straight), consolidated_weights(killed)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_reward_that_fails_leaves_the_rngs_as_the_step_found_them(policy, prompt_dir):
+    """The step saved after a failed reward is the one before it: a reward that drew from the global RNGs before
+    it failed had moved them, and the resumed run drew otherwise than the run would have."""
+    import random
+
+    import numpy as np
+
+    from llm.errors import StepInputError
+    from llm.train.rewards import RewardTerm
+
+    cfg, source, prompts = _rollouts(policy, prompt_dir, 8, 1, 4)
+
+    def draws_then_fails(batch):
+        random.random(), np.random.rand(), torch.rand(3)
+        raise UserError("--reward draws:score: raised RuntimeError: scorer offline")
+
+    source.reward.terms = [RewardTerm("score", 1.0, draws_then_fails)]
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    with pytest.raises(StepInputError, match="scorer offline"):
+        source.step_batches(lambda: prompts, 0)
+    assert random.getstate() == before[0] and (np.random.get_state()[1] == before[1]).all()
+    assert torch.equal(torch.get_rng_state(), before[2])

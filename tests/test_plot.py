@@ -290,9 +290,12 @@ def test_a_step_logged_again_supersedes_the_earlier_rows_from_it_on(tmp_path):
     from llm.plot import read_run
 
     run = fake_run(tmp_path / "a", 1, 1.0)
-    rows = [{"step": s, "loss": float(s)} for s in (1, 2, 3, 4)] + [{"step": s, "loss": 10.0 + s} for s in (3, 4, 5)]
+    rows = [{"step": s, "loss": float(s)} for s in (1, 2, 3, 4)] + [{"step": 4, "val_loss": 9.0}] + \
+        [{"step": s, "loss": 10.0 + s} for s in (3, 4, 5)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert read_run(run).points("loss", "step") == ([1, 2, 3, 4, 5], [1.0, 2.0, 13.0, 14.0, 15.0])
+    series = read_run(run)
+    assert series.points("loss", "step") == ([1, 2, 3, 4, 5], [1.0, 2.0, 13.0, 14.0, 15.0])
+    assert series.points("val_loss", "step") == ([], [])  # step 4 logged again without one: its old point is gone
 
 
 def test_a_run_with_nothing_to_draw_is_noted(tmp_path, capsys):

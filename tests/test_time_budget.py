@@ -56,7 +56,7 @@ def simulate(t: TrainConfig, step_time, eval_time, save_time, state=None, start=
         with budget.overhead("save" if save_due else None):
             if save_due:
                 clock.now += save_time
-                saved = ({"budget": budget.state_dict(), "next_lr": next_lr}, step)
+                saved = ({"budget": budget.state_dict(step), "next_lr": next_lr}, step)
                 if saves is not None:
                     saves.append(step)
         budget.end_iteration(step)
@@ -123,7 +123,7 @@ def test_a_budget_that_ends_inside_the_warmup_says_so(max_time, noted):
 def test_without_a_budget_nothing_changes():
     t = TrainConfig(max_steps=100, warmup_steps=10)
     budget = TimeBudget(t, ONE_RANK, FakeClock())
-    assert not budget.enabled and not budget.out_of_time(99) and budget.state_dict() is None
+    assert not budget.enabled and not budget.out_of_time(99) and budget.state_dict(99) is None
     assert [lr_multiplier(s, t, budget) for s in range(100)] == [lr_multiplier(s, t) for s in range(100)]
 
 

@@ -629,8 +629,9 @@ def test_tokenizer_train_skips_a_lone_surrogate_and_counts_it(tmp_path, monkeypa
 
 
 def test_tokenizer_train_out_of_room_for_tokenizer_json_is_one_line_and_keeps_the_old_one(tmp_path):
-    """The tokenizers library says a failed write in a plain Exception ('File too large (os error 27)'): a
-    traceback, exit 1. A file size limit stands in for a full disk."""
+    """A failed write of tokenizer.json (the tokenizers library said it in a plain Exception, 'File too large (os
+    error 27)': a traceback, exit 1) is one line, the earlier tokenizer kept. A file size limit stands in for a full
+    disk."""
     from test_data_prepare import _file_size_limit
 
     corpus, out = tmp_path / "corpus.txt", tmp_path / "tok"

@@ -42,6 +42,7 @@ from llm.model.from_weights import model_to_fill, shapes_only
 from llm.model.lora import apply_lora
 from llm.runtime.distributed import DistInfo, agreed
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
+from llm.train.checkpoint import rng_state, set_rng_state
 from llm.train.engine import full_parameters
 from llm.train.prompts import Prompt, PromptSet, read_prompts
 from llm.train.rewards import Completions, Reward, reward_metrics
@@ -204,6 +205,7 @@ class Rollouts:
 
     def step_batches(self, draw: Callable[[], list[Prompt]], step: int) -> StepBatches:
         start = time.perf_counter()
+        rngs = rng_state()  # put back where a reward fails: the step saved then is the one before, RNGs and all
         drawn = draw()
         group = self.group_size
         prompts = [p for p in drawn for _ in range(group)]
@@ -215,7 +217,8 @@ class Rollouts:
         # is saved
         try:
             rewards, components = agreed(lambda: self.reward(batch), announce=False)
-        except UserError as exc:
+        except UserError as exc:  # a reward of the user's may have drawn from the global RNGs
+            set_rng_state(rngs)
             raise StepInputError(str(exc), announce=False) from None
         seconds = time.perf_counter() - start
         advantages = group_advantages(rewards, group, self.cfg.grpo.scale_rewards)

@@ -179,16 +179,17 @@ class TimeBudget:
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any] | None:
-        """What a checkpoint of the step in progress keeps (rank 0 writes it): the elapsed time now and rank 0's
-        own estimates (not the published ones, a step late on a GPU). A checkpoint of the last warmup step (the
+    def state_dict(self, step: int) -> dict[str, Any] | None:
+        """What a checkpoint of step `step` keeps (rank 0 writes it): the elapsed time now and rank 0's own
+        estimates (not the published ones, a step late on a GPU). A checkpoint of the last warmup step (the
         calibration's) records the end of warmup as now: `end_iteration` sets it only after the checkpoint, and a
-        run resumed from it would otherwise end its warmup a step (and its first step's start-up time) late."""
+        run resumed from it would otherwise end its warmup a step (and its first step's start-up time) late. (A
+        step saved after its `end_iteration`, by a later step that failed, has it set already.)"""
         if not self.enabled:
             return None
         now = self._now()
         warmup_end = self._warmup_ended
-        if warmup_end is None and self._steps_done + 1 >= self.warmup_steps:
+        if warmup_end is None and step >= self.warmup_steps:
             warmup_end = now
         return {"elapsed": now, "max_time": self.max_time, "step_seconds": self._step_average,
                 "eval_seconds": self._eval_measured, "save_seconds": self._save_measured, "warmup_end": warmup_end}

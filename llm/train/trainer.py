@@ -32,7 +32,7 @@ from llm import rundir
 from llm.config import RunConfig
 from llm.data.datasets import checked_to
 from llm.data.sampler import ResumableDistributedSampler
-from llm.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_RANK_LOST, StepInputError
+from llm.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_RANK_LOST, StepInputError, UserError
 from llm.runtime.distributed import DistInfo, raise_together
 from llm.runtime.preemption import Preemption, data_loader_worker_init
 from llm.runtime.watchdog import Watchdog
@@ -105,7 +105,7 @@ class Trainer:
     def client_state(self, stopped_by_signal: bool) -> dict[str, Any]:
         return {"step": self.step, "run_id": self.run_id, "world_size": self.dist.world_size,
                 "sampler": self.sampler.state_dict(), "stopped_by_signal": stopped_by_signal,
-                "loss_scale": loss_scale_of(self.engine), "time_budget": self.budget.state_dict()}
+                "loss_scale": loss_scale_of(self.engine), "time_budget": self.budget.state_dict(self.step)}
 
     # ---- data ----------------------------------------------------------------------------------
 
@@ -318,7 +318,7 @@ class Trainer:
     def _train(self, logger: MetricsLogger, checkpointer: checkpoint.Checkpointer, watchdog: Watchdog | None) -> int:
         self.preemption.install()
         self.budget.start(self.step)
-        last, sums = self._finished(), None
+        last, sums, failed = self._finished(), None, None
         while not last:
             lr = self.engine.get_lr()[0]
             with watchdog.watching(f"step {self.step + 1}") if watchdog else nullcontext(), logger.timed():
@@ -326,8 +326,9 @@ class Trainer:
                     sums, batches = self.train_step()
                 except NoBatch as stalled:
                     return self._stop_without_batch(stalled, sums, logger, checkpointer, watchdog)
-                except StepInputError as failed:
-                    self._save_then_fail(failed, sums, logger, checkpointer)
+                except StepInputError as failure:  # saved outside the step's watch, as every checkpoint is
+                    failed = failure
+                    break
                 last = self._finished()
                 calibrate = self.budget.calibration_due(self.step)  # measure what the final step will cost
                 eval_due = self._eval_due(last) or (calibrate and self.budget.eval_seconds is None)
@@ -358,6 +359,8 @@ class Trainer:
                     print(f"stopped by signal at step {self.step}; checkpoint saved in {self.run_dir}; "
                           f"rerun with --resume auto to continue", flush=True)
                 return EXIT_PREEMPTED
+        if failed is not None:
+            self._save_then_fail(failed, sums, logger, checkpointer)
         return EXIT_OK
 
     def _stop_without_batch(self, stalled: NoBatch, sums: torch.Tensor | None, logger: MetricsLogger,
@@ -377,12 +380,7 @@ class Trainer:
                                       "no checkpoint was saved",
                                       f"asked to stop, its data loader gave no batch for step {stalled.step}: no "
                                       "checkpoint was saved", logger, watchdog)
-        tag = rundir.tag_for(self.step)  # complete already where the job resumed from it: not saved over
-        saved = self.step > 0 and rundir.incompleteness(self.run_dir, tag) is not None
-        if saved:
-            if sums is not None:
-                self._refuse_diverged(sums)
-            checkpointer.after_step(self.step, last=True, stopped_by_signal=True)
+        saved, tag = self._save_last_complete_step(sums, checkpointer, stopped_by_signal=True)
         self.preemption.saved()
         if self.dist.is_main:
             logger.bar.close()
@@ -392,18 +390,32 @@ class Trainer:
                   f"{stalled.loader}; {where}; rerun with --resume auto to continue", flush=True)
         return EXIT_PREEMPTED
 
+    def _save_last_complete_step(self, sums: torch.Tensor | None, checkpointer: checkpoint.Checkpointer,
+                                 stopped_by_signal: bool) -> tuple[bool, str]:
+        """Save the last complete step, unless none was trained or a complete checkpoint of it exists (where the job
+        resumed from it: not saved over), its loss checked first where it was not logged (`sums`); (whether it was
+        saved, its tag). Every rank does as rank 0 finds: a shared file system that lags could show another rank
+        an older state, and the ranks' collectives would part."""
+        tag = rundir.tag_for(self.step)
+        saved = [self.step > 0 and rundir.incompleteness(self.run_dir, tag) is not None]
+        if self.dist.world_size > 1:
+            dist.broadcast_object_list(saved, src=0)
+        if saved[0]:
+            if sums is not None:
+                self._refuse_diverged(sums)
+            checkpointer.after_step(self.step, last=True, stopped_by_signal=stopped_by_signal)
+        return saved[0], tag
+
     def _save_then_fail(self, failed: StepInputError, sums: torch.Tensor | None, logger: MetricsLogger,
                         checkpointer: checkpoint.Checkpointer) -> NoReturn:
         """A step whose inputs failed on every rank (`StepInputError`: a reward that raised) trained nothing, so the
-        run is still at its last complete step: saved (where it is not already), so that a resume once the cause is
-        fixed continues from it as the run would have (GRPO's rollouts are seeded by their step), the steps since
-        the last checkpoint kept. Then the error, with where that step is, on every rank."""
-        tag = rundir.tag_for(self.step)
-        saved = self.step > 0 and rundir.incompleteness(self.run_dir, tag) is not None
-        if saved:
-            if sums is not None:  # the last step's loss, unless it was logged (and checked) already
-                self._refuse_diverged(sums)
-            checkpointer.after_step(self.step, last=True, stopped_by_signal=False)
+        run is still at its last complete step, RNGs included (the step source put them back): saved, so that a
+        resume once the cause is fixed continues from it as the run would have (GRPO's rollouts are seeded by their
+        step), the steps since the last checkpoint kept. Then the error, with where that step is, on every rank."""
+        try:
+            saved, tag = self._save_last_complete_step(sums, checkpointer, stopped_by_signal=False)
+        except UserError as exc:  # the save failed too (out of room): both said
+            raise_together(f"{failed}; saving step {self.step} failed too: {exc}", announce=self.dist.local_rank == 0)
         if self.dist.is_main:
             logger.bar.close()
         where = (f"step {self.step} is saved in {self.run_dir}" if saved else
