@@ -241,13 +241,14 @@ SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "attenti
                 "tie_embeddings", "moe", "n_experts", "n_shared_experts", "qk_norm", "qkv_bias")
 """What the weights' shapes and names depend on."""
 FUNCTION_FIELDS = ("rope_theta", "norm_eps", "rope_scaling", "rope_factor", "rope_original_max_seq_len",
-                   "yarn_beta_fast", "yarn_beta_slow", "llama3_low_freq_factor", "llama3_high_freq_factor")
+                   "yarn_beta_fast", "yarn_beta_slow", "llama3_low_freq_factor", "llama3_high_freq_factor",
+                   "n_experts_per_token", "norm_topk_prob")
 """What the trained function depends on beyond the shapes: training on other values would silently change it."""
 
 
 ADOPTED_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "n_kv_heads", "hidden_dim", "multiple_of",
-                  "max_seq_len", "tie_embeddings", "moe", "n_experts", "n_experts_per_token", "n_shared_experts",
-                  "norm_topk_prob", "qk_norm", "qkv_bias", *FUNCTION_FIELDS)
+                  "max_seq_len", "tie_embeddings", "moe", "n_experts", "n_shared_experts", "qk_norm", "qkv_bias",
+                  *FUNCTION_FIELDS)
 """The model.* keys a run with --init-from takes from that model instead of its recipe: its shape, its function and
 its context length."""
 

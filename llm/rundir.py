@@ -101,7 +101,10 @@ def check_run_output(run_dir: Path, resume: bool) -> None:
             raise UserError(f"--out {run_dir} is {what} (it holds {marker}); give the run a directory of its own")
     names = {p.name for p in run_dir.iterdir()}
     clashing = sorted(names & (RUN_ENTRIES - {WANDB_DIR}))  # other files (a log, notes) training leaves alone
-    if clashing and not ((run_dir / RUN_RECORD_FILE).is_file() or checkpoint_dir(run_dir).is_dir()):
+    # a run's own: its record, or checkpoints of its making (a folder named checkpoints alone is anyone's: a user's
+    # Lightning run beside its own config.yaml had that overwritten)
+    own_checkpoints = (checkpoint_dir(run_dir) / LATEST).exists() or bool(checkpoint_tags(run_dir))
+    if clashing and not ((run_dir / RUN_RECORD_FILE).is_file() or own_checkpoints):
         raise UserError(f"--out {run_dir} holds {', '.join(clashing[:4])} but is not a zerollm run; training would "
                         "overwrite them: choose a new or empty directory")
     for folder in (checkpoint_dir(run_dir), tokenizer_dir(run_dir)):

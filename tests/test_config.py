@@ -98,6 +98,9 @@ def _resumed_as(tmp_path, saved: list[str], here: list[str], paths: dict | None 
     (["train.stage=distill", "train.teacher=teach"], [], None, "train.stage distill (--teacher teach) there, pretrain "
                                                                "here"),
     ([], ["data.seq_len=16"], None, "data.seq_len 32 there, 16 here (its samples are windows of that many tokens)"),
+    (["model.moe=true", "model.n_experts=4", "model.n_experts_per_token=2"],  # routing: no shape, but the function
+     ["model.moe=true", "model.n_experts=4", "model.n_experts_per_token=1", "model.norm_topk_prob=false"], None,
+     "model.n_experts_per_token 2 there, 1 here; model.norm_topk_prob True there, False here"),
 ])
 def test_a_resume_that_changes_what_the_checkpoints_mean_is_refused(tmp_path, saved, here, paths, changes):
     """Accepted before: the run trained on as another function (RoPE base, norm epsilon: what --init-from refuses)
