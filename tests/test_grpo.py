@@ -634,6 +634,17 @@ def test_grpo_raises_the_reward_on_two_ranks(grpo_runs, stage, component):
     assert json.loads((grpo_runs[stage] / "ds_config.json").read_text())["zero_optimization"]["stage"] == stage
 
 
+def _assert_trained_alike(straight, resumed, steps):
+    """`resumed` (a run stopped and resumed) logged every one of `steps` steps as `straight` (the same run, not
+    stopped) did, bit for bit, and ended with the same weights."""
+    a, b = _metrics(straight), _metrics(resumed)
+    assert [r["step"] for r in b] == list(range(1, steps + 1))
+    for key in ("loss", "reward/mean", "kl", "completion_length"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    wa, wb = consolidated_weights(straight), consolidated_weights(resumed)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_grpo_sigkill_then_resume_is_bit_exact(grpo_runs, policy, prompt_dir, tmp_path):
     killed = tmp_path / "killed"
     args = _grpo_args(policy, prompt_dir, killed, rewards=["format:[A-Z].*"], extra=["--zero-stage", 2])
@@ -641,12 +652,7 @@ def test_grpo_sigkill_then_resume_is_bit_exact(grpo_runs, policy, prompt_dir, tm
     kill_when(lambda: latest.is_file() and latest.read_text() == "global_step4", *args)
     result = run_job(*args, "--resume", "auto", name="resumed")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    straight, resumed = _metrics(grpo_runs[2]), _metrics(killed)
-    assert [r["step"] for r in resumed] == list(range(1, 9))
-    for key in ("loss", "reward/mean", "kl", "completion_length"):
-        assert [r[key] for r in straight] == [r[key] for r in resumed], key
-    a, b = consolidated_weights(grpo_runs[2]), consolidated_weights(killed)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    _assert_trained_alike(grpo_runs[2], killed, steps=8)
 
 
 def test_a_grpo_resume_on_another_seed_names_the_prompts(grpo_runs, policy, prompt_dir, tmp_path):
@@ -734,12 +740,7 @@ def test_a_reward_that_fails_mid_run_keeps_the_steps_before_it_and_the_resume_is
     (tmp_path / "fail_at").unlink()
     result = run_job(*args, "--resume", "auto", cwd=tmp_path, name="resumed")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    straight, resumed = _metrics(grpo_runs[3]), _metrics(run)
-    assert [r["step"] for r in resumed] == list(range(1, 9))
-    for key in ("loss", "reward/mean", "kl", "completion_length"):
-        assert [r[key] for r in straight] == [r[key] for r in resumed], key
-    a, b = consolidated_weights(grpo_runs[3]), consolidated_weights(run)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    _assert_trained_alike(grpo_runs[3], run, steps=8)
 
 
 def test_a_second_ctrl_c_stops_a_hung_run_at_once(policy, prompt_dir, tmp_path):
@@ -911,12 +912,7 @@ def test_grpo_resume_with_grad_accum_is_bit_exact(policy, prompt_dir, tmp_path):
     kill_when(lambda: latest.is_file() and latest.read_text() == "global_step2", *args)
     result = run_job(*args, "--resume", "auto", name="resumed")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    a, b = _metrics(straight), _metrics(killed)
-    assert [r["step"] for r in b] == list(range(1, 5))
-    for key in ("loss", "reward/mean", "kl", "completion_length"):
-        assert [r[key] for r in a] == [r[key] for r in b], key
-    wa, wb = consolidated_weights(straight), consolidated_weights(killed)
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    _assert_trained_alike(straight, killed, steps=4)
 
 
 def test_a_reward_that_fails_leaves_the_rngs_as_the_step_found_them(policy, prompt_dir):
