@@ -136,13 +136,15 @@ def parse_duration(value: float | str, key: str) -> float:
     """Seconds of a duration given as a number of seconds or as text such as '10m', '1h30m', '90s', '2.5h'."""
     text = str(value).strip().lower()
     name = key if key.startswith("--") else f"config key '{key}'"  # an option, or a run-config key
-    if re.fullmatch(r"\d+(\.\d*)?", text):
+    if re.fullmatch(r"(\d+(\.\d*)?|\.\d+)(e[+-]?\d+)?", text):  # seconds, as YAML writes a float too (1e+99)
         seconds = float(text)
     elif re.fullmatch(r"(\d+(\.\d*)?\s*[hms]\s*)+", text):
         seconds = sum(float(n) * DURATION_UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d*)?)\s*([hms])", text))
     else:
         raise UserError(f"{name} expects seconds or a duration such as 10m, 1h30m, 90s; got {value!r}")
-    if not 0 < seconds < math.inf:
+    if seconds == math.inf:
+        raise UserError(f"{name} must be a finite number of seconds, got {value!r}")
+    if seconds <= 0:
         raise UserError(f"{name} must be a positive duration, got {value!r}")
     return seconds
 

@@ -29,6 +29,25 @@ def test_module_entry_point_matches_console_script():
     assert subprocess.run([str(script), "--help"], capture_output=True, text=True).stdout == run_cli("--help").stdout
 
 
+def test_a_ctrl_c_while_the_command_line_loads_is_one_line(monkeypatch, capsys):
+    """A Ctrl-C in a command's first fraction of a second, while its modules were imported, was a KeyboardInterrupt
+    traceback."""
+
+    class Interrupted:
+        def find_spec(self, name, path=None, target=None):
+            if name == "llm.cli":
+                raise KeyboardInterrupt
+            return None
+
+    from llm.__main__ import run
+
+    monkeypatch.delitem(sys.modules, "llm.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
+    with pytest.raises(SystemExit) as exited:
+        run()
+    assert exited.value.code == 130 and capsys.readouterr().err == "zerollm: interrupted\n"
+
+
 def test_demo_runs_every_stage_and_reports_accuracy(tmp_path):
     result = run_cli("demo", "--out", tmp_path, "--steps", 4)  # every stage at most 4 steps
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -3,6 +3,7 @@ drives the budget exactly as the trainer does), and a killed time-budget run res
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def simulate(t: TrainConfig, step_time, eval_time, save_time, state=None, start=
     list, gets the step of every checkpoint."""
     clock = FakeClock()
     budget = TimeBudget(t, info, clock)
-    budget.load_state_dict(state and state["budget"])
+    budget.load_state_dict(state and state["budget"], start)
     budget.start(start)
     step, used, saved = start, [], (None, None)
     # the scheduler's value for the first step: computed at its start, or restored from the checkpoint
@@ -128,12 +129,12 @@ def test_without_a_budget_nothing_changes():
 
 
 @pytest.mark.parametrize("value,seconds", [("10m", 600), ("1h30m", 5400), ("90s", 90), ("2.5h", 9000), (600, 600),
-                                           ("45", 45)])
+                                           ("45", 45), ("1e99", 1e99), ("1.5e3", 1500), (".5", 0.5)])
 def test_max_time_takes_seconds_or_durations(value, seconds):
     assert build_config("demo", [f"train.max_time={value}"]).train.max_time_seconds() == seconds
 
 
-@pytest.mark.parametrize("value", ["10x", "m", "10m5", "0", "-5s"])
+@pytest.mark.parametrize("value", ["10x", "m", "10m5", "0", "-5s", "1e", "e5", "0e5", "1e999"])
 def test_a_malformed_max_time_names_the_key(value):
     with pytest.raises(UserError, match="train.max_time"):
         build_config("demo", [f"train.max_time={value}"])
@@ -184,6 +185,27 @@ def test_a_killed_time_budget_run_resumes_its_clock_and_completes_its_schedule(p
     _assert_the_last_step_ran_at_the_floor(rows, final)
     records = [json.loads(line) for line in (tmp_path / "run_record.jsonl").read_text().splitlines()]
     assert [r["resumed_from"] for r in records] == [None, f"global_step{step}"]
+
+
+def test_a_budget_of_less_than_a_step_is_noted_and_its_resume_trains_nothing(pretrain_data, tmp_path):
+    """A budget shorter than a step ran two steps past it without a word (no step's time is known before one has
+    run), and `--resume auto` of the spent run trained nothing, silently, and added a run record for it."""
+    budget = ["train.max_time=0.01", "train.warmup_steps=0", "train.eval_every=0", "train.save_every=0"]
+    result = run_job(*train_args(pretrain_data, tmp_path, *budget))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert re.search(r"pretrain: note: training took [\d.]+ s, past train.max_time=0.01 s: the budget stops the run "
+                     r"by the time its steps were measured to take \([\d.e-]+ s each\)", result.stdout), result.stdout
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    before = (tmp_path / "run_record.jsonl").read_text()
+
+    resumed = run_job(*train_args(pretrain_data, tmp_path, *budget, extra=["--resume", "auto"]))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert re.search(rf"zerollm: note: {re.escape(str(tmp_path))}: nothing to train: its checkpoint "
+                     rf"global_step{steps[-1]} is at step {steps[-1]} and its time budget train.max_time=0.01 s is "
+                     r"spent \([\d.]+ s trained, [\d.e-]+ s a step\); set a longer train.max_time to train further",
+                     resumed.stderr), resumed.stderr[-3000:]
+    assert (tmp_path / "run_record.jsonl").read_text() == before
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == len(steps)
 
 
 def test_two_ranks_agree_on_the_clock_and_stop_after_the_same_step(pretrain_data, tmp_path):

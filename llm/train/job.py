@@ -410,11 +410,11 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
             dist.barrier()
             if info.is_main:
                 shutil.rmtree(rundir.universal_dir(run_dir))
-    if tag is not None and trainer.step >= cfg.train.max_steps:  # every rank finds it, once the resume was checked
+    finished = trainer.nothing_left() if tag is not None else None  # every rank finds it, once the resume was checked
+    if finished is not None:
         if info.is_main:
             print(f"zerollm: note: {run_dir}: nothing to train: its checkpoint {tag} is at step {trainer.step} and "
-                  f"train.max_steps is {cfg.train.max_steps}; set a higher train.max_steps to train further",
-                  file=sys.stderr, flush=True)
+                  f"{finished}", file=sys.stderr, flush=True)
         return EXIT_OK
     record = run_record(info, data, resumed_from=tag)  # every rank takes part (hosts and ranks are gathered)
     # written once the run is known to start (a refused resume leaves the directory as it was), by rank 0; a full

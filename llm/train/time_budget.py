@@ -128,6 +128,16 @@ class TimeBudget:
                 f"warmup of train.warmup_steps={self.warmup_steps}: the learning rate neither reached its peak nor "
                 "decayed; lower train.warmup_steps")
 
+    def overrun_note(self) -> str | None:
+        """At the run's end, on rank 0 (its own clock: what it says, no rank decides by): a note when training took
+        longer than the budget, as a budget of a step or two does (the steps before the first one measured are run
+        whatever they cost)."""
+        if not self.enabled or (used := self._now()) <= self.max_time:
+            return None
+        return (f"note: training took {used:.1f} s, past train.max_time={self.max_time:g} s: the budget stops the run "
+                f"by the time its steps were measured to take ({self._step_average:.2g} s each), and one or two steps "
+                "run before any is; give it the time of many steps")
+
     # ---- measuring (rank 0 decides) -------------------------------------------------------------
 
     def start(self, step: int) -> None:
@@ -194,11 +204,12 @@ class TimeBudget:
         return {"elapsed": now, "max_time": self.max_time, "step_seconds": self._step_average,
                 "eval_seconds": self._eval_measured, "save_seconds": self._save_measured, "warmup_end": warmup_end}
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Continue from a checkpoint's estimates: published at once on every rank (each reads the same
-        checkpoint), and rank 0's own, which it goes on updating."""
+    def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
+        """Continue from the estimates of a checkpoint of step `step`: published at once on every rank (each reads
+        the same checkpoint), and rank 0's own, which it goes on updating."""
         if not state or not self.enabled:
             return
+        self.known_step = step
         self._base = self.elapsed = state["elapsed"]
         self._step_average = self.step_seconds = state["step_seconds"]
         self._eval_measured = self.eval_seconds = state["eval_seconds"]

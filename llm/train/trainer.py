@@ -100,7 +100,7 @@ class Trainer:
                            f"{self.run_dir}", announce=self.dist.local_rank == 0)
         if state.get("loss_scale") is not None:  # fp16: continue with the scale the run had reached, exactly
             set_loss_scale(self.engine, state["loss_scale"])
-        self.budget.load_state_dict(state.get("time_budget"))
+        self.budget.load_state_dict(state.get("time_budget"), self.step)
 
     def client_state(self, stopped_by_signal: bool) -> dict[str, Any]:
         return {"step": self.step, "run_id": self.run_id, "world_size": self.dist.world_size,
@@ -297,7 +297,17 @@ class Trainer:
 
     def _finished(self) -> bool:
         """No step is left: the step budget is spent, or the next step would end past the time budget."""
-        return self.step >= self.cfg.train.max_steps or self.budget.out_of_time(self.step)
+        return self.nothing_left() is not None
+
+    def nothing_left(self) -> str | None:
+        """Why no step is left to train (`_finished`), said for a resume that finds none; None while one is."""
+        t = self.cfg.train
+        if self.step >= t.max_steps:
+            return f"train.max_steps is {t.max_steps}; set a higher train.max_steps to train further"
+        if self.budget.out_of_time(self.step):
+            return (f"its time budget train.max_time={self.budget.max_time:g} s is spent ({self.budget.elapsed:.1f} s "
+                    f"trained, {self.budget.step_seconds:.2g} s a step); set a longer train.max_time to train further")
+        return None
 
     def _eval_due(self, last: bool) -> bool:
         t = self.cfg.train
@@ -350,8 +360,8 @@ class Trainer:
             if stop or last:
                 self.preemption.saved()
             self.budget.end_iteration(self.step)
-            note = self.budget.warmup_note(self.step) if last else None
-            if note and self.dist.is_main:
+            notes = (self.budget.warmup_note(self.step), self.budget.overrun_note()) if last else ()
+            for note in filter(None, notes) if self.dist.is_main else ():
                 logger.bar.write(f"{self.cfg.train.stage}: {note}", file=sys.stdout)
             if stop:
                 if self.dist.is_main:
