@@ -1061,19 +1061,43 @@ def test_a_stop_waits_for_the_checkpoint_ranks_on_other_hosts_still_save(tmp_pat
     assert out.splitlines()[-1] == f"code {EXIT_PREEMPTED}"
 
 
-def test_ranks_name_the_command_that_started_them_when_it_is_gone(monkeypatch):
-    """Ranks of `zerollm train --nproc 2` whose parent was killed said 'zerollm launch (pid N) ended'."""
+def _supervised_by(process, monkeypatch):
+    """What `watch_supervisor` says, in a queue, where `process` is the `zerollm eval --nproc 2` that started this
+    rank."""
     import queue
 
     from launch.local import rank_environments
     from llm.runtime import supervisor
 
-    gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
-    environment = {**rank_environments(2, free_port(), "eval")[0], supervisor.PID_ENV: str(gone.pid),
-                   supervisor.STARTED_ENV: repr(psutil.Process(gone.pid).create_time())}
-    gone.wait()
+    environment = {**rank_environments(2, free_port(), "eval")[0], supervisor.PID_ENV: str(process.pid),
+                   supervisor.STARTED_ENV: repr(psutil.Process(process.pid).create_time())}
     for name in (supervisor.PID_ENV, supervisor.HOST_ENV, supervisor.STARTED_ENV, supervisor.NAME_ENV):
         monkeypatch.setenv(name, environment[name])
     said = queue.Queue()
     supervisor.watch_supervisor(said.put, interval_s=0.05)
+    return said
+
+
+def test_ranks_name_the_command_that_started_them_when_it_is_gone(monkeypatch):
+    """Ranks of `zerollm train --nproc 2` whose parent was killed said 'zerollm launch (pid N) ended'."""
+    gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    said = _supervised_by(gone, monkeypatch)
+    gone.wait()
     assert said.get(timeout=30) == f"zerollm eval --nproc 2 (pid {gone.pid}) ended"
+
+
+def test_a_launch_killed_but_not_yet_reaped_is_gone(monkeypatch):
+    """A SIGKILLed launch whose parent had not reaped it yet (a zombie, as long as the parent waits on something
+    else) counted as alive: its ranks trained on, to the end, instead of saving and stopping."""
+    import queue
+
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        said = _supervised_by(killed, monkeypatch)
+        with pytest.raises(queue.Empty):
+            said.get(timeout=0.5)  # alive
+        killed.kill()  # and not waited for
+        assert said.get(timeout=30) == f"zerollm eval --nproc 2 (pid {killed.pid}) ended"
+        assert psutil.Process(killed.pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        killed.wait()

@@ -27,8 +27,11 @@ def supervisor_env(name: str = "zerollm launch") -> dict[str, str]:
 
 
 def _alive(pid: int, started: float) -> bool:
+    """Whether the process is running: the same one (not a reused pid), and not killed and left unreaped by its
+    parent (a zombie, for as long as the parent waits on something else)."""
     try:
-        return psutil.Process(pid).create_time() == started  # the same process, not a reused pid
+        process = psutil.Process(pid)
+        return process.create_time() == started and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 
