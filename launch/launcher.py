@@ -68,7 +68,7 @@ from llm.errors import EXIT_PREEMPTED, UserError
 from llm.runtime.accelerator import ensure_accelerator_env
 from llm.runtime.cpu_threads import cpu_threads_per_rank
 from llm.runtime.rank_env import port_in_use
-from llm.runtime.supervisor import supervisor_env
+from llm.runtime.supervisor import started_here, supervisor_env
 
 MAX_PORT = 65535
 MAX_NODES = 65536
@@ -514,6 +514,22 @@ def _wait_for_preempted(run_dir: Path, since: float, bound_s: float, stopping: l
     return found
 
 
+def _wait_for_ranks_here(run_dir: Path, since: float, stopping: list[int]) -> bool:
+    """Where the launcher ended on a stop while processes of the job still run on this node (a stop signal sent to
+    every process of the job at once, as `systemctl stop` or SLURM's signalling of a job step do: DeepSpeed's runner
+    dies of it, its ranks save), wait up to `STOP_WAIT_S` for them to end (another stop ends the wait), then whether
+    they published the checkpoint of the stop."""
+    remaining = started_here()
+    if not remaining:
+        return False
+    print(f"zerollm launch: waiting up to {STOP_WAIT_S:g} s for the ranks on this node to save a checkpoint in "
+          f"{run_dir} and end (stop again to end the wait)", flush=True)
+    signals, deadline = len(stopping), time.monotonic() + STOP_WAIT_S
+    while remaining and time.monotonic() < deadline and len(stopping) == signals:
+        _, remaining = psutil.wait_procs(remaining, timeout=POLL_S)
+    return _preempted_since(run_dir, since)
+
+
 def run_plan(plan: Plan, run_dir: Path) -> int:
     """Start the launcher in its own session, forward SIGTERM/SIGINT to the training ranks, return the exit code:
     EXIT_PREEMPTED when the ranks published a checkpoint saved on a stop signal during this launch (here or on
@@ -544,6 +560,8 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
         try:
             code = launcher.wait()
             preempted = code != 0 and _preempted_since(run_dir, started_at)
+            if code != 0 and stopping and not preempted:
+                preempted = _wait_for_ranks_here(run_dir, started_at, stopping)
             if code != 0 and stopping and not preempted and plan.stop_wait_s:
                 preempted = _wait_for_preempted(run_dir, started_at, plan.stop_wait_s, stopping)
         finally:

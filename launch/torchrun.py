@@ -26,6 +26,7 @@ from __future__ import annotations
 import signal
 import sys
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 from torch.distributed.run import get_args_parser
@@ -98,6 +99,8 @@ def main(argv: list[str]) -> int:
             return report_rank_ended(f"rank {rank} (pid {pid})", signum)
         print(failure.format_msg().strip("\n"), file=sys.stderr, flush=True)
         return passed_on_code(failure)
+    except SignalException as stopped:  # a stop sent to torchrun itself (to every process of a job step at once):
+        return 128 + stopped.sigval  # it has closed its ranks, which save; `zerollm launch` says how the job ended
     except RendezvousTimeoutError:
         nodes, endpoint, timeout, _ = _rendezvous(argv)
         report(f"the {nodes} nodes did not all meet at {endpoint} within train.collective_timeout_s={timeout} s "

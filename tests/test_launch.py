@@ -970,6 +970,21 @@ def test_torchrun_passes_the_first_failure_on_as_deepspeeds_launcher_does():
     assert deepspeed_signal(passed_on_code(failed(-signal.SIGTERM))) == signal.SIGTERM
 
 
+def test_torchrun_stopped_itself_ends_without_a_traceback(monkeypatch, capsys):
+    """A SIGTERM to torchrun (with its ranks: a job step's processes signalled at once) was its SignalException's
+    traceback, thirty lines, though the ranks saved."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    import launch.torchrun
+
+    def stopped(argv):
+        raise SignalException("Process 1 got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(launch.torchrun, "torchrun_main", stopped)
+    assert launch.torchrun.main([]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == ""
+
+
 def test_torchrun_failures_are_read_like_the_ranks_own_ending():
     assert quiet_code(failed(76, -signal.SIGTERM)) == EXIT_RANK_LOST  # a watchdog named the rank it lost
     assert quiet_code(failed(EXIT_PREEMPTED, EXIT_PREEMPTED)) == EXIT_PREEMPTED  # stopped and saved: no failure table
@@ -1004,10 +1019,7 @@ def test_a_node_that_never_comes_under_torchrun_is_one_line_at_the_timeout(pretr
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
-PDSH_RUNNER_STOPPED = """
-import json, os, signal, subprocess, sys, time
-run, ready = sys.argv[1], sys.argv[2]
-SAVE = '''
+SAVING_A_STOPS_CHECKPOINT = """
 import json, os, sys, time
 run = sys.argv[1]
 time.sleep(3)  # still saving after the runner is gone
@@ -1016,10 +1028,15 @@ state = {"step": 3, "run_id": "r", "world_size": 2, "stopped_by_signal": True,
          "sampler": {"epoch": 0, "consumed": 8, "seed": 1, "num_samples": 100}}
 open(os.path.join(run, "checkpoints", "global_step3", "client_state.json"), "w").write(json.dumps(state))
 open(os.path.join(run, "checkpoints", "latest"), "w").write("global_step3")
-'''
+"""
+"""A rank of a stopped job (`python -c THIS RUN_DIR`): the checkpoint of its stop, published 3 s later."""
+
+PDSH_RUNNER_STOPPED = f"""
+import json, os, signal, subprocess, sys, time
+run, ready = sys.argv[1], sys.argv[2]
 
 def stop(signum, frame):  # DeepSpeed's pdsh runner: pdsh kills the ranks' launchers, 1 s later it exits 1
-    subprocess.Popen([sys.executable, "-c", SAVE, run], start_new_session=True)
+    subprocess.Popen([sys.executable, "-c", {SAVING_A_STOPS_CHECKPOINT!r}, run], start_new_session=True)
     sys.exit(1)
 
 signal.signal(signal.SIGTERM, stop)
@@ -1028,6 +1045,48 @@ open(ready, "w").close()
 time.sleep(120)
 """
 """Stands in for DeepSpeed's runner on several hosts under pdsh, whose ranks, elsewhere, save after it has exited."""
+
+LOCAL_RUNNER_SIGNALLED_WITH_ITS_RANK = f"""
+import subprocess, sys, time
+run, ready = sys.argv[1], sys.argv[2]
+RANK = '''
+import signal, subprocess, sys, time
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+open(sys.argv[2], "w").close()
+while not stop:
+    time.sleep(0.05)
+subprocess.run([sys.executable, "-c", sys.argv[3], sys.argv[1]])
+sys.exit(75)
+'''
+subprocess.Popen([sys.executable, "-c", RANK, run, ready, {SAVING_A_STOPS_CHECKPOINT!r}])
+time.sleep(120)  # a SIGTERM ends it at once: DeepSpeed's runner on this node sets no handler
+"""
+"""Stands in for DeepSpeed's runner of ranks on this node: a stop signal ends it at once, its rank saves after."""
+
+
+def test_a_stop_sent_to_every_process_of_the_job_waits_for_the_ranks_here(tmp_path):
+    """SIGTERM to every process at once (`systemctl stop`, SLURM signalling a job step): DeepSpeed's runner died of it
+    and the launch exited 143 at once, while its ranks were still saving (a wrapper that requeues on 75 did not)."""
+    (tmp_path / "runner.py").write_text(LOCAL_RUNNER_SIGNALLED_WITH_ITS_RANK)
+    run, ready = tmp_path / "run", tmp_path / "ready"
+    script = textwrap.dedent(f"""
+        import sys
+        from launch.launcher import Plan, run_plan
+        from pathlib import Path
+        plan = Plan([sys.executable, {str(tmp_path / "runner.py")!r}, {str(run)!r}, {str(ready)!r}], [])
+        print("code", run_plan(plan, Path({str(run)!r})))
+    """)
+    launch = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        _wait_for(ready)
+        for process in [psutil.Process(launch.pid), *psutil.Process(launch.pid).children(recursive=True)]:
+            process.send_signal(signal.SIGTERM)
+        out, _ = launch.communicate(timeout=120)
+    finally:
+        _kill_tree(launch)
+    assert "zerollm launch: waiting up to 60 s for the ranks on this node to save a checkpoint" in out, out
+    assert out.splitlines()[-1] == f"code {EXIT_PREEMPTED}"
 
 
 def test_a_stop_waits_for_the_checkpoint_ranks_on_other_hosts_still_save(tmp_path):

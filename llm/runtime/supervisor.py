@@ -8,6 +8,7 @@ the rank requests a stop exactly as a SIGTERM would: every rank saves a checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -24,6 +25,20 @@ def supervisor_env(name: str = "zerollm launch") -> dict[str, str]:
     starts `--nproc` local ranks) to the ranks it starts."""
     return {PID_ENV: str(os.getpid()), HOST_ENV: socket.gethostname(),
             STARTED_ENV: repr(psutil.Process().create_time()), NAME_ENV: name}
+
+
+def started_here() -> list[psutil.Process]:
+    """The processes running with this process's `supervisor_env` (the job's processes on this node: ranks, their
+    launchers and data-loader workers), wherever they were re-parented: a launcher killed with the whole job leaves
+    its ranks to finish saving on their own."""
+    mine, found = supervisor_env(), []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):  # ended meanwhile, or another user's
+            environment = process.environ()
+            if environment.get(PID_ENV) == mine[PID_ENV] and environment.get(STARTED_ENV) == mine[STARTED_ENV] \
+                    and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+    return found
 
 
 def _alive(pid: int, started: float) -> bool:
