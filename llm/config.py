@@ -496,7 +496,7 @@ def parse_override(text: str) -> tuple[str, Any, str]:
     if not sep or not key:
         raise UserError(f"--set expects key=value, got '{text}'")
     try:
-        value = load_yaml(raw) if raw != "" else ""
+        value = raw.strip() if _has_comment(raw) else load_yaml(raw) if raw != "" else ""
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or ""
         if "<stream end>" in problem:  # a list or mapping left open ('[a, b'): it became one text
@@ -504,6 +504,14 @@ def parse_override(text: str) -> tuple[str, Any, str]:
                             f"or quote text: --set '{key.strip()}=\"{raw}\"'") from None
         value = raw  # text that YAML reads otherwise ('a: b', '[INST] hi', '{date}-run')
     return key.strip(), value, raw
+
+
+def _has_comment(raw: str) -> bool:
+    """Whether YAML reads a comment in an override's value (a '#' at its start or after a space), which it would
+    drop: `--set 'wandb.name=run #2'` named the run 'run'. Such a value is taken as the text written (a number
+    followed by a comment is then refused as not a number)."""
+    node = yaml.compose(raw, Loader=_Yaml12Loader)
+    return raw[node.end_mark.index if node is not None else 0:].lstrip().startswith("#")
 
 
 def refuse_set_twice(overrides: list[str], given: dict[str, str]) -> None:

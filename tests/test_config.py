@@ -46,8 +46,22 @@ def test_values_are_read_by_yaml_12_and_text_keys_take_the_text_as_written(tmp_p
         saved.save(tmp_path / "config.yaml")
         assert load_yaml((tmp_path / "config.yaml").read_text())["wandb"]["name"] == name
         assert rundir.recorded_config(tmp_path)["wandb"]["name"] == name
-    quoted = build_config("demo", ['wandb.name="0123"', "wandb.mode='off'", "wandb.project= mine  # a note"]).wandb
-    assert (quoted.name, quoted.mode, quoted.project) == ("0123", "off", "mine")  # quotes and comments are YAML's
+    quoted = build_config("demo", ['wandb.name="0123"', "wandb.mode='off'", "wandb.project= mine "]).wandb
+    assert (quoted.name, quoted.mode, quoted.project) == ("0123", "off", "mine")  # quotes are YAML's
+
+
+@pytest.mark.parametrize("override, value", [("wandb.name=run #2", "run #2"), ("wandb.name=#2", "#2"),
+                                             ("wandb.name= Ann's run #2 $(id) %h", "Ann's run #2 $(id) %h"),
+                                             ("wandb.name=run#2", "run#2"), ('wandb.name="run #2"', "run #2")])
+def test_a_hash_in_an_override_is_part_of_its_value(override, value):
+    """YAML reads ' #' as the start of a comment: `--set 'wandb.name=run #2'` named the run 'run', and
+    `wandb.name=#2` named it nothing (null), without a word."""
+    assert build_config("demo", [override]).wandb.name == value
+
+
+def test_a_number_followed_by_a_hash_is_refused():
+    with pytest.raises(UserError, match="config key 'model.dim' expects int, got '64 # wide'"):
+        build_config("demo", ["model.dim=64 # wide"])
 
 
 def test_a_config_yaml_an_earlier_version_wrote_reads_back_as_it_meant(tmp_path):
