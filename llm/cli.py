@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from launch.hostfile import MAX_SLOTS_PER_HOST
+from launch.hostfile import MAX_SLOTS_PER_HOST, read_integer
 from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, LaunchOptions, launcher_name
 from llm import rundir
 from llm.config import (
@@ -54,11 +54,13 @@ def a_path(text: str) -> str:
 
 
 def whole_number(text: str) -> int:
-    """int(text), or argparse's one line ('invalid ranks_on_this_machine value' named this module's function)."""
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    """An integer option's value, in ASCII decimal digits as a hostfile's slots are (int() alone also read '1_0000',
+    '²' and ' 5': `--master-port 1_0000` ran on port 10000), or argparse's one line (its own for type=int named
+    the function: 'invalid ranks_on_this_machine value')."""
+    value = read_integer(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return value
 
 
 def ranks_on_this_machine(text: str) -> int:
@@ -86,11 +88,11 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
                                     "tokenizer_config.json, loadable by transformers.AutoTokenizer.")
     t.add_argument("--input", type=a_path, nargs="+", required=True, metavar="PATH",
                    help="files or directories to read (a directory: every supported file under it)")
-    t.add_argument("--vocab-size", type=int, required=True, help="vocabulary size including special tokens")
+    t.add_argument("--vocab-size", type=whole_number, required=True, help="vocabulary size including special tokens")
     t.add_argument("--out", type=a_path, required=True,
                    help="output directory: new, empty, or one this command wrote before "
                    "(its files are overwritten); any other folder is refused")
-    t.add_argument("--min-frequency", type=int, default=2, help="minimum pair frequency to merge (default 2)")
+    t.add_argument("--min-frequency", type=whole_number, default=2, help="minimum pair frequency to merge (default 2)")
 
 
 def _add_data(sub: argparse._SubParsersAction) -> None:
@@ -114,11 +116,11 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
                    help="tokenizer directory (from `zerollm tokenizer train`)")
     d.add_argument("--out", type=a_path, required=True, help="output directory")
     d.add_argument("--val-fraction", type=float, default=0.01, help="share of documents for validation (default 0.01)")
-    d.add_argument("--workers", type=int, default=None,
+    d.add_argument("--workers", type=whole_number, default=None,
                    help="tokenizer processes, 1 to 4 x the CPU count (default: CPU count, at most 8)")
     d.add_argument("--strict", action="store_true", help="stop at the first malformed record instead of skipping it")
-    d.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default 0)")
-    d.add_argument("--seq-len", type=int, default=512,
+    d.add_argument("--seed", type=whole_number, default=0, help="seed of the train/val split (default 0)")
+    d.add_argument("--seq-len", type=whole_number, default=512,
                    help="sft/dpo: longest sample in predicted positions; a longer conversation is cut after its "
                         "last reply that fits (skipped when even its first reply does not fit), a longer pair "
                         "truncated, each listed in the report (default 512)")
@@ -135,7 +137,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="DeepSpeed config: a JSON file, or a shipped one by name (pretrain_zero3, ...; default: the "
                         "stage's, ds_configs/<stage>.json); 'auto' values come from the run config. "
                         "--deepspeed_config is DeepSpeed's own name for it")
-    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+    p.add_argument("--zero-stage", type=whole_number, choices=[0, 1, 2, 3], default=None,
                    help="override zero_optimization.stage of the DeepSpeed config")
     p.add_argument("--nproc", type=ranks_on_this_machine, default=1,
                    help="ranks on this machine, started by this command itself (default 1)")
@@ -238,12 +240,12 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--launcher", type=launcher_name, default="pdsh", metavar="{" + ",".join(HOSTFILE_LAUNCHERS) + "}",
                    help="how DeepSpeed reaches the hosts of a hostfile (default pdsh; the MPI launchers take the "
                         "ranks from the MPI environment; on SLURM use --backend slurm)")
-    p.add_argument("--nnodes", type=int, default=None, help="per-node mode: number of nodes")
-    p.add_argument("--node-rank", type=int, default=None, help="per-node mode: this node's rank, 0..nnodes-1")
+    p.add_argument("--nnodes", type=whole_number, default=None, help="per-node mode: number of nodes")
+    p.add_argument("--node-rank", type=whole_number, default=None, help="per-node mode: this node's rank, 0..nnodes-1")
     p.add_argument("--master-addr", default=None, help="address of node 0, reachable from every node")
-    p.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT,
+    p.add_argument("--master-port", type=whole_number, default=DEFAULT_MASTER_PORT,
                    help=f"rendezvous port on node 0 (default {DEFAULT_MASTER_PORT})")
-    p.add_argument("--nproc-per-node", type=int, default=None,
+    p.add_argument("--nproc-per-node", type=whole_number, default=None,
                    help="ranks per node (default: the GPUs of the node, or 1 without GPUs; hostfile: its slots)")
     p.add_argument("--backend", choices=BACKENDS, default="deepspeed",
                    help="per-node launcher (default deepspeed); slurm = torchrun with the nodes taken from SLURM")
@@ -286,13 +288,13 @@ def _add_placement_options(p: argparse.ArgumentParser) -> None:
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=a_path, required=True, help="run directory (newest checkpoint) or export directory")
     _add_placement_options(p)
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--max-new-tokens", type=whole_number, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--top-k", type=whole_number, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--seed", type=whole_number, default=None, help="seed for reproducible sampling")
 
 
 def _add_inference(sub: argparse._SubParsersAction) -> None:
@@ -319,14 +321,14 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--model", type=a_path, required=True, help="run directory or export directory")
     _add_placement_options(v)
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    v.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    v.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request (default 256)")
+    v.add_argument("--port", type=whole_number, default=8000, help="port (default 8000; 0 picks a free one)")
+    v.add_argument("--max-tokens", type=whole_number, default=256, help="default max_tokens of a request (default 256)")
     v.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in /v1/models and replies; a request naming another model gets 404 "
                         "(default: the --model folder's name)")
     v.add_argument("--api-key", default=os.environ.get("ZEROLLM_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (default: $ZEROLLM_API_KEY); needed off loopback")
-    v.add_argument("--max-connections-per-client", type=int, default=None, metavar="N",
+    v.add_argument("--max-connections-per-client", type=whole_number, default=None, metavar="N",
                    help="open connections one client address may hold, of the server's 64 (default 16, or 64 "
                         "on loopback); more get 429. Behind a reverse proxy every client has its address: give 64")
 
@@ -346,11 +348,12 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                       help="prepared data directory (`zerollm data prepare --kind pretrain`)")
     what.add_argument("--tasks", metavar="LIST", help="comma-separated lm-eval tasks, e.g. hellaswag,ceval-valid,cmmlu")
     p.add_argument("--split", default=None, help="split of --data to score (default val)")
-    p.add_argument("--context", type=int, default=None,
+    p.add_argument("--context", type=whole_number, default=None,
                    help="tokens per window (default: the run's data.seq_len, or an export's max length up to 4096)")
-    p.add_argument("--stride", type=int, default=None,
+    p.add_argument("--stride", type=whole_number, default=None,
                    help="tokens scored per window (default: the context; smaller gives each token more context)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows (or harness requests) per forward (default 8)")
+    p.add_argument("--batch-size", type=whole_number, default=8,
+                   help="windows (or harness requests) per forward (default 8)")
     p.add_argument("--nproc", type=ranks_on_this_machine, default=1,
                    help="ranks on this machine for --input/--data (default 1)")
     p.add_argument("--json", action="store_true",
@@ -359,7 +362,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     _add_placement_options(p)
     p.add_argument("--limit", type=float, default=None,
                    help="--tasks: examples per task (a fraction if < 1), for a quick look")
-    p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples (default: the task's)")
+    p.add_argument("--num-fewshot", type=whole_number, default=None,
+                   help="--tasks: few-shot examples (default: the task's)")
     p.add_argument("--include-path", type=a_path, default=None, metavar="DIR",
                    help="--tasks: folder of your own task YAML files")
     p.add_argument("--out", type=a_path, default=None, metavar="DIR",
@@ -391,8 +395,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                                     "tokens/s, s/step, loss-bearing tokens/s, MFU and peak memory (warm-up steps "
                                     "excluded); with --lora, full fine-tuning and LoRA side by side.")
     _add_run_options(b)
-    b.add_argument("--steps", type=int, default=10, help="measured steps (default 10)")
-    b.add_argument("--warmup", type=int, default=2, help="steps excluded from the figures (default 2)")
+    b.add_argument("--steps", type=whole_number, default=10, help="measured steps (default 10)")
+    b.add_argument("--warmup", type=whole_number, default=2, help="steps excluded from the figures (default 2)")
     b.add_argument("--lora", default=None, metavar="SPEC",
                    help="fine-tune a random model of the recipe on random conversations (SFT) with every parameter "
                         "and with LoRA SPEC (e.g. r=16,alpha=32), and print both side by side: trainable "
@@ -408,14 +412,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     learn.add_argument("--budget", default="10m", help="wall time for everything, e.g. 10m, 600, 1h (default 10m)")
     learn.add_argument("--recipe", type=a_path, default="cpu-10m",
                        help="packaged recipe name or YAML file (default cpu-10m)")
-    learn.add_argument("--vocab-size", type=int, default=None, help="tokenizer size (default: the recipe's)")
+    learn.add_argument("--vocab-size", type=whole_number, default=None, help="tokenizer size (default: the recipe's)")
     learn.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a run-config key (repeatable)")
     learn.add_argument("--reserve", type=float, default=15.0,
                        help="seconds kept for starting the training job and the final evaluation (default 15)")
     learn.add_argument("--deepspeed", type=a_path, default=None, metavar="JSON",
                        help="DeepSpeed config (default pretrain.json)")
-    learn.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+    learn.add_argument("--zero-stage", type=whole_number, choices=[0, 1, 2, 3], default=None,
                        help="override zero_optimization.stage of the DeepSpeed config")
     learn.add_argument("--out", type=a_path, default="runs/learn", help="working directory (default runs/learn)")
     g = bsub.add_parser("generate", help="prefill and decode speed: cached, uncached, transformers", epilog=EPILOG,
@@ -424,10 +428,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                                     "generate on the exported weights, side by side.")
     g.add_argument("--model", type=a_path, required=True, help="run directory or export directory")
     _add_placement_options(g)
-    g.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
-    g.add_argument("--new-tokens", type=int, default=64, help="tokens to decode (default 64)")
-    g.add_argument("--batch", type=int, default=1, help="prompts per batch (default 1)")
-    g.add_argument("--repeats", type=int, default=3, help="runs per variant; the median is reported (default 3)")
+    g.add_argument("--prompt-tokens", type=whole_number, default=128, help="prompt length (default 128)")
+    g.add_argument("--new-tokens", type=whole_number, default=64, help="tokens to decode (default 64)")
+    g.add_argument("--batch", type=whole_number, default=1, help="prompts per batch (default 1)")
+    g.add_argument("--repeats", type=whole_number, default=3,
+                   help="runs per variant; the median is reported (default 3)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -435,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Train decoder-only language models end to end under DeepSpeed ZeRO.")
     # DeepSpeed's per-node launcher (unless --no_local_rank) and torch.distributed.launch put this before the
     # command: `python -m llm --local_rank=0 train ...`; the same number is in LOCAL_RANK.
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", "--local-rank", type=whole_number, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_tokenizer(sub)
     _add_data(sub)
@@ -857,9 +862,29 @@ def attach_negative_weights(argv: list[str]) -> list[str]:
     return attached
 
 
+DEEPSPEED_LAUNCHER_OPTIONS = frozenset({"--hostfile", "--num_gpus", "--num_nodes", "--include", "--exclude",
+                                        "--master_port", "--master_addr", "--launcher", "--no_ssh"})
+"""Options of DeepSpeed's `deepspeed` launcher, which users give to the command they would have launched with it."""
+
+
+def parse_arguments(argv: list[str]) -> argparse.Namespace:
+    """The parsed command line; an unknown option that DeepSpeed's launcher takes (`zerollm train ... --hostfile h`)
+    is refused with where it goes."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        theirs = sorted({word.partition("=")[0] for word in unknown} & DEEPSPEED_LAUNCHER_OPTIONS) \
+            if args.command != "launch" else []  # which has its own
+        hint = (f" ({', '.join(theirs)}: DeepSpeed's launcher's; give them to `zerollm launch --hostfile FILE -- "
+                f"{args.command} ...` or `deepspeed --hostfile FILE --module llm {args.command} ...`, or run ranks on "
+                "this machine with --nproc N)") if theirs else ""
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = attach_negative_weights(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = parse_arguments(argv)
     args.argv = argv
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))

@@ -48,6 +48,24 @@ def test_a_ctrl_c_while_the_command_line_loads_is_one_line(monkeypatch, capsys):
     assert exited.value.code == 130 and capsys.readouterr().err == "zerollm: interrupted\n"
 
 
+def test_deepspeed_launcher_options_given_to_a_command_say_where_they_go(capsys):
+    """`zerollm train ... --hostfile h --num_gpus 2`, as one would write `deepspeed --hostfile h ...`, was the top-level
+    usage and 'unrecognized arguments' only."""
+    from llm.cli import parse_arguments
+
+    with pytest.raises(SystemExit) as exited:
+        parse_arguments(["train", "pretrain", "--recipe", "demo", "--data", "d", "--out", "o", "--hostfile", "h",
+                         "--num_gpus=2"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "zerollm: error: unrecognized arguments: --hostfile h --num_gpus=2 (--hostfile, --num_gpus: DeepSpeed's "
+        "launcher's; give them to `zerollm launch --hostfile FILE -- train ...` or `deepspeed --hostfile FILE "
+        "--module llm train ...`, or run ranks on this machine with --nproc N)")
+    with pytest.raises(SystemExit):
+        parse_arguments(["train", "pretrain", "--recipe", "demo", "--data", "d", "--out", "o", "--bogus"])
+    assert capsys.readouterr().err.splitlines()[-1] == "zerollm: error: unrecognized arguments: --bogus"
+
+
 def test_demo_runs_every_stage_and_reports_accuracy(tmp_path):
     result = run_cli("demo", "--out", tmp_path, "--steps", 4)  # every stage at most 4 steps
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

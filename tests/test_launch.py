@@ -259,6 +259,16 @@ def test_bad_launch_options(argv, message):
         plan_launch(_launch_args(*argv), ["train"], {})
 
 
+@pytest.mark.parametrize("option, value", [("--master-port", "1_0000"), ("--nnodes", "²"), ("--node-rank", "٠"),
+                                           ("--nproc-per-node", " 2")])
+def test_launch_numbers_are_ascii_digits_as_a_hostfiles_slots_are(option, value, capsys):
+    """int() read '1_0000' as 10000 and '²' as 2: `--master-port 1_0000` ran the job on port 10000."""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["launch", option, value, "--", "train"])
+    assert exited.value.code == 2
+    assert f"argument {option}: not a whole number: {value!r}" in capsys.readouterr().err
+
+
 def test_slurm_environment(tmp_path):
     env = {"SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "3", "SLURM_JOB_NODELIST": "gpu[07-09,12]",
            "PATH": str(tmp_path)}
