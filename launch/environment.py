@@ -10,6 +10,7 @@ care). A value that cannot arrive unchanged is refused with its origin named.
 
 from __future__ import annotations
 
+import codecs
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,9 +57,9 @@ def parse_env(items: list[str]) -> dict[str, str]:
 
 def _read_env_file(path: Path) -> dict[str, Export]:
     """NAME=VALUE lines as DeepSpeed reads them (name and value stripped); blank lines and '#' comments, which
-    DeepSpeed's own reader would fail on, are skipped."""
+    DeepSpeed's own reader would fail on, are skipped, and so is a byte order mark (a Windows editor's)."""
     found = {}
-    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+    for number, raw in enumerate(path.read_bytes().removeprefix(codecs.BOM_UTF8).splitlines(), start=1):
         where = f"{path}:{number}"
         try:
             line = raw.decode("utf-8").strip()

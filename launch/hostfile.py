@@ -8,6 +8,7 @@ so only plain names and addresses pass: a host called `-Fevil` would be read by 
 
 from __future__ import annotations
 
+import codecs
 import re
 from pathlib import Path
 
@@ -50,9 +51,10 @@ def read_integer(text: str) -> int | None:
 
 
 def _lines(path: Path) -> list[str]:
-    """The file's lines as text; a byte that is not UTF-8 is reported with its line and column."""
+    """The file's lines as text (a byte order mark before the first, as Windows editors write, left out); a byte that
+    is not UTF-8 is reported with its line and column."""
     lines = []
-    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+    for number, raw in enumerate(path.read_bytes().removeprefix(codecs.BOM_UTF8).splitlines(), start=1):
         try:
             lines.append(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:

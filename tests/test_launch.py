@@ -84,6 +84,8 @@ def test_hostfile_with_comments_and_filters(tmp_path):
     (tmp_path / "hosts").write_text("# two nodes\nworker-1 slots=8  # first\n\nworker-2 slots=4\n")
     hosts = read_hostfile(tmp_path / "hosts")
     assert hosts == {"worker-1": 8, "worker-2": 4}
+    (tmp_path / "saved-on-windows").write_text("\ufeffworker-1 slots=8\r\nworker-2 slots=4\r\n")
+    assert read_hostfile(tmp_path / "saved-on-windows") == hosts  # '\ufeffworker-1' was not a usable host name
     check_filter(hosts, "worker-1@worker-2:0,3", "--include", "hosts")
     with pytest.raises(UserError, match="host 'worker-3' is not in hosts"):
         check_filter(hosts, "worker-3", "--include", "hosts")

@@ -254,7 +254,7 @@ def test_deepspeed_env_files_are_read_like_deepspeed_and_checked_line_by_line(tm
     home.mkdir()
     cwd.mkdir()
     (home / ".deepspeed_env").write_text("# cluster settings\n\nNCCL_IB_HCA = mlx5_0 \nA=home\n")
-    (cwd / ".deepspeed_env").write_text("A=work=1\n")
+    (cwd / ".deepspeed_env").write_text("\ufeffA=work=1\n")  # its byte order mark was 'expected NAME=VALUE'
     found = deepspeed_env_files({}, cwd, home)
     assert {name: export.value for name, export in found.items()} == {"NCCL_IB_HCA": "mlx5_0", "A": "work=1"}
     assert found["A"].origin == f"{cwd}/.deepspeed_env:1"
