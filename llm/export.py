@@ -178,7 +178,8 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
     cfg = ModelConfig(
         vocab_size=_number(config, "vocab_size", source, int), dim=_number(config, "hidden_size", source, int),
         n_layers=_number(config, "num_hidden_layers", source, int), n_heads=heads,
-        n_kv_heads=_number(config, "num_key_value_heads", source, int, heads),
+        n_kv_heads=heads if config.get("num_key_value_heads") is None  # null, as absent: one per head, as transformers
+        else _number(config, "num_key_value_heads", source, int),  # reads it (it was refused as missing)
         hidden_dim=_number(config, "intermediate_size", source, int),
         norm_eps=_number(config, "rms_norm_eps", source, float, 1e-6),
         max_seq_len=_number(config, "max_position_embeddings", source, int, 2048),

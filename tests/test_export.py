@@ -356,6 +356,17 @@ def test_the_exported_config_has_the_bos_token_of_the_exported_tokenizer(tmp_pat
     assert config["bos_token_id"] == {"ours": None, "llama": 1, "minimind": 1}[tokenizer]
 
 
+def test_a_null_number_of_key_value_heads_is_one_per_head_as_transformers_reads_it(tmp_path):
+    """`"num_key_value_heads": null` was refused as missing; transformers takes it as num_attention_heads."""
+    model = Transformer(dataclasses.replace(CFG, n_kv_heads=4)).eval()
+    export_model(model, None, tmp_path)
+    config = json.loads((tmp_path / HF_CONFIG_FILE).read_text())
+    (tmp_path / HF_CONFIG_FILE).write_text(json.dumps({**config, "num_key_value_heads": None}))
+    imported = import_model(tmp_path)
+    assert imported.cfg.n_kv_heads == 4
+    assert torch.equal(_logits(imported), _logits(model))
+
+
 @pytest.mark.parametrize("change, message", [
     ('{"model_type": "llama",', "config.json:1:"),
     ("[1, 2]", "the model config must be a JSON object {...}, got [1, 2]"),
