@@ -147,7 +147,8 @@ def run_command(command: list[str], log: Path, timeout_s: float, env: dict[str, 
         except BaseException:  # Ctrl-C: the child, in a session of its own, did not get it
             with contextlib.suppress(ProcessLookupError):  # its group gone already
                 os.killpg(process.pid, 9)
-            process.wait()
+            with contextlib.suppress(ChildProcessError):  # reaped by waitpid itself: a Ctrl-C that lands inside
+                os.waitpid(process.pid, 0)  # Popen.wait(timeout) can leave its lock held, and a wait() then hangs
             raise
     return "ok" if code == 0 else f"exit {code}"
 

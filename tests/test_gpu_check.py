@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import psutil
@@ -130,6 +131,30 @@ def test_ctrl_c_stops_the_running_steps_command_too(tmp_path):
     except psutil.TimeoutExpired:
         child.kill()
         pytest.fail("the step's command outlived the check stopped by Ctrl-C")
+
+
+def test_ctrl_c_inside_popens_wait_ends_the_step_without_hanging(tmp_path):
+    """A Ctrl-C that lands in Popen.wait(timeout) between its taking and its releasing of its waitpid lock leaves the
+    lock held; the check's own wait() for the killed command then hung (once, on a loaded machine: the check did not
+    end in 60 s)."""
+    script = textwrap.dedent(f"""
+        import subprocess, sys
+        from pathlib import Path
+        from llm.gpu_check import run_command
+        original = subprocess.Popen._wait
+        def interrupted_holding_the_lock(self, timeout):
+            subprocess.Popen._wait = original
+            self._waitpid_lock.acquire()
+            raise KeyboardInterrupt
+        subprocess.Popen._wait = interrupted_holding_the_lock
+        try:
+            run_command([sys.executable, "-c", "import time; time.sleep(300)"], Path({str(tmp_path / "log.txt")!r}),
+                        300)
+        except KeyboardInterrupt:
+            print("interrupted")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.stdout == "interrupted\n", result.stdout + result.stderr[-2000:]
 
 
 def test_a_rerun_replaces_the_earlier_results(tmp_path, monkeypatch):
