@@ -69,6 +69,7 @@ from llm.runtime.accelerator import ensure_accelerator_env
 from llm.runtime.cpu_threads import cpu_threads_per_rank
 from llm.runtime.rank_env import port_in_use
 from llm.runtime.supervisor import started_here, supervisor_env
+from llm.wording import plural
 
 MAX_PORT = 65535
 MAX_NODES = 65536
@@ -496,10 +497,12 @@ def deepspeed_signal(code: int) -> int | None:
 
 
 POLL_S = 0.25
-"""How often a stopped launch looks for the checkpoint of the stop (`_wait_for_preempted`)."""
+"""How often a stopped launch looks for the checkpoint of the stop (`_wait_for_preempted`), or for the ranks of this
+node to end (`_wait_for_ranks_here`)."""
 STOP_WAIT_S = 60.0
-"""The longest a stopped launch waits for the checkpoint of the ranks on other hosts (`Plan.stop_wait_s`):
-DeepSpeed's per-node launcher kills a rank 30 s after its SIGTERM, so their checkpoint comes within that or never."""
+"""The longest a stopped launch waits for the checkpoint of the ranks on other hosts (`Plan.stop_wait_s`), or for
+ranks of this node that outlived the launcher (`_wait_for_ranks_here`): DeepSpeed's per-node launcher kills a rank
+30 s after its SIGTERM, so their checkpoint comes within that or never."""
 
 
 def _wait_for_preempted(run_dir: Path, since: float, bound_s: float, stopping: list[int]) -> bool:
@@ -514,19 +517,30 @@ def _wait_for_preempted(run_dir: Path, since: float, bound_s: float, stopping: l
     return found
 
 
+def _ranks_here() -> list[psutil.Process]:
+    """The training ranks this launch started on this node that still run, wherever they were re-parented (a zombie
+    that nothing reaps, in a container whose first process reaps no orphans, has ended)."""
+    ranks = []
+    for process in started_here():
+        with contextlib.suppress(psutil.Error):  # ended meanwhile
+            if is_rank_command(process.cmdline()):
+                ranks.append(process)
+    return ranks
+
+
 def _wait_for_ranks_here(run_dir: Path, since: float, stopping: list[int]) -> bool:
-    """Where the launcher ended on a stop while processes of the job still run on this node (a stop signal sent to
-    every process of the job at once, as `systemctl stop` or SLURM's signalling of a job step do: DeepSpeed's runner
-    dies of it, its ranks save), wait up to `STOP_WAIT_S` for them to end (another stop ends the wait), then whether
-    they published the checkpoint of the stop."""
-    remaining = started_here()
-    if not remaining:
+    """Where the launcher ended on a stop while ranks it started on this node still run (a stop signal sent to every
+    process of the job at once, as `systemctl stop` or SLURM's signalling of a job step do: DeepSpeed's runner dies
+    of it, its ranks save), wait up to `STOP_WAIT_S` for them to end (another stop ends the wait), then whether they
+    published the checkpoint of the stop."""
+    ranks = _ranks_here()
+    if not ranks:
         return False
-    print(f"zerollm launch: waiting up to {STOP_WAIT_S:g} s for the ranks on this node to save a checkpoint in "
-          f"{run_dir} and end (stop again to end the wait)", flush=True)
+    print(f"zerollm launch: waiting up to {STOP_WAIT_S:g} s for the {len(ranks)} {plural('rank', len(ranks))} on "
+          f"this node to save a checkpoint in {run_dir} and end (stop again to end the wait)", flush=True)
     signals, deadline = len(stopping), time.monotonic() + STOP_WAIT_S
-    while remaining and time.monotonic() < deadline and len(stopping) == signals:
-        _, remaining = psutil.wait_procs(remaining, timeout=POLL_S)
+    while _ranks_here() and time.monotonic() < deadline and len(stopping) == signals:
+        time.sleep(POLL_S)
     return _preempted_since(run_dir, since)
 
 

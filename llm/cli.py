@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from launch.hostfile import MAX_SLOTS_PER_HOST, read_integer
+from launch.hostfile import MAX_SLOTS_PER_HOST
 from launch.options import BACKENDS, DEFAULT_MASTER_PORT, HOSTFILE_LAUNCHERS, LaunchOptions, launcher_name
 from llm import rundir
 from llm.config import (
@@ -54,13 +54,15 @@ def a_path(text: str) -> str:
 
 
 def whole_number(text: str) -> int:
-    """An integer option's value, in ASCII decimal digits as a hostfile's slots are (int() alone also read '1_0000',
-    '²' and ' 5': `--master-port 1_0000` ran on port 10000), or argparse's one line (its own for type=int named
-    the function: 'invalid ranks_on_this_machine value')."""
-    value = read_integer(text)
-    if value is None:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
-    return value
+    """An integer option's value, in ASCII decimal digits after an optional sign (int() alone also read '1_0000', '²'
+    and ' 5': `--master-port 1_0000` ran on port 10000), or argparse's one line (its own for type=int named the
+    function: 'invalid ranks_on_this_machine value')."""
+    try:
+        if re.fullmatch(r"[+-]?[0-9]+", text):
+            return int(text)
+    except ValueError:  # more digits than int() reads
+        pass
+    raise argparse.ArgumentTypeError(f"expects a whole number in decimal digits, got {text!r}")
 
 
 def ranks_on_this_machine(text: str) -> int:
@@ -867,17 +869,23 @@ DEEPSPEED_LAUNCHER_OPTIONS = frozenset({"--hostfile", "--num_gpus", "--num_nodes
 """Options of DeepSpeed's `deepspeed` launcher, which users give to the command they would have launched with it."""
 
 
+RANKS_HERE_COMMANDS = ("demo", "eval", "bench")
+"""Commands besides `train` that run several ranks, on this machine only (`--nproc`)."""
+
+
 def parse_arguments(argv: list[str]) -> argparse.Namespace:
     """The parsed command line; an unknown option that DeepSpeed's launcher takes (`zerollm train ... --hostfile h`)
-    is refused with where it goes."""
+    is refused saying where such options go."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         theirs = sorted({word.partition("=")[0] for word in unknown} & DEEPSPEED_LAUNCHER_OPTIONS) \
             if args.command != "launch" else []  # which has its own
-        hint = (f" ({', '.join(theirs)}: DeepSpeed's launcher's; give them to `zerollm launch --hostfile FILE -- "
-                f"{args.command} ...` or `deepspeed --hostfile FILE --module llm {args.command} ...`, or run ranks on "
-                "this machine with --nproc N)") if theirs else ""
+        where = ("give them to `zerollm launch --hostfile FILE -- train ...` or `deepspeed --hostfile FILE --module "
+                 "llm train ...`, or run ranks on this machine with --nproc N" if args.command == "train" else
+                 f"zerollm {args.command} runs its ranks on this machine, with --nproc N"
+                 if args.command in RANKS_HERE_COMMANDS else f"zerollm {args.command} runs as one process")
+        hint = f" ({', '.join(theirs)}: DeepSpeed's launcher's; {where})" if theirs else ""
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     return args
 

@@ -507,11 +507,13 @@ def parse_override(text: str) -> tuple[str, Any, str]:
 
 
 def _has_comment(raw: str) -> bool:
-    """Whether YAML reads a comment in an override's value (a '#' at its start or after a space), which it would
-    drop: `--set 'wandb.name=run #2'` named the run 'run'. Such a value is taken as the text written (a number
-    followed by a comment is then refused as not a number)."""
-    node = yaml.compose(raw, Loader=_Yaml12Loader)
-    return raw[node.end_mark.index if node is not None else 0:].lstrip().startswith("#")
+    """Whether YAML reads a comment in an override's value (a '#' at its start or after white space, outside quoted
+    text), which it would drop: `--set 'wandb.name=run #2'` named the run 'run'. Such a value is taken as the text
+    written (a number, list or mapping followed by a comment is then refused as not one)."""
+    quoted = [(token.start_mark.index, token.end_mark.index) for token in yaml.scan(raw, Loader=_Yaml12Loader)
+              if isinstance(token, yaml.ScalarToken)]
+    return any(char == "#" and (i == 0 or raw[i - 1].isspace()) and not any(a <= i < b for a, b in quoted)
+               for i, char in enumerate(raw))
 
 
 def refuse_set_twice(overrides: list[str], given: dict[str, str]) -> None:

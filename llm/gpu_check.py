@@ -148,7 +148,8 @@ def run_command(command: list[str], log: Path, timeout_s: float, env: dict[str, 
             with contextlib.suppress(ProcessLookupError):  # its group gone already
                 os.killpg(process.pid, 9)
             with contextlib.suppress(ChildProcessError):  # reaped by waitpid itself: a Ctrl-C that lands inside
-                os.waitpid(process.pid, 0)  # Popen.wait(timeout) can leave its lock held, and a wait() then hangs
+                _, status = os.waitpid(process.pid, 0)  # Popen.wait(timeout) can leave its lock held, and a wait()
+                process.returncode = os.waitstatus_to_exitcode(status)  # then hangs; told, so Popen waits no more
             raise
     return "ok" if code == 0 else f"exit {code}"
 

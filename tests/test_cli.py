@@ -64,6 +64,16 @@ def test_deepspeed_launcher_options_given_to_a_command_say_where_they_go(capsys)
     with pytest.raises(SystemExit):
         parse_arguments(["train", "pretrain", "--recipe", "demo", "--data", "d", "--out", "o", "--bogus"])
     assert capsys.readouterr().err.splitlines()[-1] == "zerollm: error: unrecognized arguments: --bogus"
+    with pytest.raises(SystemExit):  # `zerollm launch` takes training commands only
+        parse_arguments(["eval", "--model", "m", "--input", "a.txt", "--num_gpus", "2"])
+    assert capsys.readouterr().err.splitlines()[-1] == ("zerollm: error: unrecognized arguments: --num_gpus 2 "
+                                                        "(--num_gpus: DeepSpeed's launcher's; zerollm eval runs its "
+                                                        "ranks on this machine, with --nproc N)")
+    with pytest.raises(SystemExit):
+        parse_arguments(["chat", "--model", "m", "--include", "localhost:0"])
+    assert capsys.readouterr().err.splitlines()[-1] == ("zerollm: error: unrecognized arguments: --include "
+                                                        "localhost:0 (--include: DeepSpeed's launcher's; zerollm chat "
+                                                        "runs as one process)")
 
 
 def test_demo_runs_every_stage_and_reports_accuracy(tmp_path):
@@ -271,8 +281,11 @@ def test_only_a_path_of_the_command_line_is_said_as_the_users(tmp_path, monkeypa
      "argument --init-from: is empty"),
     (["eval", "--model", "", "--input", "a.txt"], "argument --model: is empty"),
     (["plot", "", "--out", "p.png"], "argument RUN: is empty"),
-    (["eval", "--model", "m", "--input", "a.txt", "--nproc", "abc"], "argument --nproc: not a whole number: 'abc'"),
-    (["demo", "--steps", "1.5"], "argument --steps: not a whole number: '1.5'"),
+    (["eval", "--model", "m", "--input", "a.txt", "--nproc", "abc"],
+     "argument --nproc: expects a whole number in decimal digits, got 'abc'"),
+    (["demo", "--steps", "1.5"], "argument --steps: expects a whole number in decimal digits, got '1.5'"),
+    (["generate", "--model", "m", "--prompt", "p", "--seed", "1_0"],
+     "argument --seed: expects a whole number in decimal digits, got '1_0'"),
 ])
 def test_an_empty_path_and_a_count_that_is_not_a_number_are_refused_by_name(argv, said, capsys):
     """An empty path was the current directory: `train --out ''` trained there and `data prepare --input ''` read all

@@ -59,9 +59,12 @@ def test_a_hash_in_an_override_is_part_of_its_value(override, value):
     assert build_config("demo", [override]).wandb.name == value
 
 
-def test_a_number_followed_by_a_hash_is_refused():
+def test_a_number_or_a_list_followed_by_a_hash_is_refused():
+    """YAML dropped the comment: `model.dim=64 # wide` was 64, `lora.targets=- wq # c` [wq]."""
     with pytest.raises(UserError, match="config key 'model.dim' expects int, got '64 # wide'"):
         build_config("demo", ["model.dim=64 # wide"])
+    with pytest.raises(UserError, match="lora.targets: unknown module '- wq # c'"):
+        build_config("demo", ["lora.targets=- wq # c"])
 
 
 def test_a_config_yaml_an_earlier_version_wrote_reads_back_as_it_meant(tmp_path):

@@ -268,7 +268,7 @@ def test_launch_numbers_are_ascii_digits_as_a_hostfiles_slots_are(option, value,
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(["launch", option, value, "--", "train"])
     assert exited.value.code == 2
-    assert f"argument {option}: not a whole number: {value!r}" in capsys.readouterr().err
+    assert f"argument {option}: expects a whole number in decimal digits, got {value!r}" in capsys.readouterr().err
 
 
 def test_slurm_environment(tmp_path):
@@ -1058,36 +1058,41 @@ time.sleep(120)
 """
 """Stands in for DeepSpeed's runner on several hosts under pdsh, whose ranks, elsewhere, save after it has exited."""
 
-LOCAL_RUNNER_SIGNALLED_WITH_ITS_RANK = f"""
-import subprocess, sys, time
-run, ready = sys.argv[1], sys.argv[2]
-RANK = '''
+RANK_SAVING_ON_A_STOP = f"""
 import signal, subprocess, sys, time
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 open(sys.argv[2], "w").close()
 while not stop:
     time.sleep(0.05)
-subprocess.run([sys.executable, "-c", sys.argv[3], sys.argv[1]])
+subprocess.run([sys.executable, "-c", {SAVING_A_STOPS_CHECKPOINT!r}, sys.argv[1]])
 sys.exit(75)
-'''
-subprocess.Popen([sys.executable, "-c", RANK, run, ready, {SAVING_A_STOPS_CHECKPOINT!r}])
+"""
+"""A rank (`python .../zerollm RUN_DIR READY`, as the launchers start it): marks READY, and on SIGTERM saves, then
+exits 75."""
+
+LOCAL_RUNNER_SIGNALLED_WITH_ITS_RANK = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, *sys.argv[1:]])
 time.sleep(120)  # a SIGTERM ends it at once: DeepSpeed's runner on this node sets no handler
 """
-"""Stands in for DeepSpeed's runner of ranks on this node: a stop signal ends it at once, its rank saves after."""
+"""Stands in for DeepSpeed's runner of ranks on this node (`python THIS RANK_SCRIPT RUN_DIR READY`): a stop signal
+ends it at once, its rank saves after."""
 
 
 def test_a_stop_sent_to_every_process_of_the_job_waits_for_the_ranks_here(tmp_path):
     """SIGTERM to every process at once (`systemctl stop`, SLURM signalling a job step): DeepSpeed's runner died of it
     and the launch exited 143 at once, while its ranks were still saving (a wrapper that requeues on 75 did not)."""
     (tmp_path / "runner.py").write_text(LOCAL_RUNNER_SIGNALLED_WITH_ITS_RANK)
+    (tmp_path / "zerollm").write_text(RANK_SAVING_ON_A_STOP)
     run, ready = tmp_path / "run", tmp_path / "ready"
     script = textwrap.dedent(f"""
         import sys
         from launch.launcher import Plan, run_plan
         from pathlib import Path
-        plan = Plan([sys.executable, {str(tmp_path / "runner.py")!r}, {str(run)!r}, {str(ready)!r}], [])
-        print("code", run_plan(plan, Path({str(run)!r})))
+        command = [sys.executable, {str(tmp_path / "runner.py")!r}, {str(tmp_path / "zerollm")!r}, {str(run)!r},
+                   {str(ready)!r}]
+        print("code", run_plan(Plan(command, []), Path({str(run)!r})))
     """)
     launch = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
@@ -1097,7 +1102,7 @@ def test_a_stop_sent_to_every_process_of_the_job_waits_for_the_ranks_here(tmp_pa
         out, _ = launch.communicate(timeout=120)
     finally:
         _kill_tree(launch)
-    assert "zerollm launch: waiting up to 60 s for the ranks on this node to save a checkpoint" in out, out
+    assert "zerollm launch: waiting up to 60 s for the 1 rank on this node to save a checkpoint" in out, out
     assert out.splitlines()[-1] == f"code {EXIT_PREEMPTED}"
 
 
@@ -1129,6 +1134,8 @@ def test_a_stop_waits_for_the_checkpoint_ranks_on_other_hosts_still_save(tmp_pat
         out, _ = launch.communicate(timeout=120)
     finally:
         _kill_tree(launch)
+    assert "waiting up to 60 s for the ranks of the other hosts to publish the checkpoint" in out, out
+    assert "on this node" not in out, out  # its saving process is no rank of this node
     assert out.splitlines()[-1] == f"code {EXIT_PREEMPTED}"
 
 

@@ -121,6 +121,24 @@ def test_a_budget_that_ends_inside_the_warmup_says_so(max_time, noted):
             "train.warmup_steps") if noted else notes[-1] is None
 
 
+def test_the_overrun_note_is_for_a_budget_of_a_few_steps_not_for_a_slow_last_step():
+    """The note's advice (give the budget many steps) was printed for a long run whose last step was slower than the
+    average and ended it a little past its budget."""
+    clock = FakeClock()
+    long = TimeBudget(TrainConfig(max_time=10, max_steps=10**6, warmup_steps=0), ONE_RANK, clock)
+    long.start(0)
+    for step in range(1, 11):
+        clock.now += 1.5 if step == 10 else 0.95
+        long.end_iteration(step)
+    assert clock.now - 1000.0 > 10 and long.overrun_note() is None
+    short = TimeBudget(TrainConfig(max_time=0.5, max_steps=10**6, warmup_steps=0), ONE_RANK, clock)
+    short.start(0)
+    for step in (1, 2):
+        clock.now += 1.0
+        short.end_iteration(step)
+    assert short.overrun_note().startswith("note: training took 2.0 s, past train.max_time=0.5 s")
+
+
 def test_without_a_budget_nothing_changes():
     t = TrainConfig(max_steps=100, warmup_steps=10)
     budget = TimeBudget(t, ONE_RANK, FakeClock())

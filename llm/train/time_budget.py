@@ -41,6 +41,9 @@ from llm.runtime.distributed import DistInfo
 
 SMOOTHING = 0.2
 """Weight of the newest step in the moving average of step times."""
+FEW_STEPS = 3
+"""A session of at most this many steps that ended past its budget ran steps decided before any was measured (on a
+GPU, where rank 0's numbers are published a step late, one more): `overrun_note`."""
 
 
 class TimeBudget:
@@ -130,9 +133,10 @@ class TimeBudget:
 
     def overrun_note(self) -> str | None:
         """At the run's end, on rank 0 (its own clock: what it says, no rank decides by): a note when training took
-        longer than the budget, as a budget of a step or two does (the steps before the first one measured are run
-        whatever they cost)."""
-        if not self.enabled or (used := self._now()) <= self.max_time:
+        longer than a budget that held only a few steps (the steps before the first one measured are run whatever
+        they cost). A run of many steps may end a little past its budget, its last step slower than their average:
+        no note."""
+        if not self.enabled or self._measured_steps > FEW_STEPS or (used := self._now()) <= self.max_time:
             return None
         return (f"note: training took {used:.1f} s, past train.max_time={self.max_time:g} s: the budget stops the run "
                 f"by the time its steps were measured to take ({self._step_average:.2g} s each), and one or two steps "
