@@ -1148,7 +1148,7 @@ def _supervised_by(process, monkeypatch):
     from llm.runtime import supervisor
 
     environment = {**rank_environments(2, free_port(), "eval")[0], supervisor.PID_ENV: str(process.pid),
-                   supervisor.STARTED_ENV: repr(psutil.Process(process.pid).create_time())}
+                   supervisor.STARTED_ENV: repr(supervisor.started_at(psutil.Process(process.pid)))}
     for name in (supervisor.PID_ENV, supervisor.HOST_ENV, supervisor.STARTED_ENV, supervisor.NAME_ENV):
         monkeypatch.setenv(name, environment[name])
     said = queue.Queue()
@@ -1162,6 +1162,25 @@ def test_ranks_name_the_command_that_started_them_when_it_is_gone(monkeypatch):
     said = _supervised_by(gone, monkeypatch)
     gone.wait()
     assert said.get(timeout=30) == f"zerollm eval --nproc 2 (pid {gone.pid}) ended"
+
+
+def test_a_step_of_the_wall_clock_leaves_the_launch_alive_to_its_ranks(monkeypatch):
+    """psutil's create_time() adds the boot time /proc/stat gives at the moment, which a step or slew of the wall
+    clock (NTP) moves by a second: the ranks took their live launch for another process and stopped the job."""
+    import queue
+
+    import psutil._pslinux
+
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        said = _supervised_by(alive, monkeypatch)
+        booted = psutil._pslinux.boot_time()
+        monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: booted + 1.0)  # the clock stepped a second
+        with pytest.raises(queue.Empty):
+            said.get(timeout=1.0)
+    finally:
+        alive.kill()
+        alive.wait()
 
 
 def test_a_launch_killed_but_not_yet_reaped_is_gone(monkeypatch):

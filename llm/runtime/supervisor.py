@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 
@@ -20,11 +21,25 @@ PID_ENV, HOST_ENV, STARTED_ENV, NAME_ENV = ("ZEROLLM_LAUNCH_PID", "ZEROLLM_LAUNC
                                             "ZEROLLM_LAUNCH_NAME")
 
 
+def started_at(process: psutil.Process) -> float:
+    """When `process` started, in clock ticks since the machine booted (/proc/PID/stat): what tells it from a later
+    process given its pid. Not psutil's `create_time()`, which adds the boot time /proc/stat gives at the moment, in
+    whole seconds: a step or a slew of the wall clock (NTP, settimeofday) moves that, and ranks took their live launch
+    for another process and stopped the job. Where there is no /proc (not Linux), `create_time()`."""
+    if not Path("/proc/self/stat").is_file():
+        return process.create_time()
+    try:
+        stat = Path(f"/proc/{process.pid}/stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        raise psutil.NoSuchProcess(process.pid) from None
+    return float(stat[stat.rindex(b")") + 2:].split()[19])  # field 22, starttime; the name before ')' may hold spaces
+
+
 def supervisor_env(name: str = "zerollm launch") -> dict[str, str]:
     """Environment that identifies this process (the `zerollm launch` of this node, or the command `name` that
     starts `--nproc` local ranks) to the ranks it starts."""
-    return {PID_ENV: str(os.getpid()), HOST_ENV: socket.gethostname(),
-            STARTED_ENV: repr(psutil.Process().create_time()), NAME_ENV: name}
+    return {PID_ENV: str(os.getpid()), HOST_ENV: socket.gethostname(), STARTED_ENV: repr(started_at(psutil.Process())),
+            NAME_ENV: name}
 
 
 def started_here() -> list[psutil.Process]:
@@ -46,7 +61,7 @@ def _alive(pid: int, started: float) -> bool:
     parent (a zombie, for as long as the parent waits on something else)."""
     try:
         process = psutil.Process(pid)
-        return process.create_time() == started and process.status() != psutil.STATUS_ZOMBIE
+        return started_at(process) == started and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 
