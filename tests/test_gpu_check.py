@@ -119,7 +119,9 @@ def test_ctrl_c_stops_the_running_steps_command_too(tmp_path):
     script = ("import sys; from pathlib import Path; from llm.gpu_check import run_command; "
               "run_command([sys.executable, '-c', 'import os, time; print(os.getpid(), flush=True); time.sleep(300)'], "
               "Path(sys.argv[1]), 300)")
-    check = subprocess.Popen([sys.executable, "-c", script, str(log)], cwd=REPO, stderr=subprocess.DEVNULL)
+    # SIGINT as a command in a terminal has it: a suite started in the background ignores it, and so did the check
+    check = subprocess.Popen([sys.executable, "-c", script, str(log)], cwd=REPO, stderr=subprocess.DEVNULL,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not (log.is_file() and log.read_text().count("\n") >= 2) and time.monotonic() < deadline:
         time.sleep(0.1)
