@@ -119,7 +119,7 @@ def test_demo_takes_its_own_earlier_folders(tmp_path):
     from llm.demo import DEMO_MARKER, take_output_dir
 
     unmarked, killed = tmp_path / "unmarked", tmp_path / "killed"
-    for folder, names in ((unmarked, ["tokenizer", "data", "run", "sft_run"]), (killed, [".data.partial-41-9f0c"])):
+    for folder, names in ((unmarked, ["tokenizer", "data", "run", "sft_run"]), (killed, [".data.partial-41-9f0c1a2b"])):
         for name in names:
             (folder / name).mkdir(parents=True)
         (folder / "corpus.txt").write_text("")

@@ -151,6 +151,18 @@ def _prepare(tokenizer_dir, out, *inputs, strict=False):
                    "--workers", 1, *extra)
 
 
+def test_only_its_own_leftovers_beside_out_are_removed(tokenizer_dir, bad_inputs, tmp_path):
+    """A folder beside --out whose name merely started like a leftover of a killed prepare (a user's
+    `.out.old-backup`) was deleted with the leftovers, without a word."""
+    names = [".out.old-backup", ".out.partial-notes", ".out.partial-41-9f0c1a2b", ".out.old-41-9f0c1a2b"]
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "kept.txt").write_text("mine\n")
+    assert _prepare(tokenizer_dir, tmp_path / "out", bad_inputs["good"]).returncode == 0
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith(".out.")) == sorted(names[:2])
+    assert (tmp_path / ".out.old-backup" / "kept.txt").read_text() == "mine\n"
+
+
 def test_malformed_json_line_is_skipped_and_reported_with_file_line(tokenizer_dir, bad_inputs, tmp_path):
     result = _prepare(tokenizer_dir, tmp_path / "out", bad_inputs["good"], bad_inputs["malformed"])
     assert result.returncode == 0, result.stderr
