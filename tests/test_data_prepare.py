@@ -141,8 +141,15 @@ def bad_inputs(tmp_path):
     damaged.write_bytes(b"PAR1 not really")
     utf16 = tmp_path / "utf16.txt"
     utf16.write_text("text saved as UTF-16\n", encoding="utf-16")
+    late_nul = tmp_path / "late_nul.txt"  # past the 8 KiB looked at first: tokenized, NUL bytes and all
+    late_nul.write_bytes(b"plain text\n" * 900 + b"abc\x00def\n")
+    flipped = tmp_path / "flipped.jsonl.gz"  # a byte flipped in the deflate stream: a zlib.error traceback
+    packed = bytearray(gzip.compress((FIXTURES / "pretrain" / "en_notes.jsonl").read_bytes(), mtime=0))
+    packed[len(packed) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(packed))
     return {"good": good, "malformed": malformed, "wrong_field": wrong_field, "binary": binary, "empty": empty,
-            "damaged": damaged, "utf16": utf16, "unknown": tmp_path / "x.csv", "missing": tmp_path / "missing.jsonl"}
+            "damaged": damaged, "utf16": utf16, "unknown": tmp_path / "x.csv", "missing": tmp_path / "missing.jsonl",
+            "late_nul": late_nul, "flipped": flipped}
 
 
 def _prepare(tokenizer_dir, out, *inputs, strict=False):
@@ -217,6 +224,8 @@ def test_wrong_field_is_skipped_with_reason(tokenizer_dir, bad_inputs, tmp_path)
     ("unknown", "unknown format"),
     ("damaged", "cannot read it as Parquet"),
     ("utf16", "looks like UTF-16 text (byte-order mark FF FE); convert it to UTF-8"),  # was "a binary file"
+    ("late_nul", "late_nul.txt:901: looks like a binary file (NUL bytes)"),
+    ("flipped", "cannot read (Error -3 while decompressing data"),
 ])
 def test_unusable_input_is_one_line_error_exit_2_nothing_written(tokenizer_dir, bad_inputs, tmp_path, case, message):
     if case == "unknown":

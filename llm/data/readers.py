@@ -25,6 +25,7 @@ import json
 import os
 import re
 import sys
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,18 +215,23 @@ WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (
 """Byte-order marks of text in other Unicode encodings (UTF-32 LE's begins with UTF-16 LE's: it comes first)."""
 
 
+READ_ERRORS = (OSError, EOFError, zlib.error)
+"""What reading a file can raise: a damaged .gz raises each (truncated: EOFError; a flipped byte: zlib.error)."""
+BINARY = "looks like a binary file (NUL bytes); expected UTF-8 text"
+
+
 def _check_text_file(path: Path) -> None:
     try:
         with _open(path) as f:
             head = f.read(8192)
-    except (OSError, EOFError) as exc:
+    except READ_ERRORS as exc:
         raise UserError(f"{path}: cannot read ({exc})") from None
     for bom, encoding in WIDE_BOMS:
         if head.startswith(bom):
             raise UserError(f"{path}: looks like {encoding} text (byte-order mark {bom.hex(' ').upper()}); convert it "
                             f"to UTF-8 (e.g. iconv -f {encoding} -t UTF-8)")
     if b"\x00" in head:
-        raise UserError(f"{path}: looks like a binary file (NUL bytes); expected UTF-8 text")
+        raise UserError(f"{path}: {BINARY}")
 
 
 def _check_table_file(path: Path) -> None:
@@ -255,8 +261,10 @@ def _line_parts(path: Path, max_bytes: int) -> Iterator[tuple[int, str, bool]]:
                 text = carry + decoder.decode(raw, final=not raw)
             except UnicodeDecodeError:
                 raise UserError(f"{path}:{number}: not valid UTF-8 text") from None
-            except (OSError, EOFError) as exc:  # a damaged .gz
+            except READ_ERRORS as exc:  # a damaged .gz
                 raise UserError(f"{path}:{number}: cannot read ({exc})") from None
+            if "\x00" in text:  # past the head `_check_text_file` reads
+                raise UserError(f"{path}:{number}: {BINARY}")
             if not raw:
                 if text or open_line:
                     yield number, text, True
