@@ -676,6 +676,18 @@ def test_a_dpo_prompt_of_the_wrong_type_is_named(tokenizer_dir, tmp_path):
     assert report.skipped == [f"{path}:1: 'prompt' is a number, expected a string or a list of turns"]
 
 
+def test_a_dpo_pair_whose_replies_part_after_the_cut_is_skipped(tokenizer_dir, tmp_path):
+    """Replies that differ only past --seq-len were written cut, chosen equal to rejected: a pair that teaches
+    nothing, listed as merely 'cut to fit'."""
+    path = tmp_path / "pairs.jsonl"
+    common = "a long shared opening of both replies " * 8
+    path.write_text(json.dumps({"prompt": "hi", "chosen": common + "yes", "rejected": common + "no"}) + "\n"
+                    + json.dumps({"prompt": "hi", "chosen": "yes", "rejected": "no"}) + "\n")
+    report = _quiet("dpo", [path], tokenizer_dir, tmp_path / "out", seq_len=32)
+    assert report.skipped == [f"{path}:1: too long: the replies differ only after what fits in --seq-len 32"]
+    assert report.documents["train"] == 1
+
+
 @pytest.mark.parametrize("kind, source", [("pretrain", "pretrain/en_notes.jsonl"), ("sft", "sft/messages_zh.jsonl")])
 def test_a_tokenizer_without_chat_tokens_prepares_and_records_missing_roles(tmp_path, kind, source):
     """A Llama-style tokenizer has no <|im_start|>: its role is recorded as -1 (h5py cannot store None)."""
