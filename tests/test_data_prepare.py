@@ -695,6 +695,19 @@ def test_a_dpo_prompt_of_the_wrong_type_is_named(tokenizer_dir, tmp_path):
     assert report.skipped == [f"{path}:1: 'prompt' is a number, expected a string or a list of turns"]
 
 
+@pytest.mark.parametrize("blank", [" " * 40_000, " " * 4_000, "\t"])
+def test_a_blank_line_of_any_length_separates_documents(tokenizer_dir, tmp_path, blank):
+    """A line of white space longer than a part (32,768 characters) joined the documents around it, and a file of
+    only such a line wrote a document of spaces."""
+    path = tmp_path / "docs.txt"
+    path.write_text(f"doc one\n{blank}\n   doc two\n{blank}")
+    report = _quiet("pretrain", [path], tokenizer_dir, tmp_path / "out")
+    assert report.documents["train"] == 2
+    path.write_text(f"{blank}\n")
+    with pytest.raises(UserError, match="no usable records"):
+        _quiet("pretrain", [path], tokenizer_dir, tmp_path / "out2")
+
+
 def test_a_dpo_pair_whose_replies_part_after_the_cut_is_skipped(tokenizer_dir, tmp_path):
     """Replies that differ only past --seq-len were written cut, chosen equal to rejected: a pair that teaches
     nothing, listed as merely 'cut to fit'."""

@@ -332,19 +332,25 @@ def split_text(item: Item, text: str, limit: int = PIECE_CHARS) -> Iterator[Item
 
 
 def _txt_items(path: Path) -> Iterator[Item]:
+    """The documents of a .txt file: blocks of lines between blank ones (white space only, however long: a blank
+    line longer than a part, `PIECE_CHARS`, joined the documents around it)."""
     document: _Pieces | None = None
-    at_line_start = True
+    blank: list[str] | None = []
+    """The parts of the line so far while each is white space; None once one is not."""
     for number, text, complete in _line_parts(path, PIECE_CHARS):
-        blank = at_line_start and complete and not text.strip()
-        at_line_start = complete
-        if blank:
-            if document is not None:
-                yield from document.finish()
-                document = None
+        if blank is not None and not text.strip():
+            blank.append(text)
+            if complete:  # a blank line: the end of a document
+                if document is not None:
+                    yield from document.finish()
+                    document = None
+                blank = []
             continue
         if document is None:
             document = _Pieces(str(path), number, PIECE_CHARS)
-        yield from document.add(text)
+        for part in [*(blank or ()), text]:
+            yield from document.add(part)
+        blank = [] if complete else None
     if document is not None:
         yield from document.finish()
 
