@@ -5,7 +5,6 @@ import gzip
 import itertools
 import json
 import os
-import re
 import resource
 import shutil
 import signal
@@ -500,24 +499,6 @@ def test_ctrl_c_or_sigterm_to_the_process_group_stops_prepare_and_its_workers_cl
     assert code == 128 + signum and "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert signum != signal.SIGINT or err.endswith("\nzerollm: interrupted\n")
     assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]  # no staging directory, no OUT holding only the lock
-
-
-def test_a_worker_killed_ends_the_run_in_one_line(tokenizer_dir, tmp_path):
-    """A worker the out-of-memory killer ended was replaced by the pool, and the run waited for its jobs forever."""
-    killed = []
-
-    def kill_the_workers(process):  # as they take their first jobs (one that ends idle loses nothing: the run goes on)
-        for worker in psutil.Process(process.pid).children():
-            killed.append(worker.pid)
-            worker.kill()
-
-    code, err = _signalled_prepare(tokenizer_dir, tmp_path, 3000, kill_the_workers)
-    assert code == 2, err
-    said = re.search(r"zerollm: error: a tokenizer worker \(pid (\d+)\) ended \(signal 9\), so its records are lost; "
-                     "the out-of-memory killer ends one so that holds a huge record: lower --workers or "
-                     r"--max-record-mb, and run again\n$", err)
-    assert said and int(said[1]) in killed, err
-    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]
 
 
 def test_workers_leave_ctrl_c_to_the_main_process(tokenizer_dir, tmp_path):

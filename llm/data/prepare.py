@@ -403,42 +403,15 @@ def _encoded(jobs: Iterator[tuple[list[Item], Job]], pool: mp.pool.Pool | None,
     if pool is None:
         yield from ((places, _encode_batch(job)) for places, job in jobs)
         return
-    started = list(pool._pool)  # noqa: SLF001 - the pool's worker processes: they end only when it does
     in_flight: deque = deque()
     for places, job in jobs:
         in_flight.append((places, pool.apply_async(_encode_batch, (job,))))
         if len(in_flight) >= 2 * workers:
             places, result = in_flight.popleft()
-            yield places, _results(result, pool, started)
+            yield places, result.get()
     while in_flight:
         places, result = in_flight.popleft()
-        yield places, _results(result, pool, started)
-
-
-WORKER_POLL_S = 1.0
-"""How often a wait for a job's results looks whether a worker died (`_results`)."""
-
-
-def _results(result: mp.pool.AsyncResult, pool: mp.pool.Pool, started: list) -> list[Result]:
-    """A job's results; a UserError once one of the workers the pool `started` with has ended: the pool starts
-    another in its place, and the jobs it held never come back (the run hung, its worker killed by the out-of-memory
-    killer). The pool's workers are ended first, and the lock on its job queue let go (a worker killed while it took
-    a job holds it for ever, and the pool's terminate, on the way out, waited for it)."""
-    while not result.ready():
-        result.wait(WORKER_POLL_S)
-        ended = next((worker for worker in started if worker.exitcode is not None), None)
-        if ended is not None and not result.ready():
-            for worker in pool._pool:  # noqa: SLF001 - as above
-                worker.kill()
-                worker.join()
-            taking = pool._inqueue._rlock  # noqa: SLF001 - the lock a worker holds while it reads a job
-            taking.acquire(block=False)
-            taking.release()
-            how = f"signal {-ended.exitcode}" if ended.exitcode < 0 else f"exit code {ended.exitcode}"
-            raise UserError(f"a tokenizer worker (pid {ended.pid}) ended ({how}), so its records are lost; the "
-                            "out-of-memory killer ends one so that holds a huge record: lower --workers or "
-                            "--max-record-mb, and run again")
-    return result.get()
+        yield places, result.get()
 
 
 def _skip(record: Skipped, report: Report, strict: bool) -> None:
