@@ -519,13 +519,15 @@ def _wait_for_preempted(run_dir: Path, since: float, bound_s: float, stopping: l
 
 def _ranks_here() -> list[psutil.Process]:
     """The training ranks this launch started on this node that still run, wherever they were re-parented (a zombie
-    that nothing reaps, in a container whose first process reaps no orphans, has ended)."""
-    ranks = []
+    that nothing reaps, in a container whose first process reaps no orphans, has ended); not their data-loader
+    workers, forked with a rank's command line."""
+    parents = {}
     for process in started_here():
         with contextlib.suppress(psutil.Error):  # ended meanwhile
             if is_rank_command(process.cmdline()):
-                ranks.append(process)
-    return ranks
+                parents[process] = process.ppid()
+    pids = {process.pid for process in parents}
+    return [process for process, parent in parents.items() if parent not in pids]
 
 
 def _wait_for_ranks_here(run_dir: Path, since: float, stopping: list[int]) -> bool:

@@ -869,10 +869,6 @@ DEEPSPEED_LAUNCHER_OPTIONS = frozenset({"--hostfile", "--num_gpus", "--num_nodes
 """Options of DeepSpeed's `deepspeed` launcher, which users give to the command they would have launched with it."""
 
 
-RANKS_HERE_COMMANDS = ("demo", "eval", "bench")
-"""Commands besides `train` that run several ranks, on this machine only (`--nproc`)."""
-
-
 def parse_arguments(argv: list[str]) -> argparse.Namespace:
     """The parsed command line; an unknown option that DeepSpeed's launcher takes (`zerollm train ... --hostfile h`)
     is refused saying where such options go."""
@@ -884,7 +880,7 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         where = ("give them to `zerollm launch --hostfile FILE -- train ...` or `deepspeed --hostfile FILE --module "
                  "llm train ...`, or run ranks on this machine with --nproc N" if args.command == "train" else
                  f"zerollm {args.command} runs its ranks on this machine, with --nproc N"
-                 if args.command in RANKS_HERE_COMMANDS else f"zerollm {args.command} runs as one process")
+                 if hasattr(args, "nproc") else f"zerollm {args.command} runs as one process")
         hint = f" ({', '.join(theirs)}: DeepSpeed's launcher's; {where})" if theirs else ""
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     return args

@@ -148,7 +148,7 @@ def _write_output(tokenizer: Tokenizer, training: dict, out_dir: Path) -> Tokeni
     """The tokenizer's files and `training` written into a temporary folder beside `out_dir`, then renamed into it:
     a failure while writing (a full disk) leaves the tokenizer that was there whole."""
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.resolve().parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=out_dir.resolve().parent))
         try:
             (staging / TRAINING_FILE).write_text(json.dumps(training, indent=2), encoding="utf-8")
             tokenizer.save(staging)

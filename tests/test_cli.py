@@ -69,6 +69,10 @@ def test_deepspeed_launcher_options_given_to_a_command_say_where_they_go(capsys)
     assert capsys.readouterr().err.splitlines()[-1] == ("zerollm: error: unrecognized arguments: --num_gpus 2 "
                                                         "(--num_gpus: DeepSpeed's launcher's; zerollm eval runs its "
                                                         "ranks on this machine, with --nproc N)")
+    with pytest.raises(SystemExit):  # of bench's commands, only `bench train` has --nproc
+        parse_arguments(["bench", "learn", "--input", "a.txt", "--num_gpus", "2"])
+    assert capsys.readouterr().err.splitlines()[-1].endswith("(--num_gpus: DeepSpeed's launcher's; zerollm bench "
+                                                             "runs as one process)")
     with pytest.raises(SystemExit):
         parse_arguments(["chat", "--model", "m", "--include", "localhost:0"])
     assert capsys.readouterr().err.splitlines()[-1] == ("zerollm: error: unrecognized arguments: --include "

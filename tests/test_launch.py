@@ -1059,7 +1059,13 @@ time.sleep(120)
 """Stands in for DeepSpeed's runner on several hosts under pdsh, whose ranks, elsewhere, save after it has exited."""
 
 RANK_SAVING_ON_A_STOP = f"""
-import signal, subprocess, sys, time
+import os, signal, subprocess, sys, time
+rank = os.getpid()
+if os.fork() == 0:  # a data-loader worker: forked, with the rank's command line; it ends with the rank
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as zerollm's do (`data_loader_worker_init`)
+    while os.getppid() == rank:
+        time.sleep(0.05)
+    os._exit(0)
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 open(sys.argv[2], "w").close()
@@ -1068,8 +1074,8 @@ while not stop:
 subprocess.run([sys.executable, "-c", {SAVING_A_STOPS_CHECKPOINT!r}, sys.argv[1]])
 sys.exit(75)
 """
-"""A rank (`python .../zerollm RUN_DIR READY`, as the launchers start it): marks READY, and on SIGTERM saves, then
-exits 75."""
+"""A rank (`python .../zerollm RUN_DIR READY`, as the launchers start it), with a forked data-loader worker: marks
+READY, and on SIGTERM saves, then exits 75."""
 
 LOCAL_RUNNER_SIGNALLED_WITH_ITS_RANK = """
 import subprocess, sys, time

@@ -200,9 +200,10 @@ def _encode(kind: str, item: Item, max_tokens: int) -> Result:
     if not has_reply:
         return Skipped(item.source, item.line, f"too long: no reply token fits in --seq-len {max_tokens - 1}",
                        item.unit)
-    if kind == "dpo" and sample["chosen"] == sample["rejected"]:  # cut before they part: nothing to prefer
-        return Skipped(item.source, item.line, f"too long: the replies differ only after what fits in --seq-len "
-                                               f"{max_tokens - 1}", item.unit)
+    if kind == "dpo" and sample["chosen"] == sample["rejected"]:  # nothing to prefer
+        why = (f"too long: the replies differ only after what fits in --seq-len {max_tokens - 1}" if truncated else
+               "the replies are the same tokens")  # a normalizing tokenizer's (NFKC)
+        return Skipped(item.source, item.line, why, item.unit)
     return sample, truncated
 
 

@@ -331,15 +331,24 @@ def split_text(item: Item, text: str, limit: int = PIECE_CHARS) -> Iterator[Item
     yield from pieces.finish()
 
 
+_RUNS = re.compile(r"(.)\1*", re.DOTALL)
+"""A run of one character."""
+
+
 def _txt_items(path: Path) -> Iterator[Item]:
     """The documents of a .txt file: blocks of lines between blank ones (white space only, however long: a blank
     line longer than a part, `PIECE_CHARS`, joined the documents around it)."""
     document: _Pieces | None = None
-    blank: list[str] | None = []
-    """The parts of the line so far while each is white space; None once one is not."""
+    blank: list[list] | None = []
+    """The line so far while it is white space, as runs [character, count] (bounded however long the line); None
+    once it is not."""
     for number, text, complete in _line_parts(path, PIECE_CHARS):
         if blank is not None and not text.strip():
-            blank.append(text)
+            for run in _RUNS.finditer(text):
+                if blank and blank[-1][0] == run[1]:
+                    blank[-1][1] += len(run[0])
+                else:
+                    blank.append([run[1], len(run[0])])
             if complete:  # a blank line: the end of a document
                 if document is not None:
                     yield from document.finish()
@@ -348,8 +357,10 @@ def _txt_items(path: Path) -> Iterator[Item]:
             continue
         if document is None:
             document = _Pieces(str(path), number, PIECE_CHARS)
-        for part in [*(blank or ()), text]:
-            yield from document.add(part)
+        for char, count in blank or ():  # the line's white space before its text, in parts of bounded size
+            for start in range(0, count, PIECE_CHARS):
+                yield from document.add(char * min(PIECE_CHARS, count - start))
+        yield from document.add(text)
         blank = [] if complete else None
     if document is not None:
         yield from document.finish()
