@@ -1,6 +1,7 @@
 """`zerollm launch`: preflight checks, and real multi-"node" jobs on one machine (two launcher processes meeting
 on 127.0.0.1) through DeepSpeed's launcher in per-node and hostfile mode, torchrun c10d and the SLURM template."""
 
+import collections.abc
 import contextlib
 import json
 import os
@@ -691,6 +692,66 @@ def test_a_step_past_the_timeout_says_what_stuck_it_or_to_allow_it_longer(monkey
     assert said and said[0].startswith("rank 0: step 3 did not finish within train.collective_timeout_s=1 s: every "
                                        "rank's heartbeat is alive")
     assert "raise train.collective_timeout_s" in said[0]
+
+
+class _Sleeps:
+    """`time.sleep` for a watchdog test: records the seconds asked for, sleeps at most 0.05 of them."""
+
+    def __init__(self, real=time.sleep):
+        self.asked, self._real = 0.0, real
+
+    def __call__(self, seconds: float) -> None:
+        self.asked += seconds
+        self._real(min(seconds, 0.05))
+
+
+@contextlib.contextmanager
+def _two_watchdogs(monkeypatch, said: list) -> collections.abc.Iterator[tuple[watchdog.Watchdog, watchdog.Watchdog]]:
+    """Rank 0's watchdog with the default heartbeat interval (10 s) and rank 1's beating every 0.5 s, in a job of
+    two ranks; a rank that would end its process appends (rank, message) to `said` and stops beating instead."""
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(watchdog.Watchdog, "_exit",
+                        lambda self, message: (said.append((self.rank, message)), self._stopped.set()))
+    dogs = watchdog.Watchdog(0, 2, timeout_s=600, announce=True), watchdog.Watchdog(1, 2, timeout_s=15, announce=True)
+    try:
+        yield dogs
+    finally:
+        for dog in dogs:
+            dog.stop()
+        del store
+
+
+def test_a_diagnosis_ends_once_every_other_rank_has_beaten(monkeypatch):
+    """A rank whose own error ended a job (a bad optimizer setting) first waited three heartbeat intervals (30 s by
+    default) to rule out a lost peer, though every peer had beaten long before."""
+    sleeps = _Sleeps()
+    with _two_watchdogs(monkeypatch, []) as dogs:
+        monkeypatch.setattr(watchdog.time, "sleep", sleeps)
+        assert dogs[0].diagnose() is None
+    assert sleeps.asked < dogs[0].stale_after / 2  # 30 s
+
+
+@pytest.mark.parametrize("both", [False, True], ids=["one-rank-ends-it", "both-end-it"])
+def test_the_rank_ending_a_job_leaves_once_every_other_rank_knows(monkeypatch, both):
+    """The rank that ended a job stayed 1.5 heartbeat intervals (15 s by default), whether or not its peers had
+    seen the news, in case the store lived in its process; so did every rank where all ended it at once (each
+    failed on its own, as they do on a bad setting)."""
+    said = []
+    sleeps = _Sleeps()
+    with _two_watchdogs(monkeypatch, said) as dogs:
+        monkeypatch.setattr(watchdog.time, "sleep", sleeps)
+        peer = threading.Thread(target=dogs[1].end_job, args=("failed with RuntimeError: boom", "Fix it."))
+        if both:
+            peer.start()
+        dogs[0].end_job("failed with RuntimeError: boom", advice="Fix it.")
+        if both:
+            peer.join()
+    news = "{}: failed with RuntimeError: boom; the job is ended on every rank. Fix it."
+    assert sorted(said) == [(0, news.format("rank 0")), (1, news.format("rank 1" if both else "rank 0"))]
+    assert sleeps.asked < 1.5 * dogs[0].interval / 2  # 15 s
 
 
 def _ended_pid() -> int:

@@ -5,11 +5,12 @@ TCPStore the launcher set up at MASTER_ADDR:MASTER_PORT) every `interval` second
 a clock that needs no synchronised clocks between nodes:
 
 - when a collective fails (a peer's connection closed) or times out (`train.collective_timeout_s`),
-  `diagnose()` reads every counter twice, `stale_after` seconds apart; ranks whose counter did not move
-  are dead or frozen, and are named with the host and pid they registered (a rank of the same machine and pid
-  namespace whose process has ended is named at once, without the wait);
+  `diagnose()` reads every counter until all have moved, for at most `stale_after` seconds; ranks whose
+  counter did not move are dead or frozen, and are named with the host and pid they registered (a rank of
+  the same machine and pid namespace whose process has ended is named at once, without the wait);
 - the rank that diagnosed a failure publishes it under an abort key; every other rank's heartbeat
-  thread sees the key within one interval and ends its process, so no rank is left waiting;
+  thread sees the key within one interval, says so, and ends its process, so no rank is left waiting (the
+  rank that published it waits until they all said so, as the store may live in its process);
 - a step that runs longer than the timeout ends the job from the thread (a backstop for waits that no
   collective timeout covers, such as a peer frozen between collectives).
 
@@ -22,6 +23,7 @@ launcher, the node-0 agent under torchrun.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -79,6 +81,9 @@ def _ended(process: str, here: str) -> bool:
 
 
 _ABORT_KEY = f"{_PREFIX}/abort"
+_ABORT_SEEN_KEY = f"{_PREFIX}/abort-seen"
+DIAGNOSIS_POLL_S = 0.25
+"""How often a diagnosis reads the heartbeat counters while it waits for them to move."""
 
 
 NODE_ADVICE = "Fix or replace the failed node, then start the job again with --resume auto"
@@ -147,15 +152,19 @@ class Watchdog:
 
             gone = ended()
             if not gone:
-                keys = [_counter_key(r) for r in range(self.world_size)]
+                keys = [_counter_key(r) for r in others]
                 before = store.multi_get(keys)
-                time.sleep(self.stale_after)
-                after = store.multi_get(keys)
+                deadline = time.monotonic() + self.stale_after
+                while True:  # until every other rank's counter moved (each beats once an interval), or the deadline
+                    time.sleep(min(DIAGNOSIS_POLL_S, self.stale_after))
+                    after = store.multi_get(keys)
+                    if all(a != b for a, b in zip(after, before, strict=True)) or time.monotonic() >= deadline:
+                        break
                 gone = ended()  # a rank killed as this began may have been still exiting (its sockets close first)
             if gone:
                 who = store.multi_get([_identity_key(r) for r in gone])
                 return "; ".join(f"rank {r} ({w.decode()})" for r, w in zip(gone, who, strict=True)) + " ended"
-            silent = [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]]
+            silent = [r for r, a, b in zip(others, after, before, strict=True) if a == b]
             who = dict(zip(silent, store.multi_get([_identity_key(r) for r in silent]))) if silent else {}
         except Exception:  # noqa: BLE001 - any store failure means the same thing here
             return (f"the job's rendezvous store at {host}:{port} is unreachable: the process hosting it "
@@ -172,8 +181,13 @@ class Watchdog:
         self._ending.acquire()
         text = f"rank {self.rank}: {message}; the job is ended on every rank. {advice}"
         try:
-            self._connect(5.0).set(_ABORT_KEY, text)
-            time.sleep(1.5 * self.interval)  # the store may live in this process: let the others read the key
+            store = self._connect(5.0)
+            store.set(_ABORT_KEY, text)
+            store.add(_ABORT_SEEN_KEY, 1)
+            # the store may live in this process: it stays until every rank knows (the others look once an interval)
+            deadline = time.monotonic() + 1.5 * self.interval
+            while store.add(_ABORT_SEEN_KEY, 0) < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
         except Exception:  # noqa: BLE001 - the store may be what failed; the other ranks' own checks cover it
             pass
         self._exit(text)
@@ -184,9 +198,7 @@ class Watchdog:
         while not self._stopped.wait(self.interval):
             try:
                 self._store.add(_counter_key(self.rank), 1)
-                if self._store.check([_ABORT_KEY]):
-                    text = self._store.get(_ABORT_KEY).decode()
-                    self._exit(text if self.announce else None)
+                self._end_if_told()
             except Exception:  # noqa: BLE001 - the store's host is gone; the main thread's collective fails next
                 pass
             since = self._busy_since
@@ -197,6 +209,23 @@ class Watchdog:
                                              "train.collective_timeout_s)")
                 self.end_job(f"{self._busy_what} did not finish within train.collective_timeout_s="
                              f"{self.timeout_s:g} s: {reason}")
+
+    def _end_if_told(self) -> None:
+        """End this process if a rank ended the job, saying this rank knows (each rank says so once: here, or in
+        `end_job` where it ends the job itself)."""
+        if not self._ending.acquire(blocking=False):  # this rank is ending the job itself
+            return
+        text = None
+        try:
+            if self._store.check([_ABORT_KEY]):
+                text = self._store.get(_ABORT_KEY).decode()
+        finally:
+            if text is None:
+                self._ending.release()
+        if text is not None:
+            with contextlib.suppress(Exception):
+                self._store.add(_ABORT_SEEN_KEY, 1)
+            self._exit(text if self.announce else None)
 
     def _exit(self, message: str | None) -> None:
         if message:
