@@ -666,10 +666,7 @@ def validate_model(m: ModelConfig) -> None:
     if m.head_dim is None:
         _require(m.dim % m.n_heads == 0, f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads}), or "
                  "set model.head_dim")
-        head_dim = f"model.dim/model.n_heads = {m.dim}/{m.n_heads} = {m.attention_head_dim}"
-    else:
-        head_dim = f"model.head_dim = {m.head_dim}"
-    _require(m.attention_head_dim % 2 == 0, f"head dim {head_dim} must be even for RoPE")
+    _require(m.attention_head_dim % 2 == 0, f"head dim {_head_dim_text(m)} must be even for RoPE")
     _require(m.n_heads % m.kv_heads == 0,
              f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
     _require(m.rope_scaling in ("none", "yarn", "llama3"),
@@ -690,11 +687,23 @@ def validate_model(m: ModelConfig) -> None:
     _require(m.kernels in ("auto", "triton", "torch"),
              f"model.kernels must be auto, triton or torch, got '{m.kernels}'")
     if m.kernels == "triton":
-        from kernels.runtime import ATTENTION_HEAD_DIMS, HEAD_DIMS_TEXT  # noqa: PLC0415 - loads torch: only when asked
+        refusal = triton_head_dim_refusal(m)
+        _require(refusal is None, f"model.kernels=triton: {refusal}; use model.kernels=auto or torch")
 
-        _require(m.attention_head_dim in ATTENTION_HEAD_DIMS,
-                 f"model.kernels=triton: the attention kernel takes head dims {HEAD_DIMS_TEXT}, got {head_dim}; use "
-                 "model.kernels=auto or torch")
+
+def triton_head_dim_refusal(m: ModelConfig) -> str | None:
+    """Why the Triton attention kernel cannot run a model of `m`'s head dim, or None when it can."""
+    from kernels.runtime import ATTENTION_HEAD_DIMS, HEAD_DIMS_TEXT  # noqa: PLC0415 - loads torch: only when asked
+
+    if m.attention_head_dim in ATTENTION_HEAD_DIMS:
+        return None
+    return f"the attention kernel takes head dims {HEAD_DIMS_TEXT}, got {_head_dim_text(m)}"
+
+
+def _head_dim_text(m: ModelConfig) -> str:
+    if m.head_dim is None:
+        return f"model.dim/model.n_heads = {m.dim}/{m.n_heads} = {m.attention_head_dim}"
+    return f"model.head_dim = {m.head_dim}"
 
 
 STAGES = ("pretrain", "sft", "dpo", "grpo", "distill")

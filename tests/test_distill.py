@@ -130,6 +130,21 @@ def test_teacher_with_another_tokenizer_is_refused_naming_both(teacher, other_to
     assert not (tmp_path / "run").exists()
 
 
+def test_a_teacher_the_triton_kernels_cannot_run_is_refused(teacher, pretrain_data, tmp_path, monkeypatch, capfd):
+    """model.kernels=triton runs the teacher too: a teacher of a head dim the attention kernel refuses (TINY's 16)
+    passed the checks, the run's files were written, and the teacher's first forward ended step 1 in a traceback."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels run (on the CPU) as on a GPU
+    code = zerollm_here(monkeypatch, *_distill_args(pretrain_data, tmp_path / "run", teacher, "model.dim=64",
+                                                    "model.n_heads=2", "model.kernels=triton", "train.max_steps=1",
+                                                    nproc=2))
+    stderr = capfd.readouterr().err
+    assert (code, stderr.strip().splitlines()[-1]) == (2, (
+        f"zerollm: error: --teacher {teacher}: model.kernels=triton runs the teacher too, and the attention kernel "
+        "takes head dims 32 to 128 in steps of 16, got model.dim/model.n_heads = 64/4 = 16 there; use "
+        "model.kernels=auto or torch")), stderr[-2000:]
+    assert "Traceback" not in stderr and not (tmp_path / "run").exists()
+
+
 def test_teacher_of_another_vocabulary_or_without_tokenizer_or_checkpoint_is_refused(teacher, pretrain_data, tmp_path):
     attrs = read_data_attrs(pretrain_data, "pretrain")
     cfg = build_config("demo", [*TINY, "train.stage=distill", "model.vocab_size=640"],

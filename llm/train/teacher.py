@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from llm import rundir
-from llm.config import ModelConfig, RunConfig
+from llm.config import ModelConfig, RunConfig, triton_head_dim_refusal
 from llm.data.prepare import TOKENS_FILE
 from llm.errors import UserError
 from llm.loading import load_model_dir, model_config_of, weights_summary
@@ -54,6 +54,10 @@ def check_teacher(cfg: RunConfig, data_attrs: dict) -> dict[str, str]:
     if teacher_cfg.vocab_size != student_vocab:
         raise UserError(f"--teacher {teacher}: model.vocab_size {teacher_cfg.vocab_size} there, {student_vocab} here "
                         f"(the student's); set model.vocab_size={teacher_cfg.vocab_size}")
+    refusal = triton_head_dim_refusal(teacher_cfg) if cfg.model.kernels == "triton" else None
+    if refusal is not None:  # the teacher runs with the job's kernels
+        raise UserError(f"--teacher {teacher}: model.kernels=triton runs the teacher too, and {refusal} there; use "
+                        "model.kernels=auto or torch")
     if teacher_cfg.max_seq_len < cfg.data.seq_len:
         raise UserError(f"--teacher {teacher}: model.max_seq_len {teacher_cfg.max_seq_len} there is shorter than "
                         f"data.seq_len {cfg.data.seq_len}; set data.seq_len <= {teacher_cfg.max_seq_len}")
