@@ -54,8 +54,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offset: int = 0,
                positions: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q `[b, h, s, d]` and k `[b, hk, s, d]` by table rows position_offset + s, or by `positions[b, s]`."""
-    if positions is not None and position_offset:
-        raise ValueError("apply_rope: give positions or position_offset, not both")
+    reference.check_rope_args(q, k, cos, sin, position_offset, positions)
     if choose_backend("apply_rope", q, backend) == "triton":
         return triton_module_for("rope", q).apply_rope(q, k, cos, sin, position_offset, positions)
     return reference.apply_rope(q, k, cos, sin, position_offset, positions)

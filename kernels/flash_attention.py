@@ -358,6 +358,9 @@ def _kv_blocks(dk, dv, k, v, k_t, cols, k_seg, q_base, do_base, lse_base, delta_
         ds_t = (p_t * (dp_t - delta[None, :])).to(q_t.dtype)
         dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
         if ATOMIC_DQ:
+            # key rows past seq_k (zero in k_t) may hold an infinite ds_t where they are not masked (MASKED false):
+            # p_t = exp2(0 - lse) overflows for a row whose logits all lie far below zero, and 0 * inf is NaN
+            ds_t = tl.where(cols[:, None] < seq_k, ds_t, 0.0)
             dq_t = tl.dot(k_t, ds_t, input_precision=PRECISION) * scale
             tl.atomic_add(dq_base + rows[None, :] * head_dim + offs_d[:, None], dq_t,
                           mask=(rows[None, :] < seq_q) & (offs_d[:, None] < head_dim))

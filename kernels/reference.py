@@ -37,6 +37,31 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def check_rope_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offset: int,
+                    positions: torch.Tensor | None) -> None:
+    """ValueError unless q `[b, h, s, d]` and k `[b, h_kv, s, d]` (d even) fit tables `[n, d // 2]` alike, and the
+    rows asked for (`position_offset` + s, or `positions` `[b, s]`, one of them) lie in the tables. The values of
+    `positions` are not checked (that would cost a host synchronisation per call on a GPU)."""
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"apply_rope: q and k must be [batch, heads, seq, head_dim], got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
+    seq, head_dim = q.shape[-2], q.shape[-1]
+    if (head_dim % 2 or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[-1] != head_dim // 2
+            or k.shape[-2:] != q.shape[-2:] or k.shape[0] != q.shape[0]):
+        raise ValueError(f"apply_rope: q {tuple(q.shape)}, k {tuple(k.shape)} and tables {tuple(cos.shape)}, "
+                         f"{tuple(sin.shape)} disagree")
+    if positions is not None:
+        if position_offset:
+            raise ValueError("apply_rope: give positions or position_offset, not both")
+        if positions.shape != (q.shape[0], seq):
+            raise ValueError(f"apply_rope: positions {tuple(positions.shape)} must be [batch, seq] = "
+                             f"[{q.shape[0]}, {seq}]")
+    elif position_offset < 0:
+        raise ValueError(f"apply_rope: position_offset must be >= 0, got {position_offset}")
+    elif position_offset + seq > cos.shape[0]:
+        raise ValueError(f"apply_rope: positions up to {position_offset + seq} exceed the table's {cos.shape[0]}")
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offset: int = 0,
                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k by the table rows `position_offset + s`, or by rows `positions[b, s]` (int64 `[batch, seq]`)."""

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import reference
 from kernels.runtime import Launch, interpreting, num_programs_for, warps_for
 
 INTERPRETED = interpreting()
@@ -117,6 +118,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} must be [{x.shape[-1]}], the last dim of x "
                          f"{tuple(x.shape)}")
+    if not x.shape[-1]:  # rows of nothing: nothing to launch (and no row layout of width 0)
+        return reference.rms_norm(x, weight, eps)
     return RMSNormFunction.apply(x, weight.contiguous(), eps)
 
 

@@ -109,21 +109,10 @@ class RoPEFunction(torch.autograd.Function):
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offset: int = 0,
                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q `[b, h, s, d]` and k `[b, h_kv, s, d]` by table rows position_offset + s, or rows `positions[b, s]`.
-
-    Positions are not range-checked on the device (that would cost a host synchronisation per call): each must
-    be below the table's length, as the model's max_seq_len check guarantees."""
-    seq, head_dim = q.shape[-2], q.shape[-1]
-    if head_dim % 2 or cos.shape[-1] != head_dim // 2 or k.shape[-2:] != q.shape[-2:] or k.shape[0] != q.shape[0]:
-        raise ValueError(f"apply_rope: q {tuple(q.shape)}, k {tuple(k.shape)} and tables {tuple(cos.shape)} disagree")
-    if positions is None:
-        if position_offset + seq > cos.shape[0]:
-            raise ValueError(f"apply_rope: positions up to {position_offset + seq} exceed the table's {cos.shape[0]}")
-        positions = torch.empty(0, dtype=torch.int64, device=q.device)
-    elif positions.shape != (q.shape[0], seq):
-        raise ValueError(f"apply_rope: positions {tuple(positions.shape)} must be [batch, seq] = [{q.shape[0]}, {seq}]")
-    else:
-        positions = positions.to(torch.int64).contiguous()
+    """Rotate q `[b, h, s, d]` and k `[b, h_kv, s, d]` by table rows position_offset + s, or rows `positions[b, s]`,
+    arguments checked by `kernels.apply_rope` (`reference.check_rope_args`)."""
+    positions = (torch.empty(0, dtype=torch.int64, device=q.device) if positions is None else
+                 positions.to(torch.int64).contiguous())
     return RoPEFunction.apply(q, k, cos.contiguous(), sin.contiguous(), positions, position_offset)
 
 

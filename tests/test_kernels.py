@@ -80,6 +80,15 @@ def test_rms_norm_refuses_a_weight_of_another_length(length):
     assert str(refused.value) == f"rms_norm: weight ({length},) must be [64], the last dim of x (3, 64)"
 
 
+def test_rms_norm_of_rows_of_width_zero_is_empty_as_on_the_torch_path():
+    """The Triton path failed to reshape 0 elements into rows of width 0."""
+    x, w = torch.randn(4, 0, requires_grad=True), torch.randn(0, requires_grad=True)
+    y = kernels.rms_norm(x, w, 1e-6, backend="triton")
+    assert y.shape == (4, 0)
+    y.sum().backward()
+    assert x.grad.shape == (4, 0) and w.grad.shape == (0,)
+
+
 def test_rms_norm_backward_covers_more_row_blocks_than_programs(seed, nan_outputs):
     """The persistent backward strides over row blocks: 4 programs x 4 rows, 37 rows, ragged last block."""
     x, w = torch.randn(37, 24), torch.randn(24)
@@ -167,6 +176,23 @@ def test_rope_refuses_positions_past_the_table_and_positions_with_an_offset():
         kernels.apply_rope(q, q, cos, sin, position_offset=1, positions=torch.zeros(1, 5, dtype=torch.long))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rope_refuses_a_negative_offset_unlike_tables_and_three_dim_heads(backend):
+    """A negative offset made the kernel read before the table (values of 1e34) and the torch path rotate by the
+    table's last rows; a sin table of another length was broadcast; [b, s, d] heads were an internal TypeError."""
+    cos, sin = _tables(300, 64)
+    q = torch.randn(1, 2, 4, 64)
+    cases = [((q, q, cos, sin, -5), "apply_rope: position_offset must be >= 0, got -5"),
+             ((q, q, cos, sin[:4]), "apply_rope: q (1, 2, 4, 64), k (1, 2, 4, 64) and tables (300, 32), (4, 32) "
+                                     "disagree"),
+             ((q[0], q[0], cos, sin), "apply_rope: q and k must be [batch, heads, seq, head_dim], got (2, 4, 64) "
+                                      "and (2, 4, 64)")]
+    for args, message in cases:
+        with pytest.raises(ValueError) as refused:
+            kernels.apply_rope(*args, backend=backend)
+        assert str(refused.value) == message
+
+
 # ---- SwiGLU ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -209,6 +235,21 @@ def test_attention_backward_with_atomic_dq_matches(causal, seed, nan_outputs):
     q, k, v = torch.randn(1, 4, 37, 64), torch.randn(1, 2, 37, 64), torch.randn(1, 2, 37, 64)
     compare(lambda q, k, v: attention(q, k, v, causal, deterministic=False),
             lambda q, k, v: oracle_attention(q, k, v, causal), [q, k, v], torch.float32, seed, deterministic=False)
+
+
+def test_attention_backward_with_atomic_dq_is_finite_where_every_logit_is_far_below_zero():
+    """A partial last key block is unmasked in the middle query blocks: its rows past seq_k, zero keys, got
+    p = exp2(0 - lse), infinite where a row's logits all lie below about -88, and 0 * inf put NaN into dQ."""
+    from kernels.flash_attention import attention
+
+    q = (torch.randn(1, 1, 20, 64) * 0.1 + 5).requires_grad_()  # every logit about -1600 (softmax is the same)
+    k = (torch.randn(1, 1, 37, 64) * 0.1 - 5).requires_grad_()
+    v = torch.randn(1, 1, 37, 64).requires_grad_()
+    attention(q, k, v, causal=False, deterministic=False).sum().backward()
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    oracle_attention(*exact, False).sum().backward()
+    for t, oracle in zip((q, k, v), exact, strict=True):
+        assert torch.allclose(t.grad.double(), oracle.grad, atol=1e-4), (t.grad - oracle.grad).abs().max()
 
 
 def test_attention_matches_reference_module_when_every_row_sees_a_key(seed):
