@@ -56,8 +56,11 @@ _LAYER_NAMES = {  # ours (inside layers.N.) -> Hugging Face (inside model.layers
     "attention.wq.bias": "self_attn.q_proj.bias", "attention.wk.bias": "self_attn.k_proj.bias",
     "attention.wv.bias": "self_attn.v_proj.bias",
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-"""model_type -> class: qwen3 is Llama with QK-norm, qwen2 Llama with biases on q, k and v."""
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
+"""model_type -> class: qwen3 is Llama with QK-norm, qwen2 Llama with biases on q, k and v, mistral Llama with an
+optional sliding window (none here), whose hidden size need not be a multiple of the heads (transformers' Llama
+refuses such a model: export writes it as Mistral)."""
 _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 
@@ -73,7 +76,8 @@ def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None) -> dict:
     if cfg.qk_norm and cfg.qkv_bias:  # Qwen3's attention_bias puts one on the output projection too
         raise UserError("a model with both model.qk_norm and model.qkv_bias has no Hugging Face class; export supports "
                         "either")
-    model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    model_type = ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else
+                  "mistral" if cfg.dim % cfg.n_heads else "llama")
     config = {
         "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "hidden_act": "silu",
         "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden_dim, "num_hidden_layers": cfg.n_layers,
@@ -83,8 +87,10 @@ def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None) -> dict:
         "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": cfg.init_std, "torch_dtype": "float32",
         "rope_scaling": None,
     }
-    if model_type != "llama":
+    if model_type in ("qwen2", "qwen3"):
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    if model_type == "mistral":  # absent, its class's default (4096) would be a window
+        config["sliding_window"] = None
     if model_type == "qwen2":  # Qwen2's q, k and v biases are its class's own: no attention_bias key says so
         del config["attention_bias"]
     if cfg.rope_scaling == "yarn":
@@ -140,18 +146,22 @@ def _first_of(key: str, places: list[tuple[dict[str, Any], str]], kind: type, de
     return default
 
 
+MISTRAL_DEFAULT_WINDOW = 4096
+"""The sliding window of a Mistral config without the key, as transformers reads it."""
+
+
 def model_config_from_hf(config: dict, source: str) -> ModelConfig:
     architectures = config.get("architectures") or []
     model_type = config.get("model_type")
-    if model_type is not None and not isinstance(model_type, str):
-        raise UserError(f"{source}: not a Llama-, Qwen2- or Qwen3-architecture config (model_type {model_type!r})")
-    if model_type not in ARCHITECTURES:
+    if not (isinstance(model_type, str) and model_type in ARCHITECTURES):  # the class it names, where it names one
         named = [t for t, name in ARCHITECTURES.items() if isinstance(architectures, list) and name in architectures]
-        if not named:
-            raise UserError(f"{source}: not a Llama-, Qwen2- or Qwen3-architecture config (model_type "
+        if not named or not isinstance(model_type, str | None):
+            raise UserError(f"{source}: not a Llama-, Mistral-, Qwen2- or Qwen3-architecture config (model_type "
                             f"{model_type!r})")
         model_type = named[0]
-    if config.get("use_sliding_window"):
+    window = config.get("sliding_window", MISTRAL_DEFAULT_WINDOW) if model_type == "mistral" else None
+    if config.get("use_sliding_window") or window is not None and not (
+            isinstance(window, int) and window >= _number(config, "max_position_embeddings", source, int, 2048)):
         raise UserError(f"{source}: sliding-window attention is not part of our architecture")
     for key in ("attention_bias", "mlp_bias"):  # Llama's and Qwen3's attention_bias is on every projection
         if config.get(key):

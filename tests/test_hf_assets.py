@@ -188,6 +188,39 @@ def test_a_qwen2_model_imports_and_exports_with_transformers_logits(tmp_path):
         assert torch.equal(import_model(tmp_path / "ours")(tokens).logits, model(tokens).logits)
 
 
+def test_a_model_whose_hidden_size_is_not_a_multiple_of_its_heads_exports_as_mistral(tmp_path):
+    """dim 64, 3 heads of 6: transformers' Llama refuses such a config ("hidden size (64) is not a multiple of the
+    number of attention heads (3)"), so the export did not load there."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=3, n_kv_heads=3, head_dim=6,
+                                    max_seq_len=64)).eval()
+    assert export_model(model, None, tmp_path) == "MistralForCausalLM"
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "mistral" and config["sliding_window"] is None
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    tokens = torch.randint(0, 96, (2, 21))
+    with torch.no_grad():
+        assert torch.allclose(hf(tokens).logits, model(tokens).logits, atol=1e-4)
+        assert torch.equal(import_model(tmp_path)(tokens).logits, model(tokens).logits)
+
+
+@pytest.mark.parametrize("window", ["absent", 4095])
+def test_a_mistral_model_with_a_sliding_window_is_refused(window):
+    """A window shorter than the context (the class's default of 4096 where the key is absent, as Mistral-7B-v0.1
+    has it) is attention we do not compute; null, or one covering every position, is full attention."""
+    config = hf_config(_small(0).cfg, None)
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], max_position_embeddings=8192)
+    config.pop("sliding_window", None)
+    if window != "absent":
+        config["sliding_window"] = window
+    with pytest.raises(UserError, match="sliding-window attention is not part of our architecture"):
+        model_config_from_hf(config, "config.json")
+    for full in (None, 8192, 32768):
+        assert model_config_from_hf({**config, "sliding_window": full}, "config.json").max_seq_len == 8192
+
+
 def test_biases_qwen2_does_not_have_are_refused(tmp_path):
     config = hf_config(_small(0).cfg, None)
     with pytest.raises(UserError, match="'attention_bias' True: biases other than Qwen2's on q, k and v"):
@@ -356,10 +389,11 @@ def test_a_model_type_that_is_not_a_string_is_refused_in_one_line(tmp_path, mode
     export_model(_small(0), None, tmp_path)
     config = hf_config(_small(0).cfg, None)
     config["model_type"] = model_type
-    with pytest.raises(UserError, match=r"config.json: not a Llama-, Qwen2- or Qwen3-architecture config \(model_type"):
+    with pytest.raises(UserError, match=r"config.json: not a Llama-, Mistral-, Qwen2- or Qwen3-architecture config "
+                                        r"\(model_type"):
         model_config_from_hf(config, "config.json")
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match="not a Llama-, Qwen2- or Qwen3-architecture config"):
+    with pytest.raises(UserError, match="not a Llama-, Mistral-, Qwen2- or Qwen3-architecture config"):
         import_model(tmp_path)
 
 
