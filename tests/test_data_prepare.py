@@ -502,6 +502,32 @@ def test_ctrl_c_or_sigterm_to_the_process_group_stops_prepare_and_its_workers_cl
     assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]  # no staging directory, no OUT holding only the lock
 
 
+def test_a_worker_killed_ends_the_run_in_one_line(tokenizer_dir, tmp_path):
+    """A worker the out-of-memory killer ended was replaced by the pool, and the run waited for its jobs forever."""
+    def kill_a_worker(process):
+        psutil.Process(process.pid).children()[0].kill()
+
+    code, err = _signalled_prepare(tokenizer_dir, tmp_path, 3000, kill_a_worker)
+    assert code == 2, err
+    assert err.endswith("zerollm: error: a tokenizer worker ended before its work was done, so its records are lost "
+                        "(the out-of-memory killer ends one that holds a huge record): lower --workers or "
+                        "--max-record-mb, and run again\n"), err
+    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]
+
+
+def test_workers_end_when_their_main_process_is_killed(tokenizer_dir, tmp_path):
+    workers = []
+
+    def kill_the_main_process(process):
+        workers.extend(psutil.Process(process.pid).children())
+        process.kill()
+
+    _signalled_prepare(tokenizer_dir, tmp_path, 3000, kill_the_main_process)
+    assert len(workers) == 2
+    gone, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive
+
+
 def test_workers_leave_ctrl_c_to_the_main_process(tokenizer_dir, tmp_path):
     def interrupt_workers(process):
         for worker in psutil.Process(process.pid).children():

@@ -33,8 +33,12 @@ import os
 import re
 import signal
 import sys
+import threading
+import time
 from collections import Counter, deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -176,17 +180,27 @@ def _init_worker(tokenizer_dir: str) -> None:
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
-def _init_pool_worker(tokenizer_dir: str) -> None:
+def _init_pool_worker(tokenizer_dir: str, main_pid: int) -> None:
     """A pool worker leaves the process group, so Ctrl-C and a SIGTERM to the group reach only the main process,
-    which stops the run and terminates its workers (`Pool.terminate`): a worker stopped halfway through reading a job
-    or sending a result would leave the pool's queue locks held and the run hung. It ignores SIGINT sent to it alone
-    and dies on SIGTERM (the main process's handlers, inherited, are for the main process); both are blocked from
-    its start (`_worker_pool`) until then. A worker whose main process died ends on its own: its job queue closes."""
+    which stops the run and terminates its workers (`TokenizerPool`). It ignores SIGINT sent to it alone and dies on
+    SIGTERM (the main process's handlers, inherited, are for the main process); both are blocked from its start
+    (`TokenizerPool`) until then. A worker whose main process died ends within `ORPHAN_POLL_S`: nothing else would
+    end it (it waits for a job on a queue its siblings also hold open)."""
     os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    threading.Thread(target=_end_when_orphaned, args=(main_pid,), daemon=True).start()
     _init_worker(tokenizer_dir)
+
+
+ORPHAN_POLL_S = 1.0
+
+
+def _end_when_orphaned(main_pid: int) -> None:
+    while os.getppid() == main_pid:
+        time.sleep(ORPHAN_POLL_S)
+    os._exit(1)
 
 
 def _encode(kind: str, item: Item, max_tokens: int) -> Result:
@@ -398,21 +412,57 @@ def _jobs(records: Iterator[Item | Skipped], kind: str, max_tokens: int, report:
         yield [replace(r, value=None) for r in batch], (kind, max_tokens, batch)
 
 
-def _encoded(jobs: Iterator[tuple[list[Item], Job]], pool: mp.pool.Pool | None,
-             workers: int) -> Iterator[tuple[list[Item], list[Result]]]:
+class TokenizerPool:
+    """Tokenizer worker processes, all started at once (fork) before any file is open, each job a `Future`.
+
+    A `ProcessPoolExecutor`, not a `multiprocessing.Pool`: a worker that dies (the out-of-memory killer ends one
+    holding a huge record) fails every job not yet done with `BrokenProcessPool`, where a Pool started another in
+    its place and the run waited for the lost jobs for ever. Leaving, the workers are terminated, not waited for
+    (a Ctrl-C may come while they hold minutes of work); the executor then finds them ended and lets go of its
+    queues without reading or writing them."""
+
+    def __init__(self, workers: int, tokenizer_dir: str):
+        self.workers = workers
+        self._executor = ProcessPoolExecutor(workers, mp.get_context("fork"), initializer=_init_pool_worker,
+                                             initargs=(tokenizer_dir, os.getpid()))
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited by the workers and the thread
+        try:  # the first job forks every worker and starts the executor's thread
+            self._executor.submit(int)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    def submit(self, job: Job) -> Future:
+        return self._executor.submit(_encode_batch, job)
+
+    def __enter__(self) -> TokenizerPool:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for worker in list(self._executor._processes.values()):  # noqa: SLF001 - no public way to end them
+            worker.terminate()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _encoded(jobs: Iterator[tuple[list[Item], Job]],
+             pool: TokenizerPool | None) -> Iterator[tuple[list[Item], list[Result]]]:
     """Each job's places and results, in order; at most two jobs per worker in flight."""
     if pool is None:
         yield from ((places, _encode_batch(job)) for places, job in jobs)
         return
     in_flight: deque = deque()
-    for places, job in jobs:
-        in_flight.append((places, pool.apply_async(_encode_batch, (job,))))
-        if len(in_flight) >= 2 * workers:
+    try:
+        for places, job in jobs:
+            in_flight.append((places, pool.submit(job)))
+            if len(in_flight) >= 2 * pool.workers:
+                places, result = in_flight.popleft()
+                yield places, result.result()
+        while in_flight:
             places, result = in_flight.popleft()
-            yield places, result.get()
-    while in_flight:
-        places, result = in_flight.popleft()
-        yield places, result.get()
+            yield places, result.result()
+    except BrokenProcessPool:
+        raise UserError("a tokenizer worker ended before its work was done, so its records are lost (the "
+                        "out-of-memory killer ends one that holds a huge record): lower --workers or "
+                        "--max-record-mb, and run again") from None
 
 
 def _skip(record: Skipped, report: Report, strict: bool) -> None:
@@ -425,17 +475,13 @@ def _token_count(sample: Sample) -> int:
     return sum(len(v) for k, v in sample.items() if k not in MASK_FIELDS)
 
 
-def _worker_pool(workers: int, tokenizer_dir: str):
-    """A pool of tokenizer processes, started before any file is open; None (a context doing nothing) for one
-    worker, which tokenizes in this process."""
+def _worker_pool(workers: int, tokenizer_dir: str) -> TokenizerPool | nullcontext:
+    """A pool of tokenizer processes; None (a context doing nothing) for one worker, which tokenizes in this
+    process."""
     if workers == 1:
         _init_worker(tokenizer_dir)
         return nullcontext()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited by the workers and the pool's threads
-    try:
-        return mp.get_context("fork").Pool(workers, _init_pool_worker, (tokenizer_dir,))
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    return TokenizerPool(workers, tokenizer_dir)
 
 
 def _write_tokens(output: OutputDir, kind: str, records: Iterator[Item | Skipped], tokenizer: Tokenizer,
@@ -448,7 +494,7 @@ def _write_tokens(output: OutputDir, kind: str, records: Iterator[Item | Skipped
                    for split in SPLITS}
         split = "train"
         jobs = _jobs(records, kind, seq_len + 1, report, strict, progress)
-        for places, results in _encoded(jobs, pool, workers):
+        for places, results in _encoded(jobs, pool):
             output.check_stopped()
             for item, result in zip(places, results):
                 if isinstance(result, Skipped):
