@@ -679,10 +679,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from llm.export import export_model
+    from llm.export import export_model, refuse_replacing_a_source
     from llm.loading import load_trained_model, run_tokenizer
 
-    model, _ = load_trained_model(Path(args.run))
+    model, cfg = load_trained_model(Path(args.run))
+    refuse_replacing_a_source(Path(args.out), cfg)
     # a damaged copy is refused, naming it, before anything is written
     kept = run_tokenizer(Path(args.run)) is not None
     architecture = export_model(model, rundir.tokenizer_dir(Path(args.run)), Path(args.out))

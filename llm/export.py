@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from llm import durable
-from llm.config import ModelConfig, validate_model
+from llm.config import ModelConfig, RunConfig, validate_model
 from llm.data.output import refuse_foreign_contents, refuse_mount_point
 from llm.errors import UserError, read_user_json_object
 from llm.model import Transformer
@@ -218,6 +218,17 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
     except UserError as exc:
         raise UserError(f"{source}: {exc}") from None
     return cfg
+
+
+def refuse_replacing_a_source(out: Path, cfg: RunConfig) -> None:
+    """Refuse an --out that is a model the run being exported was made from: its train.init_from (the base a LoRA
+    run's adapters are merged onto, a DPO or GRPO run's reference) or its distillation teacher. Export replaces --out
+    whole: the base of a LoRA run was lost, and the run could no longer be loaded."""
+    for key, source in (("train.init_from", cfg.train.init_from), ("train.teacher", cfg.train.teacher)):
+        if source and out.is_dir() and Path(source).is_dir() and os.path.samefile(out, source):
+            lora = "; a LoRA run is loaded onto it" if key == "train.init_from" and cfg.lora.r else ""
+            raise UserError(f"--out {out} is the run's {key}, a model it was trained from, which export would "
+                            f"replace{lora}; choose another --out")
 
 
 def _replaceable(out: Path) -> None:

@@ -308,6 +308,22 @@ def test_export_of_a_lora_run_is_the_merged_model(runs, tmp_path, monkeypatch, c
         torch.testing.assert_close(exported(tokens).logits, unmerged(tokens).logits, atol=1e-5, rtol=0)
 
 
+def test_export_refuses_to_replace_the_base_of_the_run(runs, tmp_path, monkeypatch, capfd):
+    """Exported into its own train.init_from, a LoRA run replaced its base with the merged model: the base was lost
+    and the run could no longer be loaded ("its adapters were trained on ... put that base back")."""
+    run, base = tmp_path / "run", tmp_path / "base"
+    shutil.copytree(runs["sft"][0], run)
+    trained_on = build_config((run / "config.yaml").as_posix()).train.init_from
+    shutil.copytree(trained_on, base)
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace(trained_on, str(base)))
+    before = {p.name: p.read_bytes() for p in base.iterdir() if p.is_file()}
+    code = zerollm_here(monkeypatch, "export", "--run", run, "--out", base)
+    assert (code, capfd.readouterr().err.strip().splitlines()[-1]) == (2, (
+        f"zerollm: error: --out {base} is the run's train.init_from, a model it was trained from, which export would "
+        "replace; a LoRA run is loaded onto it; choose another --out"))
+    assert {p.name: p.read_bytes() for p in base.iterdir() if p.is_file()} == before
+
+
 def test_a_lora_run_refuses_a_base_that_holds_other_weights(runs, data, tokenizer_dir, tmp_path):
     """The adapters belong to the base they were trained on; before, export merged them onto whatever
     train.init_from held (a retrained or swapped base) without a word, and a resume trained on."""
