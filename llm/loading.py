@@ -101,6 +101,10 @@ def load_trained_model(run_dir: Path, tag: str | None = None) -> tuple[Transform
     if cfg.model.tie_embeddings and not drop_tied_copy(state, "tok_embeddings.weight", "output.weight"):
         raise UserError(f"{mismatch} (model.tie_embeddings is true, but the checkpoint holds an output.weight that "
                         "differs from tok_embeddings.weight: it was trained untied)")
+    if not cfg.model.tie_embeddings and torch.equal(state.get("output.weight", torch.empty(0)),
+                                                    state.get("tok_embeddings.weight", torch.empty(1))):
+        raise UserError(f"{mismatch} (model.tie_embeddings is false, but the checkpoint's output.weight is its "
+                        "tok_embeddings.weight: it was trained tied)")
     try:
         model = model_from_weights(cfg.model, state)
     except RuntimeError as exc:  # shapes that differ: torch lists every one, the first is enough

@@ -949,6 +949,17 @@ def _run_of(tmp_path: Path, trained_tied: bool, config_tied: bool) -> tuple[Path
     return run, trained
 
 
+def test_an_untied_config_over_a_tied_checkpoint_is_one_line(one_rank_group, tmp_path, monkeypatch, capsys):
+    """Loaded as an untied model whose two matrices were one tensor: export ended in safetensors' traceback
+    ("Some tensors share memory")."""
+    run, _ = _run_of(tmp_path, trained_tied=True, config_tied=False)
+    assert zerollm_here(monkeypatch, "export", "--run", run, "--out", tmp_path / "export") == 2
+    assert capsys.readouterr().err == (
+        f"zerollm: error: {run}: checkpoint does not match config.yaml (model.tie_embeddings is false, but the "
+        "checkpoint's output.weight is its tok_embeddings.weight: it was trained tied)\n")
+    assert not (tmp_path / "export").exists()
+
+
 def test_a_tied_config_over_an_untied_checkpoint_is_one_line(one_rank_group, tmp_path, monkeypatch, capsys):
     """Both matrices loaded into the one tied parameter, the output matrix last: export succeeded with logits 1.4
     away from the trained model's."""
