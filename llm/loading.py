@@ -36,7 +36,7 @@ from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, load_adapters, merge
 from llm.runtime.fingerprint import WEIGHTS_PARTS, file_digest, same_weights
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
-from llm.train.checkpoint import is_partitioned, restricted_unpickling
+from llm.train.checkpoint import is_partitioned, restricted_unpickling, weight_decayed
 from llm.train.run_record import last_record
 
 T = TypeVar("T")
@@ -86,7 +86,37 @@ def _checkpoint_weights(run_dir: Path, tag: str) -> dict[str, torch.Tensor]:
                 return get_fp32_state_dict_from_zero_checkpoint(str(rundir.checkpoint_dir(run_dir)), tag=tag)
         state = torch.load(rundir.checkpoint_dir(run_dir) / tag / "mp_rank_00_model_states.pt", map_location="cpu",
                            weights_only=True)
-    return {k: v.float() for k, v in state["module"].items()}
+    return _unpartitioned_weights(state)
+
+
+def _unpartitioned_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a checkpoint saved without ZeRO: the module's, where a bf16 or fp16 run rounded them,
+    replaced by the fp32 master copies its optimizer state keeps (DeepSpeed's fp16 optimizers, bf16 too: a tensor
+    per parameter, `fp32_groups`, or one per parameter group, `fp32_groups_flat`, in the groups of
+    `engine.param_groups`); the module's own where the copies do not line up with it."""
+    module = state["module"]
+    weights = {name: tensor.float() for name, tensor in module.items()}
+    optimizer = state.get("optimizer")
+    masters = (optimizer.get("fp32_groups") or optimizer.get("fp32_groups_flat")) if isinstance(optimizer, dict) \
+        else None
+    if not masters or all(tensor.dtype == torch.float32 for tensor in module.values()):
+        return weights
+    first: dict[tuple, str] = {}  # each parameter once: a tied output matrix is its embeddings
+    for name, tensor in module.items():
+        first.setdefault((tensor.data_ptr(), tensor.shape), name)
+    trained = list(first.values())
+    groups = [[n for n in trained if weight_decayed(module[n])], [n for n in trained if not weight_decayed(module[n])]]
+    if len(masters) != len(groups):
+        return weights
+    copies = {}
+    for names, master in zip(groups, masters, strict=True):
+        sizes = [module[n].numel() for n in names]
+        if isinstance(master, torch.Tensor):  # one flat tensor: the group's parameters one after another
+            master = master.split(sizes) if master.numel() == sum(sizes) else []
+        if [m.numel() for m in master] != sizes:
+            return weights
+        copies.update((n, m.detach().float().view(module[n].shape)) for n, m in zip(names, master, strict=True))
+    return {name: copies[first[tensor.data_ptr(), tensor.shape]] for name, tensor in module.items()}
 
 
 def load_trained_model(run_dir: Path, tag: str | None = None) -> tuple[Transformer, RunConfig]:

@@ -935,6 +935,45 @@ def test_loading_weights_never_runs_a_pickle_found_in_a_checkpoint(one_rank_grou
     assert not (tmp_path / "pwned").exists()
 
 
+def test_a_bf16_run_without_zero_gives_its_fp32_master_weights(pretrain_data, tmp_path):
+    """Without ZeRO, export, --init-from, generate and eval read the module's weights, rounded to bf16, where the
+    same run under ZeRO-1 to 3 gave the fp32 master copies its optimizer keeps."""
+    run = tmp_path / "run"
+    result = run_job(*train_args(pretrain_data, run, "train.max_steps=2", "train.precision=bf16",
+                                 extra=["--zero-stage", 0]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = run / "checkpoints" / "global_step2"
+    with checkpoint.restricted_unpickling(saved):
+        state = torch.load(saved / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
+    decayed, others = state["optimizer"]["fp32_groups"]  # the master copies, in the optimizer's two groups
+    module = state["module"]
+    assert module["tok_embeddings.weight"].dtype == torch.bfloat16
+    weights = consolidated_weights(run)
+    assert set(weights) == set(module)
+    assert torch.equal(weights["tok_embeddings.weight"], decayed[0])  # the first matrix
+    assert torch.equal(weights["layers.0.attention_norm.weight"], others[0])  # the first vector
+    assert torch.equal(weights["layers.1.feed_forward.w3.weight"], decayed[-1])  # the last matrix (output is tied)
+    assert torch.equal(weights["output.weight"], decayed[0])
+    assert not torch.equal(decayed[0], decayed[0].bfloat16().float())
+    model, _ = load_trained_model(run)
+    assert torch.equal(model.tok_embeddings.weight, decayed[0])
+
+
+def test_fp32_masters_in_one_flat_tensor_per_group_are_read_and_copies_that_do_not_line_up_are_not():
+    """DeepSpeed's fused fp16 optimizer (FusedAdam on a GPU, bf16 too) keeps one flat fp32 tensor per parameter
+    group; copies of other sizes than the module's parameters are not taken for them."""
+    masters = {"emb": torch.randn(6, 4), "norm": torch.randn(4), "w": torch.randn(3, 4)}
+    module = {name: t.bfloat16() for name, t in masters.items()}
+    module["out"] = module["emb"]  # tied: one parameter under two names
+    flat = [torch.cat([masters["emb"].flatten(), masters["w"].flatten()]), masters["norm"]]
+    weights = loading._unpartitioned_weights({"module": module, "optimizer": {"fp32_groups_flat": flat}})
+    assert all(torch.equal(weights[name], masters[name]) for name in masters)
+    assert torch.equal(weights["out"], masters["emb"])
+    short = [flat[0][:-1], flat[1]]
+    rounded = loading._unpartitioned_weights({"module": module, "optimizer": {"fp32_groups_flat": short}})
+    assert all(torch.equal(rounded[name], module[name].float()) for name in module)
+
+
 def _run_of(tmp_path: Path, trained_tied: bool, config_tied: bool) -> tuple[Path, Transformer]:
     """A run directory whose checkpoint holds a model trained with tie_embeddings `trained_tied` (both of its
     matrices, as DeepSpeed saves a tied model's) and whose config.yaml says `config_tied`; the model trained."""

@@ -416,6 +416,12 @@ def frozen_parameters_left_out(engine) -> Iterator[bool]:
         del engine.module_state_dict  # the class's method again
 
 
+def weight_decayed(parameter: torch.Tensor) -> bool:
+    """Whether a parameter is in the optimizer's first group, with weight decay (matrices), or its second, without
+    (norms and other vectors): `engine.param_groups`, whose order the fp32 master copies in a checkpoint follow."""
+    return parameter.ndim >= 2
+
+
 def is_partitioned(run_dir: Path, tag: str) -> bool:
     """Whether the optimizer state is split across the ranks that saved it (ZeRO, or bf16's optimizer)."""
     return any((rundir.checkpoint_dir(run_dir) / tag).glob("*zero_pp_rank_*optim_states.pt"))

@@ -26,6 +26,7 @@ from llm.devices import DTYPES
 from llm.errors import UserError
 from llm.runtime.accelerator import ensure_accelerator_env
 from llm.runtime.deferred_compile import defer_muon_compile
+from llm.train.checkpoint import weight_decayed
 from llm.train.ds_scheduler import resolve_scheduler, scheduler_name
 
 ensure_accelerator_env()
@@ -666,8 +667,8 @@ def _find_auto(node: Any, path: str) -> str | None:
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices, none on norms and other vectors."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    decay = [p for p in model.parameters() if p.requires_grad and weight_decayed(p)]
+    no_decay = [p for p in model.parameters() if p.requires_grad and not weight_decayed(p)]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
