@@ -4,12 +4,15 @@ import errno
 import gzip
 import itertools
 import json
+import multiprocessing
 import os
 import resource
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import threading
 import time
 
 import datasets
@@ -22,6 +25,7 @@ import pytest
 
 from conftest import FIXTURES, changed_after_listing, run_cli, zerollm_here
 from llm.cli import main
+from llm.data import prepare as prepare_module
 from llm.data.formats import read_items, read_records
 from llm.data.output import OutputDir
 from llm.data.prepare import OUTPUT_NAMES, Report, not_prepared_here, prepare
@@ -513,6 +517,56 @@ def test_a_worker_killed_ends_the_run_in_one_line(tokenizer_dir, tmp_path):
                         "(the out-of-memory killer ends one that holds a huge record): lower --workers or "
                         "--max-record-mb, and run again\n"), err
     assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]
+
+
+def _half_a_result_then_killed(job):
+    """What a worker the out-of-memory killer ends halfway through sending a 1 MiB result leaves: part of the
+    message in the result pipe, the pipe's lock held."""
+    results = sys._getframe(1).f_locals["result_queue"]  # the executor's worker loop, calling this job
+    with results._wlock:
+        os.write(results._writer.fileno(), struct.pack("!i", 1 << 20) + b"x" * 1000)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_while_it_sends_a_result_ends_the_run(tokenizer_dir, monkeypatch):
+    """The executor's thread read the rest of that message for ever, and the run waited for its results."""
+    monkeypatch.setattr(prepare_module, "_encode_batch", _half_a_result_then_killed)
+    raised = []
+
+    def tokenize():
+        try:
+            with prepare_module.TokenizerPool(2, str(tokenizer_dir)) as pool:
+                list(prepare_module._encoded(iter([([], ("pretrain", 8, []))]), pool))
+        except UserError as exc:
+            raised.append(str(exc))
+
+    run = threading.Thread(target=tokenize, daemon=True)
+    run.start()
+    run.join(timeout=60)
+    assert not run.is_alive() and raised and raised[0].startswith("a tokenizer worker ended before its work was done")
+
+
+def test_a_pool_that_cannot_start_every_worker_ends_those_it_started(tokenizer_dir, monkeypatch):
+    """A fork that failed (EAGAIN at a process limit) left the workers started before it running, and the
+    interpreter's exit waited for them for ever."""
+    fork = multiprocessing.get_context("fork")
+    started = []
+
+    class SecondForkFails(fork.Process):
+        def start(self):
+            if started:
+                raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+            super().start()
+            started.append(self)
+
+    monkeypatch.setattr(fork, "Process", SecondForkFails)
+    try:
+        with pytest.raises(OSError, match="Resource temporarily unavailable"):
+            prepare_module.TokenizerPool(2, str(tokenizer_dir))
+        assert len(started) == 1 and started[0].exitcode is not None
+    finally:
+        for worker in started:
+            worker.kill()
 
 
 def test_workers_end_when_their_main_process_is_killed(tokenizer_dir, tmp_path):

@@ -417,30 +417,56 @@ class TokenizerPool:
 
     A `ProcessPoolExecutor`, not a `multiprocessing.Pool`: a worker that dies (the out-of-memory killer ends one
     holding a huge record) fails every job not yet done with `BrokenProcessPool`, where a Pool started another in
-    its place and the run waited for the lost jobs for ever. Leaving, the workers are terminated, not waited for
-    (a Ctrl-C may come while they hold minutes of work); the executor then finds them ended and lets go of its
-    queues without reading or writing them."""
+    its place and the run waited for the lost jobs for ever. One killed halfway through sending its result leaves the
+    executor's thread reading the rest for ever, so `result` also looks at the workers while it waits. Leaving, the
+    workers are killed, not waited for (a Ctrl-C may come while they hold minutes of work), and the result pipe is
+    closed here too, so that a message left half-sent ends for the executor's thread."""
 
     def __init__(self, workers: int, tokenizer_dir: str):
         self.workers = workers
         self._executor = ProcessPoolExecutor(workers, mp.get_context("fork"), initializer=_init_pool_worker,
                                              initargs=(tokenizer_dir, os.getpid()))
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited by the workers and the thread
-        try:  # the first job forks every worker and starts the executor's thread
-            self._executor.submit(int)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        try:
+            previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited by the workers, the thread
+            try:  # the first job forks every worker and starts the executor's thread
+                self._executor.submit(int)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a stop signal that came meanwhile comes here
+        except BaseException:  # a fork that failed, a stop signal: the workers started are ended
+            self.close()
+            raise
+
+    def _processes(self) -> list[mp.Process]:
+        return list(self._executor._processes.values())  # noqa: SLF001 - no public way to reach them
 
     def submit(self, job: Job) -> Future:
         return self._executor.submit(_encode_batch, job)
+
+    def result(self, job: Future) -> list[Result]:
+        """`job`'s results; BrokenProcessPool once a worker has ended."""
+        while True:
+            try:
+                return job.result(timeout=WORKER_POLL_S)
+            except TimeoutError:
+                if any(worker.exitcode is not None for worker in self._processes()):
+                    raise BrokenProcessPool("a worker ended") from None
+
+    def close(self) -> None:
+        for worker in self._processes():
+            worker.kill()
+            worker.join()
+        self._executor._result_queue._writer.close()  # noqa: SLF001 - see the class's docstring
+        self._executor.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> TokenizerPool:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        for worker in list(self._executor._processes.values()):  # noqa: SLF001 - no public way to end them
-            worker.terminate()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.close()
+
+
+WORKER_POLL_S = 1.0
+"""How often `TokenizerPool.result` looks whether a worker ended while it waits."""
 
 
 def _encoded(jobs: Iterator[tuple[list[Item], Job]],
@@ -455,10 +481,10 @@ def _encoded(jobs: Iterator[tuple[list[Item], Job]],
             in_flight.append((places, pool.submit(job)))
             if len(in_flight) >= 2 * pool.workers:
                 places, result = in_flight.popleft()
-                yield places, result.result()
+                yield places, pool.result(result)
         while in_flight:
             places, result = in_flight.popleft()
-            yield places, result.result()
+            yield places, pool.result(result)
     except BrokenProcessPool:
         raise UserError("a tokenizer worker ended before its work was done, so its records are lost (the "
                         "out-of-memory killer ends one that holds a huge record): lower --workers or "
