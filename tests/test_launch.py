@@ -744,11 +744,14 @@ def test_the_rank_ending_a_job_leaves_once_every_other_rank_knows(monkeypatch, b
     with _two_watchdogs(monkeypatch, said) as dogs:
         monkeypatch.setattr(watchdog.time, "sleep", sleeps)
         peer = threading.Thread(target=dogs[1].end_job, args=("failed with RuntimeError: boom", "Fix it."))
-        if both:
+        if both:  # rank 1 ends it first (else its heartbeat may see rank 0's news and leave, the lock held)
             peer.start()
+            while not dogs[1]._ending.locked():
+                time.sleep(0.01)
         dogs[0].end_job("failed with RuntimeError: boom", advice="Fix it.")
         if both:
-            peer.join()
+            peer.join(timeout=30)
+            assert not peer.is_alive()
     news = "{}: failed with RuntimeError: boom; the job is ended on every rank. Fix it."
     assert sorted(said) == [(0, news.format("rank 0")), (1, news.format("rank 1" if both else "rank 0"))]
     assert sleeps.asked < 1.5 * dogs[0].interval / 2  # 15 s
