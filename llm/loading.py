@@ -93,7 +93,8 @@ def _unpartitioned_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The fp32 weights of a checkpoint saved without ZeRO: the module's, where a bf16 or fp16 run rounded them,
     replaced by the fp32 master copies its optimizer state keeps (DeepSpeed's fp16 optimizers, bf16 too: a tensor
     per parameter, `fp32_groups`, or one per parameter group, `fp32_groups_flat`, in the groups of
-    `engine.param_groups`); the module's own where the copies do not line up with it."""
+    `engine.param_groups`); the module's own where the copies do not line up with it (Muon's groups, which DeepSpeed
+    splits its own way)."""
     module = state["module"]
     weights = {name: tensor.float() for name, tensor in module.items()}
     optimizer = state.get("optimizer")
@@ -106,6 +107,7 @@ def _unpartitioned_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
         first.setdefault((tensor.data_ptr(), tensor.shape), name)
     trained = list(first.values())
     groups = [[n for n in trained if weight_decayed(module[n])], [n for n in trained if not weight_decayed(module[n])]]
+    groups = [names for names in groups if names]  # DeepSpeed drops an empty group (a LoRA run has no vectors)
     if len(masters) != len(groups):
         return weights
     copies = {}

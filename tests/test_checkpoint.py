@@ -961,7 +961,8 @@ def test_a_bf16_run_without_zero_gives_its_fp32_master_weights(pretrain_data, tm
 
 def test_fp32_masters_in_one_flat_tensor_per_group_are_read_and_copies_that_do_not_line_up_are_not():
     """DeepSpeed's fused fp16 optimizer (FusedAdam on a GPU, bf16 too) keeps one flat fp32 tensor per parameter
-    group; copies of other sizes than the module's parameters are not taken for them."""
+    group; copies of other sizes than the module's parameters are not taken for them; DeepSpeed drops an empty
+    group (a LoRA run's adapters are all matrices)."""
     masters = {"emb": torch.randn(6, 4), "norm": torch.randn(4), "w": torch.randn(3, 4)}
     module = {name: t.bfloat16() for name, t in masters.items()}
     module["out"] = module["emb"]  # tied: one parameter under two names
@@ -972,6 +973,10 @@ def test_fp32_masters_in_one_flat_tensor_per_group_are_read_and_copies_that_do_n
     short = [flat[0][:-1], flat[1]]
     rounded = loading._unpartitioned_weights({"module": module, "optimizer": {"fp32_groups_flat": short}})
     assert all(torch.equal(rounded[name], module[name].float()) for name in module)
+    adapters = {"a": torch.randn(2, 4), "b": torch.randn(4, 2)}  # a LoRA run's: matrices only, one group left
+    state = {"module": {name: t.bfloat16() for name, t in adapters.items()},
+             "optimizer": {"fp32_groups": [list(adapters.values())]}}
+    assert all(torch.equal(loading._unpartitioned_weights(state)[name], adapters[name]) for name in adapters)
 
 
 def _run_of(tmp_path: Path, trained_tied: bool, config_tied: bool) -> tuple[Path, Transformer]:
