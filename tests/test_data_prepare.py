@@ -569,6 +569,39 @@ def test_a_pool_that_cannot_start_every_worker_ends_those_it_started(tokenizer_d
             worker.kill()
 
 
+def test_a_job_longer_than_the_pools_look_at_its_workers_gives_its_results(tokenizer_dir, monkeypatch):
+    monkeypatch.setattr(prepare_module, "WORKER_POLL_S", 0.01)
+    with prepare_module.TokenizerPool(2, str(tokenizer_dir)) as pool:
+        assert pool.result(pool._executor.submit(time.sleep, 0.3)) is None
+
+
+def test_a_second_ctrl_c_waits_until_the_pool_is_closed(tokenizer_dir):
+    """A Ctrl-C landing while the pool closed (after the first one's) stopped it half-way: a worker left running,
+    the executor not shut down, and the interpreter's exit could wait for them."""
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    pool = prepare_module.TokenizerPool(2, str(tokenizer_dir))
+    workers = pool._processes()
+    kill = workers[0].kill
+
+    def kill_and_ctrl_c():
+        kill()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    workers[0].kill = kill_and_ctrl_c
+    before = signal.signal(signal.SIGINT, interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.close()
+        assert all(worker.exitcode is not None for worker in workers) and pool._executor._processes is None
+    finally:
+        signal.signal(signal.SIGINT, before)
+        workers[0].kill = kill
+        for worker in workers:
+            worker.kill()
+
+
 def test_workers_end_when_their_main_process_is_killed(tokenizer_dir, tmp_path):
     workers = []
 

@@ -37,9 +37,9 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -444,25 +444,43 @@ class TokenizerPool:
 
     def result(self, job: Future) -> list[Result]:
         """`job`'s results; BrokenProcessPool once a worker has ended."""
-        while True:
-            try:
-                return job.result(timeout=WORKER_POLL_S)
-            except TimeoutError:
-                if any(worker.exitcode is not None for worker in self._processes()):
-                    raise BrokenProcessPool("a worker ended") from None
+        while not wait([job], timeout=WORKER_POLL_S).done:
+            if any(worker.exitcode is not None for worker in self._processes()):
+                raise BrokenProcessPool("a worker ended")
+        return job.result()
 
     def close(self) -> None:
-        for worker in self._processes():
-            worker.kill()
-            worker.join()
-        self._executor._result_queue._writer.close()  # noqa: SLF001 - see the class's docstring
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """End the workers and the executor; a second Ctrl-C waits until this is done (its few steps are bounded)."""
+        with _stop_signals_held():
+            for worker in self._processes():
+                worker.kill()
+                worker.join()
+            self._executor._result_queue._writer.close()  # noqa: SLF001 - see the class's docstring
+            self._executor.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> TokenizerPool:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+@contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM that come inside are taken when it ends. (Python runs signal handlers in the main thread,
+    whichever thread the signal reached, so blocking the signals there would not hold them.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: held.append(signum)) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if held:
+            signal.raise_signal(held[0])
 
 
 WORKER_POLL_S = 1.0
