@@ -213,19 +213,14 @@ class Watchdog:
     def _end_if_told(self) -> None:
         """End this process if a rank ended the job, saying this rank knows (each rank says so once: here, or in
         `end_job` where it ends the job itself)."""
+        if not self._store.check([_ABORT_KEY]):
+            return
+        text = self._store.get(_ABORT_KEY).decode()
         if not self._ending.acquire(blocking=False):  # this rank is ending the job itself
             return
-        text = None
-        try:
-            if self._store.check([_ABORT_KEY]):
-                text = self._store.get(_ABORT_KEY).decode()
-        finally:
-            if text is None:
-                self._ending.release()
-        if text is not None:
-            with contextlib.suppress(Exception):
-                self._store.add(_ABORT_SEEN_KEY, 1)
-            self._exit(text if self.announce else None)
+        with contextlib.suppress(Exception):
+            self._store.add(_ABORT_SEEN_KEY, 1)
+        self._exit(text if self.announce else None)
 
     def _exit(self, message: str | None) -> None:
         if message:
