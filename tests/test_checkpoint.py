@@ -993,25 +993,20 @@ def _run_of(tmp_path: Path, trained_tied: bool, config_tied: bool) -> tuple[Path
     return run, trained
 
 
-def test_an_untied_config_over_a_tied_checkpoint_is_one_line(one_rank_group, tmp_path, monkeypatch, capsys):
-    """Loaded as an untied model whose two matrices were one tensor: export ended in safetensors' traceback
-    ("Some tensors share memory")."""
-    run, _ = _run_of(tmp_path, trained_tied=True, config_tied=False)
+@pytest.mark.parametrize("trained_tied, why", [
+    (False, "model.tie_embeddings is true, but the checkpoint holds an output.weight that differs from "
+            "tok_embeddings.weight: it was trained untied"),
+    (True, "model.tie_embeddings is false, but the checkpoint's output.weight is its tok_embeddings.weight: it was "
+           "trained tied"),
+], ids=["tied-config-untied-checkpoint", "untied-config-tied-checkpoint"])
+def test_a_config_tied_otherwise_than_its_checkpoint_is_one_line(one_rank_group, tmp_path, monkeypatch, capsys,
+                                                                 trained_tied, why):
+    """Tied over untied: both matrices were loaded into the one tied parameter, the output matrix last, and export
+    succeeded with logits 1.4 away from the trained model's. Untied over tied: the model's two matrices were one
+    tensor, and export ended in safetensors' traceback ("Some tensors share memory")."""
+    run, _ = _run_of(tmp_path, trained_tied=trained_tied, config_tied=not trained_tied)
     assert zerollm_here(monkeypatch, "export", "--run", run, "--out", tmp_path / "export") == 2
-    assert capsys.readouterr().err == (
-        f"zerollm: error: {run}: checkpoint does not match config.yaml (model.tie_embeddings is false, but the "
-        "checkpoint's output.weight is its tok_embeddings.weight: it was trained tied)\n")
-    assert not (tmp_path / "export").exists()
-
-
-def test_a_tied_config_over_an_untied_checkpoint_is_one_line(one_rank_group, tmp_path, monkeypatch, capsys):
-    """Both matrices loaded into the one tied parameter, the output matrix last: export succeeded with logits 1.4
-    away from the trained model's."""
-    run, _ = _run_of(tmp_path, trained_tied=False, config_tied=True)
-    assert zerollm_here(monkeypatch, "export", "--run", run, "--out", tmp_path / "export") == 2
-    assert capsys.readouterr().err == (
-        f"zerollm: error: {run}: checkpoint does not match config.yaml (model.tie_embeddings is true, but the "
-        "checkpoint holds an output.weight that differs from tok_embeddings.weight: it was trained untied)\n")
+    assert capsys.readouterr().err == f"zerollm: error: {run}: checkpoint does not match config.yaml ({why})\n"
     assert not (tmp_path / "export").exists()
 
 
