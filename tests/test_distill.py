@@ -229,6 +229,28 @@ def test_two_ranks_zero3_on_sft_data(teacher, tokenizer_dir, tmp_path):
         [(1 - alpha) * r["ce"] + alpha * temperature ** 2 * r["distill_kl"] for r in rows], rel=1e-6)
 
 
+def test_a_teacher_given_relative_is_recorded_whole_and_export_will_not_replace_it(teacher, pretrain_data, tmp_path,
+                                                                                 monkeypatch, capfd):
+    """config.yaml kept --teacher as typed: export, run from another directory, read a relative teacher there, did
+    not see that its --out was the teacher the run was distilled from, and replaced that export."""
+    assert zerollm_here(monkeypatch, "export", "--run", teacher, "--out", tmp_path / "t") == 0
+    run = tmp_path / "run"
+    result = run_job(*_distill_args(pretrain_data, run, "t", "train.max_steps=1", "train.eval_every=0"),
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["teacher"] == str((tmp_path / "t").resolve())
+    def contents():
+        return {p: p.read_bytes() for p in (tmp_path / "t").rglob("*") if p.is_file()}
+
+    before = contents()
+    capfd.readouterr()
+    code = zerollm_here(monkeypatch, "export", "--run", run, "--out", tmp_path / "t")
+    assert (code, capfd.readouterr().err.strip().splitlines()[-1]) == (2, (
+        f"zerollm: error: --out {tmp_path / 't'} is the run's train.teacher, a model it was trained from, which "
+        "export would replace; choose another --out"))
+    assert contents() == before
+
+
 def test_resume_against_another_teacher_is_refused(student, teacher, pretrain_data, tmp_path):
     other = tmp_path / "other_teacher"  # another run of the same tokenizer and vocabulary
     shutil.copytree(student, other)

@@ -453,9 +453,10 @@ def _start_files(cfg: RunConfig, run_dir: Path, ds_config: dict, trainer: Traine
 def _write_run_files(cfg: RunConfig, run_dir: Path, ds_config: dict) -> None:
     """The run's tokenizer copy, config.yaml and ds_config.json, each written whole or not at all, and not at all
     when unchanged (`llm.durable`); a write that runs out of room is a UserError naming the run directory."""
-    # the base of a LoRA run is loaded whenever the run is (its checkpoints hold adapters only), from any directory
-    init_from = cfg.train.init_from and str(Path(cfg.train.init_from).resolve())
-    saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=init_from))
+    # the base of a LoRA run is loaded whenever the run is (its checkpoints hold adapters only), from any directory,
+    # and export, run from any directory, refuses to replace the base or the teacher (`refuse_replacing_a_source`)
+    init_from, teacher = (path and str(Path(path).resolve()) for path in (cfg.train.init_from, cfg.train.teacher))
+    saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=init_from, teacher=teacher))
     with durable.room_needed(run_dir, rundir.TOKENIZER_DIR):
         run_dir.mkdir(parents=True, exist_ok=True)
         keep_tokenizer(run_dir, input_tokenizer(cfg))
