@@ -292,6 +292,16 @@ def test_a_checked_checkpoint_removed_before_it_loads_is_one_line_and_ranks_comp
         mismatch_message(prints)
 
 
+def test_ranks_compare_the_teachers_weights_not_its_path():
+    """Nodes that hold the teacher at paths of their own (a node-local disk) were refused as disagreeing, where
+    the data, the base and the prompts may differ in path; the weights they load are compared."""
+    prints = [fingerprint({"train": {"teacher": path}}, {}, "data", "tok", {"teacher": "model.safetensors digest 12"})
+              for path in ("/scratch/a/teacher", "/local/teacher")]
+    assert mismatch_message(prints) is None
+    prints[1]["teacher weights"] = "model.safetensors digest 34"
+    assert mismatch_message(prints).startswith("ranks disagree, nothing was trained: teacher weights: ")
+
+
 def _recorded(run_dir, **teacher):
     (run_dir / rundir.RUN_RECORD_FILE).write_text(json.dumps({"data": {"teacher": teacher}}) + "\n")
 

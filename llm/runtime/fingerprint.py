@@ -5,8 +5,8 @@ resolved run config and DeepSpeed config, the digest of its data (the run record
 all the data, not a sample of it) and the tokenizer hash. Nodes
 started with a different checkout, config or data would otherwise train silently on different
 things (or deadlock in mismatched collectives); here the job stops on every rank with one message
-naming the differing fields and ranks. Node-local paths (data.path, train.init_from, grpo.prompts) are not
-compared; the data and weights they hold are, through their digests.
+naming the differing fields and ranks. Node-local paths (data.path, train.init_from, train.teacher,
+grpo.prompts) are not compared; the data and weights they hold are, through their digests.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from llm.runtime.distributed import raise_together
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout (llm/runtime/ is two levels down)
 CODE_DIRS = ("llm", "kernels", "launch", "ds_configs")
-NODE_LOCAL_KEYS = {"config.data.path", "config.train.init_from", "config.grpo.prompts"}
+NODE_LOCAL_KEYS = {"config.data.path", "config.train.init_from", "config.train.teacher", "config.grpo.prompts"}
 PRECISION_FIELD = "config.train.precision"
 """Resolved on each node (`llm.train.engine.resolve_precision`), so `auto` can differ between unlike CPUs."""
 _CHUNK = 1 << 20
