@@ -50,7 +50,7 @@ class RunSeries:
 
 def _tokens_per_step(run_dir: Path) -> int:
     """Global batch x data.seq_len: the positions one step trains on, as the run directory records them."""
-    seq_len = rundir.recorded_config(run_dir)["data"]["seq_len"]
+    seq_len = (rundir.recorded_config(run_dir).get("data") or {}).get("seq_len")  # a file cut short lacks it
     path = run_dir / rundir.DS_CONFIG_FILE
     try:
         batch = json.loads(path.read_text())["train_batch_size"]

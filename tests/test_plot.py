@@ -236,6 +236,9 @@ def test_values_that_are_not_numbers_are_not_drawn(tmp_path, cli_here):
     (lambda run: (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1e308, "lr": 1e-300}\n'
                                                      '{"step": 2, "loss": -1e308, "lr": 1e-300}\n'),
      "cannot draw these metrics"),
+    # a config.yaml cut short before its data section, or holding none of it: KeyError
+    (lambda run: (run / "config.yaml").write_text("model:\n  dim: 64\n"), "data.seq_len None are not positive"),
+    (lambda run: (run / "config.yaml").write_text("data: {}\n"), "data.seq_len None are not positive"),
 ])
 def test_damaged_runs_are_one_line(tmp_path, damage, message, cli_here):
     """Each was a traceback: FileNotFoundError, a str times an int, matplotlib's ValueError."""
