@@ -1,9 +1,10 @@
 """Reading the JSON Lines files a run appends to (metrics.jsonl, samples.jsonl, run_record.jsonl), whose last line
-a killed run may have cut anywhere, even inside a character."""
+a killed run may have cut anywhere, even inside a character; and strict JSON to write (no NaN or Infinity)."""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -35,3 +36,17 @@ def jsonl_lines(path: Path) -> Iterator[JsonLine]:
                     value = None
                 yield JsonLine(number, offset, text, value, raw.endswith(b"\n"))
             offset += len(raw)
+
+
+def strict_json(value: Any) -> Any:
+    """`value` with every number that is not finite as None: a row of metrics.jsonl is strict JSON, as `zerollm eval
+    --json` writes it. The MFU of a GPU whose peak is unknown is NaN, the gradient norm of an fp16 step DeepSpeed
+    skipped is inf, and json.dumps writes them as bare NaN / Infinity, which jq, JavaScript and pandas' strict readers
+    refuse. Readers take null as "no value" (`zerollm plot` leaves the point out); wandb still gets the number."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(item) for item in value]
+    return value

@@ -768,6 +768,50 @@ def test_a_diverged_models_perplexity_is_inf_and_its_loss_and_bits_per_byte_stil
     assert f"loss per token  {got['loss']:10.4f}" in table and f"bits per byte   {got['bits_per_byte']:10.4f}" in table
 
 
+def _offline_hub(monkeypatch, tmp_path):
+    for name, value in (("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_OFFLINE", "1"), ("HF_HOME", str(tmp_path / "hf"))):
+        monkeypatch.setenv(name, value)
+
+
+def test_lm_eval_metrics_of_a_model_that_scores_nan_are_saved_as_null(export_dir, local_tasks, tmp_path, monkeypatch):
+    """They were written as bare NaN, which is not JSON: jq, JavaScript and pandas' strict readers refused the
+    results file and the samples."""
+    from safetensors.torch import load_file, save_file
+
+    _offline_hub(monkeypatch, tmp_path)
+    model = tmp_path / "nan"
+    shutil.copytree(export_dir, model)
+    weights = load_file(model / "model.safetensors")
+    weights["model.norm.weight"][:] = float("nan")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    run_tasks(str(model), ["tiny_rolling"], include_path=str(local_tasks), out_dir=str(tmp_path / "out"),
+              log_samples=True)
+
+    def strict(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    saved = [path for path in (tmp_path / "out").iterdir() if path.suffix in (".json", ".jsonl")]
+    assert len(saved) == 2
+    for path in saved:
+        values = [json.loads(line, parse_constant=strict) for line in path.read_text().splitlines() if line.strip()] \
+            if path.suffix == ".jsonl" else [json.loads(path.read_text(), parse_constant=strict)]
+        assert values
+    results = json.loads(next(p for p in saved if p.suffix == ".json").read_text())["results"]["tiny_rolling"]
+    assert results["bits_per_byte,none"] is None and results["word_perplexity,none"] is None
+
+
+def test_a_perplexity_that_overflows_in_lm_eval_names_the_model_not_the_task(diverged_export, local_tasks, tmp_path,
+                                                                             monkeypatch):
+    """It was 'lm-eval failed on tiny_rolling (OverflowError: math range error); check the tasks' YAML and data
+    files': the task was fine; lm-eval's exp() of the diverged model's mean loss overflowed."""
+    _offline_hub(monkeypatch, tmp_path)
+    with pytest.raises(UserError, match=(
+            rf"^lm-eval failed on tiny_rolling: a perplexity overflowed \(OverflowError: math range error\), the "
+            rf"model's mean loss there being above 709 nats: has {re.escape(str(diverged_export))} diverged\? "
+            r"`zerollm eval --input FILE` gives its loss and bits per byte$")):
+        run_tasks(str(diverged_export), ["tiny_rolling"], include_path=str(local_tasks), out_dir=str(tmp_path / "o"))
+
+
 def test_a_huge_perplexity_prints_in_scientific_notation():
     from llm.eval.perplexity import PerplexityResult
 

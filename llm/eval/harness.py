@@ -23,6 +23,7 @@ from llm import durable, rundir
 from llm.devices import place, resolve
 from llm.errors import UserError
 from llm.eval.perplexity import check_batch_size, evaluation_context
+from llm.jsonl import strict_json
 from llm.loading import load_scored
 from llm.train.run_record import git_state
 
@@ -153,6 +154,10 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     except Exception as exc:  # noqa: BLE001 - what a task's YAML, data or functions raise, through lm-eval
         if not _task_fault(exc):
             raise  # zerollm's own code, or the model's: a bug to see whole
+        if isinstance(exc, OverflowError) and _raised_in(exc, "lm_eval"):  # exp() of its perplexities, not the task's
+            raise UserError(f"lm-eval failed on {', '.join(tasks)}: a perplexity overflowed ({_said(exc)}), the "
+                            f"model's mean loss there being above 709 nats: has {model_dir} diverged? `zerollm eval "
+                            "--input FILE` gives its loss and bits per byte") from None
         raise UserError(f"lm-eval failed on {', '.join(tasks)} ({_said(exc)}); check the tasks' YAML and data "
                         "files") from None
     table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
@@ -162,12 +167,14 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     results.setdefault("config", {}).update(model="zerollm", model_args=scored, batch_size=batch_size,
                                            device=str(where), dtype=str(precision).removeprefix("torch."))
     named = f"{model_dir} ({checkpoint})" if checkpoint else model_dir
-    stem = save_results(out, json.dumps(results, indent=1, default=str, ensure_ascii=False),
+    # a diverged model's NaN metrics as null: bare NaN is not JSON, and strict readers refused the file
+    stem = save_results(out, json.dumps(strict_json(results), indent=1, default=str, ensure_ascii=False),
                         f"model: {named}\n\n{table}")
     written = []  # everything saved before anything is printed: a reader that leaves (`| head`) loses no result
     for task, rows in samples.items():
         path = stem.with_name(f"{stem.name}_samples_{_file_name_part(task)}.jsonl")
-        durable.write_text(path, "".join(json.dumps(row, default=str, ensure_ascii=False) + "\n" for row in rows))
+        durable.write_text(path, "".join(json.dumps(strict_json(row), default=str, ensure_ascii=False) + "\n"
+                                         for row in rows))
         written.append(f"samples of {task} written to {path}")
     print(table)
     print(f"results written to {stem}.json and {stem}.md")

@@ -11,7 +11,6 @@ the threads each rank uses (so CPU MFU reads "share of what this machine's matmu
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import sys
@@ -29,7 +28,7 @@ from kernels.hardware import peak_tflops
 from llm import durable, rundir
 from llm.config import ModelConfig, RunConfig, WandbConfig
 from llm.errors import UserError
-from llm.jsonl import jsonl_lines
+from llm.jsonl import jsonl_lines, strict_json
 from llm.runtime.distributed import DistInfo
 from llm.stdout import on_terminal, unguarded
 
@@ -131,20 +130,6 @@ def _truncate_after(path: Path, step: int) -> None:
             print(f"zerollm: note: {path}:{line.number}: dropped a line that is not a row of a step (torn by a killed "
                   "run)", file=sys.stderr, flush=True)
     durable.write_text(path, "".join(kept))
-
-
-def strict_json(value: Any) -> Any:
-    """`value` with every number that is not finite as None: a row of metrics.jsonl is strict JSON, as `zerollm eval
-    --json` writes it. The MFU of a GPU whose peak is unknown is NaN, the gradient norm of an fp16 step DeepSpeed
-    skipped is inf, and json.dumps writes them as bare NaN / Infinity, which jq, JavaScript and pandas' strict readers
-    refuse. Readers take null as "no value" (`zerollm plot` leaves the point out); wandb still gets the number."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: strict_json(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [strict_json(item) for item in value]
-    return value
 
 
 NO_WANDB_KEY = "wandb: no API key configured; run `wandb login`, set WANDB_API_KEY, or pass --wandb offline"
