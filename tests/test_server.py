@@ -590,6 +590,17 @@ def test_an_api_key_no_client_can_send_is_refused(generator, api_key):
         make_server(ChatService(generator, "tiny"), "127.0.0.1", 0, api_key=api_key)
 
 
+@pytest.mark.parametrize("where", ["--api-key", "ZEROLLM_API_KEY"])
+def test_an_empty_api_key_is_refused_not_taken_as_none(where, monkeypatch, capsys, tmp_path):
+    """`--api-key "$KEY"` with KEY unset (or ZEROLLM_API_KEY set empty) started a server that let every client
+    in: the empty key switched the check off."""
+    if where == "ZEROLLM_API_KEY":
+        monkeypatch.setenv(where, "")
+    code = zerollm_here(monkeypatch, "serve", "--model", tmp_path, *(["--api-key", ""] if where == "--api-key" else []))
+    assert (code, capsys.readouterr().err) == (2, "zerollm: error: --api-key (or $ZEROLLM_API_KEY) is empty: give a "
+                                                  "key, or leave both unset to serve loopback without one\n")
+
+
 def test_ipv6_loopback_is_served(generator):
     if not socket.has_ipv6:
         pytest.skip("no IPv6 on this machine")

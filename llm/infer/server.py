@@ -948,7 +948,10 @@ def _is_ipv6_address(host: str) -> bool:
 
 def check_exposure(host: str, api_key: str | None) -> None:
     """Refuse an API key that no client could send, and serving other machines without an API key."""
-    if api_key and not API_KEY.fullmatch(api_key):
+    if api_key == "":  # `--api-key "$KEY"` with KEY unset served every client, the key being off
+        raise UserError("--api-key (or $ZEROLLM_API_KEY) is empty: give a key, or leave both unset to serve loopback "
+                        "without one")
+    if api_key is not None and not API_KEY.fullmatch(api_key):
         raise UserError("--api-key (or $ZEROLLM_API_KEY) must be printable ASCII without spaces: clients send it in "
                         "an HTTP header")
     if not is_loopback_host(host) and not api_key:
@@ -976,7 +979,7 @@ def bind_server(host: str = "127.0.0.1", port: int = 8000, api_key: str | None =
     if not 1 <= max_connections_per_client <= max_connections:
         raise UserError(f"--max-connections-per-client must be between 1 and {max_connections}, the connections "
                         f"the server holds, got {max_connections_per_client}")
-    handler = _make_handler(api_key or None, is_loopback_host(host), timeout_s)
+    handler = _make_handler(api_key, is_loopback_host(host), timeout_s)
     try:
         return ChatServer((host, port), handler, max_connections, max_connections_per_client)
     except OSError as exc:  # in use, not this machine's address, unresolvable (socket.gaierror)
