@@ -506,6 +506,16 @@ def test_other_methods_and_malformed_requests_get_json_errors(server, data, stat
     assert "message" in json_body(response)["error"] and b"<html" not in response.lower()
 
 
+@pytest.mark.parametrize("method, path, allowed", [("PUT", "/v1/chat/completions", "POST"),
+                                                   ("DELETE", "/v1/models", "GET"), ("OPTIONS", "/health", "GET")])
+def test_a_405_names_the_method_the_route_takes(server, method, path, allowed):
+    """RFC 9110 15.5.6: a 405 must carry Allow; it had none."""
+    got, response = raw_exchange(server, request_bytes(b"", method=method, path=path))
+    head = response.split(b"\r\n\r\n")[0].split(b"\r\n")
+    assert got == 405 and [line for line in head if line.lower().startswith(b"allow:")] == [
+        f"Allow: {allowed}".encode()]
+
+
 def test_posts_must_be_json(server):
     got, response = raw_exchange(server, request_bytes(HELLO, headers={"Content-Type": "text/plain"}))
     assert got == 415 and "application/json" in json_body(response)["error"]["message"]
@@ -564,6 +574,9 @@ def test_api_key_is_required_off_loopback_and_checked(generator, tmp_path):
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             status, payload = _post(url, json.dumps(HELLO).encode(), headers)
             assert status == 401 and payload["error"]["code"] == "invalid_api_key"
+            # RFC 9110 11.6.1: a 401 names the scheme to use (it had no WWW-Authenticate header)
+            status, response = raw_exchange(url, request_bytes(HELLO, headers))
+            assert status == 401 and b"\r\nWWW-Authenticate: Bearer\r\n" in response.split(b"\r\n\r\n")[0] + b"\r\n"
         assert [m.id for m in _client(url, api_key="s3cret").models.list()] == ["tiny"]
         for scheme in ("Bearer", "bearer", "BEARER"):  # a scheme's name is not case-sensitive: "bearer" was a 401
             status, _ = _post(url, json.dumps(HELLO).encode(), {"Authorization": f"{scheme} s3cret"})

@@ -75,6 +75,8 @@ WAIT_POLL_S = 0.25
 CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
 FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 """A header's name: an RFC 9110 token, no whitespace."""
+CHAT_ROUTE = "/v1/chat/completions"
+"""The route that takes POST; every other takes GET."""
 API_KEY = re.compile(r"[!-~]+")
 """Visible ASCII: what an HTTP header carries unchanged."""
 
@@ -586,10 +588,13 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             if self.command != "HEAD":
                 self.wfile.write(data)
 
-        def _error(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-            """An OpenAI-style error; the connection closes after it (a refused body may still be unread)."""
+        def _error(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> None:
+            """An OpenAI-style error; the connection closes after it (a refused body may still be unread). A 401
+            names the scheme a client must use (RFC 9110, section 11.6.1)."""
             kind = "invalid_request_error" if status < 500 else "server_error"
-            headers = {"Connection": "close", **({"Retry-After": "1"} if status == 503 else {})}
+            headers = {"Connection": "close", **({"Retry-After": "1"} if status == 503 else {}),
+                       **({"WWW-Authenticate": "Bearer"} if status == 401 else {}), **(headers or {})}
             self._json(status, {"error": {"message": message, "type": kind, "param": param, "code": code}}, headers)
 
         def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
@@ -657,7 +662,9 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             self._handle(self._post)
 
         def _not_allowed(self) -> None:
-            self._error(405, f"method {self.command} is not allowed on {self.path}")
+            """A 405 names the method the route takes (RFC 9110, section 15.5.6)."""
+            allowed = "POST" if urllib.parse.urlsplit(self.path).path == CHAT_ROUTE else "GET"
+            self._error(405, f"method {self.command} is not allowed on {self.path}", headers={"Allow": allowed})
 
         do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _not_allowed
 
@@ -705,7 +712,7 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             return raw
 
         def _post(self) -> None:
-            if self.route != "/v1/chat/completions":
+            if self.route != CHAT_ROUTE:
                 raise RequestError(f"no route POST {self.path}", status=404)
             body = parse_json_body(self._read_body())
             messages = parse_messages(body)
