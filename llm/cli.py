@@ -705,8 +705,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         server.service = ChatService(_generator(args), name, args.max_tokens)
         print(f"serving {server.service.model_name} on {server.url}/v1 (Ctrl-C stops)", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            server.serve_forever()
+        server.serve_forever()  # until Ctrl-C (exit 130) or SIGTERM (143)
     finally:
         server.server_close()
         if server.service is not None:

@@ -288,6 +288,7 @@ def test_a_cancelled_stream_ends_at_the_next_token_also_while_no_text_comes(tiny
     stream = scripted.stream("x", SamplingParams(max_new_tokens=40, stop=["z" * 100]),
                              cancelled=lambda: stream.completion_tokens >= 5)
     assert list(stream) == [] and stream.completion_tokens == 5
+    assert stream.finish_reason is None  # it was 'length', and a server cut off by Ctrl-C said so to its client
 
 
 # ---- export and import ---------------------------------------------------------------------------

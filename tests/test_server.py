@@ -26,7 +26,7 @@ from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
-from llm.infer.server import ChatService, bind_server, client_key, make_server
+from llm.infer.server import ChatService, ServiceClosed, bind_server, client_key, make_server
 from llm.model import Transformer
 from llm.tokenizer import Tokenizer
 
@@ -791,7 +791,49 @@ def test_closing_the_service_ends_the_running_generation_and_waits_for_its_threa
     pieces = [first]
     while isinstance(piece := job.pieces.get(timeout=1), str):
         pieces.append(piece)
-    assert not isinstance(piece, Exception) and len(pieces) < len(script)  # the text so far, then the end
+    # the text so far, then the error its request answers with (it was the end, and read as a finished reply)
+    assert isinstance(piece, ServiceClosed) and len(pieces) < len(script)
+    assert re.fullmatch(r"the server is shutting down; this reply was cut off after \d+ tokens: retry it", str(piece))
+
+
+def test_a_reply_the_closing_server_cut_off_is_an_error_and_so_is_one_still_waiting(generator):
+    """Ctrl-C on `serve` ended the reply in progress, and its client read it as finished: a finish chunk with
+    finish_reason 'length' and [DONE] after fewer tokens than max_tokens (not streamed: a 200 with them); a request
+    still waiting got nothing at all."""
+    script = generator.tokenizer.encode("abc " * 100)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": len(script)}
+    with running(Scripted(generator, script, delay_s=0.05), timeout_s=30) as (url, service, _):
+        answers, submitted, submit = {}, [], service.submit
+
+        def recording_submit(*args, **kwargs):
+            submitted.append(job := submit(*args, **kwargs))
+            return job
+
+        def ask(name, stream):
+            answers[name] = raw_exchange(url, request_bytes({**body, "stream": stream}))
+
+        service.submit = recording_submit
+        asking = [threading.Thread(target=ask, args=("cut off", True)),
+                  threading.Thread(target=ask, args=("waiting", False))]
+        deadline = time.monotonic() + 60
+        asking[0].start()
+        while not (submitted and submitted[0].stream is not None) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the generation thread has begun the first
+        asking[1].start()
+        while service._queue.qsize() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the second waits behind it
+        time.sleep(0.3)
+        service.close()
+        for thread in asking:
+            thread.join(CLIENT_TIMEOUT_S)
+    status, response = answers["cut off"]
+    events = [line.removeprefix(b"data: ") for line in response.split(b"\r\n\r\n", 1)[1].split(b"\n\n") if line]
+    assert status == 200 and b"[DONE]" not in events and all(b'"finish_reason": "length"' not in e for e in events)
+    assert re.fullmatch(r"the server is shutting down; this reply was cut off after \d+ tokens: retry it",
+                        json.loads(events[-1])["error"]["message"]), events[-3:]
+    status, response = answers["waiting"]
+    assert (status, json_body(response)["error"]["message"]) == (
+        503, "the server is shutting down; this request was not begun: retry it")
 
 
 def test_closing_the_service_as_its_thread_takes_a_request_ends_that_generation_too(generator, monkeypatch):
@@ -816,6 +858,26 @@ def test_closing_the_service_as_its_thread_takes_a_request_ends_that_generation_
     started = time.monotonic()
     service.close()
     assert not service._worker.is_alive() and time.monotonic() - started < 5
+
+
+def test_ctrl_c_stops_serve_with_exit_130_as_other_commands(generator, tokenizer_dir, tmp_path):
+    """It ended with exit 0 and no word, where the README gives Ctrl-C outside training 130 (`zerollm: interrupted`),
+    as `serve` gave while its model loaded."""
+    import signal
+
+    from llm.export import export_model
+
+    export_model(generator.model, tokenizer_dir, tmp_path / "model")
+    proc = subprocess.Popen([sys.executable, "-m", "llm", "serve", "--model", str(tmp_path / "model"), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a test run may ignore it
+    try:
+        assert " on http://127.0.0.1:" in proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert (proc.returncode, err) == (130, "zerollm: interrupted\n")
 
 
 def test_an_error_after_an_early_head_is_the_body(generator):

@@ -263,8 +263,9 @@ class IncrementalText:
 
 class TextStream:
     """Iterate it for the text pieces of one completion, never splitting a UTF-8 character or leaking part of a stop
-    string. Once it has ended: `finish_reason` ('stop': a stop token or string; 'length': max_new_tokens reached)
-    and `completion_tokens` (tokens sampled). Leaving the loop early ends the generation."""
+    string. Once it has ended: `finish_reason` ('stop': a stop token or string; 'length': max_new_tokens reached;
+    None: it did not finish, `cancelled` or the loop left early) and `completion_tokens` (tokens sampled). Leaving
+    the loop early ends the generation."""
 
     def __init__(self, generator: TextGenerator, prompt_ids: list[int], params: SamplingParams,
                  cancelled: Callable[[], bool] | None = None) -> None:
@@ -280,7 +281,7 @@ class TextStream:
         pending = ""
         hold = _stop_hold(params.stop)
         stop_ids = set(self.generator.stop_ids.tolist())
-        self.finish_reason = "length"
+        self.finish_reason = None
         for next_ids, _ in self.generator.token_steps([self.prompt_ids], params):
             token = int(next_ids[0])
             self.completion_tokens += 1
@@ -301,6 +302,8 @@ class TextStream:
                     pending = pending[len(pending) - hold:]
             if self.cancelled is not None and self.cancelled():
                 return
+        else:
+            self.finish_reason = "length"
         # the end: what is held back, and the U+FFFD of bytes that never made a character
         pending, _ = cut_at_stop(pending + FORMING * text.forming, params.stop)
         if pending:

@@ -70,6 +70,8 @@ ENCODES_AT_ONCE = 2
 meanwhile; a 1 MiB one takes about a second and 200 MB (64 at once would take 13 GB): the others wait their turn."""
 CLOSE_WAIT_S = 30.0
 """How long closing the service waits for the generation thread to leave the model (one token's step)."""
+ANSWER_WAIT_S = 2.0
+"""How long closing the service waits for the requests it ended to be told so (`ServiceClosed`)."""
 WAIT_POLL_S = 0.25
 """How often a request waiting for its generation checks whether its client is still there."""
 CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
@@ -79,6 +81,11 @@ CHAT_ROUTE = "/v1/chat/completions"
 """The route that takes POST; every other takes GET."""
 API_KEY = re.compile(r"[!-~]+")
 """Visible ASCII: what an HTTP header carries unchanged."""
+
+
+class ServiceClosed(Exception):
+    """What a request still waiting or being answered gets when the server stops (Ctrl-C, SIGTERM): an error, not a
+    reply cut short that reads as finished."""
 
 
 class RequestError(Exception):
@@ -357,10 +364,14 @@ class WaitingLine:
                 self._changed.wait()
             return None if self._closed else self._jobs.popleft()
 
-    def close(self) -> None:
+    def close(self) -> list[Generation]:
+        """Close the line; the requests still waiting, taken out of it."""
         with self._changed:
             self._closed = True
             self._changed.notify_all()
+            waiting = list(self._jobs)
+            self._jobs.clear()
+            return waiting
 
     def qsize(self) -> int:
         return len(self._jobs)
@@ -381,6 +392,8 @@ class ChatService:
         self._queue = WaitingLine(max_queued)
         self._encoding = threading.BoundedSemaphore(ENCODES_AT_ONCE)
         self._closing = threading.Event()
+        self._cut_short: list[Generation] = []
+        """Generations the closing service ended before they finished (at most one)."""
         self._worker = threading.Thread(target=self._serve, name="zerollm-generation", daemon=True)
         self._worker.start()
 
@@ -429,12 +442,18 @@ class ChatService:
             self._count_cancelled()
 
     def close(self) -> None:
-        """Stop the generation thread: the waiting requests are dropped, the current generation ends at its next
-        token (also one the thread is just taking), and the thread is waited for, so that the process never ends
-        while it runs the model (torch aborts the process then: 'terminate called without an active exception')."""
+        """Stop the generation thread: the current generation ends at its next token (also one the thread is just
+        taking), and the thread is waited for, so that the process never ends while it runs the model (torch aborts
+        the process then: 'terminate called without an active exception'). The waiting requests and the one cut
+        short get `ServiceClosed`; their connections are given ANSWER_WAIT_S to say so."""
         self._closing.set()
-        self._queue.close()
+        waiting = self._queue.close()
+        for job in waiting:
+            job.pieces.put(ServiceClosed("the server is shutting down; this request was not begun: retry it"))
         self._worker.join(CLOSE_WAIT_S)
+        deadline = time.monotonic() + ANSWER_WAIT_S
+        for job in [*waiting, *self._cut_short]:  # each connection withdraws its request once it has answered
+            job.cancelled.wait(max(0.0, deadline - time.monotonic()))
 
     def _count_cancelled(self) -> None:
         with self._counting:  # the connections' threads and the generation thread count
@@ -457,7 +476,12 @@ class ChatService:
                     job.pieces.put(piece)
                 if job.cancelled.is_set():
                     self._count_cancelled()
-                job.pieces.put(_DONE)
+                if job.stream.finish_reason is None and not job.cancelled.is_set():  # the server is closing
+                    self._cut_short.append(job)
+                    job.pieces.put(ServiceClosed(f"the server is shutting down; this reply was cut off after "
+                                                 f"{job.stream.completion_tokens} tokens: retry it"))
+                else:
+                    job.pieces.put(_DONE)
             except Exception as exc:  # noqa: BLE001 - the request reports it; the server keeps serving
                 job.pieces.put(exc)
 
@@ -642,7 +666,8 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             except Exception as exc:  # noqa: BLE001 - answer, keep serving
                 self._fail(f"internal error: {type(exc).__name__}: {exc}")
 
-        def _fail(self, message: str) -> None:
+        def _fail(self, message: str, status: int = 500) -> None:
+            """An error where the reply may have begun: an SSE event in a stream, the body after a reply's head."""
             self.close_connection = True
             error = {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
             try:
@@ -651,7 +676,7 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                 elif self.head_sent:
                     self.wfile.write(json.dumps(error, ensure_ascii=False).encode())
                 else:
-                    self._error(500, message)
+                    self._error(status, message)
             except OSError:
                 pass
 
@@ -726,6 +751,8 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                     self._stream(job, options.include_usage)
                 else:
                     self._complete(job)
+            except ServiceClosed as exc:  # said before the withdrawal, which tells the closing service it was
+                self._fail(str(exc), 503)
             finally:
                 self.service.withdraw(job)  # the client left (or is done): its generation must not go on
 
