@@ -126,6 +126,9 @@ def test_a_negative_weight_is_a_reward_term_not_an_option(monkeypatch, capsys, t
 @pytest.mark.parametrize("body, message", [
     ("    raise RuntimeError('boom in reward')", r"score: raised RuntimeError: boom in reward \(at .*rewardfn.py:2\)"),
     ("    import sys; sys.exit(0)", r"score: raised SystemExit: 0 \(at .*rewardfn.py:2\)"),  # it ended the run, exit 0
+    # neither is an Exception: a traceback and exit 1
+    ("    raise GeneratorExit('out')", r"score: raised GeneratorExit: out \(at .*rewardfn.py:2\)"),
+    ("    raise type('Mine', (BaseException,), {})('x')", r"score: raised Mine: x \(at .*rewardfn.py:2\)"),
     ("    return ['1.0'] * len(completions)", r"returned list \['1.0', '1.0'\]; it must return one float per"),
     ("    return {i: 1.0 for i in range(len(completions))}", r"returned dict \{0: 1.0, 1: 1.0\}; it must return one"),
     ("    return [1e308] * len(completions)", r"each finite and at most 1e\+09 in magnitude"),  # inf in float32
@@ -177,12 +180,23 @@ def test_a_time_limit_that_ends_before_the_first_term_starts_names_that_term(mon
         assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL)[0] == 0
 
 
-def test_a_reward_module_that_exits_while_imported_is_one_line(tmp_path, monkeypatch):
+@pytest.mark.parametrize("raising, said", [("import sys\nsys.exit(3)", "SystemExit: 3"),
+                                           ("raise GeneratorExit('x')", "GeneratorExit: x")])  # a traceback, exit 1
+def test_a_reward_module_that_exits_while_imported_is_one_line(tmp_path, monkeypatch, raising, said):
     """sys.exit(3) at import ended zerollm with exit 3 and nothing said."""
-    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp_path / "exits.py").write_text(raising + "\n")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UserError, match=r"^--reward exits:f: cannot import exits \(SystemExit: 3\); run from the "):
+    monkeypatch.delitem(sys.modules, "exits", raising=False)
+    with pytest.raises(UserError, match=rf"^--reward exits:f: cannot import exits \({said}\); run from the "):
         Reward(["exits:f"], 4, torch.device("cpu"))
+
+
+def test_ctrl_c_in_a_reward_is_still_ctrl_c(tmp_path, monkeypatch):
+    (tmp_path / "interrupted.py").write_text("def score(prompts, completions, **fields):\n"
+                                             "    raise KeyboardInterrupt\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        Reward(["interrupted:score"], 4, torch.device("cpu"))(_completions(["a"]))
 
 
 def test_exact_match_compares_words_that_float_reads_as_text():

@@ -275,10 +275,10 @@ def _import_function(term: str, module_name: str, function_name: str) -> Callabl
             if "" not in sys.path:
                 sys.path.insert(0, "")  # the working directory, as `python -m` has it
             module = importlib.import_module(module_name)
-    except UserError:
+    except (UserError, KeyboardInterrupt):
         raise
-    except (Exception, SystemExit) as exc:  # the user's module may fail in any way while it runs (sys.exit() at
-        # import ended the run with its code, silently)
+    except BaseException as exc:  # the user's module may fail in any way while it runs (sys.exit() at import ended
+        # the run with its code, silently; GeneratorExit or another BaseException was a traceback)
         advice = "" if module_name.endswith(".py") else \
             "; run from the directory that holds it, or give the path of its .py file"
         raise UserError(f"--reward {term}: cannot import {module_name} ({type(exc).__name__}: {exc}){advice}"
@@ -317,7 +317,10 @@ class UserFunction:
         arguments = copy.deepcopy({"prompts": batch.prompts, "completions": batch.texts, **fields})
         try:
             scores = self.function(**arguments)
-        except (Exception, SystemExit) as exc:  # the user's code; sys.exit() in it ended the run silently, exit 0
+        except (KeyboardInterrupt, _OutOfTime):  # Ctrl-C, and the terms' time limit: not the function's failure
+            raise
+        except BaseException as exc:  # the user's code: sys.exit() in it ended the run silently, exit 0; a
+            # GeneratorExit or another BaseException of its own was a traceback, exit 1
             where = traceback.extract_tb(exc.__traceback__)[-1]
             raise UserError(f"--reward {self.term}: raised {type(exc).__name__}: {exc} (at {where.filename}:"
                             f"{where.lineno})".replace("\n", " ")) from None
