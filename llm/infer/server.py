@@ -84,8 +84,8 @@ API_KEY = re.compile(r"[!-~]+")
 
 
 class ServiceClosed(Exception):
-    """What a request still waiting or being answered gets when the server stops (Ctrl-C, SIGTERM): an error, not a
-    reply cut short that reads as finished."""
+    """What a request still waiting or being answered gets when the service closes (Ctrl-C on `serve`): an error,
+    not a reply cut short that reads as finished."""
 
 
 class RequestError(Exception):
