@@ -344,6 +344,19 @@ def test_symlinked_folders_are_read_each_once_and_a_link_loop_ends(tokenizer_dir
     assert _documents(tmp_path / "out", tokenizer_dir) == ["one document", "a linked document"]
 
 
+@pytest.mark.parametrize("command", [["data", "prepare", "--tokenizer", "TOKENIZER"],
+                                     ["tokenizer", "train", "--vocab-size", "300"]])
+def test_an_out_that_is_a_symbolic_link_loop_is_one_line(tokenizer_dir, tmp_path, monkeypatch, capsys, command):
+    """pathlib's RuntimeError 'Symlink loop from ...' was a traceback, exit 1."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    command = [str(tokenizer_dir) if arg == "TOKENIZER" else arg for arg in command]
+    code = zerollm_here(monkeypatch, *command, "--input", FIXTURES / "pretrain" / "en_notes.jsonl",
+                        "--out", tmp_path / "a")
+    assert (code, capsys.readouterr().err) == (2, f"zerollm: error: --out {tmp_path / 'a'}: a symbolic link that "
+                                                  "leads back to itself; remove the link or give a directory\n")
+
+
 def test_a_file_named_twice_or_also_found_in_a_folder_is_read_once(tokenizer_dir, tmp_path):
     folder = tmp_path / "corpus"
     folder.mkdir()

@@ -164,11 +164,19 @@ def _once(paths: list[Path]) -> list[Path]:
     return unique
 
 
+def _resolved_out(out: Path) -> Path:
+    try:
+        return out.resolve()
+    except RuntimeError:  # pathlib's "Symlink loop from ..." (a traceback)
+        raise UserError(f"--out {out}: a symbolic link that leads back to itself; remove the link or give a "
+                        "directory") from None
+
+
 def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None) -> list[Path]:
     """Files (and save_to_disk datasets) named directly, plus the supported ones under any directory (sorted;
     hidden files and folders are left out), each once. `exclude` (the output directory) is never read: a directory
     walk leaves it out, and naming a path inside it is refused."""
-    excluded = Path(exclude).resolve() if exclude is not None else None
+    excluded = _resolved_out(Path(exclude)) if exclude is not None else None
     files: list[Path] = []
     for raw in paths:
         path = Path(raw)
