@@ -224,6 +224,13 @@ class Tokenizer:
         """`config`: the contents of tokenizer_config.json; `chat_template` overrides its template."""
         self._tok, self.config, self.source = tok, dict(config or {}), source
         _check_role_fields(self.config, source)
+        self.notes: list[str] = []
+        """What a user should know about this tokenizer (e.g. the pad fallback)."""
+        if tok.truncation is not None or tok.padding is not None:  # they cut and padded every text it encoded
+            tok.no_truncation()
+            tok.no_padding()
+            self.notes.append(f"{source}: the truncation and padding its {TOKENIZER_FILE} sets are not used: "
+                              "zerollm cuts and pads by data.seq_len")
         text = tok.to_str()
         spec = json.loads(text)
         self.legacy_hash = _digest(text)
@@ -235,6 +242,11 @@ class Tokenizer:
         added = {entry["content"]: entry for entry in spec.get("added_tokens", [])}
         named = {field: _token_text(self.config.get(field)) for field in ("bos_token", "eos_token", "pad_token")}
         configured = {field: tok.token_to_id(text) if text else None for field, text in named.items()}
+        for field, text in named.items():
+            if text and configured[field] is None:  # transformers adds it as a new token; its stop, pad or start
+                # would have been another id than zerollm's, and an eos_token learnt as plain text
+                raise UserError(f"{source}: {CONFIG_FILE} names {field} {text!r}, which is not a token of its "
+                                f"{TOKENIZER_FILE}; name one of its tokens there, or remove {field}")
 
         def first_added(names: tuple[str, ...]) -> int | None:
             return next((added[n]["id"] for n in names if n in added), None)
@@ -253,8 +265,6 @@ class Tokenizer:
         self.im_end_id = next(i for i in (turn_end, configured["eos_token"], self.eos_id) if i is not None)
         self.stop_ids = sorted({self.eos_id, self.im_end_id} | {configured["eos_token"]} - {None})
         pad = configured["pad_token"] if configured["pad_token"] is not None else first_added(PAD_NAMES)
-        self.notes: list[str] = []
-        """What a user should know about this tokenizer (e.g. the pad fallback)."""
         if pad is None:
             pad = self.eos_id
             self.notes.append(f"{source}: the tokenizer has no pad token; padding with {self.token(pad)} "
@@ -343,9 +353,11 @@ class Tokenizer:
         """Whether `recorded` (from prepared data, a run or an export) identifies this tokenizer."""
         return recorded in (self.hash, self.legacy_hash)
 
-    @property
+    @cached_property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size()
+        """The largest id plus one (an embedding row for every id): a tokenizer.json's ids may leave gaps, and its
+        count of tokens was smaller than its ids, which were then written beyond the vocabulary (or beyond uint16)."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     @cached_property
     def special_token_ids(self) -> frozenset[int]:

@@ -344,6 +344,64 @@ def test_symlinked_folders_are_read_each_once_and_a_link_loop_ends(tokenizer_dir
     assert _documents(tmp_path / "out", tokenizer_dir) == ["one document", "a linked document"]
 
 
+def _edited_tokenizer(tokenizer_dir, out, edit_spec=None, edit_config=None):
+    """A copy of `tokenizer_dir` with its tokenizer.json (`edit_spec`) or tokenizer_config.json (`edit_config`)
+    changed in place by the given function."""
+    shutil.copytree(tokenizer_dir, out)
+    for name, edit in (("tokenizer.json", edit_spec), ("tokenizer_config.json", edit_config)):
+        if edit is not None:
+            content = json.loads((out / name).read_text())
+            edit(content)
+            (out / name).write_text(json.dumps(content))
+    return out
+
+
+def test_a_tokenizer_json_that_truncates_or_pads_changes_no_token(tokenizer_dir, corpus, tmp_path):
+    """Its truncation (to 8 tokens here) cut every document short and its padding put pad tokens inside documents
+    and inside SFT replies' loss, without a word."""
+    def truncating_and_padding(spec):
+        spec["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+        spec["padding"] = {"strategy": "BatchLongest", "direction": "Left", "pad_to_multiple_of": 16, "pad_id": 3,
+                           "pad_type_id": 0, "pad_token": "<|pad|>"}
+
+    odd = _edited_tokenizer(tokenizer_dir, tmp_path / "odd", truncating_and_padding)
+    loaded = Tokenizer.load(odd)
+    assert loaded.hash == Tokenizer.load(tokenizer_dir).hash and loaded.notes == [
+        f"{odd}: the truncation and padding its tokenizer.json sets are not used: zerollm cuts and pads by "
+        "data.seq_len"]
+    _quiet("pretrain", [corpus], odd, tmp_path / "odd_data")
+    _quiet("pretrain", [corpus], tokenizer_dir, tmp_path / "data")
+    assert np.array_equal(_tokens(tmp_path / "odd_data")[0], _tokens(tmp_path / "data")[0])
+
+
+def test_a_tokenizer_whose_ids_leave_gaps_has_a_row_for_every_id(tokenizer_dir, corpus, tmp_path):
+    """Its vocabulary size was its count of tokens: ids above it were written into the data (training then
+    refused it, saying the file had changed) or, above 65,535, were an OverflowError traceback."""
+    def moved_to(new_id):
+        def move(spec):
+            vocab = spec["model"]["vocab"]
+            vocab[max(vocab, key=vocab.get)] = new_id
+        return move
+
+    for new_id in (600, 70_000):
+        gaps = _edited_tokenizer(tokenizer_dir, tmp_path / f"gaps{new_id}", moved_to(new_id))
+        assert Tokenizer.load(gaps).vocab_size == new_id + 1
+        _quiet("pretrain", [corpus], gaps, tmp_path / f"data{new_id}")
+        tokens, _, attrs = _tokens(tmp_path / f"data{new_id}")
+        assert attrs["vocab_size"] == new_id + 1 and tokens.max() < new_id + 1
+        assert tokens.dtype == (np.uint32 if new_id > 65_535 else np.uint16)
+
+
+def test_a_role_token_the_vocabulary_lacks_is_refused(tokenizer_dir, tmp_path):
+    """An eos_token not in tokenizer.json was ignored: replies ended in it as plain text, the model never learnt to
+    stop, and transformers (which adds it as a new token) disagreed with zerollm on the ids."""
+    odd = _edited_tokenizer(tokenizer_dir, tmp_path / "odd", edit_config=lambda c: c.update(eos_token="<|eos|>"))
+    with pytest.raises(UserError) as refused:
+        Tokenizer.load(odd)
+    assert str(refused.value) == (f"{odd}: tokenizer_config.json names eos_token '<|eos|>', which is not a token of "
+                                  "its tokenizer.json; name one of its tokens there, or remove eos_token")
+
+
 @pytest.mark.parametrize("command", [["data", "prepare", "--tokenizer", "TOKENIZER"],
                                      ["tokenizer", "train", "--vocab-size", "300"]])
 def test_an_out_that_is_a_symbolic_link_loop_is_one_line(tokenizer_dir, tmp_path, monkeypatch, capsys, command):
