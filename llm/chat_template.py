@@ -196,6 +196,10 @@ def _template_message(message: dict) -> dict:
     return {**message, "tool_calls": nested}
 
 
+REPLY_PROBE = "zerollm reply probe"
+"""Text put in place of a reply's to see where the template renders it (`ChatTemplate._check_reply_within`)."""
+
+
 def common_prefix_length(a: str, b: str) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -306,9 +310,25 @@ class ChatTemplate:
             start = max(self._reply_start(full, escaped, index), previous_end)
             answered = self._render(escaped[:index + 1], False)
             end = len(answered) if full.startswith(answered) and len(answered) > start else self._turn_end(full, start)
+            self._check_reply_within(full, escaped, index, start, end)
             bounds.append((start, end))
             previous_end = end
         return full, bounds
+
+    def _check_reply_within(self, full: str, escaped: list[dict], index: int, start: int, end: int) -> None:
+        """Refuse a template that does not render assistant message `index`'s text between `start` and `end` (one
+        that leaves assistant turns out put the loss on the next user turn). Text found there as it is passes; text
+        the template changes (trims, or cuts a reasoning part from) passes where another text in its place changes
+        the rendering there first."""
+        content = escaped[index].get("content")
+        if not isinstance(content, str) or not content.strip() or content in full[start:end]:
+            return
+        probe = [*escaped[:index], {**escaped[index], "content": REPLY_PROBE}, *escaped[index + 1:]]
+        if start <= common_prefix_length(full, self._render(probe, False)) < end:
+            return
+        raise MessagesRefused(f"{self.source}: the chat template does not render the text of assistant message "
+                              f"{index + 1} where its reply is (it leaves the turn out, or puts it elsewhere), so "
+                              "its loss cannot be placed; use a template that renders every assistant turn")
 
     def _reply_start(self, full: str, escaped: list[dict], index: int) -> int:
         """Where the reply of message `index` starts in `full`: where the conversation before it, rendered with a

@@ -402,6 +402,51 @@ def test_a_role_token_the_vocabulary_lacks_is_refused(tokenizer_dir, tmp_path):
                                   "its tokenizer.json; name one of its tokens there, or remove eos_token")
 
 
+USERS_ONLY = ("{% for m in messages %}{% if m.role != 'assistant' %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+              "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TRIMMED = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+TOOL_CALL = {"content": None, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+
+def _sft_with_template(tokenizer_dir, tmp_path, template, reply):
+    """(tokenizer with `template`, a one-conversation sft file whose assistant says `reply`: its text, or the rest
+    of its message)."""
+    odd = _edited_tokenizer(tokenizer_dir, tmp_path / "odd")
+    (odd / "chat_template.jinja").write_text(template)
+    path = tmp_path / "chats.jsonl"
+    reply = reply if isinstance(reply, dict) else {"content": reply}
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q1"},
+                                             {"role": "assistant", **reply}]}) + "\n")
+    return odd, path
+
+
+@pytest.mark.parametrize("template, reply, reason", [
+    (USERS_ONLY, "a1", "the chat template does not render the text of assistant message 2 where its reply is (it "
+                       "leaves the turn out, or puts it elsewhere), so its loss cannot be placed; use a template that "
+                       "renders every assistant turn"),  # the loss fell on the next user turn, silently
+    ("\n", TOOL_CALL, "no reply tokens: the chat template renders none of its replies"),  # "too long", nothing cut
+])
+def test_a_template_that_renders_no_reply_has_its_record_skipped_saying_so(tokenizer_dir, tmp_path, template, reply,
+                                                                           reason):
+    odd, path = _sft_with_template(tokenizer_dir, tmp_path, template, reply)
+    with pytest.raises(UserError) as refused:
+        _quiet("sft", [path], odd, tmp_path / "out")
+    reason = f"{odd}: {reason}" if template == USERS_ONLY else reason
+    assert str(refused.value).endswith(f"first: {path}:1: {reason})"), str(refused.value)
+
+
+def test_a_reply_the_template_changes_is_learnt_where_it_is_rendered(tokenizer_dir, tmp_path):
+    odd, path = _sft_with_template(tokenizer_dir, tmp_path, TRIMMED, "  a1 ")
+    assert _quiet("sft", [path], odd, tmp_path / "out").skipped == []
+    tokens, _, _ = _tokens(tmp_path / "out")
+    with h5py.File(tmp_path / "out" / "tokens.h5", "r") as h5:
+        mask = h5["train"]["loss_mask"][:].astype(bool)
+    assert Tokenizer.load(odd).decode(tokens[mask].tolist(), skip_special_tokens=False) == "a1<|im_end|>"
+
+
 @pytest.mark.parametrize("command", [["data", "prepare", "--tokenizer", "TOKENIZER"],
                                      ["tokenizer", "train", "--vocab-size", "300"]])
 def test_an_out_that_is_a_symbolic_link_loop_is_one_line(tokenizer_dir, tmp_path, monkeypatch, capsys, command):

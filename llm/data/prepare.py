@@ -211,9 +211,10 @@ def _encode(kind: str, item: Item, max_tokens: int) -> Result:
     except (TooLong, MessagesRefused) as exc:
         return Skipped(item.source, item.line, str(exc), item.unit)
     has_reply = any(sample["loss_mask"]) if kind == "sft" else len(sample["chosen"]) and len(sample["rejected"])
-    if not has_reply:
-        return Skipped(item.source, item.line, f"too long: no reply token fits in --seq-len {max_tokens - 1}",
-                       item.unit)
+    if not has_reply:  # cut away, or never there: a template that renders no reply
+        why = (f"too long: no reply token fits in --seq-len {max_tokens - 1}" if truncated else
+               "no reply tokens: the chat template renders none of its replies")
+        return Skipped(item.source, item.line, why, item.unit)
     if kind == "dpo" and sample["chosen"] == sample["rejected"]:  # nothing to prefer
         why = (f"too long: the replies differ only after what fits in --seq-len {max_tokens - 1}" if truncated else
                "the replies are the same tokens")  # a normalizing tokenizer's (NFKC)
