@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -102,6 +103,22 @@ MAX_ITEMS = 1 << 20
 """The longest string or list a template's `*` may make, and the most bits of an integer its `*` or `**` may make."""
 
 
+RENDERED_PER_CHARACTER, RENDERED_BEYOND = 4, 8 * MAX_ITEMS
+"""The most characters a rendering may hold: so many per character of the messages' text, and so many more (the
+template's own text, tool definitions)."""
+
+
+def _characters(value: Any) -> int:
+    """The characters of the strings in `value` (messages: dicts and lists of them)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(map(_characters, value.keys())) + sum(map(_characters, value.values()))
+    if isinstance(value, list | tuple):
+        return sum(map(_characters, value))
+    return 0
+
+
 class TemplateTooCostly(TemplateError):
     """A template ran past RENDER_SECONDS or asked for a result above MAX_ITEMS."""
 
@@ -119,16 +136,65 @@ def _result_size(operator: str, left: Any, right: Any) -> int:
     return 0
 
 
-class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """transformers' sandbox, with `*` and `**` bounded: one expression cannot ask for gigabytes, nor compute for
-    minutes between two checks of the deadline."""
+_PERCENT_SPEC = re.compile(r"%[#0 +-]*(\d*)(?:\.(\d+))?")
+_BRACE_SPEC = re.compile(r"\{[^{}:]*:([^{}]*)\}")
 
-    intercepted_binops = frozenset(["*", "**"])
+
+def _too_large(number: Any) -> bool:
+    return isinstance(number, int) and not isinstance(number, bool) and number > MAX_ITEMS
+
+
+def _widest_field(form: str) -> bool:
+    """Whether a %-format or str.format string asks for a field wider (or more precise) than MAX_ITEMS:
+    '%1500000000s' % 'x' is 1.5 GB."""
+    numbers = [n for match in _PERCENT_SPEC.finditer(form) for n in match.groups() if n]
+    numbers += [n for spec in _BRACE_SPEC.findall(form) for n in re.findall(r"\d+", spec)]
+    return any(len(n) > 7 or int(n) > MAX_ITEMS for n in numbers)  # 7 digits hold MAX_ITEMS; int() of 5,000 fails
+
+
+def _bounded_filter(name: str, function: Callable) -> Callable:
+    """`function` refusing a number above MAX_ITEMS among its arguments ('x'|center(1500000000) is 1.5 GB), and, as
+    `format`, a format string asking for such a field."""
+    @functools.wraps(function)  # keeps Jinja's pass_context/pass_environment marks
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        if any(map(_too_large, [*args, *kwargs.values()])):
+            raise TemplateTooCostly(f"the filter {name} was given a number above {MAX_ITEMS}")
+        if name == "format" and any(isinstance(a, str) and _widest_field(a) for a in args):
+            raise TemplateTooCostly(f"the filter format was given a field wider than {MAX_ITEMS}")
+        return function(*args, **kwargs)
+
+    return bounded
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with what one expression may ask for bounded, so that it cannot take gigabytes, nor
+    compute for minutes between two checks of the deadline: `*` and `**` (their results' size), `%` and str.format
+    (their fields' widths), and calls and filters (a number above MAX_ITEMS among their arguments:
+    'x'.center(1500000000))."""
+
+    intercepted_binops = frozenset(["*", "**", "%"])
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.filters = {name: _bounded_filter(name, f) for name, f in self.filters.items()}
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         if _result_size(operator, left, right) > MAX_ITEMS:
             raise TemplateTooCostly(f"'{operator}' would make a result of more than {MAX_ITEMS} items")
+        if operator == "%" and isinstance(left, str) and _widest_field(left):
+            raise TemplateTooCostly(f"'%' was given a field wider than {MAX_ITEMS}")
         return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - Jinja's own names
+        if any(map(_too_large, [*args, *kwargs.values()])):
+            raise TemplateTooCostly(f"a call was given a number above {MAX_ITEMS}")
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None and _widest_field(value.__self__):
+            raise TemplateTooCostly(f"str.format was given a field wider than {MAX_ITEMS}")
+        return wrapped
 
 
 class _RenderDeadlines:
@@ -253,10 +319,18 @@ class ChatTemplate:
         return self._render(self._escaped(messages), add_generation_prompt)
 
     def _render(self, escaped: list[dict], add_generation_prompt: bool) -> str:
+        limit = RENDERED_PER_CHARACTER * _characters(escaped) + RENDERED_BEYOND
         try:
             with _DEADLINES.limit(RENDER_SECONDS):
-                return self._template.render(messages=escaped, add_generation_prompt=add_generation_prompt,
-                                             tools=None, **self.variables)
+                pieces, size = [], 0
+                for piece in self._template.generate(messages=escaped, add_generation_prompt=add_generation_prompt,
+                                                     tools=None, **self.variables):
+                    size += len(piece)
+                    if size > limit:  # a loop writing megabytes a turn took gigabytes before its deadline
+                        raise TemplateTooCostly(f"it rendered more than {limit:,} characters, far more than the "
+                                                "messages hold")
+                    pieces.append(piece)
+                return "".join(pieces)
         except TemplateTooCostly as exc:
             reason = exc.message or f"rendering took longer than {RENDER_SECONDS:g} s"
             raise ChatTemplateError(f"{self.source}: the chat template is refused: {reason}") from None

@@ -423,10 +423,10 @@ class Tokenizer:
         characters are one byte each). None where the tokenizer may drop or merge text, so that no such bound holds:
         a normalizer (other than Prepend, or a Replace of a string by one at least as long), a pre-tokenizer that
         removes characters, an added token that takes in the blanks beside it (lstrip, rstrip), unknown characters
-        fused into one token, a model other than BPE, truncation."""
+        fused into one token, a model other than BPE (the file's truncation is switched off as it loads)."""
         spec = json.loads(self._tok.to_str())
         model, added = spec.get("model") or {}, spec.get("added_tokens") or []
-        if (spec.get("truncation") is not None or not _keeps_text(spec.get("normalizer"), NORMALIZERS_KEEPING_TEXT)
+        if (not _keeps_text(spec.get("normalizer"), NORMALIZERS_KEEPING_TEXT)
                 or not _keeps_text(spec.get("pre_tokenizer"), PRE_TOKENIZERS_KEEPING_TEXT)
                 or model.get("type") != "BPE" or any(t.get("lstrip") or t.get("rstrip") for t in added)):
             return None

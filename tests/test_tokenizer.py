@@ -318,9 +318,19 @@ def test_a_chat_template_file_beside_the_tokenizer_is_used(tmp_path):
     ("{% set ns = namespace(n=2) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}{{ ns.n }}",
      "'*' would make a result of more than 1048576 items"),  # squaring a number 40 times: minutes per step
     ("{{ 7 ** 100000000 }}", "'**' would make a result of more than 1048576 items"),
-    ("{{ lipsum(n=100000000) }}", "'lipsum' is undefined"),
+    ("{{ lipsum(n=100000) }}", "'lipsum' is undefined"),
     ("{{ (messages|length) / 0 }}",  # a ZeroDivisionError traceback: any exception is the template's error
      "the chat template failed on the messages (ZeroDivisionError: division by zero)"),
+    # each of these took 1.5 GB or more at once (the process killed or aborted, out of memory)
+    ("{{ 'x'|center(1500000000) }}", "the filter center was given a number above 1048576"),
+    ("{{ [1]|batch(1500000000, 'x')|list }}", "the filter batch was given a number above 1048576"),
+    ("{{ 'x'.ljust(1500000000) }}", "a call was given a number above 1048576"),
+    ("{{ '%1500000000s'|format('x') }}", "the filter format was given a field wider than 1048576"),
+    ("{{ '%.1500000000f' % 1.0 }}", "'%' was given a field wider than 1048576"),
+    ("{{ '{:>1500000000}'.format('x') }}", "str.format was given a field wider than 1048576"),
+    # a loop writing a megabyte a turn held gigabytes before its deadline
+    ("{% for i in range(100000) %}{{ 'x' * 1000000 }}{% endfor %}",
+     "it rendered more than 8,388,676 characters, far more than the messages hold"),
 ])
 def test_a_hostile_chat_template_is_stopped_with_one_line(tmp_path, monkeypatch, template, reason):
     """A tokenizer's chat template comes with downloaded files: its cost is bounded like its reach."""
