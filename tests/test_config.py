@@ -93,15 +93,41 @@ def test_a_config_yaml_cut_short_is_refused_naming_the_file(tmp_path):
 RESUMED = ["model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "data.seq_len=32"]
 
 
-def _resumed_as(tmp_path, saved: list[str], here: list[str], paths: dict | None = None) -> None:
-    """`check_same_shape` of a run saved with `saved` overrides, resumed with `here` (and its own `paths`)."""
+def _resumed_as(tmp_path, saved: list[str], here: list[str], paths: dict | None = None,
+                optimizers: tuple[dict, dict] | None = None) -> None:
+    """`check_same_shape` of a run saved with `saved` overrides, resumed with `here` (and its own `paths`), the
+    resolved DeepSpeed configs' optimizer sections `optimizers` (there, here)."""
     from llm.train.job import check_same_shape
 
-    ds_config = {"zero_optimization": {"stage": 1}}
+    ds_configs = [{"zero_optimization": {"stage": 1}, **({"optimizer": section} if section else {})}
+                  for section in optimizers or ({}, {})]
     build_config("demo", [*RESUMED, *saved]).save(tmp_path / "config.yaml")
-    (tmp_path / "ds_config.json").write_text(json.dumps(ds_config))
+    (tmp_path / "ds_config.json").write_text(json.dumps(ds_configs[0]))
     check_same_shape(tmp_path, build_config(rundir.recorded_config(tmp_path)),
-                     build_config("demo", [*RESUMED, *here], paths), ds_config)
+                     build_config("demo", [*RESUMED, *here], paths), ds_configs[1])
+
+
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
+
+
+@pytest.mark.parametrize("there, here, refused", [
+    (ADAMW, {"type": "Muon", "params": {"lr": 1e-3}}, "optimizer Adam or AdamW there, muon here"),  # a traceback
+    ({"type": "SGD", "params": {"lr": 0.1}}, ADAMW, "optimizer sgd there, Adam or AdamW here"),  # KeyError: 'step'
+    (ADAMW, {"type": "SGD", "params": {"lr": 0.1}}, "optimizer Adam or AdamW there, sgd here"),  # trained on
+    (ADAMW, {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True, "amsgrad": True}},
+     "optimizer Adam or AdamW there, Adam or AdamW with amsgrad here"),  # KeyError: 'max_exp_avg_sq' at its step
+    (ADAMW, {"type": "adam", "params": {"lr": 3e-4}}, None),  # the same moments: resumed
+    ({"type": "Muon"}, {"type": "muon", "params": {"lr": 1e-3}}, None),
+])
+def test_a_resume_with_an_optimizer_of_another_state_is_refused(tmp_path, there, here, refused):
+    if refused is None:
+        _resumed_as(tmp_path, [], [], optimizers=(there, here))
+        return
+    with pytest.raises(UserError) as error:
+        _resumed_as(tmp_path, [], [], optimizers=(there, here))
+    assert str(error.value) == (f"{tmp_path}: its checkpoints cannot resume with these changes ({refused}, as the "
+                                "--deepspeed JSON's 'optimizer' section sets it (its state does not carry over)); "
+                                f"resume with the values there, or start a new run with --init-from {tmp_path}")
 
 
 @pytest.mark.parametrize("saved, here, paths, changes", [

@@ -298,6 +298,22 @@ def _zero_stage(ds_config: Any) -> Any:
     return section.get("stage", 0) if isinstance(section, dict) else 0
 
 
+ADAM_TYPES = frozenset({"adam", "adamw"})
+"""DeepSpeed's names (in any case) of the optimizers whose state is the same: Adam's moments."""
+
+
+def _optimizer_state(ds_config: Any) -> str:
+    """What a resolved config's optimizer keeps in its state: Adam's moments (Adam or AdamW, whichever, and with
+    amsgrad their maxima too), or another optimizer's by its name. A checkpoint's state loads into an optimizer of
+    the same state only: another was a traceback (a KeyError, a ZeRO layout that does not match) or trained on
+    without the moments (SGD after AdamW)."""
+    section = ds_config.get("optimizer") if isinstance(ds_config, dict) else None
+    kind = str(section.get("type")) if isinstance(section, dict) else "AdamW"
+    params = section.get("params") if isinstance(section, dict) else None
+    amsgrad = " with amsgrad" if isinstance(params, dict) and params.get("amsgrad") is True else ""
+    return ("Adam or AdamW" if kind.lower() in ADAM_TYPES else kind.lower()) + amsgrad
+
+
 def _recorded_ds_config(run_dir: Path) -> Any:
     """RUN_DIR/ds_config.json; None when that file cannot be read (DeepSpeed's load still checks)."""
     try:
@@ -361,6 +377,9 @@ def check_same_shape(run_dir: Path, saved: RunConfig, cfg: RunConfig, ds_config:
     if recorded is not None and scheduler_name(recorded) != scheduler_name(ds_config):
         differing.append(f"{_schedule(recorded)} there, {_schedule(ds_config)} here, as the --deepspeed JSON's "
                          "'scheduler' section sets it")
+    if recorded is not None and _optimizer_state(recorded) != _optimizer_state(ds_config):
+        differing.append(f"optimizer {_optimizer_state(recorded)} there, {_optimizer_state(ds_config)} here, as the "
+                         "--deepspeed JSON's 'optimizer' section sets it (its state does not carry over)")
     if differing:
         _refuse_resume(run_dir, differing)
 
