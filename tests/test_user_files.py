@@ -143,6 +143,16 @@ def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(op
      "with reduce_scatter; remove it, or set zero_optimization.reduce_scatter to false"),  # AssertionErrors
     ({"gradient_predivide_factor": 2.0}, "x.json: 'gradient_predivide_factor' is 2.0, which DeepSpeed's ZeRO-2 does "
      "not support with reduce_scatter; remove it, or set zero_optimization.reduce_scatter to false"),
+    ({"prescale_gradients": True, "zero_optimization": {"stage": 3}}, "x.json: 'prescale_gradients' is true, which "
+     "DeepSpeed's ZeRO-3 does not support with reduce_scatter; remove it, or set zero_optimization.reduce_scatter to "
+     "false"),  # only ZeRO-2's was refused: an AssertionError traceback
+    ({"gradient_predivide_factor": 2.0, "zero_optimization": {"stage": 3}}, "x.json: 'gradient_predivide_factor' is "
+     "2.0, which DeepSpeed's ZeRO-3 does not support with reduce_scatter; remove it, or set "
+     "zero_optimization.reduce_scatter to false"),
+    ({"tensor_parallel": {"autotp_size": 2}}, "x.json: 'tensor_parallel' would not apply: zerollm's model has no "
+     "tensor parallelism DeepSpeed can find; remove the section (each rank holds the whole model, or its ZeRO-3 "
+     "share)"),  # an AssertionError traceback in every rank
+
     ({"sequence_parallel_size": 2}, "x.json: 'sequence_parallel_size' is 2, but zerollm's model has no sequence "
      "parallelism; remove it (each rank trains on whole sequences)"),  # an AssertionError
     ({"compile": {"enabled": True}}, "x.json: 'compile' would not apply: zerollm never calls DeepSpeed's "

@@ -158,9 +158,9 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     (`_refuse_removed_features`) and steps_per_print below 1 (DeepSpeed would fail on those in every rank with a
     traceback); also a top-level key that is a near miss of one DeepSpeed knows (`_refuse_misspelt_keys`), sections
     zerollm would not act on (`_refuse_unused_features`), features that take LOCAL_RANK for a rank's place on its
-    node (`_refuse_local_rank_features`) and what ZeRO-2 fails on (`_refuse_unsupported_by_zero2`). "bfloat16",
-    bf16's older name, is read as "bf16"; ZeRO sizes left "auto" as Hugging Face's configs leave them are filled from
-    the model's width (`WIDTH_SIZES`)."""
+    node (`_refuse_local_rank_features`) and what ZeRO-2 and 3 fail on (`_refuse_unsupported_by_reduce_scatter`).
+    "bfloat16", bf16's older name, is read as "bf16"; ZeRO sizes left "auto" as Hugging Face's configs leave them are
+    filled from the model's width (`WIDTH_SIZES`)."""
     ds = copy.deepcopy(raw)
     t = cfg.train
 
@@ -238,7 +238,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     _fill_grad_accum_dtype(ds, t.precision, stage, source)
     _refuse_local_rank_features(ds, zero, source)
     _refuse_unusable_nvme(zero, source)
-    _refuse_unsupported_by_zero2(ds, zero, stage, source)
+    _refuse_unsupported_by_reduce_scatter(ds, zero, stage, source)
     optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
     params = optimizer.setdefault("params", {})
     offload = zero.offload_optimizer is not None and zero.offload_optimizer.device != OffloadDeviceEnum.none
@@ -515,12 +515,12 @@ def _refuse_unused_features(ds: dict[str, Any], source: str) -> None:
     """Refuse a section asking for what DeepSpeed does only through a model, data loader or call of its own, or what
     zerollm does itself: activation checkpointing (the model calls deepspeed.checkpointing: ours does not, so the
     section was silently ignored), data efficiency (DeepSpeed's curriculum sampler and random-LTD layers: a KeyError
-    traceback in every rank), sequence parallelism (an AssertionError), compile (only `engine.compile()` reads it;
-    keys its model refuses were a ValidationError traceback), the comms logger (only `deepspeed.comm.log_summary()`
+    traceback in every rank), tensor and sequence parallelism (AssertionErrors), compile (only `engine.compile()` reads
+    it; keys its model refuses were a ValidationError traceback), the comms logger (only `deepspeed.comm.log_summary()`
     prints it), autotuning (DeepSpeed exits after its profiling steps: the run ended early, with exit status 0 and no
-    checkpoint), DeepSpeed's wandb monitor (a UsageError traceback where wandb has no API key; `--wandb` logs the
-    run) and loading universal checkpoints (zerollm converts to one itself when the rank count changes; the key made
-    a normal resume fail)."""
+    checkpoint), DeepSpeed's wandb monitor (a UsageError traceback where wandb has no API key; `--wandb` logs the run)
+    and loading universal checkpoints (zerollm converts to one itself when the rank count changes; the key made a normal
+    resume fail)."""
     checkpointing = ds.get("activation_checkpointing")
     if isinstance(checkpointing, dict) and any(checkpointing.values()):
         raise UserError(f"{source}: 'activation_checkpointing' would not apply: zerollm's model does not checkpoint "
@@ -529,6 +529,10 @@ def _refuse_unused_features(ds: dict[str, Any], source: str) -> None:
     if _is_set(ds, "data_efficiency", "enabled"):
         raise UserError(f"{source}: 'data_efficiency' needs DeepSpeed's own data loader and layers; zerollm feeds "
                         "its own batches and model, so remove the section or set its 'enabled' to false")
+    if _is_set(ds, "tensor_parallel", "autotp_size") and ds["tensor_parallel"]["autotp_size"] not in (0, 1):
+        raise UserError(f"{source}: 'tensor_parallel' would not apply: zerollm's model has no tensor parallelism "
+                        "DeepSpeed can find; remove the section (each rank holds the whole model, or its ZeRO-3 "
+                        "share)")
     if ds.get("sequence_parallel_size", 1) != 1:
         raise UserError(f"{source}: 'sequence_parallel_size' is {json.dumps(ds['sequence_parallel_size'])[:60]}, but "
                         "zerollm's model has no sequence parallelism; remove it (each rank trains on whole sequences)")
@@ -587,16 +591,16 @@ def _compile_keys() -> set[str]:
     return set(CompileConfig.model_fields)
 
 
-def _refuse_unsupported_by_zero2(ds: dict[str, Any], zero, stage: int, source: str) -> None:
-    """Refuse what ZeRO-2 with reduce_scatter fails on in every rank (an AssertionError traceback): prescaled
-    gradients or a predivide factor."""
-    if stage == 2 and zero.reduce_scatter:
+def _refuse_unsupported_by_reduce_scatter(ds: dict[str, Any], zero, stage: int, source: str) -> None:
+    """Refuse what ZeRO-2 and ZeRO-3 with reduce_scatter fail on in every rank (an AssertionError traceback):
+    prescaled gradients or a predivide factor."""
+    if stage >= 2 and zero.reduce_scatter:
         for key, asks in (("prescale_gradients", bool(ds.get("prescale_gradients"))),
                           ("gradient_predivide_factor", ds.get("gradient_predivide_factor", 1.0) != 1.0)):
             if asks:
-                raise UserError(f"{source}: '{key}' is {json.dumps(ds[key])[:60]}, which DeepSpeed's ZeRO-2 does not "
-                                "support with reduce_scatter; remove it, or set zero_optimization.reduce_scatter to "
-                                "false")
+                raise UserError(f"{source}: '{key}' is {json.dumps(ds[key])[:60]}, which DeepSpeed's ZeRO-{stage} "
+                                "does not support with reduce_scatter; remove it, or set "
+                                "zero_optimization.reduce_scatter to false")
 
 
 def async_io_builds() -> bool:
