@@ -74,6 +74,11 @@ def test_zero_stages_agree_numerically(zero_runs):
     losses = {stage: [r["loss"] for r in _metrics(run)] for stage, run in zero_runs.items()}
     for stage in (1, 2, 3):
         assert losses[stage] == pytest.approx(losses[0], rel=1e-4), stage
+    # ZeRO-0 in fp32 logged no gradient norm (null at every step): DeepSpeed keeps none there
+    norms = {stage: [r["grad_norm"] for r in _metrics(run)] for stage, run in zero_runs.items()}
+    assert all(isinstance(norm, float) and norm > 0 for norm in norms[0]), norms[0]
+    for stage in (1, 2, 3):
+        assert norms[stage] == pytest.approx(norms[0], rel=1e-3), stage
     weights = {stage: consolidated_weights(run) for stage, run in zero_runs.items()}
     for stage in (1, 2, 3):
         for name, tensor in weights[0].items():

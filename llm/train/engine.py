@@ -109,6 +109,19 @@ def set_loss_scale(engine, scale: float) -> None:
     engine.optimizer.loss_scale = scale
 
 
+def keeps_no_grad_norm(engine) -> bool:
+    """Whether DeepSpeed keeps no gradient norm for this engine's steps: without ZeRO in fp32, its torch optimizer
+    has none, and the clipping it does there keeps none (`get_global_grad_norm` was None at every step)."""
+    return engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled())
+
+
+def grad_norm_before_step(engine) -> float:
+    """The norm of the gradients the coming optimizer step takes (every rank holds them whole without ZeRO), before
+    any clipping: what DeepSpeed's ZeRO optimizers keep."""
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+
 def unscaled_grad_norm(engine, scale: float | None) -> float | None:
     """The gradient norm of the engine's last optimizer step (None where DeepSpeed computes none), of the gradients
     as the loss gave them. Under fp16 FP16_UnfusedOptimizer (no ZeRO, torch's AdamW: `"torch_adam": true`) keeps

@@ -38,7 +38,9 @@ from llm.runtime.preemption import Preemption, data_loader_worker_init
 from llm.runtime.watchdog import Watchdog
 from llm.train import checkpoint
 from llm.train.engine import (
+    grad_norm_before_step,
     is_loss_scale_at_minimum,
+    keeps_no_grad_norm,
     loss_scale_of,
     overflowed_at_minimum_scale,
     set_loss_scale,
@@ -86,6 +88,9 @@ class Trainer:
         self._update_loss_scale: float | None = None
         """fp16: the loss scale of the last optimizer update's gradients (the update may change it), to unscale
         its gradient norm (`unscaled_grad_norm`)."""
+        self._norm_taken_here = keeps_no_grad_norm(engine)
+        self._last_grad_norm: float | None = None
+        """Where DeepSpeed keeps none (`keeps_no_grad_norm`): the last optimizer step's gradient norm."""
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -184,7 +189,10 @@ class Trainer:
         (fp16.min_loss_scale) mean the run diverged, and it ends as such (`_stop_diverged`), on every rank (the
         overflow is agreed across ranks): with ZeRO, DeepSpeed's loss scaler raises a bare Exception from the step
         (a traceback from every rank); without, its optimizer skipped that step and every later one, silently."""
-        scale = loss_scale_of(self.engine) if self.engine.is_gradient_accumulation_boundary() else None
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        scale = loss_scale_of(self.engine) if boundary else None
+        if boundary and self._norm_taken_here:
+            self._last_grad_norm = grad_norm_before_step(self.engine)
         try:
             self.engine.step()
         except Exception as exc:  # noqa: BLE001 - re-raised unless it is DeepSpeed's at the minimum loss scale
@@ -231,11 +239,17 @@ class Trainer:
             if self.dist.world_size > 1:
                 dist.all_reduce(total)
             loss = total.item()
-        norm = self.engine.get_global_grad_norm()
+        norm = self._grad_norm()
         for what, value in (("training loss", loss), ("gradient norm", None if norm is None else float(norm))):
             if value is not None and not math.isfinite(value):
                 self._stop_diverged(self.step, f"the {what} is {value} (no longer a number: the weights, gradients "
                                     "or activations overflowed)")
+
+    def _grad_norm(self) -> float | None:
+        """The gradient norm of the last optimizer step: DeepSpeed's (unscaled), or the one taken before it where
+        DeepSpeed keeps none."""
+        return self._last_grad_norm if self._norm_taken_here else unscaled_grad_norm(self.engine,
+                                                                                      self._update_loss_scale)
 
     def _stop_diverged(self, step: int, what: str) -> NoReturn:
         """End the run on every rank (a collective) with one line: step `step` diverged (`what`), and the newest
@@ -348,7 +362,7 @@ class Trainer:
             with self.budget.overhead("eval" if eval_due else None):
                 val_loss = self.evaluate() if eval_due else None
                 samples = self.samples.generate(self.step) if eval_due and self.samples else None
-            logger.log(self.step, lr, stats, unscaled_grad_norm(self.engine, self._update_loss_scale),
+            logger.log(self.step, lr, stats, self._grad_norm(),
                        self.sampler.epoch, val_loss)
             logger.log_samples(self.step, samples)
             stop = self.preemption.agreed()
