@@ -37,6 +37,9 @@ def resolved(change: dict, precision: str = "fp32") -> dict:
     # Hjson read these as {}: the run trained at ZeRO 0, not at the stage's own config
     *[(empty, r"bad.json: is empty; give the DeepSpeed settings as a JSON object, or leave --deepspeed out for the "
               r"stage's own \(pretrain\)$") for empty in (b"", b"  \n\t\n", b"// to do\n# later\n/* { } */\n")],
+    # the error blamed the comment, which DeepSpeed takes ("Expecting property name enclosed in double quotes")
+    (b'{\n // c\n "gradient_clipping": 1e400\n}\n', r"bad.json:3:23: invalid JSON \(the number 1e400 is beyond a "
+                                                 r"float's range \(it would be Infinity\)\)$"),
 ])
 def test_deepspeed_config_that_is_not_utf8_nested_too_deeply_or_empty_is_refused(tmp_path, content, message):
     bad = tmp_path / "bad.json"

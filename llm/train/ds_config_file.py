@@ -6,6 +6,7 @@ checking its values is `llm.train.engine.resolve_ds_config`'s, in every rank.
 """
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,10 @@ def _refuse_keys_given_twice(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
+NUMBER = re.compile(r"-?\d+(?:\.\d*)?[eE][+-]?\d+")
+"""A number with an exponent: one that may lie beyond a float's range."""
+
+
 def parse_as_deepspeed(text: str) -> Any:
     """A DeepSpeed config's text read as DeepSpeed reads a config file: as Hjson, so comments and trailing commas are
     taken, and a key given twice is refused (json keeps the last silently: `"stage": 3, "stage": 1` ran ZeRO-1).
@@ -71,8 +76,12 @@ def parse_as_deepspeed(text: str) -> Any:
     except json.JSONDecodeError as strict:
         try:
             return hjson.loads(text, object_pairs_hook=_refuse_keys_given_twice)
-        except OverflowError:
-            raise strict from None
+        except OverflowError:  # hjson's int() of a number beyond a float's range (it reads 1e400 as infinity)
+            huge = next((m for m in NUMBER.finditer(text) if math.isinf(float(m.group()))), None)
+            if huge is None:
+                raise strict from None
+            raise json.JSONDecodeError(f"the number {huge.group()} is beyond a float's range (it would be "
+                                       "Infinity)", text, huge.start()) from None
         except hjson.HjsonDecodeError as lenient:
             if text.startswith(("//", "/*", "#"), strict.pos):
                 raise json.JSONDecodeError(lenient.msg, text, lenient.pos) from None
