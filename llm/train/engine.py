@@ -322,10 +322,25 @@ def _fill_grad_accum_dtype(ds: dict[str, Any], precision: str, stage: int, sourc
                         "zero_optimization.stage")
 
 
+MAX_BUCKET_ELEMENTS = 1 << 32
+"""The largest ZeRO bucket taken: DeepSpeed allocates a buffer of that many elements (16 GiB in fp32); models need
+buckets of 10^7-10^9."""
+BUCKETS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
+           "stage3_prefetch_bucket_size": "prefetch_bucket_size"}
+"""The JSON's bucket keys, each with the field of DeepSpeed's model that holds it."""
+
+
 def _zero_config(zero: dict[str, Any], source: str):
     """The zero_optimization section as DeepSpeed reads it (its pydantic model), or a UserError naming the key at
-    fault (`_section_model`)."""
-    return _section_model(DeepSpeedZeroConfig, zero, "zero_optimization", "ZeRO", source)
+    fault (`_section_model`) or a bucket above MAX_BUCKET_ELEMENTS (one of 10^12 passed, and the first backward
+    failed to allocate 4 TB, or overflowed, in a traceback after the run's files were written)."""
+    config = _section_model(DeepSpeedZeroConfig, zero, "zero_optimization", "ZeRO", source)
+    for key, field in BUCKETS.items():
+        if getattr(config, field) > MAX_BUCKET_ELEMENTS:
+            raise UserError(f"{source}: 'zero_optimization.{key}' is {json.dumps(zero[key])[:60]}, more than "
+                            f"{MAX_BUCKET_ELEMENTS:,} elements (DeepSpeed allocates a buffer of that many); give a "
+                            "smaller bucket (5e8 is DeepSpeed's default)")
+    return config
 
 
 MONITORS = ("tensorboard", "wandb", "csv_monitor", "comet")
