@@ -136,31 +136,51 @@ def _result_size(operator: str, left: Any, right: Any) -> int:
     return 0
 
 
-_PERCENT_SPEC = re.compile(r"%[#0 +-]*(\d*)(?:\.(\d+))?")
-_BRACE_SPEC = re.compile(r"\{[^{}:]*:([^{}]*)\}")
+_PERCENT_SPEC = re.compile(r"%[#0 +-]*(\*|\d*)(?:\.(\*|\d+))?")
+_BRACE_SPEC = re.compile(r"\{[^{}:]*:((?:[^{}]|\{[^{}]*\})*)\}")
+SIZED_FILTERS = frozenset({"center", "indent", "batch", "slice", "tojson", "format"})
+"""Jinja's filters (and zerollm's tojson) that take a size: a width, an indent, a count of items or slices."""
+PADDING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
+"""The string methods whose number is a size: 'x'.ljust(1500000000) is 1.5 GB."""
 
 
-def _too_large(number: Any) -> bool:
-    return isinstance(number, int) and not isinstance(number, bool) and number > MAX_ITEMS
+def _too_large(values: Any) -> bool:
+    """Whether an integer above MAX_ITEMS is among `values` (or the values of a mapping among them)."""
+    return any(isinstance(v, int) and not isinstance(v, bool) and v > MAX_ITEMS
+               for value in values for v in (value.values() if isinstance(value, dict) else [value]))
 
 
-def _widest_field(form: str) -> bool:
-    """Whether a %-format or str.format string asks for a field wider (or more precise) than MAX_ITEMS:
-    '%1500000000s' % 'x' is 1.5 GB."""
-    numbers = [n for match in _PERCENT_SPEC.finditer(form) for n in match.groups() if n]
-    numbers += [n for spec in _BRACE_SPEC.findall(form) for n in re.findall(r"\d+", spec)]
-    return any(len(n) > 7 or int(n) > MAX_ITEMS for n in numbers)  # 7 digits hold MAX_ITEMS; int() of 5,000 fails
+def _field_sizes(form: str) -> tuple[bool, bool]:
+    """(whether a %-format or str.format string asks for a field wider or more precise than MAX_ITEMS, whether it
+    takes a width or precision from its arguments: '%*s', '{:{w}}')."""
+    sizes = [n for match in _PERCENT_SPEC.finditer(form) for n in match.groups() if n]
+    sizes += [n for spec in _BRACE_SPEC.findall(form) for n in re.findall(r"\d+|\{", spec)]
+    given = [n for n in sizes if n not in ("*", "{")]
+    return any(len(n) > 7 or int(n) > MAX_ITEMS for n in given), len(given) < len(sizes)  # int() of 5,000 digits fails
+
+
+def _refuse_wide_fields(form: Any, arguments: list[Any], what: str) -> None:
+    """TemplateTooCostly where the format string `form` asks for a field wider than MAX_ITEMS, itself or through
+    its `arguments` (only then are they looked at: a number put into the text is no size)."""
+    if not isinstance(form, str):
+        return
+    too_wide, takes_width = _field_sizes(form)
+    if too_wide or (takes_width and _too_large(arguments)):
+        raise TemplateTooCostly(f"{what} was given a field wider than {MAX_ITEMS}")
 
 
 def _bounded_filter(name: str, function: Callable) -> Callable:
-    """`function` refusing a number above MAX_ITEMS among its arguments ('x'|center(1500000000) is 1.5 GB), and, as
-    `format`, a format string asking for such a field."""
+    """`function`, one of SIZED_FILTERS, refusing a size above MAX_ITEMS among its arguments but the value it
+    filters ('x'|center(1500000000) is 1.5 GB), and, as `format`, a format string asking for such a field."""
+    taken = 2 if getattr(function, "jinja_pass_arg", None) else 1  # the context or environment, then the value
+
     @functools.wraps(function)  # keeps Jinja's pass_context/pass_environment marks
     def bounded(*args: Any, **kwargs: Any) -> Any:
-        if any(map(_too_large, [*args, *kwargs.values()])):
+        sizes = [*args[taken:], *kwargs.values()]
+        if name == "format":
+            _refuse_wide_fields(args[taken - 1] if len(args) >= taken else None, sizes, "the filter format")
+        elif _too_large(sizes):
             raise TemplateTooCostly(f"the filter {name} was given a number above {MAX_ITEMS}")
-        if name == "format" and any(isinstance(a, str) and _widest_field(a) for a in args):
-            raise TemplateTooCostly(f"the filter format was given a field wider than {MAX_ITEMS}")
         return function(*args, **kwargs)
 
     return bounded
@@ -169,32 +189,39 @@ def _bounded_filter(name: str, function: Callable) -> Callable:
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """transformers' sandbox, with what one expression may ask for bounded, so that it cannot take gigabytes, nor
     compute for minutes between two checks of the deadline: `*` and `**` (their results' size), `%` and str.format
-    (their fields' widths), and calls and filters (a number above MAX_ITEMS among their arguments:
-    'x'.center(1500000000))."""
+    (their fields' widths), the string methods and filters that take a size (PADDING_METHODS, SIZED_FILTERS: a size
+    above MAX_ITEMS, 'x'.center(1500000000))."""
 
     intercepted_binops = frozenset(["*", "**", "%"])
 
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self.filters = {name: _bounded_filter(name, f) for name, f in self.filters.items()}
+    def bound_filters(self) -> None:
+        """Wrap the SIZED_FILTERS, once every filter is in place."""
+        self.filters = {name: _bounded_filter(name, f) if name in SIZED_FILTERS else f
+                        for name, f in self.filters.items()}
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         if _result_size(operator, left, right) > MAX_ITEMS:
             raise TemplateTooCostly(f"'{operator}' would make a result of more than {MAX_ITEMS} items")
-        if operator == "%" and isinstance(left, str) and _widest_field(left):
-            raise TemplateTooCostly(f"'%' was given a field wider than {MAX_ITEMS}")
+        if operator == "%":
+            _refuse_wide_fields(left, list(right) if isinstance(right, tuple) else [right], "'%'")
         return super().call_binop(context, operator, left, right)
 
     def call(__self, __context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - Jinja's own names
-        if any(map(_too_large, [*args, *kwargs.values()])):
-            raise TemplateTooCostly(f"a call was given a number above {MAX_ITEMS}")
+        if isinstance(getattr(__obj, "__self__", None), str) and getattr(__obj, "__name__", None) in PADDING_METHODS \
+                and _too_large([*args, *kwargs.values()]):
+            raise TemplateTooCostly(f"str.{__obj.__name__} was given a number above {MAX_ITEMS}")
         return super().call(__context, __obj, *args, **kwargs)
 
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
         wrapped = super().wrap_str_format(value)
-        if wrapped is not None and _widest_field(value.__self__):
-            raise TemplateTooCostly(f"str.format was given a field wider than {MAX_ITEMS}")
-        return wrapped
+        if wrapped is None:
+            return None
+
+        def bounded(*args: Any, **kwargs: Any) -> str:
+            _refuse_wide_fields(value.__self__, [*args, *kwargs.values()], "str.format")
+            return wrapped(*args, **kwargs)
+
+        return bounded
 
 
 class _RenderDeadlines:
@@ -247,6 +274,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.globals.pop("lipsum", None)
     env.filters["tojson"] = _tojson
+    env.bound_filters()
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
@@ -395,8 +423,9 @@ class ChatTemplate:
         the template changes (trims, or cuts a reasoning part from) passes where another text in its place changes
         the rendering there first."""
         content = escaped[index].get("content")
-        if not isinstance(content, str) or not content.strip() or content in full[start:end]:
-            return
+        if escaped[index].get("tool_calls") or not isinstance(content, str) or not content.strip() \
+                or content in full[start:end]:  # Llama 3's and Mistral's templates render a tool call's turn
+            return  # without its text
         probe = [*escaped[:index], {**escaped[index], "content": REPLY_PROBE}, *escaped[index + 1:]]
         if start <= common_prefix_length(full, self._render(probe, False)) < end:
             return

@@ -438,6 +438,24 @@ def test_a_template_that_renders_no_reply_has_its_record_skipped_saying_so(token
     assert str(refused.value).endswith(f"first: {path}:1: {reason})"), str(refused.value)
 
 
+LLAMA31_TOOL_CALLS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}"
+                      "{{ m.tool_calls[0].function.name }}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""Llama 3.1's way with a turn holding tool calls: it renders the calls, not the turn's text."""
+
+
+def test_a_tool_call_turn_whose_text_the_template_leaves_out_is_learnt(tokenizer_dir, tmp_path):
+    """Refused as a template that leaves the assistant turn out, where it trained on the tool call before."""
+    call = {"content": "Let me check.", "tool_calls": [{"type": "function",
+                                                        "function": {"name": "weather", "arguments": "{}"}}]}
+    odd, path = _sft_with_template(tokenizer_dir, tmp_path, LLAMA31_TOOL_CALLS, call)
+    assert _quiet("sft", [path], odd, tmp_path / "out").skipped == []
+    tokens, _, _ = _tokens(tmp_path / "out")
+    with h5py.File(tmp_path / "out" / "tokens.h5", "r") as h5:
+        mask = h5["train"]["loss_mask"][:].astype(bool)
+    assert Tokenizer.load(odd).decode(tokens[mask].tolist(), skip_special_tokens=False) == "weather<|im_end|>"
+
+
 def test_a_reply_the_template_changes_is_learnt_where_it_is_rendered(tokenizer_dir, tmp_path):
     odd, path = _sft_with_template(tokenizer_dir, tmp_path, TRIMMED, "  a1 ")
     assert _quiet("sft", [path], odd, tmp_path / "out").skipped == []

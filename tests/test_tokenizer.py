@@ -324,7 +324,10 @@ def test_a_chat_template_file_beside_the_tokenizer_is_used(tmp_path):
     # each of these took 1.5 GB or more at once (the process killed or aborted, out of memory)
     ("{{ 'x'|center(1500000000) }}", "the filter center was given a number above 1048576"),
     ("{{ [1]|batch(1500000000, 'x')|list }}", "the filter batch was given a number above 1048576"),
-    ("{{ 'x'.ljust(1500000000) }}", "a call was given a number above 1048576"),
+    ("{{ 'x'.ljust(1500000000) }}", "str.ljust was given a number above 1048576"),
+    ("{{ messages|tojson(indent=100000000) }}", "the filter tojson was given a number above 1048576"),
+    ("{{ '%*s' % (300000000, 'x') }}", "'%' was given a field wider than 1048576"),  # the width from its arguments
+    ("{{ '{x:{w}}'.format_map({'x': 'x', 'w': 300000000}) }}", "str.format was given a field wider than 1048576"),
     ("{{ '%1500000000s'|format('x') }}", "the filter format was given a field wider than 1048576"),
     ("{{ '%.1500000000f' % 1.0 }}", "'%' was given a field wider than 1048576"),
     ("{{ '{:>1500000000}'.format('x') }}", "str.format was given a field wider than 1048576"),
@@ -341,6 +344,20 @@ def test_a_hostile_chat_template_is_stopped_with_one_line(tmp_path, monkeypatch,
     with pytest.raises(ChatTemplateError) as error:
         Tokenizer.load(tmp_path).encode_chat([{"role": "user", "content": "hi"}], True)
     assert reason in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("template, rendered", [
+    ("{{ messages[0].n|string }}", "1700000000"),  # a number put into the text is no size
+    ("{{ '%s'|format(messages[0].content) }}", "grew 40% 2500000 units"),  # nor a '%' inside the text put in
+    ("{{ '%d %s'|format(messages[0].n, 'x') }}", "1700000000 x"),
+    ("{{ '{}'.format(messages[0].n) }}", "1700000000"),
+    ("{{ '%5s|' % 'ab' }}{{ 'ab'.center(6) }}|{{ messages[0].content[:4]|center(8) }}|", "   ab|  ab  |  grew  |"),
+])
+def test_a_template_may_put_large_numbers_and_percent_signs_into_its_text(template, rendered):
+    """The bounds on sizes look at sizes only: a timestamp or an id in a message, or a '%' in its text, was refused
+    as a width above 2^20, ending the whole `data prepare`."""
+    messages = [{"role": "user", "content": "grew 40% 2500000 units", "n": 1700000000}]
+    assert llm.chat_template.ChatTemplate(template, "t", {}, [], []).render(messages) == rendered
 
 
 def test_a_saved_foreign_tokenizer_keeps_its_files_meaning(tmp_path):
