@@ -483,7 +483,7 @@ def test_an_moe_load_balancing_loss_counts_every_micro_batch_alike(one_rank_grou
     halves = [{k: v[i:i + 2] for k, v in batch.items()} for i in (0, 2)]
     trainer = Trainer.__new__(Trainer)  # the trainer's own micro-steps, on a model without DeepSpeed
     trainer.objective, trainer.engine = CausalLMObjective(), _RecordingEngine(model)
-    trainer.dist, trainer._tokens_since_log = SimpleNamespace(world_size=1), 0
+    trainer.dist, trainer._tokens_since_log, trainer._norm_taken_here = SimpleNamespace(world_size=1), 0, False
     weights = trainer._token_weights(halves)
     logged = sum(trainer._train_micro(half, w) for half, w in zip(halves, weights, strict=True))[0] / len(halves)
     router = model.layers[0].feed_forward.router.weight

@@ -114,6 +114,9 @@ def test_gradient_accumulation_matches_a_larger_micro_batch(zero_runs, accumulat
     (and, with twice the eval batches, the same validation windows)."""
     accumulated, reference = _metrics(accumulated_runs(2)), _metrics(zero_runs[2])
     assert [r["loss"] for r in accumulated] == pytest.approx([r["loss"] for r in reference], rel=1e-4)
+    # ZeRO-0 in fp32, whose norm zerollm takes itself: of the gradients accumulated over the step's micro-steps
+    assert [r["grad_norm"] for r in _metrics(accumulated_runs(0))] == pytest.approx(
+        [r["grad_norm"] for r in _metrics(zero_runs[0])], rel=1e-4)
     assert [r["val_loss"] for r in accumulated if "val_loss" in r] == pytest.approx(
         [r["val_loss"] for r in reference if "val_loss" in r], rel=1e-4)
 

@@ -256,10 +256,11 @@ def test_ds_config_steps_per_print_below_one_is_refused(steps):
                                                     "zero_optimization.allgather_bucket_size; give it a value$"),
     # DeepSpeed took them, and the first backward failed to allocate 4 TB (or overflowed) in a traceback
     *[({"stage": stage, key: size}, f"x.json: 'zero_optimization.{key}' is {size}, more than 4,294,967,296 elements "
-                                    r"\(DeepSpeed allocates a buffer of that many\); give a smaller bucket \(5e8 is "
-                                    r"DeepSpeed's default\)$")
+                                    r"\(DeepSpeed allocates a buffer of that many\); give a smaller bucket "
+                                    r"\(DeepSpeed's defaults: 5e8, and 5e7 for the prefetch bucket\)$")
       for stage, key, size in ((2, "reduce_bucket_size", 10**12), (2, "allgather_bucket_size", 10**40),
-                               (3, "stage3_prefetch_bucket_size", 10**13))],
+                               (3, "stage3_prefetch_bucket_size", 10**13),
+                               (3, "prefetch_bucket_size", 10**13))],  # the model's own name: a KeyError
 ])
 def test_ds_config_zero_section_deepspeed_refuses_is_one_line(zero, message):
     with pytest.raises(UserError, match=message):

@@ -112,14 +112,14 @@ def set_loss_scale(engine, scale: float) -> None:
 def keeps_no_grad_norm(engine) -> bool:
     """Whether DeepSpeed keeps no gradient norm for this engine's steps: without ZeRO in fp32, its torch optimizer
     has none, and the clipping it does there keeps none (`get_global_grad_norm` was None at every step)."""
-    return engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled())
+    return not (engine.fp16_enabled() or engine.bfloat16_enabled()) and engine.zero_optimization_stage() == 0
 
 
 def grad_norm_before_step(engine) -> float:
     """The norm of the gradients the coming optimizer step takes (every rank holds them whole without ZeRO), before
     any clipping: what DeepSpeed's ZeRO optimizers keep."""
-    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    norms = [torch.linalg.vector_norm(p.grad) for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
 
 def unscaled_grad_norm(engine, scale: float | None) -> float | None:
@@ -337,9 +337,10 @@ def _zero_config(zero: dict[str, Any], source: str):
     config = _section_model(DeepSpeedZeroConfig, zero, "zero_optimization", "ZeRO", source)
     for key, field in BUCKETS.items():
         if getattr(config, field) > MAX_BUCKET_ELEMENTS:
-            raise UserError(f"{source}: 'zero_optimization.{key}' is {json.dumps(zero[key])[:60]}, more than "
+            given = key if key in zero else field  # DeepSpeed's model takes its field's name too
+            raise UserError(f"{source}: 'zero_optimization.{given}' is {json.dumps(zero[given])[:60]}, more than "
                             f"{MAX_BUCKET_ELEMENTS:,} elements (DeepSpeed allocates a buffer of that many); give a "
-                            "smaller bucket (5e8 is DeepSpeed's default)")
+                            "smaller bucket (DeepSpeed's defaults: 5e8, and 5e7 for the prefetch bucket)")
     return config
 
 
