@@ -860,6 +860,18 @@ def test_closing_the_service_as_its_thread_takes_a_request_ends_that_generation_
     assert not service._worker.is_alive() and time.monotonic() - started < 5
 
 
+def test_a_request_submitted_as_the_service_closes_is_told_so(generator):
+    """One still tokenizing its prompt as Ctrl-C emptied the line was queued into the closed line: it got no answer
+    at all."""
+    from llm.infer.server import RequestError
+
+    service = ChatService(generator, "tiny")
+    service.close()
+    with pytest.raises(RequestError, match="^the server is shutting down; retry later$") as refused:
+        service.submit(service.prompt_ids([{"role": "user", "content": "hi"}]), SamplingParams(max_new_tokens=2))
+    assert refused.value.status == 503
+
+
 def test_ctrl_c_stops_serve_with_exit_130_as_other_commands(generator, tokenizer_dir, tmp_path):
     """It ended with exit 0 and no word, where the README gives Ctrl-C outside training 130 (`zerollm: interrupted`),
     as `serve` gave while its model loaded."""

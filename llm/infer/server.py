@@ -340,9 +340,9 @@ class WaitingLine:
         self._closed = False
 
     def put(self, job: Generation) -> bool:
-        """Whether `job` found a place."""
+        """Whether `job` found a place (none once the line is closed)."""
         with self._changed:
-            if len(self._jobs) >= self.limit:
+            if self._closed or len(self._jobs) >= self.limit:
                 return False
             self._jobs.append(job)
             self._changed.notify()
@@ -431,7 +431,8 @@ class ChatService:
             raise RequestError(f"{problem}: lower max_tokens", "max_tokens")  # the KV cache does not fit in memory
         job = Generation(prompt_ids, params)
         if not self._queue.put(job):
-            raise RequestError("the server is busy: too many requests are waiting; retry later", status=503)
+            said = "is shutting down" if self._closing.is_set() else "is busy: too many requests are waiting"
+            raise RequestError(f"the server {said}; retry later", status=503)
         return job
 
     def withdraw(self, job: Generation) -> None:
@@ -470,13 +471,15 @@ class ChatService:
 
             try:  # a client that left ends its generation at the next token, also while no text comes
                 job.stream = self.generator.stream(job.prompt_ids, job.params, cancelled=ended)
+                cut = False
                 for piece in job.stream:
-                    if ended():
+                    if ended():  # also one that had finished, its last piece held back (a stop string, a character)
+                        cut = True
                         break
                     job.pieces.put(piece)
                 if job.cancelled.is_set():
                     self._count_cancelled()
-                if job.stream.finish_reason is None and not job.cancelled.is_set():  # the server is closing
+                if (cut or job.stream.finish_reason is None) and not job.cancelled.is_set():  # the server closes
                     self._cut_short.append(job)
                     job.pieces.put(ServiceClosed(f"the server is shutting down; this reply was cut off after "
                                                  f"{job.stream.completion_tokens} tokens: retry it"))
