@@ -20,6 +20,7 @@ than `max_record_chars` is skipped (`.jsonl`) or refused (`.json`) without being
 from __future__ import annotations
 
 import codecs
+import errno
 import gzip
 import json
 import os
@@ -166,10 +167,12 @@ def _once(paths: list[Path]) -> list[Path]:
 
 def _resolved_out(out: Path) -> Path:
     try:
-        return out.resolve()
-    except RuntimeError:  # pathlib's "Symlink loop from ..." (a traceback)
-        raise UserError(f"--out {out}: a symbolic link that leads back to itself; remove the link or give a "
-                        "directory") from None
+        out.resolve(strict=True)
+    except (RuntimeError, OSError) as exc:  # a loop: pathlib's RuntimeError (a traceback) before Python 3.13, ELOOP
+        if not isinstance(exc, OSError) or exc.errno == errno.ELOOP:  # from it on; a new folder is FileNotFoundError
+            raise UserError(f"--out {out}: a symbolic link that leads back to itself; remove the link or give a "
+                            "directory") from None
+    return out.resolve()
 
 
 def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None) -> list[Path]:
