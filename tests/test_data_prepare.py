@@ -1082,6 +1082,8 @@ UNKNOWN_ROLE = ("unknown role {}; expected one of system, user, human, assistant
     ("sft", {"messages": [{"role": "user", "content": [{"type": ["text"], "text": "q"}]},
                           {"role": "assistant", "content": "a"}]},
      "turn 'content' has parts of type ['text']; only text parts can be trained on"),
+    ("sft", {"messages": [{"role": "user", "content": [{"text": "q"}]}, {"role": "assistant", "content": "a"}]},
+     "turn 'content' has parts of type none (no 'type'); only text parts can be trained on"),  # "of type None"
     ("dpo", {"prompt": "q", "chosen": [], "rejected": "b"},
      "'chosen' is an empty list; expected the reply (a string, turn or list of turns)"),
 ])

@@ -66,7 +66,8 @@ def _content(turn: dict, role: str) -> str:
     key = "content" if "content" in turn else "value"
     value = turn.get(key)
     if isinstance(value, list):  # OpenAI content parts
-        kinds = {str(part.get("type")) if isinstance(part, dict) else type(part).__name__ for part in value}
+        kinds = {(str(part["type"]) if "type" in part else "none (no 'type')") if isinstance(part, dict)
+                 else type(part).__name__ for part in value}
         if kinds - {"text"}:
             raise RecordError(f"turn '{key}' has parts of type {', '.join(sorted(kinds - {'text'}))}; "
                               "only text parts can be trained on")
