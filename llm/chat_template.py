@@ -419,19 +419,26 @@ class ChatTemplate:
 
     def _check_reply_within(self, full: str, escaped: list[dict], index: int, start: int, end: int) -> None:
         """Refuse a template that does not render assistant message `index`'s text between `start` and `end` (one
-        that leaves assistant turns out put the loss on the next user turn). Text found there as it is passes; text
-        the template changes (trims, or cuts a reasoning part from) passes where another text in its place changes
-        the rendering there first."""
+        that leaves assistant turns out put the loss on the next user turn), or that ends the reply before its text
+        (the loss stops at the first end-of-turn token: only that token was learnt). Text found there as it is
+        passes; text the template changes (trims, or cuts a reasoning part from) passes where another text in its
+        place changes the rendering there first."""
         content = escaped[index].get("content")
-        if escaped[index].get("tool_calls") or not isinstance(content, str) or not content.strip() \
-                or content in full[start:end]:  # Llama 3's and Mistral's templates render a tool call's turn
-            return  # without its text
-        probe = [*escaped[:index], {**escaped[index], "content": REPLY_PROBE}, *escaped[index + 1:]]
-        if start <= common_prefix_length(full, self._render(probe, False)) < end:
-            return
-        raise MessagesRefused(f"{self.source}: the chat template does not render the text of assistant message "
-                              f"{index + 1} where its reply is (it leaves the turn out, or puts it elsewhere), so "
-                              "its loss cannot be placed; use a template that renders every assistant turn")
+        if escaped[index].get("tool_calls") or not isinstance(content, str) or not content.strip():
+            return  # Llama 3's and Mistral's templates render a tool call's turn without its text
+        at = full.find(content, start, end)
+        if at < 0:
+            probe = [*escaped[:index], {**escaped[index], "content": REPLY_PROBE}, *escaped[index + 1:]]
+            at = common_prefix_length(full, self._render(probe, False))
+            if not start <= at < end:
+                raise MessagesRefused(f"{self.source}: the chat template does not render the text of assistant "
+                                      f"message {index + 1} where its reply is (it leaves the turn out, or puts it "
+                                      "elsewhere), so its loss cannot be placed; use a template that renders every "
+                                      "assistant turn")
+        if ended := next((s for s in self.end_of_turn if s in full[start:at]), None):
+            raise MessagesRefused(f"{self.source}: the chat template ends the reply of assistant message {index + 1} "
+                                  f"with {ended} before its text, which would not be learnt; use a template that "
+                                  "renders the reply's text before its end-of-turn token")
 
     def _reply_start(self, full: str, escaped: list[dict], index: int) -> int:
         """Where the reply of message `index` starts in `full`: where the conversation before it, rendered with a

@@ -423,7 +423,14 @@ def _sft_with_template(tokenizer_dir, tmp_path, template, reply):
     return odd, path
 
 
+STOP_FIRST = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}<|endoftext|>{% endif %}"
+              "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 @pytest.mark.parametrize("template, reply, reason", [
+    (STOP_FIRST, "a1", "the chat template ends the reply of assistant message 2 with <|endoftext|> before its text, "
+                       "which would not be learnt; use a template that renders the reply's text before its "
+                       "end-of-turn token"),  # only <|endoftext|> was learnt, silently
     (USERS_ONLY, "a1", "the chat template does not render the text of assistant message 2 where its reply is (it "
                        "leaves the turn out, or puts it elsewhere), so its loss cannot be placed; use a template that "
                        "renders every assistant turn"),  # the loss fell on the next user turn, silently
@@ -434,7 +441,7 @@ def test_a_template_that_renders_no_reply_has_its_record_skipped_saying_so(token
     odd, path = _sft_with_template(tokenizer_dir, tmp_path, template, reply)
     with pytest.raises(UserError) as refused:
         _quiet("sft", [path], odd, tmp_path / "out")
-    reason = f"{odd}: {reason}" if template == USERS_ONLY else reason
+    reason = f"{odd}: {reason}" if template in (USERS_ONLY, STOP_FIRST) else reason
     assert str(refused.value).endswith(f"first: {path}:1: {reason})"), str(refused.value)
 
 
