@@ -115,11 +115,11 @@ def keeps_no_grad_norm(engine) -> bool:
     return not (engine.fp16_enabled() or engine.bfloat16_enabled()) and engine.zero_optimization_stage() == 0
 
 
-def grad_norm_before_step(engine) -> float:
+def grad_norm_before_step(engine) -> torch.Tensor:
     """The norm of the gradients the coming optimizer step takes (every rank holds them whole without ZeRO), before
-    any clipping: what DeepSpeed's ZeRO optimizers keep."""
+    any clipping: what DeepSpeed's ZeRO optimizers keep. A tensor on the gradients' device: read only when logged."""
     norms = [torch.linalg.vector_norm(p.grad) for p in engine.module.parameters() if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
 def unscaled_grad_norm(engine, scale: float | None) -> float | None:

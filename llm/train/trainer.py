@@ -89,8 +89,9 @@ class Trainer:
         """fp16: the loss scale of the last optimizer update's gradients (the update may change it), to unscale
         its gradient norm (`unscaled_grad_norm`)."""
         self._norm_taken_here = keeps_no_grad_norm(engine)
-        self._last_grad_norm: float | None = None
-        """Where DeepSpeed keeps none (`keeps_no_grad_norm`): the last optimizer step's gradient norm."""
+        self._last_grad_norm: torch.Tensor | None = None
+        """Where DeepSpeed keeps none (`keeps_no_grad_norm`): the last optimizer step's gradient norm, kept on the
+        device (read at logged steps only: no wait for the device at every step)."""
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -248,8 +249,9 @@ class Trainer:
     def _grad_norm(self) -> float | None:
         """The gradient norm of the last optimizer step: DeepSpeed's (unscaled), or the one taken before it where
         DeepSpeed keeps none."""
-        return self._last_grad_norm if self._norm_taken_here else unscaled_grad_norm(self.engine,
-                                                                                      self._update_loss_scale)
+        if not self._norm_taken_here:
+            return unscaled_grad_norm(self.engine, self._update_loss_scale)
+        return None if self._last_grad_norm is None else float(self._last_grad_norm)
 
     def _stop_diverged(self, step: int, what: str) -> NoReturn:
         """End the run on every rank (a collective) with one line: step `step` diverged (`what`), and the newest
