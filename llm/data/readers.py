@@ -166,13 +166,16 @@ def _once(paths: list[Path]) -> list[Path]:
 
 
 def _resolved_out(out: Path) -> Path:
+    """`out` resolved; a symbolic-link loop is one line (pathlib's RuntimeError, a traceback, before Python 3.13;
+    ELOOP from it on)."""
     try:
-        out.resolve(strict=True)
-    except (RuntimeError, OSError) as exc:  # a loop: pathlib's RuntimeError (a traceback) before Python 3.13, ELOOP
-        if not isinstance(exc, OSError) or exc.errno == errno.ELOOP:  # from it on; a new folder is FileNotFoundError
-            raise UserError(f"--out {out}: a symbolic link that leads back to itself; remove the link or give a "
-                            "directory") from None
-    return out.resolve()
+        return out.resolve(strict=True)
+    except RuntimeError:
+        pass
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:  # a folder still to make (FileNotFoundError): the output checks come later
+            return out.resolve()
+    raise UserError(f"--out {out}: a symbolic link that leads back to itself; remove the link or give a directory")
 
 
 def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None) -> list[Path]:
