@@ -347,6 +347,17 @@ def test_ds_config_conflict_names_both_sides(tmp_path):
         load_ds_config(bad, "pretrain")
 
 
+@pytest.mark.parametrize("key, run_key", [("gradient_accumulation_steps", "train.grad_accum"),
+                                          ("train_micro_batch_size_per_gpu", "train.micro_batch_size")])
+def test_ds_config_true_is_not_taken_for_the_number_1(key, run_key):
+    """true equals 1 to Python: a "gradient_accumulation_steps": true passed as 1 where the run's was 1."""
+    cfg = build_config("demo", ["train.grad_accum=1", "train.micro_batch_size=1"])
+    raw, _ = load_ds_config(None, "pretrain")
+    raw[key] = True
+    with pytest.raises(UserError, match=f"'{key}' is true but {run_key} is 1; "):
+        resolve_ds_config(raw, cfg, 1, "x.json")
+
+
 @pytest.mark.parametrize("change, message", [
     ({"zero_optimization": "yes"}, "x.json: 'zero_optimization' must be a JSON object {...}, got \"yes\""),
     ({"optimizer": [1]}, r"x.json: 'optimizer' must be a JSON object {...}, got \[1\]"),

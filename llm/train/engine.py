@@ -209,7 +209,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
         current = container.get(key, "auto")
         if current == "auto":
             container[key] = value
-        elif current != value:
+        elif current != value or isinstance(current, bool) != isinstance(value, bool):  # true equals 1 to Python
             raise UserError(f"{source}: '{path}' is {json.dumps(current)} but {run_key} is {json.dumps(value)}; "
                             f"set it to \"auto\" or make them equal")
 
