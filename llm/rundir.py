@@ -88,12 +88,20 @@ def check_writable_out(out: Path, advice: str) -> Path:
 
 
 def check_run_output(run_dir: Path, resume: bool) -> None:
+    """Refuse a training --out that training would damage or cannot write (`check_run_contents`), or a run another
+    training job is writing (`llm.train.run_lock`)."""
+    if check_run_contents(run_dir, resume):
+        check_run_unlocked(run_dir)
+
+
+def check_run_contents(run_dir: Path, resume: bool) -> bool:
     """Refuse a training --out that training would damage or cannot write: a file, a folder below a file or without
     write permission, a non-empty folder that is not a run directory (a user's own config.yaml or metrics.jsonl
-    would be overwritten, a prepared data folder filled with checkpoints), a run's checkpoints without `resume`, or
-    a run another training job is writing (`llm.train.run_lock`)."""
+    would be overwritten, a prepared data folder filled with checkpoints), or a run's checkpoints without `resume`.
+    Whether `run_dir` exists. Checked again once the job holds the run's lock: another job may have written
+    checkpoints there between the first check and the lock."""
     if check_writable_out(run_dir, "give a directory") != run_dir:
-        return
+        return False
     from llm.tokenizer import TOKENIZER_FILE  # noqa: PLC0415 - it loads the tokenizers library: not for every command
 
     for marker, what in ((TOKENS_FILE, "a prepared data folder"), (TOKENIZER_FILE, "a tokenizer or export folder")):
@@ -117,7 +125,7 @@ def check_run_output(run_dir: Path, resume: bool) -> None:
         raise UserError(f"{run_dir} already holds checkpoints (the newest complete one is {newest}; "
                         f"{checkpoint_dir(run_dir) / LATEST} is missing); pass --resume auto to continue from "
                         f"{newest}, or choose another --out")
-    check_run_unlocked(run_dir)
+    return True
 
 
 def holds_checkpoints(run_dir: Path) -> bool:

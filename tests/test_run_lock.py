@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, zerollm_here
 from conftest import train_args as _args
 from llm.errors import EXIT_RANK_LOST, UserError
-from llm.runtime.rank_env import free_port
+from llm.runtime.rank_env import RANK_VARIABLES, free_port
 from llm.train.run_lock import LOCK_FILE, check_run_unlocked, run_locked, take_run_lock
 
 HOLDER = textwrap.dedent("""
@@ -102,6 +102,38 @@ def test_a_second_training_job_into_a_running_one_is_refused_before_its_ranks_st
                                       f"{socket.gethostname()}); wait for it to end (or stop it), or choose another " \
                                       "--out\n"
     assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE]
+
+
+RACED = textwrap.dedent("""
+    import sys
+    import llm.train.run_lock as run_lock
+    from llm.cli import main
+    take = run_lock.take_run_lock
+
+    def after_another_job(run_dir):  # another job into the same new --out ran to its end in the meantime
+        (run_dir / "checkpoints").mkdir(parents=True)
+        (run_dir / "checkpoints" / "latest").write_text("global_step6")
+        (run_dir / "metrics.jsonl").write_text('{"step": 6}\\n')
+        return take(run_dir)
+
+    run_lock.take_run_lock = after_another_job
+    main(sys.argv[1:])
+""")
+
+
+def test_a_job_that_finished_there_before_this_one_took_the_lock_is_left_alone(pretrain_data):
+    """A job into a new --out passed its checks; another job into the same --out then ran to its end before the
+    first took the lock: the first trained from scratch over the finished run (its metrics, config.yaml and
+    `latest` replaced)."""
+    run = pretrain_data.parent / "raced"
+    env = {name: value for name, value in os.environ.items() if name not in ("LOCAL_RANK", *RANK_VARIABLES)}
+    done = subprocess.run([sys.executable, "-c", RACED, *map(str, _args(pretrain_data, run))], capture_output=True,
+                          text=True, cwd=REPO, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.endswith(f"zerollm: error: {run} already holds checkpoints; pass --resume auto to continue "
+                                "it, or choose another --out\n")
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE, "checkpoints", "metrics.jsonl"]
+    assert (run / "metrics.jsonl").read_text() == '{"step": 6}\n'
 
 
 RANK = textwrap.dedent("""

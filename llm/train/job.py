@@ -249,7 +249,8 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     agreed(lambda: check_wandb(cfg.wandb, run_dir) if info.is_main else None, announce)  # rank 0 logs to wandb
     ds_config = agreed(lambda: _resolved_ds_config(cfg, run_dir, info, (raw_ds, ds_source), zero_stage, resume, data,
                                                    attrs), announce)
-    with run_locked(run_dir, info.rank, lambda problem: refuse_together(problem, announce)) as tidy_run_dir:
+    with run_locked(run_dir, info.rank, lambda problem: refuse_together(problem, announce),
+                    recheck=lambda: rundir.check_run_contents(run_dir, resume)) as tidy_run_dir:
         watchdog = None
         if info.world_size > 1:
             watchdog = Watchdog(info.rank, info.world_size, cfg.train.collective_timeout_s,

@@ -126,16 +126,19 @@ def _remove_if_only_the_lock(run_dir: Path, created: Path) -> None:
 
 
 @contextlib.contextmanager
-def run_locked(run_dir: Path, rank: int, refuse: Callable[[str | None], None]) -> Iterator[Callable[[], None]]:
+def run_locked(run_dir: Path, rank: int, refuse: Callable[[str | None], None],
+               recheck: Callable[[], object] = lambda: None) -> Iterator[Callable[[], None]]:
     """Rank 0 holds `run_dir`'s lock inside the block. Every rank enters it, or every rank raises the same UserError
-    when another job holds it: `refuse` gets rank 0's refusal, None elsewhere, and raises it on every rank (a
-    collective: `llm.runtime.distributed.refuse_together`). The block gets what leaving it does on rank 0 (remove the
-    folders this job created when they hold nothing but the lock), for a process that ends without leaving it
-    (`os._exit`)."""
+    when another job holds it or `recheck`, run by rank 0 once it holds the lock, raises one (what another job wrote
+    there before it ended, in the moment between this job's checks and its lock): `refuse` gets rank 0's refusal,
+    None elsewhere, and raises it on every rank (a collective: `llm.runtime.distributed.refuse_together`). The block
+    gets what leaving it does on rank 0 (remove the folders this job created when they hold nothing but the lock),
+    for a process that ends without leaving it (`os._exit`)."""
     fd, problem, created = None, None, _first_missing(run_dir)
     if rank == 0:
         try:
             fd = take_run_lock(run_dir)
+            recheck()
         except UserError as exc:
             problem = str(exc)
 
