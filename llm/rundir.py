@@ -125,6 +125,10 @@ def check_run_contents(run_dir: Path, resume: bool) -> bool:
         raise UserError(f"{run_dir} already holds checkpoints (the newest complete one is {newest}; "
                         f"{checkpoint_dir(run_dir) / LATEST} is missing); pass --resume auto to continue from "
                         f"{newest}, or choose another --out")
+    if not resume and (saved := [tag for tag in checkpoint_tags(run_dir) if manifest_file(run_dir, tag).exists()]):
+        raise UserError(f"{run_dir} already holds checkpoints, none of them complete ({saved[-1]}: "
+                        f"{incompleteness(run_dir, saved[-1])}); choose another --out, or remove "
+                        f"{checkpoint_dir(run_dir)} to train this run anew there")
     return True
 
 
@@ -279,8 +283,17 @@ def incompleteness(run_dir: Path, tag: str) -> str | None:
             return f"{name} is missing"
         if present[name] != size:
             return f"{name} has {present[name]} bytes, {size} were written"
-    extra = sorted(set(present) - set(listed))
+    extra = sorted(name for name in set(present) - set(listed) if _read_by_loading(name))
     return f"{', '.join(extra)} not in its {MANIFEST}" if extra else None
+
+
+def _read_by_loading(name: str) -> bool:
+    """Whether loading reads a file found in a checkpoint folder that its manifest does not list, so that the folder
+    is not the checkpoint saved: DeepSpeed finds the states of the ranks that saved by their names (`*.pt`) and
+    reads NVMe offload's subfolders whole. Another one there (a .DS_Store, NFS's .nfs files, a note) changes
+    nothing: it made the checkpoint incomplete, so that a resume went back to the one before, and deleted this one
+    to save it again."""
+    return not name.rpartition("/")[2].startswith(".") and ("/" in name or name.endswith(".pt"))
 
 
 def usable_tag(run_dir: Path) -> str | None:

@@ -853,6 +853,21 @@ def test_an_incomplete_newest_checkpoint_is_passed_over_with_a_note(one_rank_gro
     assert torch.equal(consolidated_weights(tmp_path)["w"], torch.full((4,), 10.0))
 
 
+def test_files_loading_does_not_read_leave_a_checkpoint_complete(one_rank_group, tmp_path, capsys):
+    """A .DS_Store, an NFS .nfs file or a note in the newest checkpoint made it incomplete: a resume went back to the
+    one before (and deleted this one to save it again), and where it was the only one, the run was to be trained
+    again."""
+    _save(tmp_path, 10, 20)
+    folder = rundir.checkpoint_dir(tmp_path) / "global_step20"
+    for name in (".DS_Store", ".nfs000000000123", "notes.txt"):
+        (folder / name).write_text("x")
+    assert rundir.incompleteness(tmp_path, "global_step20") is None
+    assert rundir.usable_tag(tmp_path) == "global_step20" and capsys.readouterr().err == ""
+    (folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"x")  # DeepSpeed would read it as a rank's
+    assert rundir.incompleteness(tmp_path, "global_step20") == \
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt not in its manifest.json"
+
+
 def test_no_complete_checkpoint_is_one_clear_error(one_rank_group, tmp_path):
     _save(tmp_path, 10)
     (rundir.checkpoint_dir(tmp_path) / "global_step10" / "rng_rank0.pt").unlink()

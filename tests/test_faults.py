@@ -319,6 +319,18 @@ def test_a_run_that_lost_its_latest_continues_from_its_newest_complete_checkpoin
     rundir.check_run_output(tmp_path, resume=False)
 
 
+def test_a_start_without_resume_leaves_a_run_whose_checkpoints_are_all_incomplete_alone(tmp_path):
+    """A run without `latest` whose saved checkpoints were all damaged was trained anew from step 0 over them."""
+    for step in (2, 4):
+        _fake_checkpoint(tmp_path, step, complete=True)
+        (rundir.checkpoint_dir(tmp_path) / rundir.tag_for(step) / "model_states.pt").write_bytes(b"torn!")
+    with pytest.raises(UserError) as refused:
+        rundir.check_run_output(tmp_path, resume=False)
+    assert str(refused.value) == (f"{tmp_path} already holds checkpoints, none of them complete (global_step4: "
+                                  "model_states.pt has 5 bytes, 4 were written); choose another --out, or remove "
+                                  f"{rundir.checkpoint_dir(tmp_path)} to train this run anew there")
+
+
 def test_resuming_a_finished_run_that_lost_its_latest_trains_nothing_and_says_so(zero_runs, pretrain_data, tmp_path,
                                                                                   monkeypatch, capsys):
     """The run resumes from its newest complete checkpoint, which is its last step: one line says there is nothing to
