@@ -60,6 +60,8 @@ CLIENT_STATE = "client_state.json"
 MANIFEST = "manifest.json"
 UNIVERSAL_DIR = "universal"
 TAG_PREFIX = "global_step"
+LATEST_MAX_BYTES = 64
+"""More than a checkpoint tag: `latest` is damaged."""
 WANDB_DIR = "wandb"
 TOKENS_FILE = "tokens.h5"
 """The token file of a prepared data directory (`llm.data.prepare`)."""
@@ -187,7 +189,7 @@ def tag_for(step: int) -> str:
 
 
 def is_tag(name: str) -> bool:
-    return re.fullmatch(rf"{TAG_PREFIX}\d+", name) is not None
+    return re.fullmatch(rf"{TAG_PREFIX}[0-9]{{1,19}}", name) is not None  # a step fits 64 bits
 
 
 def step_of(tag: str) -> int:
@@ -238,11 +240,15 @@ def latest_tag(run_dir: Path) -> str | None:
         raise UserError(f"{path} is not a file (training writes the tag of the newest checkpoint there); "
                         f"{_latest_advice(run_dir)}")
     try:
-        return path.read_text(encoding="utf-8").strip()
+        with path.open("rb") as file:
+            text = file.read(LATEST_MAX_BYTES + 1).decode("utf-8").strip()
     except UnicodeDecodeError:
         raise UserError(f"{path} is damaged (not UTF-8 text); {_latest_advice(run_dir)}") from None
     except OSError as exc:
         raise UserError(f"{path} cannot be read ({exc.strerror or exc}); {_latest_advice(run_dir)}") from None
+    if len(text) > LATEST_MAX_BYTES:  # read whole and said whole, a damaged one of gigabytes exhausted the memory
+        raise UserError(f"{path} is damaged (longer than a checkpoint tag); {_latest_advice(run_dir)}")
+    return text
 
 
 def checkpoint_files(folder: Path) -> list[str]:
@@ -267,7 +273,7 @@ def incompleteness(run_dir: Path, tag: str) -> str | None:
         listed = json.loads(manifest_file(run_dir, tag).read_text(encoding="utf-8"))["files"]
     except FileNotFoundError:
         return f"no {MANIFEST} (its save did not finish)"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: nested too deep
         return f"unreadable {MANIFEST} ({type(exc).__name__})"
     if not isinstance(listed, dict):
         return f"unreadable {MANIFEST} (its files are not a mapping)"
@@ -338,6 +344,8 @@ def client_state_of(run_dir: Path, tag: str) -> dict[str, Any]:
         problem = "not UTF-8 text"
     except ValueError as exc:
         problem = f"not JSON: {exc}"
+    except RecursionError:
+        problem = "JSON nested too deep"
     except OSError as exc:
         problem = f"unreadable: {exc.strerror or exc}"
     else:

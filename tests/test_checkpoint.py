@@ -1158,6 +1158,9 @@ def _replace_latest_by_a_folder(latest: Path) -> None:
 @pytest.mark.parametrize("damage, problem", [
     (lambda latest: latest.write_bytes(b"global_step10\xff"), "is damaged (not UTF-8 text)"),
     (_replace_latest_by_a_folder, "is not a file"),
+    # read whole and said whole in the line: a damaged `latest` of gigabytes exhausted the memory
+    (lambda latest: latest.write_bytes(b"global_step10" + b"0" * 10_000_000),
+     "is damaged (longer than a checkpoint tag)"),
 ])
 def test_a_latest_that_is_not_a_text_file_is_one_clear_error(one_rank_group, tmp_path, damage, problem):
     """Used to be a UnicodeDecodeError (generate, export, resume), or for a folder a resume from step 0 that died
@@ -1169,6 +1172,22 @@ def test_a_latest_that_is_not_a_text_file_is_one_clear_error(one_rank_group, tmp
                  lambda run: rundir.check_run_output(run, resume=True)):
         with pytest.raises(UserError, match=expected):
             read(tmp_path)
+
+
+def test_a_latest_of_a_step_past_64_bits_is_one_clear_error(one_rank_group, tmp_path):
+    """int() of its digits was a ValueError traceback (past 4300 digits) or a step no counter holds."""
+    _save(tmp_path, 10)
+    _latest(tmp_path).write_text("global_step" + "9" * 40)
+    with pytest.raises(UserError, match=f"names 'global_step{'9' * 40}', which is not a checkpoint tag; write the "
+                                        "tag of a checkpoint folder there \\(global_step10 is the newest complete"):
+        rundir.usable_tag(tmp_path)
+
+
+def test_a_manifest_nested_too_deep_makes_its_checkpoint_incomplete(one_rank_group, tmp_path):
+    _save(tmp_path, 10, 20)
+    (rundir.checkpoint_dir(tmp_path) / "global_step20" / rundir.MANIFEST).write_bytes(b"[" * 200_000)
+    assert rundir.incompleteness(tmp_path, "global_step20") == "unreadable manifest.json (RecursionError)"
+    assert rundir.usable_tag(tmp_path) == "global_step10"
 
 
 def test_resuming_with_a_damaged_latest_is_refused_before_training(pretrain_data, tmp_path, monkeypatch, capsys):
@@ -1199,6 +1218,7 @@ def _client_state(**changes) -> bytes:
     (b'{"step": 20,', "not JSON"),
     (b"\xff{}", "not UTF-8 text"),
     (b"[1]", "a JSON object was expected, found list"),
+    (b"[" * 200_000 + b"]" * 200_000, "JSON nested too deep"),  # was a RecursionError traceback
     (_client_state(world_size="1"), "world_size is '1', not a number of ranks"),
     (_client_state(world_size=0), "world_size is 0, not a number of ranks"),
     (_client_state(step="x"), "step is 'x', not a step number"),

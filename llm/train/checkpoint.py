@@ -488,7 +488,7 @@ def _identity(source: Path) -> dict[str, list[int]] | None:
         listed = json.loads((source / rundir.MANIFEST).read_text())["files"]
         return {name: [stat.st_size, stat.st_mtime_ns] for name in [rundir.MANIFEST, *sorted(listed)]
                 for stat in [(source / name).stat()]}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested too deep
         return None
 
 
@@ -505,7 +505,7 @@ def _is_conversion_of(target: Path, identity: dict[str, list[int]]) -> bool:
         record = json.loads((target / CONVERSION_RECORD).read_text())
         return isinstance(record, dict) and record.get("source") == identity and \
             record.get("files") == _converted_files(target)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
 
 
