@@ -120,6 +120,9 @@ def check_run_contents(run_dir: Path, resume: bool) -> bool:
     for folder in (checkpoint_dir(run_dir), tokenizer_dir(run_dir)):
         if folder.exists() and not folder.is_dir():
             raise UserError(f"--out {run_dir}: {folder} is a file where training keeps a folder; move it away")
+    if checkpoint_dir(run_dir).is_dir() and not os.access(checkpoint_dir(run_dir), os.W_OK | os.X_OK):
+        raise UserError(f"--out {run_dir}: {checkpoint_dir(run_dir)} is not writable; training saves its checkpoints "
+                        "there: make it writable, or choose another --out")
     if latest_tag(run_dir) is not None and not resume:  # read either way: a damaged `latest` is refused here
         raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another "
                         "--out")

@@ -331,6 +331,20 @@ def test_a_start_without_resume_leaves_a_run_whose_checkpoints_are_all_incomplet
                                   f"{rundir.checkpoint_dir(tmp_path)} to train this run anew there")
 
 
+def test_a_run_whose_checkpoints_folder_is_read_only_is_refused_before_training(tmp_path, monkeypatch):
+    """It trained until its first save, then ended with a FileNotFoundError traceback: those steps were lost. (As
+    root, permissions do not refuse a write: the file system's answer is stood in for.)"""
+    _fake_checkpoint(tmp_path, 2)
+    (rundir.checkpoint_dir(tmp_path) / "latest").write_text("global_step2")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: real_access(path, mode) and (
+        Path(path) != rundir.checkpoint_dir(tmp_path) or not mode & os.W_OK))
+    with pytest.raises(UserError) as refused:
+        rundir.check_run_output(tmp_path, resume=True)
+    assert str(refused.value) == (f"--out {tmp_path}: {rundir.checkpoint_dir(tmp_path)} is not writable; training "
+                                  "saves its checkpoints there: make it writable, or choose another --out")
+
+
 def test_resuming_a_finished_run_that_lost_its_latest_trains_nothing_and_says_so(zero_runs, pretrain_data, tmp_path,
                                                                                   monkeypatch, capsys):
     """The run resumes from its newest complete checkpoint, which is its last step: one line says there is nothing to
