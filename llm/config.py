@@ -340,18 +340,9 @@ SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
 """A run config's top-level keys: model, data, train, grpo, lora, wandb."""
 
 
-class _Yaml12Loader(yaml.SafeLoader):
-    """YAML with the 1.2 core schema's scalars. YAML 1.1 (PyYAML's default) also reads on, off, yes, no, y and n as
-    booleans (`--set wandb.mode=off` arrived as False), 010 as octal 8 (`--set lora.r=010` trained at rank 8),
-    1:30 as 90, 1_000 as 1000 and 2026-12-02 as a date, and needs a dot in a float (1e-3 was text). A key given
-    twice in one mapping is an error, as YAML says (PyYAML kept the last silently: `lora: {r: 4, r: 8}` trained
-    at rank 8)."""
-
-    def construct_yaml_int(self, node):
-        text = self.construct_scalar(node)
-        sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
-        base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
-        return sign * int(digits[2:] if base != 10 else digits, base)
+class _UniqueKeysLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, with a key given twice in one mapping an error, as YAML says (PyYAML kept the last
+    silently: `lora: {r: 4, r: 8}` trained at rank 8)."""
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -367,6 +358,18 @@ class _Yaml12Loader(yaml.SafeLoader):
                                                             f"found the key {key!r} twice", key_node.start_mark)
                 seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+class _Yaml12Loader(_UniqueKeysLoader):
+    """YAML with the 1.2 core schema's scalars, keys unique. YAML 1.1 (PyYAML's default) also reads on, off, yes, no,
+    y and n as booleans (`--set wandb.mode=off` arrived as False), 010 as octal 8 (`--set lora.r=010` trained at
+    rank 8), 1:30 as 90, 1_000 as 1000 and 2026-12-02 as a date, and needs a dot in a float (1e-3 was text)."""
+
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node)
+        sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
+        base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
+        return sign * int(digits[2:] if base != 10 else digits, base)
 
 
 _YAML11_ONLY = {f"tag:yaml.org,2002:{kind}" for kind in ("bool", "int", "float", "timestamp")}
@@ -402,8 +405,9 @@ def load_yaml(text: str):
 def load_recorded_yaml(text: str):
     """Parse a config.yaml that zerollm wrote, as its writer meant it: YAML 1.1, which PyYAML's safe_dump spoke for
     earlier versions (it left text such as 08 or 1e5 unquoted, which YAML 1.2 reads as numbers: a run named 08
-    could no longer be resumed or exported); `dump_yaml` quotes what either version would misread."""
-    return yaml.safe_load(text)
+    could no longer be resumed or exported); `dump_yaml` quotes what either version would misread. A key given twice
+    (a hand edit: the last one was used) is an error."""
+    return yaml.load(text, Loader=_UniqueKeysLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def dump_yaml(data) -> str:

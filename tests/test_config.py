@@ -90,6 +90,23 @@ def test_a_config_yaml_cut_short_is_refused_naming_the_file(tmp_path):
                                   "null); `zerollm train` wrote it: restore it")
 
 
+@pytest.mark.parametrize("edit, problem", [
+    # the last one was used: generate and export of a run edited so read another model than it trained
+    (lambda text: text.replace("  rope_theta: ", "  rope_theta: 1000000.0\n  rope_theta: ", 1),
+     "found the key 'rope_theta' twice"),
+    # a TypeError traceback in generate, export, eval and --init-from
+    (lambda text: text.replace("  vocab_size: 512\n", ""), "it lacks model.vocab_size"),
+])
+def test_a_config_yaml_edited_by_hand_is_refused_naming_the_file(tmp_path, edit, problem):
+    build_config("demo", ["model.vocab_size=512"]).save(tmp_path / "config.yaml")
+    path = tmp_path / "config.yaml"
+    path.write_text(edit(path.read_text()))
+    with pytest.raises(UserError) as refused:
+        rundir.recorded_config(tmp_path)
+    assert str(refused.value).startswith(f"{path} is damaged (") and problem in str(refused.value)
+    assert str(refused.value).endswith("); `zerollm train` wrote it: restore it")
+
+
 RESUMED = ["model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "data.seq_len=32"]
 
 
