@@ -57,7 +57,8 @@ def parse_env(items: list[str]) -> dict[str, str]:
 
 def _read_env_file(path: Path) -> dict[str, Export]:
     """NAME=VALUE lines as DeepSpeed reads them (name and value stripped); blank lines and '#' comments, which
-    DeepSpeed's own reader would fail on, are skipped, and so is a byte order mark (a Windows editor's)."""
+    DeepSpeed's own reader would fail on, are skipped, and so is a byte order mark (a Windows editor's). A comment
+    after a value is refused: it is the value's to DeepSpeed."""
     found = {}
     for number, raw in enumerate(path.read_bytes().removeprefix(codecs.BOM_UTF8).splitlines(), start=1):
         where = f"{path}:{number}"
@@ -71,6 +72,9 @@ def _read_env_file(path: Path) -> dict[str, Export]:
         if not separator or not ENV_NAME.fullmatch(name.strip()):
             raise UserError(f"{where}: expected NAME=VALUE, got {line!r}")
         check_one_line(value, where)
+        if re.search(r"\s#", value):  # looks like a comment after the value, and was sent as part of it
+            raise UserError(f"{where}: a '#' after a blank is part of the value here, as DeepSpeed reads the file (it "
+                            f"would reach {name.strip()} on every host); put a comment on a line of its own")
         found[name.strip()] = Export(value.strip(), where)
     return found
 

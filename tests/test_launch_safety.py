@@ -264,6 +264,14 @@ def test_deepspeed_env_files_are_read_like_deepspeed_and_checked_line_by_line(tm
     (cwd / "other").write_bytes(b"B=\xff\n")
     with pytest.raises(UserError, match=rf"^{cwd}/other:1: not UTF-8 text$"):
         deepspeed_env_files({"DS_ENV_FILE": str(cwd / "other")}, cwd, home)
+    # the comment reached every rank as part of the value: NCCL found no interface "eth0   # the fast NIC"
+    (cwd / "other").write_text("NCCL_SOCKET_IFNAME=eth0   # the fast NIC\nC=a#b\n")
+    with pytest.raises(UserError, match=rf"^{cwd}/other:1: a '#' after a blank is part of the value here, as "
+                                        "DeepSpeed reads the file \\(it would reach NCCL_SOCKET_IFNAME on every "
+                                        "host\\); put a comment on a line of its own$"):
+        deepspeed_env_files({"DS_ENV_FILE": "other"}, cwd, home)
+    (cwd / "other").write_text("C=a#b\n")  # a '#' inside a value is the value's
+    assert deepspeed_env_files({"DS_ENV_FILE": "other"}, cwd, home)["C"].value == "a#b"
 
 
 def test_values_mpirun_would_receive_with_literal_quotes_are_refused_naming_their_origin(tmp_path):
