@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import ipaddress
 import math
 import os
 import shlex
@@ -426,7 +427,10 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
         env = {**env, "MASTER_ADDR": master, "MASTER_PORT": str(args.master_port)}
         options.append("--no_ssh_check")  # mpirun reaches the hosts its own way
         program = (console_script(),) if args.launcher == "mpich" else RANK_MODULE
-    options += ["--master_addr", master] if master else []  # pdsh without one: asked of the first host at launch
+    if master:  # pdsh without one: asked of the first host at launch
+        _check_rendezvous_reachable(master, active, "--master-addr" if args.master_addr else
+                                    f"the first host of {args.hostfile}, where MPI places rank 0 (the rendezvous),")
+        options += ["--master_addr", master]
     _check_port_if_local(master or first, args.master_port)
     home = Path(environ["HOME"]) if environ.get("HOME") else Path.home()  # where DeepSpeed's runner looks
     files["deepspeed_env"] = env_file_text(remote_exports(env, environ, Path.cwd(), home), args.launcher)
@@ -435,6 +439,26 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
                 ranks_here=any(is_local_address(host) for host in active),
                 programs=LAUNCHER_PROGRAMS[args.launcher], deepspeed_codes=args.launcher == "pdsh",
                 stop_wait_s=STOP_WAIT_S if args.launcher == "pdsh" else 0.0)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether `address`, a host name or an IP address, reaches this node only from itself (127.0.0.0/8, ::1: a
+    name such as localhost that resolves to those alone)."""
+    try:
+        found = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    return all(ipaddress.ip_address(where[0].partition("%")[0]).is_loopback for *_, where in found)
+
+
+def _check_rendezvous_reachable(master: str, active: dict[str, int], origin: str) -> None:
+    """Refuse a rendezvous address (`origin` says where it came from) that only this node reaches, for a job with
+    ranks on other hosts: theirs would wait for a rendezvous at their own loopback until the collective timeout."""
+    other = next((host for host in active if not is_local_address(host)), None)
+    if other is not None and is_loopback(master):
+        raise UserError(f"{origin} {master} is a loopback address, which the ranks on {other} cannot reach (they would "
+                        "look for the rendezvous on their own host); give an address of the first host that the "
+                        "others reach")
 
 
 def _check_port_if_local(master: str, port: int) -> None:

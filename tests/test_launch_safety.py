@@ -4,6 +4,7 @@ pdsh runner (checked with a stand-in pdsh that runs the remote command under sh 
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,36 @@ def _plan(tmp_path, *argv, hosts="node-a slots=2\nnode-b slots=2\n", environ=Non
     (tmp_path / "hosts").write_text(hosts)
     return plan_launch(_launch_args("--hostfile", str(tmp_path / "hosts"), "--master-addr", "10.0.0.1", *argv),
                        ["train", "pretrain"], {"HOME": str(tmp_path), **(environ or {})})
+
+
+@pytest.mark.parametrize("argv, hosts, origin", [
+    (["--master-addr", "127.0.0.1"], "localhost slots=1\nnode-b slots=1\n", "--master-addr 127.0.0.1"),
+    (["--master-addr", "localhost"], "localhost slots=1\nnode-b slots=1\n", "--master-addr localhost"),
+    (["--master-addr", "::1"], "localhost slots=1\nnode-b slots=1\n", "--master-addr ::1"),
+    (["--launcher", "openmpi", "--master-addr", "localhost"], "localhost slots=1\nnode-b slots=1\n",
+     "--master-addr localhost"),
+])
+def test_a_loopback_rendezvous_for_ranks_on_other_hosts_is_refused(tmp_path, argv, hosts, origin):
+    """node-b's ranks looked for the rendezvous at their own loopback, and waited there until the collective
+    timeout (600 s by default, more with its retries)."""
+    with pytest.raises(UserError, match=rf"^{re.escape(origin)} is a loopback address, which the ranks on node-b "
+                                        "cannot reach"):
+        _plan(tmp_path, *argv, hosts=hosts)
+
+
+def test_mpi_placing_rank_0_on_a_first_host_named_by_loopback_is_refused(tmp_path):
+    """MPI's ranks meet at the first host, named as the hostfile names it: `localhost` went to every host as
+    MASTER_ADDR."""
+    (tmp_path / "hosts").write_text("localhost slots=1\nnode-b slots=1\n")
+    with pytest.raises(UserError, match=rf"^the first host of {re.escape(str(tmp_path / 'hosts'))}, where MPI places "
+                                        "rank 0 \\(the rendezvous\\), localhost is a loopback address"):
+        plan_launch(_launch_args("--hostfile", str(tmp_path / "hosts"), "--launcher", "openmpi"),
+                    ["train", "pretrain"], {"HOME": str(tmp_path)})
+
+
+def test_a_loopback_rendezvous_is_kept_where_every_host_is_this_one(tmp_path):
+    plan = _plan(tmp_path, "--master-addr", "127.0.0.1", hosts="localhost slots=1\n127.0.0.1 slots=1\n")
+    assert plan.command[plan.command.index("--master_addr") + 1] == "127.0.0.1"
 
 
 # ---- host names and hostfiles ------------------------------------------------------------------
@@ -495,7 +526,7 @@ def test_hosts_pdsh_cannot_reach_are_named_in_one_line_before_anything_starts(tm
                                                                               message):
     """Every host is asked (DeepSpeed's runner asks the first alone, and fails with a traceback); nothing starts."""
     result = _launch_pdsh_dry(tmp_path, pretrain_data, programs, "localhost slots=1\ndown-1 slots=1\ndown-2 slots=1\n",
-                              PDSH_SSH_ARGS_APPEND="-p 2222")
+                              master=(), PDSH_SSH_ARGS_APPEND="-p 2222")
     assert (result.returncode, result.stderr, result.stdout) == \
         (2, f"zerollm: error: {message.format(hosts=tmp_path / 'hosts')}\n", "")
     assert not list(tmp_path.glob("argv.*"))  # pdsh never ran
