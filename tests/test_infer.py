@@ -400,6 +400,23 @@ def test_an_empty_prompt_is_an_unconditional_sample(exported, generator, monkeyp
         generator.generate([[]], SamplingParams(max_new_tokens=2))
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_vocabulary_padded_past_the_tokenizer_samples_only_the_tokenizers_ids(tokenizer_dir, temperature):
+    """model.vocab_size above the tokenizer's (a padded vocabulary) let generation pick the rows no token reaches:
+    they decoded to no text, and took up the reply's tokens."""
+    torch.manual_seed(0)
+    padded = Transformer(ModelConfig(vocab_size=640, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                     max_seq_len=128)).eval()
+    favoured = torch.zeros(640)
+    favoured[512:] = 1e4  # the padded rows would win every draw
+    padded.output.register_forward_hook(lambda module, args, logits: logits + favoured)
+    generator = TextGenerator(padded, Tokenizer.load(tokenizer_dir))
+    assert generator.tokenizer.vocab_size == 512
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=0)
+    chosen = torch.stack([next_ids for next_ids, _ in generator.token_steps([[5, 6], [7]], params)], 1)
+    assert len(chosen) == 2 and int(chosen.max()) < 512
+
+
 def test_a_text_prompt_begins_as_its_tokenizers_documents_do(generator, tiny_model, tmp_path, monkeypatch, capsys):
     """`zerollm generate --prompt TEXT` and training's samples fed a Llama-style model its text without the <s>
     that its tokenizer puts before every text (transformers' `tokenizer(text)`) and that it was trained behind."""

@@ -60,6 +60,10 @@ class TextGenerator:
         self.special_ids = frozenset(roles - {None}) | tokenizer.special_token_ids
         """Tokens left out of the text (`text`): the tokenizer's special tokens, and role tokens even where the
         tokenizer does not flag them special."""
+        self.vocab_size = min(model.cfg.vocab_size, tokenizer.vocab_size)
+        """The ids sampled from: a model's embedding rows past its tokenizer's ids (a vocabulary padded, as
+        model.vocab_size may be) were sampled too, and decoded to no text at all while they took up the reply's
+        tokens."""
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
 
@@ -74,7 +78,7 @@ class TextGenerator:
 
     def _logits(self, ids: torch.Tensor, valid: torch.Tensor, cache: KVCache) -> torch.Tensor:
         cache.start_step(valid)
-        return self.model(ids, cache=cache, last_only=True).logits[:, -1]
+        return self.model(ids, cache=cache, last_only=True).logits[:, -1, :self.vocab_size]
 
     @torch.inference_mode()
     def token_steps(self, prompts: list[list[int]], params: SamplingParams,
@@ -89,7 +93,7 @@ class TextGenerator:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        seen = torch.zeros(batch, self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
+        seen = torch.zeros(batch, self.vocab_size, dtype=torch.bool, device=self.device)
         # every prompt token is seen; padding points at the row's last token (always a prompt's) so that no column
         # gets both a True and a False write: the pad id may be in a prompt, and on CUDA a scatter with duplicate
         # indices writes in no defined order
