@@ -156,20 +156,34 @@ def load_lora_model(run_dir: Path, cfg: RunConfig, tag: str | None = None) -> Tr
     record = last_record(run_dir)
     trained_on = record["data"].get("base") if record else None
     now = weights_summary(base, "train.init_from") if trained_on is not None else None
+    base_tag = None  # the base's newest checkpoint
     if now is not None and not same_weights(trained_on["weights"], now["weights"]):
-        raise UserError(f"{run_dir}: its adapters were trained on {trained_on['path']} ({trained_on['weights']}), "
-                        f"but train.init_from {base} holds {now['weights']}; merged onto other weights they would "
-                        "make a wrong model: put that base back")
+        base_tag = _checkpoint_still_there(Path(base), trained_on)
+        if base_tag is None:
+            raise UserError(f"{run_dir}: its adapters were trained on {trained_on['path']} ({trained_on['weights']}), "
+                            f"but train.init_from {base} holds {now['weights']}; merged onto other weights they would "
+                            "make a wrong model: put that base back")
     if differing := model_differences(model_config_of(base), cfg.model):  # its config.json edited: other function
         raise UserError(f"{run_dir}: its adapters were trained on the model {rundir.CONFIG_FILE} records, but its base "
                         f"train.init_from {base} now differs ({'; '.join(differing)}; there is the base, here the "
                         "run); merged onto it they would make a wrong model: put that base back as it was")
-    model = apply_lora(load_model_dir(base)[0], cfg.lora, cfg.train.seed)
+    model = apply_lora(load_model_dir(base, base_tag)[0], cfg.lora, cfg.train.seed)
     missing, unexpected = load_adapters(model, consolidated_weights(run_dir, tag))
     if missing or unexpected:
         raise UserError(f"{run_dir}: checkpoint does not match the LoRA settings in {rundir.CONFIG_FILE} (missing "
                         f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
     return model.eval()
+
+
+def _checkpoint_still_there(base: Path, trained_on: dict[str, Any]) -> str | None:
+    """The checkpoint of run directory `base` that a LoRA run's adapters were trained on (`trained_on`, its record
+    of the base), where the base trained on since and that checkpoint is still there, complete; else None. A LoRA
+    run of a base that goes on training could no longer be loaded once the base saved a newer checkpoint."""
+    tag = trained_on.get("tag")
+    if not (isinstance(tag, str) and rundir.is_tag(tag) and rundir.is_run_dir(base)) or \
+            rundir.incompleteness(base, tag) is not None:
+        return None
+    return tag if f"run {rundir.client_state_of(base, tag)['run_id']} {tag}" == trained_on["weights"] else None
 
 
 def is_run_or_export(directory: Path, option: str = "") -> bool:

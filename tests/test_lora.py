@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from forked_ranks import run_job
 
-from conftest import FIXTURES, TINY, run_cli, zerollm_here
+from conftest import FIXTURES, TINY, run_cli, train_args, zerollm_here
 from llm.bench import trainable_parameters, write_random_conversations
 from llm.config import LORA_TARGETS, ModelConfig, build_config, parse_lora_spec
 from llm.data.datasets import PackedConversations
@@ -340,6 +340,38 @@ def test_a_lora_run_refuses_a_base_that_holds_other_weights(runs, data, tokenize
     result = run_job(*_lora_args("sft", data["sft"], run, other, nproc=1, lora=LORA_NO_DROPOUT), "--resume", "auto")
     assert result.returncode == 2 and f"--init-from {other} (model.safetensors digest " in result.stderr
     assert f"not the base {run} was trained with" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_lora_run_is_loaded_onto_the_checkpoint_of_its_base_run_it_was_trained_on(pretrain_data, data, tmp_path):
+    """A LoRA run of a run directory could no longer be loaded once that run trained on and saved a newer checkpoint
+    ("put that base back"), though the checkpoint the adapters were trained on was still there."""
+    base_run, run = tmp_path / "base", tmp_path / "lora"
+    result = run_job(*train_args(pretrain_data, base_run, "train.max_steps=4", "train.save_every=2",
+                                 "train.keep_checkpoints=0", "train.precision=fp32"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_job(*_lora_args("sft", data["sft"], run, base_run, "train.max_steps=2", nproc=1,
+                                 lora=LORA_NO_DROPOUT))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    cfg = build_config((run / "config.yaml").as_posix())
+    tokens = torch.randint(0, 512, (1, 16))
+    before = load_lora_model(run, cfg)(tokens).logits
+    checkpoints = base_run / "checkpoints"  # the base trains on: a newer checkpoint, of other weights
+    newer = checkpoints / "global_step6"
+    shutil.copytree(checkpoints / "global_step2", newer)
+    state = json.loads((newer / "client_state.json").read_text()) | {"step": 6}
+    (newer / "client_state.json").write_text(json.dumps(state))
+    manifest = json.loads((newer / "manifest.json").read_text())
+    manifest["files"]["client_state.json"] = (newer / "client_state.json").stat().st_size
+    (newer / "manifest.json").write_text(json.dumps(manifest))
+    (checkpoints / "latest").write_text("global_step6")
+    assert torch.equal(load_lora_model(run, cfg)(tokens).logits, before)
+    resumed = run_job(*_lora_args("sft", data["sft"], run, base_run, "train.max_steps=3", nproc=1,
+                                  lora=LORA_NO_DROPOUT), "--resume", "auto")  # training on would take the newest
+    assert resumed.returncode == 2 and "not the base" in resumed.stderr, resumed.stderr[-3000:]
+    shutil.rmtree(checkpoints / "global_step4")  # gone: the adapters have no base left
+    with pytest.raises(UserError, match=rf"its adapters were trained on {base_run} \(run \w+ global_step4\), but "
+                                        rf"train.init_from {base_run} holds run \w+ global_step6; .* put that base"):
+        load_lora_model(run, cfg)
 
 
 def test_lora_grpo_under_zero3_rolls_out_with_the_adapters(base, tmp_path):
