@@ -290,7 +290,9 @@ def _add_placement_options(p: argparse.ArgumentParser) -> None:
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=a_path, required=True, help="run directory (newest checkpoint) or export directory")
     _add_placement_options(p)
-    p.add_argument("--max-new-tokens", type=whole_number, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--max-new-tokens", type=whole_number, default=None,
+                   help="tokens to generate at most (default 128; generate: or what the model's context leaves after "
+                        "the prompt, where that is fewer)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=whole_number, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
@@ -618,11 +620,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch(launch_options(args), job, run_dir, lambda: _check_rank_inputs(cfg, starting_ranks=True))
 
 
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
 def _sampling(args: argparse.Namespace):
     from llm.infer.sampling import InvalidSampling, SamplingParams
 
     try:
-        return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        return SamplingParams(max_new_tokens=DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None else
+                              args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, repetition_penalty=args.repetition_penalty, stop=args.stop,
                               seed=args.seed)
     except InvalidSampling as exc:  # named by its option
@@ -647,6 +653,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   generator.prompt_ids(args.prompt))
     except ValueError as exc:  # text that is not UTF-8
         raise UserError(f"--prompt: {exc}") from None
+    left = generator.model.cfg.max_seq_len - len(prompt)
+    if args.max_new_tokens is None and 0 < left < params.max_new_tokens:  # a default, not the user's: what fits
+        params.max_new_tokens = left
     if (problem := generator.room_problem(len(prompt), params.max_new_tokens, "--max-new-tokens")) is not None:
         fits_alone = len(prompt) < generator.model.cfg.max_seq_len
         raise UserError(f"{problem}: "

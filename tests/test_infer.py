@@ -387,6 +387,20 @@ def test_a_prompt_that_leaves_no_room_says_what_to_change(exported, monkeypatch,
                         rf"context \({context} tokens\): shorten the prompt\n", capsys.readouterr().err)
 
 
+def test_without_max_new_tokens_a_long_prompt_gets_what_the_context_leaves(exported, generator, monkeypatch, capsys):
+    """The default of 128 new tokens refused a prompt of more than half a 256-token context ("lower
+    --max-new-tokens"), an option the user had not given; a given one is still refused (above)."""
+    context = import_model(exported).cfg.max_seq_len
+    prompt = next(text for words in range(context, 0, -1)
+                  if len(generator.prompt_ids(text := "word " * words)) < context - 30)
+    ids = generator.prompt_ids(prompt)
+    left = context - len(ids)
+    assert 0 < left < 128
+    assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", prompt) == 0
+    expected = generator.generate([ids], SamplingParams(max_new_tokens=left))[0]
+    assert capsys.readouterr().out == expected + "\n"
+
+
 def test_an_empty_prompt_is_an_unconditional_sample(exported, generator, monkeypatch, capsys):
     """It was refused ('the prompt is empty'): an empty prompt starts a document, from BOS where the tokenizer has
     one, else from the end-of-text token that closes every pretraining document (as GPT-2's unconditional samples)."""
