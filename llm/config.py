@@ -554,8 +554,9 @@ def parse_lora_spec(spec: str) -> list[str]:
                                     ("alpha", float, lambda v: 0 < v < math.inf, "a positive number"),
                                     ("dropout", float, lambda v: 0 <= v < 1, "a number in [0, 1)")):
         if name in values:
-            try:
-                number = kind(values[name][0])
+            try:  # int() and float() also read '1_6', '٨' and ' 8'
+                text = values[name][0]
+                number = kind(text) if re.fullmatch(r"[0-9A-Za-z.+-]+", text) else None
             except ValueError:
                 number = None
             if number is None or not check(number):

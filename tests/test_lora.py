@@ -70,6 +70,8 @@ def test_the_lora_spec_sets_the_lora_keys():
     ("r=4,alpha=-2", "--lora: alpha must be a positive number, got '-2'"),
     ("r=4,alpha=inf", "--lora: alpha must be a positive number, got 'inf'"),
     ("r=4,alpha=nan", "--lora: alpha must be a positive number, got 'nan'"),
+    ("r=\u0668", "--lora: r must be a positive integer, got '\u0668'"),  # int() read Arabic-Indic 8: rank 8
+    ("r=4,alpha=1_6", "--lora: alpha must be a positive number, got '1_6'"),  # float() read 16
     ("alpha=8", "give the rank, e.g. r=16"),
     ("r=4,wq", "--lora: 'wq' is not key=value"),
     ("r=4,r=8", "--lora: 'r' is given twice"),
