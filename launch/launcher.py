@@ -35,6 +35,7 @@ import ctypes
 import ipaddress
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -282,7 +283,8 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
     master = args.master_addr or "127.0.0.1"
     if not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes {nnodes})")
-    nproc = nproc or _local_devices()
+    visible = visible_devices({**environ, **env})
+    nproc = nproc or (len(visible) if visible else _local_devices())
     if args.backend == "torchrun":
         if args.hostfile:
             raise UserError("--hostfile is for --backend deepspeed; torchrun nodes meet at --master-addr")
@@ -302,7 +304,35 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
         hosts = {f"node{i}": nproc for i in range(nnodes)}
     command = deepspeed_runner("--hostfile", f"{TEMP_DIR}/hostfile", "--no_ssh", "--node_rank", str(node_rank),
                                "--master_addr", master, "--master_port", str(args.master_port))
+    if visible:  # DeepSpeed's launcher gives a node's ranks the GPUs of its slots: these slots, not 0..n-1
+        per_host = {host: _first_visible(visible, ranks) for host, ranks in hosts.items()}
+        hosts = {host: max(ids) + 1 for host, ids in per_host.items()}
+        command += ["--include", "@".join(f"{host}:{','.join(map(str, ids))}" for host, ids in per_host.items())]
     return Plan(command, train_argv, env, {"hostfile": hostfile_text(hosts)})
+
+
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+
+def visible_devices(environ: dict[str, str]) -> list[int] | None:
+    """The GPU indices CUDA_VISIBLE_DEVICES names in `environ` (this shell's with --env's over it); None where it
+    names none. DeepSpeed's launcher sets it for every rank from the hostfile's slots (0..n-1 with its own hostfile):
+    the GPUs a user chose were replaced by others, perhaps another job's."""
+    text = environ.get(VISIBLE_DEVICES, "").strip()
+    if not text:
+        return None
+    ids = [part.strip() for part in text.split(",")]
+    if not all(re.fullmatch(r"[0-9]{1,4}", part) for part in ids) or len(set(map(int, ids))) < len(ids):
+        raise UserError(f"{VISIBLE_DEVICES}={text}: DeepSpeed's launcher selects GPUs by their indices (as "
+                        "nvidia-smi numbers them), each once: give those, e.g. 2,3, not UUIDs")
+    return [int(part) for part in ids]
+
+
+def _first_visible(visible: list[int], ranks: int) -> list[int]:
+    if ranks > len(visible):
+        raise UserError(f"{ranks} ranks per node, but {VISIBLE_DEVICES}={','.join(map(str, visible))} names "
+                        f"{len(visible)} GPUs; lower --nproc-per-node or name more")
+    return visible[:ranks]
 
 
 def _local_devices() -> int:
@@ -403,6 +433,11 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     options += ["--exclude", args.exclude] if args.exclude else []
     options += ["--num_gpus", str(args.nproc_per_node)] if args.nproc_per_node else []
     files = {"hostfile": hostfile_text(hosts)}
+    chosen = visible_devices({**environ, **env})
+    if chosen and chosen != list(range(len(chosen))) and (VISIBLE_DEVICES in env or any(map(is_local_address, active))):
+        raise UserError(f"{VISIBLE_DEVICES}={','.join(map(str, chosen))}, but DeepSpeed's launcher gives each host's "
+                        f"ranks the GPUs of its slots in {args.hostfile}, from 0 (it would replace the variable): "
+                        f"choose them with --include instead, e.g. --include {first}:{','.join(map(str, chosen))}")
     first_is_here = is_local_address(first)
     if first_is_here and args.master_addr is not None and not is_local_address(args.master_addr):
         raise UserError(f"--master-addr {args.master_addr} is not an address of this node, but the first host of "

@@ -248,6 +248,40 @@ def test_plans_for_each_mode(tmp_path):
                                           "MASTER_ADDR=a\nMASTER_PORT=29555\n")
 
 
+@pytest.mark.parametrize("argv, environ", [
+    ([], {"CUDA_VISIBLE_DEVICES": "2,3"}),
+    (["--env", "CUDA_VISIBLE_DEVICES=2,3"], {}),
+    (["--env", "CUDA_VISIBLE_DEVICES=2,3"], {"CUDA_VISIBLE_DEVICES": "0,1"}),  # --env's wins, as for the ranks
+])
+def test_per_node_ranks_keep_the_gpus_cuda_visible_devices_chose(argv, environ):
+    """DeepSpeed's launcher gave the ranks GPUs 0 and 1 of our hostfile's slots (`Setting CUDA_VISIBLE_DEVICES=0,1`),
+    perhaps another job's: the chosen ones become the slots selected."""
+    plan = plan_launch(_launch_args("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", *argv),
+                       ["train", "pretrain"], environ)
+    assert plan.command[plan.command.index("--include") + 1] == "node0:2,3@node1:2,3"
+    assert plan.files == {"hostfile": "node0 slots=4\nnode1 slots=4\n"}
+    one = plan_launch(_launch_args("--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                                   "--nproc-per-node", "1", "--master-port", str(free_port())),
+                      ["train", "pretrain"], {"CUDA_VISIBLE_DEVICES": "5,1"})
+    assert one.command[one.command.index("--include") + 1] == "node0:5" and one.files == {"hostfile": "node0 slots=6\n"}
+
+
+@pytest.mark.parametrize("argv, environ, message", [
+    (["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1"], {"CUDA_VISIBLE_DEVICES": "GPU-5d3f,GPU-77a1"},
+     "CUDA_VISIBLE_DEVICES=GPU-5d3f,GPU-77a1: DeepSpeed's launcher selects GPUs by their indices"),
+    (["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--nproc-per-node", "3"],
+     {"CUDA_VISIBLE_DEVICES": "2,3"}, "3 ranks per node, but CUDA_VISIBLE_DEVICES=2,3 names 2 GPUs"),
+    (["--hostfile", "{hosts}"], {"CUDA_VISIBLE_DEVICES": "2,3"},
+     "CUDA_VISIBLE_DEVICES=2,3, but DeepSpeed's launcher gives each host's ranks the GPUs of its slots in {hosts}, "
+     "from 0 (it would replace the variable): choose them with --include instead, e.g. --include localhost:2,3"),
+])
+def test_gpus_chosen_in_a_way_the_launch_cannot_keep_are_refused(tmp_path, argv, environ, message):
+    (tmp_path / "hosts").write_text("localhost slots=2\n")
+    argv = [arg.format(hosts=tmp_path / "hosts") for arg in argv]
+    with pytest.raises(UserError, match=f"^{re.escape(message.format(hosts=tmp_path / 'hosts'))}"):
+        plan_launch(_launch_args(*argv, "--master-port", str(free_port())), ["train", "pretrain"], environ)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--nnodes", "2", "--node-rank", "2", "--master-addr", "10.0.0.1"], "--node-rank 2 is outside 0..1"),
     (["--nnodes", "2", "--master-addr", "10.0.0.1"], "needs --nnodes, --node-rank and --master-addr"),
