@@ -1404,6 +1404,28 @@ def test_a_conversion_that_fails_ends_every_rank_in_one_line(one_rank_run, pretr
                               "checkpoint before it")
 
 
+@pytest.mark.parametrize("said, free", [
+    ("RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598", 0),  # torch.save's
+    ("OSError: [Errno 28] No space left on device", 10**12),
+])
+def test_a_conversion_that_ran_out_of_room_says_so_and_keeps_the_checkpoint(one_rank_group, tmp_path, monkeypatch,
+                                                                           said, free):
+    """It was blamed on the checkpoint ("conversion to a universal checkpoint failed (...unexpected pos...); ...
+    remove it"): following the advice deleted an intact checkpoint."""
+    _save(tmp_path, 10)
+    monkeypatch.setattr(checkpoint.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(
+        command, 1, "", f"Traceback (most recent call last):\n{said}\n"))
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, free))
+    universal = rundir.universal_dir(tmp_path)
+    with pytest.raises(UserError) as refused:
+        checkpoint.convert_to_universal(tmp_path, "global_step10")
+    assert str(refused.value) == (f"{universal}: no space left on device while converting "
+                                  f"{rundir.checkpoint_dir(tmp_path) / 'global_step10'} to a universal checkpoint (to "
+                                  "resume it on another number of ranks); the checkpoint is intact: free space and "
+                                  "rerun")
+    assert rundir.incompleteness(tmp_path, "global_step10") is None and list(universal.iterdir()) == []
+
+
 def test_a_resume_with_more_steps_follows_the_longer_schedule_from_its_first_step(one_rank_run, pretrain_data,
                                                                                     tmp_path):
     """docs/checkpoints.md: train.max_steps may change on a resume and takes effect from there. The first resumed

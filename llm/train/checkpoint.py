@@ -21,6 +21,7 @@ plain-data DeepSpeed classes on top (`deepspeed_state_classes`).
 
 from __future__ import annotations
 
+import errno
 import inspect
 import json
 import os
@@ -463,6 +464,10 @@ def convert_to_universal(run_dir: Path, tag: str) -> None:
         result = subprocess.run(command, capture_output=True, text=True, check=False,
                                 env={**os.environ, FORCE_WEIGHTS_ONLY: "1"})
         if result.returncode != 0:
+            if (reason := _conversion_out_of_room(result, partial, source)) is not None:
+                raise UserError(f"{universal}: {reason} while converting {source} to a universal checkpoint (to "
+                                "resume it on another number of ranks); the checkpoint is intact: free space and "
+                                "rerun")
             raise UserError(f"{source}: conversion to a universal checkpoint failed ({_exception_said(result)}); "
                             "resume it on the number of ranks that saved it, or remove it to resume from the "
                             "checkpoint before it")
@@ -470,6 +475,20 @@ def convert_to_universal(run_dir: Path, tag: str) -> None:
         if identity is not None:  # else (the source unreadable) it is converted again next time
             record = {"source": identity, "files": _converted_files(partial)}
             (partial / CONVERSION_RECORD).write_text(json.dumps(record, indent=1))
+
+
+def _conversion_out_of_room(result: subprocess.CompletedProcess, partial: Path, source: Path) -> str | None:
+    """Why the conversion of checkpoint `source` into `partial` ran out of room (`durable.OUT_OF_ROOM`), or None: the
+    reason as its output says it, or, where torch.save given a path lost it ('unexpected pos'), less room left
+    beside what it wrote than the checkpoint's size (about what a conversion writes). The failure was blamed on the
+    checkpoint, and its removal advised."""
+    said = result.stdout + result.stderr
+    found = next((reason for number, reason in durable.OUT_OF_ROOM.items() if os.strerror(number) in said), None)
+    if found is None and "unexpected pos" in said:
+        size = sum(path.stat().st_size for path in source.rglob("*") if path.is_file())
+        if shutil.disk_usage(partial).free < size:
+            found = durable.OUT_OF_ROOM[errno.ENOSPC]
+    return found
 
 
 def _exception_said(result: subprocess.CompletedProcess) -> str:
