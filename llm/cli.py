@@ -599,11 +599,20 @@ def checked_training_command(job: list[str]) -> tuple[list[str], Path, RunConfig
                         "zerollm launch ... -- train pretrain --recipe demo --data DATA --out RUN")
     if any(arg == "--nproc" or arg.startswith("--nproc=") for arg in job):
         raise UserError("--nproc belongs to single-machine runs; under `zerollm launch` use --nproc-per-node")
+    launch_options_given = [arg for arg in job if arg.partition("=")[0] in LAUNCH_OPTIONS]
+    if launch_options_given:  # the training command's parser refused them, printing the usage of `zerollm`
+        raise UserError(f"{launch_options_given[0]} is an option of `zerollm launch`: give launch options before "
+                        "'--' and the training command after it (zerollm launch --hostfile FILE -- train ...)")
     try:
         parsed = build_parser().parse_args(job)
     except SystemExit as exc:
         raise UserError(f"the training command is invalid: {' '.join(job)}") from exc
     return job, Path(parsed.out), _checked_before_ranks(parsed)
+
+
+LAUNCH_OPTIONS = frozenset({"--hostfile", "--include", "--exclude", "--launcher", "--nnodes", "--node-rank",
+                            "--master-addr", "--master-port", "--nproc-per-node", "--backend", "--rdzv-id", "--env"})
+"""The options of `zerollm launch` that no training command takes."""
 
 
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
@@ -878,6 +887,12 @@ DEEPSPEED_LAUNCHER_OPTIONS = frozenset({"--hostfile", "--num_gpus", "--num_nodes
 """Options of DeepSpeed's `deepspeed` launcher, which users give to the command they would have launched with it."""
 
 
+LAUNCH_SPELLINGS = {"--master_port": "--master-port", "--master_addr": "--master-addr", "--node_rank": "--node-rank",
+                    "--nproc_per_node": "--nproc-per-node", "--num_gpus": "--nproc-per-node", "--rdzv_id": "--rdzv-id",
+                    "--rdzv-endpoint": "--master-addr and --master-port"}
+"""DeepSpeed's and torchrun's spellings of `zerollm launch` options."""
+
+
 def parse_arguments(argv: list[str]) -> argparse.Namespace:
     """The parsed command line; an unknown option that DeepSpeed's launcher takes (`zerollm train ... --hostfile h`)
     is refused saying where such options go."""
@@ -891,6 +906,9 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
                  f"zerollm {args.command} runs its ranks on this machine, with --nproc N"
                  if hasattr(args, "nproc") else f"zerollm {args.command} runs as one process")
         hint = f" ({', '.join(theirs)}: DeepSpeed's launcher's; {where})" if theirs else ""
+        if args.command == "launch" and (ours := {word.partition("=")[0]: LAUNCH_SPELLINGS[word.partition("=")[0]]
+                                                  for word in unknown if word.partition("=")[0] in LAUNCH_SPELLINGS}):
+            hint = f" (zerollm launch spells {', '.join(f'{theirs} as {mine}' for theirs, mine in ours.items())})"
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     return args
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES, closed_pipe, full_disk, run_cli, zerollm_here
+from llm.errors import UserError
 
 
 @pytest.mark.parametrize("command", [[], ["tokenizer", "train"], ["data", "prepare"], ["train", "pretrain"],
@@ -78,6 +79,30 @@ def test_deepspeed_launcher_options_given_to_a_command_say_where_they_go(capsys)
     assert capsys.readouterr().err.splitlines()[-1] == ("zerollm: error: unrecognized arguments: --include "
                                                         "localhost:0 (--include: DeepSpeed's launcher's; zerollm chat "
                                                         "runs as one process)")
+
+
+def test_deepspeed_and_torchrun_spellings_given_to_launch_name_ours(capsys):
+    """`zerollm launch --master_port P` was 'unrecognized arguments: --master_port' alone."""
+    from llm.cli import parse_arguments
+
+    with pytest.raises(SystemExit):
+        parse_arguments(["launch", "--hostfile", "h", "--num_gpus=2", "--master_port", "29690", "--", "train"])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "zerollm: error: unrecognized arguments: --num_gpus=2 --master_port (zerollm launch spells --num_gpus as "
+        "--nproc-per-node, --master_port as --master-port)")
+
+
+def test_launch_options_after_the_training_command_say_where_they_go(capsys):
+    """`zerollm launch -- train ... --hostfile h` printed the top-level usage, then 'the training command is
+    invalid'."""
+    from llm.cli import checked_training_command
+
+    with pytest.raises(UserError, match=r"^--hostfile is an option of `zerollm launch`: give launch options before "
+                                        r"'--' and the training command after it \(zerollm launch --hostfile FILE -- "
+                                        r"train ...\)$"):
+        checked_training_command(["--", "train", "pretrain", "--recipe", "demo", "--data", "d", "--out", "o",
+                                  "--hostfile", "h"])
+    assert capsys.readouterr().err == ""
 
 
 def test_demo_runs_every_stage_and_reports_accuracy(tmp_path):
