@@ -124,6 +124,30 @@ def _resumed_as(tmp_path, saved: list[str], here: list[str], paths: dict | None 
                      build_config("demo", [*RESUMED, *here], paths), ds_configs[1])
 
 
+@pytest.mark.parametrize("damage, problem", [
+    (lambda path: path.unlink(), "it is missing"),
+    (lambda path: path.write_text("{"), "it is damaged (JSONDecodeError)"),
+    (lambda path: path.write_text("[1]"), "it is damaged (not a JSON object)"),
+])
+def test_a_resume_without_a_readable_ds_config_json_is_refused(tmp_path, monkeypatch, damage, problem):
+    """Its ZeRO stage, optimizer and schedule checks were skipped: a resume at another ZeRO stage was an
+    AssertionError traceback in every rank (exit 76 on two)."""
+    from llm.train import job
+
+    real = job._recorded_ds_config
+
+    def damaged(run_dir):
+        damage(run_dir / "ds_config.json")
+        return real(run_dir)
+
+    monkeypatch.setattr(job, "_recorded_ds_config", damaged)
+    with pytest.raises(UserError) as refused:
+        _resumed_as(tmp_path, [], [])
+    assert str(refused.value) == (f"{tmp_path / 'ds_config.json'}: {problem}; it records the DeepSpeed settings the "
+                                  "checkpoints were saved with (ZeRO stage, optimizer, schedule), which a resume must "
+                                  "keep: restore it, or train a new run")
+
+
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
 
 

@@ -315,12 +315,22 @@ def _optimizer_state(ds_config: Any) -> str:
     return ("Adam or AdamW" if kind.lower() in ADAM_TYPES else kind.lower()) + amsgrad
 
 
-def _recorded_ds_config(run_dir: Path) -> Any:
-    """RUN_DIR/ds_config.json; None when that file cannot be read (DeepSpeed's load still checks)."""
+def _recorded_ds_config(run_dir: Path) -> dict:
+    """RUN_DIR/ds_config.json, which a resume is checked against; a UserError when it cannot be read (its checks were
+    skipped: a resume at another ZeRO stage was an AssertionError traceback in every rank)."""
+    path = run_dir / rundir.DS_CONFIG_FILE
     try:
-        return json.loads((run_dir / rundir.DS_CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return None
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        problem = "it is missing"
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
+        problem = f"it is damaged ({type(exc).__name__})"
+    else:
+        problem = None if isinstance(recorded, dict) else "it is damaged (not a JSON object)"
+    if problem is not None:
+        raise UserError(f"{path}: {problem}; it records the DeepSpeed settings the checkpoints were saved with (ZeRO "
+                        "stage, optimizer, schedule), which a resume must keep: restore it, or train a new run")
+    return recorded
 
 
 def _schedule(ds_config: Any) -> str:
@@ -373,12 +383,12 @@ def check_same_shape(run_dir: Path, saved: RunConfig, cfg: RunConfig, ds_config:
         differing.append(f"data.seq_len {saved.data.seq_len} there, {cfg.data.seq_len} here (its samples are windows "
                          "of that many tokens)")
     recorded = _recorded_ds_config(run_dir)
-    if recorded is not None and _zero_stage(recorded) != _zero_stage(ds_config):
+    if _zero_stage(recorded) != _zero_stage(ds_config):
         differing.append(f"ZeRO stage {_zero_stage(recorded)} there, {_zero_stage(ds_config)} here")
-    if recorded is not None and scheduler_name(recorded) != scheduler_name(ds_config):
+    if scheduler_name(recorded) != scheduler_name(ds_config):
         differing.append(f"{_schedule(recorded)} there, {_schedule(ds_config)} here, as the --deepspeed JSON's "
                          "'scheduler' section sets it")
-    if recorded is not None and _optimizer_state(recorded) != _optimizer_state(ds_config):
+    if _optimizer_state(recorded) != _optimizer_state(ds_config):
         differing.append(f"optimizer {_optimizer_state(recorded)} there, {_optimizer_state(ds_config)} here, as the "
                          "--deepspeed JSON's 'optimizer' section sets it (its state does not carry over)")
     if differing:
