@@ -647,6 +647,9 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
     if stopping and (code in STOPPED_AT_ONCE or plan.deepspeed_codes and deepspeed_signal(code) in STOP_SIGNALS):
         return 128 + stopping[-1]  # the ranks got the forwarded SIGTERM only (or before their handlers were set, which
         # DeepSpeed's launcher and launch/torchrun.py pass on as 256 - N): said as the stop was sent
+    if stopping and plan.stop_wait_s and code == 1:  # DeepSpeed's pdsh runner's own exit on a stop signal
+        print(f"zerollm launch: stopped before the ranks published a checkpoint in {run_dir}", flush=True)
+        return 128 + stopping[-1]
     signum = deepspeed_signal(code) if plan.deepspeed_codes and not stopping else None
     if signum is not None:  # which rank, DeepSpeed's launcher does not say (torchrun's table above does)
         return report_rank_ended("a rank", signum)

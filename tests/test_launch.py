@@ -1005,6 +1005,20 @@ def test_a_launch_stopped_while_its_ranks_start_exits_as_the_stop_was_sent(tmp_p
     assert run_plan(Plan([sys.executable, "-c", launcher], []), tmp_path / "run") == 128 + signal.SIGINT
 
 
+def test_a_multi_host_launch_stopped_before_any_checkpoint_exits_as_the_stop_was_sent(tmp_path, capsys):
+    """DeepSpeed's pdsh runner exits 1 on a stop signal (its handler's sys.exit(1)); stopped while its ranks started,
+    the launch waited for a checkpoint of the stop, then exited 1, as if it had failed."""
+    ready = tmp_path / "ready"
+    runner = ("import pathlib, signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))\n"
+              f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(20)\n")
+    _ctrl_c_once_handled(after=ready)
+    plan = Plan([sys.executable, "-c", runner], [], stop_wait_s=0.5)
+    assert run_plan(plan, tmp_path / "run") == 128 + signal.SIGINT
+    assert capsys.readouterr().out.endswith(f"zerollm launch: stopped before the ranks published a checkpoint in "
+                                            f"{tmp_path / 'run'}\n")
+
+
 def _wait_for(path: Path) -> None:
     deadline = time.monotonic() + 60
     while not path.exists():
