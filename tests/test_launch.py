@@ -867,6 +867,18 @@ def test_a_node_that_never_comes_is_reported_at_the_timeout(pretrain_data, tmp_p
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
+def test_a_node_waiting_for_node_0_is_reported_at_the_timeout_without_cpp_traces(pretrain_data, tmp_path):
+    """torch's store client retried with the whole timeout at each try (two to three times
+    train.collective_timeout_s) and printed a C++ stack trace at each."""
+    port = free_port()
+    result = run_cli("launch", "--nnodes", 2, "--node-rank", 1, "--master-addr", "127.0.0.1", "--master-port",
+                     port, "--", *_job(pretrain_data, tmp_path / "run", "train.collective_timeout_s=3"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (f"rank 1: the 2 ranks did not all meet at 127.0.0.1:{port} within train.collective_timeout_s=3 s "
+            f"(nothing answered at 127.0.0.1:{port} (Connection refused)); start every node") in result.stderr
+    assert "Exception raised from" not in result.stderr and "frame #" not in result.stderr, result.stderr[-3000:]
+
+
 def test_killing_the_launch_process_stops_the_ranks_cleanly(pretrain_data, tmp_path):
     """SIGKILL to `zerollm launch` forwards nothing; its ranks notice, save a checkpoint and stop, and nothing is
     left running."""
