@@ -61,9 +61,10 @@ def simulate(t: TrainConfig, step_time, eval_time, save_time, state=None, start=
                 if saves is not None:
                     saves.append(step)
         budget.end_iteration(step)
+        last = last or budget.spent_by_calibration(calibrate, step)
         if step == kill_after:
             break
-    return used, clock.now - 1000.0 + (state["budget"]["elapsed"] if state else 0.0), *saved
+    return used, clock.now - 1000.0 + (state["budget"]["elapsed"] if state and state["budget"] else 0.0), *saved
 
 
 def cosine(t: TrainConfig, progress: float) -> float:
@@ -99,6 +100,35 @@ def test_a_resumed_budget_decides_exactly_as_an_uninterrupted_one():
     rest, total, _, _ = simulate(t, 1.1, eval_time=3.0, save_time=1.0, state=state, start=60)
     assert first[:60] + rest == pytest.approx(straight)
     assert total == pytest.approx(straight_total) and total <= 200
+
+
+def test_a_warmup_longer_than_the_budget_still_keeps_the_final_evaluation_inside_it():
+    """The reserve was measured at the end of warmup only: a warmup the budget ends never measured it, and the final
+    evaluation and checkpoint ran past the budget."""
+    t = TrainConfig(max_time=30, max_steps=10**6, warmup_steps=1000, eval_every=0, save_every=0)
+    saves = []
+    used, total, _, _ = simulate(t, 0.1, eval_time=3.0, save_time=1.0, saves=saves)
+    assert total <= 30 and len(saves) == 2  # the calibration's checkpoint, then the final one
+    assert saves[0] * 0.1 > 30 * 0.25  # measured by half the budget, not at its start
+
+
+def test_a_budget_given_to_a_resumed_run_trained_without_one_is_kept():
+    """Resumed past its warmup from a checkpoint of no budget, the run never measured the reserve: it ran past the
+    budget by its final evaluation and checkpoint, without a note."""
+    t = TrainConfig(max_time=20, max_steps=10**6, warmup_steps=2, eval_every=0, save_every=0)
+    saves = []
+    _, total, _, _ = simulate(t, 0.1, eval_time=2.0, save_time=1.0, start=10, saves=saves,
+                              state={"budget": None, "next_lr": lr_multiplier(10, t)})
+    assert saves[0] == 11 and total <= 20
+
+
+def test_a_calibration_that_leaves_no_room_for_another_step_ends_the_run():
+    """The calibration step's own evaluation and checkpoint were not counted before the next step: it ran, and a
+    second evaluation (with its samples) and checkpoint, far past the budget."""
+    t = TrainConfig(max_time=10, max_steps=10**6, warmup_steps=2, eval_every=0, save_every=0)
+    saves = []
+    used, total, _, last_step = simulate(t, 0.1, eval_time=6.0, save_time=1.0, saves=saves)
+    assert len(used) == 2 and saves == [2] and last_step == 2 and total <= 10
 
 
 @pytest.mark.parametrize("max_time, noted", [(15, True), (300, False)])

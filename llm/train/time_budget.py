@@ -15,9 +15,13 @@ reads back is a step late), and its checkpoints keep those.
 
     step_seconds   moving average of a step's wall time, evaluations and checkpoints excluded
     calibration    the first step after warmup (step 1 without warmup) evaluates and saves a checkpoint, whatever
-                   train.eval_every and train.save_every say, so that the time both take is measured early; that
-                   checkpoint is written before its own time is known, so a run resumed from it (or from any other
-                   that knows an evaluation's time but not a checkpoint's) saves again after its first step
+                   train.eval_every and train.save_every say, so that the time both take is measured early; sooner
+                   where half the budget would be spent before (a long warmup), and at the first step of a session
+                   resumed from a checkpoint that measured no evaluation (a run trained without a budget before);
+                   where what it measured leaves no room for another step, the run ends there, its evaluation and
+                   checkpoint the final ones; that checkpoint is written before its own time is known, so a run
+                   resumed from it (or from any other that knows an evaluation's time but not a checkpoint's) saves
+                   again after its first step
     reserve        an evaluation (with its samples) + a checkpoint: the longest of each seen so far
     projection     the end of a later step: the last published elapsed time + step_seconds for each step to come
                    + the evaluations and checkpoints train.eval_every and train.save_every place between them
@@ -41,6 +45,9 @@ from llm.runtime.distributed import DistInfo
 
 SMOOTHING = 0.2
 """Weight of the newest step in the moving average of step times."""
+CALIBRATE_BY = 0.5
+"""Share of the budget by whose end the reserve is measured, however long the warmup: measured at the end of a
+warmup that outlasted the budget, it was never kept, and the final evaluation and checkpoint ran past it."""
 FEW_STEPS = 3
 """A session of at most this many steps that ended past its budget ran steps decided before any was measured (on a
 GPU, where rank 0's numbers are published a step late, one more): `overrun_note`."""
@@ -73,6 +80,9 @@ class TimeBudget:
         """Steps completed when `end_iteration` was last called (or the loop started): the step in progress is
         the next one."""
         self._session_start_step = 0
+        self._calibrated = False
+        """Whether a step of this session evaluated to measure the reserve (on a GPU the measurement is published a
+        step later: the step after it must not calibrate again)."""
         self._measure_save_again = False
         """Resumed from a checkpoint that knew an evaluation's time but not a checkpoint's (the calibration
         checkpoint: written before its own time was measured): the session's first step saves to measure it."""
@@ -96,8 +106,18 @@ class TimeBudget:
         measure the reserve (see the module docstring)."""
         if not self.enabled:
             return False
-        first = self.eval_seconds is None and steps_done == max(1, self.warmup_steps)
-        return first or (self._measure_save_again and steps_done == self._session_start_step + 1)
+        if self.eval_seconds is None and not self._calibrated and (
+                steps_done >= max(1, self.warmup_steps, self._session_start_step + 1) or
+                self.projected_end(steps_done + 1) > CALIBRATE_BY * self.max_time):
+            self._calibrated = True  # every rank decides alike: published values, and the same steps
+            return True
+        return self._measure_save_again and steps_done == self._session_start_step + 1
+
+    def spent_by_calibration(self, calibrated: bool, steps_done: int) -> bool:
+        """Whether the step that made `steps_done` calibrated (`calibration_due`) and what it measured, now
+        published, leaves no room for another step: its evaluation and checkpoint were the run's final ones (the
+        next step ran, and evaluated and saved again, past the budget)."""
+        return calibrated and self.out_of_time(steps_done)
 
     def projected_end(self, steps_done: int) -> float:
         """Training time when `steps_done` steps will have been completed, with the evaluations and checkpoints due

@@ -376,6 +376,9 @@ class Trainer:
             if stop or last:
                 self.preemption.saved()
             self.budget.end_iteration(self.step)
+            if not last and self.budget.spent_by_calibration(calibrate, self.step):
+                last = True
+                self.preemption.saved()
             notes = (self.budget.warmup_note(self.step), self.budget.overrun_note()) if last else ()
             for note in filter(None, notes) if self.dist.is_main else ():
                 logger.bar.write(f"{self.cfg.train.stage}: {note}", file=sys.stdout)
