@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference, torch_attention
-from kernels.runtime import KernelUnavailableError, interpreting, triton_module_for, triton_runs_on
+from kernels.runtime import KernelUnavailableError, interpreting, rows_addressable, triton_module_for, triton_runs_on
 from kernels.segments import check_segment_ids
 
 BACKENDS = ("auto", "triton", "torch")
@@ -55,7 +55,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
                positions: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q `[b, h, s, d]` and k `[b, hk, s, d]` by table rows position_offset + s, or by `positions[b, s]`."""
     reference.check_rope_args(q, k, cos, sin, position_offset, positions)
-    if choose_backend("apply_rope", q, backend) == "triton":
+    if choose_backend("apply_rope", q, backend) == "triton" and (backend == "triton" or rows_addressable(q, k)):
         return triton_module_for("rope", q).apply_rope(q, k, cos, sin, position_offset, positions)
     return reference.apply_rope(q, k, cos, sin, position_offset, positions)
 
@@ -74,7 +74,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         return torch_attention.masked_attention(q, k, v, causal, scale, attn_mask, dropout_p)
     if choose_backend("attention", q, backend) == "triton":
         flash = triton_module_for("flash_attention", q)
-        if backend == "triton" or flash.supports(q.shape[-1]):  # auto leaves other head dims to torch
+        if backend == "triton" or flash.supports(q.shape[-1]) and rows_addressable(q, k, v):  # auto: others to torch
             return flash.attention(q, k, v, causal, scale, segment_ids)
     return torch_attention.attention(q, k, v, causal, scale, segment_ids)
 

@@ -40,7 +40,16 @@ import triton
 import triton.language as tl
 
 from kernels.hardware import SHARED_MEMORY_LIMIT
-from kernels.runtime import ATTENTION_HEAD_DIMS, HEAD_DIMS_TEXT, Launch, arch_family, device_arch, interpreting
+from kernels.runtime import (
+    ATTENTION_HEAD_DIMS,
+    HEAD_DIMS_TEXT,
+    Launch,
+    arch_family,
+    check_rows_addressable,
+    device_arch,
+    interpreting,
+    rows_addressable,
+)
 from kernels.segments import run_bounds
 
 LOG2E = 1.4426950408889634
@@ -609,6 +618,7 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, seg_start, seg_end = ctx.saved_tensors
+        do = do if rows_addressable(do) else do.contiguous()  # laid out as q (checked) once contiguous
         batch, n_heads, n_kv_heads, seq_q, seq_k = _shapes(q, k)
         common = {"scale": ctx.scale, "causal": ctx.causal, "segments": ctx.segments}
         delta = torch.empty_like(lse)
@@ -644,6 +654,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     if not supports(q.shape[-1]):
         raise ValueError(f"attention: the Triton kernel takes head dims {HEAD_DIMS_TEXT}, got {q.shape[-1]}")
+    check_rows_addressable("attention", q, k, v)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if scale <= 0:
         raise ValueError(f"attention: scale must be positive, got {scale}")

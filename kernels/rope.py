@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import Launch, interpreting
+from kernels.runtime import Launch, check_rows_addressable, interpreting
 
 INTERPRETED = interpreting()
 TILE_ELEMENTS = 2048  # tokens x half head dim handled per head iteration
@@ -111,6 +111,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q `[b, h, s, d]` and k `[b, h_kv, s, d]` by table rows position_offset + s, or rows `positions[b, s]`,
     arguments checked by `kernels.apply_rope` (`reference.check_rope_args`)."""
+    check_rows_addressable("apply_rope", q, k)
     positions = (torch.empty(0, dtype=torch.int64, device=q.device) if positions is None else
                  positions.to(torch.int64).contiguous())
     return RoPEFunction.apply(q, k, cos.contiguous(), sin.contiguous(), positions, position_offset)

@@ -45,6 +45,22 @@ class KernelUnavailableError(RuntimeError):
     """backend='triton' was asked for where Triton cannot run."""
 
 
+def rows_addressable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels reach every element of each `[..., seq, dim]` tensor: they address a position and a
+    channel within one (batch, head) in 32-bit integers (batch and head offsets are 64-bit), so an offset of 2^31
+    elements or more wrapped around and read or wrote other memory (a sequence of 512k positions of 32 heads of
+    128, as the model's transposed q is laid out)."""
+    return all((t.shape[-2] - 1) * abs(t.stride(-2)) + (t.shape[-1] - 1) * abs(t.stride(-1)) < 2**31
+               for t in tensors)
+
+
+def check_rows_addressable(op: str, *tensors: torch.Tensor) -> None:
+    if not rows_addressable(*tensors):
+        shapes = ", ".join(f"{tuple(t.shape)} (strides {t.stride()})" for t in tensors)
+        raise ValueError(f"{op}: the Triton kernel addresses a head's positions in 32-bit offsets, which {shapes} "
+                         "pass; use model.kernels=torch (or auto) at this length")
+
+
 def interpreting() -> bool:
     """Whether this process runs Triton kernels in the interpreter: as Triton was imported, or will be (from
     TRITON_INTERPRET) when it has not been imported yet."""

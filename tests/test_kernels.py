@@ -293,6 +293,31 @@ def test_auto_sends_head_dims_the_kernel_refuses_to_torch(monkeypatch):
         kernels.attention(q, q, q, backend="triton")
 
 
+def _laid_past_32_bit_offsets(seq: int, head_dim: int) -> torch.Tensor:
+    """q `[1, 1, seq, head_dim]` as the model lays it out (a transposed `[b, s, h, d]`), with so many heads that
+    position p sits p * 2^28 elements in: past 2^31 from position 8 (meta: nothing is allocated)."""
+    return torch.empty(1, seq, 2**28 // head_dim, head_dim, device="meta").transpose(1, 2)[:, :1]
+
+
+def test_offsets_past_32_bits_are_refused_by_the_kernels_and_left_to_torch_by_auto(monkeypatch):
+    """The kernels computed a position's offset in 32-bit integers: past 2^31 elements (512k positions of 32 heads of
+    128) RoPE and attention read and wrote other memory, silently (auto runs RoPE's kernel on sm_90)."""
+    from kernels import flash_attention, rope
+
+    assert runtime.rows_addressable(_laid_past_32_bit_offsets(8, 32))
+    q = _laid_past_32_bit_offsets(9, 32)
+    assert not runtime.rows_addressable(q)
+    table = torch.empty(16, 16, device="meta")
+    for call, op in ((lambda: rope.apply_rope(q, q, table, table), "apply_rope"),
+                     (lambda: flash_attention.attention(q, q, q), "attention")):
+        with pytest.raises(ValueError, match=f"^{op}: the Triton kernel addresses a head's positions in 32-bit "
+                                             "offsets, which .* pass; use model.kernels=torch \\(or auto\\)"):
+            call()
+    monkeypatch.setattr(kernels, "choose_backend", lambda op, t, backend: "triton")  # a verified device
+    assert kernels.apply_rope(q, q, table, table, backend="auto")[0].shape == q.shape
+    assert kernels.attention(q, q, q, backend="auto").shape == q.shape
+
+
 def test_gqa_never_materialises_repeated_kv(monkeypatch, seed):
     def refuse(*args, **kwargs):
         raise AssertionError("repeated K/V materialised")
