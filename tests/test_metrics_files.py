@@ -151,6 +151,31 @@ def test_a_wandb_variable_wandb_cannot_read_is_one_line(monkeypatch, tmp_path, v
     assert str(refused.value) == said
 
 
+@pytest.mark.parametrize("package, said", [
+    ({"wandb/__init__.py": "raise TypeError('Descriptors cannot be created directly.')"},  # protobuf's, classic
+     "^wandb cannot be imported \\(TypeError: Descriptors cannot be created directly\\); reinstall it"),
+    ({"wandb/__init__.py": "from os import does_not_exist_here"},  # was 'wandb is not installed'
+     "^wandb cannot be imported \\(ImportError: cannot import name 'does_not_exist_here'"),
+    ({"wandb/__init__.py": "import no_such_dependency_of_wandb"},
+     "^wandb cannot be imported \\(ModuleNotFoundError: No module named 'no_such_dependency_of_wandb'\\)"),
+    ({"wandb.py": "x = 1"}, "^the module wandb found at .*wandb.py is not wandb's \\(a file or folder of yours named "
+                            "wandb\\?\\); rename it, or use --wandb off$"),  # an AttributeError traceback
+])
+def test_a_wandb_that_cannot_be_used_is_one_line(monkeypatch, tmp_path, package, said):
+    from llm.train.metrics import import_wandb
+
+    for name, text in package.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    with pytest.raises(UserError, match=said):
+        import_wandb()
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    with pytest.raises(UserError, match="^wandb is not installed; `pip install wandb` or use --wandb off$"):
+        import_wandb()
+
+
 def test_a_project_name_wandb_refuses_is_one_line_naming_the_key(tmp_path):
     """It was said as 'cannot start the offline run (...); check the network and `wandb login`', once the run
     directory was written."""

@@ -136,11 +136,23 @@ NO_WANDB_KEY = "wandb: no API key configured; run `wandb login`, set WANDB_API_K
 
 
 def import_wandb():
-    """The wandb module, or a one-line refusal naming the remedy."""
+    """The wandb module, or a one-line refusal naming the remedy: not installed, installed but failing to import (a
+    protobuf it does not work with: "Descriptors cannot be created directly"), or not wandb's (a wandb.py of the
+    user's, found first)."""
     try:
         import wandb  # noqa: PLC0415 - optional dependency, imported only when asked for
-    except ImportError:
+    except ModuleNotFoundError as exc:
+        if exc.name != "wandb":
+            raise UserError(f"wandb cannot be imported ({type(exc).__name__}: {_wandb_reason(exc)}); reinstall it "
+                            "(`pip install --force-reinstall wandb`) or use --wandb off") from None
         raise UserError("wandb is not installed; `pip install wandb` or use --wandb off") from None
+    except Exception as exc:  # noqa: BLE001 - whatever a broken install raises, said in one line
+        raise UserError(f"wandb cannot be imported ({type(exc).__name__}: {_wandb_reason(exc)}); reinstall it "
+                        "(`pip install --force-reinstall wandb`) or use --wandb off") from None
+    if not all(hasattr(wandb, name) for name in ("init", "Settings")):
+        where = getattr(wandb, "__file__", None) or ", ".join(getattr(wandb, "__path__", []))
+        raise UserError(f"the module wandb found at {where} is not "
+                        "wandb's (a file or folder of yours named wandb?); rename it, or use --wandb off")
     return wandb
 
 
