@@ -136,10 +136,12 @@ def parse_duration(value: float | str, key: str) -> float:
     """Seconds of a duration given as a number of seconds or as text such as '10m', '1h30m', '90s', '2.5h'."""
     text = str(value).strip().lower()
     name = key if key.startswith("--") else f"config key '{key}'"  # an option, or a run-config key
-    if re.fullmatch(r"(\d+(\.\d*)?|\.\d+)(e[+-]?\d+)?", text):  # seconds, as YAML writes a float too (1e+99)
+    number = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"  # ASCII digits: \d and float() also read '３０'
+    parts = re.fullmatch(rf"(?:({number})\s*h)?\s*(?:({number})\s*m)?\s*(?:({number})\s*s)?", text)
+    if re.fullmatch(rf"{number}(e[+-]?[0-9]+)?", text):  # seconds, as YAML writes a float too (1e+99)
         seconds = float(text)
-    elif re.fullmatch(r"(\d+(\.\d*)?\s*[hms]\s*)+", text):
-        seconds = sum(float(n) * DURATION_UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d*)?)\s*([hms])", text))
+    elif text and parts:  # each unit once, largest first ('1m1m' was 120 s)
+        seconds = sum(float(n) * DURATION_UNITS[u] for n, u in zip(parts.groups(), "hms", strict=True) if n)
     else:
         raise UserError(f"{name} expects seconds or a duration such as 10m, 1h30m, 90s; got {value!r}")
     if seconds == math.inf:

@@ -177,12 +177,14 @@ def test_without_a_budget_nothing_changes():
 
 
 @pytest.mark.parametrize("value,seconds", [("10m", 600), ("1h30m", 5400), ("90s", 90), ("2.5h", 9000), (600, 600),
-                                           ("45", 45), ("1e99", 1e99), ("1.5e3", 1500), (".5", 0.5)])
+                                           ("45", 45), ("1e99", 1e99), ("1.5e3", 1500), (".5", 0.5), (".5m", 30),
+                                           ("1h 30m 5s", 5405)])
 def test_max_time_takes_seconds_or_durations(value, seconds):
     assert build_config("demo", [f"train.max_time={value}"]).train.max_time_seconds() == seconds
 
 
-@pytest.mark.parametrize("value", ["10x", "m", "10m5", "0", "-5s", "1e", "e5", "0e5", "1e999"])
+@pytest.mark.parametrize("value", ["10x", "m", "10m5", "0", "-5s", "1e", "e5", "0e5", "1e999",
+                                   "1m1m", "5s1m", "\uff13\uff10s", "\u0663"])  # 120 s, 65 s, 30 s and 3 s before
 def test_a_malformed_max_time_names_the_key(value):
     with pytest.raises(UserError, match="train.max_time"):
         build_config("demo", [f"train.max_time={value}"])
