@@ -2,8 +2,9 @@
 
 DeepSpeed's runner asks the first host alone (`ssh -o PasswordAuthentication=no HOST hostname`) and fails with a
 traceback; a later host that cannot be reached stalls or fails the job once the others have started. `zerollm
-launch` asks every host it will start ranks on, in parallel, without any prompt and with the options pdsh adds
-(PDSH_SSH_ARGS_APPEND: a port, a key), and says in one line which cannot be reached and why (ssh's own words)."""
+launch` asks every host it will start ranks on, in parallel, without any prompt and with the options pdsh gives
+(PDSH_SSH_ARGS, PDSH_SSH_ARGS_APPEND: a port, a key), and says in one line which cannot be reached and why (ssh's
+own words)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,22 @@ MAX_ASKING = 256
 
 
 def pdsh_ssh_options(environ: dict[str, str]) -> list[str]:
-    """The ssh options pdsh appends to its own (PDSH_SSH_ARGS_APPEND), as words."""
-    try:
-        return shlex.split(environ.get("PDSH_SSH_ARGS_APPEND", ""))
-    except ValueError as exc:
-        raise UserError(f"PDSH_SSH_ARGS_APPEND cannot be split into ssh options ({exc})") from None
+    """The ssh options pdsh gives, as words: PDSH_SSH_ARGS in place of its own (`-2 -a -x -l%u %h`), less the user
+    and host it fills in (%u, the user running it, as ssh's own default; %h, the host asked here), then
+    PDSH_SSH_ARGS_APPEND. A site whose ssh needs its port in PDSH_SSH_ARGS had every host refused as unreachable."""
+    words = []
+    for name in ("PDSH_SSH_ARGS", "PDSH_SSH_ARGS_APPEND"):
+        try:
+            words += shlex.split(environ.get(name, ""))
+        except ValueError as exc:
+            raise UserError(f"{name} cannot be split into ssh options ({exc})") from None
+    options: list[str] = []
+    for word in words:
+        if word == "%u" and options[-1:] == ["-l"]:
+            options.pop()  # -l %u
+        elif word not in ("%h", "-l%u"):
+            options.append(word)
+    return options
 
 
 def _ssh(host: str, options: list[str], *command: str) -> tuple[str | None, str]:

@@ -532,12 +532,17 @@ def test_hosts_pdsh_cannot_reach_are_named_in_one_line_before_anything_starts(tm
     assert not list(tmp_path.glob("argv.*"))  # pdsh never ran
 
 
-@pytest.mark.parametrize("append, reached", [("-p 2222", True), ("", False)])
-def test_hosts_are_asked_with_the_ssh_options_pdsh_adds(tmp_path, pretrain_data, append, reached):
-    """A port or key in PDSH_SSH_ARGS_APPEND reaches pdsh's ssh; the check uses it too (DeepSpeed's own check, now
-    skipped, did not, and refused a job pdsh could run)."""
+@pytest.mark.parametrize("variables, reached", [
+    ({"PDSH_SSH_ARGS_APPEND": "-p 2222"}, True),
+    ({"PDSH_SSH_ARGS": "-x -l%u -p 2222 %h"}, True),  # in place of pdsh's own: every host was refused
+    ({"PDSH_SSH_ARGS": "-l %u %h", "PDSH_SSH_ARGS_APPEND": "-p 2222"}, True),
+    ({"PDSH_SSH_ARGS_APPEND": ""}, False),
+])
+def test_hosts_are_asked_with_the_ssh_options_pdsh_adds(tmp_path, pretrain_data, variables, reached):
+    """A port or key in PDSH_SSH_ARGS_APPEND or PDSH_SSH_ARGS reaches pdsh's ssh; the check uses it too
+    (DeepSpeed's own check, now skipped, did not, and refused a job pdsh could run)."""
     result = _launch_pdsh_dry(tmp_path, pretrain_data, {"pdsh": PDSH, "ssh": SSH_TO_SOME},
-                              "localhost slots=1\n127.0.0.1 slots=1\n", PDSH_SSH_ARGS_APPEND=append)
+                              "localhost slots=1\n127.0.0.1 slots=1\n", **variables)
     assert result.returncode == (0 if reached else 2), result.stderr[-3000:]
     assert len(list(tmp_path.glob("argv.*"))) == (2 if reached else 0)
 
