@@ -134,6 +134,9 @@ def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int 
     """Train `steps + warmup` steps of `recipe` on random tokens in a temporary directory; print the medians of the
     measured steps. With `lora` (a --lora spec), fine-tune a random model of the recipe on random conversations
     (SFT) twice, every parameter and LoRA, and print both side by side. Returns the exit code."""
+    if given := [o.partition("=")[0] for o in overrides if o.startswith("lora.")]:  # refused below as pretraining's
+        raise UserError(f"bench train: give LoRA with --lora SPEC (e.g. --lora r=16), not --set {given[0]}: it "
+                        "measures LoRA beside full fine-tuning")
     cfg = build_config(recipe, overrides)
     if cfg.model.vocab_size is None:  # the recipe takes the tokenizer's: bench with MiniMind's 6400
         overrides = [*overrides, f"model.vocab_size={BENCH_VOCAB}"]

@@ -413,6 +413,16 @@ def test_bench_train_with_lora_sets_full_fine_tuning_beside_lora(monkeypatch, ca
     assert all(float(v.replace(",", "")) > 0 for v in cells["tokens/s"] + cells["peak memory (MiB)"])
 
 
+@pytest.mark.parametrize("extra", [[], ["--lora", "r=4"]])
+def test_bench_train_given_lora_by_set_names_the_lora_option(monkeypatch, capsys, extra):
+    """It said 'LoRA adapts a trained model: use it with train sft, dpo or grpo (--init-from the model to adapt),
+    not with pretrain', advice for training, not for bench."""
+    code = zerollm_here(monkeypatch, "bench", "train", "--recipe", "demo", "--steps", 1, "--set", "lora.r=8", *extra)
+    assert code == 2
+    assert capsys.readouterr().err == ("zerollm: error: bench train: give LoRA with --lora SPEC (e.g. --lora r=16), "
+                                       "not --set lora.r: it measures LoRA beside full fine-tuning\n")
+
+
 def test_bench_counts_trainable_parameters_and_writes_one_conversation_per_window(tmp_path):
     """What `bench train --lora` builds on."""
     full = build_config("demo", TINY)
