@@ -193,8 +193,11 @@ def is_run_or_export(directory: Path, option: str = "") -> bool:
         return True
     if (directory / HF_CONFIG_FILE).is_file():
         return False
-    raise UserError(f"{option + ' ' if option else ''}{directory}: neither a run directory ({rundir.CONFIG_FILE}) "
-                    f"nor an export directory ({HF_CONFIG_FILE})")
+    named = f"{option + ' ' if option else ''}{directory}"
+    if not directory.exists():
+        raise UserError(f"{named}: no such directory")
+    raise UserError(f"{named}: neither a run directory ({rundir.CONFIG_FILE}) nor an export directory "
+                    f"({HF_CONFIG_FILE})")
 
 
 def weights_summary(path: str | Path, option: str) -> dict[str, Any]:

@@ -114,8 +114,7 @@ def test_a_negative_weight_is_a_reward_term_not_an_option(monkeypatch, capsys, t
                         "--prompts", tmp_path / "p.jsonl", "--reward", "-1*length", "--reward", "-.5*format",
                         "--out", tmp_path / "run")
     err = capsys.readouterr().err
-    assert code == 2 and err == f"zerollm: error: --init-from {tmp_path / 'none'}: neither a run directory " \
-                                "(config.yaml) nor an export directory (config.json)\n"
+    assert code == 2 and err == f"zerollm: error: --init-from {tmp_path / 'none'}: no such directory\n"
     argv = ["train", "grpo", "--recipe", "demo", "--init-from", "m", "--prompts", "p", "--reward", "-1*length",
             "--reward", "-.5*format", "--reward", "exact_match", "--out", "o"]
     assert build_parser().parse_args(attach_negative_weights(argv)).reward == ["-1*length", "-.5*format",
