@@ -46,6 +46,7 @@ import yaml
 from llm.config import SECTIONS, build_config, load_recorded_yaml
 from llm.errors import UserError
 from llm.train.run_lock import check_run_unlocked
+from llm.wording import plural
 
 CONFIG_FILE = "config.yaml"
 DS_CONFIG_FILE = "ds_config.json"
@@ -354,11 +355,24 @@ def client_state_of(run_dir: Path, tag: str) -> dict[str, Any]:
     except OSError as exc:
         problem = f"unreadable: {exc.strerror or exc}"
     else:
-        problem = _client_state_problem(state, tag)
+        problem = _client_state_problem(state, tag) or _saved_by_other_ranks(run_dir, tag, state["world_size"])
     if problem is not None:
         raise UserError(f"{client_file} is damaged ({problem}), so checkpoint {tag} cannot be used; "
                         f"{damaged_checkpoint_advice(run_dir, tag)}")
     return state
+
+
+def _saved_by_other_ranks(run_dir: Path, tag: str, world_size: int) -> str | None:
+    """Why a client state's world size is not the one its checkpoint's manifest records (each rank's files are
+    there for that many: DeepSpeed's load, or a universal conversion decided from it, then failed with a
+    traceback), or None; a manifest that does not say is taken at its word."""
+    try:
+        saved = json.loads(manifest_file(run_dir, tag).read_text(encoding="utf-8")).get("world_size")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    if is_count(saved, least=1) and saved != world_size:
+        return f"world_size is {world_size}, but its {MANIFEST} records the files of {saved} {plural('rank', saved)}"
+    return None
 
 
 MAX_COUNT = 2**63 - 1

@@ -1221,6 +1221,8 @@ def _client_state(**changes) -> bytes:
     (b"[" * 200_000 + b"]" * 200_000, "JSON nested too deep"),  # was a RecursionError traceback
     (_client_state(world_size="1"), "world_size is '1', not a number of ranks"),
     (_client_state(world_size=0), "world_size is 0, not a number of ranks"),
+    (_client_state(world_size=2), "world_size is 2, but its manifest.json records the files of 1 rank"),  # was a
+    # DeepSpeed traceback (ZeRORuntimeException), the resume taken for one on another number of ranks
     (_client_state(step="x"), "step is 'x', not a step number"),
     (_client_state(step=99), "step is 99, not the folder's 20"),
     (_client_state(sampler="drop"), "sampler is None, not an object"),
