@@ -114,9 +114,9 @@ class TimeBudget:
         return self._measure_save_again and steps_done == self._session_start_step + 1
 
     def spent_by_calibration(self, calibrated: bool, steps_done: int) -> bool:
-        """Whether the step that made `steps_done` calibrated (`calibration_due`) and what it measured, now
-        published, leaves no room for another step: its evaluation and checkpoint were the run's final ones (the
-        next step ran, and evaluated and saved again, past the budget)."""
+        """Whether the step that made `steps_done` calibrated (`calibration_due`) and what it measured, published at
+        once (`end_iteration` with `wait`), leaves no room for another step: its evaluation and checkpoint were the
+        run's final ones (the next step ran, and evaluated and saved again, past the budget)."""
         return calibrated and self.out_of_time(steps_done)
 
     def projected_end(self, steps_done: int) -> float:
@@ -185,8 +185,10 @@ class TimeBudget:
         elif kind == "save":
             self._save_measured = max(seconds, self._save_measured)
 
-    def end_iteration(self, step: int) -> None:
-        """After step `step` with its evaluation, logging and checkpoint: measure (rank 0) and publish."""
+    def end_iteration(self, step: int, wait: bool = False) -> None:
+        """After step `step` with its evaluation, logging and checkpoint: measure (rank 0) and publish; with `wait`
+        (a calibration step, whose measurements decide whether the run ends there: `spent_by_calibration`), read
+        what is published now on a GPU too, waiting for the device once."""
         if not self.enabled:
             return
         now = self.clock()
@@ -201,7 +203,7 @@ class TimeBudget:
             self._warmup_ended = elapsed
         values = [elapsed, float(step), self._step_average, _or_minus_one(self._eval_measured), self._save_measured,
                   _or_minus_one(self._warmup_ended)]
-        published = self._channel.exchange(values) if self._channel else values
+        published = self._channel.exchange(values, wait) if self._channel else values
         if published is not None:
             self._publish(published)
 
@@ -259,7 +261,9 @@ class _Broadcast:
         self._ready = torch.cuda.Event() if on_gpu else None
         self._pending = False
 
-    def exchange(self, values: list[float]) -> list[float] | None:
+    def exchange(self, values: list[float], wait: bool = False) -> list[float] | None:
+        """`values` broadcast from rank 0; what is published: these (gloo, or `wait`), or on a GPU the previous
+        exchange's (None the first time, and after one that waited)."""
         if self._ready is None:
             self._device.copy_(torch.tensor(values, dtype=torch.float64))
             dist.broadcast(self._device, src=0)
@@ -273,5 +277,8 @@ class _Broadcast:
         dist.broadcast(self._device, src=0)
         self._received.copy_(self._device, non_blocking=True)
         self._ready.record()
-        self._pending = True
+        self._pending = not wait
+        if wait:
+            self._ready.synchronize()
+            return self._received.tolist()
         return previous

@@ -375,7 +375,7 @@ class Trainer:
                 checkpointer.after_step(self.step, last=last or calibrate, stopped_by_signal=stop)
             if stop or last:
                 self.preemption.saved()
-            self.budget.end_iteration(self.step)
+            self.budget.end_iteration(self.step, wait=calibrate)
             if not last and self.budget.spent_by_calibration(calibrate, self.step):
                 last = True
                 self.preemption.saved()
