@@ -74,7 +74,8 @@ def _read_env_file(path: Path) -> dict[str, Export]:
         check_one_line(value, where)
         if re.search(r"\s#", value):  # looks like a comment after the value, and was sent as part of it
             raise UserError(f"{where}: a '#' after a blank is part of the value here, as DeepSpeed reads the file (it "
-                            f"would reach {name.strip()} on every host); put a comment on a line of its own")
+                            f"would reach {name.strip()} on every host); put a comment on a line of its own (a value "
+                            f"that holds ' #' goes with --env {name.strip()}=VALUE)")
         found[name.strip()] = Export(value.strip(), where)
     return found
 

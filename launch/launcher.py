@@ -237,6 +237,9 @@ def console_script() -> str:
     return script
 
 
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+
 def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, str]) -> Plan:
     """Check the launch options and build the launcher command for this node."""
     check_numbers(args)
@@ -283,7 +286,7 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
     master = args.master_addr or "127.0.0.1"
     if not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes {nnodes})")
-    visible = visible_devices({**environ, **env})
+    visible = visible_devices({**environ, **env}) if args.backend == "deepspeed" else None  # torchrun keeps it
     nproc = nproc or (len(visible) if visible else _local_devices())
     if args.backend == "torchrun":
         if args.hostfile:
@@ -311,20 +314,14 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
     return Plan(command, train_argv, env, {"hostfile": hostfile_text(hosts)})
 
 
-VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
-
-
 def visible_devices(environ: dict[str, str]) -> list[int] | None:
-    """The GPU indices CUDA_VISIBLE_DEVICES names in `environ` (this shell's with --env's over it); None where it
-    names none. DeepSpeed's launcher sets it for every rank from the hostfile's slots (0..n-1 with its own hostfile):
-    the GPUs a user chose were replaced by others, perhaps another job's."""
-    text = environ.get(VISIBLE_DEVICES, "").strip()
-    if not text:
+    """The GPU indices CUDA_VISIBLE_DEVICES names in `environ` (this shell's with --env's over it), each once; None
+    where it names none, or names them otherwise (UUIDs and MIG devices, which DeepSpeed's slots cannot name; -1 or
+    SLURM's NoDevFiles, none). DeepSpeed's launcher sets it for every rank from the hostfile's slots (0..n-1 with our
+    own hostfile): the GPUs a user chose were replaced by others, perhaps another job's."""
+    ids = [part.strip() for part in environ.get(VISIBLE_DEVICES, "").split(",")]
+    if not all(re.fullmatch(r"[0-9]{1,4}", part) for part in ids) or len(set(ids)) < len(ids):
         return None
-    ids = [part.strip() for part in text.split(",")]
-    if not all(re.fullmatch(r"[0-9]{1,4}", part) for part in ids) or len(set(map(int, ids))) < len(ids):
-        raise UserError(f"{VISIBLE_DEVICES}={text}: DeepSpeed's launcher selects GPUs by their indices (as "
-                        "nvidia-smi numbers them), each once: give those, e.g. 2,3, not UUIDs")
     return [int(part) for part in ids]
 
 
@@ -434,10 +431,13 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     options += ["--num_gpus", str(args.nproc_per_node)] if args.nproc_per_node else []
     files = {"hostfile": hostfile_text(hosts)}
     chosen = visible_devices({**environ, **env})
-    if chosen and chosen != list(range(len(chosen))) and (VISIBLE_DEVICES in env or any(map(is_local_address, active))):
-        raise UserError(f"{VISIBLE_DEVICES}={','.join(map(str, chosen))}, but DeepSpeed's launcher gives each host's "
-                        f"ranks the GPUs of its slots in {args.hostfile}, from 0 (it would replace the variable): "
-                        f"choose them with --include instead, e.g. --include {first}:{','.join(map(str, chosen))}")
+    if chosen and chosen != list(range(len(chosen))) and not (args.include or args.exclude) and \
+            (VISIBLE_DEVICES in env or any(map(is_local_address, active))):
+        ids = ",".join(map(str, chosen))
+        raise UserError(f"{VISIBLE_DEVICES}={ids}, but DeepSpeed's launcher gives each host's ranks the GPUs of its "
+                        f"slots in {args.hostfile}, from 0 (it replaces the variable): select them with --include "
+                        f"instead, e.g. --include {first}:{ids} (the hostfile giving {first} at least "
+                        f"{max(chosen) + 1} slots)")
     first_is_here = is_local_address(first)
     if first_is_here and args.master_addr is not None and not is_local_address(args.master_addr):
         raise UserError(f"--master-addr {args.master_addr} is not an address of this node, but the first host of "
@@ -477,23 +477,27 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
 
 
 def is_loopback(address: str) -> bool:
-    """Whether `address`, a host name or an IP address, reaches this node only from itself (127.0.0.0/8, ::1: a
-    name such as localhost that resolves to those alone)."""
+    """Whether `address` is a loopback IP address (127.0.0.0/8, ::1) or localhost. A host's own name is not judged
+    by what it resolves to here: Debian's /etc/hosts maps it to 127.0.1.1 on the host itself, and other hosts
+    resolve it to its real address."""
+    name = address.lower().rstrip(".")
+    if name in ("localhost", "localhost.localdomain") or name.endswith(".localhost"):
+        return True
     try:
-        found = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
+        return ipaddress.ip_address(address.partition("%")[0]).is_loopback
+    except ValueError:
         return False
-    return all(ipaddress.ip_address(where[0].partition("%")[0]).is_loopback for *_, where in found)
 
 
 def _check_rendezvous_reachable(master: str, active: dict[str, int], origin: str) -> None:
-    """Refuse a rendezvous address (`origin` says where it came from) that only this node reaches, for a job with
-    ranks on other hosts: theirs would wait for a rendezvous at their own loopback until the collective timeout."""
-    other = next((host for host in active if not is_local_address(host)), None)
-    if other is not None and is_loopback(master):
-        raise UserError(f"{origin} {master} is a loopback address, which the ranks on {other} cannot reach (they would "
-                        "look for the rendezvous on their own host); give an address of the first host that the "
-                        "others reach")
+    """Refuse a rendezvous address (`origin` says where it came from) that only one machine reaches, for a job
+    whose ranks run on several: those of the others would wait for a rendezvous at their own loopback until the
+    collective timeout."""
+    others = [host for host in active if not is_local_address(host)]
+    if is_loopback(master) and len(others) + (len(others) < len(active)) > 1:
+        raise UserError(f"{origin} {master} is a loopback address, which the ranks on {others[-1]} cannot reach (they "
+                        "would look for the rendezvous on their own host); give an address of the first host that "
+                        "the others reach")
 
 
 def _check_port_if_local(master: str, port: int) -> None:
@@ -648,7 +652,8 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
         return 128 + stopping[-1]  # the ranks got the forwarded SIGTERM only (or before their handlers were set, which
         # DeepSpeed's launcher and launch/torchrun.py pass on as 256 - N): said as the stop was sent
     if stopping and plan.stop_wait_s and code == 1:  # DeepSpeed's pdsh runner's own exit on a stop signal
-        print(f"zerollm launch: stopped before the ranks published a checkpoint in {run_dir}", flush=True)
+        print(f"zerollm launch: stopped; no checkpoint of the stop appeared in {run_dir} (where the hosts do not "
+              "share it, their ranks' checkpoints are not seen here)", flush=True)
         return 128 + stopping[-1]
     signum = deepspeed_signal(code) if plan.deepspeed_codes and not stopping else None
     if signum is not None:  # which rank, DeepSpeed's launcher does not say (torchrun's table above does)

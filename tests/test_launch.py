@@ -266,14 +266,33 @@ def test_per_node_ranks_keep_the_gpus_cuda_visible_devices_chose(argv, environ):
     assert one.command[one.command.index("--include") + 1] == "node0:5" and one.files == {"hostfile": "node0 slots=6\n"}
 
 
+@pytest.mark.parametrize("argv, environ", [
+    (["--backend", "torchrun"], {"CUDA_VISIBLE_DEVICES": "GPU-5d3f,GPU-77a1"}),  # torchrun leaves it alone
+    ([], {"CUDA_VISIBLE_DEVICES": "GPU-5d3f,GPU-77a1"}),  # no slot names a UUID: as before
+    ([], {"CUDA_VISIBLE_DEVICES": "-1"}),  # no GPU (a CPU node): as before
+    ([], {"CUDA_VISIBLE_DEVICES": "NoDevFiles"}),  # SLURM's, for a step without GPUs
+])
+def test_a_cuda_visible_devices_of_no_gpu_indices_is_left_as_it_was(argv, environ):
+    plan = plan_launch(_launch_args("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                                    "--nproc-per-node", "2", *argv), ["train", "pretrain"], environ)
+    assert "--include" not in plan.command
+
+
+def test_gpus_chosen_in_hostfile_mode_are_selected_with_include(tmp_path):
+    (tmp_path / "hosts").write_text("localhost slots=4\n")
+    plan = plan_launch(_launch_args("--hostfile", str(tmp_path / "hosts"), "--include", "localhost:2,3",
+                                    "--master-port", str(free_port())), ["train", "pretrain"],
+                       {"CUDA_VISIBLE_DEVICES": "2,3"})  # exported by SLURM, say: the --include chooses
+    assert plan.command[plan.command.index("--include") + 1] == "localhost:2,3"
+
+
 @pytest.mark.parametrize("argv, environ, message", [
-    (["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1"], {"CUDA_VISIBLE_DEVICES": "GPU-5d3f,GPU-77a1"},
-     "CUDA_VISIBLE_DEVICES=GPU-5d3f,GPU-77a1: DeepSpeed's launcher selects GPUs by their indices"),
     (["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--nproc-per-node", "3"],
      {"CUDA_VISIBLE_DEVICES": "2,3"}, "3 ranks per node, but CUDA_VISIBLE_DEVICES=2,3 names 2 GPUs"),
     (["--hostfile", "{hosts}"], {"CUDA_VISIBLE_DEVICES": "2,3"},
      "CUDA_VISIBLE_DEVICES=2,3, but DeepSpeed's launcher gives each host's ranks the GPUs of its slots in {hosts}, "
-     "from 0 (it would replace the variable): choose them with --include instead, e.g. --include localhost:2,3"),
+     "from 0 (it replaces the variable): select them with --include instead, e.g. --include localhost:2,3 (the "
+     "hostfile giving localhost at least 4 slots)"),
 ])
 def test_gpus_chosen_in_a_way_the_launch_cannot_keep_are_refused(tmp_path, argv, environ, message):
     (tmp_path / "hosts").write_text("localhost slots=2\n")
@@ -1027,8 +1046,9 @@ def test_a_multi_host_launch_stopped_before_any_checkpoint_exits_as_the_stop_was
     _ctrl_c_once_handled(after=ready)
     plan = Plan([sys.executable, "-c", runner], [], stop_wait_s=0.5)
     assert run_plan(plan, tmp_path / "run") == 128 + signal.SIGINT
-    assert capsys.readouterr().out.endswith(f"zerollm launch: stopped before the ranks published a checkpoint in "
-                                            f"{tmp_path / 'run'}\n")
+    assert capsys.readouterr().out.endswith(f"zerollm launch: stopped; no checkpoint of the stop appeared in "
+                                            f"{tmp_path / 'run'} (where the hosts do not share it, their ranks' "
+                                            "checkpoints are not seen here)\n")
 
 
 def _wait_for(path: Path) -> None:

@@ -5,6 +5,7 @@ pdsh runner (checked with a stand-in pdsh that runs the remote command under sh 
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -60,9 +61,14 @@ def test_mpi_placing_rank_0_on_a_first_host_named_by_loopback_is_refused(tmp_pat
                     ["train", "pretrain"], {"HOME": str(tmp_path)})
 
 
-def test_a_loopback_rendezvous_is_kept_where_every_host_is_this_one(tmp_path):
-    plan = _plan(tmp_path, "--master-addr", "127.0.0.1", hosts="localhost slots=1\n127.0.0.1 slots=1\n")
-    assert plan.command[plan.command.index("--master_addr") + 1] == "127.0.0.1"
+@pytest.mark.parametrize("master, hosts", [
+    ("127.0.0.1", "localhost slots=1\n127.0.0.1 slots=1\n"),  # every host is this one
+    ("127.0.0.1", "node-b slots=2\n"),  # every rank on node-b, rank 0 too
+    (socket.gethostname(), "localhost slots=1\nnode-b slots=1\n"),  # its own name, perhaps 127.0.1.1 here alone
+])
+def test_a_rendezvous_address_every_rank_reaches_is_kept(tmp_path, master, hosts):
+    plan = _plan(tmp_path, "--master-addr", master, hosts=hosts)
+    assert plan.command[plan.command.index("--master_addr") + 1] == master
 
 
 # ---- host names and hostfiles ------------------------------------------------------------------
@@ -299,7 +305,8 @@ def test_deepspeed_env_files_are_read_like_deepspeed_and_checked_line_by_line(tm
     (cwd / "other").write_text("NCCL_SOCKET_IFNAME=eth0   # the fast NIC\nC=a#b\n")
     with pytest.raises(UserError, match=rf"^{cwd}/other:1: a '#' after a blank is part of the value here, as "
                                         "DeepSpeed reads the file \\(it would reach NCCL_SOCKET_IFNAME on every "
-                                        "host\\); put a comment on a line of its own$"):
+                                        "host\\); put a comment on a line of its own \\(a value that holds ' #' "
+                                        "goes with --env NCCL_SOCKET_IFNAME=VALUE\\)$"):
         deepspeed_env_files({"DS_ENV_FILE": "other"}, cwd, home)
     (cwd / "other").write_text("C=a#b\n")  # a '#' inside a value is the value's
     assert deepspeed_env_files({"DS_ENV_FILE": "other"}, cwd, home)["C"].value == "a#b"
