@@ -121,17 +121,22 @@ RACED = textwrap.dedent("""
 """)
 
 
-def test_a_job_that_finished_there_before_this_one_took_the_lock_is_left_alone(pretrain_data):
+@pytest.mark.parametrize("resume, said", [
+    ([], "{run} already holds checkpoints; pass --resume auto to continue it, or choose another --out"),
+    # resumed unchecked: neither its data, its shape nor its DeepSpeed settings were compared with them
+    (["--resume", "auto"], "{run}: another training job saved checkpoints there while this one started; start this "
+                           "one again to resume them (it checks them first)"),
+])
+def test_a_job_that_finished_there_before_this_one_took_the_lock_is_left_alone(pretrain_data, tmp_path, resume, said):
     """A job into a new --out passed its checks; another job into the same --out then ran to its end before the
     first took the lock: the first trained from scratch over the finished run (its metrics, config.yaml and
     `latest` replaced)."""
-    run = pretrain_data.parent / "raced"
+    run = tmp_path / "raced"
     env = {name: value for name, value in os.environ.items() if name not in ("LOCAL_RANK", *RANK_VARIABLES)}
-    done = subprocess.run([sys.executable, "-c", RACED, *map(str, _args(pretrain_data, run))], capture_output=True,
-                          text=True, cwd=REPO, env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-c", RACED, *map(str, _args(pretrain_data, run, extra=resume))],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.endswith(f"zerollm: error: {run} already holds checkpoints; pass --resume auto to continue "
-                                "it, or choose another --out\n")
+    assert done.stderr.endswith(f"zerollm: error: {said.format(run=run)}\n")
     assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE, "checkpoints", "metrics.jsonl"]
     assert (run / "metrics.jsonl").read_text() == '{"step": 6}\n'
 

@@ -95,11 +95,13 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
     timeout = timedelta(seconds=timeout_s)
     gpu = gpu_identity(index) if kind == "cuda" and world > 1 else None  # a failure here is no failure to meet
     try:
-        if rank != 0:
-            _wait_for_rendezvous(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s)
+        left = timeout
+        if rank != 0:  # what is left of the timeout once rank 0's store answers
+            left = timedelta(seconds=_wait_for_rendezvous(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                          timeout_s))
         # the group is formed here rather than by deepspeed.init_distributed (which then only wraps it): its store
         # is needed before NCCL starts, and DeepSpeed would bind NCCL to the GPU of LOCAL_RANK and start it at once
-        store, _, _ = next(torch.distributed.rendezvous("env://", rank, world, timeout=timeout))
+        store, _, _ = next(torch.distributed.rendezvous("env://", rank, world, timeout=left))
         store.set_timeout(timeout)
         if gpu is not None:
             refuse_shared_gpus(store, rank, world, gpu, socket.gethostname())
@@ -122,24 +124,24 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
     return DistInfo(rank, local_rank, world, local_world, device)
 
 
-def _wait_for_rendezvous(address: str, port: int, timeout_s: float) -> None:
-    """Wait until rank 0's store accepts connections at `address`:`port`, for at most `timeout_s`; a TimeoutError
-    after it. torch's client retried with the whole timeout at each try (a rank waited 2 to 3 times
+RENDEZVOUS_RETRY_S = 0.5
+"""How often a rank tries rank 0's store while it is not there yet."""
+
+
+def _wait_for_rendezvous(address: str, port: int, timeout_s: float) -> float:
+    """Wait until rank 0's store accepts connections at `address`:`port`, for at most `timeout_s`; the seconds left
+    then, or a TimeoutError. torch's client retried with the whole timeout at each try (a rank waited 2 to 3 times
     train.collective_timeout_s for a node 0 that never came) and printed a C++ stack trace at each."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
         try:
             socket.create_connection((address, port), timeout=max(0.1, min(5.0, left))).close()
-            return
+            return max(RENDEZVOUS_RETRY_S, deadline - time.monotonic())
         except OSError as exc:
             if time.monotonic() + RENDEZVOUS_RETRY_S >= deadline:
                 raise TimeoutError(f"nothing answered at {address}:{port} ({exc.strerror or exc})") from None
         time.sleep(RENDEZVOUS_RETRY_S)
-
-
-RENDEZVOUS_RETRY_S = 0.5
-"""How often a rank tries rank 0's store while it is not there yet."""
 
 
 GPU_PER_RANK = ("a CUDA_VISIBLE_DEVICES set per rank; under srun, --gpus-per-task=1 with a wrapper that exports each "

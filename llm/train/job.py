@@ -249,8 +249,9 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     agreed(lambda: check_wandb(cfg.wandb, run_dir) if info.is_main else None, announce)  # rank 0 logs to wandb
     ds_config = agreed(lambda: _resolved_ds_config(cfg, run_dir, info, (raw_ds, ds_source), zero_stage, resume, data,
                                                    attrs), announce)
+    had_checkpoints = resume and rundir.holds_checkpoints(run_dir)  # what the resume checks above compared
     with run_locked(run_dir, info.rank, lambda problem: refuse_together(problem, announce),
-                    recheck=lambda: rundir.check_run_contents(run_dir, resume)) as tidy_run_dir:
+                    recheck=lambda: _check_unchanged(run_dir, resume, had_checkpoints)) as tidy_run_dir:
         watchdog = None
         if info.world_size > 1:
             watchdog = Watchdog(info.rank, info.world_size, cfg.train.collective_timeout_s,
@@ -277,6 +278,16 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
             watchdog.stop()
         dist.barrier()  # every rank is done writing; the caller ends the process (see `llm.cli.cmd_train`)
     return code
+
+
+def _check_unchanged(run_dir: Path, resume: bool, had_checkpoints: bool) -> None:
+    """Once this job holds the run's lock: refuse what another job wrote there since this one checked it (it ran to
+    its end in between): checkpoints in a new --out (a resume was not checked against them: its data, shape and
+    DeepSpeed settings), or anything `rundir.check_run_contents` refuses."""
+    rundir.check_run_contents(run_dir, resume)
+    if resume and not had_checkpoints and rundir.holds_checkpoints(run_dir):
+        raise UserError(f"{run_dir}: another training job saved checkpoints there while this one started; start this "
+                        "one again to resume them (it checks them first)")
 
 
 def _first_line(exc: Exception) -> str:

@@ -141,6 +141,8 @@ def run_locked(run_dir: Path, rank: int, refuse: Callable[[str | None], None],
             recheck()
         except UserError as exc:
             problem = str(exc)
+        except OSError as exc:  # the recheck's: said by every rank, as a refusal is (rank 0 alone raised it)
+            problem = f"{run_dir}: cannot be read ({exc.strerror or exc})"
 
     def tidy() -> None:
         if fd is not None and created is not None:
