@@ -46,12 +46,12 @@ class KernelUnavailableError(RuntimeError):
 
 
 def rows_addressable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels reach every element of each `[..., seq, dim]` tensor: they address a position and a
-    channel within one (batch, head) in 32-bit integers (batch and head offsets are 64-bit), so an offset of 2^31
-    elements or more wrapped around and read or wrote other memory (a sequence of 512k positions of 32 heads of
-    128, as the model's transposed q is laid out)."""
-    return all((t.shape[-2] - 1) * abs(t.stride(-2)) + (t.shape[-1] - 1) * abs(t.stride(-1)) < 2**31
-               for t in tensors)
+    """Whether the kernels reach every element of each `[..., heads, seq, dim]` tensor: RoPE addresses a head, a
+    position and a channel within one batch row in 32-bit integers (attention its position and channel), so an
+    offset of 2^31 elements or more wrapped around and read or wrote other memory (a sequence of 512k positions of
+    32 heads of 128, as the model's transposed q is laid out, or 300k positions of 64 contiguous heads)."""
+    return all(sum((size - 1) * abs(stride) for size, stride in zip(t.shape[-3:], t.stride()[-3:], strict=True))
+               < 2**31 for t in tensors)
 
 
 def check_rows_addressable(op: str, *tensors: torch.Tensor) -> None:
