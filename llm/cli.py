@@ -589,6 +589,14 @@ def cmd_train(args: argparse.Namespace) -> int:
                          zero_stage=args.zero_stage))
 
 
+def _launch_only_options() -> set[str]:
+    """The options of `zerollm launch` that `zerollm train` does not take."""
+    commands = next(action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction))
+    train = next(a for a in commands.choices["train"]._actions if isinstance(a, argparse._SubParsersAction))
+    return set(commands.choices["launch"]._option_string_actions) - \
+        set().union(*(stage._option_string_actions for stage in train.choices.values()))
+
+
 def checked_training_command(job: list[str]) -> tuple[list[str], Path, RunConfig]:
     """The command after `zerollm launch ... --` (it must be `train ...`), parsed and its config built here, so a
     mistake fails before any rank starts; returns (the command, its run directory, its run config)."""
@@ -599,7 +607,7 @@ def checked_training_command(job: list[str]) -> tuple[list[str], Path, RunConfig
                         "zerollm launch ... -- train pretrain --recipe demo --data DATA --out RUN")
     if any(arg == "--nproc" or arg.startswith("--nproc=") for arg in job):
         raise UserError("--nproc belongs to single-machine runs; under `zerollm launch` use --nproc-per-node")
-    launch_options_given = [arg for arg in job if arg.partition("=")[0] in LAUNCH_OPTIONS]
+    launch_options_given = [arg for arg in job if arg.partition("=")[0] in _launch_only_options()]
     if launch_options_given:  # the training command's parser refused them, printing the usage of `zerollm`
         raise UserError(f"{launch_options_given[0]} is an option of `zerollm launch`: give launch options before "
                         "'--' and the training command after it (zerollm launch --hostfile FILE -- train ...)")
@@ -608,11 +616,6 @@ def checked_training_command(job: list[str]) -> tuple[list[str], Path, RunConfig
     except SystemExit as exc:
         raise UserError(f"the training command is invalid: {' '.join(job)}") from exc
     return job, Path(parsed.out), _checked_before_ranks(parsed)
-
-
-LAUNCH_OPTIONS = frozenset({"--hostfile", "--include", "--exclude", "--launcher", "--nnodes", "--node-rank",
-                            "--master-addr", "--master-port", "--nproc-per-node", "--backend", "--rdzv-id", "--env"})
-"""The options of `zerollm launch` that no training command takes."""
 
 
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
@@ -629,15 +632,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch(launch_options(args), job, run_dir, lambda: _check_rank_inputs(cfg, starting_ranks=True))
 
 
-DEFAULT_MAX_NEW_TOKENS = 128
-
-
 def _sampling(args: argparse.Namespace):
     from llm.infer.sampling import InvalidSampling, SamplingParams
 
     try:
-        return SamplingParams(max_new_tokens=DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None else
-                              args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        given = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}  # else its default
+        return SamplingParams(**given, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, repetition_penalty=args.repetition_penalty, stop=args.stop,
                               seed=args.seed)
     except InvalidSampling as exc:  # named by its option

@@ -195,7 +195,7 @@ def tag_for(step: int) -> str:
 
 
 def is_tag(name: str) -> bool:
-    return re.fullmatch(rf"{TAG_PREFIX}[0-9]{{1,19}}", name) is not None  # a step fits 64 bits
+    return re.fullmatch(rf"{TAG_PREFIX}[0-9]{{1,18}}", name) is not None  # a step is a count (MAX_COUNT)
 
 
 def step_of(tag: str) -> int:
@@ -247,13 +247,14 @@ def latest_tag(run_dir: Path) -> str | None:
                         f"{_latest_advice(run_dir)}")
     try:
         with path.open("rb") as file:
-            text = file.read(LATEST_MAX_BYTES + 1).decode("utf-8").strip()
+            raw = file.read(LATEST_MAX_BYTES + 1)
+        if len(raw) > LATEST_MAX_BYTES:  # read whole and said whole, a damaged one of gigabytes exhausted the memory
+            raise UserError(f"{path} is damaged (longer than a checkpoint tag); {_latest_advice(run_dir)}")
+        text = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise UserError(f"{path} is damaged (not UTF-8 text); {_latest_advice(run_dir)}") from None
     except OSError as exc:
         raise UserError(f"{path} cannot be read ({exc.strerror or exc}); {_latest_advice(run_dir)}") from None
-    if len(text) > LATEST_MAX_BYTES:  # read whole and said whole, a damaged one of gigabytes exhausted the memory
-        raise UserError(f"{path} is damaged (longer than a checkpoint tag); {_latest_advice(run_dir)}")
     return text
 
 
@@ -305,7 +306,7 @@ def _read_by_loading(name: str) -> bool:
     reads NVMe offload's subfolders whole. Another one there (a .DS_Store, NFS's .nfs files, a note) changes
     nothing: it made the checkpoint incomplete, so that a resume went back to the one before, and deleted this one
     to save it again."""
-    return not name.rpartition("/")[2].startswith(".") and ("/" in name or name.endswith(".pt"))
+    return not any(part.startswith(".") for part in name.split("/")) and ("/" in name or name.endswith(".pt"))
 
 
 def usable_tag(run_dir: Path) -> str | None:

@@ -859,7 +859,8 @@ def test_files_loading_does_not_read_leave_a_checkpoint_complete(one_rank_group,
     again."""
     _save(tmp_path, 10, 20)
     folder = rundir.checkpoint_dir(tmp_path) / "global_step20"
-    for name in (".DS_Store", ".nfs000000000123", "notes.txt"):
+    for name in (".DS_Store", ".nfs000000000123", "notes.txt", ".snapshot/hourly.0"):
+        (folder / name).parent.mkdir(exist_ok=True)
         (folder / name).write_text("x")
     assert rundir.incompleteness(tmp_path, "global_step20") is None
     assert rundir.usable_tag(tmp_path) == "global_step20" and capsys.readouterr().err == ""

@@ -486,7 +486,7 @@ def _conversion_out_of_room(result: subprocess.CompletedProcess, partial: Path, 
     found = next((reason for number, reason in durable.OUT_OF_ROOM.items() if os.strerror(number) in said), None)
     if found is None and "unexpected pos" in said:
         size = sum(path.stat().st_size for path in source.rglob("*") if path.is_file())
-        if shutil.disk_usage(partial).free < size:
+        if shutil.disk_usage(partial.parent).free < size:  # the converter may not have made `partial`
             found = durable.OUT_OF_ROOM[errno.ENOSPC]
     return found
 

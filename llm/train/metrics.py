@@ -141,12 +141,9 @@ def import_wandb():
     user's, found first)."""
     try:
         import wandb  # noqa: PLC0415 - optional dependency, imported only when asked for
-    except ModuleNotFoundError as exc:
-        if exc.name != "wandb":
-            raise UserError(f"wandb cannot be imported ({type(exc).__name__}: {_wandb_reason(exc)}); reinstall it "
-                            "(`pip install --force-reinstall wandb`) or use --wandb off") from None
-        raise UserError("wandb is not installed; `pip install wandb` or use --wandb off") from None
     except Exception as exc:  # noqa: BLE001 - whatever a broken install raises, said in one line
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "wandb":
+            raise UserError("wandb is not installed; `pip install wandb` or use --wandb off") from None
         raise UserError(f"wandb cannot be imported ({type(exc).__name__}: {_wandb_reason(exc)}); reinstall it "
                         "(`pip install --force-reinstall wandb`) or use --wandb off") from None
     if not all(hasattr(wandb, name) for name in ("init", "Settings")):
