@@ -150,16 +150,37 @@ MISTRAL_DEFAULT_WINDOW = 4096
 """The sliding window of a Mistral config without the key, as transformers reads it."""
 
 
-def model_config_from_hf(config: dict, source: str) -> ModelConfig:
-    architectures = config.get("architectures") or []
+def _model_type(config: dict, source: str) -> str:
+    """The architecture a config.json describes, of those in ARCHITECTURES: its model_type, which transformers builds
+    the model by (a model_type of another architecture with a Llama class in `architectures`, Gemma's or Granite's,
+    was read as Llama: another function), or, without one, the class `architectures` names."""
     model_type = config.get("model_type")
-    if not (isinstance(model_type, str) and model_type in ARCHITECTURES):  # the class it names, where it names one
-        named = [t for t, name in ARCHITECTURES.items() if isinstance(architectures, list) and name in architectures]
-        if not named or not isinstance(model_type, str | None):
-            raise UserError(f"{source}: not a Llama-, Mistral-, Qwen2- or Qwen3-architecture config (model_type "
-                            f"{model_type!r})")
-        model_type = named[0]
-    window = config.get("sliding_window", MISTRAL_DEFAULT_WINDOW) if model_type == "mistral" else None
+    if model_type is None:
+        architectures = config.get("architectures") or []
+        model_type = next((t for t, name in ARCHITECTURES.items()
+                           if isinstance(architectures, list) and name in architectures), None)
+    if not (isinstance(model_type, str) and model_type in ARCHITECTURES):
+        raise UserError(f"{source}: not a Llama-, Mistral-, Qwen2- or Qwen3-architecture config (model_type "
+                        f"{config.get('model_type')!r})")
+    return model_type
+
+
+def _sliding_window(config: dict, model_type: str) -> Any:
+    """The sliding window of a Mistral config (as transformers reads it), None for the others."""
+    return config.get("sliding_window", MISTRAL_DEFAULT_WINDOW) if model_type == "mistral" else None
+
+
+def attention_window(directory: Path) -> int | None:
+    """The sliding window of an export directory's Mistral model, None for other models: its attention sees only
+    that many positions back, which ours does everywhere within it (a longer window than its context is accepted;
+    attention past it is another function than the model's)."""
+    config = read_user_json_object(directory / HF_CONFIG_FILE, "model config")
+    return _sliding_window(config, _model_type(config, str(directory / HF_CONFIG_FILE)))
+
+
+def model_config_from_hf(config: dict, source: str) -> ModelConfig:
+    model_type = _model_type(config, source)
+    window = _sliding_window(config, model_type)
     if config.get("use_sliding_window") or window is not None and not (
             isinstance(window, int) and window >= _number(config, "max_position_embeddings", source, int, 2048)):
         raise UserError(f"{source}: sliding-window attention is not part of our architecture")

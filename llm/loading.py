@@ -25,6 +25,7 @@ from llm.export import (
     HF_CONFIG_FILE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
+    attention_window,
     drop_tied_copy,
     export_model_config,
     import_model,
@@ -363,6 +364,11 @@ def initial_weights(cfg: ModelConfig, init_from: str, data_tokenizer_hash: str,
     if differing := model_differences(source.cfg, cfg):
         raise UserError(f"--init-from {init_from}: the model differs from this run's config ({'; '.join(differing)}); "
                         "set those model.* keys to the values there")
+    exported = not rundir.is_run_dir(Path(init_from))
+    if exported and (window := attention_window(Path(init_from))) and cfg.max_seq_len > window:
+        raise UserError(f"--init-from {init_from}: its attention sees {window} positions back (a sliding window), "
+                        f"and ours has none: model.max_seq_len {cfg.max_seq_len} would train it on another function "
+                        f"past them; set model.max_seq_len to at most {window}")
     if not (tokenizer_dir / TOKENIZER_FILE).is_file():
         if data_tokenizer_hash == RANDOM_TOKENS_HASH:  # `bench train --lora`: random tokens on a random export
             return source.state_dict()

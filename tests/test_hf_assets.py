@@ -397,6 +397,35 @@ def test_a_model_type_that_is_not_a_string_is_refused_in_one_line(tmp_path, mode
         import_model(tmp_path)
 
 
+@pytest.mark.parametrize("model_type", ["gemma", "granite"])
+def test_a_model_type_of_another_architecture_is_refused_whatever_its_class_list_says(model_type):
+    """transformers builds the model its model_type names (Gemma scales its embeddings, Granite its logits): such a
+    config listing LlamaForCausalLM was read as Llama, its logits 2.7 to 4.5 off, and fine-tuned without a word."""
+    config = hf_config(_small(0).cfg, None)
+    with pytest.raises(UserError, match=f"not a Llama-, Mistral-, Qwen2- or Qwen3-architecture config \\(model_type "
+                                        f"'{model_type}'\\)"):
+        model_config_from_hf({**config, "model_type": model_type}, "config.json")
+    del config["model_type"]  # none: the class the list names, as before
+    assert model_config_from_hf(config, "config.json") == model_config_from_hf(hf_config(_small(0).cfg, None), "x")
+
+
+def test_a_mistral_window_is_not_trained_past(tmp_path):
+    """A Mistral model whose window (300) covers its context (256) is full attention there, and was accepted; a run
+    at model.max_seq_len 512 then trained it as attention over all 512 positions, another function past 300."""
+    model = _small(0)
+    export_model(model, None, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=300,
+                  max_position_embeddings=256)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    run = dataclasses.replace(model.cfg, max_seq_len=512)
+    with pytest.raises(UserError, match="its attention sees 300 positions back \\(a sliding window\\), and ours has "
+                                        "none: model.max_seq_len 512 would train it on another function past them; "
+                                        "set model.max_seq_len to at most 300$"):
+        initial_weights(run, str(tmp_path), RANDOM_TOKENS_HASH)
+    assert initial_weights(dataclasses.replace(run, max_seq_len=300), str(tmp_path), RANDOM_TOKENS_HASH)
+
+
 def test_legacy_rotary_inv_freq_buffers_are_ignored_on_import(tmp_path):
     """Older transformers saved each layer's RoPE frequencies with the weights; transformers loads such a directory,
     and so do we, while any other unexpected tensor is still refused."""
