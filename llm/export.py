@@ -148,6 +148,8 @@ def _first_of(key: str, places: list[tuple[dict[str, Any], str]], kind: type, de
 
 MISTRAL_DEFAULT_WINDOW = 4096
 """The sliding window of a Mistral config without the key, as transformers reads it."""
+QWEN3_HEAD_DIM = 128
+"""The head width of a Qwen3 config without the key, as transformers reads it (Llama's is hidden size / heads)."""
 
 
 def _model_type(config: dict, source: str) -> str:
@@ -231,6 +233,8 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
         cfg.yarn_beta_fast = _number(betas, "beta_fast", f"{source} {rope_key}", float)  # null or 0: the default,
         cfg.yarn_beta_slow = _number(betas, "beta_slow", f"{source} {rope_key}", float)  # as in transformers
         _refuse_other_yarn(rope, cfg.rope_factor, f"{source}: {rope_key}")
+    if model_type == "qwen3" and "head_dim" not in config:  # Qwen3Config's default, not the quotient (a Qwen3
+        config = {**config, "head_dim": QWEN3_HEAD_DIM}  # model saved without the key was refused as misshapen)
     if config.get("head_dim") is not None:  # null or absent: hidden_size / num_attention_heads, as in transformers
         head_dim = _number(config, "head_dim", source, int)
         cfg.head_dim = head_dim if cfg.dim % heads or head_dim != cfg.dim // heads else None

@@ -409,6 +409,17 @@ def test_a_model_type_of_another_architecture_is_refused_whatever_its_class_list
     assert model_config_from_hf(config, "config.json") == model_config_from_hf(hf_config(_small(0).cfg, None), "x")
 
 
+def test_a_qwen3_config_without_head_dim_takes_qwen3s_default():
+    """Qwen3Config's head_dim defaults to 128, not hidden size / heads: such a model saved without the key was
+    refused, its k_norm of 128 not matching the 16 we read."""
+    config = hf_config(dataclasses.replace(_small(0).cfg, qk_norm=True, head_dim=128), None)
+    assert config["model_type"] == "qwen3" and config.pop("head_dim") == 128
+    assert model_config_from_hf(config, "config.json").attention_head_dim == 128
+    llama = hf_config(_small(0).cfg, None)
+    llama.pop("head_dim", None)
+    assert model_config_from_hf(llama, "config.json").attention_head_dim == 32 // 4  # Llama's: the quotient
+
+
 def test_a_mistral_window_is_not_trained_past(tmp_path):
     """A Mistral model whose window (300) covers its context (256) is full attention there, and was accepted; a run
     at model.max_seq_len 512 then trained it as attention over all 512 positions, another function past 300."""
