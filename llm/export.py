@@ -393,7 +393,38 @@ def export_model_config(directory: Path) -> ModelConfig:
     config_path = directory / HF_CONFIG_FILE
     if not config_path.is_file():
         raise UserError(f"{directory}: expected {HF_CONFIG_FILE} and {WEIGHTS_FILE} (a Hugging Face Llama export)")
-    return model_config_from_hf(read_user_json_object(config_path, "model config"), str(config_path))
+    cfg = model_config_from_hf(read_user_json_object(config_path, "model config"), str(config_path))
+    _check_head_width(directory, cfg)
+    return cfg
+
+
+FIRST_QUERY = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _check_head_width(directory: Path, cfg: ModelConfig) -> None:
+    """Refuse a config.json whose heads are not as wide as its weights' (the first query projection's shape, read
+    from its safetensors header alone): a model's RoPE tables, built before its weights are compared, are as wide as
+    its heads, and a hostile head_dim of 2^22 asked for 512 GiB (a traceback, or the OOM killer). Weights that cannot
+    be read are said where they are read."""
+    try:
+        files = weight_files(directory)
+    except UserError:
+        return
+    expected = (cfg.n_heads * cfg.attention_head_dim, cfg.dim)
+    for name, tensors in files.items():
+        if tensors is not None and FIRST_QUERY not in tensors:
+            continue
+        try:
+            with safe_open(str(directory / name), framework="pt") as weights:
+                if FIRST_QUERY not in weights.keys():  # noqa: SIM118 - safe_open has no __contains__
+                    continue
+                shape = tuple(weights.get_slice(FIRST_QUERY).get_shape())
+        except (SafetensorError, OSError):
+            return
+        if shape != expected:
+            raise UserError(f"{directory}: weights do not match {HF_CONFIG_FILE} ({FIRST_QUERY} {shape}, expected "
+                            f"{expected})")
+        return
 
 
 def import_model(directory: Path) -> Transformer:

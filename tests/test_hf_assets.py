@@ -22,7 +22,7 @@ from llm.config import ModelConfig
 from llm.data.prepare import RANDOM_TOKENS_HASH
 from llm.errors import UserError
 from llm.export import export_model, hf_config, import_model, model_config_from_hf
-from llm.loading import initial_weights, load_for_inference, weights_summary
+from llm.loading import initial_weights, load_for_inference, model_config_of, weights_summary
 from llm.model import Transformer
 from llm.runtime.fingerprint import file_digest, same_weights
 from llm.tokenizer import Tokenizer
@@ -418,6 +418,19 @@ def test_a_qwen3_config_without_head_dim_takes_qwen3s_default():
     llama = hf_config(_small(0).cfg, None)
     llama.pop("head_dim", None)
     assert model_config_from_hf(llama, "config.json").attention_head_dim == 32 // 4  # Llama's: the quotient
+
+
+def test_a_head_width_the_weights_do_not_have_is_refused_before_anything_is_built(tmp_path):
+    """The model's RoPE tables, as wide as its heads, were built before its weights were compared: a config.json
+    with head_dim 2^22 asked for 512 GiB (a traceback, or the OOM killer), in generate and in --init-from alike."""
+    export_model(_small(0), None, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "head_dim": 2**22}))
+    refusal = (f"^{tmp_path}: weights do not match config.json \\(model.layers.0.self_attn.q_proj.weight \\(32, "
+               f"32\\), expected \\({4 * 2**22}, 32\\)\\)$")
+    for read in (import_model, model_config_of):
+        with pytest.raises(UserError, match=refusal):
+            read(tmp_path)
 
 
 def test_a_mistral_window_is_not_trained_past(tmp_path):
