@@ -380,7 +380,10 @@ def drop_tied_copy(state: dict[str, torch.Tensor], embeddings: str, output: str)
     """For a model whose config ties its output matrix to its embeddings: remove `output` from the weights `state`
     when it is a copy of `embeddings` (a tied model saved under both names), and say so (True, also when there is no
     `output`); False, `state` unchanged, when `output` holds another matrix (an untied model's weights), which loading
-    into the one tied parameter would lose."""
+    into the one tied parameter would lose. A tied model saved with `output` alone has it as its embeddings, as
+    transformers loads it (it was refused as differing from the embeddings it lacks)."""
+    if output in state and embeddings not in state:
+        state[embeddings] = state.pop(output)
     if output in state:
         if not torch.equal(state[output], state.get(embeddings, torch.empty(0))):
             return False
@@ -394,37 +397,36 @@ def export_model_config(directory: Path) -> ModelConfig:
     if not config_path.is_file():
         raise UserError(f"{directory}: expected {HF_CONFIG_FILE} and {WEIGHTS_FILE} (a Hugging Face Llama export)")
     cfg = model_config_from_hf(read_user_json_object(config_path, "model config"), str(config_path))
-    _check_head_width(directory, cfg)
+    _check_sizes_against_headers(directory, cfg)
     return cfg
 
 
-FIRST_QUERY = "model.layers.0.self_attn.q_proj.weight"
-
-
-def _check_head_width(directory: Path, cfg: ModelConfig) -> None:
-    """Refuse a config.json whose heads are not as wide as its weights' (the first query projection's shape, read
-    from its safetensors header alone): a model's RoPE tables, built before its weights are compared, are as wide as
-    its heads, and a hostile head_dim of 2^22 asked for 512 GiB (a traceback, or the OOM killer). Weights that cannot
-    be read are said where they are read."""
+def _check_sizes_against_headers(directory: Path, cfg: ModelConfig) -> None:
+    """Refuse a config.json whose heads or vocabulary do not match its weights' (the first query projection's and
+    the embeddings' shapes, read from the safetensors headers alone): a model's RoPE tables, built before its
+    weights are compared, are as wide as its heads (a hostile head_dim of 2^22 asked for 512 GiB: a traceback, or
+    the OOM killer), and --init-from sized its memory check by a vocabulary the weights do not have. Weights that
+    cannot be read are said where they are read."""
+    expected = {"model.layers.0.self_attn.q_proj.weight": (cfg.n_heads * cfg.attention_head_dim, cfg.dim),
+                "model.embed_tokens.weight": (cfg.vocab_size, cfg.dim), "lm_head.weight": (cfg.vocab_size, cfg.dim)}
     try:
         files = weight_files(directory)
     except UserError:
         return
-    expected = (cfg.n_heads * cfg.attention_head_dim, cfg.dim)
-    for name, tensors in files.items():
-        if tensors is not None and FIRST_QUERY not in tensors:
+    for file, tensors in files.items():
+        wanted = [name for name in expected if tensors is None or name in tensors]
+        if not wanted:
             continue
         try:
-            with safe_open(str(directory / name), framework="pt") as weights:
-                if FIRST_QUERY not in weights.keys():  # noqa: SIM118 - safe_open has no __contains__
-                    continue
-                shape = tuple(weights.get_slice(FIRST_QUERY).get_shape())
+            with safe_open(str(directory / file), framework="pt") as weights:
+                shapes = {name: tuple(weights.get_slice(name).get_shape()) for name in wanted
+                          if name in weights.keys()}  # noqa: SIM118 - safe_open has no __contains__
         except (SafetensorError, OSError):
             return
-        if shape != expected:
-            raise UserError(f"{directory}: weights do not match {HF_CONFIG_FILE} ({FIRST_QUERY} {shape}, expected "
-                            f"{expected})")
-        return
+        for name, shape in shapes.items():
+            if shape != expected[name]:
+                raise UserError(f"{directory}: weights do not match {HF_CONFIG_FILE} ({name} {shape}, expected "
+                                f"{expected[name]})")
 
 
 def import_model(directory: Path) -> Transformer:

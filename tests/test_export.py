@@ -413,7 +413,7 @@ def test_a_malformed_config_json_is_one_line(tmp_path, change, message):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"vocab_size": 4_000_000_000}, "lm_head.weight (64, 32), expected (4000000000, 32)"),
+    ({"vocab_size": 4_000_000_000}, "model.embed_tokens.weight (64, 32), expected (4000000000, 32)"),
     ({"num_hidden_layers": 100_000_000}, "2 layers in the weights, num_hidden_layers 100000000"),
 ])
 def test_sizes_in_config_json_are_checked_against_the_weights_before_any_allocation(tmp_path, change, message):

@@ -420,17 +420,34 @@ def test_a_qwen3_config_without_head_dim_takes_qwen3s_default():
     assert model_config_from_hf(llama, "config.json").attention_head_dim == 32 // 4  # Llama's: the quotient
 
 
-def test_a_head_width_the_weights_do_not_have_is_refused_before_anything_is_built(tmp_path):
+@pytest.mark.parametrize("change, said", [
+    ({"head_dim": 2**22}, f"model.layers.0.self_attn.q_proj.weight \\(32, 32\\), expected \\({4 * 2**22}, 32\\)"),
+    # --init-from refused it as too large for the memory ('make model.vocab_size smaller'), not as other weights
+    ({"vocab_size": 10**12}, "model.embed_tokens.weight \\(96, 32\\), expected \\(1000000000000, 32\\)"),
+])
+def test_a_head_width_the_weights_do_not_have_is_refused_before_anything_is_built(tmp_path, change, said):
     """The model's RoPE tables, as wide as its heads, were built before its weights were compared: a config.json
     with head_dim 2^22 asked for 512 GiB (a traceback, or the OOM killer), in generate and in --init-from alike."""
     export_model(_small(0), None, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "head_dim": 2**22}))
-    refusal = (f"^{tmp_path}: weights do not match config.json \\(model.layers.0.self_attn.q_proj.weight \\(32, "
-               f"32\\), expected \\({4 * 2**22}, 32\\)\\)$")
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    refusal = f"^{tmp_path}: weights do not match config.json \\({said}\\)$"
     for read in (import_model, model_config_of):
         with pytest.raises(UserError, match=refusal):
             read(tmp_path)
+
+
+def test_a_tied_model_saved_with_its_output_matrix_alone_loads_it_as_the_embeddings(tmp_path):
+    """transformers loads it so; it was refused: 'the weights hold an lm_head.weight that differs from
+    model.embed_tokens.weight', which they did not hold."""
+    model = _small(0)
+    export_model(model, None, tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["lm_head.weight"] = weights.pop("model.embed_tokens.weight")
+    save_file(weights, tmp_path / "model.safetensors")
+    tokens = torch.randint(0, 96, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(import_model(tmp_path)(tokens).logits, model(tokens).logits)
 
 
 def test_a_mistral_window_is_not_trained_past(tmp_path):
