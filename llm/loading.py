@@ -125,7 +125,7 @@ def _unpartitioned_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 def load_trained_model(run_dir: Path, tag: str | None = None) -> tuple[Transformer, RunConfig]:
     """(model in eval mode, run config) rebuilt from RUN_DIR/config.yaml and its newest checkpoint. A LoRA run's
     checkpoint holds its adapters only: they are loaded onto its --init-from model and merged into it."""
-    cfg = build_config(rundir.recorded_config(run_dir))
+    cfg = trained_config(run_dir)
     check_fits_in_memory(cfg.model, remedy=f" ({run_dir / rundir.CONFIG_FILE})")
     if cfg.lora.r:
         return merge(load_lora_model(run_dir, cfg, tag)).eval(), cfg
@@ -307,12 +307,22 @@ ADOPTED_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "n_kv_
 its context length."""
 
 
+def trained_config(run_dir: Path) -> RunConfig:
+    """The run config a run directory's model was trained with, from its config.yaml; one without model.vocab_size
+    (edited, or cut short) is refused as damaged: a model built from it failed with a TypeError."""
+    cfg = build_config(rundir.recorded_config(run_dir))
+    if cfg.model.vocab_size is None:  # training records the one it used
+        raise UserError(f"{rundir.config_file(run_dir)} is damaged (it lacks model.vocab_size); `zerollm train` wrote "
+                        "it: restore it")
+    return cfg
+
+
 def model_config_of(path: str | Path, option: str = "--init-from") -> ModelConfig:
     """The model config of a run directory (its config.yaml) or an export directory (its config.json), read without
     its weights; `option` names the path in errors."""
     directory = Path(path)
     if is_run_or_export(directory, option):
-        return build_config(rundir.recorded_config(directory)).model
+        return trained_config(directory).model
     return export_model_config(directory)
 
 

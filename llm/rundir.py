@@ -170,8 +170,6 @@ def recorded_config(run_dir: Path) -> dict[str, Any]:
                         f"{', '.join(SECTIONS)}, but {keys or 'nothing'})")
     try:  # a file cut short (a full disk under an earlier version) parses, and leaves keys null or out of range
         build_config(recorded)
-        if "vocab_size" not in (recorded.get("model") or {}):  # training records it: a TypeError where a model was
-            raise UserError("it lacks model.vocab_size")  # built from it
     except UserError as exc:
         raise UserError(f"{path} is damaged ({exc}); `zerollm train` wrote it: restore it") from None
     return recorded

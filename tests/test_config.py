@@ -98,13 +98,16 @@ def test_a_config_yaml_cut_short_is_refused_naming_the_file(tmp_path):
     (lambda text: text.replace("  vocab_size: 512\n", ""), "it lacks model.vocab_size"),
 ])
 def test_a_config_yaml_edited_by_hand_is_refused_naming_the_file(tmp_path, edit, problem):
+    from llm.loading import load_trained_model, model_config_of
+
     build_config("demo", ["model.vocab_size=512"]).save(tmp_path / "config.yaml")
     path = tmp_path / "config.yaml"
     path.write_text(edit(path.read_text()))
-    with pytest.raises(UserError) as refused:
-        rundir.recorded_config(tmp_path)
-    assert str(refused.value).startswith(f"{path} is damaged (") and problem in str(refused.value)
-    assert str(refused.value).endswith("); `zerollm train` wrote it: restore it")
+    for read in (load_trained_model, model_config_of):
+        with pytest.raises(UserError) as refused:
+            read(tmp_path)
+        assert str(refused.value).startswith(f"{path} is damaged (") and problem in str(refused.value)
+        assert str(refused.value).endswith("); `zerollm train` wrote it: restore it")
 
 
 RESUMED = ["model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "data.seq_len=32"]

@@ -271,6 +271,7 @@ def test_a_rank_that_sees_one_gpu_of_many_ranks_on_its_node_uses_it(monkeypatch,
     chosen = _visible_gpus(monkeypatch, distributed, 1, uuid="0a1b")
     store = torch.distributed.HashStore()
     store.set_timeout(timedelta(seconds=20))
+    monkeypatch.setattr(distributed, "_wait_for_rendezvous", lambda address, port, timeout_s: timeout_s)
     monkeypatch.setattr(distributed.torch.distributed, "rendezvous", lambda url, rank, world, timeout: iter(
         [(store, rank, world)]))
     groups = []
