@@ -20,7 +20,7 @@ INTERPRETED = interpreting()
 TILE_ELEMENTS = 2048  # tokens x half head dim handled per head iteration
 # head dim -> the head dims that share its kernels (the tile width, and whether half of it is a multiple of 16,
 # which Triton specialises on): the compile check's labels
-HEAD_DIMS = {32: "32", 48: "48", 64: "64", 128: "96,128"}
+HEAD_DIMS = {32: "32", 48: "48", 64: "64", 128: "96,128", 112: "80,112"}  # 80 and 112 compiled unchecked
 
 
 @triton.jit
