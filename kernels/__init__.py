@@ -55,7 +55,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
                positions: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q `[b, h, s, d]` and k `[b, hk, s, d]` by table rows position_offset + s, or by `positions[b, s]`."""
     reference.check_rope_args(q, k, cos, sin, position_offset, positions)
-    if choose_backend("apply_rope", q, backend) == "triton" and (backend == "triton" or rows_addressable(q, k)):
+    if choose_backend("apply_rope", q, backend) == "triton" and (backend == "triton" or rows_addressable(q, k, dims=3)):
         return triton_module_for("rope", q).apply_rope(q, k, cos, sin, position_offset, positions)
     return reference.apply_rope(q, k, cos, sin, position_offset, positions)
 

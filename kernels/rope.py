@@ -20,7 +20,7 @@ INTERPRETED = interpreting()
 TILE_ELEMENTS = 2048  # tokens x half head dim handled per head iteration
 # head dim -> the head dims that share its kernels (the tile width, and whether half of it is a multiple of 16,
 # which Triton specialises on): the compile check's labels
-HEAD_DIMS = {32: "32", 48: "48", 64: "64", 128: "96,128", 112: "80,112"}  # 80 and 112 compiled unchecked
+HEAD_DIMS = {32: "32", 48: "48", 64: "64", 128: "96,128", 112: "80,112"}
 
 
 @triton.jit
@@ -111,7 +111,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q `[b, h, s, d]` and k `[b, h_kv, s, d]` by table rows position_offset + s, or rows `positions[b, s]`,
     arguments checked by `kernels.apply_rope` (`reference.check_rope_args`)."""
-    check_rows_addressable("apply_rope", q, k)
+    check_rows_addressable("apply_rope", q, k, dims=3)
     positions = (torch.empty(0, dtype=torch.int64, device=q.device) if positions is None else
                  positions.to(torch.int64).contiguous())
     return RoPEFunction.apply(q, k, cos.contiguous(), sin.contiguous(), positions, position_offset)

@@ -45,17 +45,17 @@ class KernelUnavailableError(RuntimeError):
     """backend='triton' was asked for where Triton cannot run."""
 
 
-def rows_addressable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels reach every element of each `[..., heads, seq, dim]` tensor: RoPE addresses a head, a
-    position and a channel within one batch row in 32-bit integers (attention its position and channel), so an
-    offset of 2^31 elements or more wrapped around and read or wrote other memory (a sequence of 512k positions of
-    32 heads of 128, as the model's transposed q is laid out, or 300k positions of 64 contiguous heads)."""
-    return all(sum((size - 1) * abs(stride) for size, stride in zip(t.shape[-3:], t.stride()[-3:], strict=True))
+def rows_addressable(*tensors: torch.Tensor, dims: int = 2) -> bool:
+    """Whether a kernel that addresses the last `dims` dimensions of each tensor in 32-bit integers reaches every
+    element: attention a position and a channel of one (batch, head) (2), RoPE a head too (3). An offset of 2^31
+    elements or more wrapped around and read or wrote other memory (512k positions of 32 heads of 128, as the
+    model's transposed q is laid out; 300k positions of 64 contiguous heads, for RoPE)."""
+    return all(sum((size - 1) * abs(stride) for size, stride in zip(t.shape[-dims:], t.stride()[-dims:], strict=True))
                < 2**31 for t in tensors)
 
 
-def check_rows_addressable(op: str, *tensors: torch.Tensor) -> None:
-    if not rows_addressable(*tensors):
+def check_rows_addressable(op: str, *tensors: torch.Tensor, dims: int = 2) -> None:
+    if not rows_addressable(*tensors, dims=dims):
         shapes = ", ".join(f"{tuple(t.shape)} (strides {t.stride()})" for t in tensors)
         raise ValueError(f"{op}: the Triton kernel addresses a head's positions in 32-bit offsets, which {shapes} "
                          "pass; use model.kernels=torch (or auto) at this length")

@@ -315,14 +315,19 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
 
 
 def visible_devices(environ: dict[str, str]) -> list[int] | None:
-    """The GPU indices CUDA_VISIBLE_DEVICES names in `environ` (this shell's with --env's over it), each once; None
-    where it names none, or names them otherwise (UUIDs and MIG devices, which DeepSpeed's slots cannot name; -1 or
-    SLURM's NoDevFiles, none). DeepSpeed's launcher sets it for every rank from the hostfile's slots (0..n-1 with our
-    own hostfile): the GPUs a user chose were replaced by others, perhaps another job's."""
-    ids = [part.strip() for part in environ.get(VISIBLE_DEVICES, "").split(",")]
-    if not all(re.fullmatch(r"[0-9]{1,4}", part) for part in ids) or len(set(ids)) < len(ids):
-        return None
-    return [int(part) for part in ids]
+    """The GPU indices CUDA_VISIBLE_DEVICES names in `environ` (this shell's with --env's over it); None where it
+    names no GPU (unset, -1, SLURM's NoDevFiles). DeepSpeed's launcher sets it for every rank from the hostfile's
+    slots (0..n-1 with our own hostfile): the GPUs a user chose were replaced by others, perhaps another job's. GPUs
+    it cannot name by a slot (UUIDs, MIG devices), or named twice, are refused."""
+    text = environ.get(VISIBLE_DEVICES, "").strip()
+    ids = [part.strip() for part in text.split(",")]
+    if all(re.fullmatch(r"[0-9]{1,4}", part) for part in ids) and len(set(ids)) == len(ids):
+        return [int(part) for part in ids]
+    if re.match(r"(GPU|MIG)-", text) or all(re.fullmatch(r"[0-9]{1,4}", part) for part in ids):
+        raise UserError(f"{VISIBLE_DEVICES}={text}: DeepSpeed's launcher gives the ranks GPUs by index and would "
+                        "replace it; give each GPU's index once (as nvidia-smi numbers them), or use --backend "
+                        "torchrun, which keeps the variable as it is")
+    return None
 
 
 def _first_visible(visible: list[int], ranks: int) -> list[int]:
@@ -431,7 +436,7 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     options += ["--num_gpus", str(args.nproc_per_node)] if args.nproc_per_node else []
     files = {"hostfile": hostfile_text(hosts)}
     chosen = visible_devices({**environ, **env})
-    if chosen and chosen != list(range(len(chosen))) and not (args.include or args.exclude) and \
+    if chosen and chosen != list(range(len(chosen))) and not args.include and \
             (VISIBLE_DEVICES in env or any(map(is_local_address, active))):
         ids = ",".join(map(str, chosen))
         raise UserError(f"{VISIBLE_DEVICES}={ids}, but DeepSpeed's launcher gives each host's ranks the GPUs of its "

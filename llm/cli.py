@@ -607,7 +607,8 @@ def checked_training_command(job: list[str]) -> tuple[list[str], Path, RunConfig
                         "zerollm launch ... -- train pretrain --recipe demo --data DATA --out RUN")
     if any(arg == "--nproc" or arg.startswith("--nproc=") for arg in job):
         raise UserError("--nproc belongs to single-machine runs; under `zerollm launch` use --nproc-per-node")
-    launch_options_given = [arg for arg in job if arg.partition("=")[0] in _launch_only_options()]
+    launch_only = _launch_only_options()
+    launch_options_given = [arg for arg in job if arg.partition("=")[0] in launch_only]
     if launch_options_given:  # the training command's parser refused them, printing the usage of `zerollm`
         raise UserError(f"{launch_options_given[0]} is an option of `zerollm launch`: give launch options before "
                         "'--' and the training command after it (zerollm launch --hostfile FILE -- train ...)")

@@ -307,7 +307,8 @@ def test_offsets_past_32_bits_are_refused_by_the_kernels_and_left_to_torch_by_au
     assert runtime.rows_addressable(_laid_past_32_bit_offsets(8, 32))
     q = _laid_past_32_bit_offsets(9, 32)
     assert not runtime.rows_addressable(q)
-    assert not runtime.rows_addressable(torch.empty(1, 64, 300_000, 128, device="meta"))  # heads: RoPE's int32 too
+    contiguous = torch.empty(1, 64, 300_000, 128, device="meta")  # RoPE steps its heads in 32 bits, attention not
+    assert runtime.rows_addressable(contiguous) and not runtime.rows_addressable(contiguous, dims=3)
     table = torch.empty(16, 16, device="meta")
     for call, op in ((lambda: rope.apply_rope(q, q, table, table), "apply_rope"),
                      (lambda: flash_attention.attention(q, q, q), "attention")):

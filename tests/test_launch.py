@@ -268,7 +268,6 @@ def test_per_node_ranks_keep_the_gpus_cuda_visible_devices_chose(argv, environ):
 
 @pytest.mark.parametrize("argv, environ", [
     (["--backend", "torchrun"], {"CUDA_VISIBLE_DEVICES": "GPU-5d3f,GPU-77a1"}),  # torchrun leaves it alone
-    ([], {"CUDA_VISIBLE_DEVICES": "GPU-5d3f,GPU-77a1"}),  # no slot names a UUID: as before
     ([], {"CUDA_VISIBLE_DEVICES": "-1"}),  # no GPU (a CPU node): as before
     ([], {"CUDA_VISIBLE_DEVICES": "NoDevFiles"}),  # SLURM's, for a step without GPUs
 ])
@@ -287,9 +286,14 @@ def test_gpus_chosen_in_hostfile_mode_are_selected_with_include(tmp_path):
 
 
 @pytest.mark.parametrize("argv, environ, message", [
+    (["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1"], {"CUDA_VISIBLE_DEVICES": "GPU-5d3f,GPU-77a1"},
+     "CUDA_VISIBLE_DEVICES=GPU-5d3f,GPU-77a1: DeepSpeed's launcher gives the ranks GPUs by index and would replace it; "
+     "give each GPU's index once (as nvidia-smi numbers them), or use --backend torchrun"),
+    (["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1"], {"CUDA_VISIBLE_DEVICES": "2,2"},
+     "CUDA_VISIBLE_DEVICES=2,2: DeepSpeed's launcher gives the ranks GPUs by index"),
     (["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--nproc-per-node", "3"],
      {"CUDA_VISIBLE_DEVICES": "2,3"}, "3 ranks per node, but CUDA_VISIBLE_DEVICES=2,3 names 2 GPUs"),
-    (["--hostfile", "{hosts}"], {"CUDA_VISIBLE_DEVICES": "2,3"},
+    (["--hostfile", "{hosts}", "--exclude", "localhost:1"], {"CUDA_VISIBLE_DEVICES": "2,3"},
      "CUDA_VISIBLE_DEVICES=2,3, but DeepSpeed's launcher gives each host's ranks the GPUs of its slots in {hosts}, "
      "from 0 (it replaces the variable): select them with --include instead, e.g. --include localhost:2,3 (the "
      "hostfile giving localhost at least 4 slots)"),

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from kernels.runtime import triton_unavailable
 from llm import durable, rundir
-from llm.config import RunConfig, build_config, settable_key
+from llm.config import RunConfig, settable_key
 from llm.data.datasets import DATASETS
 from llm.data.formats import expand_inputs
 from llm.data.prepare import TOKENS_FILE
@@ -37,6 +37,7 @@ from llm.loading import (
     initial_weights,
     load_tokenizer_copy,
     model_config_of,
+    trained_config,
     weights_summary,
 )
 from llm.model import Transformer
@@ -354,7 +355,7 @@ def _resolved_ds_config(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_file: 
     """The resolved DeepSpeed config (`cfg.train.precision` made concrete), after refusing input of another tokenizer
     than `run_dir` keeps and a resume of it on other data, teacher, base, precision or shape."""
     check_tokenizer(run_dir, cfg, attrs["tokenizer_hash"])
-    saved = build_config(rundir.recorded_config(run_dir)) if resume and rundir.holds_checkpoints(run_dir) else None
+    saved = trained_config(run_dir) if resume and rundir.holds_checkpoints(run_dir) else None
     if saved is not None:
         check_same_stage(run_dir, saved, cfg)
         check_same_data(run_dir, data, input_files(cfg), attrs.get("legacy_tokenizer_hash"))
