@@ -321,9 +321,10 @@ def visible_devices(environ: dict[str, str]) -> list[int] | None:
     it cannot name by a slot (UUIDs, MIG devices), or named twice, are refused."""
     text = environ.get(VISIBLE_DEVICES, "").strip()
     ids = [part.strip() for part in text.split(",")]
-    if all(re.fullmatch(r"[0-9]{1,4}", part) for part in ids) and len(set(ids)) == len(ids):
+    indices = all(re.fullmatch(r"[0-9]{1,4}", part) for part in ids)
+    if indices and len(set(ids)) == len(ids):
         return [int(part) for part in ids]
-    if re.match(r"(GPU|MIG)-", text) or all(re.fullmatch(r"[0-9]{1,4}", part) for part in ids):
+    if indices or re.match(r"(GPU|MIG)-", text):
         raise UserError(f"{VISIBLE_DEVICES}={text}: DeepSpeed's launcher gives the ranks GPUs by index and would "
                         "replace it; give each GPU's index once (as nvidia-smi numbers them), or use --backend "
                         "torchrun, which keeps the variable as it is")
@@ -435,15 +436,15 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     options += ["--exclude", args.exclude] if args.exclude else []
     options += ["--num_gpus", str(args.nproc_per_node)] if args.nproc_per_node else []
     files = {"hostfile": hostfile_text(hosts)}
+    here = [host for host in active if is_local_address(host)]  # each asked once: a name may take a DNS lookup
     chosen = visible_devices({**environ, **env})
-    if chosen and chosen != list(range(len(chosen))) and not args.include and \
-            (VISIBLE_DEVICES in env or any(map(is_local_address, active))):
+    if chosen and chosen != list(range(len(chosen))) and not args.include and (VISIBLE_DEVICES in env or here):
         ids = ",".join(map(str, chosen))
         raise UserError(f"{VISIBLE_DEVICES}={ids}, but DeepSpeed's launcher gives each host's ranks the GPUs of its "
                         f"slots in {args.hostfile}, from 0 (it replaces the variable): select them with --include "
                         f"instead, e.g. --include {first}:{ids} (the hostfile giving {first} at least "
                         f"{max(chosen) + 1} slots)")
-    first_is_here = is_local_address(first)
+    first_is_here = first in here
     if first_is_here and args.master_addr is not None and not is_local_address(args.master_addr):
         raise UserError(f"--master-addr {args.master_addr} is not an address of this node, but the first host of "
                         f"{args.hostfile}, {first}, is this node and hosts the rendezvous (rank 0); give its own "
@@ -468,7 +469,7 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
         options.append("--no_ssh_check")  # mpirun reaches the hosts its own way
         program = (console_script(),) if args.launcher == "mpich" else RANK_MODULE
     if master:  # pdsh without one: asked of the first host at launch
-        _check_rendezvous_reachable(master, active, "--master-addr" if args.master_addr else
+        _check_rendezvous_reachable(master, active, here, "--master-addr" if args.master_addr else
                                     f"the first host of {args.hostfile}, where MPI places rank 0 (the rendezvous),")
         options += ["--master_addr", master]
     _check_port_if_local(master or first, args.master_port)
@@ -476,7 +477,7 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     files["deepspeed_env"] = env_file_text(remote_exports(env, environ, Path.cwd(), home), args.launcher)
     return Plan(deepspeed_runner(*options, program=program), job, files=files,
                 file_env={"DS_ENV_FILE": "deepspeed_env"}, ssh_hosts=ssh_hosts, address_of=None if master else first,
-                ranks_here=any(is_local_address(host) for host in active),
+                ranks_here=bool(here),
                 programs=LAUNCHER_PROGRAMS[args.launcher], deepspeed_codes=args.launcher == "pdsh",
                 stop_wait_s=STOP_WAIT_S if args.launcher == "pdsh" else 0.0)
 
@@ -494,12 +495,12 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def _check_rendezvous_reachable(master: str, active: dict[str, int], origin: str) -> None:
+def _check_rendezvous_reachable(master: str, active: dict[str, int], here: list[str], origin: str) -> None:
     """Refuse a rendezvous address (`origin` says where it came from) that only one machine reaches, for a job
-    whose ranks run on several: those of the others would wait for a rendezvous at their own loopback until the
-    collective timeout."""
-    others = [host for host in active if not is_local_address(host)]
-    if is_loopback(master) and len(others) + (len(others) < len(active)) > 1:
+    whose ranks run on several (the `active` hosts, `here` those of this node): those of the others would wait for
+    a rendezvous at their own loopback until the collective timeout."""
+    others = [host for host in active if host not in here]
+    if is_loopback(master) and len(others) + bool(here) > 1:
         raise UserError(f"{origin} {master} is a loopback address, which the ranks on {others[-1]} cannot reach (they "
                         "would look for the rendezvous on their own host); give an address of the first host that "
                         "the others reach")

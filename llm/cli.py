@@ -589,9 +589,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                          zero_stage=args.zero_stage))
 
 
-def _launch_only_options() -> set[str]:
-    """The options of `zerollm launch` that `zerollm train` does not take."""
-    commands = next(action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction))
+def _launch_only_options(parser: argparse.ArgumentParser) -> set[str]:
+    """The options of `zerollm launch` that `zerollm train` does not take, of `parser` (`build_parser`'s)."""
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
     train = next(a for a in commands.choices["train"]._actions if isinstance(a, argparse._SubParsersAction))
     return set(commands.choices["launch"]._option_string_actions) - \
         set().union(*(stage._option_string_actions for stage in train.choices.values()))
@@ -607,13 +607,14 @@ def checked_training_command(job: list[str]) -> tuple[list[str], Path, RunConfig
                         "zerollm launch ... -- train pretrain --recipe demo --data DATA --out RUN")
     if any(arg == "--nproc" or arg.startswith("--nproc=") for arg in job):
         raise UserError("--nproc belongs to single-machine runs; under `zerollm launch` use --nproc-per-node")
-    launch_only = _launch_only_options()
+    parser = build_parser()
+    launch_only = _launch_only_options(parser)
     launch_options_given = [arg for arg in job if arg.partition("=")[0] in launch_only]
     if launch_options_given:  # the training command's parser refused them, printing the usage of `zerollm`
         raise UserError(f"{launch_options_given[0]} is an option of `zerollm launch`: give launch options before "
                         "'--' and the training command after it (zerollm launch --hostfile FILE -- train ...)")
     try:
-        parsed = build_parser().parse_args(job)
+        parsed = parser.parse_args(job)
     except SystemExit as exc:
         raise UserError(f"the training command is invalid: {' '.join(job)}") from exc
     return job, Path(parsed.out), _checked_before_ranks(parsed)

@@ -248,9 +248,9 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
     info = setup_distributed(cfg.train.collective_timeout_s)
     announce = info.local_rank == 0  # a refusal every rank finds is printed once per node, not once per rank
     agreed(lambda: check_wandb(cfg.wandb, run_dir) if info.is_main else None, announce)  # rank 0 logs to wandb
-    ds_config = agreed(lambda: _resolved_ds_config(cfg, run_dir, info, (raw_ds, ds_source), zero_stage, resume, data,
-                                                   attrs), announce)
-    had_checkpoints = resume and rundir.holds_checkpoints(run_dir)  # what the resume checks above compared
+    had_checkpoints = resume and rundir.holds_checkpoints(run_dir)  # a resume of them: its settings compared
+    ds_config = agreed(lambda: _resolved_ds_config(cfg, run_dir, info, (raw_ds, ds_source), zero_stage,
+                                                   had_checkpoints, data, attrs), announce)
     with run_locked(run_dir, info.rank, lambda problem: refuse_together(problem, announce),
                     recheck=lambda: _check_unchanged(run_dir, resume, had_checkpoints)) as tidy_run_dir:
         watchdog = None
@@ -351,11 +351,12 @@ def _schedule(ds_config: Any) -> str:
 
 
 def _resolved_ds_config(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_file: tuple[dict, str],
-                        zero_stage: int | None, resume: bool, data: dict, attrs: dict) -> dict:
+                        zero_stage: int | None, resuming: bool, data: dict, attrs: dict) -> dict:
     """The resolved DeepSpeed config (`cfg.train.precision` made concrete), after refusing input of another tokenizer
-    than `run_dir` keeps and a resume of it on other data, teacher, base, precision or shape."""
+    than `run_dir` keeps and, `resuming` its checkpoints, a resume of it on other data, teacher, base, precision or
+    shape."""
     check_tokenizer(run_dir, cfg, attrs["tokenizer_hash"])
-    saved = trained_config(run_dir) if resume and rundir.holds_checkpoints(run_dir) else None
+    saved = trained_config(run_dir) if resuming else None
     if saved is not None:
         check_same_stage(run_dir, saved, cfg)
         check_same_data(run_dir, data, input_files(cfg), attrs.get("legacy_tokenizer_hash"))
