@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import ipaddress
 import math
 import os
 import re
@@ -67,6 +66,7 @@ from launch.reachable import check_reachable, host_address
 from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
 from llm.errors import EXIT_PREEMPTED, UserError
+from llm.loopback import is_loopback
 from llm.runtime.accelerator import ensure_accelerator_env
 from llm.runtime.cpu_threads import cpu_threads_per_rank
 from llm.runtime.rank_env import port_in_use
@@ -480,19 +480,6 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
                 ranks_here=bool(here),
                 programs=LAUNCHER_PROGRAMS[args.launcher], deepspeed_codes=args.launcher == "pdsh",
                 stop_wait_s=STOP_WAIT_S if args.launcher == "pdsh" else 0.0)
-
-
-def is_loopback(address: str) -> bool:
-    """Whether `address` is a loopback IP address (127.0.0.0/8, ::1) or localhost. A host's own name is not judged
-    by what it resolves to here: Debian's /etc/hosts maps it to 127.0.1.1 on the host itself, and other hosts
-    resolve it to its real address."""
-    name = address.lower().rstrip(".")
-    if name in ("localhost", "localhost.localdomain") or name.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(address.partition("%")[0]).is_loopback
-    except ValueError:
-        return False
 
 
 def _check_rendezvous_reachable(master: str, active: dict[str, int], here: list[str], origin: str) -> None:

@@ -57,6 +57,7 @@ from typing import Any
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator, TextStream
 from llm.infer.sampling import InvalidSampling, SamplingParams
+from llm.loopback import is_loopback_host
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
@@ -490,21 +491,6 @@ class ChatService:
 
 
 # ---- HTTP ---------------------------------------------------------------------------------------------
-
-def is_loopback_host(host: str) -> bool:
-    """Whether a bind address or Host header name (port and [] allowed) names this machine only."""
-    name = host.strip().lower()
-    if name.startswith("["):
-        name = name[1:name.find("]")]
-    elif name.count(":") == 1:
-        name = name.rsplit(":", 1)[0]
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
 
 def _well_formed_host(host: str) -> bool:
     """Whether a Host header reads as a host with an optional port from 0 to 65535 (RFC 9112, section 3.2); an

@@ -1,0 +1,30 @@
+"""Whether an address names this machine only: the launcher refuses such a rendezvous address for ranks on several
+machines, and the server asks for an API key when it listens anywhere else (and checks Host headers when not)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+
+def is_loopback(address: str) -> bool:
+    """Whether `address` is a loopback IP address (127.0.0.0/8, ::1, an IPv6 zone allowed) or localhost (RFC 6761:
+    also its subdomains, and the fully qualified spelling with a final dot). A host's own name is not judged by what
+    it resolves to here: Debian's /etc/hosts maps it to 127.0.1.1 on the host itself, and other hosts resolve it to
+    its real address."""
+    name = address.lower().rstrip(".")
+    if name in ("localhost", "localhost.localdomain") or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name.partition("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a bind address or Host header value (a port and IPv6 brackets allowed) names this machine only."""
+    name = host.strip()
+    if name.startswith("["):
+        name = name[1:name.find("]")]
+    elif name.count(":") == 1:
+        name = name.rsplit(":", 1)[0]
+    return is_loopback(name)
