@@ -59,13 +59,13 @@ from launch.hostfile import (
     read_hostfile,
     read_integer,
 )
-from launch.local import STOP_SIGNALS, STOPPED_AT_ONCE, exit_code, report_rank_ended
+from launch.local import RESUME_ADVICE, STOP_SIGNALS, STOPPED_AT_ONCE, exit_code, report_rank_ended
 from launch.nodelist import nodelist_size, slurm_hosts
 from launch.options import LaunchOptions, launcher_problem
 from launch.reachable import check_reachable, host_address
 from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
-from llm.errors import EXIT_PREEMPTED, UserError
+from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, UserError, report
 from llm.loopback import is_loopback
 from llm.runtime.accelerator import ensure_accelerator_env
 from llm.runtime.cpu_threads import cpu_threads_per_rank
@@ -545,11 +545,16 @@ def _end_with_parent() -> None:
         ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+SSH_FAILED = 255
+"""ssh's exit code for its own failure (a host that cannot be reached, a connection that drops), which pdsh, and so
+DeepSpeed's pdsh runner, passes on."""
+
+
 def deepspeed_signal(code: int) -> int | None:
     """The signal that ended a rank, read from the exit code of DeepSpeed's runner: its per-node launcher exits with
     the rank's return code, -N for signal N, which the process reports as 256 - N (247 for SIGKILL); None for any
     other code (SIGHUP's 255 is also ssh's code for a failed connection)."""
-    return 256 - code if 192 < code < 255 else None  # not 255: ssh's own failure, passed on by pdsh
+    return 256 - code if 192 < code < SSH_FAILED else None  # not 255: ssh's own failure, passed on by pdsh
 
 
 POLL_S = 0.25
@@ -648,6 +653,10 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
         print(f"zerollm launch: stopped; no checkpoint of the stop appeared in {run_dir} (where the hosts do not "
               "share it, their ranks' checkpoints are not seen here)", flush=True)
         return 128 + stopping[-1]
+    if code == SSH_FAILED and plan.ssh_hosts and not stopping:
+        report("a host's ssh connection failed or ended (exit 255; the lines above name the host), or a rank there "
+               f"was ended by SIGHUP; the job is ended on every rank: {RESUME_ADVICE}")
+        return EXIT_RANK_LOST
     signum = deepspeed_signal(code) if plan.deepspeed_codes and not stopping else None
     if signum is not None:  # which rank, DeepSpeed's launcher does not say (torchrun's table above does)
         return report_rank_ended("a rank", signum)

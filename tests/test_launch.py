@@ -1101,6 +1101,17 @@ time.sleep(120)
 stopped."""
 
 
+def test_an_ssh_connection_lost_under_pdsh_is_said_and_exits_76(tmp_path, capfd):
+    """pdsh passes ssh's 255 on (a host unreachable mid-run, a dropped connection): the launch exited 255 with no
+    word of its own."""
+    plan = Plan([sys.executable, "-c", "import sys; sys.exit(255)"], [], ssh_hosts=["node-a", "node-b"])
+    assert run_plan(plan, tmp_path / "run") == EXIT_RANK_LOST
+    assert ("zerollm: error: a host's ssh connection failed or ended (exit 255; the lines above name the host), or a "
+            "rank there was ended by SIGHUP; the job is ended on every rank: rerun with --resume auto to continue "
+            "from its last complete checkpoint") in capfd.readouterr().err.splitlines()
+    assert run_plan(replace(plan, ssh_hosts=[]), tmp_path / "run") == 255  # no ssh: the code as it came
+
+
 @pytest.mark.parametrize("ending, code, line", [
     ("3", 3, None),
     ("SIGTERM", EXIT_RANK_LOST, "zerollm: error: a rank was ended by SIGTERM (signal 15); the job is ended on every "
