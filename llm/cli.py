@@ -306,7 +306,8 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
                        description="Generate a continuation of --prompt (or a ChatML reply with --chat), streamed "
                                    "to stdout, using a KV cache.")
     _add_sampling_options(g)
-    g.add_argument("--prompt", required=True, help="text to continue")
+    g.add_argument("--prompt", required=True, help="text to continue; - reads it from standard input (UTF-8, "
+                                                   "without its final line end)")
     g.add_argument("--chat", action="store_true", help="treat the prompt as a user message and answer it (ChatML)")
     c = sub.add_parser("chat", help="multi-turn chat in the terminal", epilog=EPILOG,
                        description="A ChatML REPL with streamed replies. Commands: /reset, /system TEXT, /quit (or "
@@ -656,12 +657,27 @@ def _generator(args: argparse.Namespace):
     return TextGenerator(place(model, device, dtype), tokenizer)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    params, generator = _sampling(args), _generator(args)
+def _prompt_text(option: str) -> str:
+    """The text of `--prompt`: as given, or for '-' what standard input holds, less one final line end (what a
+    pipe or `<<<` adds)."""
+    if option != "-":
+        return option
+    data = sys.stdin.buffer.read() if sys.stdin is not None else b""
     try:
-        prompt = (generator.tokenizer.encode_chat([{"role": "user", "content": args.prompt}],
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--prompt -: standard input is not UTF-8 (byte 0x{data[exc.start]:02x} at offset "
+                        f"{exc.start})") from None
+    return text.removesuffix("\n").removesuffix("\r")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params, text = _sampling(args), _prompt_text(args.prompt)
+    generator = _generator(args)
+    try:
+        prompt = (generator.tokenizer.encode_chat([{"role": "user", "content": text}],
                                                   add_generation_prompt=True) if args.chat else
-                  generator.prompt_ids(args.prompt))
+                  generator.prompt_ids(text))
     except ValueError as exc:  # text that is not UTF-8
         raise UserError(f"--prompt: {exc}") from None
     left = generator.model.cfg.max_seq_len - len(prompt)

@@ -1,6 +1,7 @@
 """Inference: KV cache exactness, sampling, generation from text or ids, streaming, export/import with transformers."""
 
 
+import io
 import json
 import os
 import re
@@ -374,6 +375,19 @@ def test_a_prompt_or_stop_string_that_is_not_utf8_is_one_line_naming_the_option(
     assert zerollm_here(monkeypatch, "generate", "--model", exported, *chat, "--prompt", "hi", "--stop", text) == 2
     assert capsys.readouterr().err.startswith("zerollm: error: --stop must be strings that are not empty, of valid "
                                               "Unicode, got [")
+
+
+def test_a_prompt_of_minus_is_read_from_standard_input(exported, monkeypatch, capsys):
+    """`--prompt -` continued the text '-' (a long prompt had to go through the command line, and its length limit)."""
+    assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "To be", "--max-new-tokens", 8) == 0
+    given = capsys.readouterr().out
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"To be\n")))  # as `echo 'To be' |` gives it
+    assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "-", "--max-new-tokens", 8) == 0
+    assert capsys.readouterr().out == given
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"To \xff")))
+    assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "-") == 2
+    assert capsys.readouterr().err == ("zerollm: error: --prompt -: standard input is not UTF-8 (byte 0xff at offset "
+                                       "3)\n")
 
 
 def test_a_prompt_that_leaves_no_room_says_what_to_change(exported, monkeypatch, capsys):
