@@ -2,7 +2,8 @@
 
 Commands: /reset (forget the conversation), /system TEXT (set the system prompt and reset), /quit (or /exit). Only these
 exact lines are commands: any other line is a message, also one starting with `/` (`/etc/hosts: what is it?`), and `//`
-sends a line less its first `/` (`//reset` sends `/reset`).
+sends a line less its first `/` (`//reset` sends `/reset`). A message of several lines (pasted text, code) goes
+between lines of three double quotes (`BLOCK`), as in ollama: the lines between are sent as typed, as one message.
 The history goes through the tokenizer's chat template to ids (what the user types stays text, even
 `<|im_start|>`); the oldest exchanges are dropped when the context is full, and a message that cannot
 fit at all is refused with a message while the conversation carries on. Ctrl-C during a reply stops it (the reply
@@ -19,7 +20,23 @@ from llm.errors import UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 
-HELP = "commands: /reset  /system TEXT  /quit or /exit  (//text sends /text)"
+HELP = 'commands: /reset  /system TEXT  /quit or /exit  (//text sends /text; """ begins and ends several lines)'
+BLOCK = '"""'
+"""Begins a message of several lines, and ends it at the end of a line."""
+
+
+def _read_block(first: str, read: Callable[[str], str]) -> str:
+    """The message of a block whose first line (stripped) is `first`, which begins with `BLOCK`: the text after it,
+    then each line read, as typed, until one ends with `BLOCK` (before which it ends too)."""
+    rest = first[len(BLOCK):]
+    lines = []
+    while not rest.endswith(BLOCK):
+        lines.append(rest)
+        rest = read("... ").rstrip("\r\n")
+        if rest.rstrip().endswith(BLOCK):
+            rest = rest.rstrip()
+    lines.append(rest[:-len(BLOCK)])
+    return "\n".join(lines).strip("\n")
 
 
 class ChatSession:
@@ -109,6 +126,9 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
     while True:
         try:
             line = read("you> ").strip()
+            block = line.startswith(BLOCK)
+            if block:
+                line = _read_block(line, read)
         except EOFError:  # Ctrl-D: the shell's prompt goes on a line of its own
             say("")
             break
@@ -117,18 +137,19 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
                 raise
             say("\n(Ctrl-D or /quit ends the chat)")  # the line is cleared; the conversation goes on
             continue
-        if not line:
+        if not line.strip():
             continue
-        if line in ("/quit", "/exit"):
+        command = None if block else line  # a block is a message, whatever its lines are
+        if command in ("/quit", "/exit"):
             break
-        if line == "/reset":
+        if command == "/reset":
             try:  # the system prompt's reply may no longer fit in a GPU's memory
                 session.reset(session.system)
             except UserError as exc:
                 say(f"(not reset: {exc})")
                 continue
             say("(conversation reset)")
-        elif line.partition(" ")[0] == "/system":  # the command word alone, not /systemctl
+        elif command is not None and command.partition(" ")[0] == "/system":  # the word alone, not /systemctl
             try:
                 session.reset(line.removeprefix("/system").strip() or None, named="the system prompt")
             except (UserError, ValueError) as exc:  # ValueError: text that is not valid Unicode
@@ -136,7 +157,7 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
                 continue
             say(f"(system prompt {'set' if session.system else 'cleared'}; conversation reset)")
         else:
-            line = line.removeprefix("/") if line.startswith("//") else line
+            line = line.removeprefix("/") if command is not None and command.startswith("//") else line
             try:
                 pieces = session.reply(line)
             except (ValueError, UserError) as exc:
