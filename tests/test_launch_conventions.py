@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from conftest import REPO, TINY
 from llm.errors import UserError
 from llm.runtime import rank_env
 from llm.runtime.cpu_threads import cpu_threads_per_rank, ranks_sharing_cpus, threads_asked
+from llm.runtime.distributed import _wait_for_rendezvous
 from llm.runtime.rank_env import RANK_VARIABLES, free_port, rank_environment
 from standins import MPIRUN, OMPI_INFO, SSH, install
 
@@ -253,3 +255,20 @@ def test_nproc_under_a_launcher_may_be_the_job_s_size_or_its_ranks_on_this_node(
         assert [starts_ranks(nproc) for nproc in (1, 2, 4)] == [False] * 3
         with pytest.raises(UserError, match=r"^--nproc 3, but this process is a rank of a job of 4 "):
             starts_ranks(3)
+
+
+def test_a_rank_waiting_for_rank_0s_store_hands_the_rendezvous_what_is_left_of_its_timeout():
+    """The store client retried with the whole timeout at each try; a rank that waited for a late rank 0 then gave
+    the rendezvous the whole timeout again (2 to 3 times train.collective_timeout_s in all)."""
+    port = free_port()
+    listener = socket.socket()
+    timer = threading.Timer(1.5, lambda: (listener.bind(("127.0.0.1", port)), listener.listen()))
+    timer.start()  # rank 0's store comes 1.5 s late
+    try:
+        left = _wait_for_rendezvous("127.0.0.1", port, timeout_s=30.0)
+    finally:
+        timer.join()
+        listener.close()
+    assert 0 < left <= 30.0 - 1.5
+    with pytest.raises(TimeoutError, match=rf"^nothing answered at 127\.0\.0\.1:{port} \(Connection refused\)$"):
+        _wait_for_rendezvous("127.0.0.1", port, timeout_s=1.0)
