@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from llm.errors import UserError
+from llm.rundir import CHECKPOINTS_DIR, CONFIG_FILE, RUN_RECORD_FILE, TOKENS_FILE
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
 TABLE_SUFFIXES = (".parquet", ".arrow")
@@ -125,10 +126,17 @@ def _dataset_dict_splits(path: Path) -> list[Path]:
     return [path / split for split in splits]
 
 
+def _zerollm_output(folder: Path) -> bool:
+    """Whether `folder` is what zerollm writes, not data: a run directory (its samples.jsonl and metrics.jsonl
+    became GRPO prompts and pretraining text) or a prepared data folder."""
+    return (folder / RUN_RECORD_FILE).is_file() or (folder / TOKENS_FILE).is_file() or (
+        (folder / CONFIG_FILE).is_file() and (folder / CHECKPOINTS_DIR).is_dir())
+
+
 def _walk(folder: Path, exclude: Path | None) -> list[Path]:
-    """Supported files and save_to_disk datasets under `folder`, sorted; hidden entries, `exclude` and anything but
-    regular files (a FIFO would block the reader forever) left out. Symlinked folders are followed, each folder
-    read once however many links reach it (so a link loop ends)."""
+    """Supported files and save_to_disk datasets under `folder`, sorted; hidden entries, `exclude`, zerollm's own
+    output folders (`_zerollm_output`) and anything but regular files (a FIFO would block the reader forever) left
+    out. Symlinked folders are followed, each folder read once however many links reach it (so a link loop ends)."""
     found: list[Path] = []
     seen = {folder.resolve()}
     for root, dirs, files in os.walk(folder, followlinks=True):
@@ -137,7 +145,8 @@ def _walk(folder: Path, exclude: Path | None) -> list[Path]:
         for name in sorted(dirs):
             sub = here / name
             real = sub.resolve()
-            if name.startswith(".") or real in seen or (exclude is not None and _is_within(real, exclude)):
+            if name.startswith(".") or real in seen or (exclude is not None and _is_within(real, exclude)) or \
+                    _zerollm_output(sub):
                 continue
             seen.add(real)
             if _format(sub) == "hf":
@@ -187,7 +196,7 @@ def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None
     for raw in paths:
         path = Path(raw)
         if excluded is not None and path.exists() and _is_within(path.resolve(), excluded):
-            raise UserError(f"{path}: is inside the output directory {exclude}, which is replaced by this run; "
+            raise UserError(f"{path}: is inside the output directory {exclude}, which this run writes; "
                             "move the input or choose another --out")
         if (path / HF_DATASET_DICT_FILE).is_file():
             files.extend(_dataset_dict_splits(path))
