@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from llm.wording import printable
+
 EXIT_OK = 0
 EXIT_USER_ERROR = 2
 """Bad input (file, config, path, tokenizer), or ranks that disagree at rendezvous; nothing was trained."""
@@ -40,7 +42,7 @@ class StepInputError(UserError):
 
 def report(message: str) -> None:
     """Print a user error as every zerollm command does: one line on stderr, `zerollm: error: ...`."""
-    print(f"zerollm: error: {message}", file=sys.stderr, flush=True)
+    print(f"zerollm: error: {printable(message)}", file=sys.stderr, flush=True)
 
 
 def read_user_text(path: Path, save_as: str) -> str:

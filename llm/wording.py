@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import re
+
 
 def plural(noun: str, count: int) -> str:
     """`noun` as `count` of it reads: 'record' for 1, 'records' otherwise (0 records)."""
     return noun if count == 1 else noun + "s"
+
+
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+"""Control characters (a terminal runs ESC sequences: they set its title, clear it, colour what follows), and the
+bidirectional marks that reorder what is shown after them."""
+
+
+def printable(text: str) -> str:
+    """`text` with what would act on a terminal rather than show (`_UNPRINTABLE`) written as Python escapes, so that
+    a message quoting a user's file name or record is one line, shown as it is: '\\x1b', '\\n', '\\u202e'."""
+    return _UNPRINTABLE.sub(lambda found: repr(found.group())[1:-1], text)

@@ -183,6 +183,29 @@ def test_malformed_json_line_is_skipped_and_reported_with_file_line(tokenizer_di
     assert report["documents"]["train"] + report["documents"]["val"] == 22 and len(report["skipped"]) == 1
 
 
+def test_terminal_controls_in_records_and_file_names_are_shown_escaped(tokenizer_dir, tmp_path, monkeypatch, capsys):
+    """A key or part type holding ESC sequences reached the terminal raw (set its title, cleared it, coloured what
+    followed), and one holding a newline forged a line of zerollm's own; a file name too."""
+    path = tmp_path / "a\x1b[2Jb.jsonl"
+    path.write_text("\n".join([
+        json.dumps({"\x1b]0;PWNED\x07\x1b[31mfake": 1}),
+        json.dumps({"messages": [{"role": "user", "content": [{"type": "X\nzerollm: done", "text": "a"}]},
+                                 {"role": "assistant", "content": "b"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "b"}]})]) + "\n")
+    assert zerollm_here(monkeypatch, "data", "prepare", "--kind", "sft", "--input", path, "--tokenizer",
+                        tokenizer_dir, "--out", tmp_path / "out", "--workers", 1) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\nzerollm: done" not in out
+    shown = str(tmp_path / "a\\x1b[2Jb.jsonl")
+    assert f"  {shown}:1: not a conversation (keys: \\x1b]0;PWNED\\x07\\x1b[31mfake);" in out
+    assert f"  {shown}:2: turn 'content' has parts of type X\\nzerollm: done;" in out
+    (tmp_path / "out2\x1b[2J").write_text("")  # a file where the folder goes: the error line names it
+    assert zerollm_here(monkeypatch, "data", "prepare", "--kind", "sft", "--input", path, "--tokenizer",
+                        tokenizer_dir, "--out", tmp_path / "out2\x1b[2J", "--workers", 1) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "out2\\x1b[2J" in err and err.count("\n") == 1
+
+
 DEEP, HUGE = "[" * 100_000 + "]" * 100_000, "1" * 5000  # deeper than the recursion limit; more digits than int takes
 TOO_DEEP, TOO_LONG = "nested too deeply", f"an integer of more than {sys.get_int_max_str_digits()} digits"
 

@@ -34,6 +34,7 @@ from typing import Any, BinaryIO
 
 from llm.errors import UserError
 from llm.rundir import CHECKPOINTS_DIR, CONFIG_FILE, RUN_RECORD_FILE, TOKENS_FILE
+from llm.wording import printable
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
 TABLE_SUFFIXES = (".parquet", ".arrow")
@@ -85,7 +86,7 @@ class Skipped:
     unit: str = "line"
 
     def __str__(self) -> str:
-        return f"{place(self.source, self.line, self.unit)}: {self.reason}"
+        return printable(f"{place(self.source, self.line, self.unit)}: {self.reason}")
 
 
 def skipped_note(skipped: Sequence[Skipped | str]) -> str:
