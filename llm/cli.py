@@ -13,6 +13,7 @@ import errno
 import io
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -738,14 +739,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = served_name(args.served_model_name, args.model)
     server = bind_server(args.host, args.port, api_key=args.api_key,
                          max_connections_per_client=args.max_connections_per_client)
+
+    class Terminated(Exception):
+        """SIGTERM, raised where serve_forever waits, as Ctrl-C's KeyboardInterrupt is."""
+
+    def terminate(signum, frame):
+        raise Terminated
+
+    previous, terminated = signal.signal(signal.SIGTERM, terminate), False
     try:
         server.service = ChatService(_generator(args), name, args.max_tokens)
         print(f"serving {server.service.model_name} on {server.url}/v1 (Ctrl-C stops)", flush=True)
         server.serve_forever()  # until Ctrl-C (exit 130) or SIGTERM (143)
-    finally:
-        server.server_close()
+    except Terminated:
+        terminated = True
+    finally:  # the reply being generated ends with an error and the waiting requests get a 503, on SIGTERM too (the
+        server.server_close()  # process ended at once: a stream cut off, which clients read as a finished reply)
         if server.service is not None:
             server.service.close()
+        signal.signal(signal.SIGTERM, previous)
+    if terminated:  # then ended by the signal, as a service manager expects of SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 128 + signal.SIGTERM
     return 0
 
 

@@ -900,6 +900,51 @@ def test_ctrl_c_stops_serve_with_exit_130_as_other_commands(generator, tokenizer
     assert (proc.returncode, err) == (130, "zerollm: interrupted\n")
 
 
+SLOW_SERVE = """
+import sys, time
+import torch
+from llm import cli
+from llm.infer.generate import TextGenerator
+def token_steps(self, prompts, params, use_cache=True):
+    for token in self.tokenizer.encode("abc " * 100)[:params.max_new_tokens]:
+        time.sleep(0.1)
+        yield torch.tensor([token]), torch.tensor([False])
+TextGenerator.token_steps = token_steps
+cli.main(["serve", "--model", sys.argv[1], "--port", "0"])
+"""
+"""`zerollm serve` whose model answers 'abc abc ...', a token every 0.1 s."""
+
+
+def test_sigterm_ends_the_reply_being_streamed_with_an_error_as_ctrl_c_does(generator, tokenizer_dir, tmp_path):
+    """SIGTERM (how systemd, docker and Kubernetes stop a service) ended the process at once: a stream stopped after
+    some pieces with no error and no [DONE], which the openai client reads as a finished reply."""
+    import signal
+
+    from llm.export import export_model
+
+    export_model(generator.model, tokenizer_dir, tmp_path / "model")
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SERVE, str(tmp_path / "model")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        url = re.search(r" on (http://\S+)/v1", proc.stdout.readline()).group(1)
+        with socket.create_connection(_address(url), timeout=60) as sock:
+            sock.sendall(request_bytes({**HELLO, "stream": True, "max_tokens": 50, "temperature": 0}))
+            response = sock.recv(65536)
+            while b"data: " not in response:  # a piece came: the reply is being generated
+                response += sock.recv(65536)
+            proc.send_signal(signal.SIGTERM)
+            while chunk := sock.recv(65536):
+                response += chunk
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    events = [line.removeprefix(b"data: ") for line in response.split(b"\r\n\r\n", 1)[1].split(b"\n\n") if line]
+    assert b"[DONE]" not in events and re.fullmatch(
+        r"the server is shutting down; this reply was cut off after \d+ tokens: retry it",
+        json.loads(events[-1])["error"]["message"]), events[-3:]
+    assert proc.returncode == -signal.SIGTERM and "Traceback" not in err, err[-2000:]
+
+
 def test_an_error_after_an_early_head_is_the_body(generator):
     """To an HTTP/1.0 client whose input ended the head of the reply goes at once (to tell a close from a
     half-close); a failure of the model after it is the OpenAI error as the body, with no second head."""
