@@ -506,14 +506,35 @@ def test_other_methods_and_malformed_requests_get_json_errors(server, data, stat
     assert "message" in json_body(response)["error"] and b"<html" not in response.lower()
 
 
-@pytest.mark.parametrize("method, path, allowed", [("PUT", "/v1/chat/completions", "POST"),
-                                                   ("DELETE", "/v1/models", "GET"), ("OPTIONS", "/health", "GET")])
+@pytest.mark.parametrize("method, path, allowed", [
+    ("PUT", "/v1/chat/completions", "POST"), ("DELETE", "/v1/models", "GET, HEAD"), ("OPTIONS", "/health", "GET, HEAD"),
+    ("GET", "/v1/chat/completions", "POST"), ("HEAD", "/v1/chat/completions", "POST"),  # were 404, no route
+    ("POST", "/v1/models", "GET, HEAD"), ("POST", "/v1/models/tiny", "GET, HEAD")])
 def test_a_405_names_the_method_the_route_takes(server, method, path, allowed):
-    """RFC 9110 15.5.6: a 405 must carry Allow; it had none."""
+    """RFC 9110 15.5.6: a 405 must carry Allow; it had none. A route asked with another of the methods the server
+    knows was a 404 ('no route GET'), as if it did not exist."""
     got, response = raw_exchange(server, request_bytes(b"", method=method, path=path))
     head = response.split(b"\r\n\r\n")[0].split(b"\r\n")
     assert got == 405 and [line for line in head if line.lower().startswith(b"allow:")] == [
         f"Allow: {allowed}".encode()]
+
+
+@pytest.mark.parametrize("method", ["DELETE", "PUT", "HEAD", "POST"])
+def test_a_path_the_server_does_not_have_is_404_whatever_the_method(server, method):
+    """DELETE /nowhere was a 405 whose Allow named GET for a route that does not exist."""
+    got, response = raw_exchange(server, request_bytes(b"", method=method, path="/nowhere"))
+    assert got == 404 and b"allow:" not in response.split(b"\r\n\r\n")[0].lower()
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/v1/models/tiny"])
+def test_head_answers_as_get_without_the_body(server, path):
+    """RFC 9110 9.1: a server that takes GET takes HEAD; it was a 405, which uptime checkers read as down."""
+    got, response = raw_exchange(server, request_bytes(b"", method="HEAD", path=path,
+                                                       headers={"Connection": "close"}))
+    head, _, body = response.partition(b"\r\n\r\n")
+    get = raw_exchange(server, request_bytes(b"", method="GET", path=path, headers={"Connection": "close"}))[1]
+    length = [line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+    assert got == 200 and body == b"" and length and int(length[0].split(b":")[1]) == len(get.split(b"\r\n\r\n")[1])
 
 
 def test_posts_must_be_json(server):

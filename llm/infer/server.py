@@ -79,6 +79,16 @@ CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
 FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 """A header's name: an RFC 9110 token, no whitespace."""
 CHAT_ROUTE = "/v1/chat/completions"
+
+
+def allowed_methods(route: str) -> str | None:
+    """The methods a route takes, as an Allow header lists them (RFC 9110: where GET is, HEAD is too); None for a
+    route the server does not have."""
+    if route == CHAT_ROUTE:
+        return "POST"
+    if route in ("/health", "/v1/models") or route.startswith("/v1/models/"):
+        return "GET, HEAD"
+    return None
 """The route that takes POST; every other takes GET."""
 API_KEY = re.compile(r"[!-~]+")
 """Visible ASCII: what an HTTP header carries unchanged."""
@@ -669,25 +679,28 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             except OSError:
                 pass
 
+        def _route(self) -> None:
+            """404 for a path the server does not have, 405 naming the methods a route takes (RFC 9110, section
+            15.5.6) for a method it does not, else the route's answer (HEAD's without its body)."""
+            allowed = allowed_methods(self.route)
+            if allowed is None:
+                raise RequestError(f"no route {self.command} {self.path}", status=404)
+            if self.command not in allowed.split(", "):
+                self._error(405, f"method {self.command} is not allowed on {self.path}", headers={"Allow": allowed})
+            else:
+                (self._post if self.command == "POST" else self._get)()
+
         def do_GET(self) -> None:
-            self._handle(self._get)
+            self._handle(self._route)
 
-        def do_POST(self) -> None:
-            self._handle(self._post)
-
-        def _not_allowed(self) -> None:
-            """A 405 names the method the route takes (RFC 9110, section 15.5.6)."""
-            allowed = "POST" if urllib.parse.urlsplit(self.path).path == CHAT_ROUTE else "GET"
-            self._error(405, f"method {self.command} is not allowed on {self.path}", headers={"Allow": allowed})
-
-        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _not_allowed
+        do_POST = do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_GET
 
         def _get(self) -> None:
             lengths = self.headers.get_all("Content-Length") or []
             if self.headers.get("Transfer-Encoding") or any(length.strip() != "0" for length in lengths):
                 # unread, the body would be taken for the next request on the connection (a proxy's desync); the
                 # error closes the connection
-                raise RequestError("a GET request must not have a body (a Content-Length above 0 or a "
+                raise RequestError(f"a {self.command} request must not have a body (a Content-Length above 0 or a "
                                    "Transfer-Encoding)")
             model = {"id": self.service.model_name, "object": "model", "created": self.service.created,
                      "owned_by": "zerollm"}
@@ -695,13 +708,11 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                 self._json(200, {"status": "ok"})
             elif self.route == "/v1/models":
                 self._json(200, {"object": "list", "data": [model]})
-            elif self.route.startswith("/v1/models/"):
+            else:  # under /v1/models/ (`allowed_methods`)
                 name = urllib.parse.unquote(self.route.removeprefix("/v1/models/"))  # escaped or not (: + @)
                 if name != self.service.model_name:
                     raise model_not_found(name, self.service.model_name)
                 self._json(200, model)
-            else:
-                raise RequestError(f"no route GET {self.path}", status=404)
 
         def _read_body(self) -> bytes:
             if self.headers.get("Transfer-Encoding"):
@@ -726,8 +737,6 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             return raw
 
         def _post(self) -> None:
-            if self.route != CHAT_ROUTE:
-                raise RequestError(f"no route POST {self.path}", status=404)
             body = parse_json_body(self._read_body())
             messages = parse_messages(body)
             check_model(body, self.service.model_name)
