@@ -758,7 +758,8 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             """Whether the client has left: its connection was reset or closed both ways (POLLERR, POLLHUP). The end
             of its input alone is no sign: a client that half-closes (shutdown(SHUT_WR), as `nc -N` does) still waits
             for its answer, and Linux tells it from one that closed only once something is written, which a closed
-            socket answers with a reset: when its input ends, `_probe` writes."""
+            socket answers with a reset: once its input has ended, `_probe` writes at each check (a client that
+            half-closed and left later was noticed at the reply's end, its generation run to the end meanwhile)."""
             try:
                 poller = select.poll()
                 poller.register(self.connection, select.POLLIN)
@@ -766,7 +767,7 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                 flags = events[0][1] if events else 0
                 if flags & (select.POLLERR | select.POLLHUP):
                     return True
-                if flags & select.POLLIN and not self.input_ended and not self.connection.recv(1, socket.MSG_PEEK):
+                if flags & select.POLLIN and (self.input_ended or not self.connection.recv(1, socket.MSG_PEEK)):
                     self.input_ended = True
                     self._probe()
                 return False
@@ -777,12 +778,15 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             """Write what the client skips, for a client that closed to answer it with a reset (seen at the next
             poll): in a stream, an SSE comment (a stream may be silent for long: special tokens, or text that may
             still become a stop string, are not sent); before a reply that is not streamed, an interim `100 Continue`
-            to HTTP/1.1; to HTTP/1.0, which has no interim responses, the reply's head at once (`_begin_reply`)."""
+            to HTTP/1.1 (clients read any number of them, RFC 9110 section 15.2); to HTTP/1.0, which has no interim
+            responses, the reply's head at once (`_begin_reply`), then a space, which the JSON body may begin with."""
             if self.streaming:
                 self.wfile.write(b": waiting for the model\n\n")
             elif self.request_version != "HTTP/1.0":
                 self.send_response_only(HTTPStatus.CONTINUE)
                 self.end_headers()
+            elif self.head_sent:
+                self.wfile.write(b" ")
             else:
                 self._begin_reply()
 
