@@ -70,11 +70,11 @@ def read_run(run_dir: Path, name: str | None = None) -> RunSeries:
         raise UserError(f"{run_dir}: " + ("no such directory" if not run_dir.exists() else
                                           "not a directory; give a run directory made by `zerollm train`"))
     metrics = run_dir / rundir.METRICS_FILE
-    if not metrics.is_file():
+    if not metrics.is_file() and not rundir.is_run_dir(run_dir):  # a run writes it at its first logged step
         raise UserError(f"{run_dir}: no {rundir.METRICS_FILE}; is this a run directory made by `zerollm train`?")
     columns = {key: (array("q"), array("d")) for key, _ in PANELS}
     rows, last_step = 0, -1
-    for line in jsonl_lines(metrics):
+    for line in jsonl_lines(metrics) if metrics.is_file() else ():
         row = line.value
         if not (isinstance(row, dict) and rundir.is_count(row.get("step"))):
             # e.g. the last line, torn by a killed run (training drops it the same way)
@@ -91,10 +91,10 @@ def read_run(run_dir: Path, name: str | None = None) -> RunSeries:
             if rundir.is_number(row.get(key)):
                 steps.append(row["step"])
                 values.append(row[key])
-    if not rows:
-        raise UserError(f"{metrics}: no logged steps yet")
     label = name or run_dir.resolve().name
-    if not any(steps for steps, _ in columns.values()):
+    if not rows:  # a run just begun: the others are still drawn
+        print(f"zerollm: note: {run_dir}: no logged steps yet; {label} has no line", file=sys.stderr)
+    elif not any(steps for steps, _ in columns.values()):
         print(f"zerollm: note: {metrics}: no row holds a number as {', '.join(key for key, _ in PANELS)}; "
               f"{label} has no line", file=sys.stderr)
     return RunSeries(label, columns, _tokens_per_step(run_dir))

@@ -301,6 +301,19 @@ def test_a_step_logged_again_supersedes_the_earlier_rows_from_it_on(tmp_path):
     assert series.points("val_loss", "step") == ([], [])  # step 4 logged again without one: its old point is gone
 
 
+@pytest.mark.parametrize("metrics", [None, ""])
+def test_a_run_that_has_not_logged_yet_is_noted_and_the_others_drawn(tmp_path, capsys, metrics):
+    """A run still before its first logged step (no metrics.jsonl yet, or an empty one) refused the whole picture,
+    saying it was perhaps not a run directory."""
+    fresh = fake_run(tmp_path / "fresh", 1, 1.0)
+    (fresh / "metrics.jsonl").unlink()
+    if metrics is not None:
+        (fresh / "metrics.jsonl").write_text(metrics)
+    out = plot_runs([fake_run(tmp_path / "a", 10, 1.0), fresh], tmp_path / "x.png")
+    assert capsys.readouterr().err == f"zerollm: note: {fresh}: no logged steps yet; fresh has no line\n"
+    assert out.stat().st_size > 0
+
+
 def test_a_run_with_nothing_to_draw_is_noted(tmp_path, capsys):
     """Such a run got a legend entry and no line anywhere, without a word."""
     from llm.plot import read_run
