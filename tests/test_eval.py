@@ -667,6 +667,8 @@ def test_help_explains_the_new_commands(command):
     (["--tasks", "my_task", "--out", "{file}"], "--out {file}: {file} is a file; give a folder for the results"),
     (["--tasks", "my_task", "--out", "{link}"], "--out {link}: {link} is a symbolic link to {link}-target, which "
                                                 "does not exist"),  # a FileExistsError after the evaluation
+    (["--tasks", "my_task", "--out", "/proc/zerollm-results"], "--out /proc/zerollm-results: cannot create it ("),
+    # the folder above it passes as writable: a FileNotFoundError traceback after the evaluation
     (["--input", "{file}", "--nproc", "0"], "argument --nproc: must be between 1 and 1024, got 0"),  # ran one rank
     (["--input", "{file}", "--limit", "5", "--out", "x"], "--limit, --out apply to --tasks"),  # silently ignored
     (["--input", "{file}", "--apply-chat-template", "--system-instruction", "Be brief.", "--log-samples"],
