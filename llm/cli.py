@@ -74,11 +74,13 @@ def ranks_on_this_machine(text: str) -> int:
     return value
 
 
-def at_least_one(text: str) -> int:
-    """A count that must be 1 or more (`demo --steps 0` ran the full demo)."""
+def demo_steps(text: str) -> int:
+    """The demo's pretraining steps: 2 or more (`demo --steps 0` ran the full demo, and with 1 its one evaluation
+    could never show the validation loss falling: the demo reported failure after every stage ran)."""
     value = whole_number(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 (the validation loss is compared between two "
+                                         f"evaluations), got {value}")
     return value
 
 
@@ -271,7 +273,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=a_path, default="runs/demo",
                    help="working directory: new, empty or an earlier demo's, whose files the demo replaces; any "
                         "other folder is refused (default runs/demo)")
-    p.add_argument("--steps", type=at_least_one, default=None,
+    p.add_argument("--steps", type=demo_steps, default=None,
                    help="pretraining steps, and the most each later stage takes (default: the demo's own: 1000 "
                         "pretraining, 300 SFT, 100 DPO, 300 GRPO)")
     p.add_argument("--nproc", type=ranks_on_this_machine, default=1, help="ranks (default 1)")

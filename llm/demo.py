@@ -21,7 +21,7 @@ from pathlib import Path
 
 from llm import rundir
 from llm.data.output import refuse_foreign_contents, staging_leftovers
-from llm.errors import UserError
+from llm.errors import EXIT_PREEMPTED, UserError
 from llm.infer.generate import TextGenerator, complete
 from llm.infer.sampling import SamplingParams
 from llm.loading import load_for_inference, load_trained_model
@@ -158,8 +158,18 @@ def write_grpo_file(path: Path) -> None:
                               for q, a in questions(held=False)) + "\n", encoding="utf-8")
 
 
+RESTART = "the demo has no --resume: run it again to start it over"
+"""Said where a stage stopped by Ctrl-C or SIGTERM advised `--resume auto`, which `zerollm demo` does not take."""
+
+
 def _zerollm(*args: str) -> None:
-    code = subprocess.run([sys.executable, "-m", "llm", *args], check=False).returncode
+    try:
+        code = subprocess.run([sys.executable, "-m", "llm", *args], check=False).returncode
+    except KeyboardInterrupt:  # the stage had it too, and may have said to rerun it with --resume auto
+        print(f"zerollm demo: stopped; {RESTART}", file=sys.stderr, flush=True)
+        raise
+    if code == EXIT_PREEMPTED:
+        raise UserError(f"demo step `zerollm {' '.join(args[:2])}` was stopped; {RESTART}")
     if code != 0:
         raise UserError(f"demo step `zerollm {' '.join(args[:2])}` failed with exit code {code}")
 

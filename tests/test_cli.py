@@ -138,8 +138,34 @@ def test_demo_refuses_a_folder_of_the_users_and_steps_below_one(tmp_path, monkey
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"zerollm: error: --out {tmp_path / 'afile'}: is a file; give a directory (new, empty, or an earlier demo's)")
     assert zerollm_here(monkeypatch, "demo", "--out", tmp_path / "new", "--steps", 0) == 2
-    assert "argument --steps: must be at least 1, got 0" in capsys.readouterr().err
+    assert "argument --steps: must be at least 2 (the validation loss is compared between two evaluations), got 0" \
+        in capsys.readouterr().err
+    assert zerollm_here(monkeypatch, "demo", "--out", tmp_path / "new", "--steps", 1) == 2  # every stage ran, then
+    assert "argument --steps: must be at least 2" in capsys.readouterr().err  # 'did NOT fall': one evaluation only
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("stopped", [KeyboardInterrupt, 75])
+def test_a_demo_stopped_in_a_stage_says_it_starts_over_not_resume(monkeypatch, capsys, stopped):
+    """A stage stopped by Ctrl-C said 'rerun with --resume auto', which the demo does not take (a rerun deletes
+    that checkpoint and starts over); the demo said nothing to correct it."""
+    from llm import demo
+
+    def run(*args, **kwargs):
+        if stopped is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return subprocess.CompletedProcess(args, stopped)
+
+    monkeypatch.setattr(demo.subprocess, "run", run)
+    if stopped is KeyboardInterrupt:
+        with pytest.raises(KeyboardInterrupt):
+            demo._zerollm("train", "pretrain")
+        assert capsys.readouterr().err == ("zerollm demo: stopped; the demo has no --resume: run it again to start "
+                                           "it over\n")
+    else:
+        with pytest.raises(UserError, match=r"^demo step `zerollm train pretrain` was stopped; the demo has no "
+                                            r"--resume: run it again to start it over$"):
+            demo._zerollm("train", "pretrain")
 
 
 def test_demo_takes_its_own_earlier_folders(tmp_path):
