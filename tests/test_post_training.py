@@ -24,6 +24,7 @@ from llm.model import Transformer, masked_cross_entropy
 from llm.tokenizer import Tokenizer
 from llm.train.ds_config_file import load_ds_config
 from llm.train.objectives import CausalLMObjective, DistillObjective, DPOObjective, GRPOObjective
+from llm.train.prompts import prompt_record
 from llm.train.trainer import Trainer
 
 
@@ -159,11 +160,40 @@ def test_minimind_pairs_share_every_turn_before_the_last_reply():
         ({"chosen": turns + [good], "rejected": turns + [good]}, "are the same reply"),
         ({"chosen": [good], "rejected": [bad]}, "no prompt"),
         ({"chosen": [system, good], "rejected": [system, bad]}, "end with a user or tool turn"),
-        ({"prompt": "q", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"}, "ends with a user turn"),
+        ({"prompt": "q", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"},
+         "'chosen' begins with a user turn that is not the record's prompt"),
         ({"prompt": "q", "chosen": "  ", "rejected": "b"}, "empty 'chosen'"),
     ]:
         with pytest.raises(RecordError, match=message):
             preference(record)
+
+
+def test_a_record_giving_its_conversation_or_prompt_twice_is_refused_not_merged_or_half_read():
+    """A prompt beside chosen/rejected conversations of another prompt trained both prompts as two user turns; a
+    record with two shapes (messages and conversations, conversations and a prompt) had one used and the other
+    dropped; an empty prompt trained a pair answering an empty user turn. Each is skipped, saying why."""
+    q, other = {"role": "user", "content": "Q"}, {"role": "user", "content": "other"}
+    good, bad = {"role": "assistant", "content": "A"}, {"role": "assistant", "content": "B"}
+    for record, message in [
+        ({"prompt": "P1", "chosen": [q, good], "rejected": [q, bad]},
+         "'chosen' begins with a user turn that is not the record's prompt; give the prompt once"),
+        ({"prompt": "", "chosen": "a", "rejected": "b"}, "empty 'prompt'"),
+        ({"conversations": [q], "prompt": "other", "chosen": "a", "rejected": "b"},
+         "holds both 'conversations' and 'prompt', which give the same part of a conversation: keep one"),
+        ({"messages": [q], "instruction": "other", "chosen": "a", "rejected": "b"},
+         "holds both 'messages' and 'instruction'"),
+    ]:
+        with pytest.raises(RecordError, match=f"^{re.escape(message)}"):
+            preference(record)
+    for record, message in [
+        ({"messages": [q, good], "conversations": [other, good]}, "holds both 'conversations' and 'messages'"),
+        ({"conversations": [q, good], "instruction": "other", "output": "x"}, "'conversations' and 'instruction'"),
+    ]:
+        with pytest.raises(RecordError, match=re.escape(message)):
+            conversation(record)
+    with pytest.raises(RecordError, match=re.escape("holds both 'messages' and 'prompt'")):
+        prompt_record({"messages": [q], "prompt": "other", "answer": "1"})
+    assert preference({"prompt": [q], "chosen": [q, good], "rejected": [bad]}) == ([q], good, bad)
 
 
 def test_pretraining_on_conversation_and_pair_files_takes_their_text():

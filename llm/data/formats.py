@@ -173,8 +173,17 @@ def _alpaca(value: dict, answer_key: str | None) -> list[Message]:
     return messages
 
 
-def _turns_key(value: dict) -> str | None:
-    return next((key for key in ("conversations", "messages") if key in value), None)
+def only_key(value: dict, keys: tuple[str, ...]) -> str | None:
+    """The one of `keys` (ways of giving one thing: a conversation, a prompt) that record `value` holds, None for
+    none; RecordError for several (one was used and the others dropped without a word)."""
+    found = [key for key in keys if key in value]
+    if len(found) > 1:
+        listed = ", ".join(repr(key) for key in found[:-1]) + f" and {found[-1]!r}"
+        raise RecordError(f"holds both {listed}, which give the same part of a conversation: keep one")
+    return found[0] if found else None
+
+
+TURNS_KEYS = ("conversations", "messages")
 
 
 def with_system(value: dict, messages: list[Message]) -> list[Message]:
@@ -192,9 +201,10 @@ def with_system(value: dict, messages: list[Message]) -> list[Message]:
 def _written_messages(value: dict) -> list[Message] | None:
     """The messages of a conversation record, every turn as written (the shapes of `conversation`), with its
     `system`; None for a record of neither shape."""
-    if (key := _turns_key(value)) is not None:
+    key = only_key(value, (*TURNS_KEYS, "instruction"))
+    if key in TURNS_KEYS:
         return with_system(value, _messages(value[key], f"'{key}'"))
-    if "instruction" in value and "output" in value:
+    if key == "instruction" and "output" in value:
         return with_system(value, _alpaca(value, "output"))
     return None
 
@@ -241,17 +251,20 @@ def _reply_turns(value: Any, what: str) -> list[Message]:
 
 
 def _explicit_prompt(value: dict) -> list[Message]:
-    if (key := _turns_key(value)) is not None:
+    key = only_key(value, (*TURNS_KEYS, "prompt", "instruction"))
+    if key in TURNS_KEYS:
         return _messages(value[key], f"'{key}'")
+    if key == "instruction":
+        return _alpaca(value, None)
     prompt = value.get("prompt")
     if isinstance(prompt, str):
+        if not prompt.strip():  # a prompt of nothing trained a pair answering an empty user turn
+            raise RecordError("empty 'prompt'")
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, list):
         return _messages(prompt, "'prompt'")
     if prompt is not None:
         raise RecordError(f"'prompt' is {json_type(prompt)}, expected a string or a list of turns")
-    if "instruction" in value:
-        return _alpaca(value, None)
     return []
 
 
@@ -270,7 +283,12 @@ def preference(value: Any) -> tuple[list[Message], Message, Message]:
     full = []
     for key in ("chosen", "rejected"):
         turns = _reply_turns(value[key], f"'{key}'")
-        full.append(with_system(value, turns if prompt and turns[:len(prompt)] == prompt else prompt + turns))
+        if prompt and turns[:len(prompt)] != prompt:
+            if prompt[-1]["role"] == "user" and turns[0]["role"] == "user":  # two prompts: they were merged
+                raise RecordError(f"'{key}' begins with a user turn that is not the record's prompt; give the "
+                                  "prompt once")
+            turns = prompt + turns
+        full.append(with_system(value, turns))
     chosen, rejected = full
     shared = 0
     while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:

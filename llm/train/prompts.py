@@ -27,7 +27,16 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from llm.chat_template import MessagesRefused
-from llm.data.formats import Item, RecordError, Skipped, _messages, expand_inputs, read_items, with_system
+from llm.data.formats import (
+    Item,
+    RecordError,
+    Skipped,
+    _messages,
+    expand_inputs,
+    only_key,
+    read_items,
+    with_system,
+)
 from llm.data.readers import json_type
 from llm.errors import UserError
 
@@ -52,7 +61,7 @@ def prompt_record(value: Any) -> tuple[list[dict[str, str]], dict[str, Any]]:
         value = {"prompt": value}
     if not isinstance(value, dict):
         raise RecordError(f"record is {json_type(value)}, expected an object or a string")
-    key = next((k for k in PROMPT_KEYS if k in value), None)
+    key = only_key(value, PROMPT_KEYS)
     if key is None:
         keys = ", ".join(sorted(value)) or "none"
         raise RecordError(f"no prompt (keys: {keys}); expected 'conversations', 'messages' or 'prompt'")
