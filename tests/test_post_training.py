@@ -102,7 +102,7 @@ def test_tool_calls_tool_turns_and_reasoning_are_kept():
     canonical = [
         {"role": "user", "content": "Weather in Oslo?"},
         {"role": "assistant", "content": "", "reasoning_content": "I should look it up.",
-         "tool_calls": [{"name": "weather", "arguments": '{"city": "Oslo"}'}]},
+         "tool_calls": [{"name": "weather", "arguments": {"city": "Oslo"}}]},  # OpenAI's JSON text: the object
         {"role": "tool", "content": "rain, 9 C", "name": "weather"},
         {"role": "assistant", "content": "It rains in Oslo."}]
     assert conversation(openai) == canonical
@@ -120,6 +120,28 @@ def test_tool_calls_tool_turns_and_reasoning_are_kept():
         {"role": "assistant", "content": "", "tool_calls": '[{"name": "multiply", "arguments": {"a": 2, "b": 3}}]'},
         {"role": "tool", "content": "6"}, {"role": "assistant", "content": "6"}]}
     assert conversation(minimind)[1]["tool_calls"] == [{"name": "multiply", "arguments": {"a": 2, "b": 3}}]
+
+
+def test_tool_call_arguments_as_json_text_are_trained_as_the_object_and_served_so(tokenizer_dir):
+    """OpenAI's arguments are the text of a JSON object; our template (and Qwen2.5's, MiniMind's) put a string's JSON
+    in the text, quoted again: `"arguments": "{\\"city\\": \\"Lima\\"}"`, while the object form gave `{"city":
+    "Lima"}`, so a dataset mixing the forms taught two formats, and a served model was sent the quoted one."""
+    from llm.infer.server import canonical_message
+
+    tok = Tokenizer.load(tokenizer_dir)
+    asked = {"role": "user", "content": "Weather in Lima?"}
+    rendered = []
+    for arguments in ('{"city": "Lima"}', {"city": "Lima"}):
+        call = {"type": "function", "function": {"name": "weather", "arguments": arguments}}
+        rendered.append(tok.render_chat(conversation({"messages": [asked, {"role": "assistant", "content": "",
+                                                                            "tool_calls": [call]}]})))
+        served = canonical_message({"role": "assistant", "content": "", "tool_calls": [call]}, 1)
+        rendered.append(tok.render_chat([asked, served]))
+    assert len(set(rendered)) == 1 and '{"name": "weather", "arguments": {"city": "Lima"}}' in rendered[0]
+    for text in ("not json", "[1, 2]", "5"):  # other text stays text
+        call = {"name": "f", "arguments": text}
+        assert conversation({"messages": [asked, {"role": "assistant", "tool_calls": [call]}]})[1]["tool_calls"] == [
+            {"name": "f", "arguments": text}]
 
 
 def test_sft_records_with_tools_and_reasoning_are_prepared_not_skipped(tokenizer_dir, tmp_path):

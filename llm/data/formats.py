@@ -18,6 +18,7 @@ naming its place, so the caller counts and reports it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -79,6 +80,18 @@ def _content(turn: dict, role: str) -> str:
     return _require_text(value, f"turn '{key}'")
 
 
+def call_arguments(arguments: Any) -> Any:
+    """A tool call's arguments as chat templates take them: the text of a JSON object (OpenAI's form) as that
+    object, as given in the other form; templates put an object's JSON in the text, but a string's JSON is the text
+    quoted again (`"{\"city\": ...}"`), so data mixing the two forms taught two formats of call (and a served
+    model saw another than it was trained on). Anything else as it is."""
+    if isinstance(arguments, str):
+        with contextlib.suppress(*JSON_ERRORS):  # other text stays text
+            parsed = json.loads(arguments)
+            return parsed if isinstance(parsed, dict) else arguments
+    return arguments
+
+
 def _tool_call(call: Any) -> dict[str, Any]:
     """{"name", "arguments"} from OpenAI's {"type": "function", "function": {...}} or a plain call object."""
     if isinstance(call, str):
@@ -88,7 +101,7 @@ def _tool_call(call: Any) -> dict[str, Any]:
     function = call.get("function", call)
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise RecordError("tool call has no 'name' string")
-    arguments = function.get("arguments", {})
+    arguments = call_arguments(function.get("arguments", {}))
     if not isinstance(arguments, (dict, str)):
         raise RecordError(f"tool call '{function['name']}' arguments are {json_type(arguments)}, expected an "
                           "object or a string")

@@ -54,6 +54,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from llm.data.formats import call_arguments
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator, TextStream
 from llm.infer.sampling import InvalidSampling, SamplingParams
@@ -146,7 +147,7 @@ def _tool_call(call: Any, where: str) -> dict:
     fn = call.get("function", call) if isinstance(call, dict) else None
     if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), (str, dict))):
         raise RequestError(f"{where} needs a function name and arguments", where)
-    return {"name": fn["name"], "arguments": fn["arguments"]}
+    return {"name": fn["name"], "arguments": call_arguments(fn["arguments"])}
 
 
 def canonical_message(message: Any, index: int) -> dict:
