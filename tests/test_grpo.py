@@ -63,6 +63,9 @@ def _completions(texts, answers=None, lengths=None):
     ("I think <answer>7</answer>", "7", True), ("<answer>6</answer> then <answer>7</answer>", "7", True),
     ("so \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", True), ("work... #### 42", "42", True),
     ("16", "15", False), ("15 apples", "15", False), ("", "15", False), ("十六", "十五", False),
+    ("1,234,567.5", 1234567.5, True), ("-2", "-2.0", True), ("1e3", 1000, True),
+    # were matches: a list is no number, '1_000' is Python's spelling, and an answer of '.' matched an empty reply
+    ("1,2,3", 123, False), ("1,2", "12", False), ("1_000", "1000", False), ("", ".", False), ("。", "。", False),
 ])
 def test_exact_match_follows_the_documented_extraction_rule(completion, answer, expected):
     assert answers_match(completion, answer) is expected

@@ -101,13 +101,18 @@ def final_answer(completion: str) -> str:
     return answer[:-1].rstrip() if answer.endswith((".", "。")) else answer
 
 
+NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+"""A number as answers write it: digits, with commas only between groups of three (1,234,567), a fraction, an
+exponent."""
+
+
 def _number(text: str) -> float | None:
-    """The finite number `text` writes; None for anything else ("nan", "inf" and "infinity" are words, compared as
-    text: a record answered "nan" never matched, NaN being unequal to itself)."""
-    try:
-        value = float(text.replace(",", ""))
-    except ValueError:
+    """The finite number `text` writes (`NUMBER`); None for anything else ("nan", "inf" and "infinity" are words,
+    compared as text: a record answered "nan" never matched, NaN being unequal to itself; '1,2,3' is a list, not 123,
+    and '1_000' Python's spelling, not an answer's)."""
+    if not (NUMBER.fullmatch(text) and any(c.isdigit() for c in text)):
         return None
+    value = float(text.replace(",", ""))
     return value if math.isfinite(value) else None
 
 
@@ -115,6 +120,8 @@ def answers_match(completion: str, answer: Any) -> bool:
     """Whether the completion's `final_answer` equals `answer` (a string or a number): by value when both are
     numbers, else as text, both stripped like `final_answer`."""
     got, want = final_answer(completion), final_answer(str(answer))
+    if not want:  # an answer of '.' or '。': an empty completion matched it
+        return False
     got_number, want_number = _number(got), _number(want)
     if got_number is not None and want_number is not None:
         return math.isclose(got_number, want_number, rel_tol=1e-9, abs_tol=1e-9)
