@@ -268,6 +268,17 @@ def test_unusable_input_is_one_line_error_exit_2_nothing_written(tokenizer_dir, 
     assert not out.exists()
 
 
+@pytest.mark.parametrize("target", ["self.jsonl", "gone.jsonl"])
+def test_an_input_that_is_a_broken_link_is_named_so(tokenizer_dir, tmp_path, monkeypatch, capsys, target):
+    """A link to itself (or to a file since removed) was 'no such file or directory', though the file is there."""
+    link = tmp_path / "self.jsonl"
+    link.symlink_to(tmp_path / target)
+    assert zerollm_here(monkeypatch, "data", "prepare", "--input", link, "--tokenizer", tokenizer_dir, "--out",
+                        tmp_path / "out") == 2
+    assert capsys.readouterr().err == (f"zerollm: error: {link}: a symbolic link to {tmp_path / target}, which does "
+                                       "not exist (or links back to itself)\n")
+
+
 def test_empty_file_beside_good_ones_is_reported(tokenizer_dir, bad_inputs, tmp_path):
     result = _prepare(tokenizer_dir, tmp_path / "out", bad_inputs["good"], bad_inputs["empty"])
     assert result.returncode == 0, result.stderr

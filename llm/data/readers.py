@@ -213,6 +213,9 @@ def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None
                 raise UserError(f"{path}: unknown format '{''.join(path.suffixes) or path.name}'; expected one of "
                                 f"{', '.join(SUPPORTED)} or a directory saved by datasets' save_to_disk")
             files.append(path)
+        elif path.is_symlink():
+            raise UserError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist (or links back to "
+                            "itself)")
         else:
             raise UserError(f"{path}: no such file or directory")
     if not files:
