@@ -66,6 +66,7 @@ def _completions(texts, answers=None, lengths=None):
     ("1,234,567.5", 1234567.5, True), ("-2", "-2.0", True), ("1e3", 1000, True),
     # were matches: a list is no number, '1_000' is Python's spelling, and an answer of '.' matched an empty reply
     ("1,2,3", 123, False), ("1,2", "12", False), ("1_000", "1000", False), ("", ".", False), ("。", "。", False),
+    ("e4", "e4", True), ("e5", "5", False), ("+e3", "1000", False), ("3.", "3", True), (".5", "0.5", True),
 ])
 def test_exact_match_follows_the_documented_extraction_rule(completion, answer, expected):
     assert answers_match(completion, answer) is expected

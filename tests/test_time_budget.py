@@ -85,6 +85,17 @@ def test_the_run_ends_inside_the_budget_with_the_schedule_complete(step_time, ev
     assert used[-1] == pytest.approx(t.min_lr_ratio, abs=2e-3)  # ... to its floor at the last step
 
 
+def test_costly_evaluations_on_the_way_still_end_the_schedule_at_its_floor():
+    """An evaluation of 100 steps' time every 50 steps: the budget less the reserve ended the run at 0.94 of the
+    time the schedule was spread over, its last learning rate well above the floor."""
+    t = TrainConfig(max_time="10m", max_steps=10**6, warmup_steps=10, min_lr_ratio=0.1, eval_every=50,
+                    save_every=0)
+    used, total, _, _ = simulate(t, 0.3, eval_time=30.0, save_time=1.0)
+    assert total <= 600.0 and used[-1] == pytest.approx(t.min_lr_ratio, abs=2e-3)
+    decay = used[10:]
+    assert all(a >= b for a, b in zip(decay, decay[1:], strict=False))
+
+
 def test_the_step_budget_still_caps_a_time_budget_and_completes_the_schedule():
     t = TrainConfig(max_time="1h", max_steps=50, warmup_steps=5, min_lr_ratio=0.1, eval_every=0, save_every=0)
     used, total, _, last_step = simulate(t, 1.0, eval_time=0.5, save_time=0.5)

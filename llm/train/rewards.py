@@ -101,7 +101,7 @@ def final_answer(completion: str) -> str:
     return answer[:-1].rstrip() if answer.endswith((".", "。")) else answer
 
 
-NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 """A number as answers write it: digits, with commas only between groups of three (1,234,567), a fraction, an
 exponent."""
 
@@ -110,9 +110,12 @@ def _number(text: str) -> float | None:
     """The finite number `text` writes (`NUMBER`); None for anything else ("nan", "inf" and "infinity" are words,
     compared as text: a record answered "nan" never matched, NaN being unequal to itself; '1,2,3' is a list, not 123,
     and '1_000' Python's spelling, not an answer's)."""
-    if not (NUMBER.fullmatch(text) and any(c.isdigit() for c in text)):
+    if not NUMBER.fullmatch(text):
         return None
-    value = float(text.replace(",", ""))
+    try:
+        value = float(text.replace(",", ""))
+    except ValueError:  # digits float does not read (NUMBER's \d is any script's)
+        return None
     return value if math.isfinite(value) else None
 
 

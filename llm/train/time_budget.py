@@ -27,11 +27,13 @@ reads back is a step late), and its checkpoints keep those.
                    + the evaluations and checkpoints train.eval_every and train.save_every place between them
     stop           after step s when the projected end of step s + 1 falls later than max_time - reserve
     schedule       after warmup, the cosine's progress is the larger of the step progress (train.max_steps) and
-                   (projected end of the step - end of warmup) / (max_time - reserve - end of warmup)
+                   (projected end of the step - end of warmup) / (projected end of the last step that fits before
+                   max_time - reserve, the evaluations and checkpoints due on the way included - end of warmup)
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -122,21 +124,38 @@ class TimeBudget:
     def projected_end(self, steps_done: int) -> float:
         """Training time when `steps_done` steps will have been completed, with the evaluations and checkpoints due
         after the steps before it."""
-        planned = 0.0
-        for step in range(self.known_step + 1, steps_done):
-            planned += (self.eval_seconds or 0.0) if self.eval_every and step % self.eval_every == 0 else 0.0
-            planned += self.save_seconds if self.save_every and step % self.save_every == 0 else 0.0
+        def due(every: int) -> int:  # multiples of `every` among the steps known_step + 1 .. steps_done - 1
+            return max(0, (steps_done - 1) // every - self.known_step // every) if every else 0
+
+        planned = due(self.eval_every) * (self.eval_seconds or 0.0) + due(self.save_every) * self.save_seconds
         return self.elapsed + (steps_done - self.known_step) * self.step_seconds + planned
+
+    def last_step(self) -> int | None:
+        """The last step that ends inside the budget less the reserve, as projected now (None before a step was
+        measured): the evaluations and checkpoints due on the way may end the run well before the budget's end,
+        where the schedule must have completed."""
+        if self.step_seconds <= 0:
+            return None
+        limit = self.max_time - self.reserve
+        fits, beyond = self.known_step, self.known_step + math.ceil(max(0.0, limit - self.elapsed) /
+                                                                    self.step_seconds) + 1
+        while beyond - fits > 1:  # projected_end grows with the steps: its last one inside the limit
+            middle = (fits + beyond) // 2
+            fits, beyond = (middle, beyond) if self.projected_end(middle) <= limit else (fits, middle)
+        return fits
 
     def out_of_time(self, steps_done: int) -> bool:
         """Whether one more step after `steps_done` would end past the budget (less the reserve)."""
         return self.enabled and self.projected_end(steps_done + 1) > self.max_time - self.reserve
 
     def progress(self, step_index: int) -> float:
-        """Share of the post-warmup time spent at the end of optimizer step `step_index` (0-based), in [0, 1]."""
+        """Share of the post-warmup time spent at the end of optimizer step `step_index` (0-based), in [0, 1]: 1 at
+        the end of the `last_step` (with costly evaluations on the way, the budget less the reserve ended a run
+        whose last step was at 0.94 of it, above the learning rate's floor)."""
         if not self.enabled or self.warmup_end is None:
             return 0.0
-        horizon = self.max_time - self.reserve - self.warmup_end
+        last = self.last_step()
+        horizon = (self.max_time - self.reserve if last is None else self.projected_end(last)) - self.warmup_end
         if horizon <= 0:
             return 1.0
         return min(1.0, max(0.0, (self.projected_end(step_index + 1) - self.warmup_end) / horizon))
