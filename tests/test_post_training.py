@@ -190,10 +190,12 @@ def test_minimind_pairs_share_every_turn_before_the_last_reply():
             preference(record)
 
 
-def test_a_record_giving_its_conversation_or_prompt_twice_is_refused_not_merged_or_half_read():
+def test_a_record_giving_its_conversation_or_prompt_twice_is_read_where_they_agree_and_refused_where_not():
     """A prompt beside chosen/rejected conversations of another prompt trained both prompts as two user turns; a
-    record with two shapes (messages and conversations, conversations and a prompt) had one used and the other
-    dropped; an empty prompt trained a pair answering an empty user turn. Each is skipped, saying why."""
+    record with two shapes that disagree (messages and conversations, conversations and a prompt) had one used and
+    the other dropped; an empty prompt trained a pair answering an empty user turn. Each is skipped, saying why.
+    Shapes that agree are read (Magpie gives its turns as both conversations and messages, and an instruction
+    beside them; UltraChat its first prompt as 'prompt' beside 'messages')."""
     q, other = {"role": "user", "content": "Q"}, {"role": "user", "content": "other"}
     good, bad = {"role": "assistant", "content": "A"}, {"role": "assistant", "content": "B"}
     for record, message in [
@@ -201,21 +203,27 @@ def test_a_record_giving_its_conversation_or_prompt_twice_is_refused_not_merged_
          "'chosen' begins with a user turn that is not the record's prompt; give the prompt once"),
         ({"prompt": "", "chosen": "a", "rejected": "b"}, "empty 'prompt'"),
         ({"conversations": [q], "prompt": "other", "chosen": "a", "rejected": "b"},
-         "holds both 'conversations' and 'prompt', which give the same part of a conversation: keep one"),
+         "'conversations' and 'prompt' give different turns; keep one"),
         ({"messages": [q], "instruction": "other", "chosen": "a", "rejected": "b"},
-         "holds both 'messages' and 'instruction'"),
+         "'messages' and 'instruction' give different turns; keep one"),
     ]:
         with pytest.raises(RecordError, match=f"^{re.escape(message)}"):
             preference(record)
-    for record, message in [
-        ({"messages": [q, good], "conversations": [other, good]}, "holds both 'conversations' and 'messages'"),
-        ({"conversations": [q, good], "instruction": "other", "output": "x"}, "'conversations' and 'instruction'"),
-    ]:
-        with pytest.raises(RecordError, match=re.escape(message)):
+    for record in ({"messages": [q, good], "conversations": [other, good]},
+                   {"conversations": [q, good], "instruction": "other", "output": "x"}):
+        with pytest.raises(RecordError, match="give different turns; keep one"):
             conversation(record)
-    with pytest.raises(RecordError, match=re.escape("holds both 'messages' and 'prompt'")):
+    with pytest.raises(RecordError, match=re.escape("'messages' and 'prompt' give different turns")):
         prompt_record({"messages": [q], "prompt": "other", "answer": "1"})
     assert preference({"prompt": [q], "chosen": [q, good], "rejected": [bad]}) == ([q], good, bad)
+    magpie = {"instruction": "Q", "response": "A", "conversations": [{"from": "human", "value": "Q"},
+                                                                    {"from": "gpt", "value": "A"}],
+              "messages": [q, good]}
+    assert conversation(magpie) == [q, good]
+    ultrachat = {"prompt": "Q", "messages": [q, good, other, bad]}
+    assert conversation(ultrachat) == [q, good, other, bad]
+    assert prompt_record({**ultrachat, "answer": "1"})[0] == [q, good, other]
+    assert preference({"instruction": "Q", "conversations": [q], "chosen": "A", "rejected": "B"}) == ([q], good, bad)
 
 
 def test_pretraining_on_conversation_and_pair_files_takes_their_text():

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -186,17 +187,27 @@ def _alpaca(value: dict, answer_key: str | None) -> list[Message]:
     return messages
 
 
-def only_key(value: dict, keys: tuple[str, ...]) -> str | None:
-    """The one of `keys` (ways of giving one thing: a conversation, a prompt) that record `value` holds, None for
-    none; RecordError for several (one was used and the others dropped without a word)."""
-    found = [key for key in keys if key in value]
-    if len(found) > 1:
-        listed = ", ".join(repr(key) for key in found[:-1]) + f" and {found[-1]!r}"
-        raise RecordError(f"holds both {listed}, which give the same part of a conversation: keep one")
-    return found[0] if found else None
+def one_reading(value: dict, readings: dict[str, Callable[[], list[Message]]]) -> list[Message] | None:
+    """The turns record `value` gives by the keys of `readings` (each read by its function), None where it holds
+    none of them. A record may give them several ways when they agree, each the start of the longest, which is used:
+    Magpie's records give their turns as both 'conversations' and 'messages', UltraChat's its first prompt as
+    'prompt' beside 'messages'. Where they disagree, RecordError: one was used and the other dropped without a
+    word."""
+    found = {key: read() for key, read in readings.items() if key in value}
+    if not found:
+        return None
+    longest = max(found, key=lambda key: len(found[key]))
+    for key, turns in found.items():
+        if found[longest][:len(turns)] != turns:
+            raise RecordError(f"'{longest}' and '{key}' give different turns; keep one")
+    return found[longest]
 
 
 TURNS_KEYS = ("conversations", "messages")
+
+
+def _turns_readings(value: dict) -> dict[str, Callable[[], list[Message]]]:
+    return {key: partial(_messages, value.get(key), f"'{key}'") for key in TURNS_KEYS}
 
 
 def with_system(value: dict, messages: list[Message]) -> list[Message]:
@@ -214,12 +225,11 @@ def with_system(value: dict, messages: list[Message]) -> list[Message]:
 def _written_messages(value: dict) -> list[Message] | None:
     """The messages of a conversation record, every turn as written (the shapes of `conversation`), with its
     `system`; None for a record of neither shape."""
-    key = only_key(value, (*TURNS_KEYS, "instruction"))
-    if key in TURNS_KEYS:
-        return with_system(value, _messages(value[key], f"'{key}'"))
-    if key == "instruction" and "output" in value:
-        return with_system(value, _alpaca(value, "output"))
-    return None
+    readings = _turns_readings(value)
+    if "output" in value:  # an 'instruction' alone (Magpie's, beside its conversations) is no conversation
+        readings["instruction"] = partial(_alpaca, value, "output")
+    messages = one_reading(value, readings)
+    return None if messages is None else with_system(value, messages)
 
 
 def conversation(value: Any) -> list[Message]:
@@ -264,21 +274,23 @@ def _reply_turns(value: Any, what: str) -> list[Message]:
 
 
 def _explicit_prompt(value: dict) -> list[Message]:
-    key = only_key(value, (*TURNS_KEYS, "prompt", "instruction"))
-    if key in TURNS_KEYS:
-        return _messages(value[key], f"'{key}'")
-    if key == "instruction":
-        return _alpaca(value, None)
-    prompt = value.get("prompt")
+    return one_reading(value, {**prompt_readings(value), "instruction": partial(_alpaca, value, None)}) or []
+
+
+def prompt_readings(value: dict) -> dict[str, Callable[[], list[Message]]]:
+    """The ways a record gives a prompt, for `one_reading`: 'conversations', 'messages' or 'prompt'."""
+    return {**_turns_readings(value), "prompt": partial(_prompt_turns, value.get("prompt"))}
+
+
+def _prompt_turns(prompt: Any) -> list[Message]:
+    """A record's `prompt`: a user message's text, or a list of turns."""
     if isinstance(prompt, str):
         if not prompt.strip():  # a prompt of nothing trained a pair answering an empty user turn
             raise RecordError("empty 'prompt'")
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, list):
         return _messages(prompt, "'prompt'")
-    if prompt is not None:
-        raise RecordError(f"'prompt' is {json_type(prompt)}, expected a string or a list of turns")
-    return []
+    raise RecordError(f"'prompt' is {json_type(prompt)}, expected a string or a list of turns")
 
 
 def preference(value: Any) -> tuple[list[Message], Message, Message]:

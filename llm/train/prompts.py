@@ -31,9 +31,9 @@ from llm.data.formats import (
     Item,
     RecordError,
     Skipped,
-    _messages,
     expand_inputs,
-    only_key,
+    one_reading,
+    prompt_readings,
     read_items,
     with_system,
 )
@@ -61,12 +61,10 @@ def prompt_record(value: Any) -> tuple[list[dict[str, str]], dict[str, Any]]:
         value = {"prompt": value}
     if not isinstance(value, dict):
         raise RecordError(f"record is {json_type(value)}, expected an object or a string")
-    key = only_key(value, PROMPT_KEYS)
-    if key is None:
+    messages = one_reading(value, prompt_readings(value))
+    if messages is None:
         keys = ", ".join(sorted(value)) or "none"
         raise RecordError(f"no prompt (keys: {keys}); expected 'conversations', 'messages' or 'prompt'")
-    turns = value[key]
-    messages = [{"role": "user", "content": turns}] if isinstance(turns, str) else _messages(turns, f"'{key}'")
     messages = with_system(value, messages)
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     if not users:
