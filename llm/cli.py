@@ -560,7 +560,7 @@ def _note_dormant_keys(overrides: list[str], cfg: RunConfig) -> None:
             print(f"zerollm: note: {', '.join(unread)} set, but {why}", file=sys.stderr, flush=True)
 
 
-def _check_rank_inputs(cfg: RunConfig, run_dir: Path, starting_ranks: bool) -> None:
+def _check_rank_inputs(cfg: RunConfig, starting_ranks: bool) -> None:
     """What the ranks of a training job read, checked by the process about to start them (`starting_ranks`), so
     that a mistake is one line before any rank starts, not one per rank: the prepared data (a wrong --data: one line
     before torch loads, in a one-process job too); GRPO's prompts and rewards and a teacher that does not fit only
@@ -572,7 +572,7 @@ def _check_rank_inputs(cfg: RunConfig, run_dir: Path, starting_ranks: bool) -> N
     if starting_ranks and cfg.train.stage == "grpo":
         from llm.train.rollout import grpo_inputs
 
-        grpo_inputs(cfg, run_dir)
+        grpo_inputs(cfg)
     if starting_ranks and cfg.train.stage == "distill":
         from llm.train.teacher import check_teacher
 
@@ -584,7 +584,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     starting_ranks = starts_ranks(args.nproc)  # this process starts the ranks and waits
     cfg = _checked_before_ranks(args)
-    _check_rank_inputs(cfg, Path(args.out), starting_ranks)
+    _check_rank_inputs(cfg, starting_ranks)
     if starting_ranks:
         return relaunch_local(args.nproc, args.argv)
     from llm.train.job import run
@@ -635,7 +635,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from launch.launcher import launch
 
     job, run_dir, cfg = checked_training_command(args.job)
-    return launch(launch_options(args), job, run_dir, lambda: _check_rank_inputs(cfg, run_dir, starting_ranks=True))
+    return launch(launch_options(args), job, run_dir, lambda: _check_rank_inputs(cfg, starting_ranks=True))
 
 
 def _sampling(args: argparse.Namespace):

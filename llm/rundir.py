@@ -66,6 +66,7 @@ LATEST_MAX_BYTES = 64
 WANDB_DIR = "wandb"
 TOKENS_FILE = "tokens.h5"
 """The token file of a prepared data directory (`llm.data.prepare`)."""
+PREPARED_REPORT_FILE = "report.json"
 RUN_ENTRIES = frozenset({CONFIG_FILE, DS_CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, RUN_RECORD_FILE, EVAL_DIR,
                          TOKENIZER_DIR, CHECKPOINTS_DIR, UNIVERSAL_DIR, WANDB_DIR})
 """What `zerollm train` writes into a run directory (besides its dot-named temporary files)."""
@@ -73,6 +74,21 @@ RUN_ENTRIES = frozenset({CONFIG_FILE, DS_CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
 
 def is_run_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file()
+
+
+PREPARED_ENTRIES = frozenset({TOKENS_FILE, PREPARED_REPORT_FILE, TOKENIZER_DIR})
+"""What `zerollm data prepare` writes into its output folder."""
+
+
+def holds_only_zerollm_output(folder: Path) -> bool:
+    """Whether `folder` holds nothing but what zerollm writes there (dot-named files aside): a run directory (its
+    config.yaml among RUN_ENTRIES) or a prepared data folder (its tokens.h5 among PREPARED_ENTRIES). A folder
+    walked for data leaves such folders out: a run's samples.jsonl and metrics.jsonl are not data."""
+    try:
+        names = {name for name in os.listdir(folder) if not name.startswith(".")}
+    except OSError:
+        return False
+    return (CONFIG_FILE in names and names <= RUN_ENTRIES) or (TOKENS_FILE in names and names <= PREPARED_ENTRIES)
 
 
 def check_writable_out(out: Path, advice: str) -> Path:

@@ -5,7 +5,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -498,18 +497,14 @@ def test_a_prompt_folder_holding_runs_gives_none_of_their_files_as_prompts(tmp_p
                                                       + "\n")
         (tmp_path / run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
     (tmp_path / "run_b" / "run_record.jsonl").write_text("{}\n")
-    (tmp_path / "run_b" / "config.yaml").unlink()
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "tokens.h5").write_bytes(b"")
     (tmp_path / "data" / "report.json").write_text(json.dumps({"prompt": "report", "answer": "1"}))
-    prompts = read_prompts([str(tmp_path)], lambda messages: [0], max_tokens=50, required_fields=["answer"],
-                           run_dir=tmp_path / "new_run")
+    prompts = read_prompts([str(tmp_path)], lambda messages: [0], max_tokens=50, required_fields=["answer"])
     assert [p.fields["answer"] for p in prompts] == ["2"] and prompts.skipped == []
-    with pytest.raises(UserError, match=rf"^{re.escape(str(tmp_path / 'new_run' / 'p.jsonl'))}: is inside the output "
-                                        "directory .* which this run writes; move the input or choose another --out"):
-        (tmp_path / "new_run").mkdir()
-        (tmp_path / "new_run" / "p.jsonl").write_text((tmp_path / "prompts.jsonl").read_text())
-        read_prompts([str(tmp_path / "new_run" / "p.jsonl")], lambda messages: [0], 50, run_dir=tmp_path / "new_run")
+    (tmp_path / "data" / "mine.jsonl").write_text(json.dumps({"prompt": "mine", "answer": "3"}) + "\n")
+    prompts = read_prompts([str(tmp_path)], lambda messages: [0], max_tokens=50, required_fields=["answer"])
+    assert sorted(p.fields["answer"] for p in prompts) == ["1", "2", "3"]  # a folder of the user's own is read
 
 
 # ---- advantages and the objective ---------------------------------------------------------------------
@@ -866,7 +861,7 @@ def _rollouts(policy, prompt_dir, micro, accum, group, *overrides):
                                 f"train.init_from={policy}", f"grpo.prompts={prompt_dir / 'prompts.jsonl'}",
                                 "grpo.reward=length", f"train.micro_batch_size={micro}", f"train.grad_accum={accum}",
                                 f"grpo.group_size={group}", *overrides])
-    tokenizer, reward, prompts = rollout.grpo_inputs(cfg, prompt_dir / 'run')
+    tokenizer, reward, prompts = rollout.grpo_inputs(cfg)
     torch.manual_seed(0)
     engine = SimpleNamespace(module=Transformer(cfg.model).eval(), zero_optimization_stage=lambda: 2)
     info = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))

@@ -53,11 +53,10 @@ from llm.data.formats import Item, Skipped, expand_inputs, read_records, skipped
 from llm.data.output import OutputDir, cannot_write_output
 from llm.data.readers import DEFAULT_MAX_RECORD_MB, strings
 from llm.errors import UserError
-from llm.rundir import TOKENIZER_DIR, TOKENS_FILE
+from llm.rundir import PREPARED_ENTRIES, PREPARED_REPORT_FILE, TOKENIZER_DIR, TOKENS_FILE
 from llm.tokenizer import CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
 SCHEMA_VERSION = 1
-REPORT_FILE = "report.json"
 SPLITS = ("train", "val")
 JOB_RECORDS = 256
 JOB_CHARS = 1 << 20
@@ -98,7 +97,7 @@ class Report:
             lines.append(f"{title}: {len(entries):,} records" + (f": {by_reason}" if by_reason else ""))
             lines += [f"  {s}" for s in entries[:shown]]
             if len(entries) > shown:
-                lines.append(f"  ... {len(entries) - shown} more in {REPORT_FILE}")
+                lines.append(f"  ... {len(entries) - shown} more in {PREPARED_REPORT_FILE}")
         return "\n".join(lines)
 
 
@@ -572,9 +571,12 @@ def _move_last_sample(writers: dict[str, SplitWriter], report: Report, source: s
         report.tokens[name] += sign * moved
 
 
-OUTPUT_NAMES = (TOKENS_FILE, REPORT_FILE, TOKENIZER_DIR)
 TOKENIZER_FILES = {TOKENIZER_FILE, CONFIG_FILE}
 """What the tokenizer's copy in a prepared folder holds (`Tokenizer.save`)."""
+
+
+OUTPUT_NAMES = tuple(sorted(PREPARED_ENTRIES))
+"""What data prepare writes, replaced as a whole (`OutputDir`)."""
 
 
 def not_prepared_here(out: Path) -> str | None:
@@ -635,7 +637,7 @@ def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: st
         try:
             _write_tokens(output, kind, read_records(files, kind, max_record_mb), tokenizer, str(tokenizer_dir),
                           report, workers, val_fraction, strict, seed, seq_len, show_progress)
-            (output.staging / REPORT_FILE).write_text(json.dumps(asdict(report), indent=1, ensure_ascii=False))
+            (output.staging / PREPARED_REPORT_FILE).write_text(json.dumps(asdict(report), indent=1, ensure_ascii=False))
             tokenizer.save(output.staging / TOKENIZER_DIR)
         except OSError as exc:  # the inputs' read errors are UserErrors already
             raise cannot_write_output(out_dir, exc) from None

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from llm.errors import UserError
-from llm.rundir import CHECKPOINTS_DIR, CONFIG_FILE, RUN_RECORD_FILE, TOKENS_FILE
+from llm.rundir import holds_only_zerollm_output
 from llm.wording import printable
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
@@ -127,17 +127,11 @@ def _dataset_dict_splits(path: Path) -> list[Path]:
     return [path / split for split in splits]
 
 
-def _zerollm_output(folder: Path) -> bool:
-    """Whether `folder` is what zerollm writes, not data: a run directory (its samples.jsonl and metrics.jsonl
-    became GRPO prompts and pretraining text) or a prepared data folder."""
-    return (folder / RUN_RECORD_FILE).is_file() or (folder / TOKENS_FILE).is_file() or (
-        (folder / CONFIG_FILE).is_file() and (folder / CHECKPOINTS_DIR).is_dir())
-
-
 def _walk(folder: Path, exclude: Path | None) -> list[Path]:
     """Supported files and save_to_disk datasets under `folder`, sorted; hidden entries, `exclude`, zerollm's own
-    output folders (`_zerollm_output`) and anything but regular files (a FIFO would block the reader forever) left
-    out. Symlinked folders are followed, each folder read once however many links reach it (so a link loop ends)."""
+    output folders (`holds_only_zerollm_output`) and anything but regular files (a FIFO would block the reader
+    forever) left out. Symlinked folders are followed, each folder read once however many links reach it (so a link
+    loop ends)."""
     found: list[Path] = []
     seen = {folder.resolve()}
     for root, dirs, files in os.walk(folder, followlinks=True):
@@ -147,7 +141,7 @@ def _walk(folder: Path, exclude: Path | None) -> list[Path]:
             sub = here / name
             real = sub.resolve()
             if name.startswith(".") or real in seen or (exclude is not None and _is_within(real, exclude)) or \
-                    _zerollm_output(sub):
+                    holds_only_zerollm_output(sub):
                 continue
             seen.add(real)
             if _format(sub) == "hf":
@@ -197,7 +191,7 @@ def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None
     for raw in paths:
         path = Path(raw)
         if excluded is not None and path.exists() and _is_within(path.resolve(), excluded):
-            raise UserError(f"{path}: is inside the output directory {exclude}, which this run writes; "
+            raise UserError(f"{path}: is inside the output directory {exclude}, which is replaced by this run; "
                             "move the input or choose another --out")
         if (path / HF_DATASET_DICT_FILE).is_file():
             files.extend(_dataset_dict_splits(path))

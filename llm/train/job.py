@@ -174,7 +174,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
 
     agreed(fits, announce=info.local_rank == 0)
     if grpo:
-        tokenizer, reward, train_set = grpo_inputs(cfg, run_dir, info.device)
+        tokenizer, reward, train_set = grpo_inputs(cfg, info.device)
         val_set = None
     else:
         dataset = DATASETS[data_attrs["kind"]]

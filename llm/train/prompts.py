@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -117,11 +116,11 @@ def _usable(item: Item, encode: Callable[[list[dict[str, str]]], list[int]], max
 
 
 def read_prompts(paths: list[str], encode: Callable[[list[dict[str, str]]], list[int]], max_tokens: int,
-                 required_fields: Iterable[str] = (), run_dir: Path | None = None) -> PromptSet:
-    """Every usable prompt of the files (or directories) in order, none from `run_dir` (the run's own output);
-    `encode` renders and tokenizes a prompt."""
+                 required_fields: Iterable[str] = ()) -> PromptSet:
+    """Every usable prompt of the files (or directories) in order (a directory's run directories left out, this
+    run's among them: `expand_inputs`); `encode` renders and tokenizes a prompt."""
     prompts, skipped = [], []
-    for path in expand_inputs(paths, exclude=run_dir):
+    for path in expand_inputs(paths):
         for item in read_items(path):
             if isinstance(item, Skipped):
                 skipped.append(str(item))

@@ -65,15 +65,14 @@ def tokenizer_dir(cfg: RunConfig) -> Path:
     return directory
 
 
-def grpo_inputs(cfg: RunConfig, run_dir: Path, device: torch.device | None = None) -> tuple[Tokenizer, Reward,
-                                                                                            PromptSet]:
-    """The tokenizer, the reward (a reward model runs on `device`, default the CPU) and the prompt set of GRPO run
-    `run_dir` (whose own files are never prompts), every mistake in them a `UserError`."""
+def grpo_inputs(cfg: RunConfig, device: torch.device | None = None) -> tuple[Tokenizer, Reward, PromptSet]:
+    """The tokenizer, the reward (a reward model runs on `device`, default the CPU) and the prompt set of a GRPO
+    run, every mistake in them a `UserError`."""
     g = cfg.grpo
     tokenizer = Tokenizer.load(tokenizer_dir(cfg))
     reward = Reward(g.reward, g.max_new_tokens, device or torch.device("cpu"), g.reward_timeout_s)
     prompts = read_prompts(g.prompts, partial(encode_prompt, tokenizer), cfg.data.seq_len - g.max_new_tokens,
-                           reward.required_fields, run_dir)
+                           reward.required_fields)
     reward.check_fields({key for prompt in prompts.prompts for key in prompt.fields})
     return tokenizer, reward, prompts
 
