@@ -746,6 +746,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         """SIGTERM, raised where serve_forever waits, as Ctrl-C's KeyboardInterrupt is."""
 
     def terminate(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once, not the closing
         raise Terminated
 
     previous, terminated = signal.signal(signal.SIGTERM, terminate), False
