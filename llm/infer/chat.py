@@ -22,20 +22,18 @@ from llm.infer.sampling import SamplingParams
 
 HELP = 'commands: /reset  /system TEXT  /quit or /exit  (//text sends /text; """ begins and ends several lines)'
 BLOCK = '"""'
-"""Begins a message of several lines, and ends it at the end of a line."""
+"""Begins a message of several lines, and ends it on a line of its own."""
 
 
 def _read_block(first: str, read: Callable[[str], str]) -> str:
-    """The message of a block whose first line (stripped) is `first`, which begins with `BLOCK`: the text after it,
-    then each line read, as typed, until one ends with `BLOCK` (before which it ends too)."""
-    rest = first[len(BLOCK):]
-    lines = []
-    while not rest.endswith(BLOCK):
-        lines.append(rest)
-        rest = read("... ").rstrip("\r\n")
-        if rest.rstrip().endswith(BLOCK):
-            rest = rest.rstrip()
-    lines.append(rest[:-len(BLOCK)])
+    """The message of a block whose first line (stripped) is `first`, which begins with `BLOCK`: the text between
+    where it also ends with one (a message of one line); else the text after it, then each line read, as typed,
+    until a line that is `BLOCK` alone (pasted code keeps its own docstrings)."""
+    if len(first) >= 2 * len(BLOCK) and first.endswith(BLOCK):
+        return first[len(BLOCK):-len(BLOCK)]
+    lines = [first[len(BLOCK):]]
+    while (line := read("... ").rstrip("\r\n")).strip() != BLOCK:
+        lines.append(line)
     return "\n".join(lines).strip("\n")
 
 
