@@ -79,18 +79,18 @@ WAIT_POLL_S = 0.25
 CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
 FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 """A header's name: an RFC 9110 token, no whitespace."""
-CHAT_ROUTE = "/v1/chat/completions"
+CHAT_ROUTE, HEALTH_ROUTE, MODELS_ROUTE = "/v1/chat/completions", "/health", "/v1/models"
+READ_METHODS = "GET, HEAD"
+"""What every route but chat takes, as an Allow header lists it (RFC 9110: where GET is, HEAD is too)."""
 
 
 def allowed_methods(route: str) -> str | None:
-    """The methods a route takes, as an Allow header lists them (RFC 9110: where GET is, HEAD is too); None for a
-    route the server does not have."""
+    """The methods a route takes, as an Allow header lists them; None for a route the server does not have."""
     if route == CHAT_ROUTE:
         return "POST"
-    if route in ("/health", "/v1/models") or route.startswith("/v1/models/"):
-        return "GET, HEAD"
+    if route in (HEALTH_ROUTE, MODELS_ROUTE) or route.startswith(MODELS_ROUTE + "/"):
+        return READ_METHODS
     return None
-"""The route that takes POST; every other takes GET."""
 API_KEY = re.compile(r"[!-~]+")
 """Visible ASCII: what an HTTP header carries unchanged."""
 
@@ -642,7 +642,7 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             if loopback and host is not None and not is_loopback_host(host):
                 raise RequestError(f"Host '{host}' is not this machine's loopback name; the server answers local "
                                    "clients only (start it with --host and --api-key to serve others)", status=403)
-            if api_key is not None and self.route != "/health":
+            if api_key is not None and self.route != HEALTH_ROUTE:
                 if len(self.headers.get_all("Authorization") or []) > 1:  # a proxy may check one, this server another
                     raise RequestError("a request may have one Authorization header, not several")
                 scheme, _, given = self.headers.get("Authorization", "").strip().partition(" ")
@@ -705,12 +705,12 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                                    "Transfer-Encoding)")
             model = {"id": self.service.model_name, "object": "model", "created": self.service.created,
                      "owned_by": "zerollm"}
-            if self.route == "/health":
+            if self.route == HEALTH_ROUTE:
                 self._json(200, {"status": "ok"})
-            elif self.route == "/v1/models":
+            elif self.route == MODELS_ROUTE:
                 self._json(200, {"object": "list", "data": [model]})
             else:  # under /v1/models/ (`allowed_methods`)
-                name = urllib.parse.unquote(self.route.removeprefix("/v1/models/"))  # escaped or not (: + @)
+                name = urllib.parse.unquote(self.route.removeprefix(MODELS_ROUTE + "/"))  # escaped or not (: + @)
                 if name != self.service.model_name:
                     raise model_not_found(name, self.service.model_name)
                 self._json(200, model)
