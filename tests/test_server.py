@@ -617,6 +617,18 @@ def test_api_key_is_required_off_loopback_and_checked(generator, tmp_path):
                 400, "a request may have one Authorization header, not several")
 
 
+def test_a_loopback_name_bound_elsewhere_needs_an_api_key(generator, monkeypatch):
+    """`--host app.localhost` (or localhost.localdomain) passed as loopback by its name alone: where /etc/hosts maps
+    it to another address, the server listened there with no key. The address bound is judged too."""
+    from llm.infer import server
+
+    monkeypatch.setattr(server, "is_loopback_host", lambda host: True)  # a name judged loopback, bound to every address
+    with pytest.raises(UserError, match=r"^--host 0\.0\.0\.0 is 0\.0\.0\.0 here, which lets other machines reach the "
+                                        r"server: give --api-key KEY"):
+        make_server(ChatService(generator, "tiny"), "0.0.0.0", 0)
+    make_server(ChatService(generator, "tiny"), "0.0.0.0", 0, api_key="s3cret").server_close()
+
+
 def test_without_max_tokens_a_reply_fits_the_context(generator):
     with running(generator, default_max_tokens=CONTEXT * 4) as (url, _, _):
         status, payload = _post(url, json.dumps({"messages": [{"role": "user", "content": "Hello"}]}).encode())

@@ -58,7 +58,7 @@ from llm.data.formats import call_arguments
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator, TextStream
 from llm.infer.sampling import InvalidSampling, SamplingParams
-from llm.loopback import is_loopback_host
+from llm.loopback import is_loopback, is_loopback_host
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
@@ -1018,9 +1018,15 @@ def bind_server(host: str = "127.0.0.1", port: int = 8000, api_key: str | None =
                         f"the server holds, got {max_connections_per_client}")
     handler = _make_handler(api_key, is_loopback_host(host), timeout_s)
     try:
-        return ChatServer((host, port), handler, max_connections, max_connections_per_client)
+        server = ChatServer((host, port), handler, max_connections, max_connections_per_client)
     except OSError as exc:  # in use, not this machine's address, unresolvable (socket.gaierror)
         raise UserError(f"cannot listen on --host {host!r} --port {port}: {exc.strerror or exc}") from None
+    bound = server.server_address[0]
+    if not api_key and not is_loopback(bound):  # a loopback name (app.localhost) that /etc/hosts maps elsewhere
+        server.server_close()
+        raise UserError(f"--host {host} is {bound} here, which lets other machines reach the server: give --api-key "
+                        "KEY (clients send 'Authorization: Bearer KEY'), or bind 127.0.0.1")
+    return server
 
 
 def make_server(service: ChatService, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
