@@ -91,14 +91,18 @@ def holds_only_zerollm_output(folder: Path) -> bool:
     return (CONFIG_FILE in names and names <= RUN_ENTRIES) or (TOKENS_FILE in names and names <= PREPARED_ENTRIES)
 
 
+def broken_link(path: Path) -> str:
+    """What symbolic link `path`, which cannot be followed, is: for messages."""
+    return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist (or links back to itself)"
+
+
 def check_writable_out(out: Path, advice: str) -> Path:
     """The nearest of `out` and its parents that exists, checked to be a folder this process can write in (else a
     UserError ending with `advice` for a file; a symbolic link that cannot be followed is refused too): an --out a
     command can create or write."""
     existing = next(p for p in (out, *out.parents) if p.exists() or p.is_symlink() or p == p.parent)
     if not existing.exists():  # a link to nothing: writing there failed only after the work (FileExistsError)
-        raise UserError(f"--out {out}: {existing} is a symbolic link to {os.readlink(existing)}, which does not "
-                        "exist (or links back to itself); create its target or remove the link")
+        raise UserError(f"--out {out}: {broken_link(existing)}; create its target or remove the link")
     if not existing.is_dir():
         raise UserError(f"--out {out}: {existing} is a file; {advice}")
     if not os.access(existing, os.W_OK | os.X_OK):

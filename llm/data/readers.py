@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from llm.errors import UserError
-from llm.rundir import holds_only_zerollm_output
+from llm.rundir import broken_link, holds_only_zerollm_output
 from llm.wording import printable
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
@@ -208,8 +208,7 @@ def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None
                                 f"{', '.join(SUPPORTED)} or a directory saved by datasets' save_to_disk")
             files.append(path)
         elif path.is_symlink():
-            raise UserError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist (or links back to "
-                            "itself)")
+            raise UserError(f"{path}: {broken_link(path)}")
         else:
             raise UserError(f"{path}: no such file or directory")
     if not files:

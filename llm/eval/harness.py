@@ -115,11 +115,11 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
         raise UserError(f"--num-fewshot must be 0 or more, got {num_fewshot}")
     out = Path(out_dir) if out_dir else Path(model_dir) / rundir.EVAL_DIR
     rundir.check_writable_out(out, "give a folder for the results")  # before the evaluation: results not lost
+    lm_eval = require_lm_eval()
     try:  # what may still fail where the folder above it is writable (a read-only mount, /proc)
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
-    lm_eval = require_lm_eval()
     from lm_eval import evaluator  # noqa: PLC0415 - optional dependency
     from lm_eval.utils import make_table  # noqa: PLC0415 - optional dependency
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import psutil
 import torch.distributed as dist
 
-from llm.errors import EXIT_RANK_LOST
+from llm.errors import EXIT_RANK_LOST, report
 
 _PREFIX = "zerollm/watchdog"
 
@@ -224,7 +224,7 @@ class Watchdog:
 
     def _exit(self, message: str | None) -> None:
         if message:
-            print(f"zerollm: error: {message}", file=sys.stderr, flush=True)
+            report(message)
         sys.stdout.flush()
         self.before_exit()
         os._exit(EXIT_RANK_LOST)

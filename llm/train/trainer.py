@@ -32,7 +32,7 @@ from llm import rundir
 from llm.config import RunConfig
 from llm.data.datasets import checked_to
 from llm.data.sampler import ResumableDistributedSampler
-from llm.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_RANK_LOST, StepInputError, UserError
+from llm.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_RANK_LOST, StepInputError, UserError, report
 from llm.runtime.distributed import DistInfo, raise_together
 from llm.runtime.preemption import Preemption, data_loader_worker_init
 from llm.runtime.watchdog import Watchdog
@@ -458,13 +458,13 @@ class Trainer:
         node that says its news says `brief`; this rank says `message` itself unless it is that rank: the
         watchdog's heartbeat can end the rank that asked it to end the job before its line, and the launcher then
         stops the others before they say it."""
-        said = f"zerollm: error: rank {self.dist.rank}: {message}"
+        said = f"rank {self.dist.rank}: {message}"
         if watchdog is not None:
             if not watchdog.announce:
-                print(said, file=sys.stderr, flush=True)
+                report(said)
             watchdog.end_job(brief if not watchdog.announce else message)
         logger.bar.close()
         newest = rundir.newest_complete_tag(self.run_dir)
-        print(f"{said}; " + (f"rerun with --resume auto to continue from {newest}" if newest else
-                             "no checkpoint was saved"), file=sys.stderr, flush=True)
+        report(f"{said}; " + (f"rerun with --resume auto to continue from {newest}" if newest else
+                              "no checkpoint was saved"))
         return EXIT_RANK_LOST
