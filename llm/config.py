@@ -768,6 +768,10 @@ def validate(cfg: RunConfig) -> None:
     _require(t.dpo_loss in ("sigmoid", "ipo"), f"train.dpo_loss must be sigmoid or ipo, got '{t.dpo_loss}'")
     _require(t.stage not in ("dpo", "grpo") or bool(t.init_from),
              f"{t.stage.upper()} needs --init-from (the policy and the frozen reference start there)")
+    _require(t.stage not in ("dpo", "grpo") or cfg.model.dropout == 0,
+             f"model.dropout is {cfg.model.dropout:g}, but {t.stage.upper()} scores the policy against its frozen "
+             "reference, which runs without dropout (the noise was trained on: a first step off ln 2, a first KL "
+             "above 0); set model.dropout=0, as TRL does for DPO and GRPO")
     _require(t.precision in ("auto", "bf16", "fp16", "fp32"),
              f"train.precision must be auto, bf16, fp16 or fp32, got '{t.precision}'")
     t.max_time_seconds()  # a malformed or non-positive duration is refused here
