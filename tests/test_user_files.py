@@ -130,6 +130,9 @@ def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(op
      "package: pip install tensorboard"),
     ({"optimizer": {"type": "MuAdamW", "params": {}}}, "x.json: 'optimizer.type' MuAdamW needs the mup package: pip "
      "install mup"),
+    ({"optimizer": {"type": "SparseAdam", "params": {"lr": "auto"}}}, "x.json: 'optimizer.type' SparseAdam is torch's "
+     "SparseAdam, which steps sparse gradients only, and the model's are dense; choose another optimizer (AdamW)"),
+    # a RuntimeError traceback in every rank at the first step
     ({"bfloat16": {"enabled": True}, "bf16": {"enabled": False}}, "x.json: give one of 'bf16' and 'bfloat16'"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "x.json: "
      "'zero_optimization.offload_param.device' is nvme but no 'nvme_path' names the folder on the NVMe drive to "

@@ -407,7 +407,8 @@ def _optimizer_class(name: str, params: dict[str, Any], offload: bool, source: s
 
 def _refuse_unbuildable(name: str, cls: type | None, stage: int, ds: dict[str, Any], source: str) -> None:
     """Refuse an optimizer DeepSpeed would fail to build or step in every rank: a fused kernel this accelerator has
-    none of (Lamb and Lion on a CPU), Muon under ZeRO-3 with reduce_scatter on, torch's Adagrad under ZeRO, or one
+    none of (Lamb and Lion on a CPU), Muon under ZeRO-3 with reduce_scatter on, torch's SparseAdam (dense gradients),
+    torch's Adagrad under ZeRO, or one
     DeepSpeed calls untested under ZeRO unless the config allows it."""
     if cls in (deepspeed.ops.lamb.FusedLamb, deepspeed.ops.lion.FusedLion) and \
             deepspeed.get_accelerator().device_name() == "cpu":
@@ -418,6 +419,9 @@ def _refuse_unbuildable(name: str, cls: type | None, stage: int, ds: dict[str, A
     if name.lower() == "muon" and stage == 3 and ds.get("zero_optimization", {}).get("reduce_scatter", True):
         raise UserError(f"{source}: 'optimizer.type' {name} under ZeRO-3 needs \"reduce_scatter\": false in "
                         "zero_optimization (DeepSpeed's ZeRO-3 does not reduce-scatter Muon's gradients)")
+    if cls is torch.optim.SparseAdam:  # a RuntimeError traceback in every rank at the first step
+        raise UserError(f"{source}: 'optimizer.type' {name} is torch's SparseAdam, which steps sparse gradients "
+                        "only, and the model's are dense; choose another optimizer (AdamW)")
     if cls is torch.optim.Adagrad and stage > 0:  # an IndexError in every rank at the first step
         raise UserError(f"{source}: 'optimizer.type' {name} is torch's Adagrad, which DeepSpeed's ZeRO (stage {stage}) "
                         "fails on; set zero_optimization.stage to 0, or offload_optimizer to the cpu (DeepSpeed's CPU "
