@@ -67,6 +67,8 @@ WANDB_DIR = "wandb"
 TOKENS_FILE = "tokens.h5"
 """The token file of a prepared data directory (`llm.data.prepare`)."""
 PREPARED_REPORT_FILE = "report.json"
+TOKENIZER_FILE = "tokenizer.json"
+"""A tokenizer's own file (`llm.tokenizer`), in tokenizer folders, export folders and runs' tokenizer/."""
 RUN_ENTRIES = frozenset({CONFIG_FILE, DS_CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, RUN_RECORD_FILE, EVAL_DIR,
                          TOKENIZER_DIR, CHECKPOINTS_DIR, UNIVERSAL_DIR, WANDB_DIR})
 """What `zerollm train` writes into a run directory (besides its dot-named temporary files)."""
@@ -76,8 +78,8 @@ def is_run_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file()
 
 
-PREPARED_ENTRIES = frozenset({TOKENS_FILE, PREPARED_REPORT_FILE, TOKENIZER_DIR})
-"""What `zerollm data prepare` writes into its output folder."""
+PREPARED_ENTRIES = (TOKENS_FILE, PREPARED_REPORT_FILE, TOKENIZER_DIR)
+"""What `zerollm data prepare` writes into its output folder, its marker first (`llm.data.output.OutputDir`)."""
 
 
 def holds_only_zerollm_output(folder: Path) -> bool:
@@ -88,7 +90,7 @@ def holds_only_zerollm_output(folder: Path) -> bool:
         names = {name for name in os.listdir(folder) if not name.startswith(".")}
     except OSError:
         return False
-    return (CONFIG_FILE in names and names <= RUN_ENTRIES) or (TOKENS_FILE in names and names <= PREPARED_ENTRIES)
+    return (CONFIG_FILE in names and names <= RUN_ENTRIES) or (TOKENS_FILE in names and names <= set(PREPARED_ENTRIES))
 
 
 def broken_link(path: Path) -> str:
@@ -125,8 +127,6 @@ def check_run_contents(run_dir: Path, resume: bool) -> bool:
     checkpoints there between the first check and the lock."""
     if check_writable_out(run_dir, "give a directory") != run_dir:
         return False
-    from llm.tokenizer import TOKENIZER_FILE  # noqa: PLC0415 - it loads the tokenizers library: not for every command
-
     for marker, what in ((TOKENS_FILE, "a prepared data folder"), (TOKENIZER_FILE, "a tokenizer or export folder")):
         if (run_dir / marker).exists():
             raise UserError(f"--out {run_dir} is {what} (it holds {marker}); give the run a directory of its own")

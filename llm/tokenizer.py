@@ -41,12 +41,13 @@ from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate
 from llm.data.output import refuse_foreign_contents, refuse_mount_point
 from llm.data.readers import Skipped, skipped_note
 from llm.errors import UserError, not_utf8, read_user_json_object, read_user_text
+from llm.rundir import TOKENIZER_FILE
 from llm.stdout import on_terminal
 
 EOS, IM_START, IM_END, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
 SPECIAL_TOKENS = [EOS, IM_START, IM_END, PAD]  # ids 0, 1, 2, 3 in tokenizers we train
 
-TOKENIZER_FILE, CONFIG_FILE, TEMPLATE_FILE = "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"
+CONFIG_FILE, TEMPLATE_FILE = "tokenizer_config.json", "chat_template.jinja"
 
 END_OF_TEXT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 TURN_START_NAMES = ("<|im_start|>", "<start_of_turn>", "<|start_header_id|>")

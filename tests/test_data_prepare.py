@@ -28,10 +28,11 @@ from llm.cli import main
 from llm.data import prepare as prepare_module
 from llm.data.formats import read_items, read_records
 from llm.data.output import OutputDir
-from llm.data.prepare import OUTPUT_NAMES, Report, not_prepared_here, prepare
+from llm.data.prepare import Report, not_prepared_here, prepare
 from llm.data.prepared import read_data_attrs
 from llm.data.readers import PIECE_CHARS, Item, expand_inputs, split_text
 from llm.errors import UserError
+from llm.rundir import PREPARED_ENTRIES
 from llm.tokenizer import Tokenizer, train_tokenizer
 
 
@@ -622,14 +623,14 @@ def test_the_tokens_carry_a_digest_of_all_their_content(tokenizer_dir, corpus, t
 
 def test_a_second_prepare_into_a_locked_out_is_refused(tokenizer_dir, corpus, tmp_path):
     out = tmp_path / "out"
-    with OutputDir(out, OUTPUT_NAMES, not_prepared_here) as first:
+    with OutputDir(out, PREPARED_ENTRIES, not_prepared_here) as first:
         (first.staging / "tokens.h5").write_text("being written")
         result = _prepare(tokenizer_dir, out, corpus)
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert (f"--out {out}: another `zerollm data prepare` (pid {os.getpid()}) is writing there; wait for it to "
                 "finish or choose another --out") in result.stderr
         assert (first.staging / "tokens.h5").read_text() == "being written"
-        assert OutputDir(out, OUTPUT_NAMES, not_prepared_here).staging != first.staging  # temporary names are unique
+        assert OutputDir(out, PREPARED_ENTRIES, not_prepared_here).staging != first.staging  # unique temporary names
     assert _prepare(tokenizer_dir, out, corpus).returncode == 0  # the lock goes with its holder
 
 

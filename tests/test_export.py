@@ -46,7 +46,7 @@ def test_a_mount_point_as_out_is_refused_by_every_command_that_replaces_its_outp
     prepare said 'Invalid cross-device link', data prepare leaving its lock file there. A tmpfs mount needs root,
     so the mount point is simulated."""
     from llm.data.output import OutputDir
-    from llm.data.prepare import OUTPUT_NAMES
+    from llm.rundir import PREPARED_ENTRIES
     from llm.tokenizer import train_tokenizer
 
     mount = tmp_path / "mnt"
@@ -54,7 +54,7 @@ def test_a_mount_point_as_out_is_refused_by_every_command_that_replaces_its_outp
     monkeypatch.setattr(os.path, "ismount", lambda path: Path(path).resolve() == mount.resolve())
     for command, write in (("export", lambda: export_model(_model(0), None, mount)),
                            ("tokenizer train", lambda: train_tokenizer(["some text"], 300, mount, show_progress=False)),
-                           ("data prepare", lambda: OutputDir(mount, OUTPUT_NAMES, lambda out: None).__enter__())):
+                           ("data prepare", lambda: OutputDir(mount, PREPARED_ENTRIES, lambda out: None).__enter__())):
         with pytest.raises(UserError) as refused:
             write()
         assert str(refused.value) == (f"--out {mount} is a mount point, which {command} cannot replace (it writes its "

@@ -691,18 +691,17 @@ def test_a_worker_ended_by_sigbus_is_said_to_need_shared_memory():
 
 
 def test_an_error_of_a_rank_s_own_is_not_blamed_on_its_node(pretrain_data, tmp_path):
-    """A rank that raised (here DeepSpeed's SparseAdam on dense gradients, at the first step) ended the job telling
-    the user to fix or replace the failed node."""
-    config = tmp_path / "sparse.json"
-    config.write_text(json.dumps({"optimizer": {"type": "SparseAdam", "params": {"lr": "auto"}},
-                                  "zero_allow_untested_optimizer": True}))
+    """A rank that raised (here torch's AdamW asked for CUDA-graph capture on the CPU, at the first step) ended the
+    job telling the user to fix or replace the failed node."""
+    config = tmp_path / "capturable.json"
+    config.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"torch_adam": True, "capturable": True}}}))
     # a short timeout: the watchdog's heartbeat comes every timeout / 30 s, and telling a rank's own error from a lost
     # peer waits for the peer's next one (10 s at the default)
     result = run_job(*train_args(pretrain_data, tmp_path / "run", "train.max_steps=2", "train.collective_timeout_s=30",
                                  nproc=2, extra=["--deepspeed", config, "--zero-stage", 0]))
     assert result.returncode == EXIT_RANK_LOST, result.stderr[-3000:]
     said = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error: rank ")]
-    assert said and all("failed with RuntimeError: SparseAdam does not support dense gradients" in line
+    assert said and all("failed with AssertionError: If capturable=True, params and state_steps must be on " in line
                         and line.endswith("the job is ended on every rank. That rank's traceback, in its output, "
                                           "says where: fix the cause, then start the job again with --resume auto")
                         for line in said), said

@@ -575,8 +575,6 @@ TOKENIZER_FILES = {TOKENIZER_FILE, CONFIG_FILE}
 """What the tokenizer's copy in a prepared folder holds (`Tokenizer.save`)."""
 
 
-OUTPUT_NAMES = tuple(sorted(PREPARED_ENTRIES))
-"""What data prepare writes, replaced as a whole (`OutputDir`)."""
 
 
 def not_prepared_here(out: Path) -> str | None:
@@ -633,7 +631,7 @@ def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: st
     files = expand_inputs(inputs, exclude=out_dir)
     tokenizer = Tokenizer.load(tokenizer_dir)
     report = Report(files={str(f): 0 for f in files}, seq_len=None if kind == "pretrain" else seq_len)
-    with OutputDir(out_dir, OUTPUT_NAMES, not_prepared_here) as output:
+    with OutputDir(out_dir, PREPARED_ENTRIES, not_prepared_here) as output:
         try:
             _write_tokens(output, kind, read_records(files, kind, max_record_mb), tokenizer, str(tokenizer_dir),
                           report, workers, val_fraction, strict, seed, seq_len, show_progress)
