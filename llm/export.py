@@ -182,6 +182,11 @@ def attention_window(directory: Path) -> int | None:
 
 def model_config_from_hf(config: dict, source: str) -> ModelConfig:
     model_type = _model_type(config, source)
+    if (quantized := config.get("quantization_config")) is not None:  # GPTQ, AWQ, bitsandbytes, FP8: packed weights,
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else None  # scales, other names
+        what = f"quant_method {method!r}" if method else "quantization_config"
+        raise UserError(f"{source}: a quantized model ({what}); give the model's unquantized fp32, bf16 or fp16 "
+                        "weights (its base repository)")
     window = _sliding_window(config, model_type)
     if config.get("use_sliding_window") or window is not None and not (
             isinstance(window, int) and window >= _number(config, "max_position_embeddings", source, int, 2048)):

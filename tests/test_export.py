@@ -399,6 +399,10 @@ def test_a_null_number_of_key_value_heads_is_one_per_head_as_transformers_reads_
                                "architecture"),
     # the RoPE object is named by its key: 'rope_scaling' was said of a transformers 5 file's rope_parameters
     ({"rope_parameters": {**YARN, "attention_factor": 2.0}}, "config.json: rope_parameters 'attention_factor' 2.0"),
+    # an FP8 model's weights (same names and shapes, scales beside them) were refused as 'unexpected' names only
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "config.json: a quantized "
+     "model (quant_method 'fp8'); give the model's unquantized fp32, bf16 or fp16 weights (its base repository)"),
+    ({"quantization_config": "4bit"}, "a quantized model (quantization_config); give the model's unquantized"),
 ])
 def test_a_malformed_config_json_is_one_line(tmp_path, change, message):
     export_model(_model(0), None, tmp_path)
