@@ -537,6 +537,33 @@ def test_an_out_folder_that_is_not_a_run_is_refused_untouched(pretrain_data, tmp
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+KILLED_AFTER_THE_RUN_FILES = """
+import os, signal, sys
+from llm import cli
+from llm.train import job
+write = job._write_run_files
+def killed(*args):
+    write(*args)
+    os.kill(os.getpid(), signal.SIGKILL)
+job._write_run_files = killed
+cli.main(sys.argv[1:])
+"""
+"""`zerollm ARGS`, killed as its run starts, once its tokenizer copy, config.yaml and ds_config.json are written."""
+
+
+def test_a_run_killed_as_it_starts_is_taken_by_its_rerun(pretrain_data, tmp_path):
+    """A start stopped (SIGKILL, Ctrl-C, a full disk) after the run files and before the run record left a folder
+    that the same command, or --resume auto, refused as another tool's: 'holds config.yaml, ds_config.json,
+    tokenizer but is not a zerollm run'."""
+    args = [str(a) for a in _args(pretrain_data, tmp_path / "run", "train.max_steps=2")]
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_THE_RUN_FILES, *args], capture_output=True,
+                            text=True, timeout=300, check=False)
+    assert killed.returncode == -signal.SIGKILL and (tmp_path / "run" / "config.yaml").is_file(), killed.stderr[-2000:]
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "global_step2"
+
+
 def test_an_out_that_is_or_lies_below_a_file_is_one_line(pretrain_data, tmp_path, monkeypatch, capsys):
     (tmp_path / "notes.txt").write_text("kept")
     for out in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "run"):

@@ -485,10 +485,14 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
 
 
 def _start_files(cfg: RunConfig, run_dir: Path, ds_config: dict, trainer: Trainer, record: dict) -> MetricsSink:
-    """Rank 0, as the run starts: the run files, its run record, then the metrics files cut to its first step (and
-    wandb). A write that runs out of room is a UserError naming the run directory, with every file whole."""
-    _write_run_files(cfg, run_dir, ds_config)
+    """Rank 0, as the run starts: its run record (first: it makes the folder a zerollm run's, so that a session
+    stopped before the other files were written leaves a folder its rerun takes; it was refused as another tool's),
+    the run files, then the metrics files cut to its first step (and wandb). A write that runs out of room is a
+    UserError naming the run directory, with every file whole."""
+    with durable.room_needed(run_dir, rundir.RUN_RECORD_FILE):
+        run_dir.mkdir(parents=True, exist_ok=True)
     write_run_record(run_dir, record)
+    _write_run_files(cfg, run_dir, ds_config)
     with durable.room_needed(run_dir, rundir.METRICS_FILE):
         return MetricsSink(run_dir, cfg, trainer.run_id, trainer.step, record)
 
@@ -501,7 +505,6 @@ def _write_run_files(cfg: RunConfig, run_dir: Path, ds_config: dict) -> None:
     init_from, teacher = (path and str(Path(path).resolve()) for path in (cfg.train.init_from, cfg.train.teacher))
     saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=init_from, teacher=teacher))
     with durable.room_needed(run_dir, rundir.TOKENIZER_DIR):
-        run_dir.mkdir(parents=True, exist_ok=True)
         keep_tokenizer(run_dir, input_tokenizer(cfg))
     with durable.room_needed(run_dir, rundir.CONFIG_FILE):
         saved.save(rundir.config_file(run_dir))
