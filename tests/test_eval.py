@@ -1,6 +1,7 @@
 """`zerollm eval`: loss, perplexity and bits per byte on files and prepared splits against a direct computation,
 on one and two ranks; lm-evaluation-harness suites through our wrapper, on local tasks."""
 
+import errno
 import io
 import itertools
 import json
@@ -494,6 +495,22 @@ def test_lm_eval_runs_tasks_through_the_chat_template_and_logs_their_samples(exp
             assert context.count("<|im_start|>assistant") == 2  # the few-shot answer is a turn of its own
     [results] = (tmp_path / "results").glob("lm_eval_*[0-9].json")
     assert "samples" not in json.loads(results.read_text())
+
+
+def test_results_a_full_disk_cannot_take_are_one_line_and_the_table_is_still_shown(export_dir, local_tasks,
+                                                                                    tmp_path, monkeypatch, capsys):
+    """A full disk at the end of an evaluation was an OSError traceback (exit 1): the table never printed, and an
+    empty lm_eval_<time>.json left behind."""
+    from llm import durable
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(durable, "write_text", full)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(tmp_path / 'out'))}: no space left on device while writing "
+                                        "the results; nothing was lost .*: free space and run the evaluation again$"):
+        run_tasks(str(export_dir), ["tiny_choice"], include_path=str(local_tasks), out_dir=str(tmp_path / "out"))
+    assert "|tiny_choice" in capsys.readouterr().out and list((tmp_path / "out").iterdir()) == []
 
 
 def test_a_chat_template_is_not_applied_where_the_tokenizer_has_none(export_dir, local_tasks, monkeypatch):

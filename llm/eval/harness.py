@@ -172,14 +172,19 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
                                            device=str(where), dtype=str(precision).removeprefix("torch."))
     named = f"{model_dir} ({checkpoint})" if checkpoint else model_dir
     # a diverged model's NaN metrics as null: bare NaN is not JSON, and strict readers refused the file
-    stem = save_results(out, json.dumps(strict_json(results), indent=1, default=str, ensure_ascii=False),
-                        f"model: {named}\n\n{table}")
     written = []  # everything saved before anything is printed: a reader that leaves (`| head`) loses no result
-    for task, rows in samples.items():
-        path = stem.with_name(f"{stem.name}_samples_{_file_name_part(task)}.jsonl")
-        durable.write_text(path, "".join(json.dumps(strict_json(row), default=str, ensure_ascii=False) + "\n"
-                                         for row in rows))
-        written.append(f"samples of {task} written to {path}")
+    try:
+        with durable.room_needed(out, "the results", again="run the evaluation again"):
+            stem = save_results(out, json.dumps(strict_json(results), indent=1, default=str, ensure_ascii=False),
+                                f"model: {named}\n\n{table}")
+            for task, rows in samples.items():
+                path = stem.with_name(f"{stem.name}_samples_{_file_name_part(task)}.jsonl")
+                durable.write_text(path, "".join(json.dumps(strict_json(row), default=str, ensure_ascii=False) + "\n"
+                                                 for row in rows))
+                written.append(f"samples of {task} written to {path}")
+    except UserError:  # a full disk: what the evaluation found is still shown (it was a traceback, the table lost)
+        print(table, flush=True)
+        raise
     print(table)
     print(f"results written to {stem}.json and {stem}.md")
     for line in written:
@@ -234,6 +239,10 @@ def save_results(out: Path, results: str, table: str) -> Path:
         except FileExistsError:
             continue
         break
-    durable.write_text(stem.with_suffix(".json"), results)
-    durable.write_text(stem.with_suffix(".md"), table)
+    try:
+        durable.write_text(stem.with_suffix(".json"), results)
+        durable.write_text(stem.with_suffix(".md"), table)
+    except BaseException:  # the name claimed, empty, is no result
+        stem.with_suffix(".json").unlink(missing_ok=True)
+        raise
     return stem
