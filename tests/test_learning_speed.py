@@ -1,5 +1,6 @@
 """`zerollm bench learn`: the whole pipeline inside one wall-time budget on a user's text file."""
 
+import errno
 import json
 import math
 import os
@@ -27,6 +28,25 @@ def test_files_that_cannot_be_split_are_refused(tmp_path, name, text):
     (tmp_path / name).write_text(text)
     with pytest.raises(UserError):
         split_file(tmp_path / name, tmp_path)
+
+
+def test_a_split_the_disk_cannot_take_is_one_line_and_leaves_no_torn_part(tmp_path, monkeypatch):
+    """A full disk as the parts were written was an OSError traceback (exit 1, which bench learn also gives for 'over
+    budget'), a torn train.txt left behind."""
+    from llm import durable
+
+    write = durable.write_bytes
+
+    def full(path, data):
+        if path.name == "val.txt":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(path, data)
+
+    monkeypatch.setattr(durable, "write_bytes", full)
+    with pytest.raises(UserError, match=rf"^{tmp_path}: no space left on device while writing the training and "
+                                        "held-out parts; nothing was lost"):
+        split_file(FIXTURES / "pretrain" / "zh_stories.txt", tmp_path)
+    assert not (tmp_path / "val.txt").exists() and (tmp_path / "train.txt").stat().st_size > 0  # whole or absent
 
 
 def test_bench_learn_runs_tokenizer_data_training_and_heldout_bits_per_byte_in_one_budget(tmp_path):

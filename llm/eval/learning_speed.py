@@ -84,8 +84,9 @@ def split_file(path: Path, out: Path, train_share: float = TRAIN_SHARE) -> tuple
             pass  # UTF-8) comes first
         raise UserError(f"{path}: too short to split into a training part and a held-out part at a line end")
     train, val = out / f"train{path.suffix.lower()}", out / f"val{path.suffix.lower()}"
-    train.write_bytes(data[:cut + 1])
-    val.write_bytes(data[cut + 1:])
+    with durable.room_needed(out, "the training and held-out parts"):  # it was a traceback, a part left torn
+        durable.write_bytes(train, data[:cut + 1])
+        durable.write_bytes(val, data[cut + 1:])
     return train, val
 
 
@@ -306,13 +307,19 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
                    "train_max_time_s": max_time, "train_loop_s": in_loop, "vocab_size": tokenizer.vocab_size,
                    "train_tokens": report.tokens["train"], "heldout": result.to_dict(),
                    "skipped": {"train": train_skipped, "heldout": heldout_skipped}}
-        durable.write_text(out_dir / "result.json", json.dumps(summary, indent=1, allow_nan=False))
-        print(f"\nbench learn: {input_file}, recipe {recipe}, budget {budget_s:g} s, wall {total:.1f} s"
-              f"{'' if total <= budget_s else f' -- OVER BUDGET by {total - budget_s:.1f} s: raise --reserve'}\n"
-              f"  held-out bits per byte  {result.bits_per_byte:.4f}  (loss per token {result.loss:.4f}, "
-              f"{result.tokens:,} tokens, {result.bytes:,} bytes, windows of {context})\n"
-              f"  training loop {in_loop:.1f} s of train.max_time {max_time:.1f} s; starting and ending the job "
-              f"{phases.seconds['training'] - in_loop:.1f} s and the held-out evaluation "
-              f"{phases.seconds['evaluation']:.1f} s came out of the {reserve:g} s reserve\n"
-              f"  written to {out_dir / 'result.json'}; lm-eval task for other models in {task_dir}")
+        said = (f"\nbench learn: {input_file}, recipe {recipe}, budget {budget_s:g} s, wall {total:.1f} s"
+                f"{'' if total <= budget_s else f' -- OVER BUDGET by {total - budget_s:.1f} s: raise --reserve'}\n"
+                f"  held-out bits per byte  {result.bits_per_byte:.4f}  (loss per token {result.loss:.4f}, "
+                f"{result.tokens:,} tokens, {result.bytes:,} bytes, windows of {context})\n"
+                f"  training loop {in_loop:.1f} s of train.max_time {max_time:.1f} s; starting and ending the job "
+                f"{phases.seconds['training'] - in_loop:.1f} s and the held-out evaluation "
+                f"{phases.seconds['evaluation']:.1f} s came out of the {reserve:g} s reserve\n"
+                f"  written to {out_dir / 'result.json'}; lm-eval task for other models in {task_dir}")
+        try:
+            with durable.room_needed(out_dir, "result.json"):
+                durable.write_text(out_dir / "result.json", json.dumps(summary, indent=1, allow_nan=False))
+        except UserError:  # a full disk: the measurement is still said (it was a traceback, the result lost)
+            print(said.rsplit("\n", 1)[0], flush=True)
+            raise
+        print(said)
         return 0 if total <= budget_s else 1
