@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llm import rundir
+from llm import durable, rundir
 from llm.data.output import refuse_foreign_contents, staging_leftovers
 from llm.errors import EXIT_PREEMPTED, UserError
 from llm.infer.generate import TextGenerator, complete
@@ -170,8 +170,9 @@ def _zerollm(*args: str) -> None:
         raise
     if code == EXIT_PREEMPTED:
         raise UserError(f"demo step `zerollm {' '.join(args[:2])}` was stopped; {RESTART}")
-    if code != 0:
-        raise UserError(f"demo step `zerollm {' '.join(args[:2])}` failed with exit code {code}")
+    if code != 0:  # the step said why, perhaps with advice of its own to resume it
+        raise UserError(f"demo step `zerollm {' '.join(args[:2])}` failed with exit code {code}; {RESTART} once "
+                        "what it said is put right")
 
 
 def _val_losses(run: Path) -> list[tuple[int, float]]:
@@ -218,8 +219,13 @@ def take_output_dir(out: Path) -> None:
 
 
 def run_demo(out: Path, steps: int | None = None, nproc: int = 1) -> int:
-    corpus, tokenizer, data, run = out / "corpus.txt", out / "tokenizer", out / "data", out / "run"
     take_output_dir(out)
+    with durable.room_needed(out, "the demo's files", again="run the demo again"):  # was a traceback, exit 1 (which
+        return _run_stages(out, steps, nproc)  # the demo gives for a loss that did not fall)
+
+
+def _run_stages(out: Path, steps: int | None, nproc: int) -> int:
+    corpus, tokenizer, data, run = out / "corpus.txt", out / "tokenizer", out / "data", out / "run"
     runs = ("run", "sft_run", "dpo_run", "grpo_run")
     for old in runs:  # a demo still training into this --out keeps its runs
         check_run_unlocked(out / old)

@@ -145,6 +145,25 @@ def test_demo_refuses_a_folder_of_the_users_and_steps_below_one(tmp_path, monkey
     assert not (tmp_path / "new").exists()
 
 
+def test_a_demo_step_that_fails_says_the_demo_starts_over_and_a_full_disk_is_one_line(tmp_path, monkeypatch):
+    """A stage that failed for a full disk advised '--resume auto', which the demo does not take; a full disk as the
+    demo wrote its own files was an OSError traceback, exit 1 (the demo's 'the loss did not fall')."""
+    from llm import demo
+
+    monkeypatch.setattr(demo.subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(args, 2))
+    with pytest.raises(UserError, match=r"^demo step `zerollm train pretrain` failed with exit code 2; the demo has no "
+                                        r"--resume: run it again to start it over once what it said is put right$"):
+        demo._zerollm("train", "pretrain")
+
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(demo, "write_corpus", full)
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'd'}: no space left on device while writing the demo's files; "
+                                        "nothing was lost .*: free space and run the demo again$"):
+        demo.run_demo(tmp_path / "d")
+
+
 @pytest.mark.parametrize("stopped", [KeyboardInterrupt, 75])
 def test_a_demo_stopped_in_a_stage_says_it_starts_over_not_resume(monkeypatch, capsys, stopped):
     """A stage stopped by Ctrl-C said 'rerun with --resume auto', which the demo does not take (a rerun deletes
