@@ -25,9 +25,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -37,6 +34,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from llm import durable
 from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate, ChatTemplateError
 from llm.data.output import refuse_foreign_contents, refuse_mount_point
 from llm.data.readers import Skipped, skipped_note
@@ -146,17 +144,15 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, min_fr
 
 
 def _write_output(tokenizer: Tokenizer, training: dict, out_dir: Path) -> Tokenizer:
-    """The tokenizer's files and `training` written into a temporary folder beside `out_dir`, then renamed into it:
-    a failure while writing (a full disk) leaves the tokenizer that was there whole."""
+    """The tokenizer's files and `training` written into a folder beside `out_dir`, which then replaces it whole
+    (`durable.staged_folder`): a failure or a kill while writing (a full disk, Ctrl-C) leaves the tokenizer that was
+    there whole (its files were replaced one by one: a kill left the new tokenizer.json beside the old training
+    record, which data prepare took as one tokenizer)."""
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=out_dir.resolve().parent))
-        try:
+        with durable.staged_folder(out_dir.resolve(), replace=True) as staging:
+            staging.mkdir()
             (staging / TRAINING_FILE).write_text(json.dumps(training, indent=2), encoding="utf-8")
             tokenizer.save(staging)
-            for written in sorted(staging.iterdir()):
-                os.replace(written, out_dir / written.name)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:
         raise UserError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from None
     return tokenizer
