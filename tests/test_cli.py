@@ -188,12 +188,13 @@ def test_a_demo_stopped_in_a_stage_says_it_starts_over_not_resume(monkeypatch, c
 
 
 def test_demo_takes_its_own_earlier_folders(tmp_path):
-    """A demo folder of a version that wrote no marker, and one where a killed demo left data prepare's staging
-    folder, were refused as the user's."""
+    """A demo folder of a version that wrote no marker, and one where a killed demo left data prepare's or tokenizer
+    train's staging folder, were refused as the user's."""
     from llm.demo import DEMO_MARKER, take_output_dir
 
     unmarked, killed = tmp_path / "unmarked", tmp_path / "killed"
-    for folder, names in ((unmarked, ["tokenizer", "data", "run", "sft_run"]), (killed, [".data.partial-41-9f0c1a2b"])):
+    for folder, names in ((unmarked, ["tokenizer", "data", "run", "sft_run"]),
+                          (killed, [".data.partial-41-9f0c1a2b", ".tokenizer.partial", ".tokenizer.old"])):
         for name in names:
             (folder / name).mkdir(parents=True)
         (folder / "corpus.txt").write_text("")

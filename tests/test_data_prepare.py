@@ -167,7 +167,7 @@ def test_only_its_own_leftovers_beside_out_are_removed(tokenizer_dir, bad_inputs
     """A folder beside --out whose name merely started like a leftover of a killed prepare (a user's
     `.out.old-backup`) was deleted with the leftovers, without a word."""
     names = [".out.old-backup", ".out.partial-snapshot", ".out.partial-41-9f0c1a2b", ".out.old-41-9f0c1a2b",
-             ".out.partial-41-z4ll4hb_"]  # the last: tokenizer train's, through tempfile.mkdtemp
+             ".out.partial-41-z4ll4hb_", ".out.partial", ".out.old"]  # the last three: tokenizer train's
     for name in names:
         (tmp_path / name).mkdir()
         (tmp_path / name / "kept.txt").write_text("mine\n")

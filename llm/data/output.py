@@ -79,11 +79,12 @@ def refuse_foreign_contents(out: Path, given: str | Path, command: str, names: s
 def staging_leftovers(entries: Iterable[str], outputs: Iterable[str]) -> set[str]:
     """Those of a folder's `entries` that a killed `tokenizer train` or `data prepare` into one of its `outputs` left
     beside it, a staging or set-aside folder (`OutputDir`: the next one into that output removes it), by the exact
-    form of their names, `.OUT.partial-PID-XXXXXXXX` and `.OUT.old-PID-XXXXXXXX` (eight hexadecimal digits, or the
-    tokenizer's eight characters of `tempfile.mkdtemp`): any name starting so matched, and a user's own
+    form of their names: `.OUT.partial-PID-XXXXXXXX` and `.OUT.old-PID-XXXXXXXX` (eight hexadecimal digits, or the
+    eight characters of `tempfile.mkdtemp` an earlier tokenizer train used), and `.OUT.partial` and `.OUT.old`
+    (`llm.durable.staged_folder`, which tokenizer train uses): any name starting so matched, and a user's own
     `.data.old-backup` beside --out data was deleted."""
     staged = "|".join(re.escape(name) for name in outputs)
-    return {e for e in entries if re.fullmatch(rf"\.(?:{staged})\.(?:partial|old)-[0-9]+-[a-z0-9_]{{8}}", e)}
+    return {e for e in entries if re.fullmatch(rf"\.(?:{staged})\.(?:partial|old)(?:-[0-9]+-[a-z0-9_]{{8}})?", e)}
 
 
 def refuse_mount_point(out: Path, given: Path, command: str) -> None:
