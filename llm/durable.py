@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -135,6 +136,25 @@ def staged_folder(target: Path, replace: bool = False) -> Iterator[Path]:
     fsync(target.parent)
     if replace:
         shutil.rmtree(old, ignore_errors=True)
+
+
+STAGED_SUFFIX = r"(?:partial|old)(?:-[0-9]+-[a-z0-9_]{8})?"
+"""What follows `.NAME.` in the staging and set-aside folders beside a folder NAME that is replaced whole:
+`staged_folder`'s `.NAME.partial` and `.NAME.old`, data prepare's with its process id and 8 random characters."""
+
+
+def no_such_folder(path: Path) -> str:
+    """'PATH: no such directory', saying where a replacement of it that was stopped between its two renames left its
+    earlier copy, whole (`.NAME.old...` beside it): the loaders said only that it was missing."""
+    try:
+        aside = sorted(name for name in os.listdir(path.parent)
+                       if re.fullmatch(rf"\.{re.escape(path.name)}\.{STAGED_SUFFIX}", name) and ".old" in name)
+    except OSError:
+        aside = []
+    if not aside:
+        return f"{path}: no such directory"
+    return (f"{path}: no such directory (a command replacing it was stopped: its earlier copy is whole in "
+            f"{path.parent / aside[0]}; rename that back to {path.name})")
 
 
 def copy_folder(source: Path, target: Path) -> None:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from llm import rundir
+from llm import durable, rundir
 from llm.config import ModelConfig, RunConfig, build_config, settable_key
 from llm.data.prepare import RANDOM_TOKENS_HASH
 from llm.errors import UserError
@@ -196,7 +196,7 @@ def is_run_or_export(directory: Path, option: str = "") -> bool:
         return False
     named = f"{option + ' ' if option else ''}{directory}"
     if not directory.exists():
-        raise UserError(f"{named}: no such directory")
+        raise UserError(f"{option + ' ' if option else ''}{durable.no_such_folder(directory)}")
     raise UserError(f"{named}: neither a run directory ({rundir.CONFIG_FILE}) nor an export directory "
                     f"({HF_CONFIG_FILE})")
 

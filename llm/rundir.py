@@ -43,6 +43,7 @@ from typing import Any
 
 import yaml
 
+from llm import durable
 from llm.config import SECTIONS, build_config, load_recorded_yaml
 from llm.errors import UserError
 from llm.train.run_lock import check_run_unlocked
@@ -176,7 +177,7 @@ def recorded_config(run_dir: Path) -> dict[str, Any]:
         recorded = load_recorded_yaml(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         if not run_dir.exists():
-            raise UserError(f"{run_dir}: no such directory") from None
+            raise UserError(durable.no_such_folder(run_dir)) from None
         raise UserError(f"{run_dir}: no {CONFIG_FILE}; is this a run directory made by `zerollm train`?") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         reason = " ".join(str(exc).split())

@@ -358,7 +358,12 @@ def test_generate_command_from_run_and_export(zero_runs, tmp_path, monkeypatch, 
     assert zerollm_here(monkeypatch, "generate", "--model", tmp_path, "--prompt", "To be", "--max-new-tokens", 8) == 0
     assert capsys.readouterr().out == first
     assert zerollm_here(monkeypatch, "generate", "--model", tmp_path / "nothing", "--prompt", "x") == 2
-    assert capsys.readouterr().err == f"zerollm: error: {tmp_path / 'nothing'}: no such directory\n"  # was 'neither
+    assert capsys.readouterr().err == f"zerollm: error: {tmp_path / 'nothing'}: no such directory\n"  # was 'neither'
+    (tmp_path / ".gone.old").mkdir()  # an export over `gone` stopped between its two renames
+    assert zerollm_here(monkeypatch, "generate", "--model", tmp_path / "gone", "--prompt", "x") == 2
+    assert capsys.readouterr().err == (  # it said only 'no such directory'
+        f"zerollm: error: {tmp_path / 'gone'}: no such directory (a command replacing it was stopped: its earlier "
+        f"copy is whole in {tmp_path / '.gone.old'}; rename that back to gone)\n")
     (tmp_path / "empty").mkdir()  # a run directory nor an export directory' for a path that does not exist
     assert zerollm_here(monkeypatch, "generate", "--model", tmp_path / "empty", "--prompt", "x") == 2
     assert "neither a run directory" in capsys.readouterr().err

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from llm.durable import STAGED_SUFFIX
 from llm.errors import UserError
 
 LOCK_FILE = ".prepare.lock"
@@ -84,7 +85,7 @@ def staging_leftovers(entries: Iterable[str], outputs: Iterable[str]) -> set[str
     (`llm.durable.staged_folder`, which tokenizer train uses): any name starting so matched, and a user's own
     `.data.old-backup` beside --out data was deleted."""
     staged = "|".join(re.escape(name) for name in outputs)
-    return {e for e in entries if re.fullmatch(rf"\.(?:{staged})\.(?:partial|old)(?:-[0-9]+-[a-z0-9_]{{8}})?", e)}
+    return {e for e in entries if re.fullmatch(rf"\.(?:{staged})\.{STAGED_SUFFIX}", e)}
 
 
 def refuse_mount_point(out: Path, given: Path, command: str) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from llm import rundir
+from llm import durable, rundir
 from llm.data.prepare import SCHEMA_VERSION, SPLITS, STREAMS, TOKENS_FILE
 from llm.errors import UserError
 from llm.tokenizer import Tokenizer
@@ -46,8 +46,8 @@ def read_data_attrs(data_dir: str | Path, kind: str | tuple[str, ...], reader: s
     kinds = (kind,) if isinstance(kind, str) else kind
     path = Path(data_dir) / TOKENS_FILE
     if not Path(data_dir).is_dir():
-        problem = "not a directory" if Path(data_dir).exists() else "no such directory"
-        raise UserError(f"{data_dir}: {problem}; pass the folder `zerollm data prepare --out` wrote")
+        problem = f"{data_dir}: not a directory" if Path(data_dir).exists() else durable.no_such_folder(Path(data_dir))
+        raise UserError(f"{problem}; pass the folder `zerollm data prepare --out` wrote")
     if not path.is_file():
         raise UserError(f"{data_dir}: no {TOKENS_FILE}; create it with `zerollm data prepare --kind "
                         f"{' or --kind '.join(kinds)}`")
