@@ -33,6 +33,7 @@ from llm.config import (
     refuse_set_twice,
 )
 from llm.errors import EXIT_USER_ERROR, UserError, not_utf8, report
+from llm.runtime.accelerator import check_chosen_accelerator
 from llm.stdout import GuardedStdout, OutputLost, discard, settle
 from llm.train.ds_config_file import load_ds_config
 from llm.wording import plural
@@ -532,6 +533,7 @@ def _checked_before_ranks(args: argparse.Namespace):
     from launch.local import under_launcher
 
     cfg = _train_config(args)
+    check_chosen_accelerator()
     rundir.check_run_output(Path(args.out), args.resume == "auto")
     load_ds_config(args.deepspeed, cfg.train.stage)
     if not under_launcher():  # said once, by the process that starts the ranks
