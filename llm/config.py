@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import re
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -316,8 +317,16 @@ def settable_key(key: str) -> str:
 class WandbConfig:
     mode: str = "off"
     """'off', 'offline' or 'online'."""
-    project: str = "zerollm"
+    project: str | None = None
+    """None: $WANDB_PROJECT where set (as Hugging Face's Trainer and TRL read it), else 'zerollm'."""
     name: str | None = None
+    """None: $WANDB_NAME where set, else the run directory's name."""
+
+    def run_project(self) -> str:
+        return self.project or os.environ.get("WANDB_PROJECT") or "zerollm"
+
+    def run_name(self, run_dir: Path) -> str:
+        return self.name or os.environ.get("WANDB_NAME") or run_dir.resolve().name
 
 
 @dataclass

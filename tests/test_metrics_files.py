@@ -220,6 +220,26 @@ def test_the_wandb_run_records_the_exit_code_and_the_folder_s_own_name(tmp_path,
     assert sink.wandb_run.exit_codes == [75]
 
 
+def test_wandb_project_and_name_come_from_the_variables_hugging_face_users_set(tmp_path, monkeypatch):
+    """WANDB_PROJECT and WANDB_NAME (how Hugging Face's Trainer and TRL name a run) were overridden without a word:
+    the run went to project 'zerollm' under its folder's name. The config's own keys still come first."""
+    import wandb
+
+    monkeypatch.setattr(wandb, "init", _Run)
+    monkeypatch.setenv("WANDB_PROJECT", "myproj")
+    monkeypatch.setenv("WANDB_NAME", "myname")
+    options = MetricsSink(tmp_path, _config("offline"), "run", start_step=0).wandb_run.options
+    assert (options["project"], options["name"]) == ("myproj", "myname")
+    cfg = _config("offline")
+    cfg.wandb.project, cfg.wandb.name = "mine", "first"
+    options = MetricsSink(tmp_path, cfg, "run", start_step=0).wandb_run.options
+    assert (options["project"], options["name"]) == ("mine", "first")
+    monkeypatch.delenv("WANDB_PROJECT")
+    monkeypatch.delenv("WANDB_NAME")
+    options = MetricsSink(tmp_path, _config("offline"), "run", start_step=0).wandb_run.options
+    assert (options["project"], options["name"]) == ("zerollm", tmp_path.name)
+
+
 def test_an_offline_run_that_cannot_start_is_not_told_to_check_the_network(tmp_path, monkeypatch):
     import wandb
 

@@ -189,7 +189,7 @@ def check_wandb(settings: WandbConfig, run_dir: Path) -> None:
     if hasattr(wandb.Settings, "update_from_env_vars"):
         _refuse_unreadable_variables(wandb)
         try:
-            wandb.Settings(project=settings.project)
+            wandb.Settings(project=settings.run_project())
         except wandb.Error as exc:
             raise UserError(f"wandb.project: {_wandb_reason(exc)}") from None
     if settings.mode != "online":
@@ -232,7 +232,7 @@ class MetricsSink:
         if cfg.wandb.mode != "off":
             wandb = import_wandb()
             try:
-                self.wandb_run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or run_dir.resolve().name,
+                self.wandb_run = wandb.init(project=cfg.wandb.run_project(), name=cfg.wandb.run_name(run_dir),
                                             id=run_id, resume="allow", dir=str(run_dir), mode=cfg.wandb.mode,
                                             config=cfg.to_dict())
             except (wandb.Error, ValueError) as exc:  # no network (after wandb's wait), a key the server refuses, a
