@@ -548,9 +548,6 @@ DORMANT_KEYS = (
      "only `train distill` reads them: no teacher, nothing distilled"),
     (lambda key: key.startswith("train.dpo_"), lambda cfg: cfg.train.stage != "dpo", "only `train dpo` reads them"),
     (lambda key: key.startswith("grpo."), lambda cfg: cfg.train.stage != "grpo", "only `train grpo` reads them"),
-    (lambda key: key in ("train.max_steps", "train.warmup_steps"),
-     lambda cfg: cfg.train.max_time is None and cfg.train.warmup_steps >= cfg.train.max_steps,
-     "train.warmup_steps is not below train.max_steps: the learning rate rises for the whole run and never decays"),
 )
 """(which `--set` keys, when they are read by nothing, why) for keys a run keeps in its config but does not use."""
 

@@ -465,7 +465,4 @@ def import_model(directory: Path) -> Transformer:
     weights = {}
     for name in sorted(state):  # copied one at a time into this process's memory (safetensors maps the file: its
         weights[ours[name]] = state.pop(name).to(torch.float32, copy=True)  # pages would change with a later write)
-        if not torch.isfinite(weights[ours[name]]).all():  # training reported a diverged first step ("lower
-            raise UserError(f"{directory}: {name} holds NaN or infinite values; the model is damaged (a diverged "
-                            "run's, or a file cut or corrupted): give a healthy copy")  # train.lr"), chat garbage
     return model_from_weights(cfg, weights).eval()
