@@ -533,7 +533,6 @@ def _checked_before_ranks(args: argparse.Namespace):
     from launch.local import under_launcher
 
     cfg = _train_config(args)
-    check_chosen_accelerator()
     rundir.check_run_output(Path(args.out), args.resume == "auto")
     load_ds_config(args.deepspeed, cfg.train.stage)
     if not under_launcher():  # said once, by the process that starts the ranks
@@ -586,6 +585,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     starting_ranks = starts_ranks(args.nproc)  # this process starts the ranks and waits
     cfg = _checked_before_ranks(args)
+    check_chosen_accelerator()  # the ranks train here (`zerollm launch` may start them on other machines)
     _check_rank_inputs(cfg, starting_ranks)
     if starting_ranks:
         return relaunch_local(args.nproc, args.argv)

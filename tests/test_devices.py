@@ -326,17 +326,13 @@ def test_place_never_holds_an_fp32_copy_of_a_parameter_on_the_device():
     assert sum(t.numel() for t in made if t.dtype == torch.float32) == buffers  # the RoPE tables, nothing else
 
 
-@pytest.mark.parametrize("chosen, said", [
-    ("cuda", "DS_ACCELERATOR=cuda, but this machine has no CUDA GPU; unset it (zerollm then trains on a CUDA GPU where "
-             "there is one, else on the CPU), or set it to cpu"),
-    ("bogus", "DS_ACCELERATOR='bogus' is not one of DeepSpeed's accelerators (cuda, cpu, xpu,"),
-])
-def test_a_deepspeed_accelerator_this_machine_lacks_is_one_line(pretrain_data, tmp_path, monkeypatch, capsys, chosen,
-                                                                said):
+def test_a_deepspeed_accelerator_this_machine_lacks_is_one_line(pretrain_data, tmp_path, monkeypatch, capsys):
     """DS_ACCELERATOR=cuda carried over from a GPU cluster ended in DeepSpeed's AttributeError traceback as its
-    engine set the device (exit 1, or 76 on two ranks); an unknown value in its ValueError as it was imported."""
+    engine set the device (exit 1, or 76 on two ranks)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("DS_ACCELERATOR", chosen)
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     assert zerollm_here(monkeypatch, *train_args(pretrain_data, tmp_path / "run", nproc=2)) == 2
-    assert capsys.readouterr().err.startswith(f"zerollm: error: {said}")
+    assert capsys.readouterr().err == ("zerollm: error: DS_ACCELERATOR=cuda, but this machine has no CUDA GPU; unset "
+                                       "it (zerollm then trains on a CUDA GPU where there is one, else on the CPU), or "
+                                       "set it to cpu\n")
     assert not (tmp_path / "run").exists()
