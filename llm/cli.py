@@ -26,6 +26,7 @@ from llm.config import (
     LORA_SPEC_KEYS,
     RunConfig,
     build_config,
+    check_new_run,
     load_recipe,
     parse_lora_spec,
     parse_override,
@@ -514,7 +515,9 @@ def _train_config(args: argparse.Namespace):
         from llm.loading import recipe_for_init_from
 
         recipe = recipe_for_init_from(recipe, init_from, Path(args.out) if args.resume == "auto" else None)
-    return build_config(recipe, [*args.overrides, *extra], paths=_path_options(args))
+    cfg = build_config(recipe, [*args.overrides, *extra], paths=_path_options(args))
+    check_new_run(cfg)
+    return cfg
 
 
 PATH_OPTIONS = {"data.path": "--data", "train.init_from": "--init-from", "train.teacher": "--teacher",

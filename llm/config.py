@@ -767,6 +767,17 @@ def validate_lora(cfg: RunConfig) -> None:
     _require(bool(cfg.train.init_from), f"LoRA on {stage} needs --init-from: the frozen base model comes from there")
 
 
+def check_new_run(cfg: RunConfig) -> None:
+    """What a run config may not start a run with, though a recorded one is read as it is (a run an earlier version
+    trained so is still loaded, resumed and exported): model.dropout in DPO and GRPO, whose frozen reference runs
+    without it (the noise was trained on: a first step off ln 2, a first KL above 0)."""
+    stage = cfg.train.stage
+    _require(stage not in ("dpo", "grpo") or cfg.model.dropout == 0,
+             f"model.dropout is {cfg.model.dropout:g}, but {stage.upper()} scores the policy against its frozen "
+             "reference, which runs without dropout (the noise was trained on: a first step off ln 2, a first KL "
+             "above 0); set model.dropout=0, as TRL does for DPO and GRPO")
+
+
 def validate(cfg: RunConfig) -> None:
     d, t = cfg.data, cfg.train
     validate_ranges(cfg)
@@ -777,10 +788,6 @@ def validate(cfg: RunConfig) -> None:
     _require(t.dpo_loss in ("sigmoid", "ipo"), f"train.dpo_loss must be sigmoid or ipo, got '{t.dpo_loss}'")
     _require(t.stage not in ("dpo", "grpo") or bool(t.init_from),
              f"{t.stage.upper()} needs --init-from (the policy and the frozen reference start there)")
-    _require(t.stage not in ("dpo", "grpo") or cfg.model.dropout == 0,
-             f"model.dropout is {cfg.model.dropout:g}, but {t.stage.upper()} scores the policy against its frozen "
-             "reference, which runs without dropout (the noise was trained on: a first step off ln 2, a first KL "
-             "above 0); set model.dropout=0, as TRL does for DPO and GRPO")
     _require(t.precision in ("auto", "bf16", "fp16", "fp32"),
              f"train.precision must be auto, bf16, fp16 or fp32, got '{t.precision}'")
     t.max_time_seconds()  # a malformed or non-positive duration is refused here

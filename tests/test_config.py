@@ -590,11 +590,17 @@ def test_triton_kernels_with_a_head_dim_the_attention_kernel_refuses_are_refused
 
 
 @pytest.mark.parametrize("stage", ["dpo", "grpo"])
-def test_dropout_is_refused_where_the_policy_is_scored_against_its_reference(stage):
+def test_dropout_is_refused_where_the_policy_is_scored_against_its_reference(stage, tmp_path):
     """A recipe with model.dropout trained DPO and GRPO with dropout in the policy's forward and none in the
-    reference's: DPO's first loss was 0.7147, not ln 2, GRPO's first KL 0.0007, and the noise was trained on."""
+    reference's: DPO's first loss was 0.7147, not ln 2, GRPO's first KL 0.0007, and the noise was trained on. A run
+    an earlier version trained so is still read (loaded, exported, chatted with)."""
+    from llm.config import check_new_run
+
     sets = [f"train.stage={stage}", "train.init_from=runs/sft", "model.dropout=0.1"]
+    cfg = build_config("demo", sets + (["grpo.prompts=[p.jsonl]", "grpo.reward=[length]"] if stage == "grpo" else []))
     with pytest.raises(UserError, match=rf"^model\.dropout is 0\.1, but {stage.upper()} scores the policy against its "
                                         "frozen reference, which runs without dropout"):
-        build_config("demo", sets + (["grpo.prompts=[p.jsonl]", "grpo.reward=[length]"] if stage == "grpo" else []))
-    build_config("demo", ["train.stage=sft", "train.init_from=runs/base", "model.dropout=0.1"])  # SFT keeps it
+        check_new_run(cfg)
+    cfg.save(tmp_path / "config.yaml")
+    assert rundir.recorded_config(tmp_path)["model"]["dropout"] == 0.1  # read as it was recorded
+    check_new_run(build_config("demo", ["train.stage=sft", "train.init_from=runs/base", "model.dropout=0.1"]))
