@@ -90,6 +90,8 @@ class TimeBudget:
         checkpoint: written before its own time was measured): the session's first step saves to measure it."""
         self._warmup_ended = self.warmup_end
         """Training time at the end of warmup, None before it."""
+        self._progress = 0.0
+        """The furthest `progress` given so far (from published values: alike on every rank), kept by checkpoints."""
         self._channel = _Broadcast(info, 6) if self.enabled and info.world_size > 1 else None
 
     @property
@@ -156,9 +158,10 @@ class TimeBudget:
             return 0.0
         last = self.last_step()
         horizon = (self.max_time - self.reserve if last is None else self.projected_end(last)) - self.warmup_end
-        if horizon <= 0:
-            return 1.0
-        return min(1.0, max(0.0, (self.projected_end(step_index + 1) - self.warmup_end) / horizon))
+        now = 1.0 if horizon <= 0 else min(1.0, max(0.0, (self.projected_end(step_index + 1) - self.warmup_end) /
+                                                    horizon))
+        self._progress = max(self._progress, now)  # the last step that fits moves as step times vary: the schedule
+        return self._progress  # only goes forward (it rose again after warmup, by up to 4.5 % of the peak rate)
 
     def warmup_note(self, steps_done: int) -> str | None:
         """When the budget ends the run after `steps_done` steps, before its warmup did, a note saying so: the
@@ -247,7 +250,8 @@ class TimeBudget:
         if warmup_end is None and step >= self.warmup_steps:
             warmup_end = now
         return {"elapsed": now, "max_time": self.max_time, "step_seconds": self._step_average,
-                "eval_seconds": self._eval_measured, "save_seconds": self._save_measured, "warmup_end": warmup_end}
+                "eval_seconds": self._eval_measured, "save_seconds": self._save_measured, "warmup_end": warmup_end,
+                "progress": self._progress}
 
     def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
         """Continue from the estimates of a checkpoint of step `step`: published at once on every rank (each reads
@@ -260,6 +264,7 @@ class TimeBudget:
         self._eval_measured = self.eval_seconds = state["eval_seconds"]
         self._save_measured = self.save_seconds = state["save_seconds"] or 0.0
         self._warmup_ended = self.warmup_end = state["warmup_end"]
+        self._progress = state.get("progress", 0.0)  # a checkpoint of an earlier version has none
         self._measure_save_again = self.eval_seconds is not None and not self.save_seconds
 
 
