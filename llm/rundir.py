@@ -83,15 +83,15 @@ PREPARED_ENTRIES = (TOKENS_FILE, PREPARED_REPORT_FILE, TOKENIZER_DIR)
 """What `zerollm data prepare` writes into its output folder, its marker first (`llm.data.output.OutputDir`)."""
 
 
-def holds_only_zerollm_output(folder: Path) -> bool:
-    """Whether `folder` holds nothing but what zerollm writes there (dot-named files aside): a run directory (its
-    config.yaml among RUN_ENTRIES) or a prepared data folder (its tokens.h5 among PREPARED_ENTRIES). A folder
-    walked for data leaves such folders out: a run's samples.jsonl and metrics.jsonl are not data."""
-    try:
-        names = {name for name in os.listdir(folder) if not name.startswith(".")}
-    except OSError:
-        return False
-    return (CONFIG_FILE in names and names <= RUN_ENTRIES) or (TOKENS_FILE in names and names <= set(PREPARED_ENTRIES))
+def zerollm_entries(folder: Path) -> frozenset[str]:
+    """The entries of `folder` that zerollm writes there, where it is a run directory (its run record, or config.yaml
+    beside checkpoints/: RUN_ENTRIES) or a prepared data folder (tokens.h5: PREPARED_ENTRIES); none elsewhere. A
+    folder walked for data leaves them out (a run's samples.jsonl and metrics.jsonl became GRPO prompts and
+    pretraining text) and reads the rest (a user's notes or data kept beside them)."""
+    if (folder / RUN_RECORD_FILE).is_file() or ((folder / CONFIG_FILE).is_file() and
+                                                (folder / CHECKPOINTS_DIR).is_dir()):
+        return RUN_ENTRIES
+    return frozenset(PREPARED_ENTRIES) if (folder / TOKENS_FILE).is_file() else frozenset()
 
 
 def broken_link(path: Path) -> str:

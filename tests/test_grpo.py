@@ -503,8 +503,13 @@ def test_a_prompt_folder_holding_runs_gives_none_of_their_files_as_prompts(tmp_p
     prompts = read_prompts([str(tmp_path)], lambda messages: [0], max_tokens=50, required_fields=["answer"])
     assert [p.fields["answer"] for p in prompts] == ["2"] and prompts.skipped == []
     (tmp_path / "data" / "mine.jsonl").write_text(json.dumps({"prompt": "mine", "answer": "3"}) + "\n")
+    (tmp_path / "run_a" / "notes.jsonl").write_text(json.dumps({"prompt": "noted", "answer": "4"}) + "\n")
+    (tmp_path / "run_a" / "loss.png").write_bytes(b"")  # `zerollm plot runs/a --out runs/a/loss.png`
     prompts = read_prompts([str(tmp_path)], lambda messages: [0], max_tokens=50, required_fields=["answer"])
-    assert sorted(p.fields["answer"] for p in prompts) == ["1", "2", "3"]  # a folder of the user's own is read
+    assert sorted(p.fields["answer"] for p in prompts) == ["2", "3", "4"]  # what the user put beside is read
+    with pytest.raises(UserError, match="run_b: directory holds no .* besides what zerollm wrote there, which is not "
+                                        "data$"):  # `--prompts DIR --out DIR`: the run's own rows were prompts
+        read_prompts([str(tmp_path / "run_b")], lambda messages: [0], 50, required_fields=["answer"])
 
 
 # ---- advantages and the objective ---------------------------------------------------------------------

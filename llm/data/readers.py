@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from llm.errors import UserError
-from llm.rundir import broken_link, holds_only_zerollm_output
+from llm.rundir import broken_link, zerollm_entries
 from llm.wording import printable
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
@@ -128,20 +128,21 @@ def _dataset_dict_splits(path: Path) -> list[Path]:
 
 
 def _walk(folder: Path, exclude: Path | None) -> list[Path]:
-    """Supported files and save_to_disk datasets under `folder`, sorted; hidden entries, `exclude`, zerollm's own
-    output folders (`holds_only_zerollm_output`) and anything but regular files (a FIFO would block the reader
-    forever) left out. Symlinked folders are followed, each folder read once however many links reach it (so a link
-    loop ends)."""
+    """Supported files and save_to_disk datasets under `folder`, sorted; hidden entries, `exclude`, what zerollm
+    wrote into a run directory or prepared data folder (`zerollm_entries`) and anything but regular files (a FIFO
+    would block the reader forever) left out. Symlinked folders are followed, each folder read once however many
+    links reach it (so a link loop ends)."""
     found: list[Path] = []
     seen = {folder.resolve()}
     for root, dirs, files in os.walk(folder, followlinks=True):
         here = Path(root)
+        own = zerollm_entries(here)
         kept = []
         for name in sorted(dirs):
             sub = here / name
             real = sub.resolve()
-            if name.startswith(".") or real in seen or (exclude is not None and _is_within(real, exclude)) or \
-                    holds_only_zerollm_output(sub):
+            if name.startswith(".") or name in own or real in seen or (exclude is not None and
+                                                                       _is_within(real, exclude)):
                 continue
             seen.add(real)
             if _format(sub) == "hf":
@@ -152,7 +153,8 @@ def _walk(folder: Path, exclude: Path | None) -> list[Path]:
                 kept.append(name)
         dirs[:] = kept
         found.extend(here / name for name in files
-                     if not name.startswith(".") and _format(here / name) and (here / name).is_file())
+                     if not name.startswith(".") and name not in own and _format(here / name) and
+                     (here / name).is_file())
     return sorted(found)
 
 
@@ -198,7 +200,8 @@ def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None
         elif path.is_dir() and _format(path) != "hf":
             found = _walk(path, excluded)
             if not found:
-                raise UserError(f"{path}: directory holds no {'/'.join(SUPPORTED)} files or datasets directories")
+                own = " besides what zerollm wrote there, which is not data" if zerollm_entries(path) else ""
+                raise UserError(f"{path}: directory holds no {'/'.join(SUPPORTED)} files or datasets directories{own}")
             files.extend(found)
         elif path.exists():
             if not (path.is_file() or path.is_dir()):
