@@ -148,7 +148,8 @@ def no_such_folder(path: Path) -> str:
     earlier copy, whole (`.NAME.old...` beside it): the loaders said only that it was missing."""
     try:
         aside = sorted(name for name in os.listdir(path.parent)
-                       if re.fullmatch(rf"\.{re.escape(path.name)}\.{STAGED_SUFFIX}", name) and ".old" in name)
+                       if re.fullmatch(rf"\.{re.escape(path.name)}\.{STAGED_SUFFIX}", name)
+                       and name.startswith(f".{path.name}.old"))
     except OSError:
         aside = []
     if not aside:

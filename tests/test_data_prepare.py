@@ -276,8 +276,8 @@ def test_an_input_that_is_a_broken_link_is_named_so(tokenizer_dir, tmp_path, mon
     link.symlink_to(tmp_path / target)
     assert zerollm_here(monkeypatch, "data", "prepare", "--input", link, "--tokenizer", tokenizer_dir, "--out",
                         tmp_path / "out") == 2
-    assert capsys.readouterr().err == (f"zerollm: error: {link}: {link} is a symbolic link to {tmp_path / target}, "
-                                       "which does not exist (or links back to itself)\n")
+    assert capsys.readouterr().err == (f"zerollm: error: {link} is a symbolic link to {tmp_path / target}, which does "
+                                       "not exist (or links back to itself)\n")
 
 
 def test_empty_file_beside_good_ones_is_reported(tokenizer_dir, bad_inputs, tmp_path):

@@ -360,6 +360,11 @@ def test_generate_command_from_run_and_export(zero_runs, tmp_path, monkeypatch, 
     assert zerollm_here(monkeypatch, "generate", "--model", tmp_path / "nothing", "--prompt", "x") == 2
     assert capsys.readouterr().err == f"zerollm: error: {tmp_path / 'nothing'}: no such directory\n"  # was 'neither'
     (tmp_path / ".gone.old").mkdir()  # an export over `gone` stopped between its two renames
+    (tmp_path / ".gone.partial").mkdir()  # its new copy, torn
+    (tmp_path / ".v1.old.partial").mkdir()  # for `v1.old`, a torn copy, not an earlier one whole
+    from llm import durable
+
+    assert durable.no_such_folder(tmp_path / "v1.old") == f"{tmp_path / 'v1.old'}: no such directory"
     assert zerollm_here(monkeypatch, "generate", "--model", tmp_path / "gone", "--prompt", "x") == 2
     assert capsys.readouterr().err == (  # it said only 'no such directory'
         f"zerollm: error: {tmp_path / 'gone'}: no such directory (a command replacing it was stopped: its earlier "

@@ -224,6 +224,7 @@ def test_a_record_giving_its_conversation_or_prompt_twice_is_read_where_they_agr
     assert conversation(ultrachat) == [q, good, other, bad]
     assert prompt_record({**ultrachat, "answer": "1"})[0] == [q, good, other]
     assert preference({"instruction": "Q", "conversations": [q], "chosen": "A", "rejected": "B"}) == ([q], good, bad)
+    assert preference({"prompt": None, "chosen": [q, good], "rejected": [q, bad]}) == ([q], good, bad)  # null: absent
 
 
 def test_pretraining_on_conversation_and_pair_files_takes_their_text():

@@ -193,7 +193,7 @@ def one_reading(value: dict, readings: dict[str, Callable[[], list[Message]]]) -
     Magpie's records give their turns as both 'conversations' and 'messages', UltraChat's its first prompt as
     'prompt' beside 'messages'. Where they disagree, RecordError: one was used and the other dropped without a
     word."""
-    found = {key: read() for key, read in readings.items() if key in value}
+    found = {key: read() for key, read in readings.items() if value.get(key) is not None}  # null: not given
     if not found:
         return None
     longest = max(found, key=lambda key: len(found[key]))

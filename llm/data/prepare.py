@@ -575,8 +575,6 @@ TOKENIZER_FILES = {TOKENIZER_FILE, CONFIG_FILE}
 """What the tokenizer's copy in a prepared folder holds (`Tokenizer.save`)."""
 
 
-
-
 def not_prepared_here(out: Path) -> str | None:
     """What in the folder `out` data prepare did not write, or None where it is an output of data prepare: its
     tokens.h5 carries our schema version and its tokenizer/ only a tokenizer's files. A file of the user's named

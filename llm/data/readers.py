@@ -211,7 +211,7 @@ def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None
                                 f"{', '.join(SUPPORTED)} or a directory saved by datasets' save_to_disk")
             files.append(path)
         elif path.is_symlink():
-            raise UserError(f"{path}: {broken_link(path)}")
+            raise UserError(broken_link(path))
         else:
             raise UserError(f"{path}: no such file or directory")
     if not files:

@@ -3,7 +3,8 @@
 Commands: /reset (forget the conversation), /system TEXT (set the system prompt and reset), /quit (or /exit). Only these
 exact lines are commands: any other line is a message, also one starting with `/` (`/etc/hosts: what is it?`), and `//`
 sends a line less its first `/` (`//reset` sends `/reset`). A message of several lines (pasted text, code) goes
-between lines of three double quotes (`BLOCK`), as in ollama: the lines between are sent as typed, as one message.
+between lines of three double quotes (`BLOCK`), ollama's way but closed only by a line of its own: the lines
+between are sent as typed, as one message.
 The history goes through the tokenizer's chat template to ids (what the user types stays text, even
 `<|im_start|>`); the oldest exchanges are dropped when the context is full, and a message that cannot
 fit at all is refused with a message while the conversation carries on. Ctrl-C during a reply stops it (the reply
