@@ -645,6 +645,8 @@ def test_a_retraining_stopped_as_its_files_go_into_place_leaves_one_tokenizer_wh
 
 
 @pytest.mark.parametrize(("options", "message"), [
+    (("--out", "."), "--out . is the current directory or holds it; tokenizer train replaces the whole output "
+                     "directory, so give it a directory of its own, e.g. --out tok/"),  # the shell's folder deleted
     (("--out", "{file}"), "--out {file} is a file; give a directory"),
     (("--out", "/proc/x/tok"), "--out /proc/x/tok: cannot create or read it"),
     (("--vocab-size", "99999999999999999999"), "--vocab-size 99999999999999999999 is too large"),
