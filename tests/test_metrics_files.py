@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from conftest import REPO, train_args
 from llm import rundir
@@ -238,6 +239,28 @@ def test_wandb_project_and_name_come_from_the_variables_hugging_face_users_set(t
     monkeypatch.delenv("WANDB_NAME")
     options = MetricsSink(tmp_path, _config("offline"), "run", start_step=0).wandb_run.options
     assert (options["project"], options["name"]) == ("zerollm", tmp_path.name)
+
+
+def test_a_resumed_wandb_run_keeps_the_project_and_name_it_started_with(pretrain_data, tmp_path, monkeypatch):
+    """WANDB_PROJECT and WANDB_NAME were read again at each session and never recorded: a resume from a shell with
+    other values sent the same run id to another project."""
+    from llm.runtime.distributed import DistInfo
+    from llm.train import job
+
+    cfg = build_config("demo", ["wandb.mode=offline", "model.vocab_size=512"], paths={"data.path": str(pretrain_data)})
+    monkeypatch.setenv("WANDB_PROJECT", "first")
+    info = DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    ds = ({}, "ds.json")
+    resolved = job._resolved_ds_config(cfg, tmp_path, info, ds, None, False, {}, {"tokenizer_hash": "x"})
+    assert (cfg.wandb.project, cfg.wandb.name) == ("first", tmp_path.name)
+    cfg.save(tmp_path / "config.yaml")
+    (tmp_path / "ds_config.json").write_text(json.dumps(resolved))
+    monkeypatch.setenv("WANDB_PROJECT", "second")
+    again = build_config("demo", ["wandb.mode=offline", "model.vocab_size=512"],
+                         paths={"data.path": str(pretrain_data)})
+    monkeypatch.setattr(job, "check_same_data", lambda *args: None)
+    job._resolved_ds_config(again, tmp_path, info, ds, None, True, {}, {"tokenizer_hash": "x"})
+    assert (again.wandb.project, again.wandb.name) == ("first", tmp_path.name)
 
 
 def test_an_offline_run_that_cannot_start_is_not_told_to_check_the_network(tmp_path, monkeypatch):
