@@ -155,6 +155,8 @@ RANK = textwrap.dedent("""
             print("entered")
     except UserError as error:
         print("refused", error)
+    finally:  # a group left to the interpreter's exit may abort it ("terminate called without an active exception")
+        dist.destroy_process_group()
 """)
 
 
