@@ -36,7 +36,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llm import durable
 from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate, ChatTemplateError
-from llm.data.output import refuse_foreign_contents, refuse_mount_point
+from llm.data.output import refuse_current_directory, refuse_foreign_contents, refuse_mount_point
 from llm.data.readers import Skipped, skipped_note
 from llm.errors import UserError, not_utf8, read_user_json_object, read_user_text
 from llm.rundir import TOKENIZER_FILE
@@ -91,10 +91,7 @@ def _make_out_dir(out_dir: Path) -> bool:
     """Check `out_dir` before training and create it; whether it was created. Refused: a file, a folder that holds
     anything but an earlier `train_tokenizer` output (a prepared data folder's tokenizer/, a tokenizer of your own,
     a run), a place that cannot be written."""
-    cwd = Path.cwd().resolve()
-    if cwd == out_dir.resolve() or out_dir.resolve() in cwd.parents:  # replaced whole: the shell would be left in
-        raise UserError(f"--out {out_dir} is the current directory or holds it; tokenizer train replaces the whole "
-                        "output directory, so give it a directory of its own, e.g. --out tok/")  # a deleted folder
+    refuse_current_directory(out_dir.resolve(), out_dir, "tokenizer train", "tok/")
     try:
         if out_dir.is_dir():
             refuse_mount_point(out_dir.resolve(), out_dir, "tokenizer train")

@@ -88,6 +88,15 @@ def staging_leftovers(entries: Iterable[str], outputs: Iterable[str]) -> set[str
     return {e for e in entries if re.fullmatch(rf"\.(?:{staged})\.{STAGED_SUFFIX}", e)}
 
 
+def refuse_current_directory(out: Path, given: Path, command: str, example: str) -> None:
+    """Refuse an --out (resolved: `out`) that is the current directory or holds it: `command` replaces its output
+    whole, and the shell would be left in a deleted folder."""
+    cwd = Path.cwd().resolve()
+    if cwd == out or out in cwd.parents:
+        raise UserError(f"--out {given} is the current directory or holds it; {command} replaces the whole output "
+                        f"directory, so give it a directory of its own, e.g. --out {example}")
+
+
 def refuse_mount_point(out: Path, given: Path, command: str) -> None:
     """Refuse an --out (resolved: `out`) that is a mount point: `command` stages its output beside it and renames it
     into place, which a mount point cannot take ('Device or resource busy', 'Invalid cross-device link')."""
@@ -121,10 +130,7 @@ class OutputDir:
         self._unraisablehook = sys.unraisablehook
 
     def __enter__(self):
-        cwd = Path.cwd().resolve()
-        if cwd == self.out or self.out in cwd.parents:
-            raise UserError(f"--out {self.given} is the current directory or holds it; data prepare replaces the "
-                            "whole output directory, so give it a directory of its own, e.g. --out data/")
+        refuse_current_directory(self.out, self.given, "data prepare", "data/")
         refuse_mount_point(self.out, self.given, "data prepare")
         if self.out.exists() and not self.out.is_dir():
             raise UserError(f"--out {self.given} is a file; give a directory")
