@@ -176,6 +176,21 @@ def test_only_its_own_leftovers_beside_out_are_removed(tokenizer_dir, bad_inputs
     assert (tmp_path / ".out.old-backup" / "kept.txt").read_text() == "mine\n"
 
 
+def test_an_output_set_aside_by_a_killed_commit_is_put_back_not_deleted(tokenizer_dir, bad_inputs, tmp_path):
+    """A prepare killed between its commit's two renames leaves no OUT and the earlier output whole in
+    `.OUT.old-PID-XXXXXXXX`: the rerun deleted that copy before writing anything, so a rerun that failed lost both."""
+    out = tmp_path / "out"
+    assert _prepare(tokenizer_dir, out, bad_inputs["good"]).returncode == 0
+    tokens = (out / "tokens.h5").read_bytes()
+    out.rename(tmp_path / ".out.old-41-9f0c1a2b")  # as the kill left it
+    failed = _prepare(tokenizer_dir, out, bad_inputs["good"], bad_inputs["malformed"], strict=True)
+    assert failed.returncode == 2 and "malformed JSON" in failed.stderr
+    assert (out / "tokens.h5").read_bytes() == tokens
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    assert _prepare(tokenizer_dir, out, bad_inputs["good"]).returncode == 0
+    assert (out / "tokens.h5").is_file() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
 def test_malformed_json_line_is_skipped_and_reported_with_file_line(tokenizer_dir, bad_inputs, tmp_path):
     result = _prepare(tokenizer_dir, tmp_path / "out", bad_inputs["good"], bad_inputs["malformed"])
     assert result.returncode == 0, result.stderr

@@ -16,7 +16,9 @@ exits: while the block runs, SIGINT raises KeyboardInterrupt and SIGTERM `System
 reports it). Python drops an exception raised in a finalizer, where a signal handler may happen to run; so the
 signal is recorded too, the lost exception is not printed, and `check_stopped` (called as the run goes, and by
 `commit`) raises it again: a stopped run never replaces OUT. Leftovers of killed runs (SIGKILL, a crash: staging
-and set-aside directories) are removed by the next run that holds the lock.
+and set-aside directories) are removed by the next run that holds the lock; but where a run was killed between the
+two renames of its commit, OUT is missing and its earlier output is whole in `.OUT.old-<pid>-<random>`: the next run
+puts that back as OUT first, so that it is replaced only when the new output is whole.
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ class OutputDir:
             self._handlers = {signum: signal.signal(signum, self._stop) for signum in (signal.SIGINT, signal.SIGTERM)}
             sys.unraisablehook = self._unraisable
         try:
+            self._put_back_set_aside()
             self._created = not self.out.exists()
             if not self._created:
                 self._check_contents()  # before writing anything there
@@ -207,6 +210,19 @@ class OutputDir:
     def _check_contents(self) -> None:
         refuse_foreign_contents(self.out, self.given, "data prepare", self.names, self.marker, ignored={LOCK_FILE},
                                 not_ours=self.not_ours)
+
+    def _put_back_set_aside(self) -> None:
+        """Where OUT is missing and a run killed between `commit`'s two renames left the earlier output aside, whole
+        (it holds the marker), rename the newest such copy back to OUT: the leftovers' removal deleted it before this
+        run had written anything, and a rerun that then failed had lost both outputs."""
+        if self.out.exists() or self.out.is_symlink():
+            return
+        pattern = re.compile(rf"{re.escape(self.prefix)}old-[0-9]+-[0-9a-f]{{8}}")
+        with contextlib.suppress(OSError):
+            aside = [self.out.parent / name for name in os.listdir(self.out.parent) if pattern.fullmatch(name)]
+            whole = [path for path in aside if (path / self.marker).is_file()]
+            if whole:
+                os.rename(max(whole, key=lambda path: path.stat().st_mtime_ns), self.out)
 
     def _remove_leftovers(self) -> None:
         for name in staging_leftovers(os.listdir(self.out.parent), [self.out.name]):
