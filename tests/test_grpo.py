@@ -105,10 +105,12 @@ def test_reward_terms_weights_and_components(tmp_path, monkeypatch):
     ("missing_file.py:fn", "no such file missing_file.py"),
     ("os:system", r"system must be callable as system\(prompts=..., completions=..., \*\*fields\)"),
     ("1e400*format", r"the weight 1e400 is beyond 1e\+09 in magnitude"),  # inf: every step's loss was NaN, exit 0
+    ("0*exact_match", r"every term has weight 0 \(0\*exact_match\), so every completion's reward is 0"),  # silent
+    (["0*format", "-0.0*length"], r"every term has weight 0 \(0\*format, -0.0\*length\)"),
 ])
 def test_bad_reward_terms_are_one_line_errors(term, message):
     with pytest.raises(UserError, match=message) as error:
-        Reward([term], 4, torch.device("cpu"))
+        Reward(term if isinstance(term, list) else [term], 4, torch.device("cpu"))
     assert "\n" not in str(error.value)
 
 

@@ -459,6 +459,10 @@ class Reward:
             raise UserError("no reward: pass --reward TERM (e.g. exact_match)")
         self.timeout_s = timeout_s
         self.terms = [parse_term(t, max_new_tokens, device) for t in terms]
+        if not any(t.weight for t in self.terms):  # every advantage 0: the run trained on the KL term alone
+            raise UserError(f"--reward: every term has weight 0 ({', '.join(terms)}), so every completion's reward is "
+                            "0 and GRPO learns nothing from it; give at least one term a non-zero weight (a term of "
+                            "weight 0 beside it is still logged)")
         given = Counter(t.name for t in self.terms)
         for i, term in enumerate(self.terms):
             if given[term.name] > 1 or term.name in TOTALS_LOGGED:
