@@ -164,6 +164,11 @@ def test_every_dpo_shape_gives_the_same_pair():
         {"prompt": [user], "chosen": [user, reply(good)], "rejected": [user, reply(bad)]},
         {"instruction": question, "chosen": good, "rejected": bad},  # Alpaca-style
         {"prompt": question, "chosen": {"content": good}, "rejected": {"content": bad}},
+        # UltraFeedback (binarized): 'messages' is the chosen conversation; it was skipped, the reason naming the
+        # replies ('must each end in one assistant reply after the turns they share')
+        {"prompt": question, "prompt_id": "0", "chosen": [user, reply(good)], "rejected": [user, reply(bad)],
+         "messages": [user, reply(good)], "score_chosen": 8.0, "score_rejected": 3.0},
+        {"messages": [user, reply(good)], "chosen": good, "rejected": bad},
     ]
     for shape in shapes:
         assert preference(shape) == ([user], reply(good), reply(bad)), shape

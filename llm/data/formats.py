@@ -298,16 +298,19 @@ def preference(value: Any) -> tuple[list[Message], Message, Message]:
 
     The prompt is `conversations`/`messages` turns, a `prompt` string or list of turns, an Alpaca `instruction`
     (+ `input`), or, with none of these (MiniMind's shape), the turns that `chosen` and `rejected` conversations
-    share before their last reply; a top-level `system` opens it (`with_system`). Either way `chosen` and `rejected`
-    must each end in exactly one assistant turn after the shared turns, and the prompt must end with a user or tool
-    turn.
+    share before their last reply; a top-level `system` opens it (`with_system`). Turns that end in the chosen (or
+    rejected) reply itself (UltraFeedback's `messages`, the chosen conversation) give the prompt without it. Either
+    way `chosen` and `rejected` must each end in exactly one assistant turn after the shared turns, and the prompt
+    must end with a user or tool turn.
     """
     if not isinstance(value, dict) or "chosen" not in value or "rejected" not in value:
         raise RecordError("a preference record needs 'chosen' and 'rejected'")
     prompt = _explicit_prompt(value)
+    replies = {key: _reply_turns(value[key], f"'{key}'") for key in ("chosen", "rejected")}
+    if prompt and prompt[-1]["role"] == "assistant" and any(prompt[-1] == turns[-1] for turns in replies.values()):
+        prompt = prompt[:-1]  # UltraFeedback's 'messages': the chosen conversation, its reply included
     full = []
-    for key in ("chosen", "rejected"):
-        turns = _reply_turns(value[key], f"'{key}'")
+    for key, turns in replies.items():
         if prompt and turns[:len(prompt)] != prompt:
             if prompt[-1]["role"] == "user" and turns[0]["role"] == "user":  # two prompts: they were merged
                 raise RecordError(f"'{key}' begins with a user turn that is not the record's prompt; give the "
