@@ -308,6 +308,8 @@ class Tokenizer:
         """A tokenizer directory: tokenizer.json, with tokenizer_config.json and chat_template.jinja where present."""
         directory = Path(directory)
         path = directory / TOKENIZER_FILE
+        if not directory.exists() and not directory.is_symlink():  # where a stopped tokenizer train left the old one
+            raise UserError(durable.no_such_folder(directory))
         if not path.is_file():
             if (directory / "tokenizer" / TOKENIZER_FILE).is_file():  # a prepared data folder's or a run's copy
                 raise UserError(f"{directory}: no {TOKENIZER_FILE} (its tokenizer is in {directory / 'tokenizer'}: "

@@ -135,6 +135,18 @@ def test_cli_rejects_too_small_vocab_and_missing_input(tmp_path):
     assert result.returncode == 2 and "no such file" in result.stderr
 
 
+def test_a_tokenizer_folder_set_aside_by_a_stopped_tokenizer_train_is_named(tmp_path):
+    """`tokenizer train` over an earlier output stopped between its two renames leaves no TOK and the earlier copy
+    whole as `.TOK.old`: loading TOK said only that it had no tokenizer.json, as for any folder."""
+    shutil.copytree(LLAMA, tmp_path / ".tok.old")
+    with pytest.raises(UserError, match=re.escape(
+            f"{tmp_path / 'tok'}: no such directory (a command replacing it was stopped: its earlier copy is whole "
+            f"in {tmp_path / '.tok.old'}; rename that back to tok)")):
+        Tokenizer.load(tmp_path / "tok")
+    with pytest.raises(UserError, match=re.escape(f"{tmp_path / 'other'}: no such directory")):
+        Tokenizer.load(tmp_path / "other")
+
+
 # ---- special tokens in text stay text ----------------------------------------------------------------
 
 @pytest.mark.parametrize("directory", ["session", MINIMIND, LLAMA])
