@@ -511,11 +511,14 @@ def _train_config(args: argparse.Namespace):
     init_from = args.init_from or next((value for key, value, _ in map(parse_override, args.overrides)
                                         if key == "train.init_from"), train.get("init_from") if isinstance(train, dict)
                                        else None)
+    paths = _path_options(args)
     if init_from or args.resume == "auto":  # torch only then: a mistake in a new run's paths is said before it loads
-        from llm.loading import recipe_for_init_from
+        from llm.loading import base_to_resume_on, recipe_for_init_from
 
+        if not init_from and args.resume == "auto":  # resumed without --init-from: the base the run records
+            paths["train.init_from"] = base_to_resume_on(Path(args.out))
         recipe = recipe_for_init_from(recipe, init_from, Path(args.out) if args.resume == "auto" else None)
-    cfg = build_config(recipe, [*args.overrides, *extra], paths=_path_options(args))
+    cfg = build_config(recipe, [*args.overrides, *extra], paths=paths)
     check_new_run(cfg)
     return cfg
 
@@ -724,10 +727,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from llm.export import export_model, refuse_replacing_a_source
-    from llm.loading import load_trained_model, run_tokenizer
+    from llm.loading import load_trained_model, lora_bases, run_tokenizer
 
     model, cfg = load_trained_model(Path(args.run))
-    refuse_replacing_a_source(Path(args.out), cfg)
+    refuse_replacing_a_source(Path(args.out), cfg, lora_bases(cfg))
     # a damaged copy is refused, naming it, before anything is written
     kept = run_tokenizer(Path(args.run)) is not None
     architecture = export_model(model, rundir.tokenizer_dir(Path(args.run)), Path(args.out))

@@ -547,14 +547,14 @@ def parse_lora_spec(spec: str) -> list[str]:
     values: dict[str, list[str]] = {}
     key = None
     for piece in (p.strip() for p in spec.split(",")):
-        name, sep, value = piece.partition("=")
+        name, sep, value = (part.strip() for part in piece.partition("="))  # 'targets = wq' as 'targets=wq'
         if sep:
             if name not in LORA_SPEC_KEYS:
                 raise UserError(f"--lora: unknown key '{name}' in '{piece}'; keys are {', '.join(LORA_SPEC_KEYS)} "
                                 "(e.g. --lora r=16,alpha=32,targets=wq,wv,dropout=0.05)")
             if name in values:
                 raise UserError(f"--lora: '{name}' is given twice")
-            key, values[name] = name, [value]
+            key, values[name] = name, [value] if value or name != "targets" else []  # 'targets=': none, said so
         elif key == "targets" and piece:
             values[key].append(piece)
         else:

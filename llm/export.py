@@ -250,15 +250,24 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
     return cfg
 
 
-def refuse_replacing_a_source(out: Path, cfg: RunConfig) -> None:
+def refuse_replacing_a_source(out: Path, cfg: RunConfig, lora_bases: list[Path]) -> None:
     """Refuse an --out that is a model the run being exported was made from: its train.init_from (the base a LoRA
-    run's adapters are merged onto, a DPO or GRPO run's reference) or its distillation teacher. Export replaces --out
+    run's adapters are merged onto, a DPO or GRPO run's reference), its distillation teacher, or, for a LoRA run on
+    a LoRA run, a base further down (`lora_bases`, nearest first: `llm.loading.lora_bases`). Export replaces --out
     whole: the base of a LoRA run was lost, and the run could no longer be loaded."""
+    def _is(source: str | Path | None) -> bool:
+        return bool(source) and out.is_dir() and Path(source).is_dir() and os.path.samefile(out, source)
+
     for key, source in (("train.init_from", cfg.train.init_from), ("train.teacher", cfg.train.teacher)):
-        if source and out.is_dir() and Path(source).is_dir() and os.path.samefile(out, source):
+        if _is(source):
             lora = "; a LoRA run is loaded onto it" if key == "train.init_from" and cfg.lora.r else ""
             raise UserError(f"--out {out} is the run's {key}, a model it was trained from, which export would "
                             f"replace{lora}; choose another --out")
+    for above, base in zip(lora_bases, lora_bases[1:]):
+        if _is(base):
+            raise UserError(f"--out {out} is the train.init_from of {above}, the LoRA run this one's adapters build "
+                            "on: export would replace it, and neither run could be loaded any more; choose another "
+                            "--out")
 
 
 def _replaceable(out: Path) -> None:

@@ -168,12 +168,38 @@ def load_lora_model(run_dir: Path, cfg: RunConfig, tag: str | None = None) -> Tr
         raise UserError(f"{run_dir}: its adapters were trained on the model {rundir.CONFIG_FILE} records, but its base "
                         f"train.init_from {base} now differs ({'; '.join(differing)}; there is the base, here the "
                         "run); merged onto it they would make a wrong model: put that base back as it was")
-    model = apply_lora(load_model_dir(base, base_tag)[0], cfg.lora, cfg.train.seed)
+    model = load_model_dir(base, base_tag)[0]
+    if model.cfg.max_seq_len != cfg.model.max_seq_len:  # trained at a longer context than its base's: kept
+        model = model_from_weights(dataclasses.replace(model.cfg, max_seq_len=cfg.model.max_seq_len),
+                                   model.state_dict())
+    model = apply_lora(model, cfg.lora, cfg.train.seed)
     missing, unexpected = load_adapters(model, consolidated_weights(run_dir, tag))
     if missing or unexpected:
         raise UserError(f"{run_dir}: checkpoint does not match the LoRA settings in {rundir.CONFIG_FILE} (missing "
                         f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
     return model.eval()
+
+
+def lora_bases(cfg: RunConfig) -> list[Path]:
+    """The models a run (`cfg`) is loaded onto, nearest first: a LoRA run's train.init_from and, where that is a
+    LoRA run too, its bases in turn; [] for a run that is not LoRA."""
+    bases: list[Path] = []
+    while cfg.lora.r and cfg.train.init_from and Path(cfg.train.init_from) not in bases:
+        bases.append(Path(cfg.train.init_from))
+        if not rundir.is_run_dir(bases[-1]):
+            break
+        cfg = trained_config(bases[-1])
+    return bases
+
+
+def base_to_resume_on(run_dir: Path) -> str | None:
+    """The train.init_from that run directory `run_dir` records, where resuming it loads that model again: a LoRA
+    run's base, a DPO or GRPO run's reference (and GRPO's tokenizer). None for other runs, whose checkpoints hold
+    every weight, and where there is no run yet."""
+    recorded = _recorded_run_config(run_dir)
+    train, lora = recorded.get("train") or {}, recorded.get("lora") or {}
+    needed = lora.get("r") or train.get("stage") in ("dpo", "grpo")
+    return (train.get("init_from") or None) if needed else None
 
 
 def _checkpoint_still_there(base: Path, trained_on: dict[str, Any]) -> str | None:

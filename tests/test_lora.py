@@ -18,7 +18,7 @@ from llm.data.datasets import PackedConversations
 from llm.data.prepare import prepare
 from llm.errors import UserError
 from llm.export import export_model, import_model
-from llm.loading import consolidated_weights, load_lora_model
+from llm.loading import consolidated_weights, load_lora_model, load_trained_model
 from llm.model import Transformer
 from llm.model.lora import apply_lora, is_adapter_key, merge, parameter_counts
 from llm.train.checkpoint import restricted_unpickling
@@ -60,6 +60,10 @@ def test_the_lora_spec_sets_the_lora_keys():
     octal = build_config("demo", ["train.stage=sft", *parse_lora_spec("r=010,alpha=010")],
                          paths={"train.init_from": "base"}).lora  # YAML 1.1 read 010 as octal 8
     assert (octal.r, octal.alpha) == (10, 10.0)
+    # spaces around '=' were kept: 'targets ' an unknown key, ' 8' not a number, ' wq' an unknown module
+    assert parse_lora_spec("r = 4, alpha= 8,targets = wq, wv") == parse_lora_spec("r=4,alpha=8,targets=wq,wv")
+    with pytest.raises(UserError, match=r"^lora.targets is empty; name some of"):  # was "unknown module ''"
+        build_config("demo", ["train.stage=sft", *parse_lora_spec("r=4,targets=")], paths={"train.init_from": "b"})
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -374,6 +378,35 @@ def test_a_lora_run_is_loaded_onto_the_checkpoint_of_its_base_run_it_was_trained
     with pytest.raises(UserError, match=rf"its adapters were trained on {base_run} \(run \w+ global_step4\), but "
                                         rf"train.init_from {base_run} holds run \w+ global_step6; .* put that base"):
         load_lora_model(run, cfg)
+
+
+def test_a_lora_run_on_a_lora_run_keeps_its_context_and_its_bases_and_resumes_on_the_recorded_one(
+        runs, base, data, tmp_path, monkeypatch, capfd):
+    """A LoRA run made on a LoRA run, at a longer context than its base's: loaded and exported, it had its base's
+    model.max_seq_len (eval and generate refused the context it trained at); `export --out` the base of its base
+    replaced that model, and neither run could be loaded; resumed without --init-from, it was refused ("LoRA on sft
+    needs --init-from"), though the run records its base and the resume reads the model's shape from there."""
+    first = runs["sft"][0]
+    longer = 2 * build_config((first / "config.yaml").as_posix()).model.max_seq_len
+    run = tmp_path / "on_lora"
+    sets = ["train.max_steps=2", f"model.max_seq_len={longer}"]
+    result = run_job(*_lora_args("sft", data["sft"], run, first, *sets, nproc=1, lora=LORA_NO_DROPOUT))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert load_trained_model(run)[0].cfg.max_seq_len == longer
+    assert zerollm_here(monkeypatch, "export", "--run", run, "--out", tmp_path / "export") == 0
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["max_position_embeddings"] == longer
+    before = {p.name: p.read_bytes() for p in base.iterdir() if p.is_file()}
+    capfd.readouterr()
+    assert zerollm_here(monkeypatch, "export", "--run", run, "--out", base) == 2
+    assert capfd.readouterr().err.strip().splitlines()[-1] == (
+        f"zerollm: error: --out {base} is the train.init_from of {first}, the LoRA run this one's adapters build on: "
+        "export would replace it, and neither run could be loaded any more; choose another --out")
+    assert {p.name: p.read_bytes() for p in base.iterdir() if p.is_file()} == before
+    args = _lora_args("sft", data["sft"], run, first, *sets, "train.max_steps=3", nproc=1, lora=LORA_NO_DROPOUT)
+    at = args.index("--init-from")
+    resumed = run_job(*args[:at], *args[at + 2:], "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed at step 2" in resumed.stdout and [r["step"] for r in _metrics(run)] == [1, 2, 3]
 
 
 def test_lora_grpo_under_zero3_rolls_out_with_the_adapters(base, tmp_path):
