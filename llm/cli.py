@@ -33,7 +33,7 @@ from llm.config import (
     recipe_names,
     refuse_set_twice,
 )
-from llm.errors import EXIT_USER_ERROR, UserError, not_utf8, report
+from llm.errors import EXIT_TERMINATED, EXIT_USER_ERROR, Terminated, UserError, not_utf8, report, unwind_on_sigterm
 from llm.runtime.accelerator import check_chosen_accelerator
 from llm.stdout import GuardedStdout, OutputLost, discard, settle
 from llm.train.ds_config_file import load_ds_config
@@ -867,6 +867,11 @@ COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "l
             "eval": cmd_eval, "plot": cmd_plot}
 
 
+UNWOUND_BY_SIGTERM = {"tokenizer", "export", "demo", "bench", "eval"}
+"""Commands that SIGTERM stops as Ctrl-C does, cleaning up (`unwind_on_sigterm`); the others need not (`generate`,
+`chat`, `plot` write nothing that a stop leaves torn) or take SIGTERM themselves (`train`, `launch`, `serve`, `data
+prepare`)."""
+
 UNUSABLE_PATH = (errno.ENAMETOOLONG, errno.EACCES, errno.EPERM)
 """Errors of a path the user gave that the file system refuses (a name over 255 bytes, a folder closed to this user):
 one line naming it, where they reach `main`."""
@@ -968,6 +973,8 @@ def main(argv: list[str] | None = None) -> None:
         stdout.reconfigure(errors="surrogateescape")  # strict UTF-8 stdout raised after the work was done)
     if stdout is not None:  # None where descriptor 1 was closed at start: print() then writes nothing
         sys.stdout = GuardedStdout(stdout)
+    if args.command in UNWOUND_BY_SIGTERM:
+        unwind_on_sigterm()
     try:
         code = COMMANDS[args.command](args)
         if stdout is not None:
@@ -980,6 +987,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("zerollm: interrupted", file=sys.stderr)
         code = 130
+    except Terminated:
+        print("zerollm: stopped by SIGTERM", file=sys.stderr)
+        code = EXIT_TERMINATED
     except OutputLost as lost:  # end_now, not sys.exit: a job may have run in this process
         discard(stdout)
         if isinstance(lost.error, BrokenPipeError):

@@ -6,6 +6,7 @@ The CLI prints it without a traceback and exits with `EXIT_USER_ERROR`.
 """
 
 import json
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,24 @@ EXIT_PREEMPTED = 75
 """Stopped by SIGTERM/SIGINT (or a lost `zerollm launch`) after saving a checkpoint; rerun with --resume auto."""
 EXIT_RANK_LOST = 76
 """A rank died, hung or could not be reached; the job was ended on every rank and the message names the rank."""
+EXIT_TERMINATED = 128 + signal.SIGTERM
+"""Stopped by SIGTERM outside training (143, as a shell reports a process that SIGTERM ended)."""
+
+
+class Terminated(SystemExit):
+    """SIGTERM, raised where it arrives once `unwind_on_sigterm` was called."""
+
+
+def unwind_on_sigterm() -> None:
+    """From here on, SIGTERM raises `Terminated` in the main thread, as Ctrl-C raises KeyboardInterrupt: a command
+    stopped by `kill`, systemd, docker or SLURM ended at once, leaving what it was writing (export's and tokenizer
+    train's hidden `.OUT.partial`, bench's temporary folders, the training job bench train had started running on);
+    now it cleans up as on Ctrl-C. A second SIGTERM ends the process at once."""
+    def terminate(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated(EXIT_TERMINATED)
+
+    signal.signal(signal.SIGTERM, terminate)
 
 
 class UserError(Exception):

@@ -3,7 +3,6 @@ check the figures' bookkeeping, never a speed)."""
 
 import json
 import math
-import os
 import re
 import signal
 import sys
@@ -145,19 +144,25 @@ def test_bench_train_takes_the_medians_of_the_numbers_a_run_logged(tmp_path):
     assert math.isnan(figures.mfu) and figures.steps == 3
 
 
-def test_a_stopped_bench_train_says_there_is_nothing_to_resume(monkeypatch, capsys):
-    """The job's line advised `--resume auto` into its temporary folder, which bench train then removed; and the
-    Ctrl-C that stopped it raised KeyboardInterrupt here, and subprocess.run killed the job before it saved."""
-    import subprocess
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_bench_train_waits_for_its_job_and_says_there_is_nothing_to_resume(signum, tmp_path, capsys):
+    """The job's line advised `--resume auto` into its temporary folder, which bench train then removed; the
+    Ctrl-C that stopped it raised KeyboardInterrupt here, and subprocess.run killed the job before it saved; a
+    SIGTERM (`kill`, systemd), which reaches bench alone, ended bench at once, and its job trained on, orphaned, in
+    the temporary folder. Both now wait for the job's checkpoint and exit 130 or 143, not 75 (which says to resume).
+    Here the job signals bench itself (as the terminal's Ctrl-C reaches both) and stops on the signal bench passes
+    on, or, for SIGINT, on its own."""
+    from llm.bench import _train_job
 
-    from llm import bench
-
-    def stopped_by_ctrl_c(command, check):  # the terminal's SIGINT reaches this process too
-        os.kill(os.getpid(), signal.SIGINT)
-        return subprocess.CompletedProcess(command, 75)
-
-    monkeypatch.setattr(bench.subprocess, "run", stopped_by_ctrl_c)
-    assert bench.bench_train("demo", ["model.vocab_size=512", *TINY[1:]], steps=1, warmup=0) == 75
+    passed_on = tmp_path / "passed_on"
+    job = (f"import os, signal, sys, time\n"
+           f"signal.signal(signal.SIGTERM, lambda *_: (open({str(passed_on)!r}, 'w').close(), sys.exit(75)))\n"
+           f"os.kill(os.getppid(), {int(signum)})\n"
+           f"time.sleep(0 if {int(signum)} == signal.SIGINT else 60)\n"
+           f"sys.exit(75)\n")
+    cfg = build_config("demo", ["model.vocab_size=512"])
+    assert _train_job([sys.executable, "-c", job], tmp_path, warmup=0, cfg=cfg) == 128 + signum
+    assert passed_on.exists() == (signum == signal.SIGTERM)
     assert capsys.readouterr().err.splitlines()[-1] == (
         "zerollm: note: bench train stopped, so nothing was measured; its runs were in a temporary folder, now "
         "removed: there is nothing to resume, run it again")

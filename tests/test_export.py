@@ -9,6 +9,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,26 @@ def test_a_killed_export_leaves_the_previous_export_whole(tmp_path, monkeypatch)
     export_model(_model(1), None, out)  # the next export cleans up and replaces the old one
     assert torch.equal(_logits(import_model(out)), _logits(_model(1)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_an_export_stopped_by_sigterm_cleans_up_as_on_ctrl_c(zero_runs, tmp_path):
+    """SIGTERM (`kill`, systemd, docker, SLURM) ended export at once: exit 143 without a word, and its hidden
+    `.OUT.partial` (the size of the model) left beside --out until an export into that very --out."""
+    out = tmp_path / "export"
+    export_model(_model(0), None, out)
+    script = (f"import os, signal, time\n"
+              f"import llm.export\n"
+              f"from llm.cli import main\n"
+              f"def terminated_mid_write(state, path, metadata=None):\n"
+              f"    open(path, 'wb').write(bytes(100))\n"
+              f"    os.kill(os.getpid(), signal.SIGTERM)\n"
+              f"    time.sleep(60)\n"
+              f"llm.export.save_file = terminated_mid_write\n"
+              f"main(['export', '--run', {str(zero_runs[2])!r}, '--out', {str(out)!r}])\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (143, "zerollm: stopped by SIGTERM\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    assert torch.equal(_logits(import_model(out)), _logits(_model(0)))
 
 
 def test_an_export_that_runs_out_of_room_is_one_line_and_leaves_nothing_half_written(tmp_path):
