@@ -191,6 +191,15 @@ def test_the_weights_are_as_readable_as_the_other_files_and_a_file_in_the_way_is
         export_model(_model(0), None, tmp_path / "notes.txt" / "export")
     assert str(error.value) == f"--out {tmp_path / 'notes.txt' / 'export'}: cannot create it (Not a directory)"
     assert (tmp_path / "notes.txt").read_text() == "kept"
+    for name in (".export.old", ".export.partial"):  # a file where export stages or sets aside: a NotADirectoryError
+        (tmp_path / name).write_text("kept")  # traceback, or 'cannot create it (File exists)' naming --out
+        with pytest.raises(UserError) as error:
+            export_model(_model(1), None, tmp_path / "export")
+        assert str(error.value) == (f"{tmp_path / name} is in the way: {tmp_path / 'export'} is written beside it "
+                                    "under that name and renamed into place; move it away")
+        assert (tmp_path / name).read_text() == "kept"
+        (tmp_path / name).unlink()
+    assert torch.equal(_logits(import_model(tmp_path / "export")), _logits(_model(0)))
 
 
 def test_stale_safetensors_beside_an_export_are_not_merged(tmp_path):
