@@ -167,9 +167,25 @@ def _model_type(config: dict, source: str) -> str:
     return model_type
 
 
+QWEN_FIRST_WINDOWED_LAYER = 28
+"""`max_window_layers` of a Qwen2 or Qwen3 config without the key, as transformers reads it."""
+
+
 def _sliding_window(config: dict, model_type: str) -> Any:
-    """The sliding window of a Mistral config (as transformers reads it), None for the others."""
-    return config.get("sliding_window", MISTRAL_DEFAULT_WINDOW) if model_type == "mistral" else None
+    """The sliding window of a config as transformers reads it: a Mistral config's, a Qwen2 or Qwen3 config's where
+    `use_sliding_window` gives it to some layer (those from `max_window_layers` on, or as `layer_types` says: a true
+    flag with max_window_layers at least the layer count windows none, and was refused); None for the others."""
+    if model_type == "mistral":
+        return config.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
+    if model_type not in ("qwen2", "qwen3") or not config.get("use_sliding_window"):
+        return None
+    layer_types, layers = config.get("layer_types"), config.get("num_hidden_layers")
+    first = config.get("max_window_layers", QWEN_FIRST_WINDOWED_LAYER)
+    if isinstance(layer_types, list):
+        windowed = any(kind != "full_attention" for kind in layer_types)
+    else:
+        windowed = not (isinstance(layers, int) and isinstance(first, int) and first >= layers)
+    return config.get("sliding_window") if windowed else None
 
 
 def attention_window(directory: Path) -> int | None:
@@ -188,7 +204,7 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
         raise UserError(f"{source}: a quantized model ({what}); give the model's unquantized fp32, bf16 or fp16 "
                         "weights (its base repository)")
     window = _sliding_window(config, model_type)
-    if config.get("use_sliding_window") or window is not None and not (
+    if window is not None and not (
             isinstance(window, int) and window >= _number(config, "max_position_embeddings", source, int, 2048)):
         raise UserError(f"{source}: sliding-window attention is not part of our architecture")
     for key in ("attention_bias", "mlp_bias"):  # Llama's and Qwen3's attention_bias is on every projection

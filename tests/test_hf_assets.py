@@ -221,6 +221,29 @@ def test_a_mistral_model_with_a_sliding_window_is_refused(window):
         assert model_config_from_hf({**config, "sliding_window": full}, "config.json").max_seq_len == 8192
 
 
+def test_a_qwen2_config_whose_sliding_window_reaches_no_layer_imports_with_transformers_logits(tmp_path):
+    """`use_sliding_window: true` was refused outright; transformers windows a Qwen2 layer only from
+    `max_window_layers` on, so with that at least the layer count (28 by default, as in Qwen2.5's configs) every
+    layer attends to every position. A window that does reach a layer is still refused."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         use_sliding_window=True, sliding_window=8, max_window_layers=28)
+    hf = Qwen2ForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    tokens = torch.randint(0, 96, (2, 21))  # longer than the window: a window applied would change the logits
+    with torch.no_grad():
+        assert torch.allclose(import_model(tmp_path / "hf")(tokens).logits, hf(tokens).logits, atol=1e-4)
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    raw.pop("layer_types", None)  # as configs written before transformers 4.53 have it
+    assert model_config_from_hf(raw, "config.json").n_layers == 2
+    for windowed in ({"max_window_layers": 1}, {"layer_types": ["full_attention", "sliding_attention"]}):
+        with pytest.raises(UserError, match="sliding-window attention is not part of our architecture"):
+            model_config_from_hf({**raw, **windowed}, "config.json")
+
+
 def test_biases_qwen2_does_not_have_are_refused(tmp_path):
     config = hf_config(_small(0).cfg, None)
     with pytest.raises(UserError, match="'attention_bias' True: biases other than Qwen2's on q, k and v"):
