@@ -344,9 +344,24 @@ def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> s
     return config["architectures"][0]
 
 
+def _sort_metadata(path: Path) -> None:
+    """Put the metadata keys of safetensors file `path` in sorted order, in place: the library writes them in a
+    random order each process, so two exports of the same weights differed in their bytes, and a LoRA run on an
+    export that was exported again was refused as trained on other weights (the run record names its digest)."""
+    with open(path, "r+b") as file:
+        size = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(size))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps({"__metadata__": header.pop("__metadata__"), **header}, separators=(",", ":")).encode()
+        if len(text) <= size:  # the same entries: never longer; the library pads with spaces too
+            file.seek(8)
+            file.write(text.ljust(size))
+
+
 def _write_export(state: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer_dir: Path | None, staging: Path) -> dict:
     """The export's files into the folder `staging`; its config.json."""
     save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": "pt", **EXPORTED_BY})
+    _sort_metadata(staging / WEIGHTS_FILE)
     os.chmod(staging / WEIGHTS_FILE, 0o666 & ~durable.current_umask())  # written 0600: readable like the other files
     tokenizer = None
     if tokenizer_dir is not None and (tokenizer_dir / TOKENIZER_FILE).is_file():

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_checkpoint import FILE_SIZE_LIMIT, file_size_limit
 
@@ -200,6 +201,22 @@ def test_the_weights_are_as_readable_as_the_other_files_and_a_file_in_the_way_is
         assert (tmp_path / name).read_text() == "kept"
         (tmp_path / name).unlink()
     assert torch.equal(_logits(import_model(tmp_path / "export")), _logits(_model(0)))
+
+
+def test_exports_of_the_same_weights_are_the_same_bytes(tmp_path):
+    """safetensors wrote the metadata keys in a random order each process: two exports of one model differed in
+    their bytes half the time, and a LoRA run on an export exported again was refused as trained on other weights."""
+    script = ("import sys, torch\nfrom pathlib import Path\nfrom llm.export import export_model\n"
+              "from llm.model import Transformer\nfrom llm.config import ModelConfig\ntorch.manual_seed(0)\n"
+              "export_model(Transformer(ModelConfig(vocab_size=96, dim=32, n_layers=1, n_heads=2, max_seq_len=32)), "
+              "None, Path(sys.argv[1]))\n")
+    for i in range(6):  # each in a process of its own, as each export is
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / str(i))], check=True)
+    weights = {(tmp_path / str(i) / WEIGHTS_FILE).read_bytes() for i in range(6)}
+    assert len(weights) == 1
+    with safe_open(tmp_path / "0" / WEIGHTS_FILE, "pt") as exported:
+        assert exported.metadata() == {"format": "pt", "exported_by": "zerollm"}
+    import_model(tmp_path / "0")
 
 
 def test_stale_safetensors_beside_an_export_are_not_merged(tmp_path):
