@@ -314,7 +314,9 @@ def test_an_export_moved_is_the_same_teacher_and_a_run_directory_elsewhere_is_no
     check_same_weights(tmp_path, "teacher", {"path": "/moved/a", "weights": "model.safetensors digest 1234",
                                              "model": model}, "--teacher")
     _recorded(tmp_path, path="/runs/a", weights="run 9c1e global_step20", model=model)
-    with pytest.raises(UserError, match="^--teacher /runs/copy \\(run 9c1e global_step20\\): not the teacher "):
+    with pytest.raises(UserError, match="^--teacher /runs/copy \\(run 9c1e global_step20\\): not the teacher .*"
+                                        "global_step20\\) \\(a run directory is known by its path: a copy "
+                                        "elsewhere may have trained on under the same run id\\); resume with"):
         check_same_weights(tmp_path, "teacher", {"path": "/runs/copy", "weights": "run 9c1e global_step20",
                                                  "model": model, "tag": "global_step20"}, "--teacher")
 

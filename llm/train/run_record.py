@@ -213,9 +213,11 @@ def check_same_weights(run_dir: Path, role: str, summary: dict[str, Any], option
         return
     moved_run = "tag" in summary and before["path"] != summary["path"]  # a run directory's summary names its tag
     if moved_run or not same_weights(before["weights"], summary["weights"]):
+        elsewhere = (" (a run directory is known by its path: a copy elsewhere may have trained on under the same "
+                     "run id)") if moved_run and same_weights(before["weights"], summary["weights"]) else ""
         raise UserError(f"{option} {summary['path']} ({summary['weights']}): not the {role} {run_dir} was trained "
-                        f"with ({before['path']}, {before['weights']}); resume with that {role}, or start a new run "
-                        f"from this one's weights with --init-from {run_dir}")
+                        f"with ({before['path']}, {before['weights']}){elsewhere}; resume with that {role}, or start "
+                        f"a new run from this one's weights with --init-from {run_dir}")
     then, now = before.get("model", {}), summary["model"]
     if changed := [f"model.{name} {then[name]} then, {now.get(name)} now" for name in then
                    if then[name] != now.get(name)]:
