@@ -49,6 +49,23 @@ def test_bench_generate_times_prefill_and_decode_within_one_call(tiny_export, mo
     assert all(r == (16.0, 1.0) for r in rates.values()), rates  # 16 prompt tokens and 1 decoded token per tick
 
 
+def test_bench_generate_says_why_transformers_is_not_measured(tokenizer_dir, monkeypatch, capsys):
+    """On a mixture-of-experts model (which export refuses, so transformers has nothing to load) the transformers row
+    was left out of the table without a word."""
+    from llm import bench
+    from llm.tokenizer import Tokenizer
+
+    torch.manual_seed(0)
+    moe = Transformer(ModelConfig(vocab_size=512, dim=64, n_layers=1, n_heads=4, max_seq_len=64, moe=True,
+                                  n_experts=4, n_experts_per_token=2))
+    monkeypatch.setattr(bench, "load_for_inference", lambda _: (moe, Tokenizer.load(tokenizer_dir)))
+    assert bench.bench_generate("moe-run", prompt_tokens=16, new_tokens=2, repeats=1, device="cpu") == 0
+    out = capsys.readouterr().out
+    assert set(_rates(out)) == {"zerollm, KV cache", "zerollm, no cache"}
+    assert out.splitlines()[-1] == ("  transformers generate   not measured (a mixture-of-experts model, which export "
+                                    "refuses)")
+
+
 def test_bench_generate_rates_are_positive(tiny_export):
     result = run_cli("bench", "generate", "--model", tiny_export, "--prompt-tokens", 16, "--new-tokens", 2,
                      "--repeats", 1, "--device", "cpu")
