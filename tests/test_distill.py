@@ -130,6 +130,21 @@ def test_teacher_with_another_tokenizer_is_refused_naming_both(teacher, other_to
     assert not (tmp_path / "run").exists()
 
 
+def test_a_teacher_no_rank_can_load_is_said_once(teacher, pretrain_data, tmp_path, monkeypatch, capfd):
+    """A teacher whose checkpoint is damaged (its bytes overwritten, its size kept) is found as the ranks load it:
+    each of the two ranks said it, the same line twice."""
+    damaged = tmp_path / "teacher"
+    shutil.copytree(teacher, damaged)
+    states = next((damaged / "checkpoints").glob("*/mp_rank_00_model_states.pt"))
+    with open(states, "r+b") as file:
+        file.seek(100)
+        file.write(bytes(300))
+    code = zerollm_here(monkeypatch, *_distill_args(pretrain_data, tmp_path / "run", damaged, "train.max_steps=1",
+                                                    nproc=2))
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("zerollm: error:")]
+    assert code == 2 and len(errors) == 1 and "is damaged" in errors[0], errors
+
+
 def test_a_teacher_the_triton_kernels_cannot_run_is_refused(teacher, pretrain_data, tmp_path, monkeypatch, capfd):
     """model.kernels=triton runs the teacher too: a teacher of a head dim the attention kernel refuses (TINY's 16)
     passed the checks, the run's files were written, and the teacher's first forward ended step 1 in a traceback."""

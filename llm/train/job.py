@@ -180,8 +180,8 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
         dataset = DATASETS[data_attrs["kind"]]
         train_set = dataset(cfg.data.path, "train", cfg.data.seq_len, data_attrs["pad_id"])
         val_set = dataset(cfg.data.path, "val", cfg.data.seq_len, data_attrs["pad_id"])
-    weights = initial_weights(cfg.model, t.init_from, data_attrs["tokenizer_hash"], tags.get("base")) \
-        if t.init_from else None
+    weights = agreed(lambda: initial_weights(cfg.model, t.init_from, data_attrs["tokenizer_hash"], tags.get("base")),
+                     announce=info.local_rank == 0) if t.init_from else None  # said once per node, not by each rank
     if weights is not None:
         model = model_from_weights(cfg.model, weights)  # the loaded tensors themselves: no second copy
     else:
@@ -205,8 +205,8 @@ def build_trainer(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict
         objective = GRPOObjective(cfg.grpo)
         steps = Rollouts(cfg, info, engine, tokenizer, reward, reference)
     elif t.stage == "distill":
-        objective = DistillObjective(load_teacher(cfg, ds_config, tags.get("teacher")), t.distill_alpha,
-                                     t.distill_temperature)
+        objective = DistillObjective(load_teacher(cfg, ds_config, tags.get("teacher"), info.local_rank == 0),
+                                     t.distill_alpha, t.distill_temperature)
     else:
         objective = CausalLMObjective()
     return Trainer(cfg, run_dir, info, engine, objective, steps, train_set, val_set, n_params, budget,

@@ -21,6 +21,7 @@ from llm.config import ModelConfig, RunConfig, triton_head_dim_refusal
 from llm.data.prepare import TOKENS_FILE
 from llm.errors import UserError
 from llm.loading import load_model_dir, model_config_of, weights_summary
+from llm.runtime.distributed import agreed
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.engine import frozen_engine
 
@@ -70,9 +71,10 @@ def _data_tokenizer_path(data_dir: Path) -> Path:
     return copy if copy.is_dir() else data_dir / TOKENS_FILE
 
 
-def load_teacher(cfg: RunConfig, ds_config: dict, tag: str | None = None):
+def load_teacher(cfg: RunConfig, ds_config: dict, tag: str | None = None, announce: bool = True):
     """The teacher's weights (its run directory's checkpoint `tag`, the one `check_teacher` found newest and the run
     records, or its export) as a frozen inference engine: partitioned under ZeRO-3, replicated otherwise
-    (`llm.train.engine.frozen_engine`)."""
-    model, _ = load_model_dir(cfg.train.teacher, tag, "--teacher")
+    (`llm.train.engine.frozen_engine`). A collective: a teacher no rank can load (a damaged checkpoint) is one
+    UserError on every rank, said where `announce` (once per node; each rank said it)."""
+    model, _ = agreed(lambda: load_model_dir(cfg.train.teacher, tag, "--teacher"), announce)
     return frozen_engine(model.use_kernels(cfg.model.kernels), ds_config)  # the ops run as this job's (its device's)
