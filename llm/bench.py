@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,6 +20,7 @@ import numpy as np
 import torch
 
 from llm import rundir
+from llm.child_job import run_stopping_together
 from llm.config import RunConfig, build_config, parse_lora_spec
 from llm.data.prepare import RANDOM_TOKENS_HASH, SPLITS, STREAMS, TOKENS_FILE, SplitWriter, write_attrs
 from llm.devices import place, resolve
@@ -105,28 +104,8 @@ def _median(values: Iterable[Any]) -> float:
 
 def _train_job(command: list[str], run: Path, warmup: int, cfg: RunConfig) -> TrainFigures | int:
     """Run a training command; its figures, or its exit code when it failed."""
-    # Ctrl-C reaches the job as well, which stops with a checkpoint: wait for it (on KeyboardInterrupt subprocess.run
-    # killed it at once). SIGTERM (`kill`, systemd) reaches bench alone: passed on, and waited for likewise (bench
-    # ended, and the job trained on to its end, orphaned, writing into the temporary folder). A Python handler, unlike
-    # SIG_IGN, is not inherited: the job takes the signals as ever.
-    stopped: list[int] = []
-    job: list[subprocess.Popen] = []
-
-    def stop(signum: int, frame) -> None:
-        stopped.append(signum)
-        if signum == signal.SIGTERM and job:
-            job[0].send_signal(signum)
-
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        job.append(subprocess.Popen(command))
-        if signal.SIGTERM in stopped:  # it came as the job started
-            job[0].send_signal(signal.SIGTERM)
-        code = job[0].wait()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if stopped or code == EXIT_PREEMPTED:  # the job advised --resume auto, into a folder about to be removed
+    code, stopped = run_stopping_together(command)  # on Ctrl-C or SIGTERM the job stops with a checkpoint
+    if code == EXIT_PREEMPTED or stopped and code != 0:  # the job advised --resume auto, into a folder now removed
         print("zerollm: note: bench train stopped, so nothing was measured; its runs were in a temporary folder, now "
               "removed: there is nothing to resume, run it again", file=sys.stderr, flush=True)
         return 128 + stopped[-1] if stopped else code  # 130 or 143, as for any command: 75 says to resume

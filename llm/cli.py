@@ -33,7 +33,7 @@ from llm.config import (
     recipe_names,
     refuse_set_twice,
 )
-from llm.errors import EXIT_TERMINATED, EXIT_USER_ERROR, Terminated, UserError, not_utf8, report, unwind_on_sigterm
+from llm.errors import EXIT_TERMINATED, EXIT_USER_ERROR, SigtermUnwinds, Terminated, UserError, not_utf8, report
 from llm.runtime.accelerator import check_chosen_accelerator
 from llm.stdout import GuardedStdout, OutputLost, discard, settle
 from llm.train.ds_config_file import load_ds_config
@@ -750,28 +750,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = bind_server(args.host, args.port, api_key=args.api_key,
                          max_connections_per_client=args.max_connections_per_client)
 
-    class Terminated(Exception):
-        """SIGTERM, raised where serve_forever waits, as Ctrl-C's KeyboardInterrupt is."""
-
-    def terminate(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once, not the closing
-        raise Terminated
-
-    previous, terminated = signal.signal(signal.SIGTERM, terminate), False
+    terminated = False
     try:
-        server.service = ChatService(_generator(args), name, args.max_tokens)
-        print(f"serving {server.service.model_name} on {server.url}/v1 (Ctrl-C stops)", flush=True)
-        server.serve_forever()  # until Ctrl-C (exit 130) or SIGTERM (143)
+        with SigtermUnwinds():  # raised where serve_forever waits, as Ctrl-C's KeyboardInterrupt is
+            server.service = ChatService(_generator(args), name, args.max_tokens)
+            print(f"serving {server.service.model_name} on {server.url}/v1 (Ctrl-C stops)", flush=True)
+            server.serve_forever()  # until Ctrl-C (exit 130) or SIGTERM (143)
     except Terminated:
         terminated = True
     finally:  # the reply being generated ends with an error and the waiting requests get a 503, on SIGTERM too (the
         server.server_close()  # process ended at once: a stream cut off, which clients read as a finished reply)
         if server.service is not None:
             server.service.close()
-        signal.signal(signal.SIGTERM, previous)
     if terminated:  # then ended by the signal, as a service manager expects of SIGTERM
         os.kill(os.getpid(), signal.SIGTERM)
-        return 128 + signal.SIGTERM
+        return EXIT_TERMINATED
     return 0
 
 
@@ -854,11 +847,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                            vocab_size=args.vocab_size, overrides=args.overrides, deepspeed_config=args.deepspeed,
                            zero_stage=args.zero_stage)
         end_now(code)  # the training job ran in this process: end it without teardown, as end_rank does
-    if args.what == "train":
-        return bench_train(args.recipe, args.overrides, steps=args.steps, warmup=args.warmup, nproc=args.nproc,
-                           deepspeed_config=args.deepspeed, zero_stage=args.zero_stage, lora=args.lora)
-    return bench_generate(args.model, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                          batch=args.batch, repeats=args.repeats, device=args.device, dtype=args.dtype)
+    with SigtermUnwinds():  # their temporary folders are removed on SIGTERM too
+        if args.what == "train":
+            return bench_train(args.recipe, args.overrides, steps=args.steps, warmup=args.warmup, nproc=args.nproc,
+                               deepspeed_config=args.deepspeed, zero_stage=args.zero_stage, lora=args.lora)
+        return bench_generate(args.model, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                              batch=args.batch, repeats=args.repeats, device=args.device, dtype=args.dtype)
 
 
 COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "launch": cmd_launch,
@@ -866,11 +860,6 @@ COMMANDS = {"tokenizer": cmd_tokenizer, "data": cmd_data, "train": cmd_train, "l
             "chat": cmd_chat, "export": cmd_export, "serve": cmd_serve, "demo": cmd_demo, "bench": cmd_bench,
             "eval": cmd_eval, "plot": cmd_plot}
 
-
-UNWOUND_BY_SIGTERM = {"tokenizer", "export", "demo", "bench", "eval"}
-"""Commands that SIGTERM stops as Ctrl-C does, cleaning up (`unwind_on_sigterm`); the others need not (`generate`,
-`chat`, `plot` write nothing that a stop leaves torn) or take SIGTERM themselves (`train`, `launch`, `serve`, `data
-prepare`)."""
 
 UNUSABLE_PATH = (errno.ENAMETOOLONG, errno.EACCES, errno.EPERM)
 """Errors of a path the user gave that the file system refuses (a name over 255 bytes, a folder closed to this user):
@@ -973,8 +962,6 @@ def main(argv: list[str] | None = None) -> None:
         stdout.reconfigure(errors="surrogateescape")  # strict UTF-8 stdout raised after the work was done)
     if stdout is not None:  # None where descriptor 1 was closed at start: print() then writes nothing
         sys.stdout = GuardedStdout(stdout)
-    if args.command in UNWOUND_BY_SIGTERM:
-        unwind_on_sigterm()
     try:
         code = COMMANDS[args.command](args)
         if stdout is not None:

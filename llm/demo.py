@@ -15,13 +15,14 @@ import json
 import os
 import random
 import shutil
-import subprocess
+import signal
 import sys
 from pathlib import Path
 
 from llm import durable, rundir
+from llm.child_job import run_stopping_together
 from llm.data.output import refuse_foreign_contents, staging_leftovers
-from llm.errors import EXIT_PREEMPTED, UserError
+from llm.errors import EXIT_PREEMPTED, EXIT_TERMINATED, Terminated, UserError
 from llm.infer.generate import TextGenerator, complete
 from llm.infer.sampling import SamplingParams
 from llm.loading import load_for_inference, load_trained_model
@@ -163,11 +164,10 @@ RESTART = "the demo has no --resume: run it again to start it over"
 
 
 def _zerollm(*args: str) -> None:
-    try:
-        code = subprocess.run([sys.executable, "-m", "llm", *args], check=False).returncode
-    except KeyboardInterrupt:  # the stage had it too, and may have said to rerun it with --resume auto
+    code, stopped = run_stopping_together([sys.executable, "-m", "llm", *args])  # the stage stopped too, cleaning up
+    if stopped:  # and may have said to rerun it with --resume auto
         print(f"zerollm demo: stopped; {RESTART}", file=sys.stderr, flush=True)
-        raise
+        raise KeyboardInterrupt if stopped[-1] == signal.SIGINT else Terminated(EXIT_TERMINATED)
     if code == EXIT_PREEMPTED:
         raise UserError(f"demo step `zerollm {' '.join(args[:2])}` was stopped; {RESTART}")
     if code != 0:  # the step said why, perhaps with advice of its own to resume it

@@ -1,13 +1,17 @@
-"""The project's own exception for user mistakes, every exit code a zerollm process ends with, the reading of a
-user's text or JSON file that turns its failures into that exception, and the naming of what in a str UTF-8 cannot hold.
+"""The project's own exception for user mistakes, every exit code a zerollm process ends with (and SIGTERM turned into
+an exception where a command must clean up: `SigtermUnwinds`), the reading of a user's text or JSON file that turns its
+failures into that exception, and the naming of what in a str UTF-8 cannot hold.
 
 A `UserError` carries one line that names the file, line or key at fault and what to do.
 The CLI prints it without a traceback and exits with `EXIT_USER_ERROR`.
 """
 
+from __future__ import annotations
+
 import json
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,19 +30,49 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
 class Terminated(SystemExit):
-    """SIGTERM, raised where it arrives once `unwind_on_sigterm` was called."""
+    """SIGTERM, raised where it arrives inside `SigtermUnwinds`."""
 
 
-def unwind_on_sigterm() -> None:
-    """From here on, SIGTERM raises `Terminated` in the main thread, as Ctrl-C raises KeyboardInterrupt: a command
-    stopped by `kill`, systemd, docker or SLURM ended at once, leaving what it was writing (export's and tokenizer
-    train's hidden `.OUT.partial`, bench's temporary folders, the training job bench train had started running on);
-    now it cleans up as on Ctrl-C. A second SIGTERM ends the process at once."""
-    def terminate(signum, frame) -> None:
+class SigtermUnwinds:
+    """Context manager: inside, SIGTERM (how `kill`, systemd, docker and SLURM stop a process) raises `Terminated`
+    where it arrives, as Ctrl-C raises KeyboardInterrupt, so that what is being written is cleaned up (a staging
+    folder, a temporary folder) instead of left behind by a process ended at once. Only in the main thread and where
+    SIGTERM has its default action (a trainer's or a server's own handler is kept; a rank is never given one). Python
+    drops an exception raised in a finalizer, where the handler may happen to run: the signal is recorded too, that
+    exception is not printed, and `check()` (call it before a step that must not follow a stop, such as a rename into
+    place) and leaving the block raise it again. A second SIGTERM ends the process at once."""
+
+    def __init__(self) -> None:
+        self.signalled = False
+        self._unraisablehook = None
+
+    def __enter__(self) -> SigtermUnwinds:
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            self._unraisablehook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+            signal.signal(signal.SIGTERM, self._terminate)
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if self._unraisablehook is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            sys.unraisablehook, self._unraisablehook = self._unraisablehook, None
+        if exc_type is None:
+            self.check()
+
+    def _terminate(self, signum: int, frame) -> None:
+        self.signalled = True
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise Terminated(EXIT_TERMINATED)
 
-    signal.signal(signal.SIGTERM, terminate)
+    def _unraisable(self, unraisable) -> None:
+        if not isinstance(unraisable.exc_value, Terminated):
+            self._unraisablehook(unraisable)
+
+    def check(self) -> None:
+        """Raise the `Terminated` of a SIGTERM whose exception was dropped in a finalizer."""
+        if self.signalled:
+            raise Terminated(EXIT_TERMINATED)
 
 
 class UserError(Exception):

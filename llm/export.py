@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from llm import durable
 from llm.config import ModelConfig, RunConfig, validate_model
 from llm.data.output import refuse_foreign_contents, refuse_mount_point
-from llm.errors import UserError, read_user_json_object
+from llm.errors import SigtermUnwinds, UserError, read_user_json_object
 from llm.model import Transformer
 from llm.model.from_weights import model_from_weights, shapes_only
 from llm.model.rope import yarn_attention_scale
@@ -329,13 +329,14 @@ def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> s
     state = {hf_name(k): v.detach().float().contiguous() for k, v in model.state_dict().items()}
     if cfg.tie_embeddings:
         state.pop("lm_head.weight")  # tied: transformers re-ties it from the embeddings
-    try:
-        with durable.staged_folder(out, replace=True) as staging:
+    try:  # Ctrl-C or SIGTERM while writing leaves no staging folder
+        with SigtermUnwinds() as stop, durable.staged_folder(out, replace=True) as staging:
             try:
                 staging.mkdir(parents=True)
             except OSError as exc:  # e.g. a file where a parent folder should be
                 raise UserError(f"--out {out}: cannot create it ({exc.strerror})") from None
             config = _write_export(state, cfg, tokenizer_dir, staging)
+            stop.check()  # a stop never renames the export into place
     except Exception as exc:
         if (reason := durable.out_of_room(exc)) is None:
             raise

@@ -38,7 +38,7 @@ from llm import durable
 from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate, ChatTemplateError
 from llm.data.output import refuse_current_directory, refuse_foreign_contents, refuse_mount_point
 from llm.data.readers import Skipped, skipped_note
-from llm.errors import UserError, not_utf8, read_user_json_object, read_user_text
+from llm.errors import SigtermUnwinds, UserError, not_utf8, read_user_json_object, read_user_text
 from llm.rundir import TOKENIZER_FILE
 from llm.stdout import on_terminal
 
@@ -149,11 +149,12 @@ def _write_output(tokenizer: Tokenizer, training: dict, out_dir: Path) -> Tokeni
     (`durable.staged_folder`): a failure or a kill while writing (a full disk, Ctrl-C) leaves the tokenizer that was
     there whole (its files were replaced one by one: a kill left the new tokenizer.json beside the old training
     record, which data prepare took as one tokenizer)."""
-    try:
-        with durable.staged_folder(out_dir.resolve(), replace=True) as staging:
-            staging.mkdir()
+    try:  # Ctrl-C or SIGTERM while writing leaves no staging folder (training, before, is in the library's threads,
+        with SigtermUnwinds() as stop, durable.staged_folder(out_dir.resolve(), replace=True) as staging:  # which a
+            staging.mkdir()  # Python handler would wait for to the end: SIGTERM ends it at once there)
             (staging / TRAINING_FILE).write_text(json.dumps(training, indent=2), encoding="utf-8")
             tokenizer.save(staging)
+            stop.check()
     except OSError as exc:
         raise UserError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from None
     return tokenizer

@@ -106,6 +106,27 @@ def test_an_export_stopped_by_sigterm_cleans_up_as_on_ctrl_c(zero_runs, tmp_path
     assert torch.equal(_logits(import_model(out)), _logits(_model(0)))
 
 
+def test_a_sigterm_whose_exception_a_finalizer_dropped_still_stops_the_write():
+    """Python drops an exception raised in a finalizer, where the SIGTERM handler may happen to run: the write went
+    on and was renamed into place, exit 0, after an 'Exception ignored' traceback."""
+    script = ("import os, signal, sys\n"
+              "from llm.errors import SigtermUnwinds, Terminated\n"
+              "class Dies:\n"
+              "    def __del__(self):\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "        for _ in range(10**6): pass\n"  # the handler runs here, in the finalizer
+              "try:\n"
+              "    with SigtermUnwinds() as stop:\n"
+              "        Dies()\n"
+              "        print('went on', flush=True)\n"
+              "        stop.check()\n"
+              "        print('renamed into place')\n"
+              "except Terminated as exc:\n"
+              "    sys.exit(exc.code)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (143, "went on\n", "")
+
+
 def test_an_export_that_runs_out_of_room_is_one_line_and_leaves_nothing_half_written(tmp_path):
     """A full disk was a SafetensorError traceback."""
     out = tmp_path / "export"
