@@ -146,8 +146,9 @@ def _first_of(key: str, places: list[tuple[dict[str, Any], str]], kind: type, de
     return default
 
 
-MISTRAL_DEFAULT_WINDOW = 4096
-"""The sliding window of a Mistral config without the key, as transformers reads it."""
+DEFAULT_WINDOW = 4096
+"""The sliding window of a Mistral config without the key, and of a Qwen2 or Qwen3 config that turns it on without
+the key, as transformers reads them."""
 QWEN3_HEAD_DIM = 128
 """The head width of a Qwen3 config without the key, as transformers reads it (Llama's is hidden size / heads)."""
 
@@ -176,7 +177,7 @@ def _sliding_window(config: dict, model_type: str) -> Any:
     `use_sliding_window` gives it to some layer (those from `max_window_layers` on, or as `layer_types` says: a true
     flag with max_window_layers at least the layer count windows none, and was refused); None for the others."""
     if model_type == "mistral":
-        return config.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
+        return config.get("sliding_window", DEFAULT_WINDOW)
     if model_type not in ("qwen2", "qwen3") or not config.get("use_sliding_window"):
         return None
     layer_types, layers = config.get("layer_types"), config.get("num_hidden_layers")
@@ -185,7 +186,7 @@ def _sliding_window(config: dict, model_type: str) -> Any:
         windowed = any(kind != "full_attention" for kind in layer_types)
     else:
         windowed = not (isinstance(layers, int) and isinstance(first, int) and first >= layers)
-    return config.get("sliding_window") if windowed else None
+    return config.get("sliding_window", DEFAULT_WINDOW) if windowed else None  # null: none
 
 
 def attention_window(directory: Path) -> int | None:

@@ -239,9 +239,12 @@ def test_a_qwen2_config_whose_sliding_window_reaches_no_layer_imports_with_trans
     raw = json.loads((tmp_path / "hf" / "config.json").read_text())
     raw.pop("layer_types", None)  # as configs written before transformers 4.53 have it
     assert model_config_from_hf(raw, "config.json").n_layers == 2
-    for windowed in ({"max_window_layers": 1}, {"layer_types": ["full_attention", "sliding_attention"]}):
+    without_key = {k: v for k, v in raw.items() if k != "sliding_window"}  # transformers' default then: 4096
+    for windowed in ({**raw, "max_window_layers": 1}, {**raw, "layer_types": ["full_attention", "sliding_attention"]},
+                     {**without_key, "max_window_layers": 1, "max_position_embeddings": 32768}):
         with pytest.raises(UserError, match="sliding-window attention is not part of our architecture"):
-            model_config_from_hf({**raw, **windowed}, "config.json")
+            model_config_from_hf(windowed, "config.json")
+    assert model_config_from_hf({**raw, "max_window_layers": 1, "sliding_window": None}, "config.json").n_layers == 2
 
 
 def test_biases_qwen2_does_not_have_are_refused(tmp_path):
