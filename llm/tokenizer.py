@@ -196,6 +196,10 @@ def _check_role_fields(config: dict, source: str) -> None:
                         f"{{\"content\": \"...\"}} or null, got {json.dumps(value, default=str)[:60]}")
 
 
+TRAIN_ONE = "; train one with `zerollm tokenizer train` or give a Hugging Face tokenizer directory"
+"""Said where a tokenizer folder is missing or holds no tokenizer."""
+
+
 class Tokenizer:
     """A tokenizer with its special tokens by role, safe text encoding and chat rendering to ids."""
 
@@ -310,13 +314,14 @@ class Tokenizer:
         directory = Path(directory)
         path = directory / TOKENIZER_FILE
         if not directory.exists() and not directory.is_symlink():  # where a stopped tokenizer train left the old one
-            raise UserError(durable.no_such_folder(directory))
+            missing = durable.no_such_folder(directory)
+            advice = TRAIN_ONE if missing == f"{directory}: no such directory" else ""
+            raise UserError(missing + advice)
         if not path.is_file():
             if (directory / "tokenizer" / TOKENIZER_FILE).is_file():  # a prepared data folder's or a run's copy
                 raise UserError(f"{directory}: no {TOKENIZER_FILE} (its tokenizer is in {directory / 'tokenizer'}: "
                                 "give that)")
-            raise UserError(f"{directory}: no {TOKENIZER_FILE}; train one with `zerollm tokenizer train` or give a "
-                            "Hugging Face tokenizer directory")
+            raise UserError(f"{directory}: no {TOKENIZER_FILE}{TRAIN_ONE}")
         try:
             tok = HFTokenizer.from_file(str(path))
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception on bad files

@@ -143,7 +143,8 @@ def test_a_tokenizer_folder_set_aside_by_a_stopped_tokenizer_train_is_named(tmp_
             f"{tmp_path / 'tok'}: no such directory (a command replacing it was stopped: its earlier copy is whole "
             f"in {tmp_path / '.tok.old'}; rename that back to tok)")):
         Tokenizer.load(tmp_path / "tok")
-    with pytest.raises(UserError, match=re.escape(f"{tmp_path / 'other'}: no such directory")):
+    with pytest.raises(UserError, match=re.escape(f"{tmp_path / 'other'}: no such directory; train one with "
+                                                  "`zerollm tokenizer train` or give a Hugging Face tokenizer")):
         Tokenizer.load(tmp_path / "other")
 
 
