@@ -185,6 +185,9 @@ def test_an_output_set_aside_by_a_killed_commit_is_put_back_not_deleted(tokenize
     out.rename(tmp_path / ".out.old-41-9f0c1a2b")  # as the kill left it
     failed = _prepare(tokenizer_dir, out, bad_inputs["good"], bad_inputs["malformed"], strict=True)
     assert failed.returncode == 2 and "malformed JSON" in failed.stderr
+    assert failed.stderr.startswith(f"zerollm: note: --out {out} was missing, its earlier output set aside by a data "
+                                    "prepare stopped as it replaced it: put back from .out.old-41-9f0c1a2b, to be "
+                                    "replaced when this run's output is whole\n")
     assert (out / "tokens.h5").read_bytes() == tokens
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
     assert _prepare(tokenizer_dir, out, bad_inputs["good"]).returncode == 0

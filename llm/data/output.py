@@ -39,6 +39,7 @@ from typing import Any
 
 from llm.durable import STAGED_SUFFIX
 from llm.errors import UserError
+from llm.wording import printable
 
 LOCK_FILE = ".prepare.lock"
 
@@ -222,7 +223,11 @@ class OutputDir:
             aside = [self.out.parent / name for name in os.listdir(self.out.parent) if pattern.fullmatch(name)]
             whole = [path for path in aside if (path / self.marker).is_file()]
             if whole:
-                os.rename(max(whole, key=lambda path: path.stat().st_mtime_ns), self.out)
+                aside = max(whole, key=lambda path: path.stat().st_mtime_ns)
+                os.rename(aside, self.out)
+                print(f"zerollm: note: --out {printable(str(self.given))} was missing, its earlier output set aside "
+                      f"by a data prepare stopped as it replaced it: put back from {printable(aside.name)}, to be "
+                      "replaced when this run's output is whole", file=sys.stderr, flush=True)
 
     def _remove_leftovers(self) -> None:
         for name in staging_leftovers(os.listdir(self.out.parent), [self.out.name]):
