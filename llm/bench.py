@@ -267,8 +267,8 @@ def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 6
     try:
         from transformers import AutoModelForCausalLM  # noqa: PLC0415 - optional: compared where installed
         from transformers.generation.streamers import BaseStreamer  # noqa: PLC0415
-    except ImportError:
-        AutoModelForCausalLM = None
+    except ImportError as exc:
+        AutoModelForCausalLM, unimportable = None, f"transformers cannot be imported: {exc}"
     if AutoModelForCausalLM is not None and not model.cfg.moe:
         hf = AutoModelForCausalLM.from_pretrained(hf_dir.name, dtype=precision).to(where).eval()
         hf_prompts = prompts.to(where)
@@ -304,7 +304,7 @@ def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 6
     hf_dir.cleanup()
     missing = None if "transformers generate" in results else (  # the row was left out without a word
         "a mixture-of-experts model, which export refuses" if model.cfg.moe
-        else "transformers is not installed: pip install 'transformers<5.25'")
+        else unimportable)
     prefill_tokens, decode_tokens = batch * prompt_tokens, batch * (new_tokens - 1)
     cached_decode = _rate(decode_tokens, results["zerollm, KV cache"][1])
     print(f"bench generate: {model.num_parameters() / 1e6:.2f} M parameters, batch {batch}, prompt "

@@ -119,8 +119,8 @@ def staged_folder(target: Path, replace: bool = False) -> Iterator[Path]:
     partial, old = target.with_name(f".{target.name}.partial"), target.with_name(f".{target.name}.old")
     for staging in (partial, old):  # a file of that name: a traceback as it was renamed over, or a wrong path named
         if staging.is_symlink() or staging.exists() and not staging.is_dir():
-            raise UserError(f"{staging} is in the way: {target} is written beside it under that name and renamed into "
-                            "place; move it away")
+            raise UserError(f"{staging} is in the way: replacing {target} whole takes that name beside it (for the "
+                            "new copy as it is written, or the earlier one set aside); move it away")
     shutil.rmtree(partial, ignore_errors=True)
     try:
         yield partial

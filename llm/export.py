@@ -282,7 +282,7 @@ def refuse_replacing_a_source(out: Path, cfg: RunConfig, lora_bases: list[Path])
                             f"replace{lora}; choose another --out")
     for above, base in zip(lora_bases, lora_bases[1:]):
         if _is(base):
-            raise UserError(f"--out {out} is the train.init_from of {above}, the LoRA run this one's adapters build "
+            raise UserError(f"--out {out} is the train.init_from of {above}, a LoRA run this one's adapters build "
                             "on: export would replace it, and neither run could be loaded any more; choose another "
                             "--out")
 

@@ -217,8 +217,9 @@ def test_the_weights_are_as_readable_as_the_other_files_and_a_file_in_the_way_is
         (tmp_path / name).write_text("kept")  # traceback, or 'cannot create it (File exists)' naming --out
         with pytest.raises(UserError) as error:
             export_model(_model(1), None, tmp_path / "export")
-        assert str(error.value) == (f"{tmp_path / name} is in the way: {tmp_path / 'export'} is written beside it "
-                                    "under that name and renamed into place; move it away")
+        assert str(error.value) == (f"{tmp_path / name} is in the way: replacing {tmp_path / 'export'} whole takes "
+                                    "that name beside it (for the new copy as it is written, or the earlier one set "
+                                    "aside); move it away")
         assert (tmp_path / name).read_text() == "kept"
         (tmp_path / name).unlink()
     assert torch.equal(_logits(import_model(tmp_path / "export")), _logits(_model(0)))

@@ -399,7 +399,7 @@ def test_a_lora_run_on_a_lora_run_keeps_its_context_and_its_bases_and_resumes_on
     capfd.readouterr()
     assert zerollm_here(monkeypatch, "export", "--run", run, "--out", base) == 2
     assert capfd.readouterr().err.strip().splitlines()[-1] == (
-        f"zerollm: error: --out {base} is the train.init_from of {first}, the LoRA run this one's adapters build on: "
+        f"zerollm: error: --out {base} is the train.init_from of {first}, a LoRA run this one's adapters build on: "
         "export would replace it, and neither run could be loaded any more; choose another --out")
     assert {p.name: p.read_bytes() for p in base.iterdir() if p.is_file()} == before
     args = _lora_args("sft", data["sft"], run, first, *sets, "train.max_steps=3", nproc=1, lora=LORA_NO_DROPOUT)
