@@ -553,6 +553,8 @@ SAYING = textwrap.dedent("""
         distributed.refuse_together("bad input" if rank == 1 else None, announce=rank == 0)
     except UserError as error:
         print("refused", error.announce, "after rank 0 said it" if said.exists() else "before rank 0 said it")
+    finally:  # a group left to the interpreter's exit may abort it ("terminate called without an active exception")
+        dist.destroy_process_group()
 """)
 
 
