@@ -269,12 +269,18 @@ def test_a_second_bench_learn_into_the_same_out_is_refused_while_the_first_runs(
 
 
 def test_a_bench_learn_stopped_while_training_says_there_is_nothing_to_resume(tmp_path, monkeypatch, capsys):
-    """The job's own line advised `--resume auto`, which bench learn does not have (and a rerun starts over)."""
+    """The job's own line advised `--resume auto`, which bench learn does not have (and a rerun starts over); it exited
+    75, which says the same."""
     from llm.eval import learning_speed
+    from llm.runtime.preemption import Preemption
 
-    monkeypatch.setattr(learning_speed, "run_training", lambda *args, **kwargs: EXIT_PREEMPTED)
+    def stopped_by_ctrl_c(*args, **kwargs):
+        monkeypatch.setattr(Preemption, "stopped_by", signal.SIGINT)  # as the job's Preemption notes it
+        return EXIT_PREEMPTED
+
+    monkeypatch.setattr(learning_speed, "run_training", stopped_by_ctrl_c)
     assert learning_speed.bench_learn(str(FIXTURES / "pretrain" / "en_stories.txt"), str(tmp_path / "out"),
-                                      budget="60") == EXIT_PREEMPTED  # the CLI then ends the process with it
+                                      budget="60") == 130  # the CLI then ends the process with it; 75 says to resume
     assert capsys.readouterr().err.splitlines()[-1] == (
         "zerollm: note: bench learn stopped while training, so nothing was measured; it has no --resume: run it again "
         f"(into {tmp_path / 'out'}, whose contents it replaces)")

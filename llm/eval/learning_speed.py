@@ -44,7 +44,7 @@ from llm.eval.perplexity import evaluate_stream
 from llm.eval.token_stream import stream_of_files
 from llm.loading import load_trained_model
 from llm.runtime.accelerator import local_device_type
-from llm.runtime.preemption import stop_signals_restored
+from llm.runtime.preemption import Preemption, stop_signals_restored
 from llm.tokenizer import Tokenizer, check_training_options, train_tokenizer
 from llm.train.ds_config_file import load_ds_config
 from llm.train.engine import resolve_ds_config, resolve_precision
@@ -289,6 +289,7 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
         if code == EXIT_PREEMPTED:
             print(f"zerollm: note: bench learn stopped while training, so nothing was measured; it has no --resume: "
                   f"run it again (into {out_dir}, whose contents it replaces)", file=sys.stderr, flush=True)
+            return 128 + Preemption.stopped_by if Preemption.stopped_by else code  # 130 or 143, not 75 (resume)
         if code != EXIT_OK:
             return code
         phases.done("training", f" (train.max_time {max_time:.1f} s)")

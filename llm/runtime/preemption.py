@@ -87,6 +87,9 @@ def stop_signals_restored() -> Iterator[None]:
 class Preemption:
     _child_hook = False
     """Whether this process resets the stop signals in its forked children (registered once: it cannot be undone)."""
+    stopped_by: int | None = None
+    """The signal of this process's last stop request: bench learn, whose job runs in its process, ends with 128 + it,
+    as any command stopped by that signal (the job's 75 says to resume, and bench learn has no --resume)."""
 
     def __init__(self, info: DistInfo) -> None:
         self.info = info
@@ -132,7 +135,7 @@ class Preemption:
         if self._saved:  # the stop's checkpoint is published: a launcher ending the other ranks asks nothing more
             return
         if self._signalled_at is None:
-            self._signalled_at, self.requested = now, True
+            self._signalled_at, self.requested, Preemption.stopped_by = now, True, signum
             self._say("stopping with a checkpoint when this step ends; a second Ctrl-C (or SIGTERM) stops at once, "
                       "without one")
         elif now - self._signalled_at >= FORCE_AFTER_S:
