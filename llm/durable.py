@@ -147,19 +147,25 @@ STAGED_SUFFIX = r"(?:partial|old)(?:-[0-9]+-[a-z0-9_]{8})?"
 `staged_folder`'s `.NAME.partial` and `.NAME.old`, data prepare's with its process id and 8 random characters."""
 
 
+def set_aside_copies(path: Path) -> list[Path]:
+    """The earlier copies of folder `path` that a replacement stopped between its two renames left whole beside it
+    (`.NAME.old`, `.NAME.old-PID-XXXXXXXX`: `staged_folder`'s, data prepare's), sorted by name."""
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return []
+    return [path.parent / name for name in sorted(names) if name.startswith(f".{path.name}.old")
+            and re.fullmatch(rf"\.{re.escape(path.name)}\.{STAGED_SUFFIX}", name)]
+
+
 def no_such_folder(path: Path) -> str:
     """'PATH: no such directory', saying where a replacement of it that was stopped between its two renames left its
-    earlier copy, whole (`.NAME.old...` beside it): the loaders said only that it was missing."""
-    try:
-        aside = sorted(name for name in os.listdir(path.parent)
-                       if re.fullmatch(rf"\.{re.escape(path.name)}\.{STAGED_SUFFIX}", name)
-                       and name.startswith(f".{path.name}.old"))
-    except OSError:
-        aside = []
+    earlier copy, whole (`set_aside_copies`): the loaders said only that it was missing."""
+    aside = set_aside_copies(path)
     if not aside:
         return f"{path}: no such directory"
     return (f"{path}: no such directory (a command replacing it was stopped: its earlier copy is whole in "
-            f"{path.parent / aside[0]}; rename that back to {path.name})")
+            f"{aside[0]}; rename that back to {path.name})")
 
 
 def copy_folder(source: Path, target: Path) -> None:

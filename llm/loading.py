@@ -220,10 +220,10 @@ def is_run_or_export(directory: Path, option: str = "") -> bool:
         return True
     if (directory / HF_CONFIG_FILE).is_file():
         return False
-    named = f"{option + ' ' if option else ''}{directory}"
+    said = f"{option} " if option else ""
     if not directory.exists():
-        raise UserError(f"{option + ' ' if option else ''}{durable.no_such_folder(directory)}")
-    raise UserError(f"{named}: neither a run directory ({rundir.CONFIG_FILE}) nor an export directory "
+        raise UserError(f"{said}{durable.no_such_folder(directory)}")
+    raise UserError(f"{said}{directory}: neither a run directory ({rundir.CONFIG_FILE}) nor an export directory "
                     f"({HF_CONFIG_FILE})")
 
 

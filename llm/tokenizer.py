@@ -314,9 +314,8 @@ class Tokenizer:
         directory = Path(directory)
         path = directory / TOKENIZER_FILE
         if not directory.exists() and not directory.is_symlink():  # where a stopped tokenizer train left the old one
-            missing = durable.no_such_folder(directory)
-            advice = TRAIN_ONE if missing == f"{directory}: no such directory" else ""
-            raise UserError(missing + advice)
+            advice = "" if durable.set_aside_copies(directory) else TRAIN_ONE
+            raise UserError(durable.no_such_folder(directory) + advice)
         if not path.is_file():
             if (directory / "tokenizer" / TOKENIZER_FILE).is_file():  # a prepared data folder's or a run's copy
                 raise UserError(f"{directory}: no {TOKENIZER_FILE} (its tokenizer is in {directory / 'tokenizer'}: "

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from llm.durable import STAGED_SUFFIX
+from llm.durable import STAGED_SUFFIX, set_aside_copies
 from llm.errors import UserError
 from llm.wording import printable
 
@@ -218,10 +218,8 @@ class OutputDir:
         run had written anything, and a rerun that then failed had lost both outputs."""
         if self.out.exists() or self.out.is_symlink():
             return
-        pattern = re.compile(rf"{re.escape(self.prefix)}old-[0-9]+-[0-9a-f]{{8}}")
         with contextlib.suppress(OSError):
-            aside = [self.out.parent / name for name in os.listdir(self.out.parent) if pattern.fullmatch(name)]
-            whole = [path for path in aside if (path / self.marker).is_file()]
+            whole = [path for path in set_aside_copies(self.out) if (path / self.marker).is_file()]
             if whole:
                 aside = max(whole, key=lambda path: path.stat().st_mtime_ns)
                 os.rename(aside, self.out)
