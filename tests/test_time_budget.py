@@ -186,6 +186,12 @@ def test_the_overrun_note_is_for_a_budget_of_a_few_steps_not_for_a_slow_last_ste
         clock.now += 1.0
         short.end_iteration(step)
     assert short.overrun_note().startswith("note: training took 2.0 s, past train.max_time=0.5 s")
+    tiny = TimeBudget(TrainConfig(max_time=0.001, max_steps=10**6, warmup_steps=0), ONE_RANK, clock)
+    tiny.start(0)  # its time said to a tenth of a second was "took 0.0 s, past train.max_time=0.001 s"
+    for step in (1, 2):
+        clock.now += 0.0021
+        tiny.end_iteration(step)
+    assert tiny.overrun_note().startswith("note: training took 0.0042 s, past train.max_time=0.001 s")
 
 
 def test_without_a_budget_nothing_changes():

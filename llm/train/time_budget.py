@@ -180,7 +180,8 @@ class TimeBudget:
         no note."""
         if not self.enabled or self._measured_steps > FEW_STEPS or (used := self._now()) <= self.max_time:
             return None
-        return (f"note: training took {used:.1f} s, past train.max_time={self.max_time:g} s: the budget stops the run "
+        took = f"{used:.1f}" if used >= 1 else f"{used:.2g}"  # a budget below a second: 0.0042, not 0.0
+        return (f"note: training took {took} s, past train.max_time={self.max_time:g} s: the budget stops the run "
                 f"by the time its steps were measured to take ({self._step_average:.2g} s each), and one or two steps "
                 "run before any is; give it the time of many steps")
 
