@@ -260,16 +260,23 @@ def weights_summary(path: str | Path, option: str) -> dict[str, Any]:
 
 def load_model_dir(path: str | Path, tag: str | None = None, option: str = "") -> tuple[Transformer, Path]:
     """A run directory (checkpoint `tag`, or its newest) or an export directory -> (model, directory of its
-    tokenizer). A `tag` (the checkpoint a run checked as it started, `weights_summary`) gone since is one line
-    naming `option`."""
+    tokenizer). A `tag` (the checkpoint a run checked as it started, `weights_summary`) gone since, or weights that
+    cannot be loaded, are one line naming `option`."""
     directory = Path(path)
     if tag is not None and not (rundir.checkpoint_dir(directory) / tag).is_dir():
         raise UserError(f"{option + ' ' if option else ''}{directory}: its checkpoint {tag}, the newest as this run "
                         "started, was removed since (its training keeps only its newest checkpoints); start this "
                         "run again")
-    if is_run_or_export(directory):
-        return load_trained_model(directory, tag)[0], rundir.tokenizer_dir(directory)
-    return import_model(directory), directory
+    try:
+        if is_run_or_export(directory):
+            return load_trained_model(directory, tag)[0], rundir.tokenizer_dir(directory)
+        return import_model(directory), directory
+    except UserError as exc:  # e.g. a damaged checkpoint: said with the option that named the model
+        said = str(exc)
+        if not option or said.startswith(option):
+            raise
+        raise UserError(f"{option} {said}" if said.startswith(str(directory)) else f"{option} {directory}: {said}") \
+            from None
 
 
 def load_tokenizer_copy(kept: Path, remedy: str) -> Tokenizer:

@@ -132,7 +132,7 @@ def test_teacher_with_another_tokenizer_is_refused_naming_both(teacher, other_to
 
 def test_a_teacher_no_rank_can_load_is_said_once(teacher, pretrain_data, tmp_path, monkeypatch, capfd):
     """A teacher whose checkpoint is damaged (its bytes overwritten, its size kept) is found as the ranks load it:
-    each of the two ranks said it, the same line twice."""
+    each of the two ranks said it, the same line twice, and without the option that named it."""
     damaged = tmp_path / "teacher"
     shutil.copytree(teacher, damaged)
     states = next((damaged / "checkpoints").glob("*/mp_rank_00_model_states.pt"))
@@ -143,6 +143,7 @@ def test_a_teacher_no_rank_can_load_is_said_once(teacher, pretrain_data, tmp_pat
                                                     nproc=2))
     errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("zerollm: error:")]
     assert code == 2 and len(errors) == 1 and "is damaged" in errors[0], errors
+    assert errors[0].startswith(f"zerollm: error: --teacher {damaged}"), errors  # which of the run's models it is
 
 
 def test_a_teacher_the_triton_kernels_cannot_run_is_refused(teacher, pretrain_data, tmp_path, monkeypatch, capfd):
