@@ -931,6 +931,22 @@ LAUNCH_SPELLINGS = {"--master_port": "--master-port", "--master_addr": "--master
 """DeepSpeed's and torchrun's spellings of `zerollm launch` options."""
 
 
+OPENED_BY_LIBRARIES = ("out", "model", "run", "init_from", "teacher", "data")
+"""The options naming folders whose files torch or safetensors open (checkpoints, weights), or will: their C++ and
+Rust take UTF-8 paths only. A tokenizer folder is read by zerollm itself: `tokenizer train --out` and `--tokenizer`
+take any name."""
+
+
+def _refuse_paths_libraries_cannot_open(args: argparse.Namespace) -> None:
+    """A folder whose name is not UTF-8 (GBK bytes from a zip made on Windows) was written, then could not be read:
+    its checkpoints were called damaged ('train the run again'), its weights and tokenizer unreadable."""
+    for dest in OPENED_BY_LIBRARIES:
+        value = getattr(args, dest, None) if (args.command, dest) != ("tokenizer", "out") else None
+        if isinstance(value, str | os.PathLike) and (found := not_utf8(str(value))):
+            raise UserError(f"--{dest.replace('_', '-')} {value}: its name holds {found[1]}, which is not UTF-8; "
+                            "torch and safetensors open no file below such a name: rename it")
+
+
 def parse_arguments(argv: list[str]) -> argparse.Namespace:
     """The parsed command line; an unknown option that DeepSpeed's launcher takes (`zerollm train ... --hostfile h`)
     is refused saying where such options go."""
@@ -963,6 +979,7 @@ def main(argv: list[str] | None = None) -> None:
     if stdout is not None:  # None where descriptor 1 was closed at start: print() then writes nothing
         sys.stdout = GuardedStdout(stdout)
     try:
+        _refuse_paths_libraries_cannot_open(args)
         code = COMMANDS[args.command](args)
         if stdout is not None:
             sys.stdout.flush()  # what is still buffered: its failure is said here, not as an exception at exit

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -50,3 +51,15 @@ def strict_json(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [strict_json(item) for item in value]
     return value
+
+
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def json_text(value: Any, **options: Any) -> str:
+    """`json.dumps(value, ensure_ascii=False, **options)` that UTF-8 can encode: a file name that is not UTF-8 (GBK
+    bytes from a zip made on Windows), which Python holds with lone surrogates for its bytes, is written as their
+    `\\udcXX` escapes (ASCII), which json.loads reads back to the same name; written as they are, they ended the
+    write in a UnicodeEncodeError."""
+    text = json.dumps(value, ensure_ascii=False, **options)
+    return LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)  # only inside strings: JSON's syntax is ASCII

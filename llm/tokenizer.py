@@ -321,8 +321,9 @@ class Tokenizer:
                 raise UserError(f"{directory}: no {TOKENIZER_FILE} (its tokenizer is in {directory / 'tokenizer'}: "
                                 "give that)")
             raise UserError(f"{directory}: no {TOKENIZER_FILE}{TRAIN_ONE}")
+        text = read_user_text(path, "it as UTF-8")  # read here: the library's own reading takes UTF-8 paths only
         try:
-            tok = HFTokenizer.from_file(str(path))
+            tok = HFTokenizer.from_str(text)
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception on bad files
             raise UserError(f"{path}: cannot load tokenizer ({exc})") from None
         config_file = directory / CONFIG_FILE

@@ -10,9 +10,10 @@ def plural(noun: str, count: int) -> str:
     return noun if count == 1 else noun + "s"
 
 
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-"""Control characters (a terminal runs ESC sequences: they set its title, clear it, colour what follows), and the
-bidirectional marks that reorder what is shown after them."""
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+"""Control characters (a terminal runs ESC sequences: they set its title, clear it, colour what follows), the
+bidirectional marks that reorder what is shown after them, and lone surrogates (the bytes of a file name that is not
+UTF-8), which a stream that encodes strictly cannot write at all."""
 
 
 def printable(text: str) -> str:

@@ -3,6 +3,7 @@ import io
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -383,3 +384,32 @@ def test_a_path_that_is_not_utf8_is_printed_as_its_bytes(tmp_path, monkeypatch):
                         "--vocab-size", 300, "--out", out)
     sys.stdout.flush()
     assert code == 0 and b"written to " + os.fsencode(out) + b"\n" in written.getvalue()
+
+
+@pytest.mark.parametrize("command", [["data", "prepare", "--tokenizer", FIXTURES / "tokenizers" / "llama", "--out"],
+                                     ["eval", "--model"]])
+def test_a_model_or_data_folder_named_in_bytes_that_are_not_utf8_is_refused_before_anything_is_written(
+        command, tmp_path, capsys, monkeypatch):
+    """Such a folder (GBK bytes from a zip made on Windows) was written, then torch and safetensors could not open its
+    files: a run's checkpoints were called damaged ('train the run again'), an export's weights unreadable. Refused in
+    one line at once."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text\n")
+    folder = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"\xc4\xe3"))
+    code = zerollm_here(monkeypatch, *command, folder, "--input", corpus)
+    assert code == 2 and os.listdir(tmp_path) == ["corpus.txt"]
+    shown = folder.encode("utf-8", "backslashreplace").decode()  # its bytes as \\udcXX escapes: one line, any stream
+    assert capsys.readouterr().err == (f"zerollm: error: {command[-1]} {shown}: its name holds byte 0xc4, which is "
+                                       "not UTF-8; torch and safetensors open no file below such a name: rename it\n")
+
+
+def test_a_tokenizer_folder_named_in_bytes_that_are_not_utf8_is_read(tmp_path, monkeypatch):
+    """zerollm reads tokenizer.json itself: the tokenizers library's reading takes UTF-8 paths only, so a tokenizer
+    that `tokenizer train --out` wrote there could not be loaded ('surrogates not allowed')."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text\n")
+    folder = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"tok\xc4\xe3"))
+    shutil.copytree(FIXTURES / "tokenizers" / "llama", folder)
+    assert zerollm_here(monkeypatch, "data", "prepare", "--input", corpus, "--tokenizer", folder,
+                        "--out", tmp_path / "data") == 0
+    assert (tmp_path / "data" / "tokens.h5").is_file()

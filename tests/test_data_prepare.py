@@ -1246,3 +1246,19 @@ def test_a_wrongly_typed_field_is_named_in_jsons_words(tmp_path):
         f"{path}:1: 'text' is null, expected a string", f"{path}:2: 'text' is a list, expected a string",
         f"{path}:3: 'text' is a boolean, expected a string", f"{path}:4: 'text' is a number, expected a string",
         f"{path}:5: record is a list, expected an object or a string"]
+
+
+def test_an_input_named_in_bytes_that_are_not_utf8_is_prepared_and_its_name_reported(tokenizer_dir, tmp_path):
+    """A file whose name is GBK bytes (a zip made on Windows) was tokenized, then writing report.json ended in a
+    UnicodeEncodeError traceback and nothing was written. Its name is written as JSON escapes that read back to it."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    gbk_named = os.path.join(os.fsencode(corpus), b"\xc4\xe3\xba\xc3.txt")
+    with open(gbk_named, "w", encoding="utf-8") as file:
+        file.write("Once upon a time there was a story in a file named in GBK.\n" * 20)
+    result = run_cli("data", "prepare", "--input", corpus, "--tokenizer", tokenizer_dir, "--out", tmp_path / "out",
+                     "--workers", 1)
+    assert result.returncode == 0, result.stderr
+    written = (tmp_path / "out" / "report.json").read_bytes()
+    assert b"\\udcc4\\udce3\\udcba\\udcc3.txt" in written and written.decode("utf-8")
+    assert list(json.loads(written)["files"]) == [os.fsdecode(gbk_named)]

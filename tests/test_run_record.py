@@ -247,3 +247,15 @@ def test_an_earlier_version_s_data_that_changed_is_still_refused(pretrain_data, 
     run.rmdir()
     _old_record(run, data, file_digest(data / TOKENS_FILE))
     check_same_data(run, summary, [data / TOKENS_FILE])
+
+
+def test_a_record_naming_a_file_in_bytes_that_are_not_utf8_is_written_and_reads_back(tmp_path):
+    """A recipe or DeepSpeed file named in GBK bytes reached the run record, whose write ended the run's start in a
+    UnicodeEncodeError traceback (exit 1)."""
+    from llm.jsonl import jsonl_lines
+    from llm.train.run_record import write_run_record
+
+    name = os.fsdecode(b"recipe-\xc4\xe3.yaml")
+    write_run_record(tmp_path, {"command": ["zerollm", "train", "pretrain", "--recipe", name]})
+    [line] = list(jsonl_lines(tmp_path / "run_record.jsonl"))
+    assert line.value == {"command": ["zerollm", "train", "pretrain", "--recipe", name]}

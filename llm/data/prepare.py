@@ -26,7 +26,6 @@ about `CHUNK_TOKENS` tokens.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import multiprocessing as mp
 import os
@@ -53,6 +52,7 @@ from llm.data.formats import Item, Skipped, expand_inputs, read_records, skipped
 from llm.data.output import OutputDir, cannot_write_output
 from llm.data.readers import DEFAULT_MAX_RECORD_MB, strings
 from llm.errors import UserError
+from llm.jsonl import json_text
 from llm.rundir import PREPARED_ENTRIES, PREPARED_REPORT_FILE, TOKENIZER_DIR, TOKENS_FILE
 from llm.tokenizer import CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
@@ -633,7 +633,7 @@ def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: st
         try:
             _write_tokens(output, kind, read_records(files, kind, max_record_mb), tokenizer, str(tokenizer_dir),
                           report, workers, val_fraction, strict, seed, seq_len, show_progress)
-            (output.staging / PREPARED_REPORT_FILE).write_text(json.dumps(asdict(report), indent=1, ensure_ascii=False))
+            (output.staging / PREPARED_REPORT_FILE).write_text(json_text(asdict(report), indent=1), encoding="utf-8")
             tokenizer.save(output.staging / TOKENIZER_DIR)
         except OSError as exc:  # the inputs' read errors are UserErrors already
             raise cannot_write_output(out_dir, exc) from None

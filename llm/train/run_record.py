@@ -24,7 +24,6 @@ Resuming on other data than the run was trained on is refused (`check_same_data`
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import platform
 import shlex
@@ -43,7 +42,7 @@ from launch.local import COMMAND_VARIABLE
 from llm import durable, rundir
 from llm.data.prepare import SPLITS, TOKENS_FILE, stored_digest, tokens_digest
 from llm.errors import UserError
-from llm.jsonl import JsonLine, jsonl_lines
+from llm.jsonl import JsonLine, json_text, jsonl_lines
 from llm.runtime.distributed import DistInfo
 from llm.runtime.fingerprint import PACKAGE_ROOT, code_version, file_digest, same_weights, whole_file_digest
 
@@ -148,7 +147,7 @@ def write_run_record(run_dir: Path, record: dict[str, Any]) -> None:
               file=sys.stderr, flush=True)
         before = before[:torn.offset]
     unended = torn is None and bool(lines) and not lines[-1].ended  # a record a text editor left without its newline
-    line = ("\n" if unended else "") + json.dumps(record, ensure_ascii=False) + "\n"
+    line = ("\n" if unended else "") + json_text(record) + "\n"
     with durable.room_needed(run_dir, rundir.RUN_RECORD_FILE):
         durable.write_bytes(path, before + line.encode("utf-8"))
 
