@@ -1,9 +1,11 @@
 """data prepare: input files and formats, skipped records, the output directory, bounded memory."""
 
+import bz2
 import errno
 import gzip
 import itertools
 import json
+import lzma
 import multiprocessing
 import os
 import resource
@@ -152,9 +154,20 @@ def bad_inputs(tmp_path):
     packed = bytearray(gzip.compress((FIXTURES / "pretrain" / "en_notes.jsonl").read_bytes(), mtime=0))
     packed[len(packed) // 2] ^= 0xFF
     flipped.write_bytes(bytes(packed))
+    cut = {}
+    for suffix, pack in (("xz", lzma.compress), ("bz2", bz2.compress), ("zst", _zstd)):
+        cut[f"cut_{suffix}"] = tmp_path / f"cut.jsonl.{suffix}"  # a download cut short
+        cut[f"cut_{suffix}"].write_bytes(pack((FIXTURES / "pretrain" / "en_notes.jsonl").read_bytes())[:-20])
     return {"good": good, "malformed": malformed, "wrong_field": wrong_field, "binary": binary, "empty": empty,
             "damaged": damaged, "utf16": utf16, "unknown": tmp_path / "x.csv", "missing": tmp_path / "missing.jsonl",
-            "late_nul": late_nul, "flipped": flipped}
+            "late_nul": late_nul, "flipped": flipped, **cut}
+
+
+def _zstd(data: bytes) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.CompressedOutputStream(sink, "zstd") as packed:
+        packed.write(data)
+    return sink.getvalue().to_pybytes()
 
 
 def _prepare(tokenizer_dir, out, *inputs, strict=False):
@@ -273,6 +286,9 @@ def test_wrong_field_is_skipped_with_reason(tokenizer_dir, bad_inputs, tmp_path)
     ("utf16", "looks like UTF-16 text (byte-order mark FF FE); convert it to UTF-8"),  # was "a binary file"
     ("late_nul", "late_nul.txt:901: looks like a binary file (NUL bytes)"),
     ("flipped", "cannot read (Error -3 while decompressing data"),
+    ("cut_xz", "cannot read (Compressed file ended before the end-of-stream marker was reached)"),
+    ("cut_bz2", "cannot read (Compressed file ended before the end-of-stream marker was reached)"),
+    ("cut_zst", "cannot read (Truncated compressed stream)"),
 ])
 def test_unusable_input_is_one_line_error_exit_2_nothing_written(tokenizer_dir, bad_inputs, tmp_path, case, message):
     if case == "unknown":
@@ -314,7 +330,8 @@ def test_tiny_corpus_still_gets_a_validation_document(tokenizer_dir, bad_inputs,
 # ---- other input formats -----------------------------------------------------------------------------------
 
 def _write_every_format(records: list, folder) -> dict:
-    """The same records as .jsonl, .jsonl.gz, Parquet, Arrow (IPC file and stream) and a save_to_disk directory."""
+    """The same records as .jsonl, .jsonl.gz (.bz2, .xz, .zst), Parquet, Arrow (IPC file and stream) and a
+    save_to_disk directory. Folders of .bz2, .xz and .zst files (the Pile's shards) were read as holding nothing."""
     folder.mkdir()
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     paths = {"jsonl": folder / "r.jsonl", "gz": folder / "r.jsonl.gz", "parquet": folder / "r.parquet",
@@ -322,6 +339,11 @@ def _write_every_format(records: list, folder) -> dict:
     paths["jsonl"].write_text(text)
     with gzip.open(paths["gz"], "wt", encoding="utf-8") as f:
         f.write(text)
+    for suffix, pack in (("bz2", bz2.compress), ("xz", lzma.compress), ("zst", _zstd)):
+        paths[suffix] = folder / suffix / f"r.jsonl.{suffix.upper()}"  # a folder of it, its suffix in capitals
+        paths[suffix].parent.mkdir()
+        paths[suffix].write_bytes(pack(text.encode("utf-8")))
+        paths[suffix] = paths[suffix].parent
     table = pa.Table.from_pylist(records)
     pq.write_table(table, paths["parquet"], row_group_size=50)
     for key, new in (("arrow_file", pa.ipc.new_file), ("arrow_stream", pa.ipc.new_stream)):

@@ -1,7 +1,8 @@
 """Users' files -> raw values, read in bounded memory.
 
 Text formats: `.txt` (documents separated by blank lines), `.jsonl` (one JSON value per line) and `.json` (an array
-of values, or one value), each optionally gzip-compressed (`.txt.gz`, `.jsonl.gz`, `.json.gz`). A leading UTF-8 BOM
+of values, or one value), each optionally compressed with gzip, bzip2, xz or Zstandard (`.jsonl.gz`, `.txt.bz2`,
+`.json.xz`, `.jsonl.zst`: the Pile's and RedPajama's shards; Zstandard through pyarrow). A leading UTF-8 BOM
 is dropped and CRLF line ends become LF. Table formats: Parquet (`.parquet`), Arrow (`.arrow`, IPC file or stream)
 and directories written by Hugging Face `datasets`' `save_to_disk` (a Dataset, or a DatasetDict whose splits are
 read in order); a row is a record of column -> value. They need the optional `datasets` package (which brings
@@ -19,10 +20,13 @@ than `max_record_chars` is skipped (`.jsonl`) or refused (`.json`) without being
 
 from __future__ import annotations
 
+import bz2
 import codecs
 import errno
 import gzip
+import io
 import json
+import lzma
 import os
 import re
 import sys
@@ -38,7 +42,9 @@ from llm.wording import printable
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
 TABLE_SUFFIXES = (".parquet", ".arrow")
-SUPPORTED = (*TEXT_SUFFIXES, *(s + ".gz" for s in TEXT_SUFFIXES), *TABLE_SUFFIXES)
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+FORMATS_SAID = (f"{', '.join(TEXT_SUFFIXES)} (each optionally {', '.join(COMPRESSIONS[:-1])} or {COMPRESSIONS[-1]}), "
+                f"{', '.join(TABLE_SUFFIXES)}")
 HF_DATASET_FILES = ("state.json", "dataset_info.json")
 HF_DATASET_DICT_FILE = "dataset_dict.json"
 
@@ -103,16 +109,21 @@ def place(source: str, line: int, unit: str) -> str:
 # ---- which files ------------------------------------------------------------------------------------
 
 def _format(path: Path) -> str | None:
-    """'.txt', '.jsonl', '.json', '.parquet', '.arrow' or 'hf' (a save_to_disk directory), gzip aside; None if
-    unknown."""
+    """'.txt', '.jsonl', '.json', '.parquet', '.arrow' or 'hf' (a save_to_disk directory), compression aside; None
+    if unknown."""
     if path.is_dir():
         return "hf" if all((path / name).is_file() for name in HF_DATASET_FILES) else None
     name = path.name.lower()
-    if name.endswith(".gz"):
-        name, candidates = name.removesuffix(".gz"), TEXT_SUFFIXES
+    if compression := _compression(path):
+        name, candidates = name.removesuffix(compression), TEXT_SUFFIXES
     else:
         candidates = (*TEXT_SUFFIXES, *TABLE_SUFFIXES)
     return next((suffix for suffix in candidates if name.endswith(suffix)), None)
+
+
+def _compression(path: Path) -> str | None:
+    """The compression suffix of a file's name (one of COMPRESSIONS), or None."""
+    return next((suffix for suffix in COMPRESSIONS if path.name.lower().endswith(suffix)), None)
 
 
 def _is_within(path: Path, folder: Path) -> bool:
@@ -201,14 +212,14 @@ def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None
             found = _walk(path, excluded)
             if not found:
                 own = " besides what zerollm wrote there, which is not data" if zerollm_entries(path) else ""
-                raise UserError(f"{path}: directory holds no {'/'.join(SUPPORTED)} files or datasets directories{own}")
+                raise UserError(f"{path}: directory holds no {FORMATS_SAID} files or datasets directories{own}")
             files.extend(found)
         elif path.exists():
             if not (path.is_file() or path.is_dir()):
                 raise UserError(f"{path}: not a regular file (a FIFO, socket or device); give a file or a directory")
             if _format(path) is None:
                 raise UserError(f"{path}: unknown format '{''.join(path.suffixes) or path.name}'; expected one of "
-                                f"{', '.join(SUPPORTED)} or a directory saved by datasets' save_to_disk")
+                                f"{FORMATS_SAID} or a directory saved by datasets' save_to_disk")
             files.append(path)
         elif path.is_symlink():
             raise UserError(broken_link(path))
@@ -225,10 +236,41 @@ def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None
     return files
 
 
+class _ArrowStream(io.RawIOBase):
+    """A pyarrow input stream as a Python raw file, so that io.BufferedReader gives it `readline(size)`."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__()
+        self._stream = stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._stream.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._stream.close()
+        super().close()
+
+
 def _open(path: Path) -> BinaryIO:
-    """The file for reading; UserError naming it when it cannot be opened (gone since it was listed, say)."""
+    """The file for reading, decompressed; UserError naming it when it cannot be opened (gone since it was listed,
+    say)."""
     try:
-        return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else path.open("rb")
+        match _compression(path):
+            case ".gz":
+                return gzip.open(path, "rb")
+            case ".bz2":
+                return bz2.open(path, "rb")
+            case ".xz":
+                return lzma.open(path, "rb")
+            case ".zst":  # not in Python 3.11's standard library; pyarrow, which Parquet needs, has it
+                stream = _pyarrow(path, "Zstandard-compressed").input_stream(str(path), compression="zstd")
+                return io.BufferedReader(_ArrowStream(stream))
+        return path.open("rb")
     except OSError as exc:
         raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
@@ -238,8 +280,9 @@ WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (
 """Byte-order marks of text in other Unicode encodings (UTF-32 LE's begins with UTF-16 LE's: it comes first)."""
 
 
-READ_ERRORS = (OSError, EOFError, zlib.error)
-"""What reading a file can raise: a damaged .gz raises each (truncated: EOFError; a flipped byte: zlib.error)."""
+READ_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
+"""What reading a file can raise: a damaged compressed file raises each (a truncated .gz EOFError, a flipped byte
+zlib.error, a damaged .xz LZMAError, a damaged .bz2 or .zst OSError)."""
 BINARY = "looks like a binary file (NUL bytes); expected UTF-8 text"
 
 
@@ -284,7 +327,7 @@ def _line_parts(path: Path, max_bytes: int) -> Iterator[tuple[int, str, bool]]:
                 text = carry + decoder.decode(raw, final=not raw)
             except UnicodeDecodeError:
                 raise UserError(f"{path}:{number}: not valid UTF-8 text") from None
-            except READ_ERRORS as exc:  # a damaged .gz
+            except READ_ERRORS as exc:  # a damaged compressed file
                 raise UserError(f"{path}:{number}: cannot read ({exc})") from None
             if "\x00" in text:  # past the head `_check_text_file` reads
                 raise UserError(f"{path}:{number}: {BINARY}")
@@ -534,13 +577,13 @@ class _JsonStream:
 
 # ---- table formats ----------------------------------------------------------------------------------
 
-def _pyarrow(path: Path):
+def _pyarrow(path: Path, what: str = "Parquet/Arrow"):
     try:
         import pyarrow  # noqa: PLC0415 - optional dependency, imported only for these formats
         import pyarrow.ipc  # noqa: PLC0415
         import pyarrow.parquet  # noqa: PLC0415
     except ImportError:
-        raise UserError(f"{path}: reading Parquet/Arrow files needs pyarrow; install it with "
+        raise UserError(f"{path}: reading {what} files needs pyarrow; install it with "
                         f"{INSTALL_DATASETS}") from None
     return pyarrow
 
