@@ -70,6 +70,14 @@ TOKENS_FILE = "tokens.h5"
 PREPARED_REPORT_FILE = "report.json"
 TOKENIZER_FILE = "tokenizer.json"
 """A tokenizer's own file (`llm.tokenizer`), in tokenizer folders, export folders and runs' tokenizer/."""
+TOKENIZER_CONFIG_FILE, TEMPLATE_FILE = "tokenizer_config.json", "chat_template.jinja"
+TOKENIZER_TRAINING_FILE = "tokenizer_training.json"
+"""Written by `llm.tokenizer.train_tokenizer` only (what it was trained with): marks a folder it may write into
+again."""
+MODEL_FOLDER_ENTRIES = frozenset({TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, TEMPLATE_FILE, TOKENIZER_TRAINING_FILE,
+                                  "special_tokens_map.json", "config.json", "generation_config.json"})
+"""The JSON files of a tokenizer folder, an export and a Hugging Face model folder: a folder holding tokenizer.json
+is one of them."""
 RUN_ENTRIES = frozenset({CONFIG_FILE, DS_CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, RUN_RECORD_FILE, EVAL_DIR,
                          TOKENIZER_DIR, CHECKPOINTS_DIR, UNIVERSAL_DIR, WANDB_DIR})
 """What `zerollm train` writes into a run directory (besides its dot-named temporary files)."""
@@ -85,13 +93,17 @@ PREPARED_ENTRIES = (TOKENS_FILE, PREPARED_REPORT_FILE, TOKENIZER_DIR)
 
 def zerollm_entries(folder: Path) -> frozenset[str]:
     """The entries of `folder` that zerollm writes there, where it is a run directory (its run record, or config.yaml
-    beside checkpoints/: RUN_ENTRIES) or a prepared data folder (tokens.h5: PREPARED_ENTRIES); none elsewhere. A
-    folder walked for data leaves them out (a run's samples.jsonl and metrics.jsonl became GRPO prompts and
-    pretraining text) and reads the rest (a user's notes or data kept beside them)."""
+    beside checkpoints/: RUN_ENTRIES), a prepared data folder (tokens.h5: PREPARED_ENTRIES) or a tokenizer or model
+    folder (tokenizer.json: MODEL_FOLDER_ENTRIES); none elsewhere. A folder walked for data leaves them out (a run's
+    samples.jsonl and metrics.jsonl became GRPO prompts and pretraining text; a tokenizer trained into the corpus
+    folder, three skipped records in every later run, and `--strict` refused) and reads the rest (a user's notes or
+    data kept beside them)."""
     if (folder / RUN_RECORD_FILE).is_file() or ((folder / CONFIG_FILE).is_file() and
                                                 (folder / CHECKPOINTS_DIR).is_dir()):
         return RUN_ENTRIES
-    return frozenset(PREPARED_ENTRIES) if (folder / TOKENS_FILE).is_file() else frozenset()
+    if (folder / TOKENS_FILE).is_file():
+        return frozenset(PREPARED_ENTRIES)
+    return MODEL_FOLDER_ENTRIES if (folder / TOKENIZER_FILE).is_file() else frozenset()
 
 
 def broken_link(path: Path) -> str:

@@ -39,13 +39,14 @@ from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate
 from llm.data.output import refuse_current_directory, refuse_foreign_contents, refuse_mount_point
 from llm.data.readers import Skipped, skipped_note
 from llm.errors import SigtermUnwinds, UserError, not_utf8, read_user_json_object, read_user_text
-from llm.rundir import TOKENIZER_FILE
+from llm.rundir import TEMPLATE_FILE, TOKENIZER_FILE
+from llm.rundir import TOKENIZER_CONFIG_FILE as CONFIG_FILE
+from llm.rundir import TOKENIZER_TRAINING_FILE as TRAINING_FILE
 from llm.stdout import on_terminal
 
 EOS, IM_START, IM_END, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
 SPECIAL_TOKENS = [EOS, IM_START, IM_END, PAD]  # ids 0, 1, 2, 3 in tokenizers we train
 
-CONFIG_FILE, TEMPLATE_FILE = "tokenizer_config.json", "chat_template.jinja"
 
 END_OF_TEXT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 TURN_START_NAMES = ("<|im_start|>", "<start_of_turn>", "<|start_header_id|>")
@@ -67,8 +68,6 @@ OUR_CONFIG = {
 }
 
 
-TRAINING_FILE = "tokenizer_training.json"
-"""Written by `train_tokenizer` only (what it was trained with): marks a folder it may write into again."""
 MAX_VOCAB_SIZE = 1 << 24
 """The largest --vocab-size: 64 times the largest vocabularies in use (about 256k), an embedding of billions of
 parameters at any width, and ids that `data prepare` stores as uint32 many times over. The BPE trainer allocates for

@@ -1284,3 +1284,23 @@ def test_an_input_named_in_bytes_that_are_not_utf8_is_prepared_and_its_name_repo
     written = (tmp_path / "out" / "report.json").read_bytes()
     assert b"\\udcc4\\udce3\\udcba\\udcc3.txt" in written and written.decode("utf-8")
     assert list(json.loads(written)["files"]) == [os.fsdecode(gbk_named)]
+
+
+def test_a_tokenizer_trained_into_the_corpus_folder_is_not_read_as_data(tmp_path):
+    """`tokenizer train --input corpus --out corpus/tok` leaves --out out of its own input, but every later command
+    read the tokenizer's three JSON files as records: three skipped records a run, and --strict refused the corpus.
+    An export kept there likewise (its config.json)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(FIXTURES / "pretrain" / "en_notes.jsonl", corpus)
+    (corpus / "notes.txt").write_text("A note kept beside the tokenizer is data.\n")
+    trained = run_cli("tokenizer", "train", "--input", corpus, "--vocab-size", 300, "--out", corpus / "tok")
+    assert trained.returncode == 0, trained.stderr
+    shutil.copytree(corpus / "tok", corpus / "export")
+    (corpus / "export" / "config.json").write_text('{"model_type": "llama"}')
+    (corpus / "export" / "kept.txt").write_text("Also data.\n")
+    result = _prepare(corpus / "tok", tmp_path / "out", corpus, strict=True)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert sorted(report["files"]) == sorted(str(corpus / name) for name in ("en_notes.jsonl", "notes.txt",
+                                                                             "export/kept.txt"))
