@@ -393,6 +393,19 @@ def test_dataset_dict_directories_read_every_split_and_report_rows(tokenizer_dir
     assert walked == [tmp_path / "hf" / "test", tmp_path / "hf" / "train", tmp_path / "more.parquet"]
 
 
+def test_a_dataset_dict_whose_split_folder_is_gone_says_so(tmp_path):
+    """It said '.../test: cannot read (it is a directory now)' of a folder that is not there."""
+    datasets.DatasetDict({k: datasets.Dataset.from_list([{"text": k}]) for k in ("train", "test")}).save_to_disk(
+        str(tmp_path / "hf"))
+    shutil.rmtree(tmp_path / "hf" / "test")
+    for given in (tmp_path / "hf", tmp_path):
+        with pytest.raises(UserError) as refused:
+            expand_inputs([given])
+        assert str(refused.value) == (f"{tmp_path / 'hf' / 'test'}: no such folder, though "
+                                      f"{tmp_path / 'hf' / 'dataset_dict.json'} lists the split 'test'; save the "
+                                      "dataset again, or give the splits' folders that are there")
+
+
 def test_a_missing_datasets_package_is_a_one_line_error(tmp_path, monkeypatch):
     pq.write_table(pa.Table.from_pylist([{"text": "one"}]), tmp_path / "a.parquet")
     datasets.Dataset.from_list([{"text": "one"}]).save_to_disk(str(tmp_path / "hf"))

@@ -135,6 +135,10 @@ def _dataset_dict_splits(path: Path) -> list[Path]:
         splits = json.loads((path / HF_DATASET_DICT_FILE).read_text(encoding="utf-8"))["splits"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"{path / HF_DATASET_DICT_FILE}: not a datasets DatasetDict description ({exc})") from None
+    for split in splits:
+        if not (path / split).is_dir():  # was 'cannot read (it is a directory now)', of a folder that is not there
+            raise UserError(f"{path / split}: no such folder, though {path / HF_DATASET_DICT_FILE} lists the split "
+                            f"'{split}'; save the dataset again, or give the splits' folders that are there")
     return [path / split for split in splits]
 
 
