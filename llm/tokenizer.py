@@ -39,7 +39,7 @@ from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate
 from llm.data.output import refuse_current_directory, refuse_foreign_contents, refuse_mount_point
 from llm.data.readers import Skipped, skipped_note
 from llm.errors import SigtermUnwinds, UserError, not_utf8, read_user_json_object, read_user_text
-from llm.rundir import TEMPLATE_FILE, TOKENIZER_FILE
+from llm.rundir import TEMPLATE_FILE, TOKENIZER_FILE, check_writable_out
 from llm.rundir import TOKENIZER_CONFIG_FILE as CONFIG_FILE
 from llm.rundir import TOKENIZER_TRAINING_FILE as TRAINING_FILE
 from llm.stdout import on_terminal
@@ -91,6 +91,7 @@ def _make_out_dir(out_dir: Path) -> bool:
     anything but an earlier `train_tokenizer` output (a prepared data folder's tokenizer/, a tokenizer of your own,
     a run), a place that cannot be written."""
     refuse_current_directory(out_dir.resolve(), out_dir, "tokenizer train", "tok/")
+    check_writable_out(out_dir, "give a directory")  # a link to nothing was 'cannot create or read it (File exists)'
     try:
         if out_dir.is_dir():
             refuse_mount_point(out_dir.resolve(), out_dir, "tokenizer train")

@@ -771,3 +771,24 @@ def test_a_role_token_that_is_not_text_is_refused_on_load(tokenizer_dir, tmp_pat
     with pytest.raises(UserError, match=rf"given: 'pad_token' in {CONFIG_FILE} must be a token's text .*, "
                                         rf"got {re.escape(json.dumps(value))}$"):
         Tokenizer.load(tmp_path / "given")
+
+
+def test_an_out_that_is_a_link_to_nothing_or_the_input_itself_is_named_so(tmp_path, monkeypatch, capsys):
+    """A link to nothing was 'cannot create or read it (File exists)'; the input given as --out was 'same.txt: is
+    inside the output directory same.txt' (data prepare's too)."""
+    corpus = tmp_path / "same.txt"
+    corpus.write_text("some words to train on\n")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    expected = {tmp_path / "dangling": f"--out {tmp_path / 'dangling'}: {tmp_path / 'dangling'} is a symbolic link to "
+                                       f"{tmp_path / 'nowhere'}, which does not exist (or links back to itself); "
+                                       "create its target or remove the link",
+                corpus: f"--out {corpus} is a file, an input of this run; give a directory"}
+    for out, said in expected.items():
+        assert zerollm_here(monkeypatch, "tokenizer", "train", "--input", corpus, "--vocab-size", 300,
+                            "--out", out) == 2
+        assert capsys.readouterr().err == f"zerollm: error: {said}\n"
+    assert zerollm_here(monkeypatch, "data", "prepare", "--input", corpus, "--tokenizer", MINIMIND, "--out",
+                        corpus) == 2
+    assert capsys.readouterr().err == f"zerollm: error: {expected[corpus]}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "same.txt"]
+    assert corpus.read_text() == "some words to train on\n"

@@ -208,6 +208,8 @@ def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None
     for raw in paths:
         path = Path(raw)
         if excluded is not None and path.exists() and _is_within(path.resolve(), excluded):
+            if excluded.is_file():  # this input itself: 'is inside the output directory same.txt'
+                raise UserError(f"--out {exclude} is a file, an input of this run; give a directory")
             raise UserError(f"{path}: is inside the output directory {exclude}, which is replaced by this run; "
                             "move the input or choose another --out")
         if (path / HF_DATASET_DICT_FILE).is_file():
