@@ -59,13 +59,13 @@ from launch.hostfile import (
     read_hostfile,
     read_integer,
 )
-from launch.local import RESUME_ADVICE, STOP_SIGNALS, STOPPED_AT_ONCE, exit_code, report_rank_ended
+from launch.local import RESUME_ADVICE, STOPPED_AT_ONCE, exit_code, report_rank_ended
 from launch.nodelist import nodelist_size, slurm_hosts
 from launch.options import LaunchOptions, launcher_problem
 from launch.reachable import check_reachable, host_address
 from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
-from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, UserError, report
+from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, STOP_SIGNALS, UserError, report
 from llm.loopback import is_loopback
 from llm.runtime.accelerator import ensure_accelerator_env
 from llm.runtime.cpu_threads import cpu_threads_per_rank

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from llm.errors import EXIT_RANK_LOST, EXIT_USER_ERROR, UserError, report
+from llm.errors import EXIT_RANK_LOST, EXIT_USER_ERROR, STOP_SIGNALS, UserError, report
 from llm.runtime.rank_env import LOCAL_SIZE_VARIABLES, RANK_VARIABLES, announced_world_size, free_port
 from llm.runtime.supervisor import supervisor_env
 
@@ -95,7 +95,6 @@ def _signal_all(ranks: list[subprocess.Popen], signum: int) -> None:
                 rank.send_signal(signum)
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOPPED_AT_ONCE = (*(128 + signum for signum in STOP_SIGNALS), *(-signum for signum in STOP_SIGNALS))
 """The return codes of a rank a second stop request ended at once (`llm.runtime.preemption`), or a stop request
 before its handlers were set (still importing)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 import subprocess
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from llm.errors import STOP_SIGNALS
 
 
 def run_stopping_together(command: list[str]) -> tuple[int, list[int]]:

@@ -27,6 +27,8 @@ EXIT_RANK_LOST = 76
 """A rank died, hung or could not be reached; the job was ended on every rank and the message names the rank."""
 EXIT_TERMINATED = 128 + signal.SIGTERM
 """Stopped by SIGTERM outside training (143, as a shell reports a process that SIGTERM ended)."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""How a user, a terminal or a scheduler (`kill`, systemd, docker, SLURM) asks a command to stop."""
 
 
 class Terminated(SystemExit):

@@ -51,7 +51,7 @@ from llm.chat_template import MessagesRefused
 from llm.data.formats import Item, Skipped, expand_inputs, read_records, skipped_note
 from llm.data.output import OutputDir, cannot_write_output
 from llm.data.readers import DEFAULT_MAX_RECORD_MB, strings
-from llm.errors import UserError
+from llm.errors import STOP_SIGNALS, UserError
 from llm.jsonl import json_text
 from llm.rundir import PREPARED_ENTRIES, PREPARED_REPORT_FILE, TOKENIZER_DIR, TOKENS_FILE
 from llm.tokenizer import CONFIG_FILE, TOKENIZER_FILE, Tokenizer
@@ -174,9 +174,6 @@ def _init_worker(tokenizer_dir: str) -> None:
     global _worker_tokenizer
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer = Tokenizer.load(tokenizer_dir)
-
-
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def _init_pool_worker(tokenizer_dir: str, main_pid: int) -> None:

@@ -31,12 +31,12 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from llm.errors import STOP_SIGNALS
 from llm.runtime.distributed import DistInfo
 from llm.runtime.supervisor import watch_supervisor
 
 FORCE_AFTER_S = 1.0
 """A stop request at least this long after the first stops the rank at once (module docstring)."""
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 LAST_LINE_WAIT_S = 2.0
 """How long a rank stopped at once waits for its last line to be written."""
 
