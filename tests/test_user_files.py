@@ -198,6 +198,29 @@ def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(op
      "ignore it); did you mean 'zero_optimization'? Correct its name"),
     ({"gradient_clippin": 1.0}, "x.json: 'gradient_clippin' is not a setting DeepSpeed knows (it would ignore it); "
      "did you mean 'gradient_clipping'? Correct its name"),
+    # values only DeepSpeed's reading of the config checks: a traceback in every rank (two ranks: exit 76, resume)
+    ({"communication_data_type": "int8"}, "x.json: DeepSpeed cannot use it: Invalid communication_data_type. "
+     "Supported data types: ['fp16', 'bf16', 'fp32']. Got: int8"),
+    ({"checkpoint": {"tag_validation": "Nope"}}, "x.json: DeepSpeed cannot use it: Checkpoint config contains invalid "
+     "tag_validation value of NOPE"),
+    ({"data_types": {"param_dtype": "bogus"}}, "x.json: 'data_types.param_dtype' is \"bogus\", not a dtype DeepSpeed "
+     "knows: fp32, bf16 or fp16"),
+    ({"data_types": {"buffer_dtype": 16}}, "x.json: 'data_types.buffer_dtype' is 16, not a dtype DeepSpeed knows"),
+    ({"data_types": {"param_dtype": "bf16"}}, "x.json: 'data_types.param_dtype' is \"bf16\" but this run trains in "
+     "fp32 (train.precision); remove it, or make them equal"),
+    ({"gradient_allreduce_op": "max"}, "x.json: DeepSpeed cannot use it: Invalid gradient_allreduce_op"),
+    ({"wall_clock_breakdown": "x"}, "x.json: DeepSpeed cannot use it: unsupported operand"),
+    ({"checkpoint": "x"}, "x.json: 'checkpoint' must be a JSON object {...}, got \"x\""),
+    ({"pipeline": [1]}, "x.json: 'pipeline' must be a JSON object {...}, got [1]"),
+    # DeepSpeed divides by it, at any stage: a ZeroDivisionError at the first step of ZeRO-0, the run folder written
+    ({"gradient_predivide_factor": 0, "zero_optimization": {"stage": 0}}, "x.json: 'gradient_predivide_factor' must "
+     "be a number above 0, got 0"),
+    ({"gradient_predivide_factor": "x", "zero_optimization": {"stage": 0}}, "x.json: 'gradient_predivide_factor' "
+     "must be a number above 0, got \"x\""),
+    # trained in another precision than the run says and records (bf16 autocast on an fp32 run)
+    ({"torch_autocast": {"enabled": True}}, "x.json: 'torch_autocast' would run the model in another precision than "
+     "train.precision, which the run records and says: remove the section, or set train.precision=bf16 (or fp16) for "
+     "mixed precision"),
 ])
 def test_ds_config_deepspeed_would_fail_on_is_one_line(monkeypatch, change, message):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)  # tensorboard, mup: not here
@@ -226,6 +249,9 @@ def test_ds_config_refusals_leave_what_applies_alone():
     assert resolved({"zero_optimization": {"stage": 0}, "optimizer": adagrad})["optimizer"]["type"] == "Adagrad"
     assert resolved({"zero_optimization": {"stage": 2, "reduce_scatter": False}, "prescale_gradients": True})
     assert resolved({"zero_optimization": {"stage": 3, "pipeline_loading_checkpoint": False}})
+    assert resolved({"data_types": {"param_dtype": "fp32", "buffer_dtype": "bf16"},
+                     "torch_autocast": {"enabled": False}, "gradient_predivide_factor": 2,
+                     "zero_optimization": {"stage": 0}})
 
 
 def test_ds_config_in_deepspeeds_older_words_means_what_it_says():

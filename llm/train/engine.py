@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import io
 import json
+import logging
 import math
 from typing import Any
 
@@ -162,6 +163,10 @@ SECTION_KEYS = {"optimizer": ("type", "params", "legacy_fusion"), "scheduler": (
 and the run config's values were used in its place."""
 
 
+OTHER_SECTIONS = ("checkpoint", "data_types", "flops_profiler", "torch_autocast", "hybrid_engine", "pipeline")
+"""Sections DeepSpeed reads as objects that zerollm does not fill ("checkpoint": "x" was a traceback in every rank)."""
+
+
 def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, source: str = "DeepSpeed config",
                       zero_stage: int | None = None) -> dict[str, Any]:
     """Fill "auto" values from the run config; refuse values that contradict it, sections that are not objects, an
@@ -188,8 +193,8 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     _refuse_misspelt_keys(ds, source)
     _refuse_removed_features(ds, source)
     _refuse_unused_features(ds, source)
-    for section in ("bf16", "fp16", "optimizer", "zero_optimization", *MONITORS):  # the sections read or filled
-        if section in ds:  # below, or checked against DeepSpeed's models of them
+    for section in ("bf16", "fp16", "optimizer", "zero_optimization", *MONITORS, *OTHER_SECTIONS):  # read or
+        if section in ds:  # filled below, checked against DeepSpeed's models of them, or read by DeepSpeed alone
             require_object(ds[section], section)
     for section, keys in SECTION_KEYS.items():
         if isinstance(ds.get(section), dict) and (unknown := [key for key in ds[section] if key not in keys]):
@@ -249,6 +254,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
         ds.get("zero_optimization", {}).pop("offload_optimizer", None)  # first step on a GPU's parameters
     zero = _zero_config(ds.get("zero_optimization", {}), source)
     _fill_grad_accum_dtype(ds, t.precision, stage, source)
+    _refuse_param_and_buffer_dtypes(ds, t.precision, source)
     _refuse_local_rank_features(ds, zero, source)
     _refuse_unusable_nvme(zero, source)
     _refuse_unsupported_by_reduce_scatter(ds, zero, stage, source)
@@ -284,7 +290,63 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
             raise UserError(f"{source}: 'steps_per_print' must be a whole number >= 1 (or null: never), "
                             f"got {json.dumps(steps_per_print)[:60]}")
         ds["steps_per_print"] = int(steps_per_print)  # 10.0 is 10, as DeepSpeed takes it
+    _refuse_what_deepspeed_refuses(ds, source)
     return ds
+
+
+DEEPSPEED_CONFIG_ERRORS = (ValueError, TypeError, AttributeError, KeyError, AssertionError, ArithmeticError,
+                           pydantic.ValidationError, deepspeed.runtime.config.DeepSpeedConfigError)
+"""What DeepSpeed's reading of a config raises on a value it cannot use (its own error is an Exception of its own)."""
+
+
+def _refuse_what_deepspeed_refuses(ds: dict[str, Any], source: str) -> None:
+    """DeepSpeed's own reading of the whole config (`DeepSpeedConfig`, as `deepspeed.initialize` reads it), here, once:
+    a value only it checks (communication_data_type "int8" or 5, checkpoint.tag_validation "Nope",
+    data_types.param_dtype "bogus", gradient_allreduce_op "max", a section that is not an object) was a traceback in
+    every rank, which two ranks reported as a failed node (exit 76, 'start the job again with --resume auto'); and
+    gradient_predivide_factor, which it divides by, at any ZeRO stage (0: a ZeroDivisionError at the first step, after
+    the run folder was written). The batch size is left to it to compute: here is one process, not the job's ranks."""
+    factor = ds.get("gradient_predivide_factor", 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise UserError(f"{source}: 'gradient_predivide_factor' must be a number above 0, got "
+                        f"{json.dumps(factor)[:60]}")
+    probe = {key: value for key, value in ds.items() if key != "train_batch_size"}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), _deepspeed_logs_quiet():
+            deepspeed.runtime.config.DeepSpeedConfig(probe)
+    except DEEPSPEED_CONFIG_ERRORS as exc:
+        said = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise UserError(f"{source}: DeepSpeed cannot use it: {said}") from None
+
+
+@contextlib.contextmanager
+def _deepspeed_logs_quiet():
+    """DeepSpeed's logger below warnings left out (DeepSpeedConfig logs its world size at info level)."""
+    logger = deepspeed.utils.logger
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _refuse_param_and_buffer_dtypes(ds: dict[str, Any], precision: str, source: str) -> None:
+    """data_types.param_dtype and buffer_dtype, which DeepSpeed reads only as it builds the engine: a name it does not
+    know ('bogus' is not a valid DtypeEnum), or a param_dtype other than the run's precision (an AssertionError), was a
+    traceback in every rank."""
+    for key in ("param_dtype", "buffer_dtype"):
+        given = ds.get("data_types", {}).get(key)
+        if given is None:
+            continue
+        try:
+            dtype = DtypeEnum(given).value
+        except (ValueError, TypeError):
+            raise UserError(f"{source}: 'data_types.{key}' is {json.dumps(given)[:60]}, not a dtype DeepSpeed knows: "
+                            "fp32, bf16 or fp16") from None
+        if key == "param_dtype" and dtype != DTYPES[precision]:
+            raise UserError(f"{source}: 'data_types.param_dtype' is {json.dumps(given)} but this run trains in "
+                            f"{precision} (train.precision); remove it, or make them equal")
 
 
 FP32_GRAD_ACCUM_STAGES = (2, 3)
@@ -581,6 +643,10 @@ def _refuse_unused_features(ds: dict[str, Any], source: str) -> None:
         if _is_set(ds, section, "enabled"):
             raise UserError(f"{source}: '{section}' is not for zerollm: {why}; remove the section or set its "
                             "'enabled' to false")
+    if _is_set(ds, "torch_autocast", "enabled"):  # the run trained in another precision than the one it said
+        raise UserError(f"{source}: 'torch_autocast' would run the model in another precision than train.precision, "
+                        "which the run records and says: remove the section, or set train.precision=bf16 (or fp16) "
+                        "for mixed precision")
     if _is_set(ds, "checkpoint", "load_universal"):
         raise UserError(f"{source}: 'checkpoint.load_universal' makes a resume from zerollm's own checkpoints fail; "
                         "remove it (zerollm converts a checkpoint to universal itself when the number of ranks "
