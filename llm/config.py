@@ -660,7 +660,7 @@ NUMBER_RANGES: dict[str, Bounds] = {
     "train.seed": Bounds(0, 2**64 - 1),  # what both torch.manual_seed and numpy's SeedSequence accept
     "train.log_every": POSITIVE, "train.eval_every": NON_NEGATIVE, "train.eval_batches": POSITIVE,
     "train.save_every": NON_NEGATIVE, "train.keep_checkpoints": NON_NEGATIVE, "train.peak_tflops": POSITIVE,
-    "train.collective_timeout_s": Bounds(0, WEEK_S, low_open=True), "train.sample_tokens": POSITIVE,
+    "train.collective_timeout_s": Bounds(1, WEEK_S), "train.sample_tokens": POSITIVE,  # below 1 s no job meets
     "grpo.group_size": POSITIVE, "grpo.max_new_tokens": POSITIVE, "grpo.temperature": TEMPERATURES,
     "grpo.top_k": NON_NEGATIVE, "grpo.top_p": Bounds(0, 1, low_open=True), "grpo.updates_per_batch": POSITIVE,
     "grpo.clip_low": BELOW_ONE, "grpo.clip_high": NON_NEGATIVE, "grpo.kl_coef": NON_NEGATIVE,

@@ -268,7 +268,9 @@ def test_every_number_key_has_a_range():
     ("model.n_experts=0", r"model.n_experts must be in \[1, 1024\], got 0"),
     ("model.n_experts=1025", r"model.n_experts must be in \[1, 1024\], got 1025"),
     ("model.n_layers=100000000", r"model.n_layers must be in \[1, 1024\], got 100000000"),  # building them hung
-    ("train.collective_timeout_s=1e300", r"train.collective_timeout_s must be in \(0, 604800\], got 1e\+300"),
+    ("train.collective_timeout_s=1e300", r"train.collective_timeout_s must be in \[1, 604800\], got 1e\+300"),
+    # two local ranks could not meet in 1e-06 s: 'did not all meet ... start every node with the same node count'
+    ("train.collective_timeout_s=0.5", r"train.collective_timeout_s must be in \[1, 604800\], got 0.5"),
     ("grpo.reward_timeout_s=1e10", r"grpo.reward_timeout_s must be in \[0, 604800\], got 10000000000.0$"),
     ("data.loader_workers=65", r"data.loader_workers must be in \[0, 64\], got 65"),  # each a process: a fork bomb
     ("model.moe_aux_loss_coef=-1", "model.moe_aux_loss_coef must be >= 0, got -1.0"),
