@@ -21,7 +21,7 @@ import torch
 
 from llm import rundir
 from llm.child_job import run_stopping_together
-from llm.config import RunConfig, build_config, parse_lora_spec
+from llm.config import RunConfig, build_config, parse_lora_spec, refuse_set_twice
 from llm.data.prepare import RANDOM_TOKENS_HASH, SPLITS, STREAMS, TOKENS_FILE, SplitWriter, write_attrs
 from llm.devices import place, resolve
 from llm.errors import EXIT_PREEMPTED, UserError
@@ -123,6 +123,12 @@ def _train_job(command: list[str], run: Path, warmup: int, cfg: RunConfig) -> Tr
                         max(r["peak_mem_mb"] for r in measured), *trainable_parameters(cfg), len(measured))
 
 
+BENCH_TRAIN_SETS = {"train.max_steps": "--steps (with --warmup)",
+                    **{key: "bench train (it measures steps alone)"
+                       for key in ("train.eval_every", "train.save_every", "train.log_every", "train.eval_batches")}}
+"""Run-config keys bench train sets itself, and what sets them: a --set of one is refused (it was replaced)."""
+
+
 def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int = 2, nproc: int = 1,
                 deepspeed_config: str | None = None, zero_stage: int | None = None, lora: str | None = None) -> int:
     """Train `steps + warmup` steps of `recipe` on random tokens in a temporary directory; print the medians of the
@@ -131,6 +137,7 @@ def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int 
     if given := [o.partition("=")[0] for o in overrides if o.startswith("lora.")]:  # refused below as pretraining's
         raise UserError(f"bench train: give LoRA with --lora SPEC (e.g. --lora r=16), not --set {given[0]}: it "
                         "measures LoRA beside full fine-tuning")
+    refuse_set_twice(overrides, BENCH_TRAIN_SETS)
     cfg = build_config(recipe, overrides)
     if cfg.model.vocab_size is None:  # the recipe takes the tokenizer's: bench with MiniMind's 6400
         overrides = [*overrides, f"model.vocab_size={BENCH_VOCAB}"]

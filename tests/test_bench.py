@@ -161,6 +161,16 @@ def test_bench_train_takes_the_medians_of_the_numbers_a_run_logged(tmp_path):
     assert math.isnan(figures.mfu) and figures.steps == 3
 
 
+@pytest.mark.parametrize("given, said", [("train.max_steps=1", "--steps (with --warmup) sets it too"),
+                                         ("train.log_every=5", "bench train (it measures steps alone) sets it too")])
+def test_a_set_of_what_bench_train_sets_itself_is_refused(given, said):
+    """Its own --set came after the user's and won: --set train.max_steps=1 ran --steps + --warmup steps."""
+    from llm.bench import bench_train
+
+    with pytest.raises(UserError, match=re.escape(f"--set {given.partition('=')[0]}: {said}; give it once")):
+        bench_train("demo", [given])
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_stopped_bench_train_waits_for_its_job_and_says_there_is_nothing_to_resume(signum, tmp_path, capsys):
     """The job's line advised `--resume auto` into its temporary folder, which bench train then removed; the
