@@ -709,8 +709,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from llm.infer.chat import ChatSession, chat_repl
 
     generator = _generator(args)
+    params = _sampling(args)
+    if args.max_new_tokens is None:  # a default, not the user's: half the context at most, the rest for the chat
+        params.max_new_tokens = min(params.max_new_tokens, max(1, generator.model.cfg.max_seq_len // 2))
     try:
-        session = ChatSession(generator, _sampling(args), system=args.system)
+        session = ChatSession(generator, params, system=args.system)
     except ValueError as exc:  # the text is not valid Unicode
         raise UserError(f"--system: {exc}") from None
     if sys.stdin is None:  # started with its input closed (<&-): an input that has ended, as </dev/null

@@ -269,3 +269,21 @@ def test_a_reply_whose_kv_cache_cannot_fit_in_memory_drops_old_turns_or_is_refus
     monkeypatch.setattr(kv_cache, "usable_memory", lambda: per_position)  # a GPU whose free memory went elsewhere
     assert "(not reset: no message can be sent: the prompt" in _repl(session, ["/reset"])
     assert [m["content"] for m in session.messages if m["role"] == "user"] == ["again"]  # the chat went on
+
+
+def test_chat_without_max_new_tokens_starts_on_a_model_of_a_short_context(tokenizer_dir, tmp_path):
+    """On a model of 128 positions or fewer, `zerollm chat` ended at once: 'the model's context (96) holds 0 prompt
+    tokens beside --max-new-tokens 128', an option the user never gave. Its default is half the context at most."""
+    from llm.export import export_model
+
+    torch.manual_seed(0)
+    export_model(Transformer(ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                         max_seq_len=96)), tokenizer_dir, tmp_path / "short")
+    result = subprocess.run([sys.executable, "-m", "llm", "chat", "--model", str(tmp_path / "short")], input="hi\n",
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("assistant> ") == 1
+    given = subprocess.run([sys.executable, "-m", "llm", "chat", "--model", str(tmp_path / "short"),
+                            "--max-new-tokens", "128"], input="hi\n", capture_output=True, text=True, timeout=300,
+                           check=False)
+    assert given.returncode == 2 and "beside --max-new-tokens 128" in given.stderr  # the user's own is kept
