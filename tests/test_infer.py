@@ -171,6 +171,9 @@ def test_greedy_is_deterministic_and_seeded_sampling_reproducible(generator):
     sampled = [generator.generate(["To be"], SamplingParams(max_new_tokens=20, temperature=1.0, seed=s))[0]
                for s in (1, 1, 2)]
     assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
+    negative = [generator.generate(["To be"], SamplingParams(max_new_tokens=20, temperature=1.0, seed=s))[0]
+                for s in (-1, -1, -2**63)]  # OpenAI's seed is any 64-bit integer: -1 was refused with a 400
+    assert negative[0] == negative[1] and negative[0] != negative[2]
 
 
 def test_batched_generation_equals_one_prompt_at_a_time(generator):
@@ -201,7 +204,8 @@ def test_sampling_parameters_must_be_finite_and_in_range_and_the_error_names_the
                           ({"top_p": float("nan")}, "a number in (0, 1], got nan"), ({"top_p": 0}, "a number in"),
                           ({"repetition_penalty": float("inf")}, "a finite number > 0"),
                           ({"top_k": -1}, "an integer >= 0 (0: off), got -1"), ({"max_new_tokens": -1}, "an integer"),
-                          ({"seed": 2**64}, "an integer in [0, 2**63)"), ({"stop": ["end", ""]}, "strings that are")):
+                          ({"seed": 2**63}, "a 64-bit integer, in [-2**63, 2**63)"),
+                          ({"seed": -2**63 - 1}, "a 64-bit integer"), ({"stop": ["end", ""]}, "strings that are")):
         with pytest.raises(InvalidSampling) as raised:
             SamplingParams(**bad)
         field = next(iter(bad))

@@ -33,7 +33,7 @@ SAMPLING_RANGES = {
     "top_k": (lambda v: v >= 0, "an integer >= 0 (0: off)"),
     "top_p": (lambda v: math.isfinite(v) and 0 < v <= 1, "a number in (0, 1]"),
     "repetition_penalty": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
-    "seed": (lambda v: v is None or 0 <= v < 2**63, "an integer in [0, 2**63)"),
+    "seed": (lambda v: v is None or -2**63 <= v < 2**63, "a 64-bit integer, in [-2**63, 2**63)"),  # OpenAI's, vLLM's
     "stop": (lambda v: "" not in v and all(_is_unicode(s) for s in v),
              "strings that are not empty, of valid Unicode"),
 }
