@@ -455,6 +455,14 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
                         f"...), or a packaged recipe ({', '.join(recipe_names())})")
     if not isinstance(raw, dict):
         raise UserError(f"{source}: expected a mapping of sections ({', '.join(SECTIONS)})")
+    for section_name, values in raw.items():  # said with the file: the key errors read as a --set's
+        if section_name not in SECTIONS:  # an empty one ('optimizer: {}') was taken without a word
+            raise UserError(f"{source}: unknown section '{section_name}'; sections are {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise UserError(f"{source}: section '{section_name}' must be a mapping")
+        for name in values:
+            if (problem := unknown_key_problem(f"{section_name}.{name}")) is not None:
+                raise UserError(f"{source}: {problem}")
     return raw
 
 
@@ -486,19 +494,26 @@ def _coerce(key: str, value: Any, annotation: str) -> Any:
     raise UserError(f"config key '{key}' expects {annotation}, got {value!r}")
 
 
+def unknown_key_problem(dotted: str) -> str | None:
+    """What is wrong with config key `dotted` ('model.dimm'), or None for a key of the run config."""
+    section_name, _, field_name = dotted.partition(".")
+    if section_name not in SECTIONS or not field_name:
+        return f"unknown config key '{dotted}': keys look like section.field with section one of {', '.join(SECTIONS)}"
+    fields = [f.name for f in dataclasses.fields(getattr(RunConfig(), section_name))]
+    if field_name not in fields:
+        return f"unknown config key '{dotted}'; '{section_name}' has: {', '.join(fields)}"
+    return None
+
+
 def _apply(cfg: RunConfig, dotted: str, value: Any, text: str | None = None) -> None:
     """Set one key. `text` is the value as written after `--set key=`: a key that only takes text gets it as
     written where YAML reads a number or a boolean (`--set wandb.name=0123` names the run 0123, not 123; quotes
     and null are YAML's, `--set 'wandb.name="0123"'` is 0123 too)."""
+    if (problem := unknown_key_problem(dotted)) is not None:
+        raise UserError(problem)
     section_name, _, field_name = dotted.partition(".")
-    sections = {f.name: f for f in dataclasses.fields(RunConfig)}
-    if section_name not in sections or not field_name:
-        raise UserError(f"unknown config key '{dotted}': keys look like section.field with section one of "
-                        f"{', '.join(sections)}")
     section = getattr(cfg, section_name)
     fields = {f.name: f for f in dataclasses.fields(section)}
-    if field_name not in fields:
-        raise UserError(f"unknown config key '{dotted}'; '{section_name}' has: {', '.join(fields)}")
     annotation = str(fields[field_name].type)
     if text is not None and annotation in ("str", "str | None") and value is not None and not isinstance(value, str):
         value = text.strip()  # YAML read a number or a boolean there (0123, 1e5, true): the text as written

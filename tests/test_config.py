@@ -335,6 +335,20 @@ def test_a_recipe_that_gives_a_key_twice_is_refused(tmp_path):
     assert build_config(str(recipe)).train.max_steps == 10
 
 
+@pytest.mark.parametrize("text, said", [
+    ("model:\n  dimm: 64\n", "unknown config key 'model.dimm'; 'model' has: vocab_size, dim, "),  # as a --set's
+    ("optimizer: {}\nmodel:\n  dim: 64\n", "unknown section 'optimizer'; sections are model, data, train, grpo, "
+     "lora, wandb"),  # empty, it was taken without a word
+    ("model:\n", "section 'model' must be a mapping"),
+])
+def test_a_recipe_key_mistake_names_the_recipe(tmp_path, text, said):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(text)
+    with pytest.raises(UserError) as refused:
+        build_config(str(recipe))
+    assert str(refused.value).startswith(f"{recipe}: {said}")
+
+
 @pytest.mark.parametrize("text", ["", "# my settings, to come\n", "{}\n", "null\n"])
 def test_an_empty_recipe_is_refused(tmp_path, text):
     """An empty recipe (a truncated file, or comments only) trained every default without a word."""
