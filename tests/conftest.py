@@ -130,6 +130,8 @@ TINY = ["model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_hea
         "data.seq_len=32", "train.micro_batch_size=4", "train.warmup_steps=2", "train.eval_batches=2",
         "train.log_every=1", "train.lr=3e-3", "train.sample_prompts=[]"]
 """A tiny model that trains in seconds; no samples at evaluations (tests/test_run_record.py turns them on)."""
+BENCH_TINY = [o for o in TINY if not o.startswith(("train.eval_batches=", "train.log_every="))]
+"""TINY without what `bench train` sets itself (it refuses a --set of those)."""
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu"}
 
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import TINY, run_cli
+from conftest import BENCH_TINY, run_cli
 from llm import rundir
 from llm.config import ModelConfig, build_config
 from llm.errors import UserError
@@ -117,7 +117,7 @@ def test_bench_generate_passes_on_other_runtime_errors(tiny_export, monkeypatch)
 def test_bench_train_ended_by_max_time_in_its_warmup_is_one_line():
     """train.max_time ended the job within the warm-up steps: `statistics.median` of no steps raised
     StatisticsError (a traceback), under a header promising the median of --steps steps."""
-    tiny = [a for o in TINY for a in ("--set", o)]
+    tiny = [a for o in BENCH_TINY for a in ("--set", o)]
     result = run_cli("bench", "train", "--recipe", "demo", "--steps", 1, "--warmup", 100, *tiny,
                      "--set", "train.max_time=0.01")
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
@@ -128,7 +128,7 @@ def test_bench_train_ended_by_max_time_in_its_warmup_is_one_line():
 
 def test_bench_train_of_more_steps_than_memory_holds_tokens_for_runs_to_its_time_budget():
     """The random tokens of every step were made up front: --steps 1000000000 was a numpy MemoryError (477 GiB)."""
-    tiny = [a for o in TINY for a in ("--set", o)]
+    tiny = [a for o in BENCH_TINY for a in ("--set", o)]
     result = run_cli("bench", "train", "--recipe", "demo", "--steps", 10**9, "--warmup", 1, *tiny,
                      "--set", "train.max_time=4")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

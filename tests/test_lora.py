@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from forked_ranks import run_job
 
-from conftest import FIXTURES, TINY, run_cli, train_args, zerollm_here
+from conftest import BENCH_TINY, FIXTURES, TINY, run_cli, train_args, zerollm_here
 from llm.bench import trainable_parameters, write_random_conversations
 from llm.config import LORA_TARGETS, ModelConfig, build_config, parse_lora_spec
 from llm.data.datasets import PackedConversations
@@ -431,7 +431,7 @@ def test_lora_grpo_under_zero3_rolls_out_with_the_adapters(base, tmp_path):
 
 
 def test_bench_train_with_lora_sets_full_fine_tuning_beside_lora(monkeypatch, capfd):
-    sets = [a for o in TINY for a in ("--set", o)]
+    sets = [a for o in BENCH_TINY for a in ("--set", o)]
     code = zerollm_here(monkeypatch, "bench", "train", "--recipe", "demo", "--steps", 1, "--warmup", 0, "--lora", "r=4",
                         *sets)
     stdout, stderr = capfd.readouterr()  # this process's and its two training jobs'
