@@ -91,7 +91,6 @@ def _make_out_dir(out_dir: Path) -> bool:
     anything but an earlier `train_tokenizer` output (a prepared data folder's tokenizer/, a tokenizer of your own,
     a run), a place that cannot be written."""
     refuse_current_directory(out_dir.resolve(), out_dir, "tokenizer train", "tok/")
-    check_writable_out(out_dir, "give a directory")  # a link to nothing was 'cannot create or read it (File exists)'
     try:
         if out_dir.is_dir():
             refuse_mount_point(out_dir.resolve(), out_dir, "tokenizer train")
@@ -100,6 +99,7 @@ def _make_out_dir(out_dir: Path) -> bool:
             return False
         if out_dir.exists():
             raise UserError(f"--out {out_dir} is a file; give a directory")
+        check_writable_out(out_dir, "give a directory")  # a link to nothing: 'cannot create it (File exists)'
         out_dir.mkdir(parents=True)
     except OSError as exc:
         raise UserError(f"--out {out_dir}: cannot create or read it ({exc.strerror or exc})") from None
