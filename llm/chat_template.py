@@ -39,18 +39,6 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from llm.errors import UserError
 
-TOOL_CALL_AS_JSON = ("{{- '<tool_call>\n' + ({'name': fn['name'], 'arguments': fn['arguments']} | tojson)"
-                     " + '\n</tool_call>' -}}")
-TOOL_CALL = (
-    "{%- set arguments = fn['arguments'] | trim if fn['arguments'] is string else '' -%}"
-    "{%- if arguments.startswith('{') and arguments.endswith('}') -%}"
-    "{{- '<tool_call>\n{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' + arguments + '}\n</tool_call>' -}}"
-    "{%- else -%}" + TOOL_CALL_AS_JSON + "{%- endif -%}"
-)
-"""A tool call (`fn`) as the JSON of its name and arguments. Arguments given as the text of a JSON object (OpenAI's
-form, as transformers users pass them) go in as that text, as Qwen's templates do: as JSON they would be quoted
-again, a string, unlike the object zerollm trains on (its data and server parse that text first)."""
-
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- set content = message['content'] if message['content'] is string else '' -%}"
@@ -63,7 +51,7 @@ CHAT_TEMPLATE = (
     "{%- for call in message['tool_calls'] or [] -%}"
     "{%- set fn = call['function'] if call['function'] is defined else call -%}"
     "{%- if content or not loop.first -%}{{- '\n' -}}{%- endif -%}"
-    + TOOL_CALL +
+    "{{- '<tool_call>\n' + ({'name': fn['name'], 'arguments': fn['arguments']} | tojson) + '\n</tool_call>' -}}"
     "{%- endfor -%}"
     "{%- else -%}"
     "{{- content -}}"
@@ -75,7 +63,6 @@ CHAT_TEMPLATE = (
 """ChatML with reasoning, tool calls and tool turns; the same text in transformers' `apply_chat_template`."""
 
 LEGACY_CHAT_TEMPLATES = (
-    CHAT_TEMPLATE.replace(TOOL_CALL, TOOL_CALL_AS_JSON),
     ("{% for message in messages %}"
      "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
      "{% endfor %}"

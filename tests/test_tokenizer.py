@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import llm.chat_template
 import llm.data.formats
 from conftest import FIXTURES, TINY, changed_after_listing, run_cli, zerollm_here
-from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplateError
+from llm.chat_template import CHAT_TEMPLATE, ChatTemplateError
 from llm.data.prepare import encode_dpo, encode_sft, prepare
 from llm.errors import UserError
 from llm.tokenizer import CONFIG_FILE, SPECIAL_TOKENS, TRAINING_FILE, Tokenizer, train_tokenizer
@@ -98,40 +98,7 @@ def test_loads_in_transformers_with_same_ids_and_chat_template(tokenizer_dir):
     assert ours.render_chat(CONVERSATION[2:3]) == (
         "<|im_start|>assistant\n<think>\n2+3=5; weather needs a tool.\n</think>\n\nLet me look.\n"
         '<tool_call>\n{"name": "weather", "arguments": {"city": "巴黎"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call><|im_end|>\n')
-
-
-def test_openai_form_tool_calls_render_in_transformers_as_zerollm_trains_on_them(tokenizer_dir):
-    """transformers users pass a tool call's arguments as OpenAI's JSON text; the exported template rendered that
-    text as a quoted JSON string ("arguments": "{\\"city\\": ...}"), where zerollm's data and server parse it and
-    train and serve the object. Text that is no JSON object is still a string."""
-    from transformers import AutoTokenizer
-
-    ours, theirs = Tokenizer.load(tokenizer_dir), AutoTokenizer.from_pretrained(str(tokenizer_dir))
-
-    def reply(arguments, openai_form=True):
-        call = {"name": "weather", "arguments": arguments}  # zerollm's canonical call
-        if openai_form:
-            call = {"type": "function", "function": call}
-        return [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
-
-    trained_on = ours.render_chat(reply({"city": "巴黎", "days": [1, 2]}, openai_form=False))
-    assert '{"name": "weather", "arguments": {"city": "巴黎", "days": [1, 2]}}' in trained_on
-    for rendered in (theirs.apply_chat_template(reply('{"city": "巴黎", "days": [1, 2]}'), tokenize=False),
-                     ours.render_chat(reply(' {"city": "巴黎", "days": [1, 2]}\n', openai_form=False))):
-        assert rendered == trained_on
-    assert '"arguments": "city=Paris"' in theirs.apply_chat_template(reply("city=Paris"), tokenize=False)
-
-
-def test_the_previous_template_is_replaced_by_the_current_one(tokenizer_dir, tmp_path):
-    """A run's tokenizer saved with the template before OpenAI-form arguments were rendered as objects is upgraded
-    at load, so that its exports render them as the current one does."""
-    previous = LEGACY_CHAT_TEMPLATES[0]
-    assert previous != CHAT_TEMPLATE and "<tool_call>" in previous
-    shutil.copytree(tokenizer_dir, tmp_path / "tok")
-    config = json.loads((tmp_path / "tok" / CONFIG_FILE).read_text())
-    (tmp_path / "tok" / CONFIG_FILE).write_text(json.dumps({**config, "chat_template": previous}))
-    assert Tokenizer.load(tmp_path / "tok").chat_template == CHAT_TEMPLATE
+        '<tool_call>\n{"name": "clock", "arguments": "{}"}\n</tool_call><|im_end|>\n')
 
 
 def test_cli_output_is_its_summary_and_a_note_when_the_vocabulary_falls_short(tmp_path):
@@ -525,7 +492,7 @@ def test_sft_mask_covers_reasoning_content_tool_calls_and_end_of_turn(tokenizer_
     sample, truncated = encode_sft(tok, CONVERSATION, max_tokens=10_000)
     assert not truncated and tok.decode(sample["tokens"]) == tok.render_chat(CONVERSATION)
     first_reply = ('<think>\n2+3=5; weather needs a tool.\n</think>\n\nLet me look.\n<tool_call>\n{"name": "weather", '
-                   '"arguments": {"city": "巴黎"}}\n</tool_call>\n<tool_call>\n{"name": "clock", "arguments": {}}'
+                   '"arguments": {"city": "巴黎"}}\n</tool_call>\n<tool_call>\n{"name": "clock", "arguments": "{}"}'
                    '\n</tool_call><|im_end|>')
     assert _mask_runs(tok, sample["tokens"], sample["loss_mask"]) == [first_reply, "5. Rain in Paris.<|im_end|>"]
     prompt_ids = tok.encode_chat(CONVERSATION[:2], add_generation_prompt=True)
