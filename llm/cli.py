@@ -40,8 +40,9 @@ from llm.train.ds_config_file import load_ds_config
 from llm.wording import plural
 
 EPILOG = "Documentation: README.md. Errors in your input exit with code 2."
-INPUT_FORMATS = (".txt, .jsonl and .json files (each also gzip-compressed, .gz), .parquet and .arrow files, and "
-                 "folders written by datasets' save_to_disk (the tables need `pip install 'zerollm[datasets]'`)")
+INPUT_FORMATS = (".txt, .jsonl and .json files (each also compressed: .gz, .bz2, .xz, .zst), .parquet and .arrow "
+                 "files, and folders written by datasets' save_to_disk (the tables and .zst need `pip install "
+                 "'zerollm[datasets]'`)")
 """What `llm.data.readers` reads, for the help of every command that takes input files."""
 LORA_HELP = ("train low-rank adapters on the frozen --init-from model instead of every weight, e.g. "
              "r=16,alpha=32,targets=wq,wk,wv,wo,w1,w2,w3,dropout=0.05 (the lora.* config keys; sft, dpo, grpo; "
@@ -108,12 +109,12 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     d = dsub.add_parser("prepare", help="tokenize files into HDF5", epilog=EPILOG,
                         description="Read .txt files (documents separated by blank lines), .jsonl and .json files "
                                     "({'text'} records, conversations, alpaca, preference pairs, ...), each also "
-                                    "gzip-compressed (.gz), and .parquet and .arrow files and folders written by "
-                                    "datasets' save_to_disk (a row is a record; these need `pip install "
-                                    "'zerollm[datasets]'`); tokenize them in parallel, append end-of-text after each "
-                                    "document and write OUT/tokens.h5 with a train/val split and OUT/report.json. "
-                                    "Malformed records are skipped and reported with file:line (file:row N in a "
-                                    "table), or fatal with --strict.")
+                                    "compressed (.gz, .bz2, .xz, .zst), and .parquet and .arrow files and folders "
+                                    "written by datasets' save_to_disk (a row is a record; these and .zst need `pip "
+                                    "install 'zerollm[datasets]'`); tokenize them in parallel, append end-of-text "
+                                    "after each document and write OUT/tokens.h5 with a train/val split and "
+                                    "OUT/report.json. Malformed records are skipped and reported with file:line "
+                                    "(file:row N in a table), or fatal with --strict.")
     d.add_argument("--kind", choices=["pretrain", "sft", "dpo"], default="pretrain",
                    help="pretrain: documents; sft: conversations with a loss mask on replies; dpo: preference pairs "
                         "(default pretrain)")
@@ -934,17 +935,20 @@ LAUNCH_SPELLINGS = {"--master_port": "--master-port", "--master_addr": "--master
 """DeepSpeed's and torchrun's spellings of `zerollm launch` options."""
 
 
-OPENED_BY_LIBRARIES = ("out", "model", "run", "init_from", "teacher", "data")
-"""The options naming folders whose files torch or safetensors open (checkpoints, weights), or will: their C++ and
-Rust take UTF-8 paths only. A tokenizer folder is read by zerollm itself: `tokenizer train --out` and `--tokenizer`
-take any name."""
+MODEL_FOLDER_OPTIONS = ("model", "run", "init_from", "teacher")
+"""The options naming a run or export, whose files torch and safetensors open (checkpoints, weights): their C++ and
+Rust take UTF-8 paths only."""
+MODEL_WRITING_COMMANDS = ("train", "export", "demo", "bench")
+"""The commands whose --out is (or holds) a run or an export (bench: bench learn's)."""
 
 
 def _refuse_paths_libraries_cannot_open(args: argparse.Namespace) -> None:
-    """A folder whose name is not UTF-8 (GBK bytes from a zip made on Windows) was written, then could not be read:
-    its checkpoints were called damaged ('train the run again'), its weights and tokenizer unreadable."""
-    for dest in OPENED_BY_LIBRARIES:
-        value = getattr(args, dest, None) if (args.command, dest) != ("tokenizer", "out") else None
+    """A run or export folder whose name is not UTF-8 (GBK bytes from a zip made on Windows) was written, then could
+    not be read: its checkpoints were called damaged ('train the run again'), its weights unreadable. Data, tokenizer,
+    plot and evaluation folders are read and written by Python, h5py and zerollm itself: any name."""
+    dests = (*MODEL_FOLDER_OPTIONS, *(["out"] if args.command in MODEL_WRITING_COMMANDS else []))
+    for dest in dests:
+        value = getattr(args, dest, None)
         if isinstance(value, str | os.PathLike) and (found := not_utf8(str(value))):
             raise UserError(f"--{dest.replace('_', '-')} {value}: its name holds {found[1]}, which is not UTF-8; "
                             "torch and safetensors open no file below such a name: rename it")

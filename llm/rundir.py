@@ -75,9 +75,11 @@ TOKENIZER_TRAINING_FILE = "tokenizer_training.json"
 """Written by `llm.tokenizer.train_tokenizer` only (what it was trained with): marks a folder it may write into
 again."""
 MODEL_FOLDER_ENTRIES = frozenset({TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, TEMPLATE_FILE, TOKENIZER_TRAINING_FILE,
-                                  "special_tokens_map.json", "config.json", "generation_config.json"})
-"""The JSON files of a tokenizer folder, an export and a Hugging Face model folder: a folder holding tokenizer.json
-is one of them."""
+                                  "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                                  "config.json", "generation_config.json", "model.safetensors.index.json",
+                                  "pytorch_model.bin.index.json"})
+"""The text and JSON files of a tokenizer folder, an export and a Hugging Face model folder (a GPT-2 style
+tokenizer's vocab.json and merges.txt beside tokenizer.json too): a folder holding tokenizer.json is one of them."""
 RUN_ENTRIES = frozenset({CONFIG_FILE, DS_CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, RUN_RECORD_FILE, EVAL_DIR,
                          TOKENIZER_DIR, CHECKPOINTS_DIR, UNIVERSAL_DIR, WANDB_DIR})
 """What `zerollm train` writes into a run directory (besides its dot-named temporary files)."""

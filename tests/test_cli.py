@@ -386,17 +386,17 @@ def test_a_path_that_is_not_utf8_is_printed_as_its_bytes(tmp_path, monkeypatch):
     assert code == 0 and b"written to " + os.fsencode(out) + b"\n" in written.getvalue()
 
 
-@pytest.mark.parametrize("command", [["data", "prepare", "--tokenizer", FIXTURES / "tokenizers" / "llama", "--out"],
-                                     ["eval", "--model"]])
-def test_a_model_or_data_folder_named_in_bytes_that_are_not_utf8_is_refused_before_anything_is_written(
+@pytest.mark.parametrize("command", [["train", "pretrain", "--recipe", "demo", "--data", "data", "--out"],
+                                     ["eval", "--input", "corpus.txt", "--model"]])
+def test_a_run_or_export_folder_named_in_bytes_that_are_not_utf8_is_refused_before_anything_is_written(
         command, tmp_path, capsys, monkeypatch):
     """Such a folder (GBK bytes from a zip made on Windows) was written, then torch and safetensors could not open its
     files: a run's checkpoints were called damaged ('train the run again'), an export's weights unreadable. Refused in
     one line at once."""
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("some text\n")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text("some text\n")
     folder = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"\xc4\xe3"))
-    code = zerollm_here(monkeypatch, *command, folder, "--input", corpus)
+    code = zerollm_here(monkeypatch, *command, folder)
     assert code == 2 and os.listdir(tmp_path) == ["corpus.txt"]
     shown = folder.encode("utf-8", "backslashreplace").decode()  # its bytes as \\udcXX escapes: one line, any stream
     assert capsys.readouterr().err == (f"zerollm: error: {command[-1]} {shown}: its name holds byte 0xc4, which is "
@@ -405,15 +405,16 @@ def test_a_model_or_data_folder_named_in_bytes_that_are_not_utf8_is_refused_befo
 
 def test_a_tokenizer_folder_named_in_bytes_that_are_not_utf8_is_read(tmp_path, monkeypatch):
     """zerollm reads tokenizer.json itself: the tokenizers library's reading takes UTF-8 paths only, so a tokenizer
-    that `tokenizer train --out` wrote there could not be loaded ('surrogates not allowed')."""
+    that `tokenizer train --out` wrote there could not be loaded ('surrogates not allowed'). A data folder so named
+    is written (h5py takes any name)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("some text\n")
     folder = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"tok\xc4\xe3"))
     shutil.copytree(FIXTURES / "tokenizers" / "llama", folder)
     written = io.BytesIO()  # its notes name the folder in its bytes, which neither capsys nor xdist can carry
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(written, encoding="utf-8", errors="strict"))
-    assert zerollm_here(monkeypatch, "data", "prepare", "--input", corpus, "--tokenizer", folder,
-                        "--out", tmp_path / "data") == 0
-    assert (tmp_path / "data" / "tokens.h5").is_file()
+    data = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"data\xc4\xe3"))  # a data folder may be so named too
+    assert zerollm_here(monkeypatch, "data", "prepare", "--input", corpus, "--tokenizer", folder, "--out", data) == 0
+    assert Path(data, "tokens.h5").is_file()
     sys.stdout.flush()
     assert b"written to" in written.getvalue()

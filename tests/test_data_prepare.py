@@ -1302,7 +1302,7 @@ def test_an_input_named_in_bytes_that_are_not_utf8_is_prepared_and_its_name_repo
 def test_a_tokenizer_trained_into_the_corpus_folder_is_not_read_as_data(tmp_path):
     """`tokenizer train --input corpus --out corpus/tok` leaves --out out of its own input, but every later command
     read the tokenizer's three JSON files as records: three skipped records a run, and --strict refused the corpus.
-    An export kept there likewise (its config.json)."""
+    An export or a Hugging Face model download kept there likewise (its config.json, vocab.json, merges.txt)."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     shutil.copy(FIXTURES / "pretrain" / "en_notes.jsonl", corpus)
@@ -1311,6 +1311,8 @@ def test_a_tokenizer_trained_into_the_corpus_folder_is_not_read_as_data(tmp_path
     assert trained.returncode == 0, trained.stderr
     shutil.copytree(corpus / "tok", corpus / "export")
     (corpus / "export" / "config.json").write_text('{"model_type": "llama"}')
+    (corpus / "export" / "vocab.json").write_text('{"a": 0}')  # a GPT-2 style tokenizer's files beside it
+    (corpus / "export" / "merges.txt").write_text("#version: 0.2\na b\n")
     (corpus / "export" / "kept.txt").write_text("Also data.\n")
     result = _prepare(corpus / "tok", tmp_path / "out", corpus, strict=True)
     assert result.returncode == 0, result.stderr

@@ -208,6 +208,8 @@ def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(op
     ({"data_types": {"buffer_dtype": 16}}, "x.json: 'data_types.buffer_dtype' is 16, not a dtype DeepSpeed knows"),
     ({"data_types": {"param_dtype": "bf16"}}, "x.json: 'data_types.param_dtype' is \"bf16\" but this run trains in "
      "fp32 (train.precision); remove it, or make them equal"),
+    ({"data_types": {"buffer_dtype": "bf16"}}, "x.json: 'data_types.buffer_dtype' is \"bf16\" but this run trains "
+     "in fp32"),
     ({"gradient_allreduce_op": "max"}, "x.json: DeepSpeed cannot use it: Invalid gradient_allreduce_op"),
     ({"wall_clock_breakdown": "x"}, "x.json: DeepSpeed cannot use it: unsupported operand"),
     ({"checkpoint": "x"}, "x.json: 'checkpoint' must be a JSON object {...}, got \"x\""),
@@ -249,7 +251,7 @@ def test_ds_config_refusals_leave_what_applies_alone():
     assert resolved({"zero_optimization": {"stage": 0}, "optimizer": adagrad})["optimizer"]["type"] == "Adagrad"
     assert resolved({"zero_optimization": {"stage": 2, "reduce_scatter": False}, "prescale_gradients": True})
     assert resolved({"zero_optimization": {"stage": 3, "pipeline_loading_checkpoint": False}})
-    assert resolved({"data_types": {"param_dtype": "fp32", "buffer_dtype": "bf16"},
+    assert resolved({"data_types": {"param_dtype": "fp32", "buffer_dtype": "fp32"},
                      "torch_autocast": {"enabled": False}, "gradient_predivide_factor": 2,
                      "zero_optimization": {"stage": 0}})
 

@@ -305,7 +305,8 @@ def _refuse_what_deepspeed_refuses(ds: dict[str, Any], source: str) -> None:
     data_types.param_dtype "bogus", gradient_allreduce_op "max", a section that is not an object) was a traceback in
     every rank, which two ranks reported as a failed node (exit 76, 'start the job again with --resume auto'); and
     gradient_predivide_factor, which it divides by, at any ZeRO stage (0: a ZeroDivisionError at the first step, after
-    the run folder was written). The batch size is left to it to compute: here is one process, not the job's ranks."""
+    the run folder was written). The batch size is left to it to compute: the command line checks the config for the
+job's ranks in a process of its own."""
     factor = ds.get("gradient_predivide_factor", 1.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
         raise UserError(f"{source}: 'gradient_predivide_factor' must be a number above 0, got "
@@ -321,10 +322,11 @@ def _refuse_what_deepspeed_refuses(ds: dict[str, Any], source: str) -> None:
 
 @contextlib.contextmanager
 def _deepspeed_logs_quiet():
-    """DeepSpeed's logger below warnings left out (DeepSpeedConfig logs its world size at info level)."""
+    """DeepSpeed's logger below errors left out: DeepSpeedConfig logs its world size at info level, and its warnings
+    come again as the engine reads the config."""
     logger = deepspeed.utils.logger
     level = logger.level
-    logger.setLevel(max(level, logging.WARNING))
+    logger.setLevel(max(level, logging.ERROR))
     try:
         yield
     finally:
@@ -334,7 +336,8 @@ def _deepspeed_logs_quiet():
 def _refuse_param_and_buffer_dtypes(ds: dict[str, Any], precision: str, source: str) -> None:
     """data_types.param_dtype and buffer_dtype, which DeepSpeed reads only as it builds the engine: a name it does not
     know ('bogus' is not a valid DtypeEnum), or a param_dtype other than the run's precision (an AssertionError), was a
-    traceback in every rank."""
+    traceback in every rank; a buffer_dtype other than it cast the model's buffers (RoPE's tables) to a precision the
+    run does not say."""
     for key in ("param_dtype", "buffer_dtype"):
         given = ds.get("data_types", {}).get(key)
         if given is None:
@@ -344,8 +347,8 @@ def _refuse_param_and_buffer_dtypes(ds: dict[str, Any], precision: str, source: 
         except (ValueError, TypeError):
             raise UserError(f"{source}: 'data_types.{key}' is {json.dumps(given)[:60]}, not a dtype DeepSpeed knows: "
                             "fp32, bf16 or fp16") from None
-        if key == "param_dtype" and dtype != DTYPES[precision]:
-            raise UserError(f"{source}: 'data_types.param_dtype' is {json.dumps(given)} but this run trains in "
+        if dtype != DTYPES[precision]:  # buffers in another precision: RoPE's tables, which the run does not say
+            raise UserError(f"{source}: 'data_types.{key}' is {json.dumps(given)} but this run trains in "
                             f"{precision} (train.precision); remove it, or make them equal")
 
 
