@@ -24,7 +24,14 @@ from __future__ import annotations
 import torch
 
 from kernels import reference, torch_attention
-from kernels.runtime import KernelUnavailableError, interpreting, rows_addressable, triton_module_for, triton_runs_on
+from kernels.runtime import (
+    KernelUnavailableError,
+    interpreting,
+    rows_addressable,
+    takes_dtypes,
+    triton_module_for,
+    triton_runs_on,
+)
 from kernels.segments import check_segment_ids
 
 BACKENDS = ("auto", "triton", "torch")
@@ -39,7 +46,7 @@ def choose_backend(op: str, t: torch.Tensor, backend: str) -> str:
         raise ValueError(f"kernels: backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
-    if t.is_cuda and not interpreting() and triton_runs_on(t.device) \
+    if t.is_cuda and not interpreting() and triton_runs_on(t.device) and takes_dtypes(t) \
             and (op, torch.cuda.get_device_capability(t.device)) in VERIFIED:
         return "triton"
     return "torch"
@@ -74,7 +81,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         return torch_attention.masked_attention(q, k, v, causal, scale, attn_mask, dropout_p)
     if choose_backend("attention", q, backend) == "triton":
         flash = triton_module_for("flash_attention", q)
-        if backend == "triton" or flash.supports(q.shape[-1]) and rows_addressable(q, k, v):  # auto: others to torch
+        if backend == "triton" or flash.supports(q.shape[-1]) and flash.addressable(q, k, v):  # auto: others to torch
             return flash.attention(q, k, v, causal, scale, segment_ids)
     return torch_attention.attention(q, k, v, causal, scale, segment_ids)
 

@@ -43,8 +43,10 @@ from kernels.hardware import SHARED_MEMORY_LIMIT
 from kernels.runtime import (
     ATTENTION_HEAD_DIMS,
     HEAD_DIMS_TEXT,
+    KERNEL_DTYPES,
     Launch,
     arch_family,
+    check_dtypes,
     check_rows_addressable,
     device_arch,
     interpreting,
@@ -55,7 +57,6 @@ from kernels.segments import run_bounds
 LOG2E = 1.4426950408889634
 INTERPRETED = interpreting()  # the process's mode, fixed as Triton was imported above
 BLOCK_DS = {32: "32", 64: "48,64", 128: "96,128"}  # tile width -> the head dims it serves (compile-check labels)
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DELTA_ROWS = 16 if INTERPRETED else 64
 
 
@@ -591,6 +592,17 @@ def q_args(q, k, v, do, lse, delta, dq, seg_start, seg_end, scale: float, causal
     return args, constexprs
 
 
+def addressable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether 32-bit offsets reach every element of q, k, v and of the output, which is laid out [batch, seq, heads,
+    dim] whatever q's layout (a contiguous [batch, heads, seq, dim] q passed where its output's offsets wrapped)."""
+    return rows_addressable(q, k, v, _output_layout(q))
+
+
+def _output_layout(q: torch.Tensor) -> torch.Tensor:
+    """A meta tensor laid out as attention's output for q (`_empty_like_layout`)."""
+    return _empty_like_layout(torch.empty(q.shape, device="meta"))
+
+
 def _empty_like_layout(x: torch.Tensor) -> torch.Tensor:
     """An uninitialised tensor with x's shape, in [batch, seq, heads, dim] memory order (a free transpose back)."""
     batch, heads, seq, dim = x.shape
@@ -654,7 +666,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     if not supports(q.shape[-1]):
         raise ValueError(f"attention: the Triton kernel takes head dims {HEAD_DIMS_TEXT}, got {q.shape[-1]}")
-    check_rows_addressable("attention", q, k, v)
+    check_dtypes("attention", q, k, v)
+    check_rows_addressable("attention", q, k, v, _output_layout(q))
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if scale <= 0:
         raise ValueError(f"attention: scale must be positive, got {scale}")
@@ -668,7 +681,7 @@ def launches(arch: int) -> list[Launch]:
     family = arch_family(divmod(arch, 10), SHARED_MEMORY_LIMIT[arch])
     out = []
     batch, heads, kv_heads, seq = 2, 8, 2, 256
-    for dtype in DTYPES:
+    for dtype in KERNEL_DTYPES:
         for width, head_dims in BLOCK_DS.items():
             def t(*shape, dt=dtype):
                 return torch.empty(shape, dtype=dt, device="meta")

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import reference
-from kernels.runtime import Launch, interpreting, num_programs_for, warps_for
+from kernels.runtime import KERNEL_DTYPES, Launch, check_dtypes, interpreting, num_programs_for, warps_for
 
 INTERPRETED = interpreting()
 ROW_ELEMENTS = 4096  # a row block holds about this many elements
@@ -118,6 +118,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} must be [{x.shape[-1]}], the last dim of x "
                          f"{tuple(x.shape)}")
+    check_dtypes("rms_norm", x)
     if not x.shape[-1]:  # rows of nothing: nothing to launch (and no row layout of width 0)
         return reference.rms_norm(x, weight, eps)
     return RMSNormFunction.apply(x, weight.contiguous(), eps)
@@ -126,7 +127,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def launches(arch: int) -> list[Launch]:
     """Every row width (power of two) and dtype, forward and backward, on meta tensors."""
     out = []
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for dtype in KERNEL_DTYPES:
         for block in BLOCKS:
             def t(*shape, dt=dtype):
                 return torch.empty(shape, dtype=dt, device="meta")

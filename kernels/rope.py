@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import Launch, check_rows_addressable, interpreting
+from kernels.runtime import KERNEL_DTYPES, Launch, check_dtypes, check_rows_addressable, interpreting
 
 INTERPRETED = interpreting()
 TILE_ELEMENTS = 2048  # tokens x half head dim handled per head iteration
@@ -111,6 +111,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q `[b, h, s, d]` and k `[b, h_kv, s, d]` by table rows position_offset + s, or rows `positions[b, s]`,
     arguments checked by `kernels.apply_rope` (`reference.check_rope_args`)."""
+    check_dtypes("apply_rope", q, k)
     check_rows_addressable("apply_rope", q, k, dims=3)
     positions = (torch.empty(0, dtype=torch.int64, device=q.device) if positions is None else
                  positions.to(torch.int64).contiguous())
@@ -120,7 +121,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 def launches(arch: int) -> list[Launch]:
     """Every head dim and dtype, forward and backward, with table offsets and with per-token positions."""
     out = []
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for dtype in KERNEL_DTYPES:
         for head_dim, served in HEAD_DIMS.items():
             q = torch.empty(2, 256, 8, head_dim, dtype=dtype, device="meta").transpose(1, 2)
             k = torch.empty(2, 256, 2, head_dim, dtype=dtype, device="meta").transpose(1, 2)

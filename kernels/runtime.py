@@ -54,6 +54,22 @@ def rows_addressable(*tensors: torch.Tensor, dims: int = 2) -> bool:
                < 2**31 for t in tensors)
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""What the kernels compute with (in fp32 inside): float64 was taken and computed in fp32, or failed to compile."""
+
+
+def takes_dtypes(*tensors: torch.Tensor) -> bool:
+    """Whether the tensors share one of KERNEL_DTYPES."""
+    return tensors[0].dtype in KERNEL_DTYPES and all(t.dtype == tensors[0].dtype for t in tensors)
+
+
+def check_dtypes(op: str, *tensors: torch.Tensor) -> None:
+    if not takes_dtypes(*tensors):
+        raise ValueError(f"{op}: the Triton kernel takes tensors of one dtype, float32, bfloat16 or float16, got "
+                         f"{', '.join(str(t.dtype).removeprefix('torch.') for t in tensors)}; use the torch backend "
+                         "for others")
+
+
 def check_rows_addressable(op: str, *tensors: torch.Tensor, dims: int = 2) -> None:
     if not rows_addressable(*tensors, dims=dims):
         shapes = ", ".join(f"{tuple(t.shape)} (strides {t.stride()})" for t in tensors)

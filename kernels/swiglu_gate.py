@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import Launch
+from kernels.runtime import KERNEL_DTYPES, Launch, check_dtypes
 
 BLOCK = 1024
 
@@ -60,6 +60,7 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """silu(a) * b for tensors of the same shape."""
     if a.shape != b.shape:
         raise ValueError(f"swiglu needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
+    check_dtypes("swiglu", a, b)
     return SwiGLUFunction.apply(a, b)
 
 
@@ -67,7 +68,7 @@ def launches(arch: int) -> list[Launch]:
     """Forward and backward for every dtype, on meta tensors."""
     out = []
     config = [triton.Config({}, num_warps=4, num_stages=1)]
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for dtype in KERNEL_DTYPES:
         x = torch.empty(4096, dtype=dtype, device="meta")
         labels = {"dtype": str(dtype).removeprefix("torch.")}
         out.append(Launch("swiglu_fwd", _swiglu_fwd, (x, x, x, x.numel()), {"BLOCK": BLOCK}, config, labels))

@@ -320,6 +320,41 @@ def test_offsets_past_32_bits_are_refused_by_the_kernels_and_left_to_torch_by_au
     assert kernels.attention(q, q, q, backend="auto").shape == q.shape
 
 
+def test_attention_checks_its_output_s_offsets_too():
+    """The output is laid out [batch, seq, heads, dim] whatever q's layout: a contiguous [batch, heads, seq, dim] q of
+    600k positions of 32 heads of 128 passed the check while the output's offsets reached 2.46e9 and wrapped (the
+    kernel would have written other memory); auto sends it to torch."""
+    from kernels import flash_attention
+
+    q = torch.empty(1, 32, 600_000, 128, device="meta")
+    kv = torch.empty(1, 8, 600_000, 128, device="meta")
+    assert runtime.rows_addressable(q, kv, kv) and not flash_attention.addressable(q, kv, kv)
+    with pytest.raises(ValueError, match="^attention: the Triton kernel addresses a head's positions in 32-bit"):
+        flash_attention.attention(q, kv, kv)
+
+
+@pytest.mark.parametrize("op, call", [
+    ("rms_norm", lambda x: kernels.rms_norm(x, torch.ones(8, dtype=x.dtype), 1e-6, backend="triton")),
+    ("apply_rope", lambda x: kernels.apply_rope(x, x, torch.ones(4, 4), torch.zeros(4, 4), backend="triton")),
+    ("swiglu", lambda x: kernels.swiglu(x, x, backend="triton")),
+    ("attention", lambda x: kernels.attention(x, x, x, backend="triton")),
+])
+def test_the_kernels_refuse_float64_which_they_computed_in_fp32(op, call):
+    """float64 was taken and computed in fp32 (errors of 1e-7 where a float64 caller expects 1e-16; gradcheck failed),
+    and attention's failed to compile on a GPU."""
+    x = torch.randn(1, 2, 4, 8 if op != "attention" else 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match=f"^{op}: the Triton kernel takes tensors of one dtype, float32, bfloat16 or "
+                                         "float16, got float64"):
+        call(x)
+
+
+def test_attention_refuses_q_k_v_of_different_dtypes():
+    """fp32 q with fp16 k and v was the interpreter's 'Both operands must be same dtype', a compile error on a GPU."""
+    q, kv = torch.randn(1, 2, 4, 32), torch.randn(1, 2, 4, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="^attention: .* got float32, float16, float16; use the torch backend"):
+        kernels.attention(q, kv, kv, backend="triton")
+
+
 def test_gqa_never_materialises_repeated_kv(monkeypatch, seed):
     def refuse(*args, **kwargs):
         raise AssertionError("repeated K/V materialised")
@@ -498,6 +533,7 @@ def test_auto_means_torch_on_the_cpu_even_when_interpreting():
 class _FakeCuda:
     is_cuda = True
     device = torch.device("cuda", 0)
+    dtype = torch.bfloat16
 
 
 @pytest.mark.parametrize("op", kernels.OPS)
@@ -508,6 +544,9 @@ def test_auto_on_cuda_picks_triton_only_for_verified_capabilities(op, monkeypatc
     assert kernels.choose_backend(op, _FakeCuda(), "auto") == "torch"
     monkeypatch.setattr(kernels, "VERIFIED", frozenset({(op, (9, 0))}))
     assert kernels.choose_backend(op, _FakeCuda(), "auto") == "triton"
+    double = _FakeCuda()
+    double.dtype = torch.float64  # which the kernels refuse: auto leaves it to torch
+    assert kernels.choose_backend(op, double, "auto") == "torch"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert kernels.choose_backend(op, _FakeCuda(), "auto") == "torch"
     monkeypatch.setattr(kernels, "interpreting", lambda: True)  # auto never chooses the interpreter
