@@ -254,7 +254,8 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--master-port", type=whole_number, default=DEFAULT_MASTER_PORT,
                    help=f"rendezvous port on node 0 (default {DEFAULT_MASTER_PORT})")
     p.add_argument("--nproc-per-node", type=whole_number, default=None,
-                   help="ranks per node (default: the GPUs of the node, or 1 without GPUs; hostfile: its slots)")
+                   help="ranks per node (default: the GPUs of the node, or 1 without GPUs; hostfile: its slots; "
+                        "--backend slurm: SLURM_GPUS_ON_NODE, or 1 where SLURM gives none)")
     p.add_argument("--backend", choices=BACKENDS, default="deepspeed",
                    help="per-node launcher (default deepspeed); slurm = torchrun with the nodes taken from SLURM")
     p.add_argument("--rdzv-id", default=None, help="torchrun rendezvous id, the same on every node "
@@ -931,7 +932,9 @@ DEEPSPEED_LAUNCHER_OPTIONS = frozenset({"--hostfile", "--num_gpus", "--num_nodes
 
 LAUNCH_SPELLINGS = {"--master_port": "--master-port", "--master_addr": "--master-addr", "--node_rank": "--node-rank",
                     "--nproc_per_node": "--nproc-per-node", "--num_gpus": "--nproc-per-node", "--rdzv_id": "--rdzv-id",
-                    "--rdzv-endpoint": "--master-addr and --master-port"}
+                    "--rdzv-endpoint": "--master-addr and --master-port",
+                    "--num_nodes": "--nnodes (per-node mode; with a hostfile, choose its nodes with --include or "
+                                   "--exclude)"}
 """DeepSpeed's and torchrun's spellings of `zerollm launch` options."""
 
 

@@ -92,6 +92,11 @@ def test_deepspeed_and_torchrun_spellings_given_to_launch_name_ours(capsys):
     assert capsys.readouterr().err.splitlines()[-1] == (
         "zerollm: error: unrecognized arguments: --num_gpus=2 --master_port (zerollm launch spells --num_gpus as "
         "--nproc-per-node, --master_port as --master-port)")
+    with pytest.raises(SystemExit):  # it had no hint
+        parse_arguments(["launch", "--num_nodes=2", "--", "train"])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "zerollm: error: unrecognized arguments: --num_nodes=2 (zerollm launch spells --num_nodes as --nnodes "
+        "(per-node mode; with a hostfile, choose its nodes with --include or --exclude))")
 
 
 def test_launch_options_after_the_training_command_say_where_they_go(capsys):
