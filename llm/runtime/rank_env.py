@@ -62,15 +62,23 @@ def port_range(environ: Mapping[str, str]) -> tuple[int, int]:
 def port_in_use(port: int) -> bool:
     """Whether `port` is taken on this node: a listener could not take it on every interface now, as the
     rendezvous store does. The loopback address is tried as well: BSD kernels (macOS) let a bind to every interface
-    share the port of a listener on one address."""
-    for address in ("", "127.0.0.1"):
-        with socket.socket() as s:
+    share the port of a listener on one address. IPv6's are tried too where the host has IPv6: a listener on ::1
+    alone left the IPv4 binds free, and a job whose --master-addr was ::1 hung on it without a word."""
+    for family, address in ((socket.AF_INET, ""), (socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::"),
+                            (socket.AF_INET6, "::1")):
+        try:
+            s = socket.socket(family)
+        except OSError:  # no IPv6 on this host
+            continue
+        with s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((address, port))
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
                     return True
+                if family == socket.AF_INET6 and exc.errno == errno.EADDRNOTAVAIL:  # IPv6 off on this host
+                    continue
                 raise
     return False
 
