@@ -904,6 +904,20 @@ def test_a_node_waiting_for_node_0_is_reported_at_the_timeout_without_cpp_traces
     assert "Exception raised from" not in result.stderr and "frame #" not in result.stderr, result.stderr[-3000:]
 
 
+def test_nodes_told_different_node_counts_each_say_so_in_one_line(pretrain_data, tmp_path):
+    """Node 0, told 2 nodes, met its store with node 1's rank (told 3), then timed out in the first collective: a
+    gloo 'Timed out waiting ... for send operation' traceback, exit 1, where node 1 said the nodes did not all meet."""
+    port = free_port()
+    procs = [_start(["launch", "--nnodes", nodes, "--node-rank", rank, "--master-addr", "127.0.0.1", "--master-port",
+                     port, "--", *_job(pretrain_data, tmp_path / "run", "train.collective_timeout_s=3")],
+                    tmp_path / f"node{rank}.log") for rank, nodes in ((0, 2), (1, 3))]
+    assert _wait_all(procs) == [2, 2]
+    for rank in (0, 1):
+        log = (tmp_path / f"node{rank}.log").read_text()
+        assert f"did not all meet at 127.0.0.1:{port} within train.collective_timeout_s=3 s" in log, log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+
+
 def test_killing_the_launch_process_stops_the_ranks_cleanly(pretrain_data, tmp_path):
     """SIGKILL to `zerollm launch` forwards nothing; its ranks notice, save a checkpoint and stop, and nothing is
     left running."""

@@ -112,6 +112,9 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
                                              rank=rank, world_size=world, timeout=timeout,
                                              device_id=device if bind else None)
         deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
+        if kind != "cuda":  # the first collective: where ranks that each saw another world size part (rank 0 of a
+            # node told 2 nodes, beside one told 3, met its store and timed out here, in a traceback)
+            torch.set_num_threads(cpu_threads_per_rank(_ranks_sharing_my_cpus(world), os.environ))
     except (torch.distributed.DistError, RuntimeError, TimeoutError) as exc:
         address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         reason = str(exc).strip().splitlines()[-1]
@@ -119,8 +122,6 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
                         f"train.collective_timeout_s={timeout_s:g} s ({reason}); start every node with the same node "
                         "count, ranks per node (--nproc-per-node), master address and port, and check that node 0 is "
                         "reachable from the others") from None
-    if kind != "cuda":
-        torch.set_num_threads(cpu_threads_per_rank(_ranks_sharing_my_cpus(world), os.environ))
     return DistInfo(rank, local_rank, world, local_world, device)
 
 
