@@ -11,6 +11,8 @@ DeepSpeed's launcher passes the rank's code on. Here:
   this exits 76 (EXIT_RANK_LOST), as `zerollm train --nproc` does;
 - when the nodes do not all meet within the rendezvous's join timeout (`--rdzv-conf join_timeout=S`, which
   `zerollm launch` sets to train.collective_timeout_s) or node 0's rendezvous cannot be reached, one line and exit 2;
+  where it stops answering once the nodes have met and trained (node 0 ended or was cut off: torchrun's agent asks
+  it, as the ranks run, whether nodes wait to join), one line and exit 76, as a lost rank ends a job;
 - any other failed rank: torchrun's table of the failures (each failed rank, its exit code or signal), without
   its traceback, and this exits as DeepSpeed's per-node launcher would, with the code of the rank that failed
   first, or 256 - N where signal N (a SIGTERM from outside) ended it, which `zerollm launch` reads as DeepSpeed's
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import traceback
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -32,7 +35,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, 
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import main as torchrun_main
 
-from launch.local import report_rank_ended
+from launch.local import RESUME_ADVICE, report_rank_ended
 from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, EXIT_USER_ERROR, report
 
 CLOSING_CODES = (-signal.SIGTERM, -signal.SIGKILL)
@@ -78,6 +81,12 @@ def lost_rank(failure: ChildFailedError) -> tuple[int, int, int] | None:
         else None
 
 
+def _while_running(exc: BaseException) -> bool:
+    """Whether torchrun's agent raised `exc` while its ranks ran (asking the rendezvous whether nodes wait to join),
+    not while the nodes met."""
+    return any(frame.name == "num_nodes_waiting" for frame in traceback.extract_tb(exc.__traceback__))
+
+
 def _rendezvous(argv: list[str]) -> tuple[str, str, str, bool]:
     """(nodes, endpoint, join timeout in seconds, whether this node hosts it) of the torchrun command line `argv`,
     for messages."""
@@ -110,6 +119,11 @@ def main(argv: list[str]) -> int:
     except RendezvousConnectionError as exc:
         _, endpoint, _, hosting = _rendezvous(argv)
         reason = (str(exc).strip().splitlines() or ["no answer"])[-1]
+        if _while_running(exc):  # node 0 ended (or was cut off) after the nodes met: 'start node 0 first', exit 2,
+            # told a scheduler not to retry
+            report(f"the rendezvous at {endpoint} stopped answering while the job ran ({reason}): node 0 ended or "
+                   f"cannot be reached; the job is ended on this node: {RESUME_ADVICE}")
+            return EXIT_RANK_LOST
         report(f"cannot open the rendezvous at {endpoint} on this node ({reason}); choose a free --master-port"
                if hosting else
                f"cannot reach the rendezvous at {endpoint} ({reason}); start node 0 (--node-rank 0) first, with "

@@ -1173,6 +1173,33 @@ def test_torchrun_stopped_itself_ends_without_a_traceback(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_torchrun_s_rendezvous_lost_while_the_job_ran_ends_as_a_lost_node(monkeypatch, capsys):
+    """Node 0 ended (or was cut off) after the nodes had met: torchrun's agent, asking its store whether nodes wait
+    to join, raised RendezvousConnectionError, and every other node exited 2 (bad input, not to be retried) with
+    'start node 0 (--node-rank 0) first'. Before the nodes meet, that line and exit 2 are still right."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    import launch.torchrun
+
+    def num_nodes_waiting():
+        raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    def joining():
+        raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    argv = ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29500", "--rdzv-conf", "is_host=0,join_timeout=3", "-m",
+            "llm"]
+    monkeypatch.setattr(launch.torchrun, "torchrun_main", lambda argv: num_nodes_waiting())
+    assert launch.torchrun.main(argv) == EXIT_RANK_LOST
+    assert capsys.readouterr().err == (
+        "zerollm: error: the rendezvous at 127.0.0.1:29500 stopped answering while the job ran (The connection to the "
+        "C10d store has failed.): node 0 ended or cannot be reached; the job is ended on this node: rerun with "
+        "--resume auto to continue from its last complete checkpoint\n")
+    monkeypatch.setattr(launch.torchrun, "torchrun_main", lambda argv: joining())
+    assert launch.torchrun.main(argv) == 2
+    assert "start node 0 (--node-rank 0) first" in capsys.readouterr().err
+
+
 def test_torchrun_failures_are_read_like_the_ranks_own_ending():
     assert quiet_code(failed(76, -signal.SIGTERM)) == EXIT_RANK_LOST  # a watchdog named the rank it lost
     assert quiet_code(failed(EXIT_PREEMPTED, EXIT_PREEMPTED)) == EXIT_PREEMPTED  # stopped and saved: no failure table
