@@ -375,6 +375,17 @@ def test_a_slurm_step_on_part_of_the_allocation_rendezvous_on_its_own_nodes(tmp_
     with pytest.raises(UserError, match=r"^SLURM_NODEID is '2'; expected this node's index among "
                                         r"SLURM_STEP_NUM_NODES=2, a whole number in 0..1$"):
         slurm_rendezvous({**env, "SLURM_NODEID": "2"})
+    assert slurm_rendezvous({**env, "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "2"}) == (2, 1, "gpu09")
+
+
+def test_two_slurm_tasks_on_a_node_are_refused_naming_the_task_count(tmp_path):
+    """The second task on a node was told its --master-port was taken ('choose a free --master-port')."""
+    env = {"SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_NTASKS": "2",
+           "PATH": str(tmp_path)}
+    with pytest.raises(UserError, match=r"^SLURM_NTASKS is '2' but the step runs on 1 node\(s\): zerollm launch is "
+                                        r"one task per node, which starts the node's ranks itself; run it with srun "
+                                        r"--ntasks-per-node=1"):
+        slurm_rendezvous(env)
 
 
 @pytest.mark.parametrize("nodelist, hosts", [
