@@ -205,8 +205,8 @@ def slurm_rendezvous(environ: dict[str, str]) -> tuple[int, int, str]:
         named = len(hosts)
     if named != nodes:
         raise UserError(f"{nodelist} {environ[nodelist]!r} names {named:,} host(s) but {count} is {nodes}")
-    tasks = next((name for name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if name in environ), None)
-    if tasks is not None and environ[tasks].strip() != str(nodes):  # two on a node: one was told its port was taken
+    tasks = "SLURM_STEP_NUM_TASKS"  # srun's (a batch script's SLURM_NTASKS may count GPUs: its launch runs alone)
+    if tasks in environ and environ[tasks].strip() != str(nodes):  # two on a node: one was told its port was taken
         raise UserError(f"{tasks} is {environ[tasks]!r} but the step runs on {nodes} node(s): zerollm launch is one "
                         "task per node, which starts the node's ranks itself; run it with srun --ntasks-per-node=1 "
                         "(as launch/slurm/zerollm.sbatch does)")

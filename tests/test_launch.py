@@ -379,13 +379,15 @@ def test_a_slurm_step_on_part_of_the_allocation_rendezvous_on_its_own_nodes(tmp_
 
 
 def test_two_slurm_tasks_on_a_node_are_refused_naming_the_task_count(tmp_path):
-    """The second task on a node was told its --master-port was taken ('choose a free --master-port')."""
+    """The second task on a node was told its --master-port was taken ('choose a free --master-port'). A batch
+    script's own SLURM_NTASKS (GPUs of a one-node job, its launch run without srun) is not a step's."""
     env = {"SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_NTASKS": "2",
-           "PATH": str(tmp_path)}
-    with pytest.raises(UserError, match=r"^SLURM_NTASKS is '2' but the step runs on 1 node\(s\): zerollm launch is "
-                                        r"one task per node, which starts the node's ranks itself; run it with srun "
-                                        r"--ntasks-per-node=1"):
+           "SLURM_STEP_NUM_TASKS": "2", "PATH": str(tmp_path)}
+    with pytest.raises(UserError, match=r"^SLURM_STEP_NUM_TASKS is '2' but the step runs on 1 node\(s\): zerollm "
+                                        r"launch is one task per node, which starts the node's ranks itself; run it "
+                                        r"with srun --ntasks-per-node=1"):
         slurm_rendezvous(env)
+    assert slurm_rendezvous({key: value for key, value in env.items() if key != "SLURM_STEP_NUM_TASKS"})[0] == 1
 
 
 @pytest.mark.parametrize("nodelist, hosts", [
