@@ -40,13 +40,14 @@ OPS = ("rms_norm", "apply_rope", "attention", "swiglu")
 VERIFIED: frozenset[tuple[str, tuple[int, int]]] = frozenset({("rms_norm", (9, 0)), ("apply_rope", (9, 0))})
 
 
-def choose_backend(op: str, t: torch.Tensor, backend: str) -> str:
-    """'triton' or 'torch' for `op` on tensors like `t` (see the module docstring for what 'auto' means)."""
+def choose_backend(op: str, t: torch.Tensor, backend: str, *others: torch.Tensor) -> str:
+    """'triton' or 'torch' for `op` on tensors like `t` (see the module docstring for what 'auto' means); `others`
+    are the op's other inputs that must share t's dtype (auto leaves float64, or mixed dtypes, to torch)."""
     if backend not in BACKENDS:
         raise ValueError(f"kernels: backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
-    if t.is_cuda and not interpreting() and triton_runs_on(t.device) and takes_dtypes(t) \
+    if t.is_cuda and not interpreting() and triton_runs_on(t.device) and takes_dtypes(t, *others) \
             and (op, torch.cuda.get_device_capability(t.device)) in VERIFIED:
         return "triton"
     return "torch"
@@ -62,7 +63,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
                positions: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q `[b, h, s, d]` and k `[b, hk, s, d]` by table rows position_offset + s, or by `positions[b, s]`."""
     reference.check_rope_args(q, k, cos, sin, position_offset, positions)
-    if choose_backend("apply_rope", q, backend) == "triton" and (backend == "triton" or rows_addressable(q, k, dims=3)):
+    if choose_backend("apply_rope", q, backend, k) == "triton" and (backend == "triton" or
+                                                                     rows_addressable(q, k, dims=3)):
         return triton_module_for("rope", q).apply_rope(q, k, cos, sin, position_offset, positions)
     return reference.apply_rope(q, k, cos, sin, position_offset, positions)
 
@@ -79,7 +81,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
             raise ValueError("attention: segment_ids cannot be combined with attn_mask or dropout")
         choose_backend("attention", q, backend)  # validates the name
         return torch_attention.masked_attention(q, k, v, causal, scale, attn_mask, dropout_p)
-    if choose_backend("attention", q, backend) == "triton":
+    if choose_backend("attention", q, backend, k, v) == "triton":
         flash = triton_module_for("flash_attention", q)
         if backend == "triton" or flash.supports(q.shape[-1]) and flash.addressable(q, k, v):  # auto: others to torch
             return flash.attention(q, k, v, causal, scale, segment_ids)
@@ -87,7 +89,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    if choose_backend("swiglu", a, backend) == "triton":
+    if choose_backend("swiglu", a, backend, b) == "triton":
         return triton_module_for("swiglu_gate", a).swiglu(a, b)
     return reference.swiglu(a, b)
 

@@ -286,7 +286,7 @@ def test_attention_flat_grid_maps_every_program_to_its_block_and_head(segments, 
 def test_auto_sends_head_dims_the_kernel_refuses_to_torch(monkeypatch):
     """auto where Triton is chosen (a verified device) and head dim 40: the torch path, not the kernel's ValueError."""
     q = torch.randn(1, 2, 9, 40)
-    monkeypatch.setattr(kernels, "choose_backend", lambda op, t, backend: "triton")
+    monkeypatch.setattr(kernels, "choose_backend", lambda op, t, backend, *others: "triton")
     assert torch.equal(kernels.attention(q, q, q, backend="auto"), kernels.attention(q, q, q, backend="torch"))
     with pytest.raises(ValueError, match="^attention: the Triton kernel takes head dims 32 to 128 in steps of 16, "
                                          "got 40$"):
@@ -315,7 +315,7 @@ def test_offsets_past_32_bits_are_refused_by_the_kernels_and_left_to_torch_by_au
         with pytest.raises(ValueError, match=f"^{op}: the Triton kernel addresses a head's positions in 32-bit "
                                              "offsets, which .* pass; use model.kernels=torch \\(or auto\\)"):
             call()
-    monkeypatch.setattr(kernels, "choose_backend", lambda op, t, backend: "triton")  # a verified device
+    monkeypatch.setattr(kernels, "choose_backend", lambda op, t, backend, *others: "triton")  # a verified device
     assert kernels.apply_rope(q, q, table, table, backend="auto")[0].shape == q.shape
     assert kernels.attention(q, q, q, backend="auto").shape == q.shape
 
@@ -545,8 +545,9 @@ def test_auto_on_cuda_picks_triton_only_for_verified_capabilities(op, monkeypatc
     monkeypatch.setattr(kernels, "VERIFIED", frozenset({(op, (9, 0))}))
     assert kernels.choose_backend(op, _FakeCuda(), "auto") == "triton"
     double = _FakeCuda()
-    double.dtype = torch.float64  # which the kernels refuse: auto leaves it to torch
+    double.dtype = torch.float64  # which the kernels refuse: auto leaves it to torch, and mixed dtypes too
     assert kernels.choose_backend(op, double, "auto") == "torch"
+    assert kernels.choose_backend(op, _FakeCuda(), "auto", double) == "torch"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert kernels.choose_backend(op, _FakeCuda(), "auto") == "torch"
     monkeypatch.setattr(kernels, "interpreting", lambda: True)  # auto never chooses the interpreter

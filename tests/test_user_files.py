@@ -208,8 +208,8 @@ def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(op
     ({"data_types": {"buffer_dtype": 16}}, "x.json: 'data_types.buffer_dtype' is 16, not a dtype DeepSpeed knows"),
     ({"data_types": {"param_dtype": "bf16"}}, "x.json: 'data_types.param_dtype' is \"bf16\" but this run trains in "
      "fp32 (train.precision); remove it, or make them equal"),
-    ({"data_types": {"buffer_dtype": "bf16"}}, "x.json: 'data_types.buffer_dtype' is \"bf16\" but this run trains "
-     "in fp32"),
+    ({"data_types": {"buffer_dtype": "bf16"}}, "x.json: 'data_types.buffer_dtype' is \"bf16\", which would cast "
+     "RoPE's tables, kept in fp32 in every precision; remove it"),
     ({"gradient_allreduce_op": "max"}, "x.json: DeepSpeed cannot use it: Invalid gradient_allreduce_op"),
     ({"wall_clock_breakdown": "x"}, "x.json: DeepSpeed cannot use it: unsupported operand"),
     ({"checkpoint": "x"}, "x.json: 'checkpoint' must be a JSON object {...}, got \"x\""),
@@ -254,6 +254,7 @@ def test_ds_config_refusals_leave_what_applies_alone():
     assert resolved({"data_types": {"param_dtype": "fp32", "buffer_dtype": "fp32"},
                      "torch_autocast": {"enabled": False}, "gradient_predivide_factor": 2,
                      "zero_optimization": {"stage": 0}})
+    assert resolved({"data_types": {"buffer_dtype": "fp32"}}, precision="bf16")  # RoPE's tables stay fp32
 
 
 def test_ds_config_in_deepspeeds_older_words_means_what_it_says():

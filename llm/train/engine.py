@@ -306,7 +306,7 @@ def _refuse_what_deepspeed_refuses(ds: dict[str, Any], source: str) -> None:
     every rank, which two ranks reported as a failed node (exit 76, 'start the job again with --resume auto'); and
     gradient_predivide_factor, which it divides by, at any ZeRO stage (0: a ZeroDivisionError at the first step, after
     the run folder was written). The batch size is left to it to compute: the command line checks the config for the
-job's ranks in a process of its own."""
+    job's ranks in a process of its own."""
     factor = ds.get("gradient_predivide_factor", 1.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
         raise UserError(f"{source}: 'gradient_predivide_factor' must be a number above 0, got "
@@ -336,8 +336,8 @@ def _deepspeed_logs_quiet():
 def _refuse_param_and_buffer_dtypes(ds: dict[str, Any], precision: str, source: str) -> None:
     """data_types.param_dtype and buffer_dtype, which DeepSpeed reads only as it builds the engine: a name it does not
     know ('bogus' is not a valid DtypeEnum), or a param_dtype other than the run's precision (an AssertionError), was a
-    traceback in every rank; a buffer_dtype other than it cast the model's buffers (RoPE's tables) to a precision the
-    run does not say."""
+    traceback in every rank. A buffer_dtype other than fp32 casts the model's buffers, RoPE's tables, which it keeps
+    in fp32 in every precision (DeepSpeed leaves buffers alone where buffer_dtype is unset)."""
     for key in ("param_dtype", "buffer_dtype"):
         given = ds.get("data_types", {}).get(key)
         if given is None:
@@ -347,9 +347,12 @@ def _refuse_param_and_buffer_dtypes(ds: dict[str, Any], precision: str, source: 
         except (ValueError, TypeError):
             raise UserError(f"{source}: 'data_types.{key}' is {json.dumps(given)[:60]}, not a dtype DeepSpeed knows: "
                             "fp32, bf16 or fp16") from None
-        if dtype != DTYPES[precision]:  # buffers in another precision: RoPE's tables, which the run does not say
-            raise UserError(f"{source}: 'data_types.{key}' is {json.dumps(given)} but this run trains in "
+        if key == "param_dtype" and dtype != DTYPES[precision]:
+            raise UserError(f"{source}: 'data_types.param_dtype' is {json.dumps(given)} but this run trains in "
                             f"{precision} (train.precision); remove it, or make them equal")
+        if key == "buffer_dtype" and dtype != torch.float32:
+            raise UserError(f"{source}: 'data_types.buffer_dtype' is {json.dumps(given)}, which would cast RoPE's "
+                            "tables, kept in fp32 in every precision; remove it")
 
 
 FP32_GRAD_ACCUM_STAGES = (2, 3)
