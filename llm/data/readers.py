@@ -242,26 +242,6 @@ def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None
     return files
 
 
-class _ArrowStream(io.RawIOBase):
-    """A pyarrow input stream as a Python raw file, so that io.BufferedReader gives it `readline(size)`."""
-
-    def __init__(self, stream: Any) -> None:
-        super().__init__()
-        self._stream = stream
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        data = self._stream.read(len(buffer))
-        buffer[:len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        self._stream.close()
-        super().close()
-
-
 def _open(path: Path) -> BinaryIO:
     """The file for reading, decompressed; UserError naming it when it cannot be opened (gone since it was listed,
     say)."""
@@ -275,7 +255,7 @@ def _open(path: Path) -> BinaryIO:
                 return lzma.open(path, "rb")
             case ".zst":  # not in Python 3.11's standard library; pyarrow, which Parquet needs, has it
                 stream = _pyarrow(path, "Zstandard-compressed").input_stream(str(path), compression="zstd")
-                return io.BufferedReader(_ArrowStream(stream))
+                return io.BufferedReader(stream)  # for readline(size), which pyarrow's stream has not
         return path.open("rb")
     except OSError as exc:
         raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
