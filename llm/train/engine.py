@@ -333,6 +333,16 @@ def _deepspeed_logs_quiet():
         logger.setLevel(level)
 
 
+def _data_type(given: Any, key: str, source: str, also: str = "") -> torch.dtype:
+    """The torch dtype `given` names in data_types.`key`, or a UserError saying which names DeepSpeed knows (`also`
+    adds what else the key takes)."""
+    try:
+        return DtypeEnum(given).value
+    except (ValueError, TypeError):
+        raise UserError(f"{source}: 'data_types.{key}' is {json.dumps(given)[:60]}, not a dtype DeepSpeed knows: "
+                        f"fp32, bf16 or fp16{also}") from None
+
+
 def _refuse_param_and_buffer_dtypes(ds: dict[str, Any], precision: str, source: str) -> None:
     """data_types.param_dtype and buffer_dtype, which DeepSpeed reads only as it builds the engine: a name it does not
     know ('bogus' is not a valid DtypeEnum), or a param_dtype other than the run's precision (an AssertionError), was a
@@ -342,11 +352,7 @@ def _refuse_param_and_buffer_dtypes(ds: dict[str, Any], precision: str, source: 
         given = ds.get("data_types", {}).get(key)
         if given is None:
             continue
-        try:
-            dtype = DtypeEnum(given).value
-        except (ValueError, TypeError):
-            raise UserError(f"{source}: 'data_types.{key}' is {json.dumps(given)[:60]}, not a dtype DeepSpeed knows: "
-                            "fp32, bf16 or fp16") from None
+        dtype = _data_type(given, key, source)
         if key == "param_dtype" and dtype != DTYPES[precision]:
             raise UserError(f"{source}: 'data_types.param_dtype' is {json.dumps(given)} but this run trains in "
                             f"{precision} (train.precision); remove it, or make them equal")
@@ -379,11 +385,7 @@ def _fill_grad_accum_dtype(ds: dict[str, Any], precision: str, stage: int, sourc
         elif given == "auto":  # DeepSpeed's own default: the model's dtype
             ds["data_types"] = {key: value for key, value in data_types.items() if key != "grad_accum_dtype"}
         return
-    try:
-        accum = DtypeEnum(given).value
-    except ValueError:
-        raise UserError(f"{source}: 'data_types.grad_accum_dtype' is {json.dumps(given)[:60]}, not a dtype DeepSpeed "
-                        "knows: fp32, bf16 or fp16 (or \"auto\")") from None
+    accum = _data_type(given, "grad_accum_dtype", source, ' (or "auto")')
     if stage == 0 and accum != DTYPES[precision]:
         raise UserError(f"{source}: 'data_types.grad_accum_dtype' {json.dumps(given)} differs from this run's "
                         f"{precision}, which DeepSpeed does only under ZeRO (stage 1-3); remove it or raise "
