@@ -379,10 +379,15 @@ def test_an_empty_path_and_a_count_that_is_not_a_number_are_refused_by_name(argv
                                                                                "directory)" if "empty" in said else ""))
 
 
+def _named_in_bytes(folder: Path, name: bytes) -> str:
+    """The path of `name` in `folder`, a name in bytes that need not be UTF-8 (as Python holds it: lone surrogates)."""
+    return os.fsdecode(os.path.join(os.fsencode(folder), name))
+
+
 def test_a_path_that_is_not_utf8_is_printed_as_its_bytes(tmp_path, monkeypatch):
     """On a strict UTF-8 standard output (what a UTF-8 locale gives Python), printing such a path was a
     UnicodeEncodeError traceback, exit 1, after the work was done."""
-    out = Path(os.fsdecode(os.fsencode(tmp_path) + b"/tok\xff"))
+    out = Path(_named_in_bytes(tmp_path, b"tok\xff"))
     written = io.BytesIO()
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(written, encoding="utf-8", errors="strict"))
     code = zerollm_here(monkeypatch, "tokenizer", "train", "--input", FIXTURES / "pretrain" / "en_stories.txt",
@@ -400,7 +405,7 @@ def test_a_run_or_export_folder_named_in_bytes_that_are_not_utf8_is_refused_befo
     one line at once."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "corpus.txt").write_text("some text\n")
-    folder = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"\xc4\xe3"))
+    folder = _named_in_bytes(tmp_path, b"\xc4\xe3")
     code = zerollm_here(monkeypatch, *command, folder)
     assert code == 2 and os.listdir(tmp_path) == ["corpus.txt"]
     shown = folder.encode("utf-8", "backslashreplace").decode()  # its bytes as \\udcXX escapes: one line, any stream
@@ -414,11 +419,11 @@ def test_a_tokenizer_folder_named_in_bytes_that_are_not_utf8_is_read(tmp_path, m
     is written (h5py takes any name)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("some text\n")
-    folder = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"tok\xc4\xe3"))
+    folder = _named_in_bytes(tmp_path, b"tok\xc4\xe3")
     shutil.copytree(FIXTURES / "tokenizers" / "llama", folder)
     written = io.BytesIO()  # its notes name the folder in its bytes, which neither capsys nor xdist can carry
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(written, encoding="utf-8", errors="strict"))
-    data = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"data\xc4\xe3"))  # a data folder may be so named too
+    data = _named_in_bytes(tmp_path, b"data\xc4\xe3")  # a data folder may be so named too
     assert zerollm_here(monkeypatch, "data", "prepare", "--input", corpus, "--tokenizer", folder, "--out", data) == 0
     assert Path(data, "tokens.h5").is_file()
     sys.stdout.flush()
