@@ -130,6 +130,18 @@ def test_bf16_on_two_ranks(pretrain_data, tmp_path):
     assert json.loads((tmp_path / "ds_config.json").read_text())["bf16"]["enabled"] is True
     assert ("this CPU only emulates bf16" in result.stdout) == (not cpu_has_native_bf16())  # said once if so
     assert result.stdout.count("emulates bf16") <= 1
+    assert "warmup" not in result.stdout  # warmup_steps 2, max_steps 3
+
+
+def test_a_run_that_ends_inside_its_warmup_says_so(pretrain_data, tmp_path):
+    """`--set train.max_steps=50` on a recipe of warmup_steps 100 trained at a rising learning rate that never reached
+    train.lr nor decayed, without a word."""
+    result = run_cli(*_args(pretrain_data, tmp_path / "run", "train.max_steps=1", "train.warmup_steps=4",
+                            "train.eval_every=0"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("pretrain: note: train.warmup_steps=4 is above train.max_steps=1: the learning rate rises for the whole "
+            "run, to 25% of train.lr at its last step, and never decays; lower train.warmup_steps\n") in result.stdout
+    assert [row["lr"] for row in _metrics(tmp_path / "run")] == pytest.approx([0.25 * 3e-3])  # TINY's train.lr
 
 
 def _start(args, log):

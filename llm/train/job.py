@@ -71,7 +71,7 @@ from llm.train.run_record import (
     write_run_record,
 )
 from llm.train.samples import SampleGenerator
-from llm.train.schedule import lr_multiplier
+from llm.train.schedule import lr_multiplier, unfinished_warmup_note
 from llm.train.steps import DataSteps
 from llm.train.teacher import check_teacher, load_teacher
 from llm.train.time_budget import TimeBudget
@@ -536,6 +536,8 @@ def _announce(cfg: RunConfig, info: DistInfo, ds_config: dict, trainer: Trainer,
     if info.device.type == "cpu" and cfg.train.precision == "bf16" and not cpu_has_native_bf16():
         print(f"{stage}: note: this CPU only emulates bf16 (no AVX-512 or Arm BF16), many times slower than fp32 "
               "(docs/benchmarks.md); train.precision=auto or fp32 trains faster here", flush=True)
+    if not scheduler_name(ds_config) and (note := unfinished_warmup_note(cfg.train)):
+        print(f"{stage}: {note}", flush=True)
     if cfg.train.init_from:
         m = cfg.model
         print(f"{stage}: the model's shape and RoPE are --init-from {cfg.train.init_from}'s: dim {m.dim}, "

@@ -19,3 +19,14 @@ def lr_multiplier(step: int, t: TrainConfig, budget: TimeBudget | None = None) -
     if budget is not None:
         progress = max(progress, budget.progress(step))
     return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def unfinished_warmup_note(t: TrainConfig) -> str | None:
+    """A note when the run ends inside its warmup (`train.warmup_steps` above `train.max_steps`, as a short run of a
+    recipe with a long warmup does): its learning rate rises for the whole run, never reaching train.lr nor decaying.
+    A time budget says so itself, at the run's end (`TimeBudget.warmup_note`)."""
+    if t.max_time is not None or t.warmup_steps <= t.max_steps:
+        return None
+    return (f"note: train.warmup_steps={t.warmup_steps} is above train.max_steps={t.max_steps}: the learning rate "
+            f"rises for the whole run, to {t.max_steps / t.warmup_steps:.0%} of train.lr at its last step, and never "
+            "decays; lower train.warmup_steps")
