@@ -941,6 +941,8 @@ LAUNCH_SPELLINGS = {"--master_port": "--master-port", "--master_addr": "--master
 MODEL_FOLDER_OPTIONS = ("model", "run", "init_from", "teacher")
 """The options naming a run or export, whose files torch and safetensors open (checkpoints, weights): their C++ and
 Rust take UTF-8 paths only."""
+MODEL_FOLDER_KEYS = ("train.init_from",)
+"""The run-config keys that name such a folder where no option does (`train distill` requires `--teacher`)."""
 MODEL_WRITING_COMMANDS = ("train", "export", "demo", "bench")
 """The commands whose --out is (or holds) a run or an export (bench: bench learn's)."""
 
@@ -950,11 +952,13 @@ def _refuse_paths_libraries_cannot_open(args: argparse.Namespace) -> None:
     not be read: its checkpoints were called damaged ('train the run again'), its weights unreadable. Data, tokenizer,
     plot and evaluation folders are read and written by Python, h5py and zerollm itself: any name."""
     dests = (*MODEL_FOLDER_OPTIONS, *(["out"] if args.command in MODEL_WRITING_COMMANDS else []))
-    for dest in dests:
-        value = getattr(args, dest, None)
+    given = [(f"--{dest.replace('_', '-')} ", getattr(args, dest, None)) for dest in dests]
+    given += [(f"--set {key}=", raw) for key, _, raw in map(parse_override, getattr(args, "overrides", None) or [])
+              if key in MODEL_FOLDER_KEYS]  # a recipe file is UTF-8: only a --set can name such a folder
+    for option, value in given:
         if isinstance(value, str | os.PathLike) and (found := not_utf8(str(value))):
-            raise UserError(f"--{dest.replace('_', '-')} {value}: its name holds {found[1]}, which is not UTF-8; "
-                            "torch and safetensors open no file below such a name: rename it")
+            raise UserError(f"{option}{value}: its name holds {found[1]}, which is not UTF-8; torch and safetensors "
+                            "open no file below such a name: rename it")
 
 
 def parse_arguments(argv: list[str]) -> argparse.Namespace:

@@ -396,20 +396,24 @@ def test_a_path_that_is_not_utf8_is_printed_as_its_bytes(tmp_path, monkeypatch):
     assert code == 0 and b"written to " + os.fsencode(out) + b"\n" in written.getvalue()
 
 
-@pytest.mark.parametrize("command", [["train", "pretrain", "--recipe", "demo", "--data", "data", "--out"],
-                                     ["eval", "--input", "corpus.txt", "--model"]])
+@pytest.mark.parametrize("command, option", [
+    (["train", "pretrain", "--recipe", "demo", "--data", "data", "--out"], "--out "),
+    (["eval", "--input", "corpus.txt", "--model"], "--model "),
+    (["train", "sft", "--recipe", "demo", "--data", "data", "--out", "run", "--set"], "--set train.init_from="),
+])
 def test_a_run_or_export_folder_named_in_bytes_that_are_not_utf8_is_refused_before_anything_is_written(
-        command, tmp_path, capsys, monkeypatch):
+        command, option, tmp_path, capsys, monkeypatch):
     """Such a folder (GBK bytes from a zip made on Windows) was written, then torch and safetensors could not open its
     files: a run's checkpoints were called damaged ('train the run again'), an export's weights unreadable. Refused in
-    one line at once."""
+    one line at once, named by an option or by a --set (which said the folder was damaged, 'train the run again')."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "corpus.txt").write_text("some text\n")
     folder = _named_in_bytes(tmp_path, b"\xc4\xe3")
-    code = zerollm_here(monkeypatch, *command, folder)
+    given = f"{option.removeprefix('--set ')}{folder}" if option.startswith("--set") else folder
+    code = zerollm_here(monkeypatch, *command, given)
     assert code == 2 and os.listdir(tmp_path) == ["corpus.txt"]
     shown = folder.encode("utf-8", "backslashreplace").decode()  # its bytes as \\udcXX escapes: one line, any stream
-    assert capsys.readouterr().err == (f"zerollm: error: {command[-1]} {shown}: its name holds byte 0xc4, which is "
+    assert capsys.readouterr().err == (f"zerollm: error: {option}{shown}: its name holds byte 0xc4, which is "
                                        "not UTF-8; torch and safetensors open no file below such a name: rename it\n")
 
 
