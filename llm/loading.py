@@ -269,14 +269,27 @@ def load_model_dir(path: str | Path, tag: str | None = None, option: str = "") -
                         "run again")
     try:
         if is_run_or_export(directory):
-            return load_trained_model(directory, tag)[0], rundir.tokenizer_dir(directory)
-        return import_model(directory), directory
+            loaded = load_trained_model(directory, tag)[0], rundir.tokenizer_dir(directory)
+        else:
+            loaded = import_model(directory), directory
+        _refuse_weights_that_are_not_numbers(loaded[0], directory)
+        return loaded
     except UserError as exc:  # e.g. a damaged checkpoint: said with the option that named the model
         said = str(exc)
         if not option or said.startswith(option):
             raise
         raise UserError(f"{option} {said}" if said.startswith(str(directory)) else f"{option} {directory}: {said}") \
             from None
+
+
+def _refuse_weights_that_are_not_numbers(model: Transformer, directory: Path) -> None:
+    """Weights holding NaN or infinity (a damaged download, another tool's diverged run) generated text of one repeated
+    token, scored a loss of nan, and ended a run trained from them at its first step with advice to lower the
+    learning rate."""
+    for name, parameter in model.named_parameters():
+        if not torch.isfinite(parameter).all():
+            raise UserError(f"{directory}: its weight {name} holds values that are not numbers (NaN or infinity); "
+                            "nothing can be generated, scored or trained from it: use other weights")
 
 
 def load_tokenizer_copy(kept: Path, remedy: str) -> Tokenizer:

@@ -26,7 +26,7 @@ from llm.infer.sampling import (
     filter_top_k,
     filter_top_p,
 )
-from llm.loading import load_for_inference
+from llm.loading import load_for_inference, load_model_dir
 from llm.model import Transformer
 from llm.model.kv_cache import KVCache
 from llm.tokenizer import Tokenizer
@@ -352,6 +352,25 @@ def test_moe_export_is_refused_clearly(tmp_path):
 
 
 # ---- commands ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_weights_that_are_not_numbers_are_refused(tiny_model, tokenizer_dir, tmp_path, monkeypatch, capsys, bad):
+    """A model whose weights hold NaN (a damaged download, another tool's diverged run) generated one token repeated
+    and scored a loss of nan without a word; a run trained from it stopped at its first step advising a lower
+    learning rate."""
+    model = Transformer(tiny_model.cfg)
+    model.load_state_dict(tiny_model.state_dict())
+    with torch.no_grad():
+        model.layers[1].attention.wq.weight[3, 5] = bad
+    export_model(model, tokenizer_dir, tmp_path / "broken")
+    assert zerollm_here(monkeypatch, "generate", "--model", tmp_path / "broken", "--prompt", "x") == 2
+    assert capsys.readouterr().err == (f"zerollm: error: {tmp_path / 'broken'}: its weight "
+                                       "layers.1.attention.wq.weight holds values that are not numbers (NaN or "
+                                       "infinity); nothing can be generated, scored or trained from it: use other "
+                                       "weights\n")
+    with pytest.raises(UserError, match=f"^--init-from {tmp_path / 'broken'}: its weight layers.1.attention.wq"):
+        load_model_dir(tmp_path / "broken", option="--init-from")
+
 
 def test_generate_command_from_run_and_export(zero_runs, tmp_path, monkeypatch, capsys):
     assert zerollm_here(monkeypatch, "generate", "--model", zero_runs[2], "--prompt", "To be", "--max-new-tokens",
