@@ -563,6 +563,34 @@ def test_an_moe_load_balancing_loss_counts_every_micro_batch_alike(one_rank_grou
     assert logged.item() == pytest.approx(expected.item(), rel=1e-6)
 
 
+def test_a_dpo_validation_loss_is_the_mean_over_pairs_whatever_the_micro_batch(one_rank_group):
+    """DPO's loss is a mean over pairs, but its validation loss weighed each micro-batch by its reply tokens: two runs
+    that trained alike logged another val_loss for micro_batch_size 4 and 2 (0.0432 and 0.0407 for a mean of
+    0.0613 over the same 16 pairs)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    policy, reference = Transformer(cfg).eval(), Transformer(cfg).eval()
+    pairs = []
+    for reply in (1, 9, 3, 12, 5):  # replies of other lengths: other weights by tokens
+        pair = {}
+        for side in ("chosen", "rejected"):
+            tokens = torch.randint(0, 97, (16,))
+            mask = torch.zeros(16)
+            mask[2:2 + reply] = 1
+            pair |= {f"{side}_tokens": tokens, f"{side}_targets": torch.roll(tokens, -1), f"{side}_mask": mask}
+        pairs.append(pair)
+    objective = DPOObjective(reference, beta=0.5)
+    per_pair = [objective(policy, {k: v[None] for k, v in pair.items()}).loss.item() for pair in pairs]
+    assert max(per_pair) - min(per_pair) > 0.01
+    for micro in (1, 2, 4):
+        trainer = Trainer.__new__(Trainer)  # the trainer's own evaluation, on a model without DeepSpeed
+        trainer.objective, trainer.engine, trainer.val_set = objective, policy, pairs
+        trainer.cfg = SimpleNamespace(train=SimpleNamespace(micro_batch_size=micro, eval_batches=8),
+                                      model=cfg, data=SimpleNamespace(path="pairs"))
+        trainer.dist = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
+        assert trainer.evaluate() == pytest.approx(sum(per_pair) / len(per_pair), rel=1e-6), micro
+
+
 def test_every_objective_returns_an_moe_policys_load_balancing_loss_apart():
     """SFT, DPO, GRPO and distillation each backpropagate the policy's load-balancing loss (DPO and GRPO used to
     drop it, leaving the router unbalanced), DPO and GRPO over their rows' real tokens only (not the right padding),

@@ -288,7 +288,9 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the first eval_batches * micro_batch_size * world val windows (same on every call)."""
+        """Mean loss over the first eval_batches * micro_batch_size * world val samples (same on every call), as the
+        training loss is a mean: over the loss-bearing tokens of a token-mean objective (`token_mask`), else over the
+        samples (DPO's pairs, whose loss was weighed by their reply tokens: it changed with micro_batch_size)."""
         if self.val_set is None:
             return None
         micro, world = self.cfg.train.micro_batch_size, self.dist.world_size
@@ -303,11 +305,12 @@ class Trainer:
             batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
             batch = checked_to(self.dist.device, batch, self.cfg.model.vocab_size, self.cfg.data.path, "val")
             result = self.objective(self.engine, batch)
-            tokens = result.loss_tokens.double()
-            totals += torch.stack([result.loss.float().double() * tokens, tokens])
+            weight = result.loss_tokens.double() if self.objective.token_mask is not None else \
+                torch.tensor(float(len(samples)), dtype=torch.float64, device=self.dist.device)
+            totals += torch.stack([result.loss.float().double() * weight, weight])
         dist.all_reduce(totals)
-        loss_sum, tokens = totals.tolist()
-        return loss_sum / tokens
+        loss_sum, weight = totals.tolist()
+        return loss_sum / weight
 
     # ---- the run -------------------------------------------------------------------------------
 
