@@ -17,7 +17,7 @@ from conftest import FIXTURES, run_cli, train_args
 from llm.config import GRPOConfig, ModelConfig
 from llm.data.datasets import PackedConversations, PreferencePairs, PretrainWindows
 from llm.data.formats import RecordError, conversation, preference, pretrain_text
-from llm.data.prepare import DIGEST_ATTR, TOKENS_FILE, encode_sft, prepare
+from llm.data.prepare import DIGEST_ATTR, TOKENS_FILE, encode_dpo, encode_sft, prepare
 from llm.errors import UserError
 from llm.loading import consolidated_weights
 from llm.model import Transformer, masked_cross_entropy
@@ -271,6 +271,26 @@ def test_long_conversations_are_cut_at_a_turn_boundary(tokenizer_dir):
     sample, truncated = encode_sft(tok, messages, len(full["tokens"]) - 1)
     assert truncated and sample == first  # the whole first exchange, nothing of the second
     assert tok.decode(sample["tokens"]).endswith("a1<|im_end|>\n")
+
+
+def test_an_over_long_pair_keeps_all_of_its_prompt_that_fits_beside_its_replies(tokenizer_dir):
+    """The prompt was cut to half the budget however short the replies: a pair over by two tokens lost its system
+    prompt and first turn, its kept part starting inside the markup."""
+    tok = Tokenizer.load(tokenizer_dir)
+    prompt = [{"role": "system", "content": "Answer briefly. " * 3}, {"role": "user", "content": "hi there"},
+              {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and now?"}]
+    full, _ = encode_dpo(tok, (prompt, "yes", "no"), 10_000)
+    longest = max(len(full["chosen"]), len(full["rejected"]))
+    budget = len(full["prompt"]) + longest - 2
+    assert len(full["prompt"]) > budget // 2 + 2
+    sample, truncated = encode_dpo(tok, (prompt, "yes", "no"), budget)
+    assert truncated and sample["prompt"] == full["prompt"][2:]  # two tokens dropped from its start, no more
+    assert (sample["chosen"], sample["rejected"]) == (full["chosen"], full["rejected"])
+    long_reply = "word " * budget  # replies longer than the budget: the prompt keeps half of it, the replies the rest
+    full, _ = encode_dpo(tok, (prompt, long_reply, "no"), 10_000)
+    sample, truncated = encode_dpo(tok, (prompt, long_reply, "no"), budget)
+    assert truncated and sample["prompt"] == full["prompt"][-(budget // 2):]
+    assert sample["chosen"] == full["chosen"][:budget - budget // 2] and sample["rejected"] == full["rejected"]
 
 
 def test_over_long_records_are_reported_at_prepare_time(tokenizer_dir, tmp_path):

@@ -157,9 +157,11 @@ def encode_dpo(tok: Tokenizer, pair: tuple, max_tokens: int) -> tuple[Sample, bo
     shared = next((k for k in range(shared) if chosen_chat.ids[k] != rejected_chat.ids[k]), shared)
     sample = {"prompt": chosen_chat.ids[:shared], "chosen": chosen_chat.ids[shared:chosen_chat.replies[-1][1]],
               "rejected": rejected_chat.ids[shared:rejected_chat.replies[-1][1]]}
-    truncated = len(sample["prompt"]) + max(len(sample["chosen"]), len(sample["rejected"])) > max_tokens
-    if truncated:  # keep the prompt's end (at most half the budget), then cut the replies
-        sample["prompt"] = sample["prompt"][-(max_tokens // 2):]
+    longest_reply = max(len(sample["chosen"]), len(sample["rejected"]))
+    truncated = len(sample["prompt"]) + longest_reply > max_tokens
+    if truncated:  # keep the prompt's end, all that fits beside the longer reply but at least half the budget (a
+        # prompt of 59 tokens beside a reply of 8 kept its last 32 of the 57 that fit), then cut the replies
+        sample["prompt"] = sample["prompt"][-max(max_tokens - longest_reply, max_tokens // 2):]
         for reply in ("chosen", "rejected"):
             sample[reply] = sample[reply][:max_tokens - len(sample["prompt"])]
     return sample, truncated
