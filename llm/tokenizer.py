@@ -168,10 +168,9 @@ class MaskedChat:
     loss_mask: list[int]
     """1 on every assistant turn's body (reasoning, content, tool calls) and its end-of-turn token."""
     replies: list[tuple[int, int]]
-    """Per assistant message: the [start, end) ids the mask covers."""
-    turn_ends: list[int]
-    """Per assistant message: the index just past its turn (incl. text the template puts after the end-of-turn
-    token); `ids[:turn_ends[k]]` is the conversation up to that reply, the place to cut a long one."""
+    """Per assistant message: the [start, end) ids the mask covers; `ids[:end]` is the conversation up to that
+    reply's end-of-turn token, the place to cut a long one (what the template puts after it is learned from no
+    target)."""
 
 
 def _token_text(value: Any) -> str | None:
@@ -460,7 +459,7 @@ class Tokenizer:
         (so a prompt's ids are a prefix of its answered conversation's) and turn end."""
         rendered, bounds = self._chat.replies(messages)
         stops = set(self.stop_ids)
-        chat = MaskedChat([], [], [], [])
+        chat = MaskedChat([], [], [])
         position = 0
         for start, end in bounds:
             before = self.encode_rendered(rendered[position:start])
@@ -470,7 +469,6 @@ class Tokenizer:
             chat.replies.append((len(chat.ids), len(chat.ids) + learned))
             chat.ids += body
             chat.loss_mask += [0] * len(before) + [1] * learned + [0] * (len(body) - learned)
-            chat.turn_ends.append(len(chat.ids))
             position = end
         tail = self.encode_rendered(rendered[position:])
         chat.ids += tail

@@ -17,7 +17,7 @@ from conftest import FIXTURES, run_cli, train_args
 from llm.config import GRPOConfig, ModelConfig
 from llm.data.datasets import PackedConversations, PreferencePairs, PretrainWindows
 from llm.data.formats import RecordError, conversation, preference, pretrain_text
-from llm.data.prepare import DIGEST_ATTR, TOKENS_FILE, encode_dpo, encode_sft, prepare
+from llm.data.prepare import DIGEST_ATTR, TOKENS_FILE, TooLong, encode_dpo, encode_sft, prepare
 from llm.errors import UserError
 from llm.loading import consolidated_weights
 from llm.model import Transformer, masked_cross_entropy
@@ -268,9 +268,16 @@ def test_long_conversations_are_cut_at_a_turn_boundary(tokenizer_dir):
                 {"role": "user", "content": "q2 " * 50}, {"role": "assistant", "content": "a2 " * 50}]
     full, _ = encode_sft(tok, messages, 10_000)
     first, _ = encode_sft(tok, messages[:2], 10_000)
+    sample, truncated = encode_sft(tok, messages, len(full["tokens"]) - 2)
+    assert truncated and sample == {k: v[:-1] for k, v in first.items()}  # the whole first exchange, nothing of the
+    assert tok.decode(sample["tokens"]).endswith("a1<|im_end|>")  # second; the newline after it bears no loss
+    # the second reply's end-of-turn token fits, the newline after it not: the reply was cut for it
     sample, truncated = encode_sft(tok, messages, len(full["tokens"]) - 1)
-    assert truncated and sample == first  # the whole first exchange, nothing of the second
-    assert tok.decode(sample["tokens"]).endswith("a1<|im_end|>\n")
+    assert truncated and sample == {k: v[:-1] for k, v in full.items()} and sum(sample["loss_mask"]) == \
+        sum(full["loss_mask"])
+    with pytest.raises(TooLong, match=f"^too long: the first reply ends after {len(first['tokens']) - 1} tokens"):
+        encode_sft(tok, messages[:2], len(first["tokens"]) - 2)
+    assert encode_sft(tok, messages[:2], len(first["tokens"]) - 1)[0]["tokens"] == first["tokens"][:-1]
 
 
 def test_an_over_long_pair_keeps_all_of_its_prompt_that_fits_beside_its_replies(tokenizer_dir):

@@ -266,7 +266,7 @@ def test_minimind_template_masks_the_think_block_reply_and_end_of_turn():
                    '\n</tool_call><|im_end|>')
     assert _mask_runs(tok, chat.ids, chat.loss_mask) == [first_reply, "5. Rain in Paris.<|im_end|>"]
     assert tok.decode(chat.ids) == tok.render_chat(CONVERSATION)
-    assert tok.decode(chat.ids[:chat.turn_ends[0]]).endswith("</tool_call><|im_end|>\n")
+    assert tok.decode(chat.ids[:chat.replies[0][1]]).endswith("</tool_call><|im_end|>")
     assert "<tool_response>\nrain, 12°C\n</tool_response>" in tok.decode(chat.ids)
 
 
