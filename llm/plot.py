@@ -3,8 +3,10 @@ learning rate and throughput against the step (left column) and against the toke
 per run, from each run's metrics.jsonl. matplotlib is an optional dependency (`pip install matplotlib`, or the
 `plot` extra).
 
-Tokens seen at step s = s x global batch (ds_config.json's train_batch_size) x data.seq_len (config.yaml): the
-positions the run trained on, with the batch shape the run directory records now.
+Tokens seen at a step: the row's `tokens`, the positions the run trained on up to it (global batch x data.seq_len
+per step, whatever the batch was when the step ran: a run resumed on other ranks counts each part at its own). A row
+of an earlier version holds none: step x global batch (ds_config.json's train_batch_size) x data.seq_len
+(config.yaml), the batch shape the run directory records now.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import sys
 import warnings
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +27,9 @@ from llm.jsonl import jsonl_lines
 
 PANELS = (("loss", "training loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),
           ("tokens_per_sec", "throughput (tokens/s)"))
-X_AXES = (("step", "step"), ("tokens", "tokens seen"))
+TOKENS = "tokens"
+"""A row's count of the positions trained on up to its step (`Trainer.tokens_seen`)."""
+X_AXES = (("step", "step"), (TOKENS, "tokens seen"))
 PANEL_SIZE = (6.0, 3.2)
 """Inches per panel (width, height); at 100 dpi a 2 x 4 grid is 1200 x 1280 pixels, with the legend below it."""
 LEGEND_COLUMNS = 3
@@ -38,14 +43,20 @@ LINE_STYLES = ("-", "--", ":", "-.")
 class RunSeries:
     name: str
     columns: dict[str, tuple[array, array]]
-    """Per drawn key (`PANELS`): the steps and values of the rows holding a finite number as that key."""
+    """Per drawn key (`PANELS`) and `TOKENS`: the steps and values of the rows holding a finite number as that key."""
     tokens_per_step: int
+    """For a row without `TOKENS` (an earlier version's): the positions of one step at the batch recorded now."""
 
     def points(self, key: str, x: str) -> tuple[list[float], list[float]]:
         """(x values, `key` values) of the rows holding a finite number as `key` (a string, a list or true is not
         drawn: matplotlib would draw strings as categories in the order they come)."""
         steps, values = self.columns[key]
-        return [step * (self.tokens_per_step if x == "tokens" else 1) for step in steps], list(values)
+        return [self._tokens_at(step) if x == TOKENS else step for step in steps], list(values)
+
+    def _tokens_at(self, step: int) -> float:
+        logged, tokens = self.columns[TOKENS]
+        i = bisect_left(logged, step)
+        return tokens[i] if i < len(logged) and logged[i] == step else step * self.tokens_per_step
 
 
 def _tokens_per_step(run_dir: Path) -> int:
@@ -72,7 +83,7 @@ def read_run(run_dir: Path, name: str | None = None) -> RunSeries:
     metrics = run_dir / rundir.METRICS_FILE
     if not metrics.is_file() and not rundir.is_run_dir(run_dir):  # a run writes it at its first logged step
         raise UserError(f"{run_dir}: no {rundir.METRICS_FILE}; is this a run directory made by `zerollm train`?")
-    columns = {key: (array("q"), array("d")) for key, _ in PANELS}
+    columns = {key: (array("q"), array("d")) for key in (*(key for key, _ in PANELS), TOKENS)}
     rows, last_step = 0, -1
     for line in jsonl_lines(metrics) if metrics.is_file() else ():
         row = line.value
@@ -94,7 +105,7 @@ def read_run(run_dir: Path, name: str | None = None) -> RunSeries:
     label = name or run_dir.resolve().name
     if not rows:  # a run just begun: the others are still drawn
         print(f"zerollm: note: {run_dir}: no logged steps yet; {label} has no line", file=sys.stderr)
-    elif not any(steps for steps, _ in columns.values()):
+    elif not any(columns[key][0] for key, _ in PANELS):
         print(f"zerollm: note: {metrics}: no row holds a number as {', '.join(key for key, _ in PANELS)}; "
               f"{label} has no line", file=sys.stderr)
     return RunSeries(label, columns, _tokens_per_step(run_dir))

@@ -374,7 +374,7 @@ def usable_tag(run_dir: Path) -> str | None:
 
 def client_state_of(run_dir: Path, tag: str) -> dict[str, Any]:
     """What checkpoint `tag` recorded beside DeepSpeed's state (`llm.train.trainer`: step, run id, world size,
-    sampler, loss scale, time budget), its fields checked; a missing or damaged file is a UserError."""
+    tokens seen, sampler, loss scale, time budget), its fields checked; a missing or damaged file is a UserError."""
     client_file = checkpoint_dir(run_dir) / tag / CLIENT_STATE
     if not client_file.is_file():
         raise UserError(f"{client_file.parent}: no {CLIENT_STATE}; the checkpoint is incomplete")
@@ -446,6 +446,8 @@ def _client_state_problem(state: Any, tag: str) -> str | None:
             return f"sampler.{key} is {sampler.get(key)!r}, not a count"
     if sampler["consumed"] > sampler["num_samples"]:
         return f"sampler.consumed is {sampler['consumed']}, more than its {sampler['num_samples']} samples"
+    if "tokens_seen" in state and not is_count(state["tokens_seen"]):  # an earlier version's has none
+        return f"tokens_seen is {state['tokens_seen']!r}, not a count"
     if state.get("loss_scale") is not None and not is_number(state["loss_scale"]):
         return f"loss_scale is {state['loss_scale']!r}, not a number"
     budget = state.get("time_budget")

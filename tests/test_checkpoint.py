@@ -1231,6 +1231,7 @@ def _client_state(**changes) -> bytes:
     (_client_state(run_id=7), "run_id is 7, not a string"),
     (_client_state(time_budget={"elapsed": "1"}), "time_budget.elapsed is '1'"),
     (_client_state(loss_scale=float("inf")), "loss_scale is inf, not a number"),  # JSON's Infinity: was resumed
+    (_client_state(tokens_seen=-1), "tokens_seen is -1, not a count"),
 ])
 def test_a_damaged_client_state_is_one_clear_error(one_rank_group, tmp_path, content, problem):
     """Used to be a JSONDecodeError, TypeError or KeyError traceback on resume, or a resume at a wrong step."""
@@ -1441,6 +1442,23 @@ def test_a_resume_with_more_steps_follows_the_longer_schedule_from_its_first_ste
     rates = [json.loads(line)["lr"] for line in (run / rundir.METRICS_FILE).read_text().splitlines()]
     assert cfg.train.max_steps == 6 and len(rates) == 6
     assert rates[4:] == pytest.approx([cfg.train.lr * lr_multiplier(s, cfg.train) for s in (4, 5)])
+
+
+def test_tokens_seen_count_each_part_of_a_resumed_run_at_its_own_batch(one_rank_run, pretrain_data, tmp_path):
+    """`zerollm plot` drew tokens as step x the global batch recorded last: a run resumed at another batch (other
+    ranks, micro-batch or accumulation) was drawn as if every step had trained at the new one."""
+    from llm.plot import read_run
+
+    run = tmp_path / "run"
+    shutil.copytree(one_rank_run, run)  # complete at step 4, 4 windows of 32 positions a step
+    result = run_job(*train_args(pretrain_data, run, *ONE_RANK, "train.max_steps=6", "train.micro_batch_size=8",
+                                 extra=["--resume", "auto"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = [128, 256, 384, 512, 512 + 256, 512 + 512]
+    assert [json.loads(line)["tokens"] for line in (run / rundir.METRICS_FILE).read_text().splitlines()] == expected
+    assert read_run(run).points("loss", "tokens")[0] == expected
+    assert json.loads((rundir.checkpoint_dir(run) / "global_step6" / rundir.CLIENT_STATE).read_text())[
+        "tokens_seen"] == 1024
 
 
 def test_resuming_on_other_data_is_one_clear_error(one_rank_run, tokenizer_dir, tmp_path):

@@ -100,10 +100,10 @@ def test_a_line_that_is_not_utf8_is_skipped_as_other_bad_lines(tmp_path, capsys)
 
 def test_only_the_drawn_columns_are_kept(tmp_path):
     """Every row was kept whole as a dict: about 8 bytes of memory per byte of metrics.jsonl (1.5 GB for a million
-    logged steps). Now the four drawn columns, as arrays of 8-byte numbers."""
+    logged steps). Now the four drawn columns and the tokens seen, as arrays of 8-byte numbers."""
     import tracemalloc
 
-    from llm.plot import PANELS, read_run
+    from llm.plot import PANELS, TOKENS, read_run
 
     run = fake_run(tmp_path / "a", 1, 1.0)
     extra = {f"metric/{i}": i / 3 for i in range(40)}
@@ -115,7 +115,7 @@ def test_only_the_drawn_columns_are_kept(tmp_path):
         kept, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert set(series.columns) == {key for key, _ in PANELS}
+    assert set(series.columns) == {key for key, _ in PANELS} | {TOKENS}
     assert series.points("lr", "step") == (list(range(1, 20001)), [1e-3] * 20000)
     assert kept < 2_000_000, kept  # the rows as dicts: about 50 MB
 

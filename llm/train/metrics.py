@@ -303,7 +303,7 @@ class MetricsLogger:
         yield
         self._seconds += time.perf_counter() - start
 
-    def log(self, step: int, lr: float, stats: StepStats | None, grad_norm, epoch: int,
+    def log(self, step: int, lr: float, stats: StepStats | None, grad_norm, epoch: int, tokens_seen: int,
             val_loss: float | None = None) -> None:
         self.bar.update(1)
         if stats is None:
@@ -315,7 +315,7 @@ class MetricsLogger:
         row = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
                "tokens_per_sec": tokens_per_sec, "loss_tokens_per_sec": stats.loss_tokens / seconds,
                "mfu": self.flops_per_token * tokens_per_sec / self.peak_flops,
-               "peak_mem_mb": peak_memory_mb(self.device), "epoch": epoch, **stats.metrics}
+               "peak_mem_mb": peak_memory_mb(self.device), "epoch": epoch, "tokens": tokens_seen, **stats.metrics}
         status = {"loss": f"{stats.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_sec:.0f}"}
         if stats.generated_tokens:
             row["rollout_tokens_per_sec"] = stats.generated_tokens / max(stats.generation_seconds, 1e-9)

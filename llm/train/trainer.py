@@ -77,6 +77,9 @@ class Trainer:
         self.budget = budget or TimeBudget(t, info)
         self.samples = samples
         self.step = 0
+        self.tokens_seen = 0
+        """Positions trained on since the run began (global batch x data.seq_len per step, whatever the batch was
+        when each step ran): the x axis `zerollm plot` draws against tokens, right across a resume on other ranks."""
         self.run_id = uuid.uuid4().hex[:12]
         self._batches = None
         self._metric_names: list[str] = []
@@ -98,6 +101,8 @@ class Trainer:
     def resume(self, tag: str, universal: bool) -> None:
         state = checkpoint.load(self.engine, self.run_dir, tag, universal, clock_driven=self.budget.enabled)
         self.step, self.run_id = state["step"], state["run_id"]
+        self.tokens_seen = state.get("tokens_seen", self.step * self.global_batch * self.cfg.data.seq_len)  # an
+        # earlier version's checkpoint has none: its steps counted at this session's batch
         try:
             self.sampler.load_state_dict(state["sampler"])
         except ValueError as exc:  # every rank finds it
@@ -110,8 +115,9 @@ class Trainer:
 
     def client_state(self, stopped_by_signal: bool) -> dict[str, Any]:
         return {"step": self.step, "run_id": self.run_id, "world_size": self.dist.world_size,
-                "sampler": self.sampler.state_dict(), "stopped_by_signal": stopped_by_signal,
-                "loss_scale": loss_scale_of(self.engine), "time_budget": self.budget.state_dict(self.step)}
+                "tokens_seen": self.tokens_seen, "sampler": self.sampler.state_dict(),
+                "stopped_by_signal": stopped_by_signal, "loss_scale": loss_scale_of(self.engine),
+                "time_budget": self.budget.state_dict(self.step)}
 
     # ---- data ----------------------------------------------------------------------------------
 
@@ -225,6 +231,7 @@ class Trainer:
         self._generation_seconds_since_log += batches.generation_seconds
         self.sampler.advance(self.samples_per_step)
         self.step += 1
+        self.tokens_seen += self.global_batch * self.cfg.data.seq_len
         return sums, batches
 
     def _refuse_diverged(self, loss: float | torch.Tensor) -> None:
@@ -367,8 +374,7 @@ class Trainer:
             with self.budget.overhead("eval" if eval_due else None):
                 val_loss = self.evaluate() if eval_due else None
                 samples = self.samples.generate(self.step) if eval_due and self.samples else None
-            logger.log(self.step, lr, stats, self._grad_norm(),
-                       self.sampler.epoch, val_loss)
+            logger.log(self.step, lr, stats, self._grad_norm(), self.sampler.epoch, self.tokens_seen, val_loss)
             logger.log_samples(self.step, samples)
             stop = self.preemption.agreed()
             save_due = checkpointer.due(self.step, last or calibrate, stop)
