@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from wandb_files import wandb_records
 
 from conftest import REPO, train_args
 from llm import rundir
@@ -318,3 +319,25 @@ def test_a_value_that_is_not_a_finite_number_is_written_as_null(tmp_path):
     assert rows[1]["grad_norm"] == 0.5 and rows[1]["mfu"] == 0.25
     MetricsSink(tmp_path, _config(), "run", start_step=1)  # a resume from step 1 keeps its row, drops step 2's
     assert (tmp_path / rundir.METRICS_FILE).read_text().splitlines() == lines[:1]
+
+
+def test_the_wandb_config_is_the_config_the_run_directory_records(pretrain_data, tmp_path, monkeypatch):
+    """wandb's config held the base and the teacher as given (`--init-from base`), config.yaml their absolute paths:
+    two records of one run that disagreed."""
+    from llm.train import job
+
+    monkeypatch.chdir(tmp_path)
+    cfg = build_config("demo", ["train.stage=sft", "wandb.mode=offline"],
+                       {"data.path": str(pretrain_data), "train.init_from": "base"})
+    run = tmp_path / "run"
+    sink = job._start_files(cfg, run, {"train_batch_size": 8}, SimpleNamespace(run_id="abc123", step=0), {"k": 1})
+    sink.close(0)
+    (wandb_file,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = {}
+    for record in wandb_records(wandb_file):
+        kind = record.WhichOneof("record_type")
+        if kind in ("run", "config"):  # the config wandb.init was given, then updates
+            config = record.run.config if kind == "run" else record.config
+            logged |= {item.key: json.loads(item.value_json) for item in config.update}
+    assert logged["train"]["init_from"] == str(tmp_path / "base")
+    assert logged["train"] == build_config(str(run / "config.yaml")).to_dict()["train"]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from forked_ranks import run_job
-from test_train import _wandb_records
+from wandb_files import wandb_records
 
 from conftest import FIXTURES, REPO, run_cli, train_args
 from llm.data.prepare import STREAMS, TOKENS_FILE, SplitWriter, write_attrs
@@ -87,13 +87,9 @@ def test_samples_at_each_evaluation_under_zero3_reach_the_file_and_wandb(zero3_r
     rows = [json.loads(line) for line in (zero3_run / "samples.jsonl").read_text().splitlines()]
     assert [(r["step"], r["prompt"]) for r in rows] == [(1, "Hello"), (1, "你好"), (2, "Hello"), (2, "你好")]
     assert all(isinstance(r["completion"], str) for r in rows)
-    from wandb.proto import wandb_internal_pb2
-
     (wandb_file,) = (zero3_run / "wandb").glob("offline-run-*/run-*.wandb")
     config_keys, history_keys = set(), []
-    for payload in _wandb_records(wandb_file):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(payload)
+    for record in wandb_records(wandb_file):
         kind = record.WhichOneof("record_type")
         if kind == "config":
             config_keys |= {item.key for item in record.config.update}

@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import psutil
 import pytest
 import torch
 from forked_ranks import kill_when, run_job
+from wandb_files import wandb_records
 
 from conftest import METRIC_KEYS, ZERO_RUN, run_cli, zerollm_here
 from conftest import train_args as _args
@@ -317,42 +317,11 @@ def test_metrics_jsonl_and_offline_wandb_hold_the_same_numbers(accumulated_runs)
                 assert logged[key] == pytest.approx(row[key], rel=1e-12), key
 
 
-def _wandb_records(path):
-    """Payloads of a .wandb file: LevelDB-log framing (32 KiB blocks, 7-byte record headers) after a 7-byte file
-    header."""
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    pos, block, pending = 7, 32768, b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # block trailer too small for a header: zero padding
-            pos += block - pos % block
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk = data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind == 1:
-            yield chunk
-        elif kind == 2:
-            pending = chunk
-        elif kind == 3:
-            pending += chunk
-        elif kind == 4:
-            yield pending + chunk
-
-
 def _wandb_history(run_dir):
-    from wandb.proto import wandb_internal_pb2
-
     files = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
-    history = []
-    for payload in _wandb_records(files[0]):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(payload)
-        if record.WhichOneof("record_type") == "history":
-            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                            for item in record.history.item})
-    return history
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for record in wandb_records(files[0]) if record.WhichOneof("record_type") == "history"]
 
 
 def test_data_from_another_tokenizer_is_refused(zero_runs, tmp_path):

@@ -496,20 +496,26 @@ def _start_files(cfg: RunConfig, run_dir: Path, ds_config: dict, trainer: Traine
     with durable.room_needed(run_dir, rundir.RUN_RECORD_FILE):
         run_dir.mkdir(parents=True, exist_ok=True)
     write_run_record(run_dir, record)
-    _write_run_files(cfg, run_dir, ds_config)
-    with durable.room_needed(run_dir, rundir.METRICS_FILE):
-        return MetricsSink(run_dir, cfg, trainer.run_id, trainer.step, record)
+    saved = _as_recorded(cfg)
+    _write_run_files(saved, run_dir, ds_config)
+    with durable.room_needed(run_dir, rundir.METRICS_FILE):  # wandb's config is config.yaml's
+        return MetricsSink(run_dir, saved, trainer.run_id, trainer.step, record)
 
 
-def _write_run_files(cfg: RunConfig, run_dir: Path, ds_config: dict) -> None:
-    """The run's tokenizer copy, config.yaml and ds_config.json, each written whole or not at all, and not at all
-    when unchanged (`llm.durable`); a write that runs out of room is a UserError naming the run directory."""
-    # the base of a LoRA run is loaded whenever the run is (its checkpoints hold adapters only), from any directory,
-    # and export, run from any directory, refuses to replace the base or the teacher (`refuse_replacing_a_source`)
+def _as_recorded(cfg: RunConfig) -> RunConfig:
+    """The run config as the run directory records it: the base and the teacher as absolute paths. The base of a
+    LoRA run is loaded whenever the run is (its checkpoints hold adapters only), from any directory, and export, run
+    from any directory, refuses to replace the base or the teacher (`refuse_replacing_a_source`)."""
     init_from, teacher = (path and str(Path(path).resolve()) for path in (cfg.train.init_from, cfg.train.teacher))
-    saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=init_from, teacher=teacher))
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=init_from, teacher=teacher))
+
+
+def _write_run_files(saved: RunConfig, run_dir: Path, ds_config: dict) -> None:
+    """The run's tokenizer copy, config.yaml (`saved`, `_as_recorded`) and ds_config.json, each written whole or not
+    at all, and not at all when unchanged (`llm.durable`); a write that runs out of room is a UserError naming the
+    run directory."""
     with durable.room_needed(run_dir, rundir.TOKENIZER_DIR):
-        keep_tokenizer(run_dir, input_tokenizer(cfg))
+        keep_tokenizer(run_dir, input_tokenizer(saved))
     with durable.room_needed(run_dir, rundir.CONFIG_FILE):
         saved.save(rundir.config_file(run_dir))
     with durable.room_needed(run_dir, rundir.DS_CONFIG_FILE):
