@@ -367,7 +367,8 @@ def test_harness_scores_equal_a_direct_computation(model_and_tokenizer):
 
 def test_harness_texts_follow_the_bos_of_a_llama_style_tokenizer(llama_model_and_tokenizer):
     """As lm-eval's HFLM encodes them for such a tokenizer: contexts behind <s>, and <s> (not </s>) as the
-    context of a text that has none (rolling log-likelihood, an empty context)."""
+    context of a text that has none (rolling log-likelihood, an empty context). A rolling text is `<s> text`, where
+    HFLM 0.4.13 scores `<s> <s> text` (docs/evaluation.md)."""
     model, tokenizer = llama_model_and_tokenizer
     _check_harness_scores(model, tokenizer, [tokenizer.bos_id])
 
@@ -395,6 +396,28 @@ def test_a_generation_prompt_keeps_its_question_and_the_answer_takes_the_room_le
     assert capsys.readouterr().err == ("note: 2 of 3 generate_until answers had less room than the task's "
                                        f"max_gen_toks: the prompt and the answer share the model's context of "
                                        f"{CONTEXT} tokens\n")
+
+
+def test_a_continuation_longer_than_the_context_is_scored_on_its_end_with_a_note(model_and_tokenizer, capsys):
+    """Such a multiple-choice option got the log-likelihood of its last tokens only, without a word: a bias toward
+    long options (lm-eval's HFLM fails on one)."""
+    from lm_eval.api.instance import Instance
+
+    from llm.eval.harness_lm import ZeroLLMHarnessModel
+
+    model, tokenizer = model_and_tokenizer
+    lm = ZeroLLMHarnessModel(model, tokenizer, batch_size=2, max_length=CONTEXT)
+    pairs = [("Say", " it"), ("Say", " and say it again" * 20)]
+    assert len(tokenizer.encode(pairs[1][1])) > CONTEXT
+    logps = [logp for logp, _ in lm.loglikelihood([Instance("loglikelihood", {}, pair, i)
+                                                   for i, pair in enumerate(pairs)], disable_tqdm=True)]
+    ids = tokenizer.encode("Say" + pairs[1][1])[-(CONTEXT + 1):]
+    with torch.no_grad():
+        rows = torch.log_softmax(model(torch.tensor(ids[:-1])[None]).logits[0].double(), -1)
+    assert logps[1] == pytest.approx(rows.gather(1, torch.tensor(ids[1:])[:, None]).sum().item(), rel=1e-5)
+    assert capsys.readouterr().err == (f"note: 1 of 2 loglikelihood continuations are longer than the model's context "
+                                       f"of {CONTEXT} tokens: each is scored on its last {CONTEXT} tokens only, which "
+                                       "favours long answers; give a longer --context where the model has one\n")
 
 
 def _check_harness_scores(model, tokenizer, start: list[int]) -> None:

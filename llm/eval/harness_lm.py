@@ -115,12 +115,17 @@ class ZeroLLMHarnessModel(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """`requests`: ((context, continuation), context ids, continuation ids); the context is cut from the left
-        to fit max_length."""
+        to fit max_length. A continuation longer than that is scored on its last max_length tokens, with a note
+        saying how many were (it favours long answers; lm-eval's HFLM fails on one with an AssertionError)."""
         sequences, scored = [], []
         for _, context_ids, continuation_ids in requests:
             whole = np.asarray([*context_ids, *continuation_ids][-(self.max_length + 1):], dtype=np.int64)
             sequences.append(whole)
             scored.append(min(len(continuation_ids), len(whole) - 1))
+        if cut := sum(len(ids) > self.max_length for _, _, ids in requests):
+            print(f"note: {cut} of {len(requests)} loglikelihood continuations are longer than the model's context of "
+                  f"{self.max_length} tokens: each is scored on its last {self.max_length} tokens only, which favours "
+                  "long answers; give a longer --context where the model has one", file=sys.stderr)
         scores = self._scores(sequences, scored, "loglikelihood", disable_tqdm)
         out = []
         for (key, _, _), score in zip(requests, scores, strict=True):
