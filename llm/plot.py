@@ -12,7 +12,6 @@ of an earlier version holds none: step x global batch (ds_config.json's train_ba
 from __future__ import annotations
 
 import io
-import json
 import math
 import sys
 import warnings
@@ -59,21 +58,6 @@ class RunSeries:
         return tokens[i] if i < len(logged) and logged[i] == step else step * self.tokens_per_step
 
 
-def _tokens_per_step(run_dir: Path) -> int:
-    """Global batch x data.seq_len: the positions one step trains on, as the run directory records them."""
-    seq_len = (rundir.recorded_config(run_dir).get("data") or {}).get("seq_len")  # a file cut short lacks it
-    path = run_dir / rundir.DS_CONFIG_FILE
-    try:
-        batch = json.loads(path.read_text())["train_batch_size"]
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise UserError(f"{path}: cannot read the run's train_batch_size ({type(exc).__name__}: {exc}); `zerollm "
-                        "train` wrote it: restore it") from None
-    if not all(rundir.is_count(v, least=1) for v in (batch, seq_len)):
-        raise UserError(f"{run_dir}: train_batch_size {batch!r} and data.seq_len {seq_len!r} are not positive "
-                        "integers; `zerollm train` wrote them: restore the run's files")
-    return batch * seq_len
-
-
 def read_run(run_dir: Path, name: str | None = None) -> RunSeries:
     """The drawn columns of a run's metrics.jsonl, read a line at a time (a long run's file need not fit in memory
     as rows); `name` labels it (default: the folder's name)."""
@@ -108,7 +92,7 @@ def read_run(run_dir: Path, name: str | None = None) -> RunSeries:
     elif not any(columns[key][0] for key, _ in PANELS):
         print(f"zerollm: note: {metrics}: no row holds a number as {', '.join(key for key, _ in PANELS)}; "
               f"{label} has no line", file=sys.stderr)
-    return RunSeries(label, columns, _tokens_per_step(run_dir))
+    return RunSeries(label, columns, rundir.recorded_tokens_per_step(run_dir))
 
 
 def run_labels(run_dirs: list[Path]) -> list[str]:

@@ -470,3 +470,19 @@ def damaged_checkpoint_advice(run_dir: Path, tag: str) -> str:
     if earlier:
         return f"remove {folder} to continue from {earlier[-1]}, the newest complete checkpoint before it"
     return "no earlier checkpoint is complete: train the run again into a new run directory"
+
+
+def recorded_tokens_per_step(run_dir: Path) -> int:
+    """Global batch x data.seq_len: the positions one step trains on, as the run directory records them (its last
+    session's batch); a UserError where its files do not say."""
+    seq_len = (recorded_config(run_dir).get("data") or {}).get("seq_len")  # a file cut short lacks it
+    path = run_dir / DS_CONFIG_FILE
+    try:
+        batch = json.loads(path.read_text())["train_batch_size"]
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"{path}: cannot read the run's train_batch_size ({type(exc).__name__}: {exc}); `zerollm "
+                        "train` wrote it: restore it") from None
+    if not all(is_count(v, least=1) for v in (batch, seq_len)):
+        raise UserError(f"{run_dir}: train_batch_size {batch!r} and data.seq_len {seq_len!r} are not positive "
+                        "integers; `zerollm train` wrote them: restore the run's files")
+    return batch * seq_len

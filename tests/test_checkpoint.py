@@ -1444,19 +1444,30 @@ def test_a_resume_with_more_steps_follows_the_longer_schedule_from_its_first_ste
     assert rates[4:] == pytest.approx([cfg.train.lr * lr_multiplier(s, cfg.train) for s in (4, 5)])
 
 
-def test_tokens_seen_count_each_part_of_a_resumed_run_at_its_own_batch(one_rank_run, pretrain_data, tmp_path):
+@pytest.mark.parametrize("earlier_version", [False, True])
+def test_tokens_seen_count_each_part_of_a_resumed_run_at_its_own_batch(one_rank_run, pretrain_data, tmp_path,
+                                                                       earlier_version):
     """`zerollm plot` drew tokens as step x the global batch recorded last: a run resumed at another batch (other
-    ranks, micro-batch or accumulation) was drawn as if every step had trained at the new one."""
+    ranks, micro-batch or accumulation) was drawn as if every step had trained at the new one. A checkpoint of an
+    earlier version, which keeps no count, counts its steps at the batch its run directory records."""
     from llm.plot import read_run
 
     run = tmp_path / "run"
     shutil.copytree(one_rank_run, run)  # complete at step 4, 4 windows of 32 positions a step
+    if earlier_version:  # its count and its rows' gone (a key of the same length: the manifest records the size)
+        state = rundir.checkpoint_dir(run) / "global_step4" / rundir.CLIENT_STATE
+        state.write_text(state.read_text().replace('"tokens_seen"', '"old_version"'))
+        rows = [{k: v for k, v in json.loads(line).items() if k != "tokens"}
+                for line in (run / rundir.METRICS_FILE).read_text().splitlines()]
+        (run / rundir.METRICS_FILE).write_text("".join(json.dumps(row) + "\n" for row in rows))
     result = run_job(*train_args(pretrain_data, run, *ONE_RANK, "train.max_steps=6", "train.micro_batch_size=8",
                                  extra=["--resume", "auto"]))
     assert result.returncode == 0, result.stderr[-3000:]
     expected = [128, 256, 384, 512, 512 + 256, 512 + 512]
-    assert [json.loads(line)["tokens"] for line in (run / rundir.METRICS_FILE).read_text().splitlines()] == expected
-    assert read_run(run).points("loss", "tokens")[0] == expected
+    assert [json.loads(line).get("tokens") for line in (run / rundir.METRICS_FILE).read_text().splitlines()] == \
+        [None] * 4 * earlier_version + expected[4 * earlier_version:]
+    drawn = read_run(run).points("loss", "tokens")[0]  # an earlier version's rows: at the batch recorded now
+    assert drawn == (expected if not earlier_version else [256, 512, 768, 1024, *expected[4:]])
     assert json.loads((rundir.checkpoint_dir(run) / "global_step6" / rundir.CLIENT_STATE).read_text())[
         "tokens_seen"] == 1024
 

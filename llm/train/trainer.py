@@ -101,8 +101,7 @@ class Trainer:
     def resume(self, tag: str, universal: bool) -> None:
         state = checkpoint.load(self.engine, self.run_dir, tag, universal, clock_driven=self.budget.enabled)
         self.step, self.run_id = state["step"], state["run_id"]
-        self.tokens_seen = state.get("tokens_seen", self.step * self.global_batch * self.cfg.data.seq_len)  # an
-        # earlier version's checkpoint has none: its steps counted at this session's batch
+        self.tokens_seen = state.get("tokens_seen", self._tokens_before_the_count())
         try:
             self.sampler.load_state_dict(state["sampler"])
         except ValueError as exc:  # every rank finds it
@@ -112,6 +111,15 @@ class Trainer:
         if state.get("loss_scale") is not None:  # fp16: continue with the scale the run had reached, exactly
             set_loss_scale(self.engine, state["loss_scale"])
         self.budget.load_state_dict(state.get("time_budget"), self.step)
+
+    def _tokens_before_the_count(self) -> int:
+        """The tokens seen by a checkpoint an earlier version saved, which keeps no count: its steps at the batch
+        the run directory records (its last session's, not yet replaced by this one's: `zerollm plot` drew its rows
+        so), or at this session's where the run directory does not say."""
+        try:
+            return self.step * rundir.recorded_tokens_per_step(self.run_dir)
+        except UserError:
+            return self.step * self.global_batch * self.cfg.data.seq_len
 
     def client_state(self, stopped_by_signal: bool) -> dict[str, Any]:
         return {"step": self.step, "run_id": self.run_id, "world_size": self.dist.world_size,
