@@ -153,6 +153,8 @@ def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int 
     options = [a for o in overrides for a in ("--set", o)] + [
         "--set", f"train.max_steps={total_steps}", "--set", "train.eval_every=0", "--set", "train.save_every=0",
         "--set", "train.log_every=1", "--set", "train.eval_batches=1", "--nproc", str(nproc)]
+    if t.warmup_steps > total_steps:  # its schedule is not what is measured: no note that the run ends in its warmup
+        options += ["--set", f"train.warmup_steps={total_steps}"]
     if deepspeed_config:
         options += ["--deepspeed", deepspeed_config]
     if zero_stage is not None:

@@ -214,6 +214,7 @@ def test_bench_train_prints_throughput_mfu_and_memory():
     assert result.returncode == 0, result.stderr[-3000:]
     for label in ("tokens/s", "loss-bearing tokens/s", "MFU", "peak memory (MiB)"):
         assert label in result.stdout
+    assert "warmup" not in result.stdout + result.stderr  # the recipe's 50 warmup steps in 3: not what is measured
 
 
 def test_demo_accuracy_counts_what_the_grpo_reward_counts():

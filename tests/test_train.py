@@ -137,7 +137,7 @@ def test_a_run_that_ends_inside_its_warmup_says_so(pretrain_data, tmp_path):
     """`--set train.max_steps=50` on a recipe of warmup_steps 100 trained at a rising learning rate that never reached
     train.lr nor decayed, without a word."""
     result = run_cli(*_args(pretrain_data, tmp_path / "run", "train.max_steps=1", "train.warmup_steps=4",
-                            "train.eval_every=0"))
+                            "train.eval_every=0", "train.max_time=1h"))  # a time budget only shortens a run
     assert result.returncode == 0, result.stderr[-3000:]
     assert ("pretrain: note: train.warmup_steps=4 is above train.max_steps=1: the learning rate rises for the whole "
             "run, to 25% of train.lr at its last step, and never decays; lower train.warmup_steps\n") in result.stdout

@@ -24,8 +24,9 @@ def lr_multiplier(step: int, t: TrainConfig, budget: TimeBudget | None = None) -
 def unfinished_warmup_note(t: TrainConfig) -> str | None:
     """A note when the run ends inside its warmup (`train.warmup_steps` above `train.max_steps`, as a short run of a
     recipe with a long warmup does): its learning rate rises for the whole run, never reaching train.lr nor decaying.
-    A time budget says so itself, at the run's end (`TimeBudget.warmup_note`)."""
-    if t.max_time is not None or t.warmup_steps <= t.max_steps:
+    A time budget only shortens a run; one that ends it inside its warmup says so at the run's end
+    (`TimeBudget.warmup_note`)."""
+    if t.warmup_steps <= t.max_steps:
         return None
     return (f"note: train.warmup_steps={t.warmup_steps} is above train.max_steps={t.max_steps}: the learning rate "
             f"rises for the whole run, to {t.max_steps / t.warmup_steps:.0%} of train.lr at its last step, and never "
