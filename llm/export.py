@@ -168,6 +168,11 @@ def _model_type(config: dict, source: str) -> str:
     return model_type
 
 
+MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+"""`max_position_embeddings` of a config without the key, per architecture, as transformers reads it: the context, and
+the original length of a YaRN or Llama 3 RoPE that names none (2048 for all of them built another RoPE than
+transformers for Qwen and Mistral configs)."""
+
 QWEN_FIRST_WINDOWED_LAYER = 28
 """`max_window_layers` of a Qwen2 or Qwen3 config without the key, as transformers reads it."""
 
@@ -205,11 +210,11 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
         raise UserError(f"{source}: a quantized model ({what}); give the model's unquantized fp32, bf16 or fp16 "
                         "weights (its base repository)")
     window = _sliding_window(config, model_type)
-    if window is not None and not (
-            isinstance(window, int) and window >= _number(config, "max_position_embeddings", source, int, 2048)):
+    positions = _number(config, "max_position_embeddings", source, int, MAX_POSITIONS[model_type])
+    if window is not None and not (isinstance(window, int) and window >= positions):
         raise UserError(f"{source}: sliding-window attention is not part of our architecture")
-    for key in ("attention_bias", "mlp_bias"):  # Llama's and Qwen3's attention_bias is on every projection
-        if config.get(key):
+    for key in ("attention_bias", "mlp_bias"):  # Llama's and Qwen3's attention_bias is on every projection; Qwen2
+        if config.get(key) and (key, model_type) != ("attention_bias", "qwen2"):  # reads none (its q, k, v have one)
             raise UserError(f"{source}: '{key}' {config[key]!r}: biases other than Qwen2's on q, k and v are not part "
                             "of our architecture")
     if config.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' two names of one function
@@ -237,7 +242,7 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
         else _number(config, "num_key_value_heads", source, int),  # reads it (it was refused as missing)
         hidden_dim=_number(config, "intermediate_size", source, int),
         norm_eps=_number(config, "rms_norm_eps", source, float, 1e-6),
-        max_seq_len=_number(config, "max_position_embeddings", source, int, 2048),
+        max_seq_len=positions,
         rope_theta=_first_of("rope_theta", [(rope, f"{source} {rope_key}"), (config, source)], float, 10000.0),
         tie_embeddings=tie, init_std=_number(config, "initializer_range", source, float, 0.02),
         qk_norm=model_type == "qwen3", qkv_bias=model_type == "qwen2",

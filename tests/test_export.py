@@ -398,6 +398,34 @@ def test_an_imported_llama_gives_transformers_logits(tmp_path, settings, changes
     assert difference < 1e-3, difference  # float32 rounding of transformers' frequencies (ours are float64)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("rope", [YARN, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0}])
+def test_a_config_without_max_position_embeddings_takes_its_classs_default(tmp_path, model_type, rope):
+    """It was 2048 for every class, transformers' for Llama only (Qwen's is 32768, Mistral's 131072): a YaRN or Llama
+    3 RoPE naming no original length took it from there, and such a Qwen or Mistral model loaded silently with logits
+    up to 0.28 away from transformers'. A Qwen2 config's attention_bias, which transformers' Qwen2 does not read, was
+    refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=128, vocab_size=128, head_dim=16,
+                                  rope_parameters={**{k: v for k, v in rope.items()
+                                                      if k != "original_max_position_embeddings"},
+                                                   "rope_theta": 10000.0},
+                                  **({"sliding_window": None} if model_type == "mistral" else {}))  # Mistral v0.3's
+    _noisy(AutoModelForCausalLM.from_config(config)).save_pretrained(str(tmp_path))
+    _edit_config(tmp_path, {"max_position_embeddings": None, **({"attention_bias": True}
+                                                                  if model_type == "qwen2" else {})})
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    tokens = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(1))
+    ours = import_model(tmp_path)
+    assert ours.cfg.max_seq_len == hf.config.max_position_embeddings
+    with torch.no_grad():
+        difference = (ours(tokens).logits - hf(tokens).logits).abs().max().item()
+    assert difference < 1e-4, difference
+
+
 def test_an_exported_long_context_yarn_model_gives_our_logits_in_transformers(tmp_path):
     """Our tables clamped YaRN's ramp at head_dim // 2 - 1: such an export was 0.07 to 0.4 logits away."""
     from transformers import AutoModelForCausalLM
