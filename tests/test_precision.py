@@ -15,7 +15,7 @@ from forked_ranks import run_job
 from conftest import train_args
 from llm import rundir
 from llm.config import ModelConfig, build_config
-from llm.errors import UserError
+from llm.errors import EXIT_OK, EXIT_PREEMPTED, UserError
 from llm.runtime.distributed import DistInfo
 from llm.runtime.rank_env import free_port
 from llm.train import checkpoint, metrics
@@ -305,21 +305,22 @@ class _SquareObjective:
         return MicroStep(engine(batch["x"]).float().pow(2).mean(), torch.tensor(len(batch["x"])))
 
 
-def _fit(engine, run_dir, *sets: str) -> list[dict]:
+def _fit(engine, run_dir, *sets: str, stop_at: int | None = None, code: int = 0) -> list[dict]:
     """Train `engine` with the trainer's loop (`Trainer.fit`) for train.max_steps steps of one micro-batch, each the
-    same input; return its metrics.jsonl rows. Signals and checkpoints are left out."""
+    same input, which ends with exit `code`; return its metrics.jsonl rows. Checkpoints are left out, and signals
+    but a stop the ranks agree on after step `stop_at`."""
     cfg = build_config("demo", ["train.micro_batch_size=1", "train.grad_accum=1", "train.log_every=1",
                                 "train.eval_every=0", "train.peak_tflops=1", *sets])
     info = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)
     x = torch.linspace(-1, 1, 4).half()
     trainer = Trainer(cfg, run_dir, info, engine, _SquareObjective(), DataSteps(cfg, CPU), [{"x": x}] * 4, None,
                       n_params=15)
-    trainer.preemption = SimpleNamespace(install=lambda: None, agreed=lambda: False, saved=lambda: None,
-                                         requested=False)
+    trainer.preemption = SimpleNamespace(install=lambda: None, agreed=lambda: trainer.step == stop_at,
+                                         saved=lambda: None, requested=False)
     never = SimpleNamespace(due=lambda *args: False, after_step=lambda *args, **kwargs: None)
     logger = metrics.MetricsLogger(cfg, info, n_params=15, start_step=0,
                                    sink=metrics.MetricsSink(run_dir, cfg, trainer.run_id, 0))
-    trainer.fit(logger, never, watchdog=None)
+    assert trainer.fit(logger, never, watchdog=None) == code
     return [json.loads(line) for line in (run_dir / rundir.METRICS_FILE).read_text().splitlines()]
 
 
@@ -351,6 +352,18 @@ def test_the_logged_gradient_norm_is_of_the_unscaled_gradients(tmp_path, deepspe
     rows = _fit(engine, tmp_path, "train.max_steps=2")
     assert [row["grad_norm"] for row in rows] == pytest.approx([true_norm] * 2, rel=1e-2)
     assert loss_scale_of(engine) == 2.0 ** 16 * (2 if window == 1 else 1)  # the second step doubled it
+
+
+@pytest.mark.parametrize("stop_at, code", [(1, EXIT_PREEMPTED), (2, EXIT_OK)])
+def test_a_signal_during_the_last_steps_evaluation_or_checkpoint_ends_a_complete_run(tmp_path, deepspeed_group_of_one,
+                                                                                    stop_at, code, capsys):
+    """A stop agreed at the last step (a SIGINT during its final evaluation) came after the run's final evaluation
+    and checkpoint, yet it said 'stopped by signal ... rerun with --resume auto' and exited 75: a scheduler requeued
+    a job that had nothing left to train."""
+    layer = torch.nn.Linear(4, 3).half()
+    rows = _fit(_FakeFP16Engine(_fp16_optimizer("unfused", layer), layer), tmp_path, "train.max_steps=2",
+                stop_at=stop_at, code=code)
+    assert len(rows) == stop_at and ("stopped by signal" in capsys.readouterr().out) == (stop_at == 1)
 
 
 class _OverflowingZeroEngine(_FakeFP16Engine):

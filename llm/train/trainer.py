@@ -399,7 +399,7 @@ class Trainer:
             notes = (self.budget.warmup_note(self.step), self.budget.overrun_note()) if last else ()
             for note in filter(None, notes) if self.dist.is_main else ():
                 logger.bar.write(f"{self.cfg.train.stage}: {note}", file=sys.stdout)
-            if stop:
+            if stop and not last:  # a signal during the last step's evaluation or checkpoint: the run is complete
                 if self.dist.is_main:
                     logger.bar.close()
                     print(f"stopped by signal at step {self.step}; checkpoint saved in {self.run_dir}; "
