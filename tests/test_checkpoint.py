@@ -81,6 +81,17 @@ def _save(run: Path, *steps: int, keep: int = 0) -> None:
         checkpoint.save(FakeEngine(step), run, step, CLIENT_STATE | {"step": step}, keep)
 
 
+def test_a_checkpoints_client_state_is_taken_once_its_files_are_written(one_rank_group, tmp_path):
+    """The state (with the time budget's clock) was taken before the model and optimizer files were written: a run
+    stopped by a signal and resumed ran past its train.max_time by the stop's checkpoint, uncounted."""
+    model_file = rundir.checkpoint_dir(tmp_path) / "global_step2" / MODEL_FILE
+    taken = []
+    checkpointer = checkpoint.Checkpointer(FakeEngine(2.0), tmp_path, save_every=0, keep=0, client_state=lambda stop:
+                                           taken.append(model_file.is_file()) or CLIENT_STATE | {"step": 2})
+    checkpointer.after_step(2, last=False, stopped_by_signal=True)
+    assert taken == [True] and rundir.usable_tag(tmp_path) == "global_step2"
+
+
 def _tags(run: Path) -> list[str]:
     return sorted(p.name for p in rundir.checkpoint_dir(run).iterdir() if p.is_dir())
 

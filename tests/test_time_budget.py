@@ -1,6 +1,7 @@
 """`train.max_time`: the run ends inside the budget with the learning-rate schedule complete (a simulated clock
 drives the budget exactly as the trainer does), and a killed time-budget run resumes with its clock (a real run)."""
 
+import dataclasses
 import json
 import math
 import random
@@ -116,6 +117,21 @@ def test_a_resumed_budget_decides_exactly_as_an_uninterrupted_one():
     rest, total, _, _ = simulate(t, 1.1, eval_time=3.0, save_time=1.0, state=state, start=60)
     assert first[:60] + rest == pytest.approx(straight)
     assert total == pytest.approx(straight_total) and total <= 200
+
+
+@pytest.mark.parametrize("longer", [True, False])
+def test_a_resume_under_another_max_time_follows_the_new_budget(longer):
+    """A finished run resumed with a longer train.max_time trained all the extension at the floor (its schedule's
+    progress held at 1): the schedule follows the new budget from there, as it follows a new train.max_steps."""
+    t = TrainConfig(max_time=100, max_steps=10**6, warmup_steps=5, min_lr_ratio=0.1, eval_every=0, save_every=0)
+    _, first_total, state, tag = simulate(t, 1.0, eval_time=0.5, save_time=0.5, kill_after=None if longer else 50)
+    again = dataclasses.replace(t, max_time=200 if longer else 80)
+    used, total, _, _ = simulate(again, 1.0, eval_time=0.5, save_time=0.5, state=state, start=tag)
+    assert total <= again.max_time and used[-1] == pytest.approx(t.min_lr_ratio, abs=2e-3)
+    decay = used[1:]  # the first resumed step at the rate the old schedule had computed for it, as for max_steps
+    assert all(a >= b for a, b in zip(decay, decay[1:], strict=False))
+    if longer:  # about half of the new budget's decay time is left: the rate rises well above the floor
+        assert first_total <= 100 and used[0] == pytest.approx(t.min_lr_ratio) and decay[0] > 0.5 and len(used) > 80
 
 
 def test_a_warmup_longer_than_the_budget_still_keeps_the_final_evaluation_inside_it():

@@ -265,7 +265,10 @@ class TimeBudget:
         self._eval_measured = self.eval_seconds = state["eval_seconds"]
         self._save_measured = self.save_seconds = state["save_seconds"] or 0.0
         self._warmup_ended = self.warmup_end = state["warmup_end"]
-        self._progress = state.get("progress", 0.0)  # a checkpoint of an earlier version has none
+        # the schedule's progress so far (a checkpoint of an earlier version has none); under another max_time the
+        # schedule follows the new budget from here, as another max_steps does (held, a longer budget trained all
+        # its extension at the floor)
+        self._progress = state.get("progress", 0.0) if state.get("max_time") == self.max_time else 0.0
         self._measure_save_again = self.eval_seconds is not None and not self.save_seconds
 
 
