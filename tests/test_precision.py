@@ -16,6 +16,7 @@ from conftest import train_args
 from llm import rundir
 from llm.config import ModelConfig, build_config
 from llm.errors import EXIT_OK, EXIT_PREEMPTED, UserError
+from llm.model import Transformer
 from llm.runtime.distributed import DistInfo
 from llm.runtime.rank_env import free_port
 from llm.train import checkpoint, metrics
@@ -482,6 +483,41 @@ def test_bf16_gradients_are_summed_over_micro_batches_in_fp32(deepspeed_group_of
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed's engine asks for it
     held, exact = _accumulated_gradient(cfg, ds)
     assert torch.equal(held, exact)
+
+
+def test_bf16_without_zero_starts_from_the_models_weights_and_no_adam_step(deepspeed_group_of_one, monkeypatch):
+    """DeepSpeed's bf16 optimizer without ZeRO (FP16_UnfusedOptimizer) stepped AdamW once with zero gradients as it
+    was built: its fp32 master weights decayed by train.lr x train.weight_decay (x 0.9 here) before training, and the
+    first real update was 0.73 of AdamW's (its step count one ahead). ZeRO-2 never did."""
+    cfg = build_config("demo", ["model.vocab_size=64", "model.dim=32", "model.n_layers=1", "model.n_heads=2",
+                                "train.precision=bf16", "train.lr=1.0", "train.weight_decay=0.1"])
+    ds = resolve_ds_config(load_ds_config(None, "pretrain")[0], cfg, world_size=1, zero_stage=0)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed's engine asks for it
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    engine = engine_module.build_engine(model, cfg, ds, lambda step: 0.1)
+    optimizer = engine.optimizer
+    assert type(optimizer).__name__ == "FP16_UnfusedOptimizer" and not optimizer.optimizer.state
+    for weights, masters in zip(optimizer.fp16_groups, optimizer.fp32_groups, strict=True):
+        assert all(torch.equal(master, weight.float()) for weight, master in zip(weights, masters, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["unfused", "fused"])
+def test_the_step_deepspeeds_fp16_optimizers_take_to_be_built_is_undone(deepspeed_group_of_one, kind):
+    """FP16_Optimizer (fp16 without ZeRO on a GPU) takes the same step as FP16_UnfusedOptimizer."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3).half()
+    inner = torch.optim.AdamW(layer.parameters(), lr=1.0, weight_decay=0.1)
+    cls = FP16_UnfusedOptimizer if kind == "unfused" else FP16_Optimizer
+    optimizer = cls(inner, dynamic_loss_scale=True, dynamic_loss_args=DYNAMIC_ARGS, verbose=False)
+    masters = optimizer.fp32_groups[0] if kind == "unfused" else [optimizer.fp32_groups_flat[0]]
+    weights = optimizer.fp16_groups[0] if kind == "unfused" else [optimizer.fp16_groups_flat[0]]
+    assert inner.state and not torch.equal(masters[0], weights[0].float())  # decayed by the step
+    engine_module._undo_the_step_taken_to_build(optimizer)
+    assert not inner.state and all(torch.equal(m, w.float()) for m, w in zip(masters, weights, strict=True))
 
 
 def test_a_config_that_asks_for_bf16_accumulation_keeps_it():

@@ -802,7 +802,26 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, ds_config: dict[str, An
 
     engine, _, _, _ = _initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
                                   config=ds_config, lr_scheduler=None if scheduler_name(ds_config) else make_scheduler)
+    _undo_the_step_taken_to_build(engine.optimizer)
     return engine
+
+
+def _undo_the_step_taken_to_build(optimizer) -> None:
+    """DeepSpeed's fp16 and bf16 optimizers without ZeRO (FP16_Optimizer, FP16_UnfusedOptimizer) step the optimizer
+    they wrap once, with zero gradients, as they are built, to make its state: under AdamW that decayed every fp32
+    master weight by train.lr x train.weight_decay (the full rate, before any warmup) and counted an Adam step that
+    never was (the first real update's bias correction a step off: 0.73 of AdamW's). The masters are copied back
+    from the model's weights they were made from, and the state is dropped: the first real step makes it."""
+    if isinstance(optimizer, FP16_UnfusedOptimizer):
+        for weights, masters in zip(optimizer.fp16_groups, optimizer.fp32_groups, strict=True):
+            for weight, master in zip(weights, masters, strict=True):
+                master.data.copy_(weight.data)
+    elif isinstance(optimizer, FP16_Optimizer):
+        for weights, masters in zip(optimizer.fp16_groups_flat, optimizer.fp32_groups_flat, strict=True):
+            masters.data.copy_(weights.data)
+    else:
+        return
+    optimizer.optimizer.state.clear()
 
 
 def full_parameters(engine):
