@@ -16,9 +16,10 @@ import math
 import sys
 import warnings
 from array import array
-from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from llm import durable, rundir
 from llm.errors import UserError
@@ -46,16 +47,40 @@ class RunSeries:
     tokens_per_step: int
     """For a row without `TOKENS` (an earlier version's): the positions of one step at the batch recorded now."""
 
-    def points(self, key: str, x: str) -> tuple[list[float], list[float]]:
+    def arrays(self, key: str, x: str) -> tuple[np.ndarray, np.ndarray]:
         """(x values, `key` values) of the rows holding a finite number as `key` (a string, a list or true is not
-        drawn: matplotlib would draw strings as categories in the order they come)."""
-        steps, values = self.columns[key]
-        return [self._tokens_at(step) if x == TOKENS else step for step in steps], list(values)
+        drawn: matplotlib would draw strings as categories in the order they come), over the columns' memory."""
+        steps, values = (np.frombuffer(column, dtype=dtype) for column, dtype in zip(self.columns[key],
+                                                                                     (np.int64, np.float64)))
+        if x != TOKENS:
+            return steps, values
+        logged, tokens = (np.frombuffer(column, dtype=dtype) for column, dtype in zip(self.columns[TOKENS],
+                                                                                      (np.int64, np.float64)))
+        at = np.minimum(np.searchsorted(logged, steps), max(len(logged) - 1, 0))
+        found = logged[at] == steps if len(logged) else np.zeros(len(steps), dtype=bool)
+        return np.where(found, tokens[at] if len(logged) else 0.0, steps * float(self.tokens_per_step)), values
 
-    def _tokens_at(self, step: int) -> float:
-        logged, tokens = self.columns[TOKENS]
-        i = bisect_left(logged, step)
-        return tokens[i] if i < len(logged) and logged[i] == step else step * self.tokens_per_step
+    def points(self, key: str, x: str) -> tuple[list[float], list[float]]:
+        """`arrays` as lists."""
+        return tuple(column.tolist() for column in self.arrays(key, x))
+
+
+BUCKETS = 2000
+"""A line of more points than twice this is drawn through its first and last point and each bucket's lowest and
+highest, its buckets of consecutive rows: more than a panel's pixels across, so the picture is the same (every spike
+kept), while matplotlib holds about 4,000 points a line, not every row of a long run (871 MiB for two million)."""
+
+
+def thinned(xs: np.ndarray, ys: np.ndarray, buckets: int = BUCKETS) -> tuple[np.ndarray, np.ndarray]:
+    """The points of a line to draw (`BUCKETS`), in their order."""
+    if len(xs) <= 2 * buckets:
+        return xs, ys
+    edges = np.linspace(0, len(xs), buckets + 1).astype(np.int64)
+    kept = {0, len(xs) - 1}  # the line spans the run
+    for start, end in zip(edges[:-1], edges[1:], strict=True):
+        kept |= {start + int(np.argmin(ys[start:end])), start + int(np.argmax(ys[start:end]))}
+    order = sorted(kept)
+    return xs[order], ys[order]
 
 
 def read_run(run_dir: Path, name: str | None = None) -> RunSeries:
@@ -145,8 +170,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
             ax = axes[row][column]
             drawn = False
             for i, run in enumerate(runs):
-                xs, ys = run.points(key, x)
-                drawn = drawn or bool(xs)
+                xs, ys = thinned(*run.arrays(key, x))
+                drawn = drawn or bool(len(xs))
                 ax.plot(xs, ys, marker="o" if key == "val_loss" or len(xs) == 1 else None, markersize=3,
                         color=colours[i % len(colours)], linestyle=LINE_STYLES[i // len(colours) % len(LINE_STYLES)])
             if not drawn:  # rather than an empty frame with axes from -0.04 to 0.04

@@ -135,6 +135,26 @@ def _drawn_figure(monkeypatch, runs, out):
     return saved[0]
 
 
+def test_a_long_run_is_drawn_through_each_buckets_extremes(tmp_path, monkeypatch):
+    """matplotlib kept every point given it, as lists of Python floats: two million rows took 871 MiB. A line of
+    many points is drawn through each bucket's lowest and highest (every spike kept), in order."""
+    from llm.plot import BUCKETS
+
+    run = fake_run(tmp_path / "a", 1, 1.0)
+    rows = 50_000
+    losses = [2.0 + (step % 7) / 10 for step in range(1, rows + 1)]
+    losses[31_337] = 9.5  # a spike
+    with (run / "metrics.jsonl").open("w") as f:
+        f.writelines(json.dumps({"step": step, "loss": loss, "tokens": step * 10}) + "\n"
+                     for step, loss in enumerate(losses, start=1))
+    figure = _drawn_figure(monkeypatch, [run], tmp_path / "x.png")
+    by_step, by_tokens = (ax.get_lines()[0] for ax in figure.axes[:2])
+    xs, ys = by_step.get_xdata(), by_step.get_ydata()
+    assert len(xs) <= 2 * BUCKETS + 2 and list(xs) == sorted(xs) and (xs[0], xs[-1]) == (1, rows)
+    assert max(ys) == 9.5 and xs[list(ys).index(9.5)] == 31_338 and min(ys) == 2.0
+    assert list(by_tokens.get_xdata()) == [x * 10 for x in xs] and list(by_tokens.get_ydata()) == list(ys)
+
+
 def _legend_labels(figure):
     legends = [*figure.legends, *(ax.get_legend() for ax in figure.axes if ax.get_legend() is not None)]
     return [text.get_text() for legend in legends for text in legend.get_texts()]
