@@ -50,15 +50,17 @@ class RunSeries:
     def arrays(self, key: str, x: str) -> tuple[np.ndarray, np.ndarray]:
         """(x values, `key` values) of the rows holding a finite number as `key` (a string, a list or true is not
         drawn: matplotlib would draw strings as categories in the order they come), over the columns' memory."""
-        steps, values = (np.frombuffer(column, dtype=dtype) for column, dtype in zip(self.columns[key],
-                                                                                     (np.int64, np.float64)))
+        steps, values = self._column(key)
         if x != TOKENS:
             return steps, values
-        logged, tokens = (np.frombuffer(column, dtype=dtype) for column, dtype in zip(self.columns[TOKENS],
-                                                                                      (np.int64, np.float64)))
+        logged, tokens = self._column(TOKENS)
         at = np.minimum(np.searchsorted(logged, steps), max(len(logged) - 1, 0))
         found = logged[at] == steps if len(logged) else np.zeros(len(steps), dtype=bool)
         return np.where(found, tokens[at] if len(logged) else 0.0, steps * float(self.tokens_per_step)), values
+
+    def _column(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        steps, values = self.columns[key]
+        return np.frombuffer(steps, dtype=np.int64), np.frombuffer(values, dtype=np.float64)
 
     def points(self, key: str, x: str) -> tuple[list[float], list[float]]:
         """`arrays` as lists."""
