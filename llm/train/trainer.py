@@ -67,7 +67,8 @@ class Trainer:
         self.engine, self.objective, self.steps, self.n_params = engine, objective, steps, n_params
         self.train_set, self.val_set = train_set, val_set
         t = cfg.train
-        self.global_batch = t.micro_batch_size * t.grad_accum * info.world_size
+        self.tokens_per_step = t.micro_batch_size * t.grad_accum * info.world_size * cfg.data.seq_len
+        """The positions a step trains on: the global batch x data.seq_len (`tokens_seen`)."""
         self.samples_per_step = steps.draw_size * steps.draws_per_step * info.world_size
         """Samples drawn by all ranks together per step (GRPO: prompts; a global batch of completions)."""
         if len(train_set) < self.samples_per_step:  # every rank finds it
@@ -101,7 +102,7 @@ class Trainer:
     def resume(self, tag: str, universal: bool) -> None:
         state = checkpoint.load(self.engine, self.run_dir, tag, universal, clock_driven=self.budget.enabled)
         self.step, self.run_id = state["step"], state["run_id"]
-        self.tokens_seen = state.get("tokens_seen", self._tokens_before_the_count())
+        self.tokens_seen = state["tokens_seen"] if "tokens_seen" in state else self._tokens_before_the_count()
         try:
             self.sampler.load_state_dict(state["sampler"])
         except ValueError as exc:  # every rank finds it
@@ -119,7 +120,7 @@ class Trainer:
         try:
             return self.step * rundir.recorded_tokens_per_step(self.run_dir)
         except UserError:
-            return self.step * self.global_batch * self.cfg.data.seq_len
+            return self.step * self.tokens_per_step
 
     def client_state(self, stopped_by_signal: bool) -> dict[str, Any]:
         return {"step": self.step, "run_id": self.run_id, "world_size": self.dist.world_size,
@@ -239,7 +240,7 @@ class Trainer:
         self._generation_seconds_since_log += batches.generation_seconds
         self.sampler.advance(self.samples_per_step)
         self.step += 1
-        self.tokens_seen += self.global_batch * self.cfg.data.seq_len
+        self.tokens_seen += self.tokens_per_step
         return sums, batches
 
     def _refuse_diverged(self, loss: float | torch.Tensor) -> None:
