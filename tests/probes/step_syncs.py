@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from llm.cli import end_now
 from llm.config import build_config
 from llm.data.prepared import read_data_attrs
 from llm.runtime.distributed import setup_distributed
@@ -81,3 +82,4 @@ def main(stage: str, data: str, run: str, overrides: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])
+    end_now(0)  # as a rank ends (`end_rank`): the teardown of its process group aborted it once in a full run
