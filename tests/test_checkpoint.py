@@ -76,9 +76,14 @@ class FakeEngine:
         return str(Path(root, tag)), {}
 
 
+def _state(**changes):
+    """What `checkpoint.save` records beside the engine's files: CLIENT_STATE with `changes`, as a callable."""
+    return lambda: CLIENT_STATE | changes
+
+
 def _save(run: Path, *steps: int, keep: int = 0) -> None:
     for step in steps:
-        checkpoint.save(FakeEngine(step), run, step, CLIENT_STATE | {"step": step}, keep)
+        checkpoint.save(FakeEngine(step), run, step, _state(step=step), keep)
 
 
 def test_a_checkpoints_client_state_is_taken_once_its_files_are_written(one_rank_group, tmp_path):
@@ -176,7 +181,7 @@ def test_a_save_that_runs_out_of_room_is_one_line_and_keeps_the_previous_checkpo
     with file_size_limit(100_000 if where == "DeepSpeed's file" else 2**40), pytest.raises(UserError) as error:
         if where != "DeepSpeed's file":
             _quota_exceeded_on(where, monkeypatch)
-        checkpoint.save(big, tmp_path, 2, CLIENT_STATE | {"step": 2}, keep=1)
+        checkpoint.save(big, tmp_path, 2, _state(step=2), keep=1)
     message = (f"{rundir.checkpoint_dir(tmp_path)}: {reason} while saving step 2; the previous checkpoint "
                "(global_step1) is intact; free space and rerun with --resume auto")
     assert str(error.value) == message and capsys.readouterr().err == f"zerollm: error: {message}\n"
@@ -199,12 +204,12 @@ def test_running_out_of_room_after_latest_names_the_new_checkpoint_keeps_it(one_
     monkeypatch.setattr(durable, "fsync", full_after_latest)
     with pytest.raises(UserError, match=r"no space left on device while saving step 2; its checkpoint "
                                         r"\(global_step2\) was published first; free space"):
-        checkpoint.save(FakeEngine(2.0), tmp_path, 2, CLIENT_STATE | {"step": 2}, keep=1)
+        checkpoint.save(FakeEngine(2.0), tmp_path, 2, _state(step=2), keep=1)
     assert rundir.usable_tag(tmp_path) == "global_step2"
     monkeypatch.setattr(durable, "fsync", fsync)
     monkeypatch.setattr(checkpoint, "prune", _raise_enospc)
     capsys.readouterr()
-    checkpoint.save(FakeEngine(3.0), tmp_path, 3, CLIENT_STATE | {"step": 3}, keep=1)
+    checkpoint.save(FakeEngine(3.0), tmp_path, 3, _state(step=3), keep=1)
     assert rundir.usable_tag(tmp_path) == "global_step3"
     assert capsys.readouterr().err == (f"zerollm: note: {rundir.checkpoint_dir(tmp_path)}: no space left on device "
                                        "while removing checkpoints older than the 1 newest; they are kept\n")
@@ -217,7 +222,7 @@ def _raise_enospc(*args) -> None:
 def test_a_first_save_that_runs_out_of_room_says_none_was_saved_before(one_rank_group, tmp_path):
     with file_size_limit(100_000), pytest.raises(UserError) as error:
         _save(tmp_path, 1)  # the RNG file (about 5 kB) fits; DeepSpeed's (400 kB) does not
-        checkpoint.save(FakeEngine(2.0, size=100_000), tmp_path, 2, CLIENT_STATE | {"step": 2}, keep=0)
+        checkpoint.save(FakeEngine(2.0, size=100_000), tmp_path, 2, _state(step=2), keep=0)
     assert str(error.value).endswith("while saving step 2; the previous checkpoint (global_step1) is intact; free "
                                      "space and rerun with --resume auto")
     with file_size_limit(1000), pytest.raises(UserError) as error:
@@ -233,7 +238,7 @@ def test_running_out_of_room_without_latest_names_the_intact_checkpoint(one_rank
     _save(tmp_path, 1)
     (rundir.checkpoint_dir(tmp_path) / rundir.LATEST).unlink()
     with file_size_limit(100_000), pytest.raises(UserError) as error:
-        checkpoint.save(FakeEngine(2.0, size=100_000), tmp_path, 2, CLIENT_STATE | {"step": 2}, keep=0)
+        checkpoint.save(FakeEngine(2.0, size=100_000), tmp_path, 2, _state(step=2), keep=0)
     assert str(error.value).endswith("while saving step 2; the previous checkpoint (global_step1) is intact; free "
                                      "space and rerun with --resume auto")
     assert rundir.usable_tag(tmp_path) == "global_step1"
@@ -468,7 +473,7 @@ def _rank_of_a_fake_save(rank: int, port: int, run: Path, log: Path, record: Pat
     if rank == 0:
         listdir = os.listdir
         os.listdir = lambda path=".": [name for name in listdir(path) if not re.search(r"rank_?1\D", name)]
-    checkpoint.save(RankEngine(), run, 2, CLIENT_STATE | {"step": 2, "world_size": 2}, keep=0)
+    checkpoint.save(RankEngine(), run, 2, _state(step=2, world_size=2), keep=0)
     dist.destroy_process_group()
 
 
@@ -548,7 +553,7 @@ def test_a_file_no_rank_wrote_through_the_checkpoint_engine_is_still_listed(one_
     flushed = []
     fsync = durable.fsync
     monkeypatch.setattr(durable, "fsync", lambda path: (flushed.append(Path(path).name), fsync(path)))
-    checkpoint.save(EngineWritingAside(), tmp_path, 3, CLIENT_STATE | {"step": 3}, keep=0)
+    checkpoint.save(EngineWritingAside(), tmp_path, 3, _state(step=3), keep=0)
     assert rundir.incompleteness(tmp_path, "global_step3") is None
     assert "written_aside.json" in json.loads(rundir.manifest_file(tmp_path, "global_step3").read_text())["files"]
     assert flushed.count("written_aside.json") == 1
@@ -688,7 +693,7 @@ def test_nvme_offload_copies_are_flushed_and_listed_by_their_path(deepspeed_coll
     run, flushed = tmp_path / "run", []
     fsync = durable.fsync
     monkeypatch.setattr(durable, "fsync", lambda path: (flushed.append(os.path.abspath(path)), fsync(path)))
-    checkpoint.save(NvmeOffloadEngine(tmp_path / "nvme", [300, 5000]), run, 3, CLIENT_STATE | {"step": 3}, keep=0)
+    checkpoint.save(NvmeOffloadEngine(tmp_path / "nvme", [300, 5000]), run, 3, _state(step=3), keep=0)
     folder = rundir.checkpoint_dir(run) / "global_step3"
     manifest = json.loads((folder / rundir.MANIFEST).read_text())
     assert manifest["files"] == {name: size for name, size in _files_below(folder).items()
@@ -714,7 +719,7 @@ def test_a_torn_nvme_offload_copy_makes_its_checkpoint_incomplete(deepspeed_coll
                                                                   reason):
     run = tmp_path / "run"
     for step in (10, 20):
-        checkpoint.save(NvmeOffloadEngine(tmp_path / "nvme", [300, 5000]), run, step, CLIENT_STATE | {"step": step},
+        checkpoint.save(NvmeOffloadEngine(tmp_path / "nvme", [300, 5000]), run, step, _state(step=step),
                         keep=0)
     damage(rundir.checkpoint_dir(run) / "global_step20")
     assert rundir.incompleteness(run, "global_step20") == reason
@@ -735,12 +740,12 @@ def _rank_of_an_nvme_save(rank: int, port: int, run: Path, log: Path, record: Pa
     _watch_saves(record)
     swap = run.parent / f"nvme{rank}"
     checkpoint.save(NvmeOffloadEngine(swap, [300 + 1000 * rank, 70]), run, 1,
-                    CLIENT_STATE | {"step": 1, "world_size": 2}, keep=0)
+                    _state(step=1, world_size=2), keep=0)
     full = out_of_room and rank == 1
     engine = NvmeOffloadEngine(swap, [200_000 if full else 300, 70])
     try:
         with file_size_limit(100_000 if full else 2**40):
-            checkpoint.save(engine, run, 2, CLIENT_STATE | {"step": 2, "world_size": 2}, keep=0)
+            checkpoint.save(engine, run, 2, _state(step=2, world_size=2), keep=0)
     except UserError as exc:
         Path(f"{log}.said").write_text(str(exc))
     dist.destroy_process_group()
@@ -798,7 +803,7 @@ def test_loading_copies_the_nvme_offload_files_back_and_a_full_drive_is_one_line
     """DeepSpeed's copy back to the drive ran out of room with a shutil.Error of texts (its copytree went on with
     every other file), and the optimizer then read its state back from the partial copy."""
     run = tmp_path / "run"
-    checkpoint.save(NvmeOffloadEngine(tmp_path / "nvme", [300, 5000]), run, 1, CLIENT_STATE | {"step": 1}, keep=0)
+    checkpoint.save(NvmeOffloadEngine(tmp_path / "nvme", [300, 5000]), run, 1, _state(step=1), keep=0)
     engine = NvmeOffloadEngine(tmp_path / "loaded", [1, 1])
     assert checkpoint.load(engine, run, "global_step1")["step"] == 1
     assert [(tmp_path / "loaded" / f"{i}.tensor.swp").read_bytes() for i in range(2)] == [b"\1" * 300, b"\2" * 5000]
@@ -824,7 +829,7 @@ def _rank_of_an_nvme_load(rank: int, port: int, run: Path, log: Path) -> None:
 
     comm.cdb = _deepspeed_collectives()
     checkpoint.save(NvmeOffloadEngine(run.parent / f"nvme{rank}", [300 if rank == 0 else 200_000, 70]), run, 1,
-                    CLIENT_STATE | {"step": 1, "world_size": 2}, keep=0)
+                    _state(step=1, world_size=2), keep=0)
     try:
         with file_size_limit(100_000 if rank == 1 else 2**40):
             checkpoint.load(NvmeOffloadEngine(run.parent / f"loaded{rank}", [1, 1]), run, "global_step1")
@@ -1015,7 +1020,7 @@ def _run_of(tmp_path: Path, trained_tied: bool, config_tied: bool) -> tuple[Path
     engine = FakeEngine()
     engine.state = {"module": trained.state_dict()}
     run = tmp_path / "run"
-    checkpoint.save(engine, run, 1, CLIENT_STATE | {"step": 1}, keep=0)
+    checkpoint.save(engine, run, 1, _state(step=1), keep=0)
     cfg.save(rundir.config_file(run))
     return run, trained
 

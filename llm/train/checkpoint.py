@@ -153,10 +153,9 @@ def _damaged_advice(path: Path, source: Path) -> str:
     return rundir.damaged_checkpoint_advice(folder.parent.parent, folder.name)
 
 
-def save(engine, run_dir: Path, step: int, client_state: dict[str, Any] | Callable[[], dict[str, Any]],
-         keep: int) -> None:
-    """Save on every rank; rank 0 then writes the manifest, publishes the checkpoint as `latest` and prunes. A
-    callable `client_state` is called as rank 0 publishes, once every rank's files are written: the time budget's
+def save(engine, run_dir: Path, step: int, client_state: Callable[[], dict[str, Any]], keep: int) -> None:
+    """Save on every rank; rank 0 then writes the manifest, publishes the checkpoint as `latest` and prunes.
+    `client_state()` is called as rank 0 publishes, once every rank's files are written: the time budget's
     clock in it counts their writing (taken before it, a run stopped by a signal and resumed ran past its budget by
     the stop's checkpoint).
 
@@ -223,7 +222,7 @@ def _write_rank_files(engine, run_dir: Path, tag: str, rank: int) -> dict[str, i
 
 
 def _publish(run_dir: Path, tag: str, step: int, world: int, written: list[dict[str, int]],
-             client_state: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
+             client_state: Callable[[], dict[str, Any]]) -> None:
     """Rank 0: client_state.json, the manifest of every file of the checkpoint, then `latest`. `written`: each rank's
     files, by their paths in the folder, with their sizes once flushed (`_write_rank_files`).
 
@@ -240,8 +239,7 @@ def _publish(run_dir: Path, tag: str, step: int, world: int, written: list[dict[
         durable.fsync(directory / name)
         files[name] = (directory / name).stat().st_size
     files = dict(sorted(files.items()))
-    state = client_state() if callable(client_state) else client_state
-    durable.write_text(directory / rundir.CLIENT_STATE, json.dumps(state, indent=1))
+    durable.write_text(directory / rundir.CLIENT_STATE, json.dumps(client_state(), indent=1))
     files[rundir.CLIENT_STATE] = (directory / rundir.CLIENT_STATE).stat().st_size
     manifest = {"step": step, "world_size": world, "files": files}
     durable.write_text(rundir.manifest_file(run_dir, tag), json.dumps(manifest, indent=1))
