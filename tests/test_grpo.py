@@ -580,6 +580,25 @@ def test_clipped_tokens_are_counted_and_only_cispo_keeps_their_gradient(loss):
     assert (gradient > 0) is (loss == "cispo")
 
 
+def test_positions_off_the_completions_cannot_make_the_loss_nan():
+    """The ratio and the KL term were exponentiated at every position and masked after: a prompt or padding
+    position whose reference log-probability is 90 nats above the policy's (exp overflows fp32) made the loss and
+    every gradient NaN, though the loss is over completion tokens only."""
+    model, batch = _objective_batch()
+    batch["old_logps"] = batch["ref_logps"] - 0.5  # every completion token's ratio is e^0.5: some clip
+    objective = GRPOObjective(GRPOConfig(kl_coef=0.1))
+    expected = objective(model, dict(batch))
+    assert batch["mask"][:, 0].sum() == 0  # the first target of every row is the prompt's
+    batch["ref_logps"], batch["old_logps"] = batch["ref_logps"].clone(), batch["old_logps"].clone()
+    batch["ref_logps"][0, 0] += 90.0
+    batch["old_logps"][1, 0] -= 90.0
+    step = objective(model, dict(batch))
+    step.loss.backward()
+    assert step.loss.item() == expected.loss.item()
+    assert step.metrics["kl"].item() == expected.metrics["kl"].item()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_token_mean_weighs_every_completion_token_alike():
     model, batch = _objective_batch()
     batch["mask"][0, :] = 1  # the first completion is longer
@@ -597,11 +616,12 @@ def test_token_mean_spans_every_micro_batch_of_the_step(one_rank_group):
     objective = GRPOObjective(GRPOConfig(kl_coef=0.0, token_mean=True))
     whole = objective(model, dict(batch)).loss
     halves = [{k: v[i:i + 2] for k, v in batch.items()} for i in (0, 2)]
-    trainer = SimpleNamespace(objective=objective, dist=SimpleNamespace(world_size=1))
-    weights = Trainer._token_weights(trainer, halves)
+    trainer = Trainer.__new__(Trainer)
+    trainer.objective, trainer.dist = objective, SimpleNamespace(world_size=1)
+    weights, _ = trainer._step_weights(halves)
     split = sum(w * objective(model, half).loss for w, half in zip(weights, halves, strict=True)) / len(halves)
     assert split.item() == pytest.approx(whole.item(), rel=1e-6)
-    assert Trainer._token_weights(SimpleNamespace(objective=GRPOObjective(GRPOConfig()), dist=None), halves) is None
+    assert trainer._token_weights(halves, GRPOObjective(GRPOConfig()).token_mask) is None
 
 
 def test_grpo_config_is_checked():

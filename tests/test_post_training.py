@@ -21,6 +21,7 @@ from llm.data.prepare import DIGEST_ATTR, TOKENS_FILE, TooLong, encode_dpo, enco
 from llm.errors import UserError
 from llm.loading import consolidated_weights
 from llm.model import Transformer, masked_cross_entropy
+from llm.model.token_losses import token_logps
 from llm.tokenizer import Tokenizer
 from llm.train.ds_config_file import load_ds_config
 from llm.train.objectives import CausalLMObjective, DistillObjective, DPOObjective, GRPOObjective
@@ -577,8 +578,8 @@ def test_an_moe_load_balancing_loss_counts_every_micro_batch_alike(one_rank_grou
     trainer = Trainer.__new__(Trainer)  # the trainer's own micro-steps, on a model without DeepSpeed
     trainer.objective, trainer.engine = CausalLMObjective(), _RecordingEngine(model)
     trainer.dist, trainer._tokens_since_log, trainer._norm_taken_here = SimpleNamespace(world_size=1), 0, False
-    weights = trainer._token_weights(halves)
-    logged = sum(trainer._train_micro(half, w) for half, w in zip(halves, weights, strict=True))[0] / len(halves)
+    weights, _ = trainer._step_weights(halves)
+    logged = sum(trainer._train_micro(half, w, w) for half, w in zip(halves, weights, strict=True))[0] / len(halves)
     router = model.layers[0].feed_forward.router.weight
     got, router.grad = router.grad / len(halves), None  # DeepSpeed's mean over the step's micro-batches
 
@@ -588,6 +589,35 @@ def test_an_moe_load_balancing_loss_counts_every_micro_batch_alike(one_rank_grou
     expected.backward()
     assert torch.allclose(got, router.grad, rtol=1e-5, atol=1e-8)
     assert logged.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_grpo_logs_its_kl_per_completion_token_whatever_its_loss_averages(one_rank_group):
+    """GRPO's `kl` and `clip_fraction` are means per completion token (docs/grpo.md). With its loss a mean over
+    completions (grpo.token_mean false, the default), each micro-batch's metrics were averaged alike: a micro-batch
+    of two one-token completions 1 nat off the reference weighed as much as one of two 11-token completions equal
+    to it, and the logged KL was 6 times the mean per token."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=61, dim=32, n_layers=1, n_heads=2, max_seq_len=32))
+    tokens = torch.randint(4, 61, (4, 12))
+    mask = torch.zeros(4, 11)
+    mask[:2, :] = 1  # two completions of 11 tokens, then two of one token
+    mask[2:, 5] = 1
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask,
+             "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])}
+    with torch.no_grad():
+        logps = token_logps(model(batch["tokens"]).logits, batch["targets"])
+    batch["old_logps"], batch["ref_logps"] = logps, logps + (mask * torch.tensor([[0.0], [0.0], [1.0], [1.0]]))
+    halves = [{k: v[i:i + 2] for k, v in batch.items()} for i in (0, 2)]
+    trainer = Trainer.__new__(Trainer)
+    trainer.objective, trainer.engine = GRPOObjective(GRPOConfig(kl_coef=0.1)), _RecordingEngine(model)
+    trainer.dist, trainer._tokens_since_log, trainer._norm_taken_here = SimpleNamespace(world_size=1), 0, False
+    weights, metric_weights = trainer._step_weights(halves)
+    assert weights is None  # the loss: a mean over completions
+    sums = sum(trainer._train_micro(half, None, w) for half, w in zip(halves, metric_weights, strict=True))
+    logged = dict(zip(trainer._metric_names, (sums[1:] / len(halves)).tolist(), strict=True))
+    per_token = (math.exp(1) - 1 - 1) * 2 / 24  # two of the 24 completion tokens are 1 nat off
+    assert logged["kl"] == pytest.approx(per_token, rel=1e-5)
+    assert logged["clip_fraction"] == 0.0
 
 
 def test_a_dpo_validation_loss_is_the_mean_over_pairs_whatever_the_micro_batch(one_rank_group):

@@ -300,7 +300,7 @@ def test_attention_flops_count_the_heads_width_where_head_dim_is_set_apart_from_
 class _SquareObjective:
     """The mean square of a linear layer's output, in fp32 (as DeepSpeed's fp16 optimizers scale it)."""
 
-    token_mask = None
+    token_mask = metric_mask = None
 
     def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
         return MicroStep(engine(batch["x"]).float().pow(2).mean(), torch.tensor(len(batch["x"])))

@@ -13,7 +13,9 @@ a stage differs only in its dataset and its objective.
 
 Everything an objective returns stays on the training device (no host sync per micro-batch). An objective whose
 loss is a mean over the 1s of a batch mask names that mask `token_mask` (None otherwise): the trainer then weighs
-each micro-batch by its share of those tokens in the whole step (`Trainer._token_weights`). An MoE policy's
+each micro-batch by its share of those tokens in the whole step (`Trainer._token_weights`). `metric_mask` names
+the mask its metrics are means over in the same way (None: means over samples), so that a step's logged metric is
+the mean over every such token of the step, however the tokens fell into micro-batches. An MoE policy's
 load-balancing loss is a term of the micro-batch as a whole, not of its tokens: every objective returns it apart
 (`MicroStep.aux`), outside that weight and outside a validation loss, computed over the batch's real tokens only
 (segment ids > 0 in packed SFT rows, `real_tokens` in DPO's and GRPO's right-padded rows).
@@ -55,7 +57,7 @@ class CausalLMObjective:
     output layer from its hidden states (`llm.model.transformer.OutputHead`), so that the micro-batch's logits are
     held one chunk at a time."""
 
-    token_mask = "loss_mask"
+    token_mask = metric_mask = "loss_mask"
 
     def __call__(self, engine, batch: dict[str, torch.Tensor]) -> MicroStep:
         out = engine(batch["tokens"], batch["targets"], batch.get("loss_mask"), segment_ids=batch.get("segment_ids"))
@@ -75,7 +77,7 @@ class DPOObjective:
     RPO, Pang et al., 2024), which keeps DPO from lowering the likelihood of the answers it prefers.
     """
 
-    token_mask = None  # a mean over pairs
+    token_mask = metric_mask = None  # means over pairs
 
     def __init__(self, reference, beta: float, loss: str = "sigmoid", sft_weight: float = 0.0) -> None:
         self.reference, self.beta, self.loss, self.sft_weight = reference, beta, loss, sft_weight
@@ -122,8 +124,10 @@ class GRPOObjective:
     (`token_mean`, DAPO). pi_rollout is the policy that sampled the batch: the first update of a batch computes
     it (the optimizer has not stepped yet) and keeps it in the batch as `old_logps` for the later updates.
     Metrics: `kl` (mean per completion token) and `clip_fraction` (share of completion tokens whose ratio is
-    clipped, where clipping removes the gradient for grpo).
+    clipped, where clipping removes the gradient for grpo), token means whichever mean the loss is.
     """
+
+    metric_mask = "mask"
 
     def __init__(self, g: GRPOConfig) -> None:
         self.g = g
@@ -139,7 +143,8 @@ class GRPOObjective:
         out = engine(batch["tokens"], batch["targets"], token_mask=real_tokens(mask), logps_temperature=g.temperature)
         logps = out.token_logps
         old_logps = batch.setdefault("old_logps", logps.detach())
-        ratio = torch.exp(logps - old_logps)
+        completion = mask.bool()  # exponents off it are 0: a prompt or padding position far off (exp > fp32) was
+        ratio = torch.exp(torch.where(completion, logps - old_logps, 0.0))  # inf there, and inf * 0 a NaN loss
         advantages = batch["advantages"].unsqueeze(-1)
         low, high = 1 - g.clip_low, 1 + g.clip_high
         if g.loss == "cispo":
@@ -151,7 +156,7 @@ class GRPOObjective:
         n_tokens = mask.sum().clamp(min=1)
         metrics = {"clip_fraction": (clipped.float() * mask).sum() / n_tokens}
         if "ref_logps" in batch:
-            delta = batch["ref_logps"] - logps
+            delta = torch.where(completion, batch["ref_logps"] - logps, 0.0)
             kl = torch.exp(delta) - delta - 1
             per_token = per_token + g.kl_coef * kl
             metrics["kl"] = (kl.detach() * mask).sum() / n_tokens
@@ -169,7 +174,7 @@ class DistillObjective:
     In evaluation (the engine in eval mode) the loss is the student's cross-entropy alone and the teacher is not
     run, so a distilled run's val_loss compares with any other run's on the same data."""
 
-    token_mask = "loss_mask"
+    token_mask = metric_mask = "loss_mask"
 
     def __init__(self, teacher, alpha: float, temperature: float) -> None:
         self.teacher, self.alpha, self.temperature = teacher, alpha, temperature

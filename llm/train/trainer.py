@@ -161,18 +161,19 @@ class Trainer:
         loss = micro.loss if weight is None else micro.loss * weight
         return loss if micro.aux is None else loss + micro.aux
 
-    def _micro_values(self, loss: torch.Tensor, micro: MicroStep, weight: torch.Tensor | None) -> torch.Tensor:
-        """The micro-batch's backpropagated `loss` and its metrics, these times its token weight where it has one
-        (the metrics of a token-mean objective are token means over the same mask, e.g. distillation's `ce` and
-        `distill_kl`, GRPO's `kl` and `clip_fraction` with grpo.token_mean), as one float64 vector on the device."""
+    def _micro_values(self, loss: torch.Tensor, micro: MicroStep, metric_weight: torch.Tensor | None) -> torch.Tensor:
+        """The micro-batch's backpropagated `loss` and its metrics, these times their token weight where they are
+        token means (the objective's `metric_mask`: distillation's `ce` and `distill_kl`, GRPO's `kl` and
+        `clip_fraction`), as one float64 vector on the device."""
         self._metric_names = sorted(micro.metrics)
         metrics = [micro.metrics[k].float() for k in self._metric_names]
-        if weight is not None:
-            metrics = [m * weight for m in metrics]
+        if metric_weight is not None:
+            metrics = [m * metric_weight for m in metrics]
         return torch.stack([loss.detach().float(), *metrics]).double()
 
-    def _token_weights(self, micro_batches: list) -> list[torch.Tensor] | None:
-        """Weights that make a step's loss the mean over every token of the objective's `token_mask` in the step.
+    def _token_weights(self, micro_batches: list, key: str | None) -> list[torch.Tensor] | None:
+        """Weights that make a step's loss the mean over every token of mask `key` in the step (the objective's
+        `token_mask`; its `metric_mask` for its metrics).
 
         Such a micro-batch's loss (SFT's, distillation's on SFT data, GRPO's with grpo.token_mean) is the mean over
         its own masked tokens, whose number varies from one micro-batch to the next. DeepSpeed averages the
@@ -182,7 +183,6 @@ class Trainer:
         the step's tokens on every rank) * micro-batches * ranks: one collective per step. None where the
         objective's loss is no token mean (DPO; GRPO's default mean over completions) or the batch has no such
         mask (pretraining, whose every target bears loss)."""
-        key = self.objective.token_mask
         if key is None or key not in micro_batches[0]:
             return None
         counts = torch.stack([b[key].sum() for b in micro_batches]).double()
@@ -190,7 +190,15 @@ class Trainer:
         dist.all_reduce(total)
         return list((counts * (len(counts) * self.dist.world_size) / total.clamp(min=1)).float())
 
-    def _train_micro(self, batch: dict[str, torch.Tensor], weight: torch.Tensor | None) -> torch.Tensor:
+    def _step_weights(self, micro_batches: list) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """The token weights (`_token_weights`) of the step's micro-batches for their losses and for their metrics."""
+        weights = self._token_weights(micro_batches, self.objective.token_mask)
+        if self.objective.metric_mask == self.objective.token_mask:
+            return weights, weights
+        return weights, self._token_weights(micro_batches, self.objective.metric_mask)
+
+    def _train_micro(self, batch: dict[str, torch.Tensor], weight: torch.Tensor | None,
+                     metric_weight: torch.Tensor | None) -> torch.Tensor:
         """One micro-step: the objective's loss backpropagated as `_micro_loss` makes it, then DeepSpeed's step (an
         optimizer step at the end of each accumulation); returns its logged values (`_micro_values`)."""
         micro = self.objective(self.engine, batch)
@@ -198,7 +206,7 @@ class Trainer:
         self.engine.backward(loss)
         self._engine_step()
         self._tokens_since_log += micro.loss_tokens
-        return self._micro_values(loss, micro, weight)
+        return self._micro_values(loss, micro, metric_weight)
 
     def _engine_step(self) -> None:
         """`engine.step()`. Gradients that overflow with the fp16 loss scale already at its minimum
@@ -229,11 +237,12 @@ class Trainer:
         batches = self.steps.step_batches(self._draw, self.step)
         self.engine.train()
         sums = None
-        weights = self._token_weights(batches.micro_batches)
+        weights, metric_weights = self._step_weights(batches.micro_batches)
         for _ in range(self.steps.updates_per_step):
             self._update_loss_scale = loss_scale_of(self.engine)
             for i, batch in enumerate(batches.micro_batches):
-                values = self._train_micro(batch, None if weights is None else weights[i])
+                values = self._train_micro(batch, None if weights is None else weights[i],
+                                           None if metric_weights is None else metric_weights[i])
                 sums = values if sums is None else sums + values
         self._positions_since_log += batches.positions * self.steps.updates_per_step
         self._generated_since_log += batches.generated_tokens
