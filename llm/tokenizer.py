@@ -284,6 +284,7 @@ class Tokenizer:
         """Token strings that text from users or files never turns into special tokens."""
         for entry in spec.get("added_tokens", []):
             entry["special"] = entry["special"] or entry["content"] in self.protected
+        _never_picked_by_unigram(spec, self.protected)
         self._text = HFTokenizer.from_str(json.dumps(spec))
         self._text.encode_special_tokens = True
 
@@ -535,6 +536,29 @@ def _steps(step: dict | None) -> list[dict]:
 
 def _has_step(step: dict | None, kind: str) -> bool:
     return any(s.get("type") == kind for s in _steps(step))
+
+
+NOT_TEXT = "\ufffe"
+"""A noncharacter that marks a Unigram model's protected pieces in the copy that encodes text
+(`_never_picked_by_unigram`); the text's own become U+FFFD there."""
+
+
+def _never_picked_by_unigram(spec: dict, protected: list[str]) -> None:
+    """A Unigram model (SentencePiece's default, and T5's) holds its control tokens (`</s>`, `<s>`, ...) as pieces,
+    scored 0, the best there is, so its Viterbi pass picks `</s>` out of the text `</s>` (the library's
+    encode_special_tokens stops only the added tokens' matcher): text turned into control tokens. No score keeps
+    them out (the library scores an unknown character below every piece), so in the copy that encodes text each
+    protected piece is spelled after `NOT_TEXT`, which no text holds: as SentencePiece itself, which never matches
+    a control symbol in text. Their ids are unchanged."""
+    model = spec["model"]
+    if model.get("type") != "Unigram":
+        return
+    for entry in model["vocab"]:
+        if entry[0] in protected:
+            entry[0] = NOT_TEXT + entry[0]
+    replace = {"type": "Replace", "pattern": {"String": NOT_TEXT}, "content": "\ufffd"}
+    normalizer = spec.get("normalizer")
+    spec["normalizer"] = replace if normalizer is None else {"type": "Sequence", "normalizers": [replace, normalizer]}
 
 
 def _keeps_text(step: dict | None, keeping: dict[str, str | None]) -> bool:
