@@ -85,7 +85,7 @@ def _checkpoint_weights(run_dir: Path, tag: str) -> dict[str, torch.Tensor]:
 
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 return get_fp32_state_dict_from_zero_checkpoint(str(rundir.checkpoint_dir(run_dir)), tag=tag)
-        state = torch.load(rundir.checkpoint_dir(run_dir) / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+        state = torch.load(rundir.checkpoint_dir(run_dir) / tag / rundir.MODEL_STATES, map_location="cpu",
                            weights_only=True)
     return _unpartitioned_weights(state)
 

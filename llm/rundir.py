@@ -60,6 +60,8 @@ CHECKPOINTS_DIR = "checkpoints"
 LATEST = "latest"
 CLIENT_STATE = "client_state.json"
 MANIFEST = "manifest.json"
+MODEL_STATES = "mp_rank_00_model_states.pt"
+"""DeepSpeed's file of a checkpoint's module (its parameters' shapes under ZeRO)."""
 UNIVERSAL_DIR = "universal"
 TAG_PREFIX = "global_step"
 LATEST_MAX_BYTES = 64

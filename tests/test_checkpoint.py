@@ -35,7 +35,7 @@ from test_data_prepare import _file_size_limit
 from conftest import FIXTURES, TINY, ZERO_RUN, run_cli, train_args, zerollm_here
 from launch.local import rank_environments
 from llm import durable, loading, rundir
-from llm.config import build_config
+from llm.config import ModelConfig, build_config
 from llm.errors import UserError
 from llm.loading import consolidated_weights, load_trained_model
 from llm.model import Transformer
@@ -44,7 +44,8 @@ from llm.train import checkpoint
 from llm.train.metrics import MetricsSink
 from llm.train.schedule import lr_multiplier
 
-MODEL_FILE = "mp_rank_00_model_states.pt"
+MODEL_FILE = rundir.MODEL_STATES
+SMALL = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16)
 CLIENT_STATE = {"step": 0, "run_id": "abc", "world_size": 1, "stopped_by_signal": False, "loss_scale": None,
                 "time_budget": None, "sampler": {"epoch": 0, "consumed": 8, "seed": 1, "num_samples": 100}}
 """What `llm.train.trainer` records beside DeepSpeed's state (`rundir.client_state_of` checks each field)."""
@@ -1256,8 +1257,8 @@ def test_a_damaged_client_state_is_one_clear_error(one_rank_group, tmp_path, con
     _rewrite(client_file, content)
     assert rundir.usable_tag(tmp_path) == "global_step20"  # complete: sizes match its manifest
     # rank 0 finds it while it picks the checkpoint, so that it is said once (every rank printed it)
-    for read in (lambda: checkpoint.resume_tag(tmp_path), lambda: checkpoint.load(FakeEngine(), tmp_path,
-                                                                                   "global_step20")):
+    for read in (lambda: checkpoint.resume_tag(tmp_path, SMALL), lambda: checkpoint.load(FakeEngine(), tmp_path,
+                                                                                          "global_step20")):
         with pytest.raises(UserError) as raised:
             read()
         message = str(raised.value)
@@ -1267,6 +1268,27 @@ def test_a_damaged_client_state_is_one_clear_error(one_rank_group, tmp_path, con
     shutil.rmtree(client_file.parent)  # as the message says
     assert rundir.usable_tag(tmp_path) == "global_step10"
     assert checkpoint.load(FakeEngine(), tmp_path, "global_step10")["step"] == 10
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_another_models_checkpoint_is_one_clear_error_before_anything_loads(one_rank_group, tmp_path, zero):
+    """A checkpoint folder of another model's run copied into this one: DeepSpeed's load ended every rank with a
+    traceback (a state-dict size mismatch; on another number of ranks, the universal loader's assertion after a
+    conversion). The shapes come from the module's tensors, or from DeepSpeed's param_shapes under ZeRO (whose
+    module holds none); a parameter the model does not name (a LoRA adapter) is not compared."""
+    wider = ModelConfig(**{**SMALL.__dict__, "dim": 64, "n_heads": 4})
+    with torch.device("meta"):
+        shapes = {name: param.shape for name, param in Transformer(wider).named_parameters()}
+    engine = FakeEngine()
+    engine.state = {"module": {"lora_a": torch.zeros(3)}, "param_shapes": [shapes]} if zero else \
+        {"module": {name: torch.zeros(shape) for name, shape in shapes.items()}}
+    checkpoint.save(engine, tmp_path, 10, _state(step=10), keep=0)
+    assert checkpoint.resume_tag(tmp_path, wider) == "global_step10"
+    with pytest.raises(UserError) as raised:
+        checkpoint.resume_tag(tmp_path, SMALL)
+    assert str(raised.value) == (f"{tmp_path}: checkpoint global_step10 does not match config.yaml (size mismatch "
+                                 "for tok_embeddings.weight: [64, 64] in the checkpoint, [64, 32] in the config); no "
+                                 "earlier checkpoint is complete: train the run again into a new run directory")
 
 
 def test_a_damaged_client_state_without_an_earlier_checkpoint_says_to_train_again(one_rank_group, tmp_path):

@@ -41,7 +41,9 @@ import torch
 import torch.distributed as dist
 
 from llm import durable, rundir
+from llm.config import ModelConfig
 from llm.errors import UserError
+from llm.model import Transformer
 from llm.runtime.accelerator import ensure_accelerator_env
 from llm.runtime.distributed import agreed, raise_together, refuse_together
 
@@ -531,17 +533,19 @@ def _is_conversion_of(target: Path, identity: dict[str, list[int]]) -> bool:
         return False
 
 
-def resume_tag(run_dir: Path) -> str | None:
+def resume_tag(run_dir: Path, model: ModelConfig) -> str | None:
     """The checkpoint every rank resumes from: rank 0 picks it (`rundir.usable_tag`, which names on stderr what it
-    passes over), checks its client state and tells the others, so that all agree even where their views of a shared
-    file system lag. None: start from step 0. A UserError (no complete checkpoint, a damaged client state) is raised
-    on every rank and printed by rank 0 (every rank reading a damaged client state printed it once per rank)."""
+    passes over), checks its client state and its parameters' shapes against `model` (`_refuse_other_shapes`) and
+    tells the others, so that all agree even where their views of a shared file system lag. None: start from step 0.
+    A UserError (no complete checkpoint, a damaged client state, another model's checkpoint) is raised on every rank
+    and printed by rank 0 (every rank reading a damaged client state printed it once per rank)."""
     answer: list[tuple[str, str | None] | None] = [None]
     if dist.get_rank() == 0:
         try:
             tag = rundir.usable_tag(run_dir)
             if tag is not None:
                 rundir.client_state_of(run_dir, tag)
+                _refuse_other_shapes(run_dir, tag, model)
             answer = [("tag", tag)]
         except UserError as exc:
             answer = [("error", str(exc))]
@@ -550,6 +554,29 @@ def resume_tag(run_dir: Path) -> str | None:
     if kind == "error":
         raise_together(value, announce=dist.get_rank() == 0)
     return value
+
+
+def _refuse_other_shapes(run_dir: Path, tag: str, model: ModelConfig) -> None:
+    """A UserError where checkpoint `tag` holds a parameter of another shape than `model` gives it (another model's
+    checkpoint folder copied into the run): DeepSpeed's load ended every rank with a traceback (a size mismatch, or
+    the universal loader's assertion after a conversion). The shapes are read without the tensors (`mmap`); the
+    model's are a meta-device model's. Parameters the model does not name (LoRA's adapters) are not compared."""
+    folder = rundir.checkpoint_dir(run_dir) / tag
+    states = next((path for name in (rundir.MODEL_STATES, f"zero_pp_rank_0_{rundir.MODEL_STATES}")
+                   if (path := folder / name).is_file()), None)  # ZeRO-3: each rank's, with the shapes
+    if states is None:
+        return
+    with restricted_unpickling(folder):
+        state = torch.load(states, map_location="cpu", mmap=True, weights_only=True)
+    saved = {name: tuple(shape) for group in state.get("param_shapes") or [] for name, shape in group.items()} or \
+        {name: tuple(tensor.shape) for name, tensor in state["module"].items()}
+    with torch.device("meta"):
+        expected = {name: tuple(param.shape) for name, param in Transformer(model).named_parameters()}
+    for name, shape in saved.items():
+        if name in expected and shape != expected[name]:
+            raise UserError(f"{run_dir}: checkpoint {tag} does not match {rundir.CONFIG_FILE} (size mismatch for "
+                            f"{name}: {list(shape)} in the checkpoint, {list(expected[name])} in the config); "
+                            f"{rundir.damaged_checkpoint_advice(run_dir, tag)}")
 
 
 def load(engine, run_dir: Path, tag: str, universal: bool = False, clock_driven: bool = False) -> dict[str, Any]:

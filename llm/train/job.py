@@ -446,7 +446,7 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
         models = {role: data[role]["weights"] for role in ("teacher", "base") if role in data}  # a newer checkpoint
         check_ranks_agree(fingerprint(cfg.to_dict(), ds_config, data["digest"], attrs["tokenizer_hash"], models),
                           announce=info.local_rank == 0)  # saved between two ranks' looks: they would load both
-    tag = checkpoint.resume_tag(run_dir) if resume else None
+    tag = checkpoint.resume_tag(run_dir, cfg.model) if resume else None
     universal = tag is not None and convert_if_resharded(run_dir, tag, info)
     engine_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}} \
         if universal else ds_config
