@@ -382,6 +382,25 @@ class Tokenizer:
         tokenizer's `document_start_ids`, as `transformers`' `tokenizer(text)` gives them."""
         return self.document_start_ids + self.encode(text)
 
+    def encode_continuation(self, text: str) -> list[int]:
+        """Ids of text that continues a document from a cut (a long document's later pieces,
+        `llm.data.readers.cut_point`), as they are in the whole document's ids: without the `▁` that a
+        SentencePiece-style tokenizer (a Prepend normalizer, a Metaspace pre-tokenizer) puts before a text's start,
+        an extra space at every cut."""
+        return _ids(self._continuing, text)
+
+    @cached_property
+    def _continuing(self) -> HFTokenizer:
+        """`_text` without what it adds at a text's start (`encode_continuation`); `_text` itself where it adds
+        nothing."""
+        spec = json.loads(self._text.to_str())
+        normalizer, pre_tokenizer = (_continuing(spec.get(key)) for key in ("normalizer", "pre_tokenizer"))
+        if (normalizer, pre_tokenizer) == (spec.get("normalizer"), spec.get("pre_tokenizer")):
+            return self._text
+        tokenizer = HFTokenizer.from_str(json.dumps({**spec, "normalizer": normalizer, "pre_tokenizer": pre_tokenizer}))
+        tokenizer.encode_special_tokens = True
+        return tokenizer
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -532,6 +551,19 @@ def _steps(step: dict | None) -> list[dict]:
     if step.get("type") != "Sequence":
         return [step]
     return [s for part in step.get("normalizers", step.get("pretokenizers", [])) for s in _steps(part)]
+
+
+def _continuing(step: dict | None) -> dict | None:
+    """A normalizer or pre-tokenizer as it applies to text that continues a document (`Tokenizer._continuing`):
+    without its Prepend steps, and with its Metaspace steps prepending nothing."""
+    if step is None or step.get("type") == "Prepend":
+        return None
+    if step.get("type") == "Metaspace":
+        return {key: value for key, value in step.items() if key != "add_prefix_space"} | {"prepend_scheme": "never"}
+    if step.get("type") == "Sequence":
+        key = "normalizers" if "normalizers" in step else "pretokenizers"
+        return {**step, key: [kept for part in step.get(key, []) if (kept := _continuing(part)) is not None]}
+    return step
 
 
 def _has_step(step: dict | None, kind: str) -> bool:

@@ -315,9 +315,13 @@ def test_an_input_that_is_a_broken_link_is_named_so(tokenizer_dir, tmp_path, mon
 
 
 def test_empty_file_beside_good_ones_is_reported(tokenizer_dir, bad_inputs, tmp_path):
-    result = _prepare(tokenizer_dir, tmp_path / "out", bad_inputs["good"], bad_inputs["empty"])
+    """A file whose records were all read and skipped was said to have 'no records'."""
+    (tmp_path / "numbers.jsonl").write_text('{"text": 1}\n{"text": 2}\n')
+    result = _prepare(tokenizer_dir, tmp_path / "out", bad_inputs["good"], bad_inputs["empty"],
+                      tmp_path / "numbers.jsonl")
     assert result.returncode == 0, result.stderr
-    assert f"files with no records: {bad_inputs['empty']}" in result.stdout
+    assert f"files with no usable records: {bad_inputs['empty']}, {tmp_path / 'numbers.jsonl'}\n" in result.stdout
+    assert f"{tmp_path / 'numbers.jsonl'}:2: 'text' is a number, expected a string" in result.stdout
 
 
 def test_tiny_corpus_still_gets_a_validation_document(tokenizer_dir, bad_inputs, tmp_path):
@@ -391,6 +395,18 @@ def test_dataset_dict_directories_read_every_split_and_report_rows(tokenizer_dir
     assert _documents(tmp_path / "out", tokenizer_dir) == ["one", "two", "three", "four"]
     walked = expand_inputs([tmp_path], exclude=tmp_path / "out")  # a folder walk finds the splits and the file
     assert walked == [tmp_path / "hf" / "test", tmp_path / "hf" / "train", tmp_path / "more.parquet"]
+
+
+def test_a_datasets_directory_with_audio_and_image_columns_gives_its_texts(tokenizer_dir, tmp_path):
+    """A speech or multimodal dataset's rows were decoded whole: an Audio column ended the run with a traceback
+    (ImportError: torchcodec), an Image column of bytes that are no image with 'cannot read it'. Its text is read,
+    the media left undecoded."""
+    media = {"bytes": b"RIFF not really a wave", "path": None}
+    dataset = datasets.Dataset.from_dict({"text": ["one", "two"], "audio": [media] * 2, "image": [media] * 2})
+    dataset.cast_column("audio", datasets.Audio()).cast_column("image", datasets.Image()).save_to_disk(
+        str(tmp_path / "hf"))
+    report = _quiet("pretrain", [tmp_path / "hf"], tokenizer_dir, tmp_path / "out")
+    assert report.skipped == [] and _documents(tmp_path / "out", tokenizer_dir) == ["one", "two"]
 
 
 def test_a_dataset_dict_whose_split_folder_is_gone_says_so(tmp_path):
@@ -938,6 +954,56 @@ def test_a_long_document_is_tokenized_in_pieces_that_add_up_exactly(tokenizer_di
     tokens, offsets, _ = _tokens(tmp_path / "out")
     tok = Tokenizer.load(tokenizer_dir)
     assert tokens.tolist() == tok.encode(text) + [tok.eos_id] and offsets.tolist() == [0, len(tokens)]
+
+
+def test_a_records_text_keeps_its_trailing_newlines(tokenizer_dir, tmp_path):
+    """A {"text"} record is stored as its text is (docs/data.md): its trailing newlines went, as a .txt block's
+    line ends go, so every source file of a code corpus lost its last newline. A .txt block still drops its own."""
+    texts = ["def f():\n    return 1\n", "line\n\n\n", "no newline"]
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    _quiet("pretrain", [tmp_path / "code.jsonl"], tokenizer_dir, tmp_path / "out")
+    assert _documents(tmp_path / "out", tokenizer_dir) == texts
+    (tmp_path / "code.txt").write_text("a block\nof two lines\n\nanother\n")
+    _quiet("pretrain", [tmp_path / "code.txt"], tokenizer_dir, tmp_path / "txt")
+    assert _documents(tmp_path / "txt", tokenizer_dir) == ["a block\nof two lines", "another"]
+
+
+def _sentencepiece_style_tokenizer(folder, style: str):
+    """A BPE tokenizer.json as SentencePiece conversions write them: Llama-2's (a normalizer prepending and
+    replacing spaces by `▁`) or transformers' newer one (a Metaspace pre-tokenizer prepending `▁` to a text)."""
+    from tokenizers import Tokenizer as LibraryTokenizer
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+    library = LibraryTokenizer(models.BPE())
+    library.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")  # no merge across words
+    library.decoder = decoders.Metaspace(prepend_scheme="first")
+    if style == "normalizer":
+        library.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        library.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    library.train_from_iterator([_long_text()], trainers.BpeTrainer(vocab_size=600, show_progress=False,
+                                                                    special_tokens=["</s>"]))
+    spec = json.loads(library.to_str())
+    if style == "normalizer":  # Llama-2's file has no pre-tokenizer
+        spec["pre_tokenizer"] = None
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return folder
+
+
+@pytest.mark.parametrize("style", ["normalizer", "pre_tokenizer"])
+def test_a_long_document_keeps_its_text_at_every_cut_with_a_sentencepiece_style_tokenizer(tmp_path, style):
+    """Each later piece of a long document was encoded as a text of its own, and such a tokenizer puts `▁` before
+    a text: a space more at every cut (about one in 32,000 characters, 'The  quick')."""
+    directory = _sentencepiece_style_tokenizer(tmp_path / "tok", style)
+    tok = Tokenizer.load(directory)
+    chinese = (FIXTURES / "pretrain" / "zh_stories.txt").read_text().replace("\n", "")
+    text = _long_text() + chinese[:PIECE_CHARS]  # cuts before a space, and after Chinese punctuation
+    (tmp_path / "long.txt").write_text(text + "\n")
+    assert [item.value[0] == " " for item in read_items(tmp_path / "long.txt")][1:] == [True, True, False]
+    _quiet("pretrain", [tmp_path / "long.txt"], directory, tmp_path / "out")
+    tokens, _, _ = _tokens(tmp_path / "out")
+    assert tokens.tolist() == tok.encode_document(text) + [tok.eos_id]
+    assert tok.decode(tokens[:-1]) == text
 
 
 def test_documents_open_with_the_bos_a_llama_style_tokenizer_puts_before_a_text(tmp_path):

@@ -70,7 +70,7 @@ number was read through and then failed to be stored)."""
 @dataclass
 class Report:
     files: dict[str, int] = field(default_factory=dict)
-    """Records read from each input file."""
+    """Usable records read from each input file (the unusable ones are in `skipped`)."""
     documents: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
     """Samples written per split (documents, conversations or preference pairs)."""
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
@@ -87,7 +87,7 @@ class Report:
                  f"tokens     train {self.tokens['train']:,}  val {self.tokens['val']:,}"]
         empty = [name for name, count in self.files.items() if count == 0]
         if empty:
-            lines.append(f"files with no records: {', '.join(empty)}")
+            lines.append(f"files with no usable records: {', '.join(empty)}")
         for title, entries in ((f"truncated to fit --seq-len {self.seq_len}", self.truncated),
                                ("skipped", self.skipped)):
             if not entries:
@@ -127,7 +127,7 @@ def token_dtype(vocab_size: int) -> type:
 def encode_pretrain(tok: Tokenizer, piece: Item) -> Sample:
     """A document's tokens (or a piece's, `Item.piece` and `Item.last`): the tokenizer's document start (BOS for
     Llama-style tokenizers, nothing for ours) before its first piece, end-of-text after its last."""
-    tokens = tok.encode_document(piece.value) if piece.piece == 0 else tok.encode(piece.value)
+    tokens = tok.encode_document(piece.value) if piece.piece == 0 else tok.encode_continuation(piece.value)
     return {"tokens": tokens + ([tok.eos_id] if piece.last else [])}
 
 

@@ -338,22 +338,23 @@ _BEFORE_SPACE = re.compile(r".*\S(?=[ \t\n])", re.DOTALL)
 _BEFORE_WORD = re.compile(r".*(?:[^\s\w']|_)(?=[^\W_])", re.DOTALL)
 
 
-def cut_point(text: str, limit: int) -> int:
-    """Where to cut `text` (longer than `limit`) so that both halves tokenize as the whole does: the last place in
-    the second half of the limit between a non-space and a space, else between punctuation and a letter or digit
-    (both boundaries of the byte-level BPE pre-tokenizer); else at the limit."""
+def cut_point(text: str, start: int, limit: int) -> int:
+    """Where to cut `text[start:]` (longer than `limit`) so that both halves tokenize as the whole does: the last
+    place in the second half of the limit between a non-space and a space, else between punctuation and a letter or
+    digit (both boundaries of the byte-level BPE pre-tokenizer); else at the limit. A position in `text`."""
     for pattern in (_BEFORE_SPACE, _BEFORE_WORD):
-        match = pattern.match(text, limit // 2, limit + 1)
+        match = pattern.match(text, start + limit // 2, start + limit + 1)
         if match:
             return match.end()
-    return limit
+    return start + limit
 
 
 class _Pieces:
-    """Collects one document's text and hands it out in pieces of at most `limit` characters."""
+    """Collects one document's text and hands it out in pieces of at most `limit` characters; with `strip`, the
+    document's trailing line ends go (a .txt block's: the lines' own ends, not the document's text)."""
 
-    def __init__(self, source: str, line: int, limit: int, unit: str = "line") -> None:
-        self.source, self.line, self.limit, self.unit = source, line, limit, unit
+    def __init__(self, source: str, line: int, limit: int, unit: str = "line", strip: bool = False) -> None:
+        self.source, self.line, self.limit, self.unit, self.strip = source, line, limit, unit, strip
         self.parts: list[str] = []
         self.size = self.count = 0
 
@@ -361,15 +362,17 @@ class _Pieces:
         self.parts.append(text)
         self.size += len(text)
         if self.size > self.limit:
-            buffer = "".join(self.parts)
-            while len(buffer) > self.limit:
-                cut = cut_point(buffer, self.limit)
-                yield self._item(buffer[:cut], last=False)
-                buffer = buffer[cut:]
-            self.parts, self.size = [buffer], len(buffer)
+            buffer, start = "".join(self.parts), 0
+            while len(buffer) - start > self.limit:  # pieces are sliced from the whole: cutting the rest off at
+                cut = cut_point(buffer, start, self.limit)  # each piece copied it (a 32M-character record: 35 s)
+                yield self._item(buffer[start:cut], last=False)
+                start = cut
+            self.parts = [buffer[start:]]
+            self.size = len(self.parts[0])
 
     def finish(self) -> Iterator[Item]:
-        yield self._item("".join(self.parts).rstrip("\n"), last=True)
+        text = "".join(self.parts)
+        yield self._item(text.rstrip("\n") if self.strip else text, last=True)
 
     def _item(self, text: str, last: bool) -> Item:
         self.count += 1
@@ -408,7 +411,7 @@ def _txt_items(path: Path) -> Iterator[Item]:
                 blank = []
             continue
         if document is None:
-            document = _Pieces(str(path), number, PIECE_CHARS)
+            document = _Pieces(str(path), number, PIECE_CHARS, strip=True)
         for char, count in blank or ():  # the line's white space before its text, in parts of bounded size
             for start in range(0, count, PIECE_CHARS):
                 yield from document.add(char * min(PIECE_CHARS, count - start))
@@ -607,9 +610,9 @@ def _hf_rows(path: Path) -> Iterator[dict]:
     except ImportError:
         raise UserError(f"{path}: reading a save_to_disk directory needs the datasets package; install it with "
                         f"{INSTALL_DATASETS}") from None
-    dataset = datasets.load_from_disk(str(path))
-    for batch in dataset.iter(batch_size=ROWS_PER_BATCH):
-        yield from (dict(zip(batch, values)) for values in zip(*batch.values()))
+    dataset = datasets.load_from_disk(str(path)).with_format("arrow")  # as stored: an Audio or Image column is not
+    for table in dataset.iter(batch_size=ROWS_PER_BATCH):                 # decoded (that needed torchcodec or a
+        yield from table.to_pylist()                                      # readable image, for text never used)
 
 
 def _table_items(path: Path, kind: str) -> Iterator[Item]:
