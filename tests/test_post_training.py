@@ -123,6 +123,14 @@ def test_tool_calls_tool_turns_and_reasoning_are_kept():
     assert conversation(minimind)[1]["tool_calls"] == [{"name": "multiply", "arguments": {"a": 2, "b": 3}}]
 
 
+@pytest.mark.parametrize("reasoning", [0, False, 5, []])
+def test_reasoning_that_is_no_text_is_refused_whatever_its_value(reasoning):
+    """A reasoning_content of 5 was refused, one of 0 or false taken for no reasoning."""
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes", "reasoning_content": reasoning}]
+    with pytest.raises(RecordError, match="'reasoning_content' is .*, expected a string"):
+        conversation({"messages": turns})
+
+
 def test_tool_call_arguments_as_json_text_are_trained_as_the_object_and_served_so(tokenizer_dir):
     """OpenAI's arguments are the text of a JSON object; our template (and Qwen2.5's, MiniMind's) put a string's JSON
     in the text, quoted again: `"arguments": "{\\"city\\": \\"Lima\\"}"`, while the object form gave `{"city":

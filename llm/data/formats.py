@@ -146,7 +146,8 @@ def message(turn: Any) -> Message:
     role = ROLE_ALIASES[raw_role]
     calls = _tool_calls(turn, raw_role)
     out: Message = {"role": role, "content": "" if raw_role == "function_call" else _content(turn, role)}
-    reasoning = _require_text(turn.get("reasoning_content") or "", "'reasoning_content'")
+    reasoning = turn.get("reasoning_content")
+    reasoning = "" if reasoning is None else _require_text(reasoning, "'reasoning_content'")  # 0 or false too
     if role != "assistant" and (calls or reasoning):
         raise RecordError(f"{role} turn carries {'tool_calls' if calls else 'reasoning_content'}; only assistant "
                           "turns may")
