@@ -33,7 +33,16 @@ from llm.config import (
     recipe_names,
     refuse_set_twice,
 )
-from llm.errors import EXIT_TERMINATED, EXIT_USER_ERROR, SigtermUnwinds, Terminated, UserError, not_utf8, report
+from llm.errors import (
+    EXIT_PIPE_CLOSED,
+    EXIT_TERMINATED,
+    EXIT_USER_ERROR,
+    SigtermUnwinds,
+    Terminated,
+    UserError,
+    not_utf8,
+    report,
+)
 from llm.runtime.accelerator import check_chosen_accelerator
 from llm.stdout import GuardedStdout, OutputLost, discard, settle
 from llm.train.ds_config_file import load_ds_config
@@ -1011,7 +1020,7 @@ def main(argv: list[str] | None = None) -> None:
     except OutputLost as lost:  # end_now, not sys.exit: a job may have run in this process
         discard(stdout)
         if isinstance(lost.error, BrokenPipeError):
-            end_now(141)
+            end_now(EXIT_PIPE_CLOSED)
         report(f"cannot write the output ({lost})")
         end_now(EXIT_USER_ERROR)
     except OSError as exc:

@@ -25,6 +25,8 @@ EXIT_PREEMPTED = 75
 """Stopped by SIGTERM/SIGINT (or a lost `zerollm launch`) after saving a checkpoint; rerun with --resume auto."""
 EXIT_RANK_LOST = 76
 """A rank died, hung or could not be reached; the job was ended on every rank and the message names the rank."""
+EXIT_PIPE_CLOSED = 128 + signal.SIGPIPE
+"""The command's output pipe closed (`| head`): 141, as a shell reports a process that SIGPIPE ended."""
 EXIT_TERMINATED = 128 + signal.SIGTERM
 """Stopped by SIGTERM outside training (143, as a shell reports a process that SIGTERM ended)."""
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, closed_pipe, full_disk, run_cli, zerollm_here
+from conftest import FIXTURES, closed_pipe, full_disk, run_cli, train_args, zerollm_here
 from llm.errors import UserError
 
 
@@ -305,6 +305,17 @@ def test_every_command_ends_quietly_on_a_closed_pipe_and_in_one_line_on_a_full_d
                                 stderr=subprocess.PIPE, text=True, check=False)
     assert (result.returncode, result.stderr) == (code, stderr)
     assert (tmp_path / "tok" / "tokenizer.json").is_file()  # the work is done: only what it said is lost
+
+
+def test_a_training_job_of_two_ranks_ends_quietly_on_a_closed_pipe(pretrain_data, tmp_path):
+    """`zerollm train ... --nproc 2 | head`: rank 0's print failed, and the job ended as for a rank's own error:
+    its traceback, 'rank 0: failed with OutputLost: Broken pipe; the job is ended on every rank', exit 76. It ends
+    every rank as one process ends: 141, without a word."""
+    with closed_pipe() as stdout:
+        result = subprocess.run([sys.executable, "-m", "llm", *map(str, train_args(
+            pretrain_data, tmp_path / "run", "train.max_steps=50", nproc=2))], stdout=stdout, stderr=subprocess.PIPE,
+            text=True, check=False, timeout=300)
+    assert (result.returncode, result.stderr) == (141, "")
 
 
 def test_a_command_started_with_its_output_closed_runs_silently(tmp_path):

@@ -38,6 +38,7 @@ import psutil
 import torch.distributed as dist
 
 from llm.errors import EXIT_RANK_LOST, report
+from llm.stdout import settle
 
 _PREFIX = "zerollm/watchdog"
 
@@ -174,15 +175,15 @@ class Watchdog:
         named = "; ".join(f"rank {r} ({who[r].decode()})" for r in silent)
         return f"{named} stopped responding (no heartbeat for {self.stale_after:.0f} s)"
 
-    def end_job(self, message: str, advice: str = NODE_ADVICE) -> None:
-        """Tell every rank to end, print `message` and `advice` and end this process with EXIT_RANK_LOST. Called from
-        the main thread and the watchdog thread alike; the first caller ends the process, a second one waits for
-        that."""
+    def end_job(self, message: str | None, advice: str = NODE_ADVICE, code: int = EXIT_RANK_LOST) -> None:
+        """Tell every rank to end, print `message` and `advice` and end this process with `code`, as every rank does
+        (None: without a word, as for a closed output pipe). Called from the main thread and the watchdog thread
+        alike; the first caller ends the process, a second one waits for that."""
         self._ending.acquire()
-        text = f"rank {self.rank}: {message}; the job is ended on every rank. {advice}"
+        text = f"rank {self.rank}: {message}; the job is ended on every rank. {advice}" if message else ""
         try:
             store = self._connect(5.0)
-            store.set(_ABORT_KEY, text)
+            store.set(_ABORT_KEY, f"{code}\n{text}")
             store.add(_ABORT_SEEN_KEY, 1)
             # the store may live in this process: it stays until every rank knows (the others look once an interval)
             deadline = time.monotonic() + 1.5 * self.interval
@@ -190,7 +191,7 @@ class Watchdog:
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - the store may be what failed; the other ranks' own checks cover it
             pass
-        self._exit(text)
+        self._exit(text, code)
 
     # ---- the thread ----------------------------------------------------------------------------
 
@@ -215,16 +216,16 @@ class Watchdog:
         `end_job` where it ends the job itself)."""
         if not self._store.check([_ABORT_KEY]):
             return
-        text = self._store.get(_ABORT_KEY).decode()
+        code, _, text = self._store.get(_ABORT_KEY).decode().partition("\n")
         if not self._ending.acquire(blocking=False):  # this rank is ending the job itself
             return
         with contextlib.suppress(Exception):
             self._store.add(_ABORT_SEEN_KEY, 1)
-        self._exit(text if self.announce else None)
+        self._exit(text if self.announce else None, int(code))
 
-    def _exit(self, message: str | None) -> None:
+    def _exit(self, message: str | None, code: int) -> None:
         if message:
             report(message)
-        sys.stdout.flush()
+        settle(sys.stdout)
         self.before_exit()
-        os._exit(EXIT_RANK_LOST)
+        os._exit(code)

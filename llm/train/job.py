@@ -30,7 +30,7 @@ from llm.data.datasets import DATASETS
 from llm.data.formats import expand_inputs
 from llm.data.prepare import TOKENS_FILE
 from llm.data.prepared import stage_data_attrs
-from llm.errors import EXIT_OK, EXIT_USER_ERROR, UserError
+from llm.errors import EXIT_OK, EXIT_PIPE_CLOSED, EXIT_USER_ERROR, UserError
 from llm.loading import (
     FUNCTION_FIELDS,
     SHAPE_FIELDS,
@@ -47,6 +47,7 @@ from llm.model.lora import apply_lora, trainable_summary
 from llm.runtime.distributed import DistInfo, agreed, refuse_together, setup_distributed
 from llm.runtime.fingerprint import check_ranks_agree, fingerprint
 from llm.runtime.watchdog import Watchdog
+from llm.stdout import OutputLost
 from llm.tokenizer import Tokenizer
 from llm.train import checkpoint
 from llm.train.ds_config_file import load_ds_config
@@ -266,6 +267,8 @@ def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool,
         except Exception as exc:
             if watchdog is None:
                 raise
+            if isinstance(exc, OutputLost) and isinstance(exc.error, BrokenPipeError):  # `| head`: every rank ends
+                watchdog.end_job(None, code=EXIT_PIPE_CLOSED)                               # as one process does
             lost = watchdog.diagnose()  # a collective that failed because a peer is gone: that is the news
             if lost is None:
                 traceback.print_exc()
