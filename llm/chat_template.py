@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -120,7 +121,13 @@ def _characters(value: Any) -> int:
 
 
 class TemplateTooCostly(TemplateError):
-    """A template ran past RENDER_SECONDS or asked for a result above MAX_ITEMS."""
+    """A template asked for a result above MAX_ITEMS."""
+
+
+class _RenderDeadline(BaseException):  # noqa: N818 - not an error: a stop
+    """Raised in a render's thread once it runs past RENDER_SECONDS (`_RenderDeadlines`). Not an Exception: Jinja's
+    own `except Exception` (its `sequence` test around len(), which a template can make take minutes) swallowed
+    it, and the render ran on for hours."""
 
 
 def _result_size(operator: str, left: Any, right: Any) -> int:
@@ -133,15 +140,46 @@ def _result_size(operator: str, left: Any, right: Any) -> int:
             return left.bit_length() + right.bit_length()
     if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
         return left.bit_length() * right
+    if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+        return len(left) + len(right)  # a string doubled 9 times from a million characters: 512 M
     return 0
+
+
+def _replaced_size(text: Any, old: Any, new: Any, count: Any = -1) -> int:
+    """Characters of text.replace(old, new, count): ('x' * 20000).replace('x', 'y' * 25000) is 500 M."""
+    if not (isinstance(text, str) and isinstance(old, str) and isinstance(new, str)):
+        return 0
+    found = len(text) + 1 if old == "" else text.count(old)
+    if isinstance(count, int) and count >= 0:
+        found = min(found, count)
+    return len(text) + found * max(0, len(new) - len(old))
+
+
+def _joined(separator: Any, items: Any) -> tuple[list, int]:
+    """The items of a join (taken once: a generator is consumed) and the characters of their join."""
+    items = list(items)
+    return items, sum(len(str(item)) for item in items) + len(str(separator)) * max(0, len(items) - 1)
+
+
+def _translated_size(text: str, table: Any) -> int:
+    """The most characters text.translate(table) makes: each character may become the longest string the table
+    maps to."""
+    longest = max((len(v) for v in table.values() if isinstance(v, str)), default=1) if isinstance(table, dict) else 1
+    return len(text) * max(1, longest)
 
 
 _PERCENT_SPEC = re.compile(r"%[#0 +-]*(\*|\d*)(?:\.(\*|\d+))?")
 _BRACE_SPEC = re.compile(r"\{[^{}:]*:((?:[^{}]|\{[^{}]*\})*)\}")
 SIZED_FILTERS = frozenset({"center", "indent", "batch", "slice", "tojson", "format"})
 """Jinja's filters (and zerollm's tojson) that take a size: a width, an indent, a count of items or slices."""
+GROWING_FILTERS = frozenset({"replace", "join", "wordwrap", "sum"})
+"""Jinja's filters whose result may be far larger than what they are given, each bounded by its result's size
+(`_growing_filter_size`)."""
 PADDING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
 """The string methods whose number is a size: 'x'.ljust(1500000000) is 1.5 GB."""
+GROWING_METHODS = frozenset({"replace", "join", "translate"})
+"""The string methods whose result may be far larger than the string and their arguments, each bounded by its
+result's size."""
 
 
 def _too_large(values: Any) -> bool:
@@ -169,15 +207,39 @@ def _refuse_wide_fields(form: Any, arguments: list[Any], what: str) -> None:
         raise TemplateTooCostly(f"{what} was given a field wider than {MAX_ITEMS}")
 
 
+def _growing_filter_size(name: str, value: Any, args: list[Any], kwargs: dict[str, Any]) -> tuple[Any, int]:
+    """For one of GROWING_FILTERS: the value it filters (a join's items taken once: a generator is consumed) and
+    the size of its result."""
+    if name == "replace":
+        count = args[2] if len(args) > 2 else kwargs.get("count")
+        return value, _replaced_size(value, *args[:2], -1 if count is None else count) if len(args) >= 2 else 0
+    if name == "join":
+        return _joined(args[0] if args else kwargs.get("d", ""), value)
+    if name == "wordwrap":
+        width = args[0] if args else kwargs.get("width", 79)
+        wrap = args[2] if len(args) > 2 else kwargs.get("wrapstring")
+        length = len(value) if isinstance(value, str) else 0
+        lines = length // width + 1 if isinstance(width, int) and width > 0 else length
+        return value, length + lines * len(wrap if isinstance(wrap, str) else "\n")
+    start = args[1] if len(args) > 1 else kwargs.get("start", 0)  # sum: of lists or strings, quadratic in one call
+    return value, 0 if isinstance(start, int | float) else MAX_ITEMS + 1
+
+
 def _bounded_filter(name: str, function: Callable) -> Callable:
     """`function`, one of SIZED_FILTERS, refusing a size above MAX_ITEMS among its arguments but the value it
-    filters ('x'|center(1500000000) is 1.5 GB), and, as `format`, a format string asking for such a field."""
+    filters ('x'|center(1500000000) is 1.5 GB), and, as `format`, a format string asking for such a field; or one of
+    GROWING_FILTERS, refusing a result above MAX_ITEMS."""
     taken = 2 if getattr(function, "jinja_pass_arg", None) else 1  # the context or environment, then the value
 
     @functools.wraps(function)  # keeps Jinja's pass_context/pass_environment marks
     def bounded(*args: Any, **kwargs: Any) -> Any:
         sizes = [*args[taken:], *kwargs.values()]
-        if name == "format":
+        if name in GROWING_FILTERS and len(args) >= taken:
+            value, size = _growing_filter_size(name, args[taken - 1], list(args[taken:]), kwargs)
+            if size > MAX_ITEMS:
+                raise TemplateTooCostly(f"the filter {name} would make a result of more than {MAX_ITEMS} items")
+            args = (*args[:taken - 1], value, *args[taken:])
+        elif name == "format":
             _refuse_wide_fields(args[taken - 1] if len(args) >= taken else None, sizes, "the filter format")
         elif _too_large(sizes):
             raise TemplateTooCostly(f"the filter {name} was given a number above {MAX_ITEMS}")
@@ -186,18 +248,39 @@ def _bounded_filter(name: str, function: Callable) -> Callable:
     return bounded
 
 
+class _BoundedCodeGenerator(CodeGenerator):
+    """Jinja's code generator, with `~` (which no sandbox hook sees: it compiles to a join of its parts) made a call
+    of `_BoundedSandbox.concat`: a string doubled by `~` in a loop reached gigabytes in a second."""
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        self.write("environment.concat((")
+        for part in node.nodes:
+            self.visit(part, frame)
+            self.write(", ")
+        self.write("))")
+
+
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """transformers' sandbox, with what one expression may ask for bounded, so that it cannot take gigabytes, nor
     compute for minutes between two checks of the deadline: `*` and `**` (their results' size), `%` and str.format
     (their fields' widths), the string methods and filters that take a size (PADDING_METHODS, SIZED_FILTERS: a size
     above MAX_ITEMS, 'x'.center(1500000000))."""
 
-    intercepted_binops = frozenset(["*", "**", "%"])
+    intercepted_binops = frozenset(["*", "**", "%", "+"])
+    code_generator_class = _BoundedCodeGenerator
 
     def bound_filters(self) -> None:
-        """Wrap the SIZED_FILTERS, once every filter is in place."""
-        self.filters = {name: _bounded_filter(name, f) if name in SIZED_FILTERS else f
+        """Wrap the SIZED_FILTERS and GROWING_FILTERS, once every filter is in place."""
+        self.filters = {name: _bounded_filter(name, f) if name in SIZED_FILTERS | GROWING_FILTERS else f
                         for name, f in self.filters.items()}
+
+    @staticmethod
+    def concat(parts: tuple) -> str:
+        """Jinja's `~` (`_BoundedCodeGenerator`), refusing a result above MAX_ITEMS."""
+        texts = [str(part) for part in parts]
+        if sum(map(len, texts)) > MAX_ITEMS:
+            raise TemplateTooCostly(f"'~' would make a result of more than {MAX_ITEMS} items")
+        return "".join(texts)
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         if _result_size(operator, left, right) > MAX_ITEMS:
@@ -207,9 +290,18 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
     def call(__self, __context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - Jinja's own names
-        if isinstance(getattr(__obj, "__self__", None), str) and getattr(__obj, "__name__", None) in PADDING_METHODS \
-                and _too_large([*args, *kwargs.values()]):
-            raise TemplateTooCostly(f"str.{__obj.__name__} was given a number above {MAX_ITEMS}")
+        text = getattr(__obj, "__self__", None)
+        method = getattr(__obj, "__name__", None) if isinstance(text, str) else None
+        if method in PADDING_METHODS and _too_large([*args, *kwargs.values()]):
+            raise TemplateTooCostly(f"str.{method} was given a number above {MAX_ITEMS}")
+        if method in GROWING_METHODS and args:
+            if method == "join":
+                items, size = _joined(text, args[0])
+                args = (items, *args[1:])
+            else:
+                size = _replaced_size(text, *args[:3]) if method == "replace" else _translated_size(text, args[0])
+            if size > MAX_ITEMS:
+                raise TemplateTooCostly(f"str.{method} would make a result of more than {MAX_ITEMS} items")
         return super().call(__context, __obj, *args, **kwargs)
 
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
@@ -226,7 +318,7 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
 
 class _RenderDeadlines:
     """Stops a render that runs past its deadline: one daemon thread checks the renders in progress twice a second
-    and raises TemplateTooCostly in the thread of a late one (`PyThreadState_SetAsyncExc`: the exception surfaces
+    and raises _RenderDeadline in the thread of a late one (`PyThreadState_SetAsyncExc`: the exception surfaces
     at that thread's next bytecode, where a template's loops run). A render pays two dictionary operations, where
     a trace function slowed every render twofold."""
 
@@ -260,7 +352,7 @@ class _RenderDeadlines:
                 for thread, deadline in self._deadlines.items():
                     if deadline is not None and now > deadline:
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
-                                                                   ctypes.py_object(TemplateTooCostly))
+                                                                   ctypes.py_object(_RenderDeadline))
                         self._deadlines[thread] = None
 
 
@@ -359,9 +451,11 @@ class ChatTemplate:
                                                 "messages hold")
                     pieces.append(piece)
                 return "".join(pieces)
+        except _RenderDeadline:
+            raise ChatTemplateError(f"{self.source}: the chat template is refused: rendering took longer than "
+                                    f"{RENDER_SECONDS:g} s") from None
         except TemplateTooCostly as exc:
-            reason = exc.message or f"rendering took longer than {RENDER_SECONDS:g} s"
-            raise ChatTemplateError(f"{self.source}: the chat template is refused: {reason}") from None
+            raise ChatTemplateError(f"{self.source}: the chat template is refused: {exc.message}") from None
         except TemplateError as exc:
             raise MessagesRefused(f"{self.source}: the chat template refused the messages: {exc}") from None
         except Exception as exc:  # a template is code from elsewhere: whatever it raises is its error, in one line

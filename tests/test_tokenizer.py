@@ -371,6 +371,23 @@ def test_a_chat_template_file_beside_the_tokenizer_is_used(tmp_path):
     # a loop writing a megabyte a turn held gigabytes before its deadline
     ("{% for i in range(100000) %}{{ 'x' * 1000000 }}{% endfor %}",
      "it rendered more than 8,388,676 characters, far more than the messages hold"),
+    # ran for hours: Jinja's `sequence` test swallowed the deadline's exception (its `except Exception` around len())
+    ("{% for i in range(100000) %}{% for x in range(100000)|map('abs') %}{% if loop is sequence %}{% endif %}"
+     "{% break %}{% endfor %}{% endfor %}", "rendering took longer than 0.5 s"),
+    # each of these made 500 MB or more in a second, kept in a variable or made by one call
+    ("{% set ns = namespace(s='x' * 1000000) %}{% for i in range(9) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+     "'+' would make a result of more than 1048576 items"),
+    ("{% set ns = namespace(s='x' * 1000000) %}{% for i in range(9) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "'~' would make a result of more than 1048576 items"),
+    ("{% set ns = namespace(l=[1] * 1000000) %}{% for i in range(9) %}{% set ns.l = ns.l + ns.l %}{% endfor %}",
+     "'+' would make a result of more than 1048576 items"),
+    ("{{ ('x' * 20000).replace('x', 'y' * 25000) }}", "str.replace would make a result of more than 1048576 items"),
+    ("{{ ('x' * 20000)|replace('x', 'y' * 25000) }}", "the filter replace would make a result of more than 1048576"),
+    ("{{ ('y' * 1000000).join(['a'] * 500) }}", "str.join would make a result of more than 1048576 items"),
+    ("{{ (['y' * 1000000] * 500)|join }}", "the filter join would make a result of more than 1048576 items"),
+    ("{{ ('x' * 100000)|wordwrap(1, true, 'y' * 5000) }}", "the filter wordwrap would make a result of more than"),
+    ("{{ ('x' * 1000000).translate({120: 'y' * 1000}) }}", "str.translate would make a result of more than 1048576"),
+    ("{{ ([[1] * 10] * 40000)|sum(start=[]) }}", "the filter sum would make a result of more than 1048576 items"),
 ])
 def test_a_hostile_chat_template_is_stopped_with_one_line(tmp_path, monkeypatch, template, reason):
     """A tokenizer's chat template comes with downloaded files: its cost is bounded like its reach."""
@@ -389,6 +406,10 @@ def test_a_hostile_chat_template_is_stopped_with_one_line(tmp_path, monkeypatch,
     ("{{ '%d %s'|format(messages[0].n, 'x') }}", "1700000000 x"),
     ("{{ '{}'.format(messages[0].n) }}", "1700000000"),
     ("{{ '%5s|' % 'ab' }}{{ 'ab'.center(6) }}|{{ messages[0].content[:4]|center(8) }}|", "   ab|  ab  |  grew  |"),
+    ("{{ 'a' ~ 1 ~ messages[0].n }}|{{ 'a' + 'b' }}|{{ ([1] + [2])|sum }}|{{ [1, 2]|sum(start=10) }}|"
+     "{{ 'x-y'.replace('-', '+') }}|{{ ['a', 'b']|join('-') }}|{{ '-'.join(messages|map(attribute='role')) }}|"
+     "{{ 'ab'|replace('a', 'c') }}|{{ 'a b'|wordwrap(1) }}|{{ 'ab'.translate({97: 'xy'}) }}",
+     "a11700000000|ab|3|13|x+y|a-b|user|cb|a\nb|xyb"),  # what the bounds leave alone
 ])
 def test_a_template_may_put_large_numbers_and_percent_signs_into_its_text(template, rendered):
     """The bounds on sizes look at sizes only: a timestamp or an id in a message, or a '%' in its text, was refused
