@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -14,6 +15,8 @@ from conftest import FIXTURES, REPO, TINY
 from llm.config import ModelConfig
 from llm.data.prepare import prepare
 from llm.model import Transformer
+from llm.train.metrics import StepStats
+from llm.train.trainer import Trainer
 
 PROBE = Path(__file__).parent / "probes" / "step_syncs.py"
 DATA_SIZED = ("nonzero", "argwhere", "bincount", "unique", "masked_select")
@@ -60,6 +63,21 @@ def test_an_sft_step_adds_one_collective_on_the_training_device_and_no_sync(toke
     assert [(e["phase"], e["kind"]) for e in in_steps] == [("train_step 1", "collective"),
                                                            ("train_step 2", "collective")], in_steps
     assert all(e["on_training_device"] for e in in_steps), in_steps
+
+
+def test_the_gradient_norm_the_trainer_keeps_is_read_at_logged_steps_only(monkeypatch):
+    """fp32 without ZeRO, where DeepSpeed keeps no gradient norm, the trainer keeps it on the device; every step
+    handed it to the logger as a float, read whether the step was logged or not: a wait for the device per step."""
+    trainer = Trainer.__new__(Trainer)
+    trainer._norm_taken_here, trainer._last_grad_norm = True, torch.tensor(2.5)
+    trainer.step, trainer.tokens_seen, trainer.sampler = 7, 100, SimpleNamespace(epoch=0)
+    reads, logged = [], []
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda self: reads.append(self) or self.item())
+    logger = SimpleNamespace(log=lambda *args: logged.append(args))
+    trainer._log_step(logger, 1e-3, None, None)
+    assert (reads, logged[-1][3]) == ([], None)
+    trainer._log_step(logger, 1e-3, StepStats(1.0, {}, 10, 10), None)
+    assert (len(reads), logged[-1][3]) == (1, 2.5)
 
 
 def test_an_moe_layer_waits_for_the_device_once_per_forward(monkeypatch):

@@ -278,6 +278,12 @@ class Trainer:
             return unscaled_grad_norm(self.engine, self._update_loss_scale)
         return None if self._last_grad_norm is None else float(self._last_grad_norm)
 
+    def _log_step(self, logger: MetricsLogger, lr: float, stats: StepStats | None, val_loss: float | None) -> None:
+        """Hand the step to `logger`, with the gradient norm at a logged step only (`stats`): where the trainer keeps
+        the norm (fp32 without ZeRO) reading it waits for the device, and every step did."""
+        grad_norm = self._grad_norm() if stats is not None else None
+        logger.log(self.step, lr, stats, grad_norm, self.sampler.epoch, self.tokens_seen, val_loss)
+
     def _stop_diverged(self, step: int, what: str) -> NoReturn:
         """End the run on every rank (a collective) with one line: step `step` diverged (`what`), and the newest
         complete checkpoint from before it is the one to resume from with a lower learning rate."""
@@ -392,7 +398,7 @@ class Trainer:
             with self.budget.overhead("eval" if eval_due else None):
                 val_loss = self.evaluate() if eval_due else None
                 samples = self.samples.generate(self.step) if eval_due and self.samples else None
-            logger.log(self.step, lr, stats, self._grad_norm(), self.sampler.epoch, self.tokens_seen, val_loss)
+            self._log_step(logger, lr, stats, val_loss)
             logger.log_samples(self.step, samples)
             stop = self.preemption.agreed()
             save_due = checkpointer.due(self.step, last or calibrate, stop)
