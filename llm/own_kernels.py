@@ -5,19 +5,25 @@ then fail later on a missing attribute. This names the clash at import instead."
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 OURS = Path(__file__).resolve().parent.parent / "kernels"
 
 
 def check_own_kernels() -> None:
-    """Raise ImportError, in one line that says what to do, unless `import kernels` finds zerollm's kernels/."""
+    """Unless `import kernels` finds zerollm's kernels/: one line that says what to do, as the command line's error
+    (exit 2: `zerollm` and `python -m llm` import this package before their own error handling exists, and gave an
+    import traceback), or as an ImportError where zerollm is imported as a library."""
     spec = importlib.util.find_spec("kernels")
     found = Path(spec.origin).resolve().parent if spec is not None and spec.origin else None
     if found == OURS:
         return
-    raise ImportError(
-        f"zerollm: `import kernels` finds {found or 'nothing'}, not zerollm's {OURS}: another package named `kernels` "
-        f"(Hugging Face's, which transformers 5.25 and later require) hides it; in this environment run "
-        f"`pip uninstall -y kernels && pip install 'transformers<5.25'`, then reinstall zerollm unless it is an "
-        f"editable install (pip install -e)")
+    problem = (f"`import kernels` finds {found or 'nothing'}, not zerollm's {OURS}: another package named `kernels` "
+               f"(Hugging Face's, which transformers 5.25 and later require) hides it; in this environment run "
+               f"`pip uninstall -y kernels && pip install 'transformers<5.25'`, then reinstall zerollm unless it is "
+               f"an editable install (pip install -e)")
+    if Path(sys.argv[0]).name == "zerollm" or sys.orig_argv[1:3] == ["-m", "llm"]:
+        print(f"zerollm: error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    raise ImportError(f"zerollm: {problem}")
