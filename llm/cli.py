@@ -50,8 +50,8 @@ from llm.wording import plural
 
 EPILOG = "Documentation: README.md. Errors in your input exit with code 2."
 INPUT_FORMATS = (".txt, .jsonl and .json files (each also compressed: .gz, .bz2, .xz, .zst), .parquet and .arrow "
-                 "files, and folders written by datasets' save_to_disk (the tables and .zst need `pip install "
-                 "'zerollm[datasets]'`)")
+                 "files, and folders written by datasets' save_to_disk (the tables and .zst need `pip install -e "
+                 "'.[datasets]'` in zerollm's checkout)")
 """What `llm.data.readers` reads, for the help of every command that takes input files."""
 LORA_HELP = ("train low-rank adapters on the frozen --init-from model instead of every weight, e.g. "
              "r=16,alpha=32,targets=wq,wk,wv,wo,w1,w2,w3,dropout=0.05 (the lora.* config keys; sft, dpo, grpo; "
@@ -120,8 +120,9 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
                                     "({'text'} records, conversations, alpaca, preference pairs, ...), each also "
                                     "compressed (.gz, .bz2, .xz, .zst), and .parquet and .arrow files and folders "
                                     "written by datasets' save_to_disk (a row is a record; these and .zst need `pip "
-                                    "install 'zerollm[datasets]'`); tokenize them in parallel, append end-of-text "
-                                    "after each document and write OUT/tokens.h5 with a train/val split and "
+                                    "install -e '.[datasets]'` in zerollm's checkout); tokenize them in parallel, "
+                                    "append end-of-text after each document and write OUT/tokens.h5 with a train/val "
+                                    "split and "
                                     "OUT/report.json. Malformed records are skipped and reported with file:line "
                                     "(file:row N in a table), or fatal with --strict.")
     d.add_argument("--kind", choices=["pretrain", "sft", "dpo"], default="pretrain",
@@ -212,8 +213,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         t.add_argument("--out", type=a_path, required=True, help="run directory")
         t.add_argument("--init-from", type=a_path, default=None, metavar="DIR", required=stage in ("dpo", "grpo"),
                        help="start from the weights of a run directory or an export directory (ours, or a Llama, "
-                            "Qwen2/2.5 or Qwen3 saved by transformers); the run takes its model shape, RoPE and "
-                            "context length, the recipe the training settings")
+                            "Mistral, Qwen2/2.5 or Qwen3 saved by transformers); the run takes its model shape, RoPE "
+                            "and context length, the recipe the training settings")
         if stage == "distill":
             t.add_argument("--teacher", type=a_path, required=True, metavar="DIR",
                            help="the frozen teacher: a run directory (newest checkpoint) or an export directory")
@@ -332,8 +333,9 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--system", default=None, help="system prompt")
     e = sub.add_parser("export", help="export a run to Hugging Face Llama (or Qwen2, Qwen3) format", epilog=EPILOG,
                        description="Write model.safetensors, config.json (LlamaForCausalLM; Qwen3ForCausalLM for a "
-                                   "model with QK-norm, Qwen2ForCausalLM for one with q, k and v biases) and the "
-                                   "tokenizer files of a run's newest checkpoint (any ZeRO stage) to --out.")
+                                   "model with QK-norm, Qwen2ForCausalLM for one with q, k and v biases, "
+                                   "MistralForCausalLM for one whose hidden size is not a multiple of its heads) and "
+                                   "the tokenizer files of a run's newest checkpoint (any ZeRO stage) to --out.")
     e.add_argument("--run", type=a_path, required=True, help="run directory")
     e.add_argument("--out", type=a_path, required=True, help="export directory")
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server", epilog=EPILOG,

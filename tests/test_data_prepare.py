@@ -428,7 +428,7 @@ def test_a_missing_datasets_package_is_a_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(UserError, match=r"a.parquet: reading Parquet/Arrow files needs pyarrow; install it with "
-                                        r"pip install 'zerollm\[datasets\]'"):
+                                        r"`pip install -e '\.\[datasets\]'` in zerollm's checkout"):
         expand_inputs([tmp_path / "a.parquet"])
     with pytest.raises(UserError, match=r"hf: reading a save_to_disk directory needs the datasets package"):
         list(read_items(tmp_path / "hf"))
