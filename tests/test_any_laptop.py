@@ -8,6 +8,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -81,16 +82,21 @@ def test_the_model_trains_a_step_without_triton_installed():
 
 def test_another_package_named_kernels_is_named_at_import(tmp_path):
     """Hugging Face's `kernels` (required by transformers 5.25 and later), installed ahead of zerollm's kernels/,
-    is named in one line with what to do, not met later as a missing attribute."""
+    is named in one line with what to do, not met later as a missing attribute: for `zerollm` and `python -m llm`
+    as their error, exit 2, --help included (it was an import traceback, exit 1: they import the package before
+    their own error handling exists), and as an ImportError where zerollm is imported as a library."""
     (tmp_path / "elsewhere" / "kernels").mkdir(parents=True)
     (tmp_path / "elsewhere" / "kernels" / "__init__.py").write_text("def get_kernel(name):\n    return name\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "elsewhere")}
-    result = subprocess.run([sys.executable, "-m", "llm", "--help"], cwd=tmp_path, env=env, capture_output=True,
+    said = f"`import kernels` finds {tmp_path / 'elsewhere' / 'kernels'}, not zerollm's {REPO / 'kernels'}: another"
+    for command in ([sys.executable, "-m", "llm", "--help"], [Path(sys.executable).parent / "zerollm", "--help"]):
+        result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
+        assert (result.returncode, result.stdout, result.stderr.count("\n")) == (2, "", 1), result.stderr
+        assert result.stderr.startswith(f"zerollm: error: {said}")
+        assert "pip uninstall -y kernels && pip install 'transformers<5.25'" in result.stderr
+    result = subprocess.run([sys.executable, "-c", "import llm"], cwd=tmp_path, env=env, capture_output=True,
                             text=True, check=False)
-    last = result.stderr.strip().splitlines()[-1]
-    assert result.returncode == 1 and result.stdout == ""
-    assert last.startswith("ImportError: zerollm: `import kernels` finds ") and str(tmp_path / "elsewhere") in last
-    assert "pip uninstall -y kernels && pip install 'transformers<5.25'" in last
+    assert result.returncode == 1 and f"ImportError: zerollm: {said}" in result.stderr
 
 
 ACCELERATOR_VARIABLES = ("DS_ACCELERATOR", CHOSEN_ACCELERATOR, "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK",

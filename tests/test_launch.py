@@ -752,7 +752,8 @@ def test_a_step_past_the_timeout_says_what_stuck_it_or_to_allow_it_longer(monkey
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     said = []
-    monkeypatch.setattr(watchdog.Watchdog, "_exit", lambda self, message: (said.append(message), self._stopped.set()))
+    monkeypatch.setattr(watchdog.Watchdog, "_exit",
+                        lambda self, message, code: (said.append(message), self._stopped.set()))
     dog = watchdog.Watchdog(0, 1, timeout_s=1.0, announce=True)
     try:
         with dog.watching("step 3"):
@@ -781,13 +782,14 @@ class _Sleeps:
 @contextlib.contextmanager
 def _two_watchdogs(monkeypatch, said: list) -> collections.abc.Iterator[tuple[watchdog.Watchdog, watchdog.Watchdog]]:
     """Rank 0's watchdog with the default heartbeat interval (10 s) and rank 1's beating every 0.5 s, in a job of
-    two ranks; a rank that would end its process appends (rank, message) to `said` and stops beating instead."""
+    two ranks; a rank that would end its process appends (rank, message, exit code) to `said` and stops beating
+    instead."""
     port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setattr(watchdog.Watchdog, "_exit",
-                        lambda self, message: (said.append((self.rank, message)), self._stopped.set()))
+                        lambda self, message, code: (said.append((self.rank, message, code)), self._stopped.set()))
     dogs = watchdog.Watchdog(0, 2, timeout_s=600, announce=True), watchdog.Watchdog(1, 2, timeout_s=15, announce=True)
     try:
         yield dogs
@@ -826,8 +828,20 @@ def test_the_rank_ending_a_job_leaves_once_every_other_rank_knows(monkeypatch, b
             peer.join(timeout=30)
             assert not peer.is_alive()
     news = "{}: failed with RuntimeError: boom; the job is ended on every rank. Fix it."
-    assert sorted(said) == [(0, news.format("rank 0")), (1, news.format("rank 1" if both else "rank 0"))]
+    assert sorted(said) == [(0, news.format("rank 0"), 76), (1, news.format("rank 1" if both else "rank 0"), 76)]
     assert sleeps.asked < 1.5 * dogs[0].interval / 2  # 15 s
+
+
+def test_a_job_ended_without_a_word_ends_every_rank_with_its_code(monkeypatch):
+    """A closed output pipe on rank 0 ends the job as it ends one process: 141 on every rank, and nothing said."""
+    said = []
+    with _two_watchdogs(monkeypatch, said) as dogs:
+        monkeypatch.setattr(watchdog.time, "sleep", _Sleeps())
+        dogs[0].end_job(None, code=141)
+        deadline = time.monotonic() + 30
+        while len(said) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert sorted(said) == [(0, "", 141), (1, "", 141)]
 
 
 def _ended_pid() -> int:
