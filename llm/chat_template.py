@@ -30,12 +30,14 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from datetime import datetime
 from typing import Any
 
 from jinja2 import TemplateError, nodes
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.ext import loopcontrols
+from jinja2.filters import make_attrgetter
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from llm.errors import UserError
@@ -121,7 +123,7 @@ def _characters(value: Any) -> int:
 
 
 class TemplateTooCostly(TemplateError):
-    """A template asked for a result above MAX_ITEMS."""
+    """A template asked for a result above MAX_ITEMS, or larger than the render may hold."""
 
 
 class _RenderDeadline(BaseException):  # noqa: N818 - not an error: a stop
@@ -131,55 +133,75 @@ class _RenderDeadline(BaseException):  # noqa: N818 - not an error: a stop
 
 
 def _result_size(operator: str, left: Any, right: Any) -> int:
-    """Items (or, for integers, bits) the result of `left operator right` would hold; 0 where it is small anyway."""
+    """Items (or, for integers, bits) the result of `left * right` or `left ** right` would hold, a list's items
+    counted by their characters ([s] * n holds n times s's text); 0 where it is small anyway."""
     if operator == "*":
         for count, sequence in ((left, right), (right, left)):
             if isinstance(count, int) and isinstance(sequence, (str, list, tuple)):
-                return count * len(sequence)
+                return count * max(len(sequence), _characters(sequence))
         if isinstance(left, int) and isinstance(right, int):
             return left.bit_length() + right.bit_length()
     if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
         return left.bit_length() * right
-    if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
-        return len(left) + len(right)  # a string doubled 9 times from a million characters: 512 M
     return 0
 
 
+_RENDER_LIMIT: ContextVar[int] = ContextVar("render_limit", default=RENDERED_BEYOND)
+"""The most characters the render in progress may hold (`ChatTemplate._render`): what an operation that may make a
+result far larger than its operands (GROWING_FILTERS, GROWING_METHODS, `+`, `~`, `%`, str.format) may make."""
+
+
+def _refuse_larger(size: int, what: str) -> None:
+    """TemplateTooCostly where `what` would make a result larger than the render may hold (`_RENDER_LIMIT`): a
+    string doubled in a loop, or grown by one call, took gigabytes in a second."""
+    if size > (limit := _RENDER_LIMIT.get()):
+        raise TemplateTooCostly(f"{what} would make a result of more than {limit:,} characters, far more than the "
+                                "messages hold")
+
+
 def _replaced_size(text: Any, old: Any, new: Any, count: Any = -1) -> int:
-    """Characters of text.replace(old, new, count): ('x' * 20000).replace('x', 'y' * 25000) is 500 M."""
-    if not (isinstance(text, str) and isinstance(old, str) and isinstance(new, str)):
-        return 0
+    """Characters of text.replace(old, new, count) (Jinja's filter takes any values as text)."""
+    text, old, new = str(text), str(old), str(new)
     found = len(text) + 1 if old == "" else text.count(old)
     if isinstance(count, int) and count >= 0:
         found = min(found, count)
     return len(text) + found * max(0, len(new) - len(old))
 
 
-def _joined(separator: Any, items: Any) -> tuple[list, int]:
-    """The items of a join (taken once: a generator is consumed) and the characters of their join."""
+def _joined(separator: Any, items: Any, part: Callable[[Any], Any] = lambda item: item) -> tuple[list, int]:
+    """The items of a join (taken once: a generator is consumed) and the characters of their join, each item's
+    `part` joined (the join filter's attribute)."""
     items = list(items)
-    return items, sum(len(str(item)) for item in items) + len(str(separator)) * max(0, len(items) - 1)
+    return items, sum(len(str(part(item))) for item in items) + len(str(separator)) * max(0, len(items) - 1)
 
 
 def _translated_size(text: str, table: Any) -> int:
-    """The most characters text.translate(table) makes: each character may become the longest string the table
-    maps to."""
-    longest = max((len(v) for v in table.values() if isinstance(v, str)), default=1) if isinstance(table, dict) else 1
-    return len(text) * max(1, longest)
+    """The most characters text.translate(table) makes: each character may become the longest text the table
+    (a mapping or a sequence) holds."""
+    values = table.values() if isinstance(table, dict) else table if isinstance(table, (list, tuple)) else []
+    return len(text) * max(1, max((len(v) for v in values if isinstance(v, str)), default=1))
+
+
+def _formatted_size(form: str, values: list[Any]) -> int:
+    """The most characters a %-format or str.format string makes of `values` (each field the longest value as
+    text; their widths are bounded apart, `_refuse_wide_fields`): '%s%s' % (s, s) doubled s in a loop."""
+    fields = len(_PERCENT_SPEC.findall(form)) + form.count("{")
+    values = [v for value in values for v in (value.values() if isinstance(value, dict) else [value])]
+    return len(form) + fields * max((len(str(v)) for v in values), default=0)
 
 
 _PERCENT_SPEC = re.compile(r"%[#0 +-]*(\*|\d*)(?:\.(\*|\d+))?")
 _BRACE_SPEC = re.compile(r"\{[^{}:]*:((?:[^{}]|\{[^{}]*\})*)\}")
 SIZED_FILTERS = frozenset({"center", "indent", "batch", "slice", "tojson", "format"})
 """Jinja's filters (and zerollm's tojson) that take a size: a width, an indent, a count of items or slices."""
-GROWING_FILTERS = frozenset({"replace", "join", "wordwrap", "sum"})
+GROWING_FILTERS = frozenset({"replace", "join", "wordwrap", "indent", "sum"})
 """Jinja's filters whose result may be far larger than what they are given, each bounded by its result's size
 (`_growing_filter_size`)."""
 PADDING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
 """The string methods whose number is a size: 'x'.ljust(1500000000) is 1.5 GB."""
 GROWING_METHODS = frozenset({"replace", "join", "translate"})
 """The string methods whose result may be far larger than the string and their arguments, each bounded by its
-result's size."""
+result's size (`_refuse_larger`)."""
 
 
 def _too_large(values: Any) -> bool:
@@ -199,50 +221,62 @@ def _field_sizes(form: str) -> tuple[bool, bool]:
 
 def _refuse_wide_fields(form: Any, arguments: list[Any], what: str) -> None:
     """TemplateTooCostly where the format string `form` asks for a field wider than MAX_ITEMS, itself or through
-    its `arguments` (only then are they looked at: a number put into the text is no size)."""
+    its `arguments` (only then are they looked at: a number put into the text is no size), or would make a result
+    larger than the render may hold (`_formatted_size`)."""
     if not isinstance(form, str):
         return
     too_wide, takes_width = _field_sizes(form)
     if too_wide or (takes_width and _too_large(arguments)):
         raise TemplateTooCostly(f"{what} was given a field wider than {MAX_ITEMS}")
+    _refuse_larger(_formatted_size(form, arguments), what)
 
 
-def _growing_filter_size(name: str, value: Any, args: list[Any], kwargs: dict[str, Any]) -> tuple[Any, int]:
+def _growing_filter_size(name: str, value: Any, args: list[Any], kwargs: dict[str, Any],
+                         environment: Any) -> tuple[Any, int]:
     """For one of GROWING_FILTERS: the value it filters (a join's items taken once: a generator is consumed) and
     the size of its result."""
     if name == "replace":
         count = args[2] if len(args) > 2 else kwargs.get("count")
         return value, _replaced_size(value, *args[:2], -1 if count is None else count) if len(args) >= 2 else 0
     if name == "join":
-        return _joined(args[0] if args else kwargs.get("d", ""), value)
+        attribute = args[1] if len(args) > 1 else kwargs.get("attribute")
+        part = make_attrgetter(environment, attribute) if attribute is not None else (lambda item: item)
+        return _joined(args[0] if args else kwargs.get("d", ""), value, part)
+    length = len(value) if isinstance(value, str) else 0
     if name == "wordwrap":
         width = args[0] if args else kwargs.get("width", 79)
         wrap = args[2] if len(args) > 2 else kwargs.get("wrapstring")
-        length = len(value) if isinstance(value, str) else 0
         lines = length // width + 1 if isinstance(width, int) and width > 0 else length
         return value, length + lines * len(wrap if isinstance(wrap, str) else "\n")
-    start = args[1] if len(args) > 1 else kwargs.get("start", 0)  # sum: of lists or strings, quadratic in one call
-    return value, 0 if isinstance(start, int | float) else MAX_ITEMS + 1
+    if name == "indent":
+        width = args[0] if args else kwargs.get("width", 4)
+        indentation = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+        return value, length + (value.count("\n") + 1 if isinstance(value, str) else 0) * indentation
+    start = args[1] if len(args) > 1 else kwargs.get("start", 0)
+    if not isinstance(start, int | float):
+        raise TemplateTooCostly("the filter sum was given a start that is no number (a sum of lists or strings takes "
+                                "time quadratic in their number, in one call the deadline cannot stop)")
+    return value, 0
 
 
 def _bounded_filter(name: str, function: Callable) -> Callable:
     """`function`, one of SIZED_FILTERS, refusing a size above MAX_ITEMS among its arguments but the value it
-    filters ('x'|center(1500000000) is 1.5 GB), and, as `format`, a format string asking for such a field; or one of
-    GROWING_FILTERS, refusing a result above MAX_ITEMS."""
+    filters ('x'|center(1500000000) is 1.5 GB), and, as `format`, a format string asking for such a field; and, one
+    of GROWING_FILTERS, refusing a result larger than the render may hold (`_refuse_larger`)."""
     taken = 2 if getattr(function, "jinja_pass_arg", None) else 1  # the context or environment, then the value
 
     @functools.wraps(function)  # keeps Jinja's pass_context/pass_environment marks
     def bounded(*args: Any, **kwargs: Any) -> Any:
         sizes = [*args[taken:], *kwargs.values()]
-        if name in GROWING_FILTERS and len(args) >= taken:
-            value, size = _growing_filter_size(name, args[taken - 1], list(args[taken:]), kwargs)
-            if size > MAX_ITEMS:
-                raise TemplateTooCostly(f"the filter {name} would make a result of more than {MAX_ITEMS} items")
-            args = (*args[:taken - 1], value, *args[taken:])
-        elif name == "format":
+        if name == "format":
             _refuse_wide_fields(args[taken - 1] if len(args) >= taken else None, sizes, "the filter format")
-        elif _too_large(sizes):
+        elif name in SIZED_FILTERS and _too_large(sizes):
             raise TemplateTooCostly(f"the filter {name} was given a number above {MAX_ITEMS}")
+        if name in GROWING_FILTERS and len(args) >= taken:
+            environment = getattr(args[0], "environment", args[0]) if taken == 2 else None  # eval context or env
+            value, size = _growing_filter_size(name, args[taken - 1], list(args[taken:]), kwargs, environment)
+            _refuse_larger(size, f"the filter {name}")
+            args = (*args[:taken - 1], value, *args[taken:])
         return function(*args, **kwargs)
 
     return bounded
@@ -250,10 +284,10 @@ def _bounded_filter(name: str, function: Callable) -> Callable:
 
 class _BoundedCodeGenerator(CodeGenerator):
     """Jinja's code generator, with `~` (which no sandbox hook sees: it compiles to a join of its parts) made a call
-    of `_BoundedSandbox.concat`: a string doubled by `~` in a loop reached gigabytes in a second."""
+    of `_BoundedSandbox.bounded_concat`: a string doubled by `~` in a loop reached gigabytes in a second."""
 
     def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
-        self.write("environment.concat((")
+        self.write("environment.bounded_concat((")
         for part in node.nodes:
             self.visit(part, frame)
             self.write(", ")
@@ -262,9 +296,10 @@ class _BoundedCodeGenerator(CodeGenerator):
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """transformers' sandbox, with what one expression may ask for bounded, so that it cannot take gigabytes, nor
-    compute for minutes between two checks of the deadline: `*` and `**` (their results' size), `%` and str.format
-    (their fields' widths), the string methods and filters that take a size (PADDING_METHODS, SIZED_FILTERS: a size
-    above MAX_ITEMS, 'x'.center(1500000000))."""
+    compute for minutes between two checks of the deadline: `*` and `**` (their results' size, above MAX_ITEMS),
+    `%` and str.format (their fields' widths), the string methods and filters that take a size (PADDING_METHODS,
+    SIZED_FILTERS: a size above MAX_ITEMS, 'x'.center(1500000000)), and what may make a result far larger than its
+    operands, up to what the render may hold (`+`, `~`, `%`, str.format, GROWING_FILTERS, GROWING_METHODS)."""
 
     intercepted_binops = frozenset(["*", "**", "%", "+"])
     code_generator_class = _BoundedCodeGenerator
@@ -275,16 +310,17 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
                         for name, f in self.filters.items()}
 
     @staticmethod
-    def concat(parts: tuple) -> str:
-        """Jinja's `~` (`_BoundedCodeGenerator`), refusing a result above MAX_ITEMS."""
+    def bounded_concat(parts: tuple) -> str:
+        """Jinja's `~` (`_BoundedCodeGenerator`), refusing a result larger than the render may hold."""
         texts = [str(part) for part in parts]
-        if sum(map(len, texts)) > MAX_ITEMS:
-            raise TemplateTooCostly(f"'~' would make a result of more than {MAX_ITEMS} items")
+        _refuse_larger(sum(map(len, texts)), "'~'")
         return "".join(texts)
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         if _result_size(operator, left, right) > MAX_ITEMS:
             raise TemplateTooCostly(f"'{operator}' would make a result of more than {MAX_ITEMS} items")
+        if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+            _refuse_larger(_characters(left) + _characters(right), "'+'")
         if operator == "%":
             _refuse_wide_fields(left, list(right) if isinstance(right, tuple) else [right], "'%'")
         return super().call_binop(context, operator, left, right)
@@ -300,8 +336,7 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
                 args = (items, *args[1:])
             else:
                 size = _replaced_size(text, *args[:3]) if method == "replace" else _translated_size(text, args[0])
-            if size > MAX_ITEMS:
-                raise TemplateTooCostly(f"str.{method} would make a result of more than {MAX_ITEMS} items")
+            _refuse_larger(size, f"str.{method}")
         return super().call(__context, __obj, *args, **kwargs)
 
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
@@ -440,6 +475,7 @@ class ChatTemplate:
 
     def _render(self, escaped: list[dict], add_generation_prompt: bool) -> str:
         limit = RENDERED_PER_CHARACTER * _characters(escaped) + RENDERED_BEYOND
+        bound = _RENDER_LIMIT.set(limit)
         try:
             with _DEADLINES.limit(RENDER_SECONDS):
                 pieces, size = [], 0
@@ -461,6 +497,8 @@ class ChatTemplate:
         except Exception as exc:  # a template is code from elsewhere: whatever it raises is its error, in one line
             raise MessagesRefused(f"{self.source}: the chat template failed on the messages "
                                   f"({type(exc).__name__}: {exc})") from None
+        finally:
+            _RENDER_LIMIT.reset(bound)
 
     def render_continuing(self, messages: list[dict]) -> str:
         """Rendered text (message text escaped) that ends inside the final message, for its text to be continued,

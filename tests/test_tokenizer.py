@@ -376,18 +376,28 @@ def test_a_chat_template_file_beside_the_tokenizer_is_used(tmp_path):
      "{% break %}{% endfor %}{% endfor %}", "rendering took longer than 0.5 s"),
     # each of these made 500 MB or more in a second, kept in a variable or made by one call
     ("{% set ns = namespace(s='x' * 1000000) %}{% for i in range(9) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
-     "'+' would make a result of more than 1048576 items"),
+     "'+' would make a result of more than 8,388,"),
     ("{% set ns = namespace(s='x' * 1000000) %}{% for i in range(9) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
-     "'~' would make a result of more than 1048576 items"),
-    ("{% set ns = namespace(l=[1] * 1000000) %}{% for i in range(9) %}{% set ns.l = ns.l + ns.l %}{% endfor %}",
-     "'+' would make a result of more than 1048576 items"),
-    ("{{ ('x' * 20000).replace('x', 'y' * 25000) }}", "str.replace would make a result of more than 1048576 items"),
-    ("{{ ('x' * 20000)|replace('x', 'y' * 25000) }}", "the filter replace would make a result of more than 1048576"),
-    ("{{ ('y' * 1000000).join(['a'] * 500) }}", "str.join would make a result of more than 1048576 items"),
-    ("{{ (['y' * 1000000] * 500)|join }}", "the filter join would make a result of more than 1048576 items"),
+     "'~' would make a result of more than 8,388,"),
+    ("{% set ns = namespace(l=['x' * 1000000]) %}{% for i in range(9) %}{% set ns.l = ns.l + ns.l %}{% endfor %}",
+     "'+' would make a result of more than 8,388,"),
+    ("{% set ns = namespace(l=[]) %}{% for i in range(20) %}{% set ns.l = ns.l + ['x' * 1000000] %}{% endfor %}"
+     "{{ ns.l|string|length }}", "'+' would make a result of more than 8,388,"),  # a list of one string many times
+    ("{{ (['y' * 100000] * 100)|string }}", "'*' would make a result of more than 1048576 items"),
+    ("{{ ('x' * 20000).replace('x', 'y' * 25000) }}", "str.replace would make a result of more than 8,388,"),
+    ("{{ ('x' * 20000)|replace('x', 'y' * 25000) }}", "the filter replace would make a result of more than 8,388,"),
+    ("{{ ('x' * 1000)|replace('x', ['y' * 10000]) }}", "the filter replace would make a result of more than"),
+    ("{{ ('y' * 1000000).join(['a'] * 500) }}", "str.join would make a result of more than 8,388,"),
+    ("{{ (['a'] * 10)|join('x' * 1000000) }}", "the filter join would make a result of more than 8,388,"),
     ("{{ ('x' * 100000)|wordwrap(1, true, 'y' * 5000) }}", "the filter wordwrap would make a result of more than"),
-    ("{{ ('x' * 1000000).translate({120: 'y' * 1000}) }}", "str.translate would make a result of more than 1048576"),
-    ("{{ ([[1] * 10] * 40000)|sum(start=[]) }}", "the filter sum would make a result of more than 1048576 items"),
+    ("{{ ('a\n' * 1000)|indent(10000) }}", "the filter indent would make a result of more than 8,388,"),
+    ("{{ ('x' * 1000000).translate({120: 'y' * 1000}) }}", "str.translate would make a result of more than 8,388,"),
+    ("{{ ('a' * 10000).translate(['y' * 8000] * 128) }}", "str.translate would make a result of more than 8,388,"),
+    ("{% set ns = namespace(s='x' * 1000000) %}{% for i in range(9) %}{% set ns.s = '%s%s' % (ns.s, ns.s) %}"
+     "{% endfor %}", "'%' would make a result of more than 8,388,"),
+    ("{% set ns = namespace(s='x' * 1000000) %}{% for i in range(9) %}{% set ns.s = '{0}{0}'.format(ns.s) %}"
+     "{% endfor %}", "str.format would make a result of more than 8,388,"),
+    ("{{ ([[1] * 10] * 40000)|sum(start=[]) }}", "the filter sum was given a start that is no number"),
 ])
 def test_a_hostile_chat_template_is_stopped_with_one_line(tmp_path, monkeypatch, template, reason):
     """A tokenizer's chat template comes with downloaded files: its cost is bounded like its reach."""
@@ -416,6 +426,17 @@ def test_a_template_may_put_large_numbers_and_percent_signs_into_its_text(templa
     as a width above 2^20, ending the whole `data prepare`."""
     messages = [{"role": "user", "content": "grew 40% 2500000 units", "n": 1700000000}]
     assert llm.chat_template.ChatTemplate(template, "t", {}, [], []).render(messages) == rendered
+
+
+def test_a_message_of_millions_of_characters_renders_through_concatenating_templates():
+    """The bounds on what `+`, `~`, a macro, `join` and `replace` make are the render's own (4 characters per
+    character of the messages, and 8 M more): bounded at 2^20 they refused any message of a million characters, and
+    `data prepare` ended on such a record."""
+    message = "word " * 300_000
+    template = ("{% macro turn(m) %}{{ '<|' + m.role + '|>' ~ m.content|replace('word', 'w') }}{% endmacro %}"
+                "{% for m in messages %}{{ turn(m) }}{{ [m.content, m.content]|join }}{% endfor %}")
+    rendered = llm.chat_template.ChatTemplate(template, "t", {}, [], []).render([{"role": "user", "content": message}])
+    assert rendered == "<|user|>" + message.replace("word", "w") + message * 2
 
 
 def test_a_saved_foreign_tokenizer_keeps_its_files_meaning(tmp_path):
