@@ -36,12 +36,13 @@ from torch.distributed.run import get_args_parser
 from torch.distributed.run import main as torchrun_main
 
 from launch.local import RESUME_ADVICE, report_rank_ended
-from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, EXIT_USER_ERROR, report
+from llm.errors import EXIT_PIPE_CLOSED, EXIT_PREEMPTED, EXIT_RANK_LOST, EXIT_USER_ERROR, report
 
 CLOSING_CODES = (-signal.SIGTERM, -signal.SIGKILL)
 """Exit codes of a rank that torchrun ended after another rank failed."""
-QUIET_CODES = (EXIT_USER_ERROR, EXIT_RANK_LOST, EXIT_PREEMPTED)
-"""Exit codes of ranks that said why in one line themselves (a stop: that they saved)."""
+QUIET_CODES = (EXIT_USER_ERROR, EXIT_RANK_LOST, EXIT_PREEMPTED, EXIT_PIPE_CLOSED)
+"""Exit codes of ranks that said why in one line themselves (a stop: that they saved; a closed output pipe: nothing
+to say)."""
 
 
 def _codes(failure: ChildFailedError) -> list[int]:

@@ -331,7 +331,8 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
                                    "/exit).")
     _add_sampling_options(c)
     c.add_argument("--system", default=None, help="system prompt")
-    e = sub.add_parser("export", help="export a run to Hugging Face Llama (or Qwen2, Qwen3) format", epilog=EPILOG,
+    e = sub.add_parser("export", help="export a run to Hugging Face Llama (or Qwen2, Qwen3, Mistral) format",
+                       epilog=EPILOG,
                        description="Write model.safetensors, config.json (LlamaForCausalLM; Qwen3ForCausalLM for a "
                                    "model with QK-norm, Qwen2ForCausalLM for one with q, k and v biases, "
                                    "MistralForCausalLM for one whose hidden size is not a multiple of its heads) and "

@@ -11,6 +11,14 @@ from pathlib import Path
 OURS = Path(__file__).resolve().parent.parent / "kernels"
 
 
+def _is_the_command_line() -> bool:
+    """Whether this process runs `zerollm` or `python [options] -m llm` (a rank, started `python -u -m llm`)."""
+    rest = sys.orig_argv[1:]
+    while rest and rest[0].startswith("-") and rest[0] != "-m":
+        rest = rest[1:]
+    return Path(sys.argv[0]).name == "zerollm" or rest[:2] in (["-m", "llm"], ["-m", "llm.cli"])
+
+
 def check_own_kernels() -> None:
     """Unless `import kernels` finds zerollm's kernels/: one line that says what to do, as the command line's error
     (exit 2: `zerollm` and `python -m llm` import this package before their own error handling exists, and gave an
@@ -23,7 +31,7 @@ def check_own_kernels() -> None:
                f"(Hugging Face's, which transformers 5.25 and later require) hides it; in this environment run "
                f"`pip uninstall -y kernels && pip install 'transformers<5.25'`, then reinstall zerollm unless it is "
                f"an editable install (pip install -e)")
-    if Path(sys.argv[0]).name == "zerollm" or sys.orig_argv[1:3] == ["-m", "llm"]:
+    if _is_the_command_line():
         print(f"zerollm: error: {problem}", file=sys.stderr)
         sys.exit(2)
     raise ImportError(f"zerollm: {problem}")

@@ -384,13 +384,14 @@ class Tokenizer:
 
     def encode_continuation(self, text: str) -> list[int]:
         """Ids of text that continues a document from a cut (a long document's later pieces,
-        `llm.data.readers.cut_point`), as they are in the whole document's ids: without the `▁` that a
-        SentencePiece-style tokenizer (a Prepend normalizer, a Metaspace pre-tokenizer) puts before a text's start,
-        an extra space at every cut."""
-        return _ids(self._continuing, text)
+        `llm.data.readers.cut_point`): without the space that a tokenizer puts before a text's start (a Prepend
+        normalizer's or a Metaspace pre-tokenizer's `▁`, a byte-level one's prefix space), one more at every cut.
+        Where the cut is a boundary of the pre-tokenizer (a space, for all of these), the ids are the whole
+        document's."""
+        return _ids(self._continuation_encoder, text)
 
     @cached_property
-    def _continuing(self) -> HFTokenizer:
+    def _continuation_encoder(self) -> HFTokenizer:
         """`_text` without what it adds at a text's start (`encode_continuation`); `_text` itself where it adds
         nothing."""
         spec = json.loads(self._text.to_str())
@@ -554,12 +555,15 @@ def _steps(step: dict | None) -> list[dict]:
 
 
 def _continuing(step: dict | None) -> dict | None:
-    """A normalizer or pre-tokenizer as it applies to text that continues a document (`Tokenizer._continuing`):
-    without its Prepend steps, and with its Metaspace steps prepending nothing."""
+    """A normalizer or pre-tokenizer as it applies to text that continues a document
+    (`Tokenizer._continuation_encoder`): without its Prepend steps, its Metaspace steps prepending nothing and its
+    ByteLevel steps adding no prefix space (RoBERTa's, BART's)."""
     if step is None or step.get("type") == "Prepend":
         return None
     if step.get("type") == "Metaspace":
         return {key: value for key, value in step.items() if key != "add_prefix_space"} | {"prepend_scheme": "never"}
+    if step.get("type") == "ByteLevel":
+        return step | {"add_prefix_space": False}
     if step.get("type") == "Sequence":
         key = "normalizers" if "normalizers" in step else "pretokenizers"
         return {**step, key: [kept for part in step.get(key, []) if (kept := _continuing(part)) is not None]}
@@ -581,13 +585,15 @@ def _never_picked_by_unigram(spec: dict, protected: list[str]) -> None:
     encode_special_tokens stops only the added tokens' matcher): text turned into control tokens. No score keeps
     them out (the library scores an unknown character below every piece), so in the copy that encodes text each
     protected piece is spelled after `NOT_TEXT`, which no text holds: as SentencePiece itself, which never matches
-    a control symbol in text. Their ids are unchanged."""
+    a control symbol in text. Their ids are unchanged; the copy drops them from its added tokens (which, named by
+    no piece now, the library gave new ids past the vocabulary)."""
     model = spec["model"]
     if model.get("type") != "Unigram":
         return
     for entry in model["vocab"]:
         if entry[0] in protected:
             entry[0] = NOT_TEXT + entry[0]
+    spec["added_tokens"] = [token for token in spec.get("added_tokens", []) if token["content"] not in protected]
     replace = {"type": "Replace", "pattern": {"String": NOT_TEXT}, "content": "\ufffd"}
     normalizer = spec.get("normalizer")
     spec["normalizer"] = replace if normalizer is None else {"type": "Sequence", "normalizers": [replace, normalizer]}

@@ -89,7 +89,8 @@ def test_another_package_named_kernels_is_named_at_import(tmp_path):
     (tmp_path / "elsewhere" / "kernels" / "__init__.py").write_text("def get_kernel(name):\n    return name\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "elsewhere")}
     said = f"`import kernels` finds {tmp_path / 'elsewhere' / 'kernels'}, not zerollm's {REPO / 'kernels'}: another"
-    for command in ([sys.executable, "-m", "llm", "--help"], [Path(sys.executable).parent / "zerollm", "--help"]):
+    for command in ([sys.executable, "-m", "llm", "--help"], [sys.executable, "-u", "-m", "llm", "--help"],  # a rank
+                    [Path(sys.executable).parent / "zerollm", "--help"]):
         result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
         assert (result.returncode, result.stdout, result.stderr.count("\n")) == (2, "", 1), result.stderr
         assert result.stderr.startswith(f"zerollm: error: {said}")

@@ -428,7 +428,7 @@ def test_a_missing_datasets_package_is_a_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(UserError, match=r"a.parquet: reading Parquet/Arrow files needs pyarrow; install it with "
-                                        r"`pip install -e '\.\[datasets\]'` in zerollm's checkout"):
+                                        r"`pip install 'datasets>=2\.19'`"):
         expand_inputs([tmp_path / "a.parquet"])
     with pytest.raises(UserError, match=r"hf: reading a save_to_disk directory needs the datasets package"):
         list(read_items(tmp_path / "hf"))
@@ -968,15 +968,19 @@ def test_a_records_text_keeps_its_trailing_newlines(tokenizer_dir, tmp_path):
     assert _documents(tmp_path / "txt", tokenizer_dir) == ["a block\nof two lines", "another"]
 
 
-def _sentencepiece_style_tokenizer(folder, style: str):
-    """A BPE tokenizer.json as SentencePiece conversions write them: Llama-2's (a normalizer prepending and
-    replacing spaces by `▁`) or transformers' newer one (a Metaspace pre-tokenizer prepending `▁` to a text)."""
+def _prefixing_tokenizer(folder, style: str):
+    """A BPE tokenizer.json that puts a space before a text: as SentencePiece conversions write them, Llama-2's (a
+    normalizer prepending and replacing spaces by `▁`) or transformers' newer one (a Metaspace pre-tokenizer
+    prepending `▁` to a text), or byte-level with a prefix space (RoBERTa's, BART's)."""
     from tokenizers import Tokenizer as LibraryTokenizer
     from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
     library = LibraryTokenizer(models.BPE())
     library.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")  # no merge across words
     library.decoder = decoders.Metaspace(prepend_scheme="first")
+    if style == "prefix_space":
+        library.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+        library.decoder = decoders.ByteLevel()
     if style == "normalizer":
         library.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
         library.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
@@ -990,11 +994,11 @@ def _sentencepiece_style_tokenizer(folder, style: str):
     return folder
 
 
-@pytest.mark.parametrize("style", ["normalizer", "pre_tokenizer"])
-def test_a_long_document_keeps_its_text_at_every_cut_with_a_sentencepiece_style_tokenizer(tmp_path, style):
-    """Each later piece of a long document was encoded as a text of its own, and such a tokenizer puts `▁` before
-    a text: a space more at every cut (about one in 32,000 characters, 'The  quick')."""
-    directory = _sentencepiece_style_tokenizer(tmp_path / "tok", style)
+@pytest.mark.parametrize("style", ["normalizer", "pre_tokenizer", "prefix_space"])
+def test_a_long_document_keeps_its_text_at_every_cut_with_a_tokenizer_prefixing_a_space(tmp_path, style):
+    """Each later piece of a long document was encoded as a text of its own, and such a tokenizer puts a space
+    before a text: a space more at every cut (about one in 32,000 characters, 'The  quick')."""
+    directory = _prefixing_tokenizer(tmp_path / "tok", style)
     tok = Tokenizer.load(directory)
     chinese = (FIXTURES / "pretrain" / "zh_stories.txt").read_text().replace("\n", "")
     text = _long_text() + chinese[:PIECE_CHARS]  # cuts before a space, and after Chinese punctuation
@@ -1003,7 +1007,7 @@ def test_a_long_document_keeps_its_text_at_every_cut_with_a_sentencepiece_style_
     _quiet("pretrain", [tmp_path / "long.txt"], directory, tmp_path / "out")
     tokens, _, _ = _tokens(tmp_path / "out")
     assert tokens.tolist() == tok.encode_document(text) + [tok.eos_id]
-    assert tok.decode(tokens[:-1]) == text
+    assert tok.decode(tokens[:-1]) == (" " if style == "prefix_space" else "") + text  # the document's own prefix
 
 
 def test_documents_open_with_the_bos_a_llama_style_tokenizer_puts_before_a_text(tmp_path):

@@ -55,7 +55,7 @@ DEFAULT_MAX_RECORD_MB = 64.0
 ROWS_PER_BATCH = 256
 TABLE_ERRORS = (OSError, ValueError, KeyError, TypeError, NotImplementedError)
 """What pyarrow and datasets raise for a damaged or foreign file (their Arrow* errors derive from these)."""
-INSTALL_DATASETS = "`pip install -e '.[datasets]'` in zerollm's checkout"
+INSTALL_DATASETS = "`pip install 'datasets>=2.19'` (zerollm's `datasets` extra)"
 JSON_ERRORS = (ValueError, RecursionError)
 """What `json` raises on text it cannot turn into a value: malformed JSON (`JSONDecodeError`, a ValueError), an
 integer longer than Python converts (ValueError) and a value nested deeper than the recursion limit."""

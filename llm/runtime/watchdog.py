@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,7 +37,7 @@ import psutil
 import torch.distributed as dist
 
 from llm.errors import EXIT_RANK_LOST, report
-from llm.stdout import settle
+from llm.stdout import settle, unguarded
 
 _PREFIX = "zerollm/watchdog"
 
@@ -217,15 +216,18 @@ class Watchdog:
         if not self._store.check([_ABORT_KEY]):
             return
         code, _, text = self._store.get(_ABORT_KEY).decode().partition("\n")
+        code = int(code) if code.isdigit() else EXIT_RANK_LOST
         if not self._ending.acquire(blocking=False):  # this rank is ending the job itself
             return
         with contextlib.suppress(Exception):
             self._store.add(_ABORT_SEEN_KEY, 1)
-        self._exit(text if self.announce else None, int(code))
+        self._exit(text if self.announce else None, code)
 
     def _exit(self, message: str | None, code: int) -> None:
-        if message:
-            report(message)
-        settle(sys.stdout)
-        self.before_exit()
-        os._exit(code)
+        try:
+            if message:
+                report(message)
+            settle(unguarded())  # the stream itself: its guard raises OutputLost, which settle does not expect
+            self.before_exit()
+        finally:
+            os._exit(code)

@@ -569,7 +569,7 @@ def _refuse_other_shapes(run_dir: Path, tag: str, model: ModelConfig) -> None:
     with restricted_unpickling(folder):
         state = torch.load(states, map_location="cpu", mmap=True, weights_only=True)
     saved = {name: tuple(shape) for group in state.get("param_shapes") or [] for name, shape in group.items()} or \
-        {name: tuple(tensor.shape) for name, tensor in state["module"].items()}
+        {name: tuple(tensor.shape) for name, tensor in (state.get("module") or {}).items()}
     with torch.device("meta"):
         expected = {name: tuple(param.shape) for name, param in Transformer(model).named_parameters()}
     for name, shape in saved.items():

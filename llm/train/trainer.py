@@ -180,9 +180,9 @@ class Trainer:
         micro-batches' losses (over grad_accum and over ranks), so on its own it would weigh a token by the size of
         the micro-batch it fell into. That would make a step depend on how its samples are split, and a run
         resumed on another number of ranks would not repeat itself. Each weight is (the micro-batch's tokens /
-        the step's tokens on every rank) * micro-batches * ranks: one collective per step. None where the
-        objective's loss is no token mean (DPO; GRPO's default mean over completions) or the batch has no such
-        mask (pretraining, whose every target bears loss)."""
+        the step's tokens on every rank) * micro-batches * ranks: one collective per step. None where `key` is None
+        (the loss or metrics are no token means: DPO's; GRPO's loss by default, a mean over completions) or the
+        batch has no such mask (pretraining, whose every target bears loss)."""
         if key is None or key not in micro_batches[0]:
             return None
         counts = torch.stack([b[key].sum() for b in micro_batches]).double()
