@@ -920,6 +920,24 @@ def test_a_node_that_never_comes_is_reported_at_the_timeout(pretrain_data, tmp_p
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
+def test_a_master_port_another_job_holds_is_said_so(tmp_path):
+    """Under deepspeed or torchrun, a second job on the default port 29500 was told the ranks 'did not all meet ...
+    within train.collective_timeout_s=600 s' (at once) and to check that node 0 is reachable."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2",
+               "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+        result = subprocess.run([sys.executable, "-c", "from llm.runtime.distributed import setup_distributed\n"
+                                 "from llm.errors import UserError\ntry:\n    setup_distributed(600)\n"
+                                 "except UserError as e:\n    print(e)"], env=env, cwd=tmp_path, capture_output=True,
+                                text=True, timeout=120, check=False)
+    assert result.stdout == (f"rank 0: port {port} of 127.0.0.1 is taken (another job's rendezvous?); start the job "
+                             "with another master port (--master_port P for deepspeed, --master-port P for torchrun "
+                             "and zerollm launch), or with zerollm train --nproc N, which picks a free one\n")
+
+
 def test_a_node_waiting_for_node_0_is_reported_at_the_timeout_without_cpp_traces(pretrain_data, tmp_path):
     """torch's store client retried with the whole timeout at each try (two to three times
     train.collective_timeout_s) and printed a C++ stack trace at each."""

@@ -140,6 +140,9 @@ def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(op
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}}, "x.json: "
      "'zero_optimization.offload_optimizer.device' nvme needs DeepSpeed's async_io op, which cannot be built here "
      "(it needs libaio: e.g. apt install libaio-dev); offload to \"cpu\" instead"),  # a RuntimeError
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "x.json: "
+     "'zero_optimization.zero_quantized_weights' needs DeepSpeed's quantizer op, which this accelerator (cpu) has "
+     "none of; remove it"),  # ValueError: This op had not been implemented on CPU backend, and exit 76
     ({"data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {"enabled": True}}}},
      "x.json: 'data_efficiency' needs DeepSpeed's own data loader and layers"),  # a KeyError
     ({"wandb": {"enabled": True, "project": "x"}}, "x.json: 'wandb' is not for zerollm: DeepSpeed's wandb monitor "

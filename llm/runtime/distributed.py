@@ -118,6 +118,11 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
     except (torch.distributed.DistError, RuntimeError, TimeoutError) as exc:
         address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         reason = str(exc).strip().splitlines()[-1]
+        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():  # said at once, not a timeout
+            raise UserError(f"rank {rank}: port {os.environ['MASTER_PORT']} of {os.environ['MASTER_ADDR']} is taken "
+                            "(another job's rendezvous?); start the job with another master port (--master_port P "
+                            "for deepspeed, --master-port P for torchrun and zerollm launch), or with zerollm train "
+                            "--nproc N, which picks a free one") from None
         raise UserError(f"rank {rank}: the {world} ranks did not all meet at {address} within "
                         f"train.collective_timeout_s={timeout_s:g} s ({reason}); start every node with the same node "
                         "count, ranks per node (--nproc-per-node), master address and port, and check that node 0 is "

@@ -33,6 +33,7 @@ from llm.train.ds_scheduler import resolve_scheduler, scheduler_name
 ensure_accelerator_env()
 import deepspeed  # noqa: E402 - after the accelerator is chosen
 from deepspeed.monitor.config import DeepSpeedMonitorConfig  # noqa: E402
+from deepspeed.ops.op_builder.cpu.no_impl import NotImplementedBuilder  # noqa: E402
 from deepspeed.runtime.config import DtypeEnum  # noqa: E402
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer  # noqa: E402
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer  # noqa: E402
@@ -257,6 +258,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     _refuse_param_and_buffer_dtypes(ds, t.precision, source)
     _refuse_local_rank_features(ds, zero, source)
     _refuse_unusable_nvme(zero, source)
+    _refuse_unbuildable_quantizer(zero, stage, source)
     _refuse_unsupported_by_reduce_scatter(ds, zero, stage, source)
     optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
     params = optimizer.setdefault("params", {})
@@ -730,6 +732,22 @@ def _refuse_unusable_nvme(zero, source: str) -> None:
             raise UserError(f"{source}: 'zero_optimization.{name}.device' nvme needs DeepSpeed's async_io op, which "
                             "cannot be built here (it needs libaio: e.g. apt install libaio-dev); offload to \"cpu\" "
                             "instead")
+
+
+ZERO_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
+"""ZeRO++'s switches (stage 3): each needs DeepSpeed's quantizer op."""
+
+
+def _refuse_unbuildable_quantizer(zero, stage: int, source: str) -> None:
+    """ZeRO++'s quantization (stage 3) where DeepSpeed's quantizer op cannot be built (a CPU): every rank ended in a
+    traceback, and the job was called a lost rank, to be resumed."""
+    asked = [name for name in ZERO_QUANTIZED if stage == 3 and getattr(zero, name, False)]
+    if not asked:
+        return
+    quantizer = deepspeed.get_accelerator().create_op_builder("QuantizerBuilder")
+    if quantizer is None or isinstance(quantizer, NotImplementedBuilder) or not quantizer.is_compatible(verbose=False):
+        raise UserError(f"{source}: 'zero_optimization.{asked[0]}' needs DeepSpeed's quantizer op, which this "
+                        f"accelerator ({deepspeed.get_accelerator().device_name()}) has none of; remove it")
 
 
 def _optimizer_keywords(name: str, cls: type | None, params: dict[str, Any]) -> dict[str, Any] | None:
