@@ -1291,6 +1291,41 @@ def test_another_models_checkpoint_is_one_clear_error_before_anything_loads(one_
                                  "earlier checkpoint is complete: train the run again into a new run directory")
 
 
+@pytest.mark.parametrize("zero", [False, True])
+def test_a_checkpoint_trained_tied_or_untied_against_the_other_in_config_yaml_is_one_clear_error(one_rank_group,
+                                                                                                tmp_path, zero):
+    """config.yaml's model.tie_embeddings edited after training: DeepSpeed's load ended in a traceback (its parameter
+    layout); docs/checkpoints.md promises one line. Tied, the module's state holds the embedding's storage under a
+    second name, and DeepSpeed's param_shapes leave the output layer out."""
+    untied = ModelConfig(**{**SMALL.__dict__, "tie_embeddings": False})
+    tied = ModelConfig(**{**SMALL.__dict__, "tie_embeddings": True})
+    with torch.device("meta"):
+        shapes = {name: param.shape for name, param in Transformer(tied).named_parameters()}
+    module = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    module["output.weight"] = module["tok_embeddings.weight"]  # as the tied model's state_dict() holds it
+    engine = FakeEngine()
+    engine.state = {"module": {}, "param_shapes": [shapes]} if zero else {"module": module}
+    checkpoint.save(engine, tmp_path, 10, _state(step=10), keep=0)
+    assert checkpoint.resume_tag(tmp_path, tied) == "global_step10"
+    with pytest.raises(UserError, match=re.escape(
+            "checkpoint global_step10 does not match config.yaml (model.tie_embeddings is false, but the checkpoint "
+            "was trained tied); no earlier checkpoint is complete")):
+        checkpoint.resume_tag(tmp_path, untied)
+
+
+def test_a_model_states_file_torch_cannot_map_is_left_for_the_load_to_name(one_rank_group, tmp_path):
+    """Zeros of the listed size (a power loss): the shape check's mmap load raised a RuntimeError traceback, where
+    the load says in one line that the file is damaged."""
+    engine = FakeEngine()
+    engine.state = {"module": {"tok_embeddings.weight": torch.zeros(64, 32)}}
+    checkpoint.save(engine, tmp_path, 10, _state(step=10), keep=0)
+    states = rundir.checkpoint_dir(tmp_path) / "global_step10" / MODEL_FILE
+    states.write_bytes(bytes(states.stat().st_size))
+    assert checkpoint.resume_tag(tmp_path, SMALL) == "global_step10"
+    with pytest.raises(UserError, match="is damaged: it is not a checkpoint file torch can read"):
+        checkpoint.load(FakeEngine(), tmp_path, "global_step10")
+
+
 def test_a_damaged_client_state_without_an_earlier_checkpoint_says_to_train_again(one_rank_group, tmp_path):
     _save(tmp_path, 10)
     _rewrite(rundir.checkpoint_dir(tmp_path) / "global_step10" / rundir.CLIENT_STATE, b"{}")

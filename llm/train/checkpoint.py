@@ -31,6 +31,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -558,25 +559,39 @@ def resume_tag(run_dir: Path, model: ModelConfig) -> str | None:
 
 def _refuse_other_shapes(run_dir: Path, tag: str, model: ModelConfig) -> None:
     """A UserError where checkpoint `tag` holds a parameter of another shape than `model` gives it (another model's
-    checkpoint folder copied into the run): DeepSpeed's load ended every rank with a traceback (a size mismatch, or
-    the universal loader's assertion after a conversion). The shapes are read without the tensors (`mmap`); the
-    model's are a meta-device model's. Parameters the model does not name (LoRA's adapters) are not compared."""
+    checkpoint folder copied into the run), or was trained with its output layer tied where `model` unties it, or
+    the reverse (config.yaml edited): DeepSpeed's load ended every rank with a traceback (a size mismatch, its
+    parameter layout, or the universal loader's assertion after a conversion). The shapes are read without the
+    tensors (`mmap`); the model's are a meta-device model's. Parameters the model does not name (LoRA's adapters)
+    are not compared, nor tying where the checkpoint holds no base weights (LoRA's). A file torch cannot map (not
+    a zip archive: damaged) is left for the load to name."""
     folder = rundir.checkpoint_dir(run_dir) / tag
     states = next((path for name in (rundir.MODEL_STATES, f"zero_pp_rank_0_{rundir.MODEL_STATES}")
                    if (path := folder / name).is_file()), None)  # ZeRO-3: each rank's, with the shapes
-    if states is None:
+    if states is None or not zipfile.is_zipfile(states):
         return
     with restricted_unpickling(folder):
         state = torch.load(states, map_location="cpu", mmap=True, weights_only=True)
-    saved = {name: tuple(shape) for group in state.get("param_shapes") or [] for name, shape in group.items()} or \
-        {name: tuple(tensor.shape) for name, tensor in (state.get("module") or {}).items()}
+    module = state.get("module") or {}
+    if state.get("param_shapes"):  # the parameters by name: a tied output layer is none of them
+        saved = {name: tuple(shape) for group in state["param_shapes"] for name, shape in group.items()}
+        tied = "output.weight" not in saved
+    else:  # the module's state: a tied output layer is the embedding's storage under a second name
+        saved = {name: tuple(tensor.shape) for name, tensor in module.items()}
+        output, embedding = module.get("output.weight"), module.get("tok_embeddings.weight")
+        tied = output is None or (embedding is not None and
+                                  output.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr())
     with torch.device("meta"):
         expected = {name: tuple(param.shape) for name, param in Transformer(model).named_parameters()}
+    mismatch = f"{run_dir}: checkpoint {tag} does not match {rundir.CONFIG_FILE}"
+    advice = rundir.damaged_checkpoint_advice(run_dir, tag)
     for name, shape in saved.items():
         if name in expected and shape != expected[name]:
-            raise UserError(f"{run_dir}: checkpoint {tag} does not match {rundir.CONFIG_FILE} (size mismatch for "
-                            f"{name}: {list(shape)} in the checkpoint, {list(expected[name])} in the config); "
-                            f"{rundir.damaged_checkpoint_advice(run_dir, tag)}")
+            raise UserError(f"{mismatch} (size mismatch for {name}: {list(shape)} in the checkpoint, "
+                            f"{list(expected[name])} in the config); {advice}")
+    if "tok_embeddings.weight" in saved and tied != model.tie_embeddings:
+        raise UserError(f"{mismatch} (model.tie_embeddings is {str(model.tie_embeddings).lower()}, but the "
+                        f"checkpoint was trained {'tied' if tied else 'untied'}); {advice}")
 
 
 def load(engine, run_dir: Path, tag: str, universal: bool = False, clock_driven: bool = False) -> dict[str, Any]:
