@@ -612,12 +612,31 @@ def _keeps_text(step: dict | None, keeping: dict[str, str | None]) -> bool:
     return True
 
 
+class TextNotEncoded(ValueError):
+    """The tokenizer library failed on a text: a panic in its Rust code, such as a pre-tokenizer's regex that gives
+    up on the text (`Onig: ... retry-limit-in-match over`). The text is refused; the process goes on."""
+
+
+def _library_failure(exc: BaseException) -> TextNotEncoded | None:
+    """The error for a panic of the tokenizer library (pyo3's PanicException, a BaseException that cannot be
+    imported or pickled); None for any other exception."""
+    if type(exc).__name__ != "PanicException":
+        return None
+    reason = next(iter(str(exc).splitlines()), "") or "a panic in the tokenizers library"
+    return TextNotEncoded(f"the tokenizer failed on the text ({reason}): is its tokenizer.json from a source you "
+                          "trust?")
+
+
 def _ids(encoder: HFTokenizer, text: str) -> list[int]:
     try:
         return encoder.encode(text, add_special_tokens=False).ids
     except TypeError:
         if not isinstance(text, str):
             raise
+    except BaseException as exc:
+        if (failure := _library_failure(exc)) is None:
+            raise
+        raise failure from None
     raise _not_unicode(text)
 
 
@@ -630,6 +649,10 @@ def _ids_of_batch(encoder: HFTokenizer, texts: list[str]) -> list[list[int]]:
     except TypeError:
         if not all(isinstance(text, str) for text in texts):
             raise
+    except BaseException as exc:
+        if (failure := _library_failure(exc)) is None:
+            raise
+        raise failure from None
     raise _not_unicode(next(text for text in texts if not_utf8(text)))
 
 

@@ -7,6 +7,7 @@ suite reads nothing beside the repository, so it runs, and takes the same time, 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -200,6 +201,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     a long file queued last would run alone while the other worker idles. Tests keep their order within a file."""
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))
+
+
+GIVES_UP_ON = "a" * 40 + "c"
+"""Text on which `regex_that_gives_up`'s tokenizer panics."""
+
+
+def regex_that_gives_up(tokenizer_dir: Path, out: Path) -> Path:
+    """A copy of the tokenizer whose pre-tokenizer first splits on `(a+)+b`: on `GIVES_UP_ON` its regex engine
+    backtracks past its retry limit and the tokenizers library panics, as a hostile tokenizer.json can make it."""
+    shutil.copytree(tokenizer_dir, out)
+    spec = json.loads((out / "tokenizer.json").read_text())
+    split = {"type": "Split", "pattern": {"Regex": "(a+)+b"}, "behavior": "Isolated", "invert": False}
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split, spec["pre_tokenizer"]]}
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    return out
 
 
 def changed_after_listing(listing: Callable, path: Path, change: str) -> Callable:

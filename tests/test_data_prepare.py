@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import FIXTURES, changed_after_listing, run_cli, zerollm_here
+from conftest import FIXTURES, GIVES_UP_ON, changed_after_listing, regex_that_gives_up, run_cli, zerollm_here
 from llm.cli import main
 from llm.data import prepare as prepare_module
 from llm.data.formats import read_items, read_records
@@ -213,6 +213,19 @@ def test_malformed_json_line_is_skipped_and_reported_with_file_line(tokenizer_di
     assert f"{bad_inputs['malformed']}:2: malformed JSON" in result.stdout
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["documents"]["train"] + report["documents"]["val"] == 22 and len(report["skipped"]) == 1
+
+
+def test_a_record_the_tokenizer_library_panics_on_is_skipped_with_its_reason(tokenizer_dir, tmp_path):
+    """The library's panic in a worker was a PicklingError traceback that ended the prepare, exit 1."""
+    hostile = regex_that_gives_up(tokenizer_dir, tmp_path / "hostile")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(f"{GIVES_UP_ON}\n\n" + (FIXTURES / "pretrain" / "en_stories.txt").read_text())
+    result = run_cli("data", "prepare", "--input", corpus, "--tokenizer", hostile, "--out", tmp_path / "out",
+                     "--workers", 2)
+    assert result.returncode == 0, result.stderr
+    assert (f"{corpus}:1: the tokenizer failed on the text (Onig: Regex search error: retry-limit-in-match over): "
+            "is its tokenizer.json from a source you trust?") in result.stdout
+    assert len(json.loads((tmp_path / "out" / "report.json").read_text())["skipped"]) == 1
 
 
 def test_terminal_controls_in_records_and_file_names_are_shown_escaped(tokenizer_dir, tmp_path, monkeypatch, capsys):
@@ -1173,6 +1186,25 @@ def test_a_lone_surrogate_is_skipped_by_every_reader_of_records(tokenizer_dir, t
     prompts.write_text('{"prompt": "p\\ud800"}\n{"prompt": "p"}\n')
     assert read_prompts([str(prompts)], lambda messages: [1], 100).skipped == [
         f"{prompts}:1: {LONE_SURROGATE_REASON}"]
+
+
+def test_a_record_the_tokenizer_library_panics_on_is_skipped_by_eval_and_grpo_prompts(tokenizer_dir, tmp_path):
+    """eval --input and grpo's prompt files stopped with the library's PanicException, a traceback."""
+    from llm.eval.token_stream import stream_of_files  # noqa: PLC0415 - loads torch
+    from llm.train.prompts import read_prompts  # noqa: PLC0415
+
+    tok = Tokenizer.load(regex_that_gives_up(tokenizer_dir, tmp_path / "hostile"))
+    reason = ("the tokenizer failed on the text (Onig: Regex search error: retry-limit-in-match over): is its "
+              "tokenizer.json from a source you trust?")
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text(json.dumps({"text": GIVES_UP_ON}) + "\n" + json.dumps({"text": "fine"}) + "\n")
+    stream, report = stream_of_files([str(texts)], tok)
+    assert report.skipped == [f"{texts}:1: {reason}"] and report.documents == 1
+    assert stream.text_bytes == len("fine")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": GIVES_UP_ON}) + "\n" + json.dumps({"prompt": "p"}) + "\n")
+    assert read_prompts([str(prompts)], lambda messages: tok.encode_chat(messages, True), 100).skipped == [
+        f"{prompts}:1: {reason}"]
 
 
 @pytest.mark.parametrize("calls", ["5", '"5"', "true"])

@@ -21,7 +21,7 @@ import torch
 from tokenizers import AddedToken, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from conftest import run_cli, zerollm_here
+from conftest import GIVES_UP_ON, regex_that_gives_up, run_cli, zerollm_here
 from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator
@@ -386,6 +386,22 @@ def test_messages_the_chat_template_renders_to_no_tokens_are_refused_before_anyt
     assert json_body(response)["error"] == {
         "message": "the chat template renders these messages to no tokens: the model has nothing to answer (send a "
                    "user message)", "type": "invalid_request_error", "param": "messages", "code": None}
+
+
+def test_a_message_the_tokenizer_library_panics_on_is_a_400_and_the_server_goes_on(generator, tokenizer_dir,
+                                                                                     tmp_path):
+    """The library's panic (a hostile tokenizer.json's regex) was a 500 'internal error' at best."""
+    hostile = TextGenerator(generator.model, Tokenizer.load(regex_that_gives_up(tokenizer_dir, tmp_path / "hostile")))
+    with running(hostile, timeout_s=10) as (url, _, _):
+        status, response = raw_exchange(url, request_bytes({"messages": [{"role": "user", "content": GIVES_UP_ON}],
+                                                            "max_tokens": 3}))
+        assert status == 400, response
+        assert json_body(response)["error"] == {
+            "message": "the tokenizer failed on the text (Onig: Regex search error: retry-limit-in-match over): is its "
+                       "tokenizer.json from a source you trust?", "type": "invalid_request_error",
+            "param": "messages", "code": None}
+        status, _ = raw_exchange(url, request_bytes({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}))
+        assert status == 200
 
 
 def test_a_stream_can_end_with_its_usage(server, generator):

@@ -54,7 +54,7 @@ from llm.data.readers import DEFAULT_MAX_RECORD_MB, strings
 from llm.errors import STOP_SIGNALS, UserError
 from llm.jsonl import json_text
 from llm.rundir import PREPARED_ENTRIES, PREPARED_REPORT_FILE, TOKENIZER_DIR, TOKENS_FILE
-from llm.tokenizer import CONFIG_FILE, TOKENIZER_FILE, Tokenizer
+from llm.tokenizer import CONFIG_FILE, TOKENIZER_FILE, TextNotEncoded, Tokenizer
 
 SCHEMA_VERSION = 1
 SPLITS = ("train", "val")
@@ -202,11 +202,11 @@ def _end_when_orphaned(main_pid: int) -> None:
 
 
 def _encode(kind: str, item: Item, max_tokens: int) -> Result:
-    if kind == "pretrain":
-        return encode_pretrain(_worker_tokenizer, item), False
     try:
+        if kind == "pretrain":
+            return encode_pretrain(_worker_tokenizer, item), False
         sample, truncated = ENCODERS[kind](_worker_tokenizer, item.value, max_tokens)
-    except (TooLong, MessagesRefused) as exc:
+    except (TooLong, MessagesRefused, TextNotEncoded) as exc:
         return Skipped(item.source, item.line, str(exc), item.unit)
     has_reply = any(sample["loss_mask"]) if kind == "sft" else len(sample["chosen"]) and len(sample["rejected"])
     if not has_reply:  # cut away, or never there: a template that renders no reply

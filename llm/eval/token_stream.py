@@ -33,7 +33,7 @@ from llm.data.formats import Skipped, expand_inputs, read_records, skipped_note
 from llm.data.prepare import SPLITS, TOKENS_FILE, encode_pretrain
 from llm.data.prepared import read_data_attrs
 from llm.errors import UserError
-from llm.tokenizer import Tokenizer
+from llm.tokenizer import TextNotEncoded, Tokenizer
 
 DECODE_CHUNK = 1 << 20
 
@@ -108,7 +108,11 @@ def stream_of_files(paths: list[str], tokenizer: Tokenizer, progress: bool = Fal
             report.skipped.append(str(record))
             continue
         # a long document arrives in pieces (bounded memory); the end-of-text token follows its last piece
-        pieces.append(np.array(encode_pretrain(tokenizer, record)["tokens"], dtype=np.int32))
+        try:
+            pieces.append(np.array(encode_pretrain(tokenizer, record)["tokens"], dtype=np.int32))
+        except TextNotEncoded as exc:
+            report.skipped.append(str(Skipped(record.source, record.line, str(exc))))
+            continue
         text_bytes += len(record.value.encode("utf-8"))
         report.documents += record.last
     if report.documents == 0:

@@ -59,6 +59,7 @@ from llm.errors import UserError
 from llm.infer.generate import TextGenerator, TextStream
 from llm.infer.sampling import InvalidSampling, SamplingParams
 from llm.loopback import is_loopback, is_loopback_host
+from llm.tokenizer import TextNotEncoded
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
@@ -419,7 +420,10 @@ class ChatService:
             raise RequestError(f"the prompt (at least {fewest} tokens) leaves no room for a reply in the model's "
                                f"context of {self.context} tokens", "messages", code="context_length_exceeded")
         with self._encoding:
-            return tokenizer.encode_rendered(rendered, release_gil=True)
+            try:
+                return tokenizer.encode_rendered(rendered, release_gil=True)
+            except TextNotEncoded as exc:
+                raise RequestError(str(exc), "messages") from None
 
     def default_max_tokens_after(self, prompt_ids: list[int]) -> int:
         """max_tokens of a request that leaves it out: the default, or what the context leaves after the prompt (at

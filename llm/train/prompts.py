@@ -38,6 +38,7 @@ from llm.data.formats import (
 )
 from llm.data.readers import json_type
 from llm.errors import UserError
+from llm.tokenizer import TextNotEncoded
 
 PROMPT_KEYS = ("conversations", "messages", "prompt")
 CONSUMED_KEYS = (*PROMPT_KEYS, "system")
@@ -127,7 +128,7 @@ def read_prompts(paths: list[str], encode: Callable[[list[dict[str, str]]], list
                 continue
             try:
                 prompts.append(_usable(item, encode, max_tokens, required_fields))
-            except (RecordError, MessagesRefused) as exc:
+            except (RecordError, MessagesRefused, TextNotEncoded) as exc:
                 skipped.append(str(Skipped(item.source, item.line, str(exc))))
     if not prompts:
         first = f"; first: {skipped[0]}" if skipped else ""
