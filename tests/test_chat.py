@@ -253,10 +253,10 @@ def test_a_system_prompt_that_is_not_utf8_is_one_line_naming_the_option(zero_run
 
 def test_a_reply_whose_kv_cache_cannot_fit_in_memory_drops_old_turns_or_is_refused_first(generator, monkeypatch):
     """It ended the chat in the allocator's traceback, losing the conversation."""
-    from llm.model import kv_cache
+    from llm.model import host_memory
 
     per_position = 2 * 2 * 2 * 16 * 4  # keys and values of 2 layers, 2 KV heads of 16 dimensions, fp32
-    monkeypatch.setattr(kv_cache, "usable_memory", lambda: 60 * per_position)
+    monkeypatch.setattr(host_memory, "usable_memory", lambda: 60 * per_position)
     with pytest.raises(UserError, match=r"^no message can be sent: the prompt \(\d+ tokens\) and --max-new-tokens 64 "
                                         r"need a KV cache of .*: lower --max-new-tokens$"):
         ChatSession(generator, SamplingParams(max_new_tokens=64))
@@ -266,7 +266,7 @@ def test_a_reply_whose_kv_cache_cannot_fit_in_memory_drops_old_turns_or_is_refus
     assert re.search(r"\(not sent: the prompt \(\d+ tokens\) and --max-new-tokens 8 need a KV cache of .*: shorten the "
                      r"message, or /reset with a shorter system prompt\)", out)
     assert [m["content"] for m in session.messages if m["role"] == "user"] == ["again"]
-    monkeypatch.setattr(kv_cache, "usable_memory", lambda: per_position)  # a GPU whose free memory went elsewhere
+    monkeypatch.setattr(host_memory, "usable_memory", lambda: per_position)  # a GPU whose free memory went elsewhere
     assert "(not reset: no message can be sent: the prompt" in _repl(session, ["/reset"])
     assert [m["content"] for m in session.messages if m["role"] == "user"] == ["again"]  # the chat went on
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -733,12 +734,25 @@ def test_tokens_without_text_inside_a_character_leave_it_whole(tiny_model):
     assert "".join(text.add(token) for token in script) == generator.text(script) == "😀a"
 
 
+def test_a_kv_cache_is_measured_against_the_memory_the_host_has_free(generator, monkeypatch):
+    """It was measured against the host's total memory: a cache that other processes' memory left no room for was
+    written in full at once, and the OOM killer ended the process (a server, with every request in it)."""
+    per_position = 2 * 2 * 2 * 16 * 4  # keys and values of 2 layers, 2 KV heads of 16 dimensions, fp32
+    memory = psutil.virtual_memory()._replace(total=1 << 40, available=40 * per_position)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
+    prompt = generator.prompt_ids("To be")
+    assert generator.room_problem(len(prompt), 64) == (
+        f"the prompt ({len(prompt)} tokens) and max_new_tokens 64 need a KV cache of 0.0 GiB, more than the 0.0 GiB "
+        "of memory this host has free")
+    assert generator.room_problem(len(prompt), 40 - len(prompt)) is None
+
+
 def test_a_kv_cache_that_cannot_fit_in_memory_is_one_line(exported, generator, monkeypatch, capsys):
     """--max-new-tokens 10**8 on a model of a long context ended in the allocator's traceback (102 GB asked)."""
-    from llm.model import kv_cache
+    from llm.model import host_memory
 
     per_position = 2 * 2 * 2 * 16 * 4  # keys and values of 2 layers, 2 KV heads of 16 dimensions, fp32
-    monkeypatch.setattr(kv_cache, "usable_memory", lambda: 40 * per_position)
+    monkeypatch.setattr(host_memory, "usable_memory", lambda: 40 * per_position)
     assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "To be", "--max-new-tokens", 64,
                         "--device", "cpu", "--dtype", "fp32") == 2
     assert re.fullmatch(r"zerollm: error: the prompt \(\d+ tokens\) and --max-new-tokens 64 need a KV cache of "

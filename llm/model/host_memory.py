@@ -58,6 +58,17 @@ def usable_memory() -> int:
     return min([psutil.virtual_memory().total, *cgroup_memory_limits(CGROUP_ROOT, MEMBERSHIP)])
 
 
+def free_memory() -> tuple[int, str]:
+    """Bytes this process may still take without swapping, and where they are as the end of a sentence: the host's
+    available memory (free, and cache the kernel can drop), or its cgroup's limit where that is lower. A buffer
+    sized against the host's total memory instead is written in full at once (a KV cache), so the OOM killer ended
+    the process (a server with every request in it) where other processes held the difference."""
+    limit, available = usable_memory(), psutil.virtual_memory().available
+    if limit < available:
+        return limit, f"{whose_memory(limit)} {limit / GIB:,.1f} GiB of memory"
+    return available, f"the {available / GIB:,.1f} GiB of memory this host has free"
+
+
 def whose_memory(available: int) -> str:
     """Whose `available` bytes (from `usable_memory`) are: the host's, or its cgroup's where that limit is lower."""
     if available >= psutil.virtual_memory().total:

@@ -11,23 +11,22 @@ from __future__ import annotations
 import torch
 
 from llm.config import ModelConfig
-from llm.model.host_memory import GIB, usable_memory, whose_memory
+from llm.model.host_memory import GIB, free_memory
 
 
 def memory_problem(cfg: ModelConfig, batch: int, positions: int, dtype: torch.dtype,
                    device: torch.device) -> str | None:
     """Why a cache of `positions` for `batch` rows cannot fit in the memory of `device`, as the end of a sentence, or
     None: on a GPU, its free memory with what PyTorch holds unused (a finished generation's cache stays reserved for
-    the next); on the CPU, this host's or its cgroup's limit. A --max-new-tokens of 10**8 on a model of a long context
-    ended in the allocator's traceback."""
+    the next); on the CPU, this host's free memory or its cgroup's limit. A --max-new-tokens of 10**8 on a model of
+    a long context ended in the allocator's traceback."""
     needed = 2 * cfg.n_layers * batch * cfg.kv_heads * positions * cfg.attention_head_dim * dtype.itemsize
     if device.type == "cuda":
         available = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
                      - torch.cuda.memory_allocated(device))
         where = f"the {available / GIB:,.1f} GiB {device} has free"
     elif device.type == "cpu":
-        available = usable_memory()
-        where = f"{whose_memory(available)} {available / GIB:,.1f} GiB of memory"
+        available, where = free_memory()
     else:
         return None
     return None if needed <= available else f"need a KV cache of {needed / GIB:,.1f} GiB, more than {where}"
