@@ -5,6 +5,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -349,6 +350,34 @@ def test_a_reward_model_scores_a_completion_alike_alone_and_padded_in_a_batch(to
     alone = reward(_completions(["a fine answer"]))[0].tolist()
     batched = reward(_completions(["a fine answer", "another, much longer answer than that one"]))[0].tolist()
     assert batched[0] == pytest.approx(alone[0], abs=1e-5)
+
+
+def test_a_reward_models_chat_template_renders_as_transformers_and_within_our_bounds(tokenizer_dir, tmp_path,
+                                                                                      monkeypatch):
+    """It went through transformers' `apply_chat_template`: a template that refused the messages was a traceback in
+    the rollout, and a hostile one (it comes with downloaded files) ran unbounded."""
+    import transformers
+
+    import llm.chat_template
+
+    directory = _reward_model(tokenizer_dir, tmp_path / "rm", pad_token_id=3)
+    reward = Reward([f"model:{directory}"], 4, torch.device("cpu"))
+    model = reward.terms[0].score
+    reward(_completions(["a fine answer"]))  # loads it
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say <|im_end|> once."}]
+    assert model._text(prompt, "<|im_end|>") == transformers.AutoTokenizer.from_pretrained(directory) \
+        .apply_chat_template([*prompt, {"role": "assistant", "content": "<|im_end|>"}], tokenize=False)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    monkeypatch.setattr(llm.chat_template, "RENDER_SECONDS", 0.5)
+    for template, reason in (("{{ raise_exception('no system turns') }}",
+                              "the chat template refused the messages: no system turns"),
+                             ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                              "rendering took longer than 0.5 s"),
+                             ("{{ ('x' * 1000000).translate({120: 'y' * 1000}) }}",
+                              "str.translate would make a result of more than")):
+        (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+        with pytest.raises(UserError, match=f"^--reward model:{directory}: .*{re.escape(reason)}"):
+            Reward([f"model:{directory}"], 4, torch.device("cpu"))(_completions(["a fine answer"]))
 
 
 def test_a_reward_models_context_is_the_least_limit_it_states():

@@ -44,7 +44,9 @@ from typing import Any
 
 import torch
 
+from llm.chat_template import ChatTemplate
 from llm.errors import UserError
+from llm.tokenizer import ROLE_FIELDS
 
 R1_FORMAT = r"<think>.*?</think>\s*<answer>.*?</answer>"
 REWARD_MODEL_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model",
@@ -186,7 +188,7 @@ class RewardModel:
             raise UserError(f"--reward model:{directory}: no tokenizer there (none of {named}); save the model's "
                             "tokenizer beside it (tokenizer.save_pretrained)")
         self.transformers, self.path, self.device = transformers, path, device
-        self.model = self.tokenizer = None
+        self.model = self.tokenizer = self.template = None
         self.max_length: int | None = None
 
     def _load(self) -> None:
@@ -213,12 +215,20 @@ class RewardModel:
                             "transformers cannot score a batch; set pad_token in its tokenizer_config.json")
         self.max_length = _context_of(model.config, self.tokenizer)
         self.tokenizer.truncation_side = "left"  # a text longer than the model's context keeps its completion
+        template = self.tokenizer.chat_template
+        if isinstance(template, dict):  # named templates: transformers renders the default one
+            template = template.get("default")
+        if isinstance(template, str) and template:  # rendered with our bounds: it came with downloaded files
+            self.template = ChatTemplate(template, f"--reward model:{self.path}",
+                                         {name: getattr(self.tokenizer, name) for name in ROLE_FIELDS}, [], [])
         self.model = model.to(self.device).eval()
 
     def _text(self, prompt: list[dict[str, str]], completion: str) -> str:
+        """The text the model scores: the conversation through the tokenizer's chat template (as transformers'
+        `apply_chat_template` renders it), or its messages' text a line each where it has none."""
         messages = [*prompt, {"role": "assistant", "content": completion}]
-        if self.tokenizer.chat_template:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+        if self.template is not None:
+            return self.template.unescape(self.template.render(messages))
         return "\n".join(m["content"] for m in messages)
 
     @torch.no_grad()
