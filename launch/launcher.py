@@ -65,6 +65,7 @@ from launch.options import LaunchOptions, launcher_problem
 from launch.reachable import check_reachable, host_address
 from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
+from llm.command_line import is_zerollm_command
 from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, STOP_SIGNALS, UserError, report
 from llm.loopback import is_loopback
 from llm.runtime.accelerator import ensure_accelerator_env
@@ -506,15 +507,6 @@ def _check_port_if_local(master: str, port: int) -> None:
 # ---- running -----------------------------------------------------------------------------------
 
 
-def is_rank_command(cmdline: list[str]) -> bool:
-    """Whether a command line is a training rank (`python [-u] -m llm ...` or `python [-u] .../zerollm ...`), not one
-    of the launchers between it and us (DeepSpeed's runner and per-node launcher, mpirun, DeepSpeed's MPI helper)."""
-    rest = cmdline[1:]
-    while rest and rest[0].startswith("-") and rest[0] != "-m":
-        rest = rest[1:]
-    return rest[:2] == ["-m", "llm"] or (bool(rest) and Path(rest[0]).name == "zerollm")
-
-
 def _rank_processes(launcher_pid: int) -> list:
     """The training processes under the launcher on this node."""
     try:
@@ -524,7 +516,7 @@ def _rank_processes(launcher_pid: int) -> list:
     ranks = []
     for child in children:
         try:
-            if is_rank_command(child.cmdline()):
+            if is_zerollm_command(child.cmdline()):
                 ranks.append(child)
         except psutil.Error:
             continue
@@ -590,7 +582,7 @@ def _ranks_here() -> list[psutil.Process]:
     parents = {}
     for process in started_here():
         with contextlib.suppress(psutil.Error):  # ended meanwhile
-            if is_rank_command(process.cmdline()):
+            if is_zerollm_command(process.cmdline()):
                 parents[process] = process.ppid()
     pids = {process.pid for process in parents}
     return [process for process, parent in parents.items() if parent not in pids]

@@ -8,15 +8,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from llm.command_line import is_zerollm_command
+
 OURS = Path(__file__).resolve().parent.parent / "kernels"
-
-
-def _is_the_command_line() -> bool:
-    """Whether this process runs `zerollm` or `python [options] -m llm` (a rank, started `python -u -m llm`)."""
-    rest = sys.orig_argv[1:]
-    while rest and rest[0].startswith("-") and rest[0] != "-m":
-        rest = rest[1:]
-    return Path(sys.argv[0]).name == "zerollm" or rest[:2] in (["-m", "llm"], ["-m", "llm.cli"])
 
 
 def check_own_kernels() -> None:
@@ -31,7 +25,7 @@ def check_own_kernels() -> None:
                f"(Hugging Face's, which transformers 5.25 and later require) hides it; in this environment run "
                f"`pip uninstall -y kernels && pip install 'transformers<5.25'`, then reinstall zerollm unless it is "
                f"an editable install (pip install -e)")
-    if _is_the_command_line():
+    if is_zerollm_command(sys.orig_argv):
         print(f"zerollm: error: {problem}", file=sys.stderr)
         sys.exit(2)
     raise ImportError(f"zerollm: {problem}")

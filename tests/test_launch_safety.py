@@ -17,10 +17,11 @@ from deepspeed.launcher.multinode_runner import PDSHRunner
 from conftest import REPO, TINY, run_cli
 from launch.environment import deepspeed_env_files, parse_env
 from launch.hostfile import active_slots, check_filter, read_hostfile
-from launch.launcher import LAUNCHER_PROGRAMS, is_rank_command, plan_launch
+from launch.launcher import LAUNCHER_PROGRAMS, plan_launch
 from launch.options import LaunchOptions
 from launch.remote_shell import pdsh_argument, pdsh_export
 from llm.cli import build_parser, launch_options
+from llm.command_line import is_zerollm_command
 from llm.errors import UserError
 from llm.runtime.rank_env import free_port
 from standins import PDSH, SSH, install, pdsh_substitute
@@ -106,12 +107,12 @@ def test_a_hostfile_that_is_not_utf8_is_one_line_naming_file_and_line(tmp_path):
 
 
 def test_signals_go_to_the_ranks_not_the_launchers_between():
-    python = sys.executable
-    assert is_rank_command([python, "-u", "-m", "llm", "train"])
-    assert is_rank_command([python, "-u", "/venv/bin/zerollm", "train"])  # under DeepSpeed's MPICH helper
-    assert not is_rank_command([python, "-m", "deepspeed.launcher.runner", "--launcher", "mpich", "/venv/bin/zerollm"])
-    assert not is_rank_command([python, "-u", "/ds/launcher_helper.py", "--launcher", "mpich", "/venv/bin/zerollm"])
-    assert not is_rank_command([python, "-u", "-m", "deepspeed.launcher.launch", "--module", "llm"])
+    python, script = sys.executable, "/venv/bin/zerollm"
+    assert is_zerollm_command([python, "-u", "-m", "llm", "train"])
+    assert is_zerollm_command([python, "-u", script, "train"])  # under DeepSpeed's MPICH helper
+    assert not is_zerollm_command([python, "-m", "deepspeed.launcher.runner", "--launcher", "mpich", script])
+    assert not is_zerollm_command([python, "-u", "/ds/launcher_helper.py", "--launcher", "mpich", script])
+    assert not is_zerollm_command([python, "-u", "-m", "deepspeed.launcher.launch", "--module", "llm"])
 
 
 def test_selected_slots_are_resolved_as_deepspeed_does():

@@ -21,7 +21,7 @@ from wandb_files import wandb_records
 
 from conftest import METRIC_KEYS, ZERO_RUN, run_cli, zerollm_here
 from conftest import train_args as _args
-from launch.launcher import is_rank_command
+from llm.command_line import is_zerollm_command
 from llm.config import build_config
 from llm.loading import consolidated_weights
 from llm.runtime.rank_env import free_port
@@ -215,7 +215,7 @@ def test_sigterm_to_a_two_rank_job_reaches_every_rank_and_leaves_nothing_running
         try:
             _wait_for(lambda: (tmp_path / "metrics.jsonl").is_file() and len(_metrics(tmp_path)) >= 2, proc)
             children = psutil.Process(proc.pid).children(recursive=True)
-            assert len(children) == 2 and all(is_rank_command(child.cmdline()) for child in children), \
+            assert len(children) == 2 and all(is_zerollm_command(child.cmdline()) for child in children), \
                 [child.cmdline() for child in children]
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=120) == 75, (tmp_path / "run.log").read_text()[-3000:]
