@@ -37,7 +37,13 @@ from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, load_adapters, merge
 from llm.runtime.fingerprint import WEIGHTS_PARTS, file_digest, same_weights
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
-from llm.train.checkpoint import is_partitioned, restricted_unpickling, weight_decayed
+from llm.train.checkpoint import (
+    config_mismatch,
+    is_partitioned,
+    mismatch_reason,
+    restricted_unpickling,
+    weight_decayed,
+)
 from llm.train.run_record import last_record
 
 T = TypeVar("T")
@@ -130,19 +136,17 @@ def load_trained_model(run_dir: Path, tag: str | None = None) -> tuple[Transform
     if cfg.lora.r:
         return merge(load_lora_model(run_dir, cfg, tag)).eval(), cfg
     state = consolidated_weights(run_dir, tag)
-    mismatch = f"{run_dir}: checkpoint does not match {rundir.CONFIG_FILE}"
-    if cfg.model.tie_embeddings and not drop_tied_copy(state, "tok_embeddings.weight", "output.weight"):
-        raise UserError(f"{mismatch} (model.tie_embeddings is true, but the checkpoint holds an output.weight that "
-                        "differs from tok_embeddings.weight: it was trained untied)")
-    if not cfg.model.tie_embeddings and torch.equal(state.get("output.weight", torch.empty(0)),
-                                                    state.get("tok_embeddings.weight", torch.empty(1))):
-        raise UserError(f"{mismatch} (model.tie_embeddings is false, but the checkpoint's output.weight is its "
-                        "tok_embeddings.weight: it was trained tied)")
+    output, embeddings = state.get("output.weight"), state.get("tok_embeddings.weight")
+    tied = output is None or embeddings is None or torch.equal(output, embeddings)
+    why = mismatch_reason({name: tuple(tensor.shape) for name, tensor in state.items()}, tied, cfg.model)
+    if why is not None:
+        raise UserError(config_mismatch(run_dir, None, why))
+    if cfg.model.tie_embeddings:
+        drop_tied_copy(state, "tok_embeddings.weight", "output.weight")
     try:
         model = model_from_weights(cfg.model, state)
-    except RuntimeError as exc:  # shapes that differ: torch lists every one, the first is enough
-        first = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc))
-        raise UserError(f"{mismatch} ({first})") from None
+    except RuntimeError as exc:  # names that differ (another model's): torch lists every one, the first is enough
+        raise UserError(config_mismatch(run_dir, None, str(exc).strip().splitlines()[0])) from None
     return model.eval(), cfg
 
 

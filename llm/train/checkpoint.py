@@ -581,17 +581,29 @@ def _refuse_other_shapes(run_dir: Path, tag: str, model: ModelConfig) -> None:
         output, embedding = module.get("output.weight"), module.get("tok_embeddings.weight")
         tied = output is None or (embedding is not None and
                                   output.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr())
+    why = mismatch_reason(saved, tied if "tok_embeddings.weight" in saved else None, model)
+    if why is not None:
+        raise UserError(f"{config_mismatch(run_dir, tag, why)}; {rundir.damaged_checkpoint_advice(run_dir, tag)}")
+
+
+def mismatch_reason(saved: dict[str, tuple[int, ...]], tied: bool | None, model: ModelConfig) -> str | None:
+    """Why weights of the shapes `saved`, trained with the output layer `tied` to the embeddings or not (None: they
+    hold no base weights to tell), cannot load into the model `model` describes; None where they can. Parameters the
+    model does not name (LoRA's adapters; a tied model's output layer) are not compared."""
     with torch.device("meta"):
         expected = {name: tuple(param.shape) for name, param in Transformer(model).named_parameters()}
-    mismatch = f"{run_dir}: checkpoint {tag} does not match {rundir.CONFIG_FILE}"
-    advice = rundir.damaged_checkpoint_advice(run_dir, tag)
     for name, shape in saved.items():
         if name in expected and shape != expected[name]:
-            raise UserError(f"{mismatch} (size mismatch for {name}: {list(shape)} in the checkpoint, "
-                            f"{list(expected[name])} in the config); {advice}")
-    if "tok_embeddings.weight" in saved and tied != model.tie_embeddings:
-        raise UserError(f"{mismatch} (model.tie_embeddings is {str(model.tie_embeddings).lower()}, but the "
-                        f"checkpoint was trained {'tied' if tied else 'untied'}); {advice}")
+            return f"size mismatch for {name}: {list(shape)} in the checkpoint, {list(expected[name])} in the config"
+    if tied is not None and tied != model.tie_embeddings:
+        return (f"model.tie_embeddings is {str(model.tie_embeddings).lower()}, but the checkpoint was trained "
+                f"{'tied' if tied else 'untied'}")
+    return None
+
+
+def config_mismatch(run_dir: Path, tag: str | None, why: str) -> str:
+    """The line for a checkpoint (`tag`; None: the newest) that does not fit the run's config.yaml, `why`."""
+    return f"{run_dir}: checkpoint {f'{tag} ' if tag else ''}does not match {rundir.CONFIG_FILE} ({why})"
 
 
 def load(engine, run_dir: Path, tag: str, universal: bool = False, clock_driven: bool = False) -> dict[str, Any]:
