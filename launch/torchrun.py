@@ -51,7 +51,8 @@ def _codes(failure: ChildFailedError) -> list[int]:
 
 def quiet_code(failure: ChildFailedError) -> int | None:
     """The code every failed rank in `failure` ended with after saying why (2 or 76), apart from ranks torchrun
-    ended; None when they did not all end so."""
+    ended; None when they did not all end so. Asked after `lost_rank`: a rank the OOM killer ended first is the
+    cause, even where the ranks torchrun closed then said why they stopped (a watchdog's 76, a save's 75)."""
     codes = _codes(failure)
     for code in QUIET_CODES:
         if code in codes and all(c in (code, *CLOSING_CODES) for c in codes):
@@ -100,13 +101,13 @@ def main(argv: list[str]) -> int:
     try:
         torchrun_main(argv)
     except ChildFailedError as failure:
-        code = quiet_code(failure)
-        if code is not None:
-            return code
-        lost = lost_rank(failure)
+        lost = lost_rank(failure)  # first: the ranks torchrun closed after it may have said why they ended too
         if lost is not None:
             rank, pid, signum = lost
             return report_rank_ended(f"rank {rank} (pid {pid})", signum)
+        code = quiet_code(failure)
+        if code is not None:
+            return code
         print(failure.format_msg().strip("\n"), file=sys.stderr, flush=True)
         return passed_on_code(failure)
     except SignalException as stopped:  # a stop sent to torchrun itself (to every process of a job step at once):

@@ -1257,6 +1257,20 @@ def test_torchrun_failures_are_read_like_the_ranks_own_ending():
     assert lost_rank(failed(-signal.SIGTERM, -signal.SIGKILL)) is None  # a stop: rank 0 ended, rank 1 closed
 
 
+@pytest.mark.parametrize("others", [EXIT_RANK_LOST, EXIT_PREEMPTED, -signal.SIGKILL])
+def test_a_rank_the_oom_killer_ended_first_is_named_whatever_the_others_said(monkeypatch, capsys, others):
+    """Rank 0 killed, then rank 1 closed by torchrun: where rank 1's watchdog said the job lost a rank (76), or its
+    SIGTERM handler saved (75), the killed rank went unnamed and the job ended with rank 1's code."""
+    import launch.torchrun
+
+    def job(argv):
+        raise failed(-signal.SIGKILL, others)
+
+    monkeypatch.setattr(launch.torchrun, "torchrun_main", job)
+    assert launch.torchrun.main(["--nproc-per-node", "2", "rank.py"]) == EXIT_RANK_LOST
+    assert capsys.readouterr().err.splitlines() == [_lost_rank_line("rank 0 (pid 1000)")]
+
+
 def test_torchrun_nodes_wait_for_each_other_train_collective_timeout_s(tmp_path):
     """torchrun's rendezvous waited its own 600 s whatever the config said."""
     argv = ["--backend", "torchrun", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"]
