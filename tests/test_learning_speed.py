@@ -50,15 +50,19 @@ def test_a_split_the_disk_cannot_take_is_one_line_and_leaves_no_torn_part(tmp_pa
 
 
 def test_bench_learn_runs_tokenizer_data_training_and_heldout_bits_per_byte_in_one_budget(tmp_path):
+    """The budget counts from the process's start: its imports (6 s on a loaded 2-core machine) were left out, so a
+    run that took 68 s of a 60 s budget said it was inside it."""
     novel = FIXTURES / "pretrain" / "zh_stories.txt"
     tiny = [o for o in TINY if not o.startswith(("model.vocab_size", "train.lr"))]
-    result = run_cli("bench", "learn", "--input", novel, "--budget", 60, "--reserve", 48, "--vocab-size", 400,
+    tiny.append("train.max_steps=20")  # the budget, roomy for a loaded machine, is not all trained
+    result = run_cli("bench", "learn", "--input", novel, "--budget", 120, "--reserve", 48, "--vocab-size", 400,
                      "--out", tmp_path / "out", *[a for o in tiny for a in ("--set", o)])
     assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "result.json").read_text())
     assert summary["within_budget"] == (result.returncode == 0) == ("OVER BUDGET" not in result.stdout)
-    assert list(summary["phases_s"]) == ["split", "tokenizer", "data", "training", "evaluation"]
-    assert summary["vocab_size"] == 400 and 0 < summary["train_max_time_s"] < 60 - 48
+    assert list(summary["phases_s"]) == ["start-up", "split", "tokenizer", "data", "training", "evaluation"]
+    assert summary["phases_s"]["start-up"] > 0.5  # the imports (torch's among them) of the command's own process
+    assert summary["vocab_size"] == 400 and 0 < summary["train_max_time_s"] < 120 - 48
     heldout = summary["heldout"]
     paragraphs = [p.strip("\n") for p in (tmp_path / "out" / "val.txt").read_text().split("\n\n") if p.strip()]
     assert heldout["bytes"] == sum(len(p.encode()) for p in paragraphs) and summary["skipped"] == {
