@@ -212,7 +212,10 @@ def model_config_from_hf(config: dict, source: str) -> ModelConfig:
     window = _sliding_window(config, model_type)
     positions = _number(config, "max_position_embeddings", source, int, MAX_POSITIONS[model_type])
     if window is not None and not (isinstance(window, int) and window >= positions):
-        raise UserError(f"{source}: sliding-window attention is not part of our architecture")
+        given = "" if "sliding_window" in config else " (absent: its class's default)"
+        raise UserError(f"{source}: 'sliding_window' {window!r}{given} is a window of fewer positions than "
+                        f"'max_position_embeddings' {positions}: sliding-window attention is not part of our "
+                        f"architecture (null, or a window of at least {positions}, is full attention)")
     for key in ("attention_bias", "mlp_bias"):  # Llama's and Qwen3's attention_bias is on every projection; Qwen2
         if config.get(key) and (key, model_type) != ("attention_bias", "qwen2"):  # reads none (its q, k, v have one)
             raise UserError(f"{source}: '{key}' {config[key]!r}: biases other than Qwen2's on q, k and v are not part "

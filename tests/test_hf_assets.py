@@ -215,8 +215,12 @@ def test_a_mistral_model_with_a_sliding_window_is_refused(window):
     config.pop("sliding_window", None)
     if window != "absent":
         config["sliding_window"] = window
-    with pytest.raises(UserError, match="sliding-window attention is not part of our architecture"):
+    with pytest.raises(UserError) as refused:
         model_config_from_hf(config, "config.json")
+    given = "4096 (absent: its class's default)" if window == "absent" else "4095"  # it named neither key nor value
+    assert str(refused.value) == (f"config.json: 'sliding_window' {given} is a window of fewer positions than "
+                                  "'max_position_embeddings' 8192: sliding-window attention is not part of our "
+                                  "architecture (null, or a window of at least 8192, is full attention)")
     for full in (None, 8192, 32768):
         assert model_config_from_hf({**config, "sliding_window": full}, "config.json").max_seq_len == 8192
 
