@@ -44,9 +44,9 @@ from llm.errors import (
     report,
 )
 from llm.runtime.accelerator import check_chosen_accelerator
-from llm.stdout import GuardedStdout, OutputLost, discard, settle
+from llm.stdout import GuardedStdout, OutputLost, discard, on_terminal, settle
 from llm.train.ds_config_file import load_ds_config
-from llm.wording import plural
+from llm.wording import for_terminal, plural
 
 EPILOG = "Documentation: README.md. Errors in your input exit with code 2."
 INPUT_FORMATS = (".txt, .jsonl and .json files (each also compressed: .gz, .bz2, .xz, .zst), .parquet and .arrow "
@@ -713,8 +713,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UserError(f"{problem}: "
                         f"{'lower --max-new-tokens or ' if fits_alone else ''}shorten the prompt")
 
+    shown = for_terminal if on_terminal() else str
     for piece in generator.stream(prompt, params):
-        print(piece, end="", flush=True)
+        print(shown(piece), end="", flush=True)
     print(flush=True)
     return 0
 

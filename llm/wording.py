@@ -1,4 +1,4 @@
-"""How messages say a count of things."""
+"""How messages say a count of things, and how text from elsewhere is shown on a terminal."""
 
 from __future__ import annotations
 
@@ -20,3 +20,14 @@ def printable(text: str) -> str:
     """`text` with what would act on a terminal rather than show (`_UNPRINTABLE`) written as Python escapes, so that
     a message quoting a user's file name or record is one line, shown as it is: '\\x1b', '\\n', '\\u202e'."""
     return _UNPRINTABLE.sub(lambda found: repr(found.group())[1:-1], text)
+
+
+_ACTING = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+"""Control characters but the line end and the tab: ESC sequences (which set a terminal's title, write its clipboard,
+clear it), a carriage return that writes over the line, the bell."""
+
+
+def for_terminal(text: str) -> str:
+    """A model's text as a terminal is to get it: what would act on the terminal (`_ACTING`) written as Python
+    escapes ('\\x1b'), line ends and tabs as they are. A downloaded model may write anything."""
+    return _ACTING.sub(lambda found: repr(found.group())[1:-1], text)

@@ -50,6 +50,21 @@ def _repl(session: ChatSession, lines: list, interactive: bool = False) -> str:
     return out.getvalue()
 
 
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("out", [Terminal, io.StringIO])
+def test_a_reply_cannot_act_on_the_terminal_but_reaches_a_pipe_as_it_is(generator, monkeypatch, out):
+    """A model's ESC sequences went to the terminal as they were (a title set, the screen cleared)."""
+    monkeypatch.setattr(TextGenerator, "stream", lambda self, prompt, params: iter(["ok\x1b[2J", "\x07\tdone\r"]))
+    written = out()
+    chat_repl(ChatSession(generator, SamplingParams(max_new_tokens=4)), read=_reader(["hi"]), out=written)
+    reply = "ok\\x1b[2J\\x07\tdone\\r" if out is Terminal else "ok\x1b[2J\x07\tdone\r"
+    assert f"assistant> {reply}\n" in written.getvalue()
+
+
 def test_lines_between_triple_quotes_are_one_message_as_typed(generator):
     """Pasted text was sent line by line, each line a message with a reply of its own, and stripped of its
     indentation (code lost its structure)."""

@@ -734,6 +734,25 @@ def test_tokens_without_text_inside_a_character_leave_it_whole(tiny_model):
     assert "".join(text.add(token) for token in script) == generator.text(script) == "😀a"
 
 
+HOSTILE_REPLY = "ok\x1b]0;pwned\x07\ttab\r\n"
+"""A reply that would set a terminal's title (an OSC sequence ended by the bell) and write over its line."""
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_generated_text_cannot_act_on_the_terminal_but_reaches_a_pipe_as_it_is(exported, monkeypatch, capsys,
+                                                                             terminal):
+    """A model's ESC sequences went to the terminal as they were: a downloaded model could set its title, write its
+    clipboard or clear it."""
+    import llm.cli
+
+    monkeypatch.setattr(TextGenerator, "stream", lambda self, prompt, params: iter([HOSTILE_REPLY[:4],
+                                                                                   HOSTILE_REPLY[4:]]))
+    monkeypatch.setattr(llm.cli, "on_terminal", lambda: terminal)
+    assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "To be") == 0
+    shown = "ok\\x1b]0;pwned\\x07\ttab\\r\n" if terminal else HOSTILE_REPLY
+    assert capsys.readouterr().out == shown + "\n"
+
+
 def test_a_kv_cache_is_measured_against_the_memory_the_host_has_free(generator, monkeypatch):
     """It was measured against the host's total memory: a cache that other processes' memory left no room for was
     written in full at once, and the OOM killer ended the process (a server, with every request in it)."""

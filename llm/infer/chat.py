@@ -20,6 +20,7 @@ from typing import TextIO
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
+from llm.wording import for_terminal
 
 HELP = 'commands: /reset  /system TEXT  /quit or /exit  (//text sends /text; """ begins and ends several lines)'
 BLOCK = '"""'
@@ -121,6 +122,8 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
     def say(text: str, end: str = "\n") -> None:
         print(text, end=end, file=out or sys.stdout, flush=True)
 
+    shown = for_terminal if (out or sys.stdout).isatty() else str
+
     say(HELP)
     while True:
         try:
@@ -165,7 +168,7 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
             say("assistant> ", end="")
             try:
                 for piece in pieces:
-                    say(piece, end="")
+                    say(shown(piece), end="")
             except KeyboardInterrupt:
                 say(" (stopped)", end="")
             finally:  # the exchange joins the history now, also when Ctrl-C came while a piece was being printed
