@@ -286,6 +286,17 @@ def test_a_resumed_run_keeps_its_precision_and_refuses_another(pretrain_data, tm
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"ZeRO stage 2, {other}," in result.stdout and "resumed at step 1" in result.stdout
     assert rundir.recorded_config(run)["train"]["precision"] == other
+    edited = rundir.config_file(run).read_text().replace(f"precision: {other}", f"precision: {mismatch}")
+    rundir.config_file(run).write_text(edited)  # the run's record edited by hand: it was a traceback in every rank
+    for requested in ("auto", mismatch, other):
+        result = run_job(*train_args(pretrain_data, run, "train.max_steps=3", f"train.precision={requested}",
+                                     extra=["--resume", "auto"]))
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        trained = "bf16" if other == "bf16" else "fp32 (or fp16)"
+        assert result.stderr.splitlines()[-1] == (
+            f"zerollm: error: {rundir.config_file(run)} says train.precision {mismatch}, but checkpoint global_step2 "
+            f"was saved in {trained} (DeepSpeed names a bf16 run's optimizer files apart); put back the precision it "
+            "was trained in there")
 
 
 

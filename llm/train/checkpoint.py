@@ -586,6 +586,14 @@ def _refuse_other_shapes(run_dir: Path, tag: str, model: ModelConfig) -> None:
         raise UserError(f"{config_mismatch(run_dir, tag, why)}; {rundir.damaged_checkpoint_advice(run_dir, tag)}")
 
 
+def saved_in_bf16(run_dir: Path, tag: str) -> bool | None:
+    """Whether checkpoint `tag` was saved by a bf16 run, where its ZeRO optimizer files tell: DeepSpeed names a bf16
+    run's `bf16_zero_pp_rank_*`, another precision's `zero_pp_rank_*`. None without them (no ZeRO: the optimizer's
+    state is in the model states, whatever the precision)."""
+    names = [path.name for path in (rundir.checkpoint_dir(run_dir) / tag).glob("*zero_pp_rank_*_optim_states.pt")]
+    return any(name.startswith("bf16_") for name in names) if names else None
+
+
 def mismatch_reason(saved: dict[str, tuple[int, ...]], tied: bool | None, model: ModelConfig) -> str | None:
     """Why weights of the shapes `saved`, trained with the output layer `tied` to the embeddings or not (None: they
     hold no base weights to tell), cannot load into the model `model` describes; None where they can. Parameters the

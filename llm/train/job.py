@@ -435,7 +435,16 @@ def _refuse_resume(run_dir: Path, differing: list[str]) -> NoReturn:
 def resumed_precision(run_dir: Path, saved: str, requested: str) -> str:
     """The precision a resumed run continues in: `saved`, the one its checkpoints were saved in, which `auto` takes
     even where it would choose another on this device; another is refused (DeepSpeed keeps a bf16 run's optimizer
-    state in files of other names, so the load would fail half way)."""
+    state in files of other names, so the load would fail half way). A `saved` (config.yaml's) that the newest
+    checkpoint's files contradict is refused too: an edit of config.yaml was a traceback in every rank, or named the
+    edited precision as the one the run was trained in."""
+    tag = rundir.newest_complete_tag(run_dir)
+    in_bf16 = None if tag is None else checkpoint.saved_in_bf16(run_dir, tag)
+    if in_bf16 is not None and (saved == "bf16") != in_bf16:
+        trained = "bf16" if saved != "bf16" else "fp32 (or fp16)"
+        raise UserError(f"{rundir.config_file(run_dir)} says train.precision {saved}, but checkpoint {tag} was saved "
+                        f"in {trained} (DeepSpeed names a bf16 run's optimizer files apart); put back the precision "
+                        "it was trained in there")
     if requested not in ("auto", saved):
         raise UserError(f"{run_dir} was trained in {saved}; train.precision={requested} cannot resume it (DeepSpeed's "
                         f"checkpoints differ by precision): resume with train.precision=auto or {saved}, or start a "
