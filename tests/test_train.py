@@ -19,7 +19,7 @@ import torch
 from forked_ranks import kill_when, run_job
 from wandb_files import wandb_records
 
-from conftest import METRIC_KEYS, ZERO_RUN, run_cli, zerollm_here
+from conftest import FIXTURES, METRIC_KEYS, ZERO_RUN, run_cli, zerollm_here
 from conftest import train_args as _args
 from llm.command_line import is_zerollm_command
 from llm.config import build_config
@@ -376,6 +376,19 @@ def test_data_smaller_than_one_global_batch_is_one_line_naming_what_makes_the_ba
     assert DataSteps(cfg, torch.device("cpu")).too_few(5, 8) == (
         "pairs: the train split has 5 preference pairs, fewer than one global batch (8: train.micro_batch_size 4 x "
         "train.grad_accum 1 x 2 ranks); add data, or lower train.micro_batch_size, train.grad_accum or the ranks")
+
+
+def test_a_val_split_too_small_to_evaluate_is_said(tokenizer_dir, tmp_path):
+    """Data prepared with --val-fraction 0 trained with no val_loss at any step, the end's included, without a word."""
+    data = tmp_path / "data"
+    prepared = run_cli("data", "prepare", "--input", FIXTURES / "pretrain" / "en_stories.txt", "--tokenizer",
+                       tokenizer_dir, "--out", data, "--val-fraction", 0, "--workers", 1)
+    assert prepared.returncode == 0, prepared.stderr
+    result = run_job(*_args(data, tmp_path / "run", "train.max_steps=1", "train.eval_every=1"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (f"pretrain: note: the val split of {data} holds 0 samples, fewer than one for each of the 1 rank, so the "
+            "run is never evaluated (no val_loss); prepare the data with a larger --val-fraction to evaluate it") \
+        in result.stdout.splitlines()
 
 
 @pytest.mark.parametrize("split", ["train", "val"])

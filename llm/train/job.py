@@ -77,6 +77,7 @@ from llm.train.steps import DataSteps
 from llm.train.teacher import check_teacher, load_teacher
 from llm.train.time_budget import TimeBudget
 from llm.train.trainer import Trainer
+from llm.wording import plural
 
 
 def seed_rank_rngs(seed: int, rank: int) -> None:
@@ -556,6 +557,12 @@ def _announce(cfg: RunConfig, info: DistInfo, ds_config: dict, trainer: Trainer,
               "(docs/benchmarks.md); train.precision=auto or fp32 trains faster here", flush=True)
     if not scheduler_name(ds_config) and (note := unfinished_warmup_note(cfg.train)):
         print(f"{stage}: {note}", flush=True)
+    held = None if trainer.val_set is None else len(trainer.val_set)
+    if held is not None and held < info.world_size:  # each rank evaluates whole samples
+        ranks = info.world_size
+        print(f"{stage}: note: the val split of {cfg.data.path} holds {held} {plural('sample', held)}, fewer than one "
+              f"for each of the {ranks} {plural('rank', ranks)}, so the run is never evaluated (no val_loss); prepare "
+              "the data with a larger --val-fraction to evaluate it", flush=True)
     if cfg.train.init_from:
         m = cfg.model
         print(f"{stage}: the model's shape and RoPE are --init-from {cfg.train.init_from}'s: dim {m.dim}, "
