@@ -431,10 +431,11 @@ def recipe_names() -> list[str]:
 
 
 def load_recipe(name_or_path: str) -> dict[str, Any]:
-    """The raw mapping of a packaged recipe name or a YAML file path."""
-    packaged = resources.files("llm.recipes") / f"{name_or_path}.yaml"
-    if packaged.is_file():
-        text = packaged.read_text()
+    """The raw mapping of a packaged recipe name or a YAML file path. Only a packaged recipe's name reads the
+    package's file: a path (`/abs/mine`, `../mine`) was joined to the package's folder with `.yaml` added, so that
+    `/abs/mine.yaml` was read in place of the `/abs/mine` given, where both existed."""
+    if name_or_path in recipe_names():
+        text = (resources.files("llm.recipes") / f"{name_or_path}.yaml").read_text()
         source = f"recipe '{name_or_path}'"
     else:
         path = Path(name_or_path)

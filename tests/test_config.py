@@ -373,6 +373,17 @@ def test_a_recipe_that_is_not_utf8_is_one_line(tmp_path, raw, where):
     assert str(error.value) == f"{recipe}: not UTF-8 ({where}); save the recipe as UTF-8 YAML"
 
 
+def test_a_recipe_path_reads_the_file_named_not_one_with_yaml_added(tmp_path, monkeypatch):
+    """An absolute path read PATH.yaml where both existed: it was joined to the packaged recipes' folder."""
+    (tmp_path / "mine").write_text("train:\n  max_steps: 1\n")
+    (tmp_path / "mine.yaml").write_text("train:\n  max_steps: 3\n")
+    assert build_config(str(tmp_path / "mine")).train.max_steps == 1
+    monkeypatch.chdir(tmp_path)
+    assert build_config("mine").train.max_steps == 1 and build_config("./mine.yaml").train.max_steps == 3
+    packaged = pathlib.Path(__file__).resolve().parents[1] / "llm" / "recipes" / "demo.yaml"
+    assert build_config("demo").train.max_steps == build_config(str(packaged)).train.max_steps
+
+
 def test_unknown_recipe_lists_the_packaged_ones():
     with pytest.raises(UserError, match="minimind-26m"):
         build_config("no-such-recipe")
