@@ -391,10 +391,12 @@ _Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:t
                                     list("tTfF"))
 _Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
                                     list("-+0123456789"))
-_Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+.0123456789"))
+YAML12_FLOAT = re.compile(
+    r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+"""A float as YAML 1.2 writes one: not '1_000' or '0_1', nor digits of other scripts, which Python's float() reads."""
+NON_FINITE_TEXT = re.compile(r"[-+]?(?:inf|infinity|nan)", re.IGNORECASE)
+"""Python's spellings of the floats that are not finite, which a float key refuses as such."""
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:float", YAML12_FLOAT, list("-+.0123456789"))
 _Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _Yaml12Loader.construct_yaml_int)
 
 
@@ -478,9 +480,10 @@ def _coerce(key: str, value: Any, annotation: str) -> Any:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
         raise UserError(f"config key '{key}' expects a list of strings, got {value!r}")
-    if "float" in annotation and isinstance(value, str) and "str" not in annotation:
-        with contextlib.suppress(ValueError):
-            value = float(value)  # a quoted number, "1e-3"
+    if ("float" in annotation and isinstance(value, str) and "str" not in annotation
+            and (YAML12_FLOAT.fullmatch(value) or NON_FINITE_TEXT.fullmatch(value))):
+        with contextlib.suppress(ValueError):  # '.inf': refused below as text
+            value = float(value)  # a quoted number, "1e-3"; 'inf', to be refused as not finite
     if "float" in annotation and isinstance(value, int) and not isinstance(value, bool):
         try:
             value = float(value)

@@ -41,6 +41,15 @@ def test_values_are_read_by_yaml_12_and_text_keys_take_the_text_as_written(tmp_p
     assert build_config("demo", ["wandb.name=null"]).wandb.name is None
     with pytest.raises(UserError, match="train.max_steps' expects int, got '1_000'"):
         build_config("demo", ["train.max_steps=1_000"])
+    for text in ("0_1", "1_000", "\uff13e-4", "\u0661.5"):  # float() read them: a weight decay of 0_1 was 1.0
+        with pytest.raises(UserError, match=f"train.weight_decay' expects float, got '{text}'"):
+            build_config("demo", [f"train.weight_decay={text}"])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("train:\n  lr: 1_000\n")
+    with pytest.raises(UserError, match="train.lr' expects float, got '1_000'"):
+        build_config(str(recipe))
+    assert [build_config("demo", [f"train.lr={text}"]).train.lr for text in ('"1e-3"', "1e-3", "'.5'")] == [
+        1e-3, 1e-3, 0.5]
     for name in ("1e5", "on", "010", "1:30", ".5"):  # what config.yaml records reads back as the same text
         saved = build_config("demo", [f"wandb.name={name}"])
         saved.save(tmp_path / "config.yaml")
