@@ -663,7 +663,7 @@ NUMBER_RANGES: dict[str, Bounds] = {
     "model.n_layers": Bounds(1, 1024),  # deeper than any published decoder (126 in Llama 3 405B); each is a module
     "model.n_heads": POSITIVE, "model.head_dim": POSITIVE,
     "model.n_kv_heads": POSITIVE, "model.hidden_dim": POSITIVE, "model.multiple_of": POSITIVE,
-    "model.norm_eps": POSITIVE, "model.max_seq_len": POSITIVE,
+    "model.norm_eps": Bounds(0, 1, low_open=True), "model.max_seq_len": POSITIVE,
     "model.rope_theta": Bounds(1, low_open=True),  # the RoPE base: 1 gives every pair the same frequency
     "model.rope_factor": Bounds(1), "model.rope_original_max_seq_len": NON_NEGATIVE,
     "model.yarn_beta_fast": POSITIVE, "model.yarn_beta_slow": POSITIVE, "model.llama3_low_freq_factor": POSITIVE,

@@ -256,7 +256,8 @@ def test_every_number_key_has_a_range():
     ("grpo.temperature=1e-39", r"grpo.temperature must be in \[0.01, 100\], got 1e-39"),  # infinite logits: NaN loss
     ("model.rope_theta=0", "model.rope_theta must be > 1, got 0.0"),
     ("model.rope_theta=1", "model.rope_theta must be > 1, got 1.0"),
-    ("model.norm_eps=0", "model.norm_eps must be positive, got 0.0"),
+    ("model.norm_eps=0", r"model.norm_eps must be in \(0, 1\], got 0.0"),
+    ("model.norm_eps=1e308", r"model.norm_eps must be in \(0, 1\], got 1e\+308"),  # inf in fp32: every norm 0
     ("train.weight_decay=-0.1", "train.weight_decay must be >= 0, got -0.1"),
     ("train.beta1=1.5", r"train.beta1 must be in \[0, 1\), got 1.5"),
     ("train.beta1=1", r"train.beta1 must be in \[0, 1\), got 1.0"),
