@@ -359,9 +359,10 @@ class _UniqueKeysLoader(yaml.SafeLoader):
         if isinstance(node, yaml.MappingNode):
             seen = set()
             for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`, expanded by PyYAML below
-                    continue
-                key = self.construct_object(key_node, deep=True)
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`, expanded by PyYAML below; two
+                    key = "<<"  # were taken, the later silently (several go in one: `<<: [*a, *b]`)
+                else:
+                    key = self.construct_object(key_node, deep=True)
                 if not isinstance(key, Hashable):
                     continue  # refused by PyYAML's own construction below
                 if key in seen:

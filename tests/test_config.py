@@ -343,6 +343,11 @@ def test_a_recipe_that_gives_a_key_twice_is_refused(tmp_path):
         build_config(str(recipe))
     recipe.write_text("train:\n  <<: {lr: 0.001, max_steps: 10}\n  warmup_steps: 2\n")  # a merge key: no twin
     assert build_config(str(recipe)).train.max_steps == 10
+    recipe.write_text("train:\n  <<: {max_steps: 10}\n  <<: {max_steps: 20}\n")  # the later was taken
+    with pytest.raises(UserError, match=f"^{recipe}:3:3: invalid YAML \\(found the key '<<' twice\\)$"):
+        build_config(str(recipe))
+    recipe.write_text("train:\n  <<: [{max_steps: 10}, {lr: 0.1}]\n")  # several merged, as YAML writes them
+    assert (build_config(str(recipe)).train.max_steps, build_config(str(recipe)).train.lr) == (10, 0.1)
 
 
 @pytest.mark.parametrize("text, said", [
