@@ -1285,8 +1285,9 @@ def test_another_models_checkpoint_is_one_clear_error_before_anything_loads(one_
     with pytest.raises(UserError) as raised:
         checkpoint.resume_tag(tmp_path, SMALL)
     assert str(raised.value) == (f"{tmp_path}: checkpoint global_step10 does not match config.yaml (size mismatch "
-                                 "for tok_embeddings.weight: [64, 64] in the checkpoint, [64, 32] in the config); no "
-                                 "earlier checkpoint is complete: train the run again into a new run directory")
+                                 "for tok_embeddings.weight: [64, 64] in the checkpoint, [64, 32] in the config): put "
+                                 "config.yaml back as the run was trained, or, where the checkpoint is another run's, "
+                                 "no earlier checkpoint is complete: train the run again into a new run directory")
 
 
 @pytest.mark.parametrize("zero", [False, True])
@@ -1307,7 +1308,7 @@ def test_a_checkpoint_trained_tied_or_untied_against_the_other_in_config_yaml_is
     assert checkpoint.resume_tag(tmp_path, tied) == "global_step10"
     with pytest.raises(UserError, match=re.escape(
             "checkpoint global_step10 does not match config.yaml (model.tie_embeddings is false, but the checkpoint "
-            "was trained tied); no earlier checkpoint is complete")):
+            "was trained tied): put config.yaml back as the run was trained")):
         checkpoint.resume_tag(tmp_path, untied)
 
 
