@@ -520,8 +520,10 @@ def _apply(cfg: RunConfig, dotted: str, value: Any, text: str | None = None) -> 
     section = getattr(cfg, section_name)
     fields = {f.name: f for f in dataclasses.fields(section)}
     annotation = str(fields[field_name].type)
-    if text is not None and annotation in ("str", "str | None") and value is not None and not isinstance(value, str):
-        value = text.strip()  # YAML read a number or a boolean there (0123, 1e5, true): the text as written
+    if (text is not None and annotation in ("str", "str | None", "list[str]") and value is not None
+            and not isinstance(value, (str, list))):
+        value = text.strip()  # YAML read a number or a boolean there (0123, 1e5, true): the text as written (one
+        # text of a list of them, as one string is: `--set train.sample_prompts=0123` was refused)
     setattr(section, field_name, _coerce(dotted, value, annotation))
 
 

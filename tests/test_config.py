@@ -39,6 +39,7 @@ def test_values_are_read_by_yaml_12_and_text_keys_take_the_text_as_written(tmp_p
     assert (cfg.lora.r, cfg.train.max_steps, cfg.train.lr) == (10, 10, 2e-4)
     assert (cfg.wandb.name, cfg.wandb.project) == ("0123", "2026-12-02")
     assert build_config("demo", ["wandb.name=null"]).wandb.name is None
+    assert build_config("demo", ["train.sample_prompts=0123"]).train.sample_prompts == ["0123"]  # it was refused
     with pytest.raises(UserError, match="train.max_steps' expects int, got '1_000'"):
         build_config("demo", ["train.max_steps=1_000"])
     for text in ("0_1", "1_000", "\uff13e-4", "\u0661.5"):  # float() read them: a weight decay of 0_1 was 1.0
