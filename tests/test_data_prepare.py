@@ -1368,9 +1368,26 @@ def test_an_input_gone_while_preparing_is_named_not_the_output(tokenizer_dir, tm
 
 def test_the_summary_groups_reasons_by_their_numbers_but_keeps_escapes():
     """'\\ud800' was shown as '\\udN'."""
-    report = Report(skipped=[f"a.jsonl:1: {LONE_SURROGATE_REASON}", "a.jsonl:2: record of 700 characters",
-                             "a.jsonl:3: record of 800 characters"])
+    report = Report()
+    for note in (f"a.jsonl:1: {LONE_SURROGATE_REASON}", "a.jsonl:2: record of 700 characters",
+                 "a.jsonl:3: record of 800 characters"):
+        report.note("skipped", note)
     assert f"skipped: 3 records: record of N characters x2; {LONE_SURROGATE_REASON} x1" in report.summary()
+
+
+def test_a_corpus_of_unusable_records_is_reported_in_bounded_memory(tokenizer_dir, tmp_path, monkeypatch):
+    """Every skipped and every truncated record was held in memory as a note until the end (millions of them for a
+    corpus in the wrong shape); the report names the first NOTES_KEPT of each and counts them all."""
+    monkeypatch.setattr(prepare_module, "NOTES_KEPT", 3)
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join('{"txt": "wrong field"}\n' if i % 2 else '{"text": "a fine record"}\n' for i in range(20)))
+    report = _quiet("pretrain", [path], tokenizer_dir, tmp_path / "out")
+    why = "no text field (keys: txt); expected 'text', 'conversations' or 'instruction'/'output'"
+    assert report.skipped == [f"{path}:{line}: {why}" for line in (2, 4, 6)] and report.counts["skipped"] == {why: 10}
+    assert "skipped: 10 records" in report.summary(shown=2)
+    assert "  ... 1 more in report.json (the first 3 of them)" in report.summary(shown=2)
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert len(saved["skipped"]) == 3 and saved["counts"]["skipped"] == {why: 10}
 
 
 def test_a_wrongly_typed_field_is_named_in_jsons_words(tmp_path):

@@ -11,7 +11,8 @@ Output directory layout:
                     sft       tokens, loss_mask (uint8, 1 on assistant replies and their <|im_end|>) + doc_offsets
                     dpo       prompt + prompt_offsets (ChatML prompt ending in the assistant header),
                               chosen + chosen_offsets, rejected + rejected_offsets (replies + <|im_end|>)
-    report.json   samples and tokens per split, every skipped and every truncated record (file:line: reason)
+    report.json   samples and tokens per split, the skipped and the truncated records (file:line: reason; the
+                  first 10,000 of each, all of them counted by reason)
     tokenizer/    a copy of the tokenizer used, so training and inference find it
 
 The whole directory is written beside OUT and swapped in at the end (`llm.data.output`): an interrupted run
@@ -67,6 +68,11 @@ MAX_SEQ_LEN = 1 << 24
 number was read through and then failed to be stored)."""
 
 
+NOTES_KEPT = 10_000
+"""The truncated and the skipped records a report names, each; the rest are counted by reason (a corpus of millions
+of unusable records held a note of every one in memory until the end)."""
+
+
 @dataclass
 class Report:
     files: dict[str, int] = field(default_factory=dict)
@@ -77,10 +83,20 @@ class Report:
     seq_len: int | None = None
     """sft/dpo: the --seq-len the samples were cut for (training checks data.seq_len against it)."""
     truncated: list[str] = field(default_factory=list)
-    """Every sample cut to fit --seq-len as 'file:line: what' (conversations at a turn boundary; pairs: prompt
-    start, reply end)."""
+    """The first NOTES_KEPT samples cut to fit --seq-len as 'file:line: what' (conversations at a turn boundary;
+    pairs: prompt start, reply end)."""
     skipped: list[str] = field(default_factory=list)
-    """Every unusable record as 'file:line: reason'."""
+    """The first NOTES_KEPT unusable records as 'file:line: reason'."""
+    counts: dict[str, dict[str, int]] = field(default_factory=lambda: {"truncated": {}, "skipped": {}})
+    """Every truncated and every skipped record counted by its reason (numbers in it as N)."""
+
+    def note(self, kind: str, text: str) -> None:
+        """Note a 'truncated' or a 'skipped' record, `text` being 'file:line: reason'."""
+        entries = getattr(self, kind)
+        if len(entries) < NOTES_KEPT:
+            entries.append(text)
+        reason = re.sub(r"\b\d+\b", "N", text.split(": ", 1)[1])  # \ud800 stays
+        self.counts[kind][reason] = self.counts[kind].get(reason, 0) + 1
 
     def summary(self, shown: int = 20) -> str:
         lines = [f"samples    train {self.documents['train']:,}  val {self.documents['val']:,}",
@@ -88,16 +104,17 @@ class Report:
         empty = [name for name, count in self.files.items() if count == 0]
         if empty:
             lines.append(f"files with no usable records: {', '.join(empty)}")
-        for title, entries in ((f"truncated to fit --seq-len {self.seq_len}", self.truncated),
-                               ("skipped", self.skipped)):
+        for title, kind in ((f"truncated to fit --seq-len {self.seq_len}", "truncated"), ("skipped", "skipped")):
+            entries, reasons = getattr(self, kind), Counter(self.counts[kind])
             if not entries:
                 continue
-            reasons = Counter(re.sub(r"\b\d+\b", "N", s.split(": ", 1)[1]) for s in entries)  # \ud800 stays
+            total = reasons.total()
             by_reason = "; ".join(f"{r} x{n}" for r, n in reasons.most_common(5)) if len(reasons) > 1 else ""
-            lines.append(f"{title}: {len(entries):,} records" + (f": {by_reason}" if by_reason else ""))
+            lines.append(f"{title}: {total:,} records" + (f": {by_reason}" if by_reason else ""))
             lines += [f"  {s}" for s in entries[:shown]]
             if len(entries) > shown:
-                lines.append(f"  ... {len(entries) - shown} more in {PREPARED_REPORT_FILE}")
+                beyond = f" (the first {len(entries):,} of them)" if total > len(entries) else ""
+                lines.append(f"  ... {len(entries) - shown} more in {PREPARED_REPORT_FILE}{beyond}")
         return "\n".join(lines)
 
 
@@ -511,7 +528,7 @@ def _encoded(jobs: Iterator[tuple[list[Item], Job]],
 def _skip(record: Skipped, report: Report, strict: bool) -> None:
     if strict:
         raise UserError(f"{record} (--strict stops at the first bad record)")
-    report.skipped.append(str(record))
+    report.note("skipped", str(record))
 
 
 def _token_count(sample: Sample) -> int:
@@ -548,11 +565,12 @@ def _write_tokens(output: OutputDir, kind: str, records: Iterator[Item | Skipped
                     split = "val" if rng.random() < val_fraction else "train"
                     report.documents[split] += 1
                 if truncated:
-                    report.truncated.append(f"{item.place}: cut to fit --seq-len {seq_len}")
+                    report.note("truncated", f"{item.place}: cut to fit --seq-len {seq_len}")
                 writers[split].append(sample, end=item.last)
                 report.tokens[split] += _token_count(sample)
         if report.documents["train"] + report.documents["val"] == 0:
-            raise UserError(f"no usable records found in the inputs; nothing was written{skipped_note(report.skipped)}")
+            raise UserError("no usable records found in the inputs; nothing was written"
+                            + skipped_note(report.skipped, sum(report.counts["skipped"].values())))
         if report.documents["train"] == 0:  # training needs a sample, whatever the draw
             _move_last_sample(writers, report, "val", "train")
         if val_fraction > 0 and report.documents["val"] == 0 and report.documents["train"] > 1:

@@ -95,10 +95,10 @@ class Skipped:
         return printable(f"{place(self.source, self.line, self.unit)}: {self.reason}")
 
 
-def skipped_note(skipped: Sequence[Skipped | str]) -> str:
+def skipped_note(skipped: Sequence[Skipped | str], count: int | None = None) -> str:
     """' (N records skipped, first: FILE:LINE: reason)' for an error that nothing usable was read; '' if none was
-    skipped."""
-    return f" ({len(skipped)} records skipped, first: {skipped[0]})" if skipped else ""
+    skipped. `count`: how many were, where `skipped` names only the first of them."""
+    return f" ({len(skipped) if count is None else count} records skipped, first: {skipped[0]})" if skipped else ""
 
 
 def place(source: str, line: int, unit: str) -> str:
