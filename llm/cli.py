@@ -560,6 +560,8 @@ def _checked_before_ranks(args: argparse.Namespace):
     return cfg
 
 
+MOE_KEYS = ("model.n_experts", "model.n_experts_per_token", "model.n_shared_experts", "model.moe_aux_loss_coef",
+            "model.norm_topk_prob")
 DORMANT_KEYS = (
     (lambda key: key.startswith("lora.") and key != "lora.r", lambda cfg: not cfg.lora.r,
      "lora.r is 0: no LoRA, every weight trains (--set lora.r=N or --lora r=N for adapters)"),
@@ -567,6 +569,15 @@ DORMANT_KEYS = (
      "only `train distill` reads them: no teacher, nothing distilled"),
     (lambda key: key.startswith("train.dpo_"), lambda cfg: cfg.train.stage != "dpo", "only `train dpo` reads them"),
     (lambda key: key.startswith("grpo."), lambda cfg: cfg.train.stage != "grpo", "only `train grpo` reads them"),
+    (lambda key: key in MOE_KEYS, lambda cfg: not cfg.model.moe,
+     "model.moe is false: a dense model, no experts (--set model.moe=true for a mixture of experts)"),
+    (lambda key: key in ("model.rope_factor", "model.rope_original_max_seq_len"),
+     lambda cfg: cfg.model.rope_scaling == "none",
+     "model.rope_scaling is 'none': RoPE is not scaled (--set model.rope_scaling=yarn or llama3 to extend it)"),
+    (lambda key: key.startswith("model.yarn_"), lambda cfg: cfg.model.rope_scaling != "yarn",
+     "only model.rope_scaling=yarn reads them"),
+    (lambda key: key.startswith("model.llama3_"), lambda cfg: cfg.model.rope_scaling != "llama3",
+     "only model.rope_scaling=llama3 reads them"),
 )
 """(which `--set` keys, when they are read by nothing, why) for keys a run keeps in its config but does not use."""
 

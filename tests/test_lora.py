@@ -476,13 +476,22 @@ def test_settings_no_part_of_the_run_reads_are_noted_once(monkeypatch, capsys, t
     assert err.count("note") == 1 and err.startswith(
         "zerollm: note: lora.alpha, lora.dropout set, but lora.r is 0: no LoRA, every weight trains (--set lora.r=N "
         "or --lora r=N for adapters)\n")
-    for quiet in (["--set", "train.lr=1e-4"], ["--set", "lora.r=4", "--set", "lora.alpha=8"]):
+    for quiet in (["--set", "train.lr=1e-4"], ["--set", "lora.r=4", "--set", "lora.alpha=8"],
+                  ["--set", "model.moe=true", "--set", "model.n_experts=8"]):
         zerollm_here(monkeypatch, *common, *quiet)
         assert "note" not in capsys.readouterr().err
     distill = "only `train distill` reads them: no teacher, nothing distilled"
     for stage, keys, why in (("sft", ["train.teacher=t", "train.distill_alpha=1"], distill),
                              ("pretrain", ["train.dpo_beta=0.5"], "only `train dpo` reads them"),
-                             ("sft", ["grpo.group_size=4"], "only `train grpo` reads them")):
+                             ("sft", ["grpo.group_size=4"], "only `train grpo` reads them"),
+                             ("pretrain", ["model.n_experts=8", "model.n_shared_experts=1"],
+                              "model.moe is false: a dense model, no experts (--set model.moe=true for a mixture of "
+                              "experts)"),  # the dense model trained: the user meant experts
+                             ("pretrain", ["model.rope_factor=4"], "model.rope_scaling is 'none': RoPE is not scaled "
+                              "(--set model.rope_scaling=yarn or llama3 to extend it)"),
+                             ("pretrain", ["model.yarn_beta_fast=16"], "only model.rope_scaling=yarn reads them"),
+                             ("pretrain", ["model.llama3_low_freq_factor=2"],
+                              "only model.rope_scaling=llama3 reads them")):
         zerollm_here(monkeypatch, *common[:1], stage, *common[2:], *[a for key in keys for a in ("--set", key)])
         named = ", ".join(key.split("=")[0] for key in keys)
         assert f"zerollm: note: {named} set, but {why}\n" in capsys.readouterr().err  # trained without a word
