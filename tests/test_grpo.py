@@ -67,6 +67,10 @@ def _completions(texts, answers=None, lengths=None):
     # were matches: a list is no number, '1_000' is Python's spelling, and an answer of '.' matched an empty reply
     ("1,2,3", 123, False), ("1,2", "12", False), ("1_000", "1000", False), ("", ".", False), ("。", "。", False),
     ("e4", "e4", True), ("e5", "5", False), ("+e3", "1000", False), ("3.", "3", True), (".5", "0.5", True),
+    # were matches: numbers went through float and compared within 1e-9
+    ("1000000000500", 1000000000000, False), ("1000000001", 1000000000, False), ("3e-10", "-5e-10", False),
+    ("0.0000000001", 0, False), ("9007199254740993", 9007199254740992, False), ("0.1", 0.1, True), ("-0", 0, True),
+    ("1e999999999", "1e999999999", True),
 ])
 def test_exact_match_follows_the_documented_extraction_rule(completion, answer, expected):
     assert answers_match(completion, answer) is expected

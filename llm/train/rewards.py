@@ -28,7 +28,6 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import math
 import re
 import signal
 import sys
@@ -38,6 +37,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -108,17 +108,17 @@ NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)(
 exponent."""
 
 
-def _number(text: str) -> float | None:
-    """The finite number `text` writes (`NUMBER`); None for anything else ("nan", "inf" and "infinity" are words,
+def _number(text: str) -> Decimal | None:
+    """The number `text` writes (`NUMBER`), exactly; None for anything else ("nan", "inf" and "infinity" are words,
     compared as text: a record answered "nan" never matched, NaN being unequal to itself; '1,2,3' is a list, not 123,
-    and '1_000' Python's spelling, not an answer's)."""
+    and '1_000' Python's spelling, not an answer's). Exactly: through float, with a tolerance of 1e-9, an answer of
+    1,000,000,000,500 matched 10**12, 3e-10 matched -5e-10, and integers beyond 2**53 could not be told apart."""
     if not NUMBER.fullmatch(text):
         return None
     try:
-        value = float(text.replace(",", ""))
-    except ValueError:  # digits float does not read (NUMBER's \d is any script's)
+        return Decimal(text.replace(",", ""))
+    except InvalidOperation:  # digits Decimal does not read (NUMBER's \d is any script's)
         return None
-    return value if math.isfinite(value) else None
 
 
 def answers_match(completion: str, answer: Any) -> bool:
@@ -129,7 +129,7 @@ def answers_match(completion: str, answer: Any) -> bool:
         return False
     got_number, want_number = _number(got), _number(want)
     if got_number is not None and want_number is not None:
-        return math.isclose(got_number, want_number, rel_tol=1e-9, abs_tol=1e-9)
+        return got_number == want_number
     return got == want
 
 
