@@ -489,6 +489,30 @@ def test_a_function_that_cannot_take_the_records_fields_is_refused_before_traini
         reward.check_fields({"answer"})
 
 
+def test_a_function_gets_every_field_of_the_records_none_where_a_record_lacks_it(tmp_path, monkeypatch):
+    """A field only some records have was passed only where the batch held one of those: a function the check had
+    accepted failed at the first rollout without it (a TypeError placed in our code, or a KeyError in **fields). A
+    field named like the function's own arguments was dropped without a word."""
+    (tmp_path / "ids.py").write_text("def named(prompts, completions, answer, id):\n"
+                                     "    return [float(i is not None) for i in id]\n"
+                                     "def keywords(prompts, completions, **fields):\n"
+                                     "    return [float(i is not None) for i in fields['id']]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "ids", raising=False)
+    reward = Reward(["ids:named", "ids:keywords"], 4, torch.device("cpu"))
+    reward.check_fields({"answer", "id"})  # some records of the prompt files have an id
+    with_id = Completions([[{"role": "user", "content": "q"}]] * 2, ["x", "y"], [1, 1], [{"answer": "a", "id": 1},
+                                                                                          {"answer": "b"}])
+    without = Completions(with_id.prompts, with_id.texts, with_id.lengths, [{"answer": "a"}, {"answer": "b"}])
+    assert {name: scores.tolist() for name, scores in reward(with_id)[1].items()} == {
+        "named": [1.0, 0.0], "keywords": [1.0, 0.0]}
+    assert {name: scores.tolist() for name, scores in reward(without)[1].items()} == {
+        "named": [0.0, 0.0], "keywords": [0.0, 0.0]}
+    with pytest.raises(UserError, match=r"^--reward ids:named: the prompt records have a field named 'prompts', "
+                                        "which the function receives as its own prompts; rename that field"):
+        reward.check_fields({"answer", "prompts"})
+
+
 # ---- prompts ----------------------------------------------------------------------------------------
 
 def test_prompt_records_of_both_shapes():

@@ -317,20 +317,28 @@ def _import_function(term: str, module_name: str, function_name: str) -> Callabl
 class UserFunction:
     def __init__(self, term: str, function: Callable) -> None:
         self.term, self.function = term, function
+        self.keys: set[str] = set()
+        """Every field of the prompt records (`check_fields`): each call passes them all, None where a record
+        lacks one. A call passed only the fields of its batch's records, so a function the check had accepted
+        failed at a rollout whose records all lacked one (a TypeError, or a KeyError in **fields)."""
 
     def check_fields(self, keys: set[str]) -> None:
         """Refuse, before training, a function that cannot take the prompt records' other fields `keys` as keywords
         (`def score(prompts, completions)` given records with an `answer`): it failed at the first rollout, the error
-        placed in our code."""
-        fields = {key: [] for key in keys - {"prompts", "completions"}}
+        placed in our code. A field named `prompts` or `completions` is refused: it would be the function's own
+        argument of that name."""
+        if clash := sorted(keys & {"prompts", "completions"}):
+            raise UserError(f"--reward {self.term}: the prompt records have a field named {clash[0]!r}, which the "
+                            f"function receives as its own {clash[0]}; rename that field in the prompt files")
+        self.keys = set(keys)
         try:  # its signature was read as it was imported (`_import_function`)
-            inspect.signature(self.function).bind(prompts=[], completions=[], **fields)
+            inspect.signature(self.function).bind(prompts=[], completions=[], **dict.fromkeys(keys, []))
         except TypeError as exc:
             raise UserError(f"--reward {self.term}: cannot take the prompt records' fields ({exc}); give it a "
                             "**fields parameter, e.g. `def score(prompts, completions, **fields)`") from None
 
     def __call__(self, batch: Completions) -> list[float]:
-        keys = sorted({k for f in batch.fields for k in f} - {"prompts", "completions"})
+        keys = sorted((self.keys | {k for f in batch.fields for k in f}) - {"prompts", "completions"})
         fields = {k: [f.get(k) for f in batch.fields] for k in keys}
         # copies: a function that changes what it is given (`completions.clear()`) changes nothing the other terms
         # and the policy update read
