@@ -378,6 +378,21 @@ def test_data_smaller_than_one_global_batch_is_one_line_naming_what_makes_the_ba
         "train.grad_accum 1 x 2 ranks); add data, or lower train.micro_batch_size, train.grad_accum or the ranks")
 
 
+def test_a_resume_that_changes_settings_says_which(pretrain_data, tmp_path):
+    """A --set of the first command that the resume did not give again took the recipe's value without a word: a
+    learning rate of 1e-3 went back to the recipe's 3e-3."""
+    run = tmp_path / "run"
+    result = run_job(*_args(pretrain_data, run, "train.max_steps=1", "train.lr=1e-3"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_job(*_args(pretrain_data, run, "train.max_steps=2", extra=["--resume", "auto"]))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ("pretrain: note: resumed with settings other than its config.yaml's: train.max_steps 1 there, 2 here; "
+            "train.lr 0.001 there, 0.003 here (a --set of the command that began the run, not given again, takes the "
+            "recipe's value)") in result.stdout.splitlines()
+    result = run_job(*_args(pretrain_data, run, "train.max_steps=2", extra=["--resume", "auto"]))
+    assert result.returncode == 0 and "note: resumed with" not in result.stdout + result.stderr  # nothing to train
+
+
 def test_a_val_split_too_small_to_evaluate_is_said(tokenizer_dir, tmp_path):
     """Data prepared with --val-fraction 0 trained with no val_loss at any step, the end's included, without a word."""
     data = tmp_path / "data"

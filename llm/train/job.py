@@ -477,12 +477,17 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
                   f"{finished}", file=sys.stderr, flush=True)
         return EXIT_OK
     record = run_record(info, data, resumed_from=tag)  # every rank takes part (hosts and ranks are gathered)
+    changes = resumed_changes(run_dir, cfg) if tag is not None and info.is_main else []  # before config.yaml's update
     # written once the run is known to start (a refused resume leaves the directory as it was), by rank 0; a full
     # disk there is one line on every rank
     sink = agreed(lambda: _start_files(cfg, run_dir, ds_config, trainer, record) if info.is_main else None,
                   announce=info.local_rank == 0)
     if info.is_main:
         _announce(cfg, info, ds_config, trainer, resumed=tag is not None)
+        if changes:
+            print(f"{cfg.train.stage}: note: resumed with settings other than its {rundir.CONFIG_FILE}'s: "
+                  f"{'; '.join(changes)} (a --set of the command that began the run, not given again, takes the "
+                  "recipe's value)", flush=True)
     logger = MetricsLogger(cfg, info, trainer.n_params, trainer.step, sink)
     checkpointer = checkpoint.Checkpointer(trainer.engine, run_dir, cfg.train.save_every, cfg.train.keep_checkpoints,
                                            trainer.client_state)
@@ -513,6 +518,18 @@ def _start_files(cfg: RunConfig, run_dir: Path, ds_config: dict, trainer: Traine
     _write_run_files(saved, run_dir, ds_config)
     with durable.room_needed(run_dir, rundir.METRICS_FILE):  # wandb's config is config.yaml's
         return MetricsSink(run_dir, saved, trainer.run_id, trainer.step, record)
+
+
+def resumed_changes(run_dir: Path, cfg: RunConfig) -> list[str]:
+    """'key X there, Y here' for each setting in which this resume of `run_dir` differs from the config.yaml its
+    last session wrote: a --set of the first command that the resume did not repeat took the recipe's value without a
+    word (a learning rate of 1e-3 went back to 3e-3)."""
+    def flat(config: RunConfig) -> dict[str, Any]:
+        return {f"{section}.{key}": value for section, values in config.to_dict().items() for key, value in
+                values.items()}
+
+    there, here = flat(trained_config(run_dir)), flat(_as_recorded(cfg))
+    return [f"{key} {there.get(key)} there, {value} here" for key, value in here.items() if there.get(key) != value]
 
 
 def _as_recorded(cfg: RunConfig) -> RunConfig:
