@@ -197,7 +197,7 @@ def test_minimind_pairs_share_every_turn_before_the_last_reply():
         ({"chosen": [good], "rejected": [bad]}, "no prompt"),
         ({"chosen": [system, good], "rejected": [system, bad]}, "end with a user or tool turn"),
         ({"prompt": "q", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"},
-         "'chosen' begins with a user turn that is not the record's prompt"),
+         "'chosen' holds a user turn that is not the record's prompt"),
         ({"prompt": "q", "chosen": "  ", "rejected": "b"}, "empty 'chosen'"),
     ]:
         with pytest.raises(RecordError, match=message):
@@ -214,7 +214,9 @@ def test_a_record_giving_its_conversation_or_prompt_twice_is_read_where_they_agr
     good, bad = {"role": "assistant", "content": "A"}, {"role": "assistant", "content": "B"}
     for record, message in [
         ({"prompt": "P1", "chosen": [q, good], "rejected": [q, bad]},
-         "'chosen' begins with a user turn that is not the record's prompt; give the prompt once"),
+         "'chosen' holds a user turn that is not the record's prompt; give the prompt once"),
+        ({"prompt": "P1", "chosen": [good, q, good], "rejected": [bad]},  # an opening assistant turn: P1 went first
+         "'chosen' holds a user turn that is not the record's prompt; give the prompt once"),
         ({"prompt": "", "chosen": "a", "rejected": "b"}, "empty 'prompt'"),
         ({"conversations": [q], "prompt": "other", "chosen": "a", "rejected": "b"},
          "'conversations' and 'prompt' give different turns; keep one"),
@@ -230,6 +232,10 @@ def test_a_record_giving_its_conversation_or_prompt_twice_is_read_where_they_agr
     with pytest.raises(RecordError, match=re.escape("'messages' and 'prompt' give different turns")):
         prompt_record({"messages": [q], "prompt": "other", "answer": "1"})
     assert preference({"prompt": [q], "chosen": [q, good], "rejected": [bad]}) == ([q], good, bad)
+    system = {"role": "system", "content": "Be exact."}  # the prompt behind the conversations' own system turn: it
+    # was put before the system turn, so the pair trained the prompt twice, the system turn between
+    assert preference({"prompt": "Q", "chosen": [system, q, good], "rejected": [system, q, bad]}) == (
+        [system, q], good, bad)
     magpie = {"instruction": "Q", "response": "A", "conversations": [{"from": "human", "value": "Q"},
                                                                     {"from": "gpt", "value": "A"}],
               "messages": [q, good]}

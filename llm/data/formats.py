@@ -313,10 +313,13 @@ def preference(value: Any) -> tuple[list[Message], Message, Message]:
     full = []
     for key, turns in replies.items():
         if prompt and turns[:len(prompt)] != prompt:
-            if prompt[-1]["role"] == "user" and turns[0]["role"] == "user":  # two prompts: they were merged
-                raise RecordError(f"'{key}' begins with a user turn that is not the record's prompt; give the "
-                                  "prompt once")
-            turns = prompt + turns
+            opening = next((i for i, turn in enumerate(turns) if turn["role"] != "system"), len(turns))
+            if turns[opening:opening + len(prompt)] != prompt:  # else: the prompt behind its own system turns
+                if any(turn["role"] == "user" for turn in turns):  # a prompt of its own: both would be trained (a
+                    # system turn first had the prompt put before it, the system turn then mid-conversation)
+                    raise RecordError(f"'{key}' holds a user turn that is not the record's prompt; give the prompt "
+                                      "once")
+                turns = prompt + turns
         full.append(with_system(value, turns))
     chosen, rejected = full
     shared = 0
