@@ -225,11 +225,11 @@ class Phases:
     now."""
 
     def __init__(self) -> None:
-        now = time.perf_counter()
-        self.start = self.mark = now - (time.time() - psutil.Process().create_time()) \
-            if is_zerollm_command(sys.orig_argv) else now
+        now, command = time.perf_counter(), is_zerollm_command(sys.orig_argv)
+        # the process's start time counts whole clock ticks from a boot time in whole seconds: a second off at most
+        self.start = self.mark = now - max(0.0, time.time() - psutil.Process().create_time()) if command else now
         self.seconds: dict[str, float] = {}
-        if self.start < now:
+        if command:
             self.done("start-up")
 
     def done(self, name: str, detail: str = "") -> None:
