@@ -1388,6 +1388,13 @@ def test_a_corpus_of_unusable_records_is_reported_in_bounded_memory(tokenizer_di
     assert "  ... 1 more in report.json (the first 3 of them)" in report.summary(shown=2)
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     assert len(saved["skipped"]) == 3 and saved["counts"]["skipped"] == {why: 10}
+    quoting = Report()  # reasons that quote their record (its keys) are as many as the records: counted apart no more
+    for line in range(5):
+        quoting.note("skipped", f"a.jsonl:{line}: no text field (keys: id_{chr(97 + line)})")
+    assert quoting.counts["skipped"] == {**{f"no text field (keys: id_{c})": 1 for c in "abc"}, "other reasons": 2}
+    from llm.eval.learning_speed import skipped_in_part  # noqa: PLC0415 - loads torch
+
+    assert skipped_in_part(quoting.skipped, "training", 5).startswith("note: 5 unusable records of the training part")
 
 
 def test_a_wrongly_typed_field_is_named_in_jsons_words(tmp_path):

@@ -372,6 +372,12 @@ def test_a_reward_models_chat_template_renders_as_transformers_and_within_our_bo
     assert model._text(prompt, "<|im_end|>") == transformers.AutoTokenizer.from_pretrained(directory) \
         .apply_chat_template([*prompt, {"role": "assistant", "content": "<|im_end|>"}], tokenize=False)
     config = json.loads((directory / "tokenizer_config.json").read_text())
+    unset = "[{{ bos_token }}|{{ cls_token }}|{{ eos_token }}]{% for m in messages %}{{ m.content }}{% endfor %}"
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": unset, "bos_token": None}))
+    unset_reward = Reward([f"model:{directory}"], 4, torch.device("cpu"))
+    unset_reward(_completions(["a fine answer"]))
+    assert unset_reward.terms[0].score._text(prompt, "A") == transformers.AutoTokenizer.from_pretrained(directory) \
+        .apply_chat_template([*prompt, {"role": "assistant", "content": "A"}], tokenize=False)  # not '[None|None|'
     monkeypatch.setattr(llm.chat_template, "RENDER_SECONDS", 0.5)
     for template, reason in (("{{ raise_exception('no system turns') }}",
                               "the chat template refused the messages: no system turns"),

@@ -69,8 +69,9 @@ number was read through and then failed to be stored)."""
 
 
 NOTES_KEPT = 10_000
-"""The truncated and the skipped records a report names, each; the rest are counted by reason (a corpus of millions
-of unusable records held a note of every one in memory until the end)."""
+"""The truncated and the skipped records a report names, each, and the reasons it counts them by; the rest are counted
+(a corpus of millions of unusable records held a note of every one in memory until the end)."""
+OTHER_REASONS = "other reasons"
 
 
 @dataclass
@@ -88,7 +89,8 @@ class Report:
     skipped: list[str] = field(default_factory=list)
     """The first NOTES_KEPT unusable records as 'file:line: reason'."""
     counts: dict[str, dict[str, int]] = field(default_factory=lambda: {"truncated": {}, "skipped": {}})
-    """Every truncated and every skipped record counted by its reason (numbers in it as N)."""
+    """Every truncated and every skipped record counted by its reason (numbers in it as N; past NOTES_KEPT reasons,
+    under OTHER_REASONS)."""
 
     def note(self, kind: str, text: str) -> None:
         """Note a 'truncated' or a 'skipped' record, `text` being 'file:line: reason'."""
@@ -96,7 +98,10 @@ class Report:
         if len(entries) < NOTES_KEPT:
             entries.append(text)
         reason = re.sub(r"\b\d+\b", "N", text.split(": ", 1)[1])  # \ud800 stays
-        self.counts[kind][reason] = self.counts[kind].get(reason, 0) + 1
+        counts = self.counts[kind]
+        if reason not in counts and len(counts) >= NOTES_KEPT:  # reasons quoting their record (its keys) differ
+            reason = OTHER_REASONS
+        counts[reason] = counts.get(reason, 0) + 1
 
     def summary(self, shown: int = 20) -> str:
         lines = [f"samples    train {self.documents['train']:,}  val {self.documents['val']:,}",

@@ -133,12 +133,13 @@ def refused_part(exc: UserError, part: Path, input_file: str, lines_before: int)
                      f"{part}; nothing was trained)")
 
 
-def skipped_in_part(skipped: list[str], part: str) -> str:
-    """A note on the records of one part that were left out, or ''."""
+def skipped_in_part(skipped: list[str], part: str, count: int | None = None) -> str:
+    """A note on the records of one part that were left out, or ''; `count`: how many, where `skipped` names only
+    the first of them (`prepare`'s report)."""
     if not skipped:
         return ""
-    return (f"note: {len(skipped)} unusable {plural('record', len(skipped))} of the {part} part left out "
-            f"(first: {skipped[0]})")
+    count = len(skipped) if count is None else count
+    return f"note: {count} unusable {plural('record', count)} of the {part} part left out (first: {skipped[0]})"
 
 
 def check_training_start(base: RunConfig, vocab_size: int, deepspeed_config: str | None,
@@ -278,7 +279,8 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
                          show_progress=False)
         phases.done("data", f" ({report.tokens['train']:,} training tokens)")
         train_skipped = [in_input(said, train_file, input_file, 0) for said in report.skipped]
-        for note in (skipped_in_part(train_skipped, "training"), skipped_in_part(heldout_skipped, "held-out")):
+        for note in (skipped_in_part(train_skipped, "training", sum(report.counts["skipped"].values())),
+                     skipped_in_part(heldout_skipped, "held-out")):
             if note:
                 print(note, flush=True)
 

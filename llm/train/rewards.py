@@ -46,8 +46,10 @@ import torch
 
 from llm.chat_template import ChatTemplate
 from llm.errors import UserError
-from llm.tokenizer import ROLE_FIELDS
 
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+"""The special tokens transformers' `apply_chat_template` gives a template by name, where the tokenizer sets them (an
+unset one rendered as 'None')."""
 R1_FORMAT = r"<think>.*?</think>\s*<answer>.*?</answer>"
 REWARD_MODEL_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model",
                                 "vocab.txt")
@@ -219,8 +221,9 @@ class RewardModel:
         if isinstance(template, dict):  # named templates: transformers renders the default one
             template = template.get("default")
         if isinstance(template, str) and template:  # rendered with our bounds: it came with downloaded files
-            self.template = ChatTemplate(template, f"--reward model:{self.path}",
-                                         {name: getattr(self.tokenizer, name) for name in ROLE_FIELDS}, [], [])
+            tokens = {name: value for name in SPECIAL_TOKEN_NAMES  # as transformers passes them: set ones only
+                      if isinstance(value := getattr(self.tokenizer, name, None), str)}
+            self.template = ChatTemplate(template, f"--reward model:{self.path}", tokens, [], [])
         self.model = model.to(self.device).eval()
 
     def _text(self, prompt: list[dict[str, str]], completion: str) -> str:
