@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+OPTIONS_WITH_A_VALUE = ("-X", "-W", "--check-hash-based-pycs")
+"""The interpreter's options whose value is the next word (`python -X dev -m llm`)."""
+
 
 def is_zerollm_command(argv: list[str]) -> bool:
     """Whether the interpreter command line `argv` (`sys.orig_argv`, a process's `cmdline()`) runs zerollm:
@@ -14,5 +17,5 @@ def is_zerollm_command(argv: list[str]) -> bool:
     helper), which name zerollm only among their own arguments."""
     rest = argv[1:]
     while rest and rest[0].startswith("-") and rest[0] != "-m":
-        rest = rest[1:]
+        rest = rest[2:] if rest[0] in OPTIONS_WITH_A_VALUE else rest[1:]
     return rest[:2] in (["-m", "llm"], ["-m", "llm.cli"]) or (bool(rest) and Path(rest[0]).name == "zerollm")

@@ -627,16 +627,24 @@ def _library_failure(exc: BaseException) -> TextNotEncoded | None:
                           "trust?")
 
 
-def _ids(encoder: HFTokenizer, text: str) -> list[int]:
+@contextlib.contextmanager
+def _library_failures_refused() -> Iterator[None]:
+    """Inside, a panic of the tokenizers library raises `TextNotEncoded` (`_library_failure`)."""
     try:
-        return encoder.encode(text, add_special_tokens=False).ids
-    except TypeError:
-        if not isinstance(text, str):
-            raise
+        yield
     except BaseException as exc:
         if (failure := _library_failure(exc)) is None:
             raise
         raise failure from None
+
+
+def _ids(encoder: HFTokenizer, text: str) -> list[int]:
+    try:
+        with _library_failures_refused():
+            return encoder.encode(text, add_special_tokens=False).ids
+    except TypeError:
+        if not isinstance(text, str):
+            raise
     raise _not_unicode(text)
 
 
@@ -644,15 +652,12 @@ def _ids_of_batch(encoder: HFTokenizer, texts: list[str]) -> list[list[int]]:
     """`_ids` of each text, encoded without the GIL (ids equal `encode`'s; the offsets, unused, are not computed)."""
     batches = [texts] if encoder.padding is None else [[text] for text in texts]  # a batch is padded to its longest
     try:
-        return [encoding.ids for batch in batches
-                for encoding in encoder.encode_batch_fast(batch, add_special_tokens=False)]
+        with _library_failures_refused():
+            return [encoding.ids for batch in batches
+                    for encoding in encoder.encode_batch_fast(batch, add_special_tokens=False)]
     except TypeError:
         if not all(isinstance(text, str) for text in texts):
             raise
-    except BaseException as exc:
-        if (failure := _library_failure(exc)) is None:
-            raise
-        raise failure from None
     raise _not_unicode(next(text for text in texts if not_utf8(text)))
 
 

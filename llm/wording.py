@@ -22,9 +22,9 @@ def printable(text: str) -> str:
     return _UNPRINTABLE.sub(lambda found: repr(found.group())[1:-1], text)
 
 
-_ACTING = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-"""Control characters but the line end and the tab: ESC sequences (which set a terminal's title, write its clipboard,
-clear it), a carriage return that writes over the line, the bell."""
+_ACTING = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]|\r(?!\n)")
+"""Control characters but the line end (\\n, \\r\\n) and the tab: ESC sequences (which set a terminal's title, write its
+clipboard, clear it), a carriage return that writes over the line, the bell."""
 
 
 def for_terminal(text: str) -> str:

@@ -1286,8 +1286,8 @@ def test_another_models_checkpoint_is_one_clear_error_before_anything_loads(one_
         checkpoint.resume_tag(tmp_path, SMALL)
     assert str(raised.value) == (f"{tmp_path}: checkpoint global_step10 does not match config.yaml (size mismatch "
                                  "for tok_embeddings.weight: [64, 64] in the checkpoint, [64, 32] in the config): put "
-                                 "config.yaml back as the run was trained, or, where the checkpoint is another run's, "
-                                 "no earlier checkpoint is complete: train the run again into a new run directory")
+                                 "config.yaml back as the run was trained; if the checkpoint is another run's, no "
+                                 "earlier checkpoint is complete: train the run again into a new run directory")
 
 
 @pytest.mark.parametrize("zero", [False, True])

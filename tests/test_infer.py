@@ -734,7 +734,7 @@ def test_tokens_without_text_inside_a_character_leave_it_whole(tiny_model):
     assert "".join(text.add(token) for token in script) == generator.text(script) == "😀a"
 
 
-HOSTILE_REPLY = "ok\x1b]0;pwned\x07\ttab\r\n"
+HOSTILE_REPLY = "ok\x1b]0;pwned\x07\ttab\rover\r\n"
 """A reply that would set a terminal's title (an OSC sequence ended by the bell) and write over its line."""
 
 
@@ -749,7 +749,7 @@ def test_generated_text_cannot_act_on_the_terminal_but_reaches_a_pipe_as_it_is(e
                                                                                    HOSTILE_REPLY[4:]]))
     monkeypatch.setattr(llm.cli, "on_terminal", lambda: terminal)
     assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "To be") == 0
-    shown = "ok\\x1b]0;pwned\\x07\ttab\\r\n" if terminal else HOSTILE_REPLY
+    shown = "ok\\x1b]0;pwned\\x07\ttab\\rover\r\n" if terminal else HOSTILE_REPLY  # a line end \r\n stays
     assert capsys.readouterr().out == shown + "\n"
 
 

@@ -110,6 +110,8 @@ def test_signals_go_to_the_ranks_not_the_launchers_between():
     python, script = sys.executable, "/venv/bin/zerollm"
     assert is_zerollm_command([python, "-u", "-m", "llm", "train"])
     assert is_zerollm_command([python, "-u", script, "train"])  # under DeepSpeed's MPICH helper
+    assert is_zerollm_command([python, "-X", "dev", "-W", "ignore", "-m", "llm"])  # options taking the next word
+    assert not is_zerollm_command([python, "-X", "-m", "llm"])  # -m is -X's value here, as Python reads it
     assert not is_zerollm_command([python, "-m", "deepspeed.launcher.runner", "--launcher", "mpich", script])
     assert not is_zerollm_command([python, "-u", "/ds/launcher_helper.py", "--launcher", "mpich", script])
     assert not is_zerollm_command([python, "-u", "-m", "deepspeed.launcher.launch", "--module", "llm"])

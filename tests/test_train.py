@@ -401,7 +401,7 @@ def test_a_val_split_too_small_to_evaluate_is_said(tokenizer_dir, tmp_path):
     assert prepared.returncode == 0, prepared.stderr
     result = run_job(*_args(data, tmp_path / "run", "train.max_steps=1", "train.eval_every=1"))
     assert result.returncode == 0, result.stderr[-2000:]
-    assert (f"pretrain: note: the val split of {data} holds 0 samples, fewer than one for each of the 1 rank, so the "
+    assert (f"pretrain: note: the val split of {data} holds 0 samples, too few for its rank to evaluate one, so the "
             "run is never evaluated (no val_loss); prepare the data with a larger --val-fraction to evaluate it") \
         in result.stdout.splitlines()
 

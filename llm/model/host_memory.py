@@ -59,10 +59,11 @@ def usable_memory() -> int:
 
 
 def free_memory() -> tuple[int, str]:
-    """Bytes this process may still take without swapping, and where they are as the end of a sentence: the host's
-    available memory (free, and cache the kernel can drop), or its cgroup's limit where that is lower. A buffer
-    sized against the host's total memory instead is written in full at once (a KV cache), so the OOM killer ended
-    the process (a server with every request in it) where other processes held the difference."""
+    """Bytes this process may take, and where they are as the end of a sentence: the host's available memory (free,
+    and cache the kernel can drop), or its cgroup's whole limit where that is lower (what the group already uses is
+    not subtracted: its page cache, which the kernel would drop, counts there too). A buffer sized against the
+    host's total memory instead is written in full at once (a KV cache), so the OOM killer ended the process (a
+    server with every request in it) where other processes held the difference."""
     limit, available = usable_memory(), psutil.virtual_memory().available
     if limit < available:
         return limit, f"{whose_memory(limit)} {limit / GIB:,.1f} GiB of memory"

@@ -583,9 +583,9 @@ def _refuse_other_shapes(run_dir: Path, tag: str, model: ModelConfig) -> None:
                                   output.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr())
     why = mismatch_reason(saved, tied if "tok_embeddings.weight" in saved else None, model)
     if why is not None:
+        other_run = rundir.damaged_checkpoint_advice(run_dir, tag)
         raise UserError(f"{config_mismatch(run_dir, tag, why)}: put {rundir.CONFIG_FILE} back as the run was "
-                        f"trained, or, where the checkpoint is another run's, "
-                        f"{rundir.damaged_checkpoint_advice(run_dir, tag)}")
+                        f"trained; if the checkpoint is another run's, {other_run}")
 
 
 def saved_in_bf16(run_dir: Path, tag: str) -> bool | None:

@@ -525,8 +525,8 @@ def resumed_changes(run_dir: Path, cfg: RunConfig) -> list[str]:
     last session wrote: a --set of the first command that the resume did not repeat took the recipe's value without a
     word (a learning rate of 1e-3 went back to 3e-3)."""
     def flat(config: RunConfig) -> dict[str, Any]:
-        return {f"{section}.{key}": value for section, values in config.to_dict().items() for key, value in
-                values.items()}
+        return {f"{section}.{key}": sorted(value) if f"{section}.{key}" == "lora.targets" else value  # any order
+                for section, values in config.to_dict().items() for key, value in values.items()}
 
     there, here = flat(trained_config(run_dir)), flat(_as_recorded(cfg))
     return [f"{key} {there.get(key)} there, {value} here" for key, value in here.items() if there.get(key) != value]
@@ -577,9 +577,9 @@ def _announce(cfg: RunConfig, info: DistInfo, ds_config: dict, trainer: Trainer,
     held = None if trainer.val_set is None else len(trainer.val_set)
     if held is not None and held < info.world_size:  # each rank evaluates whole samples
         ranks = info.world_size
-        print(f"{stage}: note: the val split of {cfg.data.path} holds {held} {plural('sample', held)}, fewer than one "
-              f"for each of the {ranks} {plural('rank', ranks)}, so the run is never evaluated (no val_loss); prepare "
-              "the data with a larger --val-fraction to evaluate it", flush=True)
+        print(f"{stage}: note: the val split of {cfg.data.path} holds {held} {plural('sample', held)}, too few for "
+              f"{'its rank' if ranks == 1 else f'each of its {ranks} ranks'} to evaluate one, so the run is never "
+              "evaluated (no val_loss); prepare the data with a larger --val-fraction to evaluate it", flush=True)
     if cfg.train.init_from:
         m = cfg.model
         print(f"{stage}: the model's shape and RoPE are --init-from {cfg.train.init_from}'s: dim {m.dim}, "
