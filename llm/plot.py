@@ -44,8 +44,9 @@ class RunSeries:
     name: str
     columns: dict[str, tuple[array, array]]
     """Per drawn key (`PANELS`) and `TOKENS`: the steps and values of the rows holding a finite number as that key."""
-    tokens_per_step: int
-    """For a row without `TOKENS` (an earlier version's): the positions of one step at the batch recorded now."""
+    tokens_per_step: int | None
+    """For a row without `TOKENS` (an earlier version's): the positions of one step at the batch recorded now; None
+    where every row has its tokens."""
 
     def arrays(self, key: str, x: str) -> tuple[np.ndarray, np.ndarray]:
         """(x values, `key` values) of the rows holding a finite number as `key` (a string, a list or true is not
@@ -56,7 +57,8 @@ class RunSeries:
         logged, tokens = self._column(TOKENS)
         at = np.minimum(np.searchsorted(logged, steps), max(len(logged) - 1, 0))
         found = logged[at] == steps if len(logged) else np.zeros(len(steps), dtype=bool)
-        return np.where(found, tokens[at] if len(logged) else 0.0, steps * float(self.tokens_per_step)), values
+        per_step = float(self.tokens_per_step or 0)  # None: every row was found
+        return np.where(found, tokens[at] if len(logged) else 0.0, steps * per_step), values
 
     def _column(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         steps, values = self.columns[key]
@@ -95,7 +97,7 @@ def read_run(run_dir: Path, name: str | None = None) -> RunSeries:
     if not metrics.is_file() and not rundir.is_run_dir(run_dir):  # a run writes it at its first logged step
         raise UserError(f"{run_dir}: no {rundir.METRICS_FILE}; is this a run directory made by `zerollm train`?")
     columns = {key: (array("q"), array("d")) for key in (*(key for key, _ in PANELS), TOKENS)}
-    rows, last_step = 0, -1
+    rows, last_step, without_tokens = 0, -1, False
     for line in jsonl_lines(metrics) if metrics.is_file() else ():
         row = line.value
         if not (isinstance(row, dict) and rundir.is_count(row.get("step"))):
@@ -113,13 +115,16 @@ def read_run(run_dir: Path, name: str | None = None) -> RunSeries:
             if rundir.is_number(row.get(key)):
                 steps.append(row["step"])
                 values.append(row[key])
+        without_tokens = without_tokens or not rundir.is_number(row.get(TOKENS))
     label = name or run_dir.resolve().name
     if not rows:  # a run just begun: the others are still drawn
         print(f"zerollm: note: {run_dir}: no logged steps yet; {label} has no line", file=sys.stderr)
     elif not any(columns[key][0] for key, _ in PANELS):
         print(f"zerollm: note: {metrics}: no row holds a number as {', '.join(key for key, _ in PANELS)}; "
               f"{label} has no line", file=sys.stderr)
-    return RunSeries(label, columns, rundir.recorded_tokens_per_step(run_dir))
+    # the batch, only where a row lacks its tokens (an earlier version's): metrics.jsonl alone (copied off a
+    # cluster) was refused for the run files it does not need
+    return RunSeries(label, columns, rundir.recorded_tokens_per_step(run_dir) if without_tokens else None)
 
 
 def run_labels(run_dirs: list[Path]) -> list[str]:

@@ -58,6 +58,24 @@ def test_tokens_seen_follow_the_global_batch_and_window(tmp_path):
     assert xs == [5 * 16 * 64, 10 * 16 * 64] and len(ys) == 2
 
 
+def test_a_folder_of_metrics_alone_is_drawn_where_its_rows_hold_their_tokens(tmp_path, cli_here):
+    """metrics.jsonl copied off a cluster, without the run's config.yaml and ds_config.json: it was refused for the
+    batch size that its rows' tokens make unneeded."""
+    run = fake_run(tmp_path / "copied", 10, 1.0)
+    rows = [{**json.loads(line), "tokens": 256 * n} for n, line in
+            enumerate((run / "metrics.jsonl").read_text().splitlines(), 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (run / "config.yaml").unlink()
+    (run / "ds_config.json").unlink()
+    result = cli_here("plot", run, "--out", tmp_path / "x.png")
+    assert result.returncode == 0, result.stderr
+    from llm.plot import read_run
+
+    assert read_run(run).points("val_loss", "tokens")[0] == [5 * 256, 10 * 256]
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")  # an earlier version's row
+    assert cli_here("plot", run, "--out", tmp_path / "y.png").returncode == 2
+
+
 def test_a_directory_without_metrics_is_a_one_line_error(tmp_path, cli_here):
     result = cli_here("plot", tmp_path, "--out", tmp_path / "x.png")
     assert result.returncode == 2 and "no metrics.jsonl" in result.stderr and "Traceback" not in result.stderr
