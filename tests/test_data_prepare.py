@@ -228,6 +228,29 @@ def test_a_record_the_tokenizer_library_panics_on_is_skipped_with_its_reason(tok
     assert len(json.loads((tmp_path / "out" / "report.json").read_text())["skipped"]) == 1
 
 
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_piece_of_a_long_text_the_tokenizer_library_fails_on_is_left_out_and_the_counts_hold(tokenizer_dir,
+                                                                                           tmp_path, where):
+    """The rest of the document was written while the report counted it as skipped: a failed first piece left the
+    others as a document the report did not count; a failed last piece left the document without its end."""
+    hostile = regex_that_gives_up(tokenizer_dir, tmp_path / "hostile")
+    words = "word " * (PIECE_CHARS // 5)
+    long_text = {"first": GIVES_UP_ON + " " + words * 2, "middle": words + GIVES_UP_ON + " " + words,
+                 "last": words * 2 + GIVES_UP_ON}[where]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(f"first document\n\n{long_text}\n\nlast document\n")
+    report = _quiet("pretrain", [corpus], hostile, tmp_path / "out")
+    piece = {"first": 1, "middle": 2, "last": 3}[where]
+    assert report.skipped == [f"{corpus}:3: piece {piece} of its text left out, the rest kept: the tokenizer failed on "
+                              "the text (Onig: Regex search error: retry-limit-in-match over): is its tokenizer.json "
+                              "from a source you trust?"]
+    documents = _documents(tmp_path / "out", hostile)
+    assert len(documents) == report.documents["train"] == 3
+    assert documents[0] == "first document" and documents[-1] == "last document"
+    with h5py.File(tmp_path / "out" / "tokens.h5") as h5:
+        assert h5["train/tokens"].shape[0] == report.tokens["train"]
+
+
 def test_terminal_controls_in_records_and_file_names_are_shown_escaped(tokenizer_dir, tmp_path, monkeypatch, capsys):
     """A key or part type holding ESC sequences reached the terminal raw (set its title, cleared it, coloured what
     followed), and one holding a newline forged a line of zerollm's own; a file name too."""

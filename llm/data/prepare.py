@@ -229,7 +229,9 @@ def _encode(kind: str, item: Item, max_tokens: int) -> Result:
             return encode_pretrain(_worker_tokenizer, item), False
         sample, truncated = ENCODERS[kind](_worker_tokenizer, item.value, max_tokens)
     except (TooLong, MessagesRefused, TextNotEncoded) as exc:
-        return Skipped(item.source, item.line, str(exc), item.unit)
+        whole = item.piece == 0 and item.last
+        why = str(exc) if whole else f"piece {item.piece + 1} of its text left out, the rest kept: {exc}"
+        return Skipped(item.source, item.line, why, item.unit)
     has_reply = any(sample["loss_mask"]) if kind == "sft" else len(sample["chosen"]) and len(sample["rejected"])
     if not has_reply:  # cut away, or never there: a template that renders no reply
         why = (f"too long: no reply token fits in --seq-len {max_tokens - 1}" if truncated else
@@ -557,18 +559,23 @@ def _write_tokens(output: OutputDir, kind: str, records: Iterator[Item | Skipped
     with progress, _worker_pool(workers, tokenizer_dir) as pool, h5py.File(output.staging / TOKENS_FILE, "w") as h5:
         writers = {split: SplitWriter(h5.create_group(split), STREAMS[kind], token_dtype(tokenizer.vocab_size))
                    for split in SPLITS}
-        split = "train"
+        split, open_document = "train", False
         jobs = _jobs(records, kind, seq_len + 1, report, strict, progress)
         for places, results in _encoded(jobs, pool):
             output.check_stopped()
             for item, result in zip(places, results):
                 if isinstance(result, Skipped):
                     _skip(result, report, strict)
+                    if item.last and open_document:  # the last piece of a long text, which the tokenizer failed on
+                        writers[split].append({"tokens": [tokenizer.eos_id]})  # (the rest is kept): it ends here
+                        report.tokens[split] += 1
+                        open_document = False
                     continue
                 sample, truncated = result
-                if item.piece == 0:  # a document's pieces all go to the split drawn for its first
+                if not open_document:  # a document's pieces all go to the split drawn for its first written
                     split = "val" if rng.random() < val_fraction else "train"
                     report.documents[split] += 1
+                open_document = not item.last
                 if truncated:
                     report.note("truncated", f"{item.place}: cut to fit --seq-len {seq_len}")
                 writers[split].append(sample, end=item.last)
