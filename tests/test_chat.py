@@ -69,10 +69,10 @@ def test_lines_between_triple_quotes_are_one_message_as_typed(generator):
     """Pasted text was sent line by line, each line a message with a reply of its own, and stripped of its
     indentation (code lost its structure)."""
     session = ChatSession(generator, SamplingParams(max_new_tokens=2))
-    out = _repl(session, ['"""', "def f():", '    """Say hi."""', "    return 1", "", "/reset", '  """  ',
-                          '"""one line"""', '  """ first', 'last  ', '"""', '"""', "never ended"])
-    assert [m["content"] for m in session.messages if m["role"] == "user"] == [
-        'def f():\n    """Say hi."""\n    return 1\n\n/reset', "one line", " first\nlast  "]  # /reset is text
+    out = _repl(session, ['"""', "def f():", '    """Hi."""', '    """Or', '    """', "    return 1", "", "/reset",
+                          '"""  ', '"""one line"""', '  """ first', 'last  ', '"""', '"""', "never ended"])
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == [  # an indented closer is code
+        'def f():\n    """Hi."""\n    """Or\n    """\n    return 1\n\n/reset', "one line", " first\nlast  "]
     assert out.count("assistant> ") == 3 and "(conversation reset)" not in out  # Ctrl-D in a block sends nothing
 
 

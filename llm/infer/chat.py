@@ -30,11 +30,12 @@ BLOCK = '"""'
 def _read_block(first: str, read: Callable[[str], str]) -> str:
     """The message of a block whose first line (stripped) is `first`, which begins with `BLOCK`: the text between
     where it also ends with one (a message of one line); else the text after it, then each line read, as typed,
-    until a line that is `BLOCK` alone (pasted code keeps its own docstrings)."""
+    until a line that is `BLOCK` alone, unindented (pasted code keeps its own docstrings, whose closing `BLOCK` is
+    indented: it ended the block, and the code after it went out as a message of its own)."""
     if len(first) >= 2 * len(BLOCK) and first.endswith(BLOCK):
         return first[len(BLOCK):-len(BLOCK)]
     lines = [first[len(BLOCK):]]
-    while (line := read("... ").rstrip("\r\n")).strip() != BLOCK:
+    while (line := read("... ").rstrip("\r\n")).rstrip() != BLOCK:
         lines.append(line)
     return "\n".join(lines).strip("\n")
 
