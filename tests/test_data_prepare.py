@@ -130,6 +130,15 @@ def test_json_is_read_element_by_element_with_errors_at_their_line(tmp_path):
         path.write_text(text)
         with pytest.raises(UserError, match=f"a.json:{line}: {message}"):
             list(read_items(path))
+    # a mistake early in a file longer than the largest record: it was read on to the limit, then reported as a
+    # value too long
+    tail = ",\n".join(['{"text": "' + "z" * 100 + '"}'] * 2000)
+    path.write_text('[{"text": "one"},\n {"text": "two" "oops"},\n' + tail + "]\n")
+    with pytest.raises(UserError, match=r"a.json:2: invalid JSON \(Expecting ',' delimiter\)"):
+        list(read_items(path, max_record_mb=0.001))
+    escape = '{"text": "' + "z" * 3000 + '\\u00e9"}'  # values a window may end inside of: read whole
+    path.write_text("[" + ",\n".join([escape] * 30) + "]")
+    assert len(list(read_items(path, max_record_mb=0.01))) == 30
 
 
 @pytest.fixture

@@ -474,6 +474,18 @@ def _jsonl_items(path: Path, max_record_mb: float) -> Iterator[Item | Skipped]:
 _JSON_SPACE = re.compile(r"[ \t\r\n]*")
 
 
+ESCAPE_CHARS = len("\\u0000")
+"""The longest escape in a JSON string: the text read so far may end inside one."""
+
+
+def _mistake_before_the_end(exc: json.JSONDecodeError, end: int) -> bool:
+    """Whether `exc` is a mistake in the JSON text, not the end of the text read so far (`end`): more text mends
+    only an error at that end (within an escape's length of it) or a string that runs to it (reported where it
+    starts). Every error was taken for the end: the window grew over the rest of the file, and a mistake early in a
+    large file was reported as 'a value longer than --max-record-mb'."""
+    return exc.pos < end - ESCAPE_CHARS and not exc.msg.startswith("Unterminated string")
+
+
 class _JsonStream:
     """The values of a `.json` file (the elements of a top-level array, or the one value), parsed one at a time
     from a sliding window of the text, so the file is never held whole."""
@@ -528,7 +540,7 @@ class _JsonStream:
                 if end < len(self.buffer) or self.eof:
                     break
             except json.JSONDecodeError as exc:
-                if self.eof:
+                if self.eof or _mistake_before_the_end(exc, len(self.buffer)):
                     raise self._error(f"invalid JSON ({exc.msg})", exc.pos) from None
             except JSON_ERRORS as exc:  # more text cannot mend these
                 raise self._error(f"invalid JSON ({json_problem(exc)})") from None
