@@ -1104,7 +1104,7 @@ def test_json_records_over_the_limit_are_skipped_or_refused_without_reading_them
     path = tmp_path / "big.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in ({"text": "short"}, big, {"text": "after"})) + "\n")
     report = _quiet("pretrain", [path], tokenizer_dir, tmp_path / "out", max_record_mb=0.01)
-    size = len(json.dumps(big)) + 1
+    size = len(json.dumps(big))  # its line end is no part of it (it was counted: one character too many)
     assert report.documents["train"] == 2 and report.skipped == [
         (f"{path}:2: record of {size:,} characters is over --max-record-mb 0.01; raise it, or put long documents "
          "in .txt files, which are streamed")]
@@ -1119,11 +1119,13 @@ def test_a_tiny_max_record_mb_is_named_as_given(tokenizer_dir, tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text('{"text": "x"}\n')
     assert [str(s) for s in read_items(path, max_record_mb=1e-9)] == [
-        f"{path}:1: record of 14 characters is over --max-record-mb 1e-09; raise it, or put long documents in .txt "
+        f"{path}:1: record of 13 characters is over --max-record-mb 1e-09; raise it, or put long documents in .txt "
         "files, which are streamed"]
     (tmp_path / "a.json").write_text('{"text": "x"}')
     with pytest.raises(UserError, match="a.json:1: a value longer than --max-record-mb 1e-09;"):
         list(read_items(tmp_path / "a.json", max_record_mb=1e-9))
+    for at_the_limit in (path, tmp_path / "a.json"):  # a line's end counted in .jsonl: 13 characters were 14
+        assert [item.value for item in read_items(at_the_limit, max_record_mb=13e-6)] == [{"text": "x"}]
 
 
 def test_a_dpo_prompt_of_the_wrong_type_is_named(tokenizer_dir, tmp_path):

@@ -455,7 +455,7 @@ def _jsonl_items(path: Path, max_record_mb: float) -> Iterator[Item | Skipped]:
     parts: list[str] = []
     size = 0
     for number, text, complete in _line_parts(path, min(PIECE_CHARS, max_record_chars + 1)):
-        size += len(text)
+        size += len(text.removesuffix("\n")) if complete else len(text)  # its line end is no part of the record
         if size <= max_record_chars:
             parts.append(text)
         if not complete:
