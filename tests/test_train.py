@@ -393,6 +393,21 @@ def test_a_resume_that_changes_settings_says_which(pretrain_data, tmp_path):
     assert result.returncode == 0 and "note: resumed with" not in result.stdout + result.stderr  # nothing to train
 
 
+def test_a_resume_names_no_change_for_the_same_lora_targets_in_another_order(tmp_path):
+    """The targets are adapters found by module, in any order (as the resume's shape check compares them)."""
+    from llm.train.job import resumed_changes
+
+    paths = {"train.init_from": str(tmp_path / "base")}  # as config.yaml records it: absolute
+    saved = build_config("demo", ["train.stage=sft", "model.vocab_size=512", "lora.r=4", "lora.targets=[wq, wv]"],
+                         paths=paths)
+    saved.save(tmp_path / "config.yaml")
+    again = build_config("demo", ["train.stage=sft", "model.vocab_size=512", "lora.r=4", "lora.targets=[wv, wq]"],
+                         paths=paths)
+    assert resumed_changes(tmp_path, again) == []
+    again.lora.targets = ["wq", "wk"]
+    assert resumed_changes(tmp_path, again) == ["lora.targets ['wq', 'wv'] there, ['wk', 'wq'] here"]
+
+
 def test_a_val_split_too_small_to_evaluate_is_said(tokenizer_dir, tmp_path):
     """Data prepared with --val-fraction 0 trained with no val_loss at any step, the end's included, without a word."""
     data = tmp_path / "data"
