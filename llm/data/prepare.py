@@ -103,6 +103,10 @@ class Report:
             reason = OTHER_REASONS
         counts[reason] = counts.get(reason, 0) + 1
 
+    def total(self, kind: str) -> int:
+        """How many 'truncated' or 'skipped' records were noted, named or not."""
+        return sum(self.counts[kind].values())
+
     def summary(self, shown: int = 20) -> str:
         lines = [f"samples    train {self.documents['train']:,}  val {self.documents['val']:,}",
                  f"tokens     train {self.tokens['train']:,}  val {self.tokens['val']:,}"]
@@ -110,10 +114,9 @@ class Report:
         if empty:
             lines.append(f"files with no usable records: {', '.join(empty)}")
         for title, kind in ((f"truncated to fit --seq-len {self.seq_len}", "truncated"), ("skipped", "skipped")):
-            entries, reasons = getattr(self, kind), Counter(self.counts[kind])
+            entries, reasons, total = getattr(self, kind), Counter(self.counts[kind]), self.total(kind)
             if not entries:
                 continue
-            total = reasons.total()
             by_reason = "; ".join(f"{r} x{n}" for r, n in reasons.most_common(5)) if len(reasons) > 1 else ""
             lines.append(f"{title}: {total:,} records" + (f": {by_reason}" if by_reason else ""))
             lines += [f"  {s}" for s in entries[:shown]]
@@ -582,7 +585,7 @@ def _write_tokens(output: OutputDir, kind: str, records: Iterator[Item | Skipped
                 report.tokens[split] += _token_count(sample)
         if report.documents["train"] + report.documents["val"] == 0:
             raise UserError("no usable records found in the inputs; nothing was written"
-                            + skipped_note(report.skipped, sum(report.counts["skipped"].values())))
+                            + skipped_note(report.skipped, report.total("skipped")))
         if report.documents["train"] == 0:  # training needs a sample, whatever the draw
             _move_last_sample(writers, report, "val", "train")
         if val_fraction > 0 and report.documents["val"] == 0 and report.documents["train"] > 1:

@@ -279,7 +279,7 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
                          show_progress=False)
         phases.done("data", f" ({report.tokens['train']:,} training tokens)")
         train_skipped = [in_input(said, train_file, input_file, 0) for said in report.skipped]
-        for note in (skipped_in_part(train_skipped, "training", sum(report.counts["skipped"].values())),
+        for note in (skipped_in_part(train_skipped, "training", report.total("skipped")),
                      skipped_in_part(heldout_skipped, "held-out")):
             if note:
                 print(note, flush=True)

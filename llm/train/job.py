@@ -392,8 +392,7 @@ def check_same_shape(run_dir: Path, saved: RunConfig, cfg: RunConfig, ds_config:
 
     def value(config: RunConfig, key: str) -> Any:
         section, _, name = key.partition(".")
-        found = getattr(getattr(config, section), name)
-        return sorted(found) if key == "lora.targets" else found  # adapters are found by module, in any order
+        return _compared(key, getattr(getattr(config, section), name))
 
     def shown(config: RunConfig, key: str) -> Any:
         return _stage(config) if key == "train.stage" else value(config, key)
@@ -520,12 +519,17 @@ def _start_files(cfg: RunConfig, run_dir: Path, ds_config: dict, trainer: Traine
         return MetricsSink(run_dir, saved, trainer.run_id, trainer.step, record)
 
 
+def _compared(key: str, value: Any) -> Any:
+    """A setting's value as a resume compares it: LoRA's targets in any order (adapters are found by module)."""
+    return sorted(value) if key == "lora.targets" else value
+
+
 def resumed_changes(run_dir: Path, cfg: RunConfig) -> list[str]:
     """'key X there, Y here' for each setting in which this resume of `run_dir` differs from the config.yaml its
     last session wrote: a --set of the first command that the resume did not repeat took the recipe's value without a
     word (a learning rate of 1e-3 went back to 3e-3)."""
     def flat(config: RunConfig) -> dict[str, Any]:
-        return {f"{section}.{key}": sorted(value) if f"{section}.{key}" == "lora.targets" else value  # any order
+        return {f"{section}.{key}": _compared(f"{section}.{key}", value)
                 for section, values in config.to_dict().items() for key, value in values.items()}
 
     there, here = flat(trained_config(run_dir)), flat(_as_recorded(cfg))
