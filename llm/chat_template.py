@@ -42,8 +42,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from llm.errors import UserError
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
+_CHATML_MESSAGE = (
     "{%- set content = message['content'] if message['content'] is string else '' -%}"
     "{{- '<|im_start|>' + message['role'] + '\n' -}}"
     "{%- if message['role'] == 'assistant' -%}"
@@ -60,19 +59,37 @@ CHAT_TEMPLATE = (
     "{{- content -}}"
     "{%- endif -%}"
     "{{- '<|im_end|>\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
-"""ChatML with reasoning, tool calls and tool turns; the same text in transformers' `apply_chat_template`."""
+_CHATML_GENERATION_PROMPT = "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+_CHATML_TOOLS = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\n' -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\n\n' -}}{%- endif -%}"
+    "{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n' -}}"
+    "{%- endif -%}"
+)
+
+CHAT_TEMPLATE = (_CHATML_TOOLS + "{%- for message in messages -%}"
+                 "{%- if not (tools and loop.first and message['role'] == 'system') -%}" + _CHATML_MESSAGE
+                 + "{%- endif -%}{%- endfor -%}" + _CHATML_GENERATION_PROMPT)
+"""ChatML with reasoning, tool calls and tool turns, and tool definitions (`tools`) in a system turn of their own
+as Qwen's and MiniMind's templates write them (the conversation's own system text first); the same text in
+transformers' `apply_chat_template`."""
 
 LEGACY_CHAT_TEMPLATES = (
     ("{% for message in messages %}"
      "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
      "{% endfor %}"
      "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+    "{%- for message in messages -%}" + _CHATML_MESSAGE + "{%- endfor -%}" + _CHATML_GENERATION_PROMPT,
 )
-"""Templates earlier versions of zerollm wrote; they render plain messages as CHAT_TEMPLATE does, which replaces
-them so that reasoning and tool calls are not dropped."""
+"""Templates earlier versions of zerollm wrote; they render messages without tool definitions as CHAT_TEMPLATE does,
+which replaces them so that reasoning, tool calls and tool definitions are not dropped."""
 
 ESCAPE, ESCAPE_END = "\ue000", "\ue001"
 PLACEHOLDER = re.compile(f"{ESCAPE}(\\d+){ESCAPE_END}")
@@ -88,6 +105,10 @@ class ChatTemplateError(UserError):
 class MessagesRefused(ChatTemplateError):
     """The chat template refused or failed on these messages (others may render): in a file of records, that record
     is skipped."""
+
+
+class ToolsNotRendered(MessagesRefused):
+    """Tool definitions were given to a chat template that leaves them out."""
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
@@ -460,27 +481,36 @@ class ChatTemplate:
             return [self._escape(v) for v in value]
         return value
 
-    def _escaped(self, messages: list[dict]) -> list[dict]:
-        """The messages as the template sees them, their text escaped; ChatTemplateError for a value nested deeper
-        than Python's recursion limit (e.g. a tool call's arguments from a client)."""
+    def _escaped(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+        """The messages and tool definitions as the template sees them, their text escaped; ChatTemplateError for a
+        value nested deeper than Python's recursion limit (e.g. a tool call's arguments from a client). Tool
+        definitions are refused where the template renders the same text without them: they would be left out."""
         try:
-            return self._escape([_template_message(m) for m in messages])
+            escaped = self._escape([_template_message(m) for m in messages]), self._escape(tools or None)
         except RecursionError:
             raise MessagesRefused("the messages hold a value nested too deeply to render (lists or objects "
-                                  "inside one another, as in a tool call's arguments)") from None
+                                  "inside one another, as in a tool call's arguments or a tool's parameters)") from None
+        if escaped[1] and self._render(escaped[0], False, escaped[1]) == self._render(escaped[0], False, None):
+            raise ToolsNotRendered(f"{self.source}: the chat template does not render tool definitions ('tools'), "
+                                  "so they would be left out; use a template that renders them (zerollm's own, "
+                                  "Qwen's or MiniMind's do)")
+        return escaped
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """Rendered text with message text escaped; cut it with `split`."""
-        return self._render(self._escaped(messages), add_generation_prompt)
+    def render(self, messages: list[dict], add_generation_prompt: bool = False,
+               tools: list[dict] | None = None) -> str:
+        """Rendered text with message text escaped; cut it with `split`. `tools`: the tool definitions the
+        template is given (OpenAI's JSON schemas), None for none."""
+        escaped, tools = self._escaped(messages, tools)
+        return self._render(escaped, add_generation_prompt, tools)
 
-    def _render(self, escaped: list[dict], add_generation_prompt: bool) -> str:
-        limit = RENDERED_PER_CHARACTER * _characters(escaped) + RENDERED_BEYOND
+    def _render(self, escaped: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
+        limit = RENDERED_PER_CHARACTER * (_characters(escaped) + _characters(tools)) + RENDERED_BEYOND
         bound = _RENDER_LIMIT.set(limit)
         try:
             with _DEADLINES.limit(RENDER_SECONDS):
                 pieces, size = [], 0
                 for piece in self._template.generate(messages=escaped, add_generation_prompt=add_generation_prompt,
-                                                     tools=None, **self.variables):
+                                                     tools=tools, **self.variables):
                     size += len(piece)
                     if size > limit:  # a loop writing megabytes a turn took gigabytes before its deadline
                         raise TemplateTooCostly(f"it rendered more than {limit:,} characters, far more than the "
@@ -500,15 +530,15 @@ class ChatTemplate:
         finally:
             _RENDER_LIMIT.reset(bound)
 
-    def render_continuing(self, messages: list[dict]) -> str:
+    def render_continuing(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """Rendered text (message text escaped) that ends inside the final message, for its text to be continued,
         cut as transformers' `continue_final_message` cuts it: a tag is appended to that message's text, the
         conversation rendered, and the text cut where the tag is (and its blanks trimmed where the template trimmed
         the tag's own): not where the message's text last occurs, which may be inside the template's end of turn."""
-        escaped = self._escaped(messages)
+        escaped, tools = self._escaped(messages, tools)
         final = escaped[-1].get("content")
         tagged = [*escaped[:-1], {**escaped[-1], "content": (final if isinstance(final, str) else "") + CONTINUE_TAG}]
-        rendered = self._render(tagged, False)
+        rendered = self._render(tagged, False, tools)
         if CONTINUE_TAG.strip() not in rendered:
             raise MessagesRefused(f"{self.source}: the chat template does not render the final message's text, so "
                                   "it cannot be continued")
@@ -533,23 +563,24 @@ class ChatTemplate:
     def unescape(self, rendered: str) -> str:
         return "".join(piece for piece, _ in self.split(rendered))
 
-    def replies(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def replies(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
         """(rendered text, per assistant message (reply start, turn end) as character offsets in it)."""
-        escaped = self._escaped(messages)
-        full = self._render(escaped, False)
+        escaped, tools = self._escaped(messages, tools)
+        full = self._render(escaped, False, tools)
         bounds, previous_end = [], 0
         for index, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            start = max(self._reply_start(full, escaped, index), previous_end)
-            answered = self._render(escaped[:index + 1], False)
+            start = max(self._reply_start(full, escaped, tools, index), previous_end)
+            answered = self._render(escaped[:index + 1], False, tools)
             end = len(answered) if full.startswith(answered) and len(answered) > start else self._turn_end(full, start)
-            self._check_reply_within(full, escaped, index, start, end)
+            self._check_reply_within(full, escaped, tools, index, start, end)
             bounds.append((start, end))
             previous_end = end
         return full, bounds
 
-    def _check_reply_within(self, full: str, escaped: list[dict], index: int, start: int, end: int) -> None:
+    def _check_reply_within(self, full: str, escaped: list[dict], tools: list[dict] | None, index: int, start: int,
+                            end: int) -> None:
         """Refuse a template that does not render assistant message `index`'s text between `start` and `end` (one
         that leaves assistant turns out put the loss on the next user turn), or that ends the reply before its text
         (the loss stops at the first end-of-turn token: only that token was learnt). Text found there as it is
@@ -561,7 +592,7 @@ class ChatTemplate:
         at = full.find(content, start, end)
         if at < 0:
             probe = [*escaped[:index], {**escaped[index], "content": REPLY_PROBE}, *escaped[index + 1:]]
-            at = common_prefix_length(full, self._render(probe, False))
+            at = common_prefix_length(full, self._render(probe, False, tools))
             if not start <= at < end:
                 raise MessagesRefused(f"{self.source}: the chat template does not render the text of assistant "
                                       f"message {index + 1} where its reply is (it leaves the turn out, or puts it "
@@ -572,19 +603,19 @@ class ChatTemplate:
                                   f"with {ended} before its text, which would not be learnt; use a template that "
                                   "renders the reply's text before its end-of-turn token")
 
-    def _reply_start(self, full: str, escaped: list[dict], index: int) -> int:
+    def _reply_start(self, full: str, escaped: list[dict], tools: list[dict] | None, index: int) -> int:
         """Where the reply of message `index` starts in `full`: where the conversation before it, rendered with a
         generation prompt, stops matching. A template that cannot render zero messages (it reads `messages[0]`) is
         asked, for an opening reply, about the conversation behind one user turn: the reply starts as far from the
         end as there."""
         try:
-            return common_prefix_length(full, self._render(escaped[:index], True))
+            return common_prefix_length(full, self._render(escaped[:index], True, tools))
         except MessagesRefused:
             if index:
                 raise
         probe = [{"role": "user", "content": "?"}]
-        behind = self._render(probe + escaped, False)
-        rest = behind[common_prefix_length(behind, self._render(probe, True)):]
+        behind = self._render(probe + escaped, False, tools)
+        rest = behind[common_prefix_length(behind, self._render(probe, True, tools)):]
         if not full.endswith(rest):
             raise MessagesRefused(f"{self.source}: the chat template renders a conversation that opens with an "
                                   "assistant turn unlike one behind a user turn, so the reply's start is unknown; "

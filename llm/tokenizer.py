@@ -436,11 +436,11 @@ class Tokenizer:
                    for literal in (False, True)}
         return [i for _, literal in pieces for i in next(encoded[literal])]
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False,
-                    release_gil: bool = False) -> list[int]:
-        """Canonical messages through the chat template to ids; with `add_generation_prompt`, ready for a reply;
-        `release_gil`: see `encode_rendered`."""
-        return self.encode_rendered(self._chat.render(messages, add_generation_prompt), release_gil)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False, release_gil: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Canonical messages (and the tool definitions `tools`, where given) through the chat template to ids; with
+        `add_generation_prompt`, ready for a reply; `release_gil`: see `encode_rendered`."""
+        return self.encode_rendered(self._chat.render(messages, add_generation_prompt, tools), release_gil)
 
     @cached_property
     def max_token_bytes(self) -> int | None:
@@ -474,11 +474,12 @@ class Tokenizer:
         size = sum(len(piece.encode("utf-8", "surrogatepass")) for piece, _ in self._chat.split(rendered))
         return -(-size // self.max_token_bytes)
 
-    def encode_chat_masked(self, messages: list[dict]) -> MaskedChat:
-        """Ids and SFT loss mask of a conversation: the mask covers each assistant reply up to and including its
-        end-of-turn token. The ids equal `encode_chat(messages)` except that they break at each reply's start
-        (so a prompt's ids are a prefix of its answered conversation's) and turn end."""
-        rendered, bounds = self._chat.replies(messages)
+    def encode_chat_masked(self, messages: list[dict], tools: list[dict] | None = None) -> MaskedChat:
+        """Ids and SFT loss mask of a conversation (given the tool definitions `tools`, where it has them): the mask
+        covers each assistant reply up to and including its end-of-turn token. The ids equal `encode_chat(messages,
+        tools=tools)` except that they break at each reply's start (so a prompt's ids are a prefix of its answered
+        conversation's) and turn end."""
+        rendered, bounds = self._chat.replies(messages, tools)
         stops = set(self.stop_ids)
         chat = MaskedChat([], [], [])
         position = 0
@@ -497,18 +498,20 @@ class Tokenizer:
         return chat
 
     def render_for_encoding(self, messages: list[dict], add_generation_prompt: bool = False,
-                            continue_final: bool = False) -> str:
+                            continue_final: bool = False, tools: list[dict] | None = None) -> str:
         """The chat template's text with message text escaped, to encode with `encode_rendered`: ready for a reply
-        (`add_generation_prompt`), or ending inside the final message, to continue it (`continue_final`), not both."""
+        (`add_generation_prompt`), or ending inside the final message, to continue it (`continue_final`), not both;
+        `tools`: the tool definitions the template is given."""
         if continue_final:
             if add_generation_prompt:
                 raise ValueError("a reply is opened or the final message continued, not both")
-            return self._chat.render_continuing(messages)
-        return self._chat.render(messages, add_generation_prompt)
+            return self._chat.render_continuing(messages, tools)
+        return self._chat.render(messages, add_generation_prompt, tools)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False,
+                    tools: list[dict] | None = None) -> str:
         """The chat template's text, for display; never encode it (use `encode_chat`)."""
-        return self._chat.unescape(self._chat.render(messages, add_generation_prompt))
+        return self._chat.unescape(self._chat.render(messages, add_generation_prompt, tools))
 
 
 def _digest(text: str) -> str:

@@ -28,7 +28,7 @@ import pytest
 from conftest import FIXTURES, GIVES_UP_ON, changed_after_listing, regex_that_gives_up, run_cli, zerollm_here
 from llm.cli import main
 from llm.data import prepare as prepare_module
-from llm.data.formats import read_items, read_records
+from llm.data.formats import Chat, Pair, read_items, read_records
 from llm.data.output import OutputDir
 from llm.data.prepare import Report, not_prepared_here, prepare
 from llm.data.prepared import read_data_attrs
@@ -1218,7 +1218,7 @@ def test_a_lone_surrogate_is_skipped_by_every_reader_of_records(tokenizer_dir, t
         f"{texts}:1: {LONE_SURROGATE_REASON}"]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "p\\ud800"}\n{"prompt": "p"}\n')
-    assert read_prompts([str(prompts)], lambda messages: [1], 100).skipped == [
+    assert read_prompts([str(prompts)], lambda messages, tools: [1], 100).skipped == [
         f"{prompts}:1: {LONE_SURROGATE_REASON}"]
 
 
@@ -1237,7 +1237,7 @@ def test_a_record_the_tokenizer_library_panics_on_is_skipped_by_eval_and_grpo_pr
     assert stream.text_bytes == len("fine")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": GIVES_UP_ON}) + "\n" + json.dumps({"prompt": "p"}) + "\n")
-    assert read_prompts([str(prompts)], lambda messages: tok.encode_chat(messages, True), 100).skipped == [
+    assert read_prompts([str(prompts)], lambda messages, tools: tok.encode_chat(messages, True), 100).skipped == [
         f"{prompts}:1: {reason}"]
 
 
@@ -1254,7 +1254,10 @@ def test_tool_calls_that_are_not_a_list_are_skipped_and_reported(tokenizer_dir, 
 # ---- record shapes read alike everywhere ----------------------------------------------------------------------
 
 def _values(path, kind):
-    return [r.value if isinstance(r, Item) else str(r) for r in read_records([path], kind)]
+    """Each record's text, messages or pair (tool definitions are tested on their own), or its skip line."""
+    def plain(value):
+        return value.messages if isinstance(value, Chat) else tuple(value[:3]) if isinstance(value, Pair) else value
+    return [plain(r.value) if isinstance(r, Item) else str(r) for r in read_records([path], kind)]
 
 
 def test_a_top_level_system_field_opens_the_conversation_pair_and_prompt(tmp_path):
@@ -1282,7 +1285,7 @@ def test_a_top_level_system_field_opens_the_conversation_pair_and_prompt(tmp_pat
     assert _values(pairs, "dpo") == [([system, user], reply, {"role": "assistant", "content": "no"})]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"system": "You are a pirate.", "prompt": "hi", "answer": "arr"}) + "\n")
-    prompt = read_prompts([str(prompts)], lambda messages: [1], 100)[0]
+    prompt = read_prompts([str(prompts)], lambda messages, tools: [1], 100)[0]
     assert (prompt.messages, prompt.fields) == ([system, user], {"answer": "arr"})
 
 
@@ -1332,7 +1335,7 @@ def test_a_role_that_is_not_a_string_is_skipped_from_grpo_prompts(tmp_path):
 
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": [{"role": ["user"], "content": "q"}]}\n{"prompt": "fine"}\n')
-    assert read_prompts([str(path)], lambda messages: [1], 100).skipped == [
+    assert read_prompts([str(path)], lambda messages, tools: [1], 100).skipped == [
         f"{path}:1: {UNKNOWN_ROLE.format(['user'])}"]
 
 
@@ -1366,7 +1369,7 @@ def test_a_grpo_prompt_the_chat_template_refuses_is_skipped_with_its_place(tmp_p
     path.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}\n'
                     '{"prompt": "fine"}\n')
     tok = Tokenizer.load(LLAMA)
-    prompts = read_prompts([str(path)], lambda messages: tok.encode_chat(messages, True), 100)
+    prompts = read_prompts([str(path)], lambda messages, tools: tok.encode_chat(messages, True), 100)
     assert prompts.skipped == [f"{path}:1: {ALTERNATE}"] and len(prompts) == 1
 
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -26,11 +27,12 @@ from llm.export import export_model
 from llm.loading import consolidated_weights
 from llm.model import Transformer
 from llm.model.token_losses import token_logps
+from llm.tokenizer import Tokenizer
 from llm.train import rollout
 from llm.train.objectives import GRPOObjective
 from llm.train.prompts import prompt_record, read_prompts
 from llm.train.rewards import Completions, Reward, answers_match, final_answer
-from llm.train.rollout import group_advantages
+from llm.train.rollout import encode_prompt, group_advantages
 from llm.train.trainer import Trainer
 
 USER_REWARD = '''
@@ -531,6 +533,24 @@ def test_prompt_records_of_both_shapes():
     assert prompt_record("just a prompt") == ([{"role": "user", "content": "just a prompt"}], {})
 
 
+def test_a_prompts_tool_definitions_reach_the_chat_template_and_not_the_rewards(tokenizer_dir, tmp_path):
+    """MiniMind's RL prompts carry their tools on the system turn: they were dropped without a word."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    system, user = {"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Lima?"}
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"conversations": [{**system, "tools": json.dumps(tools)}, user, {"role": "assistant", "content": ""}],
+         "answer": "sunny"},
+        {"prompt": [user], "tools": tools, "answer": "sunny"},
+        {"prompt": [user], "tools": "not json", "answer": "sunny"}]) + "\n")
+    tok = Tokenizer.load(tokenizer_dir)
+    prompts = read_prompts([str(path)], partial(encode_prompt, tok), max_tokens=500, required_fields=["answer"])
+    assert [p.ids for p in prompts] == [tok.encode_chat([system, user], True, tools=tools),
+                                        tok.encode_chat([user], True, tools=tools)]
+    assert [p.fields for p in prompts] == [{"answer": "sunny"}] * 2
+    assert prompts.skipped == [f"{path}:3: 'tools' is not valid JSON (Expecting value)"]
+
+
 def test_bad_prompt_records_are_skipped_and_reported_by_line(tmp_path):
     path = tmp_path / "prompts.jsonl"
     rows = [json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}), "{not json",
@@ -539,7 +559,7 @@ def test_bad_prompt_records_are_skipped_and_reported_by_line(tmp_path):
             json.dumps({"prompt": "long " * 40, "answer": "1"}), json.dumps({"prompt": "ok", "answer": 3}),
             json.dumps({"prompt": "empty answer", "answer": " "})]  # an empty completion matched it
     path.write_text("\n".join(rows) + "\n")
-    prompts = read_prompts([str(path)], lambda messages: [0] * len(messages[-1]["content"]), max_tokens=50,
+    prompts = read_prompts([str(path)], lambda messages, tools: [0] * len(messages[-1]["content"]), max_tokens=50,
                            required_fields=["answer"])
     assert [p.fields["answer"] for p in prompts] == ["2", 3]
     assert [s.split(": ", 1)[0] for s in prompts.skipped] == [f"{path}:{n}" for n in (2, 3, 4, 5, 6, 8)]
@@ -548,7 +568,7 @@ def test_bad_prompt_records_are_skipped_and_reported_by_line(tmp_path):
     assert prompts.skipped[5].endswith("an empty 'answer', which the reward needs")
     assert "skipped 6 records" in prompts.summary()
     with pytest.raises(UserError, match="no usable prompt"):
-        read_prompts([str(path)], lambda messages: [0] * 100, max_tokens=50)
+        read_prompts([str(path)], lambda messages, tools: [0] * 100, max_tokens=50)
 
 
 def test_a_prompt_folder_holding_runs_gives_none_of_their_files_as_prompts(tmp_path):
@@ -565,16 +585,16 @@ def test_a_prompt_folder_holding_runs_gives_none_of_their_files_as_prompts(tmp_p
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "tokens.h5").write_bytes(b"")
     (tmp_path / "data" / "report.json").write_text(json.dumps({"prompt": "report", "answer": "1"}))
-    prompts = read_prompts([str(tmp_path)], lambda messages: [0], max_tokens=50, required_fields=["answer"])
+    prompts = read_prompts([str(tmp_path)], lambda messages, tools: [0], max_tokens=50, required_fields=["answer"])
     assert [p.fields["answer"] for p in prompts] == ["2"] and prompts.skipped == []
     (tmp_path / "data" / "mine.jsonl").write_text(json.dumps({"prompt": "mine", "answer": "3"}) + "\n")
     (tmp_path / "run_a" / "notes.jsonl").write_text(json.dumps({"prompt": "noted", "answer": "4"}) + "\n")
     (tmp_path / "run_a" / "loss.png").write_bytes(b"")  # `zerollm plot runs/a --out runs/a/loss.png`
-    prompts = read_prompts([str(tmp_path)], lambda messages: [0], max_tokens=50, required_fields=["answer"])
+    prompts = read_prompts([str(tmp_path)], lambda messages, tools: [0], max_tokens=50, required_fields=["answer"])
     assert sorted(p.fields["answer"] for p in prompts) == ["2", "3", "4"]  # what the user put beside is read
     with pytest.raises(UserError, match="run_b: directory holds no .* besides what zerollm wrote there, which is not "
                                         "data$"):  # `--prompts DIR --out DIR`: the run's own rows were prompts
-        read_prompts([str(tmp_path / "run_b")], lambda messages: [0], 50, required_fields=["answer"])
+        read_prompts([str(tmp_path / "run_b")], lambda messages, tools: [0], 50, required_fields=["answer"])
 
 
 # ---- advantages and the objective ---------------------------------------------------------------------

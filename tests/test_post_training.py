@@ -16,7 +16,7 @@ from tokens_swap import replace_tokens_file, reversed_tokens
 from conftest import FIXTURES, run_cli, train_args
 from llm.config import GRPOConfig, ModelConfig
 from llm.data.datasets import PackedConversations, PreferencePairs, PretrainWindows
-from llm.data.formats import RecordError, conversation, preference, pretrain_text
+from llm.data.formats import Chat, Pair, RecordError, chat_record, conversation, pair_record, preference, pretrain_text
 from llm.data.prepare import DIGEST_ATTR, TOKENS_FILE, TooLong, encode_dpo, encode_sft, prepare
 from llm.errors import UserError
 from llm.loading import consolidated_weights
@@ -160,6 +160,56 @@ def test_sft_records_with_tools_and_reasoning_are_prepared_not_skipped(tokenizer
     assert report.skipped == [] and report.documents["train"] == len(path.read_text().splitlines())
 
 
+def test_tool_definitions_are_read_wherever_records_give_them():
+    """TRL's top-level 'tools', xLAM's as JSON text, MiniMind's on the system turn ('functions' in its 2510 data):
+    all were dropped without a word."""
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    tools = [weather, {"name": "clock"}]
+    system, user = {"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Lima?"}
+    call = {"role": "assistant", "content": "", "tool_calls": [{"name": "weather", "arguments": {"city": "Lima"}}]}
+    for record in ({"messages": [user, call], "tools": tools},
+                   {"messages": [user, call], "tools": json.dumps(tools)},
+                   {"conversations": [{**system, "tools": json.dumps(tools)}, user, call]},
+                   {"conversations": [{**system, "functions": tools}, user, call]},
+                   {"messages": [{**system, "tools": tools}, user, call], "tools": tools}):
+        assert chat_record(record) == Chat(conversation(record), tools), record
+    assert chat_record({"messages": [user, call], "tools": []}).tools is None
+    assert chat_record({"conversations": [{**system, "tools": None}, user, call]}).tools is None  # MiniMind's nulls
+    no = {"role": "assistant", "content": "No."}
+    assert pair_record({"chosen": [{**system, "tools": tools}, user, call], "rejected": [{**system, "tools": tools},
+                                                                                          user, no]}) == Pair(
+        [system, user], call, no, tools)
+    assert pair_record({"prompt": [user], "chosen": [call], "rejected": [no], "tools": tools}).tools == tools
+    refusals = {
+        "'tools' is an object, expected a list of tool definitions": {"tools": weather},
+        "'tools' is not valid JSON": {"tools": "[{"},
+        "'tools': tool 2 is not a definition with a 'name' string": {"tools": [weather, {"function": "clock"}]},
+        "'tools': tool 1 is not a definition with a 'name' string": {"tools": ["weather"]},
+        "'tools' and the system turn's 'tools' give different tool definitions; keep one": {
+            "tools": tools, "messages": [{**system, "tools": tools[:1]}, user, call]},
+    }
+    for reason, fields in refusals.items():
+        with pytest.raises(RecordError, match=f"^{re.escape(reason)}"):
+            chat_record({"messages": [user, call], **fields})
+
+
+def test_sft_and_dpo_records_with_tools_are_prepared_with_their_definitions(tokenizer_dir, tmp_path):
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    user, reply = {"role": "user", "content": "Weather in Lima?"}, {"role": "assistant", "content": "Sunny."}
+    sft, dpo = tmp_path / "sft.jsonl", tmp_path / "dpo.jsonl"
+    sft.write_text(json.dumps({"messages": [user, reply], "tools": tools}) + "\n")
+    dpo.write_text(json.dumps({"prompt": [user], "chosen": [reply], "rejected": "Rain.", "tools": tools}) + "\n")
+    tok = Tokenizer.load(tokenizer_dir)
+    for kind, path, dataset, key in (("sft", sft, PackedConversations, "tokens"),
+                                     ("dpo", dpo, PreferencePairs, "rejected_tokens")):
+        report = prepare(kind, [str(path)], tokenizer_dir, tmp_path / kind, val_fraction=0.0, workers=1,
+                         show_progress=False)
+        assert report.skipped == [] and report.documents["train"] == 1
+        tokens = dataset(tmp_path / kind, "train", 512, pad_id=tok.pad_id)[0][key].tolist()
+        text = tok.decode(tokens)
+        assert text.startswith("<|im_start|>system\n# Tools\n\n") and '<tools>\n{"type": "function"' in text, text
+
+
 def test_every_dpo_shape_gives_the_same_pair():
     question, good, bad = "What is 2 plus 2?", "4.", "5."
     user, reply = {"role": "user", "content": question}, lambda text: {"role": "assistant", "content": text}
@@ -261,7 +311,7 @@ def test_loss_mask_is_exactly_the_assistant_replies(tokenizer_dir):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
                 {"role": "assistant", "content": "4"}, {"role": "user", "content": "和 3+3 呢？"},
                 {"role": "assistant", "content": "六。\nSix."}]
-    sample, truncated = encode_sft(tok, messages, max_tokens=10_000)
+    sample, truncated = encode_sft(tok, Chat(messages, None), max_tokens=10_000)
     tokens, mask = sample["tokens"], sample["loss_mask"]
     assert not truncated and tok.decode(tokens) == tok.render_chat(messages)
     runs, current = [], []
@@ -281,18 +331,22 @@ def test_long_conversations_are_cut_at_a_turn_boundary(tokenizer_dir):
     tok = Tokenizer.load(tokenizer_dir)
     messages = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
                 {"role": "user", "content": "q2 " * 50}, {"role": "assistant", "content": "a2 " * 50}]
-    full, _ = encode_sft(tok, messages, 10_000)
-    first, _ = encode_sft(tok, messages[:2], 10_000)
-    sample, truncated = encode_sft(tok, messages, len(full["tokens"]) - 2)
+    full, _ = encode_sft(tok, Chat(messages, None), 10_000)
+    first, _ = encode_sft(tok, Chat(messages[:2], None), 10_000)
+    sample, truncated = encode_sft(tok, Chat(messages, None), len(full["tokens"]) - 2)
     assert truncated and sample == {k: v[:-1] for k, v in first.items()}  # the whole first exchange, nothing of the
     assert tok.decode(sample["tokens"]).endswith("a1<|im_end|>")  # second; the newline after it bears no loss
     # the second reply's end-of-turn token fits, the newline after it not: the reply was cut for it
-    sample, truncated = encode_sft(tok, messages, len(full["tokens"]) - 1)
+    sample, truncated = encode_sft(tok, Chat(messages, None), len(full["tokens"]) - 1)
     assert truncated and sample == {k: v[:-1] for k, v in full.items()} and sum(sample["loss_mask"]) == \
         sum(full["loss_mask"])
     with pytest.raises(TooLong, match=f"^too long: the first reply ends after {len(first['tokens']) - 1} tokens"):
-        encode_sft(tok, messages[:2], len(first["tokens"]) - 2)
-    assert encode_sft(tok, messages[:2], len(first["tokens"]) - 1)[0]["tokens"] == first["tokens"][:-1]
+        encode_sft(tok, Chat(messages[:2], None), len(first["tokens"]) - 2)
+    assert encode_sft(tok, Chat(messages[:2], None), len(first["tokens"]) - 1)[0]["tokens"] == first["tokens"][:-1]
+
+
+def _pair(prompt: list[dict], chosen: str, rejected: str) -> Pair:
+    return Pair(prompt, {"role": "assistant", "content": chosen}, {"role": "assistant", "content": rejected}, None)
 
 
 def test_an_over_long_pair_keeps_all_of_its_prompt_that_fits_beside_its_replies(tokenizer_dir):
@@ -301,16 +355,16 @@ def test_an_over_long_pair_keeps_all_of_its_prompt_that_fits_beside_its_replies(
     tok = Tokenizer.load(tokenizer_dir)
     prompt = [{"role": "system", "content": "Answer briefly. " * 3}, {"role": "user", "content": "hi there"},
               {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and now?"}]
-    full, _ = encode_dpo(tok, (prompt, "yes", "no"), 10_000)
+    full, _ = encode_dpo(tok, _pair(prompt, "yes", "no"), 10_000)
     longest = max(len(full["chosen"]), len(full["rejected"]))
     budget = len(full["prompt"]) + longest - 2
     assert len(full["prompt"]) > budget // 2 + 2
-    sample, truncated = encode_dpo(tok, (prompt, "yes", "no"), budget)
+    sample, truncated = encode_dpo(tok, _pair(prompt, "yes", "no"), budget)
     assert truncated and sample["prompt"] == full["prompt"][2:]  # two tokens dropped from its start, no more
     assert (sample["chosen"], sample["rejected"]) == (full["chosen"], full["rejected"])
     long_reply = "word " * budget  # replies longer than the budget: the prompt keeps half of it, the replies the rest
-    full, _ = encode_dpo(tok, (prompt, long_reply, "no"), 10_000)
-    sample, truncated = encode_dpo(tok, (prompt, long_reply, "no"), budget)
+    full, _ = encode_dpo(tok, _pair(prompt, long_reply, "no"), 10_000)
+    sample, truncated = encode_dpo(tok, _pair(prompt, long_reply, "no"), budget)
     assert truncated and sample["prompt"] == full["prompt"][-(budget // 2):]
     assert sample["chosen"] == full["chosen"][:budget - budget // 2] and sample["rejected"] == full["rejected"]
 

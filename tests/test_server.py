@@ -221,6 +221,34 @@ def test_replies_leave_special_tokens_out(generator, stream):
 
 # ---- refusals: OpenAI-style JSON, never a 500 for the client's mistake ---------------------------------------
 
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}}}}}
+
+
+def test_a_requests_tools_reach_the_chat_template(server, generator):
+    """A request's tool definitions were not read: the model answered without knowing what it could call."""
+    messages = [{"role": "user", "content": "Weather in Lima?"}]
+    reply = _client(server).chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=6,
+                                                    temperature=0)
+    ids = generator.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=[WEATHER])
+    assert ids != generator.tokenizer.encode_chat(messages, add_generation_prompt=True)
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.choices[0].message.content == "".join(generator.stream(ids, SamplingParams(max_new_tokens=6)))
+    status, payload = _post(server, json.dumps({"messages": messages, "functions": [WEATHER["function"]],
+                                                "max_tokens": 6, "temperature": 0}).encode())
+    plain = generator.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=[WEATHER["function"]])
+    assert status == 200 and payload["usage"]["prompt_tokens"] == len(plain)
+
+
+def test_tools_a_chat_template_leaves_out_are_a_400_naming_them(generator):
+    llama = TextGenerator(generator.model, Tokenizer.load(LLAMA))
+    with running(llama, timeout_s=10) as (url, _, _):
+        status, payload = _post(url, json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
+                                                 "max_tokens": 3}).encode())
+    assert status == 400 and payload["error"]["param"] == "tools"
+    assert payload["error"]["message"].startswith(f"{LLAMA}: the chat template does not render tool definitions")
+
+
 def _with(**fields) -> bytes:
     return json.dumps({"messages": [{"role": "user", "content": "x"}], **fields}).encode()
 
@@ -267,6 +295,11 @@ def _deep_tool_call_arguments(depth: int) -> bytes:
     (_with(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
     (_with(function_call={"name": "f"}, functions=[{"name": "f", "parameters": {}}]), "function_call"),  # was ignored
     (_with(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (_with(tools={"type": "function", "function": {"name": "f"}}), "tools"),  # tool definitions were not read
+    (_with(tools=json.dumps([{"name": "f"}])), "tools"),
+    (_with(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools"),
+    (_with(functions=["f"]), "functions"),
+    (_with(tools=[{"name": "f"}], functions=[{"name": "f"}]), "functions"),
     (_with(seed=10**30), "seed"),
     # true is 1 and false is 0 in Python, never in OpenAI's API: these passed as 0 (asking for nothing)
     (_with(top_logprobs=False), "top_logprobs"),
@@ -1002,8 +1035,8 @@ def test_sigterm_ends_the_reply_being_streamed_with_an_error_as_ctrl_c_does(gene
         with socket.create_connection(_address(url), timeout=60) as sock:
             sock.sendall(request_bytes({**HELLO, "stream": True, "max_tokens": 50, "temperature": 0}))
             response = sock.recv(65536)
-            while b"data: " not in response:  # a piece came: the reply is being generated
-                response += sock.recv(65536)
+            while response.count(b"data: ") < 2:  # a piece after the role's chunk came: the reply is being generated
+                response += sock.recv(65536)  # (the role's alone goes out before the request leaves the queue)
             proc.send_signal(signal.SIGTERM)
             if signals == 2:
                 time.sleep(0.05)

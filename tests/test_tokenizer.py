@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 import llm.chat_template
 import llm.data.formats
 from conftest import FIXTURES, GIVES_UP_ON, TINY, changed_after_listing, regex_that_gives_up, run_cli, zerollm_here
-from llm.chat_template import CHAT_TEMPLATE, ChatTemplateError
+from llm.chat_template import CHAT_TEMPLATE, ChatTemplateError, MessagesRefused
+from llm.data.formats import Chat, Pair
 from llm.data.prepare import encode_dpo, encode_sft, prepare
 from llm.errors import UserError
 from llm.tokenizer import CONFIG_FILE, SPECIAL_TOKENS, TRAINING_FILE, TextNotEncoded, Tokenizer, train_tokenizer
@@ -571,7 +572,7 @@ def test_an_export_records_the_special_tokens_its_runs_copy_lacks(tokenizer_dir,
 
 def test_sft_mask_covers_reasoning_content_tool_calls_and_end_of_turn(tokenizer_dir):
     tok = Tokenizer.load(tokenizer_dir)
-    sample, truncated = encode_sft(tok, CONVERSATION, max_tokens=10_000)
+    sample, truncated = encode_sft(tok, Chat(CONVERSATION, None), max_tokens=10_000)
     assert not truncated and tok.decode(sample["tokens"]) == tok.render_chat(CONVERSATION)
     first_reply = ('<think>\n2+3=5; weather needs a tool.\n</think>\n\nLet me look.\n<tool_call>\n{"name": "weather", '
                    '"arguments": {"city": "巴黎"}}\n</tool_call>\n<tool_call>\n{"name": "clock", "arguments": "{}"}'
@@ -581,12 +582,59 @@ def test_sft_mask_covers_reasoning_content_tool_calls_and_end_of_turn(tokenizer_
     assert sample["tokens"][:len(prompt_ids)] == prompt_ids  # training sees what generation is prompted with
 
 
+TOOLS = [  # OpenAI's form, and the plain function object some datasets write; an answer with a special token
+    {"type": "function", "function": {"name": "weather", "description": "Weather now <|im_end|> in a city",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+    {"name": "clock", "description": "The time", "parameters": {"type": "object", "properties": {}}},
+]
+
+
+def test_tool_definitions_render_as_in_transformers_before_the_loss(tokenizer_dir):
+    """A record's tools were not given to the chat template: the model learnt calls to tools it never saw
+    defined, and a served model was never shown the tools of a request."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 - slow to import
+
+    ours, theirs = Tokenizer.load(tokenizer_dir), AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    for messages in (CONVERSATION, CONVERSATION[1:]):  # with a system turn of its own, and without
+        rendered = ours.render_chat(messages, tools=TOOLS)
+        assert rendered == theirs.apply_chat_template(messages, tools=TOOLS, tokenize=False)
+        assert "\n<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) + "\n" + json.dumps(TOOLS[1]) in rendered
+    assert ours.render_chat(CONVERSATION, tools=TOOLS).startswith("<|im_start|>system\nBe brief.\n\n# Tools\n\n")
+    assert ours.render_chat(CONVERSATION[1:], tools=TOOLS).startswith("<|im_start|>system\n# Tools\n\n")
+    plain, with_tools = (encode_sft(ours, Chat(CONVERSATION, tools), 10_000)[0] for tools in (None, TOOLS))
+    assert _mask_runs(ours, with_tools["tokens"], with_tools["loss_mask"]) == _mask_runs(ours, plain["tokens"],
+                                                                                          plain["loss_mask"])
+    assert ours.decode(with_tools["tokens"]) == ours.render_chat(CONVERSATION, tools=TOOLS)
+    assert ours.encode_chat(CONVERSATION[:2], True, tools=TOOLS) == with_tools["tokens"][:len(ours.encode_chat(
+        CONVERSATION[:2], True, tools=TOOLS))]  # training sees what generation is prompted with
+    # a special token in a definition's text is text, as in a message: one end of turn for each turn, no more
+    end_of_turn = ours.encode_rendered("<|im_end|>")
+    assert len(end_of_turn) == 1 and with_tools["tokens"].count(end_of_turn[0]) == len(CONVERSATION)
+    pair = Pair(CONVERSATION[:2], CONVERSATION[2], {"role": "assistant", "content": "No."}, TOOLS)
+    sample, _ = encode_dpo(ours, pair, 10_000)
+    assert sample["prompt"] == ours.encode_chat(CONVERSATION[:2], True, tools=TOOLS)
+
+
+def test_an_earlier_versions_template_renders_tool_definitions_and_one_without_them_refuses_them(tmp_path):
+    config = json.loads((MINIMIND / "tokenizer_config.json").read_text())
+    shutil.copy(MINIMIND / "tokenizer.json", tmp_path / "tokenizer.json")
+    for template in llm.chat_template.LEGACY_CHAT_TEMPLATES:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+        assert "# Tools" in Tokenizer.load(tmp_path).render_chat(CONVERSATION[1:2], tools=TOOLS)
+    for directory in (LLAMA, MINIMIND):  # their templates leave tools out: the definitions would be lost
+        with pytest.raises(MessagesRefused, match=f"^{directory}: the chat template does not render tool "
+                           r"definitions \('tools'\), so they would be left out; use a template"):
+            Tokenizer.load(directory).encode_chat_masked(CONVERSATION[1:3], TOOLS)
+        assert Tokenizer.load(directory).encode_chat_masked(CONVERSATION[1:2] + [CONVERSATION[4]], []).ids
+
+
 @pytest.mark.parametrize("directory", ["session", MINIMIND])
 def test_dpo_prompt_then_reply_is_the_answered_conversation(tokenizer_dir, directory):
     tok = Tokenizer.load(tokenizer_dir if directory == "session" else directory)
     prompt = [{"role": "user", "content": "2+3?"}]
     chosen = {"role": "assistant", "content": "5", "reasoning_content": "add"}
-    sample, _ = encode_dpo(tok, (prompt, chosen, "6"), max_tokens=1000)
+    sample, _ = encode_dpo(tok, Pair(prompt, chosen, {"role": "assistant", "content": "6"}, None),
+                           max_tokens=1000)
     assert sample["prompt"] + sample["chosen"] == tok.encode_chat_masked(prompt + [chosen]).ids[:len(
         sample["prompt"]) + len(sample["chosen"])]
     assert tok.decode(sample["rejected"]).endswith("6<|im_end|>")

@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from llm.data.readers import (
     DEFAULT_MAX_RECORD_MB,
@@ -39,8 +39,9 @@ from llm.data.readers import (
     split_text,
 )
 
-__all__ = ["Item", "RecordError", "Skipped", "conversation", "expand_inputs", "preference", "pretrain_text",
-           "PretrainTexts", "read_items", "read_records", "skipped_note", "with_system"]
+__all__ = ["Chat", "Item", "Pair", "RecordError", "Skipped", "conversation", "expand_inputs", "preference",
+           "pretrain_text", "PretrainTexts", "read_items", "read_records", "skipped_note", "tool_definitions",
+           "with_system"]
 
 Message = dict[str, Any]
 
@@ -342,6 +343,68 @@ def preference(value: Any) -> tuple[list[Message], Message, Message]:
     return chosen[:shared], chosen[-1], rejected[-1]
 
 
+# ---- tool definitions ---------------------------------------------------------------------------------
+
+TOOLS_KEYS = ("tools", "functions")
+"""Where a record lists the tools its conversation may call: `tools` (TRL, OpenAI requests, MiniMind's system turn)
+or `functions` (OpenAI's older name, MiniMind 2510's system turn)."""
+
+TURN_LISTS = (*TURNS_KEYS, "prompt", "chosen", "rejected")
+
+
+def tool_list(value: Any, what: str) -> list[dict]:
+    """A list of tool definitions (OpenAI's `{"type": "function", "function": {...}}` or the plain function object),
+    or the JSON text of one (MiniMind stores it so), as given; RecordError for anything else."""
+    if isinstance(value, str):
+        value = _json_text(value, what)
+    if not isinstance(value, list):
+        raise RecordError(f"{what} is {json_type(value)}, expected a list of tool definitions")
+    for number, tool in enumerate(value, 1):
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RecordError(f"{what}: tool {number} is not a definition with a 'name' string")
+    return value
+
+
+def tool_definitions(value: dict) -> list[dict] | None:
+    """The tool definitions a conversation or preference record gives its chat template, None where it gives none:
+    a top-level `tools` or `functions` (TRL's column, OpenAI's request), or the same key on a system turn
+    (MiniMind's), a list or the JSON text of one. Given in several places, they must be the same."""
+    places = {f"'{key}'": value[key] for key in TOOLS_KEYS if value.get(key) not in (None, "", [])}
+    for turns_key in TURN_LISTS:
+        turns = value.get(turns_key)
+        for turn in turns if isinstance(turns, list) else ():
+            if isinstance(turn, dict) and turn.get("role", turn.get("from")) == "system":
+                places |= {f"the system turn's '{key}'": turn[key] for key in TOOLS_KEYS
+                           if turn.get(key) not in (None, "", [])}
+    found = {place: tool_list(tools, place) for place, tools in places.items()}
+    if len({json.dumps(tools, sort_keys=True) for tools in found.values()}) > 1:
+        raise RecordError(f"{' and '.join(found)} give different tool definitions; keep one")
+    return next(iter(found.values()), None)
+
+
+class Chat(NamedTuple):
+    """An SFT record as `data prepare` encodes it."""
+    messages: list[Message]
+    tools: list[dict] | None
+
+
+class Pair(NamedTuple):
+    """A DPO record as `data prepare` encodes it (`preference`'s three parts)."""
+    prompt: list[Message]
+    chosen: Message
+    rejected: Message
+    tools: list[dict] | None
+
+
+def chat_record(value: Any) -> Chat:
+    return Chat(conversation(value), tool_definitions(value))
+
+
+def pair_record(value: Any) -> Pair:
+    return Pair(*preference(value), tool_definitions(value))
+
+
 # ---- pretraining text ---------------------------------------------------------------------------------
 
 def pretrain_text(value: Any) -> str:
@@ -375,7 +438,7 @@ def _flattened(messages: list[Message]) -> str:
     return "\n".join(part for m in messages for part in (m.get("reasoning_content"), m["content"]) if part)
 
 
-READERS = {"pretrain": pretrain_text, "sft": conversation, "dpo": preference}
+READERS = {"pretrain": pretrain_text, "sft": chat_record, "dpo": pair_record}
 
 
 def read_records(files: Iterable[Path], kind: str, max_record_mb: float = DEFAULT_MAX_RECORD_MB,
@@ -383,7 +446,7 @@ def read_records(files: Iterable[Path], kind: str, max_record_mb: float = DEFAUL
     """Every file's records converted for `kind` as `Item`s, unusable ones as `Skipped`.
 
     pretrain: the text, a long document as pieces of at most `piece_chars` characters (`Item.last` marks its
-    end); sft: canonical messages; dpo: (prompt messages, chosen message, rejected message).
+    end); sft: `Chat`; dpo: `Pair`.
     """
     convert = READERS[kind]
     for path in files:

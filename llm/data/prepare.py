@@ -49,7 +49,7 @@ import numpy as np
 from tqdm import tqdm
 
 from llm.chat_template import MessagesRefused
-from llm.data.formats import Item, Skipped, expand_inputs, read_records, skipped_note
+from llm.data.formats import Chat, Item, Pair, Skipped, expand_inputs, read_records, skipped_note
 from llm.data.output import OutputDir, cannot_write_output
 from llm.data.readers import DEFAULT_MAX_RECORD_MB, strings
 from llm.errors import STOP_SIGNALS, UserError
@@ -156,10 +156,10 @@ def encode_pretrain(tok: Tokenizer, piece: Item) -> Sample:
     return {"tokens": tokens + ([tok.eos_id] if piece.last else [])}
 
 
-def encode_sft(tok: Tokenizer, messages: list[dict[str, str]], max_tokens: int) -> tuple[Sample, bool]:
+def encode_sft(tok: Tokenizer, record: Chat, max_tokens: int) -> tuple[Sample, bool]:
     """Chat-template tokens with loss mask 1 exactly on assistant turns and their end-of-turn token; cut after the
     end-of-turn token of the last assistant turn that fits `max_tokens` (then the flag is True)."""
-    chat = tok.encode_chat_masked(messages)
+    chat = tok.encode_chat_masked(record.messages, record.tools)
     tokens, mask = chat.ids, chat.loss_mask
     truncated = len(tokens) > max_tokens
     if truncated:
@@ -171,13 +171,11 @@ def encode_sft(tok: Tokenizer, messages: list[dict[str, str]], max_tokens: int) 
     return {"tokens": tokens, "loss_mask": mask}, truncated
 
 
-def encode_dpo(tok: Tokenizer, pair: tuple, max_tokens: int) -> tuple[Sample, bool]:
+def encode_dpo(tok: Tokenizer, pair: Pair, max_tokens: int) -> tuple[Sample, bool]:
     """Prompt ids (ending in the generation prompt) and each reply's masked turn, so that prompt + reply are the
-    ids of the answered conversation. A reply is a string or an assistant message."""
-    prompt, chosen, rejected = pair
-    chosen_chat, rejected_chat = (tok.encode_chat_masked(prompt + [reply if isinstance(reply, dict) else
-                                                                   {"role": "assistant", "content": reply}])
-                                  for reply in (chosen, rejected))
+    ids of the answered conversation."""
+    chosen_chat, rejected_chat = (tok.encode_chat_masked([*pair.prompt, reply], pair.tools)
+                                  for reply in (pair.chosen, pair.rejected))
     shared = min(chosen_chat.replies[-1][0], rejected_chat.replies[-1][0])
     shared = next((k for k in range(shared) if chosen_chat.ids[k] != rejected_chat.ids[k]), shared)
     sample = {"prompt": chosen_chat.ids[:shared], "chosen": chosen_chat.ids[shared:chosen_chat.replies[-1][1]],

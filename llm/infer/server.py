@@ -54,7 +54,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from llm.data.formats import call_arguments
+from llm.chat_template import ToolsNotRendered
+from llm.data.formats import TOOLS_KEYS, RecordError, call_arguments, tool_list
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator, TextStream
 from llm.infer.sampling import InvalidSampling, SamplingParams
@@ -199,6 +200,23 @@ def parse_messages(body: Any) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
     return [canonical_message(m, i) for i, m in enumerate(messages)]
+
+
+def parse_tools(body: dict) -> list[dict] | None:
+    """The tool definitions of a chat-completions body (`tools`, or `functions`, its name before), for the chat
+    template; None where it gives none."""
+    given = [key for key in TOOLS_KEYS if body.get(key) not in (None, [])]
+    if len(given) > 1:
+        raise RequestError("give 'tools' or 'functions' (its older name), not both", "functions")
+    if not given:
+        return None
+    key = given[0]
+    if not isinstance(body[key], list):  # the JSON text of a list is for files, as MiniMind writes them
+        raise RequestError(f"'{key}' must be a list of tool definitions", key)
+    try:
+        return tool_list(body[key], f"'{key}'")
+    except RecordError as exc:
+        raise RequestError(str(exc), key) from None
 
 
 def check_model(body: dict, served: str) -> None:
@@ -410,11 +428,15 @@ class ChatService:
         self._worker = threading.Thread(target=self._serve, name="zerollm-generation", daemon=True)
         self._worker.start()
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The ids of the messages, ready for a reply. Messages whose text is too long for any encoding of it to
-        leave room for a reply in the context are refused (context_length_exceeded) without encoding them."""
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The ids of the messages (given the tool definitions `tools`), ready for a reply. Messages whose text is
+        too long for any encoding of it to leave room for a reply in the context are refused
+        (context_length_exceeded) without encoding them."""
         tokenizer = self.generator.tokenizer
-        rendered = tokenizer.render_for_encoding(messages, add_generation_prompt=True)
+        try:
+            rendered = tokenizer.render_for_encoding(messages, add_generation_prompt=True, tools=tools)
+        except ToolsNotRendered as exc:
+            raise RequestError(str(exc), "tools") from None
         fewest = tokenizer.fewest_tokens(rendered)
         if fewest >= self.context:
             raise RequestError(f"the prompt (at least {fewest} tokens) leaves no room for a reply in the model's "
@@ -743,10 +765,10 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
 
         def _post(self) -> None:
             body = parse_json_body(self._read_body())
-            messages = parse_messages(body)
+            messages, tools = parse_messages(body), parse_tools(body)
             check_model(body, self.service.model_name)
             parse_options(body, self.service.default_max_tokens)  # its cheap checks before the costly tokenizing
-            prompt_ids = self.service.prompt_ids(messages)
+            prompt_ids = self.service.prompt_ids(messages, tools)
             options = parse_options(body, self.service.default_max_tokens_after(prompt_ids))
             job = self.service.submit(prompt_ids, options.params)
             try:

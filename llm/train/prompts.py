@@ -8,12 +8,13 @@ A record is one of
     {"prompt": "text" | [turns], "answer": ..., ...}          a prompt string (one user message) or turns
     a plain string (a .txt block or a JSON string)            one user message
 
-A top-level "system" text opens the prompt as a system turn, as in `data prepare` (`llm.data.formats.with_system`).
-Every other field of a record (`answer`, ...) travels with the prompt to the rewards. Files are read record by
-record; the prompts are held in memory as token ids (a few hundred bytes each). A record that cannot be used
-(malformed, no user turn, missing a field the rewards need, longer than data.seq_len - grpo.max_new_tokens
-tokens, refused by the chat template) is skipped and reported as file:line; a set with no usable prompt is a
-`UserError`.
+A top-level "system" text opens the prompt as a system turn, as in `data prepare` (`llm.data.formats.with_system`),
+and tool definitions (a top-level "tools", or MiniMind's on its system turn: `llm.data.formats.tool_definitions`) go
+to the chat template with it. Every other field of a record (`answer`, ...) travels with the prompt to the rewards.
+Files are read record by record; the prompts are held in memory as token ids (a few hundred bytes each). A record
+that cannot be used (malformed, no user turn, missing a field the rewards need, longer than data.seq_len -
+grpo.max_new_tokens tokens, refused by the chat template) is skipped and reported as file:line; a set with no usable
+prompt is a `UserError`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.utils.data import Dataset
 
 from llm.chat_template import MessagesRefused
 from llm.data.formats import (
+    TOOLS_KEYS,
     Item,
     RecordError,
     Skipped,
@@ -34,6 +36,7 @@ from llm.data.formats import (
     one_reading,
     prompt_readings,
     read_items,
+    tool_definitions,
     with_system,
 )
 from llm.data.readers import json_type
@@ -41,7 +44,7 @@ from llm.errors import UserError
 from llm.tokenizer import TextNotEncoded
 
 PROMPT_KEYS = ("conversations", "messages", "prompt")
-CONSUMED_KEYS = (*PROMPT_KEYS, "system")
+CONSUMED_KEYS = (*PROMPT_KEYS, "system", *TOOLS_KEYS)
 """Fields that make the prompt; the others go to the rewards."""
 
 
@@ -100,8 +103,11 @@ class PromptSet(Dataset):
         return "\n".join(lines)
 
 
-def _usable(item: Item, encode: Callable[[list[dict[str, str]]], list[int]], max_tokens: int,
-            required_fields: Iterable[str]) -> Prompt:
+Encode = Callable[[list[dict[str, str]], list[dict] | None], list[int]]
+"""Renders and tokenizes a prompt's messages given its tool definitions (None for none)."""
+
+
+def _usable(item: Item, encode: Encode, max_tokens: int, required_fields: Iterable[str]) -> Prompt:
     messages, fields = prompt_record(item.value)
     for name in required_fields:
         value = fields.get(name)
@@ -109,15 +115,14 @@ def _usable(item: Item, encode: Callable[[list[dict[str, str]]], list[int]], max
             raise RecordError(f"no '{name}' string or number, which the reward needs")
         if isinstance(value, str) and not value.strip():  # an empty completion would match it
             raise RecordError(f"an empty '{name}', which the reward needs")
-    ids = encode(messages)
+    ids = encode(messages, tool_definitions(item.value) if isinstance(item.value, dict) else None)
     if len(ids) > max_tokens:
         raise RecordError(f"prompt of {len(ids)} tokens is longer than data.seq_len - grpo.max_new_tokens = "
                           f"{max_tokens}")
     return Prompt(messages, fields, ids)
 
 
-def read_prompts(paths: list[str], encode: Callable[[list[dict[str, str]]], list[int]], max_tokens: int,
-                 required_fields: Iterable[str] = ()) -> PromptSet:
+def read_prompts(paths: list[str], encode: Encode, max_tokens: int, required_fields: Iterable[str] = ()) -> PromptSet:
     """Every usable prompt of the files (or directories) in order (a directory's run directories left out, this
     run's among them: `expand_inputs`); `encode` renders and tokenizes a prompt."""
     prompts, skipped = [], []

@@ -49,10 +49,10 @@ from llm.train.rewards import Completions, Reward, reward_metrics
 from llm.train.steps import Batch, StepBatches
 
 
-def encode_prompt(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a prompt in the tokenizer's chat template with the assistant's turn opened (the messages' text
-    is encoded with special tokens disabled: a prompt cannot open a turn of its own)."""
-    return tokenizer.encode_chat(messages, add_generation_prompt=True)
+def encode_prompt(tokenizer: Tokenizer, messages: list[dict[str, str]], tools: list[dict] | None) -> list[int]:
+    """Token ids of a prompt (given its tool definitions) in the tokenizer's chat template with the assistant's turn
+    opened (the messages' text is encoded with special tokens disabled: a prompt cannot open a turn of its own)."""
+    return tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
 
 
 def tokenizer_dir(cfg: RunConfig) -> Path:
