@@ -49,15 +49,68 @@ def test_a_split_the_disk_cannot_take_is_one_line_and_leaves_no_torn_part(tmp_pa
     assert not (tmp_path / "val.txt").exists() and (tmp_path / "train.txt").stat().st_size > 0  # whole or absent
 
 
+def _earlier_result(out) -> dict[str, str]:
+    """An earlier bench learn's result in `out` (a few of its files), as {path in out: text}."""
+    files = {".zerollm-bench-learn": "", "result.json": '{"earlier": true}', "val.txt": "earlier held-out part",
+             "run/earlier": "its run", "tok/tokenizer.json": "{}"}
+    for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    return files
+
+
+def _files(out) -> dict[str, str]:
+    return {str(path.relative_to(out)): path.read_bytes().decode(errors="replace") for path in out.rglob("*")
+            if path.is_file()}
+
+
+def test_an_earlier_result_waits_aside_and_comes_back_where_a_rerun_does_not_complete(tmp_path, monkeypatch):
+    """A rerun into the same --out deleted the earlier result and its run first: a rerun that was stopped, failed
+    or killed left no measurement at all."""
+    from llm.eval import learning_speed
+    from llm.runtime.preemption import Preemption
+
+    out = tmp_path / "out"
+    earlier = _earlier_result(out)
+    seen = []
+
+    def stopped_while_training(*args, **kwargs):
+        seen.append(_files(out))
+        monkeypatch.setattr(Preemption, "stopped_by", signal.SIGINT)
+        return EXIT_PREEMPTED
+
+    def rerun():
+        return learning_speed.bench_learn(str(FIXTURES / "pretrain" / "en_stories.txt"), str(out), budget="60",
+                                          reserve=1, vocab_size=300)
+
+    monkeypatch.setattr(learning_speed, "run_training", stopped_while_training)
+    assert rerun() == 130
+    assert seen[0][".previous/result.json"] == earlier["result.json"] and "result.json" not in seen[0]
+    assert seen[0]["val.txt"] != earlier["val.txt"]  # the rerun's own split
+    assert _files(out) == earlier  # back, and nothing of the rerun's
+    # killed while training: its outputs beside the earlier result aside, until the next bench learn into --out
+    (out / ".previous").mkdir()
+    for name in ("result.json", "val.txt", "run", "tok"):
+        os.replace(out / name, out / ".previous" / name)
+    (out / "train.txt").write_text("the killed run's split")
+    monkeypatch.setattr(learning_speed, "run_training", lambda *args, **kwargs: (_ for _ in ()).throw(
+        UserError("a refusal")))
+    with pytest.raises(UserError, match="^a refusal$"):
+        rerun()
+    assert _files(out) == earlier
+
+
 def test_bench_learn_runs_tokenizer_data_training_and_heldout_bits_per_byte_in_one_budget(tmp_path):
     """The budget counts from the process's start: its imports (6 s on a loaded 2-core machine) were left out, so a
     run that took 68 s of a 60 s budget said it was inside it."""
     novel = FIXTURES / "pretrain" / "zh_stories.txt"
     tiny = [o for o in TINY if not o.startswith(("model.vocab_size", "train.lr"))]
     tiny.append("train.max_steps=20")  # the budget, roomy for a loaded machine, is not all trained
+    _earlier_result(tmp_path / "out")  # replaced once the new result is written
     result = run_cli("bench", "learn", "--input", novel, "--budget", 120, "--reserve", 48, "--vocab-size", 400,
                      "--out", tmp_path / "out", *[a for o in tiny for a in ("--set", o)])
     assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
+    assert not (tmp_path / "out" / ".previous").exists() and not (tmp_path / "out" / "run" / "earlier").exists()
     summary = json.loads((tmp_path / "out" / "result.json").read_text())
     assert summary["within_budget"] == (result.returncode == 0) == ("OVER BUDGET" not in result.stdout)
     assert list(summary["phases_s"]) == ["start-up", "split", "tokenizer", "data", "training", "evaluation"]

@@ -29,7 +29,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -164,8 +164,10 @@ SET_HERE = {"train.max_time": "--budget (what it leaves after the preparation an
 
 LEARN_MARKER = ".zerollm-bench-learn"
 """Written first into bench learn's --out: marks a folder whose contents an earlier bench learn wrote."""
+EARLIER_RESULT = ".previous"
+"""Where an earlier bench learn's complete result waits while a new one is made (`earlier_result_kept`)."""
 LEARN_OUTPUTS = {f"{part}{suffix}" for part in ("train", "val") for suffix in SPLIT_SUFFIXES} | {
-    "tok", "data", "run", "tasks", "result.json", LEARN_MARKER}
+    "tok", "data", "run", "tasks", "result.json", LEARN_MARKER, EARLIER_RESULT}
 """Everything bench learn writes into --out (and replaces when it runs there again)."""
 
 
@@ -207,17 +209,61 @@ def held_output_dir(out_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def take_output_dir(out_dir: Path) -> None:
-    """`out_dir` (checked by `check_output_dir`) made empty but for the marker: an earlier bench learn's outputs
-    removed."""
-    for name in LEARN_OUTPUTS - {LEARN_MARKER}:
-        path = out_dir / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _outputs(out_dir: Path) -> list[Path]:
+    """What a bench learn wrote into `out_dir` (its marker and a kept earlier result aside)."""
+    return [out_dir / name for name in sorted(LEARN_OUTPUTS - {LEARN_MARKER, EARLIER_RESULT})
+            if (out_dir / name).exists() or (out_dir / name).is_symlink()]
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _put_back_earlier_result(out_dir: Path) -> None:
+    """The result kept in `out_dir/.previous` back in place of what a bench learn that did not complete wrote."""
+    kept = out_dir / EARLIER_RESULT
+    if not kept.is_dir():
+        return
+    for path in _outputs(out_dir):
+        _remove(path)
+    for name in os.listdir(kept):
+        os.replace(kept / name, out_dir / name)
+    kept.rmdir()
+
+
+@contextlib.contextmanager
+def earlier_result_kept(out_dir: Path) -> Iterator[Callable[[], None]]:
+    """`out_dir` (checked by `check_output_dir`) made empty but for the marker, an earlier bench learn's complete
+    result (result.json and the files it came from) moved aside to `out_dir/.previous` rather than deleted: a rerun
+    that failed, was stopped or ran out of room deleted the only measurement there was. Where the new result is not
+    written (the function yielded is called once it is), the earlier one is put back, on the way out or, after a
+    kill, by the next bench learn into `out_dir`. An earlier run's outputs without a result are deleted."""
+    _put_back_earlier_result(out_dir)
+    complete = (out_dir / "result.json").is_file()
+    if complete:
+        (out_dir / EARLIER_RESULT).mkdir()
+    for path in _outputs(out_dir):
+        if complete:
+            os.replace(path, out_dir / EARLIER_RESULT / path.name)
+        else:
+            _remove(path)
     (out_dir / LEARN_MARKER).touch()
+    written = False
+
+    def result_written() -> None:
+        nonlocal written
+        written = True
+        if complete:
+            shutil.rmtree(out_dir / EARLIER_RESULT)
+
+    try:
+        yield result_written
+    finally:
+        if not written:
+            _put_back_earlier_result(out_dir)
 
 
 class Phases:
@@ -262,8 +308,7 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
                         "tokenizer's size, e.g. 4096 as cpu-10m)")
     check_training_options(vocab)
     check_training_start(base, vocab, deepspeed_config, zero_stage)
-    with held_output_dir(out_dir):
-        take_output_dir(out_dir)
+    with held_output_dir(out_dir), earlier_result_kept(out_dir) as result_written:
         train_file, val_file = split_file(Path(input_file), out_dir)
         task_dir, heldout_skipped = check_heldout_part(input_file, train_file, val_file, out_dir / "tasks")
         phases.done("split")
@@ -329,6 +374,7 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
         try:
             with durable.room_needed(out_dir, "result.json"):
                 durable.write_text(out_dir / "result.json", json.dumps(summary, indent=1, allow_nan=False))
+            result_written()
         except UserError:  # a full disk: the measurement is still said (it was a traceback, the result lost)
             print(said.rsplit("\n", 1)[0], flush=True)
             raise
