@@ -9,6 +9,7 @@ import errno
 import os
 import re
 import shutil
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -108,6 +109,31 @@ def update_text(path: Path, text: str) -> bool:
     return True
 
 
+def remove_leftover(path: Path, of: Path) -> None:
+    """Delete `path`, a copy of folder `of` that an earlier run left beside it (a partial or a set-aside one), before
+    anything is written; where it cannot be deleted (a read-only copy), a UserError naming it: it was left, and the
+    next rename onto its name failed with a traceback."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise UserError(f"{path}, a copy of {of} an earlier run left beside it, cannot be deleted "
+                        f"({exc.strerror or exc}); delete it (or make it writable) and run again") from None
+
+
+def remove_set_aside(old: Path, target: Path) -> None:
+    """Delete `old`, the earlier copy of folder `target` that its replacement set aside; where it cannot be deleted
+    (a read-only copy), a note naming it: `target` is whole, but a copy of the earlier one was left without a word."""
+    try:
+        shutil.rmtree(old)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        print(f"zerollm: note: {target} is written, but its earlier copy, set aside as {old}, cannot be deleted "
+              f"({exc.strerror or exc}); delete it yourself", file=sys.stderr, flush=True)
+
+
 @contextmanager
 def staged_folder(target: Path, replace: bool = False) -> Iterator[Path]:
     """Make folder `target` whole or not at all: inside, fill the hidden `.NAME.partial` beside it that this yields
@@ -115,13 +141,15 @@ def staged_folder(target: Path, replace: bool = False) -> Iterator[Path]:
     renamed into place and the folder holding it is flushed. `target` must not exist, unless `replace`: then an
     earlier one is renamed aside to `.NAME.old` and deleted after (a crash between the two renames leaves both
     complete folders, the old one as `.NAME.old`). A failure inside or while flushing (a full disk) leaves `target`
-    as it was and no partial folder."""
+    as it was and no partial folder. Leftovers of an earlier run that cannot be deleted are refused before anything
+    is written (`remove_leftover`)."""
     partial, old = target.with_name(f".{target.name}.partial"), target.with_name(f".{target.name}.old")
     for staging in (partial, old):  # a file of that name: a traceback as it was renamed over, or a wrong path named
         if staging.is_symlink() or staging.exists() and not staging.is_dir():
             raise UserError(f"{staging} is in the way: replacing {target} whole takes that name beside it (for the "
                             "new copy as it is written, or the earlier one set aside); move it away")
-    shutil.rmtree(partial, ignore_errors=True)
+        if staging == partial or target.exists():  # else `.NAME.old` is the one copy a crash left: kept till done
+            remove_leftover(staging, target)
     try:
         yield partial
         for path in sorted(partial.rglob("*"), reverse=True):  # a subfolder after the files and folders in it
@@ -129,7 +157,6 @@ def staged_folder(target: Path, replace: bool = False) -> Iterator[Path]:
                 fsync(path)
         fsync(partial)
         if replace and target.exists():
-            shutil.rmtree(old, ignore_errors=True)
             os.replace(target, old)
         os.replace(partial, target)
     except BaseException:
@@ -139,7 +166,7 @@ def staged_folder(target: Path, replace: bool = False) -> Iterator[Path]:
         raise
     fsync(target.parent)
     if replace:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_set_aside(old, target)
 
 
 STAGED_SUFFIX = r"(?:partial|old)(?:-[0-9]+-[a-z0-9_]{8})?"

@@ -160,6 +160,29 @@ def test_export_replaces_an_old_export_whole_and_refuses_other_folders(tmp_path)
     assert (precious / "thesis.txt").read_text() == "years of work"
 
 
+def test_an_earlier_export_that_cannot_be_deleted_is_named_not_left_without_a_word(tmp_path, monkeypatch, capsys):
+    """A read-only earlier export was set aside as .NAME.old and left there silently; the next export into the same
+    folder then ended in an OSError traceback (Directory not empty)."""
+    out, remove = tmp_path / "export", shutil.rmtree
+
+    def read_only_old(path, *args, **kwargs):
+        if Path(path).name == ".export.old" and Path(path).exists():
+            raise PermissionError(13, "Permission denied", str(path))
+        remove(path, *args, **kwargs)
+
+    export_model(_model(0), None, out)
+    monkeypatch.setattr(shutil, "rmtree", read_only_old)
+    export_model(_model(1), None, out)
+    assert capsys.readouterr().err == (f"zerollm: note: {out} is written, but its earlier copy, set aside as "
+                                       f"{tmp_path / '.export.old'}, cannot be deleted (Permission denied); delete it "
+                                       "yourself\n")
+    with pytest.raises(UserError, match=f"^{tmp_path / '.export.old'}, a copy of {out} an earlier run left beside it, "
+                                        r"cannot be deleted \(Permission denied\); delete it \(or make it writable\) "
+                                        "and run again$"):
+        export_model(_model(0), None, out)
+    assert torch.equal(_logits(import_model(out)), _logits(_model(1)))  # the export before it, untouched
+
+
 def test_a_downloaded_model_folder_is_not_replaced_by_an_export(tmp_path):
     """Export replaced any folder holding a config.json and no subfolders whole, so exporting into a model downloaded
     from the Hub deleted its README.md, generation_config.json and other files export does not write."""

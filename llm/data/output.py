@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from llm import durable
 from llm.durable import STAGED_SUFFIX, set_aside_copies
 from llm.errors import UserError
 from llm.wording import printable
@@ -229,7 +230,7 @@ class OutputDir:
 
     def _remove_leftovers(self) -> None:
         for name in staging_leftovers(os.listdir(self.out.parent), [self.out.name]):
-            shutil.rmtree(self.out.parent / name, ignore_errors=True)
+            durable.remove_leftover(self.out.parent / name, self.out)
 
     def commit(self) -> None:
         """Make the staging directory OUT: the old output moves aside and is removed."""
@@ -250,4 +251,4 @@ class OutputDir:
                                 "one finished; nothing of this run was kept") from None
             raise _cannot_write(self.given, exc) from None
         self._committed = True
-        shutil.rmtree(old, ignore_errors=True)
+        durable.remove_set_aside(old, self.out)
