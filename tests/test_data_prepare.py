@@ -29,7 +29,7 @@ from conftest import FIXTURES, GIVES_UP_ON, changed_after_listing, regex_that_gi
 from llm.cli import main
 from llm.data import prepare as prepare_module
 from llm.data.formats import Chat, Pair, read_items, read_records
-from llm.data.output import OutputDir
+from llm.data.output import LOCK_FILE, OutputDir
 from llm.data.prepare import Report, not_prepared_here, prepare
 from llm.data.prepared import read_data_attrs
 from llm.data.readers import PIECE_CHARS, Item, expand_inputs, split_text
@@ -857,6 +857,24 @@ def test_a_pool_that_cannot_start_every_worker_ends_those_it_started(tokenizer_d
     finally:
         for worker in started:
             worker.kill()
+
+
+def _held_file(fd: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except FileNotFoundError:
+        return None
+
+
+def test_the_workers_do_not_hold_the_outputs_lock(tokenizer_dir, tmp_path):
+    """The workers inherited it: a run killed with SIGKILL left it held by its orphaned workers for up to a second,
+    and a rerun at once was refused, naming the dead process as the one writing there."""
+    with OutputDir(tmp_path / "out", PREPARED_ENTRIES, not_prepared_here) as output:
+        lock = _held_file(output.lock_fd)
+        assert lock == str(tmp_path / "out" / LOCK_FILE)
+        with prepare_module.TokenizerPool(2, str(tokenizer_dir), output.lock_fd) as pool:
+            held = [pool.result(pool._executor.submit(_held_file, output.lock_fd)) for _ in range(4)]
+    assert lock not in held
 
 
 def test_a_job_longer_than_the_pools_look_at_its_workers_gives_its_results(tokenizer_dir, monkeypatch):

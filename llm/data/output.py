@@ -204,6 +204,11 @@ class OutputDir:
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
 
+    @property
+    def lock_fd(self) -> int | None:
+        """The descriptor holding --out's lock while this run writes there."""
+        return self._lock_fd
+
     def _unlock(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
