@@ -42,6 +42,7 @@ from llm.model import Transformer
 from llm.runtime.rank_env import free_port
 from llm.train import checkpoint
 from llm.train.metrics import MetricsSink
+from llm.train.rerun import rerun_said_as
 from llm.train.schedule import lr_multiplier
 
 MODEL_FILE = rundir.MODEL_STATES
@@ -231,6 +232,9 @@ def test_a_first_save_that_runs_out_of_room_says_none_was_saved_before(one_rank_
     assert str(error.value) == (f"{rundir.checkpoint_dir(tmp_path / 'new')}: {FILE_SIZE_LIMIT} while saving step 1; "
                                 "no checkpoint was saved before; free space and rerun with --resume auto")
     assert os.listdir(rundir.checkpoint_dir(tmp_path / "new")) == []
+    with file_size_limit(1000), rerun_said_as("run bench learn again"), pytest.raises(UserError) as error:
+        _save(tmp_path / "other", 1)  # inside a command without --resume (bench learn), its own words
+    assert str(error.value).endswith("no checkpoint was saved before; free space and run bench learn again")
 
 
 def test_running_out_of_room_without_latest_names_the_intact_checkpoint(one_rank_group, tmp_path):

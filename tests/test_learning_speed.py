@@ -242,6 +242,24 @@ def test_a_refusal_from_the_training_job_ends_bench_learn_without_teardown(tmp_p
     assert capsys.readouterr().err.endswith("zerollm: error: a refusal from inside the training job\n")
 
 
+def test_the_training_jobs_advice_to_resume_is_bench_learns_to_run_again(tmp_path, monkeypatch):
+    """A full disk while saving told a bench learn user to 'rerun with --resume auto', an option it refuses."""
+    from llm.eval import learning_speed
+    from llm.train.rerun import rerun_advice
+
+    def out_of_room(*args, **kwargs):  # as the job's checkpoint says it
+        raise UserError(f"run/checkpoints: no space left on device while saving step 4; free space and "
+                        f"{rerun_advice()}")
+
+    monkeypatch.setattr(learning_speed, "run_training", out_of_room)
+    with pytest.raises(UserError) as error:
+        learning_speed.bench_learn(str(FIXTURES / "pretrain" / "en_stories.txt"), str(tmp_path / "out"), budget="60",
+                                   reserve=1, vocab_size=300)
+    assert str(error.value).endswith(f"free space and run bench learn again into {tmp_path / 'out'} (it has no "
+                                     "--resume: it starts over)")
+    assert rerun_advice() == "rerun with --resume auto"  # outside it
+
+
 def test_a_failed_bench_learn_is_rerun_into_its_own_out_but_a_foreign_or_input_holding_one_is_refused(
         tmp_path, monkeypatch, capsys):
     """A bench learn that failed after its split (here: the training part is not UTF-8) left --out full, and the

@@ -51,6 +51,7 @@ from llm.tokenizer import Tokenizer, check_training_options, train_tokenizer
 from llm.train.ds_config_file import load_ds_config
 from llm.train.engine import resolve_ds_config, resolve_precision
 from llm.train.job import run as run_training
+from llm.train.rerun import rerun_said_as
 from llm.train.run_lock import check_run_unlocked
 from llm.wording import plural
 
@@ -336,7 +337,8 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
         cfg = build_config(recipe, [*(overrides or []), f"model.vocab_size={tokenizer.vocab_size}",
                                     f"train.max_time={max_time:.3f}"], paths={"data.path": str(out_dir / "data")})
         try:
-            with stop_signals_restored():
+            with stop_signals_restored(), rerun_said_as(f"run bench learn again into {out_dir} (it has no --resume: "
+                                                        "it starts over)"):
                 code = run_training(cfg, out_dir / "run", deepspeed_config, resume=False, zero_stage=zero_stage)
         except UserError as exc:  # the job ran in this process: end it without teardown, as `llm.cli.end_rank` does
             exc.end_at_once = True

@@ -47,6 +47,7 @@ from llm.errors import UserError
 from llm.model import Transformer
 from llm.runtime.accelerator import ensure_accelerator_env
 from llm.runtime.distributed import agreed, raise_together, refuse_together
+from llm.train.rerun import rerun_advice
 
 FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # read by torch on every torch.load
 DELETING_PREFIX = ".deleting-"
@@ -273,7 +274,7 @@ def _refuse_out_of_room(reason: str | None, run_dir: Path, step: int) -> None:
         before = (f"its checkpoint ({tag}) was published first" if published else
                   f"the previous checkpoint ({previous}) is intact" if previous else "no checkpoint was saved before")
         problem = (f"{rundir.checkpoint_dir(run_dir)}: {reason} while saving step {step}; {before}; free space and "
-                   "rerun with --resume auto")
+                   f"{rerun_advice()}")
     try:
         refuse_together(problem, announce=dist.get_rank() == 0)
     except UserError:
@@ -647,7 +648,7 @@ def load(engine, run_dir: Path, tag: str, universal: bool = False, clock_driven:
                 swap = engine.optimizer.optimizer_swapper.swap_folder
                 raise UserError(f"{swap}: {durable.out_of_room(copy_failures[0])} while copying the optimizer's "
                                 f"swap files back from {root / tag / 'offloaded_tensors'}; the checkpoint is intact: "
-                                "free space there and rerun with --resume auto")
+                                f"free space there and {rerun_advice()}")
             if path is None:
                 raise UserError(f"{root / tag}: DeepSpeed could not load this checkpoint")
             if universal and engine.zero_optimization_partition_weights():

@@ -31,6 +31,7 @@ from llm.errors import UserError
 from llm.jsonl import jsonl_lines, strict_json
 from llm.runtime.distributed import DistInfo
 from llm.stdout import on_terminal, unguarded
+from llm.train.rerun import rerun_advice
 
 
 def matmul_params_per_token(cfg: ModelConfig, total_params: int) -> int:
@@ -211,11 +212,9 @@ def check_wandb(settings: WandbConfig, run_dir: Path) -> None:
 def _append(path: Path, text: str, step: int) -> None:
     """`durable.append_text` of step `step`'s `text`; a write that runs out of room (a full disk, a quota) is one
     UserError."""
-    with durable.room_needed(path.parent, f"step {step} to {path.name}", RESUME_AGAIN):
+    with durable.room_needed(path.parent, f"step {step} to {path.name}",
+                             rerun_advice(", which continues from the newest checkpoint")):
         durable.append_text(path, text)
-
-
-RESUME_AGAIN = "rerun with --resume auto, which continues from the newest checkpoint"
 
 
 class MetricsSink:

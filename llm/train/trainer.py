@@ -49,6 +49,7 @@ from llm.train.engine import (
 from llm.train.loader_watch import LIMIT, NoBatch, WatchedLoader, WorkerDied, torch_said, worker_failure
 from llm.train.metrics import MetricsLogger, StepStats
 from llm.train.objectives import MicroStep
+from llm.train.rerun import rerun_advice
 from llm.train.samples import SampleGenerator
 from llm.train.steps import StepBatches
 from llm.train.time_budget import TimeBudget
@@ -419,7 +420,7 @@ class Trainer:
                 if self.dist.is_main:
                     logger.bar.close()
                     print(f"stopped by signal at step {self.step}; checkpoint saved in {self.run_dir}; "
-                          f"rerun with --resume auto to continue", flush=True)
+                          f"{rerun_advice(' to continue')}", flush=True)
                 return EXIT_PREEMPTED
         if failed is not None:
             self._save_then_fail(failed, sums, logger, checkpointer)
@@ -449,7 +450,7 @@ class Trainer:
             where = (f"checkpoint saved in {self.run_dir}" if saved else
                      f"checkpoint {tag} is in {self.run_dir}" if self.step else "nothing was trained, nothing saved")
             print(f"stopped by signal at step {self.step} while waiting for step {stalled.step}'s data: "
-                  f"{stalled.loader}; {where}; rerun with --resume auto to continue", flush=True)
+                  f"{stalled.loader}; {where}; {rerun_advice(' to continue')}", flush=True)
         return EXIT_PREEMPTED
 
     def _save_last_complete_step(self, sums: torch.Tensor | None, checkpointer: checkpoint.Checkpointer,
@@ -482,7 +483,7 @@ class Trainer:
             logger.bar.close()
         where = (f"step {self.step} is saved in {self.run_dir}" if saved else
                  f"checkpoint {tag} is in {self.run_dir}" if self.step else "nothing was trained, nothing saved")
-        raise_together(f"{failed}; {where}" + ("; rerun with --resume auto once it is corrected" if self.step else ""),
+        raise_together(f"{failed}; {where}" + (f"; {rerun_advice(' once it is corrected')}" if self.step else ""),
                        announce=self.dist.local_rank == 0)
 
     def _end_for_data(self, message: str, brief: str, logger: MetricsLogger, watchdog: Watchdog | None) -> int:
@@ -498,6 +499,6 @@ class Trainer:
             watchdog.end_job(brief if not watchdog.announce else message)
         logger.bar.close()
         newest = rundir.newest_complete_tag(self.run_dir)
-        report(f"{said}; " + (f"rerun with --resume auto to continue from {newest}" if newest else
+        report(f"{said}; " + (rerun_advice(f" to continue from {newest}") if newest else
                               "no checkpoint was saved"))
         return EXIT_RANK_LOST
