@@ -1,6 +1,7 @@
 """A DeepSpeed config's `scheduler` section, as Hugging Face's zero2.json and zero3.json carry it (it was refused:
 "remove 'scheduler'"): DeepSpeed's warmup schedules, their "auto" values filled from the run config."""
 
+import copy
 import json
 import math
 import shutil
@@ -13,6 +14,7 @@ from llm import rundir
 from llm.config import build_config
 from llm.errors import UserError
 from llm.train.ds_config_file import load_ds_config
+from llm.train.ds_scheduler import unfinished_warmup_note as ds_warmup_note
 from llm.train.engine import resolve_ds_config
 
 AUTO = {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}
@@ -92,6 +94,27 @@ def test_scheduler_sections_deepspeed_would_fail_on_or_misread_are_one_line(sect
 
 ONE_RANK = ["train.max_steps=6", "train.warmup_steps=3", "train.save_every=3", "train.keep_checkpoints=0",
             "train.precision=fp32", "train.eval_every=0"]
+
+
+def test_a_run_that_ends_inside_the_deepspeed_schedules_warmup_says_so():
+    """Only the run config's own warmup had the note: 2 steps under Hugging Face's WarmupLR, its warmup filled from
+    the recipe's 50 steps, trained at a learning rate of 0 throughout, without a word."""
+    raw, _ = load_ds_config(None, "pretrain")
+    notes = []
+    for overrides in (["train.warmup_steps=50", "train.max_steps=2"], ["train.warmup_steps=20", "train.max_steps=500"],
+                      ["train.warmup_steps=3", "train.max_steps=2", "train.stage=grpo", "train.init_from=x",
+                       "grpo.prompts=p.jsonl", "grpo.updates_per_batch=2"]):
+        cfg = build_config("demo", overrides)
+        ds = resolve_ds_config({**raw, "scheduler": copy.deepcopy(HF_SCHEDULER)}, cfg, 1, "x.json")
+        notes.append(ds_warmup_note(ds, cfg))
+    assert notes == [
+        "note: scheduler.params.warmup_num_steps=50 is above the run's 2 optimizer steps (train.max_steps): "
+        "DeepSpeed's log warmup raises the learning rate for the whole run, which never reaches its peak nor decays; "
+        "lower train.warmup_steps (and warmup_num_steps, where the config gives it)",
+        None,
+        "note: scheduler.params.warmup_num_steps=6 is above the run's 4 optimizer steps (train.max_steps x "
+        "grpo.updates_per_batch): DeepSpeed's log warmup raises the learning rate for the whole run, which never "
+        "reaches its peak nor decays; lower train.warmup_steps (and warmup_num_steps, where the config gives it)"]
 
 
 def _rows(run) -> list[dict]:

@@ -558,3 +558,15 @@ def test_grad_accum_dtypes_deepspeed_cannot_do_are_one_line(data_types, message)
     with pytest.raises(UserError, match=f"^ds.json: {re.escape(message)}$"):
         resolve_ds_config(raw, build_config("demo", ["train.precision=bf16"]), world_size=1, source="ds.json",
                           zero_stage=0)
+
+
+@pytest.mark.parametrize("precision, given", [("fp32", "bf16"), ("fp32", "fp16"), ("bf16", "fp16")])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_sum_of_gradients_in_another_precision_than_the_runs_or_fp32_is_refused(precision, given, stage):
+    """ZeRO-2 summed them in the run's own precision without a word (the losses were bit for bit the run's without
+    the setting)."""
+    raw = {**load_ds_config(None, "pretrain")[0], "data_types": {"grad_accum_dtype": given}}
+    with pytest.raises(UserError, match=f"^ds.json: 'data_types.grad_accum_dtype' \"{given}\" would sum this "
+                                        f"{precision} run's gradients in another precision than its own or fp32"):
+        resolve_ds_config(raw, build_config("demo", [f"train.precision={precision}"]), world_size=1, source="ds.json",
+                          zero_stage=stage)

@@ -182,6 +182,9 @@ def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(op
      "'zero_optimization.pipeline_loading_checkpoint' is not for zerollm: DeepSpeed passes the load from rank to rank "
      "by LOCAL_RANK, and a resume hangs on a job of several nodes, of ranks that each see one GPU, or of another "
      "number of ranks than saved; remove it"),
+    ({"checkpoint": {"writer": {"type": "python"}}}, "x.json: 'checkpoint.writer' is not for zerollm: DeepSpeed's "
+     "checkpoint writers fail as its engine starts in zerollm's jobs"),  # KeyError: 'CROSS_SIZE' in every rank
+    ({"checkpoint": {"writer": {"type": "decoupled"}}}, "x.json: 'checkpoint.writer' is not for zerollm"),
     ({"checkpoint": {"use_node_local_storage": True}}, "x.json: 'checkpoint.use_node_local_storage' is not for "
      "zerollm: its checkpoints live in one run directory every host sees, where the option has the first rank of "
      "every node (every rank, where each sees one GPU) write the same model-states file; remove it"),
@@ -244,7 +247,7 @@ def test_ds_config_refusals_leave_what_applies_alone():
     ds = resolved({"comment": "mine", "vocabulary_size": 512, "compile": {"deepcompile": False, "double_buffer": True},
                    "wandb": {"enabled": False}, "comms_logger": {"enabled": False}, "sequence_parallel_size": 1,
                    "prescale_gradients": 0, "gradient_predivide_factor": 1.0,
-                   "checkpoint": {"load_universal": False, "use_node_local_storage": False},
+                   "checkpoint": {"load_universal": False, "use_node_local_storage": False, "writer": None},
                    "sequence_parallel": False, "lr_scheduler": None, "tensor_parallel_size": 1})
     assert ds["comment"] == "mine"
     assert resolved({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})

@@ -94,6 +94,22 @@ def _checked(value: Any, kind: type, where: str) -> Any:
     return value
 
 
+def unfinished_warmup_note(ds_config: dict[str, Any], cfg: RunConfig) -> str | None:
+    """A note when the run ends inside the warmup of the resolved config's schedule, as
+    `llm.train.schedule.unfinished_warmup_note` says it of the run config's own: without it, a run of 2 steps under
+    Hugging Face's WarmupLR (its warmup filled from a recipe's 50 steps) trained at a learning rate of 0 throughout,
+    and said nothing."""
+    params, per_step = ds_config["scheduler"]["params"], optimizer_steps_per_step(cfg)
+    warmup, total = params["warmup_num_steps"], cfg.train.max_steps * per_step
+    if warmup <= total:
+        return None
+    steps = "" if per_step == 1 else " x grpo.updates_per_batch"
+    return (f"note: scheduler.params.warmup_num_steps={warmup} is above the run's {total} optimizer steps "
+            f"(train.max_steps{steps}): DeepSpeed's {params.get('warmup_type', 'log')} warmup raises the learning rate "
+            "for the whole run, which never reaches its peak nor decays; lower train.warmup_steps (and "
+            "warmup_num_steps, where the config gives it)")
+
+
 def scheduler_name(ds_config: Any) -> str | None:
     """The DeepSpeed schedule a resolved config names; None: the run config's own."""
     section = ds_config.get("scheduler") if isinstance(ds_config, dict) else None

@@ -376,7 +376,8 @@ def _fill_grad_accum_dtype(ds: dict[str, Any], precision: str, stage: int, sourc
     still reduce in bf16. Without ZeRO DeepSpeed
     cannot do it (bf16 with fp32 accumulation is refused in one line here, not DeepSpeed's NotImplementedError from
     every rank); ZeRO-1's would switch to DeepSpeed's BF16_Optimizer, another checkpoint layout, so it is left to the
-    config."""
+    config. A sum in another precision than the run's own or fp32 (bf16 in an fp32 run, fp16 in a bf16 one) is
+    refused: ZeRO-2 ignored it without a word, and it is worth nothing where it applies."""
     data_types = ds.get("data_types", {})
     if not isinstance(data_types, dict):
         raise UserError(f"{source}: 'data_types' must be a JSON object {{...}}, got {json.dumps(data_types)[:60]}")
@@ -392,6 +393,10 @@ def _fill_grad_accum_dtype(ds: dict[str, Any], precision: str, stage: int, sourc
         raise UserError(f"{source}: 'data_types.grad_accum_dtype' {json.dumps(given)} differs from this run's "
                         f"{precision}, which DeepSpeed does only under ZeRO (stage 1-3); remove it or raise "
                         "zero_optimization.stage")
+    if accum not in (DTYPES[precision], torch.float32):  # ZeRO-2 summed in the run's precision without a word
+        raise UserError(f"{source}: 'data_types.grad_accum_dtype' {json.dumps(given)} would sum this {precision} "
+                        "run's gradients in another precision than its own or fp32, which DeepSpeed's ZeRO-2 ignores; "
+                        "remove it, or give \"fp32\"")
 
 
 MAX_BUCKET_ELEMENTS = 1 << 32
@@ -624,8 +629,9 @@ def _refuse_unused_features(ds: dict[str, Any], source: str) -> None:
     it; keys its model refuses were a ValidationError traceback), the comms logger (only `deepspeed.comm.log_summary()`
     prints it), autotuning (DeepSpeed exits after its profiling steps: the run ended early, with exit status 0 and no
     checkpoint), DeepSpeed's wandb monitor (a UsageError traceback where wandb has no API key; `--wandb` logs the run)
-    and loading universal checkpoints (zerollm converts to one itself when the rank count changes; the key made a normal
-    resume fail)."""
+    loading universal checkpoints (zerollm converts to one itself when the rank count changes; the key made a normal
+    resume fail) and DeepSpeed's checkpoint writers (a KeyError or AttributeError traceback in every rank as the engine
+    was built)."""
     checkpointing = ds.get("activation_checkpointing")
     if isinstance(checkpointing, dict) and any(checkpointing.values()):
         raise UserError(f"{source}: 'activation_checkpointing' would not apply: zerollm's model does not checkpoint "
@@ -661,6 +667,11 @@ def _refuse_unused_features(ds: dict[str, Any], source: str) -> None:
         raise UserError(f"{source}: 'checkpoint.load_universal' makes a resume from zerollm's own checkpoints fail; "
                         "remove it (zerollm converts a checkpoint to universal itself when the number of ranks "
                         "changes)")
+    if _is_set(ds, "checkpoint", "writer"):
+        raise UserError(f"{source}: 'checkpoint.writer' is not for zerollm: DeepSpeed's checkpoint writers fail as "
+                        "its engine starts in zerollm's jobs (they read its launcher's CROSS_SIZE and a parallel "
+                        "layout zerollm's engine does not have); remove it (zerollm writes, flushes and publishes "
+                        "every checkpoint itself)")
 
 
 def _refuse_local_rank_features(ds: dict[str, Any], zero, source: str) -> None:
@@ -679,8 +690,7 @@ def _refuse_local_rank_features(ds: dict[str, Any], zero, source: str) -> None:
       the first rank of every node (every one-GPU rank) writes the same file; zerollm keeps a checkpoint in one run
       directory every host sees, its manifest listing every rank's files.
 
-    checkpoint.writer reads LOCAL_RANK too, but only for its decoupled engine's size statistic: which ranks write
-    follows their data-parallel rank and CROSS_RANK, so it is left to DeepSpeed."""
+    (checkpoint.writer reads LOCAL_RANK too; it is refused for failing in any job: `_refuse_unused_features`.)"""
     if zero.pipeline_loading_checkpoint:
         raise UserError(f"{source}: 'zero_optimization.pipeline_loading_checkpoint' is not for zerollm: DeepSpeed "
                         "passes the load from rank to rank by LOCAL_RANK, and a resume hangs on a job of several "

@@ -52,6 +52,7 @@ from llm.tokenizer import Tokenizer
 from llm.train import checkpoint
 from llm.train.ds_config_file import load_ds_config
 from llm.train.ds_scheduler import optimizer_steps_per_step, scheduler_name
+from llm.train.ds_scheduler import unfinished_warmup_note as ds_warmup_note
 from llm.train.engine import (
     build_engine,
     cpu_has_native_bf16,
@@ -576,7 +577,7 @@ def _announce(cfg: RunConfig, info: DistInfo, ds_config: dict, trainer: Trainer,
     if info.device.type == "cpu" and cfg.train.precision == "bf16" and not cpu_has_native_bf16():
         print(f"{stage}: note: this CPU only emulates bf16 (no AVX-512 or Arm BF16), many times slower than fp32 "
               "(docs/benchmarks.md); train.precision=auto or fp32 trains faster here", flush=True)
-    if not scheduler_name(ds_config) and (note := unfinished_warmup_note(cfg.train)):
+    if note := (ds_warmup_note(ds_config, cfg) if scheduler_name(ds_config) else unfinished_warmup_note(cfg.train)):
         print(f"{stage}: {note}", flush=True)
     held = None if trainer.val_set is None else len(trainer.val_set)
     if held is not None and held < info.world_size:  # each rank evaluates whole samples
