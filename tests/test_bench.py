@@ -159,6 +159,8 @@ def test_bench_train_takes_the_medians_of_the_numbers_a_run_logged(tmp_path):
     figures = _train_job([sys.executable, "-c", ""], tmp_path, warmup=0, cfg=cfg)
     assert (figures.tokens_per_sec, figures.loss_tokens_per_sec, figures.peak_mem_mb) == (200.0, 50.0, 13.0)
     assert math.isnan(figures.mfu) and figures.steps == 3
+    figures = _train_job([sys.executable, "-c", ""], tmp_path, warmup=1, cfg=cfg)  # the warm-up step left out
+    assert (figures.tokens_per_sec, figures.peak_mem_mb, figures.steps) == (250.0, 13.0, 2)
 
 
 @pytest.mark.parametrize("given, said", [("train.max_steps=1", "--steps (with --warmup) sets it too"),
