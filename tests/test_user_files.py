@@ -313,6 +313,8 @@ def test_optimizer_offload_is_dropped_without_zero():
     ds = resolved({"zero_optimization": {"stage": 0, **offloaded}})
     assert ds["zero_optimization"] == {"stage": 0, "offload_param": {"device": "cpu"}}
     assert resolved({"zero_optimization": {"stage": 1, **offloaded}})["zero_optimization"] == {"stage": 1, **offloaded}
+    older = resolved({"zero_optimization": {"stage": 0, "cpu_offload": True}})  # DeepSpeed's older name: it was kept
+    assert older["zero_optimization"] == {"stage": 0} and older["optimizer"]["params"].get("torch_adam") is True
 
 
 def test_ds_config_zero_section_of_every_shipped_config_and_an_offload_pass():

@@ -252,7 +252,8 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
         if ds.get("zero_optimization", {}).get(key) == "auto":
             ds["zero_optimization"][key] = size(cfg.model.dim)
     if stage == 0:  # DeepSpeed offloads nothing without ZeRO, yet builds its CPU optimizer, which then fails at the
-        ds.get("zero_optimization", {}).pop("offload_optimizer", None)  # first step on a GPU's parameters
+        for key in ("offload_optimizer", "cpu_offload"):  # first step on a GPU's parameters (cpu_offload: the
+            ds.get("zero_optimization", {}).pop(key, None)  # older name of an offload of the optimizer to the cpu)
     zero = _zero_config(ds.get("zero_optimization", {}), source)
     _fill_grad_accum_dtype(ds, t.precision, stage, source)
     _refuse_param_and_buffer_dtypes(ds, t.precision, source)
