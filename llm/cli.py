@@ -66,6 +66,20 @@ def a_path(text: str) -> str:
     return text
 
 
+class DeepSpeedConfigOption(argparse.Action):
+    """--deepspeed FILE, or --deepspeed alone, DeepSpeed's switch in `deepspeed train.py --deepspeed
+    --deepspeed_config ds.json` (its `add_config_arguments`): it asks for DeepSpeed, which zerollm always trains under,
+    and leaves the file to --deepspeed_config (the stage's default without one). It took the next option for its file
+    ('expected one argument')."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs="?", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values is not None:
+            setattr(namespace, self.dest, values)
+
+
 def whole_number(text: str) -> int:
     """An integer option's value, in ASCII decimal digits after an optional sign (int() alone also read '1_0000', '²'
     and ' 5': `--master-port 1_0000` ran on port 10000), or argparse's one line (its own for type=int named the
@@ -152,9 +166,11 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a run-config key, e.g. --set train.lr=1e-3 (repeatable)")
     p.add_argument("--deepspeed", "--deepspeed_config", type=a_path, default=None, metavar="JSON",
+                   action=DeepSpeedConfigOption,
                    help="DeepSpeed config: a JSON file, or a shipped one by name (pretrain_zero3, ...; default: the "
                         "stage's, ds_configs/<stage>.json); 'auto' values come from the run config. "
-                        "--deepspeed_config is DeepSpeed's own name for it")
+                        "--deepspeed_config is DeepSpeed's own name for it, and --deepspeed alone (DeepSpeed's "
+                        "switch, as in --deepspeed --deepspeed_config ds.json) is taken")
     p.add_argument("--zero-stage", type=whole_number, choices=[0, 1, 2, 3], default=None,
                    help="override zero_optimization.stage of the DeepSpeed config")
     p.add_argument("--nproc", type=ranks_on_this_machine, default=1,

@@ -284,9 +284,16 @@ def test_deepspeeds_own_option_name_gives_the_config():
     """`--deepspeed_config ds.json`, as DeepSpeed's scripts take it, was "unrecognized arguments"."""
     from llm.cli import build_parser
 
-    args = build_parser().parse_args(["train", "pretrain", "--recipe", "demo", "--data", "d", "--out", "o",
-                                      "--deepspeed_config", "ds.json"])
-    assert args.deepspeed == "ds.json"
+    def given(*options):
+        return build_parser().parse_args(["train", "pretrain", "--recipe", "demo", "--data", "d", "--out", "o",
+                                          *options]).deepspeed
+
+    assert given("--deepspeed_config", "ds.json") == "ds.json"
+    # DeepSpeed's switch, as in `deepspeed train.py --deepspeed --deepspeed_config ds.json`: it took the next option
+    # for its file ("expected one argument")
+    assert given("--deepspeed", "--deepspeed_config", "ds.json") == "ds.json"
+    assert given("--deepspeed_config", "ds.json", "--deepspeed") == "ds.json"
+    assert given("--deepspeed") is None and given("--deepspeed", "ds.json") == "ds.json"  # the stage's default
 
 
 @pytest.mark.parametrize("open_stdout, code, stderr", [
