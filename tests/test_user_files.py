@@ -37,6 +37,12 @@ def resolved(change: dict, precision: str = "fp32") -> dict:
     # Hjson read these as {}: the run trained at ZeRO 0, not at the stage's own config
     *[(empty, r"bad.json: is empty; give the DeepSpeed settings as a JSON object, or leave --deepspeed out for the "
               r"stage's own \(pretrain\)$") for empty in (b"", b"  \n\t\n", b"// to do\n# later\n/* { } */\n")],
+    # Hjson read `key: value` lines as an object: Accelerate's YAML trained at ZeRO 0 with DeepSpeed's defaults, a
+    # DeepSpeed section in YAML was "'zero_optimization' must be a JSON object {...}, got \"stage: 2\""
+    *[(yaml, r"bad.json: not a JSON object \(it does not open with '\{'\): a YAML file\? DeepSpeed reads its config as "
+             "JSON; an Accelerate config names its DeepSpeed JSON in deepspeed_config_file$")
+      for yaml in (b"compute_environment: LOCAL_MACHINE\ndeepspeed_config:\n  zero_stage: 2\nmixed_precision: bf16\n",
+                   b"# mine\nzero_optimization:\n  stage: 2\n")],
     # the error blamed the comment, which DeepSpeed takes ("Expecting property name enclosed in double quotes")
     (b'{\n // c\n "gradient_clipping": 1e400\n}\n', r"bad.json:3:23: invalid JSON \(the number 1e400 is beyond a "
                                                  r"float's range \(it would be Infinity\)\)$"),

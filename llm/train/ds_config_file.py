@@ -46,9 +46,14 @@ def load_ds_config(path: str | Path | None, stage: str) -> tuple[dict[str, Any],
 
     def parse(text: str) -> Any:
         data = parse_as_deepspeed(text)
-        if data == {} and not COMMENTS.sub("", text).strip():  # Hjson's {}: ZeRO 0, not the stage's own config
+        content = COMMENTS.sub("", text).strip()
+        if data == {} and not content:  # Hjson's {}: ZeRO 0, not the stage's own config
             raise UserError(f"{path}: is empty; give the DeepSpeed settings as a JSON object, or leave --deepspeed "
                             f"out for the stage's own ({stage})")
+        if isinstance(data, dict) and not content.startswith("{"):  # Hjson reads `key: value` lines as an object:
+            # an Accelerate YAML trained at ZeRO 0 with DeepSpeed's defaults, its zero_stage one more unknown key
+            raise UserError(f"{path}: not a JSON object (it does not open with '{{'): a YAML file? DeepSpeed reads its "
+                            "config as JSON; an Accelerate config names its DeepSpeed JSON in deepspeed_config_file")
         return data
 
     return read_user_json_object(path, "DeepSpeed config", parse), str(path)
