@@ -242,7 +242,13 @@ def test_minimind_pairs_share_every_turn_before_the_last_reply():
     assert preference({"chosen": turns + [good], "rejected": turns + [bad]}) == (turns, good, bad)
     for record, message in [
         ({"chosen": turns + [good], "rejected": turns[:1] + [{"role": "user", "content": "other"}, bad]},
-         "must each end in one assistant reply"),
+         "must each end in one assistant reply after the turns they share; they part at turn 2 .a user turn in "
+         "'chosen', a user turn in 'rejected'.$"),
+        # a system turn on one side only: the reason named no turn
+        ({"chosen": turns + [good], "rejected": turns[1:] + [bad]}, "they part at turn 1 .a system turn in 'chosen', a "
+                                                                    "user turn in 'rejected'.$"),
+        ({"chosen": turns + [good], "rejected": turns[:1] + [bad]}, "they part at turn 2 .a user turn in 'chosen', an "
+                                                                    "assistant turn in 'rejected'.$"),
         ({"chosen": turns + [good], "rejected": turns + [good]}, "are the same reply"),
         ({"chosen": [good], "rejected": [bad]}, "no prompt"),
         ({"chosen": [system, good], "rejected": [system, bad]}, "end with a user or tool turn"),

@@ -295,6 +295,14 @@ def _prompt_turns(prompt: Any) -> list[Message]:
     raise RecordError(f"'prompt' is {json_type(prompt)}, expected a string or a list of turns")
 
 
+def _turn_said(turns: list[Message], index: int) -> str:
+    """Turn `index` of `turns` in a few words ('a system turn', 'no turn'), for where a pair's two sides part."""
+    if index >= len(turns):
+        return "no turn"
+    role = turns[index]["role"]
+    return f"{'an' if role == 'assistant' else 'a'} {role} turn"
+
+
 def preference(value: Any) -> tuple[list[Message], Message, Message]:
     """(prompt messages, chosen reply, rejected reply) of a DPO record; the replies are canonical assistant messages.
 
@@ -327,7 +335,9 @@ def preference(value: Any) -> tuple[list[Message], Message, Message]:
     while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
         shared += 1
     if len(chosen) - shared != 1 or len(rejected) - shared != 1:
-        raise RecordError("'chosen' and 'rejected' must each end in one assistant reply after the turns they share")
+        raise RecordError(f"'chosen' and 'rejected' must each end in one assistant reply after the turns they share; "
+                          f"they part at turn {shared + 1} ({_turn_said(chosen, shared)} in 'chosen', "
+                          f"{_turn_said(rejected, shared)} in 'rejected')")
     if chosen[-1] == rejected[-1]:
         raise RecordError("'chosen' and 'rejected' are the same reply")
     for key, reply in (("chosen", chosen[-1]), ("rejected", rejected[-1])):
