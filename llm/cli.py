@@ -500,10 +500,10 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
     # a tokenizer written into an input folder is not read back
     texts = PretrainTexts(expand_inputs(args.input, exclude=args.out))
-    tok = train_tokenizer(texts, args.vocab_size, Path(args.out), args.min_frequency, skipped=texts.skipped)
-    skipped = texts.skipped
+    tok = train_tokenizer(texts, args.vocab_size, Path(args.out), args.min_frequency, unusable=texts.skipped_note)
+    skipped = texts.skipped_count
     print(f"tokenizer: {tok.vocab_size} tokens, hash {tok.hash}, written to {args.out}"
-          + (f" ({len(skipped)} unusable {plural('record', len(skipped))} skipped)" if skipped else ""))
+          + (f" ({skipped} unusable {plural('record', skipped)} skipped)" if skipped else ""))
     if tok.vocab_size < args.vocab_size:
         print(f"note: {tok.vocab_size} tokens, not the {args.vocab_size} asked for: the text has no more pairs "
               f"seen at least {args.min_frequency} times (--min-frequency) to merge")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -37,7 +37,6 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from llm import durable
 from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate, ChatTemplateError
 from llm.data.output import refuse_current_directory, refuse_foreign_contents, refuse_mount_point
-from llm.data.readers import Skipped, skipped_note
 from llm.errors import SigtermUnwinds, UserError, not_utf8, read_user_json_object, read_user_text
 from llm.rundir import TEMPLATE_FILE, TOKENIZER_FILE, check_writable_out
 from llm.rundir import TOKENIZER_CONFIG_FILE as CONFIG_FILE
@@ -107,10 +106,10 @@ def _make_out_dir(out_dir: Path) -> bool:
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, min_frequency: int = 2,
-                    show_progress: bool = True, skipped: Sequence[Skipped] = ()) -> Tokenizer:
+                    show_progress: bool = True, unusable: Callable[[], str] = str) -> Tokenizer:
     """Train byte-level BPE on a stream of texts and save it to `out_dir` (new, empty, or an earlier output of this
-    function, whose files it overwrites); UserError, with nothing written, when `texts` is empty, which names the
-    first of the records that `texts` left out as unusable (`skipped`, filled as it is read)."""
+    function, whose files it overwrites); UserError, with nothing written, when `texts` is empty, which ends with
+    `unusable()`: a note on the records `texts` left out (`PretrainTexts.skipped_note`)."""
     check_training_options(vocab_size, min_frequency)
     created = _make_out_dir(out_dir)
     tok = HFTokenizer(models.BPE())
@@ -134,7 +133,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, min_fr
     try:
         tok.train_from_iterator(counted(), trainer=trainer)
         if n_texts == 0:
-            raise UserError(f"no usable records found in the inputs; nothing was written{skipped_note(skipped)}")
+            raise UserError(f"no usable records found in the inputs; nothing was written{unusable()}")
         training = {"vocab_size": vocab_size, "min_frequency": min_frequency, "texts": n_texts}
         return _write_output(Tokenizer(tok, OUR_CONFIG, str(out_dir)), training, out_dir)
     except BaseException:

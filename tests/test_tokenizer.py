@@ -825,6 +825,17 @@ def test_tokenizer_train_skips_a_lone_surrogate_and_counts_it(tmp_path, monkeypa
     assert code == 0 and "(1 unusable record skipped)" in capsys.readouterr().out
 
 
+def test_the_unusable_records_of_a_tokenizer_corpus_are_counted_not_held(tmp_path):
+    """Each was kept as it was read: a corpus of millions of unusable lines held them all in memory."""
+    source = tmp_path / "texts.jsonl"
+    source.write_text('{"title": "no text"}\n' * 1000 + '{"text": "good text"}\n')
+    texts = llm.data.formats.PretrainTexts([source])
+    assert list(texts) == ["good text"]
+    assert texts.skipped_count == 1000 and texts.first_skipped.line == 1
+    assert texts.skipped_note() == (f" (1000 records skipped, first: {source}:1: no text field (keys: title); "
+                                    "expected 'text', 'conversations' or 'instruction'/'output')")
+
+
 def test_tokenizer_train_out_of_room_for_tokenizer_json_is_one_line_and_keeps_the_old_one(tmp_path):
     """A failed write of tokenizer.json (the tokenizers library said it in a plain Exception, 'File too large (os
     error 27)': a traceback, exit 1) is one line, the earlier tokenizer kept. A file size limit stands in for a full

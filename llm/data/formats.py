@@ -479,14 +479,20 @@ def read_records(files: Iterable[Path], kind: str, max_record_mb: float = DEFAUL
 
 class PretrainTexts:
     """The text of every usable pretraining record of `files` (`read_records`), a long document as pieces, read as
-    it is iterated; `skipped` gathers each unusable one as it is read, for a count and for `skipped_note`."""
+    it is iterated; `skipped_count` counts the unusable ones as they are read, and `first_skipped` is the first (each
+    was kept: a corpus of millions of unusable lines held them all in memory)."""
 
     def __init__(self, files: Iterable[Path]) -> None:
-        self.files, self.skipped = files, []
+        self.files, self.first_skipped, self.skipped_count = files, None, 0
 
     def __iter__(self) -> Iterator[str]:
         for record in read_records(self.files, "pretrain"):
             if isinstance(record, Skipped):
-                self.skipped.append(record)
+                self.skipped_count += 1
+                self.first_skipped = self.first_skipped or record
             else:
                 yield record.value
+
+    def skipped_note(self) -> str:
+        """`skipped_note` of the records read so far."""
+        return skipped_note([self.first_skipped] if self.first_skipped else [], self.skipped_count)

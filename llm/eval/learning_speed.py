@@ -316,7 +316,8 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
 
         texts = PretrainTexts([train_file])
         try:
-            tokenizer = train_tokenizer(texts, vocab, out_dir / "tok", show_progress=False, skipped=texts.skipped)
+            tokenizer = train_tokenizer(texts, vocab, out_dir / "tok", show_progress=False,
+                                        unusable=texts.skipped_note)
         except UserError as exc:  # about the training part (its records), or not (a write to tok/)
             raise (refused_part(exc, train_file, input_file, 0) if str(train_file) in str(exc) else exc) from None
         phases.done("tokenizer", f" ({tokenizer.vocab_size} tokens)")
