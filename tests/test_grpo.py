@@ -73,6 +73,8 @@ def _completions(texts, answers=None, lengths=None):
     ("1000000000500", 1000000000000, False), ("1000000001", 1000000000, False), ("3e-10", "-5e-10", False),
     ("0.0000000001", 0, False), ("9007199254740993", 9007199254740992, False), ("0.1", 0.1, True), ("-0", 0, True),
     ("1e999999999", "1e999999999", True),
+    # the minus sign of typeset text (U+2212) was no sign: "−3" did not match -3
+    ("\u22123", -3, True), ("\u22123", "-3.0", True), ("1e\u22122", 0.01, True), ("\u22123", 3, False),
 ])
 def test_exact_match_follows_the_documented_extraction_rule(completion, answer, expected):
     assert answers_match(completion, answer) is expected
@@ -227,6 +229,20 @@ def test_a_user_function_cannot_change_what_the_next_terms_read(tmp_path, monkey
     batch = _completions(["7", "ab"], answers=["12", "12"])
     assert reward(batch)[1]["exact_match"].tolist() == [0.0, 0.0]  # was [1.0, 1.0]: it read the meddler's edits
     assert batch.texts == ["7", "ab"] and batch.prompts[0][-1]["content"] == "q"
+
+
+def test_the_rewards_read_a_completion_as_its_reply_reads_without_special_tokens(tokenizer_dir):
+    """The rewards read the special tokens a completion held: an exact match failed on '4<|im_start|>', whose reply
+    (generate's, serve's, TRL's rewards') reads '4'."""
+    tok = Tokenizer.load(tokenizer_dir)
+    generator = rollout.TextGenerator(Transformer(ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2)), tok)
+    four, end = tok.encode("4"), tok.encode_rendered("<|im_end|>")
+    rows = [[*four, tok.im_start_id, *four, *end, *four], [*four, tok.pad_id, *four]]
+    completions, texts = rollout.cut_completions(rows, generator)
+    assert completions == [[*four, tok.im_start_id, *four, *end], rows[1]]  # the loss keeps the stop token
+    assert texts == ["44", "44"]
+    assert Reward(["exact_match"], 1, torch.device("cpu"))(_completions(texts, answers=["44", "44"]))[1][
+        "exact_match"].tolist() == [1.0, 1.0]
 
 
 def test_a_user_function_returning_the_wrong_shape_is_named(tmp_path, monkeypatch):

@@ -105,9 +105,11 @@ def final_answer(completion: str) -> str:
     return answer[:-1].rstrip() if answer.endswith((".", "。")) else answer
 
 
-NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
-"""A number as answers write it: digits, with commas only between groups of three (1,234,567), a fraction, an
-exponent."""
+MINUS = "\u2212"
+"""The minus sign of typeset text (−3), which models trained on it write for the hyphen-minus of ASCII (-3)."""
+NUMBER = re.compile(rf"[+\-{MINUS}]?(?:\d{{1,3}}(?:,\d{{3}})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)(?:[eE][+\-{MINUS}]?\d+)?")
+"""A number as answers write it: a sign (the minus sign too), digits, with commas only between groups of three
+(1,234,567), a fraction, an exponent."""
 
 
 def _number(text: str) -> Decimal | None:
@@ -118,7 +120,7 @@ def _number(text: str) -> Decimal | None:
     if not NUMBER.fullmatch(text):
         return None
     try:
-        return Decimal(text.replace(",", ""))
+        return Decimal(text.replace(",", "").replace(MINUS, "-"))
     except InvalidOperation:  # digits Decimal does not read (NUMBER's \d is any script's)
         return None
 

@@ -55,6 +55,19 @@ def encode_prompt(tokenizer: Tokenizer, messages: list[dict[str, str]], tools: l
     return tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
 
 
+def cut_completions(rows: list[list[int]], generator: TextGenerator) -> tuple[list[list[int]], list[str]]:
+    """Each sampled row cut after its first stop token (the ids the loss is on keep it), and its text for the
+    rewards as `generate` and `serve` give a reply's: without that token or any other special token. The rewards saw
+    those: an exact match failed on '4<|im_start|>', whose reply reads '4' (as TRL's rewards read it too)."""
+    stop_ids = set(generator.stop_ids.tolist())
+    completions, texts = [], []
+    for row in rows:
+        end = next((i for i, token in enumerate(row) if token in stop_ids), None)
+        completions.append(row if end is None else row[:end + 1])
+        texts.append(generator.text(row if end is None else row[:end]))
+    return completions, texts
+
+
 def tokenizer_dir(cfg: RunConfig) -> Path:
     """GRPO tokenizes raw prompts with the tokenizer of its --init-from model (a run or an export directory)."""
     init = Path(cfg.train.init_from)
@@ -172,13 +185,7 @@ class Rollouts:
                 params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
                                         top_p=g.top_p, seed=seed)
                 rows += torch.stack([next_ids for next_ids, _ in generator.token_steps(chunk, params)], 1).tolist()
-        stop_ids = set(generator.stop_ids.tolist())
-        completions, texts = [], []
-        for row in rows:
-            end = next((i for i, token in enumerate(row) if token in stop_ids), None)
-            completions.append(row if end is None else row[:end + 1])
-            texts.append(self.tokenizer.decode(row if end is None else row[:end]))
-        return completions, texts
+        return cut_completions(rows, generator)
 
     # ---- batching ------------------------------------------------------------------------------
 
