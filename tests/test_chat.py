@@ -271,7 +271,7 @@ def test_a_reply_whose_kv_cache_cannot_fit_in_memory_drops_old_turns_or_is_refus
     from llm.model import host_memory
 
     per_position = 2 * 2 * 2 * 16 * 4  # keys and values of 2 layers, 2 KV heads of 16 dimensions, fp32
-    monkeypatch.setattr(host_memory, "usable_memory", lambda: 60 * per_position)
+    monkeypatch.setattr(host_memory, "cgroup_memory", lambda *_: [(60 * per_position, 0)])
     with pytest.raises(UserError, match=r"^no message can be sent: the prompt \(\d+ tokens\) and --max-new-tokens 64 "
                                         r"need a KV cache of .*: lower --max-new-tokens$"):
         ChatSession(generator, SamplingParams(max_new_tokens=64))
@@ -281,7 +281,7 @@ def test_a_reply_whose_kv_cache_cannot_fit_in_memory_drops_old_turns_or_is_refus
     assert re.search(r"\(not sent: the prompt \(\d+ tokens\) and --max-new-tokens 8 need a KV cache of .*: shorten the "
                      r"message, or /reset with a shorter system prompt\)", out)
     assert [m["content"] for m in session.messages if m["role"] == "user"] == ["again"]
-    monkeypatch.setattr(host_memory, "usable_memory", lambda: per_position)  # a GPU whose free memory went elsewhere
+    monkeypatch.setattr(host_memory, "cgroup_memory", lambda *_: [(per_position, 0)])  # its free memory went elsewhere
     assert "(not reset: no message can be sent: the prompt" in _repl(session, ["/reset"])
     assert [m["content"] for m in session.messages if m["role"] == "user"] == ["again"]  # the chat went on
 

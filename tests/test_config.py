@@ -2,6 +2,7 @@ import dataclasses
 import json
 import pathlib
 import re
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -540,6 +541,29 @@ def _cgroup_tree(root: pathlib.Path, limits: dict[str, str], membership: str) ->
         (root / file).write_text(limit + "\n")
     (root / "cgroup").write_text(membership)
     return root / "cgroup"
+
+
+def test_the_memory_a_cgroup_leaves_free_is_its_limit_less_its_working_set(tmp_path, monkeypatch):
+    """The whole limit was taken as free: a KV cache that the group's own model (or its other processes) left no
+    room for was written in full, and the OOM killer ended the process. The inactive page cache, which the kernel
+    drops first, is not counted as used."""
+    from llm.model import host_memory
+
+    gib = 1 << 30
+    membership = _cgroup_tree(tmp_path, {"memory.max": "max", "job/memory.max": str(4 * gib),
+                                         "job/memory.current": str(3 * gib),
+                                         "job/memory.stat": f"anon {gib}\ninactive_file {gib // 2}\nactive_file 0\n",
+                                         "memory/memory.limit_in_bytes": str(8 * gib),
+                                         "memory/memory.usage_in_bytes": str(7 * gib)},
+                               "0::/job\n5:memory:/\n")
+    assert sorted(host_memory.cgroup_memory(tmp_path, membership)) == [(4 * gib, 5 * gib // 2), (8 * gib, 7 * gib)]
+    monkeypatch.setattr(host_memory, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(host_memory, "MEMBERSHIP", membership)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=64 * gib, available=32 * gib))
+    assert host_memory.free_memory() == (gib, "the 1.0 GiB of memory the limit of this process's cgroup (a container's "
+                                              "or a job's) leaves free")
+    (tmp_path / "memory" / "memory.usage_in_bytes").write_text(str(gib))  # the v1 group's limit leaves less now
+    assert host_memory.free_memory()[0] == 3 * gib // 2
 
 
 @pytest.mark.parametrize("limits, membership, expected", [

@@ -775,12 +775,12 @@ def test_a_kv_cache_that_cannot_fit_in_memory_is_one_line(exported, generator, m
     from llm.model import host_memory
 
     per_position = 2 * 2 * 2 * 16 * 4  # keys and values of 2 layers, 2 KV heads of 16 dimensions, fp32
-    monkeypatch.setattr(host_memory, "usable_memory", lambda: 40 * per_position)
+    monkeypatch.setattr(host_memory, "cgroup_memory", lambda *_: [(40 * per_position, 0)])
     assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "To be", "--max-new-tokens", 64,
                         "--device", "cpu", "--dtype", "fp32") == 2
     assert re.fullmatch(r"zerollm: error: the prompt \(\d+ tokens\) and --max-new-tokens 64 need a KV cache of "
-                        r"[\d.]+ GiB, more than the limit of this process's cgroup \(a container's or a job's\): "
-                        r"[\d.]+ GiB of memory: lower --max-new-tokens or shorten the prompt\n",
+                        r"[\d.]+ GiB, more than the [\d.]+ GiB of memory the limit of this process's cgroup \(a "
+                        r"container's or a job's\) leaves free: lower --max-new-tokens or shorten the prompt\n",
                         capsys.readouterr().err)
     prompt = generator.prompt_ids("To be")
     with pytest.raises(ValueError, match=r"need a KV cache"):

@@ -390,7 +390,7 @@ def test_a_reply_whose_kv_cache_cannot_fit_in_memory_is_a_400_naming_max_tokens(
     from llm.model import host_memory
 
     per_position = 2 * 2 * 2 * 16 * 4  # keys and values of 2 layers, 2 KV heads of 16 dimensions, fp32
-    monkeypatch.setattr(host_memory, "usable_memory", lambda: 40 * per_position)
+    monkeypatch.setattr(host_memory, "cgroup_memory", lambda *_: [(40 * per_position, 0)])
     status, payload = _post(server, json.dumps({**HELLO, "max_tokens": 64}).encode())
     assert (status, payload["error"]["param"]) == (400, "max_tokens")
     assert re.fullmatch(r"the prompt \(\d+ tokens\) and max_tokens 64 need a KV cache of .*: lower max_tokens",

@@ -18,39 +18,63 @@ FP32_BYTES = 4
 GIB = 1 << 30
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 MEMBERSHIP = Path("/proc/self/cgroup")
-CGROUP_LIMIT_FILES = {"": ("", "memory.max"), "memory": ("memory", "memory.limit_in_bytes")}
-"""Where each cgroup version keeps a group's memory limit, by the controller field of a /proc/self/cgroup line ('' in
-v2's unified hierarchy): the folder below CGROUP_ROOT and the file name."""
+CGROUP_FILES = {"": ("", "memory.max", "memory.current", "inactive_file"),
+                "memory": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+"""Where each cgroup version keeps a group's memory limit and use, by the controller field of a /proc/self/cgroup
+line ('' in v2's unified hierarchy): the folder below CGROUP_ROOT, the limit's file, the use's file, and the line of
+memory.stat that counts the page cache the kernel would drop first."""
 
 
-def cgroup_memory_limits(root: Path, membership: Path) -> list[int]:
-    """The memory limits set on the cgroups `membership` (/proc/self/cgroup) lists and on every group above them, in
-    the cgroup v2 and v1 hierarchies under `root` (/sys/fs/cgroup): a container, a SLURM job or a systemd slice may
-    hold less than the host. Groups this process cannot see (another namespace's paths) and unlimited ones ('max')
-    give none."""
+def _read_number(path: Path) -> int | None:
+    try:
+        value = path.read_text().strip()
+    except OSError:
+        return None
+    return int(value) if value.isdigit() else None
+
+
+def _dropped_first(stat: Path, key: str) -> int:
+    """The bytes of the `key` line of a group's memory.stat (its inactive page cache), 0 where unknown."""
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
+        return 0
+    return next((int(value) for name, _, value in (line.partition(" ") for line in lines)
+                 if name == key and value.isdigit()), 0)
+
+
+def cgroup_memory(root: Path, membership: Path) -> list[tuple[int, int]]:
+    """(limit, use) of every cgroup that `membership` (/proc/self/cgroup) lists, or that holds one of those, and sets
+    a memory limit, in the cgroup v2 and v1 hierarchies under `root` (/sys/fs/cgroup): a container, a SLURM job or a
+    systemd slice may hold less than the host. The use is the group's working set, as the kubelet counts it: its
+    memory less the inactive page cache the kernel would drop before it ran out (0 where unknown). Groups this
+    process cannot see (another namespace's paths) and unlimited ones ('max') give none."""
     try:
         lines = membership.read_text().splitlines()
     except OSError:
         return []
-    limits = []
+    groups = []
     for line in lines:
         _, _, rest = line.partition(":")
         controllers, _, group_path = rest.partition(":")
-        for controller, (folder, name) in CGROUP_LIMIT_FILES.items():
+        for controller, (folder, limit_file, use_file, dropped_first) in CGROUP_FILES.items():
             if controller not in controllers.split(","):  # "" is v2's line
                 continue
             hierarchy = root / folder
             group = hierarchy.joinpath(*[part for part in group_path.split("/") if part not in ("", ".", "..")])
             for level in (group, *group.parents):
-                try:
-                    value = (level / name).read_text().strip()
-                except OSError:
-                    value = ""
-                if value.isdigit():
-                    limits.append(int(value))
+                limit = _read_number(level / limit_file)
+                if limit is not None:
+                    use = _read_number(level / use_file) or 0
+                    groups.append((limit, max(0, use - _dropped_first(level / "memory.stat", dropped_first))))
                 if level == hierarchy:
                     break
-    return limits
+    return groups
+
+
+def cgroup_memory_limits(root: Path, membership: Path) -> list[int]:
+    """The memory limits of `cgroup_memory`'s groups."""
+    return [limit for limit, _ in cgroup_memory(root, membership)]
 
 
 def usable_memory() -> int:
@@ -60,13 +84,16 @@ def usable_memory() -> int:
 
 def free_memory() -> tuple[int, str]:
     """Bytes this process may take, and where they are as the end of a sentence: the host's available memory (free,
-    and cache the kernel can drop), or its cgroup's whole limit where that is lower (what the group already uses is
-    not subtracted: its page cache, which the kernel would drop, counts there too). A buffer sized against the
-    host's total memory instead is written in full at once (a KV cache), so the OOM killer ended the process (a
-    server with every request in it) where other processes held the difference."""
-    limit, available = usable_memory(), psutil.virtual_memory().available
-    if limit < available:
-        return limit, f"{whose_memory(limit)} {limit / GIB:,.1f} GiB of memory"
+    and cache the kernel can drop), or what its cgroups' limits leave of it beside the groups' working sets
+    (`cgroup_memory`) where that is less. A buffer sized against the host's total memory, or a cgroup's whole limit,
+    instead is written in full at once (a KV cache), so the OOM killer ended the process (a server with every
+    request in it) where other processes, or this one's own model, held the difference."""
+    available = psutil.virtual_memory().available
+    left = min((limit - use for limit, use in cgroup_memory(CGROUP_ROOT, MEMBERSHIP)), default=available)
+    if left < available:
+        left = max(left, 0)
+        return left, (f"the {left / GIB:,.1f} GiB of memory the limit of this process's cgroup (a container's or a "
+                      "job's) leaves free")
     return available, f"the {available / GIB:,.1f} GiB of memory this host has free"
 
 
