@@ -438,6 +438,15 @@ def _template_message(message: dict) -> dict:
     return {**message, "tool_calls": nested}
 
 
+def _renders_tools(given: str, bare: str, tools: list) -> bool:
+    """Whether text rendered with `tools` (`given`) names each tool more often than the same messages rendered
+    without them (`bare`)."""
+    functions = (tool.get("function", tool) if isinstance(tool, dict) else None for tool in tools)
+    names = [function["name"] for function in functions if isinstance(function, dict)
+             and isinstance(function.get("name"), str)]
+    return given != bare and all(given.count(name) > bare.count(name) for name in names)
+
+
 REPLY_PROBE = "zerollm reply probe"
 """Text put in place of a reply's to see where the template renders it (`ChatTemplate._check_reply_within`)."""
 
@@ -484,13 +493,16 @@ class ChatTemplate:
     def _escaped(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
         """The messages and tool definitions as the template sees them, their text escaped; ChatTemplateError for a
         value nested deeper than Python's recursion limit (e.g. a tool call's arguments from a client). Tool
-        definitions are refused where the template renders the same text without them: they would be left out."""
+        definitions are refused where the template does not render each tool's name more often with them than
+        without: they would be left out (a template that writes a blank for them renders other text, still without
+        them)."""
         try:
             escaped = self._escape([_template_message(m) for m in messages]), self._escape(tools or None)
         except RecursionError:
             raise MessagesRefused("the messages hold a value nested too deeply to render (lists or objects "
                                   "inside one another, as in a tool call's arguments or a tool's parameters)") from None
-        if escaped[1] and self._render(escaped[0], False, escaped[1]) == self._render(escaped[0], False, None):
+        if escaped[1] and not _renders_tools(self._render(escaped[0], False, escaped[1]),
+                                             self._render(escaped[0], False, None), escaped[1]):
             raise ToolsNotRendered(f"{self.source}: the chat template does not render tool definitions ('tools'), "
                                   "so they would be left out; use a template that renders them (zerollm's own, "
                                   "Qwen's or MiniMind's do)")

@@ -549,7 +549,7 @@ def test_prompt_records_of_both_shapes():
     assert prompt_record("just a prompt") == ([{"role": "user", "content": "just a prompt"}], {})
 
 
-def test_a_prompts_tool_definitions_reach_the_chat_template_and_not_the_rewards(tokenizer_dir, tmp_path):
+def test_a_prompts_tool_definitions_reach_the_chat_template_and_the_rewards(tokenizer_dir, tmp_path):
     """MiniMind's RL prompts carry their tools on the system turn: they were dropped without a word."""
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     system, user = {"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Lima?"}
@@ -563,7 +563,7 @@ def test_a_prompts_tool_definitions_reach_the_chat_template_and_not_the_rewards(
     prompts = read_prompts([str(path)], partial(encode_prompt, tok), max_tokens=500, required_fields=["answer"])
     assert [p.ids for p in prompts] == [tok.encode_chat([system, user], True, tools=tools),
                                         tok.encode_chat([user], True, tools=tools)]
-    assert [p.fields for p in prompts] == [{"answer": "sunny"}] * 2
+    assert [p.fields for p in prompts] == [{"answer": "sunny"}, {"answer": "sunny", "tools": tools}]  # as TRL's
     assert prompts.skipped == [f"{path}:3: 'tools' is not valid JSON (Expecting value)"]
 
 

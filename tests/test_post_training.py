@@ -180,13 +180,20 @@ def test_tool_definitions_are_read_wherever_records_give_them():
                                                                                           user, no]}) == Pair(
         [system, user], call, no, tools)
     assert pair_record({"prompt": [user], "chosen": [call], "rejected": [no], "tools": tools}).tools == tools
+    with pytest.raises(RecordError, match="^'chosen' turn 1's 'tools' and 'rejected' turn 1's 'tools' give different "
+                                          "tool definitions; keep one$"):  # the rejected side's were used
+        pair_record({"chosen": [{**system, "tools": tools}, user, call],
+                     "rejected": [{**system, "tools": tools[1:]}, user, no]})
     refusals = {
         "'tools' is an object, expected a list of tool definitions": {"tools": weather},
         "'tools' is not valid JSON": {"tools": "[{"},
         "'tools': tool 2 is not a definition with a 'name' string": {"tools": [weather, {"function": "clock"}]},
         "'tools': tool 1 is not a definition with a 'name' string": {"tools": ["weather"]},
-        "'tools' and the system turn's 'tools' give different tool definitions; keep one": {
+        "'tools' and 'messages' turn 1's 'tools' give different tool definitions; keep one": {
             "tools": tools, "messages": [{**system, "tools": tools[:1]}, user, call]},
+        # two system turns: the second's replaced the first's in the check, and its definitions were used
+        "'messages' turn 1's 'tools' and 'messages' turn 3's 'tools' give different tool definitions; keep one": {
+            "messages": [{**system, "tools": tools}, user, {**system, "tools": tools[:1]}, call]},
     }
     for reason, fields in refusals.items():
         with pytest.raises(RecordError, match=f"^{re.escape(reason)}"):

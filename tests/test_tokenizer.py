@@ -621,6 +621,10 @@ def test_an_earlier_versions_template_renders_tool_definitions_and_one_without_t
     for template in llm.chat_template.LEGACY_CHAT_TEMPLATES:
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
         assert "# Tools" in Tokenizer.load(tmp_path).render_chat(CONVERSATION[1:2], tools=TOOLS)
+    blank = "{% if tools %} {% endif %}" + llm.chat_template.CHAT_TEMPLATE.replace("tools", "x")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": blank}))
+    with pytest.raises(MessagesRefused, match="does not render tool definitions"):  # a blank for them passed
+        Tokenizer.load(tmp_path).encode_chat_masked(CONVERSATION[1:3], TOOLS)
     for directory in (LLAMA, MINIMIND):  # their templates leave tools out: the definitions would be lost
         with pytest.raises(MessagesRefused, match=f"^{directory}: the chat template does not render tool "
                            r"definitions \('tools'\), so they would be left out; use a template"):

@@ -383,9 +383,9 @@ def tool_definitions(value: dict) -> list[dict] | None:
     places = {f"'{key}'": value[key] for key in TOOLS_KEYS if value.get(key) not in (None, "", [])}
     for turns_key in TURN_LISTS:
         turns = value.get(turns_key)
-        for turn in turns if isinstance(turns, list) else ():
+        for number, turn in enumerate(turns if isinstance(turns, list) else (), 1):
             if isinstance(turn, dict) and turn.get("role", turn.get("from")) == "system":
-                places |= {f"the system turn's '{key}'": turn[key] for key in TOOLS_KEYS
+                places |= {f"'{turns_key}' turn {number}'s '{key}'": turn[key] for key in TOOLS_KEYS
                            if turn.get(key) not in (None, "", [])}
     found = {place: tool_list(tools, place) for place, tools in places.items()}
     if len({json.dumps(tools, sort_keys=True) for tools in found.values()}) > 1:

@@ -10,7 +10,8 @@ A record is one of
 
 A top-level "system" text opens the prompt as a system turn, as in `data prepare` (`llm.data.formats.with_system`),
 and tool definitions (a top-level "tools", or MiniMind's on its system turn: `llm.data.formats.tool_definitions`) go
-to the chat template with it. Every other field of a record (`answer`, ...) travels with the prompt to the rewards.
+to the chat template with it. Every other field of a record (`answer`, a top-level `tools` too, as TRL passes it to
+its reward functions) travels with the prompt to the rewards.
 Files are read record by record; the prompts are held in memory as token ids (a few hundred bytes each). A record
 that cannot be used (malformed, no user turn, missing a field the rewards need, longer than data.seq_len -
 grpo.max_new_tokens tokens, refused by the chat template) is skipped and reported as file:line; a set with no usable
@@ -28,7 +29,6 @@ from torch.utils.data import Dataset
 
 from llm.chat_template import MessagesRefused
 from llm.data.formats import (
-    TOOLS_KEYS,
     Item,
     RecordError,
     Skipped,
@@ -44,7 +44,7 @@ from llm.errors import UserError
 from llm.tokenizer import TextNotEncoded
 
 PROMPT_KEYS = ("conversations", "messages", "prompt")
-CONSUMED_KEYS = (*PROMPT_KEYS, "system", *TOOLS_KEYS)
+CONSUMED_KEYS = (*PROMPT_KEYS, "system")
 """Fields that make the prompt; the others go to the rewards."""
 
 
