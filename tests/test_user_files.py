@@ -191,6 +191,7 @@ def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(op
     ({"checkpoint": {"writer": {"type": "python"}}}, "x.json: 'checkpoint.writer' is not for zerollm: DeepSpeed's "
      "checkpoint writers fail as its engine starts in zerollm's jobs"),  # KeyError: 'CROSS_SIZE' in every rank
     ({"checkpoint": {"writer": {"type": "decoupled"}}}, "x.json: 'checkpoint.writer' is not for zerollm"),
+    ({"checkpoint": {"writer": {}}}, "x.json: 'checkpoint.writer' is not for zerollm"),  # DeepSpeed's default writer
     ({"checkpoint": {"use_node_local_storage": True}}, "x.json: 'checkpoint.use_node_local_storage' is not for "
      "zerollm: its checkpoints live in one run directory every host sees, where the option has the first rank of "
      "every node (every rank, where each sees one GPU) write the same model-states file; remove it"),

@@ -668,7 +668,7 @@ def _refuse_unused_features(ds: dict[str, Any], source: str) -> None:
         raise UserError(f"{source}: 'checkpoint.load_universal' makes a resume from zerollm's own checkpoints fail; "
                         "remove it (zerollm converts a checkpoint to universal itself when the number of ranks "
                         "changes)")
-    if _is_set(ds, "checkpoint", "writer"):
+    if isinstance(ds.get("checkpoint"), dict) and ds["checkpoint"].get("writer") is not None:  # {}: the default one
         raise UserError(f"{source}: 'checkpoint.writer' is not for zerollm: DeepSpeed's checkpoint writers fail as "
                         "its engine starts in zerollm's jobs (they read its launcher's CROSS_SIZE and a parallel "
                         "layout zerollm's engine does not have); remove it (zerollm writes, flushes and publishes "
