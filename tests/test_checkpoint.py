@@ -40,9 +40,9 @@ from llm.errors import UserError
 from llm.loading import consolidated_weights, load_trained_model
 from llm.model import Transformer
 from llm.runtime.rank_env import free_port
+from llm.runtime.rerun import rerun_said_as
 from llm.train import checkpoint
 from llm.train.metrics import MetricsSink
-from llm.train.rerun import rerun_said_as
 from llm.train.schedule import lr_multiplier
 
 MODEL_FILE = rundir.MODEL_STATES

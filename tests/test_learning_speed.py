@@ -5,6 +5,8 @@ import json
 import math
 import os
 import signal
+import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -245,7 +247,7 @@ def test_a_refusal_from_the_training_job_ends_bench_learn_without_teardown(tmp_p
 def test_the_training_jobs_advice_to_resume_is_bench_learns_to_run_again(tmp_path, monkeypatch):
     """A full disk while saving told a bench learn user to 'rerun with --resume auto', an option it refuses."""
     from llm.eval import learning_speed
-    from llm.train.rerun import rerun_advice
+    from llm.runtime.rerun import rerun_advice
 
     def out_of_room(*args, **kwargs):  # as the job's checkpoint says it
         raise UserError(f"run/checkpoints: no space left on device while saving step 4; free space and "
@@ -258,6 +260,27 @@ def test_the_training_jobs_advice_to_resume_is_bench_learns_to_run_again(tmp_pat
     assert str(error.value).endswith(f"free space and run bench learn again into {tmp_path / 'out'} (it has no "
                                      "--resume: it starts over)")
     assert rerun_advice() == "rerun with --resume auto"  # outside it
+
+
+def test_a_stop_by_a_second_signal_inside_bench_learn_says_to_run_it_again(monkeypatch):
+    """Its line is written by the signal reader's thread, which starts without bench learn's words: it advised
+    --resume auto."""
+    import torch
+
+    from llm.runtime import preemption
+    from llm.runtime.rerun import rerun_said_as
+
+    info = SimpleNamespace(device=torch.device("cpu"), is_main=True)
+    with rerun_said_as("run bench learn again"):
+        stop = preemption.Preemption(info)
+    said = []
+    monkeypatch.setattr(stop, "_say", lambda line, wait_s=0.0: said.append(line))
+    monkeypatch.setattr(os, "_exit", lambda code: said.append(code))
+    thread = threading.Thread(target=lambda: [stop._on_signal(signal.SIGINT, now) for now in (0.0, 60.0)])
+    thread.start()
+    thread.join()
+    assert said[1:] == ["stopped at once by a second signal, without a checkpoint; run bench learn again",
+                        128 + signal.SIGINT]
 
 
 def test_a_failed_bench_learn_is_rerun_into_its_own_out_but_a_foreign_or_input_holding_one_is_refused(

@@ -243,8 +243,8 @@ def test_a_resumed_run_that_diverges_names_the_checkpoint_it_resumed_from(zero_r
                             extra=["--zero-stage", 2, "--resume", "auto"]))
     errors = [line for line in result.stderr.splitlines() if line.startswith("zerollm: error:")]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
-    assert errors[0].endswith("stopped without saving; the newest checkpoint, global_step4, is from before: resume "
-                              "from it with a lower train.lr (--resume auto --set train.lr=...), or change what made "
+    assert errors[0].endswith("stopped without saving; the newest checkpoint, global_step4, is from before: rerun "
+                              "with --resume auto with a lower train.lr (--set train.lr=...), or change what made "
                               "the run diverge"), errors
 
 

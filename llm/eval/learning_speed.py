@@ -47,11 +47,11 @@ from llm.eval.token_stream import stream_of_files
 from llm.loading import load_trained_model
 from llm.runtime.accelerator import local_device_type
 from llm.runtime.preemption import Preemption, stop_signals_restored
+from llm.runtime.rerun import rerun_said_as
 from llm.tokenizer import Tokenizer, check_training_options, train_tokenizer
 from llm.train.ds_config_file import load_ds_config
 from llm.train.engine import resolve_ds_config, resolve_precision
 from llm.train.job import run as run_training
-from llm.train.rerun import rerun_said_as
 from llm.train.run_lock import check_run_unlocked
 from llm.wording import plural
 

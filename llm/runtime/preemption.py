@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from llm.errors import STOP_SIGNALS
 from llm.runtime.distributed import DistInfo
+from llm.runtime.rerun import rerun_advice
 from llm.runtime.supervisor import watch_supervisor
 
 FORCE_AFTER_S = 1.0
@@ -102,6 +103,8 @@ class Preemption:
         self._result = torch.zeros(1, dtype=torch.int32, pin_memory=on_gpu)
         self._ready = torch.cuda.Event() if on_gpu else None
         self._voted = False
+        self._rerun = rerun_advice(" to continue from the last complete one")  # here: the signal reader's thread
+        # starts with a context of its own
 
     def install(self) -> None:
         """Request a stop on SIGTERM/SIGINT (read by a daemon thread: module docstring), and when the supervising
@@ -139,8 +142,8 @@ class Preemption:
             self._say("stopping with a checkpoint when this step ends; a second Ctrl-C (or SIGTERM) stops at once, "
                       "without one")
         elif now - self._signalled_at >= FORCE_AFTER_S:
-            self._say("stopped at once by a second signal, without a checkpoint; rerun with --resume auto to continue "
-                      "from the last complete one", wait_s=LAST_LINE_WAIT_S)
+            self._say(f"stopped at once by a second signal, without a checkpoint; {self._rerun}",
+                      wait_s=LAST_LINE_WAIT_S)
             os._exit(128 + signum)
 
     def _say(self, line: str, wait_s: float = 0.0) -> None:

@@ -47,7 +47,7 @@ from llm.errors import UserError
 from llm.model import Transformer
 from llm.runtime.accelerator import ensure_accelerator_env
 from llm.runtime.distributed import agreed, raise_together, refuse_together
-from llm.train.rerun import rerun_advice
+from llm.runtime.rerun import rerun_advice
 
 FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # read by torch on every torch.load
 DELETING_PREFIX = ".deleting-"

@@ -30,8 +30,8 @@ from llm.config import ModelConfig, RunConfig, WandbConfig
 from llm.errors import UserError
 from llm.jsonl import jsonl_lines, strict_json
 from llm.runtime.distributed import DistInfo
+from llm.runtime.rerun import rerun_advice
 from llm.stdout import on_terminal, unguarded
-from llm.train.rerun import rerun_advice
 
 
 def matmul_params_per_token(cfg: ModelConfig, total_params: int) -> int:

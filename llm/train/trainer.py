@@ -35,6 +35,7 @@ from llm.data.sampler import ResumableDistributedSampler
 from llm.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_RANK_LOST, StepInputError, UserError, report
 from llm.runtime.distributed import DistInfo, raise_together
 from llm.runtime.preemption import Preemption, data_loader_worker_init
+from llm.runtime.rerun import rerun_advice
 from llm.runtime.watchdog import Watchdog
 from llm.train import checkpoint
 from llm.train.engine import (
@@ -49,7 +50,6 @@ from llm.train.engine import (
 from llm.train.loader_watch import LIMIT, NoBatch, WatchedLoader, WorkerDied, torch_said, worker_failure
 from llm.train.metrics import MetricsLogger, StepStats
 from llm.train.objectives import MicroStep
-from llm.train.rerun import rerun_advice
 from llm.train.samples import SampleGenerator
 from llm.train.steps import StepBatches
 from llm.train.time_budget import TimeBudget
@@ -289,8 +289,8 @@ class Trainer:
         """End the run on every rank (a collective) with one line: step `step` diverged (`what`), and the newest
         complete checkpoint from before it is the one to resume from with a lower learning rate."""
         newest = rundir.newest_complete_tag(self.run_dir, before_step=step)  # `latest` may be lost
-        advice = (f"the newest checkpoint, {newest}, is from before: resume from it with a lower train.lr "
-                  "(--resume auto --set train.lr=...), or change what made the run diverge"
+        advice = (f"the newest checkpoint, {newest}, is from before: {rerun_advice()} with a lower train.lr "
+                  "(--set train.lr=...), or change what made the run diverge"
                   if newest else "no checkpoint was saved before: lower train.lr, or change what made the run diverge")
         raise_together(f"step {step}: {what}; stopped without saving; {advice}", announce=self.dist.local_rank == 0)
 
