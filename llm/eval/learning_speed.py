@@ -167,8 +167,12 @@ LEARN_MARKER = ".zerollm-bench-learn"
 """Written first into bench learn's --out: marks a folder whose contents an earlier bench learn wrote."""
 EARLIER_RESULT = ".previous"
 """Where an earlier bench learn's complete result waits while a new one is made (`earlier_result_kept`)."""
+EARLIER_MOVING, EARLIER_DELETED = f"{EARLIER_RESULT}.partial", f"{EARLIER_RESULT}.old"
+"""The earlier result as it is moved aside (put back whole after a kill there), and as it is deleted (renamed first:
+a kill there leaves no part of it to be taken for the whole)."""
+ASIDE = {EARLIER_RESULT, EARLIER_MOVING, EARLIER_DELETED}
 LEARN_OUTPUTS = {f"{part}{suffix}" for part in ("train", "val") for suffix in SPLIT_SUFFIXES} | {
-    "tok", "data", "run", "tasks", "result.json", LEARN_MARKER, EARLIER_RESULT}
+    "tok", "data", "run", "tasks", "result.json", LEARN_MARKER, *ASIDE}
 """Everything bench learn writes into --out (and replaces when it runs there again)."""
 
 
@@ -212,7 +216,7 @@ def held_output_dir(out_dir: Path) -> Iterator[None]:
 
 def _outputs(out_dir: Path) -> list[Path]:
     """What a bench learn wrote into `out_dir` (its marker and a kept earlier result aside)."""
-    return [out_dir / name for name in sorted(LEARN_OUTPUTS - {LEARN_MARKER, EARLIER_RESULT})
+    return [out_dir / name for name in sorted(LEARN_OUTPUTS - {LEARN_MARKER, *ASIDE})
             if (out_dir / name).exists() or (out_dir / name).is_symlink()]
 
 
@@ -223,16 +227,22 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def _move_all(source: Path, target: Path) -> None:
+    for name in os.listdir(source):
+        os.replace(source / name, target / name)
+    source.rmdir()
+
+
 def _put_back_earlier_result(out_dir: Path) -> None:
-    """The result kept in `out_dir/.previous` back in place of what a bench learn that did not complete wrote."""
-    kept = out_dir / EARLIER_RESULT
-    if not kept.is_dir():
-        return
-    for path in _outputs(out_dir):
-        _remove(path)
-    for name in os.listdir(kept):
-        os.replace(kept / name, out_dir / name)
-    kept.rmdir()
+    """An earlier result a kill left aside back whole in `out_dir` in place of what a bench learn that did not
+    complete wrote, and the rest of one being deleted deleted."""
+    if (out_dir / EARLIER_MOVING).is_dir():  # killed as it moved aside: the rest of it is in `out_dir`
+        _move_all(out_dir / EARLIER_MOVING, out_dir)
+    if (out_dir / EARLIER_RESULT).is_dir():
+        for path in _outputs(out_dir):
+            _remove(path)
+        _move_all(out_dir / EARLIER_RESULT, out_dir)
+    durable.remove_leftover(out_dir / EARLIER_DELETED, out_dir)
 
 
 @contextlib.contextmanager
@@ -245,12 +255,14 @@ def earlier_result_kept(out_dir: Path) -> Iterator[Callable[[], None]]:
     _put_back_earlier_result(out_dir)
     complete = (out_dir / "result.json").is_file()
     if complete:
-        (out_dir / EARLIER_RESULT).mkdir()
+        (out_dir / EARLIER_MOVING).mkdir()
     for path in _outputs(out_dir):
         if complete:
-            os.replace(path, out_dir / EARLIER_RESULT / path.name)
+            os.replace(path, out_dir / EARLIER_MOVING / path.name)
         else:
             _remove(path)
+    if complete:
+        os.replace(out_dir / EARLIER_MOVING, out_dir / EARLIER_RESULT)
     (out_dir / LEARN_MARKER).touch()
     written = False
 
@@ -258,7 +270,8 @@ def earlier_result_kept(out_dir: Path) -> Iterator[Callable[[], None]]:
         nonlocal written
         written = True
         if complete:
-            shutil.rmtree(out_dir / EARLIER_RESULT)
+            os.replace(out_dir / EARLIER_RESULT, out_dir / EARLIER_DELETED)
+            durable.remove_set_aside(out_dir / EARLIER_DELETED, out_dir)
 
     try:
         yield result_written
