@@ -13,6 +13,13 @@ DEVICES = ("auto", "cuda", "mps", "cpu")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def exact_dtype(device: torch.device) -> torch.dtype:
+    """float64, for sums that must not round (a step's losses and token counts over micro-batches and ranks, an
+    evaluation's nats, sampling at a tiny temperature), or float32 on Apple's MPS, which has no float64 (a float64
+    tensor there is a TypeError: training, sampling and eval failed at once)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def mps_available() -> bool:
     return torch.backends.mps.is_available()
 

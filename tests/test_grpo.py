@@ -716,7 +716,7 @@ def test_token_mean_spans_every_micro_batch_of_the_step(one_rank_group):
     whole = objective(model, dict(batch)).loss
     halves = [{k: v[i:i + 2] for k, v in batch.items()} for i in (0, 2)]
     trainer = Trainer.__new__(Trainer)
-    trainer.objective, trainer.dist = objective, SimpleNamespace(world_size=1)
+    trainer.objective, trainer.dist, trainer._exact = objective, SimpleNamespace(world_size=1), torch.float64
     weights, _ = trainer._step_weights(halves)
     split = sum(w * objective(model, half).loss for w, half in zip(weights, halves, strict=True)) / len(halves)
     assert split.item() == pytest.approx(whole.item(), rel=1e-6)

@@ -659,6 +659,7 @@ def test_an_moe_load_balancing_loss_counts_every_micro_batch_alike(one_rank_grou
     trainer = Trainer.__new__(Trainer)  # the trainer's own micro-steps, on a model without DeepSpeed
     trainer.objective, trainer.engine = CausalLMObjective(), _RecordingEngine(model)
     trainer.dist, trainer._tokens_since_log, trainer._norm_taken_here = SimpleNamespace(world_size=1), 0, False
+    trainer._exact = torch.float64
     weights, _ = trainer._step_weights(halves)
     logged = sum(trainer._train_micro(half, w, w) for half, w in zip(halves, weights, strict=True))[0] / len(halves)
     router = model.layers[0].feed_forward.router.weight
@@ -692,6 +693,7 @@ def test_grpo_logs_its_kl_per_completion_token_whatever_its_loss_averages(one_ra
     trainer = Trainer.__new__(Trainer)
     trainer.objective, trainer.engine = GRPOObjective(GRPOConfig(kl_coef=0.1)), _RecordingEngine(model)
     trainer.dist, trainer._tokens_since_log, trainer._norm_taken_here = SimpleNamespace(world_size=1), 0, False
+    trainer._exact = torch.float64
     weights, metric_weights = trainer._step_weights(halves)
     assert weights is None  # the loss: a mean over completions
     sums = sum(trainer._train_micro(half, None, w) for half, w in zip(halves, metric_weights, strict=True))
@@ -726,6 +728,7 @@ def test_a_dpo_validation_loss_is_the_mean_over_pairs_whatever_the_micro_batch(o
         trainer.cfg = SimpleNamespace(train=SimpleNamespace(micro_batch_size=micro, eval_batches=8),
                                       model=cfg, data=SimpleNamespace(path="pairs"))
         trainer.dist = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
+        trainer._exact = torch.float64
         assert trainer.evaluate() == pytest.approx(sum(per_pair) / len(per_pair), rel=1e-6), micro
 
 

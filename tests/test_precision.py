@@ -7,10 +7,13 @@ import json
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from forked_ranks import run_job
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from conftest import train_args
 from llm import rundir
@@ -570,3 +573,36 @@ def test_a_sum_of_gradients_in_another_precision_than_the_runs_or_fp32_is_refuse
                                         f"{precision} run's gradients in another precision than its own or fp32"):
         resolve_ds_config(raw, build_config("demo", [f"train.precision={precision}"]), world_size=1, source="ds.json",
                           zero_stage=stage)
+
+
+class _NoFloat64(TorchFunctionMode):
+    """Apple's MPS as far as float64 goes: any tensor of it is MPS's TypeError."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in tree_flatten(out)[0]):
+            raise TypeError(f"{getattr(func, '__name__', func)}: Cannot convert a MPS Tensor to float64 dtype")
+        return out
+
+
+def test_without_float64_as_on_mps_training_sampling_and_scoring_run(tmp_path, deepspeed_group_of_one, monkeypatch):
+    """MPS has no float64: the trainer's counters, sampling at a temperature above 0 (serve's default) and eval's
+    scoring made float64 tensors on the device, and each failed at once there."""
+    from llm import devices
+    from llm.eval.scoring import score_sequences
+    from llm.infer.sampling import SamplingParams, choose_next
+
+    assert devices.exact_dtype(torch.device("mps")) == torch.float32
+    assert devices.exact_dtype(CPU) == torch.float64
+    for module in ("llm.train.trainer", "llm.infer.sampling", "llm.eval.scoring"):
+        monkeypatch.setattr(f"{module}.exact_dtype", lambda device: torch.float32)
+    layer = torch.nn.Linear(4, 3).half()
+    engine = _FakeFP16Engine(_fp16_optimizer("unfused", layer), layer)
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16)).eval()
+    logits, seen = torch.randn(2, 64), torch.zeros(2, 64, dtype=torch.bool)
+    with _NoFloat64():
+        assert len(_fit(engine, tmp_path, "train.max_steps=2")) == 2
+        for temperature in (0.7, 1e-300):  # a tiny one is the greedy limit, as in float64
+            chosen = choose_next(logits, SamplingParams(temperature=temperature), seen, None)
+        assert chosen.tolist() == logits.argmax(-1).tolist()
+        assert len(list(score_sequences(model, [np.arange(8)], [4], 1))) == 1

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from llm.devices import exact_dtype
 from llm.model import Transformer
 from llm.model.token_losses import cross_entropy
 
@@ -47,7 +48,7 @@ def score_sequences(model: Transformer, sequences: Sequence[np.ndarray], scored:
             mask[row, [p - 1 for p in positions]] = False  # position p is target p - 1
         tokens, targets, mask = tokens.to(device), targets.to(device), mask.to(device)
         logits = model(tokens).logits
-        nats = cross_entropy(logits, targets).double()  # a chunk of positions at a time, in fp32
+        nats = cross_entropy(logits, targets).to(exact_dtype(logits.device))  # a chunk of positions at a time, in fp32
         nats = (nats * mask).sum(1)
         greedy = ((logits.argmax(-1) == targets) | ~mask).all(1)
         for value, is_greedy, count in zip(nats.tolist(), greedy.tolist(), mask.sum(1).tolist(), strict=True):

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llm.devices import exact_dtype
+
 
 class InvalidSampling(ValueError):
     """A sampling parameter out of its range: `field` names it (a SamplingParams field), `reason` says what it must
@@ -96,7 +98,9 @@ def choose_next(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor
     if params.temperature == 0:
         return logits.argmax(-1)
     # in float64 (a tiny temperature is 0 in float32) and with the largest logit shifted to 0 first, so that a tiny
-    # temperature sends the others towards -inf (greedy in the limit) instead of overflowing to inf and a NaN softmax
-    logits = (logits.double() - logits.amax(-1, keepdim=True)) / params.temperature
+    # temperature sends the others towards -inf (greedy in the limit) instead of overflowing to inf and a NaN softmax;
+    # on MPS, without float64, in float32 at a temperature of at least its smallest normal number, the same limit
+    dtype = exact_dtype(logits.device)
+    logits = (logits.to(dtype) - logits.amax(-1, keepdim=True)) / max(params.temperature, torch.finfo(dtype).tiny)
     logits = filter_top_p(filter_top_k(logits, params.top_k), params.top_p)
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)

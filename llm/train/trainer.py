@@ -32,6 +32,7 @@ from llm import rundir
 from llm.config import RunConfig
 from llm.data.datasets import checked_to
 from llm.data.sampler import ResumableDistributedSampler
+from llm.devices import exact_dtype
 from llm.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_RANK_LOST, StepInputError, UserError, report
 from llm.runtime.distributed import DistInfo, raise_together
 from llm.runtime.preemption import Preemption, data_loader_worker_init
@@ -86,7 +87,9 @@ class Trainer:
         self._batches = None
         self._metric_names: list[str] = []
         self._step_metric_names: list[str] = []
-        self._tokens_since_log = torch.zeros(1, dtype=torch.float64, device=info.device)
+        self._exact = exact_dtype(info.device)
+        """float64 for the step's sums and counters (float32 on Apple's MPS, which has no float64)."""
+        self._tokens_since_log = torch.zeros(1, dtype=self._exact, device=info.device)
         self._positions_since_log = 0
         self._generated_since_log = 0
         self._generation_seconds_since_log = 0.0
@@ -165,12 +168,12 @@ class Trainer:
     def _micro_values(self, loss: torch.Tensor, micro: MicroStep, metric_weight: torch.Tensor | None) -> torch.Tensor:
         """The micro-batch's backpropagated `loss` and its metrics, these times their token weight where they are
         token means (the objective's `metric_mask`: distillation's `ce` and `distill_kl`, GRPO's `kl` and
-        `clip_fraction`), as one float64 vector on the device."""
+        `clip_fraction`), as one vector of `_exact` numbers on the device."""
         self._metric_names = sorted(micro.metrics)
         metrics = [micro.metrics[k].float() for k in self._metric_names]
         if metric_weight is not None:
             metrics = [m * metric_weight for m in metrics]
-        return torch.stack([loss.detach().float(), *metrics]).double()
+        return torch.stack([loss.detach().float(), *metrics]).to(self._exact)
 
     def _token_weights(self, micro_batches: list, key: str | None) -> list[torch.Tensor] | None:
         """Weights that make a step's loss the mean over every token of mask `key` in the step (the objective's
@@ -186,7 +189,7 @@ class Trainer:
         batch has no such mask (pretraining, whose every target bears loss)."""
         if key is None or key not in micro_batches[0]:
             return None
-        counts = torch.stack([b[key].sum() for b in micro_batches]).double()
+        counts = torch.stack([b[key].sum() for b in micro_batches]).to(self._exact)
         total = counts.sum()
         dist.all_reduce(total)
         return list((counts * (len(counts) * self.dist.world_size) / total.clamp(min=1)).float())
@@ -262,7 +265,7 @@ class Trainer:
         if loss_scale_of(self.engine) is not None:
             return
         if isinstance(loss, torch.Tensor):
-            total = loss[:1].detach().double()
+            total = loss[:1].detach().to(self._exact)
             if self.dist.world_size > 1:
                 dist.all_reduce(total)
             loss = total.item()
@@ -299,8 +302,8 @@ class Trainer:
         tokens, positions and generated tokens since the last reduction: one collective, and the host waits for
         the device here."""
         self._step_metric_names = sorted(batches.metrics)
-        step_metrics = [batches.metrics[k].detach().double().reshape(1) for k in self._step_metric_names]
-        counters = torch.tensor([self._positions_since_log, self._generated_since_log], dtype=torch.float64,
+        step_metrics = [batches.metrics[k].detach().to(self._exact).reshape(1) for k in self._step_metric_names]
+        counters = torch.tensor([self._positions_since_log, self._generated_since_log], dtype=self._exact,
                                 device=self.dist.device)
         packed = torch.cat([sums, *step_metrics, self._tokens_since_log, counters])
         dist.all_reduce(packed)
@@ -330,16 +333,16 @@ class Trainer:
         if per_rank == 0:
             return None
         self.engine.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.dist.device)
+        totals = torch.zeros(2, dtype=self._exact, device=self.dist.device)
         indices = list(range(self.dist.rank, per_rank * world, world))
         for start in range(0, per_rank, micro):
             samples = [self.val_set[i] for i in indices[start:start + micro]]
             batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
             batch = checked_to(self.dist.device, batch, self.cfg.model.vocab_size, self.cfg.data.path, "val")
             result = self.objective(self.engine, batch)
-            weight = result.loss_tokens.double() if self.objective.token_mask is not None else \
-                torch.tensor(float(len(samples)), dtype=torch.float64, device=self.dist.device)
-            totals += torch.stack([result.loss.float().double() * weight, weight])
+            weight = result.loss_tokens.to(self._exact) if self.objective.token_mask is not None else \
+                torch.tensor(float(len(samples)), dtype=self._exact, device=self.dist.device)
+            totals += torch.stack([result.loss.float().to(self._exact) * weight, weight])
         dist.all_reduce(totals)
         loss_sum, weight = totals.tolist()
         return loss_sum / weight
