@@ -867,14 +867,21 @@ def _held_file(fd: int) -> str | None:
 
 
 def test_the_workers_do_not_hold_the_outputs_lock(tokenizer_dir, tmp_path):
-    """The workers inherited it: a run killed with SIGKILL left it held by its orphaned workers for up to a second,
-    and a rerun at once was refused, naming the dead process as the one writing there."""
-    with OutputDir(tmp_path / "out", PREPARED_ENTRIES, not_prepared_here) as output:
-        lock = _held_file(output.lock_fd)
-        assert lock == str(tmp_path / "out" / LOCK_FILE)
-        with prepare_module.TokenizerPool(2, str(tokenizer_dir), output.lock_fd) as pool:
-            held = [pool.result(pool._executor.submit(_held_file, output.lock_fd)) for _ in range(4)]
-    assert lock not in held
+    """The workers inherited it, and bench learn's around it: a run killed with SIGKILL left them held by its
+    orphaned workers for up to a second, and a rerun at once was refused, naming the dead process as the one
+    writing there."""
+    from llm.eval.learning_speed import LEARN_MARKER, held_output_dir
+
+    with held_output_dir(tmp_path / "learn"), OutputDir(tmp_path / "out", PREPARED_ENTRIES, not_prepared_here):
+        locks = {str(tmp_path / "out" / LOCK_FILE), str(tmp_path / "learn" / LEARN_MARKER)}
+        assert locks <= {_held_file(int(fd)) for fd in os.listdir("/proc/self/fd")}
+        with prepare_module.TokenizerPool(2, str(tokenizer_dir)) as pool:
+            held = {pool.result(pool._executor.submit(_held_files)) for _ in range(4)}
+    assert held and not any(locks & files for files in held)
+
+
+def _held_files() -> frozenset[str]:
+    return frozenset(filter(None, (_held_file(int(fd)) for fd in os.listdir("/proc/self/fd"))))
 
 
 def test_a_job_longer_than_the_pools_look_at_its_workers_gives_its_results(tokenizer_dir, monkeypatch):

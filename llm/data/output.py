@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from llm import durable
+from llm import durable, held_locks
 from llm.durable import STAGED_SUFFIX, set_aside_copies
 from llm.errors import UserError
 from llm.wording import printable
@@ -203,15 +203,11 @@ class OutputDir:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
-
-    @property
-    def lock_fd(self) -> int | None:
-        """The descriptor holding --out's lock while this run writes there."""
-        return self._lock_fd
+        held_locks.hold(fd)
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
-            os.close(self._lock_fd)
+            held_locks.release(self._lock_fd)
             self._lock_fd = None
 
     def _check_contents(self) -> None:

@@ -48,6 +48,7 @@ import h5py
 import numpy as np
 from tqdm import tqdm
 
+from llm import held_locks
 from llm.chat_template import MessagesRefused
 from llm.data.formats import Chat, Item, Pair, Skipped, expand_inputs, read_records, skipped_note
 from llm.data.output import OutputDir, cannot_write_output
@@ -201,16 +202,14 @@ def _init_worker(tokenizer_dir: str) -> None:
     _worker_tokenizer = Tokenizer.load(tokenizer_dir)
 
 
-def _init_pool_worker(tokenizer_dir: str, main_pid: int, lock_fd: int | None) -> None:
+def _init_pool_worker(tokenizer_dir: str, main_pid: int) -> None:
     """A pool worker leaves the process group, so Ctrl-C and a SIGTERM to the group reach only the main process,
     which stops the run and terminates its workers (`TokenizerPool`). It ignores SIGINT sent to it alone and dies on
     SIGTERM (the main process's handlers, inherited, are for the main process); both are blocked from its start
     (`TokenizerPool`) until then. A worker whose main process died ends within `ORPHAN_POLL_S`: nothing else would
-    end it (it waits for a job on a queue its siblings also hold open). It closes its copy of --out's lock
-    (`lock_fd`): a main process killed left the lock held by its workers, and a rerun at once was refused, naming
-    the dead process as the writer."""
-    if lock_fd is not None:
-        os.close(lock_fd)
+    end it (it waits for a job on a queue its siblings also hold open). It closes its copies of the main process's
+    locks (`llm.held_locks`)."""
+    held_locks.close_in_worker()
     os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -450,11 +449,10 @@ class TokenizerPool:
     workers are killed, not waited for (a Ctrl-C may come while they hold minutes of work), and the result pipe is
     closed here too, so that a message left half-sent ends for the executor's thread."""
 
-    def __init__(self, workers: int, tokenizer_dir: str, lock_fd: int | None = None):
-        """`lock_fd`: a descriptor of this process's that the workers must not hold (`_init_pool_worker`)."""
+    def __init__(self, workers: int, tokenizer_dir: str):
         self.workers = workers
         self._executor = ProcessPoolExecutor(workers, mp.get_context("fork"), initializer=_init_pool_worker,
-                                             initargs=(tokenizer_dir, os.getpid(), lock_fd))
+                                             initargs=(tokenizer_dir, os.getpid()))
         try:
             previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited by the workers, the thread
             try:  # the first job forks every worker and starts the executor's thread
@@ -548,13 +546,13 @@ def _token_count(sample: Sample) -> int:
     return sum(len(v) for k, v in sample.items() if k not in MASK_FIELDS)
 
 
-def _worker_pool(workers: int, tokenizer_dir: str, output: OutputDir) -> TokenizerPool | nullcontext:
-    """A pool of tokenizer processes, without `output`'s lock; None (a context doing nothing) for one worker, which
-    tokenizes in this process."""
+def _worker_pool(workers: int, tokenizer_dir: str) -> TokenizerPool | nullcontext:
+    """A pool of tokenizer processes; None (a context doing nothing) for one worker, which tokenizes in this
+    process."""
     if workers == 1:
         _init_worker(tokenizer_dir)
         return nullcontext()
-    return TokenizerPool(workers, tokenizer_dir, output.lock_fd)
+    return TokenizerPool(workers, tokenizer_dir)
 
 
 def _write_tokens(output: OutputDir, kind: str, records: Iterator[Item | Skipped], tokenizer: Tokenizer,
@@ -562,8 +560,7 @@ def _write_tokens(output: OutputDir, kind: str, records: Iterator[Item | Skipped
                   seq_len: int, show_progress: bool) -> None:
     rng = np.random.default_rng(seed)
     progress = tqdm(desc=f"tokenizing {kind} records", unit=" records", disable=not show_progress)
-    with (progress, _worker_pool(workers, tokenizer_dir, output) as pool,
-          h5py.File(output.staging / TOKENS_FILE, "w") as h5):
+    with progress, _worker_pool(workers, tokenizer_dir) as pool, h5py.File(output.staging / TOKENS_FILE, "w") as h5:
         writers = {split: SplitWriter(h5.create_group(split), STREAMS[kind], token_dtype(tokenizer.vocab_size))
                    for split in SPLITS}
         split, open_document = "train", False

@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from llm import durable, rundir
+from llm import durable, held_locks, rundir
 from llm.command_line import is_zerollm_command
 from llm.config import RunConfig, build_config, parse_duration, refuse_set_twice
 from llm.data.formats import PretrainTexts, Skipped, expand_inputs, read_records, skipped_note
@@ -208,10 +208,11 @@ def held_output_dir(out_dir: Path) -> Iterator[None]:
             os.close(fd)
             raise UserError(f"--out {out_dir}: another bench learn is writing there; wait for it to end, or choose "
                             "another --out") from None
+    held_locks.hold(fd)
     try:
         yield
     finally:
-        os.close(fd)
+        held_locks.release(fd)
 
 
 def _outputs(out_dir: Path) -> list[Path]:
