@@ -114,7 +114,10 @@ def remove_leftover(path: Path, of: Path) -> None:
     anything is written; where it cannot be deleted (a read-only copy), a UserError naming it: it was left, and the
     next rename onto its name failed with a traceback."""
     try:
-        shutil.rmtree(path)
+        if path.is_symlink() or path.exists() and not path.is_dir():  # a link is removed, never what it names
+            path.unlink()
+        else:
+            shutil.rmtree(path)
     except FileNotFoundError:
         pass
     except OSError as exc:

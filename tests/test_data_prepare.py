@@ -198,6 +198,38 @@ def test_only_its_own_leftovers_beside_out_are_removed(tokenizer_dir, bad_inputs
     assert (tmp_path / ".out.old-backup" / "kept.txt").read_text() == "mine\n"
 
 
+def test_a_set_aside_output_that_cannot_be_deleted_is_named(tokenizer_dir, bad_inputs, tmp_path, monkeypatch,
+                                                          capsys):
+    """A read-only earlier output, set aside as .OUT.old-PID-XXXXXXXX, was left there without a word at every run (a
+    full copy of the data each time); a leftover that was a link was said to be undeletable."""
+    out, remove = tmp_path / "out", shutil.rmtree
+    prepare("pretrain", [str(bad_inputs["good"])], tokenizer_dir, out, workers=1, show_progress=False)
+
+    def read_only_old(path, *args, **kwargs):
+        if os.path.basename(path).startswith(".out.old-") and os.path.exists(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", read_only_old)
+    prepare("pretrain", [str(bad_inputs["good"])], tokenizer_dir, out, workers=1, show_progress=False)
+    left = [path for path in tmp_path.iterdir() if path.name.startswith(".out.old-")]
+    assert len(left) == 1 and capsys.readouterr().err == (
+        f"zerollm: note: {out} is written, but its earlier copy, set aside as {left[0]}, cannot be deleted "
+        "(Permission denied); delete it yourself\n")
+    tokens = (out / "tokens.h5").read_bytes()
+    with pytest.raises(UserError, match=f"^{left[0]}, a copy of {out} an earlier run left beside it, cannot be "
+                                        r"deleted \(Permission denied\); delete it \(or make it writable\) and run "
+                                        "again$"):
+        prepare("pretrain", [str(bad_inputs["good"])], tokenizer_dir, out, workers=1, show_progress=False)
+    assert (out / "tokens.h5").read_bytes() == tokens
+    monkeypatch.setattr(shutil, "rmtree", remove)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / ".out.partial-41-9f0c1a2b").symlink_to(tmp_path / "elsewhere")  # a link: removed, not followed
+    prepare("pretrain", [str(bad_inputs["good"])], tokenizer_dir, out, workers=1, show_progress=False)
+    assert not [path for path in tmp_path.iterdir() if path.name.startswith(".out.")]
+    assert (tmp_path / "elsewhere").is_dir()
+
+
 def test_an_output_set_aside_by_a_killed_commit_is_put_back_not_deleted(tokenizer_dir, bad_inputs, tmp_path):
     """A prepare killed between its commit's two renames leaves no OUT and the earlier output whole in
     `.OUT.old-PID-XXXXXXXX`: the rerun deleted that copy before writing anything, so a rerun that failed lost both."""
