@@ -23,7 +23,7 @@ from llm import rundir
 from llm.child_job import run_stopping_together
 from llm.config import RunConfig, build_config, parse_lora_spec, refuse_set_twice
 from llm.data.prepare import RANDOM_TOKENS_HASH, SPLITS, STREAMS, TOKENS_FILE, SplitWriter, write_attrs
-from llm.devices import place, resolve
+from llm.devices import place, resolve, synchronize
 from llm.errors import EXIT_PREEMPTED, UserError
 from llm.export import export_model
 from llm.infer.generate import TextGenerator
@@ -218,8 +218,7 @@ def _synchronized(device: torch.device, fn):
     """`fn` whose return waits for the device, so that wall-clock times measure the work, not its queueing."""
     def run():
         out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)  # MPS's too: its prefill was timed as decoding
         return out
     return run
 

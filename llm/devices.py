@@ -20,6 +20,14 @@ def exact_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (CUDA and MPS run it after the call returns; the CPU has none queued)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
 def mps_available() -> bool:
     return torch.backends.mps.is_available()
 

@@ -195,3 +195,15 @@ def test_a_stopped_bench_train_waits_for_its_job_and_says_there_is_nothing_to_re
     assert capsys.readouterr().err.splitlines()[-1] == (
         "zerollm: note: bench train stopped, so nothing was measured; its runs were in a temporary folder, now "
         "removed: there is nothing to resume, run it again")
+
+
+def test_a_timed_step_waits_for_the_device_on_mps_as_on_cuda(monkeypatch):
+    """Only CUDA's queue was waited for: on Apple's MPS the prefill's work, still queued, was timed as decoding."""
+    from llm import bench
+
+    waited = []
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: waited.append("mps"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append("cuda"))
+    for device in ("mps", "cuda", "cpu"):
+        assert bench._synchronized(torch.device(device), lambda: 7)() == 7
+    assert waited == ["mps", "cuda"]

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from kernels.hardware import peak_tflops
 from llm import durable, rundir
 from llm.config import ModelConfig, RunConfig, WandbConfig
+from llm.devices import synchronize
 from llm.errors import UserError
 from llm.jsonl import jsonl_lines, strict_json
 from llm.runtime.distributed import DistInfo
@@ -63,17 +64,16 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, max_size: int =
     took 20 ms there, and the peak read 33 times too low). The operands come from a generator of their own: drawn
     from the global RNG after a resume restored it, they would shift every dropout mask of the resumed run."""
     generator = torch.Generator().manual_seed(0)
-    synchronize = torch.mps.synchronize if device.type == "mps" else (lambda: None)
     size, rate = min(128, max_size), 0.0
     while True:
         a, b = (torch.randn(size, size, generator=generator).to(device, dtype) for _ in range(2))
         torch.mm(a, b)
-        synchronize()
+        synchronize(device)
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
             torch.mm(a, b)
-            synchronize()
+            synchronize(device)
             best = min(best, time.perf_counter() - start)
         rate, before = max(rate, 2.0 * size ** 3 / best), rate
         if size >= max_size or (best >= enough_s and rate <= GROWING * before):
