@@ -272,7 +272,7 @@ def test_two_ranks_to_one_resume_converts_to_universal_and_continues(zero_runs, 
                             extra=["--zero-stage", stage, "--wandb", "offline", "--resume", "auto"]))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "saved by 2 rank(s), this job has 1: converting it to a universal checkpoint" in result.stdout
-    assert "resumed at step 2" in result.stdout
+    assert "resumed at step 2" in result.stdout and "a step takes" not in result.stdout  # the global batch is kept
     rows, reference = _metrics(run), _metrics(zero_runs[stage])
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # one rank sums what two ranks reduced, in another order: losses agree to ~1e-5, gradient norms (a square root
@@ -406,6 +406,20 @@ def test_a_resume_names_no_change_for_the_same_lora_targets_in_another_order(tmp
     assert resumed_changes(tmp_path, again) == []
     again.lora.targets = ["wq", "wk"]
     assert resumed_changes(tmp_path, again) == ["lora.targets ['wq', 'wv'] there, ['wk', 'wq'] here"]
+
+
+def test_a_resume_on_another_number_of_ranks_that_changes_the_global_batch_says_so():
+    """2 ranks to 1 at the same micro-batch and accumulation halved the samples a step without a word."""
+    from llm.train.job import resumed_batch_note
+
+    saved = build_config("demo", ["train.micro_batch_size=4", "train.grad_accum=2"])
+    assert resumed_batch_note(saved, 2, saved, 1) == (
+        "note: resumed on 1 rank where its checkpoint was saved by 2: a step takes 8 samples here, 16 there "
+        "(train.micro_batch_size x train.grad_accum x ranks); train.grad_accum=4 keeps it")
+    assert resumed_batch_note(saved, 2, saved, 3).endswith("a step takes 24 samples here, 16 there "
+                                                           "(train.micro_batch_size x train.grad_accum x ranks)")
+    kept = build_config("demo", ["train.micro_batch_size=4", "train.grad_accum=4"])
+    assert resumed_batch_note(saved, 2, kept, 1) is None and resumed_batch_note(saved, 2, saved, 2) is None
 
 
 def test_a_val_split_too_small_to_evaluate_is_said(tokenizer_dir, tmp_path):

@@ -478,6 +478,8 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
         return EXIT_OK
     record = run_record(info, data, resumed_from=tag)  # every rank takes part (hosts and ranks are gathered)
     changes = resumed_changes(run_dir, cfg) if tag is not None and info.is_main else []  # before config.yaml's update
+    batch_note = resumed_batch_note(trained_config(run_dir), rundir.client_state_of(run_dir, tag)["world_size"], cfg,
+                                    info.world_size) if tag is not None and info.is_main else None
     # written once the run is known to start (a refused resume leaves the directory as it was), by rank 0; a full
     # disk there is one line on every rank
     sink = agreed(lambda: _start_files(cfg, run_dir, ds_config, trainer, record) if info.is_main else None,
@@ -488,6 +490,8 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
             print(f"{cfg.train.stage}: note: resumed with settings other than its {rundir.CONFIG_FILE}'s: "
                   f"{'; '.join(changes)} (a --set of the command that began the run, not given again, takes the "
                   "recipe's value)", flush=True)
+        if batch_note:
+            print(f"{cfg.train.stage}: {batch_note}", flush=True)
     logger = MetricsLogger(cfg, info, trainer.n_params, trainer.step, sink)
     checkpointer = checkpoint.Checkpointer(trainer.engine, run_dir, cfg.train.save_every, cfg.train.keep_checkpoints,
                                            trainer.client_state)
@@ -535,6 +539,20 @@ def resumed_changes(run_dir: Path, cfg: RunConfig) -> list[str]:
 
     there, here = flat(trained_config(run_dir)), flat(_as_recorded(cfg))
     return [f"{key} {there.get(key)} there, {value} here" for key, value in here.items() if there.get(key) != value]
+
+
+def resumed_batch_note(saved: RunConfig, saved_world: int, cfg: RunConfig, world: int) -> str | None:
+    """A note where a resume on another number of ranks than its checkpoint's (`saved_world`; `saved`: the run config
+    it was trained with) takes another number of samples a step (train.micro_batch_size x train.grad_accum x ranks):
+    the run went on at another global batch without a word."""
+    there = saved.train.micro_batch_size * saved.train.grad_accum * saved_world
+    here = cfg.train.micro_batch_size * cfg.train.grad_accum * world
+    if saved_world == world or there == here:
+        return None
+    keeps, left = divmod(there, cfg.train.micro_batch_size * world)
+    advice = f"; train.grad_accum={keeps} keeps it" if keeps and not left else ""
+    return (f"note: resumed on {world} {plural('rank', world)} where its checkpoint was saved by {saved_world}: a step "
+            f"takes {here} samples here, {there} there (train.micro_batch_size x train.grad_accum x ranks){advice}")
 
 
 def _as_recorded(cfg: RunConfig) -> RunConfig:
