@@ -311,26 +311,32 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
             hosts = dict.fromkeys(hosts, args.nproc_per_node)
     else:
         hosts = {f"node{i}": nproc for i in range(nnodes)}
-    command = deepspeed_runner("--hostfile", f"{TEMP_DIR}/hostfile", "--no_ssh", "--node_rank", str(node_rank),
-                               "--master_addr", master, "--master_port", str(args.master_port))
+    options = ["--hostfile", f"{TEMP_DIR}/hostfile", "--no_ssh", "--node_rank", str(node_rank), "--master_addr",
+               master, "--master_port", str(args.master_port)]
     if visible:  # DeepSpeed's launcher gives a node's ranks the GPUs of its slots: these slots, not 0..n-1
         per_host = {host: _first_visible(visible, ranks) for host, ranks in hosts.items()}
         hosts = {host: max(ids) + 1 for host, ids in per_host.items()}
-        command += ["--include", "@".join(f"{host}:{','.join(map(str, ids))}" for host, ids in per_host.items())]
-    return Plan(command, train_argv, env, {"hostfile": hostfile_text(hosts)})
+        options += ["--include", "@".join(f"{host}:{','.join(map(str, ids))}" for host, ids in per_host.items())]
+    return Plan(deepspeed_runner(*options), train_argv, env, {"hostfile": hostfile_text(hosts)})
 
 
 def visible_devices(environ: dict[str, str]) -> list[int] | None:
-    """The GPU indices CUDA_VISIBLE_DEVICES names in `environ` (this shell's with --env's over it); None where it
-    names no GPU (unset, -1, SLURM's NoDevFiles). DeepSpeed's launcher sets it for every rank from the hostfile's
-    slots (0..n-1 with our own hostfile): the GPUs a user chose were replaced by others, perhaps another job's. GPUs
-    it cannot name by a slot (UUIDs, MIG devices), or named twice, are refused."""
+    """The GPU indices CUDA_VISIBLE_DEVICES names in `environ` (this shell's with --env's over it), read as CUDA reads
+    it: each entry's leading number, up to the first entry without one (`2,3,` is GPUs 2 and 3: it was taken for no
+    GPU, and the ranks got GPUs 0 and 1); None where it names no GPU (unset, -1, SLURM's NoDevFiles). DeepSpeed's
+    launcher sets it for every rank from the hostfile's slots (0..n-1 with our own hostfile): the GPUs a user chose
+    were replaced by others, perhaps another job's. GPUs it cannot name by a slot (UUIDs, MIG devices), or named
+    twice, are refused."""
     text = environ.get(VISIBLE_DEVICES, "").strip()
-    ids = [part.strip() for part in text.split(",")]
-    indices = all(re.fullmatch(r"[0-9]{1,4}", part) for part in ids)
-    if indices and len(set(ids)) == len(ids):
-        return [int(part) for part in ids]
-    if indices or re.match(r"(GPU|MIG)-", text):
+    ids = []
+    for part in text.split(","):
+        number = re.match(r"\s*([0-9]+)", part)
+        if number is None:
+            break
+        ids.append(int(number[1]))
+    if ids and len(set(ids)) == len(ids):
+        return ids
+    if ids or re.match(r"(GPU|MIG)-", text):
         raise UserError(f"{VISIBLE_DEVICES}={text}: DeepSpeed's launcher gives the ranks GPUs by index and would "
                         "replace it; give each GPU's index once (as nvidia-smi numbers them), or use --backend "
                         "torchrun, which keeps the variable as it is")

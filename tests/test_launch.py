@@ -259,11 +259,18 @@ def test_per_node_ranks_keep_the_gpus_cuda_visible_devices_chose(argv, environ):
     plan = plan_launch(_launch_args("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", *argv),
                        ["train", "pretrain"], environ)
     assert plan.command[plan.command.index("--include") + 1] == "node0:2,3@node1:2,3"
+    # an option of DeepSpeed's launcher, not of the training command after `--module llm`: each rank failed on it
+    assert plan.command.index("--include") < plan.command.index("--module")
     assert plan.files == {"hostfile": "node0 slots=4\nnode1 slots=4\n"}
     one = plan_launch(_launch_args("--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1",
                                    "--nproc-per-node", "1", "--master-port", str(free_port())),
                       ["train", "pretrain"], {"CUDA_VISIBLE_DEVICES": "5,1"})
     assert one.command[one.command.index("--include") + 1] == "node0:5" and one.files == {"hostfile": "node0 slots=6\n"}
+    for visible, chosen in (("2,3,", "node0:2"), (" 7 , 2,,3", "node0:7"), ("4,x", "node0:4")):  # as CUDA reads it
+        plan = plan_launch(_launch_args("--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                                        "--nproc-per-node", "1", "--master-port", str(free_port())),
+                           ["train", "pretrain"], {"CUDA_VISIBLE_DEVICES": visible})
+        assert plan.command[plan.command.index("--include") + 1] == chosen, visible  # "2,3," was taken for no GPU
 
 
 @pytest.mark.parametrize("argv, environ", [
