@@ -30,6 +30,8 @@ class Export:
     value: str
     origin: str
     """Where the variable comes from, for messages: '--env', 'FILE:LINE' or 'your environment'."""
+    expands: bool = False
+    """Whether the hosts' shells expand its `$NAME` references, as DeepSpeed has them do for its env files' lines."""
 
 
 def _check_value(value: str, where: str) -> None:
@@ -76,7 +78,7 @@ def _read_env_file(path: Path) -> dict[str, Export]:
             raise UserError(f"{where}: a '#' after a blank is part of the value here, as DeepSpeed reads the file (it "
                             f"would reach {name.strip()} on every host); put a comment on a line of its own (a value "
                             f"that holds ' #' goes with --env {name.strip()}=VALUE)")
-        found[name.strip()] = Export(value.strip(), where)
+        found[name.strip()] = Export(value.strip(), where, expands=True)
     return found
 
 
@@ -114,7 +116,7 @@ def env_file_text(exports: dict[str, Export], launcher: str) -> str:
         if export.value != export.value.strip():
             raise UserError(f"{where}: DeepSpeed's runner strips the blanks around an exported value; remove them")
         if launcher == "pdsh":
-            value = pdsh_export(export.value)
+            value = pdsh_export(export.value, export.expands)
         elif DEEPSPEED_BARE_VALUE.fullmatch(export.value):
             value = export.value
         else:

@@ -54,12 +54,19 @@ def pdsh_argument(arg: str) -> str:
     return _pdsh_escape(word)
 
 
-def pdsh_export(value: str) -> str:
+_RUNS_A_COMMAND = re.compile(r'([\\`"]|\$(?=\())')
+"""What stays literal in an env file's value inside DeepSpeed's double quotes where `$NAME` is still expanded: a
+command substitution ($(...), $((...)), backticks) and the quote and backslash that would end or bend the quoting."""
+
+
+def pdsh_export(value: str, expand_variables: bool = False) -> str:
     """An exported value as it must stand in DeepSpeed's env file for `export NAME=...;` on the remote shell to set
-    exactly `value` (DeepSpeed adds the double quotes itself whenever the result is not bare)."""
+    exactly `value` (DeepSpeed adds the double quotes itself whenever the result is not bare); with
+    `expand_variables`, its `$NAME` and `${NAME}` as the remote shell expands them (as DeepSpeed sends a
+    .deepspeed_env line: `PATH=/opt/x/bin:$PATH`), and still nothing in it runs."""
     if DEEPSPEED_BARE_VALUE.fullmatch(value):
         return _pdsh_escape(value)
-    return _pdsh_escape(_DOUBLE_QUOTE_SPECIAL.sub(r"\\\1", value))
+    return _pdsh_escape((_RUNS_A_COMMAND if expand_variables else _DOUBLE_QUOTE_SPECIAL).sub(r"\\\1", value))
 
 
 def check_shell_word(word: str, what: str) -> None:

@@ -404,6 +404,25 @@ def test_pdsh_words_survive_deepspeed_pdsh_and_the_shell(text, shell):
     assert out.stdout.decode() == f"{text}|{text}|"
 
 
+@pytest.mark.parametrize("shell", ["sh", "bash"])
+def test_an_env_files_variables_are_expanded_on_the_hosts_and_nothing_in_it_runs(shell, tmp_path):
+    """DeepSpeed's env file lines reach the hosts' shells in double quotes, where `PATH=/opt/x/bin:$PATH` takes the
+    host's PATH: zerollm sent `$PATH` as text, and the ranks lost the host's paths. Commands in them still never
+    run."""
+    texts = {"/opt/nccl/lib:$HOME": "/opt/nccl/lib:/home/zz", "${HOME}/lib": "/home/zz/lib", "50%n": "50%n",
+             f"$(touch {tmp_path}/a) `touch {tmp_path}/b` $((1+1)) ${{HOME:-$(touch {tmp_path}/c)}} \"q\" \\ %h":
+             f"$(touch {tmp_path}/a) `touch {tmp_path}/b` $((1+1)) /home/zz \"q\" \\ %h"}
+    for text, expected in texts.items():
+        runner = PDSHRunner.__new__(PDSHRunner)
+        runner.exports = {}
+        runner.add_export("V", pdsh_export(text, expand_variables=True))
+        command = f"export V={runner.exports['V']}; printf '%s' \"$V\""
+        out = subprocess.run([shell, "-c", pdsh_substitute(command, "host-a", 0)], capture_output=True, check=True,
+                             env={"HOME": "/home/zz", "PATH": os.environ["PATH"]})
+        assert out.stdout.decode() == expected, text
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.fixture(scope="module")
 def pdsh_dry_run(tmp_path_factory, pretrain_data):
     """`zerollm launch --hostfile` on two hosts through DeepSpeed's pdsh runner and a stand-in pdsh that runs the
