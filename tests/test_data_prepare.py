@@ -1467,6 +1467,8 @@ def test_the_summary_groups_reasons_by_their_numbers_but_keeps_escapes():
                  "a.jsonl:3: record of 800 characters"):
         report.note("skipped", note)
     assert f"skipped: 3 records: record of N characters x2; {LONE_SURROGATE_REASON} x1" in report.summary()
+    # a pretraining record is a document; training counts windows of data.seq_len tokens as its samples
+    assert report.summary().startswith("documents  train ") and Report(seq_len=64).summary().startswith("samples    ")
 
 
 def test_a_corpus_of_unusable_records_is_reported_in_bounded_memory(tokenizer_dir, tmp_path, monkeypatch):

@@ -109,7 +109,9 @@ class Report:
         return sum(self.counts[kind].values())
 
     def summary(self, shown: int = 20) -> str:
-        lines = [f"samples    train {self.documents['train']:,}  val {self.documents['val']:,}",
+        # pretraining's documents are not its samples (windows of data.seq_len tokens, which training counts)
+        counted = "documents" if self.seq_len is None else "samples"
+        lines = [f"{counted:<10} train {self.documents['train']:,}  val {self.documents['val']:,}",
                  f"tokens     train {self.tokens['train']:,}  val {self.tokens['val']:,}"]
         empty = [name for name, count in self.files.items() if count == 0]
         if empty:
