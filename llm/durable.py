@@ -118,7 +118,7 @@ def remove_leftover(path: Path, of: Path) -> None:
             path.unlink()
         else:
             shutil.rmtree(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # none, or no folder to hold one (--out below a file)
         pass
     except OSError as exc:
         raise UserError(f"{path}, a copy of {of} an earlier run left beside it, cannot be deleted "
