@@ -133,14 +133,37 @@ template's own text, tool definitions)."""
 
 
 def _characters(value: Any) -> int:
-    """The characters of the strings in `value` (messages: dicts and lists of them)."""
+    """The characters of the strings in `value` (messages: dicts and lists of them), any other item counted as one:
+    [[0] * 1000000] * 1000000 counted none, and printing it asked for terabytes."""
     if isinstance(value, str):
         return len(value)
     if isinstance(value, dict):
         return sum(map(_characters, value.keys())) + sum(map(_characters, value.values()))
     if isinstance(value, list | tuple):
         return sum(map(_characters, value))
-    return 0
+    return 1
+
+
+def _text_size(value: Any, limit: int) -> int:
+    """About the characters str(value) makes (a container's brackets, separators and every item each time it is
+    printed), counted no further than past `limit`: a list holding one list a million times over, printed in one C
+    call the deadline cannot stop, took gigabytes."""
+    if isinstance(value, str):
+        return len(value)
+    size, stack = 0, [value]
+    while stack and size <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            size += len(item) + 2
+        elif isinstance(item, dict):
+            size += 2 + 4 * len(item)
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list | tuple | set | frozenset):
+            size += 2 + 2 * len(item)
+            stack += item
+        else:
+            size += len(str(item)) if isinstance(item, int | float) else 8
+    return size
 
 
 class TemplateTooCostly(TemplateError):
@@ -192,8 +215,8 @@ def _replaced_size(text: Any, old: Any, new: Any, count: Any = -1) -> int:
 def _joined(separator: Any, items: Any, part: Callable[[Any], Any] = lambda item: item) -> tuple[list, int]:
     """The items of a join (taken once: a generator is consumed) and the characters of their join, each item's
     `part` joined (the join filter's attribute)."""
-    items = list(items)
-    return items, sum(len(str(part(item))) for item in items) + len(str(separator)) * max(0, len(items) - 1)
+    items, limit = list(items), _RENDER_LIMIT.get()
+    return items, sum(_text_size(part(item), limit) for item in items) + len(str(separator)) * max(0, len(items) - 1)
 
 
 def _translated_size(text: str, table: Any) -> int:
@@ -211,11 +234,11 @@ def _formatted_size(form: str, values: list[Any]) -> int:
     return len(form) + fields * max((len(str(v)) for v in values), default=0)
 
 
-_PERCENT_SPEC = re.compile(r"%[#0 +-]*(\*|\d*)(?:\.(\*|\d+))?")
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[#0 +-]*(\*|\d*)(?:\.(\*|\d+))?")  # '%(name)9s' too
 _BRACE_SPEC = re.compile(r"\{[^{}:]*:((?:[^{}]|\{[^{}]*\})*)\}")
 SIZED_FILTERS = frozenset({"center", "indent", "batch", "slice", "tojson", "format"})
 """Jinja's filters (and zerollm's tojson) that take a size: a width, an indent, a count of items or slices."""
-GROWING_FILTERS = frozenset({"replace", "join", "wordwrap", "indent", "sum"})
+GROWING_FILTERS = frozenset({"replace", "join", "wordwrap", "indent", "sum", "string", "tojson"})
 """Jinja's filters whose result may be far larger than what they are given, each bounded by its result's size
 (`_growing_filter_size`)."""
 PADDING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
@@ -263,6 +286,8 @@ def _growing_filter_size(name: str, value: Any, args: list[Any], kwargs: dict[st
         attribute = args[1] if len(args) > 1 else kwargs.get("attribute")
         part = make_attrgetter(environment, attribute) if attribute is not None else (lambda item: item)
         return _joined(args[0] if args else kwargs.get("d", ""), value, part)
+    if name in ("string", "tojson"):  # the text of a list holding itself many times over
+        return value, _text_size(value, _RENDER_LIMIT.get())
     length = len(value) if isinstance(value, str) else 0
     if name == "wordwrap":
         width = args[0] if args else kwargs.get("width", 79)
@@ -351,6 +376,10 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         method = getattr(__obj, "__name__", None) if isinstance(text, str) else None
         if method in PADDING_METHODS and _too_large([*args, *kwargs.values()]):
             raise TemplateTooCostly(f"str.{method} was given a number above {MAX_ITEMS}")
+        if method == "expandtabs":  # a width per tab: 30000 tabs of 100000 were 3 GB
+            tabsize = args[0] if args else kwargs.get("tabsize", 8)
+            if isinstance(tabsize, int):
+                _refuse_larger(len(text) + text.count("\t") * tabsize, "str.expandtabs")
         if method in GROWING_METHODS and args:
             if method == "join":
                 items, size = _joined(text, args[0])
@@ -415,11 +444,18 @@ class _RenderDeadlines:
 _DEADLINES = _RenderDeadlines()
 
 
+def _printed(value: Any) -> Any:
+    """What `{{ ... }}` prints, refused where its text would be larger than the render may hold (`_text_size`)."""
+    if isinstance(value, list | tuple | dict | set | frozenset):
+        _refuse_larger(_text_size(value, _RENDER_LIMIT.get()), "printing a value")
+    return value
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     """A sandbox like transformers' (templates come with downloaded files: untrusted code), with its cost bounded
     (`_BoundedSandbox`, `_render_within_deadline`); Jinja's `lipsum` global, which no chat template uses, is
     removed (it writes as many paragraphs as asked)."""
-    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols], finalize=_printed)
     env.globals.pop("lipsum", None)
     env.filters["tojson"] = _tojson
     env.bound_filters()
@@ -477,6 +513,8 @@ class ChatTemplate:
             self._template = _environment().from_string(template)
         except TemplateError as exc:
             raise ChatTemplateError(f"{source}: the chat template does not compile ({exc})") from None
+        except RecursionError:  # Jinja's parser recurses once a nesting level: '(' * 5000 was a traceback
+            raise ChatTemplateError(f"{source}: the chat template does not compile (nested too deeply)") from None
         self.literals = [ESCAPE, *sorted(set(protected) - {ESCAPE}, key=len, reverse=True)]
         self._placeholders = {s: f"{ESCAPE}{i}{ESCAPE_END}" for i, s in enumerate(self.literals)}
         self._protected = re.compile("|".join(re.escape(s) for s in self.literals))
@@ -516,7 +554,7 @@ class ChatTemplate:
         return self._render(escaped, add_generation_prompt, tools)
 
     def _render(self, escaped: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
-        limit = RENDERED_PER_CHARACTER * (_characters(escaped) + _characters(tools)) + RENDERED_BEYOND
+        limit = RENDERED_PER_CHARACTER * (_characters(escaped) + (_characters(tools) if tools else 0)) + RENDERED_BEYOND
         bound = _RENDER_LIMIT.set(limit)
         try:
             with _DEADLINES.limit(RENDER_SECONDS):

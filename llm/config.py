@@ -23,6 +23,7 @@ import yaml
 
 from llm import durable
 from llm.errors import UserError, read_user_text
+from llm.wording import shown
 
 
 @dataclass
@@ -144,7 +145,7 @@ def parse_duration(value: float | str, key: str) -> float:
     elif text and parts:  # each unit once, largest first ('1m1m' was 120 s)
         seconds = sum(float(n) * DURATION_UNITS[u] for n, u in zip(parts.groups(), "hms", strict=True) if n)
     else:
-        raise UserError(f"{name} expects seconds or a duration such as 10m, 1h30m, 90s; got {value!r}")
+        raise UserError(f"{name} expects seconds or a duration such as 10m, 1h30m, 90s; got {shown(value)}")
     if seconds == math.inf:
         raise UserError(f"{name} must be a finite number of seconds, got {value!r}")
     if seconds <= 0:
@@ -411,9 +412,20 @@ _QuotingDumper.yaml_implicit_resolvers = {
     for first in {*yaml.SafeDumper.yaml_implicit_resolvers, *_Yaml12Loader.yaml_implicit_resolvers}}
 
 
+def _parsed(text: str, loader: type) -> Any:
+    """`text` read by `loader`, a SafeLoader subclass; what PyYAML raises other than YAMLError on a hostile file (an
+    integer of more than 4300 digits, nesting deeper than Python's recursion limit: a traceback) as a YAMLError."""
+    try:
+        return yaml.load(text, Loader=loader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply") from None
+    except ValueError as exc:  # int(): 'Exceeds the limit (4300 digits) for integer string conversion ...'
+        raise yaml.YAMLError(str(exc).split(":")[0]) from None
+
+
 def load_yaml(text: str):
     """Parse YAML text the way recipes, overrides and run configs are read (YAML 1.2 core schema)."""
-    return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+    return _parsed(text, _Yaml12Loader)
 
 
 def load_recorded_yaml(text: str):
@@ -421,7 +433,7 @@ def load_recorded_yaml(text: str):
     earlier versions (it left text such as 08 or 1e5 unquoted, which YAML 1.2 reads as numbers: a run named 08
     could no longer be resumed or exported); `dump_yaml` quotes what either version would misread. A key given twice
     (a hand edit: the last one was used) is an error."""
-    return yaml.load(text, Loader=_UniqueKeysLoader)  # noqa: S506 - a SafeLoader subclass
+    return _parsed(text, _UniqueKeysLoader)
 
 
 def dump_yaml(data) -> str:
@@ -480,7 +492,7 @@ def _coerce(key: str, value: Any, annotation: str) -> Any:
         value = [value] if isinstance(value, str) else value
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
-        raise UserError(f"config key '{key}' expects a list of strings, got {value!r}")
+        raise UserError(f"config key '{key}' expects a list of strings, got {shown(value)}")
     if ("float" in annotation and isinstance(value, str) and "str" not in annotation
             and (YAML12_FLOAT.fullmatch(value) or NON_FINITE_TEXT.fullmatch(value))):
         with contextlib.suppress(ValueError):  # '.inf': refused below as text
@@ -496,7 +508,7 @@ def _coerce(key: str, value: Any, annotation: str) -> Any:
     ok = {"bool": bool, "int": int, "float": float, "str": str}
     if any(isinstance(value, ok[t]) and not (t == "int" and isinstance(value, bool)) for t in expected):
         return value
-    raise UserError(f"config key '{key}' expects {annotation}, got {value!r}")
+    raise UserError(f"config key '{key}' expects {annotation}, got {shown(value)}")
 
 
 def unknown_key_problem(dotted: str) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import reprlib
 
 
 def plural(noun: str, count: int) -> str:
@@ -20,6 +21,16 @@ def printable(text: str) -> str:
     """`text` with what would act on a terminal rather than show (`_UNPRINTABLE`) written as Python escapes, so that
     a message quoting a user's file name or record is one line, shown as it is: '\\x1b', '\\n', '\\u202e'."""
     return _UNPRINTABLE.sub(lambda found: repr(found.group())[1:-1], text)
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 3, 6, 6, 80, 80, 60
+
+
+def shown(value: object) -> str:
+    """`value`'s repr, cut short where it is long or deep: a value from a user's file (a YAML list that aliases
+    itself a billion times over, a number of 5000 digits) quoted whole took gigabytes, or a screen."""
+    return _SHORT.repr(value)
 
 
 _ACTING = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]|\r(?!\n)")

@@ -671,3 +671,35 @@ def test_dropout_is_refused_where_the_policy_is_scored_against_its_reference(sta
     cfg.save(tmp_path / "config.yaml")
     assert rundir.recorded_config(tmp_path)["model"]["dropout"] == 0.1  # read as it was recorded
     check_new_run(build_config("demo", ["train.stage=sft", "train.init_from=runs/base", "model.dropout=0.1"]))
+
+
+LAUGHS = "".join(f"  - &b{i} [" + ", ".join([f"*b{i - 1}"] * 10 if i else ["x"] * 10) + "]\n" for i in range(10))
+"""A YAML list whose aliases make a billion strings of its 10 lines."""
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda text: text.replace("max_steps: 2", "max_steps: " + "1" * 5000),
+     "Exceeds the limit (4300 digits) for integer string conversion"),  # a ValueError traceback
+    (lambda text: text.replace("max_steps: 2", "max_steps: " + "[" * 5000 + "]" * 5000), "nested too deeply"),
+    (lambda text: text.replace("  sample_prompts: []\n", "  sample_prompts:\n" + LAUGHS),  # a MemoryError traceback
+     "config key 'train.sample_prompts' expects a list of strings, got [["),
+])
+def test_a_hostile_config_yaml_in_a_run_directory_is_one_line(tmp_path, edit, reason):
+    """A run directory from elsewhere is untrusted: its config.yaml's huge integer, deep nesting or billion
+    laughs (whose every string the error message wrote out) ended in tracebacks."""
+    build_config("demo", ["train.max_steps=2", "train.sample_prompts=[]"]).save(tmp_path / rundir.CONFIG_FILE)
+    path = tmp_path / rundir.CONFIG_FILE
+    path.write_text(edit(path.read_text()))
+    with pytest.raises(UserError) as error:
+        rundir.recorded_config(tmp_path)
+    assert str(error.value).startswith(f"{path} is damaged (") and reason in str(error.value)
+    assert len(str(error.value)) < 1000
+
+
+def test_an_integer_too_long_to_read_in_a_set_or_a_recipe_is_one_line(tmp_path):
+    with pytest.raises(UserError, match=r"^config key 'train.max_steps' expects int, got '1111.*\.\.\..*1111'$"):
+        build_config("demo", ["train.max_steps=" + "1" * 5000])
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("train:\n  max_steps: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(UserError, match=f"^{recipe}: invalid YAML \\(nested too deeply\\)$"):
+        build_config(str(recipe), [])

@@ -415,6 +415,16 @@ def test_a_chat_template_file_beside_the_tokenizer_is_used(tmp_path):
     ("{% set ns = namespace(s='x' * 1000000) %}{% for i in range(9) %}{% set ns.s = '{0}{0}'.format(ns.s) %}"
      "{% endfor %}", "str.format would make a result of more than 8,388,"),
     ("{{ ([[1] * 10] * 40000)|sum(start=[]) }}", "the filter sum was given a start that is no number"),
+    # each took gigabytes before the deadline (one C call it cannot stop), or was a traceback
+    ("{{ '%(a)3000000000s' % {'a': 1} }}", "'%' was given a field wider than 1048576"),
+    ("{{ ('\t' * 30000).expandtabs(100000) }}", "str.expandtabs would make a result of more than 8,388,"),
+    ("{{ [[0] * 1000000] * 1000000 }}", "'*' would make a result of more than 1048576 items"),
+    ("{% set a = [0] * 1000 %}{{ [a] * 2000 }}", "'*' would make a result of more than 1048576 items"),
+    ("{% set a = ['x' * 1000] * 1000 %}{% set b = [a, a, a, a, a, a, a, a, a, a] %}{% set c = [b, b, b, b, b, b, b, b, "
+     "b, b] %}{{ c }}", "printing a value would make a result of more than 8,388,"),
+    ("{% set a = ['x' * 1000] * 1000 %}{% set b = [a, a, a, a, a, a, a, a, a, a] %}{{ [b, b]|string }}",
+     "the filter string would make a result of more than 8,388,"),
+    ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "the chat template does not compile (nested too deeply)"),
 ])
 def test_a_hostile_chat_template_is_stopped_with_one_line(tmp_path, monkeypatch, template, reason):
     """A tokenizer's chat template comes with downloaded files: its cost is bounded like its reach."""
