@@ -24,7 +24,7 @@ def printable(text: str) -> str:
 
 
 _SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 3, 6, 6, 80, 80, 60
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 2, 4, 4, 80, 80, 60
 
 
 def shown(value: object) -> str:
