@@ -474,6 +474,27 @@ def test_dataset_dict_directories_read_every_split_and_report_rows(tokenizer_dir
     assert walked == [tmp_path / "hf" / "test", tmp_path / "hf" / "train", tmp_path / "more.parquet"]
 
 
+def test_a_datasets_directory_naming_files_outside_it_is_refused(tokenizer_dir, tmp_path):
+    """A save_to_disk folder from elsewhere is untrusted: its state.json (or a DatasetDict's split list) naming
+    '../x' or an absolute path had datasets read data outside the folder given, without a word."""
+    datasets.Dataset.from_list([{"text": "secret"}]).save_to_disk(str(tmp_path / "secret"))
+    datasets.Dataset.from_list([{"text": "inside"}]).save_to_disk(str(tmp_path / "mine" / "ds"))
+    state = tmp_path / "mine" / "ds" / "state.json"
+    described = json.loads(state.read_text())
+    name = described["_data_files"][0]["filename"]
+    described["_data_files"][0]["filename"] = f"../../secret/{name}"
+    state.write_text(json.dumps(described))
+    (tmp_path / "dict").mkdir()
+    (tmp_path / "dict" / "dataset_dict.json").write_text(json.dumps({"splits": [str(tmp_path / "secret")]}))
+    for given, said in ((tmp_path / "mine" / "ds", f"{state}: the data file \"../../secret/{name}\" is not a file name "
+                                                   f"in {tmp_path / 'mine' / 'ds'}; save the dataset again"),
+                        (tmp_path / "dict", f"{tmp_path / 'dict' / 'dataset_dict.json'}: the split \"/")):
+        with pytest.raises(UserError) as error:
+            _quiet("pretrain", [given], tokenizer_dir, tmp_path / "out")
+        assert str(error.value).startswith(said) and " is not a " in str(error.value), str(error.value)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_datasets_directory_with_audio_and_image_columns_gives_its_texts(tokenizer_dir, tmp_path):
     """A speech or multimodal dataset's rows were decoded whole: an Audio column ended the run with a traceback
     (ImportError: torchcodec), an Image column of bytes that are no image with 'cannot read it'. Its text is read,

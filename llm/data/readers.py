@@ -136,6 +136,9 @@ def _dataset_dict_splits(path: Path) -> list[Path]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"{path / HF_DATASET_DICT_FILE}: not a datasets DatasetDict description ({exc})") from None
     for split in splits:
+        if not _a_name_in(split, path):  # '../x' or an absolute path: data outside the folder given was read
+            raise UserError(f"{path / HF_DATASET_DICT_FILE}: the split {json.dumps(split)[:80]} is not a folder name "
+                            f"in {path}; save the dataset again (datasets names its splits' folders so)")
         if not (path / split).is_dir():  # was 'cannot read (it is a directory now)', of a folder that is not there
             raise UserError(f"{path / split}: no such folder, though {path / HF_DATASET_DICT_FILE} lists the split "
                             f"'{split}'; save the dataset again, or give the splits' folders that are there")
@@ -616,12 +619,32 @@ def _arrow_batches(pa, path: Path) -> Iterator:
         yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
 
 
+def _a_name_in(name: Any, folder: Path) -> bool:
+    """Whether `name` is the name of an entry of `folder` (not a path reaching elsewhere)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
+
+
+def _refuse_data_files_elsewhere(path: Path) -> None:
+    """A save_to_disk folder's state.json names its Arrow files: '../x.arrow' or an absolute path had `datasets`
+    read a file outside the folder given (another user's data, or any file), as if it were that folder's."""
+    try:
+        files = json.loads((path / HF_DATASET_FILES[0]).read_text(encoding="utf-8"))["_data_files"]
+        names = [entry["filename"] for entry in files]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{path / HF_DATASET_FILES[0]}: not a datasets save_to_disk description ({exc})") from None
+    for name in names:
+        if not _a_name_in(name, path):
+            raise UserError(f"{path / HF_DATASET_FILES[0]}: the data file {json.dumps(name)[:80]} is not a file name "
+                            f"in {path}; save the dataset again (datasets names its files so)")
+
+
 def _hf_rows(path: Path) -> Iterator[dict]:
     try:
         import datasets  # noqa: PLC0415 - optional dependency, imported only for save_to_disk directories
     except ImportError:
         raise UserError(f"{path}: reading a save_to_disk directory needs the datasets package; install it with "
                         f"{INSTALL_DATASETS}") from None
+    _refuse_data_files_elsewhere(path)
     dataset = datasets.load_from_disk(str(path)).with_format("arrow")  # as stored: an Audio or Image column is not
     for table in dataset.iter(batch_size=ROWS_PER_BATCH):                 # decoded (that needed torchcodec or a
         yield from table.to_pylist()                                      # readable image, for text never used)
