@@ -32,7 +32,7 @@ from llm.data.formats import Chat, Pair, read_items, read_records
 from llm.data.output import LOCK_FILE, OutputDir
 from llm.data.prepare import Report, not_prepared_here, prepare
 from llm.data.prepared import read_data_attrs
-from llm.data.readers import PIECE_CHARS, Item, expand_inputs, split_text
+from llm.data.readers import PIECE_CHARS, Item, Skipped, expand_inputs, split_text
 from llm.errors import UserError
 from llm.rundir import PREPARED_ENTRIES
 from llm.tokenizer import Tokenizer, train_tokenizer
@@ -1562,3 +1562,20 @@ def test_a_tokenizer_trained_into_the_corpus_folder_is_not_read_as_data(tmp_path
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert sorted(report["files"]) == sorted(str(corpus / name) for name in ("en_notes.jsonl", "notes.txt",
                                                                              "export/kept.txt"))
+
+
+def test_a_table_whose_rows_hold_more_text_than_its_file_is_read_row_by_row_within_max_record_mb(tmp_path):
+    """5 KB of Parquet can hold a dictionary column naming one 50 MB string from every row: read out 256 rows at a
+    time it took gigabytes, and ended in a MemoryError traceback. A row over --max-record-mb is skipped, as a JSON
+    line is; rows are read out one at a time where their batch holds more than it."""
+    big = "a " * 600_000  # 1.2 MB
+    column = pa.DictionaryArray.from_arrays(pa.array([0, 1, 0, 1, 1], type=pa.int32()), pa.array([big, "short"]))
+    nested = pa.array([[{"t": "x" * 300_000}]] * 5)  # text inside lists of structs counts too
+    pq.write_table(pa.table({"text": column, "extra": nested}), tmp_path / "bomb.parquet", compression="zstd")
+    assert (tmp_path / "bomb.parquet").stat().st_size < 20_000
+    read = list(read_items(tmp_path / "bomb.parquet", max_record_mb=1.0))
+    assert [str(r) if isinstance(r, Skipped) else r.value["text"] for r in read] == [
+        f"{tmp_path / 'bomb.parquet'}:row {n}: record of 1,500,000 bytes of text is over --max-record-mb 1; raise it"
+        if n in (1, 3) else "short" for n in range(1, 6)]
+    assert [r.value["text"] for r in read_items(tmp_path / "bomb.parquet", max_record_mb=2.0)] == [
+        big, "short", big, "short", "short"]  # under it, row by row: 5 rows hold more than 2 MB together

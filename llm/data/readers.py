@@ -53,7 +53,7 @@ PIECE_CHARS = 1 << 15
 holds about 170 bytes per character of one `encode` call), so a long document is cut into pieces of this size."""
 DEFAULT_MAX_RECORD_MB = 64.0
 ROWS_PER_BATCH = 256
-TABLE_ERRORS = (OSError, ValueError, KeyError, TypeError, NotImplementedError)
+TABLE_ERRORS = (OSError, ValueError, KeyError, TypeError, NotImplementedError, MemoryError)
 """What pyarrow and datasets raise for a damaged or foreign file (their Arrow* errors derive from these)."""
 INSTALL_DATASETS = "`pip install 'datasets>=2.19'` (zerollm's `datasets` extra)"
 JSON_ERRORS = (ValueError, RecursionError)
@@ -601,10 +601,48 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-def _batch_rows(batches: Iterable) -> Iterator[dict]:
+@dataclass(frozen=True)
+class _RowTooLarge:
+    """A table row whose text is over --max-record-mb, in its place (`_batch_rows`)."""
+    size: int
+
+
+def _text_bytes(pa, array) -> list[int]:
+    """The bytes of text (strings and binaries, at any depth) each row of `array` holds once read out: a dictionary
+    column stores a string once for every row that names it (5 KB of Parquet held 2,000 copies of 50 MB)."""
+    kind = array.type
+    if pa.types.is_dictionary(kind):
+        sizes = _text_bytes(pa, array.dictionary)
+        return [0 if index is None else sizes[index] for index in array.indices.to_pylist()]
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind) \
+            or pa.types.is_large_binary(kind):
+        return [length or 0 for length in pa.compute.binary_length(array).to_pylist()]
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        inner, lengths = _text_bytes(pa, array.flatten()), pa.compute.list_value_length(array).to_pylist()
+        sizes, at = [], 0
+        for length in lengths:
+            sizes.append(sum(inner[at:at + (length or 0)]))
+            at += length or 0
+        return sizes
+    if pa.types.is_struct(kind):
+        return [sum(row) for row in zip(*(_text_bytes(pa, field) for field in array.flatten()), strict=True)] \
+            if kind.num_fields else [0] * len(array)
+    return [0] * len(array)
+
+
+def _batch_rows(pa, batches: Iterable, max_bytes: int) -> Iterator[dict | _RowTooLarge]:
+    """The rows of record batches, read out a few hundred at a time, or one at a time where they hold more text than
+    `max_bytes` together; a row over it alone is a `_RowTooLarge` (rows read out whole took gigabytes)."""
     for batch in batches:
+        sizes = [sum(row) for row in zip(*(_text_bytes(pa, column) for column in batch.columns), strict=True)] \
+            if batch.num_columns else [0] * batch.num_rows
         for start in range(0, batch.num_rows, ROWS_PER_BATCH):
-            yield from batch.slice(start, ROWS_PER_BATCH).to_pylist()
+            part = batch.slice(start, ROWS_PER_BATCH)
+            if sum(sizes[start:start + ROWS_PER_BATCH]) <= max_bytes:
+                yield from part.to_pylist()
+                continue
+            for offset, size in enumerate(sizes[start:start + ROWS_PER_BATCH]):
+                yield _RowTooLarge(size) if size > max_bytes else part.slice(offset, 1).to_pylist()[0]
 
 
 def _arrow_batches(pa, path: Path) -> Iterator:
@@ -638,25 +676,33 @@ def _refuse_data_files_elsewhere(path: Path) -> None:
                             f"in {path}; save the dataset again (datasets names its files so)")
 
 
-def _hf_rows(path: Path) -> Iterator[dict]:
+def _hf_rows(path: Path, max_bytes: int) -> Iterator[dict | _RowTooLarge]:
     try:
         import datasets  # noqa: PLC0415 - optional dependency, imported only for save_to_disk directories
     except ImportError:
         raise UserError(f"{path}: reading a save_to_disk directory needs the datasets package; install it with "
                         f"{INSTALL_DATASETS}") from None
     _refuse_data_files_elsewhere(path)
-    dataset = datasets.load_from_disk(str(path)).with_format("arrow")  # as stored: an Audio or Image column is not
-    for table in dataset.iter(batch_size=ROWS_PER_BATCH):                 # decoded (that needed torchcodec or a
-        yield from table.to_pylist()                                      # readable image, for text never used)
+    # as stored: an Audio or Image column is not decoded (that needed torchcodec or a readable image, for text never
+    # used)
+    tables = datasets.load_from_disk(str(path)).with_format("arrow").iter(batch_size=ROWS_PER_BATCH)
+    yield from _batch_rows(_pyarrow(path), (batch for table in tables for batch in table.to_batches()), max_bytes)
 
 
-def _table_items(path: Path, kind: str) -> Iterator[Item]:
-    rows = {".parquet": lambda: _batch_rows(_pyarrow(path).parquet.ParquetFile(path).iter_batches(ROWS_PER_BATCH)),
-            ".arrow": lambda: _batch_rows(_arrow_batches(_pyarrow(path), path)), "hf": lambda: _hf_rows(path)}[kind]
+def _table_items(path: Path, kind: str, max_record_mb: float) -> Iterator[Item | Skipped]:
+    max_bytes = _chars(max_record_mb)
+    rows = {".parquet": lambda: _batch_rows(pa, pa.parquet.ParquetFile(path).iter_batches(ROWS_PER_BATCH), max_bytes),
+            ".arrow": lambda: _batch_rows(pa, _arrow_batches(pa, path), max_bytes),
+            "hf": lambda: _hf_rows(path, max_bytes)}[kind]
+    pa = _pyarrow(path) if kind != "hf" else None
     number = 0
     try:
         for number, row in enumerate(rows(), start=1):
-            yield Item(str(path), number, _without_nulls(row), unit="row")
+            if isinstance(row, _RowTooLarge):
+                yield Skipped(str(path), number, f"record of {row.size:,} bytes of text is over --max-record-mb "
+                                                 f"{max_record_mb:g}; raise it", unit="row")
+            else:
+                yield Item(str(path), number, _without_nulls(row), unit="row")
     except UserError:
         raise
     except TABLE_ERRORS as exc:
@@ -704,4 +750,4 @@ def read_items(path: Path, max_record_mb: float = DEFAULT_MAX_RECORD_MB) -> Iter
         return _valid_unicode(_jsonl_items(path, max_record_mb))
     if kind == ".json":
         return _valid_unicode(_JsonStream(path, max_record_mb).items())
-    return _valid_unicode(_table_items(path, kind))
+    return _valid_unicode(_table_items(path, kind, max_record_mb))
