@@ -345,7 +345,8 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     compute for minutes between two checks of the deadline: `*` and `**` (their results' size, above MAX_ITEMS),
     `%` and str.format (their fields' widths), the string methods and filters that take a size (PADDING_METHODS,
     SIZED_FILTERS: a size above MAX_ITEMS, 'x'.center(1500000000)), and what may make a result far larger than its
-    operands, up to what the render may hold (`+`, `~`, `%`, str.format, GROWING_FILTERS, GROWING_METHODS)."""
+    operands, up to what the render may hold (`+`, `~`, `%`, str.format, GROWING_FILTERS, GROWING_METHODS, and the
+    text of a value `{{ ... }}` prints: `_printed`)."""
 
     intercepted_binops = frozenset(["*", "**", "%", "+"])
     code_generator_class = _BoundedCodeGenerator
