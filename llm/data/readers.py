@@ -584,6 +584,7 @@ class _JsonStream:
 def _pyarrow(path: Path, what: str = "Parquet/Arrow"):
     try:
         import pyarrow  # noqa: PLC0415 - optional dependency, imported only for these formats
+        import pyarrow.compute  # noqa: PLC0415 - not imported by pyarrow itself
         import pyarrow.ipc  # noqa: PLC0415
         import pyarrow.parquet  # noqa: PLC0415
     except ImportError:
