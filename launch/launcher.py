@@ -358,8 +358,17 @@ def _local_devices() -> int:
 
 def _check_rendezvous_host(node_rank: int, master: str, port: int, master_from: str | None = None) -> None:
     """On node rank 0, which hosts the rendezvous: `master` (--master-addr, or what `master_from` says it is) must be
-    an address of this node, and `port` free."""
+    an address of this node, and `port` free. On the others a --master-addr must resolve: a name that does not had
+    the node wait train.collective_timeout_s (10 minutes by default) before it said so. (A scheduler's node names,
+    `master_from`, are its cluster's own.)"""
     if node_rank != 0:
+        try:
+            if master_from is None:
+                socket.getaddrinfo(master, port)
+        except (socket.gaierror, UnicodeError) as exc:
+            raise UserError(f"--master-addr {master}: this node cannot resolve it "
+                            f"({getattr(exc, 'strerror', None) or exc}); give node 0's IP address, or a name this node "
+                            "resolves") from None
         return
     if not is_local_address(master):
         named, option = (f"--master-addr {master}", "") if master_from is None else \

@@ -88,6 +88,19 @@ def test_ordinary_host_names_and_addresses_pass(tmp_path):
     assert read_hostfile(tmp_path / "hosts") == {"gpu-01.cluster.example.org": 8, "10.0.0.7": 8, "node_3": 1}
 
 
+@pytest.mark.parametrize("backend", [[], ["--backend", "torchrun"]])
+def test_a_master_address_another_node_cannot_resolve_is_one_line_at_once(monkeypatch, backend):
+    """That node waited train.collective_timeout_s (10 minutes by default) before it said so."""
+    def unknown(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unknown)
+    with pytest.raises(UserError, match=r"^--master-addr node0\.cluster: this node cannot resolve it \(Name or service "
+                                        r"not known\); give node 0's IP address"):
+        plan_launch(_launch_args(*backend, "--nnodes", "2", "--node-rank", "1", "--master-addr", "node0.cluster",
+                                 "--nproc-per-node", "1"), ["train", "pretrain"], {})
+
+
 @pytest.mark.parametrize("address", ["-Fevil", "1.2.3.4;reboot", "$(id)", "a b", "127.0.0.1\n", "fd00::1\n"])
 def test_master_addresses_that_are_not_addresses_are_refused(tmp_path, address):
     with pytest.raises(UserError, match="is not a host name or IP address"):
