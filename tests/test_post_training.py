@@ -160,6 +160,21 @@ def test_sft_records_with_tools_and_reasoning_are_prepared_not_skipped(tokenizer
     assert report.skipped == [] and report.documents["train"] == len(path.read_text().splitlines())
 
 
+def test_a_sharegpt_function_call_of_several_calls_is_one_turn_of_them():
+    """LLaMA-Factory writes parallel calls as a JSON list in one function_call turn: the record was skipped ('tool
+    call is a list, expected an object')."""
+    calls = [{"name": "weather", "arguments": {"city": city}} for city in ("Lima", "Oslo")]
+    record = {"conversations": [{"from": "human", "value": "Lima and Oslo?"},
+                                {"from": "function_call", "value": json.dumps(calls)},
+                                {"from": "observation", "value": json.dumps(["sunny", "rain"])},
+                                {"from": "gpt", "value": "Sunny, then rain."}]}
+    assert conversation(record)[1] == {"role": "assistant", "content": "", "tool_calls": calls}
+    one = {**record, "conversations": [record["conversations"][0], {"from": "function_call",
+                                                                    "value": json.dumps(calls[0])},
+                                       *record["conversations"][2:]]}
+    assert conversation(one)[1]["tool_calls"] == calls[:1]
+
+
 def test_tool_definitions_are_read_wherever_records_give_them():
     """TRL's top-level 'tools', xLAM's as JSON text, MiniMind's on the system turn ('functions' in its 2510 data):
     all were dropped without a word."""

@@ -118,8 +118,10 @@ def _json_text(text: str, what: str) -> Any:
 
 
 def _tool_calls(turn: dict, raw_role: str) -> list[dict[str, Any]]:
-    if raw_role == "function_call":  # ShareGPT: the value is the call
-        return [_tool_call(turn.get("value", turn.get("content")))]
+    if raw_role == "function_call":  # ShareGPT: the value is the call, or a list of calls (LLaMA-Factory's parallel)
+        value = turn.get("value", turn.get("content"))
+        value = _json_text(value, "tool call") if isinstance(value, str) else value
+        return [_tool_call(call) for call in (value if isinstance(value, list) else [value])]
     calls = turn.get("tool_calls")
     if isinstance(calls, str):  # some datasets store the list as JSON text
         calls = _json_text(calls, "'tool_calls'")
