@@ -626,6 +626,7 @@ class ChatTemplate:
             answered = self._render(escaped[:index + 1], False, tools)
             end = len(answered) if full.startswith(answered) and len(answered) > start else self._turn_end(full, start)
             self._check_reply_within(full, escaped, tools, index, start, end)
+            self._check_starts_after_the_turn_before(full, escaped, index, start, end)
             bounds.append((start, end))
             previous_end = end
         return full, bounds
@@ -653,6 +654,26 @@ class ChatTemplate:
             raise MessagesRefused(f"{self.source}: the chat template ends the reply of assistant message {index + 1} "
                                   f"with {ended} before its text, which would not be learnt; use a template that "
                                   "renders the reply's text before its end-of-turn token")
+
+    def _check_starts_after_the_turn_before(self, full: str, escaped: list[dict], index: int, start: int,
+                                            end: int) -> None:
+        """Refuse where the reply of assistant message `index` would start before the text of the message just before
+        it ends: a template that renders the conversation before a reply otherwise once more turns follow (Mistral's
+        put the tool definitions, or the system text, into the last user turn only) made the renderings part inside
+        an earlier turn, and the loss took in that turn's text."""
+        text = escaped[index - 1].get("content") if index else None
+        if not isinstance(text, str) or not text.strip():
+            return
+        reply = escaped[index]
+        first = next((part for part in (reply.get("reasoning_content"), reply.get("content"))
+                      if isinstance(part, str) and part.strip()), None)
+        limit = full.find(first, start, end) if first else -1
+        found = full.rfind(text, 0, limit if limit >= 0 else end)
+        if found >= 0 and found + len(text) > start:
+            raise MessagesRefused(f"{self.source}: the chat template renders the turns before assistant message "
+                                  f"{index + 1} otherwise once later turns follow (as Mistral's put tools or the "
+                                  "system text into the last user turn), so where its reply starts is unknown; use a "
+                                  "template that renders each turn alike whatever follows")
 
     def _reply_start(self, full: str, escaped: list[dict], tools: list[dict] | None, index: int) -> int:
         """Where the reply of message `index` starts in `full`: where the conversation before it, rendered with a

@@ -642,6 +642,34 @@ def test_an_earlier_versions_template_renders_tool_definitions_and_one_without_t
         assert Tokenizer.load(directory).encode_chat_masked(CONVERSATION[1:2] + [CONVERSATION[4]], []).ids
 
 
+MISTRAL_LIKE = (  # Mistral v0.3's rule: tools (and the system text) go into the last user turn only
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- set users = loop_messages | selectattr('role', 'equalto', 'user') | list %}"
+    "{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+    "{%- if tools and message == users[-1] %}{{- '[TOOLS]' + (tools | tojson) + '[/TOOLS]' }}{%- endif %}"
+    "{%- if loop.last and system is defined %}{{- '[INST] ' + system + ' ' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}")
+
+
+def test_a_template_that_renders_earlier_turns_otherwise_once_more_follow_is_refused(tokenizer_dir):
+    """Mistral's templates put the tools into the last user turn only: the renderings before and after a reply
+    parted inside the first user turn, and its text was learnt as part of the first reply."""
+    tok = Tokenizer(Tokenizer.load(tokenizer_dir)._tok, {"eos_token": "<|im_end|>"}, "mistral-like", MISTRAL_LIKE)
+    turns = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi friend"},
+             {"role": "user", "content": "Weather in Lima?"}, {"role": "assistant", "content": "Sunny today"}]
+    with pytest.raises(MessagesRefused, match="^mistral-like: the chat template renders the turns before assistant "
+                                              "message 2 otherwise once later turns follow"):
+        tok.encode_chat_masked(turns, TOOLS)
+    with pytest.raises(MessagesRefused, match="before assistant message 3 otherwise"):  # the system text alike
+        tok.encode_chat_masked([{"role": "system", "content": "Be brief."}, *turns])
+    chat = tok.encode_chat_masked(turns[:2], TOOLS)  # one exchange: its reply alone is learnt
+    assert _mask_runs(tok, chat.ids, chat.loss_mask) == [" Hi friend<|im_end|>"]
+    chat = tok.encode_chat_masked(turns)
+    assert _mask_runs(tok, chat.ids, chat.loss_mask) == [" Hi friend<|im_end|>", " Sunny today<|im_end|>"]
+
+
 @pytest.mark.parametrize("directory", ["session", MINIMIND])
 def test_dpo_prompt_then_reply_is_the_answered_conversation(tokenizer_dir, directory):
     tok = Tokenizer.load(tokenizer_dir if directory == "session" else directory)
