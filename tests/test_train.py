@@ -395,6 +395,7 @@ def test_a_resume_that_changes_settings_says_which(pretrain_data, tmp_path):
 
 def test_a_resume_names_no_change_for_the_same_lora_targets_in_another_order(tmp_path):
     """The targets are adapters found by module, in any order (as the resume's shape check compares them)."""
+    from llm.loading import trained_config
     from llm.train.job import resumed_changes
 
     paths = {"train.init_from": str(tmp_path / "base")}  # as config.yaml records it: absolute
@@ -403,9 +404,9 @@ def test_a_resume_names_no_change_for_the_same_lora_targets_in_another_order(tmp
     saved.save(tmp_path / "config.yaml")
     again = build_config("demo", ["train.stage=sft", "model.vocab_size=512", "lora.r=4", "lora.targets=[wv, wq]"],
                          paths=paths)
-    assert resumed_changes(tmp_path, again) == []
+    assert resumed_changes(trained_config(tmp_path), again) == []
     again.lora.targets = ["wq", "wk"]
-    assert resumed_changes(tmp_path, again) == ["lora.targets ['wq', 'wv'] there, ['wk', 'wq'] here"]
+    assert resumed_changes(trained_config(tmp_path), again) == ["lora.targets ['wq', 'wv'] there, ['wk', 'wq'] here"]
 
 
 def test_a_resume_on_another_number_of_ranks_that_changes_the_global_batch_says_so():

@@ -477,9 +477,10 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
                   f"{finished}", file=sys.stderr, flush=True)
         return EXIT_OK
     record = run_record(info, data, resumed_from=tag)  # every rank takes part (hosts and ranks are gathered)
-    changes = resumed_changes(run_dir, cfg) if tag is not None and info.is_main else []  # before config.yaml's update
-    batch_note = resumed_batch_note(trained_config(run_dir), rundir.client_state_of(run_dir, tag)["world_size"], cfg,
-                                    info.world_size) if tag is not None and info.is_main else None
+    saved = trained_config(run_dir) if tag is not None and info.is_main else None  # before config.yaml's update
+    changes = resumed_changes(saved, cfg) if saved else []
+    batch_note = resumed_batch_note(saved, rundir.client_state_of(run_dir, tag)["world_size"], cfg,
+                                    info.world_size) if saved else None
     # written once the run is known to start (a refused resume leaves the directory as it was), by rank 0; a full
     # disk there is one line on every rank
     sink = agreed(lambda: _start_files(cfg, run_dir, ds_config, trainer, record) if info.is_main else None,
@@ -529,15 +530,15 @@ def _compared(key: str, value: Any) -> Any:
     return sorted(value) if key == "lora.targets" else value
 
 
-def resumed_changes(run_dir: Path, cfg: RunConfig) -> list[str]:
-    """'key X there, Y here' for each setting in which this resume of `run_dir` differs from the config.yaml its
+def resumed_changes(saved: RunConfig, cfg: RunConfig) -> list[str]:
+    """'key X there, Y here' for each setting in which this resume differs from `saved`, the config.yaml its run's
     last session wrote: a --set of the first command that the resume did not repeat took the recipe's value without a
     word (a learning rate of 1e-3 went back to 3e-3)."""
     def flat(config: RunConfig) -> dict[str, Any]:
         return {f"{section}.{key}": _compared(f"{section}.{key}", value)
                 for section, values in config.to_dict().items() for key, value in values.items()}
 
-    there, here = flat(trained_config(run_dir)), flat(_as_recorded(cfg))
+    there, here = flat(saved), flat(_as_recorded(cfg))
     return [f"{key} {there.get(key)} there, {value} here" for key, value in here.items() if there.get(key) != value]
 
 
