@@ -109,15 +109,20 @@ def update_text(path: Path, text: str) -> bool:
     return True
 
 
+def remove(path: Path) -> None:
+    """Delete `path`: a folder with what it holds, a file, or a link (never what it names)."""
+    if path.is_symlink() or path.exists() and not path.is_dir():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
+
+
 def remove_leftover(path: Path, of: Path) -> None:
     """Delete `path`, a copy of folder `of` that an earlier run left beside it (a partial or a set-aside one), before
     anything is written; where it cannot be deleted (a read-only copy), a UserError naming it: it was left, and the
     next rename onto its name failed with a traceback."""
     try:
-        if path.is_symlink() or path.exists() and not path.is_dir():  # a link is removed, never what it names
-            path.unlink()
-        else:
-            shutil.rmtree(path)
+        remove(path)
     except (FileNotFoundError, NotADirectoryError):  # none, or no folder to hold one (--out below a file)
         pass
     except OSError as exc:

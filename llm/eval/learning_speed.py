@@ -26,7 +26,6 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -221,13 +220,6 @@ def _outputs(out_dir: Path) -> list[Path]:
             if (out_dir / name).exists() or (out_dir / name).is_symlink()]
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
-
-
 def _move_all(source: Path, target: Path) -> None:
     for name in os.listdir(source):
         os.replace(source / name, target / name)
@@ -241,7 +233,7 @@ def _put_back_earlier_result(out_dir: Path) -> None:
         _move_all(out_dir / EARLIER_MOVING, out_dir)
     if (out_dir / EARLIER_RESULT).is_dir():
         for path in _outputs(out_dir):
-            _remove(path)
+            durable.remove(path)
         _move_all(out_dir / EARLIER_RESULT, out_dir)
     durable.remove_leftover(out_dir / EARLIER_DELETED, out_dir)
 
@@ -257,13 +249,12 @@ def earlier_result_kept(out_dir: Path) -> Iterator[Callable[[], None]]:
     complete = (out_dir / "result.json").is_file()
     if complete:
         (out_dir / EARLIER_MOVING).mkdir()
-    for path in _outputs(out_dir):
-        if complete:
+        for path in _outputs(out_dir):
             os.replace(path, out_dir / EARLIER_MOVING / path.name)
-        else:
-            _remove(path)
-    if complete:
         os.replace(out_dir / EARLIER_MOVING, out_dir / EARLIER_RESULT)
+    else:
+        for path in _outputs(out_dir):
+            durable.remove(path)
     (out_dir / LEARN_MARKER).touch()
     written = False
 
