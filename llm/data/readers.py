@@ -638,11 +638,11 @@ def _batch_rows(pa, batches: Iterable, max_bytes: int) -> Iterator[dict | _RowTo
         sizes = [sum(row) for row in zip(*(_text_bytes(pa, column) for column in batch.columns), strict=True)] \
             if batch.num_columns else [0] * batch.num_rows
         for start in range(0, batch.num_rows, ROWS_PER_BATCH):
-            part = batch.slice(start, ROWS_PER_BATCH)
-            if sum(sizes[start:start + ROWS_PER_BATCH]) <= max_bytes:
+            part, part_sizes = batch.slice(start, ROWS_PER_BATCH), sizes[start:start + ROWS_PER_BATCH]
+            if sum(part_sizes) <= max_bytes:
                 yield from part.to_pylist()
                 continue
-            for offset, size in enumerate(sizes[start:start + ROWS_PER_BATCH]):
+            for offset, size in enumerate(part_sizes):
                 yield _RowTooLarge(size) if size > max_bytes else part.slice(offset, 1).to_pylist()[0]
 
 
@@ -691,11 +691,10 @@ def _hf_rows(path: Path, max_bytes: int) -> Iterator[dict | _RowTooLarge]:
 
 
 def _table_items(path: Path, kind: str, max_record_mb: float) -> Iterator[Item | Skipped]:
-    max_bytes = _chars(max_record_mb)
+    max_bytes, pa = _chars(max_record_mb), _pyarrow(path) if kind != "hf" else None
     rows = {".parquet": lambda: _batch_rows(pa, pa.parquet.ParquetFile(path).iter_batches(ROWS_PER_BATCH), max_bytes),
             ".arrow": lambda: _batch_rows(pa, _arrow_batches(pa, path), max_bytes),
             "hf": lambda: _hf_rows(path, max_bytes)}[kind]
-    pa = _pyarrow(path) if kind != "hf" else None
     number = 0
     try:
         for number, row in enumerate(rows(), start=1):
