@@ -665,6 +665,34 @@ def test_a_tool_call_turn_whose_text_the_template_leaves_out_is_learnt(tokenizer
     assert Tokenizer.load(odd).decode(tokens[mask].tolist(), skip_special_tokens=False) == "weather<|im_end|>"
 
 
+MISTRAL_CALL_IDS = (  # Mistral v0.3's rule: every call and every tool result carries a 9-character call id
+    "{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{% elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS]{% for c in m.tool_calls %}"
+    "{% if c.id is not defined or c.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric "
+    "strings with length 9!') }}{% endif %}{{ c.function.name }}:{{ c.id }}{% endfor %}<|im_end|>"
+    "{% elif m.role == 'tool' %}{% if m.tool_call_id is not defined or m.tool_call_id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "[TOOL_RESULTS]{{ m.tool_call_id }}={{ m.content }}[/TOOL_RESULTS]"
+    "{% else %}{{ m.content }}<|im_end|>{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("shape", ["openai", "flat"])
+def test_tool_call_ids_reach_a_template_that_renders_them(tokenizer_dir, tmp_path, shape):
+    """Calls' ids and tool turns' tool_call_id were dropped: Mistral's templates refused every tool-calling record."""
+    call = {"name": "weather", "arguments": {"city": "Lima"}}
+    call = {"id": "abcDEF123", "type": "function", "function": call} if shape == "openai" else {"id": "abcDEF123",
+                                                                                                 **call}
+    odd, path = _sft_with_template(tokenizer_dir, tmp_path, MISTRAL_CALL_IDS, {"content": "", "tool_calls": [call]})
+    record = json.loads(path.read_text())
+    record["messages"] += [{"role": "tool", "tool_call_id": "abcDEF123", "content": "sunny"},
+                           {"role": "assistant", "content": "It is sunny."}]
+    path.write_text(json.dumps(record) + "\n")
+    assert _quiet("sft", [path], odd, tmp_path / "out").skipped == []
+    tokens, _, _ = _tokens(tmp_path / "out")
+    text = Tokenizer.load(odd).decode(tokens.tolist(), skip_special_tokens=False)
+    assert "[TOOL_CALLS]weather:abcDEF123<|im_end|>[TOOL_RESULTS]abcDEF123=sunny[/TOOL_RESULTS]It is sunny." in text
+
+
 def test_a_reply_the_template_changes_is_learnt_where_it_is_rendered(tokenizer_dir, tmp_path):
     odd, path = _sft_with_template(tokenizer_dir, tmp_path, TRIMMED, "  a1 ")
     assert _quiet("sft", [path], odd, tmp_path / "out").skipped == []

@@ -103,8 +103,8 @@ def test_tool_calls_tool_turns_and_reasoning_are_kept():
     canonical = [
         {"role": "user", "content": "Weather in Oslo?"},
         {"role": "assistant", "content": "", "reasoning_content": "I should look it up.",
-         "tool_calls": [{"name": "weather", "arguments": {"city": "Oslo"}}]},  # OpenAI's JSON text: the object
-        {"role": "tool", "content": "rain, 9 C", "name": "weather"},
+         "tool_calls": [{"name": "weather", "arguments": {"city": "Oslo"}, "id": "c1"}]},  # the JSON text's object
+        {"role": "tool", "content": "rain, 9 C", "name": "weather", "tool_call_id": "c1"},
         {"role": "assistant", "content": "It rains in Oslo."}]
     assert conversation(openai) == canonical
     sharegpt = {"conversations": [

@@ -26,7 +26,7 @@ from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
-from llm.infer.server import ChatService, ServiceClosed, bind_server, client_key, make_server
+from llm.infer.server import ChatService, ServiceClosed, bind_server, canonical_message, client_key, make_server
 from llm.model import Transformer
 from llm.tokenizer import Tokenizer
 
@@ -182,6 +182,15 @@ def test_tool_turns_and_calls_are_accepted(server):
                 {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
     status, payload = _post(server, json.dumps({"messages": messages, "max_tokens": 2}).encode())
     assert status == 200 and payload["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_tool_call_ids_reach_the_chat_template():
+    """Dropped before: Mistral's templates, which render them, refused every conversation with a tool call."""
+    call = {"id": "abcDEF123", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    assert canonical_message({"role": "assistant", "content": None, "tool_calls": [call]}, 1)["tool_calls"] == [
+        {"name": "weather", "arguments": {}, "id": "abcDEF123"}]
+    assert canonical_message({"role": "tool", "tool_call_id": "abcDEF123", "content": "rain"}, 2) == {
+        "role": "tool", "content": "rain", "tool_call_id": "abcDEF123"}
 
 
 def test_twenty_concurrent_requests_get_their_own_answers(generator):

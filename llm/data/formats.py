@@ -5,8 +5,9 @@ Records come from `llm.data.readers` (text files, JSON, tables). Conversations b
 
     {"role": "system" | "user" | "assistant" | "tool", "content": str,
      "reasoning_content": str,                           # assistant only, when the record has it
-     "tool_calls": [{"name": str, "arguments": dict | str}, ...],   # assistant only, when the record has them
-     "name": str}                                        # tool only, when the record has it
+     "tool_calls": [{"name": str, "arguments": dict | str, "id": str}, ...],  # assistant only, when the record
+                                                         # has them; "id" where the call has one
+     "name": str, "tool_call_id": str}                   # tool only, where the record has them
 
 Accepted turn shapes: OpenAI/MiniMind `{"role", "content"}` (content may be a list of text parts; an assistant
 turn may carry `reasoning_content`, `tool_calls` in OpenAI's `{"function": {...}}` form or plain `{"name",
@@ -107,7 +108,13 @@ def _tool_call(call: Any) -> dict[str, Any]:
     if not isinstance(arguments, (dict, str)):
         raise RecordError(f"tool call '{function['name']}' arguments are {json_type(arguments)}, expected an "
                           "object or a string")
-    return {"name": function["name"], "arguments": arguments}
+    return {"name": function["name"], "arguments": arguments, **call_id(call)}
+
+
+def call_id(call: dict) -> dict[str, str]:
+    """A tool call's `id` (OpenAI's, which a tool turn's `tool_call_id` answers; Mistral's templates render both and
+    refuse a call without one), as `{"id": ...}`, or nothing where it has no string id."""
+    return {"id": call["id"]} if isinstance(call.get("id"), str) else {}
 
 
 def _json_text(text: str, what: str) -> Any:
@@ -158,8 +165,8 @@ def message(turn: Any) -> Message:
         out["reasoning_content"] = reasoning
     if calls:
         out["tool_calls"] = calls
-    if role == "tool" and isinstance(turn.get("name"), str):
-        out["name"] = turn["name"]
+    if role == "tool":
+        out.update({key: turn[key] for key in ("name", "tool_call_id") if isinstance(turn.get(key), str)})
     return out
 
 

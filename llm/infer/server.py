@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from llm.chat_template import ToolsNotRendered
-from llm.data.formats import TOOLS_KEYS, RecordError, call_arguments, tool_list
+from llm.data.formats import TOOLS_KEYS, RecordError, call_arguments, call_id, tool_list
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator, TextStream
 from llm.infer.sampling import InvalidSampling, SamplingParams
@@ -149,11 +149,12 @@ def _tool_call(call: Any, where: str) -> dict:
     fn = call.get("function", call) if isinstance(call, dict) else None
     if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), (str, dict))):
         raise RequestError(f"{where} needs a function name and arguments", where)
-    return {"name": fn["name"], "arguments": call_arguments(fn["arguments"])}
+    return {"name": fn["name"], "arguments": call_arguments(fn["arguments"]), **call_id(call)}
 
 
 def canonical_message(message: Any, index: int) -> dict:
-    """An OpenAI chat message as a canonical message (role, content, reasoning_content, tool_calls, name)."""
+    """An OpenAI chat message as a canonical message (role, content, reasoning_content, tool_calls with their ids,
+    a tool message's name and tool_call_id)."""
     where = f"messages[{index}]"
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         raise RequestError(f"{where} needs a role in {ROLES} and a string content", where)
@@ -168,8 +169,8 @@ def canonical_message(message: Any, index: int) -> dict:
             if not isinstance(message["tool_calls"], list):
                 raise RequestError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
             out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(message["tool_calls"])]
-    if out["role"] == "tool" and isinstance(message.get("name"), str):
-        out["name"] = message["name"]
+    if out["role"] == "tool":
+        out.update({key: message[key] for key in ("name", "tool_call_id") if isinstance(message.get(key), str)})
     return out
 
 
