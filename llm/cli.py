@@ -326,10 +326,14 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=whole_number, default=None,
                    help="tokens to generate at most (default 128; generate: or what the model's context leaves after "
                         "the prompt, where that is fewer)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-k", type=whole_number, default=0, help="sample among the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1)")
+    suggested = " (default: the model folder's generation_config.json, where it has one, else {})"
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy; > 0 samples" + suggested.format("0"))
+    p.add_argument("--top-k", type=whole_number, default=None,
+                   help="sample among the k most likely tokens (0 = off)" + suggested.format("0"))
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold (1 = off)"
+                   + suggested.format("1"))
+    p.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats"
+                   + suggested.format("1"))
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--seed", type=whole_number, default=None, help="seed for reproducible sampling")
 
@@ -689,14 +693,22 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def _sampling(args: argparse.Namespace):
     from llm.infer.sampling import InvalidSampling, SamplingParams
+    from llm.infer.suggested_sampling import suggested_note, suggested_sampling
 
+    options = {key: getattr(args, key) for key in ("max_new_tokens", "temperature", "top_k", "top_p",
+                                                   "repetition_penalty")}
+    given = {key: value for key, value in options.items() if value is not None}  # the others take their defaults
     try:
-        given = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}  # else its default
-        return SamplingParams(**given, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, repetition_penalty=args.repetition_penalty, stop=args.stop,
-                              seed=args.seed)
+        params = SamplingParams(**given, stop=args.stop, seed=args.seed)
     except InvalidSampling as exc:  # named by its option
         raise UserError(f"--{exc.field.replace('_', '-')} {exc.reason}") from None
+    suggested = suggested_sampling(args.model)
+    for key, value in suggested.items():
+        if key not in given:
+            setattr(params, key, value)
+    if note := suggested_note(args.model, suggested, set(given)):
+        print(f"zerollm: {note}", file=sys.stderr, flush=True)
+    return params
 
 
 def _generator(args: argparse.Namespace):
@@ -789,8 +801,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from llm.infer.server import ChatService, bind_server, check_default_max_tokens, served_name
+    from llm.infer.suggested_sampling import suggested_note, suggested_sampling
 
     check_default_max_tokens(args.max_tokens)  # the options, then the address (bind_server), before the model loads
+    suggested = suggested_sampling(args.model)
     name = served_name(args.served_model_name, args.model)
     server = bind_server(args.host, args.port, api_key=args.api_key,
                          max_connections_per_client=args.max_connections_per_client)
@@ -798,7 +812,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     terminated = False
     try:
         with SigtermUnwinds():  # raised where serve_forever waits, as Ctrl-C's KeyboardInterrupt is
-            server.service = ChatService(_generator(args), name, args.max_tokens)
+            server.service = ChatService(_generator(args), name, args.max_tokens, suggested=suggested)
+            if note := suggested_note(args.model, suggested, overridden=set(), overrider="a request's field"):
+                print(f"zerollm: {note}", flush=True)
             print(f"serving {server.service.model_name} on {server.url}/v1 (Ctrl-C stops)", flush=True)
             server.serve_forever()  # until Ctrl-C (exit 130) or SIGTERM (143)
     except Terminated:

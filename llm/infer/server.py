@@ -287,9 +287,16 @@ any value but nothing (or null) as unsupported, not ignored, so that a client ne
 it asked for."""
 
 
-def parse_options(body: dict, default_max_tokens: int) -> RequestOptions:
+REQUEST_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+"""A request's sampling where it leaves a field out and the model suggests nothing (OpenAI's; vLLM's top_k and
+repetition_penalty off)."""
+
+
+def parse_options(body: dict, default_max_tokens: int, suggested: dict | None = None) -> RequestOptions:
     """The sampling parameters and stream options of a chat-completions body whose messages parse_messages
-    accepted, or RequestError. A field given as null takes its default, as in OpenAI's API."""
+    accepted, or RequestError. A field left out, or given as null, takes what the model folder's
+    generation_config.json `suggested`, else its default (`REQUEST_DEFAULTS`), as in vLLM."""
+    defaults = {**REQUEST_DEFAULTS, **(suggested or {})}
     if _number(body, "n", int, 1) != 1:
         raise RequestError("only n=1 is supported", "n")
     for key, (read, nothing) in UNSUPPORTED.items():
@@ -314,16 +321,17 @@ def parse_options(body: dict, default_max_tokens: int) -> RequestOptions:
     stream, stream_options = _flag(body, "stream"), _object(body, "stream_options")
     if stream_options is not None and not stream:
         raise RequestError("'stream_options' is only allowed with \"stream\": true", "stream_options")
-    temperature = _float(body, "temperature", 1.0)
+    temperature = _float(body, "temperature", defaults["temperature"])
     if not 0 <= temperature <= MAX_TEMPERATURE:  # NaN cannot come: the body's JSON refuses it
         raise RequestError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}",
                            "temperature")
-    top_k = _number(body, "top_k", int, 0)  # vLLM's extensions, which the sampler has: -1 or 0 is off
+    top_k = _number(body, "top_k", int, defaults["top_k"])  # vLLM's extensions, which the sampler has: -1 or 0 is off
     try:
         params = SamplingParams(max_new_tokens=max_tokens, stop=stop, seed=_number(body, "seed", int, None),
-                                temperature=temperature, top_p=_float(body, "top_p", 1.0),
+                                temperature=temperature, top_p=_float(body, "top_p", defaults["top_p"]),
                                 top_k=0 if top_k == -1 else top_k,
-                                repetition_penalty=_float(body, "repetition_penalty", 1.0))
+                                repetition_penalty=_float(body, "repetition_penalty",
+                                                          defaults["repetition_penalty"]))
     except InvalidSampling as exc:  # named by the request's field
         field = key if exc.field == "max_new_tokens" else exc.field
         raise RequestError(f"{field} {exc.reason}", field) from None
@@ -413,9 +421,12 @@ class ChatService:
     """The model behind the server: one generation thread serving a bounded line of requests."""
 
     def __init__(self, generator: TextGenerator, model_name: str, default_max_tokens: int = 256,
-                 max_queued: int = 32) -> None:
+                 max_queued: int = 32, suggested: dict | None = None) -> None:
+        """`suggested`: the sampling the model folder's generation_config.json suggests (`suggested_sampling`), for
+        requests that leave it out."""
         check_default_max_tokens(default_max_tokens)
         self.generator, self.model_name, self.default_max_tokens = generator, model_name, default_max_tokens
+        self.suggested = suggested or {}
         self.context = generator.model.cfg.max_seq_len
         self.created = int(time.time())
         self.cancelled = 0
@@ -765,13 +776,13 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             return raw
 
         def _post(self) -> None:
-            body = parse_json_body(self._read_body())
+            body, service = parse_json_body(self._read_body()), self.service
             messages, tools = parse_messages(body), parse_tools(body)
-            check_model(body, self.service.model_name)
-            parse_options(body, self.service.default_max_tokens)  # its cheap checks before the costly tokenizing
-            prompt_ids = self.service.prompt_ids(messages, tools)
-            options = parse_options(body, self.service.default_max_tokens_after(prompt_ids))
-            job = self.service.submit(prompt_ids, options.params)
+            check_model(body, service.model_name)
+            parse_options(body, service.default_max_tokens, service.suggested)  # its cheap checks before the tokenizing
+            prompt_ids = service.prompt_ids(messages, tools)
+            options = parse_options(body, service.default_max_tokens_after(prompt_ids), service.suggested)
+            job = service.submit(prompt_ids, options.params)
             try:
                 if options.stream:
                     self._stream(job, options.include_usage)

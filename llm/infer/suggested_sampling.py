@@ -1,0 +1,58 @@
+"""A Hugging Face model folder's `generation_config.json`: the sampling its authors suggest (Qwen3's temperature 0.6,
+top-k 20 and top-p 0.95, against greedy decoding's endless repetitions), which transformers' `generate` and vLLM
+apply wherever a request leaves an option out. `generate`, `chat` and `serve` do the same."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from llm.errors import UserError
+from llm.infer.sampling import InvalidSampling, SamplingParams
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+SUGGESTED_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "repetition_penalty": float}
+"""The keys read (vLLM's, less min_p, which the sampler has not) and the type of each."""
+
+
+def suggested_sampling(model_dir: str | Path) -> dict[str, Any]:
+    """The SamplingParams fields `model_dir`'s generation_config.json suggests ({} where it has none). Its
+    `do_sample: false` is greedy decoding, whatever its temperature says, as in transformers. A file that cannot be
+    read, or a value of the wrong type or out of range, is a UserError naming the file and the key."""
+    path = Path(model_dir) / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
+        raise UserError(f"{path}: cannot be read ({type(exc).__name__}); fix or remove it") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: not a JSON object; fix or remove it")
+    suggested = {}
+    for key, kind in SUGGESTED_FIELDS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+            raise UserError(f"{path}: {key} is {value!r}, not {'a number' if kind is float else 'an integer'}; fix "
+                            "or remove it")
+        suggested[key] = kind(value)
+    if config.get("do_sample") is False:
+        suggested["temperature"] = 0.0
+    try:
+        SamplingParams(**suggested)
+    except InvalidSampling as exc:
+        raise UserError(f"{path}: {exc.field} {exc.reason}; fix or remove it") from None
+    return suggested
+
+
+def suggested_note(model_dir: str | Path, suggested: dict[str, Any], overridden: set[str],
+                   overrider: str = "an option") -> str | None:
+    """'note: sampling as ... suggests' naming what the file suggests and is used (not `overridden` by an option or
+    a request field, the `overrider`), or None where nothing of it is."""
+    used = [f"{key} {value:g}" for key, value in suggested.items() if key not in overridden]
+    if not used:
+        return None
+    return (f"note: sampling as {Path(model_dir) / GENERATION_CONFIG_FILE} suggests: {', '.join(used)} ({overrider} "
+            "given overrides it)")

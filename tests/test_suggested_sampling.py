@@ -1,0 +1,97 @@
+"""A model folder's generation_config.json sets the sampling that generate, chat and serve use where an option or a
+request field leaves it out, as transformers' `generate` and vLLM do."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import zerollm_here
+from llm.config import ModelConfig
+from llm.errors import UserError
+from llm.export import export_model
+from llm.infer.server import parse_options
+from llm.infer.suggested_sampling import GENERATION_CONFIG_FILE, suggested_sampling
+from llm.model import Transformer
+
+QWEN3 = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
+         "temperature": 0.6, "top_k": 20, "top_p": 0.95, "transformers_version": "4.51.0"}
+"""Qwen3-0.6B's generation_config.json."""
+
+
+@pytest.fixture(scope="module")
+def exported(tokenizer_dir, tmp_path_factory):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=64))
+    out = tmp_path_factory.mktemp("exported")
+    export_model(model, tokenizer_dir, out)
+    return out
+
+
+def _with_generation_config(exported, tmp_path, config) -> str:
+    folder = tmp_path / "model"
+    shutil.copytree(exported, folder)
+    text = config if isinstance(config, str) else json.dumps(config)
+    (folder / GENERATION_CONFIG_FILE).write_text(text)
+    return folder
+
+
+def test_the_suggested_sampling_is_read_and_do_sample_false_is_greedy(tmp_path):
+    assert suggested_sampling(tmp_path) == {}
+    (tmp_path / GENERATION_CONFIG_FILE).write_text(json.dumps(QWEN3))
+    assert suggested_sampling(tmp_path) == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    (tmp_path / GENERATION_CONFIG_FILE).write_text(json.dumps({"do_sample": False, "temperature": 0.7,
+                                                                "repetition_penalty": 1.1}))
+    assert suggested_sampling(tmp_path) == {"temperature": 0.0, "repetition_penalty": 1.1}  # transformers' greedy
+
+
+@pytest.mark.parametrize("text, said", [
+    ('{"top_k": 2.5}', "top_k is 2.5, not an integer"),
+    ('{"temperature": "hot"}', "temperature is 'hot', not a number"),
+    ('{"top_p": 0}', "top_p must be a number in (0, 1], got 0.0"),
+    ('{"repetition_penalty": -1}', "repetition_penalty must be a finite number > 0, got -1.0"),
+    ("[1]", "not a JSON object"),
+    ("{", "cannot be read (JSONDecodeError)"),
+])
+def test_a_generation_config_that_cannot_be_used_is_one_line(tmp_path, text, said):
+    (tmp_path / GENERATION_CONFIG_FILE).write_text(text)
+    with pytest.raises(UserError) as refused:
+        suggested_sampling(tmp_path)
+    assert str(refused.value) == f"{tmp_path / GENERATION_CONFIG_FILE}: {said}; fix or remove it"
+
+
+def _generated(monkeypatch, capsys, model, *options) -> tuple[str, str]:
+    assert zerollm_here(monkeypatch, "generate", "--model", model, "--prompt", "To be", "--max-new-tokens", 12,
+                        "--seed", 3, *options) == 0
+    out = capsys.readouterr()
+    return out.out, out.err
+
+
+def test_generate_samples_as_the_model_folder_suggests_unless_an_option_says_otherwise(exported, tmp_path,
+                                                                                        monkeypatch, capsys):
+    """Qwen3's folder decoded greedily, which its authors warn ends in endless repetitions."""
+    folder = _with_generation_config(exported, tmp_path, {"do_sample": True, "temperature": 1.5, "top_p": 0.9})
+    suggested, note = _generated(monkeypatch, capsys, folder)
+    assert note == (f"zerollm: note: sampling as {folder / GENERATION_CONFIG_FILE} suggests: temperature 1.5, top_p "
+                    "0.9 (an option given overrides it)\n")
+    assert (suggested, "") == _generated(monkeypatch, capsys, exported, "--temperature", 1.5, "--top-p", 0.9)
+    greedy, _ = _generated(monkeypatch, capsys, exported)
+    assert suggested != greedy
+    assert _generated(monkeypatch, capsys, folder, "--temperature", 0) == (
+        greedy, f"zerollm: note: sampling as {folder / GENERATION_CONFIG_FILE} suggests: top_p 0.9 (an option given "
+                "overrides it)\n")
+    (folder / GENERATION_CONFIG_FILE).write_text('{"top_k": -3}')
+    assert zerollm_here(monkeypatch, "generate", "--model", folder, "--prompt", "To be") == 2
+    assert capsys.readouterr().err == (f"zerollm: error: {folder / GENERATION_CONFIG_FILE}: top_k must be an integer "
+                                       ">= 0 (0: off), got -3; fix or remove it\n")
+
+
+def test_a_request_that_leaves_sampling_out_takes_what_the_model_suggests():
+    params = parse_options({}, 16, {"temperature": 0.6, "top_k": 20}).params
+    assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty) == (0.6, 20, 1.0, 1.0)
+    params = parse_options({"temperature": 0.2, "top_k": -1, "top_p": None}, 16, {"temperature": 0.6, "top_k": 20,
+                                                                                   "top_p": 0.95}).params
+    assert (params.temperature, params.top_k, params.top_p) == (0.2, 0, 0.95)  # null takes the default
+    params = parse_options({}, 16).params
+    assert (params.temperature, params.top_k, params.top_p) == (1.0, 0, 1.0)  # OpenAI's
