@@ -26,7 +26,16 @@ from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
-from llm.infer.server import ChatService, ServiceClosed, bind_server, canonical_message, client_key, make_server
+from llm.infer.server import (
+    ChatService,
+    RequestError,
+    ServiceClosed,
+    bind_server,
+    canonical_message,
+    client_key,
+    make_server,
+    parse_options,
+)
 from llm.model import Transformer
 from llm.tokenizer import Tokenizer
 
@@ -364,6 +373,32 @@ def test_null_fields_and_fields_that_ask_for_nothing_take_their_defaults(server,
                "tool_choice": "auto", "min_p": 0.0, "min_tokens": 0, "ignore_eos": False}
     status, payload = _post(server, json.dumps({**HELLO, **nothing}).encode())
     assert status == 200 and payload["object"] == "chat.completion" and payload["model"] == "tiny"
+
+
+VLLM_ASKING = {"best_of": 4, "use_beam_search": True, "length_penalty": 0.5, "stop_token_ids": [5], "bad_words": ["x"],
+               "allowed_token_ids": [1, 2], "logits_processors": ["m:f"], "include_stop_str_in_output": True,
+               "skip_special_tokens": False, "spaces_between_special_tokens": False, "echo": True,
+               "add_generation_prompt": False, "continue_final_message": True, "add_special_tokens": True,
+               "return_tokens_as_token_ids": True, "prompt_logprobs": 0, "truncate_prompt_tokens": 8,
+               "chat_template": "{{ messages }}", "chat_template_kwargs": {"enable_thinking": False},
+               "mm_processor_kwargs": {"x": 1}, "documents": [{"text": "x"}], "guided_json": {"type": "object"},
+               "guided_regex": "a+", "guided_choice": ["yes", "no"], "guided_grammar": "root ::= 'a'",
+               "structural_tag": "{}", "structured_outputs": {"choice": ["yes", "no"]}}
+"""vLLM's request fields that change a reply, each with a value that asks for something: all were ignored (a
+guided_choice of yes or no answered with free text)."""
+VLLM_NOTHING = {"best_of": 1, "use_beam_search": False, "length_penalty": 1.0, "stop_token_ids": [], "bad_words": [],
+                "logits_processors": [], "include_stop_str_in_output": False, "skip_special_tokens": True,
+                "spaces_between_special_tokens": True, "echo": False, "add_generation_prompt": True,
+                "continue_final_message": False, "add_special_tokens": False, "return_tokens_as_token_ids": False,
+                "chat_template_kwargs": {}, "mm_processor_kwargs": {}, "guided_json": None}
+
+
+@pytest.mark.parametrize("key", VLLM_ASKING)
+def test_vllm_fields_the_server_does_not_implement_are_refused_unless_they_ask_for_nothing(key):
+    with pytest.raises(RequestError) as refused:
+        parse_options({key: VLLM_ASKING[key]}, 16)
+    assert (refused.value.param, str(refused.value)) == (key, f"'{key}' is not supported by this server; leave it out")
+    assert parse_options(VLLM_NOTHING, 16).params.max_new_tokens == 16
 
 
 @pytest.mark.parametrize("fields, param, message", [

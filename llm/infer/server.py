@@ -271,6 +271,22 @@ def _given_integer(body: dict, key: str) -> int | None:
     return _number(body, key, int, None)
 
 
+def _given_flag(body: dict, key: str) -> bool | None:
+    """body[key], true, false or None (absent or null), or RequestError."""
+    return None if body.get(key) is None else _flag(body, key)
+
+
+def _given_list(body: dict, key: str) -> list | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, list):
+        raise RequestError(f"'{key}' must be a list", key)
+    return value
+
+
+def _given(body: dict, key: str) -> Any:
+    return body.get(key)
+
+
 UNSUPPORTED: dict[str, tuple[Callable[[dict, str], Any], Any]] = {
     "logprobs": (_flag, False),
     "top_logprobs": (_given_integer, 0),
@@ -280,11 +296,34 @@ UNSUPPORTED: dict[str, tuple[Callable[[dict, str], Any], Any]] = {
     "min_p": (_given_number, 0),  # vLLM's extensions, as top_k is
     "min_tokens": (_given_integer, 0),
     "ignore_eos": (_flag, False),
+    "best_of": (_given_integer, 1),
+    "use_beam_search": (_given_flag, False),
+    "length_penalty": (_given_number, 1),
+    "stop_token_ids": (_given_list, []),
+    "bad_words": (_given_list, []),
+    "allowed_token_ids": (_given_list, None),
+    "logits_processors": (_given_list, []),
+    "include_stop_str_in_output": (_given_flag, False),
+    "skip_special_tokens": (_given_flag, True),  # what the server does: a reply's text leaves them out
+    "spaces_between_special_tokens": (_given_flag, True),
+    "echo": (_given_flag, False),
+    "add_generation_prompt": (_given_flag, True),
+    "continue_final_message": (_given_flag, False),
+    "add_special_tokens": (_given_flag, False),
+    "return_tokens_as_token_ids": (_given_flag, False),
+    "prompt_logprobs": (_given_integer, None),
+    "truncate_prompt_tokens": (_given_integer, None),
+    "chat_template": (_given, None),
+    "chat_template_kwargs": (_object, {}),
+    "mm_processor_kwargs": (_object, {}),
+    "documents": (_given, None),
+    **{key: (_given, None) for key in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                       "structural_tag", "structured_outputs")},  # constrained decoding
 }
-"""OpenAI request fields (and vLLM's) this server does not implement: (their reader, the value that asks for
-nothing). A value of another type is refused by the reader as OpenAI refuses it (false is no integer, 0 no boolean),
-any value but nothing (or null) as unsupported, not ignored, so that a client never reads a reply made without what
-it asked for."""
+"""OpenAI request fields (and vLLM's extensions) this server does not implement: (their reader, the value that asks
+for nothing: what the server does anyway). A value of another type is refused by the reader as OpenAI refuses it
+(false is no integer, 0 no boolean), any value but nothing (or null) as unsupported, not ignored, so that a client
+never reads a reply made without what it asked for (a `guided_choice` answered with free text)."""
 
 
 REQUEST_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
