@@ -393,6 +393,23 @@ def test_harness_texts_follow_the_bos_of_a_llama_style_tokenizer(llama_model_and
     _check_harness_scores(model, tokenizer, [tokenizer.bos_id])
 
 
+def test_a_generated_answer_leaves_special_tokens_out_as_lm_evals_hugging_face_model_does(model_and_tokenizer,
+                                                                                            monkeypatch):
+    """A special token the model wrote stayed in the answer as its text ('u<unk> bak'), where lm-eval's HFLM on the
+    exported model answers 'u bak': exact_match differed between the two. An `until` naming one still stops there."""
+    from llm.eval.harness_lm import ZeroLLMHarnessModel
+    from llm.infer.sampling import SamplingParams
+
+    model, tokenizer = model_and_tokenizer
+    lm = ZeroLLMHarnessModel(model, tokenizer, batch_size=2, max_length=CONTEXT)
+    a, b = tokenizer.encode("ab"), tokenizer.encode(" cd")
+    script = [*a, tokenizer.im_start_id, *b, *tokenizer.encode("\n"), *a]
+    monkeypatch.setattr(lm.generator, "token_steps", lambda prompts, params: ((torch.tensor([token]), None)
+                                                                              for token in script))
+    assert lm._greedy([1], SamplingParams(max_new_tokens=20, stop=["\n"])) == "ab cd"
+    assert lm._greedy([1], SamplingParams(max_new_tokens=20, stop=["<|im_start|>"])) == "ab"
+
+
 def test_a_generation_prompt_keeps_its_question_and_the_answer_takes_the_room_left(model_and_tokenizer, capsys):
     """With the harness's default max_gen_toks (256) at or above the model's context, the prompt was cut to its last
     token before the room for 256 answer tokens: the model answered a question it never saw. The answer is sure of

@@ -95,8 +95,9 @@ class ZeroLLMHarnessModel(TemplateLM):
             return ids
         return start + ids
 
-    def tok_decode(self, tokens: list[int], **kwargs) -> str:
-        return self.tokenizer_ours.decode(tokens)
+    def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True, **kwargs) -> str:
+        """Text without special tokens unless asked, as lm-eval's Hugging Face model decodes it."""
+        return self.tokenizer_ours.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     def _scores(self, sequences: list[np.ndarray], scored: list[int], desc: str, disable_tqdm: bool) -> list:
         """Scores of `sequences` in their order, computed longest first (batches of similar lengths)."""
@@ -183,6 +184,6 @@ class ZeroLLMHarnessModel(TemplateLM):
             if token in stop_ids:
                 break
             generated.append(token)
-            if params.stop and cut_at_stop(self.tok_decode(generated), params.stop)[1]:
-                break
-        return cut_at_stop(self.tok_decode(generated), params.stop)[0]
+            if params.stop and cut_at_stop(self.tok_decode(generated, skip_special_tokens=False), params.stop)[1]:
+                break  # an `until` naming a special token stops there, as in lm-eval's stopping criteria
+        return cut_at_stop(self.tok_decode(generated), params.stop)[0]  # the answer's text without special tokens
