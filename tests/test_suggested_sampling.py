@@ -95,3 +95,5 @@ def test_a_request_that_leaves_sampling_out_takes_what_the_model_suggests():
     assert (params.temperature, params.top_k, params.top_p) == (0.2, 0, 0.95)  # null takes the default
     params = parse_options({}, 16).params
     assert (params.temperature, params.top_k, params.top_p) == (1.0, 0, 1.0)  # OpenAI's
+    assert parse_options({}, 16, {"temperature": 3.0}).params.temperature == 3.0  # beyond OpenAI's bound of 2: a
+    # request that left it out was refused, naming a temperature it never sent

@@ -360,8 +360,9 @@ def parse_options(body: dict, default_max_tokens: int, suggested: dict | None = 
     stream, stream_options = _flag(body, "stream"), _object(body, "stream_options")
     if stream_options is not None and not stream:
         raise RequestError("'stream_options' is only allowed with \"stream\": true", "stream_options")
+    # NaN cannot come (the body's JSON refuses it); a model's suggestion above the bound is no request's fault
     temperature = _float(body, "temperature", defaults["temperature"])
-    if not 0 <= temperature <= MAX_TEMPERATURE:  # NaN cannot come: the body's JSON refuses it
+    if body.get("temperature") is not None and not 0 <= temperature <= MAX_TEMPERATURE:
         raise RequestError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}",
                            "temperature")
     top_k = _number(body, "top_k", int, defaults["top_k"])  # vLLM's extensions, which the sampler has: -1 or 0 is off
