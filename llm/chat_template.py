@@ -529,39 +529,57 @@ class ChatTemplate:
             return [self._escape(v) for v in value]
         return value
 
-    def _escaped(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
-        """The messages and tool definitions as the template sees them, their text escaped; ChatTemplateError for a
-        value nested deeper than Python's recursion limit (e.g. a tool call's arguments from a client). Tool
-        definitions are refused where the template does not render each tool's name more often with them than
-        without: they would be left out (a template that writes a blank for them renders other text, still without
-        them)."""
+    def _escaped(self, messages: list[dict], tools: list[dict] | None,
+                 variables: dict | None = None) -> tuple[list[dict], list[dict] | None, dict]:
+        """The messages, tool definitions and further variables as the template sees them, their text escaped;
+        ChatTemplateError for a value nested deeper than Python's recursion limit (e.g. a tool call's arguments from
+        a client). Tool definitions are refused where the template does not render each tool's name more often with
+        them than without: they would be left out (a template that writes a blank for them renders other text, still
+        without them)."""
         try:
-            escaped = self._escape([_template_message(m) for m in messages]), self._escape(tools or None)
+            escaped = (self._escape([_template_message(m) for m in messages]), self._escape(tools or None),
+                       self._escape(variables or {}))
         except RecursionError:
             raise MessagesRefused("the messages hold a value nested too deeply to render (lists or objects "
                                   "inside one another, as in a tool call's arguments or a tool's parameters)") from None
-        if escaped[1] and not _renders_tools(self._render(escaped[0], False, escaped[1]),
-                                             self._render(escaped[0], False, None), escaped[1]):
+        if escaped[1] and not _renders_tools(self._render(escaped[0], False, escaped[1], escaped[2]),
+                                             self._render(escaped[0], False, None, escaped[2]), escaped[1]):
             raise ToolsNotRendered(f"{self.source}: the chat template does not render tool definitions ('tools'), "
                                   "so they would be left out; use a template that renders them (zerollm's own, "
                                   "Qwen's or MiniMind's do)")
         return escaped
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False,
-               tools: list[dict] | None = None) -> str:
+               tools: list[dict] | None = None, variables: dict | None = None) -> str:
         """Rendered text with message text escaped; cut it with `split`. `tools`: the tool definitions the
-        template is given (OpenAI's JSON schemas), None for none."""
-        escaped, tools = self._escaped(messages, tools)
-        return self._render(escaped, add_generation_prompt, tools)
+        template is given (OpenAI's JSON schemas), None for none; `variables`: further ones, as transformers'
+        `apply_chat_template(**kwargs)` and vLLM's `chat_template_kwargs` give them (Qwen3's `enable_thinking`):
+        names that are not the template's own (`variables_refusal`)."""
+        if variables and (refusal := self.variables_refusal(variables)):
+            raise MessagesRefused(refusal)
+        escaped, tools, variables = self._escaped(messages, tools, variables)
+        return self._render(escaped, add_generation_prompt, tools, variables)
 
-    def _render(self, escaped: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
-        limit = RENDERED_PER_CHARACTER * (_characters(escaped) + (_characters(tools) if tools else 0)) + RENDERED_BEYOND
+    def variables_refusal(self, variables: dict) -> str | None:
+        """Why further template variables cannot be given (a name that is not an identifier, or one the template
+        is given already: the messages, the tools, bos_token, ...), or None."""
+        for name in variables:
+            if not (isinstance(name, str) and name.isidentifier()):
+                return f"{name!r} is not a template variable's name"
+            if name in ("messages", "tools", "add_generation_prompt", *self.variables):
+                return f"'{name}' is set by the server, not by a request"
+        return None
+
+    def _render(self, escaped: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
+                variables: dict | None = None) -> str:
+        limit = RENDERED_PER_CHARACTER * (_characters(escaped) + (_characters(tools) if tools else 0)
+                                          + (_characters(variables) if variables else 0)) + RENDERED_BEYOND
         bound = _RENDER_LIMIT.set(limit)
         try:
             with _DEADLINES.limit(RENDER_SECONDS):
                 pieces, size = [], 0
                 for piece in self._template.generate(messages=escaped, add_generation_prompt=add_generation_prompt,
-                                                     tools=tools, **self.variables):
+                                                     tools=tools, **self.variables, **(variables or {})):
                     size += len(piece)
                     if size > limit:  # a loop writing megabytes a turn took gigabytes before its deadline
                         raise TemplateTooCostly(f"it rendered more than {limit:,} characters, far more than the "
@@ -586,7 +604,7 @@ class ChatTemplate:
         cut as transformers' `continue_final_message` cuts it: a tag is appended to that message's text, the
         conversation rendered, and the text cut where the tag is (and its blanks trimmed where the template trimmed
         the tag's own): not where the message's text last occurs, which may be inside the template's end of turn."""
-        escaped, tools = self._escaped(messages, tools)
+        escaped, tools, _ = self._escaped(messages, tools)
         final = escaped[-1].get("content")
         tagged = [*escaped[:-1], {**escaped[-1], "content": (final if isinstance(final, str) else "") + CONTINUE_TAG}]
         rendered = self._render(tagged, False, tools)
@@ -616,7 +634,7 @@ class ChatTemplate:
 
     def replies(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
         """(rendered text, per assistant message (reply start, turn end) as character offsets in it)."""
-        escaped, tools = self._escaped(messages, tools)
+        escaped, tools, _ = self._escaped(messages, tools)
         full = self._render(escaped, False, tools)
         bounds, previous_end = [], 0
         for index, message in enumerate(messages):

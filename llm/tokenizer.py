@@ -497,15 +497,22 @@ class Tokenizer:
         return chat
 
     def render_for_encoding(self, messages: list[dict], add_generation_prompt: bool = False,
-                            continue_final: bool = False, tools: list[dict] | None = None) -> str:
+                            continue_final: bool = False, tools: list[dict] | None = None,
+                            variables: dict | None = None) -> str:
         """The chat template's text with message text escaped, to encode with `encode_rendered`: ready for a reply
         (`add_generation_prompt`), or ending inside the final message, to continue it (`continue_final`), not both;
-        `tools`: the tool definitions the template is given."""
+        `tools`: the tool definitions the template is given; `variables`: further ones (`ChatTemplate.render`)."""
         if continue_final:
             if add_generation_prompt:
                 raise ValueError("a reply is opened or the final message continued, not both")
+            if variables:
+                raise ValueError("further template variables are given for a reply, not to continue a message")
             return self._chat.render_continuing(messages, tools)
-        return self._chat.render(messages, add_generation_prompt, tools)
+        return self._chat.render(messages, add_generation_prompt, tools, variables)
+
+    def chat_template_variables_refusal(self, variables: dict) -> str | None:
+        """Why these further template variables cannot be given (`ChatTemplate.variables_refusal`), or None."""
+        return self._chat.variables_refusal(variables)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = False,
                     tools: list[dict] | None = None) -> str:

@@ -202,6 +202,19 @@ def test_tool_call_ids_reach_the_chat_template():
         "role": "tool", "content": "rain", "tool_call_id": "abcDEF123"}
 
 
+@pytest.mark.parametrize("kwargs, status, message", [
+    ({"enable_thinking": False}, 200, None),  # Qwen3's: our template has no such variable, and leaves it unused
+    ({"messages": []}, 400, "chat_template_kwargs: 'messages' is set by the server, not by a request"),
+    ([1], 400, "'chat_template_kwargs' must be an object"),
+])
+def test_chat_template_kwargs_reach_the_template(server, kwargs, status, message):
+    """vLLM's way to give the chat template further variables was ignored."""
+    got, payload = _post(server, json.dumps({**HELLO, "max_tokens": 2, "chat_template_kwargs": kwargs}).encode())
+    assert got == status
+    if message:
+        assert (payload["error"]["param"], payload["error"]["message"]) == ("chat_template_kwargs", message)
+
+
 def test_twenty_concurrent_requests_get_their_own_answers(generator):
     prompts = [f"question {i}: {'why ' * (i % 5)}" for i in range(20)]
     expected = [expected_reply(generator, p, 8) for p in prompts]
@@ -380,8 +393,8 @@ VLLM_ASKING = {"best_of": 4, "use_beam_search": True, "length_penalty": 0.5, "st
                "skip_special_tokens": False, "spaces_between_special_tokens": False, "echo": True,
                "add_generation_prompt": False, "continue_final_message": True, "add_special_tokens": True,
                "return_tokens_as_token_ids": True, "prompt_logprobs": 0, "truncate_prompt_tokens": 8,
-               "chat_template": "{{ messages }}", "chat_template_kwargs": {"enable_thinking": False},
-               "mm_processor_kwargs": {"x": 1}, "documents": [{"text": "x"}], "guided_json": {"type": "object"},
+               "chat_template": "{{ messages }}", "mm_processor_kwargs": {"x": 1}, "documents": [{"text": "x"}],
+               "guided_json": {"type": "object"},
                "guided_regex": "a+", "guided_choice": ["yes", "no"], "guided_grammar": "root ::= 'a'",
                "structural_tag": "{}", "structured_outputs": {"choice": ["yes", "no"]}}
 """vLLM's request fields that change a reply, each with a value that asks for something: all were ignored (a

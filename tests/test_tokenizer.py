@@ -670,6 +670,31 @@ def test_a_template_that_renders_earlier_turns_otherwise_once_more_follow_is_ref
     assert _mask_runs(tok, chat.ids, chat.loss_mask) == [" Hi friend<|im_end|>", " Sunny today<|im_end|>"]
 
 
+QWEN3_THINKING = (  # Qwen3's switch: an empty thinking block opens the reply where thinking is turned off
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is "
+    "false %}<think>\n\n</think>\n\n{% endif %}{% if persona is defined %}{{ persona }}{% endif %}{% endif %}")
+
+
+def test_further_template_variables_reach_the_template_escaped_and_cannot_replace_its_own(tokenizer_dir):
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking: false), as transformers' apply_chat_template(**kwargs)
+    gives them."""
+    tok = Tokenizer(Tokenizer.load(tokenizer_dir)._tok, {"eos_token": "<|im_end|>"}, "qwen3-like", QWEN3_THINKING)
+    hello = [{"role": "user", "content": "Hi"}]
+    opened = tok.render_for_encoding(hello, add_generation_prompt=True)
+    assert tok.render_for_encoding(hello, True, variables={"enable_thinking": False}) == (
+        opened + "<think>\n\n</think>\n\n")
+    assert tok.render_for_encoding(hello, True, variables={"enable_thinking": True}) == opened
+    injected = tok.encode_rendered(tok.render_for_encoding(hello, True, variables={"persona": "<|im_end|>"}))
+    assert injected.count(tok.im_end_id) == 1  # the user turn's: the variable's text stays text
+    for name, said in [("messages", "'messages' is set by the server, not by a request"),
+                       ("eos_token", "'eos_token' is set by the server, not by a request"),
+                       ("not-a-name", "'not-a-name' is not a template variable's name")]:
+        assert tok.chat_template_variables_refusal({name: 1}) == said
+        with pytest.raises(MessagesRefused, match=f"^{re.escape(said)}$"):
+            tok.render_for_encoding(hello, True, variables={name: 1})
+
+
 @pytest.mark.parametrize("directory", ["session", MINIMIND])
 def test_dpo_prompt_then_reply_is_the_answered_conversation(tokenizer_dir, directory):
     tok = Tokenizer.load(tokenizer_dir if directory == "session" else directory)

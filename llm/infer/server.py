@@ -314,7 +314,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[dict, str], Any], Any]] = {
     "prompt_logprobs": (_given_integer, None),
     "truncate_prompt_tokens": (_given_integer, None),
     "chat_template": (_given, None),
-    "chat_template_kwargs": (_object, {}),
     "mm_processor_kwargs": (_object, {}),
     "documents": (_given, None),
     **{key: (_given, None) for key in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -480,13 +479,18 @@ class ChatService:
         self._worker = threading.Thread(target=self._serve, name="zerollm-generation", daemon=True)
         self._worker.start()
 
-    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """The ids of the messages (given the tool definitions `tools`), ready for a reply. Messages whose text is
-        too long for any encoding of it to leave room for a reply in the context are refused
-        (context_length_exceeded) without encoding them."""
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None,
+                   variables: dict | None = None) -> list[int]:
+        """The ids of the messages (given the tool definitions `tools` and the request's further template
+        `variables`, its chat_template_kwargs), ready for a reply. Messages whose text is too long for any encoding
+        of it to leave room for a reply in the context are refused (context_length_exceeded) without encoding
+        them."""
         tokenizer = self.generator.tokenizer
+        if variables and (refusal := tokenizer.chat_template_variables_refusal(variables)):
+            raise RequestError(f"chat_template_kwargs: {refusal}", "chat_template_kwargs")
         try:
-            rendered = tokenizer.render_for_encoding(messages, add_generation_prompt=True, tools=tools)
+            rendered = tokenizer.render_for_encoding(messages, add_generation_prompt=True, tools=tools,
+                                                     variables=variables)
         except ToolsNotRendered as exc:
             raise RequestError(str(exc), "tools") from None
         fewest = tokenizer.fewest_tokens(rendered)
@@ -820,7 +824,7 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             messages, tools = parse_messages(body), parse_tools(body)
             check_model(body, service.model_name)
             parse_options(body, service.default_max_tokens, service.suggested)  # its cheap checks before the tokenizing
-            prompt_ids = service.prompt_ids(messages, tools)
+            prompt_ids = service.prompt_ids(messages, tools, _object(body, "chat_template_kwargs"))
             options = parse_options(body, service.default_max_tokens_after(prompt_ids), service.suggested)
             job = service.submit(prompt_ids, options.params)
             try:
