@@ -665,6 +665,19 @@ def test_a_tool_call_turn_whose_text_the_template_leaves_out_is_learnt(tokenizer
     assert Tokenizer.load(odd).decode(tokens[mask].tolist(), skip_special_tokens=False) == "weather<|im_end|>"
 
 
+def test_records_the_tokenizing_skips_are_not_counted_usable(tokenizer_dir, tmp_path):
+    """A file all of whose records were too long was counted as holding them all, and left out of the files with no
+    usable records."""
+    long, short = tmp_path / "long.jsonl", tmp_path / "short.jsonl"
+    turns = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "answer " * 50}]
+    long.write_text("\n".join([json.dumps({"messages": turns})] * 3) + "\n")
+    short.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "yo"}]}) + "\n")
+    report = _quiet("sft", [long, short], tokenizer_dir, tmp_path / "out", seq_len=64)
+    assert report.files == {str(long): 0, str(short): 1} and report.total("skipped") == 3
+    assert f"files with no usable records: {long}" in report.summary()
+
+
 MISTRAL_CALL_IDS = (  # Mistral v0.3's rule: every call and every tool result carries a 9-character call id
     "{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
     "{% elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS]{% for c in m.tool_calls %}"

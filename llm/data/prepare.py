@@ -572,6 +572,8 @@ def _write_tokens(output: OutputDir, kind: str, records: Iterator[Item | Skipped
             for item, result in zip(places, results):
                 if isinstance(result, Skipped):
                     _skip(result, report, strict)
+                    if item.piece == 0 and item.last:  # the whole record: counted usable as it was read
+                        report.files[item.source] -= 1
                     if item.last and open_document:  # the last piece of a long text, which the tokenizer failed on
                         writers[split].append({"tokens": [tokenizer.eos_id]})  # (the rest is kept): it ends here
                         report.tokens[split] += 1
