@@ -85,6 +85,8 @@ def test_shapes_normalise_to_messages():
         {"role": "system", "content": "math"}, {"role": "user", "content": "2+2?"},
         {"role": "assistant", "content": "4"}, {"role": "user", "content": "add\n1 and 2"},
         {"role": "assistant", "content": "3"}]
+    assert conversation({"instruction": "", "input": "1 and 2", "output": "3"})[0] == {  # a stray line end before
+        "role": "user", "content": "1 and 2"}  # it (LLaMA-Factory joins the parts that are not empty)
     assert conversation({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi "},
                                                                    {"type": "text", "text": "there"}]},
                                       {"role": "assistant", "content": "hello"},

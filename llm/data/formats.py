@@ -192,7 +192,8 @@ def _alpaca(value: dict, answer_key: str | None) -> list[Message]:
     for question, answer in history:
         messages += [{"role": "user", "content": _require_text(question, "'history' question")},
                      {"role": "assistant", "content": _require_text(answer, "'history' answer")}]
-    messages.append({"role": "user", "content": f"{instruction}\n{extra}" if extra else instruction})
+    messages.append({"role": "user", "content": "\n".join(part for part in (instruction, extra) if part)})  # as
+    # LLaMA-Factory joins them: an empty instruction left a stray line end before the input
     if answer_key is not None:
         messages.append({"role": "assistant", "content": _require_text(value[answer_key], f"'{answer_key}'")})
     return messages
