@@ -165,11 +165,12 @@ class MaskedChat:
 
     ids: list[int]
     loss_mask: list[int]
-    """1 on every assistant turn's body (reasoning, content, tool calls) and its end-of-turn token."""
+    """1 on every assistant turn's body (reasoning, content, tool calls) and its end-of-turn token, but a turn's of
+    `weight` 0 (OpenAI's fine-tuning format: context, not learnt)."""
     replies: list[tuple[int, int]]
-    """Per assistant message: the [start, end) ids the mask covers; `ids[:end]` is the conversation up to that
-    reply's end-of-turn token, the place to cut a long one (what the template puts after it is learned from no
-    target)."""
+    """Per assistant message: the [start, end) ids the mask covers (unless its weight is 0); `ids[:end]` is the
+    conversation up to that reply's end-of-turn token, the place to cut a long one (what the template puts after it
+    is learned from no target)."""
 
 
 def _token_text(value: Any) -> str | None:
@@ -482,14 +483,15 @@ class Tokenizer:
         stops = set(self.stop_ids)
         chat = MaskedChat([], [], [])
         position = 0
-        for start, end in bounds:
+        weights = [m.get("weight", 1) for m in messages if m.get("role") == "assistant"]
+        for (start, end), weight in zip(bounds, weights, strict=True):
             before = self.encode_rendered(rendered[position:start])
             body = self.encode_rendered(rendered[start:end])
             learned = next((k + 1 for k, token in enumerate(body) if token in stops), len(body))
             chat.ids += before
             chat.replies.append((len(chat.ids), len(chat.ids) + learned))
             chat.ids += body
-            chat.loss_mask += [0] * len(before) + [1] * learned + [0] * (len(body) - learned)
+            chat.loss_mask += [0] * len(before) + [weight] * learned + [0] * (len(body) - learned)
             position = end
         tail = self.encode_rendered(rendered[position:])
         chat.ids += tail

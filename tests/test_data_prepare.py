@@ -665,6 +665,22 @@ def test_a_tool_call_turn_whose_text_the_template_leaves_out_is_learnt(tokenizer
     assert Tokenizer.load(odd).decode(tokens[mask].tolist(), skip_special_tokens=False) == "weather<|im_end|>"
 
 
+def test_a_reply_of_weight_0_is_context_not_learnt(tokenizer_dir, tmp_path):
+    """OpenAI's fine-tuning format: a reply marked weight 0 was learnt with the rest."""
+    path = tmp_path / "weighted.jsonl"
+    path.write_text(json.dumps({"messages": [
+        {"role": "system", "content": "Marv"}, {"role": "user", "content": "capital of France"},
+        {"role": "assistant", "content": "Paris, as if", "weight": 0}, {"role": "user", "content": "be nicer"},
+        {"role": "assistant", "content": "Paris, dear", "weight": 1}]}) + "\n")
+    assert _quiet("sft", [path], tokenizer_dir, tmp_path / "out").skipped == []
+    tokens, _, _ = _tokens(tmp_path / "out")
+    with h5py.File(tmp_path / "out" / "tokens.h5", "r") as h5:
+        mask = h5["train"]["loss_mask"][:].astype(bool)
+    tok = Tokenizer.load(tokenizer_dir)
+    assert tok.decode(tokens[mask].tolist(), skip_special_tokens=False) == "Paris, dear<|im_end|>"
+    assert "Paris, as if" in tok.decode(tokens.tolist())
+
+
 def test_records_the_tokenizing_skips_are_not_counted_usable(tokenizer_dir, tmp_path):
     """A file all of whose records were too long was counted as holding them all, and left out of the files with no
     usable records."""

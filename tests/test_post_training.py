@@ -79,6 +79,34 @@ def test_documented_handling_of_bad_conversations(tokenizer_dir, tmp_path):
     assert strict.returncode == 2 and f"{path}:2: no assistant reply" in strict.stderr
 
 
+def test_openai_weight_0_marks_a_reply_as_context_and_reasoning_has_three_names():
+    """OpenAI's fine-tuning `weight: 0` was ignored (the reply learnt), and reasoning under `thinking` (gpt-oss) or
+    `reasoning` (vLLM's newer name) was dropped, the model taught to answer without it."""
+    turns = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1", "weight": 0},
+             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2", "weight": 1},
+             {"role": "user", "content": "q3"}, {"role": "assistant", "content": "a3", "weight": 0}]
+    assert conversation({"messages": turns}) == [  # a3 teaches nothing: left out
+        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1", "weight": 0},
+        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    for weights, said in [((0, 0), "every assistant reply has weight 0: nothing to learn"),
+                          ((0.5, 1), "'weight' is 0.5, expected 0 (not learnt) or 1"),
+                          ((True, 1), "'weight' is true, expected 0 (not learnt) or 1")]:
+        weighted = [{**turns[1], "weight": weights[0]}, {**turns[3], "weight": weights[1]}]
+        with pytest.raises(RecordError, match=f"^{re.escape(said)}$"):
+            conversation({"messages": [turns[0], weighted[0], turns[2], weighted[1]]})
+    with pytest.raises(RecordError, match="^'chosen' has weight 0 \\(not to learn\\), yet a preference pair"):
+        preference({"prompt": "q", "chosen": [{"role": "assistant", "content": "a", "weight": 0}],
+                    "rejected": [{"role": "assistant", "content": "b"}]})
+    for key in ("reasoning_content", "reasoning", "thinking"):
+        assert conversation({"messages": [turns[0], {"role": "assistant", "content": "a1", key: "think"}]})[1] == {
+            "role": "assistant", "content": "a1", "reasoning_content": "think"}
+    with pytest.raises(RecordError, match="^'reasoning_content' and 'thinking' give different reasoning; keep one$"):
+        conversation({"messages": [turns[0], {"role": "assistant", "content": "a1", "reasoning_content": "x",
+                                              "thinking": "y"}]})
+    same = {"role": "assistant", "content": "a1", "reasoning_content": "x", "thinking": "x", "reasoning": ""}
+    assert conversation({"messages": [turns[0], same]})[1]["reasoning_content"] == "x"
+
+
 def test_shapes_normalise_to_messages():
     assert conversation({"instruction": "add", "input": "1 and 2", "output": "3", "system": "math",
                          "history": [["2+2?", "4"]]}) == [

@@ -202,6 +202,13 @@ def test_tool_call_ids_reach_the_chat_template():
         "role": "tool", "content": "rain", "tool_call_id": "abcDEF123"}
 
 
+def test_an_assistant_messages_reasoning_is_read_under_vllms_newer_name_too():
+    assert canonical_message({"role": "assistant", "content": "4", "reasoning": "2+2"}, 1) == {
+        "role": "assistant", "content": "4", "reasoning_content": "2+2"}
+    with pytest.raises(RequestError, match=r"^messages\[1\]: 'reasoning_content' is a number, expected a string$"):
+        canonical_message({"role": "assistant", "content": "4", "reasoning_content": 5}, 1)
+
+
 @pytest.mark.parametrize("kwargs, status, message", [
     ({"enable_thinking": False}, 200, None),  # Qwen3's: our template has no such variable, and leaves it unused
     ({"messages": []}, 400, "chat_template_kwargs: 'messages' is set by the server, not by a request"),

@@ -7,6 +7,7 @@ Records come from `llm.data.readers` (text files, JSON, tables). Conversations b
      "reasoning_content": str,                           # assistant only, when the record has it
      "tool_calls": [{"name": str, "arguments": dict | str, "id": str}, ...],  # assistant only, when the record
                                                          # has them; "id" where the call has one
+     "weight": 0,                                        # assistant only: OpenAI's mark of a reply not to learn
      "name": str, "tool_call_id": str}                   # tool only, where the record has them
 
 Accepted turn shapes: OpenAI/MiniMind `{"role", "content"}` (content may be a list of text parts; an assistant
@@ -156,8 +157,7 @@ def message(turn: Any) -> Message:
     role = ROLE_ALIASES[raw_role]
     calls = _tool_calls(turn, raw_role)
     out: Message = {"role": role, "content": "" if raw_role == "function_call" else _content(turn, role)}
-    reasoning = turn.get("reasoning_content")
-    reasoning = "" if reasoning is None else _require_text(reasoning, "'reasoning_content'")  # 0 or false too
+    reasoning = reasoning_text(turn)
     if role != "assistant" and (calls or reasoning):
         raise RecordError(f"{role} turn carries {'tool_calls' if calls else 'reasoning_content'}; only assistant "
                           "turns may")
@@ -165,9 +165,37 @@ def message(turn: Any) -> Message:
         out["reasoning_content"] = reasoning
     if calls:
         out["tool_calls"] = calls
+    if role == "assistant" and _weight(turn) == 0:
+        out["weight"] = 0
     if role == "tool":
         out.update({key: turn[key] for key in ("name", "tool_call_id") if isinstance(turn.get(key), str)})
     return out
+
+
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+"""Where a turn's reasoning is kept: DeepSeek's and Qwen's `reasoning_content`, vLLM's newer `reasoning`, the
+`thinking` of gpt-oss's template and of datasets made for it."""
+
+
+def reasoning_text(turn: dict) -> str:
+    """A turn's reasoning ("" for none), from whichever of `REASONING_KEYS` it is under; RecordError where it is
+    not a string, or where two of them give different text (one would be dropped without a word)."""
+    given = {key: _require_text(turn[key], f"'{key}'") for key in REASONING_KEYS if turn.get(key) is not None}
+    texts = {text for text in given.values() if text}  # "" is no reasoning, under any key
+    if len(texts) > 1:
+        raise RecordError(f"{' and '.join(repr(key) for key in given)} give different reasoning; keep one")
+    return texts.pop() if texts else ""
+
+
+def _weight(turn: dict) -> int:
+    """An assistant turn's `weight` in OpenAI's fine-tuning format: 0 (the reply is context, not learnt) or 1 (the
+    default); RecordError for another value."""
+    weight = turn.get("weight")
+    if weight is None:
+        return 1
+    if isinstance(weight, bool) or weight not in (0, 1):
+        raise RecordError(f"'weight' is {json.dumps(weight)[:40]}, expected 0 (not learnt) or 1")
+    return int(weight)
 
 
 def _messages(turns: Any, what: str) -> list[Message]:
@@ -247,11 +275,11 @@ def _written_messages(value: dict) -> list[Message] | None:
 def conversation(value: Any) -> list[Message]:
     """Canonical messages of an SFT record: `conversations`/`messages` turns, or Alpaca (`instruction`, `input`,
     `output`, optional `history`), either with an optional top-level `system`. Turns after the last assistant reply
-    teach nothing and are left out.
+    to learn (not of `weight` 0) teach nothing and are left out.
 
-    Refused (RecordError): no assistant reply, an empty assistant reply (neither content nor tool calls), an
-    unknown role, a non-string content, reasoning or tool calls outside an assistant turn, a malformed tool call, a
-    `system` field beside a system turn.
+    Refused (RecordError): no assistant reply to learn, an empty assistant reply (neither content nor tool calls),
+    an unknown role, a non-string content, reasoning or tool calls outside an assistant turn, a malformed tool call,
+    a `weight` other than 0 or 1, a `system` field beside a system turn.
     """
     if not isinstance(value, dict):
         raise RecordError(f"record is {json_type(value)}, expected an object")
@@ -265,7 +293,10 @@ def conversation(value: Any) -> list[Message]:
         raise RecordError("no assistant reply")
     if any(_is_empty_reply(messages[i]) for i in replies):
         raise RecordError("empty assistant reply")
-    return messages[:replies[-1] + 1]
+    learnt = [i for i in replies if messages[i].get("weight") != 0]
+    if not learnt:
+        raise RecordError("every assistant reply has weight 0: nothing to learn")
+    return messages[:learnt[-1] + 1]
 
 
 # ---- preference pairs ---------------------------------------------------------------------------------
@@ -355,6 +386,8 @@ def preference(value: Any) -> tuple[list[Message], Message, Message]:
             raise RecordError(f"'{key}' ends with a {reply['role']} turn, not an assistant reply")
         if _is_empty_reply(reply):
             raise RecordError(f"empty '{key}'")
+        if reply.get("weight") == 0:
+            raise RecordError(f"'{key}' has weight 0 (not to learn), yet a preference pair learns from both replies")
     if shared == 0:
         raise RecordError("no prompt: expected 'prompt', 'conversations', 'messages', 'instruction', or 'chosen' "
                           "and 'rejected' conversations that share their first turns")

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from llm.chat_template import ToolsNotRendered
-from llm.data.formats import TOOLS_KEYS, RecordError, call_arguments, call_id, tool_list
+from llm.data.formats import TOOLS_KEYS, RecordError, call_arguments, call_id, reasoning_text, tool_list
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator, TextStream
 from llm.infer.sampling import InvalidSampling, SamplingParams
@@ -161,10 +161,12 @@ def canonical_message(message: Any, index: int) -> dict:
     role = SYSTEM_ROLES.get(message["role"], message["role"])
     out = {"role": role, "content": _content(message.get("content"), where)}
     if out["role"] == "assistant":
-        if message.get("reasoning_content") is not None:
-            if not isinstance(message["reasoning_content"], str):
-                raise RequestError(f"{where}.reasoning_content must be a string", f"{where}.reasoning_content")
-            out["reasoning_content"] = message["reasoning_content"]
+        try:
+            reasoning = reasoning_text(message)  # reasoning_content, or vLLM's newer reasoning
+        except RecordError as exc:
+            raise RequestError(f"{where}: {exc}", where) from None
+        if reasoning:
+            out["reasoning_content"] = reasoning
         if message.get("tool_calls"):
             if not isinstance(message["tool_calls"], list):
                 raise RequestError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
