@@ -70,8 +70,8 @@ def test_documented_handling_of_bad_conversations(tokenizer_dir, tmp_path):
     assert report.skipped == [f"{path}:2: no assistant reply", f"{path}:3: empty assistant reply",
                               (f"{path}:4: unknown role 'wizard'; expected one of system, user, human, assistant, "
                                "gpt, bot, tool, observation, function, function_call"),
-                              (f"{path}:7: not a conversation (keys: text); expected 'conversations', 'messages' or "
-                               "'instruction'/'output'"),
+                              (f"{path}:7: not a conversation (keys: text); expected 'conversations', 'messages', "
+                               "'instruction'/'output' or 'prompt'/'completion'"),
                               f"{path}:8: user turn carries reasoning_content; only assistant turns may",
                               f"{path}:9: tool call has no 'name' string"]
     strict = run_cli("data", "prepare", "--kind", "sft", "--input", path, "--tokenizer", tokenizer_dir, "--out",
@@ -113,6 +113,12 @@ def test_shapes_normalise_to_messages():
         {"role": "system", "content": "math"}, {"role": "user", "content": "2+2?"},
         {"role": "assistant", "content": "4"}, {"role": "user", "content": "add\n1 and 2"},
         {"role": "assistant", "content": "3"}]
+    user, reply = {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}
+    for prompt, completion in [("2+2?", "4"), ([user], [reply]), ([user], reply)]:  # TRL's prompt-completion: it was
+        assert conversation({"prompt": prompt, "completion": completion, "system": "math"}) == [  # no conversation
+            {"role": "system", "content": "math"}, user, reply]
+    with pytest.raises(RecordError, match="^empty 'prompt'$"):
+        conversation({"prompt": " ", "completion": "4"})
     assert conversation({"instruction": "", "input": "1 and 2", "output": "3"})[0] == {  # a stray line end before
         "role": "user", "content": "1 and 2"}  # it (LLaMA-Factory joins the parts that are not empty)
     assert conversation({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi "},

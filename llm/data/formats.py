@@ -268,13 +268,16 @@ def _written_messages(value: dict) -> list[Message] | None:
     readings = _turns_readings(value)
     if "output" in value:  # an 'instruction' alone (Magpie's, beside its conversations) is no conversation
         readings["instruction"] = partial(_alpaca, value, "output")
+    if "completion" in value:  # a 'prompt' alone (UltraChat's, beside its messages) is none either
+        readings["prompt"] = lambda: _prompt_turns(value["prompt"]) + _reply_turns(value["completion"], "'completion'")
     messages = one_reading(value, readings)
     return None if messages is None else with_system(value, messages)
 
 
 def conversation(value: Any) -> list[Message]:
-    """Canonical messages of an SFT record: `conversations`/`messages` turns, or Alpaca (`instruction`, `input`,
-    `output`, optional `history`), either with an optional top-level `system`. Turns after the last assistant reply
+    """Canonical messages of an SFT record: `conversations`/`messages` turns, Alpaca (`instruction`, `input`,
+    `output`, optional `history`) or TRL's prompt-completion (`prompt` and `completion`, each text or turns), any
+    with an optional top-level `system`. Turns after the last assistant reply
     to learn (not of `weight` 0) teach nothing and are left out.
 
     Refused (RecordError): no assistant reply to learn, an empty assistant reply (neither content nor tool calls),
@@ -286,8 +289,8 @@ def conversation(value: Any) -> list[Message]:
     messages = _written_messages(value)
     if messages is None:
         keys = ", ".join(sorted(value)) or "none"
-        raise RecordError(f"not a conversation (keys: {keys}); expected 'conversations', 'messages' or "
-                          "'instruction'/'output'")
+        raise RecordError(f"not a conversation (keys: {keys}); expected 'conversations', 'messages', "
+                          "'instruction'/'output' or 'prompt'/'completion'")
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not replies:
         raise RecordError("no assistant reply")
