@@ -107,6 +107,23 @@ def test_openai_weight_0_marks_a_reply_as_context_and_reasoning_has_three_names(
     assert conversation({"messages": [turns[0], same]})[1]["reasoning_content"] == "x"
 
 
+def test_openai_preference_records_are_pairs():
+    """OpenAI's preference fine-tuning format was skipped: "a preference record needs 'chosen' and 'rejected'"."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    record = {"input": {"messages": [{"role": "user", "content": "Cold in SF?"}], "tools": tools,
+                        "parallel_tool_calls": True},
+              "preferred_output": [{"role": "assistant", "content": "Mild, 15 C."}],
+              "non_preferred_output": [{"role": "assistant", "content": "No."}]}
+    assert pair_record(record) == Pair([{"role": "user", "content": "Cold in SF?"}],
+                                       {"role": "assistant", "content": "Mild, 15 C."},
+                                       {"role": "assistant", "content": "No."}, tools)
+    assert pair_record({**record, "input": {"messages": record["input"]["messages"]}}).tools is None
+    with pytest.raises(RecordError, match="^an OpenAI preference record needs 'input' too$"):
+        pair_record({key: record[key] for key in ("preferred_output", "non_preferred_output")})
+    with pytest.raises(RecordError, match="^'input' is a list without 'messages', expected an object holding them$"):
+        pair_record({**record, "input": []})
+
+
 def test_shapes_normalise_to_messages():
     assert conversation({"instruction": "add", "input": "1 and 2", "output": "3", "system": "math",
                          "history": [["2+2?", "4"]]}) == [

@@ -458,7 +458,27 @@ def chat_record(value: Any) -> Chat:
 
 
 def pair_record(value: Any) -> Pair:
+    value = _from_openai_preference(value)
     return Pair(*preference(value), tool_definitions(value))
+
+
+OPENAI_PREFERENCE_KEYS = ("input", "preferred_output", "non_preferred_output")
+
+
+def _from_openai_preference(value: Any) -> Any:
+    """OpenAI's preference fine-tuning record (`input` holding the `messages` and `tools`, `preferred_output` and
+    `non_preferred_output` the replies) in the shape `preference` and `tool_definitions` read; any other value as it
+    is."""
+    if not isinstance(value, dict) or not any(key in value for key in OPENAI_PREFERENCE_KEYS[1:]):
+        return value
+    missing = [key for key in OPENAI_PREFERENCE_KEYS if key not in value]
+    if missing:
+        raise RecordError(f"an OpenAI preference record needs {', '.join(repr(key) for key in missing)} too")
+    given = value["input"]
+    if not isinstance(given, dict) or given.get("messages") is None:
+        raise RecordError(f"'input' is {json_type(given)} without 'messages', expected an object holding them")
+    return {"prompt": given["messages"], "chosen": value["preferred_output"],
+            "rejected": value["non_preferred_output"], **({"tools": given["tools"]} if given.get("tools") else {})}
 
 
 # ---- pretraining text ---------------------------------------------------------------------------------
