@@ -21,6 +21,7 @@ from wandb_files import wandb_records
 
 from conftest import FIXTURES, METRIC_KEYS, ZERO_RUN, run_cli, zerollm_here
 from conftest import train_args as _args
+from llm import rundir
 from llm.command_line import is_zerollm_command
 from llm.config import build_config
 from llm.loading import consolidated_weights
@@ -421,6 +422,18 @@ def test_a_resume_on_another_number_of_ranks_that_changes_the_global_batch_says_
                                                            "(train.micro_batch_size x train.grad_accum x ranks)")
     kept = build_config("demo", ["train.micro_batch_size=4", "train.grad_accum=4"])
     assert resumed_batch_note(saved, 2, kept, 1) is None and resumed_batch_note(saved, 2, saved, 2) is None
+
+
+def test_a_resume_on_other_ranks_refuses_a_batch_larger_than_the_data_before_converting(zero_runs, pretrain_data,
+                                                                                        tmp_path):
+    """The conversion to a universal checkpoint (minutes, and a copy of the checkpoint's size, left behind) came
+    first, the refusal only after it."""
+    run = tmp_path / "run"
+    shutil.copytree(zero_runs[2], run, symlinks=True)
+    result = run_job(*_args(pretrain_data, run, *ZERO_RUN, "train.max_steps=6", "train.grad_accum=100000", nproc=1,
+                            extra=["--zero-stage", 2, "--resume", "auto"]))
+    assert result.returncode == 2 and "fewer than one global batch" in result.stderr, result.stderr[-2000:]
+    assert "converting" not in result.stdout and not rundir.universal_dir(run).exists()
 
 
 def test_a_val_split_too_small_to_evaluate_is_said(tokenizer_dir, tmp_path):

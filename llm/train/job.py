@@ -132,22 +132,24 @@ def keep_tokenizer(run_dir: Path, source: Path) -> None:
         durable.copy_folder(source, kept)
 
 
-def convert_if_resharded(run_dir: Path, tag: str, info: DistInfo) -> bool:
-    """Whether resuming `tag` needs a universal checkpoint (its optimizer state is partitioned over another number
-    of ranks than this job's); if so, rank 0 makes it while the others wait (bounded by train.collective_timeout_s),
-    and a conversion that fails ends every rank with its one error, said once."""
+def resharded(run_dir: Path, tag: str, info: DistInfo) -> bool:
+    """Whether resuming `tag` needs a universal checkpoint: its optimizer state is partitioned over another number
+    of ranks than this job's."""
     saved_world = rundir.client_state_of(run_dir, tag)["world_size"]
-    if saved_world == info.world_size or not checkpoint.is_partitioned(run_dir, tag):
-        return False
+    return saved_world != info.world_size and checkpoint.is_partitioned(run_dir, tag)
 
+
+def convert_resharded(run_dir: Path, tag: str, info: DistInfo) -> None:
+    """Rank 0 makes `tag`'s universal checkpoint while the others wait (bounded by train.collective_timeout_s); a
+    conversion that fails ends every rank with its one error, said once."""
     def convert() -> None:
         if info.is_main:
+            saved_world = rundir.client_state_of(run_dir, tag)["world_size"]
             print(f"{tag} was saved by {saved_world} rank(s), this job has {info.world_size}: converting it to a "
                   "universal checkpoint", flush=True)
             checkpoint.convert_to_universal(run_dir, tag)
 
     agreed(convert, announce=info.local_rank == 0)
-    return True
 
 
 def has_reference(cfg: RunConfig) -> bool:
@@ -460,10 +462,12 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
         check_ranks_agree(fingerprint(cfg.to_dict(), ds_config, data["digest"], attrs["tokenizer_hash"], models),
                           announce=info.local_rank == 0)  # saved between two ranks' looks: they would load both
     tag = checkpoint.resume_tag(run_dir, cfg.model) if resume else None
-    universal = tag is not None and convert_if_resharded(run_dir, tag, info)
+    universal = tag is not None and resharded(run_dir, tag, info)
     engine_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}} \
         if universal else ds_config
-    trainer = build_trainer(cfg, run_dir, info, engine_config, attrs, data)
+    trainer = build_trainer(cfg, run_dir, info, engine_config, attrs, data)  # its refusals (data too small for a
+    if universal:  # global batch) before the conversion, which takes minutes and a copy of the checkpoint's size
+        convert_resharded(run_dir, tag, info)
     if tag is not None:
         trainer.resume(tag, universal)
         if universal:
