@@ -656,6 +656,10 @@ def test_sft_then_dpo_on_two_ranks(chain, stage):
         assert all(key in r for r in dpo_rows)
     assert dpo_rows[0]["loss"] == pytest.approx(math.log(2), abs=0.01)  # policy starts as the reference
     assert json.loads((chain[stage]["dpo"] / "ds_config.json").read_text())["zero_optimization"]["stage"] == stage
+    # a pair is two rows (chosen and rejected) of data.seq_len: counted once, loss-bearing positions outnumbered
+    # the positions, and tokens/s and MFU were half what the policy trained on
+    assert [r["tokens"] for r in dpo_rows] == [step * 2 * 2 * 64 * 2 for step in (1, 2, 3, 4)]  # micro 2, 2 ranks
+    assert all(r["loss_tokens_per_sec"] < r["tokens_per_sec"] for r in dpo_rows)
 
 
 def test_a_dpo_resume_with_another_reference_is_refused(chain, zero_runs, dpo_data, tmp_path):

@@ -51,7 +51,8 @@ class DataSteps:
         t = cfg.train
         self.inputs, self.vocab_size, self.pairs = cfg.data.path, cfg.model.vocab_size, cfg.train.stage == "dpo"
         self.draw_size, self.draws_per_step, self.device = t.micro_batch_size, t.grad_accum, device
-        self.positions = t.micro_batch_size * t.grad_accum * cfg.data.seq_len
+        self.positions = t.micro_batch_size * t.grad_accum * cfg.data.seq_len * (2 if self.pairs else 1)
+        """Positions the policy trains on per step on this rank: a DPO pair is two rows, chosen and rejected."""
 
     def too_few(self, n_samples: int, needed: int) -> str:
         ranks = needed // (self.draw_size * self.draws_per_step)

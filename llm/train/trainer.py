@@ -69,8 +69,10 @@ class Trainer:
         self.engine, self.objective, self.steps, self.n_params = engine, objective, steps, n_params
         self.train_set, self.val_set = train_set, val_set
         t = cfg.train
-        self.tokens_per_step = t.micro_batch_size * t.grad_accum * info.world_size * cfg.data.seq_len
-        """The positions a step trains on: the global batch x data.seq_len (`tokens_seen`)."""
+        self.tokens_per_step = t.micro_batch_size * t.grad_accum * info.world_size * cfg.data.seq_len * (
+            2 if t.stage == "dpo" else 1)
+        """The positions a step trains on: the global batch x data.seq_len, twice for DPO (a pair's chosen and
+        rejected rows) (`tokens_seen`)."""
         self.samples_per_step = steps.draw_size * steps.draws_per_step * info.world_size
         """Samples drawn by all ranks together per step (GRPO: prompts; a global batch of completions)."""
         if len(train_set) < self.samples_per_step:  # every rank finds it
