@@ -18,6 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 from forked_ranks import kill_when, run_job
+from wandb_files import wandb_records
 
 from conftest import TINY, zerollm_here
 from llm.cli import attach_negative_weights, build_parser
@@ -914,7 +915,7 @@ def test_a_second_ctrl_c_stops_a_hung_run_at_once(policy, prompt_dir, tmp_path):
     stops every rank at once, without a checkpoint."""
     (tmp_path / "hangs.py").write_text("import os, pathlib, time\n\ndef score(prompts, completions, **fields):\n"
                                        "    pathlib.Path(os.environ['RANK'] + '.hung').touch()\n    time.sleep(600)\n")
-    args = _grpo_args(policy, prompt_dir, tmp_path / "run", rewards=["hangs:score"])
+    args = _grpo_args(policy, prompt_dir, tmp_path / "run", rewards=["hangs:score"], extra=["--wandb", "offline"])
     with open(tmp_path / "run.log", "w") as log:
         job = subprocess.Popen([sys.executable, "-m", "llm", *map(str, args)], stdout=log, stderr=subprocess.STDOUT,
                                cwd=tmp_path, start_new_session=True)
@@ -937,6 +938,10 @@ def test_a_second_ctrl_c_stops_a_hung_run_at_once(policy, prompt_dir, tmp_path):
         "zerollm: stopped at once by a second signal, without a checkpoint; rerun with --resume auto to continue "
         "from the last complete one") == 1
     assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
+    (wandb_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")  # its run ended all the same:
+    exits = [record.exit.exit_code for record in wandb_records(wandb_file)  # it was left with no exit code, often
+             if record.WhichOneof("record_type") == "exit"]  # with no records at all (os._exit skipped its finish)
+    assert exits == [128 + signal.SIGINT]
 
 
 @pytest.mark.parametrize("case, message", [

@@ -111,3 +111,31 @@ time.sleep(0.5)
 print("alive", flush=True)
 """)
     assert result.stdout.splitlines() == ["alive"] and "without a checkpoint" not in result.stderr
+
+
+def test_the_steps_before_a_forced_exit_run_newest_first_and_none_holds_the_exit(monkeypatch):
+    """A second signal or the watchdog ends a rank with os._exit, which skipped the wandb run's end."""
+    from llm.runtime import forced_exit
+
+    monkeypatch.setattr(forced_exit, "STEP_WAIT_S", 0.2)
+    import threading
+
+    ran, finished, release = [], [], threading.Event()
+
+    def hangs(code):
+        ran.append(("hangs", code))
+        release.wait(10)
+        finished.append(code)
+
+    def fails(code):
+        ran.append(("fails", code))
+        raise RuntimeError("wandb is gone")
+
+    with forced_exit.before_forced_exit(lambda code: ran.append(("first", code))), \
+            forced_exit.before_forced_exit(hangs), forced_exit.before_forced_exit(fails):
+        forced_exit.run_before_forced_exit(143)
+        assert finished == []  # it returned while `hangs` still waited
+    release.set()
+    assert ran == [("fails", 143), ("hangs", 143), ("first", 143)]
+    forced_exit.run_before_forced_exit(143)  # the blocks are left: nothing more runs
+    assert len(ran) == 3

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from llm.errors import STOP_SIGNALS
 from llm.runtime.distributed import DistInfo
+from llm.runtime.forced_exit import run_before_forced_exit
 from llm.runtime.rerun import rerun_advice
 from llm.runtime.supervisor import watch_supervisor
 
@@ -144,6 +145,7 @@ class Preemption:
         elif now - self._signalled_at >= FORCE_AFTER_S:
             self._say(f"stopped at once by a second signal, without a checkpoint; {self._rerun}",
                       wait_s=LAST_LINE_WAIT_S)
+            run_before_forced_exit(128 + signum)
             os._exit(128 + signum)
 
     def _say(self, line: str, wait_s: float = 0.0) -> None:

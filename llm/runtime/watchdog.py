@@ -37,6 +37,7 @@ import psutil
 import torch.distributed as dist
 
 from llm.errors import EXIT_RANK_LOST, report
+from llm.runtime.forced_exit import run_before_forced_exit
 from llm.stdout import settle, unguarded
 
 _PREFIX = "zerollm/watchdog"
@@ -229,5 +230,6 @@ class Watchdog:
                 report(message)
             settle(unguarded())  # the stream itself: its guard raises OutputLost, which settle does not expect
             self.before_exit()
+            run_before_forced_exit(code)
         finally:
             os._exit(code)

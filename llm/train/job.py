@@ -46,6 +46,7 @@ from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, trainable_summary
 from llm.runtime.distributed import DistInfo, agreed, refuse_together, setup_distributed
 from llm.runtime.fingerprint import check_ranks_agree, fingerprint
+from llm.runtime.forced_exit import before_forced_exit
 from llm.runtime.watchdog import Watchdog
 from llm.stdout import OutputLost
 from llm.tokenizer import Tokenizer
@@ -502,7 +503,8 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
                                            trainer.client_state)
     code = 1  # what an exception ends the process with, a UserError 2
     try:
-        code = trainer.fit(logger, checkpointer, watchdog)
+        with before_forced_exit(logger.close):  # a second Ctrl-C or the watchdog: the wandb run ends all the same
+            code = trainer.fit(logger, checkpointer, watchdog)
     except UserError:
         code = EXIT_USER_ERROR
         raise

@@ -260,9 +260,12 @@ class MetricsSink:
             self.wandb_run.log({"samples": table}, step=step)
 
     def close(self, exit_code: int) -> None:
-        """End the wandb run, recording the exit code of the training command (a failed or stopped run's too)."""
-        if self.wandb_run is not None:
-            self.wandb_run.finish(exit_code=exit_code)
+        """End the wandb run, recording the exit code of the training command (a failed or stopped run's too). It
+        may come from another thread (`llm.runtime.forced_exit`): the run is let go first, so that the training
+        thread, still stepping, logs nothing more to it."""
+        run, self.wandb_run = self.wandb_run, None
+        if run is not None:
+            run.finish(exit_code=exit_code)
 
 
 class MetricsLogger:
