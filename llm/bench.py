@@ -23,7 +23,7 @@ from llm import rundir
 from llm.child_job import run_stopping_together
 from llm.config import RunConfig, build_config, parse_lora_spec, refuse_set_twice
 from llm.data.prepare import RANDOM_TOKENS_HASH, SPLITS, STREAMS, TOKENS_FILE, SplitWriter, write_attrs
-from llm.devices import place, resolve, synchronize
+from llm.devices import CPU_OUT_OF_MEMORY, out_of_memory, place, resolve, synchronize
 from llm.errors import EXIT_PREEMPTED, UserError
 from llm.export import export_model
 from llm.infer.generate import TextGenerator
@@ -228,11 +228,6 @@ def _rate(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else math.inf
 
 
-MPS_OUT_OF_MEMORY = "MPS backend out of memory"
-"""How Apple's MPS backend begins the RuntimeError it raises when it runs out of memory (it has no
-torch.OutOfMemoryError)."""
-
-
 def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 64, batch: int = 1,
                    repeats: int = 3, device: str = "auto", dtype: str = "auto") -> int:
     """Prefill and decode tokens/s: our cached decoding, uncached decoding, transformers' generate."""
@@ -265,10 +260,11 @@ def bench_generate(model_dir: str, prompt_tokens: int = 128, new_tokens: int = 6
     def measured(run: Callable[[], tuple[float, float]]) -> tuple[float, float]:
         try:
             return _median_seconds(run, repeats)
-        except (torch.OutOfMemoryError, RuntimeError) as exc:  # CUDA's, or MPS's RuntimeError of its own
-            if not isinstance(exc, torch.OutOfMemoryError) and not str(exc).startswith(MPS_OUT_OF_MEMORY):
+        except RuntimeError as exc:  # CUDA's torch.OutOfMemoryError, MPS's RuntimeError of its own, the host's
+            if out_of_memory(exc) is None:
                 raise
-            raise UserError(f"the GPU ran out of memory generating --batch {batch} of {prompt_tokens + new_tokens} "
+            device = "the host" if CPU_OUT_OF_MEMORY in str(exc) else "the GPU"
+            raise UserError(f"{device} ran out of memory generating --batch {batch} of {prompt_tokens + new_tokens} "
                             "positions; lower --batch or the token counts") from None
 
     results = {"zerollm, KV cache": measured(ours(True)), "zerollm, no cache": measured(ours(False))}

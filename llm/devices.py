@@ -3,6 +3,8 @@ the CPU) and a dtype it computes well in, unless the user says otherwise (`--dev
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from kernels.runtime import cuda_has_bf16, triton_runs_on
@@ -26,6 +28,25 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+MPS_OUT_OF_MEMORY = "MPS backend out of memory"
+"""How Apple's MPS backend begins the RuntimeError it raises when it runs out of memory (it has no
+torch.OutOfMemoryError)."""
+CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
+"""What torch's CPU allocator says when the host refuses an allocation (larger than it can ever hold, or beyond a
+`ulimit -v`; memory that runs out by degrees is the kernel's OOM killer's, a SIGKILL)."""
+
+
+def out_of_memory(exc: BaseException) -> str | None:
+    """Where `exc` is a device's (or the host's) refusal of memory, what it was asked for ("2.00 GiB", "53687091200
+    bytes", "" where torch does not say); else None."""
+    said = str(exc)
+    if not (isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and (
+            said.startswith(MPS_OUT_OF_MEMORY) or CPU_OUT_OF_MEMORY in said))):
+        return None
+    asked = re.search(r"[Tt]ried to allocate ([\d.]+ ?[KMGTP]?i?B\b|\d+ bytes)", said)
+    return asked.group(1) if asked else ""
 
 
 def mps_available() -> bool:

@@ -4,6 +4,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -634,6 +635,23 @@ def test_a_model_no_host_could_hold_is_refused_before_it_is_allocated(pretrain_d
     assert line.startswith("zerollm: error: the model has 6,400,000,") and "; this host builds 2 copies of it" in line
     assert line.endswith("make model.dim, model.n_layers or model.vocab_size smaller, or run fewer ranks on a host")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_step_that_runs_out_of_memory_is_one_line_naming_what_to_lower(tmp_path):
+    """torch's allocator error was a traceback in every rank (a GPU's 'CUDA out of memory' alike); here the host
+    refuses the allocation beyond an address-space limit, as a container's `ulimit -v` does."""
+    import resource
+
+    limit = 8 * 1024**3
+    result = subprocess.run([sys.executable, "-m", "llm", "bench", "train", "--recipe", "demo", "--set", "model.dim=32",
+                             "--set", "model.n_layers=1", "--set", "data.seq_len=128", "--set",
+                             "train.micro_batch_size=100000", "--steps", "1", "--warmup", "0"], capture_output=True,
+                            text=True, cwd=tmp_path, timeout=600,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert re.search(r"^zerollm: error: rank 0 ran out of memory in step 1 \(the host refused \d+ bytes\); lower "
+                     r"train.micro_batch_size \(100000; a higher train.grad_accum keeps the samples a step\) or "
+                     r"data.seq_len \(128\)$", result.stderr, re.MULTILINE), result.stderr[-3000:]
 
 
 def test_a_damaged_run_record_is_one_line(tmp_path):
