@@ -551,7 +551,8 @@ def _train_config(args: argparse.Namespace):
 
         if not init_from and args.resume == "auto":  # resumed without --init-from: the base the run records
             paths["train.init_from"] = base_to_resume_on(Path(args.out))
-        recipe = recipe_for_init_from(recipe, init_from, Path(args.out) if args.resume == "auto" else None)
+        recipe = recipe_for_init_from(recipe, init_from, Path(args.out) if args.resume == "auto" else None,
+                                      "--init-from" if args.init_from else "train.init_from")
     cfg = build_config(recipe, [*args.overrides, *extra], paths=paths)
     check_new_run(cfg)
     return cfg

@@ -376,16 +376,18 @@ def model_config_of(path: str | Path, option: str = "--init-from") -> ModelConfi
     return export_model_config(directory)
 
 
-def recipe_for_init_from(recipe: dict[str, Any], init_from: str | None, resumed: Path | None) -> dict[str, Any]:
+def recipe_for_init_from(recipe: dict[str, Any], init_from: str | None, resumed: Path | None,
+                         option: str = "--init-from") -> dict[str, Any]:
     """The raw `recipe` with its model section's `ADOPTED_FIELDS` replaced by those of the model the run starts
     from: its --init-from model, or, resuming run `resumed` without --init-from, the one recorded there (a run that
     had one). Fine-tuning a downloaded Qwen2.5 or Llama needs no recipe written for it; `--set` model keys still
     apply after, and where they differ from the model's, loading its weights refuses them by name
-    (`initial_weights`)."""
+    (`initial_weights`). `option`: how the user gave `init_from`, for messages (`train.init_from` from --set or the
+    recipe)."""
     if not isinstance(recipe.get("model", {}), dict):  # refused by build_config, naming the section
         return recipe
     if init_from:
-        source = model_config_of(init_from)
+        source = model_config_of(init_from, option)
         model = {name: getattr(source, name) for name in ADOPTED_FIELDS}
     elif resumed is not None and (recorded := _recorded_run_config(resumed)).get("train", {}).get("init_from"):
         model = {name: recorded["model"][name] for name in ADOPTED_FIELDS if name in recorded.get("model", {})}

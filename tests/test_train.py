@@ -354,6 +354,20 @@ def test_a_resume_with_another_shape_or_zero_stage_is_refused(zero_runs, pretrai
     assert "Traceback" not in result.stderr and sorted(p.name for p in run.rglob("*")) == before
 
 
+@pytest.mark.parametrize("given", ["--init-from", "--set", "recipe"])
+def test_a_missing_init_from_is_named_as_the_user_gave_it(tmp_path, pretrain_data, monkeypatch, capsys, given):
+    """Given by --set or the recipe, it was named --init-from, an option the user never typed."""
+    missing = tmp_path / "nowhere"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"train:\n  init_from: {missing}\n")
+    command = {"--init-from": ["--recipe", "demo", "--init-from", missing],
+               "--set": ["--recipe", "demo", "--set", f"train.init_from={missing}"], "recipe": ["--recipe", recipe]}
+    assert zerollm_here(monkeypatch, "train", "pretrain", "--data", pretrain_data, "--out", tmp_path / "run",
+                        *command[given]) == 2
+    name = "--init-from" if given == "--init-from" else "train.init_from"
+    assert capsys.readouterr().err == f"zerollm: error: {name} {missing}: no such directory\n"
+
+
 def test_missing_data_and_wrong_kind_are_clear_errors(tmp_path, pretrain_data):
     result = run_cli(*_args(tmp_path / "nowhere", tmp_path / "run", "train.max_steps=1"))
     assert result.returncode == 2 and f"{tmp_path / 'nowhere'}: no such directory" in result.stderr
