@@ -567,7 +567,7 @@ class ChatTemplate:
             if not (isinstance(name, str) and name.isidentifier()):
                 return f"{name!r} is not a template variable's name"
             if name in ("messages", "tools", "add_generation_prompt", *self.variables):
-                return f"'{name}' is set by the server, not by a request"
+                return f"'{name}' is given to the template by zerollm itself"
         return None
 
     def _render(self, escaped: list[dict], add_generation_prompt: bool, tools: list[dict] | None,

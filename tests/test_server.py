@@ -211,7 +211,7 @@ def test_an_assistant_messages_reasoning_is_read_under_vllms_newer_name_too():
 
 @pytest.mark.parametrize("kwargs, status, message", [
     ({"enable_thinking": False}, 200, None),  # Qwen3's: our template has no such variable, and leaves it unused
-    ({"messages": []}, 400, "chat_template_kwargs: 'messages' is set by the server, not by a request"),
+    ({"messages": []}, 400, "chat_template_kwargs: 'messages' is given to the template by zerollm itself"),
     ([1], 400, "'chat_template_kwargs' must be an object"),
 ])
 def test_chat_template_kwargs_reach_the_template(server, kwargs, status, message):

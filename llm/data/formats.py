@@ -277,8 +277,8 @@ def _written_messages(value: dict) -> list[Message] | None:
 def conversation(value: Any) -> list[Message]:
     """Canonical messages of an SFT record: `conversations`/`messages` turns, Alpaca (`instruction`, `input`,
     `output`, optional `history`) or TRL's prompt-completion (`prompt` and `completion`, each text or turns), any
-    with an optional top-level `system`. Turns after the last assistant reply
-    to learn (not of `weight` 0) teach nothing and are left out.
+    with an optional top-level `system`. Turns after the last assistant reply to learn (not of `weight` 0) teach
+    nothing and are left out.
 
     Refused (RecordError): no assistant reply to learn, an empty assistant reply (neither content nor tool calls),
     an unknown role, a non-string content, reasoning or tool calls outside an assistant turn, a malformed tool call,
