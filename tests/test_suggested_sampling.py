@@ -48,6 +48,7 @@ def test_the_suggested_sampling_is_read_and_do_sample_false_is_greedy(tmp_path):
 
 @pytest.mark.parametrize("text, said", [
     ('{"top_k": 2.5}', "top_k is 2.5, not an integer"),
+    ('{"temperature": 1' + "0" * 400 + '}', "temperature must be a finite number >= 0, got inf"),  # no float holds it
     ('{"temperature": "hot"}', "temperature is 'hot', not a number"),
     ('{"top_p": 0}', "top_p must be a number in (0, 1], got 0.0"),
     ('{"repetition_penalty": -1}', "repetition_penalty must be a finite number > 0, got -1.0"),

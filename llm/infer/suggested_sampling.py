@@ -5,11 +5,13 @@ apply wherever a request leaves an option out. `generate`, `chat` and `serve` do
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from llm.errors import UserError
 from llm.infer.sampling import InvalidSampling, SamplingParams
+from llm.wording import shown
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 SUGGESTED_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "repetition_penalty": float}
@@ -35,9 +37,9 @@ def suggested_sampling(model_dir: str | Path) -> dict[str, Any]:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-            raise UserError(f"{path}: {key} is {value!r}, not {'a number' if kind is float else 'an integer'}; fix "
-                            "or remove it")
-        suggested[key] = kind(value)
+            raise UserError(f"{path}: {key} is {shown(value)}, not {'a number' if kind is float else 'an integer'}; "
+                            "fix or remove it")
+        suggested[key] = kind(value) if kind is int or abs(value) < 1e308 else math.inf  # 10**400: no float
     if config.get("do_sample") is False:
         suggested["temperature"] = 0.0
     try:
