@@ -485,7 +485,8 @@ def _renders_tools(given: str, bare: str, tools: list) -> bool:
 
 
 REPLY_PROBE = "zerollm reply probe"
-"""Text put in place of a reply's to see where the template renders it (`ChatTemplate._check_reply_within`)."""
+"""Text put in place of a message's to see where the template renders it (`ChatTemplate._check_reply_within`,
+`ChatTemplate._check_starts_after_the_turn_before`)."""
 
 
 def common_prefix_length(a: str, b: str) -> int:
@@ -640,11 +641,12 @@ class ChatTemplate:
         for index, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            start = max(self._reply_start(full, escaped, tools, index), previous_end)
+            start, prompt = self._reply_start(full, escaped, tools, index)
+            start = max(start, previous_end)
             answered = self._render(escaped[:index + 1], False, tools)
             end = len(answered) if full.startswith(answered) and len(answered) > start else self._turn_end(full, start)
             self._check_reply_within(full, escaped, tools, index, start, end)
-            self._check_starts_after_the_turn_before(full, escaped, index, start, end)
+            self._check_starts_after_the_turn_before(prompt, escaped, tools, index, start)
             bounds.append((start, end))
             previous_end = end
         return full, bounds
@@ -673,33 +675,38 @@ class ChatTemplate:
                                   f"with {ended} before its text, which would not be learnt; use a template that "
                                   "renders the reply's text before its end-of-turn token")
 
-    def _check_starts_after_the_turn_before(self, full: str, escaped: list[dict], index: int, start: int,
-                                            end: int) -> None:
+    def _check_starts_after_the_turn_before(self, prompt: str, escaped: list[dict], tools: list[dict] | None,
+                                            index: int, start: int) -> None:
         """Refuse where the reply of assistant message `index` would start before the text of the message just before
-        it ends: a template that renders the conversation before a reply otherwise once more turns follow (Mistral's
-        put the tool definitions, or the system text, into the last user turn only) made the renderings part inside
-        an earlier turn, and the loss took in that turn's text."""
+        it ends in `prompt`, the conversation before the reply rendered for it (with the generation prompt), whose
+        first `start` characters the whole conversation's rendering shares: a template that renders the
+        conversation before a reply otherwise once more turns follow (Mistral's put the tool definitions, or the
+        system text, into the last user turn only) made the renderings part inside an earlier turn, and the loss
+        took in that turn's text. Where the text is found beyond `start`, the message is rendered with a probe in its
+        place to tell its own place from the text found again in what the template writes after it (the `</think>`
+        of MiniMind's generation prompt after a user's "think"); searched in the whole rendering, it was found in the
+        reply itself too (a tool call repeating the user's words), and such records were refused."""
         text = escaped[index - 1].get("content") if index else None
         if not isinstance(text, str) or not text.strip():
             return
-        reply = escaped[index]
-        first = next((part for part in (reply.get("reasoning_content"), reply.get("content"))
-                      if isinstance(part, str) and part.strip()), None)
-        limit = full.find(first, start, end) if first else -1
-        found = full.rfind(text, 0, limit if limit >= 0 else end)
+        found = prompt.rfind(text)
+        if found >= 0 and found + len(text) > start:
+            probe = [*escaped[:index - 1], {**escaped[index - 1], "content": REPLY_PROBE}]
+            found = self._render(probe, True, tools).find(REPLY_PROBE)
         if found >= 0 and found + len(text) > start:
             raise MessagesRefused(f"{self.source}: the chat template renders the turns before assistant message "
                                   f"{index + 1} otherwise once later turns follow (as Mistral's put tools or the "
                                   "system text into the last user turn), so where its reply starts is unknown; use a "
                                   "template that renders each turn alike whatever follows")
 
-    def _reply_start(self, full: str, escaped: list[dict], tools: list[dict] | None, index: int) -> int:
+    def _reply_start(self, full: str, escaped: list[dict], tools: list[dict] | None, index: int) -> tuple[int, str]:
         """Where the reply of message `index` starts in `full`: where the conversation before it, rendered with a
-        generation prompt, stops matching. A template that cannot render zero messages (it reads `messages[0]`) is
-        asked, for an opening reply, about the conversation behind one user turn: the reply starts as far from the
-        end as there."""
+        generation prompt (returned too: "" where there is none), stops matching. A template that cannot render zero
+        messages (it reads `messages[0]`) is asked, for an opening reply, about the conversation behind one user
+        turn: the reply starts as far from the end as there."""
         try:
-            return common_prefix_length(full, self._render(escaped[:index], True, tools))
+            prompt = self._render(escaped[:index], True, tools)
+            return common_prefix_length(full, prompt), prompt
         except MessagesRefused:
             if index:
                 raise
@@ -710,7 +717,7 @@ class ChatTemplate:
             raise MessagesRefused(f"{self.source}: the chat template renders a conversation that opens with an "
                                   "assistant turn unlike one behind a user turn, so the reply's start is unknown; "
                                   "open the conversation with a user (or system) turn")
-        return len(full) - len(rest)
+        return len(full) - len(rest), ""
 
     def _turn_end(self, rendered: str, start: int) -> int:
         """Just after the first end-of-turn string from `start` (message text holds none: it is escaped)."""

@@ -670,6 +670,24 @@ def test_a_template_that_renders_earlier_turns_otherwise_once_more_follow_is_ref
     assert _mask_runs(tok, chat.ids, chat.loss_mask) == [" Hi friend<|im_end|>", " Sunny today<|im_end|>"]
 
 
+@pytest.mark.parametrize("directory", ["session", MINIMIND])
+def test_a_reply_that_repeats_the_turn_before_is_not_taken_for_a_template_that_renders_it_otherwise(tokenizer_dir,
+                                                                                                 directory):
+    """The check against Mistral-like templates looked for the user's text up to the reply's end: found again in a
+    tool call repeating it, or in the <think> a template opens a reply with, it refused valid records."""
+    tok = Tokenizer.load(tokenizer_dir if directory == "session" else directory)
+    call = {"role": "assistant", "content": "", "tool_calls": [{"name": "get_weather",
+                                                                "arguments": {"city": "Paris"}}]}
+    for turns in ([{"role": "user", "content": "Paris"}, call, {"role": "tool", "content": "sunny"},
+                   {"role": "assistant", "content": "It is sunny."}],
+                  [{"role": "user", "content": "think"}, {"role": "assistant", "content": "I am thinking.",
+                                                         "reasoning_content": "The user wants me to think."}],
+                  [{"role": "user", "content": "<think>"}, {"role": "assistant", "content": "A tag.",
+                                                           "reasoning_content": "They typed a tag."}]):
+        chat = tok.encode_chat_masked(turns)
+        assert tok.encode_chat(turns) == chat.ids and sum(chat.loss_mask) > 0
+
+
 QWEN3_THINKING = (  # Qwen3's switch: an empty thinking block opens the reply where thinking is turned off
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is "
