@@ -44,11 +44,15 @@ def test_the_suggested_sampling_is_read_and_do_sample_false_is_greedy(tmp_path):
     (tmp_path / GENERATION_CONFIG_FILE).write_text(json.dumps({"do_sample": False, "temperature": 0.7,
                                                                 "repetition_penalty": 1.1}))
     assert suggested_sampling(tmp_path) == {"temperature": 0.0, "repetition_penalty": 1.1}  # transformers' greedy
+    (tmp_path / GENERATION_CONFIG_FILE).write_text(json.dumps({"do_sample": True, "top_k": 50}))
+    assert suggested_sampling(tmp_path) == {"temperature": 1.0, "top_k": 50}  # sampling at transformers' default: it
+    # was greedy (the options' temperature 0), the note saying it sampled
 
 
 @pytest.mark.parametrize("text, said", [
     ('{"top_k": 2.5}', "top_k is 2.5, not an integer"),
     ('{"temperature": 1' + "0" * 400 + '}', "temperature must be a finite number >= 0, got inf"),  # no float holds it
+    ('{"temperature": NaN}', "temperature must be a finite number >= 0, got nan"),  # said as inf
     ('{"temperature": "hot"}', "temperature is 'hot', not a number"),
     ('{"top_p": 0}', "top_p must be a number in (0, 1], got 0.0"),
     ('{"repetition_penalty": -1}', "repetition_penalty must be a finite number > 0, got -1.0"),

@@ -20,8 +20,10 @@ SUGGESTED_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "repetit
 
 def suggested_sampling(model_dir: str | Path) -> dict[str, Any]:
     """The SamplingParams fields `model_dir`'s generation_config.json suggests ({} where it has none). Its
-    `do_sample: false` is greedy decoding, whatever its temperature says, as in transformers. A file that cannot be
-    read, or a value of the wrong type or out of range, is a UserError naming the file and the key."""
+    `do_sample: false` is greedy decoding, whatever its temperature says, and `do_sample: true` samples, at
+    temperature 1 where it gives none, as in transformers; a temperature without `do_sample` is used, as vLLM uses
+    it. A file that cannot be read, or a value of the wrong type or out of range, is a UserError naming the file and
+    the key."""
     path = Path(model_dir) / GENERATION_CONFIG_FILE
     if not path.is_file():
         return {}
@@ -39,9 +41,11 @@ def suggested_sampling(model_dir: str | Path) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
             raise UserError(f"{path}: {key} is {shown(value)}, not {'a number' if kind is float else 'an integer'}; "
                             "fix or remove it")
-        suggested[key] = kind(value) if kind is int or abs(value) < 1e308 else math.inf  # 10**400: no float
+        suggested[key] = kind(value) if kind is int or not abs(value) >= 1e308 else math.inf  # 10**400: no float
     if config.get("do_sample") is False:
         suggested["temperature"] = 0.0
+    elif config.get("do_sample") is True:  # transformers' sampling, at its default temperature where none is given
+        suggested.setdefault("temperature", 1.0)
     try:
         SamplingParams(**suggested)
     except InvalidSampling as exc:
