@@ -140,6 +140,38 @@ def test_ctrl_c_at_a_terminals_prompt_clears_the_line_and_the_chat_goes_on(gener
     assert [m["content"] for m in session.messages if m["role"] == "user"] == ["hello", "again"]
 
 
+@pytest.mark.parametrize("line, said", [("a long message", "not sent"), ("/reset", "not reset"),
+                                         ("/system Be brief.", "not set")])
+def test_ctrl_c_while_a_message_is_prepared_keeps_the_chat_and_its_conversation(generator, monkeypatch, line, said):
+    """Ctrl-C after Enter, while a long message was encoded and fitted into the context (a second a megabyte), ended
+    the chat (exit 130), the conversation lost."""
+    session = ChatSession(generator, SamplingParams(max_new_tokens=4))
+    _repl(session, ["hello"])
+    before = list(session.messages)
+    encode, typed = generator.tokenizer.encode_chat, _reader([line, "again"])
+    armed, interrupted = [], []
+
+    def read(prompt: str) -> str:
+        armed.append(True)
+        return typed(prompt)
+
+    def slow(messages, *args, **kwargs):  # Ctrl-C lands while what was just typed is being encoded
+        if len(armed) == 1 and not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return encode(messages, *args, **kwargs)
+
+    monkeypatch.setattr(generator.tokenizer, "encode_chat", slow)
+    out = io.StringIO()
+    chat_repl(session, read=read, out=out, interactive=True)
+    out = out.getvalue()
+    assert interrupted and f"\n({said}: stopped)\n" in out
+    assert session.messages[:2] == before and [m["content"] for m in session.messages][2] == "again"
+    monkeypatch.setattr(generator.tokenizer, "encode_chat", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):  # a chat reading a pipe still ends
+        _repl(session, ["more"])
+
+
 class InterruptedOnce(io.StringIO):
     """A terminal where Ctrl-C lands while the first piece of the first reply is being printed."""
 

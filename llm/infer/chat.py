@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from typing import TextIO
+from functools import partial
+from typing import Any, TextIO
 
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator
@@ -125,6 +126,20 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
 
     shown = for_terminal if (out or sys.stdout).isatty() else str
 
+    def attempted(action: Callable[[], Any], refused: str) -> tuple[Any, bool]:
+        """(what `action` gives, True), or (None, False) with why it was refused said: a message that cannot be
+        sent, or a Ctrl-C while it was prepared (a long message's encoding; it ended the chat, the conversation
+        lost). The conversation is unchanged either way."""
+        try:
+            return action(), True
+        except (UserError, ValueError) as exc:  # ValueError: text that is not valid Unicode
+            say(f"({refused}: {exc})")
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            say(f"\n({refused}: stopped)")
+        return None, False
+
     say(HELP)
     while True:
         try:
@@ -145,26 +160,17 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
         command = None if block else line  # a block is a message, whatever its lines are
         if command in ("/quit", "/exit"):
             break
-        if command == "/reset":
-            try:  # the system prompt's reply may no longer fit in a GPU's memory
-                session.reset(session.system)
-            except UserError as exc:
-                say(f"(not reset: {exc})")
-                continue
-            say("(conversation reset)")
+        if command == "/reset":  # the system prompt's reply may no longer fit in a GPU's memory
+            if attempted(partial(session.reset, session.system), "not reset")[1]:
+                say("(conversation reset)")
         elif command is not None and command.partition(" ")[0] == "/system":  # the word alone, not /systemctl
-            try:
-                session.reset(line.removeprefix("/system").strip() or None, named="the system prompt")
-            except (UserError, ValueError) as exc:  # ValueError: text that is not valid Unicode
-                say(f"(not set: {exc})")
-                continue
-            say(f"(system prompt {'set' if session.system else 'cleared'}; conversation reset)")
+            system = line.removeprefix("/system").strip() or None
+            if attempted(partial(session.reset, system, named="the system prompt"), "not set")[1]:
+                say(f"(system prompt {'set' if session.system else 'cleared'}; conversation reset)")
         else:
             line = line.removeprefix("/") if command is not None and command.startswith("//") else line
-            try:
-                pieces = session.reply(line)
-            except (ValueError, UserError) as exc:
-                say(f"(not sent: {exc})")
+            pieces, sent = attempted(partial(session.reply, line), "not sent")
+            if not sent:
                 continue
             say("assistant> ", end="")
             try:
