@@ -46,7 +46,7 @@ from llm.errors import (
 from llm.runtime.accelerator import check_chosen_accelerator
 from llm.stdout import GuardedStdout, OutputLost, discard, on_terminal, settle
 from llm.train.ds_config_file import load_ds_config
-from llm.wording import for_terminal, plural
+from llm.wording import for_terminal_stream, plural
 
 EPILOG = "Documentation: README.md. Errors in your input exit with code 2."
 INPUT_FORMATS = (".txt, .jsonl and .json files (each also compressed: .gz, .bz2, .xz, .zst), .parquet and .arrow "
@@ -753,9 +753,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UserError(f"{problem}: "
                         f"{'lower --max-new-tokens or ' if fits_alone else ''}shorten the prompt")
 
-    shown = for_terminal if on_terminal() else str
-    for piece in generator.stream(prompt, params):
-        print(shown(piece), end="", flush=True)
+    stream = generator.stream(prompt, params)
+    for piece in for_terminal_stream(stream) if on_terminal() else stream:
+        print(piece, end="", flush=True)
     print(flush=True)
     return 0
 

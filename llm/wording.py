@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import reprlib
+from collections.abc import Iterable, Iterator
 
 
 def plural(noun: str, count: int) -> str:
@@ -42,3 +43,16 @@ def for_terminal(text: str) -> str:
     """A model's text as a terminal is to get it: what would act on the terminal (`_ACTING`) written as Python
     escapes ('\\x1b'), line ends and tabs as they are. A downloaded model may write anything."""
     return _ACTING.sub(lambda found: repr(found.group())[1:-1], text)
+
+
+def for_terminal_stream(pieces: Iterable[str]) -> Iterator[str]:
+    """`for_terminal` over streamed pieces: a carriage return that ends a piece waits for the next one, which may
+    begin with the line feed that makes it a line end (a CRLF written as two tokens showed as '\\r')."""
+    held = ""
+    for piece in pieces:
+        text = held + piece
+        held = "\r" if text.endswith("\r") else ""
+        if text := text.removesuffix(held):
+            yield for_terminal(text)
+    if held:
+        yield for_terminal(held)

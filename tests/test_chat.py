@@ -58,10 +58,11 @@ class Terminal(io.StringIO):
 @pytest.mark.parametrize("out", [Terminal, io.StringIO])
 def test_a_reply_cannot_act_on_the_terminal_but_reaches_a_pipe_as_it_is(generator, monkeypatch, out):
     """A model's ESC sequences went to the terminal as they were (a title set, the screen cleared)."""
-    monkeypatch.setattr(TextGenerator, "stream", lambda self, prompt, params: iter(["ok\x1b[2J", "\x07\tdone\r"]))
+    pieces = ["ok\x1b[2J", "\x07\tline\r", "\nsplit\r", "done\r"]  # a CRLF written as two tokens is a line end: it
+    monkeypatch.setattr(TextGenerator, "stream", lambda self, prompt, params: iter(pieces))  # showed as '\r'
     written = out()
     chat_repl(ChatSession(generator, SamplingParams(max_new_tokens=4)), read=_reader(["hi"]), out=written)
-    reply = "ok\\x1b[2J\\x07\tdone\\r" if out is Terminal else "ok\x1b[2J\x07\tdone\r"
+    reply = "ok\\x1b[2J\\x07\tline\r\nsplit\\rdone\\r" if out is Terminal else "".join(pieces)
     assert f"assistant> {reply}\n" in written.getvalue()
 
 

@@ -750,10 +750,11 @@ def test_generated_text_cannot_act_on_the_terminal_but_reaches_a_pipe_as_it_is(e
     import llm.cli
 
     monkeypatch.setattr(TextGenerator, "stream", lambda self, prompt, params: iter([HOSTILE_REPLY[:4],
-                                                                                   HOSTILE_REPLY[4:]]))
+                                                                                   HOSTILE_REPLY[4:-1], "\n"]))
     monkeypatch.setattr(llm.cli, "on_terminal", lambda: terminal)
     assert zerollm_here(monkeypatch, "generate", "--model", exported, "--prompt", "To be") == 0
-    shown = "ok\\x1b]0;pwned\\x07\ttab\\rover\r\n" if terminal else HOSTILE_REPLY  # a line end \r\n stays
+    shown = "ok\\x1b]0;pwned\\x07\ttab\\rover\r\n" if terminal else HOSTILE_REPLY  # a line end \r\n stays, its
+    # \r and \n streamed apart too (two tokens): the \r was shown as '\r'
     assert capsys.readouterr().out == shown + "\n"
 
 

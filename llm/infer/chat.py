@@ -21,7 +21,7 @@ from typing import Any, TextIO
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
-from llm.wording import for_terminal
+from llm.wording import for_terminal_stream
 
 HELP = 'commands: /reset  /system TEXT  /quit or /exit  (//text sends /text; """ begins and ends several lines)'
 BLOCK = '"""'
@@ -124,7 +124,7 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
     def say(text: str, end: str = "\n") -> None:
         print(text, end=end, file=out or sys.stdout, flush=True)
 
-    shown = for_terminal if (out or sys.stdout).isatty() else str
+    terminal = (out or sys.stdout).isatty()
 
     def attempted(action: Callable[[], Any], refused: str) -> tuple[Any, bool]:
         """(what `action` gives, True), or (None, False) with why it was refused said: a message that cannot be
@@ -174,8 +174,8 @@ def chat_repl(session: ChatSession, read: Callable[[str], str] = input, out: Tex
                 continue
             say("assistant> ", end="")
             try:
-                for piece in pieces:
-                    say(shown(piece), end="")
+                for piece in for_terminal_stream(pieces) if terminal else pieces:
+                    say(piece, end="")
             except KeyboardInterrupt:
                 say(" (stopped)", end="")
             finally:  # the exchange joins the history now, also when Ctrl-C came while a piece was being printed
