@@ -679,6 +679,15 @@ def test_a_reply_of_weight_0_is_context_not_learnt(tokenizer_dir, tmp_path):
     tok = Tokenizer.load(tokenizer_dir)
     assert tok.decode(tokens[mask].tolist(), skip_special_tokens=False) == "Paris, dear<|im_end|>"
     assert "Paris, as if" in tok.decode(tokens.tolist())
+    from llm.data.formats import chat_record
+    from llm.data.prepare import encode_sft
+
+    turns = json.loads(path.read_text())["messages"] + [{"role": "user", "content": "more " * 200},
+                                                         {"role": "assistant", "content": "long " * 200}]
+    turns[2], turns[4] = {**turns[2], "weight": 1}, {**turns[4], "weight": 0}  # learnt, context, too long: cut
+    # after the one learnt, not after the context (it was)
+    sample, truncated = encode_sft(tok, chat_record({"messages": turns}), 120)
+    assert truncated and tok.decode(sample["tokens"], skip_special_tokens=False).endswith("Paris, as if<|im_end|>")
 
 
 def test_records_the_tokenizing_skips_are_not_counted_usable(tokenizer_dir, tmp_path):

@@ -72,7 +72,7 @@ def test_documented_handling_of_bad_conversations(tokenizer_dir, tmp_path):
                                "gpt, bot, tool, observation, function, function_call"),
                               (f"{path}:7: not a conversation (keys: text); expected 'conversations', 'messages', "
                                "'instruction'/'output' or 'prompt'/'completion'"),
-                              f"{path}:8: user turn carries reasoning_content; only assistant turns may",
+                              f"{path}:8: user turn carries reasoning; only assistant turns may",
                               f"{path}:9: tool call has no 'name' string"]
     strict = run_cli("data", "prepare", "--kind", "sft", "--input", path, "--tokenizer", tokenizer_dir, "--out",
                      tmp_path / "strict", "--strict")
@@ -136,6 +136,10 @@ def test_shapes_normalise_to_messages():
             {"role": "system", "content": "math"}, user, reply]
     with pytest.raises(RecordError, match="^empty 'prompt'$"):
         conversation({"prompt": " ", "completion": "4"})
+    earlier = [user, {"role": "assistant", "content": "ask me"}, {"role": "user", "content": "3+3?"}]
+    assert conversation({"prompt": earlier, "completion": "6"})[1]["weight"] == 0  # the prompt's reply is context
+    with pytest.raises(RecordError, match="^a 'label' beside 'prompt' and 'completion' \\(KTO's unpaired"):
+        conversation({"prompt": "2+2?", "completion": "5", "label": False})
     assert conversation({"instruction": "", "input": "1 and 2", "output": "3"})[0] == {  # a stray line end before
         "role": "user", "content": "1 and 2"}  # it (LLaMA-Factory joins the parts that are not empty)
     assert conversation({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi "},

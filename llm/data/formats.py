@@ -159,8 +159,7 @@ def message(turn: Any) -> Message:
     out: Message = {"role": role, "content": "" if raw_role == "function_call" else _content(turn, role)}
     reasoning = reasoning_text(turn)
     if role != "assistant" and (calls or reasoning):
-        raise RecordError(f"{role} turn carries {'tool_calls' if calls else 'reasoning_content'}; only assistant "
-                          "turns may")
+        raise RecordError(f"{role} turn carries {'tool_calls' if calls else 'reasoning'}; only assistant turns may")
     if reasoning:
         out["reasoning_content"] = reasoning
     if calls:
@@ -269,9 +268,21 @@ def _written_messages(value: dict) -> list[Message] | None:
     if "output" in value:  # an 'instruction' alone (Magpie's, beside its conversations) is no conversation
         readings["instruction"] = partial(_alpaca, value, "output")
     if "completion" in value:  # a 'prompt' alone (UltraChat's, beside its messages) is none either
-        readings["prompt"] = lambda: _prompt_turns(value["prompt"]) + _reply_turns(value["completion"], "'completion'")
+        readings["prompt"] = partial(_prompt_completion, value)
     messages = one_reading(value, readings)
     return None if messages is None else with_system(value, messages)
+
+
+def _prompt_completion(value: dict) -> list[Message]:
+    """TRL's prompt-completion record: the prompt's turns as context (its replies of weight 0), the completion's
+    learnt. TRL's unpaired preference record (KTO's: a `label` beside them) is refused: SFT would learn a completion
+    labelled bad."""
+    if "label" in value:
+        raise RecordError("a 'label' beside 'prompt' and 'completion' (KTO's unpaired preference record), which SFT "
+                          "would learn whatever it says; give the completions to learn, or pairs to `--kind dpo`")
+    context = _prompt_turns(value["prompt"])
+    return [{**turn, "weight": 0} if turn["role"] == "assistant" else turn for turn in context] + _reply_turns(
+        value["completion"], "'completion'")
 
 
 def conversation(value: Any) -> list[Message]:

@@ -160,15 +160,18 @@ def encode_pretrain(tok: Tokenizer, piece: Item) -> Sample:
 
 
 def encode_sft(tok: Tokenizer, record: Chat, max_tokens: int) -> tuple[Sample, bool]:
-    """Chat-template tokens with loss mask 1 exactly on assistant turns and their end-of-turn token; cut after the
-    end-of-turn token of the last assistant turn that fits `max_tokens` (then the flag is True)."""
+    """Chat-template tokens with loss mask 1 exactly on the assistant turns learnt (not of weight 0) and their
+    end-of-turn token; cut after the end-of-turn token of the last such turn that fits `max_tokens` (then the flag
+    is True)."""
     chat = tok.encode_chat_masked(record.messages, record.tools)
     tokens, mask = chat.ids, chat.loss_mask
     truncated = len(tokens) > max_tokens
-    if truncated:
-        fitting = [end for _, end in chat.replies if end <= max_tokens]  # not the newline after a turn: a reply
-        if not fitting:  # whose end-of-turn token fitted was cut for the unlearned token after it
-            raise TooLong(f"too long: the first reply ends after {chat.replies[0][1]} tokens, more than --seq-len "
+    if truncated:  # cut after a reply learnt (one of weight 0 at the end would be context for nothing), not after
+        # the newline after its turn: a reply whose end-of-turn token fitted was cut for the unlearned token after it
+        learnt = [end for start, end in chat.replies if any(mask[start:end])] or [end for _, end in chat.replies]
+        fitting = [end for end in learnt if end <= max_tokens]
+        if not fitting:
+            raise TooLong(f"too long: the first reply ends after {learnt[0]} tokens, more than --seq-len "
                           f"{max_tokens - 1} holds ({max_tokens}: the window and its last target)")
         tokens, mask = tokens[:fitting[-1]], mask[:fitting[-1]]
     return {"tokens": tokens, "loss_mask": mask}, truncated
