@@ -78,7 +78,7 @@ from llm.train.schedule import lr_multiplier, unfinished_warmup_note
 from llm.train.steps import DataSteps
 from llm.train.teacher import check_teacher, load_teacher
 from llm.train.time_budget import TimeBudget
-from llm.train.trainer import Trainer
+from llm.train.trainer import Trainer, refuse_too_few
 from llm.wording import plural
 
 
@@ -151,6 +151,14 @@ def convert_resharded(run_dir: Path, tag: str, info: DistInfo) -> None:
             checkpoint.convert_to_universal(run_dir, tag)
 
     agreed(convert, announce=info.local_rank == 0)
+
+
+def refuse_data_smaller_than_a_batch(cfg: RunConfig, info: DistInfo, data_attrs: dict) -> None:
+    """The trainer's refusal of a train split smaller than one global batch, before the trainer is built (GRPO's
+    prompts are counted as its trainer is built)."""
+    if cfg.train.stage != "grpo":
+        train_set = DATASETS[data_attrs["kind"]](cfg.data.path, "train", cfg.data.seq_len, data_attrs["pad_id"])
+        refuse_too_few(DataSteps(cfg, info.device), len(train_set), info)
 
 
 def has_reference(cfg: RunConfig) -> bool:
@@ -464,11 +472,12 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
                           announce=info.local_rank == 0)  # saved between two ranks' looks: they would load both
     tag = checkpoint.resume_tag(run_dir, cfg.model) if resume else None
     universal = tag is not None and resharded(run_dir, tag, info)
+    if universal:  # the data's refusal first: the conversion takes minutes and a copy of the checkpoint's size; then
+        refuse_data_smaller_than_a_batch(cfg, info, attrs)  # the trainer, whose model and engine would hold the
+        convert_resharded(run_dir, tag, info)  # host's memory beside the conversion's
     engine_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}} \
         if universal else ds_config
-    trainer = build_trainer(cfg, run_dir, info, engine_config, attrs, data)  # its refusals (data too small for a
-    if universal:  # global batch) before the conversion, which takes minutes and a copy of the checkpoint's size
-        convert_resharded(run_dir, tag, info)
+    trainer = build_trainer(cfg, run_dir, info, engine_config, attrs, data)
     if tag is not None:
         trainer.resume(tag, universal)
         if universal:

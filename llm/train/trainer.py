@@ -56,6 +56,14 @@ from llm.train.steps import StepBatches
 from llm.train.time_budget import TimeBudget
 
 
+def refuse_too_few(steps: Any, n_samples: int, info: DistInfo) -> None:
+    """Refuse, on every rank, a train split of `n_samples` that holds fewer than the samples all ranks draw a step
+    (`steps`: the stage's step source)."""
+    needed = steps.draw_size * steps.draws_per_step * info.world_size
+    if n_samples < needed:  # every rank finds it
+        raise_together(steps.too_few(n_samples, needed), announce=info.local_rank == 0)
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path, info: DistInfo, engine, objective, steps, train_set: Dataset,
                  val_set: Dataset | None, n_params: int, budget: TimeBudget | None = None,
@@ -75,8 +83,7 @@ class Trainer:
         rejected rows) (`tokens_seen`)."""
         self.samples_per_step = steps.draw_size * steps.draws_per_step * info.world_size
         """Samples drawn by all ranks together per step (GRPO: prompts; a global batch of completions)."""
-        if len(train_set) < self.samples_per_step:  # every rank finds it
-            raise_together(steps.too_few(len(train_set), self.samples_per_step), announce=info.local_rank == 0)
+        refuse_too_few(steps, len(train_set), info)
         self.sampler = ResumableDistributedSampler(len(train_set), info.world_size, info.rank, seed=t.seed)
         self.preemption = Preemption(info)
         self.budget = budget or TimeBudget(t, info)
