@@ -117,7 +117,7 @@ def test_the_steps_before_a_forced_exit_run_newest_first_and_none_holds_the_exit
     """A second signal or the watchdog ends a rank with os._exit, which skipped the wandb run's end."""
     from llm.runtime import forced_exit
 
-    monkeypatch.setattr(forced_exit, "STEP_WAIT_S", 0.2)
+    monkeypatch.setattr(forced_exit, "STEP_WAIT_S", 2.0)  # time enough to start each step
     import threading
 
     ran, finished, release = [], [], threading.Event()

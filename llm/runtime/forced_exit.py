@@ -8,7 +8,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 
-STEP_WAIT_S = 5.0
+STEP_WAIT_S = 10.0
 
 _steps: list[Callable[[int], None]] = []
 

@@ -341,6 +341,8 @@ class MetricsLogger:
             self.bar.write(f"  sample {row['prompt']!r} -> {row['completion']!r}", file=sys.stdout)
 
     def close(self, exit_code: int) -> None:
-        self.bar.close()
-        if self.sink is not None:
-            self.sink.close(exit_code)
+        try:
+            self.bar.close()  # may fail on a stream that is gone: the wandb run is ended all the same
+        finally:
+            if self.sink is not None:
+                self.sink.close(exit_code)
