@@ -763,8 +763,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from llm.infer.chat import ChatSession, chat_repl
 
+    params = _sampling(args)  # a model folder's unusable generation_config.json is said before the model loads
     generator = _generator(args)
-    params = _sampling(args)
     if args.max_new_tokens is None:  # a default, not the user's: half the context at most, the rest for the chat
         params.max_new_tokens = min(params.max_new_tokens, max(1, generator.model.cfg.max_seq_len // 2))
     try:

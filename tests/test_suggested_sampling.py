@@ -47,6 +47,8 @@ def test_the_suggested_sampling_is_read_and_do_sample_false_is_greedy(tmp_path):
     (tmp_path / GENERATION_CONFIG_FILE).write_text(json.dumps({"do_sample": True, "top_k": 50}))
     assert suggested_sampling(tmp_path) == {"temperature": 1.0, "top_k": 50}  # sampling at transformers' default: it
     # was greedy (the options' temperature 0), the note saying it sampled
+    (tmp_path / GENERATION_CONFIG_FILE).write_text(json.dumps({"top_k": -1, "repetition_penalty": 1e308}))
+    assert suggested_sampling(tmp_path) == {"top_k": 0, "repetition_penalty": 1e308}  # vLLM's off; a float (was inf)
 
 
 @pytest.mark.parametrize("text, said", [

@@ -41,7 +41,12 @@ def suggested_sampling(model_dir: str | Path) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
             raise UserError(f"{path}: {key} is {shown(value)}, not {'a number' if kind is float else 'an integer'}; "
                             "fix or remove it")
-        suggested[key] = kind(value) if kind is int or not abs(value) >= 1e308 else math.inf  # 10**400: no float
+        try:
+            suggested[key] = kind(value)
+        except OverflowError:  # an integer no float holds (10**400): out of every range
+            suggested[key] = math.inf
+    if suggested.get("top_k") == -1:  # vLLM's "off", as a request's
+        suggested["top_k"] = 0
     if config.get("do_sample") is False:
         suggested["temperature"] = 0.0
     elif config.get("do_sample") is True:  # transformers' sampling, at its default temperature where none is given
