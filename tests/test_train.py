@@ -651,6 +651,7 @@ def test_a_model_no_host_could_hold_is_refused_before_it_is_allocated(pretrain_d
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS bounds allocations on Linux only")
 def test_a_step_that_runs_out_of_memory_is_one_line_naming_what_to_lower(tmp_path):
     """torch's allocator error was a traceback in every rank (a GPU's 'CUDA out of memory' alike); here the host
     refuses the allocation beyond an address-space limit, as a container's `ulimit -v` does."""
@@ -660,8 +661,8 @@ def test_a_step_that_runs_out_of_memory_is_one_line_naming_what_to_lower(tmp_pat
     result = subprocess.run([sys.executable, "-m", "llm", "bench", "train", "--recipe", "demo", "--set", "model.dim=32",
                              "--set", "model.n_layers=1", "--set", "data.seq_len=128", "--set",
                              "train.micro_batch_size=100000", "--steps", "1", "--warmup", "0"], capture_output=True,
-                            text=True, cwd=tmp_path, timeout=600,
-                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+                            text=True, cwd=tmp_path, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))  # on the CPU
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert re.search(r"^zerollm: error: rank 0 ran out of memory in step 1 \(the host refused \d+ bytes\); lower "
                      r"train.micro_batch_size \(100000; a higher train.grad_accum keeps the samples a step\) or "

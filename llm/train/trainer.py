@@ -32,7 +32,7 @@ from llm import rundir
 from llm.config import RunConfig
 from llm.data.datasets import checked_to
 from llm.data.sampler import ResumableDistributedSampler
-from llm.devices import exact_dtype, out_of_memory
+from llm.devices import CPU_OUT_OF_MEMORY, exact_dtype, out_of_memory
 from llm.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_RANK_LOST, StepInputError, UserError, report
 from llm.runtime.distributed import DistInfo, raise_together
 from llm.runtime.preemption import Preemption, data_loader_worker_init
@@ -383,20 +383,23 @@ class Trainer:
             return self._train(logger, checkpointer, watchdog)
         except (WorkerDied, RuntimeError) as exc:
             if (asked := out_of_memory(exc)) is not None:
-                raise UserError(self._out_of_memory_said(asked)) from None
+                raise UserError(self._out_of_memory_said(asked, host=CPU_OUT_OF_MEMORY in str(exc))) from None
             if not worker_failure(exc):
                 raise
             dead = self._batches.dead_workers() if self._batches is not None else None
             return self._end_for_data(dead or torch_said(exc) or str(exc).strip(), "a data-loader worker of it died",
                                       logger, watchdog)
 
-    def _out_of_memory_said(self, asked: str) -> str:
-        """A step (or its evaluation) that ran out of memory, a traceback in every rank before: what to lower."""
+    def _out_of_memory_said(self, asked: str, host: bool) -> str:
+        """A step (or its evaluation) that ran out of memory, a traceback in every rank before: what to lower.
+        `host`: the host refused it (on a GPU too: ZeRO's offload), else the device."""
         t, device = self.cfg.train, self.dist.device
-        where = "the host" if device.type == "cpu" else f"{device.type} device {device.index or 0}"
+        where = "the host" if host else f"{device.type} device {device.index or 0}"
+        rollouts = f"grpo.rollout_batch_size ({self.cfg.grpo.rollout_batch_size}; 0: the micro batch), " \
+            if t.stage == "grpo" else ""
         return (f"rank {self.dist.rank} ran out of memory in step {self.step + 1} ({where} refused "
-                f"{asked or 'an allocation'}); lower train.micro_batch_size ({t.micro_batch_size}; a higher "
-                f"train.grad_accum keeps the samples a step) or data.seq_len ({self.cfg.data.seq_len})")
+                f"{asked or 'an allocation'}); lower {rollouts}train.micro_batch_size ({t.micro_batch_size}; a "
+                f"higher train.grad_accum keeps the samples a step) or data.seq_len ({self.cfg.data.seq_len})")
 
     def _train(self, logger: MetricsLogger, checkpointer: checkpoint.Checkpointer, watchdog: Watchdog | None) -> int:
         self.preemption.install()
