@@ -4,9 +4,9 @@ per run, from each run's metrics.jsonl. matplotlib is an optional dependency (`p
 `plot` extra).
 
 Tokens seen at a step: the row's `tokens`, the positions the run trained on up to it (global batch x data.seq_len
-per step, whatever the batch was when the step ran: a run resumed on other ranks counts each part at its own). A row
-of an earlier version holds none: step x global batch (ds_config.json's train_batch_size) x data.seq_len
-(config.yaml), the batch shape the run directory records now.
+per step, twice that for DPO, whatever the batch was when the step ran: a run resumed on other ranks counts each
+part at its own). A row of an earlier version holds none: step x global batch (ds_config.json's train_batch_size) x
+data.seq_len (config.yaml), the batch shape the run directory records now (`rundir.recorded_tokens_per_step`).
 """
 
 from __future__ import annotations

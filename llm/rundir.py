@@ -475,9 +475,10 @@ def damaged_checkpoint_advice(run_dir: Path, tag: str) -> str:
 
 
 def recorded_tokens_per_step(run_dir: Path) -> int:
-    """Global batch x data.seq_len: the positions one step trains on, as the run directory records them (its last
-    session's batch); a UserError where its files do not say."""
-    seq_len = (recorded_config(run_dir).get("data") or {}).get("seq_len")  # a file cut short lacks it
+    """Global batch x data.seq_len, twice that for DPO (a pair's two rows): the positions one step trains on, as the
+    run directory records them (its last session's batch); a UserError where its files do not say."""
+    config = recorded_config(run_dir)
+    seq_len = (config.get("data") or {}).get("seq_len")  # a file cut short lacks it
     path = run_dir / DS_CONFIG_FILE
     try:
         batch = json.loads(path.read_text())["train_batch_size"]
@@ -487,4 +488,4 @@ def recorded_tokens_per_step(run_dir: Path) -> int:
     if not all(is_count(v, least=1) for v in (batch, seq_len)):
         raise UserError(f"{run_dir}: train_batch_size {batch!r} and data.seq_len {seq_len!r} are not positive "
                         "integers; `zerollm train` wrote them: restore the run's files")
-    return batch * seq_len
+    return batch * seq_len * (2 if (config.get("train") or {}).get("stage") == "dpo" else 1)

@@ -56,6 +56,9 @@ def test_tokens_seen_follow_the_global_batch_and_window(tmp_path):
     run = read_run(fake_run(tmp_path / "a", 10, 1.0, batch=16, seq_len=64))
     xs, ys = run.points("val_loss", "tokens")
     assert xs == [5 * 16 * 64, 10 * 16 * 64] and len(ys) == 2
+    dpo = fake_run(tmp_path / "dpo", 10, 1.0, batch=16, seq_len=64)  # a pair is two rows of data.seq_len, as the
+    (dpo / "config.yaml").write_text("data:\n  seq_len: 64\ntrain:\n  stage: dpo\n  init_from: base\n")  # rows count
+    assert read_run(dpo).points("val_loss", "tokens")[0] == [5 * 16 * 64 * 2, 10 * 16 * 64 * 2]
 
 
 def test_a_folder_of_metrics_alone_is_drawn_where_its_rows_hold_their_tokens(tmp_path, cli_here):
