@@ -567,8 +567,8 @@ class ChatTemplate:
         for name in variables:
             if not (isinstance(name, str) and name.isidentifier()):
                 return f"{name!r} is not a template variable's name"
-            if name in ("messages", "tools", "add_generation_prompt", *self.variables):
-                return f"'{name}' is given to the template by zerollm itself"
+            if name in ("messages", "tools", "add_generation_prompt", *self.variables, *self._template.globals):
+                return f"'{name}' is given to the template by zerollm itself"  # globals: raise_exception, range, ...
         return None
 
     def _render(self, escaped: list[dict], add_generation_prompt: bool, tools: list[dict] | None,

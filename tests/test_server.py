@@ -403,7 +403,8 @@ VLLM_ASKING = {"best_of": 4, "use_beam_search": True, "length_penalty": 0.5, "st
                "chat_template": "{{ messages }}", "mm_processor_kwargs": {"x": 1}, "documents": [{"text": "x"}],
                "guided_json": {"type": "object"},
                "guided_regex": "a+", "guided_choice": ["yes", "no"], "guided_grammar": "root ::= 'a'",
-               "structural_tag": "{}", "structured_outputs": {"choice": ["yes", "no"]}}
+               "structural_tag": "{}", "structured_outputs": {"choice": ["yes", "no"]}, "reasoning_effort": "low",
+               "include_reasoning": False}
 """vLLM's request fields that change a reply, each with a value that asks for something: all were ignored (a
 guided_choice of yes or no answered with free text)."""
 VLLM_NOTHING = {"best_of": 1, "use_beam_search": False, "length_penalty": 1.0, "stop_token_ids": [], "bad_words": [],

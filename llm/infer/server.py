@@ -318,6 +318,8 @@ UNSUPPORTED: dict[str, tuple[Callable[[dict, str], Any], Any]] = {
     "chat_template": (_given, None),
     "mm_processor_kwargs": (_object, {}),
     "documents": (_given, None),
+    "reasoning_effort": (_given, None),  # OpenAI's, which vLLM gives gpt-oss's template
+    "include_reasoning": (_given_flag, True),
     **{key: (_given, None) for key in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                                        "structural_tag", "structured_outputs")},  # constrained decoding
 }
