@@ -54,9 +54,10 @@ def generator(tokenizer_dir):
 
 
 @contextmanager
-def running(generator, max_queued=32, default_max_tokens=16, host="127.0.0.1", **options):
+def running(generator, max_queued=32, default_max_tokens=16, host="127.0.0.1", suggested=None, **options):
     """(url, service, server) of a server in a background thread."""
-    service = ChatService(generator, "tiny", default_max_tokens=default_max_tokens, max_queued=max_queued)
+    service = ChatService(generator, "tiny", default_max_tokens=default_max_tokens, max_queued=max_queued,
+                          suggested=suggested)
     server = make_server(service, host, 0, **options)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -220,6 +221,28 @@ def test_chat_template_kwargs_reach_the_template(server, kwargs, status, message
     assert got == status
     if message:
         assert (payload["error"]["param"], payload["error"]["message"]) == ("chat_template_kwargs", message)
+
+
+def test_chat_template_kwargs_and_the_models_suggested_sampling_reach_the_reply(generator):
+    """chat_template_kwargs rendered by a template that reads them (Qwen3's enable_thinking), and a request that
+    leaves temperature out sampled as the model folder suggests (top_k 1: the greedy reply)."""
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+                "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    tok = Tokenizer(generator.tokenizer._tok, {"eos_token": "<|im_end|>"}, "qwen3-like", template)
+    thinking = TextGenerator(generator.model, tok)
+    with running(thinking, suggested={"temperature": 1.5, "top_k": 1}) as (url, service, _):
+        hello = [{"role": "user", "content": "Hello"}]
+        assert tok.decode(service.prompt_ids(hello, None, {"enable_thinking": False}),
+                          skip_special_tokens=False).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        status, payload = _post(url, json.dumps({"messages": hello, "max_tokens": 6,
+                                                 "chat_template_kwargs": {"enable_thinking": False}}).encode())
+        ids = tok.encode_chat(hello, add_generation_prompt=True) + tok.encode("<think>\n\n</think>\n\n")
+        assert status == 200 and payload["usage"]["prompt_tokens"] == len(service.prompt_ids(
+            hello, None, {"enable_thinking": False})) == len(ids)
+        greedy = thinking.generate([service.prompt_ids(hello, None, {"enable_thinking": False})],
+                                   SamplingParams(max_new_tokens=6))[0]
+        assert payload["choices"][0]["message"]["content"] == greedy  # top_k 1 whatever the temperature
 
 
 def test_twenty_concurrent_requests_get_their_own_answers(generator):
