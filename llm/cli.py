@@ -572,10 +572,13 @@ def _checked_before_ranks(args: argparse.Namespace):
     """The run config of a `train STAGE` command, after what is checked before any rank starts: its output folder
     and its DeepSpeed JSON's file (its values are checked in every rank)."""
     from launch.local import under_launcher
+    from llm.infer.suggested_sampling import suggested_sampling
 
     cfg = _train_config(args)
     rundir.check_run_output(Path(args.out), args.resume == "auto")
     load_ds_config(args.deepspeed, cfg.train.stage)
+    if cfg.train.init_from:  # its generation_config.json, which the run keeps a copy of, is usable
+        suggested_sampling(cfg.train.init_from)
     if not under_launcher():  # said once, by the process that starts the ranks
         _note_dormant_keys(args.overrides, cfg)
     return cfg
@@ -791,7 +794,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     refuse_replacing_a_source(Path(args.out), cfg, lora_bases(cfg))
     # a damaged copy is refused, naming it, before anything is written
     kept = run_tokenizer(Path(args.run)) is not None
-    architecture = export_model(model, rundir.tokenizer_dir(Path(args.run)), Path(args.out))
+    architecture = export_model(model, rundir.tokenizer_dir(Path(args.run)), Path(args.out),
+                                Path(args.run) / rundir.GENERATION_CONFIG_FILE)
     print(f"exported {model.num_parameters():,} parameters to {args.out} ({architecture}, safetensors)")
     if not kept:  # the copy was deleted, or the run trained on random tokens (`bench train`)
         print(f"zerollm: note: {args.run} keeps no tokenizer ({rundir.tokenizer_dir(Path(args.run))} is missing), so "

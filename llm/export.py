@@ -3,7 +3,8 @@
 An export directory holds `model.safetensors`, a `config.json` for `LlamaForCausalLM` (`Qwen3ForCausalLM` for a
 model with QK-norm, which is Llama plus a per-head RMSNorm of q and k; `Qwen2ForCausalLM` for one with biases on q, k
 and v, which is Llama plus those) and the tokenizer files, so
-`transformers.AutoModelForCausalLM.from_pretrained(DIR)` reproduces our logits.
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` reproduces our logits; and the `generation_config.json` of a
+run's base model, where it had one (its suggested sampling, `llm.infer.suggested_sampling`).
 Our RoPE already uses the rotate-half layout Hugging Face uses, so weights are renamed, never permuted.
 
 An export is written to a hidden folder beside its destination and renamed into place when complete, so a
@@ -26,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from llm import durable
+from llm import durable, rundir
 from llm.config import ModelConfig, RunConfig, validate_model
 from llm.data.output import refuse_foreign_contents, refuse_mount_point
 from llm.errors import SigtermUnwinds, UserError, read_user_json_object
@@ -37,7 +38,7 @@ from llm.tokenizer import CONFIG_FILE as TOKENIZER_CONFIG
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 
 WEIGHTS_FILE, HF_CONFIG_FILE, WEIGHTS_INDEX_FILE = "model.safetensors", "config.json", "model.safetensors.index.json"
-EXPORT_FILES = {WEIGHTS_FILE, HF_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG}
+EXPORT_FILES = {WEIGHTS_FILE, HF_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG, rundir.GENERATION_CONFIG_FILE}
 """What an export holds."""
 EXPORTED_BY = {"exported_by": "zerollm"}
 """In the metadata of an export's model.safetensors: how a later export knows a folder it may replace."""
@@ -297,7 +298,7 @@ def refuse_replacing_a_source(out: Path, cfg: RunConfig, lora_bases: list[Path])
 
 def _replaceable(out: Path) -> None:
     """Refuse to replace a directory that is not empty or an earlier export: export replaces it whole, so a folder
-    with anything export does not write (a downloaded model's README.md or generation_config.json, notes, folders),
+    with anything export does not write (a downloaded model's README.md, notes, folders),
     or whose model.safetensors export did not write (a downloaded model of those files alone), is left alone."""
     if not out.exists():
         return
@@ -323,10 +324,12 @@ def _not_exported_here(out: Path) -> str | None:
     return WEIGHTS_FILE
 
 
-def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> str:
+def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path,
+                 generation_config: Path | None = None) -> str:
     """Write `out` (see the module docstring), replacing an earlier export there as a whole (`durable.staged_folder`:
     the earlier one is renamed aside and then deleted; a crash between the two renames leaves both complete folders,
-    the old one as .<name>.old); the Hugging Face class its config.json names."""
+    the old one as .<name>.old), with a copy of `generation_config` where that file exists (a run's, kept from its
+    base); the Hugging Face class its config.json names."""
     cfg = model.cfg
     try:
         out = out.resolve()
@@ -345,6 +348,8 @@ def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path) -> s
             except OSError as exc:  # e.g. a file where a parent folder should be
                 raise UserError(f"--out {out}: cannot create it ({exc.strerror})") from None
             config = _write_export(state, cfg, tokenizer_dir, staging)
+            if generation_config is not None and generation_config.is_file():
+                shutil.copy(generation_config, staging / rundir.GENERATION_CONFIG_FILE)
             stop.check()  # a stop never renames the export into place
     except Exception as exc:
         if (reason := durable.out_of_room(exc)) is None:

@@ -76,14 +76,17 @@ TOKENIZER_CONFIG_FILE, TEMPLATE_FILE = "tokenizer_config.json", "chat_template.j
 TOKENIZER_TRAINING_FILE = "tokenizer_training.json"
 """Written by `llm.tokenizer.train_tokenizer` only (what it was trained with): marks a folder it may write into
 again."""
+GENERATION_CONFIG_FILE = "generation_config.json"
+"""A Hugging Face model folder's suggested sampling (`llm.infer.suggested_sampling`): a run fine-tuned from such a
+folder keeps a copy, which its exports carry, as transformers' Trainer saves it beside the model it tuned."""
 MODEL_FOLDER_ENTRIES = frozenset({TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, TEMPLATE_FILE, TOKENIZER_TRAINING_FILE,
                                   "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-                                  "config.json", "generation_config.json", "model.safetensors.index.json",
+                                  "config.json", GENERATION_CONFIG_FILE, "model.safetensors.index.json",
                                   "pytorch_model.bin.index.json"})
 """The text and JSON files of a tokenizer folder, an export and a Hugging Face model folder (a GPT-2 style
 tokenizer's vocab.json and merges.txt beside tokenizer.json too): a folder holding tokenizer.json is one of them."""
 RUN_ENTRIES = frozenset({CONFIG_FILE, DS_CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, RUN_RECORD_FILE, EVAL_DIR,
-                         TOKENIZER_DIR, CHECKPOINTS_DIR, UNIVERSAL_DIR, WANDB_DIR})
+                         TOKENIZER_DIR, CHECKPOINTS_DIR, UNIVERSAL_DIR, WANDB_DIR, GENERATION_CONFIG_FILE})
 """What `zerollm train` writes into a run directory (besides its dot-named temporary files)."""
 
 

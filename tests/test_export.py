@@ -193,9 +193,9 @@ def test_a_downloaded_model_folder_is_not_replaced_by_an_export(tmp_path):
         (download / name).write_text(text)
     with pytest.raises(UserError) as error:
         export_model(_model(1), None, download)
-    assert str(error.value) == (f"--out {download} holds README.md, generation_config.json, merges.txt, which export "
-                                "did not write; it replaces its output there, so give it a new or empty directory (or "
-                                "one it wrote before)")
+    assert str(error.value) == (f"--out {download} holds README.md, merges.txt, which export did not write; it "
+                                "replaces its output there, so give it a new or empty directory (or one it wrote "
+                                "before)")
     assert {name: (download / name).read_text() for name in kept} == kept
     assert torch.equal(_logits(import_model(download)), _logits(_model(0)))
 

@@ -6,14 +6,16 @@ import shutil
 
 import pytest
 import torch
+from forked_ranks import run_job
 
-from conftest import zerollm_here
+from conftest import train_args, zerollm_here
 from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.export import export_model
 from llm.infer.server import parse_options
-from llm.infer.suggested_sampling import GENERATION_CONFIG_FILE, suggested_sampling
+from llm.infer.suggested_sampling import suggested_sampling
 from llm.model import Transformer
+from llm.rundir import GENERATION_CONFIG_FILE
 
 QWEN3 = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
          "temperature": 0.6, "top_k": 20, "top_p": 0.95, "transformers_version": "4.51.0"}
@@ -104,3 +106,26 @@ def test_a_request_that_leaves_sampling_out_takes_what_the_model_suggests():
     assert (params.temperature, params.top_k, params.top_p) == (1.0, 0, 1.0)  # OpenAI's
     assert parse_options({}, 16, {"temperature": 3.0}).params.temperature == 3.0  # beyond OpenAI's bound of 2: a
     # request that left it out was refused, naming a temperature it never sent
+
+
+def test_a_run_tuned_from_a_model_folder_keeps_its_generation_config_and_exports_it(zero_runs, pretrain_data, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """The run and its export dropped it, as transformers' Trainer does not: the tuned model decoded greedily where
+    its base sampled."""
+    base, run, export = tmp_path / "base", tmp_path / "run", tmp_path / "export"
+    assert zerollm_here(monkeypatch, "export", "--run", zero_runs[2], "--out", base) == 0
+    suggestion = json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.9, "transformers_version": "4.51.0"})
+    (base / GENERATION_CONFIG_FILE).write_text(suggestion)
+    result = run_job(*train_args(pretrain_data, run, "train.max_steps=1", extra=["--init-from", base]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (run / GENERATION_CONFIG_FILE).read_text() == suggestion
+    assert zerollm_here(monkeypatch, "export", "--run", run, "--out", export) == 0
+    assert (export / GENERATION_CONFIG_FILE).read_text() == suggestion
+    capsys.readouterr()
+    assert zerollm_here(monkeypatch, "generate", "--model", run, "--prompt", "To be", "--max-new-tokens", 2) == 0
+    assert capsys.readouterr().err == (f"zerollm: note: sampling as {run / GENERATION_CONFIG_FILE} suggests: "
+                                       "temperature 0.7, top_p 0.9 (an option given overrides it)\n")
+    (base / GENERATION_CONFIG_FILE).write_text('{"top_p": 7}')  # said before any rank starts
+    assert zerollm_here(monkeypatch, *train_args(pretrain_data, tmp_path / "other", extra=["--init-from", base])) == 2
+    assert capsys.readouterr().err == (f"zerollm: error: {base / GENERATION_CONFIG_FILE}: top_p must be a number in "
+                                       "(0, 1], got 7.0; fix or remove it\n")

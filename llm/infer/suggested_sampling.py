@@ -11,9 +11,11 @@ from typing import Any
 
 from llm.errors import UserError
 from llm.infer.sampling import InvalidSampling, SamplingParams
+from llm.rundir import GENERATION_CONFIG_FILE
 from llm.wording import shown
 
-GENERATION_CONFIG_FILE = "generation_config.json"
+MAX_FILE_BYTES = 1 << 20
+"""Far more than a generation config holds (a few hundred bytes): a larger file is refused before it is read."""
 SUGGESTED_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "repetition_penalty": float}
 """The keys read (vLLM's, less min_p, which the sampler has not) and the type of each."""
 
@@ -28,6 +30,9 @@ def suggested_sampling(model_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise UserError(f"{path}: {path.stat().st_size:,} bytes, far more than a generation config holds; fix or "
+                            "remove it")
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
         raise UserError(f"{path}: cannot be read ({type(exc).__name__}); fix or remove it") from None

@@ -580,11 +580,16 @@ def _as_recorded(cfg: RunConfig) -> RunConfig:
 
 
 def _write_run_files(saved: RunConfig, run_dir: Path, ds_config: dict) -> None:
-    """The run's tokenizer copy, config.yaml (`saved`, `_as_recorded`) and ds_config.json, each written whole or not
-    at all, and not at all when unchanged (`llm.durable`); a write that runs out of room is a UserError naming the
-    run directory."""
+    """The run's tokenizer copy, config.yaml (`saved`, `_as_recorded`), ds_config.json and the copy of its base's
+    generation_config.json, where it has one, each written whole or not at all, and not at all when unchanged
+    (`llm.durable`); a write that runs out of room is a UserError naming the run directory."""
     with durable.room_needed(run_dir, rundir.TOKENIZER_DIR):
         keep_tokenizer(run_dir, input_tokenizer(saved))
+    base = saved.train.init_from
+    if base and (Path(base) / rundir.GENERATION_CONFIG_FILE).is_file():  # as transformers' Trainer saves it beside
+        text = (Path(base) / rundir.GENERATION_CONFIG_FILE).read_text(encoding="utf-8")  # the model it tuned (checked
+        with durable.room_needed(run_dir, rundir.GENERATION_CONFIG_FILE):  # before the ranks start: `llm.cli`)
+            durable.update_text(run_dir / rundir.GENERATION_CONFIG_FILE, text)
     with durable.room_needed(run_dir, rundir.CONFIG_FILE):
         saved.save(rundir.config_file(run_dir))
     with durable.room_needed(run_dir, rundir.DS_CONFIG_FILE):
