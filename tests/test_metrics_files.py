@@ -216,9 +216,11 @@ def test_the_wandb_run_records_the_exit_code_and_the_folder_s_own_name(tmp_path,
     monkeypatch.setattr(wandb, "init", _Run)
     monkeypatch.chdir(tmp_path)
     sink = MetricsSink(Path("."), _config("offline"), "run", start_step=0)
-    assert sink.wandb_run.options["name"] == tmp_path.name
+    run = sink.wandb_run
+    assert run.options["name"] == tmp_path.name
     sink.close(75)
-    assert sink.wandb_run.exit_codes == [75]
+    sink.close(75)  # again, from the training thread after a forced exit's: the run is ended once
+    assert run.exit_codes == [75] and sink.wandb_run is None
 
 
 def test_wandb_project_and_name_come_from_the_variables_hugging_face_users_set(tmp_path, monkeypatch):
