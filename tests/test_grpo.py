@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from functools import partial
 from types import SimpleNamespace
@@ -32,7 +33,7 @@ from llm.tokenizer import Tokenizer
 from llm.train import rollout
 from llm.train.objectives import GRPOObjective
 from llm.train.prompts import prompt_record, read_prompts
-from llm.train.rewards import Completions, Reward, answers_match, final_answer
+from llm.train.rewards import RING_SIGNAL, Completions, Reward, answers_match, final_answer
 from llm.train.rollout import encode_prompt, group_advantages
 from llm.train.trainer import Trainer
 
@@ -163,6 +164,12 @@ def test_a_user_function_that_fails_is_one_line_naming_where(tmp_path, monkeypat
     assert "\n" not in str(error.value)
 
 
+def _limit_gone() -> bool:
+    """Whether no reward time limit is left behind: its signal's handler back to the default, its ringer ended."""
+    return signal.getsignal(RING_SIGNAL) == signal.SIG_DFL and not any(
+        thread.name == "zerollm-reward-limit" for thread in threading.enumerate())
+
+
 def test_a_reward_that_hangs_ends_in_one_line_at_its_time_limit(tmp_path, monkeypatch):
     """A reward that never answered held the run for ever: a stop signal lets the step finish first."""
     (tmp_path / "hangs.py").write_text("import time\n\ndef score(prompts, completions, **fields):\n"
@@ -173,8 +180,23 @@ def test_a_reward_that_hangs_ends_in_one_line_at_its_time_limit(tmp_path, monkey
     with pytest.raises(UserError, match=r"^--reward score: no answer for 2 completions within "
                                         r"grpo.reward_timeout_s \(0.2 s, every term together\); make it faster"):
         reward(_completions(["a", "b"], answers=["a", "b"]))
-    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    assert _limit_gone()
     assert Reward(["exact_match"], 4, torch.device("cpu"), timeout_s=0.2)(_completions(["a"], answers=["a"]))[0] == 1
+
+
+def test_a_reward_that_times_itself_with_sigalrm_still_ends_at_its_time_limit(tmp_path, monkeypatch):
+    """math_verify's `timeout` (TRL's and open-r1's accuracy rewards) ends with signal.alarm(0), which cancelled the
+    limit's timer: a hang after it held the run until train.collective_timeout_s, each rank blaming the other."""
+    (tmp_path / "verified.py").write_text(
+        "import signal, time\n\ndef score(prompts, completions, **fields):\n"
+        "    previous = signal.signal(signal.SIGALRM, lambda *a: None)\n    signal.alarm(5)\n"
+        "    signal.alarm(0)\n    signal.signal(signal.SIGALRM, previous)\n    time.sleep(3)\n"
+        "    open('slept through', 'w').close()\n    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    reward = Reward(["verified:score"], 4, torch.device("cpu"), timeout_s=0.2)
+    with pytest.raises(UserError, match=r"^--reward score: no answer for 1 completions within grpo.reward_timeout_s"):
+        reward(_completions(["a"]))
+    assert not (tmp_path / "slept through").exists() and _limit_gone()  # its wait was ended at the limit
 
 
 def test_a_time_limit_that_ends_before_the_first_term_starts_names_that_term(monkeypatch):
@@ -192,7 +214,7 @@ def test_a_time_limit_that_ends_before_the_first_term_starts_names_that_term(mon
     for _ in range(20):  # the real limit at a microsecond: it rings anywhere, even as the timer is set
         with contextlib.suppress(UserError):
             Reward(["exact_match", "format"], 4, torch.device("cpu"), timeout_s=1e-6)(_completions(["a"]))
-        assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+        assert _limit_gone()
 
 
 @pytest.mark.parametrize("raising, said", [("import sys\nsys.exit(3)", "SystemExit: 3"),
@@ -498,7 +520,7 @@ def test_a_reward_that_swallows_its_time_limit_still_ends_at_it(tmp_path, monkey
     with pytest.raises(UserError, match=r"^--reward score: no answer for 1 completions within grpo.reward_timeout_s"):
         reward(_completions(["a"]))
     assert time.monotonic() - start < 10
-    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    assert _limit_gone()
 
 
 def test_a_function_that_cannot_take_the_records_fields_is_refused_before_training(tmp_path, monkeypatch):

@@ -430,33 +430,51 @@ RING_AGAIN_AFTER_S = 0.5
 microseconds (a limit of a microsecond rang every microsecond)."""
 
 
+RING_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else signal.SIGALRM
+"""The signal a `TimeLimit` rings with: a real-time one where the system has them, which no reward's own code uses.
+Rewards time themselves with SIGALRM (math_verify's `timeout`, TRL's and open-r1's accuracy rewards):
+`signal.alarm(0)` at their end cancelled the limit's timer, which a hang after it then never met."""
+
+
 class TimeLimit:
     """Raise `_OutOfTime` into the running code after `seconds` (0: never), and again every `seconds` (at least
     RING_AGAIN_AFTER_S) after that, so that a reward that swallows a ring (`except: pass`) is interrupted again in
-    its next wait; `check` raises it too where the limit has passed all the same. A timer signal interrupts Python
-    code and the waits it makes (sleep, sockets); only the main thread receives it, so elsewhere there is no limit.
-    Not a context manager: a ring landing between a `with` block's end and the manager's clean-up escaped it, the
-    timer left ringing and raising anywhere. `disarm` takes a ring that lands in it, and may be called again."""
+    its next wait; `check` raises it too where the limit has passed all the same. A thread of its own sends
+    RING_SIGNAL to the main thread, which interrupts Python code and the waits it makes (sleep, sockets); only the
+    main thread is rung, so elsewhere there is no limit. Not a context manager: a ring landing between a `with`
+    block's end and the manager's clean-up escaped it, left ringing and raising anywhere. `disarm` takes a ring that
+    lands in it, and may be called again."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.previous = None
         self.start = time.monotonic()
+        self._stop = threading.Event()
+        self._ringer: threading.Thread | None = None
 
     def arm(self) -> None:
         if not self.seconds or threading.current_thread() is not threading.main_thread():
             return
-        self.previous = signal.signal(signal.SIGALRM, _ring)
-        # a limit of a microsecond rings as setitimer returns, before arm does: `disarm` puts the handler back
-        signal.setitimer(signal.ITIMER_REAL, self.seconds, max(self.seconds, RING_AGAIN_AFTER_S))
+        self.previous = signal.signal(RING_SIGNAL, _ring)
+        self._ringer = threading.Thread(target=self._ring_until_stopped, args=(threading.main_thread().ident,),
+                                        name="zerollm-reward-limit", daemon=True)
+        self._ringer.start()
+
+    def _ring_until_stopped(self, main: int) -> None:
+        wait = self.seconds
+        while not self._stop.wait(wait):
+            signal.pthread_kill(main, RING_SIGNAL)
+            wait = max(self.seconds, RING_AGAIN_AFTER_S)
 
     def disarm(self) -> None:
         while self.previous is not None:
             try:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, self.previous)
+                self._stop.set()
+                if self._ringer is not None:
+                    self._ringer.join()  # a ring it sent before it stopped lands here, not after the handler goes
+                signal.signal(RING_SIGNAL, self.previous)
                 self.previous = None
-            except _OutOfTime:  # a ring that landed here: stop the timer again
+            except _OutOfTime:  # a ring that landed here: stop again
                 continue
 
     def check(self) -> None:
