@@ -199,6 +199,16 @@ def test_a_reward_that_times_itself_with_sigalrm_still_ends_at_its_time_limit(tm
     assert not (tmp_path / "slept through").exists() and _limit_gone()  # its wait was ended at the limit
 
 
+def test_a_reward_that_changes_the_working_directory_leaves_the_runs_as_it_was(tmp_path, monkeypatch):
+    """A reward working in a scratch folder of its own (code execution) moved the run's: its --out, given relative,
+    led nowhere, and the next metrics row ended the run in a traceback."""
+    (tmp_path / "scratch.py").write_text("import os, tempfile\n\ndef score(prompts, completions, **fields):\n"
+                                         "    os.chdir(tempfile.mkdtemp())\n    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    assert Reward(["scratch:score"], 4, torch.device("cpu"))(_completions(["a"]))[0].tolist() == [1.0]
+    assert os.getcwd() == str(tmp_path)
+
+
 def test_a_time_limit_that_ends_before_the_first_term_starts_names_that_term(monkeypatch):
     """grpo.reward_timeout_s=1e-9 rang before the first term had started: an AttributeError traceback."""
     from llm.train import rewards

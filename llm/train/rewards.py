@@ -28,6 +28,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import os
 import re
 import signal
 import sys
@@ -348,7 +349,8 @@ class UserFunction:
         # copies: a function that changes what it is given (`completions.clear()`) changes nothing the other terms
         # and the policy update read
         arguments = copy.deepcopy({"prompts": batch.prompts, "completions": batch.texts, **fields})
-        try:
+        cwd = os.getcwd()  # a function that works in a folder of its own (code execution) changed the run's: every
+        try:  # path given relative to it (--out) led elsewhere, and the next write failed
             scores = self.function(**arguments)
         except (KeyboardInterrupt, _OutOfTime):  # Ctrl-C, and the terms' time limit: not the function's failure
             raise
@@ -357,6 +359,8 @@ class UserFunction:
             where = traceback.extract_tb(exc.__traceback__)[-1]
             raise UserError(f"--reward {self.term}: raised {type(exc).__name__}: {exc} (at {where.filename}:"
                             f"{where.lineno})".replace("\n", " ")) from None
+        finally:
+            os.chdir(cwd)
         try:
             if isinstance(scores, (Mapping, set, frozenset, str, bytes, bytearray)):  # a dict's keys, a set's order,
                 raise TypeError  # a text's characters or bytes: not one score per completion
