@@ -572,12 +572,13 @@ def _checked_before_ranks(args: argparse.Namespace):
     """The run config of a `train STAGE` command, after what is checked before any rank starts: its output folder
     and its DeepSpeed JSON's file (its values are checked in every rank)."""
     from launch.local import under_launcher
-    from llm.infer.suggested_sampling import suggested_sampling
 
     cfg = _train_config(args)
     rundir.check_run_output(Path(args.out), args.resume == "auto")
     load_ds_config(args.deepspeed, cfg.train.stage)
-    if cfg.train.init_from:  # its generation_config.json, which the run keeps a copy of, is usable
+    if cfg.train.init_from:  # its generation_config.json, which the run keeps a copy of, is usable (torch is
+        from llm.infer.suggested_sampling import suggested_sampling  # loaded for --init-from already)
+
         suggested_sampling(cfg.train.init_from)
     if not under_launcher():  # said once, by the process that starts the ranks
         _note_dormant_keys(args.overrides, cfg)
