@@ -120,6 +120,20 @@ def tokenizer_dir(tmp_path_factory) -> Path:
         FIXTURES / "pretrain" / "zh_stories.txt", "--vocab-size", 512, "--out", out)))
 
 
+@pytest.fixture(scope="module")
+def tiny_export(tokenizer_dir, tmp_path_factory) -> Path:
+    """A tiny random model exported with the session's tokenizer, for commands that take `--model`."""
+    from llm.config import ModelConfig
+    from llm.export import export_model
+    from llm.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64))
+    out = tmp_path_factory.mktemp("export")
+    export_model(model, tokenizer_dir, out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def pretrain_data(tokenizer_dir, tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "data", lambda out: _check(run_cli(

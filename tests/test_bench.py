@@ -15,17 +15,7 @@ from conftest import BENCH_TINY, run_cli
 from llm import rundir
 from llm.config import ModelConfig, build_config
 from llm.errors import UserError
-from llm.export import export_model
 from llm.model import Transformer
-
-
-@pytest.fixture(scope="module")
-def tiny_export(tokenizer_dir, tmp_path_factory):
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64))
-    out = tmp_path_factory.mktemp("export")
-    export_model(model, tokenizer_dir, out)
-    return out
 
 
 def _rates(stdout: str) -> dict[str, tuple[float, float]]:

@@ -5,16 +5,12 @@ import json
 import shutil
 
 import pytest
-import torch
 from forked_ranks import run_job
 
 from conftest import train_args, zerollm_here
-from llm.config import ModelConfig
 from llm.errors import UserError
-from llm.export import export_model
 from llm.infer.server import parse_options
 from llm.infer.suggested_sampling import suggested_sampling
-from llm.model import Transformer
 from llm.rundir import GENERATION_CONFIG_FILE
 
 QWEN3 = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
@@ -22,18 +18,9 @@ QWEN3 = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151
 """Qwen3-0.6B's generation_config.json."""
 
 
-@pytest.fixture(scope="module")
-def exported(tokenizer_dir, tmp_path_factory):
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=64))
-    out = tmp_path_factory.mktemp("exported")
-    export_model(model, tokenizer_dir, out)
-    return out
-
-
-def _with_generation_config(exported, tmp_path, config) -> str:
+def _with_generation_config(tiny_export, tmp_path, config) -> str:
     folder = tmp_path / "model"
-    shutil.copytree(exported, folder)
+    shutil.copytree(tiny_export, folder)
     text = config if isinstance(config, str) else json.dumps(config)
     (folder / GENERATION_CONFIG_FILE).write_text(text)
     return folder
@@ -77,15 +64,15 @@ def _generated(monkeypatch, capsys, model, *options) -> tuple[str, str]:
     return out.out, out.err
 
 
-def test_generate_samples_as_the_model_folder_suggests_unless_an_option_says_otherwise(exported, tmp_path,
+def test_generate_samples_as_the_model_folder_suggests_unless_an_option_says_otherwise(tiny_export, tmp_path,
                                                                                         monkeypatch, capsys):
     """Qwen3's folder decoded greedily, which its authors warn ends in endless repetitions."""
-    folder = _with_generation_config(exported, tmp_path, {"do_sample": True, "temperature": 1.5, "top_p": 0.9})
+    folder = _with_generation_config(tiny_export, tmp_path, {"do_sample": True, "temperature": 1.5, "top_p": 0.9})
     suggested, note = _generated(monkeypatch, capsys, folder)
     assert note == (f"zerollm: note: sampling as {folder / GENERATION_CONFIG_FILE} suggests: temperature 1.5, top_p "
                     "0.9 (an option given overrides it)\n")
-    assert (suggested, "") == _generated(monkeypatch, capsys, exported, "--temperature", 1.5, "--top-p", 0.9)
-    greedy, _ = _generated(monkeypatch, capsys, exported)
+    assert (suggested, "") == _generated(monkeypatch, capsys, tiny_export, "--temperature", 1.5, "--top-p", 0.9)
+    greedy, _ = _generated(monkeypatch, capsys, tiny_export)
     assert suggested != greedy
     assert _generated(monkeypatch, capsys, folder, "--temperature", 0) == (
         greedy, f"zerollm: note: sampling as {folder / GENERATION_CONFIG_FILE} suggests: top_p 0.9 (an option given "
