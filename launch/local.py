@@ -5,8 +5,9 @@ LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): going throu
 launcher would start two more interpreters, each importing DeepSpeed, before the first rank starts. The behaviour
 is the per-node launcher's, with stop signals handled the way `zerollm launch` handles them:
 
-- SIGTERM/SIGINT to this process is forwarded to every rank: they agree to stop, save a checkpoint and exit 75; a
-  second one stops them at once, and the job exits 128 + the signal this process was sent last (130 for Ctrl-C);
+- SIGTERM/SIGINT to this process is forwarded, as it came, to every rank: they agree to stop, save a checkpoint and
+  exit 75; a second one stops them at once, and the job exits 128 + the signal this process was sent last (130 for
+  Ctrl-C);
 - when a rank fails, the others are sent SIGTERM and killed after GRACE_S; the job's exit code is the first
   failing rank's, or 76 (EXIT_RANK_LOST) where that rank was ended by a signal (SIGKILL from the kernel's OOM
   killer, a segfault), which is named in one line; the ranks' agreed refusal (2) wins over a rank that ended as the
@@ -107,7 +108,8 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S, advi
 
     def forward(signum, frame):
         stopping.append(signum)
-        _signal_all(ranks, signal.SIGTERM)
+        _signal_all(ranks, signum)  # as sent: a rank a terminal's Ctrl-C reaches reads two copies of one signal, and
+        # ends (its wandb run records it) as the job does, by whichever it reads first
 
     def first_failure() -> int | None:
         """Of the ranks seen failing at once: one that refused the job (exit 2: the ranks agree on a refusal before
@@ -132,8 +134,8 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S, advi
             signal.signal(s, handler)
     if failure is None:
         failure = first_failure() or 0
-    if stopping and failure in STOPPED_AT_ONCE:  # a rank ends by whichever copy of the second stop it reads first
-        failure = 128 + stopping[-1]  # (the terminal's SIGINT or the SIGTERM forwarded here): said as it was sent
+    if stopping and failure in STOPPED_AT_ONCE:  # a rank ends by whichever stop it reads first (a SIGTERM sent
+        failure = 128 + stopping[-1]  # here, then a Ctrl-C), or before its handler was set: said as the last was sent
     return exit_code(failure)
 
 
