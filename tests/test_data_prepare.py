@@ -28,6 +28,7 @@ import pytest
 from conftest import FIXTURES, GIVES_UP_ON, changed_after_listing, regex_that_gives_up, run_cli, zerollm_here
 from llm.cli import main
 from llm.data import prepare as prepare_module
+from llm.data.arrow_values import text_bytes
 from llm.data.formats import Chat, Pair, read_items, read_records
 from llm.data.output import LOCK_FILE, OutputDir
 from llm.data.prepare import Report, not_prepared_here, prepare
@@ -458,6 +459,68 @@ def test_tokenizer_train_reads_the_same_texts_from_any_format(tmp_path):
         assert result.returncode == 0, result.stderr
         hashes.add(Tokenizer.load(tmp_path / name).hash)
     assert len(hashes) == 1
+
+
+def test_conversations_that_datasets_stores_as_json_give_the_same_tokens_as_jsonl(tokenizer_dir, tmp_path):
+    """`datasets` 5 stores turns whose keys differ between rows (a reasoning_content or tool_calls on some) as JSON
+    text, in Arrow's `arrow.json` extension type, in its Parquet files and save_to_disk folders: each turn was read
+    as a string, and every record skipped ("conversation turn is not an object")."""
+    source = FIXTURES / "sft" / "openai_tools.jsonl"
+    dataset = datasets.load_dataset("json", data_files=str(source), split="train", cache_dir=str(tmp_path / "cache"))
+    assert "extension<arrow.json>" in str(dataset.data.schema.field("messages").type)  # what this test is about
+    dataset.to_parquet(str(tmp_path / "tools.parquet"))
+    dataset.save_to_disk(str(tmp_path / "tools"))
+    reference = None
+    for path in (source, tmp_path / "tools.parquet", tmp_path / "tools"):
+        out = tmp_path / "out" / path.name
+        report = _quiet("sft", [path], tokenizer_dir, out)
+        assert report.skipped == [] and report.documents["train"] == len(source.read_text().splitlines()), path
+        with h5py.File(out / "tokens.h5") as h5:
+            arrays = {key: h5["train"][key][:].tolist() for key in h5["train"]}
+        reference = reference or arrays
+        assert arrays == reference, path
+
+
+def test_a_json_column_value_that_is_not_json_skips_its_row_naming_the_column(tmp_path):
+    texts = pa.array(['{"role": "user", "content": "hi"}', '{"role": "assistant", "content": "hello"}',
+                      '{"role": "user", "content": "hi"}', '{"role": "assistant"'])
+    turns = pa.ListArray.from_arrays([0, 2, 4], pa.ExtensionArray.from_storage(pa.json_(), texts))
+    pq.write_table(pa.table({"messages": turns}), tmp_path / "chat.parquet")
+    read = list(read_items(tmp_path / "chat.parquet"))
+    assert read[0].value == {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    assert str(read[1]).startswith(f"{tmp_path / 'chat.parquet'}:row 2: column 'messages': '{{\"role\": "
+                                   "\"assistant\"' is not JSON (")
+
+
+def _text_bytes_read_out(value) -> int:
+    if isinstance(value, str | bytes):
+        return len(value.encode() if isinstance(value, str) else value)
+    if isinstance(value, dict):
+        return sum(map(_text_bytes_read_out, value.values()))
+    if isinstance(value, list | tuple):
+        return sum(map(_text_bytes_read_out, value))
+    return 0
+
+
+@pytest.mark.parametrize("kind", ["string_view", "binary_view", "list_view", "large_list_view", "fixed_size_list",
+                                  "map", "json", "list_of_structs"])
+def test_the_text_a_row_holds_is_counted_in_every_arrow_type_before_it_is_read_out(kind):
+    """--max-record-mb skips a row holding more text than it before the row is read out; a string_view column (and
+    list views, fixed-size lists, maps and JSON) counted as holding none, and its row of 2 MB was tokenized."""
+    words = ["é" * 7, None, "a" * 13, "x" * 40, "", "long " * 9]
+    pairs = [[("k", w or "")] for w in words]
+    arrays = {"string_view": pa.array(words, pa.string_view()),
+              "binary_view": pa.array([w and w.encode() for w in words], pa.binary_view()),
+              "list_view": pa.array([[w, w] if w else None for w in words], pa.list_view(pa.string())),
+              "large_list_view": pa.array([[w] for w in words], pa.large_list_view(pa.string())),
+              "fixed_size_list": pa.array([[w, "yy"] for w in words], pa.list_(pa.string(), 2)),
+              "map": pa.array(pairs, pa.map_(pa.string(), pa.string())),
+              "json": pa.ExtensionArray.from_storage(pa.json_(), pa.array([w and json.dumps(w) for w in words])),
+              "list_of_structs": pa.array([[{"t": w, "n": 1}] for w in words])}
+    for array in (arrays[kind], arrays[kind].slice(2)):  # a slice starts inside the buffers
+        assert text_bytes(pa, array) == [_text_bytes_read_out(v) for v in array.storage.to_pylist()] \
+            if kind == "json" else [_text_bytes_read_out(v) for v in array.to_pylist()]
+    assert max(text_bytes(pa, arrays[kind])) > 0
 
 
 def test_dataset_dict_directories_read_every_split_and_report_rows(tokenizer_dir, tmp_path):
@@ -1645,3 +1708,8 @@ def test_a_table_whose_rows_hold_more_text_than_its_file_is_read_row_by_row_with
         if n in (1, 3) else "short" for n in range(1, 6)]
     assert [r.value["text"] for r in read_items(tmp_path / "bomb.parquet", max_record_mb=2.0)] == [
         big, "short", big, "short", "short"]  # under it, row by row: 5 rows hold more than 2 MB together
+    views = pa.table({"text": pa.array(["short", big], pa.string_view())})  # Arrow's Utf8View: counted as 0
+    with pa.OSFile(str(tmp_path / "views.arrow"), "wb") as sink, pa.ipc.new_file(sink, views.schema) as writer:
+        writer.write_table(views)
+    assert [str(r) for r in read_items(tmp_path / "views.arrow", max_record_mb=1.0)][1] == (
+        f"{tmp_path / 'views.arrow'}:row 2: record of 1,200,000 bytes of text is over --max-record-mb 1; raise it")

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from llm.data.arrow_values import NotJson, row_decoder, text_bytes
 from llm.errors import UserError
 from llm.rundir import broken_link, zerollm_entries
 from llm.wording import printable
@@ -603,47 +604,35 @@ def _without_nulls(value: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class _RowTooLarge:
-    """A table row whose text is over --max-record-mb, in its place (`_batch_rows`)."""
-    size: int
+class _RowSkipped:
+    """A table row that cannot be read (its text over --max-record-mb, a JSON column's value not JSON), in its
+    place (`_batch_rows`)."""
+    reason: str
 
 
-def _text_bytes(pa, array) -> list[int]:
-    """The bytes of text (strings and binaries, at any depth) each row of `array` holds once read out: a dictionary
-    column stores a string once for every row that names it (5 KB of Parquet held 2,000 copies of 50 MB)."""
-    kind = array.type
-    if pa.types.is_dictionary(kind):
-        sizes = _text_bytes(pa, array.dictionary)
-        return [0 if index is None else sizes[index] for index in array.indices.to_pylist()]
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind) \
-            or pa.types.is_large_binary(kind):
-        return [length or 0 for length in pa.compute.binary_length(array).to_pylist()]
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
-        inner, lengths = _text_bytes(pa, array.flatten()), pa.compute.list_value_length(array).to_pylist()
-        sizes, at = [], 0
-        for length in lengths:
-            sizes.append(sum(inner[at:at + (length or 0)]))
-            at += length or 0
-        return sizes
-    if pa.types.is_struct(kind):
-        return [sum(row) for row in zip(*(_text_bytes(pa, field) for field in array.flatten()), strict=True)] \
-            if kind.num_fields else [0] * len(array)
-    return [0] * len(array)
-
-
-def _batch_rows(pa, batches: Iterable, max_bytes: int) -> Iterator[dict | _RowTooLarge]:
+def _batch_rows(pa, batches: Iterable, max_record_mb: float) -> Iterator[dict | _RowSkipped]:
     """The rows of record batches, read out a few hundred at a time, or one at a time where they hold more text than
-    `max_bytes` together; a row over it alone is a `_RowTooLarge` (rows read out whole took gigabytes)."""
+    --max-record-mb together; a row over it alone is skipped (rows read out whole took gigabytes). JSON columns come
+    out parsed, as `datasets` reads them (`llm.data.arrow_values`)."""
+    max_bytes = _chars(max_record_mb)
     for batch in batches:
-        sizes = [sum(row) for row in zip(*(_text_bytes(pa, column) for column in batch.columns), strict=True)] \
+        sizes = [sum(row) for row in zip(*(text_bytes(pa, column) for column in batch.columns), strict=True)] \
             if batch.num_columns else [0] * batch.num_rows
+        decoded = row_decoder(pa, batch.schema)
         for start in range(0, batch.num_rows, ROWS_PER_BATCH):
             part, part_sizes = batch.slice(start, ROWS_PER_BATCH), sizes[start:start + ROWS_PER_BATCH]
-            if sum(part_sizes) <= max_bytes:
-                yield from part.to_pylist()
-                continue
-            for offset, size in enumerate(part_sizes):
-                yield _RowTooLarge(size) if size > max_bytes else part.slice(offset, 1).to_pylist()[0]
+            rows = part.to_pylist() if sum(part_sizes) <= max_bytes else \
+                (None if size > max_bytes else part.slice(offset, 1).to_pylist()[0]
+                 for offset, size in enumerate(part_sizes))
+            for row, size in zip(rows, part_sizes, strict=True):
+                if row is None:
+                    yield _RowSkipped(f"record of {size:,} bytes of text is over --max-record-mb {max_record_mb:g}; "
+                                      "raise it")
+                    continue
+                try:
+                    yield decoded(row) if decoded else row
+                except NotJson as exc:
+                    yield _RowSkipped(str(exc))
 
 
 def _arrow_batches(pa, path: Path) -> Iterator:
@@ -677,7 +666,7 @@ def _refuse_data_files_elsewhere(path: Path) -> None:
                             f"in {path}; save the dataset again (datasets names its files so)")
 
 
-def _hf_rows(path: Path, max_bytes: int) -> Iterator[dict | _RowTooLarge]:
+def _hf_rows(path: Path, max_record_mb: float) -> Iterator[dict | _RowSkipped]:
     try:
         import datasets  # noqa: PLC0415 - optional dependency, imported only for save_to_disk directories
     except ImportError:
@@ -687,20 +676,20 @@ def _hf_rows(path: Path, max_bytes: int) -> Iterator[dict | _RowTooLarge]:
     # as stored: an Audio or Image column is not decoded (that needed torchcodec or a readable image, for text never
     # used)
     tables = datasets.load_from_disk(str(path)).with_format("arrow").iter(batch_size=ROWS_PER_BATCH)
-    yield from _batch_rows(_pyarrow(path), (batch for table in tables for batch in table.to_batches()), max_bytes)
+    yield from _batch_rows(_pyarrow(path), (batch for table in tables for batch in table.to_batches()), max_record_mb)
 
 
 def _table_items(path: Path, kind: str, max_record_mb: float) -> Iterator[Item | Skipped]:
-    max_bytes, pa = _chars(max_record_mb), _pyarrow(path) if kind != "hf" else None
-    rows = {".parquet": lambda: _batch_rows(pa, pa.parquet.ParquetFile(path).iter_batches(ROWS_PER_BATCH), max_bytes),
-            ".arrow": lambda: _batch_rows(pa, _arrow_batches(pa, path), max_bytes),
-            "hf": lambda: _hf_rows(path, max_bytes)}[kind]
+    pa = _pyarrow(path) if kind != "hf" else None
+    rows = {".parquet": lambda: _batch_rows(pa, pa.parquet.ParquetFile(path).iter_batches(ROWS_PER_BATCH),
+                                            max_record_mb),
+            ".arrow": lambda: _batch_rows(pa, _arrow_batches(pa, path), max_record_mb),
+            "hf": lambda: _hf_rows(path, max_record_mb)}[kind]
     number = 0
     try:
         for number, row in enumerate(rows(), start=1):
-            if isinstance(row, _RowTooLarge):
-                yield Skipped(str(path), number, f"record of {row.size:,} bytes of text is over --max-record-mb "
-                                                 f"{max_record_mb:g}; raise it", unit="row")
+            if isinstance(row, _RowSkipped):
+                yield Skipped(str(path), number, row.reason, unit="row")
             else:
                 yield Item(str(path), number, _without_nulls(row), unit="row")
     except UserError:
