@@ -47,6 +47,7 @@ from llm.cli import main
 from llm.config import build_config
 from llm.data.datasets import PretrainWindows
 from llm.errors import EXIT_RANK_LOST, UserError
+from llm.jsonl import jsonl_lines
 from llm.loading import consolidated_weights
 from llm.runtime.rank_env import RANK_VARIABLES, free_port
 from llm.train import checkpoint, job
@@ -378,7 +379,9 @@ WORKER = "data.loader_workers=1"
 
 
 def _metrics_rows(run: Path) -> list[dict]:
-    return _rows(run) if (run / rundir.METRICS_FILE).is_file() else []
+    """The rows a running job has written whole (a row being written may be seen in part)."""
+    path = run / rundir.METRICS_FILE
+    return [line.value for line in jsonl_lines(path) if line.ended] if path.is_file() else []
 
 
 @contextmanager
@@ -410,14 +413,19 @@ def _after_steps(ended: Callable[[], bool], run: Path, steps: int = 2) -> None:
         time.sleep(0.05)
 
 
-def _until_stalled(ended: Callable[[], bool], run: Path) -> None:
-    """Wait until no step has been logged for 2 s: the rank waits for its data."""
-    logged, since = len(_metrics_rows(run)), time.monotonic()
-    while time.monotonic() - since < 2:
-        if len(_metrics_rows(run)) != logged:
-            logged, since = len(_metrics_rows(run)), time.monotonic()
-        assert not ended(), "the job ended"
-        time.sleep(0.05)
+def _until_stalled(ended: Callable[[], bool], run: Path, worker: psutil.Process) -> None:
+    """Wait until the rank of the stopped `worker` waits for its data: no step logged for 2 s, and over that time
+    under 0.1 s of the rank's CPU each half second (a step on batches its worker made before it stopped computes;
+    under load one took over 2 s)."""
+    rank, deadline = worker.parent(), time.monotonic() + 300
+    logged, cpu, quiet_since = len(_metrics_rows(run)), sum(rank.cpu_times()[:2]), time.monotonic()
+    while time.monotonic() - quiet_since < 2:
+        assert not ended() and time.monotonic() < deadline, "the job ended or took too long"
+        time.sleep(0.5)
+        rows, busy = len(_metrics_rows(run)), sum(rank.cpu_times()[:2])
+        if rows != logged or busy - cpu >= 0.1:
+            logged, quiet_since = rows, time.monotonic()
+        cpu = busy
 
 
 def _worker(proc, family: list, rank: int | None = None) -> psutil.Process:
@@ -518,7 +526,7 @@ def test_a_data_loader_worker_killed_or_stuck_ends_a_one_rank_run_in_one_line(pr
             worker.kill()
         else:
             worker.suspend()
-            _until_stalled(lambda: proc.poll() is not None, run)
+            _until_stalled(lambda: proc.poll() is not None, run, worker)
         code = proc.wait(timeout=60)
     text = log.read_text()
     assert code == 76 and len(_errors(text)) == 1 and "Traceback" not in text, text[-3000:]
@@ -564,7 +572,7 @@ def test_a_stop_while_a_data_loader_worker_is_stuck_saves_the_last_complete_step
         _after_steps(lambda: proc.poll() is not None, run)
         worker = _worker(proc, family)
         worker.suspend()
-        _until_stalled(lambda: proc.poll() is not None, run)
+        _until_stalled(lambda: proc.poll() is not None, run, worker)
         os.killpg(proc.pid, signal.SIGTERM)  # as SLURM's scancel: the whole job step
         code = proc.wait(timeout=60)
     text = log.read_text()
@@ -595,7 +603,7 @@ def test_a_stop_while_one_rank_s_data_loader_is_stuck_ends_the_job_saying_so(pre
         _after_steps(lambda: proc.poll() is not None, run)
         worker = _worker(proc, family, rank=1)
         worker.suspend()
-        _until_stalled(lambda: proc.poll() is not None, run)
+        _until_stalled(lambda: proc.poll() is not None, run, worker)
         proc.send_signal(signal.SIGTERM)  # forwarded to both ranks
         code = proc.wait(timeout=45)
     text = log.read_text()

@@ -38,6 +38,7 @@ from launch.nodelist import expand_nodelist, nodelist_size, slurm_hosts
 from launch.torchrun import lost_rank, passed_on_code, quiet_code
 from llm.cli import build_parser, launch_options
 from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, UserError
+from llm.jsonl import jsonl_lines
 from llm.runtime import watchdog
 from llm.runtime.cpu_threads import usable_cpus
 from llm.runtime.fingerprint import mismatch_message
@@ -505,7 +506,8 @@ def _wait_all(procs, timeout=240):
 def _wait_for_steps(run, count, procs, timeout=240):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if (run / "metrics.jsonl").is_file() and len(_metrics(run)) >= count:
+        metrics = run / "metrics.jsonl"  # rows written whole (one being written may be seen in part)
+        if metrics.is_file() and sum(line.ended for line in jsonl_lines(metrics)) >= count:
             return
         assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
         time.sleep(0.05)
