@@ -227,10 +227,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
             t.add_argument("--data", type=a_path, required=True,
                            help=f"directory from `zerollm data prepare --kind {kinds}`")
         t.add_argument("--out", type=a_path, required=True, help="run directory")
-        t.add_argument("--init-from", type=a_path, default=None, metavar="DIR", required=stage in ("dpo", "grpo"),
+        needed = (" (needed by dpo and grpo: the policy and the frozen reference start there; a --resume auto "
+                  "takes the one the run records)") if stage in ("dpo", "grpo") else ""
+        t.add_argument("--init-from", type=a_path, default=None, metavar="DIR",
                        help="start from the weights of a run directory or an export directory (ours, or a Llama, "
                             "Mistral, Qwen2/2.5 or Qwen3 saved by transformers); the run takes its model shape, RoPE "
-                            "and context length, the recipe the training settings")
+                            f"and context length, the recipe the training settings{needed}")
         if stage == "distill":
             t.add_argument("--teacher", type=a_path, required=True, metavar="DIR",
                            help="the frozen teacher: a run directory (newest checkpoint) or an export directory")

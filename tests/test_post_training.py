@@ -679,6 +679,24 @@ def test_a_dpo_resume_with_another_reference_is_refused(chain, zero_runs, dpo_da
     assert _metrics(run) == _metrics(chain[2]["dpo"])  # nothing trained
 
 
+def test_a_dpo_run_resumes_without_init_from_on_the_reference_it_records(chain, dpo_data, tmp_path):
+    """docs/lora.md: without --init-from, a DPO or GRPO resume takes the base the run records; the parser required
+    --init-from for them, and `--resume auto` alone was refused. A new run without it is still refused."""
+    run = tmp_path / "run"
+    shutil.copytree(chain[2]["dpo"], run)
+    args = train_args(dpo_data, run, "data.seq_len=64", "train.precision=fp32", "train.eval_every=2",
+                      "train.max_steps=5", "train.save_every=2", "train.micro_batch_size=2", "train.lr=1e-4",
+                      nproc=2, extra=["--zero-stage", 2, "--resume", "auto"])
+    args[1] = "dpo"
+    result = run_job(*args)
+    assert result.returncode == 0 and "resumed at step 4" in result.stdout, result.stderr[-3000:]
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4, 5] and _metrics(run)[:4] == _metrics(chain[2]["dpo"])
+    args[args.index("--out") + 1] = tmp_path / "new"
+    result = run_cli(*args[:args.index("--resume")])
+    assert result.returncode == 2 and result.stderr == ("zerollm: error: DPO needs --init-from (the policy and the "
+                                                        "frozen reference start there)\n"), result.stderr
+
+
 def test_sft_starts_from_the_pretrained_weights(zero_runs, chain):
     start = consolidated_weights(zero_runs[2])
     after = consolidated_weights(chain[2]["sft"])
