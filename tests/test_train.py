@@ -658,15 +658,17 @@ def test_a_step_that_runs_out_of_memory_is_one_line_naming_what_to_lower(tmp_pat
     import resource
 
     limit = 8 * 1024**3
-    result = subprocess.run([sys.executable, "-m", "llm", "bench", "train", "--recipe", "demo", "--set", "model.dim=32",
-                             "--set", "model.n_layers=1", "--set", "data.seq_len=128", "--set",
-                             "train.micro_batch_size=100000", "--steps", "1", "--warmup", "0"], capture_output=True,
-                            text=True, cwd=tmp_path, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    sets = ["model.dim=32", "model.n_layers=1", "data.seq_len=128000", "model.max_seq_len=128000",  # few long rows:
+            "train.micro_batch_size=100"]  # a batch of 100,000 rows of 128 took minutes to draw
+    result = subprocess.run([sys.executable, "-m", "llm", "bench", "train", "--recipe", "demo",
+                             *(a for o in sets for a in ("--set", o)), "--steps", "1", "--warmup", "0"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))  # on the CPU
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert re.search(r"^zerollm: error: rank 0 ran out of memory in step 1 \(the host refused \d+ bytes\); lower "
-                     r"train.micro_batch_size \(100000; a higher train.grad_accum keeps the samples a step\) or "
-                     r"data.seq_len \(128\)$", result.stderr, re.MULTILINE), result.stderr[-3000:]
+                     r"train.micro_batch_size \(100; a higher train.grad_accum keeps the samples a step\) or "
+                     r"data.seq_len \(128000\)$", result.stderr, re.MULTILINE), result.stderr[-3000:]
 
 
 def test_a_damaged_run_record_is_one_line(tmp_path):
