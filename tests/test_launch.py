@@ -694,6 +694,26 @@ def test_fingerprint_mismatch_stops_every_node_with_one_message(pretrain_data, t
     assert not run.exists()
 
 
+def test_ranks_given_different_run_directories_are_refused_before_training(pretrain_data, tmp_path):
+    """Nodes given different --outs (or node-local storage) trained to the end, exit 0, each node's checkpoint files
+    in a folder of its own: every checkpoint incomplete, none resumable, nothing said."""
+    port, procs = free_port(), []
+    for rank in (0, 1):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "llm", *_job(pretrain_data, tmp_path / f"out{rank}",
+                                                                          "train.max_steps=2")],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    host = socket.gethostname()
+    line = (f"zerollm: error: the ranks do not share one run directory: rank 1 on {host} (--out {tmp_path / 'out1'}) "
+            f"cannot see the file rank 0 on {host} wrote into {tmp_path / 'out0'}; give every node the same --out, on "
+            "a file system they all see")
+    assert all(out.count(line) == 1 and "Traceback" not in out for out in outputs), outputs
+    assert not (tmp_path / "out0").exists() and not (tmp_path / "out1").exists()  # its file too was removed
+
+
 def test_ranks_that_disagree_exit_2_even_with_a_heartbeat_in_flight(pretrain_data, tmp_path):
     """Every rank raises the refusal with its gloo groups open and its watchdog beating: each ends with exit 2,
     never an abort (before the fix, a beat caught by interpreter teardown aborted a rank in 2 of 3 runs)."""

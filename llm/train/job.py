@@ -47,6 +47,7 @@ from llm.model.lora import apply_lora, trainable_summary
 from llm.runtime.distributed import DistInfo, agreed, refuse_together, setup_distributed
 from llm.runtime.fingerprint import check_ranks_agree, fingerprint
 from llm.runtime.forced_exit import before_forced_exit
+from llm.runtime.shared_run_dir import check_one_run_dir
 from llm.runtime.watchdog import Watchdog
 from llm.stdout import OutputLost
 from llm.tokenizer import Tokenizer
@@ -467,6 +468,7 @@ def resumed_precision(run_dir: Path, saved: str, requested: str) -> str:
 def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, attrs: dict, resume: bool,
              watchdog: Watchdog | None, data: dict) -> int:
     if info.world_size > 1:
+        check_one_run_dir(run_dir, info.rank, announce=info.local_rank == 0)
         models = {role: data[role]["weights"] for role in ("teacher", "base") if role in data}  # a newer checkpoint
         check_ranks_agree(fingerprint(cfg.to_dict(), ds_config, data["digest"], attrs["tokenizer_hash"], models),
                           announce=info.local_rank == 0)  # saved between two ranks' looks: they would load both
