@@ -637,12 +637,13 @@ class ChatTemplate:
         """(rendered text, per assistant message (reply start, turn end) as character offsets in it)."""
         escaped, tools, _ = self._escaped(messages, tools)
         full = self._render(escaped, False, tools)
+        self._check_tool_turns_rendered(full, escaped, tools)
         bounds, previous_end = [], 0
         for index, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
             start, prompt = self._reply_start(full, escaped, tools, index)
-            start = max(start, previous_end)
+            start = max(self._before_the_text(full, escaped, tools, index, start), previous_end)
             answered = self._render(escaped[:index + 1], False, tools)
             end = len(answered) if full.startswith(answered) and len(answered) > start else self._turn_end(full, start)
             self._check_reply_within(full, escaped, tools, index, start, end)
@@ -650,6 +651,45 @@ class ChatTemplate:
             bounds.append((start, end))
             previous_end = end
         return full, bounds
+
+    def _check_tool_turns_rendered(self, full: str, escaped: list[dict], tools: list[dict] | None) -> None:
+        """Refuse a conversation whose tool calls or tool results the template leaves out, rendering the same
+        without them (Phi-3's and Gemma's render neither): SFT learnt a tool-calling turn as an empty reply, its
+        end-of-turn token alone."""
+        for index, message in enumerate(escaped):
+            if message.get("tool_calls"):
+                without = {key: value for key, value in message.items() if key != "tool_calls"}
+                shown, what = [*escaped[:index], without, *escaped[index + 1:]], "the tool calls of assistant message"
+            elif message.get("role") == "tool":
+                shown, what = [*escaped[:index], *escaped[index + 1:]], "tool message"
+            else:
+                continue
+            try:
+                left_out = self._render(shown, False, tools) == full
+            except MessagesRefused:  # the template refuses the conversation without them: it renders them
+                continue
+            if left_out:
+                raise MessagesRefused(f"{self.source}: the chat template does not render {what} {index + 1}, so it "
+                                      "would be left out (a tool call learnt as an empty reply); use a template that "
+                                      "renders tool calls and tool turns")
+
+    def _before_the_text(self, full: str, escaped: list[dict], tools: list[dict] | None, index: int,
+                         start: int) -> int:
+        """`start`, or where the text of assistant message `index` begins in `full` where the generation prompt
+        matched into that text by chance: DeepSeek-R1's ends `<think>\n`, which its rendering of a reply leaves out,
+        and a reply opening with `<` (or `<think>\n`) matched it (taken to start a character late, or after the
+        tag, the record was refused). Where the text is found across `start`, its place is confirmed as where
+        `full` parts from the rendering with a probe in its place."""
+        content = escaped[index].get("content")
+        if not isinstance(content, str) or not content:
+            return start
+        found = full.rfind(content, 0, start + len(content) - 1)
+        if found < 0 or found + len(content) <= start:
+            return start
+        probe = [*escaped[:index], {**escaped[index], "content": REPLY_PROBE}, *escaped[index + 1:]]
+        at = common_prefix_length(full, self._render(probe, False, tools))
+        turn_begins = common_prefix_length(full, self._render(escaped[:index], False, tools))
+        return at if turn_begins <= at < start and full.startswith(content, at) else start
 
     def _check_reply_within(self, full: str, escaped: list[dict], tools: list[dict] | None, index: int, start: int,
                             end: int) -> None:

@@ -699,14 +699,16 @@ STOP_FIRST = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 
     (USERS_ONLY, "a1", "the chat template does not render the text of assistant message 2 where its reply is (it "
                        "leaves the turn out, or puts it elsewhere), so its loss cannot be placed; use a template that "
                        "renders every assistant turn"),  # the loss fell on the next user turn, silently
-    ("\n", TOOL_CALL, "no reply tokens: the chat template renders none of its replies"),  # "too long", nothing cut
+    ("\n", TOOL_CALL, "the chat template does not render the tool calls of assistant message 2, so it would be "
+                      "left out (a tool call learnt as an empty reply); use a template that renders tool calls and "
+                      "tool turns"),  # "too long", nothing cut; then "no reply tokens"
 ])
 def test_a_template_that_renders_no_reply_has_its_record_skipped_saying_so(tokenizer_dir, tmp_path, template, reply,
                                                                            reason):
     odd, path = _sft_with_template(tokenizer_dir, tmp_path, template, reply)
     with pytest.raises(UserError) as refused:
         _quiet("sft", [path], odd, tmp_path / "out")
-    reason = f"{odd}: {reason}" if template in (USERS_ONLY, STOP_FIRST) else reason
+    reason = f"{odd}: {reason}"
     assert str(refused.value).endswith(f"first: {path}:1: {reason})"), str(refused.value)
 
 

@@ -688,6 +688,46 @@ def test_a_reply_that_repeats_the_turn_before_is_not_taken_for_a_template_that_r
         assert tok.encode_chat(turns) == chat.ids and sum(chat.loss_mask) > 0
 
 
+THINK_PROMPT = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+"""DeepSeek-R1's way: the generation prompt opens a thinking block that its rendering of a reply leaves out."""
+
+
+def test_a_reply_opening_as_the_generation_prompt_ends_is_learnt_whole(tokenizer_dir):
+    """The reply was taken to start where the rendering parted from the generation prompt: a reply opening with `<`
+    (or `<think>\n`) matched its end, started a character (a tag) late, and the record was refused."""
+    tok = Tokenizer(Tokenizer.load(tokenizer_dir)._tok, {"eos_token": "<|im_end|>"}, "r1-like", THINK_PROMPT)
+    for reply in ("<b>Five</b>", "<think>\n is a tag", "Plain"):
+        chat = tok.encode_chat_masked([{"role": "user", "content": "Make it bold"},
+                                       {"role": "assistant", "content": reply}])
+        assert _mask_runs(tok, chat.ids, chat.loss_mask) == [f"{reply}<|im_end|>"]
+
+
+TOOLS_LEFT_OUT = ("{% for m in messages %}{% if m.role != 'tool' %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+                  "{% if m.tool_calls and calls is defined %}{{ m.tool_calls | tojson }}{% endif %}<|im_end|>\n"
+                  "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""Phi-3's and Gemma's way: neither tool calls nor tool turns are rendered (tool calls are, given `calls`)."""
+
+
+def test_a_conversation_whose_tool_calls_or_tool_turns_the_template_leaves_out_is_refused(tokenizer_dir):
+    """The tool-calling turn was learnt as an empty reply (its end-of-turn token alone), its call and the tool's
+    answer gone, without a word."""
+    tok = Tokenizer(Tokenizer.load(tokenizer_dir)._tok, {"eos_token": "<|im_end|>"}, "phi3-like", TOOLS_LEFT_OUT)
+    turns = [{"role": "user", "content": "Weather in Lima?"},
+             {"role": "assistant", "content": "", "tool_calls": [{"name": "weather", "arguments": {"city": "Lima"}}]},
+             {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]
+    with pytest.raises(MessagesRefused, match=r"^phi3-like: the chat template does not render the tool calls of "
+                                              r"assistant message 2, so it would be left out \(a tool call learnt as "
+                                              r"an empty reply\); use a template that renders tool calls and tool "
+                                              r"turns$"):
+        tok.encode_chat_masked(turns)
+    calls = Tokenizer(tok._tok, {"eos_token": "<|im_end|>"}, "calls", "{% set calls = 1 %}" + TOOLS_LEFT_OUT)
+    with pytest.raises(MessagesRefused, match=r"^calls: the chat template does not render tool message 3, so"):
+        calls.encode_chat_masked(turns)
+    chat = tok.encode_chat_masked([turns[0], turns[3]])  # without tools, as before
+    assert _mask_runs(tok, chat.ids, chat.loss_mask) == ["It is sunny.<|im_end|>"]
+
+
 QWEN3_THINKING = (  # Qwen3's switch: an empty thinking block opens the reply where thinking is turned off
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is "
