@@ -36,7 +36,7 @@ from typing import Any
 
 from jinja2 import TemplateError, nodes
 from jinja2.compiler import CodeGenerator, Frame
-from jinja2.ext import loopcontrols
+from jinja2.ext import Extension, loopcontrols
 from jinja2.filters import make_attrgetter
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -452,11 +452,25 @@ def _printed(value: Any) -> Any:
     return value
 
 
+class _GenerationBlocks(Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (what `apply_chat_template(...,
+    return_assistant_tokens_mask=True)` masks by, in SmolLM3's and TRL's training templates): its body is rendered as
+    it is; zerollm places the loss itself (`ChatTemplate.replies`). Such a template did not compile."""
+
+    tags = {"generation"}
+
+    def parse(self, parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     """A sandbox like transformers' (templates come with downloaded files: untrusted code), with its cost bounded
     (`_BoundedSandbox`, `_render_within_deadline`); Jinja's `lipsum` global, which no chat template uses, is
     removed (it writes as many paragraphs as asked)."""
-    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols], finalize=_printed)
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlocks],
+                          finalize=_printed)
     env.globals.pop("lipsum", None)
     env.filters["tojson"] = _tojson
     env.bound_filters()

@@ -728,6 +728,28 @@ def test_a_conversation_whose_tool_calls_or_tool_turns_the_template_leaves_out_i
     assert _mask_runs(tok, chat.ids, chat.loss_mask) == ["It is sunny.<|im_end|>"]
 
 
+GENERATION_BLOCKS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
+                     "{{ m.content }}<|im_end|>{% endgeneration %}\n{% else %}{{ m.content }}<|im_end|>\n{% endif %}"
+                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""transformers' assistant-mask convention (SmolLM3's and TRL's training templates)."""
+
+
+def test_a_template_with_generation_blocks_renders_and_masks_as_transformers_does(tokenizer_dir):
+    """`{% generation %}` was refused as a template that does not compile, in data prepare and every chat command."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(Tokenizer.load(tokenizer_dir)._tok, {"eos_token": "<|im_end|>"}, "generation", GENERATION_BLOCKS)
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello friend."},
+             {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye now."}]
+    chat = tok.encode_chat_masked(turns)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer.json"), eos_token="<|im_end|>")
+    hf.chat_template = GENERATION_BLOCKS
+    theirs = hf.apply_chat_template(turns, return_dict=True, return_assistant_tokens_mask=True)
+    assert chat.ids == theirs["input_ids"] and chat.loss_mask == theirs["assistant_masks"]
+    assert tok.encode_chat(turns[:1], add_generation_prompt=True) == hf.apply_chat_template(
+        turns[:1], add_generation_prompt=True, return_dict=True)["input_ids"]
+
+
 QWEN3_THINKING = (  # Qwen3's switch: an empty thinking block opens the reply where thinking is turned off
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is "
