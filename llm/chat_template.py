@@ -656,15 +656,51 @@ class ChatTemplate:
         for index, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            start, prompt = self._reply_start(full, escaped, tools, index)
-            start = max(self._before_the_text(full, escaped, tools, index, start), previous_end)
-            answered = self._render(escaped[:index + 1], False, tools)
-            end = len(answered) if full.startswith(answered) and len(answered) > start else self._turn_end(full, start)
-            self._check_reply_within(full, escaped, tools, index, start, end)
-            self._check_starts_after_the_turn_before(prompt, escaped, tools, index, start)
+            try:
+                start, end = self._reply_bounds(full, escaped, tools, index, previous_end)
+            except MessagesRefused:
+                if (found := self._reply_after_its_header(full, escaped, tools, index, previous_end)) is None:
+                    raise
+                start, end = found
             bounds.append((start, end))
             previous_end = end
         return full, bounds
+
+    def _reply_bounds(self, full: str, escaped: list[dict], tools: list[dict] | None, index: int,
+                      previous_end: int) -> tuple[int, int]:
+        """(start, end) of the reply of assistant message `index` in `full`: from where the conversation before it,
+        rendered for it, parts from `full`, to its end of turn; MessagesRefused where its loss cannot be placed."""
+        start, prompt = self._reply_start(full, escaped, tools, index)
+        start = max(self._before_the_text(full, escaped, tools, index, start), previous_end)
+        answered = self._render(escaped[:index + 1], False, tools)
+        end = len(answered) if full.startswith(answered) and len(answered) > start else self._turn_end(full, start)
+        self._check_reply_within(full, escaped, tools, index, start, end)
+        self._check_starts_after_the_turn_before(prompt, escaped, tools, index, start)
+        return start, end
+
+    def _reply_after_its_header(self, full: str, escaped: list[dict], tools: list[dict] | None, index: int,
+                                previous_end: int) -> tuple[int, int] | None:
+        """Where `_reply_bounds` refused because the renderings part inside an earlier turn (Qwen3's leaves out an
+        earlier reply's reasoning once a later user turn follows, which the conversation before this reply still
+        shows, and its tool-calling conversations were refused): the reply found by its text, from just after the
+        last header the generation prompt writes (`<|im_start|>assistant\n`) before that text, to its end of turn.
+        None where the generation prompt writes no header (Mistral's: the refusal stands), or the text is not found
+        alone in that turn."""
+        content = escaped[index].get("content")
+        if not isinstance(content, str) or not content.strip():
+            return None
+        before = self._render(escaped[:index], False, tools)
+        prompt = self._render(escaped[:index], True, tools)
+        header = prompt[common_prefix_length(prompt, before):]
+        probe = [*escaped[:index], {**escaped[index], "content": REPLY_PROBE}, *escaped[index + 1:]]
+        at = common_prefix_length(full, self._render(probe, False, tools))
+        found = full.rfind(header, previous_end, at) if header.strip() and full.startswith(content, at) else -1
+        if found < 0:
+            return None
+        start = found + len(header)
+        end = self._turn_end(full, start)
+        return (start, end) if at + len(content) <= end and not any(s in full[start:at] for s in self.end_of_turn) \
+            else None
 
     def _check_tool_turns_rendered(self, full: str, escaped: list[dict], tools: list[dict] | None) -> None:
         """Refuse a conversation whose tool calls or tool results the template leaves out, rendering the same

@@ -728,6 +728,31 @@ def test_a_conversation_whose_tool_calls_or_tool_turns_the_template_leaves_out_i
     assert _mask_runs(tok, chat.ids, chat.loss_mask) == ["It is sunny.<|im_end|>"]
 
 
+QWEN3_HISTORY = ("{% set ns = namespace(last=0) %}{% for m in messages %}{% if m.role == 'user' %}"
+                 "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+                 "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                 "{% if m.reasoning_content and loop.index0 > ns.last %}<think>\n{{ m.reasoning_content }}\n</think>"
+                 "\n\n{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""Qwen3's way with reasoning: shown only in the replies after the last user turn."""
+
+
+def test_a_reply_after_an_earlier_reply_whose_reasoning_a_later_user_turn_hides_is_learnt(tokenizer_dir):
+    """The conversation before the second reply still shows the first reply's reasoning, the whole one (with a user
+    turn after) does not: the renderings parted inside the first reply, and Qwen3's multi-turn tool conversations
+    with reasoning were refused. Such a reply is found by its text after its turn's header."""
+    tok = Tokenizer(Tokenizer.load(tokenizer_dir)._tok, {"eos_token": "<|im_end|>"}, "qwen3-like", QWEN3_HISTORY)
+    turns = [{"role": "user", "content": "Weather in Lima?"},
+             {"role": "assistant", "content": "Checking.", "reasoning_content": "Use the tool."},
+             {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."},
+             {"role": "user", "content": "Thanks"},
+             {"role": "assistant", "content": "Welcome.", "reasoning_content": "Be kind."}]
+    chat = tok.encode_chat_masked(turns)
+    assert tok.encode_chat(turns) == chat.ids
+    assert _mask_runs(tok, chat.ids, chat.loss_mask) == [
+        "Checking.<|im_end|>", "Sunny.<|im_end|>", "<think>\nBe kind.\n</think>\n\nWelcome.<|im_end|>"]
+
+
 GENERATION_BLOCKS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
                      "{{ m.content }}<|im_end|>{% endgeneration %}\n{% else %}{{ m.content }}<|im_end|>\n{% endif %}"
                      "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
