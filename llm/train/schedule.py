@@ -1,6 +1,8 @@
 """Learning-rate schedule: linear warmup, then cosine decay to `min_lr_ratio * lr` at `max_steps`, or, with a time
 budget (`train.max_time`), at whichever of the step budget and the time budget runs out first
-(`llm.train.time_budget`)."""
+(`llm.train.time_budget`). Step s (0-based) of the step budget is at progress (s - warmup) / (max_steps - warmup),
+as Hugging Face's and MiniMind's cosine schedules are: its last step runs one step short of the floor. The time
+budget's progress is measured at the end of each step: its last step runs at the floor."""
 
 from __future__ import annotations
 
