@@ -490,6 +490,9 @@ def test_a_json_column_value_that_is_not_json_skips_its_row_naming_the_column(tm
     assert read[0].value == {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     assert str(read[1]).startswith(f"{tmp_path / 'chat.parquet'}:row 2: column 'messages': '{{\"role\": "
                                    "\"assistant\"' is not JSON (")
+    deep = pa.ExtensionArray.from_storage(pa.json_(), pa.array(["[" * 100_000 + "]" * 100_000]))
+    pq.write_table(pa.table({"messages": deep}), tmp_path / "deep.parquet")  # a RecursionError escaped
+    assert str(next(read_items(tmp_path / "deep.parquet"))).endswith("is not JSON (nested too deeply)")
 
 
 def _text_bytes_read_out(value) -> int:
@@ -503,23 +506,29 @@ def _text_bytes_read_out(value) -> int:
 
 
 @pytest.mark.parametrize("kind", ["string_view", "binary_view", "list_view", "large_list_view", "fixed_size_list",
-                                  "map", "json", "list_of_structs"])
+                                  "map", "json", "list_of_structs", "run_end_encoded", "sparse_union", "dense_union"])
 def test_the_text_a_row_holds_is_counted_in_every_arrow_type_before_it_is_read_out(kind):
     """--max-record-mb skips a row holding more text than it before the row is read out; a string_view column (and
-    list views, fixed-size lists, maps and JSON) counted as holding none, and its row of 2 MB was tokenized."""
+    list views, fixed-size lists, maps, JSON, run-end encoded columns and unions) counted as holding none, and its
+    row of 2 MB was tokenized."""
     words = ["é" * 7, None, "a" * 13, "x" * 40, "", "long " * 9]
-    pairs = [[("k", w or "")] for w in words]
+    codes = pa.array([0, 1, 0, 0, 1, 0], pa.int8())
     arrays = {"string_view": pa.array(words, pa.string_view()),
               "binary_view": pa.array([w and w.encode() for w in words], pa.binary_view()),
               "list_view": pa.array([[w, w] if w else None for w in words], pa.list_view(pa.string())),
               "large_list_view": pa.array([[w] for w in words], pa.large_list_view(pa.string())),
               "fixed_size_list": pa.array([[w, "yy"] for w in words], pa.list_(pa.string(), 2)),
-              "map": pa.array(pairs, pa.map_(pa.string(), pa.string())),
+              "map": pa.array([[("k", w or "")] for w in words], pa.map_(pa.string(), pa.string())),
               "json": pa.ExtensionArray.from_storage(pa.json_(), pa.array([w and json.dumps(w) for w in words])),
-              "list_of_structs": pa.array([[{"t": w, "n": 1}] for w in words])}
+              "list_of_structs": pa.array([[{"t": w, "n": 1}] for w in words]),
+              "run_end_encoded": pa.RunEndEncodedArray.from_arrays(pa.array([2, 3, 6], pa.int32()),
+                                                                   pa.array(["ab" * 50, None, "c"])),
+              "sparse_union": pa.UnionArray.from_sparse(codes, [pa.array(words), pa.array(range(6))]),
+              "dense_union": pa.UnionArray.from_dense(codes, pa.array([0, 0, 1, 2, 1, 3], pa.int32()),
+                                                      [pa.array(words[:4]), pa.array(["zz", "y"])])}
     for array in (arrays[kind], arrays[kind].slice(2)):  # a slice starts inside the buffers
-        assert text_bytes(pa, array) == [_text_bytes_read_out(v) for v in array.storage.to_pylist()] \
-            if kind == "json" else [_text_bytes_read_out(v) for v in array.to_pylist()]
+        values = (array.storage if kind == "json" else array).to_pylist()
+        assert text_bytes(pa, array) == [_text_bytes_read_out(v) for v in values], array
     assert max(text_bytes(pa, arrays[kind])) > 0
 
 

@@ -6,6 +6,7 @@ conversation's turns whose keys differ between rows)."""
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 from collections.abc import Callable
@@ -19,13 +20,13 @@ Decoder = Callable[[Any], Any]
 def text_bytes(pa, array) -> list[int]:
     """The bytes of text (strings and binaries, at any depth) each row of `array` holds once read out. Counted from
     offsets and lengths, never by reading values out: a dictionary column stores a string once for every row that
-    names it (5 KB of Parquet held 2,000 copies of 50 MB), and so can string views and list views."""
+    names it (5 KB of Parquet held 2,000 copies of 50 MB), and so can string views, list views, run-end encoded
+    columns and unions. A child is counted over the part the rows use (a slice's child is its whole column's)."""
     kind = array.type
     if isinstance(kind, pa.BaseExtensionType):
         return text_bytes(pa, array.storage)
     if pa.types.is_dictionary(kind):
-        sizes = text_bytes(pa, array.dictionary)
-        return [0 if index is None else sizes[index] for index in array.indices.to_pylist()]
+        return _picked(text_bytes(pa, array.dictionary), array.indices.to_pylist())
     if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind) \
             or pa.types.is_large_binary(kind):
         return [length or 0 for length in pa.compute.binary_length(array).to_pylist()]
@@ -33,18 +34,27 @@ def text_bytes(pa, array) -> list[int]:
         return _view_lengths(array)
     if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_map(kind):
         offsets = array.offsets.to_pylist()
-        return _spans(array, text_bytes(pa, array.values), offsets[:-1], offsets[1:])
+        return _spans(pa, array, offsets[:-1], offsets[1:])
     if pa.types.is_list_view(kind) or pa.types.is_large_list_view(kind):
         starts = array.offsets.to_pylist()
-        return _spans(array, text_bytes(pa, array.values), starts, map(sum, zip(starts, array.sizes.to_pylist())))
+        return _spans(pa, array, starts, [start + size for start, size in zip(starts, array.sizes.to_pylist(),
+                                                                              strict=True)])
     if pa.types.is_fixed_size_list(kind):
-        size, first = kind.list_size, array.offset * kind.list_size
-        starts = range(first, first + len(array) * size, size)
-        return _spans(array, text_bytes(pa, array.values), starts, (start + size for start in starts))
+        first = array.offset * kind.list_size
+        starts = list(range(first, first + len(array) * kind.list_size, kind.list_size))
+        return _spans(pa, array, starts, [start + kind.list_size for start in starts])
     if pa.types.is_struct(kind):
         return [sum(row) for row in zip(*(text_bytes(pa, field) for field in array.flatten()), strict=True)] \
             if kind.num_fields else [0] * len(array)
+    if pa.types.is_run_end_encoded(kind):
+        return _run_end_bytes(pa, array)
+    if pa.types.is_union(kind):
+        return _union_bytes(pa, array)
     return [0] * len(array)
+
+
+def _picked(sizes: list[int], indices: list[int | None]) -> list[int]:
+    return [0 if index is None else sizes[index] for index in indices]
 
 
 def _view_lengths(array) -> list[int]:
@@ -56,11 +66,40 @@ def _view_lengths(array) -> list[int]:
             for null, at in zip(nulls, range(array.offset * 16, (array.offset + len(array)) * 16, 16), strict=True)]
 
 
-def _spans(array, inner: list[int], starts, ends) -> list[int]:
-    """Each row's sum of `inner[start:end]` (a list's elements), 0 for a null row (whose span may be anything)."""
-    total = [0, *itertools.accumulate(inner)]
-    return [0 if null else total[end] - total[start]
-            for null, start, end in zip(array.is_null().to_pylist(), starts, ends, strict=True)]
+def _spans(pa, array, starts: list[int], ends: list[int]) -> list[int]:
+    """Each row's text in the elements `starts[i]:ends[i]` of `array.values`, 0 for a null row (whose span may be
+    anything); only the part of the values the rows span is counted."""
+    nulls = array.is_null().to_pylist()
+    spans = [(start, end) for null, start, end in zip(nulls, starts, ends, strict=True) if not null and end > start]
+    if not spans:
+        return [0] * len(array)
+    low, high = min(start for start, _ in spans), max(end for _, end in spans)
+    total = [0, *itertools.accumulate(text_bytes(pa, array.values.slice(low, high - low)))]
+    return [0 if null or end <= start else total[end - low] - total[start - low]
+            for null, start, end in zip(nulls, starts, ends, strict=True)]
+
+
+def _run_end_bytes(pa, array) -> list[int]:
+    """A run-end encoded array's rows: each the text of the value of the run it falls in."""
+    run_ends, values = array.run_ends.to_pylist(), text_bytes(pa, array.values)
+    runs = [bisect.bisect_right(run_ends, array.offset + row) for row in range(len(array))]
+    return _picked(values, runs)
+
+
+def _union_bytes(pa, array) -> list[int]:
+    """A union's rows: each the text of the child value its type code picks (at its offset in a dense union, at its
+    own row in a sparse one, whose `field` is sliced with it). The codes and offsets are read from their buffers
+    (int8 and little-endian int32, as Arrow stores them): pyarrow's `type_codes` of a slice start at its parent's."""
+    buffers, rows = array.buffers(), range(array.offset, array.offset + len(array))
+    codes = [memoryview(buffers[1]).cast("b")[row] for row in rows]
+    child_of = {code: index for index, code in enumerate(array.type.type_codes)}
+    children = {code: text_bytes(pa, array.field(child_of[code])) for code in set(codes)}
+    if array.type.mode == "dense":
+        offsets = memoryview(buffers[2]).cast("B")
+        places = [int.from_bytes(offsets[row * 4:row * 4 + 4], "little", signed=True) for row in rows]
+    else:
+        places = range(len(array))
+    return [children[code][place] for code, place in zip(codes, places, strict=True)]
 
 
 class NotJson(ValueError):
@@ -92,8 +131,9 @@ def _parsed(text: str | None) -> Any:
         return None
     try:
         return json.loads(text)
-    except ValueError as exc:
-        raise NotJson(f"{text[:40] + ('...' if len(text) > 40 else '')!r} is not JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:
+        problem = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise NotJson(f"{text[:40] + ('...' if len(text) > 40 else '')!r} is not JSON ({problem})") from None
 
 
 def _or_same(decoder: Decoder | None) -> Decoder:
