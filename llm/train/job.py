@@ -468,7 +468,7 @@ def resumed_precision(run_dir: Path, saved: str, requested: str) -> str:
 def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, attrs: dict, resume: bool,
              watchdog: Watchdog | None, data: dict) -> int:
     if info.world_size > 1:
-        check_one_run_dir(run_dir, info.rank, announce=info.local_rank == 0)
+        check_one_run_dir(run_dir, info.rank, info.local_rank == 0, cfg.train.collective_timeout_s)
         models = {role: data[role]["weights"] for role in ("teacher", "base") if role in data}  # a newer checkpoint
         check_ranks_agree(fingerprint(cfg.to_dict(), ds_config, data["digest"], attrs["tokenizer_hash"], models),
                           announce=info.local_rank == 0)  # saved between two ranks' looks: they would load both
