@@ -13,7 +13,12 @@ Loss masks need each assistant reply's place in the rendered text, whatever the 
 starts where the conversation up to it, rendered with a generation prompt, stops matching the whole
 conversation; its turn ends where the conversation rendered up to and including it ends. A template that
 cannot render zero messages (it reads `messages[0]`) is asked about a conversation that opens with a reply
-behind one user turn instead: the reply starts as far from the end of the text as it does there.
+behind one user turn instead: the reply starts as far from the end of the text as it does there. Where that
+start is wrong, the reply is found by its text, the template rendered with a probe in its place: a generation
+prompt that matches into the reply by chance (DeepSeek-R1's ends `<think>\n`), and renderings that part inside an
+earlier turn (Qwen3's hides an earlier reply's reasoning once a later user turn follows), where the reply starts
+after the header the generation prompt writes. A conversation whose tool calls or tool turns the template leaves
+out is refused (its tool-calling turn would be learnt as an empty reply).
 
 Our own template is ChatML extended per the canonical-message contract: an assistant turn renders
 `<think>\\n{reasoning}\\n</think>\\n\\n{content}`, then each tool call `<tool_call>\\n{json}\\n</tool_call>`
@@ -499,8 +504,7 @@ def _renders_tools(given: str, bare: str, tools: list) -> bool:
 
 
 REPLY_PROBE = "zerollm reply probe"
-"""Text put in place of a message's to see where the template renders it (`ChatTemplate._check_reply_within`,
-`ChatTemplate._check_starts_after_the_turn_before`)."""
+"""Text put in place of a message's text (or a tool call's name) to see where the template renders it."""
 
 
 def common_prefix_length(a: str, b: str) -> int:
@@ -658,9 +662,13 @@ class ChatTemplate:
                 continue
             try:
                 start, end = self._reply_bounds(full, escaped, tools, index, previous_end)
-            except MessagesRefused:
-                if (found := self._reply_after_its_header(full, escaped, tools, index, previous_end)) is None:
-                    raise
+            except MessagesRefused as refused:
+                try:
+                    found = self._reply_after_its_header(full, escaped, tools, index, previous_end)
+                except MessagesRefused:
+                    found = None
+                if found is None:
+                    raise refused from None
                 start, end = found
             bounds.append((start, end))
             previous_end = end
@@ -671,7 +679,12 @@ class ChatTemplate:
         """(start, end) of the reply of assistant message `index` in `full`: from where the conversation before it,
         rendered for it, parts from `full`, to its end of turn; MessagesRefused where its loss cannot be placed."""
         start, prompt = self._reply_start(full, escaped, tools, index)
-        start = max(self._before_the_text(full, escaped, tools, index, start), previous_end)
+        start = self._before_the_text(full, escaped, tools, index, start)
+        if start < previous_end:  # the renderings part inside an earlier turn (Qwen3's hides an earlier reply's
+            raise MessagesRefused(  # reasoning once a later user turn follows): this reply's start is unknown here
+                f"{self.source}: the chat template renders the turns before assistant message {index + 1} otherwise "
+                "once later turns follow, so where its reply starts is unknown; use a template that renders each "
+                "turn alike whatever follows")
         answered = self._render(escaped[:index + 1], False, tools)
         end = len(answered) if full.startswith(answered) and len(answered) > start else self._turn_end(full, start)
         self._check_reply_within(full, escaped, tools, index, start, end)
@@ -682,46 +695,58 @@ class ChatTemplate:
                                 previous_end: int) -> tuple[int, int] | None:
         """Where `_reply_bounds` refused because the renderings part inside an earlier turn (Qwen3's leaves out an
         earlier reply's reasoning once a later user turn follows, which the conversation before this reply still
-        shows, and its tool-calling conversations were refused): the reply found by its text, from just after the
-        last header the generation prompt writes (`<|im_start|>assistant\n`) before that text, to its end of turn.
-        None where the generation prompt writes no header (Mistral's: the refusal stands), or the text is not found
-        alone in that turn."""
-        content = escaped[index].get("content")
-        if not isinstance(content, str) or not content.strip():
+        shows, and its tool-calling conversations were refused): the reply found by its text (or, for a turn of tool
+        calls alone, its first call's name), from just after the last header the generation prompt writes
+        (`<|im_start|>assistant\n`) before that text, to its end of turn. None where the generation prompt writes no
+        header (Mistral's: the refusal stands), or the text is not found alone in that turn."""
+        message = escaped[index]
+        content, calls = message.get("content"), message.get("tool_calls") or []
+        if isinstance(content, str) and content.strip():
+            text, probed = content, {**message, "content": REPLY_PROBE}
+        elif calls and isinstance(text := calls[0]["function"].get("name"), str) and text.strip():
+            probed = {**message, "tool_calls": [{**calls[0], "name": REPLY_PROBE,
+                                                 "function": {**calls[0]["function"], "name": REPLY_PROBE}},
+                                                *calls[1:]]}
+        else:
             return None
         before = self._render(escaped[:index], False, tools)
         prompt = self._render(escaped[:index], True, tools)
         header = prompt[common_prefix_length(prompt, before):]
-        probe = [*escaped[:index], {**escaped[index], "content": REPLY_PROBE}, *escaped[index + 1:]]
-        at = common_prefix_length(full, self._render(probe, False, tools))
-        found = full.rfind(header, previous_end, at) if header.strip() and full.startswith(content, at) else -1
+        at = common_prefix_length(full, self._render([*escaped[:index], probed, *escaped[index + 1:]], False, tools))
+        found = full.rfind(header, previous_end, at) if header.strip() and full.startswith(text, at) else -1
         if found < 0:
             return None
         start = found + len(header)
         end = self._turn_end(full, start)
-        return (start, end) if at + len(content) <= end and not any(s in full[start:at] for s in self.end_of_turn) \
+        return (start, end) if at + len(text) <= end and not any(s in full[start:at] for s in self.end_of_turn) \
             else None
 
     def _check_tool_turns_rendered(self, full: str, escaped: list[dict], tools: list[dict] | None) -> None:
-        """Refuse a conversation whose tool calls or tool results the template leaves out, rendering the same
-        without them (Phi-3's and Gemma's render neither): SFT learnt a tool-calling turn as an empty reply, its
-        end-of-turn token alone."""
+        """Refuse a conversation whose tool calls or tool results the template leaves out (Phi-3's and Gemma's render
+        neither): SFT learnt a tool-calling turn as an empty reply, its end-of-turn token alone. One rendering tells:
+        each call's name and each tool turn's text replaced by a mark of its own, every mark must be in it."""
+        marked, marks = [], {}
         for index, message in enumerate(escaped):
             if message.get("tool_calls"):
-                without = {key: value for key, value in message.items() if key != "tool_calls"}
-                shown, what = [*escaped[:index], without, *escaped[index + 1:]], "the tool calls of assistant message"
+                calls = []
+                for number, call in enumerate(message["tool_calls"]):
+                    marks[mark := f"zerollm call {index} {number}"] = f"the tool calls of assistant message {index + 1}"
+                    calls.append({**call, "name": mark, "function": {**call.get("function", {}), "name": mark}})
+                message = {**message, "tool_calls": calls}
             elif message.get("role") == "tool":
-                shown, what = [*escaped[:index], *escaped[index + 1:]], "tool message"
-            else:
-                continue
-            try:
-                left_out = self._render(shown, False, tools) == full
-            except MessagesRefused:  # the template refuses the conversation without them: it renders them
-                continue
-            if left_out:
-                raise MessagesRefused(f"{self.source}: the chat template does not render {what} {index + 1}, so it "
-                                      "would be left out (a tool call learnt as an empty reply); use a template that "
-                                      "renders tool calls and tool turns")
+                marks[mark := f"zerollm tool {index}"] = f"tool message {index + 1}"
+                message = {**message, "content": mark}
+            marked.append(message)
+        if not marks:
+            return
+        try:
+            rendered = self._render(marked, False, tools)
+        except MessagesRefused:  # the template checks what it renders (a call's name among the tools): it renders it
+            return
+        if missing := next((what for mark, what in marks.items() if mark not in rendered), None):
+            raise MessagesRefused(f"{self.source}: the chat template does not render {missing}, so it would be left "
+                                  "out (a tool call learnt as an empty reply); use a template that renders tool calls "
+                                  "and tool turns")
 
     def _before_the_text(self, full: str, escaped: list[dict], tools: list[dict] | None, index: int,
                          start: int) -> int:

@@ -732,7 +732,8 @@ QWEN3_HISTORY = ("{% set ns = namespace(last=0) %}{% for m in messages %}{% if m
                  "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
                  "{% for m in messages %}<|im_start|>{{ m.role }}\n"
                  "{% if m.reasoning_content and loop.index0 > ns.last %}<think>\n{{ m.reasoning_content }}\n</think>"
-                 "\n\n{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+                 "\n\n{% endif %}{{ m.content or '' }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}"
+                 "</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 """Qwen3's way with reasoning: shown only in the replies after the last user turn."""
 
@@ -751,6 +752,14 @@ def test_a_reply_after_an_earlier_reply_whose_reasoning_a_later_user_turn_hides_
     assert tok.encode_chat(turns) == chat.ids
     assert _mask_runs(tok, chat.ids, chat.loss_mask) == [
         "Checking.<|im_end|>", "Sunny.<|im_end|>", "<think>\nBe kind.\n</think>\n\nWelcome.<|im_end|>"]
+    calls = [turns[0], *({"role": "assistant", "content": "", "reasoning_content": "Use a tool.",
+                          "tool_calls": [{"name": name, "arguments": {}}]} for name in ("where", "weather")),
+             *turns[2:]]  # turns of tool calls alone are found by the call's name; the mask was wrong once placed
+    calls.insert(2, {"role": "tool", "content": ""})  # by the old rule after the first reply's end (a tool turn learnt)
+    chat = tok.encode_chat_masked(calls)
+    assert _mask_runs(tok, chat.ids, chat.loss_mask) == [
+        "<tool_call>where</tool_call><|im_end|>", "<tool_call>weather</tool_call><|im_end|>", "Sunny.<|im_end|>",
+        "<think>\nBe kind.\n</think>\n\nWelcome.<|im_end|>"]
 
 
 GENERATION_BLOCKS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
