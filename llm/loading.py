@@ -63,18 +63,23 @@ def consolidated_weights(run_dir: Path, tag: str | None = None) -> dict[str, tor
 
 def newest_checkpoint(run_dir: Path, read: Callable[[str], T]) -> tuple[str, T]:
     """(tag, read(tag)) for the newest complete checkpoint (`rundir.usable_tag`) at the moment it is read: one that
-    a training still saving into the run prunes (train.keep_checkpoints) before it is read is replaced by the newest
-    then, `READ_ATTEMPTS` times at most."""
+    a training still saving into the run prunes (train.keep_checkpoints) while it is chosen or read is replaced by
+    the newest then, `READ_ATTEMPTS` times at most. Pruned while chosen: `latest` read, then the checkpoint it named
+    pruned as its files were listed (the run was said to hold no complete checkpoint, or a FileNotFoundError
+    traceback); while read: a file gone (FileNotFoundError, or torch's RuntimeError for a file it maps)."""
     for _ in range(READ_ATTEMPTS):
-        tag = rundir.usable_tag(run_dir)
-        if tag is None:
-            raise UserError(f"{run_dir}: no checkpoint found (expected "
-                            f"{rundir.checkpoint_dir(run_dir) / rundir.LATEST})")
+        latest, tag = rundir.latest_tag(run_dir), None
         try:
+            tag = rundir.usable_tag(run_dir)
+            if tag is None:
+                raise UserError(f"{run_dir}: no checkpoint found (expected "
+                                f"{rundir.checkpoint_dir(run_dir) / rundir.LATEST})")
             return tag, read(tag)
-        except (FileNotFoundError, UserError):
-            if (rundir.checkpoint_dir(run_dir) / tag).is_dir():
-                raise  # not pruned: the checkpoint's own problem
+        except (FileNotFoundError, UserError, RuntimeError):
+            gone = not (rundir.checkpoint_dir(run_dir) / tag).is_dir() if tag is not None else \
+                rundir.latest_tag(run_dir) != latest
+            if not gone:
+                raise  # the checkpoint's own problem, not a training's prune
     raise UserError(f"{run_dir}: a training is saving checkpoints faster than they can be read (the newest one was "
                     f"pruned before it was read, {READ_ATTEMPTS} times); retry, or raise train.keep_checkpoints")
 
