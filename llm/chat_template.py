@@ -507,6 +507,11 @@ REPLY_PROBE = "zerollm reply probe"
 """Text put in place of a message's text (or a tool call's name) to see where the template renders it."""
 
 
+def _replaced(messages: list[dict], index: int, message: dict) -> list[dict]:
+    """`messages` with message `index` replaced by `message` (a probe in its place)."""
+    return [*messages[:index], message, *messages[index + 1:]]
+
+
 def common_prefix_length(a: str, b: str) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -712,7 +717,7 @@ class ChatTemplate:
         before = self._render(escaped[:index], False, tools)
         prompt = self._render(escaped[:index], True, tools)
         header = prompt[common_prefix_length(prompt, before):]
-        at = common_prefix_length(full, self._render([*escaped[:index], probed, *escaped[index + 1:]], False, tools))
+        at = common_prefix_length(full, self._render(_replaced(escaped, index, probed), False, tools))
         found = full.rfind(header, previous_end, at) if header.strip() and full.startswith(text, at) else -1
         if found < 0:
             return None
@@ -761,7 +766,7 @@ class ChatTemplate:
         found = full.rfind(content, 0, start + len(content) - 1)
         if found < 0 or found + len(content) <= start:
             return start
-        probe = [*escaped[:index], {**escaped[index], "content": REPLY_PROBE}, *escaped[index + 1:]]
+        probe = _replaced(escaped, index, {**escaped[index], "content": REPLY_PROBE})
         at = common_prefix_length(full, self._render(probe, False, tools))
         turn_begins = common_prefix_length(full, self._render(escaped[:index], False, tools))
         return at if turn_begins <= at < start and full.startswith(content, at) else start
@@ -778,7 +783,7 @@ class ChatTemplate:
             return  # Llama 3's and Mistral's templates render a tool call's turn without its text
         at = full.find(content, start, end)
         if at < 0:
-            probe = [*escaped[:index], {**escaped[index], "content": REPLY_PROBE}, *escaped[index + 1:]]
+            probe = _replaced(escaped, index, {**escaped[index], "content": REPLY_PROBE})
             at = common_prefix_length(full, self._render(probe, False, tools))
             if not start <= at < end:
                 raise MessagesRefused(f"{self.source}: the chat template does not render the text of assistant "
