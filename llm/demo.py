@@ -19,7 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
-from llm import durable, rundir
+from llm import durable, held_locks, rundir
 from llm.child_job import run_stopping_together
 from llm.data.output import refuse_foreign_contents, staging_leftovers
 from llm.errors import EXIT_PREEMPTED, EXIT_TERMINATED, Terminated, UserError
@@ -220,8 +220,9 @@ def take_output_dir(out: Path) -> None:
 
 def run_demo(out: Path, steps: int | None = None, nproc: int = 1) -> int:
     take_output_dir(out)
-    with durable.room_needed(out, "the demo's files", again="run the demo again"):  # was a traceback, exit 1 (which
-        return _run_stages(out, steps, nproc)  # the demo gives for a loss that did not fall)
+    with held_locks.held_folder(out, DEMO_MARKER, "zerollm demo"), \
+            durable.room_needed(out, "the demo's files", again="run the demo again"):  # was a traceback, exit 1
+        return _run_stages(out, steps, nproc)  # (which the demo gives for a loss that did not fall)
 
 
 def _run_stages(out: Path, steps: int | None, nproc: int) -> int:

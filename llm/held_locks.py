@@ -8,7 +8,13 @@ was refused as if the dead command still wrote there.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from llm.errors import UserError
 
 _HELD: set[int] = set()
 
@@ -30,3 +36,27 @@ def close_in_worker() -> None:
         with contextlib.suppress(OSError):  # closed since (a worker's own code is not ours)
             os.close(fd)
     _HELD.clear()
+
+
+@contextlib.contextmanager
+def held_folder(folder: Path, marker: str, command: str) -> Iterator[None]:
+    """Inside, `folder`'s `marker` file (the folder and the marker made where new) is locked by this process: a
+    second `command` into the same --out, started while the first worked between its trainings (whose run folders
+    alone were locked), deleted the first's files without a word. A file system without locks is not held."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / marker, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise UserError(f"--out {folder}: cannot write there ({exc.strerror or exc})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            os.close(fd)
+            raise UserError(f"--out {folder}: another {command} is writing there; wait for it to end, or choose "
+                            "another --out") from None
+    hold(fd)
+    try:
+        yield
+    finally:
+        release(fd)

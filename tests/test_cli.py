@@ -209,6 +209,21 @@ def test_demo_takes_its_own_earlier_folders(tmp_path):
         assert (folder / DEMO_MARKER).is_file()
 
 
+def test_a_second_demo_into_the_same_out_is_refused_while_the_first_runs(tmp_path, monkeypatch, capsys):
+    """Only the trainings held locks: a second demo, started while the first made its DPO pairs (or its data, or
+    scored a stage), deleted the first's runs, and the first ended "sft_run: no such directory"."""
+    from llm.demo import DEMO_MARKER
+    from llm.held_locks import held_folder
+
+    out = tmp_path / "demo"
+    with held_folder(out, DEMO_MARKER, "zerollm demo"):  # as the first demo holds it
+        (out / "sft_run").mkdir()
+        assert zerollm_here(monkeypatch, "demo", "--out", out, "--steps", 2) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"zerollm: error: --out {out}: another zerollm demo is "
+                                                        "writing there; wait for it to end, or choose another --out")
+    assert (out / "sft_run").is_dir()
+
+
 def test_bench_train_prints_throughput_mfu_and_memory():
     result = run_cli("bench", "train", "--recipe", "demo", "--steps", 2, "--warmup", 1)
     assert result.returncode == 0, result.stderr[-3000:]

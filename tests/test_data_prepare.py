@@ -1063,9 +1063,11 @@ def test_the_workers_do_not_hold_the_outputs_lock(tokenizer_dir, tmp_path):
     """The workers inherited it, and bench learn's around it: a run killed with SIGKILL left them held by its
     orphaned workers for up to a second, and a rerun at once was refused, naming the dead process as the one
     writing there."""
-    from llm.eval.learning_speed import LEARN_MARKER, held_output_dir
+    from llm.eval.learning_speed import LEARN_MARKER
+    from llm.held_locks import held_folder
 
-    with held_output_dir(tmp_path / "learn"), OutputDir(tmp_path / "out", PREPARED_ENTRIES, not_prepared_here):
+    with held_folder(tmp_path / "learn", LEARN_MARKER, "bench learn"), \
+            OutputDir(tmp_path / "out", PREPARED_ENTRIES, not_prepared_here):
         locks = {str(tmp_path / "out" / LOCK_FILE), str(tmp_path / "learn" / LEARN_MARKER)}
         assert locks <= {_held_file(int(fd)) for fd in os.listdir("/proc/self/fd")}
         with prepare_module.TokenizerPool(2, str(tokenizer_dir)) as pool:

@@ -354,10 +354,11 @@ def test_a_second_bench_learn_into_the_same_out_is_refused_while_the_first_runs(
     """Only the training held a lock: a second one, started while the first split, prepared or evaluated, deleted
     the first's files and both printed a result (the first's from the second's held-out part)."""
     from conftest import zerollm_here
-    from llm.eval.learning_speed import held_output_dir
+    from llm.eval.learning_speed import LEARN_MARKER
+    from llm.held_locks import held_folder
 
     out = tmp_path / "out"
-    with held_output_dir(out):  # as the first bench learn holds it
+    with held_folder(out, LEARN_MARKER, "bench learn"):  # as the first bench learn holds it
         (out / "result.json").write_text("the first's")
         assert zerollm_here(monkeypatch, "bench", "learn", "--input", FIXTURES / "pretrain" / "en_stories.txt",
                             "--budget", "30", "--out", out) == 2

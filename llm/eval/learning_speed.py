@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import errno
-import fcntl
 import json
 import os
 import re
@@ -190,30 +188,6 @@ def check_output_dir(out_dir: Path, input_file: Path) -> None:
     check_run_unlocked(out_dir / "run")
 
 
-@contextlib.contextmanager
-def held_output_dir(out_dir: Path) -> Iterator[None]:
-    """Inside, `out_dir`'s marker (the folder and the marker made where new) is locked: a second bench learn into
-    the same --out, started while the first split, prepared or evaluated, deleted the first's files and replaced its
-    result without a word. A file system without locks is not held."""
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out_dir / LEARN_MARKER, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise UserError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            os.close(fd)
-            raise UserError(f"--out {out_dir}: another bench learn is writing there; wait for it to end, or choose "
-                            "another --out") from None
-    held_locks.hold(fd)
-    try:
-        yield
-    finally:
-        held_locks.release(fd)
-
-
 def _outputs(out_dir: Path) -> list[Path]:
     """What a bench learn wrote into `out_dir` (its marker and a kept earlier result aside)."""
     return [out_dir / name for name in sorted(LEARN_OUTPUTS - {LEARN_MARKER, *ASIDE})
@@ -314,7 +288,7 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
                         "tokenizer's size, e.g. 4096 as cpu-10m)")
     check_training_options(vocab)
     check_training_start(base, vocab, deepspeed_config, zero_stage)
-    with held_output_dir(out_dir), earlier_result_kept(out_dir) as result_written:
+    with held_locks.held_folder(out_dir, LEARN_MARKER, "bench learn"), earlier_result_kept(out_dir) as result_written:
         train_file, val_file = split_file(Path(input_file), out_dir)
         task_dir, heldout_skipped = check_heldout_part(input_file, train_file, val_file, out_dir / "tasks")
         phases.done("split")
