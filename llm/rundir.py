@@ -373,7 +373,7 @@ def usable_tag(run_dir: Path) -> str | None:
                       file=sys.stderr, flush=True)
             return tag
         passed_over.append(f"{root / tag}: {problem}")
-    if (newest := newest_complete_tag(run_dir)) is not None:  # past the one `latest` names, which is gone
+    if newest_complete_tag(run_dir) is not None:  # past the one `latest` names, which is gone
         raise UserError(f"{root / LATEST} names {latest}, but no checkpoint up to it is complete "
                         f"({'; '.join(passed_over)}); {_latest_advice(run_dir)}")
     raise UserError(f"{root} holds no complete checkpoint ({'; '.join(passed_over)}), so nothing can be loaded from "
