@@ -1,14 +1,29 @@
 """Reading the JSON Lines files a run appends to (metrics.jsonl, samples.jsonl, run_record.jsonl), whose last line
-a killed run may have cut anywhere, even inside a character; and strict JSON to write (no NaN or Infinity)."""
+a killed run may have cut anywhere, even inside a character; what reading JSON text raises, said for a message; and
+strict JSON to write (no NaN or Infinity)."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
+
+JSON_ERRORS = (ValueError, RecursionError)
+"""What `json` raises on text it cannot turn into a value: malformed JSON (`JSONDecodeError`, a ValueError), an
+integer longer than Python converts (ValueError) and a value nested deeper than the recursion limit."""
+
+
+def json_problem(exc: ValueError | RecursionError) -> str:
+    """What is wrong with the JSON text that raised `exc` (one of `JSON_ERRORS`), for a message."""
+    if isinstance(exc, json.JSONDecodeError):
+        return exc.msg
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return f"an integer of more than {sys.get_int_max_str_digits()} digits"
 
 
 class JsonLine(NamedTuple):

@@ -12,6 +12,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from llm.jsonl import JSON_ERRORS, json_problem
+
 JSON_EXTENSION = "arrow.json"
 
 Decoder = Callable[[Any], Any]
@@ -57,12 +59,16 @@ def _picked(sizes: list[int], indices: list[int | None]) -> list[int]:
     return [0 if index is None else sizes[index] for index in indices]
 
 
+def _int32(buffer: memoryview, at: int) -> int:
+    """The int32 at byte `at` of an Arrow buffer (little-endian, as Arrow stores them)."""
+    return int.from_bytes(buffer[at:at + 4], "little", signed=True)
+
+
 def _view_lengths(array) -> list[int]:
-    """The lengths of a string or binary view array's values: the first 4 bytes (little-endian, as Arrow stores
-    them) of each 16-byte view."""
+    """The lengths of a string or binary view array's values: the first 4 bytes of each 16-byte view."""
     views = memoryview(array.buffers()[1]).cast("B")
     nulls = array.is_null().to_pylist()
-    return [0 if null else int.from_bytes(views[at:at + 4], "little")
+    return [0 if null else _int32(views, at)
             for null, at in zip(nulls, range(array.offset * 16, (array.offset + len(array)) * 16, 16), strict=True)]
 
 
@@ -89,14 +95,15 @@ def _run_end_bytes(pa, array) -> list[int]:
 def _union_bytes(pa, array) -> list[int]:
     """A union's rows: each the text of the child value its type code picks (at its offset in a dense union, at its
     own row in a sparse one, whose `field` is sliced with it). The codes and offsets are read from their buffers
-    (int8 and little-endian int32, as Arrow stores them): pyarrow's `type_codes` of a slice start at its parent's."""
+    (int8 and int32): pyarrow's `type_codes` of a slice start at its parent's."""
     buffers, rows = array.buffers(), range(array.offset, array.offset + len(array))
-    codes = [memoryview(buffers[1]).cast("b")[row] for row in rows]
+    type_ids = memoryview(buffers[1]).cast("b")
+    codes = [type_ids[row] for row in rows]
     child_of = {code: index for index, code in enumerate(array.type.type_codes)}
     children = {code: text_bytes(pa, array.field(child_of[code])) for code in set(codes)}
     if array.type.mode == "dense":
         offsets = memoryview(buffers[2]).cast("B")
-        places = [int.from_bytes(offsets[row * 4:row * 4 + 4], "little", signed=True) for row in rows]
+        places = [_int32(offsets, row * 4) for row in rows]
     else:
         places = range(len(array))
     return [children[code][place] for code, place in zip(codes, places, strict=True)]
@@ -131,9 +138,8 @@ def _parsed(text: str | None) -> Any:
         return None
     try:
         return json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        problem = "nested too deeply" if isinstance(exc, RecursionError) else exc
-        raise NotJson(f"{text[:40] + ('...' if len(text) > 40 else '')!r} is not JSON ({problem})") from None
+    except JSON_ERRORS as exc:
+        raise NotJson(f"{text[:40] + ('...' if len(text) > 40 else '')!r} is not JSON ({json_problem(exc)})") from None
 
 
 def _or_same(decoder: Decoder | None) -> Decoder:

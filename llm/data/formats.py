@@ -29,17 +29,16 @@ from typing import Any, NamedTuple
 
 from llm.data.readers import (
     DEFAULT_MAX_RECORD_MB,
-    JSON_ERRORS,
     PIECE_CHARS,
     Item,
     Skipped,
     expand_inputs,
-    json_problem,
     json_type,
     read_items,
     skipped_note,
     split_text,
 )
+from llm.jsonl import JSON_ERRORS, json_problem
 
 __all__ = ["Chat", "Item", "Pair", "RecordError", "Skipped", "conversation", "expand_inputs", "preference",
            "pretrain_text", "PretrainTexts", "read_items", "read_records", "skipped_note", "tool_definitions",

@@ -29,7 +29,6 @@ import json
 import lzma
 import os
 import re
-import sys
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from typing import Any, BinaryIO
 
 from llm.data.arrow_values import NotJson, row_decoder, text_bytes
 from llm.errors import UserError
+from llm.jsonl import JSON_ERRORS, json_problem
 from llm.rundir import broken_link, zerollm_entries
 from llm.wording import printable
 
@@ -57,9 +57,6 @@ ROWS_PER_BATCH = 256
 TABLE_ERRORS = (OSError, ValueError, KeyError, TypeError, NotImplementedError, MemoryError)
 """What pyarrow and datasets raise for a damaged or foreign file (their Arrow* errors derive from these)."""
 INSTALL_DATASETS = "`pip install 'datasets>=2.19'` (zerollm's `datasets` extra)"
-JSON_ERRORS = (ValueError, RecursionError)
-"""What `json` raises on text it cannot turn into a value: malformed JSON (`JSONDecodeError`, a ValueError), an
-integer longer than Python converts (ValueError) and a value nested deeper than the recursion limit."""
 
 
 @dataclass(frozen=True)
@@ -443,15 +440,6 @@ def json_type(value: object) -> str:
     """What a value read from JSON (or a table) is, in JSON's words ('null', 'a list') for a user's message: Python's
     ('NoneType', 'list') are not theirs."""
     return JSON_TYPE_NAMES.get(type(value), type(value).__name__)
-
-
-def json_problem(exc: ValueError | RecursionError) -> str:
-    """What is wrong with the JSON text that raised `exc` (one of `JSON_ERRORS`), for a message."""
-    if isinstance(exc, json.JSONDecodeError):
-        return exc.msg
-    if isinstance(exc, RecursionError):
-        return "nested too deeply"
-    return f"an integer of more than {sys.get_int_max_str_digits()} digits"
 
 
 def _jsonl_items(path: Path, max_record_mb: float) -> Iterator[Item | Skipped]:
