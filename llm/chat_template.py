@@ -507,11 +507,6 @@ REPLY_PROBE = "zerollm reply probe"
 """Text put in place of a message's text (or a tool call's name) to see where the template renders it."""
 
 
-def _replaced(messages: list[dict], index: int, message: dict) -> list[dict]:
-    """`messages` with message `index` replaced by `message` (a probe in its place)."""
-    return [*messages[:index], message, *messages[index + 1:]]
-
-
 def common_prefix_length(a: str, b: str) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -686,10 +681,7 @@ class ChatTemplate:
         start, prompt = self._reply_start(full, escaped, tools, index)
         start = self._before_the_text(full, escaped, tools, index, start)
         if start < previous_end:  # the renderings part inside an earlier turn (Qwen3's hides an earlier reply's
-            raise MessagesRefused(  # reasoning once a later user turn follows): this reply's start is unknown here
-                f"{self.source}: the chat template renders the turns before assistant message {index + 1} otherwise "
-                "once later turns follow, so where its reply starts is unknown; use a template that renders each "
-                "turn alike whatever follows")
+            raise self._turns_rendered_otherwise(index)  # reasoning once a later user turn follows)
         answered = self._render(escaped[:index + 1], False, tools)
         end = len(answered) if full.startswith(answered) and len(answered) > start else self._turn_end(full, start)
         self._check_reply_within(full, escaped, tools, index, start, end)
@@ -717,7 +709,7 @@ class ChatTemplate:
         before = self._render(escaped[:index], False, tools)
         prompt = self._render(escaped[:index], True, tools)
         header = prompt[common_prefix_length(prompt, before):]
-        at = common_prefix_length(full, self._render(_replaced(escaped, index, probed), False, tools))
+        at = self._probed_at(full, escaped, tools, index, probed)
         found = full.rfind(header, previous_end, at) if header.strip() and full.startswith(text, at) else -1
         if found < 0:
             return None
@@ -753,6 +745,11 @@ class ChatTemplate:
                                   "out (a tool call learnt as an empty reply); use a template that renders tool calls "
                                   "and tool turns")
 
+    def _probed_at(self, full: str, escaped: list[dict], tools: list[dict] | None, index: int, probed: dict) -> int:
+        """Where `full` parts from the conversation rendered with message `index` replaced by `probed` (its text, or
+        a tool call's name, replaced by REPLY_PROBE): where the template renders what was replaced."""
+        return common_prefix_length(full, self._render([*escaped[:index], probed, *escaped[index + 1:]], False, tools))
+
     def _before_the_text(self, full: str, escaped: list[dict], tools: list[dict] | None, index: int,
                          start: int) -> int:
         """`start`, or where the text of assistant message `index` begins in `full` where the generation prompt
@@ -766,8 +763,7 @@ class ChatTemplate:
         found = full.rfind(content, 0, start + len(content) - 1)
         if found < 0 or found + len(content) <= start:
             return start
-        probe = _replaced(escaped, index, {**escaped[index], "content": REPLY_PROBE})
-        at = common_prefix_length(full, self._render(probe, False, tools))
+        at = self._probed_at(full, escaped, tools, index, {**escaped[index], "content": REPLY_PROBE})
         turn_begins = common_prefix_length(full, self._render(escaped[:index], False, tools))
         return at if turn_begins <= at < start and full.startswith(content, at) else start
 
@@ -783,8 +779,7 @@ class ChatTemplate:
             return  # Llama 3's and Mistral's templates render a tool call's turn without its text
         at = full.find(content, start, end)
         if at < 0:
-            probe = _replaced(escaped, index, {**escaped[index], "content": REPLY_PROBE})
-            at = common_prefix_length(full, self._render(probe, False, tools))
+            at = self._probed_at(full, escaped, tools, index, {**escaped[index], "content": REPLY_PROBE})
             if not start <= at < end:
                 raise MessagesRefused(f"{self.source}: the chat template does not render the text of assistant "
                                       f"message {index + 1} where its reply is (it leaves the turn out, or puts it "
@@ -814,10 +809,15 @@ class ChatTemplate:
             probe = [*escaped[:index - 1], {**escaped[index - 1], "content": REPLY_PROBE}]
             found = self._render(probe, True, tools).find(REPLY_PROBE)
         if found >= 0 and found + len(text) > start:
-            raise MessagesRefused(f"{self.source}: the chat template renders the turns before assistant message "
-                                  f"{index + 1} otherwise once later turns follow (as Mistral's put tools or the "
-                                  "system text into the last user turn), so where its reply starts is unknown; use a "
-                                  "template that renders each turn alike whatever follows")
+            raise self._turns_rendered_otherwise(index, " (as Mistral's put tools or the system text into the last "
+                                                        "user turn)")
+
+    def _turns_rendered_otherwise(self, index: int, example: str = "") -> MessagesRefused:
+        """The refusal of a template whose rendering of the turns before assistant message `index` changes once later
+        turns follow, so that its reply's start is unknown."""
+        return MessagesRefused(f"{self.source}: the chat template renders the turns before assistant message "
+                               f"{index + 1} otherwise once later turns follow{example}, so where its reply starts is "
+                               "unknown; use a template that renders each turn alike whatever follows")
 
     def _reply_start(self, full: str, escaped: list[dict], tools: list[dict] | None, index: int) -> tuple[int, str]:
         """Where the reply of message `index` starts in `full`: where the conversation before it, rendered with a
