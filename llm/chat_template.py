@@ -175,6 +175,11 @@ class TemplateTooCostly(TemplateError):
     """A template asked for a result above MAX_ITEMS, or larger than the render may hold."""
 
 
+class _FailedOnAType(Exception):  # noqa: N818 - not an error the user sees: its refusal is
+    def __init__(self, refusal: MessagesRefused) -> None:
+        self.refusal = refusal
+
+
 class _RenderDeadline(BaseException):  # noqa: N818 - not an error: a stop
     """Raised in a render's thread once it runs past RENDER_SECONDS (`_RenderDeadlines`). Not an Exception: Jinja's
     own `except Exception` (its `sequence` test around len(), which a template can make take minutes) swallowed
@@ -494,6 +499,21 @@ def _template_message(message: dict) -> dict:
     return {**message, "tool_calls": nested}
 
 
+def _text_arguments(call: dict) -> dict:
+    function = call["function"]
+    return {**call, "function": {**function, "arguments": json.dumps(function["arguments"], ensure_ascii=False)}}
+
+
+def _arguments_as_text(escaped: list[dict]) -> list[dict] | None:
+    """The messages with each tool call's object arguments as their JSON text, as DeepSeek's templates (R1, V3) take
+    them (they join `'```json\\n' + arguments`, which an object fails); None where no call has object arguments."""
+    calls = [call for m in escaped for call in m.get("tool_calls") or []]
+    if not any(isinstance(call["function"]["arguments"], dict) for call in calls):
+        return None
+    return [{**m, "tool_calls": [_text_arguments(call) for call in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in escaped]
+
+
 def _renders_tools(given: str, bare: str, tools: list) -> bool:
     """Whether text rendered with `tools` (`given`) names each tool more often than the same messages rendered
     without them (`bare`)."""
@@ -591,6 +611,20 @@ class ChatTemplate:
 
     def _render(self, escaped: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
                 variables: dict | None = None) -> str:
+        """The template's text; where it fails on a type (a TypeError) and a tool call's arguments are an object
+        (zerollm's canonical form, transformers' advice), rendered again with them as JSON text (OpenAI's form)."""
+        try:
+            return self._generate(escaped, add_generation_prompt, tools, variables)
+        except _FailedOnAType as failure:
+            if (as_text := _arguments_as_text(escaped)) is None:
+                raise failure.refusal from None
+            try:
+                return self._generate(as_text, add_generation_prompt, tools, variables, retry=True)
+            except MessagesRefused:  # not for want of text arguments: the failure on the messages as they are
+                raise failure.refusal from None
+
+    def _generate(self, escaped: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
+                  variables: dict | None, retry: bool = False) -> str:
         limit = RENDERED_PER_CHARACTER * (_characters(escaped) + (_characters(tools) if tools else 0)
                                           + (_characters(variables) if variables else 0)) + RENDERED_BEYOND
         bound = _RENDER_LIMIT.set(limit)
@@ -613,8 +647,11 @@ class ChatTemplate:
         except TemplateError as exc:
             raise MessagesRefused(f"{self.source}: the chat template refused the messages: {exc}") from None
         except Exception as exc:  # a template is code from elsewhere: whatever it raises is its error, in one line
-            raise MessagesRefused(f"{self.source}: the chat template failed on the messages "
-                                  f"({type(exc).__name__}: {exc})") from None
+            refusal = MessagesRefused(f"{self.source}: the chat template failed on the messages "
+                                      f"({type(exc).__name__}: {exc})")
+            if isinstance(exc, TypeError) and not retry:
+                raise _FailedOnAType(refusal) from None
+            raise refusal from None
         finally:
             _RENDER_LIMIT.reset(bound)
 
@@ -679,7 +716,7 @@ class ChatTemplate:
         """(start, end) of the reply of assistant message `index` in `full`: from where the conversation before it,
         rendered for it, parts from `full`, to its end of turn; MessagesRefused where its loss cannot be placed."""
         start, prompt = self._reply_start(full, escaped, tools, index)
-        start = self._before_the_text(full, escaped, tools, index, start)
+        start = self._outside_special_tokens(full, self._before_the_text(full, escaped, tools, index, start))
         if start < previous_end:  # the renderings part inside an earlier turn (Qwen3's hides an earlier reply's
             raise self._turns_rendered_otherwise(index)  # reasoning once a later user turn follows)
         answered = self._render(escaped[:index + 1], False, tools)
@@ -687,6 +724,16 @@ class ChatTemplate:
         self._check_reply_within(full, escaped, tools, index, start, end)
         self._check_starts_after_the_turn_before(prompt, escaped, tools, index, start)
         return start, end
+
+    def _outside_special_tokens(self, full: str, start: int) -> int:
+        """`start`, or the start of the special token it falls inside: where the generation prompt matched the first
+        characters of one that opens the reply (DeepSeek-R1's `<think>` against `<｜tool▁calls▁begin｜>`), the token
+        was cut in two, and its characters learnt as text."""
+        longest = len(self.literals[1]) if len(self.literals) > 1 else 0
+        for match in self._protected.finditer(full, max(0, start - longest + 1), start + longest):
+            if match.start() < start < match.end():
+                return match.start()
+        return start
 
     def _reply_after_its_header(self, full: str, escaped: list[dict], tools: list[dict] | None, index: int,
                                 previous_end: int) -> tuple[int, int] | None:

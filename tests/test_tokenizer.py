@@ -1085,3 +1085,46 @@ def test_an_out_that_is_a_link_to_nothing_or_the_input_itself_is_named_so(tmp_pa
     assert capsys.readouterr().err == f"zerollm: error: {expected[corpus]}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "same.txt"]
     assert corpus.read_text() == "some words to train on\n"
+
+
+ARGUMENTS_JOINED = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}{% for tool in "
+                    "m.tool_calls or [] %}{{ '<tool_call>' + tool['type'] + ':' + tool['function']['name'] + "
+                    "'\\n```json\\n' + tool['function']['arguments'] + '\\n```</tool_call>' }}{% endfor %}<|im_end|>\n"
+                    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""DeepSeek-R1's and V3's way: a call's arguments joined to the text with `+`, so they must be JSON text."""
+
+
+def test_a_template_that_joins_tool_call_arguments_as_text_gets_them_as_json_text(tokenizer_dir):
+    """zerollm gives a call's arguments as an object (transformers' advice), which `'...' + arguments` fails on:
+    every conversation with a tool call was refused under DeepSeek-R1's and V3's templates."""
+    tok = Tokenizer(Tokenizer.load(tokenizer_dir)._tok, {"eos_token": "<|im_end|>"}, "r1-like", ARGUMENTS_JOINED)
+    turns = [{"role": "user", "content": "Weather in Lima?"},
+             {"role": "assistant", "content": "", "tool_calls": [{"name": "weather", "arguments": {"city": "Lima"}}]},
+             {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]
+    chat = tok.encode_chat_masked(turns)
+    assert _mask_runs(tok, chat.ids, chat.loss_mask) == [
+        '<tool_call>function:weather\n```json\n{"city": "Lima"}\n```</tool_call><|im_end|>', "It is sunny.<|im_end|>"]
+    broken = Tokenizer(tok._tok, {"eos_token": "<|im_end|>"}, "broken", "{{ messages[0].content + 1 }}")
+    with pytest.raises(MessagesRefused, match=r'^broken: the chat template failed on the messages \(TypeError: can '
+                                              r'only concatenate str \(not "int"\) to str\)$'):
+        broken.encode_chat_masked(turns)
+
+
+R1_TOOL_TURN = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}<calls>{% for tool in "
+                "m.tool_calls %}{{ tool.function.name }}{% endfor %}</calls>{% else %}{{ m.content }}{% endif %}"
+                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+"""DeepSeek-R1's way: the generation prompt ends `<think>\\n`; a turn of tool calls opens with a special token."""
+
+
+def test_a_reply_that_opens_with_a_special_token_the_generation_prompt_begins_like_keeps_it_whole(tokenizer_dir):
+    """The generation prompt's `<` matched the first character of `<calls>`: the reply started inside that special
+    token, which was encoded as its characters (`<`, `c`, `alls`, ...), unlike the model sees it anywhere else."""
+    base = Tokenizer.load(tokenizer_dir)._tok
+    base.add_special_tokens(["<calls>", "</calls>"])
+    tok = Tokenizer(base, {"eos_token": "<|im_end|>"}, "r1-like", R1_TOOL_TURN)
+    turns = [{"role": "user", "content": "Weather in Lima?"},
+             {"role": "assistant", "content": "", "tool_calls": [{"name": "weather", "arguments": {"city": "Lima"}}]}]
+    chat = tok.encode_chat_masked(turns)
+    assert chat.ids == tok.encode_chat(turns)
+    assert _mask_runs(tok, chat.ids, chat.loss_mask) == ["<calls>weather</calls><|im_end|>"]
+    assert chat.ids[chat.loss_mask.index(1)] == base.token_to_id("<calls>")
