@@ -358,9 +358,12 @@ def _add_inference(sub: argparse._SubParsersAction) -> None:
                        description="Write model.safetensors, config.json (LlamaForCausalLM; Qwen3ForCausalLM for a "
                                    "model with QK-norm, Qwen2ForCausalLM for one with q, k and v biases, "
                                    "MistralForCausalLM for one whose hidden size is not a multiple of its heads) and "
-                                   "the tokenizer files of a run's newest checkpoint (any ZeRO stage) to --out.")
+                                   "the tokenizer files of a run's newest checkpoint (any ZeRO stage), or the one "
+                                   "--tag names, to --out.")
     e.add_argument("--run", type=a_path, required=True, help="run directory")
     e.add_argument("--out", type=a_path, required=True, help="export directory")
+    e.add_argument("--tag", default=None, help="the checkpoint to export: a folder in RUN/checkpoints, e.g. "
+                                               "global_step200 (default: the newest complete one)")
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server", epilog=EPILOG,
                        description="Serve POST /v1/chat/completions (JSON or SSE stream), GET /v1/models and "
                                    "GET /health. Binds 127.0.0.1 unless --host says otherwise.")
@@ -793,13 +796,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     from llm.export import export_model, refuse_replacing_a_source
     from llm.loading import load_trained_model, lora_bases, run_tokenizer
 
-    model, cfg = load_trained_model(Path(args.run))
+    if args.tag is not None and args.tag not in (tags := rundir.checkpoint_tags(Path(args.run))):
+        raise UserError(f"--tag {args.tag}: {args.run} holds no such checkpoint (it holds "
+                        f"{', '.join(tags) if tags else 'none'})")
+    model, cfg = load_trained_model(Path(args.run), args.tag)
     refuse_replacing_a_source(Path(args.out), cfg, lora_bases(cfg))
     # a damaged copy is refused, naming it, before anything is written
     kept = run_tokenizer(Path(args.run)) is not None
     architecture = export_model(model, rundir.tokenizer_dir(Path(args.run)), Path(args.out),
                                 Path(args.run) / rundir.GENERATION_CONFIG_FILE)
-    print(f"exported {model.num_parameters():,} parameters to {args.out} ({architecture}, safetensors)")
+    of = f" of {args.tag}" if args.tag else ""
+    print(f"exported {model.num_parameters():,} parameters{of} to {args.out} ({architecture}, safetensors)")
     if not kept:  # the copy was deleted, or the run trained on random tokens (`bench train`)
         print(f"zerollm: note: {args.run} keeps no tokenizer ({rundir.tokenizer_dir(Path(args.run))} is missing), so "
               f"the export has none: copy the tokenizer files it was trained with into {args.out} before generate, "

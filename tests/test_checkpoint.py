@@ -1468,6 +1468,22 @@ def one_rank_run(pretrain_data, tmp_path_factory) -> Path:
     return run
 
 
+def test_export_tag_writes_the_checkpoint_it_names(one_rank_run, tmp_path):
+    """export took the newest checkpoint only: an earlier one (the best validation loss) could not be exported."""
+    from llm.export import read_weights
+
+    result = run_cli("export", "--run", one_rank_run, "--out", tmp_path / "step2", "--tag", "global_step2")
+    assert result.returncode == 0, result.stderr
+    assert " of global_step2 to " in result.stdout
+    exported = read_weights(tmp_path / "step2")["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(exported, consolidated_weights(one_rank_run, "global_step2")["layers.0.attention.wq.weight"])
+    assert not torch.equal(exported, consolidated_weights(one_rank_run, "global_step4")["layers.0.attention.wq.weight"])
+    missing = run_cli("export", "--run", one_rank_run, "--out", tmp_path / "none", "--tag", "global_step3")
+    assert (missing.returncode, missing.stderr) == (2, f"zerollm: error: --tag global_step3: {one_rank_run} holds no "
+                                                       "such checkpoint (it holds global_step2, global_step4)\n")
+    assert not (tmp_path / "none").exists()
+
+
 def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / rundir.METRICS_FILE).read_text().splitlines()]
 
