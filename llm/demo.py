@@ -21,6 +21,7 @@ from pathlib import Path
 
 from llm import durable, held_locks, rundir
 from llm.child_job import run_stopping_together
+from llm.config import build_config
 from llm.data.output import refuse_foreign_contents, staging_leftovers
 from llm.errors import EXIT_PREEMPTED, EXIT_TERMINATED, Terminated, UserError
 from llm.infer.generate import TextGenerator, complete
@@ -192,6 +193,13 @@ POST_TRAINING = {  # stage: (steps, window in tokens, overrides) on top of the d
 }
 
 
+def _warmup_within(overrides: list[str], steps: int) -> list[str]:
+    """A stage's overrides with its warmup at most half of `steps`: a demo shortened by --steps ended each stage
+    inside its warmup, and each said to lower train.warmup_steps, for which the demo has no option."""
+    return [f"train.warmup_steps={min(int(o.split('=')[1]), steps // 2)}" if o.startswith("train.warmup_steps=")
+            else o for o in overrides]
+
+
 DEMO_MARKER = ".zerollm-demo"
 """Written first into the demo's --out: marks a folder the demo may write into again."""
 DEMO_OUTPUTS = {"corpus.txt", "tokenizer", "data", "run", "sft.jsonl", "dpo.jsonl", "grpo.jsonl", "sft_data",
@@ -242,7 +250,8 @@ def _run_stages(out: Path, steps: int | None, nproc: int) -> int:
     print(f"[4/7] pretraining the 'demo' recipe under DeepSpeed on {nproc} rank(s)", flush=True)
     overrides = []
     if steps:  # keep about six evaluations and one final checkpoint whatever the length
-        for key, value in (("max_steps", steps), ("eval_every", max(1, steps // 6)), ("save_every", steps)):
+        for key, value in (("max_steps", steps), ("eval_every", max(1, steps // 6)), ("save_every", steps),
+                           ("warmup_steps", min(build_config("demo").train.warmup_steps, steps // 2))):
             overrides += ["--set", f"train.{key}={value}"]
     _zerollm("train", "pretrain", "--recipe", "demo", "--data", str(data), "--out", str(run),
              "--nproc", str(nproc), *overrides)
@@ -266,7 +275,8 @@ def _run_stages(out: Path, steps: int | None, nproc: int) -> int:
         if stage == "dpo":
             write_dpo_file(out / "dpo.jsonl", previous)
         stage_steps, seq_len, stage_overrides = POST_TRAINING[stage]
-        stage_steps = min(stage_steps, steps) if steps else stage_steps  # a shortened demo shortens every stage
+        if steps and steps < stage_steps:  # a shortened demo shortens every stage
+            stage_steps, stage_overrides = steps, _warmup_within(stage_overrides, steps)
         print(f"[{number}/7] {stage.upper()} on generated arithmetic questions, from {previous.name}", flush=True)
         stage_file, stage_data, stage_run = out / f"{stage}.jsonl", out / f"{stage}_data", out / f"{stage}_run"
         if stage == "grpo":  # reads its prompt file directly, rewarded by exact match with each record's answer
