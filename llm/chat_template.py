@@ -711,6 +711,16 @@ class ChatTemplate:
             previous_end = end
         return full, bounds
 
+    def reasoning_left_out(self, messages: list[dict], rendered: str, bounds: list[tuple[int, int]]) -> list[int]:
+        """Numbers (from 1) of the assistant messages learnt (not of weight 0) whose reasoning (`reasoning_content`)
+        the template does not render inside their reply, given `replies`' text and bounds: it is not learnt
+        (DeepSeek-R1's template renders none; Qwen3's none before the last user turn)."""
+        replies = [index for index, message in enumerate(messages) if message.get("role") == "assistant"]
+        return [index + 1 for index, (start, end) in zip(replies, bounds, strict=True)
+                if messages[index].get("weight", 1) and isinstance(reasoning := messages[index].get(
+                    "reasoning_content"), str) and reasoning.strip()
+                and self._escape(reasoning.strip()) not in rendered[start:end]]
+
     def _reply_bounds(self, full: str, escaped: list[dict], tools: list[dict] | None, index: int,
                       previous_end: int) -> tuple[int, int]:
         """(start, end) of the reply of assistant message `index` in `full`: from where the conversation before it,

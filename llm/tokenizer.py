@@ -23,6 +23,7 @@ loads with `transformers.AutoTokenizer` and renders the same chat text.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator
@@ -171,6 +172,8 @@ class MaskedChat:
     """Per assistant message: the [start, end) ids the mask covers (unless its weight is 0); `ids[:end]` is the
     conversation up to that reply's end-of-turn token, the place to cut a long one (what the template puts after it
     is learned from no target)."""
+    reasoning_left_out: list[int] = dataclasses.field(default_factory=list)
+    """Numbers (from 1) of the messages learnt whose reasoning the chat template leaves out of their reply."""
 
 
 def _token_text(value: Any) -> str | None:
@@ -496,6 +499,7 @@ class Tokenizer:
         tail = self.encode_rendered(rendered[position:])
         chat.ids += tail
         chat.loss_mask += [0] * len(tail)
+        chat.reasoning_left_out = self._chat.reasoning_left_out(messages, rendered, bounds)
         return chat
 
     def render_for_encoding(self, messages: list[dict], add_generation_prompt: bool = False,

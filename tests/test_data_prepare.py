@@ -760,7 +760,7 @@ def test_a_reply_of_weight_0_is_context_not_learnt(tokenizer_dir, tmp_path):
                                                          {"role": "assistant", "content": "long " * 200}]
     turns[2], turns[4] = {**turns[2], "weight": 1}, {**turns[4], "weight": 0}  # learnt, context, too long: cut
     # after the one learnt, not after the context (it was)
-    sample, truncated = encode_sft(tok, chat_record({"messages": turns}), 120)
+    sample, truncated, _ = encode_sft(tok, chat_record({"messages": turns}), 120)
     assert truncated and tok.decode(sample["tokens"], skip_special_tokens=False).endswith("Paris, as if<|im_end|>")
 
 

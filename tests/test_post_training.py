@@ -396,7 +396,7 @@ def test_loss_mask_is_exactly_the_assistant_replies(tokenizer_dir):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
                 {"role": "assistant", "content": "4"}, {"role": "user", "content": "和 3+3 呢？"},
                 {"role": "assistant", "content": "六。\nSix."}]
-    sample, truncated = encode_sft(tok, Chat(messages, None), max_tokens=10_000)
+    sample, truncated, _ = encode_sft(tok, Chat(messages, None), max_tokens=10_000)
     tokens, mask = sample["tokens"], sample["loss_mask"]
     assert not truncated and tok.decode(tokens) == tok.render_chat(messages)
     runs, current = [], []
@@ -416,13 +416,13 @@ def test_long_conversations_are_cut_at_a_turn_boundary(tokenizer_dir):
     tok = Tokenizer.load(tokenizer_dir)
     messages = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
                 {"role": "user", "content": "q2 " * 50}, {"role": "assistant", "content": "a2 " * 50}]
-    full, _ = encode_sft(tok, Chat(messages, None), 10_000)
-    first, _ = encode_sft(tok, Chat(messages[:2], None), 10_000)
-    sample, truncated = encode_sft(tok, Chat(messages, None), len(full["tokens"]) - 2)
+    full, _, _ = encode_sft(tok, Chat(messages, None), 10_000)
+    first, _, _ = encode_sft(tok, Chat(messages[:2], None), 10_000)
+    sample, truncated, _ = encode_sft(tok, Chat(messages, None), len(full["tokens"]) - 2)
     assert truncated and sample == {k: v[:-1] for k, v in first.items()}  # the whole first exchange, nothing of the
     assert tok.decode(sample["tokens"]).endswith("a1<|im_end|>")  # second; the newline after it bears no loss
     # the second reply's end-of-turn token fits, the newline after it not: the reply was cut for it
-    sample, truncated = encode_sft(tok, Chat(messages, None), len(full["tokens"]) - 1)
+    sample, truncated, _ = encode_sft(tok, Chat(messages, None), len(full["tokens"]) - 1)
     assert truncated and sample == {k: v[:-1] for k, v in full.items()} and sum(sample["loss_mask"]) == \
         sum(full["loss_mask"])
     with pytest.raises(TooLong, match=f"^too long: the first reply ends after {len(first['tokens']) - 1} tokens"):
@@ -440,16 +440,16 @@ def test_an_over_long_pair_keeps_all_of_its_prompt_that_fits_beside_its_replies(
     tok = Tokenizer.load(tokenizer_dir)
     prompt = [{"role": "system", "content": "Answer briefly. " * 3}, {"role": "user", "content": "hi there"},
               {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and now?"}]
-    full, _ = encode_dpo(tok, _pair(prompt, "yes", "no"), 10_000)
+    full, _, _ = encode_dpo(tok, _pair(prompt, "yes", "no"), 10_000)
     longest = max(len(full["chosen"]), len(full["rejected"]))
     budget = len(full["prompt"]) + longest - 2
     assert len(full["prompt"]) > budget // 2 + 2
-    sample, truncated = encode_dpo(tok, _pair(prompt, "yes", "no"), budget)
+    sample, truncated, _ = encode_dpo(tok, _pair(prompt, "yes", "no"), budget)
     assert truncated and sample["prompt"] == full["prompt"][2:]  # two tokens dropped from its start, no more
     assert (sample["chosen"], sample["rejected"]) == (full["chosen"], full["rejected"])
     long_reply = "word " * budget  # replies longer than the budget: the prompt keeps half of it, the replies the rest
-    full, _ = encode_dpo(tok, _pair(prompt, long_reply, "no"), 10_000)
-    sample, truncated = encode_dpo(tok, _pair(prompt, long_reply, "no"), budget)
+    full, _, _ = encode_dpo(tok, _pair(prompt, long_reply, "no"), 10_000)
+    sample, truncated, _ = encode_dpo(tok, _pair(prompt, long_reply, "no"), budget)
     assert truncated and sample["prompt"] == full["prompt"][-(budget // 2):]
     assert sample["chosen"] == full["chosen"][:budget - budget // 2] and sample["rejected"] == full["rejected"]
 

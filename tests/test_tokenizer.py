@@ -585,7 +585,7 @@ def test_an_export_records_the_special_tokens_its_runs_copy_lacks(tokenizer_dir,
 
 def test_sft_mask_covers_reasoning_content_tool_calls_and_end_of_turn(tokenizer_dir):
     tok = Tokenizer.load(tokenizer_dir)
-    sample, truncated = encode_sft(tok, Chat(CONVERSATION, None), max_tokens=10_000)
+    sample, truncated, _ = encode_sft(tok, Chat(CONVERSATION, None), max_tokens=10_000)
     assert not truncated and tok.decode(sample["tokens"]) == tok.render_chat(CONVERSATION)
     first_reply = ('<think>\n2+3=5; weather needs a tool.\n</think>\n\nLet me look.\n<tool_call>\n{"name": "weather", '
                    '"arguments": {"city": "巴黎"}}\n</tool_call>\n<tool_call>\n{"name": "clock", "arguments": "{}"}'
@@ -624,7 +624,7 @@ def test_tool_definitions_render_as_in_transformers_before_the_loss(tokenizer_di
     end_of_turn = ours.encode_rendered("<|im_end|>")
     assert len(end_of_turn) == 1 and with_tools["tokens"].count(end_of_turn[0]) == len(CONVERSATION)
     pair = Pair(CONVERSATION[:2], CONVERSATION[2], {"role": "assistant", "content": "No."}, TOOLS)
-    sample, _ = encode_dpo(ours, pair, 10_000)
+    sample, _, _ = encode_dpo(ours, pair, 10_000)
     assert sample["prompt"] == ours.encode_chat(CONVERSATION[:2], True, tools=TOOLS)
 
 
@@ -818,7 +818,7 @@ def test_dpo_prompt_then_reply_is_the_answered_conversation(tokenizer_dir, direc
     tok = Tokenizer.load(tokenizer_dir if directory == "session" else directory)
     prompt = [{"role": "user", "content": "2+3?"}]
     chosen = {"role": "assistant", "content": "5", "reasoning_content": "add"}
-    sample, _ = encode_dpo(tok, Pair(prompt, chosen, {"role": "assistant", "content": "6"}, None),
+    sample, _, _ = encode_dpo(tok, Pair(prompt, chosen, {"role": "assistant", "content": "6"}, None),
                            max_tokens=1000)
     assert sample["prompt"] + sample["chosen"] == tok.encode_chat_masked(prompt + [chosen]).ids[:len(
         sample["prompt"]) + len(sample["chosen"])]
@@ -1128,3 +1128,26 @@ def test_a_reply_that_opens_with_a_special_token_the_generation_prompt_begins_li
     assert chat.ids == tok.encode_chat(turns)
     assert _mask_runs(tok, chat.ids, chat.loss_mask) == ["<calls>weather</calls><|im_end|>"]
     assert chat.ids[chat.loss_mask.index(1)] == base.token_to_id("<calls>")
+
+
+def test_data_prepare_names_the_records_whose_reasoning_the_chat_template_leaves_out(tokenizer_dir, tmp_path):
+    """A template that renders no reasoning (DeepSeek-R1's), or none before the last user turn (Qwen3's), trained
+    those replies without it, silently: such records are named in the report (they are still prepared)."""
+    turns = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5", "reasoning_content": "Add."},
+             {"role": "user", "content": "And 2+4?"},
+             {"role": "assistant", "content": "6", "reasoning_content": "Add again."}]
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": turns}) + "\n" + json.dumps({"messages": turns[:2]})
+                                          + "\n")
+    shutil.copytree(tokenizer_dir, tmp_path / "qwen3")
+    config = json.loads((tmp_path / "qwen3" / "tokenizer_config.json").read_text())
+    (tmp_path / "qwen3" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN3_HISTORY}))
+    reports = {}
+    for name, tokenizer in (("qwen3", tmp_path / "qwen3"), ("ours", tokenizer_dir)):
+        result = run_cli("data", "prepare", "--kind", "sft", "--input", tmp_path / "chats.jsonl", "--tokenizer",
+                         tokenizer, "--out", tmp_path / f"data-{name}", "--val-fraction", 0)
+        assert result.returncode == 0, result.stderr
+        reports[name] = result.stdout
+    assert ("reasoning left out by the chat template, so not learnt: 1 records\n"
+            f"  {tmp_path / 'chats.jsonl'}:1: the reasoning of assistant message 2\n") in reports["qwen3"]
+    assert "reasoning left out" not in reports["ours"]
+    assert "samples    train 2  val 0" in reports["qwen3"]

@@ -89,12 +89,15 @@ class Report:
     pairs: prompt start, reply end)."""
     skipped: list[str] = field(default_factory=list)
     """The first NOTES_KEPT unusable records as 'file:line: reason'."""
-    counts: dict[str, dict[str, int]] = field(default_factory=lambda: {"truncated": {}, "skipped": {}})
-    """Every truncated and every skipped record counted by its reason (numbers in it as N; past NOTES_KEPT reasons,
-    under OTHER_REASONS)."""
+    reasoning_left_out: list[str] = field(default_factory=list)
+    """sft/dpo: the first NOTES_KEPT records whose reasoning the chat template leaves out of a reply learnt, as
+    'file:line: which'."""
+    counts: dict[str, dict[str, int]] = field(default_factory=lambda: {"truncated": {}, "skipped": {},
+                                                                       "reasoning_left_out": {}})
+    """Every record noted, by kind and reason (numbers in it as N; past NOTES_KEPT reasons, under OTHER_REASONS)."""
 
     def note(self, kind: str, text: str) -> None:
-        """Note a 'truncated' or a 'skipped' record, `text` being 'file:line: reason'."""
+        """Note a 'truncated', 'skipped' or 'reasoning_left_out' record, `text` being 'file:line: reason'."""
         entries = getattr(self, kind)
         if len(entries) < NOTES_KEPT:
             entries.append(text)
@@ -105,7 +108,7 @@ class Report:
         counts[reason] = counts.get(reason, 0) + 1
 
     def total(self, kind: str) -> int:
-        """How many 'truncated' or 'skipped' records were noted, named or not."""
+        """How many records of a kind were noted, named or not."""
         return sum(self.counts[kind].values())
 
     def summary(self, shown: int = 20) -> str:
@@ -116,7 +119,8 @@ class Report:
         empty = [name for name, count in self.files.items() if count == 0]
         if empty:
             lines.append(f"files with no usable records: {', '.join(empty)}")
-        for title, kind in ((f"truncated to fit --seq-len {self.seq_len}", "truncated"), ("skipped", "skipped")):
+        for title, kind in ((f"truncated to fit --seq-len {self.seq_len}", "truncated"), ("skipped", "skipped"),
+                            ("reasoning left out by the chat template, so not learnt", "reasoning_left_out")):
             entries, reasons, total = getattr(self, kind), Counter(self.counts[kind]), self.total(kind)
             if not entries:
                 continue
@@ -140,8 +144,9 @@ MASK_FIELDS = ("loss_mask",)
 
 Sample = dict[str, Any]
 """Token (and mask) lists or arrays by field name."""
-Result = tuple[Sample, bool] | Skipped
-"""An encoded sample and whether it was cut to fit, or the reason it was skipped."""
+Result = tuple[Sample, bool, list[int]] | Skipped
+"""An encoded sample, whether it was cut to fit and the replies whose reasoning the chat template leaves out
+(`MaskedChat.reasoning_left_out`), or the reason it was skipped."""
 
 
 class TooLong(ValueError):
@@ -159,10 +164,10 @@ def encode_pretrain(tok: Tokenizer, piece: Item) -> Sample:
     return {"tokens": tokens + ([tok.eos_id] if piece.last else [])}
 
 
-def encode_sft(tok: Tokenizer, record: Chat, max_tokens: int) -> tuple[Sample, bool]:
+def encode_sft(tok: Tokenizer, record: Chat, max_tokens: int) -> tuple[Sample, bool, list[int]]:
     """Chat-template tokens with loss mask 1 exactly on the assistant turns learnt (not of weight 0) and their
     end-of-turn token; cut after the end-of-turn token of the last such turn that fits `max_tokens` (then the flag
-    is True)."""
+    is True); the messages whose reasoning the template leaves out."""
     chat = tok.encode_chat_masked(record.messages, record.tools)
     tokens, mask = chat.ids, chat.loss_mask
     truncated = len(tokens) > max_tokens
@@ -174,12 +179,13 @@ def encode_sft(tok: Tokenizer, record: Chat, max_tokens: int) -> tuple[Sample, b
             raise TooLong(f"too long: the first reply ends after {learnt[0]} tokens, more than --seq-len "
                           f"{max_tokens - 1} holds ({max_tokens}: the window and its last target)")
         tokens, mask = tokens[:fitting[-1]], mask[:fitting[-1]]
-    return {"tokens": tokens, "loss_mask": mask}, truncated
+    return {"tokens": tokens, "loss_mask": mask}, truncated, chat.reasoning_left_out
 
 
-def encode_dpo(tok: Tokenizer, pair: Pair, max_tokens: int) -> tuple[Sample, bool]:
+def encode_dpo(tok: Tokenizer, pair: Pair, max_tokens: int) -> tuple[Sample, bool, list[int]]:
     """Prompt ids (ending in the generation prompt) and each reply's masked turn, so that prompt + reply are the
-    ids of the answered conversation."""
+    ids of the answered conversation; the messages whose reasoning the template leaves out (the reply's number
+    where either reply's is)."""
     chosen_chat, rejected_chat = (tok.encode_chat_masked([*pair.prompt, reply], pair.tools)
                                   for reply in (pair.chosen, pair.rejected))
     shared = min(chosen_chat.replies[-1][0], rejected_chat.replies[-1][0])
@@ -193,7 +199,7 @@ def encode_dpo(tok: Tokenizer, pair: Pair, max_tokens: int) -> tuple[Sample, boo
         sample["prompt"] = sample["prompt"][-max(max_tokens - longest_reply, max_tokens // 2):]
         for reply in ("chosen", "rejected"):
             sample[reply] = sample[reply][:max_tokens - len(sample["prompt"])]
-    return sample, truncated
+    return sample, truncated, sorted(set(chosen_chat.reasoning_left_out + rejected_chat.reasoning_left_out))
 
 
 ENCODERS = {"sft": encode_sft, "dpo": encode_dpo}
@@ -235,8 +241,8 @@ def _end_when_orphaned(main_pid: int) -> None:
 def _encode(kind: str, item: Item, max_tokens: int) -> Result:
     try:
         if kind == "pretrain":
-            return encode_pretrain(_worker_tokenizer, item), False
-        sample, truncated = ENCODERS[kind](_worker_tokenizer, item.value, max_tokens)
+            return encode_pretrain(_worker_tokenizer, item), False, []
+        sample, truncated, left_out = ENCODERS[kind](_worker_tokenizer, item.value, max_tokens)
     except (TooLong, MessagesRefused, TextNotEncoded) as exc:
         whole = item.piece == 0 and item.last
         why = str(exc) if whole else f"piece {item.piece + 1} of its text left out, the rest kept: {exc}"
@@ -250,7 +256,7 @@ def _encode(kind: str, item: Item, max_tokens: int) -> Result:
         why = (f"too long: the replies differ only after what fits in --seq-len {max_tokens - 1}" if truncated else
                "the replies are the same tokens")  # a normalizing tokenizer's (NFKC)
         return Skipped(item.source, item.line, why, item.unit)
-    return sample, truncated
+    return sample, truncated, left_out
 
 
 def _encode_batch(job: tuple[str, int, list[Item]]) -> list[Result]:
@@ -261,9 +267,9 @@ def _encode_batch(job: tuple[str, int, list[Item]]) -> list[Result]:
     for item in items:
         result = _encode(kind, item, max_tokens)
         if not isinstance(result, Skipped):
-            sample, truncated = result
+            sample, truncated, left_out = result
             result = {name: np.asarray(v, dtype=np.uint8 if name in MASK_FIELDS else dtype)
-                      for name, v in sample.items()}, truncated
+                      for name, v in sample.items()}, truncated, left_out
         out.append(result)
     return out
 
@@ -582,13 +588,16 @@ def _write_tokens(output: OutputDir, kind: str, records: Iterator[Item | Skipped
                         report.tokens[split] += 1
                         open_document = False
                     continue
-                sample, truncated = result
+                sample, truncated, left_out = result
                 if not open_document:  # a document's pieces all go to the split drawn for its first written
                     split = "val" if rng.random() < val_fraction else "train"
                     report.documents[split] += 1
                 open_document = not item.last
                 if truncated:
                     report.note("truncated", f"{item.place}: cut to fit --seq-len {seq_len}")
+                if left_out:
+                    which = ", ".join(str(number) for number in left_out)
+                    report.note("reasoning_left_out", f"{item.place}: the reasoning of assistant message {which}")
                 writers[split].append(sample, end=item.last)
                 report.tokens[split] += _token_count(sample)
         if report.documents["train"] + report.documents["val"] == 0:
