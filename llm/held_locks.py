@@ -11,12 +11,29 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 from llm.errors import UserError
 
 _HELD: set[int] = set()
+
+
+def open_lock_file(path: Path, create: bool = True) -> int:
+    """A descriptor of lock file `path` for reading and writing (made where new, unless not `create`): never through
+    a symbolic link, nor of anything but a regular file. A link planted in a folder handed over, or in a shared /tmp,
+    made zerollm empty the file it named and write its pid there. OSError otherwise, its strerror saying why."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0), 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"{path.name} is a symbolic link, not a lock file; remove it") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{path.name} is not a regular file, so not a lock file; remove it")
+    return fd
 
 
 def hold(fd: int) -> None:
@@ -45,7 +62,7 @@ def held_folder(folder: Path, marker: str, command: str) -> Iterator[None]:
     alone were locked), deleted the first's files without a word. A file system without locks is not held."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / marker, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_lock_file(folder / marker)
     except OSError as exc:
         raise UserError(f"--out {folder}: cannot write there ({exc.strerror or exc})") from None
     try:

@@ -1,6 +1,7 @@
 """One training job per run directory (`llm.train.run_lock`)."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO, zerollm_here
+from conftest import FIXTURES, REPO, run_cli, zerollm_here
 from conftest import train_args as _args
 from llm.errors import EXIT_RANK_LOST, UserError
 from llm.runtime.rank_env import RANK_VARIABLES, free_port
@@ -250,3 +251,33 @@ def test_a_demo_into_the_folder_of_a_running_demo_leaves_its_runs_alone(held, mo
     with pytest.raises(UserError, match=rf"^{sft_run}: another training job is writing there \(pid {pid} on "):
         llm.demo.run_demo(sft_run.parent)
     assert (sft_run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_the_file_it_names_kept(tmp_path, tokenizer_dir):
+    """A `.train.lock` (or `.prepare.lock`, or the demo's marker) planted as a link, in a run folder handed over or
+    a shared /tmp, made zerollm empty the file it named and write its pid there."""
+    from llm.data.output import LOCK_FILE as PREPARE_LOCK
+    from llm.held_locks import held_folder
+
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious")
+    run, data, demo = tmp_path / "run", tmp_path / "data", tmp_path / "demo"
+    for folder, name in ((run, LOCK_FILE), (data, PREPARE_LOCK), (demo, ".marker")):
+        folder.mkdir()
+        (folder / name).symlink_to(victim)
+    said = f"cannot lock {LOCK_FILE} there ({LOCK_FILE} is a symbolic link, not a lock file; remove it)"
+    for take in (take_run_lock, check_run_unlocked):
+        with pytest.raises(UserError, match=rf"^{run}: {re.escape(said)}; training keeps it locked"):
+            take(run)
+    with pytest.raises(UserError, match=r"^--out .*demo: cannot write there \(.marker is a symbolic link, not a lock "
+                                        r"file; remove it\)$"), held_folder(demo, ".marker", "zerollm demo"):
+        pass
+    result = run_cli("data", "prepare", "--input", FIXTURES / "pretrain" / "en_stories.txt", "--tokenizer",
+                     tokenizer_dir, "--out", data)
+    assert result.returncode == 2 and f"{PREPARE_LOCK} is a symbolic link, not a lock file; remove it" in result.stderr
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / LOCK_FILE)
+    with pytest.raises(UserError, match=r"\(.train.lock is not a regular file, so not a lock file; remove it\)"):
+        take_run_lock(fifo)
+    assert victim.read_text() == "precious"

@@ -185,7 +185,7 @@ class OutputDir:
 
     def _lock(self) -> None:
         while True:
-            fd = os.open(self.out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = held_locks.open_lock_file(self.out / LOCK_FILE)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from llm.errors import UserError
+from llm.held_locks import open_lock_file
 
 LOCK_FILE = ".train.lock"
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
@@ -63,7 +64,7 @@ def check_run_unlocked(run_dir: Path) -> None:
     moment on several nodes, never refuse each other. Call it before `take_run_lock` in a process that takes the
     lock: closing any descriptor of the file releases a process's POSIX locks."""
     try:
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR)
+        fd = open_lock_file(run_dir / LOCK_FILE, create=False)
     except (FileNotFoundError, NotADirectoryError):  # no run there yet
         return
     except OSError as exc:  # another user's lock file, a folder of that name
@@ -91,7 +92,7 @@ def take_run_lock(run_dir: Path) -> int:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_lock_file(run_dir / LOCK_FILE)
             if not _try_lock(fd):
                 error = _refusal(run_dir, fd)
                 os.close(fd)
