@@ -31,6 +31,7 @@ from llm import durable, rundir
 from llm.config import ModelConfig, RunConfig, validate_model
 from llm.data.output import refuse_foreign_contents, refuse_mount_point
 from llm.errors import SigtermUnwinds, UserError, read_user_json_object
+from llm.infer.suggested_sampling import generation_config_text
 from llm.model import Transformer
 from llm.model.from_weights import model_from_weights, shapes_only
 from llm.model.rope import yarn_attention_scale
@@ -348,8 +349,8 @@ def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path,
             except OSError as exc:  # e.g. a file where a parent folder should be
                 raise UserError(f"--out {out}: cannot create it ({exc.strerror})") from None
             config = _write_export(state, cfg, tokenizer_dir, staging)
-            if generation_config is not None and generation_config.is_file():
-                shutil.copy(generation_config, staging / rundir.GENERATION_CONFIG_FILE)
+            if generation_config is not None and (text := generation_config_text(generation_config)) is not None:
+                (staging / rundir.GENERATION_CONFIG_FILE).write_text(text, encoding="utf-8")
             stop.check()  # a stop never renames the export into place
     except Exception as exc:
         if (reason := durable.out_of_room(exc)) is None:

@@ -88,6 +88,10 @@ tokenizer's vocab.json and merges.txt beside tokenizer.json too): a folder holdi
 RUN_ENTRIES = frozenset({CONFIG_FILE, DS_CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, RUN_RECORD_FILE, EVAL_DIR,
                          TOKENIZER_DIR, CHECKPOINTS_DIR, UNIVERSAL_DIR, WANDB_DIR, GENERATION_CONFIG_FILE})
 """What `zerollm train` writes into a run directory (besides its dot-named temporary files)."""
+RUN_FILES = frozenset({CONFIG_FILE, DS_CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, RUN_RECORD_FILE,
+                       GENERATION_CONFIG_FILE})
+"""The files among them: never symbolic links (a run folder handed over with `run_record.jsonl` linked to a file
+elsewhere had training append to that file; `generation_config.json` linked to one was copied into every export)."""
 
 
 def is_run_dir(path: Path) -> bool:
@@ -158,6 +162,9 @@ def check_run_contents(run_dir: Path, resume: bool) -> bool:
     if clashing and not ((run_dir / RUN_RECORD_FILE).is_file() or own_checkpoints):
         raise UserError(f"--out {run_dir} holds {', '.join(clashing[:4])} but is not a zerollm run; training would "
                         "overwrite them: choose a new or empty directory")
+    if linked := sorted(name for name in names & RUN_FILES if (run_dir / name).is_symlink()):
+        raise UserError(f"--out {run_dir}: {linked[0]} is a symbolic link, where training writes (and appends to) a "
+                        "file of its own; replace it by a copy of the file it names")
     for folder in (checkpoint_dir(run_dir), tokenizer_dir(run_dir)):
         if folder.exists() and not folder.is_dir():
             raise UserError(f"--out {run_dir}: {folder} is a file where training keeps a folder; move it away")

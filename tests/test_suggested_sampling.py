@@ -10,7 +10,7 @@ from forked_ranks import run_job
 from conftest import train_args, zerollm_here
 from llm.errors import UserError
 from llm.infer.server import parse_options
-from llm.infer.suggested_sampling import suggested_sampling
+from llm.infer.suggested_sampling import generation_config_text, suggested_sampling
 from llm.rundir import GENERATION_CONFIG_FILE
 
 QWEN3 = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
@@ -116,3 +116,27 @@ def test_a_run_tuned_from_a_model_folder_keeps_its_generation_config_and_exports
     assert zerollm_here(monkeypatch, *train_args(pretrain_data, tmp_path / "other", extra=["--init-from", base])) == 2
     assert capsys.readouterr().err == (f"zerollm: error: {base / GENERATION_CONFIG_FILE}: top_p must be a number in "
                                        "(0, 1], got 7.0; fix or remove it\n")
+
+
+def test_a_copy_of_a_generation_config_keeps_only_generation_settings(tmp_path):
+    """A generation_config.json linked to a file elsewhere (a user's credentials in JSON), in a model folder handed
+    over, was copied whole into every run tuned from it and every export of such a run."""
+    from test_export import _model
+
+    from llm.export import export_model
+
+    secret = tmp_path / "kaggle.json"
+    secret.write_text(json.dumps({"username": "victim", "key": "SECRET-KEY-123", "temperature": 0.6,
+                                  "eos_token_id": [2, 3], "stop_strings": ["x" * 65]}))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / GENERATION_CONFIG_FILE).symlink_to(secret)
+    copied = generation_config_text(tmp_path / "model" / GENERATION_CONFIG_FILE)
+    assert json.loads(copied) == {"temperature": 0.6, "eos_token_id": [2, 3]}
+    export_model(_model(0), None, tmp_path / "export", tmp_path / "model" / GENERATION_CONFIG_FILE)
+    assert (tmp_path / "export" / GENERATION_CONFIG_FILE).read_text() == copied
+    assert generation_config_text(tmp_path / "none.json") is None
+    (tmp_path / "qwen3.json").write_text(json.dumps(QWEN3))  # generation settings alone: copied as they are
+    assert generation_config_text(tmp_path / "qwen3.json") == json.dumps(QWEN3)
+    (tmp_path / "shadow").write_text("root:*:20228:0:99999:7:::\n")
+    with pytest.raises(UserError, match=r"shadow: cannot be read \(JSONDecodeError\); fix or remove it$"):
+        generation_config_text(tmp_path / "shadow")

@@ -604,6 +604,21 @@ def test_an_out_folder_that_is_not_a_run_is_refused_untouched(pretrain_data, tmp
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_a_run_whose_files_are_symbolic_links_is_refused_and_the_files_they_name_kept(pretrain_data, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """A run folder handed over with run_record.jsonl (or metrics.jsonl, ...) linked to a file elsewhere: training
+    appended its rows to that file."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious\n")
+    out = _folder(tmp_path / "out", {"run_record.jsonl": "{}\n"})
+    (out / "metrics.jsonl").symlink_to(victim)
+    assert zerollm_here(monkeypatch, *_args(pretrain_data, out, nproc=2), "--resume", "auto") == 2
+    assert capsys.readouterr().err == (f"zerollm: error: --out {out}: metrics.jsonl is a symbolic link, where training "
+                                       "writes (and appends to) a file of its own; replace it by a copy of the file "
+                                       "it names\n")
+    assert victim.read_text() == "precious\n"
+
+
 KILLED_AFTER_THE_RUN_FILES = """
 import os, signal, sys
 from llm import cli

@@ -20,6 +20,58 @@ SUGGESTED_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "repetit
 """The keys read (vLLM's, less min_p, which the sampler has not) and the type of each."""
 
 
+GENERATION_KEYS = frozenset({
+    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "early_stopping", "max_time", "stop_strings",
+    "do_sample", "num_beams", "num_beam_groups", "penalty_alpha", "use_cache", "cache_implementation", "temperature",
+    "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "diversity_penalty", "repetition_penalty",
+    "encoder_repetition_penalty", "length_penalty", "no_repeat_ngram_size", "bad_words_ids", "renormalize_logits",
+    "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values", "suppress_tokens", "begin_suppress_tokens",
+    "guidance_scale", "num_return_sequences", "pad_token_id", "bos_token_id", "eos_token_id",
+    "decoder_start_token_id", "transformers_version"})
+"""transformers' GenerationConfig fields that a copy of the file keeps (`generation_config_text`)."""
+TEXT_LIMIT = 64
+"""The longest text a copy keeps (a version, a cache's name, a stop string)."""
+
+
+def _read(path: Path) -> tuple[str, dict[str, Any]]:
+    """generation_config.json's text and object; a UserError naming `path` for a file that is too large, not JSON
+    or not an object."""
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise UserError(f"{path}: {path.stat().st_size:,} bytes, far more than a generation config holds; fix or "
+                            "remove it")
+        text = path.read_text(encoding="utf-8")
+        config = json.loads(text)
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
+        raise UserError(f"{path}: cannot be read ({type(exc).__name__}); fix or remove it") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: not a JSON object; fix or remove it")
+    return text, config
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """A value of the kinds generation settings take: a number, a flag, null, a short text, or lists of them (token
+    ids, stop strings, banned sequences)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return True
+    if isinstance(value, str):
+        return len(value) <= TEXT_LIMIT
+    return isinstance(value, list) and depth < 2 and all(_plain(item, depth + 1) for item in value)
+
+
+def generation_config_text(path: Path) -> str | None:
+    """The text to write for a copy of generation_config.json `path` (beside a model trained from it, in an export),
+    None where there is no such file: its text where it holds nothing but transformers' generation fields, of the
+    kinds they take, else those fields alone. The file was copied whole, and a link there to a file elsewhere (a
+    user's credentials in JSON) was copied into the run and its exports; a file that is not a generation config's
+    JSON object is a UserError."""
+    if not path.is_file():
+        return None
+    text, config = _read(path)
+    kept = {key: value for key, value in config.items() if key in GENERATION_KEYS and _plain(value)}
+    return text if kept == config else json.dumps(kept, indent=2) + "\n"
+
+
 def suggested_sampling(model_dir: str | Path) -> dict[str, Any]:
     """The SamplingParams fields `model_dir`'s generation_config.json suggests ({} where it has none). Its
     `do_sample: false` is greedy decoding, whatever its temperature says, and `do_sample: true` samples, at
@@ -29,15 +81,7 @@ def suggested_sampling(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / GENERATION_CONFIG_FILE
     if not path.is_file():
         return {}
-    try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise UserError(f"{path}: {path.stat().st_size:,} bytes, far more than a generation config holds; fix or "
-                            "remove it")
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
-        raise UserError(f"{path}: cannot be read ({type(exc).__name__}); fix or remove it") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{path}: not a JSON object; fix or remove it")
+    _, config = _read(path)
     suggested = {}
     for key, kind in SUGGESTED_FIELDS.items():
         value = config.get(key)

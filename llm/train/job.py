@@ -31,6 +31,7 @@ from llm.data.formats import expand_inputs
 from llm.data.prepare import TOKENS_FILE
 from llm.data.prepared import stage_data_attrs
 from llm.errors import EXIT_OK, EXIT_PIPE_CLOSED, EXIT_USER_ERROR, UserError
+from llm.infer.suggested_sampling import generation_config_text
 from llm.loading import (
     FUNCTION_FIELDS,
     SHAPE_FIELDS,
@@ -587,10 +588,10 @@ def _write_run_files(saved: RunConfig, run_dir: Path, ds_config: dict) -> None:
     (`llm.durable`); a write that runs out of room is a UserError naming the run directory."""
     with durable.room_needed(run_dir, rundir.TOKENIZER_DIR):
         keep_tokenizer(run_dir, input_tokenizer(saved))
-    base = saved.train.init_from
-    if base and (Path(base) / rundir.GENERATION_CONFIG_FILE).is_file():  # as transformers' Trainer saves it beside
-        text = (Path(base) / rundir.GENERATION_CONFIG_FILE).read_text(encoding="utf-8")  # the model it tuned (checked
-        with durable.room_needed(run_dir, rundir.GENERATION_CONFIG_FILE):  # before the ranks start: `llm.cli`)
+    base = saved.train.init_from  # its generation settings, as transformers' Trainer saves them beside the model it
+    text = generation_config_text(Path(base) / rundir.GENERATION_CONFIG_FILE) if base else None  # tuned (checked
+    if text is not None:  # before the ranks start: `llm.cli`)
+        with durable.room_needed(run_dir, rundir.GENERATION_CONFIG_FILE):
             durable.update_text(run_dir / rundir.GENERATION_CONFIG_FILE, text)
     with durable.room_needed(run_dir, rundir.CONFIG_FILE):
         saved.save(rundir.config_file(run_dir))
