@@ -347,6 +347,31 @@ def test_a_local_reward_model_scores_completions(tokenizer_dir, tmp_path):
         reward(batch)
 
 
+EVIL_MODULE = """
+from pathlib import Path
+Path(__file__).with_name("ran").write_text("the folder's code ran")
+from transformers import PretrainedConfig
+class EvilConfig(PretrainedConfig):
+    model_type = "evil"
+"""
+
+
+def test_a_reward_model_folders_own_code_is_never_run(tokenizer_dir, tmp_path, monkeypatch):
+    """A config.json with an `auto_map` made transformers ask on a terminal whether to run the folder's Python, and
+    a "y" (typed ahead, or by a user who trusted the folder as a model) ran it."""
+    folder = tmp_path / "rm"
+    folder.mkdir()
+    config = {"architectures": ["EvilForSequenceClassification"], "model_type": "evil",
+              "auto_map": {"AutoConfig": "evil.EvilConfig"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "evil.py").write_text(EVIL_MODULE)
+    shutil.copy(tokenizer_dir / "tokenizer.json", folder / "tokenizer.json")
+    monkeypatch.setattr("builtins.input", lambda prompt="": "y")
+    with pytest.raises(UserError, match=f"^--reward model:{folder}: cannot read its config"):
+        Reward([f"model:{folder}"], 4, torch.device("cpu"))
+    assert not (folder / "ran").exists()
+
+
 def test_a_reward_model_that_is_no_classifier_is_refused(tokenizer_dir, tmp_path):
     """A causal language model (an export of ours) loaded as a sequence classifier got a head of random weights:
     the run trained on noise, with only transformers' table of newly initialised weights to say so."""

@@ -167,8 +167,9 @@ class LengthPenalty:
 # ---- a reward model ------------------------------------------------------------------------------------
 
 class RewardModel:
-    """A local sequence-classification model directory (safetensors weights only; no remote code). Loaded on first
-    use on each rank, on `device`."""
+    """A local sequence-classification model directory (safetensors weights only; no remote code: its config's
+    `auto_map` asked on a terminal whether to run the folder's Python, and ran it on a "y"). Loaded on first use on
+    each rank, on `device`."""
 
     def __init__(self, directory: str, device: torch.device) -> None:
         try:
@@ -180,7 +181,7 @@ class RewardModel:
             raise UserError(f"--reward model:{directory}: no config.json there; give a directory written by "
                             "save_pretrained of a sequence-classification model")
         try:
-            architectures = transformers.AutoConfig.from_pretrained(path).architectures or []
+            architectures = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False).architectures or []
         except (OSError, ValueError) as exc:
             raise UserError(f"--reward model:{directory}: cannot read its config ({exc})".replace("\n", " ")) from None
         if not any(name.endswith("ForSequenceClassification") for name in architectures):
@@ -198,7 +199,7 @@ class RewardModel:
 
     def _load(self) -> None:
         try:
-            self.tokenizer = self.transformers.AutoTokenizer.from_pretrained(self.path)
+            self.tokenizer = self.transformers.AutoTokenizer.from_pretrained(self.path, trust_remote_code=False)
             model, loading = self.transformers.AutoModelForSequenceClassification.from_pretrained(
                 self.path, use_safetensors=True, trust_remote_code=False, output_loading_info=True)
         except Exception as exc:  # noqa: BLE001 - the user's files may fail in any way (a truncated safetensors file:
