@@ -34,6 +34,7 @@ from llm.errors import SigtermUnwinds, UserError, read_user_json_object
 from llm.infer.suggested_sampling import generation_config_text
 from llm.model import Transformer
 from llm.model.from_weights import model_from_weights, shapes_only
+from llm.model.host_memory import check_fits_in_memory
 from llm.model.rope import yarn_attention_scale
 from llm.tokenizer import CONFIG_FILE as TOKENIZER_CONFIG
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
@@ -491,8 +492,10 @@ def _check_sizes_against_headers(directory: Path, cfg: ModelConfig) -> None:
 
 
 def import_model(directory: Path) -> Transformer:
-    """Our model from an export directory (ours, or `save_pretrained` of a Llama model)."""
+    """Our model from an export directory (ours, or `save_pretrained` of a Llama model); a UserError for one that
+    cannot fit in memory (it was built until the kernel killed the process, without a word)."""
     cfg = export_model_config(directory)
+    check_fits_in_memory(cfg, remedy=f" ({directory / HF_CONFIG_FILE})")
     state = {name: tensor for name, tensor in read_weights(directory).items() if not _LEGACY_BUFFER.fullmatch(name)}
     if integral := next((name for name in sorted(state) if not state[name].dtype.is_floating_point), None):
         raise UserError(f"{directory}: {integral} holds {str(state[integral].dtype).removeprefix('torch.')} values, "

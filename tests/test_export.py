@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -608,3 +609,15 @@ def test_an_out_that_is_a_loop_of_links_is_one_line(tmp_path):
     model = Transformer(ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=8))
     with pytest.raises(UserError, match=f"^--out {tmp_path / 'a'}: cannot follow it"):
         export_model(model, None, tmp_path / "a")
+
+
+def test_an_export_too_large_for_this_host_is_one_line_before_it_is_built(tmp_path, monkeypatch):
+    """generate, chat, serve and eval built an export's model until the kernel killed the process (exit 137, no
+    word); a run directory's model was refused in one line."""
+    from llm.model import host_memory
+
+    export_model(_model(0), None, tmp_path / "export")
+    monkeypatch.setattr(host_memory, "usable_memory", lambda: 1000)
+    with pytest.raises(UserError, match=r"^the model has [\d,]+ parameters, .* in fp32: more than .*"
+                                        rf"\({re.escape(str(tmp_path / 'export' / HF_CONFIG_FILE))}\)$"):
+        import_model(tmp_path / "export")
