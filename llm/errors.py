@@ -8,6 +8,7 @@ The CLI prints it without a traceback and exits with `EXIT_USER_ERROR`.
 
 from __future__ import annotations
 
+import errno
 import json
 import signal
 import sys
@@ -102,11 +103,28 @@ def report(message: str) -> None:
     print(f"zerollm: error: {printable(message)}", file=sys.stderr, flush=True)
 
 
-def read_user_text(path: Path, save_as: str) -> str:
-    """The UTF-8 text of a user's file, or a one-line UserError naming it: bytes that are not UTF-8 (say where, and
-    to save it as `save_as`) or a file that cannot be read."""
+USER_FILE_LIMIT = 64 << 20
+"""The most `bounded_text` reads of a configuration file (a model's, a tokenizer's, a run's, a recipe, a DeepSpeed
+config): far more than any holds; a larger one (an 8 GB sparse config.json) was read whole, a MemoryError traceback
+or the process killed without a word."""
+
+
+def bounded_text(path: Path, limit: int = USER_FILE_LIMIT) -> str:
+    """`path.read_text(encoding="utf-8")` (line ends read alike), but an OSError (EFBIG) for a file of more than
+    `limit` bytes, read no further."""
+    with path.open("rb") as file:
+        raw = file.read(limit + 1)
+    if len(raw) > limit:
+        raise OSError(errno.EFBIG, f"larger than the {limit:,} bytes zerollm reads of such a file; is it the right "
+                                   "file?")
+    return raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+
+
+def read_user_text(path: Path, save_as: str, limit: int = USER_FILE_LIMIT) -> str:
+    """The UTF-8 text of a user's file (`bounded_text`), or a one-line UserError naming it: more than `limit` bytes,
+    bytes that are not UTF-8 (say where, and to save it as `save_as`) or a file that cannot be read."""
     try:
-        return path.read_text(encoding="utf-8")
+        return bounded_text(path, limit)
     except UnicodeDecodeError as exc:
         raise UserError(f"{path}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); save "
                         f"{save_as}") from None

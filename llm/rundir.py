@@ -45,7 +45,7 @@ import yaml
 
 from llm import durable
 from llm.config import SECTIONS, build_config, load_recorded_yaml
-from llm.errors import UserError
+from llm.errors import UserError, bounded_text
 from llm.train.run_lock import check_run_unlocked
 from llm.wording import plural
 
@@ -200,13 +200,13 @@ def recorded_config(run_dir: Path) -> dict[str, Any]:
     a missing or damaged file is one UserError."""
     path = config_file(run_dir)
     try:
-        recorded = load_recorded_yaml(path.read_text(encoding="utf-8"))
+        recorded = load_recorded_yaml(bounded_text(path))
     except FileNotFoundError:
         if not run_dir.exists():
             raise UserError(durable.no_such_folder(run_dir)) from None
         raise UserError(f"{run_dir}: no {CONFIG_FILE}; is this a run directory made by `zerollm train`?") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        reason = " ".join(str(exc).split())
+        reason = " ".join((exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)).split())
         raise UserError(f"{path} is damaged ({reason}); `zerollm train` wrote it: restore it") from None
     if not isinstance(recorded, dict):
         raise UserError(f"{path} is damaged (a run config is a YAML mapping, found {type(recorded).__name__}); "
@@ -322,7 +322,7 @@ def incompleteness(run_dir: Path, tag: str) -> str | None:
     if not directory.is_dir():
         return "the folder does not exist"
     try:
-        listed = json.loads(manifest_file(run_dir, tag).read_text(encoding="utf-8"))["files"]
+        listed = json.loads(bounded_text(manifest_file(run_dir, tag)))["files"]
     except FileNotFoundError:
         return f"no {MANIFEST} (its save did not finish)"
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: nested too deep
@@ -394,7 +394,7 @@ def client_state_of(run_dir: Path, tag: str) -> dict[str, Any]:
     if not client_file.is_file():
         raise UserError(f"{client_file.parent}: no {CLIENT_STATE}; the checkpoint is incomplete")
     try:
-        state = json.loads(client_file.read_text(encoding="utf-8"))
+        state = json.loads(bounded_text(client_file))
     except UnicodeDecodeError:
         problem = "not UTF-8 text"
     except ValueError as exc:
@@ -416,7 +416,7 @@ def _saved_by_other_ranks(run_dir: Path, tag: str, world_size: int) -> str | Non
     there for that many: DeepSpeed's load, or a universal conversion decided from it, then failed with a
     traceback), or None; a manifest that does not say is taken at its word."""
     try:
-        saved = json.loads(manifest_file(run_dir, tag).read_text(encoding="utf-8")).get("world_size")
+        saved = json.loads(bounded_text(manifest_file(run_dir, tag))).get("world_size")
     except (OSError, ValueError, AttributeError, RecursionError):
         return None
     if is_count(saved, least=1) and saved != world_size:

@@ -46,6 +46,8 @@ from llm.stdout import on_terminal
 
 EOS, IM_START, IM_END, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
 SPECIAL_TOKENS = [EOS, IM_START, IM_END, PAD]  # ids 0, 1, 2, 3 in tokenizers we train
+TOKENIZER_FILE_LIMIT = 1 << 30
+"""The largest tokenizer.json read: far more than any (Gemma 3's, of 262,144 tokens, is 33 MB)."""
 
 
 END_OF_TEXT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
@@ -324,7 +326,8 @@ class Tokenizer:
                 raise UserError(f"{directory}: no {TOKENIZER_FILE} (its tokenizer is in {directory / 'tokenizer'}: "
                                 "give that)")
             raise UserError(f"{directory}: no {TOKENIZER_FILE}{TRAIN_ONE}")
-        text = read_user_text(path, "it as UTF-8")  # read here: the library's own reading takes UTF-8 paths only
+        # read here: the library's own reading takes UTF-8 paths only
+        text = read_user_text(path, "it as UTF-8", limit=TOKENIZER_FILE_LIMIT)
         try:
             tok = HFTokenizer.from_str(text)
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception on bad files

@@ -621,3 +621,25 @@ def test_an_export_too_large_for_this_host_is_one_line_before_it_is_built(tmp_pa
     with pytest.raises(UserError, match=r"^the model has [\d,]+ parameters, .* in fp32: more than .*"
                                         rf"\({re.escape(str(tmp_path / 'export' / HF_CONFIG_FILE))}\)$"):
         import_model(tmp_path / "export")
+
+
+def test_configuration_files_larger_than_any_are_refused_in_one_line_unread(tmp_path, tokenizer_dir):
+    """An 8 GB sparse config.json (tokenizer_config.json, a run's config.yaml) was read whole: a MemoryError
+    traceback, or the process killed without a word."""
+    from llm import rundir
+    from llm.errors import USER_FILE_LIMIT
+    from llm.tokenizer import Tokenizer
+
+    export_model(_model(0), tokenizer_dir, tmp_path / "export")
+    os.truncate(tmp_path / "export" / HF_CONFIG_FILE, USER_FILE_LIMIT + 1)
+    too_large = f"larger than the {USER_FILE_LIMIT:,} bytes zerollm reads of such a file; is it the right file?"
+    with pytest.raises(UserError, match=rf"{HF_CONFIG_FILE}: cannot be read \({re.escape(too_large)}\)$"):
+        import_model(tmp_path / "export")
+    os.truncate(tmp_path / "export" / "tokenizer_config.json", USER_FILE_LIMIT + 1)
+    with pytest.raises(UserError, match=rf"tokenizer_config.json: cannot be read \({re.escape(too_large)}\)$"):
+        Tokenizer.load(tmp_path / "export")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / rundir.CONFIG_FILE).write_text("model: {}\n")
+    os.truncate(tmp_path / "run" / rundir.CONFIG_FILE, USER_FILE_LIMIT + 1)
+    with pytest.raises(UserError, match=rf"config.yaml is damaged \({re.escape(too_large)}\); `zerollm train` wrote"):
+        rundir.recorded_config(tmp_path / "run")
