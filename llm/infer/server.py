@@ -33,6 +33,7 @@ Standard library only (`http.server`, one thread per connection). Requests are u
 from __future__ import annotations
 
 import collections
+import email.errors
 import hmac
 import io
 import ipaddress
@@ -632,6 +633,12 @@ class _HeadRecorder(io.BufferedReader):
         return line
 
 
+BODY_DEFECTS = (email.errors.StartBoundaryNotFoundDefect, email.errors.CloseBoundaryNotFoundDefect,
+                email.errors.NoBoundaryInMultipartDefect, email.errors.MultipartInvariantViolationDefect)
+"""What the header parser finds wrong with a multipart body it looks for after a head (there is none): a request
+of such a Content-Type was a 400 'a header line is not Name: value', not the 415 it is."""
+
+
 def _malformed_head(lines: list[bytes], headers: Any) -> bool:
     """Whether a request's head holds a header line that is not 'Name: value' (RFC 9112, sections 2.2 and 5): a
     line without a colon (the parser ended the headers there: those after it, a Content-Length or a Host, went
@@ -639,7 +646,10 @@ def _malformed_head(lines: list[bytes], headers: Any) -> bool:
     'X(A)'), a bare CR inside a line (the parser split the line there into a second header), or a first line the
     parser took for a mailbox's 'From ' line and dropped."""
     bare_cr = any(b"\r" in line.removesuffix(b"\n").removesuffix(b"\r") for line in lines)
-    return bool(bare_cr or headers.defects or headers.get_payload() or headers.get_unixfrom()
+    defects = [defect for defect in headers.defects if not isinstance(defect, BODY_DEFECTS)]
+    payload = headers.get_payload()  # a message/* type's: a message parsed from what follows (nothing, or lines left)
+    left = payload if isinstance(payload, str) else any(part.items() or part.get_payload() for part in payload)
+    return bool(bare_cr or defects or left or headers.get_unixfrom()
                 or not all(FIELD_NAME.fullmatch(name) for name in headers))
 
 
