@@ -110,14 +110,15 @@ or the process killed without a word."""
 
 
 def bounded_text(path: Path, limit: int = USER_FILE_LIMIT) -> str:
-    """`path.read_text(encoding="utf-8")` (line ends read alike), but an OSError (EFBIG) for a file of more than
+    """`path.read_text(encoding="utf-8")` (line ends read alike, a byte-order mark that Windows editors write left
+    out: DeepSpeed's own reading takes it, json.loads refuses it), but an OSError (EFBIG) for a file of more than
     `limit` bytes, read no further."""
     with path.open("rb") as file:
         raw = file.read(limit + 1)
     if len(raw) > limit:
         raise OSError(errno.EFBIG, f"larger than the {limit:,} bytes zerollm reads of such a file; is it the right "
                                    "file?")
-    return raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    return raw.decode("utf-8").removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def read_user_text(path: Path, save_as: str, limit: int = USER_FILE_LIMIT) -> str:

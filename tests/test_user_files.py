@@ -60,6 +60,8 @@ def test_ds_config_file_is_read_as_deepspeed_reads_it(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{\n  // ZeRO-2\n  "zero_optimization": {"stage": 2,},\n  /* note */ "bf16": {"enabled": "auto"},}')
     assert load_ds_config(path, "pretrain")[0] == {"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}
+    path.write_bytes(b'\xef\xbb\xbf{"zero_optimization": {"stage": 1}}\r\n')  # a Windows editor's: "a YAML file?"
+    assert load_ds_config(path, "pretrain")[0] == {"zero_optimization": {"stage": 1}}
     path.write_text("// nothing but\n{}")  # an empty object, as written: taken
     assert load_ds_config(path, "pretrain")[0] == {}
     path.write_text('{"zero_optimization": {"stage": 3, "stage": 1}}')
@@ -324,6 +326,19 @@ def test_optimizer_offload_is_dropped_without_zero():
     assert older["zero_optimization"] == {"stage": 0} and older["optimizer"]["params"].get("torch_adam") is True
 
 
+def test_parameter_offload_below_zero_3_is_noted():
+    """DeepSpeed offloads parameters under ZeRO-3 only: at stage 1 or 2 the run trained with every parameter on the
+    device, without a word (it is taken, as DeepSpeed-Chat writes it at stage 2)."""
+    said = ("note: zero_optimization.offload_param offloads parameters under ZeRO stage 3 only: at stage {} every "
+            "parameter stays on the device (--zero-stage 3 offloads them)")
+    for stage in (1, 2):
+        ds = resolved({"zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"}}})
+        assert engine.parameter_offload_note(ds) == said.format(stage)
+    for zero in ({"stage": 3, "offload_param": {"device": "cpu"}}, {"stage": 2, "offload_param": {"device": "none"}},
+                 {"stage": 0, "offload_param": {"device": "cpu"}}, {"stage": 2}):
+        assert engine.parameter_offload_note(resolved({"zero_optimization": zero})) is None
+
+
 def test_ds_config_zero_section_of_every_shipped_config_and_an_offload_pass():
     for path in sorted(FIXTURES.parents[1].joinpath("ds_configs").glob("*.json")):
         raw, source = load_ds_config(path, "pretrain")
@@ -527,17 +542,17 @@ def test_an_empty_chat_template_is_none(tmp_path):
 
 def test_deepspeed_config_and_chat_template_that_cannot_be_read_are_refused(tmp_path, monkeypatch):
     """A file the user may not read (root reads every file, so the refusal is simulated)."""
-    read_text = pathlib.Path.read_text
+    open_file = pathlib.Path.open
 
     def refused(path, *args, **kwargs):
         if path.suffix in (".jinja", ".json") and path.name != "tokenizer.json" and path.parent == tmp_path:
             raise PermissionError(13, "Permission denied")
-        return read_text(path, *args, **kwargs)
+        return open_file(path, *args, **kwargs)
 
     copy_tokenizer(tmp_path)
     (tmp_path / "chat_template.jinja").write_text("{{ 'hi' }}")
     (tmp_path / "ds.json").write_text("{}")
-    monkeypatch.setattr(pathlib.Path, "read_text", refused)
+    monkeypatch.setattr(pathlib.Path, "open", refused)
     with pytest.raises(UserError, match=f"^{tmp_path}/ds.json: cannot be read \\(Permission denied\\)$"):
         load_ds_config(tmp_path / "ds.json", "pretrain")
     with pytest.raises(UserError, match=f"^{tmp_path}/chat_template.jinja: cannot be read \\(Permission denied\\)$"):

@@ -60,6 +60,7 @@ from llm.train.engine import (
     build_engine,
     cpu_has_native_bf16,
     frozen_engine,
+    parameter_offload_note,
     resolve_ds_config,
     resolve_precision,
 )
@@ -620,6 +621,8 @@ def _announce(cfg: RunConfig, info: DistInfo, ds_config: dict, trainer: Trainer,
         print(f"{stage}: note: this CPU only emulates bf16 (no AVX-512 or Arm BF16), many times slower than fp32 "
               "(docs/benchmarks.md); train.precision=auto or fp32 trains faster here", flush=True)
     if note := (ds_warmup_note(ds_config, cfg) if scheduler_name(ds_config) else unfinished_warmup_note(cfg.train)):
+        print(f"{stage}: {note}", flush=True)
+    if note := parameter_offload_note(ds_config):
         print(f"{stage}: {note}", flush=True)
     held = None if trainer.val_set is None else len(trainer.val_set)
     if held is not None and held < info.world_size:  # each rank evaluates whole samples
