@@ -500,7 +500,10 @@ def _template_message(message: dict) -> dict:
 
 
 def _text_arguments(call: dict) -> dict:
+    """`call` with object arguments as their JSON text (text as it is: quoted again, `print(1)` became `"print(1)"`)."""
     function = call["function"]
+    if not isinstance(function["arguments"], dict):
+        return call
     return {**call, "function": {**function, "arguments": json.dumps(function["arguments"], ensure_ascii=False)}}
 
 
@@ -818,7 +821,7 @@ class ChatTemplate:
         if not isinstance(content, str) or not content:
             return start
         found = full.rfind(content, 0, start + len(content) - 1)
-        if found < 0 or found + len(content) <= start:
+        if found < 0 or found + len(content) < start:  # a reply the prompt's end matched whole ('<') ends at start
             return start
         at = self._probed_at(full, escaped, tools, index, {**escaped[index], "content": REPLY_PROBE})
         turn_begins = common_prefix_length(full, self._render(escaped[:index], False, tools))

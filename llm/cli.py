@@ -796,7 +796,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from llm.export import export_model, refuse_replacing_a_source
     from llm.loading import load_trained_model, lora_bases, run_tokenizer
 
-    if args.tag is not None and args.tag not in (tags := rundir.checkpoint_tags(Path(args.run))):
+    if args.tag is not None and rundir.is_run_dir(Path(args.run)) and \
+            args.tag not in (tags := rundir.checkpoint_tags(Path(args.run))):  # (not a run: the loading says so)
         raise UserError(f"--tag {args.tag}: {args.run} holds no such checkpoint (it holds "
                         f"{', '.join(tags) if tags else 'none'})")
     model, cfg = load_trained_model(Path(args.run), args.tag)

@@ -221,7 +221,7 @@ def take_output_dir(out: Path) -> None:
                                 staging_leftovers(entries, ("tokenizer", "data", "sft_data", "dpo_data")))
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / DEMO_MARKER).touch()
+        os.close(held_locks.open_lock_file(out / DEMO_MARKER))  # not through a link: touch() made the file it named
     except OSError as exc:
         raise UserError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
 

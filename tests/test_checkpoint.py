@@ -1482,6 +1482,8 @@ def test_export_tag_writes_the_checkpoint_it_names(one_rank_run, tmp_path):
     assert (missing.returncode, missing.stderr) == (2, f"zerollm: error: --tag global_step3: {one_rank_run} holds no "
                                                        "such checkpoint (it holds global_step2, global_step4)\n")
     assert not (tmp_path / "none").exists()
+    nowhere = run_cli("export", "--run", tmp_path / "nope", "--out", tmp_path / "none", "--tag", "global_step2")
+    assert (nowhere.returncode, nowhere.stderr) == (2, f"zerollm: error: {tmp_path / 'nope'}: no such directory\n")
 
 
 def _losses(run: Path) -> list[float]:

@@ -281,3 +281,10 @@ def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_the_file_it_names_ke
     with pytest.raises(UserError, match=r"\(.train.lock is not a regular file, so not a lock file; remove it\)"):
         take_run_lock(fifo)
     assert victim.read_text() == "precious"
+    from llm.demo import DEMO_MARKER, take_output_dir
+
+    (tmp_path / "demo2").mkdir()
+    (tmp_path / "demo2" / DEMO_MARKER).symlink_to(tmp_path / "created")  # the demo's own check made the file
+    with pytest.raises(UserError, match=r"is a symbolic link, not a lock file; remove it\)$"):
+        take_output_dir(tmp_path / "demo2")
+    assert not (tmp_path / "created").exists()

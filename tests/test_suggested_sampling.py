@@ -127,11 +127,13 @@ def test_a_copy_of_a_generation_config_keeps_only_generation_settings(tmp_path):
 
     secret = tmp_path / "kaggle.json"
     secret.write_text(json.dumps({"username": "victim", "key": "SECRET-KEY-123", "temperature": 0.6,
-                                  "eos_token_id": [2, 3], "stop_strings": ["x" * 65]}))
+                                  "eos_token_id": [2, 3], "stop_strings": ["x" * 65, "<|im_end|>"],
+                                  "nested": {"token": "SECRET"}, "_from_model_config": True}))
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / GENERATION_CONFIG_FILE).symlink_to(secret)
     copied = generation_config_text(tmp_path / "model" / GENERATION_CONFIG_FILE)
-    assert json.loads(copied) == {"temperature": 0.6, "eos_token_id": [2, 3]}
+    assert json.loads(copied) == {"temperature": 0.6, "eos_token_id": [2, 3], "stop_strings": ["<|im_end|>"],
+                                  "_from_model_config": True}
     export_model(_model(0), None, tmp_path / "export", tmp_path / "model" / GENERATION_CONFIG_FILE)
     assert (tmp_path / "export" / GENERATION_CONFIG_FILE).read_text() == copied
     assert generation_config_text(tmp_path / "none.json") is None

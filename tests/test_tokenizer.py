@@ -700,7 +700,8 @@ def test_a_reply_opening_as_the_generation_prompt_ends_is_learnt_whole(tokenizer
     """The reply was taken to start where the rendering parted from the generation prompt: a reply opening with `<`
     (or `<think>\n`) matched its end, started a character (a tag) late, and the record was refused."""
     tok = Tokenizer(Tokenizer.load(tokenizer_dir)._tok, {"eos_token": "<|im_end|>"}, "r1-like", THINK_PROMPT)
-    for reply in ("<b>Five</b>", "<think>\n is a tag", "Plain"):
+    for reply in ("<b>Five</b>", "<think>\n is a tag", "Plain", "<", "<t", "<th"):  # '<' was left out of the loss,
+        # and '<t' refused
         chat = tok.encode_chat_masked([{"role": "user", "content": "Make it bold"},
                                        {"role": "assistant", "content": reply}])
         assert _mask_runs(tok, chat.ids, chat.loss_mask) == [f"{reply}<|im_end|>"]
@@ -1104,6 +1105,12 @@ def test_a_template_that_joins_tool_call_arguments_as_text_gets_them_as_json_tex
     chat = tok.encode_chat_masked(turns)
     assert _mask_runs(tok, chat.ids, chat.loss_mask) == [
         '<tool_call>function:weather\n```json\n{"city": "Lima"}\n```</tool_call><|im_end|>', "It is sunny.<|im_end|>"]
+    two = [turns[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"name": "weather", "arguments": {"city": "Lima"}}, {"name": "python", "arguments": "print(1)"}]}]
+    chat = tok.encode_chat_masked(two)  # text arguments beside object ones stay as they are (not quoted again)
+    assert _mask_runs(tok, chat.ids, chat.loss_mask) == [
+        '<tool_call>function:weather\n```json\n{"city": "Lima"}\n```</tool_call><tool_call>function:python\n```json\n'
+        'print(1)\n```</tool_call><|im_end|>']
     broken = Tokenizer(tok._tok, {"eos_token": "<|im_end|>"}, "broken", "{{ messages[0].content + 1 }}")
     with pytest.raises(MessagesRefused, match=r'^broken: the chat template failed on the messages \(TypeError: can '
                                               r'only concatenate str \(not "int"\) to str\)$'):
@@ -1151,3 +1158,14 @@ def test_data_prepare_names_the_records_whose_reasoning_the_chat_template_leaves
             f"  {tmp_path / 'chats.jsonl'}:1: the reasoning of assistant message 2\n") in reports["qwen3"]
     assert "reasoning left out" not in reports["ours"]
     assert "samples    train 2  val 0" in reports["qwen3"]
+    pair = {"messages": turns[:3], "chosen": turns[3], "rejected": {"role": "assistant", "content": "7",
+                                                                     "reasoning_content": "Add again."}}
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(pair) + "\n")  # the prompt's reasoning is not learnt anyway
+    result = run_cli("data", "prepare", "--kind", "dpo", "--input", tmp_path / "pairs.jsonl", "--tokenizer",
+                     tmp_path / "qwen3", "--out", tmp_path / "dpo", "--val-fraction", 0)
+    assert result.returncode == 0 and "reasoning left out" not in result.stdout, result.stdout + result.stderr
+    r1 = Tokenizer(Tokenizer.load(tokenizer_dir)._tok, {"eos_token": "<|im_end|>"}, "r1-like", THINK_PROMPT)
+    _, _, left_out = encode_sft(r1, Chat(turns, None), 10_000)
+    first_reply_end = r1.encode_chat_masked(turns).replies[0][1]
+    _, truncated, cut_left_out = encode_sft(r1, Chat(turns, None), first_reply_end + 1)
+    assert (left_out, truncated, cut_left_out) == ([2, 4], True, [2])  # message 4 was cut away

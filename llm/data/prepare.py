@@ -167,7 +167,7 @@ def encode_pretrain(tok: Tokenizer, piece: Item) -> Sample:
 def encode_sft(tok: Tokenizer, record: Chat, max_tokens: int) -> tuple[Sample, bool, list[int]]:
     """Chat-template tokens with loss mask 1 exactly on the assistant turns learnt (not of weight 0) and their
     end-of-turn token; cut after the end-of-turn token of the last such turn that fits `max_tokens` (then the flag
-    is True); the messages whose reasoning the template leaves out."""
+    is True); the messages kept whose reasoning the template leaves out."""
     chat = tok.encode_chat_masked(record.messages, record.tools)
     tokens, mask = chat.ids, chat.loss_mask
     truncated = len(tokens) > max_tokens
@@ -179,13 +179,15 @@ def encode_sft(tok: Tokenizer, record: Chat, max_tokens: int) -> tuple[Sample, b
             raise TooLong(f"too long: the first reply ends after {learnt[0]} tokens, more than --seq-len "
                           f"{max_tokens - 1} holds ({max_tokens}: the window and its last target)")
         tokens, mask = tokens[:fitting[-1]], mask[:fitting[-1]]
-    return {"tokens": tokens, "loss_mask": mask}, truncated, chat.reasoning_left_out
+    replies = [number for number, message in enumerate(record.messages, 1) if message.get("role") == "assistant"]
+    kept = {number for number, (_, end) in zip(replies, chat.replies, strict=True) if end <= len(tokens)}
+    return {"tokens": tokens, "loss_mask": mask}, truncated, [n for n in chat.reasoning_left_out if n in kept]
 
 
 def encode_dpo(tok: Tokenizer, pair: Pair, max_tokens: int) -> tuple[Sample, bool, list[int]]:
     """Prompt ids (ending in the generation prompt) and each reply's masked turn, so that prompt + reply are the
     ids of the answered conversation; the messages whose reasoning the template leaves out (the reply's number
-    where either reply's is)."""
+    where either reply's is; the prompt's replies are not learnt)."""
     chosen_chat, rejected_chat = (tok.encode_chat_masked([*pair.prompt, reply], pair.tools)
                                   for reply in (pair.chosen, pair.rejected))
     shared = min(chosen_chat.replies[-1][0], rejected_chat.replies[-1][0])
@@ -199,7 +201,9 @@ def encode_dpo(tok: Tokenizer, pair: Pair, max_tokens: int) -> tuple[Sample, boo
         sample["prompt"] = sample["prompt"][-max(max_tokens - longest_reply, max_tokens // 2):]
         for reply in ("chosen", "rejected"):
             sample[reply] = sample[reply][:max_tokens - len(sample["prompt"])]
-    return sample, truncated, sorted(set(chosen_chat.reasoning_left_out + rejected_chat.reasoning_left_out))
+    reply = len(pair.prompt) + 1  # the prompt's replies are context, not learnt
+    return sample, truncated, [reply] if reply in chosen_chat.reasoning_left_out + rejected_chat.reasoning_left_out \
+        else []
 
 
 ENCODERS = {"sft": encode_sft, "dpo": encode_dpo}

@@ -20,15 +20,8 @@ SUGGESTED_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "repetit
 """The keys read (vLLM's, less min_p, which the sampler has not) and the type of each."""
 
 
-GENERATION_KEYS = frozenset({
-    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "early_stopping", "max_time", "stop_strings",
-    "do_sample", "num_beams", "num_beam_groups", "penalty_alpha", "use_cache", "cache_implementation", "temperature",
-    "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "diversity_penalty", "repetition_penalty",
-    "encoder_repetition_penalty", "length_penalty", "no_repeat_ngram_size", "bad_words_ids", "renormalize_logits",
-    "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values", "suppress_tokens", "begin_suppress_tokens",
-    "guidance_scale", "num_return_sequences", "pad_token_id", "bos_token_id", "eos_token_id",
-    "decoder_start_token_id", "transformers_version"})
-"""transformers' GenerationConfig fields that a copy of the file keeps (`generation_config_text`)."""
+TEXT_KEYS = frozenset({"transformers_version", "cache_implementation", "stop_strings"})
+"""The generation settings of text (`generation_config_text`): a copy keeps no other text."""
 TEXT_LIMIT = 64
 """The longest text a copy keeps (a version, a cache's name, a stop string)."""
 
@@ -49,26 +42,34 @@ def _read(path: Path) -> tuple[str, dict[str, Any]]:
     return text, config
 
 
-def _plain(value: Any, depth: int = 0) -> bool:
-    """A value of the kinds generation settings take: a number, a flag, null, a short text, or lists of them (token
-    ids, stop strings, banned sequences)."""
+def _numeric(value: Any, depth: int = 0) -> bool:
+    """A number, a flag, null, or lists of them (token ids, banned sequences, a penalty's pair)."""
     if value is None or isinstance(value, (bool, int, float)):
         return True
+    return isinstance(value, list) and depth < 3 and all(_numeric(item, depth + 1) for item in value)
+
+
+def _texts_kept(value: Any) -> Any:
+    """A text setting's value with its texts of up to TEXT_LIMIT characters (None where none is left)."""
     if isinstance(value, str):
-        return len(value) <= TEXT_LIMIT
-    return isinstance(value, list) and depth < 2 and all(_plain(item, depth + 1) for item in value)
+        return value if len(value) <= TEXT_LIMIT else None
+    short = [text for text in value if isinstance(text, str) and len(text) <= TEXT_LIMIT] \
+        if isinstance(value, list) else []
+    return short or None
 
 
 def generation_config_text(path: Path) -> str | None:
     """The text to write for a copy of generation_config.json `path` (beside a model trained from it, in an export),
-    None where there is no such file: its text where it holds nothing but transformers' generation fields, of the
-    kinds they take, else those fields alone. The file was copied whole, and a link there to a file elsewhere (a
-    user's credentials in JSON) was copied into the run and its exports; a file that is not a generation config's
-    JSON object is a UserError."""
+    None where there is no such file: its text where it holds nothing but numbers, flags and token ids, and the
+    texts of TEXT_KEYS, else those settings alone. The file was copied whole, and a link there to a file elsewhere
+    (a user's credentials in JSON) was copied into the run and its exports; a file that is not a JSON object is a
+    UserError."""
     if not path.is_file():
         return None
     text, config = _read(path)
-    kept = {key: value for key, value in config.items() if key in GENERATION_KEYS and _plain(value)}
+    kept = {key: value for key, value in config.items() if _numeric(value)}
+    kept.update({key: short for key in TEXT_KEYS & set(config) if (short := _texts_kept(config[key])) is not None})
+    kept = {key: kept[key] for key in config if key in kept}  # in the file's order
     return text if kept == config else json.dumps(kept, indent=2) + "\n"
 
 
