@@ -1015,6 +1015,8 @@ MODEL_FOLDER_OPTIONS = ("model", "run", "init_from", "teacher")
 Rust take UTF-8 paths only."""
 MODEL_FOLDER_KEYS = ("train.init_from",)
 """The run-config keys that name such a folder where no option does (`train distill` requires `--teacher`)."""
+GLOB_MAGIC = re.compile(r"[*?[]")
+"""What glob reads as a pattern: DeepSpeed finds checkpoint files with glob below the run's path."""
 MODEL_WRITING_COMMANDS = ("train", "export", "demo", "bench")
 """The commands whose --out is (or holds) a run or an export (bench: bench learn's)."""
 
@@ -1022,7 +1024,8 @@ MODEL_WRITING_COMMANDS = ("train", "export", "demo", "bench")
 def _refuse_paths_libraries_cannot_open(args: argparse.Namespace) -> None:
     """A run or export folder whose name is not UTF-8 (GBK bytes from a zip made on Windows) was written, then could
     not be read: its checkpoints were called damaged ('train the run again'), its weights unreadable. Data, tokenizer,
-    plot and evaluation folders are read and written by Python, h5py and zerollm itself: any name."""
+    plot and evaluation folders are read and written by Python, h5py and zerollm itself: any name. A run's path
+    holding glob's `*`, `?` or `[` is refused too (`run[1]` loaded the checkpoints of `run1`)."""
     dests = (*MODEL_FOLDER_OPTIONS, *(["out"] if args.command in MODEL_WRITING_COMMANDS else []))
     given = [(f"--{dest.replace('_', '-')} ", getattr(args, dest, None)) for dest in dests]
     given += [(f"--set {key}=", raw) for key, _, raw in map(parse_override, getattr(args, "overrides", None) or [])
@@ -1031,6 +1034,12 @@ def _refuse_paths_libraries_cannot_open(args: argparse.Namespace) -> None:
         if isinstance(value, str | os.PathLike) and (found := not_utf8(str(value))):
             raise UserError(f"{option}{value}: its name holds {found[1]}, which is not UTF-8; torch and safetensors "
                             "open no file below such a name: rename it")
+        runs = option.startswith("--out") and args.command != "export" or rundir.is_run_dir(Path(value)) \
+            if isinstance(value, str | os.PathLike) else False
+        if runs and (magic := GLOB_MAGIC.search(os.path.abspath(value))):
+            raise UserError(f"{option}{value}: its path holds '{magic.group()}', which DeepSpeed reads as a pattern "
+                            "where it looks for a run's checkpoint files (another folder's were loaded, or none "
+                            "found): rename it")
 
 
 def parse_arguments(argv: list[str]) -> argparse.Namespace:

@@ -467,3 +467,18 @@ def test_a_tokenizer_folder_named_in_bytes_that_are_not_utf8_is_read(tmp_path, m
     assert Path(data, "tokens.h5").is_file()
     sys.stdout.flush()
     assert b"written to" in written.getvalue()
+
+
+def test_a_run_path_that_glob_reads_as_a_pattern_is_refused(tmp_path, monkeypatch, capsys):
+    """DeepSpeed finds a run's checkpoint files with glob: `run[1]` evaluated, exported and resumed the checkpoints
+    of a `run1` beside it, without a word (or a FileNotFoundError traceback where there was none)."""
+    run = tmp_path / "run[1]"
+    run.mkdir()
+    (run / "config.yaml").write_text("model: {}\n")
+    for args in (["eval", "--model", run, "--data", tmp_path], ["export", "--run", run, "--out", tmp_path / "e"],
+                 ["train", "pretrain", "--recipe", "demo", "--data", tmp_path, "--out", tmp_path / "new*"]):
+        assert zerollm_here(monkeypatch, *args) == 2
+        said = capsys.readouterr().err
+        assert "which DeepSpeed reads as a pattern where it looks for a run's checkpoint files" in said, said
+    assert zerollm_here(monkeypatch, "export", "--run", tmp_path / "none", "--out", tmp_path / "e[1]") == 2
+    assert capsys.readouterr().err.endswith("none: no such directory\n")  # an export's own name is any
