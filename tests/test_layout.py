@@ -4,6 +4,10 @@ to their side of the walls, and every exit code and run-directory name is define
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from conftest import REPO
@@ -126,3 +130,27 @@ def test_every_run_directory_name_is_spelled_once_in_rundir():
             if isinstance(node, ast.Constant) and node.value in RUN_DIR_NAMES:
                 spelled.setdefault(node.value, set()).add(module)
     assert spelled == {name: {"llm.rundir"} for name in RUN_DIR_NAMES}
+
+
+def test_an_installed_wheel_holds_what_the_commands_read(tmp_path):
+    """`pip install .` (not editable) left out ds_configs/, beside the packages: every training was refused
+    ('DeepSpeed config not found ... a shipped one by name: '), and `zerollm demo` failed at its pretraining."""
+    source = tmp_path / "source"
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for name in filter(None, tracked.decode().split("\0")):
+        if (REPO / name).is_file():  # (a file deleted in this checkout is tracked still)
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", source, "--no-deps", "--no-build-isolation", "-w", tmp_path / "wheel"], check=True,
+                   capture_output=True)
+    subprocess.run([*pip, "install", "--no-deps", "--target", tmp_path / "installed",
+                    *(tmp_path / "wheel").glob("*.whl")], check=True, capture_output=True)
+    check = ("from llm.config import recipe_names\nfrom llm.train.ds_config_file import load_ds_config, shipped_names\n"
+             "import llm\nprint(llm.__file__, shipped_names(), recipe_names(), load_ds_config(None, 'sft')[1])")
+    result = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path / "installed")})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(str(tmp_path / "installed" / "llm"))
+    assert "['distill', 'dpo', 'grpo', 'pretrain', 'pretrain_zero3', 'sft']" in result.stdout
+    assert "'demo'" in result.stdout and result.stdout.rstrip().endswith("ds_configs/sft.json")
