@@ -44,7 +44,7 @@ from llm.errors import (
     report,
 )
 from llm.runtime.accelerator import check_chosen_accelerator
-from llm.stdout import GuardedStdout, OutputLost, discard, on_terminal, settle
+from llm.stdout import SHOWN_ANYHOW, GuardedStdout, OutputLost, discard, on_terminal, settle
 from llm.train.ds_config_file import load_ds_config
 from llm.wording import for_terminal_stream, plural
 
@@ -1069,8 +1069,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     stdout = sys.stdout
-    if isinstance(stdout, io.TextIOWrapper):  # a path that is not UTF-8 printed as its bytes, as ls prints it (a
-        stdout.reconfigure(errors="surrogateescape")  # strict UTF-8 stdout raised after the work was done)
+    if isinstance(stdout, io.TextIOWrapper):  # what its encoding cannot write is escaped (a strict stdout raised after
+        stdout.reconfigure(errors=SHOWN_ANYHOW)  # the work was done, or mid-training)
     if stdout is not None:  # None where descriptor 1 was closed at start: print() then writes nothing
         sys.stdout = GuardedStdout(stdout)
     try:

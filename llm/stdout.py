@@ -4,10 +4,28 @@ reports for a writer the closed pipe ended), in one line with exit 2 on a full d
 
 from __future__ import annotations
 
+import codecs
 import os
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any, TextIO
+
+
+def _shown_anyhow(error: UnicodeError) -> tuple[bytes, int]:
+    """The codec error handler SHOWN_ANYHOW: characters standard output's encoding lacks (Chinese in a latin-1 or
+    an ASCII locale) as \\uXXXX escapes, where strict encoding raised once the work was done (a training at its first
+    sample, losing it); surrogates that stand for the bytes of a path that is not UTF-8 as those bytes, as ls
+    writes them."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    text = error.object[error.start:error.end]
+    shown = b"".join(bytes([ord(c) - 0xDC00]) if "\udc80" <= c <= "\udcff" else
+                     c.encode("ascii", "backslashreplace") for c in text)
+    return shown, error.end
+
+
+SHOWN_ANYHOW = "zerollm.shown_anyhow"
+codecs.register_error(SHOWN_ANYHOW, _shown_anyhow)
 
 
 class OutputLost(Exception):  # noqa: N818 - not an error of the command's: its output's reader or disk

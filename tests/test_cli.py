@@ -13,6 +13,7 @@ import pytest
 
 from conftest import FIXTURES, closed_pipe, full_disk, run_cli, train_args, zerollm_here
 from llm.errors import UserError
+from llm.stdout import SHOWN_ANYHOW
 
 
 @pytest.mark.parametrize("command", [[], ["tokenizer", "train"], ["data", "prepare"], ["train", "pretrain"],
@@ -482,3 +483,18 @@ def test_a_run_path_that_glob_reads_as_a_pattern_is_refused(tmp_path, monkeypatc
         assert "which DeepSpeed reads as a pattern where it looks for a run's checkpoint files" in said, said
     assert zerollm_here(monkeypatch, "export", "--run", tmp_path / "none", "--out", tmp_path / "e[1]") == 2
     assert capsys.readouterr().err.endswith("none: no such directory\n")  # an export's own name is any
+
+
+def test_text_standard_output_cannot_encode_is_escaped_not_a_crash(tmp_path):
+    """Under a latin-1 or ASCII stdout, the first Chinese printed raised UnicodeEncodeError: a training at its first
+    evaluation's samples (before its first checkpoint), other commands once their work was written."""
+    out = tmp_path / "中文 é"
+    result = subprocess.run([sys.executable, "-m", "llm", "tokenizer", "train", "--input",
+                             FIXTURES / "pretrain" / "zh_stories.txt", "--vocab-size", "300", "--out", out],
+                            capture_output=True, env={**os.environ, "PYTHONIOENCODING": "latin-1"})
+    assert result.returncode == 0, result.stderr.decode(errors="replace")
+    assert f"{tmp_path}/\\u4e2d\\u6587 \xe9".encode("latin-1") in result.stdout
+    stream = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors=SHOWN_ANYHOW)
+    stream.write("中 \udce4")  # a path's byte that is not UTF-8 is written back as that byte, as ls writes it
+    stream.flush()
+    assert stream.buffer.getvalue() == "中 ".encode() + b"\xe4"
