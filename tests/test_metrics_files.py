@@ -339,3 +339,20 @@ def test_the_wandb_config_is_the_config_the_run_directory_records(pretrain_data,
     job._start_files(cfg, run, {"train_batch_size": 8}, SimpleNamespace(run_id="abc123", step=0), {"k": 1}).close(0)
     assert given["config"]["train"]["init_from"] == str(tmp_path / "base")
     assert given["config"] == build_config(str(run / "config.yaml")).to_dict()
+
+
+def test_a_wandb_data_folder_that_cannot_be_written_is_one_line(monkeypatch, tmp_path):
+    """wandb stages the samples' tables in its data folder (in the home folder by default): under a read-only home
+    the run ended at its first evaluation with a PermissionError traceback, before its first checkpoint."""
+    from llm.train.metrics import check_wandb
+
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "afile" / "wandb"))
+    with pytest.raises(UserError) as refused:
+        check_wandb(WandbConfig(mode="offline"), tmp_path / "run")
+    assert str(refused.value) == (f"wandb cannot write its data folder {tmp_path / 'afile' / 'wandb'} "
+                                  "(WANDB_DATA_DIR), where it stages the samples' tables; set WANDB_DATA_DIR to a "
+                                  "folder it can write, or use --wandb off")
+    check_wandb(WandbConfig(mode="off"), tmp_path / "run")
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "data"))
+    check_wandb(WandbConfig(mode="offline"), tmp_path / "run")

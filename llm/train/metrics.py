@@ -187,6 +187,7 @@ def check_wandb(settings: WandbConfig, run_dir: Path) -> None:
     folder = run_dir / rundir.WANDB_DIR
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--out {run_dir}: {folder} is a file where wandb keeps its folder; move it away")
+    _refuse_unwritable_staging(wandb)
     if hasattr(wandb.Settings, "update_from_env_vars"):
         _refuse_unreadable_variables(wandb)
         try:
@@ -207,6 +208,18 @@ def check_wandb(settings: WandbConfig, run_dir: Path) -> None:
         raise UserError(f"wandb: {_wandb_reason(exc)}; run `wandb login`, or pass --wandb offline") from None
     if auth is None:
         raise UserError(NO_WANDB_KEY)
+
+
+def _refuse_unwritable_staging(wandb: Any) -> None:
+    """wandb stages the samples' tables (and every artifact) in its data folder (WANDB_DATA_DIR, by default in the
+    home folder), offline too: where it cannot write there (a read-only home, as on compute nodes) the run ended at
+    its first evaluation with a PermissionError traceback, before its first checkpoint."""
+    data = Path(wandb.env.get_data_dir())
+    staging = data / "artifacts" / "staging"  # made by wandb; here only the nearest folder that exists is looked at
+    existing = next(path for path in (staging, *staging.parents) if path.exists() or path == path.parent)
+    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+        raise UserError(f"wandb cannot write its data folder {data} (WANDB_DATA_DIR), where it stages the samples' "
+                        "tables; set WANDB_DATA_DIR to a folder it can write, or use --wandb off")
 
 
 def _append(path: Path, text: str, step: int) -> None:
