@@ -142,6 +142,21 @@ def remove_set_aside(old: Path, target: Path) -> None:
               f"({exc.strerror or exc}); delete it yourself", file=sys.stderr, flush=True)
 
 
+def check_staged_name(target: Path) -> None:
+    """UserError where the names `staged_folder` gives beside folder `target` (`.NAME.partial`, `.NAME.old`) are
+    longer than its file system takes (255 bytes): a name of 247 to 255 bytes was a traceback (File name too long),
+    after a tokenizer's whole training."""
+    existing = next(path for path in target.parents if path.exists() or path == path.parent)
+    try:
+        most = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        most = 255
+    if len(f".{target.name}.partial".encode(errors="surrogateescape")) > most:
+        raise UserError(f"--out {target}: its name is too long to be written whole: the copy written first beside it, "
+                        f".{target.name}.partial, would be longer than the {most} bytes a name may have; choose a "
+                        "shorter name")
+
+
 @contextmanager
 def staged_folder(target: Path, replace: bool = False) -> Iterator[Path]:
     """Make folder `target` whole or not at all: inside, fill the hidden `.NAME.partial` beside it that this yields
@@ -151,6 +166,7 @@ def staged_folder(target: Path, replace: bool = False) -> Iterator[Path]:
     complete folders, the old one as `.NAME.old`). A failure inside or while flushing (a full disk) leaves `target`
     as it was and no partial folder. Leftovers of an earlier run that cannot be deleted are refused before anything
     is written (`remove_leftover`)."""
+    check_staged_name(target)
     partial, old = target.with_name(f".{target.name}.partial"), target.with_name(f".{target.name}.old")
     for staging in (partial, old):  # a file of that name: a traceback as it was renamed over, or a wrong path named
         if staging.is_symlink() or staging.exists() and not staging.is_dir():

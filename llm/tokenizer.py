@@ -93,6 +93,7 @@ def _make_out_dir(out_dir: Path) -> bool:
     anything but an earlier `train_tokenizer` output (a prepared data folder's tokenizer/, a tokenizer of your own,
     a run), a place that cannot be written."""
     refuse_current_directory(out_dir.resolve(), out_dir, "tokenizer train", "tok/")
+    durable.check_staged_name(out_dir.resolve())  # before the training, not once it is done
     try:
         if out_dir.is_dir():
             refuse_mount_point(out_dir.resolve(), out_dir, "tokenizer train")

@@ -643,3 +643,17 @@ def test_configuration_files_larger_than_any_are_refused_in_one_line_unread(tmp_
     os.truncate(tmp_path / "run" / rundir.CONFIG_FILE, USER_FILE_LIMIT + 1)
     with pytest.raises(UserError, match=rf"config.yaml is damaged \({re.escape(too_large)}\); `zerollm train` wrote"):
         rundir.recorded_config(tmp_path / "run")
+
+
+def test_an_out_name_too_long_for_its_staging_copy_is_one_line_before_the_work(tmp_path, tokenizer_dir):
+    """A name of 247 to 255 bytes is a file system's, but `.NAME.partial` beside it is not: export ended in a
+    traceback (File name too long), tokenizer train after its whole training."""
+    long_name = tmp_path / ("e" * 250)
+    said = r"its name is too long to be written whole: the copy written first beside it, \.e+\.partial, would be "
+    with pytest.raises(UserError, match=said):
+        export_model(_model(0), None, long_name)
+    result = run_cli("tokenizer", "train", "--input", FIXTURES / "pretrain" / "en_stories.txt", "--vocab-size", 300,
+                     "--out", long_name)
+    assert result.returncode == 2 and re.search(said, result.stderr) and "tokenizer:" not in result.stdout
+    export_model(_model(0), None, tmp_path / ("e" * 246))  # .NAME.partial: 255 bytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e" * 246]
