@@ -495,7 +495,6 @@ def import_model(directory: Path) -> Transformer:
     """Our model from an export directory (ours, or `save_pretrained` of a Llama model); a UserError for one that
     cannot fit in memory (it was built until the kernel killed the process, without a word)."""
     cfg = export_model_config(directory)
-    check_fits_in_memory(cfg, remedy=f" ({directory / HF_CONFIG_FILE})")
     state = {name: tensor for name, tensor in read_weights(directory).items() if not _LEGACY_BUFFER.fullmatch(name)}
     if integral := next((name for name in sorted(state) if not state[name].dtype.is_floating_point), None):
         raise UserError(f"{directory}: {integral} holds {str(state[integral].dtype).removeprefix('torch.')} values, "
@@ -521,6 +520,7 @@ def import_model(directory: Path) -> Transformer:
                  for name in sorted(state) if state[name].shape != expected[ours[name]].shape]
     if misshapen:
         raise UserError(f"{directory}: weights do not match {HF_CONFIG_FILE} ({misshapen[0]})")
+    check_fits_in_memory(cfg, remedy=f" ({directory / HF_CONFIG_FILE})")  # its shapes checked first, allocating nothing
     weights = {}
     for name in sorted(state):  # copied one at a time into this process's memory (safetensors maps the file: its
         weights[ours[name]] = state.pop(name).to(torch.float32, copy=True)  # pages would change with a later write)
