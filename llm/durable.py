@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from llm.errors import UserError
+from llm.held_locks import held_beside
 
 OUT_OF_ROOM = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                errno.EFBIG: "a file reached the file size limit (ulimit -f)"}
@@ -165,32 +166,39 @@ def staged_folder(target: Path, replace: bool = False) -> Iterator[Path]:
     earlier one is renamed aside to `.NAME.old` and deleted after (a crash between the two renames leaves both
     complete folders, the old one as `.NAME.old`). A failure inside or while flushing (a full disk) leaves `target`
     as it was and no partial folder. Leftovers of an earlier run that cannot be deleted are refused before anything
-    is written (`remove_leftover`)."""
+    is written (`remove_leftover`); so is a second writer of `target` while one is at work (`held_beside`)."""
     check_staged_name(target)
-    partial, old = target.with_name(f".{target.name}.partial"), target.with_name(f".{target.name}.old")
-    for staging in (partial, old):  # a file of that name: a traceback as it was renamed over, or a wrong path named
-        if staging.is_symlink() or staging.exists() and not staging.is_dir():
-            raise UserError(f"{staging} is in the way: replacing {target} whole takes that name beside it (for the "
-                            "new copy as it is written, or the earlier one set aside); move it away")
-        if staging == partial or target.exists():  # else `.NAME.old` is the one copy a crash left: kept till done
-            remove_leftover(staging, target)
     try:
-        yield partial
-        for path in sorted(partial.rglob("*"), reverse=True):  # a subfolder after the files and folders in it
-            if not path.is_symlink() and (path.is_file() or path.is_dir()):
-                fsync(path)
-        fsync(partial)
-        if replace and target.exists():
-            os.replace(target, old)
-        os.replace(partial, target)
-    except BaseException:
-        if replace and old.exists() and not target.exists():  # the new one could not be renamed in
-            os.replace(old, target)
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    fsync(target.parent)
-    if replace:
-        remove_set_aside(old, target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file where a parent folder should be
+        raise UserError(f"--out {target}: cannot create it ({os.strerror(errno.ENOTDIR)})") from None
+    except OSError as exc:
+        raise UserError(f"--out {target}: cannot create it ({exc.strerror or exc})") from None
+    with held_beside(target):  # one writer at a time: the names beside it are shared
+        partial, old = target.with_name(f".{target.name}.partial"), target.with_name(f".{target.name}.old")
+        for staging in (partial, old):  # a file of that name: a traceback as it was renamed over, or a wrong path
+            if staging.is_symlink() or staging.exists() and not staging.is_dir():
+                raise UserError(f"{staging} is in the way: replacing {target} whole takes that name beside it (for "
+                                "the new copy as it is written, or the earlier one set aside); move it away")
+            if staging == partial or target.exists():  # else `.NAME.old` is the one copy a crash left: kept till done
+                remove_leftover(staging, target)
+        try:
+            yield partial
+            for path in sorted(partial.rglob("*"), reverse=True):  # a subfolder after the files and folders in it
+                if not path.is_symlink() and (path.is_file() or path.is_dir()):
+                    fsync(path)
+            fsync(partial)
+            if replace and target.exists():
+                os.replace(target, old)
+            os.replace(partial, target)
+        except BaseException:
+            if replace and old.exists() and not target.exists():  # the new one could not be renamed in
+                os.replace(old, target)
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        fsync(target.parent)
+        if replace:
+            remove_set_aside(old, target)
 
 
 STAGED_SUFFIX = r"(?:partial|old)(?:-[0-9]+-[a-z0-9_]{8})?"

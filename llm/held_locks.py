@@ -77,3 +77,38 @@ def held_folder(folder: Path, marker: str, command: str) -> Iterator[None]:
         yield
     finally:
         release(fd)
+
+
+@contextlib.contextmanager
+def held_beside(target: Path) -> Iterator[None]:
+    """Inside, folder `target` (written whole beside it: `llm.durable.staged_folder`) is locked by this process
+    through `.NAME.lock` beside it, removed on leaving: two exports (or tokenizer trains) into one folder at once
+    deleted each other's copies, ended in tracebacks, and once left one's weights beside the other's config. A file
+    system without locks is not held."""
+    lock = target.with_name(f".{target.name}.lock")
+    while True:
+        try:
+            fd = open_lock_file(lock)
+        except OSError as exc:
+            raise UserError(f"{target}: cannot lock it for writing ({exc.strerror or exc})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                os.close(fd)
+                raise UserError(f"{target}: another zerollm command is writing it now; wait for it to end, or "
+                                "choose another --out") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:  # else its holder removed it between our open and lock: lock the new one
+            break
+        os.close(fd)
+    hold(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()
+        release(fd)

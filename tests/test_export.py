@@ -657,3 +657,19 @@ def test_an_out_name_too_long_for_its_staging_copy_is_one_line_before_the_work(t
     assert result.returncode == 2 and re.search(said, result.stderr) and "tokenizer:" not in result.stdout
     export_model(_model(0), None, tmp_path / ("e" * 246))  # .NAME.partial: 255 bytes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e" * 246]
+
+
+def test_a_second_export_into_a_folder_being_written_is_one_line_and_the_first_is_whole(tmp_path):
+    """Two exports into one --out at once deleted each other's copies (.NAME.partial is shared): tracebacks, an
+    'exported' that was not, and once one run's weights beside the other's config.json."""
+    from llm.held_locks import held_beside
+
+    out = tmp_path / "export"
+    export_model(_model(0), None, out)
+    said = rf"^{re.escape(str(out))}: another zerollm command is writing it now; wait for it to end, or choose"
+    with held_beside(out), pytest.raises(UserError, match=said):  # as the first export holds it while it writes
+        export_model(_model(1), None, out)
+    assert torch.equal(_logits(import_model(out)), _logits(_model(0)))
+    export_model(_model(1), None, out)  # the lock is gone with its holder
+    assert torch.equal(_logits(import_model(out)), _logits(_model(1)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
