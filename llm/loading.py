@@ -208,7 +208,11 @@ def base_to_resume_on(run_dir: Path) -> str | None:
     recorded = _recorded_run_config(run_dir)
     train, lora = recorded.get("train") or {}, recorded.get("lora") or {}
     needed = lora.get("r") or train.get("stage") in ("dpo", "grpo")
-    return (train.get("init_from") or None) if needed else None
+    base = (train.get("init_from") or None) if needed else None
+    if base is not None and not Path(base).exists():  # said as an export without weights, naming no remedy
+        raise UserError(f"{run_dir} records its base model (train.init_from) as {base}, which is not there any more; "
+                        "if it was moved, resume with --init-from naming its new place")
+    return base
 
 
 def _checkpoint_still_there(base: Path, trained_on: dict[str, Any]) -> str | None:
@@ -243,6 +247,8 @@ def weights_summary(path: str | Path, option: str) -> dict[str, Any]:
     an edited RoPE base is another function of the same weights). `option` names it in errors."""
     directory = Path(path)
     tag = None
+    if not directory.exists():
+        raise UserError(f"{option} {durable.no_such_folder(directory)}")
     if rundir.is_run_dir(directory):
         tag = rundir.usable_tag(directory)
         if tag is None:

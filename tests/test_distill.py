@@ -324,17 +324,24 @@ def _recorded(run_dir, **teacher):
 
 def test_an_export_moved_is_the_same_teacher_and_a_run_directory_elsewhere_is_not(tmp_path):
     """The same teacher at another path was refused as another, even with the same digest on both sides; a run
-    directory is known by its run id and checkpoint, which a copy trained on keeps, so its path still counts."""
+    directory is known by its run id and checkpoint, which a copy trained on keeps, so its path still counts while
+    one is left there; one moved (none left where it was) is the same (a moved DPO run of a moved base could not be
+    resumed, but as a new run)."""
     model = {"dim": 64, "rope_theta": 10000.0}
     _recorded(tmp_path, path="/models/a", weights="model.safetensors digest 1234", model=model)
     check_same_weights(tmp_path, "teacher", {"path": "/moved/a", "weights": "model.safetensors digest 1234",
                                              "model": model}, "--teacher")
-    _recorded(tmp_path, path="/runs/a", weights="run 9c1e global_step20", model=model)
+    (tmp_path / "a").mkdir()
+    _recorded(tmp_path, path=str(tmp_path / "a"), weights="run 9c1e global_step20", model=model)
+    summary = {"path": "/runs/copy", "weights": "run 9c1e global_step20", "model": model, "tag": "global_step20"}
     with pytest.raises(UserError, match="^--teacher /runs/copy \\(run 9c1e global_step20\\): not the teacher .*"
                                         "global_step20\\) \\(a run directory is known by its path: a copy "
                                         "elsewhere may have trained on under the same run id\\); resume with"):
-        check_same_weights(tmp_path, "teacher", {"path": "/runs/copy", "weights": "run 9c1e global_step20",
-                                                 "model": model, "tag": "global_step20"}, "--teacher")
+        check_same_weights(tmp_path, "teacher", summary, "--teacher")
+    (tmp_path / "a").rmdir()  # moved: none left where it was
+    check_same_weights(tmp_path, "teacher", summary, "--teacher")
+    with pytest.raises(UserError, match="^--teacher /runs/copy \\(run 9c1e global_step30\\): not the teacher"):
+        check_same_weights(tmp_path, "teacher", {**summary, "weights": "run 9c1e global_step30"}, "--teacher")
 
 
 def test_the_checkpoint_checked_is_the_one_loaded(student, teacher):

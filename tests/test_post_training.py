@@ -13,7 +13,7 @@ import torch
 from forked_ranks import kill_when, run_job
 from tokens_swap import replace_tokens_file, reversed_tokens
 
-from conftest import FIXTURES, run_cli, train_args
+from conftest import FIXTURES, run_cli, train_args, zerollm_here
 from llm.config import GRPOConfig, ModelConfig
 from llm.data.datasets import PackedConversations, PreferencePairs, PretrainWindows
 from llm.data.formats import Chat, Pair, RecordError, chat_record, conversation, pair_record, preference, pretrain_text
@@ -936,3 +936,16 @@ def test_data_of_a_larger_vocabulary_than_the_init_from_model_names_the_model(sf
     assert result.returncode == 2 and result.stderr == (
         f"zerollm: error: {sft_data}: its tokenizer has 512 tokens, more than the 256 of --init-from {small}'s model; "
         "prepare the data with that model's tokenizer\n"), result.stderr[-2000:]
+
+
+def test_a_resume_whose_recorded_base_was_moved_says_so(tmp_path, monkeypatch, capsys):
+    """Resumed without --init-from after its base was moved, a DPO run was refused as if the base's old path were
+    an export without weights ('no model.safetensors ... beside config.json'), naming no remedy."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"train:\n  stage: dpo\n  init_from: {tmp_path / 'gone'}\n")
+    args = ["train", "dpo", "--recipe", "demo", "--data", tmp_path, "--out", run, "--resume", "auto"]
+    assert zerollm_here(monkeypatch, *args) == 2
+    assert capsys.readouterr().err == (f"zerollm: error: {run} records its base model (train.init_from) as "
+                                       f"{tmp_path / 'gone'}, which is not there any more; if it was moved, resume "
+                                       "with --init-from naming its new place\n")

@@ -205,12 +205,13 @@ def check_same_weights(run_dir: Path, role: str, summary: dict[str, Any], option
     its newest session used (`llm.loading.weights_summary`): other weights, or the same weights under a config
     whose shape or function fields changed (recorded since they were), naming both. An export moved elsewhere is
     the same model (its weights are known by their digest); a run directory elsewhere is not (it is known by its run
-    id and checkpoint, which a copy trained on keeps)."""
+    id and checkpoint, which a copy trained on keeps), unless none is left where it was: moved, not copied (a moved
+    DPO run of a moved base could not be resumed, but as a new run)."""
     record = last_record(run_dir)
     before = record["data"].get(role) if record else None
     if before is None:
         return
-    moved_run = "tag" in summary and before["path"] != summary["path"]  # a run directory's summary names its tag
+    moved_run = "tag" in summary and before["path"] != summary["path"] and Path(before["path"]).exists()
     if moved_run or not same_weights(before["weights"], summary["weights"]):
         elsewhere = (" (a run directory is known by its path: a copy elsewhere may have trained on under the same "
                      "run id)") if moved_run and same_weights(before["weights"], summary["weights"]) else ""
