@@ -46,18 +46,18 @@ def fsync(path: Path) -> None:
 
 
 @contextmanager
-def room_needed(folder: Path, writing: str, again: str = "run the command again") -> Iterator[None]:
+def room_needed(folder: Path, writing: str, again: str = "run the command again",
+                kept: str = "nothing was lost (what was there is as it was)") -> Iterator[None]:
     """Inside, a write that runs out of room (`out_of_room`) is one UserError naming `folder` and what was being
-    written (`writing`), with how to go on once there is room (`again`), for writes that leave what was there as it
-    was (`write_text`, `append_text`, `copy_folder`)."""
+    written (`writing`), what is kept (`kept`) and how to go on once there is room (`again`), for writes that leave
+    what was there as it was (`write_text`, `append_text`, `copy_folder`)."""
     try:
         yield
     except OSError as exc:
         reason = out_of_room(exc)
         if reason is None:
             raise
-        raise UserError(f"{folder}: {reason} while writing {writing}; nothing was lost (what was there is as it "
-                        f"was): free space and {again}") from None
+        raise UserError(f"{folder}: {reason} while writing {writing}; {kept}: free space and {again}") from None
 
 
 def write_bytes(path: Path, data: bytes) -> None:

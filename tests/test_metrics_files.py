@@ -59,9 +59,10 @@ def test_a_full_disk_while_logging_is_one_line_and_leaves_no_torn_row(tmp_path, 
     monkeypatch.setattr(os, "write", half_then_full)
     with pytest.raises(UserError) as error:
         log(2)
-    assert str(error.value) == (f"{tmp_path}: no space left on device while writing step 2 to {name}; nothing was "
-                                "lost (what was there is as it was): free space and rerun with --resume auto, which "
-                                "continues from the newest checkpoint")
+    assert str(error.value) == (f"{tmp_path}: no space left on device while writing step 2 to {name}; {name} is as "
+                                "it was, but the steps trained since the newest checkpoint are not saved (a resume "
+                                "trains them again): free space and rerun with --resume auto, which continues from "
+                                "the newest checkpoint")  # it said "nothing was lost"
     assert (tmp_path / name).read_bytes() == before
 
 

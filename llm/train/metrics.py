@@ -224,9 +224,11 @@ def _refuse_unwritable_staging(wandb: Any) -> None:
 
 def _append(path: Path, text: str, step: int) -> None:
     """`durable.append_text` of step `step`'s `text`; a write that runs out of room (a full disk, a quota) is one
-    UserError."""
+    UserError (it said "nothing was lost", where the steps since the newest checkpoint were)."""
     with durable.room_needed(path.parent, f"step {step} to {path.name}",
-                             rerun_advice(", which continues from the newest checkpoint")):
+                             rerun_advice(", which continues from the newest checkpoint"),
+                             f"{path.name} is as it was, but the steps trained since the newest checkpoint are not "
+                             "saved (a resume trains them again)"):
         durable.append_text(path, text)
 
 
