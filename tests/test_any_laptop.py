@@ -100,6 +100,15 @@ def test_another_package_named_kernels_is_named_at_import(tmp_path):
     assert result.returncode == 1 and f"ImportError: zerollm: {said}" in result.stderr
 
 
+def test_a_folder_named_kernels_in_the_working_directory_does_not_hide_zerollms(tmp_path):
+    """`python -m llm` puts the working directory first on sys.path: an empty kernels/ there (a user's project)
+    was 'import kernels finds nothing', advising to uninstall Hugging Face's package."""
+    (tmp_path / "kernels").mkdir()
+    result = subprocess.run([sys.executable, "-m", "llm", "--help"], cwd=tmp_path, capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0 and result.stdout.startswith("usage: zerollm"), result.stderr
+
+
 ACCELERATOR_VARIABLES = ("DS_ACCELERATOR", CHOSEN_ACCELERATOR, "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
                          "OMPI_COMM_WORLD_SIZE")
 
