@@ -43,7 +43,7 @@ from llm.errors import (
     not_utf8,
     report,
 )
-from llm.runtime.accelerator import check_chosen_accelerator
+from llm.runtime.accelerator import check_chosen_accelerator, refuse_unknown_accelerator
 from llm.stdout import SHOWN_ANYHOW, GuardedStdout, OutputLost, discard, on_terminal, settle
 from llm.train.ds_config_file import load_ds_config
 from llm.wording import for_terminal_stream, plural
@@ -1075,6 +1075,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout = GuardedStdout(stdout)
     try:
         _refuse_paths_libraries_cannot_open(args)
+        refuse_unknown_accelerator()
         code = COMMANDS[args.command](args)
         if stdout is not None:
             sys.stdout.flush()  # what is still buffered: its failure is said here, not as an exception at exit

@@ -168,3 +168,14 @@ def test_every_rank_chooses_its_accelerator_for_its_own_job(monkeypatch, tmp_pat
     assert _choice_of_a_rank(monkeypatch, user) == "cpu"
     assert local.relaunch_local(2, ["train", "grpo", "--nproc", "2"]) == 0
     assert [_choice_of_a_rank(monkeypatch, env, RANK="0", WORLD_SIZE="1") for env in started] == ["cpu", "cpu"]
+
+
+def test_a_ds_accelerator_deepspeed_does_not_know_is_one_line(tmp_path):
+    """DS_ACCELERATOR=Cpu (a typo) was DeepSpeed's ValueError traceback as it was imported, in train, generate and
+    eval."""
+    env = {**os.environ, "DS_ACCELERATOR": "Cpu"}
+    result = subprocess.run([sys.executable, "-m", "llm", "eval", "--model", tmp_path, "--data", tmp_path], env=env,
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 2 and result.stderr.startswith("zerollm: error: DS_ACCELERATOR=Cpu is not one "
+                                                               "DeepSpeed knows (cuda, cpu, "), result.stderr
+    assert result.stderr.count("\n") == 1

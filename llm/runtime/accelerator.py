@@ -11,7 +11,11 @@ torch is imported only to look for a GPU, and not where the user chose DeepSpeed
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import importlib.util
 import os
+from pathlib import Path
 
 from llm.errors import UserError
 from llm.runtime.rank_env import CHOSEN_ACCELERATOR, announced_world_size
@@ -44,6 +48,35 @@ def ensure_accelerator_env() -> None:
     kind = local_device_type()
     if kind != "cuda":
         os.environ["DS_ACCELERATOR"] = os.environ[CHOSEN_ACCELERATOR] = kind
+
+
+def deepspeed_accelerators() -> tuple[str, ...] | None:
+    """The DS_ACCELERATOR values the installed DeepSpeed takes (its SUPPORTED_ACCELERATOR_LIST, read from its source:
+    importing DeepSpeed is what fails on another), or None where that cannot be read."""
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    source = Path(next(iter(spec.submodule_search_locations))) / "accelerator" / "real_accelerator.py"
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (OSError, ValueError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(target, "id", None) == "SUPPORTED_ACCELERATOR_LIST"
+                                                for target in node.targets):
+            with contextlib.suppress(ValueError, TypeError):
+                return tuple(str(name) for name in ast.literal_eval(node.value))
+    return None
+
+
+def refuse_unknown_accelerator() -> None:
+    """A DS_ACCELERATOR DeepSpeed does not know (`Cpu`, a typo) is one line: DeepSpeed raised a ValueError traceback
+    as it was imported (train, generate, eval)."""
+    chosen = os.environ.get("DS_ACCELERATOR")
+    if chosen is None or (known := deepspeed_accelerators()) is None or chosen in known:
+        return
+    raise UserError(f"DS_ACCELERATOR={chosen} is not one DeepSpeed knows ({', '.join(known)}); correct or unset it "
+                    "(zerollm then picks a CUDA GPU where there is one, else the CPU)")
 
 
 def check_chosen_accelerator() -> None:
