@@ -170,12 +170,12 @@ def test_every_rank_chooses_its_accelerator_for_its_own_job(monkeypatch, tmp_pat
     assert [_choice_of_a_rank(monkeypatch, env, RANK="0", WORLD_SIZE="1") for env in started] == ["cpu", "cpu"]
 
 
-def test_a_ds_accelerator_deepspeed_does_not_know_is_one_line(tmp_path):
+def test_a_ds_accelerator_deepspeed_does_not_know_is_one_line(pretrain_data, tmp_path):
     """DS_ACCELERATOR=Cpu (a typo) was DeepSpeed's ValueError traceback as it was imported, in train, generate and
     eval."""
     env = {**os.environ, "DS_ACCELERATOR": "Cpu"}
-    result = subprocess.run([sys.executable, "-m", "llm", "eval", "--model", tmp_path, "--data", tmp_path], env=env,
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run([sys.executable, "-m", "llm", *map(str, train_args(pretrain_data, tmp_path / "run"))],
+                            env=env, capture_output=True, text=True, check=False)
     assert result.returncode == 2 and result.stderr.startswith("zerollm: error: DS_ACCELERATOR=Cpu is not one "
                                                                "DeepSpeed knows (cuda, cpu, "), result.stderr
-    assert result.stderr.count("\n") == 1
+    assert result.stderr.count("\n") == 1 and not (tmp_path / "run").exists()
