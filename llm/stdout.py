@@ -5,9 +5,10 @@ reports for a writer the closed pipe ended), in one line with exit 2 on a full d
 from __future__ import annotations
 
 import codecs
+import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TextIO
 
 
@@ -36,6 +37,22 @@ class OutputLost(Exception):  # noqa: N818 - not an error of the command's: its 
         self.error = error
 
 
+_ON_LOST: list[Callable[[OSError], None]] = []
+"""What a failed write to standard output calls instead of raising OutputLost (`output_loss_handled`)."""
+
+
+@contextlib.contextmanager
+def output_loss_handled(handler: Callable[[OSError], None]) -> Iterator[None]:
+    """Inside, a write to standard output that fails calls `handler` with its error, and what is written from then
+    on is discarded, instead of raising OutputLost: a training's ranks stop with a checkpoint (`| head` ended a
+    training at once, its steps since the newest checkpoint lost)."""
+    _ON_LOST.append(handler)
+    try:
+        yield
+    finally:
+        _ON_LOST.remove(handler)
+
+
 class GuardedStdout:
     """`stream` (sys.stdout) whose write, writelines and flush raise OutputLost where they fail; the rest is the
     stream's (`unguarded` gives the stream itself)."""
@@ -44,7 +61,8 @@ class GuardedStdout:
         self.stream = stream
 
     def write(self, text: str) -> int:
-        return self._guarded(self.stream.write, text)
+        written = self._guarded(self.stream.write, text)
+        return len(text) if written is None else written
 
     def writelines(self, lines: Iterable[str]) -> None:
         self._guarded(self.stream.writelines, lines)
@@ -52,12 +70,15 @@ class GuardedStdout:
     def flush(self) -> None:
         self._guarded(self.stream.flush)
 
-    @staticmethod
-    def _guarded(call: Callable[..., Any], *args: Any) -> Any:
+    def _guarded(self, call: Callable[..., Any], *args: Any) -> Any:
         try:
             return call(*args)
         except OSError as exc:
-            raise OutputLost(exc) from None
+            if not _ON_LOST:
+                raise OutputLost(exc) from None
+            discard(self.stream)  # what is buffered, and written from now on, goes nowhere
+            _ON_LOST[-1](exc)
+            return None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)

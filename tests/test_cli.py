@@ -342,6 +342,25 @@ def test_a_training_job_of_two_ranks_ends_quietly_on_a_closed_pipe(pretrain_data
     assert (result.returncode, result.stderr) == (141, "")
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_training_whose_output_reader_leaves_stops_with_a_checkpoint(pretrain_data, tmp_path, nproc):
+    """`zerollm train ... | head -3`: the first print after head left ended the training at once (141, nothing
+    said), its steps since the newest checkpoint lost (none where it had not saved yet). It stops as on SIGTERM."""
+    run = tmp_path / "run"
+    args = train_args(pretrain_data, run, "train.max_steps=500", "train.save_every=400", "train.log_every=1",
+                      nproc=nproc)
+    job = subprocess.Popen([sys.executable, "-m", "llm", *map(str, args)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    while not job.stdout.readline().startswith("step 2/"):  # as head reads its lines
+        pass
+    job.stdout.close()
+    stderr = job.communicate(timeout=300)[1]
+    assert job.returncode == 75, stderr[-3000:]
+    assert "zerollm: standard output cannot be written (its reader left); stopping with a checkpoint" in stderr
+    tag = (run / "checkpoints" / "latest").read_text()
+    assert 2 <= int(tag.removeprefix("global_step")) < 400
+
+
 def test_a_command_started_with_its_output_closed_runs_silently(tmp_path):
     """With descriptor 1 closed (`>&-`) sys.stdout is None, to which print() writes nothing: the guard is not put
     around None."""

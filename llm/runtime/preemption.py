@@ -161,6 +161,14 @@ class Preemption:
         """The checkpoint of a requested stop is published: signals from here on ask nothing more."""
         self._saved = True
 
+    def output_lost(self, error: OSError) -> None:
+        """Standard output's write failed (its reader left: `| head`; a full disk): a stop with a checkpoint, as on
+        SIGTERM (`llm.stdout.output_loss_handled`); the training went on with its output discarded."""
+        if not self.requested:
+            reason = "its reader left" if isinstance(error, BrokenPipeError) else error.strerror or str(error)
+            self._say(f"standard output cannot be written ({reason}); stopping with a checkpoint when this step ends")
+        self.requested = True
+
     def _on_supervisor_lost(self, reason: str) -> None:
         print(f"rank {self.info.rank}: {reason}; saving a checkpoint and stopping", flush=True)
         self.requested = True

@@ -38,6 +38,7 @@ from llm.runtime.distributed import DistInfo, raise_together
 from llm.runtime.preemption import Preemption, data_loader_worker_init
 from llm.runtime.rerun import rerun_advice
 from llm.runtime.watchdog import Watchdog
+from llm.stdout import output_loss_handled
 from llm.train import checkpoint
 from llm.train.engine import (
     grad_norm_before_step,
@@ -380,7 +381,8 @@ class Trainer:
         """Train to the end, or until stopped; the exit code. A data-loader worker that dies (the out-of-memory
         killer's SIGKILL) ends the job with one line, wherever the rank was when torch raised it (`worker_failure`)."""
         try:
-            return self._train(logger, checkpointer, watchdog)
+            with output_loss_handled(self.preemption.output_lost):  # `| head`: a stop with a checkpoint
+                return self._train(logger, checkpointer, watchdog)
         except (WorkerDied, RuntimeError) as exc:
             if (asked := out_of_memory(exc)) is not None:
                 raise UserError(self._out_of_memory_said(asked, host=CPU_OUT_OF_MEMORY in str(exc))) from None
