@@ -1062,6 +1062,15 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _error_stream_to_nowhere() -> None:
+    """Descriptor 2 and sys.stderr on /dev/null (the ranks a job starts inherit it too)."""
+    fd = os.open(os.devnull, os.O_WRONLY)
+    if fd != 2:
+        os.dup2(fd, 2)
+        os.close(fd)
+    sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115 - for life
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = attach_negative_weights(sys.argv[1:] if argv is None else argv)
     args = parse_arguments(argv)
@@ -1073,6 +1082,8 @@ def main(argv: list[str] | None = None) -> None:
         stdout.reconfigure(errors=SHOWN_ANYHOW)  # the work was done, or mid-training)
     if stdout is not None:  # None where descriptor 1 was closed at start: print() then writes nothing
         sys.stdout = GuardedStdout(stdout)
+    if sys.stderr is None:  # descriptor 2 closed at start (2>&-): progress bars and input() failed on it, exit 1
+        _error_stream_to_nowhere()
     try:
         _refuse_paths_libraries_cannot_open(args)
         refuse_unknown_accelerator()

@@ -517,3 +517,14 @@ def test_text_standard_output_cannot_encode_is_escaped_not_a_crash(tmp_path):
     stream.write("中 \udce4")  # a path's byte that is not UTF-8 is written back as that byte, as ls writes it
     stream.flush()
     assert stream.buffer.getvalue() == "中 ".encode() + b"\xe4"
+
+
+def test_a_command_started_with_its_error_stream_closed_runs_silently(tmp_path, tokenizer_dir):
+    """`2>&-`: data prepare and eval ended at once, exit 1 and nothing written (their progress bar wrote to None),
+    chat in 'input(): lost sys.stderr'."""
+    result = subprocess.run([sys.executable, "-m", "llm", "data", "prepare", "--input",
+                             FIXTURES / "pretrain" / "en_stories.txt", "--tokenizer", tokenizer_dir, "--out",
+                             tmp_path / "data"], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: os.close(2), check=False)
+    assert result.returncode == 0 and "written to" in result.stdout
+    assert (tmp_path / "data" / "tokens.h5").is_file()
