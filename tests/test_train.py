@@ -423,6 +423,11 @@ def test_a_resume_names_no_change_for_the_same_lora_targets_in_another_order(tmp
     assert resumed_changes(trained_config(tmp_path), again) == []
     again.lora.targets = ["wq", "wk"]
     assert resumed_changes(trained_config(tmp_path), again) == ["lora.targets ['wq', 'wv'] there, ['wk', 'wq'] here"]
+    saved.data.path = "data"
+    saved.save(tmp_path / "config.yaml")
+    again.lora.targets, again.data.path = ["wq", "wv"], str(tmp_path / "elsewhere" / "data")
+    assert resumed_changes(trained_config(tmp_path), again) == []  # the data is compared by its digest (a relative
+    # --data from another working directory was noted as another setting)
 
 
 def test_a_resume_on_another_number_of_ranks_that_changes_the_global_batch_says_so():

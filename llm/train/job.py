@@ -558,7 +558,13 @@ def resumed_changes(saved: RunConfig, cfg: RunConfig) -> list[str]:
                 for section, values in config.to_dict().items() for key, value in values.items()}
 
     there, here = flat(saved), flat(_as_recorded(cfg))
-    return [f"{key} {there.get(key)} there, {value} here" for key, value in here.items() if there.get(key) != value]
+    return [f"{key} {there.get(key)} there, {value} here" for key, value in here.items()
+            if there.get(key) != value and key not in KNOWN_BY_CONTENT]
+
+
+KNOWN_BY_CONTENT = frozenset({"data.path"})
+"""Settings a resume compares by what they name, not as written (`check_same_data`: the data's digest): a relative
+--data given from another working directory was noted as another setting."""
 
 
 def resumed_batch_note(saved: RunConfig, saved_world: int, cfg: RunConfig, world: int) -> str | None:
