@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -331,7 +332,7 @@ def _fit(engine, run_dir, *sets: str, stop_at: int | None = None, code: int = 0)
     trainer = Trainer(cfg, run_dir, info, engine, _SquareObjective(), DataSteps(cfg, CPU), [{"x": x}] * 4, None,
                       n_params=15)
     trainer.preemption = SimpleNamespace(install=lambda: None, agreed=lambda: trainer.step == stop_at,
-                                         saved=lambda: None, requested=False)
+                                         saved=lambda: None, requested=False, output_lost=lambda error: None)
     never = SimpleNamespace(due=lambda *args: False, after_step=lambda *args, **kwargs: None)
     logger = metrics.MetricsLogger(cfg, info, n_params=15, start_step=0,
                                    sink=metrics.MetricsSink(run_dir, cfg, trainer.run_id, 0))
@@ -606,3 +607,18 @@ def test_without_float64_as_on_mps_training_sampling_and_scoring_run(tmp_path, d
             chosen = choose_next(logits, SamplingParams(temperature=temperature), seen, None)
         assert chosen.tolist() == logits.argmax(-1).tolist()
         assert len(list(score_sequences(model, [np.arange(8)], [4], 1))) == 1
+
+
+def test_a_validation_loss_gets_a_line_of_its_own_on_a_terminal(monkeypatch, tmp_path, capsys):
+    """On a terminal it was shown only in the progress bar's text, cut at 80 columns and replaced at the next step."""
+    monkeypatch.setattr(metrics, "on_terminal", lambda: True)
+    cfg = build_config("demo", ["train.peak_tflops=1"])
+    info = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)
+    sink = metrics.MetricsSink(tmp_path, cfg, "r", 0)
+    logger = metrics.MetricsLogger(cfg, info, n_params=15, start_step=0, sink=sink)
+    stats = metrics.StepStats(loss=2.0, positions=10, loss_tokens=10, metrics={})
+    for step, val_loss in ((5, 1.23456), (6, None)):
+        with logger.timed():
+            time.sleep(0.001)
+        logger.log(step, 1e-3, stats, None, 0, 10 * step, val_loss=val_loss)
+    assert capsys.readouterr().out.count("step 5 val_loss 1.2346\n") == 1

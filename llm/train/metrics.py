@@ -343,6 +343,8 @@ class MetricsLogger:
             status["val_loss"] = f"{val_loss:.4f}"
         self.sink.log(row)
         self.bar.set_postfix(status)
+        if self.interactive and val_loss is not None:  # a line of its own above the bar: the bar's text was cut at
+            self.bar.write(f"step {step} val_loss {val_loss:.4f}", file=sys.stdout)  # 80 columns, replaced next step
         if not self.interactive:
             of = f"/{self.cfg.train.max_steps}" if self.cfg.train.max_time is None else ""
             print(f"step {step}{of} " + " ".join(f"{k} {v}" for k, v in status.items()), flush=True)
