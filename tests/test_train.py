@@ -294,6 +294,21 @@ def test_two_ranks_to_one_resume_converts_to_universal_and_continues(zero_runs, 
     assert len(run_ids) == 1 and resumed_state["run_id"] in run_ids
 
 
+def test_a_finished_run_resumed_on_another_number_of_ranks_trains_nothing_before_converting(zero_runs, pretrain_data,
+                                                                                              tmp_path):
+    """It made a universal copy of its checkpoint (minutes, and the checkpoint's size on disk) before it found that
+    no step was left to train."""
+    run = tmp_path / "run"
+    shutil.copytree(zero_runs[2], run, symlinks=True)
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    result = run_job(*_args(pretrain_data, run, *ZERO_RUN, nproc=1, extra=["--zero-stage", 2, "--resume", "auto"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "converting it to a universal checkpoint" not in result.stdout
+    assert (f"zerollm: note: {run}: nothing to train: its checkpoint global_step4 is at step 4 and train.max_steps is "
+            "4; set a higher train.max_steps to train further") in result.stderr
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+
+
 def _adam_state(folder, stage):
     """Rank 0's Adam steps (one per param group, or ZeRO-3 sub-group) and its param groups' settings but the learning
     rate, in checkpoint `folder` of a ZeRO `stage` run."""

@@ -81,7 +81,7 @@ from llm.train.schedule import lr_multiplier, unfinished_warmup_note
 from llm.train.steps import DataSteps
 from llm.train.teacher import check_teacher, load_teacher
 from llm.train.time_budget import TimeBudget
-from llm.train.trainer import Trainer, refuse_too_few
+from llm.train.trainer import Trainer, nothing_left, refuse_too_few
 from llm.wording import plural
 
 
@@ -467,6 +467,23 @@ def resumed_precision(run_dir: Path, saved: str, requested: str) -> str:
     return saved
 
 
+def _nothing_left_at(cfg: RunConfig, run_dir: Path, tag: str, info: DistInfo) -> tuple[int, str] | None:
+    """(its step, why) where checkpoint `tag` leaves no step to train (`llm.train.trainer.nothing_left`), read from its
+    client state; None while one is left."""
+    state = rundir.client_state_of(run_dir, tag)
+    budget = TimeBudget(cfg.train, info)
+    budget.load_state_dict(state.get("time_budget"), state["step"])
+    why = nothing_left(cfg.train.max_steps, budget, state["step"])
+    return None if why is None else (state["step"], why)
+
+
+def _nothing_to_train(run_dir: Path, tag: str, step: int, why: str, info: DistInfo) -> int:
+    if info.is_main:
+        print(f"zerollm: note: {run_dir}: nothing to train: its checkpoint {tag} is at step {step} and {why}",
+              file=sys.stderr, flush=True)
+    return EXIT_OK
+
+
 def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, attrs: dict, resume: bool,
              watchdog: Watchdog | None, data: dict) -> int:
     if info.world_size > 1:
@@ -476,6 +493,8 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
                           announce=info.local_rank == 0)  # saved between two ranks' looks: they would load both
     tag = checkpoint.resume_tag(run_dir, cfg.model) if resume else None
     universal = tag is not None and resharded(run_dir, tag, info)
+    if universal and (finished := _nothing_left_at(cfg, run_dir, tag, info)) is not None:  # said before converting
+        return _nothing_to_train(run_dir, tag, *finished, info)  # (minutes, and a copy of the checkpoint's size)
     if universal:  # the data's refusal first: the conversion takes minutes and a copy of the checkpoint's size; then
         refuse_data_smaller_than_a_batch(cfg, info, attrs)  # the trainer, whose model and engine would hold the
         convert_resharded(run_dir, tag, info)  # host's memory beside the conversion's
@@ -490,10 +509,7 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
                 shutil.rmtree(rundir.universal_dir(run_dir))
     finished = trainer.nothing_left() if tag is not None else None  # every rank finds it, once the resume was checked
     if finished is not None:
-        if info.is_main:
-            print(f"zerollm: note: {run_dir}: nothing to train: its checkpoint {tag} is at step {trainer.step} and "
-                  f"{finished}", file=sys.stderr, flush=True)
-        return EXIT_OK
+        return _nothing_to_train(run_dir, tag, trainer.step, finished, info)
     record = run_record(info, data, resumed_from=tag)  # every rank takes part (hosts and ranks are gathered)
     saved = trained_config(run_dir) if tag is not None and info.is_main else None  # before config.yaml's update
     changes = resumed_changes(saved, cfg) if saved else []

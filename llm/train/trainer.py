@@ -65,6 +65,17 @@ def refuse_too_few(steps: Any, n_samples: int, info: DistInfo) -> None:
         raise_together(steps.too_few(n_samples, needed), announce=info.local_rank == 0)
 
 
+def nothing_left(max_steps: int, budget: TimeBudget, step: int) -> str | None:
+    """Why no step is left to train after `step` (train.max_steps reached, or the time `budget` spent), said for a
+    resume that finds none; None while one is."""
+    if step >= max_steps:
+        return f"train.max_steps is {max_steps}; set a higher train.max_steps to train further"
+    if budget.out_of_time(step):
+        return (f"its time budget train.max_time={budget.max_time:g} s is spent ({budget.elapsed:.1f} s trained, "
+                f"{budget.step_seconds:.2g} s a step); set a longer train.max_time to train further")
+    return None
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path, info: DistInfo, engine, objective, steps, train_set: Dataset,
                  val_set: Dataset | None, n_params: int, budget: TimeBudget | None = None,
@@ -365,13 +376,7 @@ class Trainer:
 
     def nothing_left(self) -> str | None:
         """Why no step is left to train (`_finished`), said for a resume that finds none; None while one is."""
-        t = self.cfg.train
-        if self.step >= t.max_steps:
-            return f"train.max_steps is {t.max_steps}; set a higher train.max_steps to train further"
-        if self.budget.out_of_time(self.step):
-            return (f"its time budget train.max_time={self.budget.max_time:g} s is spent ({self.budget.elapsed:.1f} s "
-                    f"trained, {self.budget.step_seconds:.2g} s a step); set a longer train.max_time to train further")
-        return None
+        return nothing_left(self.cfg.train.max_steps, self.budget, self.step)
 
     def _eval_due(self, last: bool) -> bool:
         t = self.cfg.train
