@@ -528,3 +528,16 @@ def test_a_command_started_with_its_error_stream_closed_runs_silently(tmp_path, 
                             preexec_fn=lambda: os.close(2), check=False)
     assert result.returncode == 0 and "written to" in result.stdout
     assert (tmp_path / "data" / "tokens.h5").is_file()
+
+
+def test_a_demo_killed_while_it_trained_its_tokenizer_runs_again_in_its_folder(tmp_path):
+    """tokenizer train holds `.tokenizer.lock` beside its folder while it writes: one left by a SIGKILL made the demo
+    refuse its own folder ('holds .tokenizer.lock, which zerollm demo did not write')."""
+    from llm.demo import DEMO_MARKER, take_output_dir
+
+    (tmp_path / DEMO_MARKER).write_text("")
+    (tmp_path / ".tokenizer.lock").write_text("")
+    take_output_dir(tmp_path)
+    (tmp_path / ".notes.lock").write_text("")  # another's is still refused
+    with pytest.raises(UserError, match=r"holds \.notes\.lock, which zerollm demo did not write"):
+        take_output_dir(tmp_path)

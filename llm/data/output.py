@@ -86,10 +86,10 @@ def staging_leftovers(entries: Iterable[str], outputs: Iterable[str]) -> set[str
     beside it, a staging or set-aside folder (`OutputDir`: the next one into that output removes it), by the exact
     form of their names: `.OUT.partial-PID-XXXXXXXX` and `.OUT.old-PID-XXXXXXXX` (eight hexadecimal digits, or the
     eight characters of `tempfile.mkdtemp` an earlier tokenizer train used), and `.OUT.partial` and `.OUT.old`
-    (`llm.durable.staged_folder`, which tokenizer train uses): any name starting so matched, and a user's own
-    `.data.old-backup` beside --out data was deleted."""
+    (`llm.durable.staged_folder`, which tokenizer train uses), and the `.OUT.lock` it holds while it writes: any name
+    starting so matched, and a user's own `.data.old-backup` beside --out data was deleted."""
     staged = "|".join(re.escape(name) for name in outputs)
-    return {e for e in entries if re.fullmatch(rf"\.(?:{staged})\.{STAGED_SUFFIX}", e)}
+    return {e for e in entries if re.fullmatch(rf"\.(?:{staged})\.(?:{STAGED_SUFFIX}|lock)", e)}
 
 
 def refuse_current_directory(out: Path, given: Path, command: str, example: str) -> None:
