@@ -24,7 +24,7 @@ from llm.child_job import run_stopping_together
 from llm.config import RunConfig, build_config, parse_lora_spec, refuse_set_twice
 from llm.data.prepare import RANDOM_TOKENS_HASH, SPLITS, STREAMS, TOKENS_FILE, SplitWriter, write_attrs
 from llm.devices import CPU_OUT_OF_MEMORY, out_of_memory, place, resolve, synchronize
-from llm.errors import EXIT_PREEMPTED, UserError
+from llm.errors import EXIT_PIPE_CLOSED, EXIT_PREEMPTED, UserError
 from llm.export import export_model
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
@@ -108,7 +108,8 @@ def _train_job(command: list[str], run: Path, warmup: int, cfg: RunConfig) -> Tr
     if code == EXIT_PREEMPTED or stopped and code != 0:  # the job advised --resume auto, into a folder now removed
         print("zerollm: note: bench train stopped, so nothing was measured; its runs were in a temporary folder, now "
               "removed: there is nothing to resume, run it again", file=sys.stderr, flush=True)
-        return 128 + stopped[-1] if stopped else code  # 130 or 143, as for any command: 75 says to resume
+        # 130 or 143, as for any command (75 says to resume); stopped by itself, its output (this command's) was lost
+        return 128 + stopped[-1] if stopped else EXIT_PIPE_CLOSED
     if code != 0:
         return code
     rows = [json.loads(line) for line in (run / rundir.METRICS_FILE).read_text().splitlines()]

@@ -684,6 +684,7 @@ def checked_training_command(job: list[str]) -> tuple[list[str], Path, RunConfig
         parsed = parser.parse_args(job)
     except SystemExit as exc:
         raise UserError(f"the training command is invalid: {' '.join(job)}") from exc
+    _refuse_paths_libraries_cannot_open(parsed)  # here, not once in every rank
     return job, Path(parsed.out), _checked_before_ranks(parsed)
 
 
@@ -1015,6 +1016,8 @@ MODEL_FOLDER_OPTIONS = ("model", "run", "init_from", "teacher")
 Rust take UTF-8 paths only."""
 MODEL_FOLDER_KEYS = ("train.init_from",)
 """The run-config keys that name such a folder where no option does (`train distill` requires `--teacher`)."""
+WITHOUT_DEEPSPEED = ("tokenizer", "data", "plot")
+"""The commands that never import DeepSpeed: a DS_ACCELERATOR it does not know is theirs to ignore."""
 GLOB_MAGIC = re.compile(r"[*?[]")
 """What glob reads as a pattern: DeepSpeed finds checkpoint files with glob below the run's path."""
 MODEL_WRITING_COMMANDS = ("train", "export", "demo", "bench")
@@ -1086,7 +1089,8 @@ def main(argv: list[str] | None = None) -> None:
         _error_stream_to_nowhere()
     try:
         _refuse_paths_libraries_cannot_open(args)
-        refuse_unknown_accelerator()
+        if args.command not in WITHOUT_DEEPSPEED:
+            refuse_unknown_accelerator()
         code = COMMANDS[args.command](args)
         if stdout is not None:
             sys.stdout.flush()  # what is still buffered: its failure is said here, not as an exception at exit

@@ -79,25 +79,49 @@ def held_folder(folder: Path, marker: str, command: str) -> Iterator[None]:
         release(fd)
 
 
+def _lock_beside(target: Path) -> Path:
+    return target.with_name(f".{target.name}.lock")
+
+
+def _written_now(target: Path) -> UserError:
+    return UserError(f"{target}: another zerollm command is writing it now; wait for it to end, or choose another "
+                     "--out")
+
+
+def refuse_if_held_beside(target: Path) -> None:
+    """The refusal `held_beside` would give, where another process holds `target`'s lock now: checked before long work
+    that ends in writing it (a second tokenizer train into one folder was refused after its whole training)."""
+    try:
+        fd = open_lock_file(_lock_beside(target), create=False)
+    except OSError:  # none (no writer), or one that cannot be used: said when it is taken
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise _written_now(target) from None
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def held_beside(target: Path) -> Iterator[None]:
     """Inside, folder `target` (written whole beside it: `llm.durable.staged_folder`) is locked by this process
     through `.NAME.lock` beside it, removed on leaving: two exports (or tokenizer trains) into one folder at once
     deleted each other's copies, ended in tracebacks, and once left one's weights beside the other's config. A file
     system without locks is not held."""
-    lock = target.with_name(f".{target.name}.lock")
+    lock = _lock_beside(target)
     while True:
         try:
             fd = open_lock_file(lock)
-        except OSError as exc:
-            raise UserError(f"{target}: cannot lock it for writing ({exc.strerror or exc})") from None
+        except OSError as exc:  # a read-only folder: as the folder itself could not be created
+            raise UserError(f"--out {target}: cannot create it ({exc.strerror or exc})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 os.close(fd)
-                raise UserError(f"{target}: another zerollm command is writing it now; wait for it to end, or "
-                                "choose another --out") from None
+                raise _written_now(target) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(lock).st_ino
         except FileNotFoundError:

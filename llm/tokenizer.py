@@ -39,6 +39,7 @@ from llm import durable
 from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate, ChatTemplateError
 from llm.data.output import refuse_current_directory, refuse_foreign_contents, refuse_mount_point
 from llm.errors import SigtermUnwinds, UserError, not_utf8, read_user_json_object, read_user_text
+from llm.held_locks import refuse_if_held_beside
 from llm.rundir import TEMPLATE_FILE, TOKENIZER_FILE, check_writable_out
 from llm.rundir import TOKENIZER_CONFIG_FILE as CONFIG_FILE
 from llm.rundir import TOKENIZER_TRAINING_FILE as TRAINING_FILE
@@ -94,6 +95,7 @@ def _make_out_dir(out_dir: Path) -> bool:
     a run), a place that cannot be written."""
     refuse_current_directory(out_dir.resolve(), out_dir, "tokenizer train", "tok/")
     durable.check_staged_name(out_dir.resolve())  # before the training, not once it is done
+    refuse_if_held_beside(out_dir.resolve())
     try:
         if out_dir.is_dir():
             refuse_mount_point(out_dir.resolve(), out_dir, "tokenizer train")

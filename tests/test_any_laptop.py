@@ -179,3 +179,8 @@ def test_a_ds_accelerator_deepspeed_does_not_know_is_one_line(pretrain_data, tmp
     assert result.returncode == 2 and result.stderr.startswith("zerollm: error: DS_ACCELERATOR=Cpu is not one "
                                                                "DeepSpeed knows (cuda, cpu, "), result.stderr
     assert result.stderr.count("\n") == 1 and not (tmp_path / "run").exists()
+    (tmp_path / "c.txt").write_text("a b c\n" * 50)
+    tokenizer = subprocess.run([sys.executable, "-m", "llm", "tokenizer", "train", "--input", tmp_path / "c.txt",
+                                "--vocab-size", "300", "--out", tmp_path / "tok"], env=env, capture_output=True,
+                               text=True, check=False)
+    assert tokenizer.returncode == 0, tokenizer.stderr  # no DeepSpeed there: the variable is not its to refuse

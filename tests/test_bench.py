@@ -197,3 +197,21 @@ def test_a_timed_step_waits_for_the_device_on_mps_as_on_cuda(monkeypatch):
     for device in ("mps", "cuda", "cpu"):
         assert bench._synchronized(torch.device(device), lambda: 7)() == 7
     assert waited == ["mps", "cuda"]
+
+
+def test_a_bench_whose_job_stopped_by_itself_ends_as_a_closed_pipe_not_to_be_resumed(tmp_path, monkeypatch):
+    """`bench train | head`: its job's output was lost and the job stopped with a checkpoint (75, 'resume'), which
+    bench train passed on, though its runs were removed: there is nothing to resume. Likewise bench learn's job."""
+    from llm import bench
+    from llm.errors import EXIT_PIPE_CLOSED
+    from llm.runtime.distributed import DistInfo
+    from llm.runtime.preemption import Preemption
+
+    stopped = bench._train_job([sys.executable, "-c", "import sys; sys.exit(75)"], tmp_path, 0,
+                               build_config("demo", []))
+    assert stopped == EXIT_PIPE_CLOSED
+    monkeypatch.setattr(Preemption, "stopped_by", None)
+    preemption = Preemption(DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                                     device=torch.device("cpu")))
+    preemption.output_lost(BrokenPipeError(32, "Broken pipe"))
+    assert (preemption.requested, preemption.output_lost_now, Preemption.stopped_by) == (True, True, signal.SIGPIPE)

@@ -359,6 +359,8 @@ def test_a_training_whose_output_reader_leaves_stops_with_a_checkpoint(pretrain_
     assert "zerollm: standard output cannot be written (its reader left); stopping with a checkpoint" in stderr
     tag = (run / "checkpoints" / "latest").read_text()
     assert 2 <= int(tag.removeprefix("global_step")) < 400
+    assert (f"stopped as its output was lost at step {tag.removeprefix('global_step')}; checkpoint saved in {run}; "
+            "rerun with --resume auto to continue") in stderr  # where it can be read
 
 
 def test_a_command_started_with_its_output_closed_runs_silently(tmp_path):
@@ -541,3 +543,24 @@ def test_a_demo_killed_while_it_trained_its_tokenizer_runs_again_in_its_folder(t
     (tmp_path / ".notes.lock").write_text("")  # another's is still refused
     with pytest.raises(UserError, match=r"holds \.notes\.lock, which zerollm demo did not write"):
         take_output_dir(tmp_path)
+
+
+def test_a_tokenizer_train_into_a_folder_being_written_is_refused_before_its_training(tmp_path):
+    """It trained the whole tokenizer, then was refused as it wrote it (another command held the folder)."""
+    from llm.held_locks import held_beside
+
+    with held_beside(tmp_path / "tok"):
+        result = run_cli("tokenizer", "train", "--input", FIXTURES / "pretrain" / "en_stories.txt", "--vocab-size",
+                         300, "--out", tmp_path / "tok")
+    assert (result.returncode, result.stderr) == (2, f"zerollm: error: {tmp_path / 'tok'}: another zerollm command is "
+                                                     "writing it now; wait for it to end, or choose another --out\n")
+    assert "tokenizing" not in result.stdout + result.stderr and not (tmp_path / "tok").exists()
+
+
+def test_launch_refuses_a_run_path_glob_reads_as_a_pattern_before_any_rank_starts(tmp_path):
+    """Each rank refused it, once the launcher had started them."""
+    from llm.cli import checked_training_command
+
+    with pytest.raises(UserError, match=r"which DeepSpeed reads as a pattern"):
+        checked_training_command(["--", "train", "pretrain", "--recipe", "demo", "--data", str(tmp_path), "--out",
+                                  str(tmp_path / "run[1]")])

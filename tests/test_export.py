@@ -673,3 +673,7 @@ def test_a_second_export_into_a_folder_being_written_is_one_line_and_the_first_i
     export_model(_model(1), None, out)  # the lock is gone with its holder
     assert torch.equal(_logits(import_model(out)), _logits(_model(1)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    (tmp_path / ".export.lock").symlink_to(tmp_path / "elsewhere")  # said as --out, as a folder it cannot make
+    with pytest.raises(UserError, match=rf"^--out {re.escape(str(out))}: cannot create it \(\.export\.lock is a "
+                                        r"symbolic link, not a lock file; remove it\)$"):
+        export_model(_model(0), None, out)

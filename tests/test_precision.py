@@ -332,7 +332,8 @@ def _fit(engine, run_dir, *sets: str, stop_at: int | None = None, code: int = 0)
     trainer = Trainer(cfg, run_dir, info, engine, _SquareObjective(), DataSteps(cfg, CPU), [{"x": x}] * 4, None,
                       n_params=15)
     trainer.preemption = SimpleNamespace(install=lambda: None, agreed=lambda: trainer.step == stop_at,
-                                         saved=lambda: None, requested=False, output_lost=lambda error: None)
+                                         saved=lambda: None, requested=False, output_lost=lambda error: None,
+                                         output_lost_now=False)
     never = SimpleNamespace(due=lambda *args: False, after_step=lambda *args, **kwargs: None)
     logger = metrics.MetricsLogger(cfg, info, n_params=15, start_step=0,
                                    sink=metrics.MetricsSink(run_dir, cfg, trainer.run_id, 0))

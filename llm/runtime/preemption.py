@@ -98,6 +98,8 @@ class Preemption:
         self.requested = False
         self._signalled_at: float | None = None
         self._saved = False
+        self.output_lost_now = False
+        """Whether standard output was lost (`output_lost`): the stop's last line goes to the error stream."""
         self._wakeup = -1
         on_gpu = info.device.type == "cuda"
         self._flag = torch.zeros(1, dtype=torch.int32, device=info.device)
@@ -167,7 +169,8 @@ class Preemption:
         if not self.requested:
             reason = "its reader left" if isinstance(error, BrokenPipeError) else error.strerror or str(error)
             self._say(f"standard output cannot be written ({reason}); stopping with a checkpoint when this step ends")
-        self.requested = True
+            Preemption.stopped_by = signal.SIGPIPE  # bench learn and bench train, which have no resume, end with 141
+        self.requested = self.output_lost_now = True
 
     def _on_supervisor_lost(self, reason: str) -> None:
         print(f"rank {self.info.rank}: {reason}; saving a checkpoint and stopping", flush=True)

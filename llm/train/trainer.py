@@ -451,8 +451,10 @@ class Trainer:
             if stop and not last:  # a signal during the last step's evaluation or checkpoint: the run is complete
                 if self.dist.is_main:
                     logger.bar.close()
-                    print(f"stopped by signal at step {self.step}; checkpoint saved in {self.run_dir}; "
-                          f"{rerun_advice(' to continue')}", flush=True)
+                    lost = self.preemption.output_lost_now  # said where it can be read
+                    print(f"stopped {'as its output was lost' if lost else 'by signal'} at step {self.step}; "
+                          f"checkpoint saved in {self.run_dir}; {rerun_advice(' to continue')}",
+                          file=sys.stderr if lost else sys.stdout, flush=True)
                 return EXIT_PREEMPTED
         if failed is not None:
             self._save_then_fail(failed, sums, logger, checkpointer)
