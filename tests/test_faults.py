@@ -495,7 +495,8 @@ def test_torch_s_news_raised_during_a_step_ends_the_run_as_a_draw_s_does(tmp_pat
     def trainer(raised: BaseException) -> SimpleNamespace:
         def train(*args):
             raise raised
-        stand_in = SimpleNamespace(_train=train, _batches=None, dist=SimpleNamespace(rank=0), run_dir=tmp_path)
+        stand_in = SimpleNamespace(_train=train, _batches=None, dist=SimpleNamespace(rank=0), run_dir=tmp_path,
+                                   preemption=SimpleNamespace(output_lost=lambda error: None))
         stand_in._end_for_data = lambda *args: Trainer._end_for_data(stand_in, *args)
         return stand_in
 
