@@ -1163,3 +1163,14 @@ def test_a_reward_that_fails_leaves_the_rngs_as_the_step_found_them(policy, prom
         source.step_batches(lambda: prompts, 0)
     assert random.getstate() == before[0] and (np.random.get_state()[1] == before[1]).all()
     assert torch.equal(torch.get_rng_state(), before[2])
+
+
+def test_a_reward_module_whose_name_a_library_has_says_to_give_its_path(tmp_path, monkeypatch):
+    """A yaml.py of the user's beside the run: `--reward yaml:score` imported PyYAML (loaded already), and the error
+    said 'yaml has no function score', of a file that has one."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "yaml.py").write_text("def score(prompts, completions, **fields):\n    return [1.0] * len(prompts)\n")
+    with pytest.raises(UserError, match=r"^--reward yaml:score: the name yaml is an installed module's \(.*\), not "
+                                        r"your yaml.py's; give the path of its file: --reward yaml.py:score$"):
+        Reward(["yaml:score"], 4, torch.device("cpu"))
+    assert Reward(["yaml.py:score"], 4, torch.device("cpu"))(_completions(["a"]))[0].tolist() == [1.0]

@@ -312,6 +312,12 @@ def _import_function(term: str, module_name: str, function_name: str) -> Callabl
                         .replace("\n", " ")) from None
     function = getattr(module, function_name, None)
     if not callable(function):
+        mine, where = Path(f"{module_name.replace('.', '/')}.py"), getattr(module, "__file__", None)
+        if not module_name.endswith(".py") and mine.is_file() and (where is None or Path(where).resolve() !=
+                                                                   mine.resolve()):  # a library of that name won
+            raise UserError(f"--reward {term}: the name {module_name} is an installed module's "
+                            f"({where or 'built in'}), not your {mine}'s; give the path of its file: --reward "
+                            f"{mine}:{function_name}")
         raise UserError(f"--reward {term}: {module_name} has no function {function_name!r}")
     try:
         inspect.signature(function).bind_partial(prompts=[], completions=[])  # record fields may be required too
