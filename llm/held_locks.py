@@ -55,6 +55,17 @@ def close_in_worker() -> None:
     _HELD.clear()
 
 
+def _flocked(fd: int, mode: int = fcntl.LOCK_EX) -> bool:
+    """Whether this process now holds `fd`'s lock in `mode` (LOCK_EX, or LOCK_SH: a look), taken without waiting:
+    False where another process holds one that excludes it; True also where the file system has no locks (not
+    held)."""
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN)
+    return True
+
+
 @contextlib.contextmanager
 def held_folder(folder: Path, marker: str, command: str) -> Iterator[None]:
     """Inside, `folder`'s `marker` file (the folder and the marker made where new) is locked by this process: a
@@ -65,13 +76,10 @@ def held_folder(folder: Path, marker: str, command: str) -> Iterator[None]:
         fd = open_lock_file(folder / marker)
     except OSError as exc:
         raise UserError(f"--out {folder}: cannot write there ({exc.strerror or exc})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            os.close(fd)
-            raise UserError(f"--out {folder}: another {command} is writing there; wait for it to end, or choose "
-                            "another --out") from None
+    if not _flocked(fd):
+        os.close(fd)
+        raise UserError(f"--out {folder}: another {command} is writing there; wait for it to end, or choose another "
+                        "--out")
     hold(fd)
     try:
         yield
@@ -95,13 +103,10 @@ def refuse_if_held_beside(target: Path) -> None:
         fd = open_lock_file(_lock_beside(target), create=False)
     except OSError:  # none (no writer), or one that cannot be used: said when it is taken
         return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise _written_now(target) from None
-    finally:
-        os.close(fd)
+    held = not _flocked(fd, fcntl.LOCK_SH)
+    os.close(fd)
+    if held:
+        raise _written_now(target)
 
 
 @contextlib.contextmanager
@@ -116,12 +121,9 @@ def held_beside(target: Path) -> Iterator[None]:
             fd = open_lock_file(lock)
         except OSError as exc:  # a read-only folder: as the folder itself could not be created
             raise UserError(f"--out {target}: cannot create it ({exc.strerror or exc})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                os.close(fd)
-                raise _written_now(target) from None
+        if not _flocked(fd):
+            os.close(fd)
+            raise _written_now(target)
         try:
             same = os.fstat(fd).st_ino == os.stat(lock).st_ino
         except FileNotFoundError:
