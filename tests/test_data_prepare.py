@@ -1175,6 +1175,22 @@ def test_unwritable_out_is_a_one_line_error(tokenizer_dir, corpus, tmp_path, mon
     assert (tmp_path / "a_file").read_text() == "mine"
 
 
+def test_a_full_disk_at_the_lock_leaves_no_out_behind(tokenizer_dir, corpus, tmp_path, monkeypatch, capsys):
+    """Writing its pid into the lock file of an OUT it had just created failed (a full disk): the refusal left OUT
+    behind, holding only .prepare.lock."""
+    def pwrite(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(SystemExit) as exit_code:
+        main(["data", "prepare", "--input", str(corpus), "--tokenizer", str(tokenizer_dir), "--out",
+              str(tmp_path / "out")])
+    assert exit_code.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"zerollm: error: --out {tmp_path / 'out'}: cannot write there (No space left on device); data prepare needs "
+        "to write in it and beside it (in its parent directory)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
+
 def _file_size_limit(limit: int):
     """For a child process: files it writes cannot grow past `limit` bytes (a write fails with EFBIG, as on a full
     disk; no root needed to fill a file system)."""

@@ -200,10 +200,10 @@ class OutputDir:
             if same:  # else the holder committed between our open and flock: lock the new file
                 break
             os.close(fd)
+        self._lock_fd = fd  # before the writes: one that fails (a full disk) leaves no OUT this run created
+        held_locks.hold(fd)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._lock_fd = fd
-        held_locks.hold(fd)
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
