@@ -604,18 +604,26 @@ def test_a_missing_datasets_package_is_a_one_line_error(tmp_path, monkeypatch):
         list(read_items(tmp_path / "hf"))
 
 
-def test_symlinked_folders_are_read_each_once_and_a_link_loop_ends(tokenizer_dir, tmp_path):
+def test_symlinked_folders_are_read_each_once_and_a_link_loop_ends(tokenizer_dir, tmp_path, capsys):
     folder, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
     folder.mkdir()
     elsewhere.mkdir()
     (folder / "a.txt").write_text("one document\n")
     (elsewhere / "b.txt").write_text("a linked document\n")
+    (tmp_path / "c.txt").write_text("a linked file\n")
     (folder / "linked").symlink_to(elsewhere)
     (folder / "same_again").symlink_to(elsewhere)  # the same folder reached twice
     (folder / "loop").symlink_to(folder)
+    (folder / "within").symlink_to(folder / "a.txt")  # read once, and no link out of the folder
+    (folder / "c.txt").symlink_to(tmp_path / "c.txt")
     report = _quiet("pretrain", [folder], tokenizer_dir, tmp_path / "out")
-    assert report.files == {str(folder / "a.txt"): 1, str(folder / "linked" / "b.txt"): 1}
-    assert _documents(tmp_path / "out", tokenizer_dir) == ["one document", "a linked document"]
+    assert report.files == {str(folder / "a.txt"): 1, str(folder / "c.txt"): 1, str(folder / "linked" / "b.txt"): 1}
+    assert _documents(tmp_path / "out", tokenizer_dir) == ["one document", "a linked file", "a linked document"]
+    # a folder from elsewhere holding a link to your home pulled your files into the data without a word
+    assert capsys.readouterr().err == (
+        f"zerollm: note: {folder}: read through symbolic links that lead out of it: {folder / 'c.txt'} -> "
+        f"{tmp_path / 'c.txt'} (1 input), {folder / 'linked'} -> {elsewhere} (1 input); remove a link to leave what "
+        "it leads to out\n")
 
 
 def _edited_tokenizer(tokenizer_dir, out, edit_spec=None, edit_config=None):

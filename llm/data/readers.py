@@ -29,6 +29,7 @@ import json
 import lzma
 import os
 import re
+import sys
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -174,6 +175,35 @@ def _walk(folder: Path, exclude: Path | None) -> list[Path]:
     return sorted(found)
 
 
+def _link_out(path: Path, folder: Path) -> Path | None:
+    """The symbolic link under `folder` through which `path`, found walking it, leads out of it (None: it does not)."""
+    real_folder = folder.resolve()
+    if _is_within(path.resolve(), real_folder):
+        return None
+    step = folder
+    for part in path.relative_to(folder).parts:
+        step = step / part
+        if step.is_symlink() and not _is_within(step.resolve(), real_folder):
+            return step
+    return path
+
+
+def _note_links_out(folder: Path, found: list[Path]) -> None:
+    """Say which of the inputs found in `folder` were read through symbolic links that lead out of it: they are
+    followed (corpora on other disks are linked in so), but a folder from elsewhere holding a link to your home
+    would pull your own files into the data, named only by the link's path in the report."""
+    links: dict[Path, int] = {}
+    for path in found:
+        if (link := _link_out(path, folder)) is not None:
+            links[link] = links.get(link, 0) + 1
+    if links:
+        shown = ", ".join(f"{printable(str(link))} -> {printable(str(link.resolve()))} ({count} "
+                          f"{'input' if count == 1 else 'inputs'})" for link, count in list(links.items())[:3])
+        more = f" and {len(links) - 3} more" if len(links) > 3 else ""
+        print(f"zerollm: note: {printable(str(folder))}: read through symbolic links that lead out of it: {shown}"
+              f"{more}; remove a link to leave what it leads to out", file=sys.stderr, flush=True)
+
+
 def _once(paths: list[Path]) -> list[Path]:
     """`paths` without repeats of a file (by resolved path), in order: one named twice, or named and also found in
     a folder given, is read once."""
@@ -220,6 +250,7 @@ def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None
             if not found:
                 own = " besides what zerollm wrote there, which is not data" if zerollm_entries(path) else ""
                 raise UserError(f"{path}: directory holds no {FORMATS_SAID} files or datasets directories{own}")
+            _note_links_out(path, found)
             files.extend(found)
         elif path.exists():
             if not (path.is_file() or path.is_dir()):
