@@ -264,6 +264,19 @@ def test_a_resumed_wandb_run_keeps_the_project_and_name_it_started_with(pretrain
     monkeypatch.setattr(job, "check_same_data", lambda *args: None)
     job._resolved_ds_config(again, tmp_path, info, ds, None, True, {}, {"tokenizer_hash": "x"})
     assert (again.wandb.project, again.wandb.name) == ("first", tmp_path.name)
+    # a session with wandb off between two with it: it recorded no project, and the next one logged the same run
+    # id to WANDB_PROJECT's; its resume said "wandb.project first there, None here", a setting the user never gave
+    off = build_config("demo", ["model.vocab_size=512"], paths={"data.path": str(pretrain_data)})
+    job._resolved_ds_config(off, tmp_path, info, ds, None, True, {}, {"tokenizer_hash": "x"})
+    assert (off.wandb.project, off.wandb.name) == ("first", tmp_path.name)
+    assert job.resumed_changes(again, off) == ["wandb.mode offline there, off here"]
+    off.save(tmp_path / "config.yaml")
+    on = build_config("demo", ["wandb.mode=offline", "model.vocab_size=512"], paths={"data.path": str(pretrain_data)})
+    job._resolved_ds_config(on, tmp_path, info, ds, None, True, {}, {"tokenizer_hash": "x"})
+    assert (on.wandb.project, on.wandb.name) == ("first", tmp_path.name)
+    fresh = build_config("demo", ["model.vocab_size=512"], paths={"data.path": str(pretrain_data)})
+    job._resolved_ds_config(fresh, tmp_path / "new", info, ds, None, False, {}, {"tokenizer_hash": "x"})
+    assert (fresh.wandb.project, fresh.wandb.name) == (None, None)  # a run never logged names none
 
 
 def test_an_offline_run_that_cannot_start_is_not_told_to_check_the_network(tmp_path, monkeypatch):

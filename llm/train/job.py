@@ -384,10 +384,11 @@ def _resolved_ds_config(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_file: 
                 check_same_weights(run_dir, role, data[role], option)
         cfg.train.precision = resumed_precision(run_dir, saved.train.precision, cfg.train.precision)
     cfg.train.precision = resolve_precision(cfg.train.precision, info.device)
-    if cfg.wandb.mode != "off":  # named once, recorded: a resume from a shell with other WANDB_* variables sent the
-        w, before = cfg.wandb, saved.wandb if saved is not None else None  # same run id to another project
-        w.project = w.project or (before and before.project) or w.run_project()
-        w.name = w.name or (before and before.name) or w.run_name(run_dir)
+    # named once, recorded: a resume from a shell with other WANDB_* variables sent the same run id to another
+    # project; kept by a session with wandb off too (it recorded none, and the next session's went by the variables)
+    w, before, logged = cfg.wandb, saved.wandb if saved is not None else None, cfg.wandb.mode != "off"
+    w.project = w.project or (before and before.project) or (w.run_project() if logged else None)
+    w.name = w.name or (before and before.name) or (w.run_name(run_dir) if logged else None)
     if cfg.model.kernels == "triton" and (reason := triton_unavailable(info.device)) is not None:
         raise UserError(reason if info.device.type == "cuda" else f"model.kernels=triton needs a CUDA GPU (this job "
                         f"runs on {info.device.type}); use auto or torch here")
