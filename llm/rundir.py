@@ -345,6 +345,15 @@ def incompleteness(run_dir: Path, tag: str) -> str | None:
     return f"{', '.join(extra)} not in its {MANIFEST}" if extra else None
 
 
+def _published_before_manifests(run_dir: Path, tag: str) -> bool:
+    """Whether checkpoint `tag`, which `latest` names, was saved whole by a zerollm from before manifests (its first
+    day): it holds its client state and model states, and no checkpoint of the run has a manifest. Its run was
+    refused as holding only unfinished saves, to be trained again."""
+    directory = checkpoint_dir(run_dir) / tag
+    return ((directory / CLIENT_STATE).is_file() and any(directory.glob("*model_states.pt"))
+            and not any(checkpoint_dir(run_dir).glob(f"*/{MANIFEST}")))
+
+
 def _read_by_loading(name: str) -> bool:
     """Whether loading reads a file found in a checkpoint folder that its manifest does not list, so that the folder
     is not the checkpoint saved: DeepSpeed finds the states of the ranks that saved by their names (`*.pt`) and
@@ -370,6 +379,10 @@ def usable_tag(run_dir: Path) -> str | None:
         return newest
     if not is_tag(latest):
         raise UserError(f"{root / LATEST} names '{latest}', which is not a checkpoint tag; {_latest_advice(run_dir)}")
+    if _published_before_manifests(run_dir, latest):
+        raise UserError(f"{root / latest}: saved by a zerollm from before checkpoints had a {MANIFEST}, whose "
+                        "checkpoints this version cannot load; export the run with that version (`zerollm export "
+                        f"--run {run_dir} --out DIR`) and give this one the export (--init-from DIR, --model DIR)")
     candidates = [tag for tag in checkpoint_tags(run_dir) if step_of(tag) < step_of(latest)] + [latest]
     passed_over = []
     for tag in reversed(candidates):

@@ -899,6 +899,21 @@ def test_no_complete_checkpoint_is_one_clear_error(one_rank_group, tmp_path):
     assert rundir.usable_tag(tmp_path / "elsewhere") is None
 
 
+def test_a_run_saved_before_manifests_is_told_how_to_carry_it_over(one_rank_group, tmp_path):
+    """A run trained by the zerollm of before manifests (its first day; its RNG files pickled numpy's state, which
+    this version does not unpickle) was refused as holding only unfinished saves, to be trained again."""
+    _save(tmp_path, 10, 20)
+    root = rundir.checkpoint_dir(tmp_path)
+    (root / "global_step20" / rundir.MANIFEST).unlink()
+    assert rundir.usable_tag(tmp_path) == "global_step10"  # a run of this version: its unfinished save passed over
+    (root / "global_step10" / rundir.MANIFEST).unlink()
+    with pytest.raises(UserError) as refused:
+        rundir.usable_tag(tmp_path)
+    assert str(refused.value) == (
+        f"{root / 'global_step20'}: saved by a zerollm from before checkpoints had a manifest.json, whose checkpoints "
+        f"this version cannot load; export the run with that version (`zerollm export --run {tmp_path} --out DIR`) "
+        "and give this one the export (--init-from DIR, --model DIR)")
+
 def test_a_newer_complete_checkpoint_latest_does_not_name_is_not_used(one_rank_group, tmp_path):
     """Killed after the manifest but before `latest` moved: `latest` still decides (and the folder is redone)."""
     _save(tmp_path, 10, 20)
