@@ -36,10 +36,11 @@ from llm.model import Transformer
 from llm.model.from_weights import model_from_weights, shapes_only
 from llm.model.host_memory import check_fits_in_memory
 from llm.model.rope import yarn_attention_scale
+from llm.rundir import HF_CONFIG_FILE
 from llm.tokenizer import CONFIG_FILE as TOKENIZER_CONFIG
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 
-WEIGHTS_FILE, HF_CONFIG_FILE, WEIGHTS_INDEX_FILE = "model.safetensors", "config.json", "model.safetensors.index.json"
+WEIGHTS_FILE, WEIGHTS_INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 EXPORT_FILES = {WEIGHTS_FILE, HF_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG, rundir.GENERATION_CONFIG_FILE}
 """What an export holds."""
 EXPORTED_BY = {"exported_by": "zerollm"}

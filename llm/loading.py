@@ -31,6 +31,7 @@ from llm.export import (
     import_model,
     weight_files,
 )
+from llm.infer.suggested_sampling import declared_stop_ids
 from llm.model import Transformer
 from llm.model.from_weights import model_from_weights
 from llm.model.host_memory import check_fits_in_memory
@@ -340,7 +341,7 @@ def load_for_inference(path: str | Path, tag: str | None = None) -> tuple[Transf
     if tokenizer.vocab_size > model.cfg.vocab_size:  # fewer is fine: padded embedding rows no token reaches
         raise UserError(f"{path}: its tokenizer {tokenizer_dir} has {tokenizer.vocab_size} tokens, more than the "
                         f"model's vocab_size {model.cfg.vocab_size}; use the tokenizer the model was trained with")
-    return model, tokenizer
+    return model, tokenizer.stop_also(declared_stop_ids(path))
 
 
 def load_scored(path: str | Path) -> tuple[Transformer, Tokenizer, str | None]:

@@ -76,6 +76,8 @@ TOKENIZER_CONFIG_FILE, TEMPLATE_FILE = "tokenizer_config.json", "chat_template.j
 TOKENIZER_TRAINING_FILE = "tokenizer_training.json"
 """Written by `llm.tokenizer.train_tokenizer` only (what it was trained with): marks a folder it may write into
 again."""
+HF_CONFIG_FILE = "config.json"
+"""A Hugging Face model folder's model config (an export's, `llm.export`)."""
 GENERATION_CONFIG_FILE = "generation_config.json"
 """A Hugging Face model folder's suggested sampling (`llm.infer.suggested_sampling`): a run fine-tuned from such a
 folder keeps a copy, which its exports carry, as transformers' Trainer saves it beside the model it tuned."""

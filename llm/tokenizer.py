@@ -316,6 +316,12 @@ class Tokenizer:
         config = {**self.config, **self._unset_roles}
         self._template_variables = {f: t for f in ROLE_FIELDS if (t := _token_text(config.get(f)))}
 
+    def stop_also(self, ids: Iterable[int]) -> Tokenizer:
+        """End generation at `ids` too (a model folder's declared end tokens, `declared_stop_ids`), those in the
+        vocabulary (no other can be generated); before the chat template is first used, which stops at them."""
+        self.stop_ids = sorted(set(self.stop_ids) | {i for i in ids if i < self.vocab_size})
+        return self
+
     @classmethod
     def load(cls, directory: str | Path) -> Tokenizer:
         """A tokenizer directory: tokenizer.json, with tokenizer_config.json and chat_template.jinja where present."""

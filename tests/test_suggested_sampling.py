@@ -9,9 +9,12 @@ from forked_ranks import run_job
 
 from conftest import train_args, zerollm_here
 from llm.errors import UserError
+from llm.infer.generate import TextGenerator
+from llm.infer.sampling import SamplingParams
 from llm.infer.server import parse_options
 from llm.infer.suggested_sampling import generation_config_text, suggested_sampling
-from llm.rundir import GENERATION_CONFIG_FILE
+from llm.loading import load_for_inference
+from llm.rundir import GENERATION_CONFIG_FILE, HF_CONFIG_FILE
 
 QWEN3 = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
          "temperature": 0.6, "top_k": 20, "top_p": 0.95, "transformers_version": "4.51.0"}
@@ -81,6 +84,44 @@ def test_generate_samples_as_the_model_folder_suggests_unless_an_option_says_oth
     assert zerollm_here(monkeypatch, "generate", "--model", folder, "--prompt", "To be") == 2
     assert capsys.readouterr().err == (f"zerollm: error: {folder / GENERATION_CONFIG_FILE}: top_k must be an integer "
                                        ">= 0 (0: off), got -3; fix or remove it\n")
+
+
+def test_generation_stops_at_the_end_tokens_the_model_folder_declares(tiny_export, tmp_path, monkeypatch, capsys):
+    """Llama 3.1's <|eom_id|> is in its config.json's and generation_config.json's eos_token_id, but neither the
+    tokenizer's end of text nor its end of turn: replies ran on past it, where transformers' generate stops."""
+    model, tokenizer = load_for_inference(tiny_export)
+    prompt = tokenizer.encode("To be")
+    sampled = [int(token) for token, _ in TextGenerator(model, tokenizer, stop_token_ids=[]).token_steps(
+        [prompt], SamplingParams(max_new_tokens=12, temperature=1.0, seed=3))]
+    stop = next(token for token in sampled[2:] if token not in sampled[:2])
+    expected = tokenizer.decode(sampled[:sampled.index(stop)], skip_special_tokens=True)
+    for name, declared in ((HF_CONFIG_FILE, stop), (GENERATION_CONFIG_FILE, [tokenizer.eos_id, stop])):
+        folder = tmp_path / name
+        shutil.copytree(tiny_export, folder)
+        config = json.loads((folder / name).read_text()) if (folder / name).is_file() else {}
+        (folder / name).write_text(json.dumps({**config, "eos_token_id": declared}))
+        assert zerollm_here(monkeypatch, "generate", "--model", folder, "--prompt", "To be", "--max-new-tokens", 12,
+                            "--temperature", 1, "--seed", 3) == 0
+        assert capsys.readouterr().out == expected + "\n"
+    (folder / GENERATION_CONFIG_FILE).write_text('{"eos_token_id": ["<|eom_id|>"]}')
+    assert zerollm_here(monkeypatch, "generate", "--model", folder, "--prompt", "To be") == 2
+    assert capsys.readouterr().err == (f"zerollm: error: {folder / GENERATION_CONFIG_FILE}: eos_token_id is "
+                                       "['<|eom_id|>'], not a token id or a list of them; fix or remove it\n")
+
+
+def test_decoding_settings_the_sampler_has_not_are_named(tiny_export, tmp_path, monkeypatch, capsys):
+    """A generation_config.json's min_p (or no_repeat_ngram_size, num_beams, ...) was dropped without a word: the
+    note named the temperature alone, and the text differed from transformers'."""
+    folder = _with_generation_config(tiny_export, tmp_path, {"do_sample": True, "min_p": 0.99, "num_beams": 1,
+                                                             "no_repeat_ngram_size": 2, "typical_p": 1.0})
+    _, note = _generated(monkeypatch, capsys, folder)
+    path = folder / GENERATION_CONFIG_FILE
+    assert note == (f"zerollm: note: sampling as {path} suggests: temperature 1 (an option given overrides it); "
+                    "min_p 0.99, no_repeat_ngram_size 2, which zerollm's sampler does not apply (transformers' "
+                    "generate does)\n")
+    _, note = _generated(monkeypatch, capsys, folder, "--temperature", 0)
+    assert note == (f"zerollm: note: {path} sets min_p 0.99, no_repeat_ngram_size 2, which zerollm's sampler does not "
+                    "apply (transformers' generate does)\n")
 
 
 def test_a_request_that_leaves_sampling_out_takes_what_the_model_suggests():

@@ -1,6 +1,7 @@
 """A Hugging Face model folder's `generation_config.json`: the sampling its authors suggest (Qwen3's temperature 0.6,
 top-k 20 and top-p 0.95, against greedy decoding's endless repetitions), which transformers' `generate` and vLLM
-apply wherever a request leaves an option out. `generate`, `chat` and `serve` do the same."""
+apply wherever a request leaves an option out. `generate`, `chat` and `serve` do the same. And the end tokens it and
+config.json declare, at which they stop."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from llm.errors import UserError
 from llm.infer.sampling import InvalidSampling, SamplingParams
-from llm.rundir import GENERATION_CONFIG_FILE
+from llm.rundir import GENERATION_CONFIG_FILE, HF_CONFIG_FILE
 from llm.wording import shown
 
 MAX_FILE_BYTES = 1 << 20
@@ -108,12 +109,54 @@ def suggested_sampling(model_dir: str | Path) -> dict[str, Any]:
     return suggested
 
 
+def declared_stop_ids(model_dir: str | Path) -> set[int]:
+    """The end tokens `model_dir`'s config.json and generation_config.json declare (`eos_token_id`: an id or a list),
+    which transformers' `generate` and vLLM stop at besides the tokenizer's: Llama 3.1's `<|eom_id|>`, the end of a
+    tool call's turn, is in neither the tokenizer's end nor its turn end, and replies ran on past it. A value that is
+    not an id or a list of them is a UserError naming the file."""
+    declared: set[int] = set()
+    for name in (HF_CONFIG_FILE, GENERATION_CONFIG_FILE):
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        value = _read(path)[1].get("eos_token_id")
+        ids = value if isinstance(value, list) else [] if value is None else [value]
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise UserError(f"{path}: eos_token_id is {shown(value)}, not a token id or a list of them; fix or "
+                            "remove it")
+        declared.update(ids)
+    return declared
+
+
+UNAPPLIED_DEFAULTS = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+                      "no_repeat_ngram_size": 0, "num_beams": 1, "penalty_alpha": 0.0, "bad_words_ids": None,
+                      "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
+                      "min_length": 0, "min_new_tokens": 0, "stop_strings": None}
+"""transformers' decoding settings that zerollm's sampler has not, each with the value that leaves it off there:
+a file setting one otherwise (`min_p: 0.1`) decodes otherwise in transformers, and was dropped without a word."""
+
+
+def unapplied_settings(model_dir: str | Path) -> list[str]:
+    """'key value' for each setting of `model_dir`'s generation_config.json that changes transformers' decoding and
+    that zerollm does not apply."""
+    path = Path(model_dir) / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return []
+    config = _read(path)[1]
+    return [f"{key} {shown(config[key])}" for key, off in UNAPPLIED_DEFAULTS.items()
+            if key in config and config[key] not in (off, None, [], {})]
+
+
 def suggested_note(model_dir: str | Path, suggested: dict[str, Any], overridden: set[str],
                    overrider: str = "an option") -> str | None:
     """'note: sampling as ... suggests' naming what the file suggests and is used (not `overridden` by an option or
-    a request field, the `overrider`), or None where nothing of it is."""
+    a request field, the `overrider`), and what of it is not applied (`unapplied_settings`), or None where nothing
+    of it is either."""
+    path = Path(model_dir) / GENERATION_CONFIG_FILE
     used = [f"{key} {value:g}" for key, value in suggested.items() if key not in overridden]
-    if not used:
-        return None
-    return (f"note: sampling as {Path(model_dir) / GENERATION_CONFIG_FILE} suggests: {', '.join(used)} ({overrider} "
-            "given overrides it)")
+    unapplied = unapplied_settings(model_dir)
+    said = [f"sampling as {path} suggests: {', '.join(used)} ({overrider} given overrides it)"] if used else []
+    if unapplied:
+        said.append(f"{'' if used else f'{path} sets '}{', '.join(unapplied)}, which zerollm's sampler does not "
+                    "apply (transformers' generate does)")
+    return f"note: {'; '.join(said)}" if said else None

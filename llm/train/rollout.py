@@ -37,6 +37,7 @@ from llm.config import RunConfig
 from llm.errors import StepInputError, UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
+from llm.infer.suggested_sampling import declared_stop_ids
 from llm.model import Transformer
 from llm.model.from_weights import model_to_fill, shapes_only
 from llm.model.lora import apply_lora
@@ -82,7 +83,7 @@ def grpo_inputs(cfg: RunConfig, device: torch.device | None = None) -> tuple[Tok
     """The tokenizer, the reward (a reward model runs on `device`, default the CPU) and the prompt set of a GRPO
     run, every mistake in them a `UserError`."""
     g = cfg.grpo
-    tokenizer = Tokenizer.load(tokenizer_dir(cfg))
+    tokenizer = Tokenizer.load(tokenizer_dir(cfg)).stop_also(declared_stop_ids(cfg.train.init_from))
     reward = Reward(g.reward, g.max_new_tokens, device or torch.device("cpu"), g.reward_timeout_s)
     prompts = read_prompts(g.prompts, partial(encode_prompt, tokenizer), cfg.data.seq_len - g.max_new_tokens,
                            reward.required_fields)
