@@ -417,6 +417,9 @@ def test_ds_config_auto_values_are_filled_from_the_run_config():
     assert ds["optimizer"]["params"]["lr"] == t.lr and ds["optimizer"]["params"]["betas"] == [t.beta1, t.beta2]
     assert ds["zero_optimization"]["stage"] == 3
     assert "auto" not in json.dumps(ds)
+    for clip in (0.0, 0.5):  # not the default of 1.0, the one value the assertion above could not tell apart
+        cfg = build_config("demo", [f"train.grad_clip={clip}"])
+        assert resolve_ds_config(raw, cfg, world_size=1, source=source, zero_stage=2)["gradient_clipping"] == clip
 
 
 def test_ds_config_conflict_names_both_sides(tmp_path):

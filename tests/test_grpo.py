@@ -86,6 +86,9 @@ def test_final_answer_prefers_tags_then_boxed_then_hashes():
     assert final_answer("\\boxed{1} <answer>2</answer> #### 3") == "2"
     assert final_answer("\\boxed{1} #### 3") == "1"
     assert final_answer("x #### 3.") == "3"
+    assert final_answer("first \\boxed{1}, corrected: \\boxed{2}") == "2"  # the last of each, as documented
+    assert final_answer("step #### 3 ... so #### 4") == "4"
+    assert final_answer("<answer>5</answer> no: <answer>6</answer>") == "6"
 
 
 def test_reward_terms_weights_and_components(tmp_path, monkeypatch):
@@ -736,6 +739,60 @@ def test_clipped_tokens_are_counted_and_only_cispo_keeps_their_gradient(loss):
     gradient = sum(p.grad.abs().sum().item() for p in model.parameters() if p.grad is not None)
     assert (gradient > 0) is (loss == "cispo")
 
+
+def test_clip_high_above_clip_low_leaves_a_ratio_between_them_unclipped():
+    """DAPO's clip-higher: the tests used the defaults only, where both bounds are 0.2."""
+    model, batch = _objective_batch()
+    with torch.no_grad():
+        logps = token_logps(model(batch["tokens"]).logits, batch["targets"])
+    batch["old_logps"] = logps - math.log(1.25)  # every ratio 1.25: inside [0.8, 1.28], outside [0.8, 1.2]
+    batch["advantages"] = torch.ones(4)
+    assert GRPOObjective(GRPOConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0))(model, dict(batch)) \
+        .metrics["clip_fraction"].item() == 0.0
+    assert GRPOObjective(GRPOConfig(clip_low=0.2, clip_high=0.2, kl_coef=0.0))(model, dict(batch)) \
+        .metrics["clip_fraction"].item() == 1.0
+
+
+def test_cispo_inside_the_clip_range_weighs_the_gradient_of_logp_by_the_ratio():
+    """Its ratio is a weight, not differentiated: the test above sets ratios where the clamp has no gradient anyway."""
+    model, batch = _objective_batch()
+    with torch.no_grad():
+        logps = token_logps(model(batch["tokens"]).logits, batch["targets"])
+    batch["old_logps"] = logps - 0.1  # every ratio e^0.1, inside the clip range
+    del batch["ref_logps"]
+    GRPOObjective(GRPOConfig(loss="cispo", kl_coef=0.0))(model, dict(batch)).loss.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    mask, advantages = batch["mask"], batch["advantages"]
+    logps = token_logps(model(batch["tokens"]).logits, batch["targets"])
+    (-(math.exp(0.1) * advantages[:, None] * logps * mask).sum(-1) / mask.sum(-1)).mean().backward()
+    assert all(torch.allclose(g, p.grad, rtol=1e-4, atol=1e-7) for g, p in zip(got, model.parameters()))
+
+
+def test_the_log_probabilities_are_at_the_sampling_temperature():
+    """The reference's are taken at grpo.temperature (the rollout's): the policy's at another made the first step's
+    KL other than 0."""
+    model, batch = _objective_batch()
+    with torch.no_grad():
+        at_temperature = token_logps(model(batch["tokens"]).logits, batch["targets"], temperature=0.7)
+    batch["ref_logps"] = at_temperature
+    step = GRPOObjective(GRPOConfig(temperature=0.7, kl_coef=0.1))(model, batch)
+    assert torch.allclose(batch["old_logps"], at_temperature, atol=1e-6)
+    assert step.metrics["kl"].item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_kl_term_weighs_kl_coef():
+    """k3 estimator exp(ref - logp) - (ref - logp) - 1, at ref = logp + 1 on every completion token: e - 2, times
+    grpo.kl_coef, over each completion's tokens (it was caught only by a training run's reward)."""
+    model, batch = _objective_batch()
+    with torch.no_grad():
+        logps = token_logps(model(batch["tokens"]).logits, batch["targets"])
+    batch["ref_logps"] = logps + 1.0
+    without = GRPOObjective(GRPOConfig(kl_coef=0.0))(model, dict(batch)).loss.item()
+    for coef in (0.1, 0.5):
+        step = GRPOObjective(GRPOConfig(kl_coef=coef))(model, dict(batch))
+        assert step.metrics["kl"].item() == pytest.approx(math.e - 2, rel=1e-5)
+        assert step.loss.item() == pytest.approx(without + coef * (math.e - 2), rel=1e-5)
 
 def test_positions_off_the_completions_cannot_make_the_loss_nan():
     """The ratio and the KL term were exponentiated at every position and masked after: a prompt or padding

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from forked_ranks import kill_when, run_job
 from tokens_swap import replace_tokens_file, reversed_tokens
 
@@ -796,6 +797,52 @@ def test_grpo_logs_its_kl_per_completion_token_whatever_its_loss_averages(one_ra
     assert logged["kl"] == pytest.approx(per_token, rel=1e-5)
     assert logged["clip_fraction"] == 0.0
 
+
+def _preference_batch():
+    """A policy and another reference, a batch of three pairs, and the pairs' margins (policy minus reference log
+    ratio, chosen minus rejected) and mean token NLLs of the chosen replies, computed here directly."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    policy, reference = Transformer(cfg).eval(), Transformer(cfg).eval()
+    batch = {}
+    for side in ("chosen", "rejected"):
+        tokens = torch.randint(0, 97, (3, 16))
+        mask = torch.zeros(3, 16)
+        mask[:, 4:10] = 1
+        batch |= {f"{side}_tokens": tokens, f"{side}_targets": torch.roll(tokens, -1, 1), f"{side}_mask": mask}
+
+    def reply_logps(model, side):
+        return (token_logps(model(batch[f"{side}_tokens"]).logits, batch[f"{side}_targets"])
+                * batch[f"{side}_mask"]).sum(-1)
+
+    with torch.no_grad():
+        margin = (reply_logps(policy, "chosen") - reply_logps(reference, "chosen")) - \
+            (reply_logps(policy, "rejected") - reply_logps(reference, "rejected"))
+        chosen_nll = -reply_logps(policy, "chosen") / batch["chosen_mask"].sum(-1)
+    assert margin.abs().max() > 0.1
+    return policy, reference, batch, margin, chosen_nll
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])
+def test_the_dpo_losses_are_their_formulas_at_the_beta_given(beta):
+    """No test told the losses' beta, IPO's target or the RPO term's per-token mean from others: each could change
+    and every test pass."""
+    policy, reference, batch, margin, chosen_nll = _preference_batch()
+    with torch.no_grad():
+        sigmoid = DPOObjective(reference, beta)(policy, batch).loss.item()
+        ipo = DPOObjective(reference, beta, loss="ipo")(policy, batch).loss.item()
+        rpo = DPOObjective(reference, beta, sft_weight=0.3)(policy, batch).loss.item()
+    assert sigmoid == pytest.approx(-F.logsigmoid(beta * margin).mean().item(), rel=1e-5)
+    assert ipo == pytest.approx(((margin - 1 / (2 * beta)) ** 2).mean().item(), rel=1e-5)
+    assert rpo == pytest.approx((-F.logsigmoid(beta * margin).mean() + 0.3 * chosen_nll.mean()).item(), rel=1e-5)
+
+
+def test_dpo_reward_accuracy_counts_no_tie_as_right():
+    """The policy as its own reference: every implicit reward is 0, and no pair is ranked right yet."""
+    policy, _, batch, _, _ = _preference_batch()
+    with torch.no_grad():
+        step = DPOObjective(policy, 0.5)(policy, batch)
+    assert step.metrics["rewards/accuracy"].item() == 0.0
 
 def test_a_dpo_validation_loss_is_the_mean_over_pairs_whatever_the_micro_batch(one_rank_group):
     """DPO's loss is a mean over pairs, but its validation loss weighed each micro-batch by its reply tokens: two runs

@@ -486,6 +486,17 @@ def test_a_reply_whose_kv_cache_cannot_fit_in_memory_is_a_400_naming_max_tokens(
     assert _post(server, json.dumps({**HELLO, "max_tokens": 8}).encode())[0] == 200
 
 
+def test_max_tokens_may_fill_the_context_to_its_last_position_and_not_one_past_it(server, generator):
+    """The bound was tested only far from its edge: off by one, a request one token past the context was refused by
+    the KV cache's check instead, as max_tokens too large for memory, without OpenAI's context_length_exceeded."""
+    ids = generator.tokenizer.encode_chat(HELLO["messages"], add_generation_prompt=True)
+    room = CONTEXT - len(ids)
+    assert _post(server, json.dumps({**HELLO, "max_tokens": room}).encode())[0] == 200
+    status, payload = _post(server, json.dumps({**HELLO, "max_tokens": room + 1}).encode())
+    assert (status, payload["error"]["param"], payload["error"]["code"]) == (400, "messages", "context_length_exceeded")
+    assert payload["error"]["message"] == (f"the prompt ({len(ids)} tokens) plus max_tokens ({room + 1}) exceeds the "
+                                           f"model's context of {CONTEXT} tokens")
+
 def test_a_prompt_that_fills_the_context_is_refused_without_a_max_tokens_it_was_not_sent(server, generator):
     """Without max_tokens the message blamed 'max_tokens (1)', which the client never sent."""
     content = "word " * CONTEXT
