@@ -16,7 +16,8 @@ from llm.rundir import GENERATION_CONFIG_FILE, HF_CONFIG_FILE
 from llm.wording import shown
 
 MAX_FILE_BYTES = 1 << 20
-"""Far more than a generation config holds (a few hundred bytes): a larger file is refused before it is read."""
+"""Far more than a generation config or a model's config.json holds (a few hundred bytes, a few kilobytes): a larger
+file is refused before it is read."""
 SUGGESTED_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "repetition_penalty": float}
 """The keys read (vLLM's, less min_p, which the sampler has not) and the type of each."""
 
@@ -28,11 +29,11 @@ TEXT_LIMIT = 64
 
 
 def _read(path: Path) -> tuple[str, dict[str, Any]]:
-    """generation_config.json's text and object; a UserError naming `path` for a file that is too large, not JSON
-    or not an object."""
+    """generation_config.json's (or config.json's) text and object; a UserError naming `path` for a file that is too
+    large, not JSON or not an object."""
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
-            raise UserError(f"{path}: {path.stat().st_size:,} bytes, far more than a generation config holds; fix or "
+            raise UserError(f"{path}: {path.stat().st_size:,} bytes, far more than such a config holds; fix or "
                             "remove it")
         text = path.read_text(encoding="utf-8")
         config = json.loads(text)
