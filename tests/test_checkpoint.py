@@ -1469,6 +1469,36 @@ def test_a_torn_last_metrics_line_is_dropped_and_named(tmp_path, capsys):
     assert f"{tmp_path / rundir.METRICS_FILE}:4: dropped a line that is not a row of a step" in capsys.readouterr().err
 
 
+def test_a_resume_reads_the_metrics_a_line_at_a_time_and_cuts_them_in_place(tmp_path, capsys):
+    """Every resume read metrics.jsonl and samples.jsonl whole into a list and rewrote them: for a long run's
+    million rows, 10 s and 870 MB on rank 0 (its reported peak memory among them), even with nothing to drop."""
+    import tracemalloc
+
+    path = tmp_path / rundir.METRICS_FILE
+    row = {"loss": 1.0, "lr": 3e-4, "grad_norm": 0.5, "tokens_per_s": 12345.6, "note": "x" * 150}
+    path.write_text("".join(json.dumps({"step": step, **row}) + "\n" for step in range(1, 20_001)))
+    size, inode = path.stat().st_size, path.stat().st_ino
+    cfg = build_config("demo")
+    cfg.wandb.mode = "off"
+    tracemalloc.start()
+    MetricsSink(tmp_path, cfg, "run", start_step=19_990)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert size > 4_000_000 and peak < size / 10, (size, peak)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 19_990 and json.loads(lines[-1])["step"] == 19_990 and path.stat().st_ino == inode
+    MetricsSink(tmp_path, cfg, "run", start_step=19_990)  # nothing to drop: left as it is
+    assert path.read_text().splitlines() == lines and path.stat().st_ino == inode
+    with path.open("a") as f:  # a row kept after one dropped (a file edited by hand): rewritten without it
+        f.write('{"step": 19995}\n{"step": 5}\n{"step": 6')
+    MetricsSink(tmp_path, cfg, "run", start_step=19_990)
+    assert path.read_text().splitlines() == [*lines, '{"step": 5}']
+    assert capsys.readouterr().err == (f"zerollm: note: {path}:19993: dropped a line that is not a row of a step "
+                                       "(torn by a killed run)\n")
+    path.write_text('{"step": 1}\n{"step": 2}')  # a kill between a row and its newline
+    MetricsSink(tmp_path, cfg, "run", start_step=2).log({"step": 3, "loss": 0.5})
+    assert path.read_text().splitlines() == ['{"step": 1}', '{"step": 2}', '{"step": 3, "loss": 0.5}']
+
 # ---- through `zerollm train` (one rank) -------------------------------------------------------------------------
 
 ONE_RANK = ["train.max_steps=4", "train.save_every=2", "train.keep_checkpoints=0", "train.precision=fp32",

@@ -29,7 +29,7 @@ from llm import durable, rundir
 from llm.config import ModelConfig, RunConfig, WandbConfig
 from llm.devices import synchronize
 from llm.errors import UserError
-from llm.jsonl import jsonl_lines, strict_json
+from llm.jsonl import JsonLine, jsonl_lines, strict_json
 from llm.runtime.distributed import DistInfo
 from llm.runtime.rerun import rerun_advice
 from llm.stdout import on_terminal, unguarded
@@ -119,18 +119,37 @@ class StepStats:
 def _truncate_after(path: Path, step: int) -> None:
     """Drop rows of a jsonl file past the step this run starts from (logged by a killed run, or by an earlier run),
     and lines that are not a JSON row (the last one torn by a kill mid-write, even mid-character), each named as
-    file:line on stderr. The file is replaced atomically, so a kill here loses nothing."""
+    file:line on stderr. The file is read a line at a time, and cut where the rows to drop begin (they are its last:
+    rows are appended by step), so a resume costs the same however many steps were logged (the file was read whole
+    into memory and rewritten, at every resume: seconds and gigabytes for a long run). A cut is one system call and a
+    rewrite (where a row kept follows one dropped, in a file edited by hand) is atomic, so a kill here loses nothing."""
     if not path.is_file():
         return
-    kept = []
+    cut, rewrite, unended = None, False, False
     for line in jsonl_lines(path):
-        try:
-            if line.value["step"] <= step:
-                kept.append(line.text + "\n")
-        except (KeyError, TypeError):
-            print(f"zerollm: note: {path}:{line.number}: dropped a line that is not a row of a step (torn by a killed "
-                  "run)", file=sys.stderr, flush=True)
-    durable.write_text(path, "".join(kept))
+        if _row_up_to(line, step, path):
+            rewrite, unended = rewrite or cut is not None, not line.ended
+        elif cut is None:
+            cut = line.offset
+    if rewrite:
+        durable.write_text(path, "".join(line.text + "\n" for line in jsonl_lines(path) if _row_up_to(line, step)))
+    elif cut is not None:
+        os.truncate(path, cut)
+        durable.fsync(path)
+    elif unended:  # a kill between a row and its newline: the next row would be appended to it
+        durable.append_text(path, "\n")
+
+
+def _row_up_to(line: JsonLine, step: int, noted: Path | None = None) -> bool:
+    """Whether `line` is a row of a step up to `step`; a line that is no row of a step is named on stderr as
+    `noted`:line, where given."""
+    try:
+        return line.value["step"] <= step
+    except (KeyError, TypeError):
+        if noted is not None:
+            print(f"zerollm: note: {noted}:{line.number}: dropped a line that is not a row of a step (torn by a "
+                  "killed run)", file=sys.stderr, flush=True)
+        return False
 
 
 NO_WANDB_KEY = "wandb: no API key configured; run `wandb login`, set WANDB_API_KEY, or pass --wandb offline"
