@@ -349,11 +349,17 @@ def incompleteness(run_dir: Path, tag: str) -> str | None:
 
 def _published_before_manifests(run_dir: Path, tag: str) -> bool:
     """Whether checkpoint `tag`, which `latest` names, was saved whole by a zerollm from before manifests (its first
-    day): it holds its client state and model states, and no checkpoint of the run has a manifest. Its run was
-    refused as holding only unfinished saves, to be trained again."""
+    day): it holds model states and a client state of that time (without the `tokens_seen` every later one records),
+    and no checkpoint of the run has a manifest. Its run was refused as holding only unfinished saves, to be trained
+    again. (A run of this version whose manifests were lost is not one: it is told it holds no complete one.)"""
     directory = checkpoint_dir(run_dir) / tag
-    return ((directory / CLIENT_STATE).is_file() and any(directory.glob("*model_states.pt"))
-            and not any(checkpoint_dir(run_dir).glob(f"*/{MANIFEST}")))
+    if any(checkpoint_dir(run_dir).glob(f"*/{MANIFEST}")) or not any(directory.glob("*model_states.pt")):
+        return False
+    try:
+        state = json.loads(bounded_text(directory / CLIENT_STATE))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(state, dict) and "step" in state and "tokens_seen" not in state
 
 
 def _read_by_loading(name: str) -> bool:

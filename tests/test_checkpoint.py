@@ -902,11 +902,16 @@ def test_no_complete_checkpoint_is_one_clear_error(one_rank_group, tmp_path):
 def test_a_run_saved_before_manifests_is_told_how_to_carry_it_over(one_rank_group, tmp_path):
     """A run trained by the zerollm of before manifests (its first day; its RNG files pickled numpy's state, which
     this version does not unpickle) was refused as holding only unfinished saves, to be trained again."""
-    _save(tmp_path, 10, 20)
+    for step in (10, 20):  # as this version saves them
+        checkpoint.save(FakeEngine(step), tmp_path, step, _state(step=step, tokens_seen=64 * step), 0)
     root = rundir.checkpoint_dir(tmp_path)
     (root / "global_step20" / rundir.MANIFEST).unlink()
     assert rundir.usable_tag(tmp_path) == "global_step10"  # a run of this version: its unfinished save passed over
     (root / "global_step10" / rundir.MANIFEST).unlink()
+    with pytest.raises(UserError, match="holds no complete checkpoint"):  # its manifests lost: not an old run
+        rundir.usable_tag(tmp_path)
+    old_state = {key: value for key, value in CLIENT_STATE.items() if key != "time_budget"} | {"step": 20}
+    (root / "global_step20" / rundir.CLIENT_STATE).write_text(json.dumps(old_state))  # as the first day's were
     with pytest.raises(UserError) as refused:
         rundir.usable_tag(tmp_path)
     assert str(refused.value) == (
