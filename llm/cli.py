@@ -508,7 +508,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     from llm.tokenizer import train_tokenizer
 
     # a tokenizer written into an input folder is not read back
-    texts = PretrainTexts(expand_inputs(args.input, exclude=args.out))
+    texts = PretrainTexts(expand_inputs(args.input, exclude=args.out, note_links_out=True))
     tok = train_tokenizer(texts, args.vocab_size, Path(args.out), args.min_frequency, unusable=texts.skipped_note)
     skipped = texts.skipped_count
     print(f"tokenizer: {tok.vocab_size} tokens, hash {tok.hash}, written to {args.out}"

@@ -624,6 +624,8 @@ def test_symlinked_folders_are_read_each_once_and_a_link_loop_ends(tokenizer_dir
         f"zerollm: note: {folder}: read through symbolic links that lead out of it: {folder / 'c.txt'} -> "
         f"{tmp_path / 'c.txt'} (1 input), {folder / 'linked'} -> {elsewhere} (1 input); remove a link to leave what "
         "it leads to out\n")
+    assert expand_inputs([folder]) == [folder / "a.txt", folder / "c.txt", folder / "linked" / "b.txt"]
+    assert capsys.readouterr().err == ""  # eval's and GRPO's readings (several per command, one per rank) say nothing
 
 
 def _edited_tokenizer(tokenizer_dir, out, edit_spec=None, edit_config=None):

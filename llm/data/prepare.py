@@ -679,7 +679,7 @@ def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: st
     workers = default_workers() if workers is None else workers
     if not 1 <= workers <= max_workers():
         raise UserError(f"--workers must be between 1 and {max_workers()} (4 x the CPU count), got {workers}")
-    files = expand_inputs(inputs, exclude=out_dir)
+    files = expand_inputs(inputs, exclude=out_dir, note_links_out=True)
     tokenizer = Tokenizer.load(tokenizer_dir)
     report = Report(files={str(f): 0 for f in files}, seq_len=None if kind == "pretrain" else seq_len)
     with OutputDir(out_dir, PREPARED_ENTRIES, not_prepared_here) as output:

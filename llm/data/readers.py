@@ -144,15 +144,31 @@ def _dataset_dict_splits(path: Path) -> list[Path]:
     return [path / split for split in splits]
 
 
-def _walk(folder: Path, exclude: Path | None) -> list[Path]:
+def _walk(folder: Path, exclude: Path | None) -> tuple[list[Path], dict[Path, int]]:
     """Supported files and save_to_disk datasets under `folder`, sorted; hidden entries, `exclude`, what zerollm
     wrote into a run directory or prepared data folder (`zerollm_entries`) and anything but regular files (a FIFO
     would block the reader forever) left out. Symlinked folders are followed, each folder read once however many
-    links reach it (so a link loop ends)."""
+    links reach it (so a link loop ends). And the symbolic links under `folder` that lead out of it, each with the
+    number of inputs found through it."""
     found: list[Path] = []
-    seen = {folder.resolve()}
+    real_folder = folder.resolve()
+    seen = {real_folder}
+    through: dict[Path, Path | None] = {folder: None}
+    """Each folder walked: the link out of `folder` it was reached through, None where none."""
+    links_out: dict[Path, int] = {}
+
+    def leading_out(path: Path, real: Path | None = None) -> Path | None:
+        """`path` where it is a link out of `folder` (`real`: where it leads, where known)."""
+        return path if path.is_symlink() and not _is_within(real or path.resolve(), real_folder) else None
+
+    def take(path: Path, link: Path | None, real: Path | None = None) -> None:
+        found.append(path)
+        if (link := link or leading_out(path, real)) is not None:
+            links_out[link] = links_out.get(link, 0) + 1
+
     for root, dirs, files in os.walk(folder, followlinks=True):
         here = Path(root)
+        link = through[here]
         own = zerollm_entries(here)
         kept = []
         for name in sorted(dirs):
@@ -163,42 +179,27 @@ def _walk(folder: Path, exclude: Path | None) -> list[Path]:
                 continue
             seen.add(real)
             if _format(sub) == "hf":
-                found.append(sub)
+                take(sub, link, real)
             elif (sub / HF_DATASET_DICT_FILE).is_file():
-                found.extend(_dataset_dict_splits(sub))
+                for split in _dataset_dict_splits(sub):
+                    take(split, link or leading_out(sub, real))
             else:
                 kept.append(name)
+                through[sub] = link or leading_out(sub, real)
         dirs[:] = kept
-        found.extend(here / name for name in files
-                     if not name.startswith(".") and name not in own and _format(here / name) and
-                     (here / name).is_file())
-    return sorted(found)
+        for name in files:
+            if not name.startswith(".") and name not in own and _format(here / name) and (here / name).is_file():
+                take(here / name, link)
+    return sorted(found), links_out
 
 
-def _link_out(path: Path, folder: Path) -> Path | None:
-    """The symbolic link under `folder` through which `path`, found walking it, leads out of it (None: it does not)."""
-    real_folder = folder.resolve()
-    if _is_within(path.resolve(), real_folder):
-        return None
-    step = folder
-    for part in path.relative_to(folder).parts:
-        step = step / part
-        if step.is_symlink() and not _is_within(step.resolve(), real_folder):
-            return step
-    return path
-
-
-def _note_links_out(folder: Path, found: list[Path]) -> None:
-    """Say which of the inputs found in `folder` were read through symbolic links that lead out of it: they are
+def _note_links_out(folder: Path, links: dict[Path, int]) -> None:
+    """Say which inputs found in `folder` were read through symbolic links that lead out of it (`_walk`): they are
     followed (corpora on other disks are linked in so), but a folder from elsewhere holding a link to your home
     would pull your own files into the data, named only by the link's path in the report."""
-    links: dict[Path, int] = {}
-    for path in found:
-        if (link := _link_out(path, folder)) is not None:
-            links[link] = links.get(link, 0) + 1
     if links:
         shown = ", ".join(f"{printable(str(link))} -> {printable(str(link.resolve()))} ({count} "
-                          f"{'input' if count == 1 else 'inputs'})" for link, count in list(links.items())[:3])
+                          f"{'input' if count == 1 else 'inputs'})" for link, count in sorted(links.items())[:3])
         more = f" and {len(links) - 3} more" if len(links) > 3 else ""
         print(f"zerollm: note: {printable(str(folder))}: read through symbolic links that lead out of it: {shown}"
               f"{more}; remove a link to leave what it leads to out", file=sys.stderr, flush=True)
@@ -230,10 +231,12 @@ def _resolved_out(out: Path) -> Path:
     raise UserError(f"--out {out}: a symbolic link that leads back to itself; remove the link or give a directory")
 
 
-def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None) -> list[Path]:
+def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None,
+                  note_links_out: bool = False) -> list[Path]:
     """Files (and save_to_disk datasets) named directly, plus the supported ones under any directory (sorted;
     hidden files and folders are left out), each once. `exclude` (the output directory) is never read: a directory
-    walk leaves it out, and naming a path inside it is refused."""
+    walk leaves it out, and naming a path inside it is refused. `note_links_out`: name the symbolic links a folder's
+    inputs were read through out of it (`_note_links_out`), for the commands that turn them into data."""
     excluded = _resolved_out(Path(exclude)) if exclude is not None else None
     files: list[Path] = []
     for raw in paths:
@@ -246,11 +249,12 @@ def expand_inputs(paths: Iterable[str | Path], exclude: str | Path | None = None
         if (path / HF_DATASET_DICT_FILE).is_file():
             files.extend(_dataset_dict_splits(path))
         elif path.is_dir() and _format(path) != "hf":
-            found = _walk(path, excluded)
+            found, links_out = _walk(path, excluded)
             if not found:
                 own = " besides what zerollm wrote there, which is not data" if zerollm_entries(path) else ""
                 raise UserError(f"{path}: directory holds no {FORMATS_SAID} files or datasets directories{own}")
-            _note_links_out(path, found)
+            if note_links_out:
+                _note_links_out(path, links_out)
             files.extend(found)
         elif path.exists():
             if not (path.is_file() or path.is_dir()):
