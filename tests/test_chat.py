@@ -335,3 +335,10 @@ def test_chat_without_max_new_tokens_starts_on_a_model_of_a_short_context(tokeni
                             "--max-new-tokens", "128"], input="hi\n", capture_output=True, text=True, timeout=300,
                            check=False)
     assert given.returncode == 2 and "beside --max-new-tokens 128" in given.stderr  # the user's own is kept
+
+
+def test_a_prompt_of_exactly_the_room_left_fits(generator):
+    messages = [{"role": "user", "content": "hello there"}]
+    ids = generator.tokenizer.encode_chat(messages, add_generation_prompt=True)
+    session = ChatSession(generator, SamplingParams(max_new_tokens=CONTEXT - len(ids)))
+    assert session.fit(messages) == (messages, ids)

@@ -1752,3 +1752,37 @@ def test_a_table_whose_rows_hold_more_text_than_its_file_is_read_row_by_row_with
         writer.write_table(views)
     assert [str(r) for r in read_items(tmp_path / "views.arrow", max_record_mb=1.0)][1] == (
         f"{tmp_path / 'views.arrow'}:row 2: record of 1,200,000 bytes of text is over --max-record-mb 1; raise it")
+
+
+def test_every_piece_of_a_long_document_goes_to_its_documents_split(tokenizer_dir, tmp_path):
+    """Documents longer than a piece are tokenized in pieces: each lands whole in one split (a split drawn per
+    piece passed every test)."""
+    text = _long_text()
+    texts = [f"{i} {text}" for i in range(4)]
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    report = _quiet("pretrain", [tmp_path / "long.jsonl"], tokenizer_dir, tmp_path / "out", val_fraction=0.5, seed=3)
+    assert report.documents["train"] + report.documents["val"] == 4
+    tokenizer, found = Tokenizer.load(tokenizer_dir), []
+    with h5py.File(tmp_path / "out" / "tokens.h5") as h5:
+        for split in ("train", "val"):
+            tokens, offsets = h5[split]["tokens"][:], h5[split]["doc_offsets"][:]
+            assert len(offsets) - 1 == report.documents[split]
+            found += [tokenizer.decode(tokens[a:b - 1].tolist()) for a, b in itertools.pairwise(offsets)]
+    assert sorted(found) == sorted(texts)
+
+
+def test_a_document_longer_than_a_chunk_moved_to_val_stays_one_document(tokenizer_dir, tmp_path):
+    """A tiny corpus's last document is moved to val a chunk at a time: it arrives as one document, not one per
+    chunk."""
+    from llm.data.prepare import CHUNK_TOKENS
+
+    long_text = _long_text() * 2
+    (tmp_path / "two.jsonl").write_text(json.dumps({"text": "a short one"}) + "\n" + json.dumps({"text": long_text})
+                                        + "\n")
+    report = _quiet("pretrain", [tmp_path / "two.jsonl"], tokenizer_dir, tmp_path / "out", val_fraction=0.01)
+    assert report.documents == {"train": 1, "val": 1}
+    with h5py.File(tmp_path / "out" / "tokens.h5") as h5:
+        tokens, offsets = h5["val"]["tokens"][:], h5["val"]["doc_offsets"][:]
+    assert len(tokens) > CHUNK_TOKENS  # more than one chunk moved
+    assert offsets.tolist() == [0, len(tokens)]
+    assert Tokenizer.load(tokenizer_dir).decode(tokens[:-1].tolist()) == long_text

@@ -356,3 +356,20 @@ def test_the_checkpoint_checked_is_the_one_loaded(student, teacher):
     at = {tag: consolidated_weights(student, tag) for tag in ("global_step10", "global_step20")}
     assert all(torch.equal(earlier[k], at["global_step10"][k]) for k in earlier)
     assert not all(torch.equal(earlier[k], at["global_step20"][k]) for k in earlier)
+
+
+def test_a_distillation_validation_loss_is_the_students_cross_entropy_alone():
+    """As documented, so that a distilled run's val_loss compares with any other run's on the same data."""
+    from llm.config import ModelConfig
+    from llm.model import Transformer
+    from llm.train.objectives import CausalLMObjective, DistillObjective
+
+    torch.manual_seed(0)
+    student = Transformer(ModelConfig(vocab_size=97, dim=32, n_layers=1, n_heads=2, max_seq_len=32)).eval()
+    teacher = Transformer(ModelConfig(vocab_size=97, dim=48, n_layers=2, n_heads=4, max_seq_len=32)).eval()
+    tokens = torch.randint(0, 97, (2, 17))
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": torch.ones(2, 16, dtype=torch.long)}
+    with torch.no_grad():
+        got = DistillObjective(teacher, alpha=0.5, temperature=2.0)(student, batch).loss
+        expected = CausalLMObjective()(student, batch).loss
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)

@@ -33,7 +33,7 @@ from llm.tokenizer import Tokenizer
 from llm.train import rollout
 from llm.train.objectives import GRPOObjective
 from llm.train.prompts import prompt_record, read_prompts
-from llm.train.rewards import RING_SIGNAL, Completions, Reward, answers_match, final_answer
+from llm.train.rewards import RING_SIGNAL, Completions, Reward, answers_match, final_answer, reward_metrics
 from llm.train.rollout import encode_prompt, group_advantages
 from llm.train.trainer import Trainer
 
@@ -1231,3 +1231,34 @@ def test_a_reward_module_whose_name_a_library_has_says_to_give_its_path(tmp_path
                                         r"your yaml.py's; give the path of its file: --reward yaml.py:score$"):
         Reward(["yaml:score"], 4, torch.device("cpu"))
     assert Reward(["yaml.py:score"], 4, torch.device("cpu"))(_completions(["a"]))[0].tolist() == [1.0]
+
+
+def test_the_reference_log_probabilities_are_at_the_sampling_temperature(policy, prompt_dir):
+    """With grpo.temperature other than 1 the reference scored at temperature 1 (a mutation no test caught): the KL
+    term is 0 at the first step (the policy is the reference) only where both score at the sampling temperature."""
+    cfg, source, drawn = _rollouts(policy, prompt_dir, 8, 1, 4, "grpo.temperature=0.5")
+    model = source.engine.module
+    source.reference = model  # the policy is its own reference, as at step 1
+    ids = [p.ids for p in drawn for _ in range(4)]
+    completions, _ = source._sample(ids, 0)
+    batch = source._micro_batch(ids[:8], completions[:8], torch.zeros(8))
+    with torch.no_grad():
+        expected = model(batch["tokens"], batch["targets"], logps_temperature=0.5).token_logps
+    mask = batch["mask"].bool()
+    torch.testing.assert_close(batch["ref_logps"][mask], expected[mask])
+
+
+def test_the_format_reward_needs_the_whole_stripped_completion_to_match():
+    """A prefix match scored 1, or a completion with a newline around it 0, and every test passed."""
+    reward = Reward(["format"], 4, torch.device("cpu"))
+    texts = ["<think>a</think> <answer>1</answer>", "\n<think>a</think>\n<answer>1</answer>\n",
+             "<think>a</think><answer>1</answer> and then some more text"]
+    assert reward(_completions(texts))[1]["format"].tolist() == [1.0, 1.0, 0.0]
+    custom = Reward(["format:[0-9]+"], 4, torch.device("cpu"))
+    assert custom(_completions(["12", " 12\n", "12ab"]))[1]["format"].tolist() == [1.0, 1.0, 0.0]
+
+
+def test_reward_std_is_the_mean_of_the_groups_standard_deviations():
+    total = torch.tensor([0.0, 1.0, 0.0, 1.0, 5.0, 5.0, 5.0, 5.0])
+    expected = torch.tensor([0.0, 1.0, 0.0, 1.0]).std().item() / 2  # the second group's std is 0
+    assert reward_metrics(total, {}, 4)["reward/std"].item() == pytest.approx(expected)

@@ -823,3 +823,13 @@ def test_weights_that_are_not_floating_point_are_refused(exported, tmp_path):
     save_file(state, packed / "model.safetensors")
     with pytest.raises(UserError, match=r"q_proj.qweight holds int32 values, not floating point \(quantized"):
         import_model(packed)  # it was "weights do not match config.json (missing [...], unexpected [...])"
+
+
+def test_top_p_is_taken_over_the_top_k_tokens_as_transformers_and_vllm_take_it():
+    """Probabilities .4 .3 .2 .1, top_k 2, top_p .5: top-k leaves .57 .43, of which the first alone reaches .5, so
+    only token 0 is sampled (top-p first would keep tokens 0 and 1, and top-k both)."""
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    params = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
+    seen = torch.zeros(1, 4, dtype=torch.bool)
+    rng = torch.Generator().manual_seed(0)
+    assert {choose_next(logits, params, seen, rng).item() for _ in range(200)} == {0}

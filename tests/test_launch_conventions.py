@@ -273,3 +273,9 @@ def test_a_rank_waiting_for_rank_0s_store_hands_the_rendezvous_what_is_left_of_i
     assert 0 < left <= 30.0 - 1.5
     with pytest.raises(TimeoutError, match=rf"^nothing answered at 127\.0\.0\.1:{port} \(Connection refused\)$"):
         _wait_for_rendezvous("127.0.0.1", port, timeout_s=1.0)
+
+
+def test_a_launcher_that_names_no_local_size_gives_a_one_node_job():
+    found = rank_environment({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h",
+                              "MASTER_PORT": "1"})
+    assert found["LOCAL_WORLD_SIZE"] == "2"

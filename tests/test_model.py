@@ -237,3 +237,16 @@ def test_qkv_biases_start_at_zero_and_are_counted():
                                                                                    attention.wv))
     assert attention.wo.bias is None and model.layers[0].feed_forward.w1.bias is None
     assert model.num_parameters() == model.cfg.parameter_count == _tiny().num_parameters() + 2 * (48 + 2 * 24)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_a_perfectly_balanced_router_has_a_load_balancing_loss_of_its_coefficient(top_k):
+    """n_experts x sum_e f_e P_e, f the share of (token, slot) assignments (summing to 1) and P_e = 1/n_experts for a
+    uniform router: exactly moe_aux_loss_coef, whatever top_k (no test pinned its value)."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=97, dim=48, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                                    moe=True, n_experts=4, n_experts_per_token=top_k, moe_aux_loss_coef=0.01))
+    with torch.no_grad():
+        model.layers[0].feed_forward.router.weight.zero_()
+        aux = model(torch.randint(0, 97, (2, 16))).aux_loss
+    assert aux.item() == pytest.approx(0.01, rel=1e-5)

@@ -8,6 +8,7 @@ import re
 import shutil
 from types import SimpleNamespace
 
+import h5py
 import pytest
 import torch
 import torch.nn.functional as F
@@ -996,3 +997,74 @@ def test_a_resume_whose_recorded_base_was_moved_says_so(tmp_path, monkeypatch, c
     assert capsys.readouterr().err == (f"zerollm: error: {run} records its base model (train.init_from) as "
                                        f"{tmp_path / 'gone'}, which is not there any more; if it was moved, resume "
                                        "with --init-from naming its new place\n")
+
+
+def test_packed_sft_windows_mask_exactly_the_targets_the_prepared_mask_marks(tokenizer_dir, tmp_path):
+    """A packed window's loss mask is the prepared mask of each target (token i + 1): the replies and their
+    end-of-turn tokens are learnt, nothing before them (a mask shifted by one passed every test)."""
+    prepare("sft", [str(FIXTURES / "sft" / "messages_zh.jsonl")], tokenizer_dir, tmp_path / "sft", val_fraction=0.0,
+            seq_len=512, workers=1, show_progress=False)
+    windows = PackedConversations(tmp_path / "sft", "train", 512, pad_id=3)
+    with h5py.File(tmp_path / "sft" / TOKENS_FILE) as h5:
+        tokens, mask, offsets = (h5["train"][key][:] for key in ("tokens", "loss_mask", "doc_offsets"))
+    im_end = Tokenizer.load(tokenizer_dir).im_end_id
+    for index in range(min(3, len(windows))):
+        sample, position = windows[index], 0
+        for packed in windows.windows[index]:
+            start, end = offsets[packed], offsets[packed + 1]
+            positions = slice(position, position + end - start - 1)
+            assert sample["targets"][positions].tolist() == tokens[start + 1:end].tolist()
+            assert sample["loss_mask"][positions].tolist() == mask[start + 1:end].tolist()
+            assert sample["targets"][positions][sample["loss_mask"][positions].bool()][-1].item() == im_end
+            position = positions.stop
+
+
+def test_a_conversation_of_exactly_seq_len_positions_fits_a_window(tokenizer_dir, tmp_path):
+    """A conversation of n tokens takes n - 1 positions: one of data.seq_len + 1 tokens fills a window alone."""
+    prepare("sft", [str(FIXTURES / "sft" / "messages_zh.jsonl")], tokenizer_dir, tmp_path / "sft", val_fraction=0.0,
+            seq_len=512, workers=1, show_progress=False)
+    with h5py.File(tmp_path / "sft" / TOKENS_FILE) as h5:
+        offsets = h5["train"]["doc_offsets"][:]
+    longest = int((offsets[1:] - offsets[:-1]).max())
+    windows = PackedConversations(tmp_path / "sft", "train", longest - 1, pad_id=3)
+    full = next(w for w in windows.windows if any(offsets[i + 1] - offsets[i] == longest for i in w))
+    assert len(full) == 1
+
+
+def _evaluating_trainer(model, val_set, micro, world=1, rank=0):
+    """The trainer's own evaluation of `val_set`, on a model without DeepSpeed."""
+    trainer = Trainer.__new__(Trainer)
+    trainer.objective, trainer.engine, trainer.val_set = CausalLMObjective(), model, val_set
+    trainer.cfg = SimpleNamespace(train=SimpleNamespace(micro_batch_size=micro, eval_batches=1), model=model.cfg,
+                                  data=SimpleNamespace(path="val"))
+    trainer.dist = SimpleNamespace(world_size=world, rank=rank, device=torch.device("cpu"))
+    trainer._exact = torch.float64
+    return trainer
+
+
+def test_validation_runs_the_model_in_eval_mode(one_rank_group):
+    """With model.dropout (or distillation, whose objective leaves the teacher out only in eval mode) the validation
+    loss is the eval-mode model's, which no test told from a training-mode one."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=97, dim=32, n_layers=1, n_heads=4, max_seq_len=32, dropout=0.5)).train()
+    rows = torch.randint(0, 97, (4, 17))
+    got = _evaluating_trainer(model, [{"tokens": r[:-1], "targets": r[1:]} for r in rows], micro=4).evaluate()
+    with torch.no_grad():
+        expected = masked_cross_entropy(model.eval()(rows[:, :-1]).logits, rows[:, 1:], None).item()
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
+def test_each_rank_evaluates_its_own_share_of_the_val_samples(one_rank_group):
+    class Recorded(list):
+        read: list[int] = []
+
+        def __getitem__(self, index):
+            self.read.append(index)
+            return super().__getitem__(index)
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=97, dim=32, n_layers=1, n_heads=4, max_seq_len=32)).eval()
+    rows = torch.randint(0, 97, (8, 17))
+    val_set = Recorded([{"tokens": r[:-1], "targets": r[1:]} for r in rows])
+    _evaluating_trainer(model, val_set, micro=2, world=2, rank=1).evaluate()  # its sums reduced over a group of 1
+    assert val_set.read == [1, 3]

@@ -14,6 +14,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -1602,3 +1603,10 @@ def test_serve_command_starts_on_loopback(zero_runs):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_usage_total_tokens_is_prompt_plus_completion():
+    from llm.infer.server import _usage
+
+    job = SimpleNamespace(prompt_ids=[5, 6, 7], stream=SimpleNamespace(completion_tokens=4))
+    assert _usage(job) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}

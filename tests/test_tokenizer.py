@@ -1169,3 +1169,16 @@ def test_data_prepare_names_the_records_whose_reasoning_the_chat_template_leaves
     first_reply_end = r1.encode_chat_masked(turns).replies[0][1]
     _, truncated, cut_left_out = encode_sft(r1, Chat(turns, None), first_reply_end + 1)
     assert (left_out, truncated, cut_left_out) == ([2, 4], True, [2])  # message 4 was cut away
+
+
+def test_a_trained_tokenizers_tokens_never_span_a_word_boundary(tmp_path):
+    """Byte-level BPE as GPT-2's: the pre-tokenizer splits words, so a token holding a letter, digit or mark has
+    whitespace (Ġ space, Ċ newline, ĉ tab, č return) at most as its first character (without its regex, tokens
+    such as 'atĠ' were learnt, and every test passed)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    texts = (FIXTURES / "pretrain" / "en_stories.txt").read_text().split("\n\n")
+    train_tokenizer(texts, 512, tmp_path / "tok", show_progress=False)
+    vocab = HFTokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json")).get_vocab(with_added_tokens=False)
+    space = set("ĠĊĉč")
+    assert [t for t in vocab if any(c not in space for c in t) and any(c in space for c in t[1:])] == []
