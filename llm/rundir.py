@@ -83,7 +83,7 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 folder keeps a copy, which its exports carry, as transformers' Trainer saves it beside the model it tuned."""
 MODEL_FOLDER_ENTRIES = frozenset({TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, TEMPLATE_FILE, TOKENIZER_TRAINING_FILE,
                                   "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-                                  "config.json", GENERATION_CONFIG_FILE, "model.safetensors.index.json",
+                                  HF_CONFIG_FILE, GENERATION_CONFIG_FILE, "model.safetensors.index.json",
                                   "pytorch_model.bin.index.json"})
 """The text and JSON files of a tokenizer folder, an export and a Hugging Face model folder (a GPT-2 style
 tokenizer's vocab.json and merges.txt beside tokenizer.json too): a folder holding tokenizer.json is one of them."""

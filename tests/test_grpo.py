@@ -29,6 +29,7 @@ from llm.export import export_model
 from llm.loading import consolidated_weights
 from llm.model import Transformer
 from llm.model.token_losses import token_logps
+from llm.rundir import GENERATION_CONFIG_FILE
 from llm.tokenizer import Tokenizer
 from llm.train import rollout
 from llm.train.objectives import GRPOObjective
@@ -1262,3 +1263,21 @@ def test_reward_std_is_the_mean_of_the_groups_standard_deviations():
     total = torch.tensor([0.0, 1.0, 0.0, 1.0, 5.0, 5.0, 5.0, 5.0])
     expected = torch.tensor([0.0, 1.0, 0.0, 1.0]).std().item() / 2  # the second group's std is 0
     assert reward_metrics(total, {}, 4)["reward/std"].item() == pytest.approx(expected)
+
+
+def test_rollouts_and_training_samples_stop_at_the_end_tokens_the_base_declares(policy, prompt_dir, tmp_path):
+    """Llama 3.1's <|eom_id|> is in its generation_config.json's eos_token_id alone: rollouts and the samples at each
+    evaluation ran on past it, where generate stops."""
+    from llm.runtime.distributed import DistInfo
+    from llm.train import job
+
+    base = tmp_path / "base"
+    shutil.copytree(policy, base)
+    declared = 300
+    (base / GENERATION_CONFIG_FILE).write_text(json.dumps({"eos_token_id": [declared, 7]}))
+    cfg, source, _ = _rollouts(base, prompt_dir, 8, 1, 4)
+    assert declared not in Tokenizer.load(base).stop_ids
+    assert {declared, 7} <= set(source.tokenizer.stop_ids)
+    cfg.train.sample_prompts = ["Once"]
+    info = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    assert {declared, 7} <= job._sample_generator(cfg, source.engine, info, chat=True).stop_ids

@@ -95,7 +95,7 @@ def test_generation_stops_at_the_end_tokens_the_model_folder_declares(tiny_expor
         [prompt], SamplingParams(max_new_tokens=12, temperature=1.0, seed=3))]
     stop = next(token for token in sampled[2:] if token not in sampled[:2])
     expected = tokenizer.decode(sampled[:sampled.index(stop)], skip_special_tokens=True)
-    for name, declared in ((HF_CONFIG_FILE, stop), (GENERATION_CONFIG_FILE, [tokenizer.eos_id, stop])):
+    for name, declared in ((HF_CONFIG_FILE, stop), (GENERATION_CONFIG_FILE, [tokenizer.eos_id, -1, stop])):
         folder = tmp_path / name
         shutil.copytree(tiny_export, folder)
         config = json.loads((folder / name).read_text()) if (folder / name).is_file() else {}
@@ -117,11 +117,10 @@ def test_decoding_settings_the_sampler_has_not_are_named(tiny_export, tmp_path, 
     _, note = _generated(monkeypatch, capsys, folder)
     path = folder / GENERATION_CONFIG_FILE
     assert note == (f"zerollm: note: sampling as {path} suggests: temperature 1 (an option given overrides it); "
-                    "min_p 0.99, no_repeat_ngram_size 2, which zerollm's sampler does not apply (transformers' "
-                    "generate does)\n")
+                    "min_p 0.99, no_repeat_ngram_size 2, which zerollm's sampler does not apply\n")
     _, note = _generated(monkeypatch, capsys, folder, "--temperature", 0)
     assert note == (f"zerollm: note: {path} sets min_p 0.99, no_repeat_ngram_size 2, which zerollm's sampler does not "
-                    "apply (transformers' generate does)\n")
+                    "apply\n")
 
 
 def test_a_request_that_leaves_sampling_out_takes_what_the_model_suggests():

@@ -114,7 +114,8 @@ def declared_stop_ids(model_dir: str | Path) -> set[int]:
     """The end tokens `model_dir`'s config.json and generation_config.json declare (`eos_token_id`: an id or a list),
     which transformers' `generate` and vLLM stop at besides the tokenizer's: Llama 3.1's `<|eom_id|>`, the end of a
     tool call's turn, is in neither the tokenizer's end nor its turn end, and replies ran on past it. A value that is
-    not an id or a list of them is a UserError naming the file."""
+    not an integer or a list of them is a UserError naming the file; a negative one (transformers only warns of it)
+    is no token, and left out."""
     declared: set[int] = set()
     for name in (HF_CONFIG_FILE, GENERATION_CONFIG_FILE):
         path = Path(model_dir) / name
@@ -122,17 +123,19 @@ def declared_stop_ids(model_dir: str | Path) -> set[int]:
             continue
         value = _read(path)[1].get("eos_token_id")
         ids = value if isinstance(value, list) else [] if value is None else [value]
-        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
             raise UserError(f"{path}: eos_token_id is {shown(value)}, not a token id or a list of them; fix or "
                             "remove it")
-        declared.update(ids)
+        declared.update(i for i in ids if i >= 0)
     return declared
 
 
 UNAPPLIED_DEFAULTS = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
                       "no_repeat_ngram_size": 0, "num_beams": 1, "penalty_alpha": 0.0, "bad_words_ids": None,
                       "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
-                      "min_length": 0, "min_new_tokens": 0, "stop_strings": None}
+                      "min_length": 0, "min_new_tokens": 0, "stop_strings": None, "forced_bos_token_id": None,
+                      "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "guidance_scale": 1.0,
+                      "watermarking_config": None}
 """transformers' decoding settings that zerollm's sampler has not, each with the value that leaves it off there:
 a file setting one otherwise (`min_p: 0.1`) decodes otherwise in transformers, and was dropped without a word."""
 
@@ -159,5 +162,5 @@ def suggested_note(model_dir: str | Path, suggested: dict[str, Any], overridden:
     said = [f"sampling as {path} suggests: {', '.join(used)} ({overrider} given overrides it)"] if used else []
     if unapplied:
         said.append(f"{'' if used else f'{path} sets '}{', '.join(unapplied)}, which zerollm's sampler does not "
-                    "apply (transformers' generate does)")
+                    "apply")
     return f"note: {'; '.join(said)}" if said else None

@@ -31,7 +31,7 @@ from llm.data.formats import expand_inputs
 from llm.data.prepare import TOKENS_FILE
 from llm.data.prepared import stage_data_attrs
 from llm.errors import EXIT_OK, EXIT_PIPE_CLOSED, EXIT_USER_ERROR, UserError
-from llm.infer.suggested_sampling import generation_config_text
+from llm.infer.suggested_sampling import declared_stop_ids, generation_config_text
 from llm.loading import (
     FUNCTION_FIELDS,
     SHAPE_FIELDS,
@@ -236,8 +236,10 @@ def _sample_generator(cfg: RunConfig, engine, info: DistInfo, chat: bool) -> Sam
     source = input_tokenizer(cfg)
     if not cfg.train.sample_prompts or not source.is_dir():
         return None
-    return SampleGenerator(cfg.train.sample_prompts, cfg.train.sample_tokens, Tokenizer.load(source), engine,
-                           info, chat=chat)
+    tokenizer = Tokenizer.load(source)
+    if cfg.train.init_from:  # the end tokens its base declares (Llama 3.1's <|eom_id|>), as generate stops at them
+        tokenizer.stop_also(declared_stop_ids(cfg.train.init_from))
+    return SampleGenerator(cfg.train.sample_prompts, cfg.train.sample_tokens, tokenizer, engine, info, chat=chat)
 
 
 def run(cfg: RunConfig, run_dir: Path, ds_config_path: str | None, resume: bool, zero_stage: int | None = None) -> int:
