@@ -34,7 +34,7 @@ from llm.data.output import LOCK_FILE, OutputDir
 from llm.data.prepare import Report, not_prepared_here, prepare
 from llm.data.prepared import read_data_attrs
 from llm.data.readers import PIECE_CHARS, Item, Skipped, expand_inputs, split_text
-from llm.errors import UserError
+from llm.errors import STOP_SIGNALS, UserError
 from llm.rundir import PREPARED_ENTRIES
 from llm.tokenizer import Tokenizer, train_tokenizer
 
@@ -998,6 +998,35 @@ def test_ctrl_c_or_sigterm_to_the_process_group_stops_prepare_and_its_workers_cl
     assert signum != signal.SIGINT or err.endswith("\nzerollm: interrupted\n")
     assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]  # no staging directory, no OUT holding only the lock
 
+
+def test_a_worker_discards_a_stop_signal_sent_to_the_group_before_it_left_it(tokenizer_dir):
+    """A worker not yet scheduled when a SIGTERM reached the process group (a loaded machine) had it pending, blocked,
+    and died of it as it unblocked: the run ended as if the out-of-memory killer had ended a worker (exit 2)."""
+    pid = os.fork()
+    if pid == 0:  # a worker as the pool forks it: stop signals blocked, and one sent to the group pending
+        code = 1
+        try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            os.kill(os.getpid(), signal.SIGTERM)
+            prepare_module._init_pool_worker(str(tokenizer_dir), os.getppid())
+            code = 0
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0  # neither killed by the signal nor failed
+
+def test_a_worker_ended_by_the_runs_own_stop_signal_is_said_as_the_stop(tokenizer_dir, corpus, tmp_path, monkeypatch):
+    """A SIGTERM to the process group ends the workers too; where the run's own SystemExit was lost in a finalizer
+    (where the handler happened to run: it is recorded for that), the broken pool came first and the run ended as a
+    worker lost to the out-of-memory killer, exit 2 with advice to lower --workers (seen under load)."""
+    def stopped_then_broken(output, *args):
+        output._signalled = signal.SIGTERM  # its exception dropped by the finalizer it was raised in
+        raise UserError("a tokenizer worker ended before its work was done")
+
+    monkeypatch.setattr(prepare_module, "_write_tokens", stopped_then_broken)
+    with pytest.raises(SystemExit) as stopped:
+        _quiet("pretrain", [corpus], tokenizer_dir, tmp_path / "out")
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert sorted(os.listdir(tmp_path)) == ["corpus.txt"]
 
 def test_a_worker_killed_ends_the_run_in_one_line(tokenizer_dir, tmp_path):
     """A worker the out-of-memory killer ended was replaced by the pool, and the run waited for its jobs forever."""

@@ -221,12 +221,16 @@ def _init_pool_worker(tokenizer_dir: str, main_pid: int) -> None:
     """A pool worker leaves the process group, so Ctrl-C and a SIGTERM to the group reach only the main process,
     which stops the run and terminates its workers (`TokenizerPool`). It ignores SIGINT sent to it alone and dies on
     SIGTERM (the main process's handlers, inherited, are for the main process); both are blocked from its start
-    (`TokenizerPool`) until then. A worker whose main process died ends within `ORPHAN_POLL_S`: nothing else would
-    end it (it waits for a job on a queue its siblings also hold open). It closes its copies of the main process's
-    locks (`llm.held_locks`)."""
+    (`TokenizerPool`) until then, and one sent to the group before it left is discarded. A worker whose main process
+    died ends within `ORPHAN_POLL_S`: nothing else would end it (it waits for a job on a queue its siblings also hold
+    open). It closes its copies of the main process's locks (`llm.held_locks`)."""
     held_locks.close_in_worker()
     os.setpgid(0, 0)
+    # ignoring a signal discards it where it is pending: a SIGTERM to the group sent before this worker left it (not
+    # yet scheduled, on a loaded machine) killed it at the unblocking, and the run ended "a tokenizer worker ended
+    # ...: lower --workers" instead of stopping
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     threading.Thread(target=_end_when_orphaned, args=(main_pid,), daemon=True).start()
@@ -688,6 +692,9 @@ def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: st
                           report, workers, val_fraction, strict, seed, seq_len, show_progress)
             (output.staging / PREPARED_REPORT_FILE).write_text(json_text(asdict(report), indent=1), encoding="utf-8")
             tokenizer.save(output.staging / TOKENIZER_DIR)
+        except UserError:  # a worker the stop signal of this run ended too (the run's own exception lost in a
+            output.check_stopped()  # finalizer, where the signal's handler ran): the stop is said, not the worker
+            raise
         except OSError as exc:  # the inputs' read errors are UserErrors already
             raise cannot_write_output(out_dir, exc) from None
         except RuntimeError as exc:  # h5py's word for a write that fails as the file closes, its errno in the text
