@@ -1815,3 +1815,34 @@ def test_a_document_longer_than_a_chunk_moved_to_val_stays_one_document(tokenize
     assert len(tokens) > CHUNK_TOKENS  # more than one chunk moved
     assert offsets.tolist() == [0, len(tokens)]
     assert Tokenizer.load(tokenizer_dir).decode(tokens[:-1].tolist()) == long_text
+
+
+def test_rows_read_one_at_a_time_after_the_first_256_are_the_right_rows(tmp_path):
+    """An Arrow batch's rows past the first slice, read one at a time (their slice is over --max-record-mb), are that
+    slice's rows: the batch's first ones were read in their place, and no test told."""
+    import pyarrow as pa
+
+    big = "b " * 300_000  # 0.6 MB: two put the second slice over 1 MB, each alone under it
+    texts = [f"row {i}" for i in range(300)]
+    texts[260] = texts[270] = big
+    dictionary = list(dict.fromkeys(texts))
+    indices = pa.array([dictionary.index(text) for text in texts], type=pa.int32())
+    table = pa.table({"text": pa.DictionaryArray.from_arrays(indices, pa.array(dictionary))})  # one batch of 300
+    with pa.OSFile(str(tmp_path / "t.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)  # Parquet is read 256 rows a batch; an Arrow file keeps its batches as written
+    assert [item.value["text"] for item in read_items(tmp_path / "t.arrow", max_record_mb=1.0)] == texts
+
+
+def test_the_content_digest_covers_every_chunk_of_an_array(tmp_path, monkeypatch):
+    """The data digest reads arrays a chunk at a time; the committed corpora hold less than one chunk, so a digest of
+    the first chunk alone (a resume on data edited past it not refused) passed every test."""
+    monkeypatch.setattr(prepare_module, "DIGEST_READ", 4)
+    path = tmp_path / prepare_module.TOKENS_FILE
+    with h5py.File(path, "w") as h5:
+        h5.create_dataset("train/tokens", data=np.arange(20, dtype=np.uint16))
+    with h5py.File(path, "r") as h5:
+        before = prepare_module.content_digest(h5)
+    with h5py.File(path, "r+") as h5:
+        h5["train/tokens"][17] = 999
+    with h5py.File(path, "r") as h5:
+        assert prepare_module.content_digest(h5) != before

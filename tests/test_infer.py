@@ -833,3 +833,42 @@ def test_top_p_is_taken_over_the_top_k_tokens_as_transformers_and_vllm_take_it()
     seen = torch.zeros(1, 4, dtype=torch.bool)
     rng = torch.Generator().manual_seed(0)
     assert {choose_next(logits, params, seen, rng).item() for _ in range(200)} == {0}
+
+
+def _scripted(tokenizer_dir, text: str, taken: list[int] | None = None) -> TextGenerator:
+    """A generator whose every row emits `text` one character a token (each character one token here), the tokens
+    it emitted appended to `taken`."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                    max_seq_len=128)).eval()
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    script = [i for character in text for i in tokenizer.encode(character)]
+    assert len(script) == len(text)
+
+    class Scripted(TextGenerator):
+        def token_steps(self, prompts, params, use_cache=True):
+            for token in script[:params.max_new_tokens]:
+                (taken if taken is not None else []).append(token)
+                yield torch.tensor([token] * len(prompts)), torch.tensor([False] * len(prompts))
+
+    return Scripted(model, tokenizer)
+
+
+def test_batch_generation_stops_at_a_stop_string_split_across_tokens(tokenizer_dir):
+    """generate() ended a row at max_new_tokens, not once a stop string spanning two tokens was complete (its text
+    was cut right: only time was lost), and no test told."""
+    taken = []
+    generator = _scripted(tokenizer_dir, "abcdefghijklmnopqrstuvwxyz", taken)
+    assert generator.generate(["x", "y"], SamplingParams(max_new_tokens=26, stop=["cd"])) == ["ab", "ab"]
+    assert len(taken) < 26
+
+
+def test_a_stream_holds_back_the_start_of_a_stop_string_arriving_a_character_a_token(tokenizer_dir):
+    """Held back one character short, a stream sent the first character of a stop string before it was complete;
+    the tests only caught it where the stop string lined up with the tokens."""
+    text = "abcdefghij"
+    generator = _scripted(tokenizer_dir, text)
+    for stop in [[text[i:i + n]] for n in (2, 3) for i in range(1, len(text) - n)] + [["efg", "x"]]:
+        stream = generator.stream("x", SamplingParams(max_new_tokens=10, stop=stop))
+        pieces = list(stream)
+        assert ("".join(pieces), stream.finish_reason) == (text[:text.find(stop[0])], "stop"), (stop, pieces)

@@ -1497,3 +1497,15 @@ def test_a_launch_killed_but_not_yet_reaped_is_gone(monkeypatch):
         assert psutil.Process(killed.pid).status() == psutil.STATUS_ZOMBIE
     finally:
         killed.wait()
+
+
+def test_ranks_with_other_deepspeed_versions_disagree(monkeypatch):
+    import importlib.metadata
+
+    from llm.runtime import fingerprint
+
+    mine = fingerprint.fingerprint({"train": {"lr": 1}}, {}, "digest", "tok")
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1" if name == "deepspeed" else real(name))
+    said = fingerprint.mismatch_message([mine, fingerprint.fingerprint({"train": {"lr": 1}}, {}, "digest", "tok")])
+    assert said is not None and said.startswith("ranks disagree, nothing was trained: software: ")

@@ -623,3 +623,24 @@ def test_a_validation_loss_gets_a_line_of_its_own_on_a_terminal(monkeypatch, tmp
             time.sleep(0.001)
         logger.log(step, 1e-3, stats, None, 0, 10 * step, val_loss=val_loss)
     assert capsys.readouterr().out.count("step 5 val_loss 1.2346\n") == 1
+
+
+def test_a_logged_row_s_throughput_fields_follow_from_the_step_s_counts(monkeypatch, tmp_path):
+    """The tests checked that mfu and loss_tokens_per_sec were there, not their values (an mfu of positions rather
+    than tokens per second passed)."""
+    monkeypatch.setattr(metrics, "measure_peak_flops", lambda device, dtype: 1e9)
+    cfg = build_config("demo", [])
+    info = DistInfo(rank=0, local_rank=0, world_size=2, local_world_size=2, device=torch.device("cpu"))
+    logger = metrics.MetricsLogger(cfg, info, n_params=1000, start_step=0,
+                                   sink=metrics.MetricsSink(tmp_path, cfg, "run", 0))
+    logger._seconds = 4.0  # the steps since the last logged one took 4 s, 1 of them generating
+    stats = metrics.StepStats(loss=2.0, metrics={}, loss_tokens=300, positions=1200, generated_tokens=50,
+                              generation_seconds=1.0)
+    logger.log(step=3, lr=1e-3, stats=stats, grad_norm=0.5, epoch=0, tokens_seen=3600)
+    logger.close(0)
+    row = json.loads((tmp_path / rundir.METRICS_FILE).read_text().splitlines()[-1])
+    assert row["tokens_per_sec"] == pytest.approx(1200 / 3.0)  # generation's second left out
+    assert row["loss_tokens_per_sec"] == pytest.approx(300 / 4.0)
+    assert row["rollout_tokens_per_sec"] == pytest.approx(50 / 1.0)
+    assert row["mfu"] == pytest.approx(logger.flops_per_token * (1200 / 3.0) / 2e9)  # the peak of both ranks
+    assert (row["lr"], row["tokens"]) == (1e-3, 3600)

@@ -727,3 +727,16 @@ def test_a_run_with_checkpoints_is_refused_without_resume_before_any_launcher_st
     with pytest.raises(UserError, match="already holds checkpoints; pass --resume auto to continue it"):
         checked_training_command(job)
     assert checked_training_command([*job, "--resume", "auto"])[1] == run
+
+
+def test_a_zero0_run_of_two_ranks_resumes_on_one_without_a_universal_conversion(zero_runs, pretrain_data, tmp_path):
+    """Without ZeRO the optimizer state is whole: no test resumed such a run on another number of ranks, and one that
+    converted it to a universal checkpoint (which needs partitioned states) ended in DeepSpeed's error."""
+    run = tmp_path / "run"
+    shutil.copytree(zero_runs[0], run, symlinks=True)  # 2 ranks, fp32, no ZeRO
+    overrides = [o for o in ZERO_RUN if not o.startswith("train.max_steps")]
+    result = run_job(*_args(pretrain_data, run, *overrides, "train.max_steps=5", "train.grad_accum=2", nproc=1,
+                            extra=["--zero-stage", 0, "--resume", "auto"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed at step 4" in result.stdout and "universal" not in result.stdout
+    assert not (run / "checkpoints" / "universal").exists()
