@@ -44,6 +44,11 @@ def _read(path: Path) -> tuple[str, dict[str, Any]]:
     return text, config
 
 
+def _settings(path: Path) -> dict[str, Any]:
+    """The object of a model folder's JSON config `path` (`_read`), {} where the folder has no such file."""
+    return _read(path)[1] if path.is_file() else {}
+
+
 def _numeric(value: Any, depth: int = 0) -> bool:
     """A number, a flag, null, or lists of them (token ids, banned sequences, a penalty's pair)."""
     if value is None or isinstance(value, (bool, int, float)):
@@ -82,9 +87,7 @@ def suggested_sampling(model_dir: str | Path) -> dict[str, Any]:
     it. A file that cannot be read, or a value of the wrong type or out of range, is a UserError naming the file and
     the key."""
     path = Path(model_dir) / GENERATION_CONFIG_FILE
-    if not path.is_file():
-        return {}
-    _, config = _read(path)
+    config = _settings(path)
     suggested = {}
     for key, kind in SUGGESTED_FIELDS.items():
         value = config.get(key)
@@ -119,9 +122,7 @@ def declared_stop_ids(model_dir: str | Path) -> set[int]:
     declared: set[int] = set()
     for name in (HF_CONFIG_FILE, GENERATION_CONFIG_FILE):
         path = Path(model_dir) / name
-        if not path.is_file():
-            continue
-        value = _read(path)[1].get("eos_token_id")
+        value = _settings(path).get("eos_token_id")
         ids = value if isinstance(value, list) else [] if value is None else [value]
         if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
             raise UserError(f"{path}: eos_token_id is {shown(value)}, not a token id or a list of them; fix or "
@@ -143,10 +144,7 @@ a file setting one otherwise (`min_p: 0.1`) decodes otherwise in transformers, a
 def unapplied_settings(model_dir: str | Path) -> list[str]:
     """'key value' for each setting of `model_dir`'s generation_config.json that changes transformers' decoding and
     that zerollm does not apply."""
-    path = Path(model_dir) / GENERATION_CONFIG_FILE
-    if not path.is_file():
-        return []
-    config = _read(path)[1]
+    config = _settings(Path(model_dir) / GENERATION_CONFIG_FILE)
     return [f"{key} {shown(config[key])}" for key, off in UNAPPLIED_DEFAULTS.items()
             if key in config and config[key] not in (off, None, [], {})]
 
