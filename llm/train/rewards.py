@@ -47,6 +47,7 @@ import torch
 
 from llm.chat_template import ChatTemplate
 from llm.errors import UserError
+from llm.rundir import HF_CONFIG_FILE
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 """The special tokens transformers' `apply_chat_template` gives a template by name, where the tokenizer sets them (an
@@ -177,8 +178,8 @@ class RewardModel:
         except ImportError:
             raise UserError(f"--reward model:{directory} needs transformers; `pip install transformers`") from None
         path = Path(directory)
-        if not (path / "config.json").is_file():
-            raise UserError(f"--reward model:{directory}: no config.json there; give a directory written by "
+        if not (path / HF_CONFIG_FILE).is_file():
+            raise UserError(f"--reward model:{directory}: no {HF_CONFIG_FILE} there; give a directory written by "
                             "save_pretrained of a sequence-classification model")
         try:
             architectures = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False).architectures or []
@@ -186,9 +187,9 @@ class RewardModel:
             raise UserError(f"--reward model:{directory}: cannot read its config ({exc})".replace("\n", " ")) from None
         if not any(name.endswith("ForSequenceClassification") for name in architectures):
             named = ", ".join(architectures) or "no architecture"
-            raise UserError(f"--reward model:{directory}: its config.json names {named}, not a sequence-classification "
-                            "model (...ForSequenceClassification); a language model's scores would come from a head "
-                            "of random weights")
+            raise UserError(f"--reward model:{directory}: its {HF_CONFIG_FILE} names {named}, not a "
+                            "sequence-classification model (...ForSequenceClassification); a language model's scores "
+                            "would come from a head of random weights")
         if not any((path / name).is_file() for name in REWARD_MODEL_TOKENIZER_FILES):
             named = ", ".join(REWARD_MODEL_TOKENIZER_FILES)
             raise UserError(f"--reward model:{directory}: no tokenizer there (none of {named}); save the model's "
