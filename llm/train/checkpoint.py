@@ -45,6 +45,7 @@ from llm import durable, rundir
 from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.model import Transformer
+from llm.model.from_weights import shapes_only
 from llm.runtime.accelerator import ensure_accelerator_env
 from llm.runtime.distributed import agreed, raise_together, refuse_together
 from llm.runtime.rerun import rerun_advice
@@ -601,7 +602,7 @@ def mismatch_reason(saved: dict[str, tuple[int, ...]], tied: bool | None, model:
     """Why weights of the shapes `saved`, trained with the output layer `tied` to the embeddings or not (None: they
     hold no base weights to tell), cannot load into the model `model` describes; None where they can. Parameters the
     model does not name (LoRA's adapters; a tied model's output layer) are not compared."""
-    with torch.device("meta"):
+    with shapes_only():
         expected = {name: tuple(param.shape) for name, param in Transformer(model).named_parameters()}
     for name, shape in saved.items():
         if name in expected and shape != expected[name]:
