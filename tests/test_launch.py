@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from forked_ranks import run_job
 from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
@@ -749,7 +750,7 @@ def test_a_killed_rank_ends_the_job_naming_it_and_one_node_resumes(pretrain_data
     step = int((run / "checkpoints" / "latest").read_text().removeprefix("global_step"))
     job = _job(pretrain_data, run, *SLOW, f"train.max_steps={step + 2}", "train.micro_batch_size=32")
     _wait_all(procs)
-    result = run_cli(*job, "--resume", "auto")  # one node, one rank: a universal checkpoint is made
+    result = run_job(*job, "--resume", "auto")  # one node, one rank: a universal checkpoint is made
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed at step {step}" in result.stdout and "converting it to a universal checkpoint" in result.stdout
     assert [r["step"] for r in _metrics(run)][-2:] == [step + 1, step + 2]

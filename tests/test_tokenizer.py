@@ -830,7 +830,9 @@ def test_dpo_prompt_then_reply_is_the_answered_conversation(tokenizer_dir, direc
 # ---- a MiniMind tokenizer directory through every command ---------------------------------------------------
 
 @pytest.mark.slow
-def test_minimind_tokenizer_and_dpo_records_through_prepare_train_dpo_generate_chat_export_and_serve(tmp_path):
+def test_minimind_tokenizer_and_dpo_records_through_prepare_train_dpo_generate_chat_export_and_serve(tmp_path,
+                                                                                             cli_here):
+    """Commands that train nothing run in this process (`cli_here`); chat and serve in their own."""
     import subprocess
     import sys
     import urllib.request
@@ -843,7 +845,7 @@ def test_minimind_tokenizer_and_dpo_records_through_prepare_train_dpo_generate_c
                                                              {"role": "assistant", "content": str(2 * a)}]})
                                for a in range(50)) + "\n")
     for kind, source in (("pretrain", corpus), ("sft", chats)):
-        result = run_cli("data", "prepare", "--kind", kind, "--input", source, "--tokenizer", MINIMIND,
+        result = cli_here("data", "prepare", "--kind", kind, "--input", source, "--tokenizer", MINIMIND,
                          "--out", tmp_path / kind, "--workers", 1, "--val-fraction", 0.05)
         assert result.returncode == 0, result.stderr[-2000:]
     sets = [a for o in [*TINY, "train.max_steps=2", "train.eval_every=2"] for a in ("--set", o)]
@@ -851,10 +853,10 @@ def test_minimind_tokenizer_and_dpo_records_through_prepare_train_dpo_generate_c
                      "--out", tmp_path / "run", *sets)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert Tokenizer.load(tmp_path / "run" / "tokenizer").hash == Tokenizer.load(MINIMIND).hash
-    result = run_cli("generate", "--model", tmp_path / "run", "--prompt", INJECTION, "--chat", "--max-new-tokens", 4)
+    result = cli_here("generate", "--model", tmp_path / "run", "--prompt", INJECTION, "--chat", "--max-new-tokens", 4)
     assert result.returncode == 0, result.stderr[-2000:]
     # MiniMind's DPO shape (chosen/rejected as whole conversations sharing their prompt turns) on its tokenizer
-    result = run_cli("data", "prepare", "--kind", "dpo", "--input", FIXTURES / "dpo" / "minimind_pairs.jsonl",
+    result = cli_here("data", "prepare", "--kind", "dpo", "--input", FIXTURES / "dpo" / "minimind_pairs.jsonl",
                      "--tokenizer", MINIMIND, "--out", tmp_path / "dpo", "--workers", 1, "--val-fraction", 0.1,
                      "--seq-len", 128)
     assert result.returncode == 0 and "skipped" not in result.stdout + result.stderr, result.stderr[-2000:]
@@ -862,13 +864,13 @@ def test_minimind_tokenizer_and_dpo_records_through_prepare_train_dpo_generate_c
     result = run_job("train", "dpo", "--recipe", "demo", "--data", tmp_path / "dpo", "--init-from", tmp_path / "run",
                      "--out", tmp_path / "dpo_run", *dpo_sets)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    result = run_cli("generate", "--model", tmp_path / "dpo_run", "--prompt", "你好", "--chat", "--max-new-tokens", 4)
+    result = cli_here("generate", "--model", tmp_path / "dpo_run", "--prompt", "你好", "--chat", "--max-new-tokens", 4)
     assert result.returncode == 0, result.stderr[-2000:]
     result = subprocess.run([sys.executable, "-m", "llm", "chat", "--model", str(tmp_path / "run"),
                              "--max-new-tokens", "4"], input="hello\n/quit\n", capture_output=True, text=True,
                             timeout=300, check=False)
     assert result.returncode == 0 and result.stdout.count("assistant> ") == 1, result.stderr[-2000:]
-    assert run_cli("export", "--run", tmp_path / "run", "--out", tmp_path / "export").returncode == 0
+    assert cli_here("export", "--run", tmp_path / "run", "--out", tmp_path / "export").returncode == 0
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["eos_token_id"] == [0, 2] and config["pad_token_id"] == 0
     exported = json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())

@@ -201,7 +201,7 @@ def test_sigterm_saves_exits_75_and_resume_continues(pretrain_data, tmp_path):
         assert proc.wait(timeout=120) == 75, (tmp_path / "run.log").read_text()[-3000:]
     step = int((tmp_path / "checkpoints" / "latest").read_text().removeprefix("global_step"))
     assert step >= 2 and (tmp_path / "run.log").read_text().count("rerun with --resume auto") == 1
-    result = run_cli(*_args(pretrain_data, tmp_path, *SLOW_STEPS[:-2], "train.save_every=0",
+    result = run_job(*_args(pretrain_data, tmp_path, *SLOW_STEPS[:-2], "train.save_every=0",
                             f"train.max_steps={step + 2}", extra=["--resume", "auto"]))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed at step {step}" in result.stdout
