@@ -471,11 +471,11 @@ def _start(argv, log: Path, env=None):
                             stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
-def _two_nodes(tmp_path, job_for_node, backend="deepspeed", name="node"):
+def _two_nodes(tmp_path, job_for_node, name="node"):
     port = free_port()
     procs = []
     for rank in (0, 1):
-        argv = ["launch", "--backend", backend, "--nnodes", 2, "--node-rank", rank, "--master-addr", "127.0.0.1",
+        argv = ["launch", "--backend", "deepspeed", "--nnodes", 2, "--node-rank", rank, "--master-addr", "127.0.0.1",
                 "--master-port", port, "--", *job_for_node(rank)]
         procs.append(_start(argv, tmp_path / f"{name}{rank}.log"))
     return procs
@@ -544,16 +544,6 @@ def test_two_nodes_per_node_mode_sigterm_saves_on_every_rank_and_resume_continue
     assert _wait_all(procs) == [0, 0]
     assert f"resumed at step {step}" in (tmp_path / "again0.log").read_text()
     assert [r["step"] for r in _metrics(run)] == list(range(1, step + 3))
-
-
-def test_torchrun_c10d_two_nodes_train_like_the_deepspeed_launcher(zero_runs, pretrain_data, tmp_path):
-    run = tmp_path / "run"
-    procs = _two_nodes(tmp_path, lambda rank: _job(pretrain_data, run, "train.max_steps=4", "train.eval_every=2"),
-                       backend="torchrun")
-    assert _wait_all(procs) == [0, 0], (tmp_path / "node0.log").read_text()[-3000:]
-    assert "--rdzv-backend c10d" in (tmp_path / "node0.log").read_text()
-    rows, reference = _metrics(run), _metrics(zero_runs[2])
-    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-6)
 
 
 SAYING = textwrap.dedent("""
@@ -1018,8 +1008,11 @@ def test_killing_the_launch_process_stops_the_ranks_cleanly(pretrain_data, tmp_p
     assert json.loads((run / "checkpoints" / tag / "client_state.json").read_text())["stopped_by_signal"] is True
 
 
-def test_slurm_template_starts_one_launcher_per_node(pretrain_data, tmp_path):
-    """The sbatch script run as SLURM would, with a stand-in `srun` that starts its command once per node."""
+def test_slurm_template_starts_one_launcher_per_node(zero_runs, pretrain_data, tmp_path):
+    """The sbatch script run as SLURM would, with a stand-in `srun` that starts its command once per node: each a
+    torchrun node of a c10d rendezvous, whose two ranks train as the session's ZeRO-2 job under DeepSpeed's launcher
+    does (`--backend torchrun`'s nodes train alike: theirs is the same torchrun command, with the node count, rank
+    and master given instead of read from SLURM's variables)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     srun = bin_dir / "srun"
@@ -1033,11 +1026,14 @@ def test_slurm_template_starts_one_launcher_per_node(pretrain_data, tmp_path):
            "MASTER_PORT": str(free_port()), "ZEROLLM": f"{sys.executable} -m llm"}
     run = tmp_path / "run"
     result = subprocess.run(["bash", REPO / "launch" / "slurm" / "zerollm.sbatch",
-                             *_job(pretrain_data, run, "train.max_steps=2")],
+                             *_job(pretrain_data, run, "train.max_steps=4", "train.eval_every=2")],
                             env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, (tmp_path / "node0.log").read_text()[-3000:]
     assert "--rdzv-id 4242" in (tmp_path / "node1.log").read_text()
-    assert [r["step"] for r in _metrics(run)] == [1, 2]
+    assert "--rdzv-backend c10d" in (tmp_path / "node0.log").read_text()
+    rows, reference = _metrics(run), _metrics(zero_runs[2])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-6)
 
 
 @pytest.fixture

@@ -189,13 +189,13 @@ def test_a_record_with_the_sampled_digest_of_earlier_versions_compares_like_with
 def test_a_run_recorded_by_the_previous_version_resumes_on_its_data(pretrain_data, tmp_path):
     """Its record holds the sampled digest and no digest_method; the resume compares it with the same kind."""
     run = tmp_path / "run"
-    first = run_cli(*train_args(pretrain_data, run, "train.max_steps=1", "train.save_every=1"))
+    first = run_job(*train_args(pretrain_data, run, "train.max_steps=1", "train.save_every=1"))
     assert first.returncode == 0, first.stderr[-3000:]
     (record,) = _records(run)
     del record["data"]["digest_method"]
     record["data"]["digest"] = file_digest(pretrain_data / TOKENS_FILE)
     (run / "run_record.jsonl").write_text(json.dumps(record) + "\n")
-    resumed = run_cli(*train_args(pretrain_data, run, "train.max_steps=2", extra=["--resume", "auto"]))
+    resumed = run_job(*train_args(pretrain_data, run, "train.max_steps=2", extra=["--resume", "auto"]))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed at step 1" in resumed.stdout
     assert [r["data"].get("digest_method") for r in _records(run)] == [None, "whole"]

@@ -138,7 +138,7 @@ def test_bf16_on_two_ranks(pretrain_data, tmp_path):
 def test_a_run_that_ends_inside_its_warmup_says_so(pretrain_data, tmp_path):
     """`--set train.max_steps=50` on a recipe of warmup_steps 100 trained at a rising learning rate that never reached
     train.lr nor decayed, without a word."""
-    result = run_cli(*_args(pretrain_data, tmp_path / "run", "train.max_steps=1", "train.warmup_steps=4",
+    result = run_job(*_args(pretrain_data, tmp_path / "run", "train.max_steps=1", "train.warmup_steps=4",
                             "train.eval_every=0", "train.max_time=1h"))  # a time budget only shortens a run
     assert result.returncode == 0, result.stderr[-3000:]
     assert ("pretrain: note: train.warmup_steps=4 is above train.max_steps=1: the learning rate rises for the whole "
@@ -231,7 +231,7 @@ def test_sigterm_to_a_two_rank_job_reaches_every_rank_and_leaves_nothing_running
 
 
 def test_rerun_into_a_used_run_dir_without_resume_is_refused(zero_runs, pretrain_data):
-    result = run_cli(*_args(pretrain_data, zero_runs[2], "train.max_steps=4"))
+    result = run_job(*_args(pretrain_data, zero_runs[2], "train.max_steps=4"))
     assert result.returncode == 2 and "--resume auto" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -347,7 +347,7 @@ def test_data_from_another_tokenizer_is_refused(zero_runs, tmp_path):
     corpus.write_text("\n\n".join(f"another corpus, document {i}" for i in range(400)))
     assert run_cli("tokenizer", "train", "--input", corpus, "--vocab-size", 300, "--out", tok).returncode == 0
     assert run_cli("data", "prepare", "--input", corpus, "--tokenizer", tok, "--out", data).returncode == 0
-    result = run_cli(*_args(data, zero_runs[2], "train.max_steps=6", extra=["--resume", "auto"]))
+    result = run_job(*_args(data, zero_runs[2], "train.max_steps=6", extra=["--resume", "auto"]))
     assert result.returncode == 2 and "another tokenizer" in result.stderr
 
 
@@ -384,9 +384,9 @@ def test_a_missing_init_from_is_named_as_the_user_gave_it(tmp_path, pretrain_dat
 
 
 def test_missing_data_and_wrong_kind_are_clear_errors(tmp_path, pretrain_data):
-    result = run_cli(*_args(tmp_path / "nowhere", tmp_path / "run", "train.max_steps=1"))
+    result = run_job(*_args(tmp_path / "nowhere", tmp_path / "run", "train.max_steps=1"))
     assert result.returncode == 2 and f"{tmp_path / 'nowhere'}: no such directory" in result.stderr
-    result = run_cli(*_args(pretrain_data, tmp_path / "run", "model.vocab_size=100", "train.max_steps=1"))
+    result = run_job(*_args(pretrain_data, tmp_path / "run", "model.vocab_size=100", "train.max_steps=1"))
     assert result.returncode == 2 and "model.vocab_size" in result.stderr
 
 
@@ -395,7 +395,7 @@ def test_data_smaller_than_one_global_batch_is_one_line_naming_what_makes_the_ba
     ranks, the rest of the global batch."""
     with h5py.File(pretrain_data / "tokens.h5") as h5:
         windows = (h5["train/tokens"].shape[0] - 1) // 32
-    result = run_cli(*_args(pretrain_data, tmp_path / "run", f"train.micro_batch_size={windows // 2 + 1}",
+    result = run_job(*_args(pretrain_data, tmp_path / "run", f"train.micro_batch_size={windows // 2 + 1}",
                             "train.grad_accum=2", "train.max_steps=1"))
     assert (result.returncode, result.stderr.splitlines()[-1]) == (2, (
         f"zerollm: error: {pretrain_data}: the train split has {windows} windows of data.seq_len positions, fewer "
@@ -527,7 +527,7 @@ def test_a_tokens_file_missing_an_array_or_with_signed_ids_is_one_line(pretrain_
     shutil.copytree(pretrain_data, data)
     with h5py.File(data / "tokens.h5", "r+") as h5:
         damage(h5, name)
-    result = run_cli(*_args(data, tmp_path / "run", "train.max_steps=1"))
+    result = run_job(*_args(data, tmp_path / "run", "train.max_steps=1"))
     assert (result.returncode, result.stderr) == (2, f"zerollm: error: {data}/tokens.h5: {problem}; the file was "
                                                      "changed after `zerollm data prepare` wrote it: prepare the "
                                                      "data again\n")
