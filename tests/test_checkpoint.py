@@ -1518,21 +1518,21 @@ def one_rank_run(pretrain_data, tmp_path_factory) -> Path:
     return run
 
 
-def test_export_tag_writes_the_checkpoint_it_names(one_rank_run, tmp_path):
+def test_export_tag_writes_the_checkpoint_it_names(one_rank_run, tmp_path, cli_here):
     """export took the newest checkpoint only: an earlier one (the best validation loss) could not be exported."""
     from llm.export import read_weights
 
-    result = run_cli("export", "--run", one_rank_run, "--out", tmp_path / "step2", "--tag", "global_step2")
+    result = cli_here("export", "--run", one_rank_run, "--out", tmp_path / "step2", "--tag", "global_step2")
     assert result.returncode == 0, result.stderr
     assert " of global_step2 to " in result.stdout
     exported = read_weights(tmp_path / "step2")["model.layers.0.self_attn.q_proj.weight"]
     assert torch.equal(exported, consolidated_weights(one_rank_run, "global_step2")["layers.0.attention.wq.weight"])
     assert not torch.equal(exported, consolidated_weights(one_rank_run, "global_step4")["layers.0.attention.wq.weight"])
-    missing = run_cli("export", "--run", one_rank_run, "--out", tmp_path / "none", "--tag", "global_step3")
+    missing = cli_here("export", "--run", one_rank_run, "--out", tmp_path / "none", "--tag", "global_step3")
     assert (missing.returncode, missing.stderr) == (2, f"zerollm: error: --tag global_step3: {one_rank_run} holds no "
                                                        "such checkpoint (it holds global_step2, global_step4)\n")
     assert not (tmp_path / "none").exists()
-    nowhere = run_cli("export", "--run", tmp_path / "nope", "--out", tmp_path / "none", "--tag", "global_step2")
+    nowhere = cli_here("export", "--run", tmp_path / "nope", "--out", tmp_path / "none", "--tag", "global_step2")
     assert (nowhere.returncode, nowhere.stderr) == (2, f"zerollm: error: {tmp_path / 'nope'}: no such directory\n")
 
 

@@ -66,17 +66,17 @@ def test_every_inference_command_takes_device_and_dtype(command):
     assert result.returncode == 0 and "--device" in result.stdout and "--dtype" in result.stdout
 
 
-def test_generate_in_bf16_on_the_cpu_and_a_missing_gpu_is_one_line(zero_runs):
-    result = run_cli("generate", "--model", zero_runs[2], "--prompt", "To be", "--max-new-tokens", 4,
+def test_generate_in_bf16_on_the_cpu_and_a_missing_gpu_is_one_line(zero_runs, cli_here):
+    result = cli_here("generate", "--model", zero_runs[2], "--prompt", "To be", "--max-new-tokens", 4,
                      "--device", "cpu", "--dtype", "bf16")
     assert result.returncode == 0, result.stderr[-2000:]
     if not torch.cuda.is_available():
-        result = run_cli("generate", "--model", zero_runs[2], "--prompt", "x", "--device", "cuda")
+        result = cli_here("generate", "--model", zero_runs[2], "--prompt", "x", "--device", "cuda")
         assert result.returncode == 2 and "no CUDA device" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_bench_generate_runs_on_the_chosen_device_and_dtype(zero_runs):
-    result = run_cli("bench", "generate", "--model", zero_runs[2], "--prompt-tokens", 8, "--new-tokens", 4,
+def test_bench_generate_runs_on_the_chosen_device_and_dtype(zero_runs, cli_here):
+    result = cli_here("bench", "generate", "--model", zero_runs[2], "--prompt-tokens", 8, "--new-tokens", 4,
                      "--repeats", 1, "--device", "cpu", "--dtype", "bf16")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "cpu bfloat16" in result.stdout

@@ -64,7 +64,7 @@ def _sft(base, data, out, *overrides):
                    *[a for o in [*BASE_SHAPE, *SFT, *overrides] for a in ("--set", o)])
 
 
-def test_a_transformers_llama_with_its_tokenizer_fine_tunes_and_exports_with_equal_logits(tmp_path):
+def test_a_transformers_llama_with_its_tokenizer_fine_tunes_and_exports_with_equal_logits(tmp_path, cli_here):
     from transformers import AutoModelForCausalLM
 
     base = tmp_path / "base"
@@ -72,7 +72,7 @@ def test_a_transformers_llama_with_its_tokenizer_fine_tunes_and_exports_with_equ
     data = _sft_data(tmp_path, base)
     result = _sft(base, data, tmp_path / "run", *BASE_FUNCTION)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    result = run_cli("export", "--run", tmp_path / "run", "--out", tmp_path / "export")
+    result = cli_here("export", "--run", tmp_path / "run", "--out", tmp_path / "export")
     assert result.returncode == 0, result.stderr[-2000:]
     assert Tokenizer.load(tmp_path / "export").hash == Tokenizer.load(base).hash
     ours, _ = load_for_inference(tmp_path / "run")

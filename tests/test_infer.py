@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import closed_pipe, full_disk, run_cli, zerollm_here
+from conftest import closed_pipe, full_disk, zerollm_here
 from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.export import export_model, import_model
@@ -304,10 +304,10 @@ def test_a_cancelled_stream_ends_at_the_next_token_also_while_no_text_comes(tiny
 # ---- export and import ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_export_from_zero_checkpoints_matches_transformers_logits(zero_runs, stage, tmp_path):
+def test_export_from_zero_checkpoints_matches_transformers_logits(zero_runs, stage, tmp_path, cli_here):
     from transformers import AutoModelForCausalLM
 
-    result = run_cli("export", "--run", zero_runs[stage], "--out", tmp_path)
+    result = cli_here("export", "--run", zero_runs[stage], "--out", tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= \
         {p.name for p in tmp_path.iterdir()}
