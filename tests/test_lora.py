@@ -20,7 +20,7 @@ from llm.errors import UserError
 from llm.export import export_model, import_model
 from llm.loading import consolidated_weights, load_lora_model, load_trained_model
 from llm.model import Transformer
-from llm.model.lora import apply_lora, is_adapter_key, merge, parameter_counts
+from llm.model.lora import apply_lora, is_adapter_key, load_adapters, merge, parameter_counts
 from llm.train.checkpoint import restricted_unpickling
 from llm.train.engine import param_groups
 from llm.train.job import check_same_shape
@@ -166,6 +166,47 @@ def test_merge_gives_a_plain_model_with_the_same_logits(shape):
     unmerged = model(tokens).logits
     assert not torch.allclose(unmerged, _tiny(**shape)(tokens).logits, atol=1e-3)  # the adapters matter
     torch.testing.assert_close(merged(tokens).logits, unmerged, atol=1e-5, rtol=0)
+
+
+def _lora(spec: str = "r=4,targets=wq,wv"):
+    return build_config("demo", ["train.stage=sft", *parse_lora_spec(spec)], paths={"train.init_from": "b"}).lora
+
+
+def _with_adapters(model: Transformer) -> Transformer:
+    """`model` with every B of its adapters nonzero (they start at 0: the adapters would change nothing)."""
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_b"):
+                param.normal_()
+    return model
+
+
+def test_a_merged_bf16_weight_is_summed_in_fp32_and_rounded_once():
+    layer = _with_adapters(apply_lora(_tiny().to(torch.bfloat16), _lora(), seed=1)).layers[0].attention.wq
+    exact = layer.weight.float() + layer.scale * (layer.lora_b.float() @ layer.lora_a.float())
+    assert torch.equal(layer.merged_weight(), exact.bfloat16())
+
+
+def test_merge_keeps_the_models_mode_and_drops_nothing_silently():
+    model = _with_adapters(apply_lora(_tiny(), _lora(), seed=1))
+    assert not merge(model.eval()).training and merge(model.train()).training
+    weights = {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
+    weights["layers.0.attention.wk.lora_a"] = torch.zeros(4, 32)  # an adapter of a layer the config does not adapt
+    assert load_adapters(model, weights) == ([], ["layers.0.attention.wk.lora_a"])
+
+
+def test_lora_dropout_applies_to_the_adapters_input_in_training_only():
+    model = _with_adapters(apply_lora(_tiny(), _lora("r=4,targets=wq,wv,dropout=0.5"), seed=1))
+    tokens = torch.randint(0, 97, (2, 16))
+    evaluated = model.eval()(tokens).logits
+    assert not torch.equal(model.train()(tokens).logits, evaluated)  # dropped inputs, in training
+    torch.testing.assert_close(merge(model.eval())(tokens).logits, evaluated, atol=1e-5, rtol=0)  # none in eval
+
+
+def test_the_adapters_a_matrices_follow_the_seed():
+    first, second = (apply_lora(_tiny(), _lora(), seed=seed).layers[0].attention.wq.lora_a for seed in (1, 2))
+    assert not torch.equal(first, second)
 
 
 # ---- training ---------------------------------------------------------------------------------------
