@@ -146,6 +146,45 @@ def llama_model_and_tokenizer(tmp_path_factory):
     return load_for_inference(out)
 
 
+class _OneByteTokens:
+    """A Llama-style tokenizer's part that counting bytes reads: <s> (1) opens each document, </s> (0) ends it, and
+    ids 10.. decode to one byte each."""
+    document_start_ids = [1]
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i - 10) for i in ids)
+
+
+@pytest.mark.parametrize("tokens", [[0, 1, 10, 11, 12, 0, 1, 13, 14, 0], [0, 10, 11, 12, 0, 13, 14, 0]],
+                         ids=["documents-open-with-bos", "prepared-before-documents-had-bos"])
+def test_bits_per_byte_count_each_documents_text_and_not_its_start_token(tokens):
+    """'abc' and 'de': 5 bytes, whether the data opens its documents with <s> or (prepared before they had it) not;
+    only a document's own start ids are left out, never its first token of text."""
+    from llm.eval.token_stream import scored_text_bytes
+
+    assert scored_text_bytes(ArrayStream(np.array(tokens), eos_id=0), _OneByteTokens()) == 5
+
+
+def test_a_split_of_a_single_end_of_text_is_one_line(model_and_tokenizer, tokenizer_dir, text_files, tmp_path):
+    """`data prepare --val-fraction 0` leaves a val split of one </s>, no position to score: its bits per byte were a
+    ZeroDivisionError traceback."""
+    _, tokenizer = model_and_tokenizer
+    prepare("pretrain", [str(p) for p in text_files], tokenizer_dir, tmp_path / "data", val_fraction=0.0,
+            workers=1, show_progress=False)
+    with pytest.raises(UserError, match=f"^{tmp_path / 'data'}: the 'val' split holds no tokens$"):
+        stream_of_split(tmp_path / "data", "val", tokenizer)
+
+
+def test_a_document_read_in_pieces_counts_once(model_and_tokenizer, tmp_path):
+    from llm.data.formats import PIECE_CHARS
+
+    _, tokenizer = model_and_tokenizer
+    (tmp_path / "long.jsonl").write_text(json.dumps({"text": "ab " * (PIECE_CHARS // 3 + 10)}) + "\n")
+    stream, report = stream_of_files([str(tmp_path / "long.jsonl")], tokenizer)
+    assert report.documents == 1 and stream.text_bytes == 3 * (PIECE_CHARS // 3 + 10)
+
+
 def test_files_are_held_as_four_bytes_a_token(tmp_path):
     """The tokens of --input files were held three times over as int64 while they were joined: 5 bytes of memory per
     byte of text (893 MiB for 100 MB of Chinese). They are held as 4-byte ids, read as int64 a window at a time."""
@@ -899,6 +938,8 @@ def test_a_huge_perplexity_prints_in_scientific_notation():
     assert re.search(r"perplexity +6\.786e\+149\n", huge.summary()), huge.summary()  # 150 digits before
     small = PerplexityResult(tokens=10, bytes=40, nats=10 * 5.0, windows=1, context=16, stride=16)
     assert f"perplexity      {math.exp(5.0):10.3f}" in small.summary()
+    billions = PerplexityResult(tokens=10, bytes=40, nats=10 * math.log(5e9), windows=1, context=16, stride=16)
+    assert re.search(r"perplexity +5e\+09\n", billions.summary()), billions.summary()  # 10 columns, not 14
     assert small.summary().startswith("10 tokens (40 bytes) in 1 window of up to 16 tokens")  # '1 windows'
     empty = PerplexityResult(tokens=10, bytes=0, nats=10.0, windows=1, context=16, stride=16)
     assert empty.to_dict()["bits_per_byte"] is None  # NaN is not JSON
