@@ -202,12 +202,66 @@ def test_the_overrun_note_is_for_a_budget_of_a_few_steps_not_for_a_slow_last_ste
         clock.now += 1.0
         short.end_iteration(step)
     assert short.overrun_note().startswith("note: training took 2.0 s, past train.max_time=0.5 s")
+    few = TimeBudget(TrainConfig(max_time=1, max_steps=10**6, warmup_steps=0), ONE_RANK, clock)
+    few.start(0)  # FEW_STEPS (3) measured steps are still a few
+    for step in (1, 2, 3):
+        clock.now += 1.0
+        few.end_iteration(step)
+    assert few.overrun_note().startswith("note: training took 3.0 s, past train.max_time=1 s")
     tiny = TimeBudget(TrainConfig(max_time=0.001, max_steps=10**6, warmup_steps=0), ONE_RANK, clock)
     tiny.start(0)  # its time said to a tenth of a second was "took 0.0 s, past train.max_time=0.001 s"
     for step in (1, 2):
         clock.now += 0.0021
         tiny.end_iteration(step)
     assert tiny.overrun_note().startswith("note: training took 0.0042 s, past train.max_time=0.001 s")
+
+
+def _published(max_time, warmup_steps=0, eval_every=0, elapsed=0.0, step=0, step_seconds=1.0, eval_seconds=0.0,
+               warmup_end=0.0) -> TimeBudget:
+    """A budget deciding from the values rank 0 publishes: training time `elapsed` after `step` steps, steps of
+    `step_seconds`, evaluations of `eval_seconds`, warmup ended at `warmup_end`; checkpoints cost nothing."""
+    budget = TimeBudget(TrainConfig(max_time=max_time, max_steps=10**6, warmup_steps=warmup_steps,
+                                    eval_every=eval_every, save_every=0), ONE_RANK, FakeClock())
+    budget._publish([elapsed, step, step_seconds, eval_seconds, 0.0, warmup_end])
+    return budget
+
+
+def test_steps_that_fill_the_budget_exactly_all_run_and_end_the_schedule_at_its_floor():
+    budget = _published(max_time=10)  # ten steps of 1 s, nothing reserved
+    assert budget.last_step() == 10 and budget.projected_end(10) == 10.0 and not budget.out_of_time(9)
+    assert [budget.progress(i) for i in (7, 8, 9)] == [0.8, 0.9, 1.0]
+
+
+def test_the_evaluation_of_the_last_step_is_the_reserve_not_one_due_on_the_way():
+    budget = _published(max_time=12, eval_every=10, eval_seconds=2.0)  # step 10 evaluates: 10 s + 2 s
+    assert budget.projected_end(10) == 10.0 and not budget.out_of_time(9) and budget.out_of_time(10)
+
+
+def test_a_warmup_that_leaves_no_room_for_a_step_ends_at_the_floor_and_one_that_ends_with_the_budget_is_no_note():
+    budget = _published(max_time=10, warmup_steps=5, elapsed=9.5, step=5, warmup_end=9.5)
+    assert budget.last_step() == 5 and budget.progress(5) == 1.0  # the floor, not the peak
+    assert budget.out_of_time(5) and budget.warmup_note(5) is None  # the warmup was complete
+
+
+def test_the_reserve_keeps_the_longest_evaluation():
+    clock = FakeClock()
+    budget = TimeBudget(TrainConfig(max_time=100, max_steps=10**6, warmup_steps=0), ONE_RANK, clock)
+    budget.start(0)
+    for step, seconds in ((1, 5.0), (2, 2.0)):
+        clock.now += 1.0
+        with budget.overhead("eval"):
+            clock.now += seconds
+        budget.end_iteration(step)
+    assert budget.eval_seconds == budget.reserve == 5.0
+
+
+def test_the_reserve_is_measured_before_the_step_that_would_pass_half_the_budget():
+    """Steps of 1/8 s in a 32 s budget, warmup longer than it: step 128 ends at 16 s, so it measures the reserve,
+    before step 129 would end past half the budget (CALIBRATE_BY)."""
+    t = TrainConfig(max_time=32, max_steps=10**6, warmup_steps=1000, eval_every=0, save_every=0)
+    saves = []
+    simulate(t, 0.125, eval_time=3.0, save_time=1.0, saves=saves)
+    assert saves[0] == 128
 
 
 def test_without_a_budget_nothing_changes():
