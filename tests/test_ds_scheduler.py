@@ -38,6 +38,8 @@ def test_a_one_rate_schedule_is_refused_for_an_optimizer_of_several_rates():
     with pytest.raises(UserError, match="^x.json: WarmupLR sets every parameter group to one rate .warmup_max_lr., "
                                         "which replaces the optimizer's adam_lr, muon_lr; use WarmupCosineLR"):
         resolved_scheduler(HF_SCHEDULER, optimizer=MUON)
+    with pytest.raises(UserError, match="which replaces the optimizer's muon_lr; use WarmupCosineLR"):  # one is enough
+        resolved_scheduler(HF_SCHEDULER, optimizer={"type": "Muon", "params": {"lr": "auto", "muon_lr": 0.02}})
     assert resolved_scheduler({"type": "WarmupCosineLR"}, optimizer=MUON)["type"] == "WarmupCosineLR"
 
 
@@ -102,6 +104,7 @@ def test_a_run_that_ends_inside_the_deepspeed_schedules_warmup_says_so():
     raw, _ = load_ds_config(None, "pretrain")
     notes = []
     for overrides in (["train.warmup_steps=50", "train.max_steps=2"], ["train.warmup_steps=20", "train.max_steps=500"],
+                      ["train.warmup_steps=10", "train.max_steps=10"],  # the warmup ends with the run: no note
                       ["train.warmup_steps=3", "train.max_steps=2", "train.stage=grpo", "train.init_from=x",
                        "grpo.prompts=p.jsonl", "grpo.updates_per_batch=2"]):
         cfg = build_config("demo", overrides)
@@ -111,6 +114,7 @@ def test_a_run_that_ends_inside_the_deepspeed_schedules_warmup_says_so():
         "note: scheduler.params.warmup_num_steps=50 is above the run's 2 optimizer steps (train.max_steps): "
         "DeepSpeed's log warmup raises the learning rate for the whole run, which never reaches its peak nor decays; "
         "lower train.warmup_steps (and warmup_num_steps, where the config gives it)",
+        None,
         None,
         "note: scheduler.params.warmup_num_steps=6 is above the run's 4 optimizer steps (train.max_steps x "
         "grpo.updates_per_batch): DeepSpeed's log warmup raises the learning rate for the whole run, which never "
