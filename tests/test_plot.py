@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,6 +177,28 @@ def test_a_long_run_is_drawn_through_each_buckets_extremes(tmp_path, monkeypatch
     assert list(by_tokens.get_xdata()) == [x * 10 for x in xs] and list(by_tokens.get_ydata()) == list(ys)
 
 
+def test_a_line_of_up_to_twice_the_buckets_is_drawn_whole():
+    from llm.plot import BUCKETS, thinned
+
+    xs, ys = thinned(np.arange(2 * BUCKETS), np.zeros(2 * BUCKETS))  # a flat line: each bucket's extremes are alike
+    assert len(xs) == len(ys) == 2 * BUCKETS
+
+
+def test_rows_of_an_earlier_version_without_tokens_are_placed_by_the_batch_among_rows_with_them(tmp_path):
+    """Rows that lack `tokens` (logged before they had it), then rows holding it, and the reverse: each row without
+    one at its step times the recorded batch, each row with one at its own."""
+    from llm.plot import read_run
+
+    run = fake_run(tmp_path / "a", 1, 1.0, batch=8, seq_len=128)  # 1,024 positions a step
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n"
+                                       + json.dumps({"step": 2, "loss": 2.0, "tokens": 2000}) + "\n"
+                                       + json.dumps({"step": 3, "loss": 1.0}) + "\n")
+    assert read_run(run).points("loss", "tokens") == ([1024.0, 2000.0, 3072.0], [3.0, 2.0, 1.0])
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n"
+                                       + json.dumps({"step": 2, "loss": 2.0, "tokens": 2000}) + "\n")
+    assert read_run(run).points("loss", "tokens") == ([1024.0, 2000.0], [3.0, 2.0])
+
+
 def _legend_labels(figure):
     legends = [*figure.legends, *(ax.get_legend() for ax in figure.axes if ax.get_legend() is not None)]
     return [text.get_text() for legend in legends for text in legend.get_texts()]
@@ -188,6 +211,9 @@ def test_runs_in_folders_of_the_same_name_get_distinct_labels(tmp_path, monkeypa
     runs = [fake_run(tmp_path / "x" / "run", 6, 1.0), fake_run(tmp_path / "y" / "run", 6, 1.5),
             fake_run(tmp_path / "solo", 6, 2.0)]
     assert _legend_labels(_drawn_figure(monkeypatch, runs, tmp_path / "x.png")) == ["x/run", "y/run", "solo"]
+    from llm.plot import run_labels
+
+    assert run_labels([Path("/x/run"), Path("/y/run")]) == ["x/run", "y/run"]  # the fewest folders that tell apart
 
 
 def test_run_names_are_shown_as_written(tmp_path, monkeypatch):
@@ -207,6 +233,7 @@ def test_many_runs_differ_in_line_style_and_their_legend_is_below_every_panel(tm
     figure = _drawn_figure(monkeypatch, runs, tmp_path / "x.png")
     lines = figure.axes[0].get_lines()
     assert len({(line.get_color(), line.get_linestyle()) for line in lines}) == 14
+    assert {line.get_linestyle() for line in lines[:10]} == {"-"}  # another style only once the colours are used up
     (legend,) = figure.legends
     legend_top = legend.get_window_extent().y1
     assert all(legend_top < ax.get_tightbbox().y0 for ax in figure.axes)  # titles, ticks and labels included
@@ -340,6 +367,10 @@ def test_a_step_logged_again_supersedes_the_earlier_rows_from_it_on(tmp_path):
     series = read_run(run)
     assert series.points("loss", "step") == ([1, 2, 3, 4, 5], [1.0, 2.0, 13.0, 14.0, 15.0])
     assert series.points("val_loss", "step") == ([], [])  # step 4 logged again without one: its old point is gone
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [{"step": 1, "loss": 3.0},
+                                                                             {"step": 2, "loss": 2.9},
+                                                                             {"step": 2, "loss": 2.5}]))
+    assert read_run(run).points("loss", "step") == ([1, 2], [3.0, 2.5])  # the same step again: the latest row
 
 
 @pytest.mark.parametrize("metrics", [None, ""])
