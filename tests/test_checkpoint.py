@@ -1532,8 +1532,9 @@ def test_export_tag_writes_the_checkpoint_it_names(one_rank_run, tmp_path, cli_h
     assert (missing.returncode, missing.stderr) == (2, f"zerollm: error: --tag global_step3: {one_rank_run} holds no "
                                                        "such checkpoint (it holds global_step2, global_step4)\n")
     assert not (tmp_path / "none").exists()
-    nowhere = cli_here("export", "--run", tmp_path / "nope", "--out", tmp_path / "none", "--tag", "global_step2")
+    nowhere = run_cli("export", "--run", tmp_path / "nope", "--out", tmp_path / "none", "--tag", "global_step2")
     assert (nowhere.returncode, nowhere.stderr) == (2, f"zerollm: error: {tmp_path / 'nope'}: no such directory\n")
+    # (the command itself, in a fresh interpreter: nothing else on its error output)
 
 
 def _losses(run: Path) -> list[float]:

@@ -68,7 +68,7 @@ def test_every_inference_command_takes_device_and_dtype(command):
 
 def test_generate_in_bf16_on_the_cpu_and_a_missing_gpu_is_one_line(zero_runs, cli_here):
     result = cli_here("generate", "--model", zero_runs[2], "--prompt", "To be", "--max-new-tokens", 4,
-                     "--device", "cpu", "--dtype", "bf16")
+                      "--device", "cpu", "--dtype", "bf16")
     assert result.returncode == 0, result.stderr[-2000:]
     if not torch.cuda.is_available():
         result = cli_here("generate", "--model", zero_runs[2], "--prompt", "x", "--device", "cuda")
@@ -77,7 +77,7 @@ def test_generate_in_bf16_on_the_cpu_and_a_missing_gpu_is_one_line(zero_runs, cl
 
 def test_bench_generate_runs_on_the_chosen_device_and_dtype(zero_runs, cli_here):
     result = cli_here("bench", "generate", "--model", zero_runs[2], "--prompt-tokens", 8, "--new-tokens", 4,
-                     "--repeats", 1, "--device", "cpu", "--dtype", "bf16")
+                      "--repeats", 1, "--device", "cpu", "--dtype", "bf16")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "cpu bfloat16" in result.stdout
     assert {"zerollm, KV cache", "zerollm, no cache", "transformers generate"} <= {

@@ -1010,9 +1010,10 @@ def test_killing_the_launch_process_stops_the_ranks_cleanly(pretrain_data, tmp_p
 
 def test_slurm_template_starts_one_launcher_per_node(zero_runs, pretrain_data, tmp_path):
     """The sbatch script run as SLURM would, with a stand-in `srun` that starts its command once per node: each a
-    torchrun node of a c10d rendezvous, whose two ranks train as the session's ZeRO-2 job under DeepSpeed's launcher
-    does (`--backend torchrun`'s nodes train alike: theirs is the same torchrun command, with the node count, rank
-    and master given instead of read from SLURM's variables)."""
+    torchrun node of a c10d rendezvous, whose two ranks train as the session's ZeRO-2 job of two ranks does.
+    `--backend torchrun` plans the same torchrun command with the node count, rank and master given instead of read
+    from SLURM's variables (its plans: test_plans_for_each_mode; a real two-node start up to the rendezvous:
+    test_a_node_that_never_comes_under_torchrun_is_one_line_at_the_timeout)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     srun = bin_dir / "srun"

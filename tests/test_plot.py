@@ -11,7 +11,7 @@ import pytest
 from test_checkpoint import file_size_limit
 
 from llm.errors import UserError
-from llm.plot import plot_runs
+from llm.plot import plot_runs, run_labels
 
 BLUE, ORANGE = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)  # matplotlib's first two line colours
 
@@ -185,8 +185,8 @@ def test_a_line_of_up_to_twice_the_buckets_is_drawn_whole():
 
 
 def test_rows_of_an_earlier_version_without_tokens_are_placed_by_the_batch_among_rows_with_them(tmp_path):
-    """Rows that lack `tokens` (logged before they had it), then rows holding it, and the reverse: each row without
-    one at its step times the recorded batch, each row with one at its own."""
+    """Rows that lack `tokens` (logged before they had it) before and after rows holding it: each row without one at
+    its step times the recorded batch, each row with one at its own."""
     from llm.plot import read_run
 
     run = fake_run(tmp_path / "a", 1, 1.0, batch=8, seq_len=128)  # 1,024 positions a step
@@ -211,8 +211,6 @@ def test_runs_in_folders_of_the_same_name_get_distinct_labels(tmp_path, monkeypa
     runs = [fake_run(tmp_path / "x" / "run", 6, 1.0), fake_run(tmp_path / "y" / "run", 6, 1.5),
             fake_run(tmp_path / "solo", 6, 2.0)]
     assert _legend_labels(_drawn_figure(monkeypatch, runs, tmp_path / "x.png")) == ["x/run", "y/run", "solo"]
-    from llm.plot import run_labels
-
     assert run_labels([Path("/x/run"), Path("/y/run")]) == ["x/run", "y/run"]  # the fewest folders that tell apart
 
 
@@ -233,7 +231,10 @@ def test_many_runs_differ_in_line_style_and_their_legend_is_below_every_panel(tm
     figure = _drawn_figure(monkeypatch, runs, tmp_path / "x.png")
     lines = figure.axes[0].get_lines()
     assert len({(line.get_color(), line.get_linestyle()) for line in lines}) == 14
-    assert {line.get_linestyle() for line in lines[:10]} == {"-"}  # another style only once the colours are used up
+    from matplotlib import rcParams
+
+    colours = len(rcParams["axes.prop_cycle"])
+    assert {line.get_linestyle() for line in lines[:colours]} == {"-"}  # another style once the colours are used up
     (legend,) = figure.legends
     legend_top = legend.get_window_extent().y1
     assert all(legend_top < ax.get_tightbbox().y0 for ax in figure.axes)  # titles, ticks and labels included

@@ -247,7 +247,7 @@ def test_the_reserve_keeps_the_longest_evaluation():
     clock = FakeClock()
     budget = TimeBudget(TrainConfig(max_time=100, max_steps=10**6, warmup_steps=0), ONE_RANK, clock)
     budget.start(0)
-    for step, seconds in ((1, 5.0), (2, 2.0)):
+    for step, seconds in ((1, 2.0), (2, 5.0), (3, 3.0)):
         clock.now += 1.0
         with budget.overhead("eval"):
             clock.now += seconds
@@ -315,7 +315,7 @@ def _client_state(run, step):
 def test_a_killed_time_budget_run_resumes_its_clock_and_completes_its_schedule(pretrain_data, tmp_path):
     latest = tmp_path / "checkpoints" / "latest"
     kill_when(latest.is_file, *train_args(pretrain_data, tmp_path, *BUDGET), name="killed")
-    step = int(latest.read_text().removeprefix("global_step"))  # 3, or later where the poll missed the moment
+    step = int(latest.read_text().removeprefix("global_step"))  # the end of warmup's calibration, or later
     saved = _client_state(tmp_path, step)["time_budget"]
     assert 0 < saved["elapsed"] < 10 and saved["max_time"] == 10
 

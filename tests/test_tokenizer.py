@@ -830,8 +830,8 @@ def test_dpo_prompt_then_reply_is_the_answered_conversation(tokenizer_dir, direc
 # ---- a MiniMind tokenizer directory through every command ---------------------------------------------------
 
 @pytest.mark.slow
-def test_minimind_tokenizer_and_dpo_records_through_prepare_train_dpo_generate_chat_export_and_serve(tmp_path,
-                                                                                             cli_here):
+def test_minimind_tokenizer_and_dpo_records_through_prepare_train_dpo_generate_chat_export_and_serve(
+        tmp_path, cli_here):
     """Commands that train nothing run in this process (`cli_here`); chat and serve in their own."""
     import subprocess
     import sys
@@ -846,7 +846,7 @@ def test_minimind_tokenizer_and_dpo_records_through_prepare_train_dpo_generate_c
                                for a in range(50)) + "\n")
     for kind, source in (("pretrain", corpus), ("sft", chats)):
         result = cli_here("data", "prepare", "--kind", kind, "--input", source, "--tokenizer", MINIMIND,
-                         "--out", tmp_path / kind, "--workers", 1, "--val-fraction", 0.05)
+                          "--out", tmp_path / kind, "--workers", 1, "--val-fraction", 0.05)
         assert result.returncode == 0, result.stderr[-2000:]
     sets = [a for o in [*TINY, "train.max_steps=2", "train.eval_every=2"] for a in ("--set", o)]
     result = run_job("train", "pretrain", "--recipe", "demo", "--data", tmp_path / "pretrain",
@@ -857,8 +857,8 @@ def test_minimind_tokenizer_and_dpo_records_through_prepare_train_dpo_generate_c
     assert result.returncode == 0, result.stderr[-2000:]
     # MiniMind's DPO shape (chosen/rejected as whole conversations sharing their prompt turns) on its tokenizer
     result = cli_here("data", "prepare", "--kind", "dpo", "--input", FIXTURES / "dpo" / "minimind_pairs.jsonl",
-                     "--tokenizer", MINIMIND, "--out", tmp_path / "dpo", "--workers", 1, "--val-fraction", 0.1,
-                     "--seq-len", 128)
+                      "--tokenizer", MINIMIND, "--out", tmp_path / "dpo", "--workers", 1, "--val-fraction", 0.1,
+                      "--seq-len", 128)
     assert result.returncode == 0 and "skipped" not in result.stdout + result.stderr, result.stderr[-2000:]
     dpo_sets = [a for o in [*TINY, "data.seq_len=128", "train.max_steps=1", "train.eval_every=1"] for a in ("--set", o)]
     result = run_job("train", "dpo", "--recipe", "demo", "--data", tmp_path / "dpo", "--init-from", tmp_path / "run",

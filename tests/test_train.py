@@ -231,7 +231,7 @@ def test_sigterm_to_a_two_rank_job_reaches_every_rank_and_leaves_nothing_running
 
 
 def test_rerun_into_a_used_run_dir_without_resume_is_refused(zero_runs, pretrain_data):
-    result = run_job(*_args(pretrain_data, zero_runs[2], "train.max_steps=4"))
+    result = run_cli(*_args(pretrain_data, zero_runs[2], "train.max_steps=4"))
     assert result.returncode == 2 and "--resume auto" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -347,7 +347,7 @@ def test_data_from_another_tokenizer_is_refused(zero_runs, tmp_path):
     corpus.write_text("\n\n".join(f"another corpus, document {i}" for i in range(400)))
     assert run_cli("tokenizer", "train", "--input", corpus, "--vocab-size", 300, "--out", tok).returncode == 0
     assert run_cli("data", "prepare", "--input", corpus, "--tokenizer", tok, "--out", data).returncode == 0
-    result = run_job(*_args(data, zero_runs[2], "train.max_steps=6", extra=["--resume", "auto"]))
+    result = run_cli(*_args(data, zero_runs[2], "train.max_steps=6", extra=["--resume", "auto"]))
     assert result.returncode == 2 and "another tokenizer" in result.stderr
 
 
@@ -692,14 +692,16 @@ def test_a_step_that_runs_out_of_memory_is_one_line_naming_what_to_lower(tmp_pat
     refuses the allocation beyond an address-space limit, as a container's `ulimit -v` does."""
     import resource
 
-    limit = 4 * 1024**3  # start-up fits in 3 GiB; each GiB more is pages of the batch touched before it fails
+    # start-up fits in 3 GiB at one thread (each thread reserves address space of its own: 32 did not fit in 4 GiB);
+    # each GiB more is pages of the batch touched before the refusal
+    limit = 4 * 1024**3
     sets = ["model.dim=32", "model.n_layers=1", "data.seq_len=128000", "model.max_seq_len=128000",  # few long rows:
             "train.micro_batch_size=100"]  # a batch of 100,000 rows of 128 took minutes to draw
     result = subprocess.run([sys.executable, "-m", "llm", "bench", "train", "--recipe", "demo",
                              *(a for o in sets for a in ("--set", o)), "--steps", "1", "--warmup", "0"],
                             capture_output=True, text=True, cwd=tmp_path, timeout=600,
-                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))  # on the CPU
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},  # on the CPU
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert re.search(r"^zerollm: error: rank 0 ran out of memory in step 1 \(the host refused \d+ bytes\); lower "
                      r"train.micro_batch_size \(100; a higher train.grad_accum keeps the samples a step\) or "
