@@ -706,3 +706,18 @@ def test_an_integer_too_long_to_read_in_a_set_or_a_recipe_is_one_line(tmp_path):
     recipe.write_text("train:\n  max_steps: " + "[" * 5000 + "]" * 5000 + "\n")
     with pytest.raises(UserError, match=f"^{recipe}: invalid YAML \\(nested too deeply\\)$"):
         build_config(str(recipe), [])
+
+
+def test_every_expert_may_be_routed_to_each_token():
+    assert build_config("demo", ["model.moe=true", "model.n_experts=4", "model.n_experts_per_token=4"]).model \
+        .n_experts_per_token == 4
+
+
+@pytest.mark.parametrize("override, refusal", [
+    ("grpo.group_size=1", "grpo.group_size must be at least 2 (advantages compare a group), got 1"),
+    ("model.n_layers=true", "config key 'model.n_layers' expects int, got True"),  # a bool is no count
+])
+def test_values_that_parse_but_mean_nothing_are_refused(override, refusal):
+    grpo = ["train.stage=grpo", "train.init_from=x", "grpo.prompts=p.jsonl"]
+    with pytest.raises(UserError, match=re.escape(refusal)):
+        build_config("demo", [*grpo, override])

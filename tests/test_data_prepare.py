@@ -1846,3 +1846,46 @@ def test_the_content_digest_covers_every_chunk_of_an_array(tmp_path, monkeypatch
         h5["train/tokens"][17] = 999
     with h5py.File(path, "r") as h5:
         assert prepare_module.content_digest(h5) != before
+
+
+# ---- input edges a fourth mutation audit found unpinned -------------------------------------------------------------
+
+def test_a_record_one_character_over_max_record_mb_is_skipped_and_one_at_it_is_read(tmp_path):
+    at_limit = json.dumps({"text": "x" * (1000 - len('{"text": ""}'))})  # --max-record-mb 0.001: 1,000 characters
+    path = tmp_path / "r.jsonl"
+    path.write_text(at_limit + "\n" + at_limit.replace('"x', '"xx') + "\n")
+    assert [type(item).__name__ for item in read_items(path, 0.001)] == ["Item", "Skipped"]
+
+
+def test_the_folder_given_as_input_and_as_out_is_refused(tmp_path):
+    from llm.data.readers import expand_inputs
+    from llm.errors import UserError
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("doc\n")
+    with pytest.raises(UserError, match=f"^{corpus}: is inside the output directory {corpus}, which is replaced"):
+        expand_inputs([corpus], exclude=corpus)
+
+
+def test_hidden_files_of_an_input_folder_are_left_out(tmp_path):
+    from llm.data.readers import expand_inputs
+
+    (tmp_path / "a.txt").write_text("doc\n")
+    (tmp_path / ".secret.txt").write_text("hidden\n")
+    assert [path.name for path in expand_inputs([tmp_path])] == ["a.txt"]
+
+
+def test_a_json_escape_across_the_read_window_is_read(tmp_path):
+    """A \\u00e9 escape that straddles the 64 KiB window in which a .json file is parsed is read whole."""
+    start = '[{"text": "'
+    path = tmp_path / "r.json"
+    path.write_text(start + "a" * (65536 - len(start) - 3) + "\\u00e9" + '"}]')
+    (item,) = read_items(path)
+    assert item.value["text"] == "a" * (65536 - len(start) - 3) + "é"
+
+
+def test_a_lone_surrogate_in_a_key_skips_its_record(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"text": "ok", "\\ud800": 1}\n')
+    assert [type(item).__name__ for item in read_items(path)] == ["Skipped"]

@@ -1068,3 +1068,30 @@ def test_each_rank_evaluates_its_own_share_of_the_val_samples(one_rank_group):
     val_set = Recorded([{"tokens": r[:-1], "targets": r[1:]} for r in rows])
     _evaluating_trainer(model, val_set, micro=2, world=2, rank=1).evaluate()  # its sums reduced over a group of 1
     assert val_set.read == [1, 3]
+
+
+# ---- record shapes a fourth mutation audit found unpinned ----------------------------------------------------------
+
+@pytest.mark.parametrize("record, refusal", [
+    ({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "earlier"}], "chosen": "a",
+      "rejected": "b"}, "the prompt must end with a user or tool turn"),  # an assistant turn last: whose reply?
+    ({"prompt": "q", "chosen": "a", "rejected": {"role": "assistant", "content": "b", "weight": 0}},
+     "'rejected' has weight 0 (not to learn), yet a preference pair learns from both replies"),
+])
+def test_a_pair_the_replies_cannot_be_compared_on_is_refused(record, refusal):
+    with pytest.raises(RecordError, match=re.escape(refusal)):
+        preference(record)
+
+
+def test_an_empty_reply_before_the_last_is_refused_as_the_last_one_is():
+    with pytest.raises(RecordError, match="empty assistant reply"):
+        conversation({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "},
+                                   {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a"}]})
+
+
+def test_a_turn_with_tool_calls_and_an_openai_function_call_keeps_both():
+    from llm.data.formats import message
+
+    turn = message({"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {}}],
+                    "function_call": {"name": "g", "arguments": "{}"}})
+    assert [call["name"] for call in turn["tool_calls"]] == ["f", "g"]

@@ -1201,3 +1201,55 @@ def test_special_strings_in_the_keys_of_tool_arguments_and_definitions_stay_text
         return [i for i in tokenizer.encode_chat(messages, tools=tools) if i in specials]
 
     assert special_ids(injection) == special_ids("x")  # only the template's own special tokens
+
+
+# ---- chat templates: edges a fourth mutation audit found unpinned ---------------------------------------------------
+
+def _template(source: str, end_of_turn=("<|im_end|>",)):
+    from llm.chat_template import ChatTemplate
+
+    return ChatTemplate(source, "t", {"bos_token": None, "eos_token": "<|endoftext|>"},
+                        ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], list(end_of_turn))
+
+
+def test_a_template_that_writes_escape_like_characters_of_its_own_renders_them_as_text():
+    """The private-use characters that stand for special strings, around a number past the last string's."""
+    template = _template("{{ '\\ue0004\\ue001' }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert template.unescape(template.render([{"role": "user", "content": "hi"}])) == "\ue0004\ue001hi"
+
+
+def test_each_reply_ends_at_its_first_end_of_turn_where_the_template_ends_the_conversation_with_another():
+    template = _template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}<|endoftext|>"
+                         "{% endif %}", ("<|im_end|>", "<|endoftext|>"))
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a1"},
+                {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    full, bounds = template.replies(messages)
+    assert [template.unescape(full[start:end]) for start, end in bounds] == \
+        ["a1<|im_end|>", "a2<|im_end|>\n<|endoftext|>"]
+
+
+def test_reasoning_left_out_of_a_reply_not_learned_is_not_named():
+    from llm.chat_template import LEGACY_CHAT_TEMPLATES
+
+    template = _template(LEGACY_CHAT_TEMPLATES[0])
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a1", "reasoning_content": "r", "weight": 0},
+                {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    full, bounds = template.replies(messages)
+    assert template.reasoning_left_out(messages, full, bounds) == []
+
+
+def test_a_continued_reply_under_a_trimming_template_ends_where_the_template_ends_it():
+    template = _template("{% for m in messages %}{{ m['role'] + ': ' + (m['content'] | trim) + '\n' }}{% endfor %}")
+    continuing = template.render_continuing([{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "Answer: "}])
+    assert template.unescape(continuing) == "user: hi\nassistant: Answer:"
+
+
+def test_tool_call_arguments_joined_as_text_keep_their_characters():
+    template = _template("{% for m in messages %}{% for c in m['tool_calls'] or [] %}"
+                         "{{ 'call ' + c['function']['arguments'] }}{% endfor %}{{ m['content'] }}{% endfor %}")
+    rendered = template.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
+                                "tool_calls": [{"name": "f", "arguments": {"city": "Zürich"}}]}])
+    assert template.unescape(rendered) == 'qcall {"city": "Zürich"}'
