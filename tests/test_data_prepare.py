@@ -1858,9 +1858,6 @@ def test_a_record_one_character_over_max_record_mb_is_skipped_and_one_at_it_is_r
 
 
 def test_the_folder_given_as_input_and_as_out_is_refused(tmp_path):
-    from llm.data.readers import expand_inputs
-    from llm.errors import UserError
-
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text("doc\n")
@@ -1869,8 +1866,6 @@ def test_the_folder_given_as_input_and_as_out_is_refused(tmp_path):
 
 
 def test_hidden_files_of_an_input_folder_are_left_out(tmp_path):
-    from llm.data.readers import expand_inputs
-
     (tmp_path / "a.txt").write_text("doc\n")
     (tmp_path / ".secret.txt").write_text("hidden\n")
     assert [path.name for path in expand_inputs([tmp_path])] == ["a.txt"]

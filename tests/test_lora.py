@@ -133,12 +133,15 @@ def test_lora_rank_is_bounded_by_the_adapted_layers():
 
 # ---- the module -------------------------------------------------------------------------------------
 
+def _lora(spec: str = "r=4,targets=wq,wv"):
+    return build_config("demo", ["train.stage=sft", *parse_lora_spec(spec)], paths={"train.init_from": "b"}).lora
+
+
 def test_adapters_start_at_the_base_model_exactly_and_are_all_that_trains():
     base = _tiny()
     tokens = torch.randint(0, 97, (2, 16))
     expected = base(tokens).logits
-    cfg = build_config("demo", ["train.stage=sft", *parse_lora_spec("r=4,dropout=0.1")],
-                       paths={"train.init_from": "base"}).lora
+    cfg = _lora("r=4,dropout=0.1")
     model = apply_lora(base, cfg, seed=1)
     assert torch.equal(model.train()(tokens).logits, expected)  # B = 0: the same logits, dropout or not
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
@@ -153,8 +156,7 @@ def test_adapters_start_at_the_base_model_exactly_and_are_all_that_trains():
 
 @pytest.mark.parametrize("shape", [{"moe": True}, {"qkv_bias": True}])
 def test_merge_gives_a_plain_model_with_the_same_logits(shape):
-    model = apply_lora(_tiny(**shape), build_config("demo", ["train.stage=sft", "lora.r=4"],
-                                                     paths={"train.init_from": "b"}).lora, seed=0).eval()
+    model = apply_lora(_tiny(**shape), _lora("r=4"), seed=0).eval()
     torch.manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -166,10 +168,6 @@ def test_merge_gives_a_plain_model_with_the_same_logits(shape):
     unmerged = model(tokens).logits
     assert not torch.allclose(unmerged, _tiny(**shape)(tokens).logits, atol=1e-3)  # the adapters matter
     torch.testing.assert_close(merged(tokens).logits, unmerged, atol=1e-5, rtol=0)
-
-
-def _lora(spec: str = "r=4,targets=wq,wv"):
-    return build_config("demo", ["train.stage=sft", *parse_lora_spec(spec)], paths={"train.init_from": "b"}).lora
 
 
 def _with_adapters(model: Transformer) -> Transformer:
