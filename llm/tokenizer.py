@@ -420,6 +420,12 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def name_as(self, source: str) -> None:
+        """Name the tokenizer `source` in its messages from now on, where they named its folder: a server names the
+        model it serves so to its clients, who are not to learn its paths."""
+        self.source = source
+        self.__dict__.pop("_chat", None)  # the template made before names the folder
+
     @cached_property
     def _chat(self) -> ChatTemplate:
         self.check_chat_template()

@@ -302,13 +302,20 @@ def test_a_requests_tools_reach_the_chat_template(server, generator):
     assert status == 200 and payload["usage"]["prompt_tokens"] == len(plain)
 
 
-def test_tools_a_chat_template_leaves_out_are_a_400_naming_them(generator):
+def test_tools_a_chat_template_leaves_out_are_a_400_naming_them_and_refusals_name_the_model_not_its_folder(generator):
+    """A chat template's refusals named the model's folder, a path on the server, to every client."""
     llama = TextGenerator(generator.model, Tokenizer.load(LLAMA))
     with running(llama, timeout_s=10) as (url, _, _):
         status, payload = _post(url, json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
                                                  "max_tokens": 3}).encode())
-    assert status == 400 and payload["error"]["param"] == "tools"
-    assert payload["error"]["message"].startswith(f"{LLAMA}: the chat template does not render tool definitions")
+        assert status == 400 and payload["error"]["param"] == "tools"
+        assert payload["error"]["message"].startswith("model 'tiny': the chat template does not render tool "
+                                                      "definitions")
+        status, payload = _post(url, json.dumps({"messages": [{"role": "user", "content": "a"},
+                                                              {"role": "user", "content": "b"}]}).encode())
+        assert status == 400 and payload["error"]["message"] == (
+            "model 'tiny': the chat template refused the messages: Conversation roles must alternate "
+            "user/assistant/user/assistant/...")
 
 
 def _with(**fields) -> bytes:
@@ -444,6 +451,31 @@ def test_vllm_fields_the_server_does_not_implement_are_refused_unless_they_ask_f
         parse_options({key: VLLM_ASKING[key]}, 16)
     assert (refused.value.param, str(refused.value)) == (key, f"'{key}' is not supported by this server; leave it out")
     assert parse_options(VLLM_NOTHING, 16).params.max_new_tokens == 16
+
+
+OPENAI_ASKING = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
+                 "web_search_options": {}, "verbosity": "low"}
+"""OpenAI's request fields that change a reply, each with a value that asks for something: all were ignored (a reply
+asked for in audio came as text alone, with no `audio` in its message)."""
+
+
+@pytest.mark.parametrize("key", OPENAI_ASKING)
+def test_openai_fields_the_server_does_not_implement_are_refused_unless_they_ask_for_nothing(key):
+    with pytest.raises(RequestError) as refused:
+        parse_options({key: OPENAI_ASKING[key]}, 16)
+    assert (refused.value.param, str(refused.value)) == (key, f"'{key}' is not supported by this server; leave it out")
+    assert parse_options({"modalities": ["text"], "verbosity": "medium", "audio": None,
+                          "web_search_options": None}, 16).params.max_new_tokens == 16
+
+
+def test_usage_in_every_streamed_chunk_is_refused():
+    """vLLM's stream_options.continuous_usage_stats was ignored: usage came in the last chunk only."""
+    with pytest.raises(RequestError) as refused:
+        parse_options({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, 16)
+    assert (refused.value.param, str(refused.value)) == (
+        "stream_options.continuous_usage_stats",
+        "'stream_options.continuous_usage_stats' is not supported by this server; leave it out")
+    assert parse_options({"stream": True, "stream_options": {"continuous_usage_stats": False}}, 16).stream
 
 
 @pytest.mark.parametrize("fields, param, message", [
@@ -768,6 +800,25 @@ def test_api_key_is_required_off_loopback_and_checked(generator, tmp_path):
             status, response = raw_exchange(url, request_bytes(HELLO, {"Authorization": f"Bearer {keys}"}))
             assert (status, json_body(response)["error"]["message"]) == (
                 400, "a request may have one Authorization header, not several")
+
+
+def test_a_client_that_expects_100_continue_is_told_only_once_its_key_and_body_size_pass(generator):
+    """'100 Continue' was sent as the head arrived: a client with a wrong key, or a body over the limit, uploaded it
+    all before its 401 or 413. The Server header named Python's version too."""
+    head = request_bytes(HELLO, {"Expect": "100-continue"}).split(b"\r\n\r\n")[0] + b"\r\n\r\n"
+    with running(generator, api_key="s3cret", timeout_s=10) as (url, _, _):
+        for headers, status in (({"Authorization": "Bearer wrong"}, 401),
+                                ({"Authorization": "Bearer s3cret", "Content-Length": "2000000"}, 413)):
+            refused = request_bytes(HELLO, {"Expect": "100-continue", **headers}, length=headers.get("Content-Length",
+                                                                                                     "9"))
+            got, response = raw_exchange(url, refused)  # the head alone: the server answers without the body
+            assert got == status and b"100 Continue" not in response, response
+        with socket.create_connection(_address(url), timeout=CLIENT_TIMEOUT_S) as sock:
+            sock.sendall(head.replace(b"\r\n\r\n", b"\r\nAuthorization: Bearer s3cret\r\nConnection: close\r\n\r\n"))
+            assert sock.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            sock.sendall(json.dumps(HELLO).encode())
+            response = b"".join(iter(lambda: sock.recv(65536), b""))
+    assert response.startswith(b"HTTP/1.1 200 OK\r\nServer: zerollm\r\n"), response
 
 
 def test_a_loopback_name_bound_elsewhere_needs_an_api_key(generator, monkeypatch):

@@ -320,6 +320,10 @@ UNSUPPORTED: dict[str, tuple[Callable[[dict, str], Any], Any]] = {
     "mm_processor_kwargs": (_object, {}),
     "documents": (_given, None),
     "reasoning_effort": (_given, None),  # OpenAI's, which vLLM gives gpt-oss's template
+    "verbosity": (_given, "medium"),  # OpenAI's, whose default is medium
+    "modalities": (_given_list, ["text"]),  # OpenAI's: a reply in audio too
+    "audio": (_object, None),
+    "web_search_options": (_object, None),
     "include_reasoning": (_given_flag, True),
     **{key: (_given, None) for key in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                                        "structural_tag", "structured_outputs")},  # constrained decoding
@@ -380,6 +384,9 @@ def parse_options(body: dict, default_max_tokens: int, suggested: dict | None = 
         field = key if exc.field == "max_new_tokens" else exc.field
         raise RequestError(f"{field} {exc.reason}", field) from None
     include_usage = _flag(stream_options or {}, "include_usage", "stream_options.")
+    if _flag(stream_options or {}, "continuous_usage_stats", "stream_options."):  # vLLM's: usage in every chunk
+        raise RequestError("'stream_options.continuous_usage_stats' is not supported by this server; leave it out",
+                           "stream_options.continuous_usage_stats")
     return RequestOptions(params, stream, include_usage)
 
 
@@ -469,6 +476,7 @@ class ChatService:
         """`suggested`: the sampling the model folder's generation_config.json suggests (`suggested_sampling`), for
         requests that leave it out."""
         check_default_max_tokens(default_max_tokens)
+        generator.tokenizer.name_as(f"model {model_name!r}")  # in refusals of its chat template, not its folder
         self.generator, self.model_name, self.default_max_tokens = generator, model_name, default_max_tokens
         self.suggested = suggested or {}
         self.context = generator.model.cfg.max_seq_len
@@ -666,11 +674,21 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             self.reader = _DeadlineReader(self.connection, timeout_s)
             self.rfile = _HeadRecorder(self.reader)
 
+        def version_string(self) -> str:  # the Server header: no Python version for a client to look up
+            return self.server_version
+
         def handle_one_request(self) -> None:
             """One request, whose line, headers and body must all arrive within timeout_s."""
             self.reader.deadline = time.monotonic() + timeout_s
             self.rfile.lines.clear()
+            self.continue_expected = False
             super().handle_one_request()
+
+        def handle_expect_100(self) -> bool:
+            """'Expect: 100-continue' is met in `_read_body`, once the key and the body's size are checked: answered
+            at once, it had a client with a wrong key upload its whole body before the 401."""
+            self.continue_expected = True
+            return True
 
         def parse_request(self) -> bool:
             """The standard library's, but an HTTP/1.0 connection closes after its reply, also one that asks to be
@@ -828,6 +846,9 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             length = int(lengths[0])
             if length > MAX_BODY_BYTES:
                 raise RequestError(f"request body too large ({length} bytes; at most {MAX_BODY_BYTES})", status=413)
+            if self.continue_expected:
+                self.send_response_only(HTTPStatus.CONTINUE)
+                self.end_headers()
             raw = self.rfile.read(length)
             if len(raw) < length:
                 raise ConnectionAbortedError("the client closed the connection inside the body")
