@@ -27,6 +27,7 @@ from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.export import HF_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, export_model, import_model
 from llm.model import Transformer
+from llm.tokenizer import Tokenizer
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, tie_embeddings=False)
 TOKENS = torch.arange(40).reshape(1, 40) % 64
@@ -466,16 +467,30 @@ def test_an_exported_long_context_yarn_model_gives_our_logits_in_transformers(tm
 
 
 @pytest.mark.parametrize("tokenizer", ["ours", "llama", "minimind"])
-def test_the_exported_config_has_the_bos_token_of_the_exported_tokenizer(tmp_path, tokenizer_dir, tokenizer):
+def test_the_exported_config_has_the_bos_and_pad_tokens_of_the_exported_tokenizer(tmp_path, tokenizer_dir, tokenizer):
     """config.json said bos_token_id 1 (<|im_start|>) beside our tokenizer, whose bos_token is null: transformers'
-    generate without a prompt started from a turn start no tokenizer names as its bos."""
+    generate without a prompt started from a turn start no tokenizer names as its bos. Its dtype is the weights'."""
+    from safetensors import safe_open
     from transformers import AutoTokenizer
 
     source = tokenizer_dir if tokenizer == "ours" else FIXTURES / "tokenizers" / tokenizer
     export_model(_model(0), source, tmp_path)
     config = json.loads((tmp_path / HF_CONFIG_FILE).read_text())
-    assert config["bos_token_id"] == AutoTokenizer.from_pretrained(str(tmp_path)).bos_token_id
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert config["bos_token_id"] == hf_tokenizer.bos_token_id
     assert config["bos_token_id"] == {"ours": None, "llama": 1, "minimind": 1}[tokenizer]
+    assert config["pad_token_id"] == Tokenizer.load(source).pad_id
+    if hf_tokenizer.pad_token_id is not None:
+        assert config["pad_token_id"] == hf_tokenizer.pad_token_id
+    with safe_open(tmp_path / "model.safetensors", "pt") as weights:
+        dtypes = {weights.get_slice(name).get_dtype() for name in weights.keys()}  # noqa: SIM118 - not a dict
+    assert (config["torch_dtype"], dtypes) == ("float32", {"F32"})
+
+
+def test_a_config_without_rms_norm_eps_takes_transformers_default(tmp_path):
+    export_model(_model(0), None, tmp_path)
+    _edit_config(tmp_path, {"rms_norm_eps": None})
+    assert import_model(tmp_path).cfg.norm_eps == 1e-6
 
 
 def test_a_null_number_of_key_value_heads_is_one_per_head_as_transformers_reads_it(tmp_path):
@@ -517,6 +532,9 @@ def test_a_null_number_of_key_value_heads_is_one_per_head_as_transformers_reads_
     ({"head_dim": 7}, "model.head_dim = 7 must be even for RoPE"),
     ({"head_dim": "8"}, "'head_dim' must be a positive integer, got '8'"),
     ({"hidden_act": "gelu"}, "'hidden_act' 'gelu' is not part of our architecture (SiLU only)"),  # named no key
+    ({"hidden_act": "gelu_pytorch_tanh"}, "'hidden_act' 'gelu_pytorch_tanh' is not part of our architecture"),
+    ({"num_key_value_heads": True}, "'num_key_value_heads' must be a positive integer, got True"),
+    ({"rope_scaling": {**YARN, "truncate": None}}, "'truncate' None is not supported"),  # transformers: untruncated
     ({"attention_bias": True}, "'attention_bias' True: biases other than Qwen2's on q, k and v are not part of our "
                                "architecture"),
     # the RoPE object is named by its key: 'rope_scaling' was said of a transformers 5 file's rope_parameters
@@ -628,7 +646,6 @@ def test_configuration_files_larger_than_any_are_refused_in_one_line_unread(tmp_
     traceback, or the process killed without a word."""
     from llm import rundir
     from llm.errors import USER_FILE_LIMIT
-    from llm.tokenizer import Tokenizer
 
     export_model(_model(0), tokenizer_dir, tmp_path / "export")
     os.truncate(tmp_path / "export" / HF_CONFIG_FILE, USER_FILE_LIMIT + 1)

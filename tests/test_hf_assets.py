@@ -243,6 +243,7 @@ def test_a_qwen2_config_whose_sliding_window_reaches_no_layer_imports_with_trans
     raw = json.loads((tmp_path / "hf" / "config.json").read_text())
     raw.pop("layer_types", None)  # as configs written before transformers 4.53 have it
     assert model_config_from_hf(raw, "config.json").n_layers == 2
+    assert model_config_from_hf({**raw, "max_window_layers": 2}, "config.json").n_layers == 2  # from layer 2: none
     without_key = {k: v for k, v in raw.items() if k != "sliding_window"}  # transformers' default then: 4096
     for windowed in ({**raw, "max_window_layers": 1}, {**raw, "layer_types": ["full_attention", "sliding_attention"]},
                      {**without_key, "max_window_layers": 1, "max_position_embeddings": 32768}):

@@ -407,6 +407,9 @@ def test_two_slurm_tasks_on_a_node_are_refused_naming_the_task_count(tmp_path):
     ("rack[1-2]-n[08-09]", ["rack1-n08", "rack1-n09", "rack2-n08", "rack2-n09"]),  # several groups
     ("login1,gpu[1-2]-ib,n001", ["login1", "gpu1-ib", "gpu2-ib", "n001"]),  # a comma list
     ("a.example.org", ["a.example.org"]),
+    ("node[3-3]", ["node3"]),  # a range of one
+    ("gpu[07-07,09]", ["gpu07", "gpu09"]),
+    (" node[1-2]\n", ["node1", "node2"]),  # blanks around it, as a variable read from a file keeps them
 ])
 def test_slurm_node_lists_expand_fully(nodelist, hosts, tmp_path):
     assert expand_nodelist(nodelist) == hosts
@@ -447,6 +450,20 @@ def test_scontrol_is_the_authority_on_node_lists(tmp_path):
     env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "node[A-B]-ib",
            "PATH": str(tmp_path)}
     assert slurm_rendezvous(env) == (2, 0, "nodeA-ib")
+
+
+@pytest.mark.parametrize("script, said", [
+    ("exit 0", "exit code 0, no output"),  # no host named: not a list of none
+    ("echo 'warning: config file old' >&2; echo 'error: Invalid hostlist: node[' >&2; exit 1",
+     "error: Invalid hostlist: node["),  # the last line it wrote, not a warning before it
+])
+def test_a_node_list_scontrol_fails_on_is_one_line_naming_its_last_words(script, said, tmp_path):
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\n{script}\n")
+    scontrol.chmod(0o755)
+    with pytest.raises(UserError) as failed:
+        slurm_hosts("node[1-2]", path=str(tmp_path))
+    assert str(failed.value) == f"scontrol show hostnames 'node[1-2]' failed: {said}"
 
 
 def test_fingerprint_mismatch_message_names_fields_and_ranks():

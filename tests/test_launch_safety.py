@@ -15,7 +15,7 @@ import pytest
 from deepspeed.launcher.multinode_runner import PDSHRunner
 
 from conftest import REPO, TINY, run_cli
-from launch.environment import deepspeed_env_files, parse_env
+from launch.environment import Export, deepspeed_env_files, parse_env, remote_exports
 from launch.hostfile import active_slots, check_filter, read_hostfile
 from launch.launcher import LAUNCHER_PROGRAMS, plan_launch
 from launch.options import LaunchOptions
@@ -444,7 +444,8 @@ def pdsh_dry_run(tmp_path_factory, pretrain_data):
     tmp = tmp_path_factory.mktemp("pdsh-dry")
     bin_dir = install(tmp / "bin", pdsh=PDSH, ssh=SSH)
     (tmp / "home").mkdir()
-    (tmp / "home" / ".deepspeed_env").write_text(f"# from the home directory\nZL_FILE = $(touch {tmp}/pwned-file) x\n")
+    (tmp / "home" / ".deepspeed_env").write_text(f"# from the home directory\nZL_FILE = $(touch {tmp}/pwned-file) x\n"
+                                                 "ZL_EXPANDED=$HOME/x\n")
     (tmp / "hosts").write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     job = ["train", "pretrain", "--recipe", "demo", "--data", str(pretrain_data),
            "--out", f"{tmp}/run $(touch {tmp}/pwned-subshell); touch {tmp}/pwned-semicolon `touch {tmp}/pwned-tick` "
@@ -454,7 +455,7 @@ def pdsh_dry_run(tmp_path_factory, pretrain_data):
            "ZL_BARE": "50%n", "ZL_NOSPACE": f"a;touch${{IFS}}{tmp}/pwned-env3"}
     environ = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp / "home"),
                "STANDIN_RECORD": str(tmp), "STANDIN_DRY": "1", "STANDIN_SHELLS": "sh bash",
-               "NCCL_ZL_PROBE": f"$(touch {tmp}/pwned-forwarded)"}
+               "NCCL_ZL_PROBE": f"$(touch {tmp}/pwned-forwarded)", "UCX_ZL_PROBE": f"$(touch {tmp}/pwned-ucx)"}
     result = subprocess.run([sys.executable, "-m", "llm", "launch", "--hostfile", tmp / "hosts", "--master-addr",
                              "127.0.0.1", "--master-port", str(free_port()),
                              *[a for name, value in env.items() for a in ("--env", f"{name}={value}")], "--", *job],
@@ -489,8 +490,27 @@ def test_pdsh_forwarded_variables_and_env_files_arrive_exactly(pdsh_dry_run):
     tmp, _, _, hosts = pdsh_dry_run
     for _, variables in hosts:
         assert variables["NCCL_ZL_PROBE"] == f"$(touch {tmp}/pwned-forwarded)"
+        assert variables["UCX_ZL_PROBE"] == f"$(touch {tmp}/pwned-ucx)"
         assert variables["ZL_FILE"] == f"$(touch {tmp}/pwned-file) x"
-    assert not (tmp / "pwned-forwarded").exists() and not (tmp / "pwned-file").exists()
+        assert variables["ZL_EXPANDED"] == f"{tmp}/home/x"  # an env file's $NAME is the host's, as in DeepSpeed
+    assert sorted(p.name for p in tmp.glob("pwned*")) == []
+
+
+def test_remote_exports_are_deepspeeds_in_its_order(tmp_path):
+    """What DeepSpeed's runner would export, each source overriding the one before: the forwarded prefixes (UCX too),
+    PYTHONPATH with the working directory first, the env files, then --env."""
+    home, cwd = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    cwd.mkdir()
+    (cwd / ".deepspeed_env").write_text("HF_HOME=/data/hf\nNCCL_DEBUG=INFO\n")
+    environ = {"UCX_TLS": "rc", "MV2_X": "1", "MLFLOW_X": "1", "NCCL_DEBUG": "WARN", "PYTHONPATH": "/opt/lib",
+               "HOME_X": "kept here"}
+    exports = remote_exports({"HF_HOME": "/cli/hf"}, environ, cwd, home)
+    assert sorted(exports) == ["HF_HOME", "MLFLOW_X", "MV2_X", "NCCL_DEBUG", "PYTHONPATH", "UCX_TLS"]
+    assert exports["PYTHONPATH"].value == f"{cwd}:/opt/lib"
+    assert exports["HF_HOME"] == Export("/cli/hf", "--env")
+    assert exports["NCCL_DEBUG"] == Export("INFO", f"{cwd / '.deepspeed_env'}:2", expands=True)
+    assert remote_exports({}, {}, cwd, home)["PYTHONPATH"].value == str(cwd)
 
 
 def test_pdsh_job_trains_with_a_hostile_run_directory(pretrain_data, tmp_path):

@@ -532,6 +532,15 @@ def test_a_tokenizer_json_alone_keeps_its_special_tokens_in_the_prepared_data(to
                                                                          original.stop_ids, original.protected)
 
 
+def test_a_configured_eos_also_stops_and_a_configured_pad_wins_over_one_found_by_name(tmp_path):
+    """A vocabulary of <|endoftext|>, <|im_start|>, <|im_end|>, <|pad|> and </s> whose config names </s> its eos and
+    <|endoftext|> its pad: generation stops at all three end tokens, and pads with the one the config names."""
+    given = _library_tokenizer(tmp_path / "given", ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "</s>"])
+    (given / CONFIG_FILE).write_text(json.dumps({"eos_token": "</s>", "pad_token": "<|endoftext|>"}))
+    tok = Tokenizer.load(given)
+    assert (tok.eos_id, tok.im_end_id, tok.stop_ids, tok.pad_id) == (0, 2, [0, 2, 4], 0)
+
+
 def test_saving_keeps_what_the_users_config_sets_and_fills_only_unset_roles(tokenizer_dir, tmp_path):
     (tmp_path / "given").mkdir()
     shutil.copy(tokenizer_dir / "tokenizer.json", tmp_path / "given")
@@ -1007,6 +1016,7 @@ def test_a_retraining_stopped_as_its_files_go_into_place_leaves_one_tokenizer_wh
     (("--vocab-size", str((1 << 24) + 1)),  # 2^31 aborted the process, allocating 141 GB
      "--vocab-size 16777217 is too large: at most 16,777,216 (2^24), far more than any model's vocabulary"),
     (("--min-frequency", "-1"), "--min-frequency must be between 0 and"),
+    (("--vocab-size", "259"), "--vocab-size 259 is too small: byte-level BPE needs at least 260"),  # 256 + 4 special
     (("--input", "{empty}"), "no usable records found in the inputs; nothing was written"),
     (("--input", "{unusable}"), "no usable records found in the inputs; nothing was written (3 records skipped, "
                                 "first: {unusable}:1: text is not valid Unicode (a lone surrogate such as "
