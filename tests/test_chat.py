@@ -75,6 +75,9 @@ def test_lines_between_triple_quotes_are_one_message_as_typed(generator):
     assert [m["content"] for m in session.messages if m["role"] == "user"] == [  # an indented closer is code
         'def f():\n    """Hi."""\n    """Or\n    """\n    return 1\n\n/reset', "one line", " first\nlast  "]
     assert out.count("assistant> ") == 3 and "(conversation reset)" not in out  # Ctrl-D in a block sends nothing
+    session = ChatSession(generator, SamplingParams(max_new_tokens=2))
+    out = _repl(session, ['""""""', "next"])  # an empty block of one line, which opened a block of several lines
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == ["next"] and out.count("assistant> ") == 1
 
 
 def test_a_message_that_cannot_fit_is_refused_and_the_conversation_kept(generator):
@@ -128,6 +131,7 @@ def test_the_commands_and_ctrl_d(generator):
     assert out.count("assistant> ") == 2 and out.endswith("(system prompt cleared; conversation reset)\n"), out
     assert "(system prompt set; conversation reset)\n" in out and "(conversation reset)\n" in out
     assert session.system is None and session.messages == []
+    assert _repl(session, ["/exit", "never sent"]) == f"{HELP}\n" and session.messages == []  # /quit's other name
 
 
 def test_ctrl_c_at_a_terminals_prompt_clears_the_line_and_the_chat_goes_on(generator):

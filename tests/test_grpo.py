@@ -78,6 +78,10 @@ def _completions(texts, answers=None, lengths=None):
     ("1e999999999", "1e999999999", True),
     # the minus sign of typeset text (U+2212) was no sign: "−3" did not match -3
     ("\u22123", -3, True), ("\u22123", "-3.0", True), ("1e\u22122", 0.01, True), ("\u22123", 3, False),
+    # a tag's answer on lines of its own, a full stop after a space, commas only between groups of three, and the
+    # record's answer read by the same rule
+    ("<answer>\n42\n</answer>", "42", True), ("so #### 42 .", 42, True), ("1234,567", 1234567, False),
+    ("Paris", "Paris.", True), ("42", "#### 42", True),
 ])
 def test_exact_match_follows_the_documented_extraction_rule(completion, answer, expected):
     assert answers_match(completion, answer) is expected
@@ -102,6 +106,9 @@ def test_reward_terms_weights_and_components(tmp_path, monkeypatch):
     assert parts["exact_match"].tolist() == [1.0, 0.0] and parts["format"].tolist() == [1.0, 0.0]
     assert parts["length"].tolist() == [-0.5, -1.0] and parts["letters"].tolist() == [0.0, 1.0]
     assert total.tolist() == [1.0 + 0.5 - 1.0 + 0.0, 0.0 + 0.0 - 2.0 + 1.0]
+    logged = Reward(["exact_match", "0*length"], 4, torch.device("cpu"))  # weight 0 beside another: logged only
+    total, parts = logged(_completions(["12"], answers=["12"], lengths=[2]))
+    assert total.tolist() == [1.0] and parts["length"].tolist() == [-0.5]
     by_path = Reward([f"{tmp_path / 'myrewards.py'}:letters"], 4, torch.device("cpu"))
     assert by_path(_completions(["a1"]))[1]["letters"].tolist() == [0.5]
 
@@ -109,6 +116,7 @@ def test_reward_terms_weights_and_components(tmp_path, monkeypatch):
 @pytest.mark.parametrize("term, message", [
     ("exact_match,format", "give each term its own --reward"),
     ("accuracy", "expected \\[WEIGHT\\*\\]NAME with NAME exact_match"),
+    ("length:0.5", "expected \\[WEIGHT\\*\\]NAME with NAME exact_match"),  # length takes no argument
     ("no_such_module_xyz:fn", "cannot import no_such_module_xyz"),
     ("json:no_such_function", "json has no function 'no_such_function'"),
     ("format:[", "not a regular expression"),
@@ -414,6 +422,23 @@ def _reward_model(tokenizer_dir, out, model_class="LlamaForSequenceClassificatio
     return out
 
 
+def test_a_reward_model_of_several_labels_scores_the_probability_of_its_last(tokenizer_dir, tmp_path):
+    """The tests used one-label models only: scoring the first label of two passed."""
+    import transformers
+
+    directory = _reward_model(tokenizer_dir, tmp_path / "rm", num_labels=2, pad_token_id=3)
+    reward = Reward([f"model:{directory}"], 4, torch.device("cpu"))
+    batch = _completions(["a fine answer"])
+    scores = reward(batch)[1]["model"].tolist()
+    text = reward.terms[0].score._text(batch.prompts[0], batch.texts[0])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(directory).eval()
+    with torch.no_grad():
+        probabilities = model(**tokenizer([text], return_tensors="pt")).logits.float().softmax(-1)[0].tolist()
+    assert probabilities[0] != pytest.approx(probabilities[1], abs=1e-3)  # the two labels tell apart
+    assert scores == [pytest.approx(probabilities[1], abs=1e-5)]
+
+
 def test_a_reward_model_without_a_padding_token_or_with_a_short_context_scores_batches(tokenizer_dir, tmp_path):
     """A model whose config names no pad_token_id, or whose context is shorter than a prompt and its completion:
     a ValueError and an IndexError traceback at the first rollout, exit 1."""
@@ -635,17 +660,25 @@ def test_bad_prompt_records_are_skipped_and_reported_by_line(tmp_path):
             json.dumps({"conversations": [{"role": "assistant", "content": "hi"}], "answer": "1"}),
             json.dumps({"prompt": "no answer here"}), json.dumps({"text": "pretraining text"}),
             json.dumps({"prompt": "long " * 40, "answer": "1"}), json.dumps({"prompt": "ok", "answer": 3}),
-            json.dumps({"prompt": "empty answer", "answer": " "})]  # an empty completion matched it
+            json.dumps({"prompt": "empty answer", "answer": " "}),  # an empty completion matched it
+            # a blank question, an answer of true (a bool is no number), and a prompt of exactly max_tokens tokens
+            json.dumps({"conversations": [{"role": "user", "content": " \n"}], "answer": "1"}),
+            json.dumps({"prompt": "yes?", "answer": True}), json.dumps({"prompt": "x" * 50, "answer": "5"})]
     path.write_text("\n".join(rows) + "\n")
     prompts = read_prompts([str(path)], lambda messages, tools: [0] * len(messages[-1]["content"]), max_tokens=50,
                            required_fields=["answer"])
-    assert [p.fields["answer"] for p in prompts] == ["2", 3]
-    assert [s.split(": ", 1)[0] for s in prompts.skipped] == [f"{path}:{n}" for n in (2, 3, 4, 5, 6, 8)]
+    assert [p.fields["answer"] for p in prompts] == ["2", 3, "5"]
+    assert [s.split(": ", 1)[0] for s in prompts.skipped] == [f"{path}:{n}" for n in (2, 3, 4, 5, 6, 8, 9, 10)]
     assert "no user turn" in prompts.skipped[1] and "no 'answer'" in prompts.skipped[2]
     assert "longer than data.seq_len - grpo.max_new_tokens = 50" in prompts.skipped[4]
     assert prompts.skipped[5].endswith("an empty 'answer', which the reward needs")
-    assert "skipped 6 records" in prompts.summary()
-    with pytest.raises(UserError, match="no usable prompt"):
+    assert prompts.skipped[6].endswith("empty user turn")
+    assert prompts.skipped[7].endswith("no 'answer' string or number, which the reward needs")
+    assert "skipped 8 records" in prompts.summary()
+    assert prompts.summary(shown=2).splitlines()[2:] == [f"  {prompts.skipped[0]}", f"  {prompts.skipped[1]}",
+                                                         "  ... and 6 more"]  # the first `shown`, by place
+    with pytest.raises(UserError, match=rf"no usable prompt \(11 records skipped; first: {re.escape(str(path))}:1: "
+                                        "prompt of 100 tokens is longer"):
         read_prompts([str(path)], lambda messages, tools: [0] * 100, max_tokens=50)
 
 
@@ -754,6 +787,26 @@ def test_clip_high_above_clip_low_leaves_a_ratio_between_them_unclipped():
         .metrics["clip_fraction"].item() == 1.0
 
 
+@pytest.mark.parametrize("loss", ["grpo", "cispo"])
+def test_a_ratio_below_one_minus_clip_low_is_clipped_there(loss):
+    """No test had a ratio below 1 - clip_low: the lower bound taken from clip_high, or a clipped token of negative
+    advantage left out of clip_fraction, passed."""
+    model, batch = _objective_batch()
+    with torch.no_grad():
+        logps = token_logps(model(batch["tokens"]).logits, batch["targets"])
+    batch["old_logps"] = logps - math.log(0.75)  # every ratio 0.75: below 1 - clip_low = 0.8, above 1 - clip_high
+    batch["advantages"] = -torch.ones(4)  # negative: the lower clip binds for grpo
+    del batch["ref_logps"]
+    step = GRPOObjective(GRPOConfig(loss=loss, clip_low=0.2, clip_high=0.28, kl_coef=0.0))(model, dict(batch))
+    assert step.metrics["clip_fraction"].item() == 1.0
+    mask = batch["mask"]
+    expected = 0.8 if loss == "grpo" else ((0.8 * logps * mask).sum(-1) / mask.sum(-1)).mean().item()
+    assert step.loss.item() == pytest.approx(expected, rel=1e-5)
+    batch["advantages"] = torch.ones(4)  # positive: a ratio below the range is clipped for cispo only
+    step = GRPOObjective(GRPOConfig(loss=loss, clip_low=0.2, clip_high=0.28, kl_coef=0.0))(model, dict(batch))
+    assert step.metrics["clip_fraction"].item() == (0.0 if loss == "grpo" else 1.0)
+
+
 def test_cispo_inside_the_clip_range_weighs_the_gradient_of_logp_by_the_ratio():
     """Its ratio is a weight, not differentiated: the test above sets ratios where the clamp has no gradient anyway."""
     model, batch = _objective_batch()
@@ -815,11 +868,21 @@ def test_positions_off_the_completions_cannot_make_the_loss_nan():
 
 
 def test_token_mean_weighs_every_completion_token_alike():
+    """Only that the two means differ was pinned: their meanings swapped, and `kl` a mean per completion where
+    docs/grpo.md says per completion token, passed."""
     model, batch = _objective_batch()
-    batch["mask"][0, :] = 1  # the first completion is longer
+    batch["mask"][0, :] = 1  # the first completion is longer: 9 tokens, the others 5
     per_sequence = GRPOObjective(GRPOConfig(kl_coef=0.0))(model, dict(batch)).loss
     per_token = GRPOObjective(GRPOConfig(kl_coef=0.0, token_mean=True))(model, dict(batch)).loss
     assert per_sequence.item() != pytest.approx(per_token.item())
+    batch["advantages"] = torch.tensor([-1.0, 0.0, 0.0, 0.0])  # at ratio 1, each token of the long one loses 1
+    with torch.no_grad():
+        logps = token_logps(model(batch["tokens"]).logits, batch["targets"])
+    batch["ref_logps"] = logps + torch.tensor([1.0, 0.0, 0.0, 0.0])[:, None]  # the long one 1 nat off: e - 2 a token
+    for token_mean, loss in ((False, (1 + 0 + 0 + 0) / 4), (True, 9 / 24)):
+        step = GRPOObjective(GRPOConfig(kl_coef=0.0, token_mean=token_mean))(model, dict(batch))
+        assert step.loss.item() == pytest.approx(loss, rel=1e-6), token_mean
+        assert step.metrics["kl"].item() == pytest.approx(9 * (math.e - 2) / 24, rel=1e-5), token_mean
 
 
 def test_token_mean_spans_every_micro_batch_of_the_step(one_rank_group):
@@ -1160,6 +1223,35 @@ def test_rollouts_are_generated_at_most_a_micro_batch_at_a_time(policy, prompt_d
     torch.testing.assert_close(advantages, group_advantages(-lengths.float() / cfg.grpo.max_new_tokens, group, True))
 
 
+def test_a_step_logs_its_mean_completion_length_and_leaves_advantages_unscaled_as_set(policy, prompt_dir):
+    """No test set grpo.scale_rewards=false (Dr. GRPO), and the logged completion_length was pinned only between 1
+    and max_new_tokens: the setting ignored, or the longest completion logged, passed."""
+    cfg, source, drawn = _rollouts(policy, prompt_dir, 8, 1, 4, "grpo.scale_rewards=false")
+    lengths = [1, 2, 3, 6, 6, 3, 2, 1]  # sampled completions of these lengths (a random policy's all run to the end)
+    source._sample = lambda ids, step: ([[5] * n for n in lengths], ["x"] * len(ids))
+    batches = source.step_batches(lambda: drawn, 0)
+    assert batches.metrics["completion_length"].item() == 3.0  # the mean, as docs/grpo.md says
+    advantages = torch.cat([b["advantages"] for b in batches.micro_batches])  # reward -n/6 less its group's mean
+    torch.testing.assert_close(advantages, torch.tensor([2, 1, 0, -3, -3, 0, 1, 2]) / 6)
+
+
+def test_a_prompt_leaving_no_room_for_its_completion_is_skipped(policy, tmp_path):
+    """A prompt longer than data.seq_len - grpo.max_new_tokens tokens (26 here) is skipped: the limit was pinned only
+    with read_prompts' own argument."""
+    path = tmp_path / "prompts.jsonl"
+    cfg = build_config("demo", [*TINY, *GRPO_SETTINGS, "train.stage=grpo", f"train.init_from={policy}",
+                                f"grpo.prompts={path}", "grpo.reward=length"])
+    short, long = "Tell me about the sea.", "Tell me about the sea, the sea."
+    sizes = [len(encode_prompt(Tokenizer.load(policy), [{"role": "user", "content": text}], None))
+             for text in (short, long)]
+    assert sizes[0] <= 26 < sizes[1] <= cfg.data.seq_len  # the long one has room for itself, not for 6 tokens more
+    path.write_text(json.dumps({"prompt": short}) + "\n" + json.dumps({"prompt": long}) + "\n")
+    _, _, prompts = rollout.grpo_inputs(cfg)
+    assert [p.messages[-1]["content"] for p in prompts] == [short]
+    assert prompts.skipped == [f"{path}:2: prompt of {sizes[1]} tokens is longer than data.seq_len - "
+                               "grpo.max_new_tokens = 26"]
+
+
 @pytest.mark.parametrize("accum", [1, 2])
 def test_each_chunk_samples_as_one_generation_call_with_its_seed(policy, prompt_dir, accum):
     """One chunk (train.grad_accum 1) samples exactly what the step's single generation call did (the measured
@@ -1253,10 +1345,13 @@ def test_the_format_reward_needs_the_whole_stripped_completion_to_match():
     """A prefix match scored 1, or a completion with a newline around it 0, and every test passed."""
     reward = Reward(["format"], 4, torch.device("cpu"))
     texts = ["<think>a</think> <answer>1</answer>", "\n<think>a</think>\n<answer>1</answer>\n",
-             "<think>a</think><answer>1</answer> and then some more text"]
-    assert reward(_completions(texts))[1]["format"].tolist() == [1.0, 1.0, 0.0]
+             "<think>a</think><answer>1</answer> and then some more text",
+             "<think>a\nb</think><answer>1\n2</answer>", "<think>a</think><answer></answer>"]  # '.' is any character
+    assert reward(_completions(texts))[1]["format"].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0]
     custom = Reward(["format:[0-9]+"], 4, torch.device("cpu"))
     assert custom(_completions(["12", " 12\n", "12ab"]))[1]["format"].tolist() == [1.0, 1.0, 0.0]
+    dotall = Reward(["format:a.b"], 4, torch.device("cpu"))  # a REGEX's '.' is any character too, as documented
+    assert dotall(_completions(["a\nb", "a\n\nb"]))[1]["format"].tolist() == [1.0, 0.0]
 
 
 def test_reward_std_is_the_mean_of_the_groups_standard_deviations():

@@ -18,7 +18,7 @@ from conftest import closed_pipe, full_disk, zerollm_here
 from llm.config import ModelConfig
 from llm.errors import UserError
 from llm.export import export_model, import_model
-from llm.infer.generate import TextGenerator, cut_at_stop
+from llm.infer.generate import TextGenerator, complete, cut_at_stop
 from llm.infer.sampling import (
     InvalidSampling,
     SamplingParams,
@@ -131,6 +131,14 @@ def test_repetition_penalty_lowers_only_seen_tokens():
     assert apply_repetition_penalty(logits, seen, 2.0).tolist() == [[1.0, -2.0, 3.0]]
 
 
+def test_the_repetition_penalty_covers_the_tokens_generated_too(generator):
+    """A token the reply already holds is discouraged as a prompt's is: that only the prompt's were was unpinned."""
+    endless = TextGenerator(generator.model, generator.tokenizer, stop_token_ids=[])
+    params = SamplingParams(max_new_tokens=30, repetition_penalty=1e6)
+    chosen = [int(next_ids[0]) for next_ids, _ in endless.token_steps([[5, 6]], params)]
+    assert len(chosen) == 30 and len({5, 6, *chosen}) == 32  # no token twice, none of the prompt's
+
+
 def test_the_pad_id_in_a_prompt_is_seen_whatever_order_a_scatter_writes_in(generator, monkeypatch):
     """A prompt holding the pad id (an empty text prompt is [eos], and pad is eos where a tokenizer has no pad) beside
     a longer one: its pad column got True and False writes, whose order a CUDA scatter does not define. Here the
@@ -177,6 +185,28 @@ def test_greedy_is_deterministic_and_seeded_sampling_reproducible(generator):
     assert negative[0] == negative[1] and negative[0] != negative[2]
 
 
+def test_complete_is_greedy_and_stops_at_its_max_new_tokens(generator):
+    """`complete(..., max_new_tokens=5)` (the demo's samples) asking for the default 128 tokens was unpinned (more than
+    this model's context: refused)."""
+    assert complete(generator.model, generator.tokenizer, "Once", max_new_tokens=5) == \
+        generator.generate(["Once"], SamplingParams(max_new_tokens=5))[0]
+
+
+def test_a_row_that_finished_gets_padding_while_the_others_go_on(generator):
+    """token_steps' tokens of a row past its stop token are the pad id, not what the model goes on to say: unpinned."""
+    params = SamplingParams(max_new_tokens=6)
+    prompts = [[5, 6], [7, 8, 9]]
+    endless = TextGenerator(generator.model, generator.tokenizer, stop_token_ids=[])
+    free = torch.stack([next_ids for next_ids, _ in endless.token_steps(prompts, params)], 1).tolist()
+    stop = free[0][0]
+    assert stop not in free[1] and free[0][1:] != [generator.tokenizer.pad_id] * 5
+    stopping = TextGenerator(generator.model, generator.tokenizer, stop_token_ids=[stop])
+    steps = list(stopping.token_steps(prompts, params))
+    assert torch.stack([next_ids for next_ids, _ in steps], 1).tolist() == [
+        [stop] + [generator.tokenizer.pad_id] * 5, free[1]]
+    assert [finished.tolist() for _, finished in steps] == [[True, False]] * 6
+
+
 def test_batched_generation_equals_one_prompt_at_a_time(generator):
     prompts = ["a", "The quick brown fox jumps", "生存还是毁灭，这是一个问题"]
     params = SamplingParams(max_new_tokens=12)
@@ -211,6 +241,7 @@ def test_sampling_parameters_must_be_finite_and_in_range_and_the_error_names_the
             SamplingParams(**bad)
         field = next(iter(bad))
         assert raised.value.field == field and str(raised.value).startswith(f"{field} must be {expected}")
+    assert SamplingParams(max_new_tokens=0).max_new_tokens == 0  # "an integer >= 0": --max-new-tokens 0 is allowed
 
 
 def test_a_sampling_option_out_of_range_is_named_by_its_flag(monkeypatch, capsys, tmp_path):
@@ -241,6 +272,11 @@ def test_stream_reports_why_it_ended_and_how_many_tokens(tiny_model, generator):
     assert (stream.finish_reason, stream.completion_tokens) == ("length", 7)
     stream = endless.stream("Once", SamplingParams(max_new_tokens=7, stop=[text[2:4]]))
     assert "".join(stream) == text[:text.find(text[2:4])] and stream.finish_reason == "stop"
+    # the stop token is a token sampled, as OpenAI's usage counts it: it was unpinned
+    said = generator.tokenizer.encode("Hi there")
+    script = [*said, generator.tokenizer.im_end_id, *generator.tokenizer.encode("!")]
+    stream = Scripted(tiny_model, generator.tokenizer, script).stream("x", SamplingParams(max_new_tokens=20))
+    assert ("".join(stream), stream.finish_reason, stream.completion_tokens) == ("Hi there", "stop", len(said) + 1)
 
 
 def test_stop_strings_cut_the_output_in_both_modes(generator):
@@ -277,6 +313,18 @@ def test_special_tokens_are_left_out_of_the_text_in_both_modes(tiny_model, token
     assert generator.generate(["x"], params) == ["Hello"]
     stream = generator.stream("x", params)
     assert ("".join(stream), stream.finish_reason) == ("Hello", "stop")
+
+
+@pytest.mark.parametrize("text, stop", [("está bien", "¡"), ("un café", "©")])
+def test_a_stop_string_matches_the_text_never_the_raw_string_of_a_byte_token(tiny_model, generator, text, stop):
+    """'á' is the byte tokens 'Ã' and '¡' (byte-level BPE's raw strings): a stop string naming such a raw string, not
+    a special token's, must not end the reply inside a character (unpinned)."""
+    script = generator.tokenizer.encode(text)
+    assert stop in [generator.tokenizer.token(i) for i in script]
+    scripted = Scripted(tiny_model, generator.tokenizer, script)
+    params = SamplingParams(max_new_tokens=len(script), stop=[stop])
+    assert scripted.generate(["x"], params) == [text]
+    assert "".join(scripted.stream("x", params)) == text
 
 
 @pytest.mark.parametrize("stop, expected", [("\ufffd", "你好呀"), ("好", "你"), ("你\ufffd", "你好呀")])
@@ -465,6 +513,8 @@ def test_an_empty_prompt_is_an_unconditional_sample(exported, generator, monkeyp
     assert generator.prompt_ids("") == [generator.tokenizer.eos_id]
     llama = TextGenerator(generator.model, Tokenizer.load(LLAMA))
     assert llama.prompt_ids("") == [llama.tokenizer.bos_id] == [1]
+    minimind = TextGenerator(generator.model, Tokenizer.load(MINIMIND))  # a BOS but no document start: from BOS
+    assert minimind.tokenizer.document_start_ids == [] and minimind.prompt_ids("") == [1] != [minimind.tokenizer.eos_id]
     with pytest.raises(ValueError, match="the prompt is empty"):  # no ids at all: still nothing to continue
         generator.generate([[]], SamplingParams(max_new_tokens=2))
 

@@ -110,6 +110,18 @@ def test_a_process_started_directly_is_a_group_of_one():
     found = rank_environment({})
     assert (found["RANK"], found["WORLD_SIZE"], found["MASTER_ADDR"]) == ("0", "1", "127.0.0.1")
     assert rank_environment({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"})["WORLD_SIZE"] == "1"
+    alone = rank_environment({"RANK": "0", "WORLD_SIZE": "1"})  # a job of one needs no local rank or address
+    assert (alone["LOCAL_RANK"], alone["LOCAL_WORLD_SIZE"], alone["MASTER_ADDR"]) == ("0", "1", "127.0.0.1")
+
+
+def test_a_job_size_that_is_no_number_is_left_for_the_rank_to_report():
+    """`--nproc` is weighed against the announced size before any rank starts; a broken size is the ranks' to name
+    (`rank_environment`), not an error of that check."""
+    assert rank_env.announced_world_size({"RANK": "0", "WORLD_SIZE": "two"}) == 1
+    assert rank_env.announced_world_size({"WORLD_SIZE": "4"}) == 1  # a size without a rank
+    assert rank_env.announced_world_size({"PMI_RANK": "1", "PMI_SIZE": "4"}) == 4
+    with pytest.raises(UserError, match=r"^WORLD_SIZE='two' is not a number; the launcher's environment is broken$"):
+        rank_environment({"RANK": "0", "WORLD_SIZE": "two"})
 
 
 def test_a_chosen_port_is_free_and_below_the_ports_the_kernel_hands_out_itself():
@@ -129,7 +141,7 @@ def test_the_ports_to_choose_from_may_be_given():
 
 
 @pytest.mark.parametrize("kernel_low, chosen", [(32768, (20000, 32767)), (15000, (1024, 14999)),
-                                                (1500, (1024, 2024))])
+                                                (1500, (1024, 2024)), (20500, (1024, 20499)), (21001, (20000, 21000))])
 def test_below_a_kernel_range_that_starts_low_the_ports_start_at_the_first_unprivileged_one(monkeypatch, kernel_low,
                                                                                             chosen):
     monkeypatch.setattr(rank_env, "ephemeral_low", lambda: kernel_low)

@@ -28,6 +28,7 @@ from llm.errors import UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 from llm.infer.server import (
+    MAX_BODY_BYTES,
     ChatService,
     RequestError,
     ServiceClosed,
@@ -204,6 +205,12 @@ def test_tool_call_ids_reach_the_chat_template():
         "role": "tool", "content": "rain", "tool_call_id": "abcDEF123"}
 
 
+def test_a_content_of_text_parts_is_their_text_joined_as_it_is():
+    """OpenAI's list of text parts is one text, with nothing put between the parts: unpinned."""
+    parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
+    assert canonical_message({"role": "user", "content": parts}, 0) == {"role": "user", "content": "Hello"}
+
+
 def test_an_assistant_messages_reasoning_is_read_under_vllms_newer_name_too():
     assert canonical_message({"role": "assistant", "content": "4", "reasoning": "2+2"}, 1) == {
         "role": "assistant", "content": "4", "reasoning_content": "2+2"}
@@ -272,13 +279,16 @@ def test_replies_leave_special_tokens_out(generator, stream):
               *tokenizer.encode("!"), tokenizer.im_end_id]
     with running(Scripted(generator, script), timeout_s=10) as (url, _, _):
         reply = _client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=20, stream=stream)
+                                                     max_tokens=20, stream=stream,
+                                                     **({"stream_options": {"include_usage": True}} if stream else {}))
         if stream:
             chunks = list(reply)
-            text, finish = "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0]
+            text, finish = "".join(c.choices[0].delta.content or "" for c in chunks[:-1]), chunks[-2].choices[0]
+            usage = chunks[-1].usage
         else:
-            text, finish = reply.choices[0].message.content, reply.choices[0]
+            text, finish, usage = reply.choices[0].message.content, reply.choices[0], reply.usage
     assert (text, finish.finish_reason) == ("Hello world!", "stop")
+    assert usage.completion_tokens == len(script)  # the stop token is sampled and counted, as OpenAI counts it
 
 
 # ---- refusals: OpenAI-style JSON, never a 500 for the client's mistake ---------------------------------------
@@ -344,6 +354,7 @@ def _deep_tool_call_arguments(depth: int) -> bytes:
     (_with(stop=["a", ""]), "stop"),
     (_with(max_tokens=100000), "messages"),
     (_with(n=3), "n"),
+    (_with(n=0), "n"),
     (_with(n=True), "n"),  # true == 1 in Python: it passed as n=1
     (_with(max_completion_tokens=0), "max_completion_tokens"),  # was named max_tokens
     (_with(max_completion_tokens=3, max_tokens="many"), "max_tokens"),  # was not checked
@@ -468,6 +479,16 @@ def test_openai_fields_the_server_does_not_implement_are_refused_unless_they_ask
                           "web_search_options": None}, 16).params.max_new_tokens == 16
 
 
+def test_the_newer_max_completion_tokens_wins_and_vllms_top_k_minus_one_is_off():
+    """Unpinned: max_completion_tokens taking precedence over max_tokens (OpenAI's newer name), vLLM's top_k -1 (off)
+    accepted, n 0 refused, and a model's suggested temperature beyond OpenAI's 2 used by requests that leave it out."""
+    assert parse_options({"max_tokens": 2, "max_completion_tokens": 5}, 16).params.max_new_tokens == 5
+    assert parse_options({"top_k": -1}, 16).params.top_k == 0
+    assert parse_options({}, 16, {"temperature": 3.0}).params.temperature == 3.0
+    with pytest.raises(RequestError, match=r"^only n=1 is supported$"):
+        parse_options({"n": 0}, 16)
+
+
 def test_usage_in_every_streamed_chunk_is_refused():
     """vLLM's stream_options.continuous_usage_stats was ignored: usage came in the last chunk only."""
     with pytest.raises(RequestError) as refused:
@@ -488,6 +509,7 @@ def test_usage_in_every_streamed_chunk_is_refused():
     ({"presence_penalty": False}, "presence_penalty", "'presence_penalty' must be a number"),
     ({"top_logprobs": 3}, "top_logprobs", "'top_logprobs' is not supported by this server; leave it out"),
     ({"n": True}, "n", "'n' must be an integer"),
+    ({"top_p": -10**400}, "top_p", "top_p must be a number in (0, 1], got -inf"),  # too large for a float
 ])
 def test_out_of_openai_range_sampling_and_stream_options_without_a_stream_are_named(server, fields, param, message):
     """OpenAI answers 400 to these; a temperature of 50 was sampled and stream_options ignored."""
@@ -578,6 +600,13 @@ def test_a_stream_can_end_with_its_usage(server, generator):
     assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage  # was ignored: no chunk had a usage
     assert all(c.usage is None for c in chunks[:-1])
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == reply.choices[0].message.content
+    # as OpenAI sends them, every chunk before the last has "usage": null (the client reads a missing one as None)
+    status, response = raw_exchange(server, request_bytes({**HELLO, "stream": True,
+                                                           "stream_options": {"include_usage": True}}))
+    events = [event for event in response.split(b"\r\n\r\n", 1)[1].split(b"\n\n") if event]
+    assert status == 200 and events[-1] == b"data: [DONE]"
+    assert [json.loads(event.removeprefix(b"data: "))["usage"] is None for event in events[:-1]] == \
+        [True] * (len(events) - 2) + [False]
 
 
 def test_a_model_is_found_by_its_name_and_routes_take_a_query_string(server, generator):
@@ -622,6 +651,17 @@ def test_content_length_must_be_one_small_non_negative_integer(server, length, h
     # the client keeps its side open: the server must not wait for it
     got, response = raw_exchange(server, request_bytes(HELLO, headers=headers, length=length))
     assert got == status and json_body(response)["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_is_a_413(server):
+    """The bound was tested only far from its edge (1 MB below it, 10**12 above)."""
+    data = json.dumps(HELLO).encode()
+    data += b" " * (MAX_BODY_BYTES - len(data))
+    status, response = raw_exchange(server, request_bytes(data, {"Connection": "close"}))
+    assert status == 200 and json_body(response)["object"] == "chat.completion", response[:300]
+    status, response = raw_exchange(server, request_bytes(data + b" ", length=str(MAX_BODY_BYTES + 1)))
+    assert (status, json_body(response)["error"]["message"]) == (
+        413, f"request body too large ({MAX_BODY_BYTES + 1} bytes; at most {MAX_BODY_BYTES})")
 
 
 @pytest.mark.parametrize("framing", [{}, {"Content-Length": None, "Transfer-Encoding": "chunked"}])
@@ -1222,8 +1262,12 @@ def test_an_error_after_an_early_head_is_the_body(generator):
 
     with running(Failing(), timeout_s=10) as (url, _, _):
         status, response = raw_exchange(url, request_bytes(HELLO, version="HTTP/1.0"), half_close=True)
-    assert status == 200 and response.count(b"HTTP/1.1") == 1, response
-    assert json_body(response)["error"]["message"] == "internal error: RuntimeError: the model broke"
+        assert status == 200 and response.count(b"HTTP/1.1") == 1, response
+        assert json_body(response)["error"]["message"] == "internal error: RuntimeError: the model broke"
+        # before the head, the failure is a 500 of OpenAI's server_error type (a client's retry policy reads it)
+        status, response = raw_exchange(url, request_bytes(HELLO))
+    assert status == 500 and json_body(response)["error"] == {
+        "message": "internal error: RuntimeError: the model broke", "type": "server_error", "param": None, "code": None}
 
 
 def test_an_error_after_the_stream_began_is_an_sse_event(generator):
@@ -1404,6 +1448,34 @@ def test_a_full_queue_answers_503_and_the_queued_are_served(generator):
         server.shutdown()
         server.server_close()
         service.close()
+
+
+def test_a_busy_server_says_when_to_retry(generator):
+    """A 503 for a full waiting line carries Retry-After: 1, which clients' retry policies wait by: unpinned."""
+    with running(generator, max_queued=0, timeout_s=10) as (url, _, _):
+        status, response = raw_exchange(url, request_bytes(HELLO))
+    head = response.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+    assert status == 503 and b"Retry-After: 1" in head, response
+    assert json_body(response)["error"]["message"] == "the server is busy: too many requests are waiting; retry later"
+
+
+def test_a_prompt_of_exactly_the_context_is_said_to_leave_no_room_for_a_reply(generator, monkeypatch):
+    """Its refusal named a max_tokens ('plus max_tokens (1) exceeds') that no room is left for, and one whose bound
+    alone fills the context was encoded before it was refused: unpinned."""
+    service = ChatService(generator, "tiny")
+    try:
+        with pytest.raises(RequestError) as refused:
+            service.submit([5] * CONTEXT, SamplingParams(max_new_tokens=1))
+        monkeypatch.setattr(Tokenizer, "fewest_tokens", lambda self, rendered: CONTEXT)
+        with pytest.raises(RequestError) as bounded, counting_encodes(monkeypatch) as calls:
+            service.prompt_ids(HELLO["messages"])
+    finally:
+        service.close()
+    assert (str(refused.value), refused.value.code) == (
+        f"the prompt ({CONTEXT} tokens) leaves no room for a reply in the model's context of {CONTEXT} tokens",
+        "context_length_exceeded")
+    assert (str(bounded.value), calls) == (f"the prompt (at least {CONTEXT} tokens) leaves no room for a reply in the "
+                                           f"model's context of {CONTEXT} tokens", [])
 
 
 def _small_send_buffers(server) -> None:

@@ -12,7 +12,12 @@ from llm.errors import UserError
 from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 from llm.infer.server import parse_options
-from llm.infer.suggested_sampling import generation_config_text, suggested_sampling
+from llm.infer.suggested_sampling import (
+    declared_stop_ids,
+    generation_config_text,
+    suggested_sampling,
+    unapplied_settings,
+)
 from llm.loading import load_for_inference
 from llm.rundir import GENERATION_CONFIG_FILE, HF_CONFIG_FILE
 
@@ -48,6 +53,7 @@ def test_the_suggested_sampling_is_read_and_do_sample_false_is_greedy(tmp_path):
     ('{"temperature": 1' + "0" * 400 + '}', "temperature must be a finite number >= 0, got inf"),  # no float holds it
     ('{"temperature": NaN}', "temperature must be a finite number >= 0, got nan"),  # said as inf
     ('{"temperature": "hot"}', "temperature is 'hot', not a number"),
+    ('{"temperature": true}', "temperature is True, not a number"),  # true is 1 in Python, never a temperature
     ('{"top_p": 0}', "top_p must be a number in (0, 1], got 0.0"),
     ('{"repetition_penalty": -1}', "repetition_penalty must be a finite number > 0, got -1.0"),
     ("[1]", "not a JSON object"),
@@ -109,6 +115,12 @@ def test_generation_stops_at_the_end_tokens_the_model_folder_declares(tiny_expor
                                        "['<|eom_id|>'], not a token id or a list of them; fix or remove it\n")
 
 
+def test_every_end_token_declared_is_read_token_0_too(tmp_path):
+    """Id 0 (MiniMind's end of text) declared in a list was unpinned; a negative id is no token."""
+    (tmp_path / GENERATION_CONFIG_FILE).write_text('{"eos_token_id": [0, 2, -1]}')
+    assert declared_stop_ids(tmp_path) == {0, 2}
+
+
 def test_decoding_settings_the_sampler_has_not_are_named(tiny_export, tmp_path, monkeypatch, capsys):
     """A generation_config.json's min_p (or no_repeat_ngram_size, num_beams, ...) was dropped without a word: the
     note named the temperature alone, and the text differed from transformers'."""
@@ -121,6 +133,8 @@ def test_decoding_settings_the_sampler_has_not_are_named(tiny_export, tmp_path, 
     _, note = _generated(monkeypatch, capsys, folder, "--temperature", 0)
     assert note == (f"zerollm: note: {path} sets min_p 0.99, no_repeat_ngram_size 2, which zerollm's sampler does not "
                     "apply\n")
+    path.write_text(json.dumps({"min_p": None, "bad_words_ids": [], "suppress_tokens": [], "sequence_bias": {}}))
+    assert unapplied_settings(folder) == []  # null, [] and {} ask for nothing: they were unpinned
 
 
 def test_a_request_that_leaves_sampling_out_takes_what_the_model_suggests():
@@ -174,6 +188,8 @@ def test_a_copy_of_a_generation_config_keeps_only_generation_settings(tmp_path):
     copied = generation_config_text(tmp_path / "model" / GENERATION_CONFIG_FILE)
     assert json.loads(copied) == {"temperature": 0.6, "eos_token_id": [2, 3], "stop_strings": ["<|im_end|>"],
                                   "_from_model_config": True}
+    # in the file's order, the text setting among the others
+    assert list(json.loads(copied)) == ["temperature", "eos_token_id", "stop_strings", "_from_model_config"]
     export_model(_model(0), None, tmp_path / "export", tmp_path / "model" / GENERATION_CONFIG_FILE)
     assert (tmp_path / "export" / GENERATION_CONFIG_FILE).read_text() == copied
     assert generation_config_text(tmp_path / "none.json") is None
