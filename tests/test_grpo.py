@@ -932,11 +932,13 @@ def policy(tokenizer_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompt_dir(tmp_path_factory):
-    """Prompts in both shapes, and a user's reward module."""
+    """Prompts in both shapes, all short enough for TINY's data.seq_len with GRPO_SETTINGS' completions (MiniMind's
+    shape was 27-29 tokens, beyond the 26 left: every one was skipped, and no rollout had one), and a user's reward
+    module."""
     out = tmp_path_factory.mktemp("prompts")
     topics = ["kings", "love", "war", "night", "gold", "rome", "the sea", "a rose"]
     rows = [{"prompt": f"Tell me about {t}.", "answer": t} for t in topics]
-    rows += [{"conversations": [{"role": "user", "content": f"Say something of {t}."},
+    rows += [{"conversations": [{"role": "user", "content": f"Of {t}?"},
                                 {"role": "assistant", "content": ""}], "answer": t} for t in topics]
     (out / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows * 2) + "\n")
     (out / "myrewards.py").write_text(USER_REWARD)
@@ -959,6 +961,7 @@ def grpo_runs(policy, prompt_dir, tmp_path_factory):
         result = run_job(*_grpo_args(policy, prompt_dir, out, rewards=[reward], extra=["--zero-stage", stage]),
                          cwd=prompt_dir)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert ", 32 prompts, " in result.stdout and "skipped" not in result.stdout  # both shapes
         runs[stage] = out
     return runs
 
@@ -1171,6 +1174,7 @@ def _rollouts(policy, prompt_dir, micro, accum, group, *overrides):
                                 "grpo.reward=length", f"train.micro_batch_size={micro}", f"train.grad_accum={accum}",
                                 f"grpo.group_size={group}", *overrides])
     tokenizer, reward, prompts = rollout.grpo_inputs(cfg)
+    assert len(prompts) == 32 and not prompts.skipped  # both shapes
     torch.manual_seed(0)
     engine = SimpleNamespace(module=Transformer(cfg.model).eval(), zero_optimization_stage=lambda: 2)
     info = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
