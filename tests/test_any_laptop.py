@@ -163,6 +163,8 @@ def test_every_rank_chooses_its_accelerator_for_its_own_job(monkeypatch, tmp_pat
     assert _choice_of_a_rank(monkeypatch, runner, RANK="0", WORLD_SIZE="1") == "mps"
     # a size without a rank is a job of one, as `rank_environment` reads it
     assert _choice_of_a_rank(monkeypatch, runner, OMPI_COMM_WORLD_SIZE="2") == "mps"
+    # the user's DS_ACCELERATOR, set after zerollm's choice (in the command `zerollm launch` runs), is the user's
+    assert _choice_of_a_rank(monkeypatch, runner, DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1") == "cpu"
 
     user = {"DS_ACCELERATOR": "cpu"}
     assert _choice_of_a_rank(monkeypatch, user) == "cpu"

@@ -41,11 +41,24 @@ def test_default_dtype_per_device(device, bf16, expected):
     assert devices.default_dtype(device, bf16) == expected
 
 
-def test_a_missing_device_is_refused():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    with pytest.raises(UserError, match="no CUDA device is available here"):
-        devices.resolve("cuda", "auto")
+@pytest.mark.parametrize("device", ["cuda", "mps"])
+def test_a_missing_device_is_refused(monkeypatch, device):
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(devices, "mps_available", lambda: False)
+    with pytest.raises(UserError, match=f"^--device {device}: no {device.upper()} device is available here; use "
+                                        "--device cpu or auto$"):
+        devices.resolve(device, "auto")
+
+
+@pytest.mark.parametrize("device, dtype, message", [
+    ("tpu", "auto", "--device must be one of auto, cuda, mps, cpu, got 'tpu'"),
+    ("cpu", "fp8", "--dtype must be auto or one of fp32, bf16, fp16, got 'fp8'"),
+])
+def test_a_device_or_dtype_llm_devices_does_not_know_is_one_line(device, dtype, message):
+    """resolve's callers outside the CLI (whose choices catch a wrong name first) got a KeyError for a dtype."""
+    with pytest.raises(UserError) as refused:
+        devices.resolve(device, dtype)
+    assert str(refused.value) == message
 
 
 def test_the_cli_offers_exactly_the_devices_and_dtypes_llm_devices_knows():
@@ -326,13 +339,16 @@ def test_place_never_holds_an_fp32_copy_of_a_parameter_on_the_device():
     assert sum(t.numel() for t in made if t.dtype == torch.float32) == buffers  # the RoPE tables, nothing else
 
 
-def test_a_deepspeed_accelerator_this_machine_lacks_is_one_line(pretrain_data, tmp_path, monkeypatch, capsys):
-    """DS_ACCELERATOR=cuda carried over from a GPU cluster ended in DeepSpeed's AttributeError traceback as its
-    engine set the device (exit 1, or 76 on two ranks)."""
+@pytest.mark.parametrize("chosen, lacking", [("cuda", "CUDA GPU"), ("mps", "Apple MPS device")])
+def test_a_deepspeed_accelerator_this_machine_lacks_is_one_line(pretrain_data, tmp_path, monkeypatch, capsys, chosen,
+                                                                 lacking):
+    """DS_ACCELERATOR=cuda (or mps) carried over from a GPU cluster ended in DeepSpeed's AttributeError traceback as
+    its engine set the device (exit 1, or 76 on two ranks)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setenv("DS_ACCELERATOR", chosen)
     assert zerollm_here(monkeypatch, *train_args(pretrain_data, tmp_path / "run", nproc=2)) == 2
-    assert capsys.readouterr().err == ("zerollm: error: DS_ACCELERATOR=cuda, but this machine has no CUDA GPU; unset "
-                                       "it (zerollm then trains on a CUDA GPU where there is one, else on the CPU), or "
-                                       "set it to cpu\n")
+    assert capsys.readouterr().err == (f"zerollm: error: DS_ACCELERATOR={chosen}, but this machine has no {lacking}; "
+                                       "unset it (zerollm then trains on a CUDA GPU where there is one, else on the "
+                                       "CPU), or set it to cpu\n")
     assert not (tmp_path / "run").exists()

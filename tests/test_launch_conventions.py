@@ -213,6 +213,7 @@ def test_a_cpu_rank_runs_the_threads_its_launcher_or_cpu_mask_gives(omp, cpus, e
 def test_ranks_share_the_cpus_they_may_use_when_no_thread_count_is_given(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
     assert cpu_threads_per_rank(2, {}) == 3
+    assert cpu_threads_per_rank(4, {}) == 1  # 6 CPUs over 4 ranks: rounded down, never oversubscribed
     assert cpu_threads_per_rank(8, {}) == 1
     assert cpu_threads_per_rank(2, {"OMP_NUM_THREADS": "4"}) == 4
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS keeps no affinity mask
@@ -221,7 +222,7 @@ def test_ranks_share_the_cpus_they_may_use_when_no_thread_count_is_given(monkeyp
 
 
 @pytest.mark.parametrize("value, expected", [("4", 4), (" 4 ", 4), ("4,2", 4), ("0", None), ("", None), ("two", None),
-                                             ("²", None), ("-1", None)])
+                                             ("²", None), ("\u0664", None), ("-1", None)])
 def test_omp_num_threads_is_read_as_openmp_reads_its_outer_level(value, expected):
     assert threads_asked({"OMP_NUM_THREADS": value}) == expected
 
@@ -232,6 +233,8 @@ def test_ranks_bound_to_cpus_of_their_own_do_not_share_them():
     assert ranks_sharing_cpus(("n0", a | b), shared) == 4  # one mask for the node's 4 ranks; n1's are elsewhere
     bound = [("n0", a), ("n0", a), ("n0", b), ("n0", b)]  # mpirun --bind-to socket, 2 sockets
     assert ranks_sharing_cpus(("n0", a), bound) == 2 and ranks_sharing_cpus(("n0", b), bound) == 2
+    overlapping = [("n0", a | b), ("n0", a)]  # a rank on all 8 CPUs, another on the first 4 of them
+    assert ranks_sharing_cpus(("n0", a | b), overlapping) == 2 and ranks_sharing_cpus(("n0", a), overlapping) == 2
 
 
 @pytest.mark.parametrize("environ, names", [({"PMI_RANK": "0", "PMI_SIZE": "1"}, "PMI_RANK"),
