@@ -342,6 +342,9 @@ def test_an_export_moved_is_the_same_teacher_and_a_run_directory_elsewhere_is_no
     check_same_weights(tmp_path, "teacher", summary, "--teacher")
     with pytest.raises(UserError, match="^--teacher /runs/copy \\(run 9c1e global_step30\\): not the teacher"):
         check_same_weights(tmp_path, "teacher", {**summary, "weights": "run 9c1e global_step30"}, "--teacher")
+    _recorded(tmp_path, path=str(tmp_path / "a"), weights="run 9c1e global_step2", model=model)
+    with pytest.raises(UserError, match="^--teacher /runs/copy \\(run 9c1e global_step20\\): not the teacher"):
+        check_same_weights(tmp_path, "teacher", summary, "--teacher")  # step 20 of a run is not its step 2
 
 
 def test_the_checkpoint_checked_is_the_one_loaded(student, teacher):

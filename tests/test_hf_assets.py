@@ -365,6 +365,19 @@ def test_a_sharded_exports_summary_covers_every_shard(tmp_path):
     assert after["path"] == before["path"] and not same_weights(before["weights"], after["weights"])
 
 
+@pytest.mark.parametrize("edited", [0, (3 << 20) - 1])
+def test_a_weights_file_changed_in_its_first_or_last_byte_has_another_digest(tmp_path, edited):
+    """Unpinned: the last MiB of a file larger than two was not read (a file's tail changed passed as the same
+    weights)."""
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(bytes(3 << 20))
+    before = file_digest(weights)
+    changed = bytearray(3 << 20)
+    changed[edited] = 1
+    weights.write_bytes(changed)
+    assert file_digest(weights) != before
+
+
 def test_inference_refuses_a_tokenizer_with_more_tokens_than_the_model(tmp_path):
     tokens = Tokenizer.load(LLAMA_TOKENIZER).vocab_size
     export_model(_small(0, vocab_size=tokens - 10), LLAMA_TOKENIZER, tmp_path / "small")

@@ -478,6 +478,31 @@ def test_fingerprint_mismatch_message_names_fields_and_ranks():
         "config.train.precision: <missing> on rank 0; 'fp32' on rank 1; 'bf16' on rank 2. Start every node with the "
         "same code, config, data and tokenizer (train.precision=auto chooses by each node's hardware: set "
         "train.precision=bf16 or fp32 for the whole job)")
+    assert mismatch_message([same, same, {**same, "data": "d2"}]) == (
+        "ranks disagree, nothing was trained: data: d1 on ranks 0,1; d2 on rank 2. Start every node with the same "
+        "code, config, data and tokenizer")
+    long = ["x" * 50 + "AAAAAAAAAA", "x" * 50 + "BBBBBBBBBB"]  # digests, paths: told apart by their 60 characters
+    assert mismatch_message([{**same, "data": value} for value in long]).startswith(
+        f"ranks disagree, nothing was trained: data: {long[0]} on rank 0; {long[1]} on rank 1. ")
+
+
+@pytest.mark.parametrize("node_0, node_1, said", [
+    (({}, {"zero_optimization": {"stage": 2}}, "d", "t"), ({}, {"zero_optimization": {"stage": 3}}, "d", "t"),
+     "ds_config.zero_optimization.stage: 2 on rank 0; 3 on rank 1"),
+    (({}, {}, "d", "tokA"), ({}, {}, "d", "tokB"), "tokenizer: tokA on rank 0; tokB on rank 1"),
+    (({"data": {"path": "/scratch/a", "seq_len": 128}}, {}, "d", "t"),
+     ({"data": {"path": "/local/b", "seq_len": 256}}, {}, "d", "t"),
+     "config.data.seq_len: 128 on rank 0; 256 on rank 1"),
+    (({"data": {"path": "/scratch/a"}}, {}, "d", "t"), ({"data": {"path": "/local/b"}}, {}, "d", "t"), None),
+])
+def test_ranks_compare_their_deepspeed_config_tokenizer_and_config_but_not_where_their_data_lies(node_0, node_1, said):
+    """Unpinned: ranks under ZeRO stages 2 and 3, or with other tokenizers, agreeing; nodes holding the same data at
+    paths of their own (a node-local disk) refused as disagreeing."""
+    from llm.runtime.fingerprint import fingerprint
+
+    message = mismatch_message([fingerprint(*node_0), fingerprint(*node_1)])
+    assert message == (said and f"ranks disagree, nothing was trained: {said}. Start every node with the same code, "
+                                "config, data and tokenizer")
 
 
 # ---- real jobs on one machine ------------------------------------------------------------------
@@ -1453,9 +1478,9 @@ def test_a_stop_waits_for_the_checkpoint_ranks_on_other_hosts_still_save(tmp_pat
     assert out.splitlines()[-1] == f"code {EXIT_PREEMPTED}"
 
 
-def _supervised_by(process, monkeypatch):
+def _supervised_by(process, monkeypatch, host=None):
     """What `watch_supervisor` says, in a queue, where `process` is the `zerollm eval --nproc 2` that started this
-    rank."""
+    rank (on `host`, if not this one)."""
     import queue
 
     from launch.local import rank_environments
@@ -1465,17 +1490,97 @@ def _supervised_by(process, monkeypatch):
                    supervisor.STARTED_ENV: repr(supervisor.started_at(psutil.Process(process.pid)))}
     for name in (supervisor.PID_ENV, supervisor.HOST_ENV, supervisor.STARTED_ENV, supervisor.NAME_ENV):
         monkeypatch.setenv(name, environment[name])
+    if host is not None:
+        monkeypatch.setenv(supervisor.HOST_ENV, host)
     said = queue.Queue()
     supervisor.watch_supervisor(said.put, interval_s=0.05)
     return said
 
 
 def test_ranks_name_the_command_that_started_them_when_it_is_gone(monkeypatch):
-    """Ranks of `zerollm train --nproc 2` whose parent was killed said 'zerollm launch (pid N) ended'."""
+    """Ranks of `zerollm train --nproc 2` whose parent was killed said 'zerollm launch (pid N) ended'; it is said
+    once, not at every look after."""
+    import queue
+
     gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
     said = _supervised_by(gone, monkeypatch)
     gone.wait()
     assert said.get(timeout=30) == f"zerollm eval --nproc 2 (pid {gone.pid}) ended"
+    with pytest.raises(queue.Empty):
+        said.get(timeout=0.5)  # ten more looks
+
+
+def test_a_rank_on_another_host_than_its_launch_does_not_look_for_the_launch_here(monkeypatch):
+    """Unpinned: a rank on another host looked for its launch's pid where no such process runs, and stopped the job
+    (those ranks have a launch of their own on their host)."""
+    import queue
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    said = _supervised_by(gone, monkeypatch, host="node-that-is-not-this-one")
+    gone.wait()
+    with pytest.raises(queue.Empty):
+        said.get(timeout=1.0)
+
+
+def test_the_processes_of_a_launch_are_found_and_not_those_of_an_earlier_one_that_had_its_pid():
+    """Unpinned: a process left by an earlier launch that had this launch's pid (another start time) was taken for
+    one of this launch's, and a stop waited for it."""
+    from llm.runtime import supervisor
+
+    env = {**os.environ, **supervisor.supervisor_env()}
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    earlier = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                               env={**env, supervisor.STARTED_ENV: "12345.0"})
+    try:
+        deadline = time.monotonic() + 30
+        while ours.pid not in (found := [p.pid for p in supervisor.started_here()]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ours.pid in found and earlier.pid not in found, (ours.pid, earlier.pid, found)
+    finally:
+        for process in (ours, earlier):
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def rank_1_of_2(monkeypatch):
+    """`check_one_run_dir` on rank 1 of a job of two whose rank 0 wrote its file into /shared/run on the host given:
+    what rank 1 saw is gathered after rank 0's view."""
+    from llm.runtime import shared_run_dir
+
+    def check(run_dir, first_host, collective_timeout_s):
+        monkeypatch.setattr(shared_run_dir.dist, "get_world_size", lambda: 2)
+        monkeypatch.setattr(shared_run_dir.dist, "broadcast_object_list",
+                            lambda sent, src: sent.__setitem__(slice(None), [shared_run_dir.PREFIX + "0a", first_host]))
+        rank_0_saw = (True, first_host, "/shared/run")
+        monkeypatch.setattr(shared_run_dir.dist, "all_gather_object",
+                            lambda views, mine: views.__setitem__(slice(None), [rank_0_saw, mine]))
+        shared_run_dir.check_one_run_dir(run_dir, 1, False, collective_timeout_s)
+
+    return check
+
+
+@pytest.mark.parametrize("other_host, collective_timeout_s, wait_s", [(True, 60.0, 30.0), (True, 1800.0, 70.0),
+                                                                      (False, 60.0, 0.0)])
+def test_a_rank_on_another_host_waits_for_the_run_directory_half_the_collective_timeout_at_most(
+        rank_1_of_2, monkeypatch, tmp_path, other_host, collective_timeout_s, wait_s):
+    """Unpinned: a rank on another host than rank 0's waited for a network file system the whole collective timeout,
+    while rank 0 waited for it in a collective of that timeout."""
+    from llm.runtime import shared_run_dir
+
+    waits = []
+    monkeypatch.setattr(shared_run_dir, "_seen", lambda path, wait_s: waits.append(wait_s) or True)
+    rank_1_of_2(tmp_path, "node-a" if other_host else socket.gethostname(), collective_timeout_s)
+    assert waits == [wait_s]
+
+
+def test_a_rank_given_a_relative_run_directory_is_refused_naming_its_absolute_path(rank_1_of_2, monkeypatch, tmp_path):
+    """Unpinned: the refusal named a relative --out as given ('--out run'), not where it lies on that node."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    with pytest.raises(UserError, match=re.escape(f"rank 1 on {socket.gethostname()} (--out {tmp_path.resolve()}/run) "
+                                                  "cannot see the file rank 0 on node-a wrote into /shared/run; ")):
+        rank_1_of_2(Path("run"), "node-a", 0.0)
 
 
 def test_a_step_of_the_wall_clock_leaves_the_launch_alive_to_its_ranks(monkeypatch):

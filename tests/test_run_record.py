@@ -83,6 +83,24 @@ def test_the_code_digest_covers_the_package_source():
     assert code_version() != empty
 
 
+@pytest.mark.parametrize("edited", ["llm/train/job.py", "llm/configs/pretrain.yaml", "kernels/rope.py",
+                                    "launch/launcher.py", "ds_configs/pretrain_zero3.json"])
+def test_an_edit_to_any_source_or_config_file_of_the_checkout_changes_the_code_digest(edited, tmp_path, monkeypatch):
+    """Unpinned: an edit to a DeepSpeed config or a kernel left the digest as it was (nodes running different copies
+    agreed, and a run record named no change)."""
+    from llm.runtime import fingerprint
+
+    files = ["llm/train/job.py", "llm/configs/pretrain.yaml", "kernels/rope.py", "launch/launcher.py",
+             "ds_configs/pretrain_zero3.json"]
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f"{name}\n")
+    monkeypatch.setattr(fingerprint, "PACKAGE_ROOT", tmp_path)
+    before = code_version()
+    (tmp_path / edited).write_text(f"{edited} edited\n")
+    assert code_version() != before
+
+
 def test_samples_at_each_evaluation_under_zero3_reach_the_file_and_wandb(zero3_run):
     rows = [json.loads(line) for line in (zero3_run / "samples.jsonl").read_text().splitlines()]
     assert [(r["step"], r["prompt"]) for r in rows] == [(1, "Hello"), (1, "你好"), (2, "Hello"), (2, "你好")]
