@@ -23,6 +23,7 @@ loads with `transformers.AutoTokenizer` and renders the same chat text.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -420,11 +421,13 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def name_as(self, source: str) -> None:
-        """Name the tokenizer `source` in its messages from now on, where they named its folder: a server names the
-        model it serves so to its clients, who are not to learn its paths."""
-        self.source = source
-        self.__dict__.pop("_chat", None)  # the template made before names the folder
+    def named(self, source: str) -> Tokenizer:
+        """This tokenizer, naming itself `source` in its messages where they named its folder: a server names the
+        model it serves so to its clients, who are not to learn its paths. A copy: this one is left as it is."""
+        named = copy.copy(self)
+        named.source = source
+        named.__dict__.pop("_chat", None)  # a template made before names the folder
+        return named
 
     @cached_property
     def _chat(self) -> ChatTemplate:

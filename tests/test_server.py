@@ -313,19 +313,25 @@ def test_a_requests_tools_reach_the_chat_template(server, generator):
 
 
 def test_tools_a_chat_template_leaves_out_are_a_400_naming_them_and_refusals_name_the_model_not_its_folder(generator):
-    """A chat template's refusals named the model's folder, a path on the server, to every client."""
-    llama = TextGenerator(generator.model, Tokenizer.load(LLAMA))
+    """A chat template's refusals named the model's folder, a path on the server, to every client. The tokenizer the
+    service was given (its template made before) still names its folder to its own users."""
+    tokenizer = Tokenizer.load(LLAMA)
+    not_alternating = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(UserError, match=f"^{LLAMA}: the chat template refused the messages"):
+        tokenizer.encode_chat(not_alternating)
+    llama = TextGenerator(generator.model, tokenizer)
     with running(llama, timeout_s=10) as (url, _, _):
         status, payload = _post(url, json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
                                                  "max_tokens": 3}).encode())
         assert status == 400 and payload["error"]["param"] == "tools"
         assert payload["error"]["message"].startswith("model 'tiny': the chat template does not render tool "
                                                       "definitions")
-        status, payload = _post(url, json.dumps({"messages": [{"role": "user", "content": "a"},
-                                                              {"role": "user", "content": "b"}]}).encode())
+        status, payload = _post(url, json.dumps({"messages": not_alternating}).encode())
         assert status == 400 and payload["error"]["message"] == (
             "model 'tiny': the chat template refused the messages: Conversation roles must alternate "
             "user/assistant/user/assistant/...")
+    with pytest.raises(UserError, match=f"^{LLAMA}: the chat template refused the messages"):
+        tokenizer.encode_chat(not_alternating)
 
 
 def _with(**fields) -> bytes:
@@ -497,6 +503,8 @@ def test_usage_in_every_streamed_chunk_is_refused():
         "stream_options.continuous_usage_stats",
         "'stream_options.continuous_usage_stats' is not supported by this server; leave it out")
     assert parse_options({"stream": True, "stream_options": {"continuous_usage_stats": False}}, 16).stream
+    alone = parse_options({"stream": True, "stream_options": {"continuous_usage_stats": True}}, 16)  # as in vLLM,
+    assert not alone.include_usage  # without include_usage it asks for no usage at all
 
 
 @pytest.mark.parametrize("fields, param, message", [

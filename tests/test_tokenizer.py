@@ -656,8 +656,8 @@ def test_checking_that_a_template_renders_many_tools_searches_its_text_a_bounded
     _CountedText.searches = 0
     assert llm.chat_template._renders_tools(_CountedText(rendered), _CountedText(""), tools)
     assert _CountedText.searches == 2 * (2 * llm.chat_template.TOOL_NAMES_CHECKED if distinct else 1)
-    missing = [*tools[:-1], {"name": "absent"}]  # the last name is always looked for
-    assert not llm.chat_template._renders_tools(rendered, "", missing)
+    for missing in ([{"name": "absent"}, *tools[1:]], [*tools[:-1], {"name": "absent"}]):  # the first and the last
+        assert not llm.chat_template._renders_tools(rendered, "", missing)  # are always looked for
 
 
 def test_an_earlier_versions_template_renders_tool_definitions_and_one_without_them_refuses_them(tmp_path):

@@ -384,7 +384,8 @@ def parse_options(body: dict, default_max_tokens: int, suggested: dict | None = 
         field = key if exc.field == "max_new_tokens" else exc.field
         raise RequestError(f"{field} {exc.reason}", field) from None
     include_usage = _flag(stream_options or {}, "include_usage", "stream_options.")
-    if _flag(stream_options or {}, "continuous_usage_stats", "stream_options."):  # vLLM's: usage in every chunk
+    # vLLM's usage in every chunk; without include_usage it asks for none, as in vLLM
+    if _flag(stream_options or {}, "continuous_usage_stats", "stream_options.") and include_usage:
         raise RequestError("'stream_options.continuous_usage_stats' is not supported by this server; leave it out",
                            "stream_options.continuous_usage_stats")
     return RequestOptions(params, stream, include_usage)
@@ -476,8 +477,8 @@ class ChatService:
         """`suggested`: the sampling the model folder's generation_config.json suggests (`suggested_sampling`), for
         requests that leave it out."""
         check_default_max_tokens(default_max_tokens)
-        generator.tokenizer.name_as(f"model {model_name!r}")  # in refusals of its chat template, not its folder
         self.generator, self.model_name, self.default_max_tokens = generator, model_name, default_max_tokens
+        self.tokenizer = generator.tokenizer.named(f"model {model_name!r}")  # in its chat template's refusals
         self.suggested = suggested or {}
         self.context = generator.model.cfg.max_seq_len
         self.created = int(time.time())
@@ -498,7 +499,7 @@ class ChatService:
         `variables`, its chat_template_kwargs), ready for a reply. Messages whose text is too long for any encoding
         of it to leave room for a reply in the context are refused (context_length_exceeded) without encoding
         them."""
-        tokenizer = self.generator.tokenizer
+        tokenizer = self.tokenizer
         if variables and (refusal := tokenizer.chat_template_variables_refusal(variables)):
             raise RequestError(f"chat_template_kwargs: {refusal}", "chat_template_kwargs")
         try:
