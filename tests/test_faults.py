@@ -37,7 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from forked_ranks import enter_rank, forkserver, run_job
-from tokens_swap import replace_tokens_file, reversed_tokens
+from tokens_swap import reversed_tokens
 
 from conftest import TINY, ZERO_RUN, train_args, zerollm_here
 from launch.local import rank_environments
@@ -559,10 +559,14 @@ def test_data_prepared_again_into_the_folder_mid_run_ends_it_at_the_next_epoch_i
     shutil.copytree(pretrain_data, data)
     with h5py.File(data / "tokens.h5") as h5:  # steps of 16 windows of 256 tokens
         epoch_steps = (h5["train/tokens"].shape[0] - 1) // 256 // 16
+    new = tmp_path / "new.h5"  # made before the run: made during it, it took two epochs of a quiet machine's run
+    shutil.copy(data / "tokens.h5", new)
+    with h5py.File(new, "r+") as h5:
+        reversed_tokens(h5)
     with _job(train_args(data, run, *LOADER_RUN[:3], f"train.max_steps={3 * epoch_steps}", "data.seq_len=256",
                          "train.micro_batch_size=16", WORKER), log) as (proc, _):
         _after_steps(lambda: proc.poll() is not None, run)
-        replace_tokens_file(data / "tokens.h5", reversed_tokens)
+        os.replace(new, data / "tokens.h5")
         code = proc.wait(timeout=300)
     text = log.read_text()
     assert code == 2 and "Traceback" not in text, text[-3000:]
