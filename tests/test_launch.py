@@ -5,6 +5,7 @@ import collections.abc
 import contextlib
 import json
 import os
+import queue
 import re
 import signal
 import socket
@@ -40,7 +41,7 @@ from launch.torchrun import lost_rank, passed_on_code, quiet_code
 from llm.cli import build_parser, launch_options
 from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, UserError
 from llm.jsonl import jsonl_lines
-from llm.runtime import watchdog
+from llm.runtime import shared_run_dir, supervisor, watchdog
 from llm.runtime.cpu_threads import usable_cpus
 from llm.runtime.fingerprint import mismatch_message
 from llm.runtime.rank_env import free_port
@@ -1481,11 +1482,7 @@ def test_a_stop_waits_for_the_checkpoint_ranks_on_other_hosts_still_save(tmp_pat
 def _supervised_by(process, monkeypatch, host=None):
     """What `watch_supervisor` says, in a queue, where `process` is the `zerollm eval --nproc 2` that started this
     rank (on `host`, if not this one)."""
-    import queue
-
     from launch.local import rank_environments
-    from llm.runtime import supervisor
-
     environment = {**rank_environments(2, free_port(), "eval")[0], supervisor.PID_ENV: str(process.pid),
                    supervisor.STARTED_ENV: repr(supervisor.started_at(psutil.Process(process.pid)))}
     for name in (supervisor.PID_ENV, supervisor.HOST_ENV, supervisor.STARTED_ENV, supervisor.NAME_ENV):
@@ -1500,8 +1497,6 @@ def _supervised_by(process, monkeypatch, host=None):
 def test_ranks_name_the_command_that_started_them_when_it_is_gone(monkeypatch):
     """Ranks of `zerollm train --nproc 2` whose parent was killed said 'zerollm launch (pid N) ended'; it is said
     once, not at every look after."""
-    import queue
-
     gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
     said = _supervised_by(gone, monkeypatch)
     gone.wait()
@@ -1513,8 +1508,6 @@ def test_ranks_name_the_command_that_started_them_when_it_is_gone(monkeypatch):
 def test_a_rank_on_another_host_than_its_launch_does_not_look_for_the_launch_here(monkeypatch):
     """Unpinned: a rank on another host looked for its launch's pid where no such process runs, and stopped the job
     (those ranks have a launch of their own on their host)."""
-    import queue
-
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     said = _supervised_by(gone, monkeypatch, host="node-that-is-not-this-one")
     gone.wait()
@@ -1525,8 +1518,6 @@ def test_a_rank_on_another_host_than_its_launch_does_not_look_for_the_launch_her
 def test_the_processes_of_a_launch_are_found_and_not_those_of_an_earlier_one_that_had_its_pid():
     """Unpinned: a process left by an earlier launch that had this launch's pid (another start time) was taken for
     one of this launch's, and a stop waited for it."""
-    from llm.runtime import supervisor
-
     env = {**os.environ, **supervisor.supervisor_env()}
     ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
     earlier = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
@@ -1546,8 +1537,6 @@ def test_the_processes_of_a_launch_are_found_and_not_those_of_an_earlier_one_tha
 def rank_1_of_2(monkeypatch):
     """`check_one_run_dir` on rank 1 of a job of two whose rank 0 wrote its file into /shared/run on the host given:
     what rank 1 saw is gathered after rank 0's view."""
-    from llm.runtime import shared_run_dir
-
     def check(run_dir, first_host, collective_timeout_s):
         monkeypatch.setattr(shared_run_dir.dist, "get_world_size", lambda: 2)
         monkeypatch.setattr(shared_run_dir.dist, "broadcast_object_list",
@@ -1566,8 +1555,6 @@ def test_a_rank_on_another_host_waits_for_the_run_directory_half_the_collective_
         rank_1_of_2, monkeypatch, tmp_path, other_host, collective_timeout_s, wait_s):
     """Unpinned: a rank on another host than rank 0's waited for a network file system the whole collective timeout,
     while rank 0 waited for it in a collective of that timeout."""
-    from llm.runtime import shared_run_dir
-
     waits = []
     monkeypatch.setattr(shared_run_dir, "_seen", lambda path, wait_s: waits.append(wait_s) or True)
     rank_1_of_2(tmp_path, "node-a" if other_host else socket.gethostname(), collective_timeout_s)
@@ -1586,8 +1573,6 @@ def test_a_rank_given_a_relative_run_directory_is_refused_naming_its_absolute_pa
 def test_a_step_of_the_wall_clock_leaves_the_launch_alive_to_its_ranks(monkeypatch):
     """psutil's create_time() adds the boot time /proc/stat gives at the moment, which a step or slew of the wall
     clock (NTP) moves by a second: the ranks took their live launch for another process and stopped the job."""
-    import queue
-
     import psutil._pslinux
 
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
@@ -1605,8 +1590,6 @@ def test_a_step_of_the_wall_clock_leaves_the_launch_alive_to_its_ranks(monkeypat
 def test_a_launch_killed_but_not_yet_reaped_is_gone(monkeypatch):
     """A SIGKILLed launch whose parent had not reaped it yet (a zombie, as long as the parent waits on something
     else) counted as alive: its ranks trained on, to the end, instead of saving and stopping."""
-    import queue
-
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     try:
         said = _supervised_by(killed, monkeypatch)
