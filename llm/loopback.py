@@ -7,15 +7,15 @@ import ipaddress
 
 
 def is_loopback(address: str) -> bool:
-    """Whether `address` is a loopback IP address (127.0.0.0/8, ::1, an IPv6 zone allowed) or localhost (RFC 6761:
-    also its subdomains, and the fully qualified spelling with a final dot). A host's own name is not judged by what
-    it resolves to here: Debian's /etc/hosts maps it to 127.0.1.1 on the host itself, and other hosts resolve it to
-    its real address."""
+    """Whether `address` is a loopback IP address (127.0.0.0/8, ::1, an IPv6 zone allowed, not an IPv4 one) or
+    localhost (RFC 6761: also its subdomains, and the fully qualified spelling with a final dot). A host's own name is
+    not judged by what it resolves to here: Debian's /etc/hosts maps it to 127.0.1.1 on the host itself, and other
+    hosts resolve it to its real address."""
     name = address.lower().rstrip(".")
     if name in ("localhost", "localhost.localdomain") or name.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(name.partition("%")[0]).is_loopback
+        return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
 

@@ -704,17 +704,36 @@ def test_a_header_line_that_is_not_name_colon_value_is_refused_and_nothing_after
                                      "0 to 65535)"),
     ({"Host": "127.0.0.1:70000"}, 400, "Host '127.0.0.1:70000' is not a host name with an optional port (a number "
                                        "from 0 to 65535)"),
+    ({"Host": "[::1]x"}, 400, "Host '[::1]x' is not a host name with an optional port (a number from 0 to 65535)"),
+    ({"Host": "[::1%00]"}, 400, "Host '[::1%00]' is not a host name with an optional port (a number from 0 to "
+                                "65535)"),  # RFC 6874: a zone follows '%25'
+    ({"Host": ""}, 400, "Host '' is not a host name with an optional port (a number from 0 to 65535)"),
 ])
 def test_an_expectation_an_encoding_or_a_host_port_the_server_cannot_meet_is_refused(server, headers, status,
                                                                                       message):
     """Each was answered as if the header were not there: 'Expect: foo' (RFC 9110 10.1.1: 417), a gzip body (read
-    as JSON text: 'not valid UTF-8'), a Host port that is no number (RFC 9112 3.2: 400)."""
+    as JSON text: 'not valid UTF-8'), a Host port that is no number (RFC 9112 3.2: 400). A Host with text after its
+    IPv6 address was taken as that address, and an empty one was refused as foreign (403)."""
     got, response = raw_exchange(server, request_bytes(HELLO, headers))
     assert (got, json_body(response)["error"]["message"]) == (status, message)
     for fine in ({"Expect": "100-continue"}, {"Expect": "100-continue\r\nExpect: 100-Continue"},
-                 {"Content-Encoding": "identity"}, {"Host": "[::1]:8000"}):
+                 {"Content-Encoding": "identity"}, {"Host": "[::1]:8000"}, {"Host": "[::1%25lo]:8000"}):
         response = raw_exchange(server, request_bytes(HELLO, {**fine, "Connection": "close"}))[1]
         assert b"HTTP/1.1 200 OK\r\n" in response, response  # after "100 Continue" where it was asked for
+
+
+@pytest.mark.parametrize("data, status, message", [
+    (b"GET /health\r\n", 505, "the request line 'GET /health' names no HTTP version: this server speaks HTTP/1.0 "
+                              "and HTTP/1.1"),
+    (bytes.fromhex("16030100050100000100"), 400, "a TLS handshake: this server speaks plain HTTP (use http://, or a "
+                                                "TLS proxy in front of it)"),
+])
+def test_http09_and_tls_are_refused_without_waiting_for_a_head(server, data, status, message):
+    """HTTP/0.9's request line (no version) had its head waited for, and a TLS ClientHello (no line end) its request
+    line: each client got nothing until the server's timeout closed the connection."""
+    got, response = raw_exchange(server, data)
+    assert (got, json_body(response)["error"]["message"]) == (status, message)
+    assert response.startswith(f"HTTP/1.1 {status} ".encode()) and b"Connection: close\r\n" in response
 
 
 def test_two_content_lengths_are_refused(server):
@@ -777,6 +796,7 @@ def test_posts_must_be_json(server, content_type):
 
 def test_a_foreign_host_header_is_refused_on_loopback(server):
     assert raw_exchange(server, request_bytes(HELLO, headers={"Host": "attacker.example"}))[0] == 403
+    assert raw_exchange(server, request_bytes(HELLO, headers={"Host": "127.0.0.1%00"}))[0] == 403  # IPv4 has no zone
     assert raw_exchange(server, request_bytes(b"", method="GET", path="/v1/models",
                                               headers={"Host": "attacker.example:8000"}))[0] == 403
     assert raw_exchange(server, request_bytes(b"", method="GET", path="/health",

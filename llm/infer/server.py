@@ -599,14 +599,23 @@ class ChatService:
 
 # ---- HTTP ---------------------------------------------------------------------------------------------
 
+# RFC 3986, sections 3.2.2 and 3.2.3: an IPv6 address in brackets (RFC 6874's zone after '%25' allowed) or a
+# registered name (an IPv4 address reads as one), then an optional port of digits
+_UNRESERVED_OR_ESCAPED = r"[A-Za-z0-9\-._~]|%[0-9A-Fa-f]{2}"
+_HOST = re.compile(rf"(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)(?:%25(?:{_UNRESERVED_OR_ESCAPED})+)?\]"
+                   rf"|(?:{_UNRESERVED_OR_ESCAPED}|[!$&'()*+,;=])+)(?::(?P<port>[0-9]*))?")
+
+
 def _well_formed_host(host: str) -> bool:
-    """Whether a Host header reads as a host with an optional port from 0 to 65535 (RFC 9112, section 3.2); an
-    unclosed '[' of an IPv6 address fails too."""
+    """Whether a Host header reads as a host with an optional port from 0 to 65535 (RFC 9112, section 3.2): an empty
+    one, or one with anything after its port or its IPv6 address's bracket, does not."""
+    match = _HOST.fullmatch(host.strip())
     try:
-        urllib.parse.urlsplit(f"//{host.strip()}").port  # noqa: B018 - reading it checks it
-    except ValueError:
+        if match["ipv6"] is not None:
+            ipaddress.IPv6Address(match["ipv6"])
+        return int(match["port"] or 0) <= 65535
+    except (TypeError, ValueError):  # no match; no IPv6 address; a port of more than 4,300 digits
         return False
-    return True
 
 
 class _DeadlineReader(socket.SocketIO):
@@ -626,6 +635,10 @@ class _DeadlineReader(socket.SocketIO):
             return super().readinto(buffer)
         finally:
             self.connection.settimeout(self.timeout_s)  # writes keep the whole timeout
+
+
+TLS_HANDSHAKE = b"\x16"
+"""The first byte of every TLS connection (RFC 8446, section 5.1: a record of type handshake)."""
 
 
 class _HeadRecorder(io.BufferedReader):
@@ -679,11 +692,26 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             return self.server_version
 
         def handle_one_request(self) -> None:
-            """One request, whose line, headers and body must all arrive within timeout_s."""
+            """One request, whose line, headers and body must all arrive within timeout_s. A TLS handshake (an
+            https:// client) is refused at once: its bytes hold no line end, and the client waited for the timeout."""
             self.reader.deadline = time.monotonic() + timeout_s
             self.rfile.lines.clear()
             self.continue_expected = False
+            try:
+                handshake = self.rfile.peek(1)[:1] == TLS_HANDSHAKE
+            except TimeoutError:  # as the standard library does when the request line does not come
+                self.close_connection = True
+                return
+            if handshake:
+                self._refuse_unread("a TLS handshake: this server speaks plain HTTP (use http://, or a TLS proxy in "
+                                    "front of it)")
+                return
             super().handle_one_request()
+
+        def _refuse_unread(self, message: str, status: int = 400) -> None:
+            """A 400 or other error before the request's head is read, closing the connection."""
+            self.command, self.requestline, self.request_version, self.close_connection = None, "", "HTTP/1.1", True
+            self.send_error(status, message)
 
         def handle_expect_100(self) -> bool:
             """'Expect: 100-continue' is met in `_read_body`, once the key and the body's size are checked: answered
@@ -695,7 +723,13 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
             """The standard library's, but an HTTP/1.0 connection closes after its reply, also one that asks to be
             kept alive (which its reply would have to confirm: an HTTP/1.0 client waits for the close otherwise),
             a head with a header line that is not 'Name: value' (`_malformed_head`) is a 400 and an expectation
-            other than 100-continue a 417, each closing the connection."""
+            other than 100-continue a 417, each closing the connection. A request line without a version (HTTP/0.9's,
+            whose reply has no status line) is a 505 at once: its head was waited for until the timeout."""
+            if len(self.raw_requestline.split()) == 2:
+                line = self.raw_requestline.decode("iso-8859-1").strip()
+                self._refuse_unread(f"the request line '{line}' names no HTTP version: this server speaks HTTP/1.0 "
+                                    "and HTTP/1.1", status=505)
+                return False
             parsed = super().parse_request()
             if self.request_version == "HTTP/1.0":
                 self.close_connection = True
