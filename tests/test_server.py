@@ -29,6 +29,7 @@ from llm.infer.generate import TextGenerator
 from llm.infer.sampling import SamplingParams
 from llm.infer.server import (
     MAX_BODY_BYTES,
+    MAX_TOOLS,
     ChatService,
     RequestError,
     ServiceClosed,
@@ -37,6 +38,7 @@ from llm.infer.server import (
     client_key,
     make_server,
     parse_options,
+    parse_tools,
 )
 from llm.model import Transformer
 from llm.tokenizer import Tokenizer
@@ -332,6 +334,17 @@ def test_tools_a_chat_template_leaves_out_are_a_400_naming_them_and_refusals_nam
             "user/assistant/user/assistant/...")
     with pytest.raises(UserError, match=f"^{LLAMA}: the chat template refused the messages"):
         tokenizer.encode_chat(not_alternating)
+
+
+def test_more_tools_than_openai_allows_are_a_400_before_any_rendering(server):
+    """80,000 tools (under the 1 MiB body) were rendered by the chat template three times, holding a core for
+    seconds; OpenAI's API takes at most 128."""
+    tools = [{**WEATHER, "function": {**WEATHER["function"], "name": f"f{i}"}} for i in range(MAX_TOOLS + 1)]
+    for key, given in (("tools", tools), ("functions", [tool["function"] for tool in tools])):
+        status, payload = _post(server, _with(**{key: given}))
+        assert (status, payload["error"]["param"], payload["error"]["message"]) == (
+            400, key, f"'{key}' has 129 tool definitions, more than 128 (OpenAI's limit)")
+    assert parse_tools({"tools": tools[:MAX_TOOLS]}) == tools[:MAX_TOOLS]
 
 
 def _with(**fields) -> bytes:

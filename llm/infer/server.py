@@ -206,6 +206,11 @@ def parse_messages(body: Any) -> list[dict]:
     return [canonical_message(m, i) for i, m in enumerate(messages)]
 
 
+MAX_TOOLS = 128
+"""The most tool definitions a request may give, as OpenAI's API allows: the chat template renders them three times
+(with and without them, and once to encode), and 80,000 (within the 1 MiB body) held a core for seconds."""
+
+
 def parse_tools(body: dict) -> list[dict] | None:
     """The tool definitions of a chat-completions body (`tools`, or `functions`, its name before), for the chat
     template; None where it gives none."""
@@ -217,6 +222,9 @@ def parse_tools(body: dict) -> list[dict] | None:
     key = given[0]
     if not isinstance(body[key], list):  # the JSON text of a list is for files, as MiniMind writes them
         raise RequestError(f"'{key}' must be a list of tool definitions", key)
+    if len(body[key]) > MAX_TOOLS:
+        raise RequestError(f"'{key}' has {len(body[key])} tool definitions, more than {MAX_TOOLS} (OpenAI's limit)",
+                           key)
     try:
         return tool_list(body[key], f"'{key}'")
     except RecordError as exc:
