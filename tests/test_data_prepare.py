@@ -543,7 +543,24 @@ def test_dataset_dict_directories_read_every_split_and_report_rows(tokenizer_dir
                                "'conversations' or 'instruction'/'output'")]
     assert _documents(tmp_path / "out", tokenizer_dir) == ["one", "two", "three", "four"]
     walked = expand_inputs([tmp_path], exclude=tmp_path / "out")  # a folder walk finds the splits and the file
-    assert walked == [tmp_path / "hf" / "test", tmp_path / "hf" / "train", tmp_path / "more.parquet"]
+    assert walked == [tmp_path / "hf" / "train", tmp_path / "hf" / "test", tmp_path / "more.parquet"]
+
+
+def test_a_dataset_dict_found_in_a_folder_is_read_in_its_own_order_as_when_named(tokenizer_dir, tmp_path):
+    """A folder walk sorted the splits (test, train, validation) where the DatasetDict named read them in its own
+    order: the same data gave other tokens, and another digest, by how it was named."""
+    corpus = tmp_path / "corpus"
+    datasets.DatasetDict({k: datasets.Dataset.from_list([{"text": k}]) for k in ("train", "validation", "test")}
+                         ).save_to_disk(str(corpus / "hf"))
+    for name in ("a", "z"):
+        (corpus / f"{name}.jsonl").write_text(json.dumps({"text": name}) + "\n")
+    named = [corpus / "a.jsonl", corpus / "hf", corpus / "z.jsonl"]
+    _quiet("pretrain", named, tokenizer_dir, tmp_path / "named")
+    _quiet("pretrain", [corpus], tokenizer_dir, tmp_path / "walked")
+    for out in ("named", "walked"):
+        assert _documents(tmp_path / out, tokenizer_dir) == ["a", "train", "validation", "test", "z"], out
+    assert (prepare_module.tokens_digest(tmp_path / "named" / "tokens.h5")
+            == prepare_module.tokens_digest(tmp_path / "walked" / "tokens.h5"))
 
 
 def test_a_datasets_directory_naming_files_outside_it_is_refused(tokenizer_dir, tmp_path):

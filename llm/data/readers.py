@@ -145,12 +145,14 @@ def _dataset_dict_splits(path: Path) -> list[Path]:
 
 
 def _walk(folder: Path, exclude: Path | None) -> tuple[list[Path], dict[Path, int]]:
-    """Supported files and save_to_disk datasets under `folder`, sorted; hidden entries, `exclude`, what zerollm
-    wrote into a run directory or prepared data folder (`zerollm_entries`) and anything but regular files (a FIFO
-    would block the reader forever) left out. Symlinked folders are followed, each folder read once however many
-    links reach it (so a link loop ends). And the symbolic links under `folder` that lead out of it, each with the
-    number of inputs found through it."""
-    found: list[Path] = []
+    """Supported files and save_to_disk datasets under `folder`, sorted, a DatasetDict's splits at its folder's
+    place in the order its dataset_dict.json lists them (as when the DatasetDict is named: sorted, the same data
+    came out in another order); hidden entries, `exclude`, what zerollm wrote into a run directory or prepared data
+    folder (`zerollm_entries`) and anything but regular files (a FIFO would block the reader forever) left out.
+    Symlinked folders are followed, each folder read once however many links reach it (so a link loop ends). And
+    the symbolic links under `folder` that lead out of it, each with the number of inputs found through it."""
+    found: list[tuple[Path, int, Path]] = []
+    """Each input found, behind where it sorts: its own path, or its DatasetDict's folder and its split's index."""
     real_folder = folder.resolve()
     seen = {real_folder}
     through: dict[Path, Path | None] = {folder: None}
@@ -161,8 +163,9 @@ def _walk(folder: Path, exclude: Path | None) -> tuple[list[Path], dict[Path, in
         """`path` where it is a link out of `folder` (`real`: where it leads, where known)."""
         return path if path.is_symlink() and not _is_within(real or path.resolve(), real_folder) else None
 
-    def take(path: Path, link: Path | None, real: Path | None = None) -> None:
-        found.append(path)
+    def take(path: Path, link: Path | None, real: Path | None = None, dataset_dict: Path | None = None,
+             split: int = 0) -> None:
+        found.append((dataset_dict or path, split, path))
         if (link := link or leading_out(path, real)) is not None:
             links_out[link] = links_out.get(link, 0) + 1
 
@@ -181,8 +184,8 @@ def _walk(folder: Path, exclude: Path | None) -> tuple[list[Path], dict[Path, in
             if _format(sub) == "hf":
                 take(sub, link, real)
             elif (sub / HF_DATASET_DICT_FILE).is_file():
-                for split in _dataset_dict_splits(sub):
-                    take(split, link or leading_out(sub, real))
+                for index, split in enumerate(_dataset_dict_splits(sub)):
+                    take(split, link or leading_out(sub, real), dataset_dict=sub, split=index)
             else:
                 kept.append(name)
                 through[sub] = link or leading_out(sub, real)
@@ -190,7 +193,7 @@ def _walk(folder: Path, exclude: Path | None) -> tuple[list[Path], dict[Path, in
         for name in files:
             if not name.startswith(".") and name not in own and _format(here / name) and (here / name).is_file():
                 take(here / name, link)
-    return sorted(found), links_out
+    return [path for *_, path in sorted(found)], links_out
 
 
 def _note_links_out(folder: Path, links: dict[Path, int]) -> None:
