@@ -3,10 +3,10 @@
 The corpus is generated here (nothing downloaded, nothing copied): simple facts and arithmetic
 in English and Chinese, regular enough that a tiny model visibly learns it. After pretraining,
 SFT teaches arithmetic questions in ChatML, DPO prefers right answers over the SFT model's own
-wrong ones, greedy and sampled (a near miss where it is always right), and GRPO samples groups of
-answers from the current policy and rewards the exact right one; the accuracy on held-out
-questions is printed after each stage. The exit code is 0 when every stage
-ran and the pretraining validation loss fell.
+wrong ones, greedy and sampled (whole texts: none holding U+FFFD), or a near miss where it gives
+none, and GRPO samples groups of answers from the current policy and rewards the exact right one;
+the accuracy on held-out questions is printed after each stage. The exit code is 0 when every
+stage ran and the pretraining validation loss fell.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from llm.child_job import run_stopping_together
 from llm.config import build_config
 from llm.data.output import refuse_foreign_contents, staging_leftovers
 from llm.errors import EXIT_PREEMPTED, EXIT_TERMINATED, Terminated, UserError
-from llm.infer.generate import TextGenerator, complete
+from llm.infer.generate import FORMING, TextGenerator, complete
 from llm.infer.sampling import SamplingParams
 from llm.loading import load_for_inference, load_trained_model
 from llm.tokenizer import Tokenizer
@@ -139,17 +139,23 @@ def write_sft_file(path: Path) -> None:
                     encoding="utf-8")
 
 
+def rejectable(answer: str, right: str) -> bool:
+    """Whether a sampled answer is a wrong one DPO can learn from: not empty, not right, and whole text. An answer
+    holding U+FFFD (a character cut by the token limit, or bytes that are no UTF-8) is not what the model wrote:
+    DPO would learn to avoid the replacement character's bytes, and dpo.jsonl would show mojibake."""
+    return bool(answer) and FORMING not in answer and not answers_match(answer, right)
+
+
 def write_dpo_file(path: Path, sft_run: Path, samples: int = 4, seed: int = 0) -> None:
     """Pairs on the training questions: chosen = the right answer; rejected = every distinct wrong answer the SFT
-    model gives, greedily or in `samples` attempts at temperature 1 (on-policy), or a near miss where it is
-    always right."""
+    model gives (`rejectable`), greedily or in `samples` attempts at temperature 1 (on-policy), or a near miss
+    where it gives none."""
     rng = random.Random(seed)
     train = questions(held=False)
     attempts = [answers(sft_run, train)] + [answers(sft_run, train, 1.0, seed + i) for i in range(samples)]
     rows = []
     for i, (q, right) in enumerate(train):
-        wrong = dict.fromkeys(a[i] for a in attempts if a[i] and not answers_match(a[i], right)) \
-            or [wrong_answer(right, rng)]
+        wrong = dict.fromkeys(a[i] for a in attempts if rejectable(a[i], right)) or [wrong_answer(right, rng)]
         rows += [{"prompt": q, "chosen": right, "rejected": w} for w in wrong]
     path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n", encoding="utf-8")
 

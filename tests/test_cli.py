@@ -1,5 +1,6 @@
 import errno
 import io
+import json
 import os
 import random
 import re
@@ -253,6 +254,22 @@ def test_demo_held_out_questions_are_a_random_slice_never_trained_on():
     # spread over the addends, not one structured slice (such as b % 7 == 0, which left "+ 0" untrained)
     for position in (0, 1):
         assert len({pair[position] for pair in HELD_OUT}) >= 15
+
+
+def test_demo_dpo_pairs_reject_no_answer_holding_a_replacement_character(tmp_path, monkeypatch):
+    """A sampled answer decoded with U+FFFD (a character cut by the token limit, or bytes that are no UTF-8) was
+    rejected as it was: mojibake in dpo.jsonl, and the replacement character's bytes, which the model never wrote,
+    trained on. It is left out as an empty answer is; a question left without a wrong answer gets a near miss."""
+    from llm import demo
+
+    qa = [("What is 5 + 7?", "12"), ("五加七等于多少？", "等于十二")]
+    attempts = iter([["13", "等于十\ufffd"], ["1\ufffd", "等于十二"], ["", "\ufffd十三"]])  # greedy, 2 samples
+    monkeypatch.setattr(demo, "questions", lambda held: qa)
+    monkeypatch.setattr(demo, "answers", lambda run, questions, temperature=0.0, seed=None: next(attempts))
+    demo.write_dpo_file(tmp_path / "dpo.jsonl", tmp_path / "sft_run", samples=2)
+    rows = [json.loads(line) for line in (tmp_path / "dpo.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [(row["prompt"], row["chosen"]) for row in rows] == qa
+    assert rows[0]["rejected"] == "13" and rows[1]["rejected"] in {"等于十三", "等于十四", "等于十五"}
 
 
 def _help(monkeypatch, capsys, *command: str) -> str:
