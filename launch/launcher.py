@@ -229,8 +229,9 @@ RANK_MODULE = ("--module", "llm")
 
 def deepspeed_runner(*options: str, program: tuple[str, ...] = RANK_MODULE) -> list[str]:
     """DeepSpeed's runner with `options`, starting `program` (`python -m llm` by default) on every rank; the training
-    arguments follow."""
-    return [sys.executable, "-m", "deepspeed.launcher.runner", *options, "--no_local_rank", *program]
+    arguments follow. Run through launch/deepspeed_launcher.py, quiet where its output's reader left."""
+    return [sys.executable, "-m", "launch.deepspeed_launcher", "deepspeed.launcher.runner", *options, "--no_local_rank",
+            *program]
 
 
 def console_script() -> str:

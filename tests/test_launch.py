@@ -39,7 +39,7 @@ from launch.local import wait_for_ranks
 from launch.nodelist import expand_nodelist, nodelist_size, slurm_hosts
 from launch.torchrun import lost_rank, passed_on_code, quiet_code
 from llm.cli import build_parser, launch_options
-from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, UserError
+from llm.errors import EXIT_PIPE_CLOSED, EXIT_PREEMPTED, EXIT_RANK_LOST, UserError
 from llm.jsonl import jsonl_lines
 from llm.runtime import shared_run_dir, supervisor, watchdog
 from llm.runtime.cpu_threads import usable_cpus
@@ -187,7 +187,7 @@ from llm.cli import main
 def started(command, **options):  # the launcher, not started: what this process had loaded by then
     if "deepspeed.launcher.runner" not in command:  # another program (h5py asks the platform, reading the data)
         return popen(command, **options)
-    print(command[2], 'torch' in sys.modules)
+    print(command[3], 'torch' in sys.modules)
     sys.exit(0)
 
 popen, launch.launcher.subprocess.Popen = launch.launcher.subprocess.Popen, started
@@ -714,6 +714,26 @@ def test_hostfile_mode_on_this_machine(pretrain_data, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "deepspeed.launcher.runner --hostfile" in result.stdout and "2 rank(s)" in result.stdout
     assert [r["step"] for r in _metrics(tmp_path / "run")] == [1, 2]
+
+
+@pytest.mark.parametrize("read_to, code", [("zerollm launch: ", EXIT_PIPE_CLOSED), ("step 2/", EXIT_PREEMPTED)])
+def test_a_launch_whose_output_reader_leaves_ends_quietly(pretrain_data, tmp_path, read_to, code):
+    """`zerollm launch ... | head`: DeepSpeed's runner and per-node launcher log to standard output, and each line
+    they wrote after the reader left (every rank started, every rank stopped) printed a '--- Logging error ---'
+    traceback. The launch ends as the rest of the CLI does: 141 without a word before the ranks train, else a stop
+    with a checkpoint."""
+    run = tmp_path / "run"
+    job = _job(pretrain_data, run, "train.max_steps=500", "train.save_every=400")
+    launch = subprocess.Popen([sys.executable, "-m", "llm", "launch", "--nnodes", "1", "--node-rank", "0",
+                               "--master-addr", "127.0.0.1", "--nproc-per-node", "2", "--master-port", str(free_port()),
+                               "--", *map(str, job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not launch.stdout.readline().startswith(read_to):  # as head reads its lines
+        pass
+    launch.stdout.close()
+    stderr = launch.communicate(timeout=300)[1]
+    assert launch.returncode == code, stderr[-3000:]
+    assert "Logging error" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert (run / "checkpoints" / "latest").is_file() == (code == EXIT_PREEMPTED)
 
 
 def test_fingerprint_mismatch_stops_every_node_with_one_message(pretrain_data, tmp_path):
