@@ -7,7 +7,8 @@ is the per-node launcher's, with stop signals handled the way `zerollm launch` h
 
 - SIGTERM/SIGINT to this process is forwarded, as it came, to every rank: they agree to stop, save a checkpoint and
   exit 75; a second one stops them at once, and the job exits 128 + the signal this process was sent last (130 for
-  Ctrl-C);
+  Ctrl-C); ranks that have not ended STOP_GRACE_S after the first stop (one frozen, or stuck in a collective with
+  it) are killed and named in one line, and the job exits 76 (EXIT_RANK_LOST);
 - when a rank fails, the others are sent SIGTERM and killed after GRACE_S; the job's exit code is the first
   failing rank's, or 76 (EXIT_RANK_LOST) where that rank was ended by a signal (SIGKILL from the kernel's OOM
   killer, a segfault), which is named in one line; the ranks' agreed refusal (2) wins over a rank that ended as the
@@ -34,6 +35,11 @@ COMMAND_VARIABLE = "ZEROLLM_COMMAND"
 (`llm.train.run_record`)."""
 GRACE_S = 30.0
 """How long the other ranks get to end by themselves after one failed, before they are killed."""
+STOP_GRACE_S = 120.0
+"""How long the ranks get after a stop to finish their step, save its checkpoint and end, before those left are
+killed: a rank frozen (SIGSTOP) or stuck in a collective with one held the job until a watchdog's collective timeout,
+or for ever where every rank was; torchrun and DeepSpeed's per-node launcher allow 30 s, less than a large model's
+save takes."""
 POLL_S = 0.05
 RESUME_ADVICE = "rerun with --resume auto to continue from its last complete checkpoint"
 """What to do when a training job's rank was lost (`report_rank_ended`)."""
@@ -101,9 +107,10 @@ STOPPED_AT_ONCE = (*(128 + signum for signum in STOP_SIGNALS), *(-signum for sig
 before its handlers were set (still importing)."""
 
 
-def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S, advice: str = RESUME_ADVICE) -> int:
+def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S, advice: str = RESUME_ADVICE,
+                   stop_grace_s: float = STOP_GRACE_S) -> int:
     """Wait for every rank; the job's exit code (module docstring). Forwards SIGTERM/SIGINT while waiting. `advice`
-    ends the line naming a rank a signal ended."""
+    ends the line naming a rank a signal ended, or ranks killed `stop_grace_s` after a stop."""
     stopping = []  # a stop forwarded: a rank it ends before its handler is set is not a lost rank
 
     def forward(signum, frame):
@@ -121,17 +128,26 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S, advi
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        failure, kill_at = None, None
+        failure, kill_at, hung = None, None, []
         while None in [rank.poll() for rank in ranks]:  # every rank polled: a later one may have failed
             if failure is None and (failure := first_failure()) is not None:
                 kill_at = time.monotonic() + grace_s
                 _signal_all(ranks, signal.SIGTERM)
+            if stopping and kill_at is None:
+                kill_at = time.monotonic() + stop_grace_s
             if kill_at is not None and time.monotonic() > kill_at:
+                if failure is None and not hung:  # no rank ended after the stop
+                    hung = [f"rank {i} (pid {rank.pid})" for i, rank in enumerate(ranks) if rank.poll() is None]
                 _signal_all(ranks, signal.SIGKILL)
             time.sleep(POLL_S)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if hung:
+        report(f"{', '.join(hung)} did not end within {stop_grace_s:g} s of the stop (frozen, or stuck in a "
+               f"collective), and {'was' if len(hung) == 1 else 'were'} killed; the job is ended on every rank: "
+               f"{advice}")
+        return EXIT_RANK_LOST
     if failure is None:
         failure = first_failure() or 0
     if stopping and failure in STOPPED_AT_ONCE:  # a rank ends by whichever stop it reads first (a SIGTERM sent

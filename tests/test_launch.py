@@ -665,6 +665,26 @@ def test_a_job_stopped_at_once_by_ctrl_c_exits_130_and_so_do_its_ranks(tmp_path)
     assert [r.returncode for r in ranks] == [128 + signal.SIGINT] * 2
 
 
+def test_ranks_that_do_not_end_after_a_stop_are_killed_and_named(tmp_path, capfd):
+    """A rank frozen (SIGSTOP) as the job was stopped, and one stuck in a collective with it (here: passing the stop
+    over): the job waited for them until a rank's watchdog ended its collective, or for ever where none could. They
+    are killed once the stop's grace period has passed, and named."""
+    ready = tmp_path / "ready"
+    stuck = ("import pathlib, signal, sys, time\nfor signum in (signal.SIGINT, signal.SIGTERM):\n"
+             "    signal.signal(signum, signal.SIG_IGN)\npathlib.Path(sys.argv[1]).touch()\ntime.sleep(60)\n")
+    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+             subprocess.Popen([sys.executable, "-c", stuck, ready])]
+    os.kill(ranks[0].pid, signal.SIGSTOP)
+    _wait_for(ready)
+    _ctrl_c_once_handled()
+    assert wait_for_ranks(ranks, stop_grace_s=1) == EXIT_RANK_LOST
+    assert [rank.returncode for rank in ranks] == [-signal.SIGKILL] * 2
+    assert capfd.readouterr().err == (f"zerollm: error: rank 0 (pid {ranks[0].pid}), rank 1 (pid {ranks[1].pid}) did "
+                                      "not end within 1 s of the stop (frozen, or stuck in a collective), and were "
+                                      "killed; the job is ended on every rank: rerun with --resume auto to continue "
+                                      "from its last complete checkpoint\n")
+
+
 def test_nproc_names_a_rank_a_signal_ended_and_exits_76(capfd):
     """A rank the OOM killer ends: the job said nothing of it and exited 137 (once its wait polled every rank, the
     others were stopped before their watchdogs could name it)."""
