@@ -161,18 +161,22 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
                         "reported (.txt documents of any length are streamed in pieces; default 64)")
 
 
+def _add_deepspeed_options(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--deepspeed", "--deepspeed_config", type=a_path, default=None, metavar="JSON",
+                   action=DeepSpeedConfigOption,
+                   help=f"DeepSpeed config: a JSON file, or a shipped one by name (pretrain_zero3, ...; default: "
+                        f"{default}); 'auto' values come from the run config. --deepspeed_config is DeepSpeed's own "
+                        "name for it, and --deepspeed alone (DeepSpeed's switch, as in --deepspeed "
+                        "--deepspeed_config ds.json) is taken")
+    p.add_argument("--zero-stage", type=whole_number, choices=[0, 1, 2, 3], default=None,
+                   help="override zero_optimization.stage of the DeepSpeed config")
+
+
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", type=a_path, required=True, help="packaged recipe name or YAML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a run-config key, e.g. --set train.lr=1e-3 (repeatable)")
-    p.add_argument("--deepspeed", "--deepspeed_config", type=a_path, default=None, metavar="JSON",
-                   action=DeepSpeedConfigOption,
-                   help="DeepSpeed config: a JSON file, or a shipped one by name (pretrain_zero3, ...; default: the "
-                        "stage's, ds_configs/<stage>.json); 'auto' values come from the run config. "
-                        "--deepspeed_config is DeepSpeed's own name for it, and --deepspeed alone (DeepSpeed's "
-                        "switch, as in --deepspeed --deepspeed_config ds.json) is taken")
-    p.add_argument("--zero-stage", type=whole_number, choices=[0, 1, 2, 3], default=None,
-                   help="override zero_optimization.stage of the DeepSpeed config")
+    _add_deepspeed_options(p, "the stage's, ds_configs/<stage>.json")
     p.add_argument("--nproc", type=ranks_on_this_machine, default=1,
                    help="ranks on this machine, started by this command itself (default 1)")
 
@@ -466,10 +470,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                        help="override a run-config key (repeatable)")
     learn.add_argument("--reserve", type=float, default=15.0,
                        help="seconds kept for starting the training job and the final evaluation (default 15)")
-    learn.add_argument("--deepspeed", type=a_path, default=None, metavar="JSON",
-                       help="DeepSpeed config (default pretrain.json)")
-    learn.add_argument("--zero-stage", type=whole_number, choices=[0, 1, 2, 3], default=None,
-                       help="override zero_optimization.stage of the DeepSpeed config")
+    _add_deepspeed_options(learn, "ds_configs/pretrain.json")
     learn.add_argument("--out", type=a_path, default="runs/learn", help="working directory (default runs/learn)")
     g = bsub.add_parser("generate", help="prefill and decode speed: cached, uncached, transformers", epilog=EPILOG,
                         description="Time prefill and decode tokens/s of greedy generation with our KV cache, "

@@ -314,13 +314,15 @@ def test_help_of_every_input_option_names_what_the_readers_read(monkeypatch, cap
     assert "/quit (or /exit)" in _help(monkeypatch, capsys, "chat")
 
 
-def test_deepspeeds_own_option_name_gives_the_config():
+@pytest.mark.parametrize("command", [["train", "pretrain", "--recipe", "demo", "--data", "d", "--out", "o"],
+                                     ["bench", "train", "--recipe", "demo"],
+                                     ["bench", "learn", "--input", "novel.txt"]])  # bench learn's was --deepspeed alone
+def test_deepspeeds_own_option_name_gives_the_config(command):
     """`--deepspeed_config ds.json`, as DeepSpeed's scripts take it, was "unrecognized arguments"."""
     from llm.cli import build_parser
 
     def given(*options):
-        return build_parser().parse_args(["train", "pretrain", "--recipe", "demo", "--data", "d", "--out", "o",
-                                          *options]).deepspeed
+        return build_parser().parse_args([*command, *options]).deepspeed
 
     assert given("--deepspeed_config", "ds.json") == "ds.json"
     # DeepSpeed's switch, as in `deepspeed train.py --deepspeed --deepspeed_config ds.json`: it took the next option
