@@ -747,8 +747,9 @@ def test_a_launch_whose_output_reader_leaves_ends_quietly(pretrain_data, tmp_pat
     launch = subprocess.Popen([sys.executable, "-m", "llm", "launch", "--nnodes", "1", "--node-rank", "0",
                                "--master-addr", "127.0.0.1", "--nproc-per-node", "2", "--master-port", str(free_port()),
                                "--", *map(str, job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while not launch.stdout.readline().startswith(read_to):  # as head reads its lines
-        pass
+    for line in launch.stdout:  # as head reads its lines
+        if line.startswith(read_to):
+            break
     launch.stdout.close()
     stderr = launch.communicate(timeout=300)[1]
     assert launch.returncode == code, stderr[-3000:]
