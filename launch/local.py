@@ -7,8 +7,8 @@ is the per-node launcher's, with stop signals handled the way `zerollm launch` h
 
 - SIGTERM/SIGINT to this process is forwarded, as it came, to every rank: they agree to stop, save a checkpoint and
   exit 75; a second one stops them at once, and the job exits 128 + the signal this process was sent last (130 for
-  Ctrl-C); ranks that have not ended STOP_GRACE_S after the first stop (one frozen, or stuck in a collective with
-  it) are killed and named in one line, and the job exits 76 (EXIT_RANK_LOST);
+  Ctrl-C); ranks that have not ended STOP_GRACE_S after the first stop, or GRACE_S after a second (one frozen, or
+  stuck in a collective with it), are killed and named in one line, and the job exits 76 (EXIT_RANK_LOST);
 - when a rank fails, the others are sent SIGTERM and killed after GRACE_S; the job's exit code is the first
   failing rank's, or 76 (EXIT_RANK_LOST) where that rank was ended by a signal (SIGKILL from the kernel's OOM
   killer, a segfault), which is named in one line; the ranks' agreed refusal (2) wins over a rank that ended as the
@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from llm.errors import EXIT_RANK_LOST, EXIT_USER_ERROR, STOP_SIGNALS, UserError, report
+from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, EXIT_USER_ERROR, STOP_SIGNALS, UserError, report
 from llm.runtime.rank_env import LOCAL_SIZE_VARIABLES, RANK_VARIABLES, announced_world_size, free_port
 from llm.runtime.supervisor import supervisor_env
 
@@ -35,11 +35,11 @@ COMMAND_VARIABLE = "ZEROLLM_COMMAND"
 (`llm.train.run_record`)."""
 GRACE_S = 30.0
 """How long the other ranks get to end by themselves after one failed, before they are killed."""
-STOP_GRACE_S = 120.0
+STOP_GRACE_S = 600.0
 """How long the ranks get after a stop to finish their step, save its checkpoint and end, before those left are
-killed: a rank frozen (SIGSTOP) or stuck in a collective with one held the job until a watchdog's collective timeout,
-or for ever where every rank was; torchrun and DeepSpeed's per-node launcher allow 30 s, less than a large model's
-save takes."""
+killed: every rank frozen (SIGSTOP) held the job for ever, and a second stop did not end it. As long as the default
+train.collective_timeout_s, after which a rank's watchdog ends a collective stuck with a frozen rank: torchrun and
+DeepSpeed's per-node launcher allow 30 s, less than a large model's save takes (a second stop allows GRACE_S)."""
 POLL_S = 0.05
 RESUME_ADVICE = "rerun with --resume auto to continue from its last complete checkpoint"
 """What to do when a training job's rank was lost (`report_rank_ended`)."""
@@ -110,11 +110,14 @@ before its handlers were set (still importing)."""
 def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S, advice: str = RESUME_ADVICE,
                    stop_grace_s: float = STOP_GRACE_S) -> int:
     """Wait for every rank; the job's exit code (module docstring). Forwards SIGTERM/SIGINT while waiting. `advice`
-    ends the line naming a rank a signal ended, or ranks killed `stop_grace_s` after a stop."""
-    stopping = []  # a stop forwarded: a rank it ends before its handler is set is not a lost rank
+    ends the line naming a rank a signal ended, or ranks killed `stop_grace_s` after a stop (`grace_s` after a second
+    one)."""
+    stopping: list[int] = []  # a stop forwarded: a rank it ends before its handler is set is not a lost rank
+    stopped_at: list[float] = []
 
     def forward(signum, frame):
         stopping.append(signum)
+        stopped_at.append(time.monotonic())
         _signal_all(ranks, signum)  # as sent: a rank a terminal's Ctrl-C reaches reads two copies of one signal, and
         # ends (its wandb run records it) as the job does, by whichever it reads first
 
@@ -128,25 +131,25 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S, advi
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        failure, kill_at, hung = None, None, []
+        failure, kill_at, hung, stop_wait_s = None, None, [], stop_grace_s
         while None in [rank.poll() for rank in ranks]:  # every rank polled: a later one may have failed
-            if failure is None and (failure := first_failure()) is not None:
-                kill_at = time.monotonic() + grace_s
+            code = first_failure() if kill_at is None else None
+            if code is not None and not (stopping and code == EXIT_PREEMPTED):  # saved and stopped as asked: no failure
+                failure, kill_at = code, time.monotonic() + grace_s
                 _signal_all(ranks, signal.SIGTERM)
-            if stopping and kill_at is None:
-                kill_at = time.monotonic() + stop_grace_s
-            if kill_at is not None and time.monotonic() > kill_at:
-                if failure is None and not hung:  # no rank ended after the stop
-                    hung = [f"rank {i} (pid {rank.pid})" for i, rank in enumerate(ranks) if rank.poll() is None]
+            stop_wait_s = stop_grace_s if len(stopped_at) < 2 else grace_s
+            if not hung and stopped_at and time.monotonic() > stopped_at[-1] + stop_wait_s:
+                hung = [f"rank {i} (pid {rank.pid})" for i, rank in enumerate(ranks) if rank.poll() is None]
+            if hung or kill_at is not None and time.monotonic() > kill_at:
                 _signal_all(ranks, signal.SIGKILL)
             time.sleep(POLL_S)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if hung:
-        report(f"{', '.join(hung)} did not end within {stop_grace_s:g} s of the stop (frozen, or stuck in a "
-               f"collective), and {'was' if len(hung) == 1 else 'were'} killed; the job is ended on every rank: "
-               f"{advice}")
+        report(f"{', '.join(hung)} did not end within {stop_wait_s:g} s of the {'last ' if len(stopped_at) > 1 else ''}"
+               f"stop (frozen, or stuck in a collective), and {'was' if len(hung) == 1 else 'were'} killed; the job "
+               f"is ended on every rank: {advice}")
         return EXIT_RANK_LOST
     if failure is None:
         failure = first_failure() or 0

@@ -665,24 +665,37 @@ def test_a_job_stopped_at_once_by_ctrl_c_exits_130_and_so_do_its_ranks(tmp_path)
     assert [r.returncode for r in ranks] == [128 + signal.SIGINT] * 2
 
 
-def test_ranks_that_do_not_end_after_a_stop_are_killed_and_named(tmp_path, capfd):
-    """A rank frozen (SIGSTOP) as the job was stopped, and one stuck in a collective with it (here: passing the stop
-    over): the job waited for them until a rank's watchdog ended its collective, or for ever where none could. They
-    are killed once the stop's grace period has passed, and named."""
+STUCK = ("import pathlib, signal, sys, time\nfor signum in (signal.SIGINT, signal.SIGTERM):\n"
+         "    signal.signal(signum, signal.SIG_IGN)\npathlib.Path(sys.argv[1]).touch()\ntime.sleep(60)\n")
+"""A rank stuck in a collective with a frozen one: it passes every stop over."""
+SAVES_AND_STOPS = ("import pathlib, signal, sys, time\nsignal.signal(signal.SIGINT, lambda *_: sys.exit(75))\n"
+                   "pathlib.Path(sys.argv[1]).touch()\ntime.sleep(60)\n")
+
+
+@pytest.mark.parametrize("first, stops, grace, since", [
+    (STUCK, 1, {"stop_grace_s": 1}, "1 s of the stop"),
+    (STUCK, 2, {"grace_s": 1}, "1 s of the last stop"),  # a second stop allows grace_s, not the stop's 600 s
+    (SAVES_AND_STOPS, 1, {"stop_grace_s": 1}, "1 s of the stop"),  # its 75 started the failure clock, unnamed
+])
+def test_ranks_that_do_not_end_after_a_stop_are_killed_and_named(tmp_path, capfd, first, stops, grace, since):
+    """A rank frozen (SIGSTOP) as the job was stopped, and another stuck in a collective with it or saving and
+    stopping as asked: the job waited for the frozen one until a rank's watchdog ended its collective, or for ever
+    where none could. Ranks left once the stop's grace period has passed are killed, and named."""
     ready = tmp_path / "ready"
-    stuck = ("import pathlib, signal, sys, time\nfor signum in (signal.SIGINT, signal.SIGTERM):\n"
-             "    signal.signal(signum, signal.SIG_IGN)\npathlib.Path(sys.argv[1]).touch()\ntime.sleep(60)\n")
-    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
-             subprocess.Popen([sys.executable, "-c", stuck, ready])]
-    os.kill(ranks[0].pid, signal.SIGSTOP)
+    ranks = [subprocess.Popen([sys.executable, "-c", first, ready]),
+             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])]
+    os.kill(ranks[1].pid, signal.SIGSTOP)
     _wait_for(ready)
-    _ctrl_c_once_handled()
-    assert wait_for_ranks(ranks, stop_grace_s=1) == EXIT_RANK_LOST
-    assert [rank.returncode for rank in ranks] == [-signal.SIGKILL] * 2
-    assert capfd.readouterr().err == (f"zerollm: error: rank 0 (pid {ranks[0].pid}), rank 1 (pid {ranks[1].pid}) did "
-                                      "not end within 1 s of the stop (frozen, or stuck in a collective), and were "
-                                      "killed; the job is ended on every rank: rerun with --resume auto to continue "
-                                      "from its last complete checkpoint\n")
+    for _ in range(stops):
+        _ctrl_c_once_handled()
+    assert wait_for_ranks(ranks, **{"stop_grace_s": 60, **grace}) == EXIT_RANK_LOST
+    left = ranks if first is STUCK else ranks[1:]
+    assert [rank.returncode for rank in left] == [-signal.SIGKILL] * len(left)
+    named = ", ".join(f"rank {ranks.index(rank)} (pid {rank.pid})" for rank in left)
+    assert capfd.readouterr().err == (f"zerollm: error: {named} did not end within {since} (frozen, or stuck in a "
+                                      f"collective), and {'were' if len(left) == 2 else 'was'} killed; the job is "
+                                      "ended on every rank: rerun with --resume auto to continue from its last "
+                                      "complete checkpoint\n")
 
 
 def test_nproc_names_a_rank_a_signal_ended_and_exits_76(capfd):
