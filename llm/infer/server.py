@@ -607,10 +607,10 @@ class ChatService:
 
 # ---- HTTP ---------------------------------------------------------------------------------------------
 
-# RFC 3986, sections 3.2.2 and 3.2.3: an IPv6 address in brackets (RFC 6874's zone after '%25' allowed) or a
-# registered name (an IPv4 address reads as one), then an optional port of digits
+# RFC 3986, sections 3.2.2 and 3.2.3: an IPv6 address in brackets (a zone allowed after RFC 6874's '%25', or the bare
+# '%' Python's urllib sends) or a registered name (an IPv4 address reads as one), then an optional port of digits
 _UNRESERVED_OR_ESCAPED = r"[A-Za-z0-9\-._~]|%[0-9A-Fa-f]{2}"
-_HOST = re.compile(rf"(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)(?:%25(?:{_UNRESERVED_OR_ESCAPED})+)?\]"
+_HOST = re.compile(rf"(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)(?:%(?:25)?(?:{_UNRESERVED_OR_ESCAPED})+)?\]"
                    rf"|(?:{_UNRESERVED_OR_ESCAPED}|[!$&'()*+,;=])+)(?::(?P<port>[0-9]*))?")
 
 
