@@ -49,6 +49,7 @@ from pathlib import Path
 
 import psutil
 
+from launch import deepspeed_launcher
 from launch.environment import env_file_text, parse_env, remote_exports
 from launch.hostfile import (
     MAX_SLOTS_PER_HOST,
@@ -230,7 +231,7 @@ RANK_MODULE = ("--module", "llm")
 def deepspeed_runner(*options: str, program: tuple[str, ...] = RANK_MODULE) -> list[str]:
     """DeepSpeed's runner with `options`, starting `program` (`python -m llm` by default) on every rank; the training
     arguments follow. Run through launch/deepspeed_launcher.py, quiet where its output's reader left."""
-    return [sys.executable, "-m", "launch.deepspeed_launcher", "deepspeed.launcher.runner", *options, "--no_local_rank",
+    return [sys.executable, str(deepspeed_launcher.SCRIPT), "deepspeed.launcher.runner", *options, "--no_local_rank",
             *program]
 
 

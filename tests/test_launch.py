@@ -25,6 +25,7 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from conftest import REPO, TINY, run_cli
+from launch.deepspeed_launcher import through_here
 from launch.hostfile import check_filter, read_hostfile
 from launch.launcher import (
     Plan,
@@ -187,7 +188,7 @@ from llm.cli import main
 def started(command, **options):  # the launcher, not started: what this process had loaded by then
     if "deepspeed.launcher.runner" not in command:  # another program (h5py asks the platform, reading the data)
         return popen(command, **options)
-    print(command[3], 'torch' in sys.modules)
+    print(command[2], 'torch' in sys.modules)
     sys.exit(0)
 
 popen, launch.launcher.subprocess.Popen = launch.launcher.subprocess.Popen, started
@@ -749,6 +750,20 @@ def test_hostfile_mode_on_this_machine(pretrain_data, tmp_path):
     assert [r["step"] for r in _metrics(tmp_path / "run")] == [1, 2]
 
 
+def test_deepspeeds_launchers_start_from_a_folder_holding_a_launch_py_and_a_kernels_folder(tmp_path):
+    """They ran as `python -m launch.deepspeed_launcher`, which found a user's launch.py in the working directory (and
+    ran it) in place of zerollm's launch/, and its kernels/ in place of zerollm's (an ImportError advising to
+    uninstall Hugging Face's)."""
+    (tmp_path / "launch.py").write_text("print('my own launch script')\n")
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    per_node = through_here([sys.executable, "-u", "-m", "deepspeed.launcher.launch", "--help"])
+    for command in (deepspeed_runner("--help"), per_node):
+        result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
+        assert (result.returncode, result.stdout.startswith("usage: ")) == (0, True), result.stderr[-2000:]
+        assert "my own launch script" not in result.stdout
+
+
 @pytest.mark.parametrize("read_to, code", [("zerollm launch: ", EXIT_PIPE_CLOSED), ("step 2/", EXIT_PREEMPTED)])
 def test_a_launch_whose_output_reader_leaves_ends_quietly(pretrain_data, tmp_path, read_to, code):
     """`zerollm launch ... | head`: DeepSpeed's runner and per-node launcher log to standard output, and each line
@@ -757,14 +772,21 @@ def test_a_launch_whose_output_reader_leaves_ends_quietly(pretrain_data, tmp_pat
     with a checkpoint."""
     run = tmp_path / "run"
     job = _job(pretrain_data, run, "train.max_steps=500", "train.save_every=400")
-    launch = subprocess.Popen([sys.executable, "-m", "llm", "launch", "--nnodes", "1", "--node-rank", "0",
-                               "--master-addr", "127.0.0.1", "--nproc-per-node", "2", "--master-port", str(free_port()),
-                               "--", *map(str, job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in launch.stdout:  # as head reads its lines
-        if line.startswith(read_to):
-            break
+    with open(tmp_path / "stderr", "w") as stderr_file:  # a pipe, unread, would fill up and hold the launch
+        launch = subprocess.Popen([sys.executable, "-m", "llm", "launch", "--nnodes", "1", "--node-rank", "0",
+                                   "--master-addr", "127.0.0.1", "--nproc-per-node", "2", "--master-port",
+                                   str(free_port()), "--", *map(str, job)], stdout=subprocess.PIPE,
+                                  stderr=stderr_file, text=True)
+    reader = threading.Thread(target=lambda: next((line for line in launch.stdout if line.startswith(read_to)), None),
+                              daemon=True)  # as head reads its lines
+    reader.start()
+    reader.join(timeout=300)
+    if reader.is_alive():
+        launch.kill()
+        pytest.fail(f"no line starting {read_to!r} in 300 s")
     launch.stdout.close()
-    stderr = launch.communicate(timeout=300)[1]
+    launch.wait(timeout=300)
+    stderr = (tmp_path / "stderr").read_text()
     assert launch.returncode == code, stderr[-3000:]
     assert "Logging error" not in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert (run / "checkpoints" / "latest").is_file() == (code == EXIT_PREEMPTED)
