@@ -7,8 +7,9 @@ is the per-node launcher's, with stop signals handled the way `zerollm launch` h
 
 - SIGTERM/SIGINT to this process is forwarded, as it came, to every rank: they agree to stop, save a checkpoint and
   exit 75; a second one stops them at once, and the job exits 128 + the signal this process was sent last (130 for
-  Ctrl-C); ranks that have not ended STOP_GRACE_S after the first stop, or GRACE_S after a second (one frozen, or
-  stuck in a collective with it), are killed and named in one line, and the job exits 76 (EXIT_RANK_LOST);
+  Ctrl-C); ranks that have not ended STOP_GRACE_S after the first stop, or GRACE_S after a second or after another
+  rank saved and stopped (one frozen, or stuck in a collective with it), are killed and named in one line, and the
+  job exits 76 (EXIT_RANK_LOST);
 - when a rank fails, the others are sent SIGTERM and killed after GRACE_S; the job's exit code is the first
   failing rank's, or 76 (EXIT_RANK_LOST) where that rank was ended by a signal (SIGKILL from the kernel's OOM
   killer, a segfault), which is named in one line; the ranks' agreed refusal (2) wins over a rank that ended as the
@@ -110,8 +111,7 @@ before its handlers were set (still importing)."""
 def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S, advice: str = RESUME_ADVICE,
                    stop_grace_s: float = STOP_GRACE_S) -> int:
     """Wait for every rank; the job's exit code (module docstring). Forwards SIGTERM/SIGINT while waiting. `advice`
-    ends the line naming a rank a signal ended, or ranks killed `stop_grace_s` after a stop (`grace_s` after a second
-    one)."""
+    ends the line naming a rank a signal ended, or ranks killed `stop_grace_s` after a stop (`waited_for`)."""
     stopping: list[int] = []  # a stop forwarded: a rank it ends before its handler is set is not a lost rank
     stopped_at: list[float] = []
 
@@ -124,21 +124,35 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S, advi
     def first_failure() -> int | None:
         """Of the ranks seen failing at once: one that refused the job (exit 2: the ranks agree on a refusal before
         any leaves, so another ending meanwhile, by a signal too, followed it as the job came down), else one a
-        signal ended (the others followed it)."""
-        failed = sorted((rank.returncode != EXIT_USER_ERROR, rank.returncode >= 0, i)
+        signal ended (the others followed it), else any but one that saved and stopped after a stop (75)."""
+        failed = sorted((rank.returncode != EXIT_USER_ERROR, rank.returncode >= 0,
+                         bool(stopping) and rank.returncode == EXIT_PREEMPTED, i)
                         for i, rank in enumerate(ranks) if rank.returncode not in (None, 0))
-        return _failure(failed[0][2], ranks[failed[0][2]], named=not stopping, advice=advice) if failed else None
+        return _failure(failed[0][-1], ranks[failed[0][-1]], named=not stopping, advice=advice) if failed else None
+
+    def waited_for() -> str | None:
+        """Where the ranks left have waited too long after a stop: STOP_GRACE_S after the first, GRACE_S after a
+        second or after a rank saved and stopped (the save is collective: the others are done with it too)."""
+        now = time.monotonic()
+        if saved_at is not None and now > saved_at + grace_s:
+            return f"{grace_s:g} s of a rank's stop with its checkpoint"
+        if len(stopped_at) == 1 and now > stopped_at[0] + stop_grace_s:
+            return f"{stop_grace_s:g} s of the stop"
+        if len(stopped_at) > 1 and now > stopped_at[-1] + grace_s:
+            return f"{grace_s:g} s of the last stop"
+        return None
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        failure, kill_at, hung, stop_wait_s = None, None, [], stop_grace_s
+        failure, kill_at, saved_at, hung, waited = None, None, None, [], None
         while None in [rank.poll() for rank in ranks]:  # every rank polled: a later one may have failed
             code = first_failure() if kill_at is None else None
-            if code is not None and not (stopping and code == EXIT_PREEMPTED):  # saved and stopped as asked: no failure
+            if code is not None and stopping and code == EXIT_PREEMPTED:  # saved and stopped as asked: no failure
+                saved_at = saved_at or time.monotonic()
+            elif code is not None:
                 failure, kill_at = code, time.monotonic() + grace_s
                 _signal_all(ranks, signal.SIGTERM)
-            stop_wait_s = stop_grace_s if len(stopped_at) < 2 else grace_s
-            if not hung and stopped_at and time.monotonic() > stopped_at[-1] + stop_wait_s:
+            if not hung and (waited := waited_for()):
                 hung = [f"rank {i} (pid {rank.pid})" for i, rank in enumerate(ranks) if rank.poll() is None]
             if hung or kill_at is not None and time.monotonic() > kill_at:
                 _signal_all(ranks, signal.SIGKILL)
@@ -147,9 +161,8 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S, advi
         for s, handler in previous.items():
             signal.signal(s, handler)
     if hung:
-        report(f"{', '.join(hung)} did not end within {stop_wait_s:g} s of the {'last ' if len(stopped_at) > 1 else ''}"
-               f"stop (frozen, or stuck in a collective), and {'was' if len(hung) == 1 else 'were'} killed; the job "
-               f"is ended on every rank: {advice}")
+        report(f"{', '.join(hung)} did not end within {waited} (frozen, or stuck in a collective), and "
+               f"{'was' if len(hung) == 1 else 'were'} killed; the job is ended on every rank: {advice}")
         return EXIT_RANK_LOST
     if failure is None:
         failure = first_failure() or 0
