@@ -49,7 +49,7 @@ from pathlib import Path
 
 import psutil
 
-from launch import deepspeed_launcher
+from launch.deepspeed_launcher import quiet
 from launch.environment import env_file_text, parse_env, remote_exports
 from launch.hostfile import (
     MAX_SLOTS_PER_HOST,
@@ -63,6 +63,7 @@ from launch.hostfile import (
 from launch.local import RESUME_ADVICE, STOPPED_AT_ONCE, exit_code, report_rank_ended
 from launch.nodelist import nodelist_size, slurm_hosts
 from launch.options import LaunchOptions, launcher_problem
+from launch.own_module import own_module
 from launch.reachable import check_reachable, host_address
 from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
@@ -231,8 +232,7 @@ RANK_MODULE = ("--module", "llm")
 def deepspeed_runner(*options: str, program: tuple[str, ...] = RANK_MODULE) -> list[str]:
     """DeepSpeed's runner with `options`, starting `program` (`python -m llm` by default) on every rank; the training
     arguments follow. Run through launch/deepspeed_launcher.py, quiet where its output's reader left."""
-    return [sys.executable, str(deepspeed_launcher.SCRIPT), "deepspeed.launcher.runner", *options, "--no_local_rank",
-            *program]
+    return [*quiet("deepspeed.launcher.runner"), *options, "--no_local_rank", *program]
 
 
 def console_script() -> str:
@@ -411,7 +411,7 @@ def _plan_torchrun(nnodes: int, node_rank: int, master: str, port: int, nproc: i
     if "OMP_NUM_THREADS" not in environ:
         env = {"OMP_NUM_THREADS": str(cpu_threads_per_rank(nproc, {})), **env}
     join_timeout = max(1, math.ceil(collective_timeout_s(train_argv)))
-    command = [sys.executable, "-m", "launch.torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+    command = [*own_module("launch.torchrun"), "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{port}", "--rdzv-id", rdzv_id,
                "--rdzv-conf", f"is_host={int(node_rank == 0)},join_timeout={join_timeout}", "--max-restarts", "0",
                "-m", "llm"]

@@ -188,7 +188,7 @@ from llm.cli import main
 def started(command, **options):  # the launcher, not started: what this process had loaded by then
     if "deepspeed.launcher.runner" not in command:  # another program (h5py asks the platform, reading the data)
         return popen(command, **options)
-    print(command[2], 'torch' in sys.modules)
+    print(command[3], 'torch' in sys.modules)
     sys.exit(0)
 
 popen, launch.launcher.subprocess.Popen = launch.launcher.subprocess.Popen, started
@@ -225,7 +225,8 @@ def test_plans_for_each_mode(tmp_path):
     torchrun = plan_launch(_launch_args("--backend", "torchrun", "--nnodes", "3", "--node-rank", "2",
                                         "--master-addr", "10.0.0.1", "--nproc-per-node", "8"), job, {})
     assert " ".join(torchrun.argv("{dir}")).endswith(
-        "launch.torchrun --nnodes 3 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 "
+        "run_module('launch.torchrun', run_name='__main__', alter_sys=True) --nnodes 3 --nproc-per-node 8 "
+        "--rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 "
         "--rdzv-id zerollm --rdzv-conf is_host=0,join_timeout=600 --max-restarts 0 -m llm train pretrain")
     # torchrun would run each rank on one thread; the ranks share the CPUs instead, unless OMP_NUM_THREADS is given
     assert torchrun.env == {"OMP_NUM_THREADS": str(max(1, len(usable_cpus()) // 8))}
@@ -669,26 +670,30 @@ def test_a_job_stopped_at_once_by_ctrl_c_exits_130_and_so_do_its_ranks(tmp_path)
 STUCK = ("import pathlib, signal, sys, time\nfor signum in (signal.SIGINT, signal.SIGTERM):\n"
          "    signal.signal(signum, signal.SIG_IGN)\npathlib.Path(sys.argv[1]).touch()\ntime.sleep(60)\n")
 """A rank stuck in a collective with a frozen one: it passes every stop over."""
-SAVES_AND_STOPS = ("import pathlib, signal, sys, time\nsignal.signal(signal.SIGINT, lambda *_: sys.exit(75))\n"
-                   "pathlib.Path(sys.argv[1]).touch()\ntime.sleep(60)\n")
+EXITS_ON_STOP = ("import pathlib, signal, sys, time\n"
+                 "signal.signal(signal.SIGINT, lambda *_: sys.exit(int(sys.argv[2])))\n"
+                 "pathlib.Path(sys.argv[1]).touch()\ntime.sleep(60)\n")
+"""A rank that ends on a stop with the exit code its second argument gives (75: saved and stopped as asked)."""
 
 
 @pytest.mark.parametrize("first, stops, grace, since", [
-    (STUCK, 1, {"stop_grace_s": 1}, "1 s of the stop"),
-    (STUCK, 2, {"grace_s": 1}, "1 s of the last stop"),  # a second stop allows grace_s, not the stop's 600 s
-    (SAVES_AND_STOPS, 1, {"stop_grace_s": 1}, "1 s of the stop"),  # its 75 started the failure clock, unnamed
+    (STUCK, [signal.SIGINT], {"stop_grace_s": 1}, "1 s of the stop"),
+    # a second stop allows grace_s, not the stop's 600 s (a SIGTERM: two SIGINTs at once may arrive as one)
+    (STUCK, [signal.SIGINT, signal.SIGTERM], {"grace_s": 1}, "1 s of the last stop"),
+    # its 75 started the failure clock, and the frozen rank was killed without a word
+    (EXITS_ON_STOP, [signal.SIGINT], {"grace_s": 1}, "1 s of a rank's stop with its checkpoint"),
 ])
 def test_ranks_that_do_not_end_after_a_stop_are_killed_and_named(tmp_path, capfd, first, stops, grace, since):
     """A rank frozen (SIGSTOP) as the job was stopped, and another stuck in a collective with it or saving and
     stopping as asked: the job waited for the frozen one until a rank's watchdog ended its collective, or for ever
     where none could. Ranks left once the stop's grace period has passed are killed, and named."""
     ready = tmp_path / "ready"
-    ranks = [subprocess.Popen([sys.executable, "-c", first, ready]),
+    ranks = [subprocess.Popen([sys.executable, "-c", first, ready, str(EXIT_PREEMPTED)]),
              subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])]
     os.kill(ranks[1].pid, signal.SIGSTOP)
     _wait_for(ready)
-    for _ in range(stops):
-        _ctrl_c_once_handled()
+    for signum in stops:
+        _ctrl_c_once_handled(signum=signum)
     assert wait_for_ranks(ranks, **{"stop_grace_s": 60, **grace}) == EXIT_RANK_LOST
     left = ranks if first is STUCK else ranks[1:]
     assert [rank.returncode for rank in left] == [-signal.SIGKILL] * len(left)
@@ -697,6 +702,21 @@ def test_ranks_that_do_not_end_after_a_stop_are_killed_and_named(tmp_path, capfd
                                       f"collective), and {'were' if len(left) == 2 else 'was'} killed; the job is "
                                       "ended on every rank: rerun with --resume auto to continue from its last "
                                       "complete checkpoint\n")
+
+
+def test_a_rank_failing_after_a_stop_is_not_hidden_by_another_that_saved_and_stopped(tmp_path, capfd):
+    """Rank 0's 75 (saved and stopped as asked) sorted before rank 1's failure: the failure clock never started, and
+    the job waited the stop's whole grace period, then called the frozen rank 2 the cause."""
+    ranks = [subprocess.Popen([sys.executable, "-c", EXITS_ON_STOP, tmp_path / f"ready{i}", str(code)])
+             for i, code in enumerate((EXIT_PREEMPTED, 1))]
+    ranks.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    os.kill(ranks[2].pid, signal.SIGSTOP)
+    _wait_for(tmp_path / "ready0")
+    _wait_for(tmp_path / "ready1")
+    _ctrl_c_once_handled()
+    assert wait_for_ranks(ranks, grace_s=1, stop_grace_s=60) == 1
+    assert [rank.returncode for rank in ranks] == [EXIT_PREEMPTED, 1, -signal.SIGKILL]
+    assert capfd.readouterr().err == ""
 
 
 def test_nproc_names_a_rank_a_signal_ended_and_exits_76(capfd):
@@ -750,15 +770,17 @@ def test_hostfile_mode_on_this_machine(pretrain_data, tmp_path):
     assert [r["step"] for r in _metrics(tmp_path / "run")] == [1, 2]
 
 
-def test_deepspeeds_launchers_start_from_a_folder_holding_a_launch_py_and_a_kernels_folder(tmp_path):
-    """They ran as `python -m launch.deepspeed_launcher`, which found a user's launch.py in the working directory (and
-    ran it) in place of zerollm's launch/, and its kernels/ in place of zerollm's (an ImportError advising to
-    uninstall Hugging Face's)."""
+def test_launchers_start_from_a_folder_holding_a_launch_py_and_a_kernels_folder(tmp_path):
+    """They ran as `python -m launch.deepspeed_launcher` (and torchrun as `python -m launch.torchrun`), which found a
+    user's launch.py in the working directory (and ran it) in place of zerollm's launch/, and its kernels/ in place of
+    zerollm's (an ImportError advising to uninstall Hugging Face's)."""
     (tmp_path / "launch.py").write_text("print('my own launch script')\n")
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "__init__.py").write_text("")
     per_node = through_here([sys.executable, "-u", "-m", "deepspeed.launcher.launch", "--help"])
-    for command in (deepspeed_runner("--help"), per_node):
+    torchrun = plan_launch(_launch_args("--backend", "torchrun", "--nnodes", "1", "--node-rank", "0", "--master-addr",
+                                        "127.0.0.1"), ["train"], {}).command[:-2] + ["--help"]  # no `-m llm`
+    for command in (deepspeed_runner("--help"), per_node, torchrun):
         result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
         assert (result.returncode, result.stdout.startswith("usage: ")) == (0, True), result.stderr[-2000:]
         assert "my own launch script" not in result.stdout
@@ -1271,9 +1293,9 @@ def _wait_for(path: Path) -> None:
         time.sleep(0.01)
 
 
-def _ctrl_c_once_handled(after: Path | None = None) -> None:
-    """Send this process a SIGINT (a Ctrl-C) once the code under test has set its own handler (and `after` exists):
-    pytest's own would end the whole session."""
+def _ctrl_c_once_handled(after: Path | None = None, signum: int = signal.SIGINT) -> None:
+    """Send this process a SIGINT (a Ctrl-C), or `signum`, once the code under test has set its own handler for SIGINT
+    (and `after` exists): pytest's own would end the whole session."""
     pytest_handler = signal.getsignal(signal.SIGINT)
 
     def interrupt() -> None:
@@ -1281,7 +1303,7 @@ def _ctrl_c_once_handled(after: Path | None = None) -> None:
             _wait_for(after)
         while signal.getsignal(signal.SIGINT) is pytest_handler:
             time.sleep(0.01)
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signum)
 
     threading.Thread(target=interrupt, daemon=True).start()
 
