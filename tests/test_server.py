@@ -746,7 +746,8 @@ def test_http09_and_tls_are_refused_without_waiting_for_a_head(server, data, sta
     """HTTP/0.9's request line (no version) had its head waited for, and a TLS ClientHello (no line end) its request
     line: each client got nothing until the server's timeout closed the connection."""
     got, response = raw_exchange(server, data)
-    assert (got, json_body(response)["error"]["message"]) == (status, message)
+    error = json_body(response)["error"]
+    assert (got, error["message"], error["type"]) == (status, message, "invalid_request_error")  # no server error
     assert response.startswith(f"HTTP/1.1 {status} ".encode()) and b"Connection: close\r\n" in response
 
 
@@ -763,9 +764,11 @@ def test_two_content_lengths_are_refused(server):
     (request_bytes(b"", method="GET", path="/v2/nothing"), 404),
 ])
 def test_other_methods_and_malformed_requests_get_json_errors(server, data, status):
+    """An unknown method's 501 had the type server_error, though the docs count it among the client's mistakes."""
     got, response = raw_exchange(server, data)
     assert got == status
     assert "message" in json_body(response)["error"] and b"<html" not in response.lower()
+    assert json_body(response)["error"]["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize("method, path, allowed", [

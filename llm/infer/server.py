@@ -645,6 +645,10 @@ class _DeadlineReader(socket.SocketIO):
             self.connection.settimeout(self.timeout_s)  # writes keep the whole timeout
 
 
+CLIENTS_5XX = (HTTPStatus.NOT_IMPLEMENTED, HTTPStatus.HTTP_VERSION_NOT_SUPPORTED)
+"""The 5xx errors that are the client's mistake (an unknown method, a request line without an HTTP version): their
+type is invalid_request_error, as a 4xx's, not server_error."""
+
 TLS_HANDSHAKE = b"\x16"
 """The first byte of every TLS connection (RFC 8446, section 5.1: a record of type handshake)."""
 
@@ -773,7 +777,8 @@ def _make_handler(api_key: str | None, loopback: bool, timeout_s: float):
                    headers: dict[str, str] | None = None) -> None:
             """An OpenAI-style error; the connection closes after it (a refused body may still be unread). A 401
             names the scheme a client must use (RFC 9110, section 11.6.1)."""
-            kind = "invalid_request_error" if status < 500 else "server_error"
+            clients_mistake = status < 500 or status in CLIENTS_5XX
+            kind = "invalid_request_error" if clients_mistake else "server_error"
             headers = {"Connection": "close", **({"Retry-After": "1"} if status == 503 else {}),
                        **({"WWW-Authenticate": "Bearer"} if status == 401 else {}), **(headers or {})}
             self._json(status, {"error": {"message": message, "type": kind, "param": param, "code": code}}, headers)
