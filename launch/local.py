@@ -113,11 +113,12 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S, advi
     """Wait for every rank; the job's exit code (module docstring). Forwards SIGTERM/SIGINT while waiting. `advice`
     ends the line naming a rank a signal ended, or ranks killed `stop_grace_s` after a stop (`waited_for`)."""
     stopping: list[int] = []  # a stop forwarded: a rank it ends before its handler is set is not a lost rank
-    stopped_at: list[float] = []
+    last_stop_at = 0.0
 
     def forward(signum, frame):
+        nonlocal last_stop_at
         stopping.append(signum)
-        stopped_at.append(time.monotonic())
+        last_stop_at = time.monotonic()
         _signal_all(ranks, signum)  # as sent: a rank a terminal's Ctrl-C reaches reads two copies of one signal, and
         # ends (its wandb run records it) as the job does, by whichever it reads first
 
@@ -136,9 +137,9 @@ def wait_for_ranks(ranks: list[subprocess.Popen], grace_s: float = GRACE_S, advi
         now = time.monotonic()
         if saved_at is not None and now > saved_at + grace_s:
             return f"{grace_s:g} s of a rank's stop with its checkpoint"
-        if len(stopped_at) == 1 and now > stopped_at[0] + stop_grace_s:
+        if len(stopping) == 1 and now > last_stop_at + stop_grace_s:
             return f"{stop_grace_s:g} s of the stop"
-        if len(stopped_at) > 1 and now > stopped_at[-1] + grace_s:
+        if len(stopping) > 1 and now > last_stop_at + grace_s:
             return f"{grace_s:g} s of the last stop"
         return None
 
