@@ -47,6 +47,34 @@ def _triton(name):
     return lambda *a, **k: getattr(kernels, name)(*a, **k, backend="triton")
 
 
+NAN_FILLED_THEN_META = """
+import torch
+from kernels.testing import nan_filled_allocations
+
+class Unwritten(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.empty_like(x)  # as a kernel's wrapper allocates its output
+
+with nan_filled_allocations():
+    filled = [t.isnan().all().item() for t in (torch.empty(3), Unwritten.apply(torch.ones(2)))]
+    whole = torch.empty(2, dtype=torch.int64).dtype  # an integer tensor is left as it is
+    with torch.device("cpu"):  # as rope_tables builds its tables: the first torch.device block of the process
+        torch.zeros(1)
+with torch.device("meta"):
+    print(filled, whole, torch.empty(2).device)
+"""
+
+
+def test_nan_filled_allocations_fill_and_leave_torch_device_blocks_working_after_them():
+    """torch.empty was replaced while filling: the process's first torch.device block, inside, took the replacement
+    as the constructor to put on its device, and torch.empty under torch.device("meta") made CPU tensors ever after
+    (tests/test_from_weights.py's meta-device tests failed after this file in one worker)."""
+    result = subprocess.run([sys.executable, "-c", NAN_FILLED_THEN_META], capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.stdout.split("] ") == ["[True, True", "torch.int64 meta\n"], result.stderr[-3000:]
+
+
 # ---- RMSNorm ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
