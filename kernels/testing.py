@@ -8,7 +8,6 @@ reference on a tiny tensor is no failure. Backward runs twice and must be bitwis
 
 from __future__ import annotations
 
-import contextlib
 import random
 
 import torch
@@ -36,7 +35,7 @@ class _NaNFilled(TorchFunctionMode):
         return out
 
 
-def nan_filled_allocations() -> contextlib.AbstractContextManager:
+def nan_filled_allocations() -> TorchFunctionMode:
     """Every float tensor torch.empty / empty_like allocates inside starts as NaN, so an element a kernel fails
     to write shows up. A torch function mode, not torch.empty replaced: a `torch.device(...)` block first entered
     while it was replaced kept the replacement as the constructor it puts on its device, and for the rest of the
