@@ -652,6 +652,15 @@ class RowsScripted(TextGenerator):
             yield ids, torch.isin(ids, self.stop_ids)
 
 
+def _complete_text(generator, ids):
+    """The text of `ids` that no later id changes: less the U+FFFD at its end, but for those that 4 ids with text
+    followed (bytes of no character: a character has at most 4 bytes)."""
+    text = generator.text(ids)
+    with_text = [i for i in ids if i not in generator.special_ids]
+    back = generator.text(with_text[:-4]) if len(with_text) > 4 else ""
+    return back if text.startswith(back) and len(back) > len(text.rstrip("\ufffd")) else text.rstrip("\ufffd")
+
+
 def _stream_decoding_everything_again(generator, script, stop):
     """The pieces and finish reason of a stream of `script` as zerollm made them before it decoded incrementally: the
     whole output decoded again for every token (the reference)."""
@@ -662,14 +671,14 @@ def _stream_decoding_everything_again(generator, script, stop):
             reason = "stop"
             break
         ids.append(token)
-        text, stopped = cut_at_stop(generator.text(ids).rstrip("\ufffd"), stop)
+        text, stopped = cut_at_stop(_complete_text(generator, ids), stop)
         if stopped:
             return [*pieces, text[emitted:]], "stop"
         if len(text) - hold > emitted:
             pieces.append(text[emitted:len(text) - hold])
             emitted = len(text) - hold
-    text = cut_at_stop(generator.text(ids), stop)[0]
-    return [*pieces, text[emitted:]] if len(text) > emitted else pieces, reason
+    text, stopped = cut_at_stop(generator.text(ids), stop)
+    return [*pieces, text[emitted:]] if len(text) > emitted else pieces, "stop" if stopped else reason
 
 
 def _generate_decoding_everything_again(generator, script, stop):
@@ -680,7 +689,7 @@ def _generate_decoding_everything_again(generator, script, stop):
         if token in generator.stop_ids.tolist() or generator.stops_at(token, stop):
             return cut_at_stop(generator.text(ids), stop)[0], len(ids) + 1
         ids.append(token)
-        if stop and cut_at_stop(generator.text(ids).rstrip("\ufffd"), stop)[1]:
+        if stop and cut_at_stop(_complete_text(generator, ids), stop)[1]:
             break
     return cut_at_stop(generator.text(ids), stop)[0], len(ids)
 
@@ -758,6 +767,7 @@ def test_streaming_decodes_a_bounded_window_per_token(tiny_model, tokenizer_dir,
     n = 2000
     stray = next(i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd")
     decoded, decode = [], tokenizer.decode
+    bound = 25 * n  # about 3 tokens decoded per token of text, 21 per stray byte (its window and 4 tokens back)
     monkeypatch.setattr(tokenizer, "decode", lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw))
     for script in (tokenizer.encode(stories)[:n], [stray] * n):
         assert len(script) == n and not set(script) & set(tokenizer.stop_ids)
@@ -768,10 +778,30 @@ def test_streaming_decodes_a_bounded_window_per_token(tiny_model, tokenizer_dir,
             decoded.clear()
             stream = generator.stream("x", params)
             assert "".join(stream) == expected and stream.completion_tokens == n
-            assert sum(decoded) < 20 * n, f"stream, stop={stop}: {sum(decoded)} tokens decoded for {n}"
+            assert sum(decoded) < bound, f"stream, stop={stop}: {sum(decoded)} tokens decoded for {n}"
         decoded.clear()
         assert generator.generate(["x"], params) == [expected]
-        assert sum(decoded) < 20 * n, f"generate with stop strings: {sum(decoded)} tokens decoded for {n}"
+        assert sum(decoded) < bound, f"generate with stop strings: {sum(decoded)} tokens decoded for {n}"
+
+
+def test_bytes_of_no_character_stream_as_they_come_and_a_stop_string_holding_them_stops(tiny_model, tokenizer_dir):
+    """A model writing stray bytes streamed none of their U+FFFD until its reply ended, and a stop string holding
+    U+FFFD never stopped it: each U+FFFD waited for the rest of a character, even once 4 more bytes had come."""
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    stray = next(i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd")
+    ab = tokenizer.encode("ab")
+    script = ab + [stray] * 100
+    stream = Scripted(tiny_model, tokenizer, script).stream("x", SamplingParams(max_new_tokens=len(script)))
+    pieces = list(stream)
+    assert "".join(pieces) == "ab" + "\ufffd" * 100 and stream.finish_reason == "length"
+    assert pieces[-1] == "\ufffd" * 4 and len(pieces) == len(ab) + 97  # each as the 4th byte after it comes
+    stream = Scripted(tiny_model, tokenizer, script).stream("x", SamplingParams(max_new_tokens=len(script),
+                                                                                  stop=["b\ufffd"]))
+    assert "".join(stream) == "a" and stream.finish_reason == "stop" and stream.completion_tokens == len(ab) + 5
+    # the reply ends by its length with the stop string among the last bytes: cut there, and said to have stopped
+    stream = Scripted(tiny_model, tokenizer, ab + [stray] * 2).stream("x", SamplingParams(max_new_tokens=len(ab) + 2,
+                                                                                           stop=["\ufffd"]))
+    assert "".join(stream) == "ab" and stream.finish_reason == "stop"
 
 
 def test_tokens_without_text_inside_a_character_leave_it_whole(tiny_model):

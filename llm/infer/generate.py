@@ -197,7 +197,9 @@ class IncrementalText:
     token made a long generation's host time grow with the square of its length).
 
     `add` returns what the *complete* text grew by: the text less the U+FFFD at its end (`forming` of them), where
-    the bytes of a character may still be coming. As in Hugging Face's `DecodeStream` (and vLLM's incremental
+    the bytes of a character may still be coming, unless `_SETTLE_LAG` tokens followed them: then they are bytes of no
+    character, and a model writing nothing else streams them as they come (and stops at a stop string holding them)
+    rather than at its end. As in Hugging Face's `DecodeStream` (and vLLM's incremental
     detokenizer), the ids before `_settled` have text that no later token changes; each step decodes the window
     `ids[_start:]`, where `ids[_start:_settled]` is context whose own text (`_context`) it begins with: the new text
     is the window's text after it. Context keeps the window's start on a character and makes what a decoder does
@@ -219,8 +221,8 @@ class IncrementalText:
         here has at least a byte, as settling back assumes)."""
         self._start = self._settled = 0
         self._context = ""
-        self._settled_len = self._settled_complete = 0
-        """Length of the text of `ids[:_settled]`, and of it less the U+FFFD at its end."""
+        self._settled_len = 0
+        """Length of the text of `ids[:_settled]`."""
         self.length = 0
         """Length of the complete text so far."""
         self.forming = 0
@@ -232,37 +234,26 @@ class IncrementalText:
             return ""
         self.ids.append(token)
         new = self._decode(self.ids[self._start:])[len(self._context):]
-        if len(self.ids) - self._settled > self._MAX_UNSETTLED and (not new or new.endswith(FORMING)):
-            new = self._settle_back(new)
-        complete = new.rstrip(FORMING)
-        total = self._settled_len + len(complete) if complete else self._settled_complete
-        grown = ""
-        if total > self.length:
-            # the complete text ended at `length`, maybe inside U+FFFD that ended the settled text
-            offset = self.length - self._settled_len
-            grown, self.length = FORMING * -offset + complete[max(offset, 0):], total
+        final = len(new.rstrip(FORMING))  # how much of `new` no later token changes
+        lagged = None  # the text `_SETTLE_LAG` tokens back, where `new` begins with it
+        if (not new or new.endswith(FORMING)) and len(self.ids) - self._settled > self._SETTLE_LAG:
+            before = self._decode(self.ids[self._start:len(self.ids) - self._SETTLE_LAG])[len(self._context):]
+            if new.startswith(before):  # its U+FFFD, which that many bytes followed, are bytes of no character
+                lagged, final = before, max(final, len(before))
+        grown = new[self.length - self._settled_len:final]  # the settled text is all emitted
+        self.length += len(grown)
+        if lagged is not None and len(self.ids) - self._settled > self._MAX_UNSETTLED:  # keep the window short
+            self._settled_len += len(lagged)
+            self._start, self._settled = self._settled, len(self.ids) - self._SETTLE_LAG
+            self._context = self._decode(self.ids[self._start:self._settled])
+            new = new[len(lagged):]
         raw = self._settled_len + len(new)
         self.forming = max(raw - self.length, 0)
         if new and not new.endswith(FORMING):
             self._start, self._settled = self._settled, len(self.ids)
-            self._settled_len = self._settled_complete = raw
+            self._settled_len = raw
             self._context = self._decode(self.ids[self._start:self._settled])
         return grown
-
-    def _settle_back(self, new: str) -> str:
-        """Settle the ids `_SETTLE_LAG` tokens back, if their text is where `new` (the text after `_settled`)
-        starts; `new` after the new settled text."""
-        settle = len(self.ids) - self._SETTLE_LAG
-        before = self._decode(self.ids[self._start:settle])[len(self._context):]
-        if not new.startswith(before):
-            return new
-        complete = before.rstrip(FORMING)
-        if complete:
-            self._settled_complete = self._settled_len + len(complete)
-        self._settled_len += len(before)
-        self._start, self._settled = self._settled, settle
-        self._context = self._decode(self.ids[self._start:self._settled])
-        return new[len(before):]
 
 
 class TextStream:
@@ -309,7 +300,9 @@ class TextStream:
         else:
             self.finish_reason = "length"
         # the end: what is held back, and the U+FFFD of bytes that never made a character
-        pending, _ = cut_at_stop(pending + FORMING * text.forming, params.stop)
+        pending, stopped = cut_at_stop(pending + FORMING * text.forming, params.stop)
+        if stopped:
+            self.finish_reason = "stop"
         if pending:
             yield pending
 
