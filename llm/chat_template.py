@@ -96,6 +96,10 @@ LEGACY_CHAT_TEMPLATES = (
 """Templates earlier versions of zerollm wrote; they render messages without tool definitions as CHAT_TEMPLATE does,
 which replaces them so that reasoning, tool calls and tool definitions are not dropped."""
 
+ROLE_FIELDS = ("bos_token", "eos_token", "pad_token", "unk_token")
+"""tokenizer_config.json's special-token fields zerollm reads, and gives templates where they are set: their names are
+not further variables (`ChatTemplate.variables_refusal`) even where unset."""
+
 ESCAPE, ESCAPE_END = "\ue000", "\ue001"
 PLACEHOLDER = re.compile(f"{ESCAPE}(\\d+){ESCAPE_END}")
 CONTINUE_TAG = f"{ESCAPE}continue{ESCAPE_END} "
@@ -114,6 +118,18 @@ class MessagesRefused(ChatTemplateError):
 
 class ToolsNotRendered(MessagesRefused):
     """Tool definitions were given to a chat template that leaves them out."""
+
+
+class NestedTooDeeply(MessagesRefused):
+    """A value of `part` ('messages', 'tools' or 'variables': the further template variables) is nested deeper than
+    Python's recursion limit (lists or objects inside one another, from a client)."""
+
+    NAMES = {"messages": "the messages", "tools": "the tool definitions", "variables": "the further template variables"}
+
+    def __init__(self, part: str) -> None:
+        super().__init__(f"{self.NAMES[part]} hold a value nested too deeply to render (lists or objects inside one "
+                         "another, as in a tool call's arguments or a tool's parameters)")
+        self.part = part
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
@@ -582,22 +598,23 @@ class ChatTemplate:
     def _escaped(self, messages: list[dict], tools: list[dict] | None,
                  variables: dict | None = None) -> tuple[list[dict], list[dict] | None, dict]:
         """The messages, tool definitions and further variables as the template sees them, their text escaped;
-        ChatTemplateError for a value nested deeper than Python's recursion limit (e.g. a tool call's arguments from
-        a client). Tool definitions are refused where the template does not render each tool's name more often with
+        NestedTooDeeply for a value nested deeper than Python's recursion limit (e.g. a tool call's arguments from a
+        client). Tool definitions are refused where the template does not render each tool's name more often with
         them than without: they would be left out (a template that writes a blank for them renders other text, still
         without them)."""
-        try:
-            escaped = (self._escape([_template_message(m) for m in messages]), self._escape(tools or None),
-                       self._escape(variables or {}))
-        except RecursionError:
-            raise MessagesRefused("the messages hold a value nested too deeply to render (lists or objects "
-                                  "inside one another, as in a tool call's arguments or a tool's parameters)") from None
+        escaped = []
+        for part, given in (("messages", [_template_message(m) for m in messages]), ("tools", tools or None),
+                            ("variables", variables or {})):
+            try:
+                escaped.append(self._escape(given))
+            except RecursionError:
+                raise NestedTooDeeply(part) from None
         if escaped[1] and not _renders_tools(self._render(escaped[0], False, escaped[1], escaped[2]),
                                              self._render(escaped[0], False, None, escaped[2]), escaped[1]):
             raise ToolsNotRendered(f"{self.source}: the chat template does not render tool definitions ('tools'), "
                                   "so they would be left out; use a template that renders them (zerollm's own, "
                                   "Qwen's or MiniMind's do)")
-        return escaped
+        return escaped[0], escaped[1], escaped[2]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False,
                tools: list[dict] | None = None, variables: dict | None = None) -> str:
@@ -616,7 +633,8 @@ class ChatTemplate:
         for name in variables:
             if not (isinstance(name, str) and name.isidentifier()):
                 return f"{name!r} is not a template variable's name"
-            if name in ("messages", "tools", "add_generation_prompt", *self.variables, *self._template.globals):
+            if name in ("messages", "tools", "add_generation_prompt", *ROLE_FIELDS, *self.variables,
+                        *self._template.globals):
                 return f"'{name}' is given to the template by zerollm itself"  # globals: raise_exception, range, ...
         return None
 

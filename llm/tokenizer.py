@@ -37,7 +37,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llm import durable
-from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ChatTemplate, ChatTemplateError
+from llm.chat_template import CHAT_TEMPLATE, LEGACY_CHAT_TEMPLATES, ROLE_FIELDS, ChatTemplate, ChatTemplateError
 from llm.data.output import refuse_current_directory, refuse_foreign_contents, refuse_mount_point
 from llm.errors import SigtermUnwinds, UserError, not_utf8, read_user_json_object, read_user_text
 from llm.held_locks import refuse_if_held_beside
@@ -187,10 +187,6 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) and value else None
-
-
-ROLE_FIELDS = ("bos_token", "eos_token", "pad_token", "unk_token")
-"""tokenizer_config.json's special-token fields zerollm reads (and templates see)."""
 
 
 def _check_role_fields(config: dict, source: str) -> None:

@@ -358,6 +358,17 @@ def _deep_tool_call_arguments(depth: int) -> bytes:
     return b'{"messages": [{"role": "assistant", "content": null, "tool_calls": [' + call + b"]}]}"
 
 
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+DEEP = sys.getrecursionlimit() * 2 // 3
+"""Parsed from a request, too deep to escape for the chat template."""
+
+
 @pytest.mark.parametrize("body, param", [
     (b"{not json", None),
     (b"[]", None),
@@ -426,7 +437,9 @@ def _deep_tool_call_arguments(depth: int) -> bytes:
     (b'{"messages": [{"role": "user", "content": "lone \\ud800 surrogate"}]}', None),
     (b'{"messages": [{"role": "user", "content": "x"}], "stop": "\\udfff"}', None),
     (b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", None),  # deeper than Python's recursion limit
-    (_deep_tool_call_arguments(sys.getrecursionlimit() * 2 // 3), "messages"),  # parsed; was a RecursionError, a 500
+    (_deep_tool_call_arguments(DEEP), "messages"),  # parsed; was a RecursionError, a 500
+    (_with(tools=[{"type": "function", "function": {"name": "f", "parameters": {"a": _nested(DEEP)}}}]), "tools"),
+    (_with(chat_template_kwargs={"a": _nested(DEEP)}), "chat_template_kwargs"),  # both were said to be the messages'
 ])
 def test_bad_requests_get_4xx_json_errors_and_the_server_survives(server, body, param):
     status, payload = _post(server, body)

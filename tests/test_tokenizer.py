@@ -839,6 +839,7 @@ def test_further_template_variables_reach_the_template_escaped_and_cannot_replac
     assert injected.count(tok.im_end_id) == 1  # the user turn's: the variable's text stays text
     for name, said in [("messages", "'messages' is given to the template by zerollm itself"),
                        ("eos_token", "'eos_token' is given to the template by zerollm itself"),
+                       ("bos_token", "'bos_token' is given to the template by zerollm itself"),  # also unset
                        ("raise_exception", "'raise_exception' is given to the template by zerollm itself"),
                        ("not-a-name", "'not-a-name' is not a template variable's name")]:
         assert tok.chat_template_variables_refusal({name: 1}) == said

@@ -55,7 +55,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from llm.chat_template import ToolsNotRendered
+from llm.chat_template import NestedTooDeeply, ToolsNotRendered
 from llm.data.formats import TOOLS_KEYS, RecordError, call_arguments, call_id, reasoning_text, tool_list
 from llm.errors import UserError
 from llm.infer.generate import TextGenerator, TextStream
@@ -515,6 +515,8 @@ class ChatService:
                                                      variables=variables)
         except ToolsNotRendered as exc:
             raise RequestError(str(exc), "tools") from None
+        except NestedTooDeeply as exc:
+            raise RequestError(str(exc), {"variables": "chat_template_kwargs"}.get(exc.part, exc.part)) from None
         fewest = tokenizer.fewest_tokens(rendered)
         if fewest >= self.context:
             raise RequestError(f"the prompt (at least {fewest} tokens) leaves no room for a reply in the model's "
