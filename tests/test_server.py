@@ -437,6 +437,11 @@ DEEP = sys.getrecursionlimit() * 2 // 3
     (b'{"messages": [{"role": "user", "content": "lone \\ud800 surrogate"}]}', None),
     (b'{"messages": [{"role": "user", "content": "x"}], "stop": "\\udfff"}', None),
     (b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", None),  # deeper than Python's recursion limit
+    (json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": 7, "content": "r"}]})
+     .encode(), "messages[1].tool_call_id"),  # a number was left out, and the template rendered no id
+    (json.dumps({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": 7, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}).encode(),
+     "messages[0].tool_calls[0].id"),
     (_deep_tool_call_arguments(DEEP), "messages"),  # parsed; was a RecursionError, a 500
     (_with(tools=[{"type": "function", "function": {"name": "f", "parameters": {"a": _nested(DEEP)}}}]), "tools"),
     (_with(chat_template_kwargs={"a": _nested(DEEP)}), "chat_template_kwargs"),  # both were said to be the messages'

@@ -150,6 +150,8 @@ def _tool_call(call: Any, where: str) -> dict:
     fn = call.get("function", call) if isinstance(call, dict) else None
     if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), (str, dict))):
         raise RequestError(f"{where} needs a function name and arguments", where)
+    if isinstance(call, dict) and call.get("id") is not None and not isinstance(call["id"], str):
+        raise RequestError(f"{where}.id must be a string", f"{where}.id")  # it was left out
     return {"name": fn["name"], "arguments": call_arguments(fn["arguments"]), **call_id(call)}
 
 
@@ -173,6 +175,9 @@ def canonical_message(message: Any, index: int) -> dict:
                 raise RequestError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
             out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(message["tool_calls"])]
     if out["role"] == "tool":
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None and not isinstance(message[key], str):  # it was left out
+                raise RequestError(f"{where}.{key} must be a string", f"{where}.{key}")
         out.update({key: message[key] for key in ("name", "tool_call_id") if isinstance(message.get(key), str)})
     return out
 
