@@ -154,6 +154,24 @@ def test_a_grpo_run_recorded_with_the_whole_file_tokenizer_hash_resumes(tmp_path
         check_same_data(tmp_path, now, [prompts])
 
 
+def test_grpo_prompts_in_a_datasets_folder_are_recorded_and_a_change_to_them_is_refused(tmp_path):
+    """A save_to_disk folder of prompts (which GRPO reads as `data prepare` does) ended `train grpo` in a traceback:
+    IsADirectoryError from the digest of its prompt files."""
+    import datasets
+
+    from llm.train.run_record import check_same_data, prompts_summary, write_run_record
+
+    folder = tmp_path / "prompts"
+    datasets.Dataset.from_dict({"prompt": ["1 + 1 =", "2 + 2 ="], "answer": ["2", "4"]}).save_to_disk(folder)
+    run = tmp_path / "run"
+    run.mkdir()
+    write_run_record(run, {"data": prompts_summary([folder], {"tokenizer_hash": "tok"})})
+    check_same_data(run, prompts_summary([folder], {"tokenizer_hash": "tok"}), [folder])
+    datasets.Dataset.from_dict({"prompt": ["1 + 1 =", "2 + 2 ="], "answer": ["2", "5"]}).save_to_disk(folder)
+    with pytest.raises(UserError, match=r"not the data .* was trained on"):
+        check_same_data(run, prompts_summary([folder], {"tokenizer_hash": "tok"}), [folder])
+
+
 def _tokens_h5(folder, middle_token):
     """A tokens.h5 of 2 x 1.5 M tokens (more than the two MiB a sampled digest reads), written as `data prepare`
     writes it, whose one token in the middle of the train split is `middle_token`."""

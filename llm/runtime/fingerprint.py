@@ -55,11 +55,15 @@ def file_digest(path: Path) -> str:
 
 
 def whole_file_digest(path: Path) -> str:
-    """sha256 of every byte of the file, read a MiB at a time."""
+    """sha256 of every byte of the file, read a MiB at a time; of a folder (a datasets save_to_disk folder, which
+    GRPO's prompts may be), of each file's path in it and its bytes, in sorted order."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
+    for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+        if file != path:
+            digest.update(f"\0{file.relative_to(path)}\0".encode())
+        with open(file, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
     return digest.hexdigest()[:16]
 
 
