@@ -117,8 +117,8 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
                         description="Train byte-level BPE (exact round trip, ChatML special tokens at ids 0-3) "
                                     f"on text read streaming from {INPUT_FORMATS}; writes tokenizer.json and "
                                     "tokenizer_config.json, loadable by transformers.AutoTokenizer.")
-    t.add_argument("--input", type=a_path, nargs="+", required=True, metavar="PATH",
-                   help="files or directories to read (a directory: every supported file under it)")
+    t.add_argument("--input", type=a_path, nargs="+", action="extend", required=True, metavar="PATH",
+                   help="files or directories to read (a directory: every supported file under it; repeatable)")
     t.add_argument("--vocab-size", type=whole_number, required=True, help="vocabulary size including special tokens")
     t.add_argument("--out", type=a_path, required=True,
                    help="output directory: new, empty, or one this command wrote before "
@@ -142,8 +142,8 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--kind", choices=["pretrain", "sft", "dpo"], default="pretrain",
                    help="pretrain: documents; sft: conversations with a loss mask on replies; dpo: preference pairs "
                         "(default pretrain)")
-    d.add_argument("--input", type=a_path, nargs="+", required=True, metavar="PATH",
-                   help="files or directories to read (a directory: every supported file under it)")
+    d.add_argument("--input", type=a_path, nargs="+", action="extend", required=True, metavar="PATH",
+                   help="files or directories to read (a directory: every supported file under it; repeatable)")
     d.add_argument("--tokenizer", type=a_path, required=True,
                    help="tokenizer directory (from `zerollm tokenizer train`)")
     d.add_argument("--out", type=a_path, required=True, help="output directory")
@@ -223,8 +223,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                             "job a rank that dies or hangs ends the job on every rank, named, with exit 76.")
         _add_run_options(t)
         if stage == "grpo":
-            t.add_argument("--prompts", type=a_path, nargs="+", required=True, metavar="FILE",
-                           help=f"prompt files or directories: {INPUT_FORMATS}")
+            t.add_argument("--prompts", type=a_path, nargs="+", action="extend", required=True, metavar="FILE",
+                           help=f"prompt files or directories: {INPUT_FORMATS} (repeatable)")
             t.add_argument("--reward", action="append", default=None, metavar="TERM", help=REWARD_HELP)
         else:
             kinds = "pretrain` or `--kind sft" if stage == "distill" else stage
@@ -396,7 +396,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                     "lm-eval 'transformers<5.25'`); the results table is printed and saved in MODEL/eval/.")
     p.add_argument("--model", type=a_path, required=True, help="run directory (newest checkpoint) or export directory")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--input", type=a_path, nargs="+", metavar="PATH", help="text files or directories to score")
+    what.add_argument("--input", type=a_path, nargs="+", action="extend", metavar="PATH",
+                      help="text files or directories to score (repeatable)")
     what.add_argument("--data", type=a_path, metavar="DIR",
                       help="prepared data directory (`zerollm data prepare --kind pretrain`)")
     what.add_argument("--tasks", metavar="LIST", help="comma-separated lm-eval tasks, e.g. hellaswag,ceval-valid,cmmlu")

@@ -314,6 +314,20 @@ def test_help_of_every_input_option_names_what_the_readers_read(monkeypatch, cap
     assert "/quit (or /exit)" in _help(monkeypatch, capsys, "chat")
 
 
+@pytest.mark.parametrize("command, option", [
+    (["tokenizer", "train", "--vocab-size", "512", "--out", "o"], "input"),
+    (["data", "prepare", "--tokenizer", "t", "--out", "o"], "input"),
+    (["train", "grpo", "--recipe", "demo", "--init-from", "r", "--out", "o"], "prompts"),
+    (["eval", "--model", "m"], "input"),
+])
+def test_an_input_option_given_twice_reads_both(command, option):
+    """`--prompts a.jsonl --prompts b.jsonl` (as --reward repeats) trained on b.jsonl alone, without a word."""
+    from llm.cli import build_parser
+
+    parsed = build_parser().parse_args([*command, f"--{option}", "a", "b", f"--{option}", "c"])
+    assert getattr(parsed, option) == ["a", "b", "c"]
+
+
 @pytest.mark.parametrize("command", [["train", "pretrain", "--recipe", "demo", "--data", "d", "--out", "o"],
                                      ["bench", "train", "--recipe", "demo"],
                                      ["bench", "learn", "--input", "novel.txt"]])  # bench learn's was --deepspeed alone
