@@ -189,7 +189,7 @@ def test_a_reward_that_hangs_ends_in_one_line_at_its_time_limit(tmp_path, monkey
                                        "        return [0.0] * len(completions)\n")  # it cannot catch the limit
     monkeypatch.chdir(tmp_path)
     reward = Reward(["exact_match", "hangs:score"], 4, torch.device("cpu"), timeout_s=1)
-    with pytest.raises(UserError, match=r"^--reward score: no answer for 2 completions within "
+    with pytest.raises(UserError, match=r"^--reward hangs:score: no answer for 2 completions within "
                                         r"grpo.reward_timeout_s \(1 s, every term together\); make it faster"):
         reward(_completions(["a", "b"], answers=["a", "b"]))
     assert _limit_gone()  # and the next call has its whole limit (a generous one: the limit counts wall time)
@@ -206,7 +206,9 @@ def test_a_reward_that_times_itself_with_sigalrm_still_ends_at_its_time_limit(tm
         "    open('slept through', 'w').close()\n    return [0.0] * len(completions)\n")
     monkeypatch.chdir(tmp_path)
     reward = Reward(["verified:score"], 4, torch.device("cpu"), timeout_s=1)
-    with pytest.raises(UserError, match=r"^--reward score: no answer for 1 completions within grpo.reward_timeout_s"):
+    # named as given, as a failing or a wrong return is (it said '--reward score')
+    with pytest.raises(UserError, match=r"^--reward verified:score: no answer for 1 completions within "
+                                        r"grpo.reward_timeout_s"):
         reward(_completions(["a"]))
     assert not (tmp_path / "slept through").exists() and _limit_gone()  # its wait was ended at the limit
 
@@ -581,7 +583,8 @@ def test_a_reward_that_swallows_its_time_limit_still_ends_at_it(tmp_path, monkey
     monkeypatch.delitem(sys.modules, "swallows", raising=False)
     reward = Reward(["swallows:score"], 4, torch.device("cpu"), timeout_s=1)
     start = time.monotonic()
-    with pytest.raises(UserError, match=r"^--reward score: no answer for 1 completions within grpo.reward_timeout_s"):
+    with pytest.raises(UserError, match=r"^--reward swallows:score: no answer for 1 completions within "
+                                        r"grpo.reward_timeout_s"):
         reward(_completions(["a"]))
     assert time.monotonic() - start < 10
     assert _limit_gone()

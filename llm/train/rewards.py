@@ -37,7 +37,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from types import ModuleType
@@ -403,6 +403,8 @@ class RewardTerm:
     weight: float
     score: Callable[[Completions], list[float]]
     required_field: str | None = None
+    given: str = ""
+    """The `--reward` term as the user gave it, for messages (`name` is the logged one: `score` for `mod:score`)."""
 
 
 def parse_term(term: str, max_new_tokens: int, device: torch.device) -> RewardTerm:
@@ -511,7 +513,7 @@ class Reward:
         if not terms:
             raise UserError("no reward: pass --reward TERM (e.g. exact_match)")
         self.timeout_s = timeout_s
-        self.terms = [parse_term(t, max_new_tokens, device) for t in terms]
+        self.terms = [replace(parse_term(t, max_new_tokens, device), given=t) for t in terms]
         if not any(t.weight for t in self.terms):  # every advantage 0: the run trained on the KL term alone
             raise UserError(f"--reward: every term has weight 0 ({', '.join(terms)}), so every completion's reward is "
                             "0 and GRPO learns nothing from it; give at least one term a non-zero weight (a term of "
@@ -543,7 +545,7 @@ class Reward:
             limit.check()
         except _OutOfTime:
             limit.disarm()  # where a ring landed in the first call, before its loop
-            raise UserError(f"--reward {term.name}: no answer for {len(batch.texts)} completions within "
+            raise UserError(f"--reward {term.given}: no answer for {len(batch.texts)} completions within "
                             f"grpo.reward_timeout_s ({self.timeout_s:g} s, every term together); make it faster or "
                             "raise the limit (0: none)") from None
         total = sum(t.weight * components[t.name] for t in self.terms)
