@@ -1085,6 +1085,21 @@ def test_a_split_holding_an_id_beyond_the_vocabulary_is_one_line(export_dir, pre
         run_perplexity(str(export_dir), None, str(data), "val", context=CONTEXT)
 
 
+@pytest.mark.parametrize("position", [5, 20])  # in rank 0's windows (0-15), in rank 1's (16-31)
+def test_an_id_beyond_the_vocabulary_in_one_ranks_windows_is_one_line_on_two_ranks(export_dir, pretrain_data, tmp_path,
+                                                                                  position):
+    """The rank reading it said so and ended; the other, waiting in the all-reduce of the totals, ended in a gloo
+    traceback ('Connection closed by peer')."""
+    data = tmp_path / "data"
+    shutil.copytree(pretrain_data, data)
+    with h5py.File(data / "tokens.h5", "r+") as h5:
+        h5["val/tokens"][position] = 600
+    result = run_cli("eval", "--model", export_dir, "--data", data, "--context", CONTEXT, "--nproc", 2)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.stderr.count("zerollm: error:") == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "the val split holds token id 600, beyond the model's vocabulary of 512" in result.stderr
+
+
 def test_a_system_instruction_that_is_not_utf8_is_refused_before_anything_loads(monkeypatch, capsys):
     code = zerollm_here(monkeypatch, "eval", "--model", "unused", "--tasks", "tiny_choice", "--system-instruction",
                         "caf\udce9")

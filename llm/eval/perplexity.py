@@ -125,25 +125,32 @@ def _figure(value: float) -> str:
 
 
 def evaluate_stream(model: Transformer, tokenizer: Tokenizer, stream: TokenStream, context: int, stride: int,
-                    batch_size: int = 8, rank: int = 0, world_size: int = 1, progress: bool = True) -> PerplexityResult:
+                    batch_size: int = 8, rank: int = 0, world_size: int = 1, progress: bool = True,
+                    announce: bool = True) -> PerplexityResult:
     """Score `stream` with `model` (already placed on its device). With world_size > 1 (a process group is up),
     this rank scores every world_size-th window and the totals are all-reduced; the bytes are counted on rank 0
-    only (other ranks report 0)."""
+    only (other ranks report 0). A mistake one rank finds in its windows (a token id beyond the vocabulary) ends
+    every rank with it (`agreed`; `announce`: this rank prints it)."""
     every = windows(len(stream), context, stride)
     mine = every[rank::world_size]
-    nats, tokens = 0.0, 0
     bar = tqdm(total=len(mine), desc="eval" if world_size == 1 else f"eval (rank 0's {len(mine)} of {len(every)})",
                unit="window", disable=not progress or rank != 0, file=sys.stderr)
-    for first in range(0, len(mine), batch_size):
-        group = mine[first:first + batch_size]
-        sequences = [stream.read(w.start, w.end) for w in group]
-        starts = [document_start_positions(stream, tokenizer, w.end - w.scored, w.end) - w.start for w in group]
-        for score in score_sequences(model, sequences, [w.scored for w in group], batch_size, tokenizer.pad_id,
-                                     starts):
-            nats += score.nats
-            tokens += score.tokens
-        bar.update(len(group))
-    bar.close()
+
+    def score_mine() -> tuple[float, int]:
+        nats, tokens = 0.0, 0
+        for first in range(0, len(mine), batch_size):
+            group = mine[first:first + batch_size]
+            sequences = [stream.read(w.start, w.end) for w in group]
+            starts = [document_start_positions(stream, tokenizer, w.end - w.scored, w.end) - w.start for w in group]
+            for score in score_sequences(model, sequences, [w.scored for w in group], batch_size, tokenizer.pad_id,
+                                         starts):
+                nats += score.nats
+                tokens += score.tokens
+            bar.update(len(group))
+        return nats, tokens
+
+    nats, tokens = agreed(score_mine, announce) if world_size > 1 else score_mine()  # the others were left in
+    bar.close()  # all_reduce, and ended in a gloo traceback when this rank's process ended
     if world_size > 1:
         device = next(model.parameters()).device
         totals = torch.tensor([nats, tokens], dtype=torch.float64, device=device)
@@ -253,7 +260,7 @@ def run_perplexity(model_dir: str, inputs: list[str] | None, data_dir: str | Non
         for line in report.skipped:
             print(f"  {line}", file=sys.stderr)
     result = evaluate_stream(place(model, where, precision), tokenizer, stream, context, stride, batch_size, rank,
-                             world_size)
+                             world_size, announce=announce)
     if rank == 0:
         if as_json:
             print(json.dumps({"model": str(model_dir), **source, "ranks": world_size, **result.to_dict()},
