@@ -186,15 +186,17 @@ def test_a_short_file_that_is_not_utf8_is_refused_for_its_encoding(tmp_path, mon
         assert capsys.readouterr().err.startswith("zerollm: error: " + said.format(input=source))
 
 
+@pytest.mark.parametrize("earlier", [False, True])
 @pytest.mark.parametrize("name, tail, said", [
     ("novel.txt", b"caf\xe9 ol\xe9\n" * 20, "{input}:301: not valid UTF-8 text"),
     ("novel.jsonl", b'{"title": "no text"}\n' * 300,
-     "{out}/val.jsonl: no usable text records to evaluate on (120 records skipped, first: {input}:481: no text "),
+     "{part}: no usable text records to evaluate on (120 records skipped, first: {input}:481: no text "),
 ])
 def test_a_heldout_part_the_readers_refuse_ends_bench_learn_before_it_trains(tmp_path, monkeypatch, capsys, name, tail,
-                                                                           said):
+                                                                           said, earlier):
     """It was read only after training: the whole budget (10 minutes by default) went before the refusal, which named
-    a line of the split file rather than of the user's."""
+    a line of the split file rather than of the user's. With an earlier result in --out, which takes the place of the
+    split's copies again, the refusal named the copy all the same."""
     from conftest import zerollm_here
     from llm.eval import learning_speed
 
@@ -207,12 +209,20 @@ def test_a_heldout_part_the_readers_refuse_ends_bench_learn_before_it_trains(tmp
         lines = [json.dumps({"text": line.strip()}) + "\n" for line in lines]
     source, out = tmp_path / name, tmp_path / "out"
     source.write_bytes("".join(lines).encode() + tail)
+    if earlier:
+        out.mkdir()
+        kept = _earlier_result(out)
     assert zerollm_here(monkeypatch, "bench", "learn", "--input", source, "--budget", "30", "--out", out) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error.startswith("zerollm: error: " + said.format(input=source, out=out)), error
-    assert error.endswith(f"(in the held-out part, the last 10% of {source}, copied to {out}/val{source.suffix}; "
-                          "nothing was trained)")
-    assert not (out / "tok").exists() and not (out / "run").exists()
+    copy = out / f"val{source.suffix}"
+    assert error.startswith("zerollm: error: " + said.format(input=source, part=source if earlier else copy)), error
+    if earlier:
+        assert error.endswith(f"(in the held-out part, the last 10% of {source}; nothing was trained)")
+        assert str(out) not in error and _files(out) == kept
+    else:
+        assert error.endswith(f"(in the held-out part, the last 10% of {source}, copied to {copy}; nothing was "
+                              "trained)")
+        assert copy.is_file() and not (out / "tok").exists() and not (out / "run").exists()
 
 
 def test_a_refusal_from_the_training_job_ends_bench_learn_without_teardown(tmp_path, monkeypatch, capsys):

@@ -110,25 +110,29 @@ def in_input(said: str, part: Path, input_file: str, lines_before: int) -> str:
     return re.sub(rf"{re.escape(str(part))}:(\d+):", lambda m: f"{input_file}:{int(m[1]) + lines_before}:", said)
 
 
-def check_heldout_part(input_file: str, train: Path, val: Path, tasks: Path) -> tuple[Path, list[str]]:
+def check_heldout_part(input_file: str, train: Path, val: Path, tasks: Path,
+                       copy_kept: bool) -> tuple[Path, list[str]]:
     """`write_heldout_task` before training, so that a held-out part the readers refuse ends the command before
     the budget is spent (it ended it after training); its messages (the refusal, or the records it skipped) name
-    the lines of the user's file."""
+    the lines of the user's file (`refused_part`)."""
     lines_before = train.read_bytes().count(b"\n")
     try:
         task_dir, skipped = write_heldout_task(val, tasks)
     except UserError as exc:
-        raise refused_part(exc, val, input_file, lines_before) from None
+        raise refused_part(exc, val, input_file, lines_before, copy_kept) from None
     return task_dir, [in_input(str(record), val, input_file, lines_before) for record in skipped]
 
 
-def refused_part(exc: UserError, part: Path, input_file: str, lines_before: int) -> UserError:
+def refused_part(exc: UserError, part: Path, input_file: str, lines_before: int, copy_kept: bool) -> UserError:
     """The refusal of a part of the split (`lines_before` lines of the input before it: 0 for the training part) in
-    the user's terms: their file's lines, which part, and that nothing was trained."""
+    the user's terms: their file's lines, which part, where its copy is (`copy_kept`: it stays; not where an earlier
+    result takes its place again, `earlier_result_kept`), and that nothing was trained."""
     which = (f"the training part, the first {TRAIN_SHARE:.0%}" if lines_before == 0 else
              f"the held-out part, the last {1 - TRAIN_SHARE:.0%}")
-    return UserError(f"{in_input(str(exc), part, input_file, lines_before)} (in {which} of {input_file}, copied to "
-                     f"{part}; nothing was trained)")
+    said = in_input(str(exc), part, input_file, lines_before)
+    if not copy_kept:  # the part's copy is gone: the user's file is what to look at
+        return UserError(f"{said.replace(str(part), input_file)} (in {which} of {input_file}; nothing was trained)")
+    return UserError(f"{said} (in {which} of {input_file}, copied to {part}; nothing was trained)")
 
 
 def skipped_in_part(skipped: list[str], part: str, count: int | None = None) -> str:
@@ -290,7 +294,8 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
     check_training_start(base, vocab, deepspeed_config, zero_stage)
     with held_locks.held_folder(out_dir, LEARN_MARKER, "bench learn"), earlier_result_kept(out_dir) as result_written:
         train_file, val_file = split_file(Path(input_file), out_dir)
-        task_dir, heldout_skipped = check_heldout_part(input_file, train_file, val_file, out_dir / "tasks")
+        copy_kept = not (out_dir / EARLIER_RESULT).is_dir()  # else the earlier result's files replace it on failure
+        task_dir, heldout_skipped = check_heldout_part(input_file, train_file, val_file, out_dir / "tasks", copy_kept)
         phases.done("split")
 
         texts = PretrainTexts([train_file])
@@ -298,7 +303,8 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
             tokenizer = train_tokenizer(texts, vocab, out_dir / "tok", show_progress=False,
                                         unusable=texts.skipped_note)
         except UserError as exc:  # about the training part (its records), or not (a write to tok/)
-            raise (refused_part(exc, train_file, input_file, 0) if str(train_file) in str(exc) else exc) from None
+            raise (refused_part(exc, train_file, input_file, 0, copy_kept) if str(train_file) in str(exc)
+                   else exc) from None
         phases.done("tokenizer", f" ({tokenizer.vocab_size} tokens)")
 
         report = prepare("pretrain", [str(train_file)], out_dir / "tok", out_dir / "data", val_fraction=0.0, workers=2,
