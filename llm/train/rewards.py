@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass, replace
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -379,7 +379,8 @@ class UserFunction:
         except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond any float (10**400)
             values = None
         if values is None or len(values) != len(batch.texts) or not all(abs(v) <= MAX_MAGNITUDE for v in values):
-            shown = " ".join(str(scores).split())[:80]  # an array's text spans lines
+            read = scores if values is None or isinstance(scores, Sized) else values  # an iterator, read: its text
+            shown = " ".join(str(read).split())[:80]  # is its address; an array's text spans lines
             raise UserError(f"--reward {self.term}: returned {type(scores).__name__} {shown}; it must "
                             f"return one float per completion ({len(batch.texts)}), each finite and at most "
                             f"{MAX_MAGNITUDE:g} in magnitude")
