@@ -124,7 +124,9 @@ def test_reward_terms_weights_and_components(tmp_path, monkeypatch):
     ("0.5*format:", "no pattern after 'format:'"),
     ("format:a{99999999999}", r"not a regular expression \(the repetition number is too large\)"),  # OverflowError
     ("format:" + "(" * 2000 + ")" * 2000, r"not a regular expression \(maximum recursion depth"),  # RecursionError
-    ("model:/nonexistent/reward-model", "no config.json there"),
+    ("model:/nonexistent/reward-model", "model:/nonexistent/reward-model: no such directory; give a directory written "
+                                        "by save_pretrained"),
+    ("model:/dev/null", "model:/dev/null: not a directory; give"),
     ("missing_file.py:fn", "no such file missing_file.py"),
     ("os:system", r"system must be callable as system\(prompts=..., completions=..., \*\*fields\)"),
     ("1e400*format", r"the weight 1e400 is beyond 1e\+09 in magnitude"),  # inf: every step's loss was NaN, exit 0

@@ -178,6 +178,9 @@ class RewardModel:
         except ImportError:
             raise UserError(f"--reward model:{directory} needs transformers; `pip install transformers`") from None
         path = Path(directory)
+        if not path.is_dir():  # it said there was no config.json there
+            raise UserError(f"--reward model:{directory}: {'not a directory' if path.exists() else 'no such directory'}"
+                            "; give a directory written by save_pretrained of a sequence-classification model")
         if not (path / HF_CONFIG_FILE).is_file():
             raise UserError(f"--reward model:{directory}: no {HF_CONFIG_FILE} there; give a directory written by "
                             "save_pretrained of a sequence-classification model")
