@@ -116,10 +116,6 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
     out = Path(out_dir) if out_dir else Path(model_dir) / rundir.EVAL_DIR
     rundir.check_writable_out(out, "give a folder for the results")  # before the evaluation: results not lost
     lm_eval = require_lm_eval()
-    try:  # what may still fail where the folder above it is writable (a read-only mount, /proc)
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
     from lm_eval import evaluator  # noqa: PLC0415 - optional dependency
     from lm_eval.utils import make_table  # noqa: PLC0415 - optional dependency
 
@@ -136,6 +132,10 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
         if missing := [m for m in members if not manager.match_tasks([m])]:
             raise UserError(f"{path}: group {group} names {', '.join(missing)}, which no lm-eval task is called; "
                             "`lm-eval ls tasks` lists them")
+    try:  # once the tasks are known (an unknown one left it empty); what may still fail where the folder above it is
+        out.mkdir(parents=True, exist_ok=True)  # writable (a read-only mount, /proc)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
     where, precision = resolve(device, dtype)
     model, tokenizer, checkpoint = load_scored(model_dir)
     if chat:
