@@ -750,6 +750,21 @@ def test_unknown_task_is_named(export_dir, local_tasks, tmp_path):
     assert not (tmp_path / "results").exists()  # made, and left empty
 
 
+def test_the_results_folder_is_made_only_for_tasks_and_a_model_that_will_run(export_dir, local_tasks, tmp_path,
+                                                                              monkeypatch, capsys):
+    """A mistyped --model left TYPO/eval made (the default results folder) and empty; a folder that cannot be made
+    is still refused before the evaluation."""
+    from conftest import zerollm_here
+
+    typo = tmp_path / "typo"
+    assert zerollm_here(monkeypatch, "eval", "--model", typo, "--tasks", "tiny_choice", "--include-path",
+                        local_tasks) == 2
+    assert "no such directory" in capsys.readouterr().err and not typo.exists()
+    assert zerollm_here(monkeypatch, "eval", "--model", export_dir, "--tasks", "tiny_choice", "--include-path",
+                        local_tasks, "--out", "/proc/zerollm-results") == 2
+    assert "zerollm: error: --out /proc/zerollm-results: cannot create it (" in capsys.readouterr().err
+
+
 def test_context_defaults_to_the_trained_window_of_a_run_and_is_checked_for_tasks_too(tmp_path):
     from llm.eval.perplexity import evaluation_context
 
@@ -784,8 +799,6 @@ def test_help_explains_the_new_commands(command):
     (["--tasks", "my_task", "--out", "{file}"], "--out {file}: {file} is a file; give a folder for the results"),
     (["--tasks", "my_task", "--out", "{link}"], "--out {link}: {link} is a symbolic link to {link}-target, which "
                                                 "does not exist"),  # a FileExistsError after the evaluation
-    (["--tasks", "tiny_choice", "--include-path", "{tasks}", "--out", "/proc/zerollm-results"],
-     "--out /proc/zerollm-results: cannot create it ("),
     # the folder above it passes as writable: a FileNotFoundError traceback after the evaluation
     (["--input", "{file}", "--nproc", "0"], "argument --nproc: must be between 1 and 1024, got 0"),  # ran one rank
     (["--input", "{file}", "--limit", "5", "--out", "x"], "--limit, --out apply to --tasks"),  # silently ignored
@@ -802,12 +815,12 @@ def test_help_explains_the_new_commands(command):
     # the ranks ran on the CPU whatever --device said (mps: not on this machine, or not for 2 ranks)
     (["--input", "{file}", "--nproc", "2", "--device", "mps"], "--device mps: "),
 ])
-def test_bad_options_are_refused_before_the_model_loads(tmp_path, local_tasks, monkeypatch, capsys, options, message):
+def test_bad_options_are_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, options, message):
     """The model does not exist: the error shows the options are checked first (an --out that is a file was a
     FileExistsError after the whole evaluation), in this process, before any rank starts: one line."""
     (tmp_path / "notes.txt").write_text("kept")
     (tmp_path / "results").symlink_to(tmp_path / "results-target")
-    names = {"file": tmp_path / "notes.txt", "link": tmp_path / "results", "tasks": local_tasks}
+    names = {"file": tmp_path / "notes.txt", "link": tmp_path / "results"}
     options = [o.format(**names) for o in options]
     assert zerollm_here(monkeypatch, "eval", "--model", tmp_path / "no-model", *options) == 2
     err = capsys.readouterr().err

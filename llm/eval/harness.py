@@ -132,10 +132,6 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
         if missing := [m for m in members if not manager.match_tasks([m])]:
             raise UserError(f"{path}: group {group} names {', '.join(missing)}, which no lm-eval task is called; "
                             "`lm-eval ls tasks` lists them")
-    try:  # once the tasks are known (an unknown one left it empty); what may still fail where the folder above it is
-        out.mkdir(parents=True, exist_ok=True)  # writable (a read-only mount, /proc)
-    except OSError as exc:
-        raise UserError(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
     where, precision = resolve(device, dtype)
     model, tokenizer, checkpoint = load_scored(model_dir)
     if chat:
@@ -145,6 +141,10 @@ def run_tasks(model_dir: str, tasks: list[str], limit: float | None = None, num_
             raise UserError(f"--apply-chat-template: {exc}; or score the model without the option") from None
     context = evaluation_context(context, Path(model_dir), model)
     harness_model = ZeroLLMHarnessModel(place(model, where, precision), tokenizer, batch_size, context, chat=chat)
+    try:  # once the tasks and the model are known (a mistake in them, or a --model mistyped, left it made and empty);
+        out.mkdir(parents=True, exist_ok=True)  # what may still fail where the folder above is writable: /proc
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
     # lm-eval records `git describe` of the working directory as the version of the code that scored the model, and
     # git's "fatal: not a git repository" reached our stderr outside a checkout: the code is this package
     evaluator.get_git_commit_hash = code_commit
