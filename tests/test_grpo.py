@@ -300,10 +300,12 @@ def test_a_user_function_returning_the_wrong_shape_is_named(tmp_path, monkeypatc
     reward = Reward(["short:one"], 4, torch.device("cpu"))
     with pytest.raises(UserError, match="short:one: returned list .* one float per completion \\(2\\)"):
         reward(_completions(["a", "b"]))
-    (tmp_path / "yields.py").write_text("def one(prompts, completions, **fields):\n    yield 1.0\n")
-    with pytest.raises(UserError, match=r"^--reward yields:one: returned generator \[1\.0\]; it must return one float "
-                                        r"per completion \(2\)"):  # was its address: <generator object one at 0x..>
-        Reward(["yields:one"], 4, torch.device("cpu"))(_completions(["a", "b"]))
+    (tmp_path / "yields.py").write_text("def one(prompts, completions, **fields):\n    yield 1.0\n"
+                                        "def texts(prompts, completions, **fields):\n    yield from ['1', '2']\n")
+    for name, shown in (("one", r"\[1\.0\]"), ("texts", r"\['1', '2'\]")):  # was <generator object one at 0x..>
+        with pytest.raises(UserError, match=rf"^--reward yields:{name}: returned generator {shown}; it must return "
+                                            r"one float per completion \(2\)"):
+            Reward([f"yields:{name}"], 4, torch.device("cpu"))(_completions(["a", "b"]))
 
 
 def test_a_function_named_like_a_total_and_an_array_of_lines_are_said_plainly(tmp_path, monkeypatch):

@@ -372,18 +372,20 @@ class UserFunction:
                             f"{where.lineno})".replace("\n", " ")) from None
         finally:
             os.chdir(cwd)
+        items = scores  # shown where they are refused
         try:
             if isinstance(scores, (Mapping, set, frozenset, str, bytes, bytearray)):  # a dict's keys, a set's order,
                 raise TypeError  # a text's characters or bytes: not one score per completion
+            if not isinstance(scores, Sized):  # an iterator (a generator, a map), read once: its text, once read,
+                items = list(scores)  # is its address
             values = [None if getattr(s, "ndim", 0) else float(s)  # a row of a torch (n, 1) tensor: float() took
-                      for s in scores if not isinstance(s, (str, bytes))]  # it (numpy's refused); "1.0" is no score
+                      for s in items if not isinstance(s, (str, bytes))]  # it (numpy's refused); "1.0" is no score
             if None in values:
                 raise TypeError
         except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond any float (10**400)
             values = None
         if values is None or len(values) != len(batch.texts) or not all(abs(v) <= MAX_MAGNITUDE for v in values):
-            read = scores if values is None or isinstance(scores, Sized) else values  # an iterator, read: its text
-            shown = " ".join(str(read).split())[:80]  # is its address; an array's text spans lines
+            shown = " ".join(str(items).split())[:80]  # an array's text spans lines
             raise UserError(f"--reward {self.term}: returned {type(scores).__name__} {shown}; it must "
                             f"return one float per completion ({len(batch.texts)}), each finite and at most "
                             f"{MAX_MAGNITUDE:g} in magnitude")
