@@ -70,9 +70,9 @@ metric_list:
 """
 
 
-def split_file(path: Path, out: Path, train_share: float = TRAIN_SHARE) -> tuple[Path, Path]:
-    """The first `train_share` of the file's bytes, cut at the first line end from there, and the rest, as two files
-    of the same format in `out`."""
+def file_parts(path: Path, train_share: float = TRAIN_SHARE) -> tuple[bytes, bytes]:
+    """The first `train_share` of the file's bytes, cut at the first line end from there, and the rest; a file
+    that cannot be split is refused before anything is written."""
     if path.suffix.lower() not in SPLIT_SUFFIXES:
         raise UserError(f"{path}: give a .txt or .jsonl file (it is cut at a line end into training and held-out "
                         "parts)")
@@ -83,10 +83,15 @@ def split_file(path: Path, out: Path, train_share: float = TRAIN_SHARE) -> tuple
         for _ in read_records([path], "pretrain"):  # what the readers refuse a longer file for (text that is not
             pass  # UTF-8) comes first
         raise UserError(f"{path}: too short to split into a training part and a held-out part at a line end")
+    return data[:cut + 1], data[cut + 1:]
+
+
+def write_parts(path: Path, parts: tuple[bytes, bytes], out: Path) -> tuple[Path, Path]:
+    """`file_parts` of `path` as two files of its format in `out`: the training part and the held-out part."""
     train, val = out / f"train{path.suffix.lower()}", out / f"val{path.suffix.lower()}"
     with durable.room_needed(out, "the training and held-out parts"):  # it was a traceback, a part left torn
-        durable.write_bytes(train, data[:cut + 1])
-        durable.write_bytes(val, data[cut + 1:])
+        durable.write_bytes(train, parts[0])
+        durable.write_bytes(val, parts[1])
     return train, val
 
 
@@ -292,8 +297,9 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
                         "tokenizer's size, e.g. 4096 as cpu-10m)")
     check_training_options(vocab)
     check_training_start(base, vocab, deepspeed_config, zero_stage)
+    parts = file_parts(Path(input_file))  # before --out is made: a missing --input left it holding the marker alone
     with held_locks.held_folder(out_dir, LEARN_MARKER, "bench learn"), earlier_result_kept(out_dir) as result_written:
-        train_file, val_file = split_file(Path(input_file), out_dir)
+        train_file, val_file = write_parts(Path(input_file), parts, out_dir)
         copy_kept = not (out_dir / EARLIER_RESULT).is_dir()  # else the earlier result's files replace it on failure
         task_dir, heldout_skipped = check_heldout_part(input_file, train_file, val_file, out_dir / "tasks", copy_kept)
         phases.done("split")
