@@ -107,6 +107,16 @@ def test_openai_weight_0_marks_a_reply_as_context_and_reasoning_has_three_names(
                                               "thinking": "y"}]})
     same = {"role": "assistant", "content": "a1", "reasoning_content": "x", "thinking": "x", "reasoning": ""}
     assert conversation({"messages": [turns[0], same]})[1]["reasoning_content"] == "x"
+    # a role or a text given two ways that disagree: one was used and the other dropped, a user turn learnt as a reply
+    with pytest.raises(RecordError,
+                       match=r"^'role' and 'from' give different roles \('assistant', 'human'\); keep one$"):
+        conversation({"conversations": [{"from": "human", "role": "assistant", "value": "hi"},
+                                        {"from": "gpt", "value": "yo"}]})
+    with pytest.raises(RecordError, match="^'content' and 'value' give different text; keep one$"):
+        conversation({"messages": [turns[0], {"role": "assistant", "content": "a1", "value": "a2"}]})
+    agreeing = {"conversations": [{"from": "human", "role": "user", "value": "hi", "content": "hi"},
+                                  {"from": "gpt", "role": "assistant", "value": "yo"}]}
+    assert conversation(agreeing) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
 
 
 def test_openai_preference_records_are_pairs():

@@ -67,6 +67,8 @@ ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant"
 def _content(turn: dict, role: str) -> str:
     """A turn's text: `content` or `value`, a string or a list of text parts; may be absent on an assistant turn
     that calls tools."""
+    if turn.get("content") is not None and turn.get("value") is not None and turn["content"] != turn["value"]:
+        raise RecordError("'content' and 'value' give different text; keep one")  # 'value' was dropped
     key = "content" if "content" in turn else "value"
     value = turn.get(key)
     if isinstance(value, list):  # OpenAI content parts
@@ -153,6 +155,9 @@ def message(turn: Any) -> Message:
     raw_role = turn.get("role", turn.get("from"))
     if not isinstance(raw_role, str) or raw_role not in ROLE_ALIASES:
         raise RecordError(f"unknown role {raw_role!r}; expected one of {', '.join(ROLE_ALIASES)}")
+    given = turn.get("from")  # beside 'role', it was dropped: a user turn read as the assistant's was learnt
+    if given is not None and (not isinstance(given, str) or ROLE_ALIASES.get(given) != ROLE_ALIASES[raw_role]):
+        raise RecordError(f"'role' and 'from' give different roles ({raw_role!r}, {given!r}); keep one")
     role = ROLE_ALIASES[raw_role]
     calls = _tool_calls(turn, raw_role)
     out: Message = {"role": role, "content": "" if raw_role == "function_call" else _content(turn, role)}
