@@ -134,10 +134,10 @@ def refused_part(exc: UserError, part: Path, input_file: str, lines_before: int,
     result takes its place again, `earlier_result_kept`), and that nothing was trained."""
     which = (f"the training part, the first {TRAIN_SHARE:.0%}" if lines_before == 0 else
              f"the held-out part, the last {1 - TRAIN_SHARE:.0%}")
-    said = in_input(str(exc), part, input_file, lines_before)
+    said, copy = in_input(str(exc), part, input_file, lines_before), f", copied to {part}"
     if not copy_kept:  # the part's copy is gone: the user's file is what to look at
-        return UserError(f"{said.replace(str(part), input_file)} (in {which} of {input_file}; nothing was trained)")
-    return UserError(f"{said} (in {which} of {input_file}, copied to {part}; nothing was trained)")
+        said, copy = said.replace(str(part), input_file), ""
+    return UserError(f"{said} (in {which} of {input_file}{copy}; nothing was trained)")
 
 
 def skipped_in_part(skipped: list[str], part: str, count: int | None = None) -> str:

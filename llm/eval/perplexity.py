@@ -149,8 +149,9 @@ def evaluate_stream(model: Transformer, tokenizer: Tokenizer, stream: TokenStrea
             bar.update(len(group))
         return nats, tokens
 
-    nats, tokens = agreed(score_mine, announce) if world_size > 1 else score_mine()  # the others were left in
-    bar.close()  # all_reduce, and ended in a gloo traceback when this rank's process ended
+    # agreed: a rank that refused alone left the others in the all-reduce below, to end in a gloo traceback
+    nats, tokens = agreed(score_mine, announce) if world_size > 1 else score_mine()
+    bar.close()
     if world_size > 1:
         device = next(model.parameters()).device
         totals = torch.tensor([nats, tokens], dtype=torch.float64, device=device)

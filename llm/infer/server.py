@@ -176,9 +176,11 @@ def canonical_message(message: Any, index: int) -> dict:
             out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(message["tool_calls"])]
     if out["role"] == "tool":
         for key in ("name", "tool_call_id"):
-            if message.get(key) is not None and not isinstance(message[key], str):  # it was left out
+            if message.get(key) is None:
+                continue
+            if not isinstance(message[key], str):  # it was left out
                 raise RequestError(f"{where}.{key} must be a string", f"{where}.{key}")
-        out.update({key: message[key] for key in ("name", "tool_call_id") if isinstance(message.get(key), str)})
+            out[key] = message[key]
     return out
 
 

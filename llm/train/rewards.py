@@ -178,12 +178,11 @@ class RewardModel:
         except ImportError:
             raise UserError(f"--reward model:{directory} needs transformers; `pip install transformers`") from None
         path = Path(directory)
-        if not path.is_dir():  # it said there was no config.json there
-            raise UserError(f"--reward model:{directory}: {'not a directory' if path.exists() else 'no such directory'}"
-                            "; give a directory written by save_pretrained of a sequence-classification model")
-        if not (path / HF_CONFIG_FILE).is_file():
-            raise UserError(f"--reward model:{directory}: no {HF_CONFIG_FILE} there; give a directory written by "
-                            "save_pretrained of a sequence-classification model")
+        if not (path / HF_CONFIG_FILE).is_file():  # a missing directory was said to have no config.json
+            problem = (f"no {HF_CONFIG_FILE} there" if path.is_dir() else
+                       "not a directory" if path.exists() else "no such directory")
+            raise UserError(f"--reward model:{directory}: {problem}; give a directory written by save_pretrained of a "
+                            "sequence-classification model")
         try:
             architectures = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False).architectures or []
         except (OSError, ValueError) as exc:
