@@ -29,14 +29,15 @@ from conftest import FIXTURES, GIVES_UP_ON, changed_after_listing, regex_that_gi
 from llm.cli import main
 from llm.data import prepare as prepare_module
 from llm.data.arrow_values import text_bytes
-from llm.data.formats import Chat, Pair, read_items, read_records
+from llm.data.formats import Chat, Pair, PretrainTexts, read_items, read_records
 from llm.data.output import LOCK_FILE, OutputDir
 from llm.data.prepare import Report, not_prepared_here, prepare
 from llm.data.prepared import read_data_attrs
-from llm.data.readers import PIECE_CHARS, Item, Skipped, expand_inputs, split_text
+from llm.data.readers import PIECE_CHARS, Item, RecordLimit, Skipped, expand_inputs, split_text
 from llm.errors import STOP_SIGNALS, UserError
 from llm.rundir import PREPARED_ENTRIES
 from llm.tokenizer import Tokenizer, train_tokenizer
+from llm.train.prompts import read_prompts
 
 
 def _tokens(out, split="train"):
@@ -136,10 +137,10 @@ def test_json_is_read_element_by_element_with_errors_at_their_line(tmp_path):
     tail = ",\n".join(['{"text": "' + "z" * 100 + '"}'] * 2000)
     path.write_text('[{"text": "one"},\n {"text": "two" "oops"},\n' + tail + "]\n")
     with pytest.raises(UserError, match=r"a.json:2: invalid JSON \(Expecting ',' delimiter\)"):
-        list(read_items(path, max_record_mb=0.001))
+        list(read_items(path, RecordLimit(0.001, "--max-record-mb")))
     escape = '{"text": "' + "z" * 3000 + '\\u00e9"}'  # values a window may end inside of: read whole
     path.write_text("[" + ",\n".join([escape] * 30) + "]")
-    assert len(list(read_items(path, max_record_mb=0.01))) == 30
+    assert len(list(read_items(path, RecordLimit(0.01, "--max-record-mb")))) == 30
 
 
 @pytest.fixture
@@ -1401,7 +1402,7 @@ def test_json_records_over_the_limit_are_skipped_or_refused_without_reading_them
         (f"{path}:2: record of {size:,} characters is over --max-record-mb 0.01; raise it, or put long documents "
          "in .txt files, which are streamed")]
     (tmp_path / "big.json").write_text(json.dumps([{"text": "short"}, big]))
-    with pytest.raises(UserError, match="big.json:1: a value longer than --max-record-mb 0.01; raise it or convert "
+    with pytest.raises(UserError, match="big.json:1: a value longer than --max-record-mb 0.01; raise it, or convert "
                                         "the file to .jsonl$"):  # not "; a .json file must hold one array or object"
         _quiet("pretrain", [tmp_path / "big.json"], tokenizer_dir, tmp_path / "out2", max_record_mb=0.01)
 
@@ -1410,14 +1411,30 @@ def test_a_tiny_max_record_mb_is_named_as_given(tokenizer_dir, tmp_path):
     """It was named "--max-record-mb 0" (the limit in whole characters, over a million)."""
     path = tmp_path / "a.jsonl"
     path.write_text('{"text": "x"}\n')
-    assert [str(s) for s in read_items(path, max_record_mb=1e-9)] == [
+    assert [str(s) for s in read_items(path, RecordLimit(1e-9, "--max-record-mb"))] == [
         f"{path}:1: record of 13 characters is over --max-record-mb 1e-09; raise it, or put long documents in .txt "
         "files, which are streamed"]
     (tmp_path / "a.json").write_text('{"text": "x"}')
     with pytest.raises(UserError, match="a.json:1: a value longer than --max-record-mb 1e-09;"):
-        list(read_items(tmp_path / "a.json", max_record_mb=1e-9))
+        list(read_items(tmp_path / "a.json", RecordLimit(1e-9, "--max-record-mb")))
     for at_the_limit in (path, tmp_path / "a.json"):  # a line's end counted in .jsonl: 13 characters were 14
-        assert [item.value for item in read_items(at_the_limit, max_record_mb=13e-6)] == [{"text": "x"}]
+        assert [item.value for item in read_items(at_the_limit, RecordLimit(13e-6))] == [{"text": "x"}]
+
+
+def test_a_command_without_max_record_mb_names_the_limit_not_the_option(tmp_path):
+    """tokenizer train, eval, bench learn and train grpo read records under the fixed 64 MB limit; a record over it
+    was skipped advising "--max-record-mb 64; raise it", an option only data prepare takes."""
+    path = tmp_path / "big.jsonl"
+    with path.open("w") as f:
+        f.write(json.dumps({"prompt": "x" * 64_000_000, "answer": "1"}) + "\n")
+        f.write(json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}) + "\n")
+    reason = (f"{path}:1: record of 64,000,029 characters is over the 64 MB limit of one record; put long documents in "
+              ".txt files, which are streamed")
+    prompts = read_prompts([str(path)], lambda messages, tools: [0], max_tokens=8)
+    assert [p.fields["answer"] for p in prompts] == ["2"] and prompts.skipped == [reason]
+    texts = PretrainTexts([path])
+    assert list(texts) == [] and str(texts.first_skipped) == reason  # the second record has no text either
+    assert texts.skipped_count == 2
 
 
 def test_a_dpo_prompt_of_the_wrong_type_is_named(tokenizer_dir, tmp_path):
@@ -1787,16 +1804,16 @@ def test_a_table_whose_rows_hold_more_text_than_its_file_is_read_row_by_row_with
     nested = pa.array([[{"t": "x" * 300_000}]] * 5)  # text inside lists of structs counts too
     pq.write_table(pa.table({"text": column, "extra": nested}), tmp_path / "bomb.parquet", compression="zstd")
     assert (tmp_path / "bomb.parquet").stat().st_size < 20_000
-    read = list(read_items(tmp_path / "bomb.parquet", max_record_mb=1.0))
+    read = list(read_items(tmp_path / "bomb.parquet", RecordLimit(1.0, "--max-record-mb")))
     assert [str(r) if isinstance(r, Skipped) else r.value["text"] for r in read] == [
         f"{tmp_path / 'bomb.parquet'}:row {n}: record of 1,500,000 bytes of text is over --max-record-mb 1; raise it"
         if n in (1, 3) else "short" for n in range(1, 6)]
-    assert [r.value["text"] for r in read_items(tmp_path / "bomb.parquet", max_record_mb=2.0)] == [
+    assert [r.value["text"] for r in read_items(tmp_path / "bomb.parquet", RecordLimit(2.0, "--max-record-mb"))] == [
         big, "short", big, "short", "short"]  # under it, row by row: 5 rows hold more than 2 MB together
     views = pa.table({"text": pa.array(["short", big], pa.string_view())})  # Arrow's Utf8View: counted as 0
     with pa.OSFile(str(tmp_path / "views.arrow"), "wb") as sink, pa.ipc.new_file(sink, views.schema) as writer:
         writer.write_table(views)
-    assert [str(r) for r in read_items(tmp_path / "views.arrow", max_record_mb=1.0)][1] == (
+    assert [str(r) for r in read_items(tmp_path / "views.arrow", RecordLimit(1.0, "--max-record-mb"))][1] == (
         f"{tmp_path / 'views.arrow'}:row 2: record of 1,200,000 bytes of text is over --max-record-mb 1; raise it")
 
 
@@ -1847,7 +1864,7 @@ def test_rows_read_one_at_a_time_after_the_first_256_are_the_right_rows(tmp_path
     table = pa.table({"text": pa.DictionaryArray.from_arrays(indices, pa.array(dictionary))})  # one batch of 300
     with pa.OSFile(str(tmp_path / "t.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)  # Parquet is read 256 rows a batch; an Arrow file keeps its batches as written
-    assert [item.value["text"] for item in read_items(tmp_path / "t.arrow", max_record_mb=1.0)] == texts
+    assert [item.value["text"] for item in read_items(tmp_path / "t.arrow", RecordLimit(1.0))] == texts
 
 
 def test_the_content_digest_covers_every_chunk_of_an_array(tmp_path, monkeypatch):
@@ -1871,7 +1888,7 @@ def test_a_record_one_character_over_max_record_mb_is_skipped_and_one_at_it_is_r
     at_limit = json.dumps({"text": "x" * (1000 - len('{"text": ""}'))})  # --max-record-mb 0.001: 1,000 characters
     path = tmp_path / "r.jsonl"
     path.write_text(at_limit + "\n" + at_limit.replace('"x', '"xx') + "\n")
-    assert [type(item).__name__ for item in read_items(path, 0.001)] == ["Item", "Skipped"]
+    assert [type(item).__name__ for item in read_items(path, RecordLimit(0.001))] == ["Item", "Skipped"]
 
 
 def test_the_folder_given_as_input_and_as_out_is_refused(tmp_path):

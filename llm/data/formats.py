@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from llm.data.readers import (
-    DEFAULT_MAX_RECORD_MB,
+    FIXED_RECORD_LIMIT,
     PIECE_CHARS,
     Item,
+    RecordLimit,
     Skipped,
     expand_inputs,
     json_type,
@@ -532,7 +533,7 @@ def _flattened(messages: list[Message]) -> str:
 READERS = {"pretrain": pretrain_text, "sft": chat_record, "dpo": pair_record}
 
 
-def read_records(files: Iterable[Path], kind: str, max_record_mb: float = DEFAULT_MAX_RECORD_MB,
+def read_records(files: Iterable[Path], kind: str, limit: RecordLimit = FIXED_RECORD_LIMIT,
                  piece_chars: int = PIECE_CHARS) -> Iterator[Item | Skipped]:
     """Every file's records converted for `kind` as `Item`s, unusable ones as `Skipped`.
 
@@ -541,7 +542,7 @@ def read_records(files: Iterable[Path], kind: str, max_record_mb: float = DEFAUL
     """
     convert = READERS[kind]
     for path in files:
-        for item in read_items(path, max_record_mb):
+        for item in read_items(path, limit):
             if isinstance(item, Skipped):
                 yield item
             elif kind == "pretrain" and not (item.piece == 0 and item.last):

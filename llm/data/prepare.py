@@ -52,7 +52,7 @@ from llm import held_locks
 from llm.chat_template import MessagesRefused
 from llm.data.formats import Chat, Item, Pair, Skipped, expand_inputs, read_records, skipped_note
 from llm.data.output import OutputDir, cannot_write_output
-from llm.data.readers import DEFAULT_MAX_RECORD_MB, strings
+from llm.data.readers import DEFAULT_MAX_RECORD_MB, RecordLimit, strings
 from llm.errors import STOP_SIGNALS, UserError
 from llm.jsonl import json_text
 from llm.rundir import PREPARED_ENTRIES, PREPARED_REPORT_FILE, TOKENIZER_DIR, TOKENS_FILE
@@ -678,6 +678,7 @@ def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: st
         raise UserError(f"--seq-len must be between 8 and {MAX_SEQ_LEN:,}, got {seq_len}")
     if not 0 < max_record_mb < math.inf:  # nan fails too
         raise UserError(f"--max-record-mb must be a positive number, got {max_record_mb}")
+    limit = RecordLimit(max_record_mb, "--max-record-mb")
     if seed < 0:
         raise UserError(f"--seed must be a non-negative integer, got {seed}")
     workers = default_workers() if workers is None else workers
@@ -688,7 +689,7 @@ def prepare(kind: str, inputs: list[str], tokenizer_dir: str | Path, out_dir: st
     report = Report(files={str(f): 0 for f in files}, seq_len=None if kind == "pretrain" else seq_len)
     with OutputDir(out_dir, PREPARED_ENTRIES, not_prepared_here) as output:
         try:
-            _write_tokens(output, kind, read_records(files, kind, max_record_mb), tokenizer, str(tokenizer_dir),
+            _write_tokens(output, kind, read_records(files, kind, limit), tokenizer, str(tokenizer_dir),
                           report, workers, val_fraction, strict, seed, seq_len, show_progress)
             (output.staging / PREPARED_REPORT_FILE).write_text(json_text(asdict(report), indent=1), encoding="utf-8")
             tokenizer.save(output.staging / TOKENIZER_DIR)

@@ -15,7 +15,7 @@ UTF-8, invalid `.json`, unknown format) raises `UserError` naming it.
 Memory: no file is read whole. A `.txt` document of any length comes out in pieces of at most `PIECE_CHARS`
 characters (`Item.last` is False until its final piece), cut before whitespace where possible, where the
 tokenizer's pre-tokenizer cuts anyway, so the pieces tokenize exactly as the whole would. A JSON record longer
-than `max_record_chars` is skipped (`.jsonl`) or refused (`.json`) without being held in memory.
+than its `RecordLimit` is skipped (`.jsonl`) or refused (`.json`) without being held in memory.
 """
 
 from __future__ import annotations
@@ -460,14 +460,32 @@ def _txt_items(path: Path) -> Iterator[Item]:
         yield from document.finish()
 
 
-def _too_long(size: int, max_record_mb: float) -> str:
-    return (f"record of {size:,} characters is over --max-record-mb {max_record_mb:g}; raise it, or put "
-            "long documents in .txt files, which are streamed")
+@dataclass(frozen=True)
+class RecordLimit:
+    """The largest record read whole, in millions of characters, and the option that raises it where the command
+    has one (data prepare's --max-record-mb). A command without it names the limit alone: its skips advised
+    raising an option it does not take."""
+
+    mb: float = DEFAULT_MAX_RECORD_MB
+    option: str | None = None
+
+    @property
+    def chars(self) -> int:
+        return int(self.mb * 1e6)
+
+    def exceeded(self, advice: str = "") -> str:
+        """What a record over the limit is over, and what to do about it."""
+        if self.option:
+            return f"{self.option} {self.mb:g}; raise it" + (f", or {advice}" if advice else "")
+        return f"the {self.mb:g} MB limit of one record" + (f"; {advice}" if advice else "")
 
 
-def _chars(max_record_mb: float) -> int:
-    """The longest record --max-record-mb allows, in characters."""
-    return int(max_record_mb * 1e6)
+FIXED_RECORD_LIMIT = RecordLimit()
+STREAMED_ADVICE = "put long documents in .txt files, which are streamed"
+
+
+def _too_long(size: int, limit: RecordLimit) -> str:
+    return f"record of {size:,} characters is over {limit.exceeded(STREAMED_ADVICE)}"
 
 
 JSON_TYPE_NAMES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
@@ -480,8 +498,8 @@ def json_type(value: object) -> str:
     return JSON_TYPE_NAMES.get(type(value), type(value).__name__)
 
 
-def _jsonl_items(path: Path, max_record_mb: float) -> Iterator[Item | Skipped]:
-    max_record_chars = _chars(max_record_mb)
+def _jsonl_items(path: Path, limit: RecordLimit) -> Iterator[Item | Skipped]:
+    max_record_chars = limit.chars
     parts: list[str] = []
     size = 0
     for number, text, complete in _line_parts(path, min(PIECE_CHARS, max_record_chars + 1)):
@@ -493,7 +511,7 @@ def _jsonl_items(path: Path, max_record_mb: float) -> Iterator[Item | Skipped]:
         line, too_long = "".join(parts), size > max_record_chars
         parts, size_read, size = [], size, 0
         if too_long:
-            yield Skipped(str(path), number, _too_long(size_read, max_record_mb))
+            yield Skipped(str(path), number, _too_long(size_read, limit))
         elif line.strip():
             try:
                 yield Item(str(path), number, json.loads(line))
@@ -520,8 +538,8 @@ class _JsonStream:
     """The values of a `.json` file (the elements of a top-level array, or the one value), parsed one at a time
     from a sliding window of the text, so the file is never held whole."""
 
-    def __init__(self, path: Path, max_record_mb: float) -> None:
-        self.path, self.max_record_mb, self.max_record_chars = path, max_record_mb, _chars(max_record_mb)
+    def __init__(self, path: Path, limit: RecordLimit) -> None:
+        self.path, self.limit = path, limit
         self.parts = (text for _, text, _ in _line_parts(path, PIECE_CHARS))
         self.buffer, self.pos, self.line, self.eof = "", 0, 1, False
 
@@ -557,9 +575,9 @@ class _JsonStream:
         return UserError(f"{self._where(pos)}: {message}; a .json file must hold one array or object")
 
     def _check_size(self, end: int) -> None:
-        if end - self.pos > self.max_record_chars:
-            raise UserError(f"{self._where()}: a value longer than --max-record-mb {self.max_record_mb:g}; raise it "
-                            "or convert the file to .jsonl")
+        if end - self.pos > self.limit.chars:
+            raise UserError(f"{self._where()}: a value longer than "
+                            f"{self.limit.exceeded('convert the file to .jsonl')}")
 
     def _value(self) -> tuple[int, Any]:
         decoder = json.JSONDecoder()
@@ -631,16 +649,16 @@ def _without_nulls(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class _RowSkipped:
-    """A table row that cannot be read (its text over --max-record-mb, a JSON column's value not JSON), in its
+    """A table row that cannot be read (its text over the record limit, a JSON column's value not JSON), in its
     place (`_batch_rows`)."""
     reason: str
 
 
-def _batch_rows(pa, batches: Iterable, max_record_mb: float) -> Iterator[dict | _RowSkipped]:
+def _batch_rows(pa, batches: Iterable, limit: RecordLimit) -> Iterator[dict | _RowSkipped]:
     """The rows of record batches, read out a few hundred at a time, or one at a time where they hold more text than
-    --max-record-mb together; a row over it alone is skipped (rows read out whole took gigabytes). JSON columns come
+    the record limit together; a row over it alone is skipped (rows read out whole took gigabytes). JSON columns come
     out parsed, as `datasets` reads them (`llm.data.arrow_values`)."""
-    max_bytes = _chars(max_record_mb)
+    max_bytes = limit.chars
     for batch in batches:
         sizes = [sum(row) for row in zip(*(text_bytes(pa, column) for column in batch.columns), strict=True)] \
             if batch.num_columns else [0] * batch.num_rows
@@ -652,8 +670,7 @@ def _batch_rows(pa, batches: Iterable, max_record_mb: float) -> Iterator[dict | 
                  for offset, size in enumerate(part_sizes))
             for row, size in zip(rows, part_sizes, strict=True):
                 if row is None:
-                    yield _RowSkipped(f"record of {size:,} bytes of text is over --max-record-mb {max_record_mb:g}; "
-                                      "raise it")
+                    yield _RowSkipped(f"record of {size:,} bytes of text is over {limit.exceeded()}")
                     continue
                 try:
                     yield decoded(row) if decoded else row
@@ -692,7 +709,7 @@ def _refuse_data_files_elsewhere(path: Path) -> None:
                             f"in {path}; save the dataset again (datasets names its files so)")
 
 
-def _hf_rows(path: Path, max_record_mb: float) -> Iterator[dict | _RowSkipped]:
+def _hf_rows(path: Path, limit: RecordLimit) -> Iterator[dict | _RowSkipped]:
     try:
         import datasets  # noqa: PLC0415 - optional dependency, imported only for save_to_disk directories
     except ImportError:
@@ -702,15 +719,14 @@ def _hf_rows(path: Path, max_record_mb: float) -> Iterator[dict | _RowSkipped]:
     # as stored: an Audio or Image column is not decoded (that needed torchcodec or a readable image, for text never
     # used)
     tables = datasets.load_from_disk(str(path)).with_format("arrow").iter(batch_size=ROWS_PER_BATCH)
-    yield from _batch_rows(_pyarrow(path), (batch for table in tables for batch in table.to_batches()), max_record_mb)
+    yield from _batch_rows(_pyarrow(path), (batch for table in tables for batch in table.to_batches()), limit)
 
 
-def _table_items(path: Path, kind: str, max_record_mb: float) -> Iterator[Item | Skipped]:
+def _table_items(path: Path, kind: str, limit: RecordLimit) -> Iterator[Item | Skipped]:
     pa = _pyarrow(path) if kind != "hf" else None
-    rows = {".parquet": lambda: _batch_rows(pa, pa.parquet.ParquetFile(path).iter_batches(ROWS_PER_BATCH),
-                                            max_record_mb),
-            ".arrow": lambda: _batch_rows(pa, _arrow_batches(pa, path), max_record_mb),
-            "hf": lambda: _hf_rows(path, max_record_mb)}[kind]
+    rows = {".parquet": lambda: _batch_rows(pa, pa.parquet.ParquetFile(path).iter_batches(ROWS_PER_BATCH), limit),
+            ".arrow": lambda: _batch_rows(pa, _arrow_batches(pa, path), limit),
+            "hf": lambda: _hf_rows(path, limit)}[kind]
     number = 0
     try:
         for number, row in enumerate(rows(), start=1):
@@ -753,7 +769,7 @@ def _valid_unicode(items: Iterator[Item | Skipped]) -> Iterator[Item | Skipped]:
             yield item
 
 
-def read_items(path: Path, max_record_mb: float = DEFAULT_MAX_RECORD_MB) -> Iterator[Item | Skipped]:
+def read_items(path: Path, limit: RecordLimit = FIXED_RECORD_LIMIT) -> Iterator[Item | Skipped]:
     """Raw values of one input (checked by `expand_inputs`), streamed; a value with text that is not valid Unicode
     comes out as `Skipped`."""
     kind = _format(path)
@@ -762,7 +778,7 @@ def read_items(path: Path, max_record_mb: float = DEFAULT_MAX_RECORD_MB) -> Iter
     if kind == ".txt":
         return _txt_items(path)
     if kind == ".jsonl":
-        return _valid_unicode(_jsonl_items(path, max_record_mb))
+        return _valid_unicode(_jsonl_items(path, limit))
     if kind == ".json":
-        return _valid_unicode(_JsonStream(path, max_record_mb).items())
-    return _valid_unicode(_table_items(path, kind, max_record_mb))
+        return _valid_unicode(_JsonStream(path, limit).items())
+    return _valid_unicode(_table_items(path, kind, limit))
