@@ -695,9 +695,10 @@ def _a_name_in(name: Any, folder: Path) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
 
 
-def _refuse_data_files_elsewhere(path: Path) -> None:
-    """A save_to_disk folder's state.json names its Arrow files: '../x.arrow' or an absolute path had `datasets`
-    read a file outside the folder given (another user's data, or any file), as if it were that folder's."""
+def dataset_files(path: Path) -> list[Path]:
+    """The files a save_to_disk folder is read from: its description and the Arrow files its state.json names (not
+    the cache files that datasets' `.map()` writes beside them). A name reaching out of the folder ('../x.arrow', an
+    absolute path) is refused: `datasets` read that file (another user's data, or any file) as the folder's."""
     try:
         files = json.loads((path / HF_DATASET_FILES[0]).read_text(encoding="utf-8"))["_data_files"]
         names = [entry["filename"] for entry in files]
@@ -707,6 +708,7 @@ def _refuse_data_files_elsewhere(path: Path) -> None:
         if not _a_name_in(name, path):
             raise UserError(f"{path / HF_DATASET_FILES[0]}: the data file {json.dumps(name)[:80]} is not a file name "
                             f"in {path}; save the dataset again (datasets names its files so)")
+    return [path / name for name in (*HF_DATASET_FILES, *names)]
 
 
 def _hf_rows(path: Path, limit: RecordLimit) -> Iterator[dict | _RowSkipped]:
@@ -715,7 +717,7 @@ def _hf_rows(path: Path, limit: RecordLimit) -> Iterator[dict | _RowSkipped]:
     except ImportError:
         raise UserError(f"{path}: reading a save_to_disk directory needs the datasets package; install it with "
                         f"{INSTALL_DATASETS}") from None
-    _refuse_data_files_elsewhere(path)
+    dataset_files(path)
     # as stored: an Audio or Image column is not decoded (that needed torchcodec or a readable image, for text never
     # used)
     tables = datasets.load_from_disk(str(path)).with_format("arrow").iter(batch_size=ROWS_PER_BATCH)

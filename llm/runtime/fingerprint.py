@@ -54,11 +54,11 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def whole_file_digest(path: Path) -> str:
+def whole_file_digest(path: Path, folder_files: list[Path] | None = None) -> str:
     """sha256 of every byte of the file, read a MiB at a time; of a folder (a datasets save_to_disk folder, which
-    GRPO's prompts may be), of each file's path in it and its bytes, in sorted order."""
+    GRPO's prompts may be), of each of `folder_files` in it, in order: its path in the folder, then its bytes."""
     digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+    for file in folder_files if path.is_dir() else [path]:
         if file != path:
             digest.update(f"\0{file.relative_to(path)}\0".encode())
         with open(file, "rb") as f:

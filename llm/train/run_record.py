@@ -41,6 +41,7 @@ import torch.distributed as dist
 from launch.local import COMMAND_VARIABLE
 from llm import durable, rundir
 from llm.data.prepare import SPLITS, TOKENS_FILE, stored_digest, tokens_digest
+from llm.data.readers import dataset_files
 from llm.errors import UserError
 from llm.jsonl import JsonLine, json_text, jsonl_lines
 from llm.runtime.distributed import DistInfo
@@ -66,7 +67,8 @@ def data_summary(data_dir: Path, attrs: dict[str, Any]) -> dict[str, Any]:
 def prompts_summary(files: list[Path], attrs: dict[str, Any]) -> dict[str, Any]:
     """What identifies GRPO's prompt files (read raw, so no token counts): their paths and digests, the tokenizer."""
     return {"path": ",".join(str(path.resolve()) for path in files),
-            "digest": ",".join(whole_file_digest(path) for path in files), "digest_method": DIGEST_METHOD,
+            "digest": ",".join(whole_file_digest(path, dataset_files(path) if path.is_dir() else None)
+                               for path in files), "digest_method": DIGEST_METHOD,
             "tokenizer_hash": attrs["tokenizer_hash"], "tokens": {}}
 
 
