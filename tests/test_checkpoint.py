@@ -1375,14 +1375,17 @@ def test_a_checkpoint_trained_tied_or_untied_against_the_other_in_config_yaml_is
         checkpoint.resume_tag(tmp_path, untied)
 
 
-def test_a_model_states_file_torch_cannot_map_is_left_for_the_load_to_name(one_rank_group, tmp_path):
+@pytest.mark.parametrize("zeroed", ["all", "start"])
+def test_a_model_states_file_torch_cannot_map_is_left_for_the_load_to_name(one_rank_group, tmp_path, zeroed):
     """Zeros of the listed size (a power loss): the shape check's mmap load raised a RuntimeError traceback, where
-    the load says in one line that the file is damaged."""
+    the load says in one line that the file is damaged. Zeros at its start alone passed `zipfile.is_zipfile`, which
+    reads the end, and torch's mapped load raised a traceback about `_use_new_zipfile_serialization`."""
     engine = FakeEngine()
     engine.state = {"module": {"tok_embeddings.weight": torch.zeros(64, 32)}}
     checkpoint.save(engine, tmp_path, 10, _state(step=10), keep=0)
     states = rundir.checkpoint_dir(tmp_path) / "global_step10" / MODEL_FILE
-    states.write_bytes(bytes(states.stat().st_size))
+    content = states.read_bytes()
+    states.write_bytes(bytes(len(content)) if zeroed == "all" else bytes(200) + content[200:])
     assert checkpoint.resume_tag(tmp_path, SMALL) == "global_step10"
     with pytest.raises(UserError, match="is damaged: it is not a checkpoint file torch can read"):
         checkpoint.load(FakeEngine(), tmp_path, "global_step10")

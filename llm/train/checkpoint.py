@@ -566,11 +566,11 @@ def _refuse_other_shapes(run_dir: Path, tag: str, model: ModelConfig) -> None:
     parameter layout, or the universal loader's assertion after a conversion). The shapes are read without the
     tensors (`mmap`); the model's are a meta-device model's. Parameters the model does not name (LoRA's adapters)
     are not compared, nor tying where the checkpoint holds no base weights (LoRA's). A file torch cannot map (not
-    a zip archive: damaged) is left for the load to name."""
+    a zip archive at both ends: damaged) is left for the load to name."""
     folder = rundir.checkpoint_dir(run_dir) / tag
     states = next((path for name in (rundir.MODEL_STATES, f"zero_pp_rank_0_{rundir.MODEL_STATES}")
                    if (path := folder / name).is_file()), None)  # ZeRO-3: each rank's, with the shapes
-    if states is None or not zipfile.is_zipfile(states):
+    if states is None or not _zip_archive(states):
         return
     with restricted_unpickling(folder):
         state = torch.load(states, map_location="cpu", mmap=True, weights_only=True)
@@ -588,6 +588,13 @@ def _refuse_other_shapes(run_dir: Path, tag: str, model: ModelConfig) -> None:
         other_run = rundir.damaged_checkpoint_advice(run_dir, tag)
         raise UserError(f"{config_mismatch(run_dir, tag, why)}: put {rundir.CONFIG_FILE} back as the run was "
                         f"trained; if the checkpoint is another run's, {other_run}")
+
+
+def _zip_archive(path: Path) -> bool:
+    """Whether the file is a zip archive at both ends: `zipfile.is_zipfile` reads its end alone, and torch's mapped
+    load of a file damaged at its start ended in a traceback about `_use_new_zipfile_serialization`."""
+    with path.open("rb") as f:
+        return f.read(4) == b"PK\x03\x04" and zipfile.is_zipfile(f)
 
 
 def saved_in_bf16(run_dir: Path, tag: str) -> bool | None:
