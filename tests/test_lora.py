@@ -4,24 +4,27 @@ unmerged model."""
 
 import json
 import math
+import re
 import shutil
 
 import pytest
 import torch
 import torch.nn as nn
+import yaml
 from forked_ranks import run_job
 
 from conftest import BENCH_TINY, FIXTURES, TINY, run_cli, train_args, zerollm_here
 from llm.bench import trainable_parameters, write_random_conversations
-from llm.config import LORA_TARGETS, ModelConfig, build_config, parse_lora_spec
+from llm.config import LORA_TARGETS, LoRAConfig, ModelConfig, build_config, parse_lora_spec
 from llm.data.datasets import PackedConversations
 from llm.data.prepare import prepare
 from llm.errors import UserError
 from llm.export import export_model, import_model
-from llm.loading import consolidated_weights, load_lora_model, load_trained_model
+from llm.loading import consolidated_weights, load_lora_model, load_trained_model, trained_config
 from llm.model import Transformer
-from llm.model.lora import apply_lora, is_adapter_key, load_adapters, merge, parameter_counts
-from llm.train.checkpoint import restricted_unpickling
+from llm.model.lora import apply_lora, is_adapter_key, merge, parameter_counts
+from llm.train import checkpoint
+from llm.train.checkpoint import mismatch_reason, restricted_unpickling
 from llm.train.engine import param_groups
 from llm.train.job import check_same_shape
 
@@ -186,12 +189,32 @@ def test_a_merged_bf16_weight_is_summed_in_fp32_and_rounded_once():
     assert torch.equal(layer.merged_weight(), exact.bfloat16())
 
 
-def test_merge_keeps_the_models_mode_and_drops_nothing_silently():
+def test_merge_keeps_the_models_mode():
     model = _with_adapters(apply_lora(_tiny(), _lora(), seed=1))
     assert not merge(model.eval()).training and merge(model.train()).training
-    weights = {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
-    weights["layers.0.attention.wk.lora_a"] = torch.zeros(4, 32)  # an adapter of a layer the config does not adapt
-    assert load_adapters(model, weights) == ([], ["layers.0.attention.wk.lora_a"])
+
+
+def _shapes(model: Transformer, adapters_only: bool = True) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if is_adapter_key(k) or not adapters_only}
+
+
+def test_a_checkpoint_that_is_not_the_configs_lora_says_why():
+    """A LoRA checkpoint whose config.yaml gives another r, other targets or no LoRA, a whole model's checkpoint in a
+    LoRA run, and a LoRA run's in another run, ended resume, export and generate in tracebacks (a size mismatch,
+    missing keys, DeepSpeed's parameter layout); an adapter of a layer the config does not adapt was only listed."""
+    cfg = _tiny().cfg
+    saved = _shapes(apply_lora(_tiny(), _lora(), seed=1))
+    assert mismatch_reason(saved, None, cfg, _lora()) is None
+    assert mismatch_reason(saved, None, cfg, _lora("r=8,targets=wq,wv")) == (
+        "size mismatch for layers.0.attention.wq.lora_a: [4, 32] in the checkpoint, [8, 32] in the config")
+    assert mismatch_reason(saved, None, cfg, _lora("r=4,targets=wq,wk,wv")) == (
+        "LoRA adapters missing: layers.0.attention.wk.lora_a, ...; lora.targets is wq,wk,wv in the config")
+    assert mismatch_reason(saved | {"layers.0.attention.wk.lora_a": (4, 32)}, None, cfg, _lora()) == (
+        "LoRA adapters unexpected: layers.0.attention.wk.lora_a, ...; lora.targets is wq,wv in the config")
+    assert mismatch_reason(saved, None, cfg) == mismatch_reason(saved, None, cfg, LoRAConfig()) == (
+        "it holds LoRA adapters (layers.0.attention.wq.lora_a, ...), but lora.r is 0 in the config")
+    assert mismatch_reason(_shapes(_tiny(), adapters_only=False), True, cfg, _lora()) == (
+        "it holds the whole model (tok_embeddings.weight, ...), but lora.r is 4 in the config: adapters alone")
 
 
 def test_lora_dropout_applies_to_the_adapters_input_in_training_only():
@@ -282,6 +305,24 @@ def test_lora_on_two_ranks_trains_and_saves_the_adapters_only(runs, stage):
     weights = consolidated_weights(run)
     assert len(weights) == 2 * 2 * len(LORA_TARGETS) and all(map(is_adapter_key, weights))
     assert all(weights[k].abs().max() > 0 for k in weights if k.endswith("lora_b"))  # trained away from B = 0
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_a_lora_checkpoint_that_config_yaml_no_longer_describes_is_one_line(runs, stage, tmp_path, one_rank_group):
+    """config.yaml's lora.r edited after training (ZeRO-2's checkpoint and ZeRO-3's): resume ended every rank in
+    DeepSpeed's traceback, and export and generate in torch's size mismatch."""
+    run = tmp_path / "run"
+    shutil.copytree(runs[stage][0], run)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["lora"]["r"] = 8
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    cfg = trained_config(run)
+    mismatch = (r"does not match config.yaml \(size mismatch for layers.0.attention.wq.lora_a: \[4, \d+\] in the "
+                r"checkpoint, \[8, \d+\] in the config\)")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(run))}: checkpoint global_step4 {mismatch}: put config"):
+        checkpoint.resume_tag(run, cfg.model, cfg.lora)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(run))}: checkpoint {mismatch}$"):
+        load_trained_model(run)
 
 
 def test_lora_resume_is_bit_exact(runs, base, data, tmp_path):

@@ -76,13 +76,6 @@ def is_adapter_key(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in ADAPTER_NAMES
 
 
-def load_adapters(model: Transformer, weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-    """Load adapter weights into a `apply_lora` model (whose base weights are already in place); returns the adapter
-    keys the model has but `weights` lacks, and the keys of `weights` the model does not have."""
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    return [k for k in missing if is_adapter_key(k)], list(unexpected)
-
-
 def merge(model: Transformer) -> Transformer:
     """A plain `Transformer` computing what the LoRA `model` computes: each adapted weight replaced by
     W + (alpha / r) B A, every other weight as it is, the original state_dict keys; in `model`'s train/eval mode."""

@@ -42,10 +42,11 @@ import torch
 import torch.distributed as dist
 
 from llm import durable, rundir
-from llm.config import ModelConfig
+from llm.config import LoRAConfig, ModelConfig
 from llm.errors import UserError
 from llm.model import Transformer
 from llm.model.from_weights import shapes_only
+from llm.model.lora import apply_lora, is_adapter_key
 from llm.runtime.accelerator import ensure_accelerator_env
 from llm.runtime.distributed import agreed, raise_together, refuse_together
 from llm.runtime.rerun import rerun_advice
@@ -536,9 +537,10 @@ def _is_conversion_of(target: Path, identity: dict[str, list[int]]) -> bool:
         return False
 
 
-def resume_tag(run_dir: Path, model: ModelConfig) -> str | None:
+def resume_tag(run_dir: Path, model: ModelConfig, lora: LoRAConfig | None = None) -> str | None:
     """The checkpoint every rank resumes from: rank 0 picks it (`rundir.usable_tag`, which names on stderr what it
-    passes over), checks its client state and its parameters' shapes against `model` (`_refuse_other_shapes`) and
+    passes over), checks its client state and its parameters' shapes against `model` with the `lora` adapters (None:
+    no LoRA) (`_refuse_other_shapes`) and
     tells the others, so that all agree even where their views of a shared file system lag. None: start from step 0.
     A UserError (no complete checkpoint, a damaged client state, another model's checkpoint) is raised on every rank
     and printed by rank 0 (every rank reading a damaged client state printed it once per rank)."""
@@ -548,7 +550,7 @@ def resume_tag(run_dir: Path, model: ModelConfig) -> str | None:
             tag = rundir.usable_tag(run_dir)
             if tag is not None:
                 rundir.client_state_of(run_dir, tag)
-                _refuse_other_shapes(run_dir, tag, model)
+                _refuse_other_shapes(run_dir, tag, model, lora)
             answer = [("tag", tag)]
         except UserError as exc:
             answer = [("error", str(exc))]
@@ -559,14 +561,15 @@ def resume_tag(run_dir: Path, model: ModelConfig) -> str | None:
     return value
 
 
-def _refuse_other_shapes(run_dir: Path, tag: str, model: ModelConfig) -> None:
+def _refuse_other_shapes(run_dir: Path, tag: str, model: ModelConfig, lora: LoRAConfig | None) -> None:
     """A UserError where checkpoint `tag` holds a parameter of another shape than `model` gives it (another model's
     checkpoint folder copied into the run), or was trained with its output layer tied where `model` unties it, or
-    the reverse (config.yaml edited): DeepSpeed's load ended every rank with a traceback (a size mismatch, its
-    parameter layout, or the universal loader's assertion after a conversion). The shapes are read without the
-    tensors (`mmap`); the model's are a meta-device model's. Parameters the model does not name (LoRA's adapters)
-    are not compared, nor tying where the checkpoint holds no base weights (LoRA's). A file torch cannot map (not
-    a zip archive at both ends: damaged) is left for the load to name."""
+    the reverse (config.yaml edited), or holds a whole model where the run trains LoRA adapters, adapters where it
+    trains the whole model, or adapters of other ranks or layers: DeepSpeed's load ended every rank with a traceback
+    (a size mismatch, missing keys, its parameter layout, or the universal loader's assertion after a conversion).
+    The shapes are read without the tensors (`mmap`); the model's are a meta-device model's (`mismatch_reason`).
+    Tying is not compared where the checkpoint holds no base weights (LoRA's). A file torch cannot map (not a zip
+    archive at both ends: damaged) is left for the load to name."""
     folder = rundir.checkpoint_dir(run_dir) / tag
     states = next((path for name in (rundir.MODEL_STATES, f"zero_pp_rank_0_{rundir.MODEL_STATES}")
                    if (path := folder / name).is_file()), None)  # ZeRO-3: each rank's, with the shapes
@@ -583,7 +586,7 @@ def _refuse_other_shapes(run_dir: Path, tag: str, model: ModelConfig) -> None:
         output, embedding = module.get("output.weight"), module.get("tok_embeddings.weight")
         tied = output is None or (embedding is not None and
                                   output.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr())
-    why = mismatch_reason(saved, tied if "tok_embeddings.weight" in saved else None, model)
+    why = mismatch_reason(saved, tied if "tok_embeddings.weight" in saved else None, model, lora)
     if why is not None:
         other_run = rundir.damaged_checkpoint_advice(run_dir, tag)
         raise UserError(f"{config_mismatch(run_dir, tag, why)}: put {rundir.CONFIG_FILE} back as the run was "
@@ -605,15 +608,32 @@ def saved_in_bf16(run_dir: Path, tag: str) -> bool | None:
     return any(name.startswith("bf16_") for name in names) if names else None
 
 
-def mismatch_reason(saved: dict[str, tuple[int, ...]], tied: bool | None, model: ModelConfig) -> str | None:
+def mismatch_reason(saved: dict[str, tuple[int, ...]], tied: bool | None, model: ModelConfig,
+                    lora: LoRAConfig | None = None) -> str | None:
     """Why weights of the shapes `saved`, trained with the output layer `tied` to the embeddings or not (None: they
-    hold no base weights to tell), cannot load into the model `model` describes; None where they can. Parameters the
-    model does not name (LoRA's adapters; a tied model's output layer) are not compared."""
+    hold no base weights to tell), cannot load into the model `model` describes with the `lora` adapters (None or r
+    0: none); None where they can. A LoRA run's checkpoint holds its adapters alone, every one the config gives;
+    another run's holds no adapter. Other names the model does not have (a tied model's output layer) are passed
+    over."""
+    lora = lora if lora is not None and lora.r else None
     with shapes_only():
-        expected = {name: tuple(param.shape) for name, param in Transformer(model).named_parameters()}
+        net = Transformer(model)
+        expected = {name: tuple(param.shape) for name, param in
+                    (apply_lora(net, lora, seed=0) if lora else net).named_parameters()}
+    adapters = sorted(name for name in saved if is_adapter_key(name))
+    if lora is None and adapters:
+        return f"it holds LoRA adapters ({adapters[0]}, ...), but lora.r is 0 in the config"
+    if lora is not None and (base := [name for name in saved if not is_adapter_key(name) and name in expected]):
+        return f"it holds the whole model ({base[0]}, ...), but lora.r is {lora.r} in the config: adapters alone"
     for name, shape in saved.items():
         if name in expected and shape != expected[name]:
             return f"size mismatch for {name}: {list(shape)} in the checkpoint, {list(expected[name])} in the config"
+    if lora is not None:
+        missing = sorted(name for name in expected if is_adapter_key(name) and name not in saved)
+        unexpected = [name for name in adapters if name not in expected]
+        if missing or unexpected:
+            return (f"LoRA adapters {'missing' if missing else 'unexpected'}: {(missing or unexpected)[0]}, ...; "
+                    f"lora.targets is {','.join(lora.targets)} in the config")
     if tied is not None and tied != model.tie_embeddings:
         return (f"model.tie_embeddings is {str(model.tie_embeddings).lower()}, but the checkpoint was trained "
                 f"{'tied' if tied else 'untied'}")

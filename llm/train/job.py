@@ -494,7 +494,7 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
         models = {role: data[role]["weights"] for role in ("teacher", "base") if role in data}  # a newer checkpoint
         check_ranks_agree(fingerprint(cfg.to_dict(), ds_config, data["digest"], attrs["tokenizer_hash"], models),
                           announce=info.local_rank == 0)  # saved between two ranks' looks: they would load both
-    tag = checkpoint.resume_tag(run_dir, cfg.model) if resume else None
+    tag = checkpoint.resume_tag(run_dir, cfg.model, cfg.lora) if resume else None
     universal = tag is not None and resharded(run_dir, tag, info)
     if universal and (finished := _nothing_left_at(cfg, run_dir, tag, info)) is not None:  # said before converting
         return _nothing_to_train(run_dir, tag, *finished, info)  # (minutes, and a copy of the checkpoint's size)
