@@ -170,6 +170,9 @@ def check_run_contents(run_dir: Path, resume: bool) -> bool:
     for folder in (checkpoint_dir(run_dir), tokenizer_dir(run_dir)):
         if folder.exists() and not folder.is_dir():
             raise UserError(f"--out {run_dir}: {folder} is a file where training keeps a folder; move it away")
+    if folders := sorted(name for name in names & RUN_FILES if (run_dir / name).is_dir()):  # was a traceback at the
+        raise UserError(f"--out {run_dir}: {run_dir / folders[0]} is a folder where training writes a file; move it "
+                        "away")  # first write into it: metrics.jsonl after the first step had trained
     if checkpoint_dir(run_dir).is_dir() and not os.access(checkpoint_dir(run_dir), os.W_OK | os.X_OK):
         raise UserError(f"--out {run_dir}: {checkpoint_dir(run_dir)} is not writable; training saves its checkpoints "
                         "there: make it writable, or choose another --out")

@@ -610,6 +610,8 @@ def _folder(root, files: dict[str, str]):
     ({"tokenizer.json": "{}", "tokenizer_config.json": "{}"},  # a run was mixed into a tokenizer's folder
      "is a tokenizer or export folder (it holds tokenizer.json); give the run a directory of its own"),
     ({"run_record.jsonl": "{}\n", "checkpoints": "a file"}, "checkpoints is a file where training keeps a folder"),
+    ({"run_record.jsonl": "{}\n", "metrics.jsonl/notes.txt": "mine"},  # a traceback after the first step
+     "metrics.jsonl is a folder where training writes a file; move it away"),
     ({"config.yaml": "user: mine\n", "checkpoints/last.ckpt": "ck"},  # another tool's run: its config.yaml was lost
      "holds checkpoints, config.yaml but is not a zerollm run; training would overwrite them"),
 ])
