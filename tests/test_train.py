@@ -411,15 +411,22 @@ def test_data_smaller_than_one_global_batch_is_one_line_naming_what_makes_the_ba
 
 def test_a_resume_that_changes_settings_says_which(pretrain_data, tmp_path):
     """A --set of the first command that the resume did not give again took the recipe's value without a word: a
-    learning rate of 1e-3 went back to the recipe's 3e-3."""
-    run = tmp_path / "run"
-    result = run_job(*_args(pretrain_data, run, "train.max_steps=1", "train.lr=1e-3"))
+    learning rate of 1e-3 went back to the recipe's 3e-3. So did its --deepspeed JSON, the stage's shipped one taking
+    its place (an optimizer offload, a bucket size gone), and ds_config.json recorded the swap."""
+    run, ds_json = tmp_path / "run", tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1000000}}))
+    result = run_job(*_args(pretrain_data, run, "train.max_steps=1", "train.lr=1e-3", extra=["--deepspeed", ds_json]))
     assert result.returncode == 0, result.stderr[-2000:]
     result = run_job(*_args(pretrain_data, run, "train.max_steps=2", extra=["--resume", "auto"]))
     assert result.returncode == 0, result.stderr[-2000:]
     assert ("pretrain: note: resumed with settings other than its config.yaml's: train.max_steps 1 there, 2 here; "
             "train.lr 0.001 there, 0.003 here (a --set of the command that began the run, not given again, takes the "
             "recipe's value)") in result.stdout.splitlines()
+    assert ("pretrain: note: resumed with DeepSpeed settings other than its ds_config.json's: "
+            "zero_optimization.reduce_bucket_size 1000000 there, 50000000 here; steps_per_print absent there, "
+            "1000000000 here; wall_clock_breakdown absent there, false here; zero_optimization.allgather_bucket_size "
+            "absent there, 50000000 here; and 2 more (a --deepspeed of the command that began the run, not given "
+            "again, takes the stage's shipped config)") in result.stdout.splitlines()
     result = run_job(*_args(pretrain_data, run, "train.max_steps=2", extra=["--resume", "auto"]))
     assert result.returncode == 0 and "note: resumed with" not in result.stdout + result.stderr  # nothing to train
 

@@ -516,6 +516,7 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
     record = run_record(info, data, resumed_from=tag)  # every rank takes part (hosts and ranks are gathered)
     saved = trained_config(run_dir) if tag is not None and info.is_main else None  # before config.yaml's update
     changes = resumed_changes(saved, cfg) if saved else []
+    ds_changes = resumed_ds_changes(_recorded_ds_config(run_dir), ds_config) if saved else []
     batch_note = resumed_batch_note(saved, rundir.client_state_of(run_dir, tag)["world_size"], cfg,
                                     info.world_size) if saved else None
     # written once the run is known to start (a refused resume leaves the directory as it was), by rank 0; a full
@@ -528,6 +529,11 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
             print(f"{cfg.train.stage}: note: resumed with settings other than its {rundir.CONFIG_FILE}'s: "
                   f"{'; '.join(changes)} (a --set of the command that began the run, not given again, takes the "
                   "recipe's value)", flush=True)
+        if ds_changes:
+            shown = "; ".join(ds_changes[:4]) + (f"; and {len(ds_changes) - 4} more" if len(ds_changes) > 4 else "")
+            print(f"{cfg.train.stage}: note: resumed with DeepSpeed settings other than its {rundir.DS_CONFIG_FILE}'s: "
+                  f"{shown} (a --deepspeed of the command that began the run, not given again, takes the stage's "
+                  "shipped config)", flush=True)
         if batch_note:
             print(f"{cfg.train.stage}: {batch_note}", flush=True)
     logger = MetricsLogger(cfg, info, trainer.n_params, trainer.step, sink)
@@ -579,6 +585,28 @@ def resumed_changes(saved: RunConfig, cfg: RunConfig) -> list[str]:
     there, here = flat(saved), flat(_as_recorded(cfg))
     return [f"{key} {there.get(key)} there, {value} here" for key, value in here.items()
             if there.get(key) != value and key not in KNOWN_BY_CONTENT]
+
+
+FROM_THE_RUN_CONFIG = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+                       "gradient_clipping", "optimizer.params.", "scheduler.params.", "bf16.", "fp16.")
+"""DeepSpeed keys (and prefixes) whose values `resolve_ds_config` takes from the run config: a resume changes them
+through its run config, whose changes `resumed_changes` names."""
+
+
+def resumed_ds_changes(recorded: dict, ds_config: dict) -> list[str]:
+    """'key X there, Y here' for each DeepSpeed setting in which this resume's resolved config differs from the
+    ds_config.json its run recorded, beyond what the run config sets: a resume without the first command's
+    --deepspeed took the stage's shipped config (its optimizer offload gone, say) without a word."""
+    def flat(node: Any, prefix: str = "") -> dict[str, str]:
+        if not isinstance(node, dict) or not node:
+            return {prefix: json.dumps(node)}
+        return {key: value for name, child in node.items() for key, value in flat(child, f"{prefix}{name}.").items()}
+
+    there, here = ({key.removesuffix("."): value for key, value in flat(config).items()} for config in
+                   (recorded, ds_config))
+    return [f"{key} {there.get(key, 'absent')} there, {here.get(key, 'absent')} here"
+            for key in sorted(there.keys() | here.keys(), key=lambda key: (key not in there, key))  # the run's first
+            if there.get(key) != here.get(key) and not key.startswith(FROM_THE_RUN_CONFIG)]
 
 
 KNOWN_BY_CONTENT = frozenset({"data.path"})
