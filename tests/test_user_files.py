@@ -123,6 +123,8 @@ def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(op
         resolved({"optimizer": optimizer})
 
 
+UNKNOWN = "is not a setting DeepSpeed knows (it would ignore it);"
+
 @pytest.mark.parametrize("change, message", [
     # DeepSpeed failed on each of these in every rank with a traceback
     ({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}},
@@ -213,6 +215,17 @@ def test_ds_config_optimizer_parameter_the_optimizer_does_not_take_is_refused(op
      "ignore it); did you mean 'zero_optimization'? Correct its name"),
     ({"gradient_clippin": 1.0}, "x.json: 'gradient_clippin' is not a setting DeepSpeed knows (it would ignore it); "
      "did you mean 'gradient_clipping'? Correct its name"),
+    # cut short, or another trainer's name: the batch and clipping the user wrote went unused, without a word
+    ({"train_micro_batch_size": 4}, "x.json: 'train_micro_batch_size' is not a setting DeepSpeed knows (it would "
+     "ignore it); did you mean 'train_micro_batch_size_per_gpu'? Correct its name"),
+    ({"gradient_accumulation": 4}, f"x.json: 'gradient_accumulation' {UNKNOWN} did you mean "
+     "'gradient_accumulation_steps'? Correct its name"),
+    ({"gradient_clip": 1.0}, f"x.json: 'gradient_clip' {UNKNOWN} did you mean 'gradient_clipping'? Correct its name"),
+    ({"micro_batch_size": 4}, f"x.json: 'micro_batch_size' {UNKNOWN} did you mean 'train_micro_batch_size_per_gpu'? "
+     "Correct its name"),
+    ({"max_grad_norm": 1.0}, f"x.json: 'max_grad_norm' {UNKNOWN} did you mean 'gradient_clipping'? Correct its name"),
+    ({"lr": 1e-3}, "x.json: 'lr' is not a setting DeepSpeed knows (it would ignore it); did you mean "
+     "'optimizer.params.lr'? Put it there"),
     # values only DeepSpeed's reading of the config checks: a traceback in every rank (two ranks: exit 76, resume)
     ({"communication_data_type": "int8"}, "x.json: DeepSpeed cannot use it: Invalid communication_data_type. "
      "Supported data types: ['fp16', 'bf16', 'fp32']. Got: int8"),

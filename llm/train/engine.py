@@ -572,23 +572,36 @@ def deepspeed_keys() -> frozenset[str]:
 
 def _refuse_misspelt_keys(ds: dict[str, Any], source: str) -> None:
     """Refuse a top-level key DeepSpeed does not know that is a typo of one it does (a letter or two added, dropped
-    or changed: `schedular`, `zero_optimisation`, `gradient_clippin`): DeepSpeed ignores it, so the
-    run went on without the setting. Other unknown keys (a "comment", another tool's `sequence_parallel` or
-    `lr_scheduler`) are left alone, as DeepSpeed leaves them, and so are the removed features' (refused next)."""
+    or changed: `schedular`, `zero_optimisation`, `gradient_clippin`), cut short (`train_micro_batch_size`,
+    `gradient_accumulation`), or another trainer's name for one (`grad_accum`, `max_grad_norm`): DeepSpeed ignores
+    it, so the run went on without the setting. Other unknown keys (a "comment", another tool's `sequence_parallel`
+    or `lr_scheduler`) are left alone, as DeepSpeed leaves them, and so are the removed features' (refused next)."""
     removed = set(getattr(deepspeed.runtime.config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {}))  # in DeepSpeed >= 0.18
     for key in ds:
-        if key in deepspeed_keys() or key in removed:
+        if key in deepspeed_keys() or key in removed or key in OTHER_TOOLS_KEYS:
             continue
         most = 1 if len(key) < LONG_KEY else 2  # "comment" is not a typo of "comet"
-        match = next((known for known in sorted(deepspeed_keys()) if _edits(key, known) <= most), None)
+        match = OTHER_NAMES.get(key) or next((known for known in sorted(deepspeed_keys()) if _edits(key, known) <= most
+                                              or len(key) >= LONG_KEY and known.startswith(key)), None)
         if match is not None:
             raise UserError(f"{source}: '{key}' is not a setting DeepSpeed knows (it would ignore it); did you mean "
-                            f"'{match}'? Correct its name")
+                            f"'{match}'? {'Put it there' if '.' in match else 'Correct its name'}")
 
 
 LONG_KEY = 12
-"""A misspelt DeepSpeed key this long or longer may differ by two letters, a shorter one by one
-(`_refuse_misspelt_keys`)."""
+"""A misspelt DeepSpeed key this long or longer may differ by two letters, or be cut short; a shorter one may
+differ by one (`_refuse_misspelt_keys`)."""
+OTHER_NAMES = {"micro_batch_size": "train_micro_batch_size_per_gpu",
+               "per_device_train_batch_size": "train_micro_batch_size_per_gpu",
+               "batch_size": "train_batch_size", "global_batch_size": "train_batch_size",
+               "grad_accum": "gradient_accumulation_steps", "grad_clip": "gradient_clipping",
+               "grad_clipping": "gradient_clipping", "max_grad_norm": "gradient_clipping",
+               "lr": "optimizer.params.lr", "learning_rate": "optimizer.params.lr"}
+"""Other trainers' names (Hugging Face's, zerollm's own run config's, PyTorch habits) for DeepSpeed settings, at the
+top level of a DeepSpeed config where DeepSpeed ignores them."""
+OTHER_TOOLS_KEYS = frozenset({"sequence_parallel"})
+"""Unknown top-level keys other tools put in a DeepSpeed config (Megatron's), cut-short look-alikes of DeepSpeed's
+own (`sequence_parallel_size`) that are none of its settings."""
 
 
 def _edits(a: str, b: str) -> int:
