@@ -151,6 +151,8 @@ def test_bench_learn_runs_tokenizer_data_training_and_heldout_bits_per_byte_in_o
     # refused for the full --out:
     (["--deepspeed", "{tmp}/missing.json"], "{tmp}/missing.json: DeepSpeed config not found"),
     (["--deepspeed", "{tmp}/ds.json"], "{tmp}/ds.json: zero_optimization.stage must be 0, 1, 2 or 3, got 7"),
+    (["--deepspeed", "{tmp}/warmup.json", "--recipe", "demo", "--vocab-size", "512"], "{tmp}/warmup.json: a "
+     "'scheduler' section counts steps, and train.max_time ends the run by the clock"),  # a recipe without max_time
     # refused by the training job, once an earlier bench learn's result and run there were deleted:
     (["--set", "train.stage=sft"], "train.stage sft: bench learn measures pretraining on the training part of --input; "
                                    "leave train.stage as pretrain"),
@@ -164,6 +166,7 @@ def test_bad_options_are_refused_before_anything_is_written(tmp_path, monkeypatc
     folder.mkdir()
     (folder / "train.txt").write_bytes((FIXTURES / "pretrain" / "en_stories.txt").read_bytes())
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 7}}')
+    (tmp_path / "warmup.json").write_text('{"scheduler": {"type": "WarmupLR"}}')
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     before = (folder / "train.txt").read_bytes()
     options = [option.format(folder=folder, tmp=tmp_path) for option in options]

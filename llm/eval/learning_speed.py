@@ -150,16 +150,18 @@ def skipped_in_part(skipped: list[str], part: str, count: int | None = None) -> 
 
 
 def check_training_start(base: RunConfig, vocab_size: int, deepspeed_config: str | None,
-                         zero_stage: int | None) -> None:
+                         zero_stage: int | None, max_time: float) -> None:
     """What the training job would refuse at its start without needing the data, checked before anything is
     written (a refusal after the split, tokenizer and data left --out full, and the corrected command was refused
     for that; an earlier bench learn's result deleted): the stage (pretraining: --input is text), the DeepSpeed
-    config's file and values against the recipe, its precision on this machine."""
+    config's file and values against the recipe (at a train.max_time of `max_time` seconds, as the job trains: a
+    DeepSpeed 'scheduler', which counts steps, was refused after the data was made), its precision on this
+    machine."""
     if base.train.stage != "pretrain":
         raise UserError(f"train.stage {base.train.stage}: bench learn measures pretraining on the training part of "
                         "--input; leave train.stage as pretrain")
     cfg = copy.deepcopy(base)
-    cfg.model.vocab_size = vocab_size
+    cfg.model.vocab_size, cfg.train.max_time = vocab_size, max_time
     raw, source = load_ds_config(deepspeed_config, cfg.train.stage)
     cfg.train.precision = resolve_precision(cfg.train.precision, torch.device(local_device_type()))
     resolve_ds_config(raw, cfg, 1, source, zero_stage)
@@ -296,7 +298,7 @@ def bench_learn(input_file: str, out: str, recipe: str = "cpu-10m", budget: str 
         raise UserError(f"recipe {recipe} leaves model.vocab_size to the tokenizer: give --vocab-size N (the "
                         "tokenizer's size, e.g. 4096 as cpu-10m)")
     check_training_options(vocab)
-    check_training_start(base, vocab, deepspeed_config, zero_stage)
+    check_training_start(base, vocab, deepspeed_config, zero_stage, budget_s - reserve)
     parts = file_parts(Path(input_file))  # before --out is made: a missing --input left it holding the marker alone
     with held_locks.held_folder(out_dir, LEARN_MARKER, "bench learn"), earlier_result_kept(out_dir) as result_written:
         train_file, val_file = write_parts(Path(input_file), parts, out_dir)
