@@ -133,6 +133,23 @@ def read_user_text(path: Path, save_as: str, limit: int = USER_FILE_LIMIT) -> st
         raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
 
 
+MOST_JSON_LEVELS = 100
+"""The deepest nesting of objects and lists taken in a user's JSON file (a config holds a few): the parser takes
+some hundreds, but copying such a value (`copy.deepcopy`) recursed past Python's limit."""
+
+
+def _nested_deeper_than(value: Any, levels: int) -> bool:
+    """Whether `value` holds objects or lists more than `levels` deep (walked without recursion)."""
+    pending = [(value, 1)]
+    while pending:
+        value, level = pending.pop()
+        if isinstance(value, (dict, list)):
+            if level > levels:
+                return True
+            pending += [(child, level + 1) for child in (value.values() if isinstance(value, dict) else value)]
+    return False
+
+
 def read_user_json_object(path: Path, what: str, loads: Callable[[str], Any] = json.loads) -> dict[str, Any]:
     """The JSON object in a user's UTF-8 file, or a one-line UserError naming the file (and the line and column) at
     fault; `what` is the kind of file, for messages ('DeepSpeed config'). `loads` parses the text: it raises
@@ -146,6 +163,8 @@ def read_user_json_object(path: Path, what: str, loads: Callable[[str], Any] = j
         raise UserError(f"{path}: invalid JSON ({exc})") from None
     except RecursionError:
         raise UserError(f"{path}: invalid JSON (nested too deeply)") from None
+    if _nested_deeper_than(data, MOST_JSON_LEVELS):  # copies and walks of it recurse: a RecursionError traceback
+        raise UserError(f"{path}: invalid JSON (nested too deeply: more than {MOST_JSON_LEVELS} levels)")
     if not isinstance(data, dict):
         raise UserError(f"{path}: the {what} must be a JSON object {{...}}, got {json.dumps(data)[:60]}")
     return data

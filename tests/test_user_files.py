@@ -34,6 +34,9 @@ def resolved(change: dict, precision: str = "fp32") -> dict:
     (b'{"steps_per_print": "\xff"}', r"bad.json: not UTF-8 \(byte 0xff at offset 21\); save the DeepSpeed config as "
                                     "UTF-8 JSON$"),
     (b"[" * 100_000, r"bad.json: invalid JSON \(nested too deeply\)$"),
+    # read, then a RecursionError traceback from copying it (every rank's, some thousand lines each)
+    (b'{"comment": ' + b'{"a": ' * 600 + b"1" + b"}" * 601, r"bad.json: invalid JSON \(nested too deeply: more than "
+                                                           r"100 levels\)$"),
     # Hjson read these as {}: the run trained at ZeRO 0, not at the stage's own config
     *[(empty, r"bad.json: is empty; give the DeepSpeed settings as a JSON object, or leave --deepspeed out for the "
               r"stage's own \(pretrain\)$") for empty in (b"", b"  \n\t\n", b"// to do\n# later\n/* { } */\n")],
