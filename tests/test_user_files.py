@@ -347,11 +347,11 @@ def test_parameter_offload_below_zero_3_is_noted():
     device, without a word (it is taken, as DeepSpeed-Chat writes it at stage 2)."""
     said = ("note: zero_optimization.offload_param offloads parameters under ZeRO stage 3 only: at stage {} every "
             "parameter stays on the device (--zero-stage 3 offloads them)")
-    for stage in (1, 2):
+    for stage in (0, 1, 2):  # stage 0 had none: --zero-stage 0 over a ZeRO-3 offload config
         ds = resolved({"zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"}}})
         assert engine.parameter_offload_note(ds) == said.format(stage)
     for zero in ({"stage": 3, "offload_param": {"device": "cpu"}}, {"stage": 2, "offload_param": {"device": "none"}},
-                 {"stage": 0, "offload_param": {"device": "cpu"}}, {"stage": 2}):
+                 {"stage": 2}):
         assert engine.parameter_offload_note(resolved({"zero_optimization": zero})) is None
 
 

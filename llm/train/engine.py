@@ -759,15 +759,15 @@ def _refuse_unusable_nvme(zero, source: str) -> None:
 
 
 def parameter_offload_note(ds_config: dict[str, Any]) -> str | None:
-    """A note where `offload_param` is set at ZeRO stage 1 or 2, which DeepSpeed ignores (it offloads parameters under
-    ZeRO-3 only; DeepSpeed-Chat writes it at stage 2): the run trained with every parameter on the device, without a
-    word. None otherwise."""
+    """A note where `offload_param` is set at ZeRO stage 0, 1 or 2, which DeepSpeed ignores (it offloads parameters
+    under ZeRO-3 only; DeepSpeed-Chat writes it at stage 2; `--zero-stage 0` over a ZeRO-3 offload config): the run
+    trained with every parameter on the device, without a word. None otherwise."""
     zero = ds_config.get("zero_optimization", {})
     device = (zero.get("offload_param") or {}).get("device", "none")
-    if zero.get("stage", 0) not in (1, 2) or device in ("none", None):
+    if zero.get("stage", 0) == 3 or device in ("none", None):
         return None
     return (f"note: zero_optimization.offload_param offloads parameters under ZeRO stage 3 only: at stage "
-            f"{zero['stage']} every parameter stays on the device (--zero-stage 3 offloads them)")
+            f"{zero.get('stage', 0)} every parameter stays on the device (--zero-stage 3 offloads them)")
 
 
 ZERO_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
