@@ -218,6 +218,8 @@ UNKNOWN = "is not a setting DeepSpeed knows (it would ignore it);"
      "ignore it); did you mean 'zero_optimization'? Correct its name"),
     ({"gradient_clippin": 1.0}, "x.json: 'gradient_clippin' is not a setting DeepSpeed knows (it would ignore it); "
      "did you mean 'gradient_clipping'? Correct its name"),
+    ({"bf16": {"enabled": "true"}}, "x.json: 'bf16.enabled' is \"true\"; give true, false or \"auto\""),  # was
+    # "'bf16.enabled' is \"true\" but this run trains in bf16"
     # cut short, or another trainer's name: the batch and clipping the user wrote went unused, without a word
     ({"train_micro_batch_size": 4}, "x.json: 'train_micro_batch_size' is not a setting DeepSpeed knows (it would "
      "ignore it); did you mean 'train_micro_batch_size_per_gpu'? Correct its name"),
@@ -328,6 +330,12 @@ def test_ds_config_steps_per_print_below_one_is_refused(steps):
 def test_ds_config_zero_section_deepspeed_refuses_is_one_line(zero, message):
     with pytest.raises(UserError, match=message):
         resolved({"zero_optimization": zero})
+
+
+def test_a_zero_stage_written_as_a_float_is_that_stage():
+    """2.0 was taken, and the run announced "ZeRO stage 2.0"."""
+    stage = resolved({"zero_optimization": {"stage": 2.0}})["zero_optimization"]["stage"]
+    assert stage == 2 and type(stage) is int
 
 
 def test_optimizer_offload_is_dropped_without_zero():

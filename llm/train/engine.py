@@ -230,6 +230,8 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
         enabled = ds.setdefault(name, {}).get("enabled", "auto")
         if enabled == "auto":
             ds[name]["enabled"] = t.precision == name
+        elif not isinstance(enabled, bool):  # "true" was called a disagreement with a bf16 run
+            raise UserError(f"{source}: '{name}.enabled' is {json.dumps(enabled)[:60]}; give true, false or \"auto\"")
         elif enabled != (t.precision == name):
             other = f"train.precision={name} where the device has it" if enabled is True else \
                 "another train.precision (fp32 runs everywhere)"
@@ -248,6 +250,8 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):  # true is 1 to Python
         raise UserError(f"{source}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    if isinstance(stage, float):  # 2.0, as DeepSpeed reads it: the run said "ZeRO stage 2.0"
+        stage = ds["zero_optimization"]["stage"] = int(stage)
     for key, size in WIDTH_SIZES.items():
         if ds.get("zero_optimization", {}).get(key) == "auto":
             ds["zero_optimization"][key] = size(cfg.model.dim)
