@@ -218,6 +218,9 @@ UNKNOWN = "is not a setting DeepSpeed knows (it would ignore it);"
      "ignore it); did you mean 'zero_optimization'? Correct its name"),
     ({"gradient_clippin": 1.0}, "x.json: 'gradient_clippin' is not a setting DeepSpeed knows (it would ignore it); "
      "did you mean 'gradient_clipping'? Correct its name"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, "x.json: "
+     "'zero_optimization': partial offloading only supported for ZeRO Stage 3."),  # was the section cut short:
+    # "'zero_optimization' is {\"stage\": 2, \"overlap_comm\": false, \"contiguous_gradients\": : assertion failed, ..."
     ({"bf16": {"enabled": "true"}}, "x.json: 'bf16.enabled' is \"true\"; give true, false or \"auto\""),  # was
     # "'bf16.enabled' is \"true\" but this run trains in bf16"
     # cut short, or another trainer's name: the batch and clipping the user wrote went unused, without a word

@@ -453,8 +453,10 @@ def _section_model(model: type, section: dict[str, Any], key: str | None, name: 
         if error["type"] == "extra_forbidden":
             raise UserError(f"{source}: '{at}' is not one of DeepSpeed's {name} settings; remove it or correct "
                             "its name") from None
-        said = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]  # not "Value error, "
-        message = said[:1].lower() + said[1:]
+        said = str(error["ctx"]["error"]) if error["type"] in ("value_error", "assertion_error") else error["msg"]
+        message = said[:1].lower() + said[1:]  # not "Value error, " nor "Assertion failed, "
+        if not error["loc"]:  # the section as a whole (keys that do not go together): its value cut short said nothing
+            raise UserError(f"{source}: '{at}': {message}") from None
         raise UserError(f"{source}: '{at}' is {json.dumps(error.get('input'), default=str)[:60]}: "
                         f"{message}") from None
 
