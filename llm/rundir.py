@@ -500,14 +500,19 @@ def _client_state_problem(state: Any, tag: str) -> str | None:
     return None
 
 
+def earlier_complete_tag(run_dir: Path, tag: str) -> str | None:
+    """The newest complete checkpoint before `tag`, None where there is none."""
+    earlier = [older for older in checkpoint_tags(run_dir)
+               if step_of(older) < step_of(tag) and incompleteness(run_dir, older) is None]
+    return earlier[-1] if earlier else None
+
+
 def damaged_checkpoint_advice(run_dir: Path, tag: str) -> str:
     """What to do about checkpoint `tag` when a file in it is damaged: remove its folder, so that `usable_tag` falls
     back to the newest complete one before it, when there is one."""
-    folder = checkpoint_dir(run_dir) / tag
-    earlier = [older for older in checkpoint_tags(run_dir)
-               if step_of(older) < step_of(tag) and incompleteness(run_dir, older) is None]
-    if earlier:
-        return f"remove {folder} to continue from {earlier[-1]}, the newest complete checkpoint before it"
+    if (earlier := earlier_complete_tag(run_dir, tag)) is not None:
+        return f"remove {checkpoint_dir(run_dir) / tag} to continue from {earlier}, the newest complete checkpoint " \
+               "before it"
     return "no earlier checkpoint is complete: train the run again into a new run directory"
 
 

@@ -1353,6 +1353,24 @@ def test_another_models_checkpoint_is_one_clear_error_before_anything_loads(one_
                                  "earlier checkpoint is complete: train the run again into a new run directory")
 
 
+def test_a_config_yaml_every_checkpoint_differs_from_is_named_as_what_changed(one_rank_group, tmp_path):
+    """config.yaml's model.dim edited: the refusal advised removing the newest checkpoint to continue from the one
+    before it, which held the same shape and was refused the same way."""
+    wider = ModelConfig(**{**SMALL.__dict__, "dim": 64, "n_heads": 4})
+    with torch.device("meta"):
+        shapes = {name: param.shape for name, param in Transformer(wider).named_parameters()}
+    engine = FakeEngine()
+    engine.state = {"module": {name: torch.zeros(shape) for name, shape in shapes.items()}}
+    for step in (10, 20):
+        checkpoint.save(engine, tmp_path, step, _state(step=step), keep=0)
+    with pytest.raises(UserError) as raised:
+        checkpoint.resume_tag(tmp_path, SMALL)
+    assert str(raised.value) == (f"{tmp_path}: checkpoint global_step20 does not match config.yaml (size mismatch "
+                                 "for tok_embeddings.weight: [64, 64] in the checkpoint, [64, 32] in the config): put "
+                                 "config.yaml back as the run was trained (global_step10 differs from it too, so "
+                                 "config.yaml is what changed)")
+
+
 @pytest.mark.parametrize("zero", [False, True])
 def test_a_checkpoint_trained_tied_or_untied_against_the_other_in_config_yaml_is_one_clear_error(one_rank_group,
                                                                                                 tmp_path, zero):

@@ -567,14 +567,28 @@ def _refuse_other_shapes(run_dir: Path, tag: str, model: ModelConfig, lora: LoRA
     the reverse (config.yaml edited), or holds a whole model where the run trains LoRA adapters, adapters where it
     trains the whole model, or adapters of other ranks or layers: DeepSpeed's load ended every rank with a traceback
     (a size mismatch, missing keys, its parameter layout, or the universal loader's assertion after a conversion).
-    The shapes are read without the tensors (`mmap`); the model's are a meta-device model's (`mismatch_reason`).
-    Tying is not compared where the checkpoint holds no base weights (LoRA's). A file torch cannot map (not a zip
-    archive at both ends: damaged) is left for the load to name."""
+    Removing the checkpoint is advised only where the one before it fits: config.yaml edited, every checkpoint
+    differs from it, and that advice led to the same refusal."""
+    why = _shape_mismatch(run_dir, tag, model, lora)
+    if why is None:
+        return
+    put_back = f"{config_mismatch(run_dir, tag, why)}: put {rundir.CONFIG_FILE} back as the run was trained"
+    earlier = rundir.earlier_complete_tag(run_dir, tag)
+    if earlier is not None and _shape_mismatch(run_dir, earlier, model, lora) is not None:
+        raise UserError(f"{put_back} ({earlier} differs from it too, so {rundir.CONFIG_FILE} is what changed)")
+    raise UserError(f"{put_back}; if the checkpoint is another run's, {rundir.damaged_checkpoint_advice(run_dir, tag)}")
+
+
+def _shape_mismatch(run_dir: Path, tag: str, model: ModelConfig, lora: LoRAConfig | None) -> str | None:
+    """Why checkpoint `tag` cannot load into `model` with the `lora` adapters (`mismatch_reason`), None where it can.
+    The shapes are read without the tensors (`mmap`). Tying is not compared where the checkpoint holds no base
+    weights (LoRA's). A file torch cannot map (not a zip archive at both ends: damaged) is left for the load to
+    name."""
     folder = rundir.checkpoint_dir(run_dir) / tag
     states = next((path for name in (rundir.MODEL_STATES, f"zero_pp_rank_0_{rundir.MODEL_STATES}")
                    if (path := folder / name).is_file()), None)  # ZeRO-3: each rank's, with the shapes
     if states is None or not _zip_archive(states):
-        return
+        return None
     with restricted_unpickling(folder):
         state = torch.load(states, map_location="cpu", mmap=True, weights_only=True)
     module = state.get("module") or {}
@@ -586,11 +600,7 @@ def _refuse_other_shapes(run_dir: Path, tag: str, model: ModelConfig, lora: LoRA
         output, embedding = module.get("output.weight"), module.get("tok_embeddings.weight")
         tied = output is None or (embedding is not None and
                                   output.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr())
-    why = mismatch_reason(saved, tied if "tok_embeddings.weight" in saved else None, model, lora)
-    if why is not None:
-        other_run = rundir.damaged_checkpoint_advice(run_dir, tag)
-        raise UserError(f"{config_mismatch(run_dir, tag, why)}: put {rundir.CONFIG_FILE} back as the run was "
-                        f"trained; if the checkpoint is another run's, {other_run}")
+    return mismatch_reason(saved, tied if "tok_embeddings.weight" in saved else None, model, lora)
 
 
 def _zip_archive(path: Path) -> bool:
