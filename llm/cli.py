@@ -70,14 +70,18 @@ class DeepSpeedConfigOption(argparse.Action):
     """--deepspeed FILE, or --deepspeed alone, DeepSpeed's switch in `deepspeed train.py --deepspeed
     --deepspeed_config ds.json` (its `add_config_arguments`): it asks for DeepSpeed, which zerollm always trains under,
     and leaves the file to --deepspeed_config (the stage's default without one). It took the next option for its file
-    ('expected one argument')."""
+    ('expected one argument'). Two files are refused: the last took the first's place without a word."""
 
     def __init__(self, option_strings, dest, **kwargs) -> None:
         super().__init__(option_strings, dest, nargs="?", **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        if values is not None:
-            setattr(namespace, self.dest, values)
+        if values is None:
+            return
+        given = getattr(namespace, self.dest)
+        if given is not None and given != values:
+            parser.error(f"{option_string}: a DeepSpeed config was given twice ({given} and {values}); give one")
+        setattr(namespace, self.dest, values)
 
 
 def whole_number(text: str) -> int:

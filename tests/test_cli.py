@@ -331,7 +331,7 @@ def test_an_input_option_given_twice_reads_both(command, option):
 @pytest.mark.parametrize("command", [["train", "pretrain", "--recipe", "demo", "--data", "d", "--out", "o"],
                                      ["bench", "train", "--recipe", "demo"],
                                      ["bench", "learn", "--input", "novel.txt"]])  # bench learn's was --deepspeed alone
-def test_deepspeeds_own_option_name_gives_the_config(command):
+def test_deepspeeds_own_option_name_gives_the_config(command, capsys):
     """`--deepspeed_config ds.json`, as DeepSpeed's scripts take it, was "unrecognized arguments"."""
     from llm.cli import build_parser
 
@@ -344,6 +344,11 @@ def test_deepspeeds_own_option_name_gives_the_config(command):
     assert given("--deepspeed", "--deepspeed_config", "ds.json") == "ds.json"
     assert given("--deepspeed_config", "ds.json", "--deepspeed") == "ds.json"
     assert given("--deepspeed") is None and given("--deepspeed", "ds.json") == "ds.json"  # the stage's default
+    assert given("--deepspeed", "ds.json", "--deepspeed_config", "ds.json") == "ds.json"
+    with pytest.raises(SystemExit) as exited:  # the last took the first's place without a word
+        given("--deepspeed", "a.json", "--deepspeed_config", "b.json")
+    assert exited.value.code == 2 and capsys.readouterr().err.endswith(
+        "error: --deepspeed_config: a DeepSpeed config was given twice (a.json and b.json); give one\n")
 
 
 @pytest.mark.parametrize("open_stdout, code, stderr", [
