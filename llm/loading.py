@@ -36,7 +36,7 @@ from llm.model import Transformer
 from llm.model.from_weights import model_from_weights
 from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, merge
-from llm.runtime.fingerprint import WEIGHTS_PARTS, file_digest, same_weights
+from llm.runtime.fingerprint import WEIGHTS_PARTS, file_digest, same_weights, strided_digest
 from llm.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm.train.checkpoint import (
     config_mismatch,
@@ -264,12 +264,17 @@ def weights_summary(path: str | Path, option: str) -> dict[str, Any]:
             raise UserError(f"{option} {exc}") from None
         if WEIGHTS_FILE in files:
             weights = f"{WEIGHTS_FILE} digest {file_digest(directory / WEIGHTS_FILE)}"
+            shards = [WEIGHTS_FILE]
         else:  # the index and every shard it names: a shard replaced under an unchanged index is other weights
+            shards = sorted(files)
             digest = hashlib.sha256()
-            for shard in sorted(files):
+            for shard in shards:
                 digest.update(f"\0{shard}\0{file_digest(directory / shard)}".encode())
             weights = (f"{WEIGHTS_INDEX_FILE} digest {file_digest(directory / WEIGHTS_INDEX_FILE)}{WEIGHTS_PARTS}its "
                        f"{len(files)} shards digest {digest.hexdigest()[:16]}")
+        strided = hashlib.sha256("".join(strided_digest(directory / shard) for shard in shards).encode())
+        weights += f"{WEIGHTS_PARTS}strided digest {strided.hexdigest()[:16]}"  # a later part: `same_weights` takes
+        # a record of the parts before it alone (made before it was added) as it was taken
     config = model_config_of(directory)
     model = json.loads(json.dumps({name: getattr(config, name) for name in (*SHAPE_FIELDS, *FUNCTION_FIELDS)}))
     return {"path": str(directory.resolve()), "weights": weights, "model": model, **({"tag": tag} if tag else {})}

@@ -419,13 +419,35 @@ def test_a_lora_run_refuses_a_base_that_holds_other_weights(runs, data, tokenize
     export_model(Transformer(build_config("demo", TINY).model), tokenizer_dir, other)
     trained_on = build_config((run / "config.yaml").as_posix()).train.init_from
     (run / "config.yaml").write_text((run / "config.yaml").read_text().replace(trained_on, str(other)))
-    refusal = (r"its adapters were trained on .*\(model.safetensors digest \w+\), but "
+    refusal = (r"its adapters were trained on .*\(model.safetensors digest \w+; strided digest \w+\), but "
                rf"train.init_from {other} holds model.safetensors digest \w+; .* put that base")
     with pytest.raises(UserError, match=refusal):
         load_lora_model(run, build_config((run / "config.yaml").as_posix()))
     result = run_job(*_lora_args("sft", data["sft"], run, other, nproc=1, lora=LORA_NO_DROPOUT), "--resume", "auto")
     assert result.returncode == 2 and f"--init-from {other} (model.safetensors digest " in result.stderr
     assert f"not the base {run} was trained with" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_export_changed_only_in_its_middle_holds_other_weights(tokenizer_dir, tmp_path):
+    """Export weights were identified by their size and first and last MiB: a base whose middle layers were
+    retrained (or adapters merged into them) and saved over it at the same size was taken for the one the adapters
+    were trained on, and they were merged onto it without a word. A record made before the strided part still
+    matches the unchanged weights."""
+    from llm.loading import weights_summary
+    from llm.runtime.fingerprint import same_weights
+
+    torch.manual_seed(0)
+    export_model(Transformer(build_config("demo", [*TINY, "model.dim=256", "model.n_layers=4"]).model), tokenizer_dir,
+                 tmp_path / "base")
+    weights = tmp_path / "base" / "model.safetensors"
+    before = weights_summary(tmp_path / "base", "--init-from")["weights"]
+    assert weights.stat().st_size > 8 << 20 and same_weights(before.split("; strided")[0], before)
+    with weights.open("r+b") as f:  # a layer's matrix in the middle, 64 KiB of it negated
+        f.seek(weights.stat().st_size // 2)
+        middle = f.read(1 << 16)
+        f.seek(-len(middle), 1)
+        f.write(bytes(b ^ 0x80 for b in middle))
+    assert not same_weights(before, weights_summary(tmp_path / "base", "--init-from")["weights"])
 
 
 def test_a_lora_run_is_loaded_onto_the_checkpoint_of_its_base_run_it_was_trained_on(pretrain_data, data, tmp_path):

@@ -54,6 +54,22 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+STRIDED_SAMPLES, STRIDED_BYTES = 256, 4096
+
+
+def strided_digest(path: Path) -> str:
+    """The size and `STRIDED_SAMPLES` reads of `STRIDED_BYTES` spread evenly through the file: a megabyte of a
+    weights file of any size, which sees a tensor changed anywhere in it that is longer than the stride (a layer's
+    matrix retrained, adapters merged into it) where `file_digest`'s two ends did not."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        for sample in range(STRIDED_SAMPLES):
+            f.seek(sample * max(0, size - STRIDED_BYTES) // max(1, STRIDED_SAMPLES - 1))
+            digest.update(f.read(STRIDED_BYTES))
+    return digest.hexdigest()[:16]
+
+
 def whole_file_digest(path: Path, folder_files: list[Path] | None = None) -> str:
     """sha256 of every byte of the file, read a MiB at a time; of a folder (a datasets save_to_disk folder, which
     GRPO's prompts may be), of each of `folder_files` in it, in order: its path in the folder, then its bytes."""
@@ -73,8 +89,9 @@ shards."""
 
 
 def same_weights(recorded: str, now: str) -> bool:
-    """Whether the weights identity `now` is the one `recorded` before. A record from before shards were digested
-    (the index's digest alone) matches while the index is unchanged, as it did when it was written."""
+    """Whether the weights identity `now` is the one `recorded` before. A record from before a part was added (the
+    shards' digest after the index's, the strided digest after those) matches while its parts are unchanged, as it
+    did when it was written."""
     return now == recorded or now.startswith(recorded + WEIGHTS_PARTS)
 
 
