@@ -431,6 +431,23 @@ def test_a_resume_that_changes_settings_says_which(pretrain_data, tmp_path):
     assert result.returncode == 0 and "note: resumed with" not in result.stdout + result.stderr  # nothing to train
 
 
+def test_a_resume_without_init_from_keeps_the_model_the_run_was_trained_from(pretrain_data, tmp_path, monkeypatch,
+                                                                             capfd):
+    """A resume that loads no base (its checkpoints hold every weight) recorded train.init_from null in config.yaml,
+    and the next export replaced the model the run was trained from, which export refuses to."""
+    base, exported, run = tmp_path / "base", tmp_path / "exported", tmp_path / "run"
+    assert run_job(*_args(pretrain_data, base, "train.max_steps=1")).returncode == 0
+    assert zerollm_here(monkeypatch, "export", "--run", base, "--out", exported) == 0
+    result = run_job(*_args(pretrain_data, run, "train.max_steps=1", extra=["--init-from", exported]))
+    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_job(*_args(pretrain_data, run, "train.max_steps=2", extra=["--resume", "auto"]))
+    assert result.returncode == 0 and "train.init_from" not in result.stdout, result.stdout + result.stderr[-2000:]
+    capfd.readouterr()
+    assert zerollm_here(monkeypatch, "export", "--run", run, "--out", exported) == 2
+    assert capfd.readouterr().err.endswith(f"zerollm: error: --out {exported} is the run's train.init_from, a model it "
+                                           "was trained from, which export would replace; choose another --out\n")
+
+
 def test_a_resume_names_no_change_for_the_same_lora_targets_in_another_order(tmp_path):
     """The targets are adapters found by module, in any order (as the resume's shape check compares them)."""
     from llm.loading import trained_config

@@ -521,7 +521,9 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
                                     info.world_size) if saved else None
     # written once the run is known to start (a refused resume leaves the directory as it was), by rank 0; a full
     # disk there is one line on every rank
-    sink = agreed(lambda: _start_files(cfg, run_dir, ds_config, trainer, record) if info.is_main else None,
+    trained_from = saved.train.init_from if saved else None
+    sink = agreed(lambda: _start_files(cfg, run_dir, ds_config, trainer, record, trained_from) if info.is_main
+                  else None,
                   announce=info.local_rank == 0)
     if info.is_main:
         _announce(cfg, info, ds_config, trainer, resumed=tag is not None)
@@ -555,15 +557,17 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
     return code
 
 
-def _start_files(cfg: RunConfig, run_dir: Path, ds_config: dict, trainer: Trainer, record: dict) -> MetricsSink:
+def _start_files(cfg: RunConfig, run_dir: Path, ds_config: dict, trainer: Trainer, record: dict,
+                 trained_from: str | None) -> MetricsSink:
     """Rank 0, as the run starts: its run record (first: it makes the folder a zerollm run's, so that a session
     stopped before the other files were written leaves a folder its rerun takes; it was refused as another tool's),
-    the run files, then the metrics files cut to its first step (and wandb). A write that runs out of room is a
-    UserError naming the run directory, with every file whole."""
+    the run files (config.yaml keeping `trained_from`, the train.init_from its last session recorded: `_as_recorded`),
+    then the metrics files cut to its first step (and wandb). A write that runs out of room is a UserError naming
+    the run directory, with every file whole."""
     with durable.room_needed(run_dir, rundir.RUN_RECORD_FILE):
         run_dir.mkdir(parents=True, exist_ok=True)
     write_run_record(run_dir, record)
-    saved = _as_recorded(cfg)
+    saved = _as_recorded(cfg, trained_from)
     _write_run_files(saved, run_dir, ds_config)
     with durable.room_needed(run_dir, rundir.METRICS_FILE):  # wandb's config is config.yaml's
         return MetricsSink(run_dir, saved, trainer.run_id, trainer.step, record)
@@ -582,7 +586,7 @@ def resumed_changes(saved: RunConfig, cfg: RunConfig) -> list[str]:
         return {f"{section}.{key}": _compared(f"{section}.{key}", value)
                 for section, values in config.to_dict().items() for key, value in values.items()}
 
-    there, here = flat(saved), flat(_as_recorded(cfg))
+    there, here = flat(saved), flat(_as_recorded(cfg, saved.train.init_from))
     return [f"{key} {there.get(key)} there, {value} here" for key, value in here.items()
             if there.get(key) != value and key not in KNOWN_BY_CONTENT]
 
@@ -628,11 +632,14 @@ def resumed_batch_note(saved: RunConfig, saved_world: int, cfg: RunConfig, world
             f"takes {here} samples here, {there} there (train.micro_batch_size x train.grad_accum x ranks){advice}")
 
 
-def _as_recorded(cfg: RunConfig) -> RunConfig:
+def _as_recorded(cfg: RunConfig, trained_from: str | None = None) -> RunConfig:
     """The run config as the run directory records it: the base and the teacher as absolute paths. The base of a
     LoRA run is loaded whenever the run is (its checkpoints hold adapters only), from any directory, and export, run
-    from any directory, refuses to replace the base or the teacher (`refuse_replacing_a_source`)."""
-    init_from, teacher = (path and str(Path(path).resolve()) for path in (cfg.train.init_from, cfg.train.teacher))
+    from any directory, refuses to replace the base or the teacher (`refuse_replacing_a_source`). A resume that
+    loads no base (its checkpoints hold every weight: `llm.loading.base_to_resume_on`) keeps `trained_from`, the one
+    the run recorded: it recorded none, and the next export replaced the model an SFT run was trained from."""
+    init_from, teacher = (path and str(Path(path).resolve())
+                          for path in (cfg.train.init_from or trained_from, cfg.train.teacher))
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=init_from, teacher=teacher))
 
 
