@@ -352,7 +352,8 @@ def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path,
                 raise UserError(f"--out {out}: cannot create it ({exc.strerror})") from None
             config = _write_export(state, cfg, tokenizer_dir, staging)
             if generation_config is not None and (text := generation_config_text(generation_config)) is not None:
-                (staging / rundir.GENERATION_CONFIG_FILE).write_text(text, encoding="utf-8")
+                (staging / rundir.GENERATION_CONFIG_FILE).write_text(_with_export_token_ids(text, config),
+                                                                     encoding="utf-8")
             stop.check()  # a stop never renames the export into place
     except Exception as exc:
         if (reason := durable.out_of_room(exc)) is None:
@@ -360,6 +361,24 @@ def export_model(model: Transformer, tokenizer_dir: Path | None, out: Path,
         kept = "the export there is as it was" if out.exists() else "nothing was written"
         raise UserError(f"--out {out}: {reason} while writing the export; {kept}") from None
     return config["architectures"][0]
+
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _with_export_token_ids(text: str, config: dict[str, Any]) -> str:
+    """The copied generation_config.json `text` with the token ids of the export's config.json where it gives its
+    own: transformers' `generate` takes them over config.json's, so a copy from a base whose ids were others (its end
+    of text where the tokenizer's stop ids are more, LlamaConfig's defaults) ran the exported chat model past its end
+    of turn. Its other stop ids (Llama 3.1's end of a tool call) are kept after the tokenizer's."""
+    generation = json.loads(text)
+    exported = {key: config[key] for key in TOKEN_ID_KEYS if key in config and key in generation}
+    if "eos_token_id" in exported:
+        own, given = exported["eos_token_id"], generation["eos_token_id"]
+        own, given = (ids if isinstance(ids, list) else [ids] for ids in (own, given))
+        exported["eos_token_id"] = own + [i for i in given if i not in own]
+    changed = {**generation, **exported}
+    return text if changed == generation else json.dumps(changed, indent=2) + "\n"
 
 
 def _sort_metadata(path: Path) -> None:

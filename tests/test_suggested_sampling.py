@@ -172,6 +172,28 @@ def test_a_run_tuned_from_a_model_folder_keeps_its_generation_config_and_exports
                                        "(0, 1], got 7.0; fix or remove it\n")
 
 
+def test_an_exports_generation_config_stops_where_its_config_does(tokenizer_dir, tmp_path):
+    """The copy kept its base's token ids, which transformers' generate takes over config.json's: a base naming its
+    end of text alone (Qwen2.5's) or LlamaConfig's defaults (bos 1, eos 2: other tokens of this tokenizer), and the
+    exported chat model ran past its end of turn in transformers where zerollm stopped. Stop ids of its own beyond
+    the tokenizer's (Llama 3.1's end of a tool call) are kept after them."""
+    from llm.config import ModelConfig
+    from llm.export import export_model
+    from llm.model import Transformer
+
+    model = Transformer(ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=64))
+    (tmp_path / "generation.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [0, 7],
+                                                          "pad_token_id": 0, "temperature": 0.6}))
+    export_model(model, tokenizer_dir, tmp_path / "export", tmp_path / "generation.json")
+    config = json.loads((tmp_path / "export" / HF_CONFIG_FILE).read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (None, [0, 2], 3)
+    assert json.loads((tmp_path / "export" / GENERATION_CONFIG_FILE).read_text()) == {
+        "bos_token_id": None, "eos_token_id": [0, 2, 7], "pad_token_id": 3, "temperature": 0.6}
+    (tmp_path / "generation.json").write_text(json.dumps({"temperature": 0.6}))  # ids it does not give: none added
+    export_model(model, tokenizer_dir, tmp_path / "export", tmp_path / "generation.json")
+    assert (tmp_path / "export" / GENERATION_CONFIG_FILE).read_text() == json.dumps({"temperature": 0.6})
+
+
 def test_a_copy_of_a_generation_config_keeps_only_generation_settings(tmp_path):
     """A generation_config.json linked to a file elsewhere (a user's credentials in JSON), in a model folder handed
     over, was copied whole into every run tuned from it and every export of such a run."""
