@@ -200,6 +200,24 @@ def _check_role_fields(config: dict, source: str) -> None:
                         f"{{\"content\": \"...\"}} or null, got {json.dumps(value, default=str)[:60]}")
 
 
+def _check_declared_tokens(tok: HFTokenizer, config: dict, source: str) -> None:
+    """The special tokens the config declares beyond the roles (`added_tokens_decoder`, `additional_special_tokens`)
+    are tokens of tokenizer.json, at the ids the config gives: transformers adds one it lacks as a new token, where
+    zerollm read its text as plain text (six pieces of `<|tool|>`), in chat and in SFT data, without a word."""
+    decoder = config.get("added_tokens_decoder")
+    declared = [(_token_text(entry), key) for key, entry in decoder.items()] if isinstance(decoder, dict) else []
+    extra = config.get("additional_special_tokens")
+    declared += [(_token_text(entry), None) for entry in extra] if isinstance(extra, list) else []
+    for text, key in declared:
+        found = tok.token_to_id(text) if text else None
+        if text and (found is None or key is not None and str(found) != str(key)):
+            at = "" if key is None else f" at id {key}"
+            raise UserError(f"{source}: {CONFIG_FILE} declares the special token {text!r}{at}, which its "
+                            f"{TOKENIZER_FILE} {'holds at id ' + str(found) if found is not None else 'does not hold'}"
+                            f"; zerollm reads tokens from {TOKENIZER_FILE}: save the tokenizer again with transformers "
+                            "(AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)), which writes it there")
+
+
 TRAIN_ONE = "; train one with `zerollm tokenizer train` or give a Hugging Face tokenizer directory"
 """Said where a tokenizer folder is missing or holds no tokenizer."""
 
@@ -254,6 +272,7 @@ class Tokenizer:
                 # would have been another id than zerollm's, and an eos_token learnt as plain text
                 raise UserError(f"{source}: {CONFIG_FILE} names {field} {text!r}, which is not a token of its "
                                 f"{TOKENIZER_FILE}; name one of its tokens there, or remove {field}")
+        _check_declared_tokens(tok, self.config, source)
 
         def first_added(names: tuple[str, ...]) -> int | None:
             return next((added[n]["id"] for n in names if n in added), None)
