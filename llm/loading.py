@@ -37,7 +37,7 @@ from llm.model.from_weights import model_from_weights
 from llm.model.host_memory import check_fits_in_memory
 from llm.model.lora import apply_lora, merge
 from llm.runtime.fingerprint import WEIGHTS_PARTS, file_digest, same_weights, strided_digest
-from llm.tokenizer import TOKENIZER_FILE, Tokenizer
+from llm.tokenizer import TOKENIZER_FILE, Tokenizer, no_tokenizer_json_advice
 from llm.train.checkpoint import (
     config_mismatch,
     is_partitioned,
@@ -343,7 +343,8 @@ def load_for_inference(path: str | Path, tag: str | None = None) -> tuple[Transf
     elif (tokenizer_dir / TOKENIZER_FILE).is_file():
         tokenizer = Tokenizer.load(tokenizer_dir)
     else:
-        raise UserError(f"{path}: no tokenizer files ({TOKENIZER_FILE}) beside the model")
+        raise UserError(f"{path}: no tokenizer files ({TOKENIZER_FILE}) beside the model"
+                        f"{no_tokenizer_json_advice(tokenizer_dir) or ''}")
     if tokenizer.vocab_size > model.cfg.vocab_size:  # fewer is fine: padded embedding rows no token reaches
         raise UserError(f"{path}: its tokenizer {tokenizer_dir} has {tokenizer.vocab_size} tokens, more than the "
                         f"model's vocab_size {model.cfg.vocab_size}; use the tokenizer the model was trained with")

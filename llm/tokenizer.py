@@ -220,6 +220,18 @@ def _check_declared_tokens(tok: HFTokenizer, config: dict, source: str) -> None:
 
 TRAIN_ONE = "; train one with `zerollm tokenizer train` or give a Hugging Face tokenizer directory"
 """Said where a tokenizer folder is missing or holds no tokenizer."""
+SLOW_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "vocab.txt")
+"""The files of transformers' slow tokenizers (GPT-2's BPE, SentencePiece, WordPiece), which zerollm does not read."""
+
+
+def no_tokenizer_json_advice(directory: Path) -> str | None:
+    """What to do about a Hugging Face tokenizer folder holding only a slow tokenizer's files (no tokenizer.json):
+    it was told to give a Hugging Face tokenizer directory, which it is. None where it holds none of them."""
+    found = [name for name in SLOW_TOKENIZER_FILES if (directory / name).is_file()]
+    if not found:
+        return None
+    return (f" ({' and '.join(found)} {'are' if len(found) > 1 else 'is'} a slow tokenizer's, which zerollm does not "
+            f"read; write {TOKENIZER_FILE} with transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))")
 
 
 class Tokenizer:
@@ -350,7 +362,7 @@ class Tokenizer:
             if (directory / "tokenizer" / TOKENIZER_FILE).is_file():  # a prepared data folder's or a run's copy
                 raise UserError(f"{directory}: no {TOKENIZER_FILE} (its tokenizer is in {directory / 'tokenizer'}: "
                                 "give that)")
-            raise UserError(f"{directory}: no {TOKENIZER_FILE}{TRAIN_ONE}")
+            raise UserError(f"{directory}: no {TOKENIZER_FILE}{no_tokenizer_json_advice(directory) or TRAIN_ONE}")
         # read here: the library's own reading takes UTF-8 paths only
         text = read_user_text(path, "it as UTF-8", limit=TOKENIZER_FILE_LIMIT)
         try:

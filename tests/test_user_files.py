@@ -610,6 +610,18 @@ def test_a_run_s_damaged_tokenizer_copy_is_named_with_where_to_copy_it_from(tmp_
                             f"it again from {data / 'tokenizer'}") and "tokenizer train" not in message, message
 
 
+def test_a_slow_tokenizers_folder_is_told_how_to_write_tokenizer_json(tmp_path):
+    """A Hugging Face folder of GPT-2's vocab.json and merges.txt, or SentencePiece's tokenizer.model, without a
+    tokenizer.json was told to give a Hugging Face tokenizer directory, which it is."""
+    (tmp_path / "vocab.json").write_text("{}")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(UserError) as refused:
+        Tokenizer.load(tmp_path)
+    assert str(refused.value) == (f"{tmp_path}: no tokenizer.json (vocab.json and merges.txt are a slow tokenizer's, "
+                                  "which zerollm does not read; write tokenizer.json with transformers: "
+                                  "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))")
+
+
 def test_a_folder_whose_tokenizer_is_one_level_down_is_pointed_there(tmp_path):
     """`--tokenizer DATA` (a prepared data folder, or a run) said only 'no tokenizer.json'."""
     (tmp_path / "tokenizer").mkdir()

@@ -42,7 +42,7 @@ from llm.model import Transformer
 from llm.model.from_weights import model_to_fill, shapes_only
 from llm.model.lora import apply_lora
 from llm.runtime.distributed import DistInfo, agreed
-from llm.tokenizer import TOKENIZER_FILE, Tokenizer
+from llm.tokenizer import TOKENIZER_FILE, Tokenizer, no_tokenizer_json_advice
 from llm.train.checkpoint import rng_state, set_rng_state
 from llm.train.engine import full_parameters
 from llm.train.prompts import Prompt, PromptSet, read_prompts
@@ -74,8 +74,9 @@ def tokenizer_dir(cfg: RunConfig) -> Path:
     init = Path(cfg.train.init_from)
     directory = rundir.tokenizer_dir(init) if rundir.is_run_dir(init) else init
     if not (directory / TOKENIZER_FILE).is_file():
-        raise UserError(f"--init-from {init}: no tokenizer files ({TOKENIZER_FILE}) beside the model; GRPO "
-                        "tokenizes its prompts with the model's tokenizer")
+        raise UserError(f"--init-from {init}: no tokenizer files ({TOKENIZER_FILE}) beside the model"
+                        f"{no_tokenizer_json_advice(directory) or ''}; GRPO tokenizes its prompts with the model's "
+                        "tokenizer")
     return directory
 
 
