@@ -816,8 +816,10 @@ def validate(cfg: RunConfig) -> None:
     d, t = cfg.data, cfg.train
     validate_ranges(cfg)
     validate_model(cfg.model)
+    source = f" (--init-from {t.init_from}'s context; --set model.max_seq_len={d.seq_len} trains it longer)" \
+        if t.init_from else ""  # the user gave neither number
     _require(d.seq_len <= cfg.model.max_seq_len,
-             f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
+             f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len}){source}")
     _require(t.stage in STAGES, f"train.stage must be one of {', '.join(STAGES)}, got '{t.stage}'")
     _require(t.dpo_loss in ("sigmoid", "ipo"), f"train.dpo_loss must be sigmoid or ipo, got '{t.dpo_loss}'")
     _require(t.stage not in ("dpo", "grpo") or bool(t.init_from),

@@ -233,6 +233,15 @@ def test_bad_config_is_one_clear_error(override, message):
         build_config("demo", [override])
 
 
+def test_a_context_shorter_than_the_data_names_the_model_it_came_from():
+    """--init-from a model of a shorter context than the data's windows said "data.seq_len (128) exceeds
+    model.max_seq_len (64)", two numbers the user gave neither of, nor how to train the model longer."""
+    with pytest.raises(UserError) as refused:
+        build_config("demo", ["data.seq_len=128", "model.max_seq_len=64"], paths={"train.init_from": "base"})
+    assert str(refused.value).endswith("data.seq_len (128) exceeds model.max_seq_len (64) (--init-from base's "
+                                       "context; --set model.max_seq_len=128 trains it longer)")
+
+
 def _numeric_keys(kind: str) -> list[str]:
     """Every config key whose type admits `kind` ('int' or 'float')."""
     return [f"{section.name}.{f.name}" for section in dataclasses.fields(RunConfig)
