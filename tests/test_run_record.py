@@ -174,23 +174,33 @@ def test_grpo_prompts_in_a_datasets_folder_are_recorded_and_a_change_to_them_is_
 
 def test_a_cache_file_that_datasets_writes_into_a_prompt_folder_is_no_change_to_its_prompts(tmp_path):
     """The folder's digest covered every file in it, so the cache file of a `.map()` the user ran on the loaded
-    dataset had a resume refused as trained on other data; the prompts are read from its data files alone."""
+    dataset had a resume refused as trained on other data; the prompts are read from its data files alone. A record
+    of the version before (every file, a cache file included) is still taken for the same prompts."""
     import datasets
 
+    from llm.runtime.fingerprint import whole_file_digest
     from llm.train.run_record import check_same_data, prompts_summary, write_run_record
 
     folder = tmp_path / "prompts"
     datasets.Dataset.from_dict({"prompt": ["1 + 1 =", "2 + 2 ="], "answer": ["2", "4"]}).save_to_disk(folder)
+    # without a cache file, the same digest as the version before made of every file
+    assert prompts_summary([folder], {"tokenizer_hash": "tok"})["digest"] == whole_file_digest(folder)
     run = tmp_path / "run"
     run.mkdir()
     write_run_record(run, {"data": prompts_summary([folder], {"tokenizer_hash": "tok"})})
     datasets.load_from_disk(str(folder)).map(lambda row: {"answer": row["answer"] + "!"})
     assert len(list(folder.glob("cache-*.arrow"))) == 1
     check_same_data(run, prompts_summary([folder], {"tokenizer_hash": "tok"}), [folder])
+    before = tmp_path / "before"  # recorded by the version before, its digest of every file, the cache's included
+    before.mkdir()
+    write_run_record(before, {"data": {**prompts_summary([folder], {"tokenizer_hash": "tok"}),
+                                       "digest": whole_file_digest(folder)}})
+    check_same_data(before, prompts_summary([folder], {"tokenizer_hash": "tok"}), [folder])
     data_file = next(folder.glob("data-*.arrow"))
     data_file.write_bytes(data_file.read_bytes().replace(b"2 + 2 =", b"2 + 3 ="))
-    with pytest.raises(UserError, match=r"not the data .* was trained on"):
-        check_same_data(run, prompts_summary([folder], {"tokenizer_hash": "tok"}), [folder])
+    for trained in (run, before):
+        with pytest.raises(UserError, match=r"not the data .* was trained on"):
+            check_same_data(trained, prompts_summary([folder], {"tokenizer_hash": "tok"}), [folder])
 
 
 def _tokens_h5(folder, middle_token):

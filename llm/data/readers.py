@@ -717,7 +717,7 @@ def _hf_rows(path: Path, limit: RecordLimit) -> Iterator[dict | _RowSkipped]:
     except ImportError:
         raise UserError(f"{path}: reading a save_to_disk directory needs the datasets package; install it with "
                         f"{INSTALL_DATASETS}") from None
-    dataset_files(path)
+    dataset_files(path)  # refuses data files named outside the folder
     # as stored: an Audio or Image column is not decoded (that needed torchcodec or a readable image, for text never
     # used)
     tables = datasets.load_from_disk(str(path)).with_format("arrow").iter(batch_size=ROWS_PER_BATCH)

@@ -72,9 +72,12 @@ def strided_digest(path: Path) -> str:
 
 def whole_file_digest(path: Path, folder_files: list[Path] | None = None) -> str:
     """sha256 of every byte of the file, read a MiB at a time; of a folder (a datasets save_to_disk folder, which
-    GRPO's prompts may be), of each of `folder_files` in it, in order: its path in the folder, then its bytes."""
+    GRPO's prompts may be), of each of `folder_files` in it (by default every file under it), in sorted order: its
+    path in the folder, then its bytes."""
     digest = hashlib.sha256()
-    for file in folder_files if path.is_dir() else [path]:
+    if path.is_dir() and folder_files is None:
+        folder_files = [file for file in path.rglob("*") if file.is_file()]
+    for file in sorted(folder_files) if path.is_dir() else [path]:
         if file != path:
             digest.update(f"\0{file.relative_to(path)}\0".encode())
         with open(file, "rb") as f:
@@ -84,8 +87,8 @@ def whole_file_digest(path: Path, folder_files: list[Path] | None = None) -> str
 
 
 WEIGHTS_PARTS = "; "
-"""Separates the parts of a weights identity (`llm.loading.weights_summary`): a sharded export's index, then its
-shards."""
+"""Separates the parts of a weights identity (`llm.loading.weights_summary`): an export's weights file (a sharded
+export's index, then its shards), then their strided digest."""
 
 
 def same_weights(recorded: str, now: str) -> bool:

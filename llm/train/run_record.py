@@ -72,6 +72,12 @@ def prompts_summary(files: list[Path], attrs: dict[str, Any]) -> dict[str, Any]:
             "tokenizer_hash": attrs["tokenizer_hash"], "tokens": {}}
 
 
+def _every_file_digest(files: list[Path]) -> str:
+    """The prompt files' digest as the version before `dataset_files` made it: of every file in a save_to_disk
+    folder, the cache files of a `.map()` included. A record it made is still taken for the same prompts."""
+    return ",".join(whole_file_digest(path) for path in files)
+
+
 def sampled_digest(files: list[Path]) -> str:
     """The data digest of records made before `digest_method` (size and first and last MiB of each file)."""
     return ",".join(file_digest(path) for path in files)
@@ -186,7 +192,7 @@ def check_same_data(run_dir: Path, data: dict[str, Any], files: list[Path],
         print(f"zerollm: note: {run_dir}'s record, made by an earlier version, identifies its data by the first and "
               f"last MiB of tokens.h5, which `data prepare` by this version changes (it stores a digest there): the "
               "data is compared by its token counts and tokenizer only", file=sys.stderr, flush=True)
-    elif before["digest"] != digest:
+    elif before["digest"] != digest and not (not data["tokens"] and before["digest"] == _every_file_digest(files)):
         what = "tokens.h5" if data["tokens"] else "prompt files"
         differences.append(f"{what} digest {before['digest']} then, {digest} now")
     for split in SPLITS:
