@@ -201,21 +201,22 @@ def _check_role_fields(config: dict, source: str) -> None:
 
 
 def _check_declared_tokens(tok: HFTokenizer, config: dict, source: str) -> None:
-    """The special tokens the config declares beyond the roles (`added_tokens_decoder`, `additional_special_tokens`)
-    are tokens of tokenizer.json, at the ids the config gives: transformers adds one it lacks as a new token, where
-    zerollm read its text as plain text (six pieces of `<|tool|>`), in chat and in SFT data, without a word."""
+    """The special tokens the config declares beyond the roles (`added_tokens_decoder`; `additional_special_tokens`,
+    transformers 5's `extra_special_tokens`) are tokens of tokenizer.json: transformers adds one it lacks as a new
+    token, where zerollm read its text as plain text (six pieces of `<|tool|>`), in chat and in SFT data, without a
+    word. (One it holds at another id than the config's is used at tokenizer.json's, by transformers too.)"""
     decoder = config.get("added_tokens_decoder")
-    declared = [(_token_text(entry), key) for key, entry in decoder.items()] if isinstance(decoder, dict) else []
-    extra = config.get("additional_special_tokens")
-    declared += [(_token_text(entry), None) for entry in extra] if isinstance(extra, list) else []
-    for text, key in declared:
-        found = tok.token_to_id(text) if text else None
-        if text and (found is None or key is not None and str(found) != str(key)):
-            at = "" if key is None else f" at id {key}"
-            raise UserError(f"{source}: {CONFIG_FILE} declares the special token {text!r}{at}, which its "
-                            f"{TOKENIZER_FILE} {'holds at id ' + str(found) if found is not None else 'does not hold'}"
-                            f"; zerollm reads tokens from {TOKENIZER_FILE}: save the tokenizer again with transformers "
-                            "(AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)), which writes it there")
+    declared = [_token_text(entry) for entry in decoder.values()] if isinstance(decoder, dict) else []
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        extra = config.get(key)
+        declared += [_token_text(entry) for entry in (extra.values() if isinstance(extra, dict) else extra)] \
+            if isinstance(extra, (list, dict)) else []
+    for text in declared:
+        if text and tok.token_to_id(text) is None:
+            raise UserError(f"{source}: {CONFIG_FILE} declares the special token {text!r}, which its {TOKENIZER_FILE} "
+                            f"does not hold; zerollm reads tokens from {TOKENIZER_FILE}: save the tokenizer again with "
+                            "transformers (AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)), which writes it "
+                            "there")
 
 
 TRAIN_ONE = "; train one with `zerollm tokenizer train` or give a Hugging Face tokenizer directory"

@@ -705,28 +705,26 @@ def test_a_role_token_the_vocabulary_lacks_is_refused(tokenizer_dir, tmp_path):
 
 
 def test_a_special_token_only_the_tokenizer_config_declares_is_refused(tokenizer_dir, tmp_path):
-    """A token in tokenizer_config.json's added_tokens_decoder or additional_special_tokens that tokenizer.json lacks
-    was read as plain text (six pieces of <|tool|>) in chat and SFT data, where transformers adds it as a new token;
-    one at another id than tokenizer.json's was used at tokenizer.json's."""
+    """A token in tokenizer_config.json's added_tokens_decoder, additional_special_tokens or (transformers 5's)
+    extra_special_tokens that tokenizer.json lacks was read as plain text (six pieces of <|tool|>) in chat and SFT
+    data, where transformers adds it as a new token. One tokenizer.json holds at another id than the config's is
+    used at tokenizer.json's, as transformers uses it."""
     entry = {"content": "<|tool|>", "special": True, "lstrip": False, "rstrip": False, "normalized": False,
              "single_word": False}
-    im_end = {**entry, "content": "<|im_end|>"}
-    for name, edit, found in (
-            ("decoder", lambda c: c.setdefault("added_tokens_decoder", {}).update({"512": entry}), "does not hold"),
-            ("extra", lambda c: c.update(additional_special_tokens=["<|tool|>"]), "does not hold"),
-            ("moved", lambda c: c.setdefault("added_tokens_decoder", {}).update({"7": im_end}), "holds at id 2")):
+    for name, edit in (("decoder", lambda c: c.setdefault("added_tokens_decoder", {}).update({"512": entry})),
+                       ("extra", lambda c: c.update(additional_special_tokens=["<|tool|>"])),
+                       ("extra5", lambda c: c.update(extra_special_tokens={"tool_token": "<|tool|>"}))):
         odd = _edited_tokenizer(tokenizer_dir, tmp_path / name, edit_config=edit)
         with pytest.raises(UserError) as refused:
             Tokenizer.load(odd)
-        at = {"decoder": " at id 512", "extra": "", "moved": " at id 7"}[name]
-        token = "<|im_end|>" if name == "moved" else "<|tool|>"
         assert str(refused.value) == (
-            f"{odd}: tokenizer_config.json declares the special token {token!r}{at}, which its tokenizer.json {found}; "
-            "zerollm reads tokens from tokenizer.json: save the tokenizer again with transformers "
+            f"{odd}: tokenizer_config.json declares the special token '<|tool|>', which its tokenizer.json does not "
+            "hold; zerollm reads tokens from tokenizer.json: save the tokenizer again with transformers "
             "(AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)), which writes it there")
-    fine = _edited_tokenizer(tokenizer_dir, tmp_path / "fine", edit_config=lambda c: c.update(
-        added_tokens_decoder={"2": im_end}, additional_special_tokens=["<|im_end|>"]))
-    assert Tokenizer.load(fine).im_end_id == 2
+    im_end = {**entry, "content": "<|im_end|>"}
+    moved = _edited_tokenizer(tokenizer_dir, tmp_path / "moved", edit_config=lambda c: c.update(
+        added_tokens_decoder={"7": im_end}, additional_special_tokens=["<|im_end|>"]))
+    assert Tokenizer.load(moved).im_end_id == 2
 
 
 USERS_ONLY = ("{% for m in messages %}{% if m.role != 'assistant' %}<|im_start|>{{ m.role }}\n{{ m.content }}"
