@@ -373,10 +373,11 @@ def _with_export_token_ids(text: str, config: dict[str, Any]) -> str:
     of turn. Its other stop ids (Llama 3.1's end of a tool call) are kept after the tokenizer's."""
     generation = json.loads(text)
     exported = {key: config[key] for key in TOKEN_ID_KEYS if key in config and key in generation}
-    if "eos_token_id" in exported:
-        own, given = exported["eos_token_id"], generation["eos_token_id"]
-        own, given = (ids if isinstance(ids, list) else [ids] for ids in (own, given))
-        exported["eos_token_id"] = own + [i for i in given if i not in own]
+    if "eos_token_id" in exported:  # its own ids: whole numbers (a null or a text among them is no token)
+        own, given = (ids if isinstance(ids, list) else [ids] for ids in (exported["eos_token_id"],
+                                                                           generation["eos_token_id"]))
+        exported["eos_token_id"] = own + [i for i in given if isinstance(i, int) and not isinstance(i, bool)
+                                          and i not in own]
     changed = {**generation, **exported}
     return text if changed == generation else json.dumps(changed, indent=2) + "\n"
 

@@ -189,6 +189,9 @@ def test_an_exports_generation_config_stops_where_its_config_does(tokenizer_dir,
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (None, [0, 2], 3)
     assert json.loads((tmp_path / "export" / GENERATION_CONFIG_FILE).read_text()) == {
         "bos_token_id": None, "eos_token_id": [0, 2, 7], "pad_token_id": 3, "temperature": 0.6}
+    (tmp_path / "generation.json").write_text(json.dumps({"eos_token_id": None}))  # was [0, 2, null]: refused
+    export_model(model, tokenizer_dir, tmp_path / "export", tmp_path / "generation.json")  # by generate
+    assert json.loads((tmp_path / "export" / GENERATION_CONFIG_FILE).read_text()) == {"eos_token_id": [0, 2]}
     (tmp_path / "generation.json").write_text(json.dumps({"temperature": 0.6}))  # ids it does not give: none added
     export_model(model, tokenizer_dir, tmp_path / "export", tmp_path / "generation.json")
     assert (tmp_path / "export" / GENERATION_CONFIG_FILE).read_text() == json.dumps({"temperature": 0.6})
