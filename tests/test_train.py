@@ -434,14 +434,19 @@ def test_a_resume_that_changes_settings_says_which(pretrain_data, tmp_path):
 def test_a_resume_without_init_from_keeps_the_model_the_run_was_trained_from(pretrain_data, tmp_path, monkeypatch,
                                                                              capfd):
     """A resume that loads no base (its checkpoints hold every weight) recorded train.init_from null in config.yaml,
-    and the next export replaced the model the run was trained from, which export refuses to."""
+    and the next export replaced the model the run was trained from, which export refuses to. Keeping it, the resume
+    read that model's generation_config.json again: edited since, the run's copy was replaced, or the resume
+    refused."""
     base, exported, run = tmp_path / "base", tmp_path / "exported", tmp_path / "run"
     assert run_job(*_args(pretrain_data, base, "train.max_steps=1")).returncode == 0
     assert zerollm_here(monkeypatch, "export", "--run", base, "--out", exported) == 0
+    (exported / "generation_config.json").write_text('{"temperature": 0.7}')
     result = run_job(*_args(pretrain_data, run, "train.max_steps=1", extra=["--init-from", exported]))
     assert result.returncode == 0, result.stderr[-2000:]
-    result = run_job(*_args(pretrain_data, run, "train.max_steps=2", extra=["--resume", "auto"]))
+    (exported / "generation_config.json").write_text('{"temperature": "hot"}')  # the resume loads no base: its
+    result = run_job(*_args(pretrain_data, run, "train.max_steps=2", extra=["--resume", "auto"]))  # copy stays
     assert result.returncode == 0 and "train.init_from" not in result.stdout, result.stdout + result.stderr[-2000:]
+    assert (run / "generation_config.json").read_text() == '{"temperature": 0.7}'
     capfd.readouterr()
     assert zerollm_here(monkeypatch, "export", "--run", run, "--out", exported) == 2
     assert capfd.readouterr().err.endswith(f"zerollm: error: --out {exported} is the run's train.init_from, a model it "

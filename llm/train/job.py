@@ -568,7 +568,7 @@ def _start_files(cfg: RunConfig, run_dir: Path, ds_config: dict, trainer: Traine
         run_dir.mkdir(parents=True, exist_ok=True)
     write_run_record(run_dir, record)
     saved = _as_recorded(cfg, trained_from)
-    _write_run_files(saved, run_dir, ds_config)
+    _write_run_files(saved, run_dir, ds_config, cfg.train.init_from)
     with durable.room_needed(run_dir, rundir.METRICS_FILE):  # wandb's config is config.yaml's
         return MetricsSink(run_dir, saved, trainer.run_id, trainer.step, record)
 
@@ -643,15 +643,18 @@ def _as_recorded(cfg: RunConfig, trained_from: str | None = None) -> RunConfig:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=init_from, teacher=teacher))
 
 
-def _write_run_files(saved: RunConfig, run_dir: Path, ds_config: dict) -> None:
-    """The run's tokenizer copy, config.yaml (`saved`, `_as_recorded`), ds_config.json and the copy of its base's
-    generation_config.json, where it has one, each written whole or not at all, and not at all when unchanged
-    (`llm.durable`); a write that runs out of room is a UserError naming the run directory."""
+def _write_run_files(saved: RunConfig, run_dir: Path, ds_config: dict, base: str | None) -> None:
+    """The run's tokenizer copy, config.yaml (`saved`, `_as_recorded`), ds_config.json and the copy of the
+    generation_config.json of `base`, the model this session loads (none where a resume loads none: the copy made
+    from the model the run was trained from stays as it was), where it has one, each written whole or not at all,
+    and not at all when unchanged (`llm.durable`); a write that runs out of room is a UserError naming the run
+    directory."""
     with durable.room_needed(run_dir, rundir.TOKENIZER_DIR):
         keep_tokenizer(run_dir, input_tokenizer(saved))
-    base = saved.train.init_from  # its generation settings, as transformers' Trainer saves them beside the model it
-    text = generation_config_text(Path(base) / rundir.GENERATION_CONFIG_FILE) if base else None  # tuned (checked
-    if text is not None:  # before the ranks start: `llm.cli`)
+    # its generation settings, as transformers' Trainer saves them beside the model it tuned (checked before the
+    # ranks start: `llm.cli`)
+    text = generation_config_text(Path(base) / rundir.GENERATION_CONFIG_FILE) if base else None
+    if text is not None:
         with durable.room_needed(run_dir, rundir.GENERATION_CONFIG_FILE):
             durable.update_text(run_dir / rundir.GENERATION_CONFIG_FILE, text)
     with durable.room_needed(run_dir, rundir.CONFIG_FILE):
