@@ -1,7 +1,6 @@
 """A DeepSpeed config's `scheduler` section, as Hugging Face's zero2.json and zero3.json carry it (it was refused:
 "remove 'scheduler'"): DeepSpeed's warmup schedules, their "auto" values filled from the run config."""
 
-import copy
 import json
 import math
 import shutil
@@ -102,32 +101,40 @@ def test_a_run_that_ends_inside_the_deepspeed_schedules_warmup_says_so():
     """Only the run config's own warmup had the note: 2 steps under Hugging Face's WarmupLR, its warmup filled from
     the recipe's 50 steps, trained at a learning rate of 0 throughout, without a word. DeepSpeed raises a warmup of
     0 or 1 step to 2, and trains step k at its iteration k - 2: no warmup asked for over 2 steps trained at 0 too,
-    and a warmup as long as the run ended one step before its last warmup step, both without the note."""
+    and a warmup as long as the run ended before its peak, both without the note; so did a linear warmup, whose peak
+    is a step later than the log one's."""
     raw, _ = load_ds_config(None, "pretrain")
     notes = []
-    for overrides in (["train.warmup_steps=50", "train.max_steps=2"], ["train.warmup_steps=20", "train.max_steps=500"],
-                      ["train.warmup_steps=10", "train.max_steps=11"],  # its last warmup step is the run's last
-                      ["train.warmup_steps=10", "train.max_steps=10"], ["train.warmup_steps=0", "train.max_steps=2"],
-                      ["train.warmup_steps=0", "train.max_steps=3"],
-                      ["train.warmup_steps=3", "train.max_steps=2", "train.stage=grpo", "train.init_from=x",
-                       "grpo.prompts=p.jsonl", "grpo.updates_per_batch=2"]):
+    for overrides, kind in ((["train.warmup_steps=50", "train.max_steps=2"], "log"),
+                            (["train.warmup_steps=20", "train.max_steps=500"], "log"),
+                            (["train.warmup_steps=10", "train.max_steps=11"], "log"),  # its peak at the run's last step
+                            (["train.warmup_steps=10", "train.max_steps=10"], "log"),
+                            (["train.warmup_steps=0", "train.max_steps=2"], "log"),
+                            (["train.warmup_steps=0", "train.max_steps=3"], "log"),
+                            (["train.warmup_steps=0", "train.max_steps=3"], "linear"),  # rates 0, 0, half the peak
+                            (["train.warmup_steps=0", "train.max_steps=4"], "linear"),
+                            (["train.warmup_steps=3", "train.max_steps=2", "train.stage=grpo", "train.init_from=x",
+                              "grpo.prompts=p.jsonl", "grpo.updates_per_batch=2"], "log")):
         cfg = build_config("demo", overrides)
-        ds = resolve_ds_config({**raw, "scheduler": copy.deepcopy(HF_SCHEDULER)}, cfg, 1, "x.json")
+        scheduler = {"type": "WarmupLR", "params": {**AUTO, "warmup_type": kind}}
+        ds = resolve_ds_config({**raw, "scheduler": scheduler}, cfg, 1, "x.json")
         notes.append(ds_warmup_note(ds, cfg))
     lower = ", or lower train.warmup_steps (and warmup_num_steps, where the config gives it)"
-    below = "the whole run trains below the peak learning rate, its first two steps at the minimum rate; raise"
+    below = "the whole run trains below it, its first two steps at the minimum rate; raise train.max_steps to"
+    raised = "(scheduler.params.warmup_num_steps=1, which DeepSpeed raises to 2) reaches its peak learning rate at"
     assert notes == [
-        "note: DeepSpeed's log warmup (scheduler.params.warmup_num_steps=50) warms up until optimizer step 51, after "
-        f"the run's 2 (train.max_steps): {below} train.max_steps above 50{lower}",
+        "note: DeepSpeed's log warmup (scheduler.params.warmup_num_steps=50) reaches its peak learning rate at "
+        f"optimizer step 51, after the run's 2 (train.max_steps): {below} 51{lower}",
         None,
         None,
-        "note: DeepSpeed's log warmup (scheduler.params.warmup_num_steps=10) warms up until optimizer step 11, after "
-        f"the run's 10 (train.max_steps): {below} train.max_steps above 10{lower}",
-        "note: DeepSpeed's log warmup (scheduler.params.warmup_num_steps=1, which DeepSpeed raises to 2) warms up "
-        f"until optimizer step 3, after the run's 2 (train.max_steps): {below} train.max_steps above 2",
+        "note: DeepSpeed's log warmup (scheduler.params.warmup_num_steps=10) reaches its peak learning rate at "
+        f"optimizer step 11, after the run's 10 (train.max_steps): {below} 11{lower}",
+        f"note: DeepSpeed's log warmup {raised} optimizer step 3, after the run's 2 (train.max_steps): {below} 3",
         None,
-        "note: DeepSpeed's log warmup (scheduler.params.warmup_num_steps=6) warms up until optimizer step 7, after the "
-        f"run's 4 (train.max_steps x grpo.updates_per_batch): {below} train.max_steps above 3{lower}"]
+        f"note: DeepSpeed's linear warmup {raised} optimizer step 4, after the run's 3 (train.max_steps): {below} 4",
+        None,
+        "note: DeepSpeed's log warmup (scheduler.params.warmup_num_steps=6) reaches its peak learning rate at "
+        f"optimizer step 7, after the run's 4 (train.max_steps x grpo.updates_per_batch): {below} 4{lower}"]
 
 
 def _rows(run) -> list[dict]:

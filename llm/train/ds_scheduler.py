@@ -99,22 +99,23 @@ def unfinished_warmup_note(ds_config: dict[str, Any], cfg: RunConfig) -> str | N
     `llm.train.schedule.unfinished_warmup_note` says it of the run config's own: without it, a run of 2 steps under
     Hugging Face's WarmupLR (its warmup filled from a recipe's 50 steps) trained at a learning rate of 0 throughout,
     and said nothing. DeepSpeed's warmups take at least 2 steps (a warmup of 0 or 1 step is raised to 2), and step
-    k trains at the rate of the schedule's iteration k - 2 (the first two at the minimum), so its last warmup
-    iteration (warmup - 1, the log warmup's peak) is trained at step warmup + 1: a run of 2 steps with no warmup
-    asked for trained at 0 throughout."""
+    k trains at the rate of the schedule's iteration k - 2 (the first two at the minimum): the log warmup reaches
+    its peak at iteration warmup - 1, so at step warmup + 1, the linear one at iteration warmup, step warmup + 2. A
+    run of 2 steps with no warmup asked for trained at 0 throughout."""
     params, per_step = ds_config["scheduler"]["params"], optimizer_steps_per_step(cfg)
-    asked, total = params["warmup_num_steps"], cfg.train.max_steps * per_step
+    asked, total, kind = params["warmup_num_steps"], cfg.train.max_steps * per_step, params.get("warmup_type", "log")
     warmup = max(DEEPSPEED_LEAST_WARMUP, asked)
-    if total > warmup:
+    peak = warmup + (1 if kind == "log" else 2)
+    if total >= peak:
         return None
     steps = "" if per_step == 1 else " x grpo.updates_per_batch"
     raised = f", which DeepSpeed raises to {warmup}" if asked < warmup else ""
     lower = "" if asked <= DEEPSPEED_LEAST_WARMUP else \
         ", or lower train.warmup_steps (and warmup_num_steps, where the config gives it)"
-    return (f"note: DeepSpeed's {params.get('warmup_type', 'log')} warmup (scheduler.params.warmup_num_steps={asked}"
-            f"{raised}) warms up until optimizer step {warmup + 1}, after the run's {total} (train.max_steps{steps}): "
-            "the whole run trains below the peak learning rate, its first two steps at the minimum rate; raise "
-            f"train.max_steps above {warmup // per_step}{lower}")
+    return (f"note: DeepSpeed's {kind} warmup (scheduler.params.warmup_num_steps={asked}{raised}) reaches its peak "
+            f"learning rate at optimizer step {peak}, after the run's {total} (train.max_steps{steps}): the whole run "
+            "trains below it, its first two steps at the minimum rate; raise train.max_steps to "
+            f"{math.ceil(peak / per_step)}{lower}")
 
 
 DEEPSPEED_LEAST_WARMUP = 2
