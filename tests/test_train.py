@@ -431,6 +431,15 @@ def test_a_resume_that_changes_settings_says_which(pretrain_data, tmp_path):
     assert result.returncode == 0 and "note: resumed with" not in result.stdout + result.stderr  # nothing to train
 
 
+def test_a_resumes_deepspeed_settings_are_compared_as_values():
+    """A ds_config.json that recorded the stage as 2.0 was noted as changed from 2."""
+    from llm.train.job import resumed_ds_changes
+
+    recorded = {"zero_optimization": {"stage": 2.0, "offload_optimizer": {"device": "cpu"}}, "train_batch_size": 4}
+    assert resumed_ds_changes(recorded, {"zero_optimization": {"stage": 2}, "train_batch_size": 8}) == [
+        'zero_optimization.offload_optimizer.device "cpu" there, absent here']
+
+
 def test_a_resume_without_init_from_keeps_the_model_the_run_was_trained_from(pretrain_data, tmp_path, monkeypatch,
                                                                              capfd):
     """A resume that loads no base (its checkpoints hold every weight) recorded train.init_from null in config.yaml,

@@ -335,10 +335,13 @@ def test_ds_config_zero_section_deepspeed_refuses_is_one_line(zero, message):
         resolved({"zero_optimization": zero})
 
 
-def test_a_zero_stage_written_as_a_float_is_that_stage():
-    """2.0 was taken, and the run announced "ZeRO stage 2.0"."""
+def test_a_zero_stage_written_as_a_float_is_that_stage_and_a_switch_written_1_is_true():
+    """2.0 was taken, and the run announced "ZeRO stage 2.0". bf16.enabled 1, which DeepSpeed reads as true, is
+    true (refusing "true" as text refused 1 too)."""
     stage = resolved({"zero_optimization": {"stage": 2.0}})["zero_optimization"]["stage"]
     assert stage == 2 and type(stage) is int
+    assert resolved({"bf16": {"enabled": 1}}, precision="bf16")["bf16"]["enabled"] is True
+    assert resolved({"bf16": {"enabled": 0}})["bf16"]["enabled"] is False
 
 
 def test_optimizer_offload_is_dropped_without_zero():

@@ -229,10 +229,12 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, world_size: int, sour
     for name in ("bf16", "fp16"):
         enabled = ds.setdefault(name, {}).get("enabled", "auto")
         if enabled == "auto":
-            ds[name]["enabled"] = t.precision == name
-        elif not isinstance(enabled, bool):  # "true" was called a disagreement with a bf16 run
+            enabled = ds[name]["enabled"] = t.precision == name
+        elif enabled in (0, 1) and not isinstance(enabled, float):  # DeepSpeed reads 1 as true
+            enabled = ds[name]["enabled"] = bool(enabled)
+        if not isinstance(enabled, bool):  # "true" was called a disagreement with a bf16 run
             raise UserError(f"{source}: '{name}.enabled' is {json.dumps(enabled)[:60]}; give true, false or \"auto\"")
-        elif enabled != (t.precision == name):
+        if enabled != (t.precision == name):
             other = f"train.precision={name} where the device has it" if enabled is True else \
                 "another train.precision (fp32 runs everywhere)"
             raise UserError(f"{source}: '{name}.enabled' is {json.dumps(enabled)} but this run trains in {t.precision} "

@@ -601,16 +601,20 @@ def resumed_ds_changes(recorded: dict, ds_config: dict) -> list[str]:
     """'key X there, Y here' for each DeepSpeed setting in which this resume's resolved config differs from the
     ds_config.json its run recorded, beyond what the run config sets: a resume without the first command's
     --deepspeed took the stage's shipped config (its optimizer offload gone, say) without a word."""
-    def flat(node: Any, prefix: str = "") -> dict[str, str]:
+    def flat(node: Any, prefix: str = "") -> dict[str, Any]:
         if not isinstance(node, dict) or not node:
-            return {prefix: json.dumps(node)}
+            return {prefix: node}
         return {key: value for name, child in node.items() for key, value in flat(child, f"{prefix}{name}.").items()}
+
+    def shown(values: dict[str, Any], key: str) -> str:
+        return json.dumps(values[key]) if key in values else "absent"
 
     there, here = ({key.removesuffix("."): value for key, value in flat(config).items()} for config in
                    (recorded, ds_config))
-    return [f"{key} {there.get(key, 'absent')} there, {here.get(key, 'absent')} here"
+    return [f"{key} {shown(there, key)} there, {shown(here, key)} here"  # values compared as numbers: 2.0 is 2
             for key in sorted(there.keys() | here.keys(), key=lambda key: (key not in there, key))  # the run's first
-            if there.get(key) != here.get(key) and not key.startswith(FROM_THE_RUN_CONFIG)]
+            if (key in there) != (key in here) or there.get(key) != here.get(key)
+            if not key.startswith(FROM_THE_RUN_CONFIG)]
 
 
 KNOWN_BY_CONTENT = frozenset({"data.path"})
