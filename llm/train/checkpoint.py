@@ -640,7 +640,7 @@ def mismatch_reason(saved: dict[str, tuple[int, ...]], tied: bool | None, model:
             return f"size mismatch for {name}: {list(shape)} in the checkpoint, {list(expected[name])} in the config"
     if lora is not None:
         missing = sorted(name for name in expected if is_adapter_key(name) and name not in saved)
-        unexpected = [name for name in adapters if name not in expected]
+        unexpected = sorted(name for name in saved if name not in expected)
         if missing or unexpected:
             return (f"LoRA adapters {'missing' if missing else 'unexpected'}: {(missing or unexpected)[0]}, ...; "
                     f"lora.targets is {','.join(lora.targets)} in the config")
