@@ -558,7 +558,7 @@ def _run_job(cfg: RunConfig, run_dir: Path, info: DistInfo, ds_config: dict, att
 
 
 def _start_files(cfg: RunConfig, run_dir: Path, ds_config: dict, trainer: Trainer, record: dict,
-                 trained_from: str | None) -> MetricsSink:
+                 trained_from: str | None = None) -> MetricsSink:
     """Rank 0, as the run starts: its run record (first: it makes the folder a zerollm run's, so that a session
     stopped before the other files were written leaves a folder its rerun takes; it was refused as another tool's),
     the run files (config.yaml keeping `trained_from`, the train.init_from its last session recorded: `_as_recorded`),
@@ -647,7 +647,7 @@ def _as_recorded(cfg: RunConfig, trained_from: str | None = None) -> RunConfig:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=init_from, teacher=teacher))
 
 
-def _write_run_files(saved: RunConfig, run_dir: Path, ds_config: dict, base: str | None) -> None:
+def _write_run_files(saved: RunConfig, run_dir: Path, ds_config: dict, base: str | None = None) -> None:
     """The run's tokenizer copy, config.yaml (`saved`, `_as_recorded`), ds_config.json and the copy of the
     generation_config.json of `base`, the model this session loads (none where a resume loads none: the copy made
     from the model the run was trained from stays as it was), where it has one, each written whole or not at all,
