@@ -1331,15 +1331,20 @@ def test_a_damaged_client_state_is_one_clear_error(one_rank_group, tmp_path, con
     assert checkpoint.load(FakeEngine(), tmp_path, "global_step10")["step"] == 10
 
 
+def _wider_model() -> tuple[ModelConfig, dict[str, torch.Size]]:
+    """A model twice SMALL's width (another model's checkpoint to it), and its parameters' shapes by name."""
+    wider = ModelConfig(**{**SMALL.__dict__, "dim": 64, "n_heads": 4})
+    with torch.device("meta"):
+        return wider, {name: param.shape for name, param in Transformer(wider).named_parameters()}
+
+
 @pytest.mark.parametrize("zero", [False, True])
 def test_another_models_checkpoint_is_one_clear_error_before_anything_loads(one_rank_group, tmp_path, zero):
     """A checkpoint folder of another model's run copied into this one: DeepSpeed's load ended every rank with a
     traceback (a state-dict size mismatch; on another number of ranks, the universal loader's assertion after a
     conversion). The shapes come from the module's tensors, or from DeepSpeed's param_shapes under ZeRO (whose
     module holds none); a parameter the model does not name (a LoRA adapter) is not compared."""
-    wider = ModelConfig(**{**SMALL.__dict__, "dim": 64, "n_heads": 4})
-    with torch.device("meta"):
-        shapes = {name: param.shape for name, param in Transformer(wider).named_parameters()}
+    wider, shapes = _wider_model()
     engine = FakeEngine()
     engine.state = {"module": {"lora_a": torch.zeros(3)}, "param_shapes": [shapes]} if zero else \
         {"module": {name: torch.zeros(shape) for name, shape in shapes.items()}}
@@ -1356,9 +1361,7 @@ def test_another_models_checkpoint_is_one_clear_error_before_anything_loads(one_
 def test_a_config_yaml_every_checkpoint_differs_from_is_named_as_what_changed(one_rank_group, tmp_path):
     """config.yaml's model.dim edited: the refusal advised removing the newest checkpoint to continue from the one
     before it, which held the same shape and was refused the same way."""
-    wider = ModelConfig(**{**SMALL.__dict__, "dim": 64, "n_heads": 4})
-    with torch.device("meta"):
-        shapes = {name: param.shape for name, param in Transformer(wider).named_parameters()}
+    _, shapes = _wider_model()
     engine = FakeEngine()
     engine.state = {"module": {name: torch.zeros(shape) for name, shape in shapes.items()}}
     for step in (10, 20):
