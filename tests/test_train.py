@@ -462,7 +462,7 @@ def test_a_resume_without_init_from_keeps_the_model_the_run_was_trained_from(pre
                                            "was trained from, which export would replace; choose another --out\n")
 
 
-def test_a_resume_names_no_change_for_the_same_lora_targets_in_another_order(tmp_path):
+def test_a_resume_names_no_change_for_the_same_lora_targets_in_another_order_or_the_default_alpha(tmp_path):
     """The targets are adapters found by module, in any order (as the resume's shape check compares them)."""
     from llm.loading import trained_config
     from llm.train.job import resumed_changes
@@ -481,6 +481,10 @@ def test_a_resume_names_no_change_for_the_same_lora_targets_in_another_order(tmp
     again.lora.targets, again.data.path = ["wq", "wv"], str(tmp_path / "elsewhere" / "data")
     assert resumed_changes(trained_config(tmp_path), again) == []  # the data is compared by its digest (a relative
     # --data from another working directory was noted as another setting)
+    again.lora.alpha = 8.0  # alpha left out is 2 * r: the same scale
+    assert resumed_changes(trained_config(tmp_path), again) == []
+    again.lora.alpha = 16.0
+    assert resumed_changes(trained_config(tmp_path), again) == ["lora.alpha 8.0 there, 16.0 here"]
 
 
 def test_a_resume_on_another_number_of_ranks_that_changes_the_global_batch_says_so():

@@ -583,8 +583,11 @@ def resumed_changes(saved: RunConfig, cfg: RunConfig) -> list[str]:
     last session wrote: a --set of the first command that the resume did not repeat took the recipe's value without a
     word (a learning rate of 1e-3 went back to 3e-3)."""
     def flat(config: RunConfig) -> dict[str, Any]:
-        return {f"{section}.{key}": _compared(f"{section}.{key}", value)
-                for section, values in config.to_dict().items() for key, value in values.items()}
+        values = {f"{section}.{key}": _compared(f"{section}.{key}", value)
+                  for section, values in config.to_dict().items() for key, value in values.items()}
+        if config.lora.r and config.lora.alpha is None:  # alpha left out is 2 * r: `--lora alpha=8` at r=4 changes
+            values["lora.alpha"] = 2.0 * config.lora.r   # nothing ("lora.alpha None there, 8.0 here" was noted)
+        return values
 
     there, here = flat(saved), flat(_as_recorded(cfg, saved.train.init_from))
     return [f"{key} {there.get(key)} there, {value} here" for key, value in here.items()
