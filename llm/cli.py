@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import gc
 import io
 import os
 import re
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -959,12 +961,24 @@ def _given(filename: str | bytes | int | None, argv: list[str]) -> bool:
 
 
 def end_now(code: int) -> NoReturn:
-    """End this process with `code` once what it printed is flushed, without interpreter teardown (finalizers,
-    atexit handlers, freeing objects), where that teardown can crash."""
+    """End this process with `code` once what it printed is flushed and its temporary folders are removed, without
+    the rest of interpreter teardown (finalizers, atexit handlers, freeing objects), where that teardown can
+    crash."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, OutputLost, AttributeError):  # AttributeError: None, a closed descriptor
             stream.flush()
+    remove_temporary_folders()
     os._exit(code)
+
+
+def remove_temporary_folders() -> None:
+    """Remove the folders of every `tempfile.TemporaryDirectory` still open, as their finalizers do at interpreter
+    teardown: wandb makes two as it is imported (for media and artifacts), and every run logged to it left both in
+    the temporary folder. One that cannot be removed is left."""
+    # type(), not isinstance: that reads __class__, which warns on some objects (torch.distributed.reduce_op)
+    for folder in [obj for obj in gc.get_objects() if issubclass(type(obj), tempfile.TemporaryDirectory)]:
+        with contextlib.suppress(OSError):
+            folder.cleanup()
 
 
 def end_rank(job: Callable[[], int]) -> NoReturn:

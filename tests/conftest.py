@@ -47,10 +47,11 @@ if os.environ.get("PYTEST_XDIST_WORKER") is not None:
     torch.set_num_threads(cpu_threads_per_rank(1, os.environ))
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`zerollm ARGS` in a fresh interpreter, output captured as text."""
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`zerollm ARGS` in a fresh interpreter, output captured as text; `env`: variables set beside this process's."""
     return subprocess.run([sys.executable, "-m", "llm", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, check=False)
+                          cwd=cwd, timeout=timeout, check=False, env=None if env is None else {**os.environ, **env})
 
 
 def closed_pipe() -> BinaryIO:

@@ -27,10 +27,15 @@ ZERO3_ARGS = ["train.max_steps=2", "train.eval_every=1", "train.precision=fp32",
 @pytest.fixture(scope="module")
 def zero3_run(pretrain_data, tmp_path_factory):
     """Started as a user starts it (not with forked ranks): the record names the command as typed."""
-    out = tmp_path_factory.mktemp("zero3_record")
+    out, temporary = tmp_path_factory.mktemp("zero3_record"), tmp_path_factory.mktemp("temporary")
     result = run_cli(*train_args(pretrain_data, out, *ZERO3_ARGS, nproc=2, extra=["--zero-stage", 3, "--wandb",
-                                                                                  "offline"]))
+                                                                                  "offline"]),
+                     env={"TMPDIR": str(temporary)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # the temporary folders of the job's processes are gone with them: wandb's two (media and artifacts) were left
+    # by every run logged to it, as its rank ended without interpreter teardown (`llm.cli.end_now`)
+    # (torch's compiler keeps its cache there, torchinductor_USER, meant to stay)
+    assert [path.name for path in temporary.iterdir() if not path.name.startswith("torchinductor_")] == []
     return out
 
 
