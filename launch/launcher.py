@@ -63,7 +63,7 @@ from launch.hostfile import (
 from launch.local import RESUME_ADVICE, STOPPED_AT_ONCE, exit_code, report_rank_ended
 from launch.nodelist import nodelist_size, slurm_hosts
 from launch.options import LaunchOptions, launcher_problem
-from launch.own_module import own_module
+from launch.own_module import own_module, zerollm_script
 from launch.reachable import check_reachable, host_address
 from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
@@ -226,19 +226,22 @@ def slurm_ranks_per_node(environ: dict[str, str]) -> int:
 
 # ---- plans -------------------------------------------------------------------------------------
 
-RANK_MODULE = ("--module", "llm")
+def rank_program() -> tuple[str, ...]:
+    """What DeepSpeed's launchers start on every rank: `python -u PATH/zerollm` (`zerollm_command`), or `python -u -m
+    llm` where no script is installed."""
+    script = zerollm_script()
+    return (script,) if script else ("--module", "llm")
 
 
-def deepspeed_runner(*options: str, program: tuple[str, ...] = RANK_MODULE) -> list[str]:
-    """DeepSpeed's runner with `options`, starting `program` (`python -m llm` by default) on every rank; the training
+def deepspeed_runner(*options: str, program: tuple[str, ...] | None = None) -> list[str]:
+    """DeepSpeed's runner with `options`, starting `program` (`rank_program()` by default) on every rank; the training
     arguments follow. Run through launch/deepspeed_launcher.py, quiet where its output's reader left."""
-    return [*quiet("deepspeed.launcher.runner"), *options, "--no_local_rank", *program]
+    return [*quiet("deepspeed.launcher.runner"), *options, "--no_local_rank", *(program or rank_program())]
 
 
 def console_script() -> str:
-    """The `zerollm` script of this installation (the same path on every host, like the Python interpreter)."""
-    beside_python = Path(sys.executable).with_name("zerollm")
-    script = str(beside_python) if beside_python.is_file() else shutil.which("zerollm")
+    """The `zerollm` script of this installation, which DeepSpeed's MPICH runner needs (it takes no module)."""
+    script = zerollm_script()
     if script is None:
         raise UserError("--launcher mpich starts every rank as `python PATH/zerollm ...`, but no zerollm script is "
                         f"installed beside {sys.executable} or on PATH; install the package (pip install -e .)")
@@ -414,7 +417,7 @@ def _plan_torchrun(nnodes: int, node_rank: int, master: str, port: int, nproc: i
     command = [*own_module("launch.torchrun"), "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{port}", "--rdzv-id", rdzv_id,
                "--rdzv-conf", f"is_host={int(node_rank == 0)},join_timeout={join_timeout}", "--max-restarts", "0",
-               "-m", "llm"]
+               *([script] if (script := zerollm_script()) else ["-m", "llm"])]
     return Plan(command, train_argv, env)
 
 
@@ -478,19 +481,20 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
         return Plan(deepspeed_runner(*options, "--no_ssh_check", "--master_addr", master), train_argv, env, files)
     # one host: reach it as several are (a remote one is not run here; an MPI launcher asked for is used, not dropped)
     options += ["--force_multi"] if len(active) == 1 else []
-    program, job, master, ssh_hosts = RANK_MODULE, train_argv, args.master_addr, []
+    program, job, master, ssh_hosts = rank_program(), train_argv, args.master_addr, []
     if args.launcher == "pdsh":
         options.append("--no_ssh_check")  # every host is asked first, with pdsh's ssh options (launch.reachable)
         ssh_hosts = list(active)
         check_shell_word(str(Path.cwd()), "the working directory")
         check_shell_word(sys.executable, "the Python interpreter")
+        check_shell_word(program[-1], "the zerollm script")
         job = [pdsh_argument(arg) for arg in train_argv]
     else:
         _check_mpi_selection(args, active)
         master = master or first  # MPI places rank 0 on the first host
         env = {**env, "MASTER_ADDR": master, "MASTER_PORT": str(args.master_port)}
         options.append("--no_ssh_check")  # mpirun reaches the hosts its own way
-        program = (console_script(),) if args.launcher == "mpich" else RANK_MODULE
+        program = (console_script(),) if args.launcher == "mpich" else program
     if master:  # pdsh without one: asked of the first host at launch
         _check_rendezvous_reachable(master, active, here, "--master-addr" if args.master_addr else
                                     f"the first host of {args.hostfile}, where MPI places rank 0 (the rendezvous),")

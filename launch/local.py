@@ -24,9 +24,9 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 
+from launch.own_module import zerollm_command
 from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, EXIT_USER_ERROR, STOP_SIGNALS, UserError, report
 from llm.runtime.rank_env import LOCAL_SIZE_VARIABLES, RANK_VARIABLES, announced_world_size, free_port
 from llm.runtime.supervisor import supervisor_env
@@ -197,7 +197,7 @@ def relaunch_local(nproc: int, argv: list[str], advice: str = RESUME_ADVICE) -> 
     returns the job's exit code. Each rank chooses its own accelerator (`llm.runtime.accelerator.
     ensure_accelerator_env`, knowing the job's size, and making again a choice this process made for itself), so
     this process does not need torch."""
-    command = [sys.executable, "-u", "-m", "llm", *strip_option(argv, "--nproc")]
+    command = [*zerollm_command("-u"), *strip_option(argv, "--nproc")]
     typed = shlex.join(["zerollm", *argv])
     ranks = [subprocess.Popen(command, env={**env, COMMAND_VARIABLE: typed})
              for env in rank_environments(nproc, free_port(), argv[0])]

@@ -1,9 +1,13 @@
-"""The command that runs one of zerollm's own modules as `python -m` would (`launch.torchrun`,
-`launch.deepspeed_launcher`), but finds it in zerollm's folder: -m puts the working directory first on sys.path, where
-a user's launch.py was found (and run) in place of zerollm's launch/, and a kernels/ folder in place of zerollm's."""
+"""The commands that run zerollm's own code from any working directory. `python -m` puts the working directory first
+on sys.path, where a user's launch.py was found (and run) in place of zerollm's launch/, a kernels/ folder in place of
+zerollm's, and an llm.py or llm/ in place of zerollm itself: every rank ran it, and the job exited 0 untrained.
+`own_module` runs one of zerollm's modules as `python -m` would, but found in zerollm's folder (`launch.torchrun`,
+`launch.deepspeed_launcher`); `zerollm_command` runs the command line as its console script does (a training rank,
+a stage of `zerollm demo`), a path DeepSpeed's and torch's launchers can start as they start a script."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,3 +21,17 @@ def own_module(module: str, *interpreter_options: str) -> list[str]:
     run = (f"import runpy, sys; sys.path[0] = {str(ROOT)!r}; "
            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
     return [sys.executable, *interpreter_options, "-c", run]
+
+
+def zerollm_script() -> str | None:
+    """The `zerollm` script of this installation, beside the interpreter or on PATH (the same path on every host,
+    like the interpreter's); None where none is installed (a checkout run as `python -m llm`)."""
+    beside_python = Path(sys.executable).with_name("zerollm")
+    return str(beside_python) if beside_python.is_file() else shutil.which("zerollm")
+
+
+def zerollm_command(*interpreter_options: str) -> list[str]:
+    """`python [OPTIONS] PATH/zerollm`: zerollm's command line as its console script runs it, whose folder (bin/) is
+    the one put on sys.path; `python [OPTIONS] -m llm` where no script is installed. Its arguments follow."""
+    script = zerollm_script()
+    return [sys.executable, *interpreter_options, *([script] if script else ["-m", "llm"])]

@@ -19,6 +19,7 @@ import h5py
 import numpy as np
 import torch
 
+from launch.own_module import zerollm_command
 from llm import rundir
 from llm.child_job import run_stopping_together
 from llm.config import RunConfig, build_config, parse_lora_spec, refuse_set_twice
@@ -176,7 +177,7 @@ def bench_train(recipe: str, overrides: list[str], steps: int = 10, warmup: int 
                     f"LoRA r={tuned.lora.r}": (["sft", "--init-from", str(base), "--lora", lora], tuned)}
         for name, (stage_args, job_cfg) in jobs.items():
             run = Path(tmp) / f"run{len(figures)}"
-            command = [sys.executable, "-m", "llm", "train", *stage_args, "--recipe", recipe, "--data", str(data),
+            command = [*zerollm_command(), "train", *stage_args, "--recipe", recipe, "--data", str(data),
                        "--out", str(run), *options]
             result = _train_job(command, run, warmup, job_cfg)
             if isinstance(result, int):

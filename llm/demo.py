@@ -19,6 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
+from launch.own_module import zerollm_command
 from llm import durable, held_locks, rundir
 from llm.child_job import run_stopping_together
 from llm.config import build_config
@@ -171,7 +172,7 @@ RESTART = "the demo has no --resume: run it again to start it over"
 
 
 def _zerollm(*args: str) -> None:
-    code, stopped = run_stopping_together([sys.executable, "-m", "llm", *args])  # the stage stopped too, cleaning up
+    code, stopped = run_stopping_together([*zerollm_command(), *args])  # the stage stopped too, cleaning up
     if stopped:  # and may have said to rerun it with --resume auto
         print(f"zerollm demo: stopped; {RESTART}", file=sys.stderr, flush=True)
         raise KeyboardInterrupt if stopped[-1] == signal.SIGINT else Terminated(EXIT_TERMINATED)

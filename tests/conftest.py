@@ -47,11 +47,25 @@ if os.environ.get("PYTEST_XDIST_WORKER") is not None:
     torch.set_num_threads(cpu_threads_per_rank(1, os.environ))
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`zerollm ARGS` in a fresh interpreter, output captured as text; `env`: variables set beside this process's."""
-    return subprocess.run([sys.executable, "-m", "llm", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, check=False, env=None if env is None else {**os.environ, **env})
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict[str, str] | None = None,
+            as_script: bool = False) -> subprocess.CompletedProcess:
+    """`zerollm ARGS` in a fresh interpreter (`python -m llm`, or the console script `as_script`), output captured as
+    text; `env`: variables set beside this process's."""
+    program = [str(Path(sys.executable).with_name("zerollm"))] if as_script else [sys.executable, "-m", "llm"]
+    return subprocess.run([*program, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          check=False, env=None if env is None else {**os.environ, **env})
+
+
+SHADOWING = "a user's llm.py ran"
+
+
+def folder_shadowing_zerollm(path: Path) -> Path:
+    """`path`, made a working directory holding a user's llm.py that prints SHADOWING and exits 0: `python -m llm`
+    there runs it in place of zerollm (every rank did, and the job exited 0 untrained); the console script and the
+    processes zerollm starts do not."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "llm.py").write_text(f"print({SHADOWING!r})\n")
+    return path
 
 
 def closed_pipe() -> BinaryIO:

@@ -12,7 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, closed_pipe, full_disk, run_cli, train_args, zerollm_here
+from conftest import (
+    FIXTURES,
+    SHADOWING,
+    closed_pipe,
+    folder_shadowing_zerollm,
+    full_disk,
+    run_cli,
+    train_args,
+    zerollm_here,
+)
 from llm.errors import UserError
 from llm.stdout import SHOWN_ANYHOW
 
@@ -114,9 +123,12 @@ def test_launch_options_after_the_training_command_say_where_they_go(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_demo_runs_every_stage_and_reports_accuracy(tmp_path):
-    result = run_cli("demo", "--out", tmp_path, "--steps", 4)  # every stage at most 4 steps
+def test_demo_runs_every_stage_and_reports_accuracy(tmp_path, tmp_path_factory):
+    # from a folder holding a user's llm.py, which ran as every stage (`python -m llm`); every stage at most 4 steps
+    project = folder_shadowing_zerollm(tmp_path_factory.mktemp("project"))
+    result = run_cli("demo", "--out", tmp_path, "--steps", 4, cwd=project, as_script=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert SHADOWING not in result.stdout
     assert "validation loss fell" in result.stdout
     assert "warmup" not in result.stdout + result.stderr  # a note to lower it, which the demo takes no option for
     assert "samples (greedy):" in result.stdout and "'The capital of France is' ->" in result.stdout

@@ -24,7 +24,7 @@ from forked_ranks import run_job
 from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from conftest import REPO, TINY, run_cli
+from conftest import REPO, SHADOWING, TINY, folder_shadowing_zerollm, run_cli
 from launch.deepspeed_launcher import through_here
 from launch.hostfile import check_filter, read_hostfile
 from launch.launcher import (
@@ -264,8 +264,8 @@ def test_per_node_ranks_keep_the_gpus_cuda_visible_devices_chose(argv, environ):
     plan = plan_launch(_launch_args("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", *argv),
                        ["train", "pretrain"], environ)
     assert plan.command[plan.command.index("--include") + 1] == "node0:2,3@node1:2,3"
-    # an option of DeepSpeed's launcher, not of the training command after `--module llm`: each rank failed on it
-    assert plan.command.index("--include") < plan.command.index("--module")
+    # an option of DeepSpeed's launcher, not of the training command after zerollm's script: each rank failed on it
+    assert plan.command.index("--include") < plan.command.index(str(Path(sys.executable).with_name("zerollm")))
     assert plan.files == {"hostfile": "node0 slots=4\nnode1 slots=4\n"}
     one = plan_launch(_launch_args("--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1",
                                    "--nproc-per-node", "1", "--master-port", str(free_port())),
@@ -736,7 +736,8 @@ def test_ranks_that_refuse_under_torchrun_end_the_launch_with_exit_2_and_their_l
     torchrun's ChildFailedError traceback and exit 1."""
     result = run_cli("launch", "--backend", "torchrun", "--nproc-per-node", 2, "--master-port", free_port(), "--",
                      "train", "pretrain", "--recipe", "demo", "--data", pretrain_data, "--out", tmp_path / "run",
-                     "--set", "model.vocab_size=100")
+                     "--set", "model.vocab_size=100", cwd=folder_shadowing_zerollm(tmp_path / "project"),
+                     as_script=True)  # a user's llm.py there ran on every rank (`-m llm`), which exited 0
     assert result.returncode == 2, result.stderr[-3000:]
     assert "--rdzv-backend c10d" in result.stdout  # torchrun started the ranks: the refusal is theirs
     assert re.search(r"^zerollm: error: .*model\.vocab_size", result.stderr, re.MULTILINE), result.stderr
@@ -762,10 +763,14 @@ def test_torchrun_is_quiet_only_when_the_failed_ranks_refused():
 
 
 def test_hostfile_mode_on_this_machine(pretrain_data, tmp_path):
+    """Started from a folder holding a user's llm.py, which DeepSpeed's launcher ran on every rank (as `python -u -m
+    llm`) in place of zerollm: the job exited 0 untrained."""
     (tmp_path / "hosts").write_text("# this machine\nlocalhost slots=2\n")
     result = run_cli("launch", "--hostfile", tmp_path / "hosts", "--master-port", free_port(), "--env",
-                     "ZEROLLM_EXAMPLE=1", "--", *_job(pretrain_data, tmp_path / "run", "train.max_steps=2"))
+                     "ZEROLLM_EXAMPLE=1", "--", *_job(pretrain_data, tmp_path / "run", "train.max_steps=2"),
+                     cwd=folder_shadowing_zerollm(tmp_path / "project"), as_script=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert SHADOWING not in result.stdout
     assert "deepspeed.launcher.runner --hostfile" in result.stdout and "2 rank(s)" in result.stdout
     assert [r["step"] for r in _metrics(tmp_path / "run")] == [1, 2]
 
@@ -779,7 +784,7 @@ def test_launchers_start_from_a_folder_holding_a_launch_py_and_a_kernels_folder(
     (tmp_path / "kernels" / "__init__.py").write_text("")
     per_node = through_here([sys.executable, "-u", "-m", "deepspeed.launcher.launch", "--help"])
     torchrun = plan_launch(_launch_args("--backend", "torchrun", "--nnodes", "1", "--node-rank", "0", "--master-addr",
-                                        "127.0.0.1"), ["train"], {}).command[:-2] + ["--help"]  # no `-m llm`
+                                        "127.0.0.1"), ["train"], {}).command[:-1] + ["--help"]  # no zerollm
     for command in (deepspeed_runner("--help"), per_node, torchrun):
         result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
         assert (result.returncode, result.stdout.startswith("usage: ")) == (0, True), result.stderr[-2000:]

@@ -14,7 +14,7 @@ import torch
 from forked_ranks import run_job
 from wandb_files import wandb_records
 
-from conftest import FIXTURES, REPO, run_cli, train_args
+from conftest import FIXTURES, REPO, SHADOWING, folder_shadowing_zerollm, run_cli, train_args
 from llm.data.prepare import STREAMS, TOKENS_FILE, SplitWriter, write_attrs
 from llm.errors import UserError
 from llm.runtime.cpu_threads import cpu_threads_per_rank
@@ -30,8 +30,10 @@ def zero3_run(pretrain_data, tmp_path_factory):
     out, temporary = tmp_path_factory.mktemp("zero3_record"), tmp_path_factory.mktemp("temporary")
     result = run_cli(*train_args(pretrain_data, out, *ZERO3_ARGS, nproc=2, extra=["--zero-stage", 3, "--wandb",
                                                                                   "offline"]),
-                     env={"TMPDIR": str(temporary)})
+                     env={"TMPDIR": str(temporary)}, cwd=folder_shadowing_zerollm(tmp_path_factory.mktemp("project")),
+                     as_script=True)  # a user's llm.py there ran on each rank (`python -u -m llm`), exit 0
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert SHADOWING not in result.stdout
     # the temporary folders of the job's processes are gone with them: wandb's two (media and artifacts) were left
     # by every run logged to it, as its rank ended without interpreter teardown (`llm.cli.end_now`)
     # (torch's compiler keeps its cache there, torchinductor_USER, meant to stay)
