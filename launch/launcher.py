@@ -121,6 +121,10 @@ class Plan:
     ranks_here: bool = True
     """Whether ranks run on this node (a hostfile may list only other hosts): its inputs are then checked here
     before the launcher starts (`launch`)."""
+    reaches_hosts: bool = False
+    """Whether the launcher starts the ranks on other hosts itself (pdsh, mpirun), which stop their hosts' processes
+    on a stop signal; otherwise a stop before any rank runs goes to every process the launcher started
+    (`run_plan`)."""
     deepspeed_codes: bool = True
     """Whether the launcher ends as DeepSpeed's per-node launcher does, with the failed rank's return code, a death
     by signal N passed on as 256 - N: DeepSpeed's and launch/torchrun.py (for a signal it does not name itself) do,
@@ -502,7 +506,7 @@ def _plan_hostfile(args: LaunchOptions, env: dict[str, str], train_argv: list[st
     _check_port_if_local(master or first, args.master_port)
     home = Path(environ["HOME"]) if environ.get("HOME") else Path.home()  # where DeepSpeed's runner looks
     files["deepspeed_env"] = env_file_text(remote_exports(env, environ, Path.cwd(), home), args.launcher)
-    return Plan(deepspeed_runner(*options, program=program), job, files=files,
+    return Plan(deepspeed_runner(*options, program=program), job, files=files, reaches_hosts=True,
                 file_env={"DS_ENV_FILE": "deepspeed_env"}, ssh_hosts=ssh_hosts, address_of=None if master else first,
                 ranks_here=bool(here),
                 programs=LAUNCHER_PROGRAMS[args.launcher], deepspeed_codes=args.launcher == "pdsh",
@@ -650,6 +654,9 @@ def run_plan(plan: Plan, run_dir: Path) -> int:
             for process in ranks or [launcher]:
                 with contextlib.suppress(OSError, psutil.Error):  # already gone
                     process.send_signal(signal.SIGTERM)
+            if not ranks and not plan.reaches_hosts:  # and to what it started: DeepSpeed's runner, stopped before it
+                with contextlib.suppress(OSError):   # set its handler, left its per-node launcher, which started
+                    os.killpg(launcher.pid, signal.SIGTERM)  # the ranks after the launch had ended (its own session)
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
         try:

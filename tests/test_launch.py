@@ -1276,6 +1276,23 @@ def test_a_launch_stopped_while_its_ranks_start_exits_as_the_stop_was_sent(tmp_p
     assert run_plan(Plan([sys.executable, "-c", launcher], []), tmp_path / "run") == 128 + signal.SIGINT
 
 
+@pytest.mark.parametrize("reaches_hosts", [False, True])
+def test_a_launch_stopped_before_its_ranks_start_stops_what_its_launcher_started(tmp_path, reaches_hosts):
+    """DeepSpeed's runner, stopped before it set its handler, died and left its per-node launcher, which started the
+    ranks after `zerollm launch` had exited 130: they trained and saved a checkpoint. A launcher that reaches other
+    hosts itself (pdsh, mpirun) is left to stop them: its helpers (ssh) are not sent the stop."""
+    ready, started = tmp_path / "ready", tmp_path / "ranks started"
+    per_node = f"import pathlib, time\ntime.sleep(3)\npathlib.Path({str(started)!r}).touch()\n"
+    runner = ("import pathlib, subprocess, sys, time\n"  # no handler: SIGTERM ends it, not its child
+              f"subprocess.Popen([sys.executable, '-c', {per_node!r}])\n"
+              f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(20)\n")
+    _ctrl_c_once_handled(after=ready)
+    plan = Plan([sys.executable, "-c", runner], [], reaches_hosts=reaches_hosts)
+    assert run_plan(plan, tmp_path / "run") == 128 + signal.SIGINT
+    time.sleep(4)
+    assert started.exists() == reaches_hosts
+
+
 def test_a_multi_host_launch_stopped_before_any_checkpoint_exits_as_the_stop_was_sent(tmp_path, capsys):
     """DeepSpeed's pdsh runner exits 1 on a stop signal (its handler's sys.exit(1)); stopped while its ranks started,
     the launch waited for a checkpoint of the stop, then exited 1, as if it had failed."""
