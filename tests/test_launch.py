@@ -1164,18 +1164,22 @@ def test_slurm_template_starts_one_launcher_per_node(zero_runs, pretrain_data, t
     bin_dir.mkdir()
     srun = bin_dir / "srun"
     srun.write_text("#!/bin/bash\n"
+                    "echo \"$@\" > \"$SRUN_LOGS/srun.args\"\n"
                     "while [[ $1 == --* ]]; do shift; done\n"
                     "for node in 0 1; do SLURM_NODEID=$node \"$@\" > \"$SRUN_LOGS/node$node.log\" 2>&1 & done\n"
                     "code=0; for job in $(jobs -p); do wait $job || code=$?; done; exit $code\n")
     srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_LOGS": str(tmp_path),
            "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_JOB_ID": "4242",
-           "MASTER_PORT": str(free_port()), "ZEROLLM": f"{sys.executable} -m llm"}
+           "MASTER_PORT": str(free_port()), "ZEROLLM": f"{sys.executable} -m llm", "SLURM_CPUS_PER_TASK": "3"}
     run = tmp_path / "run"
     result = subprocess.run(["bash", REPO / "launch" / "slurm" / "zerollm.sbatch",
                              *_job(pretrain_data, run, "train.max_steps=4", "train.eval_every=2")],
                             env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, (tmp_path / "node0.log").read_text()[-3000:]
+    # sbatch's --cpus-per-task, which srun inherits no more (SLURM 22.05 on): each node's task had 1 CPU
+    srun_options = (tmp_path / "srun.args").read_text().split()
+    assert srun_options[:3] == ["--kill-on-bad-exit=1", "--ntasks-per-node=1", "--cpus-per-task=3"]
     assert "--rdzv-id 4242" in (tmp_path / "node1.log").read_text()
     assert "--rdzv-backend c10d" in (tmp_path / "node0.log").read_text()
     rows, reference = _metrics(run), _metrics(zero_runs[2])
