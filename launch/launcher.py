@@ -212,6 +212,10 @@ def slurm_rendezvous(environ: dict[str, str]) -> tuple[int, int, str]:
         named = len(hosts)
     if named != nodes:
         raise UserError(f"{nodelist} {environ[nodelist]!r} names {named:,} host(s) but {count} is {nodes}")
+    if nodes > 1 and "SLURM_STEP_ID" not in environ:  # srun sets it; a batch script's own shell, on one node, not
+        raise UserError(f"--backend slurm on the {nodes} nodes of {count} runs once on each node: start it with srun "
+                        "--ntasks-per-node=1 (as launch/slurm/zerollm.sbatch does); run alone, from the batch "
+                        "script, it waited for the other nodes until train.collective_timeout_s")
     tasks = "SLURM_STEP_NUM_TASKS"  # srun's (a batch script's SLURM_NTASKS may count GPUs: its launch runs alone)
     if tasks in environ and environ[tasks].strip() != str(nodes):  # two on a node: one was told its port was taken
         raise UserError(f"{tasks} is {environ[tasks]!r} but the step runs on {nodes} node(s): zerollm launch is one "

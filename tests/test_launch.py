@@ -342,7 +342,7 @@ def test_launch_numbers_are_ascii_digits_as_a_hostfiles_slots_are(option, value,
 
 
 def test_slurm_environment(tmp_path):
-    env = {"SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "3", "SLURM_JOB_NODELIST": "gpu[07-09,12]",
+    env = {"SLURM_STEP_ID": "0", "SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "3", "SLURM_JOB_NODELIST": "gpu[07-09,12]",
            "PATH": str(tmp_path)}
     assert slurm_rendezvous(env) == (4, 3, "gpu07")
     assert slurm_rendezvous({**env, "SLURM_JOB_NODELIST": "node-[1-4]-ib"})[2] == "node-1-ib"
@@ -354,7 +354,7 @@ def test_slurm_environment(tmp_path):
 
 def test_a_slurm_rendezvous_host_that_is_not_this_node_is_named_as_slurm_s(tmp_path):
     """It was called '--master-addr node01', an option the user never gave."""
-    env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "node[01-02]",
+    env = {"SLURM_STEP_ID": "0", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "node[01-02]",
            "PATH": str(tmp_path)}
     with pytest.raises(UserError, match=r"^node01 \(the first host of SLURM's node list\) is not an address of this "
                                         r"node, but node rank 0 hosts the rendezvous; give node 0's own address with "
@@ -382,12 +382,23 @@ def test_a_slurm_step_on_part_of_the_allocation_rendezvous_on_its_own_nodes(tmp_
     the step's. Before, the step's first node refused itself ('--master-addr gpu07 is not an address of this node')
     and the second waited for four nodes until the rendezvous timed out."""
     env = {"SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_NODELIST": "gpu[07-09,12]", "SLURM_STEP_NUM_NODES": "2",
-           "SLURM_STEP_NODELIST": "gpu[09,12]", "SLURM_NODEID": "1", "PATH": str(tmp_path)}
+           "SLURM_STEP_NODELIST": "gpu[09,12]", "SLURM_NODEID": "1", "SLURM_STEP_ID": "0", "PATH": str(tmp_path)}
     assert slurm_rendezvous(env) == (2, 1, "gpu09")
     with pytest.raises(UserError, match=r"^SLURM_NODEID is '2'; expected this node's index among "
                                         r"SLURM_STEP_NUM_NODES=2, a whole number in 0..1$"):
         slurm_rendezvous({**env, "SLURM_NODEID": "2"})
     assert slurm_rendezvous({**env, "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "2"}) == (2, 1, "gpu09")
+
+
+def test_a_multi_node_slurm_launch_outside_a_job_step_is_refused(tmp_path):
+    """Run from the batch script itself (no srun), one launch ran, on the first node, and waited for the others until
+    train.collective_timeout_s (600 s by default), then advised checking that node 0 is reachable."""
+    batch_script = {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_NTASKS": "16",
+                    "SLURM_JOB_NODELIST": "node[1-2]", "PATH": str(tmp_path)}  # sbatch sets no SLURM_STEP_* variable
+    with pytest.raises(UserError, match=r"^--backend slurm on the 2 nodes of SLURM_JOB_NUM_NODES runs once on each "
+                                        r"node: start it with srun --ntasks-per-node=1 \(as launch/slurm/zerollm"):
+        slurm_rendezvous(batch_script)
+    assert slurm_rendezvous({**batch_script, "SLURM_STEP_ID": "0"}) == (2, 0, "node1")
 
 
 def test_two_slurm_tasks_on_a_node_are_refused_naming_the_task_count(tmp_path):
@@ -1171,6 +1182,7 @@ def test_slurm_template_starts_one_launcher_per_node(zero_runs, pretrain_data, t
     srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_LOGS": str(tmp_path),
            "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_JOB_ID": "4242",
+           "SLURM_STEP_ID": "0",
            "MASTER_PORT": str(free_port()), "ZEROLLM": f"{sys.executable} -m llm", "SLURM_CPUS_PER_TASK": "3"}
     run = tmp_path / "run"
     result = subprocess.run(["bash", REPO / "launch" / "slurm" / "zerollm.sbatch",

@@ -234,7 +234,7 @@ def test_up_to_65536_nodes_run_one_job():
     assert plan("torchrun").command[plan("torchrun").command.index("--nnodes") + 1] == "65536"
 
 
-SLURM = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]"}
+SLURM = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_STEP_ID": "0"}
 NODES = "SLURM_JOB_NUM_NODES is {value!r}; expected the number of nodes of the job step, a whole number in 1..65536"
 NODE_ID = "SLURM_NODEID is {value!r}; expected this node's index among SLURM_JOB_NUM_NODES=2, a whole number in 0..1"
 GPUS = "SLURM_GPUS_ON_NODE is {value!r}; expected the GPUs of this node (or give --nproc-per-node), a whole number " \
@@ -353,7 +353,7 @@ def test_deepspeeds_slurm_runner_is_refused_for_backend_slurm_which_keeps_commas
     (tmp_path / "hosts").write_text("node-a slots=1\n")
     with pytest.raises(UserError, match="^--launcher slurm: DeepSpeed's slurm runner cannot start"):
         plan_launch(LaunchOptions(hostfile=str(tmp_path / "hosts"), launcher="slurm"), ["train"], {})
-    slurm = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "PATH": str(tmp_path)}
+    slurm = {**SLURM, "PATH": str(tmp_path)}
     plan = plan_launch(_launch_args("--backend", "slurm", "--env", "NCCL_SOCKET_IFNAME=^docker0,lo,ib0"),
                        ["train"], slurm)
     assert plan.env["NCCL_SOCKET_IFNAME"] == "^docker0,lo,ib0" and plan.files == {}
