@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import ipaddress
 import math
 import os
 import re
@@ -522,10 +523,19 @@ def _check_rendezvous_reachable(master: str, active: dict[str, int], here: list[
     whose ranks run on several (the `active` hosts, `here` those of this node): those of the others would wait for
     a rendezvous at their own loopback until the collective timeout."""
     others = [host for host in active if host not in here]
-    if is_loopback(master) and len(others) + bool(here) > 1:
-        raise UserError(f"{origin} {master} is a loopback address, which the ranks on {others[-1]} cannot reach (they "
-                        "would look for the rendezvous on their own host); give an address of the first host that "
-                        "the others reach")
+    kind = "a loopback address" if is_loopback(master) else \
+        "the unspecified address (a host connecting to it reaches itself)" if _is_unspecified(master) else None
+    if kind and len(others) + bool(here) > 1:
+        raise UserError(f"{origin} {master} is {kind}, which the ranks on {others[-1]} cannot reach (they would look "
+                        "for the rendezvous on their own host); give an address of the first host that the others "
+                        "reach")
+
+
+def _is_unspecified(address: str) -> bool:
+    """0.0.0.0 or ::, which a listener binds to mean every interface, but a connection takes for its own host."""
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(address).is_unspecified
+    return False
 
 
 def _check_port_if_local(master: str, port: int) -> None:

@@ -52,6 +52,15 @@ def test_a_loopback_rendezvous_for_ranks_on_other_hosts_is_refused(tmp_path, arg
         _plan(tmp_path, *argv, hosts=hosts)
 
 
+@pytest.mark.parametrize("address", ["0.0.0.0", "::"])
+def test_an_unspecified_rendezvous_address_for_ranks_on_other_hosts_is_refused(tmp_path, address):
+    """A host that connects to 0.0.0.0 (or ::) reaches itself: node-b's ranks waited for a rendezvous on their own
+    host until the collective timeout."""
+    with pytest.raises(UserError, match=rf"^--master-addr {re.escape(address)} is the unspecified address \(a host "
+                                        r"connecting to it reaches itself\), which the ranks on node-b cannot reach"):
+        _plan(tmp_path, "--master-addr", address, hosts="localhost slots=1\nnode-b slots=1\n")
+
+
 def test_mpi_placing_rank_0_on_a_first_host_named_by_loopback_is_refused(tmp_path):
     """MPI's ranks meet at the first host, named as the hostfile names it: `localhost` went to every host as
     MASTER_ADDR."""
@@ -384,12 +393,14 @@ def test_an_mpi_launcher_for_a_hostfile_of_this_node_alone_is_used_not_dropped(t
     assert plan.programs == LAUNCHER_PROGRAMS[launcher]
 
 
-def test_mpi_plans_export_the_rendezvous_and_mpich_starts_the_console_script(tmp_path):
+def test_mpi_plans_export_the_rendezvous_and_start_the_console_script(tmp_path):
+    """Every launcher starts the ranks as the console script (`python -u -m llm` ran a user's llm.py from the working
+    directory); DeepSpeed's MPICH runner takes no module at all."""
     plan = _plan(tmp_path, "--launcher", "mvapich", "--master-port", "29123")
     assert plan.files["deepspeed_env"].endswith("MASTER_ADDR=10.0.0.1\nMASTER_PORT=29123\n")
-    assert plan.command[-2:] == ["--module", "llm"]
-    mpich = _plan(tmp_path, "--launcher", "mpich")
-    assert mpich.command[-1] == str(Path(sys.executable).with_name("zerollm")) and "--module" not in mpich.command
+    for launcher in ("mvapich", "mpich", "pdsh"):
+        command = _plan(tmp_path, "--launcher", launcher).command
+        assert command[-1] == str(Path(sys.executable).with_name("zerollm")) and "--module" not in command, launcher
 
 
 # ---- pdsh: the remote shell rebuilds exactly what was typed ---------------------------------------
@@ -473,7 +484,8 @@ def pdsh_dry_run(tmp_path_factory, pretrain_data):
 def test_pdsh_training_arguments_arrive_exactly_under_sh_and_bash(pdsh_dry_run):
     tmp, job, _, hosts = pdsh_dry_run
     for words, _ in hosts:
-        assert words[words.index("llm") + 1:] == job  # python -u -m deepspeed.launcher.launch ... llm, then the job
+        script = words.index(str(Path(sys.executable).with_name("zerollm")))
+        assert words[script + 1:] == job  # python -u -m deepspeed.launcher.launch ... PATH/zerollm, then the job
     assert sorted(p.name for p in tmp.glob("pwned*")) == []
 
 
