@@ -307,7 +307,8 @@ def plan_launch(args: LaunchOptions, train_argv: list[str], environ: dict[str, s
     if not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes {nnodes})")
     visible = visible_devices({**environ, **env}) if args.backend == "deepspeed" else None  # torchrun keeps it
-    nproc = nproc or (len(visible) if visible else _local_devices())
+    given = _devices_given(env) if args.backend == "torchrun" else None
+    nproc = nproc or (len(visible) if visible else max(1, given) if given is not None else _local_devices())
     if args.backend == "torchrun":
         if args.hostfile:
             raise UserError("--hostfile is for --backend deepspeed; torchrun nodes meet at --master-addr")
@@ -355,6 +356,16 @@ def visible_devices(environ: dict[str, str]) -> list[int] | None:
                         "replace it; give each GPU's index once (as nvidia-smi numbers them), or use --backend "
                         "torchrun, which keeps the variable as it is")
     return None
+
+
+def _devices_given(env: dict[str, str]) -> int | None:
+    """How many GPUs a CUDA_VISIBLE_DEVICES given with --env leaves the ranks, read as CUDA reads it (entries up to
+    the first that names no GPU by index or UUID); None where --env does not set it (torch counts this process's
+    own). A torchrun node counted all of the node's GPUs: ranks beyond those named found none."""
+    if VISIBLE_DEVICES not in env:
+        return None
+    entries = env[VISIBLE_DEVICES].split(",")
+    return next((i for i, entry in enumerate(entries) if not re.match(r"\s*([0-9]|GPU-|MIG-)", entry)), len(entries))
 
 
 def _first_visible(visible: list[int], ranks: int) -> list[int]:

@@ -278,6 +278,21 @@ def test_per_node_ranks_keep_the_gpus_cuda_visible_devices_chose(argv, environ):
         assert plan.command[plan.command.index("--include") + 1] == chosen, visible  # "2,3," was taken for no GPU
 
 
+@pytest.mark.parametrize("given, ranks", [("2,3", 2), ("GPU-5d3f,GPU-77a1,MIG-0c1d", 3), ("1,x,2", 1), ("-1", 1)])
+def test_torchrun_runs_a_rank_per_gpu_that_env_leaves_visible(monkeypatch, given, ranks):
+    """On a node of 8 GPUs, `--env CUDA_VISIBLE_DEVICES=2,3` started 8 ranks, six of them without a GPU (torch
+    counted this process's GPUs); one rank where it names none (a CPU job)."""
+    import launch.launcher as launcher
+
+    monkeypatch.setattr(launcher, "_local_devices", lambda: 8)
+    plan = plan_launch(_launch_args("--backend", "torchrun", "--env", f"CUDA_VISIBLE_DEVICES={given}"),
+                       ["train", "pretrain"], {})
+    assert plan.command[plan.command.index("--nproc-per-node") + 1] == str(ranks)
+    assert plan.env["CUDA_VISIBLE_DEVICES"] == given
+    plan = plan_launch(_launch_args("--backend", "torchrun"), ["train", "pretrain"], {})
+    assert plan.command[plan.command.index("--nproc-per-node") + 1] == "8"
+
+
 @pytest.mark.parametrize("argv, environ", [
     (["--backend", "torchrun"], {"CUDA_VISIBLE_DEVICES": "GPU-5d3f,GPU-77a1"}),  # torchrun leaves it alone
     ([], {"CUDA_VISIBLE_DEVICES": "-1"}),  # no GPU (a CPU node): as before
