@@ -9,6 +9,7 @@ so only plain names and addresses pass: a host called `-Fevil` would be read by 
 from __future__ import annotations
 
 import codecs
+import ipaddress
 import re
 from pathlib import Path
 
@@ -23,8 +24,6 @@ enough that a mistyped number is an error rather than an attempt to start it."""
 _HOST_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$")
 """A DNS name, an /etc/hosts alias or an IPv4 address: no leading '-' (an option to ssh), no '@' or ',' (user and
 list separators of pdsh), no brackets (pdsh would expand a range), no ':' (DeepSpeed's slot separator)."""
-_IP_ADDRESS = re.compile(r"^[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*$")
-"""An IPv6 address: only usable where DeepSpeed's `host:slots` syntax is not involved (--master-addr)."""
 HOST_NAME_RULE = "letters, digits, '.', '-' and '_', starting and ending with a letter or digit"
 
 
@@ -33,10 +32,30 @@ def is_host_name(name: str) -> bool:
     return bool(_HOST_NAME.fullmatch(name))  # match: "$" also matches before a final newline
 
 
+_IPV6_CHARACTERS = re.compile(r"[0-9A-Fa-f:.]+")
+"""What an IPv6 address is written with: no zone (%eth0), where Python takes any characters."""
+
+
+def is_ipv6_address(address: str) -> bool:
+    """Whether `address` is an IPv6 address: only usable where DeepSpeed's `host:slots` syntax is not involved
+    (--master-addr)."""
+    try:
+        ipaddress.IPv6Address(address)
+    except ValueError:
+        return False
+    return bool(_IPV6_CHARACTERS.fullmatch(address))
+
+
 def check_address(address: str, option: str) -> None:
-    """A `--master-addr`: a host name, an IPv4 or an IPv6 address, nothing a shell or ssh could read otherwise."""
-    if not (is_host_name(address) or _IP_ADDRESS.fullmatch(address)):
-        raise UserError(f"{option} {address!r} is not a host name or IP address ({HOST_NAME_RULE})")
+    """A `--master-addr`: a host name, an IPv4 or an IPv6 address, nothing a shell or ssh could read otherwise. One
+    with a port (10.0.0.1:29500) passed for an IPv6 address, and node 1 then said it could not resolve it."""
+    if is_host_name(address) or is_ipv6_address(address):
+        return
+    host, _, port = address.rpartition(":")
+    if port.isascii() and port.isdigit() and is_host_name(host):
+        raise UserError(f"{option} {address!r} holds a port: give the host alone ({option} {host}) and the port "
+                        f"with --master-port {port}")
+    raise UserError(f"{option} {address!r} is not a host name or IP address ({HOST_NAME_RULE})")
 
 
 def read_integer(text: str) -> int | None:

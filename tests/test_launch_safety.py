@@ -110,11 +110,23 @@ def test_a_master_address_another_node_cannot_resolve_is_one_line_at_once(monkey
                                  "--nproc-per-node", "1"), ["train", "pretrain"], {})
 
 
-@pytest.mark.parametrize("address", ["-Fevil", "1.2.3.4;reboot", "$(id)", "a b", "127.0.0.1\n", "fd00::1\n"])
+@pytest.mark.parametrize("address", ["-Fevil", "1.2.3.4;reboot", "$(id)", "a b", "127.0.0.1\n", "fd00::1\n",
+                                     "fe80::1%$(id)", "::g"])
 def test_master_addresses_that_are_not_addresses_are_refused(tmp_path, address):
     with pytest.raises(UserError, match="is not a host name or IP address"):
         plan_launch(_launch_args("--nnodes", "2", "--node-rank", "1", f"--master-addr={address}"), ["train"], {})
-    plan_launch(_launch_args("--nnodes", "2", "--node-rank", "1", "--master-addr", "fd00::1"), ["train"], {})
+    for address in ("fd00::1", "::ffff:10.0.0.1"):
+        plan_launch(_launch_args("--nnodes", "2", "--node-rank", "1", "--master-addr", address), ["train"], {})
+
+
+@pytest.mark.parametrize("address, host", [("10.0.0.1:29500", "10.0.0.1"), ("node0.cluster:6000", "node0.cluster")])
+def test_a_master_address_with_a_port_is_told_to_give_it_with_master_port(address, host):
+    """10.0.0.1:29500 passed for an IPv6 address; node 1 then said it could not resolve it."""
+    port = address.rpartition(":")[2]
+    said = f"--master-addr '{address}' holds a port: give the host alone (--master-addr {host}) and the port with " \
+           f"--master-port {port}"
+    with pytest.raises(UserError, match=f"^{re.escape(said)}$"):
+        plan_launch(_launch_args("--nnodes", "2", "--node-rank", "1", f"--master-addr={address}"), ["train"], {})
 
 
 def test_a_hostfile_that_is_not_utf8_is_one_line_naming_file_and_line(tmp_path):
