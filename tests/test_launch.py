@@ -40,6 +40,7 @@ from launch.local import wait_for_ranks
 from launch.nodelist import expand_nodelist, nodelist_size, slurm_hosts
 from launch.torchrun import lost_rank, passed_on_code, quiet_code
 from llm.cli import build_parser, launch_options
+from llm.command_line import is_zerollm_command
 from llm.errors import EXIT_PIPE_CLOSED, EXIT_PREEMPTED, EXIT_RANK_LOST, UserError
 from llm.jsonl import jsonl_lines
 from llm.runtime import shared_run_dir, supervisor, watchdog
@@ -47,6 +48,8 @@ from llm.runtime.cpu_threads import usable_cpus
 from llm.runtime.fingerprint import mismatch_message
 from llm.runtime.rank_env import free_port
 
+ZEROLLM = str(Path(sys.executable).with_name("zerollm"))
+"""The console script every launcher starts the ranks as."""
 
 def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -219,7 +222,7 @@ def test_plans_for_each_mode(tmp_path):
                                         "--master-port", "29555", "--nproc-per-node", "4"), job, {})
     cmd = " ".join(per_node.argv("{dir}"))
     assert "deepspeed.launcher.runner --hostfile {dir}/hostfile --no_ssh --node_rank 1" in cmd
-    assert "--master_addr 10.0.0.1 --master_port 29555 --no_local_rank --module llm train pretrain" in cmd
+    assert f"--master_addr 10.0.0.1 --master_port 29555 --no_local_rank {ZEROLLM} train pretrain" in cmd
     assert per_node.files == {"hostfile": "node0 slots=4\nnode1 slots=4\n"}
 
     torchrun = plan_launch(_launch_args("--backend", "torchrun", "--nnodes", "3", "--node-rank", "2",
@@ -227,7 +230,7 @@ def test_plans_for_each_mode(tmp_path):
     assert " ".join(torchrun.argv("{dir}")).endswith(
         "run_module('launch.torchrun', run_name='__main__', alter_sys=True) --nnodes 3 --nproc-per-node 8 "
         "--rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 "
-        "--rdzv-id zerollm --rdzv-conf is_host=0,join_timeout=600 --max-restarts 0 -m llm train pretrain")
+        f"--rdzv-id zerollm --rdzv-conf is_host=0,join_timeout=600 --max-restarts 0 {ZEROLLM} train pretrain")
     # torchrun would run each rank on one thread; the ranks share the CPUs instead, unless OMP_NUM_THREADS is given
     assert torchrun.env == {"OMP_NUM_THREADS": str(max(1, len(usable_cpus()) // 8))}
     given = ["--backend", "torchrun", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"]
@@ -240,7 +243,7 @@ def test_plans_for_each_mode(tmp_path):
                                         "--env", "HF_HOME=/data/hf"), job, {"HOME": str(tmp_path)})
     cmd = " ".join(hostfile.argv("/tmp/x"))
     assert "--hostfile /tmp/x/hostfile --launcher pdsh --master_port 29500 --include a@b:0,1" in cmd
-    assert "--master_addr 10.0.0.1 --no_local_rank --module llm train pretrain" in cmd
+    assert f"--master_addr 10.0.0.1 --no_local_rank {ZEROLLM} train pretrain" in cmd
     assert hostfile.env == {} and hostfile.environment("/tmp/x") == {"DS_ENV_FILE": "/tmp/x/deepspeed_env"}
     assert hostfile.files == {"hostfile": "a slots=8\nb slots=8\n",  # the form DeepSpeed and mpirun both parse
                               "deepspeed_env": f"PYTHONPATH={Path.cwd()}\nNCCL_DEBUG=INFO\nHF_HOME=/data/hf\n"}
@@ -476,7 +479,7 @@ def test_scontrol_is_the_authority_on_node_lists(tmp_path):
     scontrol.chmod(0o755)
     assert slurm_hosts("node[A-B]-ib", path=str(tmp_path)) == ["nodeA-ib", "nodeB-ib"]
     assert (tmp_path / "scontrol.args").read_text() == "node[A-B]-ib\n"
-    env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "node[A-B]-ib",
+    env = {"SLURM_STEP_ID": "0", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "node[A-B]-ib",
            "PATH": str(tmp_path)}
     assert slurm_rendezvous(env) == (2, 0, "nodeA-ib")
 
@@ -588,7 +591,7 @@ def _wait_for_steps(run, count, procs, timeout=240):
 
 def _rank_process(node):
     """The one training process under a node's `zerollm launch` (not the launchers between them)."""
-    ranks = [p for p in psutil.Process(node.pid).children(recursive=True) if "-m llm" in " ".join(p.cmdline())]
+    ranks = [p for p in psutil.Process(node.pid).children(recursive=True) if is_zerollm_command(p.cmdline())]
     assert len(ranks) == 1, ranks
     return ranks[0]
 
@@ -1408,8 +1411,8 @@ def test_a_rank_failing_under_torchrun_ends_the_launch_as_under_deepspeeds_launc
     script.write_text(RANK_FAILS)
     options = _launch_args("--backend", "torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()))
     plan = plan_launch(options, ["train", "pretrain"], {})
-    assert plan.command[-2:] == ["-m", "llm"]
-    plan = replace(plan, command=[*plan.command[:-2], str(script)], job=[ending])
+    assert plan.command[-1] == ZEROLLM
+    plan = replace(plan, command=[*plan.command[:-1], str(script)], job=[ending])
     assert run_plan(plan, tmp_path / "run") == code
     err = capfd.readouterr().err
     assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
