@@ -24,7 +24,8 @@ Design (after Triton's fused-attention tutorial and FlashAttention-2's Triton po
   Deterministic (the default): a second kernel computes dQ (3 matmuls), 7 matmuls per block pair in all,
   no atomics, bitwise reproducible. deterministic=False: dQ is accumulated with fp32 atomics inside the
   dK/dV kernel (5 matmuls per block pair, the order of the additions varies from run to run).
-- Tiles are autotuned per architecture family (Ampere sm_8x, Hopper sm_9x; `TILES`); under the
+- Tiles are autotuned per family of shared memory a block (`TILES`, `kernels.runtime.arch_family`): 80 (A100
+  class, 163 KiB), 86 (99 KiB: sm_86, sm_89, consumer Blackwell) and 90 (227 KiB: Hopper, B200); under the
   interpreter one small tile is used. Dot products accumulate in fp32; fp32 inputs use IEEE dots.
 - Head dims: multiples of 16 from 32 to 128, passed at run time; the tile width is the next power of two,
   so 48 runs the 64-wide kernels and 96 the 128-wide ones (Triton specialises head_dim on divisibility
