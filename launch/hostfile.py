@@ -15,8 +15,10 @@ from pathlib import Path
 
 from llm.errors import UserError
 
-_LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)(?:\s+\S.*)?$")
+_LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)(?:\s+(?P<rest>\S.*))?$")
 """`HOST slots=N`, then any other words, which DeepSpeed's runner ignores too (Open MPI's `max_slots=N`)."""
+_SLOTS = re.compile(r"(?:^|\s)slots\s*=")
+"""A second host's `slots=` among those other words: `node1 slots=2 node2 slots=2` left node2 out without a word."""
 _INTEGER = re.compile(r"-?[0-9]+")
 MAX_SLOTS_PER_HOST = 1024
 """The most ranks one host runs (slots, --nproc-per-node): far beyond any machine's accelerators or cores, and small
@@ -101,6 +103,9 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
         if slots is None:
             raise UserError(f"{path}:{number}: expected 'HOST slots=N', got {raw.strip()!r}")
         host = match["host"]
+        if match["rest"] and _SLOTS.search(match["rest"]):
+            raise UserError(f"{path}:{number}: one host per line; {match['rest']!r} after host '{host}' would be "
+                            "ignored")
         if not is_host_name(host):
             raise UserError(f"{path}:{number}: {host!r} is not a usable host name ({HOST_NAME_RULE})")
         if host.lower() in first_seen:

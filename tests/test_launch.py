@@ -68,6 +68,9 @@ def _job(data, out, *overrides):
     ("node1 slots=2\nnode2 slots=0\n", "bad:2: host 'node2' has slots=0; it needs at least 1"),
     ("# cluster\nnode1 slots=2\nnode2 gpus=4\n", "bad:3: expected 'HOST slots=N', got 'node2 gpus=4'"),
     ("# only a comment\n\n", "bad: no hosts listed"),
+    # DeepSpeed's runner reads the first host alone: node2 was left out without a word (max_slots=4 stays fine)
+    ("node1 slots=2 max_slots=4\nnode2 slots=2 node3 slots=2\n",
+     "bad:2: one host per line; 'node3 slots=2' after host 'node2' would be ignored"),
 ])
 def test_bad_hostfiles_name_file_and_line(tmp_path, text, message):
     (tmp_path / "bad").write_text(text)
