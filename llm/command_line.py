@@ -11,8 +11,8 @@ OPTIONS_WITH_A_VALUE = ("-X", "-W", "--check-hash-based-pycs")
 
 def is_zerollm_command(argv: list[str]) -> bool:
     """Whether the interpreter command line `argv` (`sys.orig_argv`, a process's `cmdline()`) runs zerollm:
-    `python [options] -m llm ...` (a training rank: `python -u -m llm`), `python [options] -m llm.cli ...` or
-    `python [options] .../zerollm ...` (the console script; under DeepSpeed's MPICH helper, a rank); not one of the
+    `python [options] -m llm ...` (a rank of a user's own `deepspeed --module llm`), `python [options] -m llm.cli
+    ...` or `python [options] .../zerollm ...` (the console script, as zerollm's launchers start a rank); not one of the
     launchers between a rank and `zerollm launch` (DeepSpeed's runner and per-node launcher, mpirun, DeepSpeed's MPI
     helper), which name zerollm only among their own arguments."""
     rest = argv[1:]
