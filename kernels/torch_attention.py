@@ -3,8 +3,10 @@
 - Plain causal / full attention: `F.scaled_dot_product_attention`, which picks flash, cuDNN or
   memory-efficient kernels on CUDA (a dense mask only for a causal q shorter than k, chunked prefill).
 - Packed sequences (`segment_ids`), never through a `[seq, seq]` mask:
-  on CUDA FlexAttention (compiled once per process) with a block mask built from the segments' bounds,
-  so blocks outside a token's segment are skipped; on the CPU one SDPA call per segment.
+  on CUDA GPUs of compute capability 8.0 and later FlexAttention (compiled once per process) with a block mask
+  built from the segments' bounds, so blocks outside a token's segment are skipped; elsewhere one SDPA call per
+  segment (the CPU, and GPUs before Ampere: V100, T4, RTX 20xx, where FlexAttention has no compiled kernel and
+  PyTorch's eager fallback builds the whole score matrix, its fp16 backward failing on mixed dtypes).
 - An explicit boolean mask (KV cache with left padding) or dropout: SDPA with that mask or dropout.
 """
 
@@ -40,9 +42,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     if segment_ids is None:
         return reference.attention(q, k, v, causal, scale)
-    if q.is_cuda:
+    if flex_attention_compiles(q.device):
         return flex_segment_attention(q, k, v, causal, scale, segment_ids, compiled=True)
     return per_segment_attention(q, k, v, causal, scale, segment_ids)
+
+
+FLEX_MIN_CAPABILITY = (8, 0)
+"""The oldest GPUs FlexAttention compiles a kernel for: below Ampere PyTorch runs its eager dense fallback."""
+
+
+def flex_attention_compiles(device: torch.device) -> bool:
+    """Whether packed attention on `device` runs compiled FlexAttention (a CUDA GPU of sm_80 or later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FLEX_MIN_CAPABILITY
 
 
 def per_segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,

@@ -428,6 +428,16 @@ def test_segment_attention_matches_dense_block_diagonal_sdpa(batch, heads, kv_he
     assert torch.allclose(flex, dense(q, k, v), atol=1e-5), f"seed={seed}"
 
 
+def test_packed_attention_runs_flexattention_only_where_it_compiles(monkeypatch):
+    """Before Ampere (V100 sm_70, T4 and RTX 20xx sm_75) FlexAttention has no compiled kernel: PyTorch's eager
+    fallback built the whole score matrix and its fp16 backward failed on mixed dtypes. Those GPUs, as the CPU,
+    take one SDPA call per segment."""
+    for capability, flex in [((7, 0), False), ((7, 5), False), ((8, 0), True), ((8, 6), True), ((9, 0), True)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert torch_attention.flex_attention_compiles(torch.device("cuda", 0)) is flex, capability
+    assert torch_attention.flex_attention_compiles(torch.device("cpu")) is False
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_an_id_that_comes_back_starts_another_segment(causal, seed, nan_outputs):
     """A segment is a run of equal ids: with ids 1 1 1 2 2 1 1 1 the last three tokens do not see the first three.
