@@ -252,8 +252,9 @@ def console_script() -> str:
     """The `zerollm` script of this installation, which DeepSpeed's MPICH runner needs (it takes no module)."""
     script = zerollm_script()
     if script is None:
-        raise UserError("--launcher mpich starts every rank as `python PATH/zerollm ...`, but no zerollm script is "
-                        f"installed beside {sys.executable} or on PATH; install the package (pip install -e .)")
+        raise UserError("--launcher mpich starts every rank as `python PATH/zerollm ...`, but no zerollm console "
+                        f"script (the one pip installs) is beside {sys.executable} or on PATH; install the package "
+                        "(pip install -e .)")
     return script
 
 

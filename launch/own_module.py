@@ -23,11 +23,21 @@ def own_module(module: str, *interpreter_options: str) -> list[str]:
     return [sys.executable, *interpreter_options, "-c", run]
 
 
+CONSOLE_SCRIPT_LINE = b"from llm.__main__ import run"
+"""What the `zerollm` script pip (or uv) writes for zerollm runs: a `zerollm` that lacks it (a user's shell wrapper
+that activates an environment) is no Python the interpreter could run."""
+
+
 def zerollm_script() -> str | None:
-    """The `zerollm` script of this installation, beside the interpreter or on PATH (the same path on every host,
-    like the interpreter's); None where none is installed (a checkout run as `python -m llm`)."""
+    """The `zerollm` console script of this installation, beside the interpreter or on PATH (the same path on every
+    host, like the interpreter's); None where none is installed (a checkout run as `python -m llm`)."""
     beside_python = Path(sys.executable).with_name("zerollm")
-    return str(beside_python) if beside_python.is_file() else shutil.which("zerollm")
+    script = str(beside_python) if beside_python.is_file() else shutil.which("zerollm")
+    try:
+        with open(script or "", "rb") as file:
+            return script if CONSOLE_SCRIPT_LINE in file.read(4096) else None
+    except OSError:
+        return None
 
 
 def zerollm_command(*interpreter_options: str) -> list[str]:

@@ -26,6 +26,8 @@ from llm.errors import UserError
 from llm.runtime.rank_env import free_port
 from standins import PDSH, SSH, install, pdsh_substitute
 
+REAL_PYTHON = sys.executable
+"""This environment's interpreter, beside which pip wrote the console script."""
 
 def _launch_args(*argv):
     return launch_options(build_parser().parse_args(["launch", *argv, "--", "train"]))
@@ -413,6 +415,22 @@ def test_mpi_plans_export_the_rendezvous_and_start_the_console_script(tmp_path):
     for launcher in ("mvapich", "mpich", "pdsh"):
         command = _plan(tmp_path, "--launcher", launcher).command
         assert command[-1] == str(Path(sys.executable).with_name("zerollm")) and "--module" not in command, launcher
+
+
+def test_ranks_start_as_the_console_script_pip_wrote_or_as_the_module(tmp_path, monkeypatch):
+    """A `zerollm` that is a user's shell wrapper (activating an environment) would be read as Python by every rank:
+    the ranks then start as `python -m llm`, as where no script is installed."""
+    from launch.own_module import zerollm_command
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert zerollm_command("-u") == [str(bin_dir / "python"), "-u", "-m", "llm"]  # none installed
+    (bin_dir / "zerollm").write_text("#!/bin/sh\n. ~/venv/bin/activate && exec zerollm \"$@\"\n")
+    assert zerollm_command("-u") == [str(bin_dir / "python"), "-u", "-m", "llm"]
+    (bin_dir / "zerollm").write_text(Path(REAL_PYTHON).with_name("zerollm").read_text())
+    assert zerollm_command("-u") == [str(bin_dir / "python"), "-u", str(bin_dir / "zerollm")]
 
 
 # ---- pdsh: the remote shell rebuilds exactly what was typed ---------------------------------------
