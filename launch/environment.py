@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from launch.own_module import ROOT
 from launch.remote_shell import BARE_VALUE_RULE, DEEPSPEED_BARE_VALUE, check_one_line, pdsh_export
 from llm.errors import UserError, not_utf8
 
@@ -97,8 +98,12 @@ def remote_exports(cli_env: dict[str, str], environ: dict[str, str], cwd: Path, 
     ones as in DeepSpeed: forwarded variables, env files, then `--env`."""
     forwarded = {name: Export(value, "your environment") for name, value in environ.items()
                  if name.startswith(DEEPSPEED_FORWARDED_PREFIXES)}
-    pythonpath = str(cwd) + (":" + environ["PYTHONPATH"] if "PYTHONPATH" in environ else "")
-    forwarded["PYTHONPATH"] = Export(pythonpath, "the working directory, which DeepSpeed's runner puts first in it")
+    # DeepSpeed's runner puts the working directory first in it, where an llm.py or llm/ of the user's took the place
+    # of zerollm on every rank of every host: zerollm's own folder goes before it
+    first = dict.fromkeys([str(ROOT), str(cwd)])
+    pythonpath = ":".join([*first, *([environ["PYTHONPATH"]] if "PYTHONPATH" in environ else [])])
+    forwarded["PYTHONPATH"] = Export(pythonpath, "zerollm's folder and the working directory, which DeepSpeed's "
+                                                 "runner puts first in it")
     return {**forwarded, **deepspeed_env_files(environ, cwd, home),
             **{name: Export(value, "--env") for name, value in cli_env.items()}}
 

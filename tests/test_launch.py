@@ -38,6 +38,7 @@ from launch.launcher import (
 )
 from launch.local import wait_for_ranks
 from launch.nodelist import expand_nodelist, nodelist_size, slurm_hosts
+from launch.own_module import ROOT
 from launch.torchrun import lost_rank, passed_on_code, quiet_code
 from llm.cli import build_parser, launch_options
 from llm.command_line import is_zerollm_command
@@ -50,6 +51,9 @@ from llm.runtime.rank_env import free_port
 
 ZEROLLM = str(Path(sys.executable).with_name("zerollm"))
 """The console script every launcher starts the ranks as."""
+ZEROLLM_FIRST = ":".join(dict.fromkeys([str(ROOT), str(Path.cwd())]))
+"""The PYTHONPATH the hosts of a multi-host job get: zerollm's folder, then the working directory (one where the
+tests run from the checkout)."""
 
 def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -249,13 +253,13 @@ def test_plans_for_each_mode(tmp_path):
     assert f"--master_addr 10.0.0.1 --no_local_rank {ZEROLLM} train pretrain" in cmd
     assert hostfile.env == {} and hostfile.environment("/tmp/x") == {"DS_ENV_FILE": "/tmp/x/deepspeed_env"}
     assert hostfile.files == {"hostfile": "a slots=8\nb slots=8\n",  # the form DeepSpeed and mpirun both parse
-                              "deepspeed_env": f"PYTHONPATH={Path.cwd()}\nNCCL_DEBUG=INFO\nHF_HOME=/data/hf\n"}
+                              "deepspeed_env": f"PYTHONPATH={ZEROLLM_FIRST}\nNCCL_DEBUG=INFO\nHF_HOME=/data/hf\n"}
 
     mpi = plan_launch(_launch_args("--hostfile", str(tmp_path / "hosts"), "--launcher", "openmpi", "--master-port",
                                    "29555", "--env", "NCCL_DEBUG=INFO"), job,
                       {"NCCL_SOCKET_IFNAME": "eth0", "HOME": str(tmp_path)})
     assert " --launcher openmpi " in " ".join(mpi.command) and "--no_ssh_check" in mpi.command
-    assert mpi.files["deepspeed_env"] == (f"NCCL_SOCKET_IFNAME=eth0\nPYTHONPATH={Path.cwd()}\nNCCL_DEBUG=INFO\n"
+    assert mpi.files["deepspeed_env"] == (f"NCCL_SOCKET_IFNAME=eth0\nPYTHONPATH={ZEROLLM_FIRST}\nNCCL_DEBUG=INFO\n"
                                           "MASTER_ADDR=a\nMASTER_PORT=29555\n")
 
 

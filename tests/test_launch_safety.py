@@ -19,6 +19,7 @@ from launch.environment import Export, deepspeed_env_files, parse_env, remote_ex
 from launch.hostfile import active_slots, check_filter, read_hostfile
 from launch.launcher import LAUNCHER_PROGRAMS, plan_launch
 from launch.options import LaunchOptions
+from launch.own_module import ROOT
 from launch.remote_shell import pdsh_argument, pdsh_export
 from llm.cli import build_parser, launch_options
 from llm.command_line import is_zerollm_command
@@ -540,7 +541,8 @@ def test_pdsh_forwarded_variables_and_env_files_arrive_exactly(pdsh_dry_run):
 
 def test_remote_exports_are_deepspeeds_in_its_order(tmp_path):
     """What DeepSpeed's runner would export, each source overriding the one before: the forwarded prefixes (UCX too),
-    PYTHONPATH with the working directory first, the env files, then --env."""
+    PYTHONPATH with zerollm's folder and the working directory first (a user's llm.py there took zerollm's place on
+    every host), the env files, then --env."""
     home, cwd = tmp_path / "home", tmp_path / "work"
     home.mkdir()
     cwd.mkdir()
@@ -549,10 +551,11 @@ def test_remote_exports_are_deepspeeds_in_its_order(tmp_path):
                "HOME_X": "kept here"}
     exports = remote_exports({"HF_HOME": "/cli/hf"}, environ, cwd, home)
     assert sorted(exports) == ["HF_HOME", "MLFLOW_X", "MV2_X", "NCCL_DEBUG", "PYTHONPATH", "UCX_TLS"]
-    assert exports["PYTHONPATH"].value == f"{cwd}:/opt/lib"
+    assert exports["PYTHONPATH"].value == f"{ROOT}:{cwd}:/opt/lib"
     assert exports["HF_HOME"] == Export("/cli/hf", "--env")
     assert exports["NCCL_DEBUG"] == Export("INFO", f"{cwd / '.deepspeed_env'}:2", expands=True)
-    assert remote_exports({}, {}, cwd, home)["PYTHONPATH"].value == str(cwd)
+    assert remote_exports({}, {}, cwd, home)["PYTHONPATH"].value == f"{ROOT}:{cwd}"
+    assert remote_exports({}, {}, ROOT, home)["PYTHONPATH"].value == str(ROOT)  # run from zerollm's checkout
 
 
 def test_pdsh_job_trains_with_a_hostile_run_directory(pretrain_data, tmp_path):
