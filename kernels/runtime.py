@@ -23,7 +23,7 @@ from kernels.hardware import SHARED_MEMORY_LIMIT
 
 INTERPRET_ENV = "TRITON_INTERPRET"
 MIN_CAPABILITY = (8, 0)  # Ampere: the kernels are compiled and checked for sm_80 on; below it (V100, T4) no bf16
-# tensor cores, and a T4's 64 KiB of shared memory a block is less than the smallest tiles' 88.5 KiB
+# tensor cores, and a T4 has 64 KiB of shared memory a block, where the 99 KiB family's tiles use up to 88.5 KiB
 ATTENTION_HEAD_DIMS = range(32, 129, 16)  # what the attention kernel takes (and the compile check covers)
 HEAD_DIMS_TEXT = f"{ATTENTION_HEAD_DIMS[0]} to {ATTENTION_HEAD_DIMS[-1]} in steps of {ATTENTION_HEAD_DIMS.step}"
 

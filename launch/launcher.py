@@ -250,7 +250,7 @@ def deepspeed_runner(*options: str, program: tuple[str, ...] | None = None) -> l
 
 def console_script() -> str:
     """The `zerollm` script of this installation, which DeepSpeed's MPICH runner needs (it takes no module)."""
-    script = zerollm_script()
+    script = zerollm_script(search_path=True)
     if script is None:
         raise UserError("--launcher mpich starts every rank as `python PATH/zerollm ...`, but no zerollm console "
                         f"script (the one pip installs) is beside {sys.executable} or on PATH; install the package "

@@ -28,11 +28,12 @@ CONSOLE_SCRIPT_LINE = b"from llm.__main__ import run"
 that activates an environment) is no Python the interpreter could run."""
 
 
-def zerollm_script() -> str | None:
-    """The `zerollm` console script of this installation, beside the interpreter or on PATH (the same path on every
-    host, like the interpreter's); None where none is installed (a checkout run as `python -m llm`)."""
+def zerollm_script(search_path: bool = False) -> str | None:
+    """The `zerollm` console script of this installation, beside the interpreter (the same path on every host, like
+    the interpreter's), or `search_path`, the first on PATH; None where there is none (a checkout run as `python -m
+    llm`; one on PATH may be another installation's, whose `llm` that interpreter may import)."""
     beside_python = Path(sys.executable).with_name("zerollm")
-    script = str(beside_python) if beside_python.is_file() else shutil.which("zerollm")
+    script = str(beside_python) if beside_python.is_file() else shutil.which("zerollm") if search_path else None
     try:
         with open(script or "", "rb") as file:
             return script if CONSOLE_SCRIPT_LINE in file.read(4096) else None

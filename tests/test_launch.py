@@ -261,6 +261,11 @@ def test_plans_for_each_mode(tmp_path):
     assert " --launcher openmpi " in " ".join(mpi.command) and "--no_ssh_check" in mpi.command
     assert mpi.files["deepspeed_env"] == (f"NCCL_SOCKET_IFNAME=eth0\nPYTHONPATH={ZEROLLM_FIRST}\nNCCL_DEBUG=INFO\n"
                                           "MASTER_ADDR=a\nMASTER_PORT=29555\n")
+    # a stop before the ranks start goes to the launcher's whole process group, but for pdsh and mpirun, which stop
+    # their hosts' processes themselves (their ssh helpers are not sent it)
+    (tmp_path / "here").write_text("localhost slots=2\n")
+    local = plan_launch(_launch_args("--hostfile", str(tmp_path / "here")), job, {"HOME": str(tmp_path)})
+    assert [plan.reaches_hosts for plan in (per_node, torchrun, local, hostfile, mpi)] == [False] * 3 + [True] * 2
 
 
 @pytest.mark.parametrize("argv, environ", [
@@ -1342,7 +1347,7 @@ def test_a_multi_host_launch_stopped_before_any_checkpoint_exits_as_the_stop_was
               "signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))\n"
               f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(20)\n")
     _ctrl_c_once_handled(after=ready)
-    plan = Plan([sys.executable, "-c", runner], [], stop_wait_s=0.5)
+    plan = Plan([sys.executable, "-c", runner], [], stop_wait_s=0.5, reaches_hosts=True)
     assert run_plan(plan, tmp_path / "run") == 128 + signal.SIGINT
     assert capsys.readouterr().out.endswith(f"zerollm launch: stopped; no checkpoint of the stop appeared in "
                                             f"{tmp_path / 'run'} (where the hosts do not share it, their ranks' "

@@ -419,15 +419,18 @@ def test_mpi_plans_export_the_rendezvous_and_start_the_console_script(tmp_path):
 
 
 def test_ranks_start_as_the_console_script_pip_wrote_or_as_the_module(tmp_path, monkeypatch):
-    """A `zerollm` that is a user's shell wrapper (activating an environment) would be read as Python by every rank:
-    the ranks then start as `python -m llm`, as where no script is installed."""
+    """A `zerollm` that is a user's shell wrapper (activating an environment) would be read as Python by every rank,
+    and one elsewhere on PATH may be another installation's: the ranks then start as `python -m llm`, as where no
+    script is installed."""
     from launch.own_module import zerollm_command
 
-    bin_dir = tmp_path / "bin"
+    bin_dir, elsewhere = tmp_path / "bin", tmp_path / "elsewhere"
     bin_dir.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "zerollm").write_text(Path(REAL_PYTHON).with_name("zerollm").read_text())
     monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
-    monkeypatch.setenv("PATH", str(bin_dir))
-    assert zerollm_command("-u") == [str(bin_dir / "python"), "-u", "-m", "llm"]  # none installed
+    monkeypatch.setenv("PATH", str(elsewhere))
+    assert zerollm_command("-u") == [str(bin_dir / "python"), "-u", "-m", "llm"]  # none beside the interpreter
     (bin_dir / "zerollm").write_text("#!/bin/sh\n. ~/venv/bin/activate && exec zerollm \"$@\"\n")
     assert zerollm_command("-u") == [str(bin_dir / "python"), "-u", "-m", "llm"]
     (bin_dir / "zerollm").write_text(Path(REAL_PYTHON).with_name("zerollm").read_text())
