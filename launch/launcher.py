@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import ipaddress
 import math
 import os
 import re
@@ -70,7 +69,7 @@ from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
 from llm.command_line import is_zerollm_command
 from llm.errors import EXIT_PREEMPTED, EXIT_RANK_LOST, STOP_SIGNALS, UserError, report
-from llm.loopback import is_loopback
+from llm.loopback import is_loopback, is_unspecified
 from llm.runtime.accelerator import ensure_accelerator_env
 from llm.runtime.cpu_threads import cpu_threads_per_rank
 from llm.runtime.rank_env import port_in_use
@@ -536,18 +535,11 @@ def _check_rendezvous_reachable(master: str, active: dict[str, int], here: list[
     a rendezvous at their own loopback until the collective timeout."""
     others = [host for host in active if host not in here]
     kind = "a loopback address" if is_loopback(master) else \
-        "the unspecified address (a host connecting to it reaches itself)" if _is_unspecified(master) else None
+        "the unspecified address (a host connecting to it reaches itself)" if is_unspecified(master) else None
     if kind and len(others) + bool(here) > 1:
         raise UserError(f"{origin} {master} is {kind}, which the ranks on {others[-1]} cannot reach (they would look "
                         "for the rendezvous on their own host); give an address of the first host that the others "
                         "reach")
-
-
-def _is_unspecified(address: str) -> bool:
-    """0.0.0.0 or ::, which a listener binds to mean every interface, but a connection takes for its own host."""
-    with contextlib.suppress(ValueError):
-        return ipaddress.ip_address(address).is_unspecified
-    return False
 
 
 def _check_port_if_local(master: str, port: int) -> None:

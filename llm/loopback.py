@@ -4,6 +4,7 @@ machines, and the server asks for an API key when it listens anywhere else (and 
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 
 def is_loopback(address: str) -> bool:
@@ -14,10 +15,28 @@ def is_loopback(address: str) -> bool:
     name = address.lower().rstrip(".")
     if name in ("localhost", "localhost.localdomain") or name.endswith(".localhost"):
         return True
+    ip = _ip_address(name)
+    return ip is not None and ip.is_loopback
+
+
+def is_unspecified(address: str) -> bool:
+    """Whether `address` is 0.0.0.0 or :: (in any spelling): a listener binds to it to mean every interface, a
+    connection to it reaches its own host."""
+    ip = _ip_address(address)
+    return ip is not None and ip.is_unspecified
+
+
+def _ip_address(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address `name` spells, as the resolver reads it: an IPv4 one mapped into IPv6 (::ffff:127.0.0.1) as
+    itself, and the IPv4 shorthands (127.1, 0) too; None for a host name."""
     try:
-        return ipaddress.ip_address(name).is_loopback
+        ip = ipaddress.ip_address(name)
     except ValueError:
-        return False
+        try:
+            ip = ipaddress.IPv4Address(socket.inet_aton(name))
+        except OSError:
+            return None
+    return (ip.ipv4_mapped or ip) if isinstance(ip, ipaddress.IPv6Address) else ip
 
 
 def is_loopback_host(host: str) -> bool:

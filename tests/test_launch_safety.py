@@ -44,6 +44,8 @@ def _plan(tmp_path, *argv, hosts="node-a slots=2\nnode-b slots=2\n", environ=Non
     (["--master-addr", "127.0.0.1"], "localhost slots=1\nnode-b slots=1\n", "--master-addr 127.0.0.1"),
     (["--master-addr", "localhost"], "localhost slots=1\nnode-b slots=1\n", "--master-addr localhost"),
     (["--master-addr", "::1"], "localhost slots=1\nnode-b slots=1\n", "--master-addr ::1"),
+    (["--master-addr", "::ffff:127.0.0.1"], "localhost slots=1\nnode-b slots=1\n", "--master-addr ::ffff:127.0.0.1"),
+    (["--master-addr", "127.1"], "localhost slots=1\nnode-b slots=1\n", "--master-addr 127.1"),  # 127.0.0.1
     (["--launcher", "openmpi", "--master-addr", "localhost"], "localhost slots=1\nnode-b slots=1\n",
      "--master-addr localhost"),
 ])
@@ -55,7 +57,7 @@ def test_a_loopback_rendezvous_for_ranks_on_other_hosts_is_refused(tmp_path, arg
         _plan(tmp_path, *argv, hosts=hosts)
 
 
-@pytest.mark.parametrize("address", ["0.0.0.0", "::"])
+@pytest.mark.parametrize("address", ["0.0.0.0", "::", "::ffff:0.0.0.0", "0"])
 def test_an_unspecified_rendezvous_address_for_ranks_on_other_hosts_is_refused(tmp_path, address):
     """A host that connects to 0.0.0.0 (or ::) reaches itself: node-b's ranks waited for a rendezvous on their own
     host until the collective timeout."""

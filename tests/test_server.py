@@ -838,7 +838,8 @@ def test_a_foreign_host_header_is_refused_on_loopback(server):
                                               headers={"Host": "localhost:8000", "Connection": "close"}))[0] == 200
 
 
-@pytest.mark.parametrize("host", ["localhost.:8000", "LOCALHOST", "[::1]:8000", "127.0.0.2", "app.localhost:8000"])
+@pytest.mark.parametrize("host", ["localhost.:8000", "LOCALHOST", "[::1]:8000", "127.0.0.2", "app.localhost:8000",
+                                  "127.1:8000", "[::ffff:127.0.0.1]:8000"])  # as the resolver reads them
 def test_every_spelling_of_this_machine_is_a_loopback_host(server, host):
     """The launcher and the server judged loopback names each their own way: a Host header of the fully qualified
     `localhost.` (or RFC 6761's subdomains of localhost) was refused as foreign."""
