@@ -63,7 +63,7 @@ from launch.hostfile import (
 from launch.local import RESUME_ADVICE, STOPPED_AT_ONCE, exit_code, report_rank_ended
 from launch.nodelist import nodelist_size, slurm_hosts
 from launch.options import LaunchOptions, launcher_problem
-from launch.own_module import own_module, zerollm_script
+from launch.own_module import own_module, zerollm_program, zerollm_script
 from launch.reachable import check_reachable, host_address
 from launch.remote_shell import check_shell_word, pdsh_argument
 from llm import rundir
@@ -235,10 +235,10 @@ def slurm_ranks_per_node(environ: dict[str, str]) -> int:
 # ---- plans -------------------------------------------------------------------------------------
 
 def rank_program() -> tuple[str, ...]:
-    """What DeepSpeed's launchers start on every rank: `python -u PATH/zerollm` (`zerollm_command`), or `python -u -m
-    llm` where no script is installed."""
-    script = zerollm_script()
-    return (script,) if script else ("--module", "llm")
+    """What DeepSpeed's launchers start on every rank (`zerollm_program`), in their words: `--module llm` for `-m
+    llm`."""
+    program = zerollm_program()
+    return ("--module", "llm") if program[0] == "-m" else tuple(program)
 
 
 def deepspeed_runner(*options: str, program: tuple[str, ...] | None = None) -> list[str]:
@@ -437,7 +437,7 @@ def _plan_torchrun(nnodes: int, node_rank: int, master: str, port: int, nproc: i
     command = [*own_module("launch.torchrun"), "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{port}", "--rdzv-id", rdzv_id,
                "--rdzv-conf", f"is_host={int(node_rank == 0)},join_timeout={join_timeout}", "--max-restarts", "0",
-               *([script] if (script := zerollm_script()) else ["-m", "llm"])]
+               *zerollm_program()]
     return Plan(command, train_argv, env)
 
 

@@ -41,8 +41,13 @@ def zerollm_script(search_path: bool = False) -> str | None:
         return None
 
 
-def zerollm_command(*interpreter_options: str) -> list[str]:
-    """`python [OPTIONS] PATH/zerollm`: zerollm's command line as its console script runs it, whose folder (bin/) is
-    the one put on sys.path; `python [OPTIONS] -m llm` where no script is installed. Its arguments follow."""
+def zerollm_program() -> list[str]:
+    """What follows the interpreter to run zerollm's command line: its console script (`zerollm_script`), whose
+    folder (bin/) is the one put on sys.path, or `-m llm` where there is none."""
     script = zerollm_script()
-    return [sys.executable, *interpreter_options, *([script] if script else ["-m", "llm"])]
+    return [script] if script else ["-m", "llm"]
+
+
+def zerollm_command(*interpreter_options: str) -> list[str]:
+    """`python [OPTIONS] PATH/zerollm` (`zerollm_program`); its arguments follow."""
+    return [sys.executable, *interpreter_options, *zerollm_program()]

@@ -977,8 +977,9 @@ def remove_temporary_folders() -> None:
     the temporary folder. One that cannot be removed is left."""
     # type(), not isinstance: that reads __class__, which warns on some objects (torch.distributed.reduce_op)
     for folder in [obj for obj in gc.get_objects() if issubclass(type(obj), tempfile.TemporaryDirectory)]:
-        with contextlib.suppress(OSError):
-            folder.cleanup()
+        if getattr(folder, "_delete", True):  # Python 3.12's delete=False: kept at teardown too
+            with contextlib.suppress(OSError):
+                folder.cleanup()
 
 
 def end_rank(job: Callable[[], int]) -> NoReturn:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from launch.own_module import zerollm_command
 from llm.bench import BENCH_VOCAB, write_random_tokens
 from llm.config import build_config
 from llm.data.prepared import read_data_attrs
@@ -267,7 +268,7 @@ def run_steps(report: Report, budget_s: float, smoke: bool) -> None:
         for recipe, kernels in runs:
             steps = ["--steps", "1", "--warmup", "1"] if smoke else ["--steps", "8", "--warmup", "3"]
             precision = "auto" if smoke else "bf16"
-            command = [python, "-m", "llm", "bench", "train", "--recipe", recipe, *steps, "--zero-stage", "2",
+            command = [*zerollm_command(), "bench", "train", "--recipe", recipe, *steps, "--zero-stage", "2",
                        "--set", f"model.kernels={kernels}", "--set", f"train.precision={precision}"]
             results.append(f"{recipe}/{kernels} {run_command(command, log, t / len(runs))}")
         return ", ".join(results)

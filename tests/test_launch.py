@@ -1207,12 +1207,13 @@ def test_slurm_template_starts_one_launcher_per_node(zero_runs, pretrain_data, t
     srun.write_text("#!/bin/bash\n"
                     "echo \"$@\" > \"$SRUN_LOGS/srun.args\"\n"
                     "while [[ $1 == --* ]]; do shift; done\n"
-                    "for node in 0 1; do SLURM_NODEID=$node \"$@\" > \"$SRUN_LOGS/node$node.log\" 2>&1 & done\n"
+                    "for node in 0 1; do\n"
+                    "  SLURM_STEP_ID=0 SLURM_NODEID=$node \"$@\" > \"$SRUN_LOGS/node$node.log\" 2>&1 &\n"
+                    "done\n"
                     "code=0; for job in $(jobs -p); do wait $job || code=$?; done; exit $code\n")
     srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_LOGS": str(tmp_path),
            "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_JOB_ID": "4242",
-           "SLURM_STEP_ID": "0",
            "MASTER_PORT": str(free_port()), "ZEROLLM": f"{sys.executable} -m llm", "SLURM_CPUS_PER_TASK": "3"}
     run = tmp_path / "run"
     result = subprocess.run(["bash", REPO / "launch" / "slurm" / "zerollm.sbatch",
